@@ -1,0 +1,95 @@
+"""A semantic fake of ``torch_npu`` for CPU tests. Lives in tests/ only; never shipped.
+
+Each kernel computes its *documented* result with plain torch on CPU tensors and raises on *documented* constraint
+violations, so that the plugin's NPU code paths (argument layout, modes, mask polarity, formats) are exercised for
+real. Every constraint is listed, with its source, in the module that implements the kernel:
+
+* :mod:`.rotary`    - ``npu_rotary_mul``
+* :mod:`.attention` - ``npu_fusion_attention`` (and ``npu_fused_infer_attention_score`` if used)
+* :mod:`.formats`   - ``npu_format_cast`` / ``get_npu_format`` and ``torch.npu.config.allow_internal_format``
+
+Sources are abbreviated: [OP-ROT] Ascend/op-plugin docs ``torch_npu-npu_rotary_mul.md``; [OP-FA]
+``torch_npu-npu_fusion_attention.md``; [OP-FIA] ``torch_npu-npu_fused_infer_attention_score.md``; [OP-FMT]
+``torch_npu-npu_format_cast.md``; [DESIGN] ``../shared/design/torch-npu-kernels.md`` (a digest of those pages).
+
+``install(monkeypatch, **variants)`` puts the fake in ``sys.modules['torch_npu']`` and a matching ``torch.npu``
+namespace, and resets the plugin's backend probe. ``variants`` swap in deliberately wrong kernels (e.g.
+``rotary="half_pairing"``) to prove that the plugin's on-device verification refuses them.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+
+from tests.fake_torch_npu import attention, formats, rotary
+
+#: Kernel name -> {variant name -> implementation}. "correct" is the documented behaviour.
+KERNELS: dict[str, dict[str, Any]] = {}
+for _mod in (rotary, attention, formats):
+    for _kernel, _variants in getattr(_mod, "VARIANTS", {}).items():
+        KERNELS[_kernel] = dict(_variants)
+
+
+class CallLog:
+    """Counts calls per kernel, so tests can assert that a path was (or was not) taken."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def hit(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def __getitem__(self, name: str) -> int:
+        return self.calls.get(name, 0)
+
+
+def _counted(name: str, fn: Any, log: CallLog) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        log.hit(name)
+        return fn(*args, **kwargs)
+
+    wrapper.__name__ = name
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+def build(*, allow_internal_format: bool = True, **variants: str) -> types.ModuleType:
+    """Return a fresh fake ``torch_npu`` module (not installed anywhere)."""
+    mod = types.ModuleType("torch_npu")
+    mod.__fake__ = True  # type: ignore[attr-defined]
+    mod.__version__ = "7.0.0.fake"  # type: ignore[attr-defined]
+    log = CallLog()
+    mod.calls = log  # type: ignore[attr-defined]
+    for kernel, impls in KERNELS.items():
+        choice = variants.pop(kernel.removeprefix("npu_"), variants.pop(kernel, "correct"))
+        if choice not in impls:
+            raise KeyError(f"fake {kernel}: no variant {choice!r} (have {sorted(impls)})")
+        setattr(mod, kernel, _counted(kernel, impls[choice], log))
+    if variants:
+        raise KeyError(f"unknown fake kernel variants: {variants}")
+    npu_ns = types.SimpleNamespace(
+        is_available=lambda: True,
+        device_count=lambda: 1,
+        current_device=lambda: 0,
+        synchronize=lambda *a, **k: None,
+        get_device_name=lambda *a, **k: "FakeAscend910B1",
+        config=types.SimpleNamespace(allow_internal_format=allow_internal_format),
+    )
+    mod._torch_npu_namespace = npu_ns  # type: ignore[attr-defined]
+    return mod
+
+
+def install(monkeypatch: Any, **kwargs: Any) -> types.ModuleType:
+    """Install a fake built with ``kwargs`` as ``torch_npu`` and ``torch.npu`` for the duration of a test."""
+    from vllm_omni_ascend_opt import _backend
+
+    mod = build(**kwargs)
+    monkeypatch.setitem(sys.modules, "torch_npu", mod)
+    monkeypatch.setattr(torch, "npu", mod._torch_npu_namespace, raising=False)
+    _backend.reset_cache()
+    monkeypatch.setattr(_backend, "_CACHE", {})
+    return mod

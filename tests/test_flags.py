@@ -1,0 +1,75 @@
+"""VLLM_OMNI_ASCEND_OPT parsing: every form, and every bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_omni_ascend_opt import flags, registry
+
+ALL = ["shared_modulation", "rope", "fused_attention", "nz_weights", "vae_exact", "vae_fast"]
+DEFAULT = [n for n in ALL if n != "vae_fast"]
+
+
+def test_registry_names_and_order():
+    assert registry.names() == ALL
+    assert registry.default_names() == DEFAULT
+    classes = {o.name: o.equivalence for o in registry.all_optimizations()}
+    assert classes == {
+        "shared_modulation": "exact",
+        "rope": "exact",
+        "fused_attention": "close",
+        "nz_weights": "close",
+        "vae_exact": "exact",
+        "vae_fast": "close",
+    }
+
+
+@pytest.mark.parametrize(
+    "spec, want",
+    [
+        (None, DEFAULT),
+        ("", DEFAULT),
+        ("default", DEFAULT),
+        ("all", ALL),
+        ("none", []),
+        ("default,-nz_weights", [n for n in DEFAULT if n != "nz_weights"]),
+        ("none,+rope", ["rope"]),
+        ("none, +rope ,+vae_fast", ["rope", "vae_fast"]),
+        ("rope,shared_modulation", ["shared_modulation", "rope"]),  # registry order, not spec order
+        ("all,-vae_fast,-vae_exact", ["shared_modulation", "rope", "fused_attention", "nz_weights"]),
+        ("rope,none", []),  # a later base resets
+        ("default,+vae_fast", ALL),
+        ("-rope", []),  # removing from an empty explicit list
+    ],
+)
+def test_parse(spec, want):
+    assert flags.parse_spec(spec) == want
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("bogus", "unknown optimization 'bogus'"),
+        ("default,-bogus", "unknown optimization 'bogus'"),
+        ("default,,rope", "empty item"),
+        ("default,", "empty item"),
+        ("+", "malformed item"),
+        ("-", "malformed item"),
+        ("rope;vae_exact", "malformed item"),
+        ("++rope", "malformed item"),
+        ("ROPE", "unknown optimization 'ROPE'"),
+    ],
+)
+def test_bad_specs_list_valid_names(spec, fragment):
+    with pytest.raises(flags.FlagError) as exc:
+        flags.parse_spec(spec)
+    msg = str(exc.value)
+    assert fragment in msg
+    for name in ALL:
+        assert name in msg
+
+
+@pytest.mark.parametrize("value, want", [("1", True), ("true", True), ("ON", True), ("0", False), ("", False)])
+def test_strict_env(monkeypatch, value, want):
+    monkeypatch.setenv(flags.ENV_STRICT, value)
+    assert flags.strict_from_env() is want

@@ -1,0 +1,239 @@
+"""register(), the post-import hook, the entry point and the Python API."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from vllm_omni_ascend_opt import _patching, _plugin, api, flags, registry
+from vllm_omni_ascend_opt.registry import Optimization
+
+PY = sys.executable
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    e = {**os.environ, **env}
+    return subprocess.run([PY, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e, timeout=240)
+
+
+def test_entry_point_is_discoverable():
+    eps = importlib.metadata.entry_points(group="vllm_omni.general_plugins")
+    ours = [ep for ep in eps if ep.name == "ascend_opt"]
+    assert len(ours) == 1
+    assert ours[0].value == "vllm_omni_ascend_opt:register"
+    assert ours[0].load() is _plugin.register
+
+
+def test_register_is_idempotent(monkeypatch):
+    monkeypatch.setenv(flags.ENV_FLAG, "none,+rope")
+    calls = []
+    monkeypatch.setattr(_plugin, "set_selected", lambda names: calls.append(list(names)))
+    _plugin.register()
+    _plugin.register()
+    assert calls == [["rope"]]
+
+
+def test_bad_flag_patches_nothing_and_logs(monkeypatch, caplog):
+    monkeypatch.setenv(flags.ENV_FLAG, "bogus")
+    with caplog.at_level(logging.ERROR, logger="vllm_omni_ascend_opt"):
+        _plugin.register()
+    assert _plugin.selected() == []
+    assert api.installed() == []
+    assert "unknown optimization 'bogus'" in caplog.text
+    assert "shared_modulation" in caplog.text
+
+
+def test_bad_flag_raises_in_strict_mode(monkeypatch):
+    monkeypatch.setenv(flags.ENV_FLAG, "default,-nope")
+    monkeypatch.setenv(flags.ENV_STRICT, "1")
+    with pytest.raises(_plugin.PluginConfigError, match="Valid names"):
+        _plugin.register()
+
+
+def test_strict_raises_when_selected_cannot_be_active(monkeypatch):
+    # On CPU without torch_npu, fused_attention cannot be active.
+    monkeypatch.setenv(flags.ENV_FLAG, "none,+fused_attention")
+    monkeypatch.setenv(flags.ENV_STRICT, "1")
+    with pytest.raises(_plugin.PluginConfigError, match="fused_attention"):
+        _plugin.register()
+
+
+def test_unsupported_version_warns_once_and_patches_nothing(monkeypatch, caplog):
+    monkeypatch.setattr(_plugin, "installed_version", lambda d: "0.29.1" if d == "vllm-omni" else "0.30.0")
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        _plugin.register()
+        _plugin.register()
+    warnings = [r for r in caplog.records if "not a supported version" in r.getMessage()]
+    assert len(warnings) == 1
+    assert _plugin.selected() == []
+    rows = {r["name"]: r for r in api.status()}
+    assert any("0.29.1" in w for w in rows["rope"]["reasons_inactive"])
+
+
+def test_unsupported_version_can_be_forced(monkeypatch):
+    monkeypatch.setattr(_plugin, "installed_version", lambda d: "0.31.0")
+    monkeypatch.setenv(flags.ENV_FORCE, "1")
+    _plugin.register()
+    assert _plugin.selected() == registry.default_names()
+
+
+class _Probe(Optimization):
+    name = "probe_opt"
+    summary = "test-only"
+    equivalence = "exact"
+    target_modules = ("ascend_opt_probe_target",)
+
+    def _install(self):
+        mod = sys.modules["ascend_opt_probe_target"]
+        self.patches.set(mod, "value", "patched")
+
+
+@pytest.fixture
+def probe(monkeypatch, tmp_path):
+    (tmp_path / "ascend_opt_probe_target.py").write_text("value = 'original'\nsentinel = object()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    opt = _Probe()
+    monkeypatch.setitem(registry._REGISTRY, opt.name, opt)
+    sys.modules.pop("ascend_opt_probe_target", None)
+    yield opt
+    opt.uninstall()
+    sys.modules.pop("ascend_opt_probe_target", None)
+
+
+def test_post_import_hook_installs_when_target_module_is_imported(probe):
+    _plugin.set_selected(["probe_opt"])
+    assert not probe.installed  # target not imported yet: nothing patched, nothing imported
+    assert "ascend_opt_probe_target" not in sys.modules
+    mod = importlib.import_module("ascend_opt_probe_target")
+    assert probe.installed
+    assert mod.value == "patched"
+    probe.uninstall()
+    assert mod.value == "original"
+
+
+def test_already_imported_target_is_patched_at_once(probe):
+    mod = importlib.import_module("ascend_opt_probe_target")
+    assert mod.value == "original"
+    _plugin.set_selected(["probe_opt"])
+    assert probe.installed and mod.value == "patched"
+    _plugin.set_selected([])
+    assert not probe.installed and mod.value == "original"
+
+
+def test_patchset_restores_by_identity():
+    class Owner:
+        def method(self):
+            return 1
+
+    inherited = types.SimpleNamespace()
+    original = Owner.__dict__["method"]
+    ps = _patching.PatchSet("t")
+    ps.set(Owner, "method", lambda self: 2)
+    ps.set(Owner, "method", lambda self: 3)  # idempotent: the first patch stays
+    assert Owner().method() == 2
+    ps.set(inherited, "new_attr", 5)
+    ps.revert()
+    assert Owner.__dict__["method"] is original
+    assert not hasattr(inherited, "new_attr")
+    ps.revert()  # twice is fine
+    assert Owner.__dict__["method"] is original
+
+
+def test_every_installable_optimization_reverts_by_identity(tiny_pipe):
+    """Install each optimization that can be active here; uninstall must restore every patched attribute."""
+    import vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image  # noqa: F401  (targets imported)
+
+    for opt in registry.all_optimizations():
+        if opt.reasons_inactive():
+            continue
+        opt.install()
+        opt.attach(tiny_pipe)
+        records = [(r.owner, r.name, r.original) for r in opt.patches._records]
+        opt.uninstall()
+        for owner, name, original in records:
+            if original is _patching._MISSING:
+                assert name not in getattr(owner, "__dict__", {})
+            else:
+                assert owner.__dict__[name] is original, (opt.name, name)
+        assert not opt.is_attached(tiny_pipe)
+
+
+def test_list_cli_json(monkeypatch):
+    r = _run("from vllm_omni_ascend_opt.cli import main; raise SystemExit(main(['list', '--json']))")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    names = [o["name"] for o in data["optimizations"]]
+    assert names == registry.names()
+    for o in data["optimizations"]:
+        assert o["active"] or o["reasons_inactive"], o  # every inactive one says why
+        assert o["flag"] == {"enable": f"+{o['name']}", "disable": f"-{o['name']}"}
+
+
+def test_list_cli_bogus_flag_names_valid_optimizations():
+    r = _run(
+        "from vllm_omni_ascend_opt.cli import main; raise SystemExit(main(['list']))",
+        VLLM_OMNI_ASCEND_OPT="bogus",
+    )
+    assert r.returncode == 1
+    assert "unknown optimization 'bogus'" in r.stdout
+    assert "Nothing is patched" in r.stdout
+    for name in registry.names():
+        assert name in r.stdout
+
+
+def test_vllm_omni_plugin_loader_registers_before_model_modules_import():
+    """Exactly what vLLM-Omni's workers do: load_omni_general_plugins() in a fresh process, then build."""
+    r = _run(
+        """
+        import sys
+        from vllm_omni.plugins import load_omni_general_plugins
+        load_omni_general_plugins()
+        from vllm_omni_ascend_opt import _plugin
+        assert _plugin._registered, "entry point did not run"
+        print("SELECTED", ",".join(_plugin.selected()))
+        print("T_IMPORTED_AT_REGISTER", "vllm_omni.diffusion.models.qwen_image.qwen_image_transformer" in sys.modules)
+        import vllm_omni.diffusion.models.qwen_image  # the worker imports the model package later
+        from vllm_omni_ascend_opt import installed
+        print("INSTALLED", ",".join(installed()))
+        """,
+        VLLM_OMNI_ASCEND_OPT="none,+rope,+shared_modulation",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.split(" ", 1)[0].isupper())
+    assert out["SELECTED"] == "shared_modulation,rope"
+    expected = [n for n in ("shared_modulation", "rope") if not registry.get(n).reasons_inactive()]
+    assert out["INSTALLED"].split(",") == expected or (out["INSTALLED"] == "" and not expected)
+
+
+def test_vllm_plugins_allow_list_excludes_us_when_not_named():
+    r = _run(
+        """
+        from vllm_omni.plugins import load_omni_general_plugins
+        load_omni_general_plugins()
+        import vllm_omni_ascend_opt._plugin as p
+        print("REGISTERED", p._registered)
+        """,
+        VLLM_PLUGINS="some_other_plugin",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "REGISTERED False" in r.stdout
+
+
+def test_context_manager_restores_previous_selection():
+    api.select("none,+vae_fast")
+    with api.optimizations("none,+rope"):
+        assert _plugin.selected() == ["rope"]
+    assert _plugin.selected() == ["vae_fast"]
+    with pytest.raises(flags.FlagError):
+        api.select("rope,bogus")
+    with pytest.raises(KeyError, match="valid names"):
+        api.enable("bogus")

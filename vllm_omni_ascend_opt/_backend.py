@@ -1,0 +1,70 @@
+"""The one place that decides whether Ascend kernels can be used in this process.
+
+No optimization checks for an NPU on its own: each asks :func:`torch_npu_module` (the imported ``torch_npu`` or
+``None``) and :func:`npu_unavailable_reasons` (why not, in words). Tests substitute a semantic fake by putting a module
+named ``torch_npu`` into ``sys.modules`` before asking; the package itself never ships a fake.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+import torch
+
+_CACHE: dict[str, object] = {}
+
+
+def reset_cache() -> None:
+    """Forget the probe result (tests swap the torch_npu module in and out)."""
+    _CACHE.clear()
+
+
+def torch_npu_module() -> ModuleType | None:
+    """``torch_npu`` if it imports and an NPU device is usable, else ``None``."""
+    if "mod" not in _CACHE:
+        _CACHE["mod"], _CACHE["why"] = _probe()
+    return _CACHE["mod"]  # type: ignore[return-value]
+
+
+def npu_unavailable_reasons() -> list[str]:
+    """Empty when NPU kernels can run here; otherwise the reasons, in words."""
+    torch_npu_module()
+    why = _CACHE["why"]
+    return [why] if why else []
+
+
+def _probe() -> tuple[ModuleType | None, str]:
+    mod = sys.modules.get("torch_npu")
+    if mod is None:
+        try:
+            mod = importlib.import_module("torch_npu")
+        except ImportError as exc:
+            return None, f"torch_npu is not installed ({exc.__class__.__name__}: {exc})"
+        except Exception as exc:  # noqa: BLE001 - a broken CANN install raises all sorts of errors
+            return None, f"torch_npu failed to import: {exc!r}"
+    npu = getattr(torch, "npu", None)
+    try:
+        available = bool(npu is not None and npu.is_available() and npu.device_count() > 0)
+    except Exception as exc:  # noqa: BLE001
+        return None, f"torch.npu.is_available() failed: {exc!r}"
+    if not available:
+        return None, "torch_npu is importable but no NPU device is visible"
+    return mod, ""
+
+
+def npu_device() -> torch.device:
+    """The NPU this process uses (only meaningful when :func:`torch_npu_module` is not ``None``)."""
+    return torch.device("npu", torch.npu.current_device())
+
+
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for queued work on ``device`` (NPU, CUDA or nothing to do on CPU)."""
+    if device is None:
+        return
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    elif kind == "npu":
+        torch.npu.synchronize()

@@ -1,0 +1,277 @@
+"""``register()``: the vLLM-Omni general-plugin entry point, and the machinery that installs patches in time.
+
+vLLM-Omni calls every ``vllm_omni.general_plugins`` entry point once per process (main, stage, each diffusion
+worker), before the diffusion model is built. ``register`` must therefore be cheap and idempotent, must not import
+the (slow) Qwen-Image modules itself, and must still get its patches in before the model is constructed. It does so
+with a post-import hook: when a module named in an optimization's ``target_modules`` finishes importing, the
+optimizations whose targets are now all present are installed. Modules already imported are patched at once.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from importlib import metadata
+
+from vllm_omni_ascend_opt import flags, registry
+from vllm_omni_ascend_opt._patching import PatchSet
+
+logger = logging.getLogger("vllm_omni_ascend_opt")
+
+SUPPORTED_OMNI = ("0.30",)  # major.minor series of vllm-omni we patch
+SUPPORTED_VLLM = ("0.30",)
+LOADER_MODULE = "vllm_omni.diffusion.model_loader.diffusers_loader"
+
+_lock = threading.RLock()
+_registered = False
+_selected: list[str] = []
+_config_error: str | None = None
+_version_error: str | None = None
+_core = PatchSet("core")
+_finder: _PostImportFinder | None = None
+
+
+class PluginConfigError(RuntimeError):
+    """Raised in strict mode when the flags are bad or a selected optimization cannot be active."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# post-import hook
+# ----------------------------------------------------------------------------------------------------------------
+class _NotifyingLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, callback: Callable[[str], None]) -> None:
+        self._inner = inner
+        self._callback = callback
+
+    def create_module(self, spec):  # noqa: ANN001
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:  # noqa: ANN001
+        self._inner.exec_module(module)
+        # The module is complete; mark it so before patching (importlib sets this after exec returns).
+        spec = getattr(module, "__spec__", None)
+        if spec is not None:
+            spec._initializing = False
+        self._callback(module.__name__)
+
+    def __getattr__(self, item):  # get_source, is_package, ... for tools that ask the loader
+        return getattr(self._inner, item)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of watched modules so that ``callback(name)`` runs right after the module executes."""
+
+    def __init__(self, watched: Iterable[str], callback: Callable[[str], None]) -> None:
+        self.watched = set(watched)
+        self.callback = callback
+        self._busy: set[str] = set()
+
+    def find_spec(self, fullname, path, target=None):  # noqa: ANN001
+        if fullname not in self.watched or fullname in self._busy:
+            return None
+        self._busy.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._busy.discard(fullname)
+        if spec.loader is not None and not isinstance(spec.loader, _NotifyingLoader):
+            spec.loader = _NotifyingLoader(spec.loader, self.callback)
+        return spec
+
+
+def _watch(modules: Iterable[str]) -> None:
+    global _finder
+    if _finder is None:
+        _finder = _PostImportFinder(modules, _on_import)
+        sys.meta_path.insert(0, _finder)
+    else:
+        _finder.watched.update(modules)
+
+
+def _on_import(name: str) -> None:
+    try:
+        install_ready()
+    except Exception:  # noqa: BLE001 - never break the user's import
+        logger.exception("vllm-omni-ascend-opt: installing patches after importing %s failed", name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# installing what is selected
+# ----------------------------------------------------------------------------------------------------------------
+def selected() -> list[str]:
+    """Names currently selected (by the flags or the Python API), in registry order."""
+    return list(_selected)
+
+
+def set_selected(names: Iterable[str]) -> None:
+    """Make exactly ``names`` selected: uninstall the others, install these (now or when their modules import)."""
+    global _selected
+    wanted = set(names)
+    with _lock:
+        for opt in registry.all_optimizations():
+            if opt.name not in wanted and opt.installed:
+                opt.uninstall()
+        _selected = [n for n in registry.names() if n in wanted]
+        _watch({m for n in _selected for m in registry.get(n).target_modules} | {LOADER_MODULE})
+        install_ready()
+
+
+def install_ready() -> list[str]:
+    """Install every selected optimization that can be active and whose target modules are imported."""
+    done = []
+    with _lock:
+        if _version_error is not None and not flags.force_from_env():
+            return done
+        _install_core()
+        for name in _selected:
+            opt = registry.get(name)
+            if opt.installed or not opt.targets_imported():
+                continue
+            reasons = opt.reasons_inactive()
+            if reasons:
+                logger.info("vllm-omni-ascend-opt: %s stays off: %s", name, "; ".join(reasons))
+                continue
+            opt.install()
+            done.append(name)
+    if done:
+        logger.info("vllm-omni-ascend-opt: installed %s", ", ".join(done))
+    return done
+
+
+def _install_core() -> None:
+    """Attach installed optimizations to every pipeline that vLLM-Omni's loader builds."""
+    if not registry._fully_imported(LOADER_MODULE):
+        return
+    loader_cls = sys.modules[LOADER_MODULE].DiffusersPipelineLoader
+    if _core.is_patched(loader_cls, "load_model"):
+        return
+    original = loader_cls.load_model
+
+    def load_model(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        model = original(self, *args, **kwargs)
+        attach_all(model)
+        return model
+
+    load_model.__wrapped__ = original  # type: ignore[attr-defined]
+    _core.set(loader_cls, "load_model", load_model)
+
+
+def attach_all(model) -> list[str]:  # noqa: ANN001
+    """Attach every installed optimization to ``model`` (a pipeline or a transformer); returns what acted."""
+    acted = []
+    for opt in registry.all_optimizations():
+        if not opt.installed:
+            continue
+        try:
+            opt.attach(model)
+        except Exception:
+            if flags.strict_from_env():
+                raise
+            logger.exception("vllm-omni-ascend-opt: attaching %s failed; it stays off for this model", opt.name)
+            continue
+        if not opt.model_reasons_inactive(model):
+            acted.append(opt.name)
+    return acted
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# versions
+# ----------------------------------------------------------------------------------------------------------------
+def installed_version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def version_problems() -> list[str]:
+    """Reasons the installed vLLM / vLLM-Omni are not the supported ones (empty: supported)."""
+    out = []
+    for dist, series in (("vllm-omni", SUPPORTED_OMNI), ("vllm", SUPPORTED_VLLM)):
+        v = installed_version(dist)
+        if v is None:
+            out.append(f"{dist} is not installed (supported: {', '.join(s + '.x' for s in series)})")
+        elif ".".join(v.split(".")[:2]) not in series:
+            out.append(f"{dist} {v} is not a supported version (supported: {', '.join(s + '.x' for s in series)})")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# entry point
+# ----------------------------------------------------------------------------------------------------------------
+def register() -> None:
+    """vLLM-Omni general-plugin entry point: read the flags, check versions, install patches in time.
+
+    Idempotent: the second and later calls in a process return at once. Bad flags patch nothing (fail closed) and
+    log an error; with ``VLLM_OMNI_ASCEND_OPT_STRICT=1`` they raise :class:`PluginConfigError`, as does a selected
+    optimization that cannot be active here.
+    """
+    global _registered, _config_error, _version_error
+    with _lock:
+        if _registered:
+            return
+        _registered = True
+        strict = flags.strict_from_env()
+        spec = flags.spec_from_env()
+        try:
+            names = flags.parse_spec(spec)
+        except flags.FlagError as exc:
+            _config_error = str(exc)
+            logger.error("vllm-omni-ascend-opt: %s Nothing is patched.", exc)
+            if strict:
+                raise PluginConfigError(str(exc)) from None
+            return
+        problems = version_problems()
+        if problems:
+            _version_error = "; ".join(problems)
+            if flags.force_from_env():
+                logger.warning("vllm-omni-ascend-opt: %s; patching anyway (%s=1).", _version_error, flags.ENV_FORCE)
+            else:
+                logger.warning(
+                    "vllm-omni-ascend-opt: %s. Nothing is patched; set %s=1 to try anyway.",
+                    _version_error,
+                    flags.ENV_FORCE,
+                )
+                if strict:
+                    raise PluginConfigError(_version_error)
+                return
+        if strict:
+            bad = {n: registry.get(n).reasons_inactive() for n in names}
+            bad = {n: r for n, r in bad.items() if r}
+            if bad:
+                msg = "; ".join(f"{n}: {', '.join(r)}" for n, r in bad.items())
+                raise PluginConfigError(f"selected optimizations cannot be active here ({msg})")
+        set_selected(names)
+        logger.info("vllm-omni-ascend-opt: selected %s", ", ".join(names) or "nothing")
+
+
+def config_error() -> str | None:
+    return _config_error
+
+
+def version_error() -> str | None:
+    return _version_error
+
+
+def _reset_for_tests() -> None:
+    """Return to the never-registered state (uninstalls everything)."""
+    global _registered, _selected, _config_error, _version_error
+    with _lock:
+        for opt in registry.all_optimizations():
+            opt.uninstall()
+        _core.revert()
+        _selected = []
+        _registered = False
+        _config_error = None
+        _version_error = None

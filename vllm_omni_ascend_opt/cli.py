@@ -1,0 +1,82 @@
+"""Command line: ``vllm-omni-ascend-opt list [--json]`` (and the ablation commands, when installed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import textwrap
+
+from vllm_omni_ascend_opt import __version__, _plugin, api, flags
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    _plugin.register()  # reads VLLM_OMNI_ASCEND_OPT exactly as a vLLM-Omni process would
+    rows = api.status()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "version": __version__,
+                    "flag": {flags.ENV_FLAG: flags.spec_from_env()},
+                    "vllm_omni": _plugin.installed_version("vllm-omni"),
+                    "vllm": _plugin.installed_version("vllm"),
+                    "optimizations": rows,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    print(f"vllm-omni-ascend-opt {__version__}  ({flags.ENV_FLAG}={flags.spec_from_env()!r})")
+    print(
+        f"vllm-omni {_plugin.installed_version('vllm-omni') or 'not installed'}, "
+        f"vllm {_plugin.installed_version('vllm') or 'not installed'}"
+    )
+    if _plugin.config_error():
+        print(f"\nERROR: {_plugin.config_error()}\nNothing is patched.")
+    print()
+    hdr = f"{'optimization':<18} {'class':<6} {'default':<8} {'state':<9} flag"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        state = "active" if r["active"] else "inactive"
+        print(f"{r['name']:<18} {r['equivalence']:<6} {'on' if r['default'] else 'off':<8} {state:<9} "
+              f"{r['flag']['enable']} / {r['flag']['disable']}")
+        for why in r["reasons_inactive"]:
+            print(textwrap.fill(why, 110, initial_indent="    why: ", subsequent_indent="         "))
+        for note in r["notes"]:
+            print(textwrap.fill(note, 110, initial_indent="    note: ", subsequent_indent="          "))
+        modes = [f"{m}={'yes' if v == 'supported' else 'no'}" for m, v in r["parallel_support"].items()]
+        print("    parallel: " + ", ".join(modes))
+    return 1 if _plugin.config_error() else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vllm-omni-ascend-opt",
+        description="Ascend NPU optimizations for vLLM-Omni Qwen-Image: inspect them and measure what each is worth.",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    lp = sub.add_parser("list", help="every optimization with its class, default, state here and flag spelling")
+    lp.add_argument("--json", action="store_true", help="machine-readable output")
+    lp.set_defaults(func=_cmd_list)
+    try:
+        from vllm_omni_ascend_opt.ablation import cli as ablation_cli
+    except ImportError:
+        ablation_cli = None
+    if ablation_cli is not None:
+        ablation_cli.add_subcommands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
