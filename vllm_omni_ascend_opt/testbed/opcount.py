@@ -1,0 +1,93 @@
+"""Count kernel-launching aten ops (what an NPU pays a launch for), excluding views and allocation-only ops.
+
+On an NPU, batch-1 eager Qwen-Image is bound by kernel launches, which a 2-core CPU hides; counting the dispatched
+aten ops is the device-independent proxy our benchmarks report next to wall-clock ratios.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops that allocate or re-describe memory without launching a compute kernel.
+_NO_KERNEL = {
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::empty_like",
+    "aten::lift_fresh",
+    "aten::detach",
+    "aten::alias",
+    "aten::_local_scalar_dense",
+    "aten::is_nonzero",
+    "aten::sym_size",
+    "aten::sym_stride",
+    "aten::sym_numel",
+    "aten::sym_storage_offset",
+    "aten::set_",
+    "aten::resize_",
+}
+
+
+def is_kernel_launch(func: Any) -> bool:
+    """True when ``func`` (an OpOverload) would launch a device kernel: not a view, not allocation-only."""
+    name = func._schema.name
+    if name in _NO_KERNEL:
+        return False
+    return not getattr(func, "is_view", False)
+
+
+class OpCounter(TorchDispatchMode):
+    """``with OpCounter() as c: ...`` then ``c.total`` / ``c.counts`` (by op name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+        self.enabled = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if self.enabled and is_kernel_launch(func):
+            self.counts[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def count_ops(fn: Callable[[], Any]) -> tuple[Any, OpCounter]:
+    with OpCounter() as c:
+        out = fn()
+    return out, c
+
+
+@contextlib.contextmanager
+def count_module_calls(module: torch.nn.Module) -> Iterator[list[OpCounter]]:
+    """Yields a list that receives one :class:`OpCounter` per call of ``module`` (e.g. one transformer block).
+
+    Use inside an outer run; only ops dispatched while ``module.forward`` runs are counted.
+    """
+    results: list[OpCounter] = []
+    active: list[OpCounter] = []
+
+    def pre(_m, _a, _k=None):  # noqa: ANN001, ANN202
+        c = OpCounter()
+        c.__enter__()
+        active.append(c)
+
+    def post(_m, _a, _o, _k=None):  # noqa: ANN001, ANN202
+        c = active.pop()
+        c.__exit__(None, None, None)
+        results.append(c)
+
+    h1 = module.register_forward_pre_hook(pre)
+    h2 = module.register_forward_hook(post)
+    try:
+        yield results
+    finally:
+        h1.remove()
+        h2.remove()
