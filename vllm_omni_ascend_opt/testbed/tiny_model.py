@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,8 @@ def _build(spec: ModelSpec, seed: int, out: Path) -> None:
 
     torch.manual_seed(seed)
     h = spec.joint_attention_dim
+    half = h // spec.text_heads // 2  # mrope sections must sum to half the text head dim
+    mrope = [half // 4, half // 4, half - 2 * (half // 4)]
     te_cfg = Qwen2_5_VLConfig(
         text_config=dict(
             hidden_size=h,
@@ -156,7 +158,7 @@ def _build(spec: ModelSpec, seed: int, out: Path) -> None:
             vocab_size=300,
             bos_token_id=0,
             eos_token_id=0,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 4], "rope_theta": 1e6},
+            rope_parameters={"rope_type": "default", "mrope_section": mrope, "rope_theta": 1e6},
         ),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=h),
         vocab_size=300,
