@@ -3,7 +3,7 @@
 
 Usage (from the repo root, after `make venv`)::
 
-    .venv/bin/python benchmarks/bench_e2e.py            # tiny model + real-width model, ~6-9 min on 2 cores
+    .venv/bin/python benchmarks/bench_e2e.py            # tiny model + real-width model, ~6-8 min on 2 cores
     .venv/bin/python benchmarks/bench_e2e.py --quick    # tiny model only, < 1 min
     .venv/bin/python benchmarks/bench_e2e.py --json out.json
 
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODELS = {
     # name: (resolutions, steps, repeats)
     "tiny": ([(64, 64), (128, 128)], 4, 5),
-    "realwidth": ([(128, 128), (256, 256)], 3, 3),
+    "realwidth": ([(64, 64), (128, 128)], 2, 2),
 }
 
 
