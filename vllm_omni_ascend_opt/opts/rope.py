@@ -1,11 +1,314 @@
-"""`rope`: Build RoPE cos/sin tables once per forward shape and reuse them in every block; on Ascend apply them with a verified torch_npu.npu_rotary_mul (interleave)."""
+"""`rope`: Build RoPE cos/sin tables once per forward shape and reuse them in every block; on Ascend apply them with a verified torch_npu.npu_rotary_mul (interleave).
+
+Patch header (vllm-ascend ``vllm_ascend/patch/`` style)
+-------------------------------------------------------
+Patched symbols (``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``, vLLM-Omni 0.30.x):
+
+* module global ``_qwen_image_qk_norm_rope`` (looked up at call time by ``QwenImageCrossAttention.forward``, so the
+  patch also reaches models built before it was installed, TeaCache's block loop and SP-sharded freqs);
+* ``QwenEmbedRope.forward`` and ``QwenEmbedLayer3DRope.forward``: memoized per (shapes, text lengths, device, tables).
+
+Why: stock converts the complex freqs to ``cos``/``sin`` (``torch.real(freqs).to(dtype)``, ``torch.imag(...)``) in
+every block for img and txt, and ``RotaryEmbedding.forward_native`` then re-expands them (einops ``repeat``) and
+negates/stacks ``x`` on every call: 10 kernel launches per q/k, 40 per block. On Ascend without MindIE-SD that is
+also the path taken (``forward_npu`` falls back to ``forward_native``).
+
+How:
+
+* Tables: built once per freqs tensor and dtype, cached on the freqs tensor's identity (weak reference, so an entry
+  dies with its freqs; plus storage offset, shape, stride, dtype, device and, where tracked, ``_version``). The same
+  vid/txt freqs objects are passed to every block of a forward, and the ``QwenEmbedRope`` memo returns the same
+  objects for the same (image shapes, text lengths, device, ``pos_freqs``/``neg_freqs`` objects) across steps and
+  requests, so tables are built once per shape. Under sequence parallel the blocks see this rank's (padded) shard -
+  a different tensor - so ranks and paddings never share a table.
+* Portable path (any device where stock runs ``forward_native``): ``x * cos + swap(x) * sin_signed`` with
+  ``cos`` = repeat-interleaved cos and ``sin_signed`` = (-s, s) interleaved, ``swap`` = adjacent pairs swapped
+  (one ``stack``). Each element sees exactly stock's operations in stock's order ((-a)*b == a*(-b) in IEEE
+  arithmetic), so results are bitwise identical: 4 launches per q/k instead of 10.
+* Where stock dispatches to another kernel (MindIE-SD, CUDA), that kernel is called with cached cos/sin: exact.
+* NPU path: ``torch_npu.npu_rotary_mul(x, cos, sin, rotary_mode="interleave")`` with cos/sin repeat-interleaved to
+  (1, S, 1, D) (class 1S1D for BSND, the only one interleave accepts): 1 launch per q/k. Before first use per
+  (device, dtype, head_dim) it is verified on small random BSND inputs against the fp32 portable reference (see
+  :data:`TOLERANCE_EPS_FACTOR`); a kernel that pairs halves (``npu_apply_rotary_pos_emb``, or torch_npu's aclops
+  fallback that ignores ``rotary_mode``) fails by orders of magnitude and is refused, with the reason logged and
+  shown by ``list``. The RMSNorm before RoPE stays stock (no exact fused replacement exists).
+
+Upstream PR: vllm-omni #4043 (open) calls ``npu_rotary_mul`` in ``RotaryEmbedding.forward_npu``; table reuse is not
+proposed upstream yet (see ``patches/0002-rope.patch``).
+Removal plan: drop when vLLM-Omni builds cos/sin once per forward for Qwen-Image and its NPU RoPE uses
+``npu_rotary_mul(..., rotary_mode="interleave")`` verified on device.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
+import sys
+import weakref
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.opts import _targets
 from vllm_omni_ascend_opt.registry import Optimization, register_optimization
 
+logger = logging.getLogger("vllm_omni_ascend_opt")
 
+#: Verification bound, per element: |kernel - ref_fp32| <= K * eps(dtype) * (|x*cos| + |swap(x)*sin|), K = 2.
+#: Why: a kernel computing in fp32 and rounding once errs by <= u = eps/2 of that sum; stock's three roundings in the
+#: activation dtype (mul, mul, add) err by up to ~2u of it. K*eps = 4u therefore accepts any correct kernel with 2x
+#: headroom over stock's own worst case, while a wrong pairing errs by O(|x|) (relative error ~1, >= 60x the bound
+#: for bf16, ~10^6x for fp32) and an fp16-internal kernel on fp32 inputs errs by ~2^-11 relative (~1000x the fp32
+#: bound). The reference is fp32 math on the same (rounded) inputs and tables.
+TOLERANCE_EPS_FACTOR = 2.0
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # npu_rotary_mul doc: fp16/bf16/fp32
+_KERNEL_D_LIMIT = 896  # npu_rotary_mul doc: D < 896 and even
+_KERNEL_BN_LIMIT = 1000  # npu_rotary_mul doc, interleave: B * N < 1000
+_TABLE_CACHE_SIZE = 32
+_EMBED_MEMO_SIZE = 8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tables
+# ----------------------------------------------------------------------------------------------------------------
+class _Tables:
+    """cos/sin for one freqs tensor and dtype, built lazily in the forms each path needs."""
+
+    __slots__ = ("cos", "dtype", "half_cos", "half_sin", "npu_cos", "npu_sin", "sin_signed")
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.half_cos: torch.Tensor | None = None  # stock's cos: real(freqs).to(dtype), [S, D/2]
+        self.half_sin: torch.Tensor | None = None
+        self.cos: torch.Tensor | None = None  # [S, 1, D], repeat-interleaved (portable and, as [1,S,1,D], NPU)
+        self.sin_signed: torch.Tensor | None = None  # [S, 1, D]: (-s0, s0, -s1, s1, ...)
+        self.npu_cos: torch.Tensor | None = None  # [1, S, 1, D]
+        self.npu_sin: torch.Tensor | None = None  # [1, S, 1, D]: (s0, s0, s1, s1, ...)
+
+
+def _half_tables(t: _Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Tensor, torch.Tensor]:
+    if t.half_cos is None:
+        # Exactly stock's conversion (copied when it is a view of freqs, so the cache never pins freqs' storage).
+        cos = torch.real(freqs).to(t.dtype)
+        sin = torch.imag(freqs).to(t.dtype)
+        if cos.data_ptr() == freqs.data_ptr() or cos._base is not None:
+            cos, sin = cos.clone(), sin.clone()
+        t.half_cos, t.half_sin = cos, sin
+        stats["table_builds"] += 1
+    return t.half_cos, t.half_sin  # type: ignore[return-value]
+
+
+def _portable_tables(t: _Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Tensor, torch.Tensor]:
+    if t.cos is None:
+        c, s = _half_tables(t, freqs, stats)
+        # Same values as stock's einops ``repeat(c, "... d -> ... 1 (d 2)")``.
+        t.cos = torch.repeat_interleave(c, 2, dim=-1).unsqueeze(-2)
+        t.sin_signed = torch.stack((-s, s), dim=-1).flatten(-2).unsqueeze(-2)
+    return t.cos, t.sin_signed  # type: ignore[return-value]
+
+
+def _npu_tables(t: _Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Tensor, torch.Tensor]:
+    if t.npu_sin is None:
+        cos, _ = _portable_tables(t, freqs, stats)
+        t.npu_cos = cos.unsqueeze(0)  # [1, S, 1, D] view of the portable table
+        t.npu_sin = torch.repeat_interleave(t.half_sin, 2, dim=-1)[None, :, None, :]  # type: ignore[arg-type]
+    return t.npu_cos, t.npu_sin  # type: ignore[return-value]
+
+
+def _version_or_none(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors do not track versions; upstream never writes freqs in place
+        return None
+
+
+class _TableCache:
+    """Tables per freqs tensor (by identity, weakly) and dtype; bounded LRU; an entry dies with its freqs."""
+
+    def __init__(self, stats: Counter) -> None:
+        self._entries: OrderedDict[tuple, tuple[weakref.ref, _Tables]] = OrderedDict()
+        self._stats = stats
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def _key(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:
+        # A view of a live, versioned base (e.g. a rank's chunk of the full vid freqs, txt freqs sliced from
+        # pos_freqs) is identified by base + geometry; anything else by its own identity.
+        base = freqs._base
+        root = base if base is not None else freqs
+        key = (
+            id(root),
+            freqs.storage_offset(),
+            tuple(freqs.shape),
+            freqs.stride(),
+            freqs.dtype,
+            freqs.device,
+            _version_or_none(freqs),
+            dtype,
+        )
+        return key, root
+
+    def get(self, freqs: torch.Tensor, dtype: torch.dtype) -> _Tables:
+        key, root = self._key(freqs, dtype)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0]() is root:
+            self._entries.move_to_end(key)
+            self._stats["table_hits"] += 1
+            return hit[1]
+        entries = self._entries
+
+        def _drop(_ref: weakref.ref, key: tuple = key) -> None:
+            entries.pop(key, None)
+
+        tables = _Tables(dtype)
+        entries[key] = (weakref.ref(root, _drop), tables)
+        while len(entries) > _TABLE_CACHE_SIZE:
+            entries.popitem(last=False)
+        return tables
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rotary math
+# ----------------------------------------------------------------------------------------------------------------
+def _swap_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x0, x3, x2, ...): stock's interleaved ``rotate_half`` without its negation (folded into sin)."""
+    return torch.stack((x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def apply_portable(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Bitwise-equal to ``RotaryEmbedding(is_neox_style=False).forward_native(x, cos_half, sin_half)``.
+
+    ``cos``/``sin_signed`` are [S, 1, rotary_dim] (see :func:`_portable_tables`); ``x`` is [B, S, N, D].
+    """
+    ro_dim = cos.shape[-1]
+    if ro_dim == x.shape[-1]:
+        return x * cos + _swap_pairs(x) * sin_signed
+    xr = x[..., :ro_dim]
+    return torch.cat([xr * cos + _swap_pairs(xr) * sin_signed, x[..., ro_dim:]], dim=-1)
+
+
+def reference_fp32(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same math in fp32 on the same inputs, and ``|x*cos| + |swap(x)*sin|`` (the error scale)."""
+    x32, c32, s32 = x.float(), cos.float(), sin_signed.float()
+    a, b = x32 * c32, _swap_pairs(x32) * s32
+    return a + b, a.abs() + b.abs()
+
+
+def _native_equivalent(rope: nn.Module) -> bool:
+    """True when stock's ``rope(x, cos, sin)`` runs ``RotaryEmbedding.forward_native`` (interleaved, half-dim)."""
+    mod = sys.modules.get("vllm_omni.diffusion.layers.rope")
+    if mod is None:
+        return False
+    cls = mod.RotaryEmbedding
+    if type(rope) is not cls or "forward" in rope.__dict__ or not rope.interleaved or not rope.half_head_dim:
+        return False
+    fm = getattr(rope, "_forward_method", None)
+    if getattr(fm, "__self__", None) is not rope:
+        return False
+    func = getattr(fm, "__func__", None)
+    if func is cls.forward_native:
+        return True
+    if func is cls.forward_npu:  # without MindIE-SD it is forward_native
+        return not rope.has_mindie
+    custom_op = sys.modules.get("vllm_omni.diffusion.layers.custom_op")
+    return custom_op is not None and func is custom_op.CustomOp.forward_xpu  # calls forward_native
+
+
+def _capturing(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_current_stream_capturing()
+    if device.type == "npu":
+        fn = getattr(getattr(torch, "npu", None), "is_current_stream_capturing", None)
+        return bool(fn()) if fn is not None else False
+    return False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# on-device verification of npu_rotary_mul
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class KernelVerdict:
+    """Outcome of verifying ``npu_rotary_mul`` for one (device, dtype, head_dim)."""
+
+    device: str
+    dtype: torch.dtype
+    head_dim: int
+    ok: bool
+    reason: str = ""
+    max_err_over_bound: float = math.nan
+    bitwise_vs_stock: bool = False
+    fn: Callable[..., torch.Tensor] | None = None
+
+    def describe(self) -> str:
+        where = f"{self.device}/{str(self.dtype).removeprefix('torch.')}/D={self.head_dim}"
+        if self.ok:
+            return (
+                f"npu_rotary_mul(interleave) verified on {where}: in use (max error {self.max_err_over_bound:.3g} "
+                f"of the bound {TOLERANCE_EPS_FACTOR:g}*eps*(|x*cos|+|rot(x)*sin|); bitwise equal to stock math: "
+                f"{'yes' if self.bitwise_vs_stock else 'no'})"
+            )
+        return f"npu_rotary_mul(interleave) refused on {where}: {self.reason}; the portable path is used"
+
+
+def verify_kernel(
+    kernel: Callable[..., torch.Tensor], device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int
+) -> KernelVerdict:
+    """Run ``kernel`` and the portable reference on small random inputs of the real layout (BSND) and dtype."""
+    v = KernelVerdict(str(device), dtype, head_dim, ok=False)
+    if dtype not in _KERNEL_DTYPES:
+        v.reason = f"dtype {dtype} is not supported by npu_rotary_mul"
+        return v
+    if head_dim % 2 or head_dim >= _KERNEL_D_LIMIT:
+        v.reason = f"head_dim {head_dim} is not even and < {_KERNEL_D_LIMIT}"
+        return v
+    g = torch.Generator().manual_seed(0x5EED)
+    b, s, n, d = 2, 37, max(1, min(num_heads, 8)), head_dim
+    x = (torch.randn(b, s, n, d, generator=g) * 3.0).to(dtype)
+    theta = torch.rand(s, d // 2, generator=g, dtype=torch.float64) * (2 * math.pi * 64)
+    freqs = torch.polar(torch.ones_like(theta), theta).to(torch.complex64)
+    try:
+        x, freqs = x.to(device), freqs.to(device)
+        tables = _Tables(dtype)
+        scratch: Counter = Counter()
+        cos, sin_signed = _portable_tables(tables, freqs, scratch)
+        npu_cos, npu_sin = _npu_tables(tables, freqs, scratch)
+        out = kernel(x, npu_cos, npu_sin, rotary_mode="interleave")
+    except Exception as exc:
+        v.reason = f"the kernel raised {exc.__class__.__name__}: {exc}"
+        return v
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != dtype or out.device != x.device:
+        got = (getattr(out, "shape", None), getattr(out, "dtype", None), getattr(out, "device", None))
+        v.reason = f"wrong output (shape, dtype, device) {got}, expected {(x.shape, dtype, x.device)}"
+        return v
+    ref, scale = reference_fp32(x, cos, sin_signed)
+    err = (out.float() - ref).abs()
+    bound = TOLERANCE_EPS_FACTOR * torch.finfo(dtype).eps * scale + torch.finfo(torch.float32).tiny
+    finite = bool(torch.isfinite(out).all())
+    v.max_err_over_bound = float((err / bound).max()) if finite else math.inf
+    v.bitwise_vs_stock = bool(torch.equal(out, apply_portable(x, cos, sin_signed)))
+    if not finite or v.max_err_over_bound > 1.0:
+        v.reason = (
+            f"output differs from the reference by up to {v.max_err_over_bound:.3g}x the tolerance "
+            f"({TOLERANCE_EPS_FACTOR:g}*eps*(|x*cos|+|rot(x)*sin|)); wrong pairing mode or precision"
+        )
+        return v
+    v.ok, v.fn = True, kernel
+    return v
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the optimization
+# ----------------------------------------------------------------------------------------------------------------
 class Rope(Optimization):
     name = "rope"
     summary = "Build RoPE cos/sin tables once per forward shape and reuse them in every block; on Ascend apply them with a verified torch_npu.npu_rotary_mul (interleave)."
@@ -13,9 +316,254 @@ class Rope(Optimization):
     default_enabled = True
     requires = ("vLLM-Omni 0.30.x; NPU kernel path: torch_npu with npu_rotary_mul rotary_mode='interleave'",)
     target_modules = (_targets.TRANSFORMER,)
+    parallel_support: ClassVar[dict[str, str]] = {
+        "single": "supported",
+        # Tables are keyed on the freqs tensor each block receives: under Ulysses/Ring SP that is this rank's
+        # (padded) shard, so ranks and paddings never share a table; TP only changes the head count.
+        "ulysses": "supported",
+        "ring": "supported",
+        "cfg_parallel": "supported",
+        "tensor_parallel": "supported",
+    }
+    removal_plan = (
+        "Drop when vLLM-Omni builds Qwen-Image cos/sin once per forward and RotaryEmbedding.forward_npu calls "
+        "npu_rotary_mul(rotary_mode='interleave') (vllm-omni PR #4043) verified on device."
+    )
 
+    #: Set False to keep the portable path even where torch_npu is present.
+    use_npu_kernel: bool = True
+    #: Set True to accept the NPU kernel only if it is bitwise-equal to stock's math on the verification inputs.
+    require_bitwise_kernel: bool = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: Counter[str] = Counter()
+        self._tables = _TableCache(self.stats)
+        self._verdicts: dict[tuple[str, torch.dtype, int], KernelVerdict] = {}
+        self._verdict_mod: Any = None
+        self._embed_memo: weakref.WeakKeyDictionary[nn.Module, OrderedDict] = weakref.WeakKeyDictionary()
+
+    # ----- reporting -----------------------------------------------------------------------------------------
     def reasons_inactive(self) -> list[str]:
-        return ["not implemented yet"]
+        return []  # the portable path runs everywhere vLLM-Omni does
+
+    def model_reasons_inactive(self, model: nn.Module) -> list[str]:
+        mod = sys.modules.get(_targets.TRANSFORMER)
+        transformer = getattr(model, "transformer", model)
+        if mod is None or not isinstance(transformer, mod.QwenImageTransformer2DModel):
+            return ["no QwenImageTransformer2DModel in this model: rope only changes Qwen-Image's RoPE"]
+        return []
+
+    def notes(self) -> list[str]:
+        out = []
+        mod = _backend.torch_npu_module()
+        if mod is None:
+            why = "; ".join(_backend.npu_unavailable_reasons()) or "torch_npu unavailable"
+            out.append(
+                f"NPU kernel npu_rotary_mul not in use: {why}. Portable path: cached cos/sin tables with vLLM-Omni's "
+                "own rotary math, bitwise-identical to stock."
+            )
+        elif not self.use_npu_kernel:
+            out.append("NPU kernel npu_rotary_mul disabled (Rope.use_npu_kernel=False); portable path in use.")
+        else:
+            verdicts = list(self._verdicts.values()) if self._verdict_mod is mod else []
+            if not verdicts:
+                out.append(
+                    "torch_npu present: npu_rotary_mul(interleave) will be verified against the fp32 portable "
+                    "reference on first use per (device, dtype, head_dim) before it is used."
+                )
+            out.extend(v.describe() for v in verdicts)
+        if self.stats:
+            s = self.stats
+            out.append(
+                f"tables built {s['table_builds']}, reused {s['table_hits']}; shape memo hits {s['embed_memo_hits']}; "
+                f"rotary calls: npu {s['kernel_calls']}, portable {s['portable_calls']}, "
+                f"stock kernel with cached tables {s['delegate_calls']}, stock {s['stock_calls']}"
+            )
+        return out
+
+    def verdicts(self) -> list[KernelVerdict]:
+        return list(self._verdicts.values())
+
+    # ----- install -------------------------------------------------------------------------------------------
+    def _install(self) -> None:
+        mod = sys.modules[_targets.TRANSFORMER]
+        self.patches.set(mod, "_qwen_image_qk_norm_rope", self._make_qk_norm_rope(mod._qwen_image_qk_norm_rope))
+        for cls_name in ("QwenEmbedRope", "QwenEmbedLayer3DRope"):
+            cls = getattr(mod, cls_name, None)
+            if cls is not None:
+                self.patches.set(cls, "forward", self._make_embed_forward(cls.forward))
+
+    def _uninstall(self) -> None:
+        self.reset_state()
+
+    def reset_state(self) -> None:
+        """Drop tables, shape memos, kernel verdicts and counters."""
+        self._tables.clear()
+        self._embed_memo.clear()
+        self._verdicts.clear()
+        self._verdict_mod = None
+        self.stats.clear()
+
+    # ----- backend choice (the one place) --------------------------------------------------------------------
+    def _kernel_for(self, x: torch.Tensor) -> KernelVerdict | None:
+        """The verified ``npu_rotary_mul`` verdict for ``x``'s (device, dtype, head_dim), or None (portable)."""
+        if not self.use_npu_kernel:
+            return None
+        mod = _backend.torch_npu_module()
+        if mod is None:
+            return None
+        if mod is not self._verdict_mod:
+            self._verdicts.clear()
+            self._verdict_mod = mod
+        key = (str(x.device), x.dtype, x.shape[-1])
+        v = self._verdicts.get(key)
+        if v is None:
+            kernel = getattr(mod, "npu_rotary_mul", None)
+            if kernel is None:
+                v = KernelVerdict(key[0], x.dtype, x.shape[-1], ok=False, reason="torch_npu has no npu_rotary_mul")
+            else:
+                v = verify_kernel(kernel, x.device, x.dtype, x.shape[-1], x.shape[2])
+                if v.ok and self.require_bitwise_kernel and not v.bitwise_vs_stock:
+                    v.ok, v.fn = False, None
+                    v.reason = "not bitwise-equal to stock math and Rope.require_bitwise_kernel is set"
+            self._verdicts[key] = v
+            (logger.info if v.ok else logger.warning)("vllm-omni-ascend-opt: rope: %s", v.describe())
+        return v if v.ok else None
+
+    def _apply(self, x: torch.Tensor, tables: _Tables, freqs: torch.Tensor, rope: nn.Module) -> torch.Tensor:
+        verdict = self._kernel_for(x)
+        if verdict is not None:
+            b, _, n, d = x.shape
+            if freqs.shape[-1] * 2 == d and b * n < _KERNEL_BN_LIMIT and x.dtype in _KERNEL_DTYPES:
+                cos, sin = _npu_tables(tables, freqs, self.stats)
+                try:
+                    out = verdict.fn(x, cos, sin, rotary_mode="interleave")  # type: ignore[misc]
+                except Exception as exc:
+                    verdict.ok, verdict.fn = False, None
+                    verdict.reason = f"the kernel raised {exc.__class__.__name__} in use: {exc}"
+                    logger.warning("vllm-omni-ascend-opt: rope: %s", verdict.describe())
+                else:
+                    self.stats["kernel_calls"] += 1
+                    return out
+        if _native_equivalent(rope):
+            cos, sin_signed = _portable_tables(tables, freqs, self.stats)
+            self.stats["portable_calls"] += 1
+            return apply_portable(x, cos, sin_signed)
+        cos, sin = _half_tables(tables, freqs, self.stats)
+        self.stats["delegate_calls"] += 1
+        return rope(x, cos, sin)
+
+    # ----- patches -------------------------------------------------------------------------------------------
+    def _make_qk_norm_rope(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        opt = self
+        mod = sys.modules[_targets.TRANSFORMER]
+
+        def _qwen_image_qk_norm_rope(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            norm_q: nn.Module,
+            norm_k: nn.Module,
+            freqs: torch.Tensor,
+            rope: nn.Module,
+            eps: float,
+            *,
+            use_fused: bool = True,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            """vLLM-Omni's ``_qwen_image_qk_norm_rope`` with cached cos/sin (and the verified NPU kernel)."""
+            if (
+                torch.is_grad_enabled()
+                or torch.compiler.is_compiling()
+                or q.dim() != 4
+                or freqs.dim() != 2
+                or not freqs.is_complex()
+                or freqs.shape[0] != q.shape[1]
+                or freqs.shape[-1] * 2 > q.shape[-1]
+                or _capturing(q.device)
+            ):
+                opt.stats["stock_calls"] += 1
+                return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)
+            # Stock's fused CUDA (Triton) branch, same condition in the same order.
+            head_dim, rotary_dim = q.shape[-1], freqs.shape[-1] * 2
+            tokens = q.shape[0] * q.shape[1]
+            if (
+                use_fused
+                and tokens >= mod.fused_qk_norm_rope_min_tokens(mod._FUSED_MIN_TOKENS)
+                and mod._fused_cuda_supported(q, k, head_dim, rotary_dim, interleaved=True)
+            ):
+                opt.stats["stock_calls"] += 1
+                return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)
+            tables = opt._tables.get(freqs, q.dtype)  # stock converts to q.dtype (before the norm)
+            q = norm_q(q)
+            k = norm_k(k)
+            return opt._apply(q, tables, freqs, rope), opt._apply(k, tables, freqs, rope)
+
+        _qwen_image_qk_norm_rope.__wrapped__ = original  # type: ignore[attr-defined]
+        return _qwen_image_qk_norm_rope
+
+    def _make_embed_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        opt = self
+
+        def forward(module: nn.Module, video_fhw: Any, txt_seq_lens: Any, device: Any) -> Any:
+            """``QwenEmbedRope.forward`` memoized: same arguments and tables -> the same (vid, txt) freqs objects."""
+            if torch.is_grad_enabled() or torch.compiler.is_compiling():
+                return original(module, video_fhw, txt_seq_lens, device)
+            key = _embed_key(module, video_fhw, txt_seq_lens, device)
+            memo = opt._embed_memo.get(module)
+            if key is not None and memo is not None:
+                hit = memo.get(key[0])
+                if hit is not None and all(r() is t for r, t in zip(hit[0], key[1], strict=True)):
+                    memo.move_to_end(key[0])
+                    opt.stats["embed_memo_hits"] += 1
+                    return hit[1]
+            out = original(module, video_fhw, txt_seq_lens, device)
+            after = _embed_key(module, video_fhw, txt_seq_lens, device)  # forward may have moved the tables
+            if after is not None:
+                memo = opt._embed_memo.setdefault(module, OrderedDict())
+                memo[after[0]] = (tuple(weakref.ref(t) for t in after[1]), out)
+                while len(memo) > _EMBED_MEMO_SIZE:
+                    memo.popitem(last=False)
+            return out
+
+        forward.__wrapped__ = original  # type: ignore[attr-defined]
+        return forward
+
+
+def _plain(obj: Any) -> Any:
+    """Nested lists/tuples of ints as nested tuples of ints; None when anything else is inside."""
+    if isinstance(obj, bool):
+        return None
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, (list, tuple)):
+        items = tuple(_plain(o) for o in obj)
+        return None if any(i is None for i in items) else (type(obj).__name__, items)
+    return None
+
+
+def _embed_key(module: nn.Module, video_fhw: Any, txt_seq_lens: Any, device: Any) -> tuple[tuple, tuple] | None:
+    """(hashable key, tensors whose identity it names) for one ``QwenEmbedRope.forward`` call, or None."""
+    fhw, lens = _plain(video_fhw), _plain(txt_seq_lens)
+    pos, neg = getattr(module, "pos_freqs", None), getattr(module, "neg_freqs", None)
+    if fhw is None or lens is None or not isinstance(pos, torch.Tensor) or not isinstance(neg, torch.Tensor):
+        return None
+    try:
+        dev = str(torch.device(device))
+    except (TypeError, RuntimeError):
+        return None
+    key = (
+        fhw,
+        lens,
+        dev,
+        id(pos),
+        id(neg),
+        _version_or_none(pos),
+        _version_or_none(neg),
+        bool(getattr(module, "scale_rope", False)),
+        tuple(getattr(module, "axes_dim", ())),
+        getattr(module, "theta", None),
+    )
+    return key, (pos, neg)
 
 
 OPT = register_optimization(Rope())

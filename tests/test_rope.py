@@ -1,0 +1,497 @@
+"""`rope`: cos/sin table reuse (bitwise-exact on CPU) and the verified npu_rotary_mul path (through the fake).
+
+Real vLLM-Omni 0.30 classes on CPU. Op counts use the project's counter (views excluded); the fake's kernel is one
+``torch.library`` op, so it counts as the single launch it is on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tests.fake_torch_npu import rotary as fake_rotary
+from vllm_omni_ascend_opt import api
+from vllm_omni_ascend_opt.opts import _targets
+from vllm_omni_ascend_opt.opts import rope as rope_mod
+from vllm_omni_ascend_opt.testbed import TINY
+from vllm_omni_ascend_opt.testbed.opcount import OpCounter, count_module_calls
+from vllm_omni_ascend_opt.testbed.pipeline import generate
+
+OPT = rope_mod.OPT
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bf16_transformer(runtime, tiny_pipe):
+    """A second QwenImageTransformer2DModel with the tiny weights, in bfloat16 (the session pipeline stays fp32)."""
+    mod = sys.modules[_targets.TRANSFORMER]
+    with runtime.context():
+        t = mod.QwenImageTransformer2DModel(od_config=runtime.od_config, **TINY.transformer_kwargs())
+    t.load_state_dict(tiny_pipe.transformer.state_dict())
+    return t.to(torch.bfloat16).eval()
+
+
+def _transformer(tiny_pipe, bf16_transformer, dtype):
+    return tiny_pipe.transformer if dtype == torch.float32 else bf16_transformer
+
+
+def _forward(rt, transformer, *, batch=1, hw=(4, 4), txt=7, pad=False, dtype=torch.float32, seed=1):
+    """One transformer forward with pipeline-shaped inputs; ``pad`` masks the last sample's final 3 text tokens."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = hw
+    hs = torch.randn(batch, h * w, TINY.vae_z_dim * 4, generator=g).to(dtype)
+    ehs = torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype)
+    mask = torch.ones(batch, txt, dtype=torch.long)
+    if pad:
+        mask[-1, txt - 3 :] = 0
+    ts = torch.linspace(0.3, 0.8, batch)
+    with rt.context(), torch.no_grad():
+        return transformer(
+            hidden_states=hs,
+            encoder_hidden_states=ehs,
+            encoder_hidden_states_mask=mask,
+            timestep=ts,
+            img_shapes=[[(1, h, w)]] * batch,
+            txt_seq_lens=[txt] * batch,
+        ).sample
+
+
+class _ConversionCounter(TorchFunctionMode):
+    """Counts freqs -> cos/sin conversions (``torch.real`` / ``torch.imag`` on complex tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.real, torch.imag) and args and args[0].is_complex():
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _block_ops(rt, transformer, dtype=torch.float32) -> int:
+    """Kernel launches of the last block in one (warm) forward."""
+    _forward(rt, transformer, dtype=dtype)  # warm: tables, verification
+    with count_module_calls(transformer.transformer_blocks[-1]) as res:
+        _forward(rt, transformer, dtype=dtype)
+    assert len(res) == 1
+    return res[0].total
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# patch mechanics
+# ----------------------------------------------------------------------------------------------------------------
+def test_install_and_uninstall_restore_by_identity(tiny_pipe):
+    mod = sys.modules[_targets.TRANSFORMER]
+    orig_fn, orig_fwd = mod._qwen_image_qk_norm_rope, mod.QwenEmbedRope.forward
+    orig_fwd3d = mod.QwenEmbedLayer3DRope.forward
+    api.select("none,+rope", model=tiny_pipe)
+    assert OPT.installed
+    assert mod._qwen_image_qk_norm_rope is not orig_fn and mod._qwen_image_qk_norm_rope.__wrapped__ is orig_fn
+    assert mod.QwenEmbedRope.forward.__wrapped__ is orig_fwd
+    assert OPT.patches.is_patched(mod, "_qwen_image_qk_norm_rope")
+    api.select("none,+rope", model=tiny_pipe)  # idempotent
+    assert len(OPT.patches) == 3
+    assert OPT.model_reasons_inactive(tiny_pipe) == []
+    assert OPT.model_reasons_inactive(torch.nn.Linear(2, 2))
+    api.select("none", model=tiny_pipe)
+    assert mod._qwen_image_qk_norm_rope is orig_fn
+    assert mod.QwenEmbedRope.forward is orig_fwd and mod.QwenEmbedLayer3DRope.forward is orig_fwd3d
+
+
+def test_list_on_cpu_shows_active_and_why_no_npu_kernel():
+    api.select("default")
+    row = next(r for r in api.status() if r["name"] == "rope")
+    assert row["active"] and row["reasons_inactive"] == []
+    assert row["equivalence"] == "exact"
+    notes = " ".join(row["notes"])
+    assert "npu_rotary_mul not in use" in notes and "torch_npu" in notes
+    assert all(v == "supported" for v in row["parallel_support"].values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bitwise equality with stock (portable path)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("batch", "pad"), [(1, False), (2, False), (2, True)], ids=["b1", "b2", "b2-padded"])
+def test_transformer_output_bitwise(runtime, tiny_pipe, bf16_transformer, dtype, batch, pad):
+    t = _transformer(tiny_pipe, bf16_transformer, dtype)
+    shapes = [(4, 4), (4, 6), (4, 4)]  # two resolutions, then back to the first (table reuse across requests)
+    api.select("none", model=tiny_pipe)
+    ref = [_forward(runtime, t, batch=batch, hw=hw, pad=pad, dtype=dtype) for hw in shapes]
+    api.select("none,+rope", model=tiny_pipe)
+    got = [_forward(runtime, t, batch=batch, hw=hw, pad=pad, dtype=dtype) for hw in shapes]
+    got.append(_forward(runtime, t, batch=batch, hw=shapes[0], pad=pad, dtype=dtype))  # warm repeat
+    assert all(torch.equal(a, b) for a, b in zip(ref, got[:3], strict=True))
+    assert torch.equal(ref[0], got[3])
+    assert OPT.stats["portable_calls"] > 0 and OPT.stats["stock_calls"] == 0
+    assert OPT.stats["embed_memo_hits"] >= 2  # the same freqs objects come back for a repeated shape
+
+
+@pytest.mark.parametrize("cfg", [1.0, 3.0], ids=["cfg-off", "true-cfg"])
+def test_pipeline_images_bitwise(runtime, tiny_pipe, cfg):
+    api.select("none", model=tiny_pipe)
+    ref = [
+        generate(tiny_pipe, runtime, steps=2, seed=3, cfg_scale=cfg, height=h, width=w) for h, w in ((32, 32), (32, 48))
+    ]
+    api.select("none,+rope", model=tiny_pipe)
+    got = [
+        generate(tiny_pipe, runtime, steps=2, seed=3, cfg_scale=cfg, height=h, width=w) for h, w in ((32, 32), (32, 48))
+    ]
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a.images, b.images)
+    assert OPT.stats["portable_calls"] > 0
+
+
+def test_runtime_toggle_on_built_pipeline(runtime, tiny_pipe):
+    api.select("none", model=tiny_pipe)
+    ref = generate(tiny_pipe, runtime, steps=2, seed=5)
+    with api.optimizations("none,+rope", model=tiny_pipe):
+        on = generate(tiny_pipe, runtime, steps=2, seed=5)
+        assert OPT.stats["portable_calls"] > 0
+    assert not OPT.installed
+    off = generate(tiny_pipe, runtime, steps=2, seed=5)
+    assert torch.equal(ref.images, on.images) and torch.equal(ref.images, off.images)
+
+
+def test_stock_kernel_with_cached_tables_when_stock_is_not_forward_native(runtime, tiny_pipe, monkeypatch):
+    """Where stock dispatches RotaryEmbedding elsewhere (MindIE-SD, CUDA), that kernel gets the cached cos/sin."""
+    rope = tiny_pipe.transformer.transformer_blocks[0].attn.rope
+    api.select("none", model=tiny_pipe)
+    monkeypatch.setattr(rope, "_forward_method", rope.forward_cuda)  # on CPU: apply_rotary_emb_torch
+    ref = _forward(runtime, tiny_pipe.transformer)
+    api.select("none,+rope", model=tiny_pipe)
+    got = _forward(runtime, tiny_pipe.transformer)
+    assert torch.equal(ref, got)
+    assert OPT.stats["delegate_calls"] == 4 and OPT.stats["portable_calls"] == 4  # block 0 vs block 1
+
+
+def test_grad_mode_runs_stock(runtime, tiny_pipe):
+    api.select("none,+rope", model=tiny_pipe)
+    t = tiny_pipe.transformer
+    mod = sys.modules[_targets.TRANSFORMER]
+    q = torch.randn(1, 16, 4, 16)
+    freqs = torch.polar(torch.ones(16, 8), torch.rand(16, 8))
+    attn = t.transformer_blocks[0].attn
+    args = (q, q.clone(), attn.norm_q, attn.norm_k, freqs, attn.rope, attn.eps)
+    with torch.enable_grad():
+        a = mod._qwen_image_qk_norm_rope(*args)
+    with torch.no_grad():
+        b = mod._qwen_image_qk_norm_rope(*args)
+    assert OPT.stats["stock_calls"] == 1 and OPT.stats["portable_calls"] == 2
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# counting
+# ----------------------------------------------------------------------------------------------------------------
+def test_cos_sin_conversions_per_forward(runtime, tiny_pipe):
+    t = tiny_pipe.transformer
+    blocks = len(t.transformer_blocks)
+
+    def conversions(hw):
+        with _ConversionCounter() as c:
+            _forward(runtime, t, hw=hw)
+        return c.n
+
+    api.select("none", model=tiny_pipe)
+    assert conversions((4, 4)) == blocks * 2 * 2  # per block: img + txt, real + imag
+    api.select("none,+rope", model=tiny_pipe)
+    assert conversions((4, 4)) == 2 * 2  # once per shape: vid + txt tables
+    assert conversions((4, 4)) == 0  # next step / request: same shape, same tables
+    assert conversions((4, 6)) == 2 * 2  # new resolution: new vid table; txt offset moves with max(h, w) // 2
+    assert conversions((4, 4)) == 0  # the first shape's tables are still cached
+
+
+def test_op_counts_per_block(runtime, tiny_pipe, fake_npu):
+    """Stock vs rope (portable) vs rope (fake NPU) on the tiny config; rope's own share of the block."""
+    t = tiny_pipe.transformer
+    api.select("none", model=tiny_pipe)
+    stock = _block_ops(runtime, t)
+    api.select("none,+rope", model=tiny_pipe)
+    portable = _block_ops(runtime, t)
+    npu = fake_npu()
+    api.select("none", model=tiny_pipe)
+    api.select("none,+rope", model=tiny_pipe)
+    kernel = _block_ops(runtime, t)
+    assert npu.calls["npu_rotary_mul"] > 0
+    # stock: 4 rope calls x 10 launches (2 repeats, neg, stack, 2 mul, add, cat, +2 views counted as _unsafe_view)
+    assert stock - portable == 24  # 4 calls x (10 -> 4)
+    assert stock - kernel == 36  # 4 calls x (10 -> 1)
+    assert kernel <= 70
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# table cache keys
+# ----------------------------------------------------------------------------------------------------------------
+def test_table_key_separates_sp_shards_paddings_and_versions():
+    stats = Counter()
+    cache = rope_mod._TableCache(stats)
+    full = torch.polar(torch.ones(10, 4), torch.rand(10, 4))
+    r0, r1 = full.chunk(2, dim=0)  # two SP ranks' views of the same base
+    padded = torch.cat([full, torch.zeros(2, 4, dtype=full.dtype)]).chunk(2, dim=0)[1]
+    t0, t1, tp = cache.get(r0, torch.float32), cache.get(r1, torch.float32), cache.get(padded, torch.float32)
+    assert len({id(t0), id(t1), id(tp)}) == 3
+    for t, f in ((t0, r0), (t1, r1), (tp, padded)):
+        cos, _ = rope_mod._half_tables(t, f, stats)
+        assert torch.equal(cos, torch.real(f))
+    assert cache.get(full.chunk(2, dim=0)[0], torch.float32) is t0  # a new view object of the same shard: reused
+    assert cache.get(r0, torch.bfloat16) is not t0  # per dtype
+    full.mul_(1)  # in-place write: version bump, never a stale table
+    assert cache.get(r0, torch.float32) is not t0
+    n = len(cache)
+    del full, r0, r1, padded, t0, t1, tp
+    assert len(cache) < n  # entries die with their freqs
+
+
+def test_inference_mode_tensors_are_keyed_by_identity():
+    cache = rope_mod._TableCache(Counter())
+    with torch.inference_mode():
+        a = torch.polar(torch.ones(6, 4), torch.rand(6, 4))
+        b = a.clone()
+        assert cache.get(a, torch.float32) is cache.get(a, torch.float32)
+        assert cache.get(b, torch.float32) is not cache.get(a, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# NPU path through the fake torch_npu
+# ----------------------------------------------------------------------------------------------------------------
+def _spy(npu):
+    seen = []
+    inner = npu.npu_rotary_mul
+
+    def spy(x, r1, r2, **kw):
+        out = inner(x, r1, r2, **kw)
+        seen.append((x, r1, r2, kw, out))
+        return out
+
+    npu.npu_rotary_mul = spy
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_npu_path_uses_interleave_and_1s1d_tables(runtime, tiny_pipe, bf16_transformer, fake_npu, dtype):
+    npu = fake_npu()
+    seen = _spy(npu)
+    t = _transformer(tiny_pipe, bf16_transformer, dtype)
+    api.select("none", model=tiny_pipe)
+    ref = _forward(runtime, t, batch=2, pad=True, dtype=dtype)
+    api.select("none,+rope", model=tiny_pipe)
+    got = _forward(runtime, t, batch=2, pad=True, dtype=dtype)
+    v = OPT.verdicts()
+    assert len(v) == 1 and v[0].ok and v[0].dtype == dtype, OPT.notes()
+    calls = seen[1:]  # [0] is the verification call
+    assert len(calls) == 4 * len(t.transformer_blocks) and OPT.stats["kernel_calls"] == len(calls)
+    assert OPT.stats["portable_calls"] == 0
+    for x, r1, r2, kw, out in calls:
+        assert kw == {"rotary_mode": "interleave"}
+        _, s, _, d = x.shape
+        assert r1.shape == r2.shape == (1, s, 1, d) and r1.dtype == x.dtype == dtype
+        # each call agrees with the portable (stock-equal) path within the verification bound
+        cos, sin_signed = r1[0], torch.stack((-r2[0, :, :, ::2], r2[0, :, :, 1::2]), dim=-1).flatten(-2)
+        ref32, scale = rope_mod.reference_fp32(x, cos, sin_signed)
+        err = (out.float() - ref32).abs()
+        assert bool((err <= rope_mod.TOLERANCE_EPS_FACTOR * torch.finfo(dtype).eps * scale + 1e-38).all())
+    if dtype == torch.float32:
+        assert torch.equal(ref, got)  # fp32 kernel == fp32 small ops here
+    else:
+        torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    assert any("verified" in n and "in use" in n for n in OPT.notes())
+
+
+def test_verdict_is_cached_per_device_and_dtype(runtime, tiny_pipe, bf16_transformer, fake_npu):
+    npu = fake_npu()
+    seen = _spy(npu)
+    api.select("none,+rope", model=tiny_pipe)
+    for _ in range(2):
+        _forward(runtime, tiny_pipe.transformer)
+        _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+    verifications = [c for c in seen if c[0].shape[1] == 37]  # verify_kernel's S
+    assert [c[0].dtype for c in verifications] == [torch.float32, torch.bfloat16]
+    assert {(v.device, v.dtype) for v in OPT.verdicts()} == {("cpu", torch.float32), ("cpu", torch.bfloat16)}
+
+
+def test_wrong_pairing_kernel_is_refused(runtime, tiny_pipe, fake_npu, caplog):
+    npu = fake_npu(rotary_mul="half_pairing")
+    api.select("none", model=tiny_pipe)
+    ref = _forward(runtime, tiny_pipe.transformer)
+    api.select("none,+rope", model=tiny_pipe)
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        got = _forward(runtime, tiny_pipe.transformer)
+    assert npu.calls["npu_rotary_mul"] == 1  # the verification call only
+    assert torch.equal(ref, got)  # portable path, bitwise
+    (v,) = OPT.verdicts()
+    assert not v.ok and "wrong pairing" in v.reason and v.max_err_over_bound > 100
+    assert OPT.stats["kernel_calls"] == 0 and OPT.stats["portable_calls"] > 0
+    assert "refused" in caplog.text and "npu_rotary_mul" in caplog.text
+    row = next(r for r in api.status() if r["name"] == "rope")
+    assert row["active"] and any("refused" in n for n in row["notes"])
+
+
+@pytest.mark.parametrize(
+    ("variant", "dtype", "why"),
+    [
+        ("raises", torch.float32, "raised RuntimeError"),
+        ("no_rotary_mode", torch.float32, "raised TypeError"),
+        ("low_precision", torch.float32, "tolerance"),  # fp16 inside: far outside the fp32 bound
+    ],
+)
+def test_bad_kernels_stay_off_with_reason(runtime, tiny_pipe, fake_npu, variant, dtype, why):
+    fake_npu(rotary_mul=variant)
+    api.select("none", model=tiny_pipe)
+    ref = _forward(runtime, tiny_pipe.transformer)
+    api.select("none,+rope", model=tiny_pipe)
+    got = _forward(runtime, tiny_pipe.transformer)
+    assert torch.equal(ref, got)
+    (v,) = OPT.verdicts()
+    assert not v.ok and why in v.reason
+    assert any(why in n for n in OPT.notes())
+
+
+def test_low_precision_is_within_bf16_bound_and_require_bitwise_refuses_it(
+    runtime, bf16_transformer, fake_npu, monkeypatch
+):
+    """The bound scales with the dtype: fp16-inside is finer than bf16; a strict policy still refuses non-bitwise."""
+    fake_npu(rotary_mul="low_precision")
+    api.select("none,+rope")
+    _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+    (v,) = OPT.verdicts()
+    assert v.ok and not v.bitwise_vs_stock
+    api.select("none")
+    monkeypatch.setattr(OPT, "require_bitwise_kernel", True)
+    api.select("none,+rope")
+    _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+    (v,) = OPT.verdicts()
+    assert not v.ok and "bitwise" in v.reason
+
+
+def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu):
+    npu = fake_npu()
+    api.select("none", model=tiny_pipe)
+    ref = _forward(runtime, tiny_pipe.transformer)
+    api.select("none,+rope", model=tiny_pipe)
+    _forward(runtime, tiny_pipe.transformer)  # verified and used
+    (v,) = OPT.verdicts()
+    assert v.ok
+
+    def boom(*a, **k):
+        raise RuntimeError("device lost")
+
+    v.fn = boom
+    got = _forward(runtime, tiny_pipe.transformer)
+    assert torch.equal(ref, got) and not v.ok and "device lost" in v.reason
+    assert npu.calls["npu_rotary_mul"] == 1 + 8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the fake itself: documented semantics and constraints
+# ----------------------------------------------------------------------------------------------------------------
+def _doc_formula(x, r1, r2, mode):
+    """[OP-ROT] small-op formula (einops rearrange written with stack/flatten)."""
+    if mode == "half":
+        x1, x2 = torch.chunk(x, 2, -1)
+        rot = torch.cat((-x2, x1), dim=-1)
+    else:
+        rot = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    return r1 * x + r2 * rot
+
+
+@pytest.mark.parametrize("mode", ["half", "interleave"])
+def test_fake_computes_the_documented_result(mode):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 8, generator=g, dtype=torch.float64).float()
+    r1, r2 = torch.rand(1, 5, 1, 8, generator=g) * 2 - 1, torch.rand(1, 5, 1, 8, generator=g) * 2 - 1
+    out = fake_rotary.npu_rotary_mul(x, r1, r2, rotary_mode=mode)
+    torch.testing.assert_close(out, _doc_formula(x, r1, r2, mode), rtol=0, atol=1e-6)
+    xb = x.bfloat16()
+    ob = fake_rotary.npu_rotary_mul(xb, r1.bfloat16(), r2.bfloat16(), rotary_mode=mode)
+    assert ob.dtype == torch.bfloat16 and ob.shape == xb.shape
+    assert torch.equal(ob, _doc_formula(xb.float(), r1.bfloat16().float(), r2.bfloat16().float(), mode).bfloat16())
+    wrong = fake_rotary.npu_rotary_mul_half_pairing(x, r1, r2, rotary_mode="interleave")
+    assert not torch.allclose(wrong, _doc_formula(x, r1, r2, "interleave"))
+
+
+def test_fake_kernel_counts_as_one_launch():
+    x, r = torch.randn(1, 4, 2, 8), torch.rand(1, 4, 1, 8)
+    with OpCounter() as c:
+        fake_rotary.npu_rotary_mul(x, r, r, rotary_mode="interleave")
+    assert c.total == 1
+
+
+def _ok(shape_x, shape_r, mode="interleave", dtype=torch.float32):
+    x, r = torch.zeros(shape_x, dtype=dtype), torch.zeros(shape_r, dtype=dtype)
+    return fake_rotary.npu_rotary_mul(x, r, r, rotary_mode=mode)
+
+
+@pytest.mark.parametrize(
+    ("shape_x", "shape_r", "mode"),
+    [
+        ((2, 4, 3, 8), (1, 4, 1, 8), "interleave"),  # BSND + 1S1D
+        ((2, 3, 4, 8), (1, 1, 4, 8), "interleave"),  # BNSD + 11SD
+        ((4, 2, 3, 8), (4, 1, 1, 8), "interleave"),  # SBND + S11D
+        ((6, 3, 8), (6, 1, 8), "interleave"),  # TND + T1D (3D input)
+        ((2, 4, 3, 8), (2, 4, 1, 8), "half"),  # BSND + BS1D: half only
+        ((6, 3, 8), (6, 3, 8), "half"),  # TND + TND: half only
+        ((1, 1, 999, 2), (1, 1, 1, 2), "interleave"),  # B*N = 999
+        ((999, 4, 3, 8), (1, 4, 1, 8), "half"),  # B = 999
+        ((1, 1, 1, 894), (1, 1, 1, 894), "interleave"),  # D = 894
+    ],
+)
+def test_fake_accepts_documented_shapes(shape_x, shape_r, mode):
+    assert _ok(shape_x, shape_r, mode).shape == shape_x
+
+
+@pytest.mark.parametrize(
+    ("shape_x", "shape_r", "mode", "dtype", "match"),
+    [
+        ((4, 8), (4, 8), "interleave", torch.float32, "3D or 4D"),
+        ((1, 2, 3, 4, 8), (1, 2, 1, 1, 8), "interleave", torch.float32, "3D or 4D"),
+        ((2, 4, 3, 8), (1, 4, 1, 8), "interleave", torch.float64, "dtype"),
+        ((2, 4, 3, 8), (1, 4, 1, 8), "interleave", torch.int32, "dtype"),
+        ((2, 4, 3, 7), (1, 4, 1, 7), "half", torch.float32, "even"),
+        ((1, 1, 1, 896), (1, 1, 1, 896), "interleave", torch.float32, "< 896"),
+        ((2, 4, 3, 8), (2, 4, 1, 8), "interleave", torch.float32, "not one of"),  # BS1D: half only
+        ((2, 4, 3, 8), (1, 4, 3, 8), "interleave", torch.float32, "not one of"),
+        ((6, 3, 8), (6, 3, 8), "interleave", torch.float32, "T1D"),  # TND: only T1D in interleave
+        ((2, 4, 3, 8), (1, 4, 1, 4), "interleave", torch.float32, "last dim"),
+        ((1, 1, 1000, 2), (1, 1, 1, 2), "interleave", torch.float32, "B\\*N=1000"),
+        ((20, 1, 50, 2), (1, 1, 1, 2), "interleave", torch.float32, "B\\*N=1000"),
+        ((1000, 4, 3, 8), (1, 4, 1, 8), "half", torch.float32, "B=1000"),
+        ((2, 4, 3, 8), (1, 4, 1, 8), "rotate", torch.float32, "half or interleave"),
+    ],
+)
+def test_fake_raises_on_documented_violations(shape_x, shape_r, mode, dtype, match):
+    with pytest.raises(fake_rotary.FakeNpuError, match=match):
+        _ok(shape_x, shape_r, mode, dtype)
+
+
+def test_fake_rejects_out_of_range_tables_and_mismatched_r():
+    x = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(fake_rotary.FakeNpuError, match=r"\[-1, 1\]"):
+        fake_rotary.npu_rotary_mul(x, torch.full((1, 4, 1, 8), 1.5), torch.zeros(1, 4, 1, 8), rotary_mode="interleave")
+    with pytest.raises(fake_rotary.FakeNpuError, match="differ"):
+        fake_rotary.npu_rotary_mul(x, torch.zeros(1, 4, 1, 8), torch.zeros(1, 1, 2, 8), rotary_mode="half")
+    with pytest.raises(TypeError):
+        fake_rotary.npu_rotary_mul_no_rotary_mode(x, torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8), rotary_mode="x")
+
+
+def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair():
+    """Even a kernel wrong in a single adjacent pair of one head is refused."""
+
+    def one_pair_wrong(x, r1, r2, rotary_mode):
+        out = fake_rotary.npu_rotary_mul(x, r1, r2, rotary_mode=rotary_mode).clone()
+        out[..., 0, 0:2] = out[..., 0, 0:2].flip(-1)
+        return out
+
+    v = rope_mod.verify_kernel(one_pair_wrong, torch.device("cpu"), torch.bfloat16, 16, 4)
+    assert not v.ok and v.max_err_over_bound > 1
+    v = rope_mod.verify_kernel(fake_rotary.npu_rotary_mul, torch.device("cpu"), torch.bfloat16, 128, 24)
+    assert v.ok and 0 < v.max_err_over_bound <= 1 and math.isfinite(v.max_err_over_bound)
