@@ -1,11 +1,531 @@
-"""`shared_modulation`: Compute SiLU(temb) and the per-block modulation projections once per distinct timestep embedding (exact memo), and unpack them once per block into broadcast-ready tensors."""
+"""`shared_modulation`: Compute SiLU(temb) and the per-block modulation projections once per distinct timestep embedding (exact memo), and unpack them once per block into broadcast-ready tensors.
+
+Patched upstream symbols (vLLM-Omni 0.30.x, ``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``)
+------------------------------------------------------------------------------------------------------------
+* ``QwenImageTransformerBlock.forward`` (class attribute): the block reads its six modulation tensors from a memo.
+* ``QwenImageTransformer2DModel.load_weights`` (class attribute): drops the memo after a (re)load.
+* per attached transformer (``attach``): the ``img_mod``/``txt_mod`` ``nn.Sequential`` of every block and
+  ``norm_out`` (diffusers' ``AdaLayerNormContinuous``) get a memoizing subclass (``__class__`` swap, same object,
+  same state dict), so that direct calls such as TeaCache's block-0 probe ``block.img_mod(temb)`` and the final
+  ``norm_out(h, temb)`` hit the memo too. ``detach``/``uninstall`` restore the classes by identity.
+
+Why
+  Per forward, stock computes SiLU(temb) 2x per block + once in ``norm_out`` and runs ``img_mod``/``txt_mod``
+  (3072 -> 18432 each) in every block and ``norm_out.linear``: on real Qwen-Image 121 SiLUs and 121 GEMVs that read
+  ~1/3 of all DiT weights, although they depend only on the timestep embedding ``temb``. ``1 + scale`` is
+  recomputed four times per block from strided views.
+How
+  An exact memo (:class:`ModulationMemo`): the key is the *value* of ``temb`` (dtype, shape, device and a SHA-256
+  of its bytes, upstream's ``tensor_digest``), the numerical settings (matmul precision, autocast, grad mode,
+  TF32/HF32 flags), and, per slot, the modules and their weights (object identity, ``data_ptr``, ``_version``,
+  shape, dtype, device; vLLM LoRA stacks and active-slice mask; quant method). A miss replays stock's computation
+  (same ops, same inputs, one SiLU per distinct temb), so a hit is bitwise what stock would compute. Each block's
+  modulation is stored unpacked ("decode broadcast"): contiguous ``(1 + scale, shift, gate)`` tensors ``[B, 1, D]``
+  for its four norms, so a warm step runs no modulation op at all: ``LN(x) * (1 + scale) + shift`` and
+  ``h + gate * y`` are the very elementwise ops stock runs, on the same values. Bounded by a byte budget
+  (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512; 0 disables), least-recently-used temb first.
+  Costs: one device->host copy of ``temb`` (B x 3072 values) per forward for the digest; on a miss, 8 small copies
+  per block to make the unpacked tensors contiguous.
+Exactness and fallbacks
+  Falls back to the stock code, with a reason (:meth:`SharedModulation.fallback_reasons`, debug log), under
+  autograd (grad enabled and a tensor requiring grad), ``torch.compile`` tracing, CUDA/NPU graph capture, global
+  ``nn.Module`` forward hooks or hooks on the modules it would skip, inference-tensor weights (no version counter),
+  unknown projection classes, and the edit models' two-segment modulation (``zero_cond_t``/``modulate_index``: the
+  blocks run stock, ``norm_out`` is still memoized). ``AdaLayerNorm`` is applied the way the instance dispatches
+  (``forward_native``; ``forward_npu`` via ``torch_npu.npu_layer_norm_eval`` without MindIE-SD; with MindIE-SD the
+  fused kernel takes ``scale``, so the memo keeps ``scale`` and calls the norm itself). The mirrored upstream
+  functions are fingerprinted (source SHA-256): a different upstream turns the optimization off with a reason.
+  Weights written in place through ``.data`` (``param.data.copy_``) bypass version counters: reloads through
+  ``load_weights`` invalidate automatically; anything else must call :func:`invalidate`.
+Parallel
+  The memo is per process (per rank) and runs no collective, so a hit on one rank and a miss on another cannot
+  desynchronise anything; the modulation projections are ``ReplicatedLinear`` (identical on every TP rank), temb is
+  replicated under Ulysses/ring SP, and each CFG-parallel rank memoizes its own branch.
+Upstream PR
+  none yet; upstream's ``ExactProjectionCache`` (vllm_omni/diffusion/cache/exact_projection_cache.py) implements the
+  same idea for MiniMax-H3 only. Proposal: wire it into Qwen-Image's blocks with unpacked outputs.
+Removal plan
+  Drop this patch once vLLM-Omni memoizes Qwen-Image's modulation itself (or with a version outside 0.30.x, where the
+  fingerprints stop matching and it turns itself off).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import logging
+import os
+import sys
+import textwrap
+import weakref
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules import module as _torch_module
+
+from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.opts import _targets
-from vllm_omni_ascend_opt.registry import Optimization, register_optimization
+from vllm_omni_ascend_opt.registry import PARALLEL_MODES, Optimization, register_optimization
+
+logger = logging.getLogger("vllm_omni_ascend_opt.shared_modulation")
+
+ENV_BUDGET_MB = "VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB"
+DEFAULT_BUDGET_MB = 512
+
+ADALAYERNORM_MODULE = "vllm_omni.diffusion.layers.adalayernorm"
+CUSTOM_OP_MODULE = "vllm_omni.diffusion.layers.custom_op"
+DIFFUSERS_NORM_MODULE = "diffusers.models.normalization"
+
+#: SHA-256 (first 16 hex digits) of the dedented source of each upstream function this patch mirrors, as shipped in
+#: vLLM-Omni 0.30.0 / diffusers 0.40. A mismatch means upstream changed and the exactness argument must be redone.
+FINGERPRINTS: dict[str, str] = {
+    "QwenImageTransformerBlock.forward": "8177c846de52aa4e",
+    "QwenImageTransformerBlock._modulate": "790253f78c1c2199",
+    "AdaLayerNorm.forward_native": "bfc59b1498c56a60",
+    "AdaLayerNorm.forward_cuda": "22177f92ea028df7",
+    "AdaLayerNorm.forward_hip": "f9d2d32dd4f4243a",
+    "AdaLayerNorm.forward_npu": "ec9099f9e734847b",
+    "AdaLayerNormContinuous.forward": "9cc655ba4fb2bfec",
+}
+
+# How an AdaLayerNorm instance applies (scale, shift); decided in one place: _norm_kind().
+_NATIVE = "native"  # layernorm(x) * (1 + scale) + shift, with the instance's own LayerNorm
+_NPU_EVAL = "npu_eval"  # torch_npu.npu_layer_norm_eval(x, ...) * (1 + scale) + shift
+_OPAQUE = "opaque"  # anything else (MindIE-SD fused kernel, patched instance): call norm(x, scale, shift)
 
 
+def budget_from_env() -> int:
+    """The memo's byte budget from ``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB`` (MiB, default 512)."""
+    raw = os.environ.get(ENV_BUDGET_MB, "").strip()
+    if not raw:
+        return DEFAULT_BUDGET_MB * 1024**2
+    mb = float(raw)  # ValueError for junk; reasons_inactive() reports it
+    if mb < 0 or mb != mb:
+        raise ValueError(f"{ENV_BUDGET_MB}={raw!r} must be a non-negative number of MiB")
+    return int(mb * 1024**2)
+
+
+def _fingerprint(fn: Any) -> str:
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return "source unavailable"
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+def _upstream_functions() -> dict[str, Any]:
+    t = sys.modules[_targets.TRANSFORMER]
+    ada = sys.modules[ADALAYERNORM_MODULE].AdaLayerNorm
+    return {
+        "QwenImageTransformerBlock.forward": _unpatched(t.QwenImageTransformerBlock, "forward"),
+        "QwenImageTransformerBlock._modulate": t.QwenImageTransformerBlock._modulate,
+        "AdaLayerNorm.forward_native": ada.forward_native,
+        "AdaLayerNorm.forward_cuda": ada.forward_cuda,
+        "AdaLayerNorm.forward_hip": ada.forward_hip,
+        "AdaLayerNorm.forward_npu": ada.forward_npu,
+        "AdaLayerNormContinuous.forward": t.AdaLayerNormContinuous.forward,
+    }
+
+
+def _unpatched(cls: type, name: str) -> Any:
+    fn = cls.__dict__[name]
+    return getattr(fn, "__wrapped__", fn)
+
+
+class _Unkeyable(Exception):
+    """This call cannot be memoized safely; the message says why (reported as a fallback reason)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# keys and signatures
+# ----------------------------------------------------------------------------------------------------------------
+def _numerical_settings(device_type: str) -> tuple[Any, ...]:
+    """Process state that can change what the projection computes for the same inputs and weights."""
+    npu_matmul = getattr(getattr(torch, "npu", None), "matmul", None)
+    return (
+        torch.is_grad_enabled(),  # vLLM-Omni's LoRA apply() takes a different (out=) path without grad
+        torch.get_float32_matmul_precision(),
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        getattr(npu_matmul, "allow_hf32", None),
+    )
+
+
+class _Upstream:
+    """The upstream classes and functions the checks compare against, looked up once."""
+
+    def __init__(self) -> None:
+        t = sys.modules[_targets.TRANSFORMER]
+        self.ada_module = sys.modules[ADALAYERNORM_MODULE]
+        self.ada = self.ada_module.AdaLayerNorm
+        self.custom_op_forward = sys.modules[CUSTOM_OP_MODULE].CustomOp.forward
+        self.native = (self.ada.forward_native, self.ada.forward_cuda, self.ada.forward_hip)  # cuda/hip -> native
+        self.replicated = t.ReplicatedLinear
+
+
+_UP: list[_Upstream] = []
+
+
+def _up() -> _Upstream:
+    if not _UP:
+        _UP.append(_Upstream())
+    return _UP[0]
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+
+
+def _linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
+    """What a linear's output depends on besides its input: weights (identity, storage, version, layout),
+    quantization method and vLLM LoRA state. Only replicated projections (no collective inside, identical on every
+    rank): vLLM's ReplicatedLinear, plain or LoRA-wrapped. Kept cheap: it runs for every block of every forward."""
+    d = lin.__dict__
+    if not isinstance(lin, _up().replicated) and not any(
+        c.__name__ == "ReplicatedLinearWithLoRA" for c in type(lin).__mro__
+    ):
+        raise _Unkeyable(f"modulation projection is a {type(lin).__name__}, not a ReplicatedLinear")
+    if lin._modules or lin._buffers or "lora_a_stacked" in d:  # LoRA wrapper, quantized layer: the general walk
+        tensors = [*lin.parameters(), *lin.buffers()]
+        for name in ("lora_a_stacked", "lora_b_stacked"):
+            tensors.extend(t for t in d.get(name, ()) if isinstance(t, torch.Tensor))
+        quant = getattr(lin, "quant_method", None)
+    else:
+        tensors = [t for t in lin._parameters.values() if t is not None]
+        quant = d.get("quant_method")
+    sig: list[Any] = [id(lin), id(quant), d.get("_diffusion_lora_active_slices")]
+    for t in tensors:
+        if grad and t.requires_grad:
+            raise _Unkeyable("autograd is recording (grad enabled and a modulation weight requires grad)")
+        try:
+            # vLLM's parameter classes are Tensor subclasses: plain attribute reads would go through
+            # __torch_function__ (~1 us each); these reads are metadata only.
+            with torch._C.DisableTorchFunctionSubclass():
+                sig.append((id(t), t.data_ptr(), t._version, t.shape, t.dtype, t.device))
+        except RuntimeError as exc:
+            if t.is_inference():
+                raise _Unkeyable(
+                    "modulation weights are inference tensors (no version counter to detect in-place updates); "
+                    "load or cast them under torch.no_grad(), not torch.inference_mode()"
+                ) from None
+            raise _Unkeyable(f"cannot read a modulation weight's storage ({type(t).__name__}: {exc})") from None
+    return tuple(sig)
+
+
+def _silu_linear(seq: nn.Module) -> nn.Module:
+    """The linear of stock's ``nn.Sequential(nn.SiLU(), <replicated linear>)``; raises if ``seq`` is not that, or
+    carries forward hooks (skipping the module on a hit would skip the hook)."""
+    mods = seq._modules
+    if not isinstance(seq, nn.Sequential) or len(mods) != 2:
+        raise _Unkeyable("modulation module is not nn.Sequential(SiLU, Linear)")
+    act, lin = mods.values()
+    if type(act) is not nn.SiLU or act.inplace:
+        raise _Unkeyable("modulation activation is not an out-of-place nn.SiLU")
+    if _hooked(seq) or _hooked(act) or _hooked(lin) or (lin._modules and any(_hooked(m) for m in lin.modules())):
+        raise _Unkeyable("forward hooks on a modulation module (skipping it would skip the hook)")
+    return lin
+
+
+def _norm_kind(norm: nn.Module) -> str:
+    """How ``norm`` (vLLM-Omni's AdaLayerNorm) applies (scale, shift) -- the one place that looks at the backend."""
+    up = _up()
+    if type(norm) is not up.ada or _hooked(norm) or up.ada.forward is not up.custom_op_forward:
+        return _OPAQUE
+    fn = getattr(norm.__dict__.get("_forward_method"), "__func__", None)
+    if fn in up.native:
+        return _NATIVE
+    if fn is up.ada.forward_npu and not getattr(up.ada_module, "_HAS_MINDIESD", True) and _backend.torch_npu_module():
+        return _NPU_EVAL
+    return _OPAQUE
+
+
+_CUDA: list[bool] = []
+
+
+def _capturing() -> str | None:
+    if not _CUDA:
+        _CUDA.append(torch.cuda.is_available())
+    if _CUDA[0] and torch.cuda.is_current_stream_capturing():
+        return "CUDA graph capture in progress"
+    npu = getattr(torch, "npu", None)
+    probe = getattr(npu, "is_current_stream_capturing", None)
+    if probe is not None and _backend.torch_npu_module() is not None and probe():
+        return "NPU graph capture in progress"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the memo
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class NormMod:
+    """One AdaLayerNorm's modulation, unpacked: ``first`` is ``1 + scale`` (kinds native/npu_eval) or ``scale``."""
+
+    first: torch.Tensor
+    shift: torch.Tensor
+    gate: torch.Tensor
+    kind: str
+
+    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``norm(x, scale, shift)``, computed with the same ops as the instance's stock dispatch."""
+        if self.kind == _NATIVE:
+            return norm.layernorm(x) * self.first + self.shift
+        if self.kind == _NPU_EVAL:
+            torch_npu = _backend.torch_npu_module()
+            return (
+                torch_npu.npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps) * self.first
+                + self.shift
+            )
+        return norm(x, self.first, self.shift)
+
+    @staticmethod
+    def unpack(scale: torch.Tensor, shift: torch.Tensor, gate: torch.Tensor, kind: str) -> NormMod:
+        own = torch.contiguous_format
+        first = (1 + scale) if kind in (_NATIVE, _NPU_EVAL) else scale.clone(memory_format=own)
+        return NormMod(first, shift.clone(memory_format=own), gate.clone(memory_format=own), kind)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.first, self.shift, self.gate))
+
+
+@dataclass(slots=True)
+class _Slot:
+    module: weakref.ReferenceType
+    sig: tuple[Any, ...]
+    payload: Any
+    nbytes: int
+
+
+@dataclass
+class _Entry:
+    key: tuple[Any, ...]
+    silu: torch.Tensor | None = None
+    slots: dict[tuple[Any, ...], _Slot] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+class ModulationMemo:
+    """Exact, byte-bounded LRU memo of modulation tensors keyed on the temb value and the weights.
+
+    Entries (one per distinct temb value and numerical settings) hold slots (one per block / direct projection /
+    ``norm_out``). A slot is reused only while its module is alive and its weight signature is unchanged; every
+    payload is what stock's code computes from the same inputs, so a hit is bitwise stock's result.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_BUDGET_MB * 1024**2) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
+        self._bytes = 0
+        self._last: tuple[weakref.ReferenceType, int | None, _Entry] | None = None
+        self.stats: Counter[str] = Counter()
+
+    # ----- bookkeeping ------------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+        self._last = None
+
+    def configure(self, max_bytes: int) -> None:
+        self.max_bytes = int(max_bytes)
+        self._evict(keep=None)
+
+    def _evict(self, keep: _Entry | None) -> None:
+        while self._bytes > self.max_bytes and self._entries:
+            key = next(iter(self._entries))
+            victim = self._entries[key]
+            if victim is keep:
+                if len(self._entries) == 1:
+                    break
+                self._entries.move_to_end(key)
+                continue
+            del self._entries[key]
+            self._bytes -= victim.nbytes
+            self.stats["evictions"] += 1
+            if self._last is not None and self._last[2] is victim:
+                self._last = None
+
+    def _store(self, entry: _Entry, key: tuple[Any, ...], module: nn.Module, sig: Any, payload: Any, nb: int) -> None:
+        if self._entries.get(entry.key) is not entry:
+            return  # evicted meanwhile (its bytes are already released)
+        old = entry.slots.pop(key, None)
+        if old is not None:
+            entry.nbytes -= old.nbytes
+            self._bytes -= old.nbytes
+        if self._bytes + nb > self.max_bytes:
+            self._evict(keep=entry)
+            if self._bytes + nb > self.max_bytes:
+                self.stats["not_stored"] += 1
+                return
+        entry.slots[key] = _Slot(weakref.ref(module), sig, payload, nb)
+        entry.nbytes += nb
+        self._bytes += nb
+
+    # ----- lookups ----------------------------------------------------------------------------------------
+    def _precheck(self, temb: torch.Tensor) -> str | None:
+        if self.max_bytes <= 0:
+            return f"modulation memo budget is 0 ({ENV_BUDGET_MB})"
+        if torch.compiler.is_compiling():
+            return "torch.compile is tracing"
+        if torch.is_grad_enabled() and temb.requires_grad:
+            return "autograd is recording (temb requires grad)"
+        if type(temb) is not torch.Tensor:
+            return f"temb is a {type(temb).__name__}, not a plain tensor"
+        why = _capturing()
+        if why:
+            return why
+        if _global_hooks():
+            return "global nn.Module forward hooks are registered"
+        return None
+
+    def _resolve(self, temb: torch.Tensor) -> _Entry:
+        """The entry for temb's value (one device->host copy + SHA-256 per new temb object)."""
+        version = None if temb.is_inference() else temb._version
+        last = self._last
+        if last is not None and last[0]() is temb and last[1] == version and self._entries.get(last[2].key) is last[2]:
+            entry = last[2]
+            self._entries.move_to_end(entry.key)
+            return entry
+        from vllm_omni.diffusion.cache.exact_projection_cache import tensor_digest
+
+        self.stats["digests"] += 1
+        key = (tensor_digest(temb), str(temb.device), _numerical_settings(temb.device.type))
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = _Entry(key)
+            self._entries[key] = entry
+        else:
+            self._entries.move_to_end(key)
+        self._last = (weakref.ref(temb), version, entry)
+        return entry
+
+    def _silu(self, entry: _Entry, temb: torch.Tensor) -> torch.Tensor:
+        """SiLU(temb), once per entry (stock: nn.SiLU() -> F.silu(temb, inplace=False))."""
+        if entry.silu is None:
+            self.stats["silu"] += 1
+            entry.silu = F.silu(temb)
+            nb = entry.silu.numel() * entry.silu.element_size()
+            entry.nbytes += nb
+            self._bytes += nb
+        return entry.silu
+
+    @staticmethod
+    def _lookup(entry: _Entry, key: tuple[Any, ...], module: nn.Module, sig: Any) -> Any:
+        slot = entry.slots.get(key)
+        if slot is not None and slot.module() is module and slot.sig == sig:
+            return slot.payload
+        return None
+
+    def _projection(self, entry: _Entry, seq: nn.Module, lin: nn.Module, sig: Any, temb: torch.Tensor) -> torch.Tensor:
+        """``seq(temb)`` for a ``Sequential(SiLU, Linear)``: reuse a stored direct-call result, else replay."""
+        raw = self._lookup(entry, ("raw", id(seq)), seq, sig)
+        if raw is not None:
+            return raw
+        self.stats["projections"] += 1
+        return lin(self._silu(entry, temb))
+
+    def direct_projection(self, seq: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
+        """``seq(temb)`` for direct calls of ``img_mod``/``txt_mod`` (TeaCache's probe). (result, fallback reason)."""
+        why = self._precheck(temb)
+        if why:
+            return None, why
+        try:
+            lin = _silu_linear(seq)
+            sig = _linear_sig(lin, torch.is_grad_enabled())
+        except _Unkeyable as exc:
+            return None, str(exc)
+        entry = self._resolve(temb)
+        key = ("raw", id(seq))
+        raw = self._lookup(entry, key, seq, sig)
+        if raw is not None:
+            self.stats["hits"] += 1
+            return raw, None
+        self.stats["misses"] += 1
+        self.stats["projections"] += 1
+        raw = lin(self._silu(entry, temb))
+        self._store(entry, key, seq, sig, raw, raw.numel() * raw.element_size())
+        return raw, None
+
+    def block(self, block: nn.Module, temb: torch.Tensor) -> tuple[tuple[NormMod, ...] | None, str | None]:
+        """The four unpacked modulations (img1, img2, txt1, txt2) of ``block`` for ``temb``, or a fallback reason."""
+        why = self._precheck(temb)
+        if why:
+            return None, why
+        grad = torch.is_grad_enabled()
+        try:
+            img_lin = _silu_linear(block.img_mod)
+            txt_lin = _silu_linear(block.txt_mod)
+            kinds = tuple(_norm_kind(n) for n in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2))
+            sig_img, sig_txt = _linear_sig(img_lin, grad), _linear_sig(txt_lin, grad)
+        except _Unkeyable as exc:
+            return None, str(exc)
+        sig = (sig_img, sig_txt, kinds)
+        entry = self._resolve(temb)
+        key = ("block", id(block))
+        mods = self._lookup(entry, key, block, sig)
+        if mods is not None:
+            self.stats["hits"] += 1
+            return mods, None
+        self.stats["misses"] += 1
+        # Replay of stock: img_mod(temb), txt_mod(temb), chunk(2), _modulate -> (scale, shift, gate) views.
+        img_params = self._projection(entry, block.img_mod, img_lin, sig_img, temb)
+        txt_params = self._projection(entry, block.txt_mod, txt_lin, sig_txt, temb)
+        img_mod1, img_mod2 = img_params.chunk(2, dim=-1)
+        txt_mod1, txt_mod2 = txt_params.chunk(2, dim=-1)
+        mods = tuple(
+            NormMod.unpack(*block._modulate(p), kind)
+            for p, kind in zip((img_mod1, img_mod2, txt_mod1, txt_mod2), kinds, strict=True)
+        )
+        self._store(entry, key, block, sig, mods, sum(m.nbytes() for m in mods))
+        return mods, None
+
+    def norm_out(self, norm: nn.Module, x: torch.Tensor, cond: torch.Tensor) -> tuple[Any, str | None]:
+        """``((1 + scale)[:, None, :], shift[:, None, :])`` of diffusers' AdaLayerNormContinuous, or a reason."""
+        why = self._precheck(cond)
+        if why:
+            return None, why
+        try:
+            if type(norm.silu) is not nn.SiLU or norm.silu.inplace or _hooked(norm.silu) or _hooked(norm.linear):
+                raise _Unkeyable("norm_out's SiLU/linear is not stock's (or has hooks)")
+            sig = _linear_sig(norm.linear, torch.is_grad_enabled())
+        except _Unkeyable as exc:
+            return None, str(exc)
+        entry = self._resolve(cond)
+        key = ("norm_out", id(norm), x.dtype)
+        mods = self._lookup(entry, key, norm, sig)
+        if mods is not None:
+            self.stats["hits"] += 1
+            return mods, None
+        self.stats["misses"] += 1
+        self.stats["projections"] += 1
+        # Replay of diffusers 0.40 AdaLayerNormContinuous.forward up to the norm.
+        emb = norm.linear(self._silu(entry, cond).to(x.dtype))
+        scale, shift = torch.chunk(emb, 2, dim=1)
+        mods = ((1 + scale)[:, None, :], shift[:, None, :].clone(memory_format=torch.contiguous_format))
+        self._store(entry, key, norm, sig, mods, sum(t.numel() * t.element_size() for t in mods))
+        return mods, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the optimization
+# ----------------------------------------------------------------------------------------------------------------
 class SharedModulation(Optimization):
     name = "shared_modulation"
     summary = "Compute SiLU(temb) and the per-block modulation projections once per distinct timestep embedding (exact memo), and unpack them once per block into broadcast-ready tensors."
@@ -13,9 +533,273 @@ class SharedModulation(Optimization):
     default_enabled = True
     requires = ("vLLM-Omni 0.30.x; any device and dtype",)
     target_modules = (_targets.TRANSFORMER,)
+    parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-rank memo, no collectives (see docstring)
+    removal_plan = "Drop once vLLM-Omni memoizes Qwen-Image's modulation (upstream ExactProjectionCache wiring)."
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.memo = ModulationMemo()
+        self._fallbacks: Counter[str] = Counter()
+        self._logged: set[str] = set()
+        self._original_norm_out_forward: Any = None
+        self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
+        self._classes: dict[str, type] = {}
+
+    # ----- reasons ----------------------------------------------------------------------------------------
     def reasons_inactive(self) -> list[str]:
-        return ["not implemented yet"]
+        reasons = []
+        try:
+            budget_from_env()
+        except ValueError as exc:
+            reasons.append(f"{ENV_BUDGET_MB} is invalid ({exc})")
+        if all(m in sys.modules for m in (_targets.TRANSFORMER, ADALAYERNORM_MODULE)):
+            for name, fn in _upstream_functions().items():
+                got = _fingerprint(fn)
+                if got != FINGERPRINTS[name]:
+                    reasons.append(
+                        f"upstream {name} differs from the vLLM-Omni 0.30.0 code this patch mirrors "
+                        f"(source fingerprint {got}, expected {FINGERPRINTS[name]})"
+                    )
+        return reasons
+
+    def model_reasons_inactive(self, model: nn.Module) -> list[str]:
+        if not self.installed:
+            return ["not installed"]
+        transformers = _find_transformers(model)
+        if not transformers:
+            return ["no Qwen-Image transformer in this model"]
+        reasons = []
+        if self.memo.max_bytes <= 0:
+            reasons.append(f"modulation memo budget is 0 ({ENV_BUDGET_MB})")
+        patched = sys.modules[_targets.TRANSFORMER].QwenImageTransformerBlock.forward
+        for tr in transformers:
+            if getattr(tr, "zero_cond_t", False):
+                reasons.append("edit model (zero_cond_t): blocks keep the stock two-segment modulation")
+            for block in tr.transformer_blocks:
+                captured = getattr(block, "_omni_original_forward", None)
+                if captured is not None and getattr(captured, "__func__", None) is not patched:
+                    reasons.append("a vLLM-Omni hook captured the block forward before shared_modulation was installed")
+                    break
+            if any(p.is_inference() for lin in modulation_linears(tr) for p in lin.parameters()):
+                reasons.append("modulation weights are inference tensors (no version counter)")
+        return list(dict.fromkeys(reasons))
+
+    def notes(self) -> list[str]:
+        s = self.memo.stats
+        return [
+            f"memo budget {self.memo.max_bytes / 1024**2:.0f} MiB ({ENV_BUDGET_MB}); "
+            f"{len(self.memo)} temb entries, {self.memo.nbytes / 1024**2:.1f} MiB; "
+            f"hits {s['hits']}, misses {s['misses']}, evictions {s['evictions']}"
+        ]
+
+    def fallback_reasons(self) -> dict[str, int]:
+        """Why calls ran stock code since the last :meth:`reset_stats` (reason -> number of calls)."""
+        return dict(self._fallbacks)
+
+    def reset_stats(self) -> None:
+        self._fallbacks.clear()
+        self.memo.stats.clear()
+
+    def _fallback(self, why: str) -> None:
+        self._fallbacks[why] += 1
+        if why not in self._logged:
+            self._logged.add(why)
+            logger.debug("shared_modulation: running stock modulation: %s", why)
+
+    def invalidate(self) -> None:
+        """Drop every memoized tensor (after changing weights in a way version counters cannot see)."""
+        self.memo.clear()
+
+    # ----- install ----------------------------------------------------------------------------------------
+    def _install(self) -> None:
+        t = sys.modules[_targets.TRANSFORMER]
+        block_cls, model_cls = t.QwenImageTransformerBlock, t.QwenImageTransformer2DModel
+        self.memo.configure(budget_from_env())
+        self._original_norm_out_forward = t.AdaLayerNormContinuous.forward
+        self._make_classes(t)
+        original_forward = block_cls.forward
+        opt = self
+
+        def forward(
+            self,
+            hidden_states: torch.Tensor,
+            encoder_hidden_states: torch.Tensor,
+            encoder_hidden_states_mask: torch.Tensor,
+            temb: torch.Tensor,
+            image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
+            joint_attention_kwargs: dict[str, Any] | None = None,
+            modulate_index: list[int] | None = None,
+            hidden_states_mask: torch.Tensor | None = None,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if modulate_index is not None or self.zero_cond_t:
+                mods, why = None, "edit model two-segment modulation (zero_cond_t / modulate_index)"
+            else:
+                mods, why = opt.memo.block(self, temb)
+            if mods is None:
+                opt._fallback(why or "unknown")
+                return original_forward(
+                    self,
+                    hidden_states=hidden_states,
+                    encoder_hidden_states=encoder_hidden_states,
+                    encoder_hidden_states_mask=encoder_hidden_states_mask,
+                    temb=temb,
+                    image_rotary_emb=image_rotary_emb,
+                    joint_attention_kwargs=joint_attention_kwargs,
+                    modulate_index=modulate_index,
+                    hidden_states_mask=hidden_states_mask,
+                )
+            return _block_body(
+                self,
+                mods,
+                hidden_states,
+                encoder_hidden_states,
+                encoder_hidden_states_mask,
+                image_rotary_emb,
+                hidden_states_mask,
+            )
+
+        forward.__wrapped__ = original_forward  # type: ignore[attr-defined]
+        forward.__doc__ = original_forward.__doc__
+        self.patches.set(block_cls, "forward", forward)
+
+        original_load = model_cls.load_weights
+
+        def load_weights(self, weights):
+            try:
+                return original_load(self, weights)
+            finally:
+                opt.invalidate()  # default_weight_loader writes through param.data: version counters miss it
+
+        load_weights.__wrapped__ = original_load  # type: ignore[attr-defined]
+        self.patches.set(model_cls, "load_weights", load_weights)
+
+    def _make_classes(self, t: Any) -> None:
+        if self._classes:
+            return
+        opt = self
+        base_norm = t.AdaLayerNormContinuous
+
+        class MemoModulation(nn.Sequential):
+            """Stock ``nn.Sequential(SiLU, ReplicatedLinear)`` whose direct calls are memoized (same object)."""
+
+            def forward(self, input: torch.Tensor) -> torch.Tensor:
+                out, why = opt.memo.direct_projection(self, input)
+                if out is None:
+                    opt._fallback(why or "unknown")
+                    return nn.Sequential.forward(self, input)
+                return out
+
+        class MemoAdaLayerNormContinuous(base_norm):
+            """diffusers' AdaLayerNormContinuous whose ``(1 + scale, shift)`` come from the memo (same object)."""
+
+            def forward(self, x: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
+                mods, why = opt.memo.norm_out(self, x, conditioning_embedding)
+                if mods is None:
+                    opt._fallback(why or "unknown")
+                    return opt._original_norm_out_forward(self, x, conditioning_embedding)
+                ops, shift = mods
+                return self.norm(x) * ops + shift
+
+        self._classes = {"modulation": MemoModulation, "norm_out": MemoAdaLayerNormContinuous, "norm_base": base_norm}
+
+    def _uninstall(self) -> None:
+        for module, cls in list(self._swapped.items()):
+            module.__class__ = cls
+        self._swapped = weakref.WeakKeyDictionary()
+        self.memo.clear()
+        self.reset_stats()
+        self._logged.clear()
+
+    # ----- attach -----------------------------------------------------------------------------------------
+    def _attach(self, model: nn.Module) -> None:
+        for tr in _find_transformers(model):
+            for block in tr.transformer_blocks:
+                for name in ("img_mod", "txt_mod"):
+                    self._swap(getattr(block, name), nn.Sequential, self._classes["modulation"])
+            self._swap(tr.norm_out, self._classes["norm_base"], self._classes["norm_out"])
+
+    def _detach(self, model: nn.Module) -> None:
+        for tr in _find_transformers(model):
+            for m in [*(getattr(b, n) for b in tr.transformer_blocks for n in ("img_mod", "txt_mod")), tr.norm_out]:
+                cls = self._swapped.pop(m, None)
+                if cls is not None:
+                    m.__class__ = cls
+        self.memo.clear()
+
+    def _swap(self, module: nn.Module, expected: type, replacement: type) -> None:
+        if type(module) is expected and module not in self._swapped:
+            self._swapped[module] = expected
+            module.__class__ = replacement
+
+    def is_prepared(self, module: nn.Module) -> bool:
+        """Whether ``module`` (an img_mod/txt_mod/norm_out) currently carries the memoizing class."""
+        return module in self._swapped
+
+
+def _block_body(
+    block: nn.Module,
+    mods: tuple[NormMod, ...],
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    encoder_hidden_states_mask: torch.Tensor | None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    hidden_states_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The single-segment block of vLLM-Omni 0.30 with its modulation read from ``mods``: the same ops on the same
+    values as ``QwenImageTransformerBlock.forward`` with ``modulate_index=None`` and ``zero_cond_t=False``."""
+    img1, img2, txt1, txt2 = mods
+    img_modulated = img1.norm(block.img_norm1, hidden_states)
+    txt_modulated = txt1.norm(block.txt_norm1, encoder_hidden_states)
+    img_attn_output, txt_attn_output = block.attn(
+        hidden_states=img_modulated,
+        encoder_hidden_states=txt_modulated,
+        vid_freqs=image_rotary_emb[0],
+        txt_freqs=image_rotary_emb[1],
+        hidden_states_mask=hidden_states_mask,
+        encoder_hidden_states_mask=encoder_hidden_states_mask,
+    )
+    hidden_states = hidden_states + img1.gate * img_attn_output
+    encoder_hidden_states = encoder_hidden_states + txt1.gate * txt_attn_output
+
+    img_modulated2 = img2.norm(block.img_norm2, hidden_states)
+    hidden_states = hidden_states + img2.gate * block.img_mlp(img_modulated2)
+    txt_modulated2 = txt2.norm(block.txt_norm2, encoder_hidden_states)
+    encoder_hidden_states = encoder_hidden_states + txt2.gate * block.txt_mlp(txt_modulated2)
+
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _find_transformers(model: Any) -> list[nn.Module]:
+    """The QwenImageTransformer2DModel instances in ``model`` (a pipeline, a transformer, or any module tree)."""
+    t = sys.modules.get(_targets.TRANSFORMER)
+    if t is None:
+        return []
+    cls = t.QwenImageTransformer2DModel
+    if isinstance(model, cls):
+        return [model]
+    found = []
+    tr = getattr(model, "transformer", None)
+    if isinstance(tr, cls):
+        found.append(tr)
+    if isinstance(model, nn.Module):
+        found.extend(m for m in model.modules() if isinstance(m, cls) and m is not tr)
+    return found
+
+
+def modulation_linears(transformer: nn.Module) -> list[nn.Module]:
+    """Every projection whose output depends only on temb: each block's img_mod/txt_mod linear and norm_out.linear."""
+    out = [seq._modules["1"] for b in transformer.transformer_blocks for seq in (b.img_mod, b.txt_mod)]
+    out.append(transformer.norm_out.linear)
+    return out
+
+
+def invalidate() -> None:
+    """Drop the memo (call after writing modulation weights through ``.data`` or any path it cannot see)."""
+    OPT.invalidate()
 
 
 OPT = register_optimization(SharedModulation())

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops that allocate or re-describe memory without launching a compute kernel.
@@ -91,3 +92,34 @@ def count_module_calls(module: torch.nn.Module) -> Iterator[list[OpCounter]]:
     finally:
         h1.remove()
         h2.remove()
+
+
+class TensorReadCounter(TorchDispatchMode):
+    """Counts the kernel-launching ops that read any of ``tensors`` (matched by storage, so views such as
+    ``weight.t()`` count) and the bytes they read: each watched storage's size once per op that takes it.
+
+    ``with TensorReadCounter(weights) as c: ...`` then ``c.calls`` / ``c.bytes``. Used for "modulation weight bytes
+    read per denoise step": a GEMV reads its whole weight and bias once.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self._sizes: dict[int, int] = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            self._sizes[st.data_ptr()] = st.nbytes()
+        self.calls = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if is_kernel_launch(func):
+            seen = {
+                a.untyped_storage().data_ptr()
+                for a in pytree.tree_leaves((args, kwargs))
+                if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self._sizes
+            }
+            if seen:
+                self.calls += 1
+                self.bytes += sum(self._sizes[p] for p in seen)
+        return func(*args, **kwargs)
