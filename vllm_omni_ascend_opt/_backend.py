@@ -54,6 +54,25 @@ def _probe() -> tuple[ModuleType | None, str]:
     return mod, ""
 
 
+def is_npu_tensor(t: torch.Tensor) -> bool:
+    """True when ``t`` lives on the NPU that :func:`torch_npu_module` drives (torch_npu's ``Tensor.is_npu``).
+
+    Asked through the tensor, not as ``t.device.type == "npu"``, so that the test fake (CPU tensors standing for device
+    memory, with ``is_npu`` defined by the fake) runs the same code path. ``False`` whenever torch_npu is unusable.
+    """
+    if torch_npu_module() is None:
+        return False
+    return bool(getattr(t, "is_npu", False))
+
+
+def backend_label() -> str:
+    """``torch_npu <version>`` of the module in use, for reasons and notes (``"no torch_npu"`` when there is none)."""
+    mod = torch_npu_module()
+    if mod is None:
+        return "no torch_npu"
+    return f"torch_npu {getattr(mod, '__version__', '?')}"
+
+
 def npu_device() -> torch.device:
     """The NPU this process uses (only meaningful when :func:`torch_npu_module` is not ``None``)."""
     return torch.device("npu", torch.npu.current_device())

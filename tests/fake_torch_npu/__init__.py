@@ -6,7 +6,8 @@ real. Every constraint is listed, with its source, in the module that implements
 
 * :mod:`.rotary`    - ``npu_rotary_mul``
 * :mod:`.attention` - ``npu_fusion_attention`` (and ``npu_fused_infer_attention_score`` if used)
-* :mod:`.formats`   - ``npu_format_cast`` / ``get_npu_format`` and ``torch.npu.config.allow_internal_format``
+* :mod:`.formats`   - ``npu_format_cast`` / ``get_npu_format``, ``torch.npu.config.allow_internal_format`` and the
+  device model (``Tensor.is_npu`` for CPU tensors, ``mark_host``), installed by its ``install_hooks``
 
 Sources are abbreviated: [OP-ROT] Ascend/op-plugin docs ``torch_npu-npu_rotary_mul.md``; [OP-FA]
 ``torch_npu-npu_fusion_attention.md``; [OP-FIA] ``torch_npu-npu_fused_infer_attention_score.md``; [OP-FMT]
@@ -90,6 +91,10 @@ def install(monkeypatch: Any, **kwargs: Any) -> types.ModuleType:
     mod = build(**kwargs)
     monkeypatch.setitem(sys.modules, "torch_npu", mod)
     monkeypatch.setattr(torch, "npu", mod._torch_npu_namespace, raising=False)
+    for kernel_module in (rotary, attention, formats):  # per-module extras, e.g. formats: Tensor.is_npu
+        hook = getattr(kernel_module, "install_hooks", None)
+        if hook is not None:
+            hook(monkeypatch, mod)
     _backend.reset_cache()
     monkeypatch.setattr(_backend, "_CACHE", {})
     return mod

@@ -1,8 +1,438 @@
-"""Fake torch_npu kernels: attention. Each documented constraint is checked with its source cited (see __init__)."""
+"""Fake torch_npu kernels: attention (``npu_fusion_attention``, ``npu_fused_infer_attention_score``).
+
+Sources (see ``__init__``):
+
+* [OP-FA] Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (commits 3ec6c1f and 0d8f401, same
+  constraints). Prototype ``npu_fusion_attention(query, key, value, head_num, input_layout, pse=None,
+  padding_mask=None, atten_mask=None, scale=1., keep_prob=1., pre_tockens=2147483647, next_tockens=2147483647,
+  inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
+  sync=False) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)``; output 0 is attention_out, 1/2 softmax max/sum
+  (float), 3 reserved, 4-6 dropout seed/offset/length.
+  - query/key/value: float16, bfloat16, float32, all of one dtype; one ``input_layout`` for all: BSH, SBH, BSND, BNSD,
+    TND (TND = varlen, needs actual_seq_qlen/kvlen).
+  - key and value have the same shape; B equal, 1..2M (varlen 1..2K); D: Dq = Dk, Dk >= Dv, 1..768; S 1..1M.
+  - Nq / Nkv a non-zero integer, Nq 1..256 (GQA when > 1).
+  - ``atten_mask``: bool / uint8, **1 (True) = this position does NOT take part** ("取值为1代表该位不参与计算"),
+    shapes BNSS, B1SS, 11SS, SS. ``scale`` defaults to **1**. ``padding_mask``: "暂不支持该传参" (not supported).
+  - ``keep_prob`` in (0, 1]. ``inner_precise``: 0/1 reserved, 2 = invalid-row computation ("avoids precision loss
+    when a whole row is masked"). ``sparse_mode`` 0..8; 0 = defaultMask (with a mask, keep it consistent with
+    pre_tockens / next_tockens; without a mask, full computation), 1 = allMask (a full mask is required).
+  - "该接口仅在训练场景下使用" / "暂不支持图模式" (training only, no graph mode). Product: Atlas A2 training.
+  - The reference example of the page computes ``softmax(q k^T * scale + mask * -10000) v`` in BNSD.
+* [OP-FIA] ``docs/context/torch_npu-npu_fused_infer_attention_score.md`` (commit 0adf450): ``(query, key, value, *,
+  ..., atten_mask=None, ..., num_heads=1, scale=1.0, pre_tokens=2147483647, next_tokens=2147483647,
+  input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0, ..., softmax_lse_flag=False, ...) ->
+  (Tensor, Tensor)``. Inference and graph mode. query float16/bfloat16 (A2/A3); query, key, value and atten_mask:
+  **non-contiguous tensors not supported**; layouts BSH, BSND, BNSD (+ BNSD_BSND, TND, ... not modelled);
+  num_heads must match query's N (BNSD); num_key_value_heads 0 = num_heads, must divide it, ratio <= 64, and match
+  key's N (BSND/BNSD). For Q_S > 1: B <= 65536, N <= 256, D <= 512, D 16-aligned for float16/bfloat16, S <= 20M;
+  atten_mask bool/int8/uint8 of shape (Q_S, KV_S), (B, Q_S, KV_S), (1, Q_S, KV_S), (B, 1, Q_S, KV_S),
+  (1, 1, Q_S, KV_S); sparse_mode 0..4; inner_precise 0..3. Output 2 (softmax_lse) is a [1] zero tensor unless
+  softmax_lse_flag. The page describes the mask as "indicating whether to compute the correlation between tokens";
+  the fake uses the same polarity as [OP-FA] (True = masked), as vllm-ascend passes ``triu(ones, 1)`` causal masks
+  to it - an inference, checked against SDPA on the device by ``benchmarks/npu_check_kernels.py``.
+
+The computation runs inside ``torch.library`` custom ops (``fake_torch_npu::fusion_attention``,
+``fake_torch_npu::fused_infer_attention``), so an op counter (a TorchDispatchMode) sees exactly one launch per call, as
+on the device, and not the fake's own torch ops. It computes in float32 and rounds once to the input dtype.
+
+Variants: ``fusion_attention="wrong_polarity"`` masks where the mask is False (a kernel/wrapper with SDPA's polarity);
+``fusion_attention="ignores_scale"`` always uses scale 1 (a wrapper that drops the argument). The plugin's on-device
+verification must refuse both.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from tests.fake_torch_npu.formats import FakeNpuError
+
+_FA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # [OP-FA] query/key/value
+_FA_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")  # [OP-FA] input_layout
+_FA_MAX_D = 768  # [OP-FA] D 1..768
+_FA_MAX_N = 256  # [OP-FA] Nq 1..256
+_FA_MAX_S = 1 << 20  # [OP-FA] S 1..1M
+_FA_MAX_B = 2 << 20  # [OP-FA] B 1..2M (non-varlen)
+_INT_MAX = 2147483647
+
+_FIA_DTYPES = (torch.float16, torch.bfloat16)  # [OP-FIA] query on A2/A3
+_FIA_MAX_D = 512  # [OP-FIA] Q_S > 1
+_FIA_MAX_N = 256
+_FIA_MAX_B = 65536
+_FIA_MAX_GQA = 64
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shared math (BNSD, float32 inside)
+# ----------------------------------------------------------------------------------------------------------------
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    masked: torch.Tensor | None,
+    scale: float,
+    pre: int,
+    nxt: int,
+    invalid_rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale, masked positions excluded) v for BNSD q/k/v; returns (out fp32, row max, row sum)."""
+    nq, nkv = q.shape[1], k.shape[1]
+    if nq != nkv:  # GQA: query head h reads kv head h // (nq / nkv)
+        k = k.repeat_interleave(nq // nkv, dim=1)
+        v = v.repeat_interleave(nq // nkv, dim=1)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    sq, skv = s.shape[-2], s.shape[-1]
+    block = torch.zeros(sq, skv, dtype=torch.bool)
+    if masked is not None:
+        block = block | masked.bool()
+    if pre < sq or nxt < skv:  # band, origin top-left ([OP-FA] sparse_mode 0 with pre/next tokens)
+        i = torch.arange(sq).unsqueeze(1)
+        j = torch.arange(skv).unsqueeze(0)
+        block = block | (i - j > pre) | (j - i > nxt)
+    s = s.masked_fill(block, float("-inf"))
+    row_max = s.amax(dim=-1, keepdim=True)
+    full = torch.isinf(row_max) & (row_max < 0)  # every position of the row masked
+    p = torch.exp(s - torch.where(full, torch.zeros_like(row_max), row_max))
+    row_sum = p.sum(dim=-1, keepdim=True)
+    out = torch.matmul(p / torch.where(full, torch.ones_like(row_sum), row_sum), v.float())
+    # [OP-FA] inner_precise: a fully masked row loses precision unless invalid-row computation (2) is on; the fake
+    # makes "undefined" visible as NaN, and zero rows with invalid-row computation.
+    out = out.masked_fill(full, 0.0 if invalid_rows else float("nan"))
+    return out, row_max, row_sum
+
+
+def _to_bnsd(x: torch.Tensor, layout: str, n: int) -> torch.Tensor:
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return x.permute(0, 2, 1, 3)
+    if layout == "BSH":
+        b, s, h = x.shape
+        return x.reshape(b, s, n, h // n).permute(0, 2, 1, 3)
+    if layout == "SBH":
+        s, b, h = x.shape
+        return x.permute(1, 0, 2).reshape(b, s, n, h // n).permute(0, 2, 1, 3)
+    raise AssertionError(layout)
+
+
+def _from_bnsd(out: torch.Tensor, layout: str) -> torch.Tensor:
+    b, n, s, d = out.shape
+    if layout == "BNSD":
+        return out.contiguous()
+    if layout == "BSND":
+        return out.permute(0, 2, 1, 3).contiguous()
+    if layout == "BSH":
+        return out.permute(0, 2, 1, 3).reshape(b, s, n * d).contiguous()
+    if layout == "SBH":
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d).contiguous()
+    raise AssertionError(layout)
+
+
+@torch.library.custom_op("fake_torch_npu::fusion_attention", mutates_args=())
+def _fusion_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    atten_mask: torch.Tensor | None,
+    layout: str,
+    head_num: int,
+    kv_heads: int,
+    scale: float,
+    pre_tockens: int,
+    next_tockens: int,
+    inner_precise: int,
+    mask_where_true: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = _to_bnsd(query, layout, head_num)
+    k = _to_bnsd(key, layout, kv_heads)
+    v = _to_bnsd(value, layout, kv_heads)
+    masked = None
+    if atten_mask is not None:
+        m = atten_mask.bool()
+        masked = m if mask_where_true else ~m
+    out, row_max, row_sum = _attend(q, k, v, masked, scale, pre_tockens, next_tockens, inner_precise == 2)
+    # softmax_max / softmax_sum: [B, N, Sq, 8] float (the kernel stores 8 copies per row); output 3 is reserved.
+    stats = [r.expand(*r.shape[:-1], 8).contiguous() for r in (row_max, row_sum)]
+    return _from_bnsd(out.to(query.dtype), layout), stats[0], stats[1], query.new_empty((0,))
+
+
+@_fusion_attention_op.register_fake
+def _(query, key, value, atten_mask, layout, head_num, kv_heads, scale, pre, nxt, inner, where_true):
+    b = query.shape[1] if layout == "SBH" else query.shape[0]
+    sq = query.shape[0] if layout == "SBH" else query.shape[2] if layout == "BNSD" else query.shape[1]
+    stats = query.new_empty((b, head_num, sq, 8), dtype=torch.float32)
+    return torch.empty_like(query), stats, stats.clone(), query.new_empty((0,))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# npu_fusion_attention: documented argument checks
+# ----------------------------------------------------------------------------------------------------------------
+def _fa_shapes(query: torch.Tensor, key: torch.Tensor, head_num: int, layout: str) -> tuple[int, int, int, int, int]:
+    """Return (B, Sq, Skv, Nkv, D) or raise [OP-FA]."""
+    want_dim = 3 if layout in ("BSH", "SBH") else 4
+    if query.dim() != want_dim or key.dim() != want_dim:
+        raise FakeNpuError(f"npu_fusion_attention: {layout} needs {want_dim}-D query/key/value [OP-FA]")
+    if layout in ("BSND", "BNSD"):
+        if layout == "BSND":
+            b, sq, nq, d = query.shape
+            bk, skv, nkv, dk = key.shape
+        else:
+            b, nq, sq, d = query.shape
+            bk, nkv, skv, dk = key.shape
+        if nq != head_num:
+            raise FakeNpuError(f"npu_fusion_attention: head_num={head_num} but query has N={nq} ({layout}) [OP-FA]")
+    else:
+        if layout == "BSH":
+            b, sq, h = query.shape
+            bk, skv, hk = key.shape
+        else:
+            sq, b, h = query.shape
+            skv, bk, hk = key.shape
+        if head_num <= 0 or h % head_num:
+            raise FakeNpuError(f"npu_fusion_attention: H={h} is not a multiple of head_num={head_num} [OP-FA]")
+        d = h // head_num
+        if hk % d:
+            raise FakeNpuError(f"npu_fusion_attention: key H={hk} is not a multiple of D={d} [OP-FA]")
+        nkv, dk = hk // d, d
+    if b != bk:
+        raise FakeNpuError(f"npu_fusion_attention: batch sizes differ ({b} vs {bk}) [OP-FA]")
+    if not 1 <= b <= _FA_MAX_B:
+        raise FakeNpuError(f"npu_fusion_attention: B={b} outside 1..2M [OP-FA]")
+    if d != dk:
+        raise FakeNpuError(f"npu_fusion_attention: Dq={d} != Dk={dk} [OP-FA]")
+    if not 1 <= d <= _FA_MAX_D:
+        raise FakeNpuError(f"npu_fusion_attention: D={d} outside 1..{_FA_MAX_D} [OP-FA]")
+    if not 1 <= head_num <= _FA_MAX_N:
+        raise FakeNpuError(f"npu_fusion_attention: Nq={head_num} outside 1..{_FA_MAX_N} [OP-FA]")
+    if nkv <= 0 or head_num % nkv:
+        raise FakeNpuError(f"npu_fusion_attention: Nq/Nkv = {head_num}/{nkv} is not a non-zero integer [OP-FA]")
+    for name, s in (("Sq", sq), ("Skv", skv)):
+        if not 1 <= s <= _FA_MAX_S:
+            raise FakeNpuError(f"npu_fusion_attention: {name}={s} outside 1..1M [OP-FA]")
+    return b, sq, skv, nkv, d
+
+
+def _check_fa_mask(mask: torch.Tensor, b: int, n: int, sq: int, skv: int) -> None:
+    if mask.dtype not in (torch.bool, torch.uint8):
+        raise FakeNpuError(f"npu_fusion_attention: atten_mask dtype {mask.dtype} is not bool/uint8 [OP-FA]")
+    allowed = {"BNSS": (b, n, sq, skv), "B1SS": (b, 1, sq, skv), "11SS": (1, 1, sq, skv), "SS": (sq, skv)}
+    if tuple(mask.shape) not in allowed.values():
+        raise FakeNpuError(
+            f"npu_fusion_attention: atten_mask shape {tuple(mask.shape)} is none of "
+            f"{ {k: v for k, v in allowed.items()} } [OP-FA]"
+        )
+
+
+def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool = True) -> Any:
+    def npu_fusion_attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        head_num: int,
+        input_layout: str,
+        pse: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        atten_mask: torch.Tensor | None = None,
+        scale: float = 1.0,
+        keep_prob: float = 1.0,
+        pre_tockens: int = _INT_MAX,
+        next_tockens: int = _INT_MAX,
+        inner_precise: int = 0,
+        prefix: Any = None,
+        actual_seq_qlen: Any = None,
+        actual_seq_kvlen: Any = None,
+        sparse_mode: int = 0,
+        gen_mask_parallel: bool = True,
+        sync: bool = False,
+        softmax_layout: str = "",
+    ) -> tuple[Any, ...]:
+        """[OP-FA] Fake: documented result and constraints (see the module docstring)."""
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"npu_fusion_attention: {name} must be a Tensor")
+            if t.dtype not in _FA_DTYPES:
+                raise FakeNpuError(f"npu_fusion_attention: {name} dtype {t.dtype} not float16/bfloat16/float32 [OP-FA]")
+        if not (query.dtype == key.dtype == value.dtype):
+            raise FakeNpuError("npu_fusion_attention: query/key/value dtypes must be equal [OP-FA]")
+        if input_layout not in _FA_LAYOUTS:
+            raise FakeNpuError(f"npu_fusion_attention: input_layout {input_layout!r} not in {_FA_LAYOUTS} [OP-FA]")
+        if input_layout == "TND" or actual_seq_qlen is not None or actual_seq_kvlen is not None or prefix is not None:
+            raise NotImplementedError("fake npu_fusion_attention: varlen (TND) and prefix are not modelled")
+        if padding_mask is not None:
+            raise FakeNpuError("npu_fusion_attention: padding_mask is not supported (暂不支持该传参) [OP-FA]")
+        if pse is not None:
+            raise NotImplementedError("fake npu_fusion_attention: pse is not modelled")
+        if not 0.0 < keep_prob <= 1.0:
+            raise FakeNpuError(f"npu_fusion_attention: keep_prob={keep_prob} outside (0, 1] [OP-FA]")
+        if keep_prob != 1.0:
+            raise NotImplementedError("fake npu_fusion_attention: dropout is not modelled")
+        if inner_precise not in (0, 1, 2):
+            raise FakeNpuError(f"npu_fusion_attention: inner_precise={inner_precise} not in 0/1/2 [OP-FA]")
+        if sparse_mode not in range(9):
+            raise FakeNpuError(f"npu_fusion_attention: sparse_mode={sparse_mode} not in 0..8 [OP-FA]")
+        if sparse_mode not in (0, 1):
+            raise NotImplementedError(f"fake npu_fusion_attention: sparse_mode={sparse_mode} is not modelled")
+        if tuple(key.shape) != tuple(value.shape):
+            raise FakeNpuError(
+                f"npu_fusion_attention: key {tuple(key.shape)} and value {tuple(value.shape)} differ [OP-FA]"
+            )
+        b, sq, skv, nkv, _d = _fa_shapes(query, key, head_num, input_layout)
+        if atten_mask is not None:
+            _check_fa_mask(atten_mask, b, head_num, sq, skv)
+        elif sparse_mode == 1:
+            raise FakeNpuError("npu_fusion_attention: sparse_mode=1 (allMask) needs a full atten_mask [OP-FA]")
+        pre, nxt = (
+            (pre_tockens, next_tockens) if (sparse_mode == 0 and atten_mask is not None) else (_INT_MAX, _INT_MAX)
+        )
+        out, smax, ssum, reserved = _fusion_attention_op(
+            query,
+            key,
+            value,
+            atten_mask,
+            input_layout,
+            head_num,
+            nkv,
+            float(scale) if honour_scale else 1.0,
+            int(pre),
+            int(nxt),
+            int(inner_precise),
+            mask_where_true,
+        )
+        return out, smax, ssum, reserved, 0, 0, 0
+
+    return npu_fusion_attention
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# npu_fused_infer_attention_score (a candidate the check script times; the plugin does not call it)
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("fake_torch_npu::fused_infer_attention", mutates_args=())
+def _fia_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    atten_mask: torch.Tensor | None,
+    layout: str,
+    num_heads: int,
+    kv_heads: int,
+    scale: float,
+    inner_precise: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q = _to_bnsd(query, layout, num_heads)
+    k = _to_bnsd(key, layout, kv_heads)
+    v = _to_bnsd(value, layout, kv_heads)
+    masked = None
+    if atten_mask is not None:
+        masked = atten_mask.bool()
+        if masked.dim() == 3:
+            masked = masked.unsqueeze(1)
+    out, _, _ = _attend(q, k, v, masked, scale, _INT_MAX, _INT_MAX, inner_precise in (2, 3))
+    # softmax_lse: a [1] zero tensor unless softmax_lse_flag (not modelled) [OP-FIA]
+    return _from_bnsd(out.to(query.dtype), layout), query.new_zeros((1,), dtype=torch.float32)
+
+
+@_fia_op.register_fake
+def _(query, key, value, atten_mask, layout, num_heads, kv_heads, scale, inner_precise):
+    return torch.empty_like(query), query.new_empty((1,), dtype=torch.float32)
+
+
+def npu_fused_infer_attention_score(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    pse_shift: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    actual_seq_lengths: Any = None,
+    actual_seq_lengths_kv: Any = None,
+    num_heads: int = 1,
+    scale: float = 1.0,
+    pre_tokens: int = _INT_MAX,
+    next_tokens: int = _INT_MAX,
+    input_layout: str = "BSH",
+    num_key_value_heads: int = 0,
+    sparse_mode: int = 0,
+    inner_precise: int = 0,
+    block_size: int = 0,
+    antiquant_mode: int = 0,
+    softmax_lse_flag: bool = False,
+    **unmodelled: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[OP-FIA] Fake: dense full-attention (Q_S > 1) subset of the documented behaviour and constraints."""
+    if any(v is not None for v in unmodelled.values()) or pse_shift is not None or block_size:
+        raise NotImplementedError("fake npu_fused_infer_attention_score: quantization/paged/pse/prefix not modelled")
+    if actual_seq_lengths is not None or actual_seq_lengths_kv is not None:
+        raise NotImplementedError("fake npu_fused_infer_attention_score: actual_seq_lengths not modelled")
+    if query.dtype not in _FIA_DTYPES:
+        raise FakeNpuError(f"npu_fused_infer_attention_score: query dtype {query.dtype} not float16/bfloat16 [OP-FIA]")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise NotImplementedError("fake npu_fused_infer_attention_score: int8/int4 key/value not modelled")
+    for name, t in (("query", query), ("key", key), ("value", value), ("atten_mask", atten_mask)):
+        if t is not None and not t.is_contiguous():
+            raise FakeNpuError(f"npu_fused_infer_attention_score: {name} must be contiguous [OP-FIA]")
+    if input_layout not in ("BSH", "BSND", "BNSD"):
+        raise NotImplementedError(f"fake npu_fused_infer_attention_score: layout {input_layout!r} not modelled")
+    if tuple(key.shape) != tuple(value.shape):
+        raise FakeNpuError("npu_fused_infer_attention_score: key and value shapes must be equal [OP-FIA]")
+    nkv = num_key_value_heads or num_heads
+    if num_heads <= 0 or num_heads % nkv or num_heads // nkv > _FIA_MAX_GQA:
+        raise FakeNpuError(
+            f"npu_fused_infer_attention_score: num_heads={num_heads} / num_key_value_heads={nkv} must be an integer "
+            f"<= {_FIA_MAX_GQA} [OP-FIA]"
+        )
+    if input_layout == "BSH":
+        b, sq, h = query.shape
+        skv = key.shape[1]
+        d = h // num_heads
+        if h % num_heads or key.shape[2] != nkv * d:
+            raise FakeNpuError("npu_fused_infer_attention_score: H / num_heads / num_key_value_heads mismatch [OP-FIA]")
+    else:
+        if input_layout == "BSND":
+            b, sq, nq, d = query.shape
+            skv, nk = key.shape[1], key.shape[2]
+        else:
+            b, nq, sq, d = query.shape
+            nk, skv = key.shape[1], key.shape[2]
+        if nq != num_heads or nk != nkv:
+            raise FakeNpuError(
+                f"npu_fused_infer_attention_score: num_heads={num_heads}/num_key_value_heads={nkv} do not match the "
+                f"query/key N ({nq}/{nk}) [OP-FIA]"
+            )
+    if sq > 1:
+        if b > _FIA_MAX_B or num_heads > _FIA_MAX_N or d > _FIA_MAX_D or d % 16:
+            raise FakeNpuError(
+                f"npu_fused_infer_attention_score: B={b} (<= 65536), N={num_heads} (<= 256), D={d} (<= 512, 16-aligned) "
+                "[OP-FIA]"
+            )
+        if sparse_mode not in range(5):
+            raise FakeNpuError(f"npu_fused_infer_attention_score: sparse_mode={sparse_mode} not in 0..4 [OP-FIA]")
+    else:
+        raise NotImplementedError("fake npu_fused_infer_attention_score: the Q_S == 1 (incremental) branch")
+    if sparse_mode not in (0, 1) or pre_tokens != _INT_MAX or next_tokens != _INT_MAX:
+        raise NotImplementedError("fake npu_fused_infer_attention_score: sparse modes / bands not modelled")
+    if inner_precise not in range(4):
+        raise FakeNpuError(f"npu_fused_infer_attention_score: inner_precise={inner_precise} not in 0..3 [OP-FIA]")
+    if atten_mask is not None:
+        if atten_mask.dtype not in (torch.bool, torch.int8, torch.uint8):
+            raise FakeNpuError(f"npu_fused_infer_attention_score: atten_mask dtype {atten_mask.dtype} [OP-FIA]")
+        allowed = [(sq, skv), (b, sq, skv), (1, sq, skv), (b, 1, sq, skv), (1, 1, sq, skv)]
+        if tuple(atten_mask.shape) not in allowed:
+            raise FakeNpuError(
+                f"npu_fused_infer_attention_score: atten_mask shape {tuple(atten_mask.shape)} not in {allowed} [OP-FIA]"
+            )
+    elif sparse_mode == 1:
+        raise FakeNpuError("npu_fused_infer_attention_score: sparse_mode=1 needs a full atten_mask [OP-FIA]")
+    return _fia_op(query, key, value, atten_mask, input_layout, num_heads, nkv, float(scale), int(inner_precise))
+
+
 #: kernel name -> {variant: implementation}; "correct" follows the documentation.
-VARIANTS: dict[str, dict[str, Any]] = {}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "npu_fusion_attention": {
+        "correct": _make_fusion_attention(),
+        "wrong_polarity": _make_fusion_attention(mask_where_true=False),
+        "ignores_scale": _make_fusion_attention(honour_scale=False),
+    },
+    "npu_fused_infer_attention_score": {"correct": npu_fused_infer_attention_score},
+}

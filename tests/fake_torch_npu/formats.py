@@ -1,8 +1,188 @@
-"""Fake torch_npu kernels: formats. Each documented constraint is checked with its source cited (see __init__)."""
+"""Fake torch_npu kernels: tensor formats (``npu_format_cast``, ``get_npu_format``) and the device model.
+
+Sources (see ``__init__``):
+
+* [OP-FMT] Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_format_cast.md`` (commit 18c2792):
+  ``torch_npu.npu_format_cast(input, acl_format) -> Tensor``; "修改后的新张量不会替换原有张量" (it returns a *new*
+  tensor and leaves ``input`` alone); ``acl_format`` is an ``int`` or a ``torch_npu.Format`` whose table lists
+  UNDEFINED=-1, NCHW=0, NHWC=1, ND=2, NC1HWC0=3, FRACTAL_Z=4, NC1HWC0_C04=12, HWCN=16, NDHWC=27,
+  FRACTAL_NZ=29 ("内部格式" - an internal format), NCDHW=30, NDC1HWC0=32, FRACTAL_Z_3D=33, NC=35, NCL=47. Its example:
+  ``get_npu_format(torch.rand(2, 3, 4, 5).npu()) == 0`` and ``== 2`` after ``npu_format_cast(x, 2)``.
+* [OP-GFMT] ``docs/context/（beta）at_npu-native-get_npu_format.md``: returns the NPU format of a tensor (an int).
+* [OP-AIF] ``docs/context/（beta）torch_npu-npu-config-allow_internal_format.md``: ``True`` allows private (internal)
+  formats; ``False`` forbids allocating *any* private-format tensor. Default ``True`` on Atlas training / A2 /
+  inference products, ``False`` on Atlas A3. The real op's reaction to a forbidden cast is not documented; the fake
+  raises, so that a cast the plugin makes despite the flag fails loudly instead of passing silently.
+* [VA-10287] vllm-project/vllm-ascend PR #10287 (issue #10014) and merged PR #16058: ``aclnnMatmulWeightNz`` rejects
+  a FRACTAL_NZ mat2 with n == 1 or k == 1 ("Not support mat2 n = 1 or k = 1 when format is FRACTAL_NZ"). The cast
+  itself succeeds; the *matmul* fails. :func:`nz_matmul_check` models that failure point.
+* [TNPU-ISNPU] torch_npu adds a ``Tensor.is_npu`` property (used as ``tensor.is_npu`` throughout torch_npu and
+  vllm-ascend code, e.g. ``_ensure_nd_format``: ``if tensor.is_npu and torch_npu.get_npu_format(tensor) != 2``).
+
+Device model (the fake runs on CPU tensors): while the fake is installed, CPU tensors stand for NPU memory and
+``Tensor.is_npu`` is True for them, **unless** their storage was marked as host memory with :func:`mark_host` (a
+weight left on the host by CPU or layerwise offload). Meta tensors are never on the NPU. The format tag lives on the
+tensor's *storage* object, as torch_npu keeps ``npu_format`` in the storage's ``NPUStorageDesc``: it follows
+``param.data = ...`` assignments and views exactly like the real format does, and dies with the storage.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ND = 2
+NCHW = 0
+FRACTAL_NZ = 29
+#: [OP-FMT] Format table: value -> name.
+FORMATS = {
+    -1: "UNDEFINED",
+    0: "NCHW",
+    1: "NHWC",
+    2: "ND",
+    3: "NC1HWC0",
+    4: "FRACTAL_Z",
+    12: "NC1HWC0_C04",
+    16: "HWCN",
+    27: "NDHWC",
+    29: "FRACTAL_NZ",
+    30: "NCDHW",
+    32: "NDC1HWC0",
+    33: "FRACTAL_Z_3D",
+    35: "NC",
+    47: "NCL",
+}
+#: Private (internal) formats: the 5-D/fractal layouts that only exist on the device [OP-FMT], gated by [OP-AIF].
+INTERNAL_FORMATS = frozenset({3, 4, 12, 29, 32, 33})
+
+_TAG = "_fake_npu_format"
+_HOST = "_fake_npu_host"
+
+
+class FakeNpuError(RuntimeError):
+    """Raised where the real torch_npu rejects its arguments (a TORCH_CHECK / aclnn parameter error)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# device model
+# ----------------------------------------------------------------------------------------------------------------
+def on_npu(t: torch.Tensor) -> bool:
+    """Whether ``t`` stands for NPU memory in the fake: a CPU tensor whose storage is not marked as host memory."""
+    if t.device.type != "cpu":
+        return False
+    return not getattr(t.untyped_storage(), _HOST, False)
+
+
+def mark_host(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t``'s storage as host memory (CPU / layerwise offload): ``is_npu`` becomes False. Returns ``t``."""
+    setattr(t.untyped_storage(), _HOST, True)
+    return t
+
+
+def install_hooks(monkeypatch: Any, mod: Any) -> None:
+    """Give CPU tensors torch_npu's ``Tensor.is_npu`` property for the duration of a test [TNPU-ISNPU]."""
+    monkeypatch.setattr(torch.Tensor, "is_npu", property(on_npu), raising=False)
+    mod.mark_host = mark_host
+    mod.Format = type("Format", (), {name: value for value, name in FORMATS.items()})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the copy: one custom op, so an op counter sees one launch (the device's TransData), not the fake's own ops
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("fake_torch_npu::format_cast", mutates_args=())
+def _format_cast_op(x: torch.Tensor) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@_format_cast_op.register_fake
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _format_value(acl_format: Any) -> int:
+    value = int(getattr(acl_format, "value", acl_format))
+    if value not in FORMATS:
+        raise FakeNpuError(f"npu_format_cast: unknown acl_format {acl_format!r} (known: {sorted(FORMATS)}) [OP-FMT]")
+    return value
+
+
+def _allow_internal_format() -> bool:
+    cfg = getattr(getattr(torch, "npu", None), "config", None)
+    return bool(getattr(cfg, "allow_internal_format", False))
+
+
+def get_npu_format(t: torch.Tensor) -> int:
+    """[OP-GFMT] The tensor's NPU format: the cast's tag, else the base format (NCHW for 4-D, ND otherwise) [OP-FMT]."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError("get_npu_format expects a Tensor")
+    if not on_npu(t):
+        raise FakeNpuError("get_npu_format: expected an NPU tensor [OP-GFMT]")
+    tag = getattr(t.untyped_storage(), _TAG, None)
+    if tag is not None:
+        return tag
+    return NCHW if t.dim() == 4 else ND
+
+
+def npu_format_cast(input: torch.Tensor, acl_format: Any) -> torch.Tensor:
+    """[OP-FMT] A *new* tensor with the same logical values in format ``acl_format``; ``input`` is unchanged."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError("npu_format_cast expects a Tensor")
+    fmt = _format_value(acl_format)
+    if not on_npu(input):
+        raise FakeNpuError(f"npu_format_cast: expected an NPU tensor, got one on {input.device} / host memory [OP-FMT]")
+    if fmt in INTERNAL_FORMATS and not _allow_internal_format():
+        raise FakeNpuError(
+            f"npu_format_cast to {FORMATS[fmt]}: torch.npu.config.allow_internal_format is False, no private-format "
+            "tensor may be allocated [OP-AIF]"
+        )
+    out = _format_cast_op(input)
+    setattr(out.untyped_storage(), _TAG, fmt)
+    return out
+
+
+def _nz_cast_keeps_nd(input: torch.Tensor, acl_format: Any) -> torch.Tensor:
+    """Variant ``keeps_nd``: returns a copy but never changes the format (an op that silently ignores the request)."""
+    _format_value(acl_format)
+    return _format_cast_op(input)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# where the real device fails on NZ weights
+# ----------------------------------------------------------------------------------------------------------------
+_MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul"}
+
+
+class _NzMatmulCheck(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in _MATMULS:
+            for a in (*args, *(kwargs or {}).values()):
+                if (
+                    isinstance(a, torch.Tensor)
+                    and a.dim() >= 2
+                    and on_npu(a)
+                    and getattr(a.untyped_storage(), _TAG, None) == FRACTAL_NZ
+                    and 1 in a.shape[-2:]
+                ):
+                    raise FakeNpuError(
+                        f"{func._schema.name}: Not support mat2 n = 1 or k = 1 when format is FRACTAL_NZ "
+                        f"(shape {tuple(a.shape)}) [VA-10287]"
+                    )
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def nz_matmul_check() -> Iterator[None]:
+    """Within the block, a matmul that reads a FRACTAL_NZ operand with n == 1 or k == 1 raises, as on the device."""
+    with _NzMatmulCheck():
+        yield
+
+
 #: kernel name -> {variant: implementation}; "correct" follows the documentation.
-VARIANTS: dict[str, dict[str, Any]] = {}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "npu_format_cast": {"correct": npu_format_cast, "keeps_nd": _nz_cast_keeps_nd},
+    "get_npu_format": {"correct": get_npu_format},
+}

@@ -1,9 +1,300 @@
-"""`fused_attention`: Run the joint text+image attention with torch_npu.npu_fusion_attention (BSND), verified against SDPA on first use."""
+"""`fused_attention`: Run the joint text+image attention with torch_npu.npu_fusion_attention (BSND), verified against SDPA on first use.
+
+Why
+    Without MindIE-SD, vLLM-Omni 0.30 on Ascend resolves Qwen-Image's attention to its TORCH_SDPA backend
+    (``platforms/npu/platform.py`` ``get_diffusion_attn_backend_cls``), whose ``SDPAImpl.forward_npu`` permutes Q/K/V
+    to BNSD, expands a 2-D key mask to [B, 1, Sq, Skv] and calls ``F.scaled_dot_product_attention``. The reference
+    910B1 ablation measured 27-49 ms per image for replacing it with the fused Ascend kernel.
+How
+    Per model instance, never process-wide: :meth:`FusedAttention.attach` finds every ``QwenImageCrossAttention`` of
+    the model and swaps its ``attn`` layer's implementation object (``Attention.attention``, an ``SDPAImpl``) for an
+    instance of a per-class subclass whose ``forward`` calls ``torch_npu.npu_fusion_attention`` (BSND,
+    ``head_num`` = Nq, ``scale`` = the layer's ``softmax_scale`` = 1/sqrt(D) - the kernel's default is 1 - and the
+    keep-mask inverted: the kernel masks where True, SDPA keeps where True; no mask when vLLM-Omni dropped an
+    all-true mask). ``detach`` puts the original object back by identity. The ``Attention`` layer keeps its parallel
+    strategy, so Ulysses' ``pre_attention`` (all-to-all + joint concat) and ``post_attention`` run around the fused
+    call exactly as around SDPA. Ring attention never reaches the impl (``Attention._run_ring_attention`` runs
+    ``RingParallelAttention``'s own kernels), so ring layers are left alone and counted as skipped. Any call the
+    kernel cannot take (float32, causal, an unsupported mask, a limit below) goes to the original SDPA object.
+Verification
+    On first use per (device, dtype) the fused path runs on small random inputs of the real layout (BSND, [text; image]
+    joint sequence, the layer's Nq/Nkv/D) with and without a padded 2-D key mask, against vLLM-Omni's own
+    ``SDPAImpl._forward_impl(..., mask_mode="full_qk")`` (the stock NPU path) in the same dtype and in float32. It is
+    accepted when ``max|fused - sdpa_fp32| <= max(ATOL[dtype], 4 * max|sdpa_dtype - sdpa_fp32|)`` with ATOL
+    bfloat16 2^-6, float16 2^-9, and every output is finite. Otherwise it stays off for that (device, dtype) with the
+    errors in :meth:`FusedAttention.reasons_inactive`; a kernel error at run time does the same.
+Kernel choice
+    ``npu_fusion_attention`` over ``npu_fused_infer_attention_score`` (FIA): (1) it is the kernel the reference
+    ablation measured, and the one diffusers' ``_native_npu`` backend (``attention_dispatch.py``, BSND,
+    ``scale=1/sqrt(D)``, mask inverted) and vLLM-Omni 0.30's own NPU flash path (``flash_attn.py``
+    ``forward_fa_npu``) call for inference on this data; (2) its documented caveat ("training only, no graph mode")
+    does not bite: Qwen-Image runs eagerly on NPU in vLLM-Omni 0.30, so FIA's graph-mode support buys nothing;
+    (3) its limits are wider: D 1..768 with no alignment or contiguity rule, fp16/bf16/fp32 [OP-FA], versus FIA's
+    D <= 512 and 16-aligned, non-contiguous inputs unsupported, fp16/bf16 [OP-FIA]. ``benchmarks/npu_check_kernels.py``
+    verifies and times FIA next to it at the real layout, so the choice can be revisited with device numbers.
+Documented limits encoded (checked per call; outside them SDPA runs)
+    [OP-FA] = Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md``; [OP-FIA] =
+    ``docs/context/torch_npu-npu_fused_infer_attention_score.md``.
+    D (head dim) 1..768 and Dq == Dk == Dv [OP-FA]; Nq 1..256 and Nq % Nkv == 0 [OP-FA]; B 1..2M, Sq/Skv 1..1M
+    [OP-FA]; key.shape == value.shape [OP-FA]; q/k/v of one dtype, used for float16/bfloat16 only (our policy:
+    float32 models stay bitwise stock); non-causal only; atten_mask bool, B1SS/11SS [OP-FA]; inputs made contiguous
+    (no-op for the contiguous Q/K/V the model and Ulysses produce), as vLLM-Omni's own NPU call does.
+Upstream PR
+    None. vLLM-Omni fuses NPU attention only through MindIE-SD's FLASH_ATTN backend.
+Removal plan
+    Drop when ``SDPAImpl.forward_npu`` calls ``npu_fusion_attention`` itself or MindIE-SD is the default backend.
+"""
 
 from __future__ import annotations
 
+import importlib
+import logging
+import sys
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.opts import _targets
 from vllm_omni_ascend_opt.registry import Optimization, register_optimization
+
+logger = logging.getLogger("vllm_omni_ascend_opt")
+
+KERNEL = "npu_fusion_attention"
+FUSED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 768  # [OP-FA] D 1..768
+MAX_HEADS = 256  # [OP-FA] Nq 1..256
+MAX_SEQ = 1 << 20  # [OP-FA] S 1..1M
+MAX_BATCH = 2 << 20  # [OP-FA] B 1..2M
+#: Verification tolerance floor (max abs error against float32 SDPA), per dtype: 4 ulp at 1.0 for bf16 / fp16.
+ATOL = {torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9, torch.float32: 1e-5}
+#: ... or this many times the stock SDPA's own error in the same dtype, whichever is larger.
+STOCK_ERROR_FACTOR = 4.0
+#: Verification inputs: [text; image] joint sequence lengths (text padded in the masked case).
+VERIFY_TXT, VERIFY_IMG, VERIFY_PAD = 7, 40, 3
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of the on-device check for one (device, dtype)."""
+
+    ok: bool
+    device: str
+    dtype: str
+    backend: str
+    detail: str
+    errors: dict[str, float] = field(default_factory=dict)
+    module_id: int = 0
+
+    def describe(self) -> str:
+        state = "verified" if self.ok else "FAILED verification"
+        return f"{KERNEL} {state} on {self.device}/{self.dtype} ({self.backend}): {self.detail}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the fused call (one function, used by the forward and by the verification)
+# ----------------------------------------------------------------------------------------------------------------
+def kernel_mask(attn_mask: torch.Tensor | None, b: int, sq: int, skv: int) -> tuple[torch.Tensor | None, str]:
+    """SDPA keep-mask (True = attend) -> the kernel's B1SS/11SS bool mask (True = masked out) [OP-FA].
+
+    Returns ``(mask, "")``, or ``(None, why)`` when the mask has a form this path does not translate (SDPA runs).
+    Handles what vLLM-Omni's SDPA path handles for Qwen-Image: a 2-D [B, Skv] key mask (bool or 0/1), and bool 4-D
+    [B|1, 1, 1|Sq, Skv] masks. Float (additive) masks are left to SDPA.
+    """
+    if attn_mask is None:
+        return None, ""
+    if attn_mask.dim() == 2 and tuple(attn_mask.shape) == (b, skv):
+        masked = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+        return masked.view(b, 1, 1, skv).expand(b, 1, sq, skv).contiguous(), ""
+    if (
+        attn_mask.dim() == 4
+        and attn_mask.dtype == torch.bool
+        and attn_mask.shape[0] in (1, b)
+        and attn_mask.shape[1] == 1
+        and attn_mask.shape[2] in (1, sq)
+        and attn_mask.shape[3] == skv
+    ):
+        return (~attn_mask).expand(attn_mask.shape[0], 1, sq, skv).contiguous(), ""
+    return None, f"mask {tuple(attn_mask.shape)} {attn_mask.dtype}"
+
+
+def call_kernel(
+    npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """``npu_fusion_attention`` on BSND q/k/v; returns BSND output [OP-FA]. ``masked``: True = excluded."""
+    return npu.npu_fusion_attention(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        q.shape[2],
+        input_layout="BSND",
+        atten_mask=masked,
+        scale=scale,
+        keep_prob=1.0,
+        sparse_mode=0,
+        inner_precise=0,
+    )[0]
+
+
+def limits_violation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """Why BSND q/k/v fall outside the documented limits [OP-FA] or our dtype policy ("" when they fit)."""
+    if q.dtype not in FUSED_DTYPES:
+        return f"dtype {str(q.dtype).removeprefix('torch.')}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return "mixed dtypes"
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        return "not BSND / key and value shapes differ"
+    b, sq, nq, d = q.shape
+    bk, skv, nkv, dk = k.shape
+    if b != bk or not 1 <= b <= MAX_BATCH:
+        return "batch"
+    if d != dk or not 1 <= d <= MAX_HEAD_DIM:
+        return f"head dim {d} (1..{MAX_HEAD_DIM}, Dq == Dk)"
+    if not 1 <= nq <= MAX_HEADS or nkv < 1 or nq % nkv:
+        return f"heads {nq}/{nkv} (Nq 1..{MAX_HEADS}, Nq % Nkv == 0)"
+    if not (1 <= sq <= MAX_SEQ and 1 <= skv <= MAX_SEQ):
+        return "sequence length (1..1M)"
+    return ""
+
+
+def fused_forward(
+    npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: Any, scale: float | None
+) -> tuple[torch.Tensor | None, str]:
+    """The fused replacement of ``SDPAImpl._forward_impl`` for BSND q/k/v: ``(out, "")`` or ``(None, why not)``."""
+    why = limits_violation(q, k, v)
+    if why:
+        return None, why
+    mask = getattr(attn_metadata, "attn_mask", None) if attn_metadata is not None else None
+    masked, why = kernel_mask(mask, q.shape[0], q.shape[1], k.shape[1])
+    if why:
+        return None, why
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return call_kernel(npu, q, k, v, masked, float(scale)), ""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# verification against vLLM-Omni's SDPA
+# ----------------------------------------------------------------------------------------------------------------
+def _sdpa_impl(num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> Any:
+    sdpa = importlib.import_module(_targets.SDPA_BACKEND)
+    return sdpa.SDPAImpl(
+        num_heads=num_heads, head_size=head_dim, softmax_scale=scale, causal=False, num_kv_heads=num_kv_heads
+    )
+
+
+def verify(
+    npu: ModuleType,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    num_heads: int,
+    head_dim: int,
+    *,
+    num_kv_heads: int | None = None,
+    scale: float | None = None,
+    seq_txt: int = VERIFY_TXT,
+    seq_img: int = VERIFY_IMG,
+) -> Verdict:
+    """Check the fused path against vLLM-Omni's SDPA (stock NPU path) on random BSND inputs of the real layout.
+
+    Two cases: batch 1 without a mask, and batch 2 whose second prompt has ``VERIFY_PAD`` padded text tokens (the 2-D
+    [B, S_txt + S_img] key mask vLLM-Omni builds). See the module docstring for the tolerance.
+    """
+    from vllm_omni.diffusion.attention.backends.abstract import AttentionMetadata
+
+    nkv = num_kv_heads or num_heads
+    scale = float(scale if scale is not None else head_dim**-0.5)
+    device = torch.device(device)
+    dname = str(dtype).removeprefix("torch.")
+    label = _backend.backend_label()
+    stock = _sdpa_impl(num_heads, head_dim, scale, nkv)
+    gen = torch.Generator().manual_seed(20260829)
+    s = seq_txt + seq_img
+    errors: dict[str, float] = {}
+    worst = ""
+    try:
+        for case, b in (("no mask", 1), ("padded mask", 2)):
+            q = torch.randn(b, s, num_heads, head_dim, generator=gen)
+            k = torch.randn(b, s, nkv, head_dim, generator=gen)
+            v = torch.randn(b, s, nkv, head_dim, generator=gen)
+            meta = None
+            if case == "padded mask":
+                keep = torch.ones(b, s, dtype=torch.bool)
+                keep[1, seq_txt - VERIFY_PAD : seq_txt] = False  # [text; image]: the 2nd prompt is shorter
+                meta = AttentionMetadata(attn_mask=keep.to(device))
+            qd, kd, vd = (x.to(device=device, dtype=dtype) for x in (q, k, v))
+            out, why = fused_forward(npu, qd, kd, vd, meta, scale)
+            if out is None:
+                return Verdict(False, str(device), dname, label, f"{case}: not fusable ({why})", errors, id(npu))
+            ref = stock._forward_impl(*(x.to(device) for x in (q, k, v)), meta, mask_mode="full_qk").float()
+            same = stock._forward_impl(qd, kd, vd, meta, mask_mode="full_qk").float()
+            err = (out.float() - ref).abs().max().item() if torch.isfinite(out).all() else float("inf")
+            err_stock = (same - ref).abs().max().item()
+            tol = max(ATOL.get(dtype, 1e-2), STOCK_ERROR_FACTOR * err_stock)
+            errors[case] = err
+            if tuple(out.shape) != tuple(q.shape) or not err <= tol:
+                worst = (
+                    f"{case}: max|fused - sdpa_fp32| = {err:.3g} > tol {tol:.3g} (stock {dname} error {err_stock:.3g})"
+                )
+                return Verdict(False, str(device), dname, label, worst, errors, id(npu))
+    except Exception as exc:
+        return Verdict(
+            False, str(device), dname, label, f"kernel raised {exc.__class__.__name__}: {exc}", errors, id(npu)
+        )
+    detail = ", ".join(f"{c}: max|Δ| {e:.3g}" for c, e in errors.items())
+    return Verdict(
+        True, str(device), dname, label, f"{detail} (Nq={num_heads}, Nkv={nkv}, D={head_dim})", errors, id(npu)
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the swapped implementation object
+# ----------------------------------------------------------------------------------------------------------------
+class _FusedImplMixin:
+    """Mixed in front of the stock impl class: ``forward`` takes the fused path when it can, else the stock object."""
+
+    _ascend_opt_stock: Any
+    _ascend_opt_calls: Counter
+
+    def forward(self, query, key, value, attn_metadata=None):
+        return OPT._forward(self, query, key, value, attn_metadata)
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _fused_class(stock_cls: type) -> type:
+    cls = _FUSED_CLASSES.get(stock_cls)
+    if cls is None:
+        cls = type(
+            f"AscendFused{stock_cls.__name__}",
+            (_FusedImplMixin, stock_cls),
+            {"__module__": __name__, "__doc__": f"{stock_cls.__name__} whose forward runs {KERNEL} (BSND)."},
+        )
+        _FUSED_CLASSES[stock_cls] = cls
+    return cls
+
+
+def _make_fused(stock: Any) -> Any:
+    impl = object.__new__(_fused_class(type(stock)))
+    impl.__dict__.update(stock.__dict__)
+    impl._ascend_opt_stock = stock
+    impl._ascend_opt_calls = Counter()
+    return impl
+
+
+@dataclass
+class _ModelState:
+    npu: ModuleType | None
+    layers: list[tuple[nn.Module, Any, Any]] = field(default_factory=list)  # (Attention layer, stock impl, fused)
+    skipped: Counter = field(default_factory=Counter)
+    dtypes: set[torch.dtype] = field(default_factory=set)
+    reasons: list[str] = field(default_factory=list)
 
 
 class FusedAttention(Optimization):
@@ -13,9 +304,165 @@ class FusedAttention(Optimization):
     default_enabled = True
     requires = ("torch_npu with npu_fusion_attention; an Ascend NPU; fp16/bf16",)
     target_modules = (_targets.TRANSFORMER,)
+    parallel_support: ClassVar[dict[str, str]] = {
+        "single": "supported",
+        "ulysses": "supported",
+        "ring": "off: ring attention runs RingParallelAttention's own kernels and never reaches the swapped impl",
+        "cfg_parallel": "supported",
+        "tensor_parallel": "supported",
+    }
+    removal_plan = "Drop when SDPAImpl.forward_npu calls npu_fusion_attention itself or MindIE-SD is the default."
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._models: weakref.WeakKeyDictionary[nn.Module, _ModelState] = weakref.WeakKeyDictionary()
+        self._verdicts: dict[tuple[str, str], Verdict] = {}
+
+    # ----- state in words ------------------------------------------------------------------------------------
     def reasons_inactive(self) -> list[str]:
-        return ["not implemented yet"]
+        reasons = _backend.npu_unavailable_reasons()
+        npu = _backend.torch_npu_module()
+        if npu is not None and not hasattr(npu, KERNEL):
+            reasons.append(f"{_backend.backend_label()} has no {KERNEL}")
+        reasons += [v.describe() + "; SDPA kept" for v in self._verdicts.values() if not v.ok]
+        return reasons
+
+    def model_reasons_inactive(self, model: nn.Module) -> list[str]:
+        state = self._models.get(model)
+        if state is None:
+            return ["not attached to this model"]
+        reasons = list(state.reasons)
+        if not state.layers:
+            skipped = ", ".join(f"{k}: {n}" for k, n in state.skipped.items()) or "none found"
+            reasons.append(f"no joint-attention layer takes the fused path (skipped: {skipped})")
+        odd = sorted(str(d).removeprefix("torch.") for d in state.dtypes if d not in FUSED_DTYPES)
+        if odd:
+            reasons.append(
+                f"the transformer runs in {', '.join(odd)}: {KERNEL} is used for float16/bfloat16 only, SDPA runs"
+            )
+        reasons += [v.describe() + "; SDPA kept" for v in self._verdicts.values() if not v.ok]
+        return reasons
+
+    def notes(self) -> list[str]:
+        out = [
+            f"kernel: torch_npu.{KERNEL}(q, k, v, head_num=Nq, input_layout='BSND', atten_mask=~keep (B1SS) or None, "
+            "scale=softmax_scale=1/sqrt(D), keep_prob=1, sparse_mode=0, inner_precise=0); chosen over "
+            "npu_fused_infer_attention_score (see module docstring); installed per Attention impl, after Ulysses' "
+            "all-to-all"
+        ]
+        out += [v.describe() for v in self._verdicts.values() if v.ok]
+        return out
+
+    def verdicts(self) -> dict[tuple[str, str], Verdict]:
+        """The on-device verification outcome per (device, dtype) so far."""
+        return dict(self._verdicts)
+
+    def report(self, model: nn.Module) -> dict[str, Any]:
+        """Per model: swapped layers, skipped layers by reason, and calls per path (``fused`` / ``sdpa: why``)."""
+        state = self._models.get(model)
+        if state is None:
+            return {"swapped": 0, "skipped": {}, "calls": {}}
+        calls: Counter = Counter()
+        for _layer, _stock, fused in state.layers:
+            calls.update(fused._ascend_opt_calls)
+        return {"swapped": len(state.layers), "skipped": dict(state.skipped), "calls": dict(calls)}
+
+    # ----- attach / detach --------------------------------------------------------------------------------------
+    def _uninstall(self) -> None:
+        self._verdicts.clear()
+
+    def _attach(self, model: nn.Module) -> None:
+        npu = _backend.torch_npu_module()
+        state = _ModelState(npu=npu)
+        self._models[model] = state
+        if npu is None:
+            state.reasons = _backend.npu_unavailable_reasons()
+            return
+        transformer_mod = sys.modules.get(_targets.TRANSFORMER)
+        cross_cls = getattr(transformer_mod, "QwenImageCrossAttention", None)
+        sdpa_cls = getattr(sys.modules.get(_targets.SDPA_BACKEND), "SDPAImpl", None)
+        if cross_cls is None or sdpa_cls is None:
+            state.reasons = ["vLLM-Omni's Qwen-Image transformer / SDPA backend is not imported"]
+            return
+        for module in model.modules():
+            if not isinstance(module, cross_cls):
+                continue
+            qkv = getattr(getattr(module, "to_qkv", None), "weight", None)
+            if isinstance(qkv, torch.Tensor):
+                state.dtypes.add(qkv.dtype)
+            layer = getattr(module, "attn", None)
+            why = self._layer_skip_reason(layer, sdpa_cls)
+            if why:
+                state.skipped[why] += 1
+                continue
+            stock = layer.attention
+            fused = _make_fused(stock)
+            layer.attention = fused
+            state.layers.append((layer, stock, fused))
+
+    @staticmethod
+    def _layer_skip_reason(layer: Any, sdpa_cls: type) -> str:
+        if layer is None or not hasattr(layer, "attention"):
+            return "no vLLM-Omni Attention layer"
+        if getattr(layer, "_has_custom_attention", False):
+            return "model-owned custom attention kernel"
+        if getattr(layer, "use_ring", False):
+            return "ring sequence parallelism"
+        impl = layer.attention
+        if isinstance(impl, _FusedImplMixin):
+            return "already fused (attached through another model)"
+        if type(impl) is not sdpa_cls:  # e.g. FLASH_ATTN (MindIE-SD) or a model-owned override: left alone
+            return f"impl {type(impl).__name__} (not vLLM-Omni's SDPAImpl)"
+        return ""
+
+    def _detach(self, model: nn.Module) -> None:
+        state = self._models.pop(model, None)
+        if state is None:
+            return
+        for layer, stock, fused in state.layers:
+            if layer.attention is fused:
+                layer.attention = stock
+
+    # ----- the forward ------------------------------------------------------------------------------------------
+    def _verdict(self, npu: ModuleType, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> Verdict:
+        key = (str(q.device), str(q.dtype).removeprefix("torch."))
+        verdict = self._verdicts.get(key)
+        if verdict is None or verdict.module_id != id(npu):
+            verdict = verify(npu, q.device, q.dtype, q.shape[2], q.shape[3], num_kv_heads=k.shape[2], scale=scale)
+            self._verdicts[key] = verdict
+            log = logger.info if verdict.ok else logger.warning
+            log("vllm-omni-ascend-opt: %s", verdict.describe())
+        return verdict
+
+    def _forward(self, impl: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_metadata: Any):
+        npu = _backend.torch_npu_module()
+        why = ""
+        if npu is None:
+            why = "no torch_npu"
+        elif getattr(impl, "causal", False):
+            why = "causal"
+        else:
+            why = limits_violation(query, key, value)
+        if not why:
+            scale = getattr(impl, "softmax_scale", None)
+            if not self._verdict(npu, query, key, scale).ok:
+                why = "verification failed"
+            else:
+                try:
+                    out, why = fused_forward(npu, query, key, value, attn_metadata, scale)
+                except Exception as exc:
+                    dtype = str(query.dtype).removeprefix("torch.")
+                    self._verdicts[(str(query.device), dtype)] = Verdict(
+                        False, str(query.device), dtype, _backend.backend_label(),
+                        f"kernel raised {exc.__class__.__name__} at run time: {exc}", module_id=id(npu),
+                    )  # fmt: skip
+                    logger.warning("vllm-omni-ascend-opt: %s failed (%s); SDPA from now on", KERNEL, exc)
+                    out, why = None, "kernel error"
+                if out is not None:
+                    impl._ascend_opt_calls["fused"] += 1
+                    return out
+        impl._ascend_opt_calls[f"sdpa: {why}"] += 1
+        return impl._ascend_opt_stock.forward(query, key, value, attn_metadata)
 
 
 OPT = register_optimization(FusedAttention())

@@ -1,0 +1,356 @@
+"""`fused_attention`: npu_fusion_attention (BSND) per model instance, verified against SDPA, on the real vLLM-Omni classes.
+
+NPU paths run through the semantic torch_npu fake (tests/fake_torch_npu). The fp16/bf16 path needs a bf16 model: the
+module fixture loads the tiny Qwen-Image through vLLM-Omni's own loader with ``dtype=bfloat16``; the session
+``tiny_pipe`` (float32) checks that a float32 model stays bitwise stock.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from tests.fake_torch_npu.formats import FakeNpuError
+from vllm_omni_ascend_opt import api
+from vllm_omni_ascend_opt.opts import fused_attention as fa
+from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
+from vllm_omni_ascend_opt.testbed.pipeline import generate
+
+OPT = fa.OPT
+B, TXT, IMG_HW = 2, 7, (4, 4)  # 2 prompts, 7 text tokens, 4x4 latent patches (a 64x64 image)
+HEADS, HEAD_DIM = 4, 16  # the tiny test-bed transformer
+
+
+def _load(runtime, dtype: torch.dtype):
+    """A fresh pipeline from vLLM-Omni's loader (the plugin's loader hook runs) in ``dtype``."""
+    from vllm.config.load import LoadConfig
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+
+    cfg = copy.copy(runtime.od_config)
+    cfg.dtype = dtype
+    with runtime.context():
+        pipe = DiffusersPipelineLoader(LoadConfig(), od_config=cfg).load_model(
+            load_device="cpu", device=torch.device("cpu")
+        )
+    return pipe.eval()
+
+
+@pytest.fixture(scope="module")
+def bf16_pipe(runtime):
+    return _load(runtime, torch.bfloat16)
+
+
+def _inputs(dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    h, w = IMG_HW
+    hs = torch.randn(B, h * w, 16, generator=g).to(dtype)
+    ehs = torch.randn(B, TXT, 32, generator=g).to(dtype)
+    keep = torch.ones(B, TXT, dtype=torch.bool)
+    keep[1, 5:] = False  # the second prompt is 2 tokens shorter: a padded text mask
+    return hs, ehs, keep
+
+
+def run_transformer(tr, runtime, *, masked: bool, seed: int = 0) -> torch.Tensor:
+    hs, ehs, keep = _inputs(tr.proj_out.weight.dtype, seed)
+    with runtime.context(), torch.no_grad():
+        return tr(
+            hidden_states=hs,
+            encoder_hidden_states=ehs,
+            encoder_hidden_states_mask=keep if masked else None,
+            timestep=torch.full((B,), 0.5),
+            img_shapes=[[(1, *IMG_HW)]] * B,
+            txt_seq_lens=[TXT] * B,
+            return_dict=False,
+        )[0]
+
+
+def _layers(tr):
+    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageCrossAttention
+
+    return [m.attn for m in tr.modules() if isinstance(m, QwenImageCrossAttention)]
+
+
+class _Spy:
+    """Wraps the fake kernel and records its arguments."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.fn(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# without torch_npu: inactive, with a reason, and nothing changes
+# ----------------------------------------------------------------------------------------------------------------
+def test_cpu_without_torch_npu_is_inactive_and_changes_nothing(tiny_pipe, runtime):
+    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
+
+    reasons = OPT.reasons_inactive()
+    assert any("torch_npu" in r for r in reasons), reasons
+    ref = generate(tiny_pipe, runtime, steps=2, seed=3)
+    assert api.select("none,+fused_attention", model=tiny_pipe) == []  # not installed
+    OPT.attach(tiny_pipe)  # a direct attach does nothing either, and says why
+    assert any("torch_npu" in r for r in OPT.model_reasons_inactive(tiny_pipe))
+    assert OPT.report(tiny_pipe)["swapped"] == 0
+    assert all(type(layer.attention) is SDPAImpl for layer in _layers(tiny_pipe.transformer))
+    got = generate(tiny_pipe, runtime, steps=2, seed=3)
+    OPT.detach(tiny_pipe)
+    assert torch.equal(ref.images, got.images)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# per instance, by identity, reversible
+# ----------------------------------------------------------------------------------------------------------------
+def test_swaps_the_impl_of_this_model_only_and_restores_it(fake_npu, bf16_pipe, tiny_pipe):
+    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
+
+    fake_npu()
+    class_forward = SDPAImpl.__dict__["forward"]
+    layers = _layers(bf16_pipe.transformer)
+    stock = [layer.attention for layer in layers]
+    other = [layer.attention for layer in _layers(tiny_pipe.transformer)]
+    assert api.select("none,+fused_attention", model=bf16_pipe) == ["fused_attention"]
+    assert OPT.report(bf16_pipe) == {"swapped": 2, "skipped": {}, "calls": {}}
+    for layer, s in zip(layers, stock, strict=True):
+        assert layer.attention is not s and isinstance(layer.attention, SDPAImpl)
+        assert type(layer.attention).__name__ == "AscendFusedSDPAImpl"
+        assert layer.attention._ascend_opt_stock is s and layer.attention.softmax_scale == s.softmax_scale
+    assert [layer.attention for layer in _layers(tiny_pipe.transformer)] == other  # another model: untouched
+    assert SDPAImpl.__dict__["forward"] is class_forward  # no class-level patch
+    assert OPT.model_reasons_inactive(bf16_pipe) == []
+    api.select("none", model=bf16_pipe)
+    assert all(layer.attention is s for layer, s in zip(layers, stock, strict=True))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what reaches the kernel: BSND, head_num, scale = 1/sqrt(D), mask inverted, no mask when vLLM-Omni dropped it
+# ----------------------------------------------------------------------------------------------------------------
+def test_layout_head_num_scale_and_mask_polarity_reach_the_kernel(fake_npu, bf16_pipe, runtime):
+    fake = fake_npu()
+    tr = bf16_pipe.transformer
+    OPT.attach(tr)
+    run_transformer(tr, runtime, masked=True)  # first use: verification runs here
+    spy = fake.npu_fusion_attention = _Spy(fake.npu_fusion_attention)
+    run_transformer(tr, runtime, masked=True)
+    run_transformer(tr, runtime, masked=False)
+    OPT.detach(tr)
+    assert len(spy.calls) == 4  # 2 blocks x 2 forwards
+    s = TXT + IMG_HW[0] * IMG_HW[1]
+    _, keep = _inputs(torch.bfloat16)[1:]
+    joint_keep = torch.cat([keep, torch.ones(B, s - TXT, dtype=torch.bool)], dim=1)
+    for i, (args, kwargs) in enumerate(spy.calls):
+        q, k, v, head_num = args
+        assert q.shape == k.shape == v.shape == (B, s, HEADS, HEAD_DIM) and q.dtype == torch.bfloat16
+        assert head_num == HEADS and kwargs["input_layout"] == "BSND"
+        assert kwargs["scale"] == pytest.approx(1 / math.sqrt(HEAD_DIM)) and kwargs["scale"] != 1.0
+        mask = kwargs["atten_mask"]
+        if i < 2:  # masked forward: B1SS bool, True where SDPA's keep-mask is False
+            assert mask.dtype == torch.bool and mask.shape == (B, 1, s, s)
+            assert torch.equal(mask, (~joint_keep)[:, None, None, :].expand(B, 1, s, s))
+            assert mask[1, 0, :, 5:TXT].all() and not mask[0].any()
+        else:  # all-true mask dropped upstream (T:1261): no mask at all
+            assert mask is None
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "padded-mask"])
+def test_result_equals_sdpa_within_tolerance(fake_npu, bf16_pipe, runtime, masked):
+    fake_npu()
+    tr = bf16_pipe.transformer
+    ref = run_transformer(tr, runtime, masked=masked, seed=1)
+    OPT.attach(tr)
+    got = run_transformer(tr, runtime, masked=masked, seed=1)
+    report = OPT.report(tr)
+    OPT.detach(tr)
+    assert report["calls"] == {"fused": 2}
+    err = (got.float() - ref.float()).abs().max().item()
+    assert 0 < err <= 2.0**-6, err  # a different kernel: close (here 1 bf16 ulp), never wrong
+    verdict = OPT.verdicts()[("cpu", "bfloat16")]
+    assert verdict.ok and set(verdict.errors) == {"no mask", "padded mask"}
+    assert all(e <= fa.ATOL[torch.bfloat16] for e in verdict.errors.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_forward_matches_fp32_sdpa_with_gqa_and_masks(fake_npu, dtype):
+    """The adapter alone, on the real layout, including GQA (Nq/Nkv = 2) and a 4-D bool mask."""
+    from vllm_omni.diffusion.attention.backends.abstract import AttentionMetadata
+
+    npu = fake_npu()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 23, 8, 32, generator=g)
+    k, v = torch.randn(2, 23, 4, 32, generator=g), torch.randn(2, 23, 4, 32, generator=g)
+    keep = torch.ones(2, 23, dtype=torch.bool)
+    keep[0, 3:6] = False
+    impl = fa._sdpa_impl(8, 32, 32**-0.5, 4)
+    for mask in (keep, keep[:, None, None, :]):
+        meta = AttentionMetadata(attn_mask=mask)
+        ref = impl._forward_impl(q, k, v, meta, mask_mode="full_qk")
+        out, why = fa.fused_forward(npu, q.to(dtype), k.to(dtype), v.to(dtype), meta, 32**-0.5)
+        assert why == "" and out.dtype == dtype and out.shape == q.shape
+        assert (out.float() - ref).abs().max().item() <= fa.ATOL[dtype]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# verification refuses wrong kernels; float32 models stay stock
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["wrong_polarity", "ignores_scale"])
+def test_verification_refuses_a_wrong_kernel(fake_npu, bf16_pipe, runtime, variant):
+    fake = fake_npu(fusion_attention=variant)
+    tr = bf16_pipe.transformer
+    ref = run_transformer(tr, runtime, masked=True, seed=2)
+    OPT.attach(tr)
+    got = run_transformer(tr, runtime, masked=True, seed=2)
+    report = OPT.report(tr)
+    reasons = OPT.model_reasons_inactive(tr)
+    OPT.detach(tr)
+    assert torch.equal(got, ref)  # SDPA ran: bitwise stock
+    assert report["calls"] == {"sdpa: verification failed": 2}
+    assert fake.calls["npu_fusion_attention"] >= 1  # it was tried during verification, never used
+    verdict = OPT.verdicts()[("cpu", "bfloat16")]
+    assert not verdict.ok and "tol" in verdict.detail
+    if variant == "wrong_polarity":
+        assert verdict.detail.startswith("padded mask")  # the unmasked case cannot see polarity
+    assert any("FAILED verification on cpu/bfloat16" in r for r in reasons)
+    assert any("FAILED verification" in r for r in OPT.reasons_inactive())
+
+
+def test_float32_model_stays_bitwise_stock_with_a_reason(fake_npu, tiny_pipe, runtime):
+    fake_npu()
+    ref = generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=2.0)
+    assert api.select("none,+fused_attention", model=tiny_pipe) == ["fused_attention"]
+    got = generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=2.0)
+    reasons = OPT.model_reasons_inactive(tiny_pipe)
+    calls = OPT.report(tiny_pipe)["calls"]
+    api.select("none", model=tiny_pipe)
+    assert torch.equal(ref.images, got.images)
+    assert any("float32" in r for r in reasons) and calls and set(calls) == {"sdpa: dtype float32"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# documented limits: checked before the call (and the fake would reject the same calls)
+# ----------------------------------------------------------------------------------------------------------------
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize(
+    ("q", "k", "why"),
+    [
+        ((1, 8, 2, 769), (1, 8, 2, 769), "head dim 769"),
+        ((1, 8, 257, 16), (1, 8, 257, 16), "heads 257/257"),
+        ((1, 8, 6, 16), (1, 8, 4, 16), "heads 6/4"),
+        ((1, 8, 2, 16, 1), (1, 8, 2, 16, 1), "not BSND"),
+    ],
+)
+def test_limits_send_the_call_to_sdpa(q, k, why, fake_npu):
+    npu = fake_npu()
+    assert fa.limits_violation(_meta(*q), _meta(*k), _meta(*k)).startswith(why)
+    if len(q) == 4:  # the fake enforces the same documented limit [OP-FA]
+        qq, kk = torch.zeros(q, dtype=torch.bfloat16), torch.zeros(k, dtype=torch.bfloat16)
+        with pytest.raises(FakeNpuError, match=r"OP-FA"):
+            npu.npu_fusion_attention(qq, kk, kk, q[2], input_layout="BSND")
+
+
+def test_dtype_and_mask_forms_outside_the_path(fake_npu):
+    npu = fake_npu()
+    assert fa.limits_violation(_meta(1, 8, 2, 16, dtype=torch.float32), _meta(1, 8, 2, 16), _meta(1, 8, 2, 16)) != ""
+    additive = torch.zeros(1, 1, 8, 8)  # a float (additive) mask: SDPA keeps it
+    assert fa.kernel_mask(additive, 1, 8, 8)[1].startswith("mask")
+    int_keep = torch.tensor([[1, 1, 0, 1]])
+    masked, why = fa.kernel_mask(int_keep, 1, 3, 4)
+    assert why == "" and masked.shape == (1, 1, 3, 4) and masked[0, 0, :, 2].all() and masked.sum() == 3
+    q = torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(FakeNpuError, match="atten_mask shape"):  # SDPA's broadcast form is not a kernel form
+        npu.npu_fusion_attention(q, q, q, 2, input_layout="BSND", atten_mask=torch.zeros(1, 1, 1, 4, dtype=torch.bool))
+
+
+def test_causal_impl_goes_to_sdpa(fake_npu):
+    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
+
+    fake_npu()
+    stock = SDPAImpl(num_heads=2, head_size=16, softmax_scale=0.25, causal=True)
+    impl = fa._make_fused(stock)
+    q = torch.randn(1, 5, 2, 16).bfloat16()
+    want = stock._forward_impl(q, q, q, None)
+    stock.forward = lambda *a: stock._forward_impl(*a)  # what the platform dispatch does on CPU
+    assert torch.equal(impl.forward(q, q, q, None), want)
+    assert impl._ascend_opt_calls == {"sdpa: causal": 1}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sequence parallelism: after Ulysses' pre-attention; ring and foreign backends are skipped
+# ----------------------------------------------------------------------------------------------------------------
+def test_runs_between_the_parallel_strategys_pre_and_post_attention(fake_npu, bf16_pipe, runtime, monkeypatch):
+    fake = fake_npu()
+    tr = bf16_pipe.transformer
+    layer = _layers(tr)[0]
+    order: list[str] = []
+
+    class Recorder:  # stands for UlyssesParallelAttention: all-to-all before, reverse all-to-all after
+        name = "ulysses"
+
+        def pre_attention(self, q, k, v, meta):
+            order.append("pre")
+            return q, k, v, meta, None
+
+        def post_attention(self, out, ctx):
+            order.append("post")
+            return out
+
+    monkeypatch.setattr(layer, "_get_active_parallel_strategy", lambda: Recorder())
+    OPT.attach(tr)
+    run_transformer(tr, runtime, masked=False)  # verification on first use
+    kernel = fake.npu_fusion_attention
+    fake.npu_fusion_attention = lambda *a, **k: (order.append("kernel"), kernel(*a, **k))[1]
+    order.clear()
+    run_transformer(tr, runtime, masked=False)
+    OPT.detach(tr)
+    assert order[:3] == ["pre", "kernel", "post"]
+
+
+def test_ring_and_non_sdpa_layers_are_skipped(fake_npu, runtime, monkeypatch):
+    fake_npu()
+    pipe = _load(runtime, torch.bfloat16)
+    ring_layer, other_layer = _layers(pipe.transformer)
+    monkeypatch.setattr(ring_layer, "use_ring", True)
+    monkeypatch.setattr(other_layer, "attention", object())
+    OPT.attach(pipe)
+    report = OPT.report(pipe)
+    reasons = OPT.model_reasons_inactive(pipe)
+    OPT.detach(pipe)
+    assert report["swapped"] == 0
+    assert report["skipped"] == {"ring sequence parallelism": 1, "impl object (not vLLM-Omni's SDPAImpl)": 1}
+    assert any("no joint-attention layer takes the fused path" in r for r in reasons)
+    assert "ring" in OPT.parallel_support and OPT.parallel_support["ring"].startswith("off")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# op counts per block (through the fake: one kernel = one launch)
+# ----------------------------------------------------------------------------------------------------------------
+def test_op_count_per_block(fake_npu, bf16_pipe, runtime):
+    fake_npu()
+    tr = bf16_pipe.transformer
+    block = tr.transformer_blocks[0]
+
+    def count(masked: bool):
+        with count_module_calls(block) as res:
+            run_transformer(tr, runtime, masked=masked)
+        return res[0]
+
+    stock = {m: count(m) for m in (False, True)}
+    OPT.attach(tr)
+    run_transformer(tr, runtime, masked=True)  # verification happens on first use, outside the count
+    fused = {m: count(m) for m in (False, True)}
+    OPT.detach(tr)
+    for m in (False, True):
+        assert stock[m].counts["aten::_scaled_dot_product_flash_attention_for_cpu"] == 1
+        assert fused[m].counts["fake_torch_npu::fusion_attention"] == 1
+        assert fused[m].counts["aten::_scaled_dot_product_flash_attention_for_cpu"] == 0
+    # No mask: SDPA's one CPU kernel becomes one NPU kernel. Padded mask: invert + materialise B1SS (2 launches)
+    # replaces SDPA's bool->float mask conversion (where + 2 scalar_tensor).
+    assert fused[False].total == stock[False].total
+    assert fused[True].total == stock[True].total - 1
