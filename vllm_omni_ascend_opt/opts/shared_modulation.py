@@ -31,7 +31,8 @@ Exactness and fallbacks
   autograd (grad enabled and a tensor requiring grad), ``torch.compile`` tracing, CUDA/NPU graph capture, global
   ``nn.Module`` forward hooks or hooks on the modules it would skip, inference-tensor weights (no version counter),
   unknown projection classes, and the edit models' two-segment modulation (``zero_cond_t``/``modulate_index``: the
-  blocks run stock, ``norm_out`` is still memoized). ``AdaLayerNorm`` is applied the way the instance dispatches
+  blocks run stock code, whose ``img_mod(temb)``/``txt_mod(temb[:B])`` calls and ``norm_out`` are still memoized on an
+  attached model; a view of the last temb, such as ``temb.chunk(2)[0]``, is keyed by its geometry, not re-hashed). ``AdaLayerNorm`` is applied the way the instance dispatches
   (``forward_native``; ``forward_npu`` via ``torch_npu.npu_layer_norm_eval`` without MindIE-SD; with MindIE-SD the
   fused kernel takes ``scale``, so the memo keeps ``scale`` and calls the norm itself). The mirrored upstream
   functions are fingerprinted (source SHA-256): a different upstream turns the optimization off with a reason.
@@ -347,8 +348,9 @@ class ModulationMemo:
         self.max_bytes = int(max_bytes)
         self._evict(keep=None)
 
-    def _evict(self, keep: _Entry | None) -> None:
-        while self._bytes > self.max_bytes and self._entries:
+    def _evict(self, keep: _Entry | None, need: int = 0) -> None:
+        """Drop least-recently-used entries (never ``keep``) until ``need`` more bytes fit in the budget."""
+        while self._bytes + need > self.max_bytes and self._entries:
             key = next(iter(self._entries))
             victim = self._entries[key]
             if victim is keep:
@@ -370,7 +372,7 @@ class ModulationMemo:
             entry.nbytes -= old.nbytes
             self._bytes -= old.nbytes
         if self._bytes + nb > self.max_bytes:
-            self._evict(keep=entry)
+            self._evict(keep=entry, need=nb)
             if self._bytes + nb > self.max_bytes:
                 self.stats["not_stored"] += 1
                 return
@@ -399,21 +401,31 @@ class ModulationMemo:
         """The entry for temb's value (one device->host copy + SHA-256 per new temb object)."""
         version = None if temb.is_inference() else temb._version
         last = self._last
-        if last is not None and last[0]() is temb and last[1] == version and self._entries.get(last[2].key) is last[2]:
-            entry = last[2]
-            self._entries.move_to_end(entry.key)
-            return entry
+        if last is not None and self._entries.get(last[2].key) is last[2] and last[1] == version:
+            obj = last[0]()
+            if obj is temb:
+                entry = last[2]
+                self._entries.move_to_end(entry.key)
+                return entry
+            if obj is not None and temb._base is obj:
+                # A view of the last temb (edit models' ``temb.chunk(2)[0]``, made anew in every block): its values
+                # are fixed by the base's values and the view geometry, so no new digest is needed.
+                geometry = (temb.dtype, temb.storage_offset() - obj.storage_offset(), temb.shape, temb.stride())
+                return self._entry(("view", last[2].key, geometry))
         from vllm_omni.diffusion.cache.exact_projection_cache import tensor_digest
 
         self.stats["digests"] += 1
-        key = (tensor_digest(temb), str(temb.device), _numerical_settings(temb.device.type))
+        entry = self._entry((tensor_digest(temb), str(temb.device), _numerical_settings(temb.device.type)))
+        self._last = (weakref.ref(temb), version, entry)
+        return entry
+
+    def _entry(self, key: tuple[Any, ...]) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
             entry = _Entry(key)
             self._entries[key] = entry
         else:
             self._entries.move_to_end(key)
-        self._last = (weakref.ref(temb), version, entry)
         return entry
 
     def _silu(self, entry: _Entry, temb: torch.Tensor) -> torch.Tensor:
@@ -574,7 +586,10 @@ class SharedModulation(Optimization):
         patched = sys.modules[_targets.TRANSFORMER].QwenImageTransformerBlock.forward
         for tr in transformers:
             if getattr(tr, "zero_cond_t", False):
-                reasons.append("edit model (zero_cond_t): blocks keep the stock two-segment modulation")
+                reasons.append(
+                    "edit model (zero_cond_t): blocks keep the stock two-segment modulation "
+                    "(their img_mod/txt_mod projections and norm_out are still memoized once attached)"
+                )
             for block in tr.transformer_blocks:
                 captured = getattr(block, "_omni_original_forward", None)
                 if captured is not None and getattr(captured, "__func__", None) is not patched:

@@ -1,0 +1,423 @@
+"""`shared_modulation`: bitwise-identical to stock, modulation work per forward drops to zero on a warm request.
+
+Everything runs on vLLM-Omni 0.30's real classes on CPU (tiny Qwen-Image: 2 blocks, hidden 64).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt import api
+from vllm_omni_ascend_opt.opts import shared_modulation as sm
+from vllm_omni_ascend_opt.testbed import TINY
+from vllm_omni_ascend_opt.testbed.opcount import OpCounter, TensorReadCounter, count_module_calls
+from vllm_omni_ascend_opt.testbed.pipeline import generate
+from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
+
+OPT = sm.OPT
+ON = "none,+shared_modulation"
+L = TINY.num_layers
+PROJ_PER_FORWARD = 2 * L + 1  # img_mod + txt_mod per block, norm_out.linear
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------------------
+def T():
+    return sys.modules["vllm_omni.diffusion.models.qwen_image.qwen_image_transformer"]
+
+
+def build(runtime, dtype=torch.float32, seed=0, **kwargs) -> nn.Module:
+    """A tiny QwenImageTransformer2DModel built directly, with random weights loaded through load_weights."""
+    with runtime.context():
+        tr = T().QwenImageTransformer2DModel(od_config=runtime.od_config, **{**TINY.transformer_kwargs(), **kwargs})
+    tr.load_weights(random_transformer_state_dict(TINY, seed).items())
+    return tr.to(dtype).eval()
+
+
+def inputs(dtype, batch=1, hw=(2, 2), txt=7, pad=0, t=(0.5,), seed=0, images=1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    n_img = hw[0] * hw[1] * images
+    mask = torch.ones(batch, txt, dtype=torch.bool)
+    if pad:
+        mask[-1, txt - pad :] = False  # right padding on the last row
+    ts = torch.tensor([t[i % len(t)] for i in range(batch)])
+    return dict(
+        hidden_states=torch.randn(batch, n_img, 16, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype),
+        encoder_hidden_states_mask=mask,
+        timestep=ts.to(dtype),
+        img_shapes=[[(1, *hw)] * images] * batch,
+        txt_seq_lens=[txt] * batch,
+        return_dict=False,
+    )
+
+
+def fwd(tr, runtime, kw) -> torch.Tensor:
+    with runtime.context(), torch.no_grad():
+        return tr(**kw)[0]
+
+
+def mod_tensors(tr) -> list[torch.Tensor]:
+    return [p for lin in sm.modulation_linears(tr) for p in lin.parameters()]
+
+
+def nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+@contextlib.contextmanager
+def reads_in(module: nn.Module, tensors: list[torch.Tensor]) -> Iterator[SimpleNamespace]:
+    """Reads of ``tensors`` (TensorReadCounter) summed over the calls of ``module`` only (not the VAE, not the text
+    encoder), through hooks on ``module`` itself (the memo only refuses hooks on the modules it skips)."""
+    total = SimpleNamespace(calls=0, bytes=0)
+    active: list[TensorReadCounter] = []
+
+    def pre(*_):
+        active.append(TensorReadCounter(tensors).__enter__())
+
+    def post(*_):
+        c = active.pop()
+        c.__exit__(None, None, None)
+        total.calls += c.calls
+        total.bytes += c.bytes
+
+    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        yield total
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# install / uninstall / attach
+# ----------------------------------------------------------------------------------------------------------------
+def test_install_uninstall_restore_by_identity(tiny_pipe, runtime):
+    from diffusers.models.normalization import AdaLayerNormContinuous
+
+    block_cls, model_cls = T().QwenImageTransformerBlock, T().QwenImageTransformer2DModel
+    fwd0, load0 = block_cls.__dict__["forward"], model_cls.__dict__["load_weights"]
+    tr = tiny_pipe.transformer
+    assert OPT.reasons_inactive() == []
+
+    assert api.select(ON, model=tiny_pipe) == ["shared_modulation"]  # attach to an already-built pipeline
+    assert block_cls.__dict__["forward"] is not fwd0 and block_cls.forward.__wrapped__ is fwd0
+    assert model_cls.__dict__["load_weights"] is not load0
+    assert OPT.patches.is_patched(block_cls, "forward")
+    for b in tr.transformer_blocks:
+        assert OPT.is_prepared(b.img_mod) and OPT.is_prepared(b.txt_mod) and isinstance(b.img_mod, nn.Sequential)
+    assert OPT.is_prepared(tr.norm_out) and isinstance(tr.norm_out, AdaLayerNormContinuous)
+    assert OPT.model_reasons_inactive(tiny_pipe) == []
+    row = next(r for r in api.status() if r["name"] == "shared_modulation")
+    assert row["active"] and row["equivalence"] == "exact"
+    assert set(row["parallel_support"].values()) == {"supported"}
+    api.select(ON, model=tiny_pipe)  # idempotent
+    generate(tiny_pipe, runtime, steps=1)
+    assert len(OPT.memo) > 0
+
+    api.select("none", model=tiny_pipe)
+    assert block_cls.__dict__["forward"] is fwd0 and model_cls.__dict__["load_weights"] is load0
+    assert all(type(b.img_mod) is nn.Sequential and type(b.txt_mod) is nn.Sequential for b in tr.transformer_blocks)
+    assert type(tr.norm_out) is AdaLayerNormContinuous
+    assert len(OPT.memo) == 0 and OPT.memo.nbytes == 0
+    assert OPT.model_reasons_inactive(tiny_pipe) == ["not installed"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bitwise
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_transformer_output_bitwise(runtime, dtype, batch):
+    tr = build(runtime, dtype)
+    cases = [
+        inputs(dtype, batch, hw=(2, 2), pad=0),
+        inputs(dtype, batch, hw=(3, 4), pad=3, seed=1),  # second resolution, padded text mask
+        inputs(dtype, batch, hw=(2, 2), pad=2, t=(0.25, 0.75), seed=2),  # per-row timesteps when batch == 2
+    ]
+    api.select("none", model=tr)
+    want = [fwd(tr, runtime, kw) for kw in cases]
+    api.select(ON, model=tr)
+    for _ in range(2):  # cold (misses), then warm (hits)
+        got = [fwd(tr, runtime, kw) for kw in cases]
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == dtype and torch.equal(g, w)
+    assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
+
+
+@pytest.mark.parametrize("cfg", [1.0, 3.0], ids=["no_cfg", "true_cfg"])
+def test_pipeline_images_bitwise(tiny_pipe, runtime, cfg):
+    sizes = [(32, 32), (32, 48)]
+    api.select("none", model=tiny_pipe)
+    want = [generate(tiny_pipe, runtime, height=h, width=w, steps=2, seed=3, cfg_scale=cfg).images for h, w in sizes]
+    api.select(ON, model=tiny_pipe)
+    for (h, w), ref in [*zip(sizes, want, strict=True), (sizes[0], want[0])]:  # the repeated request runs warm
+        assert torch.equal(generate(tiny_pipe, runtime, height=h, width=w, steps=2, seed=3, cfg_scale=cfg).images, ref)
+    assert OPT.memo.stats["hits"] > 0
+    assert OPT.fallback_reasons() == {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# counting: projections, weight bytes, SiLU, ops per block
+# ----------------------------------------------------------------------------------------------------------------
+def test_projections_and_weight_bytes_per_step(tiny_pipe, runtime):
+    tr, steps = tiny_pipe.transformer, 2
+    mods = mod_tensors(tr)
+    mod_bytes, all_bytes = nbytes(mods), nbytes(tr.parameters())
+    fraction = mod_bytes / all_bytes
+    assert 0.30 < fraction < 0.37, fraction  # ~1/3 of the DiT weights (12 D^2 of 36 D^2 per block)
+
+    def run():
+        with reads_in(tr, mods) as c:
+            generate(tiny_pipe, runtime, steps=steps, seed=1, cfg_scale=3.0)  # true CFG: 2 forwards per step
+        return c
+
+    api.select("none", model=tiny_pipe)
+    stock = run()
+    assert stock.calls == steps * 2 * PROJ_PER_FORWARD
+    assert stock.bytes == steps * 2 * mod_bytes
+
+    api.select(ON, model=tiny_pipe)
+    cold = run()  # the negative branch reuses the positive branch's projections (same t)
+    assert cold.calls == steps * PROJ_PER_FORWARD and cold.bytes == steps * mod_bytes
+    OPT.reset_stats()
+    warm = run()  # repeated request, same steps and resolution
+    assert warm.calls == 0 and warm.bytes == 0
+    assert OPT.memo.stats["digests"] == steps * 2  # one temb digest per forward
+    assert OPT.memo.stats["projections"] == 0 and OPT.memo.stats["silu"] == 0
+    print(
+        f"\nmodulation weights {mod_bytes} B = {fraction:.3f} of DiT weights; bytes/step stock "
+        f"{stock.bytes // steps}, cold {cold.bytes // steps}, warm {warm.bytes // steps}"
+    )
+
+
+def test_silu_once_per_temb_and_ops_per_block(runtime):
+    tr = build(runtime)
+    kw = inputs(torch.float32)
+
+    def count():
+        with OpCounter() as c, count_module_calls(tr.transformer_blocks[0]) as blocks:
+            fwd(tr, runtime, kw)
+        return c, blocks[0]
+
+    api.select("none", model=tr)
+    stock, stock_block = count()
+    # stock: 2 per block + norm_out on temb, + 1 inside the timestep embedder (TimestepEmbedding's SiLU)
+    assert stock.counts["aten::silu"] == 2 * L + 2
+    api.select(ON, model=tr)
+    cold, _ = count()
+    warm, warm_block = count()
+    assert cold.counts["aten::silu"] == 2  # once per distinct temb + the embedder's
+    assert warm.counts["aten::silu"] == 1  # only the embedder's
+    removed = stock_block.counts - warm_block.counts
+    assert removed == Counter({"aten::add": 4, "aten::silu": 2, "aten::addmm": 2})  # 1+scale x4, SiLU x2, GEMV x2
+    assert not (warm_block.counts - stock_block.counts)  # nothing added
+    print(f"\nkernel-launching ops per block: stock {stock_block.total}, shared_modulation {warm_block.total}")
+
+
+def test_teacache_extractor_hits(runtime):
+    """TeaCache runs the block loop itself and probes block 0's img_mod: both hit on a warm step."""
+    from vllm_omni.diffusion.cache.teacache.extractors import extract_qwen_context
+
+    tr = build(runtime)
+    kw = inputs(torch.float32)
+    api.select("none", model=tr)
+    want = fwd(tr, runtime, kw)
+    api.select(ON, model=tr)
+
+    def via_teacache():
+        args = {k: v for k, v in kw.items() if k != "return_dict"}
+        with runtime.context(), torch.no_grad(), TensorReadCounter(mod_tensors(tr)) as c:
+            ctx = extract_qwen_context(tr, **args, return_dict=False)
+            h, _ = ctx.run_transformer_blocks()
+            out = ctx.postprocess(h)[0]
+        return out, c.calls
+
+    out, cold_calls = via_teacache()
+    assert torch.equal(out, want) and cold_calls == PROJ_PER_FORWARD  # the probe's projection is reused by block 0
+    out, warm_calls = via_teacache()
+    assert torch.equal(out, want) and warm_calls == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# invalidation and memory bound
+# ----------------------------------------------------------------------------------------------------------------
+def test_inplace_weight_change_misses(runtime):
+    tr = build(runtime)
+    kw = inputs(torch.float32)
+    api.select(ON, model=tr)
+    fwd(tr, runtime, kw)
+    with torch.no_grad():  # what a LoRA merge / NZ cast in place does: the version counter moves
+        tr.transformer_blocks[1].img_mod[1].weight.mul_(1.5)
+    with TensorReadCounter(mod_tensors(tr)) as c:
+        got = fwd(tr, runtime, kw)
+    assert c.calls == 2  # block 1's img_mod and txt_mod are recomputed, nothing else
+    api.select("none", model=tr)
+    assert torch.equal(got, fwd(tr, runtime, kw))
+
+
+def test_invalidate_and_reload(runtime):
+    tr = build(runtime)
+    kw = inputs(torch.float32)
+    api.select(ON, model=tr)
+    fwd(tr, runtime, kw)
+    # A write through .data bypasses version counters: explicit invalidate() is the documented remedy.
+    tr.transformer_blocks[0].txt_mod[1].weight.data.mul_(2.0)
+    sm.invalidate()
+    got_data = fwd(tr, runtime, kw)
+    # load_weights (vLLM's default loader writes through param.data) invalidates by itself.
+    tr.load_weights(random_transformer_state_dict(TINY, seed=1).items())
+    assert len(OPT.memo) == 0
+    got_reload = fwd(tr, runtime, kw)
+    api.select("none", model=tr)
+    assert torch.equal(got_reload, fwd(tr, runtime, kw))
+    tr.load_weights(random_transformer_state_dict(TINY, seed=0).items())
+    tr.transformer_blocks[0].txt_mod[1].weight.data.mul_(2.0)
+    assert torch.equal(got_data, fwd(tr, runtime, kw))
+
+
+def test_byte_budget_lru(runtime):
+    tr = build(runtime)
+    api.select(ON, model=tr)
+
+    def step(t):
+        with TensorReadCounter(mod_tensors(tr)) as c:
+            fwd(tr, runtime, inputs(torch.float32, t=(t,)))
+        assert OPT.memo.nbytes <= OPT.memo.max_bytes
+        return "hit" if c.calls == 0 else "miss"
+
+    step(0.1)
+    per_entry = OPT.memo.nbytes
+    assert per_entry == L * 12 * 64 * 4 + 2 * 64 * 4 + 64 * 4  # blocks (4 norms x 3 [1,1,64]) + norm_out + SiLU
+    OPT.memo.configure(int(2.5 * per_entry))  # room for two temb values
+    assert [step(t) for t in (0.2, 0.1, 0.3, 0.1, 0.2)] == ["miss", "hit", "miss", "hit", "miss"]  # 0.3 evicts 0.2
+    assert OPT.memo.stats["evictions"] >= 2 and len(OPT.memo) == 2
+
+
+def test_budget_env(monkeypatch, runtime):
+    monkeypatch.setenv(sm.ENV_BUDGET_MB, "lots")
+    assert any(sm.ENV_BUDGET_MB in r for r in OPT.reasons_inactive())
+    assert api.select(ON) == []  # stays off, with the reason
+    monkeypatch.setenv(sm.ENV_BUDGET_MB, "0")
+    tr = build(runtime)
+    api.select(ON, model=tr)
+    assert OPT.memo.max_bytes == 0 and any("budget is 0" in r for r in OPT.model_reasons_inactive(tr))
+    kw = inputs(torch.float32)
+    got = fwd(tr, runtime, kw)
+    assert any("budget is 0" in r for r in OPT.fallback_reasons()) and len(OPT.memo) == 0
+    api.select("none", model=tr)
+    assert torch.equal(got, fwd(tr, runtime, kw))
+    monkeypatch.setenv(sm.ENV_BUDGET_MB, "1.5")
+    api.select(ON)
+    assert OPT.memo.max_bytes == int(1.5 * 1024**2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fallbacks: stock code, with a reason
+# ----------------------------------------------------------------------------------------------------------------
+def _fallback_case(runtime, tr, reason, kw=None, grad=False):
+    kw = kw or inputs(torch.float32)
+    api.select("none", model=tr)
+    with runtime.context(), torch.set_grad_enabled(grad):
+        want = tr(**kw)[0].detach()
+    api.select(ON, model=tr)
+    OPT.reset_stats()
+    with TensorReadCounter(mod_tensors(tr)) as c, runtime.context(), torch.set_grad_enabled(grad):
+        got = tr(**kw)[0].detach()
+    assert torch.equal(got, want)
+    assert any(reason in r for r in OPT.fallback_reasons()), OPT.fallback_reasons()
+    return c.calls
+
+
+def test_fallback_autograd(runtime):
+    tr = build(runtime)
+    for p in mod_tensors(tr):
+        p.requires_grad_(True)
+    assert _fallback_case(runtime, tr, "autograd", grad=True) == PROJ_PER_FORWARD
+    assert len(OPT.memo) == 0
+
+
+def test_fallback_compile_capture_hooks(runtime, monkeypatch, fake_npu):
+    tr = build(runtime)
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        _fallback_case(runtime, tr, "torch.compile")
+    fake_npu()
+    monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: True, raising=False)
+    _fallback_case(runtime, tr, "NPU graph capture")
+    monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: False)
+    h = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        _fallback_case(runtime, tr, "global nn.Module forward hooks")
+    finally:
+        h.remove()
+    h = tr.transformer_blocks[0].img_mod.register_forward_hook(lambda *a: None)
+    try:
+        _fallback_case(runtime, tr, "forward hooks on a modulation module")
+    finally:
+        h.remove()
+
+
+def test_fallback_inference_tensor_weights(runtime):
+    with torch.inference_mode():
+        tr = build(runtime)
+    api.select(ON, model=tr)
+    assert any("inference tensors" in r for r in OPT.model_reasons_inactive(tr))
+    _fallback_case(runtime, tr, "inference tensors")
+
+
+def test_edit_model_two_segment_modulation_stays_stock(runtime):
+    """zero_cond_t: the blocks run vLLM-Omni's own two-segment code; its projections are still memoized exactly."""
+    tr = build(runtime, zero_cond_t=True)
+    kw = inputs(torch.float32, images=2)  # source + target image: modulate_index selects per token
+    api.select(ON, model=tr)
+    assert any("zero_cond_t" in r for r in OPT.model_reasons_inactive(tr))
+    assert _fallback_case(runtime, tr, "two-segment", kw=kw) == PROJ_PER_FORWARD  # cold
+    with TensorReadCounter(mod_tensors(tr)) as c:
+        got = fwd(tr, runtime, kw)
+    assert c.calls == 0 and OPT.memo.stats["digests"] == 2  # one per forward: temb.chunk(2)[0] is keyed as a view
+    api.select("none", model=tr)
+    assert torch.equal(got, fwd(tr, runtime, kw))
+
+
+def test_fingerprint_mismatch_turns_it_off(monkeypatch):
+    monkeypatch.setitem(sm.FINGERPRINTS, "QwenImageTransformerBlock.forward", "0" * 16)
+    assert any("QwenImageTransformerBlock.forward differs" in r for r in OPT.reasons_inactive())
+    assert api.select(ON) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel
+# ----------------------------------------------------------------------------------------------------------------
+def _npu_layer_norm_eval(input, normalized_shape, weight=None, bias=None, eps=1e-05):
+    """Documented result ([OP-LNE] Ascend/op-plugin docs ``torch_npu-npu_layer_norm_eval.md``): the same as
+    ``torch.nn.functional.layer_norm``."""
+    return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
+
+
+@pytest.mark.parametrize("mindiesd", [False, True], ids=["torch_npu", "mindiesd"])
+def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd):
+    ada_mod = sys.modules[sm.ADALAYERNORM_MODULE]
+    fake = fake_npu()
+    monkeypatch.setattr(fake, "npu_layer_norm_eval", _npu_layer_norm_eval, raising=False)
+    monkeypatch.setattr(ada_mod, "_HAS_MINDIESD", mindiesd)
+    tr = build(runtime)
+    norms = [n for b in tr.transformer_blocks for n in (b.img_norm1, b.img_norm2, b.txt_norm1, b.txt_norm2)]
+    for n in norms:  # what CustomOp binds at construction on an NPU platform
+        n._forward_method = n.forward_npu
+    assert {sm._norm_kind(n) for n in norms} == {sm._OPAQUE if mindiesd else sm._NPU_EVAL}
+    kw = inputs(torch.float32, batch=2, pad=2)
+    api.select("none", model=tr)
+    want = fwd(tr, runtime, kw)
+    api.select(ON, model=tr)
+    assert torch.equal(fwd(tr, runtime, kw), want) and torch.equal(fwd(tr, runtime, kw), want)
+    assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
