@@ -1,0 +1,86 @@
+"""Two test-only optimizations with known effects, for the end-to-end ablation test (``--import
+tests.ablation_testopts``). They make the end-to-end verdicts predictable on a busy 2-core machine:
+
+* ``abl_test_fast`` (exact): stock's VAE decode carries a 0.4 s sleep; with this optimization it does not.
+* ``abl_test_close`` (close): stock's prompt encoding carries a 0.4 s sleep; with this optimization it does not, and
+  the decoded image gets a small deterministic perturbation (SSIM and PSNR within the gates, not pixel-identical).
+
+The sleeps are patched into vLLM-Omni's ``QwenImagePipeline`` only inside an ablation worker process and only when
+``ABLATION_TESTOPTS_DELAYS=1`` (the runner process imports this module too, and must stay free of vLLM-Omni).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from vllm_omni_ascend_opt.registry import Optimization, register_optimization
+
+PIPELINE = "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image"
+DELAY_S = 0.4
+PERTURBATION = 0.01
+
+
+class _Marker(Optimization):
+    target_modules = (PIPELINE,)
+    default_enabled = True
+
+    def _attach(self, model: Any) -> None:
+        setattr(model, f"_{self.name}", True)
+
+    def _detach(self, model: Any) -> None:
+        model.__dict__.pop(f"_{self.name}", None)
+
+
+class FastOpt(_Marker):
+    name = "abl_test_fast"
+    summary = "test only: removes a 0.4 s sleep from VAE decode"
+    equivalence = "exact"
+
+
+class CloseOpt(_Marker):
+    name = "abl_test_close"
+    summary = "test only: removes a 0.4 s sleep from prompt encoding, perturbs the image slightly"
+    equivalence = "close"
+
+
+FAST = register_optimization(FastOpt())
+CLOSE = register_optimization(CloseOpt())
+
+
+def _in_worker() -> bool:
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", None) == "vllm_omni_ascend_opt.ablation.worker"
+
+
+def _install_delays() -> None:
+    import importlib
+
+    import torch
+
+    cls = importlib.import_module(PIPELINE).QwenImagePipeline
+    decode, encode = cls._decode_latents, cls.encode_prompt
+
+    def _decode_latents(self, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "_abl_test_fast", False):
+            time.sleep(DELAY_S)
+        out = decode(self, *args, **kwargs)
+        if getattr(self, "_abl_test_close", False):
+            g = torch.Generator().manual_seed(0)
+            noise = torch.randn(out.output.shape, generator=g).to(out.output)
+            out.output = (out.output + PERTURBATION * noise).clamp(-1, 1)
+        return out
+
+    def encode_prompt(self, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "_abl_test_close", False):
+            time.sleep(DELAY_S)
+        return encode(self, *args, **kwargs)
+
+    cls._decode_latents = _decode_latents
+    cls.encode_prompt = encode_prompt
+
+
+if os.environ.get("ABLATION_TESTOPTS_DELAYS") == "1" and _in_worker():
+    _install_delays()

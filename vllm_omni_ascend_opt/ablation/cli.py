@@ -1,0 +1,383 @@
+"""``vllm-omni-ascend-opt ablate`` and ``vllm-omni-ascend-opt plan`` (a dry run of ``ablate``).
+
+Exit codes of ``ablate``: 0 PASS, 1 FAIL, 2 INCONCLUSIVE or bad input (see :mod:`.stats`). ``plan`` exits 0, or 2 on
+bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from vllm_omni_ascend_opt.ablation.workload import (
+    DTYPES,
+    ENGINES,
+    MODES,
+    SCHEDULES,
+    STACKS,
+    Workload,
+    WorkloadError,
+    available_workloads,
+    from_mapping,
+    load_workload,
+)
+
+DEFAULT_OUT = "ablation-out"
+BAD_INPUT = 2
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload (a named workload's values, then these, override the defaults)")
+    g.add_argument(
+        "--workload",
+        metavar="NAME",
+        help=f"named workload ({', '.join(available_workloads())}) or a "
+        ".toml/.json file; looked up as a path, in ./ablations/, then in the package",
+    )
+    g.add_argument(
+        "--model",
+        help="'tiny' (the embedded test-bed Qwen-Image, default), a diffusers directory, or a "
+        "Hugging Face id of a Qwen-Image checkpoint",
+    )
+    g.add_argument(
+        "--engine",
+        choices=ENGINES,
+        help="testbed: vLLM-Omni's pipeline in the worker; omni: vLLM-Omni's "
+        "offline engine Omni (accelerator only); auto: testbed for tiny, omni for a real checkpoint when an "
+        "accelerator is visible",
+    )
+    g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--height", type=int)
+    g.add_argument("--width", type=int)
+    g.add_argument("--steps", type=int, help="denoising steps")
+    g.add_argument("--cfg-scale", type=float, help="true CFG scale (1 = off)")
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    g.add_argument("--prompts-file", type=Path, help="one prompt per line ('#' starts a comment)")
+    g.add_argument("--negative-prompt")
+    g.add_argument("--seeds", type=int, nargs="+", help="seeds (default 42 43 44)")
+    g.add_argument("--warmup", type=int, help="warm-up generations per worker process (default 2)")
+    g.add_argument("--repeats", type=int, help="rounds; each runs every configuration on every seed (default 2)")
+    g.add_argument("--max-sequence-length", type=int)
+    g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Omni engine: disable torch.compile / graphs (default: on)",
+    )
+    a = p.add_argument_group("ablation")
+    a.add_argument(
+        "--mode",
+        choices=MODES,
+        help="leave-one-out (default): full, full minus each, stock; "
+        "cumulative: stock, +1st, +1st+2nd, ...; single: stock + each alone",
+    )
+    a.add_argument("--order", help="comma list: order of the cumulative mode (default: registry order)")
+    a.add_argument("--only", action="append", help="comma list: only these optimizations take part")
+    a.add_argument("--skip", action="append", help="comma list: these optimizations do not take part")
+    a.add_argument(
+        "--stack", choices=STACKS, help="default: the full stack is the default-on optimizations; all: every active one"
+    )
+    a.add_argument("--quality-gates", metavar="ssim=0.99,psnr=35", help="gates of 'close' optimizations")
+    a.add_argument(
+        "--min-improvement-pct",
+        type=float,
+        help="PASS needs the full stack to save at least this %% of stock (default 1)",
+    )
+    a.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE in the runner and every worker before the plugin loads (out-of-tree "
+        "optimizations register themselves this way)",
+    )
+    r = p.add_argument_group("execution")
+    r.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        help="resident: one live worker per configuration, interleaved "
+        "request by request; per-round: a fresh process per configuration and round, one at a time "
+        "(auto: resident for tiny, per-round otherwise)",
+    )
+    r.add_argument("--start-jobs", type=int, help="workers starting at the same time (resident; default 2)")
+    r.add_argument("--threads", type=int, help="torch threads per worker (default: torch's choice)")
+    r.add_argument("--timeout", type=float, dest="timeout_s", help="seconds allowed per generation (default 600)")
+    r.add_argument(
+        "--start-timeout",
+        type=float,
+        dest="start_timeout_s",
+        help="seconds allowed for a worker to import, load and report ready (default 1800)",
+    )
+    r.add_argument(
+        "--out",
+        type=Path,
+        default=Path(DEFAULT_OUT),
+        help=f"output directory (default {DEFAULT_OUT}); nothing is written outside it",
+    )
+
+
+def add_subcommands(sub: Any) -> None:
+    """Register ``ablate`` and ``plan`` on the main CLI's subparsers."""
+    ab = sub.add_parser(
+        "ablate",
+        help="measure what each optimization is worth (leave-one-out, cumulative, single)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common(ab)
+    ab.add_argument("--fresh", action="store_true", help="discard earlier results in --out and start over")
+    ab.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ab.set_defaults(func=cmd_ablate)
+    pl = sub.add_parser("plan", help="dry run of ablate: configurations, number of runs, estimated duration")
+    _add_common(pl)
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(func=cmd_plan)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# resolving arguments
+# ----------------------------------------------------------------------------------------------------------------
+def _gates(text: str) -> dict[str, float]:
+    out = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        key, _, val = item.partition("=")
+        key = key.strip().lower()
+        if key not in ("ssim", "psnr") or not val:
+            raise WorkloadError(f"--quality-gates {text!r}: use ssim=<0..1>,psnr=<dB> (e.g. ssim=0.99,psnr=35)")
+        try:
+            out[f"{key}_gate"] = float(val)
+        except ValueError:
+            raise WorkloadError(f"--quality-gates {text!r}: {val!r} is not a number") from None
+    return out
+
+
+def resolve_workload(args: argparse.Namespace) -> Workload:
+    wl = load_workload(args.workload) if args.workload else Workload(name="custom")
+    over: dict[str, Any] = {}
+    for key in (
+        "model",
+        "engine",
+        "dtype",
+        "height",
+        "width",
+        "steps",
+        "cfg_scale",
+        "negative_prompt",
+        "warmup",
+        "repeats",
+        "max_sequence_length",
+        "enforce_eager",
+        "mode",
+        "stack",
+        "min_improvement_pct",
+        "schedule",
+        "start_jobs",
+        "threads",
+        "timeout_s",
+        "start_timeout_s",
+    ):
+        v = getattr(args, key, None)
+        if v is not None:
+            over[key] = v
+    if args.seeds:
+        over["seeds"] = list(args.seeds)
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise WorkloadError(f"--prompts-file: {exc}") from None
+        prompts += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+        if not prompts:
+            raise WorkloadError(f"--prompts-file {args.prompts_file}: no prompt in it")
+    if prompts:
+        over["prompts"] = prompts
+    if args.quality_gates:
+        over.update(_gates(args.quality_gates))
+    if over and args.workload:
+        wl = dataclasses.replace(wl, name=f"{wl.name} (modified)")
+    return from_mapping(over, name=wl.name, base=wl).validate()
+
+
+def _split(values: list[str] | None) -> list[str]:
+    return [n.strip() for v in values or [] for n in v.split(",") if n.strip()]
+
+
+def _import_extras(mods: list[str]) -> None:
+    from vllm_omni_ascend_opt import registry
+
+    registry.all_optimizations()  # built-ins first
+    for m in mods:
+        try:
+            importlib.import_module(m)
+        except Exception as exc:  # bad input
+            raise WorkloadError(f"--import {m}: {type(exc).__name__}: {exc}") from None
+
+
+def _looks_like_hf_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "/", "~"))
+
+
+def make_plan(args: argparse.Namespace, *, build_model: bool) -> Any:
+    from vllm_omni_ascend_opt.ablation.plan import build_plan, opt_infos_from_registry
+
+    wl = resolve_workload(args)
+    _import_extras(args.imports)
+    plan = build_plan(
+        wl,
+        opt_infos_from_registry(),
+        only=_split(args.only),
+        skip=_split(args.skip),
+        order=_split([args.order] if args.order else None),
+        extra_imports=args.imports,
+    )
+    if wl.is_tiny:
+        if build_model:
+            from vllm_omni_ascend_opt.testbed import build_model_dir
+
+            plan.model_path = str(build_model_dir())
+    else:
+        p = Path(wl.model).expanduser()
+        if p.is_dir():
+            if not (p / "model_index.json").is_file():
+                raise WorkloadError(f"--model {wl.model}: {p} has no model_index.json (not a diffusers directory)")
+            plan.model_path = str(p.resolve())
+        elif not _looks_like_hf_id(wl.model):
+            raise WorkloadError(f"--model {wl.model!r}: no such directory, and not a Hugging Face id (org/name)")
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# commands
+# ----------------------------------------------------------------------------------------------------------------
+def _bad(msg: str) -> int:
+    print(f"vllm-omni-ascend-opt: error: {msg}", file=sys.stderr)
+    return BAD_INPUT
+
+
+def _print_plan(plan: Any, est: Any | None = None) -> None:
+    wl = plan.workload
+    print(f"ablation '{wl.name}': mode {wl.mode}, engine {plan.engine}, schedule {plan.schedule}")
+    print(
+        f"  model {wl.model}, {wl.dtype}, {wl.width}x{wl.height}, {wl.steps} steps, CFG {wl.cfg_scale}, "
+        f"{len(wl.prompts)} prompt(s) x seeds {wl.seeds}, warm-up {wl.warmup}, repeats {wl.repeats}"
+    )
+    print(f"  full stack: {', '.join(plan.stack) or '(empty)'}")
+    print(f"\n  {'configuration':<24} {'role':<14} VLLM_OMNI_ASCEND_OPT")
+    for c in plan.configs:
+        print(f"  {c.id:<24} {c.role:<14} {c.spec}")
+    if plan.comparisons:
+        print("\n  verdicts from: " + "; ".join(f"{c.opt} = {c.without} - {c.with_}" for c in plan.comparisons))
+    if plan.skipped:
+        print("\n  not in this run:")
+        for n, why in plan.skipped.items():
+            print(textwrap.fill("; ".join(why), 110, initial_indent=f"    {n:<18} ", subsequent_indent=" " * 23))
+    if est is not None:
+        print(
+            f"\n  {len(plan.configs)} configurations, {est.processes} worker processes, {est.generations} "
+            f"generations ({est.measured} measured); estimated {est.seconds / 60:.1f} min ({est.assumptions})"
+        )
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from vllm_omni_ascend_opt.ablation.plan import estimate
+
+    try:
+        plan = make_plan(args, build_model=False)
+    except WorkloadError as exc:
+        return _bad(str(exc))
+    est = estimate(plan)
+    stored = _stored_measurements(plan, args.out)
+    if args.json:
+        print(json.dumps({"plan": plan.to_dict(), "estimate": est.to_dict(), "stored_measurements": stored}, indent=1))
+        return 0
+    _print_plan(plan, est)
+    if stored:
+        print(
+            f"\n  {args.out} already holds {stored} measurement(s) of this plan: ablate would resume (--fresh: "
+            "start over)"
+        )
+    if not plan.stack:
+        print("\n  nothing to measure: no optimization can take part (see above)")
+    return 0
+
+
+def _stored_measurements(plan: Any, out: Path) -> int:
+    from vllm_omni_ascend_opt.ablation.runner import Store, select_resumable
+
+    pj = Path(out) / "plan.json"
+    if not pj.is_file():
+        return 0
+    try:
+        if json.loads(pj.read_text()).get("fingerprint") != plan.fingerprint():
+            return 0
+    except (OSError, ValueError):
+        return 0
+    kept, _ = select_resumable(plan, Store(Path(out) / "measurements.jsonl", plan.fingerprint()).load())
+    return sum(1 for r in kept if r.get("type") == "sample" and not r.get("warmup"))
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from vllm_omni_ascend_opt.ablation import report, stats
+    from vllm_omni_ascend_opt.ablation.runner import RunError, Runner
+
+    try:
+        plan = make_plan(args, build_model=True)
+    except WorkloadError as exc:
+        return _bad(str(exc))
+    _print_plan(plan)
+    if not plan.stack:
+        return _bad("nothing to measure: no optimization can take part in this run (reasons above)")
+    print(flush=True)
+    try:
+        data = Runner(plan, args.out, fresh=args.fresh, progress=not args.no_progress).run()
+    except RunError as exc:
+        return _bad(str(exc))
+    analysis = stats.analyse(plan, data.records, data.out.root, interrupted=data.interrupted)
+    results = report.build_results(data, analysis, command=["vllm-omni-ascend-opt", *sys.argv[1:]])
+    paths = report.write_all(results, args.out)
+    print_summary(results)
+    print(f"\nreport: {paths['markdown']}\n        {paths['json']}\n        {paths['chart']}")
+    return int(results["verdict"]["exit_code"])
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    """The main table of report.md, as text."""
+    from vllm_omni_ascend_opt.ablation.report import _gate_cell
+
+    print(
+        f"\n{'optimization':<22} {'class':<6} {'saved ms (mean ± std)':>22} {'% stock':>8}  {'direction':<10} "
+        f"{'label':<13} equivalence"
+    )
+    rows = [(o["name"], o["equivalence"], o, o["equivalence_check"]) for o in results["optimizations"]]
+    fvs = results["full_vs_stock"]
+    if fvs:
+        full = next((c for c in results["configs"] if c["id"] == "full"), None)
+        rows.append(("full stack vs stock", "", fvs, full.get("vs_stock") if full else None))
+    for name, cls, d, chk in rows:
+        s = d["saved_ms"]
+        saved = "–" if s["mean"] is None else f"{s['mean']:+.2f} ± {s['std']:.2f}"
+        pct = "–" if d["saved_pct_of_stock"] is None else f"{d['saved_pct_of_stock']:+.2f}%"
+        print(
+            f"{name:<22} {cls:<6} {saved:>22} {pct:>8}  {d['direction']:<10} {d['label']:<13} "
+            f"{_gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"
+        )
+    nf = results["noise_floor"]
+    print(f"noise floor: {nf['ms']:.2f} ms" if nf else "noise floor: unknown")
+    for c in results["configs"]:
+        if c["status"] != "ok":
+            print(f"configuration {c['id']}: {c['status']}" + (f" ({c['error']})" if c["error"] else ""))
+    v = results["verdict"]
+    print(f"\nverdict: {v['result']} (exit {v['exit_code']})")
+    for r in v["reasons"]:
+        print(textwrap.fill(r, 110, initial_indent="  - ", subsequent_indent="    "))

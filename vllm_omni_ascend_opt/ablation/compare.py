@@ -1,0 +1,137 @@
+"""Image equivalence for the ablation runner: pixel identity, abs diffs, SSIM and PSNR, and the gates.
+
+Images are stored by the workers (``images/<config>/<sample>.npy``: vLLM-Omni's float output, [3, H, W] in [-1, 1];
+``.png``: the uint8 image a user gets). The metrics follow the project's conventions
+(:mod:`vllm_omni_ascend_opt.metrics`, used when it is installed; an identical local fallback otherwise):
+
+* ``pixel_identical``: the 8-bit images are equal (``round(255 * clip((x + 1) / 2, 0, 1))``, vLLM-Omni's
+  post-processing) — the gate of ``exact`` optimizations;
+* ``bitwise_identical``: the float outputs are equal (None when a side has no float output, e.g. the Omni engine);
+* ``max_abs_diff`` / ``mean_abs_diff`` on the float outputs in [-1, 1] units (from the 8-bit images when a side has
+  no float output; ``basis`` then says ``uint8``);
+* SSIM and PSNR on the 8-bit images (``data_range=255``, ``channel_axis=-1``); identical images have PSNR ``inf``
+  (stored as the string ``"inf"`` in results.json) and SSIM 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class StoredImage:
+    uint8: np.ndarray  # [H, W, 3]
+    float_chw: np.ndarray | None  # [3, H, W] in [-1, 1], as vLLM-Omni returned it
+
+    def as_float(self) -> np.ndarray:
+        """The float output, or the 8-bit image mapped back to [-1, 1] (same 8-bit image after post-processing)."""
+        if self.float_chw is not None:
+            return self.float_chw.astype(np.float64)
+        return self.uint8.astype(np.float64).transpose(2, 0, 1) / 255.0 * 2.0 - 1.0
+
+
+def to_uint8(chw_minus1_1: np.ndarray) -> np.ndarray:
+    """vLLM-Omni / diffusers post-processing of a [3, H, W] float image in [-1, 1] to uint8 HWC."""
+    x = np.clip((chw_minus1_1.astype(np.float64) + 1.0) / 2.0, 0.0, 1.0)
+    return np.round(x.transpose(1, 2, 0) * 255.0).astype(np.uint8)
+
+
+def load_stored(stem: Path) -> StoredImage:
+    """Load ``stem.npy`` (float, preferred) and/or ``stem.png`` written by a worker."""
+    npy, png = stem.with_suffix(".npy"), stem.with_suffix(".png")
+    if npy.is_file():
+        arr = np.load(npy)
+        if arr.dtype == np.uint8:
+            return StoredImage(arr, None)
+        return StoredImage(to_uint8(arr), arr)
+    if png.is_file():
+        from PIL import Image
+
+        with Image.open(png) as im:
+            return StoredImage(np.asarray(im.convert("RGB"), dtype=np.uint8), None)
+    raise FileNotFoundError(f"no image stored at {stem}.npy/.png")
+
+
+def _compare_images(ref: np.ndarray, out: np.ndarray) -> dict[str, Any]:
+    """``vllm_omni_ascend_opt.metrics.compare_images`` when present, else the same computation here."""
+    try:
+        from vllm_omni_ascend_opt.metrics import compare_images
+    except ImportError:
+        compare_images = None
+    if compare_images is not None:
+        return dict(compare_images(ref, out))
+    from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+
+    ua, ub = to_uint8(ref), to_uint8(out)
+    diff = np.abs(ref - out)
+    same = bool(np.array_equal(ua, ub))
+    return {
+        "pixel_identical": same,
+        "max_abs_diff": float(diff.max()),
+        "mean_abs_diff": float(diff.mean()),
+        "ssim": 1.0 if same else float(structural_similarity(ua, ub, data_range=255, channel_axis=-1)),
+        "psnr": math.inf if same else float(peak_signal_noise_ratio(ua, ub, data_range=255)),
+    }
+
+
+def compare(ref: StoredImage, out: StoredImage) -> dict[str, Any]:
+    """Every metric of ``out`` against ``ref`` (see the module docstring)."""
+    if ref.uint8.shape != out.uint8.shape:
+        raise ValueError(f"image shapes differ: {ref.uint8.shape} vs {out.uint8.shape}")
+    both_float = ref.float_chw is not None and out.float_chw is not None
+    a, b = ref.as_float(), out.as_float()
+    m = _compare_images(a, b)
+    return {
+        "pixel_identical": bool(np.array_equal(ref.uint8, out.uint8)),
+        "bitwise_identical": bool(np.array_equal(ref.float_chw, out.float_chw)) if both_float else None,
+        "max_abs_diff": float(m["max_abs_diff"]),
+        "mean_abs_diff": float(m["mean_abs_diff"]),
+        "ssim": float(m["ssim"]),
+        "psnr_db": float(m["psnr"]),
+        "basis": "float" if both_float else "uint8",
+    }
+
+
+def aggregate(per_sample: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Worst case over the samples of one pair of configurations."""
+    vals = list(per_sample.values())
+    if not vals:
+        return {}
+    bitwise = [v["bitwise_identical"] for v in vals]
+    return {
+        "pixel_identical": all(v["pixel_identical"] for v in vals),
+        "bitwise_identical": None if any(b is None for b in bitwise) else all(bitwise),
+        "max_abs_diff": max(v["max_abs_diff"] for v in vals),
+        "mean_abs_diff": float(np.mean([v["mean_abs_diff"] for v in vals])),
+        "ssim_min": min(v["ssim"] for v in vals),
+        "psnr_db_min": min(v["psnr_db"] for v in vals),
+        "basis": vals[0]["basis"],
+        "samples": len(vals),
+    }
+
+
+def gate(agg: dict[str, Any], equivalence: str, ssim_gate: float, psnr_gate: float) -> dict[str, Any]:
+    """Judge an aggregated comparison by an equivalence class: ``exact`` needs pixel identity, ``close`` needs
+    SSIM >= ``ssim_gate`` and PSNR >= ``psnr_gate`` on every sample."""
+    if not agg:
+        return {"class": equivalence, "passed": None, "why": "not compared (an image is missing)"}
+    if equivalence == "exact":
+        ok = bool(agg["pixel_identical"])
+        why = (
+            "pixel-identical"
+            if ok
+            else (f"not pixel-identical (max abs diff {agg['max_abs_diff']:.3g}, SSIM {agg['ssim_min']:.4f})")
+        )
+        return {"class": "exact", "passed": ok, "why": why}
+    ok = agg["ssim_min"] >= ssim_gate and agg["psnr_db_min"] >= psnr_gate
+    why = f"SSIM {agg['ssim_min']:.4f} {'>=' if agg['ssim_min'] >= ssim_gate else '<'} {ssim_gate}, PSNR {fmt_db(agg['psnr_db_min'])} {'>=' if agg['psnr_db_min'] >= psnr_gate else '<'} {psnr_gate} dB"
+    return {"class": "close", "passed": bool(ok), "why": why}
+
+
+def fmt_db(v: float) -> str:
+    return "inf dB" if math.isinf(v) else f"{v:.2f} dB"

@@ -1,0 +1,327 @@
+"""From a workload, a mode and the registry to the list of configurations an ablation runs.
+
+Every configuration is one exact set of optimizations, passed to its worker as ``VLLM_OMNI_ASCEND_OPT=none,+a,+b``
+(``none`` first, so vLLM-Omni's defaults never leak in). Each mode adds the configurations it needs to three that
+every run has: ``stock`` (nothing), ``full`` (the full stack) and ``full_ctrl``, a second, identical full stack in its
+own process whose difference from ``full`` is the noise floor. Configurations with the same set are merged (except
+the control).
+
+The *comparisons* say what each optimization's verdict is computed from: a pair of configurations that differ only
+by that optimization (``without`` minus ``with`` = time saved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_omni_ascend_opt.ablation.workload import Workload, WorkloadError
+
+
+@dataclass(frozen=True)
+class OptInfo:
+    """What the planner needs to know about one optimization (taken from the registry, or made up in tests)."""
+
+    name: str
+    equivalence: str  # "exact" | "close"
+    default_enabled: bool = True
+    reasons_inactive: tuple[str, ...] = ()
+    summary: str = ""
+
+
+def opt_infos_from_registry() -> list[OptInfo]:
+    """One :class:`OptInfo` per registered optimization, in registry order, with its reasons to be off here."""
+    from vllm_omni_ascend_opt import registry
+
+    out = []
+    for opt in registry.all_optimizations():
+        try:
+            reasons = tuple(opt.reasons_inactive())
+        except Exception as exc:  # a broken probe is itself a reason
+            reasons = (f"reasons_inactive() raised {exc!r}",)
+        out.append(OptInfo(opt.name, opt.equivalence, opt.default_enabled, reasons, opt.summary))
+    return out
+
+
+@dataclass(frozen=True)
+class Config:
+    id: str  # file-system safe, unique
+    label: str  # for people
+    opts: tuple[str, ...]  # in registry order
+    role: str  # stock | full | control | leave-one-out | cumulative | single
+
+    @property
+    def spec(self) -> str:
+        return ",".join(["none", *(f"+{n}" for n in self.opts)])
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``opt``'s time saved = time(``without``) - time(``with_``); its equivalence is judged on these two images."""
+
+    opt: str
+    with_: str
+    without: str
+
+
+@dataclass
+class Plan:
+    workload: Workload
+    configs: list[Config]
+    comparisons: list[Comparison]
+    stack: list[str]
+    #: name -> reasons it is not part of this run (inactive here, excluded by --only/--skip, off by default)
+    skipped: dict[str, list[str]]
+    opts: dict[str, OptInfo]
+    engine: str
+    schedule: str
+    model_path: str | None = None
+    extra_imports: list[str] = field(default_factory=list)
+
+    def config(self, cid: str) -> Config:
+        for c in self.configs:
+            if c.id == cid:
+                return c
+        raise KeyError(cid)
+
+    @property
+    def samples(self) -> list[tuple[int, int]]:
+        return self.workload.samples()
+
+    def fingerprint(self) -> str:
+        """Hash of everything that makes stored measurements reusable (a resume must match it exactly)."""
+        wl = self.workload.to_dict()
+        for k in (
+            "name",
+            "description",
+            "start_jobs",
+            "timeout_s",
+            "start_timeout_s",
+            "ssim_gate",
+            "psnr_gate",
+            "min_improvement_pct",
+        ):
+            wl.pop(k, None)  # presentation, gates and patience do not change what a measurement means
+        blob = json.dumps(
+            {
+                "workload": wl,
+                "configs": [dataclasses.asdict(c) for c in self.configs],
+                "engine": self.engine,
+                "schedule": self.schedule,
+                "model": self._model_identity(),
+                "imports": self.extra_imports,
+            },
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def _model_identity(self) -> str | None:
+        if self.workload.is_tiny:  # the built directory's name is a hash of the tiny model's spec and seed
+            from vllm_omni_ascend_opt.testbed.tiny_model import TINY
+
+            return f"tiny:{TINY.key(0)}"
+        return self.model_path or self.workload.model
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload.to_dict(),
+            "engine": self.engine,
+            "schedule": self.schedule,
+            "model_path": self.model_path,
+            "stack": list(self.stack),
+            "skipped": {k: list(v) for k, v in self.skipped.items()},
+            "optimizations": {
+                n: {"equivalence": o.equivalence, "default": o.default_enabled, "summary": o.summary}
+                for n, o in self.opts.items()
+            },
+            "configs": [
+                {"id": c.id, "label": c.label, "opts": list(c.opts), "role": c.role, "spec": c.spec}
+                for c in self.configs
+            ],
+            "comparisons": [{"opt": c.opt, "with": c.with_, "without": c.without} for c in self.comparisons],
+            "imports": list(self.extra_imports),
+            "fingerprint": self.fingerprint(),
+        }
+
+
+def _names(csv: list[str] | None, valid: list[str], what: str) -> list[str]:
+    if not csv:
+        return []
+    out = []
+    for item in csv:
+        for n in item.split(","):
+            n = n.strip()
+            if not n:
+                continue
+            if n not in valid:
+                raise WorkloadError(f"{what}: unknown optimization {n!r}; valid names: {', '.join(valid)}")
+            if n not in out:
+                out.append(n)
+    return out
+
+
+def build_plan(
+    workload: Workload,
+    infos: list[OptInfo],
+    *,
+    only: list[str] | None = None,
+    skip: list[str] | None = None,
+    order: list[str] | None = None,
+    engine: str | None = None,
+    schedule: str | None = None,
+    extra_imports: list[str] | None = None,
+) -> Plan:
+    """The configurations and comparisons of one run. ``infos`` in registry order. Raises WorkloadError."""
+    valid = [i.name for i in infos]
+    by_name = {i.name: i for i in infos}
+    only_l = _names(only, valid, "--only")
+    skip_l = _names(skip, valid, "--skip")
+    order_l = _names(order, valid, "--order")
+    skipped: dict[str, list[str]] = {}
+    stack: list[str] = []
+    for info in infos:
+        n = info.name
+        if only_l and n not in only_l:
+            skipped[n] = ["not named by --only"]
+        elif n in skip_l:
+            skipped[n] = ["excluded by --skip"]
+        elif info.reasons_inactive:
+            skipped[n] = list(info.reasons_inactive)
+        elif not info.default_enabled and workload.stack != "all" and n not in only_l:
+            skipped[n] = [
+                f"off by default ({info.equivalence}); include it with --stack all or --only {n}",
+            ]
+        else:
+            stack.append(n)
+    if order_l:
+        bad = [n for n in order_l if n not in stack]
+        if bad:
+            why = "; ".join(n + ": " + skipped.get(n, ["?"])[0] for n in bad)
+            raise WorkloadError(f"--order names {', '.join(bad)}, which cannot take part in this run ({why})")
+        seq = order_l + [n for n in stack if n not in order_l]
+    else:
+        seq = list(stack)
+
+    def reg(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(n for n in valid if n in set(names))
+
+    configs: list[Config] = []
+    by_set: dict[tuple[str, ...], str] = {}
+
+    def add(cid: str, label: str, opts: tuple[str, ...], role: str) -> str:
+        if opts in by_set:
+            return by_set[opts]
+        configs.append(Config(cid, label, opts, role))
+        by_set[opts] = cid
+        return cid
+
+    full = reg(stack)
+    stock_id = add("stock", "stock (no optimization)", (), "stock")
+    full_id = add("full", "full stack", full, "full") if full else stock_id
+    comparisons: list[Comparison] = []
+    if workload.mode == "leave-one-out":
+        for n in seq:
+            without = add(f"loo_{n}", f"full - {n}", reg([m for m in stack if m != n]), "leave-one-out")
+            comparisons.append(Comparison(n, full_id, without))
+    elif workload.mode == "cumulative":
+        prev = stock_id
+        for k in range(1, len(seq) + 1):
+            opts = reg(seq[:k])
+            cid = add(f"cum{k}_{seq[k - 1]}", "stock + " + " + ".join(seq[:k]), opts, "cumulative")
+            comparisons.append(Comparison(seq[k - 1], cid, prev))
+            prev = cid
+    elif workload.mode == "single":
+        for n in seq:
+            cid = add(f"single_{n}", f"stock + {n}", (n,), "single")
+            comparisons.append(Comparison(n, cid, stock_id))
+    if full:
+        # The control: deliberately a duplicate of the full stack, in its own process.
+        configs.append(Config("full_ctrl", "full stack (control)", full, "control"))
+
+    eng = engine or workload.engine
+    if eng == "auto":
+        eng = "testbed" if workload.is_tiny else ("omni" if _accelerator_visible() else "testbed")
+    sched = schedule or workload.schedule
+    if sched == "auto":
+        sched = "resident" if workload.is_tiny else "per-round"
+    if eng == "omni" and workload.is_tiny:
+        raise WorkloadError(
+            "--engine omni needs a real checkpoint: vLLM-Omni's Omni engine has no CPU platform (use --engine testbed "
+            "for the tiny model)"
+        )
+    return Plan(
+        workload=workload,
+        configs=configs,
+        comparisons=comparisons,
+        stack=list(seq),
+        skipped=skipped,
+        opts=by_name,
+        engine=eng,
+        schedule=sched,
+        extra_imports=list(extra_imports or []),
+    )
+
+
+def _accelerator_visible() -> bool:
+    from vllm_omni_ascend_opt import _backend
+
+    if _backend.torch_npu_module() is not None:
+        return True
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# cost
+# --------------------------------------------------------------------------------------------------------------
+#: Rough constants behind ``plan``'s estimate. Tiny: measured on a 2-core CPU (vLLM-Omni import ~8-12 s per
+#: process; 64x64, 4 steps ~0.06 s per image). Real: Qwen-Image on one Ascend 910B1, BF16 eager, 1280x704, 8 steps
+#: ~3.1 s per image; process start (import, engine start, weights) assumed ~120 s.
+TINY_START_S = 12.0
+TINY_IMAGE_S_PER_MPIX_STEP = 0.06 / (64 * 64 / 1e6 * 4)
+TINY_IMAGE_FIXED_S = 0.02
+REAL_START_S = 120.0
+REAL_IMAGE_S_PER_MPIX_STEP = 3.1 / (1280 * 704 / 1e6 * 8)
+
+
+@dataclass
+class Estimate:
+    processes: int
+    generations: int
+    measured: int
+    seconds: float
+    assumptions: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def estimate(plan: Plan) -> Estimate:
+    wl = plan.workload
+    n = len(plan.configs)
+    per_round = len(plan.samples)
+    cfg_factor = 2.0 if wl.cfg_scale > 1 else 1.0
+    mpix_steps = wl.height * wl.width / 1e6 * wl.steps * cfg_factor
+    if wl.is_tiny:
+        start, image = TINY_START_S, TINY_IMAGE_FIXED_S + TINY_IMAGE_S_PER_MPIX_STEP * mpix_steps
+        basis = "tiny model on a 2-core CPU"
+    else:
+        start, image = REAL_START_S, REAL_IMAGE_S_PER_MPIX_STEP * mpix_steps
+        basis = "Qwen-Image on one Ascend 910B1 (BF16 eager); process start assumed 120 s"
+    measured = n * wl.repeats * per_round
+    if plan.schedule == "resident":
+        processes = n
+        gens = n * wl.warmup + measured
+        secs = math.ceil(n / max(1, wl.start_jobs)) * start + gens * image
+    else:
+        processes = n * wl.repeats
+        gens = processes * wl.warmup + measured
+        secs = processes * start + gens * image
+    return Estimate(
+        processes, gens, measured, secs, f"rough: {basis}; start {start:.0f} s/process, {image:.2f} s/image"
+    )

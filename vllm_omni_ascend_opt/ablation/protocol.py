@@ -1,0 +1,42 @@
+"""The line protocol between the ablation runner (parent) and its worker processes.
+
+One JSON object per line. The parent starts ``python -m vllm_omni_ascend_opt.ablation.worker --job JOB.json`` with
+``VLLM_OMNI_ASCEND_OPT=<the configuration's spec>`` in the environment and talks to it over the worker's stdin
+(commands) and stdout (events). The worker moves everything else that would print to stdout (libraries, tqdm) to
+stderr, which the parent saves as the configuration's log.
+
+worker -> parent::
+
+    {"event": "ready", "protocol": 1, "pid": 123, "load_s": 4.2, "env": {...}, "active": ["rope", ...] | null}
+    {"event": "result", "id": 7, "total_ms": 61.2, "stages_ms": {"text_encode": ..., "denoise": ..., "vae_decode":
+     ...}, "cpu_ms": 60.8 | null, "sha256": "...", "saved": true}
+    {"event": "error", "id": 7 | null, "phase": "start" | "run", "error": "OutOfMemoryError: ...", "traceback": "..."}
+    {"event": "bye"}
+
+parent -> worker::
+
+    {"cmd": "run", "id": 7, "prompt": 0, "seed": 42, "save": "/out/images/full/p0_s42" | null}
+    {"cmd": "exit"}
+
+After an ``error`` the parent stops using the worker (its state is unknown) and records the configuration as failed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import IO, Any
+
+PROTOCOL_VERSION = 1
+STAGES = ("text_encode", "denoise", "vae_decode")
+
+
+def send(stream: IO[str], obj: dict[str, Any]) -> None:
+    stream.write(json.dumps(obj, separators=(",", ":")) + "\n")
+    stream.flush()
+
+
+def decode(line: str) -> dict[str, Any]:
+    obj = json.loads(line)
+    if not isinstance(obj, dict):
+        raise ValueError(f"protocol message is not an object: {line[:200]!r}")
+    return obj

@@ -1,0 +1,351 @@
+"""The three reports of a run, in ``--out``: ``results.json`` (schema: docs/ablation.md and
+:data:`vllm_omni_ascend_opt.ablation.schema.RESULTS_SCHEMA`), ``report.md`` and ``ablation.png``."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from vllm_omni_ascend_opt.ablation.compare import fmt_db
+from vllm_omni_ascend_opt.ablation.protocol import STAGES
+
+SCHEMA_VERSION = 1
+STAGE_TITLES = {"text_encode": "text encode", "denoise": "denoise", "vae_decode": "VAE decode"}
+
+
+def build_results(data: Any, analysis: dict[str, Any], command: list[str] | None = None) -> dict[str, Any]:
+    """Assemble results.json from the run data (:class:`~.runner.RunData`) and :func:`~.stats.analyse`'s output."""
+    from vllm_omni_ascend_opt import __version__
+
+    plan = data.plan
+    envs = [r for r in data.records if r.get("type") == "ready" and r.get("env")]
+    env = dict(envs[0]["env"]) if envs else {}
+    env.pop("flag", None)
+    same = all({k: v for k, v in e["env"].items() if k != "flag"} == env for e in envs)
+    samples = [
+        {
+            k: r.get(k)
+            for k in (
+                "config",
+                "round",
+                "prompt",
+                "seed",
+                "warmup",
+                "total_ms",
+                "stages_ms",
+                "cpu_ms",
+                "load1",
+                "sha256",
+                "pid",
+            )
+        }
+        for r in data.records
+        if r.get("type") == "sample"
+    ]
+    failures = [
+        {k: r.get(k) for k in ("config", "round", "phase", "error", "traceback", "returncode", "log_tail")}
+        for r in data.records
+        if r.get("type") == "failure"
+    ]
+    wl = plan.workload
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": {"name": "vllm-omni-ascend-opt", "version": __version__},
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": list(command or []),
+        "verdict": analysis["verdict"],
+        "workload": wl.to_dict(),
+        "plan": plan.to_dict(),
+        "environment": {**env, "same_in_every_worker": same, "workers": len(envs)},
+        "gates": {"ssim": wl.ssim_gate, "psnr_db": wl.psnr_gate, "min_improvement_pct": wl.min_improvement_pct},
+        "measurement": analysis["measurement"],
+        "noise_floor": analysis["noise_floor"],
+        "full_vs_stock": analysis["full_vs_stock"],
+        "optimizations": analysis["optimizations"],
+        "configs": analysis["configs"],
+        "samples": samples,
+        "failures": failures,
+        "run": {
+            "wall_s": data.wall_s,
+            "resumed": data.resumed,
+            "dropped_on_resume": data.dropped_on_resume,
+            "interrupted": data.interrupted,
+            "out_dir": str(data.out.root),
+        },
+    }
+
+
+def jsonable(obj: Any) -> Any:
+    """Replace non-finite floats (PSNR of identical images) by strings: "inf", "-inf", "nan"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+def _atomic_write(path: Path, text: str | bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    if isinstance(text, bytes):
+        tmp.write_bytes(text)
+    else:
+        tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_json(results: dict[str, Any], out: Path) -> Path:
+    path = Path(out) / "results.json"
+    _atomic_write(path, json.dumps(jsonable(results), indent=1, allow_nan=False))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Markdown
+# ----------------------------------------------------------------------------------------------------------------
+def _ms(v: float | None, sign: bool = False) -> str:
+    if v is None:
+        return "–"
+    return f"{v:+.2f}" if sign else f"{v:.2f}"
+
+
+def _saved(d: dict[str, Any]) -> str:
+    s = d["saved_ms"]
+    if s["mean"] is None:
+        return "–"
+    return f"{s['mean']:+.2f} ± {s['std']:.2f}"
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{v:+.2f}%"
+
+
+def _gate_cell(chk: dict[str, Any] | None) -> str:
+    if not chk:
+        return "–"
+    g = chk["gate"]
+    mark = {True: "✅", False: "❌", None: "?"}[g["passed"]]
+    w = chk.get("worst") or {}
+    if not w:
+        return f"{mark} {g['why']}"
+    if g["class"] == "exact":
+        extra = "" if w["pixel_identical"] else f", max |Δ| {w['max_abs_diff']:.3g}"
+        return f"{mark} {'pixel-identical' if w['pixel_identical'] else 'differs'}{extra}"
+    return f"{mark} SSIM {w['ssim_min']:.4f}, PSNR {fmt_db(w['psnr_db_min'])}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    wl, plan, v = results["workload"], results["plan"], results["verdict"]
+    env = results["environment"]
+    dev = env.get("device") or {}
+    lines = [
+        f"# Ablation: {wl['name']} ({plan['workload']['mode']})",
+        "",
+        f"**Verdict: {v['result']}** (exit code {v['exit_code']})",
+        "",
+        *[f"- {r}" for r in v["reasons"]],
+        "",
+        "## Workload",
+        "",
+        "| model | engine | dtype | size | steps | CFG | prompts × seeds | warm-up | repeats | schedule |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| {wl['model']} | {plan['engine']} | {wl['dtype']} | {wl['width']}×{wl['height']} | {wl['steps']} | "
+        f"{wl['cfg_scale']} | {len(wl['prompts'])} × {wl['seeds']} | {wl['warmup']} | {wl['repeats']} | "
+        f"{plan['schedule']} |",
+        "",
+        f"Device: {dev.get('type', '?')} ({dev.get('name', '?')}); torch {env.get('torch')}, torch_npu "
+        f"{env.get('torch_npu') or 'not installed'}, vLLM {env.get('vllm')}, vLLM-Omni {env.get('vllm_omni')}, "
+        f"vllm-omni-ascend-opt {env.get('vllm_omni_ascend_opt')}.",
+        "",
+    ]
+    m = results.get("measurement") or {}
+    if m:
+        n = len(wl["prompts"]) * len(wl["seeds"])
+        load = (
+            "unknown"
+            if m.get("load1_max") is None
+            else f"median {m['load1_median']:.1f}, max {m['load1_max']:.1f} on {m['cpu_count']} CPUs"
+        )
+        ratio = (
+            ""
+            if m.get("wall_over_cpu_median") is None
+            else (f"; worker wall/CPU time median {m['wall_over_cpu_median']:.2f}")
+        )
+        lines += [
+            f"Each configuration's time in a round is the {m['round_stat']} over its {n} image(s). "
+            f"Machine load while measuring: {load}{ratio}.",
+            "",
+        ]
+        if m.get("busy"):
+            lines += [
+                "> **Warning:** other work competed for the CPU while measuring; wall-clock differences are "
+                "unreliable (timing failures are reported as inconclusive).",
+                "",
+            ]
+    nf = results["noise_floor"]
+    fvs = results["full_vs_stock"]
+    lines += ["## Time saved per optimization", ""]
+    if nf:
+        pct = f" ({nf['pct']:.2f}% of stock)" if nf.get("pct") is not None else ""
+        lines.append(
+            f"Noise floor (|full − full_ctrl|, largest over rounds): **{nf['ms']:.2f} ms**{pct}; per round: "
+            + ", ".join(f"{x:+.2f}" for x in nf["per_round_ms"])
+            + " ms."
+        )
+    else:
+        lines.append("Noise floor: **unknown** (the control pair did not complete).")
+    lines += [
+        "",
+        "| optimization | class | saved ms (mean ± std) | % of stock | per round (ms) | direction | label | "
+        + " | ".join(f"{STAGE_TITLES[s]} ms" for s in STAGES)
+        + " | equivalence |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(STAGES) + "---|",
+    ]
+    for o in results["optimizations"]:
+        per = ", ".join(f"{x:+.1f}" for x in o["saved_ms"]["per_round"]) or "–"
+        st = " | ".join(_ms(o["stages_saved_ms"].get(s), True) for s in STAGES)
+        lines.append(
+            f"| `{o['name']}` | {o['equivalence']} | {_saved(o)} | {_pct(o['saved_pct_of_stock'])} | {per} | "
+            f"{o['direction']} | **{o['label']}** | {st} | {_gate_cell(o['equivalence_check'])} |"
+        )
+    if fvs:
+        per = ", ".join(f"{x:+.1f}" for x in fvs["saved_ms"]["per_round"]) or "–"
+        st = " | ".join(_ms(fvs["stages_saved_ms"].get(s), True) for s in STAGES)
+        full_cfg = next((c for c in results["configs"] if c["id"] == "full"), None)
+        lines.append(
+            f"| **full stack vs stock** | | {_saved(fvs)} | {_pct(fvs['saved_pct_of_stock'])} | {per} | "
+            f"{fvs['direction']} | **{fvs['label']}** | {st} | "
+            f"{_gate_cell(full_cfg.get('vs_stock') if full_cfg else None)} |"
+        )
+    lines += [
+        "",
+        "Saved = time without − time with the optimization (positive: faster), from the configurations named in "
+        "the comparison; docs/ablation.md in vllm-omni-ascend-opt explains how to read this report.",
+        "",
+        "## Configurations",
+        "",
+        "| configuration | optimizations | status | total ms (mean ± std) | "
+        + " | ".join(f"{STAGE_TITLES[s]} ms" for s in STAGES)
+        + " | vs stock | vs full | stable |",
+        "|---|---|---|---|" + "---|" * len(STAGES) + "---|---|---|",
+    ]
+    for c in results["configs"]:
+        t = c["total_ms"]
+        tot = "–" if t["mean"] is None else f"{t['mean']:.2f} ± {t['std']:.2f}"
+        st = " | ".join(_ms(c["stages_ms"].get(s)) for s in STAGES)
+        opts = ", ".join(c["opts"]) or "(none)"
+        stable = {True: "yes", False: "**no**", None: "–"}[c["outputs_stable_across_rounds"]]
+        lines.append(
+            f"| `{c['id']}` | {opts} | {c['status']} | {tot} | {st} | {_gate_cell(c.get('vs_stock'))} | "
+            f"{_gate_cell(c.get('vs_full'))} | {stable} |"
+        )
+    if plan["skipped"]:
+        lines += ["", "## Not in this run", "", "| optimization | why |", "|---|---|"]
+        for n, why in plan["skipped"].items():
+            lines.append(f"| `{n}` | {'; '.join(why)} |")
+    if results["failures"]:
+        lines += ["", "## Failures", ""]
+        for f in results["failures"]:
+            lines.append(
+                f"- `{f['config']}` ({f['phase']}, round {f['round']}): {f['error']} — log: "
+                f"`configs/{f['config']}/worker.log`"
+            )
+    run = results["run"]
+    lines += [
+        "",
+        "## Files",
+        "",
+        "- `results.json`: every raw timing, metric, configuration and version (schema: docs/ablation.md)",
+        "- `ablation.png`: time saved per optimization with std error bars and the noise band",
+        "- `images/<configuration>/p<prompt>_s<seed>.png` (+ `.npy`: float output in [-1, 1])",
+        "- `configs/<configuration>/worker.log`: each worker's log",
+        "",
+        f"Run wall time {run['wall_s']:.1f} s"
+        + (" (resumed)" if run["resumed"] else "")
+        + (", interrupted" if run["interrupted"] else "")
+        + ".",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_markdown(results: dict[str, Any], out: Path) -> Path:
+    path = Path(out) / "report.md"
+    _atomic_write(path, markdown(results))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# chart
+# ----------------------------------------------------------------------------------------------------------------
+COLORS = {"gain": "#2e7d32", "regression": "#c62828", "within noise": "#9e9e9e"}
+
+
+def write_chart(results: dict[str, Any], out: Path) -> Path:
+    """Horizontal bars: mean time saved per optimization (and the full stack), std error bars, shaded noise band."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    rows = [(o["name"], o) for o in results["optimizations"]]
+    if results["full_vs_stock"]:
+        rows.append(("full stack vs stock", results["full_vs_stock"]))
+    names = [n for n, _ in rows]
+    means = [d["saved_ms"]["mean"] or 0.0 for _, d in rows]
+    stds = [d["saved_ms"]["std"] or 0.0 for _, d in rows]
+    colors = [COLORS.get(d["label"], "#bdbdbd") for _, d in rows]
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.55 * max(1, len(rows))), dpi=110)
+    y = list(range(len(rows)))[::-1]
+    nf = results["noise_floor"]
+    if nf:
+        ax.axvspan(-nf["ms"], nf["ms"], color="#ffcc80", alpha=0.45, label=f"noise floor ±{nf['ms']:.2f} ms", lw=0)
+    ax.barh(y, means, xerr=stds, color=colors, capsize=4, edgecolor="black", linewidth=0.5)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(y, names)
+    for yi, (_, d), m, sd in zip(y, rows, means, stds, strict=True):
+        pct = d.get("saved_pct_of_stock")
+        txt = f"{m:+.1f} ms" + (f" ({pct:+.1f}%)" if pct is not None else "") + f"  {d['label']}"
+        end = m + sd if m >= 0 else m - sd  # past the error bar
+        ax.annotate(
+            txt,
+            (end, yi),
+            xytext=(4 if m >= 0 else -4, 0),
+            textcoords="offset points",
+            ha="left" if m >= 0 else "right",
+            va="center",
+            fontsize=8,
+        )
+    lo, hi = ax.get_xlim()
+    span = max(hi - lo, 1e-6)
+    ax.set_xlim(lo - 0.25 * span, hi + 0.35 * span)
+    wl = results["workload"]
+    ax.set_xlabel("time saved per image (ms, mean ± std over repeats; positive = faster)")
+    ax.set_title(
+        f"{wl['name']}: {results['plan']['workload']['mode']}, {wl['width']}×{wl['height']}, "
+        f"{wl['steps']} steps — {results['verdict']['result']}",
+        fontsize=10,
+    )
+    if nf:
+        ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path = Path(out) / "ablation.png"
+    tmp = path.with_name("ablation.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def write_all(results: dict[str, Any], out: Path) -> dict[str, Path]:
+    out = Path(out)
+    return {
+        "json": write_json(results, out),
+        "markdown": write_markdown(results, out),
+        "chart": write_chart(results, out),
+    }

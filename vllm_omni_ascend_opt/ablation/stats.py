@@ -1,0 +1,373 @@
+"""From raw measurements to verdicts: per-round means, time saved, the noise floor, labels, gates, exit code.
+
+Definitions (also in docs/ablation.md):
+
+* A configuration's time in round r is the median (``round_stat = "mean"``: the mean) end-to-end time over that
+  round's samples (prompts x seeds); only complete rounds count.
+* An optimization's *time saved* in round r is ``time(without) - time(with)`` for the two configurations of its
+  comparison (leave-one-out: full-minus-it vs full; cumulative: previous prefix vs this prefix; single: stock vs
+  stock+it), over the rounds both completed. Reported as mean +- sample std over rounds, in ms and in % of stock.
+* The *noise floor* is the largest |time(full) - time(full_ctrl)| over rounds: two identical full stacks in two
+  processes. ``direction`` is ``consistent`` when every round saved time with the same sign, ``flips`` otherwise.
+* Label: ``gain`` when every round saved time (> 0) and the mean exceeds the noise floor; ``regression`` when every
+  round lost time and the mean is below minus the noise floor; ``within noise`` otherwise.
+* Exit: FAIL (1) if a configuration failed, a gate failed, an optimization is a regression, or the full stack is a
+  regression or saves less than ``min_improvement_pct`` of stock beyond the noise; PASS (0) when, without any of
+  those, the full stack is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise. Timing failures
+  measured while the machine was busy (load average above the CPU count) are INCONCLUSIVE, not FAIL.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from vllm_omni_ascend_opt.ablation import compare
+from vllm_omni_ascend_opt.ablation.plan import Plan
+from vllm_omni_ascend_opt.ablation.protocol import STAGES
+
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
+GAIN, REGRESSION, NOISE = "gain", "regression", "within noise"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# timings
+# ----------------------------------------------------------------------------------------------------------------
+def round_means(plan: Plan, records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
+    """config -> round -> {"total": ms, <stage>: ms}: the median (or mean, ``round_stat``) over the samples of each
+    complete round."""
+    samples = set(plan.samples)
+    agg = statistics.median if plan.workload.round_stat == "median" else statistics.fmean
+    acc: dict[tuple[str, int], dict[tuple[int, int], dict[str, Any]]] = {}
+    for r in records:
+        if r.get("type") == "sample" and not r.get("warmup"):
+            acc.setdefault((r["config"], r["round"]), {})[(r["prompt"], r["seed"])] = r
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for (cid, rnd), got in acc.items():
+        if set(got) != samples:
+            continue
+        vals = list(got.values())
+        row = {"total": agg([v["total_ms"] for v in vals])}
+        for st in STAGES:
+            xs = [v["stages_ms"][st] for v in vals if st in (v.get("stages_ms") or {})]
+            if len(xs) == len(vals):
+                row[st] = agg(xs)
+        out.setdefault(cid, {})[rnd] = row
+    return out
+
+
+def _std(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def pair(means: dict[str, dict[int, dict[str, float]]], without: str, with_: str) -> dict[str, Any]:
+    """Time saved by going from ``without`` to ``with_``, per round and summarised."""
+    a, b = means.get(without, {}), means.get(with_, {})
+    rounds = sorted(set(a) & set(b))
+    per = [a[r]["total"] - b[r]["total"] for r in rounds]
+    stages = {}
+    for st in STAGES:
+        if all(st in a[r] and st in b[r] for r in rounds) and rounds:
+            stages[st] = statistics.fmean(a[r][st] - b[r][st] for r in rounds)
+    return {
+        "rounds": rounds,
+        "per_round_ms": per,
+        "mean_ms": statistics.fmean(per) if per else None,
+        "std_ms": _std(per) if per else None,
+        "stages_mean_ms": stages,
+    }
+
+
+def direction(per_round: list[float]) -> str:
+    if not per_round:
+        return "n/a"
+    if all(x > 0 for x in per_round) or all(x < 0 for x in per_round):
+        return "consistent"
+    return "flips"
+
+
+def label(per_round: list[float], mean: float | None, noise_ms: float | None) -> str:
+    """gain / regression / within noise (see the module docstring); ``not measured`` without data."""
+    if mean is None or not per_round:
+        return "not measured"
+    if noise_ms is None:
+        return "no noise floor"
+    if all(x > 0 for x in per_round) and mean > noise_ms:
+        return GAIN
+    if all(x < 0 for x in per_round) and mean < -noise_ms:
+        return REGRESSION
+    return NOISE
+
+
+def noise_floor(means: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any] | None:
+    p = pair(means, "full_ctrl", "full")
+    if not p["per_round_ms"]:
+        return None
+    return {
+        "ms": max(abs(x) for x in p["per_round_ms"]),
+        "per_round_ms": p["per_round_ms"],
+        "configs": ["full", "full_ctrl"],
+    }
+
+
+def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) -> dict[str, Any]:
+    """How busy the machine was while measuring: load averages at each sample and wall/CPU time of the workers.
+
+    ``busy`` is true when the 1-minute load average exceeded the number of CPUs at some measurement: other work then
+    competed with the worker, and wall-clock differences say little (a timing-only FAIL becomes INCONCLUSIVE).
+    """
+    import os
+
+    cpus = cpu_count or os.cpu_count() or 1
+    meas = [r for r in records if r.get("type") == "sample" and not r.get("warmup")]
+    loads = [r["load1"] for r in meas if r.get("load1") is not None]
+    ratios = [r["total_ms"] / r["cpu_ms"] for r in meas if r.get("cpu_ms")]
+    return {
+        "cpu_count": cpus,
+        "load1_max": max(loads) if loads else None,
+        "load1_median": statistics.median(loads) if loads else None,
+        "wall_over_cpu_median": statistics.median(ratios) if ratios else None,
+        "busy": bool(loads) and max(loads) > cpus,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# equivalence
+# ----------------------------------------------------------------------------------------------------------------
+def _class_of(plan: Plan, names: set[str]) -> str:
+    return "exact" if all(plan.opts[n].equivalence == "exact" for n in names) else "close"
+
+
+def compare_configs(plan: Plan, out_root: Any, ref: str, other: str, equivalence: str) -> dict[str, Any]:
+    """Metrics of ``other`` against ``ref`` on every sample, the worst case, and the gate."""
+    from pathlib import Path
+
+    root = Path(out_root)
+    per: dict[str, dict[str, Any]] = {}
+    missing = []
+    for p, s in plan.samples:
+        key = f"p{p}_s{s}"
+        try:
+            a = compare.load_stored(root / "images" / ref / key)
+            b = compare.load_stored(root / "images" / other / key)
+        except FileNotFoundError:
+            missing.append(key)
+            continue
+        per[key] = compare.compare(a, b)
+    agg = compare.aggregate(per) if not missing else {}
+    g = compare.gate(agg, equivalence, plan.workload.ssim_gate, plan.workload.psnr_gate)
+    return {"reference": ref, "class": equivalence, "per_sample": per, "worst": agg, "gate": g, "missing": missing}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# everything
+# ----------------------------------------------------------------------------------------------------------------
+def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interrupted: bool = False) -> dict[str, Any]:
+    """The ``analysis`` part of results.json (see docs/ablation.md)."""
+    wl = plan.workload
+    means = round_means(plan, records)
+    failures = {r["config"]: r for r in records if r.get("type") == "failure"}
+    ready = {}
+    for r in records:
+        if r.get("type") == "ready":
+            ready.setdefault(r["config"], []).append(r)
+    noise = noise_floor(means)
+    noise_ms = noise["ms"] if noise else None
+
+    def mean_total(cid: str) -> float | None:
+        rows = means.get(cid, {})
+        return statistics.fmean(v["total"] for v in rows.values()) if rows else None
+
+    stock_ms = mean_total("stock")
+    if noise is not None:
+        noise["pct"] = 100 * noise["ms"] / stock_ms if stock_ms else None
+
+    # configurations
+    full_opts = set(plan.config("full").opts) if any(c.id == "full" for c in plan.configs) else set()
+    shas: dict[str, dict[str, set[str]]] = {}
+    for r in records:
+        if r.get("type") == "sample" and r.get("sha256"):
+            shas.setdefault(r["config"], {}).setdefault(f"p{r['prompt']}_s{r['seed']}", set()).add(r["sha256"])
+    configs = []
+    complete = {c.id: len(means.get(c.id, {})) == wl.repeats for c in plan.configs}
+    for c in plan.configs:
+        rows = means.get(c.id, {})
+        totals = [rows[r]["total"] for r in sorted(rows)]
+        status = "failed" if c.id in failures else ("ok" if complete[c.id] else "incomplete")
+        entry: dict[str, Any] = {
+            "id": c.id,
+            "label": c.label,
+            "role": c.role,
+            "opts": list(c.opts),
+            "spec": c.spec,
+            "status": status,
+            "error": failures[c.id]["error"] if c.id in failures else None,
+            "rounds_complete": sorted(rows),
+            "total_ms": {
+                "mean": statistics.fmean(totals) if totals else None,
+                "std": _std(totals) if totals else None,
+                "per_round": totals,
+            },
+            "stages_ms": {
+                st: statistics.fmean(rows[r][st] for r in rows)
+                for st in STAGES
+                if rows and all(st in rows[r] for r in rows)
+            },
+            "load_s": [x.get("load_s") for x in ready.get(c.id, [])],
+            "pids": [x.get("pid") for x in ready.get(c.id, [])],
+            "active_in_worker": (ready.get(c.id) or [{}])[-1].get("active"),
+            "outputs_stable_across_rounds": all(len(v) == 1 for v in shas.get(c.id, {}).values())
+            if shas.get(c.id)
+            else None,
+            "images": {f"p{p}_s{s}": f"images/{c.id}/p{p}_s{s}.png" for p, s in plan.samples},
+        }
+        for ref, key in (("stock", "vs_stock"), ("full", "vs_full")):
+            if c.id == ref or not any(x.id == ref for x in plan.configs) or status == "failed" or ref in failures:
+                entry[key] = None
+                continue
+            ref_opts = set() if ref == "stock" else full_opts
+            diff = ref_opts ^ set(c.opts)
+            entry[key] = compare_configs(plan, out_root, ref, c.id, _class_of(plan, diff) if diff else "exact")
+        configs.append(entry)
+
+    # optimizations
+    opts = []
+    for comp in plan.comparisons:
+        info = plan.opts[comp.opt]
+        p = pair(means, comp.without, comp.with_)
+        usable = comp.with_ not in failures and comp.without not in failures
+        pct = None
+        base = stock_ms if stock_ms else mean_total(comp.without)
+        if p["mean_ms"] is not None and base:
+            pct = 100 * p["mean_ms"] / base
+        eq = compare_configs(plan, out_root, comp.without, comp.with_, info.equivalence) if usable else None
+        opts.append(
+            {
+                "name": comp.opt,
+                "equivalence": info.equivalence,
+                "with": comp.with_,
+                "without": comp.without,
+                "saved_ms": {"mean": p["mean_ms"], "std": p["std_ms"], "per_round": p["per_round_ms"]},
+                "saved_pct_of_stock": pct,
+                "stages_saved_ms": p["stages_mean_ms"],
+                "direction": direction(p["per_round_ms"]),
+                "label": label(p["per_round_ms"], p["mean_ms"], noise_ms) if usable else "not measured",
+                "equivalence_check": eq,
+            }
+        )
+
+    # full stack vs stock
+    fvs = None
+    if any(c.id == "full" for c in plan.configs):
+        p = pair(means, "stock", "full")
+        pct = 100 * p["mean_ms"] / stock_ms if p["mean_ms"] is not None and stock_ms else None
+        fvs = {
+            "saved_ms": {"mean": p["mean_ms"], "std": p["std_ms"], "per_round": p["per_round_ms"]},
+            "saved_pct_of_stock": pct,
+            "stages_saved_ms": p["stages_mean_ms"],
+            "direction": direction(p["per_round_ms"]),
+            "label": label(p["per_round_ms"], p["mean_ms"], noise_ms),
+            "stock_ms": stock_ms,
+            "full_ms": mean_total("full"),
+        }
+
+    load = machine_load(records)
+    verdict = decide(plan, configs, opts, fvs, noise, interrupted, busy=load["busy"], load=load)
+    return {
+        "verdict": verdict,
+        "measurement": {"round_stat": wl.round_stat, **load},
+        "noise_floor": noise,
+        "full_vs_stock": fvs,
+        "optimizations": opts,
+        "configs": configs,
+    }
+
+
+def decide(
+    plan: Plan,
+    configs: list[dict[str, Any]],
+    opts: list[dict[str, Any]],
+    fvs: dict[str, Any] | None,
+    noise: dict[str, Any] | None,
+    interrupted: bool = False,
+    *,
+    busy: bool = False,
+    load: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Overall PASS / FAIL / INCONCLUSIVE with the reasons, and the exit code.
+
+    Gate failures and failed configurations are FAILs whatever the machine did; timing FAILs (regressions, too small
+    an improvement) become INCONCLUSIVE when the machine was busy while measuring (``busy``).
+    """
+    wl = plan.workload
+    fail, unsure, slow = [], [], []
+    for c in configs:
+        if c["status"] == "failed":
+            fail.append(f"configuration {c['id']} failed: {c['error']}")
+        elif c["status"] == "incomplete":
+            unsure.append(f"configuration {c['id']} is incomplete ({len(c['rounds_complete'])}/{wl.repeats} rounds)")
+        for key in ("vs_stock", "vs_full"):
+            chk = c.get(key)
+            if chk and chk["gate"]["passed"] is False:
+                fail.append(
+                    f"{c['id']} {key.replace('_', ' ')}: {chk['gate']['class']} gate failed: {chk['gate']['why']}"
+                )
+    for o in opts:
+        chk = o["equivalence_check"]
+        if chk and chk["gate"]["passed"] is False:
+            fail.append(f"{o['name']} ({o['equivalence']}): gate failed: {chk['gate']['why']}")
+        if o["label"] == REGRESSION:
+            slow.append(f"{o['name']} is a regression: {_fmt_saved(o)}")
+    if noise is None:
+        unsure.append("no noise floor (the control pair did not complete)")
+    if interrupted:
+        unsure.append("the run was interrupted")
+    if fvs is None or fvs["saved_ms"]["mean"] is None:
+        unsure.append("full stack vs stock not measured")
+    else:
+        lab, pct = fvs["label"], fvs["saved_pct_of_stock"]
+        if lab == REGRESSION:
+            slow.append(f"the full stack is slower than stock: {_fmt_saved(fvs)}")
+        elif lab == GAIN and pct is not None and pct < wl.min_improvement_pct:
+            slow.append(
+                f"the full stack saves {pct:.2f}% of stock, less than --min-improvement-pct {wl.min_improvement_pct}%"
+            )
+        elif lab != GAIN:
+            unsure.append(
+                f"full stack vs stock is {lab} ({_fmt_saved(fvs)}, noise floor {noise['ms']:.2f} ms)"
+                if noise
+                else f"full stack vs stock is {lab}"
+            )
+    if busy and load:
+        note = (
+            f"the machine was busy while measuring (1-min load average up to {load['load1_max']:.1f} on "
+            f"{load['cpu_count']} CPUs): wall-clock differences are unreliable"
+        )
+        if slow:
+            unsure.append(note + "; timing failures are reported as inconclusive: " + "; ".join(slow))
+            slow = []
+        elif fvs is None or fvs["label"] != GAIN:
+            unsure.append(note)
+    fail += slow
+    if fail:
+        result, reasons = FAIL, fail + unsure
+    elif unsure:
+        result, reasons = INCONCLUSIVE, unsure
+    else:
+        result = PASS
+        reasons = [
+            f"every gate held; the full stack saves {_fmt_saved(fvs)} vs stock "
+            f"(>= {wl.min_improvement_pct}%, beyond the noise floor {noise['ms']:.2f} ms)"
+        ]
+    return {"result": result, "exit_code": EXIT_CODES[result], "reasons": reasons}
+
+
+def _fmt_saved(d: dict[str, Any]) -> str:
+    s = d["saved_ms"]
+    if s["mean"] is None:
+        return "not measured"
+    pct = d.get("saved_pct_of_stock")
+    pct_s = f" ({pct:+.2f}%)" if pct is not None and not math.isnan(pct) else ""
+    return f"{s['mean']:+.2f} ± {s['std']:.2f} ms{pct_s}"

@@ -1,0 +1,454 @@
+"""One ablation configuration in its own process: ``python -m vllm_omni_ascend_opt.ablation.worker --job JOB.json``.
+
+The parent sets ``VLLM_OMNI_ASCEND_OPT`` (and ``VLLM_OMNI_ASCEND_OPT_STRICT=1``) in this process's environment; the
+plugin is then loaded exactly as vLLM-Omni loads it, by ``vllm_omni.plugins.load_omni_general_plugins()``, before the
+model is built. The model is loaded once (load time reported, never part of a measurement), then the worker answers
+``run`` commands until ``exit`` (see :mod:`vllm_omni_ascend_opt.ablation.protocol`).
+
+Engines:
+
+* ``testbed``: vLLM-Omni's own ``QwenImagePipeline``, built by vLLM-Omni's ``DiffusersPipelineLoader`` in this process
+  (the test bed's runtime; CPU, or the accelerator when one is visible). Each generation is timed between device
+  synchronizations, and so is each stage: ``encode_prompt`` (text encode), ``diffuse`` (denoise) and
+  ``_decode_latents`` (unpack + VAE decode), wrapped on this pipeline instance only. (vLLM-Omni's
+  ``DiffusionPipelineProfilerMixin`` times ``text_encoder.forward`` rather than the whole prompt encoding and
+  synchronizes only when a platform is available, hence our own wrappers.)
+* ``omni``: vLLM-Omni's offline engine ``vllm_omni.entrypoints.omni.Omni`` with ``enable_diffusion_pipeline_profiler``
+  on; the total is the wall time of ``Omni.generate`` (it returns after the image reached this process, so after the
+  device finished) and the stages are the engine's ``stage_durations``. The engine processes load the plugin
+  themselves (with the same environment). Needs an accelerator: vLLM-Omni 0.30 has no CPU platform.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from vllm_omni_ascend_opt.ablation.protocol import PROTOCOL_VERSION, decode, send
+
+
+@dataclass
+class Generation:
+    uint8: Any  # numpy [H, W, 3]
+    float_chw: Any | None  # numpy float32 [3, H, W] in [-1, 1], or None
+    total_ms: float
+    stages_ms: dict[str, float] = field(default_factory=dict)
+    #: CPU time of this process during the generation (all threads); wall >> CPU on a CPU run = preempted
+    cpu_ms: float | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# environment
+# ----------------------------------------------------------------------------------------------------------------
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Versions and the device, as this worker sees them (stored in results.json)."""
+    import torch
+
+    kind = device.split(":")[0]
+    name = _cpu_name()
+    with contextlib.suppress(Exception):
+        if kind == "npu":
+            name = torch.npu.get_device_name(0)
+        elif kind == "cuda":
+            name = torch.cuda.get_device_name(0)
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_npu": _version("torch_npu") or _version("torch-npu"),
+        "vllm": _version("vllm"),
+        "vllm_omni": _version("vllm-omni") or _version("vllm_omni"),
+        "diffusers": _version("diffusers"),
+        "transformers": _version("transformers"),
+        "vllm_omni_ascend_opt": _version("vllm-omni-ascend-opt"),
+        "device": {"type": kind, "name": name, "cpu": _cpu_name(), "torch_threads": torch.get_num_threads()},
+        "flag": os.environ.get("VLLM_OMNI_ASCEND_OPT"),
+    }
+
+
+def pick_device() -> str:
+    """The accelerator this process would use (``_backend`` is the one place that decides about torch_npu)."""
+    import torch
+
+    from vllm_omni_ascend_opt import _backend
+
+    if _backend.torch_npu_module() is not None:
+        return str(_backend.npu_device())
+    if torch.cuda.is_available():
+        return "cuda:0"
+    return "cpu"
+
+
+def to_uint8_hwc(images: Any) -> Any:
+    """vLLM-Omni's post-processing of its "pt" output ([B, 3, H, W] in [-1, 1]) for the first image."""
+    import torch
+
+    x = images[0] if images.dim() == 4 else images
+    x = (x.detach().float().cpu() / 2 + 0.5).clamp(0, 1)
+    return (x.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# engines
+# ----------------------------------------------------------------------------------------------------------------
+class TestbedEngine:
+    """vLLM-Omni's QwenImagePipeline in this process (see the module docstring)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.device = pick_device()
+        self.stages: dict[str, float] = {}
+
+    def load(self) -> None:
+        import torch
+
+        from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
+        from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
+
+        dtype = getattr(torch, self.job["dtype"])
+        self.rt = init_cpu_runtime(self.job["model_path"], dtype=dtype)
+        self.pipe = load_pipeline(self.rt, device=self.device)
+        if hasattr(self.pipe, "set_progress_bar_config"):
+            self.pipe.set_progress_bar_config(disable=True)
+        for method, stage in (
+            ("encode_prompt", "text_encode"),
+            ("diffuse", "denoise"),
+            ("_decode_latents", "vae_decode"),
+        ):
+            setattr(self.pipe, method, self._timed(stage, getattr(self.pipe, method)))
+
+    def _sync(self) -> None:
+        from vllm_omni_ascend_opt import _backend
+
+        _backend.synchronize(self.device)
+
+    def _timed(self, stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sync()
+                self.stages[stage] = self.stages.get(stage, 0.0) + (time.perf_counter() - t0) * 1e3
+
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    def active(self) -> list[str]:
+        """Optimizations installed in this process and acting on the loaded pipeline."""
+        from vllm_omni_ascend_opt import registry
+
+        out = []
+        for opt in registry.all_optimizations():
+            if opt.installed and opt.is_attached(self.pipe) and not opt.model_reasons_inactive(self.pipe):
+                out.append(opt.name)
+        return out
+
+    def model_reasons(self, name: str) -> list[str]:
+        from vllm_omni_ascend_opt import registry
+
+        opt = registry.get(name)
+        reasons = list(opt.reasons_inactive())
+        if not opt.installed:
+            reasons.append("not installed in the worker")
+        elif not opt.is_attached(self.pipe):
+            reasons.append("not attached to the loaded pipeline")
+        reasons += list(opt.model_reasons_inactive(self.pipe))
+        return reasons
+
+    def generate(self, prompt: str, seed: int) -> Generation:
+        import torch
+
+        from vllm_omni_ascend_opt.testbed.pipeline import make_request
+
+        j = self.job
+        req = make_request(
+            prompt,
+            height=j["height"],
+            width=j["width"],
+            steps=j["steps"],
+            seed=seed,
+            cfg_scale=j["cfg_scale"],
+            negative_prompt=j["negative_prompt"],
+            max_sequence_length=j["max_sequence_length"],
+        )
+        self.stages = {}
+        with self.rt.context(), torch.no_grad():
+            self._sync()
+            c0, t0 = time.process_time(), time.perf_counter()
+            outs = self.pipe.forward(req)
+            self._sync()
+            total = (time.perf_counter() - t0) * 1e3
+            cpu = (time.process_time() - c0) * 1e3
+        images = outs[0].output
+        if images.dim() == 3:
+            images = images.unsqueeze(0)
+        return Generation(
+            uint8=to_uint8_hwc(images),
+            float_chw=images[0].detach().float().cpu().numpy(),
+            total_ms=total,
+            stages_ms=dict(self.stages),
+            cpu_ms=cpu,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+#: vLLM-Omni profiler stage names (suffixes of ``<Pipeline>.<path>``) -> our stage names.
+OMNI_STAGE_SUFFIXES = {".text_encoder.forward": "text_encode", ".diffuse": "denoise", ".vae.decode": "vae_decode"}
+
+
+def omni_stages_ms(stage_durations: dict[str, float] | None) -> dict[str, float]:
+    """Map vLLM-Omni's ``stage_durations`` (seconds, keyed ``QwenImagePipeline.diffuse`` ...) to ours (ms)."""
+    out: dict[str, float] = {}
+    for key, secs in (stage_durations or {}).items():
+        for suffix, stage in OMNI_STAGE_SUFFIXES.items():
+            if key.endswith(suffix):
+                out[stage] = out.get(stage, 0.0) + float(secs) * 1e3
+    return out
+
+
+class OmniEngine:
+    """vLLM-Omni's offline engine (``Omni``); needs an accelerator platform (see the module docstring)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.device = pick_device()
+
+    def load(self) -> None:
+        from vllm_omni.entrypoints.omni import Omni
+
+        j = self.job
+        kwargs: dict[str, Any] = {
+            "model": j["model_path"] or j["model"],
+            "dtype": j["dtype"],
+            "enforce_eager": bool(j["enforce_eager"]),
+            "enable_diffusion_pipeline_profiler": True,
+        }
+        kwargs.update(j.get("omni_kwargs") or {})
+        self.omni = Omni(**kwargs)
+
+    def active(self) -> list[str] | None:
+        return None  # the model lives in the engine's processes; VLLM_OMNI_ASCEND_OPT_STRICT=1 guards them
+
+    def generate(self, prompt: str, seed: int) -> Generation:
+        import numpy as np
+        import torch
+        from vllm_omni.diffusion.utils.image_output import extract_images_from_outputs
+        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+        from vllm_omni.platforms import current_omni_platform
+
+        j = self.job
+        sp = OmniDiffusionSamplingParams(
+            height=j["height"],
+            width=j["width"],
+            num_inference_steps=j["steps"],
+            seed=seed,
+            generator=torch.Generator(device=current_omni_platform.device_type).manual_seed(seed),
+            true_cfg_scale=j["cfg_scale"],
+            max_sequence_length=j["max_sequence_length"],
+        )
+        p: Any = prompt
+        if j["cfg_scale"] > 1.0:
+            p = {"prompt": prompt, "negative_prompt": j["negative_prompt"]}
+        t0 = time.perf_counter()
+        outs = self.omni.generate(p, sampling_params_list=[sp], use_tqdm=False)
+        total = (time.perf_counter() - t0) * 1e3
+        images = extract_images_from_outputs(outs)
+        if not images:
+            raise RuntimeError(f"Omni.generate returned no image: {outs!r}"[:2000])
+        uint8 = np.asarray(images[0].convert("RGB"), dtype=np.uint8)
+        durations = getattr(outs[0], "stage_durations", None) if outs else None
+        return Generation(uint8=uint8, float_chw=None, total_ms=total, stages_ms=omni_stages_ms(durations))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.omni.close()
+
+
+ENGINES = {"testbed": TestbedEngine, "omni": OmniEngine}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# main loop
+# ----------------------------------------------------------------------------------------------------------------
+def save_generation(gen: Generation, stem: str) -> None:
+    """``stem.png`` (uint8) and, when there is a float output, ``stem.npy``; written atomically."""
+    import numpy as np
+    from PIL import Image
+
+    path = Path(stem)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}.png")
+    Image.fromarray(gen.uint8).save(tmp)
+    os.replace(tmp, path.with_suffix(".png"))
+    if gen.float_chw is not None:
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}.npy")
+        np.save(tmp, gen.float_chw.astype(np.float32))
+        os.replace(tmp, path.with_suffix(".npy"))
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:4000]
+
+
+def load_plugin_like_vllm_omni() -> None:
+    """Load general plugins exactly as every vLLM-Omni process does, and check ours was among them."""
+    from vllm_omni.plugins import load_omni_general_plugins
+
+    from vllm_omni_ascend_opt import _plugin
+
+    load_omni_general_plugins()
+    if not _plugin._registered:
+        raise RuntimeError(
+            "vLLM-Omni did not load the vllm-omni-ascend-opt plugin (is the package installed, and does VLLM_PLUGINS, "
+            "if set, name 'ascend_opt'?)"
+        )
+    if _plugin.config_error():
+        raise RuntimeError(f"the plugin rejected its flags: {_plugin.config_error()}")
+
+
+def serve(job: dict[str, Any], proto_out: Any, commands: Any) -> int:
+    """Start up, report ready, answer commands. Returns the process exit code."""
+    try:
+        if job.get("protocol") != PROTOCOL_VERSION:
+            raise RuntimeError(f"protocol mismatch: parent {job.get('protocol')}, worker {PROTOCOL_VERSION}")
+        if job.get("threads"):
+            import torch
+
+            torch.set_num_threads(int(job["threads"]))
+        from vllm_omni_ascend_opt import registry
+
+        registry.all_optimizations()  # built-ins first: extra modules add to the registry, never replace it
+        for mod in job.get("imports") or []:
+            importlib.import_module(mod)
+        load_plugin_like_vllm_omni()
+        engine = ENGINES[job["engine"]](job)
+        t0 = time.perf_counter()
+        engine.load()
+        load_s = time.perf_counter() - t0
+        active = engine.active()
+        wanted = list(job["config"]["opts"])
+        if active is not None and sorted(active) != sorted(wanted):
+            missing = {n: engine.model_reasons(n) for n in wanted if n not in active}
+            extra = [n for n in active if n not in wanted]
+            parts = [f"{n} is off ({'; '.join(r) or 'no reason given'})" for n, r in missing.items()]
+            parts += [f"{n} is active but was not requested" for n in extra]
+            raise RuntimeError("the worker's optimizations differ from the configuration: " + "; ".join(parts))
+        send(
+            proto_out,
+            {
+                "event": "ready",
+                "protocol": PROTOCOL_VERSION,
+                "pid": os.getpid(),
+                "load_s": load_s,
+                "env": environment(engine.device),
+                "active": active,
+            },
+        )
+    except BaseException as exc:  # report anything, then exit non-zero
+        send(
+            proto_out,
+            {"event": "error", "id": None, "phase": "start", "error": _error(exc), "traceback": traceback.format_exc()},
+        )
+        return 3
+    prompts = job["prompts"]
+    for line in commands:
+        if not line.strip():
+            continue
+        cmd = decode(line)
+        if cmd.get("cmd") == "exit":
+            break
+        if cmd.get("cmd") != "run":
+            send(
+                proto_out,
+                {
+                    "event": "error",
+                    "id": cmd.get("id"),
+                    "phase": "run",
+                    "error": f"unknown command {cmd!r}",
+                    "traceback": "",
+                },
+            )
+            continue
+        try:
+            gen = engine.generate(prompts[int(cmd["prompt"])], int(cmd["seed"]))
+            sha = hashlib.sha256(gen.uint8.tobytes()).hexdigest()[:16]
+            if cmd.get("save"):
+                save_generation(gen, cmd["save"])
+            send(
+                proto_out,
+                {
+                    "event": "result",
+                    "id": cmd["id"],
+                    "total_ms": gen.total_ms,
+                    "stages_ms": gen.stages_ms,
+                    "cpu_ms": gen.cpu_ms,
+                    "sha256": sha,
+                    "saved": bool(cmd.get("save")),
+                },
+            )
+        except BaseException as exc:  # an OOM or a kernel error fails this configuration only
+            send(
+                proto_out,
+                {
+                    "event": "error",
+                    "id": cmd.get("id"),
+                    "phase": "run",
+                    "error": _error(exc),
+                    "traceback": traceback.format_exc(),
+                },
+            )
+            if isinstance(exc, KeyboardInterrupt):
+                break
+    engine.close()
+    send(proto_out, {"event": "bye"})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="one ablation configuration (started by the ablation runner)")
+    ap.add_argument("--job", required=True, help="job description written by the runner (JSON)")
+    args = ap.parse_args(argv)
+    job = json.loads(Path(args.job).read_text())
+    # Keep the protocol channel clean: our events go to the original stdout; anything else printed to stdout
+    # (vLLM's logger, tqdm, print) goes to stderr, which the runner keeps as this configuration's log.
+    proto_out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return serve(job, proto_out, sys.stdin)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

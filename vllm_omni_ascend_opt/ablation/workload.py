@@ -1,0 +1,311 @@
+"""What an ablation generates and how often: the :class:`Workload`, named workload files and their lookup.
+
+A workload is the set of knobs that make two ablation runs comparable (model, engine, dtype, resolution, steps, CFG,
+prompts, seeds, warm-ups, repeats, gates). Values come, lowest priority first, from the built-in defaults, a named
+workload file (``--workload NAME``) and the command line.
+
+Named workloads are TOML (or JSON) files holding flat ``key = value`` pairs with the field names of
+:class:`Workload`. ``--workload NAME`` looks for, in order: ``NAME`` as a file path, ``./ablations/NAME.toml`` /
+``.json`` (your own, next to your checkout), and the files shipped in ``vllm_omni_ascend_opt/workloads/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PACKAGE_WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
+LOCAL_WORKLOADS = Path("ablations")
+
+MODES = ("leave-one-out", "cumulative", "single")
+ENGINES = ("auto", "testbed", "omni")
+SCHEDULES = ("auto", "resident", "per-round")
+STACKS = ("default", "all")
+DTYPES = ("float32", "bfloat16", "float16")
+ROUND_STATS = ("median", "mean")
+
+
+class WorkloadError(ValueError):
+    """Bad workload values or a workload file that cannot be found or parsed (exit code 2)."""
+
+
+@dataclass
+class Workload:
+    """Everything that defines one ablation run, except which optimizations take part."""
+
+    name: str = "custom"
+    description: str = ""
+    #: ``tiny`` (the embedded test-bed Qwen-Image), a local diffusers directory, or a Hugging Face id.
+    model: str = "tiny"
+    #: ``testbed``: vLLM-Omni's pipeline in the worker process; ``omni``: vLLM-Omni's offline engine ``Omni``.
+    engine: str = "auto"
+    dtype: str = "float32"
+    height: int = 64
+    width: int = 64
+    steps: int = 4
+    cfg_scale: float = 1.0
+    negative_prompt: str = " "
+    prompts: list[str] = field(default_factory=lambda: ["a red cat sitting on a wooden chair"])
+    seeds: list[int] = field(default_factory=lambda: [42, 43, 44])
+    warmup: int = 2
+    repeats: int = 2
+    #: Text-encoder sequence cap; ``None``: 64 for the tiny model, 512 otherwise.
+    max_sequence_length: int | None = None
+    #: Passed to ``Omni(enforce_eager=...)``; the test-bed engine is always eager.
+    enforce_eager: bool = True
+    mode: str = "leave-one-out"
+    #: ``default``: the full stack is the default-on optimizations; ``all``: every active one.
+    stack: str = "default"
+    #: A configuration's time in one round: the ``median`` (robust to a stray preemption) or ``mean`` over the
+    #: round's samples (prompts x seeds).
+    round_stat: str = "median"
+    ssim_gate: float = 0.99
+    psnr_gate: float = 35.0
+    min_improvement_pct: float = 1.0
+    #: ``resident``: one live worker per configuration, driven round-robin; ``per-round``: a fresh process per
+    #: (configuration, round), one at a time (needed when one device holds only one copy of the model).
+    schedule: str = "auto"
+    #: Workers importing/loading at the same time (resident schedule only).
+    start_jobs: int = 2
+    #: torch intra-op threads per worker (0: torch's default).
+    threads: int = 0
+    #: Seconds allowed for one generation, and for a worker to import, load and report ready.
+    timeout_s: float = 600.0
+    start_timeout_s: float = 1800.0
+
+    # ---------------------------------------------------------------------------------------------------------
+    @property
+    def is_tiny(self) -> bool:
+        return self.model == "tiny"
+
+    def seq_len(self) -> int:
+        if self.max_sequence_length:
+            return int(self.max_sequence_length)
+        return 64 if self.is_tiny else 512
+
+    def samples(self) -> list[tuple[int, int]]:
+        """(prompt index, seed) of every image of one repeat, in run order."""
+        return [(p, s) for p in range(len(self.prompts)) for s in self.seeds]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> Workload:
+        """Raise :class:`WorkloadError` with a message a person can act on; return self."""
+        problems = []
+        if self.mode not in MODES:
+            problems.append(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.engine not in ENGINES:
+            problems.append(f"engine {self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.schedule not in SCHEDULES:
+            problems.append(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.stack not in STACKS:
+            problems.append(f"stack {self.stack!r} is not one of {', '.join(STACKS)}")
+        if self.round_stat not in ROUND_STATS:
+            problems.append(f"round_stat {self.round_stat!r} is not one of {', '.join(ROUND_STATS)}")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        for name in ("height", "width"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v % 16:
+                problems.append(
+                    f"{name} must be a multiple of 16 and at least 16 (got {v!r}): Qwen-Image packs 2x2 "
+                    "latent patches of an 8x VAE"
+                )
+        if not isinstance(self.steps, int) or self.steps < 1:
+            problems.append(f"steps must be a positive integer (got {self.steps!r})")
+        if not isinstance(self.cfg_scale, (int, float)) or self.cfg_scale < 1.0:
+            problems.append(f"cfg_scale must be >= 1 (1 disables true CFG; got {self.cfg_scale!r})")
+        if not self.prompts or not all(isinstance(p, str) and p.strip() for p in self.prompts):
+            problems.append("at least one non-empty prompt is needed")
+        if not self.seeds or not all(isinstance(s, int) and s >= 0 for s in self.seeds):
+            problems.append(f"seeds must be non-negative integers (got {self.seeds!r})")
+        elif len(set(self.seeds)) != len(self.seeds):
+            problems.append(f"seeds must be distinct (got {self.seeds!r})")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            problems.append(f"warmup must be >= 0 (got {self.warmup!r})")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            problems.append(f"repeats must be >= 1 (got {self.repeats!r})")
+        if not 0.0 < float(self.ssim_gate) <= 1.0:
+            problems.append(f"the SSIM gate must be in (0, 1] (got {self.ssim_gate!r})")
+        if float(self.psnr_gate) <= 0:
+            problems.append(f"the PSNR gate must be positive dB (got {self.psnr_gate!r})")
+        if not isinstance(self.start_jobs, int) or self.start_jobs < 1:
+            problems.append(f"start_jobs must be >= 1 (got {self.start_jobs!r})")
+        if self.timeout_s <= 0 or self.start_timeout_s <= 0:
+            problems.append("timeouts must be positive")
+        if self.max_sequence_length is not None and int(self.max_sequence_length) < 1:
+            problems.append("max_sequence_length must be positive")
+        if self.model != "tiny" and not self.model.strip():
+            problems.append("model must be 'tiny', a directory or a Hugging Face id")
+        if problems:
+            raise WorkloadError("invalid workload " + repr(self.name) + ": " + "; ".join(problems))
+        return self
+
+
+FIELDS = {f.name for f in dataclasses.fields(Workload)}
+
+
+def from_mapping(data: dict[str, Any], name: str = "custom", base: Workload | None = None) -> Workload:
+    """A workload from ``data`` over ``base`` (defaults when None); unknown keys are an error."""
+    unknown = sorted(set(data) - FIELDS)
+    if unknown:
+        raise WorkloadError(
+            f"workload {name!r}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(FIELDS))}"
+        )
+    wl = dataclasses.replace(base or Workload(), **data)
+    if "name" not in data:
+        wl.name = name
+    for key in ("prompts", "seeds"):
+        v = getattr(wl, key)
+        if isinstance(v, tuple):
+            setattr(wl, key, list(v))
+    return wl
+
+
+# --------------------------------------------------------------------------------------------------------------
+# files
+# --------------------------------------------------------------------------------------------------------------
+def find_workload(name: str) -> Path:
+    """Path of the workload file called ``name`` (see the module docstring for the search order)."""
+    p = Path(name)
+    if p.suffix in (".toml", ".json") and p.is_file():
+        return p
+    for root in (LOCAL_WORKLOADS, PACKAGE_WORKLOADS):
+        for ext in (".toml", ".json"):
+            cand = root / f"{name}{ext}"
+            if cand.is_file():
+                return cand
+    raise WorkloadError(f"no workload named {name!r}; available: {', '.join(available_workloads()) or 'none'}")
+
+
+def available_workloads() -> list[str]:
+    names = set()
+    for root in (LOCAL_WORKLOADS, PACKAGE_WORKLOADS):
+        if root.is_dir():
+            names.update(p.stem for p in root.iterdir() if p.suffix in (".toml", ".json"))
+    return sorted(names)
+
+
+def load_workload(name: str) -> Workload:
+    path = find_workload(name)
+    data = parse_file(path)
+    return from_mapping(data, name=path.stem)
+
+
+def parse_file(path: Path) -> dict[str, Any]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = parse_toml(text)
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise WorkloadError(f"cannot parse workload file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise WorkloadError(f"workload file {path} must hold a table of key = value pairs")
+    return data
+
+
+def parse_toml(text: str) -> dict[str, Any]:
+    """``tomllib`` (Python >= 3.11), else ``tomli``, else :func:`parse_flat_toml` (the subset workloads use)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib.loads(text)
+    try:
+        import tomli  # type: ignore[import-not-found]
+    except ImportError:
+        return parse_flat_toml(text)
+    return tomli.loads(text)
+
+
+_KEY = re.compile(r"^([A-Za-z_][A-Za-z0-9_-]*)\s*=\s*(.+)$")
+
+
+def parse_flat_toml(text: str) -> dict[str, Any]:
+    """Parse the TOML subset workload files use: comments and ``key = value`` lines whose value is a basic string,
+    an integer, a float, a boolean or a one-line array of those. Anything else raises ``ValueError``."""
+    out: dict[str, Any] = {}
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = _strip_comment(raw).strip()
+        if not line:
+            continue
+        m = _KEY.match(line)
+        if not m:
+            raise ValueError(f"line {n}: expected 'key = value' (tables are not supported here): {raw!r}")
+        key, value = m.group(1), m.group(2).strip()
+        if key in out:
+            raise ValueError(f"line {n}: duplicate key {key!r}")
+        out[key] = _toml_value(value, n)
+    return out
+
+
+def _strip_comment(line: str) -> str:
+    in_str = False
+    esc = False
+    for i, ch in enumerate(line):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch == "#":
+            return line[:i]
+    return line
+
+
+def _toml_value(v: str, n: int) -> Any:
+    if v.startswith("["):
+        if not v.endswith("]"):
+            raise ValueError(f"line {n}: arrays must be on one line")
+        inner = v[1:-1].strip()
+        if not inner:
+            return []
+        return [_toml_value(x.strip(), n) for x in _split_array(inner) if x.strip()]
+    if v.startswith('"'):
+        if len(v) < 2 or not v.endswith('"'):
+            raise ValueError(f"line {n}: unterminated string")
+        return json.loads(v)  # TOML basic strings use JSON's escapes
+    if v in ("true", "false"):
+        return v == "true"
+    try:
+        return int(v.replace("_", ""))
+    except ValueError:
+        pass
+    try:
+        return float(v.replace("_", ""))
+    except ValueError:
+        raise ValueError(f"line {n}: unsupported value {v!r}") from None
+
+
+def _split_array(inner: str) -> list[str]:
+    parts, cur, in_str, esc = [], [], False, False
+    for ch in inner:
+        if in_str:
+            cur.append(ch)
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+            cur.append(ch)
+        elif ch == ",":
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return parts
