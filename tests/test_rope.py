@@ -43,7 +43,7 @@ def _transformer(tiny_pipe, bf16_transformer, dtype):
     return tiny_pipe.transformer if dtype == torch.float32 else bf16_transformer
 
 
-def _forward(rt, transformer, *, batch=1, hw=(4, 4), txt=7, pad=False, dtype=torch.float32, seed=1):
+def _forward(rt, transformer, *, batch=1, hw=(4, 4), txt=7, pad=False, dtype=torch.float32, seed=1, grad_mode=None):
     """One transformer forward with pipeline-shaped inputs; ``pad`` masks the last sample's final 3 text tokens."""
     g = torch.Generator().manual_seed(seed)
     h, w = hw
@@ -53,7 +53,7 @@ def _forward(rt, transformer, *, batch=1, hw=(4, 4), txt=7, pad=False, dtype=tor
     if pad:
         mask[-1, txt - 3 :] = 0
     ts = torch.linspace(0.3, 0.8, batch)
-    with rt.context(), torch.no_grad():
+    with rt.context(), (grad_mode or torch.no_grad)():
         return transformer(
             hidden_states=hs,
             encoder_hidden_states=ehs,
@@ -160,6 +160,39 @@ def test_runtime_toggle_on_built_pipeline(runtime, tiny_pipe):
     assert not OPT.installed
     off = generate(tiny_pipe, runtime, steps=2, seed=5)
     assert torch.equal(ref.images, on.images) and torch.equal(ref.images, off.images)
+
+
+def test_inference_mode_bitwise_and_tables_reused_across_steps(runtime, tiny_pipe):
+    """vLLM-Omni's model runner uses inference_mode (tensors without version counters)."""
+    t = tiny_pipe.transformer
+    api.select("none", model=tiny_pipe)
+    ref = [_forward(runtime, t, hw=hw, grad_mode=torch.inference_mode) for hw in ((4, 4), (6, 4))]
+    api.select("none,+rope", model=tiny_pipe)
+    got = [_forward(runtime, t, hw=hw, grad_mode=torch.inference_mode) for hw in ((4, 4), (6, 4))]
+    builds = OPT.stats["table_builds"]
+    again = _forward(runtime, t, hw=(4, 4), grad_mode=torch.inference_mode)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)) and torch.equal(ref[0], again)
+    assert builds == 4 and OPT.stats["table_builds"] == builds  # 2 shapes x (vid, txt); none on the repeat
+
+
+@pytest.mark.parametrize("cls_name", ["QwenEmbedRope", "QwenEmbedLayer3DRope"])
+def test_embed_memo_returns_same_freqs_for_same_arguments(cls_name):
+    mod = sys.modules[_targets.TRANSFORMER]
+    api.select("none,+rope")
+    cls = getattr(mod, cls_name)
+    emb = cls(theta=10000, axes_dim=list(TINY.axes_dims_rope), scale_rope=True)
+    cpu = torch.device("cpu")
+    shapes = [[(1, 4, 6), (1, 4, 6)]] if cls_name == "QwenEmbedLayer3DRope" else [[(1, 4, 6)]]
+    with torch.no_grad():
+        a = emb(shapes, [7], cpu)
+        b = emb(shapes, [7], cpu)
+        c = emb(shapes, [9], cpu)
+        want = cls.forward.__wrapped__(emb, shapes, [9], cpu)
+    assert a is b and c is not a and OPT.stats["embed_memo_hits"] == 1
+    assert torch.equal(c[0], want[0]) and torch.equal(c[1], want[1])
+    emb.pos_freqs = emb.pos_freqs.clone()  # new tables object: never the stale memo
+    with torch.no_grad():
+        assert emb(shapes, [7], cpu) is not a
 
 
 def test_stock_kernel_with_cached_tables_when_stock_is_not_forward_native(runtime, tiny_pipe, monkeypatch):
