@@ -1,9 +1,209 @@
-"""`nz_weights`: Cast the transformer's BF16/FP16 linear weights to FRACTAL_NZ (npu_format_cast(w, 29)) after loading."""
+"""`nz_weights`: Cast the transformer's BF16/FP16 linear weights to FRACTAL_NZ (npu_format_cast(w, 29)) after loading.
+
+Why
+    Ascend's Cube unit consumes matmul weights in the fractal NZ layout; an ND (row-major) weight is re-laid-out on
+    every GEMM. vLLM-Omni 0.30 casts only quantized weights to NZ; vllm-ascend casts BF16/FP16 weights only with
+    ``weight_nz_mode == 2`` (``vllm_ascend/utils.py`` ``maybe_trans_nz``). The reference 910B1 ablation measured
+    27-49 ms per image for NZ DiT weights.
+How
+    :meth:`NzWeights.attach` runs from the plugin's wrapper of ``DiffusersPipelineLoader.load_model``, i.e. after
+    ``_process_weights_after_loading`` and distilled-LoRA fusion, and before vLLM-Omni enables CPU offload
+    (``diffusion_model_runner.py`` calls ``enable_offload_backend`` after ``load_model`` returns). For every linear
+    layer of the pipeline's transformer (vLLM ``LinearBase`` and ``nn.Linear``) it replaces the weight's data in place,
+    ``w.data = torch_npu.npu_format_cast(w.data, 29)`` (FRACTAL_NZ): the ``Parameter`` object, its class
+    (``ModelWeightParameter``) and attributes (``weight_loader``) stay. The cast is checked
+    (``get_npu_format == 29``) and undone if it did not take. ``detach`` casts the same weights back to ND (2).
+    Forward is unchanged: vLLM's ``UnquantizedLinearMethod`` calls ``F.linear``, which torch_npu runs on NZ weights.
+Skipped, with reasons (``model_reasons_inactive`` for the whole model, ``report(model)["skipped"]`` per layer)
+    - ``torch.npu.config.allow_internal_format`` is not True: no private-format tensor may be allocated [OP-AIF]
+      (default True on A2, False on A3; vLLM-Omni's NPU platform sets True in ``set_device``).
+    - CPU offload of the DiT configured (model-level or layerwise, ``resolve_offload(od_config)``): the offloader
+      moves/copies the weights after loading; layers under a ``*offload*`` hook; weights not on the NPU
+      (``Tensor.is_npu`` false: CPU, meta).
+    - HSDP (``parallel_config.use_hsdp``) and DTensor weights.
+    - runtime LoRA: ``lora_path`` with the PEFT backend (adapters are swapped per request by
+      ``DiffusionLoRAManager``), and LoRA-wrapped layers. Distilled LoRA fused at load time is fine.
+    - FP32 (and any non fp16/bf16) weights: vllm-ascend never casts FP32 to NZ.
+    - layers with n == 1 or k == 1: ``aclnnMatmulWeightNz`` rejects them [VA-10287: vllm-ascend PR #10287,
+      issue #10014, merged PR #16058]; quantized layers (their own method owns the layout); weights already in an
+      internal format; non 2-D weights.
+Contract with memos keyed on weights (``shared_modulation``)
+    ``w.data = ...`` keeps the Parameter's identity and does **not** bump ``w._version``, so nothing keyed on
+    (identity, ``_version``) notices. After casting (and after reverting) this module calls
+    ``vllm_omni_ascend_opt.opts.shared_modulation.invalidate(model)`` if that function exists (looked up with
+    ``getattr``, optional): it must drop every memo derived from ``model``'s weights. ``model`` is what attach got (a
+    pipeline or a transformer). A zero-argument ``invalidate()`` (one process-wide memo) is called without it.
+Sources
+    [OP-FMT] Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_format_cast.md`` (returns a new tensor; ND = 2,
+    FRACTAL_NZ = 29); [OP-AIF] ``docs/context/（beta）torch_npu-npu-config-allow_internal_format.md``.
+Upstream PR
+    None (vllm-ascend's ``weight_nz_mode=2`` is the LLM-side equivalent; vLLM-Omni has no DiT hook).
+Removal plan
+    Drop when vLLM-Omni's NPU loader casts unquantized DiT linear weights to NZ itself.
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import logging
+import sys
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.opts import _targets
 from vllm_omni_ascend_opt.registry import Optimization, register_optimization
+
+logger = logging.getLogger("vllm_omni_ascend_opt")
+
+ACL_FORMAT_ND = 2  # [OP-FMT]
+ACL_FORMAT_FRACTAL_NZ = 29  # [OP-FMT]
+NZ_DTYPES = (torch.float16, torch.bfloat16)
+INVALIDATE_HOOK = ("vllm_omni_ascend_opt.opts.shared_modulation", "invalidate")
+
+# Per-layer skip reasons (keys of report(model)["skipped"]).
+SKIP_QUANTIZED = "quantized"
+SKIP_LORA = "runtime LoRA layer"
+SKIP_OFFLOAD_HOOK = "under a layerwise offload hook"
+SKIP_DTENSOR = "DTensor (HSDP/FSDP2)"
+SKIP_NOT_NPU = "not on the NPU"
+SKIP_NOT_2D = "not 2-D"
+SKIP_NARROW = "n == 1 or k == 1"
+SKIP_CAST_FAILED = "cast did not produce FRACTAL_NZ"
+
+
+@dataclass
+class _State:
+    npu: ModuleType | None
+    cast: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)
+    reasons: list[str] = field(default_factory=list)
+
+
+def _transformers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The DiT(s) of a pipeline (``transformer``, ``transformer_2``), or ``model`` itself."""
+    found = False
+    for attr in ("transformer", "transformer_2"):
+        sub = getattr(model, attr, None)
+        if isinstance(sub, nn.Module):
+            found = True
+            yield attr, sub
+    if not found:
+        yield "", model
+
+
+def _od_config(model: nn.Module) -> Any:
+    cfg = getattr(model, "od_config", None)
+    if cfg is not None:
+        return cfg
+    try:
+        from vllm_omni.diffusion.config import get_current_diffusion_config_or_none
+
+        return get_current_diffusion_config_or_none()
+    except Exception:
+        return None
+
+
+def _offload_reason(cfg: Any) -> str:
+    if cfg is None:
+        return ""
+    try:
+        from vllm_omni.diffusion.offloader.config import DIT_COMPONENT, OffloadStrategy, resolve_offload
+
+        resolved = resolve_offload(cfg)
+    except Exception:
+        return ""
+    if resolved.strategy is not OffloadStrategy.NONE and resolved.offloads(DIT_COMPONENT):
+        return (
+            f"CPU offload of the DiT is configured ({resolved.strategy.value}): the offloader moves and copies the "
+            "weights after loading, which an internal-format weight does not survive"
+        )
+    return ""
+
+
+def _lora_reason(model: nn.Module, cfg: Any) -> str:
+    if cfg is None or not getattr(cfg, "lora_path", None) or getattr(model, "lora_is_fused", False):
+        return ""
+    backend = getattr(cfg, "lora_backend", "peft")
+    if str(getattr(backend, "value", backend)) == "distill":
+        return ""
+    return "runtime LoRA is configured (lora_path with the PEFT backend): adapters are swapped per request"
+
+
+def _allow_internal_format() -> bool | None:
+    cfg = getattr(getattr(torch, "npu", None), "config", None)
+    return getattr(cfg, "allow_internal_format", None)
+
+
+def _offload_prefixes(transformer: nn.Module) -> list[str]:
+    """Module names carrying a vLLM-Omni hook whose name mentions offload (e.g. ``layerwise_offload``)."""
+    out = []
+    for name, mod in transformer.named_modules():
+        registry = getattr(mod, "_hook_registry", None)
+        hooks = getattr(registry, "_hooks", None) or {}
+        if any("offload" in str(h) for h in hooks):
+            out.append(name)
+    return out
+
+
+def _lora_prefixes(transformer: nn.Module, lora_types: tuple[type, ...]) -> list[str]:
+    """Module names of LoRA wrappers (vLLM ``BaseLayerWithLoRA`` or anything holding a ``base_layer``)."""
+    return [
+        name
+        for name, mod in transformer.named_modules()
+        if (lora_types and isinstance(mod, lora_types)) or isinstance(getattr(mod, "base_layer", None), nn.Module)
+    ]
+
+
+def _under(name: str, prefixes: list[str]) -> bool:
+    return any(not p or name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _linear_weight(module: nn.Module, linear_types: tuple[type, ...]) -> nn.Parameter | None:
+    if not isinstance(module, linear_types):
+        return None
+    w = getattr(module, "weight", None)
+    return w if isinstance(w, nn.Parameter) else None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor) or isinstance(getattr(t, "data", None), DTensor)
+
+
+def invalidate_weight_memos(model: nn.Module) -> bool:
+    """Call ``shared_modulation.invalidate(model)`` when it exists (see the module docstring); True if called."""
+    mod_name, fn_name = INVALIDATE_HOOK
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError:
+        return False
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        return False
+    try:
+        takes_model = any(
+            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+            for p in inspect.signature(fn).parameters.values()
+        )
+    except (TypeError, ValueError):  # a builtin without a signature: assume the documented form
+        takes_model = True
+    if takes_model:
+        fn(model)
+    else:  # a process-wide memo: invalidate() drops everything
+        fn()
+    return True
 
 
 class NzWeights(Optimization):
@@ -13,9 +213,143 @@ class NzWeights(Optimization):
     default_enabled = True
     requires = ("torch_npu; weights on an NPU; fp16/bf16; torch.npu.config.allow_internal_format",)
     target_modules = (_targets.TRANSFORMER,)
+    removal_plan = "Drop when vLLM-Omni's NPU loader casts unquantized DiT linear weights to NZ itself."
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._models: weakref.WeakKeyDictionary[nn.Module, _State] = weakref.WeakKeyDictionary()
+
+    # ----- state in words ------------------------------------------------------------------------------------
     def reasons_inactive(self) -> list[str]:
-        return ["not implemented yet"]
+        reasons = _backend.npu_unavailable_reasons()
+        npu = _backend.torch_npu_module()
+        if npu is not None:
+            missing = [f for f in ("npu_format_cast", "get_npu_format") if not hasattr(npu, f)]
+            if missing:
+                reasons.append(f"{_backend.backend_label()} has no {', '.join(missing)}")
+        return reasons
+
+    def model_reasons_inactive(self, model: nn.Module) -> list[str]:
+        state = self._models.get(model)
+        if state is None:
+            return ["not attached to this model"]
+        reasons = list(state.reasons)
+        if not state.cast and not reasons:
+            skipped = ", ".join(f"{k}: {n}" for k, n in state.skipped.items()) or "no linear layer found"
+            reasons.append(f"no linear weight was cast to FRACTAL_NZ (skipped: {skipped})")
+        return reasons
+
+    def notes(self) -> list[str]:
+        return [
+            f"w.data = npu_format_cast(w.data, {ACL_FORMAT_FRACTAL_NZ}) on the transformer's fp16/bf16 linear weights "
+            f"after loading; reverted to ND ({ACL_FORMAT_ND}) on detach; calls shared_modulation.invalidate(model) "
+            "after either (Parameter identity and _version do not change)"
+        ]
+
+    def report(self, model: nn.Module) -> dict[str, Any]:
+        """Per model: names of the weights cast to NZ and the skipped layers by reason."""
+        state = self._models.get(model)
+        if state is None:
+            return {"cast": [], "skipped": {}}
+        return {"cast": [n for n, _ in state.cast], "skipped": dict(state.skipped)}
+
+    # ----- attach / detach --------------------------------------------------------------------------------------
+    def _model_reasons(self, model: nn.Module) -> list[str]:
+        reasons = []
+        aif = _allow_internal_format()
+        if aif is not True:
+            reasons.append(
+                f"torch.npu.config.allow_internal_format is {aif}: no FRACTAL_NZ tensor may be allocated "
+                "(default False on Atlas A3; vLLM-Omni's NPU platform sets it True in set_device)"
+            )
+        cfg = _od_config(model)
+        for why in (_offload_reason(cfg), _lora_reason(model, cfg)):
+            if why:
+                reasons.append(why)
+        pc = getattr(cfg, "parallel_config", None)
+        if getattr(pc, "use_hsdp", False):
+            reasons.append("HSDP is on: the weights are DTensor shards gathered per forward")
+        return reasons
+
+    def _layer_skip(
+        self, npu: ModuleType, module: nn.Module, w: nn.Parameter, under_lora: bool, under_offload: bool
+    ) -> str:
+        qm = getattr(module, "quant_method", None)
+        if qm is not None and type(qm).__name__ != "UnquantizedLinearMethod":
+            return SKIP_QUANTIZED
+        if under_lora:
+            return SKIP_LORA
+        if under_offload:
+            return SKIP_OFFLOAD_HOOK
+        if _is_dtensor(w):
+            return SKIP_DTENSOR
+        if w.dtype not in NZ_DTYPES:
+            return f"dtype {str(w.dtype).removeprefix('torch.')}"
+        if not _backend.is_npu_tensor(w):
+            return SKIP_NOT_NPU
+        if w.dim() != 2:
+            return SKIP_NOT_2D
+        if 1 in w.shape:  # F.linear's mat2 is w.T: [k, n] = [in_features, out_features] [VA-10287]
+            return SKIP_NARROW
+        fmt = npu.get_npu_format(w.data)
+        if fmt != ACL_FORMAT_ND:
+            return f"already in format {fmt}"
+        return ""
+
+    def _attach(self, model: nn.Module) -> None:
+        npu = _backend.torch_npu_module()
+        state = _State(npu=npu)
+        self._models[model] = state
+        if npu is None:
+            state.reasons = _backend.npu_unavailable_reasons()
+            return
+        state.reasons = self._model_reasons(model)
+        if state.reasons:
+            return
+        linear_types, lora_types = _linear_types()
+        for prefix, transformer in _transformers(model):
+            offloaded = _offload_prefixes(transformer)
+            lora = _lora_prefixes(transformer, lora_types)
+            for name, module in transformer.named_modules():
+                w = _linear_weight(module, linear_types)
+                if w is None:
+                    continue
+                why = self._layer_skip(npu, module, w, _under(name, lora), _under(name, offloaded))
+                if not why:
+                    with torch.no_grad():
+                        nz = npu.npu_format_cast(w.data, ACL_FORMAT_FRACTAL_NZ)
+                        if npu.get_npu_format(nz) == ACL_FORMAT_FRACTAL_NZ:
+                            w.data = nz
+                            state.cast.append((f"{prefix}.{name}".strip("."), w))
+                            continue
+                        why = SKIP_CAST_FAILED
+                state.skipped[why] += 1
+        if state.cast:
+            logger.info("vllm-omni-ascend-opt: nz_weights cast %d linear weights to FRACTAL_NZ", len(state.cast))
+            invalidate_weight_memos(model)
+
+    def _detach(self, model: nn.Module) -> None:
+        state = self._models.pop(model, None)
+        if state is None or not state.cast or state.npu is None:
+            return
+        with torch.no_grad():
+            for _name, w in state.cast:
+                w.data = state.npu.npu_format_cast(w.data, ACL_FORMAT_ND)
+        invalidate_weight_memos(model)
+
+
+def _linear_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(linear layer classes, LoRA wrapper classes) of the installed vLLM, imported lazily."""
+    linear: tuple[type, ...] = (nn.Linear,)
+    try:
+        from vllm.model_executor.layers.linear import LinearBase
+
+        linear = (*linear, LinearBase)
+    except ImportError:  # pragma: no cover - vLLM always present with vLLM-Omni
+        pass
+    # LoRA wrappers exist only if vLLM's LoRA layers were imported (DiffusionLoRAManager does); do not import them.
+    lora_base = getattr(sys.modules.get("vllm.lora.layers"), "BaseLayerWithLoRA", None)
+    return linear, (lora_base,) if isinstance(lora_base, type) else ()
 
 
 OPT = register_optimization(NzWeights())

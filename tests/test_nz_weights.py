@@ -1,0 +1,275 @@
+"""`nz_weights`: FRACTAL_NZ casts of the transformer's fp16/bf16 linear weights, every skip reason, and the revert.
+
+NPU paths run through the semantic torch_npu fake: CPU tensors stand for NPU memory unless marked host memory, and the
+NPU format is a tag on the storage (tests/fake_torch_npu/formats.py). Destructive cases load their own pipeline
+through vLLM-Omni's loader (< 1 s for the tiny model).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.fake_torch_npu import formats
+from vllm_omni_ascend_opt import api
+from vllm_omni_ascend_opt.opts import nz_weights as nz
+
+OPT = nz.OPT
+#: The tiny transformer's linear layers: time embedding (2), img_in, txt_in, per block img_mod, to_qkv, add_kv_proj,
+#: to_add_out, to_out, img_mlp (2), txt_mod, txt_mlp (2) = 10, norm_out.linear, proj_out.
+N_LINEARS = 4 + 2 * 10 + 2
+
+
+def _load(runtime, dtype: torch.dtype = torch.bfloat16, **od_overrides):
+    from vllm.config.load import LoadConfig
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+
+    cfg = copy.copy(runtime.od_config)
+    cfg.dtype = dtype
+    for k, v in od_overrides.items():
+        setattr(cfg, k, v)
+    with runtime.context():
+        pipe = DiffusersPipelineLoader(LoadConfig(), od_config=cfg).load_model(
+            load_device="cpu", device=torch.device("cpu")
+        )
+    return pipe.eval()
+
+
+@pytest.fixture(scope="module")
+def bf16_pipe(runtime):
+    return _load(runtime)
+
+
+def _linear_names(tr) -> list[str]:
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return [n for n, m in tr.named_modules() if isinstance(m, (LinearBase, torch.nn.Linear))]
+
+
+def _forward(tr, runtime) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    dt = tr.proj_out.weight.dtype
+    with runtime.context(), torch.no_grad():
+        return tr(
+            hidden_states=torch.randn(1, 16, 16, generator=g).to(dt),
+            encoder_hidden_states=torch.randn(1, 7, 32, generator=g).to(dt),
+            encoder_hidden_states_mask=None,
+            timestep=torch.full((1,), 0.5),
+            img_shapes=[[(1, 4, 4)]],
+            txt_seq_lens=[7],
+            return_dict=False,
+        )[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# without torch_npu
+# ----------------------------------------------------------------------------------------------------------------
+def test_cpu_without_torch_npu_is_inactive_and_changes_nothing(tiny_pipe, runtime):
+    from vllm_omni_ascend_opt.testbed.pipeline import generate
+
+    assert any("torch_npu" in r for r in OPT.reasons_inactive())
+    ptrs = {n: p.data_ptr() for n, p in tiny_pipe.transformer.named_parameters()}
+    ref = generate(tiny_pipe, runtime, steps=2, seed=5)
+    assert api.select("none,+nz_weights", model=tiny_pipe) == []
+    OPT.attach(tiny_pipe)
+    assert any("torch_npu" in r for r in OPT.model_reasons_inactive(tiny_pipe))
+    assert OPT.report(tiny_pipe)["cast"] == []
+    got = generate(tiny_pipe, runtime, steps=2, seed=5)
+    OPT.detach(tiny_pipe)
+    assert {n: p.data_ptr() for n, p in tiny_pipe.transformer.named_parameters()} == ptrs
+    assert torch.equal(ref.images, got.images)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# exactly the right layers, Parameters kept, reverted
+# ----------------------------------------------------------------------------------------------------------------
+def test_casts_exactly_the_transformer_linears_and_reverts(fake_npu, bf16_pipe, runtime):
+    fake = fake_npu()
+    tr = bf16_pipe.transformer
+    names = _linear_names(tr)
+    assert len(names) == N_LINEARS
+    weights = {n: tr.get_submodule(n).weight for n in names}
+    before = {n: w.detach().clone() for n, w in weights.items()}
+    others = {id(p): p.data_ptr() for m in (bf16_pipe.vae, bf16_pipe.text_encoder) for p in m.parameters()}
+    nonlinear = {id(p): p.data_ptr() for p in tr.parameters()}
+    ref = _forward(tr, runtime)
+    assert api.select("none,+nz_weights", model=bf16_pipe) == ["nz_weights"]
+    report = OPT.report(bf16_pipe)
+    assert sorted(report["cast"]) == sorted(f"transformer.{n}" for n in names) and report["skipped"] == {}
+    assert OPT.model_reasons_inactive(bf16_pipe) == []
+    for n, w in weights.items():
+        layer = tr.get_submodule(n)
+        assert layer.weight is w and type(w).__name__ == "ModelWeightParameter" and hasattr(w, "weight_loader")
+        assert fake.get_npu_format(w) == formats.FRACTAL_NZ and torch.equal(w, before[n])
+    linear_ids = {id(w) for w in weights.values()}
+    assert all(p.data_ptr() == nonlinear[id(p)] for p in tr.parameters() if id(p) not in linear_ids)
+    assert {id(p): p.data_ptr() for m in (bf16_pipe.vae, bf16_pipe.text_encoder) for p in m.parameters()} == others
+    assert torch.equal(_forward(tr, runtime), ref)  # the fake's NZ holds the same values (the device: "close")
+    assert fake.calls["npu_format_cast"] == N_LINEARS
+    api.select("none", model=bf16_pipe)
+    for n, w in weights.items():
+        assert tr.get_submodule(n).weight is w and fake.get_npu_format(w) == formats.ND and torch.equal(w, before[n])
+    assert fake.calls["npu_format_cast"] == 2 * N_LINEARS
+
+
+def test_loader_hook_casts_after_loading(fake_npu, runtime):
+    """The plugin attaches to what DiffusersPipelineLoader.load_model returns (after its weight post-processing)."""
+    fake = fake_npu()
+    api.select("none,+nz_weights")
+    pipe = _load(runtime)
+    assert OPT.is_attached(pipe) and len(OPT.report(pipe)["cast"]) == N_LINEARS
+    assert fake.get_npu_format(pipe.transformer.proj_out.weight) == formats.FRACTAL_NZ
+    api.select("none", model=pipe)
+    assert fake.get_npu_format(pipe.transformer.proj_out.weight) == formats.ND
+
+
+def test_weight_memos_are_invalidated_after_cast_and_revert(fake_npu, bf16_pipe, monkeypatch):
+    from vllm_omni_ascend_opt.opts import shared_modulation
+
+    fake_npu()
+    seen = []
+    w = bf16_pipe.transformer.proj_out.weight
+    version = w._version
+    monkeypatch.setattr(shared_modulation, "invalidate", lambda model: seen.append(model), raising=False)
+    OPT.attach(bf16_pipe)
+    assert seen == [bf16_pipe] and w._version == version  # why the hook is needed: .data swaps bump nothing
+    OPT.detach(bf16_pipe)
+    assert seen == [bf16_pipe, bf16_pipe]
+    calls = []
+    monkeypatch.setattr(shared_modulation, "invalidate", lambda: calls.append(1))  # a process-wide memo
+    OPT.attach(bf16_pipe)
+    OPT.detach(bf16_pipe)
+    assert calls == [1, 1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# every skip reason is reachable
+# ----------------------------------------------------------------------------------------------------------------
+def test_skip_float32_weights(fake_npu, tiny_pipe):
+    fake_npu()
+    OPT.attach(tiny_pipe)
+    report, reasons = OPT.report(tiny_pipe), OPT.model_reasons_inactive(tiny_pipe)
+    OPT.detach(tiny_pipe)
+    assert report == {"cast": [], "skipped": {"dtype float32": N_LINEARS}}
+    assert any("no linear weight was cast" in r and "dtype float32" in r for r in reasons)
+
+
+def test_skip_when_internal_format_is_not_allowed(fake_npu, bf16_pipe):
+    fake = fake_npu(allow_internal_format=False)
+    OPT.attach(bf16_pipe)
+    reasons, report = OPT.model_reasons_inactive(bf16_pipe), OPT.report(bf16_pipe)
+    OPT.detach(bf16_pipe)
+    assert report["cast"] == [] and any("allow_internal_format is False" in r for r in reasons)
+    with pytest.raises(formats.FakeNpuError, match="OP-AIF"):  # what the check prevents
+        fake.npu_format_cast(bf16_pipe.transformer.proj_out.weight.data, formats.FRACTAL_NZ)
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ({"enable_layerwise_offload": True}, "CPU offload of the DiT is configured (layer_wise)"),
+        ({"enable_cpu_offload": True}, "CPU offload of the DiT is configured (model_level)"),
+        ({"lora_path": "/loras/style"}, "runtime LoRA is configured"),
+        ("hsdp", "HSDP is on"),
+    ],
+)
+def test_skip_model_level_configurations(fake_npu, runtime, override, needle):
+    fake_npu()
+    pipe = _load(runtime)
+    cfg = copy.copy(pipe.od_config)
+    cfg.__dict__.pop("_resolved_diffusion_offload", None)  # resolve_offload caches its answer on the config
+    if override == "hsdp":
+        cfg.parallel_config = copy.copy(cfg.parallel_config)
+        cfg.parallel_config.use_hsdp = True
+    else:
+        for k, v in override.items():
+            setattr(cfg, k, v)
+    pipe.od_config = cfg
+    OPT.attach(pipe)
+    reasons, report = OPT.model_reasons_inactive(pipe), OPT.report(pipe)
+    OPT.detach(pipe)
+    assert report["cast"] == [] and any(needle in r for r in reasons), reasons
+
+
+def test_distilled_lora_fused_at_load_does_not_block(fake_npu, runtime):
+    from vllm_omni.diffusion.lora.manager import LoRABackend
+
+    fake_npu()
+    pipe = _load(runtime)
+    pipe.od_config = copy.copy(pipe.od_config)
+    pipe.od_config.lora_path, pipe.od_config.lora_backend = "/loras/distilled", LoRABackend.DISTILL
+    OPT.attach(pipe)
+    n = len(OPT.report(pipe)["cast"])
+    OPT.detach(pipe)
+    assert n == N_LINEARS
+
+
+def test_skip_per_layer_reasons(fake_npu, runtime):
+    """One fresh model, one layer (or block) per reason; everything else is cast."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from vllm.lora.layers import ReplicatedLinearWithLoRA
+    from vllm_omni.diffusion.hooks.base import HookRegistry, ModelHook
+
+    fake = fake_npu(allow_internal_format=True)
+    pipe = _load(runtime)
+    tr = pipe.transformer
+    b0, b1 = tr.transformer_blocks
+    # host memory (CPU / layerwise offload left it there): all of block 1's weights
+    for p in b1.parameters():
+        formats.mark_host(p)
+    # a live layerwise-offload hook on block 0 (vLLM-Omni's HookRegistry, hook name as LayerwiseOffloadHook's)
+    HookRegistry.get_or_create(b0).register_hook("layerwise_offload", ModelHook())
+    # runtime LoRA wrapper around proj_out (vLLM's own LoRA layer)
+    tr.proj_out = ReplicatedLinearWithLoRA(tr.proj_out)
+    # a DTensor (HSDP/FSDP2) weight
+    mesh = init_device_mesh("cpu", (1,))
+    w = tr.norm_out.linear.weight
+    tr.norm_out.linear.weight = torch.nn.Parameter(DTensor.from_local(w.data, mesh, [Replicate()]), False)
+    # n == 1 (out_features 1) and k == 1 (in_features 1) [VA-10287]
+    te = tr.time_text_embed.timestep_embedder
+    te.linear_1.weight = torch.nn.Parameter(te.linear_1.weight.data[:1].clone(), False)
+    te.linear_2.weight = torch.nn.Parameter(te.linear_2.weight.data[:, :1].clone(), False)
+    # a quantized layer (its quant method owns the layout)
+    tr.txt_in.quant_method = type("Fp8LinearMethod", (), {})()
+    # a weight already in an internal format
+    tr.img_in.weight.data = fake.npu_format_cast(tr.img_in.weight.data, 29)
+    OPT.attach(pipe)
+    report, reasons = OPT.report(pipe), OPT.model_reasons_inactive(pipe)
+    OPT.detach(pipe)
+    assert report["skipped"] == {
+        nz.SKIP_OFFLOAD_HOOK: 10,
+        nz.SKIP_NOT_NPU: 10,
+        nz.SKIP_LORA: 1,
+        nz.SKIP_DTENSOR: 1,
+        nz.SKIP_NARROW: 2,
+        nz.SKIP_QUANTIZED: 1,
+        "already in format 29": 1,
+    }
+    assert report["cast"] == []  # every linear of the tiny model fell into one of the reasons
+    assert any("no linear weight was cast" in r and nz.SKIP_NARROW in r for r in reasons)
+
+
+def test_narrow_weights_would_fail_in_nz_matmul(fake_npu):
+    """Why n == 1 / k == 1 is skipped: the NZ matmul rejects it on the device (modelled by the fake)."""
+    fake = fake_npu()
+    x = torch.randn(3, 64).bfloat16()
+    for shape in ((1, 64), (64, 1)):
+        w = fake.npu_format_cast(torch.randn(shape).bfloat16(), formats.FRACTAL_NZ)
+        with formats.nz_matmul_check(), pytest.raises(formats.FakeNpuError, match="VA-10287"):
+            torch.nn.functional.linear(x if shape[1] == 64 else x[:, :1], w)
+    ok = fake.npu_format_cast(torch.randn(8, 64).bfloat16(), formats.FRACTAL_NZ)
+    with formats.nz_matmul_check():
+        torch.nn.functional.linear(x, ok)
+
+
+def test_a_cast_that_does_not_take_is_undone(fake_npu, bf16_pipe):
+    fake_npu(format_cast="keeps_nd")
+    ptr = bf16_pipe.transformer.proj_out.weight.data_ptr()
+    OPT.attach(bf16_pipe)
+    report = OPT.report(bf16_pipe)
+    OPT.detach(bf16_pipe)
+    assert report == {"cast": [], "skipped": {nz.SKIP_CAST_FAILED: N_LINEARS}}
+    assert bf16_pipe.transformer.proj_out.weight.data_ptr() == ptr
