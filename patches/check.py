@@ -1,14 +1,24 @@
 #!/usr/bin/env python
 """Check the upstream patches against a pristine vLLM-Omni 0.30.0 tree, and against the plugin.
 
-    python patches/check.py              # git apply --check + apply, each patch alone and all in order
-    python patches/check.py --exactness  # + for each `exact` patch: patched upstream == plugin, bitwise
+    python patches/check.py              # headers + git apply --check / apply, each patch alone and all in order
+    python patches/check.py --exactness  # + each patch's upstream code vs the plugin, bitwise, on the tiny pipeline
 
 The pristine tree is the installed ``vllm_omni`` package, verified file by file against the sha256 hashes in its
-wheel's RECORD (so a locally modified install is refused), copied to a temporary directory. Exactness runs the tiny
-test-bed pipeline twice in fresh processes: once on the patched upstream tree with the plugin off
-(``VLLM_OMNI_ASCEND_OPT=none``), once on the stock tree with only the matching optimization on, and requires
-``torch.equal`` on the images. This is how the plugin and the patches are kept from drifting apart.
+wheel's RECORD (so a locally modified install is refused), copied to a temporary directory.
+
+Exactness (the drift check between the plugin and the patches): the tiny test-bed pipeline runs three requests
+(two resolutions, CFG off and on, the first request repeated so warm caches are hit) in fresh processes:
+
+* one process per patch on the patched upstream tree with the plugin off (``none``);
+* ONE process on the stock tree that toggles in-process (``api.select(spec, model=pipe)``) between ``none`` (stock)
+  and ``none,+name`` for every patched optimization.
+
+A patch passes when its images are ``torch.equal`` to the plugin's with that optimization on, its kernel-launching
+aten op counts (testbed.opcount) equal the plugin's per request (the same computation, not merely the same result),
+and those counts differ from stock's (the patched code actually ran). An ``exact`` patch must also equal stock
+bitwise. A patch whose optimization cannot be active on this machine (NPU-only kernels) is reported as skipped
+with the plugin's reason.
 """
 
 from __future__ import annotations
@@ -23,11 +33,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PATCH_RE = re.compile(r"^(\d{4})-([a-z_]+)\.patch$")
+#: Header fields every patch must carry (free text before the first ``diff --git`` line).
+REQUIRED_FIELDS = ("What", "Why", "How", "Equivalence", "Measured effect", "Risks", "Removal plan")
+#: The requests every exactness run makes: (cfg_scale, (height, width), seed).
+REQUESTS = ((1.0, (32, 48), 3), (2.5, (48, 32), 4), (1.0, (32, 48), 3))
+STEPS = 3
 
 
 def patch_files() -> list[Path]:
@@ -56,8 +73,19 @@ def header_fields(patch: Path) -> dict[str, str]:
     return fields
 
 
-def pristine_tree(dest: Path) -> Path:
-    """Copy the installed vllm_omni package into ``dest`` after verifying it against the wheel RECORD."""
+def missing_fields(patch: Path) -> list[str]:
+    """Required header fields that are absent or empty."""
+    fields = header_fields(patch)
+    return [f for f in REQUIRED_FIELDS if not fields.get(f, "").strip()]
+
+
+_VERIFIED: list[Path] = []
+
+
+def installed_source() -> Path:
+    """The installed ``vllm_omni`` package directory, verified once per process against the wheel RECORD."""
+    if _VERIFIED:
+        return _VERIFIED[0]
     dist = importlib.metadata.distribution("vllm-omni")
     if not dist.version.startswith("0.30."):
         raise SystemExit(f"vllm-omni {dist.version} installed; the patches target 0.30.x")
@@ -71,8 +99,13 @@ def pristine_tree(dest: Path) -> Path:
             bad.append(str(f))
     if bad:
         raise SystemExit(f"installed vllm_omni differs from the 0.30.0 wheel in {len(bad)} files, e.g. {bad[:3]}")
-    src = Path(dist.locate_file("vllm_omni"))
-    shutil.copytree(src, dest / "vllm_omni", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    _VERIFIED.append(Path(dist.locate_file("vllm_omni")))
+    return _VERIFIED[0]
+
+
+def pristine_tree(dest: Path) -> Path:
+    """Copy the installed vllm_omni package into ``dest/vllm_omni`` after verifying it against the wheel RECORD."""
+    shutil.copytree(installed_source(), dest / "vllm_omni", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return dest
 
 
@@ -81,78 +114,212 @@ def git_apply(patch: Path, tree: Path, check_only: bool) -> subprocess.Completed
     return subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
 
 
+def apply_checks(patches: list[Path], workdir: Path) -> list[tuple[Path, str, bool, str]]:
+    """``git apply --check`` then apply, each patch alone on its own pristine tree and all stacked in order.
+
+    Returns (patch, "alone"|"stacked", ok, message). The alone trees are kept as ``workdir/<stem>`` for reuse."""
+    results = []
+    stack = pristine_tree(workdir / "stack")
+    for p in patches:
+        for tree, label in ((pristine_tree(workdir / p.stem), "alone"), (stack, "stacked")):
+            msg = "applies"
+            ok = True
+            for check_only in (True, False):
+                r = git_apply(p, tree, check_only)
+                if r.returncode:
+                    ok, msg = False, f"{'check' if check_only else 'apply'}: {r.stderr.strip()}"
+                    break
+            results.append((p, label, ok, msg))
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generations in fresh processes
+# ----------------------------------------------------------------------------------------------------------------
 _GEN = r"""
-import sys, torch
-from vllm_omni_ascend_opt import api
+import json, os, sys, time, torch
+t0 = time.perf_counter()
+torch.set_num_threads(int(os.environ.get("CHECK_THREADS", "1")))
+from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.testbed import build_model_dir
+from vllm_omni_ascend_opt.testbed.opcount import OpCounter
 from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
 from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline, generate
 import vllm_omni
-assert vllm_omni.__file__.startswith(sys.argv[2]), (vllm_omni.__file__, sys.argv[2])
-api.select(sys.argv[3])
+out, root, requests, steps, specs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+assert os.path.realpath(vllm_omni.__file__).startswith(os.path.realpath(root)), (vllm_omni.__file__, root)
+api.select("none")
 rt = init_cpu_runtime(str(build_model_dir()))
 pipe = load_pipeline(rt)
-outs = []
-for cfg, (h, w), seed in [(1.0, (32, 48), 3), (2.5, (48, 32), 4), (1.0, (32, 48), 3)]:
-    outs.append(generate(pipe, rt, "a red cat", height=h, width=w, steps=3, seed=seed, cfg_scale=cfg).images)
-torch.save(outs, sys.argv[1])
+from vllm_omni.diffusion.models.qwen_image import qwen_image_transformer as qt
+memos = [f for c in vars(qt).values() if isinstance(c, type) for f in vars(c).values() if hasattr(f, "cache_clear")]
+results = {}
+for spec in specs:
+    for f in memos:  # upstream's own lru_caches (RoPE freqs per shape): every spec starts as in a fresh process
+        f.cache_clear()
+    api.select(spec, model=pipe)
+    names = [n for n in spec.split(",") if n.startswith("+")]
+    inactive = {n[1:]: registry.get(n[1:]).reasons_inactive() + registry.get(n[1:]).model_reasons_inactive(pipe)
+                for n in names}
+    images, ops = [], []
+    for cfg, (h, w), seed in requests:
+        with OpCounter() as c:
+            r = generate(pipe, rt, "a red cat", height=h, width=w, steps=steps, seed=seed, cfg_scale=cfg)
+        images.append(r.images)
+        print(spec, h, w, cfg, f"{time.perf_counter() - t0:.1f} s", flush=True)
+        ops.append(dict(c.counts))
+    results[spec] = {"images": images, "ops": ops, "inactive": inactive}
+api.select("none", model=pipe)
+torch.save(results, out)
 """
 
 
-def generate_images(tree: Path | None, spec: str, out: Path) -> list:
-    """Run the tiny pipeline in a fresh process on ``tree`` (None = the installed stock tree)."""
+@dataclass
+class Job:
+    """One fresh process: ``tree`` (None = the installed stock tree) and the specs it generates in order."""
+
+    tree: Path | None
+    specs: list[str]
+    out: Path
+    proc: Any = None
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+def _start(job: Job, threads: int) -> None:
+    env = {**os.environ, "VLLM_OMNI_ASCEND_OPT": "none", "CHECK_THREADS": str(threads)}
+    if job.tree is not None:
+        root = str(job.tree / "vllm_omni")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(job.tree), str(REPO), env.get("PYTHONPATH", "")) if p)
+    else:
+        root = str(installed_source())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    import json
+
+    args = [sys.executable, "-c", _GEN, str(job.out), root, json.dumps(REQUESTS), str(STEPS), *job.specs]
+    job.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run_jobs(jobs: list[Job], parallel: int = 2, timeout: float = 600) -> None:
+    """Run ``jobs`` at most ``parallel`` at a time (one torch thread each); fill ``result`` or ``error``."""
     import torch
 
-    env = {**os.environ, "VLLM_OMNI_ASCEND_OPT": "none"}
-    root = str(tree) if tree is not None else str(Path(importlib.metadata.distribution("vllm-omni").locate_file("")))
-    if tree is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", _GEN, str(out), root, spec], env=env, capture_output=True, text=True, timeout=600
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"generation failed on {root} with {spec!r}:\n{proc.stderr[-4000:]}")
-    return torch.load(out)
+    pending, running = list(jobs), []
+    threads = max(1, (os.cpu_count() or 2) // max(1, parallel))
+    while pending or running:
+        while pending and len(running) < parallel:
+            job = pending.pop(0)
+            _start(job, threads)
+            running.append(job)
+        job = running.pop(0)
+        try:
+            log, _ = job.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            job.proc.kill()
+            log, _ = job.proc.communicate()
+            job.error = f"timed out after {timeout} s"
+        if job.proc.returncode != 0 and not job.error:
+            job.error = f"exit {job.proc.returncode}:\n{(log or '')[-4000:]}"
+        if not job.error:
+            job.result = torch.load(job.out, weights_only=False)
 
 
-def check_exact(patch: Path, workdir: Path) -> tuple[bool, str]:
+@dataclass
+class Verdict:
+    patch: Path
+    status: str  # "ok", "FAIL", "skip"
+    message: str
+
+
+def _ops_total(ops: list[dict[str, int]]) -> list[int]:
+    return [sum(o.values()) for o in ops]
+
+
+def _op_diff(a: dict[str, int], b: dict[str, int]) -> str:
+    keys = sorted(set(a) | set(b))
+    return ", ".join(f"{k}: {a.get(k, 0)} vs {b.get(k, 0)}" for k in keys if a.get(k, 0) != b.get(k, 0))
+
+
+def check_exactness(patches: list[Path], workdir: Path, parallel: int = 2) -> list[Verdict]:
+    """Patched upstream (one process per patch) vs the plugin (one shared process), see the module docstring.
+
+    ``workdir/<stem>`` may already hold the patched tree from :func:`apply_checks`; otherwise it is made here."""
     import torch
 
-    tree = pristine_tree(workdir / f"tree-{patch.stem}")
-    r = git_apply(patch, tree, check_only=False)
-    if r.returncode:
-        return False, r.stderr
-    upstream = generate_images(tree, "none", workdir / f"{patch.stem}-upstream.pt")
-    plugin = generate_images(None, f"none,+{optimization_of(patch)}", workdir / f"{patch.stem}-plugin.pt")
-    same = [torch.equal(a, b) for a, b in zip(upstream, plugin, strict=True)]
-    diffs = [float((a - b).abs().max()) for a, b in zip(upstream, plugin, strict=True)]
-    return all(same), f"bitwise equal per request: {same}; max |diff| {diffs}"
+    from vllm_omni_ascend_opt import registry
+
+    verdicts: list[Verdict] = []
+    trees: dict[Path, Path] = {}
+    for p in patches:
+        tree = workdir / p.stem
+        if not (tree / "vllm_omni").exists():
+            pristine_tree(tree)
+            r = git_apply(p, tree, check_only=False)
+            if r.returncode:
+                verdicts.append(Verdict(p, "FAIL", f"does not apply: {r.stderr.strip()}"))
+                continue
+        trees[p] = tree
+    names = [optimization_of(p) for p in trees]
+    plugin = Job(None, ["none", *(f"none,+{n}" for n in names)], workdir / "plugin.pt")
+    upstream = {p: Job(t, ["none"], workdir / f"{p.stem}-upstream.pt") for p, t in trees.items()}
+    run_jobs([plugin, *upstream.values()], parallel=parallel)
+    if plugin.error:
+        return [*verdicts, *(Verdict(p, "FAIL", f"plugin run failed: {plugin.error}") for p in trees)]
+    stock = plugin.result["none"]
+    for p, job in upstream.items():
+        name = optimization_of(p)
+        exact = registry.get(name).equivalence == "exact"
+        mine = plugin.result[f"none,+{name}"]
+        why = [r for rs in mine["inactive"].values() for r in rs]
+        if why:
+            verdicts.append(Verdict(p, "skip", f"{name} cannot be active here: {'; '.join(why)}"))
+            continue
+        if job.error:
+            verdicts.append(Verdict(p, "FAIL", f"patched upstream run failed: {job.error}"))
+            continue
+        up = job.result["none"]
+        problems = []
+        same = [torch.equal(a, b) for a, b in zip(up["images"], mine["images"], strict=True)]
+        if not all(same):
+            diffs = [float((a - b).abs().max()) for a, b in zip(up["images"], mine["images"], strict=True)]
+            problems.append(f"images differ from the plugin's (max |diff| per request {diffs})")
+        for i, (a, b) in enumerate(zip(up["ops"], mine["ops"], strict=True)):
+            if a != b:
+                problems.append(f"request {i}: op counts differ from the plugin's (patch vs plugin: {_op_diff(a, b)})")
+        if exact and not all(torch.equal(a, b) for a, b in zip(up["images"], stock["images"], strict=True)):
+            problems.append("images differ from stock although the optimization is exact")
+        if up["ops"] == stock["ops"]:
+            problems.append("op counts equal stock's: the patched code did not run")
+        totals = f"ops per request: stock {_ops_total(stock['ops'])}, patched {_ops_total(up['ops'])}"
+        if problems:
+            verdicts.append(Verdict(p, "FAIL", "; ".join(problems) + f" ({totals})"))
+        else:
+            what = "bitwise equal to the plugin and to stock" if exact else "bitwise equal to the plugin"
+            verdicts.append(Verdict(p, "ok", f"{what}, same op counts ({totals})"))
+    return verdicts
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--exactness", action="store_true", help="also compare each exact patch with the plugin")
+    ap.add_argument("--exactness", action="store_true", help="also compare each patch's upstream code with the plugin")
+    ap.add_argument("--parallel", type=int, default=2, help="generation processes at once (default 2)")
     args = ap.parse_args()
-    from vllm_omni_ascend_opt import registry
 
     failed = False
+    patches = patch_files()
+    for p in patches:
+        miss = missing_fields(p)
+        failed |= bool(miss)
+        print(f"{'FAIL' if miss else 'ok  '} {p.name} header{': missing ' + ', '.join(miss) if miss else ''}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        stack = pristine_tree(work / "stack")
-        for p in patch_files():
-            for tree, label in ((pristine_tree(work / p.stem), "alone"), (stack, "stacked")):
-                for check_only in (True, False):
-                    r = git_apply(p, tree, check_only)
-                    if r.returncode:
-                        failed = True
-                        print(f"FAIL {p.name} ({label}, {'check' if check_only else 'apply'}): {r.stderr.strip()}")
-                        break
-                else:
-                    print(f"ok   {p.name} applies ({label})")
-            if args.exactness and registry.get(optimization_of(p)).equivalence == "exact":
-                ok, msg = check_exact(p, work)
-                failed |= not ok
-                print(f"{'ok  ' if ok else 'FAIL'} {p.name} exact vs plugin: {msg}")
+        for p, label, ok, msg in apply_checks(patches, work):
+            failed |= not ok
+            print(f"{'ok  ' if ok else 'FAIL'} {p.name} ({label}): {msg}")
+        if args.exactness:
+            for v in check_exactness(patches, work, parallel=args.parallel):
+                failed |= v.status == "FAIL"
+                print(f"{v.status:4} {v.patch.name} vs plugin: {v.message}")
     return 1 if failed else 0
 
 
