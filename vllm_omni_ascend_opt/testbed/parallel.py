@@ -1,0 +1,560 @@
+"""Run the tiny Qwen-Image under vLLM-Omni's parallel modes with real process groups on CPU.
+
+:func:`run_parallel_modes` starts ``world_size`` worker processes (``python -m vllm_omni_ascend_opt.testbed.parallel``,
+gloo on 127.0.0.1, free ports chosen at run time, one torch thread each) and runs one or more modes in them, one
+after the other. Per mode every worker selects the initial ``VLLM_OMNI_ASCEND_OPT`` spec *before* the model is built
+(the first time, before vLLM-Omni is even imported), initialises vLLM-Omni's parallel state as its diffusion worker
+does (:func:`~vllm_omni_ascend_opt.testbed.runtime.init_cpu_runtime`), loads the pipeline through vLLM-Omni's own
+``DiffusersPipelineLoader`` (which applies the transformer's ``_sp_plan`` hooks in SP modes), runs every
+:class:`Job` in order, switching the selection on the built pipeline with ``api.select(spec, model=pipe)`` before
+each, and tears the groups down. Each rank reports its images and facts: which optimizations were installed and
+acting, their reasons to be off, the counters and notes they expose, the SP padding seen, the SP hooks present.
+
+Processes are bounded in time and always cleaned up: a failing rank or the deadline kills the whole group of
+workers (each runs in its own session), and each worker also exits on its own when its parent dies or its
+deadline passes, so a desynchronised collective can hang a test run for at most ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Parallel mode name (the keys of ``Optimization.parallel_support``) -> (DiffusionParallelConfig fields, world size).
+MODES: dict[str, tuple[dict[str, int], int]] = {
+    "single": ({}, 1),
+    "ulysses": ({"ulysses_degree": 2}, 2),
+    "ring": ({"ring_degree": 2}, 2),
+    "cfg_parallel": ({"cfg_parallel_size": 2}, 2),
+    "tensor_parallel": ({"tensor_parallel_size": 2}, 2),
+}
+
+_SP_LOG_MARK = "Applying sequence parallelism"
+
+
+class ParallelRunError(RuntimeError):
+    """A worker failed, or the run passed its deadline; the message holds each rank's log tail."""
+
+    def __init__(self, message: str, pids: list[int]) -> None:
+        super().__init__(message)
+        self.pids = pids  # the workers' process ids (all killed and reaped when this is raised to the caller)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation request, run on every rank with ``spec`` selected on the pipeline."""
+
+    spec: str
+    height: int = 32
+    width: int = 32
+    steps: int = 2
+    seed: int = 0
+    cfg_scale: float = 4.0
+    prompt: str = "a red cat"
+    negative_prompt: str | None = None
+    #: Set ``parallel_config.mask_sp_padding`` for this job only (None: leave vLLM-Omni's value).
+    mask_sp_padding: bool | None = None
+    tag: str = ""
+    #: ``"module:function"`` called with the rank before selecting ``spec`` / after the job (its return value,
+    #: plain data, is kept in :attr:`JobReport.extra`).
+    before: str | None = None
+    after: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.tag or f"{self.spec}@{self.height}x{self.width}"
+
+
+@dataclass
+class JobReport:
+    """What one rank saw while running one :class:`Job`."""
+
+    job: Job
+    images: torch.Tensor
+    selected: list[str]
+    installed: list[str]
+    #: Installed, attached to this pipeline and without model-level reasons to be off: they changed this run.
+    acting: list[str]
+    #: Selected name -> reasons it is not acting (environment- and model-level), empty when it acts.
+    reasons: dict[str, list[str]]
+    #: Selected name -> its environment-level ``reasons_inactive()`` only (empty: it must be installed).
+    env_reasons: dict[str, list[str]]
+    #: Selected name -> the counters it exposes after the job (``stats`` / ``memo.stats`` / ``cache_info()``).
+    stats: dict[str, Any]
+    #: Selected name -> its ``notes()`` after the job (kernel paths in use, cache sizes, ...).
+    notes: dict[str, list[str]]
+    #: Selected name -> its ``fallback_reasons()`` (why calls ran stock code), where it has that method.
+    fallbacks: dict[str, Any]
+    #: (global image tokens before padding, SP padding) for every transformer forward of the job.
+    sp_padding: list[tuple[int | None, int]]
+    wall_ms: float
+    stage_ms: dict[str, float] = field(default_factory=dict)
+    extra: Any = None
+
+
+@dataclass
+class RankReport:
+    rank: int
+    world_size: int
+    mode: str
+    #: Group ranks/sizes as vLLM-Omni sees them (sp, ulysses, ring, cfg, tp).
+    groups: dict[str, int]
+    #: Names of the SP hooks present on the transformer after loading (empty outside SP modes).
+    sp_hooks: list[str]
+    #: vLLM-Omni log lines mentioning sequence parallelism while loading.
+    sp_log: list[str]
+    #: :func:`vllm_omni_ascend_opt._parallel.active_modes` of the loaded pipeline.
+    active_modes: list[str]
+    #: Seconds to import and set up the process groups (the first mode of a spawn pays the imports).
+    startup_s: float
+    load_s: float
+    jobs: list[JobReport]
+    #: Seconds this mode took in this worker, from group set-up to the last job.
+    mode_s: float = 0.0
+
+    def job(self, key: str) -> JobReport:
+        for j in self.jobs:
+            if j.job.key == key:
+                return j
+        raise KeyError(f"no job {key!r}; have {[j.job.key for j in self.jobs]}")
+
+
+@dataclass
+class ParallelRun:
+    mode: str
+    world_size: int
+    ranks: list[RankReport]
+    #: Wall-clock seconds of the whole spawn (shared by every mode it ran).
+    wall_s: float
+
+    def images(self, key: str, rank: int = 0) -> torch.Tensor:
+        return self.ranks[rank].job(key).images
+
+    def job(self, key: str, rank: int = 0) -> JobReport:
+        return self.ranks[rank].job(key)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parent side
+# ----------------------------------------------------------------------------------------------------------------
+def run_parallel(mode: str, jobs: list[Job], **kwargs: Any) -> ParallelRun:
+    """Run ``jobs`` in ``mode`` (a key of :data:`MODES`) on fresh worker processes; see :func:`run_parallel_modes`."""
+    return run_parallel_modes({mode: jobs}, **kwargs)[mode]
+
+
+def run_parallel_modes(
+    plan: dict[str, list[Job]],
+    *,
+    model_dir: str | os.PathLike | None = None,
+    initial_spec: str = "default",
+    timeout_s: float = 180.0,
+    setup: str | None = None,
+    pythonpath: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, ParallelRun]:
+    """Run each mode's jobs, mode after mode, in the same fresh worker processes; return each mode's reports.
+
+    Per mode the workers set up vLLM-Omni's groups (a new free port), select ``initial_spec`` and build the pipeline,
+    run the jobs, then tear the groups down; vLLM-Omni is imported once per spawn, which is most of a mode's cost.
+    The modes must share one world size. ``setup`` (``"module:function"``, called with the rank) runs first thing in
+    each worker; per-job hooks are :attr:`Job.before` / :attr:`Job.after` (e.g. to install a torch_npu test double
+    once the pipeline is built, so that vLLM-Omni keeps its CPU platform; it stays for later modes).
+    ``pythonpath`` entries are prepended to the workers' ``PYTHONPATH``. Raises :class:`ParallelRunError` when a rank
+    fails or ``timeout_s`` (for the whole spawn) passes; no worker outlives this call.
+    """
+    from vllm_omni_ascend_opt.testbed.runtime import free_port
+    from vllm_omni_ascend_opt.testbed.tiny_model import build_model_dir
+
+    for mode in plan:
+        if mode not in MODES:
+            raise ValueError(f"unknown parallel mode {mode!r}; valid: {', '.join(MODES)}")
+    sizes = {MODES[m][1] for m in plan}
+    if len(sizes) != 1:
+        raise ValueError(f"modes of one spawn must share a world size: {[(m, MODES[m][1]) for m in plan]}")
+    (world_size,) = sizes
+    for mode, jobs in plan.items():
+        keys = [j.key for j in jobs]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"{mode}: job keys must be unique: {keys}")
+    model_dir = str(model_dir or build_model_dir())
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ascend-opt-parallel-") as tmp:
+        work = Path(tmp)
+        cfg = {
+            "runs": [
+                {
+                    "mode": mode,
+                    "parallel": MODES[mode][0],
+                    "init_method": f"tcp://127.0.0.1:{free_port()}",
+                    "jobs": [dataclasses.asdict(j) for j in jobs],
+                }
+                for mode, jobs in plan.items()
+            ],
+            "world_size": world_size,
+            "model_dir": model_dir,
+            "initial_spec": initial_spec,
+            "setup": setup,
+            # The workers' own watchdog is a fallback for orphans: it fires after the parent's deadline.
+            "deadline": time.time() + timeout_s + 10.0,
+            "parent_pid": os.getpid(),
+        }
+        (work / "config.json").write_text(json.dumps(cfg))
+        child_env = dict(os.environ)
+        child_env.update(
+            {
+                "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_OMNI_ASCEND_OPT": initial_spec,
+                "MASTER_ADDR": "127.0.0.1",
+                "GLOO_SOCKET_IFNAME": child_env.get("GLOO_SOCKET_IFNAME", "lo"),
+            }
+        )
+        if pythonpath:
+            child_env["PYTHONPATH"] = os.pathsep.join([*pythonpath, child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        child_env.update(env or {})
+        procs: list[subprocess.Popen] = []
+        logs = []
+        try:
+            for rank in range(world_size):
+                log = open(work / f"rank{rank}.log", "wb")  # closed in finally
+                logs.append(log)
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "vllm_omni_ascend_opt.testbed.parallel", str(work), str(rank)],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=child_env,
+                        start_new_session=True,  # its own process group: killpg reaches anything it starts
+                    )
+                )
+            _wait_all(procs, work, deadline=t0 + timeout_s)
+            per_rank: list[list[RankReport]] = [
+                torch.load(work / f"rank{r}.pt", weights_only=False) for r in range(world_size)
+            ]
+        finally:
+            _kill_all(procs)
+            for log in logs:
+                log.close()
+    wall = time.monotonic() - t0
+    return {
+        mode: ParallelRun(mode=mode, world_size=world_size, ranks=[reports[i] for reports in per_rank], wall_s=wall)
+        for i, mode in enumerate(plan)
+    }
+
+
+def _wait_all(procs: list[subprocess.Popen], work: Path, deadline: float) -> None:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            raise ParallelRunError(
+                f"rank(s) {failed} failed (exit codes {codes})\n{_tails(work, len(procs))}", [p.pid for p in procs]
+            )
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            raise ParallelRunError(
+                f"timed out (exit codes {codes}); workers killed\n{_tails(work, len(procs))}", [p.pid for p in procs]
+            )
+        time.sleep(0.1)
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+
+
+def _tails(work: Path, n: int, chars: int = 4000) -> str:
+    out = []
+    for r in range(n):
+        f = work / f"rank{r}.log"
+        text = f.read_text(errors="replace") if f.exists() else "(no log)"
+        out.append(f"----- rank {r} log tail -----\n{text[-chars:]}")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# worker side
+# ----------------------------------------------------------------------------------------------------------------
+def _watchdog(deadline: float, parent_pid: int) -> None:
+    """Exit hard when the deadline passes or the parent is gone (a hung collective never ends on its own)."""
+    while True:
+        if time.time() > deadline or os.getppid() != parent_pid:
+            print("vllm-omni-ascend-opt parallel worker: deadline passed or parent gone; exiting", flush=True)
+            os._exit(3)
+        time.sleep(0.5)
+
+
+class _Capture(logging.Handler):
+    def __init__(self, mark: str) -> None:
+        super().__init__(logging.INFO)
+        self.mark = mark
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if self.mark.lower() in msg.lower():
+            self.lines.append(msg)
+
+
+def _group_facts() -> dict[str, int]:
+    from vllm_omni.diffusion.distributed import parallel_state as ps
+
+    facts = {}
+    for name, fn in (
+        ("sp_rank", "get_sequence_parallel_rank"),
+        ("sp_size", "get_sequence_parallel_world_size"),
+        ("ulysses_rank", "get_ulysses_parallel_rank"),
+        ("ulysses_size", "get_ulysses_parallel_world_size"),
+        ("ring_rank", "get_ring_parallel_rank"),
+        ("ring_size", "get_ring_parallel_world_size"),
+        ("cfg_rank", "get_classifier_free_guidance_rank"),
+        ("cfg_size", "get_classifier_free_guidance_world_size"),
+    ):
+        with contextlib.suppress(Exception):
+            facts[name] = int(getattr(ps, fn)())
+    with contextlib.suppress(Exception):
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        facts["tp_rank"] = int(get_tensor_model_parallel_rank())
+        facts["tp_size"] = int(get_tensor_model_parallel_world_size())
+    return facts
+
+
+def _sp_hooks(transformer: Any) -> list[str]:
+    names = []
+    for mod in transformer.modules():
+        reg = getattr(mod, "_hook_registry", None)
+        if reg is not None:
+            names += [n for n in getattr(reg, "_hooks", {}) if n.startswith("sp_")]
+    return sorted(names)
+
+
+def _plain(value: Any) -> Any:
+    try:
+        return json.loads(json.dumps(value, default=repr))  # plain data only across processes
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _opt_stats(opt: Any) -> dict[str, Any] | None:
+    """Counters an optimization exposes (``stats()`` / a ``stats`` mapping / ``memo.stats`` / ``cache_info()``)."""
+    for owner, attr in ((opt, "stats"), (getattr(opt, "memo", None), "stats"), (opt, "cache_info")):
+        value = getattr(owner, attr, None) if owner is not None else None
+        if callable(value):
+            try:
+                value = value()
+            except Exception as exc:  # a fact, not a failure of the run
+                return {"error": f"{attr}() raised {exc!r}"}
+        if isinstance(value, Mapping):
+            return _plain(dict(value))
+    return None
+
+
+def _opt_facts(opt: Any) -> tuple[dict[str, Any] | None, list[str], dict[str, Any] | None]:
+    """(stats, notes, fallback reasons) of one optimization, as plain data."""
+    try:
+        notes = [str(n) for n in opt.notes()]
+    except Exception as exc:  # a fact, not a failure of the run
+        notes = [f"notes() raised {exc!r}"]
+    fallbacks = None
+    fn = getattr(opt, "fallback_reasons", None)
+    if callable(fn):
+        try:
+            fallbacks = _plain(dict(fn()))
+        except Exception as exc:
+            fallbacks = {"error": f"fallback_reasons() raised {exc!r}"}
+    return _opt_stats(opt), notes, fallbacks
+
+
+def _job_facts(pipe: Any) -> dict[str, Any]:
+    from vllm_omni_ascend_opt import _plugin, api, registry
+
+    selected = _plugin.selected()
+    acting, reasons, env_reasons, stats, notes, fallbacks = [], {}, {}, {}, {}, {}
+    for opt in registry.all_optimizations():
+        if opt.name not in selected:
+            continue
+        env = list(opt.reasons_inactive())
+        why = list(env)
+        if opt.installed:
+            if not opt.is_attached(pipe):
+                why.append("installed but not attached to this pipeline")
+            why += list(opt.model_reasons_inactive(pipe))
+        elif not why:
+            why.append("selected but not installed")
+        reasons[opt.name] = why
+        env_reasons[opt.name] = env
+        if not why:
+            acting.append(opt.name)
+        s, n, f = _opt_facts(opt)
+        notes[opt.name] = n
+        if s is not None:
+            stats[opt.name] = s
+        if f:
+            fallbacks[opt.name] = f
+    return dict(
+        selected=selected,
+        installed=api.installed(),
+        acting=acting,
+        reasons=reasons,
+        env_reasons=env_reasons,
+        stats=stats,
+        notes=notes,
+        fallbacks=fallbacks,
+    )
+
+
+def _call_hook(ref: str | None, rank: int) -> Any:
+    if ref:
+        import importlib
+
+        mod_name, fn_name = ref.split(":")
+        return getattr(importlib.import_module(mod_name), fn_name)(rank)
+    return None
+
+
+def _worker(work: Path, rank: int) -> None:
+    cfg = json.loads((work / "config.json").read_text())
+    threading.Thread(target=_watchdog, args=(cfg["deadline"], cfg["parent_pid"]), daemon=True).start()
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)
+    _call_hook(cfg["setup"], rank)
+
+    from vllm_omni_ascend_opt import api
+
+    api.select(cfg["initial_spec"])  # before vLLM-Omni's model modules are imported: patches go in on import
+
+    capture = _Capture(_SP_LOG_MARK)
+    sp_logger = logging.getLogger("vllm_omni.diffusion.registry")
+    sp_logger.addHandler(capture)
+    if sp_logger.getEffectiveLevel() > logging.INFO:
+        sp_logger.setLevel(logging.INFO)
+
+    reports = []
+    for run in cfg["runs"]:
+        reports.append(_run_mode(cfg, run, rank, capture, t0))
+        t0 = time.perf_counter()
+    torch.save(reports, work / f"rank{rank}.pt")
+
+
+def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Capture, t0: float) -> RankReport:
+    import gc
+
+    from vllm_omni.diffusion.forward_context import get_forward_context
+
+    from vllm_omni_ascend_opt import _parallel, api
+    from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline
+    from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime, shutdown
+
+    capture.lines.clear()
+    api.select(cfg["initial_spec"])  # the selection the model is built with
+    rt = init_cpu_runtime(
+        cfg["model_dir"],
+        parallel=run["parallel"],
+        rank=rank,
+        world_size=cfg["world_size"],
+        init_method=run["init_method"],
+    )
+    t1 = time.perf_counter()
+    pipe = load_pipeline(rt)
+    t2 = time.perf_counter()
+    hooks = _sp_hooks(pipe.transformer)  # the ground truth of "the _sp_plan was applied"
+
+    seen: list[tuple[int | None, int]] = []
+
+    def probe(_module: Any, _args: Any) -> None:  # runs inside the transformer forward, after the SP split
+        ctx = get_forward_context()
+        seen.append((ctx.sp_original_seq_len, int(ctx.sp_padding_size)))
+
+    handle = pipe.transformer.norm_out.register_forward_pre_hook(probe)
+    pc = pipe.transformer.parallel_config
+    jobs = []
+    try:
+        for jd in run["jobs"]:
+            job = Job(**jd)
+            mask_before = pc.mask_sp_padding
+            if job.mask_sp_padding is not None:
+                pc.mask_sp_padding = job.mask_sp_padding
+            _call_hook(job.before, rank)
+            api.select(job.spec, model=pipe)
+            seen.clear()
+            t = time.perf_counter()
+            try:
+                res = generate(
+                    pipe,
+                    rt,
+                    job.prompt,
+                    height=job.height,
+                    width=job.width,
+                    steps=job.steps,
+                    seed=job.seed,
+                    cfg_scale=job.cfg_scale,
+                    negative_prompt=job.negative_prompt,
+                )
+            finally:
+                pc.mask_sp_padding = mask_before
+            wall = (time.perf_counter() - t) * 1e3
+            extra = _plain(_call_hook(job.after, rank))
+            jobs.append(
+                JobReport(
+                    job=job,
+                    images=res.images,
+                    sp_padding=list(seen),
+                    wall_ms=wall,
+                    stage_ms=res.stage_ms,
+                    extra=extra,
+                    **_job_facts(pipe),
+                )
+            )
+    finally:
+        handle.remove()
+    report = RankReport(
+        rank=rank,
+        world_size=cfg["world_size"],
+        mode=run["mode"],
+        groups=_group_facts(),
+        sp_hooks=hooks,
+        sp_log=list(capture.lines),
+        active_modes=_parallel.active_modes(pipe),
+        startup_s=t1 - t0,
+        load_s=t2 - t1,
+        jobs=jobs,
+        mode_s=time.perf_counter() - t0,
+    )
+    api.select("none", model=pipe)  # detach before the model goes
+    del pipe
+    gc.collect()
+    shutdown()
+    return report
+
+
+if __name__ == "__main__":
+    # Run the worker from the package module (not __main__) so its reports unpickle in the parent.
+    from vllm_omni_ascend_opt.testbed import parallel as _this
+
+    _this._worker(Path(sys.argv[1]), int(sys.argv[2]))
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown of vLLM's atexit handlers (they can block on a torn-down group)
