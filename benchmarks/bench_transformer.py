@@ -1,0 +1,261 @@
+#!/usr/bin/env python
+"""Transformer-level benchmark of the pixel-exact transformer optimizations, side by side in ONE run.
+
+Usage (from the repo root, after `make venv`)::
+
+    .venv/bin/python benchmarks/bench_transformer.py                 # bf16, 128x128 and 256x256, ~3-4 min on 2 cores
+    .venv/bin/python benchmarks/bench_transformer.py --quick         # 128x128 only, 2 repeats
+    .venv/bin/python benchmarks/bench_transformer.py --dtype fp32 --repeats 5 --json out.json
+
+What it does: builds vLLM-Omni 0.30's real ``QwenImageTransformer2DModel`` at real width (the test bed's REALWIDTH
+spec: hidden 3072, 24 heads x 128, RoPE axes 16/56/56, 2 blocks, random weights) on CPU, then for each resolution and
+each configuration in :data:`CONFIGS` (a ``VLLM_OMNI_ASCEND_OPT`` spec, toggled in-process with
+``api.select(spec, model=transformer)``) measures, for one transformer forward (= one denoise step without CFG, B=1):
+
+* wall-clock: median of the warm forwards (memo filled, as on a repeated request), ratio to ``stock`` in this run,
+  and the cold forward (first forward after switching, memo empty). Configurations are interleaved round-robin;
+* kernel-launching aten ops (views and allocation-only ops excluded: ``testbed/opcount.py``) per block (block 0)
+  and per step (the whole forward);
+* modulation weight bytes read per step (``img_mod``/``txt_mod`` of every block and ``norm_out.linear``), counted by
+  storage on the dispatched ops, next to what fraction of all DiT weights they are.
+
+Configurations whose optimizations cannot be active here are listed with their reasons and skipped.
+On CPU the wall-clock ratios are FLOP-bound numbers (a 2-core CPU hides kernel-launch cost); the op counts are the
+device-independent proxy for a launch-bound NPU. Neither is the NPU claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+#: name -> VLLM_OMNI_ASCEND_OPT spec. ``stock`` must stay first (ratios are relative to it).
+CONFIGS: dict[str, str] = {
+    "stock": "none",
+    "shared_modulation": "none,+shared_modulation",
+    "rope": "none,+rope",
+    "both": "none,+shared_modulation,+rope",
+}
+RESOLUTIONS: list[tuple[int, int]] = [(128, 128), (256, 256)]
+TEXT_TOKENS = 32
+TIMESTEP = 0.7
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--repeats", type=int, default=3, help="round-robin rounds (warm forwards per config)")
+    p.add_argument("--quick", action="store_true", help="128x128 only, 2 repeats")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of names from CONFIGS")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model and inputs
+# ----------------------------------------------------------------------------------------------------------------
+def build_transformer(rt: Any, dtype: Any) -> Any:
+    """vLLM-Omni's QwenImageTransformer2DModel at real width with the test bed's seeded random weights."""
+    import torch
+    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
+
+    from vllm_omni_ascend_opt.testbed import REALWIDTH
+    from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # vLLM's linears allocate in the default dtype: no fp32 copy of the model
+    try:
+        with rt.context():
+            tr = QwenImageTransformer2DModel(od_config=rt.od_config, **REALWIDTH.transformer_kwargs())
+    finally:
+        torch.set_default_dtype(default)
+    state = random_transformer_state_dict(REALWIDTH, seed=0)
+    tr.load_weights(state.items())
+    del state
+    return tr.to(dtype).eval()
+
+
+def make_inputs(tr: Any, height: int, width: int, dtype: Any) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    h, w = height // 16, width // 16  # VAE /8, then 2x2 packing
+    return dict(
+        hidden_states=torch.randn(1, h * w, tr.in_channels, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(1, TEXT_TOKENS, tr.txt_norm.normalized_shape[0], generator=g).to(dtype),
+        encoder_hidden_states_mask=torch.ones(1, TEXT_TOKENS, dtype=torch.bool),
+        timestep=torch.full((1,), TIMESTEP).to(dtype),
+        img_shapes=[[(1, h, w)]],
+        txt_seq_lens=[TEXT_TOKENS],
+        return_dict=False,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# measurements
+# ----------------------------------------------------------------------------------------------------------------
+def forward_ms(tr: Any, rt: Any, kw: dict[str, Any]) -> float:
+    import torch
+
+    with rt.context(), torch.inference_mode():
+        t0 = time.perf_counter()
+        tr(**kw)
+        return (time.perf_counter() - t0) * 1e3
+
+
+def counts(tr: Any, rt: Any, kw: dict[str, Any], mod_tensors: list[Any]) -> dict[str, int]:
+    """Ops per block 0, ops per step and modulation bytes read, on a warm forward (call after one forward).
+
+    Counted under ``torch.no_grad`` (the project's convention: the tiny stock block counts 106), where composite ops
+    such as ``linear`` show as the kernels they launch (``addmm``); under ``inference_mode`` the dispatcher hands the
+    mode the composite op itself and the counts are lower for every configuration alike."""
+    import torch
+
+    from vllm_omni_ascend_opt.testbed.opcount import OpCounter, TensorReadCounter, count_module_calls
+
+    with (
+        rt.context(),
+        torch.no_grad(),
+        OpCounter() as ops,
+        TensorReadCounter(mod_tensors) as reads,
+        count_module_calls(tr.transformer_blocks[0]) as blocks,
+    ):
+        tr(**kw)
+    return {"ops_per_block": blocks[0].total, "ops_per_step": ops.total, "mod_bytes_per_step": reads.bytes}
+
+
+def unavailable(spec: str) -> list[str]:
+    from vllm_omni_ascend_opt import flags, registry
+
+    return [f"{n}: {r}" for n in flags.parse_spec(spec) for r in registry.get(n).reasons_inactive()]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.opts.shared_modulation import modulation_linears
+    from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    resolutions = RESOLUTIONS[:1] if args.quick else RESOLUTIONS
+    repeats = 2 if args.quick else args.repeats
+
+    rt = init_cpu_runtime(None, dtype=dtype)
+    t0 = time.perf_counter()
+    tr = build_transformer(rt, dtype)
+    build_s = time.perf_counter() - t0
+
+    configs, skipped = {}, {}
+    for name in args.configs.split(","):
+        spec = CONFIGS[name]
+        why = unavailable(spec)
+        if why:
+            skipped[name] = why
+        else:
+            configs[name] = spec
+    mods = [p for lin in modulation_linears(tr) for p in lin.parameters()]
+    mod_bytes = sum(p.numel() * p.element_size() for p in mods)
+    all_bytes = sum(p.numel() * p.element_size() for p in tr.parameters())
+
+    results: dict[str, Any] = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "dtype": args.dtype,
+        "model": "REALWIDTH: hidden 3072, 24 heads x 128, 2 blocks, random weights",
+        "build_s": round(build_s, 1),
+        "modulation_weight_bytes": mod_bytes,
+        "dit_weight_bytes": all_bytes,
+        "skipped": skipped,
+        "resolutions": {},
+    }
+    for height, width in resolutions:
+        kw = make_inputs(tr, height, width, dtype)
+        rows: dict[str, dict[str, Any]] = {name: {"warm_ms": [], "cold_ms": []} for name in configs}
+        for name, spec in configs.items():  # counts first (one cold forward, then a counted warm one)
+            api.select(spec, model=tr)
+            forward_ms(tr, rt, kw)
+            rows[name].update(counts(tr, rt, kw, mods))
+        for _ in range(repeats):  # interleaved: every config once per round
+            for name, spec in configs.items():
+                api.select(spec, model=tr)  # switching drops the memo: the first forward is cold
+                rows[name]["cold_ms"].append(forward_ms(tr, rt, kw))
+                rows[name]["warm_ms"].append(forward_ms(tr, rt, kw))
+        stock_warm = statistics.median(rows["stock"]["warm_ms"]) if "stock" in rows else None
+        for row in rows.values():
+            row["warm_median_ms"] = statistics.median(row["warm_ms"])
+            row["warm_min_ms"] = min(row["warm_ms"])
+            row["cold_median_ms"] = statistics.median(row["cold_ms"])
+            row["ratio_vs_stock"] = (row["warm_median_ms"] / stock_warm) if stock_warm else None
+        results["resolutions"][f"{height}x{width}"] = {
+            "image_tokens": kw["hidden_states"].shape[1],
+            "text_tokens": TEXT_TOKENS,
+            "configs": rows,
+        }
+    api.select("none", model=tr)
+    return results
+
+
+def report(res: dict[str, Any]) -> str:
+    m = res["machine"]
+    lines = [
+        f"bench_transformer: {res['model']}, {res['dtype']}, B=1, CFG off (one forward = one denoise step)",
+        f"machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, python {m['python']}; "
+        f"build {res['build_s']} s",
+        f"modulation weights: {res['modulation_weight_bytes'] / 1e6:.1f} MB = "
+        f"{res['modulation_weight_bytes'] / res['dit_weight_bytes']:.3f} of all DiT weights "
+        f"({res['dit_weight_bytes'] / 1e6:.1f} MB)",
+    ]
+    for name, why in res["skipped"].items():
+        lines.append(f"skipped {name}: {'; '.join(why)}")
+    for reso, r in res["resolutions"].items():
+        lines.append("")
+        lines.append(f"{reso}  ({r['image_tokens']} image + {r['text_tokens']} text tokens)")
+        lines.append(
+            f"  {'config':<18} {'warm ms':>9} {'(min)':>9} {'ratio':>6} {'cold ms':>9} {'ops/block':>9} {'ops/step':>8} "
+            f"{'mod MB/step':>11}"
+        )
+        for name, row in r["configs"].items():
+            ratio = f"{row['ratio_vs_stock']:.3f}" if row["ratio_vs_stock"] is not None else "-"
+            lines.append(
+                f"  {name:<18} {row['warm_median_ms']:>9.1f} {row['warm_min_ms']:>9.1f} {ratio:>6} "
+                f"{row['cold_median_ms']:>9.1f} "
+                f"{row['ops_per_block']:>9} {row['ops_per_step']:>8} {row['mod_bytes_per_step'] / 1e6:>11.1f}"
+            )
+    lines.append("")
+    lines.append("warm = median (and min) over repeats with the memo filled (a repeated request), timed under")
+    lines.append(
+        "inference_mode like vLLM-Omni's runner; ratio = warm median / stock warm median; cold = first forward"
+    )
+    lines.append("after switching. Ops counted under no_grad (views/allocation excluded). CPU ratios are FLOP-bound,")
+    lines.append("not the NPU claim.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    res = run(args)
+    print(report(res), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
