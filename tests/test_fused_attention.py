@@ -281,6 +281,23 @@ def test_causal_impl_goes_to_sdpa(fake_npu):
     assert impl._ascend_opt_calls == {"sdpa: causal": 1}
 
 
+def test_graph_mode_goes_to_sdpa(fake_npu, monkeypatch):
+    """[OP-FA]: no graph mode. Under torch.compile tracing (or NPU graph capture) the stock impl runs."""
+    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
+
+    npu = fake_npu()
+    stock = SDPAImpl(num_heads=2, head_size=16, softmax_scale=0.25)
+    stock.forward = lambda *a: stock._forward_impl(*a)
+    impl = fa._make_fused(stock)
+    q = torch.randn(1, 5, 2, 16).bfloat16()
+    monkeypatch.setattr(npu._torch_npu_namespace, "is_current_stream_capturing", lambda: True, raising=False)
+    impl.forward(q, q, q, None)
+    monkeypatch.setattr(npu._torch_npu_namespace, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    impl.forward(q, q, q, None)
+    assert impl._ascend_opt_calls == {"sdpa: graph mode": 2}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # sequence parallelism: after Ulysses' pre-attention; ring and foreign backends are skipped
 # ----------------------------------------------------------------------------------------------------------------
@@ -354,3 +371,37 @@ def test_op_count_per_block(fake_npu, bf16_pipe, runtime):
     # replaces SDPA's bool->float mask conversion (where + 2 scalar_tensor).
     assert fused[False].total == stock[False].total
     assert fused[True].total == stock[True].total - 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the NPU check script (benchmarks/npu_check_kernels.py): skips cleanly here, runs end to end against the fake
+# ----------------------------------------------------------------------------------------------------------------
+def _check_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "npu_check_kernels.py"
+    spec = importlib.util.spec_from_file_location("npu_check_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SMALL = ["--fake", "--img-tokens", "24", "--txt-tokens", "40", "--heads", "2", "--head-dim", "16", "--hidden", "32"]
+SMALL += ["--iters", "1", "--warmup", "0"]
+
+
+def test_check_script_skips_without_torch_npu(capsys):
+    assert _check_script().main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("SKIPPED: torch_npu is not installed") and "nothing to check" in out
+
+
+def test_check_script_against_the_fake(capsys):
+    script = _check_script()
+    assert script.main(SMALL) == 0
+    out = capsys.readouterr().out
+    assert "RESULT: PASS" in out and "plugin: npu_fusion_attention" in out and "plugin: NZ attn.to_qkv" in out
+    assert script.main([*SMALL, "--fake-variant", "fusion_attention=wrong_polarity"]) == 1
+    out = capsys.readouterr().out
+    assert "RESULT: FAIL" in out and "plugin verification (fused_attention.verify)" in out.split("RESULT")[1]

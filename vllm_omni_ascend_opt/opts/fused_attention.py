@@ -18,10 +18,11 @@ How
     kernel cannot take (float32, causal, an unsupported mask, a limit below) goes to the original SDPA object.
 Verification
     On first use per (device, dtype) the fused path runs on small random inputs of the real layout (BSND, [text; image]
-    joint sequence, the layer's Nq/Nkv/D) with and without a padded 2-D key mask, against vLLM-Omni's own
-    ``SDPAImpl._forward_impl(..., mask_mode="full_qk")`` (the stock NPU path) in the same dtype and in float32. It is
-    accepted when ``max|fused - sdpa_fp32| <= max(ATOL[dtype], 4 * max|sdpa_dtype - sdpa_fp32|)`` with ATOL
-    bfloat16 2^-6, float16 2^-9, and every output is finite. Otherwise it stays off for that (device, dtype) with the
+    joint sequence, the layer's Nq/Nkv/D) with and without a padded 2-D key mask, against a float32 reference computed
+    by explicit matmul/softmax (:func:`reference_attention`, independent of any SDPA or fused kernel), with vLLM-Omni's
+    own ``SDPAImpl._forward_impl(..., mask_mode="full_qk")`` (the stock NPU path) in the same dtype as the error
+    budget. It is accepted when ``max|fused - ref_fp32| <= max(ATOL[dtype], 4 * max|sdpa_dtype - ref_fp32|)`` with
+    ATOL bfloat16 2^-6, float16 2^-9, and every output is finite. Otherwise it stays off for that (device, dtype) with the
     errors in :meth:`FusedAttention.reasons_inactive`; a kernel error at run time does the same.
 Kernel choice
     ``npu_fusion_attention`` over ``npu_fused_infer_attention_score`` (FIA): (1) it is the kernel the reference
@@ -37,7 +38,8 @@ Documented limits encoded (checked per call; outside them SDPA runs)
     ``docs/context/torch_npu-npu_fused_infer_attention_score.md``.
     D (head dim) 1..768 and Dq == Dk == Dv [OP-FA]; Nq 1..256 and Nq % Nkv == 0 [OP-FA]; B 1..2M, Sq/Skv 1..1M
     [OP-FA]; key.shape == value.shape [OP-FA]; q/k/v of one dtype, used for float16/bfloat16 only (our policy:
-    float32 models stay bitwise stock); non-causal only; atten_mask bool, B1SS/11SS [OP-FA]; inputs made contiguous
+    float32 models stay bitwise stock); non-causal only; atten_mask bool, B1SS/11SS [OP-FA]; no graph mode
+    ("暂不支持图模式" [OP-FA]: under torch.compile tracing or NPU graph capture SDPA runs); inputs made contiguous
     (no-op for the contiguous Q/K/V the model and Ulysses produce), as vLLM-Omni's own NPU call does.
 Upstream PR
     None. vLLM-Omni fuses NPU attention only through MindIE-SD's FLASH_ATTN backend.
@@ -181,6 +183,27 @@ def fused_forward(
 # ----------------------------------------------------------------------------------------------------------------
 # verification against vLLM-Omni's SDPA
 # ----------------------------------------------------------------------------------------------------------------
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scale: float, heads_per_chunk: int = 8
+) -> torch.Tensor:
+    """float32 attention by explicit matmul / softmax (no SDPA, no fused kernel): the independent reference.
+
+    q/k/v BSND (GQA allowed), ``keep`` an SDPA-style 2-D [B, Skv] keep-mask or None; returns float32 BSND. Heads are
+    processed ``heads_per_chunk`` at a time to bound the [B, n, Sq, Skv] score memory at the real layout.
+    """
+    qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))
+    if kf.shape[1] != qf.shape[1]:
+        rep = qf.shape[1] // kf.shape[1]
+        kf, vf = kf.repeat_interleave(rep, dim=1), vf.repeat_interleave(rep, dim=1)
+    outs = []
+    for h in range(0, qf.shape[1], heads_per_chunk):
+        sc = torch.matmul(qf[:, h : h + heads_per_chunk], kf[:, h : h + heads_per_chunk].transpose(-1, -2)) * scale
+        if keep is not None:
+            sc = sc.masked_fill(~keep.bool()[:, None, None, :], float("-inf"))
+        outs.append(torch.matmul(torch.softmax(sc, dim=-1), vf[:, h : h + heads_per_chunk]))
+    return torch.cat(outs, dim=1).transpose(1, 2)
+
+
 def _sdpa_impl(num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> Any:
     sdpa = importlib.import_module(_targets.SDPA_BACKEND)
     return sdpa.SDPAImpl(
@@ -222,16 +245,17 @@ def verify(
             q = torch.randn(b, s, num_heads, head_dim, generator=gen)
             k = torch.randn(b, s, nkv, head_dim, generator=gen)
             v = torch.randn(b, s, nkv, head_dim, generator=gen)
-            meta = None
+            meta = keep = None
             if case == "padded mask":
                 keep = torch.ones(b, s, dtype=torch.bool)
                 keep[1, seq_txt - VERIFY_PAD : seq_txt] = False  # [text; image]: the 2nd prompt is shorter
-                meta = AttentionMetadata(attn_mask=keep.to(device))
+                keep = keep.to(device)
+                meta = AttentionMetadata(attn_mask=keep)
             qd, kd, vd = (x.to(device=device, dtype=dtype) for x in (q, k, v))
             out, why = fused_forward(npu, qd, kd, vd, meta, scale)
             if out is None:
                 return Verdict(False, str(device), dname, label, f"{case}: not fusable ({why})", errors, id(npu))
-            ref = stock._forward_impl(*(x.to(device) for x in (q, k, v)), meta, mask_mode="full_qk").float()
+            ref = reference_attention(*(x.to(device) for x in (q, k, v)), keep, scale)
             same = stock._forward_impl(qd, kd, vd, meta, mask_mode="full_qk").float()
             err = (out.float() - ref).abs().max().item() if torch.isfinite(out).all() else float("inf")
             err_stock = (same - ref).abs().max().item()
@@ -250,6 +274,17 @@ def verify(
     return Verdict(
         True, str(device), dname, label, f"{detail} (Nq={num_heads}, Nkv={nkv}, D={head_dim})", errors, id(npu)
     )
+
+
+def _graph_mode() -> bool:
+    """torch.compile tracing or NPU graph capture: [OP-FA] "暂不支持图模式" (no graph mode), so SDPA runs there."""
+    if torch.compiler.is_compiling():
+        return True
+    capturing = getattr(getattr(torch, "npu", None), "is_current_stream_capturing", None)
+    try:
+        return bool(capturing()) if callable(capturing) else False
+    except Exception:  # an uninitialised device: not capturing
+        return False
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -282,7 +317,7 @@ def _fused_class(stock_cls: type) -> type:
 
 def _make_fused(stock: Any) -> Any:
     impl = object.__new__(_fused_class(type(stock)))
-    impl.__dict__.update(stock.__dict__)
+    impl.__dict__.update({k: v for k, v in stock.__dict__.items() if k != "forward"})  # never shadow our forward
     impl._ascend_opt_stock = stock
     impl._ascend_opt_calls = Counter()
     return impl
@@ -441,6 +476,8 @@ class FusedAttention(Optimization):
             why = "no torch_npu"
         elif getattr(impl, "causal", False):
             why = "causal"
+        elif _graph_mode():
+            why = "graph mode"
         else:
             why = limits_violation(query, key, value)
         if not why:
