@@ -1,0 +1,111 @@
+"""The upstream patches in ``patches/``: one per optimization, each with its header, each applying to a pristine
+vLLM-Omni 0.30.0 tree alone and stacked in order, and each computing what the plugin computes (bitwise-equal images
+and identical kernel-launching op counts on the tiny pipeline; exact ones also equal to stock).
+
+The checks are ``patches/check.py``'s functions (imported from the file): the exactness run costs one fresh process
+per patch (the patched tree) plus ONE shared process for the plugin side, at most two at a time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_check():
+    spec = importlib.util.spec_from_file_location("patches_check", REPO / "patches" / "check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+check = _load_check()
+PATCHES = check.patch_files()
+
+
+def _registry_names() -> list[str]:
+    from vllm_omni_ascend_opt import registry
+
+    return registry.names()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("patches")
+
+
+@pytest.fixture(scope="module")
+def applied(workdir) -> dict[tuple[str, str], tuple[bool, str]]:
+    return {(p.name, label): (ok, msg) for p, label, ok, msg in check.apply_checks(PATCHES, workdir)}
+
+
+@pytest.fixture(scope="module")
+def exactness(workdir, applied) -> dict[str, object]:
+    applicable = [p for p in PATCHES if applied[(p.name, "alone")][0]]
+    return {v.patch.name: v for v in check.check_exactness(applicable, workdir)}
+
+
+def test_one_patch_per_optimization_numbered_in_order():
+    names = _registry_names()
+    by_opt: dict[str, list[str]] = {}
+    for p in PATCHES:
+        by_opt.setdefault(check.optimization_of(p), []).append(p.name)
+    assert set(by_opt) <= set(names), f"patches for unknown optimizations: {sorted(set(by_opt) - set(names))}"
+    assert all(len(v) == 1 for v in by_opt.values()), by_opt
+    missing = [n for n in names if n not in by_opt]
+    assert not missing, f"optimizations without a patch: {missing}"
+    numbers = [int(check.PATCH_RE.match(p.name).group(1)) for p in PATCHES]
+    assert numbers == list(range(1, len(PATCHES) + 1)), numbers
+    assert [check.optimization_of(p) for p in PATCHES] == [n for n in names if n in by_opt]  # registry order
+
+
+def test_header_field_parser_catches_missing_fields(tmp_path):
+    p = tmp_path / "0001-x.patch"
+    p.write_text("What: a\nWhy: b\n  continued\nHow:\ndiff --git a/x b/x\nRisks: after the diff line\n")
+    assert check.header_fields(p)["Why"] == "b continued"
+    assert check.missing_fields(p) == ["How", "Equivalence", "Measured effect", "Risks", "Removal plan"]
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
+def test_header_has_every_field(patch):
+    assert check.missing_fields(patch) == []
+    fields = check.header_fields(patch)
+    from vllm_omni_ascend_opt import registry
+
+    equivalence = registry.get(check.optimization_of(patch)).equivalence
+    assert fields["Equivalence"].lower().startswith(equivalence), (fields["Equivalence"][:60], equivalence)
+    assert re.search(r"\bCPU\b|\bNPU\b", fields["Measured effect"]), "measured effect must name the machine"
+
+
+@pytest.mark.parametrize("label", ["alone", "stacked"])
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
+def test_applies_to_pristine_0_30(applied, patch, label):
+    ok, msg = applied[(patch.name, label)]
+    assert ok, msg
+
+
+def test_paths_are_upstream_package_paths():
+    for p in PATCHES:
+        heads = [line for line in p.read_text().splitlines() if line.startswith("diff --git")]
+        assert heads, p.name
+        for line in heads:
+            assert re.fullmatch(r"diff --git a/vllm_omni/\S+ b/vllm_omni/\S+", line), (p.name, line)
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
+def test_patched_upstream_computes_what_the_plugin_computes(exactness, patch):
+    v = exactness.get(patch.name)
+    assert v is not None, "patch did not apply; see test_applies_to_pristine_0_30"
+    if v.status == "skip":
+        from vllm_omni_ascend_opt import registry
+
+        assert registry.get(check.optimization_of(patch)).equivalence == "close", "an exact patch must be checked"
+        pytest.skip(v.message)
+    assert v.status == "ok", v.message
