@@ -134,6 +134,51 @@ def counts(tr: Any, rt: Any, kw: dict[str, Any], mod_tensors: list[Any]) -> dict
     return {"ops_per_block": blocks[0].total, "ops_per_step": ops.total, "mod_bytes_per_step": reads.bytes}
 
 
+def modulation_prep_ms(tr: Any, rt: Any, dtype: Any, repeats: int = 5) -> dict[str, float]:
+    """Isolated cost of one forward's modulation prep (min over repeats; less noisy than whole forwards):
+    stock = what the blocks and norm_out compute from temb (SiLU + projection per img_mod/txt_mod, chunk/_modulate,
+    ``1 + scale`` per norm; norm_out's SiLU + linear + ``1 + scale``); memo = shared_modulation's warm lookups
+    (temb digest, weight signatures, slot hits) for the same forward."""
+    import torch
+
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.opts.shared_modulation import OPT
+
+    temb = torch.randn(1, tr.inner_dim).to(dtype)
+    x = torch.zeros(1, 1, tr.inner_dim, dtype=dtype)
+
+    def stock() -> None:
+        for b in tr.transformer_blocks:
+            img, txt = b.img_mod(temb), b.txt_mod(temb)
+            for p in (*img.chunk(2, dim=-1), *txt.chunk(2, dim=-1)):
+                scale, _, _ = b._modulate(p)
+                _ = 1 + scale
+        emb = tr.norm_out.linear(tr.norm_out.silu(temb).to(dtype))
+        _ = 1 + emb.chunk(2, dim=1)[0]
+
+    def memo() -> None:
+        t = temb.clone()  # a new temb object per forward, as in the model: one digest
+        for b in tr.transformer_blocks:
+            OPT.memo.block(b, t)
+        OPT.memo.norm_out(tr.norm_out, x, t)
+
+    out = {}
+    with rt.context(), torch.inference_mode():
+        api.select("none", model=tr)
+        for name, fn in (("stock", stock), ("memo", memo)):
+            if name == "memo":
+                api.select("none,+shared_modulation", model=tr)
+            fn()  # warm-up (fills the memo)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            out[name] = best * 1e3
+    api.select("none", model=tr)
+    return out
+
+
 def unavailable(spec: str) -> list[str]:
     from vllm_omni_ascend_opt import flags, registry
 
@@ -207,6 +252,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "text_tokens": TEXT_TOKENS,
             "configs": rows,
         }
+    if "shared_modulation" in configs:
+        results["modulation_prep_ms"] = modulation_prep_ms(tr, rt, dtype)
     api.select("none", model=tr)
     return results
 
@@ -221,6 +268,12 @@ def report(res: dict[str, Any]) -> str:
         f"{res['modulation_weight_bytes'] / res['dit_weight_bytes']:.3f} of all DiT weights "
         f"({res['dit_weight_bytes'] / 1e6:.1f} MB)",
     ]
+    if "modulation_prep_ms" in res:
+        prep = res["modulation_prep_ms"]
+        lines.append(
+            f"modulation prep per forward, isolated (min of 5): stock {prep['stock']:.2f} ms, "
+            f"shared_modulation warm lookups {prep['memo']:.2f} ms"
+        )
     for name, why in res["skipped"].items():
         lines.append(f"skipped {name}: {'; '.join(why)}")
     for reso, r in res["resolutions"].items():

@@ -79,7 +79,6 @@ DEFAULT_BUDGET_MB = 512
 
 ADALAYERNORM_MODULE = "vllm_omni.diffusion.layers.adalayernorm"
 CUSTOM_OP_MODULE = "vllm_omni.diffusion.layers.custom_op"
-DIFFUSERS_NORM_MODULE = "diffusers.models.normalization"
 
 #: SHA-256 (first 16 hex digits) of the dedented source of each upstream function this patch mirrors, as shipped in
 #: vLLM-Omni 0.30.0 / diffusers 0.40. A mismatch means upstream changed and the exactness argument must be redone.
@@ -105,7 +104,7 @@ def budget_from_env() -> int:
     if not raw:
         return DEFAULT_BUDGET_MB * 1024**2
     mb = float(raw)  # ValueError for junk; reasons_inactive() reports it
-    if mb < 0 or mb != mb:
+    if not 0 <= mb < float("inf"):  # also rejects NaN
         raise ValueError(f"{ENV_BUDGET_MB}={raw!r} must be a non-negative number of MiB")
     return int(mb * 1024**2)
 
