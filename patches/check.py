@@ -114,6 +114,24 @@ def git_apply(patch: Path, tree: Path, check_only: bool) -> subprocess.Completed
     return subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
 
 
+def touched_files(patch: Path) -> list[str]:
+    """Paths (relative to the tree root) the patch creates or modifies."""
+    return [m.group(1) for m in re.finditer(r"^\+\+\+ b/(\S+)", patch.read_text(), re.M)]
+
+
+def compile_errors(patch: Path, tree: Path) -> str:
+    """Syntax errors in the Python files ``patch`` touched in ``tree`` ("" when all compile); covers NPU-only code
+    that no CPU run executes."""
+    errors = []
+    for rel in touched_files(patch):
+        if rel.endswith(".py"):
+            try:
+                compile((tree / rel).read_text(), str(tree / rel), "exec")
+            except SyntaxError as exc:
+                errors.append(f"{rel}: {exc}")
+    return "; ".join(errors)
+
+
 def apply_checks(patches: list[Path], workdir: Path) -> list[tuple[Path, str, bool, str]]:
     """``git apply --check`` then apply, each patch alone on its own pristine tree and all stacked in order.
 
@@ -122,13 +140,15 @@ def apply_checks(patches: list[Path], workdir: Path) -> list[tuple[Path, str, bo
     stack = pristine_tree(workdir / "stack")
     for p in patches:
         for tree, label in ((pristine_tree(workdir / p.stem), "alone"), (stack, "stacked")):
-            msg = "applies"
+            msg = "applies, touched Python files compile"
             ok = True
             for check_only in (True, False):
                 r = git_apply(p, tree, check_only)
                 if r.returncode:
                     ok, msg = False, f"{'check' if check_only else 'apply'}: {r.stderr.strip()}"
                     break
+            if ok and (errors := compile_errors(p, tree)):
+                ok, msg = False, f"applies but does not compile: {errors}"
             results.append((p, label, ok, msg))
     return results
 
