@@ -1,0 +1,114 @@
+"""One real ablation end to end (CLI -> worker processes -> vLLM-Omni's pipeline -> reports), and the Omni-engine
+adapter up to the boundary this machine allows (vLLM-Omni 0.30's ``Omni`` needs an accelerator platform)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_tiny_leave_one_out_end_to_end(tmp_path, tiny_model_dir):
+    """Two test optimizations with known effects (tests/ablation_testopts.py): each removes a 0.4 s sleep, one
+    exactly, one with a small image change. Five worker processes (stock, full, full minus each, the control)."""
+    out = tmp_path / "out"
+    env = dict(os.environ, ABLATION_TESTOPTS_DELAYS="1")
+    cmd = [sys.executable, "-m", "vllm_omni_ascend_opt.cli", "ablate", "--import", "tests.ablation_testopts",
+           "--only", "abl_test_fast,abl_test_close", "--seeds", "42", "43", "44", "--repeats", "2", "--warmup", "1",
+           "--height", "32", "--width", "32", "--steps", "2", "--threads", "1", "--start-jobs", "2",
+           "--out", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "verdict: PASS" in proc.stdout and str(out / "report.md") in proc.stdout
+
+    res = json.loads((out / "results.json").read_text())
+    from vllm_omni_ascend_opt.ablation.schema import validate
+
+    assert validate(res) == []
+    opts = {o["name"]: o for o in res["optimizations"]}
+    fast, close = opts["abl_test_fast"], opts["abl_test_close"]
+    assert fast["label"] == "gain" and close["label"] == "gain"
+    assert 250 < fast["saved_ms"]["mean"] < 600 and 250 < close["saved_ms"]["mean"] < 600
+    # the per-stage timers put each saving where the sleep was
+    assert fast["stages_saved_ms"]["vae_decode"] > 250 and abs(fast["stages_saved_ms"]["text_encode"]) < 150
+    assert close["stages_saved_ms"]["text_encode"] > 250
+    assert fast["equivalence_check"]["gate"]["passed"] and fast["equivalence_check"]["worst"]["bitwise_identical"]
+    w = close["equivalence_check"]["worst"]
+    assert close["equivalence_check"]["gate"]["passed"] and not w["pixel_identical"] and w["ssim_min"] >= 0.99
+    # every worker ran vLLM-Omni with exactly its configuration's optimizations, loaded by vLLM-Omni's plugin loader
+    for c in res["configs"]:
+        assert c["status"] == "ok" and sorted(c["active_in_worker"]) == sorted(c["opts"]), c
+        assert c["outputs_stable_across_rounds"] is True
+    assert len({pid for c in res["configs"] for pid in c["pids"]}) == 5  # a fresh process per configuration
+    env_info = res["environment"]
+    assert env_info["vllm_omni"].startswith("0.30") and env_info["torch"] and env_info["device"]["type"] == "cpu"
+    measured = [s for s in res["samples"] if not s["warmup"]]
+    assert len(measured) == 5 * 2 * 3 and all(set(s["stages_ms"]) == {"text_encode", "denoise", "vae_decode"}
+                                              for s in measured)
+    for name in ("report.md", "ablation.png", "images/stock/p0_s42.png", "images/full/p0_s44.npy"):
+        assert (out / name).is_file(), name
+    assert "**Verdict: PASS**" in (out / "report.md").read_text()
+    assert {p.name for p in tmp_path.iterdir()} == {"out"}
+
+
+def test_omni_engine_adapter_builds_vllm_omni_requests(monkeypatch):
+    """The worker's ``omni`` engine against a stand-in ``Omni`` class (the real one needs an accelerator; here it does
+    not even import: vLLM-Omni 0.30 has no CPU platform). Everything else is vLLM-Omni's own: sampling params, the
+    output class and its image extraction."""
+    import types
+
+    import torch
+    from PIL import Image
+    from vllm_omni.outputs import OmniRequestOutput
+
+    from vllm_omni_ascend_opt.ablation.worker import OmniEngine, omni_stages_ms
+
+    calls: dict = {}
+
+    class FakeOmni:
+        def __init__(self, **kwargs):
+            calls["init"] = kwargs
+
+        def generate(self, prompt, sampling_params_list=None, use_tqdm=True):
+            calls["prompt"], calls["sp"], calls["use_tqdm"] = prompt, sampling_params_list, use_tqdm
+            img = Image.new("RGB", (48, 32), (10, 200, 30))
+            durations = {"QwenImagePipeline.text_encoder.forward": 0.01, "QwenImagePipeline.diffuse": 2.5,
+                         "QwenImagePipeline.vae.decode": 0.3, "stage_0_gen_ms": 2900.0}
+            return [OmniRequestOutput.from_diffusion("r0", [img], stage_durations=durations)]
+
+        def close(self):
+            calls["closed"] = True
+
+    monkeypatch.setitem(sys.modules, "vllm_omni.entrypoints.omni", types.SimpleNamespace(Omni=FakeOmni))
+    job = {"model": "Qwen/Qwen-Image", "model_path": None, "dtype": "bfloat16", "enforce_eager": True,
+           "height": 32, "width": 48, "steps": 8, "cfg_scale": 4.0, "negative_prompt": " ",
+           "max_sequence_length": 512, "omni_kwargs": {}}
+    eng = OmniEngine(job)
+    eng.load()
+    assert calls["init"] == {"model": "Qwen/Qwen-Image", "dtype": "bfloat16", "enforce_eager": True,
+                             "enable_diffusion_pipeline_profiler": True}
+    gen = eng.generate("a cat", 43)
+    sp = calls["sp"][0]
+    assert (sp.height, sp.width, sp.num_inference_steps, sp.seed, sp.true_cfg_scale) == (32, 48, 8, 43, 4.0)
+    assert sp.generator.initial_seed() == 43 and calls["use_tqdm"] is False
+    assert calls["prompt"] == {"prompt": "a cat", "negative_prompt": " "}  # true CFG needs the negative prompt
+    assert gen.uint8.shape == (32, 48, 3) and gen.float_chw is None and gen.total_ms > 0
+    assert gen.stages_ms == pytest.approx({"text_encode": 10.0, "denoise": 2500.0, "vae_decode": 300.0})
+    eng.close()
+    assert calls["closed"]
+    assert omni_stages_ms(None) == {} and isinstance(torch.Generator(), torch.Generator)
+
+
+def test_omni_engine_is_refused_for_the_tiny_model(capsys):
+    from vllm_omni_ascend_opt.cli import main
+
+    assert main(["plan", "--engine", "omni"]) == 2
+    assert "no CPU platform" in capsys.readouterr().err

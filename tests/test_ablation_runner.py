@@ -1,0 +1,190 @@
+"""The runner with a protocol-speaking fake worker (tests/ablation_fake_worker.py): scheduling, crashes, timeouts,
+interruption and resume, and the reports built from a run. No vLLM-Omni here: each fake process starts in ~0.2 s."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_omni_ascend_opt.ablation import report, stats
+from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
+from vllm_omni_ascend_opt.ablation.runner import Runner, RunError
+from vllm_omni_ascend_opt.ablation.schema import validate
+from vllm_omni_ascend_opt.ablation.workload import from_mapping
+
+FAKE = [sys.executable, str(Path(__file__).with_name("ablation_fake_worker.py"))]
+INFOS = [OptInfo("a", "exact"), OptInfo("b", "close"), OptInfo("off", "exact", reasons_inactive=("no NPU",))]
+
+
+def make_plan(**kw):
+    base = dict(seeds=[1, 2], repeats=2, warmup=1, height=16, width=16, start_jobs=3, timeout_s=20.0,
+                start_timeout_s=30.0)
+    base.update(kw)
+    return build_plan(from_mapping(base).validate(), INFOS)
+
+
+def run(plan, out, monkeypatch, fake: dict, fresh=False):
+    monkeypatch.setenv("ABLATION_FAKE", json.dumps(fake))
+    data = Runner(plan, out, fresh=fresh, progress=False, worker_cmd=FAKE, log=lambda m: None).run()
+    analysis = stats.analyse(plan, data.records, data.out.root, interrupted=data.interrupted)
+    results = report.build_results(data, analysis, command=["test"])
+    report.write_all(results, out)
+    return data, results
+
+
+def starts(path: Path) -> list[str]:
+    return [ln.split()[0] for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+GOOD = {"base_ms": 100.0, "saves_ms": {"a": 10.0, "b": 5.0}, "ctrl_offset_ms": 0.5, "perturb": {"b": 0.002}}
+
+
+@pytest.mark.parametrize("schedule", ["resident", "per-round"])
+def test_a_clean_run_passes_and_writes_valid_reports(tmp_path, monkeypatch, schedule):
+    plan = make_plan(schedule=schedule)
+    log = tmp_path / "starts.log"
+    data, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "starts_log": str(log)})
+    out = tmp_path / "out"
+    # one fresh process per configuration (resident) or per configuration and round (per-round)
+    assert sorted(starts(log)) == sorted([c.id for c in plan.configs] * (1 if schedule == "resident" else 2))
+    assert validate(json.loads((out / "results.json").read_text())) == []
+    assert res["verdict"]["result"] == "PASS", res["verdict"]
+    opts = {o["name"]: o for o in res["optimizations"]}
+    assert opts["a"]["saved_ms"]["mean"] == pytest.approx(10.0) and opts["a"]["label"] == "gain"
+    assert opts["b"]["saved_ms"]["per_round"] == pytest.approx([5.0, 5.0]) and opts["b"]["label"] == "gain"
+    assert opts["a"]["equivalence_check"]["gate"]["passed"] is True
+    assert opts["b"]["equivalence_check"]["worst"]["pixel_identical"] is False  # close, within the gates
+    assert res["noise_floor"]["ms"] == pytest.approx(0.5)
+    assert res["full_vs_stock"]["saved_ms"]["mean"] == pytest.approx(15.0)
+    assert res["plan"]["skipped"] == {"off": ["no NPU"]}
+    # every raw timing is there: configurations x rounds x samples, plus one warm-up per process
+    measured = [s for s in res["samples"] if not s["warmup"]]
+    assert len(measured) == len(plan.configs) * 2 * 2
+    assert (out / "images" / "loo_a" / "p0_s1.png").is_file() and (out / "images" / "full" / "p0_s2.npy").is_file()
+    # reports a person reads
+    from PIL import Image
+
+    with Image.open(out / "ablation.png") as im:
+        im.verify()
+        assert im.format == "PNG" and im.size[0] > 300
+    md = (out / "report.md").read_text()
+    assert "**Verdict: PASS**" in md and "| `a` | exact | +10.00 ± 0.00 |" in md and "no NPU" in md
+    # interleaving: in every round each configuration ran once per sample, in rotated order
+    order = [s["config"] for s in res["samples"] if not s["warmup"] and s["round"] == 0]
+    if schedule == "resident":
+        assert order[: len(plan.configs)] != order[len(plan.configs) :]
+
+
+def test_json_is_strict_and_psnr_inf_is_a_string(tmp_path, monkeypatch):
+    plan = make_plan(repeats=1)
+    run(plan, tmp_path / "out", monkeypatch, GOOD)
+    text = (tmp_path / "out" / "results.json").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    res = json.loads(text)
+    full = next(c for c in res["configs"] if c["id"] == "full_ctrl")
+    assert full["vs_full"]["worst"]["psnr_db_min"] == "inf" and full["vs_full"]["gate"]["passed"] is True
+
+
+def test_broken_exact_optimization_fails_its_gate(tmp_path, monkeypatch):
+    plan = make_plan(repeats=1)
+    _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "perturb": {"a": 0.2}})
+    assert res["verdict"]["result"] == "FAIL"
+    assert any(r.startswith("a (exact): gate failed") for r in res["verdict"]["reasons"])
+
+
+@pytest.mark.parametrize(
+    "fault, expect",
+    [
+        ({"crash_start": ["loo_a"]}, "worker exited with code 3"),
+        ({"die_run": {"loo_a": 2}}, "killed by SIGKILL (out of memory?)"),
+        ({"error_run": {"loo_a": 3}}, "OutOfMemoryError: simulated"),
+        ({"hang_run": {"loo_a": 2}}, "no answer within 2 s"),
+    ],
+)
+def test_a_failing_configuration_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, fault, expect):
+    plan = make_plan(timeout_s=2.0)
+    data, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, **fault})
+    bad = next(c for c in res["configs"] if c["id"] == "loo_a")
+    assert bad["status"] == "failed" and expect in bad["error"]
+    assert [f["config"] for f in res["failures"]] == ["loo_a"]
+    if "crash_start" in fault:
+        assert "simulated import crash" in res["failures"][0]["log_tail"]
+    others = [c for c in res["configs"] if c["id"] != "loo_a"]
+    assert all(c["status"] == "ok" for c in others)
+    assert res["verdict"]["result"] == "FAIL" and res["verdict"]["exit_code"] == 1
+    assert next(o for o in res["optimizations"] if o["name"] == "a")["label"] == "not measured"
+    assert next(o for o in res["optimizations"] if o["name"] == "b")["label"] == "gain"
+    assert validate(json.loads((tmp_path / "out" / "results.json").read_text())) == []
+
+
+@pytest.mark.parametrize("schedule", ["resident", "per-round"])
+def test_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch, schedule):
+    plan = make_plan(schedule=schedule, repeats=3)
+    out, log = tmp_path / "out", tmp_path / "starts.log"
+    # the runner gets SIGINT: resident, in round 2 (loo_b's 5th request, warm-up included); per-round, while
+    # loo_b's first process measures its first sample
+    at = 5 if schedule == "resident" else 2
+    data, res = run(plan, out, monkeypatch, {**GOOD, "starts_log": str(log), "sigint_parent": {"loo_b": at}})
+    assert data.interrupted and res["verdict"]["result"] == "INCONCLUSIVE"
+    first = starts(log)
+    n_first = len([s for s in res["samples"] if not s["warmup"]])
+    assert 0 < n_first < len(plan.configs) * 3 * 2
+    log.unlink()
+    data2, res2 = run(plan, out, monkeypatch, {**GOOD, "starts_log": str(log)})
+    assert data2.resumed and not data2.interrupted
+    measured = [s for s in res2["samples"] if not s["warmup"]]
+    assert len(measured) == len(plan.configs) * 3 * 2
+    keys = {(s["config"], s["round"], s["seed"]) for s in measured}
+    assert len(keys) == len(measured)  # nothing measured twice
+    assert res2["verdict"]["result"] == "PASS" and res2["run"]["resumed"]
+    if schedule == "per-round":
+        # finished (configuration, round) processes were kept: only the rest started again
+        assert len(starts(log)) == len(plan.configs) * 3 - len(first) + 1
+    else:
+        assert sorted(starts(log)) == sorted(c.id for c in plan.configs)
+    # a third run of the same plan has nothing left to do
+    log.unlink()
+    _, res3 = run(plan, out, monkeypatch, {**GOOD, "starts_log": str(log)})
+    assert starts(log) == [] and res3["verdict"]["result"] == "PASS"
+
+
+def test_failed_configurations_stay_failed_on_resume_and_fresh_starts_over(tmp_path, monkeypatch):
+    plan = make_plan(repeats=1)
+    out = tmp_path / "out"
+    run(plan, out, monkeypatch, {**GOOD, "crash_start": ["loo_b"]})
+    _, res = run(plan, out, monkeypatch, GOOD)
+    assert next(c for c in res["configs"] if c["id"] == "loo_b")["status"] == "failed"
+    _, res = run(plan, out, monkeypatch, GOOD, fresh=True)
+    assert res["verdict"]["result"] == "PASS" and not res["run"]["resumed"]
+
+
+def test_out_dir_of_another_run_or_in_use_is_refused(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    run(make_plan(repeats=1), out, monkeypatch, GOOD)
+    with pytest.raises(RunError, match="different run"):
+        run(make_plan(repeats=1, steps=3), out, monkeypatch, GOOD)
+    (out / ".lock").write_text("1")  # pid 1 is alive
+    with pytest.raises(RunError, match="in use"):
+        run(make_plan(repeats=1), out, monkeypatch, GOOD)
+    (out / ".lock").write_text("999999999")  # a dead run's lock is taken over
+    run(make_plan(repeats=1), out, monkeypatch, GOOD)
+    mine = {"plan.json", "measurements.jsonl", "results.json", "report.md", "ablation.png", "configs", "images"}
+    assert {p.name for p in out.iterdir()} == mine  # nothing else, and no lock left behind
+    assert not any(p for p in tmp_path.iterdir() if p.name != "out")
+
+
+def test_without_a_control_there_is_no_noise_floor_and_reports_still_render(tmp_path, monkeypatch):
+    plan = make_plan(repeats=1)
+    _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "crash_start": ["full_ctrl"]})
+    assert res["noise_floor"] is None
+    assert {o["label"] for o in res["optimizations"]} == {"no noise floor"}
+    assert "no noise floor (the control pair did not complete)" in res["verdict"]["reasons"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "Noise floor: **unknown**" in md and "## Failures" in md and "configs/full_ctrl/worker.log" in md
+    from PIL import Image
+
+    with Image.open(tmp_path / "out" / "ablation.png") as im:
+        im.verify()

@@ -1,0 +1,272 @@
+"""Ablation logic without processes: workloads, plans, statistics, verdicts and gates on synthetic data."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from vllm_omni_ascend_opt.ablation import compare, stats
+from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan, estimate
+from vllm_omni_ascend_opt.ablation.workload import (
+    Workload,
+    WorkloadError,
+    from_mapping,
+    load_workload,
+    parse_flat_toml,
+    parse_toml,
+)
+
+INFOS = [
+    OptInfo("a", "exact"),
+    OptInfo("b", "exact"),
+    OptInfo("c", "close"),
+    OptInfo("npu_only", "close", reasons_inactive=("torch_npu is not installed",)),
+    OptInfo("approx", "close", default_enabled=False),
+]
+
+
+def wl(**kw) -> Workload:
+    base = dict(seeds=[1, 2], repeats=3, warmup=0)
+    base.update(kw)
+    return from_mapping(base).validate()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# workloads
+# ----------------------------------------------------------------------------------------------------------------
+def test_named_workloads_ship_and_match_the_reference():
+    ref = load_workload("qwen-image-910b1")
+    assert (ref.dtype, ref.width, ref.height, ref.steps, ref.cfg_scale) == ("bfloat16", 1280, 704, 8, 1.0)
+    assert ref.seeds == [42, 43, 44] and ref.warmup == 2 and ref.enforce_eager is True
+    tiny = load_workload("tiny-cpu")
+    assert tiny.model == "tiny" and tiny.mode == "leave-one-out"
+    tiny.validate()
+    ref.validate()
+
+
+def test_workload_lookup_prefers_local_ablations_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ablations").mkdir()
+    (tmp_path / "ablations" / "tiny-cpu.json").write_text(json.dumps({"steps": 3, "seeds": [7]}))
+    got = load_workload("tiny-cpu")
+    assert got.steps == 3 and got.seeds == [7]
+    with pytest.raises(WorkloadError, match="no workload named 'nope'.*tiny-cpu"):
+        load_workload("nope")
+
+
+def test_flat_toml_fallback_matches_tomllib():
+    text = (
+        '# comment\nname = "x"  # trailing\nseeds = [1, 2, 3]\nprompts = ["a, b", "c # not a comment"]\n'
+        "cfg_scale = 4.0\nsteps = 1_000\nenforce_eager = false\n"
+    )
+    assert parse_flat_toml(text) == parse_toml(text)
+    with pytest.raises(ValueError, match="tables are not supported"):
+        parse_flat_toml("[table]\nx = 1\n")
+
+
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        (dict(height=30), "multiple of 16"),
+        (dict(seeds=[1, 1]), "distinct"),
+        (dict(repeats=0), "repeats"),
+        (dict(mode="random"), "mode"),
+        (dict(cfg_scale=0.5), "cfg_scale"),
+        (dict(ssim_gate=1.5), "SSIM gate"),
+    ],
+)
+def test_bad_workload_values_are_named(bad, msg):
+    with pytest.raises(WorkloadError, match=msg):
+        wl(**bad)
+    with pytest.raises(WorkloadError, match="unknown key"):
+        from_mapping({"stepz": 3})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# plans
+# ----------------------------------------------------------------------------------------------------------------
+def test_leave_one_out_plan_lists_inactive_and_default_off_as_skipped():
+    plan = build_plan(wl(), INFOS)
+    assert plan.stack == ["a", "b", "c"]
+    assert plan.skipped["npu_only"] == ["torch_npu is not installed"]
+    assert "off by default" in plan.skipped["approx"][0]
+    ids = [c.id for c in plan.configs]
+    assert ids == ["stock", "full", "loo_a", "loo_b", "loo_c", "full_ctrl"]
+    assert plan.config("loo_b").spec == "none,+a,+c"
+    assert plan.config("full_ctrl").opts == plan.config("full").opts
+    assert [(c.opt, c.with_, c.without) for c in plan.comparisons] == [
+        ("a", "full", "loo_a"),
+        ("b", "full", "loo_b"),
+        ("c", "full", "loo_c"),
+    ]
+    assert plan.engine == "testbed" and plan.schedule == "resident"
+
+
+def test_cumulative_and_single_plans_follow_order_and_merge_duplicates():
+    plan = build_plan(wl(mode="cumulative"), INFOS, order=["c", "a"])
+    assert plan.stack == ["c", "a", "b"]
+    assert [(c.opt, c.with_, c.without) for c in plan.comparisons] == [
+        ("c", "cum1_c", "stock"),
+        ("a", "cum2_a", "cum1_c"),
+        ("b", "full", "cum2_a"),  # the last prefix is the full stack: one configuration, not two
+    ]
+    single = build_plan(wl(mode="single"), INFOS, only=["a"])
+    # one optimization: stock + a == full, so the plan is stock, full and the control
+    assert [c.id for c in single.configs] == ["stock", "full", "full_ctrl"]
+    assert [(c.with_, c.without) for c in single.comparisons] == [("full", "stock")]
+
+
+def test_only_skip_stack_and_bad_names():
+    plan = build_plan(wl(stack="all"), INFOS, skip=["b"])
+    assert plan.stack == ["a", "c", "approx"] and plan.skipped["b"] == ["excluded by --skip"]
+    plan = build_plan(wl(), INFOS, only=["approx"])  # named explicitly: takes part although default-off
+    assert plan.stack == ["approx"]
+    with pytest.raises(WorkloadError, match="unknown optimization 'zz'.*valid names: a, b, c"):
+        build_plan(wl(), INFOS, only=["zz"])
+    with pytest.raises(WorkloadError, match="cannot take part"):
+        build_plan(wl(mode="cumulative"), INFOS, order=["npu_only"])
+    empty = build_plan(wl(), INFOS, only=["npu_only"])
+    assert empty.stack == [] and [c.id for c in empty.configs] == ["stock"]
+
+
+def test_fingerprint_ignores_presentation_but_not_measurement():
+    a = build_plan(wl(), INFOS).fingerprint()
+    assert build_plan(wl(psnr_gate=40.0, name="other"), INFOS).fingerprint() == a
+    assert build_plan(wl(steps=5), INFOS).fingerprint() != a
+    assert build_plan(wl(), INFOS, skip=["c"]).fingerprint() != a
+
+
+def test_estimate_counts_processes_and_generations():
+    plan = build_plan(wl(warmup=2, repeats=3, seeds=[1, 2]), INFOS)  # 6 configurations
+    e = estimate(plan)
+    assert (e.processes, e.measured, e.generations) == (6, 6 * 3 * 2, 6 * 2 + 36)
+    per_round = build_plan(wl(warmup=2, repeats=3, seeds=[1, 2], schedule="per-round"), INFOS)
+    e2 = estimate(per_round)
+    assert e2.processes == 18 and e2.generations == 18 * 2 + 36 and e2.seconds > e.seconds
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# statistics
+# ----------------------------------------------------------------------------------------------------------------
+def records(plan, times: dict[str, list[list[float]]]) -> list[dict]:
+    """times[config][round] = one total per sample, in plan.samples order."""
+    out = []
+    for cid, rounds in times.items():
+        for r, vals in enumerate(rounds):
+            for (p, s), v in zip(plan.samples, vals, strict=True):
+                out.append({"type": "sample", "config": cid, "round": r, "prompt": p, "seed": s, "warmup": False,
+                            "total_ms": v, "stages_ms": {"denoise": v * 0.5}})
+    return out
+
+
+def test_round_statistic_median_resists_a_stray_spike_and_mean_does_not():
+    plan = build_plan(wl(seeds=[1, 2, 3], repeats=1), INFOS)
+    recs = records(plan, {"stock": [[100.0, 101.0, 900.0]]})
+    assert stats.round_means(plan, recs)["stock"][0]["total"] == 101.0
+    plan_mean = build_plan(wl(seeds=[1, 2, 3], repeats=1, round_stat="mean"), INFOS)
+    assert stats.round_means(plan_mean, recs)["stock"][0]["total"] == pytest.approx(367.0)
+    # an incomplete round does not count
+    assert "stock" not in stats.round_means(plan, recs[:2])
+
+
+def test_pair_noise_floor_labels_and_sign_flips():
+    means = {
+        "full": {0: {"total": 100.0}, 1: {"total": 102.0}, 2: {"total": 101.0}},
+        "full_ctrl": {0: {"total": 101.0}, 1: {"total": 100.0}, 2: {"total": 101.5}},
+        "loo_a": {0: {"total": 110.0}, 1: {"total": 111.0}, 2: {"total": 112.0}},  # clear gain
+        "loo_b": {0: {"total": 101.5}, 1: {"total": 103.5}, 2: {"total": 102.5}},  # +1.5 each: inside noise
+        "loo_c": {0: {"total": 90.0}, 1: {"total": 92.0}, 2: {"total": 91.0}},  # clear regression
+        "loo_d": {0: {"total": 110.0}, 1: {"total": 95.0}, 2: {"total": 120.0}},  # big mean, flips sign
+    }
+    nf = stats.noise_floor(means)
+    assert nf["ms"] == pytest.approx(2.0) and nf["per_round_ms"] == [1.0, -2.0, 0.5]
+    res = {}
+    for k in ("loo_a", "loo_b", "loo_c", "loo_d"):
+        p = stats.pair(means, k, "full")
+        res[k] = (stats.direction(p["per_round_ms"]), stats.label(p["per_round_ms"], p["mean_ms"], nf["ms"]))
+    assert res == {
+        "loo_a": ("consistent", "gain"),
+        "loo_b": ("consistent", "within noise"),
+        "loo_c": ("consistent", "regression"),
+        "loo_d": ("flips", "within noise"),
+    }
+    p = stats.pair(means, "loo_a", "full")
+    assert p["per_round_ms"] == [10.0, 9.0, 11.0] and p["mean_ms"] == 10.0 and p["std_ms"] == pytest.approx(1.0)
+    assert stats.label([], None, 1.0) == "not measured"
+    assert stats.label([5.0], 5.0, None) == "no noise floor"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# equivalence
+# ----------------------------------------------------------------------------------------------------------------
+def _img(seed=0, amp=0.0):
+    rng = np.random.default_rng(seed)
+    base = np.tanh(rng.standard_normal((3, 32, 32))).astype(np.float32)
+    if amp:
+        base = np.clip(base + amp * np.random.default_rng(99).standard_normal(base.shape), -1, 1).astype(np.float32)
+    return compare.StoredImage(compare.to_uint8(base), base)
+
+
+def test_compare_identical_images_have_infinite_psnr_and_pass_both_classes():
+    m = compare.compare(_img(), _img())
+    assert m["pixel_identical"] and m["bitwise_identical"] and m["ssim"] == 1.0 and math.isinf(m["psnr_db"])
+    agg = compare.aggregate({"s": m})
+    assert compare.gate(agg, "exact", 0.99, 35)["passed"]
+    assert compare.gate(agg, "close", 0.99, 35)["passed"]
+
+
+def test_gates_on_small_and_large_perturbations():
+    small = compare.aggregate({"s": compare.compare(_img(), _img(amp=0.004))})
+    big = compare.aggregate({"s": compare.compare(_img(), _img(amp=0.2))})
+    assert not small["pixel_identical"] or small["max_abs_diff"] > 0
+    assert compare.gate(small, "close", 0.99, 35)["passed"] is True
+    assert compare.gate(big, "close", 0.99, 35)["passed"] is False
+    assert compare.gate(big, "exact", 0.99, 35)["passed"] is False
+    assert "SSIM" in compare.gate(big, "close", 0.99, 35)["why"]
+    # uint8-only images (the Omni engine returns PIL images): no float output, basis uint8
+    u = compare.compare(compare.StoredImage(_img().uint8, None), compare.StoredImage(_img(amp=0.2).uint8, None))
+    assert u["basis"] == "uint8" and u["bitwise_identical"] is None and u["psnr_db"] < 35
+    assert compare.gate({}, "exact", 0.99, 35)["passed"] is None
+
+
+def _verdict(plan, *, full_saved=10.0, noise=1.0, opt_label="gain", gate_ok=True, status="ok", busy=False):
+    configs = [{"id": "full", "status": status, "error": "boom" if status == "failed" else None,
+                "rounds_complete": [0, 1, 2], "vs_stock": None, "vs_full": None}]
+    chk = {"gate": {"class": "exact", "passed": gate_ok, "why": "pixel-identical" if gate_ok else "differs"}}
+    opts = [{"name": "a", "equivalence": "exact", "label": opt_label, "equivalence_check": chk,
+             "saved_ms": {"mean": 3.0, "std": 0.1, "per_round": [3.0]}, "saved_pct_of_stock": 3.0}]
+    fvs = {"saved_ms": {"mean": full_saved, "std": 0.5, "per_round": [full_saved] * 3},
+           "saved_pct_of_stock": full_saved, "label": stats.label([full_saved] * 3, full_saved, noise)}
+    nf = {"ms": noise}
+    load = {"load1_max": 9.0, "cpu_count": 2}
+    return stats.decide(plan, configs, opts, fvs, nf, busy=busy, load=load)
+
+
+def test_exit_codes():
+    plan = build_plan(wl(min_improvement_pct=1.0), INFOS)
+    assert _verdict(plan)["result"] == "PASS" and _verdict(plan)["exit_code"] == 0
+    v = _verdict(plan, gate_ok=False)
+    assert v["result"] == "FAIL" and v["exit_code"] == 1 and "gate failed" in v["reasons"][0]
+    assert _verdict(plan, opt_label="regression")["result"] == "FAIL"
+    assert _verdict(plan, status="failed")["result"] == "FAIL"
+    v = _verdict(plan, full_saved=0.5, noise=1.0)  # inside the noise floor
+    assert v["result"] == "INCONCLUSIVE" and v["exit_code"] == 2 and "within noise" in v["reasons"][0]
+    v = _verdict(plan, full_saved=0.5, noise=0.1)  # a real gain, but below --min-improvement-pct
+    assert v["result"] == "FAIL" and "less than --min-improvement-pct" in v["reasons"][0]
+    v = _verdict(plan, full_saved=-5.0, noise=1.0)
+    assert v["result"] == "FAIL" and "slower than stock" in v["reasons"][0]
+    # measured on a busy machine: timing failures are not trusted, gate failures still are
+    v = _verdict(plan, full_saved=-5.0, noise=1.0, busy=True)
+    assert v["result"] == "INCONCLUSIVE" and "busy" in v["reasons"][0]
+    assert _verdict(plan, gate_ok=False, busy=True)["result"] == "FAIL"
+    assert _verdict(plan, busy=True)["result"] == "PASS"
+
+
+def test_machine_load_summary():
+    recs = [{"type": "sample", "warmup": False, "total_ms": 20.0, "cpu_ms": 10.0, "load1": x} for x in (0.5, 3.5)]
+    m = stats.machine_load(recs, cpu_count=2)
+    assert m["busy"] and m["load1_max"] == 3.5 and m["wall_over_cpu_median"] == 2.0
+    assert not stats.machine_load(recs[:1], cpu_count=2)["busy"]
