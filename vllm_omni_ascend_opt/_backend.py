@@ -42,12 +42,12 @@ def _probe() -> tuple[ModuleType | None, str]:
             mod = importlib.import_module("torch_npu")
         except ImportError as exc:
             return None, f"torch_npu is not installed ({exc.__class__.__name__}: {exc})"
-        except Exception as exc:  # noqa: BLE001 - a broken CANN install raises all sorts of errors
+        except Exception as exc:  # a broken CANN install raises all sorts of errors
             return None, f"torch_npu failed to import: {exc!r}"
     npu = getattr(torch, "npu", None)
     try:
         available = bool(npu is not None and npu.is_available() and npu.device_count() > 0)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return None, f"torch.npu.is_available() failed: {exc!r}"
     if not available:
         return None, "torch_npu is importable but no NPU device is visible"
