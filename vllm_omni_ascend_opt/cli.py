@@ -49,6 +49,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print(textwrap.fill(note, 110, initial_indent="    note: ", subsequent_indent="          "))
         modes = [f"{m}={'yes' if v == 'supported' else 'no'}" for m, v in r["parallel_support"].items()]
         print("    parallel: " + ", ".join(modes))
+        for m, v in r["parallel_support"].items():
+            if v != "supported":  # "off: <reason>"
+                why = v.split(":", 1)[1].strip() if v.startswith("off:") else v
+                print(textwrap.fill(f"{m}: {why}", 110, initial_indent="    off in ", subsequent_indent="          "))
     return 1 if _plugin.config_error() else 0
 
 

@@ -80,6 +80,20 @@ class Job:
         return self.tag or f"{self.spec}@{self.height}x{self.width}"
 
 
+@dataclass(frozen=True)
+class ModeRun:
+    """One parallel mode in a spawn: its jobs, in order, on a pipeline built in ``dtype``."""
+
+    mode: str
+    jobs: tuple[Job, ...]
+    dtype: str = "float32"
+    label: str = ""
+
+    @property
+    def key(self) -> str:
+        return self.label or (self.mode if self.dtype == "float32" else f"{self.mode}@{self.dtype}")
+
+
 @dataclass
 class JobReport:
     """What one rank saw while running one :class:`Job`."""
@@ -139,6 +153,7 @@ class ParallelRun:
     mode: str
     world_size: int
     ranks: list[RankReport]
+    dtype: str
     #: Wall-clock seconds of the whole spawn (shared by every mode it ran).
     wall_s: float
 
@@ -152,13 +167,14 @@ class ParallelRun:
 # ----------------------------------------------------------------------------------------------------------------
 # parent side
 # ----------------------------------------------------------------------------------------------------------------
-def run_parallel(mode: str, jobs: list[Job], **kwargs: Any) -> ParallelRun:
+def run_parallel(mode: str, jobs: list[Job], *, dtype: str = "float32", **kwargs: Any) -> ParallelRun:
     """Run ``jobs`` in ``mode`` (a key of :data:`MODES`) on fresh worker processes; see :func:`run_parallel_modes`."""
-    return run_parallel_modes({mode: jobs}, **kwargs)[mode]
+    run = ModeRun(mode, tuple(jobs), dtype)
+    return run_parallel_modes([run], **kwargs)[run.key]
 
 
 def run_parallel_modes(
-    plan: dict[str, list[Job]],
+    plan: list[ModeRun],
     *,
     model_dir: str | os.PathLike | None = None,
     initial_spec: str = "default",
@@ -167,7 +183,8 @@ def run_parallel_modes(
     pythonpath: list[str] | None = None,
     env: dict[str, str] | None = None,
 ) -> dict[str, ParallelRun]:
-    """Run each mode's jobs, mode after mode, in the same fresh worker processes; return each mode's reports.
+    """Run each :class:`ModeRun`, one after the other, in the same fresh worker processes; return the reports by
+    :attr:`ModeRun.key`.
 
     Per mode the workers set up vLLM-Omni's groups (a new free port), select ``initial_spec`` and build the pipeline,
     run the jobs, then tear the groups down; vLLM-Omni is imported once per spawn, which is most of a mode's cost.
@@ -180,17 +197,20 @@ def run_parallel_modes(
     from vllm_omni_ascend_opt.testbed.runtime import free_port
     from vllm_omni_ascend_opt.testbed.tiny_model import build_model_dir
 
-    for mode in plan:
-        if mode not in MODES:
-            raise ValueError(f"unknown parallel mode {mode!r}; valid: {', '.join(MODES)}")
-    sizes = {MODES[m][1] for m in plan}
-    if len(sizes) != 1:
-        raise ValueError(f"modes of one spawn must share a world size: {[(m, MODES[m][1]) for m in plan]}")
-    (world_size,) = sizes
-    for mode, jobs in plan.items():
-        keys = [j.key for j in jobs]
+    for run in plan:
+        if run.mode not in MODES:
+            raise ValueError(f"unknown parallel mode {run.mode!r}; valid: {', '.join(MODES)}")
+        if not isinstance(getattr(torch, run.dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {run.dtype!r}")
+        keys = [j.key for j in run.jobs]
         if len(set(keys)) != len(keys):
-            raise ValueError(f"{mode}: job keys must be unique: {keys}")
+            raise ValueError(f"{run.key}: job keys must be unique: {keys}")
+    if len({r.key for r in plan}) != len(plan):
+        raise ValueError(f"mode runs need distinct keys: {[r.key for r in plan]}")
+    sizes = {MODES[r.mode][1] for r in plan}
+    if len(sizes) != 1:
+        raise ValueError(f"modes of one spawn must share a world size: {[(r.mode, MODES[r.mode][1]) for r in plan]}")
+    (world_size,) = sizes
     model_dir = str(model_dir or build_model_dir())
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ascend-opt-parallel-") as tmp:
@@ -198,12 +218,13 @@ def run_parallel_modes(
         cfg = {
             "runs": [
                 {
-                    "mode": mode,
-                    "parallel": MODES[mode][0],
+                    "mode": run.mode,
+                    "dtype": run.dtype,
+                    "parallel": MODES[run.mode][0],
                     "init_method": f"tcp://127.0.0.1:{free_port()}",
-                    "jobs": [dataclasses.asdict(j) for j in jobs],
+                    "jobs": [dataclasses.asdict(j) for j in run.jobs],
                 }
-                for mode, jobs in plan.items()
+                for run in plan
             ],
             "world_size": world_size,
             "model_dir": model_dir,
@@ -254,8 +275,14 @@ def run_parallel_modes(
                 log.close()
     wall = time.monotonic() - t0
     return {
-        mode: ParallelRun(mode=mode, world_size=world_size, ranks=[reports[i] for reports in per_rank], wall_s=wall)
-        for i, mode in enumerate(plan)
+        run.key: ParallelRun(
+            mode=run.mode,
+            world_size=world_size,
+            ranks=[reports[i] for reports in per_rank],
+            dtype=run.dtype,
+            wall_s=wall,
+        )
+        for i, run in enumerate(plan)
     }
 
 
@@ -477,6 +504,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
         rank=rank,
         world_size=cfg["world_size"],
         init_method=run["init_method"],
+        dtype=getattr(torch, run["dtype"]),
     )
     t1 = time.perf_counter()
     pipe = load_pipeline(rt)
@@ -517,6 +545,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
             finally:
                 pc.mask_sp_padding = mask_before
             wall = (time.perf_counter() - t) * 1e3
+            facts = _job_facts(pipe)  # before the after-hook, which may change the selection
             extra = _plain(_call_hook(job.after, rank))
             jobs.append(
                 JobReport(
@@ -526,7 +555,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
                     wall_ms=wall,
                     stage_ms=res.stage_ms,
                     extra=extra,
-                    **_job_facts(pipe),
+                    **facts,
                 )
             )
     finally:

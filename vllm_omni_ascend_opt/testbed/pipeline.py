@@ -28,7 +28,19 @@ def load_pipeline(rt: Runtime, device: str | torch.device = "cpu") -> Any:
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=rt.od_config)
         pipe = loader.load_model(load_device=str(device), device=device)
     pipe.eval()
+    _match_text_encoder_dtype(pipe, rt.od_config.dtype)
     return pipe
+
+
+def _match_text_encoder_dtype(pipe: Any, dtype: torch.dtype) -> None:
+    """vLLM-Omni loads the text encoder in its stored dtype (bf16 in the real checkpoint) and makes the latents in
+    that dtype; the test bed stores it in fp32, which breaks a 16-bit run at the transformer's first linear. Cast it
+    to the run's 16-bit dtype, as the real checkpoint would be. fp32 runs are unchanged."""
+    te = getattr(pipe, "text_encoder", None)
+    if te is None or dtype not in (torch.float16, torch.bfloat16):
+        return
+    if next(te.parameters()).dtype == torch.float32:
+        te.to(dtype)
 
 
 def make_request(
