@@ -70,9 +70,24 @@ def main() -> int:
         out.write(json.dumps(obj) + "\n")
         out.flush()
 
-    send({"event": "ready", "protocol": 1, "pid": os.getpid(), "load_s": 0.01, "active": opts,
-          "env": {"python": "3", "torch": "fake", "torch_npu": None, "vllm": "0.30.0", "vllm_omni": "0.30.0",
-                  "device": {"type": "cpu", "name": "fake"}, "flag": spec}})
+    send(
+        {
+            "event": "ready",
+            "protocol": 1,
+            "pid": os.getpid(),
+            "load_s": 0.01,
+            "active": opts,
+            "env": {
+                "python": "3",
+                "torch": "fake",
+                "torch_npu": None,
+                "vllm": "0.30.0",
+                "vllm_omni": "0.30.0",
+                "device": {"type": "cpu", "name": "fake"},
+                "flag": spec,
+            },
+        }
+    )
     n = 0
     base = float(fake.get("base_ms", 100.0))
     for line in sys.stdin:
@@ -85,8 +100,15 @@ def main() -> int:
         if fake.get("hang_run", {}).get(cid) == n:
             time.sleep(3600)
         if fake.get("error_run", {}).get(cid) == n:
-            send({"event": "error", "id": cmd["id"], "phase": "run", "error": "OutOfMemoryError: simulated",
-                  "traceback": "Traceback ...\nOutOfMemoryError: simulated"})
+            send(
+                {
+                    "event": "error",
+                    "id": cmd["id"],
+                    "phase": "run",
+                    "error": "OutOfMemoryError: simulated",
+                    "traceback": "Traceback ...\nOutOfMemoryError: simulated",
+                }
+            )
             continue
         if fake.get("sigint_parent", {}).get(cid) == n:
             os.kill(os.getppid(), signal.SIGINT)
@@ -104,9 +126,17 @@ def main() -> int:
             os.makedirs(os.path.dirname(cmd["save"]), exist_ok=True)
             np.save(cmd["save"] + ".npy", img)
             Image.fromarray(u8).save(cmd["save"] + ".png")
-        send({"event": "result", "id": cmd["id"], "total_ms": total, "cpu_ms": total,
-              "stages_ms": {"text_encode": 0.1 * total, "denoise": 0.6 * total, "vae_decode": 0.3 * total},
-              "sha256": hashlib.sha256(u8.tobytes()).hexdigest()[:16], "saved": bool(cmd.get("save"))})
+        send(
+            {
+                "event": "result",
+                "id": cmd["id"],
+                "total_ms": total,
+                "cpu_ms": total,
+                "stages_ms": {"text_encode": 0.1 * total, "denoise": 0.6 * total, "vae_decode": 0.3 * total},
+                "sha256": hashlib.sha256(u8.tobytes()).hexdigest()[:16],
+                "saved": bool(cmd.get("save")),
+            }
+        )
     send({"event": "bye"})
     return 0
 

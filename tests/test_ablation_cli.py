@@ -23,8 +23,26 @@ def test_plan_json_and_modes(capsys, tmp_path):
     names = [o.name for o in registry.all_optimizations() if not o.reasons_inactive()]
     if not names:
         pytest.skip("no optimization can be active on this machine")
-    assert main(["plan", "--json", "--mode", "single", "--only", names[0], "--repeats", "3", "--seeds", "1", "2",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--json",
+                "--mode",
+                "single",
+                "--only",
+                names[0],
+                "--repeats",
+                "3",
+                "--seeds",
+                "1",
+                "2",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert [c["id"] for c in doc["plan"]["configs"]] == ["stock", "full", "full_ctrl"]
     assert doc["plan"]["configs"][1]["spec"] == f"none,+{names[0]}"
@@ -79,8 +97,18 @@ def test_prompts_file_and_overrides_reach_the_workload(tmp_path):
     pf = tmp_path / "prompts.txt"
     pf.write_text("# a comment\na cat\n\na dog\n")
     args = build_parser().parse_args(
-        ["ablate", "--workload", "tiny-cpu", "--prompts-file", str(pf), "--steps", "3", "--quality-gates",
-         "ssim=0.95,psnr=30", "--no-enforce-eager"]
+        [
+            "ablate",
+            "--workload",
+            "tiny-cpu",
+            "--prompts-file",
+            str(pf),
+            "--steps",
+            "3",
+            "--quality-gates",
+            "ssim=0.95,psnr=30",
+            "--no-enforce-eager",
+        ]
     )
     wl = resolve_workload(args)
     assert wl.prompts == ["a cat", "a dog"] and wl.steps == 3 and (wl.ssim_gate, wl.psnr_gate) == (0.95, 30.0)

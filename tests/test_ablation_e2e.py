@@ -21,10 +21,37 @@ def test_tiny_leave_one_out_end_to_end(tmp_path, tiny_model_dir):
     exactly, one with a small image change. Five worker processes (stock, full, full minus each, the control)."""
     out = tmp_path / "out"
     env = dict(os.environ, ABLATION_TESTOPTS_DELAYS="1")
-    cmd = [sys.executable, "-m", "vllm_omni_ascend_opt.cli", "ablate", "--import", "tests.ablation_testopts",
-           "--only", "abl_test_fast,abl_test_close", "--seeds", "42", "43", "44", "--repeats", "2", "--warmup", "1",
-           "--height", "32", "--width", "32", "--steps", "2", "--threads", "1", "--start-jobs", "2",
-           "--out", str(out), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_omni_ascend_opt.cli",
+        "ablate",
+        "--import",
+        "tests.ablation_testopts",
+        "--only",
+        "abl_test_fast,abl_test_close",
+        "--seeds",
+        "42",
+        "43",
+        "44",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--steps",
+        "2",
+        "--threads",
+        "1",
+        "--start-jobs",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "verdict: PASS" in proc.stdout and str(out / "report.md") in proc.stdout
@@ -51,8 +78,9 @@ def test_tiny_leave_one_out_end_to_end(tmp_path, tiny_model_dir):
     env_info = res["environment"]
     assert env_info["vllm_omni"].startswith("0.30") and env_info["torch"] and env_info["device"]["type"] == "cpu"
     measured = [s for s in res["samples"] if not s["warmup"]]
-    assert len(measured) == 5 * 2 * 3 and all(set(s["stages_ms"]) == {"text_encode", "denoise", "vae_decode"}
-                                              for s in measured)
+    assert len(measured) == 5 * 2 * 3 and all(
+        set(s["stages_ms"]) == {"text_encode", "denoise", "vae_decode"} for s in measured
+    )
     for name in ("report.md", "ablation.png", "images/stock/p0_s42.png", "images/full/p0_s44.npy"):
         assert (out / name).is_file(), name
     assert "**Verdict: PASS**" in (out / "report.md").read_text()
@@ -80,21 +108,39 @@ def test_omni_engine_adapter_builds_vllm_omni_requests(monkeypatch):
         def generate(self, prompt, sampling_params_list=None, use_tqdm=True):
             calls["prompt"], calls["sp"], calls["use_tqdm"] = prompt, sampling_params_list, use_tqdm
             img = Image.new("RGB", (48, 32), (10, 200, 30))
-            durations = {"QwenImagePipeline.text_encoder.forward": 0.01, "QwenImagePipeline.diffuse": 2.5,
-                         "QwenImagePipeline.vae.decode": 0.3, "stage_0_gen_ms": 2900.0}
+            durations = {
+                "QwenImagePipeline.text_encoder.forward": 0.01,
+                "QwenImagePipeline.diffuse": 2.5,
+                "QwenImagePipeline.vae.decode": 0.3,
+                "stage_0_gen_ms": 2900.0,
+            }
             return [OmniRequestOutput.from_diffusion("r0", [img], stage_durations=durations)]
 
         def close(self):
             calls["closed"] = True
 
     monkeypatch.setitem(sys.modules, "vllm_omni.entrypoints.omni", types.SimpleNamespace(Omni=FakeOmni))
-    job = {"model": "Qwen/Qwen-Image", "model_path": None, "dtype": "bfloat16", "enforce_eager": True,
-           "height": 32, "width": 48, "steps": 8, "cfg_scale": 4.0, "negative_prompt": " ",
-           "max_sequence_length": 512, "omni_kwargs": {}}
+    job = {
+        "model": "Qwen/Qwen-Image",
+        "model_path": None,
+        "dtype": "bfloat16",
+        "enforce_eager": True,
+        "height": 32,
+        "width": 48,
+        "steps": 8,
+        "cfg_scale": 4.0,
+        "negative_prompt": " ",
+        "max_sequence_length": 512,
+        "omni_kwargs": {},
+    }
     eng = OmniEngine(job)
     eng.load()
-    assert calls["init"] == {"model": "Qwen/Qwen-Image", "dtype": "bfloat16", "enforce_eager": True,
-                             "enable_diffusion_pipeline_profiler": True}
+    assert calls["init"] == {
+        "model": "Qwen/Qwen-Image",
+        "dtype": "bfloat16",
+        "enforce_eager": True,
+        "enable_diffusion_pipeline_profiler": True,
+    }
     gen = eng.generate("a cat", 43)
     sp = calls["sp"][0]
     assert (sp.height, sp.width, sp.num_inference_steps, sp.seed, sp.true_cfg_scale) == (32, 48, 8, 43, 4.0)

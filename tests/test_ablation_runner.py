@@ -11,7 +11,7 @@ import pytest
 
 from vllm_omni_ascend_opt.ablation import report, stats
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
-from vllm_omni_ascend_opt.ablation.runner import Runner, RunError
+from vllm_omni_ascend_opt.ablation.runner import RunError, Runner
 from vllm_omni_ascend_opt.ablation.schema import validate
 from vllm_omni_ascend_opt.ablation.workload import from_mapping
 
@@ -20,8 +20,9 @@ INFOS = [OptInfo("a", "exact"), OptInfo("b", "close"), OptInfo("off", "exact", r
 
 
 def make_plan(**kw):
-    base = dict(seeds=[1, 2], repeats=2, warmup=1, height=16, width=16, start_jobs=3, timeout_s=20.0,
-                start_timeout_s=30.0)
+    base = dict(
+        seeds=[1, 2], repeats=2, warmup=1, height=16, width=16, start_jobs=3, timeout_s=20.0, start_timeout_s=30.0
+    )
     base.update(kw)
     return build_plan(from_mapping(base).validate(), INFOS)
 
@@ -46,7 +47,7 @@ GOOD = {"base_ms": 100.0, "saves_ms": {"a": 10.0, "b": 5.0}, "ctrl_offset_ms": 0
 def test_a_clean_run_passes_and_writes_valid_reports(tmp_path, monkeypatch, schedule):
     plan = make_plan(schedule=schedule)
     log = tmp_path / "starts.log"
-    data, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "starts_log": str(log)})
+    _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "starts_log": str(log)})
     out = tmp_path / "out"
     # one fresh process per configuration (resident) or per configuration and round (per-round)
     assert sorted(starts(log)) == sorted([c.id for c in plan.configs] * (1 if schedule == "resident" else 2))
@@ -106,7 +107,7 @@ def test_broken_exact_optimization_fails_its_gate(tmp_path, monkeypatch):
 )
 def test_a_failing_configuration_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, fault, expect):
     plan = make_plan(timeout_s=2.0)
-    data, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, **fault})
+    _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, **fault})
     bad = next(c for c in res["configs"] if c["id"] == "loo_a")
     assert bad["status"] == "failed" and expect in bad["error"]
     assert [f["config"] for f in res["failures"]] == ["loo_a"]

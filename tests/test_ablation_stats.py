@@ -53,7 +53,7 @@ def test_workload_lookup_prefers_local_ablations_dir(tmp_path, monkeypatch):
     (tmp_path / "ablations" / "tiny-cpu.json").write_text(json.dumps({"steps": 3, "seeds": [7]}))
     got = load_workload("tiny-cpu")
     assert got.steps == 3 and got.seeds == [7]
-    with pytest.raises(WorkloadError, match="no workload named 'nope'.*tiny-cpu"):
+    with pytest.raises(WorkloadError, match=r"no workload named 'nope'.*tiny-cpu"):
         load_workload("nope")
 
 
@@ -124,7 +124,7 @@ def test_only_skip_stack_and_bad_names():
     assert plan.stack == ["a", "c", "approx"] and plan.skipped["b"] == ["excluded by --skip"]
     plan = build_plan(wl(), INFOS, only=["approx"])  # named explicitly: takes part although default-off
     assert plan.stack == ["approx"]
-    with pytest.raises(WorkloadError, match="unknown optimization 'zz'.*valid names: a, b, c"):
+    with pytest.raises(WorkloadError, match=r"unknown optimization 'zz'.*valid names: a, b, c"):
         build_plan(wl(), INFOS, only=["zz"])
     with pytest.raises(WorkloadError, match="cannot take part"):
         build_plan(wl(mode="cumulative"), INFOS, order=["npu_only"])
@@ -157,8 +157,18 @@ def records(plan, times: dict[str, list[list[float]]]) -> list[dict]:
     for cid, rounds in times.items():
         for r, vals in enumerate(rounds):
             for (p, s), v in zip(plan.samples, vals, strict=True):
-                out.append({"type": "sample", "config": cid, "round": r, "prompt": p, "seed": s, "warmup": False,
-                            "total_ms": v, "stages_ms": {"denoise": v * 0.5}})
+                out.append(
+                    {
+                        "type": "sample",
+                        "config": cid,
+                        "round": r,
+                        "prompt": p,
+                        "seed": s,
+                        "warmup": False,
+                        "total_ms": v,
+                        "stages_ms": {"denoise": v * 0.5},
+                    }
+                )
     return out
 
 
@@ -233,13 +243,32 @@ def test_gates_on_small_and_large_perturbations():
 
 
 def _verdict(plan, *, full_saved=10.0, noise=1.0, opt_label="gain", gate_ok=True, status="ok", busy=False):
-    configs = [{"id": "full", "status": status, "error": "boom" if status == "failed" else None,
-                "rounds_complete": [0, 1, 2], "vs_stock": None, "vs_full": None}]
+    configs = [
+        {
+            "id": "full",
+            "status": status,
+            "error": "boom" if status == "failed" else None,
+            "rounds_complete": [0, 1, 2],
+            "vs_stock": None,
+            "vs_full": None,
+        }
+    ]
     chk = {"gate": {"class": "exact", "passed": gate_ok, "why": "pixel-identical" if gate_ok else "differs"}}
-    opts = [{"name": "a", "equivalence": "exact", "label": opt_label, "equivalence_check": chk,
-             "saved_ms": {"mean": 3.0, "std": 0.1, "per_round": [3.0]}, "saved_pct_of_stock": 3.0}]
-    fvs = {"saved_ms": {"mean": full_saved, "std": 0.5, "per_round": [full_saved] * 3},
-           "saved_pct_of_stock": full_saved, "label": stats.label([full_saved] * 3, full_saved, noise)}
+    opts = [
+        {
+            "name": "a",
+            "equivalence": "exact",
+            "label": opt_label,
+            "equivalence_check": chk,
+            "saved_ms": {"mean": 3.0, "std": 0.1, "per_round": [3.0]},
+            "saved_pct_of_stock": 3.0,
+        }
+    ]
+    fvs = {
+        "saved_ms": {"mean": full_saved, "std": 0.5, "per_round": [full_saved] * 3},
+        "saved_pct_of_stock": full_saved,
+        "label": stats.label([full_saved] * 3, full_saved, noise),
+    }
     nf = {"ms": noise}
     load = {"load1_max": 9.0, "cpu_count": 2}
     return stats.decide(plan, configs, opts, fvs, nf, busy=busy, load=load)

@@ -78,15 +78,17 @@ class OutDir:
         """Create/lock the directory. Returns True when earlier measurements of the same plan are there."""
         if self.root.exists() and not self.root.is_dir():
             raise RunError(f"--out {self.root} exists and is not a directory")
-        if fresh and self.root.is_dir():
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock()  # before --fresh removes anything: never under a live run's feet
+        if fresh:
             for name in OWNED:
                 p = self.root / name
+                if name == ".lock":
+                    continue
                 if p.is_dir():
                     shutil.rmtree(p)
                 elif p.exists():
                     p.unlink()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._lock()
         if self.plan_json.is_file():
             try:
                 old = json.loads(self.plan_json.read_text()).get("fingerprint")
