@@ -271,6 +271,10 @@ def check_exactness(patches: list[Path], workdir: Path, parallel: int = 2) -> li
     verdicts: list[Verdict] = []
     trees: dict[Path, Path] = {}
     for p in patches:
+        why = registry.get(optimization_of(p)).reasons_inactive()  # e.g. NPU-only: no process is started for it
+        if why:
+            verdicts.append(Verdict(p, "skip", f"{optimization_of(p)} cannot be active here: {'; '.join(why)}"))
+            continue
         tree = workdir / p.stem
         if not (tree / "vllm_omni").exists():
             pristine_tree(tree)
