@@ -282,6 +282,8 @@ def _print_plan(plan: Any, est: Any | None = None) -> None:
         print("\n  not in this run:")
         for n, why in plan.skipped.items():
             print(textwrap.fill("; ".join(why), 110, initial_indent=f"    {n:<18} ", subsequent_indent=" " * 23))
+    for note in plan.notes:
+        print(textwrap.fill(note, 110, initial_indent="\n  note: ", subsequent_indent="        "))
     if est is not None:
         print(
             f"\n  {len(plan.configs)} configurations, {est.processes} worker processes, {est.generations} "

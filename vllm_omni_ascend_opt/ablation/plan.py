@@ -81,6 +81,8 @@ class Plan:
     schedule: str
     model_path: str | None = None
     extra_imports: list[str] = field(default_factory=list)
+    #: Things a person should know before running (printed by ``plan`` and ``ablate``, kept in plan.json).
+    notes: list[str] = field(default_factory=list)
 
     def config(self, cid: str) -> Config:
         for c in self.configs:
@@ -144,6 +146,7 @@ class Plan:
             ],
             "comparisons": [{"opt": c.opt, "with": c.with_, "without": c.without} for c in self.comparisons],
             "imports": list(self.extra_imports),
+            "notes": list(self.notes),
             "fingerprint": self.fingerprint(),
         }
 
@@ -242,9 +245,15 @@ def build_plan(
         # The control: deliberately a duplicate of the full stack, in its own process.
         configs.append(Config("full_ctrl", "full stack (control)", full, "control"))
 
+    notes = []
     eng = engine or workload.engine
     if eng == "auto":
         eng = "testbed" if workload.is_tiny else ("omni" if _accelerator_visible() else "testbed")
+        if eng == "testbed" and not workload.is_tiny:
+            notes.append(
+                "no accelerator is visible: this checkpoint would run on CPU in the test-bed engine (vLLM-Omni's "
+                "Omni engine needs an accelerator platform)"
+            )
     sched = schedule or workload.schedule
     if sched == "auto":
         sched = "resident" if workload.is_tiny else "per-round"
@@ -263,6 +272,7 @@ def build_plan(
         engine=eng,
         schedule=sched,
         extra_imports=list(extra_imports or []),
+        notes=notes,
     )
 
 
