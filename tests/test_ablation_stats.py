@@ -299,3 +299,15 @@ def test_machine_load_summary():
     m = stats.machine_load(recs, cpu_count=2)
     assert m["busy"] and m["load1_max"] == 3.5 and m["wall_over_cpu_median"] == 2.0
     assert not stats.machine_load(recs[:1], cpu_count=2)["busy"]
+
+
+def test_local_metrics_fallback_matches_the_project_metrics(monkeypatch):
+    """compare.compare uses vllm_omni_ascend_opt.metrics when it is there, and an identical computation if not."""
+    pairs = [(_img(), _img()), (_img(), _img(amp=0.01)), (_img(), _img(amp=0.3))]
+    with_metrics = [compare.compare(a, b) for a, b in pairs]
+    monkeypatch.setitem(__import__("sys").modules, "vllm_omni_ascend_opt.metrics", None)  # import now fails
+    fallback = [compare.compare(a, b) for a, b in pairs]
+    for x, y in zip(with_metrics, fallback, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k] == pytest.approx(y[k], rel=1e-6), k
