@@ -328,7 +328,6 @@ def test_default_is_bitwise_none_in_the_same_mode(run):
     """Including after other resolutions ran in the same processes (a stale cache would show here). With the
     torch_npu double (bf16): the exact optimizations stay bitwise. Where close ones act (``all``; NPU paths through
     the double), the image stays within PSNR 35 dB of stock."""
-    known = []
     for r in run.ranks:
         for j in r.jobs:
             if j.job.spec == "none":
@@ -347,18 +346,7 @@ def test_default_is_bitwise_none_in_the_same_mode(run):
             if torch.equal(j.images, ref):
                 continue
             diff = (j.images - ref).abs().max().item()
-            if j.job.tag.startswith("npu:") and "rope" in j.acting and (j.extra or {}).get("npu_rotary_mul"):
-                # Known and not parallel-specific: rope accepts npu_rotary_mul within its verification tolerance
-                # (bitwise only with Rope.require_bitwise_kernel); a single process shows the same.
-                assert _psnr(j.images, ref) >= 35.0, where
-                known.append(f"{j.job.tag} {diff:.2e}")
-                continue
             raise AssertionError(f"{where} differs from none by {diff:.3e}")
-    if known:
-        pytest.xfail(
-            f"{run.mode}@{run.dtype}: rope (exact) with npu_rotary_mul through the torch_npu double is not bitwise "
-            f"vs stock in bf16 (single process too): {', '.join(sorted(set(known)))}"
-        )
 
 
 def test_the_torch_npu_double_changes_no_stock_path(run):

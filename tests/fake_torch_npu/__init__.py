@@ -15,7 +15,7 @@ Sources are abbreviated: [OP-ROT] Ascend/op-plugin docs ``torch_npu-npu_rotary_m
 
 ``install(monkeypatch, **variants)`` puts the fake in ``sys.modules['torch_npu']`` and a matching ``torch.npu``
 namespace, and resets the plugin's backend probe. ``variants`` swap in deliberately wrong kernels (e.g.
-``rotary="half_pairing"``) to prove that the plugin's on-device verification refuses them.
+``rotary_mul="half_pairing"``) to prove that the plugin's on-device verification refuses them.
 """
 
 from __future__ import annotations
