@@ -46,10 +46,9 @@ Removal plan: drop when vLLM-Omni builds cos/sin once per forward for Qwen-Image
 
 from __future__ import annotations
 
-import os
-
 import logging
 import math
+import os
 import sys
 import weakref
 from collections import Counter, OrderedDict
