@@ -73,6 +73,13 @@ def header_fields(patch: Path) -> dict[str, str]:
     return fields
 
 
+def enable_env(patch: Path) -> dict[str, str]:
+    """Environment a patch's code needs to be switched on (optional header field ``Enable: NAME=VALUE ...``, for
+    opt-in patches such as approximate ones); the exactness run sets it for that patch's upstream process."""
+    text = header_fields(patch).get("Enable", "")
+    return dict(tok.split("=", 1) for tok in text.split() if re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S+", tok))
+
+
 def missing_fields(patch: Path) -> list[str]:
     """Required header fields that are absent or empty."""
     fields = header_fields(patch)
@@ -201,13 +208,14 @@ class Job:
     tree: Path | None
     specs: list[str]
     out: Path
+    env: dict[str, str] = field(default_factory=dict)
     proc: Any = None
     result: dict[str, Any] = field(default_factory=dict)
     error: str = ""
 
 
 def _start(job: Job, threads: int) -> None:
-    env = {**os.environ, "VLLM_OMNI_ASCEND_OPT": "none", "CHECK_THREADS": str(threads)}
+    env = {**os.environ, **job.env, "VLLM_OMNI_ASCEND_OPT": "none", "CHECK_THREADS": str(threads)}
     if job.tree is not None:
         root = str(job.tree / "vllm_omni")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(job.tree), str(REPO), env.get("PYTHONPATH", "")) if p)
@@ -285,7 +293,7 @@ def check_exactness(patches: list[Path], workdir: Path, parallel: int = 2) -> li
         trees[p] = tree
     names = [optimization_of(p) for p in trees]
     plugin = Job(None, ["none", *(f"none,+{n}" for n in names)], workdir / "plugin.pt")
-    upstream = {p: Job(t, ["none"], workdir / f"{p.stem}-upstream.pt") for p, t in trees.items()}
+    upstream = {p: Job(t, ["none"], workdir / f"{p.stem}-upstream.pt", enable_env(p)) for p, t in trees.items()}
     run_jobs([plugin, *upstream.values()], parallel=parallel)
     if plugin.error:
         return [*verdicts, *(Verdict(p, "FAIL", f"plugin run failed: {plugin.error}") for p in trees)]
