@@ -30,8 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -345,7 +344,6 @@ class RunData:
     resumed: bool = False
     interrupted: bool = False
     wall_s: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
 
 class _Progress:
@@ -648,9 +646,3 @@ class Runner:
                         w.stop()
         finally:
             prog.close()
-
-
-def iter_samples(records: list[dict[str, Any]], warmup: bool = False) -> Iterator[dict[str, Any]]:
-    for r in records:
-        if r.get("type") == "sample" and bool(r.get("warmup")) == warmup:
-            yield r
