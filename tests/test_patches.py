@@ -71,6 +71,9 @@ def test_header_field_parser_catches_missing_fields(tmp_path):
     p.write_text("What: a\nWhy: b\n  continued\nHow:\ndiff --git a/x b/x\nRisks: after the diff line\n")
     assert check.header_fields(p)["Why"] == "b continued"
     assert check.missing_fields(p) == ["How", "Equivalence", "Measured effect", "Risks", "Removal plan"]
+    q = tmp_path / "0002-y.patch"
+    q.write_text("Enable: FOO_BAR=1 (opt-in) lower=2\ndiff --git a/x b/x\n")
+    assert check.enable_env(q) == {"FOO_BAR": "1"}
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
