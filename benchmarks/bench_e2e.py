@@ -114,7 +114,7 @@ def child(args: argparse.Namespace) -> None:
         else:
             configs[f"+{opt.name}"] = f"none,+{opt.name}"
 
-    def run(spec_: str, h: int, w: int, seed: int):  # noqa: ANN202
+    def run(spec_: str, h: int, w: int, seed: int):
         api.select(spec_, model=pipe)
         _backend.synchronize(args.device)
         t = time.perf_counter()
@@ -132,7 +132,9 @@ def child(args: argparse.Namespace) -> None:
             run(s, h, w, 0)
             api.select(s, model=pipe)
             with count_module_calls(pipe.transformer) as calls, PeakMemory(args.device) as pm:
-                images[name] = generate(pipe, rt, "a red cat on a blue sofa", height=h, width=w, steps=steps, seed=1).images
+                images[name] = generate(
+                    pipe, rt, "a red cat on a blue sofa", height=h, width=w, steps=steps, seed=1
+                ).images
             ops[name] = calls[0].total if calls else 0
             peak[name] = pm.peak
         for r in range(repeats):  # interleaved: drift hits every configuration alike
@@ -160,8 +162,20 @@ def child(args: argparse.Namespace) -> None:
                 }
             )
     api.select("none", model=pipe)
-    print("BENCH_JSON " + json.dumps({"rows": rows, "skipped": skipped, "load_s": load_s, "steps": steps,
-                                      "repeats": repeats, "dtype": args.dtype, "device": args.device}))
+    print(
+        "BENCH_JSON "
+        + json.dumps(
+            {
+                "rows": rows,
+                "skipped": skipped,
+                "load_s": load_s,
+                "steps": steps,
+                "repeats": repeats,
+                "dtype": args.dtype,
+                "device": args.device,
+            }
+        )
+    )
 
 
 def main() -> int:
@@ -205,18 +219,26 @@ def main() -> int:
 def _print(results: list[dict]) -> None:
     import platform
 
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
+    print(
+        f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}"
+    )
     for res in results:
-        print(f"\n== {res['rows'][0]['model']} ({res['dtype']}, {res['device']}, {res['steps']} steps, "
-              f"{res['repeats']} interleaved repeats, load {res['load_s']:.1f} s excluded)")
-        hdr = (f"{'resolution':<10} {'config':<20} {'median ms':>10} {'min-max ms':>17} {'vs stock':>9} "
-               f"{'ops/step':>9} {'peak MB':>8}  identical")
+        print(
+            f"\n== {res['rows'][0]['model']} ({res['dtype']}, {res['device']}, {res['steps']} steps, "
+            f"{res['repeats']} interleaved repeats, load {res['load_s']:.1f} s excluded)"
+        )
+        hdr = (
+            f"{'resolution':<10} {'config':<20} {'median ms':>10} {'min-max ms':>17} {'vs stock':>9} "
+            f"{'ops/step':>9} {'peak MB':>8}  identical"
+        )
         print(hdr)
         print("-" * len(hdr))
         for r in res["rows"]:
-            print(f"{r['resolution']:<10} {r['config']:<20} {r['median_ms']:>10.1f} "
-                  f"{r['min_ms']:>8.1f}-{r['max_ms']:<8.1f} {r['ratio_vs_stock']:>8.3f}x {r['ops_per_step']:>9} "
-                  f"{r['peak_mem_mb']:>8.0f}  {'yes' if r['identical_to_stock'] else 'no'}")
+            print(
+                f"{r['resolution']:<10} {r['config']:<20} {r['median_ms']:>10.1f} "
+                f"{r['min_ms']:>8.1f}-{r['max_ms']:<8.1f} {r['ratio_vs_stock']:>8.3f}x {r['ops_per_step']:>9} "
+                f"{r['peak_mem_mb']:>8.0f}  {'yes' if r['identical_to_stock'] else 'no'}"
+            )
         for name, why in res["skipped"].items():
             print(f"  skipped {name}: {'; '.join(why)}")
 

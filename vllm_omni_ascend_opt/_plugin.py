@@ -47,10 +47,10 @@ class _NotifyingLoader(importlib.abc.Loader):
         self._inner = inner
         self._callback = callback
 
-    def create_module(self, spec):  # noqa: ANN001
+    def create_module(self, spec):
         return self._inner.create_module(spec)
 
-    def exec_module(self, module) -> None:  # noqa: ANN001
+    def exec_module(self, module) -> None:
         self._inner.exec_module(module)
         # The module is complete; mark it so before patching (importlib sets this after exec returns).
         spec = getattr(module, "__spec__", None)
@@ -70,7 +70,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         self.callback = callback
         self._busy: set[str] = set()
 
-    def find_spec(self, fullname, path, target=None):  # noqa: ANN001
+    def find_spec(self, fullname, path, target=None):
         if fullname not in self.watched or fullname in self._busy:
             return None
         self._busy.add(fullname)
@@ -102,7 +102,7 @@ def _watch(modules: Iterable[str]) -> None:
 def _on_import(name: str) -> None:
     try:
         install_ready()
-    except Exception:  # noqa: BLE001 - never break the user's import
+    except Exception:
         logger.exception("vllm-omni-ascend-opt: installing patches after importing %s failed", name)
 
 
@@ -158,7 +158,7 @@ def _install_core() -> None:
         return
     original = loader_cls.load_model
 
-    def load_model(self, *args, **kwargs):  # noqa: ANN001, ANN202
+    def load_model(self, *args, **kwargs):
         model = original(self, *args, **kwargs)
         attach_all(model)
         return model
@@ -167,7 +167,7 @@ def _install_core() -> None:
     _core.set(loader_cls, "load_model", load_model)
 
 
-def attach_all(model) -> list[str]:  # noqa: ANN001
+def attach_all(model) -> list[str]:
     """Attach every installed optimization to ``model`` (a pipeline or a transformer); returns what acted."""
     acted = []
     for opt in registry.all_optimizations():

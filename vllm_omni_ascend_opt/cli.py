@@ -41,8 +41,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print("-" * len(hdr))
     for r in rows:
         state = "active" if r["active"] else "inactive"
-        print(f"{r['name']:<18} {r['equivalence']:<6} {'on' if r['default'] else 'off':<8} {state:<9} "
-              f"{r['flag']['enable']} / {r['flag']['disable']}")
+        print(
+            f"{r['name']:<18} {r['equivalence']:<6} {'on' if r['default'] else 'off':<8} {state:<9} "
+            f"{r['flag']['enable']} / {r['flag']['disable']}"
+        )
         for why in r["reasons_inactive"]:
             print(textwrap.fill(why, 110, initial_indent="    why: ", subsequent_indent="         "))
         for note in r["notes"]:

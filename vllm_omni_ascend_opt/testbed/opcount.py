@@ -50,7 +50,7 @@ class OpCounter(TorchDispatchMode):
         self.counts: Counter[str] = Counter()
         self.enabled = True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.enabled and is_kernel_launch(func):
             self.counts[func._schema.name] += 1
         return func(*args, **(kwargs or {}))
@@ -75,12 +75,12 @@ def count_module_calls(module: torch.nn.Module) -> Iterator[list[OpCounter]]:
     results: list[OpCounter] = []
     active: list[OpCounter] = []
 
-    def pre(_m, _a, _k=None):  # noqa: ANN001, ANN202
+    def pre(_m, _a, _k=None):
         c = OpCounter()
         c.__enter__()
         active.append(c)
 
-    def post(_m, _a, _o, _k=None):  # noqa: ANN001, ANN202
+    def post(_m, _a, _o, _k=None):
         c = active.pop()
         c.__exit__(None, None, None)
         results.append(c)

@@ -64,10 +64,10 @@ def route_attention_to_sdpa_on_cpu() -> bool:
     if getattr(plat_cls, "_ascend_opt_cpu_routed", False):
         return True
 
-    def get_diffusion_attn_backend_cls(cls, selected_backend=None, head_size=0, **_: Any) -> str:  # noqa: ANN001
+    def get_diffusion_attn_backend_cls(cls, selected_backend=None, head_size=0, **_: Any) -> str:
         return "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
 
-    def forward(self, query, key, value, attn_metadata=None):  # noqa: ANN001, ANN202
+    def forward(self, query, key, value, attn_metadata=None):
         return self._forward_impl(query, key, value, attn_metadata)
 
     plat_cls.get_diffusion_attn_backend_cls = classmethod(get_diffusion_attn_backend_cls)
@@ -85,7 +85,7 @@ def route_ring_kernel_to_cpu() -> None:
         return
     original = ring_kernels._scaled_dot_product_efficient_attention
 
-    def eff(q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=False, scale=None):  # noqa: ANN001, ANN202
+    def eff(q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=False, scale=None):
         if q.device.type != "cpu":
             return original(q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
