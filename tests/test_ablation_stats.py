@@ -270,7 +270,7 @@ def _verdict(plan, *, full_saved=10.0, noise=1.0, opt_label="gain", gate_ok=True
         "label": stats.label([full_saved] * 3, full_saved, noise),
     }
     nf = {"ms": noise}
-    load = {"load1_max": 9.0, "cpu_count": 2}
+    load = {"load1_max": 9.0, "cpu_count": 2, "others_cpu_median": 1.5}
     return stats.decide(plan, configs, opts, fvs, nf, busy=busy, load=load)
 
 
@@ -295,19 +295,20 @@ def test_exit_codes():
 
 
 def test_machine_load_summary():
-    recs = [{"type": "sample", "warmup": False, "total_ms": 20.0, "cpu_ms": 10.0, "load1": x} for x in (0.5, 3.5)]
-    m = stats.machine_load(recs, cpu_count=2)
-    assert m["busy"] and m["load1_max"] == 3.5 and m["wall_over_cpu_median"] == 2.0
-    assert not stats.machine_load(recs[:1], cpu_count=2)["busy"]
-
-
-def test_local_metrics_fallback_matches_the_project_metrics(monkeypatch):
-    """compare.compare uses vllm_omni_ascend_opt.metrics when it is there, and an identical computation if not."""
-    pairs = [(_img(), _img()), (_img(), _img(amp=0.01)), (_img(), _img(amp=0.3))]
-    with_metrics = [compare.compare(a, b) for a, b in pairs]
-    monkeypatch.setitem(__import__("sys").modules, "vllm_omni_ascend_opt.metrics", None)  # import now fails
-    fallback = [compare.compare(a, b) for a, b in pairs]
-    for x, y in zip(with_metrics, fallback, strict=True):
-        assert x.keys() == y.keys()
-        for k in x:
-            assert x[k] == pytest.approx(y[k], rel=1e-6), k
+    ready = {"type": "ready", "env": {"device": {"torch_threads": 1}}}
+    recs = [
+        {"type": "sample", "warmup": False, "total_ms": 20.0, "cpu_ms": 10.0, "load1": x, "others_cpu": o}
+        for x, o in ((0.5, 1.2), (3.5, 1.6), (3.0, 0.1))
+    ]
+    m = stats.machine_load([ready, *recs], cpu_count=2)
+    # one thread per worker on 2 CPUs leaves 1 core free: others using 1.2 cores (median) is contention
+    assert m["busy"] and m["others_cpu_threshold"] == 1.0 and m["others_cpu_median"] == 1.2
+    assert m["load1_max"] == 3.5 and m["wall_over_cpu_median"] == 2.0
+    # a high load average alone (e.g. the run's own workers starting) is not contention
+    quiet = [{**r, "others_cpu": 0.2} for r in recs]
+    assert not stats.machine_load([ready, *quiet], cpu_count=2)["busy"]
+    # workers using every core: half a core of other work is already contention
+    all_threads = {"type": "ready", "env": {"device": {"torch_threads": 2}}}
+    some = [{**r, "others_cpu": o} for r, o in zip(recs, (0.6, 0.7, 0.2), strict=True)]
+    assert stats.machine_load([all_threads, *some], cpu_count=2)["busy"]
+    assert stats.machine_load(recs[:0], cpu_count=2)["busy"] is False

@@ -39,6 +39,7 @@ def build_results(data: Any, analysis: dict[str, Any], command: list[str] | None
                 "stages_ms",
                 "cpu_ms",
                 "load1",
+                "others_cpu",
                 "sha256",
                 "pid",
             )
@@ -166,19 +167,15 @@ def markdown(results: dict[str, Any]) -> str:
     m = results.get("measurement") or {}
     if m:
         n = len(wl["prompts"]) * len(wl["seeds"])
-        load = (
+        others = (
             "unknown"
-            if m.get("load1_max") is None
-            else f"median {m['load1_median']:.1f}, max {m['load1_max']:.1f} on {m['cpu_count']} CPUs"
+            if m.get("others_cpu_median") is None
+            else f"other processes kept {m['others_cpu_median']:.2f} of {m['cpu_count']} CPUs busy (median)"
         )
-        ratio = (
-            ""
-            if m.get("wall_over_cpu_median") is None
-            else (f"; worker wall/CPU time median {m['wall_over_cpu_median']:.2f}")
-        )
+        load = "" if m.get("load1_max") is None else f"; 1-min load average up to {m['load1_max']:.1f}"
         lines += [
             f"Each configuration's time in a round is the {m['round_stat']} over its {n} image(s). "
-            f"Machine load while measuring: {load}{ratio}.",
+            f"Machine while measuring: {others}{load}.",
             "",
         ]
         if m.get("busy"):

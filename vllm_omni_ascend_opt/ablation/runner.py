@@ -123,6 +123,17 @@ class OutDir:
             (self.root / ".lock").unlink()
 
 
+def _cpu_busy_s() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot (Linux ``/proc/stat``), or None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _load1() -> float | None:
     """The machine's 1-minute load average (to flag runs measured while other work competed for the CPU)."""
     try:
@@ -279,6 +290,16 @@ class Worker:
             return None
 
     def run(self, prompt: int, seed: int, save: str | None, timeout: float) -> dict[str, Any]:
+        """One generation. The result gets ``others_cpu``: cores that other processes kept busy meanwhile (machine
+        busy time minus the worker's own CPU time, per second of wall time), when both are known."""
+        b0, t0 = _cpu_busy_s(), time.monotonic()
+        ev = self._run(prompt, seed, save, timeout)
+        b1, t1 = _cpu_busy_s(), time.monotonic()
+        if b0 is not None and b1 is not None and ev.get("cpu_ms") is not None and t1 > t0:
+            ev["others_cpu"] = max(0.0, (b1 - b0 - ev["cpu_ms"] / 1e3) / (t1 - t0))
+        return ev
+
+    def _run(self, prompt: int, seed: int, save: str | None, timeout: float) -> dict[str, Any]:
         self._next_id += 1
         cmd = {"cmd": "run", "id": self._next_id, "prompt": prompt, "seed": seed, "save": save}
         try:
@@ -468,6 +489,7 @@ class Runner:
                 "stages_ms": ev.get("stages_ms") or {},
                 "cpu_ms": ev.get("cpu_ms"),
                 "load1": _load1(),
+                "others_cpu": ev.get("others_cpu"),
                 "sha256": ev.get("sha256"),
                 "pid": pid,
             }

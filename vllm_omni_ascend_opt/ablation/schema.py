@@ -67,6 +67,8 @@ RESULTS_SCHEMA: dict[str, Any] = {
         "cpu_count": int,
         "load1_max": Opt(NUM),
         "load1_median": Opt(NUM),
+        "others_cpu_median": Opt(NUM),
+        "others_cpu_threshold": NUM,
         "wall_over_cpu_median": Opt(NUM),
         "busy": bool,
     },
@@ -128,6 +130,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
             "stages_ms": dict,
             "cpu_ms": Opt(NUM),
             "load1": Opt(NUM),
+            "others_cpu": Opt(NUM),
             "sha256": Opt(STR),
             "pid": Opt(int),
         }

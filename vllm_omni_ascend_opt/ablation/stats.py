@@ -14,7 +14,7 @@ Definitions (also in docs/ablation.md):
 * Exit: FAIL (1) if a configuration failed, a gate failed, an optimization is a regression, or the full stack is a
   regression or saves less than ``min_improvement_pct`` of stock beyond the noise; PASS (0) when, without any of
   those, the full stack is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise. Timing failures
-  measured while the machine was busy (load average above the CPU count) are INCONCLUSIVE, not FAIL.
+  measured while other processes kept the CPUs busy (see :func:`machine_load`) are INCONCLUSIVE, not FAIL.
 """
 
 from __future__ import annotations
@@ -113,23 +113,37 @@ def noise_floor(means: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any]
 
 
 def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) -> dict[str, Any]:
-    """How busy the machine was while measuring: load averages at each sample and wall/CPU time of the workers.
+    """How much other work competed with the workers while measuring.
 
-    ``busy`` is true when the 1-minute load average exceeded the number of CPUs at some measurement: other work then
-    competed with the worker, and wall-clock differences say little (a timing-only FAIL becomes INCONCLUSIVE).
+    Per measurement the runner records ``others_cpu``: the cores other processes kept busy during that generation
+    (machine busy time from /proc/stat minus the worker's own CPU time, per second). ``busy`` is true when its median
+    exceeds the cores the worker left free (at least half a core): wall-clock differences then say little, and a
+    timing-only FAIL becomes INCONCLUSIVE. The load average is kept for context only (it lags by a minute and counts
+    the run's own workers starting up).
     """
     import os
 
     cpus = cpu_count or os.cpu_count() or 1
     meas = [r for r in records if r.get("type") == "sample" and not r.get("warmup")]
     loads = [r["load1"] for r in meas if r.get("load1") is not None]
+    others = [r["others_cpu"] for r in meas if r.get("others_cpu") is not None]
     ratios = [r["total_ms"] / r["cpu_ms"] for r in meas if r.get("cpu_ms")]
+    threads = [
+        (r.get("env") or {}).get("device", {}).get("torch_threads")
+        for r in records
+        if r.get("type") == "ready" and r.get("env")
+    ]
+    threads = [t for t in threads if isinstance(t, int) and t > 0]
+    free = max(0.5, cpus - (max(threads) if threads else cpus))
+    other_median = statistics.median(others) if others else None
     return {
         "cpu_count": cpus,
         "load1_max": max(loads) if loads else None,
         "load1_median": statistics.median(loads) if loads else None,
+        "others_cpu_median": other_median,
+        "others_cpu_threshold": free,
         "wall_over_cpu_median": statistics.median(ratios) if ratios else None,
-        "busy": bool(loads) and max(loads) > cpus,
+        "busy": other_median is not None and other_median > free,
     }
 
 
@@ -342,8 +356,8 @@ def decide(
             )
     if busy and load:
         note = (
-            f"the machine was busy while measuring (1-min load average up to {load['load1_max']:.1f} on "
-            f"{load['cpu_count']} CPUs): wall-clock differences are unreliable"
+            f"the machine was busy while measuring (other processes kept {load['others_cpu_median']:.2f} of "
+            f"{load['cpu_count']} CPUs busy, median): wall-clock differences are unreliable"
         )
         if slow:
             unsure.append(note + "; timing failures are reported as inconclusive: " + "; ".join(slow))
