@@ -117,7 +117,8 @@ def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) ->
 
     Per measurement the runner records ``others_cpu``: the cores other processes kept busy during that generation
     (machine busy time from /proc/stat minus the worker's own CPU time, per second). ``busy`` is true when its median
-    exceeds the cores the worker left free (at least half a core): wall-clock differences then say little, and a
+    exceeds the cores the worker left free by a quarter core (at least half a core in all): wall-clock differences then
+    say little, and a
     timing-only FAIL becomes INCONCLUSIVE. The load average is kept for context only (it lags by a minute and counts
     the run's own workers starting up).
     """
@@ -134,7 +135,7 @@ def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) ->
         if r.get("type") == "ready" and r.get("env")
     ]
     threads = [t for t in threads if isinstance(t, int) and t > 0]
-    free = max(0.5, cpus - (max(threads) if threads else cpus))
+    free = max(0.5, cpus - (max(threads) if threads else cpus) + 0.25)
     other_median = statistics.median(others) if others else None
     return {
         "cpu_count": cpus,
