@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -192,7 +193,9 @@ def test_pair_noise_floor_labels_and_sign_flips():
         "loo_d": {0: {"total": 110.0}, 1: {"total": 95.0}, 2: {"total": 120.0}},  # big mean, flips sign
     }
     nf = stats.noise_floor(means)
-    assert nf["ms"] == pytest.approx(2.0) and nf["per_round_ms"] == [1.0, -2.0, 0.5]
+    ctrl = [1.0, -2.0, 0.5]
+    assert nf["per_round_ms"] == ctrl
+    assert nf["ms"] == pytest.approx(abs(sum(ctrl) / 3) + 2 * statistics.stdev(ctrl) / math.sqrt(3))
     res = {}
     for k in ("loo_a", "loo_b", "loo_c", "loo_d"):
         p = stats.pair(means, k, "full")
@@ -205,6 +208,12 @@ def test_pair_noise_floor_labels_and_sign_flips():
     }
     p = stats.pair(means, "loo_a", "full")
     assert p["per_round_ms"] == [10.0, 9.0, 11.0] and p["mean_ms"] == 10.0 and p["std_ms"] == pytest.approx(1.0)
+    # many rounds: one stray round flips the direction but does not hide a clear, repeated saving
+    many = [5.0] * 7 + [-1.0]
+    assert stats.direction(many) == "flips" and stats.label(many, sum(many) / 8, 1.0) == "gain"
+    # one round: the noise floor alone decides
+    assert stats.label([3.0], 3.0, 2.0) == "gain" and stats.label([1.0], 1.0, 2.0) == "within noise"
+    assert stats.noise_floor({"full": {0: {"total": 10.0}}, "full_ctrl": {0: {"total": 13.0}}})["ms"] == 3.0
     assert stats.label([], None, 1.0) == "not measured"
     assert stats.label([5.0], 5.0, None) == "no noise floor"
 

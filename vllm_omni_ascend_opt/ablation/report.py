@@ -190,9 +190,8 @@ def markdown(results: dict[str, Any]) -> str:
     if nf:
         pct = f" ({nf['pct']:.2f}% of stock)" if nf.get("pct") is not None else ""
         lines.append(
-            f"Noise floor (|full − full_ctrl|, largest over rounds): **{nf['ms']:.2f} ms**{pct}; per round: "
-            + ", ".join(f"{x:+.2f}" for x in nf["per_round_ms"])
-            + " ms."
+            f"Noise floor (|mean of full − full_ctrl| + 2 standard errors over rounds): **{nf['ms']:.2f} ms**{pct}; "
+            "full − full_ctrl per round: " + ", ".join(f"{x:+.2f}" for x in nf["per_round_ms"]) + " ms."
         )
     else:
         lines.append("Noise floor: **unknown** (the control pair did not complete).")

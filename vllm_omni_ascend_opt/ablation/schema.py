@@ -72,7 +72,16 @@ RESULTS_SCHEMA: dict[str, Any] = {
         "wall_over_cpu_median": Opt(NUM),
         "busy": bool,
     },
-    "noise_floor": Opt({"ms": NUM, "pct": Opt(NUM), "per_round_ms": [NUM], "configs": [STR]}),
+    "noise_floor": Opt(
+        {
+            "ms": NUM,
+            "mean_diff_ms": NUM,
+            "se_ms": Opt(NUM),
+            "pct": Opt(NUM),
+            "per_round_ms": [NUM],
+            "configs": [STR],
+        }
+    ),
     "full_vs_stock": Opt(
         {
             "saved_ms": SAVED,

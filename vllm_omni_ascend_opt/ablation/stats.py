@@ -7,10 +7,13 @@ Definitions (also in docs/ablation.md):
 * An optimization's *time saved* in round r is ``time(without) - time(with)`` for the two configurations of its
   comparison (leave-one-out: full-minus-it vs full; cumulative: previous prefix vs this prefix; single: stock vs
   stock+it), over the rounds both completed. Reported as mean +- sample std over rounds, in ms and in % of stock.
-* The *noise floor* is the largest |time(full) - time(full_ctrl)| over rounds: two identical full stacks in two
-  processes. ``direction`` is ``consistent`` when every round saved time with the same sign, ``flips`` otherwise.
-* Label: ``gain`` when every round saved time (> 0) and the mean exceeds the noise floor; ``regression`` when every
-  round lost time and the mean is below minus the noise floor; ``within noise`` otherwise.
+* The *noise floor* is how far apart two identical full stacks in two processes (``full``, ``full_ctrl``) come out:
+  |mean over rounds of time(full) - time(full_ctrl)| plus two standard errors of that mean (one round: its
+  |difference|). It shrinks as rounds are added, as a measurement's precision should.
+* Label: ``gain`` when the mean saving exceeds the noise floor and is positive by more than two standard errors over
+  rounds; ``regression`` when the mean is below minus the noise floor and negative by more than two standard errors;
+  ``within noise`` otherwise. ``direction`` is reported beside it: ``consistent`` when every round saved time with the
+  same sign, ``flips`` otherwise (a flipping saving of small mean is within noise by the standard-error test).
 * Exit: FAIL (1) if a configuration failed, a gate failed, an optimization is a regression, or the full stack is a
   regression or saves less than ``min_improvement_pct`` of stock beyond the noise; PASS (0) when, without any of
   those, the full stack is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise. Timing failures
@@ -88,26 +91,42 @@ def direction(per_round: list[float]) -> str:
     return "flips"
 
 
+def standard_error(per_round: list[float]) -> float | None:
+    """Standard error of the mean over rounds (None with fewer than two rounds)."""
+    return statistics.stdev(per_round) / math.sqrt(len(per_round)) if len(per_round) > 1 else None
+
+
 def label(per_round: list[float], mean: float | None, noise_ms: float | None) -> str:
-    """gain / regression / within noise (see the module docstring); ``not measured`` without data."""
+    """gain / regression / within noise (see the module docstring); ``not measured`` without data.
+
+    gain: the mean saving exceeds the noise floor and stays positive by two standard errors over rounds
+    (one round: the noise floor alone); regression: the same with the signs reversed.
+    """
     if mean is None or not per_round:
         return "not measured"
     if noise_ms is None:
         return "no noise floor"
-    if all(x > 0 for x in per_round) and mean > noise_ms:
+    se = standard_error(per_round) or 0.0
+    if mean > noise_ms and mean - 2 * se > 0:
         return GAIN
-    if all(x < 0 for x in per_round) and mean < -noise_ms:
+    if mean < -noise_ms and mean + 2 * se < 0:
         return REGRESSION
     return NOISE
 
 
 def noise_floor(means: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any] | None:
+    """How far apart two identical full stacks in two processes come out: |mean difference over rounds| plus two
+    standard errors of it (one round: that round's |difference|)."""
     p = pair(means, "full_ctrl", "full")
-    if not p["per_round_ms"]:
+    per = p["per_round_ms"]
+    if not per:
         return None
+    se = standard_error(per)
     return {
-        "ms": max(abs(x) for x in p["per_round_ms"]),
-        "per_round_ms": p["per_round_ms"],
+        "ms": abs(statistics.fmean(per)) + 2 * (se or 0.0),
+        "mean_diff_ms": statistics.fmean(per),
+        "se_ms": se,
+        "per_round_ms": per,
         "configs": ["full", "full_ctrl"],
     }
 
