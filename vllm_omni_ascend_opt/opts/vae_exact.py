@@ -1,21 +1,324 @@
-"""`vae_exact`: Remove VAE decode work that never changes a bit for single-frame images (unread cache clones, fp32 round trips, repeated counts)."""
+"""`vae_exact`: Remove VAE decode work that never changes a bit for single-frame images (unread cache clones, fp32 round trips, repeated counts).
+
+Why
+    Qwen-Image's VAE is the Wan *video* VAE: every decode of a still image (one latent frame, T = 1) pays for the
+    streaming machinery of video decoding. Per decode, at real width (base_dim 96), stock diffusers 0.40 / vLLM-Omni
+    0.30 clone the input of every causal convolution into a feature cache that only a *next* frame would read (32
+    full-size copies), round-trip each nearest upsample through fp32 (2 casts x 3 upsamples in bf16), copy the input
+    of each 1x1x1 convolution through a zero-width ``F.pad``, walk all ~200 modules twice per ``clear_cache`` (4x
+    per decode) to count convolutions it already counted in ``__init__``, and the pipeline re-creates and uploads the
+    latents mean / 1/std tensors on every call.
+How (per instance, through the instances' own ``__dict__``; the classes are untouched)
+    * ``single_frame_decode`` - ``vae._decode``: for a non-tiled single-frame latent, run the decoder with
+      ``feat_cache=None``. For the first (and only) frame every cache slot is ``None``, so each causal conv already
+      runs ``conv(x, None)`` and each ``upsample3d`` skips its ``time_conv``: the cache-less path is the same
+      computation minus the clones written for a frame that never comes. Multi-frame and tiled / patch-parallel
+      decodes take the stock path (``fallbacks`` counts them, with the reason).
+    * ``cached_conv_counts`` - ``vae.clear_cache``: use ``_cached_conv_counts`` (computed by diffusers' own
+      ``__init__``; checked against a fresh count at attach) instead of walking the module tree.
+    * ``upsample_native_dtype`` - each ``QwenImageUpsample.forward``: nearest(-exact) interpolation only copies
+      values, so ``interp(x.float()).type_as(x)`` equals ``interp(x)`` for fp16/bf16/fp32; verified once per
+      (device type, dtype) on a probe, stock otherwise.
+    * ``pointwise_conv_no_pad`` - each 1x1x1 ``QwenImageCausalConv3d.forward``: its causal padding is all zeros,
+      so stock's ``F.pad`` only makes a contiguous copy; a contiguous input goes straight to ``Conv3d.forward``.
+    * ``latents_stats_cache`` - ``pipeline._decode_latents`` (QwenImagePipeline's own, checked by identity): the
+      mean and 1/std tensors are built by the same ops once per (device, dtype, config values) and reused.
+    Each piece is proven bitwise (``torch.equal``) by tests/test_vae_exact.py, fp32 and bf16, several sizes.
+Upstream PR
+    None yet. diffusers computes ``_cached_conv_counts`` but 0.40's ``clear_cache`` does not use it; the cache
+    clones and the fp32 upsample round trip come from the video (Wan) VAE.
+Removal plan
+    Drop each piece when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes, uses the
+    cached counts and interpolates in the input dtype; drop ``latents_stats_cache`` when vLLM-Omni caches them.
+"""
 
 from __future__ import annotations
 
+import logging
+import sys
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt.opts import _targets
-from vllm_omni_ascend_opt.registry import Optimization, register_optimization
+from vllm_omni_ascend_opt.opts._vae_common import (
+    PieceReport,
+    VaeOptimization,
+    bind,
+    decode_modules,
+    diffusers_vae,
+    of_exact_class,
+)
+from vllm_omni_ascend_opt.registry import register_optimization
+
+logger = logging.getLogger("vllm_omni_ascend_opt")
+
+#: dtypes for which an fp32 round trip is lossless, so skipping it cannot change a value.
+_ROUND_TRIP_LOSSLESS = (torch.float32, torch.bfloat16, torch.float16)
+#: (device type, dtype) -> native-dtype nearest upsample verified equal to stock on a probe.
+_UPSAMPLE_VERIFIED: dict[tuple[str, torch.dtype], bool] = {}
 
 
-class VaeExact(Optimization):
+# ------------------------------------------------------------------------------------------------------------------
+# single_frame_decode
+# ------------------------------------------------------------------------------------------------------------------
+def tiling_applies(vae: nn.Module, z: torch.Tensor) -> bool:
+    """The condition under which diffusers' ``_decode`` hands over to ``tiled_decode`` (and vLLM-Omni's
+    ``DistributedAutoencoderKLQwenImage.tiled_decode`` to its patch-parallel executor)."""
+    h, w = z.shape[-2], z.shape[-1]
+    min_h = vae.tile_sample_min_height // vae.spatial_compression_ratio
+    min_w = vae.tile_sample_min_width // vae.spatial_compression_ratio
+    return bool(vae.use_tiling and (w > min_w or h > min_h))
+
+
+def single_frame_refusal(vae: nn.Module, z: torch.Tensor) -> str:
+    """Why ``z`` must take the stock ``_decode`` ("" when the cache-less single-frame path applies)."""
+    if z.dim() != 5:
+        return f"latent of {z.dim()} dims (expected [B, C, T, H, W])"
+    if z.shape[2] != 1:
+        return f"multi-frame latent (T = {z.shape[2]}): the feature cache carries state between frames"
+    if tiling_applies(vae, z):
+        return "tiled decode (vae_use_tiling / VAE patch parallelism): stock tiled_decode path kept"
+    return ""
+
+
+def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
+    from diffusers.models.autoencoders.vae import DecoderOutput
+
+    original = vae._decode  # bound stock method (or whatever was there), called on fallback
+
+    def _decode(self: nn.Module, z: torch.Tensor, return_dict: bool = True) -> Any:
+        why = single_frame_refusal(self, z)
+        if why:
+            opt.fallback(why)
+            return original(z, return_dict=return_dict)
+        # Stock: clear_cache(); post_quant_conv(z); decoder(x[:, :, 0:1], feat_cache=all None); clamp; clear_cache().
+        # x[:, :, 0:1] of a one-frame x is x itself, and with every cache slot None the decoder computes exactly
+        # what it computes with feat_cache=None, minus the clones it would store for a next frame.
+        x = self.post_quant_conv(z)
+        out = self.decoder(x)
+        out = torch.clamp(out, min=-1.0, max=1.0)
+        self.clear_cache()  # leave the same (fresh) cache state as stock
+        if not return_dict:
+            return (out,)
+        return DecoderOutput(sample=out)
+
+    return _decode
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# cached_conv_counts
+# ------------------------------------------------------------------------------------------------------------------
+def _count_causal_convs(module: nn.Module | None) -> int:
+    if module is None:
+        return 0
+    cls = diffusers_vae().QwenImageCausalConv3d
+    return sum(isinstance(m, cls) for m in module.modules())
+
+
+def conv_counts_refusal(vae: nn.Module) -> str:
+    cached = getattr(vae, "_cached_conv_counts", None)
+    if not isinstance(cached, dict) or not {"decoder", "encoder"} <= cached.keys():
+        return "this diffusers has no _cached_conv_counts"
+    fresh = {"decoder": _count_causal_convs(vae.decoder), "encoder": _count_causal_convs(vae.encoder)}
+    if {k: cached[k] for k in fresh} != fresh:
+        return f"_cached_conv_counts {cached} disagree with the modules {fresh}"
+    if "clear_cache" in vae.__dict__:
+        return "clear_cache is already replaced on this instance"
+    return ""
+
+
+def _clear_cache(self: nn.Module) -> None:
+    """diffusers' ``clear_cache`` with the conv counts it cached in ``__init__`` (same resulting state)."""
+    counts = self._cached_conv_counts
+    self._conv_num = counts["decoder"]
+    self._conv_idx = [0]
+    self._feat_map = [None] * self._conv_num
+    self._enc_conv_num = counts["encoder"]
+    self._enc_conv_idx = [0]
+    self._enc_feat_map = [None] * self._enc_conv_num
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# upsample_native_dtype
+# ------------------------------------------------------------------------------------------------------------------
+def native_upsample_verified(module: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Once per (device type, dtype): does interpolating in ``dtype`` equal stock's fp32 round trip on a probe?"""
+    key = (device.type, dtype)
+    ok = _UPSAMPLE_VERIFIED.get(key)
+    if ok is None:
+        if dtype not in _ROUND_TRIP_LOSSLESS:
+            ok = False
+        else:
+            gen = torch.Generator().manual_seed(0)  # CPU generator: never touches the device RNG state
+            probe = (torch.randn(2, 3, 5, 7, generator=gen) * 100).to(device=device, dtype=dtype)
+            stock_forward = diffusers_vae().QwenImageUpsample.forward
+            try:
+                ok = bool(torch.equal(nn.Upsample.forward(module, probe), stock_forward(module, probe)))
+            except Exception as exc:
+                logger.info("vllm-omni-ascend-opt: native-dtype upsample unavailable for %s: %r", key, exc)
+                ok = False
+        if not ok:
+            logger.info("vllm-omni-ascend-opt: vae_exact keeps the fp32 upsample round trip for %s", key)
+        _UPSAMPLE_VERIFIED[key] = ok
+    return ok
+
+
+def _make_upsample_forward(module: nn.Module) -> Any:
+    original = module.forward
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if native_upsample_verified(self, x.device, x.dtype):
+            return nn.Upsample.forward(self, x)
+        return original(x)
+
+    return forward
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# pointwise_conv_no_pad
+# ------------------------------------------------------------------------------------------------------------------
+def _is_pointwise_causal_conv(m: nn.Module) -> bool:
+    cls = diffusers_vae().QwenImageCausalConv3d
+    return (
+        of_exact_class(m, cls)
+        and all(p == 0 for p in m._padding)
+        and tuple(m.padding) == (0, 0, 0)
+        and m.padding_mode == "zeros"
+    )
+
+
+def _make_pointwise_forward(module: nn.Module) -> Any:
+    original = module.forward
+
+    def forward(self: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+        # Stock: F.pad(x, [0] * 6) (a contiguous copy; cache_x is ignored when the temporal pad is 0) then Conv3d.
+        if x.is_contiguous():
+            return nn.Conv3d.forward(self, x)
+        return original(x, cache_x)
+
+    return forward
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# latents_stats_cache
+# ------------------------------------------------------------------------------------------------------------------
+def decode_latents_refusal(pipe: Any) -> str:
+    mod = sys.modules.get(_targets.PIPELINE)
+    if mod is None:
+        return f"{_targets.PIPELINE} is not imported"
+    stock = getattr(getattr(mod, "QwenImagePipeline", None), "_decode_latents", None)
+    if stock is None or getattr(type(pipe), "_decode_latents", None) is not stock:
+        return f"{type(pipe).__name__}._decode_latents is not QwenImagePipeline's (vLLM-Omni 0.30)"
+    if "_decode_latents" in vars(pipe):
+        return "_decode_latents is already replaced on this instance"
+    return ""
+
+
+def _make_decode_latents(pipe: Any) -> Any:
+    mod = sys.modules[_targets.PIPELINE]
+    DiffusionOutput = mod.DiffusionOutput
+    original = pipe._decode_latents
+    cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def stats(self: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.vae.config
+        key = (device, dtype, cfg.z_dim, tuple(cfg.latents_mean), tuple(cfg.latents_std))
+        hit = cache.get(key)
+        if hit is None:
+            # The very ops of QwenImagePipeline._decode_latents, run once.
+            mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)
+            inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)
+            cache.clear()  # one entry: a pipeline decodes on one device in one dtype
+            hit = cache[key] = (mean, inv_std)
+        return hit
+
+    def _decode_latents(self: Any, latents: torch.Tensor, height: int, width: int, output_type: str = "pil") -> Any:
+        """QwenImagePipeline._decode_latents (vLLM-Omni 0.30) with the mean / 1/std tensors built once."""
+        if output_type == "latent":
+            return original(latents, height, width, output_type)
+        latents = self._unpack_latents(latents, height, width, self.vae_scale_factor)
+        latents = latents.to(self.vae.dtype)
+        latents_mean, latents_std = stats(self, latents.device, latents.dtype)
+        latents = latents / latents_std + latents_mean
+        image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
+        return DiffusionOutput(
+            output=image,
+            stage_durations=self.stage_durations if hasattr(self, "stage_durations") else None,
+        )
+
+    return _decode_latents
+
+
+# ------------------------------------------------------------------------------------------------------------------
+class VaeExact(VaeOptimization):
     name = "vae_exact"
     summary = "Remove VAE decode work that never changes a bit for single-frame images (unread cache clones, fp32 round trips, repeated counts)."
     equivalence = "exact"
     default_enabled = True
     requires = ("vLLM-Omni 0.30.x with diffusers 0.40.x; any device",)
     target_modules = (_targets.DIST_VAE,)
+    removal_plan = (
+        "when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes, uses its cached conv "
+        "counts and interpolates in the input dtype, and vLLM-Omni caches the latents statistics"
+    )
+    pieces = (
+        "single_frame_decode",
+        "cached_conv_counts",
+        "upsample_native_dtype",
+        "pointwise_conv_no_pad",
+        "latents_stats_cache",
+    )
 
-    def reasons_inactive(self) -> list[str]:
-        return ["not implemented yet"]
+    def notes(self) -> list[str]:
+        out = ["multi-frame and tiled / patch-parallel decodes keep stock _decode (the submodule pieces still act)"]
+        checked = {f"{d}/{str(t).removeprefix('torch.')}": ok for (d, t), ok in _UPSAMPLE_VERIFIED.items()}
+        if checked:
+            out.append(f"native-dtype upsample verified: {checked}")
+        return out
+
+    def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
+        mod = diffusers_vae()
+        report: PieceReport = {}
+
+        why = self.wants("single_frame_decode")
+        if not why and "_decode" in vars(vae):
+            why = "_decode is already replaced on this instance"
+        if not why:
+            ps.set(vae, "_decode", bind(vae, _make_decode(self, vae)))
+        report["single_frame_decode"] = why
+
+        why = self.wants("cached_conv_counts") or conv_counts_refusal(vae)
+        if not why:
+            ps.set(vae, "clear_cache", bind(vae, _clear_cache))
+        report["cached_conv_counts"] = why
+
+        why = self.wants("upsample_native_dtype")
+        ups = [m for m in decode_modules(vae) if of_exact_class(m, mod.QwenImageUpsample)]
+        if not why and not ups:
+            why = "no stock QwenImageUpsample in the decoder"
+        for m in ups if not why else ():
+            ps.set(m, "forward", bind(m, _make_upsample_forward(m)))
+        report["upsample_native_dtype"] = why
+
+        why = self.wants("pointwise_conv_no_pad")
+        pw = [m for m in decode_modules(vae) if _is_pointwise_causal_conv(m)]
+        if not why and not pw:
+            why = "no stock 1x1x1 causal convolution in the decode path"
+        for m in pw if not why else ():
+            ps.set(m, "forward", bind(m, _make_pointwise_forward(m)))
+        report["pointwise_conv_no_pad"] = why
+
+        why = self.wants("latents_stats_cache")
+        if not why and pipe is None:
+            why = "attached to a bare VAE (no pipeline _decode_latents)"
+        why = why or decode_latents_refusal(pipe)
+        if not why:
+            ps.set(pipe, "_decode_latents", bind(pipe, _make_decode_latents(pipe)))
+        report["latents_stats_cache"] = why
+        return report
 
 
 OPT = register_optimization(VaeExact())

@@ -1,21 +1,181 @@
-"""`vae_fast`: Faster approximate VAE decode, accepted only within SSIM >= 0.99 and PSNR >= 35 dB of stock."""
+"""`vae_fast`: Faster approximate VAE decode, accepted only within SSIM >= 0.99 and PSNR >= 35 dB of stock.
+
+Why
+    For a single latent frame, every 3x3x3 causal convolution of the Qwen-Image (Wan) VAE decoder zero-pads the
+    time axis to 3 frames and runs a Conv3d whose first two temporal taps multiply zeros: 3x the multiply-adds of
+    the 2D convolution that produces the result, plus a padded copy of the input. These convolutions are ~80% of
+    decode time. The sum of the same non-zero products in another order differs in the last bits (measured on CPU
+    fp32: max |diff| 7e-7 for some shapes, bitwise equal for others), so this is the approximate tier, not
+    ``vae_exact``.
+How (per instance, through each module's own ``__dict__``; the classes are untouched)
+    * ``conv2d_last_tap`` - each decoder ``QwenImageCausalConv3d`` with a temporal kernel kt > 1 and full causal
+      padding (kt - 1 frames before, none after, no dilation, no groups): when called without a cache on one frame,
+      run ``F.conv2d`` of the frame with the last temporal tap ``weight[:, :, -1]`` (kept contiguous, rebuilt if the
+      weight changes, moves or is reloaded) and the spatial padding inside the convolution. Every other call (a
+      cache, several frames) takes the stock forward.
+Candidates measured and dropped (numbers in the module notes / the issue note): an RMS norm in the input dtype
+    without the fp32 upcast (with the gamma-scale folded), fp16 decode, a fused norm + SiLU, and the NPU fused
+    attention in the mid-block (torch_npu's ``F.scaled_dot_product_attention`` already dispatches that BNSD, D=384
+    call to ``npu_fusion_attention`` on 910B; op-plugin ScaledDotProductAttentionKernelNpuOpApi.cpp).
+Gates
+    SSIM >= 0.99 and PSNR >= 35 dB against stock, on the tiny pipeline and on a real-width VAE (base_dim 96) at
+    256x256, fp32 and bf16: tests/test_vae_fast.py.
+Upstream PR
+    None. diffusers / Wan decode frame by frame through Conv3d by design (video); a still-image fast path would be
+    an upstream feature.
+Removal plan
+    Drop when diffusers' Qwen-Image VAE (or vLLM-Omni's distributed VAE) decodes single frames with 2D kernels.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt.opts import _targets
-from vllm_omni_ascend_opt.registry import Optimization, register_optimization
+from vllm_omni_ascend_opt.opts._vae_common import (
+    PieceReport,
+    VaeOptimization,
+    bind,
+    decode_modules,
+    diffusers_vae,
+    of_exact_class,
+)
+from vllm_omni_ascend_opt.registry import register_optimization
 
 
-class VaeFast(Optimization):
+# ------------------------------------------------------------------------------------------------------------------
+# conv2d_last_tap
+# ------------------------------------------------------------------------------------------------------------------
+def last_tap_eligible(m: nn.Module) -> bool:
+    """A stock causal conv whose output on one uncached frame depends only on its last temporal tap."""
+    cls = diffusers_vae().QwenImageCausalConv3d
+    if not of_exact_class(m, cls):
+        return False
+    kt = m.kernel_size[0]
+    pw0, pw1, ph0, ph1, pt0, pt1 = m._padding
+    return (
+        kt > 1
+        and pt0 == kt - 1  # causal: kt - 1 zero frames in front, so one frame meets only the last tap
+        and pt1 == 0
+        and pw0 == pw1
+        and ph0 == ph1
+        and tuple(m.padding) == (0, 0, 0)
+        and tuple(m.dilation) == (1, 1, 1)
+        and m.groups == 1
+        and m.padding_mode == "zeros"
+    )
+
+
+def _make_last_tap_forward(module: nn.Module) -> Any:
+    original = module.forward
+    state: dict[str, Any] = {"key": None, "w": None}
+    _pw, _pw1, ph, _ph1, _pt0, _pt1 = module._padding
+    padding2d = (ph, _pw)
+    stride2d = tuple(module.stride[1:])
+
+    def last_tap(weight: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), weight.device, weight.dtype, weight._version)
+        if state["key"] != key:
+            state["w"] = weight.detach()[:, :, -1].contiguous()
+            state["key"] = key
+        return state["w"]
+
+    def forward(self: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+        if cache_x is not None or x.dim() != 5 or x.shape[2] != 1:
+            return original(x, cache_x)
+        # Stock: F.pad(x, (pw, pw, ph, ph, kt-1, 0)) then Conv3d -> one output frame = conv2d(x, w[:, :, -1]).
+        y = F.conv2d(x[:, :, 0], last_tap(self.weight), self.bias, stride2d, padding2d)
+        return y.unsqueeze(2)
+
+    return forward
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# rms_norm_input_dtype
+# ------------------------------------------------------------------------------------------------------------------
+_NORM_EPS = 1e-12  # F.normalize's default eps, which stock uses
+_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def norm_eligible(m: nn.Module) -> bool:
+    return of_exact_class(m, diffusers_vae().QwenImageRMS_norm) and bool(m.channel_first)
+
+
+def _make_norm_forward(module: nn.Module) -> Any:
+    original = module.forward
+    state: dict[str, Any] = {"key": None, "g": None}
+
+    def scaled_gamma(self: nn.Module) -> torch.Tensor:
+        gamma = self.gamma
+        key = (gamma.data_ptr(), gamma.device, gamma.dtype, gamma._version, self.scale)
+        if state["key"] != key:
+            state["g"] = gamma.detach() * self.scale
+            state["key"] = key
+        return state["g"]
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in _NORM_DTYPES:
+            return original(x)
+        # Stock: F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma + bias. In bf16 that is 8 kernels and
+        # 6 full-tensor passes (fp32 copy, divide, cast back, two products, + 0.0). Here: the norm, a clamp, one
+        # divide and one in-place product with gamma * scale (precomputed): 4 kernels, 2 full passes. bf16 has
+        # fp32's range; fp16 accumulates the norm in fp32 and clamps it at fp16's smallest normal.
+        if x.dtype == torch.float16:
+            norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32)
+            norm = norm.to(x.dtype).clamp_min(torch.finfo(x.dtype).tiny)
+        else:
+            norm = torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(_NORM_EPS)
+        y = x / norm
+        g = scaled_gamma(self)
+        y = y.mul_(g) if torch.result_type(y, g) == y.dtype else y * g  # keep stock's type promotion
+        bias = self.bias
+        if isinstance(bias, torch.Tensor) or bias != 0.0:
+            y = y + bias
+        return y
+
+    return forward
+
+
+# ------------------------------------------------------------------------------------------------------------------
+class VaeFast(VaeOptimization):
     name = "vae_fast"
     summary = "Faster approximate VAE decode, accepted only within SSIM >= 0.99 and PSNR >= 35 dB of stock."
     equivalence = "close"
     default_enabled = False
     requires = ("vLLM-Omni 0.30.x with diffusers 0.40.x; any device",)
     target_modules = (_targets.DIST_VAE,)
+    removal_plan = "when diffusers' Qwen-Image VAE decodes single frames with 2D convolutions"
+    pieces = ("conv2d_last_tap", "rms_norm_input_dtype")
 
-    def reasons_inactive(self) -> list[str]:
-        return ["not implemented yet"]
+    def notes(self) -> list[str]:
+        return [
+            "single uncached frames only; video frames and cached calls keep Conv3d",
+            "keeps a contiguous copy of each 3x3x3 kernel's last tap (1/3 of those weights, ~46 MB bf16 at real width)",
+        ]
+
+    def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
+        report: PieceReport = {}
+        why = self.wants("conv2d_last_tap")
+        convs = [m for m in decode_modules(vae) if last_tap_eligible(m)]
+        if not why and not convs:
+            why = "no stock causal convolution with a temporal kernel > 1 in the decoder"
+        for m in convs if not why else ():
+            ps.set(m, "forward", bind(m, _make_last_tap_forward(m)))
+        report["conv2d_last_tap"] = why
+
+        why = self.wants("rms_norm_input_dtype")
+        norms = [m for m in decode_modules(vae) if norm_eligible(m)]
+        if not why and not norms:
+            why = "no stock channel-first QwenImageRMS_norm in the decoder"
+        for m in norms if not why else ():
+            ps.set(m, "forward", bind(m, _make_norm_forward(m)))
+        report["rms_norm_input_dtype"] = why
+        return report
 
 
 OPT = register_optimization(VaeFast())

@@ -1,0 +1,347 @@
+"""vae_exact: bitwise-identical decodes (fp32 and bf16, several sizes), fewer ops, clean revert, fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt import api
+from vllm_omni_ascend_opt.opts import vae_exact
+from vllm_omni_ascend_opt.opts.vae_exact import OPT
+from vllm_omni_ascend_opt.testbed.opcount import count_ops
+from vllm_omni_ascend_opt.testbed.pipeline import generate
+
+# Non-trivial statistics (the tiny test-bed model uses mean 0 / std 1, which would hide a wrong cache).
+MEAN = [0.31, -0.72, 1.13, 0.05]
+STD = [2.8, 1.45, 0.61, 3.3]
+# Latent sizes: square, non-square, odd.
+SIZES = [(4, 4), (6, 10), (9, 7)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def make_dist_vae(dtype: torch.dtype = torch.float32, out_gain: float = 5.0, **kw) -> nn.Module:
+    """vLLM-Omni's DistributedAutoencoderKLQwenImage, built directly with seeded random weights.
+
+    Default: the real architecture (dim_mult [1, 2, 4, 4], 2 res blocks, temporal downsample [F, T, T]: upsample3d,
+    upsample2d, a 1x1x1 shortcut, the mid-block attention) at a small width. ``out_gain`` scales the last conv so
+    that some pixels reach the final clamp to [-1, 1] (a random decoder's output is otherwise small).
+    """
+    from vllm_omni.diffusion.distributed.autoencoders.autoencoder_kl_qwenimage import (
+        DistributedAutoencoderKLQwenImage,
+    )
+
+    cfg = dict(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=2,
+        temperal_downsample=[False, True, True],
+        latents_mean=MEAN,
+        latents_std=STD,
+    )
+    cfg.update(kw)
+    torch.manual_seed(0)
+    vae = DistributedAutoencoderKLQwenImage(**cfg).eval()
+    with torch.no_grad():  # RMS-norm gammas start at 1: draw them too, so every op of the decoder matters
+        for m in vae.modules():
+            if hasattr(m, "gamma"):
+                m.gamma.uniform_(0.5, 1.5)
+        vae.decoder.conv_out.weight.mul_(out_gain)
+        vae.decoder.conv_out.bias.mul_(out_gain)
+    return vae.to(dtype)
+
+
+def latent(h: int, w: int, dtype: torch.dtype, t: int = 1, z: int = 4, seed: int = 1) -> torch.Tensor:
+    return torch.randn(1, z, t, h, w, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return vae.decode(z, return_dict=False)[0]
+
+
+def own_attrs(module: nn.Module) -> set[str]:
+    return {"_decode", "clear_cache", "forward", "_decode_latents"} & set(vars(module))
+
+
+def patched_anywhere(pipe_or_vae) -> list[str]:
+    return [n for n, m in pipe_or_vae.named_modules() if own_attrs(m)]
+
+
+@pytest.fixture(scope="module")
+def vaes(runtime):
+    return {dt: make_dist_vae(dt) for dt in DTYPES}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bitwise
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_direct_vae_bitwise_several_sizes(vaes, dtype):
+    vae = vaes[dtype]
+    zs = [latent(h, w, dtype, seed=i) for i, (h, w) in enumerate(SIZES)]
+    ref = [decode(vae, z) for z in zs]
+    api.select("none,+vae_exact", model=vae)
+    assert OPT.piece_report(vae) == {
+        "single_frame_decode": "",
+        "cached_conv_counts": "",
+        "upsample_native_dtype": "",
+        "pointwise_conv_no_pad": "",
+        "latents_stats_cache": "attached to a bare VAE (no pipeline _decode_latents)",
+    }
+    got = [decode(vae, z) for z in zs]
+    for r, g, (h, w) in zip(ref, got, SIZES, strict=True):
+        assert g.shape == (1, 3, 1, 8 * h, 8 * w)
+        assert 0 < (r.abs() == 1).float().mean() < 0.5  # the final clamp matters, but not everywhere
+        assert g.dtype == dtype
+        assert torch.equal(r, g), (h, w, (r.float() - g.float()).abs().max())
+    assert not OPT.fallbacks
+    # The VAE is left in the same cache state as stock.
+    assert vae._feat_map == [None] * vae._cached_conv_counts["decoder"] and vae._conv_idx == [0]
+
+
+def test_pipeline_bitwise_fp32(tiny_pipe, runtime):
+    sizes = [(32, 32), (48, 64)]
+    api.select("none", model=tiny_pipe)
+    ref = [generate(tiny_pipe, runtime, height=h, width=w, steps=2, seed=3) for h, w in sizes]
+    api.select("none,+vae_exact", model=tiny_pipe)
+    assert all(v == "" for v in OPT.piece_report(tiny_pipe).values()), OPT.piece_report(tiny_pipe)
+    got = [generate(tiny_pipe, runtime, height=h, width=w, steps=2, seed=3) for h, w in sizes]
+    for r, g in zip(ref, got, strict=True):
+        assert torch.equal(r.images, g.images)
+    assert not OPT.fallbacks
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_pipeline_decode_latents_bitwise_with_real_stats(tiny_pipe, runtime, dtype):
+    """The pipeline-level piece (cached mean / 1/std) with non-trivial statistics, fp32 and bf16."""
+    original_vae = tiny_pipe.vae
+    cfg = dict(original_vae.config)
+    vae = make_dist_vae(
+        dtype,
+        base_dim=cfg["base_dim"],
+        dim_mult=cfg["dim_mult"],
+        num_res_blocks=cfg["num_res_blocks"],
+        temperal_downsample=cfg["temperal_downsample"],
+    )
+    tiny_pipe.vae = vae
+    try:
+        z = vae.config.z_dim
+        shapes = [(32, 32), (48, 64)]
+        packed = [
+            torch.randn(1, (h // 8) * (w // 8), 4 * z, generator=torch.Generator().manual_seed(h + w)) * 3
+            for h, w in shapes
+        ]
+
+        def run():
+            with runtime.context(), torch.no_grad():
+                return [
+                    tiny_pipe._decode_latents(p, h, w, "pt").output for p, (h, w) in zip(packed, shapes, strict=True)
+                ]
+
+        ref = run()
+        api.select("none,+vae_exact", model=tiny_pipe)
+        assert OPT.piece_report(tiny_pipe)["latents_stats_cache"] == ""
+        got, again = run(), run()  # second call: from the cache
+        for r, g, a in zip(ref, got, again, strict=True):
+            assert r.dtype == dtype
+            assert torch.equal(r, g) and torch.equal(r, a)
+    finally:
+        api.select("none", model=tiny_pipe)
+        tiny_pipe.vae = original_vae
+
+
+def test_latents_stats_built_once(tiny_pipe, runtime, monkeypatch):
+    packed = torch.randn(1, 4 * 4, 16, generator=torch.Generator().manual_seed(0))
+    made = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(1) or real_tensor(*a, **k))
+
+    def run():
+        with runtime.context(), torch.no_grad():
+            return tiny_pipe._decode_latents(packed, 32, 32, "pt").output
+
+    run()
+    assert len(made) == 2  # stock: mean and std, every call
+    api.select("none,+vae_exact", model=tiny_pipe)
+    made.clear()
+    run(), run(), run()
+    assert len(made) == 2  # built once, reused
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# work removed
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_fewer_kernel_launches(vaes, dtype):
+    vae = vaes[dtype]
+    z = latent(4, 4, dtype)
+    _, stock = count_ops(lambda: decode(vae, z))
+    api.select("none,+vae_exact", model=vae)
+    _, ours = count_ops(lambda: decode(vae, z))
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageResidualBlock
+
+    n_res = sum(isinstance(m, QwenImageResidualBlock) for m in vae.decoder.modules())
+    # Stock clones, for a next frame that never comes, the input of conv_in, of both convs of every residual block
+    # and of conv_out; the one clone left is the mid-block attention's qkv .contiguous().
+    assert stock.counts["aten::clone"] - ours.counts["aten::clone"] == 2 * n_res + 2 == 30
+    assert ours.counts["aten::clone"] == 1
+    # 1x1x1 convs (post_quant_conv + one shortcut) no longer copy through a zero-width pad.
+    assert stock.counts["aten::constant_pad_nd"] - ours.counts["aten::constant_pad_nd"] == 2
+    if dtype == torch.bfloat16:  # 3 upsamples x (to fp32, back to bf16)
+        assert stock.counts["aten::_to_copy"] - ours.counts["aten::_to_copy"] == 6
+    # Everything else is the same computation.
+    assert {
+        k: v for k, v in ours.counts.items() if k not in ("aten::clone", "aten::constant_pad_nd", "aten::_to_copy")
+    } == {k: v for k, v in stock.counts.items() if k not in ("aten::clone", "aten::constant_pad_nd", "aten::_to_copy")}
+    assert ours.total < stock.total
+
+
+def test_clear_cache_does_not_walk_modules(vaes, monkeypatch):
+    vae = vaes[torch.float32]
+    api.select("none,+vae_exact", model=vae)
+    monkeypatch.setattr(nn.Module, "modules", lambda self: pytest.fail("clear_cache walked the module tree"))
+    vae.clear_cache()
+    assert vae._feat_map == [None] * vae._cached_conv_counts["decoder"]
+    assert vae._enc_feat_map == [None] * vae._cached_conv_counts["encoder"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fallbacks keep stock results
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_multi_frame_takes_stock_path(vaes, dtype):
+    vae = vaes[dtype]
+    z = latent(4, 6, dtype, t=3)
+    ref = decode(vae, z)
+    api.select("none,+vae_exact", model=vae)
+    got = decode(vae, z)
+    assert ref.shape[2] == 9  # 1 + 4 * 2 frames: the feature cache and the time convs really ran
+    assert torch.equal(ref, got)  # the submodule pieces stay exact with a cache and several frames
+    assert any("multi-frame" in r for r in OPT.fallbacks)
+
+
+def test_tiled_and_patch_parallel_paths_unchanged(tiny_pipe):
+    """vae_use_tiling (stock tiled_decode) and the patch-parallel split/exec/merge, run on one rank."""
+    vae = tiny_pipe.vae
+    z = latent(20, 12, torch.float32)
+    saved = (vae.use_tiling, vae.tile_sample_min_height, vae.tile_sample_min_width)
+    saved += (vae.tile_sample_stride_height, vae.tile_sample_stride_width)
+
+    def parallel_decode():
+        with torch.no_grad():
+            tasks, grid = vae.tile_split(z)
+            return vae.tile_merge({t.grid_coord: vae.tile_exec(t) for t in tasks}, grid)
+
+    try:
+        vae.enable_tiling(32, 32, 24, 24)  # 8x8 latent tiles, so a 20x12 latent is tiled
+        ref_tiled, ref_pp = decode(vae, z), parallel_decode()
+        api.select("none,+vae_exact", model=tiny_pipe)
+        got_tiled, got_pp = decode(vae, z), parallel_decode()
+        assert any("tiled decode" in r for r in OPT.fallbacks)
+    finally:
+        api.select("none", model=tiny_pipe)
+        vae.use_tiling = saved[0]
+        (vae.tile_sample_min_height, vae.tile_sample_min_width) = saved[1:3]
+        (vae.tile_sample_stride_height, vae.tile_sample_stride_width) = saved[3:]
+    assert torch.equal(ref_tiled, got_tiled)
+    assert torch.equal(ref_pp, got_pp)
+
+
+def test_upsample_verification_refuses_a_wrong_kernel(vaes, monkeypatch):
+    """A device whose bf16 nearest interpolation disagrees with the fp32 one keeps stock's round trip."""
+    vae = vaes[torch.bfloat16]
+    z = latent(4, 4, torch.bfloat16)
+    real = torch.nn.functional.interpolate
+
+    def wrong_in_bf16(x, *a, **k):
+        y = real(x, *a, **k)
+        return y + 1 if x.dtype == torch.bfloat16 else y
+
+    monkeypatch.setattr(torch.nn.functional, "interpolate", wrong_in_bf16)
+    monkeypatch.setattr(vae_exact, "_UPSAMPLE_VERIFIED", {})
+    ref = decode(vae, z)
+    api.select("none,+vae_exact", model=vae)
+    got = decode(vae, z)
+    assert vae_exact._UPSAMPLE_VERIFIED == {("cpu", torch.bfloat16): False}
+    assert torch.equal(ref, got)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# install / detach / idempotence / other models
+# ----------------------------------------------------------------------------------------------------------------
+def test_attach_detach_restore_by_identity(tiny_pipe):
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+
+    vae = tiny_pipe.vae
+    decode_before = vae.decode  # vLLM-Omni's profiler may wrap this per instance: never touched
+    assert patched_anywhere(tiny_pipe) == []
+    assert api.select("none,+vae_exact", model=tiny_pipe) == ["vae_exact"]
+    assert OPT.is_attached(tiny_pipe) and OPT.model_reasons_inactive(tiny_pipe) == []
+    patched = patched_anywhere(tiny_pipe)
+    assert "" in patched and "vae" in patched and "vae.post_quant_conv" in patched
+    assert vars(vae)["_decode"].__func__.__name__ == "_decode"
+    n = len(patched)
+    OPT.attach(tiny_pipe)  # idempotent
+    OPT.attach(vae)  # the same VAE through another model: refused, not patched twice
+    assert OPT.model_reasons_inactive(vae) == ["its VAE is already attached through another model"]
+    assert len(patched_anywhere(tiny_pipe)) == n
+    assert vae.decode == decode_before
+    api.select("none", model=tiny_pipe)
+    OPT.detach(tiny_pipe)  # idempotent
+    assert patched_anywhere(tiny_pipe) == []
+    assert vae._decode.__func__ is AutoencoderKLQwenImage._decode
+    assert vae.clear_cache.__func__ is AutoencoderKLQwenImage.clear_cache
+    assert not OPT.is_attached(tiny_pipe)
+
+
+def test_uninstall_detaches_everything(vaes):
+    vae = vaes[torch.float32]
+    api.select("none,+vae_exact", model=vae)
+    assert patched_anywhere(vae)
+    api.select("none")  # no model given: uninstall still detaches every attached model
+    assert patched_anywhere(vae) == [] and not OPT.installed
+
+
+def test_reasons_for_other_models(tiny_pipe, runtime):
+    from vllm_omni.diffusion.models.qwen_image.autoencoder_kl_qwenimage import (
+        AutoencoderKLQwenImage as InTreeVae,
+    )
+
+    api.select("none,+vae_exact")
+    assert OPT.reasons_inactive() == []
+    transformer = tiny_pipe.transformer
+    OPT.attach(transformer)
+    assert "neither a Qwen-Image VAE nor a pipeline" in OPT.model_reasons_inactive(transformer)[0]
+    assert patched_anywhere(transformer) == []
+
+    holder = nn.Module()
+    holder.vae = InTreeVae(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False])
+    OPT.attach(holder)
+    assert "not diffusers' AutoencoderKLQwenImage" in OPT.model_reasons_inactive(holder)[0]
+    assert patched_anywhere(holder) == []
+
+
+def test_pipeline_overriding_decode_latents_keeps_its_own(vaes):
+    class OtherPipeline(nn.Module):
+        def _decode_latents(self, *a, **k):
+            return "theirs"
+
+    pipe = OtherPipeline()
+    pipe.vae = vaes[torch.float32]
+    OPT.install()
+    OPT.attach(pipe)
+    report = OPT.piece_report(pipe)
+    assert "is not QwenImagePipeline's" in report["latents_stats_cache"]
+    assert report["single_frame_decode"] == "" and OPT.model_reasons_inactive(pipe) == []
+    assert "_decode_latents" not in vars(pipe)
+    OPT.detach(pipe)
+    assert patched_anywhere(pipe) == []
+
+
+def test_status_lists_vae_exact_active():
+    api.select("default")
+    rows = {r["name"]: r for r in api.status()}
+    assert rows["vae_exact"]["active"] and rows["vae_exact"]["default"]
+    assert rows["vae_exact"]["equivalence"] == "exact"

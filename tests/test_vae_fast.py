@@ -1,0 +1,240 @@
+"""vae_fast: quality gates vs stock (tiny pipeline, real-width VAE at 256x256), composition with vae_exact, clean
+revert, fallbacks; and the quality metrics it is judged by (vllm_omni_ascend_opt.metrics)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.test_vae_exact import decode, latent, make_dist_vae, patched_anywhere
+from vllm_omni_ascend_opt import api, metrics
+from vllm_omni_ascend_opt.metrics import compare_images, passes_gates
+from vllm_omni_ascend_opt.opts import vae_exact, vae_fast
+from vllm_omni_ascend_opt.opts.vae_fast import OPT
+from vllm_omni_ascend_opt.testbed.opcount import count_ops
+from vllm_omni_ascend_opt.testbed.pipeline import generate
+
+
+def frames(x: torch.Tensor) -> torch.Tensor:
+    """[B, 3, 1, H, W] decoder output -> [B, 3, H, W] image, as the pipeline does."""
+    return x[:, :, 0].float()
+
+
+def assert_nontrivial(img: torch.Tensor) -> None:
+    """A gate test on images that are flat or clamped everywhere could not fail."""
+    assert img.std() > 0.05, img.std()
+    assert (img.abs() >= 1.0).float().mean() < 0.5
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# metrics
+# ----------------------------------------------------------------------------------------------------------------
+def test_metrics_identical_images():
+    img = torch.rand(2, 3, 16, 24) * 2 - 1
+    m = compare_images(img, img.clone())
+    assert m == {"pixel_identical": True, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "ssim": 1.0, "psnr": math.inf}
+    assert passes_gates(m)
+
+
+def test_metrics_explicit_data_range_and_value_range():
+    # A flat mid-grey image and the same image one 8-bit level brighter: MSE = 1 -> PSNR = 20 log10(255).
+    ref01 = np.full((1, 3, 16, 16), 128 / 255)
+    out01 = np.full((1, 3, 16, 16), 129 / 255)
+    m01 = compare_images(ref01, out01, value_range=(0.0, 1.0))
+    assert m01["psnr"] == pytest.approx(20 * math.log10(255), abs=1e-6)
+    assert not m01["pixel_identical"]
+    assert m01["max_abs_diff"] == pytest.approx(1 / 255)
+    # The same images given in [-1, 1] (vLLM-Omni's range) give the same 8-bit metrics; diffs are in input units.
+    m11 = compare_images(ref01 * 2 - 1, out01 * 2 - 1)
+    assert m11["psnr"] == pytest.approx(m01["psnr"]) and m11["ssim"] == pytest.approx(m01["ssim"])
+    assert m11["max_abs_diff"] == pytest.approx(2 / 255)
+    # The worst image of a batch is reported.
+    ref = torch.zeros(2, 3, 16, 16)
+    out = ref.clone()
+    out[1] += torch.linspace(-0.3, 0.3, 16)
+    m = compare_images(ref, out)
+    assert m["psnr"] < 30 and m["ssim"] < 0.99 and not passes_gates(m)
+    assert compare_images(ref[:1], out[:1])["psnr"] == math.inf
+    with pytest.raises(ValueError, match="shape mismatch"):
+        compare_images(ref, out[:1])
+    with pytest.raises(ValueError, match="value_range"):
+        metrics.to_uint8(ref, value_range=(1.0, 1.0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gates
+# ----------------------------------------------------------------------------------------------------------------
+def test_gates_on_tiny_pipeline_and_composition(tiny_pipe, runtime):
+    kw = dict(height=48, width=64, steps=2, seed=5)
+    api.select("none", model=tiny_pipe)
+    ref = generate(tiny_pipe, runtime, **kw).images
+    api.select("none,+vae_fast", model=tiny_pipe)
+    assert OPT.piece_report(tiny_pipe) == {"conv2d_last_tap": "", "rms_norm_input_dtype": ""}
+    fast = generate(tiny_pipe, runtime, **kw).images
+    api.select("none,+vae_exact,+vae_fast", model=tiny_pipe)
+    both = generate(tiny_pipe, runtime, **kw).images
+    assert_nontrivial(ref)
+    m = compare_images(ref, fast)
+    assert passes_gates(m), m
+    assert m["max_abs_diff"] > 0  # the fast path really ran (fp32: last bits differ)
+    # vae_exact changes no value, so with vae_fast it gives vae_fast's image bit for bit.
+    assert torch.equal(fast, both)
+
+
+@pytest.fixture(scope="module")
+def realwidth(runtime):
+    """Real-width decoder (base_dim 96, z_dim 16, dim_mult [1, 2, 4, 4], 2 res blocks, temporal [F, T, T]),
+    seeded random weights; one stock decode at 256x256 per dtype, computed once for the module."""
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        vae = make_dist_vae(dt, out_gain=2.0, base_dim=96, z_dim=16, latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
+        z = latent(32, 32, dt, z=16, seed=7)
+        out[dt] = (vae, z, decode(vae, z))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gates_on_realwidth_vae_256(realwidth, dtype):
+    vae, z, ref = realwidth[dtype]
+    api.select("none,+vae_fast", model=vae)
+    out = decode(vae, z)
+    api.select("none", model=vae)
+    ref_img, out_img = frames(ref), frames(out)
+    assert ref_img.shape == (1, 3, 256, 256)
+    assert_nontrivial(ref_img)
+    m = compare_images(ref_img, out_img)
+    assert passes_gates(m), m
+    assert m["max_abs_diff"] > 0
+
+
+def test_fewer_ops_and_no_zero_padded_conv3d(realwidth):
+    vae, _, _ = realwidth[torch.float32]
+    z = latent(4, 4, torch.float32, z=16)
+    n_spatial = sum(1 for m in vae.decoder.modules() if vae_fast.last_tap_eligible(m) and m.kernel_size[0] == 3)
+    n_norms = sum(1 for m in vae.decoder.modules() if vae_fast.norm_eligible(m))
+    assert n_spatial == 32 and n_norms == 30
+    _, stock = count_ops(lambda: decode(vae, z))
+    api.select("none,+vae_fast", model=vae)
+    decode(vae, z)  # the first call makes the contiguous last-tap weights (once)
+    _, fast = count_ops(lambda: decode(vae, z))
+    # Each 3x3x3 conv loses its zero-padded input copy: the padding moves into conv2d.
+    assert stock.counts["aten::constant_pad_nd"] - fast.counts["aten::constant_pad_nd"] == n_spatial - 2 == 30
+    assert stock.counts["aten::convolution"] == fast.counts["aten::convolution"]  # same convs, 2D now
+    # Each norm (fp32: no up/down casts to save there): x / norm, then one in-place product with gamma * scale.
+    assert stock.counts["aten::div"] == fast.counts["aten::div"] == n_norms
+    assert stock.counts["aten::mul"] - fast.counts["aten::mul"] == 2 * n_norms and fast.counts["aten::mul_"] == n_norms
+    assert stock.counts["aten::add"] - fast.counts["aten::add"] == n_norms  # the + 0.0 bias
+    assert fast.total < stock.total
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fallbacks, weights, revert
+# ----------------------------------------------------------------------------------------------------------------
+def test_cached_or_multi_frame_calls_use_stock_conv3d():
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
+
+    torch.manual_seed(0)
+    conv = QwenImageCausalConv3d(4, 6, 3, padding=1)
+    x1 = torch.randn(1, 4, 1, 5, 5)
+    x3 = torch.randn(1, 4, 3, 5, 5)
+    cache = torch.randn(1, 4, 2, 5, 5)
+    with torch.no_grad():
+        want = [conv(x3), conv(x1, cache), conv(x1)]
+        forward = vae_fast._make_last_tap_forward(conv).__get__(conv)
+        got = [forward(x3), forward(x1, cache), forward(x1)]
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert torch.allclose(want[2], got[2], atol=1e-5) and got[2].shape == want[2].shape
+
+
+def test_last_tap_follows_weight_updates():
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
+
+    torch.manual_seed(0)
+    conv = QwenImageCausalConv3d(4, 6, 3, padding=1)
+    forward = vae_fast._make_last_tap_forward(conv).__get__(conv)
+    x = torch.randn(1, 4, 1, 5, 5)
+    with torch.no_grad():
+        forward(x)
+        conv.weight.mul_(2.0)  # in-place reload (bumps the version counter)
+        assert torch.allclose(forward(x), conv(x), atol=1e-5)
+        conv.to(torch.float64)  # moved / re-cast
+        assert forward(x.double()).dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_rms_norm_input_dtype_close_to_stock(dtype):
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageRMS_norm
+
+    torch.manual_seed(0)
+    for norm in (QwenImageRMS_norm(32, images=False), QwenImageRMS_norm(32, images=True, bias=True)):
+        with torch.no_grad():
+            norm.gamma.uniform_(0.5, 1.5)
+            if isinstance(norm.bias, torch.Tensor):
+                norm.bias.uniform_(-0.5, 0.5)
+        norm.to(dtype)
+        x = (torch.randn(2, 32, 1, 6, 5) * 30).to(dtype)  # * 30: fp16 sums of squares overflow without fp32 accum
+        x = x[:, :, 0] if norm.gamma.dim() == 3 else x
+        forward = vae_fast._make_norm_forward(norm).__get__(norm)
+        with torch.no_grad():
+            want, got = norm(x), forward(x)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.isfinite(got).all()
+        tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        # gamma kept in fp32 under a low-precision input: stock promotes, so must we
+        if dtype != torch.float32:
+            norm.gamma.data = norm.gamma.data.float()
+            with torch.no_grad():
+                assert forward(x).dtype == norm(x).dtype == torch.float32
+        # int input (never in a decoder): stock path
+        assert forward.__func__ is not None
+
+
+def test_time_conv_and_pointwise_convs_are_not_touched(realwidth):
+    vae, _, _ = realwidth[torch.float32]
+    api.select("none,+vae_fast", model=vae)
+    assert patched_anywhere(vae.encoder) == []  # encode is never touched
+    for name, m in vae.named_modules():
+        if name.startswith("encoder."):
+            continue
+        if name.endswith("time_conv") or name == "post_quant_conv" or name.endswith("conv_shortcut"):
+            # time_conv: only ever called with a cache; 1x1x1 convs: vae_exact's (exact) piece.
+            assert ("forward" in vars(m)) == name.endswith("time_conv"), name
+    assert "_decode" not in vars(vae) and "clear_cache" not in vars(vae)
+
+
+def test_attach_detach_identity_and_composition_order(tiny_pipe):
+    assert patched_anywhere(tiny_pipe) == []
+    api.select("none,+vae_fast,+vae_exact", model=tiny_pipe)
+    fast_forwards = {n for n, m in tiny_pipe.vae.named_modules() if "forward" in vars(m)}
+    vae_fast.OPT.attach(tiny_pipe)  # idempotent
+    # detach vae_exact first: vae_fast's patches survive untouched (disjoint attributes)
+    api.select("none,+vae_fast", model=tiny_pipe)
+    assert not vae_exact.OPT.is_attached(tiny_pipe)
+    still = {n for n, m in tiny_pipe.vae.named_modules() if "forward" in vars(m)}
+    assert still and still < fast_forwards
+    for n, m in tiny_pipe.vae.named_modules():
+        if n in still:
+            made_by = vars(m)["forward"].__func__.__qualname__.split(".")[0]
+            assert made_by in ("_make_last_tap_forward", "_make_norm_forward"), n
+    api.select("none", model=tiny_pipe)
+    assert patched_anywhere(tiny_pipe) == []
+
+
+def test_reasons_for_other_models(tiny_pipe):
+    api.select("none,+vae_fast")
+    assert OPT.reasons_inactive() == []
+    OPT.attach(tiny_pipe.transformer)
+    assert OPT.model_reasons_inactive(tiny_pipe.transformer)
+    holder = nn.Module()
+    holder.vae = nn.Linear(2, 2)
+    OPT.attach(holder)
+    assert "not diffusers' AutoencoderKLQwenImage" in OPT.model_reasons_inactive(holder)[0]
+    assert patched_anywhere(holder) == []
+    rows = {r["name"]: r for r in api.status()}
+    assert rows["vae_fast"]["active"] and not rows["vae_fast"]["default"]
+    assert rows["vae_fast"]["equivalence"] == "close"

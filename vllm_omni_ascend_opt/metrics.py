@@ -1,0 +1,97 @@
+"""Image-quality metrics for approximate ("close") optimizations: SSIM, PSNR, pixel identity, abs diffs.
+
+The gates of this project (fixed before any measurement, as in the reference 910B1 work) are SSIM >= 0.99 and
+PSNR >= 35 dB against stock. One call does everything::
+
+    from vllm_omni_ascend_opt.metrics import compare_images, passes_gates
+    m = compare_images(ref.images, out.images)          # float [B, 3, H, W] in [-1, 1] (vLLM-Omni's "pt" output)
+    assert passes_gates(m), m
+
+Conventions (stated once, used everywhere):
+
+* Inputs are float tensors or arrays of shape ``[B, 3, H, W]`` (or ``[3, H, W]``) holding values in
+  ``value_range``, ``(-1, 1)`` by default, which is what vLLM-Omni's pipelines return; pass ``value_range=(0, 1)``
+  for images already in ``[0, 1]``. Values outside the range are clipped, as the image post-processor does.
+* SSIM and PSNR are computed on the **8-bit images a user would save** (``round(255 * x01)``), with an explicit
+  ``data_range=255`` and ``channel_axis=-1`` (H, W, C), per image; the batch's **worst** image is reported.
+* ``pixel_identical`` compares those 8-bit images exactly; ``max_abs_diff`` / ``mean_abs_diff`` are taken on the
+  float inputs, in their own units (a [-1, 1] image has twice the [0, 1] numbers).
+* Identical images have ``psnr == inf`` (no division by zero, no warning) and ``ssim == 1.0``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+#: The project's acceptance gates for a "close" optimization, against stock.
+SSIM_GATE = 0.99
+PSNR_GATE_DB = 35.0
+
+
+def _as_numpy(images: Any) -> np.ndarray:
+    """Float64 numpy ``[B, C, H, W]`` from a torch tensor or array (``[C, H, W]`` gets a batch axis)."""
+    if hasattr(images, "detach"):  # torch.Tensor without importing torch here
+        images = images.detach().float().cpu().numpy()
+    arr = np.asarray(images, dtype=np.float64)
+    if arr.ndim == 3:
+        arr = arr[None]
+    if arr.ndim != 4:
+        raise ValueError(f"expected images of shape [B, C, H, W] or [C, H, W], got {arr.shape}")
+    return arr
+
+
+def to_uint8(images: Any, value_range: tuple[float, float] = (-1.0, 1.0)) -> np.ndarray:
+    """8-bit ``[B, H, W, C]`` images, as a user would save them: clip to ``value_range``, scale, round."""
+    lo, hi = value_range
+    if not hi > lo:
+        raise ValueError(f"value_range must be (low, high) with high > low, got {value_range}")
+    x01 = np.clip((_as_numpy(images) - lo) / (hi - lo), 0.0, 1.0)
+    return np.round(x01 * 255.0).astype(np.uint8).transpose(0, 2, 3, 1)
+
+
+def _psnr(ref: np.ndarray, out: np.ndarray) -> float:
+    """PSNR of two 8-bit HWC images (skimage, data_range=255); ``inf`` when they are identical."""
+    from skimage.metrics import peak_signal_noise_ratio
+
+    if np.array_equal(ref, out):
+        return math.inf
+    return float(peak_signal_noise_ratio(ref, out, data_range=255))
+
+
+def _ssim(ref: np.ndarray, out: np.ndarray) -> float:
+    """SSIM of two 8-bit HWC images (skimage, data_range=255, channel_axis=-1); window shrunk for tiny images."""
+    from skimage.metrics import structural_similarity
+
+    side = min(ref.shape[0], ref.shape[1])
+    win = min(7, side if side % 2 else side - 1)
+    if win < 3:
+        raise ValueError(f"images of {ref.shape[:2]} are too small for SSIM (need at least 3x3)")
+    return float(structural_similarity(ref, out, data_range=255, channel_axis=-1, win_size=win))
+
+
+def compare_images(ref: Any, out: Any, *, value_range: tuple[float, float] = (-1.0, 1.0)) -> dict[str, Any]:
+    """Compare ``out`` against the reference ``ref`` (same shape, float, values in ``value_range``).
+
+    Returns ``dict(pixel_identical, max_abs_diff, mean_abs_diff, ssim, psnr)``; see the module docstring for the
+    conventions (SSIM/PSNR on the 8-bit images, worst image of the batch; diffs on the floats).
+    """
+    a, b = _as_numpy(ref), _as_numpy(out)
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch: ref {a.shape} vs out {b.shape}")
+    diff = np.abs(a - b)
+    ra, rb = to_uint8(a, value_range), to_uint8(b, value_range)
+    return {
+        "pixel_identical": bool(np.array_equal(ra, rb)),
+        "max_abs_diff": float(diff.max()),
+        "mean_abs_diff": float(diff.mean()),
+        "ssim": min(_ssim(x, y) for x, y in zip(ra, rb, strict=True)),
+        "psnr": min(_psnr(x, y) for x, y in zip(ra, rb, strict=True)),
+    }
+
+
+def passes_gates(metrics: dict[str, Any], *, ssim_min: float = SSIM_GATE, psnr_min: float = PSNR_GATE_DB) -> bool:
+    """True when ``compare_images`` output meets SSIM >= ``ssim_min`` and PSNR >= ``psnr_min`` dB."""
+    return metrics["ssim"] >= ssim_min and metrics["psnr"] >= psnr_min
