@@ -190,3 +190,16 @@ def test_without_a_control_there_is_no_noise_floor_and_reports_still_render(tmp_
 
     with Image.open(tmp_path / "out" / "ablation.png") as im:
         im.verify()
+
+
+def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_path, monkeypatch):
+    plan = make_plan(repeats=4, process_sets=2, seeds=[1])
+    log = tmp_path / "starts.log"
+    _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "starts_log": str(log)})
+    assert sorted(starts(log)) == sorted([c.id for c in plan.configs] * 2)
+    pids = {}
+    for s in res["samples"]:
+        if not s["warmup"] and s["config"] == "full":
+            pids[s["round"]] = s["pid"]
+    assert pids[0] == pids[1] != pids[2] == pids[3]
+    assert res["verdict"]["result"] == "PASS"

@@ -106,6 +106,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "request by request; per-round: a fresh process per configuration and round, one at a time "
         "(auto: resident for tiny, per-round otherwise)",
     )
+    r.add_argument(
+        "--process-sets",
+        type=int,
+        help="resident: split the rounds into this many blocks, each with freshly started workers (default 1)",
+    )
     r.add_argument("--start-jobs", type=int, help="workers starting at the same time (resident; default 2)")
     r.add_argument("--threads", type=int, help="torch threads per worker (default: torch's choice)")
     r.add_argument("--timeout", type=float, dest="timeout_s", help="seconds allowed per generation (default 600)")
@@ -181,6 +186,7 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
         "min_improvement_pct",
         "schedule",
         "start_jobs",
+        "process_sets",
         "threads",
         "timeout_s",
         "start_timeout_s",

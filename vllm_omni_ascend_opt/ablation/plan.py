@@ -325,9 +325,10 @@ def estimate(plan: Plan) -> Estimate:
         basis = "Qwen-Image on one Ascend 910B1 (BF16 eager); process start assumed 120 s"
     measured = n * wl.repeats * per_round
     if plan.schedule == "resident":
-        processes = n
-        gens = n * wl.warmup + measured
-        secs = math.ceil(n / max(1, wl.start_jobs)) * start + gens * image
+        sets = max(1, min(wl.process_sets, wl.repeats))
+        processes = n * sets
+        gens = processes * wl.warmup + measured
+        secs = sets * math.ceil(n / max(1, wl.start_jobs)) * start + gens * image
     else:
         processes = n * wl.repeats
         gens = processes * wl.warmup + measured

@@ -5,6 +5,8 @@ machine hits all of them alike):
 
 * ``resident`` (default for the tiny model): one worker per configuration, all alive at once. Workers start
   ``start_jobs`` at a time and warm up as soon as they are ready; measuring starts only when every worker is ready.
+  With ``process_sets`` > 1 the rounds are split into that many consecutive blocks, each measured by a freshly started
+  set of workers, so that process-level effects (memory placement) are drawn more than once.
   Then, for each round (= one repeat) and each sample (prompt x seed), every configuration runs once, in an order
   rotated by one position per step, so no configuration always runs first or right after a given other one. Workers
   block on their stdin between requests. Costs one model copy per configuration in memory.
@@ -573,14 +575,33 @@ class Runner:
                     todo[(c.id, rnd)] = left
         return todo
 
+    def _blocks(self) -> list[list[int]]:
+        """The rounds split into ``process_sets`` consecutive blocks, each measured by freshly started workers."""
+        n, k = self.wl.repeats, max(1, min(self.wl.process_sets, self.wl.repeats))
+        bounds = [round(i * n / k) for i in range(k + 1)]
+        return [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
+
     def _run_resident(self) -> None:
         todo = self._todo()
-        configs = [c for c in self.plan.configs if any(k[0] == c.id for k in todo)]
+        blocks = [[r for r in b if any(k[1] == r for k in todo)] for b in self._blocks()]
+        blocks = [b for b in blocks if b]
+        total = 0
+        for b in blocks:
+            cfgs = {k[0] for k in todo if k[1] in b}
+            total += len(cfgs) * (1 + self.wl.warmup) + sum(len(v) for k, v in todo.items() if k[1] in b)
+        prog = _Progress(total, self.progress_enabled)
+        try:
+            for b in blocks:
+                self._resident_block(b, todo, prog)
+        finally:
+            prog.close()
+
+    def _resident_block(
+        self, rounds: list[int], todo: dict[tuple[str, int], set[tuple[int, int]]], prog: _Progress
+    ) -> None:
+        configs = [c for c in self.plan.configs if c.id not in self.failed and any((c.id, r) in todo for r in rounds)]
         if not configs:
             return
-        rounds = sorted({k[1] for k in todo})
-        total = len(configs) * (1 + self.wl.warmup) + sum(len(v) for v in todo.values())
-        prog = _Progress(total, self.progress_enabled)
         workers: dict[str, Worker] = {}
         starting: list[Worker] = []
         try:
@@ -632,7 +653,6 @@ class Runner:
                 w.kill()
             raise
         finally:
-            prog.close()
             for w in [*workers.values(), *starting]:
                 w.stop()
 

@@ -70,6 +70,9 @@ class Workload:
     #: ``resident``: one live worker per configuration, driven round-robin; ``per-round``: a fresh process per
     #: (configuration, round), one at a time (needed when one device holds only one copy of the model).
     schedule: str = "auto"
+    #: Resident schedule: split the rounds into this many blocks, each with freshly started workers (samples
+    #: process-level effects more than once; costs one start-up per block).
+    process_sets: int = 1
     #: Workers importing/loading at the same time (resident schedule only).
     start_jobs: int = 2
     #: torch intra-op threads per worker (0: torch's default).
@@ -135,6 +138,8 @@ class Workload:
             problems.append(f"the SSIM gate must be in (0, 1] (got {self.ssim_gate!r})")
         if float(self.psnr_gate) <= 0:
             problems.append(f"the PSNR gate must be positive dB (got {self.psnr_gate!r})")
+        if not isinstance(self.process_sets, int) or self.process_sets < 1:
+            problems.append(f"process_sets must be >= 1 (got {self.process_sets!r})")
         if not isinstance(self.start_jobs, int) or self.start_jobs < 1:
             problems.append(f"start_jobs must be >= 1 (got {self.start_jobs!r})")
         if self.timeout_s <= 0 or self.start_timeout_s <= 0:
