@@ -307,16 +307,10 @@ def write_chart(results: dict[str, Any], out: Path) -> Path:
     for yi, (_, d), m, sd in zip(y, rows, means, stds, strict=True):
         pct = d.get("saved_pct_of_stock")
         txt = f"{m:+.1f} ms" + (f" ({pct:+.1f}%)" if pct is not None else "") + f"  {d['label']}"
-        end = m + sd if m >= 0 else m - sd  # past the error bar
-        ax.annotate(
-            txt,
-            (end, yi),
-            xytext=(4 if m >= 0 else -4, 0),
-            textcoords="offset points",
-            ha="left" if m >= 0 else "right",
-            va="center",
-            fontsize=8,
-        )
+        # Labels always sit right of the bar's positive end (or of zero for a negative bar), inside the axes,
+        # so they never run into the optimization names on the y axis.
+        end = m + sd if m >= 0 else max(0.0, nf["ms"] if nf else 0.0)
+        ax.annotate(txt, (end, yi), xytext=(4, 0), textcoords="offset points", ha="left", va="center", fontsize=8)
     lo, hi = ax.get_xlim()
     span = max(hi - lo, 1e-6)
     ax.set_xlim(lo - 0.25 * span, hi + 0.35 * span)
