@@ -296,6 +296,16 @@ def test_attach_detach_restore_by_identity(tiny_pipe):
     assert not OPT.is_attached(tiny_pipe)
 
 
+def test_loader_hook_attaches_to_pipelines(tiny_pipe):
+    """The plugin's loader hook calls attach_all on every pipeline vLLM-Omni's loader returns."""
+    from vllm_omni_ascend_opt import _plugin
+
+    api.select("none,+vae_exact")
+    assert _plugin.attach_all(tiny_pipe) == ["vae_exact"]
+    assert OPT.is_attached(tiny_pipe) and "_decode" in vars(tiny_pipe.vae)
+    assert _plugin.attach_all(tiny_pipe.transformer) == []  # not a VAE: nothing acts, with a reason
+
+
 def test_uninstall_detaches_everything(vaes):
     vae = vaes[torch.float32]
     api.select("none,+vae_exact", model=vae)

@@ -3,20 +3,29 @@
 Why
     For a single latent frame, every 3x3x3 causal convolution of the Qwen-Image (Wan) VAE decoder zero-pads the
     time axis to 3 frames and runs a Conv3d whose first two temporal taps multiply zeros: 3x the multiply-adds of
-    the 2D convolution that produces the result, plus a padded copy of the input. These convolutions are ~80% of
-    decode time. The sum of the same non-zero products in another order differs in the last bits (measured on CPU
+    the 2D convolution that produces the result, plus a padded copy of the input. These convolutions take 63% (bf16)
+    to 80% (fp32) of decode time on CPU. The sum of the same non-zero products in another order differs in the last bits (measured on CPU
     fp32: max |diff| 7e-7 for some shapes, bitwise equal for others), so this is the approximate tier, not
     ``vae_exact``.
 How (per instance, through each module's own ``__dict__``; the classes are untouched)
     * ``conv2d_last_tap`` - each decoder ``QwenImageCausalConv3d`` with a temporal kernel kt > 1 and full causal
       padding (kt - 1 frames before, none after, no dilation, no groups): when called without a cache on one frame,
-      run ``F.conv2d`` of the frame with the last temporal tap ``weight[:, :, -1]`` (kept contiguous, rebuilt if the
-      weight changes, moves or is reloaded) and the spatial padding inside the convolution. Every other call (a
-      cache, several frames) takes the stock forward.
-Candidates measured and dropped (numbers in the module notes / the issue note): an RMS norm in the input dtype
-    without the fp32 upcast (with the gamma-scale folded), fp16 decode, a fused norm + SiLU, and the NPU fused
-    attention in the mid-block (torch_npu's ``F.scaled_dot_product_attention`` already dispatches that BNSD, D=384
-    call to ``npu_fusion_attention`` on 910B; op-plugin ScaledDotProductAttentionKernelNpuOpApi.cpp).
+      run ``F.conv2d`` of the frame with the last temporal tap ``weight[:, :, -1]`` (kept contiguous, built on first
+      use, rebuilt if the weight changes, moves or is reloaded) and the spatial padding inside the convolution.
+      Every other call (a cache, several frames) takes the stock forward. CPU, real width, bf16, 256^2: decode
+      2.0x alone; bf16 happens to stay pixel-identical on CPU, fp32 does not.
+    * ``rms_norm_input_dtype`` - each decoder ``QwenImageRMS_norm`` (channel-first): ``x / ||x|| * (gamma *
+      scale)`` in the input dtype, without stock's fp32 copy and cast back and without the ``+ 0.0`` bias: 4
+      kernels instead of 8 in bf16 (30 norms per decode). CPU bf16 256^2: 1.05x alone; SSIM 0.998, PSNR 48.8 dB.
+Candidates measured and dropped
+    * fp16 decode: SSIM 0.9989 / PSNR 50.4 dB vs bf16 stock (64^2), but 860x slower on CPU (74 s vs 86 ms: no fp16
+      convolution kernels) and no gain to expect on 910B, whose cube units run fp16 and bf16 at the same peak; overflow risk.
+    * fused RMS norm + SiLU (in-place SiLU after the norm, block activation bypassed): no gain in bf16 (11.5 vs
+      11.6 ms per 96-channel 256^2 norm + SiLU), needs the shared activation module swapped; torch_npu has no fused
+      channel-first L2-norm + SiLU kernel.
+    * NPU fused attention in the mid-block: torch_npu's ``F.scaled_dot_product_attention`` already dispatches this
+      BNSD, N=1, D=384 (<= 512), mask-free call to ``npu_fusion_attention`` on 910B1+ (op-plugin
+      ``ScaledDotProductAttentionKernelNpuOpApi.cpp``); one call per decode at 1/8 resolution; nothing to add.
 Gates
     SSIM >= 0.99 and PSNR >= 35 dB against stock, on the tiny pipeline and on a real-width VAE (base_dim 96) at
     256x256, fp32 and bf16: tests/test_vae_fast.py.
@@ -155,7 +164,7 @@ class VaeFast(VaeOptimization):
     def notes(self) -> list[str]:
         return [
             "single uncached frames only; video frames and cached calls keep Conv3d",
-            "keeps a contiguous copy of each 3x3x3 kernel's last tap (1/3 of those weights, ~46 MB bf16 at real width)",
+            "keeps a contiguous copy of each 3x3x3 kernel's last tap (1/3 of those weights, ~47 MB bf16 at real width)",
         ]
 
     def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
