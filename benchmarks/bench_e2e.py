@@ -36,8 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {
     # name: (resolutions, steps, repeats)
-    "tiny": ([(64, 64), (128, 128)], 4, 5),
-    "realwidth": ([(64, 64), (128, 128)], 2, 2),
+    "tiny": ([(64, 64), (128, 128)], 4, 7),
+    "realwidth": ([(128, 128), (256, 256)], 2, 3),
 }
 
 

@@ -123,6 +123,14 @@ class VaeOptimization(Optimization):
         """ "" when ``piece`` should be attached, else why not (switched off through ``enabled_pieces``)."""
         return "" if piece in self.enabled_pieces else "switched off (enabled_pieces)"
 
+    def patch_forwards(self, piece: str, modules: list[nn.Module], make_forward: Any, ps: PatchSet, none: str) -> str:
+        """Replace ``forward`` of each module in ``modules`` by ``make_forward(module)`` (through ``ps``) when
+        ``piece`` is wanted and there is at least one; returns "" when it acts, else why not (``none`` if empty)."""
+        why = self.wants(piece) or ("" if modules else none)
+        for m in modules if not why else ():
+            ps.set(m, "forward", bind(m, make_forward(m)))
+        return why
+
     def fallback(self, reason: str) -> None:
         """Count a call that took the stock path; log each distinct reason once."""
         if reason not in self.fallbacks:

@@ -295,21 +295,18 @@ class VaeExact(VaeOptimization):
             ps.set(vae, "clear_cache", bind(vae, _clear_cache))
         report["cached_conv_counts"] = why
 
-        why = self.wants("upsample_native_dtype")
         ups = [m for m in decode_modules(vae) if of_exact_class(m, mod.QwenImageUpsample)]
-        if not why and not ups:
-            why = "no stock QwenImageUpsample in the decoder"
-        for m in ups if not why else ():
-            ps.set(m, "forward", bind(m, _make_upsample_forward(m)))
-        report["upsample_native_dtype"] = why
-
-        why = self.wants("pointwise_conv_no_pad")
+        report["upsample_native_dtype"] = self.patch_forwards(
+            "upsample_native_dtype", ups, _make_upsample_forward, ps, "no stock QwenImageUpsample in the decoder"
+        )
         pw = [m for m in decode_modules(vae) if _is_pointwise_causal_conv(m)]
-        if not why and not pw:
-            why = "no stock 1x1x1 causal convolution in the decode path"
-        for m in pw if not why else ():
-            ps.set(m, "forward", bind(m, _make_pointwise_forward(m)))
-        report["pointwise_conv_no_pad"] = why
+        report["pointwise_conv_no_pad"] = self.patch_forwards(
+            "pointwise_conv_no_pad",
+            pw,
+            _make_pointwise_forward,
+            ps,
+            "no stock 1x1x1 causal convolution in the decode path",
+        )
 
         why = self.wants("latents_stats_cache")
         if not why and pipe is None:

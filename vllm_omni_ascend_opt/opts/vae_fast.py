@@ -49,7 +49,6 @@ from vllm_omni_ascend_opt.opts import _targets
 from vllm_omni_ascend_opt.opts._vae_common import (
     PieceReport,
     VaeOptimization,
-    bind,
     decode_modules,
     diffusers_vae,
     of_exact_class,
@@ -168,23 +167,24 @@ class VaeFast(VaeOptimization):
         ]
 
     def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
-        report: PieceReport = {}
-        why = self.wants("conv2d_last_tap")
         convs = [m for m in decode_modules(vae) if last_tap_eligible(m)]
-        if not why and not convs:
-            why = "no stock causal convolution with a temporal kernel > 1 in the decoder"
-        for m in convs if not why else ():
-            ps.set(m, "forward", bind(m, _make_last_tap_forward(m)))
-        report["conv2d_last_tap"] = why
-
-        why = self.wants("rms_norm_input_dtype")
         norms = [m for m in decode_modules(vae) if norm_eligible(m)]
-        if not why and not norms:
-            why = "no stock channel-first QwenImageRMS_norm in the decoder"
-        for m in norms if not why else ():
-            ps.set(m, "forward", bind(m, _make_norm_forward(m)))
-        report["rms_norm_input_dtype"] = why
-        return report
+        return {
+            "conv2d_last_tap": self.patch_forwards(
+                "conv2d_last_tap",
+                convs,
+                _make_last_tap_forward,
+                ps,
+                "no stock causal convolution with a temporal kernel > 1 in the decoder",
+            ),
+            "rms_norm_input_dtype": self.patch_forwards(
+                "rms_norm_input_dtype",
+                norms,
+                _make_norm_forward,
+                ps,
+                "no stock channel-first QwenImageRMS_norm in the decoder",
+            ),
+        }
 
 
 OPT = register_optimization(VaeFast())
