@@ -33,8 +33,8 @@ list: $(STAMP)
 	$(VENV)/bin/vllm-omni-ascend-opt list
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check vllm_omni_ascend_opt tests benchmarks
-	$(VENV)/bin/ruff format --check vllm_omni_ascend_opt tests benchmarks
+	$(VENV)/bin/ruff check vllm_omni_ascend_opt tests benchmarks patches
+	$(VENV)/bin/ruff format --check vllm_omni_ascend_opt tests benchmarks patches
 
 clean-venv:
 	rm -rf $(VENV)
