@@ -16,7 +16,6 @@ from vllm_omni_ascend_opt.ablation.workload import (
     WorkloadError,
     from_mapping,
     load_workload,
-    parse_flat_toml,
     parse_toml,
 )
 
@@ -58,14 +57,19 @@ def test_workload_lookup_prefers_local_ablations_dir(tmp_path, monkeypatch):
         load_workload("nope")
 
 
-def test_flat_toml_fallback_matches_tomllib():
+def test_toml_workload_values():
     text = (
         '# comment\nname = "x"  # trailing\nseeds = [1, 2, 3]\nprompts = ["a, b", "c # not a comment"]\n'
         "cfg_scale = 4.0\nsteps = 1_000\nenforce_eager = false\n"
     )
-    assert parse_flat_toml(text) == parse_toml(text)
-    with pytest.raises(ValueError, match="tables are not supported"):
-        parse_flat_toml("[table]\nx = 1\n")
+    assert parse_toml(text) == {
+        "name": "x",
+        "seeds": [1, 2, 3],
+        "prompts": ["a, b", "c # not a comment"],
+        "cfg_scale": 4.0,
+        "steps": 1000,
+        "enforce_eager": False,
+    }
 
 
 @pytest.mark.parametrize(

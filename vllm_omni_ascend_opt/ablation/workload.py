@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,7 +217,7 @@ def parse_file(path: Path) -> dict[str, Any]:
 
 
 def parse_toml(text: str) -> dict[str, Any]:
-    """``tomllib`` (Python >= 3.11), else ``tomli``, else :func:`parse_flat_toml` (the subset workloads use)."""
+    """``tomllib`` on Python >= 3.11, ``tomli`` (in the ``ablation`` extra) on 3.10."""
     if sys.version_info >= (3, 11):
         import tomllib
 
@@ -226,91 +225,8 @@ def parse_toml(text: str) -> dict[str, Any]:
     try:
         import tomli  # type: ignore[import-not-found]
     except ImportError:
-        return parse_flat_toml(text)
+        raise WorkloadError(
+            "reading TOML workloads on Python 3.10 needs tomli: pip install 'vllm-omni-ascend-opt[ablation]' "
+            "(or use a .json workload)"
+        ) from None
     return tomli.loads(text)
-
-
-_KEY = re.compile(r"^([A-Za-z_][A-Za-z0-9_-]*)\s*=\s*(.+)$")
-
-
-def parse_flat_toml(text: str) -> dict[str, Any]:
-    """Parse the TOML subset workload files use: comments and ``key = value`` lines whose value is a basic string,
-    an integer, a float, a boolean or a one-line array of those. Anything else raises ``ValueError``."""
-    out: dict[str, Any] = {}
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = _strip_comment(raw).strip()
-        if not line:
-            continue
-        m = _KEY.match(line)
-        if not m:
-            raise ValueError(f"line {n}: expected 'key = value' (tables are not supported here): {raw!r}")
-        key, value = m.group(1), m.group(2).strip()
-        if key in out:
-            raise ValueError(f"line {n}: duplicate key {key!r}")
-        out[key] = _toml_value(value, n)
-    return out
-
-
-def _strip_comment(line: str) -> str:
-    in_str = False
-    esc = False
-    for i, ch in enumerate(line):
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch == "#":
-            return line[:i]
-    return line
-
-
-def _toml_value(v: str, n: int) -> Any:
-    if v.startswith("["):
-        if not v.endswith("]"):
-            raise ValueError(f"line {n}: arrays must be on one line")
-        inner = v[1:-1].strip()
-        if not inner:
-            return []
-        return [_toml_value(x.strip(), n) for x in _split_array(inner) if x.strip()]
-    if v.startswith('"'):
-        if len(v) < 2 or not v.endswith('"'):
-            raise ValueError(f"line {n}: unterminated string")
-        return json.loads(v)  # TOML basic strings use JSON's escapes
-    if v in ("true", "false"):
-        return v == "true"
-    try:
-        return int(v.replace("_", ""))
-    except ValueError:
-        pass
-    try:
-        return float(v.replace("_", ""))
-    except ValueError:
-        raise ValueError(f"line {n}: unsupported value {v!r}") from None
-
-
-def _split_array(inner: str) -> list[str]:
-    parts, cur, in_str, esc = [], [], False, False
-    for ch in inner:
-        if in_str:
-            cur.append(ch)
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-            cur.append(ch)
-        elif ch == ",":
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur))
-    return parts
