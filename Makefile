@@ -6,7 +6,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.ascend-opt-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint list clean-venv bench
+.PHONY: venv test demo lint list clean-venv
 
 $(STAMP): requirements/cpu-lock.txt requirements/test-lock.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The demo: a leave-one-out ablation of the embedded tiny Qwen-Image on CPU (workload tiny-cpu, ~2-4 min on 2 cores).
+# The demo: a leave-one-out ablation of the embedded tiny Qwen-Image on CPU (workload tiny-cpu, ~1 min on 2 cores when the machine is quiet).
 # It succeeds when the reports are written; the verdict (exit 0 PASS / 1 FAIL / 2 INCONCLUSIVE) is printed.
 DEMO_OUT ?= ablation-out/demo
 demo: $(STAMP)

@@ -396,7 +396,7 @@ def test_low_precision_is_within_bf16_bound_but_refused_by_the_exact_default(
 ):
     """The bound scales with the dtype: fp16-inside is within bf16's bound, yet the default (rope is class exact)
     refuses any kernel that is not bitwise; the "verified" policy accepts it."""
-    assert OPT.require_bitwise_kernel  # the shipped default
+    assert OPT.require_bitwise_kernel is None and OPT.requires_bitwise()  # the shipped default: bitwise
     fake_npu(rotary_mul="low_precision")
     api.select("none")
     ref = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
@@ -548,3 +548,15 @@ def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair():
     assert not v.ok and v.max_err_over_bound > 1
     v = rope_mod.verify_kernel(fake_rotary.npu_rotary_mul, torch.device("cpu"), torch.bfloat16, 128, 24)
     assert v.ok and 0 < v.max_err_over_bound <= 1 and math.isfinite(v.max_err_over_bound)
+
+
+@pytest.mark.parametrize(
+    ("value", "want"), [("bitwise", True), ("verified", False), (" Verified ", False), ("nope", True)]
+)
+def test_kernel_policy_from_env(monkeypatch, value, want):
+    monkeypatch.setenv(rope_mod.ENV_KERNEL_POLICY, value)
+    assert OPT.requires_bitwise() is want
+    if value == "nope":
+        assert any("'nope' is neither" in n for n in OPT.notes())
+    monkeypatch.setattr(OPT, "require_bitwise_kernel", False)  # an explicit setting wins
+    assert OPT.requires_bitwise() is False

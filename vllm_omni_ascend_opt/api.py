@@ -3,7 +3,7 @@
 In the style of Liger-Kernel's ``apply_liger_kernel_to_*``::
 
     from vllm_omni_ascend_opt import apply_to_qwen_image, optimizations
-    apply_to_qwen_image(pipeline, rope=True, nz_weights=False)    # exactly these on, on this built pipeline
+    apply_to_qwen_image(pipeline, nz_weights=False)               # the default stack minus nz_weights, on it
     with optimizations("none,+rope", model=pipeline):              # temporarily a different selection
         ...
 """
@@ -69,7 +69,8 @@ def apply_to_qwen_image(
     vae_exact: bool = True,
     vae_fast: bool = False,
 ) -> list[str]:
-    """One keyword per optimization; ``model`` may be an already-built pipeline or transformer."""
+    """One keyword per optimization (the defaults are the default stack): exactly the ``True`` ones are selected.
+    ``model`` may be an already-built pipeline or transformer."""
     chosen = {
         "shared_modulation": shared_modulation,
         "rope": rope,

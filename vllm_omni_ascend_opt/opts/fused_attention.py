@@ -325,7 +325,6 @@ def _make_fused(stock: Any) -> Any:
 
 @dataclass
 class _ModelState:
-    npu: ModuleType | None
     layers: list[tuple[nn.Module, Any, Any]] = field(default_factory=list)  # (Attention layer, stock impl, fused)
     skipped: Counter = field(default_factory=Counter)
     dtypes: set[torch.dtype] = field(default_factory=set)
@@ -408,7 +407,7 @@ class FusedAttention(Optimization):
 
     def _attach(self, model: nn.Module) -> None:
         npu = _backend.torch_npu_module()
-        state = _ModelState(npu=npu)
+        state = _ModelState()
         self._models[model] = state
         if npu is None:
             state.reasons = _backend.npu_unavailable_reasons()

@@ -34,7 +34,7 @@ How:
   shown by ``list``. A fused kernel that rounds once (fp32 inside) is NOT guaranteed bitwise-equal to stock's
   three roundings in bf16. Because ``rope`` is class ``exact``, the kernel is used by default only when it is
   bitwise-equal to stock's math on the verification inputs; ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL=verified``
-  (or ``Rope.require_bitwise_kernel = False``) also accepts a kernel that is merely within the tolerance, which
+  (or ``Rope.require_bitwise_kernel = False``; an unknown value keeps ``bitwise`` and says so) also accepts a kernel that is merely within the tolerance, which
   makes the NPU path "close" - check pixel identity with the ablation runner before relying on it. The RMSNorm before RoPE stays stock (no exact
   fused replacement exists).
 
@@ -341,8 +341,9 @@ class Rope(Optimization):
     #: Set False to keep the portable path even where torch_npu is present.
     use_npu_kernel: bool = True
     #: Accept the NPU kernel only if it is bitwise-equal to stock's math on the verification inputs (``rope`` is
-    #: class ``exact``). ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL=verified`` relaxes this to the tolerance check.
-    require_bitwise_kernel: bool = os.environ.get(ENV_KERNEL_POLICY, "bitwise").strip().lower() != "verified"
+    #: class ``exact``). None (default): from ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL`` (``bitwise`` or ``verified``),
+    #: read when the kernel is first verified; True/False override it.
+    require_bitwise_kernel: bool | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -351,6 +352,7 @@ class Rope(Optimization):
         self._verdicts: dict[tuple[str, torch.dtype, int], KernelVerdict] = {}
         self._verdict_mod: Any = None
         self._embed_memo: weakref.WeakKeyDictionary[nn.Module, OrderedDict] = weakref.WeakKeyDictionary()
+        self._bad_policy: set[str] = set()
 
     # ----- reporting -----------------------------------------------------------------------------------------
     def reasons_inactive(self) -> list[str]:
@@ -364,7 +366,10 @@ class Rope(Optimization):
         return []
 
     def notes(self) -> list[str]:
-        out = []
+        out = [
+            f"{ENV_KERNEL_POLICY}={v!r} is neither 'bitwise' nor 'verified': the 'bitwise' policy is used"
+            for v in sorted(self._bad_policy)
+        ]
         mod = _backend.torch_npu_module()
         if mod is None:
             why = "; ".join(_backend.npu_unavailable_reasons()) or "torch_npu unavailable"
@@ -413,6 +418,25 @@ class Rope(Optimization):
         self._verdicts.clear()
         self._verdict_mod = None
         self.stats.clear()
+        self._bad_policy.clear()
+
+    def requires_bitwise(self) -> bool:
+        """The kernel policy: the explicit attribute, else ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL`` (default bitwise).
+
+        An unknown value keeps the safe ``bitwise`` policy and is logged and shown in ``notes()``."""
+        if self.require_bitwise_kernel is not None:
+            return self.require_bitwise_kernel
+        raw = os.environ.get(ENV_KERNEL_POLICY, "bitwise").strip().lower()
+        if raw not in ("bitwise", "verified"):
+            if raw not in self._bad_policy:
+                logger.warning(
+                    "vllm-omni-ascend-opt: rope: %s=%r is neither 'bitwise' nor 'verified'; using 'bitwise'",
+                    ENV_KERNEL_POLICY,
+                    raw,
+                )
+                self._bad_policy.add(raw)
+            return True
+        return raw == "bitwise"
 
     # ----- backend choice (the one place) --------------------------------------------------------------------
     def _kernel_for(self, x: torch.Tensor) -> KernelVerdict | None:
@@ -433,7 +457,7 @@ class Rope(Optimization):
                 v = KernelVerdict(key[0], x.dtype, x.shape[-1], ok=False, reason="torch_npu has no npu_rotary_mul")
             else:
                 v = verify_kernel(kernel, x.device, x.dtype, x.shape[-1], x.shape[2])
-                if v.ok and self.require_bitwise_kernel and not v.bitwise_vs_stock:
+                if v.ok and self.requires_bitwise() and not v.bitwise_vs_stock:
                     v.ok, v.fn = False, None
                     v.reason = (
                         "within tolerance but not bitwise-equal to stock math; rope is class exact, so it stays on "
