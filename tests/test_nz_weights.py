@@ -129,17 +129,12 @@ def test_weight_memos_are_invalidated_after_cast_and_revert(fake_npu, bf16_pipe,
     from vllm_omni_ascend_opt.opts import shared_modulation
 
     fake_npu()
-    seen = []
+    calls = []
     w = bf16_pipe.transformer.proj_out.weight
     version = w._version
-    monkeypatch.setattr(shared_modulation, "invalidate", lambda model: seen.append(model), raising=False)
+    monkeypatch.setattr(shared_modulation, "invalidate", lambda: calls.append(1))
     OPT.attach(bf16_pipe)
-    assert seen == [bf16_pipe] and w._version == version  # why the hook is needed: .data swaps bump nothing
-    OPT.detach(bf16_pipe)
-    assert seen == [bf16_pipe, bf16_pipe]
-    calls = []
-    monkeypatch.setattr(shared_modulation, "invalidate", lambda: calls.append(1))  # a process-wide memo
-    OPT.attach(bf16_pipe)
+    assert calls == [1] and w._version == version  # why the hook is needed: .data swaps bump nothing
     OPT.detach(bf16_pipe)
     assert calls == [1, 1]
 

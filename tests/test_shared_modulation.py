@@ -272,7 +272,7 @@ def test_invalidate_and_reload(runtime):
     fwd(tr, runtime, kw)
     # A write through .data bypasses version counters: explicit invalidate() is the documented remedy.
     tr.transformer_blocks[0].txt_mod[1].weight.data.mul_(2.0)
-    sm.invalidate(tr)  # the form nz_weights calls
+    sm.invalidate()  # what nz_weights calls
     got_data = fwd(tr, runtime, kw)
     # load_weights (vLLM's default loader writes through param.data) invalidates by itself.
     tr.load_weights(random_transformer_state_dict(TINY, seed=1).items())

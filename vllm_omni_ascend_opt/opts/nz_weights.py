@@ -30,9 +30,8 @@ Skipped, with reasons (``model_reasons_inactive`` for the whole model, ``report(
 Contract with memos keyed on weights (``shared_modulation``)
     ``w.data = ...`` keeps the Parameter's identity and does **not** bump ``w._version``, so nothing keyed on
     (identity, ``_version``) notices. After casting (and after reverting) this module calls
-    ``vllm_omni_ascend_opt.opts.shared_modulation.invalidate(model)`` if that function exists (looked up with
-    ``getattr``, optional): it must drop every memo derived from ``model``'s weights. ``model`` is what attach got (a
-    pipeline or a transformer). A zero-argument ``invalidate()`` (one process-wide memo) is called without it.
+    ``vllm_omni_ascend_opt.opts.shared_modulation.invalidate()``, which drops the process-wide modulation memo
+    (its key also holds ``data_ptr``, which the cast changes, so this is belt and braces).
 Sources
     [OP-FMT] Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_format_cast.md`` (returns a new tensor; ND = 2,
     FRACTAL_NZ = 29); [OP-AIF] ``docs/context/（beta）torch_npu-npu-config-allow_internal_format.md``.
@@ -44,8 +43,6 @@ Removal plan
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 import sys
 import weakref
@@ -67,7 +64,6 @@ logger = logging.getLogger("vllm_omni_ascend_opt")
 ACL_FORMAT_ND = 2  # [OP-FMT]
 ACL_FORMAT_FRACTAL_NZ = 29  # [OP-FMT]
 NZ_DTYPES = (torch.float16, torch.bfloat16)
-INVALIDATE_HOOK = ("vllm_omni_ascend_opt.opts.shared_modulation", "invalidate")
 
 # Per-layer skip reasons (keys of report(model)["skipped"]).
 SKIP_QUANTIZED = "quantized"
@@ -182,28 +178,11 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) or isinstance(getattr(t, "data", None), DTensor)
 
 
-def invalidate_weight_memos(model: nn.Module) -> bool:
-    """Call ``shared_modulation.invalidate(model)`` when it exists (see the module docstring); True if called."""
-    mod_name, fn_name = INVALIDATE_HOOK
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError:
-        return False
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        return False
-    try:
-        takes_model = any(
-            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-            for p in inspect.signature(fn).parameters.values()
-        )
-    except (TypeError, ValueError):  # a builtin without a signature: assume the documented form
-        takes_model = True
-    if takes_model:
-        fn(model)
-    else:  # a process-wide memo: invalidate() drops everything
-        fn()
-    return True
+def invalidate_weight_memos() -> None:
+    """Drop memos keyed on weights: a ``w.data = ...`` swap changes neither Parameter identity nor ``_version``."""
+    from vllm_omni_ascend_opt.opts import shared_modulation
+
+    shared_modulation.invalidate()
 
 
 class NzWeights(Optimization):
@@ -242,7 +221,7 @@ class NzWeights(Optimization):
     def notes(self) -> list[str]:
         return [
             f"w.data = npu_format_cast(w.data, {ACL_FORMAT_FRACTAL_NZ}) on the transformer's fp16/bf16 linear weights "
-            f"after loading; reverted to ND ({ACL_FORMAT_ND}) on detach; calls shared_modulation.invalidate(model) "
+            f"after loading; reverted to ND ({ACL_FORMAT_ND}) on detach; calls shared_modulation.invalidate() "
             "after either (Parameter identity and _version do not change)"
         ]
 
@@ -326,7 +305,7 @@ class NzWeights(Optimization):
                 state.skipped[why] += 1
         if state.cast:
             logger.info("vllm-omni-ascend-opt: nz_weights cast %d linear weights to FRACTAL_NZ", len(state.cast))
-            invalidate_weight_memos(model)
+            invalidate_weight_memos()
 
     def _detach(self, model: nn.Module) -> None:
         state = self._models.pop(model, None)
@@ -335,7 +314,7 @@ class NzWeights(Optimization):
         with torch.no_grad():
             for _name, w in state.cast:
                 w.data = state.npu.npu_format_cast(w.data, ACL_FORMAT_ND)
-        invalidate_weight_memos(model)
+        invalidate_weight_memos()
 
 
 def _linear_types() -> tuple[tuple[type, ...], tuple[type, ...]]:

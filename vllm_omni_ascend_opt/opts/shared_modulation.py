@@ -811,10 +811,9 @@ def modulation_linears(transformer: nn.Module) -> list[nn.Module]:
     return out
 
 
-def invalidate(model: Any = None) -> None:
-    """Drop the memo: call after writing modulation weights in a way version counters cannot see (``param.data``
-    writes other than ``load_weights``, which invalidates by itself). ``model`` is accepted for callers that name
-    the model whose weights changed (nz_weights does); the memo is process-wide, so everything is dropped."""
+def invalidate() -> None:
+    """Drop the (process-wide) memo: call after writing modulation weights in a way version counters cannot see
+    (``param.data`` writes other than ``load_weights``, which invalidates by itself; nz_weights calls it)."""
     OPT.invalidate()
 
 
