@@ -560,3 +560,16 @@ def test_kernel_policy_from_env(monkeypatch, value, want):
         assert any("'nope' is neither" in n for n in OPT.notes())
     monkeypatch.setattr(OPT, "require_bitwise_kernel", False)  # an explicit setting wins
     assert OPT.requires_bitwise() is False
+
+
+def test_graph_capture_takes_the_stock_path(runtime, tiny_pipe, fake_npu, monkeypatch):
+    """During NPU graph capture (the shared probe in _backend) rope neither verifies nor uses tables: stock code."""
+    npu = fake_npu()
+    api.select("none", model=tiny_pipe)
+    ref = _forward(runtime, tiny_pipe.transformer)
+    api.select("none,+rope", model=tiny_pipe)
+    monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: True, raising=False)
+    got = _forward(runtime, tiny_pipe.transformer)
+    assert torch.equal(ref, got)
+    assert OPT.stats["stock_calls"] > 0 and OPT.stats["kernel_calls"] == 0 and OPT.stats["portable_calls"] == 0
+    assert npu.calls["npu_rotary_mul"] == 0

@@ -73,6 +73,25 @@ def backend_label() -> str:
     return f"torch_npu {getattr(mod, '__version__', '?')}"
 
 
+def graph_capture_reason() -> str | None:
+    """Why the current stream is being captured into a graph (CUDA or NPU), or None when it is not.
+
+    Optimizations that keep Python-side state (memos, table caches, first-use verification) step aside during
+    capture. The one place every optimization asks; never raises.
+    """
+    if "cuda" not in _CACHE:
+        _CACHE["cuda"] = torch.cuda.is_available()
+    try:
+        if _CACHE["cuda"] and torch.cuda.is_current_stream_capturing():
+            return "CUDA graph capture in progress"
+        probe = getattr(getattr(torch, "npu", None), "is_current_stream_capturing", None)
+        if probe is not None and torch_npu_module() is not None and probe():
+            return "NPU graph capture in progress"
+    except Exception:
+        return None
+    return None
+
+
 def npu_device() -> torch.device:
     """The NPU this process uses (only meaningful when :func:`torch_npu_module` is not ``None``)."""
     return torch.device("npu", torch.npu.current_device())

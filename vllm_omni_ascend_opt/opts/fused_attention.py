@@ -278,13 +278,7 @@ def verify(
 
 def _graph_mode() -> bool:
     """torch.compile tracing or NPU graph capture: [OP-FA] "暂不支持图模式" (no graph mode), so SDPA runs there."""
-    if torch.compiler.is_compiling():
-        return True
-    capturing = getattr(getattr(torch, "npu", None), "is_current_stream_capturing", None)
-    try:
-        return bool(capturing()) if callable(capturing) else False
-    except Exception:  # an uninitialised device: not capturing
-        return False
+    return torch.compiler.is_compiling() or _backend.graph_capture_reason() is not None
 
 
 # ----------------------------------------------------------------------------------------------------------------

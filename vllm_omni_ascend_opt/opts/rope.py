@@ -232,15 +232,6 @@ def _native_equivalent(rope: nn.Module) -> bool:
     return custom_op is not None and func is custom_op.CustomOp.forward_xpu  # calls forward_native
 
 
-def _capturing(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return torch.cuda.is_current_stream_capturing()
-    if device.type == "npu":
-        fn = getattr(getattr(torch, "npu", None), "is_current_stream_capturing", None)
-        return bool(fn()) if fn is not None else False
-    return False
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # on-device verification of npu_rotary_mul
 # ----------------------------------------------------------------------------------------------------------------
@@ -515,7 +506,7 @@ class Rope(Optimization):
                 or not freqs.is_complex()
                 or freqs.shape[0] != q.shape[1]
                 or freqs.shape[-1] * 2 > q.shape[-1]
-                or _capturing(q.device)
+                or _backend.graph_capture_reason() is not None
             ):
                 opt.stats["stock_calls"] += 1
                 return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)

@@ -250,21 +250,6 @@ def _norm_kind(norm: nn.Module) -> str:
     return _OPAQUE
 
 
-_CUDA: list[bool] = []
-
-
-def _capturing() -> str | None:
-    if not _CUDA:
-        _CUDA.append(torch.cuda.is_available())
-    if _CUDA[0] and torch.cuda.is_current_stream_capturing():
-        return "CUDA graph capture in progress"
-    npu = getattr(torch, "npu", None)
-    probe = getattr(npu, "is_current_stream_capturing", None)
-    if probe is not None and _backend.torch_npu_module() is not None and probe():
-        return "NPU graph capture in progress"
-    return None
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the memo
 # ----------------------------------------------------------------------------------------------------------------
@@ -389,7 +374,7 @@ class ModulationMemo:
             return "autograd is recording (temb requires grad)"
         if type(temb) is not torch.Tensor:
             return f"temb is a {type(temb).__name__}, not a plain tensor"
-        why = _capturing()
+        why = _backend.graph_capture_reason()
         if why:
             return why
         if _global_hooks():
