@@ -7,7 +7,6 @@ module fixture loads the tiny Qwen-Image through vLLM-Omni's own loader with ``d
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -17,7 +16,7 @@ from tests.fake_torch_npu.formats import FakeNpuError
 from vllm_omni_ascend_opt import api
 from vllm_omni_ascend_opt.opts import fused_attention as fa
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
-from vllm_omni_ascend_opt.testbed.pipeline import generate
+from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline
 
 OPT = fa.OPT
 B, TXT, IMG_HW = 2, 7, (4, 4)  # 2 prompts, 7 text tokens, 4x4 latent patches (a 64x64 image)
@@ -26,16 +25,7 @@ HEADS, HEAD_DIM = 4, 16  # the tiny test-bed transformer
 
 def _load(runtime, dtype: torch.dtype):
     """A fresh pipeline from vLLM-Omni's loader (the plugin's loader hook runs) in ``dtype``."""
-    from vllm.config.load import LoadConfig
-    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
-
-    cfg = copy.copy(runtime.od_config)
-    cfg.dtype = dtype
-    with runtime.context():
-        pipe = DiffusersPipelineLoader(LoadConfig(), od_config=cfg).load_model(
-            load_device="cpu", device=torch.device("cpu")
-        )
-    return pipe.eval()
+    return load_pipeline(runtime, dtype=dtype)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import torch
 from tests.fake_torch_npu import formats
 from vllm_omni_ascend_opt import api
 from vllm_omni_ascend_opt.opts import nz_weights as nz
+from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
 
 OPT = nz.OPT
 #: The tiny transformer's linear layers: time embedding (2), img_in, txt_in, per block img_mod, to_qkv, add_kv_proj,
@@ -23,18 +24,7 @@ N_LINEARS = 4 + 2 * 10 + 2
 
 
 def _load(runtime, dtype: torch.dtype = torch.bfloat16, **od_overrides):
-    from vllm.config.load import LoadConfig
-    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
-
-    cfg = copy.copy(runtime.od_config)
-    cfg.dtype = dtype
-    for k, v in od_overrides.items():
-        setattr(cfg, k, v)
-    with runtime.context():
-        pipe = DiffusersPipelineLoader(LoadConfig(), od_config=cfg).load_model(
-            load_device="cpu", device=torch.device("cpu")
-        )
-    return pipe.eval()
+    return load_pipeline(runtime, dtype=dtype, **od_overrides)
 
 
 @pytest.fixture(scope="module")

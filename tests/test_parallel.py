@@ -179,7 +179,6 @@ def fp32_run(request, tiny_model_dir) -> ParallelRun:
 def single(tiny_pipe, runtime):
     """``single(job)``: the single-process image for ``job``'s request (``none`` selected, 1 thread like a rank)."""
     from vllm_omni_ascend_opt import api
-    from vllm_omni_ascend_opt.testbed.pipeline import generate
 
     cache: dict[tuple, torch.Tensor] = {}
 
@@ -190,17 +189,7 @@ def single(tiny_pipe, runtime):
             torch.set_num_threads(1)
             try:
                 api.select("none", model=tiny_pipe)
-                cache[key] = generate(
-                    tiny_pipe,
-                    runtime,
-                    job.prompt,
-                    height=job.height,
-                    width=job.width,
-                    steps=job.steps,
-                    seed=job.seed,
-                    cfg_scale=job.cfg_scale,
-                    negative_prompt=job.negative_prompt,
-                ).images
+                cache[key] = job.generate(tiny_pipe, runtime).images
             finally:
                 torch.set_num_threads(threads)
         return cache[key]

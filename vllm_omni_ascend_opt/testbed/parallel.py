@@ -79,6 +79,22 @@ class Job:
     def key(self) -> str:
         return self.tag or f"{self.spec}@{self.height}x{self.width}"
 
+    def generate(self, pipe: Any, rt: Any) -> Any:
+        """Run this request on ``pipe`` (whatever is selected on it now); a :class:`GenerationResult`."""
+        from vllm_omni_ascend_opt.testbed.pipeline import generate
+
+        return generate(
+            pipe,
+            rt,
+            self.prompt,
+            height=self.height,
+            width=self.width,
+            steps=self.steps,
+            seed=self.seed,
+            cfg_scale=self.cfg_scale,
+            negative_prompt=self.negative_prompt,
+        )
+
 
 @dataclass(frozen=True)
 class ModeRun:
@@ -493,7 +509,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
     from vllm_omni.diffusion.forward_context import get_forward_context
 
     from vllm_omni_ascend_opt import _parallel, api
-    from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline
+    from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
     from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime, shutdown
 
     capture.lines.clear()
@@ -531,17 +547,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
             seen.clear()
             t = time.perf_counter()
             try:
-                res = generate(
-                    pipe,
-                    rt,
-                    job.prompt,
-                    height=job.height,
-                    width=job.width,
-                    steps=job.steps,
-                    seed=job.seed,
-                    cfg_scale=job.cfg_scale,
-                    negative_prompt=job.negative_prompt,
-                )
+                res = job.generate(pipe, rt)
             finally:
                 pc.mask_sp_padding = mask_before
             wall = (time.perf_counter() - t) * 1e3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,18 +18,28 @@ class GenerationResult:
     stage_ms: dict[str, float] = field(default_factory=dict)
 
 
-def load_pipeline(rt: Runtime, device: str | torch.device = "cpu") -> Any:
+def load_pipeline(
+    rt: Runtime, device: str | torch.device = "cpu", *, dtype: torch.dtype | None = None, **od_overrides: Any
+) -> Any:
     """Build and load the pipeline with vLLM-Omni's ``DiffusersPipelineLoader`` (the same call its model runner
-    makes). The plugin's loader hook attaches installed optimizations to the result."""
+    makes). The plugin's loader hook attaches installed optimizations to the result. ``dtype`` and ``od_overrides``
+    (``OmniDiffusionConfig`` fields) apply to this pipeline only, on a copy of the runtime's config."""
     from vllm.config.load import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
+    od = rt.od_config
+    if dtype is not None or od_overrides:
+        od = copy.copy(od)
+        if dtype is not None:
+            od.dtype = dtype
+        for k, v in od_overrides.items():
+            setattr(od, k, v)
     device = torch.device(device)
     with rt.context():
-        loader = DiffusersPipelineLoader(LoadConfig(), od_config=rt.od_config)
+        loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
         pipe = loader.load_model(load_device=str(device), device=device)
     pipe.eval()
-    _match_text_encoder_dtype(pipe, rt.od_config.dtype)
+    _match_text_encoder_dtype(pipe, od.dtype)
     return pipe
 
 
