@@ -8,9 +8,10 @@ PYTEST_ARGS ?=
 
 .PHONY: venv test demo lint list clean-venv
 
-$(STAMP): requirements/cpu-lock.txt requirements/test-lock.txt pyproject.toml
+$(STAMP): requirements/cpu-lock.txt requirements/test-lock.txt requirements/serve-lock.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements/cpu-lock.txt -r requirements/test-lock.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements/cpu-lock.txt -r requirements/test-lock.txt \
+		-r requirements/serve-lock.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
