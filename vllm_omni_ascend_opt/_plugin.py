@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterable
 from importlib import metadata
 
-from vllm_omni_ascend_opt import flags, registry
+from vllm_omni_ascend_opt import _report, flags, registry
 from vllm_omni_ascend_opt._patching import PatchSet
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -140,12 +140,14 @@ def install_ready() -> list[str]:
                 continue
             reasons = opt.reasons_inactive()
             if reasons:
-                logger.info("vllm-omni-ascend-opt: %s stays off: %s", name, "; ".join(reasons))
+                logger.debug("vllm-omni-ascend-opt: %s stays off: %s", name, "; ".join(reasons))
                 continue
             opt.install()
             done.append(name)
     if done:
-        logger.info("vllm-omni-ascend-opt: installed %s", ", ".join(done))
+        logger.debug("vllm-omni-ascend-opt: installed %s", ", ".join(done))
+    if _registered:
+        _report.announce()  # the one INFO line, once nothing selected waits for a module any more
     return done
 
 
@@ -161,6 +163,8 @@ def _install_core() -> None:
     def load_model(self, *args, **kwargs):
         model = original(self, *args, **kwargs)
         attach_all(model)
+        _report.announce(force=True)  # no-op when already logged
+        _report.track_model(model)  # status file, when VLLM_OMNI_ASCEND_OPT_STATUS_FILE asks for one
         return model
 
     load_model.__wrapped__ = original  # type: ignore[attr-defined]
@@ -222,6 +226,8 @@ def register() -> None:
         if _registered:
             return
         _registered = True
+        _report.wire_into_vllm_logging()
+        _apply_cpu_runtime_if_requested()
         strict = flags.strict_from_env()
         spec = flags.spec_from_env()
         try:
@@ -253,7 +259,24 @@ def register() -> None:
                 msg = "; ".join(f"{n}: {', '.join(r)}" for n, r in bad.items())
                 raise PluginConfigError(f"selected optimizations cannot be active here ({msg})")
         set_selected(names)
-        logger.info("vllm-omni-ascend-opt: selected %s", ", ".join(names) or "nothing")
+        logger.debug("vllm-omni-ascend-opt: selected %s", ", ".join(names) or "nothing")
+        _report.announce()
+
+
+def _apply_cpu_runtime_if_requested() -> None:
+    """Test bed only: the CPU runtime for vLLM-Omni's own engines, when the environment explicitly asks for it.
+
+    ``VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME=1`` is set by ``testbed.runtime.engine_env`` (tests, ablation engines), never
+    by installing the plugin; without it nothing from the test bed is imported. The function it calls changes
+    nothing unless vLLM-Omni found no accelerator (``UnspecifiedOmniPlatform``). See ``testbed/runtime.py``.
+    """
+    import os
+
+    if os.environ.get("VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME") != "1":
+        return
+    from vllm_omni_ascend_opt.testbed.runtime import apply_engine_cpu_runtime
+
+    apply_engine_cpu_runtime()
 
 
 def config_error() -> str | None:
@@ -275,3 +298,4 @@ def _reset_for_tests() -> None:
         _registered = False
         _config_error = None
         _version_error = None
+        _report._reset_for_tests()

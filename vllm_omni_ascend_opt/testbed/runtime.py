@@ -6,14 +6,22 @@ machine only, :func:`init_cpu_runtime` routes both to vLLM-Omni's own pure-torch
 process group itself (vLLM-Omni's own init does ``rank % device_count()``, which is 0 on CPU), and initialises
 vLLM-Omni's parallel state exactly as ``diffusion_worker.py`` does. On a machine with an accelerator platform it
 changes nothing in vLLM-Omni and only sets up the groups.
+
+The same file also holds the CPU runtime for vLLM-Omni's *own* engines (the offline ``Omni`` and
+``vllm serve --omni``), see :func:`engine_env` and :func:`apply_engine_cpu_runtime`: one place knows what vLLM-Omni
+lacks on CPU, each workaround with its reason.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -176,3 +184,154 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _STATE.clear()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CPU runtime for vLLM-Omni's own engines (Omni, vllm serve --omni) - test-only, opt-in
+# ----------------------------------------------------------------------------------------------------------------
+#: Opt-in switch. Set (with the site folder on PYTHONPATH) by :func:`engine_env` only.
+ENV_CPU_RUNTIME = "VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME"
+#: Folder whose ``sitecustomize.py`` installs the import-time half in every process that inherits the environment.
+SITE_DIR = Path(__file__).resolve().parent / "omni_cpu_site"
+
+_engine_log = logging.getLogger("vllm_omni.ascend_opt.cpu_runtime")
+_ENGINE_APPLIED: list[str] = []
+
+
+def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) plus what makes vLLM-Omni's engines run on CPU in every process they start.
+
+    Mechanism, and why: vLLM-Omni's processes (the API server, the ``mp`` executor's spawned workers) are started by
+    vLLM-Omni itself, so the only things that reach all of them are the environment and the plugins it loads. The
+    workarounds come in two halves:
+
+    * import time (before vLLM is imported): ``SITE_DIR/sitecustomize.py``, found through ``PYTHONPATH``, which every
+      child inherits. It needs the standard library only and does nothing without ``ENV_CPU_RUNTIME=1``.
+    * platform time: the plugin's own ``register()`` (called by vLLM-Omni in every process, before any model is
+      built) calls :func:`apply_engine_cpu_runtime` when ``ENV_CPU_RUNTIME=1``; that function changes nothing unless
+      the platform is ``UnspecifiedOmniPlatform`` (no accelerator).
+
+    Nothing is installed into site-packages and no second entry point exists: a user's process never sees either
+    half unless this environment is passed to it explicitly.
+    """
+    out = dict(os.environ if env is None else env)
+    paths = [str(SITE_DIR)] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
+    out["PYTHONPATH"] = os.pathsep.join(paths)
+    out[ENV_CPU_RUNTIME] = "1"
+    out.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return out
+
+
+def cpu_runtime_requested() -> bool:
+    return os.environ.get(ENV_CPU_RUNTIME) == "1"
+
+
+def engine_cpu_runtime_applied() -> list[str]:
+    """What :func:`apply_engine_cpu_runtime` changed in this process (empty: nothing)."""
+    return list(_ENGINE_APPLIED)
+
+
+def apply_engine_cpu_runtime() -> list[str]:
+    """Platform-time half of the engine CPU runtime; idempotent. Returns what it changed (empty on an accelerator).
+
+    On ``UnspecifiedOmniPlatform`` only (vLLM-Omni found no accelerator):
+
+    1. attention: backend selection and ``SDPAImpl.forward`` -> vLLM-Omni's pure-torch SDPA
+       (:func:`route_attention_to_sdpa_on_cpu`);
+    2. platform methods the engine calls and the unspecified platforms leave unimplemented, set on the classes of
+       both ``UnspecifiedOmniPlatform`` and vLLM's ``UnspecifiedPlatform`` (engine processes use the latter; the
+       ``--omni`` CLI makes vLLM's platform ``CpuPlatform`` only for argument parsing):
+       ``dist_backend`` (empty -> ``Unknown backend type`` at ``init_process_group``) -> ``gloo``;
+       ``get_device_count`` (0 -> ``rank % 0`` in parallel_state) -> 1; ``set_device`` / ``synchronize`` /
+       ``get_current_memory_usage`` (``NotImplementedError``) -> no-op / 0; ``max_memory_reserved`` /
+       ``max_memory_allocated`` / ``reset_peak_memory_stats`` (``Platform.__getattr__`` -> ``torch.cpu``, which has
+       none of them -> ``TypeError`` in the memory profiler) -> 0 / no-op;
+    3. the ``mp`` executor's ``DiffusionAsyncOutput`` thread: it starts with
+       ``torch.device(torch.accelerator.current_accelerator().type, ...)``; with no accelerator that is an
+       ``AttributeError`` on None, the thread dies, and every request then waits forever for its output. Inside that
+       thread only, ``current_accelerator()`` answers ``cpu``, and outputs are packed without the (CPU) side stream,
+       since pinned memory and side streams need an accelerator.
+    """
+    if _ENGINE_APPLIED:
+        return list(_ENGINE_APPLIED)
+    from vllm_omni.platforms import current_omni_platform
+
+    plat_cls = type(current_omni_platform)
+    if plat_cls.__name__ != "UnspecifiedOmniPlatform":
+        _engine_log.warning(
+            "%s=1 but the platform is %s, not UnspecifiedOmniPlatform: the CPU runtime changes nothing",
+            ENV_CPU_RUNTIME,
+            plat_cls.__name__,
+        )
+        return []
+    applied = []
+    if route_attention_to_sdpa_on_cpu():
+        applied.append("attention->SDPA")
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    for cls in dict.fromkeys((plat_cls, UnspecifiedPlatform)):
+        for name, value in _platform_methods().items():
+            setattr(cls, name, value)
+    applied.append("platform methods")
+    if _cpu_async_output_thread():
+        applied.append("mp async-output thread on cpu")
+    _ENGINE_APPLIED.extend(applied)
+    _engine_log.info("CPU runtime for vLLM-Omni's engines (test-only): %s", ", ".join(applied))
+    return applied
+
+
+def _platform_methods() -> dict[str, Any]:
+    def noop(cls: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def zero(cls: Any, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def one(cls: Any, *args: Any, **kwargs: Any) -> int:
+        return 1
+
+    return {
+        "dist_backend": "gloo",
+        "get_device_count": classmethod(one),
+        "set_device": classmethod(noop),
+        "synchronize": classmethod(noop),
+        "get_current_memory_usage": classmethod(zero),
+        "max_memory_reserved": classmethod(zero),
+        "max_memory_allocated": classmethod(zero),
+        "reset_peak_memory_stats": classmethod(noop),
+    }
+
+
+def _cpu_async_output_thread() -> bool:
+    """See item 3 of :func:`apply_engine_cpu_runtime`. Returns True when it changed something."""
+    if torch.accelerator.current_accelerator() is not None:
+        return False
+    from vllm_omni.diffusion.worker import diffusion_worker as dw
+
+    if getattr(dw.WorkerProc, "_ascend_opt_cpu_output", False):
+        return True
+    in_output_thread = threading.local()
+    real_current_accelerator = torch.accelerator.current_accelerator
+
+    def current_accelerator(*args: Any, **kwargs: Any) -> Any:
+        if getattr(in_output_thread, "on", False):
+            return torch.device("cpu")
+        return real_current_accelerator(*args, **kwargs)
+
+    original_loop = dw.WorkerProc._async_output_loop
+    original_pack = dw.pack_diffusion_output_shm
+
+    def _async_output_loop(self: Any) -> Any:
+        in_output_thread.on = True
+        return original_loop(self)
+
+    def pack_diffusion_output_shm(output: Any, d2h_stream: Any = None) -> Any:
+        if d2h_stream is not None and torch.device(d2h_stream.device).type == "cpu":
+            d2h_stream = None  # the caller still synchronizes its (CPU) stream: a no-op
+        return original_pack(output, d2h_stream=d2h_stream)
+
+    torch.accelerator.current_accelerator = current_accelerator
+    dw.WorkerProc._async_output_loop = _async_output_loop
+    dw.pack_diffusion_output_shm = pack_diffusion_output_shm
+    dw.WorkerProc._ascend_opt_cpu_output = True
+    return True

@@ -1,0 +1,120 @@
+"""Interpreter-start half of the test bed's CPU runtime for vLLM-Omni's own engines (see ``testbed/omni_cpu.py``).
+
+This folder is put on ``PYTHONPATH`` only by :func:`vllm_omni_ascend_opt.testbed.omni_cpu.engine_env` (tests, the
+ablation runner's ``omni`` / ``serve`` engines), never by installing the plugin. Python imports ``sitecustomize`` at
+start-up in every process that inherits that environment, including the workers vLLM-Omni spawns. It acts only when
+``VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME=1``, and only on imports that would otherwise fail: it uses the standard library
+alone (no torch, no vLLM) so that it costs nothing at start-up.
+
+1. torchvision is missing (no CPU wheel matches torch 2.13+cpu; the PyPI one is CUDA-linked and fails with
+   ``operator torchvision::nms does not exist``). vLLM's qwen2_vl, imported by vLLM-Omni's model registry in every
+   entry point, imports ``transformers.models.qwen2_vl.image_processing_qwen2_vl``, which imports torchvision at
+   module level. Such ``transformers.models.<m>.image_processing_<x>`` modules are served from their torchvision-free
+   twins ``image_processing_pil_<x>`` (same helpers such as ``smart_resize``; ``<X>ImageProcessor`` names the PIL
+   class). Text-to-image never runs an image processor.
+2. torchaudio is missing (no wheel matches torch 2.13+cpu): vLLM-Omni's OpenAI server imports it at module level for
+   its speech endpoints. An import-only placeholder is served whose attributes raise when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+ENV = "VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME"
+_TRANSFORMERS_MODELS = "transformers.models."
+
+
+class _PilTwinLoader(importlib.abc.Loader):
+    def __init__(self, twin: str) -> None:
+        self.twin = twin
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        twin = importlib.import_module(self.twin)
+        for name, value in vars(twin).items():
+            if name.startswith("__"):
+                continue
+            setattr(module, name, value)
+            if isinstance(value, type) and name.endswith("ImageProcessorPil"):
+                setattr(module, name[: -len("Pil")], value)
+        module.__ascend_opt_cpu_twin__ = self.twin
+
+
+class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if not fullname.startswith(_TRANSFORMERS_MODELS):
+            return None
+        head, _, leaf = fullname.rpartition(".")
+        if not leaf.startswith("image_processing_") or leaf.startswith("image_processing_pil_"):
+            return None
+        twin = f"{head}.image_processing_pil_{leaf[len('image_processing_') :]}"
+        if importlib.util.find_spec(twin) is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _PilTwinLoader(twin))
+
+
+class _PlaceholderLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        owner = module.__name__
+
+        def __getattr__(name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+
+            def unavailable(*args, **kwargs):
+                raise RuntimeError(f"{owner}.{name} is a placeholder of the test bed's CPU runtime (no audio on CPU)")
+
+            return unavailable
+
+        module.__getattr__ = __getattr__
+        module.__version__ = "0+ascend-opt-cpu-placeholder"
+
+
+class _Placeholders(importlib.abc.MetaPathFinder):
+    def __init__(self, roots: tuple[str, ...]) -> None:
+        self.roots = roots
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname.partition(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(fullname, _PlaceholderLoader(), is_package=True)
+        return None
+
+
+def _install() -> None:
+    if importlib.util.find_spec("torchvision") is None:
+        sys.meta_path.insert(0, _TorchvisionFreeImageProcessors())
+    missing = tuple(name for name in ("torchaudio",) if importlib.util.find_spec(name) is None)
+    if missing:
+        sys.meta_path.append(_Placeholders(missing))  # last: only for names no other finder knows
+
+
+def _chain_next_sitecustomize() -> None:
+    """Run the ``sitecustomize`` this one shadows (a later entry of ``sys.path``), if there is one."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        if not entry or os.path.abspath(entry) == here:
+            continue
+        candidate = os.path.join(entry, "sitecustomize.py")
+        if os.path.isfile(candidate):
+            spec = importlib.util.spec_from_file_location("_ascend_opt_shadowed_sitecustomize", candidate)
+            if spec is not None and spec.loader is not None:
+                spec.loader.exec_module(importlib.util.module_from_spec(spec))
+            return
+
+
+if os.environ.get(ENV) == "1":
+    try:
+        _install()
+    except Exception as exc:  # never break interpreter start-up
+        print(f"vllm-omni-ascend-opt CPU runtime: import workarounds not installed: {exc!r}", file=sys.stderr)
+_chain_next_sitecustomize()
