@@ -142,6 +142,7 @@ def cache_memory() -> dict[str, dict[str, Any]]:
                 "bytes": int(memo.nbytes),
                 "budget_bytes": int(memo.max_bytes),
                 "entries": len(memo),
+                "evictions": int(getattr(memo, "stats", {}).get("evictions", 0)),
             }
     if "rope" in names:
         rope = registry.get("rope")

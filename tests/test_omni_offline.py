@@ -1,0 +1,137 @@
+"""The plugin inside vLLM-Omni's offline engine ``Omni``, where users run it, on CPU with the tiny model.
+
+``Omni(distributed_executor_backend="mp")`` builds the model in a worker process it spawns; that worker loads the
+plugin through vLLM-Omni's entry points and reports, in a JSON status file named by
+``VLLM_OMNI_ASCEND_OPT_STATUS_FILE``, what it installed and what acts on the pipeline it built. The images of the
+default stack must be bitwise-identical to ``VLLM_OMNI_ASCEND_OPT=none`` (run in-process: a second process layout,
+same numbers). Both engines run at the same time, each in its own child process with the test bed's CPU runtime
+(:func:`vllm_omni_ascend_opt.testbed.runtime.engine_env`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vllm_omni_ascend_opt.testbed.runtime import engine_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+SCRIPT = Path(__file__).with_name("omni_offline_script.py")
+REPO = Path(__file__).resolve().parents[1]
+NPU_FREE_DEFAULT = {"shared_modulation", "rope", "vae_exact"}  # the default stack minus the torch_npu ones
+
+
+def _start(model: Path, out: Path, flag: str, kwargs: dict) -> subprocess.Popen:
+    out.mkdir(parents=True, exist_ok=True)
+    env = engine_env()
+    env.update(
+        VLLM_OMNI_ASCEND_OPT=flag,
+        VLLM_OMNI_ASCEND_OPT_STATUS_FILE=str(out / "status.json"),
+        VLLM_LOGGING_COLOR="0",
+        PYTHONPATH=os.pathsep.join([env["PYTHONPATH"], str(REPO)]),
+    )
+    log = open(out / "log.txt", "wb")  # noqa: SIM115 - closed by the fixture
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(model), str(out), json.dumps(kwargs)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    proc._log = log  # type: ignore[attr-defined]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """{"default": out_dir, "none": out_dir}: both engines run concurrently; killed by process group at the end."""
+    root = tmp_path_factory.mktemp("omni_offline")
+    procs = {
+        "default": _start(tiny_model_dir, root / "default", "default", {"distributed_executor_backend": "mp"}),
+        "none": _start(tiny_model_dir, root / "none", "none", {}),
+    }
+    try:
+        for name, proc in procs.items():
+            rc = proc.wait(timeout=400)
+            log = (root / name / "log.txt").read_text(errors="replace")
+            assert rc == 0, f"Omni run '{name}' failed ({rc}):\n" + "\n".join(log.splitlines()[-60:])
+        yield {name: root / name for name in procs}
+    finally:
+        for proc in procs.values():
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+            proc._log.close()
+
+
+def _status(out: Path) -> dict:
+    return json.loads((out / "status.json").read_text())
+
+
+def _result(out: Path) -> dict:
+    return json.loads((out / "result.json").read_text())
+
+
+def test_mp_worker_built_the_model_and_installed_the_default_stack(runs):
+    status, result = _status(runs["default"]), _result(runs["default"])
+    assert status["pid"] not in (os.getpid(), result["pid"]), "the model must be built in the mp worker process"
+    assert status["pipeline"] == "QwenImagePipeline"
+    assert NPU_FREE_DEFAULT <= set(status["installed"]), status
+    assert NPU_FREE_DEFAULT <= set(status["acting_on_pipeline"]), status
+    assert "torch_npu" in status["off"]["fused_attention"]
+    assert status["cpu_runtime"], "the CPU runtime must have been applied in the worker (no accelerator here)"
+    assert status["requests"] >= len(list(runs["default"].glob("*.npy")))  # refreshed after every forward
+
+
+def test_none_installs_nothing_in_process(runs):
+    status, result = _status(runs["none"]), _result(runs["none"])
+    assert status["pid"] == result["pid"], "without the mp backend the model is built in the Omni process"
+    assert status["installed"] == [] and status["acting_on_pipeline"] == []
+
+
+def test_default_stack_images_bitwise_equal_none(runs):
+    files = sorted(p.name for p in runs["none"].glob("*.npy"))
+    assert files == ["0.npy", "1.npy"]
+    for name in files:
+        a, b = np.load(runs["default"] / name), np.load(runs["none"] / name)
+        assert a.shape == b.shape and a.shape[-1] == 3
+        assert a.std() > 0, "a constant image would make the comparison vacuous"
+        assert np.array_equal(a, b), f"{name}: the default stack changed the image"
+
+
+def test_status_line_in_the_engine_log(runs):
+    log = (runs["default"] / "log.txt").read_text(errors="replace")
+    lines = [ln for ln in log.splitlines() if "vllm-omni-ascend-opt 0.1.0 (VLLM_OMNI_ASCEND_OPT=default)" in ln]
+    worker = [ln for ln in lines if "DiffusionWorker" in ln]
+    assert len(worker) == 1, lines  # one INFO line per process, the worker's tagged by vLLM
+    assert " INFO " in worker[0] and "installed shared_modulation, rope, vae_exact" in worker[0]
+    assert "fused_attention (torch_npu" in worker[0]
+
+
+def test_register_without_the_opt_in_applies_no_cpu_runtime():
+    """vLLM-Omni loading the plugin in a plain process: no test-bed import, vLLM-Omni's platform untouched."""
+    code = (
+        "import sys, json\n"
+        "from vllm_omni.plugins import load_omni_general_plugins\n"
+        "load_omni_general_plugins()\n"
+        "from vllm_omni.platforms import current_omni_platform as p\n"
+        "from vllm_omni_ascend_opt import _plugin\n"
+        "print('RESULT', json.dumps({'registered': _plugin._registered,"
+        " 'testbed': 'vllm_omni_ascend_opt.testbed.runtime' in sys.modules,"
+        " 'dist_backend': type(p).dist_backend, 'routed': bool(getattr(type(p), '_ascend_opt_cpu_routed', False))}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME"}
+    env.update(PYTHONPATH=str(REPO), VLLM_LOGGING_COLOR="0", VLLM_OMNI_ASCEND_OPT="default")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert result == {"registered": True, "testbed": False, "dist_backend": "", "routed": False}

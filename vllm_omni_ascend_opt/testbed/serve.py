@@ -1,0 +1,252 @@
+"""``vllm serve <model> --omni`` as a child process on 127.0.0.1, and a standard-library HTTP client for it.
+
+Used by the server tests and the ablation runner's ``serve`` engine. The server runs in its own process group
+(``start_new_session``), so :meth:`OmniServer.stop` ends it and every process it started (the ``mp`` executor's
+worker, multiprocessing's resource tracker) by that group, also when a test fails. Requests go to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_omni_ascend_opt.testbed.runtime import engine_env, free_port
+
+HOST = "127.0.0.1"
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not become healthy in time (the message holds the end of its output)."""
+
+
+def vllm_command() -> list[str]:
+    """The ``vllm`` console script of this interpreter's environment (falls back to ``python -m``)."""
+    script = Path(sys.executable).with_name("vllm")
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+@dataclass
+class ImageResponse:
+    status: int
+    body: dict[str, Any]
+    latency_s: float
+    png: bytes | None = None
+
+    def image(self) -> Any:
+        """The first image as a uint8 numpy array [H, W, 3]."""
+        import numpy as np
+        from PIL import Image
+
+        if self.png is None:
+            raise ValueError(f"no image in the response (HTTP {self.status}): {json.dumps(self.body)[:500]}")
+        return np.asarray(Image.open(io.BytesIO(self.png)).convert("RGB"), dtype=np.uint8)
+
+    def stage_durations(self) -> dict[str, float]:
+        metrics = self.body.get("metrics") or {}
+        return dict(metrics.get("stage_durations") or {})
+
+
+def image_request(
+    prompt: str,
+    *,
+    width: int,
+    height: int,
+    steps: int,
+    seed: int,
+    cfg_scale: float = 1.0,
+    negative_prompt: str | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
+    """An OpenAI images-API body for vLLM-Omni's server (``true_cfg_scale`` > 1 with a negative prompt: true CFG)."""
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "size": f"{width}x{height}",
+        "n": 1,
+        "seed": seed,
+        "num_inference_steps": steps,
+        "true_cfg_scale": float(cfg_scale),
+        "response_format": "b64_json",
+    }
+    if cfg_scale > 1.0:
+        body["negative_prompt"] = negative_prompt if negative_prompt is not None else " "
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw or b"{}")
+        except ValueError:
+            return exc.code, {"raw": raw.decode(errors="replace")[:2000]}
+
+
+@dataclass
+class OmniServer:
+    """One ``vllm serve MODEL --omni`` process on a free 127.0.0.1 port, with the engine CPU runtime available.
+
+    ``env`` is added to this process's environment (flags such as ``VLLM_OMNI_ASCEND_OPT``); the test bed's CPU
+    runtime switch and site folder come from :func:`engine_env` (they change nothing on an accelerator platform).
+    The server's stdout and stderr go to ``log_path``.
+    """
+
+    model: str
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    mp: bool = True
+    dtype: str = "float32"
+    extra_args: list[str] = field(default_factory=list)
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    model_id: str | None = None
+    started_s: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> OmniServer:
+        self.port = self.port or free_port()
+        argv = [
+            *vllm_command(),
+            "serve",
+            self.model,
+            "--omni",
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--enforce-eager",
+            *(["--distributed-executor-backend", "mp"] if self.mp else []),
+            *self.extra_args,
+        ]
+        env = engine_env({**os.environ, **self.env})
+        env.setdefault("VLLM_LOGGING_COLOR", "0")
+        env["PYTHONUNBUFFERED"] = "1"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"===== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
+            log.flush()
+            self._t0 = time.monotonic()
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        return self
+
+    def wait_ready(self, timeout: float = 240.0) -> OmniServer:
+        """Poll ``/health`` until 200; raise :class:`ServerError` when the server exits or the time is up."""
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerError(f"server exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise ServerError(f"server not healthy within {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+        self.started_s = time.monotonic() - self._t0
+        with urllib.request.urlopen(self.base_url + "/v1/models", timeout=10) as r:
+            self.model_id = json.load(r)["data"][0]["id"]
+        return self
+
+    def wait_exit(self, timeout: float) -> int | None:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def generate(self, body: dict[str, Any], timeout: float = 120.0) -> ImageResponse:
+        body = dict(body)
+        if self.model_id is not None:
+            body.setdefault("model", self.model_id)
+        t0 = time.perf_counter()
+        status, payload = post_json(self.base_url + "/v1/images/generations", body, timeout)
+        latency = time.perf_counter() - t0
+        png = None
+        data = payload.get("data") if status == 200 else None
+        if data:
+            png = base64.b64decode(data[0]["b64_json"])
+        return ImageResponse(status, payload, latency, png)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def group_alive(self) -> bool:
+        """Whether any process of the server's process group is still there."""
+        if self.proc is None:
+            return False
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM to the server's process group, then SIGKILL to whatever is left of it; reap the server."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group is the server's pid
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self.group_alive():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=0.2)
+            if self.proc.poll() is not None and not self.group_alive():
+                break
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=10)
+        end = time.monotonic() + 10
+        while self.group_alive() and time.monotonic() < end:  # zombies of the group are reaped by init
+            time.sleep(0.1)
+
+    def __enter__(self) -> OmniServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
