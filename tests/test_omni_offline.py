@@ -37,7 +37,7 @@ def _start(model: Path, out: Path, flag: str, kwargs: dict) -> subprocess.Popen:
         VLLM_LOGGING_COLOR="0",
         PYTHONPATH=os.pathsep.join([env["PYTHONPATH"], str(REPO)]),
     )
-    log = open(out / "log.txt", "wb")  # noqa: SIM115 - closed by the fixture
+    log = open(out / "log.txt", "wb")  # closed by the fixture
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(model), str(out), json.dumps(kwargs)],
         stdout=log,
