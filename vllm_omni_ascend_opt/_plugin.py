@@ -237,6 +237,7 @@ def register() -> None:
             logger.error("vllm-omni-ascend-opt: %s Nothing is patched.", exc)
             if strict:
                 raise PluginConfigError(str(exc)) from None
+            _report.write_status_file_safely()  # no model hook in this state: report now
             return
         problems = version_problems()
         if problems:
@@ -251,6 +252,7 @@ def register() -> None:
                 )
                 if strict:
                     raise PluginConfigError(_version_error)
+                _report.write_status_file_safely()
                 return
         if strict:
             bad = {n: registry.get(n).reasons_inactive() for n in names}

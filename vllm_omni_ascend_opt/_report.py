@@ -209,6 +209,14 @@ def write_status_file(model: Any = None) -> Path | None:
     return path
 
 
+def write_status_file_safely(model: Any = None) -> None:
+    """:func:`write_status_file`, logging (never raising) a failure: reporting must not break the engine."""
+    try:
+        write_status_file(model)
+    except Exception:
+        logger.exception("vllm-omni-ascend-opt: writing the status file failed")
+
+
 def track_model(model: Any) -> None:
     """After vLLM-Omni's loader built ``model``: write the status file now and after each ``forward`` (only when
     ``VLLM_OMNI_ASCEND_OPT_STATUS_FILE`` is set; otherwise the model is left untouched)."""
@@ -222,15 +230,9 @@ def track_model(model: Any) -> None:
         def forward_then_report(*args: Any, **kwargs: Any) -> Any:
             out = forward(*args, **kwargs)
             _requests["n"] = _requests.get("n", 0) + 1
-            try:
-                write_status_file(model)
-            except Exception:
-                logger.exception("vllm-omni-ascend-opt: writing the status file failed")
+            write_status_file_safely(model)
             return out
 
         forward_then_report._ascend_opt_status = True  # type: ignore[attr-defined]
         model.forward = forward_then_report
-    try:
-        write_status_file(model)
-    except Exception:
-        logger.exception("vllm-omni-ascend-opt: writing the status file failed")
+    write_status_file_safely(model)

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -109,14 +110,15 @@ class OmniServer:
 
     ``env`` is added to this process's environment (flags such as ``VLLM_OMNI_ASCEND_OPT``); the test bed's CPU
     runtime switch and site folder come from :func:`engine_env` (they change nothing on an accelerator platform).
-    The server's stdout and stderr go to ``log_path``.
+    The server's stdout and stderr go to ``log_path`` (appended), or to this process's stderr when it is None.
     """
 
     model: str
-    log_path: Path
+    log_path: Path | None
     env: dict[str, str] = field(default_factory=dict)
     mp: bool = True
     dtype: str = "float32"
+    enforce_eager: bool = True
     extra_args: list[str] = field(default_factory=list)
     port: int = 0
     proc: subprocess.Popen | None = None
@@ -140,22 +142,31 @@ class OmniServer:
             str(self.port),
             "--dtype",
             self.dtype,
-            "--enforce-eager",
+            *(["--enforce-eager"] if self.enforce_eager else []),
             *(["--distributed-executor-backend", "mp"] if self.mp else []),
             *self.extra_args,
         ]
         env = engine_env({**os.environ, **self.env})
         env.setdefault("VLLM_LOGGING_COLOR", "0")
         env["PYTHONUNBUFFERED"] = "1"
+        header = f"===== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n"
+        if self.log_path is None:
+            sys.stderr.write(header)
+            sys.stderr.flush()
+            self._spawn(argv, env, sys.stderr.fileno())
+            return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            log.write(f"===== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
+            log.write(header.encode())
             log.flush()
-            self._t0 = time.monotonic()
-            self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+            self._spawn(argv, env, log)
         return self
+
+    def _spawn(self, argv: list[str], env: dict[str, str], out: Any) -> None:
+        self._t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def wait_ready(self, timeout: float = 240.0) -> OmniServer:
         """Poll ``/health`` until 200; raise :class:`ServerError` when the server exits or the time is up."""
@@ -163,7 +174,7 @@ class OmniServer:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise ServerError(f"server exited with code {self.proc.returncode}:\n{self.log_tail()}")
+                raise ServerError(f"server exited with code {self.proc.returncode}:\n{self.log_tail()}".rstrip())
             with contextlib.suppress(OSError, urllib.error.URLError):
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -204,6 +215,8 @@ class OmniServer:
         return ImageResponse(status, payload, latency, png)
 
     def log_text(self) -> str:
+        if self.log_path is None:
+            return ""
         try:
             return self.log_path.read_text(errors="replace")
         except OSError:
@@ -250,3 +263,12 @@ class OmniServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def stop_all(servers: list[OmniServer], grace: float = 20.0) -> None:
+    """Stop several servers at the same time (each as :meth:`OmniServer.stop`)."""
+    threads = [threading.Thread(target=srv.stop, args=(grace,), daemon=True) for srv in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
