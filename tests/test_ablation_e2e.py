@@ -88,8 +88,8 @@ def test_tiny_leave_one_out_end_to_end(tmp_path, tiny_model_dir):
 
 
 def test_omni_engine_adapter_builds_vllm_omni_requests(monkeypatch):
-    """The worker's ``omni`` engine against a stand-in ``Omni`` class (the real one needs an accelerator; here it does
-    not even import: vLLM-Omni 0.30 has no CPU platform). Everything else is vLLM-Omni's own: sampling params, the
+    """The worker's ``omni`` engine against a stand-in ``Omni`` class (the real one runs in
+    test_omni_offline.py and the tiny-cpu-omni workload). Everything else is vLLM-Omni's own: sampling params, the
     output class and its image extraction."""
     import types
 
@@ -120,6 +120,7 @@ def test_omni_engine_adapter_builds_vllm_omni_requests(monkeypatch):
             calls["closed"] = True
 
     monkeypatch.setitem(sys.modules, "vllm_omni.entrypoints.omni", types.SimpleNamespace(Omni=FakeOmni))
+    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STATUS_FILE", "")  # the engine sets it; restored after the test
     job = {
         "model": "Qwen/Qwen-Image",
         "model_path": None,
@@ -153,8 +154,11 @@ def test_omni_engine_adapter_builds_vllm_omni_requests(monkeypatch):
     assert omni_stages_ms(None) == {} and isinstance(torch.Generator(), torch.Generator)
 
 
-def test_omni_engine_is_refused_for_the_tiny_model(capsys):
+def test_omni_and_serve_engines_plan_the_tiny_model_on_cpu_with_a_note(capsys):
     from vllm_omni_ascend_opt.cli import main
 
-    assert main(["plan", "--engine", "omni"]) == 2
-    assert "no CPU platform" in capsys.readouterr().err
+    for engine in ("omni", "serve"):
+        assert main(["plan", "--engine", engine]) == 0
+        out = capsys.readouterr()
+        assert f"engine {engine}" in out.out + out.err
+        assert "CPU runtime" in out.out + out.err

@@ -257,10 +257,10 @@ def build_plan(
     sched = schedule or workload.schedule
     if sched == "auto":
         sched = "resident" if workload.is_tiny else "per-round"
-    if eng == "omni" and workload.is_tiny:
-        raise WorkloadError(
-            "--engine omni needs a real checkpoint: vLLM-Omni's Omni engine has no CPU platform (use --engine testbed "
-            "for the tiny model)"
+    if eng in ("omni", "serve") and not _accelerator_visible():
+        notes.append(
+            f"no accelerator is visible: the {eng} engine runs vLLM-Omni on CPU through the test bed's CPU runtime "
+            "(testbed/runtime.py); fine for the tiny model, far too slow for a real checkpoint"
         )
     return Plan(
         workload=workload,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_ascend_opt.ablation.plan import Config, Plan
+from vllm_omni_ascend_opt.ablation.plan import Config, Plan, _accelerator_visible
 from vllm_omni_ascend_opt.ablation.protocol import PROTOCOL_VERSION, decode
 
 WORKER_MODULE = "vllm_omni_ascend_opt.ablation.worker"
@@ -353,6 +353,15 @@ class Worker:
         return ""
 
 
+def _stop_all(workers: list[Worker]) -> None:
+    """Stop workers at the same time (an engine's shutdown can take seconds; one after another adds up)."""
+    threads = [threading.Thread(target=w.stop, daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the run
 # ----------------------------------------------------------------------------------------------------------------
@@ -406,8 +415,14 @@ class Runner:
         self.worker_cmd = worker_cmd or [sys.executable, "-m", WORKER_MODULE]
         self.say = log or (lambda msg: print(msg, file=sys.stderr))
         self.failed: dict[str, dict[str, Any]] = {}
+        self._has_accelerator: bool | None = None
 
     # ----- plumbing ----------------------------------------------------------------------------------------
+    def _accelerator(self) -> bool:
+        if self._has_accelerator is None:
+            self._has_accelerator = _accelerator_visible()
+        return self._has_accelerator
+
     def _job(self, c: Config) -> Path:
         wl = self.wl
         job = {
@@ -440,6 +455,13 @@ class Runner:
         env["VLLM_OMNI_ASCEND_OPT_STRICT"] = "1"  # a selected optimization that cannot be active fails loudly
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("VLLM_LOGGING_COLOR", "0")
+        if self.plan.engine in ("omni", "serve") and not self._accelerator():
+            # vLLM-Omni's own engines on a CPU-only machine: the test bed's opt-in CPU runtime, in every process
+            # they start (it changes nothing on an accelerator platform, and is not passed there at all).
+            from vllm_omni_ascend_opt.testbed.runtime import engine_env
+
+            env = engine_env(env)
         return env
 
     def _spawn(self, c: Config, rnd: int | None) -> Worker:
@@ -472,7 +494,9 @@ class Runner:
 
     def _save_stem(self, c: Config, prompt: int, seed: int) -> str | None:
         stem = self.out.image_stem(c.id, prompt, seed)
-        if stem.with_suffix(".png").is_file() and (self.plan.engine == "omni" or stem.with_suffix(".npy").is_file()):
+        if stem.with_suffix(".png").is_file() and (
+            self.plan.engine in ("omni", "serve") or stem.with_suffix(".npy").is_file()
+        ):
             return None
         return str(stem)
 
@@ -653,8 +677,7 @@ class Runner:
                 w.kill()
             raise
         finally:
-            for w in [*workers.values(), *starting]:
-                w.stop()
+            _stop_all([*workers.values(), *starting])
 
     def _run_per_round(self) -> None:
         todo = self._todo()

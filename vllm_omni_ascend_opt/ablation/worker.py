@@ -16,7 +16,17 @@ Engines:
 * ``omni``: vLLM-Omni's offline engine ``vllm_omni.entrypoints.omni.Omni`` with ``enable_diffusion_pipeline_profiler``
   on; the total is the wall time of ``Omni.generate`` (it returns after the image reached this process, so after the
   device finished) and the stages are the engine's ``stage_durations``. The engine processes load the plugin
-  themselves (with the same environment). Needs an accelerator: vLLM-Omni 0.30 has no CPU platform.
+  themselves (with the same environment). vLLM-Omni 0.30 has no CPU platform: without an accelerator the runner
+  passes the test bed's opt-in CPU runtime (``testbed/runtime.py``) in the environment.
+* ``serve``: one ``vllm serve MODEL --omni`` server per configuration, started by this worker on a free 127.0.0.1
+  port with the configuration's flags in its environment; its output goes to this configuration's log. Each
+  generation is ``POST /v1/images/generations`` (``b64_json``) from a standard-library client: the total is the
+  client-side latency (what a service user sees, HTTP and PNG encoding included), the stages are the server's
+  ``stage_durations``, and the image is the returned PNG.
+
+For ``omni`` and ``serve`` the engine's own processes report, through the plugin's status file
+(``VLLM_OMNI_ASCEND_OPT_STATUS_FILE``, set by this worker), what acts on the pipeline they built; the worker
+compares that with the configuration as it does for ``testbed``.
 """
 
 from __future__ import annotations
@@ -238,12 +248,46 @@ def omni_stages_ms(stage_durations: dict[str, float] | None) -> dict[str, float]
     return out
 
 
-class OmniEngine:
-    """vLLM-Omni's offline engine (``Omni``); needs an accelerator platform (see the module docstring)."""
+class _StatusFileMixin:
+    """Engines whose model lives in vLLM-Omni's processes: what acts there comes from the plugin's status file."""
+
+    job: dict[str, Any]
+    status_path: Path
+
+    def _use_status_file(self) -> None:
+        from vllm_omni_ascend_opt._report import ENV_STATUS_FILE
+
+        base = Path(self.job.get("status_dir") or os.environ.get("TMPDIR") or "/tmp")
+        cid = (self.job.get("config") or {}).get("id", "engine")
+        self.status_path = base / f"ascend-opt-status-{os.getpid()}-{cid}.json"
+        self.status_path.unlink(missing_ok=True)
+        os.environ[ENV_STATUS_FILE] = str(self.status_path)  # inherited by every engine process
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def active(self) -> list[str] | None:
+        st = self.status()
+        if st is None:
+            raise RuntimeError(f"the engine wrote no plugin status file ({self.status_path}): was the plugin loaded?")
+        return list(st.get("acting_on_pipeline") or [])
+
+    def model_reasons(self, name: str) -> list[str]:
+        st = self.status() or {}
+        why = (st.get("off") or {}).get(name)
+        return [f"in the engine process {st.get('pid')}: {why or 'installed but not acting on the pipeline'}"]
+
+
+class OmniEngine(_StatusFileMixin):
+    """vLLM-Omni's offline engine (``Omni``) in this process (see the module docstring)."""
 
     def __init__(self, job: dict[str, Any]) -> None:
         self.job = job
         self.device = pick_device()
+        self._use_status_file()
 
     def load(self) -> None:
         from vllm_omni.entrypoints.omni import Omni
@@ -258,9 +302,6 @@ class OmniEngine:
         kwargs.update(j.get("omni_kwargs") or {})
         self.omni = Omni(**kwargs)
 
-    def active(self) -> list[str] | None:
-        return None  # the model lives in the engine's processes; VLLM_OMNI_ASCEND_OPT_STRICT=1 guards them
-
     def generate(self, prompt: str, seed: int) -> Generation:
         import numpy as np
         import torch
@@ -274,7 +315,7 @@ class OmniEngine:
             width=j["width"],
             num_inference_steps=j["steps"],
             seed=seed,
-            generator=torch.Generator(device=current_omni_platform.device_type).manual_seed(seed),
+            generator=torch.Generator(device=current_omni_platform.device_type or "cpu").manual_seed(seed),
             true_cfg_scale=j["cfg_scale"],
             max_sequence_length=j["max_sequence_length"],
         )
@@ -296,7 +337,63 @@ class OmniEngine:
             self.omni.close()
 
 
-ENGINES = {"testbed": TestbedEngine, "omni": OmniEngine}
+class ServeEngine(_StatusFileMixin):
+    """One ``vllm serve --omni`` server for this configuration, driven over HTTP (see the module docstring)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.device = pick_device()
+        self.server: Any = None
+        self._use_status_file()
+
+    def load(self) -> None:
+        from vllm_omni_ascend_opt.testbed.serve import OmniServer
+
+        j = self.job
+        # Flags: this process's environment (VLLM_OMNI_ASCEND_OPT / _STRICT from the runner) is the server's.
+        # Output: log_path None -> this worker's stderr, i.e. the configuration's log. The server stays in this
+        # worker's process group, so the runner's group kill ends it too. Executor: vLLM-Omni's default for a
+        # single-stage diffusion model (the model in the API-server process), as `vllm serve --omni` runs it.
+        self.server = OmniServer(
+            j["model_path"] or j["model"],
+            log_path=None,
+            dtype=j["dtype"],
+            enforce_eager=bool(j["enforce_eager"]),
+            mp=False,
+            new_session=False,
+        )
+        self.server.start()
+        self.server.wait_ready(timeout=float(j.get("start_timeout_s") or 1800.0))
+
+    def generate(self, prompt: str, seed: int) -> Generation:
+        from vllm_omni_ascend_opt.testbed.serve import image_request
+
+        j = self.job
+        body = image_request(
+            prompt,
+            width=j["width"],
+            height=j["height"],
+            steps=j["steps"],
+            seed=seed,
+            cfg_scale=j["cfg_scale"],
+            negative_prompt=j["negative_prompt"],
+        )
+        r = self.server.generate(body, timeout=float(j.get("timeout_s") or 600.0))
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status} from the server: {json.dumps(r.body)[:2000]}")
+        return Generation(
+            uint8=r.image(),
+            float_chw=None,
+            total_ms=r.latency_s * 1e3,
+            stages_ms=omni_stages_ms(r.stage_durations()),
+        )
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+ENGINES = {"testbed": TestbedEngine, "omni": OmniEngine, "serve": ServeEngine}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -352,7 +449,8 @@ def serve(job: dict[str, Any], proto_out: Any, commands: Any) -> int:
         registry.all_optimizations()  # built-ins first: extra modules add to the registry, never replace it
         for mod in job.get("imports") or []:
             importlib.import_module(mod)
-        load_plugin_like_vllm_omni()
+        if job["engine"] != "serve":  # a server loads the plugin in its own processes
+            load_plugin_like_vllm_omni()
         engine = ENGINES[job["engine"]](job)
         t0 = time.perf_counter()
         engine.load()

@@ -22,7 +22,7 @@ PACKAGE_WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 LOCAL_WORKLOADS = Path("ablations")
 
 MODES = ("leave-one-out", "cumulative", "single")
-ENGINES = ("auto", "testbed", "omni")
+ENGINES = ("auto", "testbed", "omni", "serve")
 SCHEDULES = ("auto", "resident", "per-round")
 STACKS = ("default", "all")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -41,7 +41,8 @@ class Workload:
     description: str = ""
     #: ``tiny`` (the embedded test-bed Qwen-Image), a local diffusers directory, or a Hugging Face id.
     model: str = "tiny"
-    #: ``testbed``: vLLM-Omni's pipeline in the worker process; ``omni``: vLLM-Omni's offline engine ``Omni``.
+    #: ``testbed``: vLLM-Omni's pipeline in the worker process; ``omni``: vLLM-Omni's offline engine ``Omni``;
+    #: ``serve``: one ``vllm serve --omni`` server per configuration, driven over HTTP (see docs/ablation.md).
     engine: str = "auto"
     dtype: str = "float32"
     height: int = 64

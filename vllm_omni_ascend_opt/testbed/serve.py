@@ -111,6 +111,8 @@ class OmniServer:
     ``env`` is added to this process's environment (flags such as ``VLLM_OMNI_ASCEND_OPT``); the test bed's CPU
     runtime switch and site folder come from :func:`engine_env` (they change nothing on an accelerator platform).
     The server's stdout and stderr go to ``log_path`` (appended), or to this process's stderr when it is None.
+    ``new_session`` (default): the server leads its own process group, which :meth:`stop` ends as a whole; False
+    keeps it in the caller's group (the ablation worker: the runner then ends worker and server together).
     """
 
     model: str
@@ -119,6 +121,7 @@ class OmniServer:
     mp: bool = True
     dtype: str = "float32"
     enforce_eager: bool = True
+    new_session: bool = True
     extra_args: list[str] = field(default_factory=list)
     port: int = 0
     proc: subprocess.Popen | None = None
@@ -165,7 +168,12 @@ class OmniServer:
     def _spawn(self, argv: list[str], env: dict[str, str], out: Any) -> None:
         self._t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=self.new_session,
         )
 
     def wait_ready(self, timeout: float = 240.0) -> OmniServer:
@@ -226,9 +234,12 @@ class OmniServer:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def group_alive(self) -> bool:
-        """Whether any process of the server's process group is still there."""
+        """Whether any process of the server's process group (or, without a session of its own, the server) is
+        still there."""
         if self.proc is None:
             return False
+        if not self.new_session:
+            return self.proc.poll() is None
         try:
             os.killpg(self.proc.pid, 0)
         except ProcessLookupError:
@@ -240,6 +251,16 @@ class OmniServer:
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM to the server's process group, then SIGKILL to whatever is left of it; reap the server."""
         if self.proc is None:
+            return
+        if not self.new_session:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            with contextlib.suppress(Exception):
+                self.proc.wait(timeout=10)
             return
         pgid = self.proc.pid  # start_new_session: the group is the server's pid
         with contextlib.suppress(ProcessLookupError, PermissionError):

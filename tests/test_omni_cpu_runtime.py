@@ -1,0 +1,127 @@
+"""The test bed's CPU runtime for vLLM-Omni's own engines, and the plugin's status line / status file (fast checks).
+
+The engines themselves run in tests/test_omni_offline.py and tests/test_omni_serve.py; here: the runtime never acts on
+an accelerator platform, ``engine_env`` is what the engines' processes inherit, the interpreter-start half serves
+exactly the missing imports and only when asked, and the plugin logs its one status line once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_omni_ascend_opt import _plugin, _report, flags
+from vllm_omni_ascend_opt.testbed import runtime as rt_mod
+
+
+def test_engine_env_puts_the_site_first_and_opts_in(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    env = rt_mod.engine_env()
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(rt_mod.SITE_DIR), "/somewhere"]
+    assert env[rt_mod.ENV_CPU_RUNTIME] == "1"
+    assert rt_mod.engine_env(env)["PYTHONPATH"] == env["PYTHONPATH"]  # idempotent
+    assert (rt_mod.SITE_DIR / "sitecustomize.py").is_file()
+    assert rt_mod.ENV_CPU_RUNTIME not in os.environ  # nothing leaks into this process
+
+
+def test_cpu_runtime_changes_nothing_on_an_accelerator_platform(monkeypatch):
+    import vllm_omni.platforms as platforms
+    from vllm.platforms.interface import UnspecifiedPlatform
+    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
+
+    class NPUOmniPlatform:  # any platform vLLM-Omni resolved other than UnspecifiedOmniPlatform
+        device_type = "npu"
+
+    monkeypatch.setattr(platforms, "current_omni_platform", NPUOmniPlatform(), raising=False)
+    monkeypatch.setattr(rt_mod, "_ENGINE_APPLIED", [])
+    forward, backend = SDPAImpl.forward, UnspecifiedPlatform.dist_backend
+    assert rt_mod.apply_engine_cpu_runtime() == []
+    assert SDPAImpl.forward is forward and UnspecifiedPlatform.dist_backend == backend
+    assert not hasattr(NPUOmniPlatform, "get_device_count") and not hasattr(NPUOmniPlatform, "dist_backend")
+    assert rt_mod.engine_cpu_runtime_applied() == []
+
+
+def test_register_applies_the_cpu_runtime_only_when_asked(monkeypatch):
+    calls = []
+    monkeypatch.setattr(rt_mod, "apply_engine_cpu_runtime", lambda: calls.append(1) or [])
+    monkeypatch.setenv(flags.ENV_FLAG, "none")
+    monkeypatch.delenv(rt_mod.ENV_CPU_RUNTIME, raising=False)
+    _plugin.register()
+    assert calls == []
+    _plugin._reset_for_tests()
+    monkeypatch.setenv(rt_mod.ENV_CPU_RUNTIME, "1")
+    _plugin.register()
+    assert calls == [1]
+
+
+_PROBE = (
+    "import importlib, json, sys\n"
+    "out = {}\n"
+    "m = importlib.import_module('transformers.models.qwen2_vl.image_processing_qwen2_vl')\n"
+    "out['smart_resize'] = callable(getattr(m, 'smart_resize', None))\n"
+    "out['twin'] = getattr(m, '__ascend_opt_cpu_twin__', None)\n"
+    "try:\n"
+    "    import torchaudio\n"
+    "    out['torchaudio'] = torchaudio.__version__\n"
+    "except ImportError:\n"
+    "    out['torchaudio'] = None\n"
+    "out['torch'] = 'torch' in sys.modules\n"
+    "print(json.dumps(out))\n"
+)
+
+
+@pytest.mark.parametrize("opt_in", [True, False])
+def test_sitecustomize_serves_missing_imports_only_when_asked(opt_in):
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None or importlib.util.find_spec("torchaudio") is not None:
+        pytest.skip("torchvision / torchaudio are installed here: nothing to serve")
+    env = rt_mod.engine_env()
+    if not opt_in:
+        env.pop(rt_mod.ENV_CPU_RUNTIME)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    if opt_in:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["smart_resize"] and out["twin"].endswith("image_processing_pil_qwen2_vl")
+        assert out["torchaudio"] == "0+ascend-opt-cpu-placeholder"
+    else:
+        assert proc.returncode != 0 and "torchvision" in proc.stderr  # the failure the runtime exists for
+
+
+def test_one_status_line_per_process_with_what_is_off(monkeypatch, caplog, tiny_pipe):
+    monkeypatch.setenv(flags.ENV_FLAG, "none,+rope")
+    with caplog.at_level(logging.INFO, logger=_report.LOGGER_NAME):
+        _plugin.register()
+        _plugin.install_ready()
+        _report.announce()
+    lines = [r for r in caplog.records if "vllm-omni-ascend-opt 0.1.0" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    msg = lines[0].getMessage()
+    assert "(VLLM_OMNI_ASCEND_OPT=none,+rope)" in msg
+    if _report.pending():
+        pytest.fail("rope's module is imported in this process; nothing should be pending")
+    assert "installed rope; off: shared_modulation (not selected by VLLM_OMNI_ASCEND_OPT)" in msg
+
+
+def test_status_file_reports_installed_and_memory(monkeypatch, tmp_path, runtime, tiny_pipe):
+    from vllm_omni_ascend_opt import api
+
+    path = tmp_path / "status-{pid}.json"
+    monkeypatch.setenv(_report.ENV_STATUS_FILE, str(path))
+    api.select("none,+rope,+shared_modulation", model=tiny_pipe)
+    written = _report.write_status_file(tiny_pipe)
+    assert written == tmp_path / f"status-{os.getpid()}.json"
+    st = json.loads(written.read_text())
+    assert st["pid"] == os.getpid() and st["installed"] == ["shared_modulation", "rope"]
+    assert st["acting_on_pipeline"] == ["shared_modulation", "rope"] and st["pipeline"] == "QwenImagePipeline"
+    assert st["off"]["vae_exact"] == "not selected by VLLM_OMNI_ASCEND_OPT"
+    mem = st["memory"]
+    assert mem["shared_modulation"]["budget_bytes"] == 512 * 1024**2 and mem["rope"]["table_cap"] > 0

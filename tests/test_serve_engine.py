@@ -1,0 +1,114 @@
+"""The ablation worker's ``serve`` engine and ``OmniServer``'s command line, without starting a server (fast).
+
+The real servers run in tests/test_omni_serve.py and the ``tiny-cpu-serve`` workload; here: the configuration's
+flags reach the server's environment with the CPU runtime, the command is ``vllm serve MODEL --omni`` on
+127.0.0.1 in the worker's process group, and a server answer becomes a ``Generation`` (client latency, the server's
+stage durations mapped to ours, the PNG's pixels).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+from vllm_omni_ascend_opt.ablation import worker as worker_mod
+from vllm_omni_ascend_opt.testbed import serve as serve_mod
+from vllm_omni_ascend_opt.testbed.runtime import ENV_CPU_RUNTIME, SITE_DIR
+
+JOB = {
+    "config": {"id": "loo_rope", "opts": ["shared_modulation", "vae_exact"], "spec": "none,+shared_modulation"},
+    "model": "tiny",
+    "model_path": "/models/tiny",
+    "dtype": "float32",
+    "enforce_eager": True,
+    "height": 32,
+    "width": 48,
+    "steps": 4,
+    "cfg_scale": 3.0,
+    "negative_prompt": "dark",
+    "max_sequence_length": 64,
+}
+
+
+class _Popen:
+    calls: ClassVar[list] = []
+
+    def __init__(self, argv, **kwargs):
+        _Popen.calls.append((argv, kwargs))
+        self.pid = 999999
+        self.returncode = None
+
+    def poll(self):
+        return None
+
+
+def test_server_gets_the_flags_and_the_cpu_runtime(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT", "none,+shared_modulation")
+    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STRICT", "1")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STATUS_FILE", "")  # the engine sets it; restored after the test
+    monkeypatch.setattr(serve_mod.subprocess, "Popen", _Popen)
+    monkeypatch.setattr(serve_mod.OmniServer, "wait_ready", lambda self, timeout=0: self)
+    _Popen.calls.clear()
+    eng = worker_mod.ServeEngine(JOB)
+    eng.load()
+    (argv, kw) = _Popen.calls[0]
+    assert argv[1:4] == ["serve", "/models/tiny", "--omni"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in argv
+    assert "--distributed-executor-backend" not in argv  # vLLM-Omni's default executor, as users run it
+    env = kw["env"]
+    assert env["VLLM_OMNI_ASCEND_OPT"] == "none,+shared_modulation" and env["VLLM_OMNI_ASCEND_OPT_STRICT"] == "1"
+    assert env[ENV_CPU_RUNTIME] == "1" and env["PYTHONPATH"].split(":")[0] == str(SITE_DIR)
+    assert env["VLLM_OMNI_ASCEND_OPT_STATUS_FILE"] == str(eng.status_path)
+    assert kw["start_new_session"] is False  # in the worker's group: the runner's group kill ends it too
+
+
+def _png(arr: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_serve_generation_from_the_http_answer(monkeypatch, tmp_path):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STATUS_FILE", "")
+    pixels = np.arange(32 * 48 * 3, dtype=np.uint8).reshape(32, 48, 3)
+    sent = {}
+
+    class FakeServer:
+        def generate(self, body, timeout):
+            sent.update(body)
+            payload = {
+                "data": [{"b64_json": base64.b64encode(_png(pixels)).decode()}],
+                "metrics": {"stage_durations": {"QwenImagePipeline.diffuse": 0.5, "QwenImagePipeline.vae.decode": 0.1}},
+            }
+            return serve_mod.ImageResponse(200, payload, 0.75, _png(pixels))
+
+    eng = worker_mod.ServeEngine(JOB)
+    eng.server = FakeServer()
+    gen = eng.generate("a cat", 7)
+    assert sent["size"] == "48x32" and sent["seed"] == 7 and sent["num_inference_steps"] == 4
+    assert sent["true_cfg_scale"] == 3.0 and sent["negative_prompt"] == "dark" and sent["response_format"] == "b64_json"
+    assert np.array_equal(gen.uint8, pixels) and gen.float_chw is None
+    assert gen.total_ms == pytest.approx(750.0)
+    assert gen.stages_ms == pytest.approx({"denoise": 500.0, "vae_decode": 100.0})
+
+
+def test_serve_engine_reports_what_the_server_process_acts_with(monkeypatch, tmp_path):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STATUS_FILE", "")
+    eng = worker_mod.ServeEngine(JOB)
+    with pytest.raises(RuntimeError, match="no plugin status file"):
+        eng.active()
+    eng.status_path.write_text(
+        json.dumps({"pid": 5, "acting_on_pipeline": ["shared_modulation"], "off": {"vae_exact": "not selected"}})
+    )
+    assert eng.active() == ["shared_modulation"]
+    assert eng.model_reasons("vae_exact") == ["in the engine process 5: not selected"]
