@@ -112,3 +112,25 @@ def test_serve_engine_reports_what_the_server_process_acts_with(monkeypatch, tmp
     )
     assert eng.active() == ["shared_modulation"]
     assert eng.model_reasons("vae_exact") == ["in the engine process 5: not selected"]
+
+
+@pytest.mark.parametrize("engine", ["testbed", "omni", "serve"])
+def test_runner_passes_the_cpu_runtime_to_vllm_omni_engines_only(monkeypatch, tmp_path, engine):
+    from vllm_omni_ascend_opt.ablation import runner as runner_mod
+    from vllm_omni_ascend_opt.ablation.plan import build_plan, opt_infos_from_registry
+    from vllm_omni_ascend_opt.ablation.workload import load_workload
+
+    monkeypatch.delenv(ENV_CPU_RUNTIME, raising=False)
+    monkeypatch.setattr(runner_mod, "_accelerator_visible", lambda: False)
+    plan = build_plan(load_workload("tiny-cpu"), opt_infos_from_registry(), engine=engine)
+    r = runner_mod.Runner(plan, tmp_path / "out", progress=False)
+    full = plan.config("full")
+    env = r._env(full)
+    assert env["VLLM_OMNI_ASCEND_OPT"] == full.spec and env["VLLM_OMNI_ASCEND_OPT_STRICT"] == "1"
+    if engine == "testbed":
+        assert ENV_CPU_RUNTIME not in env  # the test-bed engine sets up its own runtime in-process
+    else:
+        assert env[ENV_CPU_RUNTIME] == "1" and env["PYTHONPATH"].split(":")[0] == str(SITE_DIR)
+    monkeypatch.setattr(runner_mod, "_accelerator_visible", lambda: True)
+    r2 = runner_mod.Runner(plan, tmp_path / "out2", progress=False)
+    assert ENV_CPU_RUNTIME not in r2._env(full)  # never passed to an accelerator machine's engines
