@@ -61,6 +61,7 @@ def test_server_gets_the_flags_and_the_cpu_runtime(monkeypatch, tmp_path):
     assert argv[1:4] == ["serve", "/models/tiny", "--omni"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in argv
     assert "--distributed-executor-backend" not in argv  # vLLM-Omni's default executor, as users run it
+    assert "--enable-diffusion-pipeline-profiler" in argv  # per-stage durations in every response
     env = kw["env"]
     assert env["VLLM_OMNI_ASCEND_OPT"] == "none,+shared_modulation" and env["VLLM_OMNI_ASCEND_OPT_STRICT"] == "1"
     assert env[ENV_CPU_RUNTIME] == "1" and env["PYTHONPATH"].split(":")[0] == str(SITE_DIR)
@@ -87,7 +88,14 @@ def test_serve_generation_from_the_http_answer(monkeypatch, tmp_path):
             sent.update(body)
             payload = {
                 "data": [{"b64_json": base64.b64encode(_png(pixels)).decode()}],
-                "metrics": {"stage_durations": {"QwenImagePipeline.diffuse": 0.5, "QwenImagePipeline.vae.decode": 0.1}},
+                "metrics": {
+                    "stage_durations": {
+                        "QwenImagePipeline.diffuse": 0.5,
+                        "QwenImagePipeline.vae.decode": 0.1,
+                        "stage_0_gen_ms": 640.0,
+                        "queue_wait_ms": 2.0,
+                    }
+                },
             }
             return serve_mod.ImageResponse(200, payload, 0.75, _png(pixels))
 
@@ -98,7 +106,7 @@ def test_serve_generation_from_the_http_answer(monkeypatch, tmp_path):
     assert sent["true_cfg_scale"] == 3.0 and sent["negative_prompt"] == "dark" and sent["response_format"] == "b64_json"
     assert np.array_equal(gen.uint8, pixels) and gen.float_chw is None
     assert gen.total_ms == pytest.approx(750.0)
-    assert gen.stages_ms == pytest.approx({"denoise": 500.0, "vae_decode": 100.0})
+    assert gen.stages_ms == pytest.approx({"denoise": 500.0, "vae_decode": 100.0, "server_generate": 640.0})
 
 
 def test_serve_engine_reports_what_the_server_process_acts_with(monkeypatch, tmp_path):

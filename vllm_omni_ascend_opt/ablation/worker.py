@@ -22,7 +22,7 @@ Engines:
   port with the configuration's flags in its environment; its output goes to this configuration's log. Each
   generation is ``POST /v1/images/generations`` (``b64_json``) from a standard-library client: the total is the
   client-side latency (what a service user sees, HTTP and PNG encoding included), the stages are the server's
-  ``stage_durations``, and the image is the returned PNG.
+  ``stage_durations`` (pipeline profiler on, plus ``server_generate``), and the image is the returned PNG.
 
 For ``omni`` and ``serve`` the engine's own processes report, through the plugin's status file
 (``VLLM_OMNI_ASCEND_OPT_STATUS_FILE``, set by this worker), what acts on the pipeline they built; the worker
@@ -337,6 +337,16 @@ class OmniEngine(_StatusFileMixin):
             self.omni.close()
 
 
+def serve_stages_ms(stage_durations: dict[str, float] | None) -> dict[str, float]:
+    """The server's ``metrics.stage_durations``: the pipeline profiler's stages (seconds, as for ``omni``) plus
+    ``server_generate`` = the engine stages' own ``stage_<i>_gen_ms`` (the server-side time without HTTP)."""
+    out = omni_stages_ms(stage_durations)
+    gen = [float(v) for k, v in (stage_durations or {}).items() if k.startswith("stage_") and k.endswith("_gen_ms")]
+    if gen:
+        out["server_generate"] = sum(gen)
+    return out
+
+
 class ServeEngine(_StatusFileMixin):
     """One ``vllm serve --omni`` server for this configuration, driven over HTTP (see the module docstring)."""
 
@@ -361,6 +371,7 @@ class ServeEngine(_StatusFileMixin):
             enforce_eager=bool(j["enforce_eager"]),
             mp=False,
             new_session=False,
+            extra_args=["--enable-diffusion-pipeline-profiler"],  # per-stage stage_durations in each response
         )
         self.server.start()
         self.server.wait_ready(timeout=float(j.get("start_timeout_s") or 1800.0))
@@ -385,7 +396,7 @@ class ServeEngine(_StatusFileMixin):
             uint8=r.image(),
             float_chw=None,
             total_ms=r.latency_s * 1e3,
-            stages_ms=omni_stages_ms(r.stage_durations()),
+            stages_ms=serve_stages_ms(r.stage_durations()),
         )
 
     def close(self) -> None:
