@@ -68,6 +68,7 @@ _FA_MAX_N = 256  # [OP-FA] Nq 1..256
 _FA_MAX_S = 1 << 20  # [OP-FA] S 1..1M
 _FA_MAX_B = 2 << 20  # [OP-FA] B 1..2M (non-varlen)
 _INT_MAX = 2147483647
+_HEAD_CHUNK = 4  # heads per chunk inside the fake's computation (memory only; the result is the same)
 
 _FIA_DTYPES = (torch.float16, torch.bfloat16)  # [OP-FIA] query on A2/A3
 _FIA_MAX_D = 512  # [OP-FIA] Q_S > 1
@@ -167,7 +168,17 @@ def _fusion_attention_op(
     if atten_mask is not None:
         m = atten_mask.bool()
         masked = m if mask_where_true else ~m
-    out, row_max, row_sum = _attend(q, k, v, masked, scale, pre_tockens, next_tockens, inner_precise == 2)
+        if masked.dim() == 4 and masked.shape[1] > 1:  # BNSS: per-head mask, chunked with the heads below
+            raise NotImplementedError("fake npu_fusion_attention: BNSS masks are not modelled")
+    # Heads in chunks (same result): bounded memory at production shapes (S ~ 4352, B*N 24-48).
+    group = head_num // kv_heads
+    step = max(group, (_HEAD_CHUNK // group) * group)
+    parts = [
+        _attend(q[:, h : h + step], k[:, h // group : (h + step) // group], v[:, h // group : (h + step) // group],
+                masked, scale, pre_tockens, next_tockens, inner_precise == 2)
+        for h in range(0, head_num, step)
+    ]  # fmt: skip
+    out, row_max, row_sum = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))
     # softmax_max / softmax_sum: [B, N, Sq, 8] float (the kernel stores 8 copies per row); output 3 is reserved.
     stats = [r.expand(*r.shape[:-1], 8).contiguous() for r in (row_max, row_sum)]
     return _from_bnsd(out.to(query.dtype), layout), stats[0], stats[1], query.new_empty((0,))
@@ -229,6 +240,15 @@ def _fa_shapes(query: torch.Tensor, key: torch.Tensor, head_num: int, layout: st
     return b, sq, skv, nkv, d
 
 
+def b_sq_skv(query: torch.Tensor, layout: str) -> tuple[int, int]:
+    """(B, Sq) of ``query`` in ``layout``."""
+    if layout == "SBH":
+        return query.shape[1], query.shape[0]
+    if layout == "BNSD":
+        return query.shape[0], query.shape[2]
+    return query.shape[0], query.shape[1]
+
+
 def _check_fa_mask(mask: torch.Tensor, b: int, n: int, sq: int, skv: int) -> None:
     if mask.dtype not in (torch.bool, torch.uint8):
         raise FakeNpuError(f"npu_fusion_attention: atten_mask dtype {mask.dtype} is not bool/uint8 [OP-FA]")
@@ -240,7 +260,10 @@ def _check_fa_mask(mask: torch.Tensor, b: int, n: int, sq: int, skv: int) -> Non
         )
 
 
-def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool = True) -> Any:
+def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool = True, scale_until: int = 0) -> Any:
+    """``scale_until`` > 0: WRONG on purpose beyond Sq = scale_until (scale dropped): a long-sequence tiling fault that
+    a toy-shape verification cannot see."""
+
     def npu_fusion_attention(
         query: torch.Tensor,
         key: torch.Tensor,
@@ -319,7 +342,9 @@ def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool =
             input_layout,
             head_num,
             nkv,
-            float(scale) if honour_scale else 1.0,
+            float(scale)
+            if honour_scale and not (scale_until and b_sq_skv(query, input_layout)[1] > scale_until)
+            else 1.0,
             int(pre),
             int(nxt),
             int(inner_precise),
@@ -486,6 +511,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "correct": _make_fusion_attention(),
         "wrong_polarity": _make_fusion_attention(mask_where_true=False),
         "ignores_scale": _make_fusion_attention(honour_scale=False),
+        "long_seq_bug": _make_fusion_attention(scale_until=64),
     },
     "npu_fused_infer_attention_score": {"correct": npu_fused_infer_attention_score},
 }
