@@ -125,6 +125,7 @@ def test_layout_head_num_scale_and_mask_polarity_reach_the_kernel(fake_npu, bf16
     tr = bf16_pipe.transformer
     OPT.attach(tr)
     run_transformer(tr, runtime, masked=True)  # first use: verification runs here
+    run_transformer(tr, runtime, masked=False)  # ... and the check of the unmasked shape class
     spy = fake.npu_fusion_attention = _Spy(fake.npu_fusion_attention)
     run_transformer(tr, runtime, masked=True)
     run_transformer(tr, runtime, masked=False)
@@ -350,7 +351,8 @@ def test_op_count_per_block(fake_npu, bf16_pipe, runtime):
 
     stock = {m: count(m) for m in (False, True)}
     OPT.attach(tr)
-    run_transformer(tr, runtime, masked=True)  # verification happens on first use, outside the count
+    for m in (True, False):  # verification (first use, and per shape class) happens outside the count
+        run_transformer(tr, runtime, masked=m)
     fused = {m: count(m) for m in (False, True)}
     OPT.detach(tr)
     for m in (False, True):
@@ -387,11 +389,177 @@ def test_check_script_skips_without_torch_npu(capsys):
     assert out.startswith("SKIPPED: torch_npu is not installed") and "nothing to check" in out
 
 
-def test_check_script_against_the_fake(capsys):
+def test_check_script_against_the_fake(capsys, tmp_path):
+    import json
+
     script = _check_script()
-    assert script.main(SMALL) == 0
+    js = tmp_path / "check.json"
+    assert script.main([*SMALL, "--json", str(js)]) == 0
     out = capsys.readouterr().out
     assert "RESULT: PASS" in out and "plugin: npu_fusion_attention" in out and "plugin: NZ attn.to_qkv" in out
-    assert script.main([*SMALL, "--fake-variant", "fusion_attention=wrong_polarity"]) == 1
+    assert "| CANN 8.3.RC1 |" in out.splitlines()[0] and "torch_npu 2.13.0+fake" in out.splitlines()[0]
+    facts = json.loads(js.read_text())
+    assert facts["cann"] == "8.3.RC1" and facts["soc_version"] == 220 and facts["torch_npu"] == "2.13.0+fake"
+    assert {k: v["ok"] for k, v in facts["would_use"].items()} == {
+        "fused_attention": True,
+        "nz_weights": True,
+        "rope": True,
+    }
+    assert facts["would_use"]["rope"]["tier"] == "pixel" and f"JSON: {js}" in out
+    assert script.main([*SMALL, "--json", str(js), "--fake-variant", "fusion_attention=wrong_polarity"]) == 1
     out = capsys.readouterr().out
     assert "RESULT: FAIL" in out and "plugin verification (fused_attention.verify)" in out.split("RESULT")[1]
+
+
+def test_check_script_applies_the_runtime_policies(capsys, tmp_path, monkeypatch):
+    """Finding 3: the script said "PASS ... in use" for a rope kernel the runtime refused. It now applies the policy
+    (bitwise refuses the fp32-inside kernel) and the nz gates (an old CANN), and says what the plugin would use."""
+    import json
+
+    from vllm_omni_ascend_opt.opts import rope as rope_mod
+
+    script = _check_script()
+    js = tmp_path / "check.json"
+    monkeypatch.setenv(rope_mod.ENV_KERNEL_POLICY, "bitwise")
+    assert script.main([*SMALL, "--json", str(js)]) == 1
+    out = capsys.readouterr().out
+    assert "plugin would use npu_rotary_mul" in out and "rope.verify_kernel" in out.split("RESULT")[1]
+    assert json.loads(js.read_text())["would_use"]["rope"] == {
+        "ok": False, "tier": "exact", "policy": "bitwise", "per_shape": {"B*N=2, S=64": False, "B*N=4, S=64": False}
+    }  # fmt: skip
+    monkeypatch.delenv(rope_mod.ENV_KERNEL_POLICY)
+    assert script.main([*SMALL, "--json", str(js), "--fake-cann", "8.2.RC1"]) == 1
+    out = capsys.readouterr().out
+    assert "CANN 8.2.RC1 < 8.3" in out and not json.loads(js.read_text())["would_use"]["nz_weights"]["ok"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# issue 12: the mask once per forward, verification at the shapes that run, the fake against the real package
+# ----------------------------------------------------------------------------------------------------------------
+def test_mask_is_built_once_per_forward_not_per_layer(fake_npu, bf16_pipe, runtime):
+    fake_npu()
+    tr = bf16_pipe.transformer
+    OPT.attach(tr)
+    run_transformer(tr, runtime, masked=True)  # verification
+    builds, reuses = OPT.stats["mask_builds"], OPT.stats["mask_reuses"]
+    spy = []
+    real = fa.kernel_mask
+    fa.kernel_mask = lambda *a: spy.append(1) or real(*a)
+    try:
+        run_transformer(tr, runtime, masked=True, seed=3)
+        run_transformer(tr, runtime, masked=True, seed=4)
+    finally:
+        fa.kernel_mask = real
+    report = OPT.report(tr)
+    OPT.detach(tr)
+    n_layers = len(_layers(tr))
+    assert n_layers == 2 and report["calls"]["fused"] >= 2 * n_layers
+    assert len(spy) == 2  # one [B,1,S,S] build per forward, not one per layer
+    assert OPT.stats["mask_builds"] - builds == 2 and OPT.stats["mask_reuses"] - reuses == 2 * (n_layers - 1)
+    assert any("masks built" in n for n in OPT.notes())
+
+
+def test_a_new_forward_rebuilds_the_mask(fake_npu, bf16_pipe, runtime):
+    """Masks of different forwards never mix: a different padding in the next forward is honoured."""
+    fake_npu()
+    tr = bf16_pipe.transformer
+    ref_masked = run_transformer(tr, runtime, masked=True, seed=5)
+    ref_plain = run_transformer(tr, runtime, masked=False, seed=5)
+    OPT.attach(tr)
+    got_masked = run_transformer(tr, runtime, masked=True, seed=5)
+    got_plain = run_transformer(tr, runtime, masked=False, seed=5)
+    OPT.detach(tr)
+    for got, ref in ((got_masked, ref_masked), (got_plain, ref_plain)):
+        assert (got.float() - ref.float()).abs().max().item() <= 2.0**-6
+    assert not torch.equal(got_masked, got_plain)
+
+
+def _run_hw(tr, runtime, hw, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dt = tr.proj_out.weight.dtype
+    with runtime.context(), torch.no_grad():
+        return tr(
+            hidden_states=torch.randn(1, hw[0] * hw[1], 16, generator=g).to(dt),
+            encoder_hidden_states=torch.randn(1, TXT, 32, generator=g).to(dt),
+            encoder_hidden_states_mask=None,
+            timestep=torch.full((1,), 0.5),
+            img_shapes=[[(1, *hw)]],
+            txt_seq_lens=[TXT],
+            return_dict=False,
+        )[0]
+
+
+def test_shape_class_check_catches_a_long_sequence_fault(fake_npu, bf16_pipe, runtime, caplog):
+    """The toy check (S=47) passes a kernel that drops the scale beyond Sq=64; the first call at S=71 checks the kernel
+    at exactly that shape (random inputs, chunked fp32 reference) and that shape class goes to SDPA, with the reason."""
+    import logging
+
+    fake_npu(fusion_attention="long_seq_bug")
+    tr = bf16_pipe.transformer
+    ref_short, ref_long = _run_hw(tr, runtime, (4, 4)), _run_hw(tr, runtime, (8, 8))
+    OPT.attach(tr)
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        got_short, got_long = _run_hw(tr, runtime, (4, 4)), _run_hw(tr, runtime, (8, 8))
+    report = OPT.report(tr)
+    reasons = OPT.reasons_inactive()
+    OPT.detach(tr)
+    assert OPT.verdicts()[("cpu", "bfloat16")].ok  # the toy-shape verification cannot see it
+    assert torch.equal(got_long, ref_long)  # SDPA for the failing class
+    assert (got_short.float() - ref_short.float()).abs().max().item() <= 2.0**-6
+    assert report["calls"] == {"fused": 2, "sdpa: shape class failed verification": 2}  # 2 layers x 2 shapes
+    by_bucket = {v.key[5]: v for v in OPT.shape_verdicts()}
+    assert by_bucket[32].ok and not by_bucket[128].ok and "tol" in by_bucket[128].detail
+    assert any("FAILED at cpu/bfloat16/BSND B*N=4 Nkv=4 Sq<=128" in r for r in reasons)
+    assert "SDPA for this shape class" in caplog.text
+
+
+def test_shape_check_reference_is_chunked_and_bounded(monkeypatch, fake_npu):
+    """At production shapes the fp32 reference never holds more than VERIFY_CHUNK_ELEMS scores at once."""
+    fake = fake_npu()
+    b, s, n, d = 1, 40, 4, 16
+    monkeypatch.setattr(fa, "VERIFY_CHUNK_ELEMS", 2 * s * 8)  # 2 heads x 8 rows x Skv
+    seen = []
+    real_softmax = torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda x, dim: seen.append(x.numel()) or real_softmax(x, dim=dim))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, s, n, d, generator=g).bfloat16() for _ in range(3))
+    out = fa.call_kernel(fake, q, k, v, None, d**-0.5)
+    sv = fa.check_at_shape(q, k, v, out, None, d**-0.5)
+    assert sv.ok and len(seen) > n and max(seen) <= fa.VERIFY_CHUNK_ELEMS and sum(seen) == b * n * s * s
+
+
+def test_fake_sparse_mode_range_outside_tnd(fake_npu):
+    """[OP-FA] 7 and 8 are the varlen (TND) split modes: BSND accepts 0..6 only (the fake once accepted 0..8)."""
+    fake = fake_npu()
+    q = torch.randn(1, 8, 2, 16).bfloat16()
+    for mode in (7, 8):
+        with pytest.raises(FakeNpuError, match=r"0\.\.6"):
+            fake.npu_fusion_attention(q, q, q, 2, "BSND", sparse_mode=mode)
+    for mode in range(2, 7):  # documented, not modelled by the fake: a NotImplementedError, not a rejection
+        with pytest.raises(NotImplementedError):
+            fake.npu_fusion_attention(q, q, q, 2, "BSND", sparse_mode=mode)
+    fake.npu_fusion_attention(q, q, q, 2, "BSND", sparse_mode=0)
+
+
+def test_fake_rounds_softmax_weights_to_bf16_before_pv(fake_npu):
+    """[FA-BF16-P] P is a bf16 operand of the P*V matmul: the fake's output equals that computation, not one rounding
+    of the fp32 result."""
+    fake = fake_npu()
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 64, 2, 32, generator=g).bfloat16() for _ in range(3))
+    out = fake.npu_fusion_attention(q, k, v, 2, "BSND", scale=32**-0.5)[0]
+    qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))
+    p = torch.softmax(qf @ kf.transpose(-1, -2) * 32**-0.5, dim=-1)
+    rounded = (p.bfloat16().float() @ vf).transpose(1, 2).bfloat16()
+    once = (p @ vf).transpose(1, 2).bfloat16()
+    assert torch.equal(out, rounded) and not torch.equal(out, once)
+
+
+def test_fake_trailing_parameters_of_the_real_schema(fake_npu):
+    """[TNPU-YAML] sink / dropout_mask / seed / offset exist (keyword or positional, as torch.ops.npu takes them)."""
+    fake = fake_npu()
+    q = torch.randn(1, 8, 2, 16).bfloat16()
+    out = fake.npu_fusion_attention(q, q, q, 2, "BSND", sink=None, dropout_mask=None, seed=0, offset=0)
+    assert len(out) == 7
+    with pytest.raises(TypeError):
+        fake.npu_fusion_attention(q, q, q, 2, "BSND", no_such_argument=1)

@@ -142,13 +142,103 @@ def test_skip_float32_weights(fake_npu, tiny_pipe):
 
 
 def test_skip_when_internal_format_is_not_allowed(fake_npu, bf16_pipe):
-    fake = fake_npu(allow_internal_format=False)
+    fake = fake_npu(allow_internal_format=False)  # the A3 default [OP-AIF]
+    ptr = bf16_pipe.transformer.proj_out.weight.data_ptr()
     OPT.attach(bf16_pipe)
     reasons, report = OPT.model_reasons_inactive(bf16_pipe), OPT.report(bf16_pipe)
     OPT.detach(bf16_pipe)
-    assert report["cast"] == [] and any("allow_internal_format is False" in r for r in reasons)
-    with pytest.raises(formats.FakeNpuError, match="OP-AIF"):  # what the check prevents
+    assert report == {"cast": [], "skipped": {}} and bf16_pipe.transformer.proj_out.weight.data_ptr() == ptr
+    assert any("trial npu_format_cast" in r and "internal formats not allowed" in r for r in reasons), reasons
+    with pytest.raises(formats.FakeNpuError, match="OP-AIF"):  # what the trial cast found out
         fake.npu_format_cast(bf16_pipe.transformer.proj_out.weight.data, formats.FRACTAL_NZ)
+
+
+def test_active_through_the_write_only_config_and_vllm_ascend_linear_method(fake_npu, runtime):
+    """Finding 1 and 2: torch.npu.config cannot be read back (torch_npu 2.13.0 ``_npuConfig``), and vllm-ascend's
+    ``AscendUnquantizedLinearMethod`` is a subclass of vLLM's ``UnquantizedLinearMethod``: nz_weights still acts."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    fake = fake_npu()
+    torch.npu.config.allow_internal_format = True  # what vLLM-Omni's NPU platform does in set_device
+    with pytest.raises(AttributeError):
+        torch.npu.config.allow_internal_format  # noqa: B018 - write-only, like the real _npuConfig
+    ascend_method = type("AscendUnquantizedLinearMethod", (UnquantizedLinearMethod,), {})
+    pipe = _load(runtime)
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, LinearBase)]
+    assert layers and all(type(m.quant_method) is UnquantizedLinearMethod for m in layers)
+    for m in layers:
+        m.quant_method = ascend_method()
+    OPT.attach(pipe)
+    report, reasons = OPT.report(pipe), OPT.model_reasons_inactive(pipe)
+    OPT.detach(pipe)
+    assert len(report["cast"]) == N_LINEARS and report["skipped"] == {} and reasons == []
+    assert fake.calls["npu_format_cast"] == 2 * N_LINEARS  # the trial cast is the first layer's cast
+
+
+def test_permission_follows_the_device_option_not_a_cached_read(fake_npu, bf16_pipe):
+    fake_npu()
+    torch.npu.config.allow_internal_format = False
+    OPT.attach(bf16_pipe)
+    off = OPT.model_reasons_inactive(bf16_pipe)
+    OPT.detach(bf16_pipe)
+    torch.npu.config.allow_internal_format = True
+    OPT.attach(bf16_pipe)
+    on = len(OPT.report(bf16_pipe)["cast"])
+    OPT.detach(bf16_pipe)
+    assert any("internal formats not allowed" in r for r in off) and on == N_LINEARS
+
+
+@pytest.mark.parametrize(
+    ("cann", "needle"),
+    [("8.2.RC1", "CANN 8.2.RC1 < 8.3"), ("7.0.0", "CANN 7.0.0 < 8.3"), ("unknown", "CANN version unknown")],
+)
+def test_cann_versions_without_weightnz_routing_stay_off_with_the_versions(fake_npu, bf16_pipe, cann, needle):
+    fake_npu(cann_version=cann)
+    OPT.attach(bf16_pipe)
+    report, reasons = OPT.report(bf16_pipe), OPT.model_reasons_inactive(bf16_pipe)
+    OPT.detach(bf16_pipe)
+    assert report["cast"] == []
+    assert any(needle in r and "torch_npu 2.13.0+fake" in r for r in OPT.reasons_inactive())
+    assert any(needle in r for r in reasons)
+
+
+def test_supported_versions_have_no_version_reason(fake_npu):
+    fake_npu(cann_version="8.3.RC1")
+    assert OPT.reasons_inactive() == []
+    fake_npu(cann_version="8.5.0")
+    assert OPT.reasons_inactive() == []
+
+
+@pytest.mark.parametrize(("route", "case"), [("aten::addmm", "3-D addmm with bias"), ("aten::mm", "without bias")])
+def test_numbers_are_verified_at_first_use_for_both_routes(fake_npu, bf16_pipe, route, case):
+    """An NZ route that reads the fractal layout as ND (old op-plugin/CANN) is caught for the biased 3-D addmm and
+    for the bias-free matmul separately; nothing is cast and the reason names the failing case."""
+    fake_npu()
+    ptr = bf16_pipe.transformer.proj_out.weight.data_ptr()
+    with formats.nz_route_ignores_format(route):
+        OPT.attach(bf16_pipe)
+    report, reasons = OPT.report(bf16_pipe), OPT.model_reasons_inactive(bf16_pipe)
+    OPT.detach(bf16_pipe)
+    assert report["cast"] == [] and bf16_pipe.transformer.proj_out.weight.data_ptr() == ptr
+    assert any("NZ linear check FAILED" in r and case in r and "differs from the ND weight" in r for r in reasons)
+    assert any("FAILED" in r for r in OPT.reasons_inactive())  # cached per (device, dtype), shown by `list`
+
+
+def test_numeric_check_passes_and_is_cached(fake_npu, bf16_pipe, runtime):
+    fake_npu()
+    OPT.attach(bf16_pipe)
+    OPT.detach(bf16_pipe)
+    (verdict,) = OPT.verdicts()
+    assert verdict.ok and "3-D addmm with bias" in verdict.detail and "3-D matmul without bias" in verdict.detail
+    calls = []
+    orig = nz.check_nz_linear
+    nz.check_nz_linear = lambda *a: calls.append(1) or orig(*a)
+    try:
+        OPT.attach(bf16_pipe)
+        OPT.detach(bf16_pipe)
+    finally:
+        nz.check_nz_linear = orig
+    assert calls == [] and any("verified" in n for n in OPT.notes())
 
 
 @pytest.mark.parametrize(
@@ -254,7 +344,19 @@ def test_a_cast_that_does_not_take_is_undone(fake_npu, bf16_pipe):
     fake_npu(format_cast="keeps_nd")
     ptr = bf16_pipe.transformer.proj_out.weight.data_ptr()
     OPT.attach(bf16_pipe)
-    report = OPT.report(bf16_pipe)
+    report, reasons = OPT.report(bf16_pipe), OPT.model_reasons_inactive(bf16_pipe)
     OPT.detach(bf16_pipe)
-    assert report == {"cast": [], "skipped": {nz.SKIP_CAST_FAILED: N_LINEARS}}
+    assert report == {"cast": [], "skipped": {}}
+    assert any("gave format 2: internal formats not allowed" in r for r in reasons), reasons
     assert bf16_pipe.transformer.proj_out.weight.data_ptr() == ptr
+
+
+def test_fake_format_cast_returns_its_input_when_already_in_the_format(fake_npu):
+    """Finding 5: the real cast returns ``self`` when it already has the format (no copy)."""
+    fake = fake_npu()
+    x = torch.randn(32, 16).bfloat16()
+    assert fake.npu_format_cast(x, formats.ND) is x
+    nzx = fake.npu_format_cast(x, formats.FRACTAL_NZ)
+    assert nzx is not x and fake.npu_format_cast(nzx, formats.FRACTAL_NZ) is nzx
+    with pytest.raises(TypeError):
+        fake.npu_format_cast(x, formats.FRACTAL_NZ, 1)  # customize_dtype is keyword-only [TNPU-YAML]

@@ -111,7 +111,7 @@ def test_list_on_cpu_shows_active_and_why_no_npu_kernel():
     api.select("default")
     row = next(r for r in api.status() if r["name"] == "rope")
     assert row["active"] and row["reasons_inactive"] == []
-    assert row["equivalence"] == "exact"
+    assert row["tier"] == "exact" and row["equivalence"] == "pixel"  # portable path here; pixel with the kernel
     notes = " ".join(row["notes"])
     assert "npu_rotary_mul not in use" in notes and "torch_npu" in notes
     assert all(v == "supported" for v in row["parallel_support"].values())
@@ -391,26 +391,86 @@ def test_bad_kernels_stay_off_with_reason(runtime, tiny_pipe, fake_npu, variant,
     assert any(why in n for n in OPT.notes())
 
 
-def test_low_precision_is_within_bf16_bound_but_refused_by_the_exact_default(
+def test_low_precision_is_within_bf16_bound_accepted_by_pixel_refused_by_bitwise(
     runtime, bf16_transformer, fake_npu, monkeypatch
 ):
-    """The bound scales with the dtype: fp16-inside is within bf16's bound, yet the default (rope is class exact)
-    refuses any kernel that is not bitwise; the "verified" policy accepts it."""
-    assert OPT.require_bitwise_kernel is None and OPT.requires_bitwise()  # the shipped default: bitwise
+    """The bound scales with the dtype: fp16-inside is within bf16's bound and no worse than stock's own bf16 error,
+    so the default ``pixel`` policy takes it; ``bitwise`` refuses any kernel that is not bitwise-equal to stock."""
+    assert OPT.require_bitwise_kernel is None and not OPT.requires_bitwise()  # the shipped default: pixel
     fake_npu(rotary_mul="low_precision")
     api.select("none")
     ref = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
     api.select("none,+rope")
+    _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+    (v,) = OPT.verdicts()
+    assert v.ok and not v.bitwise_vs_stock and v.err_kernel <= v.err_stock
+    api.select("none")
+    monkeypatch.setenv(rope_mod.ENV_KERNEL_POLICY, "bitwise")
+    api.select("none,+rope")
     got = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
     (v,) = OPT.verdicts()
     assert not v.ok and "not bitwise" in v.reason and rope_mod.ENV_KERNEL_POLICY in v.reason
-    assert torch.equal(ref, got)  # stayed on the portable path
-    api.select("none")
-    monkeypatch.setattr(OPT, "require_bitwise_kernel", False)
-    api.select("none,+rope")
-    _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+    assert torch.equal(ref, got) and OPT.tier() == "exact"  # stayed on the portable path
+
+
+def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_transformer, fake_npu, capsys):
+    """Done-when of issue 12: in bf16 through the fake, the default stack runs npu_rotary_mul and ``list`` / status()
+    report rope as ``pixel``; on CPU without torch_npu it is ``exact``."""
+    from vllm_omni_ascend_opt import cli
+
+    assert OPT.tier() == "exact"  # no torch_npu here: portable path
+    npu = fake_npu()
+    api.select("default")
+    assert OPT.tier() == "pixel"
+    ref = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+    assert npu.calls["npu_rotary_mul"] > 1 and OPT.stats["kernel_calls"] > 0
     (v,) = OPT.verdicts()
-    assert v.ok and not v.bitwise_vs_stock
+    assert v.ok and not v.bitwise_vs_stock  # fp32 inside: not stock's three bf16 roundings
+    assert all(sv.ok and not sv.bitwise_vs_stock for sv in OPT.shape_verdicts())
+    row = next(r for r in api.status() if r["name"] == "rope")
+    assert row["tier"] == "pixel" and row["equivalence"] == "pixel" and row["active"]
+    cli.main(["list"])
+    assert any(line.split()[:2] == ["rope", "pixel"] for line in capsys.readouterr().out.splitlines())
+    api.select("none")
+    stock = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+    assert not torch.equal(ref, stock)  # float outputs differ: the pixel tier, not exact
+    torch.testing.assert_close(ref.float(), stock.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_shape_class_check_catches_a_long_sequence_fault(runtime, tiny_pipe, fake_npu, caplog):
+    """The toy-shape check (S=37) passes a kernel that is wrong only beyond S=64; the first real call of the longer
+    shape class is checked on its real inputs and falls back, while shorter classes keep the kernel."""
+    fake_npu(rotary_mul="long_seq_bug")
+    api.select("none", model=tiny_pipe)
+    ref = _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
+    api.select("none,+rope", model=tiny_pipe)
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        got = _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
+    assert torch.equal(ref, got)
+    (v,) = OPT.verdicts()
+    assert v.ok  # the toy check cannot see it
+    by_bucket = {sv.key[4]: sv for sv in OPT.shape_verdicts()}
+    assert not by_bucket[128].ok and "tolerance" in by_bucket[128].reason  # image tokens: S = 100
+    assert by_bucket[8].ok  # text tokens: S = 7
+    assert "refused" in caplog.text and "S<=128" in caplog.text
+    checks = OPT.stats["shape_checks"]
+    _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
+    assert OPT.stats["shape_checks"] == checks  # verdicts cached per class
+
+
+def test_shape_check_reference_is_chunked(monkeypatch):
+    """Bounded memory at production shapes: the fp32 reference is computed over S in chunks."""
+    b, s, n, d = 1, 40, 2, 8
+    monkeypatch.setattr(rope_mod, "VERIFY_CHUNK_ELEMS", b * n * d * 8)
+    seen = []
+    real = rope_mod.reference_fp32
+    monkeypatch.setattr(rope_mod, "reference_fp32", lambda x, c, sn: seen.append(x.shape[1]) or real(x, c, sn))
+    x = torch.randn(b, s, n, d)
+    theta = torch.rand(s, d // 2)
+    t = rope_mod._Tables(torch.float32)
+    cos, sin_signed = rope_mod._portable_tables(t, torch.polar(torch.ones_like(theta), theta), Counter())
+    sv = rope_mod.verify_at_shape(x, rope_mod.apply_portable(x, cos, sin_signed), cos, sin_signed, bitwise=True)
+    assert sv.ok and sv.bitwise_vs_stock and seen == [8] * 5
 
 
 def test_bitwise_kernel_is_used_by_default_in_bf16(runtime, bf16_transformer, fake_npu):
@@ -426,22 +486,27 @@ def test_bitwise_kernel_is_used_by_default_in_bf16(runtime, bf16_transformer, fa
     assert torch.equal(ref, got)
 
 
-def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu):
+def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu, caplog):
+    """A real call that raises falls back to the portable path for its shape class, with the reason logged."""
     npu = fake_npu()
+    new_hw = (3, 3)
     api.select("none", model=tiny_pipe)
-    ref = _forward(runtime, tiny_pipe.transformer)
+    ref = _forward(runtime, tiny_pipe.transformer, hw=new_hw)
     api.select("none,+rope", model=tiny_pipe)
     _forward(runtime, tiny_pipe.transformer)  # verified and used
     (v,) = OPT.verdicts()
-    assert v.ok
+    assert v.ok and npu.calls["npu_rotary_mul"] == 1 + 8
 
     def boom(*a, **k):
         raise RuntimeError("device lost")
 
     v.fn = boom
-    got = _forward(runtime, tiny_pipe.transformer)
-    assert torch.equal(ref, got) and not v.ok and "device lost" in v.reason
-    assert npu.calls["npu_rotary_mul"] == 1 + 8
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        got = _forward(runtime, tiny_pipe.transformer, hw=new_hw)
+    assert torch.equal(ref, got)
+    failed = [sv for sv in OPT.shape_verdicts() if not sv.ok]
+    assert {sv.key[4] for sv in failed} == {16, 8} and all("device lost" in sv.reason for sv in failed)
+    assert "device lost" in caplog.text
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -551,13 +616,17 @@ def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair():
 
 
 @pytest.mark.parametrize(
-    ("value", "want"), [("bitwise", True), ("verified", False), (" Verified ", False), ("nope", True)]
+    ("value", "want"),
+    [(None, False), ("pixel", False), ("bitwise", True), ("verified", False), (" Verified ", False), ("nope", True)],
 )
 def test_kernel_policy_from_env(monkeypatch, value, want):
-    monkeypatch.setenv(rope_mod.ENV_KERNEL_POLICY, value)
+    if value is None:
+        monkeypatch.delenv(rope_mod.ENV_KERNEL_POLICY, raising=False)
+    else:
+        monkeypatch.setenv(rope_mod.ENV_KERNEL_POLICY, value)
     assert OPT.requires_bitwise() is want
     if value == "nope":
-        assert any("'nope' is neither" in n for n in OPT.notes())
+        assert any("'nope' is not one of" in n for n in OPT.notes())
     monkeypatch.setattr(OPT, "require_bitwise_kernel", False)  # an explicit setting wins
     assert OPT.requires_bitwise() is False
 

@@ -8,12 +8,14 @@ named ``torch_npu`` into ``sys.modules`` before asking; the package itself never
 from __future__ import annotations
 
 import importlib
+import itertools
 import sys
 from types import ModuleType
 
 import torch
 
 _CACHE: dict[str, object] = {}
+_PROBES = itertools.count(1)
 
 
 def reset_cache() -> None:
@@ -25,7 +27,17 @@ def torch_npu_module() -> ModuleType | None:
     """``torch_npu`` if it imports and an NPU device is usable, else ``None``."""
     if "mod" not in _CACHE:
         _CACHE["mod"], _CACHE["why"] = _probe()
+        _CACHE["probe"] = next(_PROBES)
     return _CACHE["mod"]  # type: ignore[return-value]
+
+
+def probe_id() -> int:
+    """A number that changes whenever the backend is probed afresh (tests swap torch_npu modules in and out).
+
+    Per-backend verdicts (first-use kernel checks) store it and are recomputed when it changes; unlike ``id(module)``
+    it is never reused for a different module."""
+    torch_npu_module()
+    return int(_CACHE["probe"])  # type: ignore[call-overload]
 
 
 def npu_unavailable_reasons() -> list[str]:

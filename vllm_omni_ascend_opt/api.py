@@ -104,6 +104,7 @@ def status() -> list[dict[str, Any]]:
                 "name": opt.name,
                 "summary": opt.summary,
                 "equivalence": opt.equivalence,
+                "tier": opt.tier(),
                 "default": opt.default_enabled,
                 "selected": opt.name in sel,
                 "active": not reasons,

@@ -36,13 +36,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if _plugin.config_error():
         print(f"\nERROR: {_plugin.config_error()}\nNothing is patched.")
     print()
-    hdr = f"{'optimization':<18} {'class':<6} {'default':<8} {'state':<9} flag"
+    hdr = f"{'optimization':<18} {'tier':<6} {'default':<8} {'state':<9} flag"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         state = "active" if r["active"] else "inactive"
         print(
-            f"{r['name']:<18} {r['equivalence']:<6} {'on' if r['default'] else 'off':<8} {state:<9} "
+            f"{r['name']:<18} {r['tier']:<6} {'on' if r['default'] else 'off':<8} {state:<9} "
             f"{r['flag']['enable']} / {r['flag']['disable']}"
         )
         for why in r["reasons_inactive"]:

@@ -1,6 +1,6 @@
 """The optimization registry: one :class:`Optimization` per swappable change, in a fixed order.
 
-Each optimization has metadata (summary, equivalence class, default, requirements, parallel-mode support), can say
+Each optimization has metadata (summary, equivalence tier, default, requirements, parallel-mode support), can say
 in words why it cannot be active here (:meth:`Optimization.reasons_inactive`, in the style of xformers'
 ``not_supported_reasons``), and two levels of switches:
 
@@ -26,7 +26,21 @@ from vllm_omni_ascend_opt._patching import PatchSet
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
-Equivalence = Literal["exact", "close"]
+Equivalence = Literal["exact", "pixel", "close"]
+#: Equivalence tiers, strongest first. ``exact``: bitwise-identical outputs; ``pixel``: the uint8 images are identical
+#: (float outputs may differ in the last bits); ``close``: the images pass the SSIM/PSNR gates.
+TIERS: tuple[str, ...] = ("exact", "pixel", "close")
+TIER_MEANING = {
+    "exact": "bitwise-identical outputs",
+    "pixel": "uint8-identical images (float outputs may differ)",
+    "close": "images within the SSIM/PSNR gates",
+}
+
+
+def weakest_tier(tiers: list[str] | tuple[str, ...] | set[str]) -> str:
+    """The weakest of ``tiers`` (``exact`` for none): what a configuration containing them can promise."""
+    return max(tiers, key=TIERS.index, default="exact")
+
 
 #: Parallel modes an optimization may be asked about (vLLM-Omni's names).
 PARALLEL_MODES = ("single", "ulysses", "ring", "cfg_parallel", "tensor_parallel")
@@ -37,6 +51,7 @@ class Optimization:
 
     name: ClassVar[str]
     summary: ClassVar[str]
+    #: The weakest tier this optimization can deliver anywhere (its class); :meth:`tier` says what it delivers here.
     equivalence: ClassVar[Equivalence]
     default_enabled: ClassVar[bool] = True
     #: Human-readable requirements, shown by ``list``.
@@ -69,6 +84,12 @@ class Optimization:
     def notes(self) -> list[str]:
         """Extra facts for ``list`` (e.g. which kernel path is in use and why), not reasons to be off."""
         return []
+
+    def tier(self) -> Equivalence:
+        """The equivalence tier this optimization delivers in this process (``list``, ``status()``, the ablation
+        gates). Default: its class, :attr:`equivalence`; optimizations whose paths differ per backend override it
+        (``rope``: ``exact`` on the portable path, ``pixel`` with the NPU kernel)."""
+        return self.equivalence
 
     # ----- process-wide patches ----------------------------------------------------------------------------
     @property
@@ -125,7 +146,7 @@ class Optimization:
         """Override for per-instance work."""
 
     def __repr__(self) -> str:
-        return f"<Optimization {self.name} ({self.equivalence}, installed={self._installed})>"
+        return f"<Optimization {self.name} ({self.tier()}, installed={self._installed})>"
 
 
 def _fully_imported(module_name: str) -> bool:

@@ -8,6 +8,13 @@ real. Every constraint is listed, with its source, in the module that implements
 * :mod:`.attention` - ``npu_fusion_attention`` (and ``npu_fused_infer_attention_score`` if used)
 * :mod:`.formats`   - ``npu_format_cast`` / ``get_npu_format``, ``torch.npu.config.allow_internal_format`` and the
   device model (``Tensor.is_npu`` for CPU tensors, ``mark_host``), installed by its ``install_hooks``
+* :mod:`.norms`     - ``npu_layer_norm_eval``
+
+The real package is the reference: :mod:`.reference` reads the pinned torch-npu 2.13.0 wheel (schemas, meta
+functions, ``_npuConfig``) and ``tests/test_fake_torch_npu_reference.py`` checks every fake op's signature, output
+shapes/dtypes and ``torch.npu.config`` against it. Like the real ``torch.ops.npu.*`` ops, the fake's kernels take the
+schema's argument names (first argument ``self`` for most), and ``torch.npu.config`` is write-only
+(:class:`FakeNpuConfig`), backed by an option store read with ``torch_npu._C._npu_getOption``.
 
 Sources are abbreviated: [OP-ROT] Ascend/op-plugin docs ``torch_npu-npu_rotary_mul.md``; [OP-FA]
 ``torch_npu-npu_fusion_attention.md``; [OP-FIA] ``torch_npu-npu_fused_infer_attention_score.md``; [OP-FMT]
@@ -20,17 +27,19 @@ namespace, and resets the plugin's backend probe. ``variants`` swap in deliberat
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import types
 from typing import Any
 
 import torch
 
-from tests.fake_torch_npu import attention, formats, rotary
+from tests.fake_torch_npu import attention, formats, norms, rotary
 
 #: Kernel name -> {variant name -> implementation}. "correct" is the documented behaviour.
 KERNELS: dict[str, dict[str, Any]] = {}
-for _mod in (rotary, attention, formats):
+for _mod in (rotary, attention, formats, norms):
     for _kernel, _variants in getattr(_mod, "VARIANTS", {}).items():
         KERNELS[_kernel] = dict(_variants)
 
@@ -49,20 +58,56 @@ class CallLog:
 
 
 def _counted(name: str, fn: Any, log: CallLog) -> Any:
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        sig.bind(*args, **kwargs)  # a keyword the schema does not have fails like torch.ops.npu.* does (TypeError)
         log.hit(name)
         return fn(*args, **kwargs)
 
     wrapper.__name__ = name
-    wrapper.__doc__ = fn.__doc__
     return wrapper
 
 
-def build(*, allow_internal_format: bool = True, **variants: str) -> types.ModuleType:
-    """Return a fresh fake ``torch_npu`` module (not installed anywhere)."""
+class FakeNpuConfig:
+    """``torch.npu.config`` as torch_npu 2.13.0 defines it (``npu_config._npuConfig`` [TNPU-CFG]): write-only.
+
+    Setting ``allow_internal_format`` forwards ``{"ALLOW_INTERNAL_FORMAT": "enable"|"disable"}`` to the option store
+    (``torch_npu._C._npu_setOption``); reading it raises AttributeError; any other attribute is silently dropped.
+    """
+
+    def __init__(self, c: types.SimpleNamespace) -> None:
+        object.__setattr__(self, "_FakeNpuConfig__c", c)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "allow_internal_format":
+            self.__c._npu_setOption({"ALLOW_INTERNAL_FORMAT": "enable" if value else "disable"})
+
+
+def _option_store(initial: dict[str, str]) -> types.SimpleNamespace:
+    """``torch_npu._C``'s option functions: ``_npu_setOption(dict)`` and ``_npu_getOption(name) -> bytes | None``."""
+    options = dict(initial)
+    return types.SimpleNamespace(
+        options=options,
+        _npu_setOption=lambda option: options.update({k: str(v) for k, v in option.items()}),
+        _npu_getOption=lambda name: options[name].encode() if name in options else None,
+    )
+
+
+def build(
+    *, allow_internal_format: bool = True, cann_version: str = "8.3.RC1", soc_version: int = 220, **variants: str
+) -> types.ModuleType:
+    """Return a fresh fake ``torch_npu`` module (not installed anywhere).
+
+    ``allow_internal_format``: the device's initial ``ALLOW_INTERNAL_FORMAT`` option (True on A2, False on A3
+    [OP-AIF]); ``cann_version``: what ``torch.npu.utils.get_cann_version()`` reports; ``soc_version``: the chip
+    (220 = Ascend910B1).
+    """
     mod = types.ModuleType("torch_npu")
     mod.__fake__ = True  # type: ignore[attr-defined]
-    mod.__version__ = "7.0.0.fake"  # type: ignore[attr-defined]
+    mod.__version__ = "2.13.0+fake"  # type: ignore[attr-defined]
+    mod._C = _option_store({"ALLOW_INTERNAL_FORMAT": "enable" if allow_internal_format else "disable"})  # type: ignore[attr-defined]
     log = CallLog()
     mod.calls = log  # type: ignore[attr-defined]
     for kernel, impls in KERNELS.items():
@@ -78,9 +123,12 @@ def build(*, allow_internal_format: bool = True, **variants: str) -> types.Modul
         current_device=lambda: 0,
         synchronize=lambda *a, **k: None,
         get_device_name=lambda *a, **k: "FakeAscend910B1",
-        config=types.SimpleNamespace(allow_internal_format=allow_internal_format),
+        config=FakeNpuConfig(mod._C),  # type: ignore[attr-defined]
+        utils=types.SimpleNamespace(get_cann_version=lambda module="CANN": cann_version),
+        get_soc_version=lambda: soc_version,
     )
     mod._torch_npu_namespace = npu_ns  # type: ignore[attr-defined]
+    mod.npu = npu_ns  # type: ignore[attr-defined]
     return mod
 
 
@@ -91,7 +139,7 @@ def install(monkeypatch: Any, **kwargs: Any) -> types.ModuleType:
     mod = build(**kwargs)
     monkeypatch.setitem(sys.modules, "torch_npu", mod)
     monkeypatch.setattr(torch, "npu", mod._torch_npu_namespace, raising=False)
-    for kernel_module in (rotary, attention, formats):  # per-module extras, e.g. formats: Tensor.is_npu
+    for kernel_module in (rotary, attention, formats, norms):  # per-module extras, e.g. formats: Tensor.is_npu
         hook = getattr(kernel_module, "install_hooks", None)
         if hook is not None:
             hook(monkeypatch, mod)

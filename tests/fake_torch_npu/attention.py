@@ -15,7 +15,8 @@ Sources (see ``__init__``):
   - ``atten_mask``: bool / uint8, **1 (True) = this position does NOT take part** ("取值为1代表该位不参与计算"),
     shapes BNSS, B1SS, 11SS, SS. ``scale`` defaults to **1**. ``padding_mask``: "暂不支持该传参" (not supported).
   - ``keep_prob`` in (0, 1]. ``inner_precise``: 0/1 reserved, 2 = invalid-row computation ("avoids precision loss
-    when a whole row is masked"). ``sparse_mode`` 0..8; 0 = defaultMask (with a mask, keep it consistent with
+    when a whole row is masked"). ``sparse_mode`` 0..8, where 7 and 8 are the varlen long-sequence split modes
+    ("表示varlen且为长序列外切场景", TND only): outside TND 0..6; 0 = defaultMask (with a mask, keep it consistent with
     pre_tockens / next_tockens; without a mask, full computation), 1 = allMask (a full mask is required).
   - "该接口仅在训练场景下使用" / "暂不支持图模式" (training only, no graph mode). Product: Atlas A2 training.
   - The reference example of the page computes ``softmax(q k^T * scale + mask * -10000) v`` in BNSD.
@@ -27,14 +28,25 @@ Sources (see ``__init__``):
   num_heads must match query's N (BNSD); num_key_value_heads 0 = num_heads, must divide it, ratio <= 64, and match
   key's N (BSND/BNSD). For Q_S > 1: B <= 65536, N <= 256, D <= 512, D 16-aligned for float16/bfloat16, S <= 20M;
   atten_mask bool/int8/uint8 of shape (Q_S, KV_S), (B, Q_S, KV_S), (1, Q_S, KV_S), (B, 1, Q_S, KV_S),
-  (1, 1, Q_S, KV_S); sparse_mode 0..4; inner_precise 0..3. Output 2 (softmax_lse) is a [1] zero tensor unless
-  softmax_lse_flag. The page describes the mask as "indicating whether to compute the correlation between tokens";
+  (1, 1, Q_S, KV_S); sparse_mode 0..4; inner_precise 0..3. Output 2 (softmax_lse): the page says a [1] zero tensor
+  unless softmax_lse_flag, but the 2.13.0 wheel's meta function returns an *empty* [0] float32 tensor; the fake
+  follows the wheel [TNPU-META]. The page describes the mask as "indicating whether to compute the correlation between tokens";
   the fake uses the same polarity as [OP-FA] (True = masked), as vllm-ascend passes ``triu(ones, 1)`` causal masks
   to it - an inference, checked against SDPA on the device by ``benchmarks/npu_check_kernels.py``.
 
+* [TNPU-YAML] the torch-npu 2.13.0 wheel's ``npu_native_functions_by_codegen.yaml``: ``npu_fusion_attention`` has,
+  after ``softmax_layout``, the trailing parameters ``Tensor? sink=None, Tensor? dropout_mask=None, int seed=0, int
+  offset=0``; ``npu_fused_infer_attention_score`` has the full keyword-only list written out below.
+* [TNPU-META] the same wheel's ``op_plugin/meta/_meta_registrations.py``: output shapes and dtypes of every op the fake
+  models (checked by ``tests/test_fake_torch_npu_reference.py``).
+* [FA-BF16-P] issue 12, finding 5: the real kernel rounds the softmax weights to the input dtype (bf16) before the
+  P*V matmul (standard for flash attention: P is a Cube-unit operand), so the fake does too - the plugin's
+  tolerances are tested against that realistic error, not against one rounding of an fp32 result.
+
 The computation runs inside ``torch.library`` custom ops (``fake_torch_npu::fusion_attention``,
 ``fake_torch_npu::fused_infer_attention``), so an op counter (a TorchDispatchMode) sees exactly one launch per call, as
-on the device, and not the fake's own torch ops. It computes in float32 and rounds once to the input dtype.
+on the device, and not the fake's own torch ops. It computes in float32 except for the softmax weights, which are
+rounded to the input dtype before P*V [FA-BF16-P]; the output is rounded once to the input dtype.
 
 Variants: ``fusion_attention="wrong_polarity"`` masks where the mask is False (a kernel/wrapper with SDPA's polarity);
 ``fusion_attention="ignores_scale"`` always uses scale 1 (a wrapper that drops the argument). The plugin's on-device
@@ -56,6 +68,7 @@ _FA_MAX_N = 256  # [OP-FA] Nq 1..256
 _FA_MAX_S = 1 << 20  # [OP-FA] S 1..1M
 _FA_MAX_B = 2 << 20  # [OP-FA] B 1..2M (non-varlen)
 _INT_MAX = 2147483647
+_HEAD_CHUNK = 4  # heads per chunk inside the fake's computation (memory only; the result is the same)
 
 _FIA_DTYPES = (torch.float16, torch.bfloat16)  # [OP-FIA] query on A2/A3
 _FIA_MAX_D = 512  # [OP-FIA] Q_S > 1
@@ -96,7 +109,10 @@ def _attend(
     full = torch.isinf(row_max) & (row_max < 0)  # every position of the row masked
     p = torch.exp(s - torch.where(full, torch.zeros_like(row_max), row_max))
     row_sum = p.sum(dim=-1, keepdim=True)
-    out = torch.matmul(p / torch.where(full, torch.ones_like(row_sum), row_sum), v.float())
+    # [FA-BF16-P] the flash kernel keeps max/sum in fp32 but feeds the softmax weights to the P*V matmul in the input
+    # dtype: round them (normalised, in [0, 1]) to q's dtype before multiplying by V, accumulating in fp32.
+    weights = (p / torch.where(full, torch.ones_like(row_sum), row_sum)).to(q.dtype).float()
+    out = torch.matmul(weights, v.float())
     # [OP-FA] inner_precise: a fully masked row loses precision unless invalid-row computation (2) is on; the fake
     # makes "undefined" visible as NaN, and zero rows with invalid-row computation.
     out = out.masked_fill(full, 0.0 if invalid_rows else float("nan"))
@@ -152,7 +168,17 @@ def _fusion_attention_op(
     if atten_mask is not None:
         m = atten_mask.bool()
         masked = m if mask_where_true else ~m
-    out, row_max, row_sum = _attend(q, k, v, masked, scale, pre_tockens, next_tockens, inner_precise == 2)
+        if masked.dim() == 4 and masked.shape[1] > 1:  # BNSS: per-head mask, chunked with the heads below
+            raise NotImplementedError("fake npu_fusion_attention: BNSS masks are not modelled")
+    # Heads in chunks (same result): bounded memory at production shapes (S ~ 4352, B*N 24-48).
+    group = head_num // kv_heads
+    step = max(group, (_HEAD_CHUNK // group) * group)
+    parts = [
+        _attend(q[:, h : h + step], k[:, h // group : (h + step) // group], v[:, h // group : (h + step) // group],
+                masked, scale, pre_tockens, next_tockens, inner_precise == 2)
+        for h in range(0, head_num, step)
+    ]  # fmt: skip
+    out, row_max, row_sum = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))
     # softmax_max / softmax_sum: [B, N, Sq, 8] float (the kernel stores 8 copies per row); output 3 is reserved.
     stats = [r.expand(*r.shape[:-1], 8).contiguous() for r in (row_max, row_sum)]
     return _from_bnsd(out.to(query.dtype), layout), stats[0], stats[1], query.new_empty((0,))
@@ -214,6 +240,15 @@ def _fa_shapes(query: torch.Tensor, key: torch.Tensor, head_num: int, layout: st
     return b, sq, skv, nkv, d
 
 
+def b_sq_skv(query: torch.Tensor, layout: str) -> tuple[int, int]:
+    """(B, Sq) of ``query`` in ``layout``."""
+    if layout == "SBH":
+        return query.shape[1], query.shape[0]
+    if layout == "BNSD":
+        return query.shape[0], query.shape[2]
+    return query.shape[0], query.shape[1]
+
+
 def _check_fa_mask(mask: torch.Tensor, b: int, n: int, sq: int, skv: int) -> None:
     if mask.dtype not in (torch.bool, torch.uint8):
         raise FakeNpuError(f"npu_fusion_attention: atten_mask dtype {mask.dtype} is not bool/uint8 [OP-FA]")
@@ -225,7 +260,10 @@ def _check_fa_mask(mask: torch.Tensor, b: int, n: int, sq: int, skv: int) -> Non
         )
 
 
-def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool = True) -> Any:
+def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool = True, scale_until: int = 0) -> Any:
+    """``scale_until`` > 0: WRONG on purpose beyond Sq = scale_until (scale dropped): a long-sequence tiling fault that
+    a toy-shape verification cannot see."""
+
     def npu_fusion_attention(
         query: torch.Tensor,
         key: torch.Tensor,
@@ -247,8 +285,14 @@ def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool =
         gen_mask_parallel: bool = True,
         sync: bool = False,
         softmax_layout: str = "",
+        sink: torch.Tensor | None = None,
+        dropout_mask: torch.Tensor | None = None,
+        seed: int = 0,
+        offset: int = 0,
     ) -> tuple[Any, ...]:
-        """[OP-FA] Fake: documented result and constraints (see the module docstring)."""
+        """[OP-FA] Fake: documented result and constraints (see the module docstring); signature [TNPU-YAML]."""
+        if sink is not None or dropout_mask is not None:
+            raise NotImplementedError("fake npu_fusion_attention: sink / dropout_mask are not modelled")
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"npu_fusion_attention: {name} must be a Tensor")
@@ -270,8 +314,12 @@ def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool =
             raise NotImplementedError("fake npu_fusion_attention: dropout is not modelled")
         if inner_precise not in (0, 1, 2):
             raise FakeNpuError(f"npu_fusion_attention: inner_precise={inner_precise} not in 0/1/2 [OP-FA]")
-        if sparse_mode not in range(9):
-            raise FakeNpuError(f"npu_fusion_attention: sparse_mode={sparse_mode} not in 0..8 [OP-FA]")
+        # 7 and 8 are the varlen (TND) long-sequence split modes; every other layout takes 0..6 [OP-FA sparse_mode].
+        if sparse_mode not in (range(9) if input_layout == "TND" else range(7)):
+            raise FakeNpuError(
+                f"npu_fusion_attention: sparse_mode={sparse_mode} not in 0..6 for input_layout {input_layout} "
+                "(7/8 are varlen/TND only) [OP-FA]"
+            )
         if sparse_mode not in (0, 1):
             raise NotImplementedError(f"fake npu_fusion_attention: sparse_mode={sparse_mode} is not modelled")
         if tuple(key.shape) != tuple(value.shape):
@@ -294,7 +342,9 @@ def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool =
             input_layout,
             head_num,
             nkv,
-            float(scale) if honour_scale else 1.0,
+            float(scale)
+            if honour_scale and not (scale_until and b_sq_skv(query, input_layout)[1] > scale_until)
+            else 1.0,
             int(pre),
             int(nxt),
             int(inner_precise),
@@ -329,13 +379,13 @@ def _fia_op(
         if masked.dim() == 3:
             masked = masked.unsqueeze(1)
     out, _, _ = _attend(q, k, v, masked, scale, _INT_MAX, _INT_MAX, inner_precise in (2, 3))
-    # softmax_lse: a [1] zero tensor unless softmax_lse_flag (not modelled) [OP-FIA]
-    return _from_bnsd(out.to(query.dtype), layout), query.new_zeros((1,), dtype=torch.float32)
+    # softmax_lse: empty unless softmax_lse_flag (not modelled) [TNPU-META] (the page says a [1] zero tensor [OP-FIA])
+    return _from_bnsd(out.to(query.dtype), layout), query.new_empty((0,), dtype=torch.float32)
 
 
 @_fia_op.register_fake
 def _(query, key, value, atten_mask, layout, num_heads, kv_heads, scale, inner_precise):
-    return torch.empty_like(query), query.new_empty((1,), dtype=torch.float32)
+    return torch.empty_like(query), query.new_empty((0,), dtype=torch.float32)
 
 
 def npu_fused_infer_attention_score(
@@ -347,6 +397,26 @@ def npu_fused_infer_attention_score(
     atten_mask: torch.Tensor | None = None,
     actual_seq_lengths: Any = None,
     actual_seq_lengths_kv: Any = None,
+    dequant_scale1: Any = None,
+    quant_scale1: Any = None,
+    dequant_scale2: Any = None,
+    quant_scale2: Any = None,
+    quant_offset2: Any = None,
+    antiquant_scale: Any = None,
+    antiquant_offset: Any = None,
+    key_antiquant_scale: Any = None,
+    key_antiquant_offset: Any = None,
+    value_antiquant_scale: Any = None,
+    value_antiquant_offset: Any = None,
+    block_table: Any = None,
+    query_padding_size: Any = None,
+    kv_padding_size: Any = None,
+    key_shared_prefix: Any = None,
+    value_shared_prefix: Any = None,
+    actual_shared_prefix_len: Any = None,
+    query_rope: Any = None,
+    key_rope: Any = None,
+    key_rope_antiquant_scale: Any = None,
     num_heads: int = 1,
     scale: float = 1.0,
     pre_tokens: int = _INT_MAX,
@@ -357,11 +427,19 @@ def npu_fused_infer_attention_score(
     inner_precise: int = 0,
     block_size: int = 0,
     antiquant_mode: int = 0,
+    key_antiquant_mode: int = 0,
+    value_antiquant_mode: int = 0,
     softmax_lse_flag: bool = False,
-    **unmodelled: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[OP-FIA] Fake: dense full-attention (Q_S > 1) subset of the documented behaviour and constraints."""
-    if any(v is not None for v in unmodelled.values()) or pse_shift is not None or block_size:
+    unmodelled = (
+        dequant_scale1, quant_scale1, dequant_scale2, quant_scale2, quant_offset2, antiquant_scale, antiquant_offset,
+        key_antiquant_scale, key_antiquant_offset, value_antiquant_scale, value_antiquant_offset, block_table,
+        query_padding_size, kv_padding_size, key_shared_prefix, value_shared_prefix, actual_shared_prefix_len,
+        query_rope, key_rope, key_rope_antiquant_scale,
+    )  # fmt: skip
+    flags = (block_size, softmax_lse_flag, key_antiquant_mode, value_antiquant_mode)
+    if any(v is not None for v in unmodelled) or pse_shift is not None or any(flags):
         raise NotImplementedError("fake npu_fused_infer_attention_score: quantization/paged/pse/prefix not modelled")
     if actual_seq_lengths is not None or actual_seq_lengths_kv is not None:
         raise NotImplementedError("fake npu_fused_infer_attention_score: actual_seq_lengths not modelled")
@@ -433,6 +511,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "correct": _make_fusion_attention(),
         "wrong_polarity": _make_fusion_attention(mask_where_true=False),
         "ignores_scale": _make_fusion_attention(honour_scale=False),
+        "long_seq_bug": _make_fusion_attention(scale_until=64),
     },
     "npu_fused_infer_attention_score": {"correct": npu_fused_infer_attention_score},
 }

@@ -13,9 +13,24 @@ Sources (see ``__init__``):
   formats; ``False`` forbids allocating *any* private-format tensor. Default ``True`` on Atlas training / A2 /
   inference products, ``False`` on Atlas A3. The real op's reaction to a forbidden cast is not documented; the fake
   raises, so that a cast the plugin makes despite the flag fails loudly instead of passing silently.
+* [TNPU-CFG] the torch-npu 2.13.0 wheel, ``torch_npu/npu/npu_config.py``: ``torch.npu.config`` is an ``_npuConfig``
+  whose only method is ``__setattr__``, forwarding ``allow_internal_format`` to ``torch_npu._C._npu_setOption(
+  {"ALLOW_INTERNAL_FORMAT": "enable"|"disable"})``: the attribute is **write-only** (reading it raises
+  AttributeError) and any other name is silently dropped. The option store is read with
+  ``torch_npu._C._npu_getOption(name) -> bytes | None`` (used that way in the same file for ``ALLOW_MATMUL_HF32``).
+  The fake keeps the same split (``__init__``: ``FakeNpuConfig`` and ``mod._C``).
+* [TNPU-YAML] the same wheel's ``npu_native_functions_by_codegen.yaml``: ``npu_format_cast(Tensor self, int
+  acl_format, *, int? customize_dtype=None, int? input_dtype=None) -> Tensor``; ``get_npu_format(Tensor self) -> int``.
+* [TNPU-FMT-SAME] torch_npu's format cast returns its input itself when it already has the requested format (issue
+  12, finding 5, from a review of torch_npu's format-cast kernel): no copy, same storage. Code that casts "to be
+  sure" must therefore not assume it received a new tensor.
 * [VA-10287] vllm-project/vllm-ascend PR #10287 (issue #10014) and merged PR #16058: ``aclnnMatmulWeightNz`` rejects
   a FRACTAL_NZ mat2 with n == 1 or k == 1 ("Not support mat2 n = 1 or k = 1 when format is FRACTAL_NZ"). The cast
   itself succeeds; the *matmul* fails. :func:`nz_matmul_check` models that failure point.
+* [VA-3356] vllm-project/vllm-ascend PR #3356: unquantized linear weights go NZ only "when ... CANN version is 8.3":
+  before that op-plugin/CANN, ``F.linear`` / ``addmm`` / ``matmul`` with an NZ weight do not reach
+  ``aclnnMatmulWeightNz`` / ``aclnnAddmmWeightNz``. :func:`nz_route_ignores_format` models a route that reads the
+  fractal layout as ND.
 * [TNPU-ISNPU] torch_npu adds a ``Tensor.is_npu`` property (used as ``tensor.is_npu`` throughout torch_npu and
   vllm-ascend code, e.g. ``_ensure_nd_format``: ``if tensor.is_npu and torch_npu.get_npu_format(tensor) != 2``).
 
@@ -111,43 +126,61 @@ def _format_value(acl_format: Any) -> int:
 
 
 def _allow_internal_format() -> bool:
-    cfg = getattr(getattr(torch, "npu", None), "config", None)
-    return bool(getattr(cfg, "allow_internal_format", False))
+    """The device option ``ALLOW_INTERNAL_FORMAT`` as the installed fake holds it (``torch.npu.config`` is
+    write-only [TNPU-CFG]; the option store behind it is ``torch_npu._C``)."""
+    import sys
+
+    c = getattr(sys.modules.get("torch_npu"), "_C", None)
+    value = c._npu_getOption("ALLOW_INTERNAL_FORMAT") if c is not None else None
+    return value == b"enable"
 
 
-def get_npu_format(t: torch.Tensor) -> int:
+def get_npu_format(self: torch.Tensor) -> int:
     """[OP-GFMT] The tensor's NPU format: the cast's tag, else the base format (NCHW for 4-D, ND otherwise) [OP-FMT]."""
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(self, torch.Tensor):
         raise TypeError("get_npu_format expects a Tensor")
-    if not on_npu(t):
+    if not on_npu(self):
         raise FakeNpuError("get_npu_format: expected an NPU tensor [OP-GFMT]")
-    tag = getattr(t.untyped_storage(), _TAG, None)
+    tag = getattr(self.untyped_storage(), _TAG, None)
     if tag is not None:
         return tag
-    return NCHW if t.dim() == 4 else ND
+    return NCHW if self.dim() == 4 else ND
 
 
-def npu_format_cast(input: torch.Tensor, acl_format: Any) -> torch.Tensor:
-    """[OP-FMT] A *new* tensor with the same logical values in format ``acl_format``; ``input`` is unchanged."""
-    if not isinstance(input, torch.Tensor):
+def _check_cast_args(self: Any, acl_format: Any, customize_dtype: Any, input_dtype: Any) -> int:
+    if not isinstance(self, torch.Tensor):
         raise TypeError("npu_format_cast expects a Tensor")
-    fmt = _format_value(acl_format)
-    if not on_npu(input):
-        raise FakeNpuError(f"npu_format_cast: expected an NPU tensor, got one on {input.device} / host memory [OP-FMT]")
+    if customize_dtype is not None or input_dtype is not None:
+        raise NotImplementedError("fake npu_format_cast: customize_dtype / input_dtype are not modelled")
+    return _format_value(acl_format)
+
+
+def npu_format_cast(
+    self: torch.Tensor, acl_format: Any, *, customize_dtype: int | None = None, input_dtype: int | None = None
+) -> torch.Tensor:
+    """[OP-FMT] ``self``'s values in format ``acl_format``: a *new* tensor (``self`` is unchanged), or ``self`` itself
+    when it already is in that format [TNPU-FMT-SAME]. Signature as the real schema [TNPU-YAML]."""
+    fmt = _check_cast_args(self, acl_format, customize_dtype, input_dtype)
+    if not on_npu(self):
+        raise FakeNpuError(f"npu_format_cast: expected an NPU tensor, got one on {self.device} / host memory [OP-FMT]")
+    if get_npu_format(self) == fmt:
+        return self
     if fmt in INTERNAL_FORMATS and not _allow_internal_format():
         raise FakeNpuError(
-            f"npu_format_cast to {FORMATS[fmt]}: torch.npu.config.allow_internal_format is False, no private-format "
-            "tensor may be allocated [OP-AIF]"
+            f"npu_format_cast to {FORMATS[fmt]}: the ALLOW_INTERNAL_FORMAT option is disabled "
+            "(torch.npu.config.allow_internal_format = False), no private-format tensor may be allocated [OP-AIF]"
         )
-    out = _format_cast_op(input)
+    out = _format_cast_op(self)
     setattr(out.untyped_storage(), _TAG, fmt)
     return out
 
 
-def _nz_cast_keeps_nd(input: torch.Tensor, acl_format: Any) -> torch.Tensor:
+def _nz_cast_keeps_nd(
+    self: torch.Tensor, acl_format: Any, *, customize_dtype: int | None = None, input_dtype: int | None = None
+) -> torch.Tensor:
     """Variant ``keeps_nd``: returns a copy but never changes the format (an op that silently ignores the request)."""
-    _format_value(acl_format)
-    return _format_cast_op(input)
+    _check_cast_args(self, acl_format, customize_dtype, input_dtype)
+    return _format_cast_op(self)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -178,6 +211,45 @@ class _NzMatmulCheck(TorchDispatchMode):
 def nz_matmul_check() -> Iterator[None]:
     """Within the block, a matmul that reads a FRACTAL_NZ operand with n == 1 or k == 1 raises, as on the device."""
     with _NzMatmulCheck():
+        yield
+
+
+def misread_nz(t: torch.Tensor) -> torch.Tensor:
+    """What a kernel that ignores the format sees in a 2-D FRACTAL_NZ tensor: its fractal storage read row-major.
+
+    NZ stores [n, k] as (k/16, n/16, 16, 16) fractals (n and k padded to 16); reading that buffer as [n, k]
+    scrambles the values (the same multiset for aligned shapes, in the wrong places)."""
+    n, k = t.shape
+    n1, k1 = -(-n // 16), -(-k // 16)
+    padded = t.new_zeros(n1 * 16, k1 * 16)
+    padded[:n, :k] = t
+    fractal = padded.reshape(n1, 16, k1, 16).permute(2, 0, 1, 3).reshape(-1)
+    return fractal[: n * k].reshape(n, k)
+
+
+class _NzRoute(TorchDispatchMode):
+    def __init__(self, broken: frozenset[str]) -> None:
+        super().__init__()
+        self.broken = broken
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.broken:
+            fixed = []
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.dim() == 2 and getattr(a.untyped_storage(), _TAG, None) == 29:
+                    a = misread_nz(a.t()).t() if a.stride(0) == 1 and a.stride(1) != 1 else misread_nz(a)
+                fixed.append(a)
+            args = tuple(fixed)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def nz_route_ignores_format(*ops: str) -> Iterator[None]:
+    """Within the block, the named aten ops (``"aten::addmm"``, ``"aten::mm"``) read an NZ operand as if it were ND:
+    an old op-plugin / CANN where ``F.linear`` with an NZ weight does not reach the WeightNz kernels [VA-3356]. The
+    3-D ``F.linear`` with bias runs ``aten::addmm``, without bias ``aten::mm`` (one route can be right, the other
+    wrong)."""
+    with _NzRoute(frozenset(ops)):
         yield
 
 

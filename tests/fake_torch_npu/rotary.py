@@ -16,8 +16,15 @@ Sources (see ``__init__``):
   ``TORCH_CHECK(rotary_mode == "half" || rotary_mode == "interleave")`` before Ascend950; r1/r2 of another dtype than
   input are cast to input's dtype (``isRotaryMulMixDtypeSupport``); and ``op_plugin/ops/aclops/RotaryMulKernelNpu.cpp``
   (the fallback taken by ``DO_COMPATIBILITY`` when ``aclnnRotaryPositionEmbedding`` is missing, and below Ascend910B1):
-  it **ignores rotary_mode** and always computes the half form - the real-world origin of the ``half_pairing``
-  variant below.
+  in releases before op-plugin 7.0.0 it **ignores rotary_mode** and always computes the half form - the real-world
+  origin of the ``half_pairing`` variant below (also what a half-only kernel such as ``npu_apply_rotary_pos_emb``
+  computes).
+* [OP-ROT-ACLOP] op-plugin ``op_plugin/ops/aclops/RotaryMulKernelNpu.cpp`` (commit 0581e5a, the 7.x line):
+  ``TORCH_CHECK(rotary_mode == "half", "npu_rotary_mul in aclop only support rotary_mode with half, but got ...")``
+  - the old aclop path now *raises* for interleave: the ``aclop`` variant.
+* [TNPU-YAML] the real torch-npu 2.13.0 wheel, ``npu_native_functions_by_codegen.yaml``: ``npu_rotary_mul(Tensor
+  self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor`` (``torch.ops.npu``; the
+  first argument is named ``self``). ``tests/test_fake_torch_npu_reference.py`` checks every fake op against it.
 * [OP-ROT-6.0] torch_npu 6.0 API page (hiascend.com ``ptaoplist_000486``): ``npu_rotary_mul(x, r1, r2)`` without a
   ``rotary_mode`` argument (half only, D = 128) - the origin of the ``no_rotary_mode`` variant.
 
@@ -146,47 +153,83 @@ def _cast_like(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 # variants
 # ----------------------------------------------------------------------------------------------------------------
 def npu_rotary_mul(
-    input: torch.Tensor,
+    self: torch.Tensor,
     r1: torch.Tensor,
     r2: torch.Tensor,
     rotary_mode: str = "half",
     rotate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Documented behaviour [OP-ROT], computed the way a fused kernel does (fp32 inside, one rounding)."""
+    """Documented behaviour [OP-ROT], computed the way a fused kernel does (fp32 inside, one rounding).
+
+    The first argument is named ``self`` as in the real schema [TNPU-YAML] (``torch.ops.npu.npu_rotary_mul``)."""
     if rotate is not None:
         raise NotImplementedError("fake npu_rotary_mul: the `rotate` matrix argument is not modelled")
-    check_args(input, r1, r2, rotary_mode)
-    return _rotary_mul_op(input, _cast_like(input, r1), _cast_like(input, r2), rotary_mode, "fp32")
+    check_args(self, r1, r2, rotary_mode)
+    return _rotary_mul_op(self, _cast_like(self, r1), _cast_like(self, r2), rotary_mode, "fp32")
 
 
-def npu_rotary_mul_small_ops(input, r1, r2, rotary_mode="half", rotate=None):
+def npu_rotary_mul_small_ops(self, r1, r2, rotary_mode="half", rotate=None):
     """Documented formula evaluated op by op in the input dtype (bitwise-equal to vLLM-Omni's eager RoPE)."""
-    check_args(input, r1, r2, rotary_mode)
-    return _rotary_mul_op(input, _cast_like(input, r1), _cast_like(input, r2), rotary_mode, "native")
+    check_args(self, r1, r2, rotary_mode)
+    return _rotary_mul_op(self, _cast_like(self, r1), _cast_like(self, r2), rotary_mode, "native")
 
 
-def npu_rotary_mul_half_pairing(input, r1, r2, rotary_mode="half", rotate=None):
+def npu_rotary_mul_half_pairing(self, r1, r2, rotary_mode="half", rotate=None):
     """WRONG on purpose: accepts ``rotary_mode`` but always pairs halves, as the aclops fallback does
     [OP-ROT-IMPL: RotaryMulKernelNpu.cpp]. The plugin's on-device verification must refuse it."""
-    check_args(input, r1, r2, rotary_mode)
-    return _rotary_mul_op(input, _cast_like(input, r1), _cast_like(input, r2), "half", "fp32")
+    check_args(self, r1, r2, rotary_mode)
+    return _rotary_mul_op(self, _cast_like(self, r1), _cast_like(self, r2), "half", "fp32")
 
 
-def npu_rotary_mul_low_precision(input, r1, r2, rotary_mode="half", rotate=None):
+def npu_rotary_mul_low_precision(self, r1, r2, rotary_mode="half", rotate=None):
     """WRONG on purpose: right pairing, but computes in float16 whatever the input dtype (a precision bug an fp32
     verification must catch; for bf16 inputs it stays within bf16's own rounding)."""
-    check_args(input, r1, r2, rotary_mode)
-    out = _rotary_mul_op(input.half(), r1.half(), r2.half(), rotary_mode, "native")
-    return out.to(input.dtype)
+    check_args(self, r1, r2, rotary_mode)
+    out = _rotary_mul_op(self.half(), r1.half(), r2.half(), rotary_mode, "native")
+    return out.to(self.dtype)
 
 
-def npu_rotary_mul_no_rotary_mode(input, r1, r2):
+def npu_rotary_mul_no_rotary_mode(self, r1, r2):
     """Old signature without ``rotary_mode`` [OP-ROT-6.0]: passing it raises TypeError."""
-    check_args(input, r1, r2, "half")
-    return _rotary_mul_op(input, _cast_like(input, r1), _cast_like(input, r2), "half", "fp32")
+    check_args(self, r1, r2, "half")
+    return _rotary_mul_op(self, _cast_like(self, r1), _cast_like(self, r2), "half", "fp32")
 
 
-def npu_rotary_mul_raises(*args: Any, **kwargs: Any) -> torch.Tensor:
+#: Deliberately not the 2.13.0 schema (an older release's); the signature check against the wheel skips it.
+npu_rotary_mul_no_rotary_mode.legacy_signature = "[OP-ROT-6.0]"  # type: ignore[attr-defined]
+
+
+def npu_rotary_mul_aclop(
+    self: torch.Tensor,
+    r1: torch.Tensor,
+    r2: torch.Tensor,
+    rotary_mode: str = "half",
+    rotate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The old aclop path (``DO_COMPATIBILITY`` fallback when ``aclnnRotaryPositionEmbedding`` is missing): since
+    op-plugin 7.0.0 it rejects every mode but ``half`` instead of silently computing half mode [OP-ROT-ACLOP]."""
+    if rotary_mode != "half":
+        raise FakeNpuError(
+            f"npu_rotary_mul in aclop only support rotary_mode with half, but got {rotary_mode} [OP-ROT-ACLOP]"
+        )
+    return npu_rotary_mul(self, r1, r2, rotary_mode, rotate)
+
+
+def npu_rotary_mul_long_seq_bug(
+    self: torch.Tensor,
+    r1: torch.Tensor,
+    r2: torch.Tensor,
+    rotary_mode: str = "half",
+    rotate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """WRONG on purpose, only for long sequences: correct up to S = 64, half pairing beyond (a kernel whose tiling for
+    long sequences is broken - what a toy-shape verification cannot see; the plugin's per-shape-class check must)."""
+    if self.dim() == 4 and self.shape[1] > 64:
+        return npu_rotary_mul_half_pairing(self, r1, r2, rotary_mode, rotate)
+    return npu_rotary_mul(self, r1, r2, rotary_mode, rotate)
+
+
+def npu_rotary_mul_raises(self, r1, r2, rotary_mode="half", rotate=None) -> torch.Tensor:
     """A kernel that fails on every call (broken CANN install, missing aclnn binary)."""
     raise RuntimeError("fake npu_rotary_mul: aclnnRotaryPositionEmbedding failed (EZ9999)")
 
@@ -199,6 +242,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "half_pairing": npu_rotary_mul_half_pairing,
         "low_precision": npu_rotary_mul_low_precision,
         "no_rotary_mode": npu_rotary_mul_no_rotary_mode,
+        "aclop": npu_rotary_mul_aclop,
+        "long_seq_bug": npu_rotary_mul_long_seq_bug,
         "raises": npu_rotary_mul_raises,
     }
 }

@@ -5,8 +5,9 @@ Images are stored by the workers (``images/<config>/<sample>.npy``: vLLM-Omni's 
 (:mod:`vllm_omni_ascend_opt.metrics`, used when it is installed; an identical local fallback otherwise):
 
 * ``pixel_identical``: the 8-bit images are equal (``round(255 * clip((x + 1) / 2, 0, 1))``, vLLM-Omni's
-  post-processing) — the gate of ``exact`` optimizations;
-* ``bitwise_identical``: the float outputs are equal (None when a side has no float output, e.g. the Omni engine);
+  post-processing) — the gate of the ``pixel`` tier;
+* ``bitwise_identical``: the float outputs are equal (None when a side has no float output, e.g. the Omni engine)
+  — the gate of the ``exact`` tier (pixel identity when there is no float output);
 * ``max_abs_diff`` / ``mean_abs_diff`` on the float outputs in [-1, 1] units (from the 8-bit images when a side has
   no float output; ``basis`` then says ``uint8``);
 * SSIM and PSNR on the 8-bit images (``data_range=255``, ``channel_axis=-1``); identical images have PSNR ``inf``
@@ -116,18 +117,25 @@ def aggregate(per_sample: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def gate(agg: dict[str, Any], equivalence: str, ssim_gate: float, psnr_gate: float) -> dict[str, Any]:
-    """Judge an aggregated comparison by an equivalence class: ``exact`` needs pixel identity, ``close`` needs
-    SSIM >= ``ssim_gate`` and PSNR >= ``psnr_gate`` on every sample."""
+    """Judge an aggregated comparison by an equivalence tier: ``exact`` needs bitwise-identical float outputs (pixel
+    identity when a side has none), ``pixel`` needs identical uint8 images, ``close`` needs SSIM >= ``ssim_gate`` and
+    PSNR >= ``psnr_gate`` on every sample."""
     if not agg:
         return {"class": equivalence, "passed": None, "why": "not compared (an image is missing)"}
-    if equivalence == "exact":
+    if equivalence == "exact" and agg.get("bitwise_identical") is not None:
+        ok = bool(agg["bitwise_identical"])
+        why = "bitwise-identical" if ok else f"float outputs differ (max abs diff {agg['max_abs_diff']:.3g})"
+        if not ok and agg["pixel_identical"]:
+            why += "; the uint8 images are identical (would pass the pixel tier)"
+        return {"class": "exact", "passed": ok, "why": why}
+    if equivalence in ("exact", "pixel"):
         ok = bool(agg["pixel_identical"])
         why = (
             "pixel-identical"
             if ok
             else (f"not pixel-identical (max abs diff {agg['max_abs_diff']:.3g}, SSIM {agg['ssim_min']:.4f})")
         )
-        return {"class": "exact", "passed": ok, "why": why}
+        return {"class": equivalence, "passed": ok, "why": why}
     ok = agg["ssim_min"] >= ssim_gate and agg["psnr_db_min"] >= psnr_gate
     why = f"SSIM {agg['ssim_min']:.4f} {'>=' if agg['ssim_min'] >= ssim_gate else '<'} {ssim_gate}, PSNR {fmt_db(agg['psnr_db_min'])} {'>=' if agg['psnr_db_min'] >= psnr_gate else '<'} {psnr_gate} dB"
     return {"class": "close", "passed": bool(ok), "why": why}

@@ -27,7 +27,7 @@ class OptInfo:
     """What the planner needs to know about one optimization (taken from the registry, or made up in tests)."""
 
     name: str
-    equivalence: str  # "exact" | "close"
+    equivalence: str  # the tier it delivers here: "exact" | "pixel" | "close" (Optimization.tier())
     default_enabled: bool = True
     reasons_inactive: tuple[str, ...] = ()
     summary: str = ""
@@ -43,7 +43,7 @@ def opt_infos_from_registry() -> list[OptInfo]:
             reasons = tuple(opt.reasons_inactive())
         except Exception as exc:  # a broken probe is itself a reason
             reasons = (f"reasons_inactive() raised {exc!r}",)
-        out.append(OptInfo(opt.name, opt.equivalence, opt.default_enabled, reasons, opt.summary))
+        out.append(OptInfo(opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary))
     return out
 
 

@@ -171,7 +171,10 @@ def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) ->
 # equivalence
 # ----------------------------------------------------------------------------------------------------------------
 def _class_of(plan: Plan, names: set[str]) -> str:
-    return "exact" if all(plan.opts[n].equivalence == "exact" for n in names) else "close"
+    """The weakest tier among ``names`` (exact < pixel < close): what the configuration is gated by."""
+    from vllm_omni_ascend_opt.registry import weakest_tier
+
+    return weakest_tier([plan.opts[n].equivalence for n in names])
 
 
 def compare_configs(plan: Plan, out_root: Any, ref: str, other: str, equivalence: str) -> dict[str, Any]:

@@ -16,6 +16,18 @@ How
     call exactly as around SDPA. Ring attention never reaches the impl (``Attention._run_ring_attention`` runs
     ``RingParallelAttention``'s own kernels), so ring layers are left alone and counted as skipped. Any call the
     kernel cannot take (float32, causal, an unsupported mask, a limit below) goes to the original SDPA object.
+What it saves over torch_npu's own SDPA
+    Since its torch >= 2.5 builds, torch_npu already dispatches ``F.scaled_dot_product_attention`` on Atlas A2 to
+    ``npu_fusion_attention`` (BNSD). So on a current stack this optimization does **not** bring a faster attention
+    kernel: it saves what stock's ``SDPAImpl.forward_npu`` does around it - the three BSND->BNSD permutes with their
+    ``.contiguous()`` copies of Q/K/V, the BNSD->BSND copy of the output, and the [B, 1, S, S] mask expansion per
+    layer (built here once per transformer forward, see "Mask" below). ``benchmarks/npu_check_kernels.py`` times both
+    at the production shape and prints the difference; the reference 910B1 figure (27-49 ms per image) predates it.
+Mask
+    The kernel's [B, 1, Sq, Skv] bool mask is built once per transformer forward and reused by every layer: vLLM-Omni
+    builds the joint 2-D mask from the same inputs in every block (``torch.cat`` of the text and image masks), so
+    within one forward its values are the same; a forward pre-hook on each attached ``QwenImageTransformer2DModel``
+    starts a new mask generation. Outside an attached transformer's forward the mask is built per call.
 Verification
     On first use per (device, dtype) the fused path runs on small random inputs of the real layout (BSND, [text; image]
     joint sequence, the layer's Nq/Nkv/D) with and without a padded 2-D key mask, against a float32 reference computed
@@ -24,6 +36,12 @@ Verification
     budget. It is accepted when ``max|fused - ref_fp32| <= max(ATOL[dtype], 4 * max|sdpa_dtype - ref_fp32|)`` with
     ATOL bfloat16 2^-6, float16 2^-9, and every output is finite. Otherwise it stays off for that (device, dtype) with the
     errors in :meth:`FusedAttention.reasons_inactive`; a kernel error at run time does the same.
+    Then, on the first real call of each shape class (device, dtype, layout, B*Nq, Nkv, Sq and Skv buckets = next
+    power of two, D, masked or not) the kernel's output on the real inputs is compared with an fp32 reference
+    computed in chunks of heads and query rows (:data:`VERIFY_CHUNK_ELEMS` scores at a time), with stock SDPA on the
+    same chunks as the error budget (same rule as above). A class that fails, or whose first call raises, goes to
+    SDPA with the reason logged and shown in ``reasons_inactive``; production shapes (S ~ 4352, B*N 24-48: other
+    tilings than the toy check) are thus checked where they run.
 Kernel choice
     ``npu_fusion_attention`` over ``npu_fused_infer_attention_score`` (FIA): (1) it is the kernel the reference
     ablation measured, and the one diffusers' ``_native_npu`` backend (``attention_dispatch.py``, BSND,
@@ -51,7 +69,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import sys
+import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -79,6 +99,8 @@ ATOL = {torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9, torch.float32: 1e-5}
 STOCK_ERROR_FACTOR = 4.0
 #: Verification inputs: [text; image] joint sequence lengths (text padded in the masked case).
 VERIFY_TXT, VERIFY_IMG, VERIFY_PAD = 7, 40, 3
+#: Shape-class check: at most this many fp32 scores per chunk of the reference (heads x query rows x Skv).
+VERIFY_CHUNK_ELEMS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -165,14 +187,22 @@ def limits_violation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
 
 
 def fused_forward(
-    npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: Any, scale: float | None
+    npu: ModuleType,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_metadata: Any,
+    scale: float | None,
+    masks: Any = None,
 ) -> tuple[torch.Tensor | None, str]:
-    """The fused replacement of ``SDPAImpl._forward_impl`` for BSND q/k/v: ``(out, "")`` or ``(None, why not)``."""
+    """The fused replacement of ``SDPAImpl._forward_impl`` for BSND q/k/v: ``(out, "")`` or ``(None, why not)``.
+
+    ``masks``: a callable ``(attn_mask, b, sq, skv) -> (mask, why)`` (the per-forward cache), else :func:`kernel_mask`."""
     why = limits_violation(q, k, v)
     if why:
         return None, why
     mask = getattr(attn_metadata, "attn_mask", None) if attn_metadata is not None else None
-    masked, why = kernel_mask(mask, q.shape[0], q.shape[1], k.shape[1])
+    masked, why = (masks or kernel_mask)(mask, q.shape[0], q.shape[1], k.shape[1])
     if why:
         return None, why
     if scale is None:
@@ -202,6 +232,78 @@ def reference_attention(
             sc = sc.masked_fill(~keep.bool()[:, None, None, :], float("-inf"))
         outs.append(torch.matmul(torch.softmax(sc, dim=-1), vf[:, h : h + heads_per_chunk]))
     return torch.cat(outs, dim=1).transpose(1, 2)
+
+
+def shape_class(q: torch.Tensor, k: torch.Tensor, masked: torch.Tensor | None) -> tuple:
+    """(device, dtype, layout, B*Nq, Nkv, Sq bucket, Skv bucket, D, masked) of a BSND call: what tiling depends on."""
+    b, sq, nq, d = q.shape
+    skv, nkv = k.shape[1], k.shape[2]
+    bucket = lambda n: 1 << max(0, (n - 1).bit_length())  # noqa: E731
+    return (str(q.device), str(q.dtype).removeprefix("torch."), "BSND", b * nq, nkv, bucket(sq), bucket(skv), d,
+            masked is not None)  # fmt: skip
+
+
+@dataclass
+class ShapeVerdict:
+    """Outcome of checking the kernel on the first real call of one shape class."""
+
+    key: tuple
+    ok: bool
+    detail: str
+    err: float = math.nan
+    err_stock: float = math.nan
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        dev, dtype, layout, bn, nkv, sq, skv, d, masked = self.key
+        where = f"{dev}/{dtype}/{layout} B*N={bn} Nkv={nkv} Sq<={sq} Skv<={skv} D={d}{' masked' if masked else ''}"
+        state = "verified" if self.ok else "FAILED"
+        return f"{KERNEL} {state} at {where}: {self.detail}"
+
+
+def check_at_shape(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, masked: torch.Tensor | None, scale: float
+) -> ShapeVerdict:
+    """The kernel's ``out`` for real BSND q/k/v against an fp32 reference, in chunks of heads and query rows.
+
+    ``masked``: the kernel's mask (True = excluded, [B|1, 1, Sq, Skv]) or None. The error budget is stock SDPA in
+    q's dtype on the same chunks: ``max|out - ref| <= max(ATOL[dtype], STOCK_ERROR_FACTOR * max|sdpa - ref|)``."""
+    import torch.nn.functional as F
+
+    t0 = time.perf_counter()
+    key = shape_class(q, k, masked)
+    b, sq, nq, _ = q.shape
+    skv, nkv = k.shape[1], k.shape[2]
+    qt, kt, vt, ot = (x.transpose(1, 2) for x in (q, k, v, out))  # BNSD views
+    if nq != nkv:  # GQA: query head h reads kv head h // (Nq / Nkv)
+        kt, vt = kt.repeat_interleave(nq // nkv, dim=1), vt.repeat_interleave(nq // nkv, dim=1)
+    heads = max(1, min(nq, VERIFY_CHUNK_ELEMS // max(1, b * sq * skv)))
+    rows = max(1, min(sq, VERIFY_CHUNK_ELEMS // max(1, b * heads * skv)))
+    err = err_stock = 0.0
+    finite = True
+    for h in range(0, nq, heads):
+        kh, vh = kt[:, h : h + heads], vt[:, h : h + heads]
+        for r in range(0, sq, rows):
+            qc = qt[:, h : h + heads, r : r + rows]
+            keep = None if masked is None else ~masked[:, :, r : r + rows]
+            sc = torch.matmul(qc.float(), kh.float().transpose(-1, -2)) * scale
+            if keep is not None:
+                sc = sc.masked_fill(~keep, float("-inf"))
+            ref = torch.matmul(torch.softmax(sc, dim=-1), vh.float())
+            del sc
+            got = ot[:, h : h + heads, r : r + rows].float()
+            finite = finite and bool(torch.isfinite(got).all())
+            err = max(err, float((got - ref).abs().max()))
+            stock = F.scaled_dot_product_attention(qc, kh, vh, attn_mask=keep, scale=scale)
+            err_stock = max(err_stock, float((stock.float() - ref).abs().max()))
+    tol = max(ATOL.get(q.dtype, 1e-2), STOCK_ERROR_FACTOR * err_stock)
+    ok = finite and err <= tol
+    detail = f"max|fused - ref_fp32| {err:.3g} {'<=' if ok else '>'} tol {tol:.3g} (stock SDPA error {err_stock:.3g})"
+    if not finite:
+        detail = "non-finite output; " + detail
+    _backend.synchronize(q.device if q.device.type != "cpu" else None)
+    return ShapeVerdict(key, ok, detail + f"; check took {(time.perf_counter() - t0) * 1e3:.0f} ms", err, err_stock,
+                        time.perf_counter() - t0)  # fmt: skip
 
 
 def _sdpa_impl(num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> Any:
@@ -320,6 +422,7 @@ def _make_fused(stock: Any) -> Any:
 @dataclass
 class _ModelState:
     layers: list[tuple[nn.Module, Any, Any]] = field(default_factory=list)  # (Attention layer, stock impl, fused)
+    hooks: list[Any] = field(default_factory=list)  # forward pre-hook handles (one per transformer)
     skipped: Counter = field(default_factory=Counter)
     dtypes: set[torch.dtype] = field(default_factory=set)
     reasons: list[str] = field(default_factory=list)
@@ -345,6 +448,12 @@ class FusedAttention(Optimization):
         super().__init__()
         self._models: weakref.WeakKeyDictionary[nn.Module, _ModelState] = weakref.WeakKeyDictionary()
         self._verdicts: dict[tuple[str, str], Verdict] = {}
+        self._shapes: dict[tuple, ShapeVerdict] = {}
+        self._shapes_probe = 0
+        self.stats: Counter[str] = Counter()
+        self._forward_gen = 0  # bumped by the forward pre-hook of every attached transformer
+        self._mask_cache: dict[tuple, torch.Tensor] = {}
+        self._mask_gen = -1
 
     # ----- state in words ------------------------------------------------------------------------------------
     def reasons_inactive(self) -> list[str]:
@@ -353,7 +462,37 @@ class FusedAttention(Optimization):
         if npu is not None and not hasattr(npu, KERNEL):
             reasons.append(f"{_backend.backend_label()} has no {KERNEL}")
         reasons += [v.describe() + "; SDPA kept" for v in self._verdicts.values() if not v.ok]
+        reasons += [v.describe() + "; SDPA for this shape class" for v in self._current_shapes() if not v.ok]
         return reasons
+
+    def _current_shapes(self) -> list[ShapeVerdict]:
+        return list(self._shapes.values()) if self._shapes_probe == _backend.probe_id() else []
+
+    def shape_verdicts(self) -> list[ShapeVerdict]:
+        """The per-shape-class checks of the kernel on real calls so far."""
+        return self._current_shapes()
+
+    def mask_for(self, attn_mask: torch.Tensor | None, b: int, sq: int, skv: int) -> tuple[torch.Tensor | None, str]:
+        """:func:`kernel_mask`, built once per transformer forward (see the module docstring, "Mask")."""
+        if attn_mask is None or self._forward_gen == 0:
+            return kernel_mask(attn_mask, b, sq, skv)
+        if self._mask_gen != self._forward_gen:
+            self._mask_cache.clear()
+            self._mask_gen = self._forward_gen
+        key = (tuple(attn_mask.shape), attn_mask.dtype, str(attn_mask.device), b, sq, skv)
+        hit = self._mask_cache.get(key)
+        if hit is not None:
+            self.stats["mask_reuses"] += 1
+            return hit, ""
+        masked, why = kernel_mask(attn_mask, b, sq, skv)
+        if masked is not None:
+            self._mask_cache[key] = masked
+            self.stats["mask_builds"] += 1
+        return masked, why
+
+    def _new_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook of an attached transformer: a new forward, so masks are built afresh."""
+        self._forward_gen += 1
 
     def model_reasons_inactive(self, model: nn.Module) -> list[str]:
         state = self._models.get(model)
@@ -379,6 +518,13 @@ class FusedAttention(Optimization):
             "all-to-all"
         ]
         out += [v.describe() for v in self._verdicts.values() if v.ok]
+        out += [v.describe() for v in self._current_shapes() if v.ok]
+        if self.stats:
+            out.append(
+                f"[B,1,S,S] masks built {self.stats['mask_builds']}, reused {self.stats['mask_reuses']} (once per "
+                "transformer forward, not per layer); saves vs torch_npu's own SDPA dispatch (which also runs "
+                "npu_fusion_attention, BNSD): the Q/K/V/output permute copies and the per-layer mask expansion"
+            )
         return out
 
     def verdicts(self) -> dict[tuple[str, str], Verdict]:
@@ -398,6 +544,9 @@ class FusedAttention(Optimization):
     # ----- attach / detach --------------------------------------------------------------------------------------
     def _uninstall(self) -> None:
         self._verdicts.clear()
+        self._shapes.clear()
+        self._mask_cache.clear()
+        self.stats.clear()
 
     def _attach(self, model: nn.Module) -> None:
         npu = _backend.torch_npu_module()
@@ -427,6 +576,11 @@ class FusedAttention(Optimization):
             fused = _make_fused(stock)
             layer.attention = fused
             state.layers.append((layer, stock, fused))
+        tr_cls = getattr(transformer_mod, "QwenImageTransformer2DModel", None)
+        if state.layers and tr_cls is not None:
+            state.hooks = [
+                m.register_forward_pre_hook(self._new_forward) for m in model.modules() if isinstance(m, tr_cls)
+            ]
 
     @staticmethod
     def _layer_skip_reason(layer: Any, sdpa_cls: type) -> str:
@@ -447,6 +601,8 @@ class FusedAttention(Optimization):
         state = self._models.pop(model, None)
         if state is None:
             return
+        for handle in state.hooks:
+            handle.remove()
         for layer, stock, fused in state.layers:
             if layer.attention is fused:
                 layer.attention = stock
@@ -478,21 +634,58 @@ class FusedAttention(Optimization):
             if not self._verdict(npu, query, key, scale).ok:
                 why = "verification failed"
             else:
-                try:
-                    out, why = fused_forward(npu, query, key, value, attn_metadata, scale)
-                except Exception as exc:
-                    dtype = str(query.dtype).removeprefix("torch.")
-                    self._verdicts[(str(query.device), dtype)] = Verdict(
-                        False, str(query.device), dtype, _backend.backend_label(),
-                        f"kernel raised {exc.__class__.__name__} at run time: {exc}", module_id=id(npu),
-                    )  # fmt: skip
-                    logger.warning("vllm-omni-ascend-opt: %s failed (%s); SDPA from now on", KERNEL, exc)
-                    out, why = None, "kernel error"
+                out, why = self._fused_checked(npu, query, key, value, attn_metadata, scale)
                 if out is not None:
                     impl._ascend_opt_calls["fused"] += 1
                     return out
         impl._ascend_opt_calls[f"sdpa: {why}"] += 1
         return impl._ascend_opt_stock.forward(query, key, value, attn_metadata)
+
+    @staticmethod
+    def _check_class(
+        npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None, scale: Any
+    ) -> ShapeVerdict:
+        """Run the kernel on random inputs of this call's exact shapes, dtype and mask, and :func:`check_at_shape`.
+
+        Random data, not the call's own: real activations can be degenerate (a tiny model's q.k barely depends on
+        the scale), random ones exercise every element of the tiling."""
+        s = float(scale) if scale is not None else q.shape[-1] ** -0.5
+        gen = torch.Generator().manual_seed(0x5A5A)
+        qr, kr, vr = (torch.randn(x.shape, generator=gen).to(device=x.device, dtype=x.dtype) for x in (q, k, v))
+        try:
+            out = call_kernel(npu, qr, kr, vr, masked, s)
+        except Exception as exc:
+            return ShapeVerdict(shape_class(q, k, masked), False, f"kernel raised {exc.__class__.__name__}: {exc}")
+        return check_at_shape(qr, kr, vr, out, masked, s)
+
+    def _fused_checked(
+        self, npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: Any, scale: Any
+    ) -> tuple[torch.Tensor | None, str]:
+        """The fused call, checked on the first real call of its shape class; (None, why) sends it to SDPA."""
+        if self._shapes_probe != _backend.probe_id():
+            self._shapes.clear()
+            self._shapes_probe = _backend.probe_id()
+        mask = getattr(attn_metadata, "attn_mask", None) if attn_metadata is not None else None
+        masked, why = self.mask_for(mask, q.shape[0], q.shape[1], k.shape[1])
+        if why:
+            return None, why
+        key = shape_class(q, k, masked)
+        checked = self._shapes.get(key)
+        if checked is None:
+            checked = self._shapes[key] = self._check_class(npu, q, k, v, masked, scale)
+            self.stats["shape_checks"] += 1
+            (logger.info if checked.ok else logger.warning)(
+                "vllm-omni-ascend-opt: %s%s", checked.describe(), "" if checked.ok else "; SDPA for this shape class"
+            )
+        if not checked.ok:
+            return None, "shape class failed verification"
+        try:
+            out, why = fused_forward(npu, q, k, v, attn_metadata, scale, masks=lambda *a: (masked, ""))
+        except Exception as exc:
+            self._shapes[key] = ShapeVerdict(key, False, f"kernel raised {exc.__class__.__name__} at run time: {exc}")
+            logger.warning("vllm-omni-ascend-opt: %s; SDPA for this shape class", self._shapes[key].describe())
+            return None, "kernel error"
+        return out, why
 
 
 OPT = register_optimization(FusedAttention())

@@ -14,9 +14,21 @@ How
     (``ModelWeightParameter``) and attributes (``weight_loader``) stay. The cast is checked
     (``get_npu_format == 29``) and undone if it did not take. ``detach`` casts the same weights back to ND (2).
     Forward is unchanged: vLLM's ``UnquantizedLinearMethod`` calls ``F.linear``, which torch_npu runs on NZ weights.
+Gates (each says why in words, with the versions)
+    - CANN >= 8.3 (``torch.npu.utils.get_cann_version()``) and torch_npu >= 2.8: only from op-plugin 7.2 / CANN 8.3
+      does ``F.linear``/``addmm`` with an NZ weight go to ``aclnnMatmulWeightNz``/``aclnnAddmmWeightNz``
+      (vllm-ascend PR #3356 enables unquantized-linear NZ only on CANN 8.3) [VA-3356]. torch_npu 2.8 as the first
+      line of that op-plugin release is our reading of the release pairing, not a documented fact; every torch_npu
+      built for this project's torch (2.13) is newer.
+    - Permission: ``torch.npu.config`` is write-only in torch_npu 2.13.0 (``_npuConfig`` has only ``__setattr__``
+      [TNPU-CFG]), so reading ``allow_internal_format`` tells nothing. The permission is established by *trying*: the
+      first eligible weight is cast and ``get_npu_format`` must say 29 (a cast that raises or returns ND means internal
+      formats are not allowed: default off on A3 [OP-AIF]).
+    - Numbers, once per (device, dtype): with that weight in NZ, one 3-D ``F.linear`` with bias (``addmm``, the
+      model's layers) and one without (``matmul(3-D, NZ)``: ``RowParallelLinear`` on TP ranks > 0, ``skip_bias_add``
+      - a different route) must match the ND weight within ``NUMERIC_EPS_FACTOR * eps * (|x| @ |w|^T + |b|)``
+      (a route that reads the fractal layout as row-major fails by O(1)). Otherwise nothing is cast, with the errors.
 Skipped, with reasons (``model_reasons_inactive`` for the whole model, ``report(model)["skipped"]`` per layer)
-    - ``torch.npu.config.allow_internal_format`` is not True: no private-format tensor may be allocated [OP-AIF]
-      (default True on A2, False on A3; vLLM-Omni's NPU platform sets True in ``set_device``).
     - CPU offload of the DiT configured (model-level or layerwise, ``resolve_offload(od_config)``): the offloader
       moves/copies the weights after loading; layers under a ``*offload*`` hook; weights not on the NPU
       (``Tensor.is_npu`` false: CPU, meta).
@@ -25,8 +37,9 @@ Skipped, with reasons (``model_reasons_inactive`` for the whole model, ``report(
       ``DiffusionLoRAManager``), and LoRA-wrapped layers. Distilled LoRA fused at load time is fine.
     - FP32 (and any non fp16/bf16) weights: vllm-ascend never casts FP32 to NZ.
     - layers with n == 1 or k == 1: ``aclnnMatmulWeightNz`` rejects them [VA-10287: vllm-ascend PR #10287,
-      issue #10014, merged PR #16058]; quantized layers (their own method owns the layout); weights already in an
-      internal format; non 2-D weights.
+      issue #10014, merged PR #16058]; quantized layers, i.e. a ``quant_method`` that is not an instance of vLLM's
+      ``UnquantizedLinearMethod`` (vllm-ascend's ``AscendUnquantizedLinearMethod`` is a subclass, hence unquantized);
+      weights already in an internal format; non 2-D weights.
 Contract with memos keyed on weights (``shared_modulation``)
     ``w.data = ...`` keeps the Parameter's identity and does **not** bump ``w._version``, so nothing keyed on
     (identity, ``_version``) notices. After casting (and after reverting) this module calls
@@ -34,7 +47,10 @@ Contract with memos keyed on weights (``shared_modulation``)
     (its key also holds ``data_ptr``, which the cast changes, so this is belt and braces).
 Sources
     [OP-FMT] Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_format_cast.md`` (returns a new tensor; ND = 2,
-    FRACTAL_NZ = 29); [OP-AIF] ``docs/context/（beta）torch_npu-npu-config-allow_internal_format.md``.
+    FRACTAL_NZ = 29); [OP-AIF] ``docs/context/（beta）torch_npu-npu-config-allow_internal_format.md``; [TNPU-CFG]
+    torch-npu 2.13.0 wheel ``torch_npu/npu/npu_config.py``; [VA-3356] vllm-project/vllm-ascend PR #3356 ("when
+    VLLM_ASCEND_ENABLE_NZ=1 and CANN version is 8.3, the weights of the Linear layer will be converted to
+    FRACTAL_NZ").
 Upstream PR
     None (vllm-ascend's ``weight_nz_mode=2`` is the LLM-side equivalent; vLLM-Omni has no DiT hook).
 Removal plan
@@ -64,6 +80,13 @@ logger = logging.getLogger("vllm_omni_ascend_opt")
 ACL_FORMAT_ND = 2  # [OP-FMT]
 ACL_FORMAT_FRACTAL_NZ = 29  # [OP-FMT]
 NZ_DTYPES = (torch.float16, torch.bfloat16)
+#: CANN from which ND x NZ linear/addmm/matmul run the WeightNz kernels [VA-3356].
+MIN_CANN = (8, 3)
+#: torch_npu line carrying op-plugin 7.2 (see the module docstring: our reading, not documented).
+MIN_TORCH_NPU = (2, 8)
+#: Numerical check: |nz - nd| <= K * eps(dtype) * (|x| @ |w|^T + |b|), K = 2. Two correct results (fp32 accumulation,
+#: one rounding each) differ by at most 2u = eps of that sum; K = 2 doubles it. A layout misread errs by O(sum).
+NUMERIC_EPS_FACTOR = 2.0
 
 # Per-layer skip reasons (keys of report(model)["skipped"]).
 SKIP_QUANTIZED = "quantized"
@@ -74,6 +97,21 @@ SKIP_NOT_NPU = "not on the NPU"
 SKIP_NOT_2D = "not 2-D"
 SKIP_NARROW = "n == 1 or k == 1"
 SKIP_CAST_FAILED = "cast did not produce FRACTAL_NZ"
+
+
+@dataclass(frozen=True)
+class NzVerdict:
+    """Outcome of the first-use check of NZ linears for one (device, dtype)."""
+
+    ok: bool
+    device: str
+    dtype: str
+    detail: str
+    probe: int = 0  # _backend.probe_id() when it was computed
+
+    def describe(self) -> str:
+        state = "verified" if self.ok else "FAILED"
+        return f"NZ linear check {state} on {self.device}/{self.dtype}: {self.detail}"
 
 
 @dataclass
@@ -134,9 +172,95 @@ def _lora_reason(model: nn.Module, cfg: Any) -> str:
     return "runtime LoRA is configured (lora_path with the PEFT backend): adapters are swapped per request"
 
 
-def _allow_internal_format() -> bool | None:
-    cfg = getattr(getattr(torch, "npu", None), "config", None)
-    return getattr(cfg, "allow_internal_format", None)
+def _version_tuple(text: str) -> tuple[int, ...] | None:
+    """Leading numeric fields of a version string: "8.3.RC1" -> (8, 3); "2.13.0+fake" -> (2, 13, 0)."""
+    parts = []
+    for field_ in str(text).replace("+", ".").split("."):
+        if not field_.isdigit():
+            break
+        parts.append(int(field_))
+    return tuple(parts) or None
+
+
+def cann_version() -> str | None:
+    """``torch.npu.utils.get_cann_version()`` (torch_npu's ``torch_npu.npu.utils``), or None if it cannot say."""
+    getter = getattr(getattr(getattr(torch, "npu", None), "utils", None), "get_cann_version", None)
+    try:
+        return str(getter()) if getter is not None else None
+    except Exception:
+        return None
+
+
+def version_reasons(npu: ModuleType) -> list[str]:
+    """Why this torch_npu / CANN pair does not route ND x NZ matmuls to the WeightNz kernels ([] when it does)."""
+    tnpu = str(getattr(npu, "__version__", "?"))
+    cann = cann_version()
+    reasons = []
+    cann_t = _version_tuple(cann) if cann else None
+    if cann_t is None:
+        reasons.append(f"CANN version unknown (torch.npu.utils.get_cann_version() gave {cann!r}; torch_npu {tnpu})")
+    elif cann_t[:2] < MIN_CANN:
+        reasons.append(
+            f"CANN {cann} < {'.'.join(map(str, MIN_CANN))}: F.linear/addmm with an NZ weight does not reach "
+            f"aclnnMatmulWeightNz/aclnnAddmmWeightNz before CANN 8.3 (vllm-ascend PR #3356; torch_npu {tnpu})"
+        )
+    tnpu_t = _version_tuple(tnpu)
+    if tnpu_t is None or tnpu_t[:2] < MIN_TORCH_NPU:
+        reasons.append(
+            f"torch_npu {tnpu} < {'.'.join(map(str, MIN_TORCH_NPU))}: no op-plugin 7.2 WeightNz routing (CANN {cann})"
+        )
+    return reasons
+
+
+def _error_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    scale = torch.matmul(x.float().abs(), w.float().abs().t())
+    if b is not None:
+        scale = scale + b.float().abs()
+    return NUMERIC_EPS_FACTOR * torch.finfo(x.dtype).eps * scale + torch.finfo(torch.float32).tiny
+
+
+def trial_cast(npu: ModuleType, w_nd: torch.Tensor) -> tuple[torch.Tensor | None, str]:
+    """Cast ``w_nd`` to FRACTAL_NZ: (the NZ tensor, "") or (None, why not) - how permission is established.
+
+    ``torch.npu.config.allow_internal_format`` is write-only in torch_npu 2.13.0 [TNPU-CFG], so the plugin does not
+    read it: a cast that raises or comes back in another format means internal formats are not allowed here."""
+    try:
+        nz = npu.npu_format_cast(w_nd, ACL_FORMAT_FRACTAL_NZ)
+        fmt = npu.get_npu_format(nz)
+    except Exception as exc:
+        return None, (
+            f"trial npu_format_cast(w, {ACL_FORMAT_FRACTAL_NZ}) raised {exc.__class__.__name__}: {exc} (internal "
+            "formats not allowed? torch.npu.config.allow_internal_format is write-only and cannot be read back)"
+        )
+    if fmt != ACL_FORMAT_FRACTAL_NZ:
+        return None, (
+            f"trial npu_format_cast(w, {ACL_FORMAT_FRACTAL_NZ}) gave format {fmt}: internal formats not allowed "
+            "(torch.npu.config.allow_internal_format = False, the default on Atlas A3)"
+        )
+    return nz, ""
+
+
+def check_nz_linear(w_nd: torch.Tensor, w_nz: torch.Tensor) -> tuple[bool, str]:
+    """One 3-D ``F.linear`` with bias and one without, NZ weight against ND weight: (ok, detail)."""
+    n, k = w_nd.shape
+    g = torch.Generator().manual_seed(0x4E5A)
+    x = torch.randn(2, 7, k, generator=g).to(device=w_nd.device, dtype=w_nd.dtype)
+    b = (torch.randn(n, generator=g) * 0.5).to(device=w_nd.device, dtype=w_nd.dtype)
+    worst = []
+    for case, bias in (("3-D addmm with bias", b), ("3-D matmul without bias", None)):
+        try:
+            got = torch.nn.functional.linear(x, w_nz, bias)
+        except Exception as exc:
+            return False, f"{case} with the NZ weight raised {exc.__class__.__name__}: {exc}"
+        want = torch.nn.functional.linear(x, w_nd, bias)
+        ratio = float(((got.float() - want.float()).abs() / _error_bound(x, w_nd, bias)).max())
+        if not ratio <= 1.0:  # NaN fails too
+            return False, (
+                f"{case}: NZ result differs from the ND weight's by up to {ratio:.3g}x the tolerance "
+                f"{NUMERIC_EPS_FACTOR:g}*eps*(|x|@|w|^T+|b|) (weight {n}x{k})"
+            )
+        worst.append(f"{case} {ratio:.3g}x")
+    return True, f"{', '.join(worst)} of the tolerance (weight {n}x{k})"
 
 
 def _offload_prefixes(transformer: nn.Module) -> list[str]:
@@ -190,13 +314,17 @@ class NzWeights(Optimization):
     summary = "Cast the transformer's BF16/FP16 linear weights to FRACTAL_NZ (npu_format_cast(w, 29)) after loading."
     equivalence = "close"
     default_enabled = True
-    requires = ("torch_npu; weights on an NPU; fp16/bf16; torch.npu.config.allow_internal_format",)
+    requires = (
+        "torch_npu >= 2.8 with CANN >= 8.3 (WeightNz matmul routing); weights on an NPU; fp16/bf16; internal formats "
+        "allowed (checked by a trial cast)",
+    )
     target_modules = (_targets.TRANSFORMER,)
     removal_plan = "Drop when vLLM-Omni's NPU loader casts unquantized DiT linear weights to NZ itself."
 
     def __init__(self) -> None:
         super().__init__()
         self._models: weakref.WeakKeyDictionary[nn.Module, _State] = weakref.WeakKeyDictionary()
+        self._verdicts: dict[tuple[str, str], NzVerdict] = {}
 
     # ----- state in words ------------------------------------------------------------------------------------
     def reasons_inactive(self) -> list[str]:
@@ -206,7 +334,13 @@ class NzWeights(Optimization):
             missing = [f for f in ("npu_format_cast", "get_npu_format") if not hasattr(npu, f)]
             if missing:
                 reasons.append(f"{_backend.backend_label()} has no {', '.join(missing)}")
+            reasons += version_reasons(npu)
+            reasons += [v.describe() for v in self._verdicts.values() if not v.ok and v.probe == _backend.probe_id()]
         return reasons
+
+    def verdicts(self) -> list[NzVerdict]:
+        """The first-use numerical checks so far, one per (device, dtype)."""
+        return list(self._verdicts.values())
 
     def model_reasons_inactive(self, model: nn.Module) -> list[str]:
         state = self._models.get(model)
@@ -219,11 +353,16 @@ class NzWeights(Optimization):
         return reasons
 
     def notes(self) -> list[str]:
-        return [
+        out = [
             f"w.data = npu_format_cast(w.data, {ACL_FORMAT_FRACTAL_NZ}) on the transformer's fp16/bf16 linear weights "
             f"after loading; reverted to ND ({ACL_FORMAT_ND}) on detach; calls shared_modulation.invalidate() "
             "after either (Parameter identity and _version do not change)"
         ]
+        npu = _backend.torch_npu_module()
+        if npu is not None:
+            out.append(f"torch_npu {getattr(npu, '__version__', '?')}, CANN {cann_version()}")
+        out += [v.describe() for v in self._verdicts.values() if v.ok and v.probe == _backend.probe_id()]
+        return out
 
     def report(self, model: nn.Module) -> dict[str, Any]:
         """Per model: names of the weights cast to NZ and the skipped layers by reason."""
@@ -234,13 +373,7 @@ class NzWeights(Optimization):
 
     # ----- attach / detach --------------------------------------------------------------------------------------
     def _model_reasons(self, model: nn.Module) -> list[str]:
-        reasons = []
-        aif = _allow_internal_format()
-        if aif is not True:
-            reasons.append(
-                f"torch.npu.config.allow_internal_format is {aif}: no FRACTAL_NZ tensor may be allocated "
-                "(default False on Atlas A3; vLLM-Omni's NPU platform sets it True in set_device)"
-            )
+        reasons = list(self.reasons_inactive())
         cfg = _od_config(model)
         for why in (_offload_reason(cfg), _lora_reason(model, cfg)):
             if why:
@@ -254,7 +387,7 @@ class NzWeights(Optimization):
         self, npu: ModuleType, module: nn.Module, w: nn.Parameter, under_lora: bool, under_offload: bool
     ) -> str:
         qm = getattr(module, "quant_method", None)
-        if qm is not None and type(qm).__name__ != "UnquantizedLinearMethod":
+        if qm is not None and not isinstance(qm, _unquantized_types()):
             return SKIP_QUANTIZED
         if under_lora:
             return SKIP_LORA
@@ -286,6 +419,7 @@ class NzWeights(Optimization):
         if state.reasons:
             return
         linear_types, lora_types = _linear_types()
+        permitted = False
         for prefix, transformer in _transformers(model):
             offloaded = _offload_prefixes(transformer)
             lora = _lora_prefixes(transformer, lora_types)
@@ -296,7 +430,17 @@ class NzWeights(Optimization):
                 why = self._layer_skip(npu, module, w, _under(name, lora), _under(name, offloaded))
                 if not why:
                     with torch.no_grad():
-                        nz = npu.npu_format_cast(w.data, ACL_FORMAT_FRACTAL_NZ)
+                        if not permitted:  # the first eligible weight: permission and numbers
+                            nz, why_not = trial_cast(npu, w.data)
+                            verdict = self._verdict(npu, w.data, nz) if nz is not None else None
+                            if verdict is None or not verdict.ok:
+                                state.reasons.append(
+                                    (why_not or verdict.describe()) + "; no weight cast"  # type: ignore[union-attr]
+                                )
+                                return
+                            permitted = True
+                        else:
+                            nz = npu.npu_format_cast(w.data, ACL_FORMAT_FRACTAL_NZ)
                         if npu.get_npu_format(nz) == ACL_FORMAT_FRACTAL_NZ:
                             w.data = nz
                             state.cast.append((f"{prefix}.{name}".strip("."), w))
@@ -307,14 +451,45 @@ class NzWeights(Optimization):
             logger.info("vllm-omni-ascend-opt: nz_weights cast %d linear weights to FRACTAL_NZ", len(state.cast))
             invalidate_weight_memos()
 
-    def _detach(self, model: nn.Module) -> None:
-        state = self._models.pop(model, None)
-        if state is None or not state.cast or state.npu is None:
+    def _verdict(self, npu: ModuleType, w: torch.Tensor, nz: torch.Tensor) -> NzVerdict:
+        """The (device, dtype) verdict of :func:`check_nz_linear`, computed on the first weight and cached.
+
+        (The permission - :func:`trial_cast` - is tried on every attach: the option can change, e.g. vLLM-Omni's
+        NPU platform enables it in ``set_device``.)"""
+        key = (str(w.device), str(w.dtype).removeprefix("torch."))
+        verdict = self._verdicts.get(key)
+        if verdict is None or verdict.probe != _backend.probe_id():
+            ok, detail = check_nz_linear(w, nz)
+            verdict = NzVerdict(ok, key[0], key[1], detail, _backend.probe_id())
+            (logger.info if ok else logger.warning)("vllm-omni-ascend-opt: nz_weights: %s", verdict.describe())
+            self._verdicts[key] = verdict
+        return verdict
+
+    def _revert(self, state: _State) -> None:
+        if not state.cast or state.npu is None:
             return
         with torch.no_grad():
             for _name, w in state.cast:
                 w.data = state.npu.npu_format_cast(w.data, ACL_FORMAT_ND)
+        state.cast.clear()
         invalidate_weight_memos()
+
+    def _detach(self, model: nn.Module) -> None:
+        state = self._models.pop(model, None)
+        if state is not None:
+            self._revert(state)
+
+    def _uninstall(self) -> None:
+        self._verdicts.clear()
+
+
+def _unquantized_types() -> tuple[type, ...]:
+    """vLLM's ``UnquantizedLinearMethod`` (subclasses, e.g. vllm-ascend's ``AscendUnquantizedLinearMethod``, count)."""
+    try:
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    except ImportError:  # pragma: no cover - vLLM always present with vLLM-Omni
+        return ()
+    return (UnquantizedLinearMethod,)
 
 
 def _linear_types() -> tuple[tuple[type, ...], tuple[type, ...]]:

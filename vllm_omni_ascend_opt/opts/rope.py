@@ -27,15 +27,22 @@ How:
   arithmetic), so results are bitwise identical: 4 launches per q/k instead of 10.
 * Where stock dispatches to another kernel (MindIE-SD, CUDA), that kernel is called with cached cos/sin: exact.
 * NPU path: ``torch_npu.npu_rotary_mul(x, cos, sin, rotary_mode="interleave")`` with cos/sin repeat-interleaved to
-  (1, S, 1, D) (class 1S1D for BSND, the only one interleave accepts): 1 launch per q/k. Before first use per
-  (device, dtype, head_dim) it is verified on small random BSND inputs against the fp32 portable reference (see
-  :data:`TOLERANCE_EPS_FACTOR`); a kernel that pairs halves (``npu_apply_rotary_pos_emb``, or torch_npu's aclops
-  fallback that ignores ``rotary_mode``) fails by orders of magnitude and is refused, with the reason logged and
-  shown by ``list``. A fused kernel that rounds once (fp32 inside) is NOT guaranteed bitwise-equal to stock's
-  three roundings in bf16. Because ``rope`` is class ``exact``, the kernel is used by default only when it is
-  bitwise-equal to stock's math on the verification inputs; ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL=verified``
-  (or ``Rope.require_bitwise_kernel = False``; an unknown value keeps ``bitwise`` and says so) also accepts a kernel that is merely within the tolerance, which
-  makes the NPU path "close" - check pixel identity with the ablation runner before relying on it. The RMSNorm before RoPE stays stock (no exact
+  (1, S, 1, D) (class 1S1D for BSND, the only one interleave accepts): 1 launch per q/k. It is verified twice:
+  (1) once per (device, dtype, head_dim) on small random BSND inputs against the fp32 portable reference (see
+  :data:`TOLERANCE_EPS_FACTOR`): a kernel that pairs halves (``npu_apply_rotary_pos_emb``, or the pre-7.0 aclops
+  fallback that ignored ``rotary_mode``; since op-plugin 7.0 that fallback raises for interleave) fails by orders of
+  magnitude and is refused; (2) on the first real call of each *shape class* (device, dtype, layout BSND, B*N,
+  sequence-length bucket = next power of two, D) the kernel's output on the real inputs is compared with an fp32
+  reference computed in chunks over S (bounded memory, :data:`VERIFY_CHUNK_ELEMS`); the class keeps the kernel only
+  if it is within the tolerance and its max error is no larger than stock's own (the portable path, stock's
+  roundings, on the same chunks). Different tilings at production shapes (S ~ 4352, B*N 24-48) are thus checked
+  where they run; a call that raises falls back to the portable path for that class, with the reason logged.
+* Tier: the kernel computes in fp32 and rounds once, so it is not bitwise-equal to stock's three bf16 roundings;
+  with it ``rope`` delivers the ``pixel`` tier (uint8-identical images, float outputs may differ - what the
+  reference 910B1 work kept it for), without it ``exact``. Policy ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL``: ``pixel``
+  (default; ``verified`` is an alias) uses the verified kernel; ``bitwise`` uses it only where it is bitwise-equal
+  to stock on the verification inputs (an unknown value keeps ``bitwise`` and says so). ``Rope.tier()`` reports the
+  tier delivered here (``list``, ``status()``, the ablation gates). The RMSNorm before RoPE stays stock (no exact
   fused replacement exists).
 
 Upstream PR: vllm-omni #4043 (open) calls ``npu_rotary_mul`` in ``RotaryEmbedding.forward_npu``; table reuse is not
@@ -50,6 +57,7 @@ import logging
 import math
 import os
 import sys
+import time
 import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -77,6 +85,10 @@ TOLERANCE_EPS_FACTOR = 2.0
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # npu_rotary_mul doc: fp16/bf16/fp32
 _KERNEL_D_LIMIT = 896  # npu_rotary_mul doc: D < 896 and even
 _KERNEL_BN_LIMIT = 1000  # npu_rotary_mul doc, interleave: B * N < 1000
+#: Shape-class verification: chunk the fp32 reference over S so that one chunk holds at most this many elements.
+VERIFY_CHUNK_ELEMS = 1 << 22
+#: Kernel policies (``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL``); "verified" is the pre-tier name of "pixel".
+POLICIES = ("pixel", "verified", "bitwise")
 _TABLE_CACHE_SIZE = 32
 _EMBED_MEMO_SIZE = 8
 
@@ -247,6 +259,8 @@ class KernelVerdict:
     max_err_over_bound: float = math.nan
     bitwise_vs_stock: bool = False
     fn: Callable[..., torch.Tensor] | None = None
+    err_kernel: float = math.nan  # max |kernel - ref_fp32|
+    err_stock: float = math.nan  # max |stock - ref_fp32| (stock's own error in this dtype)
 
     def describe(self) -> str:
         where = f"{self.device}/{str(self.dtype).removeprefix('torch.')}/D={self.head_dim}"
@@ -289,19 +303,103 @@ def verify_kernel(
         got = (getattr(out, "shape", None), getattr(out, "dtype", None), getattr(out, "device", None))
         v.reason = f"wrong output (shape, dtype, device) {got}, expected {(x.shape, dtype, x.device)}"
         return v
-    ref, scale = reference_fp32(x, cos, sin_signed)
-    err = (out.float() - ref).abs()
-    bound = TOLERANCE_EPS_FACTOR * torch.finfo(dtype).eps * scale + torch.finfo(torch.float32).tiny
-    finite = bool(torch.isfinite(out).all())
-    v.max_err_over_bound = float((err / bound).max()) if finite else math.inf
-    v.bitwise_vs_stock = bool(torch.equal(out, apply_portable(x, cos, sin_signed)))
-    if not finite or v.max_err_over_bound > 1.0:
-        v.reason = (
-            f"output differs from the reference by up to {v.max_err_over_bound:.3g}x the tolerance "
-            f"({TOLERANCE_EPS_FACTOR:g}*eps*(|x*cos|+|rot(x)*sin|)); wrong pairing mode or precision"
-        )
+    stock = apply_portable(x, cos, sin_signed)
+    ratio, err_k, err_s = _errors(x, out, stock, cos, sin_signed)
+    v.max_err_over_bound, v.err_kernel, v.err_stock = ratio, err_k, err_s
+    v.bitwise_vs_stock = bool(torch.equal(out, stock))
+    why = _judge(ratio, err_k, err_s)
+    if why:
+        v.reason = why + "; wrong pairing mode or precision"
         return v
     v.ok, v.fn = True, kernel
+    return v
+
+
+def _errors(
+    x: torch.Tensor, out: torch.Tensor, stock: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+) -> tuple[float, float, float]:
+    """(max error / bound, max |out - ref_fp32|, max |stock - ref_fp32|) for one chunk; inf when out is not finite."""
+    ref, scale = reference_fp32(x, cos, sin_signed)
+    if not bool(torch.isfinite(out).all()):
+        return math.inf, math.inf, float((stock.float() - ref).abs().max())
+    err = (out.float() - ref).abs()
+    bound = TOLERANCE_EPS_FACTOR * torch.finfo(x.dtype).eps * scale + torch.finfo(torch.float32).tiny
+    return float((err / bound).max()), float(err.max()), float((stock.float() - ref).abs().max())
+
+
+def _judge(ratio: float, err_kernel: float, err_stock: float) -> str:
+    """Why the kernel's errors are unacceptable ("" when they are acceptable)."""
+    if not ratio <= 1.0:
+        return (
+            f"output differs from the fp32 reference by up to {ratio:.3g}x the tolerance "
+            f"({TOLERANCE_EPS_FACTOR:g}*eps*(|x*cos|+|rot(x)*sin|))"
+        )
+    if not err_kernel <= err_stock:
+        return (
+            f"max error {err_kernel:.3g} against the fp32 reference exceeds stock's own {err_stock:.3g} in this dtype"
+        )
+    return ""
+
+
+def shape_class(x: torch.Tensor) -> tuple[str, torch.dtype, str, int, int, int]:
+    """(device, dtype, layout, B*N, sequence-length bucket, D) of a BSND input: what a kernel tiling depends on."""
+    b, s, n, d = x.shape
+    return (str(x.device), x.dtype, "BSND", b * n, 1 << max(0, (s - 1).bit_length()), d)
+
+
+@dataclass
+class ShapeVerdict:
+    """Outcome of checking the kernel on the first real call of one shape class."""
+
+    key: tuple[str, torch.dtype, str, int, int, int]
+    ok: bool
+    reason: str = ""
+    max_err_over_bound: float = math.nan
+    err_kernel: float = math.nan
+    err_stock: float = math.nan
+    bitwise_vs_stock: bool = False
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        dev, dtype, layout, bn, bucket, d = self.key
+        where = f"{dev}/{str(dtype).removeprefix('torch.')}/{layout} B*N={bn} S<={bucket} D={d}"
+        if self.ok:
+            return (
+                f"npu_rotary_mul at {where}: in use (max error {self.err_kernel:.3g} vs stock's {self.err_stock:.3g}, "
+                f"{self.max_err_over_bound:.3g} of the bound; bitwise equal to stock: "
+                f"{'yes' if self.bitwise_vs_stock else 'no'}; check took {self.seconds * 1e3:.1f} ms)"
+            )
+        return f"npu_rotary_mul at {where}: refused ({self.reason}); the portable path is used for this shape class"
+
+
+def verify_at_shape(
+    x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, *, bitwise: bool
+) -> ShapeVerdict:
+    """Check the kernel's ``out`` for the real BSND ``x`` against an fp32 reference computed in chunks over S.
+
+    ``cos``/``sin_signed`` are the portable [S, 1, D] tables of this call. Memory: one chunk of at most
+    :data:`VERIFY_CHUNK_ELEMS` elements in fp32 (a few buffers of it), whatever S and B*N are."""
+    t0 = time.perf_counter()
+    v = ShapeVerdict(shape_class(x), ok=False)
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        v.reason = f"wrong output {tuple(out.shape)} {out.dtype} {out.device}"
+        return v
+    b, s, n, d = x.shape
+    step = max(1, VERIFY_CHUNK_ELEMS // max(1, b * n * d))
+    ratio, err_k, err_s, same = 0.0, 0.0, 0.0, True
+    for i in range(0, s, step):
+        xc, oc, cc, sc = x[:, i : i + step], out[:, i : i + step], cos[i : i + step], sin_signed[i : i + step]
+        stock = apply_portable(xc, cc, sc)
+        r, ek, es = _errors(xc, oc, stock, cc, sc)
+        ratio, err_k, err_s = max(ratio, r), max(err_k, ek), max(err_s, es)
+        same = same and bool(torch.equal(oc, stock))
+    v.max_err_over_bound, v.err_kernel, v.err_stock, v.bitwise_vs_stock = ratio, err_k, err_s, same
+    v.reason = _judge(ratio, err_k, err_s)
+    if not v.reason and bitwise and not same:
+        v.reason = f"not bitwise-equal to stock at this shape and the policy is bitwise ({ENV_KERNEL_POLICY})"
+    v.ok = not v.reason
+    _backend.synchronize(x.device if x.device.type != "cpu" else None)
+    v.seconds = time.perf_counter() - t0
     return v
 
 
@@ -311,7 +409,8 @@ def verify_kernel(
 class Rope(Optimization):
     name = "rope"
     summary = "Build RoPE cos/sin tables once per forward shape and reuse them in every block; on Ascend apply them with a verified torch_npu.npu_rotary_mul (interleave)."
-    equivalence = "exact"
+    #: exact on the portable path; pixel with the NPU kernel (see :meth:`tier`).
+    equivalence = "pixel"
     default_enabled = True
     requires = ("vLLM-Omni 0.30.x; NPU kernel path: torch_npu with npu_rotary_mul rotary_mode='interleave'",)
     target_modules = (_targets.TRANSFORMER,)
@@ -331,9 +430,9 @@ class Rope(Optimization):
 
     #: Set False to keep the portable path even where torch_npu is present.
     use_npu_kernel: bool = True
-    #: Accept the NPU kernel only if it is bitwise-equal to stock's math on the verification inputs (``rope`` is
-    #: class ``exact``). None (default): from ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL`` (``bitwise`` or ``verified``),
-    #: read when the kernel is first verified; True/False override it.
+    #: Accept the NPU kernel only if it is bitwise-equal to stock's math (keeps ``rope`` in the ``exact`` tier).
+    #: None (default): from ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL`` (``pixel``, the default, or ``bitwise``), read when
+    #: the kernel is verified; True/False override it.
     require_bitwise_kernel: bool | None = None
 
     def __init__(self) -> None:
@@ -341,6 +440,7 @@ class Rope(Optimization):
         self.stats: Counter[str] = Counter()
         self._tables = _TableCache(self.stats)
         self._verdicts: dict[tuple[str, torch.dtype, int], KernelVerdict] = {}
+        self._shapes: dict[tuple, ShapeVerdict] = {}
         self._verdict_mod: Any = None
         self._embed_memo: weakref.WeakKeyDictionary[nn.Module, OrderedDict] = weakref.WeakKeyDictionary()
         self._bad_policy: set[str] = set()
@@ -356,11 +456,31 @@ class Rope(Optimization):
             return ["no QwenImageTransformer2DModel in this model: rope only changes Qwen-Image's RoPE"]
         return []
 
+    def tier(self) -> str:
+        """``pixel`` where the NPU kernel is (or, once verified, will be) used; ``exact`` on the portable path."""
+        return "pixel" if self._kernel_may_run() else "exact"
+
+    def _kernel_may_run(self) -> bool:
+        mod = _backend.torch_npu_module()
+        if not self.use_npu_kernel or mod is None or getattr(mod, "npu_rotary_mul", None) is None:
+            return False
+        if self.requires_bitwise():
+            return False  # only a bitwise-equal kernel is taken: exact either way
+        verdicts = list(self._verdicts.values()) if self._verdict_mod is mod else []
+        shapes = list(self._shapes.values()) if self._verdict_mod is mod else []
+        if verdicts and not any(v.ok for v in verdicts):
+            return False
+        return not shapes or any(v.ok for v in shapes)
+
     def notes(self) -> list[str]:
         out = [
-            f"{ENV_KERNEL_POLICY}={v!r} is neither 'bitwise' nor 'verified': the 'bitwise' policy is used"
+            f"{ENV_KERNEL_POLICY}={v!r} is not one of {', '.join(POLICIES)}: the 'bitwise' policy is used"
             for v in sorted(self._bad_policy)
         ]
+        out.append(
+            f"tier here: {self.tier()} (exact: portable path, bitwise stock; pixel: npu_rotary_mul, fp32 inside, "
+            f"uint8-identical images); kernel policy {'bitwise' if self.requires_bitwise() else 'pixel'}"
+        )
         mod = _backend.torch_npu_module()
         if mod is None:
             why = "; ".join(_backend.npu_unavailable_reasons()) or "torch_npu unavailable"
@@ -375,9 +495,12 @@ class Rope(Optimization):
             if not verdicts:
                 out.append(
                     "torch_npu present: npu_rotary_mul(interleave) will be verified against the fp32 portable "
-                    "reference on first use per (device, dtype, head_dim) before it is used."
+                    "reference on first use per (device, dtype, head_dim), and again on the first real call of each "
+                    "shape class (dtype, layout, B*N, S bucket), before it is used."
                 )
             out.extend(v.describe() for v in verdicts)
+            if self._verdict_mod is mod:
+                out.extend(v.describe() for v in self._shapes.values())
         if self.stats:
             s = self.stats
             out.append(
@@ -389,6 +512,10 @@ class Rope(Optimization):
 
     def verdicts(self) -> list[KernelVerdict]:
         return list(self._verdicts.values())
+
+    def shape_verdicts(self) -> list[ShapeVerdict]:
+        """The per-shape-class checks of the kernel on real calls so far."""
+        return list(self._shapes.values())
 
     # ----- install -------------------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -407,23 +534,25 @@ class Rope(Optimization):
         self._tables.clear()
         self._embed_memo.clear()
         self._verdicts.clear()
+        self._shapes.clear()
         self._verdict_mod = None
         self.stats.clear()
         self._bad_policy.clear()
 
     def requires_bitwise(self) -> bool:
-        """The kernel policy: the explicit attribute, else ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL`` (default bitwise).
+        """The kernel policy: the explicit attribute, else ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL`` (default ``pixel``).
 
         An unknown value keeps the safe ``bitwise`` policy and is logged and shown in ``notes()``."""
         if self.require_bitwise_kernel is not None:
             return self.require_bitwise_kernel
-        raw = os.environ.get(ENV_KERNEL_POLICY, "bitwise").strip().lower()
-        if raw not in ("bitwise", "verified"):
+        raw = os.environ.get(ENV_KERNEL_POLICY, "pixel").strip().lower()
+        if raw not in POLICIES:
             if raw not in self._bad_policy:
                 logger.warning(
-                    "vllm-omni-ascend-opt: rope: %s=%r is neither 'bitwise' nor 'verified'; using 'bitwise'",
+                    "vllm-omni-ascend-opt: rope: %s=%r is not one of %s; using 'bitwise'",
                     ENV_KERNEL_POLICY,
                     raw,
+                    ", ".join(POLICIES),
                 )
                 self._bad_policy.add(raw)
             return True
@@ -439,6 +568,7 @@ class Rope(Optimization):
             return None
         if mod is not self._verdict_mod:
             self._verdicts.clear()
+            self._shapes.clear()
             self._verdict_mod = mod
         key = (str(x.device), x.dtype, x.shape[-1])
         v = self._verdicts.get(key)
@@ -451,8 +581,9 @@ class Rope(Optimization):
                 if v.ok and self.requires_bitwise() and not v.bitwise_vs_stock:
                     v.ok, v.fn = False, None
                     v.reason = (
-                        "within tolerance but not bitwise-equal to stock math; rope is class exact, so it stays on "
-                        f"the portable path (set {ENV_KERNEL_POLICY}=verified to accept it)"
+                        f"within tolerance but not bitwise-equal to stock math, and {ENV_KERNEL_POLICY}=bitwise "
+                        "keeps rope in the exact tier: the portable path is used (the default policy 'pixel' "
+                        "accepts it)"
                     )
             self._verdicts[key] = v
             (logger.info if v.ok else logger.warning)("vllm-omni-ascend-opt: rope: %s", v.describe())
@@ -462,17 +593,29 @@ class Rope(Optimization):
         verdict = self._kernel_for(x)
         if verdict is not None:
             b, _, n, d = x.shape
-            if freqs.shape[-1] * 2 == d and b * n < _KERNEL_BN_LIMIT and x.dtype in _KERNEL_DTYPES:
+            key = shape_class(x)
+            checked = self._shapes.get(key)
+            eligible = freqs.shape[-1] * 2 == d and b * n < _KERNEL_BN_LIMIT and x.dtype in _KERNEL_DTYPES
+            if eligible and (checked is None or checked.ok):
                 cos, sin = _npu_tables(tables, freqs, self.stats)
                 try:
                     out = verdict.fn(x, cos, sin, rotary_mode="interleave")  # type: ignore[misc]
                 except Exception as exc:
-                    verdict.ok, verdict.fn = False, None
-                    verdict.reason = f"the kernel raised {exc.__class__.__name__} in use: {exc}"
-                    logger.warning("vllm-omni-ascend-opt: rope: %s", verdict.describe())
+                    checked = ShapeVerdict(key, ok=False, reason=f"the kernel raised {exc.__class__.__name__}: {exc}")
+                    self._shapes[key] = checked
+                    logger.warning("vllm-omni-ascend-opt: rope: %s", checked.describe())
                 else:
-                    self.stats["kernel_calls"] += 1
-                    return out
+                    if checked is None:
+                        pc, ps = _portable_tables(tables, freqs, self.stats)
+                        checked = verify_at_shape(x, out, pc, ps, bitwise=self.requires_bitwise())
+                        self._shapes[key] = checked
+                        self.stats["shape_checks"] += 1
+                        (logger.info if checked.ok else logger.warning)(
+                            "vllm-omni-ascend-opt: rope: %s", checked.describe()
+                        )
+                    if checked.ok:
+                        self.stats["kernel_calls"] += 1
+                        return out
         if _native_equivalent(rope):
             cos, sin_signed = _portable_tables(tables, freqs, self.stats)
             self.stats["portable_calls"] += 1

@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""One-time cost of the per-shape-class kernel checks at the production shapes, measured through the test fake on CPU.
+
+Usage (repo root, CPU; no NPU needed)::
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/verify_cost.py            # S = 4352, B*N = 24 and 48, D = 128, bf16
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/verify_cost.py --seq 512  # quicker
+
+For ``rope`` (``rope.verify_at_shape``: chunked fp32 reference and stock's own error on the real call's output) and
+``fused_attention`` (``FusedAttention._check_class``: the kernel on random inputs of the call's shapes, a chunked fp32
+reference and stock SDPA on the same chunks) it prints the check's wall time next to one call of the (fake) kernel,
+median of ``--repeats``. These are **the fake's costs on this CPU**: the fake computes each kernel with plain torch,
+and the reference runs on the CPU. On an NPU the same check runs on the device; ``benchmarks/npu_check_kernels.py``
+prints the real one-time cost there. The check runs once per shape class per process (a diffusion request at one
+resolution has two classes per kernel: B*N for the conditional and unconditional batch if CFG is batched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=4352, help="joint sequence length (default 4352 = 256 text + 4096 image)")
+    p.add_argument("--heads", type=int, default=24)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1)
+    a = p.parse_args(argv)
+
+    import pytest
+    import vllm_omni.diffusion.attention.backends.sdpa  # noqa: F401  (before the fake: accelerate probes torch_npu)
+
+    sys.path.insert(0, str(REPO))
+    from tests.fake_torch_npu import install
+    from vllm_omni_ascend_opt.opts import fused_attention as fa
+    from vllm_omni_ascend_opt.opts import rope
+
+    mp = pytest.MonkeyPatch()
+    npu = install(mp)
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    s, n, d, dtype = a.seq, a.heads, a.head_dim, torch.bfloat16
+    print(f"verify_cost: the torch_npu FAKE on CPU ({torch.get_num_threads()} threads), bf16, S={s}, D={d}")
+    print(f"{'check':<44} {'B*N':>4} {'check s':>9} {'1 call s':>9} {'ratio':>7}  verdict")
+    g = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            for b in (1, 2):
+                x = (torch.randn(b, s, n, d, generator=g) * 3).to(dtype)
+                theta = torch.rand(s, d // 2, generator=g, dtype=torch.float64) * 6.283
+                freqs = torch.polar(torch.ones_like(theta), theta).to(torch.complex64)
+                t = rope._Tables(dtype)
+                cos, sin_signed = rope._portable_tables(t, freqs, Counter())
+                ncos, nsin = rope._npu_tables(t, freqs, Counter())
+                out = npu.npu_rotary_mul(x, ncos, nsin, rotary_mode="interleave")
+                kernel = functools.partial(npu.npu_rotary_mul, x, ncos, nsin, rotary_mode="interleave")
+                call = _median_s(kernel, a.repeats)
+                check = functools.partial(rope.verify_at_shape, x, out, cos, sin_signed, bitwise=False)
+                sv = check()
+                chk = _median_s(check, a.repeats)
+                print(f"{'rope.verify_at_shape':<44} {b * n:>4} {chk:>9.3f} {call:>9.3f} {chk / call:>6.1f}x  "
+                      f"{'ok' if sv.ok else 'REFUSED: ' + sv.reason}")  # fmt: skip
+                del x, out
+            for b in (1, 2):
+                q, k, v = (torch.randn(b, s, n, d, generator=g).to(dtype) for _ in range(3))
+                masked = None
+                if b == 2:
+                    keep = torch.ones(b, s, dtype=torch.bool)
+                    keep[1, 224:256] = False  # the second prompt 32 text tokens shorter
+                    masked = fa.kernel_mask(keep, b, s, s)[0]
+                scale = d**-0.5
+                call = _median_s(functools.partial(fa.call_kernel, npu, q, k, v, masked, scale), a.repeats)
+                t0 = time.perf_counter()
+                sv = fa.FusedAttention._check_class(npu, q, k, v, masked, scale)
+                chk = time.perf_counter() - t0
+                print(f"{'fused_attention._check_class (+1 kernel call)':<44} {b * n:>4} {chk:>9.3f} {call:>9.3f} "
+                      f"{chk / call:>6.1f}x  {'ok' if sv.ok else 'REFUSED: ' + sv.detail}")  # fmt: skip
+                del q, k, v
+    finally:
+        mp.undo()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

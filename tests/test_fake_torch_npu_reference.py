@@ -1,0 +1,179 @@
+"""The torch_npu fake against the real package: the pinned torch-npu 2.13.0 wheel, read (never installed).
+
+* every fake op's signature (argument names incl. ``self``, order, keyword-only, defaults) equals its schema in
+  ``npu_native_functions_by_codegen.yaml``, and its number of outputs the schema's return arity;
+* its outputs' shapes and dtypes equal what the wheel's meta functions (``op_plugin/meta/_meta_registrations.py``,
+  run on CPU with stubs) return for the same arguments;
+* ``torch.npu.config`` behaves like the real ``_npuConfig`` (write-only).
+
+Constraints the meta functions do not check (value ranges, layouts, sparse modes, formats) are cited to the op-plugin
+docs in the fake's modules and tested in the per-optimization test files. Skips with the reason when the wheel
+cannot be fetched (``tests/fake_torch_npu/reference.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from tests.fake_torch_npu import KERNELS, build, formats, reference
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def wheel():
+    path, why = reference.fetch()
+    if path is None:
+        pytest.skip(f"the torch-npu {reference.VERSION} wheel is not available: {why}")
+    return path
+
+
+def _variants() -> list[tuple[str, str, object]]:
+    return [(k, v, fn) for k, impls in sorted(KERNELS.items()) for v, fn in sorted(impls.items())]
+
+
+def _schema_signature(schema: reference.Schema) -> list[tuple[str, str, object]]:
+    out = []
+    for a in schema.args:
+        kind = "kw" if a.kw_only else "pos"
+        out.append((a.name, kind, "<required>" if a.default is reference._NO_DEFAULT else a.default))
+    return out
+
+
+def _fake_signature(fn) -> list[tuple[str, str, object]]:
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        assert p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD), f"{fn.__name__}: *args/**kwargs hide the schema"
+        kind = "kw" if p.kind is p.KEYWORD_ONLY else "pos"
+        out.append((p.name, kind, "<required>" if p.default is p.empty else p.default))
+    return out
+
+
+@pytest.mark.parametrize(("kernel", "variant", "fn"), _variants(), ids=[f"{k}-{v}" for k, v, _ in _variants()])
+def test_fake_signatures_equal_the_real_schemas(wheel, kernel, variant, fn):
+    schema = reference.schemas()[kernel]
+    if getattr(fn, "legacy_signature", None):
+        pytest.skip(f"{kernel}/{variant} models an older release's signature {fn.legacy_signature} on purpose")
+    assert _fake_signature(fn) == _schema_signature(schema), schema.text
+
+
+def test_installed_fake_ops_keep_the_schema_signature_and_reject_unknown_keywords(wheel):
+    mod = build()
+    for kernel in KERNELS:
+        assert _fake_signature(getattr(mod, kernel)) == _schema_signature(reference.schemas()[kernel])
+    x = torch.randn(1, 4, 1, 8)
+    r = torch.ones(1, 4, 1, 8)
+    mod.npu_rotary_mul(self=x, r1=r, r2=r * 0, rotary_mode="interleave")  # torch.ops.npu keyword names
+    with pytest.raises(TypeError):
+        mod.npu_rotary_mul(input=x, r1=r, r2=r)  # the old fake's name: not the schema's
+    with pytest.raises(TypeError):
+        mod.npu_format_cast(torch.randn(4, 4), 29, None)  # customize_dtype is keyword-only
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# output shapes / dtypes / arity against the meta functions
+# ----------------------------------------------------------------------------------------------------------------
+def _cases():
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    cos = torch.rand(1, 6, 1, 64, generator=g).bfloat16()
+    half_r = torch.rand(1, 1, 6, 32, generator=g).half()
+    mask = torch.zeros(2, 1, 12, 12, dtype=torch.bool)
+    mask[1, :, :, -3:] = True
+    return [
+        ("npu_rotary_mul", "interleave BSND", (rnd(2, 6, 3, 64), cos, cos), {"rotary_mode": "interleave"}),
+        ("npu_rotary_mul", "half BNSD", (rnd(2, 3, 6, 32, dtype=torch.float16), half_r, half_r), {}),
+        (
+            "npu_fusion_attention",
+            "BSND masked",
+            (rnd(2, 12, 4, 64), rnd(2, 12, 4, 64), rnd(2, 12, 4, 64), 4, "BSND"),
+            {"atten_mask": mask, "scale": 0.125},
+        ),
+        ("npu_fusion_attention", "BNSD GQA", (rnd(1, 4, 10, 32), rnd(1, 2, 10, 32), rnd(1, 2, 10, 32), 4, "BNSD"), {}),
+        ("npu_fusion_attention", "BSH", (rnd(2, 9, 128), rnd(2, 9, 128), rnd(2, 9, 128), 2, "BSH"), {}),
+        ("npu_fusion_attention", "SBH", (rnd(9, 2, 128), rnd(9, 2, 128), rnd(9, 2, 128), 2, "SBH"), {}),
+        (
+            "npu_fused_infer_attention_score",
+            "BNSD",
+            (rnd(1, 4, 10, 64), rnd(1, 4, 10, 64), rnd(1, 4, 10, 64)),
+            {"num_heads": 4, "input_layout": "BNSD", "scale": 0.125},
+        ),
+        ("npu_layer_norm_eval", "3-D", (rnd(2, 5, 16), [16]), {"eps": 1e-6}),
+    ]
+
+
+def _meta(x):
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+def _describe(out) -> list[object]:
+    outs = out if isinstance(out, tuple) else (out,)
+    return [(tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else type(o).__name__ for o in outs]
+
+
+@pytest.mark.parametrize(("kernel", "case", "args", "kwargs"), _cases(), ids=[f"{c[0]}-{c[1]}" for c in _cases()])
+def test_fake_outputs_match_the_real_meta_functions(wheel, fake_npu, kernel, case, args, kwargs):
+    fake = fake_npu()
+    got = getattr(fake, kernel)(*args, **kwargs)
+    meta = reference.meta_functions()[kernel]
+    # The dispatcher hands a Python meta kernel the schema's positional arguments by position (the meta functions
+    # name them differently, e.g. npu_rotary_mul_meta(embedding, cosine, sine, mode)) and keyword-only ones by name.
+    bound = inspect.signature(getattr(fake, kernel)).bind(*args, **kwargs)
+    bound.apply_defaults()
+    params = inspect.signature(getattr(fake, kernel)).parameters
+    pos = [_meta(v) for n, v in bound.arguments.items() if params[n].kind is not params[n].KEYWORD_ONLY]
+    kw = {n: _meta(v) for n, v in bound.arguments.items() if params[n].kind is params[n].KEYWORD_ONLY}
+    want = meta(*pos, **kw)
+    assert _describe(got) == _describe(want)
+    assert len(got if isinstance(got, tuple) else (got,)) == len(reference.schemas()[kernel].returns)
+
+
+def test_format_cast_matches_the_real_meta_and_schema(wheel, fake_npu):
+    fake = fake_npu()
+    x = torch.randn(32, 48).bfloat16()
+    nz = fake.npu_format_cast(x, formats.FRACTAL_NZ)
+    want = reference.meta_functions()["_npu_format_cast"](x.to("meta"), formats.FRACTAL_NZ)  # what it dispatches to
+    assert _describe(nz) == _describe(want)
+    assert reference.schemas()["npu_format_cast"].returns == ("Tensor",)
+    assert reference.schemas()["get_npu_format"].returns == ("int",) and isinstance(fake.get_npu_format(nz), int)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.npu.config
+# ----------------------------------------------------------------------------------------------------------------
+def _script(cfg, options) -> list[object]:
+    """The same operations on a config object; what each does (result or exception type) and the option store."""
+    trace: list[object] = []
+    for value in (True, False, 1, 0):
+        cfg.allow_internal_format = value
+        trace.append(options())
+        try:
+            trace.append(("read", cfg.allow_internal_format))
+        except AttributeError:
+            trace.append(("read", "AttributeError"))
+    cfg.some_other_option = True
+    trace.append(options())
+    trace.append(("hasattr", hasattr(cfg, "some_other_option"), hasattr(cfg, "allow_internal_format")))
+    return trace
+
+
+def test_fake_config_behaves_like_the_real_npuconfig(wheel):
+    real, stubs = reference.real_npu_config()
+    fake = build(allow_internal_format=True)
+    real_trace = _script(real, lambda: dict(stubs.options))
+    fake_trace = _script(fake.npu.config, lambda: {"ALLOW_INTERNAL_FORMAT": fake._C.options["ALLOW_INTERNAL_FORMAT"]})
+    assert fake_trace == real_trace
+    assert ("read", "AttributeError") in real_trace  # the finding: the attribute is write-only
+    assert stubs._get_option("ALLOW_INTERNAL_FORMAT") == fake._C._npu_getOption("ALLOW_INTERNAL_FORMAT") == b"disable"
+
+
+def test_reading_the_real_config_gives_nothing_which_is_why_nz_weights_must_not_read_it(wheel):
+    real, _ = reference.real_npu_config()
+    real.allow_internal_format = True
+    assert getattr(real, "allow_internal_format", None) is None
