@@ -240,7 +240,7 @@ def pre_process_func(pipe: Any) -> Any:
     return fn or None
 
 
-def test_image(seed: int, width: int = 48, height: int = 32, mode: str = "RGB") -> Any:
+def sample_image(seed: int, width: int = 48, height: int = 32, mode: str = "RGB") -> Any:
     """A deterministic PIL input image (smooth gradients plus seeded noise) for the edit / layered pipelines."""
     import numpy as np
     from PIL import Image
