@@ -27,6 +27,11 @@ FAMILY = ["dmd2", "edit", "edit-plus", "edit-2511", "layered"]
 IMAGE_PIPELINES = {"edit", "edit-plus", "edit-2511", "layered"}
 #: The exact optimizations on by default that act on every pipeline of the family on CPU.
 EXACT_EVERYWHERE = {"shared_modulation", "rope"}
+TINY_LAYERS = TINY_FAMILY["edit"].num_layers
+#: Pinned kernel-launching ops per block on a warm request, default stack (what tests measure; docs/results.md).
+#: Stock: 106 (single-segment blocks), 114 (edit-2511's two-segment blocks: 6 where + 2 bool casts more).
+CPU_BLOCK_BUDGET = dict.fromkeys(FAMILY, 74)
+NPU_BLOCK_BUDGET = dict.fromkeys(FAMILY, 62)
 
 
 @dataclass(frozen=True)
@@ -178,3 +183,59 @@ def test_dmd2_forward_as_shipped_raises():
 
     with pytest.raises(TypeError, match="guidance_scale"):
         Probe().forward(SimpleNamespace())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kernel-launching ops per block and per denoise step, modulation bytes per step (warm request)
+# ----------------------------------------------------------------------------------------------------------------
+#: The text-to-image block's reduction on this tiny model (stock 106 -> default 74, measured on the DMD2 pipeline,
+#: which runs the text-to-image transformer): every pipeline, the two-segment edit block included, must reach it.
+T2I_REDUCTION = 106 - 74
+
+
+def _warm_counts(fam: SimpleNamespace, rt: Any) -> dict[str, Any]:
+    """Ops of the last block and of one transformer forward (= one denoise step, CFG off) and modulation weight
+    bytes read, on a repeated request (caches warm)."""
+    from vllm_omni_ascend_opt.testbed.opcount import TensorReadCounter, count_module_calls
+
+    r = REQUESTS[0]
+    _run(fam, rt, r)
+    tr = fam.pipe.transformer
+    mods = [p for lin in sm.modulation_linears(tr) for p in lin.parameters()]
+    with (
+        count_module_calls(tr.transformer_blocks[-1]) as blocks,
+        count_module_calls(tr) as steps,
+        TensorReadCounter(mods) as reads,
+    ):
+        images = _run(fam, rt, r)
+    assert len({c.total for c in blocks}) == 1 and len({c.total for c in steps}) == 1  # every step alike
+    return dict(block=blocks[0].total, step=steps[0].total, mod_bytes=reads.bytes / len(steps), images=images)
+
+
+def test_ops_per_block_and_step(fam, runtime):
+    api.select("none", model=fam.pipe)
+    stock = _warm_counts(fam, runtime)
+    api.select("default", model=fam.pipe)
+    opt = _warm_counts(fam, runtime)
+    print(
+        f"{fam.key}: ops/block {stock['block']} -> {opt['block']}, ops/step {stock['step']} -> {opt['step']}, "
+        f"modulation bytes/step {stock['mod_bytes']:.0f} -> {opt['mod_bytes']:.0f}"
+    )
+    assert torch.equal(stock["images"], opt["images"])
+    assert stock["mod_bytes"] > 0 and opt["mod_bytes"] == 0
+    assert stock["block"] - opt["block"] >= T2I_REDUCTION, (stock["block"], opt["block"])
+    assert opt["block"] <= CPU_BLOCK_BUDGET[fam.key], opt["block"]
+    assert stock["step"] - opt["step"] >= TINY_LAYERS * T2I_REDUCTION
+
+
+def test_ops_per_block_with_npu_paths(fam, runtime, fake_npu):
+    """The torch_npu paths through the semantic fake (fp32: its kernels round like stock)."""
+    npu = fake_npu()
+    api.select("none", model=fam.pipe)
+    stock = _warm_counts(fam, runtime)
+    api.select("default", model=fam.pipe)
+    opt = _warm_counts(fam, runtime)
+    print(f"{fam.key} (NPU paths): ops/block {stock['block']} -> {opt['block']}, ops/step {opt['step']}")
+    assert npu.calls["npu_rotary_mul"] > 0
+    assert torch.equal(stock["images"], opt["images"])
+    assert opt["block"] <= NPU_BLOCK_BUDGET[fam.key], opt["block"]
