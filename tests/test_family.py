@@ -239,3 +239,45 @@ def test_ops_per_block_with_npu_paths(fam, runtime, fake_npu):
     assert npu.calls["npu_rotary_mul"] > 0
     assert torch.equal(stock["images"], opt["images"])
     assert opt["block"] <= NPU_BLOCK_BUDGET[fam.key], opt["block"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parallel modes: the edit pipelines under Ulysses SP 2 and CFG-parallel 2 (2 gloo processes)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.multiproc
+@pytest.mark.parametrize("variant", ["edit-2511", "edit-plus"])
+def test_edit_pipelines_under_ulysses_and_cfg_parallel(variant):
+    """``default`` is bitwise ``none`` in each mode on every rank; under Ulysses each rank holds its shard of the
+    sequence and of ``modulate_index`` (the condition tokens' timestep-0 segment), so the segment plans differ
+    per rank. Requests: two input images, two output sizes, true CFG, the first repeated (warm caches)."""
+    from vllm_omni_ascend_opt.testbed.parallel import Job, ModeRun, run_parallel_modes
+
+    reqs = {
+        "a": dict(height=32, width=32, seed=1, image=1),
+        "b": dict(height=32, width=48, seed=2, image=2),
+        "a-again": dict(height=32, width=32, seed=1, image=1),
+    }
+    jobs = tuple(
+        Job(spec, steps=2, cfg_scale=4.0, tag=f"{spec}:{tag}", **kw)
+        for spec in ("none", "default")
+        for tag, kw in reqs.items()
+    )
+    plan = [ModeRun("ulysses", jobs), ModeRun("cfg_parallel", jobs)]
+    runs = run_parallel_modes(plan, model_dir=build_model_dir(TINY_FAMILY[variant]), timeout_s=600.0)
+    for mode, run in runs.items():
+        for rank in range(run.world_size):
+            for tag in reqs:
+                want = run.images(f"none:{tag}", rank)
+                assert torch.equal(run.images(f"default:{tag}", rank), want), (variant, mode, rank, tag)
+                assert torch.equal(want, run.images(f"none:{tag}", 0))  # every rank returns the image
+            assert not torch.equal(run.images("none:a", rank), run.images("none:b", rank))
+            for j in run.ranks[rank].jobs:
+                if j.job.spec == "default":
+                    assert EXACT_EVERYWHERE <= set(j.acting), (mode, j.reasons)
+                    assert not j.fallbacks.get("shared_modulation"), (mode, j.fallbacks)
+        hooks = set(run.ranks[0].sp_hooks)  # vLLM-Omni's _sp_plan hooks: the sequence really is split under Ulysses
+        if mode == "ulysses":
+            assert {"sp_input---image_rope_prepare", "sp_output---proj_out"} <= hooks, hooks
+            assert any("modulate_index_prepare" in h for h in hooks), hooks
+        else:
+            assert hooks == set(), hooks
