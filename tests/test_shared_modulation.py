@@ -555,3 +555,21 @@ def test_two_segment_npu_adalayernorm_bitwise(runtime, fake_npu, monkeypatch):
     api.select(ON, model=tr)
     assert torch.equal(fwd(tr, runtime, kw), want) and torch.equal(fwd(tr, runtime, kw), want)
     assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
+
+
+def test_two_segment_under_inference_mode(runtime):
+    """vLLM-Omni's runner uses inference_mode, where views have no ``_base``: ``temb.chunk(2)[0]`` (txt_mod,
+    norm_out) is still recognised as a view of the block's temb (one digest per forward), and a later no_grad
+    forward of the same request reads no modulation weight."""
+    tr = build(runtime, zero_cond_t=True)
+    kw = edit_inputs(torch.float32, UNEQUAL)
+    api.select("none", model=tr)
+    want = fwd(tr, runtime, kw)
+    api.select(ON, model=tr)
+    OPT.reset_stats()
+    with runtime.context(), torch.inference_mode():
+        outs = [tr(**kw)[0].clone() for _ in range(2)]
+    assert OPT.memo.stats["digests"] == 2 and all(torch.equal(o, want) for o in outs)
+    with TensorReadCounter(mod_tensors(tr)) as reads:
+        got = fwd(tr, runtime, kw)
+    assert reads.calls == 0 and torch.equal(got, want)

@@ -206,6 +206,30 @@ def _up() -> _Upstream:
     return _UP[0]
 
 
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """The memory a digested contiguous temb covered; holds its storage so the address cannot be reused."""
+
+    storage: Any
+    dtype: torch.dtype
+    offset: int
+    numel: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> _Span | None:
+        return _Span(t.untyped_storage(), t.dtype, t.storage_offset(), t.numel()) if t.is_contiguous() else None
+
+    def contains(self, a: torch.Tensor) -> bool:
+        """``a`` only reads this span's memory (same storage and dtype): its values are then fixed by the digested
+        values and ``a``'s geometry."""
+        if a.dtype != self.dtype or a.untyped_storage().data_ptr() != self.storage.data_ptr():
+            return False
+        if a.numel() == 0 or any(st < 0 for st in a.stride()):
+            return False
+        last = a.storage_offset() + sum((n - 1) * st for n, st in zip(a.shape, a.stride(), strict=True))
+        return self.offset <= a.storage_offset() and last < self.offset + self.numel
+
+
 def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks)
 
@@ -347,10 +371,10 @@ class SegmentPlan:
         """The plan of a ``[rows, L]`` modulate_index (one device->host copy); ValueError when rows differ."""
         if index.dim() != 2 or index.shape[1] == 0:
             raise ValueError(f"modulate_index of shape {tuple(index.shape)} is not [rows, L]")
-        rows = index.to(dtype=torch.bool).cpu()  # stock: index.to(dtype=torch.bool)
-        if rows.shape[0] > 1 and not bool((rows == rows[:1]).all()):
+        rows = index.tolist()  # one device->host copy, no kernel on the device
+        if any(row != rows[0] for row in rows[1:]):
             raise ValueError("modulate_index differs between batch rows")
-        values = rows[0].tolist()
+        values = [v != 0 for v in rows[0]]  # stock: index.to(dtype=torch.bool)
         runs: list[tuple[int, int, int]] = []
         start = 0
         for i in range(1, len(values) + 1):
@@ -454,7 +478,8 @@ class ModulationMemo:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
         self._bytes = 0
-        self._last: tuple[weakref.ReferenceType, int | None, _Entry] | None = None
+        # (the last digested temb, its version, its entry, its _Span or None when not contiguous)
+        self._last: tuple[weakref.ReferenceType, int | None, _Entry, _Span | None] | None = None
         self.stats: Counter[str] = Counter()
         # Two-segment blocks: the timestep-0 segment per (block, weights, settings), for the model's life.
         self._zero_t: dict[tuple[Any, ...], tuple[weakref.ReferenceType, torch.Tensor, tuple[Any, ...]]] = {}
@@ -546,16 +571,20 @@ class ModulationMemo:
                 entry = last[2]
                 self._entries.move_to_end(entry.key)
                 return entry
-            if obj is not None and temb._base is obj:
-                # A view of the last temb (edit models' ``temb.chunk(2)[0]``, made anew in every block): its values
-                # are fixed by the base's values and the view geometry, so no new digest is needed.
-                geometry = (temb.dtype, temb.storage_offset() - obj.storage_offset(), temb.shape, temb.stride())
+            span = last[3]
+            if span is not None and span.contains(temb):
+                # A view of the last temb (edit models' ``temb.chunk(2)[0]``, made anew in every block, and the one
+                # norm_out gets after the model rebinds ``temb`` to it): its values are fixed by the digested values
+                # and the view geometry, so no new digest is needed. Matched by storage, not ``_base`` or the base
+                # object: under ``inference_mode`` (vLLM-Omni's runner) views have no ``_base`` and the base may be
+                # gone; the span holds the storage, so its memory cannot be reused meanwhile.
+                geometry = (temb.dtype, temb.storage_offset() - span.offset, temb.shape, temb.stride())
                 return self._entry(("view", last[2].key, geometry))
         from vllm_omni.diffusion.cache.exact_projection_cache import tensor_digest
 
         self.stats["digests"] += 1
         entry = self._entry((tensor_digest(temb), str(temb.device), _numerical_settings(temb.device.type)))
-        self._last = (weakref.ref(temb), version, entry)
+        self._last = (weakref.ref(temb), version, entry, _Span.of(temb))
         return entry
 
     def _entry(self, key: tuple[Any, ...]) -> _Entry:
