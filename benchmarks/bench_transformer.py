@@ -6,6 +6,7 @@ Usage (from the repo root, after `make venv`)::
     .venv/bin/python benchmarks/bench_transformer.py                 # bf16, 128x128 and 256x256, ~3-6 min on 2 cores
     .venv/bin/python benchmarks/bench_transformer.py --quick         # 128x128 only, 2 repeats
     .venv/bin/python benchmarks/bench_transformer.py --dtype fp32 --repeats 5 --json out.json
+    .venv/bin/python benchmarks/bench_transformer.py --pipeline edit-2511 --quick   # another pipeline's transformer
 
 What it does: builds vLLM-Omni 0.30's real ``QwenImageTransformer2DModel`` at real width (the test bed's REALWIDTH
 spec: hidden 3072, 24 heads x 128, RoPE axes 16/56/56, 2 blocks, random weights) on CPU, then for each resolution and
@@ -19,6 +20,12 @@ each configuration in :data:`CONFIGS` (a ``VLLM_OMNI_ASCEND_OPT`` spec, toggled 
   and per step (the whole forward);
 * modulation weight bytes read per step (``img_mod``/``txt_mod`` of every block and ``norm_out.linear``), counted by
   storage on the dispatched ops, next to what fraction of all DiT weights they are.
+
+``--pipeline`` picks which Qwen-Image pipeline's transformer and inputs (issue 14): ``t2i`` (text-to-image; the
+DMD2 few-step pipeline runs the same transformer and inputs), ``edit`` (Edit / Edit-Plus 2509: the output and one
+condition image of the same size concatenated in the sequence, two RoPE tables), ``edit-2511`` (Edit-Plus with
+``zero_cond_t``: the condition tokens modulated at timestep 0 through ``modulate_index``) and ``layered`` (3-D layer
+RoPE over 2 layers + the combined image + the condition image, additional timestep conditioning).
 
 Configurations whose optimizations cannot be active here are listed with their reasons and skipped.
 On CPU the wall-clock ratios are FLOP-bound numbers (a 2-core CPU hides kernel-launch cost); the op counts are the
@@ -48,6 +55,14 @@ CONFIGS: dict[str, str] = {
     "both": "none,+shared_modulation,+rope",
 }
 RESOLUTIONS: list[tuple[int, int]] = [(128, 128), (256, 256)]
+#: --pipeline name -> (ModelSpec.variant arguments, description). DMD2 = t2i (same transformer and inputs).
+PIPELINES: dict[str, tuple[dict[str, Any], str]] = {
+    "t2i": ({"pipeline": "QwenImagePipeline"}, "text-to-image (and DMD2)"),
+    "edit": ({"pipeline": "QwenImageEditPlusPipeline"}, "Edit / Edit-Plus 2509, 1 condition image"),
+    "edit-2511": ({"pipeline": "QwenImageEditPlusPipeline", "zero_cond_t": True}, "Edit-Plus 2511 (zero_cond_t)"),
+    "layered": ({"pipeline": "QwenImageLayeredPipeline"}, "Layered, 2 layers"),
+}
+LAYERS = 2
 TEXT_TOKENS = 32
 TIMESTEP = 0.7
 
@@ -59,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm", type=int, default=3, help="warm forwards per config per round")
     p.add_argument("--quick", action="store_true", help="128x128 only, 2 repeats")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of names from CONFIGS")
+    p.add_argument("--pipeline", choices=tuple(PIPELINES), default="t2i", help="whose transformer and inputs")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p.parse_args(argv)
 
@@ -66,41 +82,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------------------------
 # model and inputs
 # ----------------------------------------------------------------------------------------------------------------
-def build_transformer(rt: Any, dtype: Any) -> Any:
-    """vLLM-Omni's QwenImageTransformer2DModel at real width with the test bed's seeded random weights."""
+def build_transformer(rt: Any, dtype: Any, pipeline: str = "t2i") -> Any:
+    """vLLM-Omni's QwenImageTransformer2DModel at real width with the test bed's seeded random weights, configured
+    as ``pipeline``'s (``zero_cond_t``, layer-3D RoPE and additional timestep conditioning where it has them)."""
     import torch
     from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
 
     from vllm_omni_ascend_opt.testbed import REALWIDTH
     from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
 
+    spec = REALWIDTH.variant(**PIPELINES[pipeline][0])
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # vLLM's linears allocate in the default dtype: no fp32 copy of the model
     try:
         with rt.context():
-            tr = QwenImageTransformer2DModel(od_config=rt.od_config, **REALWIDTH.transformer_kwargs())
+            tr = QwenImageTransformer2DModel(od_config=rt.od_config, **spec.transformer_kwargs())
     finally:
         torch.set_default_dtype(default)
-    state = random_transformer_state_dict(REALWIDTH, seed=0)
+    state = random_transformer_state_dict(spec, seed=0)
     tr.load_weights(state.items())
     del state
     return tr.to(dtype).eval()
 
 
-def make_inputs(tr: Any, height: int, width: int, dtype: Any) -> dict[str, Any]:
+def make_inputs(tr: Any, height: int, width: int, dtype: Any, pipeline: str = "t2i") -> dict[str, Any]:
+    """One denoise step's transformer inputs as ``pipeline`` builds them (``img_shapes`` per its forward)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     h, w = height // 16, width // 16  # VAE /8, then 2x2 packing
-    return dict(
-        hidden_states=torch.randn(1, h * w, tr.in_channels, generator=g).to(dtype),
+    shapes = {
+        "t2i": [(1, h, w)],
+        "edit": [(1, h, w), (1, h, w)],  # output, then the condition image (same size: the default request)
+        "edit-2511": [(1, h, w), (1, h, w)],
+        "layered": [(1, h, w)] * (LAYERS + 1) + [(1, h, w)],  # layers + combined image, then the condition image
+    }[pipeline]
+    tokens = sum(f * a * b for f, a, b in shapes)
+    kw = dict(
+        hidden_states=torch.randn(1, tokens, tr.in_channels, generator=g).to(dtype),
         encoder_hidden_states=torch.randn(1, TEXT_TOKENS, tr.txt_norm.normalized_shape[0], generator=g).to(dtype),
         encoder_hidden_states_mask=torch.ones(1, TEXT_TOKENS, dtype=torch.bool),
         timestep=torch.full((1,), TIMESTEP).to(dtype),
-        img_shapes=[[(1, h, w)]],
+        img_shapes=[shapes],
         txt_seq_lens=[TEXT_TOKENS],
         return_dict=False,
     )
+    if pipeline == "layered":
+        kw["additional_t_cond"] = torch.zeros(1, dtype=torch.long)  # is_rgb = 0, as the pipeline passes
+    return kw
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -203,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rt = init_cpu_runtime(None, dtype=dtype)
     t0 = time.perf_counter()
-    tr = build_transformer(rt, dtype)
+    tr = build_transformer(rt, dtype, args.pipeline)
     build_s = time.perf_counter() - t0
 
     configs, skipped = {}, {}
@@ -227,6 +256,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "dtype": args.dtype,
         "model": "REALWIDTH: hidden 3072, 24 heads x 128, 2 blocks, random weights",
+        "pipeline": args.pipeline,
+        "pipeline_desc": PIPELINES[args.pipeline][1],
         "build_s": round(build_s, 1),
         "modulation_weight_bytes": mod_bytes,
         "dit_weight_bytes": all_bytes,
@@ -234,7 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "resolutions": {},
     }
     for height, width in resolutions:
-        kw = make_inputs(tr, height, width, dtype)
+        kw = make_inputs(tr, height, width, dtype, args.pipeline)
         rows: dict[str, dict[str, Any]] = {name: {"warm_ms": [], "warm_cpu_ms": [], "cold_ms": []} for name in configs}
         for name, spec in configs.items():  # counts first (one cold forward, then a counted warm one)
             api.select(spec, model=tr)
@@ -263,7 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "text_tokens": TEXT_TOKENS,
             "configs": rows,
         }
-    if "shared_modulation" in configs:
+    if "shared_modulation" in configs and args.pipeline == "t2i":  # the isolated prep replays single-segment blocks
         results["modulation_prep_ms"] = modulation_prep_ms(tr, rt, dtype)
     api.select("none", model=tr)
     return results
@@ -273,6 +304,7 @@ def report(res: dict[str, Any]) -> str:
     m = res["machine"]
     lines = [
         f"bench_transformer: {res['model']}, {res['dtype']}, B=1, CFG off (one forward = one denoise step)",
+        f"pipeline: {res.get('pipeline', 't2i')} ({res.get('pipeline_desc', 'text-to-image')})",
         f"machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, python {m['python']}; "
         f"build {res['build_s']} s",
         f"modulation weights: {res['modulation_weight_bytes'] / 1e6:.1f} MB = "

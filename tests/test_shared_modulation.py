@@ -6,6 +6,7 @@ Everything runs on vLLM-Omni 0.30's real classes on CPU (tiny Qwen-Image: 2 bloc
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ PROJ_PER_FORWARD = 2 * L + 1  # img_mod + txt_mod per block, norm_out.linear
 # helpers
 # ----------------------------------------------------------------------------------------------------------------
 def T():
-    return sys.modules["vllm_omni.diffusion.models.qwen_image.qwen_image_transformer"]
+    return importlib.import_module("vllm_omni.diffusion.models.qwen_image.qwen_image_transformer")
 
 
 def build(runtime, dtype=torch.float32, seed=0, **kwargs) -> nn.Module:
@@ -375,20 +376,6 @@ def test_fallback_inference_tensor_weights(runtime):
     _fallback_case(runtime, tr, "inference tensors")
 
 
-def test_edit_model_two_segment_modulation_stays_stock(runtime):
-    """zero_cond_t: the blocks run vLLM-Omni's own two-segment code; its projections are still memoized exactly."""
-    tr = build(runtime, zero_cond_t=True)
-    kw = inputs(torch.float32, images=2)  # source + target image: modulate_index selects per token
-    api.select(ON, model=tr)
-    assert any("zero_cond_t" in r for r in OPT.model_reasons_inactive(tr))
-    assert _fallback_case(runtime, tr, "two-segment", kw=kw) == PROJ_PER_FORWARD  # cold
-    with TensorReadCounter(mod_tensors(tr)) as c:
-        got = fwd(tr, runtime, kw)
-    assert c.calls == 0 and OPT.memo.stats["digests"] == 2  # one per forward: temb.chunk(2)[0] is keyed as a view
-    api.select("none", model=tr)
-    assert torch.equal(got, fwd(tr, runtime, kw))
-
-
 def test_fingerprint_mismatch_turns_it_off(monkeypatch):
     monkeypatch.setitem(sm.FINGERPRINTS, "QwenImageTransformerBlock.forward", "0" * 16)
     assert any("QwenImageTransformerBlock.forward differs" in r for r in OPT.reasons_inactive())
@@ -417,3 +404,168 @@ def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd
     assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
     # the NPU kernel, not a native LayerNorm with equal numbers: as many calls per forward as stock makes
     assert fake.calls["npu_layer_norm_eval"] == 3 * stock_calls and (mindiesd or stock_calls > 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# two-segment modulation (Qwen-Image-Edit-2511 zero_cond_t / modulate_index), issue 14
+# ----------------------------------------------------------------------------------------------------------------
+def edit_inputs(dtype, shapes, batch=1, t=0.5, seed=0) -> dict:
+    """Transformer inputs of an edit request: ``shapes[0]`` is the denoised image, the rest condition images
+    (vLLM-Omni's ModulateIndexPrepare: segment 0 for the first shape, segment 1 = timestep 0 for the rest)."""
+    kw = inputs(dtype, batch=batch, hw=(1, 1), t=(t,), seed=seed)
+    n = sum(f * h * w for f, h, w in shapes)
+    kw["hidden_states"] = torch.randn(batch, n, 16, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    kw["img_shapes"] = [list(shapes)] * batch
+    return kw
+
+
+EQUAL = [(1, 2, 2), (1, 2, 2)]  # the default edit request: condition image as large as the output -> 2 chunks
+UNEQUAL = [(1, 2, 3), (1, 2, 2)]  # 6 + 4 tokens: gcd 2 -> 5 broadcast chunks
+COPRIME = [(1, 1, 17), (1, 1, 2), (1, 1, 3)]  # 17 + 5 tokens: gcd 1 -> 22 chunks > 16 -> per-segment slices
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("shapes", [EQUAL, UNEQUAL, COPRIME], ids=["equal", "unequal", "slices"])
+def test_two_segment_blocks_bitwise(runtime, dtype, batch, shapes):
+    tr = build(runtime, dtype=dtype, zero_cond_t=True)
+    kw = edit_inputs(dtype, shapes, batch=batch)
+    api.select("none", model=tr)
+    want = fwd(tr, runtime, kw)
+    api.select(ON, model=tr)
+    assert OPT.model_reasons_inactive(tr) == []
+    OPT.reset_stats()
+    cold, warm = fwd(tr, runtime, kw), fwd(tr, runtime, kw)
+    assert torch.equal(cold, want) and torch.equal(warm, want)
+    assert OPT.fallback_reasons() == {}
+    assert OPT.memo.stats["misses"] == L + 1 and OPT.memo.stats["hits"] == L + 1  # blocks + norm_out
+
+
+@pytest.mark.parametrize(
+    "shapes, runs, chunks, broadcast",
+    [
+        (EQUAL, ((0, 4, 0), (4, 8, 1)), 2, True),
+        (UNEQUAL, ((0, 6, 0), (6, 10, 1)), 5, True),
+        (COPRIME, ((0, 17, 0), (17, 22, 1)), 22, False),
+    ],
+    ids=["equal", "unequal", "slices"],
+)
+def test_segment_plan_follows_modulate_index(runtime, shapes, runs, chunks, broadcast):
+    """The plan is read from vLLM-Omni's own ModulateIndexPrepare output, once per forward."""
+    tr = build(runtime, zero_cond_t=True)
+    _ts, index = tr.modulate_index_prepare(torch.tensor([0.5]), [shapes])
+    plan, why = OPT.memo.segment_plan(index)
+    assert why is None and plan.runs == runs and plan.chunks == chunks and plan.broadcast is broadcast
+    api.select(ON, model=tr)
+    OPT.reset_stats()
+    fwd(tr, runtime, edit_inputs(torch.float32, shapes))
+    assert OPT.memo.stats["plans"] == 1  # one per forward, shared by every block
+
+
+def test_two_segment_zero_weight_bytes_and_ops_per_block(runtime):
+    """Warm forward: no modulation weight read, no torch.where, no SiLU; the block's op count drops."""
+    tr = build(runtime, zero_cond_t=True)
+    kw = edit_inputs(torch.float32, EQUAL)
+    block = tr.transformer_blocks[-1]
+    api.select("none", model=tr)
+    with count_module_calls(block) as stock:
+        fwd(tr, runtime, kw)
+    api.select(ON, model=tr)
+    fwd(tr, runtime, kw)
+    with TensorReadCounter(mod_tensors(tr)) as reads, count_module_calls(block) as opt:
+        fwd(tr, runtime, kw)
+    assert reads.calls == 0 and reads.bytes == 0
+    s, o = stock[0].counts, opt[0].counts
+    assert s["aten::where"] == 6 and s["aten::silu"] == 2  # stock: 3 where per image norm, SiLU per projection
+    assert o["aten::where"] == 0 and o["aten::silu"] == 0 and o["aten::addmm"] == s["aten::addmm"] - 2
+    assert o["aten::_to_copy"] == 0  # stock converts modulate_index to bool per norm
+    assert stock[0].total - opt[0].total >= 14, (stock[0].total, opt[0].total)
+
+
+def test_timestep_zero_segment_is_kept_per_weights(runtime):
+    """The timestep-0 segment is found again at every new timestep, and replaced when the weights change."""
+    tr = build(runtime, zero_cond_t=True)
+    api.select(ON, model=tr)
+    OPT.reset_stats()
+    outs = {}
+    for t in (0.9, 0.5, 0.1):
+        kw = edit_inputs(torch.float32, UNEQUAL, t=t)
+        outs[t] = fwd(tr, runtime, kw)
+    st = OPT.memo.stats
+    assert st["zero_t_misses"] == L and st["zero_t_hits"] == 2 * L and st["zero_t_mismatch"] == 0
+    assert OPT.memo.zero_t_nbytes > 0
+    with torch.no_grad():
+        tr.transformer_blocks[0].img_mod[1].weight.mul_(1.5)  # in place: version counter moves
+    kw = edit_inputs(torch.float32, UNEQUAL, t=0.5)
+    got = fwd(tr, runtime, kw)
+    assert st["zero_t_misses"] == L + 1 and st["zero_t_mismatch"] == 0  # a new key, not a stale hit
+    api.select("none", model=tr)
+    assert torch.equal(got, fwd(tr, runtime, kw))
+    assert not torch.equal(got, outs[0.5])
+
+
+def test_two_segment_memo_is_keyed_on_the_segments(runtime):
+    """Same temb, different modulate_index (another condition-image size): a different plan, never a stale hit."""
+    tr = build(runtime, zero_cond_t=True)
+    api.select(ON, model=tr)
+    for shapes in (EQUAL, [(1, 2, 2), (1, 2, 1), (1, 1, 1)], UNEQUAL):
+        kw = edit_inputs(torch.float32, shapes)
+        api.select(ON, model=tr)
+        got = fwd(tr, runtime, kw)
+        api.select("none", model=tr)
+        assert torch.equal(got, fwd(tr, runtime, kw)), shapes
+
+
+def test_two_segment_fallbacks(runtime, monkeypatch):
+    tr = build(runtime, zero_cond_t=True)
+    kw = edit_inputs(torch.float32, EQUAL, batch=2)
+    prep = tr.modulate_index_prepare
+
+    def rows_differ(module, args, out):
+        ts, index = out
+        index = index.clone()
+        index[1, 0] = 1
+        return ts, index
+
+    hook = prep.register_forward_hook(rows_differ)
+    assert _fallback_case(runtime, tr, "differs between batch rows", kw=kw) == PROJ_PER_FORWARD  # cold
+    hook.remove()
+    t = T()
+    monkeypatch.setattr(t, "can_use_qwen_select01_triton", lambda x: True)  # stock would run the fused kernels
+    _fallback_case(runtime, tr, "Triton select01", kw=kw)
+
+
+def test_two_segment_npu_adalayernorm_bitwise(runtime, fake_npu, monkeypatch):
+    """On an NPU without MindIE-SD stock's image norms are npu_layer_norm_eval(x) * (1 + scale) + shift."""
+    ada_mod = sys.modules[sm.ADALAYERNORM_MODULE]
+    fake = fake_npu()
+    monkeypatch.setattr(fake, "npu_layer_norm_eval", _npu_layer_norm_eval, raising=False)
+    monkeypatch.setattr(ada_mod, "_HAS_MINDIESD", False)
+    tr = build(runtime, zero_cond_t=True)
+    for b in tr.transformer_blocks:
+        for n in (b.img_norm1, b.img_norm2, b.txt_norm1, b.txt_norm2):
+            n._forward_method = n.forward_npu
+    kw = edit_inputs(torch.float32, UNEQUAL, batch=2)
+    api.select("none", model=tr)
+    want = fwd(tr, runtime, kw)
+    api.select(ON, model=tr)
+    assert torch.equal(fwd(tr, runtime, kw), want) and torch.equal(fwd(tr, runtime, kw), want)
+    assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
+
+
+def test_two_segment_under_inference_mode(runtime):
+    """vLLM-Omni's runner uses inference_mode, where views have no ``_base``: ``temb.chunk(2)[0]`` (txt_mod,
+    norm_out) is still recognised as a view of the block's temb (one digest per forward), and a later no_grad
+    forward of the same request reads no modulation weight."""
+    tr = build(runtime, zero_cond_t=True)
+    kw = edit_inputs(torch.float32, UNEQUAL)
+    api.select("none", model=tr)
+    want = fwd(tr, runtime, kw)
+    api.select(ON, model=tr)
+    OPT.reset_stats()
+    with runtime.context(), torch.inference_mode():
+        outs = [tr(**kw)[0].clone() for _ in range(2)]
+    assert OPT.memo.stats["digests"] == 2 and all(torch.equal(o, want) for o in outs)
+    with TensorReadCounter(mod_tensors(tr)) as reads:
+        got = fwd(tr, runtime, kw)
+    assert reads.calls == 0 and torch.equal(got, want)

@@ -251,7 +251,7 @@ def make_plan(args: argparse.Namespace, *, build_model: bool) -> Any:
         if build_model:
             from vllm_omni_ascend_opt.testbed import build_model_dir
 
-            plan.model_path = str(build_model_dir())
+            plan.model_path = str(build_model_dir(wl.tiny_spec()))
     else:
         p = Path(wl.model).expanduser()
         if p.is_dir():

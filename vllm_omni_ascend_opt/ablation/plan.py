@@ -123,9 +123,7 @@ class Plan:
 
     def _model_identity(self) -> str | None:
         if self.workload.is_tiny:  # the built directory's name is a hash of the tiny model's spec and seed
-            from vllm_omni_ascend_opt.testbed.tiny_model import TINY
-
-            return f"tiny:{TINY.key(0)}"
+            return f"tiny:{self.workload.tiny_spec().key(0)}"
         return self.model_path or self.workload.model
 
     def to_dict(self) -> dict[str, Any]:

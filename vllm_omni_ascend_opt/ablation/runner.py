@@ -437,6 +437,7 @@ class Runner:
             "steps": wl.steps,
             "cfg_scale": float(wl.cfg_scale),
             "negative_prompt": wl.negative_prompt,
+            "image": wl.image,
             "prompts": list(wl.prompts),
             "max_sequence_length": wl.seq_len(),
             "enforce_eager": wl.enforce_eager,

@@ -126,6 +126,21 @@ def to_uint8_hwc(images: Any) -> Any:
     return (x.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
 
 
+def input_image(spec: str | None) -> Any:
+    """The workload's input image (image-editing pipelines): None, ``sample`` (the test bed's deterministic sample
+    image) or a file path, as an RGB PIL image."""
+    if not spec:
+        return None
+    if spec == "sample":
+        from vllm_omni_ascend_opt.testbed.pipeline import sample_image
+
+        return sample_image(0)
+    from PIL import Image
+
+    with Image.open(spec) as im:
+        return im.convert("RGB")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # engines
 # ----------------------------------------------------------------------------------------------------------------
@@ -153,7 +168,8 @@ class TestbedEngine:
             ("diffuse", "denoise"),
             ("_decode_latents", "vae_decode"),
         ):
-            setattr(self.pipe, method, self._timed(stage, getattr(self.pipe, method)))
+            if hasattr(self.pipe, method):  # the edit pipelines decode inline (no _decode_latents)
+                setattr(self.pipe, method, self._timed(stage, getattr(self.pipe, method)))
 
     def _sync(self) -> None:
         from vllm_omni_ascend_opt import _backend
@@ -198,9 +214,10 @@ class TestbedEngine:
     def generate(self, prompt: str, seed: int) -> Generation:
         import torch
 
-        from vllm_omni_ascend_opt.testbed.pipeline import make_request
+        from vllm_omni_ascend_opt.testbed.pipeline import make_request, pre_process_func, run_forward
 
         j = self.job
+        image = input_image(j.get("image"))
         req = make_request(
             prompt,
             height=j["height"],
@@ -210,16 +227,18 @@ class TestbedEngine:
             cfg_scale=j["cfg_scale"],
             negative_prompt=j["negative_prompt"],
             max_sequence_length=j["max_sequence_length"],
+            image=image,
+            pre_process=pre_process_func(self.pipe) if image is not None else None,
         )
         self.stages = {}
         with self.rt.context(), torch.no_grad():
             self._sync()
             c0, t0 = time.process_time(), time.perf_counter()
-            outs = self.pipe.forward(req)
+            outs = run_forward(self.pipe, req)
             self._sync()
             total = (time.perf_counter() - t0) * 1e3
             cpu = (time.process_time() - c0) * 1e3
-        images = outs[0].output
+        images = (outs[0] if isinstance(outs, list) else outs).output
         if images.dim() == 3:
             images = images.unsqueeze(0)
         return Generation(
@@ -322,6 +341,9 @@ class OmniEngine(_StatusFileMixin):
         p: Any = prompt
         if j["cfg_scale"] > 1.0:
             p = {"prompt": prompt, "negative_prompt": j["negative_prompt"]}
+        image = input_image(j.get("image"))
+        if image is not None:  # image editing: vLLM-Omni's pre-process reads multi_modal_data
+            p = {"prompt": prompt, **(p if isinstance(p, dict) else {}), "multi_modal_data": {"image": image}}
         t0 = time.perf_counter()
         outs = self.omni.generate(p, sampling_params_list=[sp], use_tqdm=False)
         total = (time.perf_counter() - t0) * 1e3

@@ -39,8 +39,12 @@ class Workload:
 
     name: str = "custom"
     description: str = ""
-    #: ``tiny`` (the embedded test-bed Qwen-Image), a local diffusers directory, or a Hugging Face id.
+    #: ``tiny`` (the embedded test-bed Qwen-Image), ``tiny-<variant>`` (its family: ``tiny-dmd2``, ``tiny-edit``,
+    #: ``tiny-edit-plus``, ``tiny-edit-2511``, ``tiny-layered``), a local diffusers directory, or a Hugging Face id.
     model: str = "tiny"
+    #: Input image of an image-editing pipeline (Edit, Edit-Plus, Layered): a file path, or ``sample`` (the test
+    #: bed's deterministic 48x32 sample image). None for text-to-image.
+    image: str | None = None
     #: ``testbed``: vLLM-Omni's pipeline in the worker process; ``omni``: vLLM-Omni's offline engine ``Omni``;
     #: ``serve``: one ``vllm serve --omni`` server per configuration, driven over HTTP (see docs/ablation.md).
     engine: str = "auto"
@@ -84,7 +88,13 @@ class Workload:
     # ---------------------------------------------------------------------------------------------------------
     @property
     def is_tiny(self) -> bool:
-        return self.model == "tiny"
+        return self.model == "tiny" or self.model.startswith("tiny-")
+
+    def tiny_spec(self) -> Any:
+        """The test bed's ModelSpec of a ``tiny`` / ``tiny-<variant>`` model (KeyError for an unknown variant)."""
+        from vllm_omni_ascend_opt.testbed.tiny_model import TINY_FAMILY
+
+        return TINY_FAMILY["t2i" if self.model == "tiny" else self.model[len("tiny-") :]]
 
     def seq_len(self) -> int:
         if self.max_sequence_length:
@@ -148,6 +158,16 @@ class Workload:
             problems.append("max_sequence_length must be positive")
         if self.model != "tiny" and not self.model.strip():
             problems.append("model must be 'tiny', a directory or a Hugging Face id")
+        if self.is_tiny:
+            from vllm_omni_ascend_opt.testbed.tiny_model import TINY_FAMILY
+
+            variants = ["tiny", *(f"tiny-{k}" for k in TINY_FAMILY if k != "t2i")]
+            if self.model not in variants:
+                problems.append(f"model {self.model!r} is not one of the embedded ones ({', '.join(variants)})")
+            elif self.tiny_spec().image_input and not self.image:
+                problems.append(f"model {self.model!r} edits an input image: set image (a path or 'sample')")
+        if self.image is not None and (not isinstance(self.image, str) or not self.image.strip()):
+            problems.append(f"image must be a file path or 'sample' (got {self.image!r})")
         if problems:
             raise WorkloadError("invalid workload " + repr(self.name) + ": " + "; ".join(problems))
         return self

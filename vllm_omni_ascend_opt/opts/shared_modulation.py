@@ -26,13 +26,28 @@ How
   (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512; 0 disables), least-recently-used temb first.
   Costs: one device->host copy of ``temb`` (B x 3072 values) per forward for the digest; on a miss, 8 small copies
   per block to make the unpacked tensors contiguous.
+Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``)
+  Stock projects ``img_mod`` over ``temb = [emb(t); emb(0)]`` (2B rows) and, per image norm, builds three
+  ``[B, L, D]`` tensors with ``torch.where(modulate_index, segment 1, segment 0)`` (``select01_modulation_native``, the
+  stock path on NPU and CPU), then ``LN(x) * (1 + scale) + shift`` and ``gate * y`` over them. Here the block's
+  modulation is memoized per temb value like the single-segment one, and the image stream uses per-segment
+  broadcast: :class:`SegmentPlan` reads ``modulate_index`` once per forward (its runs of equal values, one
+  device->host copy); the sequence is viewed as ``[B, C, L/C, D]`` chunks (``C = L / gcd(run lengths)``, at most
+  :data:`MAX_BROADCAST_CHUNKS`; the default edit request has C = 2) and multiplied by ``[B, C, 1, D]`` per-chunk
+  ``(1 + scale, shift, gate)`` -- or, for more chunks, each run is computed on its slice with ``out=``. Each
+  element sees the same IEEE mul/add on the same two values as in stock, so the result is bitwise stock's; the
+  ``where``s, the bool casts and ``1 + scale`` over ``[B, L, D]`` disappear. The timestep-0 segment is kept once per
+  block and weights signature for the model's life (reused while bitwise equal to the fresh rows of each missed
+  projection; ``zero_t_*`` stats), so memo entries of new timesteps only add their own segment.
 Exactness and fallbacks
   Falls back to the stock code, with a reason (:meth:`SharedModulation.fallback_reasons`, debug log), under
   autograd (grad enabled and a tensor requiring grad), ``torch.compile`` tracing, CUDA/NPU graph capture, global
   ``nn.Module`` forward hooks or hooks on the modules it would skip, inference-tensor weights (no version counter),
-  unknown projection classes, and the edit models' two-segment modulation (``zero_cond_t``/``modulate_index``: the
-  blocks run stock code, whose ``img_mod(temb)``/``txt_mod(temb[:B])`` calls and ``norm_out`` are still memoized on an
-  attached model; a view of the last temb, such as ``temb.chunk(2)[0]``, is keyed by its geometry, not re-hashed). ``AdaLayerNorm`` is applied the way the instance dispatches
+  unknown projection classes, and, for the edit models' two-segment blocks, the CUDA Triton select01 kernels (stock
+  there), a ``modulate_index`` that differs between batch rows, and MindIE-SD's fused image norms (they take per-token
+  tensors); those blocks still get their ``img_mod``/``txt_mod`` projections and ``norm_out`` from the memo on an
+  attached model (a view of the last temb, such as ``temb.chunk(2)[0]``, is keyed by its geometry, not re-hashed).
+  ``AdaLayerNorm`` is applied the way the instance dispatches
   (``forward_native``; ``forward_npu`` via ``torch_npu.npu_layer_norm_eval`` without MindIE-SD; with MindIE-SD the
   fused kernel takes ``scale``, so the memo keeps ``scale`` and calls the norm itself). The mirrored upstream
   functions are fingerprinted (source SHA-256): a different upstream turns the optimization off with a reason.
@@ -55,6 +70,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import math
 import os
 import sys
 import textwrap
@@ -79,6 +95,11 @@ DEFAULT_BUDGET_MB = 512
 
 ADALAYERNORM_MODULE = "vllm_omni.diffusion.layers.adalayernorm"
 CUSTOM_OP_MODULE = "vllm_omni.diffusion.layers.custom_op"
+SELECT01_MODULE = "vllm_omni.diffusion.layers.qwen_select01_modulation"
+
+#: Two-segment blocks: at most this many equal-length chunks of the image sequence are modulated with one broadcast
+#: (``[B, C, 1, D]`` tensors per norm); more (segments of coprime lengths) use per-segment slices.
+MAX_BROADCAST_CHUNKS = 16
 
 #: SHA-256 (first 16 hex digits) of the dedented source of each upstream function this patch mirrors, as shipped in
 #: vLLM-Omni 0.30.0 / diffusers 0.40. A mismatch means upstream changed and the exactness argument must be redone.
@@ -90,6 +111,9 @@ FINGERPRINTS: dict[str, str] = {
     "AdaLayerNorm.forward_hip": "f9d2d32dd4f4243a",
     "AdaLayerNorm.forward_npu": "ec9099f9e734847b",
     "AdaLayerNormContinuous.forward": "9cc655ba4fb2bfec",
+    "split_select01_mod_params": "e8a80c7ad2a79e31",
+    "select01_modulation_native": "3f26039abc062cb2",
+    "ModulateIndexPrepare.forward": "b4795fc261a07196",
 }
 
 # How an AdaLayerNorm instance applies (scale, shift); decided in one place: _norm_kind().
@@ -128,6 +152,9 @@ def _upstream_functions() -> dict[str, Any]:
         "AdaLayerNorm.forward_hip": ada.forward_hip,
         "AdaLayerNorm.forward_npu": ada.forward_npu,
         "AdaLayerNormContinuous.forward": t.AdaLayerNormContinuous.forward,
+        "split_select01_mod_params": sys.modules[SELECT01_MODULE].split_select01_mod_params,
+        "select01_modulation_native": sys.modules[SELECT01_MODULE].select01_modulation_native,
+        "ModulateIndexPrepare.forward": t.ModulateIndexPrepare.forward,
     }
 
 
@@ -177,6 +204,30 @@ def _up() -> _Upstream:
     if not _UP:
         _UP.append(_Upstream())
     return _UP[0]
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """The memory a digested contiguous temb covered; holds its storage so the address cannot be reused."""
+
+    storage: Any
+    dtype: torch.dtype
+    offset: int
+    numel: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> _Span | None:
+        return _Span(t.untyped_storage(), t.dtype, t.storage_offset(), t.numel()) if t.is_contiguous() else None
+
+    def contains(self, a: torch.Tensor) -> bool:
+        """``a`` only reads this span's memory (same storage and dtype): its values are then fixed by the digested
+        values and ``a``'s geometry."""
+        if a.dtype != self.dtype or a.untyped_storage().data_ptr() != self.storage.data_ptr():
+            return False
+        if a.numel() == 0 or any(st < 0 for st in a.stride()):
+            return False
+        last = a.storage_offset() + sum((n - 1) * st for n, st in zip(a.shape, a.stride(), strict=True))
+        return self.offset <= a.storage_offset() and last < self.offset + self.numel
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -284,6 +335,121 @@ class NormMod:
         return sum(t.numel() * t.element_size() for t in (self.first, self.shift, self.gate))
 
 
+def _layernorm(kind: str, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The normalisation half of ``AdaLayerNorm`` for kinds native / npu_eval (what stock multiplies by 1+scale)."""
+    if kind == _NPU_EVAL:
+        return _backend.torch_npu_module().npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps)
+    return norm.layernorm(x)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentPlan:
+    """Where stock's ``select01_modulation_native`` picks segment 0 or 1 along the (local) image sequence.
+
+    ``runs``: ``(start, end, segment)`` of equal ``modulate_index != 0`` values (identical in every batch row).
+    With ``chunks`` (``L / gcd(run lengths)``) at most :data:`MAX_BROADCAST_CHUNKS`, the sequence is viewed as
+    ``[B, chunks, L / chunks, D]`` and each chunk's segment tensor broadcasts over it (one op per multiply/add);
+    otherwise each run is computed on its slice."""
+
+    length: int
+    runs: tuple[tuple[int, int, int], ...]
+    chunk: int  # tokens per chunk (gcd of the run lengths)
+
+    @property
+    def chunks(self) -> int:
+        return self.length // self.chunk
+
+    @property
+    def broadcast(self) -> bool:
+        return self.chunks <= MAX_BROADCAST_CHUNKS
+
+    def chunk_segments(self) -> list[int]:
+        return [seg for start, end, seg in self.runs for _ in range((end - start) // self.chunk)]
+
+    @staticmethod
+    def of(index: torch.Tensor) -> SegmentPlan:
+        """The plan of a ``[rows, L]`` modulate_index (one device->host copy); ValueError when rows differ."""
+        if index.dim() != 2 or index.shape[1] == 0:
+            raise ValueError(f"modulate_index of shape {tuple(index.shape)} is not [rows, L]")
+        rows = index.tolist()  # one device->host copy, no kernel on the device
+        if any(row != rows[0] for row in rows[1:]):
+            raise ValueError("modulate_index differs between batch rows")
+        values = [v != 0 for v in rows[0]]  # stock: index.to(dtype=torch.bool)
+        runs: list[tuple[int, int, int]] = []
+        start = 0
+        for i in range(1, len(values) + 1):
+            if i == len(values) or values[i] != values[start]:
+                runs.append((start, i, int(values[start])))
+                start = i
+        chunk = 0
+        for a, b, _ in runs:
+            chunk = math.gcd(chunk, b - a)
+        return SegmentPlan(len(values), tuple(runs), chunk)
+
+
+@dataclass(slots=True)
+class SegMod:
+    """One two-segment AdaLayerNorm's modulation (image stream of a ``zero_cond_t`` block), unpacked.
+
+    Broadcast plans: ``first``/``shift``/``gate`` are ``[B, chunks, 1, D]`` (each chunk's segment row, copied);
+    slice plans: tuples indexed by segment of ``[B, 1, D]`` tensors. ``first`` is ``1 + scale``. Every product and
+    sum below is the elementwise op stock runs on the same two values, so the result is stock's bit for bit."""
+
+    first: Any
+    shift: Any
+    gate: Any
+    kind: str
+    plan: SegmentPlan
+
+    def _apply(self, y: torch.Tensor, mul: Any, add: Any | None) -> torch.Tensor:
+        plan = self.plan
+        b, n, d = y.shape
+        if plan.broadcast:
+            out = y.reshape(b, plan.chunks, plan.chunk, d) * mul
+            if add is not None:
+                out = out + add
+            return out.view(b, n, d)
+        out = torch.empty(y.shape, dtype=torch.promote_types(y.dtype, mul[0].dtype), device=y.device)
+        for start, end, seg in plan.runs:
+            part = out[:, start:end]
+            torch.mul(y[:, start:end], mul[seg], out=part)
+            if add is not None:
+                part.add_(add[seg])
+        return out
+
+    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))``."""
+        return self._apply(_layernorm(self.kind, norm, x), self.first, self.shift)
+
+    def gated(self, y: torch.Tensor) -> torch.Tensor:
+        """Stock: ``where(idx, gate1, gate0) * y``."""
+        return self._apply(y, self.gate, None)
+
+    @staticmethod
+    def segment(scale: torch.Tensor, shift: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One segment's ``(1 + scale, shift, gate)`` as contiguous ``[B, 1, D]`` tensors, from stock's
+        ``split_select01_mod_params`` halves (``[B, D]`` views of the projection)."""
+        own = torch.contiguous_format
+        return ((1 + scale).unsqueeze(1), shift.unsqueeze(1).clone(memory_format=own), gate.unsqueeze(1).clone())
+
+    @staticmethod
+    def build(per_seg: tuple[tuple[torch.Tensor, ...], ...], kind: str, plan: SegmentPlan) -> SegMod:
+        """``per_seg[k]`` is :meth:`segment` of segment ``k`` (0: current timestep, 1: timestep 0)."""
+        if plan.broadcast:
+            order = plan.chunk_segments()
+            first, shift, gate = (torch.stack([per_seg[k][j] for k in order], dim=1) for j in range(3))
+            return SegMod(first, shift, gate, kind, plan)
+        first, shift, gate = (tuple(per_seg[k][j] for k in (0, 1)) for j in range(3))
+        return SegMod(first, shift, gate, kind, plan)
+
+    def nbytes(self, segment: int | None = None) -> int:
+        """Bytes held; for slice plans ``segment`` counts only that segment's tensors."""
+        if self.plan.broadcast:
+            return sum(t.numel() * t.element_size() for t in (self.first, self.shift, self.gate))
+        segs = (0, 1) if segment is None else (segment,)
+        return sum(x[k].numel() * x[k].element_size() for x in (self.first, self.shift, self.gate) for k in segs)
+
+
 @dataclass(slots=True)
 class _Slot:
     module: weakref.ReferenceType
@@ -312,8 +478,12 @@ class ModulationMemo:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
         self._bytes = 0
-        self._last: tuple[weakref.ReferenceType, int | None, _Entry] | None = None
+        # (the last digested temb, its version, its entry, its _Span or None when not contiguous)
+        self._last: tuple[weakref.ReferenceType, int | None, _Entry, _Span | None] | None = None
         self.stats: Counter[str] = Counter()
+        # Two-segment blocks: the timestep-0 segment per (block, weights, settings), for the model's life.
+        self._zero_t: dict[tuple[Any, ...], tuple[weakref.ReferenceType, torch.Tensor, tuple[Any, ...]]] = {}
+        self._plan: tuple[weakref.ReferenceType, int | None, SegmentPlan | str] | None = None
 
     # ----- bookkeeping ------------------------------------------------------------------------------------
     @property
@@ -327,6 +497,16 @@ class ModulationMemo:
         self._entries.clear()
         self._bytes = 0
         self._last = None
+        self._zero_t.clear()
+        self._plan = None
+
+    @property
+    def zero_t_nbytes(self) -> int:
+        """Bytes of the timestep-0 segments (outside the LRU budget: one per block and weights)."""
+        return sum(
+            raw.numel() * raw.element_size() + sum(t.numel() * t.element_size() for seg in segs for t in seg)
+            for _ref, raw, segs in self._zero_t.values()
+        )
 
     def configure(self, max_bytes: int) -> None:
         self.max_bytes = int(max_bytes)
@@ -391,16 +571,20 @@ class ModulationMemo:
                 entry = last[2]
                 self._entries.move_to_end(entry.key)
                 return entry
-            if obj is not None and temb._base is obj:
-                # A view of the last temb (edit models' ``temb.chunk(2)[0]``, made anew in every block): its values
-                # are fixed by the base's values and the view geometry, so no new digest is needed.
-                geometry = (temb.dtype, temb.storage_offset() - obj.storage_offset(), temb.shape, temb.stride())
+            span = last[3]
+            if span is not None and span.contains(temb):
+                # A view of the last temb (edit models' ``temb.chunk(2)[0]``, made anew in every block, and the one
+                # norm_out gets after the model rebinds ``temb`` to it): its values are fixed by the digested values
+                # and the view geometry, so no new digest is needed. Matched by storage, not ``_base`` or the base
+                # object: under ``inference_mode`` (vLLM-Omni's runner) views have no ``_base`` and the base may be
+                # gone; the span holds the storage, so its memory cannot be reused meanwhile.
+                geometry = (temb.dtype, temb.storage_offset() - span.offset, temb.shape, temb.stride())
                 return self._entry(("view", last[2].key, geometry))
         from vllm_omni.diffusion.cache.exact_projection_cache import tensor_digest
 
         self.stats["digests"] += 1
         entry = self._entry((tensor_digest(temb), str(temb.device), _numerical_settings(temb.device.type)))
-        self._last = (weakref.ref(temb), version, entry)
+        self._last = (weakref.ref(temb), version, entry, _Span.of(temb))
         return entry
 
     def _entry(self, key: tuple[Any, ...]) -> _Entry:
@@ -492,6 +676,105 @@ class ModulationMemo:
         self._store(entry, key, block, sig, mods, sum(m.nbytes() for m in mods))
         return mods, None
 
+    # ----- two-segment (zero_cond_t) blocks ------------------------------------------------------------------
+    def segment_plan(self, index: torch.Tensor) -> tuple[SegmentPlan | None, str | None]:
+        """The :class:`SegmentPlan` of ``modulate_index``: computed once per index tensor (vLLM-Omni makes one per
+        transformer forward and hands the same object to every block), one device->host copy."""
+        version = None if index.is_inference() else index._version
+        cached = self._plan
+        if cached is not None and cached[0]() is index and cached[1] == version:
+            plan = cached[2]
+        else:
+            self.stats["plans"] += 1
+            try:
+                plan = SegmentPlan.of(index)
+            except ValueError as exc:
+                plan = str(exc)
+            self._plan = (weakref.ref(index), version, plan)
+        return (plan, None) if isinstance(plan, SegmentPlan) else (None, plan)
+
+    def _zero_t_segments(
+        self, block: nn.Module, sig: Any, raw: torch.Tensor, halves: tuple[Any, ...]
+    ) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Segment 1 (timestep 0) of ``block``'s two image norms, kept once per block and weights signature.
+
+        ``raw`` is this forward's timestep-0 rows of ``img_mod(temb)`` (stock's 2B-row projection) and ``halves``
+        its ``(scale1, shift1, gate1)`` per norm. The stored segments are reused only while they equal ``raw``
+        bit for bit (one comparison per miss): a 2B-row GEMM computes each row from that row alone, so they do
+        for fixed weights, batch, dtype and settings -- ``zero_t_mismatch`` would count the contrary."""
+        key = ("zero_t", id(block), sig, raw.shape, raw.dtype, str(raw.device), _numerical_settings(raw.device.type))
+        stored = self._zero_t.get(key)
+        if stored is not None and stored[0]() is block:
+            if torch.equal(stored[1], raw):
+                self.stats["zero_t_hits"] += 1
+                return stored[2]
+            self.stats["zero_t_mismatch"] += 1
+        self.stats["zero_t_misses"] += 1
+        segs = tuple(SegMod.segment(*h) for h in halves)
+        for k in [k for k, v in self._zero_t.items() if v[0]() is None or (k[1] == id(block) and k != key)]:
+            del self._zero_t[k]  # dead blocks and this block's older weights / settings
+        self._zero_t[key] = (weakref.ref(block), raw.clone(), segs)
+        return segs
+
+    def block_two_segment(
+        self, block: nn.Module, temb: torch.Tensor, index: torch.Tensor, hidden_states: torch.Tensor
+    ) -> tuple[tuple[Any, ...] | None, str | None]:
+        """``(SegMod img1, SegMod img2, NormMod txt1, NormMod txt2)`` of a ``zero_cond_t`` block, or a reason.
+
+        Replays stock exactly on a miss: ``img_mod(temb)`` on all 2B rows (``[t, 0]`` embeddings), ``txt_mod`` on
+        ``temb.chunk(2)[0]``, ``split_select01_mod_params`` per image norm."""
+        why = self._precheck(temb)
+        if why:
+            return None, why
+        sel = sys.modules[SELECT01_MODULE]
+        if sys.modules[_targets.TRANSFORMER].can_use_qwen_select01_triton(hidden_states):  # the block's own test
+            return None, "the fused Triton select01 kernels are the stock path here (CUDA)"
+        batch = hidden_states.shape[0]
+        if temb.dim() != 2 or temb.shape[0] != 2 * batch or index.shape[0] not in (1, batch):
+            return None, "two-segment modulation with an unexpected temb / modulate_index batch"
+        if index.shape[-1] != hidden_states.shape[1]:
+            return None, "modulate_index does not match the image sequence"
+        grad = torch.is_grad_enabled()
+        try:
+            img_lin = _silu_linear(block.img_mod)
+            txt_lin = _silu_linear(block.txt_mod)
+            kinds = tuple(_norm_kind(n) for n in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2))
+            if _OPAQUE in kinds[:2]:
+                raise _Unkeyable("a fused (MindIE-SD) image AdaLayerNorm takes per-token scale tensors")
+            sig_img, sig_txt = _linear_sig(img_lin, grad), _linear_sig(txt_lin, grad)
+        except _Unkeyable as exc:
+            return None, str(exc)
+        plan, why = self.segment_plan(index)
+        if plan is None:
+            return None, why
+        sig = (sig_img, sig_txt, kinds)
+        entry = self._resolve(temb)
+        key = ("block2", id(block), plan, hidden_states.dtype)
+        mods = self._lookup(entry, key, block, sig)
+        if mods is not None:
+            self.stats["hits"] += 1
+            return mods, None
+        self.stats["misses"] += 1
+        # Replay of stock: img_mod(temb) (2B rows), txt_mod(temb.chunk(2, dim=0)[0]), chunk(2), select01 halves.
+        img_params = self._projection(entry, block.img_mod, img_lin, sig_img, temb)
+        temb_txt = torch.chunk(temb, 2, dim=0)[0]
+        txt_params = self._projection(self._resolve(temb_txt), block.txt_mod, txt_lin, sig_txt, temb_txt)
+        img_mods = img_params.chunk(2, dim=-1)
+        splits = [sel.split_select01_mod_params(m) for m in img_mods]  # (scale0, shift0, gate0, scale1, ...)
+        zero = self._zero_t_segments(block, (sig_img, kinds[:2]), img_params[batch:], tuple(sp[3:] for sp in splits))
+        img = tuple(
+            SegMod.build((SegMod.segment(*sp[:3]), z), kind, plan)
+            for sp, z, kind in zip(splits, zero, kinds[:2], strict=True)
+        )
+        txt = tuple(
+            NormMod.unpack(*block._modulate(p), kind)
+            for p, kind in zip(txt_params.chunk(2, dim=-1), kinds[2:], strict=True)
+        )
+        mods = (*img, *txt)
+        nb = sum(m.nbytes(0) for m in img) + sum(m.nbytes() for m in txt)
+        self._store(entry, key, block, sig, mods, nb)
+        return mods, None
+
     def norm_out(self, norm: nn.Module, x: torch.Tensor, cond: torch.Tensor) -> tuple[Any, str | None]:
         """``((1 + scale)[:, None, :], shift[:, None, :])`` of diffusers' AdaLayerNormContinuous, or a reason."""
         why = self._precheck(cond)
@@ -548,7 +831,7 @@ class SharedModulation(Optimization):
             budget_from_env()
         except ValueError as exc:
             reasons.append(f"{ENV_BUDGET_MB} is invalid ({exc})")
-        if all(m in sys.modules for m in (_targets.TRANSFORMER, ADALAYERNORM_MODULE)):
+        if all(m in sys.modules for m in (_targets.TRANSFORMER, ADALAYERNORM_MODULE, SELECT01_MODULE)):
             for name, fn in _upstream_functions().items():
                 got = _fingerprint(fn)
                 if got != FINGERPRINTS[name]:
@@ -569,11 +852,6 @@ class SharedModulation(Optimization):
             reasons.append(f"modulation memo budget is 0 ({ENV_BUDGET_MB})")
         patched = sys.modules[_targets.TRANSFORMER].QwenImageTransformerBlock.forward
         for tr in transformers:
-            if getattr(tr, "zero_cond_t", False):
-                reasons.append(
-                    "edit model (zero_cond_t): blocks keep the stock two-segment modulation "
-                    "(their img_mod/txt_mod projections and norm_out are still memoized once attached)"
-                )
             for block in tr.transformer_blocks:
                 captured = getattr(block, "_omni_original_forward", None)
                 if captured is not None and getattr(captured, "__func__", None) is not patched:
@@ -630,8 +908,12 @@ class SharedModulation(Optimization):
             modulate_index: list[int] | None = None,
             hidden_states_mask: torch.Tensor | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            if modulate_index is not None or self.zero_cond_t:
-                mods, why = None, "edit model two-segment modulation (zero_cond_t / modulate_index)"
+            body = _block_body
+            if modulate_index is not None and self.zero_cond_t:
+                mods, why = opt.memo.block_two_segment(self, temb, modulate_index, hidden_states)
+                body = _block_body_two_segment
+            elif modulate_index is not None or self.zero_cond_t:
+                mods, why = None, "zero_cond_t and modulate_index disagree (stock decides)"
             else:
                 mods, why = opt.memo.block(self, temb)
             if mods is None:
@@ -647,7 +929,7 @@ class SharedModulation(Optimization):
                     modulate_index=modulate_index,
                     hidden_states_mask=hidden_states_mask,
                 )
-            return _block_body(
+            return body(
                 self,
                 mods,
                 hidden_states,
@@ -762,6 +1044,43 @@ def _block_body(
 
     img_modulated2 = img2.norm(block.img_norm2, hidden_states)
     hidden_states = hidden_states + img2.gate * block.img_mlp(img_modulated2)
+    txt_modulated2 = txt2.norm(block.txt_norm2, encoder_hidden_states)
+    encoder_hidden_states = encoder_hidden_states + txt2.gate * block.txt_mlp(txt_modulated2)
+
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _block_body_two_segment(
+    block: nn.Module,
+    mods: tuple[Any, ...],
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    encoder_hidden_states_mask: torch.Tensor | None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    hidden_states_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM-Omni 0.30's ``zero_cond_t`` block (``select01_modulation_native`` path) with per-segment broadcast
+    instead of three ``torch.where`` over ``[B, L, D]`` per image norm: the same elementwise ops on the same values."""
+    img1, img2, txt1, txt2 = mods
+    img_modulated = img1.norm(block.img_norm1, hidden_states)
+    txt_modulated = txt1.norm(block.txt_norm1, encoder_hidden_states)
+    img_attn_output, txt_attn_output = block.attn(
+        hidden_states=img_modulated,
+        encoder_hidden_states=txt_modulated,
+        vid_freqs=image_rotary_emb[0],
+        txt_freqs=image_rotary_emb[1],
+        hidden_states_mask=hidden_states_mask,
+        encoder_hidden_states_mask=encoder_hidden_states_mask,
+    )
+    hidden_states = hidden_states + img1.gated(img_attn_output)
+    encoder_hidden_states = encoder_hidden_states + txt1.gate * txt_attn_output
+
+    img_modulated2 = img2.norm(block.img_norm2, hidden_states)
+    hidden_states = hidden_states + img2.gated(block.img_mlp(img_modulated2))
     txt_modulated2 = txt2.norm(block.txt_norm2, encoder_hidden_states)
     encoder_hidden_states = encoder_hidden_states + txt2.gate * block.txt_mlp(txt_modulated2)
 

@@ -5,11 +5,21 @@ runtime changes vLLM-Omni only when you call :func:`init_cpu_runtime` and only w
 """
 
 from vllm_omni_ascend_opt.testbed.tiny_model import (
+    PIPELINES,
     REALWIDTH,
     TINY,
+    TINY_FAMILY,
     ModelSpec,
     build_model_dir,
     random_transformer_state_dict,
 )
 
-__all__ = ["REALWIDTH", "TINY", "ModelSpec", "build_model_dir", "random_transformer_state_dict"]
+__all__ = [
+    "PIPELINES",
+    "REALWIDTH",
+    "TINY",
+    "TINY_FAMILY",
+    "ModelSpec",
+    "build_model_dir",
+    "random_transformer_state_dict",
+]

@@ -74,6 +74,8 @@ class Job:
     #: plain data, is kept in :attr:`JobReport.extra`).
     before: str | None = None
     after: str | None = None
+    #: Image pipelines (Edit, Edit-Plus): seed of the test bed's sample input image (``pipeline.sample_image``).
+    image: int | None = None
 
     @property
     def key(self) -> str:
@@ -81,7 +83,7 @@ class Job:
 
     def generate(self, pipe: Any, rt: Any) -> Any:
         """Run this request on ``pipe`` (whatever is selected on it now); a :class:`GenerationResult`."""
-        from vllm_omni_ascend_opt.testbed.pipeline import generate
+        from vllm_omni_ascend_opt.testbed.pipeline import generate, sample_image
 
         return generate(
             pipe,
@@ -93,6 +95,7 @@ class Job:
             seed=self.seed,
             cfg_scale=self.cfg_scale,
             negative_prompt=self.negative_prompt,
+            image=None if self.image is None else sample_image(self.image),
         )
 
 

@@ -1,9 +1,29 @@
-"""Load a Qwen-Image directory through vLLM-Omni's own loader and run its ``QwenImagePipeline``."""
+"""Load a Qwen-Image directory through vLLM-Omni's own loader and run its pipeline's ``forward``.
+
+Any pipeline of the family the test bed builds (:mod:`~vllm_omni_ascend_opt.testbed.tiny_model`): text-to-image,
+DMD2, Edit, Edit-Plus (2509 / 2511 ``zero_cond_t``) and Layered. The image pipelines get their request the way
+vLLM-Omni's ``DiffusionEngine`` hands it over: the input image goes through the pipeline's own registered
+pre-process function (``get_diffusion_pre_process_func``) before ``forward``. Two test-bed-only adaptations, both
+outside the pipelines' ``__init__``/``forward`` code, are applied in one place each:
+
+* :func:`tiny_processor_loading`: transformers' ``Qwen2VLProcessor`` always loads a *video* processor, and every
+  transformers video processor requires torchvision, which has no CPU wheel for this torch. Without torchvision, the
+  pipelines' ``Qwen2VLProcessor.from_pretrained`` is served by :class:`ImageOnlyQwen2VLProcessor` (the same class
+  minus the video processor; the Qwen-Image pipelines never pass videos).
+* :func:`tiny_image_areas`: the pre-process functions size the VAE / condition images to fixed areas of the real
+  model (1024^2, 384^2, 640^2 or 1024^2 for Layered); the test bed scales those areas by
+  :data:`AREA_SCALE` so the tiny model encodes 64x64-class images. Aspect-ratio handling and 32-px rounding are stock.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+import importlib
+import importlib.util
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,29 +38,120 @@ class GenerationResult:
     stage_ms: dict[str, float] = field(default_factory=dict)
 
 
+#: Pipeline modules whose pre-process sizes images with a module-global ``calculate_dimensions`` (see module doc).
+_AREA_MODULES = (
+    "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit",
+    "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit_plus",
+    "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_layered",
+)
+#: Pipeline modules that load ``Qwen2VLProcessor`` (module global) in ``__init__``.
+_PROCESSOR_MODULES = _AREA_MODULES
+#: Test-bed scale of the real models' image areas: 1024^2 -> 64^2 (VAE image), 384^2 -> 32^2 (condition image).
+AREA_SCALE = (64 / 1024) ** 2
+
+
+@functools.cache
+def image_only_processor_class() -> type:
+    """``Qwen2VLProcessor`` without its video processor (see module doc); a real subclass, same ``__call__``."""
+    from transformers import Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        """Qwen2VLProcessor(image_processor, tokenizer): images and text only (no torchvision needed)."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs: Any) -> None:
+            # Qwen2VLProcessor.__init__'s token bookkeeping, then ProcessorMixin without the video processor.
+            self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+            self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return ImageOnlyQwen2VLProcessor
+
+
+def _torchvision_available() -> bool:
+    return importlib.util.find_spec("torchvision") is not None
+
+
+@contextlib.contextmanager
+def _patched_globals(modules: tuple[str, ...], name: str, make: Any) -> Iterator[None]:
+    """Set ``module.<name> = make(old)`` in each module for the duration; restored by identity afterwards."""
+    saved = []
+    try:
+        for mod_name in modules:
+            mod = importlib.import_module(mod_name)
+            old = getattr(mod, name)
+            saved.append((mod, old))
+            setattr(mod, name, make(old))
+        yield
+    finally:
+        for mod, old in saved:
+            setattr(mod, name, old)
+
+
+@contextlib.contextmanager
+def tiny_processor_loading() -> Iterator[None]:
+    """While loading an image pipeline without torchvision: serve ``Qwen2VLProcessor`` as the image-only class."""
+    if _torchvision_available():
+        yield
+        return
+    with _patched_globals(_PROCESSOR_MODULES, "Qwen2VLProcessor", lambda _old: image_only_processor_class()):
+        yield
+
+
+@contextlib.contextmanager
+def tiny_image_areas(scale: float = AREA_SCALE) -> Iterator[None]:
+    """While pre-processing: the pipelines' ``calculate_dimensions(target_area, ratio)`` sees ``target_area * scale``."""
+
+    def make(old: Any) -> Any:
+        def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
+            return old(target_area * scale, ratio)
+
+        return calculate_dimensions
+
+    with _patched_globals(_AREA_MODULES, "calculate_dimensions", make):
+        yield
+
+
 def load_pipeline(
-    rt: Runtime, device: str | torch.device = "cpu", *, dtype: torch.dtype | None = None, **od_overrides: Any
+    rt: Runtime,
+    device: str | torch.device = "cpu",
+    *,
+    dtype: torch.dtype | None = None,
+    model: str | None = None,
+    **od_overrides: Any,
 ) -> Any:
     """Build and load the pipeline with vLLM-Omni's ``DiffusersPipelineLoader`` (the same call its model runner
-    makes). The plugin's loader hook attaches installed optimizations to the result. ``dtype`` and ``od_overrides``
+    makes). The plugin's loader hook attaches installed optimizations to the result. ``dtype``, ``model`` (another
+    model directory: its ``model_index.json`` picks the pipeline class) and ``od_overrides``
     (``OmniDiffusionConfig`` fields) apply to this pipeline only, on a copy of the runtime's config."""
     from vllm.config.load import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
     od = rt.od_config
-    if dtype is not None or od_overrides:
+    if dtype is not None or od_overrides or (model is not None and str(model) != od.model):
         od = copy.copy(od)
         if dtype is not None:
             od.dtype = dtype
+        if model is not None and str(model) != od.model:
+            od.model = str(model)
+            od.model_class_name = None
+            od.enrich_config()  # class name and transformer config (zero_cond_t, layer-3D RoPE) of that directory
         for k, v in od_overrides.items():
             setattr(od, k, v)
     device = torch.device(device)
-    with rt.context():
+    with rt.context(), tiny_processor_loading():
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
         pipe = loader.load_model(load_device=str(device), device=device)
     pipe.eval()
     _match_text_encoder_dtype(pipe, od.dtype)
     return pipe
+
+
+def pipeline_name(pipe: Any) -> str:
+    """vLLM-Omni's registry name of ``pipe`` (``model_index.json`` ``_class_name``)."""
+    return pipe.od_config.model_class_name or type(pipe).__name__
 
 
 def _match_text_encoder_dtype(pipe: Any, dtype: torch.dtype) -> None:
@@ -65,8 +176,15 @@ def make_request(
     negative_prompt: str | None = None,
     max_sequence_length: int = 64,
     request_id: str = "ascend-opt",
+    image: Any = None,
+    pre_process: Any = None,
+    **sampling: Any,
 ) -> Any:
-    """A one-request ``DiffusionRequestBatch`` exactly as vLLM-Omni's scheduler hands it to ``forward``."""
+    """A one-request ``DiffusionRequestBatch`` exactly as vLLM-Omni's scheduler hands it to ``forward``.
+
+    ``image`` (a PIL image or a list of them) goes into ``multi_modal_data``; ``pre_process`` (the pipeline's
+    registered pre-process function, see :func:`pre_process_func`) is then applied, under :func:`tiny_image_areas`,
+    as ``DiffusionEngine`` does. ``sampling`` sets further ``OmniDiffusionSamplingParams`` fields (``layers=2``)."""
     from vllm_omni.diffusion.request import OmniDiffusionRequest
     from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -80,11 +198,59 @@ def make_request(
         true_cfg_scale=cfg_scale,
         output_type="pt",
         max_sequence_length=max_sequence_length,
+        **sampling,
     )
     p: Any = prompt
     if cfg_scale > 1.0:
         p = {"prompt": prompt, "negative_prompt": negative_prompt if negative_prompt is not None else " "}
-    return DiffusionRequestBatch(requests=[OmniDiffusionRequest(prompt=p, sampling_params=sp, request_id=request_id)])
+    if image is not None:
+        p = {"prompt": prompt} if isinstance(p, str) else dict(p)
+        p["multi_modal_data"] = {"image": image}
+    req = OmniDiffusionRequest(prompt=p, sampling_params=sp, request_id=request_id)
+    if pre_process is not None:
+        with tiny_image_areas():
+            req = pre_process(req)
+    return DiffusionRequestBatch(requests=[req])
+
+
+def run_forward(pipe: Any, req: Any) -> Any:
+    """``pipe.forward(req)``; for ``QwenImageDMD2Pipeline`` the DMD2 mixin's forward minus its broken call.
+
+    vLLM-Omni 0.30's ``DMD2PipelineMixin.forward`` sanitizes the request (few-step count, no CFG) and then calls
+    ``super().forward(req, guidance_scale=..., num_inference_steps=...)``, which ``QwenImagePipeline.forward(req)``
+    does not accept (TypeError; pinned by tests/test_family.py). The test bed runs the mixin's own
+    ``_sanitize_dmd2_request`` and then ``QwenImagePipeline.forward`` -- the mixin's forward without the extra
+    keywords, whose values the sanitized request already carries -- with the DMD2 scheduler the mixin installed."""
+    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImageDMD2Pipeline, QwenImagePipeline
+
+    if isinstance(pipe, QwenImageDMD2Pipeline):
+        pipe._sanitize_dmd2_request(req)
+        return QwenImagePipeline.forward(pipe, req)
+    return pipe.forward(req)
+
+
+def pre_process_func(pipe: Any) -> Any:
+    """The pre-process function vLLM-Omni's registry has for ``pipe``'s class (None for text-to-image)."""
+    from vllm_omni.diffusion.registry import get_diffusion_pre_process_func
+
+    fn = pipe.__dict__.get("_ascend_opt_pre_process")
+    if fn is None:
+        fn = get_diffusion_pre_process_func(pipe.od_config) or False
+        pipe.__dict__["_ascend_opt_pre_process"] = fn
+    return fn or None
+
+
+def sample_image(seed: int, width: int = 48, height: int = 32, mode: str = "RGB") -> Any:
+    """A deterministic PIL input image (smooth gradients plus seeded noise) for the edit / layered pipelines."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    channels = len(mode)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = np.stack([(xx * (c + 1) * 7 + yy * (3 - c) * 5) % 256 for c in range(channels)], axis=-1)
+    noise = rng.integers(0, 64, size=(height, width, channels))
+    return Image.fromarray(((base + noise) % 256).astype(np.uint8), mode=mode)
 
 
 def generate(
@@ -99,8 +265,13 @@ def generate(
     cfg_scale: float = 1.0,
     negative_prompt: str | None = None,
     max_sequence_length: int = 64,
+    image: Any = None,
+    **sampling: Any,
 ) -> GenerationResult:
-    """Run one request through ``QwenImagePipeline.forward`` and return the decoded image tensor."""
+    """Run one request through the pipeline's ``forward`` and return the decoded image tensor.
+
+    Image pipelines (Edit, Edit-Plus, Layered) need ``image``; it is pre-processed by the pipeline's own registered
+    pre-process function first. Layered returns its decoded layers stacked as ``[layers, C, H, W]`` (RGBA)."""
     req = make_request(
         prompt,
         height=height,
@@ -110,13 +281,18 @@ def generate(
         cfg_scale=cfg_scale,
         negative_prompt=negative_prompt,
         max_sequence_length=max_sequence_length,
+        image=image,
+        pre_process=pre_process_func(pipe) if image is not None else None,
+        **sampling,
     )
     t0 = time.perf_counter()
     with rt.context(), torch.no_grad():
-        outs = pipe.forward(req)
+        outs = run_forward(pipe, req)
     total = (time.perf_counter() - t0) * 1e3
-    out = outs[0]
+    out = outs[0] if isinstance(outs, list) else outs  # DMD2 / text-to-image: list; edit / layered: one output
     images = out.output
+    if isinstance(images, list):  # Layered: one [layers, C, H, W] tensor per batch item
+        images = torch.cat(list(images), dim=0)
     if images.dim() == 3:
         images = images.unsqueeze(0)
     stages = dict(getattr(out, "stage_durations", None) or {})

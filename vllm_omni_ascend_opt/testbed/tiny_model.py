@@ -1,7 +1,12 @@
-"""Offline, deterministic builder of a tiny Qwen-Image model directory in diffusers format.
+"""Offline, deterministic builder of tiny Qwen-Image model directories in diffusers format, one per pipeline.
 
-Everything is made from a seed: a tiny Qwen2.5-VL text encoder, a byte-level Qwen2 tokenizer built in memory (no hub),
-a tiny ``AutoencoderKLQwenImage``, a tiny ``QwenImageTransformer2DModel`` and a ``FlowMatchEulerDiscreteScheduler``.
+Everything is made from a seed: a tiny Qwen2.5-VL text encoder (with a tiny vision tower), a byte-level Qwen2
+tokenizer built in memory (no hub), a tiny ``AutoencoderKLQwenImage``, a tiny ``QwenImageTransformer2DModel`` and a
+``FlowMatchEulerDiscreteScheduler``. ``ModelSpec.pipeline`` picks the vLLM-Omni 0.30 pipeline the directory is for
+(``model_index.json``'s ``_class_name``): text-to-image, the DMD2 few-step variant, Edit, Edit-Plus (with or without
+the 2511 ``zero_cond_t``) and Layered. The image pipelines also get a ``processor/`` (transformers'
+``Qwen2VLProcessor`` with the torchvision-free ``Qwen2VLImageProcessorPil``, tiny ``min/max_pixels`` so the vision
+tower sees a few patches) and the vision special tokens in the tokenizer, matching the text encoder's token ids.
 The directory is cached on disk (atomic rename, safe for concurrent builders) under
 ``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default ``~/.cache/vllm-omni-ascend-opt``), keyed on the spec and the seed.
 """
@@ -18,6 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 BUILDER_VERSION = 3
+
+T2I = "QwenImagePipeline"
+DMD2 = "QwenImageDMD2Pipeline"
+EDIT = "QwenImageEditPipeline"
+EDIT_PLUS = "QwenImageEditPlusPipeline"
+LAYERED = "QwenImageLayeredPipeline"
+#: The vLLM-Omni 0.30 Qwen-Image pipelines the builder can make a directory for.
+PIPELINES = (T2I, DMD2, EDIT, EDIT_PLUS, LAYERED)
+#: Pipelines whose prompt encoding runs the text encoder's vision tower on an input image (need ``processor/``).
+IMAGE_INPUT_PIPELINES = (EDIT, EDIT_PLUS, LAYERED)
+#: Vision special tokens (Qwen2.5-VL names) appended to the byte-level vocabulary for the image pipelines.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 @dataclass(frozen=True)
@@ -37,13 +54,30 @@ class ModelSpec:
     weight_std: float = 0.05  # transformer weights are re-drawn N(0, std) so the tiny net is not near-identity
     vae_latents_mean: tuple[float, ...] = field(default=())
     vae_latents_std: tuple[float, ...] = field(default=())
+    pipeline: str = T2I  # model_index.json _class_name: which vLLM-Omni pipeline loads this directory
+    zero_cond_t: bool = False  # Edit-Plus 2511: condition-image tokens modulated at timestep 0 (modulate_index)
+
+    def __post_init__(self) -> None:
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"unknown pipeline {self.pipeline!r}; one of {PIPELINES}")
+        if self.zero_cond_t and self.pipeline != EDIT_PLUS:
+            raise ValueError("zero_cond_t is an Edit-Plus (Qwen-Image-Edit-2511) transformer setting")
 
     @property
     def inner_dim(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
 
+    @property
+    def layered(self) -> bool:
+        """Qwen-Image-Layered: RGBA VAE, 3-D (layer) RoPE and the additional (is-RGB) timestep conditioning."""
+        return self.pipeline == LAYERED
+
+    @property
+    def image_input(self) -> bool:
+        return self.pipeline in IMAGE_INPUT_PIPELINES
+
     def transformer_kwargs(self) -> dict:
-        return dict(
+        kw = dict(
             patch_size=2,
             in_channels=self.vae_z_dim * 4,
             out_channels=self.vae_z_dim,
@@ -53,6 +87,11 @@ class ModelSpec:
             joint_attention_dim=self.joint_attention_dim,
             axes_dims_rope=self.axes_dims_rope,
         )
+        if self.zero_cond_t:
+            kw["zero_cond_t"] = True
+        if self.layered:
+            kw.update(use_additional_t_cond=True, use_layer3d_rope=True)
+        return kw
 
     def vae_kwargs(self) -> dict:
         z = self.vae_z_dim
@@ -64,15 +103,44 @@ class ModelSpec:
             temperal_downsample=[False, True, True] if self.vae_base_dim >= 96 else [False, True],
             latents_mean=list(self.vae_latents_mean or [0.0] * z),
             latents_std=list(self.vae_latents_std or [1.0] * z),
+            **({"input_channels": 4} if self.layered else {}),  # Layered decodes RGBA layers
         )
 
     def key(self, seed: int) -> str:
-        blob = json.dumps({"spec": dataclasses.asdict(self), "seed": seed, "v": BUILDER_VERSION}, sort_keys=True)
+        spec = dataclasses.asdict(self)
+        for name in ("pipeline", "zero_cond_t"):  # added later: defaults keep the text-to-image keys unchanged
+            if spec[name] == ModelSpec.__dataclass_fields__[name].default:
+                del spec[name]
+        blob = json.dumps({"spec": spec, "seed": seed, "v": BUILDER_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
+    def variant(self, pipeline: str, *, zero_cond_t: bool = False) -> ModelSpec:
+        """The same sizes for another pipeline of the family (named ``<name>-<variant>``)."""
+        suffix = FAMILY_SUFFIX[(pipeline, zero_cond_t)]
+        name = self.name.split("-", 1)[0] + (f"-{suffix}" if suffix else "")
+        z = self.vae_z_dim
+        if pipeline == LAYERED and z == 4:
+            # Layered's prepare_latents takes a 4-channel input as already-encoded latents when z_dim == 4: the
+            # RGBA image would skip VAE encode. The real model has z_dim 16; 8 keeps the tiny one small.
+            z = 8
+        return dataclasses.replace(self, name=name, pipeline=pipeline, zero_cond_t=zero_cond_t, vae_z_dim=z)
+
+
+FAMILY_SUFFIX = {
+    (T2I, False): "",
+    (DMD2, False): "dmd2",
+    (EDIT, False): "edit",
+    (EDIT_PLUS, False): "edit-plus",
+    (EDIT_PLUS, True): "edit-2511",
+    (LAYERED, False): "layered",
+}
 
 #: The default test-bed model: 2 blocks, 4 heads x 16, VAE base 24, 17 MB on disk.
 TINY = ModelSpec(name="tiny")
+#: The whole family at the test-bed size (text-to-image first), keyed by the variant suffix ("" = text-to-image).
+TINY_FAMILY: dict[str, ModelSpec] = {
+    suffix or "t2i": TINY.variant(p, zero_cond_t=z) for (p, z), suffix in FAMILY_SUFFIX.items()
+}
 #: Real width (hidden 3072, 24 heads x 128, RoPE axes 16/56/56) at reduced depth, for benchmarks.
 REALWIDTH = ModelSpec(
     name="realwidth",
@@ -93,7 +161,7 @@ def cache_root() -> Path:
 def build_model_dir(spec: ModelSpec = TINY, seed: int = 0, root: Path | str | None = None) -> Path:
     """Return a diffusers-format Qwen-Image directory for ``spec``; build it once, then reuse the cached copy."""
     root = Path(root) if root is not None else cache_root()
-    final = root / f"qwen-image-{spec.name}-{spec.key(seed)}"
+    final = root / f"qwen-image-{spec.name}-{spec.key(seed)}"  # name carries the variant ("tiny-edit-2511")
     if (final / "model_index.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
@@ -111,15 +179,50 @@ def build_model_dir(spec: ModelSpec = TINY, seed: int = 0, root: Path | str | No
     return final
 
 
-def _tokenizer():
+def _tokenizer(vision: bool = False):
+    """Byte-level Qwen2 tokenizer: ids 0..256 are <|endoftext|> and the 256 byte symbols, then the chat tokens and
+    (``vision``) :data:`VISION_TOKENS` in order (ids 259..262, see :func:`_vision_token_ids`)."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
     alphabet = sorted(ByteLevel.alphabet())
     vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(alphabet)}}
     tok = Qwen2Tokenizer(vocab=vocab, merges=[])
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    special = ["<|im_start|>", "<|im_end|>", *(VISION_TOKENS if vision else ())]
+    tok.add_special_tokens({"additional_special_tokens": special})
     return tok
+
+
+def _vision_token_ids(tok) -> dict[str, int]:
+    ids = dict(zip(VISION_TOKENS, tok.convert_tokens_to_ids(list(VISION_TOKENS)), strict=True))
+    return {
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+    }
+
+
+#: The tiny vision tower's image processor: 14-px patches merged 2x2, between 2x2 and 4x4 merged tokens per image.
+PROCESSOR_MIN_PIXELS = 28 * 28 * 4
+PROCESSOR_MAX_PIXELS = 28 * 28 * 16
+
+
+def _save_processor(tok, out: Path) -> None:
+    """transformers' ``Qwen2VLProcessor`` with the PIL image processor (no torchvision), saved under ``out``.
+
+    Saved through the image-only subclass (every transformers video processor needs torchvision) and recorded as
+    ``Qwen2VLProcessor``, the class the pipelines load."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from vllm_omni_ascend_opt.testbed.pipeline import image_only_processor_class
+
+    ip = Qwen2VLImageProcessorPil(min_pixels=PROCESSOR_MIN_PIXELS, max_pixels=PROCESSOR_MAX_PIXELS)
+    image_only_processor_class()(image_processor=ip, tokenizer=tok).save_pretrained(out)
+    cfg_path = out / "processor_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["processor_class"] = "Qwen2VLProcessor"
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
 def random_transformer_state_dict(spec: ModelSpec, seed: int = 0) -> dict:
@@ -145,6 +248,13 @@ def _build(spec: ModelSpec, seed: int, out: Path) -> None:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(seed)
+    tokenizer = _tokenizer(vision=spec.image_input)
+    # Text-to-image keeps its historical (unused) vision token ids, so its directory stays byte-identical.
+    token_ids = (
+        _vision_token_ids(tokenizer)
+        if spec.image_input
+        else dict(vision_start_token_id=290, vision_end_token_id=291, image_token_id=293, video_token_id=294)
+    )
     h = spec.joint_attention_dim
     half = h // spec.text_heads // 2  # mrope sections must sum to half the text head dim
     mrope = [half // 4, half // 4, half - 2 * (half // 4)]
@@ -164,11 +274,7 @@ def _build(spec: ModelSpec, seed: int, out: Path) -> None:
         vocab_size=300,
         bos_token_id=0,
         eos_token_id=0,
-        vision_start_token_id=290,
-        vision_end_token_id=291,
-        vision_token_id=292,
-        image_token_id=293,
-        video_token_id=294,
+        **token_ids,
     )
     text_encoder = Qwen2_5_VLForConditionalGeneration(te_cfg).eval()
     vae = AutoencoderKLQwenImage(**spec.vae_kwargs())
@@ -178,10 +284,21 @@ def _build(spec: ModelSpec, seed: int, out: Path) -> None:
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
         text_encoder=text_encoder,
-        tokenizer=_tokenizer(),
+        tokenizer=tokenizer,
         transformer=transformer,
     )
     pipe.save_pretrained(out)
+    if spec.pipeline != T2I:
+        index_path = out / "model_index.json"
+        index = json.loads(index_path.read_text())
+        index["_class_name"] = spec.pipeline
+        if spec.image_input:
+            _save_processor(tokenizer, out / "processor")
+            index["processor"] = ["transformers", "Qwen2VLProcessor"]
+        if spec.pipeline == DMD2:
+            # FastGen DMD2 contract read by vLLM-Omni's DMD2PipelineMixin (2 steps keeps the test bed quick).
+            index["dmd2_config"] = {"num_inference_steps": 2, "solver": "ode", "guidance_scale": 1.0}
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True))
     (out / "ascend_opt_testbed.json").write_text(
         json.dumps({"spec": dataclasses.asdict(spec), "seed": seed, "builder": BUILDER_VERSION}, indent=1)
     )
