@@ -6,6 +6,7 @@ Everything runs on vLLM-Omni 0.30's real classes on CPU (tiny Qwen-Image: 2 bloc
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ PROJ_PER_FORWARD = 2 * L + 1  # img_mod + txt_mod per block, norm_out.linear
 # helpers
 # ----------------------------------------------------------------------------------------------------------------
 def T():
-    return sys.modules["vllm_omni.diffusion.models.qwen_image.qwen_image_transformer"]
+    return importlib.import_module("vllm_omni.diffusion.models.qwen_image.qwen_image_transformer")
 
 
 def build(runtime, dtype=torch.float32, seed=0, **kwargs) -> nn.Module:
@@ -420,4 +421,67 @@ def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd
     want = fwd(tr, runtime, kw)
     api.select(ON, model=tr)
     assert torch.equal(fwd(tr, runtime, kw), want) and torch.equal(fwd(tr, runtime, kw), want)
+    assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the memo key: numerical settings (grad mode, matmul precision, autocast) are part of it
+# ----------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _matmul_precision(value: str) -> Iterator[None]:
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(value)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def test_numerical_settings_are_part_of_the_key(runtime):
+    """The same temb value (a fresh tensor object each call, so the digest runs) read under other numerical settings
+    is a miss (recomputed), and a hit again back under the first settings. Only the settings differ between the
+    calls: a full forward would not do, since the settings also change temb itself."""
+    tr = build(runtime)
+    for p in tr.parameters():
+        p.requires_grad_(False)  # grad mode on is then memoizable, and keyed apart from grad mode off
+    api.select(ON, model=tr)
+    block = tr.transformer_blocks[0]
+    temb = torch.randn(1, TINY.inner_dim, generator=torch.Generator().manual_seed(5))
+    assert torch.get_float32_matmul_precision() == "highest"
+
+    def misses(ctx) -> int:
+        before = OPT.memo.stats["misses"]
+        with ctx:
+            mods, why = OPT.memo.block(block, temb.clone())
+        assert why is None and mods is not None
+        return OPT.memo.stats["misses"] - before
+
+    plain = torch.no_grad
+    assert misses(plain()) == 1  # cold
+    assert misses(plain()) == 0  # warm, same settings
+    assert misses(torch.enable_grad()) == 1  # grad mode
+    assert misses(torch.enable_grad()) == 0
+    assert misses(_matmul_precision("medium")) == 1  # float32 matmul precision
+    assert misses(torch.autocast("cpu", dtype=torch.bfloat16)) == 1  # autocast
+    assert misses(plain()) == 0  # the first settings' entry is still there
+    assert len(OPT.memo) == 4 and OPT.memo.stats["digests"] == 7
+
+
+def test_numerical_settings_autocast_bitwise_after_warm_memo(runtime):
+    """Memo filled in plain fp32, then read under CPU autocast (bf16 GEMMs): the output must still equal stock's
+    under autocast, i.e. the autocast entry is computed anew, not served from the fp32 entry."""
+    tr = build(runtime)
+    kw = inputs(torch.float32)
+
+    def fwd_autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fwd(tr, runtime, kw)
+
+    api.select("none", model=tr)
+    want_plain, want_autocast = fwd(tr, runtime, kw), fwd_autocast()
+    assert not torch.equal(want_plain, want_autocast)  # autocast changes the result: the setting matters
+    api.select(ON, model=tr)
+    assert torch.equal(fwd(tr, runtime, kw), want_plain)  # fills the memo in plain fp32
+    assert torch.equal(fwd_autocast(), want_autocast)
+    assert torch.equal(fwd(tr, runtime, kw), want_plain)
     assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
