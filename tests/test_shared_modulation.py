@@ -399,17 +399,30 @@ def test_fingerprint_mismatch_turns_it_off(monkeypatch):
 # ----------------------------------------------------------------------------------------------------------------
 # AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel
 # ----------------------------------------------------------------------------------------------------------------
-def _npu_layer_norm_eval(input, normalized_shape, weight=None, bias=None, eps=1e-05):
-    """Documented result ([OP-LNE] Ascend/op-plugin docs ``torch_npu-npu_layer_norm_eval.md``): the same as
-    ``torch.nn.functional.layer_norm``."""
-    return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
+class _LayerNormEvalSpy:
+    """A test-local ``torch_npu.npu_layer_norm_eval`` that logs its calls and whose result differs from
+    ``torch.nn.functional.layer_norm`` by a constant offset (2**-10), so that a path that silently used the native
+    LayerNorm instead (``norm.layernorm(x)``) could not be bitwise-equal to stock's NPU path. The documented result
+    ([OP-LNE] Ascend/op-plugin docs ``torch_npu-npu_layer_norm_eval.md``) is ``F.layer_norm``; the offset is a marker,
+    not a claim about the kernel."""
+
+    OFFSET = 2.0**-10
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, input, normalized_shape, weight=None, bias=None, eps=1e-05):
+        self.calls += 1
+        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps) + self.OFFSET
 
 
 @pytest.mark.parametrize("mindiesd", [False, True], ids=["torch_npu", "mindiesd"])
 def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd):
+    T()  # imports the model modules when this test runs alone
     ada_mod = sys.modules[sm.ADALAYERNORM_MODULE]
     fake = fake_npu()
-    monkeypatch.setattr(fake, "npu_layer_norm_eval", _npu_layer_norm_eval, raising=False)
+    spy = _LayerNormEvalSpy()
+    monkeypatch.setattr(fake, "npu_layer_norm_eval", spy, raising=False)
     monkeypatch.setattr(ada_mod, "_HAS_MINDIESD", mindiesd)
     tr = build(runtime)
     norms = [n for b in tr.transformer_blocks for n in (b.img_norm1, b.img_norm2, b.txt_norm1, b.txt_norm2)]
@@ -419,9 +432,15 @@ def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd
     kw = inputs(torch.float32, batch=2, pad=2)
     api.select("none", model=tr)
     want = fwd(tr, runtime, kw)
+    per_forward = spy.calls
+    assert per_forward == 4 * L  # stock: every AdaLayerNorm of every block goes through the kernel
     api.select(ON, model=tr)
-    assert torch.equal(fwd(tr, runtime, kw), want) and torch.equal(fwd(tr, runtime, kw), want)
+    assert torch.equal(fwd(tr, runtime, kw), want) and torch.equal(fwd(tr, runtime, kw), want)  # cold, warm
+    assert spy.calls == 3 * per_forward  # the memoized path calls the same kernel as often as stock
     assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
+    with runtime.context(), torch.no_grad():  # the marker makes the native LayerNorm distinguishable
+        x = torch.randn(2, 5, TINY.inner_dim)
+        assert not torch.equal(norms[0].layernorm(x), spy(x, [TINY.inner_dim], eps=norms[0].eps))
 
 
 # ----------------------------------------------------------------------------------------------------------------
