@@ -150,7 +150,7 @@ def run_one(m: Mutation, root: Path, python: str, pytest_args: list[str]) -> Out
         return Outcome(m, "SURVIVED", last, dt)
     if proc.returncode in (1, 2, 3):  # tests failed / collection error (e.g. import) / internal error
         failed = next((line for line in tail if line.startswith(("FAILED", "ERROR"))), last)
-        return Outcome(m, "killed", failed, dt)
+        return Outcome(m, "killed", failed.split(" - ")[0], dt)
     if proc.returncode == 5:
         return Outcome(m, "ERROR", "the selection collected no tests (update tests/k)", dt)
     return Outcome(m, "ERROR", f"pytest exit code {proc.returncode}: {last}", dt)
