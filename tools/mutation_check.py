@@ -9,7 +9,7 @@ selection the mutation names, with ``PYTHONPATH`` pointing at the scratch copy (
 * ``killed``   -- the selection failed (what we want: the tests notice the bug);
 * ``SURVIVED`` -- the selection passed: a test is missing or too weak. The check fails and names it;
 * ``ERROR``    -- the original snippet is not found exactly once (the list is out of date with the code), the file
-  does not exist, or the selection collected no tests. The check fails: fix the entry.
+  does not exist, the selection collected no tests, or it timed out (inconclusive). The check fails.
 
 Usage::
 
@@ -54,7 +54,7 @@ class Mutation:
     tests: list[str]
     why: str
     k: str | None = None
-    timeout: int = 600
+    timeout: int = 900
     extra: dict = field(default_factory=dict)
 
     def selection(self) -> list[str]:
@@ -92,7 +92,7 @@ def load(path: Path) -> list[Mutation]:
                 tests=list(tests),
                 why=raw["why"],
                 k=raw.get("k"),
-                timeout=int(raw.get("timeout", 600)),
+                timeout=int(raw.get("timeout", 900)),
                 extra={k: v for k, v in raw.items() if k not in known},
             )
         )
@@ -142,7 +142,8 @@ def run_one(m: Mutation, root: Path, python: str, pytest_args: list[str]) -> Out
                 cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=m.timeout, check=False
             )
         except subprocess.TimeoutExpired:
-            return Outcome(m, "killed", f"selection timed out after {m.timeout} s", time.monotonic() - t0)
+            # Inconclusive (a hang caused by the mutant, or an overloaded machine): an error, never a kill.
+            return Outcome(m, "ERROR", f"selection timed out after {m.timeout} s (inconclusive)", time.monotonic() - t0)
     dt = time.monotonic() - t0
     tail = (proc.stdout + proc.stderr).strip().splitlines()
     last = tail[-1] if tail else ""
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list-file", type=Path, default=DEFAULT_LIST, help="the mutation list (TOML)")
     ap.add_argument("--root", type=Path, default=REPO, help="the tree to mutate (default: this repository)")
-    ap.add_argument("-k", dest="name_filter", default=None, help="only mutations whose name contains this")
+    ap.add_argument("-k", dest="name_filter", default=None, help="only mutations whose name contains this (comma list)")
     ap.add_argument("-j", "--jobs", type=int, default=2, help="mutants run in parallel (default 2)")
     ap.add_argument("--python", default=sys.executable, help="interpreter that runs pytest")
     ap.add_argument("--list", action="store_true", help="print the mutations and exit")
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         for m in mutations:
             m.k = None
     if args.name_filter:
-        mutations = [m for m in mutations if args.name_filter in m.name]
+        wanted = [w.strip() for w in args.name_filter.split(",") if w.strip()]
+        mutations = [m for m in mutations if any(w in m.name for w in wanted)]
     if args.list:
         for m in mutations:
             print(f"{m.name:55s} {m.file}\n    {m.why}")
