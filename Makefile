@@ -6,7 +6,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.ascend-opt-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint list clean-venv
+.PHONY: venv test demo lint list clean-venv mutation
 
 $(STAMP): requirements/cpu-lock.txt requirements/test-lock.txt requirements/serve-lock.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The mutation check (docs/testing.md): every named bug in tools/mutations.toml must make its tests fail.
+# Each mutant runs in a scratch copy of the repository; MUTATION_ARGS e.g. "-k rope -j 1".
+MUTATION_ARGS ?=
+mutation: $(STAMP)
+	$(PY) tools/mutation_check.py $(MUTATION_ARGS)
 
 # The demo: a leave-one-out ablation of the embedded tiny Qwen-Image on CPU (workload tiny-cpu, ~1 min on 2 cores when the machine is quiet).
 # It succeeds when the reports are written; the verdict (exit 0 PASS / 1 FAIL / 2 INCONCLUSIVE) is printed.
@@ -34,8 +40,8 @@ list: $(STAMP)
 	$(VENV)/bin/vllm-omni-ascend-opt list
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check vllm_omni_ascend_opt tests benchmarks patches
-	$(VENV)/bin/ruff format --check vllm_omni_ascend_opt tests benchmarks patches
+	$(VENV)/bin/ruff check vllm_omni_ascend_opt tests benchmarks patches tools
+	$(VENV)/bin/ruff format --check vllm_omni_ascend_opt tests benchmarks patches tools
 
 clean-venv:
 	rm -rf $(VENV)

@@ -53,6 +53,8 @@ def test_a_clean_run_passes_and_writes_valid_reports(tmp_path, monkeypatch, sche
     assert sorted(starts(log)) == sorted([c.id for c in plan.configs] * (1 if schedule == "resident" else 2))
     assert validate(json.loads((out / "results.json").read_text())) == []
     assert res["verdict"]["result"] == "PASS", res["verdict"]
+    for c in plan.configs:  # isolation: every worker process got exactly its own configuration's flag
+        assert f" flag {c.spec}\n" in (out / "configs" / c.id / "worker.log").read_text(), c.id
     opts = {o["name"]: o for o in res["optimizations"]}
     assert opts["a"]["saved_ms"]["mean"] == pytest.approx(10.0) and opts["a"]["label"] == "gain"
     assert opts["b"]["saved_ms"]["per_round"] == pytest.approx([5.0, 5.0]) and opts["b"]["label"] == "gain"
@@ -94,6 +96,19 @@ def test_broken_exact_optimization_fails_its_gate(tmp_path, monkeypatch):
     _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "perturb": {"a": 0.2}})
     assert res["verdict"]["result"] == "FAIL"
     assert any(r.startswith("a (exact): gate failed") for r in res["verdict"]["reasons"])
+
+
+def test_exact_optimization_with_a_change_inside_the_close_gates_still_fails(tmp_path, monkeypatch):
+    """Just beyond the exact boundary: the same small perturbation that passes for the close optimization b."""
+    plan = make_plan(repeats=1)
+    _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "perturb": {"a": 0.002, "b": 0.002}})
+    opts = {o["name"]: o for o in res["optimizations"]}
+    a, b = opts["a"]["equivalence_check"], opts["b"]["equivalence_check"]
+    assert a["worst"]["pixel_identical"] is False and a["worst"]["ssim_min"] >= 0.99 and a["worst"]["psnr_db_min"] >= 35
+    assert a["gate"]["passed"] is False and b["gate"]["passed"] is True
+    assert res["verdict"]["result"] == "FAIL"
+    assert any(r.startswith("a (exact): gate failed") for r in res["verdict"]["reasons"])
+    assert not any(r.startswith("b (close)") for r in res["verdict"]["reasons"])
 
 
 @pytest.mark.parametrize(
@@ -203,3 +218,67 @@ def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_
             pids[s["round"]] = s["pid"]
     assert pids[0] == pids[1] != pids[2] == pids[3]
     assert res["verdict"]["result"] == "PASS"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the real worker's start-up check (the fake worker above echoes its configuration; this runs worker.serve itself)
+# ----------------------------------------------------------------------------------------------------------------
+class _StubEngine:
+    """An engine whose active optimizations are given: what a worker whose plugin did not apply the flag sees."""
+
+    device = "cpu"
+
+    def __init__(self, job: dict, active: list[str]) -> None:
+        self.job, self._active, self.closed = job, active, False
+
+    def load(self) -> None:
+        pass
+
+    def active(self) -> list[str]:
+        return list(self._active)
+
+    def model_reasons(self, name: str) -> list[str]:
+        return [f"{name}: not on this machine"]
+
+    def generate(self, prompt: str, seed: int):
+        raise AssertionError("a refused worker must not generate")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _serve(monkeypatch, active: list[str], wanted: list[str]) -> tuple[int, list[dict]]:
+    import io
+
+    from vllm_omni_ascend_opt.ablation import protocol, worker
+
+    monkeypatch.setattr(worker, "load_plugin_like_vllm_omni", lambda: None)
+    monkeypatch.setitem(worker.ENGINES, "stub", lambda job: _StubEngine(job, active))
+    job = {"protocol": protocol.PROTOCOL_VERSION, "engine": "stub", "config": {"id": "c", "opts": wanted}}
+    out = io.StringIO()
+    rc = worker.serve({**job, "prompts": ["p"]}, out, iter(['{"cmd": "exit"}\n']))
+    return rc, [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "active, why",
+    [
+        (["rope"], "shared_modulation is off (shared_modulation: not on this machine)"),
+        (["rope", "shared_modulation", "vae_fast"], "vae_fast is active but was not requested"),
+        ([], "rope is off"),
+    ],
+    ids=["missing", "extra", "none_active"],
+)
+def test_worker_refuses_when_active_optimizations_differ_from_the_configuration(monkeypatch, active, why):
+    rc, events = _serve(monkeypatch, active, ["rope", "shared_modulation"])
+    assert rc == 3 and [e["event"] for e in events] == ["error"]
+    assert events[0]["phase"] == "start"
+    assert (
+        "the worker's optimizations differ from the configuration" in events[0]["error"] and why in events[0]["error"]
+    )
+
+
+def test_worker_with_exactly_its_configuration_reports_ready(monkeypatch):
+    rc, events = _serve(monkeypatch, ["shared_modulation", "rope"], ["rope", "shared_modulation"])  # order-free
+    assert rc == 0 and [e["event"] for e in events] == ["ready", "bye"]
+    assert sorted(events[0]["active"]) == ["rope", "shared_modulation"]

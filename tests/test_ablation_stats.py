@@ -244,8 +244,10 @@ def test_compare_identical_images_have_infinite_psnr_and_pass_both_classes():
 def test_gates_on_small_and_large_perturbations():
     small = compare.aggregate({"s": compare.compare(_img(), _img(amp=0.004))})
     big = compare.aggregate({"s": compare.compare(_img(), _img(amp=0.2))})
-    assert not small["pixel_identical"] or small["max_abs_diff"] > 0
+    assert small["pixel_identical"] is False and small["max_abs_diff"] > 0  # a real, small change
+    assert small["ssim_min"] >= 0.99 and small["psnr_db_min"] >= 35  # well inside the close gates
     assert compare.gate(small, "close", 0.99, 35)["passed"] is True
+    assert compare.gate(small, "exact", 0.99, 35)["passed"] is False  # just beyond the exact boundary
     assert compare.gate(big, "close", 0.99, 35)["passed"] is False
     assert compare.gate(big, "exact", 0.99, 35)["passed"] is False
     assert "SSIM" in compare.gate(big, "close", 0.99, 35)["why"]
@@ -253,6 +255,30 @@ def test_gates_on_small_and_large_perturbations():
     u = compare.compare(compare.StoredImage(_img().uint8, None), compare.StoredImage(_img(amp=0.2).uint8, None))
     assert u["basis"] == "uint8" and u["bitwise_identical"] is None and u["psnr_db"] < 35
     assert compare.gate({}, "exact", 0.99, 35)["passed"] is None
+
+
+def test_exact_gate_fails_on_one_changed_pixel_value_that_the_close_gate_accepts():
+    """The smallest change there is: one channel of one pixel off by one 8-bit level."""
+    ref = _img()
+    u8 = ref.uint8.copy()
+    u8[0, 0, 0] = u8[0, 0, 0] + 1 if u8[0, 0, 0] < 255 else 254
+    one = compare.StoredImage(u8, None)
+    agg = compare.aggregate({"s": compare.compare(compare.StoredImage(ref.uint8, None), one)})
+    assert agg["pixel_identical"] is False and agg["ssim_min"] > 0.999 and agg["psnr_db_min"] > 60
+    exact, close = compare.gate(agg, "exact", 0.99, 35), compare.gate(agg, "close", 0.99, 35)
+    assert exact["passed"] is False and "not pixel-identical" in exact["why"]
+    assert close["passed"] is True
+
+
+@pytest.mark.parametrize(
+    "ssim, psnr, passed",
+    [(0.995, 36.0, True), (0.995, 34.9, False), (0.989, 50.0, False), (0.99, 35.0, True)],
+    ids=["both_pass", "psnr_fails", "ssim_fails", "at_the_gates"],
+)
+def test_close_gate_needs_both_ssim_and_psnr(ssim, psnr, passed):
+    agg = {"pixel_identical": False, "bitwise_identical": False, "max_abs_diff": 0.1, "ssim_min": ssim}
+    agg["psnr_db_min"] = psnr
+    assert compare.gate(agg, "close", 0.99, 35)["passed"] is passed
 
 
 def _verdict(plan, *, full_saved=10.0, noise=1.0, opt_label="gain", gate_ok=True, status="ok", busy=False):

@@ -2,6 +2,8 @@
 
 stock ~105 (our counter: 106 on the tiny config); the bitwise-exact default stack <= 80 on CPU, and <= 70 with the
 torch_npu paths (counted through the semantic fake, fp32 where the fake kernels are bitwise with stock).
+The whole transformer call is budgeted too, so once-per-forward work (RoPE freqs and tables, timestep embedding,
+norm_out) cannot grow unseen: outside the blocks stock launches 30 ops, the default stack <= 26.
 """
 
 from __future__ import annotations
@@ -19,6 +21,33 @@ def _warm_block_ops(pipe, rt) -> tuple[int, torch.Tensor]:
         images = generate(pipe, rt, steps=2, seed=3).images
     assert len(calls) == 2 and calls[0].total == calls[1].total
     return calls[-1].total, images
+
+
+def _warm_call_ops(pipe, rt) -> tuple[int, int]:
+    """(ops of one whole transformer call, ops of its RoPE embedder) on a repeated request."""
+    generate(pipe, rt, steps=2, seed=3)
+    with count_module_calls(pipe.transformer) as calls, count_module_calls(pipe.transformer.pos_embed) as rope:
+        generate(pipe, rt, steps=2, seed=3)
+    assert len(calls) == 2 and calls[0].total == calls[1].total and len(rope) == 2
+    return calls[-1].total, rope[-1].total
+
+
+def test_whole_transformer_call_budget(tiny_pipe, runtime):
+    """The per-block budget cannot see once-per-forward work; this counts the whole call on a warm request."""
+    blocks = len(tiny_pipe.transformer.transformer_blocks)
+    api.select("none", model=tiny_pipe)
+    stock_block, _ = _warm_block_ops(tiny_pipe, runtime)
+    stock_call, stock_rope = _warm_call_ops(tiny_pipe, runtime)
+    api.select("default", model=tiny_pipe)
+    block, _ = _warm_block_ops(tiny_pipe, runtime)
+    call, rope = _warm_call_ops(tiny_pipe, runtime)
+    outside_stock, outside = stock_call - blocks * stock_block, call - blocks * block
+    print(
+        f"ops per transformer call: stock {stock_call} ({outside_stock} outside the blocks), default {call} ({outside})"
+    )
+    assert stock_rope >= 1 and rope == 0  # the RoPE embedder's memo: no kernel at all on a repeated shape
+    assert outside <= 26 < outside_stock, (outside, outside_stock)
+    assert call <= blocks * 80 + 26
 
 
 def test_default_stack_meets_the_cpu_op_budget_bitwise(tiny_pipe, runtime):

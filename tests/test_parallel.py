@@ -39,7 +39,7 @@ from vllm_omni_ascend_opt.testbed.parallel import (
 pytestmark = pytest.mark.multiproc
 
 REPO = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 300.0  # the one spawn for all modes: ~40 s on 2 idle cores, ~half of it importing vLLM-Omni
+TIMEOUT_S = 900.0  # a hang guard only: the one spawn for all modes takes ~40 s on 2 idle cores
 PAR_MODES = ("ulysses", "ring", "cfg_parallel", "tensor_parallel")
 
 P1 = "a red cat"
@@ -256,7 +256,9 @@ def _gone(pid: int) -> bool:
 # the harness itself: bounded in time, always cleaned up
 # ----------------------------------------------------------------------------------------------------------------
 def test_failing_rank_stops_the_run_and_every_worker(tiny_model_dir):
-    t = time.monotonic()
+    # Rank 0 waits for rank 1 in the process group and never ends by itself: the run ends on rank 1's failure
+    # (not on the deadline, which is far away whatever the machine's load), with rank 0 still running when the
+    # failure was seen (exit code None), and then killed, not waited for.
     with pytest.raises(ParallelRunError, match=r"rank\(s\) \[1\] failed[\s\S]*deliberate failure on rank 1") as e:
         run_parallel(
             "ulysses",
@@ -264,9 +266,9 @@ def test_failing_rank_stops_the_run_and_every_worker(tiny_model_dir):
             model_dir=tiny_model_dir,
             setup="tests.test_parallel:fail_on_rank1",
             pythonpath=[str(REPO)],
-            timeout_s=60,
+            timeout_s=900,
         )
-    assert time.monotonic() - t < 45  # rank 0 is killed, not waited for
+    assert "(exit codes [None, 1])" in str(e.value)
     assert len(e.value.pids) == 2 and all(_gone(p) for p in e.value.pids)
 
 
@@ -281,7 +283,8 @@ def test_hung_rank_times_out_and_every_worker_is_killed(tiny_model_dir):
             pythonpath=[str(REPO)],
             timeout_s=6,
         )
-    assert 6 <= time.monotonic() - t < 25
+    assert time.monotonic() - t >= 6  # the deadline never fires early (a lower bound no machine load can break)
+    assert "timed out (exit codes [None, None])" in str(e.value)  # both ranks were still running, then killed
     assert len(e.value.pids) == 2 and all(_gone(p) for p in e.value.pids)
 
 

@@ -285,6 +285,28 @@ def test_table_key_separates_sp_shards_paddings_and_versions():
     assert len(cache) < n  # entries die with their freqs
 
 
+def test_table_key_separates_text_lengths_sliced_from_one_base():
+    """Text freqs are slices of one pos_freqs: 7 and 9 tokens share base, offset and stride; only the shape differs."""
+    cache = rope_mod._TableCache(Counter())
+    pos = torch.polar(torch.ones(32, 4), torch.rand(32, 4))
+    t7, t9 = cache.get(pos[3:10], torch.float32), cache.get(pos[3:12], torch.float32)
+    assert t7 is not t9 and cache.get(pos[3:10], torch.float32) is t7
+
+
+def test_text_lengths_7_9_7_at_one_image_size_bitwise(runtime, tiny_pipe):
+    """Prompts of 7, 9, then 7 tokens at a fixed image size: each forward equals stock (the text tables of one
+    length are never served for another), and the repeated 7-token shape reuses its tables."""
+    t = tiny_pipe.transformer
+    lengths = (7, 9, 7)
+    api.select("none", model=tiny_pipe)
+    want = [_forward(runtime, t, txt=n, hw=(4, 4)) for n in lengths]
+    api.select("none,+rope", model=tiny_pipe)
+    got = [_forward(runtime, t, txt=n, hw=(4, 4)) for n in lengths]
+    for n, g, w in zip(lengths, got, want, strict=True):
+        assert torch.equal(g, w), n
+    assert OPT.stats["table_hits"] > 0
+
+
 def test_inference_mode_tensors_are_keyed_by_identity():
     cache = rope_mod._TableCache(Counter())
     with torch.inference_mode():

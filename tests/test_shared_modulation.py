@@ -385,10 +385,30 @@ def test_fingerprint_mismatch_turns_it_off(monkeypatch):
 # ----------------------------------------------------------------------------------------------------------------
 # AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel
 # ----------------------------------------------------------------------------------------------------------------
+class _LayerNormEvalSpy:
+    """A test-local ``torch_npu.npu_layer_norm_eval`` that logs its calls and whose result differs from
+    ``torch.nn.functional.layer_norm`` by a constant offset (2**-10), so that a path that silently used the native
+    LayerNorm instead (``norm.layernorm(x)``) could not be bitwise-equal to stock's NPU path. The documented result
+    ([OP-LNE] Ascend/op-plugin docs ``torch_npu-npu_layer_norm_eval.md``) is ``F.layer_norm``; the offset is a marker,
+    not a claim about the kernel."""
+
+    OFFSET = 2.0**-10
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, input, normalized_shape, weight=None, bias=None, eps=1e-05):
+        self.calls += 1
+        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps) + self.OFFSET
+
+
 @pytest.mark.parametrize("mindiesd", [False, True], ids=["torch_npu", "mindiesd"])
 def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd):
+    T()  # imports the model modules when this test runs alone
     ada_mod = sys.modules[sm.ADALAYERNORM_MODULE]
-    fake = fake_npu()  # its npu_layer_norm_eval equals F.layer_norm [OP-LNE]; its call log tells the paths apart
+    fake = fake_npu()
+    spy = _LayerNormEvalSpy()
+    monkeypatch.setattr(fake, "npu_layer_norm_eval", spy, raising=False)
     monkeypatch.setattr(ada_mod, "_HAS_MINDIESD", mindiesd)
     tr = build(runtime)
     norms = [n for b in tr.transformer_blocks for n in (b.img_norm1, b.img_norm2, b.txt_norm1, b.txt_norm2)]
@@ -398,12 +418,79 @@ def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd
     kw = inputs(torch.float32, batch=2, pad=2)
     api.select("none", model=tr)
     want = fwd(tr, runtime, kw)
-    stock_calls = fake.calls["npu_layer_norm_eval"]
+    per_forward = spy.calls
+    assert per_forward == 4 * L  # stock: every AdaLayerNorm of every block goes through the kernel
     api.select(ON, model=tr)
-    assert torch.equal(fwd(tr, runtime, kw), want) and torch.equal(fwd(tr, runtime, kw), want)
+    assert torch.equal(fwd(tr, runtime, kw), want) and torch.equal(fwd(tr, runtime, kw), want)  # cold, warm
+    assert spy.calls == 3 * per_forward  # the memoized path calls the same kernel as often as stock
+    assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
+    with runtime.context(), torch.no_grad():  # the marker makes the native LayerNorm distinguishable
+        x = torch.randn(2, 5, TINY.inner_dim)
+        assert not torch.equal(norms[0].layernorm(x), spy(x, [TINY.inner_dim], eps=norms[0].eps))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the memo key: numerical settings (grad mode, matmul precision, autocast) are part of it
+# ----------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _matmul_precision(value: str) -> Iterator[None]:
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(value)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def test_numerical_settings_are_part_of_the_key(runtime):
+    """The same temb value (a fresh tensor object each call, so the digest runs) read under other numerical settings
+    is a miss (recomputed), and a hit again back under the first settings. Only the settings differ between the
+    calls: a full forward would not do, since the settings also change temb itself."""
+    tr = build(runtime)
+    for p in tr.parameters():
+        p.requires_grad_(False)  # grad mode on is then memoizable, and keyed apart from grad mode off
+    api.select(ON, model=tr)
+    block = tr.transformer_blocks[0]
+    temb = torch.randn(1, TINY.inner_dim, generator=torch.Generator().manual_seed(5))
+    assert torch.get_float32_matmul_precision() == "highest"
+
+    def misses(ctx) -> int:
+        before = OPT.memo.stats["misses"]
+        with ctx:
+            mods, why = OPT.memo.block(block, temb.clone())
+        assert why is None and mods is not None
+        return OPT.memo.stats["misses"] - before
+
+    plain = torch.no_grad
+    assert misses(plain()) == 1  # cold
+    assert misses(plain()) == 0  # warm, same settings
+    assert misses(torch.enable_grad()) == 1  # grad mode
+    assert misses(torch.enable_grad()) == 0
+    assert misses(_matmul_precision("medium")) == 1  # float32 matmul precision
+    assert misses(torch.autocast("cpu", dtype=torch.bfloat16)) == 1  # autocast
+    assert misses(plain()) == 0  # the first settings' entry is still there
+    assert len(OPT.memo) == 4 and OPT.memo.stats["digests"] == 7
+
+
+def test_numerical_settings_autocast_bitwise_after_warm_memo(runtime):
+    """Memo filled in plain fp32, then read under CPU autocast (bf16 GEMMs): the output must still equal stock's
+    under autocast, i.e. the autocast entry is computed anew, not served from the fp32 entry."""
+    tr = build(runtime)
+    kw = inputs(torch.float32)
+
+    def fwd_autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fwd(tr, runtime, kw)
+
+    api.select("none", model=tr)
+    want_plain, want_autocast = fwd(tr, runtime, kw), fwd_autocast()
+    assert not torch.equal(want_plain, want_autocast)  # autocast changes the result: the setting matters
+    api.select(ON, model=tr)
+    assert torch.equal(fwd(tr, runtime, kw), want_plain)  # fills the memo in plain fp32
+    assert torch.equal(fwd_autocast(), want_autocast)
+    assert torch.equal(fwd(tr, runtime, kw), want_plain)
     assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
     # the NPU kernel, not a native LayerNorm with equal numbers: as many calls per forward as stock makes
-    assert fake.calls["npu_layer_norm_eval"] == 3 * stock_calls and (mindiesd or stock_calls > 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn as nn
@@ -61,6 +64,22 @@ def decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
         return vae.decode(z, return_dict=False)[0]
 
 
+@contextlib.contextmanager
+def decoder_calls(vae: nn.Module) -> Iterator[list[str]]:
+    """Which decode path ran, per decoder call: stock ``_decode`` passes its feature cache (``feat_cache=`` a list),
+    the single-frame decode calls the decoder without one. A bitwise comparison alone cannot tell them apart."""
+    log: list[str] = []
+
+    def pre(_m, _args, kwargs):
+        log.append("stock" if kwargs.get("feat_cache") is not None else "single_frame")
+
+    h = vae.decoder.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        yield log
+    finally:
+        h.remove()
+
+
 def own_attrs(module: nn.Module) -> set[str]:
     return {"_decode", "clear_cache", "forward", "_decode_latents"} & set(vars(module))
 
@@ -81,7 +100,9 @@ def vaes(runtime):
 def test_direct_vae_bitwise_several_sizes(vaes, dtype):
     vae = vaes[dtype]
     zs = [latent(h, w, dtype, seed=i) for i, (h, w) in enumerate(SIZES)]
-    ref = [decode(vae, z) for z in zs]
+    with decoder_calls(vae) as stock_path:
+        ref = [decode(vae, z) for z in zs]
+    assert stock_path == ["stock"] * len(zs)
     api.select("none,+vae_exact", model=vae)
     assert OPT.piece_report(vae) == {
         "single_frame_decode": "",
@@ -90,7 +111,9 @@ def test_direct_vae_bitwise_several_sizes(vaes, dtype):
         "pointwise_conv_no_pad": "",
         "latents_stats_cache": "attached to a bare VAE (no pipeline _decode_latents)",
     }
-    got = [decode(vae, z) for z in zs]
+    with decoder_calls(vae) as path:
+        got = [decode(vae, z) for z in zs]
+    assert path == ["single_frame"] * len(zs)  # the patched decode ran (no silent stock fallback)
     for r, g, (h, w) in zip(ref, got, SIZES, strict=True):
         assert g.shape == (1, 3, 1, 8 * h, 8 * w)
         assert 0 < (r.abs() == 1).float().mean() < 0.5  # the final clamp matters, but not everywhere
@@ -107,7 +130,9 @@ def test_pipeline_bitwise_fp32(tiny_pipe, runtime):
     ref = [generate(tiny_pipe, runtime, height=h, width=w, steps=2, seed=3) for h, w in sizes]
     api.select("none,+vae_exact", model=tiny_pipe)
     assert all(v == "" for v in OPT.piece_report(tiny_pipe).values()), OPT.piece_report(tiny_pipe)
-    got = [generate(tiny_pipe, runtime, height=h, width=w, steps=2, seed=3) for h, w in sizes]
+    with decoder_calls(tiny_pipe.vae) as path:
+        got = [generate(tiny_pipe, runtime, height=h, width=w, steps=2, seed=3) for h, w in sizes]
+    assert path == ["single_frame"] * len(sizes)
     for r, g in zip(ref, got, strict=True):
         assert torch.equal(r.images, g.images)
     assert not OPT.fallbacks
@@ -143,7 +168,9 @@ def test_pipeline_decode_latents_bitwise_with_real_stats(tiny_pipe, runtime, dty
         ref = run()
         api.select("none,+vae_exact", model=tiny_pipe)
         assert OPT.piece_report(tiny_pipe)["latents_stats_cache"] == ""
-        got, again = run(), run()  # second call: from the cache
+        with decoder_calls(vae) as path:
+            got, again = run(), run()  # second call: from the cache
+        assert path == ["single_frame"] * 2 * len(shapes)
         for r, g, a in zip(ref, got, again, strict=True):
             assert r.dtype == dtype
             assert torch.equal(r, g) and torch.equal(r, a)

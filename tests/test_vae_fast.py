@@ -185,13 +185,21 @@ def test_rms_norm_input_dtype_close_to_stock(dtype):
         assert torch.isfinite(got).all()
         tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        # gamma updated in place (a reload, a LoRA merge): the cached gamma * scale follows its version counter
+        with torch.no_grad():
+            norm.gamma.mul_(-2.0)
+            want2, got2 = norm(x), forward(x)
+        assert not torch.allclose(want2.float(), want.float(), rtol=tol, atol=tol)  # the update matters
+        torch.testing.assert_close(got2.float(), want2.float(), rtol=tol, atol=tol)
         # gamma kept in fp32 under a low-precision input: stock promotes, so must we
         if dtype != torch.float32:
             norm.gamma.data = norm.gamma.data.float()
             with torch.no_grad():
                 assert forward(x).dtype == norm(x).dtype == torch.float32
-        # int input (never in a decoder): stock path
-        assert forward.__func__ is not None
+        # an input dtype outside fp32/bf16/fp16 (never in a decoder) takes the stock forward, bit for bit
+        x64 = x.double()
+        with torch.no_grad():
+            assert torch.equal(forward(x64), norm(x64))
 
 
 def test_time_conv_and_pointwise_convs_are_not_touched(realwidth):
