@@ -398,6 +398,7 @@ def test_wrong_pairing_kernel_is_refused(runtime, tiny_pipe, fake_npu, caplog):
     [
         ("raises", torch.float32, "raised RuntimeError"),
         ("no_rotary_mode", torch.float32, "raised TypeError"),
+        ("aclop", torch.float32, "aclop only support rotary_mode with half"),  # op-plugin >= 7.0: raises
         ("low_precision", torch.float32, "tolerance"),  # fp16 inside: far outside the fp32 bound
     ],
 )
