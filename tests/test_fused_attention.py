@@ -246,6 +246,14 @@ def test_limits_send_the_call_to_sdpa(q, k, why, fake_npu):
             npu.npu_fusion_attention(qq, kk, kk, q[2], input_layout="BSND")
 
 
+@pytest.mark.parametrize(("nq", "nkv", "d", "why"), [(6, 4, 16, "heads 6/4"), (2, 2, 769, "head dim 769")])
+def test_fused_forward_checks_the_limits_before_calling_the_kernel(fake_npu, nq, nkv, d, why):
+    npu = fake_npu()
+    q, k = torch.zeros(1, 8, nq, d, dtype=torch.bfloat16), torch.zeros(1, 8, nkv, d, dtype=torch.bfloat16)
+    out, reason = fa.fused_forward(npu, q, k, k, None, None)  # the kernel would raise on these [OP-FA]
+    assert out is None and reason.startswith(why)
+
+
 def test_dtype_and_mask_forms_outside_the_path(fake_npu):
     npu = fake_npu()
     assert fa.limits_violation(_meta(1, 8, 2, 16, dtype=torch.float32), _meta(1, 8, 2, 16), _meta(1, 8, 2, 16)) != ""

@@ -107,8 +107,14 @@ def test_patched_upstream_computes_what_the_plugin_computes(exactness, patch):
     v = exactness.get(patch.name)
     assert v is not None, "patch did not apply; see test_applies_to_pristine_0_30"
     if v.status == "skip":
-        from vllm_omni_ascend_opt import registry
+        from vllm_omni_ascend_opt import _backend, registry
 
-        assert registry.get(check.optimization_of(patch)).equivalence == "close", "an exact patch must be checked"
+        opt = registry.get(check.optimization_of(patch))
+        assert opt.equivalence == "close", "an exact patch must be checked"
+        # The only acceptable reason to leave a patch unchecked is that its kernels need an NPU this machine lacks;
+        # any other reason (a fingerprint mismatch, a bad flag) is a regression, not a skip.
+        npu_why = _backend.npu_unavailable_reasons()
+        assert npu_why and opt.reasons_inactive() == npu_why, (opt.reasons_inactive(), npu_why)
+        assert all(r in v.message for r in npu_why), v.message
         pytest.skip(v.message)
     assert v.status == "ok", v.message

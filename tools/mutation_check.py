@@ -150,7 +150,8 @@ def run_one(m: Mutation, root: Path, python: str, pytest_args: list[str]) -> Out
     if proc.returncode == 0:
         return Outcome(m, "SURVIVED", last, dt)
     if proc.returncode in (1, 2, 3):  # tests failed / collection error (e.g. import) / internal error
-        failed = next((line for line in tail if line.startswith(("FAILED", "ERROR"))), last)
+        failed = next((ln for ln in tail if ln.startswith("FAILED ")), None)
+        failed = failed or next((ln for ln in tail if ln.startswith("ERROR ") and "::" in ln), last)
         return Outcome(m, "killed", failed.split(" - ")[0], dt)
     if proc.returncode == 5:
         return Outcome(m, "ERROR", "the selection collected no tests (update tests/k)", dt)
