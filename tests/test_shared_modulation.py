@@ -592,15 +592,19 @@ def test_timestep_zero_segment_is_kept_per_weights(runtime):
 
 
 def test_two_segment_memo_is_keyed_on_the_segments(runtime):
-    """Same temb, different modulate_index (another condition-image size): a different plan, never a stale hit."""
+    """Same temb, same sequence length, different split between the denoised and the condition tokens (another
+    condition-image size), one after the other with the memo warm: a different plan each, never a stale hit."""
     tr = build(runtime, zero_cond_t=True)
+    same_length = [(1, 2, 3), (1, 1, 2)]  # 6 + 2 tokens, like EQUAL's 4 + 4
+    cases = [EQUAL, same_length, EQUAL, UNEQUAL]
+    api.select("none", model=tr)
+    want = [fwd(tr, runtime, edit_inputs(torch.float32, shapes)) for shapes in cases]
     api.select(ON, model=tr)
-    for shapes in (EQUAL, [(1, 2, 2), (1, 2, 1), (1, 1, 1)], UNEQUAL):
-        kw = edit_inputs(torch.float32, shapes)
-        api.select(ON, model=tr)
-        got = fwd(tr, runtime, kw)
-        api.select("none", model=tr)
-        assert torch.equal(got, fwd(tr, runtime, kw)), shapes
+    OPT.reset_stats()
+    got = [fwd(tr, runtime, edit_inputs(torch.float32, shapes)) for shapes in cases]
+    for shapes, w, g in zip(cases, want, got, strict=True):
+        assert torch.equal(g, w), shapes
+    assert OPT.memo.stats["plans"] == len(cases) and OPT.memo.stats["hits"] > 0  # the EQUAL repeat hits
 
 
 def test_two_segment_fallbacks(runtime, monkeypatch):

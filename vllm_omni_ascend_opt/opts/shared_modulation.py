@@ -38,7 +38,8 @@ Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``)
   element sees the same IEEE mul/add on the same two values as in stock, so the result is bitwise stock's; the
   ``where``s, the bool casts and ``1 + scale`` over ``[B, L, D]`` disappear. The timestep-0 segment is kept once per
   block and weights signature for the model's life (reused while bitwise equal to the fresh rows of each missed
-  projection; ``zero_t_*`` stats), so memo entries of new timesteps only add their own segment.
+  projection; ``zero_t_*`` stats); with slice plans the memo entries of new timesteps then add only their own
+  segment (broadcast plans keep small per-chunk copies of both).
 Exactness and fallbacks
   Falls back to the stock code, with a reason (:meth:`SharedModulation.fallback_reasons`, debug log), under
   autograd (grad enabled and a tensor requiring grad), ``torch.compile`` tracing, CUDA/NPU graph capture, global
