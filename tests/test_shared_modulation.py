@@ -630,7 +630,8 @@ def test_two_segment_npu_adalayernorm_bitwise(runtime, fake_npu, monkeypatch):
     """On an NPU without MindIE-SD stock's image norms are npu_layer_norm_eval(x) * (1 + scale) + shift."""
     ada_mod = sys.modules[sm.ADALAYERNORM_MODULE]
     fake = fake_npu()
-    monkeypatch.setattr(fake, "npu_layer_norm_eval", _npu_layer_norm_eval, raising=False)
+    spy = _LayerNormEvalSpy()  # marked result: a native LayerNorm in its place could not be bitwise-equal
+    monkeypatch.setattr(fake, "npu_layer_norm_eval", spy, raising=False)
     monkeypatch.setattr(ada_mod, "_HAS_MINDIESD", False)
     tr = build(runtime, zero_cond_t=True)
     for b in tr.transformer_blocks:
@@ -639,8 +640,11 @@ def test_two_segment_npu_adalayernorm_bitwise(runtime, fake_npu, monkeypatch):
     kw = edit_inputs(torch.float32, UNEQUAL, batch=2)
     api.select("none", model=tr)
     want = fwd(tr, runtime, kw)
+    per_forward = spy.calls
+    assert per_forward == 4 * L  # stock: every AdaLayerNorm of every block goes through the kernel
     api.select(ON, model=tr)
     assert torch.equal(fwd(tr, runtime, kw), want) and torch.equal(fwd(tr, runtime, kw), want)
+    assert spy.calls == 3 * per_forward  # the two-segment path calls the same kernel as often as stock
     assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
 
 
