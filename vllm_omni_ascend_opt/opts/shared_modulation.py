@@ -326,6 +326,10 @@ class NormMod:
             )
         return norm(x, self.first, self.shift)
 
+    def gated(self, y: torch.Tensor) -> torch.Tensor:
+        """Stock's gated residual term ``gate * y`` (the interface :class:`SegMod` shares)."""
+        return self.gate * y
+
     @staticmethod
     def unpack(scale: torch.Tensor, shift: torch.Tensor, gate: torch.Tensor, kind: str) -> NormMod:
         own = torch.contiguous_format
@@ -909,10 +913,8 @@ class SharedModulation(Optimization):
             modulate_index: list[int] | None = None,
             hidden_states_mask: torch.Tensor | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            body = _block_body
             if modulate_index is not None and self.zero_cond_t:
                 mods, why = opt.memo.block_two_segment(self, temb, modulate_index, hidden_states)
-                body = _block_body_two_segment
             elif modulate_index is not None or self.zero_cond_t:
                 mods, why = None, "zero_cond_t and modulate_index disagree (stock decides)"
             else:
@@ -930,7 +932,7 @@ class SharedModulation(Optimization):
                     modulate_index=modulate_index,
                     hidden_states_mask=hidden_states_mask,
                 )
-            return body(
+            return _block_body(
                 self,
                 mods,
                 hidden_states,
@@ -1027,45 +1029,10 @@ def _block_body(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
     hidden_states_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The single-segment block of vLLM-Omni 0.30 with its modulation read from ``mods``: the same ops on the same
-    values as ``QwenImageTransformerBlock.forward`` with ``modulate_index=None`` and ``zero_cond_t=False``."""
-    img1, img2, txt1, txt2 = mods
-    img_modulated = img1.norm(block.img_norm1, hidden_states)
-    txt_modulated = txt1.norm(block.txt_norm1, encoder_hidden_states)
-    img_attn_output, txt_attn_output = block.attn(
-        hidden_states=img_modulated,
-        encoder_hidden_states=txt_modulated,
-        vid_freqs=image_rotary_emb[0],
-        txt_freqs=image_rotary_emb[1],
-        hidden_states_mask=hidden_states_mask,
-        encoder_hidden_states_mask=encoder_hidden_states_mask,
-    )
-    hidden_states = hidden_states + img1.gate * img_attn_output
-    encoder_hidden_states = encoder_hidden_states + txt1.gate * txt_attn_output
-
-    img_modulated2 = img2.norm(block.img_norm2, hidden_states)
-    hidden_states = hidden_states + img2.gate * block.img_mlp(img_modulated2)
-    txt_modulated2 = txt2.norm(block.txt_norm2, encoder_hidden_states)
-    encoder_hidden_states = encoder_hidden_states + txt2.gate * block.txt_mlp(txt_modulated2)
-
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
-
-
-def _block_body_two_segment(
-    block: nn.Module,
-    mods: tuple[Any, ...],
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    encoder_hidden_states_mask: torch.Tensor | None,
-    image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
-    hidden_states_mask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM-Omni 0.30's ``zero_cond_t`` block (``select01_modulation_native`` path) with per-segment broadcast
-    instead of three ``torch.where`` over ``[B, L, D]`` per image norm: the same elementwise ops on the same values."""
+    """vLLM-Omni 0.30's block with its modulation read from ``mods``: the same ops on the same values as
+    ``QwenImageTransformerBlock.forward``. Single-segment blocks (``modulate_index=None``, image mods are
+    :class:`NormMod`) and ``zero_cond_t`` blocks (``select01_modulation_native`` path; image mods are :class:`SegMod`,
+    per-segment broadcast instead of three ``torch.where`` over ``[B, L, D]`` per image norm) share this body."""
     img1, img2, txt1, txt2 = mods
     img_modulated = img1.norm(block.img_norm1, hidden_states)
     txt_modulated = txt1.norm(block.txt_norm1, encoder_hidden_states)
