@@ -653,12 +653,8 @@ class ModulationMemo:
         why = self._precheck(temb)
         if why:
             return None, why
-        grad = torch.is_grad_enabled()
         try:
-            img_lin = _silu_linear(block.img_mod)
-            txt_lin = _silu_linear(block.txt_mod)
-            kinds = tuple(_norm_kind(n) for n in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2))
-            sig_img, sig_txt = _linear_sig(img_lin, grad), _linear_sig(txt_lin, grad)
+            img_lin, txt_lin, kinds, sig_img, sig_txt = _block_parts(block)
         except _Unkeyable as exc:
             return None, str(exc)
         sig = (sig_img, sig_txt, kinds)
@@ -739,16 +735,12 @@ class ModulationMemo:
             return None, "two-segment modulation with an unexpected temb / modulate_index batch"
         if index.shape[-1] != hidden_states.shape[1]:
             return None, "modulate_index does not match the image sequence"
-        grad = torch.is_grad_enabled()
         try:
-            img_lin = _silu_linear(block.img_mod)
-            txt_lin = _silu_linear(block.txt_mod)
-            kinds = tuple(_norm_kind(n) for n in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2))
-            if _OPAQUE in kinds[:2]:
-                raise _Unkeyable("a fused (MindIE-SD) image AdaLayerNorm takes per-token scale tensors")
-            sig_img, sig_txt = _linear_sig(img_lin, grad), _linear_sig(txt_lin, grad)
+            img_lin, txt_lin, kinds, sig_img, sig_txt = _block_parts(block)
         except _Unkeyable as exc:
             return None, str(exc)
+        if _OPAQUE in kinds[:2]:
+            return None, "a fused (MindIE-SD) image AdaLayerNorm takes per-token scale tensors"
         plan, why = self.segment_plan(index)
         if plan is None:
             return None, why
@@ -1018,6 +1010,16 @@ class SharedModulation(Optimization):
     def is_prepared(self, module: nn.Module) -> bool:
         """Whether ``module`` (an img_mod/txt_mod/norm_out) currently carries the memoizing class."""
         return module in self._swapped
+
+
+def _block_parts(block: nn.Module) -> tuple[nn.Module, nn.Module, tuple[str, ...], tuple, tuple]:
+    """(img linear, txt linear, the four AdaLayerNorm kinds, img weight signature, txt weight signature) of a block:
+    what its memo entries are keyed on. Raises :class:`_Unkeyable` when a projection cannot be memoized."""
+    grad = torch.is_grad_enabled()
+    img_lin = _silu_linear(block.img_mod)
+    txt_lin = _silu_linear(block.txt_mod)
+    kinds = tuple(_norm_kind(n) for n in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2))
+    return img_lin, txt_lin, kinds, _linear_sig(img_lin, grad), _linear_sig(txt_lin, grad)
 
 
 def _block_body(
