@@ -14,7 +14,8 @@ in well under a second per process. Its behaviour comes from the ``ABLATION_FAKE
     die_run            {config id: n}: the n-th run kills this process with SIGKILL (as the OOM killer would)
     hang_run           {config id: n}: the n-th run never answers
     sigint_parent      {config id: n}: the n-th run sends SIGINT to the runner (an interrupted run), then answers
-    starts_log         a file that gets one line "config round pid" per process start
+    starts_log         a file that gets one line "config pid [child pid]" per process start
+    engine_child       start a child process in this worker's process group (as an engine's worker would be)
 """
 
 from __future__ import annotations
@@ -59,9 +60,14 @@ def main() -> int:
     os.dup2(2, 1)
     spec = os.environ.get("VLLM_OMNI_ASCEND_OPT")
     print(f"fake worker {cid} pid {os.getpid()} flag {spec}", file=sys.stderr)
+    child = None
+    if fake.get("engine_child"):
+        import subprocess
+
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     if fake.get("starts_log"):
         with open(fake["starts_log"], "a") as f:
-            f.write(f"{cid} {os.getpid()}\n")
+            f.write(f"{cid} {os.getpid()}" + (f" {child.pid}" if child else "") + "\n")
     if cid in fake.get("crash_start", []):
         print("Traceback: simulated import crash", file=sys.stderr)
         return 3
@@ -137,6 +143,9 @@ def main() -> int:
                 "saved": bool(cmd.get("save")),
             }
         )
+    if child is not None:
+        child.kill()
+        child.wait()
     send({"event": "bye"})
     return 0
 

@@ -4,6 +4,8 @@ interruption and resume, and the reports built from a run. No vLLM-Omni here: ea
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -219,6 +221,107 @@ def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_
             pids[s["round"]] = s["pid"]
     assert pids[0] == pids[1] != pids[2] == pids[3]
     assert res["verdict"]["result"] == "PASS"
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc (``T``: stopped)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rfind(")") + 2]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("pause", [True, False])
+def test_pause_idle_stops_every_other_worker_group_during_a_measurement(tmp_path, monkeypatch, pause):
+    """With ``pause_idle`` each measured generation runs while every other resident worker and the engine process it
+    started are stopped (SIGSTOP), the measured one is running; all exit cleanly (continued before "exit")."""
+    from vllm_omni_ascend_opt.ablation import runner as runner_mod
+
+    plan = make_plan(repeats=2, seeds=[1], pause_idle=pause)
+    log = tmp_path / "starts.log"
+    live: list = []
+    seen: list[tuple[str, list[str], list[str]]] = []
+    exits: list[int | None] = []
+    calls: dict[str, int] = {}
+    orig_init, orig_run, orig_stop = runner_mod.Worker.__init__, runner_mod.Worker.run, runner_mod.Worker.stop
+
+    def groups() -> dict[str, list[int]]:
+        return {ln.split()[0]: [int(x) for x in ln.split()[1:]] for ln in log.read_text().splitlines()}
+
+    def init(self, *a, **k):
+        orig_init(self, *a, **k)
+        live.append(self)
+
+    def run_(self, prompt, seed, save, timeout):
+        calls[self.config.id] = calls.get(self.config.id, 0) + 1
+        if calls[self.config.id] > plan.workload.warmup:  # a measured generation (every worker is up by then)
+            g = groups()
+            others = [p for w in live if w is not self and w.proc.poll() is None for p in g[w.config.id]]
+            seen.append((self.config.id, [_state(p) for p in g[self.config.id]], [_state(p) for p in others]))
+        return orig_run(self, prompt, seed, save, timeout)
+
+    def stop(self, grace=30.0):
+        orig_stop(self, grace)
+        exits.append(self.proc.returncode)
+
+    monkeypatch.setattr(runner_mod.Worker, "__init__", init)
+    monkeypatch.setattr(runner_mod.Worker, "run", run_)
+    monkeypatch.setattr(runner_mod.Worker, "stop", stop)
+    _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "starts_log": str(log), "engine_child": True})
+    assert res["verdict"]["result"] == "PASS"
+    assert len(seen) == len(plan.configs) * 2 and all(len(g) == 2 for g in groups().values())
+    assert all("T" not in mine for _, mine, _ in seen)
+    if pause:
+        assert all(others and set(others) == {"T"} for _, _, others in seen), [x for x in seen if set(x[2]) != {"T"}]
+    else:
+        assert all("T" not in others for _, _, others in seen), seen
+    assert exits == [0] * len(plan.configs)  # each answered "exit" itself: none was left stopped and killed
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_group_cpu_counts_every_process_of_the_group_and_nothing_else(tmp_path):
+    """``others_cpu`` subtracts the CPU of the worker's whole process group: a child that burns CPU (as an engine
+    process does) counts for its group, live or reaped, and not for another group."""
+    import subprocess
+
+    from vllm_omni_ascend_opt.ablation.runner import _group_cpu_s
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    script = tmp_path / "leader.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        f"subprocess.run([sys.executable, '-c', {burn!r}])\n"  # a child of the group, reaped when it ends
+        f"p = subprocess.Popen([sys.executable, '-c', {burn!r} + 'time.sleep(60)'])\n"  # one still alive
+        "print('burnt', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    leader = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert leader.stdout.readline().strip() == "burnt"
+        import time
+
+        deadline = time.monotonic() + 60
+        while (_group_cpu_s(leader.pid) or 0) < 0.75 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the live child may still be finishing its burn
+        assert _group_cpu_s(leader.pid) >= 0.75  # both children's 0.4 s (the reaped one via cutime)
+        assert _group_cpu_s(idle.pid) < 0.3  # python start-up only
+        assert _group_cpu_s(2**22 + 12345) == 0  # no such group: nothing
+    finally:
+        for proc in (leader, idle):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_threads_reach_the_engine_processes_through_omp_num_threads(tmp_path, monkeypatch):
+    """``threads`` sets the worker's torch threads and OMP_NUM_THREADS for the processes it starts (vLLM gives an engine
+    worker one thread per core unless OMP_NUM_THREADS is set)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for threads, want in ((1, "1"), (0, None)):
+        plan = make_plan(threads=threads)
+        env = Runner(plan, tmp_path / f"o{threads}", progress=False, worker_cmd=FAKE, log=lambda m: None)._env(
+            plan.config("full")
+        )
+        assert env.get("OMP_NUM_THREADS") == want
 
 
 # ----------------------------------------------------------------------------------------------------------------

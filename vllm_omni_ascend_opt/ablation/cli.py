@@ -111,6 +111,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         type=int,
         help="resident: split the rounds into this many blocks, each with freshly started workers (default 1)",
     )
+    r.add_argument(
+        "--pause-idle",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="resident: SIGSTOP every worker (and the engine processes it started) outside its own turn",
+    )
     r.add_argument("--start-jobs", type=int, help="workers starting at the same time (resident; default 2)")
     r.add_argument("--threads", type=int, help="torch threads per worker (default: torch's choice)")
     r.add_argument("--timeout", type=float, dest="timeout_s", help="seconds allowed per generation (default 600)")
@@ -187,6 +193,7 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
         "schedule",
         "start_jobs",
         "process_sets",
+        "pause_idle",
         "threads",
         "timeout_s",
         "start_timeout_s",

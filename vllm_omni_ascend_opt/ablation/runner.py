@@ -6,7 +6,9 @@ machine hits all of them alike):
 * ``resident`` (default for the tiny model): one worker per configuration, all alive at once. Workers start
   ``start_jobs`` at a time and warm up as soon as they are ready; measuring starts only when every worker is ready.
   With ``process_sets`` > 1 the rounds are split into that many consecutive blocks, each measured by a freshly started
-  set of workers, so that process-level effects (memory placement) are drawn more than once.
+  set of workers, so that process-level effects (memory placement) are drawn more than once. With ``pause_idle``
+  every worker's process group is stopped (SIGSTOP) outside its own turn and continued (SIGCONT) for it, so the idle
+  polling of resident engines and servers does not compete with the configuration being measured.
   Then, for each round (= one repeat) and each sample (prompt x seed), every configuration runs once, in an order
   rotated by one position per step, so no configuration always runs first or right after a given other one. Workers
   block on their stdin between requests. Costs one model copy per configuration in memory.
@@ -136,6 +138,39 @@ def _cpu_busy_s() -> float | None:
         return None
 
 
+def _group_stats(pgid: int) -> list[tuple[str, int]] | None:
+    """(state letter, CPU ticks used) of every live process of process group ``pgid`` (Linux ``/proc``), or None
+    elsewhere. A worker leads its own group, which holds the engine processes it started (``omni``'s ``mp`` worker,
+    a ``serve`` server and its engine)."""
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return None
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        # after the parenthesised command name: state(3) ppid(4) pgrp(5) ... utime(14) stime(15) cutime(16)
+        # cstime(17); the c-fields hold reaped children, so a short-lived process of the group still counts
+        rest = stat[stat.rfind(")") + 2 :].split()
+        try:
+            if int(rest[2]) == pgid:
+                out.append((rest[0], sum(int(x) for x in rest[11:15])))
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+def _group_cpu_s(pgid: int) -> float | None:
+    """CPU seconds (user + system) used so far by the live processes of process group ``pgid``: the CPU a
+    generation costs wherever in the worker's group it ran. None without ``/proc``."""
+    stats = _group_stats(pgid)
+    return None if stats is None else sum(t for _, t in stats) / os.sysconf("SC_CLK_TCK")
+
+
 def _load1() -> float | None:
     """The machine's 1-minute load average (to flag runs measured while other work competed for the CPU)."""
     try:
@@ -243,6 +278,7 @@ class Worker:
             start_new_session=True,  # its own process group: we can end it and any engine processes it started
         )
         self.ready: dict[str, Any] | None = None
+        self.paused = False
         self.t_start = time.monotonic()
         self._next_id = 0
         threading.Thread(target=self._read, daemon=True).start()
@@ -293,12 +329,19 @@ class Worker:
 
     def run(self, prompt: int, seed: int, save: str | None, timeout: float) -> dict[str, Any]:
         """One generation. The result gets ``others_cpu``: cores that other processes kept busy meanwhile (machine
-        busy time minus the worker's own CPU time, per second of wall time), when both are known."""
+        busy time minus the CPU time of the worker's process group, engine processes included, per second of wall
+        time), when both are known."""
+        g0 = _group_cpu_s(self.proc.pid)
         b0, t0 = _cpu_busy_s(), time.monotonic()
         ev = self._run(prompt, seed, save, timeout)
         b1, t1 = _cpu_busy_s(), time.monotonic()
-        if b0 is not None and b1 is not None and ev.get("cpu_ms") is not None and t1 > t0:
-            ev["others_cpu"] = max(0.0, (b1 - b0 - ev["cpu_ms"] / 1e3) / (t1 - t0))
+        g1 = _group_cpu_s(self.proc.pid)
+        # the worker's whole group when /proc shows it (engine processes included), else what the worker reported
+        own = g1 - g0 if g0 is not None and g1 is not None else None
+        if own is None and ev.get("cpu_ms") is not None:
+            own = ev["cpu_ms"] / 1e3
+        if b0 is not None and b1 is not None and own is not None and t1 > t0:
+            ev["others_cpu"] = max(0.0, (b1 - b0 - own) / (t1 - t0))
         return ev
 
     def _run(self, prompt: int, seed: int, save: str | None, timeout: float) -> dict[str, Any]:
@@ -321,6 +364,30 @@ class Worker:
         except subprocess.TimeoutExpired:
             return None
 
+    def pause(self, settle_s: float = 2.0) -> None:
+        """Stop the worker's whole process group (the engine processes it started included) until :meth:`resume`,
+        and wait (up to ``settle_s``) until /proc shows every process of it stopped: a signal is delivered
+        asynchronously, and the next configuration's measurement must not overlap this group's last work."""
+        if self.paused or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+        except (ProcessLookupError, PermissionError):
+            return
+        self.paused = True
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            stats = _group_stats(self.proc.pid)
+            if stats is None or all(state in "TtZX" for state, _ in stats):
+                return
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        if self.paused:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGCONT)
+            self.paused = False
+
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # the group we created for this worker (start_new_session)
@@ -328,6 +395,7 @@ class Worker:
             self.proc.wait(timeout=10)
 
     def stop(self, grace: float = 30.0) -> None:
+        self.resume()  # a stopped group can neither read "exit" nor shut its engine down
         if self.proc.poll() is None:
             with contextlib.suppress(BrokenPipeError, OSError, ValueError):
                 assert self.proc.stdin is not None
@@ -457,6 +525,9 @@ class Runner:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("VLLM_LOGGING_COLOR", "0")
+        if self.wl.threads:
+            # the engine processes a worker starts (omni's mp worker, a server) take their torch thread count from it
+            env["OMP_NUM_THREADS"] = str(self.wl.threads)
         if self.plan.engine in ("omni", "serve") and not self._accelerator():
             # vLLM-Omni's own engines on a CPU-only machine: the test bed's opt-in CPU runtime, in every process
             # they start (it changes nothing on an accelerator platform, and is not passed there at all).
@@ -643,6 +714,8 @@ class Runner:
                             prog.step(f"started {w.config.id}")
                             self._warmup(w, rounds[0], prog)
                             workers[w.config.id] = w
+                            if self.wl.pause_idle:
+                                w.pause()
                         except WorkerFailed as exc:
                             self._fail(w, w.config, None, exc)
                             w.stop(0)
@@ -665,7 +738,10 @@ class Runner:
                             continue
                         w = workers[c.id]
                         try:
+                            w.resume()
                             ev = w.run(p, s, self._save_stem(c, p, s), self.wl.timeout_s)
+                            if self.wl.pause_idle:
+                                w.pause()
                         except WorkerFailed as exc:
                             self._fail(w, c, rnd, exc)
                             w.stop(0)

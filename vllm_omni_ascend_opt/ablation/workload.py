@@ -77,6 +77,11 @@ class Workload:
     #: Resident schedule: split the rounds into this many blocks, each with freshly started workers (samples
     #: process-level effects more than once; costs one start-up per block).
     process_sets: int = 1
+    #: Resident schedule: stop every worker's process group (SIGSTOP) while another configuration is measured and
+    #: continue it (SIGCONT) for its own turn. vLLM-Omni's engines and servers keep background threads polling while
+    #: idle (~0.1 core each on CPU); with one resident server per configuration that steals cores from whichever
+    #: configuration is being measured, unevenly. POSIX only.
+    pause_idle: bool = False
     #: Workers importing/loading at the same time (resident schedule only).
     start_jobs: int = 2
     #: torch intra-op threads per worker (0: torch's default).
