@@ -285,28 +285,34 @@ def test_group_cpu_counts_every_process_of_the_group_and_nothing_else(tmp_path):
 
     from vllm_omni_ascend_opt.ablation.runner import _group_cpu_s
 
-    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
+    live = burn + "print('done', flush=True)\ntime.sleep(60)\n"
     script = tmp_path / "leader.py"
     script.write_text(
-        "import subprocess, sys, time\n"
-        f"subprocess.run([sys.executable, '-c', {burn!r}])\n"  # a child of the group, reaped when it ends
-        f"p = subprocess.Popen([sys.executable, '-c', {burn!r} + 'time.sleep(60)'])\n"  # one still alive
-        "print('burnt', flush=True)\n"
-        "time.sleep(60)\n"
+        "import subprocess, sys\n"
+        f"subprocess.run([sys.executable, '-c', {burn.format(s=0.3)!r}])\n"  # a child of the group, reaped
+        f"a = subprocess.Popen([sys.executable, '-c', {live.format(s=0.3)!r}], stdout=subprocess.PIPE, text=True)\n"
+        # same session, another process group: not the worker's
+        f"b = subprocess.Popen([sys.executable, '-c', {live.format(s=1.2)!r}], stdout=subprocess.PIPE, text=True,"
+        " process_group=0)\n"
+        "a.stdout.readline(); b.stdout.readline()\n"
+        "print('burnt', b.pid, flush=True)\n"
+        "import time; time.sleep(60)\n"
     )
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     leader = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    other = None
     try:
-        assert leader.stdout.readline().strip() == "burnt"
-        import time
-
-        deadline = time.monotonic() + 60
-        while (_group_cpu_s(leader.pid) or 0) < 0.75 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the live child may still be finishing its burn
-        assert _group_cpu_s(leader.pid) >= 0.75  # both children's 0.4 s (the reaped one via cutime)
+        word, other = leader.stdout.readline().split()
+        assert word == "burnt"
+        got = _group_cpu_s(leader.pid)
+        assert 0.55 <= got < 1.2, got  # both 0.3 s children (the reaped one via cutime), not the other group's 1.2 s
+        assert _group_cpu_s(int(other)) >= 1.2
         assert _group_cpu_s(idle.pid) < 0.3  # python start-up only
         assert _group_cpu_s(2**22 + 12345) == 0  # no such group: nothing
     finally:
+        if other is not None:
+            os.killpg(int(other), signal.SIGKILL)
         for proc in (leader, idle):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
