@@ -36,6 +36,14 @@ class BlockCount:
     total: int
     counts: Counter[str] = field(default_factory=Counter)
     unresolved: Counter[str] = field(default_factory=Counter)
+    #: launches of the whole warm transformer call, and its number of blocks (every block launches ``total``)
+    call_total: int = 0
+    blocks: int = 0
+
+    @property
+    def outside(self) -> int:
+        """Launches of one transformer call outside its blocks (RoPE tables, timestep embedding, norm_out ...)."""
+        return self.call_total - self.blocks * self.total
 
 
 def build_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype) -> Any:
@@ -77,16 +85,21 @@ def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) 
     from vllm_omni_ascend_opt.testbed.npu_ops import NpuOpCounter
     from vllm_omni_ascend_opt.testbed.opcount import OpCounter, count_module_calls
 
+    counter = NpuOpCounter if npu else OpCounter
     api.select(flags, model=tr)
     try:
         with rt.context(), torch.no_grad():
             tr(**kw)  # cold
-            with count_module_calls(tr.transformer_blocks[-1], NpuOpCounter if npu else OpCounter) as calls:
-                tr(**kw)
+            with count_module_calls(tr, counter) as whole, count_module_calls(tr.transformer_blocks[0], counter) as b0:
+                with count_module_calls(tr.transformer_blocks[-1], counter) as calls:
+                    tr(**kw)
     finally:
         api.select("none", model=tr)
-    (c,) = calls
-    return BlockCount(flags, c.total, Counter(c.counts), Counter(getattr(c, "unresolved", {})))
+    (c,), (first,), (call,) = calls, b0, whole
+    if first.total != c.total:
+        raise AssertionError(f"{flags}: block 0 launches {first.total}, the last block {c.total}")
+    unresolved = Counter(getattr(call, "unresolved", {}))
+    return BlockCount(flags, c.total, Counter(c.counts), unresolved, call.total, len(tr.transformer_blocks))
 
 
 def ops_per_block(

@@ -111,6 +111,8 @@ def resolve(func: Any) -> tuple[str, Any]:
     decomp = torch._decomp.decomposition_table.get(func)
     if decomp is not None:
         return ("decompose", decomp)
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        return ("decompose", func.decompose)  # reaches a mode under inference_mode: run its composite kernel
     return ("unresolved", name)
 
 
