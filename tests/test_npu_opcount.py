@@ -156,12 +156,15 @@ def test_stock_block_in_bf16_through_the_fake_is_pinned(tiny, runtime, fake_npu)
     fake_npu()
     tr, kw = tiny[BF16]
     stock = blockops.count_block(tr, runtime, kw, "none", npu=True)
-    # 118 per block, the CPU counter's 126 less its 8 `_unsafe_view` (metadata only; torch_npu has no kernel for it,
-    # its decomposition is a view). Per stream (img, txt) x 2: modulation SiLU + linear (2 + 2 = 4 addmm/silu pairs
-    # -> 2 silu, 2 addmm), 2 AdaLayerNorm (native_layer_norm) with modulate * (1+scale) + shift, gated residuals,
-    # QKV (6 addmm), 4 QK RMSNorms of 8 (16 pieces + 8 _to_copy + 4 add_.Scalar...), stock RoPE as complex-free
-    # stack/neg/mul/add per q/k x stream, 3 cats joining text and image, SDPA, out projections (2 addmm), 2 MLPs
-    # (2 addmm + gelu each) -- 20 _to_copy in all: bf16 upcasts/downcasts of the RMSNorms and RoPE.
+    # 118 per block = the CPU counter's 126 less its 8 `_unsafe_view` (the reshapes of stock RoPE's non-contiguous
+    # results: metadata only, torch_npu has no kernel for it and its decomposition is a view). Per block:
+    #   modulation, img + txt: silu + addmm                                                   2 x 2 =  4
+    #   AdaLayerNorm x 4: _to_copy, native_layer_norm, _to_copy; modulate: 1 + scale, *, + shift 4 x 6 = 24
+    #   attention 76: to_qkv + add_kv_proj (2 addmm); QK RMSNorms x 4 of 8 (_to_copy, pow, mean, add_, rsqrt,
+    #     mul, mul, _to_copy) = 32; stock RoPE x 4 of 8 (stack, neg, 2 clone, 2 mul, add, cat) = 32; 3 cats
+    #     joining text and image q/k/v; 4 _to_copy; SDPA 1; to_out + to_add_out (2 addmm)          76
+    #   MLPs, img + txt: addmm, gelu, addmm                                                    2 x 3 =  6
+    #   gated residuals x 4: gate * y, x + ...                                                 4 x 2 =  8
     assert stock.total == 118, sorted(stock.counts.items())
     assert stock.counts["_to_copy"] == 20 and stock.counts["scaled_dot_product_attention"] == 1
     assert not stock.unresolved
