@@ -203,3 +203,13 @@ def test_count_module_calls_takes_the_npu_counter(tiny, runtime):
     with runtime.context(), torch.no_grad(), count_module_calls(tr.transformer_blocks[0], NpuOpCounter) as calls:
         tr(**kw)
     assert len(calls) == 1 and isinstance(calls[0], NpuOpCounter) and calls[0].total > 0
+
+
+def test_ops_per_block_is_one_line_for_a_budget_test(runtime, fake_npu):
+    fake_npu()
+    stock = blockops.ops_per_block(runtime, "none")
+    default = blockops.ops_per_block(runtime, "default")
+    print(f"launches per block, bf16 through the fake: stock {stock.total}, default {default.total}")
+    assert stock.total == 118 and default.total < stock.total
+    assert default.counts["npu::npu_rotary_mul"] == 4
+    assert blockops.ops_per_block(runtime, "none", dtype=torch.float32, npu=False).total == 106  # the CPU budget's
