@@ -94,10 +94,11 @@ def _out_variant(func: Any) -> str | None:
     return None
 
 
-#: How an overload runs on the NPU: ("none", _) no kernel, ("kernel", name) one launch, ("decompose", fn),
-#: ("unresolved", name) one launch we cannot explain.
 @functools.cache
 def resolve(func: Any) -> tuple[str, Any]:
+    """How ``func`` (an OpOverload) runs on the NPU: ``("none", None)`` no kernel, ``("kernel", name)`` one launch,
+    ``("decompose", fn)`` the pieces of ``fn``, ``("unresolved", name)`` one launch we cannot account for. Ops of
+    other namespaces (``npu::``, collectives, custom ops) are one launch each."""
     if not is_kernel_launch(func):
         return ("none", None)
     name = overload_name(func)
@@ -106,7 +107,7 @@ def resolve(func: Any) -> tuple[str, Any]:
     if name in registered_ops():
         return ("kernel", name)
     out = _out_variant(func)
-    if out is not None:
+    if out is not None:  # counted under the functional's name: one launch of ``out``
         return ("kernel", name)
     decomp = torch._decomp.decomposition_table.get(func)
     if decomp is not None:
