@@ -98,3 +98,9 @@ def test_plan_prints_the_estimate_for_the_910b1_workload(capsys, tmp_path):
 def test_plan_prints_no_910b1_estimate_for_the_tiny_workload(capsys, tmp_path):
     assert main(["plan", "--workload", "tiny-cpu", "--out", str(tmp_path / "o")]) == 0
     assert "910B1 (model" not in capsys.readouterr().out
+
+
+def test_summary_line_for_benchmark_tables():
+    line = estimate.summary({"stock": "none", "rope": "none,+rope", "typo": "none,+no_such_opt"})
+    assert line.startswith("estimated ms saved on a 910B1 (model, not measured)")
+    assert "stock 0," in line and "rope 194," in line and line.endswith("typo n/a")

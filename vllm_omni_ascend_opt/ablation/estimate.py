@@ -122,3 +122,21 @@ def ms_saved(
     if saved is None:
         return None
     return saved * steps * (2 if cfg else 1) * calibration(blocks).us_per_launch / 1e3
+
+
+def summary(configs: dict[str, str], *, steps: int = REFERENCE["steps"], cfg: bool = False) -> str:
+    """One line for a benchmark's op table: per configuration (name -> ``VLLM_OMNI_ASCEND_OPT`` spec) the estimate
+    for Qwen-Image at 1280x704 on a 910B1 ("n/a" where the launch table lacks it)."""
+    from vllm_omni_ascend_opt import flags
+
+    parts = []
+    for name, spec in configs.items():
+        try:
+            ms = ms_saved(flags.parse_spec(spec), steps=steps, cfg=cfg)
+        except (OSError, ValueError, flags.FlagError):
+            ms = None
+        parts.append(f"{name} {'n/a' if ms is None else f'{ms:.0f}'}")
+    return (
+        f"{LABEL}, per image, 1280x704, {steps} steps, CFG {'on' if cfg else 'off'} "
+        "(launch model: ablation/estimate.py, calibration in docs/results.md): " + ", ".join(parts)
+    )
