@@ -1,7 +1,9 @@
 """Count kernel-launching aten ops (what an NPU pays a launch for), excluding views and allocation-only ops.
 
 On an NPU, batch-1 eager Qwen-Image is bound by kernel launches, which a 2-core CPU hides; counting the dispatched
-aten ops is the device-independent proxy our benchmarks report next to wall-clock ratios.
+aten ops is the device-independent proxy our benchmarks report next to wall-clock ratios. What torch_npu itself would
+launch for the same code (its registered kernels, composites as their pieces, torch_npu ops as one) is counted by
+:class:`vllm_omni_ascend_opt.testbed.npu_ops.NpuOpCounter`.
 """
 
 from __future__ import annotations
