@@ -241,6 +241,11 @@ def _print(results: list[dict]) -> None:
             )
         for name, why in res["skipped"].items():
             print(f"  skipped {name}: {'; '.join(why)}")
+    from vllm_omni_ascend_opt.ablation import estimate
+
+    names = dict.fromkeys(r["config"] for res in results for r in res["rows"])
+    specs = {"stock": "none", "full": "default"}
+    print("\n" + estimate.summary({n: specs.get(n, f"none,{n}") for n in names}))
 
 
 if __name__ == "__main__":

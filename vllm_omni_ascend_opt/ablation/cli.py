@@ -313,10 +313,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _bad(str(exc))
     est = estimate(plan)
     stored = _stored_measurements(plan, args.out)
+    launch = _launch_estimate(plan)
     if args.json:
-        print(json.dumps({"plan": plan.to_dict(), "estimate": est.to_dict(), "stored_measurements": stored}, indent=1))
+        out = {"plan": plan.to_dict(), "estimate": est.to_dict(), "stored_measurements": stored}
+        if launch is not None:
+            out["launch_estimate"] = launch
+        print(json.dumps(out, indent=1))
         return 0
     _print_plan(plan, est)
+    if launch is not None:
+        print(f"\n  {launch['label']}, per image, from kernel launches saved (ablation/estimate.py):")
+        for cid, ms in launch["ms_saved"].items():
+            print(f"    {cid:<24} {'n/a (not in the launch table)' if ms is None else f'{ms:.0f} ms'}")
+        print(textwrap.fill(launch["calibration"], 110, initial_indent="    ", subsequent_indent="    "))
     if stored:
         print(
             f"\n  {args.out} already holds {stored} measurement(s) of this plan: ablate would resume (--fresh: "
@@ -325,6 +334,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not plan.stack:
         print("\n  nothing to measure: no optimization can take part (see above)")
     return 0
+
+
+def _launch_estimate(plan: Any) -> dict[str, Any] | None:
+    """Per configuration, the estimated ms saved on a 910B1 (model, not measured); None for the tiny model (the
+    model is calibrated on Qwen-Image's 60 blocks at 910B1 launch cost) or without a launch table."""
+    from vllm_omni_ascend_opt.ablation import estimate as launch_model
+
+    wl = plan.workload
+    if wl.is_tiny:
+        return None
+    try:
+        cal = launch_model.calibration()
+    except (OSError, ValueError) as exc:
+        return {"label": launch_model.LABEL, "ms_saved": {}, "calibration": f"unavailable: {exc}"}
+    cfg = wl.cfg_scale > 1
+    return {
+        "label": launch_model.LABEL,
+        "ms_saved": {c.id: launch_model.ms_saved(c.opts, steps=wl.steps, cfg=cfg) for c in plan.configs},
+        "calibration": f"{wl.steps} steps x {2 if cfg else 1} forward(s) per step x 60 blocks; {cal.describe()}",
+    }
 
 
 def _stored_measurements(plan: Any, out: Path) -> int:

@@ -1,7 +1,9 @@
 """Count kernel-launching aten ops (what an NPU pays a launch for), excluding views and allocation-only ops.
 
 On an NPU, batch-1 eager Qwen-Image is bound by kernel launches, which a 2-core CPU hides; counting the dispatched
-aten ops is the device-independent proxy our benchmarks report next to wall-clock ratios.
+aten ops is the device-independent proxy our benchmarks report next to wall-clock ratios. What torch_npu itself would
+launch for the same code (its registered kernels, composites as their pieces, torch_npu ops as one) is counted by
+:class:`vllm_omni_ascend_opt.testbed.npu_ops.NpuOpCounter`.
 """
 
 from __future__ import annotations
@@ -67,16 +69,18 @@ def count_ops(fn: Callable[[], Any]) -> tuple[Any, OpCounter]:
 
 
 @contextlib.contextmanager
-def count_module_calls(module: torch.nn.Module) -> Iterator[list[OpCounter]]:
-    """Yields a list that receives one :class:`OpCounter` per call of ``module`` (e.g. one transformer block).
+def count_module_calls(module: torch.nn.Module, counter: Callable[[], Any] | None = None) -> Iterator[list[OpCounter]]:
+    """Yields a list that receives one counter per call of ``module`` (e.g. one transformer block).
 
-    Use inside an outer run; only ops dispatched while ``module.forward`` runs are counted.
+    Use inside an outer run; only ops dispatched while ``module.forward`` runs are counted. ``counter`` builds the
+    counter (default :class:`OpCounter`; ``testbed.npu_ops.NpuOpCounter`` counts what torch_npu would launch).
     """
     results: list[OpCounter] = []
     active: list[OpCounter] = []
+    make = counter or OpCounter
 
     def pre(_m, _a, _k=None):
-        c = OpCounter()
+        c = make()
         c.__enter__()
         active.append(c)
 

@@ -1,0 +1,142 @@
+"""Estimated ms saved on a 910B1 (a model, NOT a measurement): kernel launches saved x a per-launch cost.
+
+Batch-1 eager Qwen-Image on an Ascend NPU is bound by kernel launches. This module turns the launches a
+configuration saves into milliseconds::
+
+    ms saved per image = (launches per transformer call, stock - configuration)
+                         x steps x CFG forwards per step (2 when true CFG is on, else 1) x us per launch / 1000
+    launches per transformer call = 60 blocks x launches per block + launches outside the blocks
+
+Launch counts: :data:`TABLE_FILE`, written by ``benchmarks/bench_ops.py --write-table`` (``plan`` builds no model):
+per set of transformer optimizations, the launches per block and outside the blocks of one warm transformer call
+at REAL width (hidden 3072, 24 heads x 128) in bf16, counted by ``testbed/npu_ops.py``'s ``NpuOpCounter`` (what
+torch_npu 2.13 would launch) with the semantic torch_npu fake installed, so the NPU paths are the ones counted.
+Optimizations that patch no transformer module (the VAE ones) cannot change these counts and are left out of the
+key. ``tests/test_estimate.py`` checks the table against the counter (per block, at the tiny width, which launches
+the same per block) and that it covers every registered transformer optimization.
+
+Calibration (:func:`calibration`), on the reference's published figures (one 910B1, BF16, eager, 1280x704, 8 steps,
+CFG off: stock 3111.5 ms; NPU RoPE saved ~194 ms, modulation sharing ~255 ms): the launches our ``rope`` and our
+``shared_modulation`` remove per transformer call (from the table), x 8 steps, give two per-launch costs:
+
+* RoPE: 194 ms / (8 x launches ``rope`` saves per call) -- about 12.6 us;
+* modulation: 255 ms / (8 x launches ``shared_modulation`` saves per call) -- about 66 us. Modulation sharing also
+  stops reading the 2 x 113 MB of modulation weights per block every step (the projections of a repeated timestep
+  are memoized), which a launch model does not capture: this figure over-states the cost of a launch.
+
+The value used is the RoPE one (:data:`USED`): RoPE's savings are small element-wise kernels, the closest to pure
+launch cost. Attention fusion, NZ weights and the VAE (27-49 ms each in the reference) change kernels' speed, not
+only their number: the model says nothing about them beyond the launches they remove.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TABLE_FILE = Path(__file__).with_name("npu_launches.json")
+TRANSFORMER_MODULE = "vllm_omni.diffusion.models.qwen_image.qwen_image_transformer"
+QWEN_IMAGE_BLOCKS = 60
+#: The reference's published 910B1 measurement (BF16, eager, 1280x704, 8 steps, CFG off), in ms.
+REFERENCE = {"stock_ms": 3111.5, "steps": 8, "cfg_forwards": 1, "rope_ms": 194.0, "modulation_ms": 255.0}
+USED = "rope"
+LABEL = "estimated ms saved on a 910B1 (model, not measured)"
+
+
+@functools.cache
+def load_table(path: Path = TABLE_FILE) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def transformer_opts(names: list[str] | tuple[str, ...] | None = None) -> list[str]:
+    """The registered optimizations that patch the transformer module (in registry order)."""
+    from vllm_omni_ascend_opt import registry
+
+    opts = registry.all_optimizations()
+    return [o.name for o in opts if TRANSFORMER_MODULE in o.target_modules and (names is None or o.name in names)]
+
+
+def key(opts: list[str] | tuple[str, ...]) -> str:
+    """Table key of a configuration: its transformer optimizations, in registry order, ``+``-joined (``""`` = stock)."""
+    return "+".join(transformer_opts(tuple(opts)))
+
+
+def launches(opts: list[str] | tuple[str, ...], table: dict[str, Any] | None = None) -> dict[str, int] | None:
+    """``{"block": ..., "outside": ...}`` for this configuration, or None when the table does not hold it."""
+    table = table or load_table()
+    return table["entries"].get(key(opts))
+
+
+def launches_per_call(opts: list[str] | tuple[str, ...], blocks: int = QWEN_IMAGE_BLOCKS) -> int | None:
+    got = launches(opts)
+    return None if got is None else blocks * got["block"] + got["outside"]
+
+
+def saved_per_call(opts: list[str] | tuple[str, ...], blocks: int = QWEN_IMAGE_BLOCKS) -> int | None:
+    """Launches per transformer call the configuration removes from stock's."""
+    stock, mine = launches_per_call((), blocks), launches_per_call(opts, blocks)
+    return None if stock is None or mine is None else stock - mine
+
+
+@dataclass(frozen=True)
+class Calibration:
+    rope_saved_per_call: int
+    modulation_saved_per_call: int
+    us_rope: float
+    us_modulation: float
+    used: str
+
+    @property
+    def us_per_launch(self) -> float:
+        return self.us_rope if self.used == "rope" else self.us_modulation
+
+    def describe(self) -> str:
+        r, s = REFERENCE, REFERENCE["steps"]
+        return (
+            f"{self.us_per_launch:.1f} us per launch, calibrated on the reference's NPU RoPE figure: "
+            f"{r['rope_ms']:.0f} ms / ({s} steps x {self.rope_saved_per_call} launches per call) = "
+            f"{self.us_rope:.1f} us (modulation sharing: {r['modulation_ms']:.0f} ms / ({s} x "
+            f"{self.modulation_saved_per_call}) = {self.us_modulation:.1f} us, which also counts the weight reads it "
+            "saves)"
+        )
+
+
+def calibration(blocks: int = QWEN_IMAGE_BLOCKS) -> Calibration:
+    rope, mod = saved_per_call(("rope",), blocks), saved_per_call(("shared_modulation",), blocks)
+    if not rope or not mod:
+        raise ValueError(f"{TABLE_FILE.name} lacks the rope / shared_modulation entries the calibration needs")
+    steps = REFERENCE["steps"] * REFERENCE["cfg_forwards"]
+    return Calibration(
+        rope, mod, REFERENCE["rope_ms"] * 1e3 / (steps * rope), REFERENCE["modulation_ms"] * 1e3 / (steps * mod), USED
+    )
+
+
+def ms_saved(
+    opts: list[str] | tuple[str, ...], *, steps: int, cfg: bool = False, blocks: int = QWEN_IMAGE_BLOCKS
+) -> float | None:
+    """The estimate for one image: launches saved per call x steps x CFG forwards x us per launch (None: unknown)."""
+    saved = saved_per_call(opts, blocks)
+    if saved is None:
+        return None
+    return saved * steps * (2 if cfg else 1) * calibration(blocks).us_per_launch / 1e3
+
+
+def summary(configs: dict[str, str], *, steps: int = REFERENCE["steps"], cfg: bool = False) -> str:
+    """One line for a benchmark's op table: per configuration (name -> ``VLLM_OMNI_ASCEND_OPT`` spec) the estimate
+    for Qwen-Image at 1280x704 on a 910B1 ("n/a" where the launch table lacks it)."""
+    from vllm_omni_ascend_opt import flags
+
+    parts = []
+    for name, spec in configs.items():
+        try:
+            ms = ms_saved(flags.parse_spec(spec), steps=steps, cfg=cfg)
+        except (OSError, ValueError, flags.FlagError):
+            ms = None
+        parts.append(f"{name} {'n/a' if ms is None else f'{ms:.0f}'}")
+    return (
+        f"{LABEL}, per image, 1280x704, {steps} steps, CFG {'on' if cfg else 'off'} "
+        "(launch model: ablation/estimate.py, calibration in docs/results.md): " + ", ".join(parts)
+    )

@@ -1,0 +1,131 @@
+"""Kernel launches per transformer block on a warm forward, for a flag selection, a dtype and a width.
+
+One helper for the op-budget tests and the benchmarks (``benchmarks/bench_ops.py``): build vLLM-Omni 0.30's real
+``QwenImageTransformer2DModel`` (the tiny test-bed spec or the real width: hidden 3072, 24 heads x 128), select a
+``VLLM_OMNI_ASCEND_OPT`` spec on it, run one forward (cold: memo and tables filled, first-use kernel checks done)
+and count the second (warm, a repeated request) per block: its last block, under ``torch.no_grad`` (the project's
+convention).
+
+``npu=False`` counts what the CPU dispatches (:class:`~vllm_omni_ascend_opt.testbed.opcount.OpCounter`);
+``npu=True`` counts what torch_npu 2.13 would launch (:class:`~vllm_omni_ascend_opt.testbed.npu_ops.NpuOpCounter`),
+meant with the semantic torch_npu fake installed by the caller (tests: the ``fake_npu`` fixture), so that the
+plugin takes its NPU paths. The count per block does not depend on the sequence length (no op is per-token), so
+the real width is counted at a small image (128x128 -> 64 image tokens + 32 text tokens), not at 1280x704.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_omni_ascend_opt.testbed.tiny_model import REALWIDTH, TINY, ModelSpec
+
+TEXT_TOKENS = 32
+TIMESTEP = 0.7
+WIDTHS: dict[str, ModelSpec] = {"tiny": TINY, "real": REALWIDTH}
+
+
+@dataclass
+class BlockCount:
+    """Launches of one block on a warm forward: ``total``, by op name, and what the NPU counter could not place."""
+
+    flags: str
+    total: int
+    counts: Counter[str] = field(default_factory=Counter)
+    unresolved: Counter[str] = field(default_factory=Counter)
+    #: launches of the whole warm transformer call, and its number of blocks (every block launches ``total``)
+    call_total: int = 0
+    blocks: int = 0
+
+    @property
+    def outside(self) -> int:
+        """Launches of one transformer call outside its blocks (RoPE tables, timestep embedding, norm_out ...)."""
+        return self.call_total - self.blocks * self.total
+
+
+def build_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype) -> Any:
+    """vLLM-Omni's transformer for ``spec`` with the test bed's seeded random weights, in ``dtype``."""
+    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
+
+    from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # vLLM's linears allocate in the default dtype: no fp32 copy of the model
+    try:
+        with rt.context():
+            tr = QwenImageTransformer2DModel(od_config=rt.od_config, **spec.transformer_kwargs())
+    finally:
+        torch.set_default_dtype(default)
+    state = random_transformer_state_dict(spec, seed=0)
+    tr.load_weights(state.items())
+    return tr.to(dtype).eval()
+
+
+def t2i_inputs(tr: Any, dtype: torch.dtype, height: int = 128, width: int = 128) -> dict[str, Any]:
+    """One text-to-image denoise step's transformer inputs (B=1, CFG off)."""
+    g = torch.Generator().manual_seed(0)
+    h, w = height // 16, width // 16  # VAE /8, then 2x2 packing
+    return dict(
+        hidden_states=torch.randn(1, h * w, tr.in_channels, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(1, TEXT_TOKENS, tr.txt_norm.normalized_shape[0], generator=g).to(dtype),
+        encoder_hidden_states_mask=torch.ones(1, TEXT_TOKENS, dtype=torch.bool),
+        timestep=torch.full((1,), TIMESTEP).to(dtype),
+        img_shapes=[[(1, h, w)]],
+        txt_seq_lens=[TEXT_TOKENS],
+        return_dict=False,
+    )
+
+
+def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) -> BlockCount:
+    """Select ``flags`` on ``tr``, run one cold forward, then count the last block of a warm one."""
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.testbed.npu_ops import NpuOpCounter
+    from vllm_omni_ascend_opt.testbed.opcount import OpCounter, count_module_calls
+
+    counter = NpuOpCounter if npu else OpCounter
+    api.select(flags, model=tr)
+    try:
+        with rt.context(), torch.no_grad():
+            tr(**kw)  # cold
+            with count_module_calls(tr, counter) as whole, count_module_calls(tr.transformer_blocks[0], counter) as b0:
+                with count_module_calls(tr.transformer_blocks[-1], counter) as calls:
+                    tr(**kw)
+    finally:
+        api.select("none", model=tr)
+    (c,), (first,), (call,) = calls, b0, whole
+    if first.total != c.total:
+        raise AssertionError(f"{flags}: block 0 launches {first.total}, the last block {c.total}")
+    unresolved = Counter(getattr(call, "unresolved", {}))
+    return BlockCount(flags, c.total, Counter(c.counts), unresolved, call.total, len(tr.transformer_blocks))
+
+
+def ops_per_block(
+    rt: Any,
+    flags: str = "default",
+    *,
+    width: str = "tiny",
+    dtype: torch.dtype = torch.bfloat16,
+    npu: bool = True,
+    height: int = 128,
+    image_width: int = 128,
+) -> BlockCount:
+    """One line for a budget test: launches per block of a warm forward of the ``width`` transformer in ``dtype``.
+
+    ``npu=True`` (the default) counts what torch_npu would launch; install the torch_npu fake first so that the
+    plugin takes its NPU paths (e.g. ``fake_npu(); assert ops_per_block(runtime, "default").total <= 45``).
+    """
+    tr = build_transformer(rt, WIDTHS[width], dtype)
+    return count_block(tr, rt, t2i_inputs(tr, dtype, height, image_width), flags, npu=npu)
+
+
+def configurations() -> dict[str, str]:
+    """The configurations the op tables report: stock, default, all (default + the off-by-default opt-ins, the
+    fast tier among them), and each registered optimization alone."""
+    from vllm_omni_ascend_opt import registry
+
+    out = {"stock": "none", "default": "default", "all": "all"}
+    out.update({o.name: f"none,+{o.name}" for o in registry.all_optimizations()})
+    return out

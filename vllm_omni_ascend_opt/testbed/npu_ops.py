@@ -1,0 +1,279 @@
+"""Count the kernels torch_npu 2.13 would launch for what runs here on CPU: :class:`NpuOpCounter`.
+
+:class:`~vllm_omni_ascend_opt.testbed.opcount.OpCounter` counts the aten ops the CPU dispatches. An NPU runs the same
+Python code, but torch_npu registers its own set of ``aten::`` kernels, so the launch count differs where the two
+backends disagree. Per op reaching the dispatcher (views and allocation-only ops excluded, as in ``opcount``):
+
+1. registered for the NPU (``PrivateUse1`` or ``AutogradPrivateUse1`` in :data:`REGISTERED_FILE`, extracted from the
+   real torch-npu 2.13.0 wheel by ``tools/gen_npu_registered_ops.py``) -> 1 launch;
+2. a structured op whose ``out=`` overload is registered (torch's generated ``CompositeExplicitAutogradNonFunctional``
+   kernel allocates the output and calls the ``out=`` kernel, e.g. ``gelu`` -> ``gelu.out``) -> 1 launch;
+3. otherwise, decomposed with torch's decomposition table (``torch._decomp``), recursively, on meta tensors: the
+   pieces are counted by these same rules (``_fused_rms_norm`` -> ``_to_copy, pow, mean, add, rsqrt, mul, mul,
+   _to_copy`` in bf16). The op itself still runs as it does on CPU, so the numbers computed do not change;
+4. otherwise 1 launch, recorded in :attr:`NpuOpCounter.unresolved` (tests assert the models hit none).
+
+``CompositeImplicitAutograd`` ops decompose before they reach a dispatch mode; the CPU and the NPU run the same
+decomposition, except for the few such ops torch_npu registers itself (``scaled_dot_product_attention``, ``matmul``,
+``softmax.int`` among those our models call): their Python entry points are intercepted at the ``torch`` function
+level (:data:`FUNCTION_HOOKS`) and count 1 launch, with whatever the CPU dispatches inside not counted.
+
+torch_npu's own ops (``torch_npu.npu_rotary_mul`` ...) do not exist here; the semantic fake
+(``tests/fake_torch_npu``) runs each through :func:`run_npu_kernel`, which counts it as one ``npu::`` launch (when it
+returns a tensor) and hides the CPU ops the fake computes it with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from vllm_omni_ascend_opt.testbed.opcount import is_kernel_launch
+
+REGISTERED_FILE = Path(__file__).with_name("npu_registered_ops.txt")
+#: Dispatch keys whose kernels run for a dense NPU tensor.
+_DENSE_KEYS = {"PrivateUse1", "AutogradPrivateUse1"}
+_MAX_DEPTH = 8  # decomposition recursion guard
+
+
+@functools.cache
+def registered_ops() -> frozenset[str]:
+    """Overloads (``"add.Tensor"``, ``"_to_copy"`` for ``default``) with a dense NPU kernel in torch_npu 2.13.0."""
+    ops = set()
+    for line in REGISTERED_FILE.read_text().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, keys = line.split()
+        if _DENSE_KEYS & set(keys.split(",")):
+            ops.add(name)
+    return frozenset(ops)
+
+
+def wheel_header() -> dict[str, str]:
+    """``{"wheel": file name, "sha256": digest}`` from the registered-op file's header."""
+    lines = REGISTERED_FILE.read_text().splitlines()
+    return {"wheel": lines[0].rsplit(" ", 1)[-1], "sha256": lines[1].split()[-1]}
+
+
+def overload_name(func: Any) -> str:
+    """``aten.add.Tensor`` -> ``"add.Tensor"``, ``aten._to_copy.default`` -> ``"_to_copy"`` (the yaml spelling)."""
+    base = func._schema.name.split("::", 1)[-1]
+    ov = func._overloadname
+    return base if ov == "default" else f"{base}.{ov}"
+
+
+def _non_out_args(schema: Any) -> list[tuple[str, str]]:
+    return [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
+
+
+def _out_variant(func: Any) -> str | None:
+    """The registered ``out=`` overload a structured functional/in-place ``func`` delegates to, if any."""
+    qualified = func._schema.name + ("" if func._overloadname == "default" else f".{func._overloadname}")
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeExplicitAutogradNonFunctional"):
+        return None
+    packet = getattr(torch.ops.aten, func._schema.name.split("::", 1)[-1].rstrip("_"), None)
+    if packet is None:
+        return None
+    want = _non_out_args(func._schema)
+    for ov in packet.overloads():
+        cand = getattr(packet, ov)
+        if any(a.is_out for a in cand._schema.arguments) and _non_out_args(cand._schema) == want:
+            full = overload_name(cand)
+            if full in registered_ops():
+                return full
+    return None
+
+
+@functools.cache
+def resolve(func: Any) -> tuple[str, Any]:
+    """How ``func`` (an OpOverload) runs on the NPU: ``("none", None)`` no kernel, ``("kernel", name)`` one launch,
+    ``("decompose", fn)`` the pieces of ``fn``, ``("unresolved", name)`` one launch we cannot account for. Ops of
+    other namespaces (``npu::``, collectives, custom ops) are one launch each."""
+    if not is_kernel_launch(func):
+        return ("none", None)
+    name = overload_name(func)
+    if not func._schema.name.startswith("aten::"):
+        return ("kernel", func._schema.name)
+    if name in registered_ops():
+        return ("kernel", name)
+    out = _out_variant(func)
+    if out is not None:  # counted under the functional's name: one launch of ``out``
+        return ("kernel", name)
+    decomp = torch._decomp.decomposition_table.get(func)
+    if decomp is not None:
+        return ("decompose", decomp)
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        return ("decompose", func.decompose)  # reaches a mode under inference_mode: run its composite kernel
+    return ("unresolved", name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch-level entry points of CompositeImplicitAutograd ops torch_npu registers
+# ---------------------------------------------------------------------------------------------------------------
+def _function_hooks() -> dict[Callable[..., Any], str]:
+    import torch.nn.functional as F
+
+    table: dict[Callable[..., Any], str] = {
+        F.scaled_dot_product_attention: "scaled_dot_product_attention",
+        torch.matmul: "matmul",
+        torch.Tensor.matmul: "matmul",
+        torch.Tensor.__matmul__: "matmul",
+        torch.softmax: "softmax.int",
+        torch.Tensor.softmax: "softmax.int",
+        F.softmax: "softmax.int",
+    }
+    return table
+
+
+#: Python callable -> the CompositeImplicitAutograd overload it dispatches to, which torch_npu registers for the NPU
+#: (only entries whose overload is in :func:`registered_ops` take effect).
+FUNCTION_HOOKS: dict[Callable[..., Any], str] = _function_hooks()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the counter
+# ---------------------------------------------------------------------------------------------------------------
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.active: list[NpuOpCounter] = []
+        self.suspended = 0
+
+
+_STATE = _State()
+
+
+@contextlib.contextmanager
+def _suspended() -> Iterator[None]:
+    _STATE.suspended += 1
+    try:
+        yield
+    finally:
+        _STATE.suspended -= 1
+
+
+def _record(name: str) -> None:
+    """Count one launch of ``name`` in every active counter (only in a decomposition's sub-counter while one runs)."""
+    active = _STATE.active
+    targets = active[-1:] if active and active[-1]._isolated else active
+    for c in targets:
+        if c.enabled:
+            c.counts[name] += 1
+
+
+def run_npu_kernel(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` (a fake torch_npu kernel ``name``) as ONE launch: the CPU ops inside are not counted.
+
+    Counted (as ``npu::<name>``) only when the result holds a tensor: queries such as ``get_npu_format`` launch
+    nothing.
+    """
+    if _STATE.suspended or not _STATE.active:
+        return fn(*args, **kwargs)
+    with _suspended():
+        out = fn(*args, **kwargs)
+    if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):
+        _record(f"npu::{name}")
+    return out
+
+
+class _FunctionHooks(TorchFunctionMode):
+    def __init__(self, owner: NpuOpCounter) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = FUNCTION_HOOKS.get(func)
+        if op is None or _STATE.suspended or op not in registered_ops():
+            return func(*args, **kwargs)
+        _record(op)  # nested counters' hook modes are popped while this one runs: count in all of them here
+        with _suspended():
+            return func(*args, **kwargs)
+
+
+class NpuOpCounter(TorchDispatchMode):
+    """``with NpuOpCounter() as c: ...`` then ``c.total`` / ``c.counts``: the kernels torch_npu 2.13 would launch.
+
+    ``c.counts`` is keyed by yaml overload name (``"mul.Tensor"``, ``"npu::npu_rotary_mul"``);
+    ``c.decomposed`` counts the ops that ran as their pieces, ``c.unresolved`` the ones counted 1 without an NPU
+    kernel to show for it (neither registered nor decomposable: should stay empty).
+    """
+
+    def __init__(self, *, _isolated: bool = False, _depth: int = 0) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+        self.decomposed: Counter[str] = Counter()
+        self.unresolved: Counter[str] = Counter()
+        self.enabled = True
+        self._isolated = _isolated  # a decomposition's sub-counter: its pieces run on meta, unseen by outer modes
+        self._depth = _depth
+        self._hooks = _FunctionHooks(self)
+
+    def __enter__(self):
+        _STATE.active.append(self)
+        self._hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._hooks.__exit__(*exc)
+            _STATE.active.remove(self)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._isolated:
+            self._count(func, args, kwargs)
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        if self.enabled and not _STATE.suspended:
+            self._count(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _count(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        how, what = resolve(func)
+        if how == "none":
+            return
+        if how == "kernel":
+            self.counts[what] += 1
+            return
+        if how == "decompose" and self._depth < _MAX_DEPTH:
+            pieces = self._pieces(what, args, kwargs)
+            if pieces is not None:
+                self.decomposed[overload_name(func)] += 1
+                self.counts.update(pieces.counts)
+                self.decomposed.update(pieces.decomposed)
+                self.unresolved.update(pieces.unresolved)
+                return
+        self.counts[overload_name(func)] += 1
+        self.unresolved[overload_name(func)] += 1
+
+    def _pieces(self, decomp: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> NpuOpCounter | None:
+        """Run ``decomp`` on meta copies of the arguments under an isolated sub-counter; None if it cannot run."""
+        with _disable_current_modes():
+            meta_args, meta_kwargs = pytree.tree_map_only(
+                torch.Tensor,
+                lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
+                (args, kwargs),
+            )
+        sub = NpuOpCounter(_isolated=True, _depth=self._depth + 1)
+        try:
+            with sub:
+                decomp(*meta_args, **meta_kwargs)
+        except Exception:  # a decomposition that needs values (data-dependent) cannot run on meta
+            return None
+        return sub
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
