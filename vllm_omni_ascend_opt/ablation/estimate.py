@@ -9,8 +9,10 @@ configuration saves into milliseconds::
 
 Launch counts: :data:`TABLE_FILE`, written by ``benchmarks/bench_ops.py --write-table`` (``plan`` builds no model):
 per set of transformer optimizations, the launches per block and outside the blocks of one warm transformer call
-at REAL width (hidden 3072, 24 heads x 128) in bf16, counted by ``testbed/npu_ops.py``'s ``NpuOpCounter`` (what
-torch_npu 2.13 would launch) with the semantic torch_npu fake installed, so the NPU paths are the ones counted.
+in bf16, counted by ``testbed/npu_ops.py``'s ``NpuOpCounter`` (what torch_npu 2.13 would launch) with the semantic
+torch_npu fake installed, so the NPU paths are the ones counted. Every subset is counted at the tiny width (2^n
+configurations); stock, all, and each optimization alone are checked equal at REAL width (hidden 3072, 24 heads x
+128) when the table is written: the number of launches does not depend on the width.
 Optimizations that patch no transformer module (the VAE ones) cannot change these counts and are left out of the
 key. ``tests/test_estimate.py`` checks the table against the counter (per block, at the tiny width, which launches
 the same per block) and that it covers every registered transformer optimization.
