@@ -62,6 +62,9 @@ class Optimization:
     parallel_support: ClassVar[dict[str, str]] = {m: "supported" for m in PARALLEL_MODES}
     #: Upstream change that makes this optimization obsolete (shown in docs and patches).
     removal_plan: ClassVar[str] = ""
+    #: ``(SSIM, PSNR dB)`` this optimization must meet against the configuration without it when it delivers the
+    #: ``close`` tier (the ablation runner's gate); None: the workload's ``ssim_gate`` / ``psnr_gate``.
+    close_gates: ClassVar[tuple[float, float] | None] = None
 
     def __init__(self) -> None:
         self.patches = PatchSet(self.name)
