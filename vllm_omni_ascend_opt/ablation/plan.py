@@ -31,6 +31,8 @@ class OptInfo:
     default_enabled: bool = True
     reasons_inactive: tuple[str, ...] = ()
     summary: str = ""
+    #: ``(SSIM, PSNR dB)`` of its own ``close`` gate (Optimization.close_gates); None: the workload's gates.
+    close_gates: tuple[float, float] | None = None
 
 
 def opt_infos_from_registry() -> list[OptInfo]:
@@ -43,7 +45,8 @@ def opt_infos_from_registry() -> list[OptInfo]:
             reasons = tuple(opt.reasons_inactive())
         except Exception as exc:  # a broken probe is itself a reason
             reasons = (f"reasons_inactive() raised {exc!r}",)
-        out.append(OptInfo(opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary))
+        gates = tuple(opt.close_gates) if opt.close_gates is not None else None
+        out.append(OptInfo(opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary, gates))
     return out
 
 
@@ -94,6 +97,23 @@ class Plan:
     def samples(self) -> list[tuple[int, int]]:
         return self.workload.samples()
 
+    def close_gates(self, names: list[str] | tuple[str, ...] | set[str]) -> dict[str, float]:
+        """The SSIM / PSNR gates of a comparison whose two sides differ by ``names``.
+
+        Each ``close`` optimization among them brings its own gate (``OptInfo.close_gates``, the workload's when it
+        has none); when several differ at once their errors add, so the comparison is held to the loosest of their
+        gates (the lowest SSIM and the lowest PSNR), never to a tighter one than any of them claims alone. With no
+        ``close`` optimization among ``names`` (exact/pixel tiers ignore these numbers): the workload's gates."""
+        wl = self.workload
+        own = [
+            self.opts[n].close_gates or (wl.ssim_gate, wl.psnr_gate)
+            for n in names
+            if self.opts[n].equivalence == "close"
+        ]
+        if not own:
+            return {"ssim": wl.ssim_gate, "psnr_db": wl.psnr_gate}
+        return {"ssim": min(g[0] for g in own), "psnr_db": min(g[1] for g in own)}
+
     def fingerprint(self) -> str:
         """Hash of everything that makes stored measurements reusable (a resume must match it exactly)."""
         wl = self.workload.to_dict()
@@ -135,7 +155,12 @@ class Plan:
             "stack": list(self.stack),
             "skipped": {k: list(v) for k, v in self.skipped.items()},
             "optimizations": {
-                n: {"equivalence": o.equivalence, "default": o.default_enabled, "summary": o.summary}
+                n: {
+                    "equivalence": o.equivalence,
+                    "default": o.default_enabled,
+                    "summary": o.summary,
+                    "close_gates": self.close_gates([n]) if o.equivalence == "close" else None,
+                }
                 for n, o in self.opts.items()
             },
             "configs": [

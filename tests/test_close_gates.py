@@ -1,0 +1,103 @@
+"""Per-optimization ``close`` gates (``Optimization.close_gates``): each optimization's own with/without comparison
+is held to its own gate, a configuration's comparison to the loosest gate among the close optimizations it differs
+by, and the workload's gates where none is set. Synthetic metrics, just beyond each boundary."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_omni_ascend_opt import registry
+from vllm_omni_ascend_opt.ablation import stats
+from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan, opt_infos_from_registry
+from vllm_omni_ascend_opt.ablation.workload import from_mapping
+
+FAST = (0.999, 45.0)
+INFOS = [
+    OptInfo("ex", "exact"),
+    OptInfo("fast_a", "close", default_enabled=False, close_gates=FAST),
+    OptInfo("fast_b", "close", default_enabled=False, close_gates=(0.9995, 50.0)),
+    OptInfo("vae", "close", default_enabled=False),  # no own gate: the workload's 0.99 / 35 dB
+]
+
+
+def plan(mode: str = "leave-one-out"):
+    wl = from_mapping({"seeds": [1], "repeats": 1, "warmup": 0, "mode": mode, "stack": "all"}).validate()
+    return build_plan(wl, INFOS)
+
+
+def test_gate_selection_per_difference():
+    p = plan()
+    assert p.close_gates(["fast_a"]) == {"ssim": 0.999, "psnr_db": 45.0}
+    assert p.close_gates(["fast_b"]) == {"ssim": 0.9995, "psnr_db": 50.0}
+    assert p.close_gates(["fast_a", "fast_b"]) == {"ssim": 0.999, "psnr_db": 45.0}  # the loosest of the two
+    assert p.close_gates(["fast_b", "vae"]) == {"ssim": 0.99, "psnr_db": 35.0}  # vae's is the workload's
+    assert p.close_gates(["ex"]) == p.close_gates([]) == {"ssim": 0.99, "psnr_db": 35.0}
+    assert p.close_gates(["ex", "fast_b"]) == {"ssim": 0.9995, "psnr_db": 50.0}  # exact ones bring no gate
+    d = p.to_dict()["optimizations"]
+    assert d["fast_a"]["close_gates"] == {"ssim": 0.999, "psnr_db": 45.0} and d["ex"]["close_gates"] is None
+
+
+def test_registry_fast_tier_declares_its_gates():
+    infos = {i.name: i for i in opt_infos_from_registry()}
+    for name in ("fast_modulate", "fast_residual"):
+        opt = registry.get(name)
+        assert opt.close_gates == FAST and opt.equivalence == "close" and not opt.default_enabled
+        assert infos[name].close_gates == FAST
+    assert infos["vae_fast"].close_gates is None  # the workload's gates, as before
+
+
+def _analyse(monkeypatch, tmp_path, p, metrics: dict[str, tuple[float, float]]):
+    """``analyse`` with the image comparison replaced: ``metrics[other config] = (SSIM, PSNR)`` whatever the
+    reference."""
+
+    def load(stem):
+        return stem.parent.name  # the configuration id
+
+    def cmp(ref, other):
+        ssim, psnr = metrics.get(other, (1.0, float("inf")))
+        same = ssim == 1.0
+        return {
+            "pixel_identical": same,
+            "bitwise_identical": same,
+            "max_abs_diff": 0.0 if same else 0.01,
+            "mean_abs_diff": 0.0 if same else 0.001,
+            "ssim": ssim,
+            "psnr_db": psnr,
+            "basis": "float",
+        }
+
+    monkeypatch.setattr(stats.compare, "load_stored", load)
+    monkeypatch.setattr(stats.compare, "compare", cmp)
+    return stats.analyse(p, [], tmp_path)
+
+
+@pytest.mark.parametrize(
+    "ssim, psnr, passed",
+    [(0.9991, 45.1, True), (0.9989, 60.0, False), (0.9999, 44.9, False)],
+    ids=["inside", "ssim_just_below", "psnr_just_below"],
+)
+def test_each_optimization_is_held_to_its_own_gate(monkeypatch, tmp_path, ssim, psnr, passed):
+    """leave-one-out: fast_a's verdict compares full with loo_fast_a; 0.9989 would pass the workload's 0.99."""
+    p = plan()
+    out = _analyse(monkeypatch, tmp_path, p, {"full": (ssim, psnr)})
+    chk = {o["name"]: o["equivalence_check"] for o in out["optimizations"]}
+    assert chk["fast_a"]["gates"] == {"ssim": 0.999, "psnr_db": 45.0}
+    assert chk["fast_a"]["gate"]["passed"] is passed
+    assert chk["vae"]["gates"] == {"ssim": 0.99, "psnr_db": 35.0} and chk["vae"]["gate"]["passed"] is True
+
+
+@pytest.mark.parametrize(
+    "ssim, psnr, loosest, alone",
+    [(0.9991, 45.1, True, True), (0.9989, 45.1, True, False), (0.9894, 45.1, False, False)],
+    ids=["inside_both", "loosest_only", "beyond_the_loosest"],
+)
+def test_a_configuration_is_held_to_the_loosest_gate_it_contains(monkeypatch, tmp_path, ssim, psnr, loosest, alone):
+    """single mode: single_fast_a vs stock differs by fast_a alone; full vs stock by all three close ones, whose
+    loosest gate is vae's (the workload's 0.99 / 35 dB)."""
+    p = plan("single")
+    out = _analyse(monkeypatch, tmp_path, p, {"full": (ssim, psnr), "single_fast_a": (ssim, psnr)})
+    cfg = {c["id"]: c for c in out["configs"]}
+    assert cfg["full"]["vs_stock"]["gates"] == {"ssim": 0.99, "psnr_db": 35.0}
+    assert cfg["full"]["vs_stock"]["gate"]["passed"] is loosest
+    assert cfg["single_fast_a"]["vs_stock"]["gates"] == {"ssim": 0.999, "psnr_db": 45.0}
+    assert cfg["single_fast_a"]["vs_stock"]["gate"]["passed"] is alone
