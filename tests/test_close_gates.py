@@ -101,3 +101,57 @@ def test_a_configuration_is_held_to_the_loosest_gate_it_contains(monkeypatch, tm
     assert cfg["full"]["vs_stock"]["gate"]["passed"] is loosest
     assert cfg["single_fast_a"]["vs_stock"]["gates"] == {"ssim": 0.999, "psnr_db": 45.0}
     assert cfg["single_fast_a"]["vs_stock"]["gate"]["passed"] is alone
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# optimizations that act through another (Optimization.needs): never planned without it
+# ----------------------------------------------------------------------------------------------------------------
+NEEDS = [
+    OptInfo("memo", "exact"),
+    OptInfo("ex", "exact"),
+    OptInfo("fast", "close", default_enabled=False, close_gates=FAST, needs=("memo",)),
+]
+
+
+def needs_plan(mode: str, infos=NEEDS, **kw):
+    wl = from_mapping({"seeds": [1], "repeats": 1, "warmup": 0, "mode": mode, "stack": "all"}).validate()
+    return build_plan(wl, infos, **kw)
+
+
+def test_leave_one_out_of_a_needed_optimization_leaves_out_its_dependents(monkeypatch, tmp_path):
+    p = needs_plan("leave-one-out")
+    assert p.config("loo_memo").opts == ("ex",) and "fast, which need it" in p.config("loo_memo").label
+    assert p.config("loo_fast").opts == ("memo", "ex")
+    # memo's verdict compares full with full - memo - fast: held to the close class and fast's gate
+    out = _analyse(monkeypatch, tmp_path, p, {"full": (0.9991, 45.1)})
+    chk = {o["name"]: o["equivalence_check"] for o in out["optimizations"]}
+    assert chk["memo"]["class"] == "close" and chk["memo"]["gates"] == {"ssim": 0.999, "psnr_db": 45.0}
+    assert chk["memo"]["gate"]["passed"] is True and chk["ex"]["class"] == "exact"
+
+
+def test_single_and_cumulative_keep_what_an_optimization_needs():
+    p = needs_plan("single")
+    assert p.config("single_fast").opts == ("memo", "fast")
+    comp = {c.opt: c for c in p.comparisons}
+    assert comp["fast"].without == "single_memo" and comp["memo"].without == "stock"  # fast vs memo alone
+    p = needs_plan("cumulative")
+    assert [p.config(c.with_).opts for c in p.comparisons][-1] == ("memo", "ex", "fast")
+    with pytest.raises(Exception, match="puts fast before memo, which it needs"):
+        needs_plan("cumulative", order=["fast", "memo"])
+
+
+def test_an_optimization_whose_need_cannot_take_part_is_skipped():
+    infos = [OptInfo("memo", "exact", reasons_inactive=("broken",)), *NEEDS[1:]]
+    p = needs_plan("leave-one-out", infos)
+    assert p.stack == ["ex"] and p.skipped["fast"] == ["needs memo, which cannot take part in this run"]
+    p = needs_plan("leave-one-out", skip=["memo"])
+    assert "fast" not in p.stack and "needs memo" in p.skipped["fast"][0]
+
+
+def test_fast_tier_needs_shared_modulation_in_the_registry_plan():
+    infos = opt_infos_from_registry()
+    assert {i.name: i.needs for i in infos}["fast_residual"] == ("shared_modulation",)
+    wl = from_mapping({"seeds": [1], "repeats": 1, "warmup": 0, "stack": "all"}).validate()
+    p = build_plan(wl, infos)
+    for c in p.configs:
+        assert not ({"fast_modulate", "fast_residual"} & set(c.opts)) or "shared_modulation" in c.opts, c

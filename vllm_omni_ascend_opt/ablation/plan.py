@@ -33,6 +33,8 @@ class OptInfo:
     summary: str = ""
     #: ``(SSIM, PSNR dB)`` of its own ``close`` gate (Optimization.close_gates); None: the workload's gates.
     close_gates: tuple[float, float] | None = None
+    #: Optimizations it acts through (Optimization.needs): kept in every configuration that has it.
+    needs: tuple[str, ...] = ()
 
 
 def opt_infos_from_registry() -> list[OptInfo]:
@@ -46,7 +48,7 @@ def opt_infos_from_registry() -> list[OptInfo]:
         except Exception as exc:  # a broken probe is itself a reason
             reasons = (f"reasons_inactive() raised {exc!r}",)
         gates = tuple(opt.close_gates) if opt.close_gates is not None else None
-        out.append(OptInfo(opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary, gates))
+        out.append(OptInfo(opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary, gates, tuple(opt.needs)))
     return out
 
 
@@ -223,6 +225,15 @@ def build_plan(
             ]
         else:
             stack.append(n)
+    changed = True
+    while changed:  # an optimization whose needs cannot take part cannot either (it would do nothing)
+        changed = False
+        for n in list(stack):
+            missing = [m for m in by_name[n].needs if m not in stack]
+            if missing:
+                stack.remove(n)
+                skipped[n] = [f"needs {', '.join(missing)}, which cannot take part in this run"]
+                changed = True
     if order_l:
         bad = [n for n in order_l if n not in stack]
         if bad:
@@ -231,6 +242,25 @@ def build_plan(
         seq = order_l + [n for n in stack if n not in order_l]
     else:
         seq = list(stack)
+    for i, n in enumerate(seq):
+        late = [m for m in by_name[n].needs if m in seq[i + 1 :]]
+        if late:
+            raise WorkloadError(f"--order puts {n} before {', '.join(late)}, which it needs")
+
+    def needed(n: str) -> set[str]:
+        """What ``n`` needs, transitively."""
+        out: set[str] = set()
+        todo = list(by_name[n].needs)
+        while todo:
+            m = todo.pop()
+            if m not in out:
+                out.add(m)
+                todo.extend(by_name[m].needs)
+        return out
+
+    def dependents(n: str) -> list[str]:
+        """The optimizations of the stack that need ``n``, transitively."""
+        return [m for m in stack if n in needed(m)]
 
     def reg(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
         return tuple(n for n in valid if n in set(names))
@@ -251,7 +281,9 @@ def build_plan(
     comparisons: list[Comparison] = []
     if workload.mode == "leave-one-out":
         for n in seq:
-            without = add(f"loo_{n}", f"full - {n}", reg([m for m in stack if m != n]), "leave-one-out")
+            deps = dependents(n)
+            label = f"full - {n}" + (f" (and {', '.join(deps)}, which need it)" if deps else "")
+            without = add(f"loo_{n}", label, reg([m for m in stack if m != n and m not in deps]), "leave-one-out")
             comparisons.append(Comparison(n, full_id, without))
     elif workload.mode == "cumulative":
         prev = stock_id
@@ -262,8 +294,10 @@ def build_plan(
             prev = cid
     elif workload.mode == "single":
         for n in seq:
-            cid = add(f"single_{n}", f"stock + {n}", (n,), "single")
-            comparisons.append(Comparison(n, cid, stock_id))
+            base = reg(sorted(needed(n)))
+            cid = add(f"single_{n}", "stock + " + " + ".join([*base, n]), reg([*base, n]), "single")
+            without = add(f"base_{n}", "stock + " + " + ".join(base), base, "single") if base else stock_id
+            comparisons.append(Comparison(n, cid, without))
     if full:
         # The control: deliberately a duplicate of the full stack, in its own process.
         configs.append(Config("full_ctrl", "full stack (control)", full, "control"))

@@ -291,7 +291,9 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         base = stock_ms if stock_ms else mean_total(comp.without)
         if p["mean_ms"] is not None and base:
             pct = 100 * p["mean_ms"] / base
-        eq = compare_configs(plan, out_root, comp.without, comp.with_, info.equivalence, {comp.opt}) if usable else None
+        # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
+        diff = set(plan.config(comp.with_).opts) ^ set(plan.config(comp.without).opts)
+        eq = compare_configs(plan, out_root, comp.without, comp.with_, _class_of(plan, diff), diff) if usable else None
         opts.append(
             {
                 "name": comp.opt,

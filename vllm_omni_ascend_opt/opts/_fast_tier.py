@@ -29,6 +29,7 @@ class FastBlockMode(Optimization):
     equivalence = "close"
     default_enabled = False
     close_gates = FAST_TIER_GATES
+    needs = ("shared_modulation",)
     requires = ("shared_modulation active (a mode of its memoized block body); vLLM-Omni 0.30.x; any device",)
     target_modules = (_targets.TRANSFORMER,)
 
