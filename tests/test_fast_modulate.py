@@ -57,6 +57,12 @@ def test_registered_off_by_default_in_all_close_tier():
     assert OPT.reasons_inactive() == []
 
 
+def test_inactive_where_shared_modulation_is(monkeypatch):
+    monkeypatch.setenv(sm.ENV_BUDGET_MB, "junk")
+    (why,) = OPT.reasons_inactive()
+    assert why.startswith("needs shared_modulation, which is inactive here:") and sm.ENV_BUDGET_MB in why
+
+
 def test_needs_shared_modulation_and_says_so(runtime):
     tr = build(runtime)
     kw = inputs(torch.float32)
