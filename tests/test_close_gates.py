@@ -155,3 +155,18 @@ def test_fast_tier_needs_shared_modulation_in_the_registry_plan():
     p = build_plan(wl, infos)
     for c in p.configs:
         assert not ({"fast_modulate", "fast_residual"} & set(c.opts)) or "shared_modulation" in c.opts, c
+
+
+def test_tiny_cpu_fast_workload_holds_the_fast_tier_to_its_gates_against_stock():
+    from vllm_omni_ascend_opt.ablation.workload import load_workload
+
+    wl = load_workload("tiny-cpu-fast").validate()
+    assert wl.model == "tiny" and wl.mode == "leave-one-out" and wl.stack == "all" and wl.engine == "testbed"
+    p = build_plan(wl, opt_infos_from_registry())
+    assert {"shared_modulation", "fast_modulate", "fast_residual", "vae_fast"} <= set(p.stack)
+    fast_only = set(p.config("loo_vae_fast").opts)  # the default stack + the fast tier
+    assert {"fast_modulate", "fast_residual"} <= fast_only and "vae_fast" not in fast_only
+    others = [n for n in fast_only if p.opts[n].equivalence == "close" and p.opts[n].close_gates is None]
+    if not others:  # on CPU; with torch_npu, fused_attention / nz_weights (workload gates) join the configuration
+        assert p.close_gates(fast_only) == {"ssim": 0.999, "psnr_db": 45.0}
+    assert p.close_gates(set(p.config("full").opts)) == {"ssim": 0.99, "psnr_db": 35.0}  # with vae_fast: loosest
