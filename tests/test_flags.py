@@ -6,8 +6,17 @@ import pytest
 
 from vllm_omni_ascend_opt import flags, registry
 
-ALL = ["shared_modulation", "rope", "fused_attention", "nz_weights", "vae_exact", "vae_fast"]
-DEFAULT = [n for n in ALL if n != "vae_fast"]
+ALL = [
+    "shared_modulation",
+    "rope",
+    "fused_attention",
+    "nz_weights",
+    "vae_exact",
+    "vae_fast",
+    "fast_modulate",
+    "fast_residual",
+]
+DEFAULT = [n for n in ALL if n not in ("vae_fast", "fast_modulate", "fast_residual")]
 
 
 def test_registry_names_and_order():
@@ -21,6 +30,8 @@ def test_registry_names_and_order():
         "nz_weights": "close",
         "vae_exact": "exact",
         "vae_fast": "close",
+        "fast_modulate": "close",
+        "fast_residual": "close",
     }
 
 
@@ -36,9 +47,13 @@ def test_registry_names_and_order():
         ("none,+rope", ["rope"]),
         ("none, +rope ,+vae_fast", ["rope", "vae_fast"]),
         ("rope,shared_modulation", ["shared_modulation", "rope"]),  # registry order, not spec order
-        ("all,-vae_fast,-vae_exact", ["shared_modulation", "rope", "fused_attention", "nz_weights"]),
+        (
+            "all,-vae_fast,-vae_exact",
+            ["shared_modulation", "rope", "fused_attention", "nz_weights", "fast_modulate", "fast_residual"],
+        ),
         ("rope,none", []),  # a later base resets
-        ("default,+vae_fast", ALL),
+        ("default,+vae_fast", [*DEFAULT, "vae_fast"]),
+        ("default,+vae_fast,+fast_modulate,+fast_residual", ALL),
         ("-rope", []),  # removing from an empty explicit list
     ],
 )

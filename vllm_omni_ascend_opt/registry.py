@@ -62,6 +62,12 @@ class Optimization:
     parallel_support: ClassVar[dict[str, str]] = {m: "supported" for m in PARALLEL_MODES}
     #: Upstream change that makes this optimization obsolete (shown in docs and patches).
     removal_plan: ClassVar[str] = ""
+    #: ``(SSIM, PSNR dB)`` this optimization must meet against the configuration without it when it delivers the
+    #: ``close`` tier (the ablation runner's gate); None: the workload's ``ssim_gate`` / ``psnr_gate``.
+    close_gates: ClassVar[tuple[float, float] | None] = None
+    #: Optimizations this one acts through (it does nothing without them): the ablation planner keeps them in every
+    #: configuration that has this one (a leave-one-out of a needed one also leaves out its dependents).
+    needs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self.patches = PatchSet(self.name)

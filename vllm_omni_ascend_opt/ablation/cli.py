@@ -289,6 +289,13 @@ def _print_plan(plan: Any, est: Any | None = None) -> None:
     print(f"\n  {'configuration':<24} {'role':<14} VLLM_OMNI_ASCEND_OPT")
     for c in plan.configs:
         print(f"  {c.id:<24} {c.role:<14} {c.spec}")
+    close = [n for n in plan.stack if plan.opts[n].equivalence == "close"]
+    if close:
+        print("\n  close-tier gates (each vs the configuration without it; several at once: the loosest of theirs):")
+        for n in close:
+            g = plan.close_gates([n])
+            own = "own" if plan.opts[n].close_gates else "workload's"
+            print(f"    {n:<18} SSIM >= {g['ssim']}, PSNR >= {g['psnr_db']} dB ({own})")
     if plan.comparisons:
         print("\n  verdicts from: " + "; ".join(f"{c.opt} = {c.without} - {c.with_}" for c in plan.comparisons))
     if plan.skipped:

@@ -31,6 +31,10 @@ class OptInfo:
     default_enabled: bool = True
     reasons_inactive: tuple[str, ...] = ()
     summary: str = ""
+    #: ``(SSIM, PSNR dB)`` of its own ``close`` gate (Optimization.close_gates); None: the workload's gates.
+    close_gates: tuple[float, float] | None = None
+    #: Optimizations it acts through (Optimization.needs): kept in every configuration that has it.
+    needs: tuple[str, ...] = ()
 
 
 def opt_infos_from_registry() -> list[OptInfo]:
@@ -43,7 +47,8 @@ def opt_infos_from_registry() -> list[OptInfo]:
             reasons = tuple(opt.reasons_inactive())
         except Exception as exc:  # a broken probe is itself a reason
             reasons = (f"reasons_inactive() raised {exc!r}",)
-        out.append(OptInfo(opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary))
+        gates = tuple(opt.close_gates) if opt.close_gates is not None else None
+        out.append(OptInfo(opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary, gates, tuple(opt.needs)))
     return out
 
 
@@ -94,6 +99,23 @@ class Plan:
     def samples(self) -> list[tuple[int, int]]:
         return self.workload.samples()
 
+    def close_gates(self, names: list[str] | tuple[str, ...] | set[str]) -> dict[str, float]:
+        """The SSIM / PSNR gates of a comparison whose two sides differ by ``names``.
+
+        Each ``close`` optimization among them brings its own gate (``OptInfo.close_gates``, the workload's when it
+        has none); when several differ at once their errors add, so the comparison is held to the loosest of their
+        gates (the lowest SSIM and the lowest PSNR), never to a tighter one than any of them claims alone. With no
+        ``close`` optimization among ``names`` (exact/pixel tiers ignore these numbers): the workload's gates."""
+        wl = self.workload
+        own = [
+            self.opts[n].close_gates or (wl.ssim_gate, wl.psnr_gate)
+            for n in names
+            if self.opts[n].equivalence == "close"
+        ]
+        if not own:
+            return {"ssim": wl.ssim_gate, "psnr_db": wl.psnr_gate}
+        return {"ssim": min(g[0] for g in own), "psnr_db": min(g[1] for g in own)}
+
     def fingerprint(self) -> str:
         """Hash of everything that makes stored measurements reusable (a resume must match it exactly)."""
         wl = self.workload.to_dict()
@@ -135,7 +157,12 @@ class Plan:
             "stack": list(self.stack),
             "skipped": {k: list(v) for k, v in self.skipped.items()},
             "optimizations": {
-                n: {"equivalence": o.equivalence, "default": o.default_enabled, "summary": o.summary}
+                n: {
+                    "equivalence": o.equivalence,
+                    "default": o.default_enabled,
+                    "summary": o.summary,
+                    "close_gates": self.close_gates([n]) if o.equivalence == "close" else None,
+                }
                 for n, o in self.opts.items()
             },
             "configs": [
@@ -198,6 +225,15 @@ def build_plan(
             ]
         else:
             stack.append(n)
+    changed = True
+    while changed:  # an optimization whose needs cannot take part cannot either (it would do nothing)
+        changed = False
+        for n in list(stack):
+            missing = [m for m in by_name[n].needs if m not in stack]
+            if missing:
+                stack.remove(n)
+                skipped[n] = [f"needs {', '.join(missing)}, which cannot take part in this run"]
+                changed = True
     if order_l:
         bad = [n for n in order_l if n not in stack]
         if bad:
@@ -206,6 +242,25 @@ def build_plan(
         seq = order_l + [n for n in stack if n not in order_l]
     else:
         seq = list(stack)
+    for i, n in enumerate(seq):
+        late = [m for m in by_name[n].needs if m in seq[i + 1 :]]
+        if late:
+            raise WorkloadError(f"--order puts {n} before {', '.join(late)}, which it needs")
+
+    def needed(n: str) -> set[str]:
+        """What ``n`` needs, transitively."""
+        out: set[str] = set()
+        todo = list(by_name[n].needs)
+        while todo:
+            m = todo.pop()
+            if m not in out:
+                out.add(m)
+                todo.extend(by_name[m].needs)
+        return out
+
+    def dependents(n: str) -> list[str]:
+        """The optimizations of the stack that need ``n``, transitively."""
+        return [m for m in stack if n in needed(m)]
 
     def reg(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
         return tuple(n for n in valid if n in set(names))
@@ -226,7 +281,9 @@ def build_plan(
     comparisons: list[Comparison] = []
     if workload.mode == "leave-one-out":
         for n in seq:
-            without = add(f"loo_{n}", f"full - {n}", reg([m for m in stack if m != n]), "leave-one-out")
+            deps = dependents(n)
+            label = f"full - {n}" + (f" (and {', '.join(deps)}, which need it)" if deps else "")
+            without = add(f"loo_{n}", label, reg([m for m in stack if m != n and m not in deps]), "leave-one-out")
             comparisons.append(Comparison(n, full_id, without))
     elif workload.mode == "cumulative":
         prev = stock_id
@@ -237,8 +294,10 @@ def build_plan(
             prev = cid
     elif workload.mode == "single":
         for n in seq:
-            cid = add(f"single_{n}", f"stock + {n}", (n,), "single")
-            comparisons.append(Comparison(n, cid, stock_id))
+            base = reg(sorted(needed(n)))
+            cid = add(f"single_{n}", "stock + " + " + ".join([*base, n]), reg([*base, n]), "single")
+            without = add(f"base_{n}", "stock + " + " + ".join(base), base, "single") if base else stock_id
+            comparisons.append(Comparison(n, cid, without))
     if full:
         # The control: deliberately a duplicate of the full stack, in its own process.
         configs.append(Config("full_ctrl", "full stack (control)", full, "control"))

@@ -137,7 +137,9 @@ def _gate_cell(chk: dict[str, Any] | None) -> str:
     if g["class"] == "exact":
         extra = "" if w["pixel_identical"] else f", max |Δ| {w['max_abs_diff']:.3g}"
         return f"{mark} {'pixel-identical' if w['pixel_identical'] else 'differs'}{extra}"
-    return f"{mark} SSIM {w['ssim_min']:.4f}, PSNR {fmt_db(w['psnr_db_min'])}"
+    gates = chk.get("gates")
+    limits = f" (gate ≥ {gates['ssim']} / ≥ {gates['psnr_db']} dB)" if gates else ""
+    return f"{mark} SSIM {w['ssim_min']:.4f}, PSNR {fmt_db(w['psnr_db_min'])}{limits}"
 
 
 def markdown(results: dict[str, Any]) -> str:

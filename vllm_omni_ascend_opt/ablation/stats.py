@@ -177,8 +177,11 @@ def _class_of(plan: Plan, names: set[str]) -> str:
     return weakest_tier([plan.opts[n].equivalence for n in names])
 
 
-def compare_configs(plan: Plan, out_root: Any, ref: str, other: str, equivalence: str) -> dict[str, Any]:
-    """Metrics of ``other`` against ``ref`` on every sample, the worst case, and the gate."""
+def compare_configs(
+    plan: Plan, out_root: Any, ref: str, other: str, equivalence: str, diff: set[str] | None = None
+) -> dict[str, Any]:
+    """Metrics of ``other`` against ``ref`` on every sample, the worst case, and the gate. ``diff``: the
+    optimizations the two differ by, whose own ``close`` gates apply (:meth:`Plan.close_gates`)."""
     from pathlib import Path
 
     root = Path(out_root)
@@ -194,8 +197,17 @@ def compare_configs(plan: Plan, out_root: Any, ref: str, other: str, equivalence
             continue
         per[key] = compare.compare(a, b)
     agg = compare.aggregate(per) if not missing else {}
-    g = compare.gate(agg, equivalence, plan.workload.ssim_gate, plan.workload.psnr_gate)
-    return {"reference": ref, "class": equivalence, "per_sample": per, "worst": agg, "gate": g, "missing": missing}
+    gates = plan.close_gates(diff or set())
+    g = compare.gate(agg, equivalence, gates["ssim"], gates["psnr_db"])
+    return {
+        "reference": ref,
+        "class": equivalence,
+        "gates": gates,
+        "per_sample": per,
+        "worst": agg,
+        "gate": g,
+        "missing": missing,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -266,7 +278,7 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
                 continue
             ref_opts = set() if ref == "stock" else full_opts
             diff = ref_opts ^ set(c.opts)
-            entry[key] = compare_configs(plan, out_root, ref, c.id, _class_of(plan, diff) if diff else "exact")
+            entry[key] = compare_configs(plan, out_root, ref, c.id, _class_of(plan, diff) if diff else "exact", diff)
         configs.append(entry)
 
     # optimizations
@@ -279,7 +291,9 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         base = stock_ms if stock_ms else mean_total(comp.without)
         if p["mean_ms"] is not None and base:
             pct = 100 * p["mean_ms"] / base
-        eq = compare_configs(plan, out_root, comp.without, comp.with_, info.equivalence) if usable else None
+        # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
+        diff = set(plan.config(comp.with_).opts) ^ set(plan.config(comp.without).opts)
+        eq = compare_configs(plan, out_root, comp.without, comp.with_, _class_of(plan, diff), diff) if usable else None
         opts.append(
             {
                 "name": comp.opt,

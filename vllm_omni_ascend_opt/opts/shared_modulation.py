@@ -303,6 +303,51 @@ def _norm_kind(norm: nn.Module) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the fast tier: close-tier modes of the memoized block body (opts/fast_modulate.py, opts/fast_residual.py)
+# ----------------------------------------------------------------------------------------------------------------
+class FastModes:
+    """Switches of the fast tier (``close``, off by default), read by the block body on every call; each is turned
+    on by its own optimization's ``install`` (``fast_modulate``, ``fast_residual``). ``stats[mode]`` counts the
+    calls that took the fast path, ``fallbacks[mode]`` the ones that did not and why."""
+
+    MODES = ("modulate", "residual")
+
+    def __init__(self) -> None:
+        self.modulate = False
+        self.residual = False
+        self.stats: Counter[str] = Counter()
+        self.fallbacks: dict[str, Counter[str]] = {m: Counter() for m in self.MODES}
+
+    def set(self, mode: str, on: bool) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"unknown fast mode {mode!r}")
+        setattr(self, mode, bool(on))
+
+    def ran(self, mode: str) -> None:
+        self.stats[mode] += 1
+
+    def fallback(self, mode: str, why: str) -> None:
+        self.fallbacks[mode][why] += 1
+
+    def reset(self, mode: str) -> None:
+        self.stats[mode] = 0
+        self.fallbacks[mode].clear()
+
+    def use_residual(self, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether a gated residual ``x + gate * y`` runs as ``addcmul`` (counted either way when the mode is on)."""
+        if not self.residual:
+            return False
+        if not (x.dtype == gate.dtype == y.dtype):
+            self.fallback("residual", "mixed dtypes in the gated residual (stock promotes; addcmul would not)")
+            return False
+        self.ran("residual")
+        return True
+
+
+FAST = FastModes()
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # the memo
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass(slots=True)
@@ -313,9 +358,21 @@ class NormMod:
     shift: torch.Tensor
     gate: torch.Tensor
     kind: str
+    #: fast_modulate: the ``[D]`` affine ``(1 + scale, shift)`` of every token (views of ``first``/``shift``), or why
+    #: this norm cannot take them; built on first fast use and kept with the memo entry (a warm step pays no op).
+    affine: tuple[torch.Tensor, torch.Tensor] | str | None = None
 
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``norm(x, scale, shift)``, computed with the same ops as the instance's stock dispatch."""
+        """``norm(x, scale, shift)``, computed with the same ops as the instance's stock dispatch (or, with
+        ``fast_modulate``, as one affine layer norm)."""
+        if FAST.modulate:
+            if self.affine is None:
+                self.affine = _affine_params(self, norm)
+            why = self.affine if isinstance(self.affine, str) else _affine_dtype_reason(x, self.affine[0])
+            if why is None:
+                FAST.ran("modulate")
+                return _affine_layernorm(self.kind, norm, x, *self.affine)
+            FAST.fallback("modulate", why)
         if self.kind == _NATIVE:
             return norm.layernorm(x) * self.first + self.shift
         if self.kind == _NPU_EVAL:
@@ -330,6 +387,12 @@ class NormMod:
         """Stock's gated residual term ``gate * y`` (the interface :class:`SegMod` shares)."""
         return self.gate * y
 
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Stock's ``x + gate * y``; with ``fast_residual`` one ``torch.addcmul(x, gate, y)``."""
+        if FAST.use_residual(x, self.gate, y):
+            return torch.addcmul(x, self.gate, y)
+        return x + self.gate * y
+
     @staticmethod
     def unpack(scale: torch.Tensor, shift: torch.Tensor, gate: torch.Tensor, kind: str) -> NormMod:
         own = torch.contiguous_format
@@ -338,6 +401,48 @@ class NormMod:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.first, self.shift, self.gate))
+
+
+def _affine_layernorm(
+    kind: str, norm: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """fast_modulate: ``LN(x) * (1 + scale) + shift`` as ONE affine layer norm, ``weight = 1 + scale``,
+    ``bias = shift`` (``[D]``) -- the one place that picks its kernel: ``npu_layer_norm_eval`` (kind npu_eval,
+    [OP-LNE] accepts weight and bias) or ``F.layer_norm`` (native). The affine runs in the kernel's fp32 opmath
+    with one rounding instead of stock's three roundings in bf16: close, not exact (1 ulp bf16)."""
+    if kind == _NPU_EVAL:
+        return _backend.torch_npu_module().npu_layer_norm_eval(
+            x, normalized_shape=[norm.hidden_size], weight=weight, bias=bias, eps=norm.eps
+        )
+    ln = norm.layernorm
+    return F.layer_norm(x, ln.normalized_shape, weight, bias, ln.eps)
+
+
+def _affine_params(mod: NormMod, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """``(1 + scale, shift)`` as ``[D]`` views when every token of every sample shares them, else why not."""
+    if mod.kind not in (_NATIVE, _NPU_EVAL):
+        return "AdaLayerNorm is not stock's native / torch_npu path (MindIE-SD fused kernel or a patched instance)"
+    ln = norm.layernorm
+    if ln.weight is not None or ln.bias is not None:
+        return "the AdaLayerNorm's LayerNorm has its own affine weights"
+    if mod.kind == _NATIVE and _hooked(ln):
+        return "forward hooks on the AdaLayerNorm's LayerNorm"
+    first, shift = mod.first, mod.shift
+    if first.dim() != 3 or first.shape[1] != 1 or shift.shape != first.shape:
+        return "modulation is not one [B, 1, D] row per sample"
+    if first.shape[0] > 1 and not (
+        torch.equal(first, first[:1].expand_as(first)) and torch.equal(shift, shift[:1].expand_as(shift))
+    ):
+        return "batch rows have different modulation (per-sample timesteps): one [D] affine cannot serve them"
+    return first[0, 0], shift[0, 0]
+
+
+def _affine_dtype_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    if x.dtype != weight.dtype:
+        return "input and modulation dtypes differ (stock promotes; the layer norm's affine would not)"
+    if x.shape[-1] != weight.shape[0]:
+        return "input width differs from the modulation width"
+    return None
 
 
 def _layernorm(kind: str, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -424,11 +529,29 @@ class SegMod:
 
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))``."""
+        if FAST.modulate:
+            FAST.fallback("modulate", "two-segment image norm (zero_cond_t): the modulation differs between segments")
         return self._apply(_layernorm(self.kind, norm, x), self.first, self.shift)
 
     def gated(self, y: torch.Tensor) -> torch.Tensor:
         """Stock: ``where(idx, gate1, gate0) * y``."""
         return self._apply(y, self.gate, None)
+
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Stock's ``x + where(idx, gate1, gate0) * y``; with ``fast_residual`` one ``addcmul`` per broadcast or
+        per segment slice."""
+        gate = self.gate if self.plan.broadcast else self.gate[0]
+        if not FAST.use_residual(x, gate, y):
+            return x + self.gated(y)
+        plan = self.plan
+        b, n, d = y.shape
+        if plan.broadcast:
+            shape = (b, plan.chunks, plan.chunk, d)
+            return torch.addcmul(x.reshape(shape), self.gate, y.reshape(shape)).view(b, n, d)
+        out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+        for start, end, seg in plan.runs:
+            torch.addcmul(x[:, start:end], self.gate[seg], y[:, start:end], out=out[:, start:end])
+        return out
 
     @staticmethod
     def segment(scale: torch.Tensor, shift: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -1032,7 +1155,7 @@ def _block_body(
     hidden_states_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM-Omni 0.30's block with its modulation read from ``mods``: the same ops on the same values as
-    ``QwenImageTransformerBlock.forward``. Single-segment blocks (``modulate_index=None``, image mods are
+    ``QwenImageTransformerBlock.forward`` (unless a fast-tier mode is on: :data:`FAST`). Single-segment blocks (``modulate_index=None``, image mods are
     :class:`NormMod`) and ``zero_cond_t`` blocks (``select01_modulation_native`` path; image mods are :class:`SegMod`,
     per-segment broadcast instead of three ``torch.where`` over ``[B, L, D]`` per image norm) share this body."""
     img1, img2, txt1, txt2 = mods
@@ -1046,13 +1169,13 @@ def _block_body(
         hidden_states_mask=hidden_states_mask,
         encoder_hidden_states_mask=encoder_hidden_states_mask,
     )
-    hidden_states = hidden_states + img1.gated(img_attn_output)
-    encoder_hidden_states = encoder_hidden_states + txt1.gate * txt_attn_output
+    hidden_states = img1.residual(hidden_states, img_attn_output)
+    encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output)
 
     img_modulated2 = img2.norm(block.img_norm2, hidden_states)
-    hidden_states = hidden_states + img2.gated(block.img_mlp(img_modulated2))
+    hidden_states = img2.residual(hidden_states, block.img_mlp(img_modulated2))
     txt_modulated2 = txt2.norm(block.txt_norm2, encoder_hidden_states)
-    encoder_hidden_states = encoder_hidden_states + txt2.gate * block.txt_mlp(txt_modulated2)
+    encoder_hidden_states = txt2.residual(encoder_hidden_states, block.txt_mlp(txt_modulated2))
 
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
