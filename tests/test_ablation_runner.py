@@ -3,6 +3,7 @@ interruption and resume, and the reports built from a run. No vLLM-Omni here: ea
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -221,6 +222,38 @@ def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_
             pids[s["round"]] = s["pid"]
     assert pids[0] == pids[1] != pids[2] == pids[3]
     assert res["verdict"]["result"] == "PASS"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_williams_orders_balance_positions_and_predecessors(n):
+    from collections import Counter
+
+    from vllm_omni_ascend_opt.ablation.runner import williams_orders
+
+    rows = williams_orders(n)
+    assert len(rows) == (n if n % 2 == 0 or n == 1 else 2 * n)
+    assert all(sorted(r) == list(range(n)) for r in rows)
+    positions = Counter((pos, c) for r in rows for pos, c in enumerate(r))
+    assert set(positions.values()) == {len(rows) // n}  # every configuration at every position equally often
+    if n > 1:
+        pairs = Counter((a, b) for r in rows for a, b in itertools.pairwise(r))
+        assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1  # every ordered neighbour pair alike
+
+
+def test_resident_measurement_follows_the_williams_orders(tmp_path, monkeypatch):
+    """The resident schedule measures each step in the next Williams order: the predecessor of a configuration
+    varies (with a rotation, 'full' would always run right after 'stock')."""
+    from vllm_omni_ascend_opt.ablation.runner import williams_orders
+
+    plan = make_plan(repeats=3, seeds=[1, 2])
+    _, res = run(plan, tmp_path / "out", monkeypatch, GOOD)
+    ids = [c.id for c in plan.configs]
+    got = [s["config"] for s in res["samples"] if not s["warmup"]]
+    rows = williams_orders(len(ids))
+    want = [ids[i] for step in range(3 * 2) for i in rows[step % len(rows)]]
+    assert got == want
+    before_full = {got[i - 1] for i in range(1, len(got)) if got[i] == "full" and i % len(ids)}
+    assert len(before_full) >= 3
 
 
 def _state(pid: int) -> str:

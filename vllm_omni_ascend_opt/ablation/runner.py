@@ -9,8 +9,10 @@ machine hits all of them alike):
   set of workers, so that process-level effects (memory placement) are drawn more than once. With ``pause_idle``
   every worker's process group is stopped (SIGSTOP) outside its own turn and continued (SIGCONT) for it, so the idle
   polling of resident engines and servers does not compete with the configuration being measured.
-  Then, for each round (= one repeat) and each sample (prompt x seed), every configuration runs once, in an order
-  rotated by one position per step, so no configuration always runs first or right after a given other one. Workers
+  Then, for each round (= one repeat) and each sample (prompt x seed), every configuration runs once, in the orders
+  of a Williams design (:func:`williams_orders`), one per step in turn: every configuration runs at every position
+  and right after every other configuration equally often, so neither a position nor a neighbour (whose cache
+  footprint the next one inherits) favours one configuration. Workers
   block on their stdin between requests. Costs one model copy per configuration in memory.
 * ``per-round`` (default for a real checkpoint, where one device holds one copy of the model): for each round, the
   configurations run one after another, rotated per round, each in a fresh process that loads the model, warms up,
@@ -169,6 +171,28 @@ def _group_cpu_s(pgid: int) -> float | None:
     generation costs wherever in the worker's group it ran. None without ``/proc``."""
     stats = _group_stats(pgid)
     return None if stats is None else sum(t for _, t in stats) / os.sysconf("SC_CLK_TCK")
+
+
+def williams_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` configurations (a Williams design: a Latin square balanced for first-order carry-over).
+
+    Over all returned orders each index stands at each position equally often and directly follows each other index
+    equally often (n orders for even n; for odd n each order and its reverse, 2n). A plain rotation keeps the cyclic
+    neighbours fixed: configuration i would always run right after configuration i-1.
+    """
+    if n <= 1:
+        return [list(range(n))]
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return rows
 
 
 def _load1() -> float | None:
@@ -732,8 +756,8 @@ class Runner:
                     live = [c for c in order if c.id in workers and c.id not in self.failed]
                     if not live:
                         return
-                    shift = (rnd * len(samples) + k) % len(live)
-                    for c in live[shift:] + live[:shift]:
+                    rows = williams_orders(len(live))
+                    for c in [live[i] for i in rows[(rnd * len(samples) + k) % len(rows)]]:
                         if (p, s) not in todo.get((c.id, rnd), set()):
                             continue
                         w = workers[c.id]
