@@ -6,7 +6,16 @@ import pytest
 
 from vllm_omni_ascend_opt import flags, registry
 
-ALL = ["shared_modulation", "rope", "fused_attention", "nz_weights", "vae_exact", "vae_fast"]
+ALL = [
+    "shared_modulation",
+    "rope",
+    "joint_attention",
+    "qk_norm",
+    "fused_attention",
+    "nz_weights",
+    "vae_exact",
+    "vae_fast",
+]
 DEFAULT = [n for n in ALL if n != "vae_fast"]
 
 
@@ -17,6 +26,8 @@ def test_registry_names_and_order():
     assert classes == {
         "shared_modulation": "exact",
         "rope": "pixel",  # its weakest tier (the NPU kernel); exact on the portable path, see Rope.tier()
+        "joint_attention": "exact",
+        "qk_norm": "pixel",
         "fused_attention": "close",
         "nz_weights": "close",
         "vae_exact": "exact",
@@ -36,7 +47,10 @@ def test_registry_names_and_order():
         ("none,+rope", ["rope"]),
         ("none, +rope ,+vae_fast", ["rope", "vae_fast"]),
         ("rope,shared_modulation", ["shared_modulation", "rope"]),  # registry order, not spec order
-        ("all,-vae_fast,-vae_exact", ["shared_modulation", "rope", "fused_attention", "nz_weights"]),
+        (
+            "all,-vae_fast,-vae_exact,-joint_attention",
+            ["shared_modulation", "rope", "qk_norm", "fused_attention", "nz_weights"],
+        ),
         ("rope,none", []),  # a later base resets
         ("default,+vae_fast", ALL),
         ("-rope", []),  # removing from an empty explicit list

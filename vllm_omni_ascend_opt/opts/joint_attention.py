@@ -307,9 +307,8 @@ class JointAttention(Optimization):
         return None
 
     def _cuda_fused(self, mod: Any, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor) -> bool:
-        """Whether stock's ``_qwen_image_qk_norm_rope`` would take its fused CUDA path for this stream."""
-        if q.device.type != "cuda":
-            return False
+        """Whether stock's ``_qwen_image_qk_norm_rope`` would take its fused CUDA path for this stream (stock's own
+        condition, in its order: token threshold, then ``_fused_cuda_supported`` - which requires CUDA tensors)."""
         tokens = q.shape[0] * q.shape[1]
         return bool(
             tokens >= mod.fused_qk_norm_rope_min_tokens(mod._FUSED_MIN_TOKENS)
