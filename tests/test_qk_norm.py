@@ -105,7 +105,7 @@ def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, runti
     assert npu.calls["npu_rms_norm"] > 0 and OPT.stats["kernel_calls"] == npu.calls["npu_rms_norm"]
     assert OPT.stats["shape_checks"] >= 1 and all(v.ok for v in OPT.verdicts())
     if "joint_attention" in spec or spec == "default":
-        assert OPT.stats["joint_calls"] > 0 and ja.OPT.stats["kernel_norm_calls"] == OPT.stats["joint_calls"]
+        assert ja.OPT.stats["kernel_norm_calls"] == ja.OPT.stats["joint_calls"] > 0  # the per-stream kernel order
 
 
 def test_bf16_transformer_identical_through_the_fake(fake_npu, runtime, bf16_transformer):
@@ -115,7 +115,20 @@ def test_bf16_transformer_identical_through_the_fake(fake_npu, runtime, bf16_tra
     api.select("none,+joint_attention,+qk_norm", model=bf16_transformer)
     got = _forward(runtime, bf16_transformer)
     assert npu.calls["npu_rms_norm"] == 4 * len(bf16_transformer.transformer_blocks)  # 2 streams x (q, k)
+    assert ja.OPT.stats["kernel_norm_calls"] == len(bf16_transformer.transformer_blocks)
     assert torch.equal(got, ref)
+
+
+def test_with_fused_attention_the_value_reaches_the_kernel_contiguous(fake_npu, runtime, bf16_transformer):
+    """(a) in the qk_norm docstring: v is joined by a cat, so npu_fusion_attention needs no copy of it."""
+    fake_npu()
+    api.select("none,+joint_attention,+qk_norm,+fused_attention", model=bf16_transformer)
+    _forward(runtime, bf16_transformer)  # verification outside the count
+    with count_module_calls(bf16_transformer.transformer_blocks[-1]) as calls:
+        _forward(runtime, bf16_transformer)
+    c = calls[-1].counts
+    assert c["fake_torch_npu::fusion_attention"] == 1 and c["fake_torch_npu::rms_norm"] == 4
+    assert c["aten::cat"] == 3 and c["aten::clone"] == 0, c
 
 
 def test_ops_per_block_joint_and_per_stream(fake_npu, tiny_pipe, runtime):

@@ -29,8 +29,9 @@ How (every element sees exactly stock's operations in stock's order, so the outp
   stock builds it (``encoder_hidden_states_mask`` / ``hidden_states_mask`` are handled exactly). Under Ulysses/Ring
   sequence parallelism (stock's ``AttentionMetadata(joint_query=txt...)`` branch) the image and text parts are views
   of the joint tensors: the same values as stock's.
-* With ``qk_norm`` attached (torch_npu present), the norm step asks it first (one ``npu_rms_norm`` per stream on the
-  row ranges, then one ``cat``); see ``qk_norm`` for the launch count.
+* With ``qk_norm`` attached and its kernel present, the norms run per stream on stock's views (one ``npu_rms_norm``
+  each: gamma must be [D]) and q, k, v are joined by one ``cat`` each (v stays contiguous for the attention
+  kernel); RoPE still runs once on the joint sequence. See ``qk_norm`` for the launch count.
 
 Launches per block, fp32 tiny, warm request (the CPU bitwise default stack): 74 -> 54 (norms 24 -> 14, RoPE
 16 -> 8, cats 3 -> 1).
@@ -316,12 +317,6 @@ class JointAttention(Optimization):
         )
 
     def _norm(self, x: torch.Tensor, st: int, norm_txt: nn.Module, norm_img: nn.Module) -> torch.Tensor:
-        qk = sys.modules.get("vllm_omni_ascend_opt.opts.qk_norm")
-        if qk is not None:
-            out = qk.OPT.joint(x, st, norm_txt, norm_img)
-            if out is not None:
-                self.stats["kernel_norm_calls"] += 1
-                return out
         return joint_rms_norm(x, st, norm_txt.weight, norm_img.weight, norm_img.eps)
 
     def _rope(self, x: torch.Tensor, joint_freqs: torch.Tensor, rope: nn.Module) -> torch.Tensor:
@@ -409,14 +404,23 @@ class JointAttention(Optimization):
         ):
             return "stock's fused CUDA qk-norm-rope path (>= its token threshold on CUDA)"
 
-        joint_qkv = torch.cat([txt_qkv, img_qkv], dim=1)
-        query, key, value = joint_qkv.split([q_size, kv_size, kv_size], dim=-1)
-        query = query.unflatten(-1, (nq, d))
-        key = key.unflatten(-1, (nkv, d))
-        value = value.unflatten(-1, (nkv, d))
-
-        query = self._norm(query, st, attn.norm_added_q, attn.norm_q)
-        key = self._norm(key, st, attn.norm_added_k, attn.norm_k)
+        qk = sys.modules.get("vllm_omni_ascend_opt.opts.qk_norm")
+        if qk is not None and qk.OPT.kernel_ready(attn):
+            # qk_norm's npu_rms_norm takes gamma [D]: one kernel per stream (on stock's views), then one cat each for
+            # q, k and v (v stays contiguous for the attention kernel). 9 launches with the joint rotary, against 11
+            # in stock's order.
+            txt_v = txt_qkv[..., q_size + kv_size :].unflatten(-1, (nkv, d))
+            img_v = img_qkv[..., q_size + kv_size :].unflatten(-1, (nkv, d))
+            query = torch.cat([attn.norm_added_q(txt_q), attn.norm_q(img_q)], dim=1)
+            key = torch.cat([attn.norm_added_k(txt_k), attn.norm_k(img_k)], dim=1)
+            value = torch.cat([txt_v, img_v], dim=1)
+            self.stats["kernel_norm_calls"] += 1
+        else:
+            joint_qkv = torch.cat([txt_qkv, img_qkv], dim=1)
+            query, key, value = joint_qkv.split([q_size, kv_size, kv_size], dim=-1)
+            query = self._norm(query.unflatten(-1, (nq, d)), st, attn.norm_added_q, attn.norm_q)
+            key = self._norm(key.unflatten(-1, (nkv, d)), st, attn.norm_added_k, attn.norm_k)
+            value = value.unflatten(-1, (nkv, d))
         joint_freqs = self._joint_freqs.get(vid_freqs, txt_freqs)
         query = self._rope(query, joint_freqs, attn.rope)
         key = self._rope(key, joint_freqs, attn.rope)

@@ -23,12 +23,14 @@ raises, keeps stock's composite with the reason logged (``notes()``/``verdicts()
 ``torch.compile``, graph capture, an ineligible dtype/shape, no torch_npu) runs stock ``nn.RMSNorm.forward``.
 
 With ``joint_attention`` (text and image rows of one joint q or k): ``gamma`` must be ``[D]``, so one kernel cannot
-apply the two streams' weights. Counted per block for q and k together (npu_rotary_mul after it either way):
-(a) one ``npu_rms_norm`` per stream on the two row ranges, then one ``cat``: 3 launches per q/k, 6 per block;
-(b) a joint ``npu_rms_norm`` with gamma = ones and a per-row weight-table ``mul``: 2 per q/k, 4 per block, but a
-second rounding and per-block [S, D] weight tables to keep (and invalidate) per shape; (c) stock's order (norm
-each stream, rope each stream, three cats): 4 + 4 + 3 = 11 with this kernel, against (a) + the joint qkv cat +
-2 rotary = 9. This module implements (a) (:meth:`QkNorm.joint`).
+apply the two streams' weights. Counted per block for q, k and v (npu_rotary_mul once per q/k on the joint sequence
+either way): (a) one ``npu_rms_norm`` per stream on stock's views, then one ``cat`` each for q, k and v: 4 + 3 = 7,
+9 with the rotary calls, and v stays contiguous for ``npu_fusion_attention``; (b) one ``cat`` of the two QKV
+projections, one kernel per stream on its row ranges and one ``cat`` each for q and k: 1 + 4 + 2 = 7 too, but v
+is a strided view that the fused attention copies (one more launch); (c) a joint ``npu_rms_norm`` with gamma = ones
+and a per-row weight-table ``mul``: 1 + 2 + 2 = 5, but a second rounding and per-block [S, D] weight tables to keep
+(and invalidate) per shape; (d) stock's order (norm and rotate each stream, three cats): 4 + 4 + 3 = 11.
+``joint_attention`` implements (a) when this optimization is attached (:meth:`QkNorm.kernel_ready`).
 
 Tier: the kernel computes in fp32 and rounds once; its fp32 reduction order may differ from stock's, so outputs may
 differ in the last bits: ``pixel`` (uint8-identical images), verified on the tiny workload; ``exact`` where it
@@ -193,9 +195,7 @@ class QkNorm(Optimization):
     def notes(self) -> list[str]:
         s = self.stats
         out = [v.describe() for v in self.verdicts()]
-        out.append(
-            f"{KERNEL} calls {s['kernel_calls']} (joint text+image {s['joint_calls']}), stock calls {s['stock_calls']}"
-        )
+        out.append(f"{KERNEL} calls {s['kernel_calls']}, stock calls {s['stock_calls']}")
         return out
 
     def verdicts(self) -> list[NormVerdict]:
@@ -295,20 +295,11 @@ class QkNorm(Optimization):
         self.stats["kernel_calls"] += 1
         return out
 
-    def joint(self, x: torch.Tensor, st: int, norm_txt: nn.Module, norm_img: nn.Module) -> torch.Tensor | None:
-        """Text rows ``x[:, :st]`` by ``norm_txt``, image rows by ``norm_img``, joined: one kernel per stream and one
-        ``cat`` (gamma must be [D]); None when either stream cannot take the kernel (the caller runs the exact
-        joint composite)."""
-        if norm_txt not in self._swapped or norm_img not in self._swapped:
-            return None
-        txt = self.apply(norm_txt, x[:, :st])
-        if txt is None:
-            return None
-        img = self.apply(norm_img, x[:, st:])
-        if img is None:
-            return None
-        self.stats["joint_calls"] += 1
-        return torch.cat([txt, img], dim=1)
+    def kernel_ready(self, attn: nn.Module) -> bool:
+        """Whether the four QK norms of ``attn`` carry the kernel class and torch_npu has the kernel (what
+        ``joint_attention`` asks to choose its per-stream norm order)."""
+        norms = [getattr(attn, name, None) for name in NORM_NAMES]
+        return all(n in self._swapped for n in norms) and self._kernel() is not None
 
     def is_prepared(self, norm: nn.Module) -> bool:
         return norm in self._swapped
