@@ -9,12 +9,12 @@ from vllm_omni_ascend_opt import flags, registry
 ALL = [
     "shared_modulation",
     "rope",
-    "joint_attention",
-    "qk_norm",
     "fused_attention",
     "nz_weights",
     "vae_exact",
     "vae_fast",
+    "joint_attention",
+    "qk_norm",
 ]
 DEFAULT = [n for n in ALL if n != "vae_fast"]
 
@@ -49,7 +49,7 @@ def test_registry_names_and_order():
         ("rope,shared_modulation", ["shared_modulation", "rope"]),  # registry order, not spec order
         (
             "all,-vae_fast,-vae_exact,-joint_attention",
-            ["shared_modulation", "rope", "qk_norm", "fused_attention", "nz_weights"],
+            ["shared_modulation", "rope", "fused_attention", "nz_weights", "qk_norm"],
         ),
         ("rope,none", []),  # a later base resets
         ("default,+vae_fast", ALL),

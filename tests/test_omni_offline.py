@@ -118,7 +118,7 @@ def test_status_line_in_the_engine_log(runs):
     lines = [ln for ln in log.splitlines() if "vllm-omni-ascend-opt 0.1.0 (VLLM_OMNI_ASCEND_OPT=default)" in ln]
     worker = [ln for ln in lines if "DiffusionWorker" in ln]
     assert len(worker) == 1, lines  # one INFO line per process, the worker's tagged by vLLM
-    assert " INFO " in worker[0] and "installed shared_modulation, rope, joint_attention, vae_exact" in worker[0]
+    assert " INFO " in worker[0] and "installed shared_modulation, rope, vae_exact, joint_attention" in worker[0]
     assert "fused_attention (torch_npu" in worker[0]
 
 
