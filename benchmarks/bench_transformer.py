@@ -53,6 +53,8 @@ CONFIGS: dict[str, str] = {
     "shared_modulation": "none,+shared_modulation",
     "rope": "none,+rope",
     "both": "none,+shared_modulation,+rope",
+    "joint_attention": "none,+joint_attention",
+    "exact": "none,+shared_modulation,+rope,+joint_attention",
 }
 RESOLUTIONS: list[tuple[int, int]] = [(128, 128), (256, 256)]
 #: --pipeline name -> (ModelSpec.variant arguments, description). DMD2 = t2i (same transformer and inputs).

@@ -105,6 +105,8 @@ def _cases():
             {"num_heads": 4, "input_layout": "BNSD", "scale": 0.125},
         ),
         ("npu_layer_norm_eval", "3-D", (rnd(2, 5, 16), [16]), {"eps": 1e-6}),
+        ("npu_rms_norm", "BSND bf16", (rnd(2, 6, 3, 64), rnd(64)), {"epsilon": 1e-6}),
+        ("npu_rms_norm", "2-D gamma fp32", (rnd(4, 5, 16, dtype=torch.float32), rnd(5, 16, dtype=torch.float32)), {}),
     ]
 
 
@@ -177,3 +179,30 @@ def test_reading_the_real_config_gives_nothing_which_is_why_nz_weights_must_not_
     real, _ = reference.real_npu_config()
     real.allow_internal_format = True
     assert getattr(real, "allow_internal_format", None) is None
+
+
+def test_fake_rms_norm_computes_the_documented_result_and_enforces_its_constraints(fake_npu):
+    """[OP-RMS]: y = x * rsqrt(mean(x^2) + eps) * gamma (fp32 inside, one rounding), rstd float32; dtypes
+    fp16/bf16/fp32 with gamma of self's dtype; self 2-8 dims; gamma the trailing dims of self."""
+    fake = fake_npu()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 3, 8, generator=g).bfloat16()
+    w = torch.randn(8, generator=g).bfloat16()
+    y, rstd = fake.npu_rms_norm(x, w, epsilon=1e-5)
+    x32 = x.float()
+    want_rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert rstd.dtype == torch.float32 and rstd.shape == (2, 5, 3, 1)
+    torch.testing.assert_close(rstd, want_rstd, rtol=0, atol=0)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, (x32 * want_rstd * w.float()).bfloat16())
+    assert torch.equal(y, torch.nn.functional.rms_norm(x, (8,), w, 1e-5))  # torch 2.13's composite, bitwise
+    bad = [
+        (x.double(), w.double()),  # dtype
+        (x, w.float()),  # gamma dtype != self dtype
+        (x[0, 0, 0], w),  # 1-D self
+        (x, torch.randn(4).bfloat16()),  # gamma not the trailing dims
+        (x.reshape(1, 1, 1, 1, 1, 1, 1, 1, 30, 8), w),  # 10-D self
+    ]
+    for a, b in bad:
+        with pytest.raises(RuntimeError, match="OP-RMS"):
+            fake.npu_rms_norm(a, b)
+    assert fake.calls["npu_rms_norm"] == 1 + len(bad)

@@ -13,6 +13,8 @@ ALL = [
     "nz_weights",
     "vae_exact",
     "vae_fast",
+    "joint_attention",
+    "qk_norm",
     "fast_modulate",
     "fast_residual",
 ]
@@ -26,6 +28,8 @@ def test_registry_names_and_order():
     assert classes == {
         "shared_modulation": "exact",
         "rope": "pixel",  # its weakest tier (the NPU kernel); exact on the portable path, see Rope.tier()
+        "joint_attention": "exact",
+        "qk_norm": "pixel",
         "fused_attention": "close",
         "nz_weights": "close",
         "vae_exact": "exact",
@@ -48,8 +52,8 @@ def test_registry_names_and_order():
         ("none, +rope ,+vae_fast", ["rope", "vae_fast"]),
         ("rope,shared_modulation", ["shared_modulation", "rope"]),  # registry order, not spec order
         (
-            "all,-vae_fast,-vae_exact",
-            ["shared_modulation", "rope", "fused_attention", "nz_weights", "fast_modulate", "fast_residual"],
+            "all,-vae_fast,-vae_exact,-joint_attention",
+            ["shared_modulation", "rope", "fused_attention", "nz_weights", "qk_norm", "fast_modulate", "fast_residual"],
         ),
         ("rope,none", []),  # a later base resets
         ("default,+vae_fast", [*DEFAULT, "vae_fast"]),

@@ -25,7 +25,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 SCRIPT = Path(__file__).with_name("omni_offline_script.py")
 REPO = Path(__file__).resolve().parents[1]
-NPU_FREE_DEFAULT = {"shared_modulation", "rope", "vae_exact"}  # the default stack minus the torch_npu ones
+NPU_FREE_DEFAULT = {
+    "shared_modulation",
+    "rope",
+    "joint_attention",
+    "vae_exact",
+}  # the default stack minus the torch_npu ones
 
 
 def _start(model: Path, out: Path, flag: str, kwargs: dict) -> subprocess.Popen:
@@ -113,7 +118,7 @@ def test_status_line_in_the_engine_log(runs):
     lines = [ln for ln in log.splitlines() if "vllm-omni-ascend-opt 0.1.0 (VLLM_OMNI_ASCEND_OPT=default)" in ln]
     worker = [ln for ln in lines if "DiffusionWorker" in ln]
     assert len(worker) == 1, lines  # one INFO line per process, the worker's tagged by vLLM
-    assert " INFO " in worker[0] and "installed shared_modulation, rope, vae_exact" in worker[0]
+    assert " INFO " in worker[0] and "installed shared_modulation, rope, vae_exact, joint_attention" in worker[0]
     assert "fused_attention (torch_npu" in worker[0]
 
 

@@ -28,7 +28,7 @@ from vllm_omni_ascend_opt.testbed.serve import OmniServer, image_request, stop_a
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
-NPU_FREE_DEFAULT = ["shared_modulation", "rope", "vae_exact"]
+NPU_FREE_DEFAULT = ["shared_modulation", "rope", "vae_exact", "joint_attention"]
 MEMO_BUDGET_MB = 0.02
 STATUS_LINE = "vllm-omni-ascend-opt 0.1.0 (VLLM_OMNI_ASCEND_OPT={flag})"
 
@@ -107,7 +107,10 @@ def test_status_line_in_the_server_output(servers):
     worker = [ln for ln in lines if "DiffusionWorker" in ln]
     api = [ln for ln in lines if "APIServer" in ln]
     assert len(worker) == 1 and len(api) == 1, lines  # one line per process that loads the plugin
-    assert " INFO " in worker[0] and "installed shared_modulation, rope, vae_exact; off: fused_attention" in worker[0]
+    assert (
+        " INFO " in worker[0]
+        and "installed shared_modulation, rope, vae_exact, joint_attention; off: fused_attention" in worker[0]
+    )
     assert "vae_fast (not selected by VLLM_OMNI_ASCEND_OPT)" in worker[0]
     stock = [ln for ln in servers.stock.log_text().splitlines() if STATUS_LINE.format(flag="none") in ln]
     assert stock and all("installed nothing" in ln for ln in stock)

@@ -8,7 +8,7 @@ real. Every constraint is listed, with its source, in the module that implements
 * :mod:`.attention` - ``npu_fusion_attention`` (and ``npu_fused_infer_attention_score`` if used)
 * :mod:`.formats`   - ``npu_format_cast`` / ``get_npu_format``, ``torch.npu.config.allow_internal_format`` and the
   device model (``Tensor.is_npu`` for CPU tensors, ``mark_host``), installed by its ``install_hooks``
-* :mod:`.norms`     - ``npu_layer_norm_eval``
+* :mod:`.norms`     - ``npu_layer_norm_eval``, ``npu_rms_norm``
 
 The real package is the reference: :mod:`.reference` reads the pinned torch-npu 2.13.0 wheel (schemas, meta
 functions, ``_npuConfig``) and ``tests/test_fake_torch_npu_reference.py`` checks every fake op's signature, output

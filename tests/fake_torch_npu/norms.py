@@ -1,4 +1,4 @@
-"""Fake torch_npu kernels: normalization (``npu_layer_norm_eval``).
+"""Fake torch_npu kernels: normalization (``npu_layer_norm_eval``, ``npu_rms_norm``).
 
 Sources (see ``__init__``):
 
@@ -7,6 +7,16 @@ Sources (see ``__init__``):
   (the same as ``F.layer_norm``, an NPU implementation); schema ``npu_layer_norm_eval(Tensor input, int[]
   normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-05) -> Tensor`` (first argument named
   ``input`` here, unlike most ops); meta: ``empty_like(input)``.
+
+* [OP-RMS] Ascend/op-plugin docs ``torch_npu-npu_rms_norm.md`` and the wheel's ``_op_plugin_docs.py``:
+  ``torch_npu.npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)``; "self: float16,
+  bfloat16, float32, 2-8 dims; gamma: the same dtype as self, usually self's last dimension"; outputs the final
+  ``y`` and ``rstd`` (the reciprocal RMS, kept for the backward); "input dtypes only float16, bfloat16, float32".
+  The aclops kernel checks ``self.dim() >= gamma.dim()`` (``RmsNormKernelNpu.cpp``); the op IR ``RmsNorm``
+  (``REG_OP``: y of x's dtype, rstd float) and the wheel's meta (``npu_rms_norm_meta``): ``y`` = ``empty_like(self)``,
+  ``rstd`` float32 of shape ``self.shape[:self.dim() - gamma.dim()] + [1] * gamma.dim()``. Formula [OP-RMS]:
+  ``rstd = 1 / sqrt(mean(x^2 over gamma's dims) + eps)``, ``y = x * rstd * gamma``, computed here in fp32 and
+  rounded once to self's dtype (fp32 opmath, as the kernel's float ``rstd`` output implies).
 
 The value equals ``F.layer_norm`` (bitwise on CPU), so a test cannot tell the two apart by their numbers: the fake's
 call log (``torch_npu.calls["npu_layer_norm_eval"]``) is what shows that the NPU path was taken. The computation is
@@ -43,5 +53,61 @@ def npu_layer_norm_eval(
     return _layer_norm_eval_op(input, [int(n) for n in normalized_shape], weight, bias, float(eps))
 
 
+@torch.library.custom_op("fake_torch_npu::rms_norm", mutates_args=())
+def _rms_norm_op(
+    x: torch.Tensor, gamma: torch.Tensor, eps: float, ignore_gamma: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dims = list(range(x.dim() - gamma.dim(), x.dim()))
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(dims, keepdim=True).add_(eps))
+    y = x32 * rstd
+    if not ignore_gamma:
+        y = y * gamma.float()
+    return y.to(x.dtype), rstd
+
+
+@_rms_norm_op.register_fake
+def _(x, gamma, eps, ignore_gamma):
+    shape = [x.shape[i] if i < x.dim() - gamma.dim() else 1 for i in range(x.dim())]
+    return torch.empty_like(x), x.new_empty(shape, dtype=torch.float32)
+
+
+def _check_rms_norm(x: torch.Tensor, gamma: torch.Tensor) -> None:
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise RuntimeError(f"npu_rms_norm: self must be float16, bfloat16 or float32, got {x.dtype} [OP-RMS]")
+    if gamma.dtype != x.dtype:
+        raise RuntimeError(f"npu_rms_norm: gamma's dtype {gamma.dtype} must equal self's {x.dtype} [OP-RMS]")
+    if not 2 <= x.dim() <= 8:
+        raise RuntimeError(f"npu_rms_norm: self must have 2-8 dims, got {x.dim()} [OP-RMS]")
+    if gamma.dim() > x.dim() or tuple(gamma.shape) != tuple(x.shape[x.dim() - gamma.dim() :]):
+        raise RuntimeError(
+            f"npu_rms_norm: gamma {tuple(gamma.shape)} must be the trailing dims of self {tuple(x.shape)} [OP-RMS]"
+        )
+
+
+def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06) -> tuple[torch.Tensor, torch.Tensor]:
+    """[OP-RMS] ``(x * rstd * gamma, rstd)`` with ``rstd = rsqrt(mean(x^2) + epsilon)`` over gamma's dims."""
+    _check_rms_norm(self, gamma)
+    return _rms_norm_op(self, gamma, float(epsilon), False)
+
+
+def _rms_norm_ignoring_gamma(
+    self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A wrong kernel (for tests): normalizes but never multiplies by gamma."""
+    _check_rms_norm(self, gamma)
+    return _rms_norm_op(self, gamma, float(epsilon), True)
+
+
+def _rms_norm_raising(
+    self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel that fails at run time (for tests), as an unsupported tiling would."""
+    raise RuntimeError("npu_rms_norm: EZ9999 fake tiling failure")
+
+
 #: kernel name -> {variant: implementation}; "correct" follows the documentation.
-VARIANTS: dict[str, dict[str, Any]] = {"npu_layer_norm_eval": {"correct": npu_layer_norm_eval}}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "npu_layer_norm_eval": {"correct": npu_layer_norm_eval},
+    "npu_rms_norm": {"correct": npu_rms_norm, "no_gamma": _rms_norm_ignoring_gamma, "raises": _rms_norm_raising},
+}

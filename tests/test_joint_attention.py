@@ -1,0 +1,404 @@
+"""`joint_attention`: one join of the two streams, QK norms and RoPE once on the joint sequence - bitwise stock.
+
+Real vLLM-Omni 0.30 classes on CPU (fp32 and bf16 transformers with the tiny weights). Every equality check also
+proves that the joint path ran (its counters), and every fallback is reached with its reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt.opts import _targets
+from vllm_omni_ascend_opt.opts import joint_attention as ja
+from vllm_omni_ascend_opt.testbed import TINY
+from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
+from vllm_omni_ascend_opt.testbed.pipeline import generate
+
+OPT = ja.OPT
+
+
+@pytest.fixture(scope="module")
+def bf16_transformer(runtime, tiny_pipe):
+    """A second QwenImageTransformer2DModel with the tiny weights, in bfloat16 (the session pipeline stays fp32)."""
+    mod = sys.modules[_targets.TRANSFORMER]
+    with runtime.context():
+        t = mod.QwenImageTransformer2DModel(od_config=runtime.od_config, **TINY.transformer_kwargs())
+    t.load_state_dict(tiny_pipe.transformer.state_dict())
+    return t.to(torch.bfloat16).eval()
+
+
+def _forward(rt, transformer, *, batch=2, hw=(4, 4), txt=7, pad=False, seed=1, grad=False):
+    """One transformer forward with pipeline-shaped inputs; ``pad`` masks the last sample's final 3 text tokens."""
+    dtype = transformer.proj_out.weight.dtype
+    g = torch.Generator().manual_seed(seed)
+    h, w = hw
+    hs = torch.randn(batch, h * w, TINY.vae_z_dim * 4, generator=g).to(dtype)
+    ehs = torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype)
+    mask = torch.ones(batch, txt, dtype=torch.long)
+    if pad:
+        mask[-1, txt - 3 :] = 0
+    with rt.context(), (torch.enable_grad if grad else torch.no_grad)():
+        return transformer(
+            hidden_states=hs,
+            encoder_hidden_states=ehs,
+            encoder_hidden_states_mask=mask,
+            timestep=torch.linspace(0.3, 0.8, batch),
+            img_shapes=[[(1, h, w)]] * batch,
+            txt_seq_lens=[txt] * batch,
+        ).sample
+
+
+def _attn(transformer):
+    return transformer.transformer_blocks[0].attn
+
+
+def _attn_inputs(transformer, *, txt=7, hw=(4, 4), batch=1, seed=0):
+    attn = _attn(transformer)
+    dtype = attn.to_qkv.weight.dtype
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(batch, hw[0] * hw[1], attn.dim, generator=g).to(dtype)
+    ehs = torch.randn(batch, txt, attn.dim, generator=g).to(dtype)
+    vid, txt_f = transformer.pos_embed([(1, *hw)] * batch, [txt] * batch, device=hs.device)
+    return hs, ehs, vid, txt_f
+
+
+def _clone(attn):
+    """A shallow copy of a ``QwenImageCrossAttention`` with its own child-module dict and its own copies of the four
+    QK norms (vLLM's parameters do not deepcopy); projections, rope and attention layer are shared."""
+    c = copy.copy(attn)
+    c._modules = dict(attn._modules)
+    for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+        c._modules[name] = copy.deepcopy(attn._modules[name])
+    return c
+
+
+class _CaptureAttention(nn.Module):
+    """Stands in for the attention layer: records what it receives and returns q."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.Tensor, ...]] = []
+
+    def forward(self, q, k, v, md):
+        self.seen.append(
+            (q.clone(), k.clone(), v.clone(), md.joint_query.clone(), md.joint_key.clone(), md.joint_value)
+        )
+        return q
+
+
+def _stock_attn(attn, *args, **kwargs):
+    """The unpatched ``QwenImageCrossAttention.forward`` (what stock runs)."""
+    return OPT.patches.original(type(attn), "forward")(attn, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the joint RMSNorm, bitwise
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_joint_rms_norm_is_bitwise_the_two_norms_and_cat(dtype):
+    """Including non-contiguous views (the q/k slices of a QKV projection), as nn.RMSNorm computes them."""
+    g = torch.Generator().manual_seed(0)
+    st, si, n, d = 7, 16, 4, 16
+    txt_qkv = (torch.randn(2, st, 3 * n * d, generator=g) * 3).to(dtype)
+    img_qkv = (torch.randn(2, si, 3 * n * d, generator=g) * 3).to(dtype)
+    nt, ni = nn.RMSNorm(d, eps=1e-6).to(dtype), nn.RMSNorm(d, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        nt.weight.copy_(torch.randn(d, generator=g))
+        ni.weight.copy_(torch.randn(d, generator=g))
+    tq = txt_qkv[..., : n * d].unflatten(-1, (n, d))
+    iq = img_qkv[..., : n * d].unflatten(-1, (n, d))
+    joint = torch.cat([txt_qkv, img_qkv], dim=1)[..., : n * d].unflatten(-1, (n, d))
+    assert not joint.is_contiguous()
+    with torch.no_grad():  # the optimization runs without autograd only
+        want = torch.cat([nt(tq), ni(iq)], dim=1)
+        got = ja.joint_rms_norm(joint, st, nt.weight, ni.weight, 1e-6)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# install / uninstall
+# ----------------------------------------------------------------------------------------------------------------
+def test_install_and_uninstall_are_idempotent_and_restore_the_original(runtime, tiny_pipe):
+    cls = sys.modules[_targets.TRANSFORMER].QwenImageCrossAttention
+    original = cls.forward
+    api.select("none,+joint_attention", model=tiny_pipe)
+    assert OPT.installed and OPT.patches.is_patched(cls, "forward") and cls.forward is not original
+    patched = cls.forward
+    OPT.install()
+    assert cls.forward is patched
+    api.select("none", model=tiny_pipe)
+    assert not OPT.installed and cls.forward is original
+    OPT.uninstall()
+    assert cls.forward is original
+
+
+def test_listed_with_its_tier_and_no_reason_on_cpu(tiny_pipe):
+    assert "joint_attention" in registry.default_names()
+    assert registry.names()[-2:] == ["joint_attention", "qk_norm"]  # appended: patches/ numbers follow the registry
+    assert OPT.tier() == "exact" and OPT.reasons_inactive() == []
+    api.select("none,+joint_attention", model=tiny_pipe)
+    assert OPT.model_reasons_inactive(tiny_pipe) == []
+    rows = {r["name"]: r for r in api.status()}
+    assert rows["joint_attention"]["tier"] == "exact" and rows["joint_attention"]["active"]
+    assert rows["joint_attention"]["flag"] == {"enable": "+joint_attention", "disable": "-joint_attention"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bitwise on the pipeline and on the transformer, with and without rope
+# ----------------------------------------------------------------------------------------------------------------
+def test_pipeline_default_is_bitwise_none_and_the_joint_path_ran(runtime, tiny_pipe):
+    api.select("none", model=tiny_pipe)
+    ref = generate(tiny_pipe, runtime, steps=2, seed=5, cfg_scale=4.0).images
+    for spec in ("default", "none,+joint_attention", "default,-rope"):
+        api.select(spec, model=tiny_pipe)
+        OPT.reset_stats()
+        got = generate(tiny_pipe, runtime, steps=2, seed=5, cfg_scale=4.0).images
+        layers = len(tiny_pipe.transformer.transformer_blocks)
+        assert OPT.stats["joint_calls"] >= 2 * 2 * layers, (spec, OPT.notes())  # 2 steps x (cond, uncond)
+        assert OPT.fallback_reasons() == {}, spec
+        assert torch.equal(got, ref), spec
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("spec", ["none,+joint_attention", "none,+rope,+joint_attention"])
+def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pipe, bf16_transformer, dtype, spec):
+    """Padded text masks are handled exactly (the joint mask is built as stock builds it); 7- vs 9-token text at the
+    same image size: different joint freqs (and tables) per text length."""
+    t = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
+    cases = [dict(txt=7), dict(txt=9), dict(txt=7, pad=True), dict(txt=9, hw=(4, 6), pad=True), dict(txt=7)]
+    api.select("none", model=t)
+    refs = [_forward(runtime, t, **c) for c in cases]
+    api.select(spec, model=t)
+    OPT.reset_stats()
+    got = [_forward(runtime, t, **c) for c in cases]
+    for c, a, b in zip(cases, refs, got, strict=True):
+        assert torch.equal(a, b), c
+    layers = len(t.transformer_blocks)
+    assert OPT.stats["joint_calls"] == len(cases) * layers
+    assert OPT.stats["masked_calls"] >= 2 * layers  # the padded cases went through the mask path
+    # With rope's embedder memo the freqs objects repeat per shape: (4x4, 7), (4x4, 9), (4x6, 9) -> 3 joint freqs;
+    # without it every forward has new freqs objects -> one per forward. Every other block reuses them.
+    builds = 3 if "rope" in spec else len(cases)
+    assert OPT.stats["joint_freqs_builds"] == builds
+    assert OPT.stats["joint_freqs_hits"] == len(cases) * layers - builds
+    assert OPT.fallback_reasons() == {}
+
+
+def test_the_ops_per_block_fall_by_twenty_bitwise(runtime, tiny_pipe):
+    """74 -> 54 on the CPU default stack: norms 24 -> 14, RoPE 16 -> 8, cats 3 -> 1."""
+
+    def ops(spec):
+        api.select(spec, model=tiny_pipe)
+        generate(tiny_pipe, runtime, steps=1, seed=3)
+        with count_module_calls(tiny_pipe.transformer.transformer_blocks[-1]) as calls:
+            img = generate(tiny_pipe, runtime, steps=1, seed=3).images
+        return calls[-1], img
+
+    without, a = ops("default,-joint_attention")
+    with_, b = ops("default")
+    assert torch.equal(a, b)
+    assert without.total - with_.total == 20, (without.counts, with_.counts)
+    assert with_.counts["aten::cat"] == 1 and without.counts["aten::cat"] == 3
+    assert with_.counts["aten::rsqrt"] == 2 and with_.counts["aten::stack"] == 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the attention module directly: SP branch, views through the attention, fallbacks
+# ----------------------------------------------------------------------------------------------------------------
+def test_sequence_parallel_branch_hands_stock_values_to_the_attention(runtime, tiny_pipe, monkeypatch):
+    """With ``sequence_parallel_size > 1`` stock passes the text q/k/v as ``joint_*`` metadata; the joint path passes
+    views of its joint tensors. Captured at the attention layer: the same values, bitwise."""
+    mod = sys.modules[_targets.TRANSFORMER]
+    api.select("none,+joint_attention", model=tiny_pipe)
+    attn = _clone(_attn(tiny_pipe.transformer))
+    attn.parallel_config = SimpleNamespace(sequence_parallel_size=2)
+    monkeypatch.setattr(mod, "get_forward_context", lambda: SimpleNamespace(split_text_embed_in_sp=False))
+    attn.attn = _CaptureAttention()
+    seen = attn.attn.seen
+    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
+    OPT.reset_stats()
+    with runtime.context(), torch.no_grad():
+        _stock_attn(attn, hs, ehs, vid, txt)
+        attn(hs, ehs, vid, txt)
+    assert OPT.stats["sp_calls"] == 1
+    for a, b in zip(seen[0], seen[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_non_contiguous_value_view_is_bitwise_through_sdpa(runtime, tiny_pipe):
+    api.select("none,+joint_attention", model=tiny_pipe)
+    attn = _attn(tiny_pipe.transformer)
+    got_v = []
+    inner = attn.attn.forward
+
+    def spy(q, k, v, md=None):
+        got_v.append(v.is_contiguous())
+        return inner(q, k, v, md)
+
+    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer, batch=2)
+    with runtime.context(), torch.no_grad():
+        want = _stock_attn(attn, hs, ehs, vid, txt)
+        attn.attn.forward = spy
+        try:
+            got = attn(hs, ehs, vid, txt)
+        finally:
+            del attn.attn.forward
+    assert got_v == [False]  # v is a view of the joint projection
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_bitwise_through_fused_attention_with_the_fake_npu(runtime, bf16_transformer, fake_npu):
+    """bf16 through ``fused_attention`` (npu_fusion_attention via the fake): the joint views give stock's result."""
+    npu = fake_npu()
+    api.select("none,+fused_attention", model=bf16_transformer)
+    ref = _forward(runtime, bf16_transformer, pad=True)
+    api.select("none,+fused_attention,+joint_attention", model=bf16_transformer)
+    OPT.reset_stats()
+    got = _forward(runtime, bf16_transformer, pad=True)
+    assert npu.calls["npu_fusion_attention"] > 0 and OPT.stats["joint_calls"] > 0
+    assert torch.equal(ref, got)
+
+
+def _reason_for(runtime, transformer, edit, *, grad=False) -> dict[str, int]:
+    api.select("none,+joint_attention", model=transformer)
+    attn = _clone(_attn(transformer))
+    edit(attn)
+    hs, ehs, vid, txt = _attn_inputs(transformer)
+    OPT.reset_stats()
+    with runtime.context(), (torch.enable_grad if grad else torch.no_grad)():
+        want = _stock_attn(attn, hs, ehs, vid, txt)
+        got = attn(hs, ehs, vid, txt)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert OPT.stats["joint_calls"] == 0
+    return OPT.fallback_reasons()
+
+
+def _set_eps(attn):
+    attn.norm_added_q.eps = 1e-5
+
+
+def _hook(attn):
+    attn.norm_k.register_forward_hook(lambda m, a, o: None)
+
+
+def _identity_norms(attn):
+    attn.norm_q, attn.norm_k = nn.Identity(), nn.Identity()
+    attn.qk_norm = False
+
+
+def _no_weight(attn):
+    attn.norm_q.weight = None
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        (_set_eps, "different eps"),
+        (_hook, "hooks"),
+        (_identity_norms, "not nn.RMSNorm"),
+        (_no_weight, "without weight"),
+    ],
+)
+def test_fallbacks_run_stock_with_a_reason(runtime, tiny_pipe, edit, fragment):
+    reasons = _reason_for(runtime, tiny_pipe.transformer, edit)
+    assert list(reasons) and fragment in next(iter(reasons)), reasons
+
+
+def test_a_non_native_rope_falls_back(runtime, tiny_pipe):
+    api.select("none,+joint_attention", model=tiny_pipe)
+    attn = _attn(tiny_pipe.transformer)
+    # an instance forward on the rope: stock's dispatch to the native rotary math is no longer provable
+    attn.rope.forward = attn.rope.forward_native
+    try:
+        assert "device kernel" in ja.static_reason(attn)
+        OPT.reset_stats()
+        hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
+        with runtime.context(), torch.no_grad():
+            attn(hs, ehs, vid, txt)
+        assert "device kernel" in next(iter(OPT.fallback_reasons()))
+        assert OPT.model_reasons_inactive(nn.ModuleList([attn])) == [ja.static_reason(attn)]
+    finally:
+        del attn.rope.forward
+    assert ja.static_reason(attn) is None
+
+
+def test_autograd_falls_back(runtime, tiny_pipe):
+    reasons = _reason_for(runtime, tiny_pipe.transformer, lambda a: None, grad=True)
+    assert reasons == {"autograd is enabled": 1}
+
+
+def test_stocks_fused_cuda_path_is_left_to_stock(runtime, tiny_pipe, monkeypatch):
+    mod = sys.modules[_targets.TRANSFORMER]
+    api.select("none,+joint_attention", model=tiny_pipe)
+    monkeypatch.setattr(mod, "_fused_cuda_supported", lambda *a, **k: True)
+    monkeypatch.setattr(mod, "fused_qk_norm_rope_min_tokens", lambda default: 0)
+    attn = _attn(tiny_pipe.transformer)
+    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
+    with runtime.context(), torch.no_grad():
+        why = OPT._joint_forward(mod, attn, hs, ehs, vid, txt, None, None)
+    assert isinstance(why, str) and "fused CUDA" in why
+
+
+def test_mismatched_freqs_fall_back(runtime, tiny_pipe):
+    api.select("none,+joint_attention", model=tiny_pipe)
+    attn = _attn(tiny_pipe.transformer)
+    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
+    with torch.no_grad():
+        assert OPT._call_reason(attn, hs, ehs, vid, txt) is None
+        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid[:-1], txt)
+        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid, txt.real)
+        assert OPT._call_reason(attn, hs, ehs.double(), vid, txt) == "text and image hidden states differ in dtype"
+
+
+def test_joint_freqs_cache_dies_with_its_freqs():
+    stats = OPT.stats.__class__()
+    cache = ja._JointFreqsCache(stats)
+    vid = torch.polar(torch.ones(4, 8), torch.rand(4, 8))
+    txt = torch.polar(torch.ones(3, 8), torch.rand(3, 8))
+    j = cache.get(vid, txt)
+    assert torch.equal(j, torch.cat([txt, vid])) and cache.get(vid, txt) is j and len(cache) == 1
+    txt2 = torch.polar(torch.ones(3, 8), torch.rand(3, 8))  # same shape, other tensor: another entry
+    assert cache.get(vid, txt2) is not j and len(cache) == 2
+    del txt, j
+    assert len(cache) == 1
+    assert stats["joint_freqs_builds"] == 2 and stats["joint_freqs_hits"] == 1
+
+
+class _LoraLike(nn.Module):
+    """A runtime-LoRA-style wrapper around a QKV projection: ``base(x) + x @ A @ B``, returning ``(out, bias)``."""
+
+    def __init__(self, base: nn.Module, d_in: int, d_out: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.base = base
+        self.a = nn.Parameter(torch.randn(d_in, 2, generator=g) * 0.1)
+        self.b = nn.Parameter(torch.randn(2, d_out, generator=g) * 0.1)
+
+    def forward(self, x):
+        out, bias = self.base(x)
+        return out + x @ self.a @ self.b, bias
+
+
+def test_wrapped_projections_are_called_as_modules_and_joined(runtime, tiny_pipe):
+    """Quantized or LoRA-wrapped projections: the joint path calls them like stock and joins their outputs."""
+    api.select("none,+joint_attention", model=tiny_pipe)
+    attn = _clone(_attn(tiny_pipe.transformer))
+    width = attn.to_qkv.weight.shape[0]
+    attn.to_qkv = _LoraLike(attn._modules["to_qkv"], attn.dim, width)
+    attn.add_kv_proj = _LoraLike(attn._modules["add_kv_proj"], attn.dim, width)
+    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer, txt=9)
+    OPT.reset_stats()
+    with runtime.context(), torch.no_grad():
+        want = _stock_attn(attn, hs, ehs, vid, txt)
+        got = attn(hs, ehs, vid, txt)
+        plain = _attn(tiny_pipe.transformer)(hs, ehs, vid, txt)
+    assert OPT.stats["joint_calls"] == 2 and OPT.fallback_reasons() == {}
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert not torch.equal(got[0], plain[0])  # the wrappers acted

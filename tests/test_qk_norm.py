@@ -1,0 +1,235 @@
+"""`qk_norm`: the four QK RMSNorms per block through ``torch_npu.npu_rms_norm``, verified per shape class.
+
+NPU paths run through the semantic torch_npu fake (tests/fake_torch_npu/norms.py: the documented result, fp32 inside
+and one rounding, so on these inputs it is bitwise stock - the call log and the counters show the kernel ran).
+Wrong kernels (ignoring gamma, raising, wrong for one shape class only) must be refused per shape class, with the
+reason logged, and leave the output stock's.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt.metrics import to_uint8
+from vllm_omni_ascend_opt.opts import _targets
+from vllm_omni_ascend_opt.opts import joint_attention as ja
+from vllm_omni_ascend_opt.opts import qk_norm as qn
+from vllm_omni_ascend_opt.testbed import TINY
+from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
+from vllm_omni_ascend_opt.testbed.pipeline import generate
+
+OPT = qn.OPT
+
+
+@pytest.fixture(scope="module")
+def bf16_transformer(runtime, tiny_pipe):
+    """A second QwenImageTransformer2DModel with the tiny weights, in bfloat16 (the session pipeline stays fp32)."""
+    mod = sys.modules[_targets.TRANSFORMER]
+    with runtime.context():
+        t = mod.QwenImageTransformer2DModel(od_config=runtime.od_config, **TINY.transformer_kwargs())
+    t.load_state_dict(tiny_pipe.transformer.state_dict())
+    return t.to(torch.bfloat16).eval()
+
+
+def _forward(rt, transformer, *, txt=7, hw=(4, 4), batch=1, seed=1):
+    dtype = transformer.proj_out.weight.dtype
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(batch, hw[0] * hw[1], TINY.vae_z_dim * 4, generator=g).to(dtype)
+    ehs = torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype)
+    with rt.context(), torch.no_grad():
+        return transformer(
+            hidden_states=hs,
+            encoder_hidden_states=ehs,
+            encoder_hidden_states_mask=torch.ones(batch, txt, dtype=torch.long),
+            timestep=torch.linspace(0.3, 0.8, batch),
+            img_shapes=[[(1, *hw)]] * batch,
+            txt_seq_lens=[txt] * batch,
+        ).sample
+
+
+def _norms(model):
+    return qn._qk_norms(model)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# without torch_npu
+# ----------------------------------------------------------------------------------------------------------------
+def test_cpu_without_torch_npu_is_inactive_with_the_reason(tiny_pipe, runtime):
+    assert "qk_norm" in registry.default_names()
+    assert registry.names()[-1] == "qk_norm"
+    reasons = OPT.reasons_inactive()
+    assert reasons and "torch_npu is not installed" in reasons[0]
+    api.select("default", model=tiny_pipe)
+    assert not OPT.installed and "qk_norm" not in api.installed()
+    assert all(type(n) is nn.RMSNorm for n in _norms(tiny_pipe))
+    row = {r["name"]: r for r in api.status()}["qk_norm"]
+    assert row["equivalence"] == "pixel" and row["tier"] == "exact" and not row["active"]
+    assert any("torch_npu is not installed" in r for r in row["reasons_inactive"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# with the fake: attach/detach, the kernel path, bitwise/pixel results
+# ----------------------------------------------------------------------------------------------------------------
+def test_attach_swaps_the_four_norms_of_this_model_only_and_detach_restores(fake_npu, tiny_pipe, bf16_transformer):
+    fake_npu()
+    api.select("none,+qk_norm", model=tiny_pipe)
+    norms = _norms(tiny_pipe)
+    assert len(norms) == 4 * len(tiny_pipe.transformer.transformer_blocks)
+    assert all(OPT.is_prepared(n) and type(n) is not nn.RMSNorm and isinstance(n, nn.RMSNorm) for n in norms)
+    assert all(type(n) is nn.RMSNorm for n in _norms(bf16_transformer))  # not attached there
+    OPT.attach(tiny_pipe)  # idempotent
+    OPT.install()
+    assert OPT.tier() == "pixel" and OPT.model_reasons_inactive(tiny_pipe) == []
+    api.select("none", model=tiny_pipe)
+    assert all(type(n) is nn.RMSNorm for n in norms) and not OPT.installed
+    OPT.uninstall()
+
+
+@pytest.mark.parametrize("spec", ["none,+qk_norm", "none,+rope,+joint_attention,+qk_norm", "default"])
+def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, runtime, spec):
+    npu = fake_npu()
+    api.select("none", model=tiny_pipe)
+    ref = generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images
+    api.select(spec, model=tiny_pipe)
+    got = generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images
+    assert np.array_equal(to_uint8(got), to_uint8(ref))  # pixel tier
+    assert torch.equal(got, ref)  # fp32: the fake rounds like stock's composite
+    assert npu.calls["npu_rms_norm"] > 0 and OPT.stats["kernel_calls"] == npu.calls["npu_rms_norm"]
+    assert OPT.stats["shape_checks"] >= 1 and all(v.ok for v in OPT.verdicts())
+    if "joint_attention" in spec or spec == "default":
+        assert ja.OPT.stats["kernel_norm_calls"] == ja.OPT.stats["joint_calls"] > 0  # the per-stream kernel order
+
+
+def test_bf16_transformer_identical_through_the_fake(fake_npu, runtime, bf16_transformer):
+    npu = fake_npu()
+    api.select("none", model=bf16_transformer)
+    ref = _forward(runtime, bf16_transformer)
+    api.select("none,+joint_attention,+qk_norm", model=bf16_transformer)
+    got = _forward(runtime, bf16_transformer)
+    assert npu.calls["npu_rms_norm"] == 4 * len(bf16_transformer.transformer_blocks)  # 2 streams x (q, k)
+    assert ja.OPT.stats["kernel_norm_calls"] == len(bf16_transformer.transformer_blocks)
+    assert torch.equal(got, ref)
+
+
+def test_with_fused_attention_the_value_reaches_the_kernel_contiguous(fake_npu, runtime, bf16_transformer):
+    """(a) in the qk_norm docstring: v is joined by a cat, so npu_fusion_attention needs no copy of it."""
+    fake_npu()
+    api.select("none,+joint_attention,+qk_norm,+fused_attention", model=bf16_transformer)
+    _forward(runtime, bf16_transformer)  # verification outside the count
+    with count_module_calls(bf16_transformer.transformer_blocks[-1]) as calls:
+        _forward(runtime, bf16_transformer)
+    c = calls[-1].counts
+    assert c["fake_torch_npu::fusion_attention"] == 1 and c["fake_torch_npu::rms_norm"] == 4
+    assert c["aten::cat"] == 3 and c["aten::clone"] == 0, c
+
+
+def test_ops_per_block_joint_and_per_stream(fake_npu, tiny_pipe, runtime):
+    """The documented counts: 40 launches per block with joint_attention (one kernel per stream + one cat per q/k),
+    42 without it (stock's order: four kernels, three cats, four rotary calls)."""
+    fake_npu()
+
+    def ops(spec):
+        api.select(spec, model=tiny_pipe)
+        generate(tiny_pipe, runtime, steps=1, seed=3)
+        with count_module_calls(tiny_pipe.transformer.transformer_blocks[-1]) as calls:
+            generate(tiny_pipe, runtime, steps=1, seed=3)
+        return calls[-1]
+
+    joint, separate = ops("default"), ops("default,-joint_attention")
+    assert joint.counts["fake_torch_npu::rms_norm"] == 4 == separate.counts["fake_torch_npu::rms_norm"]
+    assert joint.total == 40 and separate.total == 42, (joint.counts, separate.counts)
+    assert "aten::rsqrt" not in joint.counts and "aten::pow" not in joint.counts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# refusals: per shape class, with the reason logged, output stock's
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("variant", "fragment"), [("no_gamma", "differs from the fp32"), ("raises", "kernel raised")])
+def test_a_wrong_kernel_is_refused_with_a_logged_reason(fake_npu, tiny_pipe, runtime, caplog, variant, fragment):
+    npu = fake_npu(rms_norm=variant)
+    api.select("none", model=tiny_pipe)
+    ref = generate(tiny_pipe, runtime, steps=2, seed=4).images
+    api.select("none,+joint_attention,+qk_norm", model=tiny_pipe)
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        got = generate(tiny_pipe, runtime, steps=2, seed=4).images
+    assert torch.equal(got, ref)
+    assert npu.calls["npu_rms_norm"] > 0 and OPT.stats["kernel_calls"] == 0
+    verdicts = OPT.verdicts()
+    assert verdicts and not any(v.ok for v in verdicts) and fragment in verdicts[0].reason
+    assert "refused" in caplog.text and "npu_rms_norm" in caplog.text and fragment in caplog.text
+    assert any(fragment in r for r in OPT.model_reasons_inactive(tiny_pipe))
+    assert OPT.tier() == "exact"
+    calls = npu.calls["npu_rms_norm"]
+    generate(tiny_pipe, runtime, steps=1, seed=4)
+    assert npu.calls["npu_rms_norm"] == calls  # refused classes are not retried
+
+
+def test_refusal_is_per_shape_class(fake_npu, runtime, tiny_pipe, caplog):
+    """Same image size (2x2 patches: 4 tokens x 4 heads = 16 rows), 7- vs 9-token text: the text rows fall in
+    different shape classes (28 rows -> bucket 32, 36 -> 64); a kernel wrong only for the 9-token class is refused
+    there and kept for the others."""
+    npu = fake_npu()
+    good = npu.npu_rms_norm
+
+    def wrong_for_nine_tokens(self, gamma, epsilon=1e-06):
+        y, rstd = good(self, gamma, epsilon=epsilon)
+        return (y * 2 if self.dim() == 4 and self.shape[1] == 9 else y), rstd
+
+    npu.npu_rms_norm = wrong_for_nine_tokens
+    t = tiny_pipe.transformer
+    api.select("none", model=t)
+    refs = [_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
+    api.select("none,+joint_attention,+qk_norm", model=t)
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        got = [_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
+    assert all(torch.equal(a, b) for a, b in zip(refs, got, strict=True))
+    by_key = {v.key: v for v in OPT.verdicts()}
+    assert by_key[("cpu", torch.float32, 32, 16)].ok  # 7 text tokens x 4 heads
+    assert by_key[("cpu", torch.float32, 16, 16)].ok  # 4 image tokens x 4 heads
+    assert not by_key[("cpu", torch.float32, 64, 16)].ok  # 9 x 4 = 36 rows
+    assert len(by_key) == 3
+    assert "rows<=64" in caplog.text and "refused" in caplog.text
+    assert OPT.stats["kernel_calls"] > 0 and OPT.tier() == "pixel"
+
+
+def test_ineligible_calls_run_stock(fake_npu):
+    npu = fake_npu()
+    OPT.install()
+    try:
+        norm = nn.RMSNorm(16, eps=1e-6)
+        OPT._swapped[norm] = nn.RMSNorm
+        with torch.no_grad():
+            assert OPT.apply(norm, torch.randn(2, 3, 16).bfloat16()) is None  # gamma fp32 != self bf16 [OP-RMS]
+            assert OPT.apply(norm, torch.randn(16)) is None  # 1-D self [OP-RMS]
+            assert OPT.apply(norm, torch.randn(2, 3, 16).double()) is None  # dtype [OP-RMS]
+        assert OPT.apply(norm, torch.randn(2, 3, 16)) is None  # autograd
+        with torch.no_grad():
+            assert OPT.apply(nn.RMSNorm(16), torch.randn(2, 16)) is None  # not attached
+            assert OPT.apply(norm, torch.randn(2, 3, 16)) is not None
+        assert npu.calls["npu_rms_norm"] == 1 and OPT.stats["stock_calls"] == 5
+    finally:
+        OPT.uninstall()
+
+
+def test_verify_at_shape_accepts_the_documented_result_and_refuses_others():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, generator=g).bfloat16()
+    x = torch.randn(3, 40, 16, generator=g).bfloat16()
+    good = nn.functional.rms_norm(x, (16,), w, 1e-6)
+    v = qn.verify_at_shape(x, good, w, 1e-6)
+    assert v.ok and v.bitwise_vs_stock and v.max_err_over_bound <= 1.0
+    bumped = good.clone()
+    bumped[1, 7, 3] = bumped[1, 7, 3] * 1.0625  # one element off by 2^-4 relative
+    v = qn.verify_at_shape(x, bumped, w, 1e-6)
+    assert not v.ok and "differs from the fp32 reference" in v.reason and "refused" in v.describe()
+    assert not qn.verify_at_shape(x, good[:, :-1], w, 1e-6).ok  # wrong shape
+    nan = good.clone()
+    nan[0, 0, 0] = float("nan")
+    assert not qn.verify_at_shape(x, nan, w, 1e-6).ok

@@ -1,0 +1,319 @@
+"""`qk_norm`: Run Qwen-Image's four QK RMSNorms per block as torch_npu.npu_rms_norm, verified per shape class against an fp32 reference.
+
+Patch header (vllm-ascend ``vllm_ascend/patch/`` style)
+-------------------------------------------------------
+Patched objects: per model instance, never process-wide. :meth:`QkNorm.attach` gives the four ``nn.RMSNorm``
+modules of every ``QwenImageCrossAttention`` (``norm_q``, ``norm_k``, ``norm_added_q``, ``norm_added_k``) a subclass
+whose ``forward`` calls the kernel (``__class__`` swap: same object, same parameters); ``detach`` restores the class.
+
+Why: torch_npu 2.13.0 registers no NPU kernel for ``aten::rms_norm`` (only ``native_layer_norm`` among the norms),
+so stock ``nn.RMSNorm`` runs on an NPU as its composite pieces: ``_to_copy``, ``pow``, ``mean``, ``add_``,
+``rsqrt``, ``mul``, ``mul``, ``_to_copy`` - 8 launches in bf16, 32 per block for the four QK norms.
+``torch_npu.npu_rms_norm(self, gamma, epsilon=1e-06) -> (Tensor, Tensor)`` (schema in the torch-npu 2.13.0 wheel's
+``npu_native_functions_by_codegen.yaml``; [OP-RMS] Ascend/op-plugin ``torch_npu-npu_rms_norm.md``) is one.
+
+How: each call that fits the documented constraints ([OP-RMS]: self and gamma float16/bfloat16/float32 of the same
+dtype, self 2-8 dims, gamma the trailing dims of self - here ``[head_dim]``) runs ``npu_rms_norm(x, weight,
+epsilon=eps)[0]``. On the first call of each shape class (device, dtype, rows bucket = next power of two of
+``numel / D``, D) the kernel's output on the real input is compared with an fp32 reference
+(``x32 * rsqrt(mean(x32^2) + eps) * w32``, computed in chunks of rows, :data:`VERIFY_CHUNK_ELEMS`): every element must
+be within ``(TOLERANCE_EPS_FACTOR * eps(dtype) + RSTD_SLACK * eps(fp32)) * |ref|`` (one rounding to the dtype, 2x
+headroom, plus a reduction-order allowance for the fp32 rstd) and finite. A class that fails, or whose first call
+raises, keeps stock's composite with the reason logged (``notes()``/``verdicts()``). Anything else (autograd,
+``torch.compile``, graph capture, an ineligible dtype/shape, no torch_npu) runs stock ``nn.RMSNorm.forward``.
+
+With ``joint_attention`` (text and image rows of one joint q or k): ``gamma`` must be ``[D]``, so one kernel cannot
+apply the two streams' weights. Counted per block for q, k and v (npu_rotary_mul once per q/k on the joint sequence
+either way): (a) one ``npu_rms_norm`` per stream on stock's views, then one ``cat`` each for q, k and v: 4 + 3 = 7,
+9 with the rotary calls, and v stays contiguous for ``npu_fusion_attention``; (b) one ``cat`` of the two QKV
+projections, one kernel per stream on its row ranges and one ``cat`` each for q and k: 1 + 4 + 2 = 7 too, but v
+is a strided view that the fused attention copies (one more launch); (c) a joint ``npu_rms_norm`` with gamma = ones
+and a per-row weight-table ``mul``: 1 + 2 + 2 = 5, but a second rounding and per-block [S, D] weight tables to keep
+(and invalidate) per shape; (d) stock's order (norm and rotate each stream, three cats): 4 + 4 + 3 = 11.
+``joint_attention`` implements (a) when this optimization is attached (:meth:`QkNorm.kernel_ready`).
+
+Tier: the kernel computes in fp32 and rounds once; its fp32 reduction order may differ from stock's, so outputs may
+differ in the last bits: ``pixel`` (uint8-identical images), verified on the tiny workload; ``exact`` where it
+cannot run (nothing changes).
+
+Upstream PR: none (vllm-ascend uses ``npu_rms_norm`` in its ``RMSNorm`` custom op for LLMs, not in vLLM-Omni's DiT).
+Removal plan: drop when torch_npu registers ``aten::rms_norm`` for NPU or vLLM-Omni's Qwen-Image uses an NPU RMSNorm.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.opts import _targets
+from vllm_omni_ascend_opt.registry import PARALLEL_MODES, Optimization, register_optimization
+
+logger = logging.getLogger("vllm_omni_ascend_opt")
+
+KERNEL = "npu_rms_norm"
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # [OP-RMS]
+KERNEL_DIMS = (2, 8)  # [OP-RMS]: self 2-8 dims
+#: Per element: |kernel - ref_fp32| <= (K * eps(dtype) + RSTD_SLACK * eps(fp32)) * |ref|. A kernel that computes in
+#: fp32 and rounds once errs by <= eps/2 * |ref| plus its fp32 rstd error (a different reduction order and rsqrt:
+#: a few eps(fp32)); a kernel that ignores gamma, eps or the row, or rounds inside to 16 bits on fp32 inputs, errs
+#: by orders of magnitude more.
+TOLERANCE_EPS_FACTOR = 2.0
+RSTD_SLACK = 16.0
+#: Shape-class verification: at most this many elements per chunk of the fp32 reference.
+VERIFY_CHUNK_ELEMS = 1 << 22
+NORM_NAMES = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+
+def reference_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x32 * rsqrt(mean(x32^2, -1) + eps) * w32``: the RMSNorm in fp32 on the same (rounded) input."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def shape_class(x: torch.Tensor) -> tuple[str, torch.dtype, int, int]:
+    """(device, dtype, rows bucket = next power of two of numel / D, D): what the kernel's tiling depends on."""
+    d = x.shape[-1]
+    rows = x.numel() // max(1, d)
+    return (str(x.device), x.dtype, 1 << max(0, (rows - 1).bit_length()), d)
+
+
+@dataclass
+class NormVerdict:
+    """Outcome of checking ``npu_rms_norm`` on the first real call of one shape class."""
+
+    key: tuple[str, torch.dtype, int, int]
+    ok: bool
+    reason: str = ""
+    max_err_over_bound: float = math.nan
+    max_err: float = math.nan
+    bitwise_vs_stock: bool = False
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        dev, dtype, rows, d = self.key
+        where = f"{dev}/{str(dtype).removeprefix('torch.')} rows<={rows} D={d}"
+        if self.ok:
+            return (
+                f"{KERNEL} at {where}: in use (max error {self.max_err:.3g}, {self.max_err_over_bound:.3g} of the "
+                f"bound; bitwise equal to stock: {'yes' if self.bitwise_vs_stock else 'no'}; check took "
+                f"{self.seconds * 1e3:.1f} ms)"
+            )
+        return f"{KERNEL} at {where}: refused ({self.reason}); stock nn.RMSNorm is used for this shape class"
+
+
+def verify_at_shape(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float) -> NormVerdict:
+    """Check the kernel's ``out`` for the real ``x`` against the fp32 reference, in chunks of rows."""
+    t0 = time.perf_counter()
+    v = NormVerdict(shape_class(x), ok=False)
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        got = (getattr(out, "shape", None), getattr(out, "dtype", None))
+        v.reason = f"wrong output (shape, dtype) {got}, expected {(tuple(x.shape), x.dtype)}"
+        return v
+    d = x.shape[-1]
+    xs, os_ = x.reshape(-1, d), out.reshape(-1, d)
+    step = max(1, VERIFY_CHUNK_ELEMS // max(1, d))
+    eps_dtype = torch.finfo(x.dtype).eps
+    rel = TOLERANCE_EPS_FACTOR * eps_dtype + RSTD_SLACK * torch.finfo(torch.float32).eps
+    ratio, err, same = 0.0, 0.0, True
+    for i in range(0, xs.shape[0], step):
+        xc, oc = xs[i : i + step], os_[i : i + step]
+        ref = reference_fp32(xc, weight, eps)
+        if not bool(torch.isfinite(oc).all()):
+            ratio = math.inf
+            break
+        e = (oc.float() - ref).abs()
+        bound = rel * ref.abs() + torch.finfo(torch.float32).tiny
+        ratio, err = max(ratio, float((e / bound).max())), max(err, float(e.max()))
+        same = same and bool(torch.equal(oc, nn.functional.rms_norm(xc, (d,), weight, eps)))
+    v.max_err_over_bound, v.max_err, v.bitwise_vs_stock = ratio, err, same
+    if not ratio <= 1.0:
+        v.reason = (
+            f"output differs from the fp32 reference by up to {ratio:.3g}x the tolerance "
+            f"(({TOLERANCE_EPS_FACTOR:g}*eps(dtype) + {RSTD_SLACK:g}*eps(fp32))*|ref|)"
+        )
+    v.ok = not v.reason
+    _backend.synchronize(x.device if x.device.type != "cpu" else None)
+    v.seconds = time.perf_counter() - t0
+    return v
+
+
+class QkNorm(Optimization):
+    name = "qk_norm"
+    summary = "Run Qwen-Image's four QK RMSNorms per block as torch_npu.npu_rms_norm, verified per shape class against an fp32 reference."
+    equivalence = "pixel"
+    default_enabled = True
+    requires = ("torch_npu with npu_rms_norm (float16/bfloat16/float32)",)
+    target_modules = (_targets.TRANSFORMER,)
+    parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-row op on whatever rows a rank holds
+    removal_plan = "Drop when torch_npu registers aten::rms_norm for NPU or vLLM-Omni's Qwen-Image uses an NPU RMSNorm."
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: Counter[str] = Counter()
+        self._verdicts: dict[tuple, NormVerdict] = {}
+        self._probe: int | None = None
+        self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
+        self._cls: type | None = None
+
+    # ----- reporting -----------------------------------------------------------------------------------------
+    def reasons_inactive(self) -> list[str]:
+        mod = _backend.torch_npu_module()
+        if mod is None:
+            return _backend.npu_unavailable_reasons() or ["torch_npu unavailable"]
+        if getattr(mod, KERNEL, None) is None:
+            return [f"{_backend.backend_label()} has no {KERNEL}"]
+        return []
+
+    def model_reasons_inactive(self, model: nn.Module) -> list[str]:
+        norms = _qk_norms(model)
+        if not norms:
+            return ["no QwenImageCrossAttention with nn.RMSNorm QK norms in this model"]
+        if not any(n in self._swapped for n in norms):
+            return ["not attached to this model's QK norms"]
+        verdicts = self.verdicts()
+        if verdicts and not any(v.ok for v in verdicts):
+            return [f"{KERNEL} refused at every shape class so far: {verdicts[0].reason}"]
+        return []
+
+    def tier(self) -> str:
+        """``pixel`` where the kernel runs (or will, once verified); ``exact`` where it cannot (nothing changes)."""
+        if self.reasons_inactive():
+            return "exact"
+        verdicts = self.verdicts()
+        return "exact" if verdicts and not any(v.ok for v in verdicts) else "pixel"
+
+    def notes(self) -> list[str]:
+        s = self.stats
+        out = [v.describe() for v in self.verdicts()]
+        out.append(f"{KERNEL} calls {s['kernel_calls']}, stock calls {s['stock_calls']}")
+        return out
+
+    def verdicts(self) -> list[NormVerdict]:
+        """The per-shape-class checks of the kernel so far (for the current torch_npu module)."""
+        if self._probe != _backend.probe_id():
+            return []
+        return list(self._verdicts.values())
+
+    def norm_classes(self) -> tuple[type, ...]:
+        """The kernel-norm class(es) this optimization swaps in (``joint_attention`` accepts them as RMSNorms)."""
+        return (self._cls,) if self._cls is not None else ()
+
+    # ----- install / attach ----------------------------------------------------------------------------------
+    def _install(self) -> None:
+        if self._cls is None:
+            opt = self
+
+            class KernelRMSNorm(nn.RMSNorm):
+                """``nn.RMSNorm`` whose forward runs the verified ``npu_rms_norm`` where it can (same object)."""
+
+                def forward(self, x: torch.Tensor) -> torch.Tensor:
+                    y = opt.apply(self, x)
+                    return nn.RMSNorm.forward(self, x) if y is None else y
+
+            self._cls = KernelRMSNorm
+
+    def _uninstall(self) -> None:
+        for module, cls in list(self._swapped.items()):
+            module.__class__ = cls
+        self._swapped = weakref.WeakKeyDictionary()
+        self._verdicts.clear()
+        self.stats.clear()
+
+    def _attach(self, model: nn.Module) -> None:
+        for n in _qk_norms(model):
+            if type(n) is nn.RMSNorm and n not in self._swapped:
+                self._swapped[n] = nn.RMSNorm
+                n.__class__ = self._cls
+
+    def _detach(self, model: nn.Module) -> None:
+        for n in _qk_norms(model):
+            cls = self._swapped.pop(n, None)
+            if cls is not None:
+                n.__class__ = cls
+
+    # ----- backend choice (the one place) --------------------------------------------------------------------
+    def _kernel(self) -> Any:
+        mod = _backend.torch_npu_module()
+        if mod is None:
+            return None
+        probe = _backend.probe_id()
+        if probe != self._probe:
+            self._verdicts.clear()
+            self._probe = probe
+        return getattr(mod, KERNEL, None)
+
+    def apply(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``norm(x)`` through the verified kernel, or None (the caller runs stock ``nn.RMSNorm.forward``)."""
+        kernel = self._kernel() if norm in self._swapped else None
+        w, eps = norm.weight, norm.eps
+        if (
+            kernel is None
+            or w is None
+            or eps is None
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or _backend.graph_capture_reason() is not None
+            or x.dtype not in KERNEL_DTYPES
+            or w.dtype != x.dtype  # [OP-RMS]: gamma's dtype must equal self's
+            or not KERNEL_DIMS[0] <= x.dim() <= KERNEL_DIMS[1]
+            or tuple(w.shape) != tuple(x.shape[-1:])
+            or tuple(norm.normalized_shape) != tuple(x.shape[-1:])
+        ):
+            self.stats["stock_calls"] += 1
+            return None
+        key = shape_class(x)
+        checked = self._verdicts.get(key)
+        if checked is not None and not checked.ok:
+            self.stats["stock_calls"] += 1
+            return None
+        try:
+            out = kernel(x, w, epsilon=float(eps))[0]
+        except Exception as exc:
+            checked = NormVerdict(key, ok=False, reason=f"the kernel raised {exc.__class__.__name__}: {exc}")
+            self._verdicts[key] = checked
+            logger.warning("vllm-omni-ascend-opt: qk_norm: %s", checked.describe())
+            self.stats["stock_calls"] += 1
+            return None
+        if checked is None:
+            checked = verify_at_shape(x, out, w, float(eps))
+            self._verdicts[key] = checked
+            self.stats["shape_checks"] += 1
+            (logger.info if checked.ok else logger.warning)("vllm-omni-ascend-opt: qk_norm: %s", checked.describe())
+            if not checked.ok:
+                self.stats["stock_calls"] += 1
+                return None
+        self.stats["kernel_calls"] += 1
+        return out
+
+    def kernel_ready(self, attn: nn.Module) -> bool:
+        """Whether the four QK norms of ``attn`` carry the kernel class and torch_npu has the kernel (what
+        ``joint_attention`` asks to choose its per-stream norm order)."""
+        norms = [getattr(attn, name, None) for name in NORM_NAMES]
+        return all(n in self._swapped for n in norms) and self._kernel() is not None
+
+    def is_prepared(self, norm: nn.Module) -> bool:
+        return norm in self._swapped
+
+
+def _qk_norms(model: Any) -> list[nn.Module]:
+    mod = sys.modules.get(_targets.TRANSFORMER)
+    if mod is None or not isinstance(model, nn.Module):
+        return []
+    out = []
+    for m in model.modules():
+        if isinstance(m, mod.QwenImageCrossAttention):
+            out.extend(n for n in (getattr(m, name, None) for name in NORM_NAMES) if isinstance(n, nn.RMSNorm))
+    return out
+
+
+OPT = register_optimization(QkNorm())
