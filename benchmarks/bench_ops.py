@@ -20,8 +20,9 @@ Columns, each launches per block of a warm forward (a repeated request; ``testbe
 * ``est. ms saved``: the estimated ms saved per image on a 910B1 (model, not measured: ``ablation/estimate.py``),
   1280x704, 8 steps, CFG off, 60 blocks, from the launches the configuration removes per transformer call.
 
-``--write-table`` counts every subset of the transformer optimizations at real width through the fake (per block
-and outside the blocks) and writes the table ``plan``'s estimate reads.
+``--write-table`` counts every subset of the transformer optimizations through the fake at the tiny width (per
+block and outside the blocks; stock, all and each optimization alone checked equal at real width) and writes the
+table ``plan``'s estimate reads.
 """
 
 from __future__ import annotations

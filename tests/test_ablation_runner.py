@@ -212,10 +212,24 @@ def test_without_a_control_there_is_no_noise_floor_and_reports_still_render(tmp_
 
 
 def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_path, monkeypatch):
+    """Each block of rounds gets fresh workers; every other block starts them in reverse order (a worker started
+    early runs slower on some machines: each configuration gets an early and a late start)."""
+    from vllm_omni_ascend_opt.ablation import runner as runner_mod
+
     plan = make_plan(repeats=4, process_sets=2, seeds=[1])
     log = tmp_path / "starts.log"
+    spawned: list[str] = []
+    orig_spawn = runner_mod.Runner._spawn
+
+    def spawn(self, c, rnd):
+        spawned.append(c.id)
+        return orig_spawn(self, c, rnd)
+
+    monkeypatch.setattr(runner_mod.Runner, "_spawn", spawn)
     _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "starts_log": str(log)})
-    assert sorted(starts(log)) == sorted([c.id for c in plan.configs] * 2)
+    ids = [c.id for c in plan.configs]
+    assert spawned == ids + ids[::-1]
+    assert sorted(starts(log)) == sorted(ids * 2)
     pids = {}
     for s in res["samples"]:
         if not s["warmup"] and s["config"] == "full":

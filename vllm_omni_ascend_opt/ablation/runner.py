@@ -6,7 +6,8 @@ machine hits all of them alike):
 * ``resident`` (default for the tiny model): one worker per configuration, all alive at once. Workers start
   ``start_jobs`` at a time and warm up as soon as they are ready; measuring starts only when every worker is ready.
   With ``process_sets`` > 1 the rounds are split into that many consecutive blocks, each measured by a freshly started
-  set of workers, so that process-level effects (memory placement) are drawn more than once. With ``pause_idle``
+  set of workers, so that process-level effects (memory placement) are drawn more than once; every other block
+  starts the configurations in reverse order, so that effects of the start order cancel too. With ``pause_idle``
   every worker's process group is stopped (SIGSTOP) outside its own turn and continued (SIGCONT) for it, so the idle
   polling of resident engines and servers does not compete with the configuration being measured.
   Then, for each round (= one repeat) and each sample (prompt x seed), every configuration runs once, in the orders
@@ -711,13 +712,17 @@ class Runner:
             total += len(cfgs) * (1 + self.wl.warmup) + sum(len(v) for k, v in todo.items() if k[1] in b)
         prog = _Progress(total, self.progress_enabled)
         try:
-            for b in blocks:
-                self._resident_block(b, todo, prog)
+            for i, b in enumerate(blocks):
+                self._resident_block(b, todo, prog, reverse_start=i % 2 == 1)
         finally:
             prog.close()
 
     def _resident_block(
-        self, rounds: list[int], todo: dict[tuple[str, int], set[tuple[int, int]]], prog: _Progress
+        self,
+        rounds: list[int],
+        todo: dict[tuple[str, int], set[tuple[int, int]]],
+        prog: _Progress,
+        reverse_start: bool = False,
     ) -> None:
         configs = [c for c in self.plan.configs if c.id not in self.failed and any((c.id, r) in todo for r in rounds)]
         if not configs:
@@ -726,7 +731,10 @@ class Runner:
         starting: list[Worker] = []
         try:
             # start-up: start_jobs at a time; each warms up as soon as it is ready
-            pending = list(configs)
+            # every other block of rounds starts the configurations in reverse order: measured on 2 cores, workers
+            # started earlier ran slower all run long (the first two 5-10%), so each configuration gets an early and
+            # a late start
+            pending = list(reversed(configs)) if reverse_start else list(configs)
             while pending or starting:
                 while pending and len(starting) < self.wl.start_jobs:
                     starting.append(self._spawn(pending.pop(0), None))
