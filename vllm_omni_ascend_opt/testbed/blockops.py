@@ -15,7 +15,9 @@ the real width is counted at a small image (128x128 -> 64 image tokens + 32 text
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,13 +81,41 @@ def t2i_inputs(tr: Any, dtype: torch.dtype, height: int = 128, width: int = 128)
     )
 
 
+@contextlib.contextmanager
+def npu_dispatch(tr: Any) -> Iterator[int]:
+    """Dispatch ``tr``'s vLLM-Omni ``CustomOp`` modules as on an Ascend platform (``CustomOp.dispatch_forward``
+    picks ``forward_npu`` there; on this CPU-only machine it picked ``forward_native``), so that stock's NPU code is
+    what is counted, e.g. ``AdaLayerNorm.forward_npu``: ``npu_layer_norm_eval(x) * (1 + scale) + shift`` without the
+    native path's fp32 casts. Yields how many modules were switched; restores every one afterwards."""
+    from vllm_omni.diffusion.layers.custom_op import CustomOp
+
+    saved = []
+    for m in tr.modules():
+        if isinstance(m, CustomOp) and "_forward_method" in m.__dict__:
+            saved.append((m, m.__dict__["_forward_method"]))
+            m._forward_method = m.forward_npu
+    try:
+        yield len(saved)
+    finally:
+        for m, fn in saved:
+            m._forward_method = fn
+
+
 def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) -> BlockCount:
-    """Select ``flags`` on ``tr``, run one cold forward, then count the last block of a warm one."""
+    """Select ``flags`` on ``tr``, run one cold forward, then count the last block of a warm one. ``npu=True``: with
+    the CustomOps dispatched as on an Ascend platform (:func:`npu_dispatch`)."""
     from vllm_omni_ascend_opt import api
     from vllm_omni_ascend_opt.testbed.npu_ops import NpuOpCounter
     from vllm_omni_ascend_opt.testbed.opcount import OpCounter, count_module_calls
 
     counter = NpuOpCounter if npu else OpCounter
+    with npu_dispatch(tr) if npu else contextlib.nullcontext():
+        return _count_block(tr, rt, kw, flags, counter, api, count_module_calls)
+
+
+def _count_block(
+    tr: Any, rt: Any, kw: dict[str, Any], flags: str, counter: Any, api: Any, count_module_calls: Any
+) -> BlockCount:
     api.select(flags, model=tr)
     try:
         with rt.context(), torch.no_grad():
@@ -96,8 +126,11 @@ def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) 
     finally:
         api.select("none", model=tr)
     (c,), (first,), (call,) = calls, b0, whole
-    if first.total != c.total:
-        raise AssertionError(f"{flags}: block 0 launches {first.total}, the last block {c.total}")
+    if first.total < c.total:
+        raise AssertionError(f"{flags}: block 0 launches {first.total}, fewer than the last block's {c.total}")
+    # block 0 may launch more: once-per-forward work done lazily by the first block that needs it (e.g. the joint
+    # RoPE table of ``joint_attention`` when the ``rope`` embedder memo is off and the freqs are new each forward);
+    # it is counted with the work outside the blocks (``BlockCount.outside``), per block is the steady state
     unresolved = Counter(getattr(call, "unresolved", {}))
     return BlockCount(flags, c.total, Counter(c.counts), unresolved, call.total, len(tr.transformer_blocks))
 
