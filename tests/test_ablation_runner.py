@@ -270,6 +270,20 @@ def test_resident_measurement_follows_the_williams_orders(tmp_path, monkeypatch)
     assert len(before_full) >= 3
 
 
+def test_resident_workers_warm_up_only_once_every_worker_is_ready(tmp_path, monkeypatch):
+    """Warm-ups run in turn after the last worker reported ready (a worker warmed up while others still load, then
+    left idle through their starts, measured slower), then measuring starts."""
+    plan = make_plan(repeats=1, seeds=[1], warmup=2)
+    data, _ = run(plan, tmp_path / "out", monkeypatch, GOOD)
+    kinds = [(r["type"], r.get("warmup"), r["config"]) for r in data.records if r.get("type") in ("ready", "sample")]
+    last_ready = max(i for i, k in enumerate(kinds) if k[0] == "ready")
+    warm = [i for i, k in enumerate(kinds) if k[0] == "sample" and k[1]]
+    measured = [i for i, k in enumerate(kinds) if k[0] == "sample" and not k[1]]
+    assert len(warm) == 2 * len(plan.configs) and last_ready < min(warm) and max(warm) < min(measured)
+    # in turn: each configuration's warm-ups back to back
+    assert [kinds[i][2] for i in warm] == [c.id for c in plan.configs for _ in range(2)]
+
+
 def _state(pid: int) -> str:
     """The process state letter from /proc (``T``: stopped)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
