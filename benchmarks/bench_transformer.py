@@ -87,24 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_transformer(rt: Any, dtype: Any, pipeline: str = "t2i") -> Any:
     """vLLM-Omni's QwenImageTransformer2DModel at real width with the test bed's seeded random weights, configured
     as ``pipeline``'s (``zero_cond_t``, layer-3D RoPE and additional timestep conditioning where it has them)."""
-    import torch
-    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
+    from vllm_omni_ascend_opt.testbed import REALWIDTH, blockops
 
-    from vllm_omni_ascend_opt.testbed import REALWIDTH
-    from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
-
-    spec = REALWIDTH.variant(**PIPELINES[pipeline][0])
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # vLLM's linears allocate in the default dtype: no fp32 copy of the model
-    try:
-        with rt.context():
-            tr = QwenImageTransformer2DModel(od_config=rt.od_config, **spec.transformer_kwargs())
-    finally:
-        torch.set_default_dtype(default)
-    state = random_transformer_state_dict(spec, seed=0)
-    tr.load_weights(state.items())
-    del state
-    return tr.to(dtype).eval()
+    return blockops.build_transformer(rt, REALWIDTH.variant(**PIPELINES[pipeline][0]), dtype)
 
 
 def make_inputs(tr: Any, height: int, width: int, dtype: Any, pipeline: str = "t2i") -> dict[str, Any]:
