@@ -340,11 +340,22 @@ def test_stocks_fused_cuda_path_is_left_to_stock(runtime, tiny_pipe, monkeypatch
     api.select("none,+joint_attention", model=tiny_pipe)
     monkeypatch.setattr(mod, "_fused_cuda_supported", lambda *a, **k: True)
     monkeypatch.setattr(mod, "fused_qk_norm_rope_min_tokens", lambda default: 0)
+    monkeypatch.setattr(mod, "fused_qk_norm_rope", lambda q, k, *a, **kw: (q, k))  # stand-in for the CUDA kernel
     attn = _attn(tiny_pipe.transformer)
     hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
-    with runtime.context(), torch.no_grad():
-        why = OPT._joint_forward(mod, attn, hs, ehs, vid, txt, None, None)
+    calls = []
+    hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in (attn.to_qkv, attn.add_kv_proj)]
+    OPT.reset_stats()
+    try:
+        with runtime.context(), torch.no_grad():
+            why = OPT._call_reason(attn, hs, ehs, vid, txt)
+            attn(hs, ehs, vid, txt)
+    finally:
+        for h in hooks:
+            h.remove()
     assert isinstance(why, str) and "fused CUDA" in why
+    assert "fused CUDA" in next(iter(OPT.fallback_reasons()))
+    assert len(calls) == 2  # decided before the projections: stock computes each QKV GEMM once, not after ours
 
 
 def test_mismatched_freqs_fall_back(runtime, tiny_pipe):

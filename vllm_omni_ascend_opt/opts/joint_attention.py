@@ -305,15 +305,22 @@ class JointAttention(Optimization):
             return "RoPE freqs do not match the sequence lengths (complex [S, D/2] expected)"
         if vid_freqs.shape[-1] != txt_freqs.shape[-1] or vid_freqs.device != txt_freqs.device:
             return "text and image freqs differ in rotary dim or device"
+        # decided before any projection runs: a fallback found after them would compute both QKV GEMMs twice
+        mod = sys.modules[_targets.TRANSFORMER]
+        if (attn.qk_norm and self._cuda_fused(mod, hidden_states, vid_freqs, d)) or self._cuda_fused(
+            mod, encoder_hidden_states, txt_freqs, d
+        ):
+            return "stock's fused CUDA qk-norm-rope path (>= its token threshold on CUDA)"
         return None
 
-    def _cuda_fused(self, mod: Any, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor) -> bool:
-        """Whether stock's ``_qwen_image_qk_norm_rope`` would take its fused CUDA path for this stream (stock's own
-        condition, in its order: token threshold, then ``_fused_cuda_supported`` - which requires CUDA tensors)."""
-        tokens = q.shape[0] * q.shape[1]
+    def _cuda_fused(self, mod: Any, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
+        """Whether stock's ``_qwen_image_qk_norm_rope`` would take its fused CUDA path for the stream whose hidden
+        states are ``x`` (stock's own condition, in its order: token threshold, then ``_fused_cuda_supported``, which
+        reads only q/k's device and dtype: those of ``x``, which the stream's QKV projection keeps)."""
+        tokens = x.shape[0] * x.shape[1]
         return bool(
             tokens >= mod.fused_qk_norm_rope_min_tokens(mod._FUSED_MIN_TOKENS)
-            and mod._fused_cuda_supported(q, k, q.shape[-1], freqs.shape[-1] * 2, interleaved=True)
+            and mod._fused_cuda_supported(x, x, head_dim, freqs.shape[-1] * 2, interleaved=True)
         )
 
     def _norm(self, x: torch.Tensor, st: int, norm_txt: nn.Module, norm_img: nn.Module) -> torch.Tensor:
@@ -394,23 +401,19 @@ class JointAttention(Optimization):
         nq, nkv = attn.query_num_heads, attn.kv_num_heads
         q_size, kv_size = nq * d, nkv * d
         st = encoder_hidden_states.shape[1]
-        # stock's fused CUDA branch (per stream; its check needs q/k views of the right shape)
-        img_q = img_qkv[..., :q_size].unflatten(-1, (nq, d))
-        img_k = img_qkv[..., q_size : q_size + kv_size].unflatten(-1, (nkv, d))
-        txt_q = txt_qkv[..., :q_size].unflatten(-1, (nq, d))
-        txt_k = txt_qkv[..., q_size : q_size + kv_size].unflatten(-1, (nkv, d))
-        if (attn.qk_norm and self._cuda_fused(mod, attn, img_q, img_k, vid_freqs)) or self._cuda_fused(
-            mod, attn, txt_q, txt_k, txt_freqs
-        ):
-            return "stock's fused CUDA qk-norm-rope path (>= its token threshold on CUDA)"
-
         qk = sys.modules.get("vllm_omni_ascend_opt.opts.qk_norm")
         if qk is not None and qk.OPT.kernel_ready(attn):
             # qk_norm's npu_rms_norm takes gamma [D]: one kernel per stream (on stock's views), then one cat each for
             # q, k and v (v stays contiguous for the attention kernel). 9 launches with the joint rotary, against 11
             # in stock's order.
-            txt_v = txt_qkv[..., q_size + kv_size :].unflatten(-1, (nkv, d))
-            img_v = img_qkv[..., q_size + kv_size :].unflatten(-1, (nkv, d))
+            img_q, img_k, img_v = (
+                t.unflatten(-1, (n, d))
+                for t, n in zip(img_qkv.split([q_size, kv_size, kv_size], dim=-1), (nq, nkv, nkv), strict=True)
+            )
+            txt_q, txt_k, txt_v = (
+                t.unflatten(-1, (n, d))
+                for t, n in zip(txt_qkv.split([q_size, kv_size, kv_size], dim=-1), (nq, nkv, nkv), strict=True)
+            )
             query = torch.cat([attn.norm_added_q(txt_q), attn.norm_q(img_q)], dim=1)
             key = torch.cat([attn.norm_added_k(txt_k), attn.norm_k(img_k)], dim=1)
             value = torch.cat([txt_v, img_v], dim=1)
