@@ -109,16 +109,9 @@ def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) 
     from vllm_omni_ascend_opt.testbed.opcount import OpCounter, count_module_calls
 
     counter = NpuOpCounter if npu else OpCounter
-    with npu_dispatch(tr) if npu else contextlib.nullcontext():
-        return _count_block(tr, rt, kw, flags, counter, api, count_module_calls)
-
-
-def _count_block(
-    tr: Any, rt: Any, kw: dict[str, Any], flags: str, counter: Any, api: Any, count_module_calls: Any
-) -> BlockCount:
     api.select(flags, model=tr)
     try:
-        with rt.context(), torch.no_grad():
+        with npu_dispatch(tr) if npu else contextlib.nullcontext(), rt.context(), torch.no_grad():
             tr(**kw)  # cold
             with count_module_calls(tr, counter) as whole, count_module_calls(tr.transformer_blocks[0], counter) as b0:
                 with count_module_calls(tr.transformer_blocks[-1], counter) as calls:
