@@ -190,7 +190,7 @@ for spec in specs:
     api.select("none", model=pipe)  # and the plugin's (uninstall drops them), also between specs sharing an opt
     api.select(spec, model=pipe)
     names = [n for n in spec.split(",") if n.startswith("+")]
-    inactive = {n[1:]: registry.get(n[1:]).reasons_inactive() + registry.get(n[1:]).model_reasons_inactive(pipe)
+    inactive = {n[1:]: registry.get(n[1:]).reasons_inactive(pipe)
                 for n in names}
     images, ops = [], []
     for cfg, (h, w), seed in requests:

@@ -16,7 +16,8 @@ import sys
 import time
 from typing import Any
 
-from vllm_omni_ascend_opt.registry import Optimization, register_optimization
+from vllm_omni_ascend_opt.optimization import Optimization
+from vllm_omni_ascend_opt.registry import register_optimization
 
 PIPELINE = "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image"
 DELAY_S = 0.4

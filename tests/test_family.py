@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_omni_ascend_opt import _plugin, api, registry
+from vllm_omni_ascend_opt import _plugin, _report, api, registry
 from vllm_omni_ascend_opt.metrics import compare_images, passes_gates
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.testbed import TINY_FAMILY, build_model_dir
@@ -87,10 +87,7 @@ def _acting_and_reasons(pipe: Any) -> tuple[set[str], dict[str, list[str]]]:
     for opt in registry.all_optimizations():
         if opt.name not in _plugin.selected():
             continue
-        why = list(opt.reasons_inactive())
-        if opt.installed:
-            why += [] if opt.is_attached(pipe) else ["not attached"]
-            why += list(opt.model_reasons_inactive(pipe))
+        why = _report.explain(opt, pipe)
         reasons[opt.name] = why
         if not why:
             acting.add(opt.name)

@@ -70,14 +70,14 @@ def test_needs_shared_modulation_and_says_so(runtime):
     want = fwd(tr, runtime, kw)
     api.select("none,+fast_modulate", model=tr)
     assert OPT.installed and not sm.OPT.installed
-    assert "shared_modulation is not installed" in OPT.model_reasons_inactive(tr)[0]
+    assert "shared_modulation is not installed" in OPT.reasons_inactive(tr)[0]
     OPT.reset_stats()
     assert torch.equal(fwd(tr, runtime, kw), want) and OPT.ran() == 0  # stock block: nothing to change
     api.select("none,+shared_modulation,+fast_modulate", model=tr)
-    assert OPT.model_reasons_inactive(tr) == []
+    assert OPT.reasons_inactive(tr) == []
     api.select("none", model=tr)
     assert not OPT.installed and not sm.FAST.modulate
-    assert OPT.model_reasons_inactive(tr) == ["not installed"]
+    assert OPT.reasons_inactive(tr) == ["not installed"]
 
 
 def test_fp32_images_within_gates_ops_per_block(tiny_pipe, runtime):

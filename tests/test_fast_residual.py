@@ -38,11 +38,11 @@ def test_needs_shared_modulation_and_says_so(runtime):
     api.select("none", model=tr)
     want = fwd(tr, runtime, kw)
     api.select("none,+fast_residual", model=tr)
-    assert "shared_modulation is not installed" in OPT.model_reasons_inactive(tr)[0]
+    assert "shared_modulation is not installed" in OPT.reasons_inactive(tr)[0]
     OPT.reset_stats()
     assert torch.equal(fwd(tr, runtime, kw), want) and OPT.ran() == 0
     api.select("none", model=tr)
-    assert not sm.FAST.residual and OPT.model_reasons_inactive(tr) == ["not installed"]
+    assert not sm.FAST.residual and OPT.reasons_inactive(tr) == ["not installed"]
 
 
 def test_fp32_images_within_gates_ops_per_block(tiny_pipe, runtime):

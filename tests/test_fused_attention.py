@@ -85,7 +85,7 @@ def test_cpu_without_torch_npu_is_inactive_and_changes_nothing(tiny_pipe, runtim
     ref = generate(tiny_pipe, runtime, steps=2, seed=3)
     assert api.select("none,+fused_attention", model=tiny_pipe) == []  # not installed
     OPT.attach(tiny_pipe)  # a direct attach does nothing either, and says why
-    assert any("torch_npu" in r for r in OPT.model_reasons_inactive(tiny_pipe))
+    assert any("torch_npu" in r for r in OPT.reasons_inactive(tiny_pipe))
     assert OPT.report(tiny_pipe)["swapped"] == 0
     assert all(type(layer.attention) is SDPAImpl for layer in _layers(tiny_pipe.transformer))
     got = generate(tiny_pipe, runtime, steps=2, seed=3)
@@ -112,7 +112,7 @@ def test_swaps_the_impl_of_this_model_only_and_restores_it(fake_npu, bf16_pipe, 
         assert layer.attention._ascend_opt_stock is s and layer.attention.softmax_scale == s.softmax_scale
     assert [layer.attention for layer in _layers(tiny_pipe.transformer)] == other  # another model: untouched
     assert SDPAImpl.__dict__["forward"] is class_forward  # no class-level patch
-    assert OPT.model_reasons_inactive(bf16_pipe) == []
+    assert OPT.reasons_inactive(bf16_pipe) == []
     api.select("none", model=bf16_pipe)
     assert all(layer.attention is s for layer, s in zip(layers, stock, strict=True))
 
@@ -196,7 +196,7 @@ def test_verification_refuses_a_wrong_kernel(fake_npu, bf16_pipe, runtime, varia
     OPT.attach(tr)
     got = run_transformer(tr, runtime, masked=True, seed=2)
     report = OPT.report(tr)
-    reasons = OPT.model_reasons_inactive(tr)
+    reasons = OPT.reasons_inactive(tr)
     OPT.detach(tr)
     assert torch.equal(got, ref)  # SDPA ran: bitwise stock
     assert report["calls"] == {"sdpa: verification failed": 2}
@@ -214,7 +214,7 @@ def test_float32_model_stays_bitwise_stock_with_a_reason(fake_npu, tiny_pipe, ru
     ref = generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=2.0)
     assert api.select("none,+fused_attention", model=tiny_pipe) == ["fused_attention"]
     got = generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=2.0)
-    reasons = OPT.model_reasons_inactive(tiny_pipe)
+    reasons = OPT.reasons_inactive(tiny_pipe)
     calls = OPT.report(tiny_pipe)["calls"]
     api.select("none", model=tiny_pipe)
     assert torch.equal(ref.images, got.images)
@@ -336,7 +336,7 @@ def test_ring_and_non_sdpa_layers_are_skipped(fake_npu, runtime, monkeypatch):
     monkeypatch.setattr(other_layer, "attention", object())
     OPT.attach(pipe)
     report = OPT.report(pipe)
-    reasons = OPT.model_reasons_inactive(pipe)
+    reasons = OPT.reasons_inactive(pipe)
     OPT.detach(pipe)
     assert report["swapped"] == 0
     assert report["skipped"] == {"ring sequence parallelism": 1, "impl object (not vLLM-Omni's SDPAImpl)": 1}

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import api, registry
-from vllm_omni_ascend_opt.opts import _targets
+from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.opts import joint_attention as ja
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
@@ -145,7 +145,7 @@ def test_listed_with_its_tier_and_no_reason_on_cpu(tiny_pipe):
     assert names[names.index("vae_fast") + 1 : names.index("vae_fast") + 3] == ["joint_attention", "qk_norm"]
     assert OPT.tier() == "exact" and OPT.reasons_inactive() == []
     api.select("none,+joint_attention", model=tiny_pipe)
-    assert OPT.model_reasons_inactive(tiny_pipe) == []
+    assert OPT.reasons_inactive(tiny_pipe) == []
     rows = {r["name"]: r for r in api.status()}
     assert rows["joint_attention"]["tier"] == "exact" and rows["joint_attention"]["active"]
     assert rows["joint_attention"]["flag"] == {"enable": "+joint_attention", "disable": "-joint_attention"}
@@ -324,7 +324,7 @@ def test_a_non_native_rope_falls_back(runtime, tiny_pipe):
         with runtime.context(), torch.no_grad():
             attn(hs, ehs, vid, txt)
         assert "device kernel" in next(iter(OPT.fallback_reasons()))
-        assert OPT.model_reasons_inactive(nn.ModuleList([attn])) == [ja.static_reason(attn)]
+        assert OPT.reasons_inactive(nn.ModuleList([attn])) == [ja.static_reason(attn)]
     finally:
         del attn.rope.forward
     assert ja.static_reason(attn) is None

@@ -64,7 +64,7 @@ def test_cpu_without_torch_npu_is_inactive_and_changes_nothing(tiny_pipe, runtim
     ref = generate(tiny_pipe, runtime, steps=2, seed=5)
     assert api.select("none,+nz_weights", model=tiny_pipe) == []
     OPT.attach(tiny_pipe)
-    assert any("torch_npu" in r for r in OPT.model_reasons_inactive(tiny_pipe))
+    assert any("torch_npu" in r for r in OPT.reasons_inactive(tiny_pipe))
     assert OPT.report(tiny_pipe)["cast"] == []
     got = generate(tiny_pipe, runtime, steps=2, seed=5)
     OPT.detach(tiny_pipe)
@@ -88,7 +88,7 @@ def test_casts_exactly_the_transformer_linears_and_reverts(fake_npu, bf16_pipe, 
     assert api.select("none,+nz_weights", model=bf16_pipe) == ["nz_weights"]
     report = OPT.report(bf16_pipe)
     assert sorted(report["cast"]) == sorted(f"transformer.{n}" for n in names) and report["skipped"] == {}
-    assert OPT.model_reasons_inactive(bf16_pipe) == []
+    assert OPT.reasons_inactive(bf16_pipe) == []
     for n, w in weights.items():
         layer = tr.get_submodule(n)
         assert layer.weight is w and type(w).__name__ == "ModelWeightParameter" and hasattr(w, "weight_loader")
@@ -122,9 +122,10 @@ def test_weight_memos_are_invalidated_after_cast_and_revert(fake_npu, bf16_pipe,
     calls = []
     w = bf16_pipe.transformer.proj_out.weight
     version = w._version
-    monkeypatch.setattr(shared_modulation, "invalidate", lambda: calls.append(1))
+    # the registry's weights-changed event reaches shared_modulation, which drops its memo
+    monkeypatch.setattr(shared_modulation.OPT, "invalidate", lambda: calls.append(1))
     OPT.attach(bf16_pipe)
-    assert calls == [1] and w._version == version  # why the hook is needed: .data swaps bump nothing
+    assert calls == [1] and w._version == version  # why the event is needed: .data swaps bump nothing
     OPT.detach(bf16_pipe)
     assert calls == [1, 1]
 
@@ -135,7 +136,7 @@ def test_weight_memos_are_invalidated_after_cast_and_revert(fake_npu, bf16_pipe,
 def test_skip_float32_weights(fake_npu, tiny_pipe):
     fake_npu()
     OPT.attach(tiny_pipe)
-    report, reasons = OPT.report(tiny_pipe), OPT.model_reasons_inactive(tiny_pipe)
+    report, reasons = OPT.report(tiny_pipe), OPT.reasons_inactive(tiny_pipe)
     OPT.detach(tiny_pipe)
     assert report == {"cast": [], "skipped": {"dtype float32": N_LINEARS}}
     assert any("no linear weight was cast" in r and "dtype float32" in r for r in reasons)
@@ -145,7 +146,7 @@ def test_skip_when_internal_format_is_not_allowed(fake_npu, bf16_pipe):
     fake = fake_npu(allow_internal_format=False)  # the A3 default [OP-AIF]
     ptr = bf16_pipe.transformer.proj_out.weight.data_ptr()
     OPT.attach(bf16_pipe)
-    reasons, report = OPT.model_reasons_inactive(bf16_pipe), OPT.report(bf16_pipe)
+    reasons, report = OPT.reasons_inactive(bf16_pipe), OPT.report(bf16_pipe)
     OPT.detach(bf16_pipe)
     assert report == {"cast": [], "skipped": {}} and bf16_pipe.transformer.proj_out.weight.data_ptr() == ptr
     assert any("trial npu_format_cast" in r and "internal formats not allowed" in r for r in reasons), reasons
@@ -169,7 +170,7 @@ def test_active_through_the_write_only_config_and_vllm_ascend_linear_method(fake
     for m in layers:
         m.quant_method = ascend_method()
     OPT.attach(pipe)
-    report, reasons = OPT.report(pipe), OPT.model_reasons_inactive(pipe)
+    report, reasons = OPT.report(pipe), OPT.reasons_inactive(pipe)
     OPT.detach(pipe)
     assert len(report["cast"]) == N_LINEARS and report["skipped"] == {} and reasons == []
     assert fake.calls["npu_format_cast"] == 2 * N_LINEARS  # the trial cast is the first layer's cast
@@ -179,7 +180,7 @@ def test_permission_follows_the_device_option_not_a_cached_read(fake_npu, bf16_p
     fake_npu()
     torch.npu.config.allow_internal_format = False
     OPT.attach(bf16_pipe)
-    off = OPT.model_reasons_inactive(bf16_pipe)
+    off = OPT.reasons_inactive(bf16_pipe)
     OPT.detach(bf16_pipe)
     torch.npu.config.allow_internal_format = True
     OPT.attach(bf16_pipe)
@@ -195,7 +196,7 @@ def test_permission_follows_the_device_option_not_a_cached_read(fake_npu, bf16_p
 def test_cann_versions_without_weightnz_routing_stay_off_with_the_versions(fake_npu, bf16_pipe, cann, needle):
     fake_npu(cann_version=cann)
     OPT.attach(bf16_pipe)
-    report, reasons = OPT.report(bf16_pipe), OPT.model_reasons_inactive(bf16_pipe)
+    report, reasons = OPT.report(bf16_pipe), OPT.reasons_inactive(bf16_pipe)
     OPT.detach(bf16_pipe)
     assert report["cast"] == []
     assert any(needle in r and "torch_npu 2.13.0+fake" in r for r in OPT.reasons_inactive())
@@ -217,7 +218,7 @@ def test_numbers_are_verified_at_first_use_for_both_routes(fake_npu, bf16_pipe, 
     ptr = bf16_pipe.transformer.proj_out.weight.data_ptr()
     with formats.nz_route_ignores_format(route):
         OPT.attach(bf16_pipe)
-    report, reasons = OPT.report(bf16_pipe), OPT.model_reasons_inactive(bf16_pipe)
+    report, reasons = OPT.report(bf16_pipe), OPT.reasons_inactive(bf16_pipe)
     OPT.detach(bf16_pipe)
     assert report["cast"] == [] and bf16_pipe.transformer.proj_out.weight.data_ptr() == ptr
     assert any("NZ linear check FAILED" in r and case in r and "differs from the ND weight" in r for r in reasons)
@@ -263,7 +264,7 @@ def test_skip_model_level_configurations(fake_npu, runtime, override, needle):
             setattr(cfg, k, v)
     pipe.od_config = cfg
     OPT.attach(pipe)
-    reasons, report = OPT.model_reasons_inactive(pipe), OPT.report(pipe)
+    reasons, report = OPT.reasons_inactive(pipe), OPT.report(pipe)
     OPT.detach(pipe)
     assert report["cast"] == [] and any(needle in r for r in reasons), reasons
 
@@ -312,7 +313,7 @@ def test_skip_per_layer_reasons(fake_npu, runtime):
     # a weight already in an internal format
     tr.img_in.weight.data = fake.npu_format_cast(tr.img_in.weight.data, 29)
     OPT.attach(pipe)
-    report, reasons = OPT.report(pipe), OPT.model_reasons_inactive(pipe)
+    report, reasons = OPT.report(pipe), OPT.reasons_inactive(pipe)
     OPT.detach(pipe)
     assert report["skipped"] == {
         nz.SKIP_OFFLOAD_HOOK: 10,
@@ -344,7 +345,7 @@ def test_a_cast_that_does_not_take_is_undone(fake_npu, bf16_pipe):
     fake_npu(format_cast="keeps_nd")
     ptr = bf16_pipe.transformer.proj_out.weight.data_ptr()
     OPT.attach(bf16_pipe)
-    report, reasons = OPT.report(bf16_pipe), OPT.model_reasons_inactive(bf16_pipe)
+    report, reasons = OPT.report(bf16_pipe), OPT.reasons_inactive(bf16_pipe)
     OPT.detach(bf16_pipe)
     assert report == {"cast": [], "skipped": {}}
     assert any("gave format 2: internal formats not allowed" in r for r in reasons), reasons

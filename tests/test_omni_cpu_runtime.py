@@ -46,17 +46,35 @@ def test_cpu_runtime_changes_nothing_on_an_accelerator_platform(monkeypatch):
     assert rt_mod.engine_cpu_runtime_applied() == []
 
 
-def test_register_applies_the_cpu_runtime_only_when_asked(monkeypatch):
-    calls = []
-    monkeypatch.setattr(rt_mod, "apply_engine_cpu_runtime", lambda: calls.append(1) or [])
-    monkeypatch.setenv(flags.ENV_FLAG, "none")
-    monkeypatch.delenv(rt_mod.ENV_CPU_RUNTIME, raising=False)
-    _plugin.register()
-    assert calls == []
-    _plugin._reset_for_tests()
-    monkeypatch.setenv(rt_mod.ENV_CPU_RUNTIME, "1")
-    _plugin.register()
-    assert calls == [1]
+_PLUGIN_LOADING = (
+    "import json\n"
+    "from vllm_omni.plugins import load_omni_general_plugins\n"
+    "load_omni_general_plugins()\n"
+    "from vllm_omni_ascend_opt._state import STATE\n"
+    "from vllm_omni_ascend_opt.testbed.runtime import engine_cpu_runtime_applied\n"
+    "print(json.dumps({'applied': engine_cpu_runtime_applied(), 'registered': STATE.registered}))\n"
+)
+
+
+@pytest.mark.parametrize(("opt_in", "plugins"), [(True, None), (True, "some_other_plugin"), (False, None)])
+def test_plugin_loading_applies_the_cpu_runtime_only_when_asked(opt_in, plugins):
+    """The test bed applies its runtime when vLLM-Omni loads plugins, whether or not ours is among them."""
+    env = rt_mod.engine_env()
+    if not opt_in:
+        env.pop(rt_mod.ENV_CPU_RUNTIME)
+    env.pop("VLLM_PLUGINS", None)
+    if plugins:
+        env["VLLM_PLUGINS"] = plugins
+    proc = subprocess.run(
+        [sys.executable, "-c", _PLUGIN_LOADING], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not opt_in:
+        assert out["applied"] == []
+        return
+    assert "attention->SDPA" in out["applied"] and "platform methods" in out["applied"]
+    assert out["registered"] is (plugins is None)  # the plugin's part is independent of the runtime
 
 
 _PROBE = (

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_omni_ascend_opt import _parallel, registry
+from vllm_omni_ascend_opt import _parallel, optimization, registry
 
 
 def _pc(**kw):
@@ -72,6 +72,6 @@ def test_an_undeclared_mode_is_not_supported():
 def test_every_registered_optimization_declares_every_parallel_mode():
     """``list`` prints these; a mode left out would silently read as "off"."""
     for opt in registry.all_optimizations():
-        assert set(registry.PARALLEL_MODES) <= set(opt.parallel_support), opt.name
+        assert set(optimization.PARALLEL_MODES) <= set(opt.parallel_support), opt.name
         for mode, state in opt.parallel_support.items():
             assert state == "supported" or (state.startswith("off:") and state[4:].strip()), (opt.name, mode, state)

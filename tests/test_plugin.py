@@ -15,7 +15,7 @@ import types
 import pytest
 
 from vllm_omni_ascend_opt import _patching, _plugin, api, flags, registry
-from vllm_omni_ascend_opt.registry import Optimization
+from vllm_omni_ascend_opt.optimization import Optimization
 
 PY = sys.executable
 
@@ -101,11 +101,11 @@ class _Probe(Optimization):
 def probe(monkeypatch, tmp_path):
     (tmp_path / "ascend_opt_probe_target.py").write_text("value = 'original'\nsentinel = object()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    opt = _Probe()
-    monkeypatch.setitem(registry._REGISTRY, opt.name, opt)
+    opt = registry.register_optimization(_Probe())
     sys.modules.pop("ascend_opt_probe_target", None)
     yield opt
     opt.uninstall()
+    registry.REGISTRY.remove(opt.name)
     sys.modules.pop("ascend_opt_probe_target", None)
 
 
@@ -197,8 +197,8 @@ def test_vllm_omni_plugin_loader_registers_before_model_modules_import():
         import sys
         from vllm_omni.plugins import load_omni_general_plugins
         load_omni_general_plugins()
-        from vllm_omni_ascend_opt import _plugin
-        assert _plugin._registered, "entry point did not run"
+        from vllm_omni_ascend_opt import _plugin, _state
+        assert _state.STATE.registered, "entry point did not run"
         print("SELECTED", ",".join(_plugin.selected()))
         print("T_IMPORTED_AT_REGISTER", "vllm_omni.diffusion.models.qwen_image.qwen_image_transformer" in sys.modules)
         import vllm_omni.diffusion.models.qwen_image  # the worker imports the model package later
@@ -221,8 +221,8 @@ def test_vllm_plugins_allow_list_excludes_us_when_not_named():
         """
         from vllm_omni.plugins import load_omni_general_plugins
         load_omni_general_plugins()
-        import vllm_omni_ascend_opt._plugin as p
-        print("REGISTERED", p._registered)
+        from vllm_omni_ascend_opt._state import STATE
+        print("REGISTERED", STATE.registered)
         """,
         VLLM_PLUGINS="some_other_plugin",
     )

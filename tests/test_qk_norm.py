@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.metrics import to_uint8
-from vllm_omni_ascend_opt.opts import _targets
 from vllm_omni_ascend_opt.opts import joint_attention as ja
 from vllm_omni_ascend_opt.opts import qk_norm as qn
 from vllm_omni_ascend_opt.testbed import TINY
@@ -86,7 +86,7 @@ def test_attach_swaps_the_four_norms_of_this_model_only_and_detach_restores(fake
     assert all(type(n) is nn.RMSNorm for n in _norms(bf16_transformer))  # not attached there
     OPT.attach(tiny_pipe)  # idempotent
     OPT.install()
-    assert OPT.tier() == "pixel" and OPT.model_reasons_inactive(tiny_pipe) == []
+    assert OPT.tier() == "pixel" and OPT.reasons_inactive(tiny_pipe) == []
     api.select("none", model=tiny_pipe)
     assert all(type(n) is nn.RMSNorm for n in norms) and not OPT.installed
     OPT.uninstall()
@@ -164,7 +164,7 @@ def test_a_wrong_kernel_is_refused_with_a_logged_reason(fake_npu, tiny_pipe, run
     verdicts = OPT.verdicts()
     assert verdicts and not any(v.ok for v in verdicts) and fragment in verdicts[0].reason
     assert "refused" in caplog.text and "npu_rms_norm" in caplog.text and fragment in caplog.text
-    assert any(fragment in r for r in OPT.model_reasons_inactive(tiny_pipe))
+    assert any(fragment in r for r in OPT.reasons_inactive(tiny_pipe))
     assert OPT.tier() == "exact"
     calls = npu.calls["npu_rms_norm"]
     generate(tiny_pipe, runtime, steps=1, seed=4)

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from tests.fake_torch_npu import rotary as fake_rotary
 from vllm_omni_ascend_opt import api
-from vllm_omni_ascend_opt.opts import _targets
+from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.opts import rope as rope_mod
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import OpCounter, count_module_calls
@@ -100,8 +100,8 @@ def test_install_and_uninstall_restore_by_identity(tiny_pipe):
     assert OPT.patches.is_patched(mod, "_qwen_image_qk_norm_rope")
     api.select("none,+rope", model=tiny_pipe)  # idempotent
     assert len(OPT.patches) == 3
-    assert OPT.model_reasons_inactive(tiny_pipe) == []
-    assert OPT.model_reasons_inactive(torch.nn.Linear(2, 2))
+    assert OPT.reasons_inactive(tiny_pipe) == []
+    assert OPT.reasons_inactive(torch.nn.Linear(2, 2))
     api.select("none", model=tiny_pipe)
     assert mod._qwen_image_qk_norm_rope is orig_fn
     assert mod.QwenEmbedRope.forward is orig_fwd and mod.QwenEmbedLayer3DRope.forward is orig_fwd3d

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt import api
+from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import OpCounter, TensorReadCounter, count_module_calls
@@ -117,7 +117,7 @@ def test_install_uninstall_restore_by_identity(tiny_pipe, runtime):
     for b in tr.transformer_blocks:
         assert OPT.is_prepared(b.img_mod) and OPT.is_prepared(b.txt_mod) and isinstance(b.img_mod, nn.Sequential)
     assert OPT.is_prepared(tr.norm_out) and isinstance(tr.norm_out, AdaLayerNormContinuous)
-    assert OPT.model_reasons_inactive(tiny_pipe) == []
+    assert OPT.reasons_inactive(tiny_pipe) == []
     row = next(r for r in api.status() if r["name"] == "shared_modulation")
     assert row["active"] and row["equivalence"] == "exact"
     assert set(row["parallel_support"].values()) == {"supported"}
@@ -130,7 +130,7 @@ def test_install_uninstall_restore_by_identity(tiny_pipe, runtime):
     assert all(type(b.img_mod) is nn.Sequential and type(b.txt_mod) is nn.Sequential for b in tr.transformer_blocks)
     assert type(tr.norm_out) is AdaLayerNormContinuous
     assert len(OPT.memo) == 0 and OPT.memo.nbytes == 0
-    assert OPT.model_reasons_inactive(tiny_pipe) == ["not installed"]
+    assert OPT.reasons_inactive(tiny_pipe) == ["not installed"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_invalidate_and_reload(runtime):
     fwd(tr, runtime, kw)
     # A write through .data bypasses version counters: explicit invalidate() is the documented remedy.
     tr.transformer_blocks[0].txt_mod[1].weight.data.mul_(2.0)
-    sm.invalidate()  # what nz_weights calls
+    registry.REGISTRY.weights_changed(tr)  # the event nz_weights announces after its w.data casts
     got_data = fwd(tr, runtime, kw)
     # load_weights (vLLM's default loader writes through param.data) invalidates by itself.
     tr.load_weights(random_transformer_state_dict(TINY, seed=1).items())
@@ -311,7 +311,7 @@ def test_budget_env(monkeypatch, runtime):
     monkeypatch.setenv(sm.ENV_BUDGET_MB, "0")
     tr = build(runtime)
     api.select(ON, model=tr)
-    assert OPT.memo.max_bytes == 0 and any("budget is 0" in r for r in OPT.model_reasons_inactive(tr))
+    assert OPT.memo.max_bytes == 0 and any("budget is 0" in r for r in OPT.reasons_inactive(tr))
     kw = inputs(torch.float32)
     got = fwd(tr, runtime, kw)
     assert any("budget is 0" in r for r in OPT.fallback_reasons()) and len(OPT.memo) == 0
@@ -372,7 +372,7 @@ def test_fallback_inference_tensor_weights(runtime):
     with torch.inference_mode():
         tr = build(runtime)
     api.select(ON, model=tr)
-    assert any("inference tensors" in r for r in OPT.model_reasons_inactive(tr))
+    assert any("inference tensors" in r for r in OPT.reasons_inactive(tr))
     _fallback_case(runtime, tr, "inference tensors")
 
 
@@ -520,7 +520,7 @@ def test_two_segment_blocks_bitwise(runtime, dtype, batch, shapes):
     api.select("none", model=tr)
     want = fwd(tr, runtime, kw)
     api.select(ON, model=tr)
-    assert OPT.model_reasons_inactive(tr) == []
+    assert OPT.reasons_inactive(tr) == []
     OPT.reset_stats()
     cold, warm = fwd(tr, runtime, kw), fwd(tr, runtime, kw)
     assert torch.equal(cold, want) and torch.equal(warm, want)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt import api, optimization
 from vllm_omni_ascend_opt.ablation import compare, stats
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan, opt_infos_from_registry
 from vllm_omni_ascend_opt.ablation.workload import from_mapping
@@ -23,10 +23,10 @@ def _img(delta: float = 0.0) -> compare.StoredImage:
 
 
 def test_weakest_tier_orders_exact_pixel_close():
-    assert registry.TIERS == ("exact", "pixel", "close")
-    assert registry.weakest_tier([]) == "exact"
-    assert registry.weakest_tier(["exact", "pixel"]) == "pixel"
-    assert registry.weakest_tier(["pixel", "close", "exact"]) == "close"
+    assert optimization.TIERS == ("exact", "pixel", "close")
+    assert optimization.weakest_tier([]) == "exact"
+    assert optimization.weakest_tier(["exact", "pixel"]) == "pixel"
+    assert optimization.weakest_tier(["pixel", "close", "exact"]) == "close"
 
 
 def test_gates_per_tier_on_pixel_identical_but_not_bitwise_images():
@@ -60,4 +60,4 @@ def test_tier_here_reaches_list_status_and_the_ablation_plan(fake_npu):
     rows = {r["name"]: r for r in api.status()}
     assert rows["rope"]["tier"] == "pixel" and rows["fused_attention"]["tier"] == "close"
     assert {i.name: i.equivalence for i in opt_infos_from_registry()}["rope"] == "pixel"
-    assert all(r["tier"] in registry.TIERS for r in rows.values())
+    assert all(r["tier"] in optimization.TIERS for r in rows.values())

@@ -119,7 +119,7 @@ def test_direct_vae_bitwise_several_sizes(vaes, dtype):
         assert 0 < (r.abs() == 1).float().mean() < 0.5  # the final clamp matters, but not everywhere
         assert g.dtype == dtype
         assert torch.equal(r, g), (h, w, (r.float() - g.float()).abs().max())
-    assert not OPT.fallbacks
+    assert not OPT.fallback_reasons()
     # The VAE is left in the same cache state as stock.
     assert vae._feat_map == [None] * vae._cached_conv_counts["decoder"] and vae._conv_idx == [0]
 
@@ -135,7 +135,7 @@ def test_pipeline_bitwise_fp32(tiny_pipe, runtime):
     assert path == ["single_frame"] * len(sizes)
     for r, g in zip(ref, got, strict=True):
         assert torch.equal(r.images, g.images)
-    assert not OPT.fallbacks
+    assert not OPT.fallback_reasons()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -246,7 +246,7 @@ def test_multi_frame_takes_stock_path(vaes, dtype):
     got = decode(vae, z)
     assert ref.shape[2] == 9  # 1 + 4 * 2 frames: the feature cache and the time convs really ran
     assert torch.equal(ref, got)  # the submodule pieces stay exact with a cache and several frames
-    assert any("multi-frame" in r for r in OPT.fallbacks)
+    assert any("multi-frame" in r for r in OPT.fallback_reasons())
 
 
 def test_tiled_and_patch_parallel_paths_unchanged(tiny_pipe):
@@ -266,7 +266,7 @@ def test_tiled_and_patch_parallel_paths_unchanged(tiny_pipe):
         ref_tiled, ref_pp = decode(vae, z), parallel_decode()
         api.select("none,+vae_exact", model=tiny_pipe)
         got_tiled, got_pp = decode(vae, z), parallel_decode()
-        assert any("tiled decode" in r for r in OPT.fallbacks)
+        assert any("tiled decode" in r for r in OPT.fallback_reasons())
     finally:
         api.select("none", model=tiny_pipe)
         vae.use_tiling = saved[0]
@@ -305,14 +305,14 @@ def test_attach_detach_restore_by_identity(tiny_pipe):
     decode_before = vae.decode  # vLLM-Omni's profiler may wrap this per instance: never touched
     assert patched_anywhere(tiny_pipe) == []
     assert api.select("none,+vae_exact", model=tiny_pipe) == ["vae_exact"]
-    assert OPT.is_attached(tiny_pipe) and OPT.model_reasons_inactive(tiny_pipe) == []
+    assert OPT.is_attached(tiny_pipe) and OPT.reasons_inactive(tiny_pipe) == []
     patched = patched_anywhere(tiny_pipe)
     assert "" in patched and "vae" in patched and "vae.post_quant_conv" in patched
     assert vars(vae)["_decode"].__func__.__name__ == "_decode"
     n = len(patched)
     OPT.attach(tiny_pipe)  # idempotent
     OPT.attach(vae)  # the same VAE through another model: refused, not patched twice
-    assert OPT.model_reasons_inactive(vae) == ["its VAE is already attached through another model"]
+    assert OPT.reasons_inactive(vae) == ["its VAE is already attached through another model"]
     assert len(patched_anywhere(tiny_pipe)) == n
     assert vae.decode == decode_before
     api.select("none", model=tiny_pipe)
@@ -350,13 +350,13 @@ def test_reasons_for_other_models(tiny_pipe, runtime):
     assert OPT.reasons_inactive() == []
     transformer = tiny_pipe.transformer
     OPT.attach(transformer)
-    assert "neither a Qwen-Image VAE nor a pipeline" in OPT.model_reasons_inactive(transformer)[0]
+    assert "neither a Qwen-Image VAE nor a pipeline" in OPT.reasons_inactive(transformer)[0]
     assert patched_anywhere(transformer) == []
 
     holder = nn.Module()
     holder.vae = InTreeVae(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False])
     OPT.attach(holder)
-    assert "not diffusers' AutoencoderKLQwenImage" in OPT.model_reasons_inactive(holder)[0]
+    assert "not diffusers' AutoencoderKLQwenImage" in OPT.reasons_inactive(holder)[0]
     assert patched_anywhere(holder) == []
 
 
@@ -371,7 +371,7 @@ def test_pipeline_overriding_decode_latents_keeps_its_own(vaes):
     OPT.attach(pipe)
     report = OPT.piece_report(pipe)
     assert "is not QwenImagePipeline's" in report["latents_stats_cache"]
-    assert report["single_frame_decode"] == "" and OPT.model_reasons_inactive(pipe) == []
+    assert report["single_frame_decode"] == "" and OPT.reasons_inactive(pipe) == []
     assert "_decode_latents" not in vars(pipe)
     OPT.detach(pipe)
     assert patched_anywhere(pipe) == []

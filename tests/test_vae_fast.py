@@ -237,11 +237,11 @@ def test_reasons_for_other_models(tiny_pipe):
     api.select("none,+vae_fast")
     assert OPT.reasons_inactive() == []
     OPT.attach(tiny_pipe.transformer)
-    assert OPT.model_reasons_inactive(tiny_pipe.transformer)
+    assert OPT.reasons_inactive(tiny_pipe.transformer)
     holder = nn.Module()
     holder.vae = nn.Linear(2, 2)
     OPT.attach(holder)
-    assert "not diffusers' AutoencoderKLQwenImage" in OPT.model_reasons_inactive(holder)[0]
+    assert "not diffusers' AutoencoderKLQwenImage" in OPT.reasons_inactive(holder)[0]
     assert patched_anywhere(holder) == []
     rows = {r["name"]: r for r in api.status()}
     assert rows["vae_fast"]["active"] and not rows["vae_fast"]["default"]

@@ -1,4 +1,4 @@
-"""vllm-omni-ascend-opt: swappable Ascend NPU optimizations for vLLM-Omni 0.30's Qwen-Image.
+"""vllm-omni-ascend-opt: swappable Ascend NPU optimizations for vLLM-Omni's Qwen-Image.
 
 Loaded by vLLM-Omni in every process through the ``vllm_omni.general_plugins`` entry point (``register``).
 Importing this package is cheap: it does not import torch_npu, vLLM or vLLM-Omni.
@@ -7,6 +7,7 @@ Importing this package is cheap: it does not import torch_npu, vLLM or vLLM-Omni
 from __future__ import annotations
 
 from vllm_omni_ascend_opt._plugin import PluginConfigError, register
+from vllm_omni_ascend_opt._version import __version__
 from vllm_omni_ascend_opt.api import (
     apply_to_qwen_image,
     disable,
@@ -17,8 +18,6 @@ from vllm_omni_ascend_opt.api import (
     status,
 )
 from vllm_omni_ascend_opt.flags import FlagError
-
-__version__ = "0.1.0"
 
 __all__ = [
     "FlagError",

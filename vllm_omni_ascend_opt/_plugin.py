@@ -13,12 +13,13 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
-import threading
 from collections.abc import Callable, Iterable
 from importlib import metadata
 
 from vllm_omni_ascend_opt import _report, flags, registry
 from vllm_omni_ascend_opt._patching import PatchSet
+from vllm_omni_ascend_opt._state import LOCK, STATE
+from vllm_omni_ascend_opt.optimization import fully_imported
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
@@ -26,11 +27,6 @@ SUPPORTED_OMNI = ("0.30",)  # major.minor series of vllm-omni we patch
 SUPPORTED_VLLM = ("0.30",)
 LOADER_MODULE = "vllm_omni.diffusion.model_loader.diffusers_loader"
 
-_lock = threading.RLock()
-_registered = False
-_selected: list[str] = []
-_config_error: str | None = None
-_version_error: str | None = None
 _core = PatchSet("core")
 _finder: _PostImportFinder | None = None
 
@@ -111,30 +107,37 @@ def _on_import(name: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 def selected() -> list[str]:
     """Names currently selected (by the flags or the Python API), in registry order."""
-    return list(_selected)
+    return list(STATE.selected)
+
+
+def config_error() -> str | None:
+    return STATE.config_error
+
+
+def version_error() -> str | None:
+    return STATE.version_error
 
 
 def set_selected(names: Iterable[str]) -> None:
     """Make exactly ``names`` selected: uninstall the others, install these (now or when their modules import)."""
-    global _selected
     wanted = set(names)
-    with _lock:
+    with LOCK:
         for opt in registry.all_optimizations():
             if opt.name not in wanted and opt.installed:
                 opt.uninstall()
-        _selected = [n for n in registry.names() if n in wanted]
-        _watch({m for n in _selected for m in registry.get(n).target_modules} | {LOADER_MODULE})
+        STATE.selected = [n for n in registry.names() if n in wanted]
+        _watch({m for n in STATE.selected for m in registry.get(n).target_modules} | {LOADER_MODULE})
         install_ready()
 
 
 def install_ready() -> list[str]:
     """Install every selected optimization that can be active and whose target modules are imported."""
     done = []
-    with _lock:
-        if _version_error is not None and not flags.force_from_env():
-            return done
+    with LOCK:
         _install_core()
-        for name in _selected:
+        if STATE.blocked():
+            return done
+        for name in STATE.selected:
             opt = registry.get(name)
             if opt.installed or not opt.targets_imported():
                 continue
@@ -146,14 +149,15 @@ def install_ready() -> list[str]:
             done.append(name)
     if done:
         logger.debug("vllm-omni-ascend-opt: installed %s", ", ".join(done))
-    if _registered:
+    if STATE.registered:
         _report.announce()  # the one INFO line, once nothing selected waits for a module any more
     return done
 
 
 def _install_core() -> None:
-    """Attach installed optimizations to every pipeline that vLLM-Omni's loader builds."""
-    if not registry._fully_imported(LOADER_MODULE):
+    """Attach installed optimizations to every pipeline that vLLM-Omni's loader builds, and report on it (also when
+    a bad flag or version patches nothing: the status file then says so after the model is built)."""
+    if not fully_imported(LOADER_MODULE):
         return
     loader_cls = sys.modules[LOADER_MODULE].DiffusersPipelineLoader
     if _core.is_patched(loader_cls, "load_model"):
@@ -172,8 +176,7 @@ def _install_core() -> None:
 
 
 def attach_all(model) -> list[str]:
-    """Attach every installed optimization to ``model`` (a pipeline or a transformer); returns what acted."""
-    acted = []
+    """Attach every installed optimization to ``model`` (a pipeline or a transformer); returns what acts on it."""
     for opt in registry.all_optimizations():
         if not opt.installed:
             continue
@@ -183,10 +186,7 @@ def attach_all(model) -> list[str]:
             if flags.strict_from_env():
                 raise
             logger.exception("vllm-omni-ascend-opt: attaching %s failed; it stays off for this model", opt.name)
-            continue
-        if not opt.model_reasons_inactive(model):
-            acted.append(opt.name)
-    return acted
+    return _report.acting(model)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -219,40 +219,41 @@ def register() -> None:
 
     Idempotent: the second and later calls in a process return at once. Bad flags patch nothing (fail closed) and
     log an error; with ``VLLM_OMNI_ASCEND_OPT_STRICT=1`` they raise :class:`PluginConfigError`, as does a selected
-    optimization that cannot be active here.
+    optimization that cannot be active here. In every case the loader hook is installed, so that the status file
+    (``VLLM_OMNI_ASCEND_OPT_STATUS_FILE``) reports after the model is built and after every request.
     """
-    global _registered, _config_error, _version_error
-    with _lock:
-        if _registered:
+    with LOCK:
+        if STATE.registered:
             return
-        _registered = True
+        STATE.registered = True
         _report.wire_into_vllm_logging()
-        _apply_cpu_runtime_if_requested()
         strict = flags.strict_from_env()
         spec = flags.spec_from_env()
         try:
             names = flags.parse_spec(spec)
         except flags.FlagError as exc:
-            _config_error = str(exc)
+            STATE.config_error = str(exc)
             logger.error("vllm-omni-ascend-opt: %s Nothing is patched.", exc)
             if strict:
                 raise PluginConfigError(str(exc)) from None
-            _report.write_status_file_safely()  # no model hook in this state: report now
+            _report_without_patches()
             return
         problems = version_problems()
         if problems:
-            _version_error = "; ".join(problems)
+            STATE.version_error = "; ".join(problems)
             if flags.force_from_env():
-                logger.warning("vllm-omni-ascend-opt: %s; patching anyway (%s=1).", _version_error, flags.ENV_FORCE)
+                logger.warning(
+                    "vllm-omni-ascend-opt: %s; patching anyway (%s=1).", STATE.version_error, flags.ENV_FORCE
+                )
             else:
                 logger.warning(
                     "vllm-omni-ascend-opt: %s. Nothing is patched; set %s=1 to try anyway.",
-                    _version_error,
+                    STATE.version_error,
                     flags.ENV_FORCE,
                 )
                 if strict:
-                    raise PluginConfigError(_version_error)
-                _report.write_status_file_safely()
+                    raise PluginConfigError(STATE.version_error)
+                _report_without_patches()
                 return
         if strict:
             bad = {n: registry.get(n).reasons_inactive() for n in names}
@@ -265,39 +266,19 @@ def register() -> None:
         _report.announce()
 
 
-def _apply_cpu_runtime_if_requested() -> None:
-    """Test bed only: the CPU runtime for vLLM-Omni's own engines, when the environment explicitly asks for it.
-
-    ``VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME=1`` is set by ``testbed.runtime.engine_env`` (tests, ablation engines), never
-    by installing the plugin; without it nothing from the test bed is imported. The function it calls changes
-    nothing unless vLLM-Omni found no accelerator (``UnspecifiedOmniPlatform``). See ``testbed/runtime.py``.
-    """
-    import os
-
-    if os.environ.get("VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME") != "1":
-        return
-    from vllm_omni_ascend_opt.testbed.runtime import apply_engine_cpu_runtime
-
-    apply_engine_cpu_runtime()
-
-
-def config_error() -> str | None:
-    return _config_error
-
-
-def version_error() -> str | None:
-    return _version_error
+def _report_without_patches() -> None:
+    """A bad flag or version: nothing is selected, but the status file is written now and, through the loader hook,
+    after the model is built and after every request."""
+    _watch({LOADER_MODULE})
+    _install_core()
+    _report.write_status_file_safely()
 
 
 def _reset_for_tests() -> None:
     """Return to the never-registered state (uninstalls everything)."""
-    global _registered, _selected, _config_error, _version_error
-    with _lock:
+    with LOCK:
         for opt in registry.all_optimizations():
             opt.uninstall()
         _core.revert()
-        _selected = []
-        _registered = False
-        _config_error = None
-        _version_error = None
+        STATE.reset()
         _report._reset_for_tests()

@@ -1,4 +1,9 @@
-"""What the plugin tells the process it runs in: one status line in vLLM's log, and an optional JSON status file.
+"""What the plugin tells the process it runs in: the status rows, one status line in vLLM's log, a JSON status file.
+
+Every report is derived from the same two answers: the plugin state (selection, a bad flag, an unsupported version:
+:mod:`vllm_omni_ascend_opt._state`) and each optimization's own :meth:`~Optimization.reasons_inactive`, for the
+process or for a model. :func:`explain` combines them; ``list``, ``status()``, the INFO line, the status file, the
+ablation worker and the parallel test jobs all read :func:`explain` or :func:`rows`.
 
 * Log line. vLLM-Omni's logging setup configures only the ``vllm`` / ``vllm_omni`` logger trees, so the plugin's
   own ``vllm_omni_ascend_opt`` logger would print nothing in ``vllm serve --omni``. :func:`wire_into_vllm_logging`
@@ -10,9 +15,10 @@
   or an unsupported version is logged by ``register()`` as an ERROR / WARNING instead.
 * Status file. When ``VLLM_OMNI_ASCEND_OPT_STATUS_FILE`` names a path, the process that builds a model with
   vLLM-Omni's loader writes a JSON report there (atomically) after the model is built and again after every
-  ``forward`` of that model: pid, selected, installed, acting on the pipeline, off reasons, and the memory of the
-  plugin's caches against their budgets. Tests and the ablation runner read it instead of scraping logs. ``{pid}``
-  in the path is replaced by the process id.
+  ``forward`` of that model, also when a bad flag or version patches nothing: pid, selected, installed, acting on
+  the pipeline, the reasons for the others, the compiled regions, fallbacks, and the memory of the plugin's caches
+  against their budgets. Tests and the ablation runner read it instead of scraping logs. ``{pid}`` in the path is
+  replaced by the process id.
 """
 
 from __future__ import annotations
@@ -25,12 +31,22 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from vllm_omni_ascend_opt import flags, registry
+from vllm_omni_ascend_opt._state import STATE
+from vllm_omni_ascend_opt._version import __version__
+from vllm_omni_ascend_opt.blocks import guards
+from vllm_omni_ascend_opt.optimization import Optimization
+
 ENV_STATUS_FILE = "VLLM_OMNI_ASCEND_OPT_STATUS_FILE"
 LOGGER_NAME = "vllm_omni_ascend_opt"
+#: The reason shown for a selected optimization that can act but whose vLLM-Omni modules are not imported yet.
+WAITING = "waits for its vLLM-Omni modules to be imported"
 
 logger = logging.getLogger(LOGGER_NAME)
 _announced = False
 _write_lock = threading.Lock()
+_requests: dict[str, int] = {}
+_model_ref: dict[str, Any] = {}
 
 
 def wire_into_vllm_logging() -> bool:
@@ -46,34 +62,76 @@ def wire_into_vllm_logging() -> bool:
     return True
 
 
-def _version() -> str:
-    from vllm_omni_ascend_opt import __version__
+# ----------------------------------------------------------------------------------------------------------------
+# the one derivation
+# ----------------------------------------------------------------------------------------------------------------
+def explain(opt: Optimization, model: Any = None) -> list[str]:
+    """Why ``opt`` does not act (empty: it does): the plugin's reasons (selection, flag, version), then the
+    optimization's own for this process or for ``model``."""
+    return list(dict.fromkeys(STATE.reasons(opt.name) + opt.reasons_inactive(model)))
 
-    return __version__
+
+def installed() -> list[str]:
+    """Names whose patches are installed in this process right now."""
+    return [o.name for o in registry.all_optimizations() if o.installed]
 
 
-def off_reasons() -> dict[str, str]:
-    """Every optimization that is not installed here -> its first reason."""
-    from vllm_omni_ascend_opt import api
+def acting(model: Any) -> list[str]:
+    """Names that act on ``model`` (selected, installed, attached, and no reason on that model)."""
+    return [o.name for o in registry.all_optimizations() if not explain(o, model)]
 
-    out = {}
-    for row in api.status():
-        if row["installed"]:
-            continue
-        reasons = row["reasons_inactive"] or ["waits for its vLLM-Omni modules to be imported"]
-        out[row["name"]] = reasons[0]
+
+def rows(model: Any = None) -> list[dict[str, Any]]:
+    """One row per optimization: metadata, selection and state here (or on ``model``): what ``list`` prints."""
+    out = []
+    for opt in registry.all_optimizations():
+        reasons = explain(opt, model)
+        out.append(
+            {
+                "name": opt.name,
+                "summary": opt.summary,
+                "equivalence": opt.equivalence,
+                "tier": opt.tier(),
+                "default": opt.default_enabled,
+                "selected": opt.name in STATE.selected,
+                "active": not reasons,
+                "installed": opt.installed,
+                "reasons_inactive": reasons,
+                "notes": list(opt.notes()),
+                "requires": list(opt.requires),
+                "parallel_support": dict(opt.parallel_support),
+                "flag": {"enable": f"+{opt.name}", "disable": f"-{opt.name}"},
+            }
+        )
     return out
 
 
-def status_line() -> str:
-    from vllm_omni_ascend_opt import api, flags
+def off_reasons(model: Any = None) -> dict[str, list[str]]:
+    """Every optimization that does not act -> its reasons. Without ``model``: those not installed (a selected one
+    that can act is waiting for its modules); with ``model``: those not acting on it."""
+    out = {}
+    for opt in registry.all_optimizations():
+        if model is None and opt.installed:
+            continue
+        reasons = explain(opt, model) or ([] if model is not None else [WAITING])
+        if reasons:
+            out[opt.name] = reasons
+    return out
 
-    installed = api.installed()
-    off = "; ".join(f"{n} ({why})" for n, why in off_reasons().items()) or "nothing"
+
+def pending() -> list[str]:
+    """Selected optimizations that can be active but are not installed yet (their modules are not imported)."""
+    if STATE.blocked():
+        return []
+    return [n for n in STATE.selected if not registry.get(n).installed and not registry.get(n).reasons_inactive()]
+
+
+def status_line() -> str:
+    off = "; ".join(f"{n} ({why[0]})" for n, why in off_reasons().items()) or "nothing"
     spec = os.environ.get(flags.ENV_FLAG)
     return (
-        f"vllm-omni-ascend-opt {_version()} ({flags.ENV_FLAG}={spec if spec is not None else '<unset: default>'}): "
-        f"installed {', '.join(installed) or 'nothing'}; off: {off}"
+        f"vllm-omni-ascend-opt {__version__} ({flags.ENV_FLAG}={spec if spec is not None else '<unset: default>'}): "
+        f"installed {', '.join(installed()) or 'nothing'}; off: {off}"
     )
 
 
@@ -89,23 +147,11 @@ def announce(force: bool = False) -> bool:
     return True
 
 
-def pending() -> list[str]:
-    """Selected optimizations that can be active but are not installed yet (their modules are not imported)."""
-    from vllm_omni_ascend_opt import _plugin, flags, registry
-
-    if _plugin.config_error() or (_plugin.version_error() and not flags.force_from_env()):
-        return []
-    out = []
-    for name in _plugin.selected():
-        opt = registry.get(name)
-        if not opt.installed and not opt.reasons_inactive():
-            out.append(name)
-    return out
-
-
 def _reset_for_tests() -> None:
     global _announced
     _announced = False
+    _requests.clear()
+    _model_ref.clear()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -118,80 +164,39 @@ def status_file_path() -> Path | None:
     return Path(raw.replace("{pid}", str(os.getpid())))
 
 
-def _tensor_bytes(obj: Any) -> int:
-    import torch
-
-    total = 0
-    for name in getattr(obj, "__slots__", ()) or vars(obj):
-        value = getattr(obj, name, None)
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-    return total
-
-
 def cache_memory() -> dict[str, dict[str, Any]]:
-    """Bytes held by the plugin's process-wide caches, with their budgets (read-only introspection)."""
-    from vllm_omni_ascend_opt import registry
-
-    out: dict[str, dict[str, Any]] = {}
-    names = registry.names()
-    if "shared_modulation" in names:
-        memo = getattr(registry.get("shared_modulation"), "memo", None)
-        if memo is not None:
-            out["shared_modulation"] = {
-                "bytes": int(memo.nbytes),
-                "budget_bytes": int(memo.max_bytes),
-                "entries": len(memo),
-                "evictions": int(getattr(memo, "stats", {}).get("evictions", 0)),
-            }
-    if "rope" in names:
-        rope = registry.get("rope")
-        cache = getattr(rope, "_tables", None)
-        entries = list(getattr(cache, "_entries", {}).values())
-        from vllm_omni_ascend_opt.opts import rope as rope_mod
-
-        out["rope"] = {
-            "tables": len(entries),
-            "table_cap": int(getattr(rope_mod, "_TABLE_CACHE_SIZE", 0)),
-            "bytes": sum(_tensor_bytes(t) for _ref, t in entries),
-        }
+    """Bytes held by each optimization's caches, with their budgets (what each optimization reports)."""
+    out = {}
+    for opt in registry.all_optimizations():
+        mem = opt.cache_memory()
+        if mem is not None:
+            out[opt.name] = mem
     return out
 
 
 def status_report(model: Any = None) -> dict[str, Any]:
-    from vllm_omni_ascend_opt import _plugin, api, flags, registry
-
+    off = off_reasons(model)
     report: dict[str, Any] = {
         "pid": os.getpid(),
-        "version": _version(),
+        "version": __version__,
         "flag": os.environ.get(flags.ENV_FLAG),
-        "registered": bool(_plugin._registered),
-        "config_error": _plugin.config_error(),
-        "version_error": _plugin.version_error(),
-        "selected": _plugin.selected(),
-        "installed": api.installed(),
-        "off": off_reasons(),
+        "registered": STATE.registered,
+        "config_error": STATE.config_error,
+        "version_error": STATE.version_error,
+        "selected": list(STATE.selected),
+        "installed": installed(),
+        "off": {n: why[0] for n, why in off.items()},
+        "reasons": off,
         "memory": cache_memory(),
         "requests": _requests.get("n", 0),
+        "fallbacks": {o.name: o.fallback_reasons() for o in registry.all_optimizations() if o.fallback_reasons()},
+        "stats": {o.name: dict(o.stats) for o in registry.all_optimizations() if o.installed and o.stats},
     }
-    try:
-        from vllm_omni_ascend_opt.testbed.runtime import engine_cpu_runtime_applied
-
-        report["cpu_runtime"] = engine_cpu_runtime_applied()
-    except Exception:  # the test bed is optional here
-        report["cpu_runtime"] = []
     if model is not None:
         report["pipeline"] = type(model).__name__
-        report["acting_on_pipeline"] = [
-            o.name
-            for o in registry.all_optimizations()
-            if o.installed and o.is_attached(model) and not o.model_reasons_inactive(model)
-        ]
+        report["acting_on_pipeline"] = acting(model)
+        report["compiled_regions"] = sorted(guards.compiled_regions(model))
     return report
-
-
-_requests: dict[str, int] = {}
-_model_ref: dict[str, Any] = {}
 
 
 def write_status_file(model: Any = None) -> Path | None:
@@ -204,7 +209,7 @@ def write_status_file(model: Any = None) -> Path | None:
     with _write_lock:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(status_report(model), indent=1, sort_keys=True))
+        tmp.write_text(json.dumps(status_report(model), indent=1, sort_keys=True, default=str))
         os.replace(tmp, path)
     return path
 

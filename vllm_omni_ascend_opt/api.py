@@ -6,6 +6,9 @@ In the style of Liger-Kernel's ``apply_liger_kernel_to_*``::
     apply_to_qwen_image(pipeline, nz_weights=False)               # the default stack minus nz_weights, on it
     with optimizations("none,+rope", model=pipeline):              # temporarily a different selection
         ...
+
+The keywords of :func:`apply_to_qwen_image` are the registry's names (:func:`accepted_keywords`), each defaulting
+to the optimization's ``default_enabled``: a new optimization is a new keyword without an edit here.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from vllm_omni_ascend_opt import _plugin, flags, registry
+from vllm_omni_ascend_opt import _plugin, _report, flags, registry
+from vllm_omni_ascend_opt._state import STATE
 
 
 def _names(spec: str | Iterable[str]) -> list[str]:
@@ -41,79 +45,50 @@ def select(spec: str | Iterable[str], model: Any = None) -> list[str]:
 
 def enable(*names: str, model: Any = None) -> list[str]:
     """Add ``names`` to the selection (installing them) and attach them to ``model`` if given."""
-    return select(set(_plugin.selected()) | set(_names(names)), model)
+    return select(set(STATE.selected) | set(_names(names)), model)
 
 
 def disable(*names: str, model: Any = None) -> list[str]:
     """Remove ``names`` from the selection; their patches are reverted and ``model`` restored."""
-    return select(set(_plugin.selected()) - set(_names(names)), model)
+    return select(set(STATE.selected) - set(_names(names)), model)
 
 
 @contextlib.contextmanager
 def optimizations(spec: str | Iterable[str], model: Any = None) -> Iterator[list[str]]:
     """Within the block exactly ``spec`` is selected (and applied to ``model``); the previous selection returns."""
-    before = _plugin.selected()
+    before = list(STATE.selected)
     try:
         yield select(spec, model)
     finally:
         select(before, model)
 
 
-def apply_to_qwen_image(
-    model: Any = None,
-    *,
-    shared_modulation: bool = True,
-    rope: bool = True,
-    fused_attention: bool = True,
-    nz_weights: bool = True,
-    vae_exact: bool = True,
-    vae_fast: bool = False,
-) -> list[str]:
-    """One keyword per optimization (the defaults are the default stack): exactly the ``True`` ones are selected.
-    ``model`` may be an already-built pipeline or transformer."""
-    chosen = {
-        "shared_modulation": shared_modulation,
-        "rope": rope,
-        "fused_attention": fused_attention,
-        "nz_weights": nz_weights,
-        "vae_exact": vae_exact,
-        "vae_fast": vae_fast,
-    }
+def accepted_keywords() -> dict[str, bool]:
+    """The keywords :func:`apply_to_qwen_image` accepts (every registered optimization) and their defaults."""
+    return {o.name: o.default_enabled for o in registry.all_optimizations()}
+
+
+def apply_to_qwen_image(model: Any = None, **switches: bool) -> list[str]:
+    """Select the default stack with per-optimization overrides: one keyword per optimization
+    (:func:`accepted_keywords`, e.g. ``rope=False``, ``vae_fast=True``); exactly the enabled ones are selected.
+    ``model`` may be an already-built pipeline or transformer. Returns what is installed."""
+    chosen = accepted_keywords()
+    unknown = sorted(set(switches) - set(chosen))
+    if unknown:
+        raise TypeError(
+            f"apply_to_qwen_image() got unknown optimization keyword(s) {', '.join(unknown)}; "
+            f"accepted: {', '.join(chosen)}"
+        )
+    chosen.update({k: bool(v) for k, v in switches.items()})
     return select([n for n, on in chosen.items() if on], model)
 
 
 def installed() -> list[str]:
     """Names whose patches are installed in this process right now."""
-    return [o.name for o in registry.all_optimizations() if o.installed]
+    return _report.installed()
 
 
-def status() -> list[dict[str, Any]]:
-    """One row per optimization: metadata, selection and state here (what ``list`` prints)."""
-    sel = set(_plugin.selected())
-    rows = []
-    for opt in registry.all_optimizations():
-        reasons = list(opt.reasons_inactive())
-        if _plugin.version_error() and not flags.force_from_env():
-            reasons.insert(0, _plugin.version_error())
-        if _plugin.config_error():
-            reasons.insert(0, f"{flags.ENV_FLAG} is invalid, so nothing is patched")
-        elif opt.name not in sel:
-            reasons.insert(0, f"not selected by {flags.ENV_FLAG}")
-        rows.append(
-            {
-                "name": opt.name,
-                "summary": opt.summary,
-                "equivalence": opt.equivalence,
-                "tier": opt.tier(),
-                "default": opt.default_enabled,
-                "selected": opt.name in sel,
-                "active": not reasons,
-                "installed": opt.installed,
-                "reasons_inactive": reasons,
-                "notes": list(opt.notes()),
-                "requires": list(opt.requires),
-                "parallel_support": dict(opt.parallel_support),
-                "flag": {"enable": f"+{opt.name}", "disable": f"-{opt.name}"},
-            }
-        )
-    return rows
+def status(model: Any = None) -> list[dict[str, Any]]:
+    """One row per optimization: metadata, selection and state in this process, or on ``model`` when given (what
+    ``list`` prints; ``active`` means no reason keeps it from acting)."""
+    return _report.rows(model)

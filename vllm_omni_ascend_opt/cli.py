@@ -1,4 +1,6 @@
-"""Command line: ``vllm-omni-ascend-opt list [--json]`` (and the ablation commands, when installed)."""
+"""Command line: ``vllm-omni-ascend-opt list [--json]`` and the lab's ablation commands.
+
+The top layer of the package: it may import the lab (``ablation``), which the plugin core never does."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import logging
 import sys
 import textwrap
 
-from vllm_omni_ascend_opt import __version__, _plugin, api, flags
+from vllm_omni_ascend_opt import _plugin, api, flags
+from vllm_omni_ascend_opt._state import STATE
+from vllm_omni_ascend_opt._version import __version__
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -33,8 +37,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         f"vllm-omni {_plugin.installed_version('vllm-omni') or 'not installed'}, "
         f"vllm {_plugin.installed_version('vllm') or 'not installed'}"
     )
-    if _plugin.config_error():
-        print(f"\nERROR: {_plugin.config_error()}\nNothing is patched.")
+    if STATE.config_error:
+        print(f"\nERROR: {STATE.config_error}\nNothing is patched.")
     print()
     hdr = f"{'optimization':<18} {'tier':<6} {'default':<8} {'state':<9} flag"
     print(hdr)
@@ -55,7 +59,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
             if v != "supported":  # "off: <reason>"
                 why = v.split(":", 1)[1].strip() if v.startswith("off:") else v
                 print(textwrap.fill(f"{m}: {why}", 110, initial_indent="    off in ", subsequent_indent="          "))
-    return 1 if _plugin.config_error() else 0
+    return 1 if STATE.config_error else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -172,7 +172,7 @@ def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) ->
 # ----------------------------------------------------------------------------------------------------------------
 def _class_of(plan: Plan, names: set[str]) -> str:
     """The weakest tier among ``names`` (exact < pixel < close): what the configuration is gated by."""
-    from vllm_omni_ascend_opt.registry import weakest_tier
+    from vllm_omni_ascend_opt.optimization import weakest_tier
 
     return weakest_tier([plan.opts[n].equivalence for n in names])
 

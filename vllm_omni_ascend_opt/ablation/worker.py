@@ -190,26 +190,15 @@ class TestbedEngine:
         return wrapper
 
     def active(self) -> list[str]:
-        """Optimizations installed in this process and acting on the loaded pipeline."""
-        from vllm_omni_ascend_opt import registry
+        """Optimizations acting on the loaded pipeline (the plugin's own answer)."""
+        from vllm_omni_ascend_opt import _report
 
-        out = []
-        for opt in registry.all_optimizations():
-            if opt.installed and opt.is_attached(self.pipe) and not opt.model_reasons_inactive(self.pipe):
-                out.append(opt.name)
-        return out
+        return _report.acting(self.pipe)
 
     def model_reasons(self, name: str) -> list[str]:
-        from vllm_omni_ascend_opt import registry
+        from vllm_omni_ascend_opt import _report, registry
 
-        opt = registry.get(name)
-        reasons = list(opt.reasons_inactive())
-        if not opt.installed:
-            reasons.append("not installed in the worker")
-        elif not opt.is_attached(self.pipe):
-            reasons.append("not attached to the loaded pipeline")
-        reasons += list(opt.model_reasons_inactive(self.pipe))
-        return reasons
+        return _report.explain(registry.get(name), self.pipe)
 
     def generate(self, prompt: str, seed: int) -> Generation:
         import torch
@@ -296,8 +285,11 @@ class _StatusFileMixin:
 
     def model_reasons(self, name: str) -> list[str]:
         st = self.status() or {}
-        why = (st.get("off") or {}).get(name)
-        return [f"in the engine process {st.get('pid')}: {why or 'installed but not acting on the pipeline'}"]
+        why = (st.get("reasons") or {}).get(name)
+        if why is None:
+            off = (st.get("off") or {}).get(name)
+            why = [off or "installed but not acting on the pipeline"]
+        return [f"in the engine process {st.get('pid')}: {w}" for w in why]
 
 
 class OmniEngine(_StatusFileMixin):
@@ -456,16 +448,16 @@ def load_plugin_like_vllm_omni() -> None:
     """Load general plugins exactly as every vLLM-Omni process does, and check ours was among them."""
     from vllm_omni.plugins import load_omni_general_plugins
 
-    from vllm_omni_ascend_opt import _plugin
+    from vllm_omni_ascend_opt._state import STATE
 
     load_omni_general_plugins()
-    if not _plugin._registered:
+    if not STATE.registered:
         raise RuntimeError(
             "vLLM-Omni did not load the vllm-omni-ascend-opt plugin (is the package installed, and does VLLM_PLUGINS, "
             "if set, name 'ascend_opt'?)"
         )
-    if _plugin.config_error():
-        raise RuntimeError(f"the plugin rejected its flags: {_plugin.config_error()}")
+    if STATE.config_error:
+        raise RuntimeError(f"the plugin rejected its flags: {STATE.config_error}")
 
 
 def serve(job: dict[str, Any], proto_out: Any, commands: Any) -> int:

@@ -1,7 +1,5 @@
-"""The built-in optimizations, registered in registry order (the order of ``list`` and cumulative ablations)."""
+"""The built-in optimizations, one module each; ``registry.BUILTIN`` lists them in registry order.
 
-# isort: skip_file
-# ruff: noqa: F401
-
-from vllm_omni_ascend_opt.opts import shared_modulation, rope, fused_attention, nz_weights, vae_exact, vae_fast
-from vllm_omni_ascend_opt.opts import joint_attention, qk_norm, fast_modulate, fast_residual
+Optimizations never import each other: what they share lives in ``vllm_omni_ascend_opt.blocks``, and what one
+needs from another goes through the registry (``Optimization.needs``, ``announce_weights_changed``).
+"""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib
 import logging
 import weakref
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import MethodType, ModuleType
@@ -27,8 +26,8 @@ from typing import Any
 import torch.nn as nn
 
 from vllm_omni_ascend_opt._patching import PatchSet
-from vllm_omni_ascend_opt.opts import _targets
-from vllm_omni_ascend_opt.registry import Optimization
+from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
@@ -110,8 +109,6 @@ class VaeOptimization(Optimization):
         self.enabled_pieces: set[str] = set(self.pieces)
         self._state: weakref.WeakKeyDictionary[Any, _Attached] = weakref.WeakKeyDictionary()
         self._vae_owner: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-        #: Calls that took the stock path at run time, by reason (multi-frame, tiled decode, ...).
-        self.fallbacks: Counter[str] = Counter()
 
     # ----- subclass hooks ----------------------------------------------------------------------------------
     def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
@@ -132,10 +129,8 @@ class VaeOptimization(Optimization):
         return why
 
     def fallback(self, reason: str) -> None:
-        """Count a call that took the stock path; log each distinct reason once."""
-        if reason not in self.fallbacks:
-            logger.info("vllm-omni-ascend-opt: %s takes the stock path: %s", self.name, reason)
-        self.fallbacks[reason] += 1
+        """Count a call that took the stock path (multi-frame, tiled decode, ...; :meth:`fallback_reasons`)."""
+        self._fallback(reason)
 
     def piece_report(self, model: Any) -> PieceReport:
         """For an attached ``model``: piece -> "" when it acts, else the reason it does not."""
@@ -144,7 +139,7 @@ class VaeOptimization(Optimization):
             return {p: "not attached" for p in self.pieces}
         return dict(st.pieces)
 
-    def model_reasons_inactive(self, model: Any) -> list[str]:
+    def _model_reasons(self, model: Any) -> list[str]:
         st = self._state.get(model)
         if st is not None:
             if st.reasons:
@@ -186,9 +181,6 @@ class VaeOptimization(Optimization):
         st.patches.revert()
         if st.vae is not None:
             self._vae_owner.pop(st.vae, None)
-
-    def _uninstall(self) -> None:
-        self.fallbacks.clear()
 
 
 def bind(module: Any, fn: Any) -> MethodType:

@@ -32,7 +32,6 @@ Removal plan
 from __future__ import annotations
 
 from vllm_omni_ascend_opt.opts._fast_tier import FastBlockMode
-from vllm_omni_ascend_opt.registry import register_optimization
 
 
 class FastModulate(FastBlockMode):
@@ -48,4 +47,4 @@ class FastModulate(FastBlockMode):
         return ["one kernel per AdaLayerNorm where the modulation is per sample; two-segment image norms keep stock's"]
 
 
-OPT = register_optimization(FastModulate())
+OPT = FastModulate()

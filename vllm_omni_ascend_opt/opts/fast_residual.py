@@ -26,7 +26,6 @@ Removal plan
 from __future__ import annotations
 
 from vllm_omni_ascend_opt.opts._fast_tier import FastBlockMode
-from vllm_omni_ascend_opt.registry import register_optimization
 
 
 class FastResidual(FastBlockMode):
@@ -39,4 +38,4 @@ class FastResidual(FastBlockMode):
     removal_plan = "when vLLM-Omni's block writes its gated residuals with one fused op"
 
 
-OPT = register_optimization(FastResidual())
+OPT = FastResidual()

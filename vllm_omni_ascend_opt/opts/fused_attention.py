@@ -82,8 +82,8 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.opts import _targets
-from vllm_omni_ascend_opt.registry import Optimization, register_optimization
+from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
@@ -441,7 +441,13 @@ class FusedAttention(Optimization):
         "ring": "off: ring attention runs RingParallelAttention's own kernels and never reaches the swapped impl",
         "cfg_parallel": "supported",
         "tensor_parallel": "supported",
+        "allgather": (
+            "off: all-gather sequence parallelism needs vLLM-Omni's TRTLLM_ATTN backend (CUDA), whose impl is not "
+            "SDPAImpl: its layers are left alone"
+        ),
+        "vae_patch_parallel": "supported",
     }
+    regions = frozenset({"block"})
     removal_plan = "Drop when SDPAImpl.forward_npu calls npu_fusion_attention itself or MindIE-SD is the default."
 
     def __init__(self) -> None:
@@ -450,13 +456,12 @@ class FusedAttention(Optimization):
         self._verdicts: dict[tuple[str, str], Verdict] = {}
         self._shapes: dict[tuple, ShapeVerdict] = {}
         self._shapes_probe = 0
-        self.stats: Counter[str] = Counter()
         self._forward_gen = 0  # bumped by the forward pre-hook of every attached transformer
         self._mask_cache: dict[tuple, torch.Tensor] = {}
         self._mask_gen = -1
 
     # ----- state in words ------------------------------------------------------------------------------------
-    def reasons_inactive(self) -> list[str]:
+    def _process_reasons(self) -> list[str]:
         reasons = _backend.npu_unavailable_reasons()
         npu = _backend.torch_npu_module()
         if npu is not None and not hasattr(npu, KERNEL):
@@ -494,7 +499,7 @@ class FusedAttention(Optimization):
         """Forward pre-hook of an attached transformer: a new forward, so masks are built afresh."""
         self._forward_gen += 1
 
-    def model_reasons_inactive(self, model: nn.Module) -> list[str]:
+    def _model_reasons(self, model: nn.Module) -> list[str]:
         state = self._models.get(model)
         if state is None:
             return ["not attached to this model"]
@@ -546,7 +551,6 @@ class FusedAttention(Optimization):
         self._verdicts.clear()
         self._shapes.clear()
         self._mask_cache.clear()
-        self.stats.clear()
 
     def _attach(self, model: nn.Module) -> None:
         npu = _backend.torch_npu_module()
@@ -688,4 +692,4 @@ class FusedAttention(Optimization):
         return out, why
 
 
-OPT = register_optimization(FusedAttention())
+OPT = FusedAttention()

@@ -65,9 +65,9 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.opts import _targets
+from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 from vllm_omni_ascend_opt.opts import rope as rope_opt
-from vllm_omni_ascend_opt.registry import PARALLEL_MODES, Optimization, register_optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
@@ -210,6 +210,8 @@ class JointAttention(Optimization):
     # The values handed to the attention layer are stock's (views of the joint tensors under SP); TP only changes
     # the local head counts (equal for both streams); CFG-parallel runs each branch as a single request.
     parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")
+    regions = frozenset({"block"})
+    acts_without_attach = True
     removal_plan = (
         "Drop when vLLM-Omni's QwenImageCrossAttention joins the two streams once and normalizes/rotates the joint "
         "sequence (or fuses qk-norm-rope on NPU)."
@@ -217,17 +219,14 @@ class JointAttention(Optimization):
 
     def __init__(self) -> None:
         super().__init__()
-        self.stats: Counter[str] = Counter()
-        self._fallbacks: Counter[str] = Counter()
-        self._logged: set[str] = set()
         self._joint_freqs = _JointFreqsCache(self.stats)
         self._tables = rope_opt._TableCache(self.stats)  # used when `rope` is not installed
 
     # ----- reporting -----------------------------------------------------------------------------------------
-    def reasons_inactive(self) -> list[str]:
+    def _process_reasons(self) -> list[str]:
         return []  # pure torch; runs wherever vLLM-Omni does
 
-    def model_reasons_inactive(self, model: nn.Module) -> list[str]:
+    def _model_reasons(self, model: nn.Module) -> list[str]:
         mod = sys.modules.get(_targets.TRANSFORMER)
         if mod is None:
             return ["vLLM-Omni's Qwen-Image transformer is not imported"]
@@ -247,20 +246,6 @@ class JointAttention(Optimization):
         out += [f"stock ({n}x): {why}" for why, n in self._fallbacks.most_common()]
         return out
 
-    def fallback_reasons(self) -> dict[str, int]:
-        """Why calls ran stock code since the last :meth:`reset_stats` (reason -> number of calls)."""
-        return dict(self._fallbacks)
-
-    def reset_stats(self) -> None:
-        self._fallbacks.clear()
-        self.stats.clear()
-
-    def _fallback(self, why: str) -> None:
-        self._fallbacks[why] += 1
-        if why not in self._logged:
-            self._logged.add(why)
-            logger.debug("joint_attention: running stock attention prep: %s", why)
-
     # ----- install -------------------------------------------------------------------------------------------
     def _install(self) -> None:
         mod = sys.modules[_targets.TRANSFORMER]
@@ -270,8 +255,6 @@ class JointAttention(Optimization):
     def _uninstall(self) -> None:
         self._joint_freqs.clear()
         self._tables.clear()
-        self.reset_stats()
-        self._logged.clear()
 
     # ----- the patched forward -------------------------------------------------------------------------------
     def _call_reason(
@@ -468,4 +451,4 @@ def _modules(model: Any) -> list[nn.Module]:
     return list(model.modules()) if isinstance(model, nn.Module) else []
 
 
-OPT = register_optimization(JointAttention())
+OPT = JointAttention()

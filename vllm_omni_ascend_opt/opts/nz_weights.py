@@ -42,8 +42,8 @@ Skipped, with reasons (``model_reasons_inactive`` for the whole model, ``report(
       weights already in an internal format; non 2-D weights.
 Contract with memos keyed on weights (``shared_modulation``)
     ``w.data = ...`` keeps the Parameter's identity and does **not** bump ``w._version``, so nothing keyed on
-    (identity, ``_version``) notices. After casting (and after reverting) this module calls
-    ``vllm_omni_ascend_opt.opts.shared_modulation.invalidate()``, which drops the process-wide modulation memo
+    (identity, ``_version``) notices. After casting (and after reverting) it announces a weights-changed event
+    through the registry (``announce_weights_changed``); ``shared_modulation`` drops its modulation memo on it
     (its key also holds ``data_ptr``, which the cast changes, so this is belt and braces).
 Sources
     [OP-FMT] Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_format_cast.md`` (returns a new tensor; ND = 2,
@@ -72,8 +72,8 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.opts import _targets
-from vllm_omni_ascend_opt.registry import Optimization, register_optimization
+from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
@@ -302,13 +302,6 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) or isinstance(getattr(t, "data", None), DTensor)
 
 
-def invalidate_weight_memos() -> None:
-    """Drop memos keyed on weights: a ``w.data = ...`` swap changes neither Parameter identity nor ``_version``."""
-    from vllm_omni_ascend_opt.opts import shared_modulation
-
-    shared_modulation.invalidate()
-
-
 class NzWeights(Optimization):
     name = "nz_weights"
     summary = "Cast the transformer's BF16/FP16 linear weights to FRACTAL_NZ (npu_format_cast(w, 29)) after loading."
@@ -319,6 +312,7 @@ class NzWeights(Optimization):
         "allowed (checked by a trial cast)",
     )
     target_modules = (_targets.TRANSFORMER,)
+    regions = frozenset({"load"})
     removal_plan = "Drop when vLLM-Omni's NPU loader casts unquantized DiT linear weights to NZ itself."
 
     def __init__(self) -> None:
@@ -327,7 +321,7 @@ class NzWeights(Optimization):
         self._verdicts: dict[tuple[str, str], NzVerdict] = {}
 
     # ----- state in words ------------------------------------------------------------------------------------
-    def reasons_inactive(self) -> list[str]:
+    def _process_reasons(self) -> list[str]:
         reasons = _backend.npu_unavailable_reasons()
         npu = _backend.torch_npu_module()
         if npu is not None:
@@ -342,7 +336,7 @@ class NzWeights(Optimization):
         """The first-use numerical checks so far, one per (device, dtype)."""
         return list(self._verdicts.values())
 
-    def model_reasons_inactive(self, model: nn.Module) -> list[str]:
+    def _model_reasons(self, model: nn.Module) -> list[str]:
         state = self._models.get(model)
         if state is None:
             return ["not attached to this model"]
@@ -355,7 +349,7 @@ class NzWeights(Optimization):
     def notes(self) -> list[str]:
         out = [
             f"w.data = npu_format_cast(w.data, {ACL_FORMAT_FRACTAL_NZ}) on the transformer's fp16/bf16 linear weights "
-            f"after loading; reverted to ND ({ACL_FORMAT_ND}) on detach; calls shared_modulation.invalidate() "
+            f"after loading; reverted to ND ({ACL_FORMAT_ND}) on detach; announces a weights-changed event "
             "after either (Parameter identity and _version do not change)"
         ]
         npu = _backend.torch_npu_module()
@@ -372,7 +366,7 @@ class NzWeights(Optimization):
         return {"cast": [n for n, _ in state.cast], "skipped": dict(state.skipped)}
 
     # ----- attach / detach --------------------------------------------------------------------------------------
-    def _model_reasons(self, model: nn.Module) -> list[str]:
+    def _config_reasons(self, model: nn.Module) -> list[str]:
         reasons = list(self.reasons_inactive())
         cfg = _od_config(model)
         for why in (_offload_reason(cfg), _lora_reason(model, cfg)):
@@ -415,7 +409,7 @@ class NzWeights(Optimization):
         if npu is None:
             state.reasons = _backend.npu_unavailable_reasons()
             return
-        state.reasons = self._model_reasons(model)
+        state.reasons = self._config_reasons(model)
         if state.reasons:
             return
         linear_types, lora_types = _linear_types()
@@ -449,7 +443,7 @@ class NzWeights(Optimization):
                 state.skipped[why] += 1
         if state.cast:
             logger.info("vllm-omni-ascend-opt: nz_weights cast %d linear weights to FRACTAL_NZ", len(state.cast))
-            invalidate_weight_memos()
+            self.announce_weights_changed(model)
 
     def _verdict(self, npu: ModuleType, w: torch.Tensor, nz: torch.Tensor) -> NzVerdict:
         """The (device, dtype) verdict of :func:`check_nz_linear`, computed on the first weight and cached.
@@ -472,7 +466,7 @@ class NzWeights(Optimization):
             for _name, w in state.cast:
                 w.data = state.npu.npu_format_cast(w.data, ACL_FORMAT_ND)
         state.cast.clear()
-        invalidate_weight_memos()
+        self.announce_weights_changed()
 
     def _detach(self, model: nn.Module) -> None:
         state = self._models.pop(model, None)
@@ -506,4 +500,4 @@ def _linear_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     return linear, (lora_base,) if isinstance(lora_base, type) else ()
 
 
-OPT = register_optimization(NzWeights())
+OPT = NzWeights()

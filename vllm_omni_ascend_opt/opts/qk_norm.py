@@ -47,7 +47,6 @@ import math
 import sys
 import time
 import weakref
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +54,8 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.opts import _targets
-from vllm_omni_ascend_opt.registry import PARALLEL_MODES, Optimization, register_optimization
+from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
@@ -155,18 +154,18 @@ class QkNorm(Optimization):
     requires = ("torch_npu with npu_rms_norm (float16/bfloat16/float32)",)
     target_modules = (_targets.TRANSFORMER,)
     parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-row op on whatever rows a rank holds
+    regions = frozenset({"block"})
     removal_plan = "Drop when torch_npu registers aten::rms_norm for NPU or vLLM-Omni's Qwen-Image uses an NPU RMSNorm."
 
     def __init__(self) -> None:
         super().__init__()
-        self.stats: Counter[str] = Counter()
         self._verdicts: dict[tuple, NormVerdict] = {}
         self._probe: int | None = None
         self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
         self._cls: type | None = None
 
     # ----- reporting -----------------------------------------------------------------------------------------
-    def reasons_inactive(self) -> list[str]:
+    def _process_reasons(self) -> list[str]:
         mod = _backend.torch_npu_module()
         if mod is None:
             return _backend.npu_unavailable_reasons() or ["torch_npu unavailable"]
@@ -174,7 +173,7 @@ class QkNorm(Optimization):
             return [f"{_backend.backend_label()} has no {KERNEL}"]
         return []
 
-    def model_reasons_inactive(self, model: nn.Module) -> list[str]:
+    def _model_reasons(self, model: nn.Module) -> list[str]:
         norms = _qk_norms(model)
         if not norms:
             return ["no QwenImageCrossAttention with nn.RMSNorm QK norms in this model"]
@@ -227,7 +226,6 @@ class QkNorm(Optimization):
             module.__class__ = cls
         self._swapped = weakref.WeakKeyDictionary()
         self._verdicts.clear()
-        self.stats.clear()
 
     def _attach(self, model: nn.Module) -> None:
         for n in _qk_norms(model):
@@ -316,4 +314,4 @@ def _qk_norms(model: Any) -> list[nn.Module]:
     return out
 
 
-OPT = register_optimization(QkNorm())
+OPT = QkNorm()

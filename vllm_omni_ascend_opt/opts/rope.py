@@ -68,8 +68,8 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.opts import _targets
-from vllm_omni_ascend_opt.registry import Optimization, register_optimization
+from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.optimization import Optimization
 
 ENV_KERNEL_POLICY = "VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL"
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -159,6 +159,15 @@ class _TableCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def nbytes(self) -> int:
+        """Bytes of every table held (each form built so far)."""
+        return sum(
+            t.numel() * t.element_size()
+            for _ref, tables in self._entries.values()
+            for name in _Tables.__slots__
+            if isinstance(t := getattr(tables, name), torch.Tensor)
+        )
 
     @staticmethod
     def _key(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:
@@ -422,7 +431,11 @@ class Rope(Optimization):
         "ring": "supported",
         "cfg_parallel": "supported",
         "tensor_parallel": "supported",
+        "allgather": "supported",
+        "vae_patch_parallel": "supported",
     }
+    regions = frozenset({"block", "transformer"})
+    acts_without_attach = True
     removal_plan = (
         "Drop when vLLM-Omni builds Qwen-Image cos/sin once per forward and RotaryEmbedding.forward_npu calls "
         "npu_rotary_mul(rotary_mode='interleave') (vllm-omni PR #4043) verified on device."
@@ -446,10 +459,13 @@ class Rope(Optimization):
         self._bad_policy: set[str] = set()
 
     # ----- reporting -----------------------------------------------------------------------------------------
-    def reasons_inactive(self) -> list[str]:
+    def _process_reasons(self) -> list[str]:
         return []  # the portable path runs everywhere vLLM-Omni does
 
-    def model_reasons_inactive(self, model: nn.Module) -> list[str]:
+    def cache_memory(self) -> dict[str, Any]:
+        return {"tables": len(self._tables), "table_cap": _TABLE_CACHE_SIZE, "bytes": self._tables.nbytes()}
+
+    def _model_reasons(self, model: nn.Module) -> list[str]:
         mod = sys.modules.get(_targets.TRANSFORMER)
         transformer = getattr(model, "transformer", model)
         if mod is None or not isinstance(transformer, mod.QwenImageTransformer2DModel):
@@ -736,4 +752,4 @@ def _embed_key(module: nn.Module, video_fhw: Any, txt_seq_lens: Any, device: Any
     return key, (pos, neg)
 
 
-OPT = register_optimization(Rope())
+OPT = Rope()

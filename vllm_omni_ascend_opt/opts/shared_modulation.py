@@ -86,8 +86,8 @@ import torch.nn.functional as F
 from torch.nn.modules import module as _torch_module
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.opts import _targets
-from vllm_omni_ascend_opt.registry import PARALLEL_MODES, Optimization, register_optimization
+from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt.shared_modulation")
 
@@ -273,6 +273,13 @@ def _linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
                 ) from None
             raise _Unkeyable(f"cannot read a modulation weight's storage ({type(t).__name__}: {exc})") from None
     return tuple(sig)
+
+
+def _norm_out_linear(norm: nn.Module, grad: bool) -> tuple[Any, ...]:
+    """The weight signature of ``norm_out``'s linear; raises :class:`_Unkeyable` when it is not stock's SiLU/linear."""
+    if type(norm.silu) is not nn.SiLU or norm.silu.inplace or _hooked(norm.silu) or _hooked(norm.linear):
+        raise _Unkeyable("norm_out's SiLU/linear is not stock's (or has hooks)")
+    return _linear_sig(norm.linear, grad)
 
 
 def _silu_linear(seq: nn.Module) -> nn.Module:
@@ -901,9 +908,7 @@ class ModulationMemo:
         if why:
             return None, why
         try:
-            if type(norm.silu) is not nn.SiLU or norm.silu.inplace or _hooked(norm.silu) or _hooked(norm.linear):
-                raise _Unkeyable("norm_out's SiLU/linear is not stock's (or has hooks)")
-            sig = _linear_sig(norm.linear, torch.is_grad_enabled())
+            sig = _norm_out_linear(norm, torch.is_grad_enabled())
         except _Unkeyable as exc:
             return None, str(exc)
         entry = self._resolve(cond)
@@ -938,14 +943,13 @@ class SharedModulation(Optimization):
     def __init__(self) -> None:
         super().__init__()
         self.memo = ModulationMemo()
-        self._fallbacks: Counter[str] = Counter()
-        self._logged: set[str] = set()
+        self.stats = self.memo.stats  # the memo counts hits, misses, digests... for this optimization
         self._original_norm_out_forward: Any = None
         self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
         self._classes: dict[str, type] = {}
 
     # ----- reasons ----------------------------------------------------------------------------------------
-    def reasons_inactive(self) -> list[str]:
+    def _process_reasons(self) -> list[str]:
         reasons = []
         try:
             budget_from_env()
@@ -961,25 +965,29 @@ class SharedModulation(Optimization):
                     )
         return reasons
 
-    def model_reasons_inactive(self, model: nn.Module) -> list[str]:
-        if not self.installed:
-            return ["not installed"]
+    def _model_reasons(self, model: nn.Module) -> list[str]:
         transformers = _find_transformers(model)
         if not transformers:
             return ["no Qwen-Image transformer in this model"]
         reasons = []
         if self.memo.max_bytes <= 0:
             reasons.append(f"modulation memo budget is 0 ({ENV_BUDGET_MB})")
-        patched = sys.modules[_targets.TRANSFORMER].QwenImageTransformerBlock.forward
         for tr in transformers:
-            for block in tr.transformer_blocks:
-                captured = getattr(block, "_omni_original_forward", None)
-                if captured is not None and getattr(captured, "__func__", None) is not patched:
-                    reasons.append("a vLLM-Omni hook captured the block forward before shared_modulation was installed")
-                    break
-            if any(p.is_inference() for lin in modulation_linears(tr) for p in lin.parameters()):
-                reasons.append("modulation weights are inference tensors (no version counter)")
+            # The very checks the memo makes per call (keyability of every projection), not a guess from the
+            # weights between forwards (under layerwise offload they are placeholders then).
+            reasons += unkeyable_reasons(tr)
         return list(dict.fromkeys(reasons))
+
+    def model_notes(self, model: nn.Module) -> list[str]:
+        return [why for tr in _find_transformers(model) if (why := block_body_reason(tr))]
+
+    def cache_memory(self) -> dict[str, Any]:
+        return {
+            "bytes": int(self.memo.nbytes),
+            "budget_bytes": int(self.memo.max_bytes),
+            "entries": len(self.memo),
+            "evictions": int(self.memo.stats.get("evictions", 0)),
+        }
 
     def notes(self) -> list[str]:
         s = self.memo.stats
@@ -989,23 +997,14 @@ class SharedModulation(Optimization):
             f"hits {s['hits']}, misses {s['misses']}, evictions {s['evictions']}"
         ]
 
-    def fallback_reasons(self) -> dict[str, int]:
-        """Why calls ran stock code since the last :meth:`reset_stats` (reason -> number of calls)."""
-        return dict(self._fallbacks)
-
-    def reset_stats(self) -> None:
-        self._fallbacks.clear()
-        self.memo.stats.clear()
-
-    def _fallback(self, why: str) -> None:
-        self._fallbacks[why] += 1
-        if why not in self._logged:
-            self._logged.add(why)
-            logger.debug("shared_modulation: running stock modulation: %s", why)
-
     def invalidate(self) -> None:
-        """Drop every memoized tensor (after changing weights in a way version counters cannot see)."""
+        """Drop every memoized tensor: call after writing modulation weights in a way version counters cannot see
+        (``param.data`` writes other than ``load_weights``, which invalidates by itself)."""
         self.memo.clear()
+
+    def weights_changed(self, model: Any = None) -> None:
+        """Another optimization rewrote weights behind the version counters (``nz_weights``): drop the memo."""
+        self.invalidate()
 
     # ----- install ----------------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -1106,8 +1105,6 @@ class SharedModulation(Optimization):
             module.__class__ = cls
         self._swapped = weakref.WeakKeyDictionary()
         self.memo.clear()
-        self.reset_stats()
-        self._logged.clear()
 
     # ----- attach -----------------------------------------------------------------------------------------
     def _attach(self, model: nn.Module) -> None:
@@ -1135,10 +1132,13 @@ class SharedModulation(Optimization):
         return module in self._swapped
 
 
-def _block_parts(block: nn.Module) -> tuple[nn.Module, nn.Module, tuple[str, ...], tuple, tuple]:
+def _block_parts(
+    block: nn.Module, grad: bool | None = None
+) -> tuple[nn.Module, nn.Module, tuple[str, ...], tuple, tuple]:
     """(img linear, txt linear, the four AdaLayerNorm kinds, img weight signature, txt weight signature) of a block:
-    what its memo entries are keyed on. Raises :class:`_Unkeyable` when a projection cannot be memoized."""
-    grad = torch.is_grad_enabled()
+    what its memo entries are keyed on. Raises :class:`_Unkeyable` when a projection cannot be memoized. ``grad``:
+    whether autograd records (default: the current grad mode)."""
+    grad = torch.is_grad_enabled() if grad is None else grad
     img_lin = _silu_linear(block.img_mod)
     txt_lin = _silu_linear(block.txt_mod)
     kinds = tuple(_norm_kind(n) for n in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2))
@@ -1208,10 +1208,39 @@ def modulation_linears(transformer: nn.Module) -> list[nn.Module]:
     return out
 
 
-def invalidate() -> None:
-    """Drop the (process-wide) memo: call after writing modulation weights in a way version counters cannot see
-    (``param.data`` writes other than ``load_weights``, which invalidates by itself; nz_weights calls it)."""
-    OPT.invalidate()
+def unkeyable_reasons(transformer: nn.Module) -> list[str]:
+    """Why the memo cannot key some of ``transformer``'s projections (the per-call checks, made on the model)."""
+    reasons = []
+    for block in transformer.transformer_blocks:
+        try:
+            _block_parts(block, grad=False)
+        except _Unkeyable as exc:
+            reasons.append(str(exc))
+    norm = transformer.norm_out
+    try:
+        _norm_out_linear(norm, grad=False)
+    except _Unkeyable as exc:
+        reasons.append(str(exc))
+    return list(dict.fromkeys(reasons))
 
 
-OPT = register_optimization(SharedModulation())
+def block_body_reason(transformer: nn.Module) -> str | None:
+    """Why shared_modulation's memoized block body does not run in some blocks of ``transformer`` (None: it runs
+    wherever the block forward is called): a vLLM-Omni hook registry (MagCache, layerwise offload, SP) that was
+    installed before shared_modulation captured the stock forward. Those blocks still read their projections from
+    the memo (the swapped ``img_mod``/``txt_mod``); the fast tier's modes do not run there."""
+    patched = sys.modules[_targets.TRANSFORMER].QwenImageTransformerBlock.forward
+    n = 0
+    for block in transformer.transformer_blocks:
+        captured = block.__dict__.get("_omni_original_forward")
+        if captured is not None and getattr(captured, "__func__", None) is not patched:
+            n += 1
+    if not n:
+        return None
+    return (
+        f"a vLLM-Omni hook captured the block forward of {n} block(s) before shared_modulation was installed: "
+        "they run stock's block with memoized projections"
+    )
+
+
+OPT = SharedModulation()

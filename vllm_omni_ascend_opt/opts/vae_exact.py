@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt._patching import PatchSet
-from vllm_omni_ascend_opt.opts import _targets
+from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.opts._vae_common import (
     PieceReport,
     VaeOptimization,
@@ -51,7 +51,6 @@ from vllm_omni_ascend_opt.opts._vae_common import (
     diffusers_vae,
     of_exact_class,
 )
-from vllm_omni_ascend_opt.registry import register_optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
@@ -260,6 +259,7 @@ class VaeExact(VaeOptimization):
     default_enabled = True
     requires = ("vLLM-Omni 0.30.x with diffusers 0.40.x; any device",)
     target_modules = (_targets.DIST_VAE,)
+    regions = frozenset({"vae"})
     removal_plan = (
         "when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes, uses its cached conv "
         "counts and interpolates in the input dtype, and vLLM-Omni caches the latents statistics"
@@ -318,4 +318,4 @@ class VaeExact(VaeOptimization):
         return report
 
 
-OPT = register_optimization(VaeExact())
+OPT = VaeExact()

@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vllm_omni_ascend_opt._patching import PatchSet
-from vllm_omni_ascend_opt.opts import _targets
+from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.opts._vae_common import (
     PieceReport,
     VaeOptimization,
@@ -53,7 +53,6 @@ from vllm_omni_ascend_opt.opts._vae_common import (
     diffusers_vae,
     of_exact_class,
 )
-from vllm_omni_ascend_opt.registry import register_optimization
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -157,6 +156,7 @@ class VaeFast(VaeOptimization):
     default_enabled = False
     requires = ("vLLM-Omni 0.30.x with diffusers 0.40.x; any device",)
     target_modules = (_targets.DIST_VAE,)
+    regions = frozenset({"vae"})
     removal_plan = "when diffusers' Qwen-Image VAE decodes single frames with 2D convolutions"
     pieces = ("conv2d_last_tap", "rms_norm_input_dtype")
 
@@ -187,4 +187,4 @@ class VaeFast(VaeOptimization):
         }
 
 
-OPT = register_optimization(VaeFast())
+OPT = VaeFast()

@@ -28,7 +28,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -405,54 +404,26 @@ def _plain(value: Any) -> Any:
         return repr(value)
 
 
-def _opt_stats(opt: Any) -> dict[str, Any] | None:
-    """Counters an optimization exposes (``stats()`` / a ``stats`` mapping / ``memo.stats`` / ``cache_info()``)."""
-    for owner, attr in ((opt, "stats"), (getattr(opt, "memo", None), "stats"), (opt, "cache_info")):
-        value = getattr(owner, attr, None) if owner is not None else None
-        if callable(value):
-            try:
-                value = value()
-            except Exception as exc:  # a fact, not a failure of the run
-                return {"error": f"{attr}() raised {exc!r}"}
-        if isinstance(value, Mapping):
-            return _plain(dict(value))
-    return None
-
-
 def _opt_facts(opt: Any) -> tuple[dict[str, Any] | None, list[str], dict[str, Any] | None]:
-    """(stats, notes, fallback reasons) of one optimization, as plain data."""
+    """(stats, notes, fallback reasons) of one optimization, as plain data (what each optimization owns)."""
     try:
         notes = [str(n) for n in opt.notes()]
     except Exception as exc:  # a fact, not a failure of the run
         notes = [f"notes() raised {exc!r}"]
-    fallbacks = None
-    fn = getattr(opt, "fallback_reasons", None)
-    if callable(fn):
-        try:
-            fallbacks = _plain(dict(fn()))
-        except Exception as exc:
-            fallbacks = {"error": f"fallback_reasons() raised {exc!r}"}
-    return _opt_stats(opt), notes, fallbacks
+    return (_plain(dict(opt.stats)) if opt.stats else None), notes, (_plain(opt.fallback_reasons()) or None)
 
 
 def _job_facts(pipe: Any) -> dict[str, Any]:
-    from vllm_omni_ascend_opt import _plugin, api, registry
+    from vllm_omni_ascend_opt import _plugin, _report, api, registry
 
     selected = _plugin.selected()
     acting, reasons, env_reasons, stats, notes, fallbacks = [], {}, {}, {}, {}, {}
     for opt in registry.all_optimizations():
         if opt.name not in selected:
             continue
-        env = list(opt.reasons_inactive())
-        why = list(env)
-        if opt.installed:
-            if not opt.is_attached(pipe):
-                why.append("installed but not attached to this pipeline")
-            why += list(opt.model_reasons_inactive(pipe))
-        elif not why:
-            why.append("selected but not installed")
+        why = _report.explain(opt, pipe)
         reasons[opt.name] = why
-        env_reasons[opt.name] = env
+        env_reasons[opt.name] = list(opt.reasons_inactive())
         if not why:
             acting.append(opt.name)
         s, n, f = _opt_facts(opt)

@@ -207,9 +207,10 @@ def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
     * import time (before vLLM is imported): ``SITE_DIR/sitecustomize.py``, found through ``PYTHONPATH``, which every
       child inherits. It needs the standard library only and does nothing without ``ENV_CPU_RUNTIME=1``.
-    * platform time: the plugin's own ``register()`` (called by vLLM-Omni in every process, before any model is
-      built) calls :func:`apply_engine_cpu_runtime` when ``ENV_CPU_RUNTIME=1``; that function changes nothing unless
-      the platform is ``UnspecifiedOmniPlatform`` (no accelerator).
+    * platform time: the same ``sitecustomize`` wraps ``vllm_omni.plugins.load_omni_general_plugins`` (called by
+      vLLM-Omni in every process, before any model is built) so that it first calls :func:`apply_engine_cpu_runtime`;
+      that function changes nothing unless the platform is ``UnspecifiedOmniPlatform`` (no accelerator). The plugin
+      takes no part: the test bed runs the same with the plugin installed, excluded by ``VLLM_PLUGINS``, or broken.
 
     Nothing is installed into site-packages and no second entry point exists: a user's process never sees either
     half unless this environment is passed to it explicitly.

@@ -1,6 +1,6 @@
-"""Interpreter-start half of the test bed's CPU runtime for vLLM-Omni's own engines (see ``testbed/omni_cpu.py``).
+"""The test bed's CPU runtime for vLLM-Omni's own engines, in every process they start (see ``testbed/runtime.py``).
 
-This folder is put on ``PYTHONPATH`` only by :func:`vllm_omni_ascend_opt.testbed.omni_cpu.engine_env` (tests, the
+This folder is put on ``PYTHONPATH`` only by :func:`vllm_omni_ascend_opt.testbed.runtime.engine_env` (tests, the
 ablation runner's ``omni`` / ``serve`` engines), never by installing the plugin. Python imports ``sitecustomize`` at
 start-up in every process that inherits that environment, including the workers vLLM-Omni spawns. It acts only when
 ``VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME=1``, and only on imports that would otherwise fail: it uses the standard library
@@ -14,6 +14,11 @@ alone (no torch, no vLLM) so that it costs nothing at start-up.
    class). Text-to-image never runs an image processor.
 2. torchaudio is missing (no wheel matches torch 2.13+cpu): vLLM-Omni's OpenAI server imports it at module level for
    its speech endpoints. An import-only placeholder is served whose attributes raise when used.
+3. The platform-time half: right after ``vllm_omni.plugins`` is imported, its ``load_omni_general_plugins`` (which
+   every vLLM-Omni process calls before it builds a model) is wrapped so that it first applies
+   :func:`vllm_omni_ascend_opt.testbed.runtime.apply_engine_cpu_runtime` (a no-op on an accelerator platform). The
+   test bed therefore works the same whether the plugin is installed, excluded by ``VLLM_PLUGINS`` or broken: the
+   plugin never imports the test bed.
 """
 
 from __future__ import annotations
@@ -90,7 +95,54 @@ class _Placeholders(importlib.abc.MetaPathFinder):
         return None
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``action(module)`` right after the module ``name`` has executed (once)."""
+
+    def __init__(self, name: str, action) -> None:
+        self.name = name
+        self.action = action
+        self._busy = False
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name or self._busy:
+            return None
+        self._busy = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None:
+            return spec
+        inner, action = spec.loader, self.action
+
+        class _Then(importlib.abc.Loader):
+            def create_module(self, spec):
+                return inner.create_module(spec)
+
+            def exec_module(self, module) -> None:
+                inner.exec_module(module)
+                action(module)
+
+        spec.loader = _Then()
+        return spec
+
+
+def _apply_runtime_before_plugins(plugins) -> None:
+    """Wrap ``vllm_omni.plugins.load_omni_general_plugins``: the CPU runtime first, then the plugins."""
+    original = plugins.load_omni_general_plugins
+
+    def load_omni_general_plugins():
+        from vllm_omni_ascend_opt.testbed.runtime import apply_engine_cpu_runtime
+
+        apply_engine_cpu_runtime()
+        return original()
+
+    load_omni_general_plugins.__wrapped__ = original
+    plugins.load_omni_general_plugins = load_omni_general_plugins
+
+
 def _install() -> None:
+    sys.meta_path.insert(0, _AfterImport("vllm_omni.plugins", _apply_runtime_before_plugins))
     if importlib.util.find_spec("torchvision") is None:
         sys.meta_path.insert(0, _TorchvisionFreeImageProcessors())
     missing = tuple(name for name in ("torchaudio",) if importlib.util.find_spec(name) is None)

@@ -1,0 +1,98 @@
+"""Guards, written once: when patched code must run stock code, and which parts of a model are compiled.
+
+Call-time guards (asked by patched code on every call, cheapest first):
+
+* :func:`tracing`: torch.compile is tracing. Checked **before** anything else, so that nothing mutable is read,
+  counted or logged inside a traced forward: dynamo folds the check to a constant and traces only stock code.
+* :func:`call_reason`: autograd recording, CUDA/NPU graph capture, global ``nn.Module`` hooks, in words.
+* :func:`hooked`: forward hooks on a module whose call the optimization would skip.
+
+Model-level facts (asked by :meth:`Optimization.reasons_inactive` for a model):
+
+* :func:`compiled_regions`: which :data:`~vllm_omni_ascend_opt.optimization.REGIONS` of a model vLLM-Omni's
+  ``torch.compile`` took (``regional``: the repeated transformer blocks; ``full``: the whole transformer);
+  :func:`compile_reason` says when every region an optimization lives in is compiled.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.modules import module as _torch_module
+
+from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks import targets
+
+
+def tracing() -> bool:
+    """torch.compile (dynamo) is tracing this call. Patched code returns to stock code at once when it is."""
+    return torch.compiler.is_compiling()
+
+
+def global_hooks() -> bool:
+    """Global ``nn.Module`` forward (pre-)hooks are registered (skipping a module would skip them)."""
+    return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+
+
+def hooked(module: nn.Module) -> bool:
+    """``module`` carries forward (pre-)hooks of its own."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def call_reason(*grad_tensors: torch.Tensor, any_grad: bool = False, hooks: bool = True) -> str | None:
+    """Why patched code must run stock code for this call (None: it may take its own path).
+
+    ``any_grad``: any enabled autograd is a reason; otherwise only autograd with one of ``grad_tensors`` requiring
+    grad. ``hooks``: global module hooks are a reason. Call :func:`tracing` first.
+    """
+    if torch.is_grad_enabled() and (any_grad or any(t.requires_grad for t in grad_tensors)):
+        return "autograd is recording"
+    why = _backend.graph_capture_reason()
+    if why:
+        return why
+    if hooks and global_hooks():
+        return "global nn.Module forward hooks are registered"
+    return None
+
+
+def _is_compiled(fn: Any) -> bool:
+    return getattr(fn, "_torchdynamo_orig_callable", None) is not None
+
+
+def _transformers(model: Any) -> list[nn.Module]:
+    mod = sys.modules.get(targets.TRANSFORMER)
+    if mod is None or not isinstance(model, nn.Module):
+        return []
+    cls = mod.QwenImageTransformer2DModel
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
+def compiled_regions(model: Any) -> frozenset[str]:
+    """The regions of ``model`` (a pipeline or transformer) that torch.compile runs: ``{"block"}`` after vLLM-Omni's
+    regional compile (each repeated block's forward, or the callable its hook registry dispatches to, is a compiled
+    function), ``{"block", "transformer"}`` after full compile (``transformer.compile()``), else empty."""
+    out: set[str] = set()
+    for tr in _transformers(model):
+        if getattr(tr, "_compiled_call_impl", None) is not None or _is_compiled(tr.__dict__.get("forward")):
+            return frozenset({"block", "transformer"})
+        for block in getattr(tr, "transformer_blocks", ()):
+            fns = (block.__dict__.get("forward"), block.__dict__.get("_omni_original_forward"))
+            if getattr(block, "_compiled_call_impl", None) is not None or any(_is_compiled(f) for f in fns):
+                out.add("block")
+                break
+    return frozenset(out)
+
+
+def compile_reason(regions: frozenset[str], model: Any, name: str) -> str | None:
+    """Why an optimization living in ``regions`` does not act on ``model`` because torch.compile runs all of them."""
+    compiled = compiled_regions(model)
+    if not regions or not compiled or not regions <= compiled:
+        return None
+    where = "the whole transformer" if "transformer" in compiled else "the transformer blocks"
+    return (
+        f"torch.compile runs {where} ({', '.join(sorted(compiled))}): {name} steps aside while dynamo traces, "
+        "so the compiled graphs hold stock code"
+    )

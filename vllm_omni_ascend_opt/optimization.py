@@ -1,0 +1,294 @@
+"""The :class:`Optimization` base: metadata, switches, and the one answer to "does it act here, and why not".
+
+Each swappable change subclasses :class:`Optimization` (``opts/``) and has two levels of switches:
+
+* ``install()`` / ``uninstall()``: process-wide patches of upstream classes and module globals, made before any
+  model is built (the plugin installs an optimization once the modules named in ``target_modules`` are imported).
+* ``attach(model)`` / ``detach(model)``: per-instance work on a built pipeline or transformer (weight casts, swapped
+  attention implementations, VAE submodules).
+
+Both levels are idempotent and restore the originals by identity (:mod:`vllm_omni_ascend_opt._patching`).
+
+One method answers whether it acts and why not: :meth:`Optimization.reasons_inactive`, for the process (no model)
+or for a given model. It combines, in this order, the environment (:meth:`Optimization._process_reasons`: missing
+kernels, upstream code it does not recognise), the optimizations it ``needs``, whether it is installed and attached,
+the reusable model checks it declares (:attr:`Optimization.model_checks`: compiled regions, parallel modes, ...) and
+its own model facts (:meth:`Optimization._model_reasons`: offload, dtype, hooks, kernel verdicts). Everything that
+reports (``list``, ``status()``, the INFO line, the status file, the ablation worker, the parallel test jobs) asks it.
+
+Each optimization also owns its statistics (:attr:`Optimization.stats`), its fallback reasons (why calls ran stock
+code, :meth:`Optimization.fallback_reasons`) and the memory its caches hold (:meth:`Optimization.cache_memory`).
+Bookkeeping never happens inside a traced forward: patched code checks :func:`blocks.guards.tracing` first.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from collections import Counter
+from typing import Any, ClassVar, Literal, Protocol
+
+import torch.nn as nn
+
+from vllm_omni_ascend_opt._parallel import parallel_reasons_inactive
+from vllm_omni_ascend_opt._patching import PatchSet
+from vllm_omni_ascend_opt.blocks import guards
+
+logger = logging.getLogger("vllm_omni_ascend_opt")
+
+Equivalence = Literal["exact", "pixel", "close"]
+#: Equivalence tiers, strongest first. ``exact``: bitwise-identical outputs; ``pixel``: the uint8 images are identical
+#: (float outputs may differ in the last bits); ``close``: the images pass the SSIM/PSNR gates.
+TIERS: tuple[str, ...] = ("exact", "pixel", "close")
+TIER_MEANING = {
+    "exact": "bitwise-identical outputs",
+    "pixel": "uint8-identical images (float outputs may differ)",
+    "close": "images within the SSIM/PSNR gates",
+}
+
+#: Parallel modes an optimization declares its support for (vLLM-Omni's names, see ``_parallel.active_modes``).
+PARALLEL_MODES = ("single", "ulysses", "ring", "cfg_parallel", "tensor_parallel", "allgather", "vae_patch_parallel")
+
+#: Where an optimization's patched code runs (:attr:`Optimization.regions`): inside the transformer blocks, in the
+#: transformer's own forward outside the blocks, in the VAE decode, or once at load time on the weights.
+REGIONS = ("block", "transformer", "vae", "load")
+
+
+def weakest_tier(tiers: list[str] | tuple[str, ...] | set[str]) -> str:
+    """The weakest of ``tiers`` (``exact`` for none): what a configuration containing them can promise."""
+    return max(tiers, key=TIERS.index, default="exact")
+
+
+class ModelCheck(Protocol):
+    """A reusable model-level check: ``check(opt, model)`` -> the reason ``opt`` does not act on ``model``, or None."""
+
+    def __call__(self, opt: Optimization, model: Any) -> str | None: ...
+
+
+class Peers(Protocol):
+    """What an optimization may ask of the others (the registry provides it; optimizations never import each
+    other): look one up by name, and announce that weights changed."""
+
+    def get(self, name: str) -> Optimization: ...
+
+    def weights_changed(self, model: Any = None, *, source: Optimization | None = None) -> None: ...
+
+
+class Optimization:
+    """Base class. Subclasses set the class attributes and override the hooks they need."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    #: The weakest tier this optimization can deliver anywhere (its class); :meth:`tier` says what it delivers here.
+    equivalence: ClassVar[Equivalence]
+    default_enabled: ClassVar[bool] = True
+    #: Human-readable requirements, shown by ``list``.
+    requires: ClassVar[tuple[str, ...]] = ()
+    #: Modules whose import triggers ``install`` (all must be fully imported first).
+    target_modules: ClassVar[tuple[str, ...]] = ()
+    #: Per parallel mode: "supported", or "off: <reason>" when the optimization does not act there (a mode it does
+    #: not mention is not supported). Checked for every model (``_parallel.parallel_reasons_inactive``).
+    parallel_support: ClassVar[dict[str, str]] = dict.fromkeys(PARALLEL_MODES, "supported")
+    #: Where the patched code runs (:data:`REGIONS`). A compiled region of the model runs stock code for the
+    #: optimizations that live in it (they step aside while torch.compile traces).
+    regions: ClassVar[frozenset[str]] = frozenset()
+    #: Its process-wide patches act on every model (nothing per instance): no ``attach`` needed to act.
+    acts_without_attach: ClassVar[bool] = False
+    #: Further reusable model-level checks asked by :meth:`reasons_inactive` for a model, in order.
+    model_checks: ClassVar[tuple[ModelCheck, ...]] = ()
+    #: Upstream change that makes this optimization obsolete (shown in docs and patches).
+    removal_plan: ClassVar[str] = ""
+    #: ``(SSIM, PSNR dB)`` this optimization must meet against the configuration without it when it delivers the
+    #: ``close`` tier (the ablation runner's gate); None: the workload's ``ssim_gate`` / ``psnr_gate``.
+    close_gates: ClassVar[tuple[float, float] | None] = None
+    #: Optimizations this one acts through (it does nothing without them): inactive with their reasons when they
+    #: are, and the ablation planner keeps them in every configuration that has this one.
+    needs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self.patches = PatchSet(self.name)
+        self._installed = False
+        self._attached: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        #: Counters of what ran (calls per path, cache hits, ...); cleared by :meth:`reset_stats`.
+        self.stats: Counter[str] = Counter()
+        self._fallbacks: Counter[str] = Counter()
+        self._logged: set[str] = set()
+        self._peers: Peers | None = None
+
+    # ----- the one answer: does it act, and why not -------------------------------------------------------------
+    def reasons_inactive(self, model: Any = None) -> list[str]:
+        """Why this optimization does not act (empty list: it does), in words.
+
+        Without ``model``: in this process (environment only: missing kernels or torch_npu, upstream code it does
+        not recognise, invalid settings, the optimizations it needs). With ``model`` (a pipeline or a transformer):
+        on that model, which adds whether it is installed and attached, the parallel modes it does not support
+        (:attr:`parallel_support`), the compiled regions it lives in (:attr:`regions`), the declared
+        :attr:`model_checks` and the optimization's own facts (offload, dtype, hooks, kernel verdicts).
+        """
+        reasons = list(self._process_reasons()) + self._needs_reasons(None)
+        if model is None:
+            return list(dict.fromkeys(reasons))
+        attached = self.is_attached(model)
+        if not self._installed and not attached:
+            return list(dict.fromkeys(reasons)) or ["not installed"]
+        if not attached and not self.acts_without_attach:
+            reasons.append("not attached to this model")
+        else:
+            reasons += self._needs_reasons(model)
+            reasons += parallel_reasons_inactive(self, model)
+            why = guards.compile_reason(self.regions, model, self.name)
+            if why:
+                reasons.append(why)
+            for check in self.model_checks:
+                why = check(self, model)
+                if why:
+                    reasons.append(why)
+            reasons += self._model_reasons(model)
+        return list(dict.fromkeys(reasons))
+
+    def acting(self, model: Any = None) -> bool:
+        """``not reasons_inactive(model)``: with a model, it acts through its per-instance work (attached) or through
+        process-wide patches that reach every model (installed and :attr:`acts_without_attach`)."""
+        return not self.reasons_inactive(model)
+
+    def _process_reasons(self) -> list[str]:
+        """Override: environment-level reasons (missing torch_npu or kernels, unknown upstream code, bad settings)."""
+        return []
+
+    def _model_reasons(self, model: Any) -> list[str]:
+        """Override: why this installed and attached optimization does nothing for ``model``."""
+        return []
+
+    def _needs_reasons(self, model: Any) -> list[str]:
+        """The reasons of the optimizations it ``needs``: in this process (no model) or on ``model``."""
+        if not self.needs or self._peers is None:
+            return []
+        out = []
+        for name in self.needs:
+            peer = self._peers.get(name)
+            if model is not None and not peer.installed:
+                out.append(f"{name} is not installed: {self.name} acts through it")
+                continue
+            out += [f"needs {name}, which is inactive here: {why}" for why in peer.reasons_inactive(model)]
+        return out
+
+    def notes(self) -> list[str]:
+        """Extra facts for ``list`` (e.g. which kernel path is in use and why), not reasons to be off."""
+        return []
+
+    def model_notes(self, model: Any) -> list[str]:
+        """Facts about how it acts on ``model`` when it acts only in part (e.g. some blocks keep stock code)."""
+        return []
+
+    def tier(self) -> Equivalence:
+        """The equivalence tier this optimization delivers in this process (``list``, ``status()``, the ablation
+        gates). Default: its class, :attr:`equivalence`; optimizations whose paths differ per backend override it
+        (``rope``: ``exact`` on the portable path, ``pixel`` with the NPU kernel)."""
+        return self.equivalence
+
+    # ----- what it ran, what it holds ---------------------------------------------------------------------------
+    def fallback_reasons(self) -> dict[str, int]:
+        """Why calls ran stock code since the last :meth:`reset_stats` (reason -> number of calls)."""
+        return dict(self._fallbacks)
+
+    def reset_stats(self) -> None:
+        """Clear :attr:`stats` and the fallback reasons."""
+        self.stats.clear()
+        self._fallbacks.clear()
+
+    def cache_memory(self) -> dict[str, Any] | None:
+        """Memory its caches hold, with their budgets (``{"bytes": ..., ...}``); None when it keeps none."""
+        return None
+
+    def _fallback(self, why: str) -> None:
+        """Count a call that ran stock code and log each distinct reason once (debug).
+
+        Never call this while torch.compile traces: patched code checks ``guards.tracing()`` before any bookkeeping.
+        """
+        self._fallbacks[why] += 1
+        if why not in self._logged:
+            self._logged.add(why)
+            logger.debug("vllm-omni-ascend-opt: %s runs stock code: %s", self.name, why)
+
+    # ----- events -----------------------------------------------------------------------------------------------
+    def bind_peers(self, peers: Peers) -> None:
+        """Called by the registry when this optimization joins it."""
+        self._peers = peers
+
+    def weights_changed(self, model: Any = None) -> None:
+        """Hook: weights of ``model`` (None: of any model) changed in a way version counters cannot see (a
+        ``w.data = ...`` swap). Optimizations that key caches on weights drop them here."""
+
+    def announce_weights_changed(self, model: Any = None) -> None:
+        """Tell every other registered optimization that this one changed weights of ``model``."""
+        if self._peers is not None:
+            self._peers.weights_changed(model, source=self)
+
+    # ----- process-wide patches ---------------------------------------------------------------------------------
+    @property
+    def installed(self) -> bool:
+        return self._installed
+
+    def targets_imported(self) -> bool:
+        return all(fully_imported(m) for m in self.target_modules)
+
+    def install(self) -> None:
+        """Patch upstream classes/globals. Idempotent. Raises if the targets are not importable."""
+        if self._installed:
+            return
+        self._install()
+        self._installed = True
+        logger.debug("installed %s", self.name)
+
+    def uninstall(self) -> None:
+        """Detach from every model, then restore every patched attribute by identity; drop stats. Idempotent."""
+        for model in list(self._attached):
+            self.detach(model)
+        self.patches.revert()
+        self._uninstall()
+        self.reset_stats()
+        self._logged.clear()
+        self._installed = False
+
+    def _install(self) -> None:
+        """Override: make the process-wide patches through ``self.patches``."""
+
+    def _uninstall(self) -> None:
+        """Override: drop state kept outside ``self.patches`` (caches)."""
+
+    # ----- per-instance work ------------------------------------------------------------------------------------
+    def attach(self, model: nn.Module) -> None:
+        """Apply per-instance work to a built pipeline or transformer. Idempotent."""
+        if model in self._attached:
+            return
+        self._attach(model)
+        self._attached.add(model)
+
+    def detach(self, model: nn.Module) -> None:
+        """Undo :meth:`attach` on ``model``. Idempotent."""
+        if model not in self._attached:
+            return
+        self._detach(model)
+        self._attached.discard(model)
+
+    def is_attached(self, model: nn.Module) -> bool:
+        return model in self._attached
+
+    def _attach(self, model: nn.Module) -> None:
+        """Override for per-instance work."""
+
+    def _detach(self, model: nn.Module) -> None:
+        """Override for per-instance work."""
+
+    def __repr__(self) -> str:
+        return f"<Optimization {self.name} ({self.tier()}, installed={self._installed})>"
+
+
+def fully_imported(module_name: str) -> bool:
+    """``module_name`` is in ``sys.modules`` and has finished executing."""
+    mod = sys.modules.get(module_name)
+    if mod is None:
+        return False
+    spec = getattr(mod, "__spec__", None)
+    return not getattr(spec, "_initializing", False)
