@@ -39,9 +39,12 @@ demo: $(STAMP)
 list: $(STAMP)
 	$(VENV)/bin/vllm-omni-ascend-opt list
 
+# Lint: ruff, and the import contract (pyproject.toml [tool.importlinter]: the core never imports the lab, layers,
+# optimizations independent of each other).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check vllm_omni_ascend_opt tests benchmarks patches tools
 	$(VENV)/bin/ruff format --check vllm_omni_ascend_opt tests benchmarks patches tools
+	$(VENV)/bin/lint-imports
 
 clean-venv:
 	rm -rf $(VENV)

@@ -938,6 +938,7 @@ class SharedModulation(Optimization):
     requires = ("vLLM-Omni 0.30.x; any device and dtype",)
     target_modules = (_targets.TRANSFORMER,)
     parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-rank memo, no collectives (see docstring)
+    regions = frozenset({"block", "transformer"})  # the block body and projections; norm_out in the forward
     removal_plan = "Drop once vLLM-Omni memoizes Qwen-Image's modulation (upstream ExactProjectionCache wiring)."
 
     def __init__(self) -> None:

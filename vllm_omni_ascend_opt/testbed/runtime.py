@@ -223,6 +223,23 @@ def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
+def use_import_workarounds() -> None:
+    """In this process: the interpreter-start half's import fallbacks (torchvision-free image processors, an audio
+    placeholder), for code that imports vLLM-Omni's engine modules in-process (``testbed.runner``). Idempotent."""
+    import importlib.util
+
+    site = _SITE.get("module")
+    if site is None:
+        spec = importlib.util.spec_from_file_location("_ascend_opt_cpu_site", SITE_DIR / "sitecustomize.py")
+        site = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(site)  # type: ignore[union-attr]
+        _SITE["module"] = site
+    site.install_import_fallbacks()
+
+
+_SITE: dict[str, Any] = {}
+
+
 def cpu_runtime_requested() -> bool:
     return os.environ.get(ENV_CPU_RUNTIME) == "1"
 

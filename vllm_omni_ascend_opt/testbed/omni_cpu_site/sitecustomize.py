@@ -141,13 +141,20 @@ def _apply_runtime_before_plugins(plugins) -> None:
     plugins.load_omni_general_plugins = load_omni_general_plugins
 
 
-def _install() -> None:
-    sys.meta_path.insert(0, _AfterImport("vllm_omni.plugins", _apply_runtime_before_plugins))
+def install_import_fallbacks() -> None:
+    """Items 1 and 2: serve the missing torchvision / torchaudio imports (idempotent)."""
+    if any(isinstance(f, (_TorchvisionFreeImageProcessors, _Placeholders)) for f in sys.meta_path):
+        return
     if importlib.util.find_spec("torchvision") is None:
         sys.meta_path.insert(0, _TorchvisionFreeImageProcessors())
     missing = tuple(name for name in ("torchaudio",) if importlib.util.find_spec(name) is None)
     if missing:
         sys.meta_path.append(_Placeholders(missing))  # last: only for names no other finder knows
+
+
+def _install() -> None:
+    sys.meta_path.insert(0, _AfterImport("vllm_omni.plugins", _apply_runtime_before_plugins))
+    install_import_fallbacks()
 
 
 def _chain_next_sitecustomize() -> None:
@@ -164,9 +171,10 @@ def _chain_next_sitecustomize() -> None:
             return
 
 
-if os.environ.get(ENV) == "1":
-    try:
-        _install()
-    except Exception as exc:  # never break interpreter start-up
-        print(f"vllm-omni-ascend-opt CPU runtime: import workarounds not installed: {exc!r}", file=sys.stderr)
-_chain_next_sitecustomize()
+if __name__ == "sitecustomize":  # at interpreter start (not when the test bed loads this file in-process)
+    if os.environ.get(ENV) == "1":
+        try:
+            _install()
+        except Exception as exc:  # never break interpreter start-up
+            print(f"vllm-omni-ascend-opt CPU runtime: import workarounds not installed: {exc!r}", file=sys.stderr)
+    _chain_next_sitecustomize()

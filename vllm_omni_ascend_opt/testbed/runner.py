@@ -1,0 +1,144 @@
+"""vLLM-Omni's own ``DiffusionModelRunner``, in this process, on the test bed's CPU runtime.
+
+The runner is what vLLM-Omni's diffusion worker drives: ``load_model`` builds the pipeline with the loader (the
+plugin attaches there), then applies, in its own order, CPU / layerwise offload, ``torch.compile`` (regional or
+full) and the cache backend; ``execute_model`` runs one request under ``torch.inference_mode`` with the cache
+refreshed per request. :class:`RunnerHarness` builds one from ``OmniDiffusionConfig`` fields (the same names users
+pass to ``Omni(...)`` / ``vllm serve``) and runs requests through it, so tests and benchmarks exercise the plugin in
+vLLM-Omni's memory, cache and compile modes without an accelerator.
+
+CPU-only adaptations, each applied here and nowhere else (see also ``runtime.apply_engine_cpu_runtime``):
+
+* the import half of the engine CPU runtime (torchvision-free image processors): the runner's module imports
+  vLLM-Omni's config factory, which imports vLLM's Qwen2-VL code;
+* ``pin_cpu_memory=False`` whenever an offload mode is asked for: pinned memory needs an accelerator;
+* ``supports_torch_inductor`` answers True while the runner loads when ``compile=True`` (vLLM-Omni's
+  ``UnspecifiedOmniPlatform`` leaves it unimplemented, so the runner would skip compilation): the very
+  ``_compile_transformer`` path the runner takes on a platform with inductor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_omni_ascend_opt.testbed.pipeline import make_request
+from vllm_omni_ascend_opt.testbed.runtime import Runtime, apply_engine_cpu_runtime, use_import_workarounds
+
+#: ``OmniDiffusionConfig`` fields that switch an offload mode on.
+OFFLOAD_FIELDS = ("enable_cpu_offload", "enable_layerwise_offload")
+
+
+@contextlib.contextmanager
+def _inductor_supported(on: bool) -> Iterator[None]:
+    """While loading: the platform says it supports inductor (only when ``on``; restored afterwards)."""
+    if not on:
+        yield
+        return
+    from vllm_omni.platforms import current_omni_platform
+
+    cls = type(current_omni_platform)
+    before = cls.__dict__.get("supports_torch_inductor")
+    cls.supports_torch_inductor = classmethod(lambda _cls: True)
+    try:
+        yield
+    finally:
+        if before is None:
+            del cls.supports_torch_inductor
+        else:
+            cls.supports_torch_inductor = before
+
+
+def runner_config(rt: Runtime, **fields: Any) -> Any:
+    """A copy of the runtime's ``OmniDiffusionConfig`` with ``fields`` set (cached resolutions dropped)."""
+    od = copy.copy(rt.od_config)
+    for name in [k for k in vars(od) if k.startswith("_resolved")]:
+        delattr(od, name)  # e.g. the offload policy resolved for the runtime's own config
+    if any(fields.get(f) for f in OFFLOAD_FIELDS):
+        fields.setdefault("pin_cpu_memory", False)
+    for name, value in fields.items():
+        if not hasattr(od, name):
+            raise TypeError(f"OmniDiffusionConfig has no field {name!r}")
+        setattr(od, name, value)
+    return od
+
+
+@dataclass
+class RunnerHarness:
+    """A loaded ``DiffusionModelRunner`` and the runtime it runs in."""
+
+    runner: Any
+    rt: Runtime
+
+    @classmethod
+    def load(cls, rt: Runtime, *, compile: bool = False, **fields: Any) -> RunnerHarness:
+        """Build a runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields`` and load it.
+
+        ``compile=True`` sets ``enforce_eager=False`` and lets the runner compile (``diffusion_compile_granularity``
+        picks regional or full); otherwise the runner runs eagerly."""
+        use_import_workarounds()
+        apply_engine_cpu_runtime()
+        from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
+
+        fields.setdefault("enforce_eager", not compile)
+        od = runner_config(rt, **fields)
+        runner = DiffusionModelRunner(rt.vllm_config, od, torch.device("cpu"))
+        with rt.context(), _inductor_supported(compile):
+            runner.load_model()
+        return cls(runner, rt)
+
+    @property
+    def pipeline(self) -> Any:
+        return self.runner.pipeline
+
+    def generate(
+        self,
+        prompt: str = "a red cat",
+        *,
+        height: int = 64,
+        width: int = 64,
+        steps: int = 4,
+        seed: int = 42,
+        cfg_scale: float = 1.0,
+        negative_prompt: str | None = None,
+        request_id: str = "ascend-opt",
+    ) -> torch.Tensor:
+        """One request through ``runner.execute_model``; the decoded images ``[B, 3, H, W]`` (float, CPU)."""
+        batch = make_request(
+            prompt,
+            height=height,
+            width=width,
+            steps=steps,
+            seed=seed,
+            cfg_scale=cfg_scale,
+            negative_prompt=negative_prompt,
+            request_id=request_id,
+        )
+        with self.rt.context():
+            out = self.runner.execute_model(batch.requests[0])
+        images = out.output
+        if images.dim() == 3:
+            images = images.unsqueeze(0)
+        return images.detach().float().cpu()
+
+    def close(self) -> None:
+        """Drop the cache backend and the offloader's hooks (one cache-dit pipeline per process)."""
+        for backend in (self.runner.cache_backend, self.runner.offload_backend):
+            disable = getattr(backend, "disable", None)
+            if callable(disable):
+                with contextlib.suppress(Exception):
+                    disable(self.runner.pipeline) if _takes_pipeline(disable) else disable()
+
+
+def _takes_pipeline(fn: Any) -> bool:
+    import inspect
+
+    try:
+        return len(inspect.signature(fn).parameters) >= 1
+    except (TypeError, ValueError):
+        return False
