@@ -1,0 +1,109 @@
+"""What the plugin reports is what it runs: the API's defaults, status under vLLM-Omni's memory modes and hooks, and
+the status file when the flag is bad. Models run through vLLM-Omni's own ``DiffusionModelRunner`` (in this process,
+on the test bed's CPU runtime: ``testbed.runner``)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from vllm_omni_ascend_opt import _plugin, _report, api, flags, registry
+from vllm_omni_ascend_opt._state import STATE
+from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
+
+SM, FAST_MOD = registry.get("shared_modulation"), registry.get("fast_modulate")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the API's keywords are the registry's
+# ----------------------------------------------------------------------------------------------------------------
+def test_apply_to_qwen_image_defaults_are_the_default_stack():
+    want = api.select("default")
+    api.select("none")
+    assert api.apply_to_qwen_image() == want
+    assert STATE.selected == registry.default_names()  # joint_attention and qk_norm included
+    assert set(api.accepted_keywords()) == set(registry.names())
+    assert api.accepted_keywords() == {o.name: o.default_enabled for o in registry.all_optimizations()}
+
+
+def test_apply_to_qwen_image_switches_one_per_optimization():
+    api.apply_to_qwen_image(joint_attention=False, vae_fast=True)
+    assert STATE.selected == [n for n in registry.names() if n in set(registry.default_names()) - {"joint_attention"}
+                              | {"vae_fast"}]  # fmt: skip
+    with pytest.raises(TypeError, match="unknown optimization keyword.*bogus"):
+        api.apply_to_qwen_image(bogus=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# status under vLLM-Omni's runner: layerwise offload, hooks installed before a switch
+# ----------------------------------------------------------------------------------------------------------------
+def _request(h: RunnerHarness) -> torch.Tensor:
+    return h.generate(height=32, width=32, steps=2, cfg_scale=4.0)
+
+
+def test_status_under_layerwise_offload_matches_what_runs(runtime):
+    api.select("all")
+    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
+    try:
+        pipe = h.pipeline
+        assert _report.explain(SM, pipe) == [] and _report.explain(FAST_MOD, pipe) == []  # between forwards
+        _request(h)
+        SM.reset_stats()
+        FAST_MOD.reset_stats()
+        _request(h)  # warm
+        assert SM.stats["hits"] > 0 and SM.fallback_reasons() == {}, (dict(SM.stats), SM.fallback_reasons())
+        assert FAST_MOD.ran() > 0  # the memoized block body ran, as reported
+        assert "shared_modulation" in _report.acting(pipe) and "fast_modulate" in _report.acting(pipe)
+    finally:
+        h.close()
+
+
+def test_switch_on_a_pipeline_whose_hooks_captured_the_stock_block(runtime):
+    """Layerwise offload's hook registry captured the stock block forward at load (nothing installed then): after
+    selecting the default stack and fast_modulate, the projections are memoized (shared_modulation acts, with a
+    note), the block body is not (the fast tier does not act, and says why)."""
+    api.select("none")
+    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
+    try:
+        pipe = h.pipeline
+        want = _request(h)
+        api.select("default,+fast_modulate", model=pipe)
+        assert _report.explain(SM, pipe) == []
+        assert any("captured the block forward" in n for n in SM.model_notes(pipe))
+        (why,) = [r for r in _report.explain(FAST_MOD, pipe) if "captured the block forward" in r]
+        _request(h)
+        SM.reset_stats()
+        FAST_MOD.reset_stats()
+        got = _request(h)
+        assert SM.stats["hits"] > 0 and SM.fallback_reasons() == {}  # the projections come from the memo
+        assert FAST_MOD.ran() == 0, why  # the stock block ran: the fast mode never did
+        assert torch.equal(got, want)  # only exact optimizations acted (CPU: no torch_npu kernels)
+    finally:
+        h.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the status file: also with a bad flag, after the model is built and after every request
+# ----------------------------------------------------------------------------------------------------------------
+def test_status_file_with_a_bad_flag_reports_after_build_and_every_request(monkeypatch, tmp_path, runtime):
+    path = tmp_path / "status.json"
+    monkeypatch.setenv(_report.ENV_STATUS_FILE, str(path))
+    monkeypatch.setenv(flags.ENV_FLAG, "default,bogus")
+    _plugin.register()
+    st = json.loads(path.read_text())
+    assert "bogus" in st["config_error"] and st["requests"] == 0 and "pipeline" not in st
+    h = RunnerHarness.load(runtime)
+    try:
+        st = json.loads(path.read_text())
+        assert st["pipeline"] == "QwenImagePipeline" and st["installed"] == [] and st["acting_on_pipeline"] == []
+        assert st["pid"] == os.getpid() and st["requests"] == 0
+        _request(h)
+        _request(h)
+        st = json.loads(path.read_text())
+        assert st["requests"] == 2
+        assert all(why == f"{flags.ENV_FLAG} is invalid, so nothing is patched" for why in st["off"].values())
+    finally:
+        h.close()
