@@ -31,9 +31,9 @@ def test_apply_to_qwen_image_defaults_are_the_default_stack():
 
 def test_apply_to_qwen_image_switches_one_per_optimization():
     api.apply_to_qwen_image(joint_attention=False, vae_fast=True)
-    assert STATE.selected == [n for n in registry.names() if n in set(registry.default_names()) - {"joint_attention"}
-                              | {"vae_fast"}]  # fmt: skip
-    with pytest.raises(TypeError, match="unknown optimization keyword.*bogus"):
+    want = (set(registry.default_names()) - {"joint_attention"}) | {"vae_fast"}
+    assert STATE.selected == [n for n in registry.names() if n in want]
+    with pytest.raises(TypeError, match=r"unknown optimization keyword.*bogus"):
         api.apply_to_qwen_image(bogus=True)
 
 
