@@ -85,6 +85,8 @@ class Optimization:
     default_enabled: ClassVar[bool] = True
     #: Human-readable requirements, shown by ``list``.
     requires: ClassVar[tuple[str, ...]] = ()
+    #: When it stays off or runs stock code, in a sentence (the README's table; ``reasons_inactive`` says it per case).
+    inactive_when: ClassVar[str] = ""
     #: Modules whose import triggers ``install`` (all must be fully imported first).
     target_modules: ClassVar[tuple[str, ...]] = ()
     #: Per parallel mode: "supported", or "off: <reason>" when the optimization does not act there (a mode it does

@@ -1,0 +1,50 @@
+"""Docs derived from the code say what the code says: the generated tables (tools/gen_docs.py), the patch series and
+the README's example lines."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from vllm_omni_ascend_opt import registry
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gen_docs():
+    spec = importlib.util.spec_from_file_location("gen_docs", REPO / "tools" / "gen_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_generated_tables_match_the_registry_and_the_workloads(gen_docs):
+    assert gen_docs.out_of_date() == [], "run: python tools/gen_docs.py"
+
+
+def test_a_change_in_the_registry_changes_the_tables(gen_docs, monkeypatch):
+    opt = registry.get("rope")
+    monkeypatch.setattr(type(opt), "summary", "something else entirely")
+    assert set(gen_docs.out_of_date()) == {"README.md", "patches/README.md"}
+
+
+def test_every_optimization_has_its_patch_with_its_class(gen_docs):
+    for i, opt in enumerate(registry.all_optimizations()):
+        path = REPO / "patches" / gen_docs.patch_name(i, opt.name)
+        head = path.read_text().split("\ndiff --git", 1)[0]
+        (line,) = re.findall(r"^Equivalence: (\w+)", head, re.M)
+        assert line == opt.equivalence, (path.name, line, opt.equivalence)
+
+
+def test_the_readme_example_status_line_names_every_default_optimization():
+    readme = (REPO / "README.md").read_text()
+    (line,) = [ln for ln in readme.splitlines() if "vllm-omni-ascend-opt 0.1.0 (VLLM_OMNI_ASCEND_OPT=default)" in ln]
+    installed = line.split("installed ", 1)[1].split(";", 1)[0].split(", ")
+    off = dict(re.findall(r"(\w+) \(([^)]*)\)", line.split("; off: ", 1)[1]))
+    names = registry.names()
+    assert installed == registry.default_names() and list(off) == [n for n in names if n not in installed]
+    assert all(why == "not selected by VLLM_OMNI_ASCEND_OPT" for why in off.values())
