@@ -623,3 +623,19 @@ def test_fake_trailing_parameters_of_the_real_schema(fake_npu):
     assert len(out) == 7
     with pytest.raises(TypeError):
         fake.npu_fusion_attention(q, q, q, 2, "BSND", no_such_argument=1)
+
+
+def test_uninstall_clears_the_verdicts(fake_npu, bf16_pipe, runtime):
+    """The verdict caches' second rule: uninstall drops every verdict (same backend probe), so a re-install verifies
+    afresh."""
+    from vllm_omni_ascend_opt import _backend
+
+    fake_npu()
+    tr = bf16_pipe.transformer
+    OPT.attach(tr)
+    run_transformer(tr, runtime, masked=True)
+    OPT.detach(tr)
+    probe = _backend.probe_id()
+    assert OPT.verdicts() and OPT.shape_verdicts()
+    OPT.uninstall()
+    assert _backend.probe_id() == probe and OPT.verdicts() == {} and OPT.shape_verdicts() == []

@@ -296,6 +296,19 @@ def test_upsample_verification_refuses_a_wrong_kernel(vaes, monkeypatch):
     assert torch.equal(ref, got)
 
 
+def test_uninstall_clears_the_upsample_verdicts(vaes):
+    """The verdict cache's second rule: uninstall drops the native-dtype upsample verdicts (same backend probe)."""
+    from vllm_omni_ascend_opt import _backend
+
+    vae = vaes[torch.bfloat16]
+    api.select("none,+vae_exact", model=vae)
+    decode(vae, latent(4, 4, torch.bfloat16))
+    probe = _backend.probe_id()
+    assert OPT.upsample_verdicts.values() == [vae_exact.UpsampleVerdict("cpu", torch.bfloat16, True)]
+    api.select("none")
+    assert _backend.probe_id() == probe and len(OPT.upsample_verdicts) == 0
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # install / detach / idempotence / other models
 # ----------------------------------------------------------------------------------------------------------------
