@@ -207,7 +207,7 @@ class FusedAttention(Optimization):
         out = [
             f"kernel: torch_npu.{KERNEL}(q, k, v, head_num=Nq, input_layout='BSND', atten_mask=~keep (B1SS) or None, "
             "scale=softmax_scale=1/sqrt(D), keep_prob=1, sparse_mode=0, inner_precise=0); chosen over "
-            "npu_fused_infer_attention_score (see module docstring); installed per Attention impl, after Ulysses' "
+            "npu_fused_infer_attention_score (see blocks.fusion_attention); installed per Attention impl, after Ulysses' "
             "all-to-all"
         ]
         out += [v.describe() for v in self._verdicts.values() if v.ok]
