@@ -13,10 +13,10 @@ own policies and ends with what the plugin *would* use on this machine (``plugin
 takes the kernel, FAIL = it would refuse it, with the reason) - a kernel that passes a check here is not "in use"
 unless that row says so.
 
-1. ``fused_attention``: the plugin's first-use verification (``fused_attention.verify``, toy shapes); then at the
+1. ``fused_attention``: the plugin's first-use verification (``blocks.fusion_attention.verify``, toy shapes); then at the
    production shapes - BSND, 24 heads x 128, [text; image] joint sequence S = 256 + 4096 = 4352, B*N = 24 (batch 1,
    no mask) and 48 (batch 2, the second prompt 32 tokens shorter) - the plugin's per-shape-class check
-   (``fused_attention.check_at_shape``: chunked fp32 reference, stock SDPA as the error budget; its one-time cost is
+   (``blocks.fusion_attention.check_at_shape``: chunked fp32 reference, stock SDPA as the error budget; its one-time cost is
    printed), and timings of: stock ``SDPAImpl.forward_npu`` (permutes to BNSD, expands the mask, calls
    ``F.scaled_dot_product_attention``, which torch_npu (torch >= 2.5 builds) dispatches to ``npu_fusion_attention``
    BNSD itself); ``F.scaled_dot_product_attention`` alone on pre-permuted contiguous BNSD inputs (the kernel stock
@@ -122,7 +122,7 @@ class Checker:
 
 
 def _tol(dtype: torch.dtype, stock_err: float) -> float:
-    from vllm_omni_ascend_opt.opts import fused_attention as fa
+    from vllm_omni_ascend_opt.blocks import fusion_attention as fa
 
     return max(fa.ATOL[dtype], fa.STOCK_ERROR_FACTOR * stock_err)
 
@@ -138,7 +138,7 @@ def check_attention(ck: Checker, npu: Any, dtype: torch.dtype, n: int, d: int, t
     import torch.nn.functional as F
     from vllm_omni.diffusion.attention.backends.abstract import AttentionMetadata
 
-    from vllm_omni_ascend_opt.opts import fused_attention as fa
+    from vllm_omni_ascend_opt.blocks import fusion_attention as fa
 
     dev = ck.device
     ck.section(f"fused_attention: {fa.KERNEL} vs stock SDPA (BSND, N={n}, D={d}, S={txt}+{img})")
@@ -146,7 +146,7 @@ def check_attention(ck: Checker, npu: Any, dtype: torch.dtype, n: int, d: int, t
     ck.row("plugin verification (fused_attention.verify)", "toy, both", "PASS" if v.ok else "FAIL",
            max(v.errors.values(), default=None), why="" if v.ok else v.detail)  # fmt: skip
     scale = d**-0.5
-    stock = fa._sdpa_impl(n, d, scale, n)
+    stock = fa.sdpa_impl(n, d, scale, n)
     gen = torch.Generator().manual_seed(0)
     would = {}
     for case, b in ((f"B*N={n}, no mask", 1), (f"B*N={2 * n}, padded", 2)):

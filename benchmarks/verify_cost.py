@@ -7,7 +7,7 @@ Usage (repo root, CPU; no NPU needed)::
     PYTHONPATH=$PWD .venv/bin/python benchmarks/verify_cost.py --seq 512  # quicker
 
 For ``rope`` (``rope.verify_at_shape``: chunked fp32 reference and stock's own error on the real call's output) and
-``fused_attention`` (``FusedAttention._check_class``: the kernel on random inputs of the call's shapes, a chunked fp32
+``fused_attention`` (``blocks.fusion_attention.check_class``: the kernel on random inputs of the call's shapes, a chunked fp32
 reference and stock SDPA on the same chunks) it prints the check's wall time next to one call of the (fake) kernel,
 median of ``--repeats``. These are **the fake's costs on this CPU**: the fake computes each kernel with plain torch,
 and the reference runs on the CPU. On an NPU the same check runs on the device; ``benchmarks/npu_check_kernels.py``
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(REPO))
     from tests.fake_torch_npu import install
-    from vllm_omni_ascend_opt.opts import fused_attention as fa
+    from vllm_omni_ascend_opt.blocks import fusion_attention as fa
     from vllm_omni_ascend_opt.opts import rope
 
     mp = pytest.MonkeyPatch()
@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                 scale = d**-0.5
                 call = _median_s(functools.partial(fa.call_kernel, npu, q, k, v, masked, scale), a.repeats)
                 t0 = time.perf_counter()
-                sv = fa.FusedAttention._check_class(npu, q, k, v, masked, scale)
+                sv = fa.check_class(npu, q, k, v, masked, scale)
                 chk = time.perf_counter() - t0
-                print(f"{'fused_attention._check_class (+1 kernel call)':<44} {b * n:>4} {chk:>9.3f} {call:>9.3f} "
+                print(f"{'fusion_attention.check_class (+1 call)':<44} {b * n:>4} {chk:>9.3f} {call:>9.3f} "
                       f"{chk / call:>6.1f}x  {'ok' if sv.ok else 'REFUSED: ' + sv.detail}")  # fmt: skip
                 del q, k, v
     finally:

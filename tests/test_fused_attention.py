@@ -14,6 +14,7 @@ import torch
 
 from tests.fake_torch_npu.formats import FakeNpuError
 from vllm_omni_ascend_opt import api
+from vllm_omni_ascend_opt.blocks import fusion_attention as fab
 from vllm_omni_ascend_opt.opts import fused_attention as fa
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
 from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline
@@ -33,18 +34,18 @@ def bf16_pipe(runtime):
     return _load(runtime, torch.bfloat16)
 
 
-def _inputs(dtype: torch.dtype, seed: int = 0):
+def _inputs(dtype: torch.dtype, seed: int = 0, pad: int = 5):
     g = torch.Generator().manual_seed(seed)
     h, w = IMG_HW
     hs = torch.randn(B, h * w, 16, generator=g).to(dtype)
     ehs = torch.randn(B, TXT, 32, generator=g).to(dtype)
     keep = torch.ones(B, TXT, dtype=torch.bool)
-    keep[1, 5:] = False  # the second prompt is 2 tokens shorter: a padded text mask
+    keep[1, pad:] = False  # the second prompt is TXT - pad tokens shorter: a padded text mask
     return hs, ehs, keep
 
 
-def run_transformer(tr, runtime, *, masked: bool, seed: int = 0) -> torch.Tensor:
-    hs, ehs, keep = _inputs(tr.proj_out.weight.dtype, seed)
+def run_transformer(tr, runtime, *, masked: bool, seed: int = 0, pad: int = 5) -> torch.Tensor:
+    hs, ehs, keep = _inputs(tr.proj_out.weight.dtype, seed, pad)
     with runtime.context(), torch.no_grad():
         return tr(
             hidden_states=hs,
@@ -162,7 +163,7 @@ def test_result_equals_sdpa_within_tolerance(fake_npu, bf16_pipe, runtime, maske
     assert 0 < err <= 2.0**-6, err  # a different kernel: close (here 1 bf16 ulp), never wrong
     verdict = OPT.verdicts()[("cpu", "bfloat16")]
     assert verdict.ok and set(verdict.errors) == {"no mask", "padded mask"}
-    assert all(e <= fa.ATOL[torch.bfloat16] for e in verdict.errors.values())
+    assert all(e <= fab.ATOL[torch.bfloat16] for e in verdict.errors.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -176,13 +177,13 @@ def test_fused_forward_matches_fp32_sdpa_with_gqa_and_masks(fake_npu, dtype):
     k, v = torch.randn(2, 23, 4, 32, generator=g), torch.randn(2, 23, 4, 32, generator=g)
     keep = torch.ones(2, 23, dtype=torch.bool)
     keep[0, 3:6] = False
-    impl = fa._sdpa_impl(8, 32, 32**-0.5, 4)
+    impl = fab.sdpa_impl(8, 32, 32**-0.5, 4)
     for mask in (keep, keep[:, None, None, :]):
         meta = AttentionMetadata(attn_mask=mask)
         ref = impl._forward_impl(q, k, v, meta, mask_mode="full_qk")
-        out, why = fa.fused_forward(npu, q.to(dtype), k.to(dtype), v.to(dtype), meta, 32**-0.5)
+        out, why = fab.fused_forward(npu, q.to(dtype), k.to(dtype), v.to(dtype), meta, 32**-0.5)
         assert why == "" and out.dtype == dtype and out.shape == q.shape
-        assert (out.float() - ref).abs().max().item() <= fa.ATOL[dtype]
+        assert (out.float() - ref).abs().max().item() <= fab.ATOL[dtype]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -239,7 +240,7 @@ def _meta(*shape, dtype=torch.bfloat16):
 )
 def test_limits_send_the_call_to_sdpa(q, k, why, fake_npu):
     npu = fake_npu()
-    assert fa.limits_violation(_meta(*q), _meta(*k), _meta(*k)).startswith(why)
+    assert fab.limits_violation(_meta(*q), _meta(*k), _meta(*k)).startswith(why)
     if len(q) == 4:  # the fake enforces the same documented limit [OP-FA]
         qq, kk = torch.zeros(q, dtype=torch.bfloat16), torch.zeros(k, dtype=torch.bfloat16)
         with pytest.raises(FakeNpuError, match=r"OP-FA"):
@@ -250,17 +251,17 @@ def test_limits_send_the_call_to_sdpa(q, k, why, fake_npu):
 def test_fused_forward_checks_the_limits_before_calling_the_kernel(fake_npu, nq, nkv, d, why):
     npu = fake_npu()
     q, k = torch.zeros(1, 8, nq, d, dtype=torch.bfloat16), torch.zeros(1, 8, nkv, d, dtype=torch.bfloat16)
-    out, reason = fa.fused_forward(npu, q, k, k, None, None)  # the kernel would raise on these [OP-FA]
+    out, reason = fab.fused_forward(npu, q, k, k, None, None)  # the kernel would raise on these [OP-FA]
     assert out is None and reason.startswith(why)
 
 
 def test_dtype_and_mask_forms_outside_the_path(fake_npu):
     npu = fake_npu()
-    assert fa.limits_violation(_meta(1, 8, 2, 16, dtype=torch.float32), _meta(1, 8, 2, 16), _meta(1, 8, 2, 16)) != ""
+    assert fab.limits_violation(_meta(1, 8, 2, 16, dtype=torch.float32), _meta(1, 8, 2, 16), _meta(1, 8, 2, 16)) != ""
     additive = torch.zeros(1, 1, 8, 8)  # a float (additive) mask: SDPA keeps it
-    assert fa.kernel_mask(additive, 1, 8, 8)[1].startswith("mask")
+    assert fab.kernel_mask(additive, 1, 8, 8)[1].startswith("mask")
     int_keep = torch.tensor([[1, 1, 0, 1]])
-    masked, why = fa.kernel_mask(int_keep, 1, 3, 4)
+    masked, why = fab.kernel_mask(int_keep, 1, 3, 4)
     assert why == "" and masked.shape == (1, 1, 3, 4) and masked[0, 0, :, 2].all() and masked.sum() == 3
     q = torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(FakeNpuError, match="atten_mask shape"):  # SDPA's broadcast form is not a kernel form
@@ -281,7 +282,8 @@ def test_causal_impl_goes_to_sdpa(fake_npu):
 
 
 def test_graph_mode_goes_to_sdpa(fake_npu, monkeypatch):
-    """[OP-FA]: no graph mode. Under torch.compile tracing (or NPU graph capture) the stock impl runs."""
+    """[OP-FA]: no graph mode. Under NPU graph capture the stock impl runs (counted); under torch.compile tracing the
+    stock impl runs before any bookkeeping: the optimization's forward is never entered, nothing is counted."""
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
 
     npu = fake_npu()
@@ -289,12 +291,40 @@ def test_graph_mode_goes_to_sdpa(fake_npu, monkeypatch):
     stock.forward = lambda *a: stock._forward_impl(*a)
     impl = fa._make_fused(stock)
     q = torch.randn(1, 5, 2, 16).bfloat16()
+    want = stock._forward_impl(q, q, q, None)
     monkeypatch.setattr(npu._torch_npu_namespace, "is_current_stream_capturing", lambda: True, raising=False)
-    impl.forward(q, q, q, None)
+    assert torch.equal(impl.forward(q, q, q, None), want)
     monkeypatch.setattr(npu._torch_npu_namespace, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    impl.forward(q, q, q, None)
-    assert impl._ascend_opt_calls == {"sdpa: graph mode": 2}
+    monkeypatch.setattr(OPT, "_forward", lambda *a: pytest.fail("the optimization's forward ran while tracing"))
+    assert torch.equal(impl.forward(q, q, q, None), want)
+    assert impl._ascend_opt_calls == {"sdpa: graph mode": 1}
+
+
+def test_tracing_runs_stock_sdpa_without_bookkeeping(fake_npu, bf16_pipe, runtime, monkeypatch, caplog):
+    """Under torch.compile tracing the attached transformer runs stock SDPA bit for bit, and nothing mutable is
+    touched: no call counted, no verdict made, no mask built, no forward generation started, nothing logged."""
+    import logging
+
+    fake = fake_npu()
+    tr = bf16_pipe.transformer
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        ref = run_transformer(tr, runtime, masked=True, seed=6)
+    OPT.attach(tr)
+    run_transformer(tr, runtime, masked=True)  # outside tracing: verification, a shape class, a mask generation
+    state = lambda: (dict(OPT.stats), OPT.report(tr)["calls"], OPT._forward_gen, len(OPT.shape_verdicts()))  # noqa: E731
+    before, kernel_calls = state(), fake.calls["npu_fusion_attention"]
+    OPT._verdicts.clear(), OPT._shapes.clear()
+    with monkeypatch.context() as m, caplog.at_level(logging.DEBUG, logger="vllm_omni_ascend_opt"):
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        got = run_transformer(tr, runtime, masked=True, seed=6)
+    after = state()
+    OPT.detach(tr)
+    assert torch.equal(got, ref)
+    assert after[:3] == before[:3] and fake.calls["npu_fusion_attention"] == kernel_calls
+    assert OPT.verdicts() == {} and OPT.shape_verdicts() == [] and caplog.records == []
+    assert before[1] == {"fused": 2} and before[2] > 0 and before[3] == 1  # what it would have touched
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -451,13 +481,13 @@ def test_mask_is_built_once_per_forward_not_per_layer(fake_npu, bf16_pipe, runti
     run_transformer(tr, runtime, masked=True)  # verification
     builds, reuses = OPT.stats["mask_builds"], OPT.stats["mask_reuses"]
     spy = []
-    real = fa.kernel_mask
-    fa.kernel_mask = lambda *a: spy.append(1) or real(*a)
+    real = fab.kernel_mask
+    fab.kernel_mask = lambda *a: spy.append(1) or real(*a)
     try:
         run_transformer(tr, runtime, masked=True, seed=3)
         run_transformer(tr, runtime, masked=True, seed=4)
     finally:
-        fa.kernel_mask = real
+        fab.kernel_mask = real
     report = OPT.report(tr)
     OPT.detach(tr)
     n_layers = len(_layers(tr))
@@ -480,6 +510,28 @@ def test_a_new_forward_rebuilds_the_mask(fake_npu, bf16_pipe, runtime):
     for got, ref in ((got_masked, ref_masked), (got_plain, ref_plain)):
         assert (got.float() - ref.float()).abs().max().item() <= 2.0**-6
     assert not torch.equal(got_masked, got_plain)
+
+
+def test_a_new_forward_with_other_padding_gets_its_own_mask(fake_npu, bf16_pipe, runtime):
+    """The per-forward mask cache is keyed on shapes, not values: a new forward (generation) must drop it, or the next
+    batch with the same shapes but other padding would reuse the previous forward's mask."""
+    fake = fake_npu()
+    tr = bf16_pipe.transformer
+    refs = {pad: run_transformer(tr, runtime, masked=True, seed=7, pad=pad) for pad in (5, 3)}
+    OPT.attach(tr)
+    run_transformer(tr, runtime, masked=True, seed=7, pad=5)  # verification and the shape-class check
+    spy = fake.npu_fusion_attention = _Spy(fake.npu_fusion_attention)
+    got = {pad: run_transformer(tr, runtime, masked=True, seed=7, pad=pad) for pad in (5, 3)}
+    OPT.detach(tr)
+    s = TXT + IMG_HW[0] * IMG_HW[1]
+    for i, (_args, kwargs) in enumerate(spy.calls):  # 2 layers x (pad 5, then pad 3)
+        pad = (5, 5, 3, 3)[i]
+        mask = kwargs["atten_mask"]
+        assert mask.shape == (B, 1, s, s) and mask[1, 0, :, pad:TXT].all() and not mask[1, 0, :, :pad].any()
+    assert len(spy.calls) == 4
+    assert not torch.equal(refs[5], refs[3])  # the padding matters (in the tiny model, by less than the tolerance)
+    for pad in (5, 3):
+        assert (got[pad].float() - refs[pad].float()).abs().max().item() <= 2.0**-6
 
 
 def _run_hw(tr, runtime, hw, seed=0):
@@ -525,15 +577,15 @@ def test_shape_check_reference_is_chunked_and_bounded(monkeypatch, fake_npu):
     """At production shapes the fp32 reference never holds more than VERIFY_CHUNK_ELEMS scores at once."""
     fake = fake_npu()
     b, s, n, d = 1, 40, 4, 16
-    monkeypatch.setattr(fa, "VERIFY_CHUNK_ELEMS", 2 * s * 8)  # 2 heads x 8 rows x Skv
+    monkeypatch.setattr(fab, "VERIFY_CHUNK_ELEMS", 2 * s * 8)  # 2 heads x 8 rows x Skv
     seen = []
     real_softmax = torch.softmax
     monkeypatch.setattr(torch, "softmax", lambda x, dim: seen.append(x.numel()) or real_softmax(x, dim=dim))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, s, n, d, generator=g).bfloat16() for _ in range(3))
-    out = fa.call_kernel(fake, q, k, v, None, d**-0.5)
-    sv = fa.check_at_shape(q, k, v, out, None, d**-0.5)
-    assert sv.ok and len(seen) > n and max(seen) <= fa.VERIFY_CHUNK_ELEMS and sum(seen) == b * n * s * s
+    out = fab.call_kernel(fake, q, k, v, None, d**-0.5)
+    sv = fab.check_at_shape(q, k, v, out, None, d**-0.5)
+    assert sv.ok and len(seen) > n and max(seen) <= fab.VERIFY_CHUNK_ELEMS and sum(seen) == b * n * s * s
 
 
 def test_fake_sparse_mode_range_outside_tnd(fake_npu):
@@ -571,3 +623,19 @@ def test_fake_trailing_parameters_of_the_real_schema(fake_npu):
     assert len(out) == 7
     with pytest.raises(TypeError):
         fake.npu_fusion_attention(q, q, q, 2, "BSND", no_such_argument=1)
+
+
+def test_uninstall_clears_the_verdicts(fake_npu, bf16_pipe, runtime):
+    """The verdict caches' second rule: uninstall drops every verdict (same backend probe), so a re-install verifies
+    afresh."""
+    from vllm_omni_ascend_opt import _backend
+
+    fake_npu()
+    tr = bf16_pipe.transformer
+    OPT.attach(tr)
+    run_transformer(tr, runtime, masked=True)
+    OPT.detach(tr)
+    probe = _backend.probe_id()
+    assert OPT.verdicts() and OPT.shape_verdicts()
+    OPT.uninstall()
+    assert _backend.probe_id() == probe and OPT.verdicts() == {} and OPT.shape_verdicts() == []

@@ -242,6 +242,19 @@ def test_numeric_check_passes_and_is_cached(fake_npu, bf16_pipe, runtime):
     assert calls == [] and any("verified" in n for n in OPT.notes())
 
 
+def test_uninstall_clears_the_verdict(fake_npu, bf16_pipe):
+    """The verdict cache's second rule: uninstall drops the (device, dtype) verdict (same backend probe)."""
+    from vllm_omni_ascend_opt import _backend
+
+    fake_npu()
+    OPT.attach(bf16_pipe)
+    OPT.detach(bf16_pipe)
+    probe = _backend.probe_id()
+    assert len(OPT.verdicts()) == 1
+    OPT.uninstall()
+    assert _backend.probe_id() == probe and OPT.verdicts() == []
+
+
 @pytest.mark.parametrize(
     ("override", "needle"),
     [

@@ -206,6 +206,7 @@ def test_fewer_kernel_launches(vaes, dtype):
     z = latent(4, 4, dtype)
     _, stock = count_ops(lambda: decode(vae, z))
     api.select("none,+vae_exact", model=vae)
+    decode(vae, z)  # the first call verifies the native-dtype upsample on a probe (once per device type and dtype)
     _, ours = count_ops(lambda: decode(vae, z))
     from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageResidualBlock
 
@@ -287,12 +288,25 @@ def test_upsample_verification_refuses_a_wrong_kernel(vaes, monkeypatch):
         return y + 1 if x.dtype == torch.bfloat16 else y
 
     monkeypatch.setattr(torch.nn.functional, "interpolate", wrong_in_bf16)
-    monkeypatch.setattr(vae_exact, "_UPSAMPLE_VERIFIED", {})
+    OPT.upsample_verdicts.clear()
     ref = decode(vae, z)
     api.select("none,+vae_exact", model=vae)
     got = decode(vae, z)
-    assert vae_exact._UPSAMPLE_VERIFIED == {("cpu", torch.bfloat16): False}
+    assert OPT.upsample_verdicts.values() == [vae_exact.UpsampleVerdict("cpu", torch.bfloat16, False)]
     assert torch.equal(ref, got)
+
+
+def test_uninstall_clears_the_upsample_verdicts(vaes):
+    """The verdict cache's second rule: uninstall drops the native-dtype upsample verdicts (same backend probe)."""
+    from vllm_omni_ascend_opt import _backend
+
+    vae = vaes[torch.bfloat16]
+    api.select("none,+vae_exact", model=vae)
+    decode(vae, latent(4, 4, torch.bfloat16))
+    probe = _backend.probe_id()
+    assert OPT.upsample_verdicts.values() == [vae_exact.UpsampleVerdict("cpu", torch.bfloat16, True)]
+    api.select("none")
+    assert _backend.probe_id() == probe and len(OPT.upsample_verdicts) == 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -382,3 +396,90 @@ def test_status_lists_vae_exact_active():
     rows = {r["name"]: r for r in api.status()}
     assert rows["vae_exact"]["active"] and rows["vae_exact"]["default"]
     assert rows["vae_exact"]["equivalence"] == "exact"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cache policies (one-entry latents statistics) and compile-safe bookkeeping
+# ----------------------------------------------------------------------------------------------------------------
+def _stock_stats(cfg, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """QwenImagePipeline._decode_latents' own ops for the mean and 1/std tensors."""
+    mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)
+    return mean, 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)
+
+
+def test_latents_stats_one_entry_rebuilt_on_another_device_dtype_or_config(monkeypatch):
+    """LatentsStats keeps one entry per pipeline, keyed on (device, dtype, z_dim, latents_mean, latents_std): each
+    change below differs from the previous call in that one component only, and gets its own, stock-equal tensors."""
+    from types import SimpleNamespace
+
+    stats = vae_exact.LatentsStats()
+    cfg = SimpleNamespace(z_dim=4, latents_mean=list(MEAN), latents_std=list(STD))
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    builds = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: builds.append(1) or real_tensor(*a, **k))
+
+    def get(c, device, dtype):
+        out = stats.get(c, device, dtype)
+        assert len(stats) == 1  # one entry, whatever came before
+        if device.type == "cpu":
+            with monkeypatch.context() as m:
+                m.setattr(torch, "tensor", real_tensor)
+                want = _stock_stats(c, device, dtype)
+            assert all(o.dtype == w.dtype and torch.equal(o, w) for o, w in zip(out, want, strict=True))
+        assert all(t.device.type == device.type and t.dtype == dtype for t in out)
+        return out
+
+    first = get(cfg, cpu, torch.float32)
+    assert get(cfg, cpu, torch.float32) is first and len(builds) == 2  # reused: built once (mean and std)
+    get(cfg, cpu, torch.bfloat16)  # another dtype
+    get(cfg, meta, torch.bfloat16)  # another device (a move)
+    get(cfg, cpu, torch.bfloat16)  # back on the CPU: rebuilt (one entry, the CPU one was dropped)
+    get(SimpleNamespace(z_dim=4, latents_mean=[m + 1 for m in MEAN], latents_std=list(STD)), cpu, torch.bfloat16)
+    get(SimpleNamespace(z_dim=4, latents_mean=list(MEAN), latents_std=[s * 2 for s in STD]), cpu, torch.bfloat16)
+    assert len(builds) == 2 * 6
+    assert get(cfg, cpu, torch.float32) is not first and len(builds) == 2 * 7  # the first entry is long gone
+
+
+def test_tracing_runs_stock_decode_without_bookkeeping(vaes, monkeypatch):
+    """Under torch.compile tracing every patched VAE function runs stock code first thing: the same ops as stock
+    (fp32 upsample round trips, zero-width pads, cache clones), the stock _decode, no fallback counted and no
+    upsample verdict made (bf16, where the native-dtype upsample would differ in ops)."""
+    vae = vaes[torch.bfloat16]
+    z = latent(4, 4, torch.bfloat16)
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        ref, stock = count_ops(lambda: decode(vae, z))
+        api.select("none,+vae_exact", model=vae)
+        OPT.upsample_verdicts.clear()
+        with decoder_calls(vae) as path:
+            got, traced = count_ops(lambda: decode(vae, z))
+    assert path == ["stock"] and torch.equal(ref, got)
+    assert traced.counts == stock.counts
+    assert OPT.fallback_reasons() == {} and len(OPT.upsample_verdicts) == 0
+    with decoder_calls(vae) as path:  # outside tracing the same attached VAE takes its own path again
+        _, ours = count_ops(lambda: decode(vae, z))
+    assert path == ["single_frame"] and ours.total < stock.total and len(OPT.upsample_verdicts) == 1
+
+
+def test_tracing_keeps_stock_decode_latents(tiny_pipe, runtime, monkeypatch):
+    """Under tracing the pipeline piece runs QwenImagePipeline._decode_latents (the statistics built per call)."""
+    packed = torch.randn(1, 4 * 4, 16, generator=torch.Generator().manual_seed(0))
+    made = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(1) or real_tensor(*a, **k))
+
+    def run():
+        with runtime.context(), torch.no_grad():
+            return tiny_pipe._decode_latents(packed, 32, 32, "pt").output
+
+    api.select("none,+vae_exact", model=tiny_pipe)
+    run()
+    made.clear()
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        run(), run()
+    assert len(made) == 4  # stock: mean and std, every call
+    made.clear()
+    run(), run()
+    assert made == []  # outside tracing: from the cache

@@ -165,6 +165,69 @@ def test_last_tap_follows_weight_updates():
         assert forward(x.double()).dtype == torch.float64
 
 
+def test_last_tap_follows_a_reload():
+    """A reload through ``w.data = ...`` keeps the Parameter and its version counter: only the data_ptr changes."""
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
+
+    torch.manual_seed(0)
+    conv = QwenImageCausalConv3d(4, 6, 3, padding=1)
+    forward = vae_fast._make_last_tap_forward(conv).__get__(conv)
+    x = torch.randn(1, 4, 1, 5, 5)
+    with torch.no_grad():
+        before = forward(x)
+        version = conv.weight._version
+        conv.weight.data = conv.weight.data * -3.0  # reloaded weights (a new tensor, same dtype and device)
+        assert conv.weight._version == version
+        after = forward(x)
+    assert not torch.allclose(after, before, atol=1e-3)
+    assert torch.allclose(after, conv(x), atol=1e-5)
+
+
+def test_scaled_gamma_follows_a_reload():
+    """The cached gamma * scale follows a ``gamma.data = ...`` reload (same version counter, new data_ptr)."""
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageRMS_norm
+
+    torch.manual_seed(0)
+    norm = QwenImageRMS_norm(32, images=False)
+    forward = vae_fast._make_norm_forward(norm).__get__(norm)
+    x = torch.randn(2, 32, 1, 6, 5)
+    with torch.no_grad():
+        before = forward(x)
+        version = norm.gamma._version
+        norm.gamma.data = torch.rand_like(norm.gamma) + 0.5
+        assert norm.gamma._version == version
+        after = forward(x)
+    assert not torch.allclose(after, before, atol=1e-3)
+    torch.testing.assert_close(after, norm(x), rtol=1e-5, atol=1e-5)
+
+
+def test_tracing_runs_the_stock_forwards(monkeypatch):
+    """Under torch.compile tracing both pieces run stock code first thing: Conv3d on the padded input (no conv2d, no
+    last-tap cache) and the fp32 RMS norm (bit for bit); outside tracing the same forwards take their own paths."""
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d, QwenImageRMS_norm
+
+    torch.manual_seed(0)
+    conv = QwenImageCausalConv3d(4, 6, 3, padding=1)
+    norm = QwenImageRMS_norm(32, images=False).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.gamma.uniform_(0.5, 1.5)
+    conv_forward = vae_fast._make_last_tap_forward(conv).__get__(conv)
+    norm_forward = vae_fast._make_norm_forward(norm).__get__(norm)
+    x1 = torch.randn(1, 4, 1, 5, 5)
+    xn = (torch.randn(2, 32, 1, 6, 5) * 30).bfloat16()
+    conv2d = []
+    real_conv2d = torch.nn.functional.conv2d
+    monkeypatch.setattr(torch.nn.functional, "conv2d", lambda *a, **k: conv2d.append(1) or real_conv2d(*a, **k))
+    with torch.no_grad():
+        with monkeypatch.context() as m:
+            m.setattr(torch.compiler, "is_compiling", lambda: True)
+            assert torch.equal(conv_forward(x1), conv(x1)) and conv2d == []
+            assert torch.equal(norm_forward(xn), norm(xn))
+        conv_forward(x1)
+        assert conv2d == [1]  # the fast path, outside tracing
+        assert not torch.equal(norm_forward(xn), norm(xn))  # the input-dtype norm differs from stock in bf16
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_rms_norm_input_dtype_close_to_stock(dtype):
     from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageRMS_norm

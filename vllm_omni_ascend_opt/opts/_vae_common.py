@@ -11,6 +11,11 @@ pipeline profiler wraps it per instance.
 The two optimizations patch disjoint attributes (``vae_exact``: ``_decode``, ``clear_cache``, upsample and 1x1x1
 convolution forwards, ``_decode_latents``; ``vae_fast``: 3x3x3 / 3x1x1 causal convolution and RMS-norm forwards),
 so they compose in any attach/detach order.
+
+Every patched function asks :func:`vllm_omni_ascend_opt.blocks.guards.tracing` first and, while torch.compile
+traces, runs the stock code without bookkeeping (no fallback counted, no verdict read, no cache built or read).
+vLLM-Omni does not compile the VAE; the rule is the same as in the transformer so that a compiled decode holds stock
+code. Fallbacks outside tracing go through the base's ``_fallback`` (:meth:`VaeOptimization.fallback`).
 """
 
 from __future__ import annotations

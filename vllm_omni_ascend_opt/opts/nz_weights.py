@@ -28,6 +28,7 @@ Gates (each says why in words, with the versions)
       model's layers) and one without (``matmul(3-D, NZ)``: ``RowParallelLinear`` on TP ranks > 0, ``skip_bias_add``
       - a different route) must match the ND weight within ``NUMERIC_EPS_FACTOR * eps * (|x| @ |w|^T + |b|)``
       (a route that reads the fractal layout as row-major fails by O(1)). Otherwise nothing is cast, with the errors.
+      The verdict lives in a ``blocks.verdicts.VerdictCache`` (a new backend probe drops it; uninstall clears it).
 Skipped, with reasons (``model_reasons_inactive`` for the whole model, ``report(model)["skipped"]`` per layer)
     - CPU offload of the DiT configured (model-level or layerwise, ``resolve_offload(od_config)``): the offloader
       moves/copies the weights after loading; layers under a ``*offload*`` hook; weights not on the NPU
@@ -73,6 +74,7 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.verdicts import VerdictCache
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -107,7 +109,6 @@ class NzVerdict:
     device: str
     dtype: str
     detail: str
-    probe: int = 0  # _backend.probe_id() when it was computed
 
     def describe(self) -> str:
         state = "verified" if self.ok else "FAILED"
@@ -318,7 +319,8 @@ class NzWeights(Optimization):
     def __init__(self) -> None:
         super().__init__()
         self._models: weakref.WeakKeyDictionary[nn.Module, _State] = weakref.WeakKeyDictionary()
-        self._verdicts: dict[tuple[str, str], NzVerdict] = {}
+        #: The numerical check per (device, dtype) (one invalidation rule: a new backend probe drops it).
+        self._verdicts: VerdictCache[NzVerdict] = VerdictCache()
 
     # ----- state in words ------------------------------------------------------------------------------------
     def _process_reasons(self) -> list[str]:
@@ -329,12 +331,12 @@ class NzWeights(Optimization):
             if missing:
                 reasons.append(f"{_backend.backend_label()} has no {', '.join(missing)}")
             reasons += version_reasons(npu)
-            reasons += [v.describe() for v in self._verdicts.values() if not v.ok and v.probe == _backend.probe_id()]
+            reasons += [v.describe() for v in self._verdicts.values() if not v.ok]
         return reasons
 
     def verdicts(self) -> list[NzVerdict]:
         """The first-use numerical checks so far, one per (device, dtype)."""
-        return list(self._verdicts.values())
+        return self._verdicts.values()
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
         state = self._models.get(model)
@@ -355,7 +357,7 @@ class NzWeights(Optimization):
         npu = _backend.torch_npu_module()
         if npu is not None:
             out.append(f"torch_npu {getattr(npu, '__version__', '?')}, CANN {cann_version()}")
-        out += [v.describe() for v in self._verdicts.values() if v.ok and v.probe == _backend.probe_id()]
+        out += [v.describe() for v in self._verdicts.values() if v.ok]
         return out
 
     def report(self, model: nn.Module) -> dict[str, Any]:
@@ -452,11 +454,10 @@ class NzWeights(Optimization):
         NPU platform enables it in ``set_device``.)"""
         key = (str(w.device), str(w.dtype).removeprefix("torch."))
         verdict = self._verdicts.get(key)
-        if verdict is None or verdict.probe != _backend.probe_id():
+        if verdict is None:
             ok, detail = check_nz_linear(w, nz)
-            verdict = NzVerdict(ok, key[0], key[1], detail, _backend.probe_id())
+            verdict = self._verdicts.put(key, NzVerdict(ok, key[0], key[1], detail))
             (logger.info if ok else logger.warning)("vllm-omni-ascend-opt: nz_weights: %s", verdict.describe())
-            self._verdicts[key] = verdict
         return verdict
 
     def _revert(self, state: _State) -> None:

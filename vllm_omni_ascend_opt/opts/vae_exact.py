@@ -18,11 +18,13 @@ How (per instance, through the instances' own ``__dict__``; the classes are unto
       ``__init__``; checked against a fresh count at attach) instead of walking the module tree.
     * ``upsample_native_dtype`` - each ``QwenImageUpsample.forward``: nearest(-exact) interpolation only copies
       values, so ``interp(x.float()).type_as(x)`` equals ``interp(x)`` for fp16/bf16/fp32; verified once per
-      (device type, dtype) on a probe, stock otherwise.
+      (device type, dtype) on a probe, stock otherwise (the verdicts: ``VaeExact.upsample_verdicts``, a
+      ``blocks.verdicts.VerdictCache``: a new backend probe drops them, uninstall clears them).
     * ``pointwise_conv_no_pad`` - each 1x1x1 ``QwenImageCausalConv3d.forward``: its causal padding is all zeros,
       so stock's ``F.pad`` only makes a contiguous copy; a contiguous input goes straight to ``Conv3d.forward``.
     * ``latents_stats_cache`` - ``pipeline._decode_latents`` (QwenImagePipeline's own, checked by identity): the
-      mean and 1/std tensors are built by the same ops once per (device, dtype, config values) and reused.
+      mean and 1/std tensors are built by the same ops once per (device, dtype, config values) and reused
+      (:class:`LatentsStats`: one entry per pipeline; another device, dtype or config rebuilds it).
     Each piece is proven bitwise (``torch.equal``) by tests/test_vae_exact.py, fp32 and bf16, several sizes.
 Upstream PR
     None yet. diffusers computes ``_cached_conv_counts`` but 0.40's ``clear_cache`` does not use it; the cache
@@ -36,13 +38,16 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt._patching import PatchSet
+from vllm_omni_ascend_opt.blocks import guards
 from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.verdicts import VerdictCache
 from vllm_omni_ascend_opt.opts._vae_common import (
     PieceReport,
     VaeOptimization,
@@ -56,8 +61,15 @@ logger = logging.getLogger("vllm_omni_ascend_opt")
 
 #: dtypes for which an fp32 round trip is lossless, so skipping it cannot change a value.
 _ROUND_TRIP_LOSSLESS = (torch.float32, torch.bfloat16, torch.float16)
-#: (device type, dtype) -> native-dtype nearest upsample verified equal to stock on a probe.
-_UPSAMPLE_VERIFIED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+@dataclass(frozen=True)
+class UpsampleVerdict:
+    """Whether nearest interpolation in ``dtype`` on ``device_type`` equals stock's fp32 round trip on a probe."""
+
+    device_type: str
+    dtype: torch.dtype
+    ok: bool
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -89,6 +101,8 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
     original = vae._decode  # bound stock method (or whatever was there), called on fallback
 
     def _decode(self: nn.Module, z: torch.Tensor, return_dict: bool = True) -> Any:
+        if guards.tracing():  # first: stock code, no bookkeeping while dynamo traces
+            return original(z, return_dict=return_dict)
         why = single_frame_refusal(self, z)
         if why:
             opt.fallback(why)
@@ -131,6 +145,8 @@ def conv_counts_refusal(vae: nn.Module) -> str:
 
 def _clear_cache(self: nn.Module) -> None:
     """diffusers' ``clear_cache`` with the conv counts it cached in ``__init__`` (same resulting state)."""
+    if guards.tracing():
+        return type(self).clear_cache(self)  # the class's (attach refuses a VAE whose instance already replaced it)
     counts = self._cached_conv_counts
     self._conv_num = counts["decoder"]
     self._conv_idx = [0]
@@ -143,33 +159,37 @@ def _clear_cache(self: nn.Module) -> None:
 # ------------------------------------------------------------------------------------------------------------------
 # upsample_native_dtype
 # ------------------------------------------------------------------------------------------------------------------
-def native_upsample_verified(module: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
-    """Once per (device type, dtype): does interpolating in ``dtype`` equal stock's fp32 round trip on a probe?"""
+def check_native_upsample(module: nn.Module, device: torch.device, dtype: torch.dtype) -> UpsampleVerdict:
+    """Does interpolating in ``dtype`` on ``device`` equal stock's fp32 round trip on a probe? (once per key)"""
     key = (device.type, dtype)
-    ok = _UPSAMPLE_VERIFIED.get(key)
-    if ok is None:
-        if dtype not in _ROUND_TRIP_LOSSLESS:
+    ok = False
+    if dtype in _ROUND_TRIP_LOSSLESS:
+        gen = torch.Generator().manual_seed(0)  # CPU generator: never touches the device RNG state
+        probe = (torch.randn(2, 3, 5, 7, generator=gen) * 100).to(device=device, dtype=dtype)
+        stock_forward = diffusers_vae().QwenImageUpsample.forward
+        try:
+            ok = bool(torch.equal(nn.Upsample.forward(module, probe), stock_forward(module, probe)))
+        except Exception as exc:
+            logger.info("vllm-omni-ascend-opt: native-dtype upsample unavailable for %s: %r", key, exc)
             ok = False
-        else:
-            gen = torch.Generator().manual_seed(0)  # CPU generator: never touches the device RNG state
-            probe = (torch.randn(2, 3, 5, 7, generator=gen) * 100).to(device=device, dtype=dtype)
-            stock_forward = diffusers_vae().QwenImageUpsample.forward
-            try:
-                ok = bool(torch.equal(nn.Upsample.forward(module, probe), stock_forward(module, probe)))
-            except Exception as exc:
-                logger.info("vllm-omni-ascend-opt: native-dtype upsample unavailable for %s: %r", key, exc)
-                ok = False
-        if not ok:
-            logger.info("vllm-omni-ascend-opt: vae_exact keeps the fp32 upsample round trip for %s", key)
-        _UPSAMPLE_VERIFIED[key] = ok
-    return ok
+    if not ok:
+        logger.info("vllm-omni-ascend-opt: vae_exact keeps the fp32 upsample round trip for %s", key)
+    return UpsampleVerdict(device.type, dtype, ok)
 
 
-def _make_upsample_forward(module: nn.Module) -> Any:
+def native_upsample_verified(
+    verdicts: VerdictCache[UpsampleVerdict], module: nn.Module, device: torch.device, dtype: torch.dtype
+) -> bool:
+    """The verdict of :func:`check_native_upsample` per (device type, dtype), kept in ``verdicts``."""
+    verdict, _made = verdicts.get_or_make((device.type, dtype), lambda: check_native_upsample(module, device, dtype))
+    return verdict.ok
+
+
+def _make_upsample_forward(verdicts: VerdictCache[UpsampleVerdict], module: nn.Module) -> Any:
     original = module.forward
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if native_upsample_verified(self, x.device, x.dtype):
+        if not guards.tracing() and native_upsample_verified(verdicts, self, x.device, x.dtype):
             return nn.Upsample.forward(self, x)
         return original(x)
 
@@ -194,7 +214,7 @@ def _make_pointwise_forward(module: nn.Module) -> Any:
 
     def forward(self: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
         # Stock: F.pad(x, [0] * 6) (a contiguous copy; cache_x is ignored when the temporal pad is 0) then Conv3d.
-        if x.is_contiguous():
+        if not guards.tracing() and x.is_contiguous():
             return nn.Conv3d.forward(self, x)
         return original(x, cache_x)
 
@@ -216,31 +236,43 @@ def decode_latents_refusal(pipe: Any) -> str:
     return ""
 
 
-def _make_decode_latents(pipe: Any) -> Any:
-    mod = sys.modules[_targets.PIPELINE]
-    DiffusionOutput = mod.DiffusionOutput
-    original = pipe._decode_latents
-    cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+class LatentsStats:
+    """The latents mean and 1/std tensors of one pipeline, built by ``QwenImagePipeline._decode_latents``' own ops
+    once per (device, dtype, z_dim, latents_mean, latents_std) and reused. One entry: a pipeline decodes on one
+    device in one dtype, so another key (a move, another dtype, another config) replaces it."""
 
-    def stats(self: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.vae.config
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, cfg: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean, 1/std)`` for ``cfg`` (the VAE config) on ``device`` in ``dtype``."""
         key = (device, dtype, cfg.z_dim, tuple(cfg.latents_mean), tuple(cfg.latents_std))
-        hit = cache.get(key)
+        hit = self._entries.get(key)
         if hit is None:
             # The very ops of QwenImagePipeline._decode_latents, run once.
             mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)
             inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)
-            cache.clear()  # one entry: a pipeline decodes on one device in one dtype
-            hit = cache[key] = (mean, inv_std)
+            self._entries.clear()  # one entry
+            hit = self._entries[key] = (mean, inv_std)
         return hit
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _make_decode_latents(pipe: Any) -> Any:
+    mod = sys.modules[_targets.PIPELINE]
+    DiffusionOutput = mod.DiffusionOutput
+    original = pipe._decode_latents
+    stats = LatentsStats()
 
     def _decode_latents(self: Any, latents: torch.Tensor, height: int, width: int, output_type: str = "pil") -> Any:
         """QwenImagePipeline._decode_latents (vLLM-Omni 0.30) with the mean / 1/std tensors built once."""
-        if output_type == "latent":
+        if guards.tracing() or output_type == "latent":
             return original(latents, height, width, output_type)
         latents = self._unpack_latents(latents, height, width, self.vae_scale_factor)
         latents = latents.to(self.vae.dtype)
-        latents_mean, latents_std = stats(self, latents.device, latents.dtype)
+        latents_mean, latents_std = stats.get(self.vae.config, latents.device, latents.dtype)
         latents = latents / latents_std + latents_mean
         image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
         return DiffusionOutput(
@@ -272,9 +304,19 @@ class VaeExact(VaeOptimization):
         "latents_stats_cache",
     )
 
+    def __init__(self) -> None:
+        super().__init__()
+        #: Native-dtype upsample verdicts per (device type, dtype) (one invalidation rule; cleared on uninstall).
+        self.upsample_verdicts: VerdictCache[UpsampleVerdict] = VerdictCache()
+
+    def _uninstall(self) -> None:
+        self.upsample_verdicts.clear()
+
     def notes(self) -> list[str]:
         out = ["multi-frame and tiled / patch-parallel decodes keep stock _decode (the submodule pieces still act)"]
-        checked = {f"{d}/{str(t).removeprefix('torch.')}": ok for (d, t), ok in _UPSAMPLE_VERIFIED.items()}
+        checked = {
+            f"{v.device_type}/{str(v.dtype).removeprefix('torch.')}": v.ok for v in self.upsample_verdicts.values()
+        }
         if checked:
             out.append(f"native-dtype upsample verified: {checked}")
         return out
@@ -297,7 +339,11 @@ class VaeExact(VaeOptimization):
 
         ups = [m for m in decode_modules(vae) if of_exact_class(m, mod.QwenImageUpsample)]
         report["upsample_native_dtype"] = self.patch_forwards(
-            "upsample_native_dtype", ups, _make_upsample_forward, ps, "no stock QwenImageUpsample in the decoder"
+            "upsample_native_dtype",
+            ups,
+            lambda m: _make_upsample_forward(self.upsample_verdicts, m),
+            ps,
+            "no stock QwenImageUpsample in the decoder",
         )
         pw = [m for m in decode_modules(vae) if _is_pointwise_causal_conv(m)]
         report["pointwise_conv_no_pad"] = self.patch_forwards(

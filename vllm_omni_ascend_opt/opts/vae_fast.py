@@ -45,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vllm_omni_ascend_opt._patching import PatchSet
+from vllm_omni_ascend_opt.blocks import guards
 from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.opts._vae_common import (
     PieceReport,
@@ -86,6 +87,8 @@ def _make_last_tap_forward(module: nn.Module) -> Any:
     stride2d = tuple(module.stride[1:])
 
     def last_tap(weight: torch.Tensor) -> torch.Tensor:
+        """The contiguous last temporal tap, rebuilt when the weight changes in place (``_version``), is reloaded
+        (``w.data = ...``: a new ``data_ptr``) or moves / is re-cast (device, dtype)."""
         key = (weight.data_ptr(), weight.device, weight.dtype, weight._version)
         if state["key"] != key:
             state["w"] = weight.detach()[:, :, -1].contiguous()
@@ -93,7 +96,7 @@ def _make_last_tap_forward(module: nn.Module) -> Any:
         return state["w"]
 
     def forward(self: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-        if cache_x is not None or x.dim() != 5 or x.shape[2] != 1:
+        if guards.tracing() or cache_x is not None or x.dim() != 5 or x.shape[2] != 1:
             return original(x, cache_x)
         # Stock: F.pad(x, (pw, pw, ph, ph, kt-1, 0)) then Conv3d -> one output frame = conv2d(x, w[:, :, -1]).
         y = F.conv2d(x[:, :, 0], last_tap(self.weight), self.bias, stride2d, padding2d)
@@ -118,6 +121,7 @@ def _make_norm_forward(module: nn.Module) -> Any:
     state: dict[str, Any] = {"key": None, "g": None}
 
     def scaled_gamma(self: nn.Module) -> torch.Tensor:
+        """``gamma * scale``, rebuilt when gamma changes in place, is reloaded, moves or is re-cast (as the last tap)."""
         gamma = self.gamma
         key = (gamma.data_ptr(), gamma.device, gamma.dtype, gamma._version, self.scale)
         if state["key"] != key:
@@ -126,7 +130,7 @@ def _make_norm_forward(module: nn.Module) -> Any:
         return state["g"]
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in _NORM_DTYPES:
+        if guards.tracing() or x.dtype not in _NORM_DTYPES:
             return original(x)
         # Stock: F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma + bias. In bf16 that is 8 kernels and
         # 6 full-tensor passes (fp32 copy, divide, cast back, two products, + 0.0). Here: the norm, a clamp, one
