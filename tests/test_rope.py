@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from tests.fake_torch_npu import rotary as fake_rotary
 from vllm_omni_ascend_opt import api
+from vllm_omni_ascend_opt.blocks import rope_tables, rotary
 from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.opts import rope as rope_mod
 from vllm_omni_ascend_opt.testbed import TINY
@@ -267,14 +268,14 @@ def test_op_counts_per_block(runtime, tiny_pipe, fake_npu):
 # ----------------------------------------------------------------------------------------------------------------
 def test_table_key_separates_sp_shards_paddings_and_versions():
     stats = Counter()
-    cache = rope_mod._TableCache(stats)
+    cache = rope_tables.TableCache(stats)
     full = torch.polar(torch.ones(10, 4), torch.rand(10, 4))
     r0, r1 = full.chunk(2, dim=0)  # two SP ranks' views of the same base
     padded = torch.cat([full, torch.zeros(2, 4, dtype=full.dtype)]).chunk(2, dim=0)[1]
     t0, t1, tp = cache.get(r0, torch.float32), cache.get(r1, torch.float32), cache.get(padded, torch.float32)
     assert len({id(t0), id(t1), id(tp)}) == 3
     for t, f in ((t0, r0), (t1, r1), (tp, padded)):
-        cos, _ = rope_mod._half_tables(t, f, stats)
+        cos, _ = rope_tables.half_tables(t, f, stats)
         assert torch.equal(cos, torch.real(f))
     assert cache.get(full.chunk(2, dim=0)[0], torch.float32) is t0  # a new view object of the same shard: reused
     assert cache.get(r0, torch.bfloat16) is not t0  # per dtype
@@ -287,7 +288,7 @@ def test_table_key_separates_sp_shards_paddings_and_versions():
 
 def test_table_key_separates_text_lengths_sliced_from_one_base():
     """Text freqs are slices of one pos_freqs: 7 and 9 tokens share base, offset and stride; only the shape differs."""
-    cache = rope_mod._TableCache(Counter())
+    cache = rope_tables.TableCache(Counter())
     pos = torch.polar(torch.ones(32, 4), torch.rand(32, 4))
     t7, t9 = cache.get(pos[3:10], torch.float32), cache.get(pos[3:12], torch.float32)
     assert t7 is not t9 and cache.get(pos[3:10], torch.float32) is t7
@@ -308,7 +309,7 @@ def test_text_lengths_7_9_7_at_one_image_size_bitwise(runtime, tiny_pipe):
 
 
 def test_inference_mode_tensors_are_keyed_by_identity():
-    cache = rope_mod._TableCache(Counter())
+    cache = rope_tables.TableCache(Counter())
     with torch.inference_mode():
         a = torch.polar(torch.ones(6, 4), torch.rand(6, 4))
         b = a.clone()
@@ -354,9 +355,9 @@ def test_npu_path_uses_interleave_and_1s1d_tables(runtime, tiny_pipe, bf16_trans
         assert r1.shape == r2.shape == (1, s, 1, d) and r1.dtype == x.dtype == dtype
         # each call agrees with the portable (stock-equal) path within the verification bound
         cos, sin_signed = r1[0], torch.stack((-r2[0, :, :, ::2], r2[0, :, :, 1::2]), dim=-1).flatten(-2)
-        ref32, scale = rope_mod.reference_fp32(x, cos, sin_signed)
+        ref32, scale = rotary.reference_fp32(x, cos, sin_signed)
         err = (out.float() - ref32).abs()
-        assert bool((err <= rope_mod.TOLERANCE_EPS_FACTOR * torch.finfo(dtype).eps * scale + 1e-38).all())
+        assert bool((err <= rotary.TOLERANCE_EPS_FACTOR * torch.finfo(dtype).eps * scale + 1e-38).all())
     if dtype == torch.float32:
         assert torch.equal(ref, got)  # fp32 kernel == fp32 small ops here
     else:
@@ -484,15 +485,15 @@ def test_shape_class_check_catches_a_long_sequence_fault(runtime, tiny_pipe, fak
 def test_shape_check_reference_is_chunked(monkeypatch):
     """Bounded memory at production shapes: the fp32 reference is computed over S in chunks."""
     b, s, n, d = 1, 40, 2, 8
-    monkeypatch.setattr(rope_mod, "VERIFY_CHUNK_ELEMS", b * n * d * 8)
+    monkeypatch.setattr(rotary, "VERIFY_CHUNK_ELEMS", b * n * d * 8)
     seen = []
-    real = rope_mod.reference_fp32
-    monkeypatch.setattr(rope_mod, "reference_fp32", lambda x, c, sn: seen.append(x.shape[1]) or real(x, c, sn))
+    real = rotary.reference_fp32
+    monkeypatch.setattr(rotary, "reference_fp32", lambda x, c, sn: seen.append(x.shape[1]) or real(x, c, sn))
     x = torch.randn(b, s, n, d)
     theta = torch.rand(s, d // 2)
-    t = rope_mod._Tables(torch.float32)
-    cos, sin_signed = rope_mod._portable_tables(t, torch.polar(torch.ones_like(theta), theta), Counter())
-    sv = rope_mod.verify_at_shape(x, rope_mod.apply_portable(x, cos, sin_signed), cos, sin_signed, bitwise=True)
+    t = rope_tables.Tables(torch.float32)
+    cos, sin_signed = rope_tables.portable_tables(t, torch.polar(torch.ones_like(theta), theta), Counter())
+    sv = rotary.verify_at_shape(x, rope_tables.apply_portable(x, cos, sin_signed), cos, sin_signed, bitwise=True)
     assert sv.ok and sv.bitwise_vs_stock and seen == [8] * 5
 
 
@@ -632,9 +633,9 @@ def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair():
         out[..., 0, 0:2] = out[..., 0, 0:2].flip(-1)
         return out
 
-    v = rope_mod.verify_kernel(one_pair_wrong, torch.device("cpu"), torch.bfloat16, 16, 4)
+    v = rotary.verify_kernel(one_pair_wrong, torch.device("cpu"), torch.bfloat16, 16, 4)
     assert not v.ok and v.max_err_over_bound > 1
-    v = rope_mod.verify_kernel(fake_rotary.npu_rotary_mul, torch.device("cpu"), torch.bfloat16, 128, 24)
+    v = rotary.verify_kernel(fake_rotary.npu_rotary_mul, torch.device("cpu"), torch.bfloat16, 128, 24)
     assert v.ok and 0 < v.max_err_over_bound <= 1 and math.isfinite(v.max_err_over_bound)
 
 
