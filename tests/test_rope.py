@@ -224,6 +224,37 @@ def test_grad_mode_runs_stock(runtime, tiny_pipe):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_traced_code_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog):
+    """Under torch.compile (the embedder, and a block's attention as vLLM-Omni's regional compile traces it) both
+    patches check ``guards.tracing()`` first: fullgraph tracing succeeds, the graph holds stock code (equal results)
+    and no counter, table, memo entry or log line appears."""
+    t = tiny_pipe.transformer
+    attn = t.transformer_blocks[0].attn
+    g = torch.Generator().manual_seed(0)
+    hs, ehs = torch.randn(1, 16, attn.dim, generator=g), torch.randn(1, 7, attn.dim, generator=g)
+    cpu = torch.device("cpu")
+    api.select("none", model=tiny_pipe)
+    with runtime.context(), torch.no_grad():
+        vid, txt = t.pos_embed([(1, 4, 4)], [7], device=cpu)
+        want = attn(hs, ehs, vid, txt)
+    api.select("none,+rope", model=tiny_pipe)
+    torch._dynamo.reset()
+    try:
+        with runtime.context(), torch.no_grad(), caplog.at_level(logging.DEBUG, logger="vllm_omni_ascend_opt"):
+            emb = torch.compile(t.pos_embed, backend="eager", fullgraph=True)([(1, 4, 4)], [7], cpu)
+            got = torch.compile(attn, backend="eager", fullgraph=True)(hs, ehs, vid, txt)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(emb[0], vid) and torch.equal(emb[1], txt)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert not OPT.stats and OPT.fallback_reasons() == {}
+    assert len(OPT.rotary.tables) == 0 and len(OPT._embed_memo) == 0
+    assert not caplog.records
+    with runtime.context(), torch.no_grad():
+        attn(hs, ehs, vid, txt)  # eager again: rope acts (the patches were in place while tracing)
+    assert OPT.stats["portable_calls"] == 4  # q and k of both streams
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # counting
 # ----------------------------------------------------------------------------------------------------------------
@@ -315,6 +346,46 @@ def test_inference_mode_tensors_are_keyed_by_identity():
         b = a.clone()
         assert cache.get(a, torch.float32) is cache.get(a, torch.float32)
         assert cache.get(b, torch.float32) is not cache.get(a, torch.float32)
+
+
+def test_table_cache_is_an_lru_of_32_entries():
+    """The documented policy: at most 32 tables; a hit moves its entry to the most recent end; a new entry beyond the
+    cap evicts the least recently used one (entries die with their freqs: see the SP-shards test)."""
+    stats = Counter()
+    cache = rope_tables.TableCache(stats)
+    freqs = [torch.polar(torch.ones(2, 2), torch.full((2, 2), float(i))) for i in range(34)]
+    first = [cache.get(f, torch.float32) for f in freqs[:32]]
+    assert len(cache) == 32 and len({id(t) for t in first}) == 32
+    assert cache.get(freqs[0], torch.float32) is first[0] and stats["table_hits"] == 1  # now the most recent
+    cache.get(freqs[32], torch.float32)  # the 33rd: evicts the least recently used, freqs[1]
+    assert len(cache) == 32
+    assert cache.get(freqs[0], torch.float32) is first[0]  # kept: its hit made it recent
+    assert cache.get(freqs[2], torch.float32) is first[2]  # kept: not the oldest
+    assert cache.get(freqs[1], torch.float32) is not first[1]  # evicted: a new, empty entry (evicts freqs[3])
+    assert cache.get(freqs[3], torch.float32) is not first[3] and len(cache) == 32
+    assert stats["table_hits"] == 3
+
+
+def test_embed_memo_is_an_lru_of_8_results_per_module():
+    """The documented policy: at most 8 results per embedder module; a hit moves to the most recent end; a 9th
+    result evicts the least recently used; another module's results do not count against this module's cap."""
+    mod = sys.modules[_targets.TRANSFORMER]
+    api.select("none,+rope")
+    emb, other = (mod.QwenEmbedRope(theta=10000, axes_dim=list(TINY.axes_dims_rope), scale_rope=True) for _ in range(2))
+    cpu = torch.device("cpu")
+    shapes = [[(1, 4, 4)]]
+    with torch.no_grad():
+        first = [emb(shapes, [n], cpu) for n in range(1, 9)]  # 8 text lengths
+        assert [emb(shapes, [n], cpu) for n in range(1, 9)] == first and OPT.stats["embed_memo_hits"] == 8
+        for n in range(1, 10):
+            other(shapes, [n], cpu)  # another module: its own memo
+        assert all(emb(shapes, [n], cpu) is first[n - 1] for n in range(1, 9))
+        hits = OPT.stats["embed_memo_hits"]
+        assert emb(shapes, [1], cpu) is first[0]  # now the most recent; [2] is the least recently used
+        emb(shapes, [9], cpu)  # a 9th result: evicts [2]
+        assert emb(shapes, [1], cpu) is first[0] and emb(shapes, [3], cpu) is first[2]
+        assert emb(shapes, [2], cpu) is not first[1]  # evicted: recomputed
+    assert OPT.stats["embed_memo_hits"] == hits + 3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -459,6 +530,27 @@ def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_tran
     stock = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
     assert not torch.equal(ref, stock)  # float outputs differ: the pixel tier, not exact
     torch.testing.assert_close(ref.float(), stock.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_a_new_backend_probe_drops_the_verdicts(runtime, tiny_pipe, fake_npu):
+    """The verdict cache's one rule: verdicts (toy-shape and per shape class) belong to the backend probe they were
+    made under. Another torch_npu (a new probe) while rope stays installed: the refusal is gone, the good kernel is
+    verified afresh and used."""
+    fake_npu(rotary_mul="half_pairing")
+    api.select("none,+rope", model=tiny_pipe)
+    _forward(runtime, tiny_pipe.transformer)
+    (v,) = OPT.verdicts()
+    assert not v.ok and OPT.stats["kernel_calls"] == 0
+    npu = fake_npu(rotary_mul="long_seq_bug")
+    assert OPT.verdicts() == [] and OPT.shape_verdicts() == []
+    _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
+    (v,) = OPT.verdicts()
+    assert v.ok and OPT.stats["kernel_calls"] > 0 and not all(sv.ok for sv in OPT.shape_verdicts())
+    npu = fake_npu()
+    assert OPT.verdicts() == [] and OPT.shape_verdicts() == []  # the refused shape class too
+    _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
+    assert len(OPT.shape_verdicts()) == 2 and all(sv.ok for sv in OPT.shape_verdicts())
+    assert npu.calls["npu_rotary_mul"] == 1 + 8  # verified, then used for both shape classes (2 blocks x 4)
 
 
 def test_shape_class_check_catches_a_long_sequence_fault(runtime, tiny_pipe, fake_npu, caplog):
