@@ -31,9 +31,9 @@ unless that row says so.
    ``F.linear`` with bias on [1, tokens, in] (img_mod on 1 token; to_qkv, to_out, mlp up/down on all image tokens),
    ND vs FRACTAL_NZ weights, format round trip checked.
 3. ``rope``: the kernel policy (``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL``: ``pixel`` default, ``bitwise``), the toy-shape
-   verification (``rope.verify_kernel``), then at the production shapes (S = 4352, B*N = 24 and 48, D = 128) the
-   per-shape-class check (``rope.verify_at_shape``, chunked fp32 reference, error no larger than stock's own) with its
-   one-time cost, and timings of ``npu_rotary_mul`` vs the portable path.
+   verification (``blocks.rotary.verify_kernel``), then at the production shapes (S = 4352, B*N = 24 and 48,
+   D = 128) the per-shape-class check (``blocks.rotary.verify_at_shape``, chunked fp32 reference, error no larger than
+   stock's own) with its one-time cost, and timings of ``npu_rotary_mul`` vs the portable path.
 
 What it prints: a header line ``npu_check_kernels: <chip> | soc <version> | torch_npu <version> | CANN <version> |
 dtype <dtype> | S=<txt>+<img> N=<heads> D=<head_dim>``; one table per section with the columns
@@ -282,6 +282,7 @@ def check_nz(ck: Checker, npu: Any, dtype: torch.dtype, hidden: int, img: int) -
 def check_rope(ck: Checker, npu: Any, dtype: torch.dtype, n: int, d: int, seq: int) -> None:
     from collections import Counter
 
+    from vllm_omni_ascend_opt.blocks import rope_tables, rotary
     from vllm_omni_ascend_opt.opts import rope
 
     policy = "bitwise" if rope.OPT.requires_bitwise() else "pixel"
@@ -291,7 +292,7 @@ def check_rope(ck: Checker, npu: Any, dtype: torch.dtype, n: int, d: int, seq: i
         ck.row("rope.verify_kernel", f"D={d}", "FAIL", why="npu_rotary_mul not in this torch_npu")
         ck.would_use["rope"] = {"ok": False, "tier": "exact", "why": "no npu_rotary_mul"}
         return
-    v = rope.verify_kernel(kernel, ck.device, dtype, d, n)
+    v = rotary.verify_kernel(kernel, ck.device, dtype, d, n)
     toy_ok = v.ok and (policy == "pixel" or v.bitwise_vs_stock)
     ck.row("plugin verification (rope.verify_kernel)", f"toy, D={d}", "PASS" if toy_ok else "FAIL", v.err_kernel,
            v.err_stock, why=v.describe() + ("" if toy_ok or not v.ok else "; refused: the policy is bitwise"))  # fmt: skip
@@ -302,15 +303,15 @@ def check_rope(ck: Checker, npu: Any, dtype: torch.dtype, n: int, d: int, seq: i
         x = (torch.randn(b, seq, n, d, generator=gen) * 3).to(device=ck.device, dtype=dtype)
         theta = torch.rand(seq, d // 2, generator=gen, dtype=torch.float64) * 6.283
         freqs = torch.polar(torch.ones_like(theta), theta).to(torch.complex64).to(ck.device)
-        tables = rope._Tables(dtype)
-        cos, sin_signed = rope._portable_tables(tables, freqs, Counter())
-        npu_cos, npu_sin = rope._npu_tables(tables, freqs, Counter())
-        med, mn = ck.time(lambda x=x, c=cos, s=sin_signed: rope.apply_portable(x, c, s))
+        tables = rope_tables.Tables(dtype)
+        cos, sin_signed = rope_tables.portable_tables(tables, freqs, Counter())
+        npu_cos, npu_sin = rope_tables.npu_tables(tables, freqs, Counter())
+        med, mn = ck.time(lambda x=x, c=cos, s=sin_signed: rope_tables.apply_portable(x, c, s))
         ck.row("stock math: portable path (4 launches)", case, "ref", None, None, med, mn, med)
         stock_med = med
         try:
             out = kernel(x, npu_cos, npu_sin, rotary_mode="interleave")
-            sv = rope.verify_at_shape(x, out, cos, sin_signed, bitwise=policy == "bitwise")
+            sv = rotary.verify_at_shape(x, out, cos, sin_signed, bitwise=policy == "bitwise")
         except Exception as exc:
             ck.row("plugin would use npu_rotary_mul", case, "FAIL", why=f"{exc.__class__.__name__}: {exc}")
             would[case] = False

@@ -6,8 +6,9 @@ Usage (repo root, CPU; no NPU needed)::
     PYTHONPATH=$PWD .venv/bin/python benchmarks/verify_cost.py            # S = 4352, B*N = 24 and 48, D = 128, bf16
     PYTHONPATH=$PWD .venv/bin/python benchmarks/verify_cost.py --seq 512  # quicker
 
-For ``rope`` (``rope.verify_at_shape``: chunked fp32 reference and stock's own error on the real call's output) and
-``fused_attention`` (``blocks.fusion_attention.check_class``: the kernel on random inputs of the call's shapes, a chunked fp32
+For ``rope`` (``blocks.rotary.verify_at_shape``: chunked fp32 reference and stock's own error on the real call's output)
+and ``fused_attention`` (``blocks.fusion_attention.check_class``: the kernel on random inputs of the call's shapes, a
+chunked fp32
 reference and stock SDPA on the same chunks) it prints the check's wall time next to one call of the (fake) kernel,
 median of ``--repeats``. These are **the fake's costs on this CPU**: the fake computes each kernel with plain torch,
 and the reference runs on the CPU. On an NPU the same check runs on the device; ``benchmarks/npu_check_kernels.py``
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from tests.fake_torch_npu import install
     from vllm_omni_ascend_opt.blocks import fusion_attention as fa
-    from vllm_omni_ascend_opt.opts import rope
+    from vllm_omni_ascend_opt.blocks import rope_tables, rotary
 
     mp = pytest.MonkeyPatch()
     npu = install(mp)
@@ -68,13 +69,13 @@ def main(argv: list[str] | None = None) -> int:
                 x = (torch.randn(b, s, n, d, generator=g) * 3).to(dtype)
                 theta = torch.rand(s, d // 2, generator=g, dtype=torch.float64) * 6.283
                 freqs = torch.polar(torch.ones_like(theta), theta).to(torch.complex64)
-                t = rope._Tables(dtype)
-                cos, sin_signed = rope._portable_tables(t, freqs, Counter())
-                ncos, nsin = rope._npu_tables(t, freqs, Counter())
+                t = rope_tables.Tables(dtype)
+                cos, sin_signed = rope_tables.portable_tables(t, freqs, Counter())
+                ncos, nsin = rope_tables.npu_tables(t, freqs, Counter())
                 out = npu.npu_rotary_mul(x, ncos, nsin, rotary_mode="interleave")
                 kernel = functools.partial(npu.npu_rotary_mul, x, ncos, nsin, rotary_mode="interleave")
                 call = _median_s(kernel, a.repeats)
-                check = functools.partial(rope.verify_at_shape, x, out, cos, sin_signed, bitwise=False)
+                check = functools.partial(rotary.verify_at_shape, x, out, cos, sin_signed, bitwise=False)
                 sv = check()
                 chk = _median_s(check, a.repeats)
                 print(f"{'rope.verify_at_shape':<44} {b * n:>4} {chk:>9.3f} {call:>9.3f} {chk / call:>6.1f}x  "

@@ -7,6 +7,7 @@ proves that the joint path ran (its counters), and every fallback is reached wit
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 from types import SimpleNamespace
 
@@ -332,7 +333,7 @@ def test_a_non_native_rope_falls_back(runtime, tiny_pipe):
 
 def test_autograd_falls_back(runtime, tiny_pipe):
     reasons = _reason_for(runtime, tiny_pipe.transformer, lambda a: None, grad=True)
-    assert reasons == {"autograd is enabled": 1}
+    assert reasons == {"autograd is recording": 1}  # the shared guard's words (blocks.guards.call_reason)
 
 
 def test_stocks_fused_cuda_path_is_left_to_stock(runtime, tiny_pipe, monkeypatch):
@@ -381,6 +382,74 @@ def test_joint_freqs_cache_dies_with_its_freqs():
     del txt, j
     assert len(cache) == 1
     assert stats["joint_freqs_builds"] == 2 and stats["joint_freqs_hits"] == 1
+
+
+def test_joint_freqs_cache_is_an_lru_of_16_and_dies_with_either_freqs():
+    """The documented policy: at most 16 joint freqs; a hit moves its entry to the most recent end; a new entry
+    beyond the cap evicts the least recently used one; an entry dies with its vid freqs as with its txt freqs."""
+    stats = OPT.stats.__class__()
+    cache = ja._JointFreqsCache(stats)
+    txt = torch.polar(torch.ones(3, 8), torch.rand(3, 8))
+    vids = [torch.polar(torch.ones(4, 8), torch.full((4, 8), float(i))) for i in range(17)]
+    first = [cache.get(v, txt) for v in vids[:16]]
+    assert len(cache) == 16
+    assert cache.get(vids[0], txt) is first[0]  # a hit: now the most recent; vids[1] is the least recently used
+    cache.get(vids[16], txt)  # the 17th: evicts vids[1]
+    assert len(cache) == 16
+    assert cache.get(vids[0], txt) is first[0] and cache.get(vids[2], txt) is first[2]
+    assert cache.get(vids[1], txt) is not first[1]  # evicted: built again
+    assert stats["joint_freqs_builds"] == 18 and stats["joint_freqs_hits"] == 3
+    n = len(cache)
+    del vids[5], first  # one vid freqs dies (the joint tensors hold no reference to it)
+    assert len(cache) == n - 1
+    del txt  # the txt freqs of every entry dies
+    assert len(cache) == 0
+
+
+def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_counted_by_rope(
+    runtime, bf16_transformer, fake_npu
+):
+    """Through the shared rotary service: with ``rope`` installed the joint q/k go through rope's verified
+    npu_rotary_mul and table cache, counted in rope's statistics; without it, joint_attention's own portable path."""
+    rope = registry.get("rope")
+    npu = fake_npu()
+    layers = len(bf16_transformer.transformer_blocks)
+    api.select("none,+rope,+joint_attention", model=bf16_transformer)
+    _forward(runtime, bf16_transformer)
+    assert OPT.stats["joint_calls"] == layers and OPT.fallback_reasons() == {}
+    assert npu.calls["npu_rotary_mul"] == 1 + 2 * layers  # the verification, then q and k per block
+    assert rope.stats["kernel_calls"] == 2 * layers and rope.stats["table_builds"] == 1  # one joint table
+    assert OPT.stats["table_builds"] == 0  # not joint_attention's own cache
+    api.select("none,+joint_attention", model=bf16_transformer)
+    OPT.reset_stats()
+    _forward(runtime, bf16_transformer)
+    assert npu.calls["npu_rotary_mul"] == 1 + 2 * layers and not rope.stats  # rope off: no kernel, nothing counted
+    assert OPT.stats["joint_calls"] == layers and OPT.stats["table_builds"] == 1
+
+
+def test_traced_attention_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog):
+    """Under torch.compile (a block's attention, as vLLM-Omni's regional compile traces it) the patched forward
+    checks ``guards.tracing()`` first: fullgraph tracing succeeds (no logger call breaks the graph), the graph holds
+    stock code, and no counter, fallback reason, cache entry or log line appears."""
+    api.select("none", model=tiny_pipe)
+    attn = _attn(tiny_pipe.transformer)
+    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
+    with runtime.context(), torch.no_grad():
+        want = attn(hs, ehs, vid, txt)
+    api.select("none,+joint_attention", model=tiny_pipe)
+    OPT.reset_stats()
+    torch._dynamo.reset()
+    try:
+        with runtime.context(), torch.no_grad(), caplog.at_level(logging.DEBUG, logger="vllm_omni_ascend_opt"):
+            got = torch.compile(attn, backend="eager", fullgraph=True)(hs, ehs, vid, txt)
+    finally:
+        torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert not OPT.stats and OPT.fallback_reasons() == {} and len(OPT._joint_freqs) == 0 and len(OPT._tables) == 0
+    assert not caplog.records
+    with runtime.context(), torch.no_grad():
+        again = attn(hs, ehs, vid, txt)  # eager: the joint path (the patch was in place while tracing)
+    assert OPT.stats["joint_calls"] == 1 and all(torch.equal(a, b) for a, b in zip(want, again, strict=True))
 
 
 class _LoraLike(nn.Module):

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from tests.fake_torch_npu import rotary as fake_rotary
 from vllm_omni_ascend_opt import api
+from vllm_omni_ascend_opt.blocks import rope_tables, rotary
 from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.opts import rope as rope_mod
 from vllm_omni_ascend_opt.testbed import TINY
@@ -223,6 +224,37 @@ def test_grad_mode_runs_stock(runtime, tiny_pipe):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_traced_code_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog):
+    """Under torch.compile (the embedder, and a block's attention as vLLM-Omni's regional compile traces it) both
+    patches check ``guards.tracing()`` first: fullgraph tracing succeeds, the graph holds stock code (equal results)
+    and no counter, table, memo entry or log line appears."""
+    t = tiny_pipe.transformer
+    attn = t.transformer_blocks[0].attn
+    g = torch.Generator().manual_seed(0)
+    hs, ehs = torch.randn(1, 16, attn.dim, generator=g), torch.randn(1, 7, attn.dim, generator=g)
+    cpu = torch.device("cpu")
+    api.select("none", model=tiny_pipe)
+    with runtime.context(), torch.no_grad():
+        vid, txt = t.pos_embed([(1, 4, 4)], [7], device=cpu)
+        want = attn(hs, ehs, vid, txt)
+    api.select("none,+rope", model=tiny_pipe)
+    torch._dynamo.reset()
+    try:
+        with runtime.context(), torch.no_grad(), caplog.at_level(logging.DEBUG, logger="vllm_omni_ascend_opt"):
+            emb = torch.compile(t.pos_embed, backend="eager", fullgraph=True)([(1, 4, 4)], [7], cpu)
+            got = torch.compile(attn, backend="eager", fullgraph=True)(hs, ehs, vid, txt)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(emb[0], vid) and torch.equal(emb[1], txt)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert not OPT.stats and OPT.fallback_reasons() == {}
+    assert len(OPT.rotary.tables) == 0 and len(OPT._embed_memo) == 0
+    assert not caplog.records
+    with runtime.context(), torch.no_grad():
+        attn(hs, ehs, vid, txt)  # eager again: rope acts (the patches were in place while tracing)
+    assert OPT.stats["portable_calls"] == 4  # q and k of both streams
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # counting
 # ----------------------------------------------------------------------------------------------------------------
@@ -267,14 +299,14 @@ def test_op_counts_per_block(runtime, tiny_pipe, fake_npu):
 # ----------------------------------------------------------------------------------------------------------------
 def test_table_key_separates_sp_shards_paddings_and_versions():
     stats = Counter()
-    cache = rope_mod._TableCache(stats)
+    cache = rope_tables.TableCache(stats)
     full = torch.polar(torch.ones(10, 4), torch.rand(10, 4))
     r0, r1 = full.chunk(2, dim=0)  # two SP ranks' views of the same base
     padded = torch.cat([full, torch.zeros(2, 4, dtype=full.dtype)]).chunk(2, dim=0)[1]
     t0, t1, tp = cache.get(r0, torch.float32), cache.get(r1, torch.float32), cache.get(padded, torch.float32)
     assert len({id(t0), id(t1), id(tp)}) == 3
     for t, f in ((t0, r0), (t1, r1), (tp, padded)):
-        cos, _ = rope_mod._half_tables(t, f, stats)
+        cos, _ = rope_tables.half_tables(t, f, stats)
         assert torch.equal(cos, torch.real(f))
     assert cache.get(full.chunk(2, dim=0)[0], torch.float32) is t0  # a new view object of the same shard: reused
     assert cache.get(r0, torch.bfloat16) is not t0  # per dtype
@@ -287,7 +319,7 @@ def test_table_key_separates_sp_shards_paddings_and_versions():
 
 def test_table_key_separates_text_lengths_sliced_from_one_base():
     """Text freqs are slices of one pos_freqs: 7 and 9 tokens share base, offset and stride; only the shape differs."""
-    cache = rope_mod._TableCache(Counter())
+    cache = rope_tables.TableCache(Counter())
     pos = torch.polar(torch.ones(32, 4), torch.rand(32, 4))
     t7, t9 = cache.get(pos[3:10], torch.float32), cache.get(pos[3:12], torch.float32)
     assert t7 is not t9 and cache.get(pos[3:10], torch.float32) is t7
@@ -308,12 +340,52 @@ def test_text_lengths_7_9_7_at_one_image_size_bitwise(runtime, tiny_pipe):
 
 
 def test_inference_mode_tensors_are_keyed_by_identity():
-    cache = rope_mod._TableCache(Counter())
+    cache = rope_tables.TableCache(Counter())
     with torch.inference_mode():
         a = torch.polar(torch.ones(6, 4), torch.rand(6, 4))
         b = a.clone()
         assert cache.get(a, torch.float32) is cache.get(a, torch.float32)
         assert cache.get(b, torch.float32) is not cache.get(a, torch.float32)
+
+
+def test_table_cache_is_an_lru_of_32_entries():
+    """The documented policy: at most 32 tables; a hit moves its entry to the most recent end; a new entry beyond the
+    cap evicts the least recently used one (entries die with their freqs: see the SP-shards test)."""
+    stats = Counter()
+    cache = rope_tables.TableCache(stats)
+    freqs = [torch.polar(torch.ones(2, 2), torch.full((2, 2), float(i))) for i in range(34)]
+    first = [cache.get(f, torch.float32) for f in freqs[:32]]
+    assert len(cache) == 32 and len({id(t) for t in first}) == 32
+    assert cache.get(freqs[0], torch.float32) is first[0] and stats["table_hits"] == 1  # now the most recent
+    cache.get(freqs[32], torch.float32)  # the 33rd: evicts the least recently used, freqs[1]
+    assert len(cache) == 32
+    assert cache.get(freqs[0], torch.float32) is first[0]  # kept: its hit made it recent
+    assert cache.get(freqs[2], torch.float32) is first[2]  # kept: not the oldest
+    assert cache.get(freqs[1], torch.float32) is not first[1]  # evicted: a new, empty entry (evicts freqs[3])
+    assert cache.get(freqs[3], torch.float32) is not first[3] and len(cache) == 32
+    assert stats["table_hits"] == 3
+
+
+def test_embed_memo_is_an_lru_of_8_results_per_module():
+    """The documented policy: at most 8 results per embedder module; a hit moves to the most recent end; a 9th
+    result evicts the least recently used; another module's results do not count against this module's cap."""
+    mod = sys.modules[_targets.TRANSFORMER]
+    api.select("none,+rope")
+    emb, other = (mod.QwenEmbedRope(theta=10000, axes_dim=list(TINY.axes_dims_rope), scale_rope=True) for _ in range(2))
+    cpu = torch.device("cpu")
+    shapes = [[(1, 4, 4)]]
+    with torch.no_grad():
+        first = [emb(shapes, [n], cpu) for n in range(1, 9)]  # 8 text lengths
+        assert [emb(shapes, [n], cpu) for n in range(1, 9)] == first and OPT.stats["embed_memo_hits"] == 8
+        for n in range(1, 10):
+            other(shapes, [n], cpu)  # another module: its own memo
+        assert all(emb(shapes, [n], cpu) is first[n - 1] for n in range(1, 9))
+        hits = OPT.stats["embed_memo_hits"]
+        assert emb(shapes, [1], cpu) is first[0]  # now the most recent; [2] is the least recently used
+        emb(shapes, [9], cpu)  # a 9th result: evicts [2]
+        assert emb(shapes, [1], cpu) is first[0] and emb(shapes, [3], cpu) is first[2]
+        assert emb(shapes, [2], cpu) is not first[1]  # evicted: recomputed
+    assert OPT.stats["embed_memo_hits"] == hits + 3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -354,9 +426,9 @@ def test_npu_path_uses_interleave_and_1s1d_tables(runtime, tiny_pipe, bf16_trans
         assert r1.shape == r2.shape == (1, s, 1, d) and r1.dtype == x.dtype == dtype
         # each call agrees with the portable (stock-equal) path within the verification bound
         cos, sin_signed = r1[0], torch.stack((-r2[0, :, :, ::2], r2[0, :, :, 1::2]), dim=-1).flatten(-2)
-        ref32, scale = rope_mod.reference_fp32(x, cos, sin_signed)
+        ref32, scale = rotary.reference_fp32(x, cos, sin_signed)
         err = (out.float() - ref32).abs()
-        assert bool((err <= rope_mod.TOLERANCE_EPS_FACTOR * torch.finfo(dtype).eps * scale + 1e-38).all())
+        assert bool((err <= rotary.TOLERANCE_EPS_FACTOR * torch.finfo(dtype).eps * scale + 1e-38).all())
     if dtype == torch.float32:
         assert torch.equal(ref, got)  # fp32 kernel == fp32 small ops here
     else:
@@ -460,6 +532,27 @@ def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_tran
     torch.testing.assert_close(ref.float(), stock.float(), atol=3e-2, rtol=3e-2)
 
 
+def test_a_new_backend_probe_drops_the_verdicts(runtime, tiny_pipe, fake_npu):
+    """The verdict cache's one rule: verdicts (toy-shape and per shape class) belong to the backend probe they were
+    made under. Another torch_npu (a new probe) while rope stays installed: the refusal is gone, the good kernel is
+    verified afresh and used."""
+    fake_npu(rotary_mul="half_pairing")
+    api.select("none,+rope", model=tiny_pipe)
+    _forward(runtime, tiny_pipe.transformer)
+    (v,) = OPT.verdicts()
+    assert not v.ok and OPT.stats["kernel_calls"] == 0
+    npu = fake_npu(rotary_mul="long_seq_bug")
+    assert OPT.verdicts() == [] and OPT.shape_verdicts() == []
+    _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
+    (v,) = OPT.verdicts()
+    assert v.ok and OPT.stats["kernel_calls"] > 0 and not all(sv.ok for sv in OPT.shape_verdicts())
+    npu = fake_npu()
+    assert OPT.verdicts() == [] and OPT.shape_verdicts() == []  # the refused shape class too
+    _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
+    assert len(OPT.shape_verdicts()) == 2 and all(sv.ok for sv in OPT.shape_verdicts())
+    assert npu.calls["npu_rotary_mul"] == 1 + 8  # verified, then used for both shape classes (2 blocks x 4)
+
+
 def test_shape_class_check_catches_a_long_sequence_fault(runtime, tiny_pipe, fake_npu, caplog):
     """The toy-shape check (S=37) passes a kernel that is wrong only beyond S=64; the first real call of the longer
     shape class is checked on its real inputs and falls back, while shorter classes keep the kernel."""
@@ -484,15 +577,15 @@ def test_shape_class_check_catches_a_long_sequence_fault(runtime, tiny_pipe, fak
 def test_shape_check_reference_is_chunked(monkeypatch):
     """Bounded memory at production shapes: the fp32 reference is computed over S in chunks."""
     b, s, n, d = 1, 40, 2, 8
-    monkeypatch.setattr(rope_mod, "VERIFY_CHUNK_ELEMS", b * n * d * 8)
+    monkeypatch.setattr(rotary, "VERIFY_CHUNK_ELEMS", b * n * d * 8)
     seen = []
-    real = rope_mod.reference_fp32
-    monkeypatch.setattr(rope_mod, "reference_fp32", lambda x, c, sn: seen.append(x.shape[1]) or real(x, c, sn))
+    real = rotary.reference_fp32
+    monkeypatch.setattr(rotary, "reference_fp32", lambda x, c, sn: seen.append(x.shape[1]) or real(x, c, sn))
     x = torch.randn(b, s, n, d)
     theta = torch.rand(s, d // 2)
-    t = rope_mod._Tables(torch.float32)
-    cos, sin_signed = rope_mod._portable_tables(t, torch.polar(torch.ones_like(theta), theta), Counter())
-    sv = rope_mod.verify_at_shape(x, rope_mod.apply_portable(x, cos, sin_signed), cos, sin_signed, bitwise=True)
+    t = rope_tables.Tables(torch.float32)
+    cos, sin_signed = rope_tables.portable_tables(t, torch.polar(torch.ones_like(theta), theta), Counter())
+    sv = rotary.verify_at_shape(x, rope_tables.apply_portable(x, cos, sin_signed), cos, sin_signed, bitwise=True)
     assert sv.ok and sv.bitwise_vs_stock and seen == [8] * 5
 
 
@@ -632,9 +725,9 @@ def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair():
         out[..., 0, 0:2] = out[..., 0, 0:2].flip(-1)
         return out
 
-    v = rope_mod.verify_kernel(one_pair_wrong, torch.device("cpu"), torch.bfloat16, 16, 4)
+    v = rotary.verify_kernel(one_pair_wrong, torch.device("cpu"), torch.bfloat16, 16, 4)
     assert not v.ok and v.max_err_over_bound > 1
-    v = rope_mod.verify_kernel(fake_rotary.npu_rotary_mul, torch.device("cpu"), torch.bfloat16, 128, 24)
+    v = rotary.verify_kernel(fake_rotary.npu_rotary_mul, torch.device("cpu"), torch.bfloat16, 128, 24)
     assert v.ok and 0 < v.max_err_over_bound <= 1 and math.isfinite(v.max_err_over_bound)
 
 

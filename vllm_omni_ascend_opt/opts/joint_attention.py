@@ -22,29 +22,33 @@ How (every element sees exactly stock's operations in stock's order, so the outp
   into the two row ranges of one buffer, no per-row weight table to keep in sync with the weights.
 * RoPE once on the joint sequence with a joint table: the joint complex freqs ``cat(txt_freqs, vid_freqs)`` are built
   once per (vid, txt) freqs pair (cached weakly on both, so once per shape with ``rope``'s embedder memo, once per
-  forward without it) and handed to ``rope``'s machinery: its table cache and verified NPU kernel when ``rope`` is
-  installed, else its portable math with this optimization's own table cache (bitwise stock's
+  forward without it; a bounded LRU of :data:`JOINT_FREQS_CACHE_SIZE`) and rotated through the shared rotary blocks:
+  the rotary service ``rope`` switches on while installed (:func:`vllm_omni_ascend_opt.blocks.rotary.active`: its
+  table cache, verified NPU kernel and counters), else the portable math of
+  :mod:`vllm_omni_ascend_opt.blocks.rope_tables` with this optimization's own table cache (bitwise stock's
   ``RotaryEmbedding.forward_native``; see ``rope``).
 * The attention call, output split and ``to_out``/``to_add_out`` as stock; the padded-text key mask is built as
   stock builds it (``encoder_hidden_states_mask`` / ``hidden_states_mask`` are handled exactly). Under Ulysses/Ring
   sequence parallelism (stock's ``AttentionMetadata(joint_query=txt...)`` branch) the image and text parts are views
   of the joint tensors: the same values as stock's.
-* With ``qk_norm`` attached and its kernel present, the norms run per stream on stock's views (one ``npu_rms_norm``
-  each: gamma must be [D]) and q, k, v are joined by one ``cat`` each (v stays contiguous for the attention
-  kernel); RoPE still runs once on the joint sequence. See ``qk_norm`` for the launch count.
+* With ``qk_norm`` attached and its kernel present (asked of :func:`vllm_omni_ascend_opt.blocks.rms_norm.kernel_ready`,
+  never of ``qk_norm`` itself), the norms run per stream on stock's views (one ``npu_rms_norm`` each: gamma must be
+  [D]) and q, k, v are joined by one ``cat`` each (v stays contiguous for the attention kernel); RoPE still runs
+  once on the joint sequence. See ``qk_norm`` for the launch count.
 
 Launches per block, fp32 tiny, warm request (the CPU bitwise default stack): 74 -> 54 (norms 24 -> 14, RoPE
 16 -> 8, cats 3 -> 1).
 
-Falls back to stock, with the reason counted (:meth:`JointAttention.fallback_reasons`), under autograd,
-``torch.compile``, graph capture, when the norms are not plain ``nn.RMSNorm`` with weights and one ``eps`` (Identity
-for ``qk_norm=False``, hooks, other classes), when the two streams' projections differ in heads or dtype, when the
-freqs do not match the sequence lengths, when stock's RoPE is not vLLM-Omni's native rotary math (MindIE-SD, CUDA
-kernels: their results on a joint sequence are not proven equal), and where stock takes its fused CUDA
-qk-norm-rope (Triton) path (>= 2048 tokens on CUDA): that kernel stays stock's. Quantized or LoRA-wrapped
-projections are called as modules, like stock, and their outputs joined. Non-contiguous views reach the attention
-(v is a view of the joint projection): bitwise on CPU SDPA and through ``fused_attention`` (which makes its inputs
-contiguous) - tested.
+While ``torch.compile`` traces, the patched forward runs stock code at once (checked first: nothing is read,
+counted or logged, so vLLM-Omni's regional compile sees no graph break). Falls back to stock, with the reason
+counted (:meth:`JointAttention.fallback_reasons`), under autograd, graph capture, when the norms are not plain
+``nn.RMSNorm`` with weights and one ``eps`` (Identity for ``qk_norm=False``, hooks, other classes), when the two
+streams' projections differ in heads or dtype, when the freqs do not match the sequence lengths, when stock's RoPE
+is not vLLM-Omni's native rotary math (MindIE-SD, CUDA kernels: their results on a joint sequence are not proven
+equal), and where stock takes its fused CUDA qk-norm-rope (Triton) path (>= 2048 tokens on CUDA): that kernel stays
+stock's. Quantized or LoRA-wrapped projections are called as modules, like stock, and their outputs joined.
+Non-contiguous views reach the attention (v is a view of the joint projection): bitwise on CPU SDPA and through
+``fused_attention`` (which makes its inputs contiguous) - tested.
 
 Upstream PR: none yet.
 Removal plan: drop when vLLM-Omni's ``QwenImageCrossAttention`` joins the streams once and normalizes/rotates the
@@ -54,7 +58,6 @@ joint sequence (or ships a fused qk-norm-rope kernel for NPU).
 from __future__ import annotations
 
 import functools
-import logging
 import sys
 import weakref
 from collections import Counter, OrderedDict
@@ -64,14 +67,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks import guards, rms_norm, rope_tables, rotary
 from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
-from vllm_omni_ascend_opt.opts import rope as rope_opt
 
-logger = logging.getLogger("vllm_omni_ascend_opt")
-
-_JOINT_FREQS_CACHE_SIZE = 16
+#: Joint freqs kept (LRU): one per (vid, txt) freqs pair, i.e. per shape with ``rope``'s embedder memo.
+JOINT_FREQS_CACHE_SIZE = 16
 _OPMATH = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
@@ -114,13 +115,9 @@ def _opmath_scalar(eps: float, opmath: torch.dtype) -> float:
 
 def _plain_rms_norm(norm: nn.Module) -> str | None:
     """Why ``norm`` cannot take part in the joint norm (None when it can)."""
-    qk = sys.modules.get("vllm_omni_ascend_opt.opts.qk_norm")
-    allowed: tuple[type, ...] = (nn.RMSNorm,)
-    if qk is not None:
-        allowed += qk.OPT.norm_classes()
-    if type(norm) not in allowed:
+    if type(norm) not in rms_norm.RMS_NORM_CLASSES:
         return f"QK norm is {type(norm).__name__}, not nn.RMSNorm (qk_norm=False or another norm)"
-    if "forward" in norm.__dict__ or norm._forward_hooks or norm._forward_pre_hooks:
+    if "forward" in norm.__dict__ or guards.hooked(norm):
         return "hooks or an instance forward on a QK norm"
     if norm.weight is None:
         return "QK norm without weight (elementwise_affine=False)"
@@ -143,16 +140,11 @@ def static_reason(attn: nn.Module) -> str | None:
         return "a QK norm does not normalize over head_dim"
     if attn.query_num_heads != attn.add_query_num_heads or attn.kv_num_heads != attn.add_kv_num_heads:
         return "text and image projections have different head counts"
-    if _global_hooks():
+    if guards.global_hooks():
         return "global module hooks are registered"
-    if not rope_opt._native_equivalent(attn.rope):
+    if not rope_tables.native_equivalent(attn.rope):
         return "stock RoPE runs a device kernel (MindIE-SD/CUDA), not vLLM-Omni's native rotary math"
     return None
-
-
-def _global_hooks() -> bool:
-    m = nn.modules.module
-    return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
 
 
 def _freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:
@@ -163,7 +155,11 @@ def _freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:
 # joint freqs, cached weakly on the (vid, txt) freqs pair
 # ----------------------------------------------------------------------------------------------------------------
 class _JointFreqsCache:
-    """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair; an entry dies with either freqs tensor."""
+    """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair, keyed like ``rope``'s tables
+    (:func:`~vllm_omni_ascend_opt.blocks.rope_tables.table_key`).
+
+    Policy: at most :data:`JOINT_FREQS_CACHE_SIZE` entries; a hit moves its entry to the most recent end, a new entry
+    beyond the cap evicts the least recently used one; an entry dies with either freqs tensor."""
 
     def __init__(self, stats: Counter) -> None:
         self._entries: OrderedDict[tuple, tuple[weakref.ref, weakref.ref, torch.Tensor]] = OrderedDict()
@@ -176,8 +172,8 @@ class _JointFreqsCache:
         return len(self._entries)
 
     def get(self, vid: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
-        kv, rv = rope_opt._TableCache._key(vid, vid.dtype)
-        kt, rt = rope_opt._TableCache._key(txt, txt.dtype)
+        kv, rv = rope_tables.table_key(vid, vid.dtype)
+        kt, rt = rope_tables.table_key(txt, txt.dtype)
         key = (kv, kt)
         hit = self._entries.get(key)
         if hit is not None and hit[0]() is rv and hit[1]() is rt:
@@ -192,7 +188,7 @@ class _JointFreqsCache:
         joint = torch.cat([txt, vid], dim=0)
         self._stats["joint_freqs_builds"] += 1
         entries[key] = (weakref.ref(rv, _drop), weakref.ref(rt, _drop), joint)
-        while len(entries) > _JOINT_FREQS_CACHE_SIZE:
+        while len(entries) > JOINT_FREQS_CACHE_SIZE:
             entries.popitem(last=False)
         return joint
 
@@ -220,7 +216,7 @@ class JointAttention(Optimization):
     def __init__(self) -> None:
         super().__init__()
         self._joint_freqs = _JointFreqsCache(self.stats)
-        self._tables = rope_opt._TableCache(self.stats)  # used when `rope` is not installed
+        self._tables = rope_tables.TableCache(self.stats)  # used when `rope` is not installed
 
     # ----- reporting -----------------------------------------------------------------------------------------
     def _process_reasons(self) -> list[str]:
@@ -265,11 +261,7 @@ class JointAttention(Optimization):
         vid_freqs: Any,
         txt_freqs: Any,
     ) -> str | None:
-        if torch.is_grad_enabled():
-            return "autograd is enabled"
-        if torch.compiler.is_compiling():
-            return "torch.compile tracing"
-        why = _backend.graph_capture_reason()
+        why = guards.call_reason(any_grad=True, hooks=False)  # global hooks: in static_reason
         if why:
             return why
         why = static_reason(attn)
@@ -310,11 +302,12 @@ class JointAttention(Optimization):
         return joint_rms_norm(x, st, norm_txt.weight, norm_img.weight, norm_img.eps)
 
     def _rope(self, x: torch.Tensor, joint_freqs: torch.Tensor, rope: nn.Module) -> torch.Tensor:
-        ro = rope_opt.OPT
-        if ro.installed:
-            return ro._apply(x, ro._tables.get(joint_freqs, x.dtype), joint_freqs, rope)
-        cos, sin_signed = rope_opt._portable_tables(self._tables.get(joint_freqs, x.dtype), joint_freqs, self.stats)
-        return rope_opt.apply_portable(x, cos, sin_signed)
+        kernel = rotary.active()  # switched on while `rope` is installed: its tables, verified kernel and counters
+        if kernel is not None:
+            return kernel.rotate(x, joint_freqs, rope)
+        tables = self._tables.get(joint_freqs, x.dtype)
+        cos, sin_signed = rope_tables.portable_tables(tables, joint_freqs, self.stats)
+        return rope_tables.apply_portable(x, cos, sin_signed)
 
     def _make_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         opt = self
@@ -329,6 +322,16 @@ class JointAttention(Optimization):
             hidden_states_mask: torch.Tensor | None = None,
             encoder_hidden_states_mask: torch.Tensor | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor]:
+            if guards.tracing():  # first: dynamo traces stock code; nothing here is read, counted or logged
+                return original(
+                    self,
+                    hidden_states,
+                    encoder_hidden_states,
+                    vid_freqs,
+                    txt_freqs,
+                    hidden_states_mask=hidden_states_mask,
+                    encoder_hidden_states_mask=encoder_hidden_states_mask,
+                )
             why = opt._call_reason(self, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
             if why is None:
                 out = opt._joint_forward(
@@ -384,8 +387,7 @@ class JointAttention(Optimization):
         nq, nkv = attn.query_num_heads, attn.kv_num_heads
         q_size, kv_size = nq * d, nkv * d
         st = encoder_hidden_states.shape[1]
-        qk = sys.modules.get("vllm_omni_ascend_opt.opts.qk_norm")
-        if qk is not None and qk.OPT.kernel_ready(attn):
+        if rms_norm.kernel_ready([attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k]):
             # qk_norm's npu_rms_norm takes gamma [D]: one kernel per stream (on stock's views), then one cat each for
             # q, k and v (v stays contiguous for the attention kernel). 9 launches with the joint rotary, against 11
             # in stock's order.

@@ -30,7 +30,15 @@ projections, one kernel per stream on its row ranges and one ``cat`` each for q 
 is a strided view that the fused attention copies (one more launch); (c) a joint ``npu_rms_norm`` with gamma = ones
 and a per-row weight-table ``mul``: 1 + 2 + 2 = 5, but a second rounding and per-block [S, D] weight tables to keep
 (and invalidate) per shape; (d) stock's order (norm and rotate each stream, three cats): 4 + 4 + 3 = 11.
-``joint_attention`` implements (a) when this optimization is attached (:meth:`QkNorm.kernel_ready`).
+``joint_attention`` implements (a) when this optimization is attached (:meth:`QkNorm.ready`, which it asks through
+:func:`vllm_omni_ascend_opt.blocks.rms_norm.kernel_ready`, never by importing this module).
+
+Where the code lives: the kernel class (:class:`~vllm_omni_ascend_opt.blocks.rms_norm.KernelRMSNorm`) and its
+readiness are a shared block: this optimization provides the kernel
+(:func:`~vllm_omni_ascend_opt.blocks.rms_norm.provide` on install) and swaps the class in on attach; its verdicts live in a
+:class:`~vllm_omni_ascend_opt.blocks.verdicts.VerdictCache` (a new backend probe drops them, uninstall clears them).
+While ``torch.compile`` traces, the kernel class runs stock ``nn.RMSNorm.forward`` at once (checked first: nothing
+is read, counted or logged).
 
 Tier: the kernel computes in fp32 and rounds once; its fp32 reduction order may differ from stock's, so outputs may
 differ in the last bits: ``pixel`` (uint8-identical images), verified on the tiny workload; ``exact`` where it
@@ -47,6 +55,7 @@ import math
 import sys
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +63,9 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks import guards, rms_norm
 from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.verdicts import VerdictCache
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -159,10 +170,9 @@ class QkNorm(Optimization):
 
     def __init__(self) -> None:
         super().__init__()
-        self._verdicts: dict[tuple, NormVerdict] = {}
-        self._probe: int | None = None
+        #: Per :func:`shape_class`: the check on the first real call of the class.
+        self._verdicts: VerdictCache[NormVerdict] = VerdictCache()
         self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
-        self._cls: type | None = None
 
     # ----- reporting -----------------------------------------------------------------------------------------
     def _process_reasons(self) -> list[str]:
@@ -198,30 +208,15 @@ class QkNorm(Optimization):
         return out
 
     def verdicts(self) -> list[NormVerdict]:
-        """The per-shape-class checks of the kernel so far (for the current torch_npu module)."""
-        if self._probe != _backend.probe_id():
-            return []
-        return list(self._verdicts.values())
-
-    def norm_classes(self) -> tuple[type, ...]:
-        """The kernel-norm class(es) this optimization swaps in (``joint_attention`` accepts them as RMSNorms)."""
-        return (self._cls,) if self._cls is not None else ()
+        """The per-shape-class checks of the kernel so far (for the current backend probe)."""
+        return self._verdicts.values()
 
     # ----- install / attach ----------------------------------------------------------------------------------
     def _install(self) -> None:
-        if self._cls is None:
-            opt = self
-
-            class KernelRMSNorm(nn.RMSNorm):
-                """``nn.RMSNorm`` whose forward runs the verified ``npu_rms_norm`` where it can (same object)."""
-
-                def forward(self, x: torch.Tensor) -> torch.Tensor:
-                    y = opt.apply(self, x)
-                    return nn.RMSNorm.forward(self, x) if y is None else y
-
-            self._cls = KernelRMSNorm
+        rms_norm.provide(self)
 
     def _uninstall(self) -> None:
+        rms_norm.withdraw(self)
         for module, cls in list(self._swapped.items()):
             module.__class__ = cls
         self._swapped = weakref.WeakKeyDictionary()
@@ -231,7 +226,7 @@ class QkNorm(Optimization):
         for n in _qk_norms(model):
             if type(n) is nn.RMSNorm and n not in self._swapped:
                 self._swapped[n] = nn.RMSNorm
-                n.__class__ = self._cls
+                n.__class__ = rms_norm.KernelRMSNorm
 
     def _detach(self, model: nn.Module) -> None:
         for n in _qk_norms(model):
@@ -242,25 +237,20 @@ class QkNorm(Optimization):
     # ----- backend choice (the one place) --------------------------------------------------------------------
     def _kernel(self) -> Any:
         mod = _backend.torch_npu_module()
-        if mod is None:
-            return None
-        probe = _backend.probe_id()
-        if probe != self._probe:
-            self._verdicts.clear()
-            self._probe = probe
-        return getattr(mod, KERNEL, None)
+        return None if mod is None else getattr(mod, KERNEL, None)
 
     def apply(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """``norm(x)`` through the verified kernel, or None (the caller runs stock ``nn.RMSNorm.forward``)."""
+        """``norm(x)`` through the verified kernel, or None (the caller runs stock ``nn.RMSNorm.forward``).
+
+        Called by :class:`~vllm_omni_ascend_opt.blocks.rms_norm.KernelRMSNorm` after its ``guards.tracing()``
+        check: never while dynamo traces."""
         kernel = self._kernel() if norm in self._swapped else None
         w, eps = norm.weight, norm.eps
         if (
             kernel is None
             or w is None
             or eps is None
-            or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
-            or _backend.graph_capture_reason() is not None
+            or guards.call_reason(any_grad=True, hooks=False) is not None
             or x.dtype not in KERNEL_DTYPES
             or w.dtype != x.dtype  # [OP-RMS]: gamma's dtype must equal self's
             or not KERNEL_DIMS[0] <= x.dim() <= KERNEL_DIMS[1]
@@ -277,14 +267,14 @@ class QkNorm(Optimization):
         try:
             out = kernel(x, w, epsilon=float(eps))[0]
         except Exception as exc:
-            checked = NormVerdict(key, ok=False, reason=f"the kernel raised {exc.__class__.__name__}: {exc}")
-            self._verdicts[key] = checked
+            checked = self._verdicts.put(
+                key, NormVerdict(key, ok=False, reason=f"the kernel raised {exc.__class__.__name__}: {exc}")
+            )
             logger.warning("vllm-omni-ascend-opt: qk_norm: %s", checked.describe())
             self.stats["stock_calls"] += 1
             return None
         if checked is None:
-            checked = verify_at_shape(x, out, w, float(eps))
-            self._verdicts[key] = checked
+            checked = self._verdicts.put(key, verify_at_shape(x, out, w, float(eps)))
             self.stats["shape_checks"] += 1
             (logger.info if checked.ok else logger.warning)("vllm-omni-ascend-opt: qk_norm: %s", checked.describe())
             if not checked.ok:
@@ -293,11 +283,10 @@ class QkNorm(Optimization):
         self.stats["kernel_calls"] += 1
         return out
 
-    def kernel_ready(self, attn: nn.Module) -> bool:
-        """Whether the four QK norms of ``attn`` carry the kernel class and torch_npu has the kernel (what
-        ``joint_attention`` asks to choose its per-stream norm order)."""
-        norms = [getattr(attn, name, None) for name in NORM_NAMES]
-        return all(n in self._swapped for n in norms) and self._kernel() is not None
+    def ready(self, norms: Sequence[nn.Module | None]) -> bool:
+        """Whether every norm in ``norms`` carries the kernel class (attached here) and torch_npu has the kernel:
+        what ``joint_attention`` asks, through ``blocks.rms_norm.kernel_ready``, to choose its per-stream order."""
+        return all(n is not None and n in self._swapped for n in norms) and self._kernel() is not None
 
     def is_prepared(self, norm: nn.Module) -> bool:
         return norm in self._swapped

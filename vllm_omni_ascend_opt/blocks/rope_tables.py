@@ -1,0 +1,189 @@
+"""RoPE cos/sin tables and vLLM-Omni's rotary math, written once (``rope`` and ``joint_attention`` use them).
+
+Why here: both optimizations rotate q/k with tables built from vLLM-Omni's complex freqs (``rope`` per stream,
+``joint_attention`` on the joint sequence), and both must key those tables the same way. Nothing here is an
+optimization: the caches count into the :class:`~collections.Counter` of whoever owns them.
+
+What is here:
+
+* :class:`Tables` and its builders: stock's half tables (:func:`half_tables`), the repeat-interleaved portable
+  tables (:func:`portable_tables`) and the ``npu_rotary_mul`` 1S1D tables (:func:`npu_tables`), built lazily.
+* :func:`table_key` and :class:`TableCache`: tables per freqs tensor (by identity, weakly, plus geometry and
+  version) and dtype, a bounded LRU (:data:`TABLE_CACHE_SIZE`) whose entries die with their freqs.
+* :func:`apply_portable`: ``x * cos + swap(x) * sin_signed``, bitwise-equal to stock's
+  ``RotaryEmbedding.forward_native`` (interleaved); :func:`native_equivalent`: whether stock's rotary call runs that
+  native math (only then may a joint sequence, or a cached table, replace it bit for bit).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections import Counter, OrderedDict
+
+import torch
+import torch.nn as nn
+
+#: Tables kept per cache (one per (freqs tensor, dtype)): a few shapes x (vid, txt) x dtypes, with room to spare.
+TABLE_CACHE_SIZE = 32
+
+
+class Tables:
+    """cos/sin for one freqs tensor and dtype, built lazily in the forms each path needs."""
+
+    __slots__ = ("cos", "dtype", "half_cos", "half_sin", "npu_cos", "npu_sin", "sin_signed")
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.half_cos: torch.Tensor | None = None  # stock's cos: real(freqs).to(dtype), [S, D/2]
+        self.half_sin: torch.Tensor | None = None
+        self.cos: torch.Tensor | None = None  # [S, 1, D], repeat-interleaved (portable and, as [1,S,1,D], NPU)
+        self.sin_signed: torch.Tensor | None = None  # [S, 1, D]: (-s0, s0, -s1, s1, ...)
+        self.npu_cos: torch.Tensor | None = None  # [1, S, 1, D]
+        self.npu_sin: torch.Tensor | None = None  # [1, S, 1, D]: (s0, s0, s1, s1, ...)
+
+
+def half_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock's ``(real(freqs).to(dtype), imag(freqs).to(dtype))`` [S, D/2], built once (``stats["table_builds"]``)."""
+    if t.half_cos is None:
+        # Exactly stock's conversion (copied when it is a view of freqs, so the cache never pins freqs' storage).
+        cos = torch.real(freqs).to(t.dtype)
+        sin = torch.imag(freqs).to(t.dtype)
+        if cos.data_ptr() == freqs.data_ptr() or cos._base is not None:
+            cos, sin = cos.clone(), sin.clone()
+        t.half_cos, t.half_sin = cos, sin
+        stats["table_builds"] += 1
+    return t.half_cos, t.half_sin  # type: ignore[return-value]
+
+
+def portable_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin_signed)`` [S, 1, D] for :func:`apply_portable`."""
+    if t.cos is None:
+        c, s = half_tables(t, freqs, stats)
+        # Same values as stock's einops ``repeat(c, "... d -> ... 1 (d 2)")``.
+        t.cos = torch.repeat_interleave(c, 2, dim=-1).unsqueeze(-2)
+        t.sin_signed = torch.stack((-s, s), dim=-1).flatten(-2).unsqueeze(-2)
+    return t.cos, t.sin_signed  # type: ignore[return-value]
+
+
+def npu_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` [1, S, 1, D] repeat-interleaved: ``npu_rotary_mul``'s 1S1D class for BSND inputs."""
+    if t.npu_sin is None:
+        cos, _ = portable_tables(t, freqs, stats)
+        t.npu_cos = cos.unsqueeze(0)  # [1, S, 1, D] view of the portable table
+        t.npu_sin = torch.repeat_interleave(t.half_sin, 2, dim=-1)[None, :, None, :]  # type: ignore[arg-type]
+    return t.npu_cos, t.npu_sin  # type: ignore[return-value]
+
+
+def version_or_none(t: torch.Tensor) -> int | None:
+    """``t._version``, or None for inference tensors (they track none; upstream never writes freqs in place)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def table_key(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:
+    """``(key, root)``: what identifies the tables of ``freqs`` in ``dtype``, and the tensor the entry lives with.
+
+    A view of a live, versioned base (e.g. a rank's chunk of the full vid freqs, txt freqs sliced from
+    ``pos_freqs``) is identified by base + geometry; anything else by its own identity. The key holds ``id(root)``:
+    a cache must also check, through a weak reference, that ``root`` is still the object it was made for."""
+    base = freqs._base
+    root = base if base is not None else freqs
+    key = (
+        id(root),
+        freqs.storage_offset(),
+        tuple(freqs.shape),
+        freqs.stride(),
+        freqs.dtype,
+        freqs.device,
+        version_or_none(freqs),
+        dtype,
+    )
+    return key, root
+
+
+class TableCache:
+    """Tables per freqs tensor (by identity, weakly) and dtype; bounded LRU; an entry dies with its freqs.
+
+    Policy: at most :data:`TABLE_CACHE_SIZE` entries; a hit moves its entry to the most recent end, a new entry
+    beyond the cap evicts the least recently used one; the entry is dropped when its freqs (root) tensor dies."""
+
+    def __init__(self, stats: Counter) -> None:
+        self._entries: OrderedDict[tuple, tuple[weakref.ref, Tables]] = OrderedDict()
+        self._stats = stats
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def nbytes(self) -> int:
+        """Bytes of every table held (each form built so far)."""
+        return sum(
+            t.numel() * t.element_size()
+            for _ref, tables in self._entries.values()
+            for name in Tables.__slots__
+            if isinstance(t := getattr(tables, name), torch.Tensor)
+        )
+
+    def get(self, freqs: torch.Tensor, dtype: torch.dtype) -> Tables:
+        """The tables of ``freqs`` in ``dtype`` (``stats["table_hits"]`` on a hit), or a new, empty entry."""
+        key, root = table_key(freqs, dtype)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0]() is root:
+            self._entries.move_to_end(key)
+            self._stats["table_hits"] += 1
+            return hit[1]
+        entries = self._entries
+
+        def _drop(_ref: weakref.ref, key: tuple = key) -> None:
+            entries.pop(key, None)
+
+        tables = Tables(dtype)
+        entries[key] = (weakref.ref(root, _drop), tables)
+        while len(entries) > TABLE_CACHE_SIZE:
+            entries.popitem(last=False)
+        return tables
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rotary math
+# ----------------------------------------------------------------------------------------------------------------
+def swap_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x0, x3, x2, ...): stock's interleaved ``rotate_half`` without its negation (folded into sin)."""
+    return torch.stack((x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def apply_portable(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Bitwise-equal to ``RotaryEmbedding(is_neox_style=False).forward_native(x, cos_half, sin_half)``.
+
+    ``cos``/``sin_signed`` are [S, 1, rotary_dim] (see :func:`portable_tables`); ``x`` is [B, S, N, D]. Each element
+    sees exactly stock's operations in stock's order ((-a)*b == a*(-b) in IEEE arithmetic): 4 launches, not 10."""
+    ro_dim = cos.shape[-1]
+    if ro_dim == x.shape[-1]:
+        return x * cos + swap_pairs(x) * sin_signed
+    xr = x[..., :ro_dim]
+    return torch.cat([xr * cos + swap_pairs(xr) * sin_signed, x[..., ro_dim:]], dim=-1)
+
+
+def native_equivalent(rope: nn.Module) -> bool:
+    """True when stock's ``rope(x, cos, sin)`` runs ``RotaryEmbedding.forward_native`` (interleaved, half-dim)."""
+    mod = sys.modules.get("vllm_omni.diffusion.layers.rope")
+    if mod is None:
+        return False
+    cls = mod.RotaryEmbedding
+    if type(rope) is not cls or "forward" in rope.__dict__ or not rope.interleaved or not rope.half_head_dim:
+        return False
+    fm = getattr(rope, "_forward_method", None)
+    if getattr(fm, "__self__", None) is not rope:
+        return False
+    func = getattr(fm, "__func__", None)
+    if func is cls.forward_native:
+        return True
+    if func is cls.forward_npu:  # without MindIE-SD it is forward_native
+        return not rope.has_mindie
+    custom_op = sys.modules.get("vllm_omni.diffusion.layers.custom_op")
+    return custom_op is not None and func is custom_op.CustomOp.forward_xpu  # calls forward_native
