@@ -468,6 +468,38 @@ def test_fallback_inference_tensor_weights(runtime):
     _fallback_case(runtime, tr, "inference tensors")
 
 
+def test_hook_that_captured_stock_forward_is_a_note_not_a_reason(runtime):
+    """A vLLM-Omni hook registry installed on a block before shared_modulation (MagCache, layerwise offload, SP)
+    keeps calling the stock block forward it captured: shared_modulation still acts (that block's projections come
+    from the memo, no fallback) and says so in a model note; the fast tier, a mode of the block body, counts only
+    the other blocks and reports the note as its reason."""
+    from vllm_omni.diffusion.hooks.base import HookRegistry
+
+    from vllm_omni_ascend_opt.opts import fast_modulate
+
+    tr = build(runtime)
+    kw = inputs(torch.float32)
+    api.select("none", model=tr)
+    want = fwd(tr, runtime, kw)
+    HookRegistry.get_or_create(tr.transformer_blocks[0])  # captures the stock block forward
+    api.select(ON, model=tr)
+    assert OPT.reasons_inactive(tr) == []
+    (note,) = OPT.model_notes(tr)
+    assert "captured the block forward of 1 block(s)" in note
+    OPT.reset_stats()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    with TensorReadCounter(mod_tensors(tr)) as reads:
+        assert torch.equal(fwd(tr, runtime, kw), want)
+    assert reads.calls == 0 and OPT.fallback_reasons() == {}  # block 0's img_mod/txt_mod hit the memo too
+    api.select(ON + ",+fast_modulate", model=tr)
+    assert fast_modulate.OPT.reasons_inactive(tr) == [
+        f"{note}: fast_modulate is a mode of shared_modulation's block body"
+    ]
+    fast_modulate.OPT.reset_stats()
+    fwd(tr, runtime, kw)
+    assert fast_modulate.OPT.ran() == 4 * (L - 1)  # the four norms of every block but the hooked one
+
+
 def test_fingerprint_mismatch_turns_it_off(monkeypatch):
     monkeypatch.setitem(sm.FINGERPRINTS, "QwenImageTransformerBlock.forward", "0" * 16)
     assert any("QwenImageTransformerBlock.forward differs" in r for r in OPT.reasons_inactive())
