@@ -1,4 +1,4 @@
-"""The fast tier's common base: close-tier modes of the memoized block body (:mod:`vllm_omni_ascend_opt.blocks.block_body`).
+"""The fast tier's common base: close-tier modes of the memoized block body (``blocks/block_body.py``).
 
 Each fast-tier optimization (``fast_modulate``, ``fast_residual``) is its own flag, off by default and part of
 ``all``. It patches nothing itself: ``install`` registers it as the owner of its mode in

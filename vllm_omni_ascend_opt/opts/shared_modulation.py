@@ -15,11 +15,12 @@ Why
   ~1/3 of all DiT weights, although they depend only on the timestep embedding ``temb``. ``1 + scale`` is
   recomputed four times per block from strided views.
 How
-  An exact memo (:class:`~vllm_omni_ascend_opt.blocks.modulation_memo.ModulationMemo`; its keys and policies are
-  documented there): the key is the *value* of ``temb`` (dtype, shape, device and a SHA-256
-  of its bytes, upstream's ``tensor_digest``), the numerical settings (matmul precision, autocast, grad mode,
-  TF32/HF32 flags), and, per slot, the modules and their weights (object identity, ``data_ptr``, ``_version``,
-  shape, dtype, device; vLLM LoRA stacks and active-slice mask; quant method). A miss replays stock's computation
+  An exact memo (:class:`ModulationMemo` in ``blocks/modulation_memo.py``, where its cache policies are listed;
+  keys in ``blocks/modulation_keys.py``; the block body in ``blocks/block_body.py``): the key is the *value* of
+  ``temb`` (dtype, shape, device and a SHA-256 of its bytes, upstream's ``tensor_digest``), the numerical settings
+  (matmul precision, autocast, grad mode, TF32/HF32 flags), and, per slot, the modules and their weights (object
+  identity, ``data_ptr``, ``_version``, shape, dtype, device; vLLM LoRA stacks and active-slice mask; quant
+  method). A miss replays stock's computation
   (same ops, same inputs, one SiLU per distinct temb), so a hit is bitwise what stock would compute. Each block's
   modulation is stored unpacked ("decode broadcast"): contiguous ``(1 + scale, shift, gate)`` tensors ``[B, 1, D]``
   for its four norms, so a warm step runs no modulation op at all: ``LN(x) * (1 + scale) + shift`` and
@@ -32,9 +33,10 @@ Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``)
   ``[B, L, D]`` tensors with ``torch.where(modulate_index, segment 1, segment 0)`` (``select01_modulation_native``, the
   stock path on NPU and CPU), then ``LN(x) * (1 + scale) + shift`` and ``gate * y`` over them. Here the block's
   modulation is memoized per temb value like the single-segment one, and the image stream uses per-segment
-  broadcast: :class:`~vllm_omni_ascend_opt.blocks.segments.SegmentPlan` reads ``modulate_index`` once per forward (its runs of equal values, one
-  device->host copy); the sequence is viewed as ``[B, C, L/C, D]`` chunks (``C = L / gcd(run lengths)``, at most
-  :data:`MAX_BROADCAST_CHUNKS`; the default edit request has C = 2) and multiplied by ``[B, C, 1, D]`` per-chunk
+  broadcast (``blocks/segments.py``): :class:`SegmentPlan` reads ``modulate_index`` once per forward (its runs of
+  equal values, one device->host copy); the sequence is viewed as ``[B, C, L/C, D]`` chunks (``C = L / gcd(run
+  lengths)``, at most :data:`MAX_BROADCAST_CHUNKS`; the default edit request has C = 2) and multiplied by
+  ``[B, C, 1, D]`` per-chunk
   ``(1 + scale, shift, gate)`` -- or, for more chunks, each run is computed on its slice with ``out=``. Each
   element sees the same IEEE mul/add on the same two values as in stock, so the result is bitwise stock's; the
   ``where``s, the bool casts and ``1 + scale`` over ``[B, L, D]`` disappear. The timestep-0 segment is kept once per
@@ -56,7 +58,8 @@ Exactness and fallbacks
   fused kernel takes ``scale``, so the memo keeps ``scale`` and calls the norm itself). The mirrored upstream
   functions are fingerprinted (source SHA-256): a different upstream turns the optimization off with a reason.
   Weights written in place through ``.data`` (``param.data.copy_``) bypass version counters: reloads through
-  ``load_weights`` invalidate automatically; anything else must call :func:`invalidate`.
+  ``load_weights`` invalidate automatically, and so does the registry's weights-changed event (``nz_weights``'
+  casts); anything else must call :meth:`SharedModulation.invalidate`.
 Parallel
   The memo is per process (per rank) and runs no collective, so a hit on one rank and a miss on another cannot
   desynchronise anything; the modulation projections are ``ReplicatedLinear`` (identical on every TP rank), temb is
