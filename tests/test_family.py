@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from vllm_omni_ascend_opt import _plugin, _report, api, registry
+from vllm_omni_ascend_opt.blocks.modulation_keys import modulation_linears
 from vllm_omni_ascend_opt.metrics import compare_images, passes_gates
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.testbed import TINY_FAMILY, build_model_dir
@@ -198,7 +199,7 @@ def _warm_counts(fam: SimpleNamespace, rt: Any) -> dict[str, Any]:
     r = REQUESTS[0]
     _run(fam, rt, r)
     tr = fam.pipe.transformer
-    mods = [p for lin in sm.modulation_linears(tr) for p in lin.parameters()]
+    mods = [p for lin in modulation_linears(tr) for p in lin.parameters()]
     with (
         count_module_calls(tr.transformer_blocks[-1]) as blocks,
         count_module_calls(tr) as steps,

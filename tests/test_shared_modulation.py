@@ -17,6 +17,9 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt.blocks import modulation_keys as keys
+from vllm_omni_ascend_opt.blocks.block_body import NormMod
+from vllm_omni_ascend_opt.blocks.modulation_memo import ENV_BUDGET_MB, ModulationMemo
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import OpCounter, TensorReadCounter, count_module_calls
@@ -68,7 +71,7 @@ def fwd(tr, runtime, kw) -> torch.Tensor:
 
 
 def mod_tensors(tr) -> list[torch.Tensor]:
-    return [p for lin in sm.modulation_linears(tr) for p in lin.parameters()]
+    return [p for lin in keys.modulation_linears(tr) for p in lin.parameters()]
 
 
 def nbytes(ts) -> int:
@@ -304,11 +307,71 @@ def test_byte_budget_lru(runtime):
     assert OPT.memo.stats["evictions"] >= 2 and len(OPT.memo) == 2
 
 
+def test_lru_hit_moves_the_entry_to_the_recent_end(runtime):
+    """The memo's LRU order on direct calls (one entry per temb value; in a forward the second block's lookup would
+    move the entry anyway): a hit moves its entry to the most recent end, eviction takes the least recently used
+    entry first -- found by digest (a new temb object of a known value) and by identity (the last digested temb
+    again, after a view of it made its own entry)."""
+    tr = build(runtime)
+    seq = tr.transformer_blocks[0].img_mod  # a stock Sequential(SiLU, ReplicatedLinear)
+    g = torch.Generator().manual_seed(11)
+    a, b, c = (torch.randn(1, TINY.inner_dim, generator=g) for _ in range(3))
+    memo = ModulationMemo()
+
+    def call(t: torch.Tensor) -> str:
+        hits = memo.stats["hits"]
+        with torch.no_grad():
+            out, why = memo.direct_projection(seq, t)
+            assert why is None and torch.equal(out, nn.Sequential.forward(seq, t))
+        assert memo.nbytes <= memo.max_bytes
+        return "hit" if memo.stats["hits"] > hits else "miss"
+
+    assert call(a.clone()) == "miss"
+    memo.configure(int(2.5 * memo.nbytes))  # room for two temb values
+    # digest path: the hit on a moves it past b, so c evicts b (not a); a hits again; b comes back as a miss
+    assert [call(t.clone()) for t in (b, a, c, a, b)] == ["miss", "hit", "miss", "hit", "miss"]
+    assert memo.stats["evictions"] == 2 and len(memo) == 2
+
+    memo.clear()
+    memo.configure(ModulationMemo().max_bytes)
+    t = a.clone()
+    view = t[:, :]  # a view of the last digested temb: its own entry, keyed by geometry (no digest)
+    assert [call(t), call(view)] == ["miss", "miss"] and len(memo) == 2
+    memo.configure(int(2.5 * memo.nbytes / 2))
+    assert call(t) == "hit"  # the same object as the last digest: moved past the view's entry
+    assert call(c.clone()) == "miss"  # evicts the view's entry, the least recently used
+    assert [call(t), call(view)] == ["hit", "miss"]  # t digested again (a hit); the view's entry is gone
+
+
+def test_byte_budget_is_never_exceeded(runtime):
+    """Budgets below one temb entry: a payload that cannot fit even alone is not stored (``not_stored``) and is
+    recomputed next time; the bytes held, SiLU(temb) included, never exceed the budget; outputs stay stock's."""
+    tr = build(runtime)
+    kw = inputs(torch.float32)
+    api.select("none", model=tr)
+    want = fwd(tr, runtime, kw)
+    api.select(ON, model=tr)
+    d = TINY.inner_dim
+    silu_bytes, norm_out_bytes, block_bytes = d * 4, 2 * d * 4, 12 * d * 4  # fp32 [1, D]; 2 and 12 [1, 1, D]
+    OPT.memo.configure(silu_bytes + norm_out_bytes + block_bytes // 2)  # SiLU and norm_out fit, no block does
+    OPT.reset_stats()
+    for _ in range(2):
+        assert torch.equal(fwd(tr, runtime, kw), want)
+        assert OPT.memo.nbytes == silu_bytes + norm_out_bytes <= OPT.memo.max_bytes
+    st = OPT.memo.stats
+    assert st["not_stored"] == 2 * L and st["misses"] == 2 * L + 1 and st["hits"] == 1  # norm_out hits once
+    assert st["projections"] == 2 * PROJ_PER_FORWARD - 1 and OPT.fallback_reasons() == {}
+    OPT.memo.configure(silu_bytes // 2)  # not even SiLU(temb) fits
+    OPT.reset_stats()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    assert OPT.memo.nbytes == 0 and OPT.memo.stats["not_stored"] > 0 and OPT.fallback_reasons() == {}
+
+
 def test_budget_env(monkeypatch, runtime):
-    monkeypatch.setenv(sm.ENV_BUDGET_MB, "lots")
-    assert any(sm.ENV_BUDGET_MB in r for r in OPT.reasons_inactive())
+    monkeypatch.setenv(ENV_BUDGET_MB, "lots")
+    assert any(ENV_BUDGET_MB in r for r in OPT.reasons_inactive())
     assert api.select(ON) == []  # stays off, with the reason
-    monkeypatch.setenv(sm.ENV_BUDGET_MB, "0")
+    monkeypatch.setenv(ENV_BUDGET_MB, "0")
     tr = build(runtime)
     api.select(ON, model=tr)
     assert OPT.memo.max_bytes == 0 and any("budget is 0" in r for r in OPT.reasons_inactive(tr))
@@ -317,7 +380,7 @@ def test_budget_env(monkeypatch, runtime):
     assert any("budget is 0" in r for r in OPT.fallback_reasons()) and len(OPT.memo) == 0
     api.select("none", model=tr)
     assert torch.equal(got, fwd(tr, runtime, kw))
-    monkeypatch.setenv(sm.ENV_BUDGET_MB, "1.5")
+    monkeypatch.setenv(ENV_BUDGET_MB, "1.5")
     api.select(ON)
     assert OPT.memo.max_bytes == int(1.5 * 1024**2)
 
@@ -349,9 +412,6 @@ def test_fallback_autograd(runtime):
 
 def test_fallback_compile_capture_hooks(runtime, monkeypatch, fake_npu):
     tr = build(runtime)
-    with monkeypatch.context() as m:
-        m.setattr(torch.compiler, "is_compiling", lambda: True)
-        _fallback_case(runtime, tr, "torch.compile")
     fake_npu()
     monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: True, raising=False)
     _fallback_case(runtime, tr, "NPU graph capture")
@@ -368,12 +428,76 @@ def test_fallback_compile_capture_hooks(runtime, monkeypatch, fake_npu):
         h.remove()
 
 
+def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplog):
+    """While dynamo traces (``torch.compiler.is_compiling()``), every patched forward (block, img_mod/txt_mod,
+    norm_out) and the fast tier's modes check ``guards.tracing()`` first and run stock code: every projection is
+    computed, and nothing is counted, memoized or logged (what dynamo would otherwise guard on or break the graph
+    at)."""
+    from vllm_omni_ascend_opt.opts import fast_modulate, fast_residual
+
+    tr = build(runtime)
+    kw = inputs(torch.float32)
+    fast = (fast_modulate.OPT, fast_residual.OPT)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    api.select("none", model=tr)
+    want = fwd(tr, runtime, kw)
+    api.select(ON + ",+fast_modulate,+fast_residual", model=tr)
+    for opt in (OPT, *fast):
+        opt.reset_stats()
+    caplog.set_level("DEBUG", logger="vllm_omni_ascend_opt")
+    caplog.clear()
+    with TensorReadCounter(mod_tensors(tr)) as reads:
+        got = fwd(tr, runtime, kw)
+        d = TINY.inner_dim
+        mod = NormMod.unpack(*(torch.randn(1, 1, d) for _ in range(3)), keys.NATIVE)
+        x = torch.randn(1, 3, d)
+        block = tr.transformer_blocks[0]
+        assert torch.equal(mod.norm(block.img_norm1, x), block.img_norm1.layernorm(x) * mod.first + mod.shift)
+        assert torch.equal(mod.residual(x, x), x + mod.gate * x)
+    assert torch.equal(got, want) and reads.calls == PROJ_PER_FORWARD
+    assert not OPT.stats and len(OPT.memo) == 0 and OPT.fallback_reasons() == {}
+    assert all(opt.ran() == 0 and opt.fallback_reasons() == {} for opt in fast)
+    assert not [r for r in caplog.records if r.name.startswith("vllm_omni_ascend_opt")]
+
+
 def test_fallback_inference_tensor_weights(runtime):
     with torch.inference_mode():
         tr = build(runtime)
     api.select(ON, model=tr)
     assert any("inference tensors" in r for r in OPT.reasons_inactive(tr))
     _fallback_case(runtime, tr, "inference tensors")
+
+
+def test_hook_that_captured_stock_forward_is_a_note_not_a_reason(runtime):
+    """A vLLM-Omni hook registry installed on a block before shared_modulation (MagCache, layerwise offload, SP)
+    keeps calling the stock block forward it captured: shared_modulation still acts (that block's projections come
+    from the memo, no fallback) and says so in a model note; the fast tier, a mode of the block body, counts only
+    the other blocks and reports the note as its reason."""
+    from vllm_omni.diffusion.hooks.base import HookRegistry
+
+    from vllm_omni_ascend_opt.opts import fast_modulate
+
+    tr = build(runtime)
+    kw = inputs(torch.float32)
+    api.select("none", model=tr)
+    want = fwd(tr, runtime, kw)
+    HookRegistry.get_or_create(tr.transformer_blocks[0])  # captures the stock block forward
+    api.select(ON, model=tr)
+    assert OPT.reasons_inactive(tr) == []
+    (note,) = OPT.model_notes(tr)
+    assert "captured the block forward of 1 block(s)" in note
+    OPT.reset_stats()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    with TensorReadCounter(mod_tensors(tr)) as reads:
+        assert torch.equal(fwd(tr, runtime, kw), want)
+    assert reads.calls == 0 and OPT.fallback_reasons() == {}  # block 0's img_mod/txt_mod hit the memo too
+    api.select(ON + ",+fast_modulate", model=tr)
+    assert fast_modulate.OPT.reasons_inactive(tr) == [
+        f"{note}: fast_modulate is a mode of shared_modulation's block body"
+    ]
+    fast_modulate.OPT.reset_stats()
+    fwd(tr, runtime, kw)
+    assert fast_modulate.OPT.ran() == 4 * (L - 1)  # the four norms of every block but the hooked one
 
 
 def test_fingerprint_mismatch_turns_it_off(monkeypatch):
@@ -405,7 +529,7 @@ class _LayerNormEvalSpy:
 @pytest.mark.parametrize("mindiesd", [False, True], ids=["torch_npu", "mindiesd"])
 def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd):
     T()  # imports the model modules when this test runs alone
-    ada_mod = sys.modules[sm.ADALAYERNORM_MODULE]
+    ada_mod = sys.modules[keys.ADALAYERNORM_MODULE]
     fake = fake_npu()
     spy = _LayerNormEvalSpy()
     monkeypatch.setattr(fake, "npu_layer_norm_eval", spy, raising=False)
@@ -414,7 +538,7 @@ def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd
     norms = [n for b in tr.transformer_blocks for n in (b.img_norm1, b.img_norm2, b.txt_norm1, b.txt_norm2)]
     for n in norms:  # what CustomOp binds at construction on an NPU platform
         n._forward_method = n.forward_npu
-    assert {sm._norm_kind(n) for n in norms} == {sm._OPAQUE if mindiesd else sm._NPU_EVAL}
+    assert {keys.norm_kind(n) for n in norms} == {keys.OPAQUE if mindiesd else keys.NPU_EVAL}
     kw = inputs(torch.float32, batch=2, pad=2)
     api.select("none", model=tr)
     want = fwd(tr, runtime, kw)
@@ -580,12 +704,15 @@ def test_timestep_zero_segment_is_kept_per_weights(runtime):
         outs[t] = fwd(tr, runtime, kw)
     st = OPT.memo.stats
     assert st["zero_t_misses"] == L and st["zero_t_hits"] == 2 * L and st["zero_t_mismatch"] == 0
-    assert OPT.memo.zero_t_nbytes > 0
+    d = TINY.inner_dim
+    per_block = 6 * d * 4 + 6 * d * 4  # the kept timestep-0 rows [1, 6D] and (1 + scale, shift, gate) x 2 norms
+    assert OPT.memo.zero_t_nbytes == L * per_block  # one per block
     with torch.no_grad():
         tr.transformer_blocks[0].img_mod[1].weight.mul_(1.5)  # in place: version counter moves
     kw = edit_inputs(torch.float32, UNEQUAL, t=0.5)
     got = fwd(tr, runtime, kw)
     assert st["zero_t_misses"] == L + 1 and st["zero_t_mismatch"] == 0  # a new key, not a stale hit
+    assert OPT.memo.zero_t_nbytes == L * per_block  # block 0's segment for the new weights replaced the old one
     api.select("none", model=tr)
     assert torch.equal(got, fwd(tr, runtime, kw))
     assert not torch.equal(got, outs[0.5])
@@ -628,7 +755,7 @@ def test_two_segment_fallbacks(runtime, monkeypatch):
 
 def test_two_segment_npu_adalayernorm_bitwise(runtime, fake_npu, monkeypatch):
     """On an NPU without MindIE-SD stock's image norms are npu_layer_norm_eval(x) * (1 + scale) + shift."""
-    ada_mod = sys.modules[sm.ADALAYERNORM_MODULE]
+    ada_mod = sys.modules[keys.ADALAYERNORM_MODULE]
     fake = fake_npu()
     spy = _LayerNormEvalSpy()  # marked result: a native LayerNorm in its place could not be bitwise-equal
     monkeypatch.setattr(fake, "npu_layer_norm_eval", spy, raising=False)

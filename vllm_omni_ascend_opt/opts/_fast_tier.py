@@ -1,11 +1,13 @@
-"""The fast tier's common base: close-tier modes of ``shared_modulation``'s memoized block body.
+"""The fast tier's common base: close-tier modes of the memoized block body (``blocks/block_body.py``).
 
 Each fast-tier optimization (``fast_modulate``, ``fast_residual``) is its own flag, off by default and part of
-``all``. It patches nothing itself: ``install`` turns its mode on in :data:`shared_modulation.FAST`, which the block
-body of ``shared_modulation`` reads on every call; without ``shared_modulation`` the stock block runs and the mode
-does nothing (``needs``: its reasons become this one's). Gated by SSIM >= 0.999 and PSNR >= 45 dB against the
-configuration without it (:attr:`close_gates`): these are last-bit changes (1 ulp in bf16), far inside the VAE
-tier's gates.
+``all``. It patches nothing itself: ``install`` registers it as the owner of its mode in
+:data:`~vllm_omni_ascend_opt.blocks.block_body.FAST` (``uninstall`` unregisters), and the block body, which
+``shared_modulation``'s patched block forward runs, reports each call of the mode to it: its own :attr:`stats`
+(``ran``) and fallback reasons. Without ``shared_modulation`` the stock block runs and the mode does nothing
+(``needs``: its reasons become this one's). It never imports ``shared_modulation``: what both use lives in
+``blocks/``. Gated by SSIM >= 0.999 and PSNR >= 45 dB against the configuration without it (:attr:`close_gates`):
+these are last-bit changes (1 ulp in bf16), far inside the VAE tier's gates.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.block_body import FAST, block_body_reason
+from vllm_omni_ascend_opt.blocks.modulation_keys import find_transformers
 from vllm_omni_ascend_opt.optimization import Optimization
-from vllm_omni_ascend_opt.opts import shared_modulation as sm
 
 #: The fast tier's gates (SSIM, PSNR dB): tighter than the workload's defaults (0.99 / 35 dB, sized for vae_fast).
 FAST_TIER_GATES = (0.999, 45.0)
 
 
 class FastBlockMode(Optimization):
-    """A close-tier mode of shared_modulation's block body (subclasses set ``name``, ``summary``, ``mode``)."""
+    """A close-tier mode of the memoized block body (subclasses set ``name``, ``summary``, ``mode``); the
+    :class:`~vllm_omni_ascend_opt.blocks.block_body.ModeOwner` of its mode while installed."""
 
     mode: ClassVar[str]
     equivalence = "close"
@@ -36,25 +40,25 @@ class FastBlockMode(Optimization):
     def _model_reasons(self, model: Any) -> list[str]:
         return [
             f"{why}: {self.name} is a mode of shared_modulation's block body"
-            for tr in sm._find_transformers(model)
-            if (why := sm.block_body_reason(tr))
+            for tr in find_transformers(model)
+            if (why := block_body_reason(tr))
         ]
 
     def ran(self) -> int:
         """Calls that took this fast path since the last :meth:`reset_stats`."""
-        return sm.FAST.stats[self.mode]
+        return self.stats["ran"]
 
-    def fallback_reasons(self) -> dict[str, int]:
-        """Why calls in shared_modulation's block body kept stock's ops (reason -> calls)."""
-        return dict(sm.FAST.fallbacks[self.mode])
+    # ----- ModeOwner: the block body reports here ----------------------------------------------------------------
+    def count_fast(self) -> None:
+        """A call in the block body took this fast path."""
+        self.stats["ran"] += 1
 
-    def reset_stats(self) -> None:
-        super().reset_stats()
-        sm.FAST.reset(self.mode)
+    def count_stock(self, why: str) -> None:
+        """A call in the block body kept stock's ops (a fallback reason of this optimization)."""
+        self._fallback(why)
 
     def _install(self) -> None:
-        sm.FAST.set(self.mode, True)
+        FAST.register(self.mode, self)
 
     def _uninstall(self) -> None:
-        sm.FAST.set(self.mode, False)
-        sm.FAST.reset(self.mode)
+        FAST.unregister(self.mode, self)

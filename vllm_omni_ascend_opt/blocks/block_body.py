@@ -1,0 +1,252 @@
+"""The memoized block body: vLLM-Omni 0.30's ``QwenImageTransformerBlock.forward`` with its modulation read from
+unpacked tensors, and the fast tier's modes of it.
+
+Shared by ``shared_modulation`` (whose patched block forward calls :func:`block_body` with the memo's
+:class:`NormMod` / :class:`~.segments.SegMod` per norm) and by the fast tier (``fast_modulate``, ``fast_residual``),
+which turns its mode on here (:data:`FAST`) and never imports ``shared_modulation``.
+
+The fast tier's modes (``close``, off by default): an optimization switches its mode on by registering itself as
+the mode's owner (:meth:`FastModes.register`, from its ``install``; ``unregister`` from ``uninstall``). The block
+body asks :meth:`FastModes.owner` per norm / residual and reports to that owner: a call that took the fast path
+(:meth:`ModeOwner.count_fast`) or kept stock's ops, and why (:meth:`ModeOwner.count_stock`). So each fast
+optimization owns its statistics and fallback reasons, and the block body holds no counters of its own.
+:meth:`FastModes.owner` checks :func:`guards.tracing` first: while dynamo traces, no mode is on.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks import guards, targets
+from vllm_omni_ascend_opt.blocks.modulation_keys import NATIVE, NPU_EVAL
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the fast tier's modes
+# ----------------------------------------------------------------------------------------------------------------
+class ModeOwner(Protocol):
+    """The optimization that turned a fast mode on: the block body reports every call of the mode to it."""
+
+    def count_fast(self) -> None:
+        """A call took the fast path."""
+
+    def count_stock(self, why: str) -> None:
+        """A call kept stock's ops, because of ``why``."""
+
+
+class FastModes:
+    """Switches of the fast tier, read by the block body on every call. A mode is on while an owner is registered
+    for it (``modulate``: ``fast_modulate``; ``residual``: ``fast_residual``); the attributes ``modulate`` and
+    ``residual`` hold the owners (None: off)."""
+
+    MODES = ("modulate", "residual")
+
+    def __init__(self) -> None:
+        self.modulate: ModeOwner | None = None
+        self.residual: ModeOwner | None = None
+
+    def register(self, mode: str, owner: ModeOwner) -> None:
+        """Turn ``mode`` on, reporting to ``owner``."""
+        if mode not in self.MODES:
+            raise ValueError(f"unknown fast mode {mode!r}")
+        setattr(self, mode, owner)
+
+    def unregister(self, mode: str, owner: ModeOwner) -> None:
+        """Turn ``mode`` off if ``owner`` turned it on."""
+        if mode in self.MODES and getattr(self, mode) is owner:
+            setattr(self, mode, None)
+
+    def owner(self, mode: str) -> ModeOwner | None:
+        """The owner of ``mode`` when it is on and dynamo is not tracing (checked first), else None."""
+        if guards.tracing():
+            return None
+        return getattr(self, mode)
+
+    def use_residual(self, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether a gated residual ``x + gate * y`` runs as ``addcmul`` (reported either way when the mode is on)."""
+        owner = self.owner("residual")
+        if owner is None:
+            return False
+        if not (x.dtype == gate.dtype == y.dtype):
+            owner.count_stock("mixed dtypes in the gated residual (stock promotes; addcmul would not)")
+            return False
+        owner.count_fast()
+        return True
+
+
+FAST = FastModes()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one norm's modulation
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class NormMod:
+    """One AdaLayerNorm's modulation, unpacked: ``first`` is ``1 + scale`` (kinds native/npu_eval) or ``scale``."""
+
+    first: torch.Tensor
+    shift: torch.Tensor
+    gate: torch.Tensor
+    kind: str
+    #: fast_modulate: the ``[D]`` affine ``(1 + scale, shift)`` of every token (views of ``first``/``shift``), or why
+    #: this norm cannot take them; built on first fast use and kept with the memo entry (a warm step pays no op).
+    affine: tuple[torch.Tensor, torch.Tensor] | str | None = None
+
+    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``norm(x, scale, shift)``, computed with the same ops as the instance's stock dispatch (or, with
+        ``fast_modulate``, as one affine layer norm)."""
+        owner = FAST.owner("modulate")
+        if owner is not None:
+            if self.affine is None:
+                self.affine = affine_params(self, norm)
+            why = self.affine if isinstance(self.affine, str) else _affine_dtype_reason(x, self.affine[0])
+            if why is None:
+                owner.count_fast()
+                return affine_layernorm(self.kind, norm, x, *self.affine)
+            owner.count_stock(why)
+        if self.kind == NATIVE:
+            return norm.layernorm(x) * self.first + self.shift
+        if self.kind == NPU_EVAL:
+            torch_npu = _backend.torch_npu_module()
+            return (
+                torch_npu.npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps) * self.first
+                + self.shift
+            )
+        return norm(x, self.first, self.shift)
+
+    def gated(self, y: torch.Tensor) -> torch.Tensor:
+        """Stock's gated residual term ``gate * y`` (the interface :class:`~.segments.SegMod` shares)."""
+        return self.gate * y
+
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Stock's ``x + gate * y``; with ``fast_residual`` one ``torch.addcmul(x, gate, y)``."""
+        if FAST.use_residual(x, self.gate, y):
+            return torch.addcmul(x, self.gate, y)
+        return x + self.gate * y
+
+    @staticmethod
+    def unpack(scale: torch.Tensor, shift: torch.Tensor, gate: torch.Tensor, kind: str) -> NormMod:
+        own = torch.contiguous_format
+        first = (1 + scale) if kind in (NATIVE, NPU_EVAL) else scale.clone(memory_format=own)
+        return NormMod(first, shift.clone(memory_format=own), gate.clone(memory_format=own), kind)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.first, self.shift, self.gate))
+
+
+def affine_layernorm(
+    kind: str, norm: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """fast_modulate: ``LN(x) * (1 + scale) + shift`` as ONE affine layer norm, ``weight = 1 + scale``,
+    ``bias = shift`` (``[D]``) -- the one place that picks its kernel: ``npu_layer_norm_eval`` (kind npu_eval,
+    [OP-LNE] accepts weight and bias) or ``F.layer_norm`` (native). The affine runs in the kernel's fp32 opmath
+    with one rounding instead of stock's three roundings in bf16: close, not exact (1 ulp bf16)."""
+    if kind == NPU_EVAL:
+        return _backend.torch_npu_module().npu_layer_norm_eval(
+            x, normalized_shape=[norm.hidden_size], weight=weight, bias=bias, eps=norm.eps
+        )
+    ln = norm.layernorm
+    return F.layer_norm(x, ln.normalized_shape, weight, bias, ln.eps)
+
+
+def affine_params(mod: NormMod, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """``(1 + scale, shift)`` as ``[D]`` views when every token of every sample shares them, else why not."""
+    if mod.kind not in (NATIVE, NPU_EVAL):
+        return "AdaLayerNorm is not stock's native / torch_npu path (MindIE-SD fused kernel or a patched instance)"
+    ln = norm.layernorm
+    if ln.weight is not None or ln.bias is not None:
+        return "the AdaLayerNorm's LayerNorm has its own affine weights"
+    if mod.kind == NATIVE and guards.hooked(ln):
+        return "forward hooks on the AdaLayerNorm's LayerNorm"
+    first, shift = mod.first, mod.shift
+    if first.dim() != 3 or first.shape[1] != 1 or shift.shape != first.shape:
+        return "modulation is not one [B, 1, D] row per sample"
+    if first.shape[0] > 1 and not (
+        torch.equal(first, first[:1].expand_as(first)) and torch.equal(shift, shift[:1].expand_as(shift))
+    ):
+        return "batch rows have different modulation (per-sample timesteps): one [D] affine cannot serve them"
+    return first[0, 0], shift[0, 0]
+
+
+def _affine_dtype_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    if x.dtype != weight.dtype:
+        return "input and modulation dtypes differ (stock promotes; the layer norm's affine would not)"
+    if x.shape[-1] != weight.shape[0]:
+        return "input width differs from the modulation width"
+    return None
+
+
+def layernorm(kind: str, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The normalisation half of ``AdaLayerNorm`` for kinds native / npu_eval (what stock multiplies by 1+scale)."""
+    if kind == NPU_EVAL:
+        return _backend.torch_npu_module().npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps)
+    return norm.layernorm(x)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the block body
+# ----------------------------------------------------------------------------------------------------------------
+def block_body(
+    block: nn.Module,
+    mods: tuple[Any, ...],
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    encoder_hidden_states_mask: torch.Tensor | None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    hidden_states_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM-Omni 0.30's block with its modulation read from ``mods``: the same ops on the same values as
+    ``QwenImageTransformerBlock.forward`` (unless a fast-tier mode is on: :data:`FAST`). Single-segment blocks
+    (``modulate_index=None``, image mods are :class:`NormMod`) and ``zero_cond_t`` blocks
+    (``select01_modulation_native`` path; image mods are :class:`~.segments.SegMod`, per-segment broadcast instead
+    of three ``torch.where`` over ``[B, L, D]`` per image norm) share this body."""
+    img1, img2, txt1, txt2 = mods
+    img_modulated = img1.norm(block.img_norm1, hidden_states)
+    txt_modulated = txt1.norm(block.txt_norm1, encoder_hidden_states)
+    img_attn_output, txt_attn_output = block.attn(
+        hidden_states=img_modulated,
+        encoder_hidden_states=txt_modulated,
+        vid_freqs=image_rotary_emb[0],
+        txt_freqs=image_rotary_emb[1],
+        hidden_states_mask=hidden_states_mask,
+        encoder_hidden_states_mask=encoder_hidden_states_mask,
+    )
+    hidden_states = img1.residual(hidden_states, img_attn_output)
+    encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output)
+
+    img_modulated2 = img2.norm(block.img_norm2, hidden_states)
+    hidden_states = img2.residual(hidden_states, block.img_mlp(img_modulated2))
+    txt_modulated2 = txt2.norm(block.txt_norm2, encoder_hidden_states)
+    encoder_hidden_states = txt2.residual(encoder_hidden_states, block.txt_mlp(txt_modulated2))
+
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def block_body_reason(transformer: nn.Module) -> str | None:
+    """Why the memoized block body does not run in some blocks of ``transformer`` (None: it runs wherever the block
+    forward is called): a vLLM-Omni hook registry (MagCache, layerwise offload, SP) that was installed before
+    shared_modulation captured the stock forward. Those blocks still read their projections from the memo (the
+    swapped ``img_mod``/``txt_mod``); the fast tier's modes do not run there."""
+    patched = sys.modules[targets.TRANSFORMER].QwenImageTransformerBlock.forward
+    n = 0
+    for block in transformer.transformer_blocks:
+        captured = block.__dict__.get("_omni_original_forward")
+        if captured is not None and getattr(captured, "__func__", None) is not patched:
+            n += 1
+    if not n:
+        return None
+    return (
+        f"a vLLM-Omni hook captured the block forward of {n} block(s) before shared_modulation was installed: "
+        "they run stock's block with memoized projections"
+    )

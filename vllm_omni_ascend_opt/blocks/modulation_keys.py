@@ -1,0 +1,227 @@
+"""What the modulation memo keys on: weight signatures, numerical settings, AdaLayerNorm kinds, and the checks that
+say when a projection cannot be keyed.
+
+Shared by ``shared_modulation`` (its memo, :mod:`.modulation_memo`, and its per-model reasons) and by the fast tier
+(which only needs :func:`find_transformers`): written once here so that the reasons a model reports are the very
+checks the memo makes per call (:func:`unkeyable_reasons`), not a guess from the weights between forwards.
+
+* :func:`linear_sig`: what a modulation projection's output depends on besides its input (weights by identity,
+  storage, version counter and layout; quantization method; vLLM LoRA state). Raises :class:`Unkeyable` for
+  anything it cannot vouch for (not a ReplicatedLinear, inference-tensor weights, autograd recording).
+* :func:`numerical_settings`: process state that changes what the same projection computes (matmul precision,
+  autocast, grad mode, TF32/HF32 flags).
+* :func:`norm_kind`: how an AdaLayerNorm instance applies ``(scale, shift)`` (:data:`NATIVE`, :data:`NPU_EVAL`,
+  :data:`OPAQUE`): the one place that looks at the backend.
+* :class:`Span`: the memory a digested ``temb`` covered, so that views of it need no new digest.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks import guards, targets
+
+ADALAYERNORM_MODULE = "vllm_omni.diffusion.layers.adalayernorm"
+CUSTOM_OP_MODULE = "vllm_omni.diffusion.layers.custom_op"
+SELECT01_MODULE = "vllm_omni.diffusion.layers.qwen_select01_modulation"
+
+# How an AdaLayerNorm instance applies (scale, shift); decided in one place: norm_kind().
+NATIVE = "native"  # layernorm(x) * (1 + scale) + shift, with the instance's own LayerNorm
+NPU_EVAL = "npu_eval"  # torch_npu.npu_layer_norm_eval(x, ...) * (1 + scale) + shift
+OPAQUE = "opaque"  # anything else (MindIE-SD fused kernel, patched instance): call norm(x, scale, shift)
+
+
+class Unkeyable(Exception):
+    """This call cannot be memoized safely; the message says why (reported as a fallback reason)."""
+
+
+def numerical_settings(device_type: str) -> tuple[Any, ...]:
+    """Process state that can change what the projection computes for the same inputs and weights."""
+    npu_matmul = getattr(getattr(torch, "npu", None), "matmul", None)
+    return (
+        torch.is_grad_enabled(),  # vLLM-Omni's LoRA apply() takes a different (out=) path without grad
+        torch.get_float32_matmul_precision(),
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        getattr(npu_matmul, "allow_hf32", None),
+    )
+
+
+class _Upstream:
+    """The upstream classes and functions the checks compare against, looked up once."""
+
+    def __init__(self) -> None:
+        t = sys.modules[targets.TRANSFORMER]
+        self.ada_module = sys.modules[ADALAYERNORM_MODULE]
+        self.ada = self.ada_module.AdaLayerNorm
+        self.custom_op_forward = sys.modules[CUSTOM_OP_MODULE].CustomOp.forward
+        self.native = (self.ada.forward_native, self.ada.forward_cuda, self.ada.forward_hip)  # cuda/hip -> native
+        self.replicated = t.ReplicatedLinear
+
+
+_UP: list[_Upstream] = []
+
+
+def _up() -> _Upstream:
+    if not _UP:
+        _UP.append(_Upstream())
+    return _UP[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """The memory a digested contiguous temb covered; holds its storage so the address cannot be reused."""
+
+    storage: Any
+    dtype: torch.dtype
+    offset: int
+    numel: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> Span | None:
+        return Span(t.untyped_storage(), t.dtype, t.storage_offset(), t.numel()) if t.is_contiguous() else None
+
+    def contains(self, a: torch.Tensor) -> bool:
+        """``a`` only reads this span's memory (same storage and dtype): its values are then fixed by the digested
+        values and ``a``'s geometry."""
+        if a.dtype != self.dtype or a.untyped_storage().data_ptr() != self.storage.data_ptr():
+            return False
+        if a.numel() == 0 or any(st < 0 for st in a.stride()):
+            return False
+        last = a.storage_offset() + sum((n - 1) * st for n, st in zip(a.shape, a.stride(), strict=True))
+        return self.offset <= a.storage_offset() and last < self.offset + self.numel
+
+
+def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
+    """What a linear's output depends on besides its input: weights (identity, storage, version, layout),
+    quantization method and vLLM LoRA state. Only replicated projections (no collective inside, identical on every
+    rank): vLLM's ReplicatedLinear, plain or LoRA-wrapped. Kept cheap: it runs for every block of every forward."""
+    d = lin.__dict__
+    if not isinstance(lin, _up().replicated) and not any(
+        c.__name__ == "ReplicatedLinearWithLoRA" for c in type(lin).__mro__
+    ):
+        raise Unkeyable(f"modulation projection is a {type(lin).__name__}, not a ReplicatedLinear")
+    if lin._modules or lin._buffers or "lora_a_stacked" in d:  # LoRA wrapper, quantized layer: the general walk
+        tensors = [*lin.parameters(), *lin.buffers()]
+        for name in ("lora_a_stacked", "lora_b_stacked"):
+            tensors.extend(t for t in d.get(name, ()) if isinstance(t, torch.Tensor))
+        quant = getattr(lin, "quant_method", None)
+    else:
+        tensors = [t for t in lin._parameters.values() if t is not None]
+        quant = d.get("quant_method")
+    sig: list[Any] = [id(lin), id(quant), d.get("_diffusion_lora_active_slices")]
+    for t in tensors:
+        if grad and t.requires_grad:
+            raise Unkeyable("autograd is recording (grad enabled and a modulation weight requires grad)")
+        try:
+            # vLLM's parameter classes are Tensor subclasses: plain attribute reads would go through
+            # __torch_function__ (~1 us each); these reads are metadata only.
+            with torch._C.DisableTorchFunctionSubclass():
+                sig.append((id(t), t.data_ptr(), t._version, t.shape, t.dtype, t.device))
+        except RuntimeError as exc:
+            if t.is_inference():
+                raise Unkeyable(
+                    "modulation weights are inference tensors (no version counter to detect in-place updates); "
+                    "load or cast them under torch.no_grad(), not torch.inference_mode()"
+                ) from None
+            raise Unkeyable(f"cannot read a modulation weight's storage ({type(t).__name__}: {exc})") from None
+    return tuple(sig)
+
+
+def norm_out_sig(norm: nn.Module, grad: bool) -> tuple[Any, ...]:
+    """The weight signature of ``norm_out``'s linear; raises :class:`Unkeyable` when it is not stock's SiLU/linear."""
+    if type(norm.silu) is not nn.SiLU or norm.silu.inplace or guards.hooked(norm.silu) or guards.hooked(norm.linear):
+        raise Unkeyable("norm_out's SiLU/linear is not stock's (or has hooks)")
+    return linear_sig(norm.linear, grad)
+
+
+def silu_linear(seq: nn.Module) -> nn.Module:
+    """The linear of stock's ``nn.Sequential(nn.SiLU(), <replicated linear>)``; raises if ``seq`` is not that, or
+    carries forward hooks (skipping the module on a hit would skip the hook)."""
+    mods = seq._modules
+    if not isinstance(seq, nn.Sequential) or len(mods) != 2:
+        raise Unkeyable("modulation module is not nn.Sequential(SiLU, Linear)")
+    act, lin = mods.values()
+    if type(act) is not nn.SiLU or act.inplace:
+        raise Unkeyable("modulation activation is not an out-of-place nn.SiLU")
+    hooked = guards.hooked
+    if hooked(seq) or hooked(act) or hooked(lin) or (lin._modules and any(hooked(m) for m in lin.modules())):
+        raise Unkeyable("forward hooks on a modulation module (skipping it would skip the hook)")
+    return lin
+
+
+def norm_kind(norm: nn.Module) -> str:
+    """How ``norm`` (vLLM-Omni's AdaLayerNorm) applies (scale, shift) -- the one place that looks at the backend."""
+    up = _up()
+    if type(norm) is not up.ada or guards.hooked(norm) or up.ada.forward is not up.custom_op_forward:
+        return OPAQUE
+    fn = getattr(norm.__dict__.get("_forward_method"), "__func__", None)
+    if fn in up.native:
+        return NATIVE
+    if fn is up.ada.forward_npu and not getattr(up.ada_module, "_HAS_MINDIESD", True) and _backend.torch_npu_module():
+        return NPU_EVAL
+    return OPAQUE
+
+
+def block_parts(
+    block: nn.Module, grad: bool | None = None
+) -> tuple[nn.Module, nn.Module, tuple[str, ...], tuple, tuple]:
+    """(img linear, txt linear, the four AdaLayerNorm kinds, img weight signature, txt weight signature) of a block:
+    what its memo entries are keyed on. Raises :class:`Unkeyable` when a projection cannot be memoized. ``grad``:
+    whether autograd records (default: the current grad mode)."""
+    grad = torch.is_grad_enabled() if grad is None else grad
+    img_lin = silu_linear(block.img_mod)
+    txt_lin = silu_linear(block.txt_mod)
+    kinds = tuple(norm_kind(n) for n in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2))
+    return img_lin, txt_lin, kinds, linear_sig(img_lin, grad), linear_sig(txt_lin, grad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model-level helpers (reasons, notes, benchmarks)
+# ----------------------------------------------------------------------------------------------------------------
+def find_transformers(model: Any) -> list[nn.Module]:
+    """The QwenImageTransformer2DModel instances in ``model`` (a pipeline, a transformer, or any module tree)."""
+    t = sys.modules.get(targets.TRANSFORMER)
+    if t is None:
+        return []
+    cls = t.QwenImageTransformer2DModel
+    if isinstance(model, cls):
+        return [model]
+    found = []
+    tr = getattr(model, "transformer", None)
+    if isinstance(tr, cls):
+        found.append(tr)
+    if isinstance(model, nn.Module):
+        found.extend(m for m in model.modules() if isinstance(m, cls) and m is not tr)
+    return found
+
+
+def modulation_linears(transformer: nn.Module) -> list[nn.Module]:
+    """Every projection whose output depends only on temb: each block's img_mod/txt_mod linear and norm_out.linear."""
+    out = [seq._modules["1"] for b in transformer.transformer_blocks for seq in (b.img_mod, b.txt_mod)]
+    out.append(transformer.norm_out.linear)
+    return out
+
+
+def unkeyable_reasons(transformer: nn.Module) -> list[str]:
+    """Why the memo cannot key some of ``transformer``'s projections (the per-call checks, made on the model)."""
+    reasons = []
+    for block in transformer.transformer_blocks:
+        try:
+            block_parts(block, grad=False)
+        except Unkeyable as exc:
+            reasons.append(str(exc))
+    try:
+        norm_out_sig(transformer.norm_out, grad=False)
+    except Unkeyable as exc:
+        reasons.append(str(exc))
+    return list(dict.fromkeys(reasons))

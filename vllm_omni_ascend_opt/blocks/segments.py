@@ -1,0 +1,155 @@
+"""Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``): where each image token takes the current
+timestep's modulation or timestep 0's, and the per-segment broadcast that replaces stock's ``torch.where``.
+
+Stock projects ``img_mod`` over ``temb = [emb(t); emb(0)]`` and, per image norm, builds three ``[B, L, D]`` tensors
+with ``torch.where(modulate_index, segment 1, segment 0)`` (``select01_modulation_native``). :class:`SegmentPlan`
+reads ``modulate_index`` once per forward (its runs of equal values); :class:`SegMod` views the sequence as
+``[B, C, L/C, D]`` chunks (``C = L / gcd(run lengths)``, at most :data:`MAX_BROADCAST_CHUNKS`) multiplied by
+``[B, C, 1, D]`` per-chunk tensors, or computes each run on its slice with ``out=``. Each element sees the same
+IEEE mul/add on the same two values as in stock, so the result is bitwise stock's.
+
+Used by the modulation memo (:mod:`.modulation_memo`, which builds them) and the block body (:mod:`.block_body`,
+which applies them through the :class:`~.block_body.NormMod` interface).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt.blocks.block_body import FAST, layernorm
+
+#: Two-segment blocks: at most this many equal-length chunks of the image sequence are modulated with one broadcast
+#: (``[B, C, 1, D]`` tensors per norm); more (segments of coprime lengths) use per-segment slices.
+MAX_BROADCAST_CHUNKS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentPlan:
+    """Where stock's ``select01_modulation_native`` picks segment 0 or 1 along the (local) image sequence.
+
+    ``runs``: ``(start, end, segment)`` of equal ``modulate_index != 0`` values (identical in every batch row).
+    With ``chunks`` (``L / gcd(run lengths)``) at most :data:`MAX_BROADCAST_CHUNKS`, the sequence is viewed as
+    ``[B, chunks, L / chunks, D]`` and each chunk's segment tensor broadcasts over it (one op per multiply/add);
+    otherwise each run is computed on its slice."""
+
+    length: int
+    runs: tuple[tuple[int, int, int], ...]
+    chunk: int  # tokens per chunk (gcd of the run lengths)
+
+    @property
+    def chunks(self) -> int:
+        return self.length // self.chunk
+
+    @property
+    def broadcast(self) -> bool:
+        return self.chunks <= MAX_BROADCAST_CHUNKS
+
+    def chunk_segments(self) -> list[int]:
+        return [seg for start, end, seg in self.runs for _ in range((end - start) // self.chunk)]
+
+    @staticmethod
+    def of(index: torch.Tensor) -> SegmentPlan:
+        """The plan of a ``[rows, L]`` modulate_index (one device->host copy); ValueError when rows differ."""
+        if index.dim() != 2 or index.shape[1] == 0:
+            raise ValueError(f"modulate_index of shape {tuple(index.shape)} is not [rows, L]")
+        rows = index.tolist()  # one device->host copy, no kernel on the device
+        if any(row != rows[0] for row in rows[1:]):
+            raise ValueError("modulate_index differs between batch rows")
+        values = [v != 0 for v in rows[0]]  # stock: index.to(dtype=torch.bool)
+        runs: list[tuple[int, int, int]] = []
+        start = 0
+        for i in range(1, len(values) + 1):
+            if i == len(values) or values[i] != values[start]:
+                runs.append((start, i, int(values[start])))
+                start = i
+        chunk = 0
+        for a, b, _ in runs:
+            chunk = math.gcd(chunk, b - a)
+        return SegmentPlan(len(values), tuple(runs), chunk)
+
+
+@dataclass(slots=True)
+class SegMod:
+    """One two-segment AdaLayerNorm's modulation (image stream of a ``zero_cond_t`` block), unpacked.
+
+    Broadcast plans: ``first``/``shift``/``gate`` are ``[B, chunks, 1, D]`` (each chunk's segment row, copied);
+    slice plans: tuples indexed by segment of ``[B, 1, D]`` tensors. ``first`` is ``1 + scale``. Every product and
+    sum below is the elementwise op stock runs on the same two values, so the result is stock's bit for bit."""
+
+    first: Any
+    shift: Any
+    gate: Any
+    kind: str
+    plan: SegmentPlan
+
+    def _apply(self, y: torch.Tensor, mul: Any, add: Any | None) -> torch.Tensor:
+        plan = self.plan
+        b, n, d = y.shape
+        if plan.broadcast:
+            out = y.reshape(b, plan.chunks, plan.chunk, d) * mul
+            if add is not None:
+                out = out + add
+            return out.view(b, n, d)
+        out = torch.empty(y.shape, dtype=torch.promote_types(y.dtype, mul[0].dtype), device=y.device)
+        for start, end, seg in plan.runs:
+            part = out[:, start:end]
+            torch.mul(y[:, start:end], mul[seg], out=part)
+            if add is not None:
+                part.add_(add[seg])
+        return out
+
+    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))``."""
+        owner = FAST.owner("modulate")
+        if owner is not None:
+            owner.count_stock("two-segment image norm (zero_cond_t): the modulation differs between segments")
+        return self._apply(layernorm(self.kind, norm, x), self.first, self.shift)
+
+    def gated(self, y: torch.Tensor) -> torch.Tensor:
+        """Stock: ``where(idx, gate1, gate0) * y``."""
+        return self._apply(y, self.gate, None)
+
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Stock's ``x + where(idx, gate1, gate0) * y``; with ``fast_residual`` one ``addcmul`` per broadcast or
+        per segment slice."""
+        gate = self.gate if self.plan.broadcast else self.gate[0]
+        if not FAST.use_residual(x, gate, y):
+            return x + self.gated(y)
+        plan = self.plan
+        b, n, d = y.shape
+        if plan.broadcast:
+            shape = (b, plan.chunks, plan.chunk, d)
+            return torch.addcmul(x.reshape(shape), self.gate, y.reshape(shape)).view(b, n, d)
+        out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+        for start, end, seg in plan.runs:
+            torch.addcmul(x[:, start:end], self.gate[seg], y[:, start:end], out=out[:, start:end])
+        return out
+
+    @staticmethod
+    def segment(scale: torch.Tensor, shift: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One segment's ``(1 + scale, shift, gate)`` as contiguous ``[B, 1, D]`` tensors, from stock's
+        ``split_select01_mod_params`` halves (``[B, D]`` views of the projection)."""
+        own = torch.contiguous_format
+        return ((1 + scale).unsqueeze(1), shift.unsqueeze(1).clone(memory_format=own), gate.unsqueeze(1).clone())
+
+    @staticmethod
+    def build(per_seg: tuple[tuple[torch.Tensor, ...], ...], kind: str, plan: SegmentPlan) -> SegMod:
+        """``per_seg[k]`` is :meth:`segment` of segment ``k`` (0: current timestep, 1: timestep 0)."""
+        if plan.broadcast:
+            order = plan.chunk_segments()
+            first, shift, gate = (torch.stack([per_seg[k][j] for k in order], dim=1) for j in range(3))
+            return SegMod(first, shift, gate, kind, plan)
+        first, shift, gate = (tuple(per_seg[k][j] for k in (0, 1)) for j in range(3))
+        return SegMod(first, shift, gate, kind, plan)
+
+    def nbytes(self, segment: int | None = None) -> int:
+        """Bytes held; for slice plans ``segment`` counts only that segment's tensors."""
+        if self.plan.broadcast:
+            return sum(t.numel() * t.element_size() for t in (self.first, self.shift, self.gate))
+        segs = (0, 1) if segment is None else (segment,)
+        return sum(x[k].numel() * x[k].element_size() for x in (self.first, self.shift, self.gate) for k in segs)
