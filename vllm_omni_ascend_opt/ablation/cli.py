@@ -364,7 +364,7 @@ def _launch_estimate(plan: Any) -> dict[str, Any] | None:
 
 
 def _stored_measurements(plan: Any, out: Path) -> int:
-    from vllm_omni_ascend_opt.ablation.runner import Store, select_resumable
+    from vllm_omni_ascend_opt.ablation.outdir import Store, select_resumable
 
     pj = Path(out) / "plan.json"
     if not pj.is_file():
@@ -380,7 +380,8 @@ def _stored_measurements(plan: Any, out: Path) -> int:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     from vllm_omni_ascend_opt.ablation import report, stats
-    from vllm_omni_ascend_opt.ablation.runner import RunError, Runner
+    from vllm_omni_ascend_opt.ablation.outdir import RunError
+    from vllm_omni_ascend_opt.ablation.runner import Runner
 
     try:
         plan = make_plan(args, build_model=True)
