@@ -4,7 +4,7 @@
 Usage (on an Ascend host with torch_npu, vLLM 0.30 and vLLM-Omni 0.30 installed, from the repo root)::
 
     python benchmarks/npu_check_kernels.py                 # bf16, Qwen-Image layout: B=1, 4096 image + 256 text
-    python benchmarks/npu_check_kernels.py --dtype fp16 --img-tokens 6400 --iters 50 --json out.json
+    python benchmarks/npu_check_kernels.py --dtype fp16 --img-tokens 6400 --iters 50 --out check.json
     python benchmarks/npu_check_kernels.py --fake          # CPU smoke test of this script against the test fake
 
 What it runs (all on one NPU, ``torch.npu.synchronize()`` before and after every timed call, wall-clock with
@@ -39,8 +39,9 @@ What it prints: a header line ``npu_check_kernels: <chip> | soc <version> | torc
 dtype <dtype> | S=<txt>+<img> N=<heads> D=<head_dim>``; one table per section with the columns
 ``check | case | result | max|err| | tol | median ms | min ms | vs stock`` (``vs stock`` = stock median / path
 median, > 1 = faster than stock); then ``RESULT: PASS (n checks)`` or ``RESULT: FAIL (k of n checks failed: ...)``
-and ``JSON: <path>``. The JSON (``--json PATH``, default ``npu_check_kernels.json`` in the current directory) holds
-the header facts, every row, and ``would_use`` per optimization. Exit status 0 when everything passed, 1 otherwise.
+and ``JSON: <path>``. The JSON (``--out PATH``, also spelled ``--json``; default
+``out/npu-check/npu_check_kernels.json`` under the repository root, a git-ignored folder) holds the header facts,
+every row, and ``would_use`` per optimization. Exit status 0 when everything passed, 1 otherwise.
 
 Without torch_npu (or without a visible NPU) it prints ``SKIPPED: <reason> - nothing to check on this machine`` and
 exits 0. ``--fake`` runs everything against ``tests/fake_torch_npu`` on CPU with small shapes by default (a smoke test
@@ -63,6 +64,8 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+#: Where the JSON goes without ``--out``: an ignored folder (``/out/`` in .gitignore), never the repository root.
+DEFAULT_JSON = REPO / "out" / "npu-check" / "npu_check_kernels.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -340,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=None, help="timed calls per path (default 20; --fake: 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 5; --fake: 1)")
     p.add_argument("--fake", action="store_true", help="CPU smoke test against tests/fake_torch_npu")
-    p.add_argument("--json", type=Path, default=Path("npu_check_kernels.json"),
-                   help="where to write the JSON beside the table (default ./npu_check_kernels.json)")  # fmt: skip
+    p.add_argument("--out", "--json", dest="json", type=Path, default=DEFAULT_JSON,
+                   help=f"where to write the JSON beside the table (default {DEFAULT_JSON.relative_to(REPO)})")  # fmt: skip
     p.add_argument("--fake-variant", action="append", default=[], metavar="KERNEL=VARIANT",
                    help="with --fake: a deliberately wrong fake kernel, e.g. fusion_attention=wrong_polarity")  # fmt: skip
     p.add_argument("--fake-cann", default="8.3.RC1", help="with --fake: the CANN version the fake reports")
@@ -409,6 +412,7 @@ def _run(a: argparse.Namespace, dtype: torch.dtype, img: int, txt: int, hidden: 
         if failed
         else f"RESULT: PASS ({n} checks)"
     )
+    a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({**facts, "would_use": ck.would_use, "rows": ck.rows}, indent=1))
     print(f"JSON: {a.json}")
     return 1 if failed else 0

@@ -119,7 +119,7 @@ def test_omni_engine_adapter_builds_vllm_omni_requests(monkeypatch):
     from PIL import Image
     from vllm_omni.outputs import OmniRequestOutput
 
-    from vllm_omni_ascend_opt.ablation.worker import OmniEngine, omni_stages_ms
+    from vllm_omni_ascend_opt.ablation.engines import OmniEngine, omni_stages_ms
 
     calls: dict = {}
 

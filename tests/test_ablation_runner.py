@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from vllm_omni_ascend_opt.ablation import report, stats
+from vllm_omni_ascend_opt.ablation.outdir import RunError
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
-from vllm_omni_ascend_opt.ablation.runner import RunError, Runner
+from vllm_omni_ascend_opt.ablation.runner import Runner
 from vllm_omni_ascend_opt.ablation.schema import validate
 from vllm_omni_ascend_opt.ablation.workload import from_mapping
 
@@ -242,7 +243,7 @@ def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_
 def test_williams_orders_balance_positions_and_predecessors(n):
     from collections import Counter
 
-    from vllm_omni_ascend_opt.ablation.runner import williams_orders
+    from vllm_omni_ascend_opt.ablation.schedule import williams_orders
 
     rows = williams_orders(n)
     assert len(rows) == (n if n % 2 == 0 or n == 1 else 2 * n)
@@ -257,7 +258,7 @@ def test_williams_orders_balance_positions_and_predecessors(n):
 def test_resident_measurement_follows_the_williams_orders(tmp_path, monkeypatch):
     """The resident schedule measures each step in the next Williams order: the predecessor of a configuration
     varies (with a rotation, 'full' would always run right after 'stock')."""
-    from vllm_omni_ascend_opt.ablation.runner import williams_orders
+    from vllm_omni_ascend_opt.ablation.schedule import williams_orders
 
     plan = make_plan(repeats=3, seeds=[1, 2])
     _, res = run(plan, tmp_path / "out", monkeypatch, GOOD)
@@ -295,7 +296,7 @@ def _state(pid: int) -> str:
 def test_pause_idle_stops_every_other_worker_group_during_a_measurement(tmp_path, monkeypatch, pause):
     """With ``pause_idle`` each measured generation runs while every other resident worker and the engine process it
     started are stopped (SIGSTOP), the measured one is running; all exit cleanly (continued before "exit")."""
-    from vllm_omni_ascend_opt.ablation import runner as runner_mod
+    from vllm_omni_ascend_opt.ablation import processes
 
     plan = make_plan(repeats=2, seeds=[1], pause_idle=pause)
     log = tmp_path / "starts.log"
@@ -303,7 +304,7 @@ def test_pause_idle_stops_every_other_worker_group_during_a_measurement(tmp_path
     seen: list[tuple[str, list[str], list[str]]] = []
     exits: list[int | None] = []
     calls: dict[str, int] = {}
-    orig_init, orig_run, orig_stop = runner_mod.Worker.__init__, runner_mod.Worker.run, runner_mod.Worker.stop
+    orig_init, orig_run, orig_stop = processes.Worker.__init__, processes.Worker.run, processes.Worker.stop
 
     def groups() -> dict[str, list[int]]:
         return {ln.split()[0]: [int(x) for x in ln.split()[1:]] for ln in log.read_text().splitlines()}
@@ -324,9 +325,9 @@ def test_pause_idle_stops_every_other_worker_group_during_a_measurement(tmp_path
         orig_stop(self, grace)
         exits.append(self.proc.returncode)
 
-    monkeypatch.setattr(runner_mod.Worker, "__init__", init)
-    monkeypatch.setattr(runner_mod.Worker, "run", run_)
-    monkeypatch.setattr(runner_mod.Worker, "stop", stop)
+    monkeypatch.setattr(processes.Worker, "__init__", init)
+    monkeypatch.setattr(processes.Worker, "run", run_)
+    monkeypatch.setattr(processes.Worker, "stop", stop)
     _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "starts_log": str(log), "engine_child": True})
     assert res["verdict"]["result"] == "PASS"
     assert len(seen) == len(plan.configs) * 2 and all(len(g) == 2 for g in groups().values())
@@ -344,7 +345,7 @@ def test_group_cpu_counts_every_process_of_the_group_and_nothing_else(tmp_path):
     process does) counts for its group, live or reaped, and not for another group."""
     import subprocess
 
-    from vllm_omni_ascend_opt.ablation.runner import _group_cpu_s
+    from vllm_omni_ascend_opt.ablation.processes import group_cpu_s
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
     live = burn + "print('done', flush=True)\ntime.sleep(60)\n"
@@ -366,11 +367,11 @@ def test_group_cpu_counts_every_process_of_the_group_and_nothing_else(tmp_path):
     try:
         word, other = leader.stdout.readline().split()
         assert word == "burnt"
-        got = _group_cpu_s(leader.pid)
+        got = group_cpu_s(leader.pid)
         assert 0.55 <= got < 1.2, got  # both 0.3 s children (the reaped one via cutime), not the other group's 1.2 s
-        assert _group_cpu_s(int(other)) >= 1.2
-        assert _group_cpu_s(idle.pid) < 0.3  # python start-up only
-        assert _group_cpu_s(2**22 + 12345) == 0  # no such group: nothing
+        assert group_cpu_s(int(other)) >= 1.2
+        assert group_cpu_s(idle.pid) < 0.3  # python start-up only
+        assert group_cpu_s(2**22 + 12345) == 0  # no such group: nothing
     finally:
         if other is not None:
             os.killpg(int(other), signal.SIGKILL)
@@ -421,10 +422,10 @@ class _StubEngine:
 def _serve(monkeypatch, active: list[str], wanted: list[str]) -> tuple[int, list[dict]]:
     import io
 
-    from vllm_omni_ascend_opt.ablation import protocol, worker
+    from vllm_omni_ascend_opt.ablation import engines, protocol, worker
 
     monkeypatch.setattr(worker, "load_plugin_like_vllm_omni", lambda: None)
-    monkeypatch.setitem(worker.ENGINES, "stub", lambda job: _StubEngine(job, active))
+    monkeypatch.setitem(engines.ENGINES, "stub", lambda job: _StubEngine(job, active))
     job = {"protocol": protocol.PROTOCOL_VERSION, "engine": "stub", "config": {"id": "c", "opts": wanted}}
     out = io.StringIO()
     rc = worker.serve({**job, "prompts": ["p"]}, out, iter(['{"cmd": "exit"}\n']))

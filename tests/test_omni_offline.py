@@ -4,7 +4,9 @@
 plugin through vLLM-Omni's entry points and reports, in a JSON status file named by
 ``VLLM_OMNI_ASCEND_OPT_STATUS_FILE``, what it installed and what acts on the pipeline it built. The images of the
 default stack must be bitwise-identical to ``VLLM_OMNI_ASCEND_OPT=none`` (run in-process: a second process layout,
-same numbers). Both engines run at the same time, each in its own child process with the test bed's CPU runtime
+same numbers). A third engine runs with ``VLLM_PLUGINS`` naming another plugin only: vLLM-Omni must not load ours,
+and the test bed's CPU runtime must still let the engine start and serve stock images. The engines run at the same
+time, each in its own child process with the test bed's CPU runtime
 (:func:`vllm_omni_ascend_opt.testbed.runtime.engine_env`).
 """
 
@@ -31,11 +33,18 @@ NPU_FREE_DEFAULT = {
     "joint_attention",
     "vae_exact",
 }  # the default stack minus the torch_npu ones
+#: The plugin's INFO line starts with this (one per process that loaded it).
+PLUGIN_LINE = "vllm-omni-ascend-opt 0.1.0 (VLLM_OMNI_ASCEND_OPT="
+#: The test bed's CPU runtime logs this where it applied itself (testbed/runtime.py).
+RUNTIME_LINE = "CPU runtime for vLLM-Omni's engines"
 
 
-def _start(model: Path, out: Path, flag: str, kwargs: dict) -> subprocess.Popen:
+def _start(model: Path, out: Path, flag: str, kwargs: dict, plugins: str | None = None) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     env = engine_env()
+    env.pop("VLLM_PLUGINS", None)
+    if plugins is not None:
+        env["VLLM_PLUGINS"] = plugins  # vLLM-Omni loads only the general plugins named here
     env.update(
         VLLM_OMNI_ASCEND_OPT=flag,
         VLLM_OMNI_ASCEND_OPT_STATUS_FILE=str(out / "status.json"),
@@ -56,11 +65,14 @@ def _start(model: Path, out: Path, flag: str, kwargs: dict) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
-    """{"default": out_dir, "none": out_dir}: both engines run concurrently; killed by process group at the end."""
+    """{"default": out_dir, "none": out_dir, "other_plugin": out_dir}: the engines run concurrently; killed by process
+    group at the end. ``other_plugin``: the default flag, the ``mp`` backend and ``VLLM_PLUGINS=some_other_plugin``."""
     root = tmp_path_factory.mktemp("omni_offline")
+    mp = {"distributed_executor_backend": "mp"}
     procs = {
-        "default": _start(tiny_model_dir, root / "default", "default", {"distributed_executor_backend": "mp"}),
+        "default": _start(tiny_model_dir, root / "default", "default", mp),
         "none": _start(tiny_model_dir, root / "none", "none", {}),
+        "other_plugin": _start(tiny_model_dir, root / "other_plugin", "default", mp, plugins="some_other_plugin"),
     }
     try:
         for name, proc in procs.items():
@@ -94,7 +106,7 @@ def test_mp_worker_built_the_model_and_installed_the_default_stack(runs):
     assert NPU_FREE_DEFAULT <= set(status["acting_on_pipeline"]), status
     assert "torch_npu" in status["off"]["fused_attention"]
     log = (runs["default"] / "log.txt").read_text(errors="replace")
-    applied = [ln for ln in log.splitlines() if "CPU runtime for vLLM-Omni's engines" in ln and "DiffusionWorker" in ln]
+    applied = [ln for ln in log.splitlines() if RUNTIME_LINE in ln and "DiffusionWorker" in ln]
     assert applied, "the test bed's CPU runtime must have been applied in the worker (no accelerator here)"
     assert status["requests"] >= len(list(runs["default"].glob("*.npy")))  # refreshed after every forward
 
@@ -115,9 +127,28 @@ def test_default_stack_images_bitwise_equal_none(runs):
         assert np.array_equal(a, b), f"{name}: the default stack changed the image"
 
 
+def test_engine_without_our_plugin_starts_and_serves_stock(runs):
+    """``VLLM_PLUGINS`` that excludes ascend_opt: the engine starts (the test bed's CPU runtime does not depend on the
+    plugin; it did once, and such an engine failed with "Orchestrator initialization failed"), serves images
+    bitwise-equal to ``VLLM_OMNI_ASCEND_OPT=none``, and the plugin is not loaded in any of its processes although
+    ``VLLM_OMNI_ASCEND_OPT=default`` is set: no status file, no INFO line."""
+    out = runs["other_plugin"]
+    log = (out / "log.txt").read_text(errors="replace")
+    assert not (out / "status.json").exists(), "the plugin was loaded although VLLM_PLUGINS excludes it"
+    assert (runs["default"] / "status.json").is_file()  # the same status-file setting works where it is loaded
+    assert not [ln for ln in log.splitlines() if PLUGIN_LINE in ln]
+    applied = [ln for ln in log.splitlines() if RUNTIME_LINE in ln and "DiffusionWorker" in ln]
+    assert applied, "the test bed's CPU runtime must have been applied in the mp worker"
+    files = sorted(p.name for p in out.glob("*.npy"))
+    assert files == ["0.npy", "1.npy"]
+    for name in files:
+        a, b = np.load(out / name), np.load(runs["none"] / name)
+        assert a.std() > 0 and np.array_equal(a, b), f"{name}: differs from VLLM_OMNI_ASCEND_OPT=none"
+
+
 def test_status_line_in_the_engine_log(runs):
     log = (runs["default"] / "log.txt").read_text(errors="replace")
-    lines = [ln for ln in log.splitlines() if "vllm-omni-ascend-opt 0.1.0 (VLLM_OMNI_ASCEND_OPT=default)" in ln]
+    lines = [ln for ln in log.splitlines() if PLUGIN_LINE + "default)" in ln]
     worker = [ln for ln in lines if "DiffusionWorker" in ln]
     assert len(worker) == 1, lines  # one INFO line per process, the worker's tagged by vLLM
     assert " INFO " in worker[0] and "installed shared_modulation, rope, vae_exact, joint_attention" in worker[0]

@@ -1,13 +1,15 @@
 """The plugin inside ``vllm serve <tiny model> --omni`` (vLLM-Omni's OpenAI-compatible server), over real HTTP.
 
-Four servers start at once, on free 127.0.0.1 ports, each in its own process group (stopped by PID / group at the
+Five servers start at once, on free 127.0.0.1 ports, each in its own process group (stopped by PID / group at the
 end, also when a test fails):
 
 * ``default``: the default stack, ``mp`` executor (the model lives in a worker process), a tight 0.02 MiB modulation
   memo budget so that the soak has to evict;
 * ``stock``: ``VLLM_OMNI_ASCEND_OPT=none``, ``mp`` executor: the reference images;
 * ``bogus``: ``VLLM_OMNI_ASCEND_OPT=bogus`` without strict mode, in-process (one process, so "logged once" is exact);
-* ``strict``: the same flag with ``VLLM_OMNI_ASCEND_OPT_STRICT=1``: must fail to start.
+* ``strict``: the same flag with ``VLLM_OMNI_ASCEND_OPT_STRICT=1``: must fail to start;
+* ``other_plugin``: the default flag with ``VLLM_PLUGINS=some_other_plugin``, in-process: vLLM-Omni does not load
+  our plugin, and the server still starts on CPU (the test bed's runtime does not depend on the plugin).
 
 Every server writes the plugin's JSON status file (``VLLM_OMNI_ASCEND_OPT_STATUS_FILE``), refreshed after each
 request by the process that holds the model; the tests read it rather than scraping logs, except for the log line
@@ -65,7 +67,8 @@ class _Servers:
         self.stock = make("stock", "none", True)
         self.bogus = make("bogus", "bogus", False)
         self.strict = make("strict", "bogus", False, VLLM_OMNI_ASCEND_OPT_STRICT="1")
-        self.all = [self.default, self.stock, self.bogus, self.strict]
+        self.other = make("other_plugin", "default", False, VLLM_PLUGINS="some_other_plugin")
+        self.all = [self.default, self.stock, self.bogus, self.strict, self.other]
         self.strict_rc: int | None = None
 
     def status(self, name: str) -> dict:
@@ -79,7 +82,7 @@ def servers(tiny_model_dir, tmp_path_factory):
         for srv in s.all:
             srv.start()
         s.strict_rc = s.strict.wait_exit(timeout=300)
-        for srv in (s.default, s.stock, s.bogus):
+        for srv in (s.default, s.stock, s.bogus, s.other):
             srv.wait_ready(timeout=420)
         yield s
     finally:
@@ -131,6 +134,20 @@ def test_bogus_flag_with_strict_fails_start_with_the_plugins_message(servers):
     assert servers.strict_rc not in (None, 0), "strict mode with a bad flag must stop the server"
     log = servers.strict.log_text()
     assert "PluginConfigError" in log and "unknown optimization 'bogus'" in log
+
+
+def test_server_without_our_plugin_starts_and_serves_stock(servers):
+    """``VLLM_PLUGINS`` that excludes ascend_opt: the server starts (it once failed with "Orchestrator initialization
+    failed": only the plugin applied the test bed's CPU runtime), serves stock's image, and loads no plugin although
+    ``VLLM_OMNI_ASCEND_OPT=default`` is set: no status file, no INFO line."""
+    o = servers.other
+    r, ref = o.generate(_body(2)), servers.stock.generate(_body(2))
+    assert r.status == 200 and ref.status == 200, (r.body, ref.body)
+    assert r.image().std() > 0 and np.array_equal(r.image(), ref.image())
+    assert not (servers.root / "other_plugin.status.json").exists(), "the plugin was loaded despite VLLM_PLUGINS"
+    log = o.log_text()
+    assert "vllm-omni-ascend-opt 0.1.0 (" not in log
+    assert "CPU runtime for vLLM-Omni's engines" in log
 
 
 def test_bad_request_gets_4xx_and_the_next_request_succeeds(servers):

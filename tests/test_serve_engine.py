@@ -16,7 +16,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from vllm_omni_ascend_opt.ablation import worker as worker_mod
+from vllm_omni_ascend_opt.ablation import engines as engines_mod
 from vllm_omni_ascend_opt.testbed import serve as serve_mod
 from vllm_omni_ascend_opt.testbed.runtime import ENV_CPU_RUNTIME, SITE_DIR
 
@@ -55,7 +55,7 @@ def test_server_gets_the_flags_and_the_cpu_runtime(monkeypatch, tmp_path):
     monkeypatch.setattr(serve_mod.subprocess, "Popen", _Popen)
     monkeypatch.setattr(serve_mod.OmniServer, "wait_ready", lambda self, timeout=0: self)
     _Popen.calls.clear()
-    eng = worker_mod.ServeEngine(JOB)
+    eng = engines_mod.ServeEngine(JOB)
     eng.load()
     (argv, kw) = _Popen.calls[0]
     assert argv[1:4] == ["serve", "/models/tiny", "--omni"]
@@ -99,7 +99,7 @@ def test_serve_generation_from_the_http_answer(monkeypatch, tmp_path):
             }
             return serve_mod.ImageResponse(200, payload, 0.75, _png(pixels))
 
-    eng = worker_mod.ServeEngine(JOB)
+    eng = engines_mod.ServeEngine(JOB)
     eng.server = FakeServer()
     gen = eng.generate("a cat", 7)
     assert sent["size"] == "48x32" and sent["seed"] == 7 and sent["num_inference_steps"] == 4
@@ -112,7 +112,7 @@ def test_serve_generation_from_the_http_answer(monkeypatch, tmp_path):
 def test_serve_engine_reports_what_the_server_process_acts_with(monkeypatch, tmp_path):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STATUS_FILE", "")
-    eng = worker_mod.ServeEngine(JOB)
+    eng = engines_mod.ServeEngine(JOB)
     with pytest.raises(RuntimeError, match="no plugin status file"):
         eng.active()
     eng.status_path.write_text(
@@ -129,7 +129,7 @@ def test_runner_passes_the_cpu_runtime_to_vllm_omni_engines_only(monkeypatch, tm
     from vllm_omni_ascend_opt.ablation.workload import load_workload
 
     monkeypatch.delenv(ENV_CPU_RUNTIME, raising=False)
-    monkeypatch.setattr(runner_mod, "_accelerator_visible", lambda: False)
+    monkeypatch.setattr(runner_mod, "accelerator_visible", lambda: False)
     plan = build_plan(load_workload("tiny-cpu"), opt_infos_from_registry(), engine=engine)
     r = runner_mod.Runner(plan, tmp_path / "out", progress=False)
     full = plan.config("full")
@@ -139,6 +139,6 @@ def test_runner_passes_the_cpu_runtime_to_vllm_omni_engines_only(monkeypatch, tm
         assert ENV_CPU_RUNTIME not in env  # the test-bed engine sets up its own runtime in-process
     else:
         assert env[ENV_CPU_RUNTIME] == "1" and env["PYTHONPATH"].split(":")[0] == str(SITE_DIR)
-    monkeypatch.setattr(runner_mod, "_accelerator_visible", lambda: True)
+    monkeypatch.setattr(runner_mod, "accelerator_visible", lambda: True)
     r2 = runner_mod.Runner(plan, tmp_path / "out2", progress=False)
     assert ENV_CPU_RUNTIME not in r2._env(full)  # never passed to an accelerator machine's engines

@@ -364,7 +364,7 @@ def _launch_estimate(plan: Any) -> dict[str, Any] | None:
 
 
 def _stored_measurements(plan: Any, out: Path) -> int:
-    from vllm_omni_ascend_opt.ablation.runner import Store, select_resumable
+    from vllm_omni_ascend_opt.ablation.outdir import Store, select_resumable
 
     pj = Path(out) / "plan.json"
     if not pj.is_file():
@@ -380,7 +380,8 @@ def _stored_measurements(plan: Any, out: Path) -> int:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     from vllm_omni_ascend_opt.ablation import report, stats
-    from vllm_omni_ascend_opt.ablation.runner import RunError, Runner
+    from vllm_omni_ascend_opt.ablation.outdir import RunError
+    from vllm_omni_ascend_opt.ablation.runner import Runner
 
     try:
         plan = make_plan(args, build_model=True)
@@ -404,7 +405,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def print_summary(results: dict[str, Any]) -> None:
     """The main table of report.md, as text."""
-    from vllm_omni_ascend_opt.ablation.report import _gate_cell
+    from vllm_omni_ascend_opt.ablation.report import gate_cell
 
     print(
         f"\n{'optimization':<22} {'class':<6} {'saved ms (mean ± std)':>22} {'% stock':>8}  {'direction':<10} "
@@ -421,7 +422,7 @@ def print_summary(results: dict[str, Any]) -> None:
         pct = "–" if d["saved_pct_of_stock"] is None else f"{d['saved_pct_of_stock']:+.2f}%"
         print(
             f"{name:<22} {cls:<6} {saved:>22} {pct:>8}  {d['direction']:<10} {d['label']:<13} "
-            f"{_gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"
+            f"{gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"
         )
     nf = results["noise_floor"]
     print(f"noise floor: {nf['ms']:.2f} ms" if nf else "noise floor: unknown")

@@ -305,7 +305,7 @@ def build_plan(
     notes = []
     eng = engine or workload.engine
     if eng == "auto":
-        eng = "testbed" if workload.is_tiny else ("omni" if _accelerator_visible() else "testbed")
+        eng = "testbed" if workload.is_tiny else ("omni" if accelerator_visible() else "testbed")
         if eng == "testbed" and not workload.is_tiny:
             notes.append(
                 "no accelerator is visible: this checkpoint would run on CPU in the test-bed engine (vLLM-Omni's "
@@ -314,7 +314,7 @@ def build_plan(
     sched = schedule or workload.schedule
     if sched == "auto":
         sched = "resident" if workload.is_tiny else "per-round"
-    if eng in ("omni", "serve") and not _accelerator_visible():
+    if eng in ("omni", "serve") and not accelerator_visible():
         notes.append(
             f"no accelerator is visible: the {eng} engine runs vLLM-Omni on CPU through the test bed's CPU runtime "
             "(testbed/runtime.py); fine for the tiny model, far too slow for a real checkpoint"
@@ -333,7 +333,7 @@ def build_plan(
     )
 
 
-def _accelerator_visible() -> bool:
+def accelerator_visible() -> bool:
     from vllm_omni_ascend_opt import _backend
 
     if _backend.torch_npu_module() is not None:

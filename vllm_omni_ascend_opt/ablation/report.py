@@ -109,6 +109,12 @@ def write_json(results: dict[str, Any], out: Path) -> Path:
 # ----------------------------------------------------------------------------------------------------------------
 # Markdown
 # ----------------------------------------------------------------------------------------------------------------
+def _table_head(first: list[str], last: list[str]) -> list[str]:
+    """A markdown table's header row and separator: the ``first`` columns, one per stage, then the ``last``."""
+    cols = [*first, *(f"{STAGE_TITLES[s]} ms" for s in STAGES), *last]
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
 def _ms(v: float | None, sign: bool = False) -> str:
     if v is None:
         return "–"
@@ -126,7 +132,8 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v:+.2f}%"
 
 
-def _gate_cell(chk: dict[str, Any] | None) -> str:
+def gate_cell(chk: dict[str, Any] | None) -> str:
+    """An equivalence check as a report cell: ✅ / ❌ and the worst pixel, SSIM or PSNR figures (also the CLI summary)."""
     if not chk:
         return "–"
     g = chk["gate"]
@@ -199,17 +206,17 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append("Noise floor: **unknown** (the control pair did not complete).")
     lines += [
         "",
-        "| optimization | class | saved ms (mean ± std) | % of stock | per round (ms) | direction | label | "
-        + " | ".join(f"{STAGE_TITLES[s]} ms" for s in STAGES)
-        + " | equivalence |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(STAGES) + "---|",
+        *_table_head(
+            ["optimization", "class", "saved ms (mean ± std)", "% of stock", "per round (ms)", "direction", "label"],
+            ["equivalence"],
+        ),
     ]
     for o in results["optimizations"]:
         per = ", ".join(f"{x:+.1f}" for x in o["saved_ms"]["per_round"]) or "–"
         st = " | ".join(_ms(o["stages_saved_ms"].get(s), True) for s in STAGES)
         lines.append(
             f"| `{o['name']}` | {o['equivalence']} | {_saved(o)} | {_pct(o['saved_pct_of_stock'])} | {per} | "
-            f"{o['direction']} | **{o['label']}** | {st} | {_gate_cell(o['equivalence_check'])} |"
+            f"{o['direction']} | **{o['label']}** | {st} | {gate_cell(o['equivalence_check'])} |"
         )
     if fvs:
         per = ", ".join(f"{x:+.1f}" for x in fvs["saved_ms"]["per_round"]) or "–"
@@ -218,7 +225,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"| **full stack vs stock** | | {_saved(fvs)} | {_pct(fvs['saved_pct_of_stock'])} | {per} | "
             f"{fvs['direction']} | **{fvs['label']}** | {st} | "
-            f"{_gate_cell(full_cfg.get('vs_stock') if full_cfg else None)} |"
+            f"{gate_cell(full_cfg.get('vs_stock') if full_cfg else None)} |"
         )
     lines += [
         "",
@@ -227,10 +234,9 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "## Configurations",
         "",
-        "| configuration | optimizations | status | total ms (mean ± std) | "
-        + " | ".join(f"{STAGE_TITLES[s]} ms" for s in STAGES)
-        + " | vs stock | vs full | stable |",
-        "|---|---|---|---|" + "---|" * len(STAGES) + "---|---|---|",
+        *_table_head(
+            ["configuration", "optimizations", "status", "total ms (mean ± std)"], ["vs stock", "vs full", "stable"]
+        ),
     ]
     for c in results["configs"]:
         t = c["total_ms"]
@@ -239,8 +245,8 @@ def markdown(results: dict[str, Any]) -> str:
         opts = ", ".join(c["opts"]) or "(none)"
         stable = {True: "yes", False: "**no**", None: "–"}[c["outputs_stable_across_rounds"]]
         lines.append(
-            f"| `{c['id']}` | {opts} | {c['status']} | {tot} | {st} | {_gate_cell(c.get('vs_stock'))} | "
-            f"{_gate_cell(c.get('vs_full'))} | {stable} |"
+            f"| `{c['id']}` | {opts} | {c['status']} | {tot} | {st} | {gate_cell(c.get('vs_stock'))} | "
+            f"{gate_cell(c.get('vs_full'))} | {stable} |"
         )
     if plan["skipped"]:
         lines += ["", "## Not in this run", "", "| optimization | why |", "|---|---|"]

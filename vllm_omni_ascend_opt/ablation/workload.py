@@ -27,6 +27,15 @@ SCHEDULES = ("auto", "resident", "per-round")
 STACKS = ("default", "all")
 DTYPES = ("float32", "bfloat16", "float16")
 ROUND_STATS = ("median", "mean")
+#: Fields with a fixed set of values, in the order ``validate`` reports them.
+CHOICES = {
+    "mode": MODES,
+    "engine": ENGINES,
+    "schedule": SCHEDULES,
+    "stack": STACKS,
+    "round_stat": ROUND_STATS,
+    "dtype": DTYPES,
+}
 
 
 class WorkloadError(ValueError):
@@ -116,18 +125,10 @@ class Workload:
     def validate(self) -> Workload:
         """Raise :class:`WorkloadError` with a message a person can act on; return self."""
         problems = []
-        if self.mode not in MODES:
-            problems.append(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
-        if self.engine not in ENGINES:
-            problems.append(f"engine {self.engine!r} is not one of {', '.join(ENGINES)}")
-        if self.schedule not in SCHEDULES:
-            problems.append(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        if self.stack not in STACKS:
-            problems.append(f"stack {self.stack!r} is not one of {', '.join(STACKS)}")
-        if self.round_stat not in ROUND_STATS:
-            problems.append(f"round_stat {self.round_stat!r} is not one of {', '.join(ROUND_STATS)}")
-        if self.dtype not in DTYPES:
-            problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        for name, allowed in CHOICES.items():
+            v = getattr(self, name)
+            if v not in allowed:
+                problems.append(f"{name} {v!r} is not one of {', '.join(allowed)}")
         for name in ("height", "width"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 16 or v % 16:

@@ -1,0 +1,360 @@
+"""The ablation worker's engines: how one configuration's model is loaded and how one image is generated and timed.
+
+Each engine has ``load()``, ``generate(prompt, seed) -> Generation``, ``active()`` (what acts on the pipeline, or
+None when unknown), ``model_reasons(name)`` (why an optimization is off) and ``close()``; the worker process
+(:mod:`.worker`) drives them over the line protocol.
+
+* ``testbed``: vLLM-Omni's own ``QwenImagePipeline``, built by vLLM-Omni's ``DiffusersPipelineLoader`` in this process
+  (the test bed's runtime; CPU, or the accelerator when one is visible). Each generation is timed between device
+  synchronizations, and so is each stage: ``encode_prompt`` (text encode), ``diffuse`` (denoise) and
+  ``_decode_latents`` (unpack + VAE decode), wrapped on this pipeline instance only. (vLLM-Omni's
+  ``DiffusionPipelineProfilerMixin`` times ``text_encoder.forward`` rather than the whole prompt encoding and
+  synchronizes only when a platform is available, hence our own wrappers.)
+* ``omni``: vLLM-Omni's offline engine ``vllm_omni.entrypoints.omni.Omni`` with ``enable_diffusion_pipeline_profiler``
+  on; the total is the wall time of ``Omni.generate`` (it returns after the image reached this process, so after the
+  device finished) and the stages are the engine's ``stage_durations``. The engine processes load the plugin
+  themselves (with the same environment). vLLM-Omni 0.30 has no CPU platform: without an accelerator the runner
+  passes the test bed's opt-in CPU runtime (``testbed/runtime.py``) in the environment.
+* ``serve``: one ``vllm serve MODEL --omni`` server per configuration, started by this worker on a free 127.0.0.1
+  port with the configuration's flags in its environment; its output goes to this configuration's log. Each
+  generation is ``POST /v1/images/generations`` (``b64_json``) from a standard-library client: the total is the
+  client-side latency (what a service user sees, HTTP and PNG encoding included), the stages are the server's
+  ``stage_durations`` (pipeline profiler on, plus ``server_generate``), and the image is the returned PNG.
+
+For ``omni`` and ``serve`` the engine's own processes report, through the plugin's status file
+(``VLLM_OMNI_ASCEND_OPT_STATUS_FILE``, set by the engine), what acts on the pipeline they built; the worker
+compares that with the configuration as it does for ``testbed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: The job's fields that both test-bed request builders (``pipeline.make_request``, ``serve.image_request``) take.
+SAMPLING = ("height", "width", "steps", "cfg_scale", "negative_prompt")
+
+
+def sampling(job: dict[str, Any]) -> dict[str, Any]:
+    """The job's sampling settings, keyword arguments of the test bed's request builders."""
+    return {k: job[k] for k in SAMPLING}
+
+
+@dataclass
+class Generation:
+    """One generated image and its timings, as the worker reports and saves it."""
+
+    uint8: Any  # numpy [H, W, 3]
+    float_chw: Any | None  # numpy float32 [3, H, W] in [-1, 1], or None
+    total_ms: float
+    stages_ms: dict[str, float] = field(default_factory=dict)
+    #: CPU time of this process during the generation (all threads); wall >> CPU on a CPU run = preempted
+    cpu_ms: float | None = None
+
+
+def pick_device() -> str:
+    """The accelerator this process would use (``_backend`` is the one place that decides about torch_npu)."""
+    import torch
+
+    from vllm_omni_ascend_opt import _backend
+
+    if _backend.torch_npu_module() is not None:
+        return str(_backend.npu_device())
+    if torch.cuda.is_available():
+        return "cuda:0"
+    return "cpu"
+
+
+def to_uint8_hwc(images: Any) -> Any:
+    """vLLM-Omni's post-processing of its "pt" output ([B, 3, H, W] in [-1, 1]) for the first image."""
+    import torch
+
+    x = images[0] if images.dim() == 4 else images
+    x = (x.detach().float().cpu() / 2 + 0.5).clamp(0, 1)
+    return (x.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+
+
+def input_image(spec: str | None) -> Any:
+    """The workload's input image (image-editing pipelines): None, ``sample`` (the test bed's deterministic sample
+    image) or a file path, as an RGB PIL image."""
+    if not spec:
+        return None
+    if spec == "sample":
+        from vllm_omni_ascend_opt.testbed.pipeline import sample_image
+
+        return sample_image(0)
+    from PIL import Image
+
+    with Image.open(spec) as im:
+        return im.convert("RGB")
+
+
+class TestbedEngine:
+    """vLLM-Omni's QwenImagePipeline in this process (see the module docstring)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.device = pick_device()
+        self.stages: dict[str, float] = {}
+
+    def load(self) -> None:
+        import torch
+
+        from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
+        from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
+
+        dtype = getattr(torch, self.job["dtype"])
+        self.rt = init_cpu_runtime(self.job["model_path"], dtype=dtype)
+        self.pipe = load_pipeline(self.rt, device=self.device)
+        if hasattr(self.pipe, "set_progress_bar_config"):
+            self.pipe.set_progress_bar_config(disable=True)
+        for method, stage in (
+            ("encode_prompt", "text_encode"),
+            ("diffuse", "denoise"),
+            ("_decode_latents", "vae_decode"),
+        ):
+            if hasattr(self.pipe, method):  # the edit pipelines decode inline (no _decode_latents)
+                setattr(self.pipe, method, self._timed(stage, getattr(self.pipe, method)))
+
+    def _sync(self) -> None:
+        from vllm_omni_ascend_opt import _backend
+
+        _backend.synchronize(self.device)
+
+    def _timed(self, stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sync()
+                self.stages[stage] = self.stages.get(stage, 0.0) + (time.perf_counter() - t0) * 1e3
+
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    def active(self) -> list[str]:
+        """Optimizations acting on the loaded pipeline (the plugin's own answer)."""
+        from vllm_omni_ascend_opt import _report
+
+        return _report.acting(self.pipe)
+
+    def model_reasons(self, name: str) -> list[str]:
+        from vllm_omni_ascend_opt import _report, registry
+
+        return _report.explain(registry.get(name), self.pipe)
+
+    def generate(self, prompt: str, seed: int) -> Generation:
+        import torch
+
+        from vllm_omni_ascend_opt.testbed.pipeline import make_request, pre_process_func, run_forward
+
+        j = self.job
+        image = input_image(j.get("image"))
+        req = make_request(
+            prompt,
+            seed=seed,
+            **sampling(j),
+            max_sequence_length=j["max_sequence_length"],
+            image=image,
+            pre_process=pre_process_func(self.pipe) if image is not None else None,
+        )
+        self.stages = {}
+        with self.rt.context(), torch.no_grad():
+            self._sync()
+            c0, t0 = time.process_time(), time.perf_counter()
+            outs = run_forward(self.pipe, req)
+            self._sync()
+            total = (time.perf_counter() - t0) * 1e3
+            cpu = (time.process_time() - c0) * 1e3
+        images = (outs[0] if isinstance(outs, list) else outs).output
+        if images.dim() == 3:
+            images = images.unsqueeze(0)
+        return Generation(
+            uint8=to_uint8_hwc(images),
+            float_chw=images[0].detach().float().cpu().numpy(),
+            total_ms=total,
+            stages_ms=dict(self.stages),
+            cpu_ms=cpu,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+#: vLLM-Omni profiler stage names (suffixes of ``<Pipeline>.<path>``) -> our stage names.
+OMNI_STAGE_SUFFIXES = {".text_encoder.forward": "text_encode", ".diffuse": "denoise", ".vae.decode": "vae_decode"}
+
+
+def omni_stages_ms(stage_durations: dict[str, float] | None) -> dict[str, float]:
+    """Map vLLM-Omni's ``stage_durations`` (seconds, keyed ``QwenImagePipeline.diffuse`` ...) to ours (ms)."""
+    out: dict[str, float] = {}
+    for key, secs in (stage_durations or {}).items():
+        for suffix, stage in OMNI_STAGE_SUFFIXES.items():
+            if key.endswith(suffix):
+                out[stage] = out.get(stage, 0.0) + float(secs) * 1e3
+    return out
+
+
+class _StatusFileMixin:
+    """Engines whose model lives in vLLM-Omni's processes: what acts there comes from the plugin's status file."""
+
+    job: dict[str, Any]
+    status_path: Path
+
+    def _use_status_file(self) -> None:
+        from vllm_omni_ascend_opt._report import ENV_STATUS_FILE
+
+        base = Path(self.job.get("status_dir") or os.environ.get("TMPDIR") or "/tmp")
+        cid = (self.job.get("config") or {}).get("id", "engine")
+        self.status_path = base / f"ascend-opt-status-{os.getpid()}-{cid}.json"
+        self.status_path.unlink(missing_ok=True)
+        os.environ[ENV_STATUS_FILE] = str(self.status_path)  # inherited by every engine process
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def active(self) -> list[str] | None:
+        st = self.status()
+        if st is None:
+            raise RuntimeError(f"the engine wrote no plugin status file ({self.status_path}): was the plugin loaded?")
+        return list(st.get("acting_on_pipeline") or [])
+
+    def model_reasons(self, name: str) -> list[str]:
+        st = self.status() or {}
+        why = (st.get("reasons") or {}).get(name)
+        if why is None:
+            off = (st.get("off") or {}).get(name)
+            why = [off or "installed but not acting on the pipeline"]
+        return [f"in the engine process {st.get('pid')}: {w}" for w in why]
+
+
+class OmniEngine(_StatusFileMixin):
+    """vLLM-Omni's offline engine (``Omni``) in this process (see the module docstring)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.device = pick_device()
+        self._use_status_file()
+
+    def load(self) -> None:
+        from vllm_omni.entrypoints.omni import Omni
+
+        j = self.job
+        kwargs: dict[str, Any] = {
+            "model": j["model_path"] or j["model"],
+            "dtype": j["dtype"],
+            "enforce_eager": bool(j["enforce_eager"]),
+            "enable_diffusion_pipeline_profiler": True,
+        }
+        kwargs.update(j.get("omni_kwargs") or {})
+        self.omni = Omni(**kwargs)
+
+    def generate(self, prompt: str, seed: int) -> Generation:
+        import numpy as np
+        import torch
+        from vllm_omni.diffusion.utils.image_output import extract_images_from_outputs
+        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+        from vllm_omni.platforms import current_omni_platform
+
+        j = self.job
+        sp = OmniDiffusionSamplingParams(
+            height=j["height"],
+            width=j["width"],
+            num_inference_steps=j["steps"],
+            seed=seed,
+            generator=torch.Generator(device=current_omni_platform.device_type or "cpu").manual_seed(seed),
+            true_cfg_scale=j["cfg_scale"],
+            max_sequence_length=j["max_sequence_length"],
+        )
+        p: Any = prompt
+        if j["cfg_scale"] > 1.0:
+            p = {"prompt": prompt, "negative_prompt": j["negative_prompt"]}
+        image = input_image(j.get("image"))
+        if image is not None:  # image editing: vLLM-Omni's pre-process reads multi_modal_data
+            p = {"prompt": prompt, **(p if isinstance(p, dict) else {}), "multi_modal_data": {"image": image}}
+        t0 = time.perf_counter()
+        outs = self.omni.generate(p, sampling_params_list=[sp], use_tqdm=False)
+        total = (time.perf_counter() - t0) * 1e3
+        images = extract_images_from_outputs(outs)
+        if not images:
+            raise RuntimeError(f"Omni.generate returned no image: {outs!r}"[:2000])
+        uint8 = np.asarray(images[0].convert("RGB"), dtype=np.uint8)
+        durations = getattr(outs[0], "stage_durations", None) if outs else None
+        return Generation(uint8=uint8, float_chw=None, total_ms=total, stages_ms=omni_stages_ms(durations))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.omni.close()
+
+
+def serve_stages_ms(stage_durations: dict[str, float] | None) -> dict[str, float]:
+    """The server's ``metrics.stage_durations``: the pipeline profiler's stages (seconds, as for ``omni``) plus
+    ``server_generate`` = the engine stages' own ``stage_<i>_gen_ms`` (the server-side time without HTTP)."""
+    out = omni_stages_ms(stage_durations)
+    gen = [float(v) for k, v in (stage_durations or {}).items() if k.startswith("stage_") and k.endswith("_gen_ms")]
+    if gen:
+        out["server_generate"] = sum(gen)
+    return out
+
+
+class ServeEngine(_StatusFileMixin):
+    """One ``vllm serve --omni`` server for this configuration, driven over HTTP (see the module docstring)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.device = pick_device()
+        self.server: Any = None
+        self._use_status_file()
+
+    def load(self) -> None:
+        from vllm_omni_ascend_opt.testbed.serve import OmniServer
+
+        j = self.job
+        # Flags: this process's environment (VLLM_OMNI_ASCEND_OPT / _STRICT from the runner) is the server's.
+        # Output: log_path None -> this worker's stderr, i.e. the configuration's log. The server stays in this
+        # worker's process group, so the runner's group kill ends it too. Executor: vLLM-Omni's default for a
+        # single-stage diffusion model (the model in the API-server process), as `vllm serve --omni` runs it.
+        self.server = OmniServer(
+            j["model_path"] or j["model"],
+            log_path=None,
+            dtype=j["dtype"],
+            enforce_eager=bool(j["enforce_eager"]),
+            mp=False,
+            new_session=False,
+            extra_args=["--enable-diffusion-pipeline-profiler"],  # per-stage stage_durations in each response
+        )
+        self.server.start()
+        self.server.wait_ready(timeout=float(j.get("start_timeout_s") or 1800.0))
+
+    def generate(self, prompt: str, seed: int) -> Generation:
+        from vllm_omni_ascend_opt.testbed.serve import image_request
+
+        j = self.job
+        body = image_request(prompt, seed=seed, **sampling(j))
+        r = self.server.generate(body, timeout=float(j.get("timeout_s") or 600.0))
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status} from the server: {json.dumps(r.body)[:2000]}")
+        return Generation(
+            uint8=r.image(),
+            float_chw=None,
+            total_ms=r.latency_s * 1e3,
+            stages_ms=serve_stages_ms(r.stage_durations()),
+        )
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+ENGINES = {"testbed": TestbedEngine, "omni": OmniEngine, "serve": ServeEngine}

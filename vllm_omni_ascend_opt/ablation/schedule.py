@@ -1,0 +1,92 @@
+"""The order in which an ablation run starts and measures its configurations.
+
+Schedules (both give every configuration its own fresh process and interleave configurations, so that drift of the
+machine hits all of them alike):
+
+* ``resident`` (default for the tiny model): one worker per configuration, all alive at once. Workers start
+  ``start_jobs`` at a time; once every worker is ready, each warms up in turn, and measuring starts.
+  With ``process_sets`` > 1 the rounds are split into that many consecutive blocks (:func:`process_sets`), each
+  measured by a freshly started set of workers, so that process-level effects (memory placement) are drawn more
+  than once; every other set starts the configurations in reverse order (:func:`start_order`), so that effects of
+  the start order cancel too. With ``pause_idle`` every worker's process group is stopped outside its own turn.
+  Then, for each round (= one repeat) and each sample (prompt x seed), every configuration runs once, in the orders
+  of a Williams design (:func:`williams_orders`, :func:`step_order`), one per step in turn: every configuration runs
+  at every position and right after every other configuration equally often, so neither a position nor a neighbour
+  (whose cache footprint the next one inherits) favours one configuration. Workers block on their stdin between
+  requests. Costs one model copy per configuration in memory.
+* ``per-round`` (default for a real checkpoint, where one device holds one copy of the model): for each round, the
+  configurations run one after another, rotated per round (:func:`rotation`), each in a fresh process that loads the
+  model, warms up, runs every sample once and exits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from vllm_omni_ascend_opt.ablation.outdir import Measured, measured
+from vllm_omni_ascend_opt.ablation.plan import Plan
+
+T = TypeVar("T")
+
+
+def williams_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` configurations (a Williams design: a Latin square balanced for first-order carry-over).
+
+    Over all returned orders each index stands at each position equally often and directly follows each other index
+    equally often (n orders for even n; for odd n each order and its reverse, 2n). A plain rotation keeps the cyclic
+    neighbours fixed: configuration i would always run right after configuration i-1.
+    """
+    if n <= 1:
+        return [list(range(n))]
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return rows
+
+
+def step_order(live: list[T], step: int) -> list[T]:
+    """The configurations still measured, in the order of measuring step ``step`` (round x samples + sample): the
+    Williams orders in turn."""
+    rows = williams_orders(len(live))
+    return [live[i] for i in rows[step % len(rows)]]
+
+
+def process_sets(repeats: int, sets: int) -> list[list[int]]:
+    """The rounds split into ``sets`` consecutive blocks, each measured by freshly started workers."""
+    n, k = repeats, max(1, min(sets, repeats))
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
+
+
+def start_order(configs: list[T], set_index: int) -> list[T]:
+    """The order process set ``set_index`` starts its workers in: every other set in reverse. Measured on 2 cores,
+    workers started earlier ran slower all run long (the first two 5-10%), so each configuration gets an early and a
+    late start."""
+    return list(reversed(configs)) if set_index % 2 == 1 else list(configs)
+
+
+def rotation(configs: list[T], rnd: int) -> list[T]:
+    """The per-round schedule's order in round ``rnd``: the configurations rotated by the round."""
+    shift = rnd % len(configs)
+    return configs[shift:] + configs[:shift]
+
+
+def todo(plan: Plan, records: list[dict[str, Any]], failed: set[str] | dict[str, Any]) -> Measured:
+    """(configuration, round) -> the samples still to measure, for every configuration not in ``failed``."""
+    have = measured(records)
+    out: Measured = {}
+    for c in plan.configs:
+        if c.id in failed:
+            continue
+        for rnd in range(plan.workload.repeats):
+            left = set(plan.samples) - have.get((c.id, rnd), set())
+            if left:
+                out[(c.id, rnd)] = left
+    return out
