@@ -224,8 +224,9 @@ def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def use_import_workarounds() -> None:
-    """In this process: the interpreter-start half's import fallbacks (torchvision-free image processors, an audio
-    placeholder), for code that imports vLLM-Omni's engine modules in-process (``testbed.runner``). Idempotent."""
+    """In this process: the interpreter-start half's torchvision-free image processors, for code that imports
+    vLLM-Omni's engine modules in-process (``testbed.runner``). Idempotent. (No audio placeholder: nothing imported
+    in-process needs it, and it would make ``torchaudio`` look installed to the rest of the process.)"""
     import importlib.util
 
     site = _SITE.get("module")
@@ -234,7 +235,7 @@ def use_import_workarounds() -> None:
         site = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
         spec.loader.exec_module(site)  # type: ignore[union-attr]
         _SITE["module"] = site
-    site.install_import_fallbacks()
+    site.install_import_fallbacks(audio=False)
 
 
 _SITE: dict[str, Any] = {}

@@ -141,14 +141,14 @@ def _apply_runtime_before_plugins(plugins) -> None:
     plugins.load_omni_general_plugins = load_omni_general_plugins
 
 
-def install_import_fallbacks() -> None:
-    """Items 1 and 2: serve the missing torchvision / torchaudio imports (idempotent)."""
-    if any(isinstance(f, (_TorchvisionFreeImageProcessors, _Placeholders)) for f in sys.meta_path):
-        return
-    if importlib.util.find_spec("torchvision") is None:
+def install_import_fallbacks(audio: bool = True) -> None:
+    """Item 1 and, with ``audio``, item 2: serve the missing torchvision / torchaudio imports (idempotent)."""
+    if importlib.util.find_spec("torchvision") is None and not any(
+        isinstance(f, _TorchvisionFreeImageProcessors) for f in sys.meta_path
+    ):
         sys.meta_path.insert(0, _TorchvisionFreeImageProcessors())
     missing = tuple(name for name in ("torchaudio",) if importlib.util.find_spec(name) is None)
-    if missing:
+    if audio and missing:
         sys.meta_path.append(_Placeholders(missing))  # last: only for names no other finder knows
 
 
