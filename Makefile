@@ -37,7 +37,7 @@ venvs: $(STAMP) $(foreach v,$(OTHER_VERSIONS),.venv-$(v)/.ascend-opt-installed)
 
 # tests/test_versions.py (marker `versions`) and patches/check.py in every venv of the matrix, then a summary per
 # version (tools/test_versions.py). TEST_VERSIONS_ARGS e.g. "0.32=.venv-0.32" for one version, or
-# '--no-exactness ""' to compare every series with the plugin (by default 0.32 only: make test does 0.30).
+# '--no-exactness ""' to compare the 0.30 series with the plugin here too (make test does it in tests/test_patches.py).
 TEST_VERSIONS_ARGS ?=
 test-versions: venvs
 	$(PY) tools/test_versions.py $(TEST_VERSIONS_ARGS)
