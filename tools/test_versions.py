@@ -89,7 +89,7 @@ def _summary(version: str, report: Path, check_log: Path) -> list[str]:
         if f.exists():
             data = json.loads(f.read_text())
             forced = " with FORCE=1" if data["forced"] else ""
-            gate = " (version gate)" if data.get("version_error") else ""
+            gate = (" (version gate overridden)" if forced else " (version gate)") if data.get("version_error") else ""
             lines.append(f"  plugin loader{forced}: installed {', '.join(data['installed']) or 'nothing'}{gate}")
     if check_log.exists():
         text = check_log.read_text().splitlines()
