@@ -6,14 +6,41 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.ascend-opt-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint list clean-venv mutation
+.PHONY: venv test demo lint list clean-venv mutation test-versions venvs
 
-$(STAMP): requirements/cpu-lock.txt requirements/test-lock.txt requirements/serve-lock.txt pyproject.toml
+# The pinned CPU environment: the locks shared by every vLLM-Omni version, plus one small overlay per version
+# (requirements/omni-<version>.txt: vLLM, vLLM-Omni and what they pin differently). .venv is vLLM-Omni 0.30.
+LOCKS = requirements/cpu-lock.txt requirements/test-lock.txt requirements/serve-lock.txt
+PIP_INSTALL = -m pip install -q --disable-pip-version-check --no-deps
+
+$(STAMP): $(LOCKS) requirements/omni-0.30.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements/cpu-lock.txt -r requirements/test-lock.txt \
-		-r requirements/serve-lock.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) $(PIP_INSTALL) $(addprefix -r ,$(LOCKS)) -r requirements/omni-0.30.txt
+	$(PY) $(PIP_INSTALL) --no-build-isolation -e .
 	@touch $(STAMP)
+
+# The version matrix (issue 22): .venv-<version> for each other vLLM-Omni version, cached like .venv. An overlay
+# venv: it installs only requirements/omni-<version>.txt and the plugin, and reads the shared locks from .venv's
+# site-packages through a .pth line placed after its own (so its own vllm, vllm-omni, transformers... win);
+# --ignore-installed: pip never touches what it sees in .venv.
+OTHER_VERSIONS = 0.31 0.32
+SHARED_PTH = zz-ascend-opt-shared-locks.pth
+.venv-%/.ascend-opt-installed: $(STAMP) requirements/omni-%.txt pyproject.toml
+	@test -x .venv-$*/bin/python || $(PYTHON) -m venv --without-pip .venv-$*
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+		"$$(.venv-$*/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/$(SHARED_PTH)"
+	.venv-$*/bin/python $(PIP_INSTALL) --ignore-installed -r requirements/omni-$*.txt
+	.venv-$*/bin/python $(PIP_INSTALL) --ignore-installed --no-build-isolation -e .
+	@touch $@
+
+venvs: $(STAMP) $(foreach v,$(OTHER_VERSIONS),.venv-$(v)/.ascend-opt-installed)
+
+# tests/test_versions.py (marker `versions`) and patches/check.py in every venv of the matrix, then a summary per
+# version (tools/test_versions.py). TEST_VERSIONS_ARGS e.g. "0.32=.venv-0.32" for one version, or
+# '--no-exactness ""' to compare the 0.30 series with the plugin here too (make test does it in tests/test_patches.py).
+TEST_VERSIONS_ARGS ?=
+test-versions: venvs
+	$(PY) tools/test_versions.py $(TEST_VERSIONS_ARGS)
 
 venv: $(STAMP)
 
@@ -47,4 +74,4 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(foreach v,$(OTHER_VERSIONS),.venv-$(v))

@@ -8,7 +8,8 @@ Each generated block sits between two markers in a Markdown file::
     <!-- end of generated NAME -->
 
 Blocks: the optimization table in README.md (registry order, tier, default, summary, when it stays off), the patch
-table in patches/README.md (one patch per optimization, numbered in registry order) and the workload list in
+tables in patches/README.md (one patch per optimization, numbered in registry order; the 0.32.0rc1 series with its
+rebase and the open upstream PRs each patch's header names) and the workload list in
 ablations/README.md (every workload shipped in the package, with its description and engine).
 ``tests/test_docs.py`` fails when a file differs from what this script writes.
 
@@ -66,6 +67,29 @@ def patches_table() -> str:
     return "\n".join(rows)
 
 
+def rebased_patches_table() -> str:
+    """patches/README.md: the series rebased on vLLM-Omni 0.32.0rc1 (``patches/0.32/``), from the registry and each
+    patch's ``Base`` and ``Upstream overlap`` header fields."""
+    from vllm_omni_ascend_opt import registry
+
+    def field(text: str, name: str) -> str:
+        m = re.search(rf"^{name}: (.*?)(?=^[A-Z][A-Za-z ]+: |^diff --git)", text, re.S | re.M)
+        return " ".join(m.group(1).split()) if m else ""
+
+    rows = ["| patch | optimization | class | rebase | open upstream PRs it overlaps |", "|---|---|---|---|---|"]
+    for i, opt in enumerate(registry.all_optimizations()):
+        name = patch_name(i, opt.name)
+        text = (REPO / "patches" / "0.32" / name).read_text()
+        base = field(text, "Base")
+        rebase = (
+            "unchanged (offsets only)" if "applies to 0.32.0rc1 unchanged" in base else "rebased, see its Base field"
+        )
+        overlap = field(text, "Upstream overlap")  # open PRs are written "#NNNN (open..."
+        prs = list(dict.fromkeys(re.findall(r"(#\d{3,5}) \(open", overlap))) or ["none found"]
+        rows.append(f"| `0.32/{name}` | `{opt.name}` | {opt.equivalence} | {rebase} | {', '.join(prs)} |")
+    return "\n".join(rows)
+
+
 def workloads_table() -> str:
     """ablations/README.md: every workload shipped with the package."""
     from vllm_omni_ascend_opt.ablation.workload import PACKAGE_WORKLOADS, load_workload
@@ -80,7 +104,7 @@ def workloads_table() -> str:
 
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"optimizations": optimizations_table},
-    "patches/README.md": {"patches": patches_table},
+    "patches/README.md": {"patches": patches_table, "patches-0.32": rebased_patches_table},
     "ablations/README.md": {"workloads": workloads_table},
 }
 

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""Run the version-sensitive checks in every venv of the version matrix and print one summary (``make
+test-versions``; issue 22).
+
+For each ``VERSION=VENV`` pair (default: 0.30=.venv 0.31=.venv-0.31 0.32=.venv-0.32; the Makefile builds them):
+
+1. ``pytest -m versions tests/test_versions.py`` with ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` where the plugin does not
+   support that vLLM-Omni (``_plugin.SUPPORTED_OMNI``): what the code does there;
+2. where it does not support it, the plugin-loader check again without ``FORCE``: what users get (nothing patched,
+   the version reason);
+3. ``patches/check.py``: headers of every series, and the series that targets that version applied alone and
+   stacked, with ``--exactness`` (patched tree vs the plugin on the tiny pipeline) unless the version is listed in
+   ``--no-exactness`` (0.30 by default: ``make test`` already runs that comparison in tests/test_patches.py).
+
+Each step's exit code and wall time are printed, then per version what acts on the tiny pipelines and what does not
+(with the first reason), from the JSON files tests/test_versions.py writes to ``VERSIONS_REPORT``. Exit code 1 when a
+step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MATRIX = ("0.30=.venv", "0.31=.venv-0.31", "0.32=.venv-0.32")
+
+
+def _supported(python: Path) -> bool:
+    code = (
+        "from importlib import metadata; from vllm_omni_ascend_opt import _plugin; "
+        "s = lambda d: '.'.join(metadata.version(d).split('.')[:2]); "
+        "print(s('vllm-omni') in _plugin.SUPPORTED_OMNI and s('vllm') in _plugin.SUPPORTED_VLLM)"
+    )
+    r = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=_env({}), cwd=REPO)
+    return r.stdout.strip().endswith("True")
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_OMNI_ASCEND_OPT_FORCE"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def _step(label: str, cmd: list[str], env: dict[str, str], log: Path) -> tuple[str, int, float]:
+    print(f"\n=== {label}: {' '.join(cmd)}", flush=True)
+    t0 = time.monotonic()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            fh.write(line)
+            sys.stdout.write(line)
+        rc = proc.wait()
+    dt = time.monotonic() - t0
+    print(f"=== {label}: exit {rc} in {dt:.0f} s", flush=True)
+    return label, rc, dt
+
+
+def _summary(version: str, report: Path, check_log: Path) -> list[str]:
+    """What acts per pipeline, what does not and why (grouped), and the patch verdicts, for one version."""
+    lines: list[str] = []
+    off: dict[str, str] = {}
+    omni = version
+    for kind in ("t2i", "edit"):
+        f = report / f"acting_{kind}.json"
+        if not f.exists():
+            lines.append(f"  {kind}: no report (the test did not get that far)")
+            continue
+        data = json.loads(f.read_text())
+        omni = data["vllm_omni"]
+        lines.append(f"  {kind} (default): acting {', '.join(data['acting']) or 'nothing'}")
+        off.update({n: r[0] for n, r in data["reasons"].items() if r})
+    groups: dict[str, list[str]] = {}
+    for name, why in off.items():
+        key = "no torch_npu" if "torch_npu is not installed" in why else why
+        groups.setdefault(key, []).append(name)
+    for why, names in groups.items():
+        lines.append(f"  off {', '.join(names)}: {why}")
+    for name in ("plugin_loader", "plugin_loader_unforced"):
+        f = report / f"{name}.json"
+        if f.exists():
+            data = json.loads(f.read_text())
+            forced = " with FORCE=1" if data["forced"] else ""
+            gate = (" (version gate overridden)" if forced else " (version gate)") if data.get("version_error") else ""
+            lines.append(f"  plugin loader{forced}: installed {', '.join(data['installed']) or 'nothing'}{gate}")
+    if check_log.exists():
+        text = check_log.read_text().splitlines()
+        applied = [ln for ln in text if ln.endswith("touched Python files compile")]
+        failed = [ln for ln in text if ln.startswith("FAIL")]
+        verdicts: dict[str, list[str]] = {}
+        for ln in text:
+            if " vs plugin: " in ln:
+                status, patch = ln.split()[:2]
+                verdicts.setdefault(status, []).append(patch.split("/")[-1].split("-", 1)[0])
+        line = f"  patches: {len(applied)} apply checks ok, {len(failed)} FAIL"
+        if verdicts:
+            line += "; vs plugin: " + ", ".join(f"{k} {' '.join(v)}" for k, v in verdicts.items())
+        lines.append(line)
+    return [f"vllm-omni {omni}:", *lines]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("matrix", nargs="*", default=list(DEFAULT_MATRIX), help="VERSION=VENV pairs")
+    ap.add_argument("--no-exactness", default="0.30", help="comma list of versions to run check.py without it")
+    ap.add_argument("--pytest-args", default="", help="extra pytest arguments")
+    args = ap.parse_args(argv)
+    no_exact = set(filter(None, args.no_exactness.split(",")))
+
+    results: list[tuple[str, int, float]] = []
+    summaries: list[str] = []
+    t_all = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="test-versions-") as tmp:
+        for pair in args.matrix:
+            version, venv = pair.split("=", 1)
+            python = (REPO / venv / "bin" / "python").absolute()
+            if not python.exists():
+                results.append((f"{version}: venv {venv}", 1, 0.0))
+                print(f"{venv} has no bin/python; build it with make {venv}/.ascend-opt-installed")
+                continue
+            report = Path(tmp) / version
+            supported = _supported(python)
+            extra = {"VERSIONS_REPORT": str(report)}
+            if not supported:
+                extra["VLLM_OMNI_ASCEND_OPT_FORCE"] = "1"
+            pytest = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "versions", "-rxXs"]
+            pytest += [*args.pytest_args.split(), "tests/test_versions.py"]
+            tag = f"{version}: pytest -m versions{'' if supported else ' (FORCE=1)'}"
+            results.append(_step(tag, pytest, _env(extra), Path(tmp) / f"{version}-pytest.log"))
+            if not supported:
+                unforced = Path(tmp) / f"{version}-unforced"
+                r = _step(
+                    f"{version}: plugin loader without FORCE",
+                    [*pytest[:-1], "-k", "plugin_loads", "tests/test_versions.py"],
+                    _env({"VERSIONS_REPORT": str(unforced)}),
+                    Path(tmp) / f"{version}-unforced.log",
+                )
+                results.append(r)
+                if (unforced / "plugin_loader.json").exists():
+                    report.mkdir(parents=True, exist_ok=True)
+                    (unforced / "plugin_loader.json").rename(report / "plugin_loader_unforced.json")
+            check = [str(python), "patches/check.py", *([] if version in no_exact else ["--exactness"])]
+            check_log = Path(tmp) / f"{version}-check.log"
+            results.append(_step(f"{version}: {' '.join(check[1:])}", check, _env({}), check_log))
+            summaries += _summary(version, report, check_log)
+    total = time.monotonic() - t_all
+    print("\n================ test-versions summary ================")
+    for label, rc, dt in results:
+        print(f"{'ok  ' if rc == 0 else 'FAIL'} {label} ({dt:.0f} s)")
+    print(*summaries, sep="\n")
+    print(f"total {total:.0f} s")
+    return 1 if any(rc for _, rc, _ in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
