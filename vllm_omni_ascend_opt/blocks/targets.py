@@ -43,3 +43,5 @@ ROTARY_FORWARD_NPU = same(ROTARY, "RotaryEmbedding.forward_npu", "768c84ac166627
 VAE_DECODE = same(DIFFUSERS_VAE, "AutoencoderKLQwenImage._decode", "aa21d785622137b6")
 CAUSAL_CONV_FORWARD = same(DIFFUSERS_VAE, "QwenImageCausalConv3d.forward", "d2679e72119a1c8e")
 CAUSAL_CONV_INIT = same(DIFFUSERS_VAE, "QwenImageCausalConv3d.__init__", "5644f56f54eaca26")
+#: The loader's load_model: the plugin attaches after it returns (weights processed, before offload is enabled).
+LOAD_MODEL = same(LOADER, "DiffusersPipelineLoader.load_model", "d13c38b93708077e")

@@ -53,7 +53,7 @@ Sources
     VLLM_ASCEND_ENABLE_NZ=1 and CANN version is 8.3, the weights of the Linear layer will be converted to
     FRACTAL_NZ").
 Upstream PR
-    None (vllm-ascend's ``weight_nz_mode=2`` is the LLM-side equivalent; vLLM-Omni has no DiT hook).
+    None (vllm-ascend's ``weight_nz_mode=2`` is the LLM-side equivalent). Qwen-Image-2.1 (0.32.0rc1) casts its own.
 Removal plan
     Drop when vLLM-Omni's NPU loader casts unquantized DiT linear weights to NZ itself.
 """
@@ -74,7 +74,6 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.upstream import same
 from vllm_omni_ascend_opt.blocks.verdicts import VerdictCache
 from vllm_omni_ascend_opt.optimization import Optimization
 
@@ -316,13 +315,8 @@ class NzWeights(Optimization):
     target_modules = (_targets.TRANSFORMER,)
     regions = frozenset({"load"})
     removal_plan = "Drop when vLLM-Omni's NPU loader casts unquantized DiT linear weights to NZ itself."
-    #: Its attach point: after load_model returns (weights processed, LoRA fused), before offload is enabled.
-    upstream = (same(_targets.LOADER, "DiffusersPipelineLoader.load_model", "d13c38b93708077e"),)
-    on_qwen_image_21 = (
-        "upstream casts its bf16 linear weights to FRACTAL_NZ in load_weights itself, under its own conditions "
-        "(no quantization, offload, TP, SP, HSDP or LoRA); nz_weights never casts there, so no weight is cast "
-        "twice or where upstream declined"
-    )
+    upstream = (_targets.LOAD_MODEL,)  # its attach point
+    on_qwen_image_21 = "upstream casts its bf16 linear weights to FRACTAL_NZ itself; nz_weights never casts there"
 
     def __init__(self) -> None:
         super().__init__()

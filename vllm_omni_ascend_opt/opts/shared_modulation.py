@@ -1,7 +1,7 @@
 """`shared_modulation`: Compute SiLU(temb) and the per-block modulation projections once per distinct timestep embedding (exact memo), and unpack them once per block into broadcast-ready tensors.
 
-Patched upstream symbols (vLLM-Omni 0.30.x, ``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``)
-------------------------------------------------------------------------------------------------------------
+Patched upstream symbols (``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``; vLLM-Omni 0.30.0, 0.31.0rc1, 0.32.0rc1)
+---------------------------------------------------------------------------------------------------------------------------------------
 * ``QwenImageTransformerBlock.forward`` (class attribute): the block reads its six modulation tensors from a memo.
 * ``QwenImageTransformer2DModel.load_weights`` (class attribute): drops the memo after a (re)load.
 * per attached transformer (``attach``): the ``img_mod``/``txt_mod`` ``nn.Sequential`` of every block and
@@ -55,8 +55,11 @@ Exactness and fallbacks
   attached model (a view of the last temb, such as ``temb.chunk(2)[0]``, is keyed by its geometry, not re-hashed).
   ``AdaLayerNorm`` is applied the way the instance dispatches
   (``forward_native``; ``forward_npu`` via ``torch_npu.npu_layer_norm_eval`` without MindIE-SD; with MindIE-SD the
-  fused kernel takes ``scale``, so the memo keeps ``scale`` and calls the norm itself). The mirrored upstream
-  functions are fingerprinted (source SHA-256): a different upstream turns the optimization off with a reason.
+  fused kernel takes ``scale``, so the memo keeps ``scale`` and calls the norm itself; likewise 0.32.0rc1's
+  ``forward_cuda`` where its CUDA Triton AdaLN kernel exists, whose reductions are not ``F.layer_norm``'s: native only
+  without it, ``modulation_keys.native_forwards``; 0.32's own ``forward_musa`` is native). The mirrored upstream
+  functions are fingerprinted per release (:data:`UPSTREAM`, source SHA-256, per platform for AdaLayerNorm's backend
+  paths): upstream code that matches none of them turns the optimization off with a reason naming the function.
   Weights written in place through ``.data`` (``param.data.copy_``) bypass version counters: reloads through
   ``load_weights`` invalidate automatically, and so does the registry's weights-changed event (``nz_weights``'
   casts); anything else must call :meth:`SharedModulation.invalidate`.
@@ -68,8 +71,9 @@ Upstream PR
   none yet; upstream's ``ExactProjectionCache`` (vllm_omni/diffusion/cache/exact_projection_cache.py) implements the
   same idea for MiniMax-H3 only. Proposal: wire it into Qwen-Image's blocks with unpacked outputs.
 Removal plan
-  Drop this patch once vLLM-Omni memoizes Qwen-Image's modulation itself (or with a version outside 0.30.x, where the
-  fingerprints stop matching and it turns itself off).
+  Drop this patch once vLLM-Omni memoizes Qwen-Image's modulation itself (its block forward's fingerprint then stops
+  matching and it turns itself off). Upstream overlap: vllm-omni #7529 (open) reuses the projections across the serial
+  CFG pair only.
 """
 
 from __future__ import annotations
