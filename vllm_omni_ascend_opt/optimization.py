@@ -12,9 +12,9 @@ Both levels are idempotent and restore the originals by identity (:mod:`vllm_omn
 One method answers whether it acts and why not: :meth:`Optimization.reasons_inactive`, for the process (no model)
 or for a given model. It combines, in this order, the upstream code it declares (:attr:`Optimization.upstream`:
 functions whose source differs from every fingerprint it knows, :mod:`.blocks.upstream`), the environment
-(:meth:`Optimization._process_reasons`: missing kernels, bad settings), the optimizations it ``needs``, for a model
-first whether it is vLLM-Omni's Qwen-Image-2.1 (:attr:`Optimization.on_qwen_image_21`), whether it is installed and attached,
-the reusable model checks it declares (:attr:`Optimization.model_checks`: compiled regions, parallel modes, ...) and
+(:meth:`Optimization._process_reasons`: missing kernels, bad settings), the optimizations it ``needs``; for a model
+first whether it is vLLM-Omni's Qwen-Image-2.1 (:attr:`Optimization.on_qwen_image_21`), then whether it is installed
+and attached, the reusable model checks it declares (:attr:`Optimization.model_checks`: compiled regions, parallel modes, ...) and
 its own model facts (:meth:`Optimization._model_reasons`: offload, dtype, hooks, kernel verdicts). Everything that
 reports (``list``, ``status()``, the INFO line, the status file, the ablation worker, the parallel test jobs) asks it.
 

@@ -255,6 +255,7 @@ class _SourceIndex:
         self.tree = ast.parse(text)
         self.lines = text.splitlines(keepends=True)
         self._fps: dict[str, str] = {}
+        self._lines: dict[str, int | None] = {}
 
     @classmethod
     def of(cls, path: Path) -> _SourceIndex:
@@ -279,10 +280,12 @@ class _SourceIndex:
         return node
 
     def first_line(self, qualname: str) -> int | None:
-        node = self.node(qualname)
-        if node is None:
-            return None
-        return min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[attr-defined]
+        if qualname not in self._lines:
+            node = self.node(qualname)
+            self._lines[qualname] = (
+                None if node is None else min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[attr-defined]
+            )
+        return self._lines[qualname]
 
     def fingerprint(self, qualname: str) -> str:
         fp = self._fps.get(qualname)
