@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -124,8 +125,10 @@ def _copy_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, ignore=ignore, symlinks=True)
 
 
-def run_one(m: Mutation, root: Path, python: str, pytest_args: list[str]) -> Outcome:
-    """Apply ``m`` to a scratch copy of ``root`` and run its selection there."""
+def run_one(
+    m: Mutation, root: Path, python: str, pytest_args: list[str], zygotes: queue.Queue | None = None
+) -> Outcome:
+    """Apply ``m`` to a scratch copy of ``root`` and run its selection there (forked from a zygote when given)."""
     t0 = time.monotonic()
     problem = static_problem(m, root)
     if problem:
@@ -136,26 +139,55 @@ def run_one(m: Mutation, root: Path, python: str, pytest_args: list[str]) -> Out
         target = scratch / m.file
         target.write_text(target.read_text().replace(m.original, m.replacement, 1))
         env = {**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
-        cmd = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *pytest_args, *m.selection()]
-        try:
-            proc = subprocess.run(
-                cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=m.timeout, check=False
-            )
-        except subprocess.TimeoutExpired:
+        argv = ["-x", "-q", "-p", "no:cacheprovider", *pytest_args, *m.selection()]
+        if zygotes is not None:
+            zygote = zygotes.get()
+            try:
+                out = Path(tmp) / "pytest.out"
+                returncode = zygote.run(str(scratch), env, argv, str(out), m.timeout)
+                output = out.read_text(errors="replace") if out.exists() else ""
+            finally:
+                zygotes.put(zygote)
+        else:
+            try:
+                proc = subprocess.run(
+                    [python, "-m", "pytest", *argv],
+                    cwd=scratch,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=m.timeout,
+                    check=False,
+                )
+                returncode, output = proc.returncode, proc.stdout + proc.stderr
+            except subprocess.TimeoutExpired:
+                returncode, output = None, ""
+        if returncode is None:
             # Inconclusive (a hang caused by the mutant, or an overloaded machine): an error, never a kill.
             return Outcome(m, "ERROR", f"selection timed out after {m.timeout} s (inconclusive)", time.monotonic() - t0)
     dt = time.monotonic() - t0
-    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    tail = output.strip().splitlines()
     last = tail[-1] if tail else ""
-    if proc.returncode == 0:
+    if returncode == 0:
         return Outcome(m, "SURVIVED", last, dt)
-    if proc.returncode in (1, 2, 3):  # tests failed / collection error (e.g. import) / internal error
+    if returncode in (1, 2, 3):  # tests failed / collection error (e.g. import) / internal error
         failed = next((ln for ln in tail if ln.startswith("FAILED ")), None)
         failed = failed or next((ln for ln in tail if ln.startswith("ERROR ") and "::" in ln), last)
         return Outcome(m, "killed", failed.split(" - ")[0], dt)
-    if proc.returncode == 5:
+    if returncode == 5:
         return Outcome(m, "ERROR", "the selection collected no tests (update tests/k)", dt)
-    return Outcome(m, "ERROR", f"pytest exit code {proc.returncode}: {last}", dt)
+    return Outcome(m, "ERROR", f"pytest exit code {returncode}: {last}", dt)
+
+
+def _start_zygotes(python: str, n: int) -> queue.Queue:
+    """``n`` pre-imported parents to fork mutants from (tools/mutation_zygote.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mutation_zygote import Zygote
+
+    pool: queue.Queue = queue.Queue()
+    for _ in range(n):
+        pool.put(Zygote(python, dict(os.environ)))
+    return pool
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-only", action="store_true", help="only check that every mutation applies")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments (space separated)")
     ap.add_argument("--no-k", action="store_true", help="ignore the -k selections (run the whole test files)")
+    ap.add_argument(
+        "--no-zygote",
+        action="store_true",
+        help="start a new interpreter per mutant instead of forking it from a pre-imported one (tools/mutation_zygote.py)",
+    )
     args = ap.parse_args(argv)
 
     mutations = load(args.list_file)
@@ -194,12 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     print(f"mutation check: {len(mutations)} mutations, {args.jobs} in parallel, tree {root}", flush=True)
     outcomes: list[Outcome] = []
-    with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futs = [pool.submit(run_one, m, root, args.python, args.pytest_args.split()) for m in mutations]
-        for fut in cf.as_completed(futs):
-            o = fut.result()
-            outcomes.append(o)
-            print(f"{o.status:8s} {o.mutation.name:55s} {o.seconds:6.1f} s  {o.detail[:110]}", flush=True)
+    zygotes = None if args.no_zygote else _start_zygotes(args.python, max(1, args.jobs))
+    try:
+        with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            futs = [pool.submit(run_one, m, root, args.python, args.pytest_args.split(), zygotes) for m in mutations]
+            for fut in cf.as_completed(futs):
+                o = fut.result()
+                outcomes.append(o)
+                print(f"{o.status:8s} {o.mutation.name:55s} {o.seconds:6.1f} s  {o.detail[:110]}", flush=True)
+    finally:
+        while zygotes is not None and not zygotes.empty():
+            zygotes.get().close()
     total = time.monotonic() - t0
     survived = [o for o in outcomes if o.status == "SURVIVED"]
     errors = [o for o in outcomes if o.status == "ERROR"]
