@@ -83,13 +83,15 @@ def configurations() -> tuple[dict[str, str], dict[str, str]]:
     return configs, skipped
 
 
-def forward_s(tr: Any, rt: Any, kw: dict[str, Any]) -> float:
+def forward_s(tr: Any, rt: Any, kw: dict[str, Any]) -> tuple[float, float]:
+    """(host thread CPU seconds, wall seconds) of one forward. The thread's CPU time is the host time proper: it
+    does not count time spent descheduled by other processes on a shared machine."""
     import torch
 
     with rt.context(), torch.inference_mode():
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         tr(**kw)
-        return time.perf_counter() - t0
+        return time.thread_time() - c0, time.perf_counter() - t0
 
 
 def counts(tr: Any, rt: Any, kw: dict[str, Any]) -> dict[str, Any]:
@@ -160,16 +162,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for name, flags in configs.items():
         api.select(flags, model=tr)
-        rows[name] = {"flags": flags, **counts(tr, rt, kw), "warm_s": [], "round_median_s": []}
+        rows[name] = {"flags": flags, **counts(tr, rt, kw), "warm_s": [], "wall_s": [], "round_median_s": []}
     for _ in range(args.rounds):
         for name, flags in configs.items():
             api.select(flags, model=tr)  # switching drops the memo: one cold forward first
             forward_s(tr, rt, kw)
             times = [forward_s(tr, rt, kw) for _ in range(args.warm)]
-            rows[name]["warm_s"] += times
-            rows[name]["round_median_s"].append(statistics.median(times))
+            rows[name]["warm_s"] += [t[0] for t in times]
+            rows[name]["wall_s"] += [t[1] for t in times]
+            rows[name]["round_median_s"].append(statistics.median(t[0] for t in times))
     stock = rows["stock"]
     stock_median = statistics.median(stock["warm_s"])
+    stock_wall = statistics.median(stock["wall_s"])
     for row in rows.values():
         ts = sorted(row["warm_s"])
         med = statistics.median(ts)
@@ -180,8 +184,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratios = [a / b for a, b in zip(row["round_median_s"], stock["round_median_s"], strict=True)]
         row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
         row["us_per_op"] = row["us_per_forward"] / max(1, row["ops_per_forward"])
+        row["wall_us_per_forward"] = statistics.median(row["wall_s"]) * 1e6
+        row["wall_ratio"] = statistics.median(row["wall_s"]) / stock_wall
     for row in rows.values():
-        del row["warm_s"]
+        del row["warm_s"], row["wall_s"]
     profiles = {}
     for name in filter(None, args.profile.split(",")):
         api.select(configs[name], model=tr)
@@ -213,13 +219,14 @@ def report(res: dict[str, Any]) -> str:
         f"machine: {m['cpu']}, {m['threads']} thread, torch {m['torch']}, python {m['python']}; load average {load}",
         "",
         f"  {'config':<18} {'ops/block':>9} {'ops/fwd':>7} {'us/fwd':>8} {'spread':>7} {'ratio':>6} "
-        f"{'round ratios':>13} {'us/op':>6} {'syncs/fwd':>9}",
+        f"{'round ratios':>13} {'us/op':>6} {'wall us':>8} {'ratio':>6} {'syncs/fwd':>9}",
     ]
     for name, r in res["configs"].items():
         lines.append(
             f"  {name:<18} {r['ops_per_block']:>9} {r['ops_per_forward']:>7} {r['us_per_forward']:>8.0f} "
             f"{r['spread'] * 100:>6.1f}% {r['ratio']:>6.3f} {r['ratio_min']:>6.3f}-{r['ratio_max']:<6.3f} "
-            f"{r['us_per_op']:>6.2f} {r['syncs_per_forward']:>9}"
+            f"{r['us_per_op']:>6.2f} {r['wall_us_per_forward']:>8.0f} {r['wall_ratio']:>6.3f} "
+            f"{r['syncs_per_forward']:>9}"
         )
     for name, why in res["skipped"].items():
         lines.append(f"  skipped {name}: {why}")
@@ -232,9 +239,13 @@ def report(res: dict[str, Any]) -> str:
         sites = "; ".join(f"{n}x {s}" for s, n in sorted(r["sync_sites"].items())) or "none"
         lines.append(f"  {name}: {r['syncs_per_forward']}: {sites}")
     lines.append("")
-    lines.append("us/fwd = median warm forward; spread = interquartile range / median; ratio = median / stock's")
+    lines.append("us/fwd = median host time (the forward's thread CPU time: time descheduled by other processes is")
+    lines.append("not counted) of a warm forward; spread = interquartile range / median; ratio = median / stock's")
     lines.append("median in this run; round ratios = min-max of the per-round median ratios; us/op = us/fwd / ops/fwd")
-    lines.append("(kernel-launching aten ops, views and allocations excluded, counted under no_grad).")
+    lines.append(
+        "(kernel-launching aten ops, views and allocations excluded, counted under no_grad); wall us / ratio ="
+    )
+    lines.append("the same on the wall clock (disturbed by load on a shared machine).")
     for name, text in res["profiles"].items():
         lines.append("")
         lines.append(f"profile of {name} (cProfile, 200 warm forwards, top by own time):")
