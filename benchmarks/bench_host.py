@@ -7,6 +7,7 @@ Usage (from the repo root)::
     .venv/bin/python benchmarks/bench_host.py --quick            # fewer rounds
     .venv/bin/python benchmarks/bench_host.py --profile default  # also the cProfile top items of that config
     .venv/bin/python benchmarks/bench_host.py --json out.json
+    .venv/bin/python benchmarks/bench_host.py --compiled regional,full   # compiled default vs stock, real width
 
 Why: on an Ascend NPU, batch-1 eager Qwen-Image is host-bound (each kernel launch costs ~10-15 us of host time and
 the device waits on it). The plugin removes launches; this benchmark checks that its own Python (memo lookups,
@@ -61,6 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", default="", help="comma list of configs to profile (cProfile, top items)")
     p.add_argument("--profile-top", type=int, default=15)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument(
+        "--compiled",
+        default="",
+        help="instead: compiled default vs compiled stock at REAL width, per granularity (comma list of "
+        "'regional', 'full'), each configuration in its own process, interleaved rounds",
+    )
+    p.add_argument("--compiled-size", type=int, default=128, help="image side for --compiled (real width)")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)  # "spec|granularity|size": a --compiled worker
     return p.parse_args(argv)
 
 
@@ -253,9 +262,132 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# --compiled: compiled default vs compiled stock at real width, one process per configuration
+# ----------------------------------------------------------------------------------------------------------------
+COMPILED_CONFIGS = {"stock": "none", "default": "default", "stock_ctrl": "none"}
+
+
+def child(spec: str) -> int:
+    """A --compiled worker: build the REAL-width transformer, select ``flags`` on it, compile it as vLLM-Omni does
+    (``regionally_compile`` / ``module.compile()``), warm it up, then answer ``run N`` with N forward times."""
+    import torch
+
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.testbed import blockops
+    from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
+
+    flags, granularity, size = spec.split("|")
+    torch.set_num_threads(1)
+    rt = init_cpu_runtime(None, dtype=torch.float32)
+    tr = blockops.build_transformer(rt, blockops.REALWIDTH, torch.float32)
+    kw = blockops.t2i_inputs(tr, torch.float32, int(size), int(size))
+    api.select(flags, model=tr)
+    if granularity == "full":
+        tr.compile()
+    else:
+        from vllm_omni.diffusion.compile import regionally_compile
+
+        regionally_compile(tr)
+    with rt.context(), torch.inference_mode():
+        for _ in range(3):
+            tr(**kw)  # compiles on the first call
+        print("ready", flush=True)
+        for line in sys.stdin:
+            cmd = line.split()
+            if not cmd or cmd[0] == "quit":
+                break
+            times = []
+            for _ in range(int(cmd[1])):
+                t0 = time.perf_counter()
+                tr(**kw)
+                times.append(time.perf_counter() - t0)
+            print(json.dumps(times), flush=True)
+    return 0
+
+
+def run_compiled(args: argparse.Namespace) -> dict[str, Any]:
+    """Interleaved rounds over one worker per configuration (stock, default and a second stock, whose distance from
+    the first is the noise floor), per granularity; ratios of medians in this run."""
+    import subprocess
+
+    out: dict[str, Any] = {"size": args.compiled_size, "granularities": {}}
+    rounds = 4 if args.quick else 8
+    per_round = 3 if args.quick else 5
+    for granularity in args.compiled.split(","):
+        procs = {}
+        for name, flags in COMPILED_CONFIGS.items():
+            procs[name] = subprocess.Popen(
+                [sys.executable, __file__, "--child", f"{flags}|{granularity}|{args.compiled_size}"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+            )
+        try:
+            for name, p in procs.items():
+                line = p.stdout.readline()  # type: ignore[union-attr]
+                if line.strip() != "ready":
+                    raise SystemExit(f"--compiled worker {name} ({granularity}) failed to start: {line!r}")
+            times: dict[str, list[float]] = {n: [] for n in procs}
+            for r in range(rounds):
+                order = list(procs) if r % 2 == 0 else list(reversed(procs))
+                for name in order:
+                    p = procs[name]
+                    p.stdin.write(f"run {per_round}\n")  # type: ignore[union-attr]
+                    p.stdin.flush()  # type: ignore[union-attr]
+                    times[name] += json.loads(p.stdout.readline())  # type: ignore[union-attr]
+        finally:
+            for p in procs.values():
+                try:
+                    p.stdin.write("quit\n")  # type: ignore[union-attr]
+                    p.stdin.flush()  # type: ignore[union-attr]
+                except (BrokenPipeError, OSError):
+                    pass
+            for p in procs.values():
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+        noise = abs(med["stock_ctrl"] - med["stock"]) / med["stock"]
+        ratio = med["default"] / med["stock"]
+        out["granularities"][granularity] = {
+            "median_ms": med,
+            "ratio": ratio,
+            "noise_floor": noise,
+            "verdict": "not slower" if ratio <= 1 + noise else "SLOWER beyond the noise floor",
+            "forwards": {n: len(t) for n, t in times.items()},
+        }
+    return out
+
+
+def report_compiled(res: dict[str, Any]) -> str:
+    lines = [
+        f"bench_host --compiled: REAL width (hidden 3072, 24 heads x 128, 2 blocks), fp32, {res['size']}x{res['size']},"
+        " 1 thread, inductor on CPU, one process per configuration, interleaved rounds (wall-clock per forward)",
+    ]
+    for g, r in res["granularities"].items():
+        m = r["median_ms"]
+        lines.append(
+            f"  {g:<8}: stock {m['stock']:.1f} ms, default {m['default']:.1f} ms, ratio {r['ratio']:.3f}; "
+            f"second stock {m['stock_ctrl']:.1f} ms: noise floor {r['noise_floor'] * 100:.1f}% -> {r['verdict']}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.child:
+        return child(args.child)
+    if args.compiled:
+        res = run_compiled(args)
+        print(report_compiled(res), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1))
+        return 0
     res = run(args)
     print(report(res), flush=True)
     if args.json:

@@ -10,7 +10,9 @@ the mode's owner (:meth:`FastModes.register`, from its ``install``; ``unregister
 body asks :meth:`FastModes.owner` per norm / residual and reports to that owner: a call that took the fast path
 (:meth:`ModeOwner.count_fast`) or kept stock's ops, and why (:meth:`ModeOwner.count_stock`). So each fast
 optimization owns its statistics and fallback reasons, and the block body holds no counters of its own.
-:meth:`FastModes.owner` checks :func:`guards.tracing` first: while dynamo traces, no mode is on.
+:meth:`FastModes.owner` checks :func:`guards.tracing` first: while dynamo traces, no mode is counted. Inside a
+regionally compiled block (:func:`traced_block_body`, the modulation hoisted by an eager pre-hook) the modes follow
+their switches (:data:`FAST`'s owners, which the graph is guarded on) without counting.
 """
 
 from __future__ import annotations
@@ -243,6 +245,86 @@ def block_body(
     txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states)
     encoder_hidden_states = txt2.residual(encoder_hidden_states, feed_forward(m["txt_mlp"], txt_modulated2, stats))
 
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the block body inside a compiled graph (regional compile: modulation hoisted by an eager pre-hook)
+# ----------------------------------------------------------------------------------------------------------------
+#: The attribute a compiled block reads its hoisted modulation from: ``(kinds, tensors)``, the four norms' kinds and
+#: their ``(first, shift, gate)`` tensors in the order img1, img2, txt1, txt2 (see :mod:`.compiled_blocks`).
+READY = "_ascend_ready_modulation"
+
+
+def hoistable(mods: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...]] | None:
+    """``mods`` (single-segment :class:`NormMod` only) as the plain ``(kinds, tensors)`` a compiled block reads."""
+    if not all(type(m) is NormMod for m in mods):
+        return None
+    return tuple(m.kind for m in mods), tuple(t for m in mods for t in (m.first, m.shift, m.gate))
+
+
+def _traced_norm(kind: str, norm: nn.Module, x: torch.Tensor, first: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    ln = norm.layernorm
+    if (
+        FAST.modulate is not None  # a static switch in the graph (guarded); nothing is counted while compiled
+        and kind in (NATIVE, NPU_EVAL)
+        and first.dim() == 3
+        and first.shape[0] == 1
+        and first.shape[1] == 1
+        and x.dtype == first.dtype
+        and x.shape[-1] == first.shape[-1]
+        and ln.weight is None
+        and ln.bias is None
+    ):
+        return affine_layernorm(kind, norm, x, first[0, 0], shift[0, 0])
+    if kind == NATIVE:
+        return ln(x) * first + shift
+    if kind == NPU_EVAL:
+        torch_npu = _backend.torch_npu_module()
+        return torch_npu.npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps) * first + shift
+    return norm(x, first, shift)
+
+
+def _traced_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if FAST.residual is not None and x.dtype == gate.dtype == y.dtype:
+        return torch.addcmul(x, gate, y)
+    return x + gate * y
+
+
+def traced_block_body(
+    block: nn.Module,
+    hoisted: tuple[tuple[str, ...], tuple[torch.Tensor, ...]],
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    encoder_hidden_states_mask: torch.Tensor | None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    hidden_states_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_body` as written for dynamo: the modulation comes ready (``hoisted``, looked up in eager), the
+    layers are called as modules (the graph inlines them), the fast tier's modes follow their switches without
+    counting, nothing mutable is read or written. Single-segment blocks only."""
+    (k1, k2, tk1, tk2), (f1, s1, g1, f2, s2, g2, tf1, ts1, tg1, tf2, ts2, tg2) = hoisted
+    m = block._modules
+    img_modulated = _traced_norm(k1, m["img_norm1"], hidden_states, f1, s1)
+    txt_modulated = _traced_norm(tk1, m["txt_norm1"], encoder_hidden_states, tf1, ts1)
+    img_attn_output, txt_attn_output = m["attn"](
+        hidden_states=img_modulated,
+        encoder_hidden_states=txt_modulated,
+        vid_freqs=image_rotary_emb[0],
+        txt_freqs=image_rotary_emb[1],
+        hidden_states_mask=hidden_states_mask,
+        encoder_hidden_states_mask=encoder_hidden_states_mask,
+    )
+    hidden_states = _traced_residual(hidden_states, g1, img_attn_output)
+    encoder_hidden_states = _traced_residual(encoder_hidden_states, tg1, txt_attn_output)
+    img_modulated2 = _traced_norm(k2, m["img_norm2"], hidden_states, f2, s2)
+    hidden_states = _traced_residual(hidden_states, g2, m["img_mlp"](img_modulated2))
+    txt_modulated2 = _traced_norm(tk2, m["txt_norm2"], encoder_hidden_states, tf2, ts2)
+    encoder_hidden_states = _traced_residual(encoder_hidden_states, tg2, m["txt_mlp"](txt_modulated2))
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     if hidden_states.dtype == torch.float16:

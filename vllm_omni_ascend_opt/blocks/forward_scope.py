@@ -6,16 +6,16 @@ captured, which memo entry holds this temb, which kernel runs RoPE for this dtyp
 freqs). Their answers cannot change within one transformer forward (vLLM-Omni's transformer runs its blocks one after
 the other, with the same ``temb``, freqs and process state), but they can change between forwards.
 
-How: an optimization that makes per-forward decisions :func:`watch` es each transformer it is attached to (the first
-watcher registers a forward pre-hook and an ``always_call`` forward hook on it; the last :func:`unwatch` removes
-them). The pre-hook opens a :class:`Scope` (a fresh decision table), the hook closes it, also when the forward raises.
+How: an optimization that makes per-forward decisions :func:`watch` es each transformer it is attached to: the
+instance's ``__call__`` (a subclass swapped in, see :func:`watch`) opens a :class:`Scope` (a fresh decision table)
+around each eager forward and closes it when the forward returns or raises.
 Patched code asks :func:`decide` ``(key, make)``: inside a scope the first call makes the decision and the others
 reuse it; outside one (a block called directly, a transformer nobody watches, a hook registry that bypassed the
 hooks) every call makes its own decision, exactly as before. A decision therefore never survives its forward: the
 next forward opens an empty table.
 
-While torch.compile traces, the hooks open no scope (checked first: :func:`~.guards.tracing`), and patched code
-never asks (it checks ``tracing()`` before anything else).
+While torch.compile traces, no scope is opened (a fully compiled transformer is called as before; checked first:
+:func:`~.guards.tracing`), and patched code never asks (it checks ``tracing()`` before anything else).
 """
 
 from __future__ import annotations
@@ -66,54 +66,93 @@ def decide(key: Hashable, make: Callable[[], T]) -> T:
         return value
 
 
-def _open(module: nn.Module, args: Any) -> None:
-    if guards.tracing():  # first: nothing is recorded while dynamo traces
-        return
-    _STACK.append(Scope(module))
+def _open(module: nn.Module, w: _Watch) -> Scope:
+    scope = Scope(module)
+    _STACK.append(scope)
+    if w.callbacks:
+        for callback in list(w.callbacks.values()):
+            callback(module)
+    return scope
 
 
-def _close(module: nn.Module, args: Any, output: Any) -> None:
-    if guards.tracing():
-        return
-    for i in range(len(_STACK) - 1, -1, -1):  # the innermost scope of this module (nested forwards: rare)
-        if _STACK[i].model is module:
+def _close(scope: Scope) -> None:
+    for i in range(len(_STACK) - 1, -1, -1):  # this forward's scope (and any left open inside it)
+        if _STACK[i] is scope:
             del _STACK[i:]
             break
 
 
 class _Watch:
-    __slots__ = ("handles", "owners")
+    __slots__ = ("callbacks", "owners")
 
-    def __init__(self, handles: tuple[Any, Any]) -> None:
-        self.handles = handles
+    def __init__(self) -> None:
         self.owners: set[str] = set()
+        #: owner -> called with the transformer when a scope opens (eager only: e.g. hoisting work out of compiled
+        #: blocks once they are compiled)
+        self.callbacks: dict[str, Callable[[nn.Module], None]] = {}
 
 
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, _Watch] = weakref.WeakKeyDictionary()
+#: original class -> its scoped subclass (same name and module; only ``__call__`` differs)
+_SCOPED: dict[type, type] = {}
 
 
-def watch(transformer: nn.Module, owner: str) -> None:
-    """Open a scope around every forward of ``transformer`` while at least one owner watches it (idempotent)."""
+def _scoped_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``__call__`` opens a scope around an eager forward of a watched instance.
+
+    ``__call__`` (``nn.Module._wrapped_call_impl``) runs before anything torch.compile took: a fully compiled
+    transformer (``_compiled_call_impl``) is called exactly as before, so its traced graphs are stock's (a wrapper of
+    ``forward`` would add a frame to them)."""
+    sub = _SCOPED.get(cls)
+    if sub is not None:
+        return sub
+    base_call = cls.__call__
+
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        w = _WATCHED.get(self)
+        if w is None or self._compiled_call_impl is not None or guards.tracing():
+            return base_call(self, *args, **kwargs)
+        scope = _open(self, w)
+        try:
+            return base_call(self, *args, **kwargs)
+        finally:
+            _close(scope)
+
+    sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "_ascend_scoped_base": cls})
+    sub.__qualname__ = cls.__qualname__
+    _SCOPED[cls] = sub
+    return sub
+
+
+def watch(transformer: nn.Module, owner: str, on_forward: Callable[[nn.Module], None] | None = None) -> None:
+    """Open a scope around every eager forward of ``transformer`` while at least one owner watches it (idempotent).
+    ``on_forward(transformer)`` runs when the scope opens.
+
+    The instance gets a subclass whose ``__call__`` opens the scope (a ``__class__`` swap: same object, same state;
+    restored when the last owner goes). Not module hooks and not a wrapper of ``forward``: both would change how a
+    fully compiled transformer is traced (more graphs)."""
     w = _WATCHED.get(transformer)
     if w is None:
-        handles = (
-            transformer.register_forward_pre_hook(_open),
-            transformer.register_forward_hook(_close, always_call=True),
-        )
-        w = _WATCHED[transformer] = _Watch(handles)
+        w = _WATCHED[transformer] = _Watch()
+        if "_ascend_scoped_base" not in type(transformer).__dict__:
+            transformer.__class__ = _scoped_class(type(transformer))
     w.owners.add(owner)
+    if on_forward is not None:
+        w.callbacks[owner] = on_forward
 
 
 def unwatch(transformer: nn.Module, owner: str) -> None:
-    """Stop watching for ``owner``; the hooks go when no owner is left."""
+    """Stop watching for ``owner``; the instance gets its class back when no owner is left."""
     w = _WATCHED.get(transformer)
     if w is None:
         return
     w.owners.discard(owner)
+    w.callbacks.pop(owner, None)
     if not w.owners:
-        for h in w.handles:
-            h.remove()
         del _WATCHED[transformer]
+        base = type(transformer).__dict__.get("_ascend_scoped_base")
+        if base is not None:
+            transformer.__class__ = base
 
 
 def watched(transformer: nn.Module) -> frozenset[str]:

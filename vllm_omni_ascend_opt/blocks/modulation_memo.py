@@ -82,6 +82,8 @@ class _Entry:
     silu: torch.Tensor | None = None
     slots: dict[tuple[Any, ...], _Slot] = field(default_factory=dict)
     nbytes: int = 0
+    #: entries keyed on the timestep: weak references to the time embedding's weights whose ids the key holds
+    refs: tuple[weakref.ReferenceType, ...] = ()
 
 
 class ModulationMemo:
@@ -228,6 +230,7 @@ class ModulationMemo:
         entry.nbytes = 0
         entry.slots.clear()
         entry.silu = None
+        entry.refs = ()
 
     def time_embedding(
         self,
@@ -237,13 +240,15 @@ class ModulationMemo:
         addition_t_cond: Any,
         stock: Any,
     ) -> tuple[torch.Tensor | None, str | None]:
-        """``time_text_embed(timestep, hidden_states, addition_t_cond)`` keyed on the timestep's value (one small
-        device->host read per forward, counted as ``digests``): a repeated timestep returns the very ``temb`` tensor
-        of its first forward, and the blocks then find their entry by its identity (no digest of temb). ``stock``
-        computes it on a miss. (temb, None) or (None, the reason it ran stock code)."""
+        """``time_text_embed(timestep, hidden_states, addition_t_cond)`` computed by ``stock``, with its memo entry
+        found by the timestep's value (one small device->host read per forward, counted as ``digests``) instead of
+        a digest of temb's B x D values: the blocks then find the entry by temb's identity. The key holds what temb
+        is a function of (the timestep's and the additional condition's values, the activation dtype, the
+        embedding's weights, the numerical settings). (temb, None), or (None, why the memo does not key it: the
+        blocks then digest temb as before)."""
         why = self._precheck_once(timestep)
         if why is None and torch.is_grad_enabled():
-            why = "grad mode is on (the time embedding is memoized for inference only)"
+            why = "grad mode is on (the time embedding is keyed for inference only)"
         if why is None:
             why = time_embedding.upstream_reason()
         if why:
@@ -251,12 +256,15 @@ class ModulationMemo:
         if type(hidden_states) is not torch.Tensor:
             return None, "hidden_states is not a plain tensor"
         try:
-            sig, tensors = time_embedding.time_embedding_sig(module, torch.is_grad_enabled())
+            sig, tensors = time_embedding.time_embedding_sig(module, False)
         except Unkeyable as exc:
             return None, str(exc)
         add = addition_t_cond if getattr(module, "use_additional_t_cond", False) else None  # stock ignores it else
         if add is not None and type(add) is not torch.Tensor:
             return None, "addition_t_cond is not a plain tensor"
+        temb = stock(module, timestep, hidden_states, addition_t_cond)
+        if type(temb) is not torch.Tensor:
+            return temb, None  # nothing to key (not reached with vLLM-Omni's module)
         self.stats["digests"] += 1  # the one device->host read of this forward (B values, not temb's B x D)
         key = (
             "time",
@@ -264,20 +272,16 @@ class ModulationMemo:
             hidden_states.dtype,
             None if add is None else time_embedding.value_key(add),
             numerical_settings(timestep.device.type),
+            sig,
         )
         entry = self._entry(key)
-        slot_key = ("temb", id(module))
-        hit = self._lookup(entry, slot_key, module, sig)
-        if hit is not None and (hit[0].is_inference() or hit[0]._version == hit[1]):
-            self.stats["time_hits"] += 1
-            temb = hit[0]
-        else:
-            if entry.slots or entry.silu is not None:
-                self._reset(entry)  # its payloads were made from another temb (weights changed under this key)
-            self.stats["time_misses"] += 1
-            temb = stock(module, timestep, hidden_states, addition_t_cond)
-            version = None if temb.is_inference() else temb._version
-            self._store(entry, slot_key, module, sig, (temb, version), temb.numel() * temb.element_size(), tensors)
+        if any(ref() is None for ref in entry.refs):
+            self._reset(entry)  # a weight named by id in the key died: its id may be another tensor's now
+        if not entry.refs:
+            entry.refs = tuple(
+                weakref.ref(t) for x in tensors for t in (sig_tensors(x) if isinstance(x, nn.Module) else (x,))
+            )
+        self.stats["time_keys"] += 1
         self._last = (weakref.ref(temb), None if temb.is_inference() else temb._version, entry, Span.of(temb))
         return temb, None
 

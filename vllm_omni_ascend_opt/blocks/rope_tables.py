@@ -153,6 +153,15 @@ class TableCache:
         return tables
 
 
+def graph_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin_signed)`` [S, 1, D] of :func:`portable_tables`, computed as tensor ops only (no cache): what
+    traced code uses where no table was hoisted (inside one compiled transformer, the graph computes them once per
+    freqs and the compiler may share them between blocks)."""
+    c = torch.real(freqs).to(dtype)
+    s = torch.imag(freqs).to(dtype)
+    return torch.repeat_interleave(c, 2, dim=-1).unsqueeze(-2), torch.stack((-s, s), dim=-1).flatten(-2).unsqueeze(-2)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # rotary math
 # ----------------------------------------------------------------------------------------------------------------

@@ -274,6 +274,8 @@ class Rope(Optimization):
         ) -> tuple[torch.Tensor, torch.Tensor]:
             """vLLM-Omni's ``_qwen_image_qk_norm_rope`` with cached cos/sin (and the verified NPU kernel)."""
             if guards.tracing():  # first: dynamo traces stock code, nothing here is read or counted
+                # (per stream, its portable math in a graph is not smaller than stock's: the compiler fuses both;
+                # with joint_attention the joint path rotates in the graph)
                 return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)
             if (
                 forward_scope.decide("rope.call_reason", _call_guard) is not None  # once per forward
