@@ -44,6 +44,7 @@ import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +307,15 @@ def child(spec: str) -> int:
     return 0
 
 
+def _reply(p: Any, is_reply: Callable[[str], bool]) -> str:
+    """The worker's next reply line: vLLM-Omni's loggers also write to its stdout, so other lines are skipped
+    ("" at end of output)."""
+    for line in p.stdout:
+        if is_reply(line.strip()):
+            return line.strip()
+    return ""
+
+
 def run_compiled(args: argparse.Namespace) -> dict[str, Any]:
     """Interleaved rounds over one worker per configuration (stock, default and a second stock, whose distance from
     the first is the noise floor), per granularity; ratios of medians in this run."""
@@ -327,9 +337,9 @@ def run_compiled(args: argparse.Namespace) -> dict[str, Any]:
             )
         try:
             for name, p in procs.items():
-                line = p.stdout.readline()  # type: ignore[union-attr]
-                if line.strip() != "ready":
-                    raise SystemExit(f"--compiled worker {name} ({granularity}) failed to start: {line!r}")
+                line = _reply(p, lambda s: s == "ready")
+                if line != "ready":
+                    raise SystemExit(f"--compiled worker {name} ({granularity}) failed to start (exit {p.poll()})")
             times: dict[str, list[float]] = {n: [] for n in procs}
             for r in range(rounds):
                 order = list(procs) if r % 2 == 0 else list(reversed(procs))
@@ -337,7 +347,7 @@ def run_compiled(args: argparse.Namespace) -> dict[str, Any]:
                     p = procs[name]
                     p.stdin.write(f"run {per_round}\n")  # type: ignore[union-attr]
                     p.stdin.flush()  # type: ignore[union-attr]
-                    times[name] += json.loads(p.stdout.readline())  # type: ignore[union-attr]
+                    times[name] += json.loads(_reply(p, lambda s: s.startswith("[")))
         finally:
             for p in procs.values():
                 try:
