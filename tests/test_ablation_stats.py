@@ -42,7 +42,7 @@ def test_named_workloads_ship_and_match_the_reference():
     assert (ref.dtype, ref.width, ref.height, ref.steps, ref.cfg_scale) == ("bfloat16", 1280, 704, 8, 1.0)
     assert ref.seeds == [42, 43, 44] and ref.warmup == 2 and ref.enforce_eager is True
     tiny = load_workload("tiny-cpu")
-    assert tiny.model == "tiny" and tiny.mode == "leave-one-out"
+    assert tiny.model == "tiny-deep" and tiny.mode == "leave-one-out"  # issue 21: 12 blocks
     tiny.validate()
     ref.validate()
 

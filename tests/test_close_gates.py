@@ -161,7 +161,7 @@ def test_tiny_cpu_fast_workload_holds_the_fast_tier_to_its_gates_against_stock()
     from vllm_omni_ascend_opt.ablation.workload import load_workload
 
     wl = load_workload("tiny-cpu-fast").validate()
-    assert wl.model == "tiny" and wl.mode == "leave-one-out" and wl.stack == "all" and wl.engine == "testbed"
+    assert wl.model == "tiny-deep" and wl.mode == "leave-one-out" and wl.stack == "all" and wl.engine == "testbed"
     p = build_plan(wl, opt_infos_from_registry())
     assert {"shared_modulation", "fast_modulate", "fast_residual", "vae_fast"} <= set(p.stack)
     fast_only = set(p.config("loo_vae_fast").opts)  # the default stack + the fast tier

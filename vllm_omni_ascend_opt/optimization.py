@@ -99,6 +99,10 @@ class Optimization:
     #: Where the patched code runs (:data:`REGIONS`). A compiled region of the model runs stock code for the
     #: optimizations that live in it (they step aside while torch.compile traces).
     regions: ClassVar[frozenset[str]] = frozenset()
+    #: The compile granularities (``"regional"``: vLLM-Omni's repeated blocks; ``"full"``: the whole transformer)
+    #: under which its code acts inside the compiled graphs (written for tracing; value-keyed work done outside them).
+    #: Under any other compile of all its :attr:`regions` it steps aside while dynamo traces: a reason on that model.
+    acts_compiled: ClassVar[frozenset[str]] = frozenset()
     #: Its process-wide patches act on every model (nothing per instance): no ``attach`` needed to act.
     acts_without_attach: ClassVar[bool] = False
     #: Further reusable model-level checks asked by :meth:`reasons_inactive` for a model, in order.
@@ -153,7 +157,7 @@ class Optimization:
         else:
             reasons += self._needs_reasons(model)
             reasons += parallel_reasons_inactive(self, model)
-            why = guards.compile_reason(self.regions, model, self.name)
+            why = guards.compile_reason(self.regions, model, self.name, self.acts_compiled)
             if why:
                 reasons.append(why)
             for check in self.model_checks:

@@ -11,7 +11,8 @@ Model-level facts (asked by :meth:`Optimization.reasons_inactive` for a model):
 
 * :func:`compiled_regions`: which :data:`~vllm_omni_ascend_opt.optimization.REGIONS` of a model vLLM-Omni's
   ``torch.compile`` took (``regional``: the repeated transformer blocks; ``full``: the whole transformer);
-  :func:`compile_reason` says when every region an optimization lives in is compiled.
+  :func:`compile_reason` says when every region an optimization lives in is compiled and it does not act inside
+  graphs of that granularity.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ def _is_compiled(fn: Any) -> bool:
     return getattr(fn, "_torchdynamo_orig_callable", None) is not None
 
 
+def block_compiled(block: nn.Module) -> bool:
+    """``block``'s forward, or the callable its vLLM-Omni hook registry dispatches to, is a torch.compile'd
+    function (vLLM-Omni's regional compile), or the block module itself is compiled."""
+    fns = (block.__dict__.get("forward"), block.__dict__.get("_omni_original_forward"))
+    return getattr(block, "_compiled_call_impl", None) is not None or any(_is_compiled(f) for f in fns)
+
+
 def _transformers(model: Any) -> list[nn.Module]:
     mod = sys.modules.get(targets.TRANSFORMER)
     if mod is None or not isinstance(model, nn.Module):
@@ -79,17 +87,28 @@ def compiled_regions(model: Any) -> frozenset[str]:
         if getattr(tr, "_compiled_call_impl", None) is not None or _is_compiled(tr.__dict__.get("forward")):
             return frozenset({"block", "transformer"})
         for block in getattr(tr, "transformer_blocks", ()):
-            fns = (block.__dict__.get("forward"), block.__dict__.get("_omni_original_forward"))
-            if getattr(block, "_compiled_call_impl", None) is not None or any(_is_compiled(f) for f in fns):
+            if block_compiled(block):
                 out.add("block")
                 break
     return frozenset(out)
 
 
-def compile_reason(regions: frozenset[str], model: Any, name: str) -> str | None:
-    """Why an optimization living in ``regions`` does not act on ``model`` because torch.compile runs all of them."""
+def compile_granularity(compiled: frozenset[str]) -> str | None:
+    """``"full"`` (the whole transformer), ``"regional"`` (its blocks) or None, from :func:`compiled_regions`."""
+    if "transformer" in compiled:
+        return "full"
+    return "regional" if compiled else None
+
+
+def compile_reason(
+    regions: frozenset[str], model: Any, name: str, acts_compiled: frozenset[str] = frozenset()
+) -> str | None:
+    """Why an optimization living in ``regions`` does not act on ``model`` because torch.compile runs all of them
+    (None when it acts there: not all compiled, or it acts inside graphs of this granularity, ``acts_compiled``)."""
     compiled = compiled_regions(model)
     if not regions or not compiled or not regions <= compiled:
+        return None
+    if compile_granularity(compiled) in acts_compiled:
         return None
     where = "the whole transformer" if "transformer" in compiled else "the transformer blocks"
     return (

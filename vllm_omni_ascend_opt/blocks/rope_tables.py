@@ -76,7 +76,11 @@ def npu_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Te
 
 
 def version_or_none(t: torch.Tensor) -> int | None:
-    """``t._version``, or None for inference tensors (they track none; upstream never writes freqs in place)."""
+    """``t._version``, or None for inference tensors (they track none; upstream never writes freqs in place).
+
+    Asked before reading: reading an inference tensor's version raises, and an exception costs ~10 us per call."""
+    if t.is_inference():
+        return None
     try:
         return t._version
     except RuntimeError:
@@ -147,6 +151,15 @@ class TableCache:
         while len(entries) > TABLE_CACHE_SIZE:
             entries.popitem(last=False)
         return tables
+
+
+def graph_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin_signed)`` [S, 1, D] of :func:`portable_tables`, computed as tensor ops only (no cache): what
+    traced code uses where no table was hoisted (inside one compiled transformer, the graph computes them once per
+    freqs and the compiler may share them between blocks)."""
+    c = torch.real(freqs).to(dtype)
+    s = torch.imag(freqs).to(dtype)
+    return torch.repeat_interleave(c, 2, dim=-1).unsqueeze(-2), torch.stack((-s, s), dim=-1).flatten(-2).unsqueeze(-2)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ class FastBlockMode(Optimization):
     close_gates = FAST_TIER_GATES
     needs = ("shared_modulation",)
     regions = frozenset({"block"})
+    #: A mode of shared_modulation's block body, which runs inside regionally compiled blocks (not under full compile).
+    acts_compiled = frozenset({"regional"})
     acts_without_attach = True
     requires = ("shared_modulation active (a mode of its memoized block body); any device",)
     target_modules = (_targets.TRANSFORMER,)

@@ -40,8 +40,12 @@ How (every element sees exactly stock's operations in stock's order, so the outp
 Launches per block, fp32 tiny, warm request (the CPU bitwise default stack): 74 -> 54 (norms 24 -> 14, RoPE
 16 -> 8, cats 3 -> 1).
 
-While ``torch.compile`` traces, the patched forward runs stock code at once (checked first: nothing is read,
-counted or logged, so vLLM-Omni's regional compile sees no graph break). Falls back to stock, with the reason
+While ``torch.compile`` traces, the patched forward checks ``guards.tracing()`` first and runs the joint path as
+written for tracing (``blocks/joint_qkv.traced_forward``: the same math, no counter, cache or log; the RoPE tables
+hoisted by an eager pre-hook of each regionally compiled block, or computed in the graph under full compile): no
+graph break, fewer ops in the compiled graph than stock's attention. Eagerly, the guards, the CUDA-fused check and
+the RoPE tables are decided once per forward (``blocks/forward_scope.py``) and the four projections called as
+their kernels where vLLM's layer is plain (``blocks/direct_calls.py``). Falls back to stock, with the reason
 counted (:meth:`JointAttention.fallback_reasons`), under autograd, graph capture, when the norms are not plain
 ``nn.RMSNorm`` with weights and one ``eps`` (Identity for ``qk_norm=False``, hooks, other classes), when the two
 streams' projections differ in heads or dtype, when the freqs do not match the sequence lengths, when stock's RoPE
@@ -60,138 +64,35 @@ from __future__ import annotations
 
 import functools
 import sys
-import weakref
-from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import guards, rms_norm, rope_tables, rotary
+from vllm_omni_ascend_opt.blocks import (
+    compiled_blocks,
+    direct_calls,
+    forward_scope,
+    guards,
+    rms_norm,
+    rope_tables,
+    rotary,
+)
 from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.joint_qkv import (
+    JOINT_FREQS_CACHE_SIZE,  # noqa: F401  (the cache's bound, named in the header above)
+    READY_ROPE,
+    any_cuda_fused,
+    attend,
+    joint_rms_norm,
+    shape_reason,
+    static_reason,
+    traced_forward,
+    traced_reason,
+)
+from vllm_omni_ascend_opt.blocks.joint_qkv import JointFreqsCache as _JointFreqsCache
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
-
-#: Joint freqs kept (LRU): one per (vid, txt) freqs pair, i.e. per shape with ``rope``'s embedder memo.
-JOINT_FREQS_CACHE_SIZE = 16
-_OPMATH = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the joint RMSNorm
-# ----------------------------------------------------------------------------------------------------------------
-def joint_rms_norm(x: torch.Tensor, st: int, w_txt: torch.Tensor, w_img: torch.Tensor, eps: float) -> torch.Tensor:
-    """``cat([rms_norm(x[:, :st], w_txt), rms_norm(x[:, st:], w_img)], dim=1)``, bitwise, with one norm pass.
-
-    Reproduces torch 2.13's ``rms_norm`` composite (what ``nn.RMSNorm`` runs on CPU and, op by op, on an NPU):
-    upcast to the opmath type (fp32 for fp16/bf16), ``rsqrt(pow(x, 2).mean(-1, keepdim=True).add_(eps))``,
-    ``x * rstd``, ``* weight`` in the promoted type, one cast back to ``x.dtype``. ``eps`` is applied as the opmath
-    scalar, as the composite does."""
-    dtype = x.dtype
-    opmath = _OPMATH.get(dtype, dtype)
-    xu = x.to(opmath)
-    eps_t = _opmath_scalar(eps, opmath)
-    rstd = torch.rsqrt(xu.pow(2).mean(-1, keepdim=True).add_(eps_t))
-    normed = xu.mul(rstd)
-    out_dtype = _promote(normed.dtype, w_txt.dtype)
-    if out_dtype != _promote(normed.dtype, w_img.dtype):
-        raise ValueError("the two norm weights promote to different dtypes")
-    out = torch.empty(normed.shape, dtype=out_dtype, device=normed.device)
-    torch.mul(normed[:, :st], w_txt, out=out[:, :st])
-    torch.mul(normed[:, st:], w_img, out=out[:, st:])
-    return out.to(dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """``torch.promote_types`` memoized (it dispatches an aten op: kept off the counted hot path)."""
-    return torch.promote_types(a, b)
-
-
-@functools.lru_cache(maxsize=64)
-def _opmath_scalar(eps: float, opmath: torch.dtype) -> float:
-    """``eps`` rounded to the opmath type, as the composite's ``add_(eps)`` applies it."""
-    return float(torch.tensor(eps, dtype=opmath))
-
-
-def _plain_rms_norm(norm: nn.Module) -> str | None:
-    """Why ``norm`` cannot take part in the joint norm (None when it can)."""
-    if type(norm) not in rms_norm.RMS_NORM_CLASSES:
-        return f"QK norm is {type(norm).__name__}, not nn.RMSNorm (qk_norm=False or another norm)"
-    if "forward" in norm.__dict__ or guards.hooked(norm):
-        return "hooks or an instance forward on a QK norm"
-    if norm.weight is None:
-        return "QK norm without weight (elementwise_affine=False)"
-    if norm.eps is None:
-        return "QK norm with eps=None (dtype-dependent eps)"
-    return None
-
-
-def static_reason(attn: nn.Module) -> str | None:
-    """Why the joint path can never run for this ``QwenImageCrossAttention`` (None when it can), checked per call."""
-    norms = (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
-    for n in norms:
-        why = _plain_rms_norm(n)
-        if why:
-            return why
-    if attn.norm_q.eps != attn.norm_added_q.eps or attn.norm_k.eps != attn.norm_added_k.eps:
-        return "the text and image QK norms use different eps"
-    d = attn.head_dim
-    if any(tuple(n.normalized_shape) != (d,) for n in norms):
-        return "a QK norm does not normalize over head_dim"
-    if attn.query_num_heads != attn.add_query_num_heads or attn.kv_num_heads != attn.add_kv_num_heads:
-        return "text and image projections have different head counts"
-    if guards.global_hooks():
-        return "global module hooks are registered"
-    if not rope_tables.native_equivalent(attn.rope):
-        return "stock RoPE runs a device kernel (MindIE-SD/CUDA), not vLLM-Omni's native rotary math"
-    return None
-
-
-def _freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:
-    return freqs.dim() == 2 and freqs.is_complex() and freqs.shape[0] == seq and freqs.shape[-1] * 2 <= head_dim
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# joint freqs, cached weakly on the (vid, txt) freqs pair
-# ----------------------------------------------------------------------------------------------------------------
-class _JointFreqsCache:
-    """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair, keyed like ``rope``'s tables
-    (:func:`~vllm_omni_ascend_opt.blocks.rope_tables.table_key`).
-
-    Policy: at most :data:`JOINT_FREQS_CACHE_SIZE` entries; a hit moves its entry to the most recent end, a new entry
-    beyond the cap evicts the least recently used one; an entry dies with either freqs tensor."""
-
-    def __init__(self, stats: Counter) -> None:
-        self._entries: OrderedDict[tuple, tuple[weakref.ref, weakref.ref, torch.Tensor]] = OrderedDict()
-        self._stats = stats
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, vid: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
-        kv, rv = rope_tables.table_key(vid, vid.dtype)
-        kt, rt = rope_tables.table_key(txt, txt.dtype)
-        key = (kv, kt)
-        hit = self._entries.get(key)
-        if hit is not None and hit[0]() is rv and hit[1]() is rt:
-            self._entries.move_to_end(key)
-            self._stats["joint_freqs_hits"] += 1
-            return hit[2]
-        entries = self._entries
-
-        def _drop(_ref: weakref.ref, key: tuple = key) -> None:
-            entries.pop(key, None)
-
-        joint = torch.cat([txt, vid], dim=0)
-        self._stats["joint_freqs_builds"] += 1
-        entries[key] = (weakref.ref(rv, _drop), weakref.ref(rt, _drop), joint)
-        while len(entries) > JOINT_FREQS_CACHE_SIZE:
-            entries.popitem(last=False)
-        return joint
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -208,6 +109,8 @@ class JointAttention(Optimization):
     # the local head counts (equal for both streams); CFG-parallel runs each branch as a single request.
     parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")
     regions = frozenset({"block"})
+    #: Its joint path is written for tracing (regional: tables hoisted per forward; full: computed in the graph).
+    acts_compiled = frozenset({"regional", "full"})
     acts_without_attach = True
     #: What it replaces (the joint attention forward, qk-norm-rope) and mirrors (the native rotary math, stock's
     #: fused-CUDA branch condition, the QK norms' construction).
@@ -230,6 +133,8 @@ class JointAttention(Optimization):
         super().__init__()
         self._joint_freqs = _JointFreqsCache(self.stats)
         self._tables = rope_tables.TableCache(self.stats)  # used when `rope` is not installed
+        #: regional compile: eager pre-hooks that hand each compiled block's attention this forward's RoPE tables
+        self._hoister = compiled_blocks.Hoister(self._hoist, (READY_ROPE,), submodule="attn")
 
     # ----- reporting -----------------------------------------------------------------------------------------
     def _process_reasons(self) -> list[str]:
@@ -262,8 +167,19 @@ class JointAttention(Optimization):
         self.patches.set(cls, "forward", self._make_forward(cls.forward))
 
     def _uninstall(self) -> None:
+        self._hoister.release_all()
         self._joint_freqs.clear()
         self._tables.clear()
+
+    def _attach(self, model: nn.Module) -> None:
+        for tr in _transformers(model):
+            # per-forward decisions (guards, RoPE tables) once per forward; hooks once its blocks are compiled
+            forward_scope.watch(tr, self.name, on_forward=self._hoister.on_forward)
+
+    def _detach(self, model: nn.Module) -> None:
+        for tr in _transformers(model):
+            forward_scope.unwatch(tr, self.name)
+            self._hoister.release(tr)
 
     # ----- the patched forward -------------------------------------------------------------------------------
     def _call_reason(
@@ -274,53 +190,43 @@ class JointAttention(Optimization):
         vid_freqs: Any,
         txt_freqs: Any,
     ) -> str | None:
-        why = guards.call_reason(any_grad=True, hooks=False)  # global hooks: in static_reason
+        why = forward_scope.decide("ja.call_reason", _call_guard)  # once per forward; global hooks: static_reason
         if why:
             return why
-        why = static_reason(attn)
+        why = static_reason(attn) or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
         if why:
             return why
-        if hidden_states.dim() != 3 or encoder_hidden_states.dim() != 3:
-            return "hidden states are not [B, S, D]"
-        if hidden_states.dtype != encoder_hidden_states.dtype:
-            return "text and image hidden states differ in dtype"
+        # decided before any projection runs: a fallback found after them would compute both QKV GEMMs twice; the
+        # same for every block of a forward (its shapes, device and dtype), so decided once per forward
         d = attn.head_dim
-        if not isinstance(vid_freqs, torch.Tensor) or not isinstance(txt_freqs, torch.Tensor):
-            return "freqs are not tensors"
-        if not _freqs_ok(vid_freqs, hidden_states.shape[1], d) or not _freqs_ok(
-            txt_freqs, encoder_hidden_states.shape[1], d
-        ):
-            return "RoPE freqs do not match the sequence lengths (complex [S, D/2] expected)"
-        if vid_freqs.shape[-1] != txt_freqs.shape[-1] or vid_freqs.device != txt_freqs.device:
-            return "text and image freqs differ in rotary dim or device"
-        # decided before any projection runs: a fallback found after them would compute both QKV GEMMs twice
-        mod = sys.modules[_targets.TRANSFORMER]
-        if (attn.qk_norm and self._cuda_fused(mod, hidden_states, vid_freqs, d)) or self._cuda_fused(
-            mod, encoder_hidden_states, txt_freqs, d
+        key = ("ja.cuda_fused", attn.qk_norm, hidden_states.shape, encoder_hidden_states.shape, vid_freqs.shape, d)
+        if forward_scope.decide(
+            key, lambda: any_cuda_fused(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs, d)
         ):
             return "stock's fused CUDA qk-norm-rope path (>= its token threshold on CUDA)"
         return None
 
-    def _cuda_fused(self, mod: Any, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
-        """Whether stock's ``_qwen_image_qk_norm_rope`` would take its fused CUDA path for the stream whose hidden
-        states are ``x`` (stock's own condition, in its order: token threshold, then ``_fused_cuda_supported``, which
-        reads only q/k's device and dtype: those of ``x``, which the stream's QKV projection keeps)."""
-        tokens = x.shape[0] * x.shape[1]
-        return bool(
-            tokens >= mod.fused_qk_norm_rope_min_tokens(mod._FUSED_MIN_TOKENS)
-            and mod._fused_cuda_supported(x, x, head_dim, freqs.shape[-1] * 2, interleaved=True)
-        )
-
     def _norm(self, x: torch.Tensor, st: int, norm_txt: nn.Module, norm_img: nn.Module) -> torch.Tensor:
         return joint_rms_norm(x, st, norm_txt.weight, norm_img.weight, norm_img.eps)
 
-    def _rope(self, x: torch.Tensor, joint_freqs: torch.Tensor, rope: nn.Module) -> torch.Tensor:
+    def _rotation(
+        self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """How q/k of this shape rotate in this forward: the joint freqs and their tables, looked up once per forward
+        (the same freqs objects reach every block) and per shape class, then applied per call."""
+        key = ("ja.rotation", id(vid_freqs), id(txt_freqs), x.dtype, x.device, x.shape)
+        return forward_scope.decide(key, lambda: self._make_rotation(x, vid_freqs, txt_freqs, rope))
+
+    def _make_rotation(
+        self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        joint_freqs = self._joint_freqs.get(vid_freqs, txt_freqs)
         kernel = rotary.active()  # switched on while `rope` is installed: its tables, verified kernel and counters
         if kernel is not None:
-            return kernel.rotate(x, joint_freqs, rope)
+            return kernel.plan(x, joint_freqs, rope)
         tables = self._tables.get(joint_freqs, x.dtype)
         cos, sin_signed = rope_tables.portable_tables(tables, joint_freqs, self.stats)
-        return rope_tables.apply_portable(x, cos, sin_signed)
+        return functools.partial(rope_tables.apply_portable, cos=cos, sin_signed=sin_signed)
 
     def _make_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         opt = self
@@ -335,7 +241,20 @@ class JointAttention(Optimization):
             hidden_states_mask: torch.Tensor | None = None,
             encoder_hidden_states_mask: torch.Tensor | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            if guards.tracing():  # first: dynamo traces stock code; nothing here is read, counted or logged
+            if guards.tracing():  # first: dynamo traces; nothing here is counted, cached or logged
+                if traced_reason(self, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs) is None:
+                    out = traced_forward(
+                        mod,
+                        self,
+                        hidden_states,
+                        encoder_hidden_states,
+                        vid_freqs,
+                        txt_freqs,
+                        hidden_states_mask,
+                        encoder_hidden_states_mask,
+                    )
+                    if out is not None:
+                        return out
                 return original(
                     self,
                     hidden_states,
@@ -387,8 +306,9 @@ class JointAttention(Optimization):
         encoder_hidden_states_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor] | str:
         """The joint path, or the reason it cannot run (the caller then runs stock)."""
-        img_qkv, _ = attn.to_qkv(hidden_states)
-        txt_qkv, _ = attn.add_kv_proj(encoder_hidden_states)
+        m = attn._modules
+        img_qkv = self._project(m["to_qkv"], hidden_states, pair=True)
+        txt_qkv = self._project(m["add_kv_proj"], encoder_hidden_states, pair=True)
         if (
             img_qkv.dtype != txt_qkv.dtype
             or img_qkv.shape[-1] != txt_qkv.shape[-1]
@@ -400,7 +320,8 @@ class JointAttention(Optimization):
         nq, nkv = attn.query_num_heads, attn.kv_num_heads
         q_size, kv_size = nq * d, nkv * d
         st = encoder_hidden_states.shape[1]
-        if rms_norm.kernel_ready([attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k]):
+        norm_q, norm_k, norm_added_q, norm_added_k = m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"]
+        if rms_norm.kernel_ready([norm_q, norm_k, norm_added_q, norm_added_k]):
             # qk_norm's npu_rms_norm takes gamma [D]: one kernel per stream (on stock's views), then one cat each for
             # q, k and v (v stays contiguous for the attention kernel). 9 launches with the joint rotary, against 11
             # in stock's order.
@@ -412,58 +333,85 @@ class JointAttention(Optimization):
                 t.unflatten(-1, (n, d))
                 for t, n in zip(txt_qkv.split([q_size, kv_size, kv_size], dim=-1), (nq, nkv, nkv), strict=True)
             )
-            query = torch.cat([attn.norm_added_q(txt_q), attn.norm_q(img_q)], dim=1)
-            key = torch.cat([attn.norm_added_k(txt_k), attn.norm_k(img_k)], dim=1)
+            query = torch.cat([norm_added_q(txt_q), norm_q(img_q)], dim=1)
+            key = torch.cat([norm_added_k(txt_k), norm_k(img_k)], dim=1)
             value = torch.cat([txt_v, img_v], dim=1)
             self.stats["kernel_norm_calls"] += 1
         else:
             joint_qkv = torch.cat([txt_qkv, img_qkv], dim=1)
             query, key, value = joint_qkv.split([q_size, kv_size, kv_size], dim=-1)
-            query = self._norm(query.unflatten(-1, (nq, d)), st, attn.norm_added_q, attn.norm_q)
-            key = self._norm(key.unflatten(-1, (nkv, d)), st, attn.norm_added_k, attn.norm_k)
+            query = self._norm(query.unflatten(-1, (nq, d)), st, norm_added_q, norm_q)
+            key = self._norm(key.unflatten(-1, (nkv, d)), st, norm_added_k, norm_k)
             value = value.unflatten(-1, (nkv, d))
-        joint_freqs = self._joint_freqs.get(vid_freqs, txt_freqs)
-        query = self._rope(query, joint_freqs, attn.rope)
-        key = self._rope(key, joint_freqs, attn.rope)
+        rope = m["rope"]
+        query = self._rotation(query, vid_freqs, txt_freqs, rope)(query)
+        key = self._rotation(key, vid_freqs, txt_freqs, rope)(key)
         self.stats["joint_calls"] += 1
 
-        pc = attn.parallel_config
-        if pc is not None and pc.sequence_parallel_size > 1 and not mod.get_forward_context().split_text_embed_in_sp:
-            attn_metadata = mod.AttentionMetadata(
-                joint_query=query[:, :st],
-                joint_key=key[:, :st],
-                joint_value=value[:, :st],
-                joint_strategy="front",
-            )
-            if hidden_states_mask is not None:
-                attn_metadata.attn_mask = hidden_states_mask
-            if encoder_hidden_states_mask is not None:
-                attn_metadata.joint_attn_mask = encoder_hidden_states_mask
-            self.stats["sp_calls"] += 1
-            joint_hidden_states = attn.attn(query[:, st:], key[:, st:], value[:, st:], attn_metadata)
-        else:
-            attn_metadata = None
-            if hidden_states_mask is not None or encoder_hidden_states_mask is not None:
-                txt_mask = encoder_hidden_states_mask
-                if txt_mask is None:
-                    txt_mask = torch.ones(
-                        encoder_hidden_states.shape[:2], dtype=torch.bool, device=encoder_hidden_states.device
-                    )
-                img_mask = hidden_states_mask
-                if img_mask is None:
-                    img_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
-                attn_metadata = mod.AttentionMetadata(attn_mask=torch.cat([txt_mask, img_mask], dim=1))
-                self.stats["masked_calls"] += 1
-            joint_hidden_states = attn.attn(query, key, value, attn_metadata)
-
-        joint_hidden_states = joint_hidden_states.flatten(2, 3).to(query.dtype)
-        img_attn_output = attn.to_out(joint_hidden_states[:, st:, :])
-        txt_attn_output = attn.to_add_out(joint_hidden_states[:, :st, :])
+        joint_hidden_states = attend(
+            mod,
+            attn,
+            query,
+            key,
+            value,
+            st,
+            hidden_states,
+            encoder_hidden_states,
+            hidden_states_mask,
+            encoder_hidden_states_mask,
+            self.stats,
+        )
+        img_attn_output = self._project(m["to_out"], joint_hidden_states[:, st:, :])
+        txt_attn_output = self._project(m["to_add_out"], joint_hidden_states[:, :st, :])
         return img_attn_output, txt_attn_output
+
+    def _hoist(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Eager pre-hook of a regionally compiled block: this forward's joint RoPE tables, looked up once per forward
+        and left on the block's attention for its compiled code (None: the graph computes them)."""
+        attn = block._modules.get("attn")
+        freqs, hidden_states = kwargs.get("image_rotary_emb"), kwargs.get("hidden_states")
+        tables = None
+        if attn is not None and isinstance(freqs, (tuple, list)) and len(freqs) == 2 and hidden_states is not None:
+            vid, txt = freqs
+            if isinstance(vid, torch.Tensor) and isinstance(txt, torch.Tensor) and vid.is_complex():
+                key = ("ja.tables", id(vid), id(txt), hidden_states.dtype)
+                tables = forward_scope.decide(key, lambda: self._portable_joint_tables(vid, txt, hidden_states.dtype))
+        if attn is not None:
+            compiled_blocks.set_ready(attn, READY_ROPE, tables)
+
+    def _portable_joint_tables(
+        self, vid: torch.Tensor, txt: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        joint_freqs = self._joint_freqs.get(vid, txt)
+        return rope_tables.portable_tables(self._tables.get(joint_freqs, dtype), joint_freqs, self.stats)
+
+    def _project(self, layer: nn.Module, x: torch.Tensor, pair: bool = False) -> torch.Tensor:
+        """``layer(x)`` (its output; ``pair``: the layer returns ``(output, bias)``): the GEMM directly when
+        :func:`~vllm_omni_ascend_opt.blocks.direct_calls.linear_args` vouches for it (quantized, LoRA, TP and
+        hooked layers are called as modules, the reason counted in :attr:`stats`)."""
+        args = direct_calls.linear_args(layer)
+        if isinstance(args, str):
+            self.stats["module_calls"] += 1
+            self.stats[f"module call: {args}"] += 1
+            out = layer(x)
+            return out[0] if pair else out
+        self.stats["direct_calls"] += 1
+        return direct_calls.linear(x, *args)
+
+
+def _call_guard() -> str | None:
+    return guards.call_reason(any_grad=True, hooks=False)
 
 
 def _modules(model: Any) -> list[nn.Module]:
     return list(model.modules()) if isinstance(model, nn.Module) else []
+
+
+def _transformers(model: Any) -> list[nn.Module]:
+    mod = sys.modules.get(_targets.TRANSFORMER)
+    if mod is None:
+        return []
+    return [m for m in _modules(model) if isinstance(m, mod.QwenImageTransformer2DModel)]
 
 
 OPT = JointAttention()

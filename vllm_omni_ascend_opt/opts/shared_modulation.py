@@ -19,15 +19,21 @@ How
   keys in ``blocks/modulation_keys.py``; the block body in ``blocks/block_body.py``): the key is the *value* of
   ``temb`` (dtype, shape, device and a SHA-256 of its bytes, upstream's ``tensor_digest``), the numerical settings
   (matmul precision, autocast, grad mode, TF32/HF32 flags), and, per slot, the modules and their weights (object
-  identity, ``data_ptr``, ``_version``, shape, dtype, device; vLLM LoRA stacks and active-slice mask; quant
-  method). A miss replays stock's computation
+  identity, ``_version``, shape, dtype, device -- not the storage, which vLLM-Omni's layerwise offload renews every
+  forward; vLLM LoRA stacks and active-slice mask; quant method). The temb entry of a forward is found through the
+  timestep: the swapped ``time_text_embed`` computes stock's temb and keys it by the timestep's value (B values read
+  back, not temb's B x 3072) with the embedding's weights, so the blocks find the entry by temb's identity, no digest.
+  A miss replays stock's computation
   (same ops, same inputs, one SiLU per distinct temb), so a hit is bitwise what stock would compute. Each block's
   modulation is stored unpacked ("decode broadcast"): contiguous ``(1 + scale, shift, gate)`` tensors ``[B, 1, D]``
   for its four norms, so a warm step runs no modulation op at all: ``LN(x) * (1 + scale) + shift`` and
   ``h + gate * y`` are the very elementwise ops stock runs, on the same values. Bounded by a byte budget
   (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512; 0 disables), least-recently-used temb first.
-  Costs: one device->host copy of ``temb`` (B x 3072 values) per forward for the digest; on a miss, 8 small copies
-  per block to make the unpacked tensors contiguous.
+  Costs: one device->host copy of the timestep (B values) per forward (of ``temb``, B x 3072 values, where the
+  time embedding is not keyed); on a miss, 8 small copies per block to make the unpacked tensors contiguous. Host
+  time: the guards and the temb entry are decided once per forward (``blocks/forward_scope.py``), and the body calls
+  vLLM's plain linears, vLLM-Omni's ``FeedForward`` and layer norms as their kernels (``blocks/direct_calls.py``;
+  quantized, LoRA, tensor-parallel or hooked layers are called as modules).
 Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``)
   Stock projects ``img_mod`` over ``temb = [emb(t); emb(0)]`` (2B rows) and, per image norm, builds three
   ``[B, L, D]`` tensors with ``torch.where(modulate_index, segment 1, segment 0)`` (``select01_modulation_native``, the
@@ -44,8 +50,11 @@ Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``)
   projection; ``zero_t_*`` stats); with slice plans the memo entries of new timesteps then add only their own
   segment (broadcast plans keep small per-chunk copies of both).
 Exactness and fallbacks
-  While ``torch.compile`` traces, every patched forward checks :func:`blocks.guards.tracing` first and runs stock
-  code without touching the memo, counters or loggers: the compiled graph holds stock's block. Otherwise it falls
+  While ``torch.compile`` traces, every patched forward checks :func:`blocks.guards.tracing` first and touches no
+  memo, counter or logger. Under vLLM-Omni's regional compile the lookups run in eager pre-hooks of the compiled
+  blocks, which receive the unpacked tensors ready (``blocks/compiled_blocks.py``) and run the body (with the fast
+  tier's modes) inside their graphs; under full compile nothing eager runs between the blocks, so the compiled graph
+  holds stock's modulation (reported as a reason). Otherwise it falls
   back to the stock code, with a reason (:meth:`SharedModulation.fallback_reasons`, debug log), under
   autograd (grad enabled and a tensor requiring grad), CUDA/NPU graph capture, global
   ``nn.Module`` forward hooks or hooks on the modules it would skip, inference-tensor weights (no version counter),
@@ -85,9 +94,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import guards
+from vllm_omni_ascend_opt.blocks import compiled_blocks, forward_scope, guards
 from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.block_body import block_body, block_body_reason
+from vllm_omni_ascend_opt.blocks.block_body import READY, block_body, block_body_reason, hoistable, traced_block_body
 from vllm_omni_ascend_opt.blocks.modulation_keys import (
     ADALAYERNORM_MODULE,
     CUSTOM_OP_MODULE,
@@ -137,6 +146,9 @@ class SharedModulation(Optimization):
     target_modules = (_targets.TRANSFORMER,)
     parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-rank memo, no collectives (see docstring)
     regions = frozenset({"block", "transformer"})  # the block body and projections; norm_out in the forward
+    #: Regional compile: the memo runs in eager (the transformer's forward and pre-hooks of the compiled blocks), the
+    #: compiled blocks receive ready modulation tensors. Full compile traces the memo's lookups: stock code there.
+    acts_compiled = frozenset({"regional"})
     removal_plan = "Drop once vLLM-Omni memoizes Qwen-Image's modulation (upstream ExactProjectionCache wiring)."
     upstream = UPSTREAM
     on_qwen_image_21 = (
@@ -150,6 +162,8 @@ class SharedModulation(Optimization):
         self.stats = self.memo.stats  # the memo counts hits, misses, digests... for this optimization
         self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
         self._classes: dict[str, type] = {}
+        #: regional compile: eager pre-hooks that hand compiled blocks their modulation (blocks/compiled_blocks.py)
+        self._hoister = compiled_blocks.Hoister(self._hoist, (READY,))
 
     # ----- reasons ----------------------------------------------------------------------------------------
     def _process_reasons(self) -> list[str]:
@@ -224,6 +238,18 @@ class SharedModulation(Optimization):
             mods = None
             if not guards.tracing():  # first: under dynamo nothing mutable is read, the graph holds stock's block
                 mods = opt._block_mods(self, temb, modulate_index, hidden_states)
+            elif modulate_index is None:
+                hoisted = compiled_blocks.ready(self, READY)  # regional compile: looked up by the eager pre-hook
+                if hoisted is not None:
+                    return traced_block_body(
+                        self,
+                        hoisted,
+                        hidden_states,
+                        encoder_hidden_states,
+                        encoder_hidden_states_mask,
+                        image_rotary_emb,
+                        hidden_states_mask,
+                    )
             if mods is None:
                 return original_forward(
                     self,
@@ -244,6 +270,7 @@ class SharedModulation(Optimization):
                 encoder_hidden_states_mask,
                 image_rotary_emb,
                 hidden_states_mask,
+                opt.stats,
             )
 
         forward.__wrapped__ = original_forward  # type: ignore[attr-defined]
@@ -260,6 +287,20 @@ class SharedModulation(Optimization):
 
         load_weights.__wrapped__ = original_load  # type: ignore[attr-defined]
         self.patches.set(model_cls, "load_weights", load_weights)
+
+    def _hoist(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Eager pre-hook of a regionally compiled block: the memo lookup the compiled block cannot make, left on the
+        block as ready tensors (None: the compiled block runs stock's code; the reason is counted)."""
+        temb, hidden_states = kwargs.get("temb"), kwargs.get("hidden_states")
+        hoisted = None
+        if temb is not None and hidden_states is not None and kwargs.get("modulate_index") is None:
+            mods = self._block_mods(block, temb, None, hidden_states)
+            hoisted = hoistable(mods) if mods is not None else None
+        compiled_blocks.set_ready(block, READY, hoisted)
+
+    def hoisting(self, model: Any) -> bool:
+        """``model``'s compiled blocks receive their modulation from the eager pre-hooks (regional compile)."""
+        return any(self._hoister.active(tr) for tr in find_transformers(model))
 
     def _block_mods(
         self, block: nn.Module, temb: torch.Tensor, modulate_index: Any, hidden_states: torch.Tensor
@@ -305,9 +346,33 @@ class SharedModulation(Optimization):
                     opt._fallback(why or "unknown")
                 return stock_norm_out(self, x, conditioning_embedding)
 
-        self._classes = {"modulation": MemoModulation, "norm_out": MemoAdaLayerNormContinuous, "norm_base": base_norm}
+        base_time = t.QwenTimestepProjEmbeddings
+        stock_time = base_time.forward
+
+        class MemoTimeEmbedding(base_time):
+            """vLLM-Omni's QwenTimestepProjEmbeddings whose output (stock's) is keyed in the memo by the timestep's
+            value, so that the blocks find their entry without a digest of temb (same object, same state dict)."""
+
+            def forward(
+                self, timestep: torch.Tensor, hidden_states: torch.Tensor, addition_t_cond: Any = None
+            ) -> torch.Tensor:
+                if not guards.tracing():  # first: under dynamo, stock's time embedding and nothing else
+                    temb, why = opt.memo.time_embedding(self, timestep, hidden_states, addition_t_cond, stock_time)
+                    if temb is not None:
+                        return temb
+                    opt._fallback(why or "unknown")
+                return stock_time(self, timestep, hidden_states, addition_t_cond)
+
+        self._classes = {
+            "modulation": MemoModulation,
+            "norm_out": MemoAdaLayerNormContinuous,
+            "norm_base": base_norm,
+            "time": MemoTimeEmbedding,
+            "time_base": base_time,
+        }
 
     def _uninstall(self) -> None:
+        self._hoister.release_all()
         for module, cls in list(self._swapped.items()):
             module.__class__ = cls
         self._swapped = weakref.WeakKeyDictionary()
@@ -316,14 +381,20 @@ class SharedModulation(Optimization):
     # ----- attach -----------------------------------------------------------------------------------------
     def _attach(self, model: nn.Module) -> None:
         for tr in find_transformers(model):
+            # per-forward decisions (guards, the temb entry) once per forward; hooks once its blocks are compiled
+            forward_scope.watch(tr, self.name, on_forward=self._hoister.on_forward)
             for block in tr.transformer_blocks:
                 for name in ("img_mod", "txt_mod"):
                     self._swap(getattr(block, name), nn.Sequential, self._classes["modulation"])
             self._swap(tr.norm_out, self._classes["norm_base"], self._classes["norm_out"])
+            self._swap(tr.time_text_embed, self._classes["time_base"], self._classes["time"])
 
     def _detach(self, model: nn.Module) -> None:
         for tr in find_transformers(model):
-            for m in [*(getattr(b, n) for b in tr.transformer_blocks for n in ("img_mod", "txt_mod")), tr.norm_out]:
+            forward_scope.unwatch(tr, self.name)
+            self._hoister.release(tr)
+            parts = [getattr(b, n) for b in tr.transformer_blocks for n in ("img_mod", "txt_mod")]
+            for m in [*parts, tr.norm_out, tr.time_text_embed]:
                 cls = self._swapped.pop(m, None)
                 if cls is not None:
                     m.__class__ = cls

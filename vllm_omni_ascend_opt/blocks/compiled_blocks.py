@@ -1,0 +1,80 @@
+"""Work hoisted out of regionally compiled blocks: compiled blocks receive ready tensors.
+
+Why: vLLM-Omni's regional compile (``regionally_compile``) runs each transformer block as a compiled graph. What an
+optimization decides per step from values (the modulation memo's lookup, the RoPE tables of this forward's freqs)
+cannot run inside a graph: dynamo would bake one step's answer into it. The block's own compute can.
+
+How: once an optimization's transformer is seen with compiled blocks (checked when a forward's scope opens,
+:func:`~.forward_scope.watch` with ``on_forward``), a :class:`Hoister` registers a forward pre-hook on each block. Block
+hooks run outside the compiled region (``nn.Module.__call__`` is not compiled; vLLM-Omni compiles ``forward``), in
+eager, before every block call: there the optimization does its value-keyed work, with its counters and fallback
+reasons, and leaves the result as a plain attribute of the module (:func:`set_ready`). The patched code, traced by
+dynamo, reads it (:func:`ready`) as graph inputs: tuples of tensors (and constant strings), which dynamo guards by
+structure and tensor metadata, not identity, so a new step's tensors run the same graph. Under full compile the
+hooks never register (the whole transformer is traced: no eager code runs between its blocks).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+
+from vllm_omni_ascend_opt.blocks import guards
+
+Hook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]
+
+
+def set_ready(module: nn.Module, name: str, value: Any) -> None:
+    """Leave ``value`` (None, or tuples of tensors and constants) on ``module`` for its compiled code to read."""
+    module.__dict__[name] = value
+
+
+def ready(module: nn.Module, name: str) -> Any:
+    """What the eager hook left on ``module`` under ``name`` (None when nothing was hoisted). Traceable."""
+    return module.__dict__.get(name)
+
+
+class Hoister:
+    """Pre-hooks ``hook(block, args, kwargs)`` on every block of a transformer once its blocks are compiled."""
+
+    def __init__(self, hook: Hook, names: tuple[str, ...], submodule: str | None = None) -> None:
+        self._hook = hook
+        #: attributes the hook sets (cleared on release), on the block or on ``block.<submodule>``
+        self._names = names
+        self._submodule = submodule
+        self._handles: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+    def _pre(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if guards.tracing():  # never inside a traced region (full compile traces these hooks: nothing to do)
+            return
+        self._hook(block, args, kwargs)
+
+    def on_forward(self, transformer: nn.Module) -> None:
+        """A forward of ``transformer`` starts (eager): register the hooks once its blocks are compiled."""
+        if transformer in self._handles:
+            return
+        blocks = getattr(transformer, "transformer_blocks", ())
+        if not len(blocks) or not guards.block_compiled(blocks[0]):
+            return
+        self._handles[transformer] = [b.register_forward_pre_hook(self._pre, with_kwargs=True) for b in blocks]
+
+    def active(self, transformer: nn.Module) -> bool:
+        """The hooks are registered on ``transformer``'s blocks (its compiled blocks receive ready tensors)."""
+        return transformer in self._handles
+
+    def release(self, transformer: nn.Module) -> None:
+        """Remove the hooks and what they left on the modules."""
+        for h in self._handles.pop(transformer, ()):
+            h.remove()
+        for block in getattr(transformer, "transformer_blocks", ()):
+            target = block._modules.get(self._submodule) if self._submodule else block
+            if target is not None:
+                for name in self._names:
+                    target.__dict__.pop(name, None)
+
+    def release_all(self) -> None:
+        for transformer in list(self._handles):
+            self.release(transformer)

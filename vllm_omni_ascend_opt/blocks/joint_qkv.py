@@ -1,0 +1,341 @@
+"""The joint QKV path's building blocks: the joint RMSNorm, the joint RoPE freqs cache, the static checks, the
+attention call on the joint sequence and the whole path as written for a compiled graph.
+
+Why here: ``joint_attention`` (``opts/joint_attention.py``) runs this path eagerly with its counters, caches and
+per-forward decisions; inside a compiled graph (vLLM-Omni's regional or full compile) it runs the same math without
+any of them (:func:`traced_forward`). Both share what is here, so the two never drift apart. Nothing here is an
+optimization: counters are the caller's.
+
+Every element sees stock's operations in stock's order (see ``joint_attention``'s header); the traced path differs
+only in how it is assembled (one ``cat`` instead of ``out=`` writes, layers called as modules, tables hoisted by an
+eager pre-hook or computed in the graph), which the compiler may fuse: pixel-identical to compiled stock.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from collections import Counter, OrderedDict
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt.blocks import compiled_blocks, forward_scope, guards, rms_norm, rope_tables
+from vllm_omni_ascend_opt.blocks import targets as _targets
+
+#: The attribute of a compiled block's attention that holds this forward's joint ``(cos, sin_signed)`` tables.
+READY_ROPE = "_ascend_ready_rope"
+#: Joint freqs kept (LRU): one per (vid, txt) freqs pair, i.e. per shape with ``rope``'s embedder memo.
+JOINT_FREQS_CACHE_SIZE = 16
+_OPMATH = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+#: Devices where ``torch.rms_norm(x_opmath, (D,), None, eps)`` is the composite's pieces (CPU: checked bitwise against
+#: them in tests/test_joint_attention.py; NPU: torch_npu 2.13 registers no rms_norm kernel, so the composite runs).
+COMPOSITE_RMS_DEVICES = frozenset({"cpu", "npu"})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the joint RMSNorm
+# ----------------------------------------------------------------------------------------------------------------
+def joint_rms_norm(x: torch.Tensor, st: int, w_txt: torch.Tensor, w_img: torch.Tensor, eps: float) -> torch.Tensor:
+    """``cat([rms_norm(x[:, :st], w_txt), rms_norm(x[:, st:], w_img)], dim=1)``, bitwise, with one norm pass.
+
+    Reproduces torch 2.13's ``rms_norm`` composite (what ``nn.RMSNorm`` runs on CPU and, op by op, on an NPU):
+    upcast to the opmath type (fp32 for fp16/bf16), ``rsqrt(pow(x, 2).mean(-1, keepdim=True).add_(eps))``,
+    ``x * rstd``, ``* weight`` in the promoted type, one cast back to ``x.dtype``. ``eps`` is applied as the opmath
+    scalar, as the composite does."""
+    dtype = x.dtype
+    opmath = _OPMATH.get(dtype, dtype)
+    xu = x.to(opmath)
+    if x.device.type in COMPOSITE_RMS_DEVICES:
+        # torch.rms_norm without weight on an opmath input: the same pieces run from C++ (no Python per piece)
+        normed = torch.rms_norm(xu, (x.shape[-1],), None, eps)
+    else:
+        eps_t = _opmath_scalar(eps, opmath)
+        rstd = torch.rsqrt(xu.pow(2).mean(-1, keepdim=True).add_(eps_t))
+        normed = xu.mul(rstd)
+    out_dtype = _promote(normed.dtype, w_txt.dtype)
+    if out_dtype != _promote(normed.dtype, w_img.dtype):
+        raise ValueError("the two norm weights promote to different dtypes")
+    out = torch.empty(normed.shape, dtype=out_dtype, device=normed.device)
+    torch.mul(normed[:, :st], w_txt, out=out[:, :st])
+    torch.mul(normed[:, st:], w_img, out=out[:, st:])
+    return out.to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """``torch.promote_types`` memoized (it dispatches an aten op: kept off the counted hot path)."""
+    return torch.promote_types(a, b)
+
+
+@functools.lru_cache(maxsize=64)
+def _opmath_scalar(eps: float, opmath: torch.dtype) -> float:
+    """``eps`` rounded to the opmath type, as the composite's ``add_(eps)`` applies it."""
+    return float(torch.tensor(eps, dtype=opmath))
+
+
+def _plain_rms_norm(norm: nn.Module) -> str | None:
+    """Why ``norm`` cannot take part in the joint norm (None when it can)."""
+    if type(norm) not in rms_norm.RMS_NORM_CLASSES:
+        return f"QK norm is {type(norm).__name__}, not nn.RMSNorm (qk_norm=False or another norm)"
+    if "forward" in norm.__dict__ or norm._forward_hooks or norm._forward_pre_hooks:
+        return "hooks or an instance forward on a QK norm"
+    if norm._parameters.get("weight") is None:
+        return "QK norm without weight (elementwise_affine=False)"
+    if norm.eps is None:
+        return "QK norm with eps=None (dtype-dependent eps)"
+    return None
+
+
+def static_reason(attn: nn.Module, traced: bool = False) -> str | None:
+    """Why the joint path can never run for this ``QwenImageCrossAttention`` (None when it can), checked per call
+    (the instance's modules; global module hooks once per forward, or directly in ``traced`` code)."""
+    m = attn._modules
+    norms = (m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"])
+    for n in norms:
+        why = _plain_rms_norm(n)
+        if why:
+            return why
+    if norms[0].eps != norms[2].eps or norms[1].eps != norms[3].eps:
+        return "the text and image QK norms use different eps"
+    d = (attn.head_dim,)
+    if any(n.normalized_shape != d for n in norms):
+        return "a QK norm does not normalize over head_dim"
+    if attn.query_num_heads != attn.add_query_num_heads or attn.kv_num_heads != attn.add_kv_num_heads:
+        return "text and image projections have different head counts"
+    if guards.global_hooks() if traced else forward_scope.decide("guards.global_hooks", guards.global_hooks):
+        return "global module hooks are registered"
+    if not rope_tables.native_equivalent(m["rope"]):
+        return "stock RoPE runs a device kernel (MindIE-SD/CUDA), not vLLM-Omni's native rotary math"
+    return None
+
+
+def freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:
+    return freqs.dim() == 2 and freqs.is_complex() and freqs.shape[0] == seq and freqs.shape[-1] * 2 <= head_dim
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# joint freqs, cached weakly on the (vid, txt) freqs pair
+# ----------------------------------------------------------------------------------------------------------------
+class JointFreqsCache:
+    """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair, keyed like ``rope``'s tables
+    (:func:`~vllm_omni_ascend_opt.blocks.rope_tables.table_key`).
+
+    Policy: at most :data:`JOINT_FREQS_CACHE_SIZE` entries; a hit moves its entry to the most recent end, a new entry
+    beyond the cap evicts the least recently used one; an entry dies with either freqs tensor."""
+
+    def __init__(self, stats: Counter) -> None:
+        self._entries: OrderedDict[tuple, tuple[weakref.ref, weakref.ref, torch.Tensor]] = OrderedDict()
+        self._stats = stats
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, vid: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
+        kv, rv = rope_tables.table_key(vid, vid.dtype)
+        kt, rt = rope_tables.table_key(txt, txt.dtype)
+        key = (kv, kt)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0]() is rv and hit[1]() is rt:
+            self._entries.move_to_end(key)
+            self._stats["joint_freqs_hits"] += 1
+            return hit[2]
+        entries = self._entries
+
+        def _drop(_ref: weakref.ref, key: tuple = key) -> None:
+            entries.pop(key, None)
+
+        joint = torch.cat([txt, vid], dim=0)
+        self._stats["joint_freqs_builds"] += 1
+        entries[key] = (weakref.ref(rv, _drop), weakref.ref(rt, _drop), joint)
+        while len(entries) > JOINT_FREQS_CACHE_SIZE:
+            entries.popitem(last=False)
+        return joint
+
+
+def graph_joint_rms_norm(
+    x: torch.Tensor, st: int, w_txt: torch.Tensor, w_img: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """:func:`joint_rms_norm` as written for a compiled graph: the same values, the two weight rows joined by one
+    ``cat`` instead of ``out=`` writes (which a graph would have to functionalize)."""
+    dtype = x.dtype
+    normed = torch.rms_norm(x.to(_OPMATH.get(dtype, dtype)), (x.shape[-1],), None, eps)
+    return torch.cat([normed[:, :st] * w_txt, normed[:, st:] * w_img], dim=1).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checks shared by the eager and the traced path
+# ----------------------------------------------------------------------------------------------------------------
+def cuda_fused(mod: Any, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
+    """Whether stock's ``_qwen_image_qk_norm_rope`` would take its fused CUDA path for the stream whose hidden
+    states are ``x`` (stock's own condition, in its order: token threshold, then ``_fused_cuda_supported``, which
+    reads only q/k's device and dtype: those of ``x``, which the stream's QKV projection keeps)."""
+    tokens = x.shape[0] * x.shape[1]
+    return bool(
+        tokens >= mod.fused_qk_norm_rope_min_tokens(mod._FUSED_MIN_TOKENS)
+        and mod._fused_cuda_supported(x, x, head_dim, freqs.shape[-1] * 2, interleaved=True)
+    )
+
+
+def any_cuda_fused(
+    attn: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    vid_freqs: torch.Tensor,
+    txt_freqs: torch.Tensor,
+    d: int,
+) -> bool:
+    """Stock takes its fused CUDA qk-norm-rope path for either stream of this attention."""
+    mod = sys.modules[_targets.TRANSFORMER]
+    return bool(
+        (attn.qk_norm and cuda_fused(mod, hidden_states, vid_freqs, d))
+        or cuda_fused(mod, encoder_hidden_states, txt_freqs, d)
+    )
+
+
+def shape_reason(
+    attn: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    vid_freqs: Any,
+    txt_freqs: Any,
+) -> str | None:
+    """The per-call checks on the inputs (shapes, dtypes, freqs), None when the joint path fits them."""
+    if hidden_states.dim() != 3 or encoder_hidden_states.dim() != 3:
+        return "hidden states are not [B, S, D]"
+    if hidden_states.dtype != encoder_hidden_states.dtype:
+        return "text and image hidden states differ in dtype"
+    d = attn.head_dim
+    if not isinstance(vid_freqs, torch.Tensor) or not isinstance(txt_freqs, torch.Tensor):
+        return "freqs are not tensors"
+    if not freqs_ok(vid_freqs, hidden_states.shape[1], d) or not freqs_ok(txt_freqs, encoder_hidden_states.shape[1], d):
+        return "RoPE freqs do not match the sequence lengths (complex [S, D/2] expected)"
+    if vid_freqs.shape[-1] != txt_freqs.shape[-1] or vid_freqs.device != txt_freqs.device:
+        return "text and image freqs differ in rotary dim or device"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the attention on the joint sequence (eager and traced)
+# ----------------------------------------------------------------------------------------------------------------
+def attend(
+    mod: Any,
+    attn: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    st: int,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    hidden_states_mask: torch.Tensor | None,
+    encoder_hidden_states_mask: torch.Tensor | None,
+    stats: Counter | None = None,
+) -> torch.Tensor:
+    """Stock's attention call on the joint ``[B, S_txt + S_img, N, D]`` q/k/v: under Ulysses/Ring SP (stock's
+    ``joint_query=txt...`` branch) the text rows as the joint part, else with stock's padded-text key mask; the
+    output flattened back to ``[B, S, N*D]`` in q's dtype. ``stats`` (eager only) counts ``sp_calls``/``masked_calls``."""
+    m = attn._modules
+    pc = attn.parallel_config
+    if pc is not None and pc.sequence_parallel_size > 1 and not mod.get_forward_context().split_text_embed_in_sp:
+        attn_metadata = mod.AttentionMetadata(
+            joint_query=query[:, :st],
+            joint_key=key[:, :st],
+            joint_value=value[:, :st],
+            joint_strategy="front",
+        )
+        if hidden_states_mask is not None:
+            attn_metadata.attn_mask = hidden_states_mask
+        if encoder_hidden_states_mask is not None:
+            attn_metadata.joint_attn_mask = encoder_hidden_states_mask
+        if stats is not None:
+            stats["sp_calls"] += 1
+        joint_hidden_states = m["attn"](query[:, st:], key[:, st:], value[:, st:], attn_metadata)
+    else:
+        attn_metadata = None
+        if hidden_states_mask is not None or encoder_hidden_states_mask is not None:
+            txt_mask = encoder_hidden_states_mask
+            if txt_mask is None:
+                txt_mask = torch.ones(
+                    encoder_hidden_states.shape[:2], dtype=torch.bool, device=encoder_hidden_states.device
+                )
+            img_mask = hidden_states_mask
+            if img_mask is None:
+                img_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
+            attn_metadata = mod.AttentionMetadata(attn_mask=torch.cat([txt_mask, img_mask], dim=1))
+            if stats is not None:
+                stats["masked_calls"] += 1
+        joint_hidden_states = m["attn"](query, key, value, attn_metadata)
+    return joint_hidden_states.flatten(2, 3).to(query.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# inside a compiled graph
+# ----------------------------------------------------------------------------------------------------------------
+def traced_reason(
+    attn: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    vid_freqs: Any,
+    txt_freqs: Any,
+) -> str | None:
+    """The eager path's checks that hold for a traced call (static: the graph is guarded on them). No autograd or
+    capture check is needed: the traced path has no ``out=`` op and no Python state."""
+    why = static_reason(attn, traced=True) or shape_reason(
+        attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs
+    )
+    if why:
+        return why
+    if any_cuda_fused(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs, attn.head_dim):
+        return "stock's fused CUDA qk-norm-rope path"
+    return None
+
+
+def traced_forward(
+    mod: Any,
+    attn: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    vid_freqs: torch.Tensor,
+    txt_freqs: torch.Tensor,
+    hidden_states_mask: torch.Tensor | None,
+    encoder_hidden_states_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The joint path as written for dynamo: layers called as modules (the graph inlines them), the joint norm
+    without ``out=``, the RoPE tables hoisted by the eager pre-hook (regional compile, :data:`READY_ROPE`) or
+    computed in the graph (full compile), no counters. None: the projections disagree (the caller runs stock)."""
+    m = attn._modules
+    img_qkv = m["to_qkv"](hidden_states)[0]
+    txt_qkv = m["add_kv_proj"](encoder_hidden_states)[0]
+    if img_qkv.dtype != txt_qkv.dtype or img_qkv.shape[-1] != txt_qkv.shape[-1] or img_qkv.shape[0] != txt_qkv.shape[0]:
+        return None
+    d = attn.head_dim
+    nq, nkv = attn.query_num_heads, attn.kv_num_heads
+    st = encoder_hidden_states.shape[1]
+    query, key, value = torch.cat([txt_qkv, img_qkv], dim=1).split([nq * d, nkv * d, nkv * d], dim=-1)
+    eps = m["norm_q"].eps
+    query = graph_joint_rms_norm(query.unflatten(-1, (nq, d)), st, m["norm_added_q"].weight, m["norm_q"].weight, eps)
+    key = graph_joint_rms_norm(key.unflatten(-1, (nkv, d)), st, m["norm_added_k"].weight, m["norm_k"].weight, eps)
+    value = value.unflatten(-1, (nkv, d))
+    tables = compiled_blocks.ready(attn, READY_ROPE)
+    if tables is None or tables[0].dtype != query.dtype:
+        tables = rope_tables.graph_tables(torch.cat([txt_freqs, vid_freqs], dim=0), query.dtype)
+    query = rope_tables.apply_portable(query, *tables)
+    key = rope_tables.apply_portable(key, *tables)
+    out = attend(
+        mod,
+        attn,
+        query,
+        key,
+        value,
+        st,
+        hidden_states,
+        encoder_hidden_states,
+        hidden_states_mask,
+        encoder_hidden_states_mask,
+    )
+    return m["to_out"](out[:, st:, :]), m["to_add_out"](out[:, :st, :])
