@@ -351,3 +351,34 @@ def test_machine_load_summary():
     some = [{**r, "others_cpu": o} for r, o in zip(recs, (0.6, 0.7, 0.2), strict=True)]
     assert stats.machine_load([all_threads, *some], cpu_count=2)["busy"]
     assert stats.machine_load(recs[:0], cpu_count=2)["busy"] is False
+
+
+def test_peak_memory_per_configuration_ratios_and_report_table():
+    """The worker's probe (one per ready event) becomes each configuration's peaks: the largest over its workers, a
+    ratio to stock's from the same run, and a report table; engines that measure nothing leave no table."""
+    from vllm_omni_ascend_opt.ablation import report
+
+    def ready(fwd: int, vae: int) -> dict:
+        return {
+            "type": "ready",
+            "memory": {"transformer_forward": {"peak": fwd, "end": 0}, "vae_decode": {"peak": vae, "end": 1}},
+        }
+
+    mib = 2**20
+    assert stats.peak_memory([{"type": "ready", "memory": None}]) is None  # omni / serve engines
+    assert stats.peak_memory([{"memory": {"error": "boom"}}]) == {"error": "boom"}
+    configs = [
+        {"id": "stock", "memory": stats.peak_memory([ready(100 * mib, 40 * mib), ready(90 * mib, 40 * mib)])},
+        {"id": "full", "memory": stats.peak_memory([ready(80 * mib, 20 * mib)])},
+        {"id": "other", "memory": None},
+    ]
+    assert configs[0]["memory"]["transformer_forward"] == {"peak": 100 * mib, "end": 0}  # the largest over workers
+    stats.add_memory_ratios(configs)
+    assert configs[1]["memory"]["transformer_forward"]["vs_stock"] == 0.8
+    assert configs[1]["memory"]["vae_decode"]["vs_stock"] == 0.5
+    assert configs[0]["memory"]["vae_decode"]["vs_stock"] == 1.0
+    lines = report.memory_section(configs)
+    assert "## Peak memory" in lines
+    assert "| `full` | 80.00 (0.800×) | 20.00 (0.500×) |" in lines
+    assert not any("`other`" in line for line in lines)
+    assert report.memory_section([{"id": "stock", "memory": None}]) == []

@@ -185,6 +185,18 @@ class TestbedEngine:
             cpu_ms=cpu,
         )
 
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Peak bytes of one transformer forward and one VAE decode on a warm request (``testbed/memory.py``): one
+        untimed generation fills the caches, the next one is measured (its first transformer forward and its VAE
+        decode). Called once per worker, before it reports ready; never part of a timed sample."""
+        from vllm_omni_ascend_opt.testbed.memory import first_call_peaks, pipeline_targets
+
+        prompt, seed = self.job["prompts"][0], int((self.job.get("seeds") or [0])[0])
+        self.generate(prompt, seed)
+        with first_call_peaks(pipeline_targets(self.pipe), device=self.device) as peaks:
+            self.generate(prompt, seed)
+        return {label: {"peak": p.peak, "end": p.end} for label, p in peaks.items()}
+
     def close(self) -> None:
         pass
 

@@ -106,6 +106,7 @@ class Runner:
             "negative_prompt": wl.negative_prompt,
             "image": wl.image,
             "prompts": list(wl.prompts),
+            "seeds": list(wl.seeds),
             "max_sequence_length": wl.seq_len(),
             "enforce_eager": wl.enforce_eager,
             "threads": wl.threads,
@@ -206,6 +207,7 @@ class Runner:
                 "load_s": ev.get("load_s"),
                 "env": ev.get("env"),
                 "active": ev.get("active"),
+                "memory": ev.get("memory"),
             }
         )
 
