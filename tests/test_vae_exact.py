@@ -337,16 +337,19 @@ def test_tiled_decode_keeps_at_most_two_rows_of_tiles(tiny_pipe, monkeypatch):
     assert ours.peak < stock.peak, (ours.peak, stock.peak)
 
 
-def test_multi_frame_tiled_decode_takes_the_stock_path(vaes):
-    vae = vaes[torch.float32]
+def test_multi_frame_tiled_decode_takes_the_stock_path(tiny_pipe):
+    vae = tiny_pipe.vae
     z = latent(12, 6, torch.float32, t=3)
-    with tiling(vae, 64, 64, 48, 48):  # compression 8: 8-latent tiles every 6
-        ref = decode(vae, z)
-        api.select("none,+vae_exact", model=vae)
-        got = decode(vae, z)
-    assert ref.shape[2] == 9 and torch.equal(ref, got)
-    assert OPT.stats["tiled_decodes"] == 0
-    assert any("multi-frame" in r for r in OPT.fallback_reasons())
+    try:
+        with tiling(vae, *TILES):
+            ref = decode(vae, z)
+            api.select("none,+vae_exact", model=tiny_pipe)
+            got = decode(vae, z)
+            assert OPT.stats["tiled_decodes"] == 0
+            assert any("multi-frame" in r for r in OPT.fallback_reasons())
+    finally:
+        api.select("none", model=tiny_pipe)
+    assert ref.shape[2] == 5 and torch.equal(ref, got)  # 1 + 4 * 1 frames: the time conv ran
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -580,3 +583,21 @@ def test_tracing_keeps_stock_decode_latents(tiny_pipe, runtime, monkeypatch):
     made.clear()
     run(), run()
     assert made == []  # outside tracing: from the cache
+
+
+def test_tracing_runs_stock_tiled_decode_without_bookkeeping(tiny_pipe, monkeypatch):
+    """Under torch.compile tracing the patched tiled_decode / tile_exec run stock code first thing: every tile
+    through the feature cache, nothing counted."""
+    vae = tiny_pipe.vae
+    z = latent(20, 12, torch.float32)
+    try:
+        with tiling(vae, *TILES):
+            ref = decode(vae, z)
+            api.select("none,+vae_exact", model=tiny_pipe)
+            with monkeypatch.context() as m, decoder_calls(vae) as path:
+                m.setattr(torch.compiler, "is_compiling", lambda: True)
+                got, got_pp = decode(vae, z), parallel_decode(vae, z)
+            assert path == ["stock"] * 16 and OPT.stats["tiles"] == 0 and OPT.fallback_reasons() == {}
+    finally:
+        api.select("none", model=tiny_pipe)
+    assert torch.equal(ref, got) and torch.equal(ref, got_pp)

@@ -195,14 +195,13 @@ def _make_tiled_decode(opt: VaeExact, vae: nn.Module) -> Any:
     original = vae.tiled_decode
 
     def tiled_decode(self: nn.Module, z: torch.Tensor, return_dict: bool = True) -> Any:
-        if guards.tracing():  # first: stock code, no bookkeeping while dynamo traces
+        if guards.tracing():  # first: stock tiled_decode, nothing counted while dynamo traces
             return original(z, return_dict=return_dict)
         distributed = getattr(self, "is_distributed_enabled", None)
         if callable(distributed) and distributed():
             return original(z, return_dict=return_dict)  # vLLM-Omni's executor: its tiles go through tile_exec
-        why = single_frame_refusal(self, z)
-        if why:
-            opt.fallback(why)
+        if refused := single_frame_refusal(self, z):
+            opt.fallback(refused)
             return original(z, return_dict=return_dict)
         opt.stats["tiled_decodes"] += 1
         dec = tiled_decode_single_frame(opt, self, z)
