@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.runner_modes import BLOCK_CALLS, EVIDENCE, MODES, REQUEST, ModeRun, run_in_child, run_mode
-from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
 
 pytestmark = pytest.mark.slow
@@ -99,13 +99,15 @@ def test_the_mode_really_acted(runs, mode):
         assert run.backends["offload"] is None
 
 
-@pytest.mark.parametrize("backend", ["sea_cache", "step_cache"])
-def test_sea_cache_and_step_cache_reject_qwen_image(runtime, backend):
-    """Upstream's SeaCache (Cosmos3) and step_cache (DreamZero) refuse Qwen-Image: the runner raises at load,
-    with the plugin installed or not (``list`` and the README say so)."""
+@pytest.mark.parametrize("backend", list(_report.UPSTREAM_UNSUPPORTED_CACHE_BACKENDS))
+def test_cache_backends_listed_as_unsupported_reject_qwen_image(runtime, backend):
+    """Every cache backend ``list`` and the README call unsupported for Qwen-Image upstream (SeaCache: Cosmos3,
+    step_cache: DreamZero) really refuses it: the runner raises at load, with the plugin's default stack selected."""
+    assert set(_report.UPSTREAM_UNSUPPORTED_CACHE_BACKENDS) == {"sea_cache", "step_cache"}
     api.select("default")
     with pytest.raises(ValueError, match=r"(?i)not support"):
         RunnerHarness.load(runtime, cache_backend=backend, cache_config={})
+    assert any(backend in note for note in _report.mode_notes())
 
 
 # ----------------------------------------------------------------------------------------------------------------

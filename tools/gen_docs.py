@@ -7,7 +7,8 @@ Each generated block sits between two markers in a Markdown file::
     ...
     <!-- end of generated NAME -->
 
-Blocks: the optimization table in README.md (registry order, tier, default, summary, when it stays off), the patch
+Blocks: the optimization table in README.md (registry order, tier, default, summary, when it stays off) and its
+table of the vLLM-Omni modes that refuse Qwen-Image upstream (``_report.UPSTREAM_UNSUPPORTED_CACHE_BACKENDS``), the patch
 tables in patches/README.md (one patch per optimization, numbered in registry order; the 0.32.0rc1 series with its
 rebase and the open upstream PRs each patch's header names) and the workload list in
 ablations/README.md (every workload shipped in the package, with its description and engine).
@@ -49,6 +50,16 @@ def optimizations_table() -> str:
             f"| `{opt.name}` | {opt.equivalence} | {'on' if opt.default_enabled else 'off'} | {_cell(opt.summary)} | "
             f"{_cell(opt.inactive_when)} |"
         )
+    return "\n".join(rows)
+
+
+def upstream_modes_table() -> str:
+    """README.md: the vLLM-Omni cache backends that refuse Qwen-Image upstream (``_report``'s one list)."""
+    from vllm_omni_ascend_opt._report import UPSTREAM_UNSUPPORTED_CACHE_BACKENDS
+
+    rows = ["| vLLM-Omni mode | Qwen-Image upstream |", "|---|---|"]
+    for name, why in UPSTREAM_UNSUPPORTED_CACHE_BACKENDS.items():
+        rows.append(f"| `cache_backend={name!r}` | not supported: {_cell(why)} |")
     return "\n".join(rows)
 
 
@@ -103,7 +114,7 @@ def workloads_table() -> str:
 
 
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
-    "README.md": {"optimizations": optimizations_table},
+    "README.md": {"optimizations": optimizations_table, "upstream-modes": upstream_modes_table},
     "patches/README.md": {"patches": patches_table, "patches-0.32": rebased_patches_table},
     "ablations/README.md": {"workloads": workloads_table},
 }
