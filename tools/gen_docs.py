@@ -74,6 +74,9 @@ def patches_table() -> str:
 
     rows = ["| patch | optimization | class | what it changes |", "|---|---|---|---|"]
     for i, opt in enumerate(registry.all_optimizations()):
+        if opt.no_patch_reason:
+            rows.append(f"| none | `{opt.name}` | {opt.equivalence} | no patch: {_cell(opt.no_patch_reason)} |")
+            continue
         rows.append(f"| `{patch_name(i, opt.name)}` | `{opt.name}` | {opt.equivalence} | {_cell(opt.summary)} |")
     return "\n".join(rows)
 
@@ -89,6 +92,9 @@ def rebased_patches_table() -> str:
 
     rows = ["| patch | optimization | class | rebase | open upstream PRs it overlaps |", "|---|---|---|---|---|"]
     for i, opt in enumerate(registry.all_optimizations()):
+        if opt.no_patch_reason:
+            rows.append(f"| none | `{opt.name}` | {opt.equivalence} | no patch (see above) | – |")
+            continue
         name = patch_name(i, opt.name)
         text = (REPO / "patches" / "0.32" / name).read_text()
         base = field(text, "Base")

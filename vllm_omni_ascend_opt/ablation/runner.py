@@ -109,6 +109,8 @@ class Runner:
             "seeds": list(wl.seeds),
             "max_sequence_length": wl.seq_len(),
             "enforce_eager": wl.enforce_eager,
+            "od_config": dict(wl.od_config),
+            "vae_tiling": list(wl.vae_tiling) if wl.vae_tiling else None,
             "threads": wl.threads,
             "imports": list(self.plan.extra_imports),
         }

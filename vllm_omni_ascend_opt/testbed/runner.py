@@ -11,7 +11,8 @@ CPU-only adaptations, each applied here and nowhere else (see also ``runtime.app
 
 * the import half of the engine CPU runtime (torchvision-free image processors): the runner's module imports
   vLLM-Omni's config factory, which imports vLLM's Qwen2-VL code;
-* ``pin_cpu_memory=False`` whenever an offload mode is asked for: pinned memory needs an accelerator;
+* ``pin_cpu_memory=False`` whenever an offload mode is asked for on a machine without an accelerator: pinned
+  memory needs one ("pin_memory=True requires a CUDA or other accelerator backend");
 * ``supports_torch_inductor`` answers True while the runner loads when ``compile=True`` (vLLM-Omni's
   ``UnspecifiedOmniPlatform`` leaves it unimplemented, so the runner would skip compilation): the very
   ``_compile_transformer`` path the runner takes on a platform with inductor.
@@ -66,7 +67,7 @@ def runner_config(rt: Runtime, **fields: Any) -> Any:
     od = copy.copy(rt.od_config)
     for name in [k for k in vars(od) if k.startswith("_resolved")]:
         delattr(od, name)  # e.g. the offload policy resolved for the runtime's own config
-    if any(fields.get(f) for f in OFFLOAD_FIELDS):
+    if any(fields.get(f) for f in OFFLOAD_FIELDS) and torch.accelerator.current_accelerator() is None:
         fields.setdefault("pin_cpu_memory", False)
     for name, value in fields.items():
         if not hasattr(od, name):
@@ -88,8 +89,11 @@ class RunnerHarness:
     lora_manager: Any = None
 
     @classmethod
-    def load(cls, rt: Runtime, *, compile: bool = False, **fields: Any) -> RunnerHarness:
-        """Build a runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields`` and load it.
+    def load(
+        cls, rt: Runtime, *, compile: bool = False, device: str | torch.device = "cpu", **fields: Any
+    ) -> RunnerHarness:
+        """Build a runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields`` and load it (on ``device``:
+        the CPU, or the accelerator the ablation worker runs on).
 
         ``compile=True`` sets ``enforce_eager=False`` and lets the runner compile (``diffusion_compile_granularity``
         picks regional or full); otherwise the runner runs eagerly."""
@@ -99,7 +103,7 @@ class RunnerHarness:
 
         fields.setdefault("enforce_eager", not compile)
         od = runner_config(rt, **fields)
-        runner = DiffusionModelRunner(rt.vllm_config, od, torch.device("cpu"))
+        runner = DiffusionModelRunner(rt.vllm_config, od, torch.device(device))
         with rt.context(), _inductor_supported(compile):
             runner.load_model()
         return cls(runner, rt)
