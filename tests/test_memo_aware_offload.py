@@ -5,7 +5,7 @@ that loses an entry copy what the blocks read; the status says what runs.
 
 Until issue 21 re-keys the memo on the parameters' identity (its signature keys on device storage on this base, which
 the offloader renews every forward), these tests run with a storage-independent stand-in signature
-(tests/storage_independent_keys.py); without it the optimization copies everything (exact, no gain), checked last.
+(testbed/memo_keys.py); without it the optimization copies everything (exact, no gain), checked last.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.storage_independent_keys import storage_independent_keys
+from vllm_omni_ascend_opt.testbed.memo_keys import storage_independent_keys
 from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.blocks.layerwise import block_hook, is_modulation
 from vllm_omni_ascend_opt.opts import memo_aware_offload as mao

@@ -1,5 +1,6 @@
-"""A storage-independent weight signature for the modulation memo, standing in for issue 21's re-key in the tests of
-``memo_aware_offload`` until it lands.
+"""A storage-independent weight signature for the modulation memo, standing in for issue 21's re-key in the tests and
+the benchmark of ``memo_aware_offload`` (``benchmarks/bench_offload.py --rekey``) until it lands. Test bed only:
+nothing in the plugin imports it.
 
 vLLM-Omni's layerwise offload gives every block weight fresh device storage on every forward (and a zero-element
 placeholder between forwards). The memo's signature on this base (``blocks/modulation_keys.linear_sig``) includes
