@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from vllm_omni_ascend_opt.testbed.memo_keys import storage_independent_keys
 from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.blocks.layerwise import block_hook, is_modulation
 from vllm_omni_ascend_opt.opts import memo_aware_offload as mao
+from vllm_omni_ascend_opt.testbed.memo_keys import storage_independent_keys
 from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
 from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
 
