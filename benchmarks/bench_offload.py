@@ -8,7 +8,7 @@ Usage (from the repo root, after `make venv`)::
     .venv/bin/python benchmarks/bench_offload.py --json out.json
 
 What it does: for each model (the test bed's tiny Qwen-Image at 2 blocks and at the real model's 60 blocks; the real
-width -- hidden 3072, 24 heads x 128, random weights -- at 2 blocks, bf16), one worker process loads it through
+width -- hidden 3072, 24 heads x 128, random weights -- at 2 blocks, fp32), one worker process loads it through
 vLLM-Omni's own ``DiffusionModelRunner`` with ``enable_layerwise_offload`` (``pin_cpu_memory=False`` on CPU) once per
 configuration, runs a request (cold), then the same request again (warm) and counts the bytes copied out of the
 offloader's host weights during the warm one (``vllm_omni_ascend_opt/testbed/offload.py``: counted on the copies).
@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODELS: dict[str, tuple[str, int, str, int]] = {
     "tiny-2": ("tiny", 2, "fp32", 32),
     "tiny-60": ("tiny", 60, "fp32", 32),
-    "realwidth-2": ("realwidth", 2, "bf16", 64),
+    "realwidth-2": ("realwidth", 2, "fp32", 64),  # fp32: the runner path does not cast the test bed text encoder
 }
 CONFIGS = ("stock", "default", "default+rekey")
 STEPS, CFG = 2, 4.0
