@@ -77,9 +77,10 @@ class Series:
         return version is not None and ".".join(version.split(".")[:2]) in self.targets
 
 
-#: The maintainers' series. A rebased series also says what it is based on and which open upstream PRs overlap it.
+#: The maintainers' series. Every patch says which open upstream PRs overlap it and how it differs; a rebased series
+#: also says what it is based on.
 SERIES = (
-    Series("0.30", HERE, "0.30.0", ("0.30", "0.31")),
+    Series("0.30", HERE, "0.30.0", ("0.30", "0.31"), ("Upstream overlap",)),
     Series("0.32", HERE / "0.32", "0.32.0rc1", ("0.32",), ("Base", "Upstream overlap")),
 )
 #: The requests every exactness run makes: (cfg_scale, (height, width), seed).

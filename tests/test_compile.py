@@ -101,3 +101,38 @@ def test_status_says_what_the_compiled_model_uses(compiled):
     assert "vae_exact" in full.status["acting_on_pipeline"]
     for name in ("shared_modulation", "rope", "joint_attention"):
         assert "torch.compile runs the whole transformer" in full.reasons[name][0], full.reasons[name]
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_status_of_a_compiled_transformer_without_inductor(runtime, granularity):
+    """The same status facts on a transformer compiled the way vLLM-Omni's runner does (regional: each repeated
+    block's forward; full: ``module.compile()``), with dynamo's eager backend: nothing is compiled until it runs, so
+    this is cheap, and the status is read from the model alone."""
+    from vllm_omni.diffusion.compile import regionally_compile
+
+    from vllm_omni_ascend_opt import registry
+    from vllm_omni_ascend_opt.blocks import guards
+    from vllm_omni_ascend_opt.blocks.targets import TRANSFORMER
+    from vllm_omni_ascend_opt.testbed import TINY
+    from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
+
+    api.select("default")
+    mod = __import__(TRANSFORMER, fromlist=["QwenImageTransformer2DModel"])
+    with runtime.context():
+        tr = mod.QwenImageTransformer2DModel(od_config=runtime.od_config, **TINY.transformer_kwargs())
+    tr.load_weights(random_transformer_state_dict(TINY, 0).items())
+    api.select("default", model=tr)
+    assert guards.compiled_regions(tr) == frozenset()
+    assert _report.explain(registry.get("joint_attention"), tr) == []
+    if granularity == "full":
+        tr.compile(backend="eager")
+        assert guards.compiled_regions(tr) == {"block", "transformer"}
+        acting = {"vae_exact"}
+    else:
+        regionally_compile(tr, backend="eager")
+        assert guards.compiled_regions(tr) == {"block"}
+        acting = {"shared_modulation", "rope"}
+    reasons = {n: _report.explain(registry.get(n), tr) for n in ("shared_modulation", "rope", "joint_attention")}
+    assert "torch.compile runs" in reasons["joint_attention"][0]
+    for name in ("shared_modulation", "rope"):
+        assert (reasons[name] == []) is (name in acting), (name, reasons[name])

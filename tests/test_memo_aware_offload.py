@@ -10,6 +10,7 @@ the offloader renews every forward), these tests run with a storage-independent 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -213,7 +214,9 @@ def test_status_without_layerwise_offload_and_under_tracing(runtime, monkeypatch
 def test_upstream_change_turns_it_off(monkeypatch):
     api.select("default")
     assert OPT.reasons_inactive() == []
-    monkeypatch.setitem(mao.FINGERPRINTS, "LayerwiseOffloadHook.prefetch_layer", "0" * 16)
+    i = next(i for i, d in enumerate(mao.UPSTREAM) if d.qualname == "LayerwiseOffloadHook.prefetch_layer")
+    unknown = dataclasses.replace(mao.UPSTREAM[i], known={"0" * 16: ("0.30.0",)})
+    monkeypatch.setattr(OPT, "upstream", (*mao.UPSTREAM[:i], unknown, *mao.UPSTREAM[i + 1 :]))
     (why,) = OPT.reasons_inactive()
     assert "upstream LayerwiseOffloadHook.prefetch_layer differs" in why
 

@@ -80,7 +80,7 @@ def test_unsupported_version_warns_once_and_patches_nothing(monkeypatch, caplog)
 
 
 def test_unsupported_version_can_be_forced(monkeypatch):
-    monkeypatch.setattr(_plugin, "installed_version", lambda d: "0.31.0")
+    monkeypatch.setattr(_plugin, "installed_version", lambda d: "0.29.1")  # below the floor (0.31 is supported now)
     monkeypatch.setenv(flags.ENV_FORCE, "1")
     _plugin.register()
     assert _plugin.selected() == registry.default_names()

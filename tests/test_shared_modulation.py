@@ -6,6 +6,7 @@ Everything runs on vLLM-Omni 0.30's real classes on CPU (tiny Qwen-Image: 2 bloc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import sys
 from collections import Counter
@@ -501,7 +502,9 @@ def test_hook_that_captured_stock_forward_is_a_note_not_a_reason(runtime):
 
 
 def test_fingerprint_mismatch_turns_it_off(monkeypatch):
-    monkeypatch.setitem(sm.FINGERPRINTS, "QwenImageTransformerBlock.forward", "0" * 16)
+    i = next(i for i, d in enumerate(sm.UPSTREAM) if d.qualname == "QwenImageTransformerBlock.forward")
+    unknown = dataclasses.replace(sm.UPSTREAM[i], known={"0" * 16: ("0.30.0",)})
+    monkeypatch.setattr(OPT, "upstream", (*sm.UPSTREAM[:i], unknown, *sm.UPSTREAM[i + 1 :]))
     assert any("QwenImageTransformerBlock.forward differs" in r for r in OPT.reasons_inactive())
     assert api.select(ON) == []
 

@@ -1,14 +1,16 @@
-"""What depends on the installed vLLM-Omni version (issue 22): ``make test-versions`` runs this module (marker
-``versions``) in one venv per version: 0.30.0 (``.venv``), 0.31.0rc1 (``.venv-0.31``) and 0.32.0rc1 (``.venv-0.32``),
-each from the pinned CPU locks in ``requirements/``, and ``patches/check.py`` after it (tools/test_versions.py).
+"""What depends on the installed vLLM-Omni version (issue 22): ``make test-versions`` runs this module, with the other
+version-sensitive tests (tools/test_versions.py: ``SELECTION``), in one venv per version: 0.30.0 (``.venv``),
+0.31.0rc1 (``.venv-0.31``) and 0.32.0rc1 (``.venv-0.32``), each from the pinned CPU locks in ``requirements/``, and
+``patches/check.py`` after it.
 
 * The plugin loads through vLLM-Omni's own plugin loader (``load_omni_general_plugins``, what every vLLM-Omni
   process does) in a fresh process, and installs exactly the default optimizations that can act here once the
-  Qwen-Image modules are imported, or nothing with the version reason (a version outside ``SUPPORTED_OMNI`` without
-  ``VLLM_OMNI_ASCEND_OPT_FORCE=1``).
-* ``vllm-omni-ascend-opt list --json`` names every optimization, active or with its reasons; as users run it (the
-  Qwen-Image modules not imported) and as a worker sees it (imported). Unimported, ``list`` cannot see a fingerprint
-  gap: that case is an xfail which fails as soon as ``list`` does report the gap (then drop the xfail).
+  Qwen-Image modules are imported. What installs is decided by the upstream code each optimization declares
+  (``Optimization.upstream``: source fingerprints per release), not by the version string; only a vLLM-Omni older
+  than 0.30 is refused by version (without ``VLLM_OMNI_ASCEND_OPT_FORCE=1``).
+* ``vllm-omni-ascend-opt list --json`` names every optimization, active or with its reasons, and says the same as
+  users run it (the Qwen-Image modules not imported) and as a worker sees it (imported): the fingerprints are read
+  from the source files, so the answer does not wait for the import. Every declared upstream function matches.
 * The default stack is bitwise ``none`` on the tiny text-to-image and edit pipelines (CFG off and on, two seeds), and
   the optimizations that act on CPU do act there.
 
@@ -32,6 +34,8 @@ import pytest
 import torch
 
 from vllm_omni_ascend_opt import _plugin, _report, api, flags, registry
+from vllm_omni_ascend_opt._state import release_tuple
+from vllm_omni_ascend_opt.blocks import upstream
 from vllm_omni_ascend_opt.testbed import TINY_FAMILY, build_model_dir
 from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline, sample_image
 
@@ -40,23 +44,15 @@ pytestmark = pytest.mark.versions
 REPO = Path(__file__).resolve().parents[1]
 OMNI = metadata.version("vllm-omni")
 SERIES = ".".join(OMNI.split(".")[:2])
-SUPPORTED = SERIES in _plugin.SUPPORTED_OMNI and ".".join(metadata.version("vllm").split(".")[:2]) in (
-    _plugin.SUPPORTED_VLLM
-)
+#: Above the floor: what installs is then decided by the code (the fingerprints), not by this version string.
+SUPPORTED = release_tuple(OMNI) >= upstream.MIN_OMNI
 FORCED = flags.force_from_env()
 #: The default optimizations that act on CPU (the others need torch_npu) on a version the plugin fully supports.
 NPU_FREE_DEFAULT = ["shared_modulation", "rope", "vae_exact", "joint_attention"]
-#: Per vLLM-Omni series: default optimizations that do not act there today, and a phrase of the reason they give.
-#: Each is a gap for round two of issue 22 (per-function fingerprints, adaptations to the new upstream code).
-KNOWN_GAPS: dict[str, dict[str, str]] = {
-    "0.30": {},
-    "0.31": {},
-    "0.32": {
-        # 0.32.0rc1 routes AdaLayerNorm.forward_cuda to a new Triton kernel: the fingerprint of a function
-        # shared_modulation mirrors changed, so it refuses on every platform (the CPU and NPU paths are unchanged).
-        "shared_modulation": "upstream AdaLayerNorm.forward_cuda differs",
-    },
-}
+#: Per vLLM-Omni series: default optimizations that do not act there, and a phrase of the reason they give. Round
+#: two of issue 22 closed 0.32's (shared_modulation refused every platform because of the CUDA AdaLayerNorm path):
+#: none is left.
+KNOWN_GAPS: dict[str, dict[str, str]] = {"0.30": {}, "0.31": {}, "0.32": {}}
 GAPS = KNOWN_GAPS.get(SERIES)
 
 
@@ -111,7 +107,11 @@ def worker() -> dict[str, Any]:
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
                 rc = main(["list", "--json"])
-            return {**json.loads(buf.getvalue()), "rc": rc, "transformer_imported": T in sys.modules}
+            models = sorted(m for m in sys.modules if m.startswith("vllm_omni.diffusion.models."))
+            return {
+                **json.loads(buf.getvalue()), "rc": rc, "transformer_imported": T in sys.modules,
+                "vllm_omni_imported": models,
+            }
 
         plain = listed()
         import vllm_omni.diffusion.models.qwen_image  # the worker imports the model package after the plugins
@@ -162,13 +162,21 @@ def test_list_json_says_for_every_optimization_whether_it_acts(worker, imported)
     if not SUPPORTED and not FORCED:
         assert active == [] and all(OMNI in " ".join(rows[n]["reasons_inactive"]) for n in NPU_FREE_DEFAULT)
         return
-    if not imported and GAPS:
-        # A fingerprint is only checked once the upstream module is imported; `list` in a fresh process does not
-        # import it, so it reports these as active although they refuse in the worker.
-        assert [n for n in GAPS if rows[n]["active"]] == list(GAPS)
-        pytest.xfail(f"round two of issue 22: `list` does not see the fingerprint gaps {sorted(GAPS)} unimported")
     assert active == _expected_acting(), {n: rows[n]["reasons_inactive"] for n in NPU_FREE_DEFAULT}
     _check_gap_reasons({n: o["reasons_inactive"] for n, o in rows.items()})
+    # every optimization's upstream code matches a fingerprint it knows for this release (checked ones)
+    assert {n: [f for f in o["upstream"] if not f["ok"]] for n, o in rows.items()} == {n: [] for n in rows}
+    assert all(o["upstream"] for o in rows.values())  # each declares the upstream functions it relies on
+
+
+def test_list_says_the_same_before_and_after_the_model_import(worker):
+    """The fingerprints are read from the source files: ``list`` as users run it (nothing imported) and as the worker
+    sees it (the Qwen-Image modules imported) agree on every optimization, reasons and upstream findings included."""
+    plain = {o["name"]: o for o in worker["list_plain"]["optimizations"]}
+    imported = {o["name"]: o for o in worker["list_imported"]["optimizations"]}
+    for key in ("active", "reasons_inactive", "upstream"):
+        assert {n: o[key] for n, o in plain.items()} == {n: o[key] for n, o in imported.items()}, key
+    assert worker["list_plain"]["vllm_omni_imported"] == []  # nothing of vLLM-Omni's models was imported to answer
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -4,10 +4,13 @@ test-versions``; issue 22).
 
 For each ``VERSION=VENV`` pair (default: 0.30=.venv 0.31=.venv-0.31 0.32=.venv-0.32; the Makefile builds them):
 
-1. ``pytest -m versions tests/test_versions.py`` with ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` where the plugin does not
-   support that vLLM-Omni (``_plugin.SUPPORTED_OMNI``): what the code does there;
-2. where it does not support it, the plugin-loader check again without ``FORCE``: what users get (nothing patched,
-   the version reason);
+1. ``pytest -m versions`` on :data:`MARKED`: the plugin through vLLM-Omni's plugin loader, ``list`` before and after
+   the model import, the upstream fingerprint tables against this release, Qwen-Image-2.1 where it exists, default
+   vs ``none`` bitwise on the tiny pipelines. No ``VLLM_OMNI_ASCEND_OPT_FORCE``: what installs is decided by the
+   upstream code each optimization declares, as users get it;
+2. on every version but those in ``--no-selection`` (0.30 by default: ``make test`` runs the whole suite there), the
+   whole test modules of :data:`SELECTION` whose optimizations declare upstream code that differs from 0.30.0's
+   there (asked of the fingerprint tables): the tests of the code each adaptation touches, run unchanged;
 3. ``patches/check.py``: headers of every series, and the series that targets that version applied alone and
    stacked, with ``--exactness`` (patched tree vs the plugin on the tiny pipeline) unless the version is listed in
    ``--no-exactness`` (0.30 by default: ``make test`` already runs that comparison in tests/test_patches.py).
@@ -30,16 +33,43 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MATRIX = ("0.30=.venv", "0.31=.venv-0.31", "0.32=.venv-0.32")
+#: Modules whose tests marked ``versions`` run on every version.
+MARKED = ("tests/test_versions.py", "tests/test_upstream.py", "tests/test_qwen_image_21.py")
+#: Whole test modules run on the versions ``make test`` does not cover, each with the optimizations it tests: a module
+#: runs on a version where upstream code one of them declares differs from 0.30.0's (the release ``make test`` runs),
+#: i.e. where an adaptation or a re-checked seam is (0.31.0rc1: fused_attention's attention layer; 0.32.0rc1: the
+#: AdaLayerNorm paths shared_modulation and the fast tier mirror, rope's embedders over the per-instance freqs cache
+#: with joint_attention's tables on them, SDPA's reference for fused_attention). Where every declared function is
+#: 0.30.0's code, ``make test`` has already run them on that very code.
+SELECTION: dict[str, tuple[str, ...]] = {
+    "tests/test_shared_modulation.py": ("shared_modulation",),
+    "tests/test_fast_modulate.py": ("fast_modulate", "shared_modulation"),
+    "tests/test_fast_residual.py": ("fast_residual", "shared_modulation"),
+    "tests/test_rope.py": ("rope",),
+    "tests/test_joint_attention.py": ("joint_attention", "rope"),
+    "tests/test_fused_attention.py": ("fused_attention",),
+}
+BASE_RELEASE = "0.30.0"
+_CHANGED = (
+    "import json; from vllm_omni_ascend_opt import registry; from vllm_omni_ascend_opt.blocks import upstream; "
+    "print(json.dumps(sorted({o.name for o in registry.all_optimizations() "
+    f"for f in upstream.check(o.upstream) if {BASE_RELEASE!r} not in f.decl.known.get(f.fingerprint, ())}})))"
+)
 
 
-def _supported(python: Path) -> bool:
-    code = (
-        "from importlib import metadata; from vllm_omni_ascend_opt import _plugin; "
-        "s = lambda d: '.'.join(metadata.version(d).split('.')[:2]); "
-        "print(s('vllm-omni') in _plugin.SUPPORTED_OMNI and s('vllm') in _plugin.SUPPORTED_VLLM)"
-    )
-    r = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=_env({}), cwd=REPO)
-    return r.stdout.strip().endswith("True")
+def changed_since_base(python: Path) -> list[str] | None:
+    """Optimizations whose declared upstream code (any platform's) is not 0.30.0's in ``python``'s venv (None: the
+    question failed; then every module of :data:`SELECTION` runs)."""
+    r = subprocess.run([str(python), "-c", _CHANGED], capture_output=True, text=True, env=_env({}), cwd=REPO)
+    try:
+        return list(json.loads(r.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return None
+
+
+def selection_for(changed: list[str] | None) -> list[str]:
+    """The modules of :data:`SELECTION` to run for the optimizations in ``changed`` (None: all)."""
+    return [m for m, opts in SELECTION.items() if changed is None or set(opts) & set(changed)]
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
@@ -84,13 +114,15 @@ def _summary(version: str, report: Path, check_log: Path) -> list[str]:
         groups.setdefault(key, []).append(name)
     for why, names in groups.items():
         lines.append(f"  off {', '.join(names)}: {why}")
-    for name in ("plugin_loader", "plugin_loader_unforced"):
-        f = report / f"{name}.json"
-        if f.exists():
-            data = json.loads(f.read_text())
-            forced = " with FORCE=1" if data["forced"] else ""
-            gate = (" (version gate overridden)" if forced else " (version gate)") if data.get("version_error") else ""
-            lines.append(f"  plugin loader{forced}: installed {', '.join(data['installed']) or 'nothing'}{gate}")
+    f = report / "plugin_loader.json"
+    if f.exists():
+        data = json.loads(f.read_text())
+        gate = f" (refused: {data['version_error']})" if data.get("version_error") else ""
+        lines.append(f"  plugin loader: installed {', '.join(data['installed']) or 'nothing'}{gate}")
+        off = {n: r[0] for n, r in data.get("reasons", {}).items() if r and n in data.get("selected", [])}
+        for name, why in off.items():
+            if "torch_npu" not in why:
+                lines.append(f"  plugin loader: {name} off: {why}")
     if check_log.exists():
         text = check_log.read_text().splitlines()
         applied = [ln for ln in text if ln.endswith("touched Python files compile")]
@@ -111,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("matrix", nargs="*", default=list(DEFAULT_MATRIX), help="VERSION=VENV pairs")
     ap.add_argument("--no-exactness", default="0.30", help="comma list of versions to run check.py without it")
+    ap.add_argument("--no-selection", default="0.30", help="comma list of versions to run without SELECTION")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments")
     args = ap.parse_args(argv)
     no_exact = set(filter(None, args.no_exactness.split(",")))
+    no_selection = set(filter(None, args.no_selection.split(",")))
 
     results: list[tuple[str, int, float]] = []
     summaries: list[str] = []
@@ -127,26 +161,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{venv} has no bin/python; build it with make {venv}/.ascend-opt-installed")
                 continue
             report = Path(tmp) / version
-            supported = _supported(python)
-            extra = {"VERSIONS_REPORT": str(report)}
-            if not supported:
-                extra["VLLM_OMNI_ASCEND_OPT_FORCE"] = "1"
-            pytest = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "versions", "-rxXs"]
-            pytest += [*args.pytest_args.split(), "tests/test_versions.py"]
-            tag = f"{version}: pytest -m versions{'' if supported else ' (FORCE=1)'}"
-            results.append(_step(tag, pytest, _env(extra), Path(tmp) / f"{version}-pytest.log"))
-            if not supported:
-                unforced = Path(tmp) / f"{version}-unforced"
-                r = _step(
-                    f"{version}: plugin loader without FORCE",
-                    [*pytest[:-1], "-k", "plugin_loads", "tests/test_versions.py"],
-                    _env({"VERSIONS_REPORT": str(unforced)}),
-                    Path(tmp) / f"{version}-unforced.log",
+            env = _env({"VERSIONS_REPORT": str(report)})
+            pytest = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxXs", *args.pytest_args.split()]
+            results.append(
+                _step(
+                    f"{version}: pytest -m versions",
+                    [*pytest, "-m", "versions", *MARKED],
+                    env,
+                    Path(tmp) / f"{version}-m.log",
                 )
-                results.append(r)
-                if (unforced / "plugin_loader.json").exists():
-                    report.mkdir(parents=True, exist_ok=True)
-                    (unforced / "plugin_loader.json").rename(report / "plugin_loader_unforced.json")
+            )
+            if version not in no_selection:
+                changed = changed_since_base(python)
+                mods = selection_for(changed)
+                print(f"\n{version}: upstream code not as in {BASE_RELEASE} for {changed}: runs {mods}", flush=True)
+                if mods:
+                    log = Path(tmp) / f"{version}-s.log"
+                    results.append(
+                        _step(f"{version}: pytest ({', '.join(changed or ['all'])})", [*pytest, *mods], env, log)
+                    )
             check = [str(python), "patches/check.py", *([] if version in no_exact else ["--exactness"])]
             check_log = Path(tmp) / f"{version}-check.log"
             results.append(_step(f"{version}: {' '.join(check[1:])}", check, _env({}), check_log))

@@ -5,6 +5,13 @@ worker), before the diffusion model is built. ``register`` must therefore be che
 the (slow) Qwen-Image modules itself, and must still get its patches in before the model is constructed. It does so
 with a post-import hook: when a module named in an optimization's ``target_modules`` finishes importing, the
 optimizations whose targets are now all present are installed. Modules already imported are patched at once.
+
+What installs is decided by the upstream code, not by the version string: each optimization declares the upstream
+functions it patches or mirrors with the source fingerprints it knows (``Optimization.upstream``,
+:mod:`vllm_omni_ascend_opt.blocks.upstream`) and stays off with a reason where one differs. The only version fact
+left is the floor (vLLM-Omni >= 0.30) and an INFO note for a release the plugin was not checked on
+(:meth:`vllm_omni_ascend_opt._state.PluginState.check_version`). ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` installs anyway,
+with one warning per optimization whose code differs.
 """
 
 from __future__ import annotations
@@ -19,12 +26,11 @@ from importlib import metadata
 from vllm_omni_ascend_opt import _report, flags, registry
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt._state import LOCK, STATE
+from vllm_omni_ascend_opt.blocks import upstream
 from vllm_omni_ascend_opt.optimization import fully_imported
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
-SUPPORTED_OMNI = ("0.30",)  # major.minor series of vllm-omni we patch
-SUPPORTED_VLLM = ("0.30",)
 LOADER_MODULE = "vllm_omni.diffusion.model_loader.diffusers_loader"
 
 _core = PatchSet("core")
@@ -145,6 +151,7 @@ def install_ready() -> list[str]:
             if reasons:
                 logger.debug("vllm-omni-ascend-opt: %s stays off: %s", name, "; ".join(reasons))
                 continue
+            _warn_if_forced(opt)
             opt.install()
             done.append(name)
     if done:
@@ -152,6 +159,21 @@ def install_ready() -> list[str]:
     if STATE.registered:
         _report.announce()  # the one INFO line, once nothing selected waits for a module any more
     return done
+
+
+def _warn_if_forced(opt) -> None:
+    """Under ``VLLM_OMNI_ASCEND_OPT_FORCE``: one warning for an optimization installed although upstream code it
+    patches or mirrors differs from every fingerprint it knows (nothing when it all matches)."""
+    if not upstream.forced() or not opt.upstream:
+        return
+    differs = [f.reason(opt.name) for f in opt.upstream_findings() if not f.ok]
+    if differs:
+        logger.warning(
+            "vllm-omni-ascend-opt: installing %s although %s (%s=1; its exactness is not established here).",
+            opt.name,
+            "; ".join(differs),
+            upstream.ENV_FORCE,
+        )
 
 
 def _install_core() -> None:
@@ -199,23 +221,11 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
-def version_problems() -> list[str]:
-    """Reasons the installed vLLM / vLLM-Omni are not the supported ones (empty: supported)."""
-    out = []
-    for dist, series in (("vllm-omni", SUPPORTED_OMNI), ("vllm", SUPPORTED_VLLM)):
-        v = installed_version(dist)
-        if v is None:
-            out.append(f"{dist} is not installed (supported: {', '.join(s + '.x' for s in series)})")
-        elif ".".join(v.split(".")[:2]) not in series:
-            out.append(f"{dist} {v} is not a supported version (supported: {', '.join(s + '.x' for s in series)})")
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # entry point
 # ----------------------------------------------------------------------------------------------------------------
 def register() -> None:
-    """vLLM-Omni general-plugin entry point: read the flags, check versions, install patches in time.
+    """vLLM-Omni general-plugin entry point: read the flags, check the vLLM-Omni floor, install patches in time.
 
     Idempotent: the second and later calls in a process return at once. Bad flags patch nothing (fail closed) and
     log an error; with ``VLLM_OMNI_ASCEND_OPT_STRICT=1`` they raise :class:`PluginConfigError`, as does a selected
@@ -238,9 +248,10 @@ def register() -> None:
                 raise PluginConfigError(str(exc)) from None
             _report_without_patches()
             return
-        problems = version_problems()
-        if problems:
-            STATE.version_error = "; ".join(problems)
+        STATE.check_version(installed_version("vllm-omni"))
+        if STATE.version_note:
+            logger.info("vllm-omni-ascend-opt: %s.", STATE.version_note)
+        if STATE.version_error:
             if flags.force_from_env():
                 logger.warning(
                     "vllm-omni-ascend-opt: %s; patching anyway (%s=1).", STATE.version_error, flags.ENV_FORCE

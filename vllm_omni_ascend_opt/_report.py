@@ -1,8 +1,8 @@
 """What the plugin tells the process it runs in: the status rows, one status line in vLLM's log, a JSON status file.
 
-Every report is derived from the same two answers: the plugin state (selection, a bad flag, an unsupported version:
-:mod:`vllm_omni_ascend_opt._state`) and each optimization's own :meth:`~Optimization.reasons_inactive`, for the
-process or for a model. :func:`explain` combines them; ``list``, ``status()``, the INFO line, the status file, the
+Every report is derived from the same two answers: the plugin state (selection, a bad flag, a missing or too old
+vLLM-Omni: :mod:`vllm_omni_ascend_opt._state`) and each optimization's own :meth:`~Optimization.reasons_inactive`
+(upstream code it does not know included), for the process or for a model. :func:`explain` combines them; ``list``, ``status()``, the INFO line, the status file, the
 ablation worker and the parallel test jobs all read :func:`explain` or :func:`rows`.
 
 * Log line. vLLM-Omni's logging setup configures only the ``vllm`` / ``vllm_omni`` logger trees, so the plugin's
@@ -12,7 +12,8 @@ ablation worker and the parallel test jobs all read :func:`explain` or :func:`ro
   sees them). With ``VLLM_CONFIGURE_LOGGING=0`` vLLM has no handlers and nothing is wired.
   :func:`announce` logs ONE INFO line per process, once the selection is settled (every selected optimization that
   can be active is installed): version, flag, what is installed, and what is off with its first reason. A bad flag
-  or an unsupported version is logged by ``register()`` as an ERROR / WARNING instead.
+  or a missing / too old vLLM-Omni is logged by ``register()`` as an ERROR / WARNING instead; a release the plugin
+  was not checked on as one INFO note.
 * Status file. When ``VLLM_OMNI_ASCEND_OPT_STATUS_FILE`` names a path, the process that builds a model with
   vLLM-Omni's loader writes a JSON report there (atomically) after the model is built and again after every
   ``forward`` of that model, also when a bad flag or version patches nothing: pid, selected, installed, acting on
@@ -113,7 +114,8 @@ def rows(model: Any = None) -> list[dict[str, Any]]:
                 "active": not reasons,
                 "installed": opt.installed,
                 "reasons_inactive": reasons,
-                "notes": list(opt.notes()),
+                "notes": [*opt.upstream_notes(), *opt.notes()],
+                "upstream": [f.as_dict() for f in opt.upstream_findings()],
                 "requires": list(opt.requires),
                 "parallel_support": dict(opt.parallel_support),
                 "flag": {"enable": f"+{opt.name}", "disable": f"-{opt.name}"},
@@ -198,7 +200,9 @@ def status_report(model: Any = None) -> dict[str, Any]:
         "flag": os.environ.get(flags.ENV_FLAG),
         "registered": STATE.registered,
         "config_error": STATE.config_error,
+        "vllm_omni": STATE.omni_version,
         "version_error": STATE.version_error,
+        "version_note": STATE.version_note,
         "selected": list(STATE.selected),
         "installed": installed(),
         "off": {n: why[0] for n, why in off.items()},

@@ -1,16 +1,28 @@
-"""The plugin's state in this process, in one object: what is selected, and why nothing may be patched.
+"""The plugin's state in this process, in one object: what is selected, the installed vLLM-Omni, and why nothing may
+be patched.
 
 Written by ``_plugin`` (``register()``, ``set_selected``); read downward by the report, the API and the CLI. Each
-optimization answers for itself whether it acts (``Optimization.reasons_inactive``); this object adds the facts
-that belong to the plugin: the selection, a bad flag, an unsupported vLLM-Omni / vLLM.
+optimization answers for itself whether it acts (``Optimization.reasons_inactive``, which includes whether the
+upstream code it patches or mirrors matches a fingerprint it knows: :mod:`vllm_omni_ascend_opt.blocks.upstream`);
+this object adds the facts that belong to the plugin: the selection, a bad flag, and the one version fact left,
+the installed vLLM-Omni release: missing or older than 0.30 (nothing is patched unless forced), or newer than the
+releases the plugin was checked on (one INFO note; each optimization still installs where its code matches).
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 
 from vllm_omni_ascend_opt import flags
+from vllm_omni_ascend_opt.blocks import upstream
+
+
+def release_tuple(version: str) -> tuple[int, ...]:
+    """``(major, minor)`` of a version string (``0.32.0rc1`` -> ``(0, 32)``); ``()`` when it has none."""
+    m = re.match(r"(\d+)\.(\d+)", version.strip())
+    return (int(m.group(1)), int(m.group(2))) if m else ()
 
 
 @dataclass
@@ -21,11 +33,38 @@ class PluginState:
     selected: list[str] = field(default_factory=list)
     #: The flag's error message when ``VLLM_OMNI_ASCEND_OPT`` is invalid (then nothing is patched).
     config_error: str | None = None
-    #: Why the installed vLLM-Omni / vLLM are not supported (nothing is patched unless forced).
+    #: The installed vLLM-Omni version, as ``register()`` read it (None: not read, or not installed).
+    omni_version: str | None = None
+    #: Why the installed vLLM-Omni cannot be patched at all: not installed, or older than
+    #: :data:`~vllm_omni_ascend_opt.blocks.upstream.MIN_OMNI` (nothing is patched unless forced).
     version_error: str | None = None
+    #: A release the plugin was not checked on (not in :data:`~vllm_omni_ascend_opt.blocks.upstream.KNOWN_OMNI`):
+    #: logged once at INFO; optimizations install where their upstream code matches a known fingerprint.
+    version_note: str | None = None
+
+    def check_version(self, version: str | None) -> None:
+        """Record the installed vLLM-Omni ``version`` and what it means (:attr:`version_error`,
+        :attr:`version_note`). The version decides only the floor; the code decides the rest."""
+        self.omni_version, self.version_error, self.version_note = version, None, None
+        floor = ".".join(map(str, upstream.MIN_OMNI))
+        if version is None:
+            self.version_error = f"vllm-omni is not installed (the plugin patches vLLM-Omni >= {floor})"
+            return
+        rel = release_tuple(version)
+        if not rel or rel < upstream.MIN_OMNI:
+            self.version_error = (
+                f"vllm-omni {version} is not a supported version (supported: vLLM-Omni >= {floor} whose code "
+                "matches the plugin's known source fingerprints)"
+            )
+        elif version not in upstream.KNOWN_OMNI:
+            self.version_note = (
+                f"vllm-omni {version} is not one of the releases the plugin was checked on "
+                f"({', '.join(upstream.KNOWN_OMNI)}): each optimization installs only where the upstream code it "
+                "patches or mirrors matches a known source fingerprint (vllm-omni-ascend-opt list shows which)"
+            )
 
     def blocked(self) -> bool:
-        """Nothing may be installed: a bad flag, or an unsupported version without ``VLLM_OMNI_ASCEND_OPT_FORCE``."""
+        """Nothing may be installed: a bad flag, or no / a too old vLLM-Omni without ``VLLM_OMNI_ASCEND_OPT_FORCE``."""
         return self.config_error is not None or (self.version_error is not None and not flags.force_from_env())
 
     def reasons(self, name: str) -> list[str]:
@@ -34,14 +73,16 @@ class PluginState:
             return [f"{flags.ENV_FLAG} is invalid, so nothing is patched"]
         out = [] if name in self.selected else [f"not selected by {flags.ENV_FLAG}"]
         if self.version_error is not None and not flags.force_from_env():
-            out.append(self.version_error)
+            out.insert(0, self.version_error)  # the cause: the selection was dropped because of it
         return out
 
     def reset(self) -> None:
         self.registered = False
         self.selected = []
         self.config_error = None
+        self.omni_version = None
         self.version_error = None
+        self.version_note = None
 
 
 STATE = PluginState()

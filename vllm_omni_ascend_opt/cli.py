@@ -40,6 +40,11 @@ def _cmd_list(args: argparse.Namespace) -> int:
     )
     if STATE.config_error:
         print(f"\nERROR: {STATE.config_error}\nNothing is patched.")
+    if STATE.version_error:
+        forced = flags.force_from_env()
+        print(f"\nWARNING: {STATE.version_error}. {'Patching anyway (FORCE).' if forced else 'Nothing is patched.'}")
+    if STATE.version_note:
+        print(f"\nnote: {STATE.version_note}")
     print()
     hdr = f"{'optimization':<18} {'tier':<6} {'default':<8} {'state':<9} flag"
     print(hdr)

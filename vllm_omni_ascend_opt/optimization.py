@@ -10,9 +10,11 @@ Each swappable change subclasses :class:`Optimization` (``opts/``) and has two l
 Both levels are idempotent and restore the originals by identity (:mod:`vllm_omni_ascend_opt._patching`).
 
 One method answers whether it acts and why not: :meth:`Optimization.reasons_inactive`, for the process (no model)
-or for a given model. It combines, in this order, the environment (:meth:`Optimization._process_reasons`: missing
-kernels, upstream code it does not recognise), the optimizations it ``needs``, whether it is installed and attached,
-the reusable model checks it declares (:attr:`Optimization.model_checks`: compiled regions, parallel modes, ...) and
+or for a given model. It combines, in this order, the upstream code it declares (:attr:`Optimization.upstream`:
+functions whose source differs from every fingerprint it knows, :mod:`.blocks.upstream`), the environment
+(:meth:`Optimization._process_reasons`: missing kernels, bad settings), the optimizations it ``needs``; for a model
+first whether it is vLLM-Omni's Qwen-Image-2.1 (:attr:`Optimization.on_qwen_image_21`), then whether it is installed
+and attached, the reusable model checks it declares (:attr:`Optimization.model_checks`: compiled regions, parallel modes, ...) and
 its own model facts (:meth:`Optimization._model_reasons`: offload, dtype, hooks, kernel verdicts). Everything that
 reports (``list``, ``status()``, the INFO line, the status file, the ablation worker, the parallel test jobs) asks it.
 
@@ -34,6 +36,8 @@ import torch.nn as nn
 from vllm_omni_ascend_opt._parallel import parallel_reasons_inactive
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt.blocks import guards
+from vllm_omni_ascend_opt.blocks import upstream as _upstream
+from vllm_omni_ascend_opt.blocks.upstream import Upstream
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
@@ -112,6 +116,13 @@ class Optimization:
     needs_config: ClassVar[dict[str, Any]] = {}
     #: Why it has no maintainers' patch in ``patches/`` (empty: it has one; tests/test_patches.py checks both).
     no_patch_reason: ClassVar[str] = ""
+    #: The upstream functions it patches, replaces or mirrors, with the source fingerprints it knows per vLLM-Omni
+    #: release (:mod:`vllm_omni_ascend_opt.blocks.upstream`): it installs where each matches a known fingerprint,
+    #: and stays off with the function and the versions it knows where one differs (unless forced).
+    upstream: ClassVar[tuple[Upstream, ...]] = ()
+    #: Why it stays off on vLLM-Omni's Qwen-Image-2.1 (what upstream already does there); "" when it handles 2.1
+    #: itself. Checked before anything else for a model (:func:`~vllm_omni_ascend_opt.blocks.upstream.qwen_image_21`).
+    on_qwen_image_21: ClassVar[str] = "it is written for Qwen-Image (1.x) and does not know this model"
 
     def __init__(self) -> None:
         self.patches = PatchSet(self.name)
@@ -133,9 +144,12 @@ class Optimization:
         (:attr:`parallel_support`), the compiled regions it lives in (:attr:`regions`), the declared
         :attr:`model_checks` and the optimization's own facts (offload, dtype, hooks, kernel verdicts).
         """
-        reasons = list(self._process_reasons()) + self._needs_reasons(None)
+        reasons = self.upstream_reasons() + list(self._process_reasons()) + self._needs_reasons(None)
         if model is None:
             return list(dict.fromkeys(reasons))
+        why_21 = self.qwen_image_21_reason(model)
+        if why_21:
+            return list(dict.fromkeys([why_21, *reasons]))
         attached = self.is_attached(model)
         if not self._installed and not attached:
             return list(dict.fromkeys(reasons)) or ["not installed"]
@@ -160,8 +174,38 @@ class Optimization:
         return not self.reasons_inactive(model)
 
     def _process_reasons(self) -> list[str]:
-        """Override: environment-level reasons (missing torch_npu or kernels, unknown upstream code, bad settings)."""
+        """Override: environment-level reasons (missing torch_npu or kernels, bad settings). Unknown upstream code is
+        declared (:attr:`upstream`), not checked here."""
         return []
+
+    def upstream_reasons(self) -> list[str]:
+        """Why the upstream code differs from what it knows (:attr:`upstream`); empty under
+        ``VLLM_OMNI_ASCEND_OPT_FORCE`` (then :meth:`upstream_notes` says it)."""
+        if not self.upstream or _upstream.forced():
+            return []
+        return _upstream.reasons(self.upstream, self.name)
+
+    def upstream_findings(self) -> list[_upstream.Finding]:
+        """What each declared upstream function is here (fingerprint, the releases it matches, checked or not)."""
+        return _upstream.check(self.upstream)
+
+    def upstream_notes(self) -> list[str]:
+        """For ``list``: how its upstream code matched, and under ``FORCE`` what it acts despite."""
+        findings = self.upstream_findings()
+        if not findings:
+            return []
+        out = [_upstream.summary(findings)]
+        if _upstream.forced():
+            out += [f"{_upstream.ENV_FORCE}=1: acts although {f.reason(self.name)}" for f in findings if not f.ok]
+        return out
+
+    def qwen_image_21_reason(self, model: Any) -> str | None:
+        """Why it stays off on ``model`` when that is vLLM-Omni's Qwen-Image-2.1 (None otherwise, or when it
+        handles 2.1 itself: :attr:`on_qwen_image_21` empty)."""
+        if not self.on_qwen_image_21:
+            return None
+        cls = _upstream.qwen_image_21(model)
+        return f"Qwen-Image-2.1 ({cls}): {self.on_qwen_image_21}" if cls else None
 
     def _model_reasons(self, model: Any) -> list[str]:
         """Override: why this installed and attached optimization does nothing for ``model``."""
@@ -266,8 +310,9 @@ class Optimization:
 
     # ----- per-instance work ------------------------------------------------------------------------------------
     def attach(self, model: nn.Module) -> None:
-        """Apply per-instance work to a built pipeline or transformer. Idempotent."""
-        if model in self._attached:
+        """Apply per-instance work to a built pipeline or transformer. Idempotent. Nothing on a model it stays off
+        for (:meth:`qwen_image_21_reason`): upstream already does that work there."""
+        if model in self._attached or self.qwen_image_21_reason(model):
             return
         self._attach(model)
         self._attached.add(model)

@@ -11,7 +11,8 @@ checks the memo makes per call (:func:`unkeyable_reasons`), not a guess from the
 * :func:`numerical_settings`: process state that changes what the same projection computes (matmul precision,
   autocast, grad mode, TF32/HF32 flags).
 * :func:`norm_kind`: how an AdaLayerNorm instance applies ``(scale, shift)`` (:data:`NATIVE`, :data:`NPU_EVAL`,
-  :data:`OPAQUE`): the one place that looks at the backend.
+  :data:`OPAQUE`): the one place that looks at the backend (:func:`native_forwards`: which dispatch targets are
+  exactly ``forward_native`` in the installed vLLM-Omni).
 * :class:`Span`: the memory a digested ``temb`` covered, so that views of it need no new digest.
 """
 
@@ -64,8 +65,24 @@ class _Upstream:
         self.ada_module = sys.modules[ADALAYERNORM_MODULE]
         self.ada = self.ada_module.AdaLayerNorm
         self.custom_op_forward = sys.modules[CUSTOM_OP_MODULE].CustomOp.forward
-        self.native = (self.ada.forward_native, self.ada.forward_cuda, self.ada.forward_hip)  # cuda/hip -> native
+        self.native = native_forwards(self.ada_module)
         self.replicated = t.ReplicatedLinear
+
+
+def native_forwards(ada_module: Any) -> tuple[Any, ...]:
+    """The ``AdaLayerNorm`` methods that compute ``forward_native`` exactly (kind :data:`NATIVE`): ``forward_native``
+    itself, ``forward_hip`` and (0.32.0rc1+) ``forward_musa`` where the class defines them as it, and
+    ``forward_cuda`` only where it has no fused kernel to take: 0.32.0rc1 routes it to a CUDA Triton AdaLN kernel
+    (``_adaln_fused_forward``, None without Triton) whose mean/variance reductions are not ``F.layer_norm``'s, so
+    with that kernel the instance is called as it is (:data:`OPAQUE`, still exact). Before 0.32 the module has no
+    ``_adaln_fused_forward`` and ``forward_cuda`` is ``forward_native``. The upstream source of each is fingerprinted
+    by ``shared_modulation`` (per platform)."""
+    ada = ada_module.AdaLayerNorm
+    out = [ada.forward_native]
+    out += [vars(ada)[n] for n in ("forward_hip", "forward_musa") if n in vars(ada)]  # own, not CustomOp's
+    if getattr(ada_module, "_adaln_fused_forward", None) is None:
+        out.append(ada.forward_cuda)
+    return tuple(out)
 
 
 _UP: list[_Upstream] = []

@@ -34,8 +34,12 @@ class FastBlockMode(Optimization):
     needs = ("shared_modulation",)
     regions = frozenset({"block"})
     acts_without_attach = True
-    requires = ("shared_modulation active (a mode of its memoized block body); vLLM-Omni 0.30.x; any device",)
+    requires = ("shared_modulation active (a mode of its memoized block body); any device",)
     target_modules = (_targets.TRANSFORMER,)
+    on_qwen_image_21 = (
+        "upstream's own NPU path there already runs its modulation and gated residuals in place "
+        "(mul_/add_, in the bf16 roundings it keeps on purpose); a mode of shared_modulation, which stays off there"
+    )
 
     def _model_reasons(self, model: Any) -> list[str]:
         return [

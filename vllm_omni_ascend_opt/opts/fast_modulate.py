@@ -31,6 +31,7 @@ Removal plan
 
 from __future__ import annotations
 
+from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.opts._fast_tier import FastBlockMode
 
 
@@ -41,6 +42,8 @@ class FastModulate(FastBlockMode):
         "a last-bit change (1 ulp bf16), gated by SSIM >= 0.999 / PSNR >= 45 dB."
     )
     mode = "modulate"
+    #: What its one affine layer norm replaces: AdaLayerNorm's native and NPU paths (and the block it runs in).
+    upstream = (_targets.BLOCK_FORWARD, _targets.ADA_FORWARD_NATIVE, _targets.ADA_FORWARD_NPU)
     removal_plan = "when vLLM-Omni's AdaLayerNorm fuses (1 + scale, shift) into its layer norm kernel"
 
     def notes(self) -> list[str]:

@@ -25,6 +25,7 @@ Removal plan
 
 from __future__ import annotations
 
+from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.opts._fast_tier import FastBlockMode
 
 
@@ -35,6 +36,8 @@ class FastResidual(FastBlockMode):
         "gated by SSIM >= 0.999 / PSNR >= 45 dB."
     )
     mode = "residual"
+    #: What its addcmul replaces: the block's gated residuals ``x + gate * y``.
+    upstream = (_targets.BLOCK_FORWARD,)
     removal_plan = "when vLLM-Omni's block writes its gated residuals with one fused op"
 
 

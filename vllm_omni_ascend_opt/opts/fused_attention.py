@@ -38,6 +38,16 @@ Under torch.compile
     The swapped ``forward`` asks ``blocks.guards.tracing()`` first and then runs the stock SDPA object: no counter,
     cache, verdict or logger is touched inside a traced forward (the traced graph holds stock code); likewise the
     per-forward mask hook. NPU graph capture (no graph mode [OP-FA]) also runs SDPA, counted as ``sdpa: graph mode``.
+Upstream code it relies on (``FusedAttention.upstream``, by source fingerprint)
+    The seam: ``Attention._forward_impl`` routes a non-ring call to ``Attention._run_local_attention``, which ends in
+    ``self.attention.forward(query, key, value, attn_metadata)``: the swapped object is what runs. Both changed in
+    0.31.0rc1 (HSDP compile boundary, ``resolve_execution_path``) and 0.32.0rc1 (explicit cross-attention contracts,
+    paged KV); the local call is unchanged, and for Qwen-Image's joint self-attention none of the new branches apply
+    (no cross contract, no paged KV, the FP32 FlashAttention fallback is CUDA-only). ``resolve_execution_path`` is a
+    capability query, not on the forward path. ``SDPAImpl.forward_npu`` (what the fused path replaces) and
+    ``__init__`` (copied per instance) are unchanged; ``SDPAImpl._forward_impl`` (the verification's reference)
+    moved its GQA / float-mask handling into ``_sdpa_attention`` in 0.32.0rc1: the same SDPA call for equal heads and
+    bool masks. tests/test_fused_attention.py runs on every version (``make test-versions``) through the torch_npu fake.
 Upstream PR
     None. vLLM-Omni fuses NPU attention only through MindIE-SD's FLASH_ATTN backend.
 Removal plan
@@ -62,10 +72,12 @@ from vllm_omni_ascend_opt.blocks import fusion_attention as fab
 from vllm_omni_ascend_opt.blocks import guards
 from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.blocks.fusion_attention import FUSED_DTYPES, KERNEL, ShapeVerdict, Verdict
+from vllm_omni_ascend_opt.blocks.upstream import V030, V031, V032, Upstream, same
 from vllm_omni_ascend_opt.blocks.verdicts import VerdictCache
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
+_L = _targets.ATTENTION_LAYER
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -136,6 +148,31 @@ class FusedAttention(Optimization):
     }
     regions = frozenset({"block"})
     removal_plan = "Drop when SDPAImpl.forward_npu calls npu_fusion_attention itself or MindIE-SD is the default."
+    upstream = (
+        Upstream(
+            _L,
+            "Attention._forward_impl",
+            {"e9933ae271b33725": (V030,), "00e9019e535fd2f5": (V031,), "abe34517ec064868": (V032,)},
+        ),
+        Upstream(
+            _L,
+            "Attention._run_local_attention",
+            {"993e1e36560fe86f": (V030,), "44ccc81fbd7f347d": (V031,), "80475767d74d76da": (V032,)},
+        ),
+        same(_L, "Attention._run_ring_attention", "c21123d6776e4b1d"),
+        same(_targets.SDPA_BACKEND, "SDPAImpl.forward_npu", "a06f5d142abd1872"),
+        same(_targets.SDPA_BACKEND, "SDPAImpl.__init__", "d075d75dc52d9396"),
+        Upstream(
+            _targets.SDPA_BACKEND,
+            "SDPAImpl._forward_impl",
+            {"93dcc56782929c57": (V030, V031), "6c3f07b099b053d1": (V032,)},
+        ),
+        same(_targets.TRANSFORMER, "QwenImageTransformer2DModel.forward", "5f909b9290c3e0ad"),  # one mask per forward
+        _targets.CROSS_ATTENTION_FORWARD,
+    )
+    on_qwen_image_21 = (
+        "upstream's QwenImage21SDPAImpl already runs torch_npu.npu_fusion_attention (BSND) for its unmasked calls"
+    )
 
     def __init__(self) -> None:
         super().__init__()

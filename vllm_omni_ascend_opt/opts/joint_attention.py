@@ -2,7 +2,8 @@
 
 Patch header (vllm-ascend ``vllm_ascend/patch/`` style)
 -------------------------------------------------------
-Patched symbol (``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``, vLLM-Omni 0.30.x):
+Patched symbol (``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``; vLLM-Omni 0.30.0, 0.31.0rc1,
+0.32.0rc1, by the source fingerprints in ``JointAttention.upstream``):
 ``QwenImageCrossAttention.forward`` (class attribute; the block - stock or ``shared_modulation``'s body - calls
 ``block.attn(...)``, so both reach it).
 
@@ -201,13 +202,25 @@ class JointAttention(Optimization):
     summary = "Join the text and image streams once after their QKV projections; QK RMSNorms and RoPE run once on the joint sequence (bitwise stock)."
     equivalence = "exact"
     default_enabled = True
-    requires = ("vLLM-Omni 0.30.x; any device and dtype (stock's fused CUDA qk-norm-rope path stays stock)",)
+    requires = ("any device and dtype (stock's fused CUDA qk-norm-rope path stays stock)",)
     target_modules = (_targets.TRANSFORMER,)
     # The values handed to the attention layer are stock's (views of the joint tensors under SP); TP only changes
     # the local head counts (equal for both streams); CFG-parallel runs each branch as a single request.
     parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")
     regions = frozenset({"block"})
     acts_without_attach = True
+    #: What it replaces (the joint attention forward, qk-norm-rope) and mirrors (the native rotary math, stock's
+    #: fused-CUDA branch condition, the QK norms' construction).
+    upstream = (
+        _targets.CROSS_ATTENTION_FORWARD,
+        _targets.CROSS_ATTENTION_INIT,
+        _targets.QK_NORM_ROPE,
+        _targets.FUSED_MIN_TOKENS,
+        _targets.FUSED_CUDA_SUPPORTED,
+        _targets.ROTARY_FORWARD_NATIVE,
+        _targets.ROTARY_FORWARD_NPU,
+    )
+    on_qwen_image_21 = "a single-stream transformer: there are no text and image streams to join"
     removal_plan = (
         "Drop when vLLM-Omni's QwenImageCrossAttention joins the two streams once and normalizes/rotates the joint "
         "sequence (or fuses qk-norm-rope on NPU)."

@@ -1,6 +1,7 @@
 """`memo_aware_offload`: Under vLLM-Omni's layerwise offload, leave a block's modulation weights (img_mod/txt_mod) on the host for a forward whose modulation is all in shared_modulation's memo (exact: those weights are never read).
 
-Patched upstream symbols (vLLM-Omni 0.30.x, ``vllm_omni/diffusion/offloader/layerwise_backend.py``, class attributes)
+Patched upstream symbols (``vllm_omni/diffusion/offloader/layerwise_backend.py``, class attributes; the same source in
+vLLM-Omni 0.30.0-0.32.0rc1, declared in ``UPSTREAM``)
 ----------------------------------------------------------------------------------------------------------------
 * ``LayerwiseOffloadHook.pre_forward``: the per-forward decision (at block 0) and the per-block guarantee (below).
 * ``LayerwiseOffloadHook.prefetch_layer``: for a forward that skips, copies the next block's weights without its
@@ -41,10 +42,7 @@ Removal plan
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import sys
-import textwrap
 import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -57,25 +55,22 @@ from vllm_omni_ascend_opt.blocks import guards
 from vllm_omni_ascend_opt.blocks.block_body import block_body_reason
 from vllm_omni_ascend_opt.blocks.layerwise import LAYERWISE_MODULE, block_hook, is_modulation, layerwise_hooks
 from vllm_omni_ascend_opt.blocks.modulation_keys import find_transformers
+from vllm_omni_ascend_opt.blocks.upstream import Upstream, same
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
 TENSOR_UTILS = "vllm_omni.diffusion.offloader.tensor_utils"
-#: SHA-256 (first 16 hex digits) of the dedented source of the upstream methods this patch mirrors or wraps
-#: (vLLM-Omni 0.30.0). A mismatch turns the optimization off with a reason.
-FINGERPRINTS: dict[str, str] = {
-    "LayerwiseOffloadHook.prefetch_layer": "cdd013501e670e59",
-    "LayerwiseOffloadHook.pre_forward": "c8ff89a07c2c559a",
-}
+#: The upstream code it wraps (``pre_forward``, ``prefetch_layer``), mirrors (``prefetch_layer``'s copy with the
+#: modulation weights left out) or calls (the storage helpers, the hook's attributes set in ``__init__`` /
+#: ``initialize_hook``): the same source in vLLM-Omni 0.30.0, 0.31.0rc1 and 0.32.0rc1.
+UPSTREAM: tuple[Upstream, ...] = (
+    same(LAYERWISE_MODULE, "LayerwiseOffloadHook.pre_forward", "c8ff89a07c2c559a"),
+    same(LAYERWISE_MODULE, "LayerwiseOffloadHook.prefetch_layer", "cdd013501e670e59"),
+    same(LAYERWISE_MODULE, "LayerwiseOffloadHook.__init__", "80e9c3cad583e5b6"),
+    same(LAYERWISE_MODULE, "LayerwiseOffloadHook.initialize_hook", "57e0f717ebc3134b"),
+    same(TENSOR_UTILS, "set_tensor_storage", "7b23b08c46b1bca8"),
+    same(TENSOR_UTILS, "make_offload_placeholder", "a3b97023cf5da1b4"),
+)
 NOT_ALL_MEMOIZED = "not every block's modulation is in the memo for this forward: every weight is copied"
-
-
-def _source_digest(fn: Any) -> str:
-    fn = getattr(fn, "__wrapped__", fn)
-    try:
-        src = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        return "source unavailable"
-    return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -129,6 +124,11 @@ class MemoAwareOffload(Optimization):
     target_modules = (LAYERWISE_MODULE,)
     needs = ("shared_modulation",)
     needs_config: ClassVar[dict[str, Any]] = {"enable_layerwise_offload": True}
+    upstream = UPSTREAM
+    on_qwen_image_21 = (
+        "it asks shared_modulation's memo, which stays off there: upstream prepares one modulation for all blocks, "
+        "no per-block img_mod/txt_mod weights to leave on the host"
+    )
     parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-rank hooks and memo, no collective
     removal_plan = "Drop when vLLM-Omni's layerwise offload skips weights a forward does not read."
     no_patch_reason = (
@@ -144,21 +144,6 @@ class MemoAwareOffload(Optimization):
         self._probes: dict[int, PatchSet] = {}
 
     # ----- reasons ----------------------------------------------------------------------------------------
-    def _process_reasons(self) -> list[str]:
-        mod = sys.modules.get(LAYERWISE_MODULE)
-        if mod is None:
-            return []
-        hook_cls = mod.LayerwiseOffloadHook
-        out = []
-        for name, want in FINGERPRINTS.items():
-            got = _source_digest(hook_cls.__dict__[name.split(".", 1)[1]])
-            if got != want:
-                out.append(
-                    f"upstream {name} differs from the vLLM-Omni 0.30.0 code this patch mirrors (source fingerprint "
-                    f"{got}, expected {want})"
-                )
-        return out
-
     def _model_reasons(self, model: Any) -> list[str]:
         transformers = find_transformers(model)
         if not transformers:

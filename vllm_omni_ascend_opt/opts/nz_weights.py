@@ -53,7 +53,7 @@ Sources
     VLLM_ASCEND_ENABLE_NZ=1 and CANN version is 8.3, the weights of the Linear layer will be converted to
     FRACTAL_NZ").
 Upstream PR
-    None (vllm-ascend's ``weight_nz_mode=2`` is the LLM-side equivalent; vLLM-Omni has no DiT hook).
+    None (vllm-ascend's ``weight_nz_mode=2`` is the LLM-side equivalent). Qwen-Image-2.1 (0.32.0rc1) casts its own.
 Removal plan
     Drop when vLLM-Omni's NPU loader casts unquantized DiT linear weights to NZ itself.
 """
@@ -315,6 +315,8 @@ class NzWeights(Optimization):
     target_modules = (_targets.TRANSFORMER,)
     regions = frozenset({"load"})
     removal_plan = "Drop when vLLM-Omni's NPU loader casts unquantized DiT linear weights to NZ itself."
+    upstream = (_targets.LOAD_MODEL,)  # its attach point
+    on_qwen_image_21 = "upstream casts its bf16 linear weights to FRACTAL_NZ itself; nz_weights never casts there"
 
     def __init__(self) -> None:
         super().__init__()

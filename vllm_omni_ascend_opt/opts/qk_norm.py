@@ -167,6 +167,11 @@ class QkNorm(Optimization):
     parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-row op on whatever rows a rank holds
     regions = frozenset({"block"})
     removal_plan = "Drop when torch_npu registers aten::rms_norm for NPU or vLLM-Omni's Qwen-Image uses an NPU RMSNorm."
+    #: Where the swapped norms are called (before RoPE, on [B, S, H, D]) and how they are built (nn.RMSNorm, [D]).
+    upstream = (_targets.QK_NORM_ROPE, _targets.CROSS_ATTENTION_INIT)
+    on_qwen_image_21 = (
+        "its QK norms are diffusers' RMSNorm, which already calls torch_npu.npu_rms_norm whenever torch_npu imports"
+    )
 
     def __init__(self) -> None:
         super().__init__()

@@ -2,11 +2,17 @@
 
 Patch header (vllm-ascend ``vllm_ascend/patch/`` style)
 -------------------------------------------------------
-Patched symbols (``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``, vLLM-Omni 0.30.x):
+Patched symbols (``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``; vLLM-Omni 0.30.0, 0.31.0rc1 and
+0.32.0rc1, recognised by the source fingerprints in :data:`UPSTREAM`):
 
 * module global ``_qwen_image_qk_norm_rope`` (looked up at call time by ``QwenImageCrossAttention.forward``, so the
   patch also reaches models built before it was installed, TeaCache's block loop and SP-sharded freqs);
 * ``QwenEmbedRope.forward`` and ``QwenEmbedLayer3DRope.forward``: memoized per (shapes, text lengths, device, tables).
+  0.32.0rc1 replaced the ``functools.lru_cache`` on ``_compute_video_freqs`` / ``_compute_condition_freqs`` by a
+  bounded per-instance ``_freqs_cache`` (upstream #8016) with the old bodies in ``_build_*``: ``forward`` is
+  unchanged and still returns the same result for the same key, so the memo is unchanged too (both fingerprints are
+  known; tests/test_rope.py runs on 0.32 in ``make test-versions``). Whatever empties upstream's caches for a fresh
+  computation (patches/check.py) clears both kinds: the classes' ``cache_clear`` and the instances' dicts.
 
 Why: stock converts the complex freqs to ``cos``/``sin`` (``torch.real(freqs).to(dtype)``, ``torch.imag(...)``) in
 every block for img and txt, and ``RotaryEmbedding.forward_native`` then re-expands them (einops ``repeat``) and
@@ -77,6 +83,7 @@ from vllm_omni_ascend_opt.blocks import guards, rotary
 from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.blocks.rope_tables import TABLE_CACHE_SIZE, version_or_none
 from vllm_omni_ascend_opt.blocks.rotary import ENV_KERNEL_POLICY, KernelVerdict, ShapeVerdict
+from vllm_omni_ascend_opt.blocks.upstream import ABSENT, V030, V031, V032, Upstream, same
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -85,6 +92,36 @@ logger = logging.getLogger("vllm_omni_ascend_opt")
 POLICIES = ("pixel", "verified", "bitwise")
 #: ``QwenEmbedRope.forward`` results kept per embedder module (LRU): a few image shapes x text lengths.
 EMBED_MEMO_SIZE = 8
+
+_T = _targets.TRANSFORMER
+#: The upstream functions rope patches (qk-norm-rope, the embedders' forward) or mirrors (what the embedders compute,
+#: the native rotary math, stock's fused-CUDA branch condition), with the source fingerprints it knows.
+UPSTREAM: tuple[Upstream, ...] = (
+    _targets.QK_NORM_ROPE,
+    _targets.FUSED_MIN_TOKENS,
+    _targets.FUSED_CUDA_SUPPORTED,
+    _targets.ROTARY_FORWARD_NATIVE,
+    _targets.ROTARY_FORWARD_NPU,
+    same(_T, "QwenEmbedRope.forward", "341bfdd26671ce38"),
+    same(_T, "QwenEmbedLayer3DRope.forward", "a1198ba9ab7ff6cc"),
+    Upstream(_T, "QwenEmbedRope.__init__", {"2a0b2ac6aef42c5a": (V030, V031), "77e96f6224e3eb62": (V032,)}),
+    Upstream(_T, "QwenEmbedLayer3DRope.__init__", {"d423f2c06a4e9ea3": (V030, V031), "c954f35fd13f7112": (V032,)}),
+    # lru_cache (0.30/0.31) -> per-instance _freqs_cache with the bodies in _build_* (0.32, upstream #8016)
+    Upstream(_T, "QwenEmbedRope._compute_video_freqs", {"11b65b39fc21a8ca": (V030, V031), "96ac02ec4d50008c": (V032,)}),
+    Upstream(_T, "QwenEmbedRope._build_video_freqs", {ABSENT: (V030, V031), "179ee8c1a00d4813": (V032,)}),
+    Upstream(
+        _T, "QwenEmbedLayer3DRope._compute_video_freqs", {"5a6c0da19369f69d": (V030, V031), "65d48e3cfc4c6269": (V032,)}
+    ),
+    Upstream(
+        _T,
+        "QwenEmbedLayer3DRope._compute_condition_freqs",
+        {"46e3a10bb507dadb": (V030, V031), "80e7da9ae10eb788": (V032,)},
+    ),
+    Upstream(_T, "QwenEmbedLayer3DRope._build_video_freqs", {ABSENT: (V030, V031), "5660f78680451cf4": (V032,)}),
+    Upstream(_T, "QwenEmbedLayer3DRope._build_condition_freqs", {ABSENT: (V030, V031), "cfa82d5f72c951d9": (V032,)}),
+    Upstream(_T, "_cached_rope_freqs", {ABSENT: (V030, V031), "9bf7133c01db557c": (V032,)}),
+    same(_T, "ImageRopePrepare.forward", "3a1ca5fba25a713c"),
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -96,7 +133,7 @@ class Rope(Optimization):
     #: exact on the portable path; pixel with the NPU kernel (see :meth:`tier`).
     equivalence = "pixel"
     default_enabled = True
-    requires = ("vLLM-Omni 0.30.x; NPU kernel path: torch_npu with npu_rotary_mul rotary_mode='interleave'",)
+    requires = ("NPU kernel path: torch_npu with npu_rotary_mul rotary_mode='interleave'",)
     target_modules = (_targets.TRANSFORMER,)
     parallel_support: ClassVar[dict[str, str]] = {
         "single": "supported",
@@ -111,6 +148,11 @@ class Rope(Optimization):
     }
     regions = frozenset({"block", "transformer"})
     acts_without_attach = True
+    upstream = UPSTREAM
+    on_qwen_image_21 = (
+        "upstream applies its RoPE there with torch_npu.npu_rotary_mul and tables cached per freqs "
+        "(_apply_qwen_image21_rotary_emb_npu); no Qwen-Image (1.x) embedder or qk-norm-rope to patch"
+    )
     removal_plan = (
         "Drop when vLLM-Omni builds Qwen-Image cos/sin once per forward and RotaryEmbedding.forward_npu calls "
         "npu_rotary_mul(rotary_mode='interleave') (vllm-omni PR #4043) verified on device."

@@ -1,7 +1,7 @@
 """`shared_modulation`: Compute SiLU(temb) and the per-block modulation projections once per distinct timestep embedding (exact memo), and unpack them once per block into broadcast-ready tensors.
 
-Patched upstream symbols (vLLM-Omni 0.30.x, ``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``)
-------------------------------------------------------------------------------------------------------------
+Patched upstream symbols (``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``; vLLM-Omni 0.30.0, 0.31.0rc1, 0.32.0rc1)
+---------------------------------------------------------------------------------------------------------------------------------------
 * ``QwenImageTransformerBlock.forward`` (class attribute): the block reads its six modulation tensors from a memo.
 * ``QwenImageTransformer2DModel.load_weights`` (class attribute): drops the memo after a (re)load.
 * per attached transformer (``attach``): the ``img_mod``/``txt_mod`` ``nn.Sequential`` of every block and
@@ -55,8 +55,11 @@ Exactness and fallbacks
   attached model (a view of the last temb, such as ``temb.chunk(2)[0]``, is keyed by its geometry, not re-hashed).
   ``AdaLayerNorm`` is applied the way the instance dispatches
   (``forward_native``; ``forward_npu`` via ``torch_npu.npu_layer_norm_eval`` without MindIE-SD; with MindIE-SD the
-  fused kernel takes ``scale``, so the memo keeps ``scale`` and calls the norm itself). The mirrored upstream
-  functions are fingerprinted (source SHA-256): a different upstream turns the optimization off with a reason.
+  fused kernel takes ``scale``, so the memo keeps ``scale`` and calls the norm itself; likewise 0.32.0rc1's
+  ``forward_cuda`` where its CUDA Triton AdaLN kernel exists, whose reductions are not ``F.layer_norm``'s: native only
+  without it, ``modulation_keys.native_forwards``; 0.32's own ``forward_musa`` is native). The mirrored upstream
+  functions are fingerprinted per release (:data:`UPSTREAM`, source SHA-256, per platform for AdaLayerNorm's backend
+  paths): upstream code that matches none of them turns the optimization off with a reason naming the function.
   Weights written in place through ``.data`` (``param.data.copy_``) bypass version counters: reloads through
   ``load_weights`` invalidate automatically, and so does the registry's weights-changed event (``nz_weights``'
   casts); anything else must call :meth:`SharedModulation.invalidate`.
@@ -68,16 +71,14 @@ Upstream PR
   none yet; upstream's ``ExactProjectionCache`` (vllm_omni/diffusion/cache/exact_projection_cache.py) implements the
   same idea for MiniMax-H3 only. Proposal: wire it into Qwen-Image's blocks with unpacked outputs.
 Removal plan
-  Drop this patch once vLLM-Omni memoizes Qwen-Image's modulation itself (or with a version outside 0.30.x, where the
-  fingerprints stop matching and it turns itself off).
+  Drop this patch once vLLM-Omni memoizes Qwen-Image's modulation itself (its block forward's fingerprint then stops
+  matching and it turns itself off). Upstream overlap: vllm-omni #7529 (open) reuses the projections across the serial
+  CFG pair only.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import sys
-import textwrap
 import weakref
 from typing import Any
 
@@ -89,57 +90,42 @@ from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.blocks.block_body import block_body, block_body_reason
 from vllm_omni_ascend_opt.blocks.modulation_keys import (
     ADALAYERNORM_MODULE,
+    CUSTOM_OP_MODULE,
     SELECT01_MODULE,
     find_transformers,
     unkeyable_reasons,
 )
 from vllm_omni_ascend_opt.blocks.modulation_memo import ENV_BUDGET_MB, ModulationMemo, budget_from_env
+from vllm_omni_ascend_opt.blocks.upstream import ABSENT, V030, V031, V032, Upstream, same
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
-#: SHA-256 (first 16 hex digits) of the dedented source of each upstream function this patch mirrors, as shipped in
-#: vLLM-Omni 0.30.0 / diffusers 0.40. A mismatch means upstream changed and the exactness argument must be redone.
-FINGERPRINTS: dict[str, str] = {
-    "QwenImageTransformerBlock.forward": "8177c846de52aa4e",
-    "QwenImageTransformerBlock._modulate": "790253f78c1c2199",
-    "AdaLayerNorm.forward_native": "bfc59b1498c56a60",
-    "AdaLayerNorm.forward_cuda": "22177f92ea028df7",
-    "AdaLayerNorm.forward_hip": "f9d2d32dd4f4243a",
-    "AdaLayerNorm.forward_npu": "ec9099f9e734847b",
-    "AdaLayerNormContinuous.forward": "9cc655ba4fb2bfec",
-    "split_select01_mod_params": "e8a80c7ad2a79e31",
-    "select01_modulation_native": "3f26039abc062cb2",
-    "ModulateIndexPrepare.forward": "b4795fc261a07196",
-}
-
-
-def _fingerprint(fn: Any) -> str:
-    try:
-        src = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        return "source unavailable"
-    return hashlib.sha256(src.encode()).hexdigest()[:16]
-
-
-def _upstream_functions() -> dict[str, Any]:
-    t = sys.modules[_targets.TRANSFORMER]
-    ada = sys.modules[ADALAYERNORM_MODULE].AdaLayerNorm
-    return {
-        "QwenImageTransformerBlock.forward": _unpatched(t.QwenImageTransformerBlock, "forward"),
-        "QwenImageTransformerBlock._modulate": t.QwenImageTransformerBlock._modulate,
-        "AdaLayerNorm.forward_native": ada.forward_native,
-        "AdaLayerNorm.forward_cuda": ada.forward_cuda,
-        "AdaLayerNorm.forward_hip": ada.forward_hip,
-        "AdaLayerNorm.forward_npu": ada.forward_npu,
-        "AdaLayerNormContinuous.forward": t.AdaLayerNormContinuous.forward,
-        "split_select01_mod_params": sys.modules[SELECT01_MODULE].split_select01_mod_params,
-        "select01_modulation_native": sys.modules[SELECT01_MODULE].select01_modulation_native,
-        "ModulateIndexPrepare.forward": t.ModulateIndexPrepare.forward,
-    }
-
-
-def _unpatched(cls: type, name: str) -> Any:
-    fn = cls.__dict__[name]
-    return getattr(fn, "__wrapped__", fn)
+_T, _ADA = _targets.TRANSFORMER, ADALAYERNORM_MODULE
+#: The upstream functions this patch replaces (the block forward, load_weights) or mirrors (everything its memoized
+#: block body and projections recompute), with the source fingerprints it knows (``blocks/upstream.py``). A function
+#: whose source matches none of them turns it off with a reason: the exactness argument must be redone first.
+#: AdaLayerNorm's per-backend paths are checked where vLLM-Omni dispatches to them; 0.32.0rc1's forward_cuda (the
+#: CUDA Triton AdaLN kernel, whose reductions are not F.layer_norm's) is accepted because ``norm_kind`` treats it as
+#: native only where that kernel is absent, and calls the instance (exact) otherwise.
+UPSTREAM: tuple[Upstream, ...] = (
+    _targets.BLOCK_FORWARD,
+    same(_T, "QwenImageTransformerBlock._modulate", "790253f78c1c2199"),
+    same(_T, "ModulateIndexPrepare.forward", "b4795fc261a07196"),
+    same(_T, "QwenImageTransformer2DModel.load_weights", "97bb5a17d9d284e8"),
+    _targets.ADA_FORWARD_NATIVE,
+    Upstream(
+        _ADA, "AdaLayerNorm.forward_cuda", {"22177f92ea028df7": (V030, V031), "a461e2192f4bb1eb": (V032,)}, ("cuda",)
+    ),
+    same(_ADA, "AdaLayerNorm.forward_hip", "f9d2d32dd4f4243a", ("rocm",)),
+    _targets.ADA_FORWARD_NPU,
+    Upstream(_ADA, "AdaLayerNorm.forward_musa", {ABSENT: (V030, V031), "5ea15656b97250d9": (V032,)}, ("musa",)),
+    same(_ADA, "AdaLayerNorm.__init__", "949821cb9b9f61e5"),
+    same(CUSTOM_OP_MODULE, "CustomOp.forward", "2b37fcf479cd9ace"),
+    same(CUSTOM_OP_MODULE, "CustomOp.dispatch_forward", "0e7d8d55ef65c2ab"),
+    same("diffusers.models.normalization", "AdaLayerNormContinuous.forward", "9cc655ba4fb2bfec"),
+    same(SELECT01_MODULE, "split_select01_mod_params", "e8a80c7ad2a79e31"),
+    same(SELECT01_MODULE, "select01_modulation_native", "3f26039abc062cb2"),
+    same("vllm_omni.diffusion.cache.exact_projection_cache", "tensor_digest", "2d06cf9827d786a9"),
+)
 
 
 class SharedModulation(Optimization):
@@ -147,11 +133,16 @@ class SharedModulation(Optimization):
     summary = "Compute SiLU(temb) and the per-block modulation projections once per distinct timestep embedding (exact memo), and unpack them once per block into broadcast-ready tensors."
     equivalence = "exact"
     default_enabled = True
-    requires = ("vLLM-Omni 0.30.x; any device and dtype",)
+    requires = ("vLLM-Omni >= 0.30 whose code matches the fingerprints it knows; any device and dtype",)
     target_modules = (_targets.TRANSFORMER,)
     parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-rank memo, no collectives (see docstring)
     regions = frozenset({"block", "transformer"})  # the block body and projections; norm_out in the forward
     removal_plan = "Drop once vLLM-Omni memoizes Qwen-Image's modulation (upstream ExactProjectionCache wiring)."
+    upstream = UPSTREAM
+    on_qwen_image_21 = (
+        "one modulation projection shared by all blocks, prepared once per step by upstream itself "
+        "(prepared_modulation); no per-block img_mod/txt_mod to memoize"
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -167,14 +158,6 @@ class SharedModulation(Optimization):
             budget_from_env()
         except ValueError as exc:
             reasons.append(f"{ENV_BUDGET_MB} is invalid ({exc})")
-        if all(m in sys.modules for m in (_targets.TRANSFORMER, ADALAYERNORM_MODULE, SELECT01_MODULE)):
-            for name, fn in _upstream_functions().items():
-                got = _fingerprint(fn)
-                if got != FINGERPRINTS[name]:
-                    reasons.append(
-                        f"upstream {name} differs from the vLLM-Omni 0.30.0 code this patch mirrors "
-                        f"(source fingerprint {got}, expected {FINGERPRINTS[name]})"
-                    )
         return reasons
 
     def _model_reasons(self, model: nn.Module) -> list[str]:

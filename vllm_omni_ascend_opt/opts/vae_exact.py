@@ -53,6 +53,7 @@ import torch.nn as nn
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt.blocks import guards
 from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.upstream import same
 from vllm_omni_ascend_opt.blocks.verdicts import VerdictCache
 from vllm_omni_ascend_opt.opts._vae_common import (
     PieceReport,
@@ -65,6 +66,12 @@ from vllm_omni_ascend_opt.opts._vae_common import (
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
+#: Why vae_exact stays off on Qwen-Image-2.1 (its own VAE class, AutoencoderKLQwenImage21): see the closing note of
+#: issue 22 for what is left there (the fp32 upsample round trip and the per-call latents statistics).
+QWEN_IMAGE_21_REFUSAL = (
+    "its VAE (AutoencoderKLQwenImage21) already decodes without the feature cache and with 2-D convolutions; the two "
+    "exact pieces left there (native-dtype upsample, latents statistics built once) are not implemented for it"
+)
 #: dtypes for which an fp32 round trip is lossless, so skipping it cannot change a value.
 _ROUND_TRIP_LOSSLESS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -396,9 +403,28 @@ class VaeExact(VaeOptimization):
     summary = "Remove VAE decode work that never changes a bit for single-frame images (unread cache clones, fp32 round trips, repeated counts)."
     equivalence = "exact"
     default_enabled = True
-    requires = ("vLLM-Omni 0.30.x with diffusers 0.40.x; any device",)
+    requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)
     regions = frozenset({"vae"})
+    #: What its pieces replace or mirror: the decode (single frame, without the feature cache every decoder module
+    #: would fill), clear_cache, the upsample and 1x1x1 conv forwards, the tiling condition, _decode_latents.
+    upstream = (
+        _targets.VAE_DECODE,
+        _targets.CAUSAL_CONV_FORWARD,
+        same(_targets.DIFFUSERS_VAE, "AutoencoderKLQwenImage.clear_cache", "31708750dd8c83e0"),
+        same(_targets.DIFFUSERS_VAE, "QwenImageUpsample.forward", "ee587f434809e4b8"),
+        same(_targets.DIFFUSERS_VAE, "QwenImageResample.forward", "716bf32056d139f0"),
+        same(_targets.DIFFUSERS_VAE, "QwenImageResidualBlock.forward", "e0e46a4532d1cf61"),
+        same(_targets.DIFFUSERS_VAE, "QwenImageMidBlock.forward", "6832c95d0ba19ca0"),
+        same(_targets.DIFFUSERS_VAE, "QwenImageUpBlock.forward", "a1729c9f7cb2d237"),
+        same(_targets.DIFFUSERS_VAE, "QwenImageDecoder3d.forward", "b1966dcbe8cbcae3"),
+        same(_targets.DIST_VAE, "DistributedAutoencoderKLQwenImage.tiled_decode", "96ab08c2ad536cb8"),
+        # single_frame_tiles mirrors these two (tiles, blend order, crops; the tile decode without the cache clones)
+        same(_targets.DIFFUSERS_VAE, "AutoencoderKLQwenImage.tiled_decode", "e738fe5a0cf065e9"),
+        same(_targets.DIST_VAE, "DistributedAutoencoderKLQwenImage.tile_exec", "50aec6f1ba18ab37"),
+        same(_targets.PIPELINE, "QwenImagePipeline._decode_latents", "61e30597d68a52fb"),
+    )
+    on_qwen_image_21 = QWEN_IMAGE_21_REFUSAL
     removal_plan = (
         "when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes, uses its cached conv "
         "counts and interpolates in the input dtype, and vLLM-Omni caches the latents statistics"

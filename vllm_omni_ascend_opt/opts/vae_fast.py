@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt.blocks import guards
 from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.upstream import same
 from vllm_omni_ascend_opt.opts._vae_common import (
     PieceReport,
     VaeOptimization,
@@ -158,10 +159,19 @@ class VaeFast(VaeOptimization):
     summary = "Faster approximate VAE decode, accepted only within SSIM >= 0.99 and PSNR >= 35 dB of stock."
     equivalence = "close"
     default_enabled = False
-    requires = ("vLLM-Omni 0.30.x with diffusers 0.40.x; any device",)
+    requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)
     regions = frozenset({"vae"})
     removal_plan = "when diffusers' Qwen-Image VAE decodes single frames with 2D convolutions"
+    #: What its pieces replace: the causal convolution's forward (and the padding its __init__ sets up), the RMS
+    #: norm's forward, and the decode that calls them without a cache on one frame.
+    upstream = (
+        _targets.VAE_DECODE,
+        _targets.CAUSAL_CONV_FORWARD,
+        _targets.CAUSAL_CONV_INIT,
+        same(_targets.DIFFUSERS_VAE, "QwenImageRMS_norm.forward", "2c0e9b884c3c2298"),
+    )
+    on_qwen_image_21 = "its VAE already decodes single frames with 2-D convolutions (QwenImage21CausalConv3d)"
     pieces = ("conv2d_last_tap", "rms_norm_input_dtype")
 
     def notes(self) -> list[str]:

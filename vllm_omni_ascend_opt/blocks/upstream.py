@@ -1,0 +1,394 @@
+"""The upstream code each optimization relies on, recognised by its source, not by a version string.
+
+Every optimization declares the upstream functions it patches, replaces or mirrors (:attr:`Optimization.upstream`,
+a tuple of :class:`Upstream`), each with the source fingerprints it knows and the vLLM-Omni versions that ship them.
+It installs on any vLLM-Omni >= 0.30 whose code matches one of those fingerprints; where the code differs, it stays
+off with a reason that names the function and the versions it knows (:func:`reasons`). A newer release whose
+functions all match just works (the plugin logs one INFO line about the unknown version, ``_state``).
+
+* Fingerprint: the first 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, the value round
+  one of issue 22 recorded for 0.30.0 / 0.31.0rc1 / 0.32.0rc1. It is computed **from the source file, without
+  importing vLLM-Omni** (:func:`fingerprint`): the module's file is located from the top-level package's path, the
+  definition found with :mod:`ast` (decorators included) and the block cut with ``inspect.getblock``, exactly the lines
+  ``inspect.getsource`` returns. So ``vllm-omni-ascend-opt list`` in a fresh process (nothing imported) and the worker
+  (everything imported) give the same answer. A function that is not defined in that module or class is
+  :data:`ABSENT`, which a declaration may list as known (new in a later version, or inherited before).
+* Imported modules are checked once more (:func:`replacement`): the live attribute, unwrapped through ``__wrapped__``
+  (the plugin's own patches set it), must be the function defined at that place in that file. Anything else (another
+  plugin replaced it at run time) counts as a difference.
+* Per platform: a declaration with :attr:`Upstream.platforms` matters only where vLLM-Omni dispatches to it
+  (``AdaLayerNorm.forward_cuda`` on CUDA, ``forward_npu`` on Ascend, ...), :func:`current_platform`; elsewhere it is
+  listed as not checked.
+* ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` (:func:`forced`, for experts): install anyway; the differences are then notes and
+  one warning per optimization instead of reasons.
+* Qwen-Image-2.1 (vLLM-Omni 0.32+, ``models/qwen_image_21``): a different model whose NPU work upstream already does
+  itself; :func:`qwen_image_21` recognises its pipeline and transformer by class (no import), so that each
+  optimization can say why it stays off there (``Optimization.on_qwen_image_21``).
+
+Adding a version: run ``python tools/fingerprints.py`` in a venv with it; for each function that differs, redo the
+exactness argument of the optimizations that declare it, adapt them, and add the new fingerprint to their tables.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+import textwrap
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_omni_ascend_opt import _backend
+
+#: The fingerprint of a function that the module (or class) does not define itself.
+ABSENT = "absent"
+V030, V031, V032 = "0.30.0", "0.31.0rc1", "0.32.0rc1"
+#: The vLLM-Omni releases whose code the fingerprints below were taken from, oldest first.
+KNOWN_OMNI: tuple[str, ...] = (V030, V031, V032)
+#: Every known release (for functions that are the same in all of them).
+ALL = KNOWN_OMNI
+#: The oldest vLLM-Omni the plugin installs on (major, minor); older releases are refused by version (``_state``).
+MIN_OMNI = (0, 30)
+#: Install even where upstream code differs from every known fingerprint (experts only).
+ENV_FORCE = "VLLM_OMNI_ASCEND_OPT_FORCE"
+
+#: Platforms as :func:`current_platform` names them.
+PLATFORMS = ("cpu", "cuda", "rocm", "npu", "musa")
+#: The package of vLLM-Omni's Qwen-Image-2.1 (0.32.0rc1+): pipeline, transformer, VAE.
+QWEN_IMAGE_21_PACKAGE = "vllm_omni.diffusion.models.qwen_image_21"
+
+
+def forced() -> bool:
+    """``VLLM_OMNI_ASCEND_OPT_FORCE`` is set: install although upstream code differs (with a warning)."""
+    return (os.environ.get(ENV_FORCE) or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# declarations
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Upstream:
+    """One upstream function an optimization relies on, with the fingerprints it knows.
+
+    ``known`` maps a fingerprint (or :data:`ABSENT`) to the vLLM-Omni releases that ship that code; ``platforms``
+    limits the check to the platforms where vLLM-Omni dispatches to the function (empty: everywhere)."""
+
+    module: str
+    qualname: str
+    known: Mapping[str, tuple[str, ...]]
+    platforms: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = set(self.platforms) - set(PLATFORMS)
+        if bad or not self.known:
+            raise ValueError(f"{self.qualname}: bad declaration (platforms {sorted(bad)}, known {dict(self.known)})")
+
+    @property
+    def name(self) -> str:
+        """``module:qualname`` (the module without vLLM-Omni's package prefix)."""
+        return f"{self.module.removeprefix('vllm_omni.')}:{self.qualname}"
+
+    def versions(self) -> tuple[str, ...]:
+        """Every release whose code this declaration knows, in :data:`KNOWN_OMNI` order."""
+        seen = {v for vs in self.known.values() for v in vs}
+        return tuple(v for v in KNOWN_OMNI if v in seen) + tuple(sorted(seen - set(KNOWN_OMNI)))
+
+
+def same(module: str, qualname: str, fp: str, platforms: tuple[str, ...] = ()) -> Upstream:
+    """A function whose source is ``fp`` in every known release."""
+    return Upstream(module, qualname, {fp: ALL}, platforms)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What :func:`check` found for one declaration in this process."""
+
+    decl: Upstream
+    fingerprint: str
+    #: Releases whose code this is (empty: not a known fingerprint).
+    matches: tuple[str, ...]
+    #: False where the declaration's platforms exclude this one (then it is not checked).
+    applies: bool = True
+    #: Why the live function is not the one in the source file ("" when it is, or when the module is not imported).
+    replaced: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.applies or (bool(self.matches) and not self.replaced)
+
+    def reason(self, owner: str) -> str:
+        """The reason ``owner`` stays off because of this finding, naming the function and the versions it knows."""
+        d = self.decl
+        where = f" (on {', '.join(d.platforms)})" if d.platforms else ""
+        known = ", ".join(d.versions())
+        if self.replaced:
+            return f"upstream {d.qualname}{where} is replaced at run time ({d.module}): {self.replaced}"
+        if self.fingerprint == ABSENT:
+            return f"upstream {d.qualname}{where} is missing from {d.module}: {owner} knows it from vLLM-Omni {known}"
+        return (
+            f"upstream {d.qualname}{where} differs from the code {owner} knows (vLLM-Omni {known}): "
+            f"source fingerprint {self.fingerprint} in {d.module}, known {', '.join(d.known)}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "function": self.decl.name,
+            "fingerprint": self.fingerprint,
+            "matches": list(self.matches),
+            "checked": self.applies,
+            "platforms": list(self.decl.platforms),
+            "replaced": self.replaced,
+            "ok": self.ok,
+        }
+
+
+def check(decls: Iterable[Upstream], platform: str | None = None) -> list[Finding]:
+    """One :class:`Finding` per declaration, for ``platform`` (default: :func:`current_platform`)."""
+    platform = platform or current_platform()
+    out = []
+    for d in decls:
+        applies = not d.platforms or platform in d.platforms
+        fp = fingerprint(d.module, d.qualname)
+        matches = tuple(d.known.get(fp, ()))
+        out.append(Finding(d, fp, matches, applies, replacement(d.module, d.qualname) if applies else ""))
+    return out
+
+
+def reasons(decls: Iterable[Upstream], owner: str, platform: str | None = None) -> list[str]:
+    """Why ``owner`` cannot trust the upstream code it declares (empty: every function matches a known fingerprint)."""
+    return [f.reason(owner) for f in check(decls, platform) if not f.ok]
+
+
+def summary(findings: list[Finding]) -> str:
+    """One line for ``list``: how many declared functions match, and the releases whose code all of them match."""
+    checked = [f for f in findings if f.applies]
+    if not findings:
+        return "no upstream function declared"
+    good = [f for f in checked if f.ok]
+    seen = {v for f in good for v in f.matches}
+    order = [*KNOWN_OMNI, *sorted(seen - set(KNOWN_OMNI))]
+    common = [v for v in order if v in seen and all(v in f.matches for f in good)]
+    line = f"{len(good)}/{len(checked)} upstream functions match a known fingerprint"
+    if good and len(good) == len(checked):
+        line += f" (as in vLLM-Omni {', '.join(common)})" if common else " (each as in some known release)"
+    skipped = len(findings) - len(checked)
+    if skipped:
+        line += f"; {skipped} not checked on {current_platform()} (other platforms' code paths)"
+    return line
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fingerprints from source files, without importing
+# ----------------------------------------------------------------------------------------------------------------
+def module_file(module: str) -> Path | None:
+    """The source file of ``module`` without importing it (nor its parent packages): its ``__file__`` when it is
+    imported, else the path below its top-level package's location. None when it cannot be found."""
+    mod = sys.modules.get(module)
+    if mod is not None and getattr(mod, "__file__", None):
+        return Path(mod.__file__)
+    top, *rest = module.split(".")
+    origin, dirs = _top_level(top)
+    if not rest:
+        return Path(origin) if origin and origin.endswith(".py") else None
+    for loc in dirs:
+        for p in (Path(loc, *rest[:-1], rest[-1] + ".py"), Path(loc, *rest, "__init__.py")):
+            if p.is_file():
+                return p
+    return None
+
+
+_TOP_LEVEL: dict[str, tuple[str | None, tuple[str, ...]]] = {}
+
+
+def _top_level(top: str) -> tuple[str | None, tuple[str, ...]]:
+    """``(origin, package directories)`` of a top-level module, found without importing it (found ones cached)."""
+    hit = _TOP_LEVEL.get(top)
+    if hit is None:
+        try:
+            spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            return None, ()
+        hit = _TOP_LEVEL[top] = (spec.origin, tuple(spec.submodule_search_locations or ()))
+    return hit
+
+
+def fingerprint(module: str, qualname: str) -> str:
+    """The fingerprint of ``module.qualname``'s source (:data:`ABSENT` when it is not defined there; a sentence
+    starting with ``unreadable`` when the file cannot be read or parsed)."""
+    path = module_file(module)
+    if path is None:
+        return f"unreadable: module {module} not found"
+    try:
+        return _SourceIndex.of(path).fingerprint(qualname)
+    except (OSError, SyntaxError, ValueError) as exc:
+        return f"unreadable: {exc.__class__.__name__}: {exc}"
+
+
+def definition_line(module: str, qualname: str) -> int | None:
+    """The first line (first decorator included) of ``qualname`` in ``module``'s file, or None."""
+    path = module_file(module)
+    if path is None:
+        return None
+    try:
+        return _SourceIndex.of(path).first_line(qualname)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+class _SourceIndex:
+    """A parsed source file, kept while its size and modification time stay the same."""
+
+    _cache: ClassVar[dict[str, tuple[tuple[int, int], _SourceIndex]]] = {}
+
+    def __init__(self, text: str) -> None:
+        self.tree = ast.parse(text)
+        self.lines = text.splitlines(keepends=True)
+        self._fps: dict[str, str] = {}
+        self._lines: dict[str, int | None] = {}
+
+    @classmethod
+    def of(cls, path: Path) -> _SourceIndex:
+        st = path.stat()
+        key = (st.st_mtime_ns, st.st_size)
+        hit = cls._cache.get(str(path))
+        if hit is None or hit[0] != key:
+            hit = cls._cache[str(path)] = (key, cls(path.read_text(encoding="utf-8")))
+        return hit[1]
+
+    def node(self, qualname: str) -> ast.AST | None:
+        body: list[ast.stmt] = self.tree.body
+        node: ast.AST | None = None
+        for part in qualname.split("."):
+            node = None
+            for n in _statements(body):  # the last definition wins, as when the body executes
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part:
+                    node = n
+            if node is None:
+                return None
+            body = node.body  # type: ignore[attr-defined]
+        return node
+
+    def first_line(self, qualname: str) -> int | None:
+        if qualname not in self._lines:
+            node = self.node(qualname)
+            self._lines[qualname] = (
+                None if node is None else min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[attr-defined]
+            )
+        return self._lines[qualname]
+
+    def fingerprint(self, qualname: str) -> str:
+        fp = self._fps.get(qualname)
+        if fp is None:
+            start = self.first_line(qualname)
+            if start is None:
+                fp = ABSENT
+            else:  # the very lines inspect.getsource returns (getsourcelines: getblock from the first line)
+                src = textwrap.dedent("".join(inspect.getblock(self.lines[start - 1 :])))
+                fp = hashlib.sha256(src.encode()).hexdigest()[:16]
+            self._fps[qualname] = fp
+        return fp
+
+
+def _statements(body: list[ast.stmt]) -> Iterable[ast.stmt]:
+    """Statements of a module or class body, looking into ``if`` / ``try`` blocks (definitions made there)."""
+    for n in body:
+        if isinstance(n, ast.If):
+            yield from _statements(n.body)
+            yield from _statements(n.orelse)
+        elif isinstance(n, ast.Try):
+            for part in (n.body, *(h.body for h in n.handlers), n.orelse, n.finalbody):
+                yield from _statements(part)
+        else:
+            yield n
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the live function, where the module is imported
+# ----------------------------------------------------------------------------------------------------------------
+def live(module: str, qualname: str) -> tuple[bool, Any]:
+    """``(found, object)``: ``module.qualname`` as defined on the imported module or class itself (``__dict__``,
+    not inherited), or ``(False, None)``. Call only when the module is imported."""
+    obj: Any = sys.modules[module]
+    *owners, name = qualname.split(".")
+    for part in owners:
+        obj = vars(obj).get(part)
+        if obj is None:
+            return False, None
+    if name not in vars(obj):
+        return False, None
+    return True, vars(obj)[name]
+
+
+def replacement(module: str, qualname: str) -> str:
+    """Why the imported ``module.qualname`` is not the function its source file defines ("" when it is, or when the
+    module is not imported). Unwraps ``__wrapped__`` chains (the plugin's own patches, ``functools.wraps``)."""
+    mod = sys.modules.get(module)
+    if mod is None or getattr(getattr(mod, "__spec__", None), "_initializing", False):
+        return ""
+    try:
+        found, obj = live(module, qualname)
+    except TypeError:  # an owner without __dict__
+        return f"{qualname} is not a class attribute here"
+    line = definition_line(module, qualname)
+    if not found:
+        return "" if line is None else f"{qualname} is defined in the source but missing on the imported module"
+    if line is None:
+        return f"{qualname} is not defined in {module}'s source but set on the imported module"
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    fn = inspect.unwrap(obj) if callable(obj) else obj
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return f"{qualname} is a {type(fn).__name__}, not a Python function"
+    path = module_file(module)
+    same_file = path is not None and os.path.realpath(code.co_filename) == os.path.realpath(path)
+    if not same_file or code.co_firstlineno != line:
+        return f"it is {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+    return ""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# platform
+# ----------------------------------------------------------------------------------------------------------------
+def current_platform() -> str:
+    """The platform vLLM-Omni dispatches ``CustomOp``s for here: ``npu`` (torch_npu usable: the plugin's one probe,
+    ``_backend``), else ``rocm`` / ``cuda`` / ``musa`` by torch's own device checks, else ``cpu``."""
+    if _backend.torch_npu_module() is not None:
+        return "npu"
+    return _accelerator()
+
+
+@functools.lru_cache(maxsize=1)
+def _accelerator() -> str:
+    if torch.cuda.is_available():
+        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    musa = getattr(torch, "musa", None)
+    if musa is not None and getattr(musa, "is_available", lambda: False)():
+        return "musa"
+    return "cpu"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Qwen-Image-2.1
+# ----------------------------------------------------------------------------------------------------------------
+def qwen_image_21(model: Any) -> str | None:
+    """The class name when ``model`` is (or holds, as ``.transformer`` / ``.vae``) a piece of vLLM-Omni's
+    Qwen-Image-2.1 (``models/qwen_image_21``), else None. By class module only: nothing is imported."""
+    for obj in (model, getattr(model, "transformer", None), getattr(model, "vae", None)):
+        if obj is None:
+            continue
+        for cls in type(obj).__mro__:
+            if cls.__module__.startswith(QWEN_IMAGE_21_PACKAGE + "."):
+                return type(obj).__name__ if obj is model else f"{type(model).__name__} ({cls.__name__})"
+    return None
