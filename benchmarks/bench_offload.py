@@ -16,11 +16,11 @@ Per configuration it prints the bytes per denoise step (2 transformer forwards w
 in the same run, the memo's hits and misses on the warm request, the forwards ``memo_aware_offload`` let skip the
 modulation weights, and whether the image is stock's bit for bit.
 
-Configurations: ``stock`` (none), ``default``, and ``default+rekey``: the default stack with the memo's weight
-signature made storage-independent (``testbed/memo_keys.py``), standing in for issue 21's re-key until it lands. On
-this base the memo keys weights by device storage, which the offloader renews every forward: ``default`` then copies
-everything (memo_aware_offload finds no hit) and ``default+rekey`` shows what the default stack copies once the memo
-keys survive offload.
+Configurations: ``stock`` (none); ``storage-key``: the default stack with the memo's weight signature keyed on device
+storage as it was before issue 21's re-key (the offloader renews it every forward: the "before" of the memo's hits
+under offload); ``default-mao``: the default stack without ``memo_aware_offload`` (``default,-memo_aware_offload``:
+the re-keyed memo hits, every weight is still copied); ``default``: the default stack (``memo_aware_offload`` is in
+it and leaves the modulation weights of blocks 1..N-1 on the host when the memo holds them all).
 
 Depth: the ring copies every block once per forward, and block 0 (prefetched during the previous forward, before its
 ``temb`` exists) always whole, so with N blocks of B bytes, M of them modulation: stock copies N*B per forward, a
@@ -48,9 +48,32 @@ MODELS: dict[str, tuple[str, int, str, int]] = {
     "tiny-60": ("tiny", 60, "fp32", 32),
     "realwidth-2": ("realwidth", 2, "fp32", 64),  # fp32: the runner path does not cast the test bed text encoder
 }
-CONFIGS = ("stock", "default", "default+rekey")
+#: config -> selection spec
+CONFIGS: dict[str, str] = {
+    "stock": "none",
+    "storage-key": "default",
+    "default-mao": "default,-memo_aware_offload",
+    "default": "default",
+}
 STEPS, CFG = 2, 4.0
 REAL_DEPTH = 60
+
+
+@contextlib.contextmanager
+def storage_keyed_memo() -> Any:
+    """The memo's weight signature with each weight's ``data_ptr`` added: what it keyed on before issue 21."""
+    from vllm_omni_ascend_opt.blocks import modulation_keys, modulation_memo
+
+    real = modulation_keys.linear_sig
+
+    def storage_sig(lin: Any, grad: bool) -> tuple[Any, ...]:
+        return (*real(lin, grad), *(t.data_ptr() for t in modulation_keys.sig_tensors(lin)))
+
+    modulation_keys.linear_sig = modulation_memo.linear_sig = storage_sig
+    try:
+        yield
+    finally:
+        modulation_keys.linear_sig = modulation_memo.linear_sig = real
 
 
 def child(name: str) -> dict[str, Any]:
@@ -61,7 +84,6 @@ def child(name: str) -> dict[str, Any]:
     from vllm_omni_ascend_opt import api, registry
     from vllm_omni_ascend_opt.blocks.layerwise import is_modulation, layerwise_hooks
     from vllm_omni_ascend_opt.testbed import REALWIDTH, TINY, build_model_dir
-    from vllm_omni_ascend_opt.testbed.memo_keys import storage_independent_keys
     from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
     from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
     from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
@@ -76,8 +98,8 @@ def child(name: str) -> dict[str, Any]:
     request = {"height": size, "width": size, "steps": STEPS, "cfg_scale": CFG}
     rows, images, block_bytes, mod_bytes = [], {}, 0, 0
     for config in CONFIGS:
-        api.select("none" if config == "stock" else "default")
-        with storage_independent_keys() if config.endswith("+rekey") else contextlib.nullcontext():
+        api.select(CONFIGS[config])
+        with storage_keyed_memo() if config == "storage-key" else contextlib.nullcontext():
             h = RunnerHarness.load(rt, enable_layerwise_offload=True)
             try:
                 h.generate(**request)  # cold: fills the memo
@@ -128,7 +150,7 @@ def report(results: list[dict[str, Any]]) -> str:
         "per step), counted on the copies out of the offloader's host weights",
     ]
     hdr = (
-        f"{'model':<12} {'blocks':>6} {'config':<14} {'MiB/step':>10} {'x stock':>8} {'memo hit/miss':>14} "
+        f"{'model':<12} {'blocks':>6} {'config':<12} {'MiB/step':>10} {'x stock':>8} {'memo hit/miss':>14} "
         f"{'fwd skip/copy':>14}  identical"
     )
     for res in results:
@@ -136,7 +158,7 @@ def report(results: list[dict[str, Any]]) -> str:
         stock = next(r for r in res["rows"] if r["config"] == "stock")["bytes_per_step"]
         for r in res["rows"]:
             lines.append(
-                f"{res['model']:<12} {res['blocks']:>6} {r['config']:<14} {r['bytes_per_step'] / 2**20:>10.2f} "
+                f"{res['model']:<12} {res['blocks']:>6} {r['config']:<12} {r['bytes_per_step'] / 2**20:>10.2f} "
                 f"{r['bytes_per_step'] / stock:>8.3f} {r['memo_hits']:>7}/{r['memo_misses']:<6} "
                 f"{r['forwards_skipping']:>7}/{r['forwards_copying']:<6}  {'yes' if r['identical_to_stock'] else 'no'}"
             )
@@ -148,8 +170,9 @@ def report(results: list[dict[str, Any]]) -> str:
         )
     lines += [
         "",
-        "default: this base's memo (keys on device storage, which the offloader renews every forward);",
-        "default+rekey: the same with a storage-independent signature standing in for issue 21's re-key.",
+        "storage-key: the default stack with the memo keyed on device storage (before issue 21's re-key);",
+        "default-mao: default,-memo_aware_offload (the re-keyed memo hits; every weight still copied);",
+        "default: the default stack (memo_aware_offload leaves img_mod/txt_mod of blocks 1..N-1 on the host).",
     ]
     return "\n".join(lines)
 

@@ -32,6 +32,14 @@ EVIDENCE = {
     "joint_attention": ("joint_calls",),
     "vae_exact": ("single_frame_decodes", "tiled_decodes"),
 }
+#: What memo_aware_offload counts where the mode offloads layerwise (its ``needs_config``; elsewhere it has nothing to
+#: act on and says so): the warm forwards that left the modulation weights on the host.
+OFFLOAD_EVIDENCE = {"memo_aware_offload": ("forwards_skipping",)}
+
+
+def evidence(mode: str) -> dict[str, tuple[str, ...]]:
+    """The optimizations that act on CPU in ``mode`` (default stack), each with the counters that show it worked."""
+    return {**EVIDENCE, **(OFFLOAD_EVIDENCE if MODES[mode].fields.get("enable_layerwise_offload") else {})}
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,7 @@ class ModeRun:
 
     def ran(self, name: str) -> int:
         """How much ``name``'s evidence counters counted on the warm request."""
-        return sum(self.stats.get(name, {}).get(k, 0) for k in EVIDENCE.get(name, ()))
+        return sum(self.stats.get(name, {}).get(k, 0) for k in evidence(self.mode).get(name, ()))
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

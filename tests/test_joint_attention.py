@@ -186,10 +186,11 @@ def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pi
     assert OPT.stats["joint_calls"] == len(cases) * layers
     assert OPT.stats["masked_calls"] >= 2 * layers  # the padded cases went through the mask path
     # With rope's embedder memo the freqs objects repeat per shape: (4x4, 7), (4x4, 9), (4x6, 9) -> 3 joint freqs;
-    # without it every forward has new freqs objects -> one per forward. Every other block reuses them.
+    # without it every forward has new freqs objects -> one per forward. The joint freqs are looked up once per
+    # forward (issue 21: a per-forward decision, reused by every block), so a forward either builds or reuses once.
     builds = 3 if "rope" in spec else len(cases)
     assert OPT.stats["joint_freqs_builds"] == builds
-    assert OPT.stats["joint_freqs_hits"] == len(cases) * layers - builds
+    assert OPT.stats["joint_freqs_hits"] == len(cases) - builds
     assert OPT.fallback_reasons() == {}
 
 

@@ -3,9 +3,9 @@ the memo leaves every block's img_mod / txt_mod weights but block 0's on the hos
 testbed/offload.py), bitwise stock's output, with TeaCache and MagCache too; a cold forward, a LoRA switch and a memo
 that loses an entry copy what the blocks read; the status says what runs.
 
-Until issue 21 re-keys the memo on the parameters' identity (its signature keys on device storage on this base, which
-the offloader renews every forward), these tests run with a storage-independent stand-in signature
-(testbed/memo_keys.py); without it the optimization copies everything (exact, no gain), checked last.
+The memo keys weights on identity and version, not storage nor shape (issue 21's re-key, blocks/modulation_keys.py):
+the offloader renews a block's storage every forward and leaves (0,)-shaped placeholders between forwards. With a
+memo that keys on storage (as before the re-key) the optimization copies everything (exact, no gain), checked last.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.blocks.layerwise import block_hook, is_modulation
 from vllm_omni_ascend_opt.opts import memo_aware_offload as mao
-from vllm_omni_ascend_opt.testbed.memo_keys import storage_independent_keys
 from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
 from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
 
@@ -67,14 +66,8 @@ def offloaded(runtime, spec: str, **fields) -> Offloaded:
         api.select("none")
 
 
-@pytest.fixture
-def rekeyed():
-    with storage_independent_keys():
-        yield
-
-
 @pytest.mark.parametrize("cache", [None, "tea_cache", "mag_cache"])
-def test_warm_forwards_leave_the_modulation_weights_on_the_host(runtime, rekeyed, cache):
+def test_warm_forwards_leave_the_modulation_weights_on_the_host(runtime, cache):
     fields = {None: {}, "tea_cache": TEA, "mag_cache": MAG}[cache]
     stock, ours = offloaded(runtime, "none", **fields), offloaded(runtime, "default", **fields)
     for a, b in zip(stock.images, ours.images, strict=True):
@@ -95,7 +88,7 @@ def test_warm_forwards_leave_the_modulation_weights_on_the_host(runtime, rekeyed
         assert 0 < forwards <= FORWARDS  # the cache backend skipped some forwards' blocks
 
 
-def test_cold_forwards_copy_everything_with_the_reason(runtime, rekeyed):
+def test_cold_forwards_copy_everything_with_the_reason(runtime):
     api.select("default")
     h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
     try:
@@ -109,7 +102,7 @@ def test_cold_forwards_copy_everything_with_the_reason(runtime, rekeyed):
         h.close()
 
 
-def test_a_memo_that_loses_an_entry_gets_the_weights_copied_late(runtime, rekeyed, monkeypatch):
+def test_a_memo_that_loses_an_entry_gets_the_weights_copied_late(runtime, monkeypatch):
     """The per-block guarantee: clear the memo right after block 0's decision (once, on the warm request's first
     skipping forward); block 1, whose modulation weights were left on the host, then misses, and they are copied
     before it runs: still bitwise, and the bytes add up."""
@@ -136,7 +129,7 @@ def test_a_memo_that_loses_an_entry_gets_the_weights_copied_late(runtime, rekeye
     assert ref.bytes[1] - got.bytes[1] == got.stats["bytes_skipped"] - got.mod_bytes
 
 
-def test_lora_switch_under_offload_copies_the_new_weights(runtime, rekeyed, tmp_path):
+def test_lora_switch_under_offload_copies_the_new_weights(runtime, tmp_path):
     """A LoRA switch is a real weight change: the first forward after it misses and copies everything (the memo's
     signature sees the adapter), the CFG branch that follows skips again; bitwise stock throughout."""
     from vllm_omni_ascend_opt.testbed.lora import write_adapter
@@ -166,7 +159,7 @@ def test_lora_switch_under_offload_copies_the_new_weights(runtime, rekeyed, tmp_
     assert stats[3]["forwards_skipping"] == FORWARDS  # warm with the adapter
 
 
-def test_probes_point_at_a_copied_weight_and_are_restored(runtime, rekeyed):
+def test_probes_point_at_a_copied_weight_and_are_restored(runtime):
     """Upstream's materialization probe of a block is its first weight (img_mod.1.weight); a block whose modulation
     weights stay on the host must still read as materialized, or upstream copies it a second time."""
     api.select("default")
@@ -221,11 +214,22 @@ def test_upstream_change_turns_it_off(monkeypatch):
     assert "upstream LayerwiseOffloadHook.prefetch_layer differs" in why
 
 
-def test_storage_keyed_memo_copies_everything_bitwise(runtime):
-    """Without the stand-in (this base's memo keys weights by device storage): the decision finds no hit for the
-    placeholders of blocks 1..N-1, so every forward copies every weight, and the output is stock's."""
-    stock, ours = offloaded(runtime, "none"), offloaded(runtime, "default")
+def test_storage_keyed_memo_copies_everything_bitwise(runtime, monkeypatch):
+    """With a memo that keys weights on their device storage (as before issue 21's re-key), the decision finds no hit
+    for the placeholders of blocks 1..N-1: every forward copies every weight, and the output is stock's."""
+    from vllm_omni_ascend_opt.blocks import modulation_keys, modulation_memo
+
+    real = modulation_keys.linear_sig
+
+    def storage_sig(lin, grad):
+        return (*real(lin, grad), *(t.data_ptr() for t in modulation_keys.sig_tensors(lin)))
+
+    stock = offloaded(runtime, "none")
+    monkeypatch.setattr(modulation_keys, "linear_sig", storage_sig)
+    monkeypatch.setattr(modulation_memo, "linear_sig", storage_sig)
+    ours = offloaded(runtime, "default")
     assert all(torch.equal(a, b) for a, b in zip(stock.images, ours.images, strict=True))
-    skipped = ours.stats.get("bytes_skipped", 0)
-    assert stock.bytes[1] - ours.bytes[1] == skipped  # whatever was decided, the accounting holds
+    assert ours.memo.get("misses", 0) > 0  # the storage key really missed under offload
+    assert ours.stats.get("forwards_skipping", 0) == 0 and ours.stats["forwards_copying"] > 0
+    assert stock.bytes[1] == ours.bytes[1]  # everything copied
     assert ours.stats.get("late_copies", 0) == 0

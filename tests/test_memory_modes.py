@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.runner_modes import BLOCK_CALLS, EVIDENCE, MODES, REQUEST, ModeRun, run_in_child, run_mode
+from tests.runner_modes import BLOCK_CALLS, MODES, REQUEST, ModeRun, evidence, run_in_child, run_mode
 from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
 
@@ -53,8 +53,9 @@ def test_status_matches_what_ran(runs, mode):
     """acting == the optimizations that counted their work on the warm request, with no fallback; the stock run
     counts nothing and reports nothing acting."""
     default = runs(mode, "default")
-    assert set(default.acting) == set(EVIDENCE), default.reasons  # the exact CPU stack keeps acting in this mode
-    assert {n for n in EVIDENCE if default.ran(n) > 0} == set(default.acting), default.stats
+    expected = evidence(mode)
+    assert set(default.acting) == set(expected), default.reasons  # the exact CPU stack keeps acting in this mode
+    assert {n for n in expected if default.ran(n) > 0} == set(default.acting), default.stats
     assert set(default.stats) <= set(default.acting)  # nothing that reports itself off counted anything
     assert default.fallbacks == {}
     assert all(default.reasons[n] == [] for n in default.acting)
@@ -66,12 +67,8 @@ def test_status_matches_what_ran(runs, mode):
 def test_memo_hits_on_a_warm_request(runs, mode):
     sm = runs(mode, "default").stats["shared_modulation"]
     assert sm["hits"] > 0, sm
-    if mode == "layerwise_offload":
-        # The offloader gives every block's weights fresh storage on every forward and the memo's weight signature
-        # (blocks/modulation_keys.linear_sig) still keys on storage: some misses remain on this base. Issue 21
-        # re-keys the memo on Parameter identity + version + a weights generation; with it this mode gets 0 misses
-        # on a warm request like every other mode -- the lead adds `assert sm.get("misses", 0) == 0` here then.
-        return
+    # Every mode, layerwise offload included: the offloader gives every block fresh storage each forward and
+    # (0,)-shaped placeholders between forwards, and the memo keys on neither (blocks/modulation_keys.linear_sig).
     assert sm.get("misses", 0) == 0, sm
 
 

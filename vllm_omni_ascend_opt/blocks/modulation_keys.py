@@ -6,7 +6,8 @@ Shared by ``shared_modulation`` (its memo, :mod:`.modulation_memo`, and its per-
 checks the memo makes per call (:func:`unkeyable_reasons`), not a guess from the weights between forwards.
 
 * :func:`linear_sig`: what a modulation projection's output depends on besides its input (weights by identity,
-  storage, version counter and layout; quantization method; vLLM LoRA state). Raises :class:`Unkeyable` for
+  version counter, dtype and device -- not storage nor shape, see its docstring; quantization method; vLLM LoRA
+  state). Raises :class:`Unkeyable` for
   anything it cannot vouch for (not a ReplicatedLinear, inference-tensor weights, autograd recording).
 * :func:`numerical_settings`: process state that changes what the same projection computes (matmul precision,
   autocast, grad mode, TF32/HF32 flags).
@@ -118,39 +119,52 @@ class Span:
         return self.offset <= a.storage_offset() and last < self.offset + self.numel
 
 
+def sig_tensors(lin: nn.Module) -> list[torch.Tensor]:
+    """The tensors a linear's :func:`linear_sig` covers, in its order: parameters, buffers and vLLM LoRA stacks."""
+    d = lin.__dict__
+    if lin._modules or lin._buffers or "lora_a_stacked" in d:  # LoRA wrapper, quantized layer: the general walk
+        tensors = [*lin.parameters(), *lin.buffers()]
+        for name in ("lora_a_stacked", "lora_b_stacked"):
+            tensors.extend(t for t in d.get(name, ()) if isinstance(t, torch.Tensor))
+        return tensors
+    return [t for t in lin._parameters.values() if t is not None]
+
+
 def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
-    """What a linear's output depends on besides its input: weights (identity, storage, version, layout),
-    quantization method and vLLM LoRA state. Only replicated projections (no collective inside, identical on every
-    rank): vLLM's ReplicatedLinear, plain or LoRA-wrapped. Kept cheap: it runs for every block of every forward."""
+    """What a linear's output depends on besides its input: weights (identity, version counter, dtype, device),
+    quantization method and vLLM LoRA state. Only replicated projections (no collective inside, identical
+    on every rank): vLLM's ReplicatedLinear, plain or LoRA-wrapped. Kept cheap: it runs for every block of every
+    forward.
+
+    Not the storage: vLLM-Omni's layerwise offload gives every block fresh storage each forward (``w.data = ...``,
+    same values, same Parameter, same version), and a zero-element placeholder of shape ``(0,)`` between forwards;
+    ``memo_aware_offload`` leaves those placeholders in the blocks whose modulation the memo serves, and asks the memo
+    at block 0 while blocks 1..N-1 still hold them. So not the shape either: a shape only changes with the storage
+    (``.data = ...``, ``set_``). What changes values behind (identity, version) is announced instead:
+    ``load_weights`` and the registry's weights-changed event clear the memo. The identities are only compared
+    while the tensors are alive (the memo keeps weak references: an id cannot be reused meanwhile)."""
     d = lin.__dict__
     if not isinstance(lin, _up().replicated) and not any(
         c.__name__ == "ReplicatedLinearWithLoRA" for c in type(lin).__mro__
     ):
         raise Unkeyable(f"modulation projection is a {type(lin).__name__}, not a ReplicatedLinear")
-    if lin._modules or lin._buffers or "lora_a_stacked" in d:  # LoRA wrapper, quantized layer: the general walk
-        tensors = [*lin.parameters(), *lin.buffers()]
-        for name in ("lora_a_stacked", "lora_b_stacked"):
-            tensors.extend(t for t in d.get(name, ()) if isinstance(t, torch.Tensor))
-        quant = getattr(lin, "quant_method", None)
-    else:
-        tensors = [t for t in lin._parameters.values() if t is not None]
-        quant = d.get("quant_method")
+    quant = d.get("quant_method") if not lin._modules else getattr(lin, "quant_method", None)
     sig: list[Any] = [id(lin), id(quant), d.get("_diffusion_lora_active_slices")]
-    for t in tensors:
+    for t in sig_tensors(lin):
         if grad and t.requires_grad:
             raise Unkeyable("autograd is recording (grad enabled and a modulation weight requires grad)")
         try:
             # vLLM's parameter classes are Tensor subclasses: plain attribute reads would go through
             # __torch_function__ (~1 us each); these reads are metadata only.
             with torch._C.DisableTorchFunctionSubclass():
-                sig.append((id(t), t.data_ptr(), t._version, t.shape, t.dtype, t.device))
+                sig.append((id(t), t._version, t.dtype, t.device))
         except RuntimeError as exc:
             if t.is_inference():
                 raise Unkeyable(
                     "modulation weights are inference tensors (no version counter to detect in-place updates); "
                     "load or cast them under torch.no_grad(), not torch.inference_mode()"
                 ) from None
-            raise Unkeyable(f"cannot read a modulation weight's storage ({type(t).__name__}: {exc})") from None
+            raise Unkeyable(f"cannot read a modulation weight's version ({type(t).__name__}: {exc})") from None
     return tuple(sig)
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vllm_omni_ascend_opt.blocks import guards, targets
+from vllm_omni_ascend_opt.blocks import forward_scope, guards, targets, time_embedding
 from vllm_omni_ascend_opt.blocks.block_body import NormMod
 from vllm_omni_ascend_opt.blocks.modulation_keys import (
     OPAQUE,
@@ -46,6 +46,7 @@ from vllm_omni_ascend_opt.blocks.modulation_keys import (
     linear_sig,
     norm_out_sig,
     numerical_settings,
+    sig_tensors,
     silu_linear,
 )
 from vllm_omni_ascend_opt.blocks.segments import SegmentPlan, SegMod
@@ -71,6 +72,8 @@ class _Slot:
     sig: tuple[Any, ...]
     payload: Any
     nbytes: int
+    #: weak references to the weights whose ids ``sig`` holds: while all are alive no other tensor can have their ids
+    refs: tuple[weakref.ReferenceType, ...] = ()
 
 
 @dataclass
@@ -157,7 +160,18 @@ class ModulationMemo:
         self._bytes += nb
         return True
 
-    def _store(self, entry: _Entry, key: tuple[Any, ...], module: nn.Module, sig: Any, payload: Any, nb: int) -> None:
+    def _store(
+        self,
+        entry: _Entry,
+        key: tuple[Any, ...],
+        module: nn.Module,
+        sig: Any,
+        payload: Any,
+        nb: int,
+        lins: tuple[Any, ...] | list[Any],
+    ) -> None:
+        """Keep ``payload`` in ``entry`` under ``key`` for ``module`` with weights ``sig`` (of the linears or tensors
+        ``lins``: the slot keeps weak references to every tensor whose id ``sig`` holds)."""
         if self._entries.get(entry.key) is not entry:
             return  # evicted meanwhile (its bytes are already released)
         old = entry.slots.pop(key, None)
@@ -165,7 +179,8 @@ class ModulationMemo:
             entry.nbytes -= old.nbytes
             self._bytes -= old.nbytes
         if self._admit(entry, nb):
-            entry.slots[key] = _Slot(weakref.ref(module), sig, payload, nb)
+            tensors = [t for x in lins for t in (sig_tensors(x) if isinstance(x, nn.Module) else (x,))]
+            entry.slots[key] = _Slot(weakref.ref(module), sig, payload, nb, tuple(weakref.ref(t) for t in tensors))
 
     # ----- lookups ----------------------------------------------------------------------------------------
     def _precheck(self, temb: torch.Tensor) -> str | None:
@@ -175,6 +190,11 @@ class ModulationMemo:
         if type(temb) is not torch.Tensor:
             return f"temb is a {type(temb).__name__}, not a plain tensor"
         return guards.call_reason(temb)  # autograd on temb, CUDA/NPU graph capture, global module hooks
+
+    def _precheck_once(self, temb: torch.Tensor) -> str | None:
+        """:meth:`_precheck`, decided once per transformer forward and temb object (the guards cannot change while
+        one forward runs its blocks; :mod:`.forward_scope`), per call outside a watched forward."""
+        return forward_scope.decide(("memo.precheck", id(temb)), lambda: self._precheck(temb))
 
     def _resolve(self, temb: torch.Tensor) -> _Entry:
         """The entry for temb's value (one device->host copy + SHA-256 per new temb object)."""
@@ -202,6 +222,65 @@ class ModulationMemo:
         self._last = (weakref.ref(temb), version, entry, Span.of(temb))
         return entry
 
+    def _reset(self, entry: _Entry) -> None:
+        """Drop everything ``entry`` holds (its temb changed under the same key): its slots and SiLU(temb)."""
+        self._bytes -= entry.nbytes
+        entry.nbytes = 0
+        entry.slots.clear()
+        entry.silu = None
+
+    def time_embedding(
+        self,
+        module: nn.Module,
+        timestep: torch.Tensor,
+        hidden_states: torch.Tensor,
+        addition_t_cond: Any,
+        stock: Any,
+    ) -> tuple[torch.Tensor | None, str | None]:
+        """``time_text_embed(timestep, hidden_states, addition_t_cond)`` keyed on the timestep's value (one small
+        device->host read per forward, counted as ``digests``): a repeated timestep returns the very ``temb`` tensor
+        of its first forward, and the blocks then find their entry by its identity (no digest of temb). ``stock``
+        computes it on a miss. (temb, None) or (None, the reason it ran stock code)."""
+        why = self._precheck_once(timestep)
+        if why is None and torch.is_grad_enabled():
+            why = "grad mode is on (the time embedding is memoized for inference only)"
+        if why is None:
+            why = time_embedding.upstream_reason()
+        if why:
+            return None, why
+        if type(hidden_states) is not torch.Tensor:
+            return None, "hidden_states is not a plain tensor"
+        try:
+            sig, tensors = time_embedding.time_embedding_sig(module, torch.is_grad_enabled())
+        except Unkeyable as exc:
+            return None, str(exc)
+        add = addition_t_cond if getattr(module, "use_additional_t_cond", False) else None  # stock ignores it else
+        if add is not None and type(add) is not torch.Tensor:
+            return None, "addition_t_cond is not a plain tensor"
+        self.stats["digests"] += 1  # the one device->host read of this forward (B values, not temb's B x D)
+        key = (
+            "time",
+            time_embedding.value_key(timestep),
+            hidden_states.dtype,
+            None if add is None else time_embedding.value_key(add),
+            numerical_settings(timestep.device.type),
+        )
+        entry = self._entry(key)
+        slot_key = ("temb", id(module))
+        hit = self._lookup(entry, slot_key, module, sig)
+        if hit is not None and (hit[0].is_inference() or hit[0]._version == hit[1]):
+            self.stats["time_hits"] += 1
+            temb = hit[0]
+        else:
+            if entry.slots or entry.silu is not None:
+                self._reset(entry)  # its payloads were made from another temb (weights changed under this key)
+            self.stats["time_misses"] += 1
+            temb = stock(module, timestep, hidden_states, addition_t_cond)
+            version = None if temb.is_inference() else temb._version
+            self._store(entry, slot_key, module, sig, (temb, version), temb.numel() * temb.element_size(), tensors)
+        self._last = (weakref.ref(temb), None if temb.is_inference() else temb._version, entry, Span.of(temb))
+        return temb, None
+
     def _entry(self, key: tuple[Any, ...]) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
@@ -225,6 +304,9 @@ class ModulationMemo:
     def _lookup(entry: _Entry, key: tuple[Any, ...], module: nn.Module, sig: Any) -> Any:
         slot = entry.slots.get(key)
         if slot is not None and slot.module() is module and slot.sig == sig:
+            for ref in slot.refs:  # the weights named by id in sig are still those objects (none died meanwhile)
+                if ref() is None:
+                    return None
             return slot.payload
         return None
 
@@ -238,7 +320,7 @@ class ModulationMemo:
 
     def direct_projection(self, seq: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
         """``seq(temb)`` for direct calls of ``img_mod``/``txt_mod`` (TeaCache's probe). (result, fallback reason)."""
-        why = self._precheck(temb)
+        why = self._precheck_once(temb)
         if why:
             return None, why
         try:
@@ -255,12 +337,12 @@ class ModulationMemo:
         self.stats["misses"] += 1
         self.stats["projections"] += 1
         raw = lin(self._silu(entry, temb))
-        self._store(entry, key, seq, sig, raw, raw.numel() * raw.element_size())
+        self._store(entry, key, seq, sig, raw, raw.numel() * raw.element_size(), (lin,))
         return raw, None
 
     def block(self, block: nn.Module, temb: torch.Tensor) -> tuple[tuple[NormMod, ...] | None, str | None]:
         """The four unpacked modulations (img1, img2, txt1, txt2) of ``block`` for ``temb``, or a fallback reason."""
-        why = self._precheck(temb)
+        why = self._precheck_once(temb)
         if why:
             return None, why
         try:
@@ -284,7 +366,7 @@ class ModulationMemo:
             NormMod.unpack(*block._modulate(p), kind)
             for p, kind in zip((img_mod1, img_mod2, txt_mod1, txt_mod2), kinds, strict=True)
         )
-        self._store(entry, key, block, sig, mods, sum(m.nbytes() for m in mods))
+        self._store(entry, key, block, sig, mods, sum(m.nbytes() for m in mods), (img_lin, txt_lin))
         return mods, None
 
     # ----- two-segment (zero_cond_t) blocks ------------------------------------------------------------------
@@ -334,7 +416,7 @@ class ModulationMemo:
 
         Replays stock exactly on a miss: ``img_mod(temb)`` on all 2B rows (``[t, 0]`` embeddings), ``txt_mod`` on
         ``temb.chunk(2)[0]``, ``split_select01_mod_params`` per image norm."""
-        why = self._precheck(temb)
+        why = self._precheck_once(temb)
         if why:
             return None, why
         sel = sys.modules[SELECT01_MODULE]
@@ -379,12 +461,12 @@ class ModulationMemo:
         )
         mods = (*img, *txt)
         nb = sum(m.nbytes(0) for m in img) + sum(m.nbytes() for m in txt)
-        self._store(entry, key, block, sig, mods, nb)
+        self._store(entry, key, block, sig, mods, nb, (img_lin, txt_lin))
         return mods, None
 
     def norm_out(self, norm: nn.Module, x: torch.Tensor, cond: torch.Tensor) -> tuple[Any, str | None]:
         """``((1 + scale)[:, None, :], shift[:, None, :])`` of diffusers' AdaLayerNormContinuous, or a reason."""
-        why = self._precheck(cond)
+        why = self._precheck_once(cond)
         if why:
             return None, why
         try:
@@ -403,7 +485,7 @@ class ModulationMemo:
         emb = norm.linear(self._silu(entry, cond).to(x.dtype))
         scale, shift = torch.chunk(emb, 2, dim=1)
         mods = ((1 + scale)[:, None, :], shift[:, None, :].clone(memory_format=torch.contiguous_format))
-        self._store(entry, key, norm, sig, mods, sum(t.numel() * t.element_size() for t in mods))
+        self._store(entry, key, norm, sig, mods, sum(t.numel() * t.element_size() for t in mods), (norm.linear,))
         return mods, None
 
     # ----- read-only queries (memo_aware_offload) ---------------------------------------------------------------

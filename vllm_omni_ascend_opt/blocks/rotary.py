@@ -24,6 +24,7 @@ so ``rope``'s counters include the kernel calls ``joint_attention`` makes throug
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -335,6 +336,48 @@ class RotaryKernel:
     def rotate(self, x: torch.Tensor, freqs: torch.Tensor, rope: nn.Module) -> torch.Tensor:
         """:meth:`apply` with the cached tables of ``freqs`` in ``x``'s dtype."""
         return self.apply(x, self.tables.get(freqs, x.dtype), freqs, rope)
+
+    def plan(self, x: torch.Tensor, freqs: torch.Tensor, rope: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """How inputs shaped like ``x`` rotate with ``freqs``: the decision :meth:`apply` makes per call, made once
+        (a caller keeps it for one transformer forward, where freqs, shapes and verdicts stay the same). The NPU
+        kernel path keeps :meth:`apply` until its shape class has a verdict (the first real call verifies it)."""
+        tables = self.tables.get(freqs, x.dtype)
+        stats = self.stats
+        if self.kernel_for(x) is not None:
+            checked = self.shapes.get(shape_class(x))
+            verdict = self.kernel_for(x)
+            b, _, n, d = x.shape
+            eligible = freqs.shape[-1] * 2 == d and b * n < KERNEL_BN_LIMIT and x.dtype in KERNEL_DTYPES
+            if checked is None or not eligible:
+                return functools.partial(self.apply, tables=tables, freqs=freqs, rope=rope)
+            if checked.ok:
+                cos, sin = npu_tables(tables, freqs, stats)
+                fn = verdict.fn  # type: ignore[union-attr]
+
+                def kernel(q: torch.Tensor) -> torch.Tensor:
+                    try:
+                        out = fn(q, cos, sin, rotary_mode="interleave")
+                    except Exception:  # apply() records the failed shape class, logs it and falls back
+                        return self.apply(q, tables, freqs, rope)
+                    stats["kernel_calls"] += 1
+                    return out
+
+                return kernel
+        if native_equivalent(rope):
+            cos, sin_signed = portable_tables(tables, freqs, stats)
+
+            def portable(q: torch.Tensor) -> torch.Tensor:
+                stats["portable_calls"] += 1
+                return apply_portable(q, cos, sin_signed)
+
+            return portable
+        half_cos, half_sin = half_tables(tables, freqs, stats)
+
+        def delegate(q: torch.Tensor) -> torch.Tensor:
+            stats["delegate_calls"] += 1
+            return rope(q, half_cos, half_sin)
+
+        return delegate
 
 
 _ACTIVE: list[RotaryKernel] = []

@@ -68,13 +68,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import guards, rms_norm, rope_tables, rotary
+from vllm_omni_ascend_opt.blocks import direct_calls, forward_scope, guards, rms_norm, rope_tables, rotary
 from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
 #: Joint freqs kept (LRU): one per (vid, txt) freqs pair, i.e. per shape with ``rope``'s embedder memo.
 JOINT_FREQS_CACHE_SIZE = 16
 _OPMATH = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+#: Devices where ``torch.rms_norm(x_opmath, (D,), None, eps)`` is the composite's pieces (CPU: checked bitwise against
+#: them in tests/test_joint_attention.py; NPU: torch_npu 2.13 registers no rms_norm kernel, so the composite runs).
+COMPOSITE_RMS_DEVICES = frozenset({"cpu", "npu"})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -90,9 +93,13 @@ def joint_rms_norm(x: torch.Tensor, st: int, w_txt: torch.Tensor, w_img: torch.T
     dtype = x.dtype
     opmath = _OPMATH.get(dtype, dtype)
     xu = x.to(opmath)
-    eps_t = _opmath_scalar(eps, opmath)
-    rstd = torch.rsqrt(xu.pow(2).mean(-1, keepdim=True).add_(eps_t))
-    normed = xu.mul(rstd)
+    if x.device.type in COMPOSITE_RMS_DEVICES:
+        # torch.rms_norm without weight on an opmath input: the same pieces run from C++ (no Python per piece)
+        normed = torch.rms_norm(xu, (x.shape[-1],), None, eps)
+    else:
+        eps_t = _opmath_scalar(eps, opmath)
+        rstd = torch.rsqrt(xu.pow(2).mean(-1, keepdim=True).add_(eps_t))
+        normed = xu.mul(rstd)
     out_dtype = _promote(normed.dtype, w_txt.dtype)
     if out_dtype != _promote(normed.dtype, w_img.dtype):
         raise ValueError("the two norm weights promote to different dtypes")
@@ -118,9 +125,9 @@ def _plain_rms_norm(norm: nn.Module) -> str | None:
     """Why ``norm`` cannot take part in the joint norm (None when it can)."""
     if type(norm) not in rms_norm.RMS_NORM_CLASSES:
         return f"QK norm is {type(norm).__name__}, not nn.RMSNorm (qk_norm=False or another norm)"
-    if "forward" in norm.__dict__ or guards.hooked(norm):
+    if "forward" in norm.__dict__ or norm._forward_hooks or norm._forward_pre_hooks:
         return "hooks or an instance forward on a QK norm"
-    if norm.weight is None:
+    if norm._parameters.get("weight") is None:
         return "QK norm without weight (elementwise_affine=False)"
     if norm.eps is None:
         return "QK norm with eps=None (dtype-dependent eps)"
@@ -128,22 +135,24 @@ def _plain_rms_norm(norm: nn.Module) -> str | None:
 
 
 def static_reason(attn: nn.Module) -> str | None:
-    """Why the joint path can never run for this ``QwenImageCrossAttention`` (None when it can), checked per call."""
-    norms = (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
+    """Why the joint path can never run for this ``QwenImageCrossAttention`` (None when it can), checked per call
+    (the instance's modules; global module hooks once per forward)."""
+    m = attn._modules
+    norms = (m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"])
     for n in norms:
         why = _plain_rms_norm(n)
         if why:
             return why
-    if attn.norm_q.eps != attn.norm_added_q.eps or attn.norm_k.eps != attn.norm_added_k.eps:
+    if norms[0].eps != norms[2].eps or norms[1].eps != norms[3].eps:
         return "the text and image QK norms use different eps"
-    d = attn.head_dim
-    if any(tuple(n.normalized_shape) != (d,) for n in norms):
+    d = (attn.head_dim,)
+    if any(n.normalized_shape != d for n in norms):
         return "a QK norm does not normalize over head_dim"
     if attn.query_num_heads != attn.add_query_num_heads or attn.kv_num_heads != attn.add_kv_num_heads:
         return "text and image projections have different head counts"
-    if guards.global_hooks():
+    if forward_scope.decide("guards.global_hooks", guards.global_hooks):
         return "global module hooks are registered"
-    if not rope_tables.native_equivalent(attn.rope):
+    if not rope_tables.native_equivalent(m["rope"]):
         return "stock RoPE runs a device kernel (MindIE-SD/CUDA), not vLLM-Omni's native rotary math"
     return None
 
@@ -265,6 +274,14 @@ class JointAttention(Optimization):
         self._joint_freqs.clear()
         self._tables.clear()
 
+    def _attach(self, model: nn.Module) -> None:
+        for tr in _transformers(model):
+            forward_scope.watch(tr, self.name)  # per-forward decisions (guards, RoPE tables) once per forward
+
+    def _detach(self, model: nn.Module) -> None:
+        for tr in _transformers(model):
+            forward_scope.unwatch(tr, self.name)
+
     # ----- the patched forward -------------------------------------------------------------------------------
     def _call_reason(
         self,
@@ -274,7 +291,7 @@ class JointAttention(Optimization):
         vid_freqs: Any,
         txt_freqs: Any,
     ) -> str | None:
-        why = guards.call_reason(any_grad=True, hooks=False)  # global hooks: in static_reason
+        why = forward_scope.decide("ja.call_reason", _call_guard)  # once per forward; global hooks: static_reason
         if why:
             return why
         why = static_reason(attn)
@@ -293,13 +310,29 @@ class JointAttention(Optimization):
             return "RoPE freqs do not match the sequence lengths (complex [S, D/2] expected)"
         if vid_freqs.shape[-1] != txt_freqs.shape[-1] or vid_freqs.device != txt_freqs.device:
             return "text and image freqs differ in rotary dim or device"
-        # decided before any projection runs: a fallback found after them would compute both QKV GEMMs twice
-        mod = sys.modules[_targets.TRANSFORMER]
-        if (attn.qk_norm and self._cuda_fused(mod, hidden_states, vid_freqs, d)) or self._cuda_fused(
-            mod, encoder_hidden_states, txt_freqs, d
+        # decided before any projection runs: a fallback found after them would compute both QKV GEMMs twice; the
+        # same for every block of a forward (its shapes, device and dtype), so decided once per forward
+        key = ("ja.cuda_fused", attn.qk_norm, hidden_states.shape, encoder_hidden_states.shape, vid_freqs.shape, d)
+        if forward_scope.decide(
+            key, lambda: self._any_cuda_fused(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs, d)
         ):
             return "stock's fused CUDA qk-norm-rope path (>= its token threshold on CUDA)"
         return None
+
+    def _any_cuda_fused(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        vid_freqs: torch.Tensor,
+        txt_freqs: torch.Tensor,
+        d: int,
+    ) -> bool:
+        mod = sys.modules[_targets.TRANSFORMER]
+        return bool(
+            (attn.qk_norm and self._cuda_fused(mod, hidden_states, vid_freqs, d))
+            or self._cuda_fused(mod, encoder_hidden_states, txt_freqs, d)
+        )
 
     def _cuda_fused(self, mod: Any, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
         """Whether stock's ``_qwen_image_qk_norm_rope`` would take its fused CUDA path for the stream whose hidden
@@ -314,13 +347,24 @@ class JointAttention(Optimization):
     def _norm(self, x: torch.Tensor, st: int, norm_txt: nn.Module, norm_img: nn.Module) -> torch.Tensor:
         return joint_rms_norm(x, st, norm_txt.weight, norm_img.weight, norm_img.eps)
 
-    def _rope(self, x: torch.Tensor, joint_freqs: torch.Tensor, rope: nn.Module) -> torch.Tensor:
+    def _rotation(
+        self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """How q/k of this shape rotate in this forward: the joint freqs and their tables, looked up once per forward
+        (the same freqs objects reach every block) and per shape class, then applied per call."""
+        key = ("ja.rotation", id(vid_freqs), id(txt_freqs), x.dtype, x.device, x.shape)
+        return forward_scope.decide(key, lambda: self._make_rotation(x, vid_freqs, txt_freqs, rope))
+
+    def _make_rotation(
+        self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        joint_freqs = self._joint_freqs.get(vid_freqs, txt_freqs)
         kernel = rotary.active()  # switched on while `rope` is installed: its tables, verified kernel and counters
         if kernel is not None:
-            return kernel.rotate(x, joint_freqs, rope)
+            return kernel.plan(x, joint_freqs, rope)
         tables = self._tables.get(joint_freqs, x.dtype)
         cos, sin_signed = rope_tables.portable_tables(tables, joint_freqs, self.stats)
-        return rope_tables.apply_portable(x, cos, sin_signed)
+        return functools.partial(rope_tables.apply_portable, cos=cos, sin_signed=sin_signed)
 
     def _make_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         opt = self
@@ -387,8 +431,9 @@ class JointAttention(Optimization):
         encoder_hidden_states_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor] | str:
         """The joint path, or the reason it cannot run (the caller then runs stock)."""
-        img_qkv, _ = attn.to_qkv(hidden_states)
-        txt_qkv, _ = attn.add_kv_proj(encoder_hidden_states)
+        m = attn._modules
+        img_qkv = self._project(m["to_qkv"], hidden_states, pair=True)
+        txt_qkv = self._project(m["add_kv_proj"], encoder_hidden_states, pair=True)
         if (
             img_qkv.dtype != txt_qkv.dtype
             or img_qkv.shape[-1] != txt_qkv.shape[-1]
@@ -400,7 +445,8 @@ class JointAttention(Optimization):
         nq, nkv = attn.query_num_heads, attn.kv_num_heads
         q_size, kv_size = nq * d, nkv * d
         st = encoder_hidden_states.shape[1]
-        if rms_norm.kernel_ready([attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k]):
+        norm_q, norm_k, norm_added_q, norm_added_k = m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"]
+        if rms_norm.kernel_ready([norm_q, norm_k, norm_added_q, norm_added_k]):
             # qk_norm's npu_rms_norm takes gamma [D]: one kernel per stream (on stock's views), then one cat each for
             # q, k and v (v stays contiguous for the attention kernel). 9 launches with the joint rotary, against 11
             # in stock's order.
@@ -412,19 +458,19 @@ class JointAttention(Optimization):
                 t.unflatten(-1, (n, d))
                 for t, n in zip(txt_qkv.split([q_size, kv_size, kv_size], dim=-1), (nq, nkv, nkv), strict=True)
             )
-            query = torch.cat([attn.norm_added_q(txt_q), attn.norm_q(img_q)], dim=1)
-            key = torch.cat([attn.norm_added_k(txt_k), attn.norm_k(img_k)], dim=1)
+            query = torch.cat([norm_added_q(txt_q), norm_q(img_q)], dim=1)
+            key = torch.cat([norm_added_k(txt_k), norm_k(img_k)], dim=1)
             value = torch.cat([txt_v, img_v], dim=1)
             self.stats["kernel_norm_calls"] += 1
         else:
             joint_qkv = torch.cat([txt_qkv, img_qkv], dim=1)
             query, key, value = joint_qkv.split([q_size, kv_size, kv_size], dim=-1)
-            query = self._norm(query.unflatten(-1, (nq, d)), st, attn.norm_added_q, attn.norm_q)
-            key = self._norm(key.unflatten(-1, (nkv, d)), st, attn.norm_added_k, attn.norm_k)
+            query = self._norm(query.unflatten(-1, (nq, d)), st, norm_added_q, norm_q)
+            key = self._norm(key.unflatten(-1, (nkv, d)), st, norm_added_k, norm_k)
             value = value.unflatten(-1, (nkv, d))
-        joint_freqs = self._joint_freqs.get(vid_freqs, txt_freqs)
-        query = self._rope(query, joint_freqs, attn.rope)
-        key = self._rope(key, joint_freqs, attn.rope)
+        rope = m["rope"]
+        query = self._rotation(query, vid_freqs, txt_freqs, rope)(query)
+        key = self._rotation(key, vid_freqs, txt_freqs, rope)(key)
         self.stats["joint_calls"] += 1
 
         pc = attn.parallel_config
@@ -440,7 +486,7 @@ class JointAttention(Optimization):
             if encoder_hidden_states_mask is not None:
                 attn_metadata.joint_attn_mask = encoder_hidden_states_mask
             self.stats["sp_calls"] += 1
-            joint_hidden_states = attn.attn(query[:, st:], key[:, st:], value[:, st:], attn_metadata)
+            joint_hidden_states = m["attn"](query[:, st:], key[:, st:], value[:, st:], attn_metadata)
         else:
             attn_metadata = None
             if hidden_states_mask is not None or encoder_hidden_states_mask is not None:
@@ -454,16 +500,40 @@ class JointAttention(Optimization):
                     img_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
                 attn_metadata = mod.AttentionMetadata(attn_mask=torch.cat([txt_mask, img_mask], dim=1))
                 self.stats["masked_calls"] += 1
-            joint_hidden_states = attn.attn(query, key, value, attn_metadata)
+            joint_hidden_states = m["attn"](query, key, value, attn_metadata)
 
         joint_hidden_states = joint_hidden_states.flatten(2, 3).to(query.dtype)
-        img_attn_output = attn.to_out(joint_hidden_states[:, st:, :])
-        txt_attn_output = attn.to_add_out(joint_hidden_states[:, :st, :])
+        img_attn_output = self._project(m["to_out"], joint_hidden_states[:, st:, :])
+        txt_attn_output = self._project(m["to_add_out"], joint_hidden_states[:, :st, :])
         return img_attn_output, txt_attn_output
+
+    def _project(self, layer: nn.Module, x: torch.Tensor, pair: bool = False) -> torch.Tensor:
+        """``layer(x)`` (its output; ``pair``: the layer returns ``(output, bias)``): the GEMM directly when
+        :func:`~vllm_omni_ascend_opt.blocks.direct_calls.linear_args` vouches for it (quantized, LoRA, TP and
+        hooked layers are called as modules, the reason counted in :attr:`stats`)."""
+        args = direct_calls.linear_args(layer)
+        if isinstance(args, str):
+            self.stats["module_calls"] += 1
+            self.stats[f"module call: {args}"] += 1
+            out = layer(x)
+            return out[0] if pair else out
+        self.stats["direct_calls"] += 1
+        return direct_calls.linear(x, *args)
+
+
+def _call_guard() -> str | None:
+    return guards.call_reason(any_grad=True, hooks=False)
 
 
 def _modules(model: Any) -> list[nn.Module]:
     return list(model.modules()) if isinstance(model, nn.Module) else []
+
+
+def _transformers(model: Any) -> list[nn.Module]:
+    mod = sys.modules.get(_targets.TRANSFORMER)
+    if mod is None:
+        return []
+    return [m for m in _modules(model) if isinstance(m, mod.QwenImageTransformer2DModel)]
 
 
 OPT = JointAttention()

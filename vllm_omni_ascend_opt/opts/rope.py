@@ -79,7 +79,7 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks import guards, rotary
+from vllm_omni_ascend_opt.blocks import forward_scope, guards, rope_tables, rotary
 from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.blocks.rope_tables import TABLE_CACHE_SIZE, version_or_none
 from vllm_omni_ascend_opt.blocks.rotary import ENV_KERNEL_POLICY, KernelVerdict, ShapeVerdict
@@ -262,6 +262,16 @@ class Rope(Optimization):
         rotary.switch_off(self.rotary)
         self.reset_state()
 
+    def _attach(self, model: nn.Module) -> None:
+        mod = sys.modules.get(_targets.TRANSFORMER)
+        for tr in model.modules() if mod is not None and isinstance(model, nn.Module) else ():
+            if isinstance(tr, mod.QwenImageTransformer2DModel):
+                forward_scope.watch(tr, self.name)  # the guard and the tables once per forward
+
+    def _detach(self, model: nn.Module) -> None:
+        for tr in model.modules() if isinstance(model, nn.Module) else ():
+            forward_scope.unwatch(tr, self.name)
+
     def reset_state(self) -> None:
         """Drop tables, shape memos, kernel verdicts and counters."""
         self.rotary.clear()
@@ -308,7 +318,7 @@ class Rope(Optimization):
             if guards.tracing():  # first: dynamo traces stock code, nothing here is read or counted
                 return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)
             if (
-                guards.call_reason(any_grad=True, hooks=False) is not None
+                forward_scope.decide("rope.call_reason", _call_guard) is not None  # once per forward
                 or q.dim() != 4
                 or freqs.dim() != 2
                 or not freqs.is_complex()
@@ -327,11 +337,17 @@ class Rope(Optimization):
             ):
                 opt.stats["stock_calls"] += 1
                 return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)
-            rot = opt.rotary
-            tables = rot.tables.get(freqs, q.dtype)  # stock converts to q.dtype (before the norm)
             q = norm_q(q)
             k = norm_k(k)
-            return rot.apply(q, tables, freqs, rope), rot.apply(k, tables, freqs, rope)
+            # stock converts the tables to q.dtype (before the norm, which keeps it): decided once per forward per
+            # freqs tensor, shape and rotary module kind (the same objects reach every block)
+            key = ("rope.rotation", id(freqs), q.dtype, q.device, q.shape, rope_tables.native_equivalent(rope))
+            rotate_q = forward_scope.decide(key, lambda: opt.rotary.plan(q, freqs, rope))
+            key_k = ("rope.rotation", id(freqs), k.dtype, k.device, k.shape, key[-1])
+            rotate_k = forward_scope.decide(key_k, lambda: opt.rotary.plan(k, freqs, rope))
+            if key[-1]:
+                return rotate_q(q), rotate_k(k)
+            return opt.rotary.rotate(q, freqs, rope), opt.rotary.rotate(k, freqs, rope)  # the block's own kernel
 
         _qwen_image_qk_norm_rope.__wrapped__ = original  # type: ignore[attr-defined]
         return _qwen_image_qk_norm_rope
@@ -366,6 +382,10 @@ class Rope(Optimization):
 
         forward.__wrapped__ = original  # type: ignore[attr-defined]
         return forward
+
+
+def _call_guard() -> str | None:
+    return guards.call_reason(any_grad=True, hooks=False)
 
 
 def _plain(obj: Any) -> Any:

@@ -85,7 +85,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import guards
+from vllm_omni_ascend_opt.blocks import forward_scope, guards
 from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.blocks.block_body import block_body, block_body_reason
 from vllm_omni_ascend_opt.blocks.modulation_keys import (
@@ -244,6 +244,7 @@ class SharedModulation(Optimization):
                 encoder_hidden_states_mask,
                 image_rotary_emb,
                 hidden_states_mask,
+                opt.stats,
             )
 
         forward.__wrapped__ = original_forward  # type: ignore[attr-defined]
@@ -305,7 +306,30 @@ class SharedModulation(Optimization):
                     opt._fallback(why or "unknown")
                 return stock_norm_out(self, x, conditioning_embedding)
 
-        self._classes = {"modulation": MemoModulation, "norm_out": MemoAdaLayerNormContinuous, "norm_base": base_norm}
+        base_time = t.QwenTimestepProjEmbeddings
+        stock_time = base_time.forward
+
+        class MemoTimeEmbedding(base_time):
+            """vLLM-Omni's QwenTimestepProjEmbeddings whose output comes from the memo, keyed on the timestep's value
+            (same object, same state dict)."""
+
+            def forward(
+                self, timestep: torch.Tensor, hidden_states: torch.Tensor, addition_t_cond: Any = None
+            ) -> torch.Tensor:
+                if not guards.tracing():  # first: under dynamo, stock's time embedding and nothing else
+                    temb, why = opt.memo.time_embedding(self, timestep, hidden_states, addition_t_cond, stock_time)
+                    if temb is not None:
+                        return temb
+                    opt._fallback(why or "unknown")
+                return stock_time(self, timestep, hidden_states, addition_t_cond)
+
+        self._classes = {
+            "modulation": MemoModulation,
+            "norm_out": MemoAdaLayerNormContinuous,
+            "norm_base": base_norm,
+            "time": MemoTimeEmbedding,
+            "time_base": base_time,
+        }
 
     def _uninstall(self) -> None:
         for module, cls in list(self._swapped.items()):
@@ -316,14 +340,18 @@ class SharedModulation(Optimization):
     # ----- attach -----------------------------------------------------------------------------------------
     def _attach(self, model: nn.Module) -> None:
         for tr in find_transformers(model):
+            forward_scope.watch(tr, self.name)  # per-forward decisions (guards, the temb entry) once per forward
             for block in tr.transformer_blocks:
                 for name in ("img_mod", "txt_mod"):
                     self._swap(getattr(block, name), nn.Sequential, self._classes["modulation"])
             self._swap(tr.norm_out, self._classes["norm_base"], self._classes["norm_out"])
+            self._swap(tr.time_text_embed, self._classes["time_base"], self._classes["time"])
 
     def _detach(self, model: nn.Module) -> None:
         for tr in find_transformers(model):
-            for m in [*(getattr(b, n) for b in tr.transformer_blocks for n in ("img_mod", "txt_mod")), tr.norm_out]:
+            forward_scope.unwatch(tr, self.name)
+            parts = [getattr(b, n) for b in tr.transformer_blocks for n in ("img_mod", "txt_mod")]
+            for m in [*parts, tr.norm_out, tr.time_text_embed]:
                 cls = self._swapped.pop(m, None)
                 if cls is not None:
                     m.__class__ = cls

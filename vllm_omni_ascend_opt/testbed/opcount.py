@@ -127,3 +127,109 @@ class TensorReadCounter(TorchDispatchMode):
                 self.calls += 1
                 self.bytes += sum(self._sizes[p] for p in seen)
         return func(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# host synchronisation points
+# ----------------------------------------------------------------------------------------------------------------
+#: Tensor methods that make the host wait for the device (read values back), counted by :class:`SyncCounter`.
+SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__")
+#: Aten ops that return a host value (what ``item()``, ``bool(t)``, ``float(t)``, ``torch.equal`` dispatch).
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal"}
+_OWN_FILES = (__file__,)
+
+
+def _site() -> str:
+    """``file:line (function)`` of the nearest caller outside torch and this module."""
+    import sys
+
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if name not in _OWN_FILES and "/torch/" not in name and "/contextlib.py" not in name:
+            short = name.split("/site-packages/")[-1].split("/vllm_omni_ascend_opt/")[-1]
+            return f"{short}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return "?"
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts host synchronisation points: calls of ``Tensor.item`` / ``tolist`` / ``cpu`` / ``numpy`` / ``__bool__``
+    (tensor truthiness) and the aten ops that return host values (``_local_scalar_dense``, ``is_nonzero``,
+    ``equal``) when no counted method dispatched them.
+
+    On a device each of these waits for the queued kernels; on the CPU test bed they cost nothing, so they are
+    counted where they are called, whatever the device. ``.cpu()`` is the copy to the host: reads of the copy it
+    returned (``numpy()``, ``tolist()``, ``item()`` on a tensor sharing its storage, in the same caller frame) are
+    host-side and not counted again. ``with SyncCounter() as s: ...`` then ``s.total`` and ``s.sites`` (per
+    ``file:line (function)``: where each sync point is).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: Counter[str] = Counter()
+        self._depth = 0
+        self._host_copy: tuple[Any, int] | None = None  # (caller frame, storage pointer) of the last .cpu()
+        self._saved: dict[str, Any] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.sites.values())
+
+    def _count(self, site: str) -> None:
+        self.sites[site] += 1
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        counter = self
+
+        def method(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if counter._depth:
+                return original(t, *args, **kwargs)
+            import sys
+
+            frame = sys._getframe(1)
+            ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else -1
+            host = counter._host_copy
+            if name != "cpu" and host is not None and host[0] is frame and host[1] == ptr:
+                pass  # a read of the host copy made by .cpu() in this frame
+            else:
+                counter._count(_site())
+            counter._depth += 1
+            try:
+                out = original(t, *args, **kwargs)
+            finally:
+                counter._depth -= 1
+            if name == "cpu" and isinstance(out, torch.Tensor):
+                counter._host_copy = (frame, out.untyped_storage().data_ptr())
+            return out
+
+        method.__name__ = name
+        return method
+
+    def __enter__(self) -> SyncCounter:
+        for name in SYNC_METHODS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = torch.Tensor.__dict__.get(name)
+            setattr(torch.Tensor, name, self._wrap(name, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for name, saved in self._saved.items():
+                if saved is None:
+                    delattr(torch.Tensor, name)
+                else:
+                    setattr(torch.Tensor, name, saved)
+            self._saved.clear()
+            self._host_copy = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._depth and func._schema.name in SYNC_OPS:
+            self._count(_site())
+        self._depth += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self._depth -= 1

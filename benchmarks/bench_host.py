@@ -1,0 +1,267 @@
+#!/usr/bin/env python
+"""Host time per transformer forward where compute is negligible: what the plugin's own Python costs, in ONE run.
+
+Usage (from the repo root)::
+
+    .venv/bin/python benchmarks/bench_host.py                    # ~2 min on a quiet core
+    .venv/bin/python benchmarks/bench_host.py --quick            # fewer rounds
+    .venv/bin/python benchmarks/bench_host.py --profile default  # also the cProfile top items of that config
+    .venv/bin/python benchmarks/bench_host.py --json out.json
+
+Why: on an Ascend NPU, batch-1 eager Qwen-Image is host-bound (each kernel launch costs ~10-15 us of host time and
+the device waits on it). The plugin removes launches; this benchmark checks that its own Python (memo lookups,
+guards, module calls) does not eat what the removed launches save. It builds vLLM-Omni's real
+``QwenImageTransformer2DModel`` at the TINY test-bed width (2 blocks, hidden 64) in fp32, on 1 thread, with a small
+image (64x64: 16 image + 32 text tokens), where the kernels' compute is negligible next to their dispatch, so the
+time per forward is the host time: Python + dispatch per op.
+
+Measured per configuration (stock, default, all, and each transformer optimization alone; those with ``needs``
+together with what they need), interleaved round-robin (``--rounds`` rounds of one cold forward after switching,
+then ``--warm`` timed warm forwards each, under ``inference_mode`` like vLLM-Omni's runner):
+
+* host time per warm forward: median and spread (interquartile range / median) over all warm forwards;
+* ratio to stock in this run (median / stock's median), and the spread of the per-round ratios (min-max);
+* kernel-launching ops per block and per forward (``testbed/opcount.OpCounter``, under ``no_grad``, the project's
+  convention: stock's tiny block counts 106) and host time per op (forward time / ops per forward);
+* host synchronisation points per forward (``testbed/opcount.SyncCounter``: ``item``, ``tolist``, ``.cpu()``,
+  ``numpy``, tensor truthiness, ``_local_scalar_dense``, ``torch.equal``) with where each one is. A denoise step is
+  one forward without CFG and two with it (vLLM-Omni's Qwen-Image pipeline runs the two branches one after the other).
+
+Speed claims belong here, never in a timed unit test. The CPU's per-op dispatch cost (~5-8 us) is of the order of an
+NPU launch's host cost, so these ratios are a proxy of the NPU's host-bound ratio, not the NPU claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+IMAGE = 64
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=9, help="round-robin rounds")
+    p.add_argument("--warm", type=int, default=30, help="timed warm forwards per config per round")
+    p.add_argument("--quick", action="store_true", help="4 rounds x 15 warm forwards")
+    p.add_argument("--configs", default="", help="comma list of config names (default: all of them)")
+    p.add_argument("--profile", default="", help="comma list of configs to profile (cProfile, top items)")
+    p.add_argument("--profile-top", type=int, default=15)
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return p.parse_args(argv)
+
+
+def configurations() -> tuple[dict[str, str], dict[str, str]]:
+    """(name -> flags, skipped name -> why): stock, default, all, then each optimization that changes the
+    transformer, alone (with the optimizations it needs), when it can act in this process."""
+    from vllm_omni_ascend_opt import registry
+
+    configs = {"stock": "none", "default": "default", "all": "all"}
+    skipped: dict[str, str] = {}
+    for opt in registry.all_optimizations():
+        if not opt.regions & {"block", "transformer"}:
+            skipped[opt.name] = f"acts outside the transformer ({', '.join(sorted(opt.regions))})"
+            continue
+        why = opt.reasons_inactive()
+        if why:
+            skipped[opt.name] = "; ".join(why)
+            continue
+        configs[opt.name] = ",".join(["none", *(f"+{n}" for n in (*opt.needs, opt.name))])
+    return configs, skipped
+
+
+def forward_s(tr: Any, rt: Any, kw: dict[str, Any]) -> tuple[float, float]:
+    """(host thread CPU seconds, wall seconds) of one forward. The thread's CPU time is the host time proper: it
+    does not count time spent descheduled by other processes on a shared machine."""
+    import torch
+
+    with rt.context(), torch.inference_mode():
+        c0, t0 = time.thread_time(), time.perf_counter()
+        tr(**kw)
+        return time.thread_time() - c0, time.perf_counter() - t0
+
+
+def counts(tr: Any, rt: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    """Ops per block (last block) and per forward, and host sync points per forward, on a warm forward."""
+    import torch
+
+    from vllm_omni_ascend_opt.testbed.opcount import OpCounter, SyncCounter, count_module_calls
+
+    with rt.context(), torch.inference_mode():
+        tr(**kw)
+        with SyncCounter() as syncs:
+            tr(**kw)
+    with rt.context(), torch.no_grad():
+        tr(**kw)
+        with count_module_calls(tr, OpCounter) as whole, count_module_calls(tr.transformer_blocks[-1]) as last:
+            tr(**kw)
+    return {
+        "ops_per_block": last[0].total,
+        "ops_per_forward": whole[0].total,
+        "syncs_per_forward": syncs.total,
+        "sync_sites": dict(syncs.sites),
+    }
+
+
+def profile(tr: Any, rt: Any, kw: dict[str, Any], n: int, top: int) -> str:
+    """cProfile of ``n`` warm forwards: the ``top`` functions by own time (tottime), with per-forward microseconds."""
+    import torch
+
+    prof = cProfile.Profile()
+    with rt.context(), torch.inference_mode():
+        tr(**kw)
+        prof.enable()
+        for _ in range(n):
+            tr(**kw)
+        prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        short = file.split("/site-packages/")[-1].split("/vllm_omni_ascend_opt/")[-1]
+        rows.append((tt, ct, nc, f"{short}:{line}({fn})"))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    out = io.StringIO()
+    out.write(f"    total {total / n * 1e6:.0f} us/forward profiled (cProfile inflates Python-heavy code)\n")
+    out.write(f"    {'own us/fwd':>10} {'cum us/fwd':>10} {'calls/fwd':>9}  function\n")
+    for tt, ct, nc, name in rows[:top]:
+        out.write(f"    {tt / n * 1e6:>10.1f} {ct / n * 1e6:>10.1f} {nc / n:>9.1f}  {name}\n")
+    return out.getvalue()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.testbed import blockops
+    from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
+
+    torch.set_num_threads(1)
+    if args.quick:
+        args.rounds, args.warm = 4, 15
+    rt = init_cpu_runtime(None, dtype=torch.float32)
+    tr = blockops.build_transformer(rt, blockops.TINY, torch.float32)
+    kw = blockops.t2i_inputs(tr, torch.float32, IMAGE, IMAGE)
+    configs, skipped = configurations()
+    if args.configs:
+        wanted = args.configs.split(",")
+        configs = {n: f for n, f in configs.items() if n in wanted or n == "stock"}
+    rows: dict[str, dict[str, Any]] = {}
+    for name, flags in configs.items():
+        api.select(flags, model=tr)
+        rows[name] = {"flags": flags, **counts(tr, rt, kw), "warm_s": [], "wall_s": [], "round_median_s": []}
+    for _ in range(args.rounds):
+        for name, flags in configs.items():
+            api.select(flags, model=tr)  # switching drops the memo: one cold forward first
+            forward_s(tr, rt, kw)
+            times = [forward_s(tr, rt, kw) for _ in range(args.warm)]
+            rows[name]["warm_s"] += [t[0] for t in times]
+            rows[name]["wall_s"] += [t[1] for t in times]
+            rows[name]["round_median_s"].append(statistics.median(t[0] for t in times))
+    stock = rows["stock"]
+    stock_median = statistics.median(stock["warm_s"])
+    stock_wall = statistics.median(stock["wall_s"])
+    for row in rows.values():
+        ts = sorted(row["warm_s"])
+        med = statistics.median(ts)
+        q1, q3 = ts[len(ts) // 4], ts[(3 * len(ts)) // 4]
+        row["us_per_forward"] = med * 1e6
+        row["spread"] = (q3 - q1) / med
+        row["ratio"] = med / stock_median
+        ratios = [a / b for a, b in zip(row["round_median_s"], stock["round_median_s"], strict=True)]
+        row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
+        row["us_per_op"] = row["us_per_forward"] / max(1, row["ops_per_forward"])
+        row["wall_us_per_forward"] = statistics.median(row["wall_s"]) * 1e6
+        row["wall_ratio"] = statistics.median(row["wall_s"]) / stock_wall
+    for row in rows.values():
+        del row["warm_s"], row["wall_s"]
+    profiles = {}
+    for name in filter(None, args.profile.split(",")):
+        api.select(configs[name], model=tr)
+        profiles[name] = profile(tr, rt, kw, 200, args.profile_top)
+    api.select("none", model=tr)
+    return {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "loadavg": os.getloadavg(),
+        },
+        "model": f"tiny ({len(tr.transformer_blocks)} blocks, hidden {tr.inner_dim}), fp32, {IMAGE}x{IMAGE}",
+        "rounds": args.rounds,
+        "warm": args.warm,
+        "configs": rows,
+        "skipped": skipped,
+        "profiles": profiles,
+    }
+
+
+def report(res: dict[str, Any]) -> str:
+    m = res["machine"]
+    load = ", ".join(f"{x:.2f}" for x in m["loadavg"])
+    lines = [
+        f"bench_host: host time per transformer forward, {res['model']}, B=1, warm, {res['rounds']} interleaved "
+        f"rounds x {res['warm']} forwards",
+        f"machine: {m['cpu']}, {m['threads']} thread, torch {m['torch']}, python {m['python']}; load average {load}",
+        "",
+        f"  {'config':<18} {'ops/block':>9} {'ops/fwd':>7} {'us/fwd':>8} {'spread':>7} {'ratio':>6} "
+        f"{'round ratios':>13} {'us/op':>6} {'wall us':>8} {'ratio':>6} {'syncs/fwd':>9}",
+    ]
+    for name, r in res["configs"].items():
+        lines.append(
+            f"  {name:<18} {r['ops_per_block']:>9} {r['ops_per_forward']:>7} {r['us_per_forward']:>8.0f} "
+            f"{r['spread'] * 100:>6.1f}% {r['ratio']:>6.3f} {r['ratio_min']:>6.3f}-{r['ratio_max']:<6.3f} "
+            f"{r['us_per_op']:>6.2f} {r['wall_us_per_forward']:>8.0f} {r['wall_ratio']:>6.3f} "
+            f"{r['syncs_per_forward']:>9}"
+        )
+    for name, why in res["skipped"].items():
+        lines.append(f"  skipped {name}: {why}")
+    lines.append("")
+    lines.append("host sync points per forward, where (a denoise step = 1 forward without CFG, 2 with CFG):")
+    for name in ("stock", "default", "all"):
+        r = res["configs"].get(name)
+        if r is None:
+            continue
+        sites = "; ".join(f"{n}x {s}" for s, n in sorted(r["sync_sites"].items())) or "none"
+        lines.append(f"  {name}: {r['syncs_per_forward']}: {sites}")
+    lines.append("")
+    lines.append("us/fwd = median host time (the forward's thread CPU time: time descheduled by other processes is")
+    lines.append("not counted) of a warm forward; spread = interquartile range / median; ratio = median / stock's")
+    lines.append("median in this run; round ratios = min-max of the per-round median ratios; us/op = us/fwd / ops/fwd")
+    lines.append(
+        "(kernel-launching aten ops, views and allocations excluded, counted under no_grad); wall us / ratio ="
+    )
+    lines.append("the same on the wall clock (disturbed by load on a shared machine).")
+    for name, text in res["profiles"].items():
+        lines.append("")
+        lines.append(f"profile of {name} (cProfile, 200 warm forwards, top by own time):")
+        lines.append(text.rstrip())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    res = run(args)
+    print(report(res), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""Host-lean hot path (issue 21): the host-sync counter of the test bed, per-forward decisions and their invalidation,
+the memo's weight keys under layerwise offload, and the direct calls of known layers."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from vllm_omni_ascend_opt.testbed.opcount import SyncCounter
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the host-sync counter
+# ----------------------------------------------------------------------------------------------------------------
+def test_sync_counter_counts_each_host_read_once_and_says_where():
+    x = torch.randn(4)
+    with SyncCounter() as s:
+        x.sum().item()  # item -> _local_scalar_dense, counted once
+        if x.sum() > 0:  # tensor truthiness
+            pass
+        x.tolist()
+        host = x.cpu()  # the copy to the host
+        host.reshape(-1).numpy()  # a read of the host copy: not a second sync
+        torch.equal(x, x)  # aten::equal returns a host bool
+        float(x[0])  # __float__ -> _local_scalar_dense
+    assert s.total == 6, dict(s.sites)
+    assert all("test_host_lean.py" in site for site in s.sites)
+    y = torch.randn(3)
+    with SyncCounter() as s2:
+        y + 1
+        y.numpy()  # not a read of a .cpu() copy: counted
+    assert s2.total == 1
+    assert torch.Tensor.item is torch._C.TensorBase.item  # restored on exit
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers: a tiny transformer built directly (2 blocks), its inputs, a forward
+# ----------------------------------------------------------------------------------------------------------------
+def _build(runtime, dtype=torch.float32):
+    from vllm_omni_ascend_opt.testbed import blockops
+
+    return blockops.build_transformer(runtime, blockops.TINY, dtype)
+
+
+def _inputs(tr, hw=(4, 4), txt=32, t=0.7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(1, hw[0] * hw[1], tr.in_channels, generator=g),
+        encoder_hidden_states=torch.randn(1, txt, tr.txt_norm.normalized_shape[0], generator=g),
+        encoder_hidden_states_mask=torch.ones(1, txt, dtype=torch.bool),
+        timestep=torch.full((1,), t),
+        img_shapes=[[(1, *hw)]],
+        txt_seq_lens=[txt],
+        return_dict=False,
+    )
+
+
+def _fwd(runtime, tr, kw, grad=False):
+    with runtime.context(), torch.set_grad_enabled(grad):
+        return tr(**kw)[0].detach().clone()
+
+
+def _opt(name):
+    from vllm_omni_ascend_opt import registry
+
+    return registry.get(name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# per-forward decisions: made once per forward, remade by the next one, never used outside a forward
+# ----------------------------------------------------------------------------------------------------------------
+def test_per_forward_decisions_are_remade_every_forward(runtime):
+    """The guards are decided once per forward: a forward under autograd after one without must see autograd (the
+    joint path steps aside, with its reason), and the next one without must act again."""
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.blocks import forward_scope
+
+    tr = _build(runtime)
+    kw = _inputs(tr)
+    api.select("default", model=tr)
+    assert "joint_attention" in forward_scope.watched(tr) and "shared_modulation" in forward_scope.watched(tr)
+    ja = _opt("joint_attention")
+    ja.reset_stats()
+    _fwd(runtime, tr, kw)
+    assert ja.stats["joint_calls"] == 2 and ja.fallback_reasons() == {}
+    _fwd(runtime, tr, kw, grad=True)
+    assert ja.fallback_reasons() == {"autograd is recording": 2}, ja.fallback_reasons()
+    _fwd(runtime, tr, kw)
+    assert ja.stats["joint_calls"] == 4 and ja.fallback_reasons() == {"autograd is recording": 2}
+    assert forward_scope.current() is None  # closed after every forward
+
+
+def test_decisions_are_per_call_outside_a_forward(runtime):
+    """After a forward, a block called directly decides for itself (the forward's scope is closed)."""
+    from vllm_omni_ascend_opt import api
+
+    tr = _build(runtime)
+    kw = _inputs(tr)
+    api.select("default", model=tr)
+    captured = {}
+    handle = tr.transformer_blocks[0].register_forward_pre_hook(lambda m, a, k: captured.update(k), with_kwargs=True)
+    _fwd(runtime, tr, kw)
+    handle.remove()
+    ja = _opt("joint_attention")
+    ja.reset_stats()
+    with runtime.context(), torch.enable_grad():
+        tr.transformer_blocks[0](**captured)
+    assert ja.fallback_reasons() == {"autograd is recording": 1}
+
+
+def test_memo_precheck_is_remade_per_call_outside_a_forward(runtime):
+    """The memo's guards for one temb object: the same object later requiring grad is refused (never a stale
+    "may memoize" from an earlier call)."""
+    from vllm_omni_ascend_opt import api
+
+    tr = _build(runtime)
+    api.select("none,+shared_modulation", model=tr)
+    sm = _opt("shared_modulation")
+    block = tr.transformer_blocks[0]
+    temb = torch.randn(1, tr.inner_dim)
+    with torch.no_grad():
+        mods, why = sm.memo.block(block, temb)
+    assert mods is not None and why is None
+    temb.requires_grad_(True)
+    with torch.enable_grad():
+        mods, why = sm.memo.block(block, temb)
+    assert mods is None and why == "autograd is recording"
+
+
+def test_global_hooks_are_decided_per_forward(runtime):
+    from torch.nn.modules import module as torch_module
+
+    from vllm_omni_ascend_opt import api
+
+    tr = _build(runtime)
+    kw = _inputs(tr)
+    api.select("default", model=tr)
+    want = _fwd(runtime, tr, kw)
+    ja = _opt("joint_attention")
+    ja.reset_stats()
+    seen = []
+    handle = torch_module.register_module_forward_hook(lambda m, a, o: seen.append(type(m).__name__))
+    try:
+        got = _fwd(runtime, tr, kw)
+    finally:
+        handle.remove()
+    assert ja.fallback_reasons() == {"global module hooks are registered": 2}, ja.fallback_reasons()
+    assert "FeedForward" in seen and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("spec", ["none,+joint_attention", "none,+rope"])
+def test_rotation_tables_are_decided_per_forward(runtime, spec):
+    """Same sequence lengths, other RoPE freqs (4x6 vs 6x4 image tokens): each forward rotates with its own tables,
+    bitwise stock (joint_attention alone: new freqs objects every forward; rope alone: its embedder memo returns one
+    freqs object per shape, per stream)."""
+    from vllm_omni_ascend_opt import api
+
+    tr = _build(runtime)
+    cases = [_inputs(tr, hw=(4, 6)), _inputs(tr, hw=(6, 4)), _inputs(tr, hw=(4, 6)), _inputs(tr, hw=(6, 4))]
+    api.select("none", model=tr)
+    want = [_fwd(runtime, tr, kw) for kw in cases]
+    api.select(spec, model=tr)
+    opt = _opt(spec.split("+")[1])
+    opt.reset_stats()
+    got = [_fwd(runtime, tr, kw) for kw in cases]
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    if "joint" in spec:
+        assert opt.stats["joint_calls"] == 2 * len(cases) and opt.stats["joint_freqs_builds"] == len(cases)
+    else:  # q and k of both streams per block through the portable path; tables for 2 image shapes + 1 text length
+        assert opt.stats["portable_calls"] == 4 * 2 * len(cases) and opt.stats["table_builds"] == 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# direct calls of known layers
+# ----------------------------------------------------------------------------------------------------------------
+def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime, monkeypatch):
+    """The block's MLPs and the attention projections run as their kernels, bitwise; a hook added to one of them
+    between forwards runs (that module is called as a module), and so does an upstream class patched meanwhile."""
+    from vllm_omni_ascend_opt import api
+
+    tr = _build(runtime)
+    kw = _inputs(tr)
+    api.select("none", model=tr)
+    want = _fwd(runtime, tr, kw)
+    api.select("default", model=tr)
+    sm, ja = _opt("shared_modulation"), _opt("joint_attention")
+    _fwd(runtime, tr, kw)
+    sm.reset_stats()
+    ja.reset_stats()
+    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert sm.stats["direct_calls"] == 4 and sm.stats["module_calls"] == 0  # 2 MLPs x 2 blocks
+    assert ja.stats["direct_calls"] == 8 and ja.stats["module_calls"] == 0  # 4 projections x 2 blocks
+    fired = []
+    b0 = tr.transformer_blocks[0]
+    handles = [
+        b0.img_mlp.register_forward_hook(lambda *a: fired.append("img_mlp")),
+        b0.attn.to_out.register_forward_pre_hook(lambda *a: fired.append("to_out")),
+    ]
+    try:
+        assert torch.equal(_fwd(runtime, tr, kw), want)
+    finally:
+        for h in handles:
+            h.remove()
+    assert fired == ["to_out", "img_mlp"]
+    assert sm.stats["module_calls"] == 1 and ja.stats["module_calls"] == 1
+    lin = sys.modules["vllm.model_executor.layers.linear"]
+    calls = []
+    stock_row = lin.RowParallelLinear.forward
+
+    def patched(self, input_):
+        calls.append(1)
+        return stock_row(self, input_)
+
+    monkeypatch.setattr(lin.RowParallelLinear, "forward", patched)
+    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert len(calls) == 8  # to_out, to_add_out and the MLPs' second linears of both blocks: modules again
+    monkeypatch.undo()
+    calls.clear()
+    _fwd(runtime, tr, kw)
+    assert calls == []
+
+
+def test_joint_rms_norm_composite_branch_is_the_pieces(monkeypatch):
+    """``torch.rms_norm`` without weight on the opmath input (CPU/NPU) is bitwise the hand-written pieces, at the
+    real head dim, for every float dtype."""
+    from vllm_omni_ascend_opt.opts import joint_attention as jam
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = (torch.randn(2, 77, 6, 128, generator=g) * 3).to(dtype)
+        wt, wi = torch.randn(128, generator=g).to(dtype), torch.randn(128, generator=g).to(dtype)
+        fast = jam.joint_rms_norm(x, 29, wt, wi, 1e-6)
+        monkeypatch.setattr(jam, "COMPOSITE_RMS_DEVICES", frozenset())
+        pieces = jam.joint_rms_norm(x, 29, wt, wi, 1e-6)
+        monkeypatch.undo()
+        stock = torch.cat(
+            [torch.rms_norm(x[:, :29], (128,), wt, 1e-6), torch.rms_norm(x[:, 29:], (128,), wi, 1e-6)], dim=1
+        )
+        assert torch.equal(fast, pieces) and torch.equal(fast, stock), dtype
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the time-embedding memo
+# ----------------------------------------------------------------------------------------------------------------
+def test_time_embedding_memo_hits_per_timestep_and_follows_the_weights(runtime):
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.testbed.opcount import SyncCounter
+
+    tr = _build(runtime)
+    kws = [_inputs(tr, t=0.7), _inputs(tr, t=0.3), _inputs(tr, t=0.7)]
+    api.select("none", model=tr)
+    want = [_fwd(runtime, tr, kw) for kw in kws]
+    api.select("none,+shared_modulation", model=tr)
+    sm = _opt("shared_modulation")
+    sm.reset_stats()
+    temb_seen = []
+    handle = tr.transformer_blocks[0].register_forward_pre_hook(
+        lambda m, a, k: temb_seen.append(k["temb"]), with_kwargs=True
+    )
+    try:
+        got = [_fwd(runtime, tr, kw) for kw in kws]
+        with SyncCounter() as syncs:
+            again = _fwd(runtime, tr, kws[0])
+    finally:
+        handle.remove()
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)) and torch.equal(again, want[0])
+    assert sm.stats["time_misses"] == 2 and sm.stats["time_hits"] == 2
+    assert temb_seen[0] is temb_seen[2] is temb_seen[3]  # the same temb tensor: the blocks find their entry by it
+    assert sm.stats["digests"] == 4  # one timestep read per forward, never a digest of temb
+    assert sm.fallback_reasons() == {}
+    assert [s for s in syncs.sites if "time_embedding" in s], dict(syncs.sites)
+    # an in-place write to the embedding's weights: temb is recomputed and the blocks' payloads made from the old
+    # temb under the same timestep are dropped with it
+    with torch.no_grad():
+        tr.time_text_embed.timestep_embedder.linear_2.bias.add_(0.5)
+    got = _fwd(runtime, tr, kws[0])
+    assert sm.stats["time_misses"] == 3
+    api.select("none", model=tr)
+    assert torch.equal(got, _fwd(runtime, tr, kws[0]))
+
+
+def test_time_embedding_memo_steps_aside_for_hooks(runtime):
+    from vllm_omni_ascend_opt import api
+
+    tr = _build(runtime)
+    kw = _inputs(tr)
+    api.select("none,+shared_modulation", model=tr)
+    sm = _opt("shared_modulation")
+    _fwd(runtime, tr, kw)
+    sm.reset_stats()
+    fired = []
+    h = tr.time_text_embed.timestep_embedder.register_forward_hook(lambda *a: fired.append(1))
+    try:
+        _fwd(runtime, tr, kw)
+    finally:
+        h.remove()
+    assert fired == [1]
+    assert sm.fallback_reasons() == {"hooks or an instance forward in time_text_embed": 1}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the memo under vLLM-Omni's layerwise offload: keyed on what identifies the weights, not their storage
+# ----------------------------------------------------------------------------------------------------------------
+class ReplicatedLinearWithLoRA(torch.nn.Module):
+    """A runtime-LoRA stand-in named like vLLM's wrapper (the memo keys its LoRA stacks and active-slice mask):
+    ``base(x) + (x @ A^T) @ B^T`` while its slice is active."""
+
+    def __init__(self, base: torch.nn.Module, rank: int = 4) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_a_stacked = (torch.zeros(1, 1, rank, base.input_size),)
+        self.lora_b_stacked = (torch.zeros(1, 1, base.output_size, rank),)
+        self._diffusion_lora_active_slices = (False,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        if self._diffusion_lora_active_slices[0]:
+            out = out + (x @ self.lora_a_stacked[0][0, 0].T) @ self.lora_b_stacked[0][0, 0].T
+        return out
+
+
+def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime):
+    """Layerwise offload gives every block fresh storage each forward: a warm request must still hit everywhere
+    (0 misses); an in-place write and a LoRA switch (stacks written in place, slice switched on) must miss, and the
+    images stay stock's."""
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
+
+    def request(h):
+        return h.generate(height=32, width=32, steps=2, cfg_scale=4.0)
+
+    api.select("default")
+    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
+    try:
+        pipe = h.pipeline
+        sm = _opt("shared_modulation")
+        request(h)
+        sm.reset_stats()
+        request(h)  # warm
+        assert sm.stats["misses"] == 0 and sm.stats["hits"] > 0 and sm.fallback_reasons() == {}, dict(sm.stats)
+        block = pipe.transformer.transformer_blocks[1]
+        with torch.no_grad():
+            block.txt_mod[1].weight.add_(0)  # an in-place write: the version counter moves (the values do not)
+        sm.reset_stats()
+        request(h)
+        assert sm.stats["misses"] > 0  # block 1 is recomputed
+        lora = ReplicatedLinearWithLoRA(block.img_mod[1])
+        block.img_mod._modules["1"] = lora
+        request(h)
+        sm.reset_stats()
+        request(h)
+        assert sm.stats["misses"] == 0, dict(sm.stats)  # LoRA attached but inactive: warm again
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():  # the switch: adapter weights uploaded in place, the slice switched on
+            lora.lora_a_stacked[0].copy_(torch.randn(lora.lora_a_stacked[0].shape, generator=g) * 0.1)
+            lora.lora_b_stacked[0].copy_(torch.randn(lora.lora_b_stacked[0].shape, generator=g) * 0.1)
+        lora._diffusion_lora_active_slices = (True,)
+        got = request(h)
+        assert sm.stats["misses"] > 0
+        api.select("none", model=pipe)
+        assert torch.equal(got, request(h))
+    finally:
+        h.close()
