@@ -150,3 +150,57 @@ def test_lora_switch_is_bitwise_and_misses_the_memo(runtime, tmp_path, offload):
     assert torch.equal(got[1], got[3]) and torch.equal(got[0], got[4])  # switching back: the same images
     for s in stats[1:]:  # every request after a switch: misses (new weights), and hits
         assert s["misses"] >= 2 * 2 and s["hits"] > 0, stats  # 2 steps x 2 blocks at least
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the ablation's test-bed engine in the shipped memory-mode workloads
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("workload", ["tiny-cpu-offload", "tiny-cpu-tiled"])
+def test_the_ablation_engine_loads_the_workload_modes_through_vllm_omnis_runner(runtime, tiny_model_dir, workload):
+    """``ablate --workload tiny-cpu-offload / tiny-cpu-tiled``: the test-bed engine builds vLLM-Omni's own runner with
+    the workload's ``od_config`` (layerwise offload really hooks the blocks) and its ``vae_tiling`` (the decode really
+    tiles), and the default stack acts in that mode (memo_aware_offload skips on the warm request; vae_exact decodes
+    the tiles)."""
+    from vllm_omni_ascend_opt.ablation.engines import TestbedEngine
+    from vllm_omni_ascend_opt.ablation.workload import load_workload
+    from vllm_omni_ascend_opt.blocks.layerwise import layerwise_hooks
+
+    wl = load_workload(workload)
+    job = {
+        "model_path": str(tiny_model_dir),
+        "dtype": wl.dtype,
+        "height": wl.height,
+        "width": wl.width,
+        "steps": 2,
+        "cfg_scale": 4.0,  # two forwards per step: the second of each step hits the memo on the first request
+        "negative_prompt": wl.negative_prompt,
+        "image": None,
+        "prompts": list(wl.prompts),
+        "seeds": [0],
+        "max_sequence_length": wl.seq_len(),
+        "od_config": dict(wl.od_config),
+        "vae_tiling": list(wl.vae_tiling) if wl.vae_tiling else None,
+    }
+    api.select("default")
+    engine = TestbedEngine(job)
+    try:
+        engine.load()
+        assert engine.harness is not None  # through vLLM-Omni's DiffusionModelRunner
+        for _ in range(2):  # cold, warm
+            for opt in registry.all_optimizations():
+                opt.reset_stats()
+            gen = engine.generate(wl.prompts[0], 0)
+        assert gen.uint8.shape == (wl.height, wl.width, 3)
+        acting = engine.active()
+        if workload == "tiny-cpu-offload":
+            assert layerwise_hooks(engine.pipe.transformer)  # the offloader streams the blocks
+            assert "memo_aware_offload" in acting and engine.model_reasons("memo_aware_offload") == []
+            assert registry.get("memo_aware_offload").stats["forwards_skipping"] > 0
+        else:
+            vae = engine.pipe.vae
+            assert vae.use_tiling and vae.tile_sample_min_height == wl.vae_tiling[0]
+            assert "vae_exact" in acting and registry.get("vae_exact").stats["tiles"] == 9
+            assert "memo_aware_offload" not in acting
+    finally:
+        engine.close()
+        api.select("none")
