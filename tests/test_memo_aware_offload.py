@@ -233,3 +233,21 @@ def test_storage_keyed_memo_copies_everything_bitwise(runtime, monkeypatch):
     assert ours.stats.get("forwards_skipping", 0) == 0 and ours.stats["forwards_copying"] > 0
     assert stock.bytes[1] == ours.bytes[1]  # everything copied
     assert ours.stats.get("late_copies", 0) == 0
+
+
+def test_the_byte_counter_counts_only_copies_out_of_the_offloaders_host_weights(runtime):
+    """testbed/offload.py: a copy from any other tensor (the model copies tensors too) is not host->device traffic of
+    the offloader; a copy out of a block's host weights is, with its bytes."""
+    from vllm_omni_ascend_opt.blocks.layerwise import host_weights
+
+    api.select("none")
+    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
+    try:
+        host = host_weights(h.pipeline.transformer)[0]
+        with count_offload_copies(h.pipeline) as copies:
+            torch.empty(1000, dtype=host.dtype).copy_(torch.ones(1000, dtype=host.dtype))
+            assert copies.bytes == 0 and copies.copies == 0
+            torch.empty(10, dtype=host.dtype).copy_(host[:10])
+        assert copies.bytes == 10 * host.element_size() and copies.copies == 1
+    finally:
+        h.close()
