@@ -7,6 +7,7 @@ Usage (from the repo root, after `make venv`)::
     .venv/bin/python benchmarks/bench_vae.py --dtype fp32
     .venv/bin/python benchmarks/bench_vae.py --pieces        # also each piece alone (ablation of the pieces)
     .venv/bin/python benchmarks/bench_vae.py --sizes 256 --repeats 5 --json out.json
+    .venv/bin/python benchmarks/bench_vae.py --sizes 1328x1328 1664x928 --repeats 1   # the peak-memory sizes, ~8 min
 
 What it does: builds vLLM-Omni's ``DistributedAutoencoderKLQwenImage`` at the real Qwen-Image VAE width (base_dim 96,
 z_dim 16, dim_mult [1, 2, 4, 4], 2 res blocks, temporal downsample [F, T, T]) with seeded random weights, and for
@@ -14,8 +15,11 @@ each image size decodes one single-frame latent (what text-to-image decodes) und
 process with ``vllm_omni_ascend_opt.api.select(spec, model=vae)`` and interleaved round-robin over the repeats so
 that machine noise hits all configurations alike. It prints per configuration: the median decode time (and min),
 the ratio to stock measured in the same run, kernel-launching aten ops per decode (views and allocation-only ops
-excluded: vllm_omni_ascend_opt/testbed/opcount.py), and the image quality against stock (pixel identity, SSIM,
-PSNR on the 8-bit images: vllm_omni_ascend_opt/metrics.py).
+excluded: vllm_omni_ascend_opt/testbed/opcount.py), the image quality against stock (pixel identity, SSIM,
+PSNR on the 8-bit images: vllm_omni_ascend_opt/metrics.py), and the peak memory of one decode with its ratio to
+stock: bytes of tensor storage the decode allocates and holds at its worst moment, weights and the latent excluded
+(vllm_omni_ascend_opt/testbed/memory.py; one extra, untimed decode per configuration and size). On a VAE the
+default stack is ``vae_exact`` and ``all`` is ``vae_exact+vae_fast`` (the transformer optimizations do not apply).
 
 On CPU the ratios are wall-clock numbers of a FLOP-bound machine, reported next to the op counts; they are not the
 NPU claim. ``--device npu|cuda`` runs the same measurement there (synchronizing around each timed decode).
@@ -72,9 +76,20 @@ def piece_configs(names: list[str]) -> dict[str, tuple[str, str, str]]:
     return out
 
 
+def parse_size(text: str) -> tuple[int, int]:
+    """``"512"`` -> (512, 512); ``"1664x928"`` -> (1664, 928) (height x width, multiples of 8)."""
+    h, _, w = text.lower().partition("x")
+    size = (int(h), int(w or h))
+    if any(v <= 0 or v % 8 for v in size):
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes are positive multiples of 8")
+    return size
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[256, 512], help="square image sizes (multiples of 8)")
+    ap.add_argument(
+        "--sizes", type=parse_size, nargs="+", default=[(256, 256), (512, 512)], help="N or HxW, multiples of 8"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default="bf16")
     ap.add_argument("--device", default="cpu")
@@ -88,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from vllm_omni_ascend_opt import _backend, api, registry
     from vllm_omni_ascend_opt.metrics import compare_images
+    from vllm_omni_ascend_opt.testbed.memory import measure, mib, ratio
     from vllm_omni_ascend_opt.testbed.opcount import count_ops
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
@@ -119,15 +135,17 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     results: dict = {"dtype": args.dtype, "device": str(device), "threads": args.threads, "sizes": {}}
-    for size in args.sizes:
-        gen = torch.Generator().manual_seed(size)
-        z = torch.randn(1, 16, 1, size // 8, size // 8, generator=gen).to(device=device, dtype=dtype)
-        images, times, ops = {}, {label: [] for label in configs}, {}
-        for label in configs:  # warm-up, reference images and op counts
+    smallest = min(args.sizes, key=lambda s: s[0] * s[1])
+    for height, width in args.sizes:
+        gen = torch.Generator().manual_seed(height * 100_000 + width)
+        z = torch.randn(1, 16, 1, height // 8, width // 8, generator=gen).to(device=device, dtype=dtype)
+        images, times, ops, peaks = {}, {label: [] for label in configs}, {}, {}
+        for label in configs:  # warm-up, reference images, op counts and peak memory (all untimed)
             select(label)
             images[label] = decode(z)[:, :, 0].float().cpu()
-            if size == min(args.sizes):
+            if (height, width) == smallest:
                 ops[label] = count_ops(lambda: decode(z))[1].total  # noqa: B023
+            peaks[label] = measure(decode, z, device=str(device))[1].peak
         for _ in range(args.repeats):
             for label in configs:
                 select(label)
@@ -136,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                 times[label].append(time.perf_counter() - t)
         api.select("none", model=vae)
         base = statistics.median(times["stock"])
-        print(f"\n## {size}x{size} (latent {size // 8}x{size // 8})")
-        print(f"{'config':36s} {'median ms':>10s} {'min ms':>9s} {'x stock':>8s} {'ops':>5s}  quality vs stock")
+        print(f"\n## {height}x{width} (latent {height // 8}x{width // 8})")
+        print(
+            f"{'config':36s} {'median ms':>10s} {'min ms':>9s} {'x stock':>8s} {'ops':>5s} {'peak MiB':>9s} "
+            f"{'x stock':>8s}  quality vs stock"
+        )
         rows = {}
         for label in configs:
             med = statistics.median(times[label])
@@ -150,14 +171,18 @@ def main(argv: list[str] | None = None) -> int:
             n_ops = ops.get(label)
             print(
                 f"{label:36s} {med * 1e3:10.0f} {min(times[label]) * 1e3:9.0f} {base / med:8.2f} "
-                f"{n_ops if n_ops is not None else '':>5}  {quality}",
+                f"{n_ops if n_ops is not None else '':>5} {mib(peaks[label]):>9s} "
+                f"{ratio(peaks[label], peaks['stock']):>8s}  {quality}",
                 flush=True,
             )
             rows[label] = {"median_ms": med * 1e3, "times_ms": [t * 1e3 for t in times[label]], "ratio": base / med}
             rows[label].update({"ops": n_ops, **{k: q[k] for k in ("pixel_identical", "ssim", "psnr", "max_abs_diff")}})
-        results["sizes"][size] = rows
+            rows[label].update({"peak_bytes": peaks[label], "peak_vs_stock": peaks[label] / peaks["stock"]})
+        results["sizes"][f"{height}x{width}"] = rows
     print(
-        f"\n# total {time.perf_counter() - t0:.0f} s; ops = kernel-launching aten ops per decode at {min(args.sizes)}^2"
+        f"\n# total {time.perf_counter() - t0:.0f} s; ops = kernel-launching aten ops per decode at "
+        f"{smallest[0]}x{smallest[1]}; peak = tensor storage one decode allocates and holds at its worst moment "
+        "(weights and latent excluded; testbed/memory.py)"
     )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))

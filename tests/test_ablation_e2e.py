@@ -59,6 +59,10 @@ def test_tiny_leave_one_out_end_to_end(tmp_path, tiny_model_dir):
     from vllm_omni_ascend_opt.ablation.schema import validate
 
     assert validate(res) == []
+    for c in res["configs"]:  # every worker measured its peaks (testbed/memory.py) before its timed samples
+        mem = c["memory"]
+        assert mem["transformer_forward"]["peak"] > 0 and mem["vae_decode"]["peak"] > 0, c["id"]
+    assert "## Peak memory" in (out / "report.md").read_text()
     # Nothing here depends on how busy the machine is. Gates, processes and flags must pass (no FAIL); whether a
     # 0.4 s saving stands out of the noise is the runner's own call, so a busy machine may make it INCONCLUSIVE,
     # and then only for timing reasons.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 
 import numpy as np
@@ -351,3 +352,71 @@ def test_machine_load_summary():
     some = [{**r, "others_cpu": o} for r, o in zip(recs, (0.6, 0.7, 0.2), strict=True)]
     assert stats.machine_load([all_threads, *some], cpu_count=2)["busy"]
     assert stats.machine_load(recs[:0], cpu_count=2)["busy"] is False
+
+
+def test_peak_memory_per_configuration_ratios_and_report_table():
+    """The worker's probe (one per ready event) becomes each configuration's peaks: the largest over its workers, a
+    ratio to stock's from the same run, and a report table; engines that measure nothing leave no table."""
+    from vllm_omni_ascend_opt.ablation import report
+
+    def ready(fwd: int, vae: int) -> dict:
+        return {
+            "type": "ready",
+            "memory": {"transformer_forward": {"peak": fwd, "end": 0}, "vae_decode": {"peak": vae, "end": 1}},
+        }
+
+    mib = 2**20
+    assert stats.peak_memory([{"type": "ready", "memory": None}]) is None  # omni / serve engines
+    assert stats.peak_memory([{"memory": {"error": "boom"}}]) == {"error": "boom"}
+    configs = [
+        {"id": "stock", "memory": stats.peak_memory([ready(100 * mib, 40 * mib), ready(90 * mib, 40 * mib)])},
+        {"id": "full", "memory": stats.peak_memory([ready(80 * mib, 20 * mib)])},
+        {"id": "other", "memory": None},
+    ]
+    assert configs[0]["memory"]["transformer_forward"] == {"peak": 100 * mib, "end": 0}  # the largest over workers
+    stats.add_memory_ratios(configs)
+    assert configs[1]["memory"]["transformer_forward"]["vs_stock"] == 0.8
+    assert configs[1]["memory"]["vae_decode"]["vs_stock"] == 0.5
+    assert configs[0]["memory"]["vae_decode"]["vs_stock"] == 1.0
+    lines = report.memory_section(configs)
+    assert "## Peak memory" in lines
+    assert "| `full` | 80.00 (0.800×) | 20.00 (0.500×) |" in lines
+    assert not any("`other`" in line for line in lines)
+    assert report.memory_section([{"id": "stock", "memory": None}]) == []
+
+
+def test_an_optimization_that_needs_a_vllm_omni_mode_takes_part_only_where_the_workload_sets_it():
+    """Optimization.needs_config (memo_aware_offload: layerwise offload): skipped, with the reason, in a workload
+    whose od_config does not set the mode; in the stack (and left out with what it needs) where it does."""
+    infos = [*INFOS[:3], OptInfo("offl", "exact", needs=("a",), needs_config=(("enable_layerwise_offload", True),))]
+    plan = build_plan(wl(), infos)
+    assert "offl" not in plan.stack
+    assert plan.skipped["offl"] == [
+        "acts only with enable_layerwise_offload=True (a vLLM-Omni mode this workload's od_config does not set)"
+    ]
+    plan = build_plan(wl(od_config={"enable_layerwise_offload": True}), infos)
+    assert plan.stack == ["a", "b", "c", "offl"] and "offl" not in plan.skipped
+    assert "offl" not in plan.config("loo_a").opts  # it acts through a
+
+
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        (
+            {"od_config": {"enable_layerwise_ofload": True}},
+            "OmniDiffusionConfig has no field(s) enable_layerwise_ofload",
+        ),
+        ({"od_config": ["enable_layerwise_offload"]}, "od_config must be a table"),
+        ({"vae_tiling": [32, 32, 24]}, "vae_tiling must be"),
+        ({"vae_tiling": [32, 32, 24, 20]}, "vae_tiling must be"),
+    ],
+)
+def test_memory_mode_workload_values_are_checked(bad, msg):
+    with pytest.raises(WorkloadError, match=re.escape(msg)):
+        from_mapping(bad).validate()
+
+
+def test_shipped_memory_mode_workloads():
+    offload, tiled = load_workload("tiny-cpu-offload"), load_workload("tiny-cpu-tiled")
+    assert offload.od_config == {"enable_layerwise_offload": True} and offload.engine == "testbed"
+    assert tiled.vae_tiling == [32, 32, 24, 24] and tiled.height == tiled.width == 64  # 3x3 tiles of the tiny VAE

@@ -17,6 +17,7 @@ ALL = [
     "qk_norm",
     "fast_modulate",
     "fast_residual",
+    "memo_aware_offload",
 ]
 DEFAULT = [n for n in ALL if n not in ("vae_fast", "fast_modulate", "fast_residual")]
 
@@ -36,6 +37,7 @@ def test_registry_names_and_order():
         "vae_fast": "close",
         "fast_modulate": "close",
         "fast_residual": "close",
+        "memo_aware_offload": "exact",
     }
 
 
@@ -53,7 +55,16 @@ def test_registry_names_and_order():
         ("rope,shared_modulation", ["shared_modulation", "rope"]),  # registry order, not spec order
         (
             "all,-vae_fast,-vae_exact,-joint_attention",
-            ["shared_modulation", "rope", "fused_attention", "nz_weights", "qk_norm", "fast_modulate", "fast_residual"],
+            [
+                "shared_modulation",
+                "rope",
+                "fused_attention",
+                "nz_weights",
+                "qk_norm",
+                "fast_modulate",
+                "fast_residual",
+                "memo_aware_offload",
+            ],
         ),
         ("rope,none", []),  # a later base resets
         ("default,+vae_fast", [n for n in ALL if n in DEFAULT or n == "vae_fast"]),  # registry order

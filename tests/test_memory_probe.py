@@ -38,3 +38,46 @@ def test_in_place_halves_the_peak():
     _, one = measure(_in_place, x)
     assert 4 * N <= one.peak <= 4 * N + SLACK
     assert one.peak < two.peak
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# first_call_peaks: the peak of the first call of a method, deep inside a larger run
+# ----------------------------------------------------------------------------------------------------------------
+class _Allocates(torch.nn.Module):
+    def forward(self, n: int) -> torch.Tensor:
+        return _two_step(torch.zeros(n))  # +4n bytes for the input, then 8n more at the peak: 12n
+
+
+def test_first_call_peaks_measures_only_the_first_call_and_restores_the_method():
+    from vllm_omni_ascend_opt.testbed.memory import first_call_peaks
+
+    m = _Allocates()
+    bound = m.forward
+    with first_call_peaks({"fwd": (m, "forward")}) as peaks:
+        assert peaks == {}
+        m(N)  # measured: 12 N floats at the peak
+        m(4 * N)  # not measured (four times larger)
+    assert 12 * N <= peaks["fwd"].peak <= 12 * N + SLACK  # the first call, not the larger second one
+    assert "forward" not in vars(m) and m.forward == bound  # no instance attribute left behind
+
+    def instance_forward(n: int) -> torch.Tensor:
+        return torch.zeros(n)
+
+    m.forward = instance_forward  # e.g. a hook registry's forward wrapper: wrapped, then put back by identity
+    with first_call_peaks({"fwd": (m, "forward")}) as peaks:
+        m(N)
+    assert 4 * N <= peaks["fwd"].peak <= 4 * N + SLACK
+    assert vars(m)["forward"] is instance_forward
+
+
+def test_pipeline_targets_are_the_transformer_forward_and_the_vae_decode():
+    from types import SimpleNamespace
+
+    from vllm_omni_ascend_opt.testbed.memory import pipeline_targets
+
+    tr, vae = _Allocates(), SimpleNamespace(decode=lambda z: z)
+    assert pipeline_targets(SimpleNamespace(transformer=tr, vae=vae)) == {
+        "transformer_forward": (tr, "forward"),
+        "vae_decode": (vae, "decode"),
+    }
+    assert pipeline_targets(SimpleNamespace(transformer=tr)) == {"transformer_forward": (tr, "forward")}

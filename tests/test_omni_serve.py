@@ -100,7 +100,10 @@ def test_default_server_serves_stock_identical_png_from_its_mp_worker(servers):
     assert np.array_equal(img, ref.image()), "the default stack changed the served image"
     status = servers.status("default")
     assert status["pid"] != d.proc.pid, "the model must live in the mp worker, not the API server process"
-    assert status["installed"] == NPU_FREE_DEFAULT and status["acting_on_pipeline"] == NPU_FREE_DEFAULT
+    # memo_aware_offload is installed (vLLM-Omni imports its offloader everywhere) and does not act without offload
+    assert status["installed"] == [*NPU_FREE_DEFAULT, "memo_aware_offload"]
+    assert status["acting_on_pipeline"] == NPU_FREE_DEFAULT
+    assert "layerwise offload is not enabled" in status["off"]["memo_aware_offload"]
     assert servers.status("stock")["installed"] == []
 
 

@@ -81,7 +81,7 @@ def decoder_calls(vae: nn.Module) -> Iterator[list[str]]:
 
 
 def own_attrs(module: nn.Module) -> set[str]:
-    return {"_decode", "clear_cache", "forward", "_decode_latents"} & set(vars(module))
+    return {"_decode", "tiled_decode", "tile_exec", "clear_cache", "forward", "_decode_latents"} & set(vars(module))
 
 
 def patched_anywhere(pipe_or_vae) -> list[str]:
@@ -106,6 +106,7 @@ def test_direct_vae_bitwise_several_sizes(vaes, dtype):
     api.select("none,+vae_exact", model=vae)
     assert OPT.piece_report(vae) == {
         "single_frame_decode": "",
+        "single_frame_tiles": "",
         "cached_conv_counts": "",
         "upsample_native_dtype": "",
         "pointwise_conv_no_pad": "",
@@ -250,31 +251,130 @@ def test_multi_frame_takes_stock_path(vaes, dtype):
     assert any("multi-frame" in r for r in OPT.fallback_reasons())
 
 
-def test_tiled_and_patch_parallel_paths_unchanged(tiny_pipe):
-    """vae_use_tiling (stock tiled_decode) and the patch-parallel split/exec/merge, run on one rank."""
-    vae = tiny_pipe.vae
-    z = latent(20, 12, torch.float32)
+@contextlib.contextmanager
+def tiling(vae: nn.Module, *tile: int) -> Iterator[None]:
+    """``vae.enable_tiling(*tile)`` for the duration (sample-space min height/width, stride height/width)."""
     saved = (vae.use_tiling, vae.tile_sample_min_height, vae.tile_sample_min_width)
     saved += (vae.tile_sample_stride_height, vae.tile_sample_stride_width)
-
-    def parallel_decode():
-        with torch.no_grad():
-            tasks, grid = vae.tile_split(z)
-            return vae.tile_merge({t.grid_coord: vae.tile_exec(t) for t in tasks}, grid)
-
+    vae.enable_tiling(*tile)
     try:
-        vae.enable_tiling(32, 32, 24, 24)  # 8x8 latent tiles, so a 20x12 latent is tiled
-        ref_tiled, ref_pp = decode(vae, z), parallel_decode()
-        api.select("none,+vae_exact", model=tiny_pipe)
-        got_tiled, got_pp = decode(vae, z), parallel_decode()
-        assert any("tiled decode" in r for r in OPT.fallback_reasons())
+        yield
     finally:
-        api.select("none", model=tiny_pipe)
         vae.use_tiling = saved[0]
         (vae.tile_sample_min_height, vae.tile_sample_min_width) = saved[1:3]
         (vae.tile_sample_stride_height, vae.tile_sample_stride_width) = saved[3:]
+
+
+def parallel_decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """vLLM-Omni's VAE patch parallelism (split / exec / merge), run on one rank."""
+    with torch.no_grad():
+        tasks, grid = vae.tile_split(z)
+        return vae.tile_merge({t.grid_coord: vae.tile_exec(t) for t in tasks}, grid)
+
+
+#: Tiles that really tile the tiny VAE (compression 4): 32 px tiles at a 24 px stride = 8-latent tiles every 6.
+TILES = (32, 32, 24, 24)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_tiled_and_patch_parallel_decodes_bitwise_with_single_frame_tiles(tiny_pipe, dtype):
+    """vae_use_tiling (diffusers' tiled_decode) and the patch-parallel split/exec/merge, on one rank: each tile is
+    decoded without the feature cache (the path ran: no decoder call got a cache), the result is stock's bit for
+    bit, including the edge tiles (a 20x12 latent is 4x2 tiles, the last ones partial) and the blending."""
+    vae = tiny_pipe.vae.to(dtype)
+    z = latent(20, 12, dtype)
+    try:
+        with tiling(vae, *TILES):
+            with decoder_calls(vae) as stock_path:
+                ref_tiled, ref_pp = decode(vae, z), parallel_decode(vae, z)
+            assert stock_path == ["stock"] * 16  # 8 tiles, twice: it really tiles
+            api.select("none,+vae_exact", model=tiny_pipe)
+            assert OPT.piece_report(tiny_pipe)["single_frame_tiles"] == ""
+            with decoder_calls(vae) as path:
+                got_tiled, got_pp = decode(vae, z), parallel_decode(vae, z)
+            assert path == ["single_frame"] * 16
+            assert OPT.stats["tiled_decodes"] == 1 and OPT.stats["tiles"] == 16
+            assert OPT.fallback_reasons() == {}  # no "stock tiled_decode path kept" any more
+    finally:
+        api.select("none", model=tiny_pipe)
+        tiny_pipe.vae.to(torch.float32)
+    assert ref_tiled.shape == (1, 3, 1, 80, 48) and ref_tiled.dtype == dtype
     assert torch.equal(ref_tiled, got_tiled)
     assert torch.equal(ref_pp, got_pp)
+
+
+def test_tiled_decode_keeps_at_most_two_rows_of_tiles(tiny_pipe, monkeypatch):
+    """Stock decodes every tile before blending any; the tiled piece blends each row as soon as it is decoded and
+    drops the row above: at most two rows of decoded tiles are alive at once (counted with weak references), the
+    result is the same and the decode's peak memory is lower (exact, so a test; the ratios are in bench_vae)."""
+    import weakref
+
+    from vllm_omni_ascend_opt.testbed.memory import measure
+
+    vae = tiny_pipe.vae
+    z = latent(40, 12, torch.float32)  # 7 rows of 2 tiles
+    decoded: list[weakref.ref] = []
+    alive: list[int] = []
+    real = vae_exact.decode_tile
+
+    def counting(v: nn.Module, tile: torch.Tensor) -> torch.Tensor:
+        alive.append(sum(r() is not None for r in decoded))  # tiles still alive when the next one is decoded
+        out = real(v, tile)
+        decoded.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(vae_exact, "decode_tile", counting)
+    try:
+        with tiling(vae, *TILES):
+            ref, stock = measure(decode, vae, z)
+            api.select("none,+vae_exact", model=tiny_pipe)
+            got, ours = measure(decode, vae, z)
+            assert OPT.stats["tiles"] == 14
+    finally:
+        api.select("none", model=tiny_pipe)
+    assert torch.equal(ref, got)
+    assert len(alive) == 14 and max(alive) == 3, alive  # two rows of 2, minus the one being replaced, plus one
+    assert ours.peak < stock.peak, (ours.peak, stock.peak)
+
+
+def test_multi_frame_tiled_decode_takes_the_stock_path(tiny_pipe):
+    vae = tiny_pipe.vae
+    z = latent(12, 6, torch.float32, t=3)
+    try:
+        with tiling(vae, *TILES):
+            ref = decode(vae, z)
+            api.select("none,+vae_exact", model=tiny_pipe)
+            got = decode(vae, z)
+            assert OPT.stats["tiled_decodes"] == 0
+            assert any("multi-frame" in r for r in OPT.fallback_reasons())
+    finally:
+        api.select("none", model=tiny_pipe)
+    assert ref.shape[2] == 5 and torch.equal(ref, got)  # 1 + 4 * 1 frames: the time conv ran
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_vae_fast_on_tiles_stays_within_its_gates(tiny_pipe, dtype):
+    """vae_fast acts on each tile (stock's tiled path and vae_exact's alike: every tile is an uncached frame) and
+    the tiled image stays within vae_fast's SSIM / PSNR gates."""
+    from vllm_omni_ascend_opt.metrics import compare_images
+    from vllm_omni_ascend_opt.opts import vae_fast
+
+    vae = tiny_pipe.vae.to(dtype)
+    z = latent(20, 12, dtype)
+    try:
+        with tiling(vae, *TILES):
+            ref = decode(vae, z)
+            for spec in ("none,+vae_fast", "none,+vae_exact,+vae_fast"):
+                api.select(spec, model=tiny_pipe)
+                got = decode(vae, z)
+                q = compare_images(ref[:, :, 0].float(), got[:, :, 0].float())
+                assert not torch.equal(ref, got) or dtype == torch.bfloat16, spec  # fp32: the last tap changes bits
+                assert q["ssim"] >= 0.99 and q["psnr"] >= 35.0, (spec, q)
+                assert vae_fast.OPT.piece_report(tiny_pipe)["conv2d_last_tap"] == ""
+                api.select("none", model=tiny_pipe)
+    finally:
+        api.select("none", model=tiny_pipe)
+        tiny_pipe.vae.to(torch.float32)
 
 
 def test_upsample_verification_refuses_a_wrong_kernel(vaes, monkeypatch):
@@ -483,3 +583,21 @@ def test_tracing_keeps_stock_decode_latents(tiny_pipe, runtime, monkeypatch):
     made.clear()
     run(), run()
     assert made == []  # outside tracing: from the cache
+
+
+def test_tracing_runs_stock_tiled_decode_without_bookkeeping(tiny_pipe, monkeypatch):
+    """Under torch.compile tracing the patched tiled_decode / tile_exec run stock code first thing: every tile
+    through the feature cache, nothing counted."""
+    vae = tiny_pipe.vae
+    z = latent(20, 12, torch.float32)
+    try:
+        with tiling(vae, *TILES):
+            ref = decode(vae, z)
+            api.select("none,+vae_exact", model=tiny_pipe)
+            with monkeypatch.context() as m, decoder_calls(vae) as path:
+                m.setattr(torch.compiler, "is_compiling", lambda: True)
+                got, got_pp = decode(vae, z), parallel_decode(vae, z)
+            assert path == ["stock"] * 16 and OPT.stats["tiles"] == 0 and OPT.fallback_reasons() == {}
+    finally:
+        api.select("none", model=tiny_pipe)
+    assert torch.equal(ref, got) and torch.equal(ref, got_pp)

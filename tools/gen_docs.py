@@ -7,7 +7,8 @@ Each generated block sits between two markers in a Markdown file::
     ...
     <!-- end of generated NAME -->
 
-Blocks: the optimization table in README.md (registry order, tier, default, summary, when it stays off), the patch
+Blocks: the optimization table in README.md (registry order, tier, default, summary, when it stays off) and its
+table of the vLLM-Omni modes that refuse Qwen-Image upstream (``_report.UPSTREAM_UNSUPPORTED_CACHE_BACKENDS``), the patch
 tables in patches/README.md (one patch per optimization, numbered in registry order; the 0.32.0rc1 series with its
 rebase and the open upstream PRs each patch's header names) and the workload list in
 ablations/README.md (every workload shipped in the package, with its description and engine).
@@ -52,6 +53,16 @@ def optimizations_table() -> str:
     return "\n".join(rows)
 
 
+def upstream_modes_table() -> str:
+    """README.md: the vLLM-Omni cache backends that refuse Qwen-Image upstream (``_report``'s one list)."""
+    from vllm_omni_ascend_opt._report import UPSTREAM_UNSUPPORTED_CACHE_BACKENDS
+
+    rows = ["| vLLM-Omni mode | Qwen-Image upstream |", "|---|---|"]
+    for name, why in UPSTREAM_UNSUPPORTED_CACHE_BACKENDS.items():
+        rows.append(f"| `cache_backend={name!r}` | not supported: {_cell(why)} |")
+    return "\n".join(rows)
+
+
 def patch_name(index: int, name: str) -> str:
     """The file name of the maintainers' patch of the ``index``-th optimization (0-based, registry order)."""
     return f"{index + 1:04d}-{name}.patch"
@@ -63,6 +74,9 @@ def patches_table() -> str:
 
     rows = ["| patch | optimization | class | what it changes |", "|---|---|---|---|"]
     for i, opt in enumerate(registry.all_optimizations()):
+        if opt.no_patch_reason:
+            rows.append(f"| none | `{opt.name}` | {opt.equivalence} | no patch: {_cell(opt.no_patch_reason)} |")
+            continue
         rows.append(f"| `{patch_name(i, opt.name)}` | `{opt.name}` | {opt.equivalence} | {_cell(opt.summary)} |")
     return "\n".join(rows)
 
@@ -78,6 +92,9 @@ def rebased_patches_table() -> str:
 
     rows = ["| patch | optimization | class | rebase | open upstream PRs it overlaps |", "|---|---|---|---|---|"]
     for i, opt in enumerate(registry.all_optimizations()):
+        if opt.no_patch_reason:
+            rows.append(f"| none | `{opt.name}` | {opt.equivalence} | no patch (see above) | – |")
+            continue
         name = patch_name(i, opt.name)
         text = (REPO / "patches" / "0.32" / name).read_text()
         base = field(text, "Base")
@@ -103,7 +120,7 @@ def workloads_table() -> str:
 
 
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
-    "README.md": {"optimizations": optimizations_table},
+    "README.md": {"optimizations": optimizations_table, "upstream-modes": upstream_modes_table},
     "patches/README.md": {"patches": patches_table, "patches-0.32": rebased_patches_table},
     "ablations/README.md": {"workloads": workloads_table},
 }

@@ -43,6 +43,14 @@ LOGGER_NAME = "vllm_omni_ascend_opt"
 #: The reason shown for a selected optimization that can act but whose vLLM-Omni modules are not imported yet.
 WAITING = "waits for its vLLM-Omni modules to be imported"
 
+#: vLLM-Omni 0.30 cache backends that refuse Qwen-Image upstream (``diffusion/cache/selector.py``): with them the
+#: model does not run at all, so there is nothing for the plugin to keep. The one source of ``list``'s note and the
+#: README's table (``tools/gen_docs.py``); tests/test_memory_modes.py checks each against the runner.
+UPSTREAM_UNSUPPORTED_CACHE_BACKENDS: dict[str, str] = {
+    "sea_cache": "vLLM-Omni's SeaCache supports Cosmos3 only: loading QwenImagePipeline raises ValueError",
+    "step_cache": "vLLM-Omni's step_cache supports DreamZero only: loading QwenImagePipeline raises ValueError",
+}
+
 logger = logging.getLogger(LOGGER_NAME)
 _announced = False
 _write_lock = threading.Lock()
@@ -70,6 +78,14 @@ def explain(opt: Optimization, model: Any = None) -> list[str]:
     """Why ``opt`` does not act (empty: it does): the plugin's reasons (selection, flag, version), then the
     optimization's own for this process or for ``model``."""
     return list(dict.fromkeys(STATE.reasons(opt.name) + opt.reasons_inactive(model)))
+
+
+def mode_notes() -> list[str]:
+    """Facts about vLLM-Omni's modes that hold whatever the plugin does (``list`` prints them)."""
+    return [
+        f"cache_backend={name!r} does not support Qwen-Image upstream: {why}"
+        for name, why in UPSTREAM_UNSUPPORTED_CACHE_BACKENDS.items()
+    ]
 
 
 def installed() -> list[str]:

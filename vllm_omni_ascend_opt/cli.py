@@ -10,7 +10,7 @@ import logging
 import sys
 import textwrap
 
-from vllm_omni_ascend_opt import _plugin, api, flags
+from vllm_omni_ascend_opt import _plugin, _report, api, flags
 from vllm_omni_ascend_opt._state import STATE
 from vllm_omni_ascend_opt._version import __version__
 
@@ -27,6 +27,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
                     "vllm_omni": _plugin.installed_version("vllm-omni"),
                     "vllm": _plugin.installed_version("vllm"),
                     "optimizations": rows,
+                    "mode_notes": _report.mode_notes(),
                 },
                 indent=2,
             )
@@ -64,6 +65,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
             if v != "supported":  # "off: <reason>"
                 why = v.split(":", 1)[1].strip() if v.startswith("off:") else v
                 print(textwrap.fill(f"{m}: {why}", 110, initial_indent="    off in ", subsequent_indent="          "))
+    print("\nvLLM-Omni modes:")
+    for note in _report.mode_notes():
+        print(textwrap.fill(note, 110, initial_indent="  - ", subsequent_indent="    "))
     return 1 if STATE.config_error else 0
 
 

@@ -115,6 +115,11 @@ class Optimization:
     #: Optimizations this one acts through (it does nothing without them): inactive with their reasons when they
     #: are, and the ablation planner keeps them in every configuration that has this one.
     needs: ClassVar[tuple[str, ...]] = ()
+    #: ``OmniDiffusionConfig`` fields (name -> value) without which it has nothing to act on (e.g.
+    #: ``enable_layerwise_offload``): the ablation planner leaves it out of workloads that do not set them.
+    needs_config: ClassVar[dict[str, Any]] = {}
+    #: Why it has no maintainers' patch in ``patches/`` (empty: it has one; tests/test_patches.py checks both).
+    no_patch_reason: ClassVar[str] = ""
     #: The upstream functions it patches, replaces or mirrors, with the source fingerprints it knows per vLLM-Omni
     #: release (:mod:`vllm_omni_ascend_opt.blocks.upstream`): it installs where each matches a known fingerprint,
     #: and stays off with the function and the versions it knows where one differs (unless forced).

@@ -23,6 +23,7 @@ from vllm_omni_ascend_opt.opts import (
     fast_residual,
     fused_attention,
     joint_attention,
+    memo_aware_offload,
     nz_weights,
     qk_norm,
     rope,
@@ -43,6 +44,7 @@ BUILTIN: tuple[Optimization, ...] = (
     qk_norm.OPT,
     fast_modulate.OPT,
     fast_residual.OPT,
+    memo_aware_offload.OPT,
 )
 
 

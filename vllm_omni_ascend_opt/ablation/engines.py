@@ -5,7 +5,9 @@ None when unknown), ``model_reasons(name)`` (why an optimization is off) and ``c
 (:mod:`.worker`) drives them over the line protocol.
 
 * ``testbed``: vLLM-Omni's own ``QwenImagePipeline``, built by vLLM-Omni's ``DiffusersPipelineLoader`` in this process
-  (the test bed's runtime; CPU, or the accelerator when one is visible). Each generation is timed between device
+  (the test bed's runtime; CPU, or the accelerator when one is visible); with the workload's ``od_config`` (memory and
+  cache modes) through vLLM-Omni's own ``DiffusionModelRunner`` (``testbed/runner.py``), which applies them and runs
+  each request (``execute_model``), and with ``vae_tiling`` the VAE's tile size set after load. Each generation is timed between device
   synchronizations, and so is each stage: ``encode_prompt`` (text encode), ``diffuse`` (denoise) and
   ``_decode_latents`` (unpack + VAE decode), wrapped on this pipeline instance only. (vLLM-Omni's
   ``DiffusionPipelineProfilerMixin`` times ``text_encoder.forward`` rather than the whole prompt encoding and
@@ -102,6 +104,7 @@ class TestbedEngine:
         self.job = job
         self.device = pick_device()
         self.stages: dict[str, float] = {}
+        self.harness: Any = None
 
     def load(self) -> None:
         import torch
@@ -111,7 +114,19 @@ class TestbedEngine:
 
         dtype = getattr(torch, self.job["dtype"])
         self.rt = init_cpu_runtime(self.job["model_path"], dtype=dtype)
-        self.pipe = load_pipeline(self.rt, device=self.device)
+        modes = dict(self.job.get("od_config") or {})
+        tiles = self.job.get("vae_tiling")
+        if tiles:
+            modes.setdefault("vae_use_tiling", True)
+        if modes:  # vLLM-Omni's memory / cache modes: its own runner applies them (offload, cache backend, ...)
+            from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
+
+            self.harness = RunnerHarness.load(self.rt, device=self.device, **modes)
+            self.pipe = self.harness.pipeline
+        else:
+            self.pipe = load_pipeline(self.rt, device=self.device)
+        if tiles:
+            self.pipe.vae.enable_tiling(*tiles)
         if hasattr(self.pipe, "set_progress_bar_config"):
             self.pipe.set_progress_bar_config(disable=True)
         for method, stage in (
@@ -170,7 +185,10 @@ class TestbedEngine:
         with self.rt.context(), torch.no_grad():
             self._sync()
             c0, t0 = time.process_time(), time.perf_counter()
-            outs = run_forward(self.pipe, req)
+            if self.harness is not None:  # the runner refreshes the cache backend per request
+                outs = self.harness.runner.execute_model(req.requests[0])
+            else:
+                outs = run_forward(self.pipe, req)
             self._sync()
             total = (time.perf_counter() - t0) * 1e3
             cpu = (time.process_time() - c0) * 1e3
@@ -185,8 +203,21 @@ class TestbedEngine:
             cpu_ms=cpu,
         )
 
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Peak bytes of one transformer forward and one VAE decode on a warm request (``testbed/memory.py``): one
+        untimed generation fills the caches, the next one is measured (its first transformer forward and its VAE
+        decode). Called once per worker, before it reports ready; never part of a timed sample."""
+        from vllm_omni_ascend_opt.testbed.memory import first_call_peaks, pipeline_targets
+
+        prompt, seed = self.job["prompts"][0], int((self.job.get("seeds") or [0])[0])
+        self.generate(prompt, seed)
+        with first_call_peaks(pipeline_targets(self.pipe), device=self.device) as peaks:
+            self.generate(prompt, seed)
+        return {label: {"peak": p.peak, "end": p.end} for label, p in peaks.items()}
+
     def close(self) -> None:
-        pass
+        if self.harness is not None:
+            self.harness.close()
 
 
 #: vLLM-Omni profiler stage names (suffixes of ``<Pipeline>.<path>``) -> our stage names.
@@ -257,6 +288,7 @@ class OmniEngine(_StatusFileMixin):
             "enforce_eager": bool(j["enforce_eager"]),
             "enable_diffusion_pipeline_profiler": True,
         }
+        kwargs.update(j.get("od_config") or {})  # the workload's vLLM-Omni modes
         kwargs.update(j.get("omni_kwargs") or {})
         self.omni = Omni(**kwargs)
 

@@ -35,6 +35,8 @@ class OptInfo:
     close_gates: tuple[float, float] | None = None
     #: Optimizations it acts through (Optimization.needs): kept in every configuration that has it.
     needs: tuple[str, ...] = ()
+    #: OmniDiffusionConfig fields it needs to have anything to act on (Optimization.needs_config).
+    needs_config: tuple[tuple[str, Any], ...] = ()
 
 
 def opt_infos_from_registry() -> list[OptInfo]:
@@ -48,7 +50,12 @@ def opt_infos_from_registry() -> list[OptInfo]:
         except Exception as exc:  # a broken probe is itself a reason
             reasons = (f"reasons_inactive() raised {exc!r}",)
         gates = tuple(opt.close_gates) if opt.close_gates is not None else None
-        out.append(OptInfo(opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary, gates, tuple(opt.needs)))
+        needs_config = tuple(sorted(opt.needs_config.items()))
+        out.append(
+            OptInfo(
+                opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary, gates, tuple(opt.needs), needs_config
+            )
+        )
     return out
 
 
@@ -219,6 +226,10 @@ def build_plan(
             skipped[n] = ["excluded by --skip"]
         elif info.reasons_inactive:
             skipped[n] = list(info.reasons_inactive)
+        elif unmet := [f"{k}={v!r}" for k, v in info.needs_config if workload.od_config.get(k) != v]:
+            skipped[n] = [
+                f"acts only with {', '.join(unmet)} (a vLLM-Omni mode this workload's od_config does not set)"
+            ]
         elif not info.default_enabled and workload.stack != "all" and n not in only_l:
             skipped[n] = [
                 f"off by default ({info.equivalence}); include it with --stack all or --only {n}",

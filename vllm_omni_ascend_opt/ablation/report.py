@@ -248,6 +248,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| `{c['id']}` | {opts} | {c['status']} | {tot} | {st} | {gate_cell(c.get('vs_stock'))} | "
             f"{gate_cell(c.get('vs_full'))} | {stable} |"
         )
+    lines += memory_section(results["configs"])
     if plan["skipped"]:
         lines += ["", "## Not in this run", "", "| optimization | why |", "|---|---|"]
         for n, why in plan["skipped"].items():
@@ -276,6 +277,46 @@ def markdown(results: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+#: Measured calls of the memory table, in column order, with their titles.
+MEMORY_CALLS = {"transformer_forward": "transformer forward", "vae_decode": "VAE decode"}
+
+
+def memory_section(configs: list[dict[str, Any]]) -> list[str]:
+    """The peak-memory table (MiB and ratio to stock per measured call); empty when no worker measured."""
+    measured = [c for c in configs if c.get("memory")]
+    if not measured:
+        return []
+    cols = [f"{t} peak MiB (× stock)" for t in MEMORY_CALLS.values()]
+    lines = [
+        "",
+        "## Peak memory",
+        "",
+        "Bytes of tensor storage allocated by one call and alive at its worst moment, over what existed before it "
+        "(weights and inputs excluded; `testbed/memory.py`), on a warm request: one per configuration, before "
+        "its timed samples.",
+        "",
+        "| configuration | " + " | ".join(cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for c in measured:
+        mem = c["memory"]
+        if "error" in mem:
+            lines.append(
+                f"| `{c['id']}` | " + " | ".join(["probe failed: " + str(mem["error"])[:80]] * len(cols)) + " |"
+            )
+            continue
+        cells = []
+        for label in MEMORY_CALLS:
+            m = mem.get(label)
+            if not m:
+                cells.append("–")
+                continue
+            r = m.get("vs_stock")
+            cells.append(f"{m['peak'] / 2**20:.2f}" + ("" if r is None else f" ({r:.3f}×)"))
+        lines.append(f"| `{c['id']}` | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_markdown(results: dict[str, Any], out: Path) -> Path:

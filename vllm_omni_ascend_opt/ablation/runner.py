@@ -106,8 +106,11 @@ class Runner:
             "negative_prompt": wl.negative_prompt,
             "image": wl.image,
             "prompts": list(wl.prompts),
+            "seeds": list(wl.seeds),
             "max_sequence_length": wl.seq_len(),
             "enforce_eager": wl.enforce_eager,
+            "od_config": dict(wl.od_config),
+            "vae_tiling": list(wl.vae_tiling) if wl.vae_tiling else None,
             "threads": wl.threads,
             "imports": list(self.plan.extra_imports),
         }
@@ -206,6 +209,7 @@ class Runner:
                 "load_s": ev.get("load_s"),
                 "env": ev.get("env"),
                 "active": ev.get("active"),
+                "memory": ev.get("memory"),
             }
         )
 

@@ -122,6 +122,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
             "load_s": [Opt(NUM)],
             "pids": [Opt(int)],
             "active_in_worker": Opt([STR]),
+            "memory": Opt(dict),
             "outputs_stable_across_rounds": Opt(bool),
             "images": dict,
             "vs_stock": CHECK,

@@ -213,6 +213,39 @@ def compare_configs(
 # ----------------------------------------------------------------------------------------------------------------
 # everything
 # ----------------------------------------------------------------------------------------------------------------
+def peak_memory(ready: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A configuration's peak bytes per measured call (``transformer_forward``, ``vae_decode``: the worker's probe,
+    ``testbed/memory.py``) over its workers: the largest peak and end seen (every worker measures the same warm
+    request, so they agree unless something else differs). None when no worker measured (``omni`` / ``serve``)."""
+    out: dict[str, Any] = {}
+    errors = []
+    for r in ready:
+        mem = r.get("memory")
+        if not isinstance(mem, dict):
+            continue
+        if "error" in mem:
+            errors.append(str(mem["error"]))
+            continue
+        for label, m in mem.items():
+            cur = out.setdefault(label, {"peak": 0, "end": 0})
+            cur["peak"] = max(cur["peak"], int(m["peak"]))
+            cur["end"] = max(cur["end"], int(m["end"]))
+    if errors and not out:
+        return {"error": errors[-1]}
+    return out or None
+
+
+def add_memory_ratios(configs: list[dict[str, Any]]) -> None:
+    """``memory[label]["vs_stock"]``: each configuration's peak over stock's, measured in the same run."""
+    stock = next((c.get("memory") for c in configs if c["id"] == "stock"), None) or {}
+    for c in configs:
+        for label, m in (c.get("memory") or {}).items():
+            if label == "error":
+                continue
+            base = (stock.get(label) or {}).get("peak")
+            m["vs_stock"] = m["peak"] / base if base else None
+
+
 def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interrupted: bool = False) -> dict[str, Any]:
     """The ``analysis`` part of results.json (see docs/ablation.md)."""
     wl = plan.workload
@@ -267,6 +300,7 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
             "load_s": [x.get("load_s") for x in ready.get(c.id, [])],
             "pids": [x.get("pid") for x in ready.get(c.id, [])],
             "active_in_worker": (ready.get(c.id) or [{}])[-1].get("active"),
+            "memory": peak_memory(ready.get(c.id, [])),
             "outputs_stable_across_rounds": all(len(v) == 1 for v in shas.get(c.id, {}).values())
             if shas.get(c.id)
             else None,
@@ -280,6 +314,8 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
             diff = ref_opts ^ set(c.opts)
             entry[key] = compare_configs(plan, out_root, ref, c.id, _class_of(plan, diff) if diff else "exact", diff)
         configs.append(entry)
+
+    add_memory_ratios(configs)
 
     # optimizations
     opts = []

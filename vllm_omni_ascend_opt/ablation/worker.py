@@ -110,6 +110,18 @@ def load_plugin_like_vllm_omni() -> None:
         raise RuntimeError(f"the plugin rejected its flags: {STATE.config_error}")
 
 
+def measure_memory(engine: Any) -> dict[str, Any] | None:
+    """The engine's peak bytes of one transformer forward and one VAE decode (None when its model lives in another
+    process: ``omni`` / ``serve``). A failed probe is reported, not fatal: the timings do not depend on it."""
+    probe = getattr(engine, "memory", None)
+    if probe is None:
+        return None
+    try:
+        return probe()
+    except Exception as exc:
+        return {"error": _error(exc)}
+
+
 def serve(job: dict[str, Any], proto_out: Any, commands: Any) -> int:
     """Start up, report ready, answer commands. Returns the process exit code."""
     try:
@@ -138,6 +150,7 @@ def serve(job: dict[str, Any], proto_out: Any, commands: Any) -> int:
             parts = [f"{n} is off ({'; '.join(r) or 'no reason given'})" for n, r in missing.items()]
             parts += [f"{n} is active but was not requested" for n in extra]
             raise RuntimeError("the worker's optimizations differ from the configuration: " + "; ".join(parts))
+        memory = measure_memory(engine)
         send(
             proto_out,
             {
@@ -147,6 +160,7 @@ def serve(job: dict[str, Any], proto_out: Any, commands: Any) -> int:
                 "load_s": load_s,
                 "env": environment(engine.device),
                 "active": active,
+                "memory": memory,
             },
         )
     except BaseException as exc:  # report anything, then exit non-zero

@@ -71,6 +71,16 @@ class Workload:
     max_sequence_length: int | None = None
     #: Passed to ``Omni(enforce_eager=...)``; the test-bed engine is always eager.
     enforce_eager: bool = True
+    #: vLLM-Omni memory / cache modes: ``OmniDiffusionConfig`` fields (``enable_layerwise_offload``,
+    #: ``enable_cpu_offload``, ``vae_use_tiling``, ``vae_use_slicing``, ``cache_backend``, ``cache_config``...). The
+    #: ``testbed`` engine then loads through vLLM-Omni's own ``DiffusionModelRunner`` (which applies them, on CPU
+    #: with ``pin_cpu_memory=False``); ``omni`` passes them to ``Omni(...)``. Optimizations that need a mode
+    #: (``Optimization.needs_config``) take part only in workloads that set it.
+    od_config: dict[str, Any] = field(default_factory=dict)
+    #: VAE tile size, ``[min height, min width, stride height, stride width]`` in pixels: ``vae.enable_tiling(...)``
+    #: after load (no config field sets it; vLLM-Omni's default 256-px tiles do not tile small images). Implies
+    #: ``vae_use_tiling``. ``testbed`` engine only.
+    vae_tiling: list[int] | None = None
     mode: str = "leave-one-out"
     #: ``default``: the full stack is the default-on optimizations; ``all``: every active one.
     stack: str = "default"
@@ -172,6 +182,29 @@ class Workload:
                 problems.append(f"model {self.model!r} is not one of the embedded ones ({', '.join(variants)})")
             elif self.tiny_spec().image_input and not self.image:
                 problems.append(f"model {self.model!r} edits an input image: set image (a path or 'sample')")
+        if not isinstance(self.od_config, dict):
+            problems.append(f"od_config must be a table of OmniDiffusionConfig fields (got {self.od_config!r})")
+        elif self.od_config:
+            from dataclasses import fields as dc_fields
+
+            try:
+                from vllm_omni.diffusion.data import OmniDiffusionConfig
+            except ImportError:  # the planner runs without vLLM-Omni in some tests: the worker checks then
+                known = None
+            else:
+                known = {f.name for f in dc_fields(OmniDiffusionConfig)}
+            bad = sorted(k for k in self.od_config if known is not None and k not in known)
+            if bad:
+                problems.append(f"od_config: OmniDiffusionConfig has no field(s) {', '.join(bad)}")
+        if self.vae_tiling is not None and (
+            not isinstance(self.vae_tiling, list)
+            or len(self.vae_tiling) != 4
+            or not all(isinstance(v, int) and v > 0 and v % 8 == 0 for v in self.vae_tiling)
+        ):
+            problems.append(
+                f"vae_tiling must be [min height, min width, stride height, stride width], positive multiples of 8 "
+                f"(got {self.vae_tiling!r})"
+            )
         if self.image is not None and (not isinstance(self.image, str) or not self.image.strip()):
             problems.append(f"image must be a file path or 'sample' (got {self.image!r})")
         if problems:
@@ -192,7 +225,7 @@ def from_mapping(data: dict[str, Any], name: str = "custom", base: Workload | No
     wl = dataclasses.replace(base or Workload(), **data)
     if "name" not in data:
         wl.name = name
-    for key in ("prompts", "seeds"):
+    for key in ("prompts", "seeds", "vae_tiling"):
         v = getattr(wl, key)
         if isinstance(v, tuple):
             setattr(wl, key, list(v))

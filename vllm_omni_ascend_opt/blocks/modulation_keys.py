@@ -6,7 +6,7 @@ Shared by ``shared_modulation`` (its memo, :mod:`.modulation_memo`, and its per-
 checks the memo makes per call (:func:`unkeyable_reasons`), not a guess from the weights between forwards.
 
 * :func:`linear_sig`: what a modulation projection's output depends on besides its input (weights by identity,
-  version counter, shape, dtype and device -- not storage, see its docstring; quantization method; vLLM LoRA
+  version counter, dtype and device -- not storage nor shape, see its docstring; quantization method; vLLM LoRA
   state). Raises :class:`Unkeyable` for
   anything it cannot vouch for (not a ReplicatedLinear, inference-tensor weights, autograd recording).
 * :func:`numerical_settings`: process state that changes what the same projection computes (matmul precision,
@@ -131,13 +131,16 @@ def sig_tensors(lin: nn.Module) -> list[torch.Tensor]:
 
 
 def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
-    """What a linear's output depends on besides its input: weights (identity, version counter, shape, dtype,
-    device), quantization method and vLLM LoRA state. Only replicated projections (no collective inside, identical
+    """What a linear's output depends on besides its input: weights (identity, version counter, dtype, device),
+    quantization method and vLLM LoRA state. Only replicated projections (no collective inside, identical
     on every rank): vLLM's ReplicatedLinear, plain or LoRA-wrapped. Kept cheap: it runs for every block of every
     forward.
 
     Not the storage: vLLM-Omni's layerwise offload gives every block fresh storage each forward (``w.data = ...``,
-    same values, same Parameter, same version). What changes values behind (identity, version) is announced instead:
+    same values, same Parameter, same version), and a zero-element placeholder of shape ``(0,)`` between forwards;
+    ``memo_aware_offload`` leaves those placeholders in the blocks whose modulation the memo serves, and asks the memo
+    at block 0 while blocks 1..N-1 still hold them. So not the shape either: a shape only changes with the storage
+    (``.data = ...``, ``set_``). What changes values behind (identity, version) is announced instead:
     ``load_weights`` and the registry's weights-changed event clear the memo. The identities are only compared
     while the tensors are alive (the memo keeps weak references: an id cannot be reused meanwhile)."""
     d = lin.__dict__
@@ -154,7 +157,7 @@ def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
             # vLLM's parameter classes are Tensor subclasses: plain attribute reads would go through
             # __torch_function__ (~1 us each); these reads are metadata only.
             with torch._C.DisableTorchFunctionSubclass():
-                sig.append((id(t), t._version, t.shape, t.dtype, t.device))
+                sig.append((id(t), t._version, t.dtype, t.device))
         except RuntimeError as exc:
             if t.is_inference():
                 raise Unkeyable(

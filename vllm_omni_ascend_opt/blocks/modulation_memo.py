@@ -491,3 +491,18 @@ class ModulationMemo:
         mods = ((1 + scale)[:, None, :], shift[:, None, :].clone(memory_format=torch.contiguous_format))
         self._store(entry, key, norm, sig, mods, sum(t.numel() * t.element_size() for t in mods), (norm.linear,))
         return mods, None
+
+    # ----- read-only queries (memo_aware_offload) ---------------------------------------------------------------
+    def has_block(self, block: nn.Module, temb: torch.Tensor) -> bool:
+        """Whether :meth:`block` would return ``block``'s memoized modulation for ``temb`` right now, with the
+        block's parameters as they are (a hit): nothing is computed, stored or counted as a hit or a miss (a new
+        ``temb`` is digested once, as :meth:`block` would). Single-segment blocks; False for anything :meth:`block`
+        would not serve from the memo."""
+        if self._precheck(temb):
+            return False
+        try:
+            _img, _txt, kinds, sig_img, sig_txt = block_parts(block)
+        except Unkeyable:
+            return False
+        entry = self._resolve(temb)
+        return self._lookup(entry, ("block", id(block)), block, (sig_img, sig_txt, kinds)) is not None

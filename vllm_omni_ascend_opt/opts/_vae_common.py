@@ -8,9 +8,9 @@ the instances' own ``__dict__`` (``vae._decode``, ``vae.clear_cache``, ``submodu
 so that ``detach`` restores the class attribute by identity. ``vae.decode`` itself is never touched: vLLM-Omni's
 pipeline profiler wraps it per instance.
 
-The two optimizations patch disjoint attributes (``vae_exact``: ``_decode``, ``clear_cache``, upsample and 1x1x1
-convolution forwards, ``_decode_latents``; ``vae_fast``: 3x3x3 / 3x1x1 causal convolution and RMS-norm forwards),
-so they compose in any attach/detach order.
+The two optimizations patch disjoint attributes (``vae_exact``: ``_decode``, ``tiled_decode``, ``tile_exec``,
+``clear_cache``, upsample and 1x1x1 convolution forwards, ``_decode_latents``; ``vae_fast``: 3x3x3 / 3x1x1 causal
+convolution and RMS-norm forwards), so they compose in any attach/detach order.
 
 Every patched function asks :func:`vllm_omni_ascend_opt.blocks.guards.tracing` first and, while torch.compile
 traces, runs the stock code without bookkeeping (no fallback counted, no verdict read, no cache built or read).

@@ -12,8 +12,14 @@ How (per instance, through the instances' own ``__dict__``; the classes are unto
     * ``single_frame_decode`` - ``vae._decode``: for a non-tiled single-frame latent, run the decoder with
       ``feat_cache=None``. For the first (and only) frame every cache slot is ``None``, so each causal conv already
       runs ``conv(x, None)`` and each ``upsample3d`` skips its ``time_conv``: the cache-less path is the same
-      computation minus the clones written for a frame that never comes. Multi-frame and tiled / patch-parallel
-      decodes take the stock path (``fallbacks`` counts them, with the reason).
+      computation minus the clones written for a frame that never comes. A tiled decode is handed to
+      ``tiled_decode`` exactly as stock's ``_decode`` does; multi-frame decodes take the stock path (``fallbacks``
+      counts them, with the reason).
+    * ``single_frame_tiles`` - ``vae.tiled_decode`` (``vae_use_tiling``) and ``vae.tile_exec`` (vLLM-Omni's VAE
+      patch parallelism): each single-frame tile is decoded as above, without the feature cache. The tiles, the
+      blending (stock's own ``blend_v`` / ``blend_h``, in stock's order, on the same tile tensors) and the crops are
+      stock's; the tiles of a row are blended as soon as the row is decoded and a row is dropped once the next one
+      is blended (stock decodes every tile before blending any), so fewer decoded tiles are alive at once.
     * ``cached_conv_counts`` - ``vae.clear_cache``: use ``_cached_conv_counts`` (computed by diffusers' own
       ``__init__``; checked against a fresh count at attach) instead of walking the module tree.
     * ``upsample_native_dtype`` - each ``QwenImageUpsample.forward``: nearest(-exact) interpolation only copies
@@ -30,7 +36,7 @@ Upstream PR
     None yet. diffusers computes ``_cached_conv_counts`` but 0.40's ``clear_cache`` does not use it; the cache
     clones and the fp32 upsample round trip come from the video (Wan) VAE.
 Removal plan
-    Drop each piece when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes, uses the
+    Drop each piece when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes (tiles too), uses the
     cached counts and interpolates in the input dtype; drop ``latents_stats_cache`` when vLLM-Omni caches them.
 """
 
@@ -92,14 +98,17 @@ def tiling_applies(vae: nn.Module, z: torch.Tensor) -> bool:
 
 
 def single_frame_refusal(vae: nn.Module, z: torch.Tensor) -> str:
-    """Why ``z`` must take the stock ``_decode`` ("" when the cache-less single-frame path applies)."""
+    """Why ``z`` must take the stock ``_decode`` ("" when the cache-less single-frame path applies). A tiled
+    decode is not refused here: ``_decode`` hands it to ``tiled_decode`` as stock does (``single_frame_tiles``)."""
     if z.dim() != 5:
         return f"latent of {z.dim()} dims (expected [B, C, T, H, W])"
     if z.shape[2] != 1:
-        return f"multi-frame latent (T = {z.shape[2]}): the feature cache carries state between frames"
-    if tiling_applies(vae, z):
-        return "tiled decode (vae_use_tiling / VAE patch parallelism): stock tiled_decode path kept"
+        return multi_frame_reason(z.shape[2])
     return ""
+
+
+def multi_frame_reason(frames: int) -> str:
+    return f"multi-frame latent (T = {frames}): the feature cache carries state between frames"
 
 
 def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
@@ -110,6 +119,8 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
     def _decode(self: nn.Module, z: torch.Tensor, return_dict: bool = True) -> Any:
         if guards.tracing():  # first: stock code, no bookkeeping while dynamo traces
             return original(z, return_dict=return_dict)
+        if z.dim() == 5 and tiling_applies(self, z):
+            return self.tiled_decode(z, return_dict=return_dict)  # stock's hand-over (single_frame_tiles acts there)
         why = single_frame_refusal(self, z)
         if why:
             opt.fallback(why)
@@ -117,6 +128,7 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
         # Stock: clear_cache(); post_quant_conv(z); decoder(x[:, :, 0:1], feat_cache=all None); clamp; clear_cache().
         # x[:, :, 0:1] of a one-frame x is x itself, and with every cache slot None the decoder computes exactly
         # what it computes with feat_cache=None, minus the clones it would store for a next frame.
+        opt.stats["single_frame_decodes"] += 1
         x = self.post_quant_conv(z)
         out = self.decoder(x)
         out = torch.clamp(out, min=-1.0, max=1.0)
@@ -126,6 +138,101 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
         return DecoderOutput(sample=out)
 
     return _decode
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# single_frame_tiles
+# ------------------------------------------------------------------------------------------------------------------
+def tiles_refusal(vae: nn.Module) -> str:
+    """Why the tiled decode of ``vae`` keeps stock code ("" when ``single_frame_tiles`` can act)."""
+    mod = diffusers_vae()
+    known = {mod.AutoencoderKLQwenImage.tiled_decode}
+    dist = sys.modules.get(_targets.DIST_VAE)
+    if dist is not None:
+        known.add(dist.DistributedAutoencoderKLQwenImage.tiled_decode)
+    if getattr(type(vae), "tiled_decode", None) not in known:
+        return f"{type(vae).__name__} overrides tiled_decode"
+    if "tiled_decode" in vars(vae) or "tile_exec" in vars(vae):
+        return "tiled_decode / tile_exec is already replaced on this instance"
+    return ""
+
+
+def decode_tile(vae: nn.Module, tile: torch.Tensor) -> torch.Tensor:
+    """One single-frame tile as stock's tiled decode computes it (``clear_cache``; ``post_quant_conv``; decoder with
+    every cache slot None), without the feature cache: the same computation minus the clones for a next frame."""
+    return vae.decoder(vae.post_quant_conv(tile))
+
+
+def tiled_decode_single_frame(opt: VaeExact, vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """diffusers 0.40 ``AutoencoderKLQwenImage.tiled_decode`` for a one-frame latent, bitwise.
+
+    Same tiles (latent windows at the same strides), each decoded by :func:`decode_tile` (stock: ``cat`` of the one
+    frame, a copy of the same values); the same blending: stock blends, after decoding every tile, each tile with
+    the blended tile above (``blend_v``) and the blended tile to its left (``blend_h``), in place on the stored
+    tiles, row by row. Here row ``i`` is blended as soon as it is decoded, when row ``i - 1`` is already blended:
+    every tile sees the same operations on the same values in the same order. Row ``i - 1`` is then dropped (only
+    row ``i``'s ``blend_v`` reads it); the crops are concatenated as stock does."""
+    _, _, _, height, width = z.shape
+    ratio = vae.spatial_compression_ratio
+    min_h, min_w = vae.tile_sample_min_height // ratio, vae.tile_sample_min_width // ratio
+    stride_h, stride_w = vae.tile_sample_stride_height // ratio, vae.tile_sample_stride_width // ratio
+    blend_height = vae.tile_sample_min_height - vae.tile_sample_stride_height
+    blend_width = vae.tile_sample_min_width - vae.tile_sample_stride_width
+    above: list[torch.Tensor] | None = None
+    result_rows = []
+    for i in range(0, height, stride_h):
+        row = [decode_tile(vae, z[:, :, 0:1, i : i + min_h, j : j + min_w]) for j in range(0, width, stride_w)]
+        opt.stats["tiles"] += len(row)
+        result_row = []
+        for j, tile in enumerate(row):
+            if above is not None:
+                tile = vae.blend_v(above[j], tile, blend_height)
+            if j > 0:
+                tile = vae.blend_h(row[j - 1], tile, blend_width)
+            result_row.append(tile[:, :, :, : vae.tile_sample_stride_height, : vae.tile_sample_stride_width])
+        result_rows.append(torch.cat(result_row, dim=-1))
+        above = row
+    vae.clear_cache()  # stock leaves a fresh cache after its tiles
+    return torch.cat(result_rows, dim=3)[:, :, :, : height * ratio, : width * ratio]
+
+
+def _make_tiled_decode(opt: VaeExact, vae: nn.Module) -> Any:
+    from diffusers.models.autoencoders.vae import DecoderOutput
+
+    original = vae.tiled_decode
+
+    def tiled_decode(self: nn.Module, z: torch.Tensor, return_dict: bool = True) -> Any:
+        if guards.tracing():  # first: stock tiled_decode, nothing counted while dynamo traces
+            return original(z, return_dict=return_dict)
+        distributed = getattr(self, "is_distributed_enabled", None)
+        if callable(distributed) and distributed():
+            return original(z, return_dict=return_dict)  # vLLM-Omni's executor: its tiles go through tile_exec
+        if refused := single_frame_refusal(self, z):
+            opt.fallback(refused)
+            return original(z, return_dict=return_dict)
+        opt.stats["tiled_decodes"] += 1
+        dec = tiled_decode_single_frame(opt, self, z)
+        return (dec,) if not return_dict else DecoderOutput(sample=dec)
+
+    return tiled_decode
+
+
+def _make_tile_exec(opt: VaeExact, vae: nn.Module) -> Any:
+    original = vae.tile_exec
+
+    def tile_exec(self: nn.Module, task: Any) -> torch.Tensor:
+        """vLLM-Omni's ``tile_exec`` (``clear_cache``; decode each frame of the tile with the cache; ``cat``) for a
+        one-frame tile: :func:`decode_tile`. The merge clears the cache itself (``tile_merge``)."""
+        if guards.tracing():
+            return original(task)
+        frames = list(task.tensor)
+        if len(frames) != 1 or frames[0].dim() != 5:
+            opt.fallback(multi_frame_reason(len(frames)))
+            return original(task)
+        opt.stats["tiles"] += 1
+        return decode_tile(self, frames[0])
+
+    return tile_exec
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -312,6 +419,9 @@ class VaeExact(VaeOptimization):
         same(_targets.DIFFUSERS_VAE, "QwenImageUpBlock.forward", "a1729c9f7cb2d237"),
         same(_targets.DIFFUSERS_VAE, "QwenImageDecoder3d.forward", "b1966dcbe8cbcae3"),
         same(_targets.DIST_VAE, "DistributedAutoencoderKLQwenImage.tiled_decode", "96ab08c2ad536cb8"),
+        # single_frame_tiles mirrors these two (tiles, blend order, crops; the tile decode without the cache clones)
+        same(_targets.DIFFUSERS_VAE, "AutoencoderKLQwenImage.tiled_decode", "e738fe5a0cf065e9"),
+        same(_targets.DIST_VAE, "DistributedAutoencoderKLQwenImage.tile_exec", "50aec6f1ba18ab37"),
         same(_targets.PIPELINE, "QwenImagePipeline._decode_latents", "61e30597d68a52fb"),
     )
     on_qwen_image_21 = QWEN_IMAGE_21_REFUSAL
@@ -321,6 +431,7 @@ class VaeExact(VaeOptimization):
     )
     pieces = (
         "single_frame_decode",
+        "single_frame_tiles",
         "cached_conv_counts",
         "upsample_native_dtype",
         "pointwise_conv_no_pad",
@@ -336,7 +447,7 @@ class VaeExact(VaeOptimization):
         self.upsample_verdicts.clear()
 
     def notes(self) -> list[str]:
-        out = ["multi-frame and tiled / patch-parallel decodes keep stock _decode (the submodule pieces still act)"]
+        out = ["multi-frame decodes keep stock _decode / tiled_decode (the submodule pieces still act)"]
         checked = {
             f"{v.device_type}/{str(v.dtype).removeprefix('torch.')}": v.ok for v in self.upsample_verdicts.values()
         }
@@ -354,6 +465,13 @@ class VaeExact(VaeOptimization):
         if not why:
             ps.set(vae, "_decode", bind(vae, _make_decode(self, vae)))
         report["single_frame_decode"] = why
+
+        why = self.wants("single_frame_tiles") or tiles_refusal(vae)
+        if not why:
+            ps.set(vae, "tiled_decode", bind(vae, _make_tiled_decode(self, vae)))
+            if callable(getattr(vae, "tile_exec", None)):  # vLLM-Omni's distributed VAE (patch parallelism)
+                ps.set(vae, "tile_exec", bind(vae, _make_tile_exec(self, vae)))
+        report["single_frame_tiles"] = why
 
         why = self.wants("cached_conv_counts") or conv_counts_refusal(vae)
         if not why:

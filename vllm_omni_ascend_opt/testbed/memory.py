@@ -6,12 +6,17 @@ instruments as ``[memory]`` events with a signed byte count (positive: allocated
 order, they give the live bytes the call added over what existed before it; the maximum of that running sum is the
 peak. Storage that existed before the call (weights, inputs) is not counted; what the call returns is counted in
 ``end``. The profiler's own bookkeeping allocates a few scalars (bytes, not kilobytes). ``tests/test_memory_probe.py``
-checks the method against hand-computed cases.
+checks the method against hand-computed cases. On an accelerator with allocator statistics (CUDA, NPU) the
+allocator's own peak is read instead.
+
+:func:`first_call_peaks` measures calls made deep inside a larger run (the first transformer forward and the VAE
+decode of a generation): the benchmarks' peak-memory columns and the ablation worker's probe use it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +37,15 @@ class MemoryPeak:
 
 
 def measure(fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: Any) -> tuple[Any, MemoryPeak]:
-    """``fn(*args, **kwargs)`` under the memory profiler: its result and the :class:`MemoryPeak` on ``device``."""
+    """``fn(*args, **kwargs)`` under the memory profiler: its result and the :class:`MemoryPeak` on ``device``.
+
+    On an accelerator whose torch module keeps allocator statistics (``torch.cuda``, ``torch.npu`` with
+    torch_npu), the caching allocator's own peak is used instead: ``max_memory_allocated`` after
+    ``reset_peak_memory_stats``, minus what was allocated before the call (``allocations`` is then 0: unknown)."""
+    kind = torch.device(device).type
+    acc = getattr(torch, kind, None) if kind != "cpu" else None
+    if acc is not None and callable(getattr(acc, "max_memory_allocated", None)):
+        return _measure_allocator(acc, fn, *args, **kwargs)
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -51,3 +64,79 @@ def measure(fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: A
         live += nbytes
         peak = max(peak, live)
     return out, MemoryPeak(peak=peak, end=live, allocations=sum(1 for _t, n in events if n > 0))
+
+
+def _measure_allocator(acc: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, MemoryPeak]:
+    """:func:`measure` through an accelerator allocator's statistics (synchronized around the call)."""
+    acc.synchronize()
+    acc.reset_peak_memory_stats()
+    before = acc.memory_allocated()
+    out = fn(*args, **kwargs)
+    acc.synchronize()
+    peak = acc.max_memory_allocated() - before
+    return out, MemoryPeak(peak=peak, end=acc.memory_allocated() - before, allocations=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# peaks of calls made inside a larger run (a generation): the benchmarks and the ablation worker
+# ----------------------------------------------------------------------------------------------------------------
+#: The calls whose peaks the benchmarks and the ablation report show: (label, path of the object, method name).
+PIPELINE_CALLS: tuple[tuple[str, str, str], ...] = (
+    ("transformer_forward", "transformer", "forward"),
+    ("vae_decode", "vae", "decode"),
+)
+
+
+@contextlib.contextmanager
+def first_call_peaks(targets: dict[str, tuple[Any, str]], device: str = "cpu") -> Iterator[dict[str, MemoryPeak]]:
+    """While active, the first call of each ``obj.method`` (``label -> (obj, method)``) runs under :func:`measure`;
+    the yielded dict fills with ``label -> MemoryPeak`` as those calls happen.
+
+    The method is wrapped through the instance (``obj.method = wrapper``) around whatever ``obj.method`` is now (a
+    bound method, or a hook registry's forward wrapper such as vLLM-Omni's cache and offload hooks), and the
+    instance attribute is restored exactly on exit (removed when there was none). Only the first call is measured:
+    one transformer forward is one denoise step, whatever the number of steps and CFG branches."""
+    peaks: dict[str, MemoryPeak] = {}
+    saved: list[tuple[Any, str, bool, Any]] = []
+
+    def wrap(label: str, current: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if label in peaks:
+                return current(*args, **kwargs)
+            out, peaks[label] = measure(current, *args, device=device, **kwargs)
+            return out
+
+        return wrapper
+
+    try:
+        for label, (obj, method) in targets.items():
+            had = method in vars(obj)
+            saved.append((obj, method, had, vars(obj).get(method)))
+            setattr(obj, method, wrap(label, getattr(obj, method)))
+        yield peaks
+    finally:
+        for obj, method, had, value in reversed(saved):
+            if had:
+                setattr(obj, method, value)
+            else:
+                delattr(obj, method)
+
+
+def pipeline_targets(pipe: Any) -> dict[str, tuple[Any, str]]:
+    """:data:`PIPELINE_CALLS` found on ``pipe`` (a pipeline without a transformer or a VAE has fewer)."""
+    out = {}
+    for label, attr, method in PIPELINE_CALLS:
+        obj = getattr(pipe, attr, None)
+        if obj is not None and callable(getattr(obj, method, None)):
+            out[label] = (obj, method)
+    return out
+
+
+def mib(nbytes: int | None) -> str:
+    """``nbytes`` in MiB for tables ("–" for None)."""
+    return "–" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+def ratio(nbytes: int | None, stock: int | None) -> str:
+    """``nbytes / stock`` for tables ("–" when either is unknown or stock is 0)."""
+    return "–" if nbytes is None or not stock else f"{nbytes / stock:.3f}"

@@ -11,10 +11,18 @@ CPU-only adaptations, each applied here and nowhere else (see also ``runtime.app
 
 * the import half of the engine CPU runtime (torchvision-free image processors): the runner's module imports
   vLLM-Omni's config factory, which imports vLLM's Qwen2-VL code;
-* ``pin_cpu_memory=False`` whenever an offload mode is asked for: pinned memory needs an accelerator;
+* ``pin_cpu_memory=False`` whenever an offload mode is asked for on a machine without an accelerator: pinned
+  memory needs one ("pin_memory=True requires a CUDA or other accelerator backend");
 * ``supports_torch_inductor`` answers True while the runner loads when ``compile=True`` (vLLM-Omni's
   ``UnspecifiedOmniPlatform`` leaves it unimplemented, so the runner would skip compilation): the very
   ``_compile_transformer`` path the runner takes on a platform with inductor.
+
+The platform-time workarounds (model CPU offload's ``get_free_memory``, LoRA's pinned memory, ...) are the engine CPU
+runtime's (``runtime.apply_engine_cpu_runtime``, applied by :meth:`RunnerHarness.load`), each with its reason.
+
+LoRA: vLLM-Omni's diffusion worker, not the runner, owns the ``DiffusionLoRAManager`` and activates each request's
+adapter before ``execute_model``; :meth:`RunnerHarness.enable_lora` builds it as the worker's ``init_lora_manager``
+does, and ``generate(lora=...)`` activates an adapter as the worker's ``execute_model`` does.
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ def runner_config(rt: Runtime, **fields: Any) -> Any:
     od = copy.copy(rt.od_config)
     for name in [k for k in vars(od) if k.startswith("_resolved")]:
         delattr(od, name)  # e.g. the offload policy resolved for the runtime's own config
-    if any(fields.get(f) for f in OFFLOAD_FIELDS):
+    if any(fields.get(f) for f in OFFLOAD_FIELDS) and torch.accelerator.current_accelerator() is None:
         fields.setdefault("pin_cpu_memory", False)
     for name, value in fields.items():
         if not hasattr(od, name):
@@ -68,16 +76,24 @@ def runner_config(rt: Runtime, **fields: Any) -> Any:
     return od
 
 
+#: ``generate(lora=...)``: (adapter name, positive int id, adapter directory, scale), or None for no adapter.
+Lora = tuple[str, int, str, float]
+
+
 @dataclass
 class RunnerHarness:
     """A loaded ``DiffusionModelRunner`` and the runtime it runs in."""
 
     runner: Any
     rt: Runtime
+    lora_manager: Any = None
 
     @classmethod
-    def load(cls, rt: Runtime, *, compile: bool = False, **fields: Any) -> RunnerHarness:
-        """Build a runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields`` and load it.
+    def load(
+        cls, rt: Runtime, *, compile: bool = False, device: str | torch.device = "cpu", **fields: Any
+    ) -> RunnerHarness:
+        """Build a runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields`` and load it (on ``device``:
+        the CPU, or the accelerator the ablation worker runs on).
 
         ``compile=True`` sets ``enforce_eager=False`` and lets the runner compile (``diffusion_compile_granularity``
         picks regional or full); otherwise the runner runs eagerly."""
@@ -87,7 +103,7 @@ class RunnerHarness:
 
         fields.setdefault("enforce_eager", not compile)
         od = runner_config(rt, **fields)
-        runner = DiffusionModelRunner(rt.vllm_config, od, torch.device("cpu"))
+        runner = DiffusionModelRunner(rt.vllm_config, od, torch.device(device))
         with rt.context(), _inductor_supported(compile):
             runner.load_model()
         return cls(runner, rt)
@@ -95,6 +111,18 @@ class RunnerHarness:
     @property
     def pipeline(self) -> Any:
         return self.runner.pipeline
+
+    def enable_lora(self, max_cached_adapters: int = 2) -> Any:
+        """The worker's ``init_lora_manager`` (PEFT backend) on this runner's pipeline."""
+        from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager
+
+        self.lora_manager = DiffusionLoRAManager(
+            pipeline=self.pipeline,
+            device=torch.device("cpu"),
+            dtype=self.rt.od_config.dtype,
+            max_cached_adapters=max_cached_adapters,
+        )
+        return self.lora_manager
 
     def generate(
         self,
@@ -107,8 +135,21 @@ class RunnerHarness:
         cfg_scale: float = 1.0,
         negative_prompt: str | None = None,
         request_id: str = "ascend-opt",
+        lora: Lora | None = None,
+        **sampling: Any,
     ) -> torch.Tensor:
-        """One request through ``runner.execute_model``; the decoded images ``[B, 3, H, W]`` (float, CPU)."""
+        """One request through ``runner.execute_model``; the decoded images ``[B, 3, H, W]`` (float, CPU).
+
+        ``lora`` (after :meth:`enable_lora`): the request's adapter, activated before the request as vLLM-Omni's
+        worker does (None: no adapter). ``sampling``: further ``OmniDiffusionSamplingParams`` fields
+        (``num_outputs_per_prompt=2``)."""
+        if lora is not None and self.lora_manager is None:
+            raise RuntimeError("generate(lora=...) needs enable_lora() first")
+        if self.lora_manager is not None:
+            from vllm_omni.lora.request import LoRARequest
+
+            req = None if lora is None else LoRARequest(lora_name=lora[0], lora_int_id=lora[1], lora_path=lora[2])
+            self.lora_manager.set_active_adapter(req, 1.0 if lora is None else lora[3])
         batch = make_request(
             prompt,
             height=height,
@@ -118,6 +159,7 @@ class RunnerHarness:
             cfg_scale=cfg_scale,
             negative_prompt=negative_prompt,
             request_id=request_id,
+            **sampling,
         )
         with self.rt.context():
             out = self.runner.execute_model(batch.requests[0])

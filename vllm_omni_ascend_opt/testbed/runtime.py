@@ -264,12 +264,18 @@ def apply_engine_cpu_runtime() -> list[str]:
        ``get_device_count`` (0 -> ``rank % 0`` in parallel_state) -> 1; ``set_device`` / ``synchronize`` /
        ``get_current_memory_usage`` (``NotImplementedError``) -> no-op / 0; ``max_memory_reserved`` /
        ``max_memory_allocated`` / ``reset_peak_memory_stats`` (``Platform.__getattr__`` -> ``torch.cpu``, which has
-       none of them -> ``TypeError`` in the memory profiler) -> 0 / no-op;
+       none of them -> ``TypeError`` in the memory profiler) -> 0 / no-op; ``get_free_memory``
+       (``NotImplementedError``; model CPU offload's ``SequentialOffloadHook.pre_forward`` evaluates it for a debug
+       log on every swap) -> the host's available memory;
     3. the ``mp`` executor's ``DiffusionAsyncOutput`` thread: it starts with
        ``torch.device(torch.accelerator.current_accelerator().type, ...)``; with no accelerator that is an
        ``AttributeError`` on None, the thread dies, and every request then waits forever for its output. Inside that
        thread only, ``current_accelerator()`` answers ``cpu``, and outputs are packed without the (CPU) side stream,
-       since pinned memory and side streams need an accelerator.
+       since pinned memory and side streams need an accelerator;
+    4. LoRA: vLLM's ``LoRAModel.from_local_checkpoint`` pins the adapter's CPU tensors when its module-global
+       ``PIN_MEMORY`` is True, which vLLM decides without asking the platform (``pin_memory()`` then raises "requires
+       a CUDA or other accelerator backend"): ``PIN_MEMORY = False`` in ``vllm.lora.lora_model``
+       (:func:`cpu_lora_without_pinned_memory`).
     """
     if _ENGINE_APPLIED:
         return list(_ENGINE_APPLIED)
@@ -294,6 +300,8 @@ def apply_engine_cpu_runtime() -> list[str]:
     applied.append("platform methods")
     if _cpu_async_output_thread():
         applied.append("mp async-output thread on cpu")
+    if cpu_lora_without_pinned_memory():
+        applied.append("LoRA without pinned memory")
     _ENGINE_APPLIED.extend(applied)
     _engine_log.info("CPU runtime for vLLM-Omni's engines (test-only): %s", ", ".join(applied))
     return applied
@@ -309,6 +317,9 @@ def _platform_methods() -> dict[str, Any]:
     def one(cls: Any, *args: Any, **kwargs: Any) -> int:
         return 1
 
+    def host_available(cls: Any, *args: Any, **kwargs: Any) -> int:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
     return {
         "dist_backend": "gloo",
         "get_device_count": classmethod(one),
@@ -318,7 +329,20 @@ def _platform_methods() -> dict[str, Any]:
         "max_memory_reserved": classmethod(zero),
         "max_memory_allocated": classmethod(zero),
         "reset_peak_memory_stats": classmethod(noop),
+        "get_free_memory": classmethod(host_available),
     }
+
+
+def cpu_lora_without_pinned_memory() -> bool:
+    """See item 4 of :func:`apply_engine_cpu_runtime`. Returns True when it changed something (only without an
+    accelerator; idempotent)."""
+    if torch.accelerator.current_accelerator() is not None:
+        return False
+    import vllm.lora.lora_model as lora_model
+
+    changed = bool(getattr(lora_model, "PIN_MEMORY", False))
+    lora_model.PIN_MEMORY = False
+    return changed
 
 
 def _cpu_async_output_thread() -> bool:

@@ -1,0 +1,253 @@
+"""memo_aware_offload through vLLM-Omni's own runner with layerwise offload: a warm forward whose modulation is all in
+the memo leaves every block's img_mod / txt_mod weights but block 0's on the host (bytes counted on the copies:
+testbed/offload.py), bitwise stock's output, with TeaCache and MagCache too; a cold forward, a LoRA switch and a memo
+that loses an entry copy what the blocks read; the status says what runs.
+
+The memo keys weights on identity and version, not storage nor shape (issue 21's re-key, blocks/modulation_keys.py):
+the offloader renews a block's storage every forward and leaves (0,)-shaped placeholders between forwards. With a
+memo that keys on storage (as before the re-key) the optimization copies everything (exact, no gain), checked last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from vllm_omni_ascend_opt import _report, api, registry
+from vllm_omni_ascend_opt.blocks.layerwise import block_hook, is_modulation
+from vllm_omni_ascend_opt.opts import memo_aware_offload as mao
+from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
+from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
+
+OPT, SM = mao.OPT, registry.get("shared_modulation")
+REQUEST = {"height": 32, "width": 32, "steps": 2, "cfg_scale": 4.0}
+FORWARDS = 2 * 2  # steps x CFG branches per request
+TEA = {"cache_backend": "tea_cache", "cache_config": {"rel_l1_thresh": 0.6}}
+MAG = {"cache_backend": "mag_cache", "cache_config": {"mag_ratios": [1.0] * 2, "mag_threshold": 0.5}}
+
+
+@dataclass
+class Offloaded:
+    images: list[torch.Tensor]  # cold request, warm request
+    bytes: list[int]  # host->device bytes per request
+    stats: dict[str, int]  # memo_aware_offload, warm request
+    memo: dict[str, int]  # shared_modulation, warm request
+    fallbacks: dict[str, int]  # memo_aware_offload, warm request
+    block_bytes: int  # one block's weights
+    mod_bytes: int  # one block's img_mod / txt_mod weights
+
+
+def _block_sizes(pipe) -> tuple[int, int]:
+    hook = block_hook(pipe.transformer.transformer_blocks[1])._prev_hook  # the hook that prefetches block 1
+    metas = [(m, t.element_size()) for d, t in hook.dtype_cpu_flattened_weights.items() for m in hook.dtype_metadata[d]]
+    total = sum(m["numel"] * size for m, size in metas)
+    return total, sum(m["numel"] * size for m, size in metas if is_modulation(m["name"]))
+
+
+def offloaded(runtime, spec: str, **fields) -> Offloaded:
+    api.select(spec)
+    h = RunnerHarness.load(runtime, enable_layerwise_offload=True, **fields)
+    try:
+        images, moved = [], []
+        for _ in range(2):
+            for opt in registry.all_optimizations():
+                opt.reset_stats()
+            with count_offload_copies(h.pipeline) as copies:
+                images.append(h.generate(**REQUEST))
+            moved.append(copies.bytes)
+        return Offloaded(
+            images, moved, dict(OPT.stats), dict(SM.stats), OPT.fallback_reasons(), *_block_sizes(h.pipeline)
+        )
+    finally:
+        h.close()
+        api.select("none")
+
+
+@pytest.mark.parametrize("cache", [None, "tea_cache", "mag_cache"])
+def test_warm_forwards_leave_the_modulation_weights_on_the_host(runtime, cache):
+    fields = {None: {}, "tea_cache": TEA, "mag_cache": MAG}[cache]
+    stock, ours = offloaded(runtime, "none", **fields), offloaded(runtime, "default", **fields)
+    for a, b in zip(stock.images, ours.images, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(ours.images[0], ours.images[1])
+    assert ours.memo["hits"] > 0 and ours.memo.get("misses", 0) == 0, ours.memo  # warm: all from the memo
+    assert ours.fallbacks == {} and ours.stats.get("late_copies", 0) == 0
+    n = 2  # blocks of the tiny model
+    forwards = ours.stats["forwards_skipping"]
+    assert ours.stats.get("forwards_copying", 0) == 0
+    # every forward that ran its blocks skipped the modulation weights of blocks 1..N-1, nothing else
+    assert ours.stats["bytes_skipped"] == forwards * (n - 1) * ours.mod_bytes
+    assert stock.bytes[1] - ours.bytes[1] == ours.stats["bytes_skipped"]
+    if cache is None:
+        assert forwards == FORWARDS and stock.bytes[1] == FORWARDS * n * ours.block_bytes
+        assert ours.bytes[1] / stock.bytes[1] == pytest.approx(1 - (n - 1) / n * ours.mod_bytes / ours.block_bytes)
+    else:
+        assert 0 < forwards <= FORWARDS  # the cache backend skipped some forwards' blocks
+
+
+def test_cold_forwards_copy_everything_with_the_reason(runtime):
+    api.select("default")
+    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
+    try:
+        OPT.reset_stats()
+        h.generate(**REQUEST)
+        # each step's first forward meets a new temb and copies everything; its CFG branch (same temb) skips
+        assert OPT.stats["forwards_copying"] == 2 and OPT.stats["forwards_skipping"] == 2
+        assert OPT.fallback_reasons() == {mao.NOT_ALL_MEMOIZED: 2}
+        assert _report.explain(OPT, h.pipeline) == []  # it acts on this model; the fallbacks say when it copies
+    finally:
+        h.close()
+
+
+def test_a_memo_that_loses_an_entry_gets_the_weights_copied_late(runtime, monkeypatch):
+    """The per-block guarantee: clear the memo right after block 0's decision (once, on the warm request's first
+    skipping forward); block 1, whose modulation weights were left on the host, then misses, and they are copied
+    before it runs: still bitwise, and the bytes add up."""
+    ref = offloaded(runtime, "none")
+    decide = OPT._before_block
+    skips: list[int] = []
+    cleared: list[bool] = []
+
+    def decide_then_forget(module, args, kwargs):
+        ring = decide(module, args, kwargs)
+        if ring is not None and ring.skip and module is ring.transformer().transformer_blocks[0]:
+            skips.append(1)
+            if len(skips) == 3:  # the cold request's two CFG branches skipped; this is the warm request's first
+                cleared.append(True)
+                SM.memo.clear()
+        return ring
+
+    monkeypatch.setattr(OPT, "_before_block", decide_then_forget)
+    got = offloaded(runtime, "default")
+    assert cleared and all(torch.equal(a, b) for a, b in zip(ref.images, got.images, strict=True))
+    assert got.stats["late_copies"] == 1
+    assert any("left the memo" in why for why in got.fallbacks)
+    # what was left on the host, minus what the late copy brought over
+    assert ref.bytes[1] - got.bytes[1] == got.stats["bytes_skipped"] - got.mod_bytes
+
+
+def test_lora_switch_under_offload_copies_the_new_weights(runtime, tmp_path):
+    """A LoRA switch is a real weight change: the first forward after it misses and copies everything (the memo's
+    signature sees the adapter), the CFG branch that follows skips again; bitwise stock throughout."""
+    from vllm_omni_ascend_opt.testbed.lora import write_adapter
+
+    def run(spec: str) -> tuple[list[torch.Tensor], list[dict[str, int]]]:
+        api.select(spec)
+        h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
+        try:
+            lora = ("A", 1, str(write_adapter(tmp_path / spec, h.pipeline.transformer)), 1.0)
+            h.enable_lora()
+            images, stats = [], []
+            for adapter in (None, None, lora, lora):
+                OPT.reset_stats()
+                images.append(h.generate(**REQUEST, lora=adapter))
+                stats.append(dict(OPT.stats))
+            return images, stats
+        finally:
+            h.close()
+            api.select("none")
+
+    ref, _ = run("none")
+    got, stats = run("default")
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    assert not torch.equal(got[1], got[2])  # the adapter acts
+    assert stats[1]["forwards_skipping"] == FORWARDS  # warm, no adapter
+    assert stats[2]["forwards_copying"] == 2 and stats[2]["forwards_skipping"] == 2  # switched: each step's first
+    assert stats[3]["forwards_skipping"] == FORWARDS  # warm with the adapter
+
+
+def test_probes_point_at_a_copied_weight_and_are_restored(runtime):
+    """Upstream's materialization probe of a block is its first weight (img_mod.1.weight); a block whose modulation
+    weights stay on the host must still read as materialized, or upstream copies it a second time."""
+    api.select("default")
+    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
+    try:
+        hooks = [block_hook(b) for b in h.pipeline.transformer.transformer_blocks]
+        before = [hk._materialization_probe for hk in hooks]
+        names = [{id(p): n for n, p in b.named_parameters()} for b in h.pipeline.transformer.transformer_blocks]
+        assert all(is_modulation(names[i][id(p)]) for i, p in enumerate(before))
+        h.generate(**REQUEST)
+        h.generate(**REQUEST)
+        assert all(not is_modulation(names[i][id(hk._materialization_probe)]) for i, hk in enumerate(hooks))
+        api.select("none")  # uninstall: every probe is upstream's again
+        assert [hk._materialization_probe for hk in hooks] == before
+    finally:
+        h.close()
+
+
+def test_status_without_layerwise_offload_and_under_tracing(runtime, monkeypatch):
+    api.select("default")
+    h = RunnerHarness.load(runtime)
+    try:
+        (why,) = _report.explain(OPT, h.pipeline)
+        assert "layerwise offload is not enabled" in why
+        assert "memo_aware_offload" not in _report.acting(h.pipeline)
+    finally:
+        h.close()
+    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
+    try:
+        assert "memo_aware_offload" in _report.acting(h.pipeline)
+        h.generate(**REQUEST)
+        OPT.reset_stats()
+        with monkeypatch.context() as m:
+            m.setattr(torch.compiler, "is_compiling", lambda: True)
+            hook = block_hook(h.pipeline.transformer.transformer_blocks[0])
+            with count_offload_copies(h.pipeline) as copies:
+                hook.pre_forward(h.pipeline.transformer.transformer_blocks[0])  # stock: prefetch block 1 whole
+        assert OPT.stats == {} and OPT.fallback_reasons() == {}
+        assert copies.bytes == _block_sizes(h.pipeline)[0]
+    finally:
+        h.close()
+        api.select("none")
+
+
+def test_upstream_change_turns_it_off(monkeypatch):
+    api.select("default")
+    assert OPT.reasons_inactive() == []
+    i = next(i for i, d in enumerate(mao.UPSTREAM) if d.qualname == "LayerwiseOffloadHook.prefetch_layer")
+    unknown = dataclasses.replace(mao.UPSTREAM[i], known={"0" * 16: ("0.30.0",)})
+    monkeypatch.setattr(OPT, "upstream", (*mao.UPSTREAM[:i], unknown, *mao.UPSTREAM[i + 1 :]))
+    (why,) = OPT.reasons_inactive()
+    assert "upstream LayerwiseOffloadHook.prefetch_layer differs" in why
+
+
+def test_storage_keyed_memo_copies_everything_bitwise(runtime, monkeypatch):
+    """With a memo that keys weights on their device storage (as before issue 21's re-key), the decision finds no hit
+    for the placeholders of blocks 1..N-1: every forward copies every weight, and the output is stock's."""
+    from vllm_omni_ascend_opt.blocks import modulation_keys, modulation_memo
+
+    real = modulation_keys.linear_sig
+
+    def storage_sig(lin, grad):
+        return (*real(lin, grad), *(t.data_ptr() for t in modulation_keys.sig_tensors(lin)))
+
+    stock = offloaded(runtime, "none")
+    monkeypatch.setattr(modulation_keys, "linear_sig", storage_sig)
+    monkeypatch.setattr(modulation_memo, "linear_sig", storage_sig)
+    ours = offloaded(runtime, "default")
+    assert all(torch.equal(a, b) for a, b in zip(stock.images, ours.images, strict=True))
+    assert ours.memo.get("misses", 0) > 0  # the storage key really missed under offload
+    assert ours.stats.get("forwards_skipping", 0) == 0 and ours.stats["forwards_copying"] > 0
+    assert stock.bytes[1] == ours.bytes[1]  # everything copied
+    assert ours.stats.get("late_copies", 0) == 0
+
+
+def test_the_byte_counter_counts_only_copies_out_of_the_offloaders_host_weights(runtime):
+    """testbed/offload.py: a copy from any other tensor (the model copies tensors too) is not host->device traffic of
+    the offloader; a copy out of a block's host weights is, with its bytes."""
+    from vllm_omni_ascend_opt.blocks.layerwise import host_weights
+
+    api.select("none")
+    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
+    try:
+        host = host_weights(h.pipeline.transformer)[0]
+        with count_offload_copies(h.pipeline) as copies:
+            torch.empty(1000, dtype=host.dtype).copy_(torch.ones(1000, dtype=host.dtype))
+            assert copies.bytes == 0 and copies.copies == 0
+            torch.empty(10, dtype=host.dtype).copy_(host[:10])
+        assert copies.bytes == 10 * host.element_size() and copies.copies == 1
+    finally:
+        h.close()

@@ -1,0 +1,380 @@
+"""`memo_aware_offload`: Under vLLM-Omni's layerwise offload, leave a block's modulation weights (img_mod/txt_mod) on the host for a forward whose modulation is all in shared_modulation's memo (exact: those weights are never read).
+
+Patched upstream symbols (``vllm_omni/diffusion/offloader/layerwise_backend.py``, class attributes; the same source in
+vLLM-Omni 0.30.0-0.32.0rc1, declared in ``UPSTREAM``)
+----------------------------------------------------------------------------------------------------------------
+* ``LayerwiseOffloadHook.pre_forward``: the per-forward decision (at block 0) and the per-block guarantee (below).
+* ``LayerwiseOffloadHook.prefetch_layer``: for a forward that skips, copies the next block's weights without its
+  modulation projections into a compact device buffer (same bytes, same views), and leaves those weights as the
+  offloader's own zero-element placeholders.
+* per attached model, at its first offloaded forward: each block hook's materialization probe, when it is a
+  modulation weight, becomes the block's first other weight (restored on detach).
+
+Why
+  With ``enable_layerwise_offload`` (what 64 GB Atlas A2 users turn on for the 20B DiT) every forward copies every
+  block's weights host->device. ``img_mod`` / ``txt_mod`` (3072 -> 18432 each) are 34.6% of the DiT's weights, and
+  ``shared_modulation`` already holds their outputs for every timestep of a repeated request: on such a forward the
+  blocks read the memo, never those weights, and the copy is pure PCIe traffic (and device memory).
+How
+  Decision, once per forward, in block 0's ``pre_forward`` (before it prefetches block 1): the forward skips when,
+  for this ``temb``, ``shared_modulation``'s memo holds every block's modulation with the blocks' parameters as they
+  are at that moment (``ModulationMemo.has_block``: the very lookup the block makes), the block forward is the
+  memoizing one (no hook registry that captured the stock forward), the blocks are single-segment and not compiled.
+  Then each ``prefetch_layer`` of blocks 1..N-1 copies everything but the modulation weights. Block 0's weights are
+  prefetched by the last block during the previous forward, before this forward's ``temb`` exists: they are always
+  copied whole (so a cache backend's probe of ``block0.img_mod`` before the blocks run reads real weights).
+  Guarantee, per block, after upstream's ``pre_forward`` (which may re-prefetch a block a cache backend skipped):
+  a block whose modulation weights were left on the host runs only if the memo still hits for it; otherwise its
+  modulation weights are copied right then (``late_copies``, with a fallback reason). So no skipped weight is ever
+  read, whatever happens to the memo, and every output is bitwise stock's.
+  The placeholders do not change what the memo keys on when the signature keys on the parameters' identity and
+  version (issue 21's re-key): a placeholder has the same identity, version, dtype and device. With a signature
+  that includes storage (``data_ptr``) or shape, the decision simply finds no hit and everything is copied.
+Exactness
+  Only weights that are not read are not copied; the kept weights are the same host bytes in the same layout. Tests:
+  tests/test_memo_aware_offload.py (bitwise against stock with every cache backend the runner offers, bytes counted
+  on the copies, LoRA switch, the late copy, probes).
+Upstream PR
+  None yet. Upstream would let an offloaded module declare weights it can skip per forward.
+Removal plan
+  Drop when vLLM-Omni's layerwise offload skips weights a forward does not read (or memoizes modulation itself).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt._patching import PatchSet
+from vllm_omni_ascend_opt.blocks import guards
+from vllm_omni_ascend_opt.blocks.block_body import block_body_reason
+from vllm_omni_ascend_opt.blocks.layerwise import LAYERWISE_MODULE, block_hook, is_modulation, layerwise_hooks
+from vllm_omni_ascend_opt.blocks.modulation_keys import find_transformers
+from vllm_omni_ascend_opt.blocks.upstream import Upstream, same
+from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
+
+TENSOR_UTILS = "vllm_omni.diffusion.offloader.tensor_utils"
+#: The upstream code it wraps (``pre_forward``, ``prefetch_layer``), mirrors (``prefetch_layer``'s copy with the
+#: modulation weights left out) or calls (the storage helpers, the hook's attributes set in ``__init__`` /
+#: ``initialize_hook``): the same source in vLLM-Omni 0.30.0, 0.31.0rc1 and 0.32.0rc1.
+UPSTREAM: tuple[Upstream, ...] = (
+    same(LAYERWISE_MODULE, "LayerwiseOffloadHook.pre_forward", "c8ff89a07c2c559a"),
+    same(LAYERWISE_MODULE, "LayerwiseOffloadHook.prefetch_layer", "cdd013501e670e59"),
+    same(LAYERWISE_MODULE, "LayerwiseOffloadHook.__init__", "80e9c3cad583e5b6"),
+    same(LAYERWISE_MODULE, "LayerwiseOffloadHook.initialize_hook", "57e0f717ebc3134b"),
+    same(TENSOR_UTILS, "set_tensor_storage", "7b23b08c46b1bca8"),
+    same(TENSOR_UTILS, "make_offload_placeholder", "a3b97023cf5da1b4"),
+)
+NOT_ALL_MEMOIZED = "not every block's modulation is in the memo for this forward: every weight is copied"
+
+
+@dataclass
+class _Part:
+    """One dtype of a block's host weights, without its modulation weights: what to copy and where it goes."""
+
+    runs: list[tuple[int, int, int]]  # (host offset, device offset, numel) of each contiguous kept range
+    kept: list[tuple[dict[str, Any], int]]  # (metadata, device offset) of each kept weight
+    skipped: list[dict[str, Any]]  # metadata of each modulation weight
+    numel: int  # kept elements
+
+    @staticmethod
+    def of(metadata: list[dict[str, Any]]) -> _Part:
+        part = _Part([], [], [], 0)
+        for meta in metadata:
+            if is_modulation(meta["name"]):
+                part.skipped.append(meta)
+                continue
+            part.kept.append((meta, part.numel))
+            last = part.runs[-1] if part.runs else None
+            if last is not None and last[0] + last[2] == meta["offset"] and last[1] + last[2] == part.numel:
+                part.runs[-1] = (last[0], last[1], last[2] + meta["numel"])
+            else:
+                part.runs.append((meta["offset"], part.numel, meta["numel"]))
+            part.numel += meta["numel"]
+        return part
+
+
+@dataclass
+class _Ring:
+    """One attached transformer's blocks and this forward's decision."""
+
+    transformer: weakref.ReferenceType
+    skip: bool = False
+    probes_set: bool = False
+
+
+class MemoAwareOffload(Optimization):
+    name = "memo_aware_offload"
+    summary = (
+        "Under vLLM-Omni's layerwise offload, leave a block's modulation weights (img_mod/txt_mod) on the host for a "
+        "forward whose modulation is all in shared_modulation's memo (exact: those weights are never read)."
+    )
+    equivalence = "exact"
+    default_enabled = True
+    requires = ("vLLM-Omni 0.30.x with enable_layerwise_offload; any device",)
+    inactive_when = (
+        "the model is not offloaded layerwise (nothing is copied), shared_modulation does not act, the blocks are "
+        "compiled or two-segment (zero_cond_t), or the memo misses for the forward (everything is copied then)"
+    )
+    target_modules = (LAYERWISE_MODULE,)
+    needs = ("shared_modulation",)
+    needs_config: ClassVar[dict[str, Any]] = {"enable_layerwise_offload": True}
+    upstream = UPSTREAM
+    on_qwen_image_21 = (
+        "it asks shared_modulation's memo, which stays off there: upstream prepares one modulation for all blocks, "
+        "no per-block img_mod/txt_mod weights to leave on the host"
+    )
+    parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-rank hooks and memo, no collective
+    removal_plan = "Drop when vLLM-Omni's layerwise offload skips weights a forward does not read."
+    no_patch_reason = (
+        "upstream has no modulation memo to ask: a patch would stack on 0001-shared_modulation (every patch applies "
+        "alone to pristine vLLM-Omni), and patches/check.py's exactness run loads the pipeline without layerwise "
+        "offload, where it cannot act; to be written once the memo (0001) is upstream"
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rings: weakref.WeakKeyDictionary[nn.Module, tuple[_Ring, int]] = weakref.WeakKeyDictionary()
+        self._parts: weakref.WeakKeyDictionary[Any, dict[torch.dtype, _Part]] = weakref.WeakKeyDictionary()
+        self._probes: dict[int, PatchSet] = {}
+
+    # ----- reasons ----------------------------------------------------------------------------------------
+    def _model_reasons(self, model: Any) -> list[str]:
+        transformers = find_transformers(model)
+        if not transformers:
+            return ["no Qwen-Image transformer in this model"]
+        reasons = []
+        for tr in transformers:
+            if not layerwise_hooks(tr):
+                reasons.append(
+                    "vLLM-Omni's layerwise offload is not enabled on this model (enable_layerwise_offload): no block "
+                    "weights are copied per forward"
+                )
+            reasons += [why for why in (self._static_reason(tr),) if why]
+        return list(dict.fromkeys(reasons))
+
+    @staticmethod
+    def _static_reason(tr: nn.Module) -> str | None:
+        """Why no forward of ``tr`` can skip, whatever the memo holds (None: forwards may skip)."""
+        if any(getattr(b, "zero_cond_t", False) for b in tr.transformer_blocks):
+            return "two-segment modulation (zero_cond_t): not covered, every weight is copied"
+        why = block_body_reason(tr)
+        if why:
+            return why
+        if "block" in guards.compiled_regions(tr):
+            return "torch.compile runs the blocks: they read their modulation weights, every weight is copied"
+        return None
+
+    def notes(self) -> list[str]:
+        s = self.stats
+        return [
+            f"forwards that skipped the modulation weights {s['forwards_skipping']}, that copied them "
+            f"{s['forwards_copying']}; {s['bytes_skipped'] / 2**20:.1f} MiB left on the host, late copies "
+            f"{s['late_copies']}"
+        ]
+
+    # ----- install ----------------------------------------------------------------------------------------
+    def _install(self) -> None:
+        hook_cls = sys.modules[LAYERWISE_MODULE].LayerwiseOffloadHook
+        original_pre = hook_cls.pre_forward
+        original_prefetch = hook_cls.prefetch_layer
+        opt = self
+
+        def pre_forward(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+            if guards.tracing():  # first: stock, nothing read or counted while dynamo traces
+                return original_pre(self, module, *args, **kwargs)
+            ring = opt._before_block(module, args, kwargs)
+            out = original_pre(self, module, *args, **kwargs)
+            if ring is not None and ring.skip:
+                opt._guarantee(self, module, args, kwargs)
+            return out
+
+        @torch.compiler.disable
+        def prefetch_layer(self: Any, non_blocking: bool = True) -> None:
+            if guards.tracing():
+                return original_prefetch(self, non_blocking)
+            parts = opt._skip_parts(self)
+            if parts is None:
+                return original_prefetch(self, non_blocking)
+            return opt._prefetch_without_modulation(self, parts, non_blocking)
+
+        pre_forward.__wrapped__ = original_pre  # type: ignore[attr-defined]
+        prefetch_layer.__wrapped__ = original_prefetch  # type: ignore[attr-defined]
+        self.patches.set(hook_cls, "pre_forward", pre_forward)
+        self.patches.set(hook_cls, "prefetch_layer", prefetch_layer)
+
+    def _uninstall(self) -> None:
+        for ps in self._probes.values():
+            ps.revert()
+        self._probes.clear()
+        self._parts = weakref.WeakKeyDictionary()
+
+    # ----- attach -----------------------------------------------------------------------------------------
+    def _attach(self, model: nn.Module) -> None:
+        for tr in find_transformers(model):
+            ring = _Ring(weakref.ref(tr))
+            for i, block in enumerate(tr.transformer_blocks):
+                self._rings[block] = (ring, i)
+
+    def _detach(self, model: nn.Module) -> None:
+        for tr in find_transformers(model):
+            for block in tr.transformer_blocks:
+                self._rings.pop(block, None)
+            ps = self._probes.pop(id(tr), None)
+            if ps is not None:
+                ps.revert()
+
+    # ----- the per-forward decision and the per-block guarantee -------------------------------------------
+    @staticmethod
+    def _temb(args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The block call's ``temb`` (keyword, or the 4th positional argument of the block forward)."""
+        if "temb" in kwargs:
+            return kwargs["temb"]
+        return args[3] if len(args) > 3 else None
+
+    def _memo(self) -> Any:
+        return self._peers.get("shared_modulation").memo if self._peers is not None else None
+
+    def _before_block(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> _Ring | None:
+        """At block 0: decide for this forward (once). Returns the block's ring (None: not an attached block)."""
+        found = self._rings.get(module)
+        if found is None:
+            return None
+        ring, index = found
+        if index != 0:
+            return ring
+        tr = ring.transformer()
+        ring.skip = False
+        if tr is None:
+            return None
+        why = self._forward_reason(tr, args, kwargs)
+        if why:
+            self.stats["forwards_copying"] += 1
+            self._fallback(why)
+            return ring
+        if not ring.probes_set:
+            self._set_probes(tr)
+            ring.probes_set = True
+        ring.skip = True
+        self.stats["forwards_skipping"] += 1
+        return ring
+
+    def _forward_reason(self, tr: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
+        """Why this forward must copy every weight (None: it may skip the modulation weights)."""
+        peer = self._peers.get("shared_modulation") if self._peers is not None else None
+        if peer is None or not peer.installed:
+            return "shared_modulation is not installed"
+        temb = self._temb(args, kwargs)
+        if not isinstance(temb, torch.Tensor):
+            return "the block call carries no temb tensor"
+        if kwargs.get("modulate_index") is not None:
+            return "two-segment modulation (modulate_index): not covered"
+        why = self._static_reason(tr)
+        if why:
+            return why
+        memo = peer.memo
+        if not all(memo.has_block(b, temb) for b in tr.transformer_blocks):
+            return NOT_ALL_MEMOIZED
+        return None
+
+    def _set_probes(self, tr: nn.Module) -> None:
+        """Point each block hook's materialization probe at a weight this optimization always copies (upstream picks
+        the block's first weight: ``img_mod.1.weight``), so that a block whose modulation weights stay on the host
+        still reads as materialized and is not copied a second time."""
+        ps = self._probes.setdefault(id(tr), PatchSet(f"{self.name}:probes"))
+        for block in tr.transformer_blocks:
+            hook = block_hook(block)
+            if hook is None:
+                continue
+            names = {id(p): n for n, p in block.named_parameters()}
+            probe = getattr(hook, "_materialization_probe", None)
+            if probe is None or not is_modulation(names.get(id(probe), "")):
+                continue
+            other = next((p for n, p in block.named_parameters() if not is_modulation(n)), None)
+            if other is not None:
+                ps.set(hook, "_materialization_probe", other)
+
+    def _guarantee(self, hook: Any, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Before a block of a skipping forward runs: if its modulation weights are on the host and the memo does
+        not hit for it any more, copy them now (synchronously)."""
+        source = getattr(hook, "_prev_hook", None)  # the hook that prefetches this block
+        if source is None or source.next_block is not module:
+            return
+        params = source.next_block_parameters
+        if all(p.numel() for n, p in params.items() if is_modulation(n)):
+            return  # copied whole (block 0, or a forward that did not skip)
+        memo = self._memo()
+        if memo is not None and memo.has_block(module, self._temb(args, kwargs)):
+            return
+        self._fallback("a block's modulation left the memo after the per-forward decision: copied before it ran")
+        self.stats["late_copies"] += 1
+        self._copy_modulation(source)
+
+    # ----- copies -------------------------------------------------------------------------------------------
+    def _skip_parts(self, hook: Any) -> dict[torch.dtype, _Part] | None:
+        """The kept / skipped weights of the block ``hook`` prefetches, when this forward skips (else None)."""
+        found = self._rings.get(hook.next_block)
+        if found is None:
+            return None
+        ring, index = found
+        if not ring.skip or index == 0:  # block 0 is prefetched for the next forward: always whole
+            return None
+        parts = self._parts.get(hook)
+        if parts is None:
+            parts = {dtype: _Part.of(meta) for dtype, meta in hook.dtype_metadata.items()}
+            self._parts[hook] = parts
+        return parts
+
+    def _prefetch_without_modulation(self, hook: Any, parts: dict[torch.dtype, _Part], non_blocking: bool) -> None:
+        """Upstream's ``prefetch_layer`` (vLLM-Omni 0.30.0) with the modulation weights left out: the other weights'
+        contiguous host ranges are copied into one compact device buffer per dtype and viewed with their own shape
+        and stride; the modulation weights stay zero-element placeholders (upstream's own)."""
+        up = sys.modules[LAYERWISE_MODULE]
+        tu = sys.modules[TENSOR_UTILS]
+        platform = up.current_omni_platform
+        hook.copy_stream.wait_stream(platform.current_stream())
+        evt = platform.Event()
+        device_weights: dict[torch.dtype, torch.Tensor] = {}
+        with platform.stream(hook.copy_stream):
+            for dtype, host in hook.dtype_cpu_flattened_weights.items():
+                part = parts[dtype]
+                dev = torch.empty(part.numel, dtype=dtype, device=hook.device)
+                for src, dst, n in part.runs:
+                    dev[dst : dst + n].copy_(host[src : src + n], non_blocking=non_blocking)
+                device_weights[dtype] = dev
+            evt.record(hook.copy_stream)
+        skipped = 0
+        for dtype, part in parts.items():
+            dev = device_weights[dtype]
+            for meta, offset in part.kept:
+                view = torch.as_strided(dev[offset : offset + meta["numel"]], size=meta["shape"], stride=meta["stride"])
+                tu.set_tensor_storage(self._target(hook, meta["name"]), view)
+            for meta in part.skipped:
+                target = self._target(hook, meta["name"])
+                tu.set_tensor_storage(target, tu.make_offload_placeholder(target))
+                skipped += meta["numel"] * dev.element_size()
+        hook._prefetch_done = evt
+        self.stats["blocks_skipped"] += 1
+        self.stats["bytes_skipped"] += skipped
+
+    @staticmethod
+    def _target(hook: Any, name: str) -> torch.Tensor:
+        return hook.next_block_parameters[name] if name in hook.next_block_parameters else hook.next_block_buffers[name]
+
+    def _copy_modulation(self, hook: Any) -> None:
+        """The modulation weights of the block ``hook`` prefetches, copied host->device now (synchronously)."""
+        tu = sys.modules[TENSOR_UTILS]
+        for dtype, host in hook.dtype_cpu_flattened_weights.items():
+            for meta in self._parts.get(hook, {}).get(dtype, _Part.of(hook.dtype_metadata[dtype])).skipped:
+                dev = torch.empty(meta["numel"], dtype=dtype, device=hook.device)
+                dev.copy_(host[meta["offset"] : meta["offset"] + meta["numel"]])
+                view = torch.as_strided(dev, size=meta["shape"], stride=meta["stride"])
+                tu.set_tensor_storage(self._target(hook, meta["name"]), view)
+
+
+OPT = MemoAwareOffload()

@@ -1,0 +1,50 @@
+"""Bytes vLLM-Omni's layerwise offloader copies host->device, counted on the copies themselves.
+
+:func:`count_offload_copies` runs a region (a request) under a ``TorchDispatchMode`` that adds up every
+``aten::copy_`` whose source lives in one of the offloader's host weight tensors (``blocks/layerwise.host_weights``:
+one flattened tensor per block and dtype). That covers every path that moves block weights to the device: the
+prefetch of the next block in each hook's ``pre_forward``, upstream's synchronous prefetch of a block a cache backend
+skipped, and ``memo_aware_offload``'s late copy of modulation weights. On CPU "device" is the CPU too; what is
+counted is the same bytes an NPU would receive over PCIe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm_omni_ascend_opt.blocks.layerwise import host_weights
+from vllm_omni_ascend_opt.blocks.modulation_keys import find_transformers
+
+
+class OffloadCopies(TorchDispatchMode):
+    """``bytes`` and ``copies`` out of the given host tensors while active."""
+
+    def __init__(self, host: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._storages = {t.untyped_storage().data_ptr() for t in host}
+        self.bytes = 0
+        self.copies = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.copy_.default and len(args) > 1:
+            src = args[1]
+            if isinstance(src, torch.Tensor) and src.untyped_storage().data_ptr() in self._storages:
+                self.bytes += src.numel() * src.element_size()
+                self.copies += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_offload_copies(model: Any) -> Iterator[OffloadCopies]:
+    """While active: the bytes copied out of the layerwise offloader's host weights of ``model``'s transformers.
+    Raises when nothing in ``model`` is offloaded layerwise (a count of 0 would then mean nothing)."""
+    host = [t for tr in find_transformers(model) for t in host_weights(tr)]
+    if not host:
+        raise RuntimeError("no transformer block of this model is offloaded layerwise (enable_layerwise_offload)")
+    with OffloadCopies(host) as counter:
+        yield counter
