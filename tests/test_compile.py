@@ -175,10 +175,15 @@ def test_the_plugin_causes_no_graph_break(compiled, granularity):
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_compiled_graphs_run_fewer_ops_with_the_default_stack(compiled, granularity):
     """Counted from the compiled graphs of the first request: the torch ops dynamo captured, inductor's IR nodes
-    before fusion and the kernels it generated (one graph shared by every block under regional compile)."""
+    before fusion and the kernels it generated (one graph shared by every block under regional compile). Under full
+    compile the graph is stock's: nothing of the default stack acts inside it (joint_attention's in-graph tables
+    measured slower than compiled stock; the value-keyed work has no eager place there)."""
     stock, default = compiled[(granularity, "none")], compiled[(granularity, "default")]
-    assert default.ir_nodes < stock.ir_nodes and default.kernels < stock.kernels, (default, stock)
-    assert default.captured < stock.captured
+    if granularity == "full":
+        assert (default.captured, default.ir_nodes, default.kernels) == (stock.captured, stock.ir_nodes, stock.kernels)
+    else:
+        assert default.ir_nodes < stock.ir_nodes and default.kernels < stock.kernels, (default, stock)
+        assert default.captured < stock.captured
     print(
         f"\n{granularity}: captured ops {stock.captured} -> {default.captured}, IR nodes {stock.ir_nodes} -> "
         f"{default.ir_nodes}, generated kernels {stock.kernels} -> {default.kernels}"
@@ -199,10 +204,10 @@ def test_status_says_what_the_compiled_model_uses(compiled):
     assert full.status["compiled_regions"] == ["block", "transformer"]
     # regional: the blocks are compiled and receive the hoisted memo lookups and tables; every default acts
     assert {"shared_modulation", "rope", "joint_attention", "vae_exact"} <= set(regional.status["acting_on_pipeline"])
-    # full: the whole transformer is compiled: the joint path (rotary math included) acts in the graph; the memo and
-    # rope's tables and embedder memo do not (value-keyed work has no eager place to run)
-    assert {"joint_attention", "vae_exact"} <= set(full.status["acting_on_pipeline"])
-    for name in ("shared_modulation", "rope"):
+    # full: the whole transformer is compiled: the memo, rope's tables and embedder memo and the joint path's tables
+    # have no eager place to run (joint_attention computing them in the graph measured slower than compiled stock)
+    assert "vae_exact" in full.status["acting_on_pipeline"]
+    for name in ("shared_modulation", "rope", "joint_attention"):
         assert "torch.compile runs the whole transformer" in full.reasons[name][0], full.reasons
 
 
@@ -230,7 +235,7 @@ def test_status_of_a_compiled_transformer_without_inductor(runtime, granularity)
     if granularity == "full":
         tr.compile(backend="eager")
         assert guards.compiled_regions(tr) == {"block", "transformer"}
-        acting = {"joint_attention"}  # issue 21: the joint path is written for tracing, it acts in the graph
+        acting = set()  # no eager place for value-keyed work; joint_attention's in-graph tables: slower than stock
     else:
         regionally_compile(tr, backend="eager")
         assert guards.compiled_regions(tr) == {"block"}

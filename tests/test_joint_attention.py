@@ -16,7 +16,9 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt.blocks import compiled_blocks, rope_tables
 from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.joint_qkv import READY_ROPE
 from vllm_omni_ascend_opt.opts import joint_attention as ja
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
@@ -431,8 +433,9 @@ def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_count
 def test_traced_attention_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog):
     """Under torch.compile (a block's attention, as vLLM-Omni's regional compile traces it) the patched forward
     checks ``guards.tracing()`` first: fullgraph tracing succeeds (no logger call breaks the graph), the graph holds
-    the joint path as written for tracing (issue 21: two joint RMSNorms, not stock's four per-stream ones; stock's
-    values, bitwise on the eager backend), and no counter, fallback reason, cache entry or log line appears."""
+    the joint path as written for tracing when the block's pre-hook hoisted its RoPE tables (issue 21, regional
+    compile: two joint RMSNorms, not stock's four per-stream ones; stock's values, bitwise on the eager backend), stock's
+    attention without them (full compile), and no counter, fallback reason, cache entry or log line appears."""
     api.select("none", model=tiny_pipe)
     attn = _attn(tiny_pipe.transformer)
     hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
@@ -440,22 +443,30 @@ def test_traced_attention_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog
         want = attn(hs, ehs, vid, txt)
     api.select("none,+joint_attention", model=tiny_pipe)
     OPT.reset_stats()
-    torch._dynamo.reset()
-    graphs = []
 
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    def traced_norms(hoisted: bool) -> list[str]:
+        graphs = []
 
-    try:
-        with runtime.context(), torch.no_grad(), caplog.at_level(logging.DEBUG, logger="vllm_omni_ascend_opt"):
-            got = torch.compile(attn, backend=backend, fullgraph=True)(hs, ehs, vid, txt)
-    finally:
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        # what a regionally compiled block's eager pre-hook leaves: this forward's joint tables (full compile: none)
+        tables = rope_tables.graph_tables(torch.cat([txt, vid], dim=0), hs.dtype) if hoisted else None
+        compiled_blocks.set_ready(attn, READY_ROPE, tables)
         torch._dynamo.reset()
-    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-    (gm,) = graphs
-    norms = [n for n in gm.graph.nodes if n.op == "call_function" and "rms_norm" in str(n.target)]
-    assert len(norms) == 2, [str(n.target) for n in norms]  # the joint q and k norms
+        try:
+            with runtime.context(), torch.no_grad(), caplog.at_level(logging.DEBUG, logger="vllm_omni_ascend_opt"):
+                got = torch.compile(attn, backend=backend, fullgraph=True)(hs, ehs, vid, txt)
+        finally:
+            torch._dynamo.reset()
+            attn.__dict__.pop(READY_ROPE, None)
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        (gm,) = graphs
+        return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "rms_norm" in str(n.target)]
+
+    assert len(traced_norms(hoisted=True)) == 2  # the joint q and k norms
+    assert len(traced_norms(hoisted=False)) == 4  # full compile, no hoisted tables: stock's four per-stream norms
     assert not OPT.stats and OPT.fallback_reasons() == {} and len(OPT._joint_freqs) == 0 and len(OPT._tables) == 0
     assert not caplog.records
     with runtime.context(), torch.no_grad():

@@ -42,8 +42,9 @@ Launches per block, fp32 tiny, warm request (the CPU bitwise default stack): 74 
 
 While ``torch.compile`` traces, the patched forward checks ``guards.tracing()`` first and runs the joint path as
 written for tracing (``blocks/joint_qkv.traced_forward``: the same math, no counter, cache or log; the RoPE tables
-hoisted by an eager pre-hook of each regionally compiled block, or computed in the graph under full compile): no
-graph break, fewer ops in the compiled graph than stock's attention. Eagerly, the guards, the CUDA-fused check and
+hoisted by an eager pre-hook of each regionally compiled block): no graph break, fewer ops in the compiled graph than
+stock's attention. Under full compile (no eager place to hoist the tables) the graph keeps stock's attention: the
+joint path with its tables computed in the graph measured slower than compiled stock on inductor. Eagerly, the guards, the CUDA-fused check and
 the RoPE tables are decided once per forward (``blocks/forward_scope.py``) and the four projections called as
 their kernels where vLLM's layer is plain (``blocks/direct_calls.py``). Falls back to stock, with the reason
 counted (:meth:`JointAttention.fallback_reasons`), under autograd, graph capture, when the norms are not plain
@@ -109,8 +110,10 @@ class JointAttention(Optimization):
     # the local head counts (equal for both streams); CFG-parallel runs each branch as a single request.
     parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")
     regions = frozenset({"block"})
-    #: Its joint path is written for tracing (regional: tables hoisted per forward; full: computed in the graph).
-    acts_compiled = frozenset({"regional", "full"})
+    #: Its joint path is written for tracing with the RoPE tables hoisted per forward (regional compile). Under full
+    #: compile it would compute them in the graph, measured slower than compiled stock (bench_host --compiled full:
+    #: 1.076x, 0.975x without it): there the traced graph keeps stock's attention.
+    acts_compiled = frozenset({"regional"})
     acts_without_attach = True
     #: What it replaces (the joint attention forward, qk-norm-rope) and mirrors (the native rotary math, stock's
     #: fused-CUDA branch condition, the QK norms' construction).
@@ -242,7 +245,9 @@ class JointAttention(Optimization):
             encoder_hidden_states_mask: torch.Tensor | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor]:
             if guards.tracing():  # first: dynamo traces; nothing here is counted, cached or logged
-                if traced_reason(self, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs) is None:
+                # only in a regionally compiled block, whose eager pre-hook hoisted this forward's tables
+                hoisted = compiled_blocks.ready(self, READY_ROPE) is not None
+                if hoisted and traced_reason(self, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs) is None:
                     out = traced_forward(
                         mod,
                         self,
