@@ -259,6 +259,27 @@ def test_non_contiguous_value_view_is_bitwise_through_sdpa(runtime, tiny_pipe):
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
+def test_peak_memory_of_a_forward_is_not_above_stocks(runtime, tiny_pipe):
+    """Peak bytes of one transformer forward (testbed/memory.py's profiler probe): the joint path frees the per-stream
+    projections once they are in the joint tensor, before the norms' temporaries (held together, they made the real-
+    width forward's peak 1.22x stock's at 1328^2)."""
+    from vllm_omni_ascend_opt.testbed.memory import measure
+
+    tr = tiny_pipe.transformer
+
+    def call() -> torch.Tensor:
+        return _forward(runtime, tr, batch=1, hw=(16, 16), txt=32)
+
+    api.select("none", model=tiny_pipe)
+    want, stock = measure(call)
+    api.select("none,+joint_attention", model=tiny_pipe)
+    call()  # the joint tables are built once per freqs: the warm forward is measured
+    OPT.reset_stats()
+    got, joint = measure(call)
+    assert OPT.stats["joint_calls"] == TINY.num_layers and torch.equal(want, got)
+    assert joint.peak <= stock.peak, (joint.peak, stock.peak)
+
+
 def test_bitwise_through_fused_attention_with_the_fake_npu(runtime, bf16_transformer, fake_npu):
     """bf16 through ``fused_attention`` (npu_fusion_attention via the fake): the joint views give stock's result."""
     npu = fake_npu()

@@ -115,7 +115,8 @@ def test_status_line_in_the_server_output(servers):
     assert len(worker) == 1 and len(api) == 1, lines  # one line per process that loads the plugin
     assert (
         " INFO " in worker[0]
-        and "installed shared_modulation, rope, vae_exact, joint_attention; off: fused_attention" in worker[0]
+        and "installed shared_modulation, rope, vae_exact, joint_attention, memo_aware_offload; off: fused_attention"
+        in worker[0]
     )
     assert "vae_fast (not selected by VLLM_OMNI_ASCEND_OPT)" in worker[0]
     stock = [ln for ln in servers.stock.log_text().splitlines() if STATUS_LINE.format(flag="none") in ln]
