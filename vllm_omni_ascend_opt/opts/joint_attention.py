@@ -244,53 +244,26 @@ class JointAttention(Optimization):
             hidden_states_mask: torch.Tensor | None = None,
             encoder_hidden_states_mask: torch.Tensor | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor]:
+            streams = (hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
+            masks = (hidden_states_mask, encoder_hidden_states_mask)
             if guards.tracing():  # first: dynamo traces; nothing here is counted, cached or logged
                 # only in a regionally compiled block, whose eager pre-hook hoisted this forward's tables
                 hoisted = compiled_blocks.ready(self, READY_ROPE) is not None
-                if hoisted and traced_reason(self, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs) is None:
-                    out = traced_forward(
-                        mod,
-                        self,
-                        hidden_states,
-                        encoder_hidden_states,
-                        vid_freqs,
-                        txt_freqs,
-                        hidden_states_mask,
-                        encoder_hidden_states_mask,
-                    )
+                if hoisted and traced_reason(self, *streams) is None:
+                    out = traced_forward(mod, self, *streams, *masks)
                     if out is not None:
                         return out
-                return original(
-                    self,
-                    hidden_states,
-                    encoder_hidden_states,
-                    vid_freqs,
-                    txt_freqs,
-                    hidden_states_mask=hidden_states_mask,
-                    encoder_hidden_states_mask=encoder_hidden_states_mask,
-                )
-            why = opt._call_reason(self, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
-            if why is None:
-                out = opt._joint_forward(
-                    mod,
-                    self,
-                    hidden_states,
-                    encoder_hidden_states,
-                    vid_freqs,
-                    txt_freqs,
-                    hidden_states_mask,
-                    encoder_hidden_states_mask,
-                )
-                if isinstance(out, tuple):
-                    return out
-                why = out
-            opt._fallback(why)
+            else:
+                why = opt._call_reason(self, *streams)
+                if why is None:
+                    out = opt._joint_forward(mod, self, *streams, *masks)
+                    if isinstance(out, tuple):
+                        return out
+                    why = out
+                opt._fallback(why)
             return original(
                 self,
-                hidden_states,
-                encoder_hidden_states,
-                vid_freqs,
-                txt_freqs,
+                *streams,
                 hidden_states_mask=hidden_states_mask,
                 encoder_hidden_states_mask=encoder_hidden_states_mask,
             )
