@@ -262,6 +262,7 @@ def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
         again = _fwd(runtime, tr, kws[0])
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)) and torch.equal(again, want[0])
     assert sm.stats["time_keys"] == 4 and sm.stats["digests"] == 4  # one timestep read per forward, no temb digest
+    assert sm.stats["time_hits"] == 2  # the repeats of t=0.7 return the memoized temb: no embedding kernel runs
     # t=0.7 and t=0.3 miss once each (2 blocks + norm_out); the two repeats of t=0.7 hit
     assert sm.stats["misses"] == 2 * 3 and sm.stats["hits"] == 2 * 3
     assert sm.fallback_reasons() == {}
@@ -275,6 +276,32 @@ def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
     assert sm.stats["misses"] == misses + 3
     api.select("none", model=tr)
     assert torch.equal(got, _fwd(runtime, tr, kws[0]))
+
+
+def test_time_embedding_hit_returns_the_memoized_temb_unless_it_was_written(runtime):
+    """A repeated timestep returns the temb of its first forward without running the embedding; a temb written in
+    place since (outside inference mode, where it has a version counter) is recomputed, not returned."""
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.testbed.opcount import OpCounter
+
+    tr = _build(runtime)
+    kw = _inputs(tr, t=0.4)
+    api.select("none", model=tr)
+    want = _fwd(runtime, tr, kw)
+    api.select("none,+shared_modulation", model=tr)
+    sm = _opt("shared_modulation")
+    sm.reset_stats()
+    _fwd(runtime, tr, kw)
+    with OpCounter() as ops:
+        hit = _fwd(runtime, tr, kw)
+    assert sm.stats["time_hits"] == 1 and torch.equal(hit, want)
+    assert not {"aten::sin", "aten::cos", "aten::silu"} & set(ops.counts), dict(ops.counts)  # no embedding op
+    (entry,) = [e for e in sm.memo._entries.values() if e.temb is not None]
+    with torch.no_grad():
+        entry.temb.add_(1.0)
+    again = _fwd(runtime, tr, kw)
+    assert sm.stats["time_hits"] == 1, "a temb written in place was returned"
+    assert torch.equal(again, want)
 
 
 def test_time_embedding_memo_steps_aside_for_hooks(runtime):

@@ -64,6 +64,42 @@ def joint_rms_norm(x: torch.Tensor, st: int, w_txt: torch.Tensor, w_img: torch.T
     return out.to(dtype)
 
 
+def joint_qk_rms_norm(
+    qk: torch.Tensor,
+    st: int,
+    w_txt: tuple[torch.Tensor, torch.Tensor],
+    w_img: tuple[torch.Tensor, torch.Tensor],
+    eps: float,
+) -> torch.Tensor:
+    """:func:`joint_rms_norm` of q and k in one norm pass. ``qk`` is the ``[2, B, S, N, D]`` q/k view of the joint QKV
+    tensor (``qkv[..., :2*N*D].unflatten(-1, (2, N, D)).permute(2, 0, 1, 3, 4)``), ``w_txt``/``w_img`` the (q, k)
+    weights of each stream. Returns a new contiguous ``[2, B, S, N, D]`` tensor (``[0]`` is q, ``[1]`` is k), bitwise
+    stock's four norms: the composite normalises every row by itself, so one call over both planes gives each row the
+    values two calls give it, and each plane-and-stream is multiplied by its own weight, in place on the normalised
+    rows (the same multiply; no second buffer: the peak stays at one fp32 copy of q and k)."""
+    dtype = qk.dtype
+    opmath = _OPMATH.get(dtype, dtype)
+    xu = qk.to(opmath)
+    if qk.device.type in COMPOSITE_RMS_DEVICES:
+        normed = torch.rms_norm(xu, (qk.shape[-1],), None, eps)
+    else:
+        eps_t = _opmath_scalar(eps, opmath)
+        normed = xu.mul(torch.rsqrt(xu.pow(2).mean(-1, keepdim=True).add_(eps_t)))
+    del xu
+    normed = normed.contiguous()  # already is (the input view is not dense): q and k must be contiguous planes
+    for i in (0, 1):
+        normed[i, :, :st].mul_(w_txt[i])
+        normed[i, :, st:].mul_(w_img[i])
+    return normed.to(dtype)
+
+
+def qk_weights_fit(dtype: torch.dtype, weights: tuple[torch.Tensor, ...]) -> bool:
+    """Whether :func:`joint_qk_rms_norm` can multiply by ``weights`` in place: each promotes with the norm's opmath
+    type to that type (as stock's ``mul(weight)`` would: bf16/fp16 weights on fp32 rows, or same-dtype weights)."""
+    opmath = _OPMATH.get(dtype, dtype)
+    return all(_promote(opmath, w.dtype) == opmath for w in weights)
+
+
 @functools.lru_cache(maxsize=64)
 def _promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     """``torch.promote_types`` memoized (it dispatches an aten op: kept off the counted hot path)."""

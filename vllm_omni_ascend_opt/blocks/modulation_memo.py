@@ -84,6 +84,9 @@ class _Entry:
     nbytes: int = 0
     #: entries keyed on the timestep: weak references to the time embedding's weights whose ids the key holds
     refs: tuple[weakref.ReferenceType, ...] = ()
+    #: entries keyed on the timestep: the temb stock computed on the miss (returned by every hit)
+    temb: torch.Tensor | None = None
+    temb_version: int | None = None
 
 
 class ModulationMemo:
@@ -231,6 +234,7 @@ class ModulationMemo:
         entry.slots.clear()
         entry.silu = None
         entry.refs = ()
+        entry.temb = None
 
     def time_embedding(
         self,
@@ -240,12 +244,14 @@ class ModulationMemo:
         addition_t_cond: Any,
         stock: Any,
     ) -> tuple[torch.Tensor | None, str | None]:
-        """``time_text_embed(timestep, hidden_states, addition_t_cond)`` computed by ``stock``, with its memo entry
-        found by the timestep's value (one small device->host read per forward, counted as ``digests``) instead of
-        a digest of temb's B x D values: the blocks then find the entry by temb's identity. The key holds what temb
-        is a function of (the timestep's and the additional condition's values, the activation dtype, the
-        embedding's weights, the numerical settings). (temb, None), or (None, why the memo does not key it: the
-        blocks then digest temb as before)."""
+        """``time_text_embed(timestep, hidden_states, addition_t_cond)``, with its memo entry found by the timestep's
+        value (one small device->host read per forward, counted as ``digests``) instead of a digest of temb's B x D
+        values: the blocks then find the entry by temb's identity. The key holds what temb is a function of (the
+        timestep's and the additional condition's values, the activation dtype, the embedding's weights, the
+        numerical settings), so the entry keeps the temb ``stock`` computed on its miss and a hit returns that very
+        tensor (``time_hits``): a warm step runs none of the embedding's ~10 kernels. Like the block slots, this
+        relies on nobody writing into temb in place (vLLM-Omni's transformer and cache hooks only read it). (temb,
+        None), or (None, why the memo does not key it: the blocks then digest temb as before)."""
         why = self._precheck_once(timestep)
         if why is None and torch.is_grad_enabled():
             why = "grad mode is on (the time embedding is keyed for inference only)"
@@ -262,9 +268,6 @@ class ModulationMemo:
         add = addition_t_cond if getattr(module, "use_additional_t_cond", False) else None  # stock ignores it else
         if add is not None and type(add) is not torch.Tensor:
             return None, "addition_t_cond is not a plain tensor"
-        temb = stock(module, timestep, hidden_states, addition_t_cond)
-        if type(temb) is not torch.Tensor:
-            return temb, None  # nothing to key (not reached with vLLM-Omni's module)
         self.stats["digests"] += 1  # the one device->host read of this forward (B values, not temb's B x D)
         key = (
             "time",
@@ -282,6 +285,18 @@ class ModulationMemo:
                 weakref.ref(t) for x in tensors for t in (sig_tensors(x) if isinstance(x, nn.Module) else (x,))
             )
         self.stats["time_keys"] += 1
+        temb = entry.temb
+        if temb is not None and not temb.is_inference() and temb._version != entry.temb_version:
+            temb = entry.temb = None  # written in place since (outside inference mode): recompute
+        if temb is not None:
+            self.stats["time_hits"] += 1
+        else:
+            temb = stock(module, timestep, hidden_states, addition_t_cond)
+            if type(temb) is not torch.Tensor:
+                return temb, None  # nothing to key (not reached with vLLM-Omni's module)
+            if self._admit(entry, temb.numel() * temb.element_size()):  # within the budget like every payload
+                entry.temb = temb
+                entry.temb_version = None if temb.is_inference() else temb._version
         self._last = (weakref.ref(temb), None if temb.is_inference() else temb._version, entry, Span.of(temb))
         return temb, None
 

@@ -182,6 +182,19 @@ def apply_portable(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor)
     return torch.cat([xr * cos + swap_pairs(xr) * sin_signed, x[..., ro_dim:]], dim=-1)
 
 
+def apply_portable_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_portable` written into ``x`` (which the caller owns and no longer needs): the same four ops in
+    the same order on the same values (``x*cos``, ``swap(x)*sin``, their sum), in place, so the rotation needs one
+    temporary instead of three. Returns ``x``."""
+    ro_dim = cos.shape[-1]
+    xr = x if ro_dim == x.shape[-1] else x[..., :ro_dim]
+    rotated = swap_pairs(xr)  # before xr changes
+    rotated.mul_(sin_signed)
+    xr.mul_(cos)
+    xr.add_(rotated)
+    return x
+
+
 def native_equivalent(rope: nn.Module) -> bool:
     """True when stock's ``rope(x, cos, sin)`` runs ``RotaryEmbedding.forward_native`` (interleaved, half-dim)."""
     mod = sys.modules.get("vllm_omni.diffusion.layers.rope")

@@ -41,6 +41,7 @@ from vllm_omni_ascend_opt.blocks.rope_tables import (
     TableCache,
     Tables,
     apply_portable,
+    apply_portable_,
     half_tables,
     native_equivalent,
     npu_tables,
@@ -337,10 +338,14 @@ class RotaryKernel:
         """:meth:`apply` with the cached tables of ``freqs`` in ``x``'s dtype."""
         return self.apply(x, self.tables.get(freqs, x.dtype), freqs, rope)
 
-    def plan(self, x: torch.Tensor, freqs: torch.Tensor, rope: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    def plan(
+        self, x: torch.Tensor, freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         """How inputs shaped like ``x`` rotate with ``freqs``: the decision :meth:`apply` makes per call, made once
         (a caller keeps it for one transformer forward, where freqs, shapes and verdicts stay the same). The NPU
-        kernel path keeps :meth:`apply` until its shape class has a verdict (the first real call verifies it)."""
+        kernel path keeps :meth:`apply` until its shape class has a verdict (the first real call verifies it).
+        ``inplace``: the caller owns its inputs, so the portable math may rotate them in place (same ops, fewer
+        temporaries); the other paths return new tensors as always."""
         tables = self.tables.get(freqs, x.dtype)
         stats = self.stats
         if self.kernel_for(x) is not None:
@@ -365,10 +370,11 @@ class RotaryKernel:
                 return kernel
         if native_equivalent(rope):
             cos, sin_signed = portable_tables(tables, freqs, stats)
+            rotate = apply_portable_ if inplace else apply_portable
 
             def portable(q: torch.Tensor) -> torch.Tensor:
                 stats["portable_calls"] += 1
-                return apply_portable(q, cos, sin_signed)
+                return rotate(q, cos, sin_signed)
 
             return portable
         half_cos, half_sin = half_tables(tables, freqs, stats)

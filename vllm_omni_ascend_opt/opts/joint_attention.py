@@ -86,7 +86,9 @@ from vllm_omni_ascend_opt.blocks.joint_qkv import (
     READY_ROPE,
     any_cuda_fused,
     attend,
+    joint_qk_rms_norm,
     joint_rms_norm,
+    qk_weights_fit,
     shape_reason,
     static_reason,
     traced_forward,
@@ -212,24 +214,38 @@ class JointAttention(Optimization):
     def _norm(self, x: torch.Tensor, st: int, norm_txt: nn.Module, norm_img: nn.Module) -> torch.Tensor:
         return joint_rms_norm(x, st, norm_txt.weight, norm_img.weight, norm_img.eps)
 
+    def _rotate(
+        self, query: torch.Tensor, key: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k, each rotated by its own call (the paths where they are separate tensors)."""
+        query = self._rotation(query, vid_freqs, txt_freqs, rope)(query)
+        return query, self._rotation(key, vid_freqs, txt_freqs, rope)(key)
+
     def _rotation(
-        self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module
+        self,
+        x: torch.Tensor,
+        vid_freqs: torch.Tensor,
+        txt_freqs: torch.Tensor,
+        rope: nn.Module,
+        inplace: bool = False,
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """How q/k of this shape rotate in this forward: the joint freqs and their tables, looked up once per forward
-        (the same freqs objects reach every block) and per shape class, then applied per call."""
-        key = ("ja.rotation", id(vid_freqs), id(txt_freqs), x.dtype, x.device, x.shape)
-        return forward_scope.decide(key, lambda: self._make_rotation(x, vid_freqs, txt_freqs, rope))
+        (the same freqs objects reach every block) and per shape class, then applied per call. ``inplace``: the
+        inputs are this path's own (the portable math may rotate them in place)."""
+        key = ("ja.rotation", id(vid_freqs), id(txt_freqs), x.dtype, x.device, x.shape, inplace)
+        return forward_scope.decide(key, lambda: self._make_rotation(x, vid_freqs, txt_freqs, rope, inplace))
 
     def _make_rotation(
-        self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module
+        self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module, inplace: bool
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         joint_freqs = self._joint_freqs.get(vid_freqs, txt_freqs)
         kernel = rotary.active()  # switched on while `rope` is installed: its tables, verified kernel and counters
         if kernel is not None:
-            return kernel.plan(x, joint_freqs, rope)
+            return kernel.plan(x, joint_freqs, rope, inplace=inplace)
         tables = self._tables.get(joint_freqs, x.dtype)
         cos, sin_signed = rope_tables.portable_tables(tables, joint_freqs, self.stats)
-        return functools.partial(rope_tables.apply_portable, cos=cos, sin_signed=sin_signed)
+        rotate = rope_tables.apply_portable_ if inplace else rope_tables.apply_portable
+        return functools.partial(rotate, cos=cos, sin_signed=sin_signed)
 
     def _make_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         opt = self
@@ -316,17 +332,30 @@ class JointAttention(Optimization):
             value = torch.cat([txt_v, img_v], dim=1)
             del img_qkv, txt_qkv, img_q, img_k, img_v, txt_q, txt_k, txt_v  # in the joint tensors now
             self.stats["kernel_norm_calls"] += 1
+            query, key = self._rotate(query, key, vid_freqs, txt_freqs, m["rope"])
         else:
-            query, key, value = torch.cat([txt_qkv, img_qkv], dim=1).split([q_size, kv_size, kv_size], dim=-1)
+            qkv = torch.cat([txt_qkv, img_qkv], dim=1)
             # the projections live on in the joint tensor: free them before the norms' fp32 temporaries (alive
             # together, they made the transformer's peak 1.22x stock's at 1328^2)
             del img_qkv, txt_qkv
-            query = self._norm(query.unflatten(-1, (nq, d)), st, norm_added_q, norm_q)
-            key = self._norm(key.unflatten(-1, (nkv, d)), st, norm_added_k, norm_k)
-            value = value.unflatten(-1, (nkv, d))
-        rope = m["rope"]
-        query = self._rotation(query, vid_freqs, txt_freqs, rope)(query)
-        key = self._rotation(key, vid_freqs, txt_freqs, rope)(key)
+            value = qkv[..., q_size + kv_size :].unflatten(-1, (nkv, d))
+            b = qkv.shape[0]
+            w_txt, w_img = (norm_added_q.weight, norm_added_k.weight), (norm_q.weight, norm_k.weight)
+            if nq == nkv and 2 * b * nq < rotary.KERNEL_BN_LIMIT and qk_weights_fit(qkv.dtype, (*w_txt, *w_img)):
+                # q and k as one [2, B, S, N, D] tensor: one norm pass and one rotation for both (9 launches fewer
+                # per block in fp32 than one each; the rotary kernel's B*N limit holds for the pair), normalised and
+                # rotated in place on the norm's output (the peak stays below stock's per-stream temporaries)
+                qk = qkv[..., : q_size + kv_size].unflatten(-1, (2, nq, d)).permute(2, 0, 1, 3, 4)
+                qk = joint_qk_rms_norm(qk, st, w_txt, w_img, norm_q.eps).flatten(0, 1)
+                del qkv
+                query, key = self._rotation(qk, vid_freqs, txt_freqs, m["rope"], inplace=True)(qk).unflatten(0, (2, b))
+                del qk
+            else:
+                query, key = qkv[..., : q_size + kv_size].split([q_size, kv_size], dim=-1)
+                del qkv
+                query = self._norm(query.unflatten(-1, (nq, d)), st, norm_added_q, norm_q)
+                key = self._norm(key.unflatten(-1, (nkv, d)), st, norm_added_k, norm_k)
+                query, key = self._rotate(query, key, vid_freqs, txt_freqs, m["rope"])
         self.stats["joint_calls"] += 1
 
         joint_hidden_states = attend(

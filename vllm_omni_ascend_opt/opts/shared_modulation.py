@@ -21,8 +21,9 @@ How
   (matmul precision, autocast, grad mode, TF32/HF32 flags), and, per slot, the modules and their weights (object
   identity, ``_version``, shape, dtype, device -- not the storage, which vLLM-Omni's layerwise offload renews every
   forward; vLLM LoRA stacks and active-slice mask; quant method). The temb entry of a forward is found through the
-  timestep: the swapped ``time_text_embed`` computes stock's temb and keys it by the timestep's value (B values read
-  back, not temb's B x 3072) with the embedding's weights, so the blocks find the entry by temb's identity, no digest.
+  timestep: the swapped ``time_text_embed`` keys stock's temb by the timestep's value (B values read back, not temb's
+  B x 3072) with the embedding's weights and keeps it, so a repeated timestep runs no embedding kernel and the blocks
+  find the entry by temb's identity, no digest.
   A miss replays stock's computation
   (same ops, same inputs, one SiLU per distinct temb), so a hit is bitwise what stock would compute. Each block's
   modulation is stored unpacked ("decode broadcast"): contiguous ``(1 + scale, shift, gate)`` tensors ``[B, 1, D]``
