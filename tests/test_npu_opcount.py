@@ -149,7 +149,7 @@ def test_tiny_fp32_cpu_counts_match_the_pipeline_budget(tiny, runtime):
     """The transformer-level helper counts what test_op_budget counts through the whole pipeline."""
     tr, kw = tiny[torch.float32]
     assert blockops.count_block(tr, runtime, kw, "none", npu=False).total == 106
-    assert blockops.count_block(tr, runtime, kw, "default", npu=False).total == 54
+    assert blockops.count_block(tr, runtime, kw, "default", npu=False).total == 46
 
 
 def test_stock_block_in_bf16_through_the_fake_is_pinned(tiny, runtime, fake_npu):

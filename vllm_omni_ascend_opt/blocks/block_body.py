@@ -17,6 +17,7 @@ their switches (:data:`FAST`'s owners, which the graph is guarded on) without co
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ import torch.nn.functional as F
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks import direct_calls, guards, targets
 from vllm_omni_ascend_opt.blocks.modulation_keys import NATIVE, NPU_EVAL
+from vllm_omni_ascend_opt.blocks.stamps import PlanCache, Reader
+
+#: "Look it up now": the default of the arguments a block plan may supply instead.
+PER_CALL: Any = object()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -102,9 +107,10 @@ class NormMod:
     #: this norm cannot take them; built on first fast use and kept with the memo entry (a warm step pays no op).
     affine: tuple[torch.Tensor, torch.Tensor] | str | None = None
 
-    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def norm(self, norm: nn.Module, x: torch.Tensor, ln: Any = PER_CALL) -> torch.Tensor:
         """``norm(x, scale, shift)``, computed with the same ops as the instance's stock dispatch (or, with
-        ``fast_modulate``, as one affine layer norm)."""
+        ``fast_modulate``, as one affine layer norm). ``ln``: the inner layer norm's direct-call arguments from the
+        block's plan (None: call it as a module), else looked up per call."""
         owner = FAST.owner("modulate")
         if owner is not None:
             if self.affine is None:
@@ -115,7 +121,7 @@ class NormMod:
                 return affine_layernorm(self.kind, norm, x, *self.affine)
             owner.count_stock(why)
         if self.kind == NATIVE:
-            return native_layernorm(norm, x) * self.first + self.shift
+            return native_layernorm(norm, x, ln) * self.first + self.shift
         if self.kind == NPU_EVAL:
             torch_npu = _backend.torch_npu_module()
             return (
@@ -186,21 +192,63 @@ def _affine_dtype_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-def layernorm(kind: str, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def layernorm(kind: str, norm: nn.Module, x: torch.Tensor, ln: Any = PER_CALL) -> torch.Tensor:
     """The normalisation half of ``AdaLayerNorm`` for kinds native / npu_eval (what stock multiplies by 1+scale)."""
     if kind == NPU_EVAL:
         return _backend.torch_npu_module().npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps)
-    return native_layernorm(norm, x)
+    return native_layernorm(norm, x, ln)
 
 
-def native_layernorm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def native_layernorm(norm: nn.Module, x: torch.Tensor, args: Any = PER_CALL) -> torch.Tensor:
     """``norm.layernorm(x)``: ``F.layer_norm`` directly when the inner ``nn.LayerNorm`` is plain (its forward, without
-    the module call), else the module. The caller's guard has excluded global module hooks."""
-    ln = norm._modules.get("layernorm")
-    args = direct_calls.layer_norm_args(ln) if ln is not None else None
+    the module call), else the module. ``args``: its direct-call arguments from the block's plan (None: the
+    module), else looked up now. The caller's guard has excluded global module hooks."""
+    if args is PER_CALL:
+        ln = norm._modules.get("layernorm")
+        args = direct_calls.layer_norm_args(ln) if ln is not None else None
     if args is None:
         return norm.layernorm(x)
     return direct_calls.layer_norm(x, args)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the block's plan: its known layers' direct-call arguments, kept while the block is unchanged
+# ----------------------------------------------------------------------------------------------------------------
+NORMS = ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPlan:
+    """What the block body calls, decided once per block instance (kept while its :class:`~.stamps.Stamp` holds).
+
+    ``norms``: the four AdaLayerNorms (img1, img2, txt1, txt2); ``layer_norms``: their inner layer norms' direct-call
+    arguments (None: called as modules); ``mlps``: ``(img_mlp, txt_mlp)``; ``mlp_args``: their direct-call arguments
+    or why they are called as modules (used while the process allows direct calls:
+    :func:`~.direct_calls.process_reason`, decided per forward)."""
+
+    norms: tuple[nn.Module, ...]
+    layer_norms: tuple[Any, ...]
+    mlps: tuple[nn.Module, nn.Module]
+    mlp_args: tuple[Any, Any]
+
+
+def block_plan(block: nn.Module, r: Reader) -> BlockPlan:
+    """The :class:`BlockPlan` of ``block``, reading through ``r``."""
+    m = block._modules
+    norms = tuple(r.read(m, n) for n in NORMS)
+    layer_norms = []
+    for norm in norms:
+        ln = r.read(norm._modules, "layernorm") if isinstance(norm, nn.Module) else None
+        layer_norms.append(direct_calls.layer_norm_args(ln, r) if ln is not None else None)
+    mlps = (r.read(m, "img_mlp"), r.read(m, "txt_mlp"))
+    if direct_calls.instance_known(r):
+        mlp_args = tuple(direct_calls.mlp_instance(ff, r) for ff in mlps)
+    else:
+        mlp_args = ("vLLM-Omni's layers are not imported",) * 2
+    return BlockPlan(norms, tuple(layer_norms), mlps, mlp_args)  # type: ignore[arg-type]
+
+
+PLANS = PlanCache()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -226,10 +274,12 @@ def block_body(
     norms as ``F.layer_norm``), the others as modules; ``stats`` (the caller's) counts ``direct_calls`` and
     ``module_calls`` with their reasons."""
     img1, img2, txt1, txt2 = mods
-    m = block._modules  # submodules without nn.Module.__getattr__ (~0.4 us each)
-    img_modulated = img1.norm(m["img_norm1"], hidden_states)
-    txt_modulated = txt1.norm(m["txt_norm1"], encoder_hidden_states)
-    img_attn_output, txt_attn_output = m["attn"](
+    plan = PLANS.get(block, functools.partial(block_plan, block))
+    (n_img1, n_img2, n_txt1, n_txt2), (ln_img1, ln_img2, ln_txt1, ln_txt2) = plan.norms, plan.layer_norms
+    mlp_args = plan.mlp_args if direct_calls.process_reason() is None else None
+    img_modulated = img1.norm(n_img1, hidden_states, ln_img1)
+    txt_modulated = txt1.norm(n_txt1, encoder_hidden_states, ln_txt1)
+    img_attn_output, txt_attn_output = block._modules["attn"](
         hidden_states=img_modulated,
         encoder_hidden_states=txt_modulated,
         vid_freqs=image_rotary_emb[0],
@@ -240,10 +290,12 @@ def block_body(
     hidden_states = img1.residual(hidden_states, img_attn_output)
     encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output)
 
-    img_modulated2 = img2.norm(m["img_norm2"], hidden_states)
-    hidden_states = img2.residual(hidden_states, feed_forward(m["img_mlp"], img_modulated2, stats))
-    txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states)
-    encoder_hidden_states = txt2.residual(encoder_hidden_states, feed_forward(m["txt_mlp"], txt_modulated2, stats))
+    img_modulated2 = img2.norm(n_img2, hidden_states, ln_img2)
+    ff = feed_forward(plan.mlps[0], img_modulated2, stats, mlp_args[0] if mlp_args else PER_CALL)
+    hidden_states = img2.residual(hidden_states, ff)
+    txt_modulated2 = txt2.norm(n_txt2, encoder_hidden_states, ln_txt2)
+    ff = feed_forward(plan.mlps[1], txt_modulated2, stats, mlp_args[1] if mlp_args else PER_CALL)
+    encoder_hidden_states = txt2.residual(encoder_hidden_states, ff)
 
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
@@ -332,10 +384,11 @@ def traced_block_body(
     return encoder_hidden_states, hidden_states
 
 
-def feed_forward(ff: nn.Module, x: torch.Tensor, stats: Counter | None = None) -> torch.Tensor:
-    """``ff(x)`` for the block's MLPs: its three kernels when :func:`.direct_calls.mlp_args` vouches for them, else
-    the module (the reason counted in ``stats``)."""
-    args = direct_calls.mlp_args(ff)
+def feed_forward(ff: nn.Module, x: torch.Tensor, stats: Counter | None = None, args: Any = PER_CALL) -> torch.Tensor:
+    """``ff(x)`` for the block's MLPs: its three kernels when :func:`.direct_calls.mlp_args` vouches for them (or
+    ``args``, the block plan's answer for this forward), else the module (the reason counted in ``stats``)."""
+    if args is PER_CALL:
+        args = direct_calls.mlp_args(ff)
     if isinstance(args, str):
         if stats is not None:
             stats["module_calls"] += 1

@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vllm_omni_ascend_opt.blocks import forward_scope, targets
+from vllm_omni_ascend_opt.blocks.stamps import UNRECORDED, Reader
 
 LINEAR_MODULE = "vllm.model_executor.layers.linear"
 GEMM_MODULE = "vllm.model_executor.layers.utils"
@@ -158,20 +159,22 @@ def _lookup(owner: Any, attr: str) -> Any:
     return getattr(owner, attr, None)
 
 
-_KNOWN: list[_Known] = []
+#: ``{"known": the verified upstream}`` (a mapping, so that a stamp can record which one a plan was made with)
+_KNOWN_SLOT: dict[str, _Known] = {}
 
 
 def known() -> _Known | None:
     """The verified upstream classes (None until vLLM's linear module and the Qwen-Image transformer are imported)."""
-    if _KNOWN and _KNOWN[0].current():
-        return _KNOWN[0]
-    _KNOWN.clear()
+    k = _KNOWN_SLOT.get("known")
+    if k is not None and k.current():
+        return k
+    _KNOWN_SLOT.clear()
     if not all(
         m in sys.modules for m in (LINEAR_MODULE, GEMM_MODULE, PARAMETER_MODULE, NORM_MODULE, targets.TRANSFORMER)
     ):
         return None
-    _KNOWN[:] = [_Known()]
-    return _KNOWN[0]
+    k = _KNOWN_SLOT["known"] = _Known()
+    return k
 
 
 def process_reason() -> str | None:
@@ -193,10 +196,13 @@ def _process_reason() -> str | None:
     return None
 
 
-def _plain_param(t: Any, k: _Known) -> bool:
-    if t is None or type(t) is torch.Tensor:
+def _plain_param(t: Any, k: _Known, r: Reader) -> bool:
+    if t is None:
         return True
-    tf = type(t).__torch_function__
+    cls = r.kind(t)
+    if cls is torch.Tensor:
+        return True
+    tf = cls.__torch_function__
     return getattr(tf, "__func__", tf) in k.plain_tf
 
 
@@ -205,23 +211,40 @@ def linear_args(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | 
     why = process_reason()
     if why:
         return why
-    k = _KNOWN[0]
-    kind = k.linear_kinds.get(type(layer))
+    return linear_instance(layer, UNRECORDED)
+
+
+def _known_now(r: Reader) -> _Known:
+    """The verified upstream (after :func:`process_reason` said None), recorded: a re-verification breaks a stamp."""
+    return r.read(_KNOWN_SLOT, "known")
+
+
+def instance_known(r: Reader) -> bool:
+    """Whether the upstream classes are known (imported; verified or not), recorded through ``r``: the ``*_instance``
+    checks need them. A plan made without them is remade once they are."""
+    known()
+    return _known_now(r) is not None
+
+
+def linear_instance(layer: nn.Module, r: Reader) -> tuple[torch.Tensor, torch.Tensor | None] | str:
+    """:func:`linear_args` without the per-forward process check (the caller made it), reading through ``r``."""
+    k = _known_now(r)
+    kind = k.linear_kinds.get(r.kind(layer))
     if kind is None:
         return f"{type(layer).__name__} is not a plain vLLM linear (quantized, LoRA or platform layer)"
-    if layer._forward_hooks or layer._forward_pre_hooks or "forward" in layer.__dict__:
+    if not r.module(layer):
         return "hooks or an instance forward on a linear"
     d = layer.__dict__
-    qm = d.get("quant_method")
-    if type(qm) is not k.uq or qm.__dict__.get("_gemm_impl") is not k.default_gemm:
+    qm = r.read(d, "quant_method")
+    if r.kind(qm) is not k.uq or r.read(qm.__dict__, "_gemm_impl") is not k.default_gemm:
         return "the linear's quant method is not vLLM's UnquantizedLinearMethod with the default GEMM"
-    if d.get("skip_bias_add") or d.get("tp_size", 1) != 1:
+    if r.read(d, "skip_bias_add") or (r.read(d, "tp_size") or 1) != 1:
         return "a tensor-parallel or skip_bias_add linear"
-    if kind == "row" and not d.get("input_is_parallel", False):
+    if kind == "row" and not r.read(d, "input_is_parallel"):
         return "a row-parallel linear whose input is split inside"
-    params = layer._parameters
-    w, b = params.get("weight"), params.get("bias")
-    if w is None or not _plain_param(w, k) or not _plain_param(b, k):
+    params = r.read(d, "_parameters")
+    w, b = r.read(params, "weight"), r.read(params, "bias")
+    if w is None or not _plain_param(w, k, r) or not _plain_param(b, k, r):
         return "a linear weight with its own __torch_function__ (DTensor, quantized tensor)"
     return w, b
 
@@ -238,23 +261,33 @@ def mlp_args(ff: nn.Module) -> tuple[Any, ...] | str:
     why = process_reason()
     if why:
         return why
-    k = _KNOWN[0]
-    if type(ff) is not k.ff or ff._forward_hooks or ff._forward_pre_hooks or "forward" in ff.__dict__:
+    return mlp_instance(ff, UNRECORDED)
+
+
+def mlp_instance(ff: nn.Module, r: Reader) -> tuple[Any, ...] | str:
+    """:func:`mlp_args` without the per-forward process check (the caller made it), reading through ``r``."""
+    k = _known_now(r)
+    if r.kind(ff) is not k.ff or not r.module(ff):
         return "FeedForward is not vLLM-Omni's (or carries hooks)"
-    net = ff._modules.get("net")
-    mods = list(net._modules.values()) if type(net) is nn.ModuleList else []
-    if len(mods) != 3 or type(mods[0]) is not k.gelu or type(mods[1]) is not nn.Identity:
+    net = r.read(ff._modules, "net")
+    if r.kind(net) is not nn.ModuleList:
         return "FeedForward.net is not (ColumnParallelApproxGELU, Identity, linear)"
-    act, ident, out = mods
-    if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in (act, ident, net)):
+    nm = net._modules
+    mods = [r.read(nm, str(i)) for i in range(4)]
+    if mods[3] is not None or any(m is None for m in mods[:3]):
+        return "FeedForward.net is not (ColumnParallelApproxGELU, Identity, linear)"
+    act, ident, out = mods[:3]
+    if r.kind(act) is not k.gelu or r.kind(ident) is not nn.Identity:
+        return "FeedForward.net is not (ColumnParallelApproxGELU, Identity, linear)"
+    if not (r.module(act) and r.module(ident) and r.module(net)):
         return "hooks on a FeedForward submodule"
-    first = linear_args(act._modules["proj"])
+    first = linear_instance(r.read(act._modules, "proj"), r)
     if isinstance(first, str):
         return first
-    second = linear_args(out)
+    second = linear_instance(out, r)
     if isinstance(second, str):
         return second
-    return (*first, act.__dict__.get("approximate", "none"), *second)
+    return (*first, r.read(act.__dict__, "approximate") or "none", *second)
 
 
 def mlp(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
@@ -264,23 +297,27 @@ def mlp(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
         return F.linear(F.gelu(F.linear(x, w1, b1), approximate=approximate), w2, b2)
 
 
-def layer_norm_args(ln: nn.Module) -> tuple[Any, ...] | None:
+def layer_norm_args(ln: nn.Module, r: Reader = UNRECORDED) -> tuple[Any, ...] | None:
     """``(normalized_shape, weight, bias, eps, upcast)`` of a layer norm whose forward is one ``F.layer_norm``: a
     plain ``nn.LayerNorm``, or vLLM-Omni's ``LayerNorm`` dispatched to ``forward_native`` (``upcast``: it runs in
-    fp32 and casts back), without hooks; else None (call the module). Global module hooks are the caller's guard."""
-    if ln._forward_hooks or ln._forward_pre_hooks or "forward" in ln.__dict__:
+    fp32 and casts back), without hooks; else None (call the module). Global module hooks are the caller's guard;
+    ``r`` records what is read (a :class:`~.stamps.Stamp`)."""
+    if not r.module(ln):
         return None
-    cls = type(ln)
-    p = ln._parameters
+    cls = r.kind(ln)
+    d = ln.__dict__
+    p = r.read(d, "_parameters")
+    args = (r.read(d, "normalized_shape"), r.read(p, "weight"), r.read(p, "bias"), r.read(d, "eps"))
     if cls is nn.LayerNorm:
-        return ln.normalized_shape, p.get("weight"), p.get("bias"), ln.eps, False
-    k = _KNOWN[0] if _KNOWN else known()
+        return (*args, False)
+    k = known()
     if k is None or k.reason or cls is not k.omni_ln:
         return None
-    fn = getattr(ln.__dict__.get("_forward_method"), "__func__", None)
+    _known_now(r)
+    fn = getattr(r.read(d, "_forward_method"), "__func__", None)
     if fn not in k.omni_ln_native:
         return None
-    return ln.normalized_shape, p.get("weight"), p.get("bias"), ln.eps, True
+    return (*args, True)
 
 
 def layer_norm(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:

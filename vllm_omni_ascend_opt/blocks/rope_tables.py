@@ -24,6 +24,8 @@ from collections import Counter, OrderedDict
 import torch
 import torch.nn as nn
 
+from vllm_omni_ascend_opt.blocks.stamps import UNRECORDED, Reader
+
 #: Tables kept per cache (one per (freqs tensor, dtype)): a few shapes x (vid, txt) x dtypes, with room to spare.
 TABLE_CACHE_SIZE = 32
 
@@ -195,21 +197,24 @@ def apply_portable_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     return x
 
 
-def native_equivalent(rope: nn.Module) -> bool:
-    """True when stock's ``rope(x, cos, sin)`` runs ``RotaryEmbedding.forward_native`` (interleaved, half-dim)."""
+def native_equivalent(rope: nn.Module, r: Reader = UNRECORDED) -> bool:
+    """True when stock's ``rope(x, cos, sin)`` runs ``RotaryEmbedding.forward_native`` (interleaved, half-dim);
+    ``r`` records what is read (a :class:`~.stamps.Stamp`)."""
     mod = sys.modules.get("vllm_omni.diffusion.layers.rope")
     if mod is None:
         return False
     cls = mod.RotaryEmbedding
-    if type(rope) is not cls or "forward" in rope.__dict__ or not rope.interleaved or not rope.half_head_dim:
+    if r.kind(rope) is not cls or r.read(rope.__dict__, "forward") is not None:
         return False
-    fm = getattr(rope, "_forward_method", None)
+    if not r.attr(rope, "interleaved") or not r.attr(rope, "half_head_dim"):
+        return False
+    fm = r.attr(rope, "_forward_method") if hasattr(rope, "_forward_method") else None
     if getattr(fm, "__self__", None) is not rope:
         return False
     func = getattr(fm, "__func__", None)
     if func is cls.forward_native:
         return True
     if func is cls.forward_npu:  # without MindIE-SD it is forward_native
-        return not rope.has_mindie
+        return not r.attr(rope, "has_mindie")
     custom_op = sys.modules.get("vllm_omni.diffusion.layers.custom_op")
     return custom_op is not None and func is custom_op.CustomOp.forward_xpu  # calls forward_native

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks.block_body import FAST, layernorm
+from vllm_omni_ascend_opt.blocks.block_body import FAST, PER_CALL, layernorm
 
 #: Two-segment blocks: at most this many equal-length chunks of the image sequence are modulated with one broadcast
 #: (``[B, C, 1, D]`` tensors per norm); more (segments of coprime lengths) use per-segment slices.
@@ -103,12 +103,13 @@ class SegMod:
                 part.add_(add[seg])
         return out
 
-    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))``."""
+    def norm(self, norm: nn.Module, x: torch.Tensor, ln: Any = PER_CALL) -> torch.Tensor:
+        """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))`` (``ln``: as
+        :meth:`~.block_body.NormMod.norm`)."""
         owner = FAST.owner("modulate")
         if owner is not None:
             owner.count_stock("two-segment image norm (zero_cond_t): the modulation differs between segments")
-        return self._apply(layernorm(self.kind, norm, x), self.first, self.shift)
+        return self._apply(layernorm(self.kind, norm, x, ln), self.first, self.shift)
 
     def gated(self, y: torch.Tensor) -> torch.Tensor:
         """Stock: ``where(idx, gate1, gate0) * y``."""

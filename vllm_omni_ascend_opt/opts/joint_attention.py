@@ -84,8 +84,10 @@ from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.blocks.joint_qkv import (
     JOINT_FREQS_CACHE_SIZE,  # noqa: F401  (the cache's bound, named in the header above)
     READY_ROPE,
+    AttnPlan,
     any_cuda_fused,
     attend,
+    attn_plan,
     joint_qk_rms_norm,
     joint_rms_norm,
     qk_weights_fit,
@@ -95,6 +97,7 @@ from vllm_omni_ascend_opt.blocks.joint_qkv import (
     traced_reason,
 )
 from vllm_omni_ascend_opt.blocks.joint_qkv import JointFreqsCache as _JointFreqsCache
+from vllm_omni_ascend_opt.blocks.stamps import PlanCache
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
 
@@ -138,6 +141,7 @@ class JointAttention(Optimization):
         super().__init__()
         self._joint_freqs = _JointFreqsCache(self.stats)
         self._tables = rope_tables.TableCache(self.stats)  # used when `rope` is not installed
+        self._plans = PlanCache()  # per attention instance: its checks, kept while it is unchanged
         #: regional compile: eager pre-hooks that hand each compiled block's attention this forward's RoPE tables
         self._hoister = compiled_blocks.Hoister(self._hoist, (READY_ROPE,), submodule="attn")
 
@@ -175,6 +179,7 @@ class JointAttention(Optimization):
         self._hoister.release_all()
         self._joint_freqs.clear()
         self._tables.clear()
+        self._plans.clear()
 
     def _attach(self, model: nn.Module) -> None:
         for tr in _transformers(model):
@@ -194,13 +199,21 @@ class JointAttention(Optimization):
         encoder_hidden_states: torch.Tensor,
         vid_freqs: Any,
         txt_freqs: Any,
-    ) -> str | None:
-        why = forward_scope.decide("ja.call_reason", _call_guard)  # once per forward; global hooks: static_reason
+    ) -> tuple[str | None, AttnPlan | None]:
+        """(why stock must run this call, the instance's plan): the call guard and global hooks once per forward,
+        the instance's checks kept in its plan while the instance is unchanged (:class:`~.stamps.PlanCache`), the
+        inputs per call."""
+        why = forward_scope.decide("ja.call_reason", _call_guard)  # once per forward
         if why:
-            return why
-        why = static_reason(attn) or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
+            return why, None
+        plan = self._plans.get(attn, functools.partial(attn_plan, attn))
+        why = (
+            plan.why
+            or forward_scope.decide("ja.global_hooks", _global_hooks_reason)
+            or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
+        )
         if why:
-            return why
+            return why, None
         # decided before any projection runs: a fallback found after them would compute both QKV GEMMs twice; the
         # same for every block of a forward (its shapes, device and dtype), so decided once per forward
         d = attn.head_dim
@@ -208,8 +221,8 @@ class JointAttention(Optimization):
         if forward_scope.decide(
             key, lambda: any_cuda_fused(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs, d)
         ):
-            return "stock's fused CUDA qk-norm-rope path (>= its token threshold on CUDA)"
-        return None
+            return "stock's fused CUDA qk-norm-rope path (>= its token threshold on CUDA)", None
+        return None, plan
 
     def _norm(self, x: torch.Tensor, st: int, norm_txt: nn.Module, norm_img: nn.Module) -> torch.Tensor:
         return joint_rms_norm(x, st, norm_txt.weight, norm_img.weight, norm_img.eps)
@@ -270,9 +283,9 @@ class JointAttention(Optimization):
                     if out is not None:
                         return out
             else:
-                why = opt._call_reason(self, *streams)
-                if why is None:
-                    out = opt._joint_forward(mod, self, *streams, *masks)
+                why, plan = opt._call_reason(self, *streams)
+                if plan is not None:
+                    out = opt._joint_forward(mod, self, plan, *streams, *masks)
                     if isinstance(out, tuple):
                         return out
                     why = out
@@ -292,6 +305,7 @@ class JointAttention(Optimization):
         self,
         mod: Any,
         attn: Any,
+        plan: AttnPlan,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
         vid_freqs: torch.Tensor,
@@ -301,8 +315,9 @@ class JointAttention(Optimization):
     ) -> tuple[torch.Tensor, torch.Tensor] | str:
         """The joint path, or the reason it cannot run (the caller then runs stock)."""
         m = attn._modules
-        img_qkv = self._project(m["to_qkv"], hidden_states, pair=True)
-        txt_qkv = self._project(m["add_kv_proj"], encoder_hidden_states, pair=True)
+        direct = plan.direct if direct_calls.process_reason() is None else None
+        img_qkv = self._project(plan, direct, 0, hidden_states, pair=True)
+        txt_qkv = self._project(plan, direct, 1, encoder_hidden_states, pair=True)
         if (
             img_qkv.dtype != txt_qkv.dtype
             or img_qkv.shape[-1] != txt_qkv.shape[-1]
@@ -314,7 +329,7 @@ class JointAttention(Optimization):
         nq, nkv = attn.query_num_heads, attn.kv_num_heads
         q_size, kv_size = nq * d, nkv * d
         st = encoder_hidden_states.shape[1]
-        norm_q, norm_k, norm_added_q, norm_added_k = m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"]
+        norm_q, norm_k, norm_added_q, norm_added_k = plan.norms
         if rms_norm.kernel_ready([norm_q, norm_k, norm_added_q, norm_added_k]):
             # qk_norm's npu_rms_norm takes gamma [D]: one kernel per stream (on stock's views), then one cat each for
             # q, k and v (v stays contiguous for the attention kernel). 9 launches with the joint rotary, against 11
@@ -371,8 +386,8 @@ class JointAttention(Optimization):
             encoder_hidden_states_mask,
             self.stats,
         )
-        img_attn_output = self._project(m["to_out"], joint_hidden_states[:, st:, :])
-        txt_attn_output = self._project(m["to_add_out"], joint_hidden_states[:, :st, :])
+        img_attn_output = self._project(plan, direct, 2, joint_hidden_states[:, st:, :])
+        txt_attn_output = self._project(plan, direct, 3, joint_hidden_states[:, :st, :])
         return img_attn_output, txt_attn_output
 
     def _hoist(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -395,11 +410,15 @@ class JointAttention(Optimization):
         joint_freqs = self._joint_freqs.get(vid, txt)
         return rope_tables.portable_tables(self._tables.get(joint_freqs, dtype), joint_freqs, self.stats)
 
-    def _project(self, layer: nn.Module, x: torch.Tensor, pair: bool = False) -> torch.Tensor:
-        """``layer(x)`` (its output; ``pair``: the layer returns ``(output, bias)``): the GEMM directly when
-        :func:`~vllm_omni_ascend_opt.blocks.direct_calls.linear_args` vouches for it (quantized, LoRA, TP and
-        hooked layers are called as modules, the reason counted in :attr:`stats`)."""
-        args = direct_calls.linear_args(layer)
+    def _project(
+        self, plan: AttnPlan, direct: tuple[Any, ...] | None, i: int, x: torch.Tensor, pair: bool = False
+    ) -> torch.Tensor:
+        """``plan.layers[i](x)`` (its output; ``pair``: the layer returns ``(output, bias)``): the GEMM directly when
+        the plan's :func:`~vllm_omni_ascend_opt.blocks.direct_calls.linear_instance` vouched for it and the process
+        allows direct calls in this forward (``direct``; quantized, LoRA, TP and hooked layers are called as
+        modules, the reason counted in :attr:`stats`)."""
+        layer = plan.layers[i]
+        args = direct[i] if direct is not None else direct_calls.process_reason()
         if isinstance(args, str):
             self.stats["module_calls"] += 1
             self.stats[f"module call: {args}"] += 1
@@ -411,6 +430,10 @@ class JointAttention(Optimization):
 
 def _call_guard() -> str | None:
     return guards.call_reason(any_grad=True, hooks=False)
+
+
+def _global_hooks_reason() -> str | None:
+    return "global module hooks are registered" if guards.global_hooks() else None
 
 
 def _modules(model: Any) -> list[nn.Module]:

@@ -1,0 +1,149 @@
+"""Instance facts checked by identity: what a check read about a module, recorded once, re-read in one pass.
+
+Why: the patched block's per-call checks (which layers run as their kernels, whether the joint QK path fits an
+attention) re-derive facts about module instances that only change when somebody changes the model between
+forwards: a hook registered, a layer swapped (LoRA wrappers), a parameter replaced, an attribute or class set. Made
+in every block of every forward, these derivations cost more host time than some of the kernels they save.
+
+How: a check that is given a :class:`Stamp` records what it reads about an instance (its class, ``__dict__`` entries,
+parameters, children: compared by identity) and the hook dicts that must stay empty. The caller keeps the check's
+answer with its stamp (:class:`PlanCache`) and reuses it while :meth:`Stamp.holds`: a change between forwards is
+seen at the next call, as with the per-call checks, for the price of a few dict reads. What the checks read outside
+instances (process state, global hooks, upstream code) stays decided once per forward (:mod:`.forward_scope`), and
+callers check ``guards.tracing()`` first.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch.nn as nn
+
+T = TypeVar("T")
+_MISSING = object()
+
+
+class Stamp:
+    """The instance state a check read: ``holds()`` while every read would give the same objects again."""
+
+    __slots__ = ("empty", "entries", "types")
+
+    def __init__(self) -> None:
+        #: (mapping, key, the object read): compared by identity
+        self.entries: list[tuple[Mapping[str, Any], str, Any]] = []
+        #: hook dicts that were empty and must stay so
+        self.empty: list[Mapping[Any, Any]] = []
+        #: (object, its class)
+        self.types: list[tuple[Any, type]] = []
+
+    def read(self, mapping: Mapping[str, Any], key: str) -> Any:
+        """``mapping.get(key)``, recorded."""
+        value = mapping.get(key, _MISSING)
+        self.entries.append((mapping, key, value))
+        return None if value is _MISSING else value
+
+    def attr(self, obj: Any, name: str) -> Any:
+        """``obj.name`` from its instance ``__dict__`` (recorded), else from its class (recorded by the class)."""
+        d = obj.__dict__
+        if name in d:
+            return self.read(d, name)
+        self.entries.append((d, name, _MISSING))
+        self.kind(obj)
+        return getattr(obj, name)
+
+    def kind(self, obj: Any) -> type:
+        """``type(obj)``, recorded (a ``__class__`` swap breaks the stamp)."""
+        cls = type(obj)
+        self.types.append((obj, cls))
+        return cls
+
+    def module(self, m: nn.Module) -> bool:
+        """Record ``m``'s class, hook dicts and instance ``forward``; True when it has no hook and no instance
+        forward (what every check asks first)."""
+        self.kind(m)
+        d = m.__dict__
+        plain = True
+        for name in ("_forward_hooks", "_forward_pre_hooks"):
+            hooks = self.read(d, name)
+            if hooks:
+                plain = False
+            else:
+                self.empty.append(hooks)
+        if self.read(d, "forward") is not None:
+            plain = False
+        return plain
+
+    def holds(self) -> bool:
+        """Every recorded read gives the same object, every hook dict is still empty, every class is the same."""
+        for hooks in self.empty:
+            if hooks:
+                return False
+        for mapping, key, value in self.entries:
+            if mapping.get(key, _MISSING) is not value:
+                return False
+        for obj, cls in self.types:
+            if type(obj) is not cls:
+                return False
+        return True
+
+
+class Unrecorded:
+    """:class:`Stamp`'s reads without recording (a check made for one call only): ``UNRECORDED``."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def read(mapping: Mapping[str, Any], key: str) -> Any:
+        return mapping.get(key)
+
+    @staticmethod
+    def attr(obj: Any, name: str) -> Any:
+        return getattr(obj, name)
+
+    @staticmethod
+    def kind(obj: Any) -> type:
+        return type(obj)
+
+    @staticmethod
+    def module(m: nn.Module) -> bool:
+        return not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
+
+
+UNRECORDED = Unrecorded()
+#: What the checks read through: a :class:`Stamp` (recorded) or :data:`UNRECORDED`.
+Reader = Stamp | Unrecorded
+
+
+class PlanCache:
+    """Per-module answers of a check, each kept with its :class:`Stamp` and reused while it holds.
+
+    Policy: one plan per live module (an entry dies with its module); a plan whose stamp no longer holds is remade at
+    the next call; :meth:`clear` on uninstall."""
+
+    def __init__(self) -> None:
+        self._plans: dict[int, tuple[weakref.ReferenceType, Stamp, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def get(self, module: nn.Module, make: Callable[[Stamp], T]) -> T:
+        """The plan of ``module``: the kept one while its stamp holds, else ``make(stamp)`` (which records into
+        ``stamp`` what it reads)."""
+        key = id(module)
+        kept = self._plans.get(key)
+        if kept is not None and kept[0]() is module and kept[1].holds():
+            return kept[2]
+        stamp = Stamp()
+        plan = make(stamp)
+        plans = self._plans
+
+        def _drop(_ref: weakref.ReferenceType, key: int = key) -> None:
+            plans.pop(key, None)
+
+        plans[key] = (weakref.ref(module, _drop), stamp, plan)
+        return plan
