@@ -28,14 +28,17 @@ _MISSING = object()
 class Stamp:
     """The instance state a check read: ``holds()`` while every read would give the same objects again."""
 
-    __slots__ = ("empty", "entries", "types")
+    __slots__ = ("empty", "entries", "full", "types")
 
     def __init__(self) -> None:
         #: (mapping, key, the object read): compared by identity
         self.entries: list[tuple[Mapping[str, Any], str, Any]] = []
         #: hook dicts that were empty and must stay so
         self.empty: list[Mapping[Any, Any]] = []
-        #: (object, its class)
+        #: hook dicts that were not empty and must stay so (a removed hook changes the answer too)
+        self.full: list[Mapping[Any, Any]] = []
+        #: (a weak reference to the object, or the object where it has none, its class): weak, so that a plan never
+        #: keeps the module it is kept for alive
         self.types: list[tuple[Any, type]] = []
 
     def read(self, mapping: Mapping[str, Any], key: str) -> Any:
@@ -56,7 +59,11 @@ class Stamp:
     def kind(self, obj: Any) -> type:
         """``type(obj)``, recorded (a ``__class__`` swap breaks the stamp)."""
         cls = type(obj)
-        self.types.append((obj, cls))
+        try:
+            ref: Any = weakref.ref(obj)
+        except TypeError:  # no weak references (None, numbers, slotted objects): they cannot reach a module
+            ref = _Strong(obj)
+        self.types.append((ref, cls))
         return cls
 
     def module(self, m: nn.Module) -> bool:
@@ -69,6 +76,7 @@ class Stamp:
             hooks = self.read(d, name)
             if hooks:
                 plain = False
+                self.full.append(hooks)
             else:
                 self.empty.append(hooks)
         if self.read(d, "forward") is not None:
@@ -76,17 +84,33 @@ class Stamp:
         return plain
 
     def holds(self) -> bool:
-        """Every recorded read gives the same object, every hook dict is still empty, every class is the same."""
+        """Every recorded read gives the same object, every hook dict is still (non-)empty, every class is the
+        same."""
         for hooks in self.empty:
             if hooks:
+                return False
+        for hooks in self.full:
+            if not hooks:
                 return False
         for mapping, key, value in self.entries:
             if mapping.get(key, _MISSING) is not value:
                 return False
-        for obj, cls in self.types:
-            if type(obj) is not cls:
+        for ref, cls in self.types:
+            if type(ref()) is not cls:  # a dead object gives NoneType
                 return False
         return True
+
+
+class _Strong:
+    """A reference with ``weakref.ref``'s call interface, for objects without weak references."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
 
 
 class Unrecorded:

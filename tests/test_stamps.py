@@ -1,0 +1,225 @@
+"""Plans kept per module instance (``blocks/stamps.py``): an answer is reused while what its check read is unchanged,
+and remade at the next call after any change between forwards (a hook, a swapped layer or parameter, a class or an
+attribute set). Through the real patched block and attention on the tiny transformer, bitwise against stock."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt.blocks import block_body
+from vllm_omni_ascend_opt.blocks.stamps import PlanCache, Stamp
+
+
+def _build(runtime):
+    from vllm_omni_ascend_opt.testbed import blockops
+
+    return blockops.build_transformer(runtime, blockops.TINY, torch.float32)
+
+
+def _fwd(runtime, tr, kw):
+    from vllm_omni_ascend_opt.testbed import blockops  # noqa: F401  (the runtime's modules are imported)
+
+    with runtime.context(), torch.no_grad():
+        return tr(**kw)[0].detach().clone()
+
+
+def _inputs(tr):
+    from vllm_omni_ascend_opt.testbed import blockops
+
+    return blockops.t2i_inputs(tr, torch.float32, 32, 32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the stamp itself
+# ----------------------------------------------------------------------------------------------------------------
+def test_stamp_breaks_on_every_recorded_kind_of_change():
+    lin = nn.Linear(4, 4)
+
+    def stamp() -> Stamp:
+        s = Stamp()
+        assert s.module(lin)
+        s.read(lin._parameters, "weight")
+        s.read(lin._parameters, "bias")
+        s.attr(lin, "in_features")
+        s.attr(lin, "training_only_on_class") if hasattr(lin, "training_only_on_class") else None
+        assert s.holds()
+        return s
+
+    s = stamp()
+    h = lin.register_forward_hook(lambda *a: None)
+    assert not s.holds()
+    h.remove()
+    assert s.holds()
+    s = stamp()
+    lin.forward = lin.forward  # an instance forward
+    assert not s.holds()
+    del lin.forward
+    s = stamp()
+    lin.weight = nn.Parameter(lin.weight.detach().clone())
+    assert not s.holds()
+    s = stamp()
+    lin.in_features = 5
+    assert not s.holds()
+    s = stamp()
+
+    class Sub(nn.Linear):
+        pass
+
+    lin.__class__ = Sub
+    assert not s.holds()
+
+
+def test_stamp_sees_a_missing_key_appear():
+    m = nn.Module()
+    s = Stamp()
+    assert s.read(m._modules, "extra") is None
+    assert s.holds()
+    m.extra = nn.Identity()
+    assert not s.holds()
+
+
+def test_plan_cache_reuses_while_the_stamp_holds_and_forgets_dead_modules():
+    cache = PlanCache()
+    held = [nn.Linear(2, 2)]
+    made = []
+
+    def make(s: Stamp):
+        s.module(held[0])
+        made.append(1)
+        return len(made)
+
+    lin = held[0]
+    assert cache.get(lin, make) == 1 and cache.get(lin, make) == 1
+    h = lin.register_forward_pre_hook(lambda *a: None)
+    assert cache.get(lin, make) == 2
+    h.remove()
+    assert cache.get(lin, make) == 3 and len(cache) == 1
+    del lin, h
+    held.clear()
+    assert len(cache) == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# through the patched block and attention: changes between forwards are seen at the next call
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def default_tr(runtime):
+    tr = _build(runtime)
+    kw = _inputs(tr)
+    api.select("none", model=tr)
+    want = _fwd(runtime, tr, kw)
+    api.select("default", model=tr)
+    _fwd(runtime, tr, kw)  # plans made
+    return tr, kw, want
+
+
+def _stats(name):
+    opt = registry.get(name)
+    opt.reset_stats()
+    return opt.stats
+
+
+def test_plans_are_kept_across_forwards(runtime, default_tr):
+    tr, kw, want = default_tr
+    made = len(block_body.PLANS)
+    assert made == len(tr.transformer_blocks)
+    ids = {id(p[2]) for p in block_body.PLANS._plans.values()}
+    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert {id(p[2]) for p in block_body.PLANS._plans.values()} == ids  # the same plan objects: not remade
+
+
+def test_a_swapped_mlp_linear_is_called_as_the_new_module(runtime, default_tr):
+    """A LoRA-style wrapper put in place of a layer between forwards: the next forward calls the wrapper."""
+    tr, kw, want = default_tr
+    ff = tr.transformer_blocks[0].img_mlp
+    calls = []
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            calls.append(1)
+            return self.inner(x)
+
+    stock_out = ff.net[2]
+    ff.net[2] = Wrapper(stock_out)
+    sm = _stats("shared_modulation")
+    try:
+        assert torch.equal(_fwd(runtime, tr, kw), want)
+    finally:
+        ff.net[2] = stock_out
+    assert calls == [1] and sm["module_calls"] == 1
+    calls.clear()
+    sm = _stats("shared_modulation")
+    _fwd(runtime, tr, kw)
+    assert calls == [] and sm["module_calls"] == 0 and sm["direct_calls"] == 2 * len(tr.transformer_blocks)
+
+
+def test_a_replaced_projection_weight_is_used(runtime, default_tr):
+    """A parameter replaced between forwards (not written in place): the direct call uses the new one."""
+    tr, kw, _ = default_tr
+    attn = tr.transformer_blocks[1].attn
+    old = attn.to_out.weight
+    attn.to_out.weight = nn.Parameter(old.detach() * 0.5, requires_grad=False)
+    try:
+        got = _fwd(runtime, tr, kw)
+        api.select("none", model=tr)
+        want = _fwd(runtime, tr, kw)
+    finally:
+        attn.to_out.weight = old
+    assert torch.equal(got, want)
+
+
+def test_a_changed_layer_norm_eps_is_used(runtime, default_tr):
+    tr, kw, _ = default_tr
+    ln = tr.transformer_blocks[0].img_norm2.layernorm
+    eps = ln.eps
+    ln.eps = 0.5
+    try:
+        got = _fwd(runtime, tr, kw)
+        api.select("none", model=tr)
+        want = _fwd(runtime, tr, kw)
+    finally:
+        ln.eps = eps
+    assert torch.equal(got, want)
+
+
+def test_a_qk_norm_hook_added_between_forwards_sends_the_attention_to_stock(runtime, default_tr):
+    tr, kw, want = default_tr
+    fired = []
+    h = tr.transformer_blocks[0].attn.norm_added_k.register_forward_hook(lambda *a: fired.append(1))
+    ja = _stats("joint_attention")
+    try:
+        assert torch.equal(_fwd(runtime, tr, kw), want)
+    finally:
+        h.remove()
+    assert fired == [1] and ja["joint_calls"] == len(tr.transformer_blocks) - 1
+    assert registry.get("joint_attention").fallback_reasons() == {"hooks or an instance forward on a QK norm": 1}
+    ja = _stats("joint_attention")
+    _fwd(runtime, tr, kw)
+    assert ja["joint_calls"] == len(tr.transformer_blocks)
+
+
+def test_plans_do_not_keep_a_dropped_model_alive(runtime):
+    """A plan is kept for a module, never keeps it: drop the model and its blocks' plans go with it."""
+    import gc
+    import weakref
+
+    tr = _build(runtime)
+    kw = _inputs(tr)
+    api.select("default", model=tr)
+    _fwd(runtime, tr, kw)
+    blocks = [weakref.ref(b) for b in tr.transformer_blocks]
+    attns = [weakref.ref(b.attn) for b in tr.transformer_blocks]
+    keys = {id(b) for b in tr.transformer_blocks}
+    assert keys <= set(block_body.PLANS._plans)
+    api.select("none", model=tr)
+    del tr
+    gc.collect()
+    assert all(r() is None for r in blocks + attns)
+    assert not keys & set(block_body.PLANS._plans)
