@@ -77,9 +77,11 @@ class FastModes:
             return None
         return getattr(self, mode)
 
-    def use_residual(self, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
-        """Whether a gated residual ``x + gate * y`` runs as ``addcmul`` (reported either way when the mode is on)."""
-        owner = self.owner("residual")
+    def use_residual(self, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, owner: Any = PER_CALL) -> bool:
+        """Whether a gated residual ``x + gate * y`` runs as ``addcmul`` (reported either way when the mode is on).
+        ``owner``: the residual mode's owner as the caller's block body read it once (default: looked up now)."""
+        if owner is PER_CALL:
+            owner = self.owner("residual")
         if owner is None:
             return False
         if not (x.dtype == gate.dtype == y.dtype):
@@ -107,18 +109,20 @@ class NormMod:
     #: this norm cannot take them; built on first fast use and kept with the memo entry (a warm step pays no op).
     affine: tuple[torch.Tensor, torch.Tensor] | str | None = None
 
-    def norm(self, norm: nn.Module, x: torch.Tensor, ln: Any = PER_CALL) -> torch.Tensor:
+    def norm(self, norm: nn.Module, x: torch.Tensor, ln: Any = PER_CALL, owner: Any = PER_CALL) -> torch.Tensor:
         """``norm(x, scale, shift)``, computed with the same ops as the instance's stock dispatch (or, with
         ``fast_modulate``, as one affine layer norm). ``ln``: the inner layer norm's direct-call arguments from the
-        block's plan (None: call it as a module), else looked up per call."""
-        owner = FAST.owner("modulate")
+        block's plan (None: call it as a module), else looked up per call; ``owner``: the modulate mode's owner as
+        the block body read it once (eager only), else looked up per call."""
+        if owner is PER_CALL:
+            owner = FAST.owner("modulate")
         if owner is not None:
             if self.affine is None:
                 self.affine = affine_params(self, norm)
             why = self.affine if isinstance(self.affine, str) else _affine_dtype_reason(x, self.affine[0])
             if why is None:
                 owner.count_fast()
-                return affine_layernorm(self.kind, norm, x, *self.affine)
+                return affine_layernorm(self.kind, norm, x, *self.affine, ln=ln)
             owner.count_stock(why)
         if self.kind == NATIVE:
             return native_layernorm(norm, x, ln) * self.first + self.shift
@@ -134,9 +138,10 @@ class NormMod:
         """Stock's gated residual term ``gate * y`` (the interface :class:`~.segments.SegMod` shares)."""
         return self.gate * y
 
-    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Stock's ``x + gate * y``; with ``fast_residual`` one ``torch.addcmul(x, gate, y)``."""
-        if FAST.use_residual(x, self.gate, y):
+    def residual(self, x: torch.Tensor, y: torch.Tensor, owner: Any = PER_CALL) -> torch.Tensor:
+        """Stock's ``x + gate * y``; with ``fast_residual`` one ``torch.addcmul(x, gate, y)`` (``owner``: as
+        :meth:`norm`)."""
+        if FAST.use_residual(x, self.gate, y, owner):
             return torch.addcmul(x, self.gate, y)
         return x + self.gate * y
 
@@ -151,7 +156,7 @@ class NormMod:
 
 
 def affine_layernorm(
-    kind: str, norm: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+    kind: str, norm: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ln: Any = None
 ) -> torch.Tensor:
     """fast_modulate: ``LN(x) * (1 + scale) + shift`` as ONE affine layer norm, ``weight = 1 + scale``,
     ``bias = shift`` (``[D]``) -- the one place that picks its kernel: ``npu_layer_norm_eval`` (kind npu_eval,
@@ -161,8 +166,10 @@ def affine_layernorm(
         return _backend.torch_npu_module().npu_layer_norm_eval(
             x, normalized_shape=[norm.hidden_size], weight=weight, bias=bias, eps=norm.eps
         )
-    ln = norm.layernorm
-    return F.layer_norm(x, ln.normalized_shape, weight, bias, ln.eps)
+    if isinstance(ln, tuple):  # the block plan's direct-call arguments of norm.layernorm: (shape, w, b, eps, upcast)
+        return F.layer_norm(x, ln[0], weight, bias, ln[3])
+    layer = norm.layernorm
+    return F.layer_norm(x, layer.normalized_shape, weight, bias, layer.eps)
 
 
 def affine_params(mod: NormMod, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | str:
@@ -277,8 +284,10 @@ def block_body(
     plan = PLANS.get(block, functools.partial(block_plan, block))
     (n_img1, n_img2, n_txt1, n_txt2), (ln_img1, ln_img2, ln_txt1, ln_txt2) = plan.norms, plan.layer_norms
     mlp_args = plan.mlp_args if direct_calls.process_reason() is None else None
-    img_modulated = img1.norm(n_img1, hidden_states, ln_img1)
-    txt_modulated = txt1.norm(n_txt1, encoder_hidden_states, ln_txt1)
+    # the fast tier's switches, read once per block: this body runs eagerly only (its caller checked tracing first)
+    mo, ro = FAST.modulate, FAST.residual
+    img_modulated = img1.norm(n_img1, hidden_states, ln_img1, mo)
+    txt_modulated = txt1.norm(n_txt1, encoder_hidden_states, ln_txt1, mo)
     img_attn_output, txt_attn_output = block._modules["attn"](
         hidden_states=img_modulated,
         encoder_hidden_states=txt_modulated,
@@ -287,15 +296,15 @@ def block_body(
         hidden_states_mask=hidden_states_mask,
         encoder_hidden_states_mask=encoder_hidden_states_mask,
     )
-    hidden_states = img1.residual(hidden_states, img_attn_output)
-    encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output)
+    hidden_states = img1.residual(hidden_states, img_attn_output, ro)
+    encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output, ro)
 
-    img_modulated2 = img2.norm(n_img2, hidden_states, ln_img2)
+    img_modulated2 = img2.norm(n_img2, hidden_states, ln_img2, mo)
     ff = feed_forward(plan.mlps[0], img_modulated2, stats, mlp_args[0] if mlp_args else PER_CALL)
-    hidden_states = img2.residual(hidden_states, ff)
-    txt_modulated2 = txt2.norm(n_txt2, encoder_hidden_states, ln_txt2)
+    hidden_states = img2.residual(hidden_states, ff, ro)
+    txt_modulated2 = txt2.norm(n_txt2, encoder_hidden_states, ln_txt2, mo)
     ff = feed_forward(plan.mlps[1], txt_modulated2, stats, mlp_args[1] if mlp_args else PER_CALL)
-    encoder_hidden_states = txt2.residual(encoder_hidden_states, ff)
+    encoder_hidden_states = txt2.residual(encoder_hidden_states, ff, ro)
 
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)

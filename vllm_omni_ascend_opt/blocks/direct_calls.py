@@ -242,7 +242,7 @@ def linear_instance(layer: nn.Module, r: Reader) -> tuple[torch.Tensor, torch.Te
         return "a tensor-parallel or skip_bias_add linear"
     if kind == "row" and not r.read(d, "input_is_parallel"):
         return "a row-parallel linear whose input is split inside"
-    params = r.read(d, "_parameters")
+    params = d["_parameters"]
     w, b = r.read(params, "weight"), r.read(params, "bias")
     if w is None or not _plain_param(w, k, r) or not _plain_param(b, k, r):
         return "a linear weight with its own __torch_function__ (DTensor, quantized tensor)"
@@ -306,7 +306,7 @@ def layer_norm_args(ln: nn.Module, r: Reader = UNRECORDED) -> tuple[Any, ...] | 
         return None
     cls = r.kind(ln)
     d = ln.__dict__
-    p = r.read(d, "_parameters")
+    p = d["_parameters"]
     args = (r.read(d, "normalized_shape"), r.read(p, "weight"), r.read(p, "bias"), r.read(d, "eps"))
     if cls is nn.LayerNorm:
         return (*args, False)
@@ -323,6 +323,10 @@ def layer_norm_args(ln: nn.Module, r: Reader = UNRECORDED) -> tuple[Any, ...] | 
 def layer_norm(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
     """The layer norm :func:`layer_norm_args` describes, as its forward computes it."""
     shape, w, b, eps, upcast = args
+    if w is None and b is None:  # no parameter: F.layer_norm's own call, without the subclass guard
+        if not upcast:
+            return torch.layer_norm(x, shape, None, None, eps, torch.backends.cudnn.enabled)
+        return torch.layer_norm(x.float(), shape, None, None, eps, torch.backends.cudnn.enabled).to(x.dtype)
     with _NO_SUBCLASS():
         if not upcast:
             return F.layer_norm(x, shape, w, b, eps)

@@ -121,7 +121,7 @@ def _plain_rms_norm(norm: nn.Module, r: Reader = UNRECORDED) -> str | None:
     if not r.module(norm):
         return "hooks or an instance forward on a QK norm"
     d = norm.__dict__
-    if r.read(r.read(d, "_parameters"), "weight") is None:
+    if r.read(d["_parameters"], "weight") is None:
         return "QK norm without weight (elementwise_affine=False)"
     if r.read(d, "eps") is None:
         return "QK norm with eps=None (dtype-dependent eps)"
@@ -168,8 +168,10 @@ class AttnPlan:
 
     #: :func:`instance_reason` (None: the joint path fits the instance)
     why: str | None
-    #: (norm_q, norm_k, norm_added_q, norm_added_k)
+    #: (norm_q, norm_k, norm_added_q, norm_added_k), their weights and (shared) eps
     norms: tuple[nn.Module, ...]
+    weights: tuple[torch.Tensor, ...]
+    eps: float | None
     #: (to_qkv, add_kv_proj, to_out, to_add_out)
     layers: tuple[nn.Module, ...]
     #: per layer: ``(weight, bias)`` for a direct call, or why it is called as a module (when the process allows
@@ -182,12 +184,14 @@ def attn_plan(attn: nn.Module, r: Reader) -> AttnPlan:
     why = instance_reason(attn, r)
     m = attn._modules
     norms = tuple(r.read(m, n) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"))
+    weights = tuple(r.read(n._parameters, "weight") if isinstance(n, nn.Module) else None for n in norms)
+    eps = r.attr(norms[0], "eps") if why is None else None
     layers = tuple(r.read(m, n) for n in ("to_qkv", "add_kv_proj", "to_out", "to_add_out"))
     if direct_calls.instance_known(r):
         direct = tuple(direct_calls.linear_instance(layer, r) for layer in layers)
     else:
         direct = ("vLLM's linear layers are not imported",) * len(layers)
-    return AttnPlan(why, norms, layers, direct)
+    return AttnPlan(why, norms, weights, eps, layers, direct)  # type: ignore[arg-type]
 
 
 def freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:

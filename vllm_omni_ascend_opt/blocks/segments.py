@@ -103,10 +103,11 @@ class SegMod:
                 part.add_(add[seg])
         return out
 
-    def norm(self, norm: nn.Module, x: torch.Tensor, ln: Any = PER_CALL) -> torch.Tensor:
-        """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))`` (``ln``: as
+    def norm(self, norm: nn.Module, x: torch.Tensor, ln: Any = PER_CALL, owner: Any = PER_CALL) -> torch.Tensor:
+        """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))`` (``ln``, ``owner``: as
         :meth:`~.block_body.NormMod.norm`)."""
-        owner = FAST.owner("modulate")
+        if owner is PER_CALL:
+            owner = FAST.owner("modulate")
         if owner is not None:
             owner.count_stock("two-segment image norm (zero_cond_t): the modulation differs between segments")
         return self._apply(layernorm(self.kind, norm, x, ln), self.first, self.shift)
@@ -115,11 +116,11 @@ class SegMod:
         """Stock: ``where(idx, gate1, gate0) * y``."""
         return self._apply(y, self.gate, None)
 
-    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def residual(self, x: torch.Tensor, y: torch.Tensor, owner: Any = PER_CALL) -> torch.Tensor:
         """Stock's ``x + where(idx, gate1, gate0) * y``; with ``fast_residual`` one ``addcmul`` per broadcast or
         per segment slice."""
         gate = self.gate if self.plan.broadcast else self.gate[0]
-        if not FAST.use_residual(x, gate, y):
+        if not FAST.use_residual(x, gate, y, owner):
             return x + self.gated(y)
         plan = self.plan
         b, n, d = y.shape

@@ -353,18 +353,19 @@ class JointAttention(Optimization):
             # the projections live on in the joint tensor: free them before the norms' fp32 temporaries (alive
             # together, they made the transformer's peak 1.22x stock's at 1328^2)
             del img_qkv, txt_qkv
-            value = qkv[..., q_size + kv_size :].unflatten(-1, (nkv, d))
-            b = qkv.shape[0]
-            w_txt, w_img = (norm_added_q.weight, norm_added_k.weight), (norm_q.weight, norm_k.weight)
-            if nq == nkv and 2 * b * nq < rotary.KERNEL_BN_LIMIT and qk_weights_fit(qkv.dtype, (*w_txt, *w_img)):
+            b, s = qkv.shape[0], qkv.shape[1]
+            value = qkv[..., q_size + kv_size :].view(b, s, nkv, d)
+            w_q, w_k, w_added_q, w_added_k = plan.weights
+            if nq == nkv and 2 * b * nq < rotary.KERNEL_BN_LIMIT and qk_weights_fit(qkv.dtype, plan.weights):
                 # q and k as one [2, B, S, N, D] tensor: one norm pass and one rotation for both (9 launches fewer
                 # per block in fp32 than one each; the rotary kernel's B*N limit holds for the pair), normalised and
                 # rotated in place on the norm's output (the peak stays below stock's per-stream temporaries)
-                qk = qkv[..., : q_size + kv_size].unflatten(-1, (2, nq, d)).permute(2, 0, 1, 3, 4)
-                qk = joint_qk_rms_norm(qk, st, w_txt, w_img, norm_q.eps).flatten(0, 1)
+                qk = qkv[..., : q_size + kv_size].view(b, s, 2, nq, d).permute(2, 0, 1, 3, 4)
+                qk = joint_qk_rms_norm(qk, st, (w_added_q, w_added_k), (w_q, w_k), plan.eps).flatten(0, 1)
                 del qkv
-                query, key = self._rotation(qk, vid_freqs, txt_freqs, m["rope"], inplace=True)(qk).unflatten(0, (2, b))
-                del qk
+                rotated = self._rotation(qk, vid_freqs, txt_freqs, m["rope"], inplace=True)(qk)
+                query, key = rotated.view(2, b, s, nq, d).unbind(0)
+                del qk, rotated
             else:
                 query, key = qkv[..., : q_size + kv_size].split([q_size, kv_size], dim=-1)
                 del qkv
