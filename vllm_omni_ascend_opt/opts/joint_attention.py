@@ -15,13 +15,16 @@ k) and three ``cat``s joining q, k and v of the two streams.
 How (every element sees exactly stock's operations in stock's order, so the output is bitwise stock):
 
 * One ``cat`` of ``txt_qkv`` and ``img_qkv`` along the sequence (text first, as stock joins them); q/k/v are views.
-* The QK RMSNorms once on the joint sequence (:func:`joint_rms_norm`): torch 2.13's ``rms_norm`` composite on CPU
-  (and, piece by piece, on an NPU) is ``x.to(opmath)``, ``pow(2)``, ``mean(-1, keepdim)``, ``add_(eps)``,
-  ``rsqrt``, ``mul``, ``mul(weight)`` (fp32 opmath: the weight multiply happens before the one cast back), then
-  ``to(dtype)``. Every step is per row or element-wise, so it runs once on the joint rows; only the weight multiply
-  differs per stream (text rows ``norm_added_q/k.weight``, image rows ``norm_q/k.weight``): two ``mul(..., out=)``
-  into the two row ranges of one buffer, no per-row weight table to keep in sync with the weights.
-* RoPE once on the joint sequence with a joint table: the joint complex freqs ``cat(txt_freqs, vid_freqs)`` are built
+* The QK RMSNorms once on the joint sequence, for q and k in one pass (:func:`joint_qk_rms_norm`; per stream and
+  tensor, :func:`joint_rms_norm`, when q and k differ in heads): torch 2.13's ``rms_norm`` composite on CPU (and,
+  piece by piece, on an NPU) is ``x.to(opmath)``, ``pow(2)``, ``mean(-1, keepdim)``, ``add_(eps)``, ``rsqrt``,
+  ``mul``, ``mul(weight)`` (fp32 opmath: the weight multiply happens before the one cast back), then ``to(dtype)``.
+  Every step is per row or element-wise, so it runs once on the rows of q and k of both streams, gathered into one
+  ``[2, B, S, N, D]`` tensor (q and k each a contiguous plane); only the weight multiply differs per plane and stream
+  (text rows ``norm_added_q/k.weight``, image rows ``norm_q/k.weight``): four in-place multiplies on the normalised
+  rows, no per-row weight table to keep in sync with the weights.
+* RoPE once on the joint sequence, q and k in one rotation (in place on the norm's output: the same four ops, one
+  temporary), with a joint table: the joint complex freqs ``cat(txt_freqs, vid_freqs)`` are built
   once per (vid, txt) freqs pair (cached weakly on both, so once per shape with ``rope``'s embedder memo, once per
   forward without it; a bounded LRU of :data:`JOINT_FREQS_CACHE_SIZE`) and rotated through the shared rotary blocks:
   the rotary service ``rope`` switches on while installed (:func:`vllm_omni_ascend_opt.blocks.rotary.active`: its
@@ -37,16 +40,17 @@ How (every element sees exactly stock's operations in stock's order, so the outp
   [D]) and q, k, v are joined by one ``cat`` each (v stays contiguous for the attention kernel); RoPE still runs
   once on the joint sequence. See ``qk_norm`` for the launch count.
 
-Launches per block, fp32 tiny, warm request (the CPU bitwise default stack): 74 -> 54 (norms 24 -> 14, RoPE
-16 -> 8, cats 3 -> 1).
+Launches per block, fp32 tiny, warm request (the CPU bitwise default stack): 74 -> 46 (norms 24 -> 10, RoPE
+16 -> 4, cats 3 -> 1).
 
 While ``torch.compile`` traces, the patched forward checks ``guards.tracing()`` first and runs the joint path as
 written for tracing (``blocks/joint_qkv.traced_forward``: the same math, no counter, cache or log; the RoPE tables
 hoisted by an eager pre-hook of each regionally compiled block): no graph break, fewer ops in the compiled graph than
 stock's attention. Under full compile (no eager place to hoist the tables) the graph keeps stock's attention: the
 joint path with its tables computed in the graph measured slower than compiled stock on inductor. Eagerly, the guards, the CUDA-fused check and
-the RoPE tables are decided once per forward (``blocks/forward_scope.py``) and the four projections called as
-their kernels where vLLM's layer is plain (``blocks/direct_calls.py``). Falls back to stock, with the reason
+the RoPE tables are decided once per forward (``blocks/forward_scope.py``), the instance's checks are kept in its
+plan while the instance is unchanged (``blocks/stamps.py``), and the four projections called as their kernels where
+vLLM's layer is plain (``blocks/direct_calls.py``). Falls back to stock, with the reason
 counted (:meth:`JointAttention.fallback_reasons`), under autograd, graph capture, when the norms are not plain
 ``nn.RMSNorm`` with weights and one ``eps`` (Identity for ``qk_norm=False``, hooks, other classes), when the two
 streams' projections differ in heads or dtype, when the freqs do not match the sequence lengths, when stock's RoPE
