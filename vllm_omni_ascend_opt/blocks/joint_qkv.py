@@ -73,26 +73,39 @@ def joint_qk_rms_norm(
     w_img: tuple[torch.Tensor, torch.Tensor],
     eps: float,
 ) -> torch.Tensor:
-    """:func:`joint_rms_norm` of q and k in one norm pass. ``qk`` is the ``[2, B, S, N, D]`` q/k view of the joint QKV
-    tensor (``qkv[..., :2*N*D].unflatten(-1, (2, N, D)).permute(2, 0, 1, 3, 4)``), ``w_txt``/``w_img`` the (q, k)
-    weights of each stream. Returns a new contiguous ``[2, B, S, N, D]`` tensor (``[0]`` is q, ``[1]`` is k), bitwise
-    stock's four norms: the composite normalises every row by itself, so one call over both planes gives each row the
-    values two calls give it, and each plane-and-stream is multiplied by its own weight, in place on the normalised
-    rows (the same multiply; no second buffer: the peak stays at one fp32 copy of q and k)."""
+    """:func:`joint_rms_norm` of q and k together. ``qk`` is the ``[2, B, S, N, D]`` q/k view of the joint QKV tensor
+    (``qkv[..., :2*N*D].unflatten(-1, (2, N, D)).permute(2, 0, 1, 3, 4)``), ``w_txt``/``w_img`` the (q, k) weights of
+    each stream. Returns a new contiguous ``[2, B, S, N, D]`` tensor (``[0]`` is q, ``[1]`` is k), bitwise stock's
+    four norms: the composite normalises every row by itself, and each plane-and-stream is multiplied by its own
+    weight, in place on the normalised rows (the same multiply).
+
+    In the opmath dtype (fp32) both planes take one norm pass. Where the norm upcasts (bf16/fp16), the planes are
+    normalised one after the other into the output (its cast is the ``copy_``): the fp32 temporaries of both planes
+    at once would put the transformer's peak above stock's, and the upcast makes the copy the one-pass saves anyway."""
     dtype = qk.dtype
     opmath = _OPMATH.get(dtype, dtype)
-    xu = qk.to(opmath)
-    if qk.device.type in COMPOSITE_RMS_DEVICES:
-        normed = torch.rms_norm(xu, (qk.shape[-1],), None, eps)
-    else:
-        eps_t = _opmath_scalar(eps, opmath)
-        normed = xu.mul(torch.rsqrt(xu.pow(2).mean(-1, keepdim=True).add_(eps_t)))
-    del xu
-    normed = normed.contiguous()  # already is (the input view is not dense): q and k must be contiguous planes
+    if dtype == opmath:
+        normed = _rms_rows(qk, eps, opmath).contiguous()  # already is (the input view is not dense)
+        for i in (0, 1):
+            normed[i, :, :st].mul_(w_txt[i])
+            normed[i, :, st:].mul_(w_img[i])
+        return normed
+    out = torch.empty(qk.shape, dtype=dtype, device=qk.device)
     for i in (0, 1):
-        normed[i, :, :st].mul_(w_txt[i])
-        normed[i, :, st:].mul_(w_img[i])
-    return normed.to(dtype)
+        normed = _rms_rows(qk[i].to(opmath), eps, opmath)
+        normed[:, :st].mul_(w_txt[i])
+        normed[:, st:].mul_(w_img[i])
+        out[i].copy_(normed)
+        del normed
+    return out
+
+
+def _rms_rows(xu: torch.Tensor, eps: float, opmath: torch.dtype) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps)`` per row of an opmath tensor, as torch 2.13's ``rms_norm`` composite computes
+    it (one C++ call on the devices where that composite runs)."""
+    if xu.device.type in COMPOSITE_RMS_DEVICES:
+        return torch.rms_norm(xu, (xu.shape[-1],), None, eps)
+    return xu.mul(torch.rsqrt(xu.pow(2).mean(-1, keepdim=True).add_(_opmath_scalar(eps, opmath))))
 
 
 def qk_weights_fit(dtype: torch.dtype, weights: tuple[torch.Tensor, ...]) -> bool:
