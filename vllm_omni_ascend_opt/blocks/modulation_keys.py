@@ -150,21 +150,22 @@ def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
         raise Unkeyable(f"modulation projection is a {type(lin).__name__}, not a ReplicatedLinear")
     quant = d.get("quant_method") if not lin._modules else getattr(lin, "quant_method", None)
     sig: list[Any] = [id(lin), id(quant), d.get("_diffusion_lora_active_slices")]
-    for t in sig_tensors(lin):
-        if grad and t.requires_grad:
-            raise Unkeyable("autograd is recording (grad enabled and a modulation weight requires grad)")
-        try:
-            # vLLM's parameter classes are Tensor subclasses: plain attribute reads would go through
-            # __torch_function__ (~1 us each); these reads are metadata only.
-            with torch._C.DisableTorchFunctionSubclass():
+    tensors = sig_tensors(lin)
+    if grad and any(t.requires_grad for t in tensors):
+        raise Unkeyable("autograd is recording (grad enabled and a modulation weight requires grad)")
+    # vLLM's parameter classes are Tensor subclasses: plain attribute reads would go through __torch_function__
+    # (~1 us each); these reads are metadata only.
+    with torch._C.DisableTorchFunctionSubclass():
+        for t in tensors:
+            try:
                 sig.append((id(t), t._version, t.dtype, t.device))
-        except RuntimeError as exc:
-            if t.is_inference():
-                raise Unkeyable(
-                    "modulation weights are inference tensors (no version counter to detect in-place updates); "
-                    "load or cast them under torch.no_grad(), not torch.inference_mode()"
-                ) from None
-            raise Unkeyable(f"cannot read a modulation weight's version ({type(t).__name__}: {exc})") from None
+            except RuntimeError as exc:
+                if t.is_inference():
+                    raise Unkeyable(
+                        "modulation weights are inference tensors (no version counter to detect in-place "
+                        "updates); load or cast them under torch.no_grad(), not torch.inference_mode()"
+                    ) from None
+                raise Unkeyable(f"cannot read a modulation weight's version ({type(t).__name__}: {exc})") from None
     return tuple(sig)
 
 
@@ -210,9 +211,10 @@ def block_parts(
     what its memo entries are keyed on. Raises :class:`Unkeyable` when a projection cannot be memoized. ``grad``:
     whether autograd records (default: the current grad mode)."""
     grad = torch.is_grad_enabled() if grad is None else grad
-    img_lin = silu_linear(block.img_mod)
-    txt_lin = silu_linear(block.txt_mod)
-    kinds = tuple(norm_kind(n) for n in (block.img_norm1, block.img_norm2, block.txt_norm1, block.txt_norm2))
+    m = block._modules  # submodules without nn.Module.__getattr__
+    img_lin = silu_linear(m["img_mod"])
+    txt_lin = silu_linear(m["txt_mod"])
+    kinds = (norm_kind(m["img_norm1"]), norm_kind(m["img_norm2"]), norm_kind(m["txt_norm1"]), norm_kind(m["txt_norm2"]))
     return img_lin, txt_lin, kinds, linear_sig(img_lin, grad), linear_sig(txt_lin, grad)
 
 
