@@ -388,6 +388,26 @@ def test_stocks_fused_cuda_path_is_left_to_stock(runtime, tiny_pipe, monkeypatch
     assert len(calls) == 2  # decided before the projections: stock computes each QKV GEMM once, not after ours
 
 
+def test_per_tensor_norms_where_q_and_k_cannot_share_a_pass(runtime, tiny_pipe, monkeypatch):
+    """QK-norm weights that do not multiply in the norm's opmath dtype (float64 weights on fp32 rows: stock promotes)
+    keep the per-tensor joint norm (q, then k), still bitwise stock: the branch the one-pass q/k norm leaves."""
+    api.select("none,+joint_attention", model=tiny_pipe)
+    attn = _clone(_attn(tiny_pipe.transformer))
+    for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+        norm = attn._modules[name]
+        norm.weight = nn.Parameter(norm.weight.detach().double(), requires_grad=False)
+    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
+    calls = []
+    per_tensor = ja.joint_rms_norm
+    monkeypatch.setattr(ja, "joint_rms_norm", lambda *a: calls.append(1) or per_tensor(*a))
+    OPT.reset_stats()
+    with runtime.context(), torch.no_grad():
+        want = _stock_attn(attn, hs, ehs, vid, txt)
+        got = attn(hs, ehs, vid, txt)
+    assert OPT.stats["joint_calls"] == 1 and calls == [1, 1]  # q, then k
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
 def test_mismatched_freqs_fall_back(runtime, tiny_pipe):
     api.select("none,+joint_attention", model=tiny_pipe)
     attn = _attn(tiny_pipe.transformer)
