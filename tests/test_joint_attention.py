@@ -408,6 +408,25 @@ def test_per_tensor_norms_where_q_and_k_cannot_share_a_pass(runtime, tiny_pipe, 
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
+def test_q_and_k_norms_with_different_eps_keep_separate_passes(runtime, tiny_pipe, monkeypatch):
+    """q's and k's norms may use different eps (each stream's pair agrees): one pass for both would normalise k with
+    q's eps. They keep the per-tensor joint norm, bitwise stock."""
+    api.select("none,+joint_attention", model=tiny_pipe)
+    attn = _clone(_attn(tiny_pipe.transformer))
+    for name in ("norm_k", "norm_added_k"):
+        attn._modules[name].eps = 1e-2
+    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
+    calls = []
+    per_tensor = ja.joint_rms_norm
+    monkeypatch.setattr(ja, "joint_rms_norm", lambda *a: calls.append(a[-1]) or per_tensor(*a))
+    OPT.reset_stats()
+    with runtime.context(), torch.no_grad():
+        want = _stock_attn(attn, hs, ehs, vid, txt)
+        got = attn(hs, ehs, vid, txt)
+    assert OPT.stats["joint_calls"] == 1 and calls == [attn.norm_q.eps, 1e-2]
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
 def test_mismatched_freqs_fall_back(runtime, tiny_pipe):
     api.select("none,+joint_attention", model=tiny_pipe)
     attn = _attn(tiny_pipe.transformer)

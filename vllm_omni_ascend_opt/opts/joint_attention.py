@@ -360,7 +360,8 @@ class JointAttention(Optimization):
             b, s = qkv.shape[0], qkv.shape[1]
             value = qkv[..., q_size + kv_size :].view(b, s, nkv, d)
             w_q, w_k, w_added_q, w_added_k = plan.weights
-            if nq == nkv and 2 * b * nq < rotary.KERNEL_BN_LIMIT and qk_weights_fit(qkv.dtype, plan.weights):
+            one_pass = nq == nkv and norm_k.eps == plan.eps and qk_weights_fit(qkv.dtype, plan.weights)
+            if one_pass and 2 * b * nq < rotary.KERNEL_BN_LIMIT:
                 # q and k as one [2, B, S, N, D] tensor: one norm pass and one rotation for both (9 launches fewer
                 # per block in fp32 than one each; the rotary kernel's B*N limit holds for the pair), normalised and
                 # rotated in place on the norm's output (the peak stays below stock's per-stream temporaries)
