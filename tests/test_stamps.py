@@ -226,3 +226,13 @@ def test_plans_do_not_keep_a_dropped_model_alive(runtime):
     gc.collect()
     assert all(r() is None for r in blocks + attns)
     assert not keys & set(block_body.PLANS._plans)
+
+
+def test_uninstall_drops_the_block_plans(runtime, default_tr):
+    """Like every cache of the plugin, the block plans go on uninstall (the next install makes them anew)."""
+    tr, kw, want = default_tr
+    assert id(tr.transformer_blocks[0]) in block_body.PLANS._plans
+    api.select("none", model=tr)
+    assert len(block_body.PLANS) == 0
+    api.select("default", model=tr)
+    assert torch.equal(_fwd(runtime, tr, kw), want)

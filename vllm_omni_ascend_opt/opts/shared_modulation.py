@@ -97,7 +97,14 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt.blocks import compiled_blocks, forward_scope, guards
 from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.block_body import READY, block_body, block_body_reason, hoistable, traced_block_body
+from vllm_omni_ascend_opt.blocks.block_body import (
+    PLANS,
+    READY,
+    block_body,
+    block_body_reason,
+    hoistable,
+    traced_block_body,
+)
 from vllm_omni_ascend_opt.blocks.modulation_keys import (
     ADALAYERNORM_MODULE,
     CUSTOM_OP_MODULE,
@@ -378,6 +385,7 @@ class SharedModulation(Optimization):
             module.__class__ = cls
         self._swapped = weakref.WeakKeyDictionary()
         self.memo.clear()
+        PLANS.clear()  # the block plans (direct-call arguments) go with the body that used them
 
     # ----- attach -----------------------------------------------------------------------------------------
     def _attach(self, model: nn.Module) -> None:
