@@ -62,18 +62,18 @@ REAL_DEPTH = 60
 @contextlib.contextmanager
 def storage_keyed_memo() -> Any:
     """The memo's weight signature with each weight's ``data_ptr`` added: what it keyed on before issue 21."""
-    from vllm_omni_ascend_opt.blocks import modulation_keys, modulation_memo
+    from vllm_omni_ascend_opt.blocks import modulation_keys
 
-    real = modulation_keys.linear_sig
+    real = modulation_keys.tensor_state  # the per-call half of every weight signature
 
-    def storage_sig(lin: Any, grad: bool) -> tuple[Any, ...]:
-        return (*real(lin, grad), *(t.data_ptr() for t in modulation_keys.sig_tensors(lin)))
+    def storage_state(tensors: Any, grad: bool) -> tuple[Any, ...]:
+        return (*real(tensors, grad), *(t.data_ptr() for t in tensors))
 
-    modulation_keys.linear_sig = modulation_memo.linear_sig = storage_sig
+    modulation_keys.tensor_state = storage_state
     try:
         yield
     finally:
-        modulation_keys.linear_sig = modulation_memo.linear_sig = real
+        modulation_keys.tensor_state = real
 
 
 def child(name: str) -> dict[str, Any]:

@@ -223,17 +223,16 @@ def test_storage_keyed_memo_copies_everything_bitwise(runtime, monkeypatch):
     depending on what ran before in the process)."""
     import itertools
 
-    from vllm_omni_ascend_opt.blocks import modulation_keys, modulation_memo
+    from vllm_omni_ascend_opt.blocks import modulation_keys
 
-    real = modulation_keys.linear_sig
+    real = modulation_keys.tensor_state
     fresh = itertools.count()
 
-    def storage_sig(lin, grad):
-        return (*real(lin, grad), next(fresh))
+    def storage_state(tensors, grad):
+        return (*real(tensors, grad), next(fresh))
 
     stock = offloaded(runtime, "none")
-    monkeypatch.setattr(modulation_keys, "linear_sig", storage_sig)
-    monkeypatch.setattr(modulation_memo, "linear_sig", storage_sig)
+    monkeypatch.setattr(modulation_keys, "tensor_state", storage_state)  # every weight signature's per-call half
     ours = offloaded(runtime, "default")
     assert all(torch.equal(a, b) for a, b in zip(stock.images, ours.images, strict=True))
     assert ours.memo.get("misses", 0) > 0  # the storage key really missed under offload

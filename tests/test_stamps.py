@@ -233,7 +233,109 @@ def test_uninstall_drops_the_block_plans(runtime, default_tr):
     """Like every cache of the plugin, the block plans go on uninstall (the next install makes them anew)."""
     tr, kw, want = default_tr
     assert id(tr.transformer_blocks[0]) in block_body.PLANS._plans
+    memo = registry.get("shared_modulation").memo
+    assert len(memo._parts_plans) == len(tr.transformer_blocks) and len(memo._time_plans) == 1
     api.select("none", model=tr)
     assert len(block_body.PLANS) == 0
+    assert len(memo._parts_plans) == 0 and len(memo._time_plans) == 0
     api.select("default", model=tr)
     assert torch.equal(_fwd(runtime, tr, kw), want)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the memo's plans (block parts, time embedding): changes between forwards are seen at the next forward
+# ----------------------------------------------------------------------------------------------------------------
+def _stock_after(runtime, tr, kw, spec="default"):
+    """Stock's output for the model as it is now, then back to ``spec``."""
+    api.select("none", model=tr)
+    want = _fwd(runtime, tr, kw)
+    api.select(spec, model=tr)
+    return want
+
+
+def test_memo_block_plans_are_kept_across_forwards(runtime, default_tr):
+    tr, kw, want = default_tr
+    memo = registry.get("shared_modulation").memo
+    keys = [id(b) for b in tr.transformer_blocks]
+    made = [id(memo._parts_plans._plans[k][2]) for k in keys]
+    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert [id(memo._parts_plans._plans[k][2]) for k in keys] == made
+
+
+def test_a_replaced_modulation_weight_is_keyed_anew(runtime, default_tr):
+    """A modulation weight replaced between forwards (a new Parameter, same shape): the memo must not serve the
+    old weight's modulation."""
+    tr, kw, _ = default_tr
+    lin = tr.transformer_blocks[1].img_mod[1]
+    old = lin.weight
+    lin.weight = nn.Parameter(old.detach() * 0.5, requires_grad=False)
+    try:
+        got = _fwd(runtime, tr, kw)
+        want = _stock_after(runtime, tr, kw)
+    finally:
+        lin.weight = old
+    assert torch.equal(got, want)
+
+
+def test_a_modulation_hook_added_between_forwards_runs(runtime, default_tr):
+    """A forward hook on a block's modulation module after its plan was made: the memo steps aside, the hook runs."""
+    tr, kw, want = default_tr
+    fired = []
+    h = tr.transformer_blocks[0].txt_mod.register_forward_hook(lambda *a: fired.append(1))
+    sm = _stats("shared_modulation")
+    try:
+        assert torch.equal(_fwd(runtime, tr, kw), want)
+    finally:
+        h.remove()
+    assert fired == [1]
+    assert (
+        "forward hooks on a modulation module (skipping it would skip the hook)"
+        in registry.get("shared_modulation").fallback_reasons()
+    )
+    sm = _stats("shared_modulation")
+    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert sm["misses"] == 0 and registry.get("shared_modulation").fallback_reasons() == {}
+
+
+def test_a_patched_adalayernorm_dispatch_is_seen_by_the_memo_plans(runtime, default_tr, monkeypatch):
+    """AdaLayerNorm's class-level forward patched between forwards (another plugin, a MindIE-SD port): the norms'
+    kinds are decided anew, so the patched forward is the one that runs."""
+    tr, kw, want = default_tr
+    ada = type(tr.transformer_blocks[0].img_norm1)
+    calls = []
+    stock_forward = ada.forward
+
+    def patched(self, *args, **kwargs):
+        calls.append(1)
+        return stock_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ada, "forward", patched)
+    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert len(calls) == 4 * len(tr.transformer_blocks)  # every AdaLayerNorm called as a module
+
+
+def test_a_time_embedding_hook_added_between_forwards_runs(runtime, default_tr):
+    """A hook deep inside time_text_embed after its plan was made: the memo steps aside at the next forward."""
+    tr, kw, want = default_tr
+    fired = []
+    h = tr.time_text_embed.timestep_embedder.linear_2.register_forward_hook(lambda *a: fired.append(1))
+    _stats("shared_modulation")
+    try:
+        assert torch.equal(_fwd(runtime, tr, kw), want)
+    finally:
+        h.remove()
+    assert fired == [1]
+    assert "hooks or an instance forward in time_text_embed" in registry.get("shared_modulation").fallback_reasons()
+
+
+def test_a_replaced_time_embedding_weight_is_keyed_anew(runtime, default_tr):
+    tr, kw, _ = default_tr
+    lin = tr.time_text_embed.timestep_embedder.linear_1
+    old = lin.weight
+    lin.weight = nn.Parameter(old.detach() * 0.5, requires_grad=False)
+    try:
+        got = _fwd(runtime, tr, kw)
+        want = _stock_after(runtime, tr, kw)
+    finally:
+        lin.weight = old
+    assert torch.equal(got, want)

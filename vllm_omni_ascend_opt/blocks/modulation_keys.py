@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks import guards, targets
+from vllm_omni_ascend_opt.blocks.stamps import UNRECORDED, Reader
 
 ADALAYERNORM_MODULE = "vllm_omni.diffusion.layers.adalayernorm"
 CUSTOM_OP_MODULE = "vllm_omni.diffusion.layers.custom_op"
@@ -43,18 +44,33 @@ class Unkeyable(Exception):
     """This call cannot be memoized safely; the message says why (reported as a fallback reason)."""
 
 
+#: torch's C getters of the cuBLAS reduction flags (what ``torch.backends.cuda.matmul.<flag>`` reads through a Python
+#: ``__getattr__``); None where this torch lacks one (then the attributes are read)
+_CUBLAS_FLAGS = tuple(
+    getattr(torch._C, f"_get_cublas_allow_{name}", None)
+    for name in ("tf32", "bf16_reduced_precision_reduction", "fp16_reduced_precision_reduction")
+)
+
+
 def numerical_settings(device_type: str) -> tuple[Any, ...]:
     """Process state that can change what the projection computes for the same inputs and weights."""
-    npu_matmul = getattr(getattr(torch, "npu", None), "matmul", None)
+    npu = torch.__dict__.get("npu")  # torch_npu registers it as a module attribute (no lazy __getattr__ lookup)
+    if None in _CUBLAS_FLAGS:
+        matmul = torch.backends.cuda.matmul
+        cublas = (
+            matmul.allow_tf32,
+            matmul.allow_bf16_reduced_precision_reduction,
+            matmul.allow_fp16_reduced_precision_reduction,
+        )
+    else:
+        cublas = tuple(get() for get in _CUBLAS_FLAGS)
     return (
         torch.is_grad_enabled(),  # vLLM-Omni's LoRA apply() takes a different (out=) path without grad
         torch.get_float32_matmul_precision(),
         torch.is_autocast_enabled(device_type),
         torch.get_autocast_dtype(device_type),
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-        getattr(npu_matmul, "allow_hf32", None),
+        cublas,
+        getattr(getattr(npu, "matmul", None), "allow_hf32", None),
     )
 
 
@@ -130,29 +146,31 @@ def sig_tensors(lin: nn.Module) -> list[torch.Tensor]:
     return [t for t in lin._parameters.values() if t is not None]
 
 
-def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
-    """What a linear's output depends on besides its input: weights (identity, version counter, dtype, device),
-    quantization method and vLLM LoRA state. Only replicated projections (no collective inside, identical
-    on every rank): vLLM's ReplicatedLinear, plain or LoRA-wrapped. Kept cheap: it runs for every block of every
-    forward.
-
-    Not the storage: vLLM-Omni's layerwise offload gives every block fresh storage each forward (``w.data = ...``,
-    same values, same Parameter, same version), and a zero-element placeholder of shape ``(0,)`` between forwards;
-    ``memo_aware_offload`` leaves those placeholders in the blocks whose modulation the memo serves, and asks the memo
-    at block 0 while blocks 1..N-1 still hold them. So not the shape either: a shape only changes with the storage
-    (``.data = ...``, ``set_``). What changes values behind (identity, version) is announced instead:
-    ``load_weights`` and the registry's weights-changed event clear the memo. The identities are only compared
-    while the tensors are alive (the memo keeps weak references: an id cannot be reused meanwhile)."""
+def linear_static(lin: nn.Module, r: Reader = UNRECORDED) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...] | None]:
+    """The instance half of :func:`linear_sig`, read through ``r``: ``(id of the layer, id of its quantization method,
+    its vLLM-Omni LoRA slices)``, and the tensors whose :func:`tensor_state` completes it: a plain layer's parameters,
+    or None where :func:`sig_tensors` must walk the layer per call (children, buffers or LoRA stacks: what they hold
+    is not recorded). Raises :class:`Unkeyable` for a layer that is not a ReplicatedLinear."""
+    cls = r.kind(lin)
+    if not issubclass(cls, _up().replicated) and not any(c.__name__ == "ReplicatedLinearWithLoRA" for c in cls.__mro__):
+        raise Unkeyable(f"modulation projection is a {cls.__name__}, not a ReplicatedLinear")
     d = lin.__dict__
-    if not isinstance(lin, _up().replicated) and not any(
-        c.__name__ == "ReplicatedLinearWithLoRA" for c in type(lin).__mro__
-    ):
-        raise Unkeyable(f"modulation projection is a {type(lin).__name__}, not a ReplicatedLinear")
-    quant = d.get("quant_method") if not lin._modules else getattr(lin, "quant_method", None)
-    sig: list[Any] = [id(lin), id(quant), d.get("_diffusion_lora_active_slices")]
-    tensors = sig_tensors(lin)
+    no_children = r.empty_dict(lin._modules)
+    quant = r.read(d, "quant_method") if no_children else getattr(lin, "quant_method", None)
+    static = (id(lin), id(quant), r.read(d, "_diffusion_lora_active_slices"))
+    r.read(d, "lora_a_stacked")
+    if not (no_children and r.empty_dict(lin._buffers)) or "lora_a_stacked" in d:
+        return static, None
+    params = lin._parameters
+    return static, tuple(t for t in (r.read(params, name) for name in list(params)) if t is not None)
+
+
+def tensor_state(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad: bool) -> tuple[Any, ...]:
+    """The per-call half of :func:`linear_sig`: each tensor's identity, version counter, dtype and device. Raises
+    :class:`Unkeyable` while autograd records through one of them, or for a tensor without a version counter."""
     if grad and any(t.requires_grad for t in tensors):
         raise Unkeyable("autograd is recording (grad enabled and a modulation weight requires grad)")
+    sig = []
     # vLLM's parameter classes are Tensor subclasses: plain attribute reads would go through __torch_function__
     # (~1 us each); these reads are metadata only.
     with torch._C.DisableTorchFunctionSubclass():
@@ -169,6 +187,22 @@ def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
     return tuple(sig)
 
 
+def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
+    """What a linear's output depends on besides its input: weights (identity, version counter, dtype, device),
+    quantization method and vLLM LoRA state (:func:`linear_static` + :func:`tensor_state`). Only replicated
+    projections (no collective inside, identical on every rank): vLLM's ReplicatedLinear, plain or LoRA-wrapped.
+
+    Not the storage: vLLM-Omni's layerwise offload gives every block fresh storage each forward (``w.data = ...``,
+    same values, same Parameter, same version), and a zero-element placeholder of shape ``(0,)`` between forwards;
+    ``memo_aware_offload`` leaves those placeholders in the blocks whose modulation the memo serves, and asks the memo
+    at block 0 while blocks 1..N-1 still hold them. So not the shape either: a shape only changes with the storage
+    (``.data = ...``, ``set_``). What changes values behind (identity, version) is announced instead:
+    ``load_weights`` and the registry's weights-changed event clear the memo. The identities are only compared
+    while the tensors are alive (the memo keeps weak references: an id cannot be reused meanwhile)."""
+    static, tensors = linear_static(lin)
+    return static + tensor_state(sig_tensors(lin) if tensors is None else tensors, grad)
+
+
 def norm_out_sig(norm: nn.Module, grad: bool) -> tuple[Any, ...]:
     """The weight signature of ``norm_out``'s linear; raises :class:`Unkeyable` when it is not stock's SiLU/linear."""
     if type(norm.silu) is not nn.SiLU or norm.silu.inplace or guards.hooked(norm.silu) or guards.hooked(norm.linear):
@@ -176,32 +210,44 @@ def norm_out_sig(norm: nn.Module, grad: bool) -> tuple[Any, ...]:
     return linear_sig(norm.linear, grad)
 
 
-def silu_linear(seq: nn.Module) -> nn.Module:
+def silu_linear(seq: nn.Module, r: Reader = UNRECORDED) -> nn.Module:
     """The linear of stock's ``nn.Sequential(nn.SiLU(), <replicated linear>)``; raises if ``seq`` is not that, or
-    carries forward hooks (skipping the module on a hit would skip the hook)."""
+    carries forward hooks (skipping the module on a hit would skip the hook). ``r`` records what is read."""
     mods = seq._modules
-    if not isinstance(seq, nn.Sequential) or len(mods) != 2:
+    if not issubclass(r.kind(seq), nn.Sequential) or len(mods) != 2:
         raise Unkeyable("modulation module is not nn.Sequential(SiLU, Linear)")
-    act, lin = mods.values()
-    if type(act) is not nn.SiLU or act.inplace:
+    first, second = mods
+    act, lin = r.read(mods, first), r.read(mods, second)
+    r.read(mods, "2")  # appended later: no longer two layers
+    if r.kind(act) is not nn.SiLU or r.attr(act, "inplace"):
         raise Unkeyable("modulation activation is not an out-of-place nn.SiLU")
-    hooked = guards.hooked
+    hooked = r.hooked
     if hooked(seq) or hooked(act) or hooked(lin) or (lin._modules and any(hooked(m) for m in lin.modules())):
         raise Unkeyable("forward hooks on a modulation module (skipping it would skip the hook)")
     return lin
 
 
-def norm_kind(norm: nn.Module) -> str:
-    """How ``norm`` (vLLM-Omni's AdaLayerNorm) applies (scale, shift) -- the one place that looks at the backend."""
+def norm_kind(norm: nn.Module, r: Reader = UNRECORDED) -> str:
+    """How ``norm`` (vLLM-Omni's AdaLayerNorm) applies (scale, shift) -- the one place that looks at the backend.
+    ``r`` records what is read about the instance (the class-level dispatch is :func:`ada_forward`'s)."""
     up = _up()
-    if type(norm) is not up.ada or guards.hooked(norm) or up.ada.forward is not up.custom_op_forward:
+    if r.kind(norm) is not up.ada or r.hooked(norm) or up.ada.forward is not up.custom_op_forward:
         return OPAQUE
-    fn = getattr(norm.__dict__.get("_forward_method"), "__func__", None)
+    fn = getattr(r.read(norm.__dict__, "_forward_method"), "__func__", None)
     if fn in up.native:
         return NATIVE
     if fn is up.ada.forward_npu and not getattr(up.ada_module, "_HAS_MINDIESD", True) and _backend.torch_npu_module():
         return NPU_EVAL
     return OPAQUE
+
+
+def ada_forward() -> Any:
+    """``AdaLayerNorm.forward`` as the class has it now: a plan of :func:`norm_kind` answers hold while it is the same
+    object (an instance :class:`~.stamps.Stamp` does not see class attributes)."""
+    return _up().ada.forward
+
+
+NORMS = ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2")
 
 
 def block_parts(
@@ -214,8 +260,50 @@ def block_parts(
     m = block._modules  # submodules without nn.Module.__getattr__
     img_lin = silu_linear(m["img_mod"])
     txt_lin = silu_linear(m["txt_mod"])
-    kinds = (norm_kind(m["img_norm1"]), norm_kind(m["img_norm2"]), norm_kind(m["txt_norm1"]), norm_kind(m["txt_norm2"]))
+    kinds = tuple(norm_kind(m[n]) for n in NORMS)
     return img_lin, txt_lin, kinds, linear_sig(img_lin, grad), linear_sig(txt_lin, grad)
+
+
+@dataclass(frozen=True, slots=True)
+class PartsPlan:
+    """:func:`block_parts` decided for one block instance, kept with its :class:`~.stamps.Stamp`: the two linears,
+    the norms' kinds (valid while ``ada`` is :func:`ada_forward`), each linear's :func:`linear_static` half and the
+    tensors whose :func:`tensor_state` completes its signature per call."""
+
+    img_lin: nn.Module
+    txt_lin: nn.Module
+    kinds: tuple[str, ...]
+    img_static: tuple[Any, ...]
+    txt_static: tuple[Any, ...]
+    img_tensors: tuple[torch.Tensor, ...]
+    txt_tensors: tuple[torch.Tensor, ...]
+    ada: Any
+
+    def parts(self, grad: bool) -> tuple[nn.Module, nn.Module, tuple[str, ...], tuple, tuple]:
+        """What :func:`block_parts` returns, with the weights' state read now."""
+        return (
+            self.img_lin,
+            self.txt_lin,
+            self.kinds,
+            self.img_static + tensor_state(self.img_tensors, grad),
+            self.txt_static + tensor_state(self.txt_tensors, grad),
+        )
+
+
+def parts_plan(block: nn.Module, r: Reader) -> PartsPlan | str | None:
+    """The :class:`PartsPlan` of ``block`` read through ``r``; why it cannot be keyed (an :class:`Unkeyable`
+    message, kept like an answer); or None where a linear's tensors must be walked per call (:func:`block_parts`)."""
+    m = block._modules
+    try:
+        img_lin = silu_linear(r.read(m, "img_mod"), r)
+        txt_lin = silu_linear(r.read(m, "txt_mod"), r)
+        kinds = tuple(norm_kind(r.read(m, n), r) for n in NORMS)
+        (img_static, img_tensors), (txt_static, txt_tensors) = linear_static(img_lin, r), linear_static(txt_lin, r)
+    except Unkeyable as exc:
+        return str(exc)
+    if img_tensors is None or txt_tensors is None:
+        return None
+    return PartsPlan(img_lin, txt_lin, kinds, img_static, txt_static, img_tensors, txt_tensors, ada_forward())
 
 
 # ----------------------------------------------------------------------------------------------------------------

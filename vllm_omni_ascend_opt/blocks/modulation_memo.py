@@ -24,6 +24,7 @@ Cache policy (each pinned by a test in tests/test_shared_modulation.py and a nam
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import weakref
@@ -40,16 +41,20 @@ from vllm_omni_ascend_opt.blocks.block_body import NormMod
 from vllm_omni_ascend_opt.blocks.modulation_keys import (
     OPAQUE,
     SELECT01_MODULE,
+    PartsPlan,
     Span,
     Unkeyable,
+    ada_forward,
     block_parts,
     linear_sig,
     norm_out_sig,
     numerical_settings,
+    parts_plan,
     sig_tensors,
     silu_linear,
 )
 from vllm_omni_ascend_opt.blocks.segments import SegmentPlan, SegMod
+from vllm_omni_ascend_opt.blocks.stamps import PlanCache
 
 ENV_BUDGET_MB = "VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB"
 DEFAULT_BUDGET_MB = 512
@@ -107,6 +112,9 @@ class ModulationMemo:
         # Two-segment blocks: the timestep-0 segment per (block, weights, settings), for the model's life.
         self._zero_t: dict[tuple[Any, ...], tuple[weakref.ReferenceType, torch.Tensor, tuple[Any, ...]]] = {}
         self._plan: tuple[weakref.ReferenceType, int | None, SegmentPlan | str] | None = None
+        #: per block: what :func:`block_parts` reads about its instances, kept while their stamp holds
+        self._parts_plans = PlanCache()
+        self._time_plans = PlanCache()
 
     # ----- bookkeeping ------------------------------------------------------------------------------------
     @property
@@ -122,6 +130,8 @@ class ModulationMemo:
         self._last = None
         self._zero_t.clear()
         self._plan = None
+        self._parts_plans.clear()
+        self._time_plans.clear()
 
     @property
     def zero_t_nbytes(self) -> int:
@@ -262,10 +272,11 @@ class ModulationMemo:
         if type(hidden_states) is not torch.Tensor:
             return None, "hidden_states is not a plain tensor"
         try:
-            sig, tensors = time_embedding.time_embedding_sig(module, False)
+            plan = self._time_plan(module)
+            sig, tensors = plan.sig(False), plan.tensors()
         except Unkeyable as exc:
             return None, str(exc)
-        add = addition_t_cond if getattr(module, "use_additional_t_cond", False) else None  # stock ignores it else
+        add = addition_t_cond if plan.use_add else None  # stock ignores it else
         if add is not None and type(add) is not torch.Tensor:
             return None, "addition_t_cond is not a plain tensor"
         self.stats["digests"] += 1  # the one device->host read of this forward (B values, not temb's B x D)
@@ -319,6 +330,28 @@ class ModulationMemo:
             entry.silu = silu
         return silu
 
+    def _time_plan(self, module: nn.Module) -> time_embedding.TimePlan:
+        """:func:`~.time_embedding.time_embedding_plan` of ``module``, kept with a stamp while it holds (per call
+        where a linear's tensors are walked per call). Raises :class:`Unkeyable`."""
+        plan = self._time_plans.get(module, functools.partial(time_embedding.plan_or_reason, module))
+        if isinstance(plan, str):
+            raise Unkeyable(plan)
+        return time_embedding.time_embedding_plan(module) if plan is None else plan
+
+    def _parts(self, block: nn.Module) -> tuple[nn.Module, nn.Module, tuple[str, ...], tuple, tuple]:
+        """:func:`block_parts` of ``block``: what it reads about the block's instances is kept with a stamp
+        (:func:`parts_plan`), its weights' state is read per call. Raises :class:`Unkeyable`."""
+        plans = self._parts_plans
+        plan = plans.get(block, functools.partial(parts_plan, block))
+        if type(plan) is PartsPlan and plan.ada is not ada_forward():  # AdaLayerNorm's dispatch changed: new kinds
+            plans.drop(block)
+            plan = plans.get(block, functools.partial(parts_plan, block))
+        if type(plan) is PartsPlan:
+            return plan.parts(torch.is_grad_enabled())
+        if plan is None:  # a layer whose tensors are walked per call
+            return block_parts(block)
+        raise Unkeyable(plan)
+
     @staticmethod
     def _lookup(entry: _Entry, key: tuple[Any, ...], module: nn.Module, sig: Any) -> Any:
         slot = entry.slots.get(key)
@@ -365,7 +398,7 @@ class ModulationMemo:
         if why:
             return None, why
         try:
-            img_lin, txt_lin, kinds, sig_img, sig_txt = block_parts(block)
+            img_lin, txt_lin, kinds, sig_img, sig_txt = self._parts(block)
         except Unkeyable as exc:
             return None, str(exc)
         sig = (sig_img, sig_txt, kinds)
@@ -447,7 +480,7 @@ class ModulationMemo:
         if index.shape[-1] != hidden_states.shape[1]:
             return None, "modulate_index does not match the image sequence"
         try:
-            img_lin, txt_lin, kinds, sig_img, sig_txt = block_parts(block)
+            img_lin, txt_lin, kinds, sig_img, sig_txt = self._parts(block)
         except Unkeyable as exc:
             return None, str(exc)
         if OPAQUE in kinds[:2]:
@@ -516,7 +549,7 @@ class ModulationMemo:
         if self._precheck(temb):
             return False
         try:
-            _img, _txt, kinds, sig_img, sig_txt = block_parts(block)
+            _img, _txt, kinds, sig_img, sig_txt = self._parts(block)
         except Unkeyable:
             return False
         entry = self._resolve(temb)

@@ -81,21 +81,26 @@ class Stamp:
             self.classes.append(cls)
         return cls
 
+    def empty_dict(self, mapping: Mapping[Any, Any]) -> bool:
+        """Whether ``mapping`` is empty, recorded: it must stay empty, or stay non-empty (a dict that is never
+        replaced, e.g. a module's hook dicts, ``_modules`` or ``_buffers``)."""
+        if mapping:
+            self.full.append(mapping)
+            return False
+        self.empty.append(mapping)
+        return True
+
+    def hooked(self, m: nn.Module) -> bool:
+        """Record ``m``'s class and hook dicts; True when it carries forward (pre-)hooks of its own."""
+        self.kind(m)
+        d = m.__dict__
+        return not (self.empty_dict(d["_forward_hooks"]) & self.empty_dict(d["_forward_pre_hooks"]))
+
     def module(self, m: nn.Module) -> bool:
         """Record ``m``'s class, hook dicts and instance ``forward``; True when it has no hook and no instance
         forward (what every check asks first)."""
-        self.kind(m)
-        d = m.__dict__
-        plain = True
-        for hooks in (d["_forward_hooks"], d["_forward_pre_hooks"]):  # the dicts are never replaced: their contents
-            if hooks:
-                plain = False
-                self.full.append(hooks)
-            else:
-                self.empty.append(hooks)
-        if self.read(d, "forward") is not None:
-            plain = False
-        return plain
+        hooked = self.hooked(m)
+        return self.read(m.__dict__, "forward") is None and not hooked
 
     def holds(self) -> bool:
         """Every recorded read gives the same object, every hook dict is still (non-)empty, every class is the
@@ -138,6 +143,14 @@ class Unrecorded:
         return type(obj)
 
     @staticmethod
+    def empty_dict(mapping: Mapping[Any, Any]) -> bool:
+        return not mapping
+
+    @staticmethod
+    def hooked(m: nn.Module) -> bool:
+        return bool(m._forward_hooks or m._forward_pre_hooks)
+
+    @staticmethod
     def module(m: nn.Module) -> bool:
         return not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
 
@@ -161,6 +174,10 @@ class PlanCache:
 
     def clear(self) -> None:
         self._plans.clear()
+
+    def drop(self, module: nn.Module) -> None:
+        """Forget ``module``'s plan (the next :meth:`get` makes it anew)."""
+        self._plans.pop(id(module), None)
 
     def get(self, module: nn.Module, make: Callable[[Stamp], T]) -> T:
         """The plan of ``module``: the kept one while its stamp holds, else ``make(stamp)`` (which records into
