@@ -339,3 +339,31 @@ def test_a_replaced_time_embedding_weight_is_keyed_anew(runtime, default_tr):
     finally:
         lin.weight = old
     assert torch.equal(got, want)
+
+
+def test_a_norm_out_hook_added_between_forwards_runs(runtime, default_tr):
+    tr, kw, want = default_tr
+    fired = []
+    h = tr.norm_out.linear.register_forward_hook(lambda *a: fired.append(1))
+    _stats("shared_modulation")
+    try:
+        assert torch.equal(_fwd(runtime, tr, kw), want)
+    finally:
+        h.remove()
+    assert fired == [1]
+    assert (
+        "norm_out's SiLU/linear is not stock's (or has hooks)" in registry.get("shared_modulation").fallback_reasons()
+    )
+
+
+def test_a_replaced_norm_out_weight_is_keyed_anew(runtime, default_tr):
+    tr, kw, _ = default_tr
+    lin = tr.norm_out.linear
+    old = lin.weight
+    lin.weight = nn.Parameter(old.detach() * 0.5, requires_grad=False)
+    try:
+        got = _fwd(runtime, tr, kw)
+        want = _stock_after(runtime, tr, kw)
+    finally:
+        lin.weight = old
+    assert torch.equal(got, want)

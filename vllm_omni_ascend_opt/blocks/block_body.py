@@ -141,7 +141,7 @@ class NormMod:
     def residual(self, x: torch.Tensor, y: torch.Tensor, owner: Any = PER_CALL) -> torch.Tensor:
         """Stock's ``x + gate * y``; with ``fast_residual`` one ``torch.addcmul(x, gate, y)`` (``owner``: as
         :meth:`norm`)."""
-        if FAST.use_residual(x, self.gate, y, owner):
+        if owner is not None and FAST.use_residual(x, self.gate, y, owner):
             return torch.addcmul(x, self.gate, y)
         return x + self.gate * y
 

@@ -56,8 +56,9 @@ class Hoister:
         """A forward of ``transformer`` starts (eager): register the hooks once its blocks are compiled."""
         if transformer in self._handles:
             return
-        blocks = getattr(transformer, "transformer_blocks", ())
-        if not len(blocks) or not guards.block_compiled(blocks[0]):
+        blocks = transformer._modules.get("transformer_blocks")
+        first = next(iter(blocks._modules.values()), None) if blocks is not None else None
+        if first is None or not guards.block_compiled(first):
             return
         self._handles[transformer] = [b.register_forward_pre_hook(self._pre, with_kwargs=True) for b in blocks]
 

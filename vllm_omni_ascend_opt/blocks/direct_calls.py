@@ -320,13 +320,18 @@ def layer_norm_args(ln: nn.Module, r: Reader = UNRECORDED) -> tuple[Any, ...] | 
     return (*args, True)
 
 
+#: the C getter behind ``torch.backends.cudnn.enabled`` (a Python property per read)
+_cudnn_enabled = getattr(torch._C, "_get_cudnn_enabled", None) or (lambda: torch.backends.cudnn.enabled)
+
+
 def layer_norm(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
     """The layer norm :func:`layer_norm_args` describes, as its forward computes it."""
     shape, w, b, eps, upcast = args
     if w is None and b is None:  # no parameter: F.layer_norm's own call, without the subclass guard
+        cudnn = _cudnn_enabled()  # what F.layer_norm passes (torch.backends.cudnn.enabled)
         if not upcast:
-            return torch.layer_norm(x, shape, None, None, eps, torch.backends.cudnn.enabled)
-        return torch.layer_norm(x.float(), shape, None, None, eps, torch.backends.cudnn.enabled).to(x.dtype)
+            return torch.layer_norm(x, shape, None, None, eps, cudnn)
+        return torch.layer_norm(x.float(), shape, None, None, eps, cudnn).to(x.dtype)
     with _NO_SUBCLASS():
         if not upcast:
             return F.layer_norm(x, shape, w, b, eps)

@@ -66,8 +66,11 @@ def _is_compiled(fn: Any) -> bool:
 def block_compiled(block: nn.Module) -> bool:
     """``block``'s forward, or the callable its vLLM-Omni hook registry dispatches to, is a torch.compile'd
     function (vLLM-Omni's regional compile), or the block module itself is compiled."""
-    fns = (block.__dict__.get("forward"), block.__dict__.get("_omni_original_forward"))
-    return getattr(block, "_compiled_call_impl", None) is not None or any(_is_compiled(f) for f in fns)
+    d = block.__dict__  # nn.Module keeps _compiled_call_impl there (None until compiled)
+    impl = d["_compiled_call_impl"] if "_compiled_call_impl" in d else getattr(block, "_compiled_call_impl", None)
+    if impl is not None:
+        return True
+    return _is_compiled(d.get("forward")) or _is_compiled(d.get("_omni_original_forward"))
 
 
 def _transformers(model: Any) -> list[nn.Module]:

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks import guards, targets
+from vllm_omni_ascend_opt.blocks import targets
 from vllm_omni_ascend_opt.blocks.stamps import UNRECORDED, Reader
 
 ADALAYERNORM_MODULE = "vllm_omni.diffusion.layers.adalayernorm"
@@ -203,11 +203,35 @@ def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
     return static + tensor_state(sig_tensors(lin) if tensors is None else tensors, grad)
 
 
+def norm_out_static(norm: nn.Module, r: Reader = UNRECORDED) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...] | None]:
+    """:func:`linear_static` of ``norm_out``'s linear, read through ``r``; raises :class:`Unkeyable` when its SiLU
+    and linear are not stock's (or carry hooks)."""
+    m = norm._modules
+    silu, lin = r.read(m, "silu"), r.read(m, "linear")
+    if r.kind(silu) is not nn.SiLU or r.attr(silu, "inplace") or r.hooked(silu) or r.hooked(lin):
+        raise Unkeyable("norm_out's SiLU/linear is not stock's (or has hooks)")
+    return linear_static(lin, r)
+
+
+def norm_out_plan(norm: nn.Module, r: Reader) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...]] | str | None:
+    """:func:`norm_out_static` as a plan to keep with ``r``: the static half and tensors, why it cannot be keyed, or
+    None where the linear's tensors are walked per call."""
+    try:
+        static, tensors = norm_out_static(norm, r)
+    except Unkeyable as exc:
+        return str(exc)
+    return None if tensors is None else (static, tensors)
+
+
+def plan_sig(plan: tuple[tuple[Any, ...], tuple[torch.Tensor, ...]], grad: bool) -> tuple[Any, ...]:
+    """The signature a ``(static half, tensors)`` plan completes now (as :func:`linear_sig` would compute it)."""
+    return plan[0] + tensor_state(plan[1], grad)
+
+
 def norm_out_sig(norm: nn.Module, grad: bool) -> tuple[Any, ...]:
     """The weight signature of ``norm_out``'s linear; raises :class:`Unkeyable` when it is not stock's SiLU/linear."""
-    if type(norm.silu) is not nn.SiLU or norm.silu.inplace or guards.hooked(norm.silu) or guards.hooked(norm.linear):
-        raise Unkeyable("norm_out's SiLU/linear is not stock's (or has hooks)")
-    return linear_sig(norm.linear, grad)
+    static, tensors = norm_out_static(norm)
+    return static + tensor_state(sig_tensors(norm._modules["linear"]) if tensors is None else tensors, grad)
 
 
 def silu_linear(seq: nn.Module, r: Reader = UNRECORDED) -> nn.Module:

@@ -47,9 +47,11 @@ from vllm_omni_ascend_opt.blocks.modulation_keys import (
     ada_forward,
     block_parts,
     linear_sig,
+    norm_out_plan,
     norm_out_sig,
     numerical_settings,
     parts_plan,
+    plan_sig,
     sig_tensors,
     silu_linear,
 )
@@ -115,6 +117,7 @@ class ModulationMemo:
         #: per block: what :func:`block_parts` reads about its instances, kept while their stamp holds
         self._parts_plans = PlanCache()
         self._time_plans = PlanCache()
+        self._norm_out_plans = PlanCache()
 
     # ----- bookkeeping ------------------------------------------------------------------------------------
     @property
@@ -132,6 +135,7 @@ class ModulationMemo:
         self._plan = None
         self._parts_plans.clear()
         self._time_plans.clear()
+        self._norm_out_plans.clear()
 
     @property
     def zero_t_nbytes(self) -> int:
@@ -521,8 +525,12 @@ class ModulationMemo:
         why = self._precheck_once(cond)
         if why:
             return None, why
+        plan = self._norm_out_plans.get(norm, functools.partial(norm_out_plan, norm))
         try:
-            sig = norm_out_sig(norm, torch.is_grad_enabled())
+            if isinstance(plan, str):
+                raise Unkeyable(plan)
+            grad = torch.is_grad_enabled()
+            sig = norm_out_sig(norm, grad) if plan is None else plan_sig(plan, grad)
         except Unkeyable as exc:
             return None, str(exc)
         entry = self._resolve(cond)
