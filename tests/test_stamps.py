@@ -367,3 +367,19 @@ def test_a_replaced_norm_out_weight_is_keyed_anew(runtime, default_tr):
     finally:
         lin.weight = old
     assert torch.equal(got, want)
+
+
+def test_an_attention_hook_added_between_forwards_runs(runtime, default_tr):
+    """The block body calls a plain attention's forward without the module call: a hook put on the attention after
+    the block's plan was made must make it a module call again (the hook runs), and the output stays stock's."""
+    tr, kw, want = default_tr
+    fired = []
+    h = tr.transformer_blocks[1].attn.register_forward_pre_hook(lambda *a: fired.append(1))
+    try:
+        assert torch.equal(_fwd(runtime, tr, kw), want)
+    finally:
+        h.remove()
+    assert fired == [1]
+    fired.clear()
+    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert fired == []

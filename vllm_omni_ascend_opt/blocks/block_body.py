@@ -231,12 +231,16 @@ class BlockPlan:
     ``norms``: the four AdaLayerNorms (img1, img2, txt1, txt2); ``layer_norms``: their inner layer norms' direct-call
     arguments (None: called as modules); ``mlps``: ``(img_mlp, txt_mlp)``; ``mlp_args``: their direct-call arguments
     or why they are called as modules (used while the process allows direct calls:
-    :func:`~.direct_calls.process_reason`, decided per forward)."""
+    :func:`~.direct_calls.process_reason`, decided per forward); ``attn``: the attention, and ``attn_plain``: it has
+    no hooks and no instance ``forward``, so its class's ``forward`` is what a module call would run (global module
+    hooks are excluded by the memo's per-forward guard before this body runs)."""
 
     norms: tuple[nn.Module, ...]
     layer_norms: tuple[Any, ...]
     mlps: tuple[nn.Module, nn.Module]
     mlp_args: tuple[Any, Any]
+    attn: nn.Module
+    attn_plain: bool
 
 
 def block_plan(block: nn.Module, r: Reader) -> BlockPlan:
@@ -252,7 +256,9 @@ def block_plan(block: nn.Module, r: Reader) -> BlockPlan:
         mlp_args = tuple(direct_calls.mlp_instance(ff, r) for ff in mlps)
     else:
         mlp_args = ("vLLM-Omni's layers are not imported",) * 2
-    return BlockPlan(norms, tuple(layer_norms), mlps, mlp_args)  # type: ignore[arg-type]
+    attn = r.read(m, "attn")
+    plain = r.module(attn) and type(attn).__call__ is nn.Module.__call__
+    return BlockPlan(norms, tuple(layer_norms), mlps, mlp_args, attn, plain)  # type: ignore[arg-type]
 
 
 PLANS = PlanCache()
@@ -288,7 +294,9 @@ def block_body(
     mo, ro = FAST.modulate, FAST.residual
     img_modulated = img1.norm(n_img1, hidden_states, ln_img1, mo)
     txt_modulated = txt1.norm(n_txt1, encoder_hidden_states, ln_txt1, mo)
-    img_attn_output, txt_attn_output = block._modules["attn"](
+    attn = plan.attn
+    img_attn_output, txt_attn_output = (type(attn).forward if plan.attn_plain else type(attn).__call__)(
+        attn,
         hidden_states=img_modulated,
         encoder_hidden_states=txt_modulated,
         vid_freqs=image_rotary_emb[0],
