@@ -234,10 +234,10 @@ def test_uninstall_drops_the_block_plans(runtime, default_tr):
     tr, kw, want = default_tr
     assert id(tr.transformer_blocks[0]) in block_body.PLANS._plans
     memo = registry.get("shared_modulation").memo
-    assert len(memo._parts_plans) == len(tr.transformer_blocks) and len(memo._time_plans) == 1
+    assert len(memo.plans.parts) == len(tr.transformer_blocks) and len(memo.plans.time) == 1
     api.select("none", model=tr)
     assert len(block_body.PLANS) == 0
-    assert len(memo._parts_plans) == 0 and len(memo._time_plans) == 0
+    assert len(memo.plans) == 0
     api.select("default", model=tr)
     assert torch.equal(_fwd(runtime, tr, kw), want)
 
@@ -257,9 +257,9 @@ def test_memo_block_plans_are_kept_across_forwards(runtime, default_tr):
     tr, kw, want = default_tr
     memo = registry.get("shared_modulation").memo
     keys = [id(b) for b in tr.transformer_blocks]
-    made = [id(memo._parts_plans._plans[k][2]) for k in keys]
+    made = [id(memo.plans.parts._plans[k][2]) for k in keys]
     assert torch.equal(_fwd(runtime, tr, kw), want)
-    assert [id(memo._parts_plans._plans[k][2]) for k in keys] == made
+    assert [id(memo.plans.parts._plans[k][2]) for k in keys] == made
 
 
 def test_a_replaced_modulation_weight_is_keyed_anew(runtime, default_tr):

@@ -24,7 +24,6 @@ Cache policy (each pinned by a test in tests/test_shared_modulation.py and a nam
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import weakref
@@ -38,25 +37,18 @@ import torch.nn.functional as F
 
 from vllm_omni_ascend_opt.blocks import forward_scope, guards, targets, time_embedding
 from vllm_omni_ascend_opt.blocks.block_body import NormMod
+from vllm_omni_ascend_opt.blocks.memo_plans import MemoPlans
 from vllm_omni_ascend_opt.blocks.modulation_keys import (
     OPAQUE,
     SELECT01_MODULE,
-    PartsPlan,
     Span,
     Unkeyable,
-    ada_forward,
-    block_parts,
     linear_sig,
-    norm_out_plan,
-    norm_out_sig,
     numerical_settings,
-    parts_plan,
-    plan_sig,
     sig_tensors,
     silu_linear,
 )
 from vllm_omni_ascend_opt.blocks.segments import SegmentPlan, SegMod
-from vllm_omni_ascend_opt.blocks.stamps import PlanCache
 
 ENV_BUDGET_MB = "VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB"
 DEFAULT_BUDGET_MB = 512
@@ -114,10 +106,7 @@ class ModulationMemo:
         # Two-segment blocks: the timestep-0 segment per (block, weights, settings), for the model's life.
         self._zero_t: dict[tuple[Any, ...], tuple[weakref.ReferenceType, torch.Tensor, tuple[Any, ...]]] = {}
         self._plan: tuple[weakref.ReferenceType, int | None, SegmentPlan | str] | None = None
-        #: per block: what :func:`block_parts` reads about its instances, kept while their stamp holds
-        self._parts_plans = PlanCache()
-        self._time_plans = PlanCache()
-        self._norm_out_plans = PlanCache()
+        self.plans = MemoPlans()  # what the lookups key on, per module instance
 
     # ----- bookkeeping ------------------------------------------------------------------------------------
     @property
@@ -133,9 +122,7 @@ class ModulationMemo:
         self._last = None
         self._zero_t.clear()
         self._plan = None
-        self._parts_plans.clear()
-        self._time_plans.clear()
-        self._norm_out_plans.clear()
+        self.plans.clear()
 
     @property
     def zero_t_nbytes(self) -> int:
@@ -276,7 +263,7 @@ class ModulationMemo:
         if type(hidden_states) is not torch.Tensor:
             return None, "hidden_states is not a plain tensor"
         try:
-            plan = self._time_plan(module)
+            plan = self.plans.time_embedding(module)
             sig, tensors = plan.sig(False), plan.tensors()
         except Unkeyable as exc:
             return None, str(exc)
@@ -334,28 +321,6 @@ class ModulationMemo:
             entry.silu = silu
         return silu
 
-    def _time_plan(self, module: nn.Module) -> time_embedding.TimePlan:
-        """:func:`~.time_embedding.time_embedding_plan` of ``module``, kept with a stamp while it holds (per call
-        where a linear's tensors are walked per call). Raises :class:`Unkeyable`."""
-        plan = self._time_plans.get(module, functools.partial(time_embedding.plan_or_reason, module))
-        if isinstance(plan, str):
-            raise Unkeyable(plan)
-        return time_embedding.time_embedding_plan(module) if plan is None else plan
-
-    def _parts(self, block: nn.Module) -> tuple[nn.Module, nn.Module, tuple[str, ...], tuple, tuple]:
-        """:func:`block_parts` of ``block``: what it reads about the block's instances is kept with a stamp
-        (:func:`parts_plan`), its weights' state is read per call. Raises :class:`Unkeyable`."""
-        plans = self._parts_plans
-        plan = plans.get(block, functools.partial(parts_plan, block))
-        if type(plan) is PartsPlan and plan.ada is not ada_forward():  # AdaLayerNorm's dispatch changed: new kinds
-            plans.drop(block)
-            plan = plans.get(block, functools.partial(parts_plan, block))
-        if type(plan) is PartsPlan:
-            return plan.parts(torch.is_grad_enabled())
-        if plan is None:  # a layer whose tensors are walked per call
-            return block_parts(block)
-        raise Unkeyable(plan)
-
     @staticmethod
     def _lookup(entry: _Entry, key: tuple[Any, ...], module: nn.Module, sig: Any) -> Any:
         slot = entry.slots.get(key)
@@ -402,7 +367,7 @@ class ModulationMemo:
         if why:
             return None, why
         try:
-            img_lin, txt_lin, kinds, sig_img, sig_txt = self._parts(block)
+            img_lin, txt_lin, kinds, sig_img, sig_txt = self.plans.block_parts(block)
         except Unkeyable as exc:
             return None, str(exc)
         sig = (sig_img, sig_txt, kinds)
@@ -484,7 +449,7 @@ class ModulationMemo:
         if index.shape[-1] != hidden_states.shape[1]:
             return None, "modulate_index does not match the image sequence"
         try:
-            img_lin, txt_lin, kinds, sig_img, sig_txt = self._parts(block)
+            img_lin, txt_lin, kinds, sig_img, sig_txt = self.plans.block_parts(block)
         except Unkeyable as exc:
             return None, str(exc)
         if OPAQUE in kinds[:2]:
@@ -525,12 +490,8 @@ class ModulationMemo:
         why = self._precheck_once(cond)
         if why:
             return None, why
-        plan = self._norm_out_plans.get(norm, functools.partial(norm_out_plan, norm))
         try:
-            if isinstance(plan, str):
-                raise Unkeyable(plan)
-            grad = torch.is_grad_enabled()
-            sig = norm_out_sig(norm, grad) if plan is None else plan_sig(plan, grad)
+            sig = self.plans.norm_out_sig(norm, torch.is_grad_enabled())
         except Unkeyable as exc:
             return None, str(exc)
         entry = self._resolve(cond)
@@ -557,7 +518,7 @@ class ModulationMemo:
         if self._precheck(temb):
             return False
         try:
-            _img, _txt, kinds, sig_img, sig_txt = self._parts(block)
+            _img, _txt, kinds, sig_img, sig_txt = self.plans.block_parts(block)
         except Unkeyable:
             return False
         entry = self._resolve(temb)
