@@ -5,6 +5,7 @@ Usage (from the repo root)::
 
     .venv/bin/python benchmarks/bench_host.py                    # ~2 min on a quiet core
     .venv/bin/python benchmarks/bench_host.py --quick            # fewer rounds
+    .venv/bin/python benchmarks/bench_host.py --depth deep       # 12 blocks (the tiny CPU workloads' model)
     .venv/bin/python benchmarks/bench_host.py --profile default  # also the cProfile top items of that config
     .venv/bin/python benchmarks/bench_host.py --json out.json
     .venv/bin/python benchmarks/bench_host.py --compiled regional,full   # compiled default vs stock, real width
