@@ -262,11 +262,33 @@ def test_memo_block_plans_are_kept_across_forwards(runtime, default_tr):
     assert [id(memo.plans.parts._plans[k][2]) for k in keys] == made
 
 
-def test_a_replaced_modulation_weight_is_keyed_anew(runtime, default_tr):
-    """A modulation weight replaced between forwards (a new Parameter, same shape): the memo must not serve the
-    old weight's modulation."""
+#: What the memo keys, by where it sits (the ids the mutation check selects with -k): the module a hook goes on, the
+#: linear whose weight is replaced, the fallback reason while the hook is there.
+MEMO_KEYED = {
+    "modulation": (
+        lambda tr: tr.transformer_blocks[0].txt_mod,
+        lambda tr: tr.transformer_blocks[1].img_mod[1],
+        "forward hooks on a modulation module (skipping it would skip the hook)",
+    ),
+    "time_embedding": (
+        lambda tr: tr.time_text_embed.timestep_embedder.linear_2,
+        lambda tr: tr.time_text_embed.timestep_embedder.linear_1,
+        "hooks or an instance forward in time_text_embed",
+    ),
+    "norm_out": (
+        lambda tr: tr.norm_out.linear,
+        lambda tr: tr.norm_out.linear,
+        "norm_out's SiLU/linear is not stock's (or has hooks)",
+    ),
+}
+
+
+@pytest.mark.parametrize("where", list(MEMO_KEYED))
+def test_a_replaced_weight_is_keyed_anew(runtime, default_tr, where):
+    """A weight the memo keys on, replaced between forwards (a new Parameter, same shape): the memo must not serve
+    what the old weight gave."""
     tr, kw, _ = default_tr
-    lin = tr.transformer_blocks[1].img_mod[1]
+    lin = MEMO_KEYED[where][1](tr)
     old = lin.weight
     lin.weight = nn.Parameter(old.detach() * 0.5, requires_grad=False)
     try:
@@ -277,21 +299,21 @@ def test_a_replaced_modulation_weight_is_keyed_anew(runtime, default_tr):
     assert torch.equal(got, want)
 
 
-def test_a_modulation_hook_added_between_forwards_runs(runtime, default_tr):
-    """A forward hook on a block's modulation module after its plan was made: the memo steps aside, the hook runs."""
+@pytest.mark.parametrize("where", list(MEMO_KEYED))
+def test_a_hook_added_between_forwards_runs(runtime, default_tr, where):
+    """A forward hook on what the memo keys on, put there after its plan was made: the memo steps aside at the next
+    forward (the hook runs, the reason is reported), and serves again once the hook is gone."""
     tr, kw, want = default_tr
+    module, _, reason = MEMO_KEYED[where]
     fired = []
-    h = tr.transformer_blocks[0].txt_mod.register_forward_hook(lambda *a: fired.append(1))
-    sm = _stats("shared_modulation")
+    h = module(tr).register_forward_hook(lambda *a: fired.append(1))
+    _stats("shared_modulation")
     try:
         assert torch.equal(_fwd(runtime, tr, kw), want)
     finally:
         h.remove()
     assert fired == [1]
-    assert (
-        "forward hooks on a modulation module (skipping it would skip the hook)"
-        in registry.get("shared_modulation").fallback_reasons()
-    )
+    assert reason in registry.get("shared_modulation").fallback_reasons()
     sm = _stats("shared_modulation")
     assert torch.equal(_fwd(runtime, tr, kw), want)
     assert sm["misses"] == 0 and registry.get("shared_modulation").fallback_reasons() == {}
@@ -312,61 +334,6 @@ def test_a_patched_adalayernorm_dispatch_is_seen_by_the_memo_plans(runtime, defa
     monkeypatch.setattr(ada, "forward", patched)
     assert torch.equal(_fwd(runtime, tr, kw), want)
     assert len(calls) == 4 * len(tr.transformer_blocks)  # every AdaLayerNorm called as a module
-
-
-def test_a_time_embedding_hook_added_between_forwards_runs(runtime, default_tr):
-    """A hook deep inside time_text_embed after its plan was made: the memo steps aside at the next forward."""
-    tr, kw, want = default_tr
-    fired = []
-    h = tr.time_text_embed.timestep_embedder.linear_2.register_forward_hook(lambda *a: fired.append(1))
-    _stats("shared_modulation")
-    try:
-        assert torch.equal(_fwd(runtime, tr, kw), want)
-    finally:
-        h.remove()
-    assert fired == [1]
-    assert "hooks or an instance forward in time_text_embed" in registry.get("shared_modulation").fallback_reasons()
-
-
-def test_a_replaced_time_embedding_weight_is_keyed_anew(runtime, default_tr):
-    tr, kw, _ = default_tr
-    lin = tr.time_text_embed.timestep_embedder.linear_1
-    old = lin.weight
-    lin.weight = nn.Parameter(old.detach() * 0.5, requires_grad=False)
-    try:
-        got = _fwd(runtime, tr, kw)
-        want = _stock_after(runtime, tr, kw)
-    finally:
-        lin.weight = old
-    assert torch.equal(got, want)
-
-
-def test_a_norm_out_hook_added_between_forwards_runs(runtime, default_tr):
-    tr, kw, want = default_tr
-    fired = []
-    h = tr.norm_out.linear.register_forward_hook(lambda *a: fired.append(1))
-    _stats("shared_modulation")
-    try:
-        assert torch.equal(_fwd(runtime, tr, kw), want)
-    finally:
-        h.remove()
-    assert fired == [1]
-    assert (
-        "norm_out's SiLU/linear is not stock's (or has hooks)" in registry.get("shared_modulation").fallback_reasons()
-    )
-
-
-def test_a_replaced_norm_out_weight_is_keyed_anew(runtime, default_tr):
-    tr, kw, _ = default_tr
-    lin = tr.norm_out.linear
-    old = lin.weight
-    lin.weight = nn.Parameter(old.detach() * 0.5, requires_grad=False)
-    try:
-        got = _fwd(runtime, tr, kw)
-        want = _stock_after(runtime, tr, kw)
-    finally:
-        lin.weight = old
-    assert torch.equal(got, want)
 
 
 def test_an_attention_hook_added_between_forwards_runs(runtime, default_tr):
