@@ -340,13 +340,20 @@ def test_an_attention_hook_added_between_forwards_runs(runtime, default_tr):
     """The block body calls a plain attention's forward without the module call: a hook put on the attention after
     the block's plan was made must make it a module call again (the hook runs), and the output stays stock's."""
     tr, kw, want = default_tr
+    block = tr.transformer_blocks[1]
+
+    def direct() -> bool:  # what the block's plan decided in the last forward: forward called without __call__
+        return block_body.PLANS._plans[id(block)][2].attn_plain
+
+    assert direct()  # the plain attention took the direct call
     fired = []
-    h = tr.transformer_blocks[1].attn.register_forward_pre_hook(lambda *a: fired.append(1))
+    h = block.attn.register_forward_pre_hook(lambda *a: fired.append(1))
     try:
         assert torch.equal(_fwd(runtime, tr, kw), want)
+        assert not direct()
     finally:
         h.remove()
     assert fired == [1]
     fired.clear()
     assert torch.equal(_fwd(runtime, tr, kw), want)
-    assert fired == []
+    assert fired == [] and direct()
