@@ -9,6 +9,7 @@ Usage (from the repo root)::
     .venv/bin/python benchmarks/bench_host.py --profile default  # also the cProfile top items of that config
     .venv/bin/python benchmarks/bench_host.py --json out.json
     .venv/bin/python benchmarks/bench_host.py --compiled regional,full   # compiled default vs stock, real width
+    .venv/bin/python benchmarks/bench_host.py --instructions     # instructions per forward (valgrind), ~2 min
 
 Why: on an Ascend NPU, batch-1 eager Qwen-Image is host-bound (each kernel launch costs ~10-15 us of host time and
 the device waits on it). The plugin removes launches; this benchmark checks that its own Python (memo lookups,
@@ -29,6 +30,11 @@ then ``--warm`` timed warm forwards each, under ``inference_mode`` like vLLM-Omn
 * host synchronisation points per forward (``testbed/opcount.SyncCounter``: ``item``, ``tolist``, ``.cpu()``,
   ``numpy``, tensor truthiness, ``_local_scalar_dense``, ``torch.equal``) with where each one is. A denoise step is
   one forward without CFG and two with it (vLLM-Omni's Qwen-Image pipeline runs the two branches one after the other).
+
+The kernels' arithmetic is small here, not nil: MKL's small GEMMs, the GELU's ``tanh`` and the attention kernel
+cost about the same per call at any of these token counts, and run on the timed thread (on an NPU they run on the
+device). ``--instructions`` counts instructions per forward under callgrind and splits off that arithmetic
+(``benchmarks/instructions.py``): exact, and not disturbed by other processes on a shared machine.
 
 Speed claims belong here, never in a timed unit test. The CPU's per-op dispatch cost (~5-8 us) is of the order of an
 NPU launch's host cost, so these ratios are a proxy of the NPU's host-bound ratio, not the NPU claim.
@@ -68,7 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tiny: 2 blocks (the unit tests' model, the issue's table); deep: 12 blocks (the tiny CPU workloads' "
         "model): closer to a real model's share of per-block work (60 blocks)",
     )
-    p.add_argument("--configs", default="", help="comma list of config names (default: all of them)")
+    p.add_argument(
+        "--configs",
+        default="",
+        help="comma list of config names (default: all of them; --instructions: stock, default, all)",
+    )
     p.add_argument("--profile", default="", help="comma list of configs to profile (cProfile, top items)")
     p.add_argument("--profile-top", type=int, default=15)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -79,7 +89,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "'regional', 'full'), each configuration in its own process, interleaved rounds",
     )
     p.add_argument("--compiled-size", type=int, default=128, help="image side for --compiled (real width)")
+    p.add_argument(
+        "--instructions",
+        action="store_true",
+        help="instead: instructions per forward under valgrind's callgrind (exact, not disturbed by other processes), "
+        "split into kernel arithmetic and host work (benchmarks/instructions.py)",
+    )
+    p.add_argument("--instr-forwards", type=int, default=10, help="forwards counted per configuration")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)  # "spec|granularity|size": a --compiled worker
+    p.add_argument("--child-instr", default="", help=argparse.SUPPRESS)  # "flags|depth|n": an --instructions child
     return p.parse_args(argv)
 
 
@@ -161,21 +179,28 @@ def profile(tr: Any, rt: Any, kw: dict[str, Any], n: int, top: int) -> str:
     return out.getvalue()
 
 
+def _model(rt: Any, depth: str) -> tuple[Any, dict[str, Any]]:
+    """The benchmark's transformer (2 blocks, or 12 for ``deep``) and its inputs."""
+    import torch
+
+    from vllm_omni_ascend_opt.testbed import blockops
+    from vllm_omni_ascend_opt.testbed.tiny_model import TINY_DEEP
+
+    tr = blockops.build_transformer(rt, TINY_DEEP if depth == "deep" else blockops.TINY, torch.float32)
+    return tr, blockops.t2i_inputs(tr, torch.float32, IMAGE, IMAGE)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from vllm_omni_ascend_opt import api
-    from vllm_omni_ascend_opt.testbed import blockops
     from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
 
     torch.set_num_threads(1)
     if args.quick:
         args.rounds, args.warm = 4, 15
     rt = init_cpu_runtime(None, dtype=torch.float32)
-    from vllm_omni_ascend_opt.testbed.tiny_model import TINY_DEEP
-
-    tr = blockops.build_transformer(rt, TINY_DEEP if args.depth == "deep" else blockops.TINY, torch.float32)
-    kw = blockops.t2i_inputs(tr, torch.float32, IMAGE, IMAGE)
+    tr, kw = _model(rt, args.depth)
     configs, skipped = configurations()
     if args.configs:
         wanted = args.configs.split(",")
@@ -398,11 +423,71 @@ def report_compiled(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# --instructions: instructions per forward under callgrind, one child per configuration
+# ----------------------------------------------------------------------------------------------------------------
+def child_instr(spec: str) -> int:
+    """An --instructions child (run under callgrind): warm forwards, then ``n`` counted ones."""
+    import instructions
+    import torch
+
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
+
+    flags, depth, n = spec.split("|")
+    torch.set_num_threads(1)
+    rt = init_cpu_runtime(None, dtype=torch.float32)
+    tr, kw = _model(rt, depth)
+    api.select(flags, model=tr)
+    with rt.context(), torch.inference_mode():
+        for _ in range(3):
+            tr(**kw)
+        instructions.measured(int(n), lambda: tr(**kw))
+    return 0
+
+
+def run_instructions(args: argparse.Namespace) -> str:
+    import instructions
+
+    why = instructions.missing_tools()
+    if why:
+        raise SystemExit(f"--instructions: {why}")
+    known = configurations()[0]
+    wanted = args.configs.split(",") if args.configs else ["default", "all"]  # each alone: name it in --configs
+    configs = {n: f for n, f in known.items() if n in wanted or n == "stock"}
+    env_path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    os.environ["PYTHONPATH"] = env_path  # the children import the plugin from this checkout
+
+    def argv(flags: str, n: int) -> list[str]:
+        return [sys.executable, __file__, "--child-instr", f"{flags}|{args.depth}|{n}"]
+
+    rows = instructions.count(argv, configs, args.instr_forwards)
+    depth = "12 blocks" if args.depth == "deep" else "2 blocks"
+    lines = [
+        f"bench_host --instructions: tiny ({depth}, hidden 64), fp32, {IMAGE}x{IMAGE}, 1 thread, warm; instructions "
+        f"per forward (callgrind, {args.instr_forwards} forwards per configuration, the switches' "
+        f"{rows['switches'] / 1e6:.2f} M subtracted)",
+        *instructions.report(rows),
+        "",
+        "kernel arithmetic = instructions in the functions that execute kernels (MKL, SLEEF, vectorized loops and",
+        "reductions, CPU attention and norm kernels; benchmarks/instructions.py KERNEL_SYMBOLS): on an NPU that work",
+        "runs on the device. host = the rest (interpreter, dispatcher, TensorIterator set-up, allocator).",
+    ]
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.child:
         return child(args.child)
+    if args.child_instr:
+        return child_instr(args.child_instr)
+    if args.instructions:
+        print(run_instructions(args), flush=True)
+        return 0
     if args.compiled:
         res = run_compiled(args)
         print(report_compiled(res), flush=True)
