@@ -74,6 +74,13 @@ def split(out_file: Path) -> tuple[int, int]:
         text=True,
         check=True,
     ).stdout
+    return parse(text)
+
+
+def parse(text: str) -> tuple[int, int]:
+    """(all instructions, kernel arithmetic instructions) from ``callgrind_annotate --inclusive=no`` output: the sum
+    of the per-function counts (not the PROGRAM TOTALS line), and of those whose name holds a :data:`KERNEL_SYMBOLS`
+    entry."""
     total = kernel = 0
     for line in text.splitlines():
         m = _LINE.match(line)

@@ -386,3 +386,29 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
         assert torch.equal(got, request(h))
     finally:
         h.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bench_host --instructions: the split of callgrind's per-function counts
+# ----------------------------------------------------------------------------------------------------------------
+def test_instruction_split_counts_functions_once_and_names_the_kernels(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import instructions
+
+    text = """\
+--------------------------------------------------------------------------------
+Ir
+--------------------------------------------------------------------------------
+1,500,000 (100.0%)  PROGRAM TOTALS
+
+--------------------------------------------------------------------------------
+Ir                   file:function
+--------------------------------------------------------------------------------
+  700,000 (46.67%)  ???:mkl_blas_avx2_sgemm_kernel_nocopy_TN_b1 [/x/libtorch_cpu.so]
+  400,000 (26.67%)  /p/Python/ceval.c:_PyEval_EvalFrameDefault [/x/libpython3.11.so.1.0]
+  250,000 (16.67%)  ???:void c10::function_ref<...>::callback_fn<at::native::AVX2::VectorizedLoop2d<...>> [/x/l.so]
+  150,000 (10.00%)  ???:at::TensorIteratorBase::build(at::TensorIteratorConfig&) [/x/libtorch_cpu.so]
+"""
+    assert instructions.parse(text) == (1_500_000, 950_000)  # GEMM + vectorized loop; interpreter, set-up: host
