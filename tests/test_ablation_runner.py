@@ -142,8 +142,17 @@ def test_a_failing_configuration_is_recorded_and_the_run_goes_on(tmp_path, monke
     assert validate(json.loads((tmp_path / "out" / "results.json").read_text())) == []
 
 
+@pytest.fixture
+def interruptible():
+    """SIGINT raises KeyboardInterrupt in this process, as in a terminal, also when pytest was started in the
+    background of a non-interactive shell (which starts it with SIGINT ignored, and Python then keeps it so)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.parametrize("schedule", ["resident", "per-round"])
-def test_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch, schedule):
+def test_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch, schedule, interruptible):
     plan = make_plan(schedule=schedule, repeats=3)
     out, log = tmp_path / "out", tmp_path / "starts.log"
     # the runner gets SIGINT: resident, in round 2 (loo_b's 5th request, warm-up included); per-round, while

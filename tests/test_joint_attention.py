@@ -262,27 +262,52 @@ def test_non_contiguous_value_view_is_bitwise_through_sdpa(runtime, tiny_pipe):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_peak_memory_of_a_forward_is_not_above_stocks(runtime, tiny_pipe, bf16_transformer, dtype):
-    """Peak bytes of one transformer forward (testbed/memory.py's profiler probe): the joint path frees the per-stream
-    projections once they are in the joint tensor, before the norms' temporaries (held together, they made the real-
-    width forward's peak 1.22x stock's at 1328^2), and where the norm upcasts (bf16) it normalises q and k one after
-    the other (their fp32 temporaries together: 1.28x stock's at real width, 512^2)."""
+def test_peak_memory_of_an_attention_call_is_below_stocks(runtime, tiny_pipe, bf16_transformer, dtype):
+    """Peak bytes of one attention call (testbed/memory.py's profiler probe), joint path against stock's on the same
+    inputs: the joint path frees the per-stream projections once they are in the joint tensor, before the norms'
+    temporaries (held together, they made the real-width forward's peak 1.22x stock's at 1328^2), and where the norm
+    upcasts (bf16) it normalises q and k one after the other (their fp32 temporaries together: 1.28x stock's at real
+    width, 512^2). Measured at the call, not the whole forward: where a forward peaks depends on the CPU (on an AMD
+    EPYC the bf16 GEMMs' scratch makes an MLP linear the tiny forward's peak, and there the joint path's RoPE tables,
+    kept for the whole forward, are what differs; the default stack's forward is the next test)."""
     from vllm_omni_ascend_opt.testbed.memory import measure
 
     tr = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
-    hw = (16, 16) if dtype == "fp32" else (8, 8)  # where the norm temporaries are the forward's peak
+    hw = (16, 16) if dtype == "fp32" else (8, 8)
+    attn = _attn(tr)
+    hs, ehs, vid, txt = _attn_inputs(tr, txt=32, hw=hw)
+    api.select("none,+joint_attention", model=tr)
+    with runtime.context(), torch.no_grad():
+        want, stock = measure(lambda: _stock_attn(attn, hs, ehs, vid, txt))
+        attn(hs, ehs, vid, txt)  # the joint tables are built once per freqs: the warm call is measured
+        OPT.reset_stats()
+        got, joint = measure(lambda: attn(hs, ehs, vid, txt))
+    assert OPT.stats["joint_calls"] == 1 and all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    # below, not equal: with the projections held through the norms the call's peak is exactly stock's (0.71-0.83x
+    # without, at these sizes)
+    assert joint.peak < stock.peak, (joint.peak, stock.peak)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_peak_memory_of_a_default_forward_is_not_above_stocks(runtime, tiny_pipe, bf16_transformer, dtype):
+    """The target (README: the default stack is never above stock): one warm transformer forward's peak bytes with
+    the default stack, bitwise stock's output, at the sizes of the call test above."""
+    from vllm_omni_ascend_opt.testbed.memory import measure
+
+    tr = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
+    hw = (16, 16) if dtype == "fp32" else (8, 8)
 
     def call() -> torch.Tensor:
         return _forward(runtime, tr, batch=1, hw=hw, txt=32)
 
     api.select("none", model=tr)
     want, stock = measure(call)
-    api.select("none,+joint_attention", model=tr)
-    call()  # the joint tables are built once per freqs: the warm forward is measured
+    api.select("default", model=tr)
+    call()  # tables and memo entries are made by the first forward of a shape: the warm forward is measured
     OPT.reset_stats()
-    got, joint = measure(call)
+    got, default = measure(call)
     assert OPT.stats["joint_calls"] == TINY.num_layers and torch.equal(want, got)
-    assert joint.peak <= stock.peak, (joint.peak, stock.peak)
+    assert default.peak <= stock.peak, (default.peak, stock.peak)
 
 
 def test_bitwise_through_fused_attention_with_the_fake_npu(runtime, bf16_transformer, fake_npu):
