@@ -455,8 +455,6 @@ def run_instructions(args: argparse.Namespace) -> str:
     known = configurations()[0]
     wanted = args.configs.split(",") if args.configs else ["default", "all"]  # each alone: name it in --configs
     configs = {n: f for n, f in known.items() if n in wanted or n == "stock"}
-    env_path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    os.environ["PYTHONPATH"] = env_path  # the children import the plugin from this checkout
 
     def argv(flags: str, n: int) -> list[str]:
         return [sys.executable, __file__, "--child-instr", f"{flags}|{args.depth}|{n}"]

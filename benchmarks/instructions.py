@@ -102,7 +102,7 @@ def count(child_argv: Callable[[str, int], Sequence[str]], configs: dict[str, st
 
         def one(name: str) -> tuple[int, int]:
             flags, forwards = jobs[name]
-            out = Path(tmp) / f"cg-{len(name)}-{abs(hash(name))}.out"
+            out = Path(tmp) / f"callgrind-{list(jobs).index(name)}.out"
             cmd = [
                 "valgrind",
                 "--tool=callgrind",
