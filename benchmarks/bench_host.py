@@ -10,6 +10,7 @@ Usage (from the repo root)::
     .venv/bin/python benchmarks/bench_host.py --json out.json
     .venv/bin/python benchmarks/bench_host.py --compiled regional,full   # compiled default vs stock, real width
     .venv/bin/python benchmarks/bench_host.py --instructions     # instructions per forward (valgrind), ~2 min
+    .venv/bin/python benchmarks/bench_host.py --split            # host time per segment: outside / each block
 
 Why: on an Ascend NPU, batch-1 eager Qwen-Image is host-bound (each kernel launch costs ~10-15 us of host time and
 the device waits on it). The plugin removes launches; this benchmark checks that its own Python (memo lookups,
@@ -96,6 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "split into kernel arithmetic and host work (benchmarks/instructions.py)",
     )
     p.add_argument("--instr-forwards", type=int, default=10, help="forwards counted per configuration")
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="instead: host time per segment of the forward (before the first block, the first block, a later "
+        "block, after the last), measured inside each forward (benchmarks/segments.py); stock, default, all",
+    )
     p.add_argument("--child", default="", help=argparse.SUPPRESS)  # "spec|granularity|size": a --compiled worker
     p.add_argument("--child-instr", default="", help=argparse.SUPPRESS)  # "flags|depth|n": an --instructions child
     return p.parse_args(argv)
@@ -446,6 +453,31 @@ def child_instr(spec: str) -> int:
     return 0
 
 
+def run_split(args: argparse.Namespace) -> str:
+    """--split: interleaved rounds of warm forwards per configuration, each forward timed per segment."""
+    import segments
+    import torch
+
+    from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
+
+    torch.set_num_threads(1)
+    if args.quick:
+        args.rounds, args.warm = 4, 15
+    rt = init_cpu_runtime(None, dtype=torch.float32)
+    tr, kw = _model(rt, args.depth)
+    known = configurations()[0]
+    wanted = args.configs.split(",") if args.configs else ["default", "all"]
+    configs = {n: f for n, f in known.items() if n in wanted or n == "stock"}
+    rows = segments.measure(tr, rt, kw, configs, args.rounds, args.warm)
+    header = (
+        f"bench_host --split: tiny ({len(tr.transformer_blocks)} blocks, hidden {tr.inner_dim}), fp32, {IMAGE}x{IMAGE}, "
+        f"1 thread, warm, {args.rounds} interleaved rounds x {args.warm} forwards"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return "\n".join(segments.report(rows, header))
+
+
 def run_instructions(args: argparse.Namespace) -> str:
     import instructions
 
@@ -485,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
         return child_instr(args.child_instr)
     if args.instructions:
         print(run_instructions(args), flush=True)
+        return 0
+    if args.split:
+        print(run_split(args), flush=True)
         return 0
     if args.compiled:
         res = run_compiled(args)

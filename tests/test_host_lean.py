@@ -412,3 +412,37 @@ Ir                   file:function
   150,000 (10.00%)  ???:at::TensorIteratorBase::build(at::TensorIteratorConfig&) [/x/libtorch_cpu.so]
 """
     assert instructions.parse(text) == (1_500_000, 950_000)  # GEMM + vectorized loop; interpreter, set-up: host
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bench_host --split: host time per segment, timed inside the forward
+# ----------------------------------------------------------------------------------------------------------------
+def test_segment_timer_splits_a_forward_per_block_without_changing_it(runtime, monkeypatch):
+    """The timed ModuleList is the same object for the measurement: the plugin still acts in every block, the
+    output is bitwise the untimed one, one segment per block plus before and after; the class is restored."""
+    from pathlib import Path
+
+    from vllm_omni_ascend_opt import api
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import segments
+
+    tr = _build(runtime)
+    kw = _inputs(tr)
+    api.select("default", model=tr)
+    ref = _fwd(runtime, tr, kw)
+    blocks, cls = tr.transformer_blocks, type(tr.transformer_blocks)
+    ja = _opt("joint_attention")
+    ja.reset_stats()
+    out = []
+    with segments.timed_blocks(tr) as timed, runtime.context(), torch.no_grad():
+        assert timed is blocks and isinstance(timed, segments.TimedBlocks)
+        seg = segments.segments_ns(timed, lambda: out.append(tr(**kw)[0]))
+        with pytest.raises(RuntimeError, match="did not iterate"):
+            segments.segments_ns(timed, lambda: None)
+    assert len(seg) == len(blocks) + 2 and min(seg) >= 0 and seg[1] > 0
+    assert torch.equal(out[0], ref)
+    assert ja.stats["joint_calls"] == 2 and ja.fallback_reasons() == {}
+    assert type(tr.transformer_blocks) is cls and "marks" not in blocks.__dict__
+    row = segments.summarize([[1000, 5000, 3000, 2000], [3000, 7000, 5000, 4000]])
+    assert row == {"before": 2.0, "first_block": 6.0, "later_block": 4.0, "after": 3.0, "blocks": 2, "total": 15.0}
