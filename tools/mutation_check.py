@@ -120,7 +120,8 @@ def static_problem(m: Mutation, root: Path) -> str | None:
 
 def _copy_tree(src: Path, dst: Path) -> None:
     def ignore(_dir: str, names: list[str]) -> set[str]:
-        return {n for n in names if n in SKIP_DIRS or n.endswith(".egg-info")}
+        # .venv-<version>: make venvs' other-version environments (GBs; mutants run with the main .venv's python)
+        return {n for n in names if n in SKIP_DIRS or n.endswith(".egg-info") or n.startswith(".venv-")}
 
     shutil.copytree(src, dst, ignore=ignore, symlinks=True)
 
