@@ -453,6 +453,13 @@ def child_instr(spec: str) -> int:
     return 0
 
 
+def stock_default_all(args: argparse.Namespace) -> dict[str, str]:
+    """Stock, default and all (or stock and the ``--configs`` named), name -> flags: what --split and --instructions
+    measure (each optimization alone only when named)."""
+    wanted = args.configs.split(",") if args.configs else ["default", "all"]
+    return {n: f for n, f in configurations()[0].items() if n in wanted or n == "stock"}
+
+
 def run_split(args: argparse.Namespace) -> str:
     """--split: interleaved rounds of warm forwards per configuration, each forward timed per segment."""
     import segments
@@ -465,10 +472,7 @@ def run_split(args: argparse.Namespace) -> str:
         args.rounds, args.warm = 4, 15
     rt = init_cpu_runtime(None, dtype=torch.float32)
     tr, kw = _model(rt, args.depth)
-    known = configurations()[0]
-    wanted = args.configs.split(",") if args.configs else ["default", "all"]
-    configs = {n: f for n, f in known.items() if n in wanted or n == "stock"}
-    rows = segments.measure(tr, rt, kw, configs, args.rounds, args.warm)
+    rows = segments.measure(tr, rt, kw, stock_default_all(args), args.rounds, args.warm)
     header = (
         f"bench_host --split: tiny ({len(tr.transformer_blocks)} blocks, hidden {tr.inner_dim}), fp32, {IMAGE}x{IMAGE}, "
         f"1 thread, warm, {args.rounds} interleaved rounds x {args.warm} forwards"
@@ -484,9 +488,7 @@ def run_instructions(args: argparse.Namespace) -> str:
     why = instructions.missing_tools()
     if why:
         raise SystemExit(f"--instructions: {why}")
-    known = configurations()[0]
-    wanted = args.configs.split(",") if args.configs else ["default", "all"]  # each alone: name it in --configs
-    configs = {n: f for n, f in known.items() if n in wanted or n == "stock"}
+    configs = stock_default_all(args)
 
     def argv(flags: str, n: int) -> list[str]:
         return [sys.executable, __file__, "--child-instr", f"{flags}|{args.depth}|{n}"]
