@@ -4,6 +4,7 @@ the memo's weight keys under layerwise offload, and the direct calls of known la
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 import torch
@@ -444,5 +445,20 @@ def test_segment_timer_splits_a_forward_per_block_without_changing_it(runtime, m
     assert torch.equal(out[0], ref)
     assert ja.stats["joint_calls"] == 2 and ja.fallback_reasons() == {}
     assert type(tr.transformer_blocks) is cls and "marks" not in blocks.__dict__
+    # each block's time lands in its own segment: a block made 5 ms slower shows in that segment only
+    spin_ns = 5_000_000
+
+    def spin(*_: object) -> None:
+        t0 = time.thread_time_ns()
+        while time.thread_time_ns() - t0 < spin_ns:
+            pass
+
+    handle = blocks[0].register_forward_pre_hook(spin)
+    try:
+        with segments.timed_blocks(tr) as timed, runtime.context(), torch.no_grad():
+            seg = segments.segments_ns(timed, lambda: tr(**kw))
+    finally:
+        handle.remove()
+    assert seg[1] >= spin_ns and max(seg[0], *seg[2:]) < spin_ns, seg
     row = segments.summarize([[1000, 5000, 3000, 2000], [3000, 7000, 5000, 4000]])
     assert row == {"before": 2.0, "first_block": 6.0, "later_block": 4.0, "after": 3.0, "blocks": 2, "total": 15.0}
