@@ -403,12 +403,12 @@ def test_stocks_fused_cuda_path_is_left_to_stock(runtime, tiny_pipe, monkeypatch
     OPT.reset_stats()
     try:
         with runtime.context(), torch.no_grad():
-            why, plan = OPT._call_reason(attn, hs, ehs, vid, txt)
+            why = OPT._call_reason(attn, hs, ehs, vid, txt)
             attn(hs, ehs, vid, txt)
     finally:
         for h in hooks:
             h.remove()
-    assert isinstance(why, str) and "fused CUDA" in why and plan is None
+    assert isinstance(why, str) and "fused CUDA" in why
     assert "fused CUDA" in next(iter(OPT.fallback_reasons()))
     assert len(calls) == 2  # decided before the projections: stock computes each QKV GEMM once, not after ours
 
@@ -457,10 +457,10 @@ def test_mismatched_freqs_fall_back(runtime, tiny_pipe):
     attn = _attn(tiny_pipe.transformer)
     hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
     with torch.no_grad():
-        assert OPT._call_reason(attn, hs, ehs, vid, txt)[0] is None
-        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid[:-1], txt)[0]
-        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid, txt.real)[0]
-        assert OPT._call_reason(attn, hs, ehs.double(), vid, txt)[0] == "text and image hidden states differ in dtype"
+        assert OPT._call_reason(attn, hs, ehs, vid, txt) is None
+        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid[:-1], txt)
+        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid, txt.real)
+        assert OPT._call_reason(attn, hs, ehs.double(), vid, txt) == "text and image hidden states differ in dtype"
 
 
 def test_joint_freqs_cache_dies_with_its_freqs():

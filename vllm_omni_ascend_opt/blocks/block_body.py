@@ -17,9 +17,7 @@ their switches (:data:`FAST`'s owners, which the graph is guarded on) without co
 
 from __future__ import annotations
 
-import functools
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,12 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks import direct_calls, guards, targets
+from vllm_omni_ascend_opt.blocks import guards, targets
 from vllm_omni_ascend_opt.blocks.modulation_keys import NATIVE, NPU_EVAL
-from vllm_omni_ascend_opt.blocks.stamps import PlanCache, Reader
-
-#: "Look it up now": the default of the arguments a block plan may supply instead.
-PER_CALL: Any = object()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -77,11 +71,9 @@ class FastModes:
             return None
         return getattr(self, mode)
 
-    def use_residual(self, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, owner: Any = PER_CALL) -> bool:
-        """Whether a gated residual ``x + gate * y`` runs as ``addcmul`` (reported either way when the mode is on).
-        ``owner``: the residual mode's owner as the caller's block body read it once (default: looked up now)."""
-        if owner is PER_CALL:
-            owner = self.owner("residual")
+    def use_residual(self, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether a gated residual ``x + gate * y`` runs as ``addcmul`` (reported either way when the mode is on)."""
+        owner = self.owner("residual")
         if owner is None:
             return False
         if not (x.dtype == gate.dtype == y.dtype):
@@ -109,23 +101,20 @@ class NormMod:
     #: this norm cannot take them; built on first fast use and kept with the memo entry (a warm step pays no op).
     affine: tuple[torch.Tensor, torch.Tensor] | str | None = None
 
-    def norm(self, norm: nn.Module, x: torch.Tensor, ln: Any = PER_CALL, owner: Any = PER_CALL) -> torch.Tensor:
+    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``norm(x, scale, shift)``, computed with the same ops as the instance's stock dispatch (or, with
-        ``fast_modulate``, as one affine layer norm). ``ln``: the inner layer norm's direct-call arguments from the
-        block's plan (None: call it as a module), else looked up per call; ``owner``: the modulate mode's owner as
-        the block body read it once (eager only), else looked up per call."""
-        if owner is PER_CALL:
-            owner = FAST.owner("modulate")
+        ``fast_modulate``, as one affine layer norm)."""
+        owner = FAST.owner("modulate")
         if owner is not None:
             if self.affine is None:
                 self.affine = affine_params(self, norm)
             why = self.affine if isinstance(self.affine, str) else _affine_dtype_reason(x, self.affine[0])
             if why is None:
                 owner.count_fast()
-                return affine_layernorm(self.kind, norm, x, *self.affine, ln=ln)
+                return affine_layernorm(self.kind, norm, x, *self.affine)
             owner.count_stock(why)
         if self.kind == NATIVE:
-            return native_layernorm(norm, x, ln) * self.first + self.shift
+            return norm.layernorm(x) * self.first + self.shift
         if self.kind == NPU_EVAL:
             torch_npu = _backend.torch_npu_module()
             return (
@@ -138,10 +127,9 @@ class NormMod:
         """Stock's gated residual term ``gate * y`` (the interface :class:`~.segments.SegMod` shares)."""
         return self.gate * y
 
-    def residual(self, x: torch.Tensor, y: torch.Tensor, owner: Any = PER_CALL) -> torch.Tensor:
-        """Stock's ``x + gate * y``; with ``fast_residual`` one ``torch.addcmul(x, gate, y)`` (``owner``: as
-        :meth:`norm`)."""
-        if owner is not None and FAST.use_residual(x, self.gate, y, owner):
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Stock's ``x + gate * y``; with ``fast_residual`` one ``torch.addcmul(x, gate, y)``."""
+        if FAST.use_residual(x, self.gate, y):
             return torch.addcmul(x, self.gate, y)
         return x + self.gate * y
 
@@ -156,7 +144,7 @@ class NormMod:
 
 
 def affine_layernorm(
-    kind: str, norm: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ln: Any = None
+    kind: str, norm: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 ) -> torch.Tensor:
     """fast_modulate: ``LN(x) * (1 + scale) + shift`` as ONE affine layer norm, ``weight = 1 + scale``,
     ``bias = shift`` (``[D]``) -- the one place that picks its kernel: ``npu_layer_norm_eval`` (kind npu_eval,
@@ -166,8 +154,6 @@ def affine_layernorm(
         return _backend.torch_npu_module().npu_layer_norm_eval(
             x, normalized_shape=[norm.hidden_size], weight=weight, bias=bias, eps=norm.eps
         )
-    if isinstance(ln, tuple):  # the block plan's direct-call arguments of norm.layernorm: (shape, w, b, eps, upcast)
-        return F.layer_norm(x, ln[0], weight, bias, ln[3])
     layer = norm.layernorm
     return F.layer_norm(x, layer.normalized_shape, weight, bias, layer.eps)
 
@@ -199,69 +185,11 @@ def _affine_dtype_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-def layernorm(kind: str, norm: nn.Module, x: torch.Tensor, ln: Any = PER_CALL) -> torch.Tensor:
+def layernorm(kind: str, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The normalisation half of ``AdaLayerNorm`` for kinds native / npu_eval (what stock multiplies by 1+scale)."""
     if kind == NPU_EVAL:
         return _backend.torch_npu_module().npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps)
-    return native_layernorm(norm, x, ln)
-
-
-def native_layernorm(norm: nn.Module, x: torch.Tensor, args: Any = PER_CALL) -> torch.Tensor:
-    """``norm.layernorm(x)``: ``F.layer_norm`` directly when the inner ``nn.LayerNorm`` is plain (its forward, without
-    the module call), else the module. ``args``: its direct-call arguments from the block's plan (None: the
-    module), else looked up now. The caller's guard has excluded global module hooks."""
-    if args is PER_CALL:
-        ln = norm._modules.get("layernorm")
-        args = direct_calls.layer_norm_args(ln) if ln is not None else None
-    if args is None:
-        return norm.layernorm(x)
-    return direct_calls.layer_norm(x, args)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the block's plan: its known layers' direct-call arguments, kept while the block is unchanged
-# ----------------------------------------------------------------------------------------------------------------
-NORMS = ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2")
-
-
-@dataclass(frozen=True, slots=True)
-class BlockPlan:
-    """What the block body calls, decided once per block instance (kept while its :class:`~.stamps.Stamp` holds).
-
-    ``norms``: the four AdaLayerNorms (img1, img2, txt1, txt2); ``layer_norms``: their inner layer norms' direct-call
-    arguments (None: called as modules); ``mlps``: ``(img_mlp, txt_mlp)``; ``mlp_args``: their direct-call arguments
-    or why they are called as modules (used while the process allows direct calls:
-    :func:`~.direct_calls.process_reason`, decided per forward); ``attn``: the attention, and ``attn_plain``: it has
-    no hooks and no instance ``forward``, so its class's ``forward`` is what a module call would run (global module
-    hooks are excluded by the memo's per-forward guard before this body runs)."""
-
-    norms: tuple[nn.Module, ...]
-    layer_norms: tuple[Any, ...]
-    mlps: tuple[nn.Module, nn.Module]
-    mlp_args: tuple[Any, Any]
-    attn: nn.Module
-    attn_plain: bool
-
-
-def block_plan(block: nn.Module, r: Reader) -> BlockPlan:
-    """The :class:`BlockPlan` of ``block``, reading through ``r``."""
-    m = block._modules
-    norms = tuple(r.read(m, n) for n in NORMS)
-    layer_norms = []
-    for norm in norms:
-        ln = r.read(norm._modules, "layernorm") if isinstance(norm, nn.Module) else None
-        layer_norms.append(direct_calls.layer_norm_args(ln, r) if ln is not None else None)
-    mlps = (r.read(m, "img_mlp"), r.read(m, "txt_mlp"))
-    if direct_calls.instance_known(r):
-        mlp_args = tuple(direct_calls.mlp_instance(ff, r) for ff in mlps)
-    else:
-        mlp_args = ("vLLM-Omni's layers are not imported",) * 2
-    attn = r.read(m, "attn")
-    plain = r.module(attn) and type(attn).__call__ is nn.Module.__call__
-    return BlockPlan(norms, tuple(layer_norms), mlps, mlp_args, attn, plain)  # type: ignore[arg-type]
-
-
-PLANS = PlanCache()
+    return norm.layernorm(x)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -275,28 +203,17 @@ def block_body(
     encoder_hidden_states_mask: torch.Tensor | None,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
     hidden_states_mask: torch.Tensor | None,
-    stats: Counter | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM-Omni 0.30's block with its modulation read from ``mods``: the same ops on the same values as
     ``QwenImageTransformerBlock.forward`` (unless a fast-tier mode is on: :data:`FAST`). Single-segment blocks
     (``modulate_index=None``, image mods are :class:`NormMod`) and ``zero_cond_t`` blocks
     (``select01_modulation_native`` path; image mods are :class:`~.segments.SegMod`, per-segment broadcast instead
-    of three ``torch.where`` over ``[B, L, D]`` per image norm) share this body.
-
-    Known layers are called as their kernels (:mod:`.direct_calls`: the MLPs as linear-GELU-linear, the inner layer
-    norms as ``F.layer_norm``), the others as modules; ``stats`` (the caller's) counts ``direct_calls`` and
-    ``module_calls`` with their reasons."""
+    of three ``torch.where`` over ``[B, L, D]`` per image norm) share this body."""
     img1, img2, txt1, txt2 = mods
-    plan = PLANS.get(block, functools.partial(block_plan, block))
-    (n_img1, n_img2, n_txt1, n_txt2), (ln_img1, ln_img2, ln_txt1, ln_txt2) = plan.norms, plan.layer_norms
-    mlp_args = plan.mlp_args if direct_calls.process_reason() is None else None
-    # the fast tier's switches, read once per block: this body runs eagerly only (its caller checked tracing first)
-    mo, ro = FAST.modulate, FAST.residual
-    img_modulated = img1.norm(n_img1, hidden_states, ln_img1, mo)
-    txt_modulated = txt1.norm(n_txt1, encoder_hidden_states, ln_txt1, mo)
-    attn = plan.attn
-    img_attn_output, txt_attn_output = (type(attn).forward if plan.attn_plain else type(attn).__call__)(
-        attn,
+    m = block._modules
+    img_modulated = img1.norm(m["img_norm1"], hidden_states)
+    txt_modulated = txt1.norm(m["txt_norm1"], encoder_hidden_states)
+    img_attn_output, txt_attn_output = m["attn"](
         hidden_states=img_modulated,
         encoder_hidden_states=txt_modulated,
         vid_freqs=image_rotary_emb[0],
@@ -304,15 +221,13 @@ def block_body(
         hidden_states_mask=hidden_states_mask,
         encoder_hidden_states_mask=encoder_hidden_states_mask,
     )
-    hidden_states = img1.residual(hidden_states, img_attn_output, ro)
-    encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output, ro)
+    hidden_states = img1.residual(hidden_states, img_attn_output)
+    encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output)
 
-    img_modulated2 = img2.norm(n_img2, hidden_states, ln_img2, mo)
-    ff = feed_forward(plan.mlps[0], img_modulated2, stats, mlp_args[0] if mlp_args else PER_CALL)
-    hidden_states = img2.residual(hidden_states, ff, ro)
-    txt_modulated2 = txt2.norm(n_txt2, encoder_hidden_states, ln_txt2, mo)
-    ff = feed_forward(plan.mlps[1], txt_modulated2, stats, mlp_args[1] if mlp_args else PER_CALL)
-    encoder_hidden_states = txt2.residual(encoder_hidden_states, ff, ro)
+    img_modulated2 = img2.norm(m["img_norm2"], hidden_states)
+    hidden_states = img2.residual(hidden_states, m["img_mlp"](img_modulated2))
+    txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states)
+    encoder_hidden_states = txt2.residual(encoder_hidden_states, m["txt_mlp"](txt_modulated2))
 
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
@@ -399,21 +314,6 @@ def traced_block_body(
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
-
-
-def feed_forward(ff: nn.Module, x: torch.Tensor, stats: Counter | None = None, args: Any = PER_CALL) -> torch.Tensor:
-    """``ff(x)`` for the block's MLPs: its three kernels when :func:`.direct_calls.mlp_args` vouches for them (or
-    ``args``, the block plan's answer for this forward), else the module (the reason counted in ``stats``)."""
-    if args is PER_CALL:
-        args = direct_calls.mlp_args(ff)
-    if isinstance(args, str):
-        if stats is not None:
-            stats["module_calls"] += 1
-            stats[f"module call: {args}"] += 1
-        return ff(x)
-    if stats is not None:
-        stats["direct_calls"] += 1
-    return direct_calls.mlp(x, args)
 
 
 def block_body_reason(transformer: nn.Module) -> str | None:

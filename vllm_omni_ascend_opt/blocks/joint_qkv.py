@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import functools
 import sys
-import weakref
-from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from collections import Counter
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import compiled_blocks, direct_calls, forward_scope, guards, rms_norm, rope_tables
+from vllm_omni_ascend_opt.blocks import compiled_blocks, forward_scope, guards, rms_norm, rope_tables
 from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.stamps import UNRECORDED, Reader
+from vllm_omni_ascend_opt.blocks.weak_lru import WeakLRU
 
 #: The attribute of a compiled block's attention that holds this forward's joint ``(cos, sin_signed)`` tables.
 READY_ROPE = "_ascend_ready_rope"
@@ -127,84 +125,40 @@ def _opmath_scalar(eps: float, opmath: torch.dtype) -> float:
     return float(torch.tensor(eps, dtype=opmath))
 
 
-def _plain_rms_norm(norm: nn.Module, r: Reader = UNRECORDED) -> str | None:
+def _plain_rms_norm(norm: nn.Module) -> str | None:
     """Why ``norm`` cannot take part in the joint norm (None when it can)."""
-    if r.kind(norm) not in rms_norm.RMS_NORM_CLASSES:
+    if type(norm) not in rms_norm.RMS_NORM_CLASSES:
         return f"QK norm is {type(norm).__name__}, not nn.RMSNorm (qk_norm=False or another norm)"
-    if not r.module(norm):
+    if "forward" in norm.__dict__ or norm._forward_hooks or norm._forward_pre_hooks:
         return "hooks or an instance forward on a QK norm"
-    d = norm.__dict__
-    if r.read(d["_parameters"], "weight") is None:
+    if norm._parameters.get("weight") is None:
         return "QK norm without weight (elementwise_affine=False)"
-    if r.read(d, "eps") is None:
+    if norm.eps is None:
         return "QK norm with eps=None (dtype-dependent eps)"
-    r.read(d, "normalized_shape")
     return None
 
 
 def static_reason(attn: nn.Module, traced: bool = False) -> str | None:
-    """Why the joint path can never run for this ``QwenImageCrossAttention`` (None when it can): the instance's
-    modules (:func:`instance_reason`), then global module hooks (once per forward, or directly in ``traced`` code)."""
-    why = instance_reason(attn, UNRECORDED)
-    if why:
-        return why
-    if guards.global_hooks() if traced else forward_scope.decide("guards.global_hooks", guards.global_hooks):
-        return "global module hooks are registered"
-    return None
-
-
-def instance_reason(attn: nn.Module, r: Reader) -> str | None:
-    """:func:`static_reason`'s checks of the instance (its norms, heads and RoPE module), reading through ``r``."""
+    """Why the joint path can never run for this ``QwenImageCrossAttention`` (None when it can), checked per call
+    (the instance's modules; global module hooks once per forward, or directly in ``traced`` code)."""
     m = attn._modules
-    norms = tuple(r.read(m, n) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"))
+    norms = (m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"])
     for n in norms:
-        why = _plain_rms_norm(n, r)
+        why = _plain_rms_norm(n)
         if why:
             return why
     if norms[0].eps != norms[2].eps or norms[1].eps != norms[3].eps:
         return "the text and image QK norms use different eps"
-    d = (r.attr(attn, "head_dim"),)
+    d = (attn.head_dim,)
     if any(n.normalized_shape != d for n in norms):
         return "a QK norm does not normalize over head_dim"
-    heads = [r.attr(attn, a) for a in ("query_num_heads", "add_query_num_heads", "kv_num_heads", "add_kv_num_heads")]
-    if heads[0] != heads[1] or heads[2] != heads[3]:
+    if attn.query_num_heads != attn.add_query_num_heads or attn.kv_num_heads != attn.add_kv_num_heads:
         return "text and image projections have different head counts"
-    if not rope_tables.native_equivalent(r.read(m, "rope"), r):
+    if guards.global_hooks() if traced else forward_scope.decide("guards.global_hooks", guards.global_hooks):
+        return "global module hooks are registered"
+    if not rope_tables.native_equivalent(m["rope"]):
         return "stock RoPE runs a device kernel (MindIE-SD/CUDA), not vLLM-Omni's native rotary math"
     return None
-
-
-@dataclass(frozen=True, slots=True)
-class AttnPlan:
-    """What the joint path knows about one ``QwenImageCrossAttention`` instance (kept with its stamp while it holds:
-    :class:`~.stamps.PlanCache`)."""
-
-    #: :func:`instance_reason` (None: the joint path fits the instance)
-    why: str | None
-    #: (norm_q, norm_k, norm_added_q, norm_added_k), their weights and (shared) eps
-    norms: tuple[nn.Module, ...]
-    weights: tuple[torch.Tensor, ...]
-    eps: float | None
-    #: (to_qkv, add_kv_proj, to_out, to_add_out)
-    layers: tuple[nn.Module, ...]
-    #: per layer: ``(weight, bias)`` for a direct call, or why it is called as a module (when the process allows
-    #: direct calls at all: :func:`~.direct_calls.process_reason`, decided per forward)
-    direct: tuple[Any, ...]
-
-
-def attn_plan(attn: nn.Module, r: Reader) -> AttnPlan:
-    """The :class:`AttnPlan` of ``attn``, reading through ``r``."""
-    why = instance_reason(attn, r)
-    m = attn._modules
-    norms = tuple(r.read(m, n) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"))
-    weights = tuple(r.read(n._parameters, "weight") if isinstance(n, nn.Module) else None for n in norms)
-    eps = r.attr(norms[0], "eps") if why is None else None
-    layers = tuple(r.read(m, n) for n in ("to_qkv", "add_kv_proj", "to_out", "to_add_out"))
-    if direct_calls.instance_known(r):
-        direct = tuple(direct_calls.linear_instance(layer, r) for layer in layers)
-    else:
-        direct = ("vLLM's linear layers are not imported",) * len(layers)
-    return AttnPlan(why, norms, weights, eps, layers, direct)  # type: ignore[arg-type]
 
 
 def freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:
@@ -216,13 +170,11 @@ def freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 class JointFreqsCache:
     """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair, keyed like ``rope``'s tables
-    (:func:`~vllm_omni_ascend_opt.blocks.rope_tables.table_key`).
-
-    Policy: at most :data:`JOINT_FREQS_CACHE_SIZE` entries; a hit moves its entry to the most recent end, a new entry
-    beyond the cap evicts the least recently used one; an entry dies with either freqs tensor."""
+    (:func:`~vllm_omni_ascend_opt.blocks.rope_tables.table_key`): a :class:`~.weak_lru.WeakLRU` of
+    :data:`JOINT_FREQS_CACHE_SIZE` entries, each dropped when either freqs tensor dies."""
 
     def __init__(self, stats: Counter) -> None:
-        self._entries: OrderedDict[tuple, tuple[weakref.ref, weakref.ref, torch.Tensor]] = OrderedDict()
+        self._entries: WeakLRU[torch.Tensor] = WeakLRU(JOINT_FREQS_CACHE_SIZE)
         self._stats = stats
 
     def clear(self) -> None:
@@ -234,23 +186,13 @@ class JointFreqsCache:
     def get(self, vid: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
         kv, rv = rope_tables.table_key(vid, vid.dtype)
         kt, rt = rope_tables.table_key(txt, txt.dtype)
-        key = (kv, kt)
-        hit = self._entries.get(key)
-        if hit is not None and hit[0]() is rv and hit[1]() is rt:
-            self._entries.move_to_end(key)
+        key, owners = (kv, kt), (rv, rt)
+        hit = self._entries.get(key, owners)
+        if hit is not None:
             self._stats["joint_freqs_hits"] += 1
-            return hit[2]
-        entries = self._entries
-
-        def _drop(_ref: weakref.ref, key: tuple = key) -> None:
-            entries.pop(key, None)
-
-        joint = torch.cat([txt, vid], dim=0)
+            return hit
         self._stats["joint_freqs_builds"] += 1
-        entries[key] = (weakref.ref(rv, _drop), weakref.ref(rt, _drop), joint)
-        while len(entries) > JOINT_FREQS_CACHE_SIZE:
-            entries.popitem(last=False)
-        return joint
+        return self._entries.put(key, owners, torch.cat([txt, vid], dim=0))
 
 
 def graph_joint_rms_norm(

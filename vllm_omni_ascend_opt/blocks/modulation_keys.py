@@ -28,7 +28,6 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks import targets
-from vllm_omni_ascend_opt.blocks.stamps import UNRECORDED, Reader
 
 ADALAYERNORM_MODULE = "vllm_omni.diffusion.layers.adalayernorm"
 CUSTOM_OP_MODULE = "vllm_omni.diffusion.layers.custom_op"
@@ -146,25 +145,6 @@ def sig_tensors(lin: nn.Module) -> list[torch.Tensor]:
     return [t for t in lin._parameters.values() if t is not None]
 
 
-def linear_static(lin: nn.Module, r: Reader = UNRECORDED) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...] | None]:
-    """The instance half of :func:`linear_sig`, read through ``r``: ``(id of the layer, id of its quantization method,
-    its vLLM-Omni LoRA slices)``, and the tensors whose :func:`tensor_state` completes it: a plain layer's parameters,
-    or None where :func:`sig_tensors` must walk the layer per call (children, buffers or LoRA stacks: what they hold
-    is not recorded). Raises :class:`Unkeyable` for a layer that is not a ReplicatedLinear."""
-    cls = r.kind(lin)
-    if not issubclass(cls, _up().replicated) and not any(c.__name__ == "ReplicatedLinearWithLoRA" for c in cls.__mro__):
-        raise Unkeyable(f"modulation projection is a {cls.__name__}, not a ReplicatedLinear")
-    d = lin.__dict__
-    no_children = r.empty_dict(lin._modules)
-    quant = r.read(d, "quant_method") if no_children else getattr(lin, "quant_method", None)
-    static = (id(lin), id(quant), r.read(d, "_diffusion_lora_active_slices"))
-    r.read(d, "lora_a_stacked")
-    if not (no_children and r.empty_dict(lin._buffers)) or "lora_a_stacked" in d:
-        return static, None
-    params = lin._parameters
-    return static, tuple(t for t in (r.read(params, name) for name in list(params)) if t is not None)
-
-
 def tensor_state(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad: bool) -> tuple[Any, ...]:
     """The per-call half of :func:`linear_sig`: each tensor's identity, version counter, dtype and device. Raises
     :class:`Unkeyable` while autograd records through one of them, or for a tensor without a version counter."""
@@ -188,9 +168,10 @@ def tensor_state(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad: b
 
 
 def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
-    """What a linear's output depends on besides its input: weights (identity, version counter, dtype, device),
-    quantization method and vLLM LoRA state (:func:`linear_static` + :func:`tensor_state`). Only replicated
-    projections (no collective inside, identical on every rank): vLLM's ReplicatedLinear, plain or LoRA-wrapped.
+    """What a linear's output depends on besides its input: ``(id of the layer, id of its quantization method, its
+    vLLM-Omni LoRA slices)`` and each of :func:`sig_tensors`' state (:func:`tensor_state`: identity, version counter,
+    dtype, device). Only replicated projections (no collective inside, identical on every rank): vLLM's
+    ReplicatedLinear, plain or LoRA-wrapped; raises :class:`Unkeyable` for any other layer.
 
     Not the storage: vLLM-Omni's layerwise offload gives every block fresh storage each forward (``w.data = ...``,
     same values, same Parameter, same version), and a zero-element placeholder of shape ``(0,)`` between forwards;
@@ -199,76 +180,53 @@ def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
     (``.data = ...``, ``set_``). What changes values behind (identity, version) is announced instead:
     ``load_weights`` and the registry's weights-changed event clear the memo. The identities are only compared
     while the tensors are alive (the memo keeps weak references: an id cannot be reused meanwhile)."""
-    static, tensors = linear_static(lin)
-    return static + tensor_state(sig_tensors(lin) if tensors is None else tensors, grad)
-
-
-def norm_out_static(norm: nn.Module, r: Reader = UNRECORDED) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...] | None]:
-    """:func:`linear_static` of ``norm_out``'s linear, read through ``r``; raises :class:`Unkeyable` when its SiLU
-    and linear are not stock's (or carry hooks)."""
-    m = norm._modules
-    silu, lin = r.read(m, "silu"), r.read(m, "linear")
-    if r.kind(silu) is not nn.SiLU or r.attr(silu, "inplace") or r.hooked(silu) or r.hooked(lin):
-        raise Unkeyable("norm_out's SiLU/linear is not stock's (or has hooks)")
-    return linear_static(lin, r)
-
-
-def norm_out_plan(norm: nn.Module, r: Reader) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...]] | str | None:
-    """:func:`norm_out_static` as a plan to keep with ``r``: the static half and tensors, why it cannot be keyed, or
-    None where the linear's tensors are walked per call."""
-    try:
-        static, tensors = norm_out_static(norm, r)
-    except Unkeyable as exc:
-        return str(exc)
-    return None if tensors is None else (static, tensors)
-
-
-def plan_sig(plan: tuple[tuple[Any, ...], tuple[torch.Tensor, ...]], grad: bool) -> tuple[Any, ...]:
-    """The signature a ``(static half, tensors)`` plan completes now (as :func:`linear_sig` would compute it)."""
-    return plan[0] + tensor_state(plan[1], grad)
+    cls = type(lin)
+    if not issubclass(cls, _up().replicated) and not any(c.__name__ == "ReplicatedLinearWithLoRA" for c in cls.__mro__):
+        raise Unkeyable(f"modulation projection is a {cls.__name__}, not a ReplicatedLinear")
+    d = lin.__dict__
+    static = (id(lin), id(getattr(lin, "quant_method", None)), d.get("_diffusion_lora_active_slices"))
+    return static + tensor_state(sig_tensors(lin), grad)
 
 
 def norm_out_sig(norm: nn.Module, grad: bool) -> tuple[Any, ...]:
-    """The weight signature of ``norm_out``'s linear; raises :class:`Unkeyable` when it is not stock's SiLU/linear."""
-    static, tensors = norm_out_static(norm)
-    return static + tensor_state(sig_tensors(norm._modules["linear"]) if tensors is None else tensors, grad)
+    """The weight signature of ``norm_out``'s linear; raises :class:`Unkeyable` when its SiLU and linear are not
+    stock's (or carry hooks)."""
+    m = norm._modules
+    silu, lin = m.get("silu"), m.get("linear")
+    if type(silu) is not nn.SiLU or silu.inplace or _hooked(silu) or _hooked(lin):
+        raise Unkeyable("norm_out's SiLU/linear is not stock's (or has hooks)")
+    return linear_sig(lin, grad)
 
 
-def silu_linear(seq: nn.Module, r: Reader = UNRECORDED) -> nn.Module:
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks)
+
+
+def silu_linear(seq: nn.Module) -> nn.Module:
     """The linear of stock's ``nn.Sequential(nn.SiLU(), <replicated linear>)``; raises if ``seq`` is not that, or
-    carries forward hooks (skipping the module on a hit would skip the hook). ``r`` records what is read."""
+    carries forward hooks (skipping the module on a hit would skip the hook)."""
     mods = seq._modules
-    if not issubclass(r.kind(seq), nn.Sequential) or len(mods) != 2:
+    if not isinstance(seq, nn.Sequential) or len(mods) != 2:
         raise Unkeyable("modulation module is not nn.Sequential(SiLU, Linear)")
-    first, second = mods
-    act, lin = r.read(mods, first), r.read(mods, second)
-    r.read(mods, "2")  # appended later: no longer two layers
-    if r.kind(act) is not nn.SiLU or r.attr(act, "inplace"):
+    act, lin = mods.values()
+    if type(act) is not nn.SiLU or act.inplace:
         raise Unkeyable("modulation activation is not an out-of-place nn.SiLU")
-    hooked = r.hooked
-    if hooked(seq) or hooked(act) or hooked(lin) or (lin._modules and any(hooked(m) for m in lin.modules())):
+    if _hooked(seq) or _hooked(act) or _hooked(lin) or (lin._modules and any(_hooked(m) for m in lin.modules())):
         raise Unkeyable("forward hooks on a modulation module (skipping it would skip the hook)")
     return lin
 
 
-def norm_kind(norm: nn.Module, r: Reader = UNRECORDED) -> str:
-    """How ``norm`` (vLLM-Omni's AdaLayerNorm) applies (scale, shift) -- the one place that looks at the backend.
-    ``r`` records what is read about the instance (the class-level dispatch is :func:`ada_forward`'s)."""
+def norm_kind(norm: nn.Module) -> str:
+    """How ``norm`` (vLLM-Omni's AdaLayerNorm) applies (scale, shift) -- the one place that looks at the backend."""
     up = _up()
-    if r.kind(norm) is not up.ada or r.hooked(norm) or up.ada.forward is not up.custom_op_forward:
+    if type(norm) is not up.ada or _hooked(norm) or up.ada.forward is not up.custom_op_forward:
         return OPAQUE
-    fn = getattr(r.read(norm.__dict__, "_forward_method"), "__func__", None)
+    fn = getattr(norm.__dict__.get("_forward_method"), "__func__", None)
     if fn in up.native:
         return NATIVE
     if fn is up.ada.forward_npu and not getattr(up.ada_module, "_HAS_MINDIESD", True) and _backend.torch_npu_module():
         return NPU_EVAL
     return OPAQUE
-
-
-def ada_forward() -> Any:
-    """``AdaLayerNorm.forward`` as the class has it now: a plan of :func:`norm_kind` answers hold while it is the same
-    object (an instance :class:`~.stamps.Stamp` does not see class attributes)."""
-    return _up().ada.forward
 
 
 NORMS = ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2")
@@ -286,48 +244,6 @@ def block_parts(
     txt_lin = silu_linear(m["txt_mod"])
     kinds = tuple(norm_kind(m[n]) for n in NORMS)
     return img_lin, txt_lin, kinds, linear_sig(img_lin, grad), linear_sig(txt_lin, grad)
-
-
-@dataclass(frozen=True, slots=True)
-class PartsPlan:
-    """:func:`block_parts` decided for one block instance, kept with its :class:`~.stamps.Stamp`: the two linears,
-    the norms' kinds (valid while ``ada`` is :func:`ada_forward`), each linear's :func:`linear_static` half and the
-    tensors whose :func:`tensor_state` completes its signature per call."""
-
-    img_lin: nn.Module
-    txt_lin: nn.Module
-    kinds: tuple[str, ...]
-    img_static: tuple[Any, ...]
-    txt_static: tuple[Any, ...]
-    img_tensors: tuple[torch.Tensor, ...]
-    txt_tensors: tuple[torch.Tensor, ...]
-    ada: Any
-
-    def parts(self, grad: bool) -> tuple[nn.Module, nn.Module, tuple[str, ...], tuple, tuple]:
-        """What :func:`block_parts` returns, with the weights' state read now."""
-        return (
-            self.img_lin,
-            self.txt_lin,
-            self.kinds,
-            self.img_static + tensor_state(self.img_tensors, grad),
-            self.txt_static + tensor_state(self.txt_tensors, grad),
-        )
-
-
-def parts_plan(block: nn.Module, r: Reader) -> PartsPlan | str | None:
-    """The :class:`PartsPlan` of ``block`` read through ``r``; why it cannot be keyed (an :class:`Unkeyable`
-    message, kept like an answer); or None where a linear's tensors must be walked per call (:func:`block_parts`)."""
-    m = block._modules
-    try:
-        img_lin = silu_linear(r.read(m, "img_mod"), r)
-        txt_lin = silu_linear(r.read(m, "txt_mod"), r)
-        kinds = tuple(norm_kind(r.read(m, n), r) for n in NORMS)
-        (img_static, img_tensors), (txt_static, txt_tensors) = linear_static(img_lin, r), linear_static(txt_lin, r)
-    except Unkeyable as exc:
-        return str(exc)
-    if img_tensors is None or txt_tensors is None:
-        return None
-    return PartsPlan(img_lin, txt_lin, kinds, img_static, txt_static, img_tensors, txt_tensors, ada_forward())
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -37,13 +37,14 @@ import torch.nn.functional as F
 
 from vllm_omni_ascend_opt.blocks import forward_scope, guards, targets, time_embedding
 from vllm_omni_ascend_opt.blocks.block_body import NormMod
-from vllm_omni_ascend_opt.blocks.memo_plans import MemoPlans
 from vllm_omni_ascend_opt.blocks.modulation_keys import (
     OPAQUE,
     SELECT01_MODULE,
     Span,
     Unkeyable,
+    block_parts,
     linear_sig,
+    norm_out_sig,
     numerical_settings,
     sig_tensors,
     silu_linear,
@@ -106,7 +107,6 @@ class ModulationMemo:
         # Two-segment blocks: the timestep-0 segment per (block, weights, settings), for the model's life.
         self._zero_t: dict[tuple[Any, ...], tuple[weakref.ReferenceType, torch.Tensor, tuple[Any, ...]]] = {}
         self._plan: tuple[weakref.ReferenceType, int | None, SegmentPlan | str] | None = None
-        self.plans = MemoPlans()  # what the lookups key on, per module instance
 
     # ----- bookkeeping ------------------------------------------------------------------------------------
     @property
@@ -122,7 +122,6 @@ class ModulationMemo:
         self._last = None
         self._zero_t.clear()
         self._plan = None
-        self.plans.clear()
 
     @property
     def zero_t_nbytes(self) -> int:
@@ -263,11 +262,11 @@ class ModulationMemo:
         if type(hidden_states) is not torch.Tensor:
             return None, "hidden_states is not a plain tensor"
         try:
-            plan = self.plans.time_embedding(module)
-            sig, tensors = plan.sig(False), plan.tensors()
+            tkey = time_embedding.time_key(module, grad=False)
         except Unkeyable as exc:
             return None, str(exc)
-        add = addition_t_cond if plan.use_add else None  # stock ignores it else
+        sig, tensors = tkey.sig, tkey.tensors
+        add = addition_t_cond if tkey.use_add else None  # stock ignores it else
         if add is not None and type(add) is not torch.Tensor:
             return None, "addition_t_cond is not a plain tensor"
         self.stats["digests"] += 1  # the one device->host read of this forward (B values, not temb's B x D)
@@ -367,7 +366,7 @@ class ModulationMemo:
         if why:
             return None, why
         try:
-            img_lin, txt_lin, kinds, sig_img, sig_txt = self.plans.block_parts(block)
+            img_lin, txt_lin, kinds, sig_img, sig_txt = block_parts(block)
         except Unkeyable as exc:
             return None, str(exc)
         sig = (sig_img, sig_txt, kinds)
@@ -449,7 +448,7 @@ class ModulationMemo:
         if index.shape[-1] != hidden_states.shape[1]:
             return None, "modulate_index does not match the image sequence"
         try:
-            img_lin, txt_lin, kinds, sig_img, sig_txt = self.plans.block_parts(block)
+            img_lin, txt_lin, kinds, sig_img, sig_txt = block_parts(block)
         except Unkeyable as exc:
             return None, str(exc)
         if OPAQUE in kinds[:2]:
@@ -491,7 +490,7 @@ class ModulationMemo:
         if why:
             return None, why
         try:
-            sig = self.plans.norm_out_sig(norm, torch.is_grad_enabled())
+            sig = norm_out_sig(norm, torch.is_grad_enabled())
         except Unkeyable as exc:
             return None, str(exc)
         entry = self._resolve(cond)
@@ -518,7 +517,7 @@ class ModulationMemo:
         if self._precheck(temb):
             return False
         try:
-            _img, _txt, kinds, sig_img, sig_txt = self.plans.block_parts(block)
+            _img, _txt, kinds, sig_img, sig_txt = block_parts(block)
         except Unkeyable:
             return False
         entry = self._resolve(temb)

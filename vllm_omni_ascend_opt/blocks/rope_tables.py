@@ -18,13 +18,12 @@ What is here:
 from __future__ import annotations
 
 import sys
-import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks.stamps import UNRECORDED, Reader
+from vllm_omni_ascend_opt.blocks.weak_lru import WeakLRU
 
 #: Tables kept per cache (one per (freqs tensor, dtype)): a few shapes x (vid, txt) x dtypes, with room to spare.
 TABLE_CACHE_SIZE = 32
@@ -111,13 +110,11 @@ def table_key(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[tuple, torch.Ten
 
 
 class TableCache:
-    """Tables per freqs tensor (by identity, weakly) and dtype; bounded LRU; an entry dies with its freqs.
-
-    Policy: at most :data:`TABLE_CACHE_SIZE` entries; a hit moves its entry to the most recent end, a new entry
-    beyond the cap evicts the least recently used one; the entry is dropped when its freqs (root) tensor dies."""
+    """Tables per freqs tensor (by identity, weakly) and dtype: a :class:`~.weak_lru.WeakLRU` of
+    :data:`TABLE_CACHE_SIZE` entries, each dropped when its freqs (root) tensor dies."""
 
     def __init__(self, stats: Counter) -> None:
-        self._entries: OrderedDict[tuple, tuple[weakref.ref, Tables]] = OrderedDict()
+        self._entries: WeakLRU[Tables] = WeakLRU(TABLE_CACHE_SIZE)
         self._stats = stats
 
     def clear(self) -> None:
@@ -130,29 +127,20 @@ class TableCache:
         """Bytes of every table held (each form built so far)."""
         return sum(
             t.numel() * t.element_size()
-            for _ref, tables in self._entries.values()
+            for tables in self._entries.values()
             for name in Tables.__slots__
             if isinstance(t := getattr(tables, name), torch.Tensor)
         )
 
     def get(self, freqs: torch.Tensor, dtype: torch.dtype) -> Tables:
-        """The tables of ``freqs`` in ``dtype`` (``stats["table_hits"]`` on a hit), or a new, empty entry."""
+        """The tables of ``freqs`` in ``dtype`` (``stats["table_hits"]`` on a hit), or a new, empty entry (its forms
+        are built lazily, each one whole, by the builders above)."""
         key, root = table_key(freqs, dtype)
-        hit = self._entries.get(key)
-        if hit is not None and hit[0]() is root:
-            self._entries.move_to_end(key)
+        hit = self._entries.get(key, (root,))
+        if hit is not None:
             self._stats["table_hits"] += 1
-            return hit[1]
-        entries = self._entries
-
-        def _drop(_ref: weakref.ref, key: tuple = key) -> None:
-            entries.pop(key, None)
-
-        tables = Tables(dtype)
-        entries[key] = (weakref.ref(root, _drop), tables)
-        while len(entries) > TABLE_CACHE_SIZE:
-            entries.popitem(last=False)
-        return tables
+            return hit
+        return self._entries.put(key, (root,), Tables(dtype))
 
 
 def graph_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,24 +185,23 @@ def apply_portable_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     return x
 
 
-def native_equivalent(rope: nn.Module, r: Reader = UNRECORDED) -> bool:
-    """True when stock's ``rope(x, cos, sin)`` runs ``RotaryEmbedding.forward_native`` (interleaved, half-dim);
-    ``r`` records what is read (a :class:`~.stamps.Stamp`)."""
+def native_equivalent(rope: nn.Module) -> bool:
+    """True when stock's ``rope(x, cos, sin)`` runs ``RotaryEmbedding.forward_native`` (interleaved, half-dim)."""
     mod = sys.modules.get("vllm_omni.diffusion.layers.rope")
     if mod is None:
         return False
     cls = mod.RotaryEmbedding
-    if r.kind(rope) is not cls or r.read(rope.__dict__, "forward") is not None:
+    if type(rope) is not cls or "forward" in rope.__dict__:
         return False
-    if not r.attr(rope, "interleaved") or not r.attr(rope, "half_head_dim"):
+    if not rope.interleaved or not rope.half_head_dim:
         return False
-    fm = r.attr(rope, "_forward_method") if hasattr(rope, "_forward_method") else None
+    fm = getattr(rope, "_forward_method", None)
     if getattr(fm, "__self__", None) is not rope:
         return False
     func = getattr(fm, "__func__", None)
     if func is cls.forward_native:
         return True
     if func is cls.forward_npu:  # without MindIE-SD it is forward_native
-        return not r.attr(rope, "has_mindie")
+        return not rope.has_mindie
     custom_op = sys.modules.get("vllm_omni.diffusion.layers.custom_op")
     return custom_op is not None and func is custom_op.CustomOp.forward_xpu  # calls forward_native

@@ -24,7 +24,6 @@ so ``rope``'s counters include the kernel calls ``joint_attention`` makes throug
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -299,9 +298,13 @@ class RotaryKernel:
             self._log(v.ok, v.describe())
         return v if v.ok else None
 
-    def apply(self, x: torch.Tensor, tables: Tables, freqs: torch.Tensor, rope: nn.Module) -> torch.Tensor:
+    def apply(
+        self, x: torch.Tensor, tables: Tables, freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
+    ) -> torch.Tensor:
         """``rope(x, cos, sin)`` of stock with ``tables`` (of ``freqs``): the verified kernel where its shape class
-        passed, else the portable math where stock is native, else stock's rotary kernel with the cached tables."""
+        passed, else the portable math where stock is native, else stock's rotary kernel with the cached tables.
+        ``inplace``: the caller owns ``x`` and no longer needs it, so the portable math rotates it in place (the
+        same ops, fewer temporaries); the other paths return new tensors."""
         verdict = self.kernel_for(x)
         if verdict is not None:
             b, _, n, d = x.shape
@@ -329,7 +332,7 @@ class RotaryKernel:
         if native_equivalent(rope):
             cos, sin_signed = portable_tables(tables, freqs, self.stats)
             self.stats["portable_calls"] += 1
-            return apply_portable(x, cos, sin_signed)
+            return (apply_portable_ if inplace else apply_portable)(x, cos, sin_signed)
         cos, sin = half_tables(tables, freqs, self.stats)
         self.stats["delegate_calls"] += 1
         return rope(x, cos, sin)
@@ -337,53 +340,6 @@ class RotaryKernel:
     def rotate(self, x: torch.Tensor, freqs: torch.Tensor, rope: nn.Module) -> torch.Tensor:
         """:meth:`apply` with the cached tables of ``freqs`` in ``x``'s dtype."""
         return self.apply(x, self.tables.get(freqs, x.dtype), freqs, rope)
-
-    def plan(
-        self, x: torch.Tensor, freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """How inputs shaped like ``x`` rotate with ``freqs``: the decision :meth:`apply` makes per call, made once
-        (a caller keeps it for one transformer forward, where freqs, shapes and verdicts stay the same). The NPU
-        kernel path keeps :meth:`apply` until its shape class has a verdict (the first real call verifies it).
-        ``inplace``: the caller owns its inputs, so the portable math may rotate them in place (same ops, fewer
-        temporaries); the other paths return new tensors as always."""
-        tables = self.tables.get(freqs, x.dtype)
-        stats = self.stats
-        if self.kernel_for(x) is not None:
-            checked = self.shapes.get(shape_class(x))
-            verdict = self.kernel_for(x)
-            b, _, n, d = x.shape
-            eligible = freqs.shape[-1] * 2 == d and b * n < KERNEL_BN_LIMIT and x.dtype in KERNEL_DTYPES
-            if checked is None or not eligible:
-                return functools.partial(self.apply, tables=tables, freqs=freqs, rope=rope)
-            if checked.ok:
-                cos, sin = npu_tables(tables, freqs, stats)
-                fn = verdict.fn  # type: ignore[union-attr]
-
-                def kernel(q: torch.Tensor) -> torch.Tensor:
-                    try:
-                        out = fn(q, cos, sin, rotary_mode="interleave")
-                    except Exception:  # apply() records the failed shape class, logs it and falls back
-                        return self.apply(q, tables, freqs, rope)
-                    stats["kernel_calls"] += 1
-                    return out
-
-                return kernel
-        if native_equivalent(rope):
-            cos, sin_signed = portable_tables(tables, freqs, stats)
-            rotate = apply_portable_ if inplace else apply_portable
-
-            def portable(q: torch.Tensor) -> torch.Tensor:
-                stats["portable_calls"] += 1
-                return rotate(q, cos, sin_signed)
-
-            return portable
-        half_cos, half_sin = half_tables(tables, freqs, stats)
-
-        def delegate(q: torch.Tensor) -> torch.Tensor:
-            stats["delegate_calls"] += 1
-            return rope(q, half_cos, half_sin)
-
-        return delegate
 
 
 _ACTIVE: list[RotaryKernel] = []

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks.block_body import FAST, PER_CALL, layernorm
+from vllm_omni_ascend_opt.blocks.block_body import FAST, layernorm
 
 #: Two-segment blocks: at most this many equal-length chunks of the image sequence are modulated with one broadcast
 #: (``[B, C, 1, D]`` tensors per norm); more (segments of coprime lengths) use per-segment slices.
@@ -103,24 +103,22 @@ class SegMod:
                 part.add_(add[seg])
         return out
 
-    def norm(self, norm: nn.Module, x: torch.Tensor, ln: Any = PER_CALL, owner: Any = PER_CALL) -> torch.Tensor:
-        """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))`` (``ln``, ``owner``: as
-        :meth:`~.block_body.NormMod.norm`)."""
-        if owner is PER_CALL:
-            owner = FAST.owner("modulate")
+    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))``."""
+        owner = FAST.owner("modulate")
         if owner is not None:
             owner.count_stock("two-segment image norm (zero_cond_t): the modulation differs between segments")
-        return self._apply(layernorm(self.kind, norm, x, ln), self.first, self.shift)
+        return self._apply(layernorm(self.kind, norm, x), self.first, self.shift)
 
     def gated(self, y: torch.Tensor) -> torch.Tensor:
         """Stock: ``where(idx, gate1, gate0) * y``."""
         return self._apply(y, self.gate, None)
 
-    def residual(self, x: torch.Tensor, y: torch.Tensor, owner: Any = PER_CALL) -> torch.Tensor:
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Stock's ``x + where(idx, gate1, gate0) * y``; with ``fast_residual`` one ``addcmul`` per broadcast or
         per segment slice."""
         gate = self.gate if self.plan.broadcast else self.gate[0]
-        if not FAST.use_residual(x, gate, y, owner):
+        if not FAST.use_residual(x, gate, y):
             return x + self.gated(y)
         plan = self.plan
         b, n, d = y.shape

@@ -45,3 +45,16 @@ CAUSAL_CONV_FORWARD = same(DIFFUSERS_VAE, "QwenImageCausalConv3d.forward", "d267
 CAUSAL_CONV_INIT = same(DIFFUSERS_VAE, "QwenImageCausalConv3d.__init__", "5644f56f54eaca26")
 #: The loader's load_model: the plugin attaches after it returns (weights processed, before offload is enabled).
 LOAD_MODEL = same(LOADER, "DiffusersPipelineLoader.load_model", "d13c38b93708077e")
+
+# ----- what the time-embedding memo's key must determine (blocks/time_embedding.py) -----------------------------------
+EMBEDDINGS = "diffusers.models.embeddings"
+TORCH_EMBEDDING = "torch.nn.modules.sparse"
+#: Qwen-Image's timestep embedding and the diffusers / torch functions it runs: the memo keys their output on the
+#: timestep's value, so a difference in any of them keeps the time embedding unmemoized (the blocks' memo still acts).
+TIME_EMBEDDING = (
+    same(TRANSFORMER, "QwenTimestepProjEmbeddings.forward", "e127246f041ab288"),
+    same(EMBEDDINGS, "TimestepEmbedding.forward", "7a64747c1e8ed70d"),
+    same(EMBEDDINGS, "Timesteps.forward", "58794175acc7b12d"),
+    same(EMBEDDINGS, "get_timestep_embedding", "6028d48c06ba9784"),
+    same(TORCH_EMBEDDING, "Embedding.forward", "612a591ba15b23d2"),
+)

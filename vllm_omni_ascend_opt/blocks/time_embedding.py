@@ -8,78 +8,40 @@ hash it to find its entry. Keyed on the timestep's value instead (B values: one 
 host sync the default stack adds per forward), a repeated timestep returns the very ``temb`` tensor computed the first
 time, and the block memo finds its entry by that tensor's identity, with no digest of temb at all.
 
-How: :func:`time_embedding_plan` checks that the module is exactly what the key covers (its class and those of its
-parts, no hooks, no condition projection or post-activation, an embedding without ``max_norm``), recording what it
-reads (kept with a :class:`~.stamps.Stamp` by the memo), and :meth:`TimePlan.sig` completes its weights' signature
-per call; :func:`value_key` is the exact key of a small tensor's value (dtype, shape, device and bytes:
+How: :func:`time_key` checks, per call, that the module is exactly what the key covers (its class and those of its
+parts, no hooks, no condition projection or post-activation, an embedding without ``max_norm``) and returns its
+weights' signature; :func:`value_key` is the exact key of a small tensor's value (dtype, shape, device and bytes:
 ``-0.0`` and ``0.0`` differ, as they do for ``sin``). The upstream functions whose output the key must determine are
-fingerprinted (:data:`FINGERPRINTS`, checked once per function object): a different upstream keeps the time
-embedding unmemoized, with the reason.
+declared in :data:`~.targets.TIME_EMBEDDING` and checked by their source fingerprints (:func:`upstream_reason`): a
+different upstream keeps the time embedding unmemoized, with the reason.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import sys
-import textwrap
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import targets
-from vllm_omni_ascend_opt.blocks.modulation_keys import Unkeyable, linear_static, sig_tensors, tensor_state
-from vllm_omni_ascend_opt.blocks.stamps import UNRECORDED, Reader
+from vllm_omni_ascend_opt.blocks import targets, upstream
+from vllm_omni_ascend_opt.blocks.modulation_keys import Unkeyable, linear_sig
 
-EMBEDDINGS_MODULE = "diffusers.models.embeddings"
-
-#: SHA-256 (first 16 hex digits) of the dedented source of each function whose output the key must determine
-#: (vLLM-Omni 0.30 / diffusers 0.40 / torch 2.13).
-FINGERPRINTS: dict[str, str] = {
-    "QwenTimestepProjEmbeddings.forward": "e127246f041ab288",
-    "TimestepEmbedding.forward": "7a64747c1e8ed70d",
-    "Timesteps.forward": "58794175acc7b12d",
-    "get_timestep_embedding": "6028d48c06ba9784",
-    "Embedding.forward": "612a591ba15b23d2",
-}
+EMBEDDINGS_MODULE = targets.EMBEDDINGS
+#: Per set of live function objects: why the time embedding is not memoized (None: its code is the known one).
 _VERIFIED: dict[tuple[int, ...], str | None] = {}
 
 
-def _fingerprint(fn: Any) -> str:
-    try:
-        src = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        return "source unavailable"
-    return hashlib.sha256(src.encode()).hexdigest()[:16]
-
-
-def _functions() -> dict[str, Any]:
-    t = sys.modules[targets.TRANSFORMER]
-    e = sys.modules[EMBEDDINGS_MODULE]
-    return {
-        "QwenTimestepProjEmbeddings.forward": t.QwenTimestepProjEmbeddings.forward,
-        "TimestepEmbedding.forward": e.TimestepEmbedding.forward,
-        "Timesteps.forward": e.Timesteps.forward,
-        "get_timestep_embedding": e.get_timestep_embedding,
-        "Embedding.forward": nn.Embedding.forward,
-    }
-
-
 def upstream_reason() -> str | None:
-    """Why the time embedding cannot be memoized in this process (upstream code differs), or None."""
+    """Why the time embedding cannot be memoized in this process (upstream code differs), or None. Checked once per
+    set of live functions (a function replaced at run time is checked anew)."""
     if EMBEDDINGS_MODULE not in sys.modules or targets.TRANSFORMER not in sys.modules:
         return "diffusers' embeddings or the Qwen-Image transformer are not imported"
-    fns = _functions()
-    ident = tuple(id(f) for f in fns.values())
+    ident = tuple(id(upstream.live(d.module, d.qualname)[1]) for d in targets.TIME_EMBEDDING)
     if ident not in _VERIFIED:
-        bad = []
-        for name, fn in fns.items():
-            got = _fingerprint(fn)
-            if got != FINGERPRINTS[name]:
-                bad.append(f"{name} (source fingerprint {got}, expected {FINGERPRINTS[name]})")
-        _VERIFIED[ident] = ("upstream time embedding code differs: " + ", ".join(bad)) if bad else None
+        bad = upstream.reasons(targets.TIME_EMBEDDING, "the time-embedding memo")
+        _VERIFIED[ident] = "; ".join(bad) if bad else None
     return _VERIFIED[ident]
 
 
@@ -108,83 +70,53 @@ def _tensor_sig(t: torch.Tensor, grad: bool) -> tuple[Any, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class TimePlan:
-    """What :func:`time_embedding_plan` read about a ``QwenTimestepProjEmbeddings`` instance: the signature's
-    instance half, and what completes it per call (:meth:`sig`)."""
+class TimeKey:
+    """What the memo keys a ``QwenTimestepProjEmbeddings`` call on besides its inputs (:func:`time_key`)."""
 
-    #: (id of the module, the time projection's settings, each linear's ``linear_static``, use_add, padding_idx)
-    static: tuple[Any, ...]
-    lins: tuple[nn.Module, nn.Module]
-    #: each linear's tensors (None: walked per call, :func:`~.modulation_keys.sig_tensors`)
-    lin_tensors: tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]
-    #: the additional-condition embedding's weight (None: stock ignores ``addition_t_cond``)
-    add_weight: torch.Tensor | None
-
-    @property
-    def use_add(self) -> bool:
-        return self.add_weight is not None
-
-    def sig(self, grad: bool) -> tuple[Any, ...]:
-        """The full signature now: the instance half and the weights' state (identity, version, dtype, device)."""
-        states = tuple(
-            tensor_state(sig_tensors(lin) if t is None else t, grad)
-            for lin, t in zip(self.lins, self.lin_tensors, strict=True)
-        )
-        add = () if self.add_weight is None else (_tensor_sig(self.add_weight, grad),)
-        return (self.static, states, add)
-
-    def tensors(self) -> list[Any]:
-        """The modules and tensors the signature names by identity (the memo keeps weak references to them)."""
-        return [*self.lins, *(() if self.add_weight is None else (self.add_weight,))]
+    #: (id of the module, the time projection's settings, use_add, padding_idx, each weight signature)
+    sig: tuple[Any, ...]
+    #: the modules and tensors ``sig`` names by identity (the memo keeps weak references to them)
+    tensors: tuple[Any, ...]
+    #: stock reads ``addition_t_cond`` (the additional-condition embedding is used)
+    use_add: bool
 
 
-def _hooked_anywhere(module: nn.Module, r: Reader) -> bool:
-    if r.hooked(module):
-        return True
-    children = module._modules
-    return any(_hooked_anywhere(c, r) for c in (r.read(children, n) for n in list(children)) if c is not None)
+def _hooked_anywhere(module: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
-def time_embedding_plan(module: nn.Module, r: Reader = UNRECORDED) -> TimePlan:
-    """The :class:`TimePlan` of a ``QwenTimestepProjEmbeddings``, read through ``r``. Raises :class:`Unkeyable` when
-    its output may depend on anything the key does not cover (another class, hooks anywhere in it, an instance
-    forward, a condition projection, a post-activation, an embedding with ``max_norm``)."""
+def time_key(module: nn.Module, grad: bool) -> TimeKey:
+    """The :class:`TimeKey` of a ``QwenTimestepProjEmbeddings``. Raises :class:`Unkeyable` when its output may depend
+    on anything the key does not cover (another class, hooks anywhere in it, an instance forward, a condition
+    projection, a post-activation, an embedding with ``max_norm``)."""
     e = sys.modules[EMBEDDINGS_MODULE]
     m = module._modules
-    proj, emb = r.read(m, "time_proj"), r.read(m, "timestep_embedder")
-    if r.kind(proj) is not e.Timesteps or r.kind(emb) is not e.TimestepEmbedding:
+    proj, emb = m.get("time_proj"), m.get("timestep_embedder")
+    if type(proj) is not e.Timesteps or type(emb) is not e.TimestepEmbedding:
         raise Unkeyable(
             "time_text_embed's time_proj / timestep_embedder are not diffusers' Timesteps / TimestepEmbedding"
         )
-    if r.read(module.__dict__, "forward") is not None or _hooked_anywhere(module, r):
+    if "forward" in module.__dict__ or _hooked_anywhere(module):
         raise Unkeyable("hooks or an instance forward in time_text_embed")
     e_mods = emb._modules
-    act = r.read(e_mods, "act")
-    if r.read(e_mods, "cond_proj") is not None or r.read(e_mods, "post_act") is not None or r.kind(act) is not nn.SiLU:
+    if (
+        e_mods.get("cond_proj") is not None
+        or e_mods.get("post_act") is not None
+        or type(e_mods.get("act")) is not nn.SiLU
+    ):
         raise Unkeyable("time_text_embed's TimestepEmbedding has a condition projection, post-activation or non-SiLU")
-    lin1, lin2 = r.read(e_mods, "linear_1"), r.read(e_mods, "linear_2")
-    (static1, tensors1), (static2, tensors2) = linear_static(lin1, r), linear_static(lin2, r)
-    settings = tuple(r.attr(proj, n) for n in ("num_channels", "flip_sin_to_cos", "downscale_freq_shift", "scale"))
-    d = module.__dict__
-    if "use_additional_t_cond" in d:
-        use_add = bool(r.read(d, "use_additional_t_cond"))
-    else:
-        use_add = bool(getattr(module, "use_additional_t_cond", False))
-    weight, padding_idx = None, None
+    lin1, lin2 = e_mods["linear_1"], e_mods["linear_2"]
+    settings = tuple(getattr(proj, n) for n in ("num_channels", "flip_sin_to_cos", "downscale_freq_shift", "scale"))
+    use_add = bool(getattr(module, "use_additional_t_cond", False))
+    add_sig: tuple[Any, ...] = ()
+    tensors: tuple[Any, ...] = (lin1, lin2)
+    padding_idx = None
     if use_add:
-        add = r.read(m, "addition_t_embedding")
-        if r.kind(add) is not nn.Embedding or r.attr(add, "max_norm") is not None:
+        add = m.get("addition_t_embedding")
+        if type(add) is not nn.Embedding or add.max_norm is not None:
             raise Unkeyable("time_text_embed's additional-condition embedding is not a plain nn.Embedding")
-        weight, padding_idx = r.read(add._parameters, "weight"), r.attr(add, "padding_idx")
-    static = (id(module), settings, static1, static2, use_add, padding_idx)
-    return TimePlan(static, (lin1, lin2), (tensors1, tensors2), weight)
-
-
-def plan_or_reason(module: nn.Module, r: Reader) -> TimePlan | str | None:
-    """:func:`time_embedding_plan` as a plan to keep with ``r`` (a :class:`~.stamps.Stamp`): the plan, why the
-    module cannot be keyed, or None when a linear's tensors are walked per call (then plan per call)."""
-    try:
-        plan = time_embedding_plan(module, r)
-    except Unkeyable as exc:
-        return str(exc)
-    return None if None in plan.lin_tensors else plan
+        padding_idx = add.padding_idx
+        add_sig = (_tensor_sig(add.weight, grad),)
+        tensors = (lin1, lin2, add.weight)
+    sig = (id(module), settings, use_add, padding_idx, linear_sig(lin1, grad), linear_sig(lin2, grad), add_sig)
+    return TimeKey(sig, tensors, use_add)

@@ -48,9 +48,7 @@ written for tracing (``blocks/joint_qkv.traced_forward``: the same math, no coun
 hoisted by an eager pre-hook of each regionally compiled block): no graph break, fewer ops in the compiled graph than
 stock's attention. Under full compile (no eager place to hoist the tables) the graph keeps stock's attention: the
 joint path with its tables computed in the graph measured slower than compiled stock on inductor. Eagerly, the guards, the CUDA-fused check and
-the RoPE tables are decided once per forward (``blocks/forward_scope.py``), the instance's checks are kept in its
-plan while the instance is unchanged (``blocks/stamps.py``), and the four projections called as their kernels where
-vLLM's layer is plain (``blocks/direct_calls.py``). Falls back to stock, with the reason
+the RoPE tables are decided once per forward (``blocks/forward_scope.py``). Falls back to stock, with the reason
 counted (:meth:`JointAttention.fallback_reasons`), under autograd, graph capture, when the norms are not plain
 ``nn.RMSNorm`` with weights and one ``eps`` (Identity for ``qk_norm=False``, hooks, other classes), when the two
 streams' projections differ in heads or dtype, when the freqs do not match the sequence lengths, when stock's RoPE
@@ -67,7 +65,6 @@ joint sequence (or ships a fused qk-norm-rope kernel for NPU).
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -77,7 +74,6 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt.blocks import (
     compiled_blocks,
-    direct_calls,
     forward_scope,
     guards,
     rms_norm,
@@ -88,10 +84,8 @@ from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.blocks.joint_qkv import (
     JOINT_FREQS_CACHE_SIZE,  # noqa: F401  (the cache's bound, named in the header above)
     READY_ROPE,
-    AttnPlan,
     any_cuda_fused,
     attend,
-    attn_plan,
     joint_qk_rms_norm,
     joint_rms_norm,
     qk_weights_fit,
@@ -101,7 +95,6 @@ from vllm_omni_ascend_opt.blocks.joint_qkv import (
     traced_reason,
 )
 from vllm_omni_ascend_opt.blocks.joint_qkv import JointFreqsCache as _JointFreqsCache
-from vllm_omni_ascend_opt.blocks.stamps import PlanCache
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
 
@@ -145,7 +138,6 @@ class JointAttention(Optimization):
         super().__init__()
         self._joint_freqs = _JointFreqsCache(self.stats)
         self._tables = rope_tables.TableCache(self.stats)  # used when `rope` is not installed
-        self._plans = PlanCache()  # per attention instance: its checks, kept while it is unchanged
         #: regional compile: eager pre-hooks that hand each compiled block's attention this forward's RoPE tables
         self._hoister = compiled_blocks.Hoister(self._hoist, (READY_ROPE,), submodule="attn")
 
@@ -183,7 +175,6 @@ class JointAttention(Optimization):
         self._hoister.release_all()
         self._joint_freqs.clear()
         self._tables.clear()
-        self._plans.clear()
 
     def _attach(self, model: nn.Module) -> None:
         for tr in _transformers(model):
@@ -203,21 +194,14 @@ class JointAttention(Optimization):
         encoder_hidden_states: torch.Tensor,
         vid_freqs: Any,
         txt_freqs: Any,
-    ) -> tuple[str | None, AttnPlan | None]:
-        """(why stock must run this call, the instance's plan): the call guard and global hooks once per forward,
-        the instance's checks kept in its plan while the instance is unchanged (:class:`~.stamps.PlanCache`), the
-        inputs per call."""
-        why = forward_scope.decide("ja.call_reason", _call_guard)  # once per forward
+    ) -> str | None:
+        """Why stock must run this call: the call guard once per forward, the instance and the inputs per call."""
+        why = forward_scope.decide("ja.call_reason", _call_guard)  # once per forward; global hooks: static_reason
         if why:
-            return why, None
-        plan = self._plans.get(attn, functools.partial(attn_plan, attn))
-        why = (
-            plan.why
-            or forward_scope.decide("ja.global_hooks", _global_hooks_reason)
-            or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
-        )
+            return why
+        why = static_reason(attn) or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
         if why:
-            return why, None
+            return why
         # decided before any projection runs: a fallback found after them would compute both QKV GEMMs twice; the
         # same for every block of a forward (its shapes, device and dtype), so decided once per forward
         d = attn.head_dim
@@ -225,44 +209,39 @@ class JointAttention(Optimization):
         if forward_scope.decide(
             key, lambda: any_cuda_fused(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs, d)
         ):
-            return "stock's fused CUDA qk-norm-rope path (>= its token threshold on CUDA)", None
-        return None, plan
+            return "stock's fused CUDA qk-norm-rope path (>= its token threshold on CUDA)"
+        return None
 
     def _norm(self, x: torch.Tensor, st: int, norm_txt: nn.Module, norm_img: nn.Module) -> torch.Tensor:
         return joint_rms_norm(x, st, norm_txt.weight, norm_img.weight, norm_img.eps)
 
+    def _joint_tables(
+        self, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, dtype: torch.dtype, kernel: rotary.RotaryKernel | None
+    ) -> tuple[torch.Tensor, rope_tables.Tables]:
+        """The joint freqs of this (vid, txt) pair and their tables in ``dtype``: from ``rope``'s rotary service while
+        it is installed (its table cache and counters), else from this optimization's own cache. Found once per
+        forward (the same freqs objects reach every block)."""
+        key = ("ja.tables", id(vid_freqs), id(txt_freqs), dtype, kernel is not None)
+
+        def make() -> tuple[torch.Tensor, rope_tables.Tables]:
+            joint = self._joint_freqs.get(vid_freqs, txt_freqs)
+            return joint, (kernel.tables if kernel is not None else self._tables).get(joint, dtype)
+
+        return forward_scope.decide(key, make)
+
     def _rotate(
-        self, query: torch.Tensor, key: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k, each rotated by its own call (the paths where they are separate tensors)."""
-        query = self._rotation(query, vid_freqs, txt_freqs, rope)(query)
-        return query, self._rotation(key, vid_freqs, txt_freqs, rope)(key)
-
-    def _rotation(
-        self,
-        x: torch.Tensor,
-        vid_freqs: torch.Tensor,
-        txt_freqs: torch.Tensor,
-        rope: nn.Module,
-        inplace: bool = False,
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """How q/k of this shape rotate in this forward: the joint freqs and their tables, looked up once per forward
-        (the same freqs objects reach every block) and per shape class, then applied per call. ``inplace``: the
-        inputs are this path's own (the portable math may rotate them in place)."""
-        key = ("ja.rotation", id(vid_freqs), id(txt_freqs), x.dtype, x.device, x.shape, inplace)
-        return forward_scope.decide(key, lambda: self._make_rotation(x, vid_freqs, txt_freqs, rope, inplace))
-
-    def _make_rotation(
-        self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module, inplace: bool
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        joint_freqs = self._joint_freqs.get(vid_freqs, txt_freqs)
-        kernel = rotary.active()  # switched on while `rope` is installed: its tables, verified kernel and counters
+        self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
+    ) -> torch.Tensor:
+        """``x`` (q, k, or both stacked along the batch) rotated by the joint freqs: through the rotary service that
+        ``rope`` switches on while installed (:func:`~vllm_omni_ascend_opt.blocks.rotary.active`: its verified NPU
+        kernel and counters), else with the portable math. ``inplace``: ``x`` is this path's own (the portable math
+        rotates it in place: the same ops, fewer temporaries)."""
+        kernel = rotary.active()
+        joint_freqs, tables = self._joint_tables(vid_freqs, txt_freqs, x.dtype, kernel)
         if kernel is not None:
-            return kernel.plan(x, joint_freqs, rope, inplace=inplace)
-        tables = self._tables.get(joint_freqs, x.dtype)
+            return kernel.apply(x, tables, joint_freqs, rope, inplace=inplace)
         cos, sin_signed = rope_tables.portable_tables(tables, joint_freqs, self.stats)
-        rotate = rope_tables.apply_portable_ if inplace else rope_tables.apply_portable
-        return functools.partial(rotate, cos=cos, sin_signed=sin_signed)
+        return (rope_tables.apply_portable_ if inplace else rope_tables.apply_portable)(x, cos, sin_signed)
 
     def _make_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         opt = self
@@ -287,9 +266,9 @@ class JointAttention(Optimization):
                     if out is not None:
                         return out
             else:
-                why, plan = opt._call_reason(self, *streams)
-                if plan is not None:
-                    out = opt._joint_forward(mod, self, plan, *streams, *masks)
+                why = opt._call_reason(self, *streams)
+                if why is None:
+                    out = opt._joint_forward(mod, self, *streams, *masks)
                     if isinstance(out, tuple):
                         return out
                     why = out
@@ -309,7 +288,6 @@ class JointAttention(Optimization):
         self,
         mod: Any,
         attn: Any,
-        plan: AttnPlan,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
         vid_freqs: torch.Tensor,
@@ -319,9 +297,8 @@ class JointAttention(Optimization):
     ) -> tuple[torch.Tensor, torch.Tensor] | str:
         """The joint path, or the reason it cannot run (the caller then runs stock)."""
         m = attn._modules
-        direct = plan.direct if direct_calls.process_reason() is None else None
-        img_qkv = self._project(plan, direct, 0, hidden_states, pair=True)
-        txt_qkv = self._project(plan, direct, 1, encoder_hidden_states, pair=True)
+        img_qkv = m["to_qkv"](hidden_states)[0]
+        txt_qkv = m["add_kv_proj"](encoder_hidden_states)[0]
         if (
             img_qkv.dtype != txt_qkv.dtype
             or img_qkv.shape[-1] != txt_qkv.shape[-1]
@@ -333,7 +310,7 @@ class JointAttention(Optimization):
         nq, nkv = attn.query_num_heads, attn.kv_num_heads
         q_size, kv_size = nq * d, nkv * d
         st = encoder_hidden_states.shape[1]
-        norm_q, norm_k, norm_added_q, norm_added_k = plan.norms
+        norm_q, norm_k, norm_added_q, norm_added_k = m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"]
         if rms_norm.kernel_ready([norm_q, norm_k, norm_added_q, norm_added_k]):
             # qk_norm's npu_rms_norm takes gamma [D]: one kernel per stream (on stock's views), then one cat each for
             # q, k and v (v stays contiguous for the attention kernel). 9 launches with the joint rotary, against 11
@@ -351,7 +328,8 @@ class JointAttention(Optimization):
             value = torch.cat([txt_v, img_v], dim=1)
             del img_qkv, txt_qkv, img_q, img_k, img_v, txt_q, txt_k, txt_v  # in the joint tensors now
             self.stats["kernel_norm_calls"] += 1
-            query, key = self._rotate(query, key, vid_freqs, txt_freqs, m["rope"])
+            query = self._rotate(query, vid_freqs, txt_freqs, m["rope"])
+            key = self._rotate(key, vid_freqs, txt_freqs, m["rope"])
         else:
             qkv = torch.cat([txt_qkv, img_qkv], dim=1)
             # the projections live on in the joint tensor: free them before the norms' fp32 temporaries (alive
@@ -359,16 +337,17 @@ class JointAttention(Optimization):
             del img_qkv, txt_qkv
             b, s = qkv.shape[0], qkv.shape[1]
             value = qkv[..., q_size + kv_size :].view(b, s, nkv, d)
-            w_q, w_k, w_added_q, w_added_k = plan.weights
-            one_pass = nq == nkv and norm_k.eps == plan.eps and qk_weights_fit(qkv.dtype, plan.weights)
+            w_txt, w_img = (norm_added_q.weight, norm_added_k.weight), (norm_q.weight, norm_k.weight)
+            eps = norm_q.eps
+            one_pass = nq == nkv and norm_k.eps == eps and qk_weights_fit(qkv.dtype, (*w_txt, *w_img))
             if one_pass and 2 * b * nq < rotary.KERNEL_BN_LIMIT:
                 # q and k as one [2, B, S, N, D] tensor: one norm pass and one rotation for both (9 launches fewer
                 # per block in fp32 than one each; the rotary kernel's B*N limit holds for the pair), normalised and
                 # rotated in place on the norm's output (the peak stays below stock's per-stream temporaries)
                 qk = qkv[..., : q_size + kv_size].view(b, s, 2, nq, d).permute(2, 0, 1, 3, 4)
-                qk = joint_qk_rms_norm(qk, st, (w_added_q, w_added_k), (w_q, w_k), plan.eps).flatten(0, 1)
+                qk = joint_qk_rms_norm(qk, st, w_txt, w_img, eps).flatten(0, 1)
                 del qkv
-                rotated = self._rotation(qk, vid_freqs, txt_freqs, m["rope"], inplace=True)(qk)
+                rotated = self._rotate(qk, vid_freqs, txt_freqs, m["rope"], inplace=True)
                 query, key = rotated.view(2, b, s, nq, d).unbind(0)
                 del qk, rotated
             else:
@@ -376,7 +355,8 @@ class JointAttention(Optimization):
                 del qkv
                 query = self._norm(query.unflatten(-1, (nq, d)), st, norm_added_q, norm_q)
                 key = self._norm(key.unflatten(-1, (nkv, d)), st, norm_added_k, norm_k)
-                query, key = self._rotate(query, key, vid_freqs, txt_freqs, m["rope"])
+                query = self._rotate(query, vid_freqs, txt_freqs, m["rope"])
+                key = self._rotate(key, vid_freqs, txt_freqs, m["rope"])
         self.stats["joint_calls"] += 1
 
         joint_hidden_states = attend(
@@ -392,8 +372,8 @@ class JointAttention(Optimization):
             encoder_hidden_states_mask,
             self.stats,
         )
-        img_attn_output = self._project(plan, direct, 2, joint_hidden_states[:, st:, :])
-        txt_attn_output = self._project(plan, direct, 3, joint_hidden_states[:, :st, :])
+        img_attn_output = m["to_out"](joint_hidden_states[:, st:, :])
+        txt_attn_output = m["to_add_out"](joint_hidden_states[:, :st, :])
         return img_attn_output, txt_attn_output
 
     def _hoist(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -405,33 +385,10 @@ class JointAttention(Optimization):
         if attn is not None and isinstance(freqs, (tuple, list)) and len(freqs) == 2 and hidden_states is not None:
             vid, txt = freqs
             if isinstance(vid, torch.Tensor) and isinstance(txt, torch.Tensor) and vid.is_complex():
-                key = ("ja.tables", id(vid), id(txt), hidden_states.dtype)
-                tables = forward_scope.decide(key, lambda: self._portable_joint_tables(vid, txt, hidden_states.dtype))
+                joint_freqs, t = self._joint_tables(vid, txt, hidden_states.dtype, None)
+                tables = rope_tables.portable_tables(t, joint_freqs, self.stats)
         if attn is not None:
             compiled_blocks.set_ready(attn, READY_ROPE, tables)
-
-    def _portable_joint_tables(
-        self, vid: torch.Tensor, txt: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        joint_freqs = self._joint_freqs.get(vid, txt)
-        return rope_tables.portable_tables(self._tables.get(joint_freqs, dtype), joint_freqs, self.stats)
-
-    def _project(
-        self, plan: AttnPlan, direct: tuple[Any, ...] | None, i: int, x: torch.Tensor, pair: bool = False
-    ) -> torch.Tensor:
-        """``plan.layers[i](x)`` (its output; ``pair``: the layer returns ``(output, bias)``): the GEMM directly when
-        the plan's :func:`~vllm_omni_ascend_opt.blocks.direct_calls.linear_instance` vouched for it and the process
-        allows direct calls in this forward (``direct``; quantized, LoRA, TP and hooked layers are called as
-        modules, the reason counted in :attr:`stats`)."""
-        layer = plan.layers[i]
-        args = direct[i] if direct is not None else direct_calls.process_reason()
-        if isinstance(args, str):
-            self.stats["module_calls"] += 1
-            self.stats[f"module call: {args}"] += 1
-            out = layer(x)
-            return out[0] if pair else out
-        self.stats["direct_calls"] += 1
-        return direct_calls.linear(x, *args)
 
 
 def _call_guard() -> str | None:

@@ -79,7 +79,7 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks import forward_scope, guards, rope_tables, rotary
+from vllm_omni_ascend_opt.blocks import forward_scope, guards, rotary
 from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.blocks.rope_tables import TABLE_CACHE_SIZE, version_or_none
 from vllm_omni_ascend_opt.blocks.rotary import ENV_KERNEL_POLICY, KernelVerdict, ShapeVerdict
@@ -341,18 +341,19 @@ class Rope(Optimization):
                 return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)
             q = norm_q(q)
             k = norm_k(k)
-            # stock converts the tables to q.dtype (before the norm, which keeps it): decided once per forward per
-            # freqs tensor, shape and rotary module kind (the same objects reach every block)
-            key = ("rope.rotation", id(freqs), q.dtype, q.device, q.shape, rope_tables.native_equivalent(rope))
-            rotate_q = forward_scope.decide(key, lambda: opt.rotary.plan(q, freqs, rope))
-            key_k = ("rope.rotation", id(freqs), k.dtype, k.device, k.shape, key[-1])
-            rotate_k = forward_scope.decide(key_k, lambda: opt.rotary.plan(k, freqs, rope))
-            if key[-1]:
-                return rotate_q(q), rotate_k(k)
-            return opt.rotary.rotate(q, freqs, rope), opt.rotary.rotate(k, freqs, rope)  # the block's own kernel
+            # the same freqs object reaches every block of a forward: its tables are found once per forward
+            return opt._rotate(q, freqs, rope), opt._rotate(k, freqs, rope)
 
         _qwen_image_qk_norm_rope.__wrapped__ = original  # type: ignore[attr-defined]
         return _qwen_image_qk_norm_rope
+
+    def _rotate(self, x: torch.Tensor, freqs: torch.Tensor, rope: nn.Module) -> torch.Tensor:
+        """``rope(x, cos, sin)`` of stock with the cached tables of ``freqs`` in ``x``'s dtype (as stock converts
+        them), through the rotary service (verified kernel, portable math or the block's own kernel)."""
+        tables = forward_scope.decide(
+            ("rope.tables", id(freqs), x.dtype), lambda: self.rotary.tables.get(freqs, x.dtype)
+        )
+        return self.rotary.apply(x, tables, freqs, rope)
 
     def _make_embed_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         opt = self

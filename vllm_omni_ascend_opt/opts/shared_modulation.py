@@ -31,10 +31,8 @@ How
   ``h + gate * y`` are the very elementwise ops stock runs, on the same values. Bounded by a byte budget
   (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512; 0 disables), least-recently-used temb first.
   Costs: one device->host copy of the timestep (B values) per forward (of ``temb``, B x 3072 values, where the
-  time embedding is not keyed); on a miss, 8 small copies per block to make the unpacked tensors contiguous. Host
-  time: the guards and the temb entry are decided once per forward (``blocks/forward_scope.py``), and the body calls
-  vLLM's plain linears, vLLM-Omni's ``FeedForward`` and layer norms as their kernels (``blocks/direct_calls.py``;
-  quantized, LoRA, tensor-parallel or hooked layers are called as modules).
+  time embedding is not keyed); on a miss, 8 small copies per block to make the unpacked tensors contiguous. The
+  guards and the temb entry are decided once per forward (``blocks/forward_scope.py``).
 Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``)
   Stock projects ``img_mod`` over ``temb = [emb(t); emb(0)]`` (2B rows) and, per image norm, builds three
   ``[B, L, D]`` tensors with ``torch.where(modulate_index, segment 1, segment 0)`` (``select01_modulation_native``, the
@@ -98,7 +96,6 @@ import torch.nn as nn
 from vllm_omni_ascend_opt.blocks import compiled_blocks, forward_scope, guards
 from vllm_omni_ascend_opt.blocks import targets as _targets
 from vllm_omni_ascend_opt.blocks.block_body import (
-    PLANS,
     READY,
     block_body,
     block_body_reason,
@@ -278,7 +275,6 @@ class SharedModulation(Optimization):
                 encoder_hidden_states_mask,
                 image_rotary_emb,
                 hidden_states_mask,
-                opt.stats,
             )
 
         forward.__wrapped__ = original_forward  # type: ignore[attr-defined]
@@ -385,7 +381,6 @@ class SharedModulation(Optimization):
             module.__class__ = cls
         self._swapped = weakref.WeakKeyDictionary()
         self.memo.clear()
-        PLANS.clear()  # the block plans (direct-call arguments) go with the body that used them
 
     # ----- attach -----------------------------------------------------------------------------------------
     def _attach(self, model: nn.Module) -> None:
