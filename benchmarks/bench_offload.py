@@ -62,7 +62,7 @@ REAL_DEPTH = 60
 @contextlib.contextmanager
 def storage_keyed_memo() -> Any:
     """The memo's weight signature with each weight's ``data_ptr`` added: what it keyed on before issue 21."""
-    from vllm_omni_ascend_opt.blocks import modulation_keys
+    from vllm_omni_ascend_opt.blocks.memo import keys as modulation_keys
 
     real = modulation_keys.tensor_state  # the per-call half of every weight signature
 
@@ -82,7 +82,7 @@ def child(name: str) -> dict[str, Any]:
     import torch
 
     from vllm_omni_ascend_opt import api, registry
-    from vllm_omni_ascend_opt.blocks.layerwise import is_modulation, layerwise_hooks
+    from vllm_omni_ascend_opt.blocks.upstream.layerwise import is_modulation, layerwise_hooks
     from vllm_omni_ascend_opt.testbed import REALWIDTH, TINY, build_model_dir
     from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
     from vllm_omni_ascend_opt.testbed.runner import RunnerHarness

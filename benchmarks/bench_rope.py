@@ -65,7 +65,7 @@ def main() -> int:
     import torch
 
     from vllm_omni_ascend_opt import _backend, api
-    from vllm_omni_ascend_opt.blocks import targets as _targets
+    from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
     from vllm_omni_ascend_opt.opts.rope import OPT
     from vllm_omni_ascend_opt.testbed import REALWIDTH, build_model_dir
     from vllm_omni_ascend_opt.testbed.opcount import OpCounter, count_module_calls

@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from vllm_omni_ascend_opt import api
-    from vllm_omni_ascend_opt.blocks.modulation_keys import modulation_linears
+    from vllm_omni_ascend_opt.blocks.memo.keys import modulation_linears
     from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

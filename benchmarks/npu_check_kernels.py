@@ -125,7 +125,7 @@ class Checker:
 
 
 def _tol(dtype: torch.dtype, stock_err: float) -> float:
-    from vllm_omni_ascend_opt.blocks import fusion_attention as fa
+    from vllm_omni_ascend_opt.blocks.kernels import npu_attention as fa
 
     return max(fa.ATOL[dtype], fa.STOCK_ERROR_FACTOR * stock_err)
 
@@ -141,7 +141,7 @@ def check_attention(ck: Checker, npu: Any, dtype: torch.dtype, n: int, d: int, t
     import torch.nn.functional as F
     from vllm_omni.diffusion.attention.backends.abstract import AttentionMetadata
 
-    from vllm_omni_ascend_opt.blocks import fusion_attention as fa
+    from vllm_omni_ascend_opt.blocks.kernels import npu_attention as fa
 
     dev = ck.device
     ck.section(f"fused_attention: {fa.KERNEL} vs stock SDPA (BSND, N={n}, D={d}, S={txt}+{img})")
@@ -285,7 +285,7 @@ def check_nz(ck: Checker, npu: Any, dtype: torch.dtype, hidden: int, img: int) -
 def check_rope(ck: Checker, npu: Any, dtype: torch.dtype, n: int, d: int, seq: int) -> None:
     from collections import Counter
 
-    from vllm_omni_ascend_opt.blocks import rope_tables, rotary
+    from vllm_omni_ascend_opt.blocks.kernels import rope_tables, rotary
     from vllm_omni_ascend_opt.opts import rope
 
     policy = "bitwise" if rope.OPT.requires_bitwise() else "pixel"

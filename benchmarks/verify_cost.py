@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(REPO))
     from tests.fake_torch_npu import install
-    from vllm_omni_ascend_opt.blocks import fusion_attention as fa
-    from vllm_omni_ascend_opt.blocks import rope_tables, rotary
+    from vllm_omni_ascend_opt.blocks.kernels import npu_attention as fa
+    from vllm_omni_ascend_opt.blocks.kernels import rope_tables, rotary
 
     mp = pytest.MonkeyPatch()
     npu = install(mp)

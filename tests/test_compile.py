@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from vllm_omni_ascend_opt import _report, api, registry
-from vllm_omni_ascend_opt.blocks import compiled_blocks
-from vllm_omni_ascend_opt.blocks.block_body import READY
-from vllm_omni_ascend_opt.blocks.joint_qkv import READY_ROPE
+from vllm_omni_ascend_opt.blocks.body import compiled_blocks
+from vllm_omni_ascend_opt.blocks.body.block_body import READY
+from vllm_omni_ascend_opt.blocks.body.joint_qkv import READY_ROPE
 from vllm_omni_ascend_opt.metrics import compare_images, to_uint8
 from vllm_omni_ascend_opt.opts._fast_tier import FAST_TIER_GATES
 from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
@@ -219,8 +219,8 @@ def test_status_of_a_compiled_transformer_without_inductor(runtime, granularity)
     from vllm_omni.diffusion.compile import regionally_compile
 
     from vllm_omni_ascend_opt import registry
-    from vllm_omni_ascend_opt.blocks import guards
-    from vllm_omni_ascend_opt.blocks.targets import TRANSFORMER
+    from vllm_omni_ascend_opt.blocks.upstream import guards
+    from vllm_omni_ascend_opt.blocks.upstream.targets import TRANSFORMER
     from vllm_omni_ascend_opt.testbed import TINY
     from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
 

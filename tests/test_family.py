@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from vllm_omni_ascend_opt import _plugin, _report, api, registry
-from vllm_omni_ascend_opt.blocks.modulation_keys import modulation_linears
+from vllm_omni_ascend_opt.blocks.memo.keys import modulation_linears
 from vllm_omni_ascend_opt.metrics import compare_images, passes_gates
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.testbed import TINY_FAMILY, build_model_dir

@@ -14,9 +14,9 @@ import torch.nn as nn
 
 from tests.test_shared_modulation import COPRIME, EQUAL, build, edit_inputs, fwd, inputs
 from vllm_omni_ascend_opt import api, flags, registry
-from vllm_omni_ascend_opt.blocks import modulation_keys as keys
-from vllm_omni_ascend_opt.blocks.block_body import FAST, NormMod
-from vllm_omni_ascend_opt.blocks.modulation_memo import ENV_BUDGET_MB
+from vllm_omni_ascend_opt.blocks.body.block_body import FAST, NormMod
+from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB
+from vllm_omni_ascend_opt.blocks.upstream import ada_norm
 from vllm_omni_ascend_opt.metrics import compare_images
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.opts.fast_modulate import OPT
@@ -208,7 +208,7 @@ def test_layernorm_with_own_affine_or_hooks_falls_back(runtime):
 
 def test_mindiesd_adalayernorm_falls_back(runtime, fake_npu, monkeypatch):
     fake_npu()
-    monkeypatch.setattr(sys.modules[keys.ADALAYERNORM_MODULE], "_HAS_MINDIESD", True)
+    monkeypatch.setattr(sys.modules[ada_norm.ADALAYERNORM_MODULE], "_HAS_MINDIESD", True)
     tr = build(runtime)
     for b in tr.transformer_blocks:
         for n in (b.img_norm1, b.img_norm2, b.txt_norm1, b.txt_norm2):
@@ -232,10 +232,10 @@ def test_dtype_and_shape_reasons_on_a_norm_mod(runtime):
     x = torch.randn(1, 5, d, dtype=torch.bfloat16)
     api.select("none,+shared_modulation,+fast_modulate")
     OPT.reset_stats()
-    mod = NormMod.unpack(scale, shift, gate, keys.NATIVE)
+    mod = NormMod.unpack(scale, shift, gate, ada_norm.NATIVE)
     assert torch.equal(mod.norm(norm, x), norm.layernorm(x) * mod.first + mod.shift)
     assert "dtypes differ" in next(iter(OPT.fallback_reasons()))
     OPT.reset_stats()
-    flat = NormMod.unpack(scale[:, 0], shift[:, 0], gate[:, 0], keys.NATIVE)  # [B, D]: no token axis
+    flat = NormMod.unpack(scale[:, 0], shift[:, 0], gate[:, 0], ada_norm.NATIVE)  # [B, D]: no token axis
     flat.norm(norm, x.float())
     assert "not one [B, 1, D] row" in next(iter(OPT.fallback_reasons())) and OPT.ran() == 0

@@ -13,8 +13,8 @@ import torch
 from tests.test_fast_modulate import bf16_pipe, gates, warm_block  # noqa: F401  (bf16_pipe: a fixture)
 from tests.test_shared_modulation import COPRIME, EQUAL, UNEQUAL, build, edit_inputs, fwd, inputs
 from vllm_omni_ascend_opt import api, flags, registry
-from vllm_omni_ascend_opt.blocks import modulation_keys as keys
-from vllm_omni_ascend_opt.blocks.block_body import FAST, NormMod
+from vllm_omni_ascend_opt.blocks.body.block_body import FAST, NormMod
+from vllm_omni_ascend_opt.blocks.upstream import ada_norm
 from vllm_omni_ascend_opt.opts.fast_residual import OPT
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
@@ -123,7 +123,7 @@ def test_mixed_dtypes_fall_back(runtime):
     """Stock promotes ``x + gate * y`` across dtypes; addcmul would not: the reason is counted, stock's ops run."""
     d = TINY.inner_dim
     scale, shift, gate = (torch.randn(1, 1, d, dtype=torch.bfloat16) for _ in range(3))
-    mod = NormMod.unpack(scale, shift, gate, keys.NATIVE)
+    mod = NormMod.unpack(scale, shift, gate, ada_norm.NATIVE)
     x, y = torch.randn(1, 5, d), torch.randn(1, 5, d, dtype=torch.bfloat16)
     api.select("none,+shared_modulation,+fast_residual")
     OPT.reset_stats()

@@ -14,7 +14,7 @@ import torch
 
 from tests.fake_torch_npu.formats import FakeNpuError
 from vllm_omni_ascend_opt import api
-from vllm_omni_ascend_opt.blocks import fusion_attention as fab
+from vllm_omni_ascend_opt.blocks.kernels import npu_attention as fab
 from vllm_omni_ascend_opt.opts import fused_attention as fa
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
 from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline

@@ -75,7 +75,7 @@ def test_per_forward_decisions_are_remade_every_forward(runtime):
     """The guards are decided once per forward: a forward under autograd after one without must see autograd (the
     joint path steps aside, with its reason), and the next one without must act again."""
     from vllm_omni_ascend_opt import api
-    from vllm_omni_ascend_opt.blocks import forward_scope
+    from vllm_omni_ascend_opt.blocks.upstream import forward_scope
 
     tr = _build(runtime)
     kw = _inputs(tr)
@@ -175,7 +175,7 @@ def test_rotation_tables_are_decided_per_forward(runtime, spec):
 def test_joint_rms_norm_composite_branch_is_the_pieces(monkeypatch):
     """``torch.rms_norm`` without weight on the opmath input (CPU/NPU) is bitwise the hand-written pieces, at the
     real head dim, for every float dtype."""
-    from vllm_omni_ascend_opt.blocks import joint_qkv as jam
+    from vllm_omni_ascend_opt.blocks.body import joint_qkv as jam
 
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -16,9 +16,10 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import api, registry
-from vllm_omni_ascend_opt.blocks import compiled_blocks, rope_tables
-from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.joint_qkv import READY_ROPE
+from vllm_omni_ascend_opt.blocks.body import compiled_blocks
+from vllm_omni_ascend_opt.blocks.body.joint_qkv import READY_ROPE
+from vllm_omni_ascend_opt.blocks.kernels import rope_tables
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.opts import joint_attention as ja
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls

@@ -3,7 +3,7 @@ the memo leaves every block's img_mod / txt_mod weights but block 0's on the hos
 testbed/offload.py), bitwise stock's output, with TeaCache and MagCache too; a cold forward, a LoRA switch and a memo
 that loses an entry copy what the blocks read; the status says what runs.
 
-The memo keys weights on identity and version, not storage nor shape (issue 21's re-key, blocks/modulation_keys.py):
+The memo keys weights on identity and version, not storage nor shape (issue 21's re-key, blocks/memo/keys.py):
 the offloader renews a block's storage every forward and leaves (0,)-shaped placeholders between forwards. With a
 memo that keys on storage (as before the re-key) the optimization copies everything (exact, no gain), checked last.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_omni_ascend_opt import _report, api, registry
-from vllm_omni_ascend_opt.blocks.layerwise import block_hook, is_modulation
+from vllm_omni_ascend_opt.blocks.upstream.layerwise import block_hook, is_modulation
 from vllm_omni_ascend_opt.opts import memo_aware_offload as mao
 from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
 from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
@@ -223,7 +223,7 @@ def test_storage_keyed_memo_copies_everything_bitwise(runtime, monkeypatch):
     depending on what ran before in the process)."""
     import itertools
 
-    from vllm_omni_ascend_opt.blocks import modulation_keys
+    from vllm_omni_ascend_opt.blocks.memo import keys as modulation_keys
 
     real = modulation_keys.tensor_state
     fresh = itertools.count()
@@ -244,7 +244,7 @@ def test_storage_keyed_memo_copies_everything_bitwise(runtime, monkeypatch):
 def test_the_byte_counter_counts_only_copies_out_of_the_offloaders_host_weights(runtime):
     """testbed/offload.py: a copy from any other tensor (the model copies tensors too) is not host->device traffic of
     the offloader; a copy out of a block's host weights is, with its bytes."""
-    from vllm_omni_ascend_opt.blocks.layerwise import host_weights
+    from vllm_omni_ascend_opt.blocks.upstream.layerwise import host_weights
 
     api.select("none")
     h = RunnerHarness.load(runtime, enable_layerwise_offload=True)

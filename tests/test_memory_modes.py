@@ -163,7 +163,7 @@ def test_the_ablation_engine_loads_the_workload_modes_through_vllm_omnis_runner(
     the tiles)."""
     from vllm_omni_ascend_opt.ablation.engines import TestbedEngine
     from vllm_omni_ascend_opt.ablation.workload import load_workload
-    from vllm_omni_ascend_opt.blocks.layerwise import layerwise_hooks
+    from vllm_omni_ascend_opt.blocks.upstream.layerwise import layerwise_hooks
 
     wl = load_workload(workload)
     job = {

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from tests.fake_torch_npu import formats
 from vllm_omni_ascend_opt import _report, api, registry
-from vllm_omni_ascend_opt.blocks import targets, upstream
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints, targets
 from vllm_omni_ascend_opt.opts import nz_weights
 from vllm_omni_ascend_opt.testbed import tiny_model_21 as t21
 
@@ -45,7 +45,7 @@ def test_nz_weights_never_casts_on_qwen_image_21(fake_npu):
     control = _stand_in("SomePipeline", "somewhere.else")
     api.select("none,+nz_weights", model=control)
     assert len(nz_weights.OPT.report(control)["cast"]) == 2  # the same stack is cast under another class
-    q21 = _stand_in("QwenImage21Pipeline", f"{upstream.QWEN_IMAGE_21_PACKAGE}.pipeline_qwen_image_21")
+    q21 = _stand_in("QwenImage21Pipeline", f"{fingerprints.QWEN_IMAGE_21_PACKAGE}.pipeline_qwen_image_21")
     calls = fake.calls["npu_format_cast"]
     api.select("none,+nz_weights", model=q21)
     assert not nz_weights.OPT.is_attached(q21) and nz_weights.OPT.report(q21)["cast"] == []
@@ -59,7 +59,7 @@ def test_nz_weights_never_casts_on_qwen_image_21(fake_npu):
 def test_every_optimization_names_qwen_image_21_first():
     importlib.import_module(targets.TRANSFORMER)
     importlib.import_module(targets.DIST_VAE)
-    q21 = _stand_in("QwenImage21Pipeline", f"{upstream.QWEN_IMAGE_21_PACKAGE}.pipeline_qwen_image_21")
+    q21 = _stand_in("QwenImage21Pipeline", f"{fingerprints.QWEN_IMAGE_21_PACKAGE}.pipeline_qwen_image_21")
     api.select("all", model=q21)
     for opt in registry.all_optimizations():
         assert opt.on_qwen_image_21, opt.name  # each says why, in its own words
@@ -91,8 +91,8 @@ def _snapshot(model: nn.Module) -> dict:
 @pytest.mark.versions
 @needs_21
 def test_real_qwen_image_21_is_recognised_and_left_alone(pipe21, runtime):
-    assert upstream.qwen_image_21(pipe21) == "QwenImage21Pipeline"
-    assert upstream.qwen_image_21(pipe21.transformer) == "QwenImage21Transformer2DModel"
+    assert fingerprints.qwen_image_21(pipe21) == "QwenImage21Pipeline"
+    assert fingerprints.qwen_image_21(pipe21.transformer) == "QwenImage21Transformer2DModel"
     lat = t21.latents(pipe21)
 
     def decode() -> torch.Tensor:

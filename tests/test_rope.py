@@ -17,8 +17,8 @@ from torch.overrides import TorchFunctionMode
 
 from tests.fake_torch_npu import rotary as fake_rotary
 from vllm_omni_ascend_opt import api
-from vllm_omni_ascend_opt.blocks import rope_tables, rotary
-from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.kernels import rope_tables, rotary
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.opts import rope as rope_mod
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import OpCounter, count_module_calls

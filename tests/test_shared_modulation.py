@@ -18,9 +18,10 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import api, registry
-from vllm_omni_ascend_opt.blocks import modulation_keys as keys
-from vllm_omni_ascend_opt.blocks.block_body import NormMod
-from vllm_omni_ascend_opt.blocks.modulation_memo import ENV_BUDGET_MB, ModulationMemo
+from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
+from vllm_omni_ascend_opt.blocks.memo import keys
+from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, ModulationMemo
+from vllm_omni_ascend_opt.blocks.upstream import ada_norm
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import OpCounter, TensorReadCounter, count_module_calls
@@ -453,7 +454,7 @@ def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplo
     with TensorReadCounter(mod_tensors(tr)) as reads:
         got = fwd(tr, runtime, kw)
         d = TINY.inner_dim
-        mod = NormMod.unpack(*(torch.randn(1, 1, d) for _ in range(3)), keys.NATIVE)
+        mod = NormMod.unpack(*(torch.randn(1, 1, d) for _ in range(3)), ada_norm.NATIVE)
         x = torch.randn(1, 3, d)
         block = tr.transformer_blocks[0]
         assert torch.equal(mod.norm(block.img_norm1, x), block.img_norm1.layernorm(x) * mod.first + mod.shift)
@@ -535,7 +536,7 @@ class _LayerNormEvalSpy:
 @pytest.mark.parametrize("mindiesd", [False, True], ids=["torch_npu", "mindiesd"])
 def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd):
     T()  # imports the model modules when this test runs alone
-    ada_mod = sys.modules[keys.ADALAYERNORM_MODULE]
+    ada_mod = sys.modules[ada_norm.ADALAYERNORM_MODULE]
     fake = fake_npu()
     spy = _LayerNormEvalSpy()
     monkeypatch.setattr(fake, "npu_layer_norm_eval", spy, raising=False)
@@ -544,7 +545,7 @@ def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd
     norms = [n for b in tr.transformer_blocks for n in (b.img_norm1, b.img_norm2, b.txt_norm1, b.txt_norm2)]
     for n in norms:  # what CustomOp binds at construction on an NPU platform
         n._forward_method = n.forward_npu
-    assert {keys.norm_kind(n) for n in norms} == {keys.OPAQUE if mindiesd else keys.NPU_EVAL}
+    assert {ada_norm.norm_kind(n) for n in norms} == {ada_norm.OPAQUE if mindiesd else ada_norm.NPU_EVAL}
     kw = inputs(torch.float32, batch=2, pad=2)
     api.select("none", model=tr)
     want = fwd(tr, runtime, kw)
@@ -761,7 +762,7 @@ def test_two_segment_fallbacks(runtime, monkeypatch):
 
 def test_two_segment_npu_adalayernorm_bitwise(runtime, fake_npu, monkeypatch):
     """On an NPU without MindIE-SD stock's image norms are npu_layer_norm_eval(x) * (1 + scale) + shift."""
-    ada_mod = sys.modules[keys.ADALAYERNORM_MODULE]
+    ada_mod = sys.modules[ada_norm.ADALAYERNORM_MODULE]
     fake = fake_npu()
     spy = _LayerNormEvalSpy()  # marked result: a native LayerNorm in its place could not be bitwise-equal
     monkeypatch.setattr(fake, "npu_layer_norm_eval", spy, raising=False)

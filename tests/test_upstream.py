@@ -1,4 +1,4 @@
-"""Gate by the code, not the version (issue 22): ``blocks/upstream.py`` and the ``upstream`` tables.
+"""Gate by the code, not the version (issue 22): ``blocks/upstream/fingerprints.py`` and the ``upstream`` tables.
 
 * A synthetic upstream module in a temporary directory: a function whose source differs from every known fingerprint
   turns its optimization off with a reason naming the function and the releases it knows; ``FORCE`` installs it
@@ -32,9 +32,8 @@ import torch
 from tests import test_shared_modulation as sm
 from vllm_omni_ascend_opt import _plugin, api, flags, registry
 from vllm_omni_ascend_opt._state import STATE
-from vllm_omni_ascend_opt.blocks import modulation_keys as keys
-from vllm_omni_ascend_opt.blocks import upstream
-from vllm_omni_ascend_opt.blocks.upstream import ABSENT, Upstream
+from vllm_omni_ascend_opt.blocks.upstream import ada_norm, fingerprints
+from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, Upstream
 from vllm_omni_ascend_opt.optimization import Optimization
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,14 +73,14 @@ def probe(monkeypatch, tmp_path):
     path = tmp_path / "ascend_opt_upstream_probe.py"
     path.write_text(_src(METHOD_V1))
     monkeypatch.syspath_prepend(str(tmp_path))
-    upstream._TOP_LEVEL.pop("ascend_opt_upstream_probe", None)
+    fingerprints._TOP_LEVEL.pop("ascend_opt_upstream_probe", None)
     sys.modules.pop("ascend_opt_upstream_probe", None)
     opt = registry.register_optimization(_Probe())
     yield opt, path
     opt.uninstall()
     registry.REGISTRY.remove(opt.name)
     sys.modules.pop("ascend_opt_upstream_probe", None)
-    upstream._TOP_LEVEL.pop("ascend_opt_upstream_probe", None)
+    fingerprints._TOP_LEVEL.pop("ascend_opt_upstream_probe", None)
 
 
 def _rewrite(path: Path, text: str) -> None:
@@ -142,7 +141,9 @@ def test_a_newer_release_fingerprint_listed_as_known_is_accepted(probe, monkeypa
     assert opt.reasons_inactive() == []
     (finding,) = opt.upstream_findings()
     assert finding.matches == ("0.99.0",)
-    assert upstream.summary([finding]) == "1/1 upstream functions match a known fingerprint (as in vLLM-Omni 0.99.0)"
+    assert (
+        fingerprints.summary([finding]) == "1/1 upstream functions match a known fingerprint (as in vLLM-Omni 0.99.0)"
+    )
     _rewrite(path, _src(METHOD_V1))
     assert opt.reasons_inactive() == [] and opt.upstream_findings()[0].matches == ("0.30.0",)
 
@@ -161,15 +162,15 @@ def test_absent_is_a_fingerprint(probe, monkeypatch):
 def test_platform_declarations_are_checked_only_on_their_platform(probe, fake_npu):
     _opt, _path = probe
     decl = Upstream("ascend_opt_upstream_probe", "C.m", {"0" * 16: ("0.30.0",)}, ("cuda",))
-    assert upstream.reasons([decl], "p", platform="cpu") == []
-    assert upstream.reasons([decl], "p", platform="npu") == []
-    (why,) = upstream.reasons([decl], "p", platform="cuda")
+    assert fingerprints.reasons([decl], "p", platform="cpu") == []
+    assert fingerprints.reasons([decl], "p", platform="npu") == []
+    (why,) = fingerprints.reasons([decl], "p", platform="cuda")
     assert why.startswith("upstream C.m (on cuda) differs")
-    (finding,) = upstream.check([decl], platform="cpu")
-    assert not finding.applies and finding.ok and "not checked on" in upstream.summary([finding])
-    assert upstream.current_platform() == "cpu"
+    (finding,) = fingerprints.check([decl], platform="cpu")
+    assert not finding.applies and finding.ok and "not checked on" in fingerprints.summary([finding])
+    assert fingerprints.current_platform() == "cpu"
     fake_npu()
-    assert upstream.current_platform() == "npu"  # the plugin's one torch_npu probe decides
+    assert fingerprints.current_platform() == "npu"  # the plugin's one torch_npu probe decides
 
 
 def test_a_function_replaced_at_run_time_is_a_difference(probe, monkeypatch):
@@ -216,7 +217,7 @@ def test_newer_release_with_known_code_just_works_with_one_info_note(monkeypatch
 def test_only_the_floor_is_a_version_fact(version, refused):
     STATE.check_version(version)
     assert (STATE.version_error is not None) is refused
-    assert (STATE.version_note is not None) is (not refused and version not in upstream.KNOWN_OMNI)
+    assert (STATE.version_note is not None) is (not refused and version not in fingerprints.KNOWN_OMNI)
     STATE.reset()
 
 
@@ -242,16 +243,16 @@ def test_source_fingerprints_equal_inspect_getsource():
         if (d.module, d.qualname) in seen:
             continue
         seen.add((d.module, d.qualname))
-        fp = upstream.fingerprint(d.module, d.qualname)
+        fp = fingerprints.fingerprint(d.module, d.qualname)
         mod = importlib.import_module(d.module)
-        found, obj = upstream.live(d.module, d.qualname)
+        found, obj = fingerprints.live(d.module, d.qualname)
         if fp == ABSENT:
             assert not found, d
             continue
         assert found, d
         fn = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
         assert _fp(inspect.getsource(fn)) == fp, d
-        assert upstream.replacement(d.module, d.qualname) == "", d
+        assert fingerprints.replacement(d.module, d.qualname) == "", d
         assert mod.__name__ == d.module
 
 
@@ -259,16 +260,16 @@ def test_source_fingerprints_equal_inspect_getsource():
 def test_declared_code_is_known_for_this_release():
     """Every function every optimization declares matches a fingerprint listed for the installed release (on every
     platform: the per-platform ones too), so each table says exactly which code each release ships."""
-    if OMNI not in upstream.KNOWN_OMNI:
+    if OMNI not in fingerprints.KNOWN_OMNI:
         pytest.skip(f"vllm-omni {OMNI} is not a release the tables list")
     wrong = {}
     for owner, d in _declarations():
-        fp = upstream.fingerprint(d.module, d.qualname)
+        fp = fingerprints.fingerprint(d.module, d.qualname)
         if OMNI not in d.known.get(fp, ()):
             wrong[f"{owner}: {d.name}"] = fp
     assert wrong == {}
-    for plat in upstream.PLATFORMS:
-        assert {o.name: upstream.reasons(o.upstream, o.name, plat) for o in registry.all_optimizations()} == {
+    for plat in fingerprints.PLATFORMS:
+        assert {o.name: fingerprints.reasons(o.upstream, o.name, plat) for o in registry.all_optimizations()} == {
             o.name: [] for o in registry.all_optimizations()
         }
 
@@ -314,7 +315,7 @@ class _FusedAdaLNSpy:
 
 def _forward_cuda_032(self, x, scale, shift):
     """0.32.0rc1's ``AdaLayerNorm.forward_cuda`` (adalayernorm.py lines 315-326), for releases before it."""
-    fused = sys.modules[keys.ADALAYERNORM_MODULE]._adaln_fused_forward
+    fused = sys.modules[ada_norm.ADALAYERNORM_MODULE]._adaln_fused_forward
     if fused is None:
         return self.forward_native(x, scale, shift)
     out = fused(self, x, scale, shift)
@@ -326,13 +327,13 @@ def ada(monkeypatch, runtime):
     """vLLM-Omni's adalayernorm module with 0.32.0rc1's forward_cuda (its own on 0.32; a copy before, so that the
     adaptation is tested on every release); the memo's native set is looked up afresh."""
     sm.T()
-    mod = sys.modules[keys.ADALAYERNORM_MODULE]
+    mod = sys.modules[ada_norm.ADALAYERNORM_MODULE]
     if "_adaln_fused_forward" not in vars(mod):
         monkeypatch.setattr(mod.AdaLayerNorm, "forward_cuda", _forward_cuda_032)
         monkeypatch.setattr(mod, "_adaln_fused_forward", None, raising=False)
-    monkeypatch.setattr(keys, "_UP", [])
+    monkeypatch.setattr(ada_norm, "_UP", [])
     yield mod
-    keys._UP.clear()
+    ada_norm._UP.clear()
 
 
 def _norms(tr) -> list:
@@ -348,7 +349,7 @@ def test_forward_cuda_is_native_only_without_the_fused_kernel(ada, runtime, monk
     norms = _norms(tr)
     for n in norms:  # what CustomOp binds at construction on a CUDA platform
         n._forward_method = n.forward_cuda
-    assert {keys.norm_kind(n) for n in norms} == {keys.OPAQUE if kernel else keys.NATIVE}
+    assert {ada_norm.norm_kind(n) for n in norms} == {ada_norm.OPAQUE if kernel else ada_norm.NATIVE}
     kw = sm.inputs(torch.float32, batch=2, pad=2)
     api.select("none", model=tr)
     want = sm.fwd(tr, runtime, kw)
@@ -366,12 +367,12 @@ def test_forward_musa_is_native_where_adalayernorm_defines_it(ada, runtime, monk
     norms = _norms(tr)
     if "forward_musa" not in vars(ada.AdaLayerNorm):  # before 0.32: CustomOp's (-> forward_cuda), called as it is
         norms[0]._forward_method = norms[0].forward_musa
-        assert keys.norm_kind(norms[0]) == keys.OPAQUE
+        assert ada_norm.norm_kind(norms[0]) == ada_norm.OPAQUE
         monkeypatch.setattr(ada.AdaLayerNorm, "forward_musa", _forward_musa_032, raising=False)
-        keys._UP.clear()
+        ada_norm._UP.clear()
     for n in norms:
         n._forward_method = n.forward_musa
-    assert {keys.norm_kind(n) for n in norms} == {keys.NATIVE}
+    assert {ada_norm.norm_kind(n) for n in norms} == {ada_norm.NATIVE}
     kw = sm.inputs(torch.float32, batch=2, pad=2)
     api.select("none", model=tr)
     want = sm.fwd(tr, runtime, kw)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
 
 
 def test_get_put_and_get_or_make():

@@ -35,7 +35,7 @@ import torch
 
 from vllm_omni_ascend_opt import _plugin, _report, api, flags, registry
 from vllm_omni_ascend_opt._state import release_tuple
-from vllm_omni_ascend_opt.blocks import upstream
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints
 from vllm_omni_ascend_opt.testbed import TINY_FAMILY, build_model_dir
 from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline, sample_image
 
@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 OMNI = metadata.version("vllm-omni")
 SERIES = ".".join(OMNI.split(".")[:2])
 #: Above the floor: what installs is then decided by the code (the fingerprints), not by this version string.
-SUPPORTED = release_tuple(OMNI) >= upstream.MIN_OMNI
+SUPPORTED = release_tuple(OMNI) >= fingerprints.MIN_OMNI
 FORCED = flags.force_from_env()
 #: The default optimizations that act on CPU (the others need torch_npu) on a version the plugin fully supports.
 NPU_FREE_DEFAULT = ["shared_modulation", "rope", "vae_exact", "joint_attention"]

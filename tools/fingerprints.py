@@ -6,7 +6,7 @@
 
 What to do with a new vLLM-Omni release (issue 22): install it, run this, and for each function marked ``NEW``
 redo the exactness argument of the optimizations that declare it (read the diff), adapt them where needed, then add
-the fingerprint with the release to their ``upstream`` tables (``blocks/targets.py`` for shared declarations). Until
+the fingerprint with the release to their ``upstream`` tables (``blocks/upstream/targets.py`` for shared declarations). Until
 then those optimizations stay off there with a reason naming the function. Nothing of vLLM-Omni is imported.
 """
 
@@ -21,13 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_omni_ascend_opt import registry
-from vllm_omni_ascend_opt.blocks import upstream
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints
 
 
 def rows() -> list[dict]:
     out = []
     for opt in registry.all_optimizations():
-        for f in upstream.check(opt.upstream, platform="cpu"):
+        for f in fingerprints.check(opt.upstream, platform="cpu"):
             out.append(
                 {"optimization": opt.name, **f.as_dict(), "known": {k: list(v) for k, v in f.decl.known.items()}}
             )

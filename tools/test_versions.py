@@ -51,9 +51,9 @@ SELECTION: dict[str, tuple[str, ...]] = {
 }
 BASE_RELEASE = "0.30.0"
 _CHANGED = (
-    "import json; from vllm_omni_ascend_opt import registry; from vllm_omni_ascend_opt.blocks import upstream; "
+    "import json; from vllm_omni_ascend_opt import registry; from vllm_omni_ascend_opt.blocks.upstream import fingerprints; "
     "print(json.dumps(sorted({o.name for o in registry.all_optimizations() "
-    f"for f in upstream.check(o.upstream) if {BASE_RELEASE!r} not in f.decl.known.get(f.fingerprint, ())}})))"
+    f"for f in fingerprints.check(o.upstream) if {BASE_RELEASE!r} not in f.decl.known.get(f.fingerprint, ())}})))"
 )
 
 

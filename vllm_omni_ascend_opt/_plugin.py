@@ -8,7 +8,7 @@ optimizations whose targets are now all present are installed. Modules already i
 
 What installs is decided by the upstream code, not by the version string: each optimization declares the upstream
 functions it patches or mirrors with the source fingerprints it knows (``Optimization.upstream``,
-:mod:`vllm_omni_ascend_opt.blocks.upstream`) and stays off with a reason where one differs. The only version fact
+:mod:`vllm_omni_ascend_opt.blocks.upstream.fingerprints`) and stays off with a reason where one differs. The only version fact
 left is the floor (vLLM-Omni >= 0.30) and an INFO note for a release the plugin was not checked on
 (:meth:`vllm_omni_ascend_opt._state.PluginState.check_version`). ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` installs anyway,
 with one warning per optimization whose code differs.
@@ -26,7 +26,7 @@ from importlib import metadata
 from vllm_omni_ascend_opt import _report, flags, registry
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt._state import LOCK, STATE
-from vllm_omni_ascend_opt.blocks import upstream
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints
 from vllm_omni_ascend_opt.optimization import fully_imported
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -164,7 +164,7 @@ def install_ready() -> list[str]:
 def _warn_if_forced(opt) -> None:
     """Under ``VLLM_OMNI_ASCEND_OPT_FORCE``: one warning for an optimization installed although upstream code it
     patches or mirrors differs from every fingerprint it knows (nothing when it all matches)."""
-    if not upstream.forced() or not opt.upstream:
+    if not fingerprints.forced() or not opt.upstream:
         return
     differs = [f.reason(opt.name) for f in opt.upstream_findings() if not f.ok]
     if differs:
@@ -172,7 +172,7 @@ def _warn_if_forced(opt) -> None:
             "vllm-omni-ascend-opt: installing %s although %s (%s=1; its exactness is not established here).",
             opt.name,
             "; ".join(differs),
-            upstream.ENV_FORCE,
+            fingerprints.ENV_FORCE,
         )
 
 

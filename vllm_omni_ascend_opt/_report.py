@@ -35,7 +35,7 @@ from typing import Any
 from vllm_omni_ascend_opt import flags, registry
 from vllm_omni_ascend_opt._state import STATE
 from vllm_omni_ascend_opt._version import __version__
-from vllm_omni_ascend_opt.blocks import guards
+from vllm_omni_ascend_opt.blocks.upstream import guards
 from vllm_omni_ascend_opt.optimization import Optimization
 
 ENV_STATUS_FILE = "VLLM_OMNI_ASCEND_OPT_STATUS_FILE"

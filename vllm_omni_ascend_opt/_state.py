@@ -3,7 +3,7 @@ be patched.
 
 Written by ``_plugin`` (``register()``, ``set_selected``); read downward by the report, the API and the CLI. Each
 optimization answers for itself whether it acts (``Optimization.reasons_inactive``, which includes whether the
-upstream code it patches or mirrors matches a fingerprint it knows: :mod:`vllm_omni_ascend_opt.blocks.upstream`);
+upstream code it patches or mirrors matches a fingerprint it knows: :mod:`vllm_omni_ascend_opt.blocks.upstream.fingerprints`);
 this object adds the facts that belong to the plugin: the selection, a bad flag, and the one version fact left,
 the installed vLLM-Omni release: missing or older than 0.30 (nothing is patched unless forced), or newer than the
 releases the plugin was checked on (one INFO note; each optimization still installs where its code matches).
@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 
 from vllm_omni_ascend_opt import flags
-from vllm_omni_ascend_opt.blocks import upstream
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints
 
 
 def release_tuple(version: str) -> tuple[int, ...]:
@@ -36,9 +36,9 @@ class PluginState:
     #: The installed vLLM-Omni version, as ``register()`` read it (None: not read, or not installed).
     omni_version: str | None = None
     #: Why the installed vLLM-Omni cannot be patched at all: not installed, or older than
-    #: :data:`~vllm_omni_ascend_opt.blocks.upstream.MIN_OMNI` (nothing is patched unless forced).
+    #: :data:`~vllm_omni_ascend_opt.blocks.upstream.fingerprints.MIN_OMNI` (nothing is patched unless forced).
     version_error: str | None = None
-    #: A release the plugin was not checked on (not in :data:`~vllm_omni_ascend_opt.blocks.upstream.KNOWN_OMNI`):
+    #: A release the plugin was not checked on (not in :data:`~vllm_omni_ascend_opt.blocks.upstream.fingerprints.KNOWN_OMNI`):
     #: logged once at INFO; optimizations install where their upstream code matches a known fingerprint.
     version_note: str | None = None
 
@@ -46,20 +46,20 @@ class PluginState:
         """Record the installed vLLM-Omni ``version`` and what it means (:attr:`version_error`,
         :attr:`version_note`). The version decides only the floor; the code decides the rest."""
         self.omni_version, self.version_error, self.version_note = version, None, None
-        floor = ".".join(map(str, upstream.MIN_OMNI))
+        floor = ".".join(map(str, fingerprints.MIN_OMNI))
         if version is None:
             self.version_error = f"vllm-omni is not installed (the plugin patches vLLM-Omni >= {floor})"
             return
         rel = release_tuple(version)
-        if not rel or rel < upstream.MIN_OMNI:
+        if not rel or rel < fingerprints.MIN_OMNI:
             self.version_error = (
                 f"vllm-omni {version} is not a supported version (supported: vLLM-Omni >= {floor} whose code "
                 "matches the plugin's known source fingerprints)"
             )
-        elif version not in upstream.KNOWN_OMNI:
+        elif version not in fingerprints.KNOWN_OMNI:
             self.version_note = (
                 f"vllm-omni {version} is not one of the releases the plugin was checked on "
-                f"({', '.join(upstream.KNOWN_OMNI)}): each optimization installs only where the upstream code it "
+                f"({', '.join(fingerprints.KNOWN_OMNI)}): each optimization installs only where the upstream code it "
                 "patches or mirrors matches a known source fingerprint (vllm-omni-ascend-opt list shows which)"
             )
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 
 from vllm_omni_ascend_opt import registry
-from vllm_omni_ascend_opt.blocks import upstream
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints
 
 ENV_FLAG = "VLLM_OMNI_ASCEND_OPT"
 ENV_STRICT = "VLLM_OMNI_ASCEND_OPT_STRICT"
 #: Install even where upstream code (or the vLLM-Omni version) is not one the plugin knows: owned by the upstream
-#: gate (:mod:`vllm_omni_ascend_opt.blocks.upstream`), named here with the other variables.
-ENV_FORCE = upstream.ENV_FORCE
+#: gate (:mod:`vllm_omni_ascend_opt.blocks.upstream.fingerprints`), named here with the other variables.
+ENV_FORCE = fingerprints.ENV_FORCE
 BASES = ("default", "all", "none")
 
 
@@ -79,7 +79,7 @@ def strict_from_env() -> bool:
 
 
 def force_from_env() -> bool:
-    return upstream.forced()
+    return fingerprints.forced()
 
 
 def _truthy(v: str | None) -> bool:

@@ -20,7 +20,7 @@ reports (``list``, ``status()``, the INFO line, the status file, the ablation wo
 
 Each optimization also owns its statistics (:attr:`Optimization.stats`), its fallback reasons (why calls ran stock
 code, :meth:`Optimization.fallback_reasons`) and the memory its caches hold (:meth:`Optimization.cache_memory`).
-Bookkeeping never happens inside a traced forward: patched code checks :func:`blocks.guards.tracing` first.
+Bookkeeping never happens inside a traced forward: patched code checks :func:`blocks.upstream.guards.tracing` first.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt._parallel import parallel_reasons_inactive
 from vllm_omni_ascend_opt._patching import PatchSet
-from vllm_omni_ascend_opt.blocks import guards
-from vllm_omni_ascend_opt.blocks import upstream as _upstream
-from vllm_omni_ascend_opt.blocks.upstream import Upstream
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints as _upstream
+from vllm_omni_ascend_opt.blocks.upstream import guards
+from vllm_omni_ascend_opt.blocks.upstream.fingerprints import Upstream
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
@@ -121,11 +121,11 @@ class Optimization:
     #: Why it has no maintainers' patch in ``patches/`` (empty: it has one; tests/test_patches.py checks both).
     no_patch_reason: ClassVar[str] = ""
     #: The upstream functions it patches, replaces or mirrors, with the source fingerprints it knows per vLLM-Omni
-    #: release (:mod:`vllm_omni_ascend_opt.blocks.upstream`): it installs where each matches a known fingerprint,
+    #: release (:mod:`vllm_omni_ascend_opt.blocks.upstream.fingerprints`): it installs where each matches a known fingerprint,
     #: and stays off with the function and the versions it knows where one differs (unless forced).
     upstream: ClassVar[tuple[Upstream, ...]] = ()
     #: Why it stays off on vLLM-Omni's Qwen-Image-2.1 (what upstream already does there); "" when it handles 2.1
-    #: itself. Checked before anything else for a model (:func:`~vllm_omni_ascend_opt.blocks.upstream.qwen_image_21`).
+    #: itself. Checked before anything else for a model (:func:`~vllm_omni_ascend_opt.blocks.upstream.fingerprints.qwen_image_21`).
     on_qwen_image_21: ClassVar[str] = "it is written for Qwen-Image (1.x) and does not know this model"
 
     def __init__(self) -> None:

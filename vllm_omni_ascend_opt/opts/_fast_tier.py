@@ -1,8 +1,8 @@
-"""The fast tier's common base: close-tier modes of the memoized block body (``blocks/block_body.py``).
+"""The fast tier's common base: close-tier modes of the memoized block body (``blocks/body/block_body.py``).
 
 Each fast-tier optimization (``fast_modulate``, ``fast_residual``) is its own flag, off by default and part of
 ``all``. It patches nothing itself: ``install`` registers it as the owner of its mode in
-:data:`~vllm_omni_ascend_opt.blocks.block_body.FAST` (``uninstall`` unregisters), and the block body, which
+:data:`~vllm_omni_ascend_opt.blocks.body.block_body.FAST` (``uninstall`` unregisters), and the block body, which
 ``shared_modulation``'s patched block forward runs, reports each call of the mode to it: its own :attr:`stats`
 (``ran``) and fallback reasons. Without ``shared_modulation`` the stock block runs and the mode does nothing
 (``needs``: its reasons become this one's). It never imports ``shared_modulation``: what both use lives in
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.block_body import FAST, block_body_reason
-from vllm_omni_ascend_opt.blocks.modulation_keys import find_transformers
+from vllm_omni_ascend_opt.blocks.body.block_body import FAST, block_body_reason
+from vllm_omni_ascend_opt.blocks.memo.keys import find_transformers
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.optimization import Optimization
 
 #: The fast tier's gates (SSIM, PSNR dB): tighter than the workload's defaults (0.99 / 35 dB, sized for vae_fast).
@@ -25,7 +25,7 @@ FAST_TIER_GATES = (0.999, 45.0)
 
 class FastBlockMode(Optimization):
     """A close-tier mode of the memoized block body (subclasses set ``name``, ``summary``, ``mode``); the
-    :class:`~vllm_omni_ascend_opt.blocks.block_body.ModeOwner` of its mode while installed."""
+    :class:`~vllm_omni_ascend_opt.blocks.body.block_body.ModeOwner` of its mode while installed."""
 
     mode: ClassVar[str]
     equivalence = "close"

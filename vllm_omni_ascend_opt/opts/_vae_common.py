@@ -12,7 +12,7 @@ The two optimizations patch disjoint attributes (``vae_exact``: ``_decode``, ``t
 ``clear_cache``, upsample and 1x1x1 convolution forwards, ``_decode_latents``; ``vae_fast``: 3x3x3 / 3x1x1 causal
 convolution and RMS-norm forwards), so they compose in any attach/detach order.
 
-Every patched function asks :func:`vllm_omni_ascend_opt.blocks.guards.tracing` first and, while torch.compile
+Every patched function asks :func:`vllm_omni_ascend_opt.blocks.upstream.guards.tracing` first and, while torch.compile
 traces, runs the stock code without bookkeeping (no fallback counted, no verdict read, no cache built or read).
 vLLM-Omni does not compile the VAE; the rule is the same as in the transformer so that a compiled decode holds stock
 code. Fallbacks outside tracing go through the base's ``_fallback`` (:meth:`VaeOptimization.fallback`).
@@ -31,7 +31,7 @@ from typing import Any
 import torch.nn as nn
 
 from vllm_omni_ascend_opt._patching import PatchSet
-from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")

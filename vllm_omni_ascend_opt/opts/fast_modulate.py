@@ -31,7 +31,7 @@ Removal plan
 
 from __future__ import annotations
 
-from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.opts._fast_tier import FastBlockMode
 
 

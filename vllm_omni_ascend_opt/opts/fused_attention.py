@@ -29,13 +29,13 @@ Mask
     within one forward its values are the same; a forward pre-hook on each attached ``QwenImageTransformer2DModel``
     starts a new mask generation. Outside an attached transformer's forward the mask is built per call.
 Verification, kernel choice, documented limits
-    In :mod:`vllm_omni_ascend_opt.blocks.fusion_attention` (the kernel call, the mask translation, the limits and the
+    In :mod:`vllm_omni_ascend_opt.blocks.kernels.npu_attention` (the kernel call, the mask translation, the limits and the
     checks against SDPA, shared with ``benchmarks/npu_check_kernels.py``): verified on first use per (device, dtype)
     and again on the first real call of each shape class; a failure keeps SDPA there, with the reason. The verdicts
-    live in two :class:`~vllm_omni_ascend_opt.blocks.verdicts.VerdictCache` objects (a new backend probe drops them,
+    live in two :class:`~vllm_omni_ascend_opt.blocks.kernels.verdicts.VerdictCache` objects (a new backend probe drops them,
     ``uninstall`` clears them).
 Under torch.compile
-    The swapped ``forward`` asks ``blocks.guards.tracing()`` first and then runs the stock SDPA object: no counter,
+    The swapped ``forward`` asks ``blocks.upstream.guards.tracing()`` first and then runs the stock SDPA object: no counter,
     cache, verdict or logger is touched inside a traced forward (the traced graph holds stock code); likewise the
     per-forward mask hook. NPU graph capture (no graph mode [OP-FA]) also runs SDPA, counted as ``sdpa: graph mode``.
 Upstream code it relies on (``FusedAttention.upstream``, by source fingerprint)
@@ -68,12 +68,12 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks import fusion_attention as fab
-from vllm_omni_ascend_opt.blocks import guards
-from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.fusion_attention import FUSED_DTYPES, KERNEL, ShapeVerdict, Verdict
-from vllm_omni_ascend_opt.blocks.upstream import V030, V031, V032, Upstream, same
-from vllm_omni_ascend_opt.blocks.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.kernels import npu_attention as fab
+from vllm_omni_ascend_opt.blocks.kernels.npu_attention import FUSED_DTYPES, KERNEL, ShapeVerdict, Verdict
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.upstream import guards
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
+from vllm_omni_ascend_opt.blocks.upstream.fingerprints import V030, V031, V032, Upstream, same
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -199,7 +199,7 @@ class FusedAttention(Optimization):
         return self._shapes.values()
 
     def mask_for(self, attn_mask: torch.Tensor | None, b: int, sq: int, skv: int) -> tuple[torch.Tensor | None, str]:
-        """:func:`~vllm_omni_ascend_opt.blocks.fusion_attention.kernel_mask`, built once per transformer forward and
+        """:func:`~vllm_omni_ascend_opt.blocks.kernels.npu_attention.kernel_mask`, built once per transformer forward and
         reused by every layer of it (see the module docstring, "Mask"); a new forward generation drops the cache."""
         if attn_mask is None or self._forward_gen == 0:
             return fab.kernel_mask(attn_mask, b, sq, skv)
@@ -244,7 +244,7 @@ class FusedAttention(Optimization):
         out = [
             f"kernel: torch_npu.{KERNEL}(q, k, v, head_num=Nq, input_layout='BSND', atten_mask=~keep (B1SS) or None, "
             "scale=softmax_scale=1/sqrt(D), keep_prob=1, sparse_mode=0, inner_precise=0); chosen over "
-            "npu_fused_infer_attention_score (see blocks.fusion_attention); installed per Attention impl, after Ulysses' "
+            "npu_fused_infer_attention_score (see blocks.kernels.npu_attention); installed per Attention impl, after Ulysses' "
             "all-to-all"
         ]
         out += [v.describe() for v in self._verdicts.values() if v.ok]
@@ -338,7 +338,7 @@ class FusedAttention(Optimization):
 
     # ----- the forward ------------------------------------------------------------------------------------------
     def _verdict(self, npu: ModuleType, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> Verdict:
-        """The (device, dtype) verdict of :func:`~vllm_omni_ascend_opt.blocks.fusion_attention.verify`, made on
+        """The (device, dtype) verdict of :func:`~vllm_omni_ascend_opt.blocks.kernels.npu_attention.verify`, made on
         first use at this layer's Nq / Nkv / D."""
         key = (str(q.device), str(q.dtype).removeprefix("torch."))
         verdict, made = self._verdicts.get_or_make(

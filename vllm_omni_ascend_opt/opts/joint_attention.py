@@ -27,15 +27,15 @@ How (every element sees exactly stock's operations in stock's order, so the outp
   temporary), with a joint table: the joint complex freqs ``cat(txt_freqs, vid_freqs)`` are built
   once per (vid, txt) freqs pair (cached weakly on both, so once per shape with ``rope``'s embedder memo, once per
   forward without it; a bounded LRU of :data:`JOINT_FREQS_CACHE_SIZE`) and rotated through the shared rotary blocks:
-  the rotary service ``rope`` switches on while installed (:func:`vllm_omni_ascend_opt.blocks.rotary.active`: its
+  the rotary service ``rope`` switches on while installed (:func:`vllm_omni_ascend_opt.blocks.kernels.rotary.active`: its
   table cache, verified NPU kernel and counters), else the portable math of
-  :mod:`vllm_omni_ascend_opt.blocks.rope_tables` with this optimization's own table cache (bitwise stock's
+  :mod:`vllm_omni_ascend_opt.blocks.kernels.rope_tables` with this optimization's own table cache (bitwise stock's
   ``RotaryEmbedding.forward_native``; see ``rope``).
 * The attention call, output split and ``to_out``/``to_add_out`` as stock; the padded-text key mask is built as
   stock builds it (``encoder_hidden_states_mask`` / ``hidden_states_mask`` are handled exactly). Under Ulysses/Ring
   sequence parallelism (stock's ``AttentionMetadata(joint_query=txt...)`` branch) the image and text parts are views
   of the joint tensors: the same values as stock's.
-* With ``qk_norm`` attached and its kernel present (asked of :func:`vllm_omni_ascend_opt.blocks.rms_norm.kernel_ready`,
+* With ``qk_norm`` attached and its kernel present (asked of :func:`vllm_omni_ascend_opt.blocks.kernels.rms_norm.kernel_ready`,
   never of ``qk_norm`` itself), the norms run per stream on stock's views (one ``npu_rms_norm`` each: gamma must be
   [D]) and q, k, v are joined by one ``cat`` each (v stays contiguous for the attention kernel); RoPE still runs
   once on the joint sequence. See ``qk_norm`` for the launch count.
@@ -48,7 +48,7 @@ written for tracing (``blocks/joint_qkv.traced_forward``: the same math, no coun
 hoisted by an eager pre-hook of each regionally compiled block): no graph break, fewer ops in the compiled graph than
 stock's attention. Under full compile (no eager place to hoist the tables) the graph keeps stock's attention: the
 joint path with its tables computed in the graph measured slower than compiled stock on inductor. Eagerly, the guards, the CUDA-fused check and
-the RoPE tables are decided once per forward (``blocks/forward_scope.py``). Falls back to stock, with the reason
+the RoPE tables are decided once per forward (``blocks/upstream/forward_scope.py``). Falls back to stock, with the reason
 counted (:meth:`JointAttention.fallback_reasons`), under autograd, graph capture, when the norms are not plain
 ``nn.RMSNorm`` with weights and one ``eps`` (Identity for ``qk_norm=False``, hooks, other classes), when the two
 streams' projections differ in heads or dtype, when the freqs do not match the sequence lengths, when stock's RoPE
@@ -72,16 +72,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import (
-    compiled_blocks,
-    forward_scope,
-    guards,
-    rms_norm,
-    rope_tables,
-    rotary,
-)
-from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.joint_qkv import (
+from vllm_omni_ascend_opt.blocks.body import compiled_blocks
+from vllm_omni_ascend_opt.blocks.body.joint_qkv import (
     JOINT_FREQS_CACHE_SIZE,  # noqa: F401  (the cache's bound, named in the header above)
     READY_ROPE,
     any_cuda_fused,
@@ -94,7 +86,10 @@ from vllm_omni_ascend_opt.blocks.joint_qkv import (
     traced_forward,
     traced_reason,
 )
-from vllm_omni_ascend_opt.blocks.joint_qkv import JointFreqsCache as _JointFreqsCache
+from vllm_omni_ascend_opt.blocks.body.joint_qkv import JointFreqsCache as _JointFreqsCache
+from vllm_omni_ascend_opt.blocks.kernels import rms_norm, rope_tables, rotary
+from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
 
@@ -233,7 +228,7 @@ class JointAttention(Optimization):
         self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
     ) -> torch.Tensor:
         """``x`` (q, k, or both stacked along the batch) rotated by the joint freqs: through the rotary service that
-        ``rope`` switches on while installed (:func:`~vllm_omni_ascend_opt.blocks.rotary.active`: its verified NPU
+        ``rope`` switches on while installed (:func:`~vllm_omni_ascend_opt.blocks.kernels.rotary.active`: its verified NPU
         kernel and counters), else with the portable math. ``inplace``: ``x`` is this path's own (the portable math
         rotates it in place: the same ops, fewer temporaries)."""
         kernel = rotary.active()

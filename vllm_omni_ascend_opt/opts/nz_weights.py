@@ -28,7 +28,7 @@ Gates (each says why in words, with the versions)
       model's layers) and one without (``matmul(3-D, NZ)``: ``RowParallelLinear`` on TP ranks > 0, ``skip_bias_add``
       - a different route) must match the ND weight within ``NUMERIC_EPS_FACTOR * eps * (|x| @ |w|^T + |b|)``
       (a route that reads the fractal layout as row-major fails by O(1)). Otherwise nothing is cast, with the errors.
-      The verdict lives in a ``blocks.verdicts.VerdictCache`` (a new backend probe drops it; uninstall clears it).
+      The verdict lives in a ``blocks.kernels.verdicts.VerdictCache`` (a new backend probe drops it; uninstall clears it).
 Skipped, with reasons (``model_reasons_inactive`` for the whole model, ``report(model)["skipped"]`` per layer)
     - CPU offload of the DiT configured (model-level or layerwise, ``resolve_offload(od_config)``): the offloader
       moves/copies the weights after loading; layers under a ``*offload*`` hook; weights not on the NPU
@@ -73,8 +73,8 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")

@@ -31,12 +31,12 @@ is a strided view that the fused attention copies (one more launch); (c) a joint
 and a per-row weight-table ``mul``: 1 + 2 + 2 = 5, but a second rounding and per-block [S, D] weight tables to keep
 (and invalidate) per shape; (d) stock's order (norm and rotate each stream, three cats): 4 + 4 + 3 = 11.
 ``joint_attention`` implements (a) when this optimization is attached (:meth:`QkNorm.ready`, which it asks through
-:func:`vllm_omni_ascend_opt.blocks.rms_norm.kernel_ready`, never by importing this module).
+:func:`vllm_omni_ascend_opt.blocks.kernels.rms_norm.kernel_ready`, never by importing this module).
 
-Where the code lives: the kernel class (:class:`~vllm_omni_ascend_opt.blocks.rms_norm.KernelRMSNorm`) and its
+Where the code lives: the kernel class (:class:`~vllm_omni_ascend_opt.blocks.kernels.rms_norm.KernelRMSNorm`) and its
 readiness are a shared block: this optimization provides the kernel
-(:func:`~vllm_omni_ascend_opt.blocks.rms_norm.provide` on install) and swaps the class in on attach; its verdicts live in a
-:class:`~vllm_omni_ascend_opt.blocks.verdicts.VerdictCache` (a new backend probe drops them, uninstall clears them).
+(:func:`~vllm_omni_ascend_opt.blocks.kernels.rms_norm.provide` on install) and swaps the class in on attach; its verdicts live in a
+:class:`~vllm_omni_ascend_opt.blocks.kernels.verdicts.VerdictCache` (a new backend probe drops them, uninstall clears them).
 While ``torch.compile`` traces, the kernel class runs stock ``nn.RMSNorm.forward`` at once (checked first: nothing
 is read, counted or logged).
 
@@ -63,9 +63,10 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks import guards, rms_norm
-from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.kernels import rms_norm
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.upstream import guards
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -247,7 +248,7 @@ class QkNorm(Optimization):
     def apply(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """``norm(x)`` through the verified kernel, or None (the caller runs stock ``nn.RMSNorm.forward``).
 
-        Called by :class:`~vllm_omni_ascend_opt.blocks.rms_norm.KernelRMSNorm` after its ``guards.tracing()``
+        Called by :class:`~vllm_omni_ascend_opt.blocks.kernels.rms_norm.KernelRMSNorm` after its ``guards.tracing()``
         check: never while dynamo traces."""
         kernel = self._kernel() if norm in self._swapped else None
         w, eps = norm.weight, norm.eps
@@ -290,7 +291,7 @@ class QkNorm(Optimization):
 
     def ready(self, norms: Sequence[nn.Module | None]) -> bool:
         """Whether every norm in ``norms`` carries the kernel class (attached here) and torch_npu has the kernel:
-        what ``joint_attention`` asks, through ``blocks.rms_norm.kernel_ready``, to choose its per-stream order."""
+        what ``joint_attention`` asks, through ``blocks.kernels.rms_norm.kernel_ready``, to choose its per-stream order."""
         return all(n is not None and n in self._swapped for n in norms) and self._kernel() is not None
 
     def is_prepared(self, norm: nn.Module) -> bool:

@@ -27,7 +27,7 @@ How:
   objects for the same (image shapes, text lengths, device, ``pos_freqs``/``neg_freqs`` objects) across steps and
   requests, so tables are built once per shape. Under sequence parallel the blocks see this rank's (padded) shard -
   a different tensor - so ranks and paddings never share a table. Caches are bounded LRUs: 32 tables
-  (:class:`~vllm_omni_ascend_opt.blocks.rope_tables.TableCache`), :data:`EMBED_MEMO_SIZE` results per embedder.
+  (:class:`~vllm_omni_ascend_opt.blocks.kernels.rope_tables.TableCache`), :data:`EMBED_MEMO_SIZE` results per embedder.
 * Portable path (any device where stock runs ``forward_native``): ``x * cos + swap(x) * sin_signed`` with
   ``cos`` = repeat-interleaved cos and ``sin_signed`` = (-s, s) interleaved, ``swap`` = adjacent pairs swapped
   (one ``stack``). Each element sees exactly stock's operations in stock's order ((-a)*b == a*(-b) in IEEE
@@ -36,11 +36,11 @@ How:
 * NPU path: ``torch_npu.npu_rotary_mul(x, cos, sin, rotary_mode="interleave")`` with cos/sin repeat-interleaved to
   (1, S, 1, D) (class 1S1D for BSND, the only one interleave accepts): 1 launch per q/k. It is verified twice:
   (1) once per (device, dtype, head_dim) on small random BSND inputs against the fp32 portable reference (see
-  ``blocks.rotary.TOLERANCE_EPS_FACTOR``): a kernel that pairs halves (``npu_apply_rotary_pos_emb``, or the pre-7.0
+  ``blocks.kernels.rotary.TOLERANCE_EPS_FACTOR``): a kernel that pairs halves (``npu_apply_rotary_pos_emb``, or the pre-7.0
   aclops fallback that ignored ``rotary_mode``; since op-plugin 7.0 that fallback raises for interleave) fails by
   orders of magnitude and is refused; (2) on the first real call of each *shape class* (device, dtype, layout BSND,
   B*N, sequence-length bucket = next power of two, D) the kernel's output on the real inputs is compared with an
-  fp32 reference computed in chunks over S (bounded memory, ``blocks.rotary.VERIFY_CHUNK_ELEMS``); the class keeps
+  fp32 reference computed in chunks over S (bounded memory, ``blocks.kernels.rotary.VERIFY_CHUNK_ELEMS``); the class keeps
   the kernel only if it is within the tolerance and its max error is no larger than stock's own (the portable path,
   stock's roundings, on the same chunks). Different tilings at production shapes (S ~ 4352, B*N 24-48) are thus checked
   where they run; a call that raises falls back to the portable path for that class, with the reason logged.
@@ -52,9 +52,9 @@ How:
   tier delivered here (``list``, ``status()``, the ablation gates). The RMSNorm before RoPE stays stock (no exact
   fused replacement exists).
 * Where the code lives: the tables, their cache and the portable math in
-  :mod:`vllm_omni_ascend_opt.blocks.rope_tables`; the kernel's verification, its verdicts (a
-  :class:`~vllm_omni_ascend_opt.blocks.verdicts.VerdictCache` each) and the backend choice in
-  :class:`~vllm_omni_ascend_opt.blocks.rotary.RotaryKernel`, which this optimization owns (its statistics count
+  :mod:`vllm_omni_ascend_opt.blocks.kernels.rope_tables`; the kernel's verification, its verdicts (a
+  :class:`~vllm_omni_ascend_opt.blocks.kernels.verdicts.VerdictCache` each) and the backend choice in
+  :class:`~vllm_omni_ascend_opt.blocks.kernels.rotary.RotaryKernel`, which this optimization owns (its statistics count
   every call through it) and switches on for ``joint_attention`` while installed.
 * Under ``torch.compile`` tracing both patches run stock code at once (checked first: nothing is read, counted or
   logged inside a traced forward); under autograd or graph capture the rotary patch runs stock code, counted.
@@ -79,11 +79,12 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks import forward_scope, guards, rotary
-from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.rope_tables import TABLE_CACHE_SIZE, version_or_none
-from vllm_omni_ascend_opt.blocks.rotary import ENV_KERNEL_POLICY, KernelVerdict, ShapeVerdict
-from vllm_omni_ascend_opt.blocks.upstream import ABSENT, V030, V031, V032, Upstream, same
+from vllm_omni_ascend_opt.blocks.kernels import rotary
+from vllm_omni_ascend_opt.blocks.kernels.rope_tables import TABLE_CACHE_SIZE, version_or_none
+from vllm_omni_ascend_opt.blocks.kernels.rotary import ENV_KERNEL_POLICY, KernelVerdict, ShapeVerdict
+from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
+from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, V030, V031, V032, Upstream, same
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")

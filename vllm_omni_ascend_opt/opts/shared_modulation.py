@@ -15,8 +15,8 @@ Why
   ~1/3 of all DiT weights, although they depend only on the timestep embedding ``temb``. ``1 + scale`` is
   recomputed four times per block from strided views.
 How
-  An exact memo (:class:`ModulationMemo` in ``blocks/modulation_memo.py``, where its cache policies are listed;
-  keys in ``blocks/modulation_keys.py``; the block body in ``blocks/block_body.py``): the key is the *value* of
+  An exact memo (:class:`ModulationMemo` in ``blocks/memo/cache.py``, where its cache policies are listed;
+  keys in ``blocks/memo/keys.py``; the block body in ``blocks/body/block_body.py``): the key is the *value* of
   ``temb`` (dtype, shape, device and a SHA-256 of its bytes, upstream's ``tensor_digest``), the numerical settings
   (matmul precision, autocast, grad mode, TF32/HF32 flags), and, per slot, the modules and their weights (object
   identity, ``_version``, shape, dtype, device -- not the storage, which vLLM-Omni's layerwise offload renews every
@@ -32,13 +32,13 @@ How
   (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512; 0 disables), least-recently-used temb first.
   Costs: one device->host copy of the timestep (B values) per forward (of ``temb``, B x 3072 values, where the
   time embedding is not keyed); on a miss, 8 small copies per block to make the unpacked tensors contiguous. The
-  guards and the temb entry are decided once per forward (``blocks/forward_scope.py``).
+  guards and the temb entry are decided once per forward (``blocks/upstream/forward_scope.py``).
 Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``)
   Stock projects ``img_mod`` over ``temb = [emb(t); emb(0)]`` (2B rows) and, per image norm, builds three
   ``[B, L, D]`` tensors with ``torch.where(modulate_index, segment 1, segment 0)`` (``select01_modulation_native``, the
   stock path on NPU and CPU), then ``LN(x) * (1 + scale) + shift`` and ``gate * y`` over them. Here the block's
   modulation is memoized per temb value like the single-segment one, and the image stream uses per-segment
-  broadcast (``blocks/segments.py``): :class:`SegmentPlan` reads ``modulate_index`` once per forward (its runs of
+  broadcast (``blocks/body/two_segment.py``): :class:`SegmentPlan` reads ``modulate_index`` once per forward (its runs of
   equal values, one device->host copy); the sequence is viewed as ``[B, C, L/C, D]`` chunks (``C = L / gcd(run
   lengths)``, at most :data:`MAX_BROADCAST_CHUNKS`; the default edit request has C = 2) and multiplied by
   ``[B, C, 1, D]`` per-chunk
@@ -49,9 +49,9 @@ Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``)
   projection; ``zero_t_*`` stats); with slice plans the memo entries of new timesteps then add only their own
   segment (broadcast plans keep small per-chunk copies of both).
 Exactness and fallbacks
-  While ``torch.compile`` traces, every patched forward checks :func:`blocks.guards.tracing` first and touches no
+  While ``torch.compile`` traces, every patched forward checks :func:`blocks.upstream.guards.tracing` first and touches no
   memo, counter or logger. Under vLLM-Omni's regional compile the lookups run in eager pre-hooks of the compiled
-  blocks, which receive the unpacked tensors ready (``blocks/compiled_blocks.py``) and run the body (with the fast
+  blocks, which receive the unpacked tensors ready (``blocks/body/compiled_blocks.py``) and run the body (with the fast
   tier's modes) inside their graphs; under full compile nothing eager runs between the blocks, so the compiled graph
   holds stock's modulation (reported as a reason). Otherwise it falls
   back to the stock code, with a reason (:meth:`SharedModulation.fallback_reasons`, debug log), under
@@ -65,7 +65,7 @@ Exactness and fallbacks
   (``forward_native``; ``forward_npu`` via ``torch_npu.npu_layer_norm_eval`` without MindIE-SD; with MindIE-SD the
   fused kernel takes ``scale``, so the memo keeps ``scale`` and calls the norm itself; likewise 0.32.0rc1's
   ``forward_cuda`` where its CUDA Triton AdaLN kernel exists, whose reductions are not ``F.layer_norm``'s: native only
-  without it, ``modulation_keys.native_forwards``; 0.32's own ``forward_musa`` is native). The mirrored upstream
+  without it, ``ada_norm.native_forwards``; 0.32's own ``forward_musa`` is native). The mirrored upstream
   functions are fingerprinted per release (:data:`UPSTREAM`, source SHA-256, per platform for AdaLayerNorm's backend
   paths): upstream code that matches none of them turns the optimization off with a reason naming the function.
   Weights written in place through ``.data`` (``param.data.copy_``) bypass version counters: reloads through
@@ -93,29 +93,28 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import compiled_blocks, forward_scope, guards
-from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.block_body import (
+from vllm_omni_ascend_opt.blocks.body import compiled_blocks
+from vllm_omni_ascend_opt.blocks.body.block_body import (
     READY,
     block_body,
     block_body_reason,
     hoistable,
     traced_block_body,
 )
-from vllm_omni_ascend_opt.blocks.modulation_keys import (
-    ADALAYERNORM_MODULE,
-    CUSTOM_OP_MODULE,
+from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, ModulationMemo, budget_from_env
+from vllm_omni_ascend_opt.blocks.memo.keys import (
     SELECT01_MODULE,
     find_transformers,
     unkeyable_reasons,
 )
-from vllm_omni_ascend_opt.blocks.modulation_memo import ENV_BUDGET_MB, ModulationMemo, budget_from_env
-from vllm_omni_ascend_opt.blocks.upstream import ABSENT, V030, V031, V032, Upstream, same
+from vllm_omni_ascend_opt.blocks.upstream import ada_norm, forward_scope, guards
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
+from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, V030, V031, V032, Upstream, same
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
-_T, _ADA = _targets.TRANSFORMER, ADALAYERNORM_MODULE
+_T, _ADA = _targets.TRANSFORMER, ada_norm.ADALAYERNORM_MODULE
 #: The upstream functions this patch replaces (the block forward, load_weights) or mirrors (everything its memoized
-#: block body and projections recompute), with the source fingerprints it knows (``blocks/upstream.py``). A function
+#: block body and projections recompute), with the source fingerprints it knows (``blocks/upstream/fingerprints.py``). A function
 #: whose source matches none of them turns it off with a reason: the exactness argument must be redone first.
 #: AdaLayerNorm's per-backend paths are checked where vLLM-Omni dispatches to them; 0.32.0rc1's forward_cuda (the
 #: CUDA Triton AdaLN kernel, whose reductions are not F.layer_norm's) is accepted because ``norm_kind`` treats it as
@@ -133,8 +132,8 @@ UPSTREAM: tuple[Upstream, ...] = (
     _targets.ADA_FORWARD_NPU,
     Upstream(_ADA, "AdaLayerNorm.forward_musa", {ABSENT: (V030, V031), "5ea15656b97250d9": (V032,)}, ("musa",)),
     same(_ADA, "AdaLayerNorm.__init__", "949821cb9b9f61e5"),
-    same(CUSTOM_OP_MODULE, "CustomOp.forward", "2b37fcf479cd9ace"),
-    same(CUSTOM_OP_MODULE, "CustomOp.dispatch_forward", "0e7d8d55ef65c2ab"),
+    same(ada_norm.CUSTOM_OP_MODULE, "CustomOp.forward", "2b37fcf479cd9ace"),
+    same(ada_norm.CUSTOM_OP_MODULE, "CustomOp.dispatch_forward", "0e7d8d55ef65c2ab"),
     same("diffusers.models.normalization", "AdaLayerNormContinuous.forward", "9cc655ba4fb2bfec"),
     same(SELECT01_MODULE, "split_select01_mod_params", "e8a80c7ad2a79e31"),
     same(SELECT01_MODULE, "select01_modulation_native", "3f26039abc062cb2"),
@@ -167,7 +166,7 @@ class SharedModulation(Optimization):
         self.stats = self.memo.stats  # the memo counts hits, misses, digests... for this optimization
         self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
         self._classes: dict[str, type] = {}
-        #: regional compile: eager pre-hooks that hand compiled blocks their modulation (blocks/compiled_blocks.py)
+        #: regional compile: eager pre-hooks that hand compiled blocks their modulation (blocks/body/compiled_blocks.py)
         self._hoister = compiled_blocks.Hoister(self._hoist, (READY,))
 
     # ----- reasons ----------------------------------------------------------------------------------------

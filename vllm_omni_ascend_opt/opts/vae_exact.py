@@ -25,7 +25,7 @@ How (per instance, through the instances' own ``__dict__``; the classes are unto
     * ``upsample_native_dtype`` - each ``QwenImageUpsample.forward``: nearest(-exact) interpolation only copies
       values, so ``interp(x.float()).type_as(x)`` equals ``interp(x)`` for fp16/bf16/fp32; verified once per
       (device type, dtype) on a probe, stock otherwise (the verdicts: ``VaeExact.upsample_verdicts``, a
-      ``blocks.verdicts.VerdictCache``: a new backend probe drops them, uninstall clears them).
+      ``blocks.kernels.verdicts.VerdictCache``: a new backend probe drops them, uninstall clears them).
     * ``pointwise_conv_no_pad`` - each 1x1x1 ``QwenImageCausalConv3d.forward``: its causal padding is all zeros,
       so stock's ``F.pad`` only makes a contiguous copy; a contiguous input goes straight to ``Conv3d.forward``.
     * ``latents_stats_cache`` - ``pipeline._decode_latents`` (QwenImagePipeline's own, checked by identity): the
@@ -51,10 +51,10 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt._patching import PatchSet
-from vllm_omni_ascend_opt.blocks import guards
-from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.upstream import same
-from vllm_omni_ascend_opt.blocks.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.upstream import guards
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
+from vllm_omni_ascend_opt.blocks.upstream.fingerprints import same
 from vllm_omni_ascend_opt.opts._vae_common import (
     PieceReport,
     VaeOptimization,

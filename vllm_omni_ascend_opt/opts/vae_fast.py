@@ -45,9 +45,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vllm_omni_ascend_opt._patching import PatchSet
-from vllm_omni_ascend_opt.blocks import guards
-from vllm_omni_ascend_opt.blocks import targets as _targets
-from vllm_omni_ascend_opt.blocks.upstream import same
+from vllm_omni_ascend_opt.blocks.upstream import guards
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
+from vllm_omni_ascend_opt.blocks.upstream.fingerprints import same
 from vllm_omni_ascend_opt.opts._vae_common import (
     PieceReport,
     VaeOptimization,

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_omni_ascend_opt.blocks.layerwise import host_weights
-from vllm_omni_ascend_opt.blocks.modulation_keys import find_transformers
+from vllm_omni_ascend_opt.blocks.memo.keys import find_transformers
+from vllm_omni_ascend_opt.blocks.upstream.layerwise import host_weights
 
 
 class OffloadCopies(TorchDispatchMode):

@@ -8,7 +8,7 @@ reads ``modulate_index`` once per forward (its runs of equal values); :class:`Se
 ``[B, C, 1, D]`` per-chunk tensors, or computes each run on its slice with ``out=``. Each element sees the same
 IEEE mul/add on the same two values as in stock, so the result is bitwise stock's.
 
-Used by the modulation memo (:mod:`.modulation_memo`, which builds them) and the block body (:mod:`.block_body`,
+Used by the modulation memo (:mod:`..memo.cache`, which builds them) and the block body (:mod:`.block_body`,
 which applies them through the :class:`~.block_body.NormMod` interface).
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks.block_body import FAST, layernorm
+from vllm_omni_ascend_opt.blocks.body.block_body import FAST, layernorm
 
 #: Two-segment blocks: at most this many equal-length chunks of the image sequence are modulated with one broadcast
 #: (``[B, C, 1, D]`` tensors per norm); more (segments of coprime lengths) use per-segment slices.

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import guards
+from vllm_omni_ascend_opt.blocks.upstream import guards
 
 T = TypeVar("T")
 

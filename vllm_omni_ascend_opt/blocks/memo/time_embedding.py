@@ -12,7 +12,7 @@ How: :func:`time_key` checks, per call, that the module is exactly what the key 
 parts, no hooks, no condition projection or post-activation, an embedding without ``max_norm``) and returns its
 weights' signature; :func:`value_key` is the exact key of a small tensor's value (dtype, shape, device and bytes:
 ``-0.0`` and ``0.0`` differ, as they do for ``sin``). The upstream functions whose output the key must determine are
-declared in :data:`~.targets.TIME_EMBEDDING` and checked by their source fingerprints (:func:`upstream_reason`): a
+declared in :data:`~..upstream.targets.TIME_EMBEDDING` and checked by their source fingerprints (:func:`upstream_reason`): a
 different upstream keeps the time embedding unmemoized, with the reason.
 """
 
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import targets, upstream
-from vllm_omni_ascend_opt.blocks.modulation_keys import Unkeyable, linear_sig
+from vllm_omni_ascend_opt.blocks.memo.keys import Unkeyable, linear_sig
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints, targets
 
 EMBEDDINGS_MODULE = targets.EMBEDDINGS
 #: Per set of live function objects: why the time embedding is not memoized (None: its code is the known one).
@@ -38,9 +38,9 @@ def upstream_reason() -> str | None:
     set of live functions (a function replaced at run time is checked anew)."""
     if EMBEDDINGS_MODULE not in sys.modules or targets.TRANSFORMER not in sys.modules:
         return "diffusers' embeddings or the Qwen-Image transformer are not imported"
-    ident = tuple(id(upstream.live(d.module, d.qualname)[1]) for d in targets.TIME_EMBEDDING)
+    ident = tuple(id(fingerprints.live(d.module, d.qualname)[1]) for d in targets.TIME_EMBEDDING)
     if ident not in _VERIFIED:
-        bad = upstream.reasons(targets.TIME_EMBEDDING, "the time-embedding memo")
+        bad = fingerprints.reasons(targets.TIME_EMBEDDING, "the time-embedding memo")
         _VERIFIED[ident] = "; ".join(bad) if bad else None
     return _VERIFIED[ident]
 

@@ -1,7 +1,7 @@
 """What the modulation memo keys on: weight signatures, numerical settings, AdaLayerNorm kinds, and the checks that
 say when a projection cannot be keyed.
 
-Shared by ``shared_modulation`` (its memo, :mod:`.modulation_memo`, and its per-model reasons) and by the fast tier
+Shared by ``shared_modulation`` (its memo, :mod:`.cache`, and its per-model reasons) and by the fast tier
 (which only needs :func:`find_transformers`): written once here so that the reasons a model reports are the very
 checks the memo makes per call (:func:`unkeyable_reasons`), not a guess from the weights between forwards.
 
@@ -11,9 +11,7 @@ checks the memo makes per call (:func:`unkeyable_reasons`), not a guess from the
   anything it cannot vouch for (not a ReplicatedLinear, inference-tensor weights, autograd recording).
 * :func:`numerical_settings`: process state that changes what the same projection computes (matmul precision,
   autocast, grad mode, TF32/HF32 flags).
-* :func:`norm_kind`: how an AdaLayerNorm instance applies ``(scale, shift)`` (:data:`NATIVE`, :data:`NPU_EVAL`,
-  :data:`OPAQUE`): the one place that looks at the backend (:func:`native_forwards`: which dispatch targets are
-  exactly ``forward_native`` in the installed vLLM-Omni).
+* the AdaLayerNorm kinds it keys a block on come from :func:`~..upstream.ada_norm.norm_kind`.
 * :class:`Span`: the memory a digested ``temb`` covered, so that views of it need no new digest.
 """
 
@@ -26,43 +24,24 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks import targets
+from vllm_omni_ascend_opt.blocks.upstream import ada_norm, targets
 
-ADALAYERNORM_MODULE = "vllm_omni.diffusion.layers.adalayernorm"
-CUSTOM_OP_MODULE = "vllm_omni.diffusion.layers.custom_op"
 SELECT01_MODULE = "vllm_omni.diffusion.layers.qwen_select01_modulation"
-
-# How an AdaLayerNorm instance applies (scale, shift); decided in one place: norm_kind().
-NATIVE = "native"  # layernorm(x) * (1 + scale) + shift, with the instance's own LayerNorm
-NPU_EVAL = "npu_eval"  # torch_npu.npu_layer_norm_eval(x, ...) * (1 + scale) + shift
-OPAQUE = "opaque"  # anything else (MindIE-SD fused kernel, patched instance): call norm(x, scale, shift)
 
 
 class Unkeyable(Exception):
     """This call cannot be memoized safely; the message says why (reported as a fallback reason)."""
 
 
-#: torch's C getters of the cuBLAS reduction flags (what ``torch.backends.cuda.matmul.<flag>`` reads through a Python
-#: ``__getattr__``); None where this torch lacks one (then the attributes are read)
-_CUBLAS_FLAGS = tuple(
-    getattr(torch._C, f"_get_cublas_allow_{name}", None)
-    for name in ("tf32", "bf16_reduced_precision_reduction", "fp16_reduced_precision_reduction")
-)
-
-
 def numerical_settings(device_type: str) -> tuple[Any, ...]:
     """Process state that can change what the projection computes for the same inputs and weights."""
-    npu = torch.__dict__.get("npu")  # torch_npu registers it as a module attribute (no lazy __getattr__ lookup)
-    if None in _CUBLAS_FLAGS:
-        matmul = torch.backends.cuda.matmul
-        cublas = (
-            matmul.allow_tf32,
-            matmul.allow_bf16_reduced_precision_reduction,
-            matmul.allow_fp16_reduced_precision_reduction,
-        )
-    else:
-        cublas = tuple(get() for get in _CUBLAS_FLAGS)
+    matmul = torch.backends.cuda.matmul
+    cublas = (
+        matmul.allow_tf32,
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+    )
+    npu = getattr(torch, "npu", None)
     return (
         torch.is_grad_enabled(),  # vLLM-Omni's LoRA apply() takes a different (out=) path without grad
         torch.get_float32_matmul_precision(),
@@ -71,43 +50,6 @@ def numerical_settings(device_type: str) -> tuple[Any, ...]:
         cublas,
         getattr(getattr(npu, "matmul", None), "allow_hf32", None),
     )
-
-
-class _Upstream:
-    """The upstream classes and functions the checks compare against, looked up once."""
-
-    def __init__(self) -> None:
-        t = sys.modules[targets.TRANSFORMER]
-        self.ada_module = sys.modules[ADALAYERNORM_MODULE]
-        self.ada = self.ada_module.AdaLayerNorm
-        self.custom_op_forward = sys.modules[CUSTOM_OP_MODULE].CustomOp.forward
-        self.native = native_forwards(self.ada_module)
-        self.replicated = t.ReplicatedLinear
-
-
-def native_forwards(ada_module: Any) -> tuple[Any, ...]:
-    """The ``AdaLayerNorm`` methods that compute ``forward_native`` exactly (kind :data:`NATIVE`): ``forward_native``
-    itself, ``forward_hip`` and (0.32.0rc1+) ``forward_musa`` where the class defines them as it, and
-    ``forward_cuda`` only where it has no fused kernel to take: 0.32.0rc1 routes it to a CUDA Triton AdaLN kernel
-    (``_adaln_fused_forward``, None without Triton) whose mean/variance reductions are not ``F.layer_norm``'s, so
-    with that kernel the instance is called as it is (:data:`OPAQUE`, still exact). Before 0.32 the module has no
-    ``_adaln_fused_forward`` and ``forward_cuda`` is ``forward_native``. The upstream source of each is fingerprinted
-    by ``shared_modulation`` (per platform)."""
-    ada = ada_module.AdaLayerNorm
-    out = [ada.forward_native]
-    out += [vars(ada)[n] for n in ("forward_hip", "forward_musa") if n in vars(ada)]  # own, not CustomOp's
-    if getattr(ada_module, "_adaln_fused_forward", None) is None:
-        out.append(ada.forward_cuda)
-    return tuple(out)
-
-
-_UP: list[_Upstream] = []
-
-
-def _up() -> _Upstream:
-    if not _UP:
-        _UP.append(_Upstream())
-    return _UP[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +123,9 @@ def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
     ``load_weights`` and the registry's weights-changed event clear the memo. The identities are only compared
     while the tensors are alive (the memo keeps weak references: an id cannot be reused meanwhile)."""
     cls = type(lin)
-    if not issubclass(cls, _up().replicated) and not any(c.__name__ == "ReplicatedLinearWithLoRA" for c in cls.__mro__):
+    if not issubclass(cls, sys.modules[targets.TRANSFORMER].ReplicatedLinear) and not any(
+        c.__name__ == "ReplicatedLinearWithLoRA" for c in cls.__mro__
+    ):
         raise Unkeyable(f"modulation projection is a {cls.__name__}, not a ReplicatedLinear")
     d = lin.__dict__
     static = (id(lin), id(getattr(lin, "quant_method", None)), d.get("_diffusion_lora_active_slices"))
@@ -216,19 +160,6 @@ def silu_linear(seq: nn.Module) -> nn.Module:
     return lin
 
 
-def norm_kind(norm: nn.Module) -> str:
-    """How ``norm`` (vLLM-Omni's AdaLayerNorm) applies (scale, shift) -- the one place that looks at the backend."""
-    up = _up()
-    if type(norm) is not up.ada or _hooked(norm) or up.ada.forward is not up.custom_op_forward:
-        return OPAQUE
-    fn = getattr(norm.__dict__.get("_forward_method"), "__func__", None)
-    if fn in up.native:
-        return NATIVE
-    if fn is up.ada.forward_npu and not getattr(up.ada_module, "_HAS_MINDIESD", True) and _backend.torch_npu_module():
-        return NPU_EVAL
-    return OPAQUE
-
-
 NORMS = ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2")
 
 
@@ -242,7 +173,7 @@ def block_parts(
     m = block._modules  # submodules without nn.Module.__getattr__
     img_lin = silu_linear(m["img_mod"])
     txt_lin = silu_linear(m["txt_mod"])
-    kinds = tuple(norm_kind(m[n]) for n in NORMS)
+    kinds = tuple(ada_norm.norm_kind(m[n]) for n in NORMS)
     return img_lin, txt_lin, kinds, linear_sig(img_lin, grad), linear_sig(txt_lin, grad)
 
 

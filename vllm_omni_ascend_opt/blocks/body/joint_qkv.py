@@ -21,8 +21,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import compiled_blocks, forward_scope, guards, rms_norm, rope_tables
-from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.body import compiled_blocks
+from vllm_omni_ascend_opt.blocks.kernels import rms_norm, rope_tables
+from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.weak_lru import WeakLRU
 
 #: The attribute of a compiled block's attention that holds this forward's joint ``(cos, sin_signed)`` tables.
@@ -170,7 +172,7 @@ def freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 class JointFreqsCache:
     """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair, keyed like ``rope``'s tables
-    (:func:`~vllm_omni_ascend_opt.blocks.rope_tables.table_key`): a :class:`~.weak_lru.WeakLRU` of
+    (:func:`~vllm_omni_ascend_opt.blocks.kernels.rope_tables.table_key`): a :class:`~.weak_lru.WeakLRU` of
     :data:`JOINT_FREQS_CACHE_SIZE` entries, each dropped when either freqs tensor dies."""
 
     def __init__(self, stats: Counter) -> None:

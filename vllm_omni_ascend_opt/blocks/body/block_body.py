@@ -2,7 +2,7 @@
 unpacked tensors, and the fast tier's modes of it.
 
 Shared by ``shared_modulation`` (whose patched block forward calls :func:`block_body` with the memo's
-:class:`NormMod` / :class:`~.segments.SegMod` per norm) and by the fast tier (``fast_modulate``, ``fast_residual``),
+:class:`NormMod` / :class:`~.two_segment.SegMod` per norm) and by the fast tier (``fast_modulate``, ``fast_residual``),
 which turns its mode on here (:data:`FAST`) and never imports ``shared_modulation``.
 
 The fast tier's modes (``close``, off by default): an optimization switches its mode on by registering itself as
@@ -26,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks import guards, targets
-from vllm_omni_ascend_opt.blocks.modulation_keys import NATIVE, NPU_EVAL
+from vllm_omni_ascend_opt.blocks.upstream import guards, targets
+from vllm_omni_ascend_opt.blocks.upstream.ada_norm import NATIVE, NPU_EVAL
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -124,7 +124,7 @@ class NormMod:
         return norm(x, self.first, self.shift)
 
     def gated(self, y: torch.Tensor) -> torch.Tensor:
-        """Stock's gated residual term ``gate * y`` (the interface :class:`~.segments.SegMod` shares)."""
+        """Stock's gated residual term ``gate * y`` (the interface :class:`~.two_segment.SegMod` shares)."""
         return self.gate * y
 
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -207,7 +207,7 @@ def block_body(
     """vLLM-Omni 0.30's block with its modulation read from ``mods``: the same ops on the same values as
     ``QwenImageTransformerBlock.forward`` (unless a fast-tier mode is on: :data:`FAST`). Single-segment blocks
     (``modulate_index=None``, image mods are :class:`NormMod`) and ``zero_cond_t`` blocks
-    (``select01_modulation_native`` path; image mods are :class:`~.segments.SegMod`, per-segment broadcast instead
+    (``select01_modulation_native`` path; image mods are :class:`~.two_segment.SegMod`, per-segment broadcast instead
     of three ``torch.where`` over ``[B, L, D]`` per image norm) share this body."""
     img1, img2, txt1, txt2 = mods
     m = block._modules

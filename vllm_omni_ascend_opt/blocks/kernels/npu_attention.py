@@ -5,7 +5,7 @@ What ``fused_attention`` (the optimization) runs per call and per shape class, w
 (:func:`call_kernel`), the mask translation (:func:`kernel_mask`), the documented limits (:func:`limits_violation`),
 their composition (:func:`fused_forward`), and the checks against SDPA (:func:`verify` on first use per device and
 dtype, :func:`check_class` / :func:`check_at_shape` on the first real call of each :func:`shape_class`). The verdicts
-themselves are kept by the optimization in :class:`~vllm_omni_ascend_opt.blocks.verdicts.VerdictCache` objects.
+themselves are kept by the optimization in :class:`~vllm_omni_ascend_opt.blocks.kernels.verdicts.VerdictCache` objects.
 
 Verification
     On first use per (device, dtype) the fused path runs on small random inputs of the real layout (BSND, [text; image]
@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks import targets as _targets
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 
 KERNEL = "npu_fusion_attention"
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
@@ -359,5 +359,5 @@ def check_class(
 
 def graph_capture() -> bool:
     """NPU graph capture: [OP-FA] "暂不支持图模式" (no graph mode), so SDPA runs there. (torch.compile tracing is
-    asked first, by the caller, through ``blocks.guards.tracing``.)"""
+    asked first, by the caller, through ``blocks.upstream.guards.tracing``.)"""
     return _backend.graph_capture_reason() is not None

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import guards
+from vllm_omni_ascend_opt.blocks.upstream import guards
 
 
 class NormKernel(Protocol):

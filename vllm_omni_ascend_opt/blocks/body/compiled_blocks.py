@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks import guards
+from vllm_omni_ascend_opt.blocks.upstream import guards
 
 Hook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]
 

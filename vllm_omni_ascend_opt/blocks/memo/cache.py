@@ -1,8 +1,8 @@
 """The modulation memo: an exact, byte-bounded LRU memo of Qwen-Image's modulation tensors, keyed on the value of
 the timestep embedding ``temb`` and on the weights.
 
-``shared_modulation`` owns one (its ``memo``); the memo's keys and weight signatures are in :mod:`.modulation_keys`,
-the unpacked payloads in :mod:`.block_body` (:class:`NormMod`) and :mod:`.segments` (:class:`SegMod`).
+``shared_modulation`` owns one (its ``memo``); the memo's keys and weight signatures are in :mod:`.keys`,
+the unpacked payloads in :mod:`..body.block_body` (:class:`NormMod`) and :mod:`..body.two_segment` (:class:`SegMod`).
 
 Cache policy (each pinned by a test in tests/test_shared_modulation.py and a named mutation):
 
@@ -35,10 +35,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vllm_omni_ascend_opt.blocks import forward_scope, guards, targets, time_embedding
-from vllm_omni_ascend_opt.blocks.block_body import NormMod
-from vllm_omni_ascend_opt.blocks.modulation_keys import (
-    OPAQUE,
+from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
+from vllm_omni_ascend_opt.blocks.body.two_segment import SegmentPlan, SegMod
+from vllm_omni_ascend_opt.blocks.memo import time_embedding
+from vllm_omni_ascend_opt.blocks.memo.keys import (
     SELECT01_MODULE,
     Span,
     Unkeyable,
@@ -49,7 +49,7 @@ from vllm_omni_ascend_opt.blocks.modulation_keys import (
     sig_tensors,
     silu_linear,
 )
-from vllm_omni_ascend_opt.blocks.segments import SegmentPlan, SegMod
+from vllm_omni_ascend_opt.blocks.upstream import ada_norm, forward_scope, guards, targets
 
 ENV_BUDGET_MB = "VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB"
 DEFAULT_BUDGET_MB = 512
@@ -198,7 +198,7 @@ class ModulationMemo:
 
     def _precheck_once(self, temb: torch.Tensor) -> str | None:
         """:meth:`_precheck`, decided once per transformer forward and temb object (the guards cannot change while
-        one forward runs its blocks; :mod:`.forward_scope`), per call outside a watched forward."""
+        one forward runs its blocks; :mod:`..upstream.forward_scope`), per call outside a watched forward."""
         return forward_scope.decide(("memo.precheck", id(temb)), lambda: self._precheck(temb))
 
     def _resolve(self, temb: torch.Tensor) -> _Entry:
@@ -451,7 +451,7 @@ class ModulationMemo:
             img_lin, txt_lin, kinds, sig_img, sig_txt = block_parts(block)
         except Unkeyable as exc:
             return None, str(exc)
-        if OPAQUE in kinds[:2]:
+        if ada_norm.OPAQUE in kinds[:2]:
             return None, "a fused (MindIE-SD) image AdaLayerNorm takes per-token scale tensors"
         plan, why = self.segment_plan(index)
         if plan is None:

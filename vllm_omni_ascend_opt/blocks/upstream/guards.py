@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.nn.modules import module as _torch_module
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks import targets
+from vllm_omni_ascend_opt.blocks.upstream import targets
 
 
 def tracing() -> bool:

@@ -17,7 +17,7 @@ How the kernel is verified (before it is used, and again where it runs):
    kernel only if it is within the tolerance and its max error is no larger than stock's own. A call that raises
    refuses its class.
 
-Both kinds of verdict live in :class:`~vllm_omni_ascend_opt.blocks.verdicts.VerdictCache` (a new backend probe drops
+Both kinds of verdict live in :class:`~vllm_omni_ascend_opt.blocks.kernels.verdicts.VerdictCache` (a new backend probe drops
 them; :meth:`RotaryKernel.clear` on ``rope``'s uninstall). :class:`RotaryKernel` counts into its owner's statistics,
 so ``rope``'s counters include the kernel calls ``joint_attention`` makes through it.
 """
@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks.rope_tables import (
+from vllm_omni_ascend_opt.blocks.kernels.rope_tables import (
     TableCache,
     Tables,
     apply_portable,
@@ -47,7 +47,7 @@ from vllm_omni_ascend_opt.blocks.rope_tables import (
     portable_tables,
     swap_pairs,
 )
-from vllm_omni_ascend_opt.blocks.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
