@@ -35,9 +35,9 @@ SHARED_PTH = zz-ascend-opt-shared-locks.pth
 
 venvs: $(STAMP) $(foreach v,$(OTHER_VERSIONS),.venv-$(v)/.ascend-opt-installed)
 
-# tests/test_versions.py (marker `versions`) and patches/check.py in every venv of the matrix, then a summary per
-# version (tools/test_versions.py). TEST_VERSIONS_ARGS e.g. "0.32=.venv-0.32" for one version, or
-# '--no-exactness ""' to compare the 0.30 series with the plugin here too (make test does it in tests/test_patches.py).
+# tests/test_versions.py (marker `versions`) and patches/check.py --exactness in every venv of the matrix (the patch
+# series, cut against 0.32.0rc1, is applied and compared with the plugin in .venv-0.32), then a summary per version
+# (tools/test_versions.py). TEST_VERSIONS_ARGS e.g. "0.32=.venv-0.32" for one version.
 TEST_VERSIONS_ARGS ?=
 test-versions: venvs
 	$(PY) tools/test_versions.py $(TEST_VERSIONS_ARGS)

@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """Check the upstream patch series against a pristine vLLM-Omni tree, and against the plugin.
 
-    python patches/check.py              # headers of every series; git apply --check / apply, each patch alone and
-                                         # all in order, for the series that targets the installed vLLM-Omni
+    python patches/check.py              # headers; on vLLM-Omni 0.32.x also git apply --check / apply, each patch
+                                         # alone and all in order
     python patches/check.py --exactness  # + each patch's upstream code vs the plugin, bitwise, on the tiny pipeline
 
-Two series (:data:`SERIES`): ``patches/000N-<name>.patch`` against vLLM-Omni 0.30.0 (also checked on 0.31.x, where
-all of them apply), and ``patches/0.32/000N-<name>.patch`` rebased on 0.32.0rc1. Headers are checked for every
-series; applying and exactness need that version's source, so they run for the series that targets the installed
-vLLM-Omni (``make test-versions`` runs this script in one venv per version, so every series is checked there).
+The series (``patches/000N-<name>.patch``) is cut against vLLM-Omni 0.32.0rc1 (:data:`BASE`). Headers are checked
+on any installed version; applying and exactness need that release's source, so they run when the installed
+vLLM-Omni is 0.32.x and are skipped, saying so, on any other (``make test-versions`` runs this script in the 0.32
+venv with ``--exactness``).
 
 The pristine tree is the installed ``vllm_omni`` package, verified file by file against the sha256 hashes in its
 wheel's RECORD (so a locally modified install is refused), copied to a temporary directory.
@@ -53,52 +53,30 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PATCH_RE = re.compile(r"^(\d{4})-([a-z_]+)\.patch$")
 #: Header fields every patch must carry (free text before the first ``diff --git`` line).
-REQUIRED_FIELDS = ("What", "Why", "How", "Equivalence", "Measured effect", "Risks", "Removal plan")
-
-
-@dataclass(frozen=True)
-class Series:
-    """One patch series: where it lives, the vLLM-Omni it is cut against, the installed versions it is checked on."""
-
-    name: str
-    directory: Path
-    base: str  # the vLLM-Omni release the diffs are made against
-    targets: tuple[str, ...]  # major.minor of installed vLLM-Omni versions it must apply to
-    extra_fields: tuple[str, ...] = ()  # header fields beyond REQUIRED_FIELDS
-
-    @property
-    def required_fields(self) -> tuple[str, ...]:
-        return REQUIRED_FIELDS[:-1] + self.extra_fields + REQUIRED_FIELDS[-1:]
-
-    def patches(self) -> list[Path]:
-        return sorted(p for p in self.directory.glob("*.patch") if PATCH_RE.match(p.name))
-
-    def covers(self, version: str | None) -> bool:
-        return version is not None and ".".join(version.split(".")[:2]) in self.targets
-
-
-#: The maintainers' series. Every patch says which open upstream PRs overlap it and how it differs; a rebased series
-#: also says what it is based on.
-SERIES = (
-    Series("0.30", HERE, "0.30.0", ("0.30", "0.31"), ("Upstream overlap",)),
-    Series("0.32", HERE / "0.32", "0.32.0rc1", ("0.32",), ("Base", "Upstream overlap")),
+REQUIRED_FIELDS = (
+    "What",
+    "Why",
+    "How",
+    "Equivalence",
+    "Measured effect",
+    "Risks",
+    "Base",
+    "Upstream overlap",
+    "Removal plan",
 )
+
+
+#: The vLLM-Omni release the series is cut against, and the installed releases (major.minor) it is applied on.
+BASE = "0.32.0rc1"
+TARGET = "0.32"
 #: The requests every exactness run makes: (cfg_scale, (height, width), seed).
 REQUESTS = ((1.0, (32, 48), 3), (2.5, (48, 32), 4), (1.0, (32, 48), 3))
 STEPS = 3
 
 
-def patch_files(series: Series | None = None) -> list[Path]:
-    """The patches of ``series`` (default: the 0.30 series, ``patches/*.patch``), in order."""
-    return (series or SERIES[0]).patches()
-
-
-def series_of(patch: Path) -> Series:
-    """The series ``patch`` belongs to (by its directory)."""
-    for s in SERIES:
-        if patch.resolve().parent == s.directory.resolve():
-            return s
-    raise ValueError(f"{patch} is in no patch series")
+def patch_files() -> list[Path]:
+    """The patches, in order."""
+    return sorted(p for p in HERE.glob("*.patch") if PATCH_RE.match(p.name))
 
 
 def installed_version() -> str | None:
@@ -109,10 +87,9 @@ def installed_version() -> str | None:
         return None
 
 
-def series_for_installed() -> Series | None:
-    """The series that targets the installed vLLM-Omni (None: no series does)."""
-    version = installed_version()
-    return next((s for s in SERIES if s.covers(version)), None)
+def applies_to(version: str | None) -> bool:
+    """Whether the series is applied and compared on the installed vLLM-Omni ``version`` (a 0.32.x release)."""
+    return version is not None and ".".join(version.split(".")[:2]) == TARGET
 
 
 def optimization_of(patch: Path) -> str:
@@ -144,14 +121,13 @@ def enable_env(patch: Path) -> dict[str, str]:
     return dict(tok.split("=", 1) for tok in text.split() if re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S+", tok))
 
 
-def missing_fields(patch: Path) -> list[str]:
-    """Required header fields (those of the patch's series) that are absent or empty."""
+def header_problems(patch: Path) -> list[str]:
+    """What is wrong with the header: required fields absent or empty, a ``Base`` that does not name :data:`BASE`."""
     fields = header_fields(patch)
-    try:
-        required = series_of(patch).required_fields
-    except ValueError:
-        required = REQUIRED_FIELDS
-    return [f for f in required if not fields.get(f, "").strip()]
+    problems = [f"missing {f}" for f in REQUIRED_FIELDS if not fields.get(f, "").strip()]
+    if fields.get("Base") and BASE not in fields["Base"]:
+        problems.append(f"Base does not name {BASE}")
+    return problems
 
 
 _VERIFIED: list[Path] = []
@@ -473,42 +449,49 @@ def _against_stock(patch: Path, name: str, up: dict[str, Any], stock: dict[str, 
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--exactness", action="store_true", help="also compare each patch's upstream code with the plugin")
+    ap.add_argument(
+        "--exactness",
+        action="store_true",
+        help="also compare each patch's upstream code with the plugin (where the series applies)",
+    )
     ap.add_argument("--parallel", type=int, default=2, help="generation processes at once (default 2)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
-    failed = False
-    for series in SERIES:
-        for p in series.patches():
-            miss = missing_fields(p)
-            failed |= bool(miss)
-            rel = p.relative_to(HERE)
-            print(f"{'FAIL' if miss else 'ok  '} {rel} header{': missing ' + ', '.join(miss) if miss else ''}")
+    patches = patch_files()
+    bad = 0
+    for p in patches:
+        problems = header_problems(p)
+        bad += bool(problems)
+        print(f"{'FAIL' if problems else 'ok  '} {p.name} header{': ' + '; '.join(problems) if problems else ''}")
     version = installed_version()
-    series = series_for_installed()
-    for other in SERIES:
-        if other is not series:
-            wanted = " or ".join(t + ".x" for t in other.targets)
-            print(
-                f"--   series {other.name} (base {other.base}): not applied here (vllm-omni {version}), needs {wanted}"
-            )
-    if series is None:
-        print(f"FAIL no patch series targets the installed vllm-omni {version}")
-        return 1
-    patches = series.patches()
-    print(f"--   series {series.name} (base {series.base}) against the installed vllm-omni {version}")
+    summary = f"summary: vllm-omni {version}, series against {BASE}: headers {len(patches) - bad} ok, {bad} FAIL"
+    if not applies_to(version):
+        what = "apply and exactness checks" if args.exactness else "apply checks"
+        print(f"--   the series targets vLLM-Omni {BASE}: {what} skipped on the installed vllm-omni {version}")
+        print(f"{summary}; not applied (needs vllm-omni {TARGET}.x)")
+        return int(bad > 0)
+    failed = bad > 0
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for p, label, ok, msg in apply_checks(patches, work):
-            failed |= not ok
-            print(f"{'ok  ' if ok else 'FAIL'} {p.relative_to(HERE)} ({label}): {msg}")
+        applied = apply_checks(patches, work)
+        for p, label, ok, msg in applied:
+            print(f"{'ok  ' if ok else 'FAIL'} {p.name} ({label}): {msg}")
+        n_bad = sum(not ok for *_, ok, _ in applied)
+        failed |= n_bad > 0
+        summary += f"; apply {len(applied) - n_bad} ok, {n_bad} FAIL"
         if args.exactness:
-            for v in check_exactness(patches, work, parallel=args.parallel):
-                failed |= v.status == "FAIL"
-                print(f"{v.status:5} {v.patch.relative_to(HERE)} vs plugin: {v.message}")
-    return 1 if failed else 0
+            verdicts = check_exactness(patches, work, parallel=args.parallel)
+            for v in verdicts:
+                print(f"{v.status:5} {v.patch.name} vs plugin: {v.message}")
+            failed |= any(v.status == "FAIL" for v in verdicts)
+            by_status: dict[str, list[str]] = {}
+            for v in verdicts:
+                by_status.setdefault(v.status, []).append(v.patch.name[:4])
+            summary += "; vs plugin: " + ", ".join(f"{k} {' '.join(v)}" for k, v in by_status.items())
+    print(summary)
+    return int(failed)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,12 @@
-"""The upstream patches in ``patches/``: one per optimization, each with its header, each applying to a pristine
-vLLM-Omni tree alone and stacked in order, and each computing what the plugin computes (bitwise-equal images
-and identical kernel-launching op counts on the tiny pipeline; exact ones also equal to stock).
+"""The upstream patches in ``patches/``: one per optimization, numbered in registry order, each with its header, and
+``patches/check.py``'s gate and apply machinery.
 
-Two series (``check.SERIES``): ``patches/*.patch`` against 0.30.0 and ``patches/0.32/*.patch`` rebased on 0.32.0rc1.
-Headers, numbering and paths are checked for both; applying and exactness for the series that targets the installed
-vLLM-Omni (the 0.30 series in ``.venv``; ``make test-versions`` runs ``patches/check.py`` in the other venvs).
+The series is cut against vLLM-Omni 0.32.0rc1 (``check.BASE``). Headers, numbering and paths are checked here on any
+installed version; applying the series (each patch alone and all stacked) and the exactness comparison with the plugin
+need that release's tree, so ``make test-versions`` runs ``patches/check.py --exactness`` in the 0.32 venv (on other
+versions the script checks the headers and says it skips the rest, as tested below).
 
-The checks are ``patches/check.py``'s functions (imported from the file): the exactness run costs one fresh process
-per patch (the patched tree) plus ONE shared process for the plugin side, at most two at a time.
+The checks are ``patches/check.py``'s functions (imported from the file).
 """
 
 from __future__ import annotations
@@ -31,14 +30,7 @@ def _load_check():
 
 
 check = _load_check()
-#: The series that targets the installed vLLM-Omni (the 0.30 series on 0.30/0.31), applied and compared below.
-SERIES = check.series_for_installed() or check.SERIES[0]
-PATCHES = SERIES.patches()
-ALL_PATCHES = [p for s in check.SERIES for p in s.patches()]
-
-
-def _id(p: Path) -> str:
-    return str(p.relative_to(check.HERE))
+PATCHES = check.patch_files()
 
 
 def _registry_names() -> list[str]:
@@ -47,28 +39,10 @@ def _registry_names() -> list[str]:
     return registry.names()
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("patches")
-
-
-@pytest.fixture(scope="module")
-def applied(workdir) -> dict[tuple[str, str], tuple[bool, str]]:
-    return {(p.name, label): (ok, msg) for p, label, ok, msg in check.apply_checks(PATCHES, workdir)}
-
-
-@pytest.fixture(scope="module")
-def exactness(workdir, applied) -> dict[str, object]:
-    applicable = [p for p in PATCHES if applied[(p.name, "alone")][0]]
-    return {v.patch.name: v for v in check.check_exactness(applicable, workdir)}
-
-
-@pytest.mark.parametrize("series", check.SERIES, ids=lambda s: s.name)
-def test_one_patch_per_optimization_numbered_in_order(series):
+def test_one_patch_per_optimization_numbered_in_order():
     names = _registry_names()
-    patches = series.patches()
     by_opt: dict[str, list[str]] = {}
-    for p in patches:
+    for p in PATCHES:
         by_opt.setdefault(check.optimization_of(p), []).append(p.name)
     assert set(by_opt) <= set(names), f"patches for unknown optimizations: {sorted(set(by_opt) - set(names))}"
     assert all(len(v) == 1 for v in by_opt.values()), by_opt
@@ -78,101 +52,134 @@ def test_one_patch_per_optimization_numbered_in_order(series):
     assert not [n for n in exempt if n in by_opt], "an optimization with a patch must not declare no_patch_reason"
     missing = [n for n in names if n not in by_opt and n not in exempt]
     assert not missing, f"optimizations without a patch: {missing}"
-    numbers = [int(check.PATCH_RE.match(p.name).group(1)) for p in patches]
-    assert numbers == list(range(1, len(patches) + 1)), numbers
-    assert [check.optimization_of(p) for p in patches] == [n for n in names if n in by_opt]  # registry order
+    numbers = [int(check.PATCH_RE.match(p.name).group(1)) for p in PATCHES]
+    assert numbers == list(range(1, len(PATCHES) + 1)), numbers
+    assert [check.optimization_of(p) for p in PATCHES] == [n for n in names if n in by_opt]  # registry order
 
 
-def test_series_are_found_and_the_rebased_one_needs_base_and_overlap(tmp_path):
-    assert [s.name for s in check.SERIES] == ["0.30", "0.32"]
-    assert check.SERIES[0].covers("0.31.0rc1") and not check.SERIES[0].covers("0.32.0rc1")
-    assert check.SERIES[1].covers("0.32.0rc1") and not check.SERIES[1].covers(None)
-    assert check.series_of(check.SERIES[1].patches()[0]) is check.SERIES[1]
-    assert check.series_of(check.SERIES[0].patches()[0]) is check.SERIES[0]
-    rebased = check.SERIES[1]
-    assert rebased.required_fields[-1] == "Removal plan"
-    assert {"Base", "Upstream overlap"} <= set(rebased.required_fields)
-    assert "Base" not in check.SERIES[0].required_fields
-    with pytest.raises(ValueError, match="no patch series"):
-        check.series_of(tmp_path / "0001-x.patch")
+def test_one_series_in_patches():
+    assert not [p for p in check.HERE.rglob("*.patch") if p.parent != check.HERE], "patches outside patches/"
+    assert len(PATCHES) == len(list(check.HERE.glob("*.patch"))), "a .patch file not named 000N-<optimization>"
+
+
+def test_the_series_is_applied_on_its_release_only():
+    assert check.BASE == "0.32.0rc1" and check.applies_to(check.BASE)
+    assert check.applies_to("0.32.0") and check.applies_to("0.32.1")
+    assert not check.applies_to("0.30.0") and not check.applies_to("0.31.0rc1") and not check.applies_to(None)
+    assert not check.applies_to("0.3.2") and not check.applies_to("1.32.0")
 
 
 def test_header_field_parser_catches_missing_fields(tmp_path):
     p = tmp_path / "0001-x.patch"
     p.write_text("What: a\nWhy: b\n  continued\nHow:\ndiff --git a/x b/x\nRisks: after the diff line\n")
     assert check.header_fields(p)["Why"] == "b continued"
-    assert check.missing_fields(p) == ["How", "Equivalence", "Measured effect", "Risks", "Removal plan"]
+    assert check.header_problems(p) == [
+        f"missing {f}"
+        for f in ("How", "Equivalence", "Measured effect", "Risks", "Base", "Upstream overlap", "Removal plan")
+    ]
     q = tmp_path / "0002-y.patch"
     q.write_text("Enable: FOO_BAR=1 (opt-in) lower=2\ndiff --git a/x b/x\n")
     assert check.enable_env(q) == {"FOO_BAR": "1"}
+    r = tmp_path / "0003-z.patch"
+    r.write_text("".join(f"{f}: x\n" for f in check.REQUIRED_FIELDS) + "diff --git a/x b/x\n")
+    assert check.header_problems(r) == [f"Base does not name {check.BASE}"]
+    r.write_text(r.read_text().replace("Base: x", f"Base: vLLM-Omni {check.BASE}"))
+    assert check.header_problems(r) == []
 
 
-@pytest.mark.parametrize("patch", ALL_PATCHES, ids=_id)
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
 def test_header_has_every_field(patch):
-    assert check.missing_fields(patch) == []
+    assert check.header_problems(patch) == []
     fields = check.header_fields(patch)
     from vllm_omni_ascend_opt import registry
 
     equivalence = registry.get(check.optimization_of(patch)).equivalence
     assert fields["Equivalence"].lower().startswith(equivalence), (fields["Equivalence"][:60], equivalence)
     assert re.search(r"\bCPU\b|\bNPU\b", fields["Measured effect"]), "measured effect must name the machine"
-    series = check.series_of(patch)
-    if series is not check.SERIES[0]:  # a rebased patch names its base and its 0.30 twin, and the PRs it overlaps
-        assert series.base in fields["Base"] and f"patches/{patch.name}" in fields["Base"], fields["Base"]
-        assert re.search(r"#\d{3,5}|none|not found|no open PR", fields["Upstream overlap"]), fields["Upstream overlap"]
-
-
-def test_the_rebased_series_changes_what_the_0_30_series_changes():
-    """Same files touched and the same new modules, byte for byte where upstream did not move (the rebase only
-    re-places hunks); a patch whose 0.30 twin still applies unchanged keeps its added lines."""
-    for p in check.SERIES[1].patches():
-        twin = check.HERE / p.name
-        assert sorted(check.touched_files(p)) == sorted(check.touched_files(twin)), p.name
-        added = {line for line in p.read_text().split("\ndiff --git", 1)[1].splitlines() if line.startswith("+")}
-        added_30 = {line for line in twin.read_text().split("\ndiff --git", 1)[1].splitlines() if line.startswith("+")}
-        # every line the 0.30 patch adds is added in the rebased one, except import lines upstream now has
-        missing = {a for a in added_30 - added if not a.startswith("+++") and "import" not in a}
-        allowed = {  # rebase edits, each explained in the patch's Base field: forward_cuda and its docstring
-            "0001-shared_modulation.patch": {
-                "AdaLayerNorm.forward_cuda",
-                "(native, CUDA, HIP)",
-                "(NPU without MindIE-SD);",
-                "MindIE-SD's fused",
-                "instance is called as usual",
-            },
-        }.get(p.name, set())
-        missing = {m for m in missing if not any(a in m for a in allowed)}
-        assert not missing, (p.name, sorted(missing)[:5])
-
-
-@pytest.mark.parametrize("label", ["alone", "stacked"])
-@pytest.mark.parametrize("patch", PATCHES, ids=_id)
-def test_applies_to_the_pristine_installed_tree(applied, patch, label):
-    ok, msg = applied[(patch.name, label)]
-    assert ok, msg
+    assert re.search(r"#\d{3,5}|none|not found|no open PR", fields["Upstream overlap"]), fields["Upstream overlap"]
+    assert "twin" not in fields["Base"] and "patches/" not in fields["Base"], "Base names another series"
 
 
 def test_paths_are_upstream_package_paths():
-    for p in ALL_PATCHES:
+    for p in PATCHES:
         heads = [line for line in p.read_text().splitlines() if line.startswith("diff --git")]
         assert heads, p.name
         for line in heads:
             assert re.fullmatch(r"diff --git a/vllm_omni/\S+ b/vllm_omni/\S+", line), (p.name, line)
 
 
-@pytest.mark.parametrize("patch", PATCHES, ids=_id)
-def test_patched_upstream_computes_what_the_plugin_computes(exactness, patch):
-    v = exactness.get(patch.name)
-    assert v is not None, "patch did not apply; see test_applies_to_the_pristine_installed_tree"
-    if v.status == "skip":
-        from vllm_omni_ascend_opt import _backend, registry
+def _main(monkeypatch, capsys, version: str, argv: list[str], patches: list[Path] = PATCHES):
+    """check.main on ``patches`` with vLLM-Omni ``version`` installed; the apply and exactness runs are recorded."""
+    calls: list[str] = []
 
-        opt = registry.get(check.optimization_of(patch))
-        assert opt.equivalence != "exact", "an exact patch must be checked"
-        # The only acceptable reason to leave a patch unchecked is that its kernels need an NPU this machine lacks;
-        # any other reason (a fingerprint mismatch, a bad flag) is a regression, not a skip.
-        npu_why = _backend.npu_unavailable_reasons()
-        assert npu_why and opt.reasons_inactive() == npu_why, (opt.reasons_inactive(), npu_why)
-        assert all(r in v.message for r in npu_why), v.message
-        pytest.skip(v.message)
-    assert v.status == "ok", v.message
+    def apply_checks(ps, work):
+        calls.append("apply")
+        return [(p, label, True, "applies") for p in ps for label in ("alone", "stacked")]
+
+    def check_exactness(ps, work, parallel=2):
+        calls.append("exactness")
+        return [check.Verdict(ps[0], "FAIL", "differs"), *(check.Verdict(p, "ok", "equal") for p in ps[1:])]
+
+    monkeypatch.setattr(check, "installed_version", lambda: version)
+    monkeypatch.setattr(check, "patch_files", lambda: patches)
+    monkeypatch.setattr(check, "apply_checks", apply_checks)
+    monkeypatch.setattr(check, "check_exactness", check_exactness)
+    rc = check.main(argv)
+    return rc, calls, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.31.0rc1", None])
+def test_check_skips_applying_on_other_releases_and_says_so(monkeypatch, capsys, version):
+    rc, calls, out = _main(monkeypatch, capsys, version, ["--exactness"])
+    assert rc == 0 and calls == []
+    assert f"the series targets vLLM-Omni {check.BASE}: apply and exactness checks skipped" in out, out
+    (summary,) = [ln for ln in out.splitlines() if ln.startswith("summary:")]
+    assert f"headers {len(PATCHES)} ok, 0 FAIL; not applied" in summary, summary
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.32.0rc1"])
+def test_check_fails_on_a_bad_header_on_any_release(monkeypatch, capsys, tmp_path, version):
+    bad = tmp_path / "0001-shared_modulation.patch"
+    bad.write_text("What: a\ndiff --git a/vllm_omni/x b/vllm_omni/x\n")
+    rc, calls, out = _main(monkeypatch, capsys, version, [], [bad, *PATCHES[1:]])
+    assert rc == 1 and "FAIL 0001-shared_modulation.patch header: missing Why" in out, out
+    assert calls == ([] if version == "0.30.0" else ["apply"])
+
+
+def test_check_applies_and_compares_on_its_release(monkeypatch, capsys):
+    rc, calls, out = _main(monkeypatch, capsys, check.BASE, [])
+    assert rc == 0 and calls == ["apply"]
+    assert f"apply {2 * len(PATCHES)} ok, 0 FAIL" in out.splitlines()[-1], out
+    rc, calls, out = _main(monkeypatch, capsys, "0.32.0", ["--exactness"])
+    assert rc == 1 and calls == ["apply", "exactness"], "an exactness FAIL fails the check"
+    assert out.splitlines()[-1].endswith(f"vs plugin: FAIL 0001, ok {' '.join(p.name[:4] for p in PATCHES[1:])}"), out
+
+
+def test_apply_checks_report_what_does_not_apply_or_compile(tmp_path):
+    """The apply machinery on the installed (any release's) pristine tree, with three small patches: a new module
+    (applies alone and stacked), a syntax error (applies, does not compile), a hunk whose context is not there."""
+
+    def new_file(name: str, line: str) -> str:
+        return (
+            f"diff --git a/vllm_omni/{name} b/vllm_omni/{name}\nnew file mode 100644\n--- /dev/null\n"
+            f"+++ b/vllm_omni/{name}\n@@ -0,0 +1 @@\n+{line}\n"
+        )
+
+    good, broken, stale = tmp_path / "0001-good.patch", tmp_path / "0002-broken.patch", tmp_path / "0003-stale.patch"
+    good.write_text(new_file("_probe_good.py", "X = 1"))
+    broken.write_text(new_file("_probe_broken.py", "def f(:"))
+    stale.write_text(
+        "diff --git a/vllm_omni/__init__.py b/vllm_omni/__init__.py\n--- a/vllm_omni/__init__.py\n"
+        "+++ b/vllm_omni/__init__.py\n@@ -1,1 +1,1 @@\n-this line is not in vllm_omni/__init__.py\n+x = 1\n"
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    got = {(p.name[:4], label): (ok, msg) for p, label, ok, msg in check.apply_checks([good, broken, stale], work)}
+    assert got[("0001", "alone")] == (True, "applies, touched Python files compile")
+    assert got[("0001", "stacked")] == (True, "applies, touched Python files compile")
+    for label in ("alone", "stacked"):
+        ok, msg = got[("0002", label)]
+        assert not ok and msg.startswith("applies but does not compile: vllm_omni/_probe_broken.py"), msg
+        ok, msg = got[("0003", label)]
+        assert not ok and msg.startswith("check: "), msg
+    assert (work / "stack" / "vllm_omni" / "_probe_good.py").read_text() == "X = 1\n"

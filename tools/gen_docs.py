@@ -9,9 +9,9 @@ Each generated block sits between two markers in a Markdown file::
 
 Blocks: the optimization table in README.md (registry order, tier, default, summary, when it stays off) and its
 table of the vLLM-Omni modes that refuse Qwen-Image upstream (``_report.UPSTREAM_UNSUPPORTED_CACHE_BACKENDS``), the patch
-tables in patches/README.md (one patch per optimization, numbered in registry order; the 0.32.0rc1 series with its
-rebase and the open upstream PRs each patch's header names) and the workload list in
-ablations/README.md (every workload shipped in the package, with its description and engine).
+table in patches/README.md (one patch per optimization, numbered in registry order, with the open upstream PRs its
+header names) and the workload list in ablations/README.md (every workload shipped in the package, with its
+description and engine).
 ``tests/test_docs.py`` fails when a file differs from what this script writes.
 
 Usage::
@@ -69,41 +69,24 @@ def patch_name(index: int, name: str) -> str:
 
 
 def patches_table() -> str:
-    """patches/README.md: one patch per optimization, in registry order."""
+    """patches/README.md: one patch per optimization, in registry order, with the open upstream PRs its ``Upstream
+    overlap`` header field names (written "#NNNN (open...")."""
     from vllm_omni_ascend_opt import registry
 
-    rows = ["| patch | optimization | class | what it changes |", "|---|---|---|---|"]
+    rows = [
+        "| patch | optimization | class | what it changes | open upstream PRs it overlaps |",
+        "|---|---|---|---|---|",
+    ]
     for i, opt in enumerate(registry.all_optimizations()):
         if opt.no_patch_reason:
-            rows.append(f"| none | `{opt.name}` | {opt.equivalence} | no patch: {_cell(opt.no_patch_reason)} |")
-            continue
-        rows.append(f"| `{patch_name(i, opt.name)}` | `{opt.name}` | {opt.equivalence} | {_cell(opt.summary)} |")
-    return "\n".join(rows)
-
-
-def rebased_patches_table() -> str:
-    """patches/README.md: the series rebased on vLLM-Omni 0.32.0rc1 (``patches/0.32/``), from the registry and each
-    patch's ``Base`` and ``Upstream overlap`` header fields."""
-    from vllm_omni_ascend_opt import registry
-
-    def field(text: str, name: str) -> str:
-        m = re.search(rf"^{name}: (.*?)(?=^[A-Z][A-Za-z ]+: |^diff --git)", text, re.S | re.M)
-        return " ".join(m.group(1).split()) if m else ""
-
-    rows = ["| patch | optimization | class | rebase | open upstream PRs it overlaps |", "|---|---|---|---|---|"]
-    for i, opt in enumerate(registry.all_optimizations()):
-        if opt.no_patch_reason:
-            rows.append(f"| none | `{opt.name}` | {opt.equivalence} | no patch (see above) | – |")
+            rows.append(f"| none | `{opt.name}` | {opt.equivalence} | no patch: {_cell(opt.no_patch_reason)} | – |")
             continue
         name = patch_name(i, opt.name)
-        text = (REPO / "patches" / "0.32" / name).read_text()
-        base = field(text, "Base")
-        rebase = (
-            "unchanged (offsets only)" if "applies to 0.32.0rc1 unchanged" in base else "rebased, see its Base field"
-        )
-        overlap = field(text, "Upstream overlap")  # open PRs are written "#NNNN (open..."
+        head = (REPO / "patches" / name).read_text().split("\ndiff --git", 1)[0]
+        m = re.search(r"^Upstream overlap: (.*?)(?=^[A-Z][A-Za-z ]+: |\Z)", head, re.S | re.M)
+        overlap = " ".join(m.group(1).split()) if m else ""
         prs = list(dict.fromkeys(re.findall(r"(#\d{3,5}) \(open", overlap))) or ["none found"]
-        rows.append(f"| `0.32/{name}` | `{opt.name}` | {opt.equivalence} | {rebase} | {', '.join(prs)} |")
+        rows.append(f"| `{name}` | `{opt.name}` | {opt.equivalence} | {_cell(opt.summary)} | {', '.join(prs)} |")
     return "\n".join(rows)
 
 
@@ -121,7 +104,7 @@ def workloads_table() -> str:
 
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"optimizations": optimizations_table, "upstream-modes": upstream_modes_table},
-    "patches/README.md": {"patches": patches_table, "patches-0.32": rebased_patches_table},
+    "patches/README.md": {"patches": patches_table},
     "ablations/README.md": {"workloads": workloads_table},
 }
 
