@@ -3,8 +3,8 @@
 
 Usage (from the repo root, after `make venv`)::
 
-    .venv/bin/python benchmarks/bench_e2e.py            # tiny model + real-width model, ~6-8 min on 2 cores
-    .venv/bin/python benchmarks/bench_e2e.py --quick    # tiny model only, < 1 min
+    .venv/bin/python benchmarks/bench_e2e.py            # tiny model + real-width model
+    .venv/bin/python benchmarks/bench_e2e.py --quick    # tiny model only
     .venv/bin/python benchmarks/bench_e2e.py --json out.json
     .venv/bin/python benchmarks/bench_e2e.py --models memory   # only the peak-memory table at 1328^2 / 1664x928
 

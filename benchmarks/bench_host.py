@@ -3,18 +3,18 @@
 
 Usage (from the repo root)::
 
-    .venv/bin/python benchmarks/bench_host.py                    # ~2 min on a quiet core
+    .venv/bin/python benchmarks/bench_host.py                    # stock, default, all, each optimization
     .venv/bin/python benchmarks/bench_host.py --quick            # fewer rounds
     .venv/bin/python benchmarks/bench_host.py --depth deep       # 12 blocks (the tiny CPU workloads' model)
     .venv/bin/python benchmarks/bench_host.py --profile default  # also the cProfile top items of that config
     .venv/bin/python benchmarks/bench_host.py --json out.json
     .venv/bin/python benchmarks/bench_host.py --compiled regional,full   # compiled default vs stock, real width
-    .venv/bin/python benchmarks/bench_host.py --instructions     # instructions per forward (valgrind), ~2 min
+    .venv/bin/python benchmarks/bench_host.py --instructions     # instructions per forward (valgrind)
     .venv/bin/python benchmarks/bench_host.py --split            # host time per segment: outside / each block
 
-Why: on an Ascend NPU, batch-1 eager Qwen-Image is host-bound (each kernel launch costs ~10-15 us of host time and
-the device waits on it). The plugin removes launches; this benchmark checks that its own Python (memo lookups,
-guards, module calls) does not eat what the removed launches save. It builds vLLM-Omni's real
+Why: on an Ascend NPU, batch-1 eager Qwen-Image is host-bound (each kernel launch costs host time and the device
+waits on it). The plugin removes launches; this benchmark checks that its own Python (memo lookups, guards, module
+calls) does not eat what the removed launches save. It builds vLLM-Omni's real
 ``QwenImageTransformer2DModel`` at the TINY test-bed width (2 blocks, hidden 64; ``--depth deep``: 12 blocks, the
 tiny CPU workloads' model, where the per-forward work outside the blocks weighs less, as in a 60-block real model) in
 fp32, on 1 thread, with a small image (64x64: 16 image + 32 text tokens), where the kernels' compute is negligible next to their dispatch, so the
@@ -37,8 +37,9 @@ cost about the same per call at any of these token counts, and run on the timed 
 device). ``--instructions`` counts instructions per forward under callgrind and splits off that arithmetic
 (``benchmarks/instructions.py``): exact, and not disturbed by other processes on a shared machine.
 
-Speed claims belong here, never in a timed unit test. The CPU's per-op dispatch cost (~5-8 us) is of the order of an
-NPU launch's host cost, so these ratios are a proxy of the NPU's host-bound ratio, not the NPU claim.
+Speed claims belong here, never in a timed unit test. The CPU's per-op dispatch cost (the ``us/op`` column) is of the
+order of an NPU launch's host cost (benchmarks/README.md), so these ratios are a proxy of the NPU's host-bound ratio,
+not the NPU claim.
 """
 
 from __future__ import annotations

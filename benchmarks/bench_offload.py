@@ -3,7 +3,7 @@
 
 Usage (from the repo root, after `make venv`)::
 
-    .venv/bin/python benchmarks/bench_offload.py            # tiny (2 and 60 blocks) + real width (2 blocks), ~4 min
+    .venv/bin/python benchmarks/bench_offload.py            # tiny (2 and 60 blocks) + real width (2 blocks)
     .venv/bin/python benchmarks/bench_offload.py --quick    # tiny, 2 blocks
     .venv/bin/python benchmarks/bench_offload.py --json out.json
 

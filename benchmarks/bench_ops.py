@@ -3,7 +3,7 @@
 
 Usage (from the repo root)::
 
-    .venv/bin/python benchmarks/bench_ops.py                 # the table (~2 min on 2 cores: builds a real-width model)
+    .venv/bin/python benchmarks/bench_ops.py                 # the table (builds a real-width model)
     .venv/bin/python benchmarks/bench_ops.py --write-table   # also rewrite vllm_omni_ascend_opt/ablation/npu_launches.json
     .venv/bin/python benchmarks/bench_ops.py --json out.json
 

@@ -3,7 +3,7 @@
 
 Usage (from the repo root)::
 
-    .venv/bin/python benchmarks/bench_rope.py                 # fp32, 128x128 and 256x256, ~2-4 min on 2 cores
+    .venv/bin/python benchmarks/bench_rope.py                 # fp32, 128x128 and 256x256
     .venv/bin/python benchmarks/bench_rope.py --dtype bf16 --repeats 9 --json out.json
 
 What it prints, per resolution (real-width Qwen-Image: hidden 3072, 24 heads x 128, RoPE axes 16/56/56, 2 blocks,

@@ -3,7 +3,7 @@
 
 Usage (from the repo root, after `make venv`)::
 
-    .venv/bin/python benchmarks/bench_transformer.py                 # bf16, 128x128 and 256x256, ~3-6 min on 2 cores
+    .venv/bin/python benchmarks/bench_transformer.py                 # bf16, 128x128 and 256x256
     .venv/bin/python benchmarks/bench_transformer.py --quick         # 128x128 only, 2 repeats
     .venv/bin/python benchmarks/bench_transformer.py --dtype fp32 --repeats 5 --json out.json
     .venv/bin/python benchmarks/bench_transformer.py --pipeline edit-2511 --quick   # another pipeline's transformer

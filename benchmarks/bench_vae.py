@@ -3,11 +3,11 @@
 
 Usage (from the repo root, after `make venv`)::
 
-    .venv/bin/python benchmarks/bench_vae.py                 # real width, 256^2 and 512^2, bf16, ~2-3 min on 2 cores
+    .venv/bin/python benchmarks/bench_vae.py                 # real width, 256^2 and 512^2, bf16
     .venv/bin/python benchmarks/bench_vae.py --dtype fp32
     .venv/bin/python benchmarks/bench_vae.py --pieces        # also each piece alone (ablation of the pieces)
     .venv/bin/python benchmarks/bench_vae.py --sizes 256 --repeats 5 --json out.json
-    .venv/bin/python benchmarks/bench_vae.py --sizes 1328x1328 1664x928 --repeats 1   # the peak-memory sizes, ~8 min
+    .venv/bin/python benchmarks/bench_vae.py --sizes 1328x1328 1664x928 --repeats 1   # the peak-memory sizes
 
 What it does: builds vLLM-Omni's ``DistributedAutoencoderKLQwenImage`` at the real Qwen-Image VAE width (base_dim 96,
 z_dim 16, dim_mult [1, 2, 4, 4], 2 res blocks, temporal downsample [F, T, T]) with seeded random weights, and for

@@ -1,8 +1,8 @@
 """A pre-imported parent process that forks one child per mutant (what the mutation check runs its pytest in).
 
 Why: every mutant's pytest run starts a new interpreter that imports torch, vLLM and vLLM-Omni before its first test
-(about 8-10 s of CPU on this project's 2-core CI machine, most of each mutant's time). Those packages are never
-mutated, so they can be imported once.
+(seconds of CPU per interpreter, most of each mutant's time: docs/testing.md). Those packages are never mutated, so
+they can be imported once.
 
 How: ``python tools/mutation_zygote.py`` imports the third-party packages in :data:`PRELOAD` (never this project:
 the zygote checks that no ``vllm_omni_ascend_opt`` or ``tests`` module is loaded), then reads one JSON request per

@@ -21,10 +21,12 @@ Calibration (:func:`calibration`), on the reference's published figures (one 910
 CFG off: stock 3111.5 ms; NPU RoPE saved ~194 ms, modulation sharing ~255 ms): the launches our ``rope`` and our
 ``shared_modulation`` remove per transformer call (from the table), x 8 steps, give two per-launch costs:
 
-* RoPE: 194 ms / (8 x launches ``rope`` saves per call) -- about 12.6 us;
-* modulation: 255 ms / (8 x launches ``shared_modulation`` saves per call) -- about 66 us. Modulation sharing also
-  stops reading the 2 x 113 MB of modulation weights per block every step (the projections of a repeated timestep
-  are memoized), which a launch model does not capture: this figure over-states the cost of a launch.
+* RoPE: 194 ms / (8 x launches ``rope`` saves per call);
+* modulation: 255 ms / (8 x launches ``shared_modulation`` saves per call). Modulation sharing also stops reading
+  the 2 x 113 MB of modulation weights per block every step (the projections of a repeated timestep are memoized),
+  which a launch model does not capture: this figure over-states the cost of a launch.
+
+Both follow from the table, so they change when the launch counts do; their current values are in docs/results.md.
 
 The value used is the RoPE one (:data:`USED`): RoPE's savings are small element-wise kernels, the closest to pure
 launch cost. Attention fusion, NZ weights and the VAE (27-49 ms each in the reference) change kernels' speed, not

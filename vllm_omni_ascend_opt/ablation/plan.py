@@ -357,9 +357,10 @@ def accelerator_visible() -> bool:
 # --------------------------------------------------------------------------------------------------------------
 # cost
 # --------------------------------------------------------------------------------------------------------------
-#: Rough constants behind ``plan``'s estimate. Tiny: measured on a 2-core CPU (vLLM-Omni import ~8-12 s per
-#: process; 64x64, 4 steps ~0.06 s per image). Real: Qwen-Image on one Ascend 910B1, BF16 eager, 1280x704, 8 steps
-#: ~3.1 s per image; process start (import, engine start, weights) assumed ~120 s.
+#: Rough constants behind ``plan``'s estimate, in seconds: an order of magnitude for planning, not a measurement.
+#: Tiny: a worker's start (mostly importing vLLM-Omni) and its image cost on a 2-core CPU. Real: the image cost of
+#: the reference run (Qwen-Image on one Ascend 910B1, BF16 eager, 1280x704, 8 steps) and an assumed process start
+#: (import, engine start, weights).
 TINY_START_S = 12.0
 TINY_IMAGE_S_PER_MPIX_STEP = 0.06 / (64 * 64 / 1e6 * 4)
 TINY_IMAGE_FIXED_S = 0.02

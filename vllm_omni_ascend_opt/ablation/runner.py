@@ -288,7 +288,7 @@ class Runner:
             self._start_all(configs, workers, starting, prog)
             # warm-up once every worker is up, one after another, right before measuring: a worker warmed up as
             # soon as it was ready (while others were still loading) and then left idle through the other starts
-            # took its first measured requests up to 70% slower on the 2-core VM
+            # runs its first measured requests slower (docs/results.md, the ablation runner's schedule)
             order = [c for c in self.plan.configs if c.id in workers]
             for c in order:
                 self._turn(workers, c, None, self._warmup, rounds[0], prog)

@@ -66,9 +66,9 @@ def process_sets(repeats: int, sets: int) -> list[list[int]]:
 
 
 def start_order(configs: list[T], set_index: int) -> list[T]:
-    """The order process set ``set_index`` starts its workers in: every other set in reverse. Measured on 2 cores,
-    workers started earlier ran slower all run long (the first two 5-10%), so each configuration gets an early and a
-    late start."""
+    """The order process set ``set_index`` starts its workers in: every other set in reverse. Workers started
+    earlier can run slower all run long (docs/results.md, the ablation runner's schedule), so each configuration gets
+    an early and a late start."""
     return list(reversed(configs)) if set_index % 2 == 1 else list(configs)
 
 
