@@ -1,4 +1,4 @@
-"""vLLM-Omni's memory and cache modes, run through its own ``DiffusionModelRunner`` (``testbed/runner.py``): the
+"""vLLM-Omni's memory and cache modes, run through its own ``DiffusionModelRunner`` (``testbed/model_runner.py``): the
 modes, one run of a mode under a flag, and what the tests compare (tests/test_memory_modes.py).
 
 One run = load the tiny model with the mode's ``OmniDiffusionConfig`` fields under a ``VLLM_OMNI_ASCEND_OPT``
@@ -115,7 +115,7 @@ class ModeRun:
 def run_mode(runtime: Any, mode: str, spec: str) -> ModeRun:
     """Load the tiny model through vLLM-Omni's runner in ``mode`` with ``spec`` selected; two identical requests."""
     from vllm_omni_ascend_opt import _report, api, registry
-    from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
+    from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 
     m = MODES[mode]
     api.select(spec)

@@ -22,7 +22,7 @@ from vllm_omni_ascend_opt.blocks.body.block_body import READY
 from vllm_omni_ascend_opt.blocks.body.joint_qkv import READY_ROPE
 from vllm_omni_ascend_opt.metrics import compare_images, to_uint8
 from vllm_omni_ascend_opt.opts._fast_tier import FAST_TIER_GATES
-from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
+from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 
 pytestmark = pytest.mark.slow
 

@@ -248,7 +248,7 @@ def test_edit_pipelines_under_ulysses_and_cfg_parallel(variant):
     """``default`` is bitwise ``none`` in each mode on every rank; under Ulysses each rank holds its shard of the
     sequence and of ``modulate_index`` (the condition tokens' timestep-0 segment), so the segment plans differ
     per rank. Requests: two input images, two output sizes, true CFG, the first repeated (warm caches)."""
-    from vllm_omni_ascend_opt.testbed.parallel import Job, ModeRun, run_parallel_modes
+    from tests.harness.parallel import Job, ModeRun, run_parallel_modes
 
     reqs = {
         "a": dict(height=32, width=32, seed=1, image=1),

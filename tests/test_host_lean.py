@@ -299,7 +299,7 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
     (0 misses); an in-place write and a LoRA switch (stacks written in place, slice switched on) must miss, and the
     images stay stock's."""
     from vllm_omni_ascend_opt import api
-    from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
+    from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 
     def request(h):
         return h.generate(height=32, width=32, steps=2, cfg_scale=4.0)

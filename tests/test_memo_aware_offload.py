@@ -20,7 +20,7 @@ from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.blocks.upstream.layerwise import block_hook, is_modulation
 from vllm_omni_ascend_opt.opts import memo_aware_offload as mao
 from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
-from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
+from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 
 OPT, SM = mao.OPT, registry.get("shared_modulation")
 REQUEST = {"height": 32, "width": 32, "steps": 2, "cfg_scale": 4.0}
@@ -132,7 +132,7 @@ def test_a_memo_that_loses_an_entry_gets_the_weights_copied_late(runtime, monkey
 def test_lora_switch_under_offload_copies_the_new_weights(runtime, tmp_path):
     """A LoRA switch is a real weight change: the first forward after it misses and copies everything (the memo's
     signature sees the adapter), the CFG branch that follows skips again; bitwise stock throughout."""
-    from vllm_omni_ascend_opt.testbed.lora import write_adapter
+    from tests.harness.lora import write_adapter
 
     def run(spec: str) -> tuple[list[torch.Tensor], list[dict[str, int]]]:
         api.select(spec)

@@ -1,5 +1,5 @@
 """The plugin in vLLM-Omni's memory and cache modes, through vLLM-Omni's own ``DiffusionModelRunner`` on the CPU
-runtime (``testbed/runner.py``): VAE slicing and tiling, layerwise and model CPU offload, cache-dit (DBCache,
+runtime (``testbed/model_runner.py``): VAE slicing and tiling, layerwise and model CPU offload, cache-dit (DBCache,
 TaylorSeer, SCM: one child process each), TeaCache, MagCache (explicit ratios), and LoRA switching.
 
 For every mode: the default stack equals ``none`` bit for bit, a repeated request is identical, what the plugin
@@ -14,7 +14,7 @@ import torch
 
 from tests.runner_modes import BLOCK_CALLS, MODES, REQUEST, ModeRun, evidence, run_in_child, run_mode
 from vllm_omni_ascend_opt import _report, api, registry
-from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
+from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def test_cache_backends_listed_as_unsupported_reject_qwen_image(runtime, backend
 def _lora_requests(runtime, tmp_path, spec: str, **fields) -> tuple[list[torch.Tensor], list[dict[str, int]]]:
     """Requests with no adapter, A, B, A, none (switched before each, as vLLM-Omni's worker does): the images and
     shared_modulation's statistics per request."""
-    from vllm_omni_ascend_opt.testbed.lora import write_adapter
+    from tests.harness.lora import write_adapter
 
     sm = registry.get("shared_modulation")
     api.select(spec)

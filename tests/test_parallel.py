@@ -1,7 +1,7 @@
 """Every optimization under vLLM-Omni's own parallelism, with real process groups on CPU (issue 8).
 
 All four parallel modes (TP 2, CFG-parallel 2 with true CFG, Ring SP 2, Ulysses SP 2) run one after the other in
-the same 2 fresh gloo worker processes (:mod:`vllm_omni_ascend_opt.testbed.parallel`: new groups and a new pipeline
+the same 2 fresh gloo worker processes (:mod:`tests.harness.parallel`: new groups and a new pipeline
 per mode, vLLM-Omni imported once). Per mode the pipeline runs ``none`` and ``default`` at several resolutions,
 toggled with ``api.select(spec, model=pipe)``. The resolutions are chosen to catch caches keyed on too little: an
 odd token count that Ulysses pads, an even one with the same per-rank shard length, and its transpose (same shapes
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from vllm_omni_ascend_opt import registry
-from vllm_omni_ascend_opt.testbed.parallel import (
+from tests.harness.parallel import (
     Job,
     ModeRun,
     ParallelRun,

@@ -7,7 +7,7 @@ optimization stays off on it with that reason (``Optimization.on_qwen_image_21``
 
 * A stand-in (a class in the 2.1 package's namespace around a bf16 linear stack) runs on every version: nz_weights
   casts the same stack under any other class and nothing under the 2.1 one (torch_npu fake).
-* The real tiny 2.1 pipeline (``testbed/tiny_model_21.py``; marker ``versions``, so ``make test-versions`` runs it on
+* The real tiny 2.1 pipeline (``tests/harness/tiny_model_21.py``; marker ``versions``, so ``make test-versions`` runs it on
   0.32.0rc1, skipped where vLLM-Omni has no 2.1): with every optimization selected, nothing of it changes (classes,
   forwards, parameters), its VAE decode through its own ``_decode_latents`` is bitwise ``none``'s, and with the
   torch_npu fake no weight is cast.
@@ -25,7 +25,7 @@ from tests.fake_torch_npu import formats
 from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.blocks.upstream import fingerprints, targets
 from vllm_omni_ascend_opt.opts import nz_weights
-from vllm_omni_ascend_opt.testbed import tiny_model_21 as t21
+from tests.harness import tiny_model_21 as t21
 
 PREFIX = "Qwen-Image-2.1 ("
 

@@ -1,6 +1,6 @@
 """What the plugin reports is what it runs: the API's defaults, status under vLLM-Omni's memory modes and hooks, and
 the status file when the flag is bad. Models run through vLLM-Omni's own ``DiffusionModelRunner`` (in this process,
-on the test bed's CPU runtime: ``testbed.runner``)."""
+on the test bed's CPU runtime: ``testbed.model_runner``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from vllm_omni_ascend_opt import _plugin, _report, api, flags, registry
 from vllm_omni_ascend_opt._state import STATE
-from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
+from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 
 SM, FAST_MOD = registry.get("shared_modulation"), registry.get("fast_modulate")
 

@@ -6,7 +6,7 @@ None when unknown), ``model_reasons(name)`` (why an optimization is off) and ``c
 
 * ``testbed``: vLLM-Omni's own ``QwenImagePipeline``, built by vLLM-Omni's ``DiffusersPipelineLoader`` in this process
   (the test bed's runtime; CPU, or the accelerator when one is visible); with the workload's ``od_config`` (memory and
-  cache modes) through vLLM-Omni's own ``DiffusionModelRunner`` (``testbed/runner.py``), which applies them and runs
+  cache modes) through vLLM-Omni's own ``DiffusionModelRunner`` (``testbed/model_runner.py``), which applies them and runs
   each request (``execute_model``), and with ``vae_tiling`` the VAE's tile size set after load. Each generation is timed between device
   synchronizations, and so is each stage: ``encode_prompt`` (text encode), ``diffuse`` (denoise) and
   ``_decode_latents`` (unpack + VAE decode), wrapped on this pipeline instance only. (vLLM-Omni's
@@ -119,7 +119,7 @@ class TestbedEngine:
         if tiles:
             modes.setdefault("vae_use_tiling", True)
         if modes:  # vLLM-Omni's memory / cache modes: its own runner applies them (offload, cache backend, ...)
-            from vllm_omni_ascend_opt.testbed.runner import RunnerHarness
+            from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 
             self.harness = RunnerHarness.load(self.rt, device=self.device, **modes)
             self.pipe = self.harness.pipeline

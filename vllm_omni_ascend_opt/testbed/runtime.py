@@ -225,7 +225,7 @@ def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 def use_import_workarounds() -> None:
     """In this process: the interpreter-start half's torchvision-free image processors, for code that imports
-    vLLM-Omni's engine modules in-process (``testbed.runner``). Idempotent. (No audio placeholder: nothing imported
+    vLLM-Omni's engine modules in-process (``testbed.model_runner``). Idempotent. (No audio placeholder: nothing imported
     in-process needs it, and it would make ``torchaudio`` look installed to the rest of the process.)"""
     import importlib.util
 

@@ -1,6 +1,6 @@
 """Run the tiny Qwen-Image under vLLM-Omni's parallel modes with real process groups on CPU.
 
-:func:`run_parallel_modes` starts ``world_size`` worker processes (``python -m vllm_omni_ascend_opt.testbed.parallel``,
+:func:`run_parallel_modes` starts ``world_size`` worker processes (``python -m tests.harness.parallel``,
 gloo on 127.0.0.1, free ports chosen at run time, one torch thread each) and runs one or more modes in them, one
 after the other. Per mode every worker selects the initial ``VLLM_OMNI_ASCEND_OPT`` spec *before* the model is built
 (the first time, before vLLM-Omni is even imported), initialises vLLM-Omni's parallel state as its diffusion worker
@@ -264,8 +264,9 @@ def run_parallel_modes(
                 "GLOO_SOCKET_IFNAME": child_env.get("GLOO_SOCKET_IFNAME", "lo"),
             }
         )
-        if pythonpath:
-            child_env["PYTHONPATH"] = os.pathsep.join([*pythonpath, child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        # the workers run this module as tests.harness.parallel: the repository root is on their path
+        paths = [*(pythonpath or ()), str(Path(__file__).resolve().parents[2]), child_env.get("PYTHONPATH", "")]
+        child_env["PYTHONPATH"] = os.pathsep.join(paths).rstrip(os.pathsep)
         child_env.update(env or {})
         procs: list[subprocess.Popen] = []
         logs = []
@@ -275,7 +276,7 @@ def run_parallel_modes(
                 logs.append(log)
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "vllm_omni_ascend_opt.testbed.parallel", str(work), str(rank)],
+                        [sys.executable, "-m", "tests.harness.parallel", str(work), str(rank)],
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,

@@ -1,7 +1,7 @@
 """Seeded PEFT LoRA adapters for the test bed's models, written the way vLLM-Omni's ``DiffusionLoRAManager`` loads
 them (``adapter_config.json`` + ``adapter_model.safetensors``, keys ``base_model.model.<module>.lora_A/B.weight``).
 
-Used by the tests that switch adapters between requests through vLLM-Omni's own runner (``testbed/runner.py``:
+Used by the tests that switch adapters between requests through vLLM-Omni's own runner (``testbed/model_runner.py``:
 ``RunnerHarness.enable_lora`` / ``generate(lora=...)``): a LoRA switch changes what the targeted linears compute,
 so every cache keyed on those weights must miss after it.
 """
