@@ -563,7 +563,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
 
 if __name__ == "__main__":
     # Run the worker from the package module (not __main__) so its reports unpickle in the parent.
-    from vllm_omni_ascend_opt.testbed import parallel as _this
+    from tests.harness import parallel as _this
 
     _this._worker(Path(sys.argv[1]), int(sys.argv[2]))
     sys.stdout.flush()
