@@ -77,11 +77,7 @@ def npu_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Te
 
 
 def version_or_none(t: torch.Tensor) -> int | None:
-    """``t._version``, or None for inference tensors (they track none; upstream never writes freqs in place).
-
-    Asked before reading: reading an inference tensor's version raises, and an exception costs ~10 us per call."""
-    if t.is_inference():
-        return None
+    """``t._version``, or None for inference tensors (they track none; upstream never writes freqs in place)."""
     try:
         return t._version
     except RuntimeError:

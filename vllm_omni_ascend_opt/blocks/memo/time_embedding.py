@@ -47,24 +47,15 @@ def upstream_reason() -> str | None:
 
 def value_key(t: torch.Tensor) -> tuple[Any, ...]:
     """The exact value of a small tensor as a key: dtype, shape, device and its bytes (one device->host copy)."""
-    if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and t.is_contiguous() and not t.is_neg():
-        data = t.detach().numpy().tobytes()  # the same bytes, without the copies a device tensor needs
-    else:
-        host = t.detach().cpu()
-        data = host.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return (t.dtype, tuple(t.shape), str(t.device), data)
-
-
-#: dtypes whose CPU tensors ``numpy()`` reads as they are (bf16 and the like go through a uint8 view)
-_NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8))
 
 
 def _tensor_sig(t: torch.Tensor, grad: bool) -> tuple[Any, ...]:
     if grad and t.requires_grad:
         raise Unkeyable("autograd is recording (grad enabled and a time-embedding weight requires grad)")
     try:
-        with torch._C.DisableTorchFunctionSubclass():
-            return (id(t), t._version, t.shape, t.dtype, t.device)
+        return (id(t), t._version, t.shape, t.dtype, t.device)
     except RuntimeError:
         raise Unkeyable("time-embedding weights are inference tensors (no version counter)") from None
 

@@ -32,7 +32,6 @@ exactness argument of the optimizations that declare it, adapt them, and add the
 from __future__ import annotations
 
 import ast
-import functools
 import hashlib
 import importlib.util
 import inspect
@@ -254,8 +253,6 @@ class _SourceIndex:
     def __init__(self, text: str) -> None:
         self.tree = ast.parse(text)
         self.lines = text.splitlines(keepends=True)
-        self._fps: dict[str, str] = {}
-        self._lines: dict[str, int | None] = {}
 
     @classmethod
     def of(cls, path: Path) -> _SourceIndex:
@@ -280,24 +277,16 @@ class _SourceIndex:
         return node
 
     def first_line(self, qualname: str) -> int | None:
-        if qualname not in self._lines:
-            node = self.node(qualname)
-            self._lines[qualname] = (
-                None if node is None else min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[attr-defined]
-            )
-        return self._lines[qualname]
+        node = self.node(qualname)
+        return None if node is None else min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[attr-defined]
 
     def fingerprint(self, qualname: str) -> str:
-        fp = self._fps.get(qualname)
-        if fp is None:
-            start = self.first_line(qualname)
-            if start is None:
-                fp = ABSENT
-            else:  # the very lines inspect.getsource returns (getsourcelines: getblock from the first line)
-                src = textwrap.dedent("".join(inspect.getblock(self.lines[start - 1 :])))
-                fp = hashlib.sha256(src.encode()).hexdigest()[:16]
-            self._fps[qualname] = fp
-        return fp
+        start = self.first_line(qualname)
+        if start is None:
+            return ABSENT
+        # the very lines inspect.getsource returns (getsourcelines: getblock from the first line)
+        src = textwrap.dedent("".join(inspect.getblock(self.lines[start - 1 :])))
+        return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
 def _statements(body: list[ast.stmt]) -> Iterable[ast.stmt]:
@@ -366,11 +355,6 @@ def current_platform() -> str:
     ``_backend``), else ``rocm`` / ``cuda`` / ``musa`` by torch's own device checks, else ``cpu``."""
     if _backend.torch_npu_module() is not None:
         return "npu"
-    return _accelerator()
-
-
-@functools.lru_cache(maxsize=1)
-def _accelerator() -> str:
     if torch.cuda.is_available():
         return "rocm" if getattr(torch.version, "hip", None) else "cuda"
     musa = getattr(torch, "musa", None)
