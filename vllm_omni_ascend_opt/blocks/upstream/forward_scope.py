@@ -1,26 +1,21 @@
 """Per-forward decisions: one scope per transformer forward, so that what is the same for every block of a forward
 is decided once, at the first block that asks, and never outlives the forward.
 
-Why: the patched block code used to ask the same questions in every block (is autograd recording, is a graph being
-captured, which memo entry holds this temb, which kernel runs RoPE for this dtype, which tables belong to these
-freqs). Their answers cannot change within one transformer forward (vLLM-Omni's transformer runs its blocks one after
-the other, with the same ``temb``, freqs and process state), but they can change between forwards.
+Why: some answers cannot change within one transformer forward (vLLM-Omni's transformer runs its blocks one after the
+other, with the same ``temb``, freqs and process state), but they can change between forwards.
 
 How: an optimization that makes per-forward decisions :func:`watch` es each transformer it is attached to: the
-instance's ``__call__`` (a subclass swapped in, see :func:`watch`) opens a :class:`Scope` (a fresh decision table)
-around each eager forward and closes it when the forward returns or raises.
-Patched code asks :func:`decide` ``(key, make)``: inside a scope the first call makes the decision and the others
-reuse it; outside one (a block called directly, a transformer nobody watches, a hook registry that bypassed the
-hooks) every call makes its own decision, exactly as before. A decision therefore never survives its forward: the
-next forward opens an empty table.
+instance's ``__call__`` opens a scope (a fresh decision table) around each eager forward and closes it when the
+forward returns or raises. Patched code asks :func:`decide` ``(key, make)``: inside a scope the first call makes the
+decision and the others reuse it; outside one (a block called directly, a transformer nobody watches, a hook registry
+that bypassed the hooks) every call makes its own decision.
 
-While torch.compile traces, no scope is opened (a fully compiled transformer is called as before; checked first:
-:func:`~.guards.tracing`), and patched code never asks (it checks ``tracing()`` before anything else).
+While torch.compile traces, no scope is opened, and patched code never asks (it checks
+:func:`~.guards.tracing` before anything else).
 """
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
@@ -31,25 +26,13 @@ from vllm_omni_ascend_opt.blocks.upstream import guards
 
 T = TypeVar("T")
 
-_EPOCHS = itertools.count(1)
+#: The decision tables of the open scopes, innermost last.
+_STACK: list[dict[Hashable, Any]] = []
 
 
-class Scope:
-    """One transformer forward: its model, a unique epoch number and its decision table."""
-
-    __slots__ = ("decisions", "epoch", "model")
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.epoch = next(_EPOCHS)
-        self.decisions: dict[Hashable, Any] = {}
-
-
-_STACK: list[Scope] = []
-
-
-def current() -> Scope | None:
-    """The innermost open scope (the transformer forward being run), or None outside any watched forward."""
+def current() -> dict[Hashable, Any] | None:
+    """The decision table of the innermost open scope (the transformer forward being run), or None outside any
+    watched forward."""
     return _STACK[-1] if _STACK else None
 
 
@@ -58,7 +41,7 @@ def decide(key: Hashable, make: Callable[[], T]) -> T:
     forward ends; outside a scope, ``make()`` on every call. Callers check ``guards.tracing()`` first."""
     if not _STACK:
         return make()
-    table = _STACK[-1].decisions
+    table = _STACK[-1]
     try:
         return table[key]
     except KeyError:
@@ -66,16 +49,15 @@ def decide(key: Hashable, make: Callable[[], T]) -> T:
         return value
 
 
-def _open(module: nn.Module, w: _Watch) -> Scope:
-    scope = Scope(module)
+def _open(module: nn.Module, w: _Watch) -> dict[Hashable, Any]:
+    scope: dict[Hashable, Any] = {}
     _STACK.append(scope)
-    if w.callbacks:
-        for callback in list(w.callbacks.values()):
-            callback(module)
+    for callback in list(w.callbacks.values()):
+        callback(module)
     return scope
 
 
-def _close(scope: Scope) -> None:
+def _close(scope: dict[Hashable, Any]) -> None:
     for i in range(len(_STACK) - 1, -1, -1):  # this forward's scope (and any left open inside it)
         if _STACK[i] is scope:
             del _STACK[i:]
@@ -98,11 +80,8 @@ _SCOPED: dict[type, type] = {}
 
 
 def _scoped_class(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__call__`` opens a scope around an eager forward of a watched instance.
-
-    ``__call__`` (``nn.Module._wrapped_call_impl``) runs before anything torch.compile took: a fully compiled
-    transformer (``_compiled_call_impl``) is called exactly as before, so its traced graphs are stock's (a wrapper of
-    ``forward`` would add a frame to them)."""
+    """A subclass of ``cls`` whose ``__call__`` opens a scope around an eager forward of a watched instance (a fully
+    compiled transformer, ``_compiled_call_impl``, is called as stock calls it)."""
     sub = _SCOPED.get(cls)
     if sub is not None:
         return sub
@@ -128,9 +107,10 @@ def watch(transformer: nn.Module, owner: str, on_forward: Callable[[nn.Module], 
     """Open a scope around every eager forward of ``transformer`` while at least one owner watches it (idempotent).
     ``on_forward(transformer)`` runs when the scope opens.
 
-    The instance gets a subclass whose ``__call__`` opens the scope (a ``__class__`` swap: same object, same state;
-    restored when the last owner goes). Not module hooks and not a wrapper of ``forward``: both would change how a
-    fully compiled transformer is traced (more graphs)."""
+    The instance gets a subclass whose ``__call__`` (``nn.Module._wrapped_call_impl``, which runs before anything
+    torch.compile took) opens the scope: a ``__class__`` swap (same object, same state; restored when the last owner
+    goes). Not module hooks and not a wrapper of ``forward``: both would change how a fully compiled transformer is
+    traced (more graphs)."""
     w = _WATCHED.get(transformer)
     if w is None:
         w = _WATCHED[transformer] = _Watch()
