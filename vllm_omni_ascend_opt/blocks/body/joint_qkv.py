@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt.blocks.body import compiled_blocks
 from vllm_omni_ascend_opt.blocks.kernels import rms_norm, rope_tables
-from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
+from vllm_omni_ascend_opt.blocks.upstream import guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.weak_lru import WeakLRU
 
@@ -140,9 +140,9 @@ def _plain_rms_norm(norm: nn.Module) -> str | None:
     return None
 
 
-def static_reason(attn: nn.Module, traced: bool = False) -> str | None:
-    """Why the joint path can never run for this ``QwenImageCrossAttention`` (None when it can), checked per call
-    (the instance's modules; global module hooks once per forward, or directly in ``traced`` code)."""
+def static_reason(attn: nn.Module) -> str | None:
+    """Why the joint path can never run for this ``QwenImageCrossAttention`` (None when it can), checked per call:
+    the instance's modules and global module hooks."""
     m = attn._modules
     norms = (m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"])
     for n in norms:
@@ -156,7 +156,7 @@ def static_reason(attn: nn.Module, traced: bool = False) -> str | None:
         return "a QK norm does not normalize over head_dim"
     if attn.query_num_heads != attn.add_query_num_heads or attn.kv_num_heads != attn.add_kv_num_heads:
         return "text and image projections have different head counts"
-    if guards.global_hooks() if traced else forward_scope.decide("guards.global_hooks", guards.global_hooks):
+    if guards.global_hooks():
         return "global module hooks are registered"
     if not rope_tables.native_equivalent(m["rope"]):
         return "stock RoPE runs a device kernel (MindIE-SD/CUDA), not vLLM-Omni's native rotary math"
@@ -324,9 +324,7 @@ def traced_reason(
 ) -> str | None:
     """The eager path's checks that hold for a traced call (static: the graph is guarded on them). No autograd or
     capture check is needed: the traced path has no ``out=`` op and no Python state."""
-    why = static_reason(attn, traced=True) or shape_reason(
-        attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs
-    )
+    why = static_reason(attn) or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
     if why:
         return why
     if any_cuda_fused(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs, attn.head_dim):

@@ -49,7 +49,7 @@ from vllm_omni_ascend_opt.blocks.memo.keys import (
     sig_tensors,
     silu_linear,
 )
-from vllm_omni_ascend_opt.blocks.upstream import ada_norm, forward_scope, guards, targets
+from vllm_omni_ascend_opt.blocks.upstream import ada_norm, guards, targets
 
 ENV_BUDGET_MB = "VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB"
 DEFAULT_BUDGET_MB = 512
@@ -196,11 +196,6 @@ class ModulationMemo:
             return f"temb is a {type(temb).__name__}, not a plain tensor"
         return guards.call_reason(temb)  # autograd on temb, CUDA/NPU graph capture, global module hooks
 
-    def _precheck_once(self, temb: torch.Tensor) -> str | None:
-        """:meth:`_precheck`, decided once per transformer forward and temb object (the guards cannot change while
-        one forward runs its blocks; :mod:`..upstream.forward_scope`), per call outside a watched forward."""
-        return forward_scope.decide(("memo.precheck", id(temb)), lambda: self._precheck(temb))
-
     def _resolve(self, temb: torch.Tensor) -> _Entry:
         """The entry for temb's value (one device->host copy + SHA-256 per new temb object)."""
         version = None if temb.is_inference() else temb._version
@@ -252,7 +247,7 @@ class ModulationMemo:
         tensor (``time_hits``): a warm step runs none of the embedding's ~10 kernels. Like the block slots, this
         relies on nobody writing into temb in place (vLLM-Omni's transformer and cache hooks only read it). (temb,
         None), or (None, why the memo does not key it: the blocks then digest temb as before)."""
-        why = self._precheck_once(timestep)
+        why = self._precheck(timestep)
         if why is None and torch.is_grad_enabled():
             why = "grad mode is on (the time embedding is keyed for inference only)"
         if why is None:
@@ -340,7 +335,7 @@ class ModulationMemo:
 
     def direct_projection(self, seq: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
         """``seq(temb)`` for direct calls of ``img_mod``/``txt_mod`` (TeaCache's probe). (result, fallback reason)."""
-        why = self._precheck_once(temb)
+        why = self._precheck(temb)
         if why:
             return None, why
         try:
@@ -362,7 +357,7 @@ class ModulationMemo:
 
     def block(self, block: nn.Module, temb: torch.Tensor) -> tuple[tuple[NormMod, ...] | None, str | None]:
         """The four unpacked modulations (img1, img2, txt1, txt2) of ``block`` for ``temb``, or a fallback reason."""
-        why = self._precheck_once(temb)
+        why = self._precheck(temb)
         if why:
             return None, why
         try:
@@ -436,7 +431,7 @@ class ModulationMemo:
 
         Replays stock exactly on a miss: ``img_mod(temb)`` on all 2B rows (``[t, 0]`` embeddings), ``txt_mod`` on
         ``temb.chunk(2)[0]``, ``split_select01_mod_params`` per image norm."""
-        why = self._precheck_once(temb)
+        why = self._precheck(temb)
         if why:
             return None, why
         sel = sys.modules[SELECT01_MODULE]
@@ -486,7 +481,7 @@ class ModulationMemo:
 
     def norm_out(self, norm: nn.Module, x: torch.Tensor, cond: torch.Tensor) -> tuple[Any, str | None]:
         """``((1 + scale)[:, None, :], shift[:, None, :])`` of diffusers' AdaLayerNormContinuous, or a reason."""
-        why = self._precheck_once(cond)
+        why = self._precheck(cond)
         if why:
             return None, why
         try:
