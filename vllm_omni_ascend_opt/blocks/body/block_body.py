@@ -113,14 +113,8 @@ class NormMod:
                 owner.count_fast()
                 return affine_layernorm(self.kind, norm, x, *self.affine)
             owner.count_stock(why)
-        if self.kind == NATIVE:
-            return norm.layernorm(x) * self.first + self.shift
-        if self.kind == NPU_EVAL:
-            torch_npu = _backend.torch_npu_module()
-            return (
-                torch_npu.npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps) * self.first
-                + self.shift
-            )
+        if self.kind in (NATIVE, NPU_EVAL):
+            return layernorm(self.kind, norm, x) * self.first + self.shift
         return norm(x, self.first, self.shift)
 
     def gated(self, y: torch.Tensor) -> torch.Tensor:
@@ -265,11 +259,8 @@ def _traced_norm(kind: str, norm: nn.Module, x: torch.Tensor, first: torch.Tenso
         and ln.bias is None
     ):
         return affine_layernorm(kind, norm, x, first[0, 0], shift[0, 0])
-    if kind == NATIVE:
-        return ln(x) * first + shift
-    if kind == NPU_EVAL:
-        torch_npu = _backend.torch_npu_module()
-        return torch_npu.npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps) * first + shift
+    if kind in (NATIVE, NPU_EVAL):
+        return layernorm(kind, norm, x) * first + shift
     return norm(x, first, shift)
 
 

@@ -49,14 +49,7 @@ def joint_rms_norm(x: torch.Tensor, st: int, w_txt: torch.Tensor, w_img: torch.T
     scalar, as the composite does."""
     dtype = x.dtype
     opmath = _OPMATH.get(dtype, dtype)
-    xu = x.to(opmath)
-    if x.device.type in COMPOSITE_RMS_DEVICES:
-        # torch.rms_norm without weight on an opmath input: the same pieces run from C++ (no Python per piece)
-        normed = torch.rms_norm(xu, (x.shape[-1],), None, eps)
-    else:
-        eps_t = _opmath_scalar(eps, opmath)
-        rstd = torch.rsqrt(xu.pow(2).mean(-1, keepdim=True).add_(eps_t))
-        normed = xu.mul(rstd)
+    normed = _rms_rows(x.to(opmath), eps, opmath)
     out_dtype = _promote(normed.dtype, w_txt.dtype)
     if out_dtype != _promote(normed.dtype, w_img.dtype):
         raise ValueError("the two norm weights promote to different dtypes")
