@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks.upstream import ada_norm, targets
+from vllm_omni_ascend_opt.blocks.upstream import ada_norm, guards, targets
 
 SELECT01_MODULE = "vllm_omni.diffusion.layers.qwen_select01_modulation"
 
@@ -131,13 +131,9 @@ def norm_out_sig(norm: nn.Module, grad: bool) -> tuple[Any, ...]:
     stock's (or carry hooks)."""
     m = norm._modules
     silu, lin = m.get("silu"), m.get("linear")
-    if type(silu) is not nn.SiLU or silu.inplace or _hooked(silu) or _hooked(lin):
+    if type(silu) is not nn.SiLU or silu.inplace or guards.hooked(silu) or guards.hooked(lin):
         raise Unkeyable("norm_out's SiLU/linear is not stock's (or has hooks)")
     return linear_sig(lin, grad)
-
-
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
 def silu_linear(seq: nn.Module) -> nn.Module:
@@ -149,7 +145,7 @@ def silu_linear(seq: nn.Module) -> nn.Module:
     act, lin = mods.values()
     if type(act) is not nn.SiLU or act.inplace:
         raise Unkeyable("modulation activation is not an out-of-place nn.SiLU")
-    if _hooked(seq) or _hooked(act) or _hooked(lin) or (lin._modules and any(_hooked(m) for m in lin.modules())):
+    if any(guards.hooked(m) for m in seq.modules()):
         raise Unkeyable("forward hooks on a modulation module (skipping it would skip the hook)")
     return lin
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt.blocks.memo.keys import Unkeyable, linear_sig
-from vllm_omni_ascend_opt.blocks.upstream import fingerprints, targets
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints, guards, targets
 
 EMBEDDINGS_MODULE = targets.EMBEDDINGS
 #: Per set of live function objects: why the time embedding is not memoized (None: its code is the known one).
@@ -72,10 +72,6 @@ class TimeKey:
     use_add: bool
 
 
-def _hooked_anywhere(module: nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
-
-
 def time_key(module: nn.Module, grad: bool) -> TimeKey:
     """The :class:`TimeKey` of a ``QwenTimestepProjEmbeddings``. Raises :class:`Unkeyable` when its output may depend
     on anything the key does not cover (another class, hooks anywhere in it, an instance forward, a condition
@@ -87,7 +83,7 @@ def time_key(module: nn.Module, grad: bool) -> TimeKey:
         raise Unkeyable(
             "time_text_embed's time_proj / timestep_embedder are not diffusers' Timesteps / TimestepEmbedding"
         )
-    if "forward" in module.__dict__ or _hooked_anywhere(module):
+    if "forward" in module.__dict__ or any(guards.hooked(m) for m in module.modules()):
         raise Unkeyable("hooks or an instance forward in time_text_embed")
     e_mods = emb._modules
     if (
