@@ -73,14 +73,12 @@ def probe(monkeypatch, tmp_path):
     path = tmp_path / "ascend_opt_upstream_probe.py"
     path.write_text(_src(METHOD_V1))
     monkeypatch.syspath_prepend(str(tmp_path))
-    fingerprints._TOP_LEVEL.pop("ascend_opt_upstream_probe", None)
     sys.modules.pop("ascend_opt_upstream_probe", None)
     opt = registry.register_optimization(_Probe())
     yield opt, path
     opt.uninstall()
     registry.REGISTRY.remove(opt.name)
     sys.modules.pop("ascend_opt_upstream_probe", None)
-    fingerprints._TOP_LEVEL.pop("ascend_opt_upstream_probe", None)
 
 
 def _rewrite(path: Path, text: str) -> None:

@@ -205,21 +205,15 @@ def module_file(module: str) -> Path | None:
     return None
 
 
-_TOP_LEVEL: dict[str, tuple[str | None, tuple[str, ...]]] = {}
-
-
 def _top_level(top: str) -> tuple[str | None, tuple[str, ...]]:
-    """``(origin, package directories)`` of a top-level module, found without importing it (found ones cached)."""
-    hit = _TOP_LEVEL.get(top)
-    if hit is None:
-        try:
-            spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None:
-            return None, ()
-        hit = _TOP_LEVEL[top] = (spec.origin, tuple(spec.submodule_search_locations or ()))
-    return hit
+    """``(origin, package directories)`` of a top-level module, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return None, ()
+    return spec.origin, tuple(spec.submodule_search_locations or ())
 
 
 def fingerprint(module: str, qualname: str) -> str:
