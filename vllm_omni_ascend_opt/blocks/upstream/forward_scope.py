@@ -49,10 +49,10 @@ def decide(key: Hashable, make: Callable[[], T]) -> T:
         return value
 
 
-def _open(module: nn.Module, w: _Watch) -> dict[Hashable, Any]:
+def _open(module: nn.Module, callbacks: dict[str, Callable[[nn.Module], None] | None]) -> dict[Hashable, Any]:
     scope: dict[Hashable, Any] = {}
     _STACK.append(scope)
-    for callback in list(w.callbacks.values()):
+    for callback in [c for c in callbacks.values() if c is not None]:
         callback(module)
     return scope
 
@@ -64,17 +64,11 @@ def _close(scope: dict[Hashable, Any]) -> None:
             break
 
 
-class _Watch:
-    __slots__ = ("callbacks", "owners")
-
-    def __init__(self) -> None:
-        self.owners: set[str] = set()
-        #: owner -> called with the transformer when a scope opens (eager only: e.g. hoisting work out of compiled
-        #: blocks once they are compiled)
-        self.callbacks: dict[str, Callable[[nn.Module], None]] = {}
-
-
-_WATCHED: weakref.WeakKeyDictionary[nn.Module, _Watch] = weakref.WeakKeyDictionary()
+#: transformer -> {owner: called with the transformer when a scope opens, or None} (eager only: e.g. hoisting work
+#: out of compiled blocks once they are compiled)
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, dict[str, Callable[[nn.Module], None] | None]] = (
+    weakref.WeakKeyDictionary()
+)
 #: original class -> its scoped subclass (same name and module; only ``__call__`` differs)
 _SCOPED: dict[type, type] = {}
 
@@ -113,12 +107,10 @@ def watch(transformer: nn.Module, owner: str, on_forward: Callable[[nn.Module], 
     traced (more graphs)."""
     w = _WATCHED.get(transformer)
     if w is None:
-        w = _WATCHED[transformer] = _Watch()
+        w = _WATCHED[transformer] = {}
         if "_ascend_scoped_base" not in type(transformer).__dict__:
             transformer.__class__ = _scoped_class(type(transformer))
-    w.owners.add(owner)
-    if on_forward is not None:
-        w.callbacks[owner] = on_forward
+    w[owner] = on_forward or w.get(owner)
 
 
 def unwatch(transformer: nn.Module, owner: str) -> None:
@@ -126,9 +118,8 @@ def unwatch(transformer: nn.Module, owner: str) -> None:
     w = _WATCHED.get(transformer)
     if w is None:
         return
-    w.owners.discard(owner)
-    w.callbacks.pop(owner, None)
-    if not w.owners:
+    w.pop(owner, None)
+    if not w:
         del _WATCHED[transformer]
         base = type(transformer).__dict__.get("_ascend_scoped_base")
         if base is not None:
@@ -138,7 +129,7 @@ def unwatch(transformer: nn.Module, owner: str) -> None:
 def watched(transformer: nn.Module) -> frozenset[str]:
     """The owners watching ``transformer`` (empty: its forwards open no scope)."""
     w = _WATCHED.get(transformer)
-    return frozenset(w.owners) if w is not None else frozenset()
+    return frozenset(w) if w is not None else frozenset()
 
 
 def reset() -> None:
