@@ -223,11 +223,12 @@ def block_body(
     txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states)
     encoder_hidden_states = txt2.residual(encoder_hidden_states, m["txt_mlp"](txt_modulated2))
 
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+    return _clip_fp16(encoder_hidden_states), _clip_fp16(hidden_states)
+
+
+def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
+    """Stock's ``clip(-65504, 65504)`` of fp16 hidden states at the end of the block."""
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -300,11 +301,7 @@ def traced_block_body(
     hidden_states = _traced_residual(hidden_states, g2, m["img_mlp"](img_modulated2))
     txt_modulated2 = _traced_norm(tk2, m["txt_norm2"], encoder_hidden_states, tf2, ts2)
     encoder_hidden_states = _traced_residual(encoder_hidden_states, tg2, m["txt_mlp"](txt_modulated2))
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+    return _clip_fp16(encoder_hidden_states), _clip_fp16(hidden_states)
 
 
 def block_body_reason(transformer: nn.Module) -> str | None:

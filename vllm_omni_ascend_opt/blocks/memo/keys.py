@@ -150,9 +150,6 @@ def silu_linear(seq: nn.Module) -> nn.Module:
     return lin
 
 
-NORMS = ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2")
-
-
 def block_parts(
     block: nn.Module, grad: bool | None = None
 ) -> tuple[nn.Module, nn.Module, tuple[str, ...], tuple, tuple]:
@@ -163,7 +160,7 @@ def block_parts(
     m = block._modules  # submodules without nn.Module.__getattr__
     img_lin = silu_linear(m["img_mod"])
     txt_lin = silu_linear(m["txt_mod"])
-    kinds = tuple(ada_norm.norm_kind(m[n]) for n in NORMS)
+    kinds = tuple(ada_norm.norm_kind(m[n]) for n in ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2"))
     return img_lin, txt_lin, kinds, linear_sig(img_lin, grad), linear_sig(txt_lin, grad)
 
 

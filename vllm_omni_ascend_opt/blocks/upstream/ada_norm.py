@@ -13,9 +13,10 @@ from typing import Any
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.upstream import targets
 
-ADALAYERNORM_MODULE = "vllm_omni.diffusion.layers.adalayernorm"
-CUSTOM_OP_MODULE = "vllm_omni.diffusion.layers.custom_op"
+ADALAYERNORM_MODULE = targets.ADALAYERNORM
+CUSTOM_OP_MODULE = targets.CUSTOM_OP
 # How an AdaLayerNorm instance applies (scale, shift); decided in one place: norm_kind().
 NATIVE = "native"  # layernorm(x) * (1 + scale) + shift, with the instance's own LayerNorm
 NPU_EVAL = "npu_eval"  # torch_npu.npu_layer_norm_eval(x, ...) * (1 + scale) + shift
