@@ -307,7 +307,6 @@ def verify(
     gen = torch.Generator().manual_seed(20260829)
     s = seq_txt + seq_img
     errors: dict[str, float] = {}
-    worst = ""
     try:
         for case, b in (("no mask", 1), ("padded mask", 2)):
             q = torch.randn(b, s, num_heads, head_dim, generator=gen)

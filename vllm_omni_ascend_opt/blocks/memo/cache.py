@@ -325,6 +325,12 @@ class ModulationMemo:
             return slot.payload
         return None
 
+    def _hit(self, entry: _Entry, key: tuple[Any, ...], module: nn.Module, sig: Any) -> Any:
+        """:meth:`_lookup`, counted as a hit or a miss."""
+        found = self._lookup(entry, key, module, sig)
+        self.stats["hits" if found is not None else "misses"] += 1
+        return found
+
     def _projection(self, entry: _Entry, seq: nn.Module, lin: nn.Module, sig: Any, temb: torch.Tensor) -> torch.Tensor:
         """``seq(temb)`` for a ``Sequential(SiLU, Linear)``: reuse a stored direct-call result, else replay."""
         raw = self._lookup(entry, ("raw", id(seq)), seq, sig)
@@ -345,11 +351,9 @@ class ModulationMemo:
             return None, str(exc)
         entry = self._resolve(temb)
         key = ("raw", id(seq))
-        raw = self._lookup(entry, key, seq, sig)
+        raw = self._hit(entry, key, seq, sig)
         if raw is not None:
-            self.stats["hits"] += 1
             return raw, None
-        self.stats["misses"] += 1
         self.stats["projections"] += 1
         raw = lin(self._silu(entry, temb))
         self._store(entry, key, seq, sig, raw, raw.numel() * raw.element_size(), (lin,))
@@ -367,11 +371,9 @@ class ModulationMemo:
         sig = (sig_img, sig_txt, kinds)
         entry = self._resolve(temb)
         key = ("block", id(block))
-        mods = self._lookup(entry, key, block, sig)
+        mods = self._hit(entry, key, block, sig)
         if mods is not None:
-            self.stats["hits"] += 1
             return mods, None
-        self.stats["misses"] += 1
         # Replay of stock: img_mod(temb), txt_mod(temb), chunk(2), _modulate -> (scale, shift, gate) views.
         img_params = self._projection(entry, block.img_mod, img_lin, sig_img, temb)
         txt_params = self._projection(entry, block.txt_mod, txt_lin, sig_txt, temb)
@@ -454,11 +456,9 @@ class ModulationMemo:
         sig = (sig_img, sig_txt, kinds)
         entry = self._resolve(temb)
         key = ("block2", id(block), plan, hidden_states.dtype)
-        mods = self._lookup(entry, key, block, sig)
+        mods = self._hit(entry, key, block, sig)
         if mods is not None:
-            self.stats["hits"] += 1
             return mods, None
-        self.stats["misses"] += 1
         # Replay of stock: img_mod(temb) (2B rows), txt_mod(temb.chunk(2, dim=0)[0]), chunk(2), select01 halves.
         img_params = self._projection(entry, block.img_mod, img_lin, sig_img, temb)
         temb_txt = torch.chunk(temb, 2, dim=0)[0]
@@ -490,11 +490,9 @@ class ModulationMemo:
             return None, str(exc)
         entry = self._resolve(cond)
         key = ("norm_out", id(norm), x.dtype)
-        mods = self._lookup(entry, key, norm, sig)
+        mods = self._hit(entry, key, norm, sig)
         if mods is not None:
-            self.stats["hits"] += 1
             return mods, None
-        self.stats["misses"] += 1
         self.stats["projections"] += 1
         # Replay of diffusers 0.40 AdaLayerNormContinuous.forward up to the norm.
         emb = norm.linear(self._silu(entry, cond).to(x.dtype))
