@@ -30,9 +30,7 @@ from vllm_omni_ascend_opt.blocks.upstream import guards, targets
 from vllm_omni_ascend_opt.blocks.upstream.ada_norm import NATIVE, NPU_EVAL
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the fast tier's modes
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the fast tier's modes ------------------------------------------------------------------------------------
 class ModeOwner(Protocol):
     """The optimization that turned a fast mode on: the block body reports every call of the mode to it."""
 
@@ -86,9 +84,7 @@ class FastModes:
 FAST = FastModes()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# one norm's modulation
-# ----------------------------------------------------------------------------------------------------------------
+# ----- one norm's modulation ------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class NormMod:
     """One AdaLayerNorm's modulation, unpacked: ``first`` is ``1 + scale`` (kinds native/npu_eval) or ``scale``."""
@@ -186,9 +182,7 @@ def layernorm(kind: str, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.layernorm(x)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the block body
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the block body -------------------------------------------------------------------------------------------
 def block_body(
     block: nn.Module,
     mods: tuple[Any, ...],
@@ -231,9 +225,7 @@ def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
     return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the block body inside a compiled graph (regional compile: modulation hoisted by an eager pre-hook)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the block body inside a compiled graph (regional compile: modulation hoisted by an eager pre-hook) -------
 #: The attribute a compiled block reads its hoisted modulation from: ``(kinds, tensors)``, the four norms' kinds and
 #: their ``(first, shift, gate)`` tensors in the order img1, img2, txt1, txt2 (see :mod:`.compiled_blocks`).
 READY = "_ascend_ready_modulation"

@@ -37,9 +37,7 @@ _OPMATH = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 COMPOSITE_RMS_DEVICES = frozenset({"cpu", "npu"})
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the joint RMSNorm
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the joint RMSNorm ----------------------------------------------------------------------------------------
 def joint_rms_norm(x: torch.Tensor, st: int, w_txt: torch.Tensor, w_img: torch.Tensor, eps: float) -> torch.Tensor:
     """``cat([rms_norm(x[:, :st], w_txt), rms_norm(x[:, st:], w_img)], dim=1)``, bitwise, with one norm pass.
 
@@ -160,9 +158,7 @@ def freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:
     return freqs.dim() == 2 and freqs.is_complex() and freqs.shape[0] == seq and freqs.shape[-1] * 2 <= head_dim
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# joint freqs, cached weakly on the (vid, txt) freqs pair
-# ----------------------------------------------------------------------------------------------------------------
+# ----- joint freqs, cached weakly on the (vid, txt) freqs pair --------------------------------------------------
 class JointFreqsCache:
     """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair, keyed like ``rope``'s tables
     (:func:`~vllm_omni_ascend_opt.blocks.kernels.rope_tables.table_key`): a :class:`~.weak_lru.WeakLRU` of
@@ -200,9 +196,7 @@ def graph_joint_rms_norm(
     return torch.cat([normed[:, :st] * w_txt, normed[:, st:] * w_img], dim=1).to(dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# checks shared by the eager and the traced path
-# ----------------------------------------------------------------------------------------------------------------
+# ----- checks shared by the eager and the traced path -----------------------------------------------------------
 def cuda_fused(mod: Any, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
     """Whether stock's ``_qwen_image_qk_norm_rope`` would take its fused CUDA path for the stream whose hidden
     states are ``x`` (stock's own condition, in its order: token threshold, then ``_fused_cuda_supported``, which
@@ -252,9 +246,7 @@ def shape_reason(
     return None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the attention on the joint sequence (eager and traced)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the attention on the joint sequence (eager and traced) ---------------------------------------------------
 def attend(
     mod: Any,
     attn: nn.Module,
@@ -305,9 +297,7 @@ def attend(
     return joint_hidden_states.flatten(2, 3).to(query.dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# inside a compiled graph
-# ----------------------------------------------------------------------------------------------------------------
+# ----- inside a compiled graph ----------------------------------------------------------------------------------
 def traced_reason(
     attn: nn.Module,
     hidden_states: torch.Tensor,

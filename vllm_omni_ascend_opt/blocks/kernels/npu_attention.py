@@ -86,9 +86,7 @@ class Verdict:
         return f"{KERNEL} {state} on {self.device}/{self.dtype} ({self.backend}): {self.detail}"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the fused call (one function, used by the forward and by the verification)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the fused call (one function, used by the forward and by the verification) -------------------------------
 def kernel_mask(attn_mask: torch.Tensor | None, b: int, sq: int, skv: int) -> tuple[torch.Tensor | None, str]:
     """SDPA keep-mask (True = attend) -> the kernel's B1SS/11SS bool mask (True = masked out) [OP-FA].
 
@@ -176,9 +174,7 @@ def fused_forward(
     return call_kernel(npu, q, k, v, masked, float(scale)), ""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# verification against vLLM-Omni's SDPA
-# ----------------------------------------------------------------------------------------------------------------
+# ----- verification against vLLM-Omni's SDPA --------------------------------------------------------------------
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scale: float, heads_per_chunk: int = 8
 ) -> torch.Tensor:

@@ -75,9 +75,7 @@ def reference_fp32(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor)
     return a + b, a.abs() + b.abs()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# verification of npu_rotary_mul
-# ----------------------------------------------------------------------------------------------------------------
+# ----- verification of npu_rotary_mul ---------------------------------------------------------------------------
 @dataclass
 class KernelVerdict:
     """Outcome of verifying ``npu_rotary_mul`` for one (device, dtype, head_dim)."""
@@ -234,9 +232,7 @@ def verify_at_shape(
     return v
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the rotary service
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the rotary service ---------------------------------------------------------------------------------------
 class KernelPolicy(Protocol):
     """What the owner of a :class:`RotaryKernel` decides (``rope``): whether the NPU kernel may be tried, and whether
     only a kernel bitwise-equal to stock is accepted."""

@@ -164,9 +164,7 @@ def block_parts(
     return img_lin, txt_lin, kinds, linear_sig(img_lin, grad), linear_sig(txt_lin, grad)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# model-level helpers (reasons, notes, benchmarks)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- model-level helpers (reasons, notes, benchmarks) ---------------------------------------------------------
 def find_transformers(model: Any) -> list[nn.Module]:
     """The QwenImageTransformer2DModel instances in ``model`` (a pipeline, a transformer, or any module tree)."""
     t = sys.modules.get(targets.TRANSFORMER)

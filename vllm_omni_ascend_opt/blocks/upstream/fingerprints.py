@@ -185,9 +185,7 @@ def summary(findings: list[Finding]) -> str:
     return line
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fingerprints from source files, without importing
-# ----------------------------------------------------------------------------------------------------------------
+# ----- fingerprints from source files, without importing --------------------------------------------------------
 def module_file(module: str) -> Path | None:
     """The source file of ``module`` without importing it (nor its parent packages): its ``__file__`` when it is
     imported, else the path below its top-level package's location. None when it cannot be found."""
@@ -296,9 +294,7 @@ def _statements(body: list[ast.stmt]) -> Iterable[ast.stmt]:
             yield n
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the live function, where the module is imported
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the live function, where the module is imported ----------------------------------------------------------
 def live(module: str, qualname: str) -> tuple[bool, Any]:
     """``(found, object)``: ``module.qualname`` as defined on the imported module or class itself (``__dict__``,
     not inherited), or ``(False, None)``. Call only when the module is imported."""
@@ -341,9 +337,7 @@ def replacement(module: str, qualname: str) -> str:
     return ""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# platform
-# ----------------------------------------------------------------------------------------------------------------
+# ----- platform -------------------------------------------------------------------------------------------------
 def current_platform() -> str:
     """The platform vLLM-Omni dispatches ``CustomOp``s for here: ``npu`` (torch_npu usable: the plugin's one probe,
     ``_backend``), else ``rocm`` / ``cuda`` / ``musa`` by torch's own device checks, else ``cpu``."""
@@ -357,9 +351,7 @@ def current_platform() -> str:
     return "cpu"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Qwen-Image-2.1
-# ----------------------------------------------------------------------------------------------------------------
+# ----- Qwen-Image-2.1 -------------------------------------------------------------------------------------------
 def qwen_image_21(model: Any) -> str | None:
     """The class name when ``model`` is (or holds, as ``.transformer`` / ``.vae``) a piece of vLLM-Omni's
     Qwen-Image-2.1 (``models/qwen_image_21``), else None. By class module only: nothing is imported."""

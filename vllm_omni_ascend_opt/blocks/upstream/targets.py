@@ -46,7 +46,7 @@ CAUSAL_CONV_INIT = same(DIFFUSERS_VAE, "QwenImageCausalConv3d.__init__", "5644f5
 #: The loader's load_model: the plugin attaches after it returns (weights processed, before offload is enabled).
 LOAD_MODEL = same(LOADER, "DiffusersPipelineLoader.load_model", "d13c38b93708077e")
 
-# ----- what the time-embedding memo's key must determine (blocks/memo/time_embedding.py) -----------------------------------
+# ----- what the time-embedding memo's key must determine (blocks/memo/time_embedding.py) ------------------------
 EMBEDDINGS = "diffusers.models.embeddings"
 TORCH_EMBEDDING = "torch.nn.modules.sparse"
 #: Qwen-Image's timestep embedding and the diffusers / torch functions it runs: the memo keys their output on the
