@@ -5,14 +5,11 @@ Shared by ``shared_modulation`` (whose patched block forward calls :func:`block_
 :class:`NormMod` / :class:`~.two_segment.SegMod` per norm) and by the fast tier (``fast_modulate``, ``fast_residual``),
 which turns its mode on here (:data:`FAST`) and never imports ``shared_modulation``.
 
-The fast tier's modes (``close``, off by default): an optimization switches its mode on by registering itself as
-the mode's owner (:meth:`FastModes.register`, from its ``install``; ``unregister`` from ``uninstall``). The block
-body asks :meth:`FastModes.owner` per norm / residual and reports to that owner: a call that took the fast path
-(:meth:`ModeOwner.count_fast`) or kept stock's ops, and why (:meth:`ModeOwner.count_stock`). So each fast
-optimization owns its statistics and fallback reasons, and the block body holds no counters of its own.
-:meth:`FastModes.owner` checks :func:`guards.tracing` first: while dynamo traces, no mode is counted. Inside a
-regionally compiled block (:func:`traced_block_body`, the modulation hoisted by an eager pre-hook) the modes follow
-their switches (:data:`FAST`'s owners, which the graph is guarded on) without counting.
+The fast tier's modes (``close``, off by default): an optimization registers itself as a mode's owner
+(:meth:`FastModes.register` in its ``install``, ``unregister`` in ``uninstall``), and the block body reports every
+call of the mode to that owner (:class:`ModeOwner`), so each fast optimization owns its statistics and fallback
+reasons. While dynamo traces no mode is counted; inside a regionally compiled block (:func:`traced_block_body`) the
+modes follow their switches, which the graph is guarded on.
 """
 
 from __future__ import annotations
@@ -42,9 +39,8 @@ class ModeOwner(Protocol):
 
 
 class FastModes:
-    """Switches of the fast tier, read by the block body on every call. A mode is on while an owner is registered
-    for it (``modulate``: ``fast_modulate``; ``residual``: ``fast_residual``); the attributes ``modulate`` and
-    ``residual`` hold the owners (None: off)."""
+    """Switches of the fast tier, read by the block body on every call: the attributes ``modulate``
+    (``fast_modulate``) and ``residual`` (``fast_residual``) hold the owners (None: off)."""
 
     MODES = ("modulate", "residual")
 
@@ -194,9 +190,8 @@ def block_body(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM-Omni 0.30's block with its modulation read from ``mods``: the same ops on the same values as
     ``QwenImageTransformerBlock.forward`` (unless a fast-tier mode is on: :data:`FAST`). Single-segment blocks
-    (``modulate_index=None``, image mods are :class:`NormMod`) and ``zero_cond_t`` blocks
-    (``select01_modulation_native`` path; image mods are :class:`~.two_segment.SegMod`, per-segment broadcast instead
-    of three ``torch.where`` over ``[B, L, D]`` per image norm) share this body."""
+    (``modulate_index=None``, image mods are :class:`NormMod`) and ``zero_cond_t`` blocks (image mods are
+    :class:`~.two_segment.SegMod`) share this body."""
     img1, img2, txt1, txt2 = mods
     m = block._modules
     img_modulated = img1.norm(m["img_norm1"], hidden_states)

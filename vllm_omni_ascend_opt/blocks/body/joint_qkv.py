@@ -1,14 +1,12 @@
 """The joint QKV path's building blocks: the joint RMSNorm, the joint RoPE freqs cache, the static checks, the
 attention call on the joint sequence and the whole path as written for a compiled graph.
 
-Why here: ``joint_attention`` (``opts/joint_attention.py``) runs this path eagerly with its counters, caches and
-per-forward decisions; inside a compiled graph (vLLM-Omni's regional or full compile) it runs the same math without
-any of them (:func:`traced_forward`). Both share what is here, so the two never drift apart. Nothing here is an
-optimization: counters are the caller's.
-
-Every element sees stock's operations in stock's order (see ``joint_attention``'s header); the traced path differs
-only in how it is assembled (one ``cat`` instead of ``out=`` writes, layers called as modules, tables hoisted by an
-eager pre-hook or computed in the graph), which the compiler may fuse: pixel-identical to compiled stock.
+``joint_attention`` runs this path eagerly with its counters, caches and per-forward decisions; inside a compiled graph
+it runs the same math without any of them (:func:`traced_forward`). Both share what is here (counters are the caller's),
+so the two never drift apart. Every element sees stock's operations in stock's order (see ``joint_attention``'s header);
+the traced path differs only in how it is assembled (one ``cat`` instead of ``out=`` writes, layers called as modules,
+tables hoisted by an eager pre-hook or computed in the graph), which the compiler may fuse: pixel-identical to compiled
+stock.
 """
 
 from __future__ import annotations
@@ -64,15 +62,14 @@ def joint_qk_rms_norm(
     w_img: tuple[torch.Tensor, torch.Tensor],
     eps: float,
 ) -> torch.Tensor:
-    """:func:`joint_rms_norm` of q and k together. ``qk`` is the ``[2, B, S, N, D]`` q/k view of the joint QKV tensor
-    (``qkv[..., :2*N*D].unflatten(-1, (2, N, D)).permute(2, 0, 1, 3, 4)``), ``w_txt``/``w_img`` the (q, k) weights of
-    each stream. Returns a new contiguous ``[2, B, S, N, D]`` tensor (``[0]`` is q, ``[1]`` is k), bitwise stock's
-    four norms: the composite normalises every row by itself, and each plane-and-stream is multiplied by its own
-    weight, in place on the normalised rows (the same multiply).
+    """:func:`joint_rms_norm` of q and k together, bitwise stock's four norms. ``qk`` is the ``[2, B, S, N, D]`` q/k
+    view of the joint QKV tensor (``qkv[..., :2*N*D].unflatten(-1, (2, N, D)).permute(2, 0, 1, 3, 4)``),
+    ``w_txt``/``w_img`` the (q, k) weights of each stream; returns a new contiguous ``[2, B, S, N, D]`` tensor (q, k).
+    The composite normalises every row by itself, and each plane-and-stream is multiplied by its own weight, in place.
 
-    In the opmath dtype (fp32) both planes take one norm pass. Where the norm upcasts (bf16/fp16), the planes are
-    normalised one after the other into the output (its cast is the ``copy_``): the fp32 temporaries of both planes
-    at once would put the transformer's peak above stock's, and the upcast makes the copy the one-pass saves anyway."""
+    In fp32 both planes take one norm pass. Where the norm upcasts (bf16/fp16), the planes are normalised one after
+    the other into the output (its cast is the ``copy_``): both planes' fp32 temporaries at once would put the
+    transformer's peak above stock's, and the upcast makes the copy the one-pass saves anyway."""
     dtype = qk.dtype
     opmath = _OPMATH.get(dtype, dtype)
     if dtype == opmath:
@@ -92,8 +89,7 @@ def joint_qk_rms_norm(
 
 
 def _rms_rows(xu: torch.Tensor, eps: float, opmath: torch.dtype) -> torch.Tensor:
-    """``x * rsqrt(mean(x^2) + eps)`` per row of an opmath tensor, as torch 2.13's ``rms_norm`` composite computes
-    it (one C++ call on the devices where that composite runs)."""
+    """``x * rsqrt(mean(x^2) + eps)`` per row of an opmath tensor, as torch 2.13's ``rms_norm`` composite does it."""
     if xu.device.type in COMPOSITE_RMS_DEVICES:
         return torch.rms_norm(xu, (xu.shape[-1],), None, eps)
     return xu.mul(torch.rsqrt(xu.pow(2).mean(-1, keepdim=True).add_(_opmath_scalar(eps, opmath))))

@@ -90,12 +90,8 @@ class _Entry:
 
 
 class ModulationMemo:
-    """Exact, byte-bounded LRU memo of modulation tensors keyed on the temb value and the weights.
-
-    Entries (one per distinct temb value and numerical settings) hold slots (one per block / direct projection /
-    ``norm_out``). A slot is reused only while its module is alive and its weight signature is unchanged; every
-    payload is what stock's code computes from the same inputs, so a hit is bitwise stock's result.
-    """
+    """The memo (policy: module docstring): entries, one per distinct temb value and numerical settings, hold slots,
+    one per block / direct projection / ``norm_out``."""
 
     def __init__(self, max_bytes: int = DEFAULT_BUDGET_MB * 1024**2) -> None:
         self.max_bytes = max_bytes
@@ -209,10 +205,9 @@ class ModulationMemo:
             span = last[3]
             if span is not None and span.contains(temb):
                 # A view of the last temb (edit models' ``temb.chunk(2)[0]``, made anew in every block, and the one
-                # norm_out gets after the model rebinds ``temb`` to it): its values are fixed by the digested values
-                # and the view geometry, so no new digest is needed. Matched by storage, not ``_base`` or the base
-                # object: under ``inference_mode`` (vLLM-Omni's runner) views have no ``_base`` and the base may be
-                # gone; the span holds the storage, so its memory cannot be reused meanwhile.
+                # norm_out gets after the model rebinds ``temb`` to it) needs no new digest (:meth:`Span.contains`).
+                # Matched by storage, not ``_base`` or the base object: under ``inference_mode`` (vLLM-Omni's runner)
+                # views have no ``_base`` and the base may be gone.
                 geometry = (temb.dtype, temb.storage_offset() - span.offset, temb.shape, temb.stride())
                 return self._entry(("view", last[2].key, geometry))
         from vllm_omni.diffusion.cache.exact_projection_cache import tensor_digest
@@ -239,14 +234,11 @@ class ModulationMemo:
         addition_t_cond: Any,
         stock: Any,
     ) -> tuple[torch.Tensor | None, str | None]:
-        """``time_text_embed(timestep, hidden_states, addition_t_cond)``, with its memo entry found by the timestep's
-        value (one small device->host read per forward, counted as ``digests``) instead of a digest of temb's B x D
-        values: the blocks then find the entry by temb's identity. The key holds what temb is a function of (the
-        timestep's and the additional condition's values, the activation dtype, the embedding's weights, the
-        numerical settings), so the entry keeps the temb ``stock`` computed on its miss and a hit returns that very
-        tensor (``time_hits``): a warm step runs none of the embedding's ~10 kernels. Like the block slots, this
-        relies on nobody writing into temb in place (vLLM-Omni's transformer and cache hooks only read it). (temb,
-        None), or (None, why the memo does not key it: the blocks then digest temb as before)."""
+        """``time_text_embed(timestep, hidden_states, addition_t_cond)`` keyed on the timestep's value (counted as
+        ``digests``; :mod:`.time_embedding`): the entry keeps the temb ``stock`` computed on its miss and a hit returns
+        that very tensor (``time_hits``). Like the block slots, this relies on nobody writing into temb in place
+        (vLLM-Omni's transformer and cache hooks only read it). (temb, None), or (None, why the memo does not key it:
+        the blocks then digest temb)."""
         why = self._precheck(timestep)
         if why is None and torch.is_grad_enabled():
             why = "grad mode is on (the time embedding is keyed for inference only)"
@@ -503,10 +495,9 @@ class ModulationMemo:
 
     # ----- read-only queries (memo_aware_offload) ---------------------------------------------------------------
     def has_block(self, block: nn.Module, temb: torch.Tensor) -> bool:
-        """Whether :meth:`block` would return ``block``'s memoized modulation for ``temb`` right now, with the
-        block's parameters as they are (a hit): nothing is computed, stored or counted as a hit or a miss (a new
-        ``temb`` is digested once, as :meth:`block` would). Single-segment blocks; False for anything :meth:`block`
-        would not serve from the memo."""
+        """Whether :meth:`block` would hit for ``block`` and ``temb`` right now, with the block's parameters as they
+        are: nothing is computed, stored or counted (a new ``temb`` is digested once, as :meth:`block` would).
+        Single-segment blocks only."""
         if self._precheck(temb):
             return False
         try:

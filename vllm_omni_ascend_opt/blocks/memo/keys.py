@@ -1,18 +1,10 @@
-"""What the modulation memo keys on: weight signatures, numerical settings, AdaLayerNorm kinds, and the checks that
-say when a projection cannot be keyed.
+"""What the modulation memo keys on: weight signatures (:func:`linear_sig`), numerical settings
+(:func:`numerical_settings`), AdaLayerNorm kinds (:func:`~..upstream.ada_norm.norm_kind`), the span of a digested
+``temb`` (:class:`Span`), and the checks that say when a projection cannot be keyed (:class:`Unkeyable`).
 
-Shared by ``shared_modulation`` (its memo, :mod:`.cache`, and its per-model reasons) and by the fast tier
-(which only needs :func:`find_transformers`): written once here so that the reasons a model reports are the very
-checks the memo makes per call (:func:`unkeyable_reasons`), not a guess from the weights between forwards.
-
-* :func:`linear_sig`: what a modulation projection's output depends on besides its input (weights by identity,
-  version counter, dtype and device -- not storage nor shape, see its docstring; quantization method; vLLM LoRA
-  state). Raises :class:`Unkeyable` for
-  anything it cannot vouch for (not a ReplicatedLinear, inference-tensor weights, autograd recording).
-* :func:`numerical_settings`: process state that changes what the same projection computes (matmul precision,
-  autocast, grad mode, TF32/HF32 flags).
-* the AdaLayerNorm kinds it keys a block on come from :func:`~..upstream.ada_norm.norm_kind`.
-* :class:`Span`: the memory a digested ``temb`` covered, so that views of it need no new digest.
+Shared by ``shared_modulation`` (its memo, :mod:`.cache`, and its per-model reasons) and by the fast tier (which only
+needs :func:`find_transformers`), so that the reasons a model reports are the very checks the memo makes per call
+(:func:`unkeyable_reasons`), not a guess from the weights between forwards.
 """
 
 from __future__ import annotations

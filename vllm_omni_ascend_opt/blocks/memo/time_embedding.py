@@ -3,17 +3,14 @@ is a function of the timestep's value, the activation dtype, the additional cond
 linears (and of the additional-condition embedding) and the numerical settings, nothing else.
 
 Why: the transformer recomputes the timestep embedding in every forward (a sinusoidal embedding, two linears and a
-SiLU: ~15 kernels), and the modulation memo then had to read all of ``temb`` back to the host (B x 3072 values) and
-hash it to find its entry. Keyed on the timestep's value instead (B values: one small device->host read, the one
-host sync the default stack adds per forward), a repeated timestep returns the very ``temb`` tensor computed the first
-time, and the block memo finds its entry by that tensor's identity, with no digest of temb at all.
+SiLU: ~15 kernels), and finding temb's memo entry by a digest reads all of it back to the host (B x 3072 values).
+Keyed on the timestep's value (B values: one small device->host read per forward), a repeated timestep returns the
+very ``temb`` tensor computed the first time, and the block memo finds its entry by that tensor's identity.
 
-How: :func:`time_key` checks, per call, that the module is exactly what the key covers (its class and those of its
-parts, no hooks, no condition projection or post-activation, an embedding without ``max_norm``) and returns its
-weights' signature; :func:`value_key` is the exact key of a small tensor's value (dtype, shape, device and bytes:
-``-0.0`` and ``0.0`` differ, as they do for ``sin``). The upstream functions whose output the key must determine are
-declared in :data:`~..upstream.targets.TIME_EMBEDDING` and checked by their source fingerprints (:func:`upstream_reason`): a
-different upstream keeps the time embedding unmemoized, with the reason.
+How: :func:`time_key` checks, per call, that the module is exactly what the key covers and returns its weights'
+signature; :func:`value_key` is the exact key of a small tensor's value (``-0.0`` and ``0.0`` differ, as they do for
+``sin``). The upstream functions whose output the key must determine are declared in
+:data:`~..upstream.targets.TIME_EMBEDDING` and checked by their source fingerprints (:func:`upstream_reason`).
 """
 
 from __future__ import annotations

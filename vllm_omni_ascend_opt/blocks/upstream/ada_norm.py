@@ -1,8 +1,7 @@
 """How vLLM-Omni's ``AdaLayerNorm`` instances apply ``(scale, shift)``: the one place that looks at their dispatch.
 
-The memoized block body (``blocks/body``) reproduces each kind with stock's ops, the modulation memo keys on the
-kinds (``blocks/memo``), and the fast tier's affine layer norm replaces the native and NPU kinds. The upstream source
-of each dispatch target is fingerprinted by ``shared_modulation`` (per platform).
+The memoized block body reproduces each kind with stock's ops, the memo keys on the kinds, and the fast tier's affine
+layer norm replaces the native and NPU kinds. ``shared_modulation`` fingerprints each dispatch target (per platform).
 """
 
 from __future__ import annotations

@@ -4,26 +4,21 @@ Every optimization declares the upstream functions it patches, replaces or mirro
 a tuple of :class:`Upstream`), each with the source fingerprints it knows and the vLLM-Omni versions that ship them.
 It installs on any vLLM-Omni >= 0.30 whose code matches one of those fingerprints; where the code differs, it stays
 off with a reason that names the function and the versions it knows (:func:`reasons`). A newer release whose
-functions all match just works (the plugin logs one INFO line about the unknown version, ``_state``).
+functions all match just works (``_state`` logs one INFO line about the unknown version).
 
-* Fingerprint: the first 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, the value round
-  one of issue 22 recorded for 0.30.0 / 0.31.0rc1 / 0.32.0rc1. It is computed **from the source file, without
-  importing vLLM-Omni** (:func:`fingerprint`): the module's file is located from the top-level package's path, the
-  definition found with :mod:`ast` (decorators included) and the block cut with ``inspect.getblock``, exactly the lines
-  ``inspect.getsource`` returns. So ``vllm-omni-ascend-opt list`` in a fresh process (nothing imported) and the worker
-  (everything imported) give the same answer. A function that is not defined in that module or class is
-  :data:`ABSENT`, which a declaration may list as known (new in a later version, or inherited before).
-* Imported modules are checked once more (:func:`replacement`): the live attribute, unwrapped through ``__wrapped__``
-  (the plugin's own patches set it), must be the function defined at that place in that file. Anything else (another
-  plugin replaced it at run time) counts as a difference.
+* Fingerprint: the first 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, computed
+  **from the source file, without importing vLLM-Omni** (:func:`fingerprint`: the definition found with :mod:`ast`,
+  decorators included, and cut with ``inspect.getblock``: exactly the lines ``inspect.getsource`` returns), so a fresh
+  ``vllm-omni-ascend-opt list`` and the worker give the same answer. A function that the module or class does not
+  define itself is :data:`ABSENT`, which a declaration may list as known.
+* Imported modules are checked once more (:func:`replacement`): the live attribute, unwrapped through ``__wrapped__``,
+  must be the function defined at that place in that file; anything else counts as a difference.
 * Per platform: a declaration with :attr:`Upstream.platforms` matters only where vLLM-Omni dispatches to it
-  (``AdaLayerNorm.forward_cuda`` on CUDA, ``forward_npu`` on Ascend, ...), :func:`current_platform`; elsewhere it is
-  listed as not checked.
+  (:func:`current_platform`); elsewhere it is listed as not checked.
 * ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` (:func:`forced`, for experts): install anyway; the differences are then notes and
   one warning per optimization instead of reasons.
-* Qwen-Image-2.1 (vLLM-Omni 0.32+, ``models/qwen_image_21``): a different model whose NPU work upstream already does
-  itself; :func:`qwen_image_21` recognises its pipeline and transformer by class (no import), so that each
-  optimization can say why it stays off there (``Optimization.on_qwen_image_21``).
+* Qwen-Image-2.1 (vLLM-Omni 0.32+): a different model whose NPU work upstream already does itself;
+  :func:`qwen_image_21` recognises it by class module (no import), so that each optimization can say why it stays off.
 
 Adding a version: run ``python tools/fingerprints.py`` in a venv with it; for each function that differs, redo the
 exactness argument of the optimizations that declare it, adapt them, and add the new fingerprint to their tables.
@@ -70,15 +65,12 @@ def forced() -> bool:
     return (os.environ.get(ENV_FORCE) or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# declarations
-# ----------------------------------------------------------------------------------------------------------------
+# ----- declarations ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Upstream:
-    """One upstream function an optimization relies on, with the fingerprints it knows.
-
-    ``known`` maps a fingerprint (or :data:`ABSENT`) to the vLLM-Omni releases that ship that code; ``platforms``
-    limits the check to the platforms where vLLM-Omni dispatches to the function (empty: everywhere)."""
+    """One upstream function an optimization relies on: ``known`` maps a fingerprint (or :data:`ABSENT`) to the
+    vLLM-Omni releases that ship that code; ``platforms`` limits the check to the platforms where vLLM-Omni dispatches
+    to the function (empty: everywhere)."""
 
     module: str
     qualname: str

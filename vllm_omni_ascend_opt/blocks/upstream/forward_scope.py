@@ -1,17 +1,13 @@
 """Per-forward decisions: one scope per transformer forward, so that what is the same for every block of a forward
-is decided once, at the first block that asks, and never outlives the forward.
+(vLLM-Omni's transformer runs its blocks one after the other, with the same ``temb``, freqs and process state) is
+decided once, at the first block that asks, and never outlives the forward.
 
-Why: some answers cannot change within one transformer forward (vLLM-Omni's transformer runs its blocks one after the
-other, with the same ``temb``, freqs and process state), but they can change between forwards.
-
-How: an optimization that makes per-forward decisions :func:`watch` es each transformer it is attached to: the
-instance's ``__call__`` opens a scope (a fresh decision table) around each eager forward and closes it when the
-forward returns or raises. Patched code asks :func:`decide` ``(key, make)``: inside a scope the first call makes the
-decision and the others reuse it; outside one (a block called directly, a transformer nobody watches, a hook registry
-that bypassed the hooks) every call makes its own decision.
-
-While torch.compile traces, no scope is opened, and patched code never asks (it checks
-:func:`~.guards.tracing` before anything else).
+An optimization :func:`watch` es each transformer it is attached to: the instance's ``__call__`` opens a scope (a
+fresh decision table) around each eager forward and closes it when the forward returns or raises. Patched code asks
+:func:`decide` ``(key, make)``: inside a scope the first call makes the decision and the others reuse it; outside one
+(a block called directly, a transformer nobody watches, a hook registry that bypassed the hooks) every call makes its
+own. While torch.compile traces no scope is opened, and patched code never asks (it checks :func:`~.guards.tracing`
+first).
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ _STACK: list[dict[Hashable, Any]] = []
 
 
 def current() -> dict[Hashable, Any] | None:
-    """The decision table of the innermost open scope (the transformer forward being run), or None outside any
-    watched forward."""
+    """The decision table of the innermost open scope (the forward being run), or None outside watched forwards."""
     return _STACK[-1] if _STACK else None
 
 
@@ -98,13 +93,10 @@ def _scoped_class(cls: type) -> type:
 
 
 def watch(transformer: nn.Module, owner: str, on_forward: Callable[[nn.Module], None] | None = None) -> None:
-    """Open a scope around every eager forward of ``transformer`` while at least one owner watches it (idempotent).
-    ``on_forward(transformer)`` runs when the scope opens.
-
-    The instance gets a subclass whose ``__call__`` (``nn.Module._wrapped_call_impl``, which runs before anything
-    torch.compile took) opens the scope: a ``__class__`` swap (same object, same state; restored when the last owner
-    goes). Not module hooks and not a wrapper of ``forward``: both would change how a fully compiled transformer is
-    traced (more graphs)."""
+    """Open a scope around every eager forward of ``transformer`` while at least one owner watches it (idempotent);
+    ``on_forward(transformer)`` runs when the scope opens. The instance gets a subclass whose ``__call__`` opens the
+    scope (a ``__class__`` swap: same object, same state; restored when the last owner goes). Not module hooks nor a
+    wrapper of ``forward``: both would change how a fully compiled transformer is traced (more graphs)."""
     w = _WATCHED.get(transformer)
     if w is None:
         w = _WATCHED[transformer] = {}

@@ -39,8 +39,7 @@ def call_reason(*grad_tensors: torch.Tensor, any_grad: bool = False, hooks: bool
     """Why patched code must run stock code for this call (None: it may take its own path).
 
     ``any_grad``: any enabled autograd is a reason; otherwise only autograd with one of ``grad_tensors`` requiring
-    grad. ``hooks``: global module hooks are a reason. Call :func:`tracing` first.
-    """
+    grad. ``hooks``: global module hooks are a reason. Call :func:`tracing` first."""
     if torch.is_grad_enabled() and (any_grad or any(t.requires_grad for t in grad_tensors)):
         return "autograd is recording"
     why = _backend.graph_capture_reason()
