@@ -73,14 +73,12 @@ def probe(monkeypatch, tmp_path):
     path = tmp_path / "ascend_opt_upstream_probe.py"
     path.write_text(_src(METHOD_V1))
     monkeypatch.syspath_prepend(str(tmp_path))
-    fingerprints._TOP_LEVEL.pop("ascend_opt_upstream_probe", None)
     sys.modules.pop("ascend_opt_upstream_probe", None)
     opt = registry.register_optimization(_Probe())
     yield opt, path
     opt.uninstall()
     registry.REGISTRY.remove(opt.name)
     sys.modules.pop("ascend_opt_upstream_probe", None)
-    fingerprints._TOP_LEVEL.pop("ascend_opt_upstream_probe", None)
 
 
 def _rewrite(path: Path, text: str) -> None:
@@ -325,15 +323,13 @@ def _forward_cuda_032(self, x, scale, shift):
 @pytest.fixture
 def ada(monkeypatch, runtime):
     """vLLM-Omni's adalayernorm module with 0.32.0rc1's forward_cuda (its own on 0.32; a copy before, so that the
-    adaptation is tested on every release); the memo's native set is looked up afresh."""
+    adaptation is tested on every release)."""
     sm.T()
     mod = sys.modules[ada_norm.ADALAYERNORM_MODULE]
     if "_adaln_fused_forward" not in vars(mod):
         monkeypatch.setattr(mod.AdaLayerNorm, "forward_cuda", _forward_cuda_032)
         monkeypatch.setattr(mod, "_adaln_fused_forward", None, raising=False)
-    monkeypatch.setattr(ada_norm, "_UP", [])
-    yield mod
-    ada_norm._UP.clear()
+    return mod
 
 
 def _norms(tr) -> list:
@@ -369,7 +365,6 @@ def test_forward_musa_is_native_where_adalayernorm_defines_it(ada, runtime, monk
         norms[0]._forward_method = norms[0].forward_musa
         assert ada_norm.norm_kind(norms[0]) == ada_norm.OPAQUE
         monkeypatch.setattr(ada.AdaLayerNorm, "forward_musa", _forward_musa_032, raising=False)
-        ada_norm._UP.clear()
     for n in norms:
         n._forward_method = n.forward_musa
     assert {ada_norm.norm_kind(n) for n in norms} == {ada_norm.NATIVE}

@@ -1,8 +1,6 @@
-"""A bounded LRU whose entries live only as long as the objects they were made for.
-
-Used by the RoPE table cache (:class:`~.rope_tables.TableCache`) and the joint freqs cache
-(:class:`~.joint_qkv.JointFreqsCache`): both key on tensors by identity, so an entry must die with its tensors (an
-id can be reused once the object is gone) and must never keep them alive.
+"""A bounded LRU whose entries live only as long as the objects they were made for: the RoPE table cache and the
+joint freqs cache key on tensors by identity, so an entry must die with its tensors (an id can be reused once the
+object is gone) and must never keep them alive.
 
 Policy: at most ``cap`` entries; a hit moves its entry to the most recent end; a new entry beyond the cap evicts
 the least recently used one; an entry is dropped when any of its owners dies. An entry is inserted only once its

@@ -5,14 +5,11 @@ Shared by ``shared_modulation`` (whose patched block forward calls :func:`block_
 :class:`NormMod` / :class:`~.two_segment.SegMod` per norm) and by the fast tier (``fast_modulate``, ``fast_residual``),
 which turns its mode on here (:data:`FAST`) and never imports ``shared_modulation``.
 
-The fast tier's modes (``close``, off by default): an optimization switches its mode on by registering itself as
-the mode's owner (:meth:`FastModes.register`, from its ``install``; ``unregister`` from ``uninstall``). The block
-body asks :meth:`FastModes.owner` per norm / residual and reports to that owner: a call that took the fast path
-(:meth:`ModeOwner.count_fast`) or kept stock's ops, and why (:meth:`ModeOwner.count_stock`). So each fast
-optimization owns its statistics and fallback reasons, and the block body holds no counters of its own.
-:meth:`FastModes.owner` checks :func:`guards.tracing` first: while dynamo traces, no mode is counted. Inside a
-regionally compiled block (:func:`traced_block_body`, the modulation hoisted by an eager pre-hook) the modes follow
-their switches (:data:`FAST`'s owners, which the graph is guarded on) without counting.
+The fast tier's modes (``close``, off by default): an optimization registers itself as a mode's owner
+(:meth:`FastModes.register` in its ``install``, ``unregister`` in ``uninstall``), and the block body reports every
+call of the mode to that owner (:class:`ModeOwner`), so each fast optimization owns its statistics and fallback
+reasons. While dynamo traces no mode is counted; inside a regionally compiled block (:func:`traced_block_body`) the
+modes follow their switches, which the graph is guarded on.
 """
 
 from __future__ import annotations
@@ -30,9 +27,7 @@ from vllm_omni_ascend_opt.blocks.upstream import guards, targets
 from vllm_omni_ascend_opt.blocks.upstream.ada_norm import NATIVE, NPU_EVAL
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the fast tier's modes
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the fast tier's modes ------------------------------------------------------------------------------------
 class ModeOwner(Protocol):
     """The optimization that turned a fast mode on: the block body reports every call of the mode to it."""
 
@@ -44,9 +39,8 @@ class ModeOwner(Protocol):
 
 
 class FastModes:
-    """Switches of the fast tier, read by the block body on every call. A mode is on while an owner is registered
-    for it (``modulate``: ``fast_modulate``; ``residual``: ``fast_residual``); the attributes ``modulate`` and
-    ``residual`` hold the owners (None: off)."""
+    """Switches of the fast tier, read by the block body on every call: the attributes ``modulate``
+    (``fast_modulate``) and ``residual`` (``fast_residual``) hold the owners (None: off)."""
 
     MODES = ("modulate", "residual")
 
@@ -86,9 +80,7 @@ class FastModes:
 FAST = FastModes()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# one norm's modulation
-# ----------------------------------------------------------------------------------------------------------------
+# ----- one norm's modulation ------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class NormMod:
     """One AdaLayerNorm's modulation, unpacked: ``first`` is ``1 + scale`` (kinds native/npu_eval) or ``scale``."""
@@ -113,14 +105,8 @@ class NormMod:
                 owner.count_fast()
                 return affine_layernorm(self.kind, norm, x, *self.affine)
             owner.count_stock(why)
-        if self.kind == NATIVE:
-            return norm.layernorm(x) * self.first + self.shift
-        if self.kind == NPU_EVAL:
-            torch_npu = _backend.torch_npu_module()
-            return (
-                torch_npu.npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps) * self.first
-                + self.shift
-            )
+        if self.kind in (NATIVE, NPU_EVAL):
+            return layernorm(self.kind, norm, x) * self.first + self.shift
         return norm(x, self.first, self.shift)
 
     def gated(self, y: torch.Tensor) -> torch.Tensor:
@@ -192,9 +178,7 @@ def layernorm(kind: str, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.layernorm(x)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the block body
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the block body -------------------------------------------------------------------------------------------
 def block_body(
     block: nn.Module,
     mods: tuple[Any, ...],
@@ -206,9 +190,8 @@ def block_body(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM-Omni 0.30's block with its modulation read from ``mods``: the same ops on the same values as
     ``QwenImageTransformerBlock.forward`` (unless a fast-tier mode is on: :data:`FAST`). Single-segment blocks
-    (``modulate_index=None``, image mods are :class:`NormMod`) and ``zero_cond_t`` blocks
-    (``select01_modulation_native`` path; image mods are :class:`~.two_segment.SegMod`, per-segment broadcast instead
-    of three ``torch.where`` over ``[B, L, D]`` per image norm) share this body."""
+    (``modulate_index=None``, image mods are :class:`NormMod`) and ``zero_cond_t`` blocks (image mods are
+    :class:`~.two_segment.SegMod`) share this body."""
     img1, img2, txt1, txt2 = mods
     m = block._modules
     img_modulated = img1.norm(m["img_norm1"], hidden_states)
@@ -229,16 +212,15 @@ def block_body(
     txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states)
     encoder_hidden_states = txt2.residual(encoder_hidden_states, m["txt_mlp"](txt_modulated2))
 
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+    return _clip_fp16(encoder_hidden_states), _clip_fp16(hidden_states)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the block body inside a compiled graph (regional compile: modulation hoisted by an eager pre-hook)
-# ----------------------------------------------------------------------------------------------------------------
+def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
+    """Stock's ``clip(-65504, 65504)`` of fp16 hidden states at the end of the block."""
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+# ----- the block body inside a compiled graph (regional compile: modulation hoisted by an eager pre-hook) -------
 #: The attribute a compiled block reads its hoisted modulation from: ``(kinds, tensors)``, the four norms' kinds and
 #: their ``(first, shift, gate)`` tensors in the order img1, img2, txt1, txt2 (see :mod:`.compiled_blocks`).
 READY = "_ascend_ready_modulation"
@@ -265,11 +247,8 @@ def _traced_norm(kind: str, norm: nn.Module, x: torch.Tensor, first: torch.Tenso
         and ln.bias is None
     ):
         return affine_layernorm(kind, norm, x, first[0, 0], shift[0, 0])
-    if kind == NATIVE:
-        return ln(x) * first + shift
-    if kind == NPU_EVAL:
-        torch_npu = _backend.torch_npu_module()
-        return torch_npu.npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps) * first + shift
+    if kind in (NATIVE, NPU_EVAL):
+        return layernorm(kind, norm, x) * first + shift
     return norm(x, first, shift)
 
 
@@ -309,11 +288,7 @@ def traced_block_body(
     hidden_states = _traced_residual(hidden_states, g2, m["img_mlp"](img_modulated2))
     txt_modulated2 = _traced_norm(tk2, m["txt_norm2"], encoder_hidden_states, tf2, ts2)
     encoder_hidden_states = _traced_residual(encoder_hidden_states, tg2, m["txt_mlp"](txt_modulated2))
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+    return _clip_fp16(encoder_hidden_states), _clip_fp16(hidden_states)
 
 
 def block_body_reason(transformer: nn.Module) -> str | None:

@@ -1,17 +1,15 @@
 """Work hoisted out of regionally compiled blocks: compiled blocks receive ready tensors.
 
-Why: vLLM-Omni's regional compile (``regionally_compile``) runs each transformer block as a compiled graph. What an
-optimization decides per step from values (the modulation memo's lookup, the RoPE tables of this forward's freqs)
-cannot run inside a graph: dynamo would bake one step's answer into it. The block's own compute can.
+Why: under vLLM-Omni's regional compile each transformer block is a compiled graph, and what an optimization decides
+per step from values (the memo's lookup, the RoPE tables of this forward's freqs) cannot run inside it: dynamo would
+bake one step's answer into the graph.
 
-How: once an optimization's transformer is seen with compiled blocks (checked when a forward's scope opens,
-:func:`~.forward_scope.watch` with ``on_forward``), a :class:`Hoister` registers a forward pre-hook on each block. Block
-hooks run outside the compiled region (``nn.Module.__call__`` is not compiled; vLLM-Omni compiles ``forward``), in
-eager, before every block call: there the optimization does its value-keyed work, with its counters and fallback
-reasons, and leaves the result as a plain attribute of the module (:func:`set_ready`). The patched code, traced by
-dynamo, reads it (:func:`ready`) as graph inputs: tuples of tensors (and constant strings), which dynamo guards by
-structure and tensor metadata, not identity, so a new step's tensors run the same graph. Under full compile the
-hooks never register (the whole transformer is traced: no eager code runs between its blocks).
+How: once a watched transformer's blocks are compiled (checked when a forward's scope opens), a :class:`Hoister`
+registers a forward pre-hook on each block; block hooks run in eager (vLLM-Omni compiles ``forward``, not
+``nn.Module.__call__``). There the optimization does its value-keyed work, with its counters and fallback reasons,
+and leaves the result on the module (:func:`set_ready`); the traced code reads it (:func:`ready`) as graph inputs,
+which dynamo guards by structure and tensor metadata, not identity, so a new step's tensors run the same graph. Under
+full compile the hooks never register (no eager code runs between the blocks).
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The joint QKV path's building blocks: the joint RMSNorm, the joint RoPE freqs cache, the static checks, the
 attention call on the joint sequence and the whole path as written for a compiled graph.
 
-Why here: ``joint_attention`` (``opts/joint_attention.py``) runs this path eagerly with its counters, caches and
-per-forward decisions; inside a compiled graph (vLLM-Omni's regional or full compile) it runs the same math without
-any of them (:func:`traced_forward`). Both share what is here, so the two never drift apart. Nothing here is an
-optimization: counters are the caller's.
-
-Every element sees stock's operations in stock's order (see ``joint_attention``'s header); the traced path differs
-only in how it is assembled (one ``cat`` instead of ``out=`` writes, layers called as modules, tables hoisted by an
-eager pre-hook or computed in the graph), which the compiler may fuse: pixel-identical to compiled stock.
+``joint_attention`` runs this path eagerly with its counters, caches and per-forward decisions; inside a compiled graph
+it runs the same math without any of them (:func:`traced_forward`). Both share what is here (counters are the caller's),
+so the two never drift apart. Every element sees stock's operations in stock's order (see ``joint_attention``'s header);
+the traced path differs only in how it is assembled (one ``cat`` instead of ``out=`` writes, layers called as modules,
+tables hoisted by an eager pre-hook or computed in the graph), which the compiler may fuse: pixel-identical to compiled
+stock.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt.blocks.body import compiled_blocks
 from vllm_omni_ascend_opt.blocks.kernels import rms_norm, rope_tables
-from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
+from vllm_omni_ascend_opt.blocks.upstream import guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.weak_lru import WeakLRU
 
@@ -37,9 +35,7 @@ _OPMATH = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 COMPOSITE_RMS_DEVICES = frozenset({"cpu", "npu"})
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the joint RMSNorm
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the joint RMSNorm ----------------------------------------------------------------------------------------
 def joint_rms_norm(x: torch.Tensor, st: int, w_txt: torch.Tensor, w_img: torch.Tensor, eps: float) -> torch.Tensor:
     """``cat([rms_norm(x[:, :st], w_txt), rms_norm(x[:, st:], w_img)], dim=1)``, bitwise, with one norm pass.
 
@@ -49,14 +45,7 @@ def joint_rms_norm(x: torch.Tensor, st: int, w_txt: torch.Tensor, w_img: torch.T
     scalar, as the composite does."""
     dtype = x.dtype
     opmath = _OPMATH.get(dtype, dtype)
-    xu = x.to(opmath)
-    if x.device.type in COMPOSITE_RMS_DEVICES:
-        # torch.rms_norm without weight on an opmath input: the same pieces run from C++ (no Python per piece)
-        normed = torch.rms_norm(xu, (x.shape[-1],), None, eps)
-    else:
-        eps_t = _opmath_scalar(eps, opmath)
-        rstd = torch.rsqrt(xu.pow(2).mean(-1, keepdim=True).add_(eps_t))
-        normed = xu.mul(rstd)
+    normed = _rms_rows(x.to(opmath), eps, opmath)
     out_dtype = _promote(normed.dtype, w_txt.dtype)
     if out_dtype != _promote(normed.dtype, w_img.dtype):
         raise ValueError("the two norm weights promote to different dtypes")
@@ -73,15 +62,14 @@ def joint_qk_rms_norm(
     w_img: tuple[torch.Tensor, torch.Tensor],
     eps: float,
 ) -> torch.Tensor:
-    """:func:`joint_rms_norm` of q and k together. ``qk`` is the ``[2, B, S, N, D]`` q/k view of the joint QKV tensor
-    (``qkv[..., :2*N*D].unflatten(-1, (2, N, D)).permute(2, 0, 1, 3, 4)``), ``w_txt``/``w_img`` the (q, k) weights of
-    each stream. Returns a new contiguous ``[2, B, S, N, D]`` tensor (``[0]`` is q, ``[1]`` is k), bitwise stock's
-    four norms: the composite normalises every row by itself, and each plane-and-stream is multiplied by its own
-    weight, in place on the normalised rows (the same multiply).
+    """:func:`joint_rms_norm` of q and k together, bitwise stock's four norms. ``qk`` is the ``[2, B, S, N, D]`` q/k
+    view of the joint QKV tensor (``qkv[..., :2*N*D].unflatten(-1, (2, N, D)).permute(2, 0, 1, 3, 4)``),
+    ``w_txt``/``w_img`` the (q, k) weights of each stream; returns a new contiguous ``[2, B, S, N, D]`` tensor (q, k).
+    The composite normalises every row by itself, and each plane-and-stream is multiplied by its own weight, in place.
 
-    In the opmath dtype (fp32) both planes take one norm pass. Where the norm upcasts (bf16/fp16), the planes are
-    normalised one after the other into the output (its cast is the ``copy_``): the fp32 temporaries of both planes
-    at once would put the transformer's peak above stock's, and the upcast makes the copy the one-pass saves anyway."""
+    In fp32 both planes take one norm pass. Where the norm upcasts (bf16/fp16), the planes are normalised one after
+    the other into the output (its cast is the ``copy_``): both planes' fp32 temporaries at once would put the
+    transformer's peak above stock's, and the upcast makes the copy the one-pass saves anyway."""
     dtype = qk.dtype
     opmath = _OPMATH.get(dtype, dtype)
     if dtype == opmath:
@@ -101,8 +89,7 @@ def joint_qk_rms_norm(
 
 
 def _rms_rows(xu: torch.Tensor, eps: float, opmath: torch.dtype) -> torch.Tensor:
-    """``x * rsqrt(mean(x^2) + eps)`` per row of an opmath tensor, as torch 2.13's ``rms_norm`` composite computes
-    it (one C++ call on the devices where that composite runs)."""
+    """``x * rsqrt(mean(x^2) + eps)`` per row of an opmath tensor, as torch 2.13's ``rms_norm`` composite does it."""
     if xu.device.type in COMPOSITE_RMS_DEVICES:
         return torch.rms_norm(xu, (xu.shape[-1],), None, eps)
     return xu.mul(torch.rsqrt(xu.pow(2).mean(-1, keepdim=True).add_(_opmath_scalar(eps, opmath))))
@@ -140,9 +127,9 @@ def _plain_rms_norm(norm: nn.Module) -> str | None:
     return None
 
 
-def static_reason(attn: nn.Module, traced: bool = False) -> str | None:
-    """Why the joint path can never run for this ``QwenImageCrossAttention`` (None when it can), checked per call
-    (the instance's modules; global module hooks once per forward, or directly in ``traced`` code)."""
+def static_reason(attn: nn.Module) -> str | None:
+    """Why the joint path can never run for this ``QwenImageCrossAttention`` (None when it can), checked per call:
+    the instance's modules and global module hooks."""
     m = attn._modules
     norms = (m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"])
     for n in norms:
@@ -156,7 +143,7 @@ def static_reason(attn: nn.Module, traced: bool = False) -> str | None:
         return "a QK norm does not normalize over head_dim"
     if attn.query_num_heads != attn.add_query_num_heads or attn.kv_num_heads != attn.add_kv_num_heads:
         return "text and image projections have different head counts"
-    if guards.global_hooks() if traced else forward_scope.decide("guards.global_hooks", guards.global_hooks):
+    if guards.global_hooks():
         return "global module hooks are registered"
     if not rope_tables.native_equivalent(m["rope"]):
         return "stock RoPE runs a device kernel (MindIE-SD/CUDA), not vLLM-Omni's native rotary math"
@@ -167,9 +154,7 @@ def freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:
     return freqs.dim() == 2 and freqs.is_complex() and freqs.shape[0] == seq and freqs.shape[-1] * 2 <= head_dim
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# joint freqs, cached weakly on the (vid, txt) freqs pair
-# ----------------------------------------------------------------------------------------------------------------
+# ----- joint freqs, cached weakly on the (vid, txt) freqs pair --------------------------------------------------
 class JointFreqsCache:
     """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair, keyed like ``rope``'s tables
     (:func:`~vllm_omni_ascend_opt.blocks.kernels.rope_tables.table_key`): a :class:`~.weak_lru.WeakLRU` of
@@ -207,9 +192,7 @@ def graph_joint_rms_norm(
     return torch.cat([normed[:, :st] * w_txt, normed[:, st:] * w_img], dim=1).to(dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# checks shared by the eager and the traced path
-# ----------------------------------------------------------------------------------------------------------------
+# ----- checks shared by the eager and the traced path -----------------------------------------------------------
 def cuda_fused(mod: Any, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
     """Whether stock's ``_qwen_image_qk_norm_rope`` would take its fused CUDA path for the stream whose hidden
     states are ``x`` (stock's own condition, in its order: token threshold, then ``_fused_cuda_supported``, which
@@ -259,9 +242,7 @@ def shape_reason(
     return None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the attention on the joint sequence (eager and traced)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the attention on the joint sequence (eager and traced) ---------------------------------------------------
 def attend(
     mod: Any,
     attn: nn.Module,
@@ -312,9 +293,7 @@ def attend(
     return joint_hidden_states.flatten(2, 3).to(query.dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# inside a compiled graph
-# ----------------------------------------------------------------------------------------------------------------
+# ----- inside a compiled graph ----------------------------------------------------------------------------------
 def traced_reason(
     attn: nn.Module,
     hidden_states: torch.Tensor,
@@ -324,9 +303,7 @@ def traced_reason(
 ) -> str | None:
     """The eager path's checks that hold for a traced call (static: the graph is guarded on them). No autograd or
     capture check is needed: the traced path has no ``out=`` op and no Python state."""
-    why = static_reason(attn, traced=True) or shape_reason(
-        attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs
-    )
+    why = static_reason(attn) or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
     if why:
         return why
     if any_cuda_fused(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs, attn.head_dim):

@@ -6,10 +6,8 @@ with ``torch.where(modulate_index, segment 1, segment 0)`` (``select01_modulatio
 reads ``modulate_index`` once per forward (its runs of equal values); :class:`SegMod` views the sequence as
 ``[B, C, L/C, D]`` chunks (``C = L / gcd(run lengths)``, at most :data:`MAX_BROADCAST_CHUNKS`) multiplied by
 ``[B, C, 1, D]`` per-chunk tensors, or computes each run on its slice with ``out=``. Each element sees the same
-IEEE mul/add on the same two values as in stock, so the result is bitwise stock's.
-
-Used by the modulation memo (:mod:`..memo.cache`, which builds them) and the block body (:mod:`.block_body`,
-which applies them through the :class:`~.block_body.NormMod` interface).
+IEEE mul/add on the same two values as in stock, so the result is bitwise stock's. The memo (:mod:`..memo.cache`)
+builds them; the block body applies them through the :class:`~.block_body.NormMod` interface.
 """
 
 from __future__ import annotations
@@ -30,12 +28,8 @@ MAX_BROADCAST_CHUNKS = 16
 
 @dataclass(frozen=True, slots=True)
 class SegmentPlan:
-    """Where stock's ``select01_modulation_native`` picks segment 0 or 1 along the (local) image sequence.
-
-    ``runs``: ``(start, end, segment)`` of equal ``modulate_index != 0`` values (identical in every batch row).
-    With ``chunks`` (``L / gcd(run lengths)``) at most :data:`MAX_BROADCAST_CHUNKS`, the sequence is viewed as
-    ``[B, chunks, L / chunks, D]`` and each chunk's segment tensor broadcasts over it (one op per multiply/add);
-    otherwise each run is computed on its slice."""
+    """Where stock's ``select01_modulation_native`` picks segment 0 or 1 along the (local) image sequence: ``runs``
+    of equal ``modulate_index != 0`` values, ``(start, end, segment)``, identical in every batch row."""
 
     length: int
     runs: tuple[tuple[int, int, int], ...]
@@ -78,8 +72,7 @@ class SegMod:
     """One two-segment AdaLayerNorm's modulation (image stream of a ``zero_cond_t`` block), unpacked.
 
     Broadcast plans: ``first``/``shift``/``gate`` are ``[B, chunks, 1, D]`` (each chunk's segment row, copied);
-    slice plans: tuples indexed by segment of ``[B, 1, D]`` tensors. ``first`` is ``1 + scale``. Every product and
-    sum below is the elementwise op stock runs on the same two values, so the result is stock's bit for bit."""
+    slice plans: tuples indexed by segment of ``[B, 1, D]`` tensors. ``first`` is ``1 + scale``."""
 
     first: Any
     shift: Any
@@ -115,8 +108,7 @@ class SegMod:
         return self._apply(y, self.gate, None)
 
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Stock's ``x + where(idx, gate1, gate0) * y``; with ``fast_residual`` one ``addcmul`` per broadcast or
-        per segment slice."""
+        """Stock's ``x + where(idx, gate1, gate0) * y``; with ``fast_residual`` one ``addcmul`` per broadcast/slice."""
         gate = self.gate if self.plan.broadcast else self.gate[0]
         if not FAST.use_residual(x, gate, y):
             return x + self.gated(y)

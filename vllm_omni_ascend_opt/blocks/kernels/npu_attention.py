@@ -1,35 +1,28 @@
 """The ``npu_fusion_attention`` call that replaces vLLM-Omni's SDPA, and its verification against SDPA.
 
-What ``fused_attention`` (the optimization) runs per call and per shape class, written as plain functions so that
+What ``fused_attention`` runs per call and per shape class, as plain functions so that
 ``benchmarks/npu_check_kernels.py`` and ``benchmarks/verify_cost.py`` run exactly the plugin's code: the kernel call
 (:func:`call_kernel`), the mask translation (:func:`kernel_mask`), the documented limits (:func:`limits_violation`),
-their composition (:func:`fused_forward`), and the checks against SDPA (:func:`verify` on first use per device and
-dtype, :func:`check_class` / :func:`check_at_shape` on the first real call of each :func:`shape_class`). The verdicts
-themselves are kept by the optimization in :class:`~vllm_omni_ascend_opt.blocks.kernels.verdicts.VerdictCache` objects.
+their composition (:func:`fused_forward`) and the checks against SDPA. The optimization keeps the verdicts.
 
 Verification
-    On first use per (device, dtype) the fused path runs on small random inputs of the real layout (BSND, [text; image]
-    joint sequence, the layer's Nq/Nkv/D) with and without a padded 2-D key mask, against a float32 reference computed
-    by explicit matmul/softmax (:func:`reference_attention`, independent of any SDPA or fused kernel), with vLLM-Omni's
-    own ``SDPAImpl._forward_impl(..., mask_mode="full_qk")`` (the stock NPU path) in the same dtype as the error
-    budget. It is accepted when ``max|fused - ref_fp32| <= max(ATOL[dtype], 4 * max|sdpa_dtype - ref_fp32|)`` with
-    ATOL bfloat16 2^-6, float16 2^-9, and every output is finite. Otherwise it stays off for that (device, dtype)
-    with the errors in ``FusedAttention.reasons_inactive``; a kernel error at run time does the same.
-    Then, on the first real call of each shape class (device, dtype, layout, B*Nq, Nkv, Sq and Skv buckets = next
-    power of two, D, masked or not) the kernel's output on random inputs of the call's shapes is compared with an
-    fp32 reference computed in chunks of heads and query rows (:data:`VERIFY_CHUNK_ELEMS` scores at a time), with
-    stock SDPA on the same chunks as the error budget (same rule as above). A class that fails, or whose first call
-    raises, goes to SDPA with the reason logged and shown in ``reasons_inactive``; production shapes (S ~ 4352,
-    B*N 24-48: other tilings than the toy check) are thus checked where they run.
+    On first use per (device, dtype), :func:`verify` runs the fused path on small random inputs of the real layout
+    (BSND, [text; image] joint sequence, the layer's Nq/Nkv/D), with and without a padded 2-D key mask, against a
+    float32 reference by explicit matmul/softmax (:func:`reference_attention`), with vLLM-Omni's own
+    ``SDPAImpl._forward_impl(..., mask_mode="full_qk")`` (the stock NPU path) in the same dtype as the error budget:
+    accepted when every output is finite and ``max|fused - ref_fp32| <= max(ATOL[dtype], 4 * max|sdpa - ref_fp32|)``.
+    On the first real call of each :func:`shape_class`, :func:`check_class` checks the kernel the same way on random
+    inputs of the call's shapes (in chunks, :data:`VERIFY_CHUNK_ELEMS`): production shapes (S ~ 4352, B*N 24-48) tile
+    differently from the toy check. A (device, dtype) or class that fails, or whose kernel raises, goes to SDPA with
+    the reason in ``FusedAttention.reasons_inactive``.
 Kernel choice
     ``npu_fusion_attention`` over ``npu_fused_infer_attention_score`` (FIA): (1) it is the kernel the reference
     ablation measured, and the one diffusers' ``_native_npu`` backend (``attention_dispatch.py``, BSND,
-    ``scale=1/sqrt(D)``, mask inverted) and vLLM-Omni 0.30's own NPU flash path (``flash_attn.py``
-    ``forward_fa_npu``) call for inference on this data; (2) its documented caveat ("training only, no graph mode")
-    does not bite: Qwen-Image runs eagerly on NPU in vLLM-Omni 0.30, so FIA's graph-mode support buys nothing;
-    (3) its limits are wider: D 1..768 with no alignment or contiguity rule, fp16/bf16/fp32 [OP-FA], versus FIA's
-    D <= 512 and 16-aligned, non-contiguous inputs unsupported, fp16/bf16 [OP-FIA]. ``benchmarks/npu_check_kernels.py``
-    verifies and times FIA next to it at the real layout, so the choice can be revisited with device numbers.
+    ``scale=1/sqrt(D)``, mask inverted) and vLLM-Omni 0.30's own NPU flash path (``flash_attn.py`` ``forward_fa_npu``)
+    call for inference on this data; (2) its documented caveat ("training only, no graph mode") does not bite:
+    Qwen-Image runs eagerly on NPU in vLLM-Omni 0.30; (3) its limits are wider: D 1..768 with no alignment or
+    contiguity rule, fp16/bf16/fp32 [OP-FA], versus FIA's D <= 512 and 16-aligned, non-contiguous inputs unsupported,
+    fp16/bf16 [OP-FIA]. ``benchmarks/npu_check_kernels.py`` verifies and times FIA next to it at the real layout.
 Documented limits encoded (checked per call; outside them SDPA runs)
     [OP-FA] = Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md``; [OP-FIA] =
     ``docs/context/torch_npu-npu_fused_infer_attention_score.md``.
@@ -86,16 +79,13 @@ class Verdict:
         return f"{KERNEL} {state} on {self.device}/{self.dtype} ({self.backend}): {self.detail}"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the fused call (one function, used by the forward and by the verification)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the fused call (one function, used by the forward and by the verification) -------------------------------
 def kernel_mask(attn_mask: torch.Tensor | None, b: int, sq: int, skv: int) -> tuple[torch.Tensor | None, str]:
     """SDPA keep-mask (True = attend) -> the kernel's B1SS/11SS bool mask (True = masked out) [OP-FA].
 
     Returns ``(mask, "")``, or ``(None, why)`` when the mask has a form this path does not translate (SDPA runs).
     Handles what vLLM-Omni's SDPA path handles for Qwen-Image: a 2-D [B, Skv] key mask (bool or 0/1), and bool 4-D
-    [B|1, 1, 1|Sq, Skv] masks. Float (additive) masks are left to SDPA.
-    """
+    [B|1, 1, 1|Sq, Skv] masks. Float (additive) masks are left to SDPA."""
     if attn_mask is None:
         return None, ""
     if attn_mask.dim() == 2 and tuple(attn_mask.shape) == (b, skv):
@@ -176,17 +166,14 @@ def fused_forward(
     return call_kernel(npu, q, k, v, masked, float(scale)), ""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# verification against vLLM-Omni's SDPA
-# ----------------------------------------------------------------------------------------------------------------
+# ----- verification against vLLM-Omni's SDPA --------------------------------------------------------------------
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scale: float, heads_per_chunk: int = 8
 ) -> torch.Tensor:
     """float32 attention by explicit matmul / softmax (no SDPA, no fused kernel): the independent reference.
 
     q/k/v BSND (GQA allowed), ``keep`` an SDPA-style 2-D [B, Skv] keep-mask or None; returns float32 BSND. Heads are
-    processed ``heads_per_chunk`` at a time to bound the [B, n, Sq, Skv] score memory at the real layout.
-    """
+    processed ``heads_per_chunk`` at a time to bound the [B, n, Sq, Skv] score memory at the real layout."""
     qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))
     if kf.shape[1] != qf.shape[1]:
         rep = qf.shape[1] // kf.shape[1]
@@ -233,7 +220,7 @@ def check_at_shape(
     """The kernel's ``out`` for real BSND q/k/v against an fp32 reference, in chunks of heads and query rows.
 
     ``masked``: the kernel's mask (True = excluded, [B|1, 1, Sq, Skv]) or None. The error budget is stock SDPA in
-    q's dtype on the same chunks: ``max|out - ref| <= max(ATOL[dtype], STOCK_ERROR_FACTOR * max|sdpa - ref|)``."""
+    q's dtype on the same chunks (the rule of the module docstring)."""
     import torch.nn.functional as F
 
     t0 = time.perf_counter()
@@ -291,11 +278,9 @@ def verify(
     seq_txt: int = VERIFY_TXT,
     seq_img: int = VERIFY_IMG,
 ) -> Verdict:
-    """Check the fused path against vLLM-Omni's SDPA (stock NPU path) on random BSND inputs of the real layout.
-
-    Two cases: batch 1 without a mask, and batch 2 whose second prompt has ``VERIFY_PAD`` padded text tokens (the 2-D
-    [B, S_txt + S_img] key mask vLLM-Omni builds). See the module docstring for the tolerance.
-    """
+    """Check the fused path against vLLM-Omni's SDPA on random BSND inputs of the real layout (module docstring):
+    batch 1 without a mask, and batch 2 whose second prompt has ``VERIFY_PAD`` padded text tokens (the 2-D
+    [B, S_txt + S_img] key mask vLLM-Omni builds)."""
     from vllm_omni.diffusion.attention.backends.abstract import AttentionMetadata
 
     nkv = num_kv_heads or num_heads
@@ -307,7 +292,6 @@ def verify(
     gen = torch.Generator().manual_seed(20260829)
     s = seq_txt + seq_img
     errors: dict[str, float] = {}
-    worst = ""
     try:
         for case, b in (("no mask", 1), ("padded mask", 2)):
             q = torch.randn(b, s, num_heads, head_dim, generator=gen)

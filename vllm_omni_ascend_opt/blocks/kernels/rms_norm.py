@@ -1,15 +1,12 @@
 """The kernel RMSNorm class and its readiness, written once (``qk_norm`` attaches it, ``joint_attention`` asks it).
 
-Why here: ``qk_norm`` gives Qwen-Image's QK norms a subclass of ``nn.RMSNorm`` whose forward runs
-``torch_npu.npu_rms_norm`` (a ``__class__`` swap: same object, same parameters), and ``joint_attention`` must know
-two facts about those norms without importing ``qk_norm``: that a :class:`KernelRMSNorm` is still an RMSNorm it may
-replace by its bitwise joint norm, and whether the kernel is ready for all four norms of an attention layer (then it
-takes the per-stream order, one kernel per stream). Both go through this module.
+``qk_norm`` swaps Qwen-Image's QK norms to :class:`KernelRMSNorm` (same object, same parameters), whose forward runs
+``torch_npu.npu_rms_norm``. ``joint_attention`` must know, without importing ``qk_norm``, that such a norm is still an
+RMSNorm it may replace by its bitwise joint norm (:data:`RMS_NORM_CLASSES`), and whether the kernel is ready for all
+four norms of an attention layer (:func:`kernel_ready`: then it takes the per-stream order, one kernel per stream).
 
-How: the owner of the kernel (``qk_norm``) registers a :class:`NormKernel` with :func:`provide` on install and
-:func:`withdraw` on uninstall. :class:`KernelRMSNorm.forward` checks :func:`guards.tracing` first and runs stock
-``nn.RMSNorm.forward`` while dynamo traces (nothing mutable is read); otherwise it asks the provider, which counts
-into its own statistics and answers None where stock must run.
+The owner of the kernel registers a :class:`NormKernel` (:func:`provide` on install, :func:`withdraw` on uninstall);
+it counts into its own statistics and answers None where stock must run.
 """
 
 from __future__ import annotations
@@ -50,7 +47,8 @@ def withdraw(kernel: NormKernel) -> None:
 
 
 class KernelRMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` whose forward runs the provider's verified kernel where it can (swapped in per instance)."""
+    """``nn.RMSNorm`` whose forward runs the provider's verified kernel where it can (swapped in per instance), and
+    stock's forward while dynamo traces (nothing mutable is read)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if guards.tracing():
@@ -65,6 +63,5 @@ RMS_NORM_CLASSES: tuple[type[nn.Module], ...] = (nn.RMSNorm, KernelRMSNorm)
 
 
 def kernel_ready(norms: Sequence[nn.Module | None]) -> bool:
-    """Every norm in ``norms`` is prepared for the kernel and the kernel exists (asked of the provider; False
-    without one)."""
+    """Every norm in ``norms`` is prepared for the kernel and the kernel exists (False without a provider)."""
     return bool(_PROVIDER) and _PROVIDER[0].ready(norms)

@@ -1,18 +1,10 @@
-"""RoPE cos/sin tables and vLLM-Omni's rotary math, written once (``rope`` and ``joint_attention`` use them).
+"""RoPE cos/sin tables and vLLM-Omni's rotary math, written once: ``rope`` (per stream) and ``joint_attention`` (on
+the joint sequence) both rotate q/k with tables built from vLLM-Omni's complex freqs, and must key those tables the
+same way (:func:`table_key`, :class:`TableCache`). Nothing here is an optimization: the caches count into the
+:class:`~collections.Counter` of whoever owns them.
 
-Why here: both optimizations rotate q/k with tables built from vLLM-Omni's complex freqs (``rope`` per stream,
-``joint_attention`` on the joint sequence), and both must key those tables the same way. Nothing here is an
-optimization: the caches count into the :class:`~collections.Counter` of whoever owns them.
-
-What is here:
-
-* :class:`Tables` and its builders: stock's half tables (:func:`half_tables`), the repeat-interleaved portable
-  tables (:func:`portable_tables`) and the ``npu_rotary_mul`` 1S1D tables (:func:`npu_tables`), built lazily.
-* :func:`table_key` and :class:`TableCache`: tables per freqs tensor (by identity, weakly, plus geometry and
-  version) and dtype, a bounded LRU (:data:`TABLE_CACHE_SIZE`) whose entries die with their freqs.
-* :func:`apply_portable`: ``x * cos + swap(x) * sin_signed``, bitwise-equal to stock's
-  ``RotaryEmbedding.forward_native`` (interleaved); :func:`native_equivalent`: whether stock's rotary call runs that
-  native math (only then may a joint sequence, or a cached table, replace it bit for bit).
+:func:`apply_portable` is bitwise stock's interleaved ``RotaryEmbedding.forward_native``; only where stock's rotary
+call runs that native math (:func:`native_equivalent`) may a joint sequence, or a cached table, replace it.
 """
 
 from __future__ import annotations
@@ -77,11 +69,7 @@ def npu_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Te
 
 
 def version_or_none(t: torch.Tensor) -> int | None:
-    """``t._version``, or None for inference tensors (they track none; upstream never writes freqs in place).
-
-    Asked before reading: reading an inference tensor's version raises, and an exception costs ~10 us per call."""
-    if t.is_inference():
-        return None
+    """``t._version``, or None for inference tensors (they track none; upstream never writes freqs in place)."""
     try:
         return t._version
     except RuntimeError:
@@ -89,11 +77,10 @@ def version_or_none(t: torch.Tensor) -> int | None:
 
 
 def table_key(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:
-    """``(key, root)``: what identifies the tables of ``freqs`` in ``dtype``, and the tensor the entry lives with.
-
-    A view of a live, versioned base (e.g. a rank's chunk of the full vid freqs, txt freqs sliced from
-    ``pos_freqs``) is identified by base + geometry; anything else by its own identity. The key holds ``id(root)``:
-    a cache must also check, through a weak reference, that ``root`` is still the object it was made for."""
+    """``(key, root)``: what identifies the tables of ``freqs`` in ``dtype``, and the tensor the entry lives with. A
+    view of a live, versioned base (e.g. a rank's chunk of the full vid freqs, txt freqs sliced from ``pos_freqs``) is
+    identified by base + geometry; anything else by its own identity. The key holds ``id(root)``: a cache must also
+    check, through a weak reference, that ``root`` is still the object it was made for."""
     base = freqs._base
     root = base if base is not None else freqs
     key = (
@@ -145,16 +132,13 @@ class TableCache:
 
 def graph_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin_signed)`` [S, 1, D] of :func:`portable_tables`, computed as tensor ops only (no cache): what
-    traced code uses where no table was hoisted (inside one compiled transformer, the graph computes them once per
-    freqs and the compiler may share them between blocks)."""
+    traced code uses where no table was hoisted (full compile: the compiler may share them between blocks)."""
     c = torch.real(freqs).to(dtype)
     s = torch.imag(freqs).to(dtype)
     return torch.repeat_interleave(c, 2, dim=-1).unsqueeze(-2), torch.stack((-s, s), dim=-1).flatten(-2).unsqueeze(-2)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# rotary math
-# ----------------------------------------------------------------------------------------------------------------
+# ----- rotary math ----------------------------------------------------------------------------------------------
 def swap_pairs(x: torch.Tensor) -> torch.Tensor:
     """(x1, x0, x3, x2, ...): stock's interleaved ``rotate_half`` without its negation (folded into sin)."""
     return torch.stack((x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)

@@ -2,24 +2,21 @@
 
 Why here: ``rope`` owns the NPU rotary path (its table cache, kernel verdicts, policy and statistics), and
 ``joint_attention`` rotates its joint q/k through the same path when ``rope`` is installed. Optimizations never
-import each other, so the path lives here and ``rope`` switches it on and off (:func:`switch_on` in its install,
-:func:`switch_off` in its uninstall); ``joint_attention`` asks :func:`active` and otherwise rotates with the
-portable math of :mod:`.rope_tables` and a table cache of its own.
+import each other, so ``rope`` switches the path on and off here (:func:`switch_on`, :func:`switch_off`);
+``joint_attention`` asks :func:`active` and otherwise rotates with the portable math of :mod:`.rope_tables`.
 
 How the kernel is verified (before it is used, and again where it runs):
 
 1. :func:`verify_kernel`, once per (device, dtype, head_dim), on small random BSND inputs against the fp32 portable
    reference (see :data:`TOLERANCE_EPS_FACTOR`): a kernel that pairs halves (``npu_apply_rotary_pos_emb``, or the
    pre-7.0 aclops fallback that ignored ``rotary_mode``) fails by orders of magnitude and is refused;
-2. :func:`verify_at_shape`, on the first real call of each *shape class* (:func:`shape_class`: device, dtype,
-   layout BSND, B*N, sequence-length bucket = next power of two, D): the kernel's output on the real inputs against
-   an fp32 reference computed in chunks over S (bounded memory, :data:`VERIFY_CHUNK_ELEMS`); the class keeps the
-   kernel only if it is within the tolerance and its max error is no larger than stock's own. A call that raises
-   refuses its class.
+2. :func:`verify_at_shape`, on the first real call of each :func:`shape_class`: the kernel's output on the real
+   inputs against an fp32 reference; the class keeps the kernel only if it is within the tolerance and its max error
+   is no larger than stock's own. A call that raises refuses its class.
 
-Both kinds of verdict live in :class:`~vllm_omni_ascend_opt.blocks.kernels.verdicts.VerdictCache` (a new backend probe drops
-them; :meth:`RotaryKernel.clear` on ``rope``'s uninstall). :class:`RotaryKernel` counts into its owner's statistics,
-so ``rope``'s counters include the kernel calls ``joint_attention`` makes through it.
+Both kinds of verdict live in :class:`~.verdicts.VerdictCache` objects (a new backend probe drops them;
+:meth:`RotaryKernel.clear` on ``rope``'s uninstall). :class:`RotaryKernel` counts into its owner's statistics, so
+``rope``'s counters include the kernel calls ``joint_attention`` makes through it.
 """
 
 from __future__ import annotations
@@ -57,9 +54,8 @@ ENV_KERNEL_POLICY = "VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL"
 #: Why: a kernel computing in fp32 and rounding once errs by <= u = eps/2 of that sum; stock's three roundings in the
 #: activation dtype (mul, mul, add) err by up to ~2u of it. K*eps = 4u therefore accepts any correct kernel with 2x
 #: headroom over stock's own worst case, while a wrong pairing errs by O(|x|) (relative error ~1: ~60x the bound for
-#: bf16, ~10^7x for fp32; measured through the fake: 4.9e3x / 3.2e8x) and an fp16-internal kernel on fp32 inputs errs
-#: by ~2^-11 relative (~2000x the fp32 bound; measured 6.1e3x). The reference is fp32 math on the same (rounded)
-#: inputs and tables.
+#: bf16, ~10^7x for fp32) and an fp16-internal kernel on fp32 inputs errs by ~2^-11 relative (~2000x the fp32 bound).
+#: The reference is fp32 math on the same (rounded) inputs and tables.
 TOLERANCE_EPS_FACTOR = 2.0
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # npu_rotary_mul doc: fp16/bf16/fp32
 KERNEL_D_LIMIT = 896  # npu_rotary_mul doc: D < 896 and even
@@ -75,9 +71,7 @@ def reference_fp32(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor)
     return a + b, a.abs() + b.abs()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# verification of npu_rotary_mul
-# ----------------------------------------------------------------------------------------------------------------
+# ----- verification of npu_rotary_mul ---------------------------------------------------------------------------
 @dataclass
 class KernelVerdict:
     """Outcome of verifying ``npu_rotary_mul`` for one (device, dtype, head_dim)."""
@@ -206,10 +200,9 @@ class ShapeVerdict:
 def verify_at_shape(
     x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, *, bitwise: bool
 ) -> ShapeVerdict:
-    """Check the kernel's ``out`` for the real BSND ``x`` against an fp32 reference computed in chunks over S.
-
-    ``cos``/``sin_signed`` are the portable [S, 1, D] tables of this call. Memory: one chunk of at most
-    :data:`VERIFY_CHUNK_ELEMS` elements in fp32 (a few buffers of it), whatever S and B*N are."""
+    """Check the kernel's ``out`` for the real BSND ``x`` against an fp32 reference computed in chunks over S (one
+    chunk of at most :data:`VERIFY_CHUNK_ELEMS` fp32 elements at a time, whatever S and B*N are). ``cos`` /
+    ``sin_signed``: the portable [S, 1, D] tables of this call."""
     t0 = time.perf_counter()
     v = ShapeVerdict(shape_class(x), ok=False)
     if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
@@ -234,9 +227,7 @@ def verify_at_shape(
     return v
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the rotary service
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the rotary service ---------------------------------------------------------------------------------------
 class KernelPolicy(Protocol):
     """What the owner of a :class:`RotaryKernel` decides (``rope``): whether the NPU kernel may be tried, and whether
     only a kernel bitwise-equal to stock is accepted."""
@@ -301,10 +292,9 @@ class RotaryKernel:
     def apply(
         self, x: torch.Tensor, tables: Tables, freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
     ) -> torch.Tensor:
-        """``rope(x, cos, sin)`` of stock with ``tables`` (of ``freqs``): the verified kernel where its shape class
-        passed, else the portable math where stock is native, else stock's rotary kernel with the cached tables.
-        ``inplace``: the caller owns ``x`` and no longer needs it, so the portable math rotates it in place (the
-        same ops, fewer temporaries); the other paths return new tensors."""
+        """``rope(x, cos, sin)`` of stock with ``tables`` (of ``freqs``), on the backend the class docstring names
+        (the kernel only where its shape class passed). ``inplace``: the caller owns ``x`` and no longer needs it, so
+        the portable math rotates it in place (fewer temporaries); the other paths return new tensors."""
         verdict = self.kernel_for(x)
         if verdict is not None:
             b, _, n, d = x.shape

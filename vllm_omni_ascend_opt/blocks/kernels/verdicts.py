@@ -2,12 +2,10 @@
 
 Every kernel path the plugin takes on an NPU is verified before use (per device and dtype, and again per *shape
 class* on the first real call): ``rope``'s ``npu_rotary_mul``, ``qk_norm``'s ``npu_rms_norm``, ``fused_attention``'s
-``npu_fusion_attention``, ``nz_weights``' FRACTAL_NZ linears, ``vae_exact``'s native-dtype upsample. Each keeps its
-verdicts in a :class:`VerdictCache`.
+``npu_fusion_attention``, ``nz_weights``' FRACTAL_NZ linears, ``vae_exact``'s native-dtype upsample.
 
-The rule: a verdict belongs to the backend it was made with. The cache remembers the backend probe
-(:func:`vllm_omni_ascend_opt._backend.probe_id`) its entries were made under; when the probe changes (another
-``torch_npu`` module, e.g. a test swapping fakes, or a re-probe after ``_backend.reset_cache``), every entry is
+The rule: a verdict belongs to the backend probe (:func:`vllm_omni_ascend_opt._backend.probe_id`) it was made under;
+when the probe changes (another ``torch_npu`` module, or a re-probe after ``_backend.reset_cache``), every entry is
 dropped before the next read or write. ``clear()`` drops them too (an optimization's ``uninstall``). Nothing else
 removes a verdict: a shape class keeps its verdict for the life of the process.
 """

@@ -49,7 +49,7 @@ from vllm_omni_ascend_opt.blocks.memo.keys import (
     sig_tensors,
     silu_linear,
 )
-from vllm_omni_ascend_opt.blocks.upstream import ada_norm, forward_scope, guards, targets
+from vllm_omni_ascend_opt.blocks.upstream import ada_norm, guards, targets
 
 ENV_BUDGET_MB = "VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB"
 DEFAULT_BUDGET_MB = 512
@@ -90,12 +90,8 @@ class _Entry:
 
 
 class ModulationMemo:
-    """Exact, byte-bounded LRU memo of modulation tensors keyed on the temb value and the weights.
-
-    Entries (one per distinct temb value and numerical settings) hold slots (one per block / direct projection /
-    ``norm_out``). A slot is reused only while its module is alive and its weight signature is unchanged; every
-    payload is what stock's code computes from the same inputs, so a hit is bitwise stock's result.
-    """
+    """The memo (policy: module docstring): entries, one per distinct temb value and numerical settings, hold slots,
+    one per block / direct projection / ``norm_out``."""
 
     def __init__(self, max_bytes: int = DEFAULT_BUDGET_MB * 1024**2) -> None:
         self.max_bytes = max_bytes
@@ -196,11 +192,6 @@ class ModulationMemo:
             return f"temb is a {type(temb).__name__}, not a plain tensor"
         return guards.call_reason(temb)  # autograd on temb, CUDA/NPU graph capture, global module hooks
 
-    def _precheck_once(self, temb: torch.Tensor) -> str | None:
-        """:meth:`_precheck`, decided once per transformer forward and temb object (the guards cannot change while
-        one forward runs its blocks; :mod:`..upstream.forward_scope`), per call outside a watched forward."""
-        return forward_scope.decide(("memo.precheck", id(temb)), lambda: self._precheck(temb))
-
     def _resolve(self, temb: torch.Tensor) -> _Entry:
         """The entry for temb's value (one device->host copy + SHA-256 per new temb object)."""
         version = None if temb.is_inference() else temb._version
@@ -214,10 +205,9 @@ class ModulationMemo:
             span = last[3]
             if span is not None and span.contains(temb):
                 # A view of the last temb (edit models' ``temb.chunk(2)[0]``, made anew in every block, and the one
-                # norm_out gets after the model rebinds ``temb`` to it): its values are fixed by the digested values
-                # and the view geometry, so no new digest is needed. Matched by storage, not ``_base`` or the base
-                # object: under ``inference_mode`` (vLLM-Omni's runner) views have no ``_base`` and the base may be
-                # gone; the span holds the storage, so its memory cannot be reused meanwhile.
+                # norm_out gets after the model rebinds ``temb`` to it) needs no new digest (:meth:`Span.contains`).
+                # Matched by storage, not ``_base`` or the base object: under ``inference_mode`` (vLLM-Omni's runner)
+                # views have no ``_base`` and the base may be gone.
                 geometry = (temb.dtype, temb.storage_offset() - span.offset, temb.shape, temb.stride())
                 return self._entry(("view", last[2].key, geometry))
         from vllm_omni.diffusion.cache.exact_projection_cache import tensor_digest
@@ -244,15 +234,12 @@ class ModulationMemo:
         addition_t_cond: Any,
         stock: Any,
     ) -> tuple[torch.Tensor | None, str | None]:
-        """``time_text_embed(timestep, hidden_states, addition_t_cond)``, with its memo entry found by the timestep's
-        value (one small device->host read per forward, counted as ``digests``) instead of a digest of temb's B x D
-        values: the blocks then find the entry by temb's identity. The key holds what temb is a function of (the
-        timestep's and the additional condition's values, the activation dtype, the embedding's weights, the
-        numerical settings), so the entry keeps the temb ``stock`` computed on its miss and a hit returns that very
-        tensor (``time_hits``): a warm step runs none of the embedding's ~10 kernels. Like the block slots, this
-        relies on nobody writing into temb in place (vLLM-Omni's transformer and cache hooks only read it). (temb,
-        None), or (None, why the memo does not key it: the blocks then digest temb as before)."""
-        why = self._precheck_once(timestep)
+        """``time_text_embed(timestep, hidden_states, addition_t_cond)`` keyed on the timestep's value (counted as
+        ``digests``; :mod:`.time_embedding`): the entry keeps the temb ``stock`` computed on its miss and a hit returns
+        that very tensor (``time_hits``). Like the block slots, this relies on nobody writing into temb in place
+        (vLLM-Omni's transformer and cache hooks only read it). (temb, None), or (None, why the memo does not key it:
+        the blocks then digest temb)."""
+        why = self._precheck(timestep)
         if why is None and torch.is_grad_enabled():
             why = "grad mode is on (the time embedding is keyed for inference only)"
         if why is None:
@@ -330,6 +317,12 @@ class ModulationMemo:
             return slot.payload
         return None
 
+    def _hit(self, entry: _Entry, key: tuple[Any, ...], module: nn.Module, sig: Any) -> Any:
+        """:meth:`_lookup`, counted as a hit or a miss."""
+        found = self._lookup(entry, key, module, sig)
+        self.stats["hits" if found is not None else "misses"] += 1
+        return found
+
     def _projection(self, entry: _Entry, seq: nn.Module, lin: nn.Module, sig: Any, temb: torch.Tensor) -> torch.Tensor:
         """``seq(temb)`` for a ``Sequential(SiLU, Linear)``: reuse a stored direct-call result, else replay."""
         raw = self._lookup(entry, ("raw", id(seq)), seq, sig)
@@ -340,7 +333,7 @@ class ModulationMemo:
 
     def direct_projection(self, seq: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
         """``seq(temb)`` for direct calls of ``img_mod``/``txt_mod`` (TeaCache's probe). (result, fallback reason)."""
-        why = self._precheck_once(temb)
+        why = self._precheck(temb)
         if why:
             return None, why
         try:
@@ -350,11 +343,9 @@ class ModulationMemo:
             return None, str(exc)
         entry = self._resolve(temb)
         key = ("raw", id(seq))
-        raw = self._lookup(entry, key, seq, sig)
+        raw = self._hit(entry, key, seq, sig)
         if raw is not None:
-            self.stats["hits"] += 1
             return raw, None
-        self.stats["misses"] += 1
         self.stats["projections"] += 1
         raw = lin(self._silu(entry, temb))
         self._store(entry, key, seq, sig, raw, raw.numel() * raw.element_size(), (lin,))
@@ -362,7 +353,7 @@ class ModulationMemo:
 
     def block(self, block: nn.Module, temb: torch.Tensor) -> tuple[tuple[NormMod, ...] | None, str | None]:
         """The four unpacked modulations (img1, img2, txt1, txt2) of ``block`` for ``temb``, or a fallback reason."""
-        why = self._precheck_once(temb)
+        why = self._precheck(temb)
         if why:
             return None, why
         try:
@@ -372,11 +363,9 @@ class ModulationMemo:
         sig = (sig_img, sig_txt, kinds)
         entry = self._resolve(temb)
         key = ("block", id(block))
-        mods = self._lookup(entry, key, block, sig)
+        mods = self._hit(entry, key, block, sig)
         if mods is not None:
-            self.stats["hits"] += 1
             return mods, None
-        self.stats["misses"] += 1
         # Replay of stock: img_mod(temb), txt_mod(temb), chunk(2), _modulate -> (scale, shift, gate) views.
         img_params = self._projection(entry, block.img_mod, img_lin, sig_img, temb)
         txt_params = self._projection(entry, block.txt_mod, txt_lin, sig_txt, temb)
@@ -436,7 +425,7 @@ class ModulationMemo:
 
         Replays stock exactly on a miss: ``img_mod(temb)`` on all 2B rows (``[t, 0]`` embeddings), ``txt_mod`` on
         ``temb.chunk(2)[0]``, ``split_select01_mod_params`` per image norm."""
-        why = self._precheck_once(temb)
+        why = self._precheck(temb)
         if why:
             return None, why
         sel = sys.modules[SELECT01_MODULE]
@@ -459,11 +448,9 @@ class ModulationMemo:
         sig = (sig_img, sig_txt, kinds)
         entry = self._resolve(temb)
         key = ("block2", id(block), plan, hidden_states.dtype)
-        mods = self._lookup(entry, key, block, sig)
+        mods = self._hit(entry, key, block, sig)
         if mods is not None:
-            self.stats["hits"] += 1
             return mods, None
-        self.stats["misses"] += 1
         # Replay of stock: img_mod(temb) (2B rows), txt_mod(temb.chunk(2, dim=0)[0]), chunk(2), select01 halves.
         img_params = self._projection(entry, block.img_mod, img_lin, sig_img, temb)
         temb_txt = torch.chunk(temb, 2, dim=0)[0]
@@ -486,7 +473,7 @@ class ModulationMemo:
 
     def norm_out(self, norm: nn.Module, x: torch.Tensor, cond: torch.Tensor) -> tuple[Any, str | None]:
         """``((1 + scale)[:, None, :], shift[:, None, :])`` of diffusers' AdaLayerNormContinuous, or a reason."""
-        why = self._precheck_once(cond)
+        why = self._precheck(cond)
         if why:
             return None, why
         try:
@@ -495,11 +482,9 @@ class ModulationMemo:
             return None, str(exc)
         entry = self._resolve(cond)
         key = ("norm_out", id(norm), x.dtype)
-        mods = self._lookup(entry, key, norm, sig)
+        mods = self._hit(entry, key, norm, sig)
         if mods is not None:
-            self.stats["hits"] += 1
             return mods, None
-        self.stats["misses"] += 1
         self.stats["projections"] += 1
         # Replay of diffusers 0.40 AdaLayerNormContinuous.forward up to the norm.
         emb = norm.linear(self._silu(entry, cond).to(x.dtype))
@@ -510,10 +495,9 @@ class ModulationMemo:
 
     # ----- read-only queries (memo_aware_offload) ---------------------------------------------------------------
     def has_block(self, block: nn.Module, temb: torch.Tensor) -> bool:
-        """Whether :meth:`block` would return ``block``'s memoized modulation for ``temb`` right now, with the
-        block's parameters as they are (a hit): nothing is computed, stored or counted as a hit or a miss (a new
-        ``temb`` is digested once, as :meth:`block` would). Single-segment blocks; False for anything :meth:`block`
-        would not serve from the memo."""
+        """Whether :meth:`block` would hit for ``block`` and ``temb`` right now, with the block's parameters as they
+        are: nothing is computed, stored or counted (a new ``temb`` is digested once, as :meth:`block` would).
+        Single-segment blocks only."""
         if self._precheck(temb):
             return False
         try:

@@ -1,18 +1,10 @@
-"""What the modulation memo keys on: weight signatures, numerical settings, AdaLayerNorm kinds, and the checks that
-say when a projection cannot be keyed.
+"""What the modulation memo keys on: weight signatures (:func:`linear_sig`), numerical settings
+(:func:`numerical_settings`), AdaLayerNorm kinds (:func:`~..upstream.ada_norm.norm_kind`), the span of a digested
+``temb`` (:class:`Span`), and the checks that say when a projection cannot be keyed (:class:`Unkeyable`).
 
-Shared by ``shared_modulation`` (its memo, :mod:`.cache`, and its per-model reasons) and by the fast tier
-(which only needs :func:`find_transformers`): written once here so that the reasons a model reports are the very
-checks the memo makes per call (:func:`unkeyable_reasons`), not a guess from the weights between forwards.
-
-* :func:`linear_sig`: what a modulation projection's output depends on besides its input (weights by identity,
-  version counter, dtype and device -- not storage nor shape, see its docstring; quantization method; vLLM LoRA
-  state). Raises :class:`Unkeyable` for
-  anything it cannot vouch for (not a ReplicatedLinear, inference-tensor weights, autograd recording).
-* :func:`numerical_settings`: process state that changes what the same projection computes (matmul precision,
-  autocast, grad mode, TF32/HF32 flags).
-* the AdaLayerNorm kinds it keys a block on come from :func:`~..upstream.ada_norm.norm_kind`.
-* :class:`Span`: the memory a digested ``temb`` covered, so that views of it need no new digest.
+Shared by ``shared_modulation`` (its memo, :mod:`.cache`, and its per-model reasons) and by the fast tier (which only
+needs :func:`find_transformers`), so that the reasons a model reports are the very checks the memo makes per call
+(:func:`unkeyable_reasons`), not a guess from the weights between forwards.
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks.upstream import ada_norm, targets
+from vllm_omni_ascend_opt.blocks.upstream import ada_norm, guards, targets
 
 SELECT01_MODULE = "vllm_omni.diffusion.layers.qwen_select01_modulation"
 
@@ -78,13 +70,10 @@ class Span:
 
 def sig_tensors(lin: nn.Module) -> list[torch.Tensor]:
     """The tensors a linear's :func:`linear_sig` covers, in its order: parameters, buffers and vLLM LoRA stacks."""
-    d = lin.__dict__
-    if lin._modules or lin._buffers or "lora_a_stacked" in d:  # LoRA wrapper, quantized layer: the general walk
-        tensors = [*lin.parameters(), *lin.buffers()]
-        for name in ("lora_a_stacked", "lora_b_stacked"):
-            tensors.extend(t for t in d.get(name, ()) if isinstance(t, torch.Tensor))
-        return tensors
-    return [t for t in lin._parameters.values() if t is not None]
+    tensors = [*lin.parameters(), *lin.buffers()]
+    for name in ("lora_a_stacked", "lora_b_stacked"):
+        tensors.extend(t for t in lin.__dict__.get(name, ()) if isinstance(t, torch.Tensor))
+    return tensors
 
 
 def tensor_state(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad: bool) -> tuple[Any, ...]:
@@ -93,19 +82,16 @@ def tensor_state(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad: b
     if grad and any(t.requires_grad for t in tensors):
         raise Unkeyable("autograd is recording (grad enabled and a modulation weight requires grad)")
     sig = []
-    # vLLM's parameter classes are Tensor subclasses: plain attribute reads would go through __torch_function__
-    # (~1 us each); these reads are metadata only.
-    with torch._C.DisableTorchFunctionSubclass():
-        for t in tensors:
-            try:
-                sig.append((id(t), t._version, t.dtype, t.device))
-            except RuntimeError as exc:
-                if t.is_inference():
-                    raise Unkeyable(
-                        "modulation weights are inference tensors (no version counter to detect in-place "
-                        "updates); load or cast them under torch.no_grad(), not torch.inference_mode()"
-                    ) from None
-                raise Unkeyable(f"cannot read a modulation weight's version ({type(t).__name__}: {exc})") from None
+    for t in tensors:
+        try:
+            sig.append((id(t), t._version, t.dtype, t.device))
+        except RuntimeError as exc:
+            if t.is_inference():
+                raise Unkeyable(
+                    "modulation weights are inference tensors (no version counter to detect in-place "
+                    "updates); load or cast them under torch.no_grad(), not torch.inference_mode()"
+                ) from None
+            raise Unkeyable(f"cannot read a modulation weight's version ({type(t).__name__}: {exc})") from None
     return tuple(sig)
 
 
@@ -137,13 +123,9 @@ def norm_out_sig(norm: nn.Module, grad: bool) -> tuple[Any, ...]:
     stock's (or carry hooks)."""
     m = norm._modules
     silu, lin = m.get("silu"), m.get("linear")
-    if type(silu) is not nn.SiLU or silu.inplace or _hooked(silu) or _hooked(lin):
+    if type(silu) is not nn.SiLU or silu.inplace or guards.hooked(silu) or guards.hooked(lin):
         raise Unkeyable("norm_out's SiLU/linear is not stock's (or has hooks)")
     return linear_sig(lin, grad)
-
-
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
 def silu_linear(seq: nn.Module) -> nn.Module:
@@ -155,12 +137,9 @@ def silu_linear(seq: nn.Module) -> nn.Module:
     act, lin = mods.values()
     if type(act) is not nn.SiLU or act.inplace:
         raise Unkeyable("modulation activation is not an out-of-place nn.SiLU")
-    if _hooked(seq) or _hooked(act) or _hooked(lin) or (lin._modules and any(_hooked(m) for m in lin.modules())):
+    if any(guards.hooked(m) for m in seq.modules()):
         raise Unkeyable("forward hooks on a modulation module (skipping it would skip the hook)")
     return lin
-
-
-NORMS = ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2")
 
 
 def block_parts(
@@ -173,13 +152,11 @@ def block_parts(
     m = block._modules  # submodules without nn.Module.__getattr__
     img_lin = silu_linear(m["img_mod"])
     txt_lin = silu_linear(m["txt_mod"])
-    kinds = tuple(ada_norm.norm_kind(m[n]) for n in NORMS)
+    kinds = tuple(ada_norm.norm_kind(m[n]) for n in ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2"))
     return img_lin, txt_lin, kinds, linear_sig(img_lin, grad), linear_sig(txt_lin, grad)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# model-level helpers (reasons, notes, benchmarks)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- model-level helpers (reasons, notes, benchmarks) ---------------------------------------------------------
 def find_transformers(model: Any) -> list[nn.Module]:
     """The QwenImageTransformer2DModel instances in ``model`` (a pipeline, a transformer, or any module tree)."""
     t = sys.modules.get(targets.TRANSFORMER)

@@ -3,17 +3,14 @@ is a function of the timestep's value, the activation dtype, the additional cond
 linears (and of the additional-condition embedding) and the numerical settings, nothing else.
 
 Why: the transformer recomputes the timestep embedding in every forward (a sinusoidal embedding, two linears and a
-SiLU: ~15 kernels), and the modulation memo then had to read all of ``temb`` back to the host (B x 3072 values) and
-hash it to find its entry. Keyed on the timestep's value instead (B values: one small device->host read, the one
-host sync the default stack adds per forward), a repeated timestep returns the very ``temb`` tensor computed the first
-time, and the block memo finds its entry by that tensor's identity, with no digest of temb at all.
+SiLU: ~15 kernels), and finding temb's memo entry by a digest reads all of it back to the host (B x 3072 values).
+Keyed on the timestep's value (B values: one small device->host read per forward), a repeated timestep returns the
+very ``temb`` tensor computed the first time, and the block memo finds its entry by that tensor's identity.
 
-How: :func:`time_key` checks, per call, that the module is exactly what the key covers (its class and those of its
-parts, no hooks, no condition projection or post-activation, an embedding without ``max_norm``) and returns its
-weights' signature; :func:`value_key` is the exact key of a small tensor's value (dtype, shape, device and bytes:
-``-0.0`` and ``0.0`` differ, as they do for ``sin``). The upstream functions whose output the key must determine are
-declared in :data:`~..upstream.targets.TIME_EMBEDDING` and checked by their source fingerprints (:func:`upstream_reason`): a
-different upstream keeps the time embedding unmemoized, with the reason.
+How: :func:`time_key` checks, per call, that the module is exactly what the key covers and returns its weights'
+signature; :func:`value_key` is the exact key of a small tensor's value (``-0.0`` and ``0.0`` differ, as they do for
+``sin``). The upstream functions whose output the key must determine are declared in
+:data:`~..upstream.targets.TIME_EMBEDDING` and checked by their source fingerprints (:func:`upstream_reason`).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt.blocks.memo.keys import Unkeyable, linear_sig
-from vllm_omni_ascend_opt.blocks.upstream import fingerprints, targets
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints, guards, targets
 
 EMBEDDINGS_MODULE = targets.EMBEDDINGS
 #: Per set of live function objects: why the time embedding is not memoized (None: its code is the known one).
@@ -47,24 +44,15 @@ def upstream_reason() -> str | None:
 
 def value_key(t: torch.Tensor) -> tuple[Any, ...]:
     """The exact value of a small tensor as a key: dtype, shape, device and its bytes (one device->host copy)."""
-    if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and t.is_contiguous() and not t.is_neg():
-        data = t.detach().numpy().tobytes()  # the same bytes, without the copies a device tensor needs
-    else:
-        host = t.detach().cpu()
-        data = host.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return (t.dtype, tuple(t.shape), str(t.device), data)
-
-
-#: dtypes whose CPU tensors ``numpy()`` reads as they are (bf16 and the like go through a uint8 view)
-_NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8))
 
 
 def _tensor_sig(t: torch.Tensor, grad: bool) -> tuple[Any, ...]:
     if grad and t.requires_grad:
         raise Unkeyable("autograd is recording (grad enabled and a time-embedding weight requires grad)")
     try:
-        with torch._C.DisableTorchFunctionSubclass():
-            return (id(t), t._version, t.shape, t.dtype, t.device)
+        return (id(t), t._version, t.shape, t.dtype, t.device)
     except RuntimeError:
         raise Unkeyable("time-embedding weights are inference tensors (no version counter)") from None
 
@@ -81,10 +69,6 @@ class TimeKey:
     use_add: bool
 
 
-def _hooked_anywhere(module: nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
-
-
 def time_key(module: nn.Module, grad: bool) -> TimeKey:
     """The :class:`TimeKey` of a ``QwenTimestepProjEmbeddings``. Raises :class:`Unkeyable` when its output may depend
     on anything the key does not cover (another class, hooks anywhere in it, an instance forward, a condition
@@ -96,7 +80,7 @@ def time_key(module: nn.Module, grad: bool) -> TimeKey:
         raise Unkeyable(
             "time_text_embed's time_proj / timestep_embedder are not diffusers' Timesteps / TimestepEmbedding"
         )
-    if "forward" in module.__dict__ or _hooked_anywhere(module):
+    if "forward" in module.__dict__ or any(guards.hooked(m) for m in module.modules()):
         raise Unkeyable("hooks or an instance forward in time_text_embed")
     e_mods = emb._modules
     if (

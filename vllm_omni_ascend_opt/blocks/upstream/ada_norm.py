@@ -1,8 +1,7 @@
 """How vLLM-Omni's ``AdaLayerNorm`` instances apply ``(scale, shift)``: the one place that looks at their dispatch.
 
-The memoized block body (``blocks/body``) reproduces each kind with stock's ops, the modulation memo keys on the
-kinds (``blocks/memo``), and the fast tier's affine layer norm replaces the native and NPU kinds. The upstream source
-of each dispatch target is fingerprinted by ``shared_modulation`` (per platform).
+The memoized block body reproduces each kind with stock's ops, the memo keys on the kinds, and the fast tier's affine
+layer norm replaces the native and NPU kinds. ``shared_modulation`` fingerprints each dispatch target (per platform).
 """
 
 from __future__ import annotations
@@ -13,23 +12,14 @@ from typing import Any
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.upstream import targets
 
-ADALAYERNORM_MODULE = "vllm_omni.diffusion.layers.adalayernorm"
-CUSTOM_OP_MODULE = "vllm_omni.diffusion.layers.custom_op"
+ADALAYERNORM_MODULE = targets.ADALAYERNORM
+CUSTOM_OP_MODULE = targets.CUSTOM_OP
 # How an AdaLayerNorm instance applies (scale, shift); decided in one place: norm_kind().
 NATIVE = "native"  # layernorm(x) * (1 + scale) + shift, with the instance's own LayerNorm
 NPU_EVAL = "npu_eval"  # torch_npu.npu_layer_norm_eval(x, ...) * (1 + scale) + shift
 OPAQUE = "opaque"  # anything else (MindIE-SD fused kernel, patched instance): call norm(x, scale, shift)
-
-
-class _Upstream:
-    """The upstream classes and functions the checks compare against, looked up once."""
-
-    def __init__(self) -> None:
-        self.ada_module = sys.modules[ADALAYERNORM_MODULE]
-        self.ada = self.ada_module.AdaLayerNorm
-        self.custom_op_forward = sys.modules[CUSTOM_OP_MODULE].CustomOp.forward
-        self.native = native_forwards(self.ada_module)
 
 
 def native_forwards(ada_module: Any) -> tuple[Any, ...]:
@@ -38,8 +28,7 @@ def native_forwards(ada_module: Any) -> tuple[Any, ...]:
     ``forward_cuda`` only where it has no fused kernel to take: 0.32.0rc1 routes it to a CUDA Triton AdaLN kernel
     (``_adaln_fused_forward``, None without Triton) whose mean/variance reductions are not ``F.layer_norm``'s, so
     with that kernel the instance is called as it is (:data:`OPAQUE`, still exact). Before 0.32 the module has no
-    ``_adaln_fused_forward`` and ``forward_cuda`` is ``forward_native``. The upstream source of each is fingerprinted
-    by ``shared_modulation`` (per platform)."""
+    ``_adaln_fused_forward`` and ``forward_cuda`` is ``forward_native``."""
     ada = ada_module.AdaLayerNorm
     out = [ada.forward_native]
     out += [vars(ada)[n] for n in ("forward_hip", "forward_musa") if n in vars(ada)]  # own, not CustomOp's
@@ -48,28 +37,20 @@ def native_forwards(ada_module: Any) -> tuple[Any, ...]:
     return tuple(out)
 
 
-_UP: list[_Upstream] = []
-
-
-def _up() -> _Upstream:
-    if not _UP:
-        _UP.append(_Upstream())
-    return _UP[0]
-
-
 def norm_kind(norm: nn.Module) -> str:
     """How ``norm`` (vLLM-Omni's AdaLayerNorm) applies (scale, shift) -- the one place that looks at the backend."""
-    up = _up()
+    ada_module = sys.modules[ADALAYERNORM_MODULE]
+    ada = ada_module.AdaLayerNorm
     if (
-        type(norm) is not up.ada
+        type(norm) is not ada
         or norm._forward_hooks
         or norm._forward_pre_hooks
-        or up.ada.forward is not up.custom_op_forward
+        or ada.forward is not sys.modules[CUSTOM_OP_MODULE].CustomOp.forward
     ):
         return OPAQUE
     fn = getattr(norm.__dict__.get("_forward_method"), "__func__", None)
-    if fn in up.native:
+    if fn in native_forwards(ada_module):
         return NATIVE
-    if fn is up.ada.forward_npu and not getattr(up.ada_module, "_HAS_MINDIESD", True) and _backend.torch_npu_module():
+    if fn is ada.forward_npu and not getattr(ada_module, "_HAS_MINDIESD", True) and _backend.torch_npu_module():
         return NPU_EVAL
     return OPAQUE

@@ -4,26 +4,21 @@ Every optimization declares the upstream functions it patches, replaces or mirro
 a tuple of :class:`Upstream`), each with the source fingerprints it knows and the vLLM-Omni versions that ship them.
 It installs on any vLLM-Omni >= 0.30 whose code matches one of those fingerprints; where the code differs, it stays
 off with a reason that names the function and the versions it knows (:func:`reasons`). A newer release whose
-functions all match just works (the plugin logs one INFO line about the unknown version, ``_state``).
+functions all match just works (``_state`` logs one INFO line about the unknown version).
 
-* Fingerprint: the first 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, the value round
-  one of issue 22 recorded for 0.30.0 / 0.31.0rc1 / 0.32.0rc1. It is computed **from the source file, without
-  importing vLLM-Omni** (:func:`fingerprint`): the module's file is located from the top-level package's path, the
-  definition found with :mod:`ast` (decorators included) and the block cut with ``inspect.getblock``, exactly the lines
-  ``inspect.getsource`` returns. So ``vllm-omni-ascend-opt list`` in a fresh process (nothing imported) and the worker
-  (everything imported) give the same answer. A function that is not defined in that module or class is
-  :data:`ABSENT`, which a declaration may list as known (new in a later version, or inherited before).
-* Imported modules are checked once more (:func:`replacement`): the live attribute, unwrapped through ``__wrapped__``
-  (the plugin's own patches set it), must be the function defined at that place in that file. Anything else (another
-  plugin replaced it at run time) counts as a difference.
+* Fingerprint: the first 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, computed
+  **from the source file, without importing vLLM-Omni** (:func:`fingerprint`: the definition found with :mod:`ast`,
+  decorators included, and cut with ``inspect.getblock``: exactly the lines ``inspect.getsource`` returns), so a fresh
+  ``vllm-omni-ascend-opt list`` and the worker give the same answer. A function that the module or class does not
+  define itself is :data:`ABSENT`, which a declaration may list as known.
+* Imported modules are checked once more (:func:`replacement`): the live attribute, unwrapped through ``__wrapped__``,
+  must be the function defined at that place in that file; anything else counts as a difference.
 * Per platform: a declaration with :attr:`Upstream.platforms` matters only where vLLM-Omni dispatches to it
-  (``AdaLayerNorm.forward_cuda`` on CUDA, ``forward_npu`` on Ascend, ...), :func:`current_platform`; elsewhere it is
-  listed as not checked.
+  (:func:`current_platform`); elsewhere it is listed as not checked.
 * ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` (:func:`forced`, for experts): install anyway; the differences are then notes and
   one warning per optimization instead of reasons.
-* Qwen-Image-2.1 (vLLM-Omni 0.32+, ``models/qwen_image_21``): a different model whose NPU work upstream already does
-  itself; :func:`qwen_image_21` recognises its pipeline and transformer by class (no import), so that each
-  optimization can say why it stays off there (``Optimization.on_qwen_image_21``).
+* Qwen-Image-2.1 (vLLM-Omni 0.32+): a different model whose NPU work upstream already does itself;
+  :func:`qwen_image_21` recognises it by class module (no import), so that each optimization can say why it stays off.
 
 Adding a version: run ``python tools/fingerprints.py`` in a venv with it; for each function that differs, redo the
 exactness argument of the optimizations that declare it, adapt them, and add the new fingerprint to their tables.
@@ -32,7 +27,6 @@ exactness argument of the optimizations that declare it, adapt them, and add the
 from __future__ import annotations
 
 import ast
-import functools
 import hashlib
 import importlib.util
 import inspect
@@ -71,15 +65,12 @@ def forced() -> bool:
     return (os.environ.get(ENV_FORCE) or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# declarations
-# ----------------------------------------------------------------------------------------------------------------
+# ----- declarations ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Upstream:
-    """One upstream function an optimization relies on, with the fingerprints it knows.
-
-    ``known`` maps a fingerprint (or :data:`ABSENT`) to the vLLM-Omni releases that ship that code; ``platforms``
-    limits the check to the platforms where vLLM-Omni dispatches to the function (empty: everywhere)."""
+    """One upstream function an optimization relies on: ``known`` maps a fingerprint (or :data:`ABSENT`) to the
+    vLLM-Omni releases that ship that code; ``platforms`` limits the check to the platforms where vLLM-Omni dispatches
+    to the function (empty: everywhere)."""
 
     module: str
     qualname: str
@@ -186,9 +177,7 @@ def summary(findings: list[Finding]) -> str:
     return line
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fingerprints from source files, without importing
-# ----------------------------------------------------------------------------------------------------------------
+# ----- fingerprints from source files, without importing --------------------------------------------------------
 def module_file(module: str) -> Path | None:
     """The source file of ``module`` without importing it (nor its parent packages): its ``__file__`` when it is
     imported, else the path below its top-level package's location. None when it cannot be found."""
@@ -206,21 +195,15 @@ def module_file(module: str) -> Path | None:
     return None
 
 
-_TOP_LEVEL: dict[str, tuple[str | None, tuple[str, ...]]] = {}
-
-
 def _top_level(top: str) -> tuple[str | None, tuple[str, ...]]:
-    """``(origin, package directories)`` of a top-level module, found without importing it (found ones cached)."""
-    hit = _TOP_LEVEL.get(top)
-    if hit is None:
-        try:
-            spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None:
-            return None, ()
-        hit = _TOP_LEVEL[top] = (spec.origin, tuple(spec.submodule_search_locations or ()))
-    return hit
+    """``(origin, package directories)`` of a top-level module, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return None, ()
+    return spec.origin, tuple(spec.submodule_search_locations or ())
 
 
 def fingerprint(module: str, qualname: str) -> str:
@@ -254,8 +237,6 @@ class _SourceIndex:
     def __init__(self, text: str) -> None:
         self.tree = ast.parse(text)
         self.lines = text.splitlines(keepends=True)
-        self._fps: dict[str, str] = {}
-        self._lines: dict[str, int | None] = {}
 
     @classmethod
     def of(cls, path: Path) -> _SourceIndex:
@@ -280,24 +261,16 @@ class _SourceIndex:
         return node
 
     def first_line(self, qualname: str) -> int | None:
-        if qualname not in self._lines:
-            node = self.node(qualname)
-            self._lines[qualname] = (
-                None if node is None else min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[attr-defined]
-            )
-        return self._lines[qualname]
+        node = self.node(qualname)
+        return None if node is None else min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[attr-defined]
 
     def fingerprint(self, qualname: str) -> str:
-        fp = self._fps.get(qualname)
-        if fp is None:
-            start = self.first_line(qualname)
-            if start is None:
-                fp = ABSENT
-            else:  # the very lines inspect.getsource returns (getsourcelines: getblock from the first line)
-                src = textwrap.dedent("".join(inspect.getblock(self.lines[start - 1 :])))
-                fp = hashlib.sha256(src.encode()).hexdigest()[:16]
-            self._fps[qualname] = fp
-        return fp
+        start = self.first_line(qualname)
+        if start is None:
+            return ABSENT
+        # the very lines inspect.getsource returns (getsourcelines: getblock from the first line)
+        src = textwrap.dedent("".join(inspect.getblock(self.lines[start - 1 :])))
+        return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
 def _statements(body: list[ast.stmt]) -> Iterable[ast.stmt]:
@@ -313,9 +286,7 @@ def _statements(body: list[ast.stmt]) -> Iterable[ast.stmt]:
             yield n
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the live function, where the module is imported
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the live function, where the module is imported ----------------------------------------------------------
 def live(module: str, qualname: str) -> tuple[bool, Any]:
     """``(found, object)``: ``module.qualname`` as defined on the imported module or class itself (``__dict__``,
     not inherited), or ``(False, None)``. Call only when the module is imported."""
@@ -358,19 +329,12 @@ def replacement(module: str, qualname: str) -> str:
     return ""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# platform
-# ----------------------------------------------------------------------------------------------------------------
+# ----- platform -------------------------------------------------------------------------------------------------
 def current_platform() -> str:
     """The platform vLLM-Omni dispatches ``CustomOp``s for here: ``npu`` (torch_npu usable: the plugin's one probe,
     ``_backend``), else ``rocm`` / ``cuda`` / ``musa`` by torch's own device checks, else ``cpu``."""
     if _backend.torch_npu_module() is not None:
         return "npu"
-    return _accelerator()
-
-
-@functools.lru_cache(maxsize=1)
-def _accelerator() -> str:
     if torch.cuda.is_available():
         return "rocm" if getattr(torch.version, "hip", None) else "cuda"
     musa = getattr(torch, "musa", None)
@@ -379,9 +343,7 @@ def _accelerator() -> str:
     return "cpu"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Qwen-Image-2.1
-# ----------------------------------------------------------------------------------------------------------------
+# ----- Qwen-Image-2.1 -------------------------------------------------------------------------------------------
 def qwen_image_21(model: Any) -> str | None:
     """The class name when ``model`` is (or holds, as ``.transformer`` / ``.vae``) a piece of vLLM-Omni's
     Qwen-Image-2.1 (``models/qwen_image_21``), else None. By class module only: nothing is imported."""

@@ -1,26 +1,17 @@
 """Per-forward decisions: one scope per transformer forward, so that what is the same for every block of a forward
-is decided once, at the first block that asks, and never outlives the forward.
+(vLLM-Omni's transformer runs its blocks one after the other, with the same ``temb``, freqs and process state) is
+decided once, at the first block that asks, and never outlives the forward.
 
-Why: the patched block code used to ask the same questions in every block (is autograd recording, is a graph being
-captured, which memo entry holds this temb, which kernel runs RoPE for this dtype, which tables belong to these
-freqs). Their answers cannot change within one transformer forward (vLLM-Omni's transformer runs its blocks one after
-the other, with the same ``temb``, freqs and process state), but they can change between forwards.
-
-How: an optimization that makes per-forward decisions :func:`watch` es each transformer it is attached to: the
-instance's ``__call__`` (a subclass swapped in, see :func:`watch`) opens a :class:`Scope` (a fresh decision table)
-around each eager forward and closes it when the forward returns or raises.
-Patched code asks :func:`decide` ``(key, make)``: inside a scope the first call makes the decision and the others
-reuse it; outside one (a block called directly, a transformer nobody watches, a hook registry that bypassed the
-hooks) every call makes its own decision, exactly as before. A decision therefore never survives its forward: the
-next forward opens an empty table.
-
-While torch.compile traces, no scope is opened (a fully compiled transformer is called as before; checked first:
-:func:`~.guards.tracing`), and patched code never asks (it checks ``tracing()`` before anything else).
+An optimization :func:`watch` es each transformer it is attached to: the instance's ``__call__`` opens a scope (a
+fresh decision table) around each eager forward and closes it when the forward returns or raises. Patched code asks
+:func:`decide` ``(key, make)``: inside a scope the first call makes the decision and the others reuse it; outside one
+(a block called directly, a transformer nobody watches, a hook registry that bypassed the hooks) every call makes its
+own. While torch.compile traces no scope is opened, and patched code never asks (it checks :func:`~.guards.tracing`
+first).
 """
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
@@ -31,25 +22,12 @@ from vllm_omni_ascend_opt.blocks.upstream import guards
 
 T = TypeVar("T")
 
-_EPOCHS = itertools.count(1)
+#: The decision tables of the open scopes, innermost last.
+_STACK: list[dict[Hashable, Any]] = []
 
 
-class Scope:
-    """One transformer forward: its model, a unique epoch number and its decision table."""
-
-    __slots__ = ("decisions", "epoch", "model")
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.epoch = next(_EPOCHS)
-        self.decisions: dict[Hashable, Any] = {}
-
-
-_STACK: list[Scope] = []
-
-
-def current() -> Scope | None:
-    """The innermost open scope (the transformer forward being run), or None outside any watched forward."""
+def current() -> dict[Hashable, Any] | None:
+    """The decision table of the innermost open scope (the forward being run), or None outside watched forwards."""
     return _STACK[-1] if _STACK else None
 
 
@@ -58,7 +36,7 @@ def decide(key: Hashable, make: Callable[[], T]) -> T:
     forward ends; outside a scope, ``make()`` on every call. Callers check ``guards.tracing()`` first."""
     if not _STACK:
         return make()
-    table = _STACK[-1].decisions
+    table = _STACK[-1]
     try:
         return table[key]
     except KeyError:
@@ -66,43 +44,33 @@ def decide(key: Hashable, make: Callable[[], T]) -> T:
         return value
 
 
-def _open(module: nn.Module, w: _Watch) -> Scope:
-    scope = Scope(module)
+def _open(module: nn.Module, callbacks: dict[str, Callable[[nn.Module], None] | None]) -> dict[Hashable, Any]:
+    scope: dict[Hashable, Any] = {}
     _STACK.append(scope)
-    if w.callbacks:
-        for callback in list(w.callbacks.values()):
-            callback(module)
+    for callback in [c for c in callbacks.values() if c is not None]:
+        callback(module)
     return scope
 
 
-def _close(scope: Scope) -> None:
+def _close(scope: dict[Hashable, Any]) -> None:
     for i in range(len(_STACK) - 1, -1, -1):  # this forward's scope (and any left open inside it)
         if _STACK[i] is scope:
             del _STACK[i:]
             break
 
 
-class _Watch:
-    __slots__ = ("callbacks", "owners")
-
-    def __init__(self) -> None:
-        self.owners: set[str] = set()
-        #: owner -> called with the transformer when a scope opens (eager only: e.g. hoisting work out of compiled
-        #: blocks once they are compiled)
-        self.callbacks: dict[str, Callable[[nn.Module], None]] = {}
-
-
-_WATCHED: weakref.WeakKeyDictionary[nn.Module, _Watch] = weakref.WeakKeyDictionary()
+#: transformer -> {owner: called with the transformer when a scope opens, or None} (eager only: e.g. hoisting work
+#: out of compiled blocks once they are compiled)
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, dict[str, Callable[[nn.Module], None] | None]] = (
+    weakref.WeakKeyDictionary()
+)
 #: original class -> its scoped subclass (same name and module; only ``__call__`` differs)
 _SCOPED: dict[type, type] = {}
 
 
 def _scoped_class(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__call__`` opens a scope around an eager forward of a watched instance.
-
-    ``__call__`` (``nn.Module._wrapped_call_impl``) runs before anything torch.compile took: a fully compiled
-    transformer (``_compiled_call_impl``) is called exactly as before, so its traced graphs are stock's (a wrapper of
-    ``forward`` would add a frame to them)."""
+    """A subclass of ``cls`` whose ``__call__`` opens a scope around an eager forward of a watched instance (a fully
+    compiled transformer, ``_compiled_call_impl``, is called as stock calls it)."""
     sub = _SCOPED.get(cls)
     if sub is not None:
         return sub
@@ -125,20 +93,16 @@ def _scoped_class(cls: type) -> type:
 
 
 def watch(transformer: nn.Module, owner: str, on_forward: Callable[[nn.Module], None] | None = None) -> None:
-    """Open a scope around every eager forward of ``transformer`` while at least one owner watches it (idempotent).
-    ``on_forward(transformer)`` runs when the scope opens.
-
-    The instance gets a subclass whose ``__call__`` opens the scope (a ``__class__`` swap: same object, same state;
-    restored when the last owner goes). Not module hooks and not a wrapper of ``forward``: both would change how a
-    fully compiled transformer is traced (more graphs)."""
+    """Open a scope around every eager forward of ``transformer`` while at least one owner watches it (idempotent);
+    ``on_forward(transformer)`` runs when the scope opens. The instance gets a subclass whose ``__call__`` opens the
+    scope (a ``__class__`` swap: same object, same state; restored when the last owner goes). Not module hooks nor a
+    wrapper of ``forward``: both would change how a fully compiled transformer is traced (more graphs)."""
     w = _WATCHED.get(transformer)
     if w is None:
-        w = _WATCHED[transformer] = _Watch()
+        w = _WATCHED[transformer] = {}
         if "_ascend_scoped_base" not in type(transformer).__dict__:
             transformer.__class__ = _scoped_class(type(transformer))
-    w.owners.add(owner)
-    if on_forward is not None:
-        w.callbacks[owner] = on_forward
+    w[owner] = on_forward or w.get(owner)
 
 
 def unwatch(transformer: nn.Module, owner: str) -> None:
@@ -146,9 +110,8 @@ def unwatch(transformer: nn.Module, owner: str) -> None:
     w = _WATCHED.get(transformer)
     if w is None:
         return
-    w.owners.discard(owner)
-    w.callbacks.pop(owner, None)
-    if not w.owners:
+    w.pop(owner, None)
+    if not w:
         del _WATCHED[transformer]
         base = type(transformer).__dict__.get("_ascend_scoped_base")
         if base is not None:
@@ -158,7 +121,7 @@ def unwatch(transformer: nn.Module, owner: str) -> None:
 def watched(transformer: nn.Module) -> frozenset[str]:
     """The owners watching ``transformer`` (empty: its forwards open no scope)."""
     w = _WATCHED.get(transformer)
-    return frozenset(w.owners) if w is not None else frozenset()
+    return frozenset(w) if w is not None else frozenset()
 
 
 def reset() -> None:

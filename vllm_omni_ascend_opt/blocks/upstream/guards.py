@@ -1,18 +1,10 @@
 """Guards, written once: when patched code must run stock code, and which parts of a model are compiled.
 
-Call-time guards (asked by patched code on every call, cheapest first):
-
-* :func:`tracing`: torch.compile is tracing. Checked **before** anything else, so that nothing mutable is read,
-  counted or logged inside a traced forward: dynamo folds the check to a constant and traces only stock code.
-* :func:`call_reason`: autograd recording, CUDA/NPU graph capture, global ``nn.Module`` hooks, in words.
-* :func:`hooked`: forward hooks on a module whose call the optimization would skip.
-
-Model-level facts (asked by :meth:`Optimization.reasons_inactive` for a model):
-
-* :func:`compiled_regions`: which :data:`~vllm_omni_ascend_opt.optimization.REGIONS` of a model vLLM-Omni's
-  ``torch.compile`` took (``regional``: the repeated transformer blocks; ``full``: the whole transformer);
-  :func:`compile_reason` says when every region an optimization lives in is compiled and it does not act inside
-  graphs of that granularity.
+Call-time guards, asked by patched code on every call: :func:`tracing` **before** anything else, so that nothing
+mutable is read, counted or logged inside a traced forward (dynamo folds the check to a constant and traces only
+stock code); then :func:`call_reason` and :func:`hooked`. Model-level facts, asked by
+:meth:`Optimization.reasons_inactive`: :func:`compiled_regions` (which
+:data:`~vllm_omni_ascend_opt.optimization.REGIONS` vLLM-Omni's ``torch.compile`` took) and :func:`compile_reason`.
 """
 
 from __future__ import annotations
@@ -47,8 +39,7 @@ def call_reason(*grad_tensors: torch.Tensor, any_grad: bool = False, hooks: bool
     """Why patched code must run stock code for this call (None: it may take its own path).
 
     ``any_grad``: any enabled autograd is a reason; otherwise only autograd with one of ``grad_tensors`` requiring
-    grad. ``hooks``: global module hooks are a reason. Call :func:`tracing` first.
-    """
+    grad. ``hooks``: global module hooks are a reason. Call :func:`tracing` first."""
     if torch.is_grad_enabled() and (any_grad or any(t.requires_grad for t in grad_tensors)):
         return "autograd is recording"
     why = _backend.graph_capture_reason()
@@ -66,11 +57,10 @@ def _is_compiled(fn: Any) -> bool:
 def block_compiled(block: nn.Module) -> bool:
     """``block``'s forward, or the callable its vLLM-Omni hook registry dispatches to, is a torch.compile'd
     function (vLLM-Omni's regional compile), or the block module itself is compiled."""
-    d = block.__dict__  # nn.Module keeps _compiled_call_impl there (None until compiled)
-    impl = d["_compiled_call_impl"] if "_compiled_call_impl" in d else getattr(block, "_compiled_call_impl", None)
-    if impl is not None:
-        return True
-    return _is_compiled(d.get("forward")) or _is_compiled(d.get("_omni_original_forward"))
+    d = block.__dict__
+    return getattr(block, "_compiled_call_impl", None) is not None or any(
+        _is_compiled(f) for f in (d.get("forward"), d.get("_omni_original_forward"))
+    )
 
 
 def _transformers(model: Any) -> list[nn.Module]:

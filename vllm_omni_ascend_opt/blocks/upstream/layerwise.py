@@ -1,14 +1,11 @@
-"""vLLM-Omni's layerwise offloader (``diffusion/offloader/layerwise_backend.py``), as the plugin and the test bed see
-it: the hook on each transformer block, the host copies it streams from, and which of a block's weights are the
-modulation projections.
+"""vLLM-Omni's layerwise offloader (``diffusion/offloader/layerwise_backend.py``) as the plugin and the test bed see
+it, for ``memo_aware_offload`` (which weights to leave on the host) and ``testbed/offload.py`` (bytes copied).
 
-Layerwise offload (``enable_layerwise_offload``) keeps every block's weights on the host, flattened per dtype into
-one tensor per block (``LayerwiseOffloadHook.dtype_cpu_flattened_weights`` with per-weight ``dtype_metadata``:
-name, offset, numel, shape, stride), and hooks a ring over the blocks: block ``i``'s ``pre_forward`` copies block
-``i + 1``'s weights host->device (``prefetch_layer``; the last block prefetches block 0 for the next forward), its
-``post_forward`` swaps its own weights for zero-element placeholders (``offload_layer``).
-
-Used by ``memo_aware_offload`` (which weights to leave on the host) and by ``testbed/offload.py`` (bytes copied).
+``enable_layerwise_offload`` keeps every block's weights on the host, flattened per dtype into one tensor per block
+(``LayerwiseOffloadHook.dtype_cpu_flattened_weights``, per-weight ``dtype_metadata``: name, offset, numel, shape,
+stride), and hooks a ring over the blocks: block ``i``'s ``pre_forward`` copies block ``i + 1``'s weights
+host->device (``prefetch_layer``; the last block prefetches block 0 for the next forward), its ``post_forward`` swaps
+its own weights for zero-element placeholders (``offload_layer``).
 """
 
 from __future__ import annotations

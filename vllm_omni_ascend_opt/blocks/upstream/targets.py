@@ -1,9 +1,7 @@
-"""Upstream modules the optimizations patch, and the upstream functions several of them declare.
-
-Module names: vLLM-Omni (0.30.0, 0.31.0rc1, 0.32.0rc1) and diffusers 0.40.x (which all three pin). The function
-declarations (:class:`~vllm_omni_ascend_opt.blocks.upstream.fingerprints.Upstream`: the source fingerprints each release ships)
-that more than one optimization relies on live here, once; each optimization lists them, with its own, in its
-``upstream`` table. Fingerprints: ``python tools/fingerprints.py`` prints them for the installed release.
+"""Upstream modules the optimizations patch (vLLM-Omni 0.30.0, 0.31.0rc1, 0.32.0rc1 and the diffusers 0.40.x all
+three pin), and the upstream functions several of them declare, once: each optimization lists these, with its own, in
+its ``upstream`` table (:class:`~.fingerprints.Upstream`). ``python tools/fingerprints.py`` prints the fingerprints
+for the installed release.
 """
 
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import same
@@ -46,7 +44,7 @@ CAUSAL_CONV_INIT = same(DIFFUSERS_VAE, "QwenImageCausalConv3d.__init__", "5644f5
 #: The loader's load_model: the plugin attaches after it returns (weights processed, before offload is enabled).
 LOAD_MODEL = same(LOADER, "DiffusersPipelineLoader.load_model", "d13c38b93708077e")
 
-# ----- what the time-embedding memo's key must determine (blocks/memo/time_embedding.py) -----------------------------------
+# ----- what the time-embedding memo's key must determine (blocks/memo/time_embedding.py) ------------------------
 EMBEDDINGS = "diffusers.models.embeddings"
 TORCH_EMBEDDING = "torch.nn.modules.sparse"
 #: Qwen-Image's timestep embedding and the diffusers / torch functions it runs: the memo keys their output on the
