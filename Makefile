@@ -37,7 +37,8 @@ venvs: $(STAMP) $(foreach v,$(OTHER_VERSIONS),.venv-$(v)/.ascend-opt-installed)
 
 # tests/test_versions.py (marker `versions`) and patches/check.py --exactness in every venv of the matrix (the patch
 # series, cut against 0.32.0rc1, is applied and compared with the plugin in .venv-0.32), then a summary per version
-# (tools/test_versions.py). TEST_VERSIONS_ARGS e.g. "0.32=.venv-0.32" for one version.
+# (tools/test_versions.py), 0.31 and 0.32 side by side (0.30 is .venv: make test runs the whole suite there).
+# TEST_VERSIONS_ARGS e.g. "0.32=.venv-0.32" for one version.
 TEST_VERSIONS_ARGS ?=
 test-versions: venvs
 	$(PY) tools/test_versions.py $(TEST_VERSIONS_ARGS)

@@ -2,14 +2,15 @@
 """Run the version-sensitive checks in every venv of the version matrix and print one summary (``make
 test-versions``; issue 22).
 
-For each ``VERSION=VENV`` pair (default: 0.30=.venv 0.31=.venv-0.31 0.32=.venv-0.32; the Makefile builds them):
+For each ``VERSION=VENV`` pair (default: 0.31=.venv-0.31 0.32=.venv-0.32; the Makefile builds them; 0.30 is
+``.venv``, where ``make test`` runs the whole suite, the marked tests included), the versions side by side (one
+thread each; each step is one process):
 
 1. ``pytest -m versions`` on :data:`MARKED`: the plugin through vLLM-Omni's plugin loader, ``list`` before and after
    the model import, the upstream fingerprint tables against this release, Qwen-Image-2.1 where it exists, default
    vs ``none`` bitwise on the tiny pipelines. No ``VLLM_OMNI_ASCEND_OPT_FORCE``: what installs is decided by the
    upstream code each optimization declares, as users get it;
-2. on every version but those in ``--no-selection`` (0.30 by default: ``make test`` runs the whole suite there), the
-   whole test modules of :data:`SELECTION` whose optimizations declare upstream code that differs from 0.30.0's
+2. on every version but those in ``--no-selection``, the whole test modules of :data:`SELECTION` whose optimizations declare upstream code that differs from 0.30.0's
    there (asked of the fingerprint tables): the tests of the code each adaptation touches, run unchanged;
 3. ``patches/check.py --exactness``: the patch headers, and on 0.32 (the release the series is cut against) every
    patch applied alone and stacked and compared with the plugin on the tiny pipeline; on other versions the script
@@ -23,16 +24,18 @@ step failed.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MATRIX = ("0.30=.venv", "0.31=.venv-0.31", "0.32=.venv-0.32")
+DEFAULT_MATRIX = ("0.31=.venv-0.31", "0.32=.venv-0.32")
 #: Modules whose tests marked ``versions`` run on every version.
 MARKED = ("tests/test_versions.py", "tests/test_upstream.py", "tests/test_qwen_image_21.py")
 #: Whole test modules run on the versions ``make test`` does not cover, each with the optimizations it tests: a module
@@ -80,17 +83,15 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def _step(label: str, cmd: list[str], env: dict[str, str], log: Path) -> tuple[str, int, float]:
-    print(f"\n=== {label}: {' '.join(cmd)}", flush=True)
+    """Run ``cmd`` with its output in ``log``; (label, exit code, seconds)."""
     t0 = time.monotonic()
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            fh.write(line)
-            sys.stdout.write(line)
-        rc = proc.wait()
+        fh.write(f"=== {label}: {' '.join(cmd)}\n")
+        fh.flush()
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True).returncode
     dt = time.monotonic() - t0
-    print(f"=== {label}: exit {rc} in {dt:.0f} s", flush=True)
+    with open(log, "a") as fh:
+        fh.write(f"=== {label}: exit {rc} in {dt:.0f} s\n")
     return label, rc, dt
 
 
@@ -129,55 +130,69 @@ def _summary(version: str, report: Path, check_log: Path) -> list[str]:
     return [f"vllm-omni {omni}:", *lines]
 
 
+def _version(pair: str, tmp: Path, selection: bool, pytest_args: str) -> tuple[list[tuple[str, int, float]], list[str]]:
+    """Every step for one ``VERSION=VENV`` pair, one after the other; each step's log is printed when it ends."""
+    version, venv = pair.split("=", 1)
+    python = (REPO / venv / "bin" / "python").absolute()
+    if not python.exists():
+        print(f"{venv} has no bin/python; build it with make {venv}/.ascend-opt-installed", flush=True)
+        return [(f"{version}: venv {venv}", 1, 0.0)], []
+    report = tmp / version
+    env = _env({"VERSIONS_REPORT": str(report)})
+    pytest = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxXs", *pytest_args.split()]
+    steps = [(f"{version}: pytest -m versions", [*pytest, "-m", "versions", *MARKED], env, tmp / f"{version}-m.log")]
+    if selection:
+        changed = changed_since_base(python)
+        mods = selection_for(changed)
+        print(f"{version}: upstream code not as in {BASE_RELEASE} for {changed}: runs {mods}", flush=True)
+        if mods:
+            label = f"{version}: pytest ({', '.join(changed or ['all'])})"
+            steps.append((label, [*pytest, *mods], env, tmp / f"{version}-s.log"))
+    check_log = tmp / f"{version}-check.log"
+    steps.append(
+        (
+            f"{version}: patches/check.py --exactness",
+            [str(python), "patches/check.py", "--exactness"],
+            _env({}),
+            check_log,
+        )
+    )
+    results = []
+    for label, cmd, step_env, log in steps:
+        results.append(_step(label, cmd, step_env, log))
+        with _PRINT:
+            sys.stdout.write(log.read_text())
+            sys.stdout.flush()
+    return results, _summary(version, report, check_log)
+
+
+_PRINT = threading.Lock()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("matrix", nargs="*", default=list(DEFAULT_MATRIX), help="VERSION=VENV pairs")
-    ap.add_argument("--no-selection", default="0.30", help="comma list of versions to run without SELECTION")
+    ap.add_argument("--no-selection", default="", help="comma list of versions to run without SELECTION")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments")
     args = ap.parse_args(argv)
     no_selection = set(filter(None, args.no_selection.split(",")))
 
-    results: list[tuple[str, int, float]] = []
-    summaries: list[str] = []
     t_all = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="test-versions-") as tmp:
-        for pair in args.matrix:
-            version, venv = pair.split("=", 1)
-            python = (REPO / venv / "bin" / "python").absolute()
-            if not python.exists():
-                results.append((f"{version}: venv {venv}", 1, 0.0))
-                print(f"{venv} has no bin/python; build it with make {venv}/.ascend-opt-installed")
-                continue
-            report = Path(tmp) / version
-            env = _env({"VERSIONS_REPORT": str(report)})
-            pytest = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxXs", *args.pytest_args.split()]
-            results.append(
-                _step(
-                    f"{version}: pytest -m versions",
-                    [*pytest, "-m", "versions", *MARKED],
-                    env,
-                    Path(tmp) / f"{version}-m.log",
-                )
-            )
-            if version not in no_selection:
-                changed = changed_since_base(python)
-                mods = selection_for(changed)
-                print(f"\n{version}: upstream code not as in {BASE_RELEASE} for {changed}: runs {mods}", flush=True)
-                if mods:
-                    log = Path(tmp) / f"{version}-s.log"
-                    results.append(
-                        _step(f"{version}: pytest ({', '.join(changed or ['all'])})", [*pytest, *mods], env, log)
-                    )
-            check = [str(python), "patches/check.py", "--exactness"]
-            check_log = Path(tmp) / f"{version}-check.log"
-            results.append(_step(f"{version}: {' '.join(check[1:])}", check, _env({}), check_log))
-            summaries += _summary(version, report, check_log)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(args.matrix) or 1) as pool:
+            runs = [
+                pool.submit(_version, pair, Path(tmp), pair.split("=", 1)[0] not in no_selection, args.pytest_args)
+                for pair in args.matrix
+            ]
+            done = [r.result() for r in runs]
+    results = [step for steps, _ in done for step in steps]
+    summaries = [line for _, lines in done for line in lines]
     total = time.monotonic() - t_all
     print("\n================ test-versions summary ================")
     for label, rc, dt in results:
         print(f"{'ok  ' if rc == 0 else 'FAIL'} {label} ({dt:.0f} s)")
     print(*summaries, sep="\n")
-    print(f"total {total:.0f} s")
+    print(f"total {total:.0f} s (versions side by side)")
     return 1 if any(rc for _, rc, _ in results) else 0
 
 
