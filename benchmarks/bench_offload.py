@@ -84,8 +84,8 @@ def child(name: str) -> dict[str, Any]:
     from vllm_omni_ascend_opt import api, registry
     from vllm_omni_ascend_opt.blocks.upstream.layerwise import is_modulation, layerwise_hooks
     from vllm_omni_ascend_opt.testbed import REALWIDTH, TINY, build_model_dir
-    from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
     from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
+    from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
     from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
 
     base, blocks, dtype, size = MODELS[name]

@@ -19,8 +19,8 @@ import torch
 from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.blocks.upstream.layerwise import block_hook, is_modulation
 from vllm_omni_ascend_opt.opts import memo_aware_offload as mao
-from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
 from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
+from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
 
 OPT, SM = mao.OPT, registry.get("shared_modulation")
 REQUEST = {"height": 32, "width": 32, "steps": 2, "cfg_scale": 4.0}

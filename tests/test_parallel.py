@@ -26,7 +26,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_omni_ascend_opt import registry
 from tests.harness.parallel import (
     Job,
     ModeRun,
@@ -35,6 +34,7 @@ from tests.harness.parallel import (
     run_parallel,
     run_parallel_modes,
 )
+from vllm_omni_ascend_opt import registry
 
 pytestmark = pytest.mark.multiproc
 

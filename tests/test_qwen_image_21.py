@@ -22,10 +22,10 @@ import torch
 import torch.nn as nn
 
 from tests.fake_torch_npu import formats
+from tests.harness import tiny_model_21 as t21
 from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.blocks.upstream import fingerprints, targets
 from vllm_omni_ascend_opt.opts import nz_weights
-from tests.harness import tiny_model_21 as t21
 
 PREFIX = "Qwen-Image-2.1 ("
 
