@@ -109,23 +109,43 @@ def _compiled_run(runtime: Any, spec: str, granularity: str, breaks: _BreakLog) 
         api.select("none")
 
 
-@pytest.fixture(scope="module")
-def compiled(runtime) -> dict[tuple[str, str], CompiledRun]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # compiled code on CPU: one thread, as the other tests' second core may be busy
-    breaks = _BreakLog()
-    torch._logging.set_logs(graph_breaks=True)
-    loggers = [logging.getLogger(name) for name in GRAPH_BREAK_LOGGERS]
-    for lg in loggers:
-        lg.addHandler(breaks)
-    try:
-        return {(g, spec): _compiled_run(runtime, spec, g, breaks) for g, spec in RUNS}
-    finally:
+class _Runs:
+    """The compiled runs of this module, each made on first use and kept: a selection of these tests (``-k``, the
+    mutation check) compiles only the runs it reads."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.runs: dict[tuple[str, str], CompiledRun] = {}
+
+    def __getitem__(self, key: tuple[str, str]) -> CompiledRun:
+        if key not in self.runs:
+            self.runs[key] = self._run(*key)
+        return self.runs[key]
+
+    def get(self, key: tuple[str, str]) -> CompiledRun | None:
+        return self[key] if key in RUNS else None
+
+    def _run(self, granularity: str, spec: str) -> CompiledRun:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # compiled code on CPU: one thread, as the other tests' second core may be busy
+        breaks = _BreakLog()
+        torch._logging.set_logs(graph_breaks=True)
+        loggers = [logging.getLogger(name) for name in GRAPH_BREAK_LOGGERS]
         for lg in loggers:
-            lg.removeHandler(breaks)
-        torch._logging.set_logs()
-        torch._dynamo.reset()
-        torch.set_num_threads(threads)
+            lg.addHandler(breaks)
+        try:
+            return _compiled_run(self.runtime, spec, granularity, breaks)
+        finally:
+            for lg in loggers:
+                lg.removeHandler(breaks)
+            torch._logging.set_logs()
+            torch._dynamo.reset()
+            torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def compiled(runtime) -> _Runs:
+    return _Runs(runtime)
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
