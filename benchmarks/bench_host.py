@@ -45,7 +45,9 @@ not the NPU claim.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import importlib
 import io
 import json
 import os
@@ -109,6 +111,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+#: Host-only mechanisms that can be left out of the default stack for a leave-it-out in the same run
+#: (``--configs default,default-direct_calls``): config suffix -> (module, attribute, what replaces it).
+LEAVE_OUT: dict[str, tuple[str, str, Callable[[], Any]]] = {
+    "direct_calls": (
+        "vllm_omni_ascend_opt.blocks.body.direct_calls",
+        "_decided",
+        lambda: lambda: "left out by bench_host",
+    ),
+}
+
+
+@contextlib.contextmanager
+def left_out(name: str) -> Any:
+    """While the config ``name`` runs: ``default-<mechanism>`` has that host-only mechanism switched off."""
+    mechanism = name.split("-", 1)[1] if name.startswith("default-") else None
+    if mechanism not in LEAVE_OUT:
+        yield
+        return
+    module, attr, make = LEAVE_OUT[mechanism]
+    mod = importlib.import_module(module)
+    kept = getattr(mod, attr)
+    setattr(mod, attr, make())
+    try:
+        yield
+    finally:
+        setattr(mod, attr, kept)
+
+
 def configurations() -> tuple[dict[str, str], dict[str, str]]:
     """(name -> flags, skipped name -> why): stock, default, all, then each optimization that changes the
     transformer, alone (with the optimizations it needs), when it can act in this process."""
@@ -125,6 +155,7 @@ def configurations() -> tuple[dict[str, str], dict[str, str]]:
             skipped[opt.name] = "; ".join(why)
             continue
         configs[opt.name] = ",".join(["none", *(f"+{n}" for n in (*opt.needs, opt.name))])
+    configs.update({f"default-{m}": "default" for m in LEAVE_OUT})
     return configs, skipped
 
 
@@ -216,12 +247,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for name, flags in configs.items():
         api.select(flags, model=tr)
-        rows[name] = {"flags": flags, **counts(tr, rt, kw), "warm_s": [], "wall_s": [], "round_median_s": []}
+        with left_out(name):
+            rows[name] = {"flags": flags, **counts(tr, rt, kw), "warm_s": [], "wall_s": [], "round_median_s": []}
     for _ in range(args.rounds):
         for name, flags in configs.items():
             api.select(flags, model=tr)  # switching drops the memo: one cold forward first
-            forward_s(tr, rt, kw)
-            times = [forward_s(tr, rt, kw) for _ in range(args.warm)]
+            with left_out(name):
+                forward_s(tr, rt, kw)
+                times = [forward_s(tr, rt, kw) for _ in range(args.warm)]
             rows[name]["warm_s"] += [t[0] for t in times]
             rows[name]["wall_s"] += [t[1] for t in times]
             rows[name]["round_median_s"].append(statistics.median(t[0] for t in times))
@@ -245,7 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     profiles = {}
     for name in filter(None, args.profile.split(",")):
         api.select(configs[name], model=tr)
-        profiles[name] = profile(tr, rt, kw, 200, args.profile_top)
+        with left_out(name):
+            profiles[name] = profile(tr, rt, kw, 200, args.profile_top)
     api.select("none", model=tr)
     return {
         "machine": {

@@ -3,6 +3,7 @@ the memo's weight keys under layerwise offload, and the direct calls of known la
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -170,6 +171,56 @@ def test_rotation_tables_are_decided_per_forward(runtime, spec):
         assert opt.stats["joint_calls"] == 2 * len(cases) and opt.stats["joint_freqs_builds"] == len(cases)
     else:  # q and k of both streams per block through the portable path; tables for 2 image shapes + 1 text length
         assert opt.stats["portable_calls"] == 4 * 2 * len(cases) and opt.stats["table_builds"] == 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# direct calls of known layers
+# ----------------------------------------------------------------------------------------------------------------
+def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime, monkeypatch):
+    """The block's MLPs and the attention projections run as their kernels, bitwise; a hook added to one of them
+    between forwards runs (that module is called as a module), and so does an upstream class patched meanwhile."""
+    from vllm_omni_ascend_opt import api
+
+    tr = _build(runtime)
+    kw = _inputs(tr)
+    api.select("none", model=tr)
+    want = _fwd(runtime, tr, kw)
+    api.select("default", model=tr)
+    sm, ja = _opt("shared_modulation"), _opt("joint_attention")
+    _fwd(runtime, tr, kw)
+    sm.reset_stats()
+    ja.reset_stats()
+    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert sm.stats["direct_calls"] == 4 and sm.stats["module_calls"] == 0  # 2 MLPs x 2 blocks
+    assert ja.stats["direct_calls"] == 8 and ja.stats["module_calls"] == 0  # 4 projections x 2 blocks
+    fired = []
+    b0 = tr.transformer_blocks[0]
+    handles = [
+        b0.img_mlp.register_forward_hook(lambda *a: fired.append("img_mlp")),
+        b0.attn.to_out.register_forward_pre_hook(lambda *a: fired.append("to_out")),
+    ]
+    try:
+        assert torch.equal(_fwd(runtime, tr, kw), want)
+    finally:
+        for h in handles:
+            h.remove()
+    assert fired == ["to_out", "img_mlp"]
+    assert sm.stats["module_calls"] == 1 and ja.stats["module_calls"] == 1
+    lin = sys.modules["vllm.model_executor.layers.linear"]
+    calls = []
+    stock_row = lin.RowParallelLinear.forward
+
+    def patched(self, input_):
+        calls.append(1)
+        return stock_row(self, input_)
+
+    monkeypatch.setattr(lin.RowParallelLinear, "forward", patched)
+    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert len(calls) == 8  # to_out, to_add_out and the MLPs' second linears of both blocks: modules again
+    monkeypatch.undo()
+    calls.clear()
+    _fwd(runtime, tr, kw)
+    assert calls == []
 
 
 def test_joint_rms_norm_composite_branch_is_the_pieces(monkeypatch):

@@ -48,7 +48,8 @@ written for tracing (``blocks/joint_qkv.traced_forward``: the same math, no coun
 hoisted by an eager pre-hook of each regionally compiled block): no graph break, fewer ops in the compiled graph than
 stock's attention. Under full compile (no eager place to hoist the tables) the graph keeps stock's attention: the
 joint path with its tables computed in the graph measured slower than compiled stock on inductor. Eagerly, the guards, the CUDA-fused check and
-the RoPE tables are decided once per forward (``blocks/upstream/forward_scope.py``). Falls back to stock, with the reason
+the RoPE tables are decided once per forward (``blocks/upstream/forward_scope.py``), and the four projections are
+called as their kernels where vLLM's layer is plain (``blocks/body/direct_calls.py``). Falls back to stock, with the reason
 counted (:meth:`JointAttention.fallback_reasons`), under autograd, graph capture, when the norms are not plain
 ``nn.RMSNorm`` with weights and one ``eps`` (Identity for ``qk_norm=False``, hooks, other classes), when the two
 streams' projections differ in heads or dtype, when the freqs do not match the sequence lengths, when stock's RoPE
@@ -72,7 +73,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks.body import compiled_blocks
+from vllm_omni_ascend_opt.blocks.body import compiled_blocks, direct_calls
 from vllm_omni_ascend_opt.blocks.body.joint_qkv import (
     JOINT_FREQS_CACHE_SIZE,  # noqa: F401  (the cache's bound, named in the header above)
     READY_ROPE,
@@ -292,8 +293,8 @@ class JointAttention(Optimization):
     ) -> tuple[torch.Tensor, torch.Tensor] | str:
         """The joint path, or the reason it cannot run (the caller then runs stock)."""
         m = attn._modules
-        img_qkv = m["to_qkv"](hidden_states)[0]
-        txt_qkv = m["add_kv_proj"](encoder_hidden_states)[0]
+        img_qkv = self._project(m["to_qkv"], hidden_states, pair=True)
+        txt_qkv = self._project(m["add_kv_proj"], encoder_hidden_states, pair=True)
         if (
             img_qkv.dtype != txt_qkv.dtype
             or img_qkv.shape[-1] != txt_qkv.shape[-1]
@@ -367,9 +368,22 @@ class JointAttention(Optimization):
             encoder_hidden_states_mask,
             self.stats,
         )
-        img_attn_output = m["to_out"](joint_hidden_states[:, st:, :])
-        txt_attn_output = m["to_add_out"](joint_hidden_states[:, :st, :])
+        img_attn_output = self._project(m["to_out"], joint_hidden_states[:, st:, :])
+        txt_attn_output = self._project(m["to_add_out"], joint_hidden_states[:, :st, :])
         return img_attn_output, txt_attn_output
+
+    def _project(self, layer: nn.Module, x: torch.Tensor, pair: bool = False) -> torch.Tensor:
+        """``layer(x)`` (its output; ``pair``: the layer returns ``(output, bias)``): the GEMM directly where
+        :func:`~vllm_omni_ascend_opt.blocks.body.direct_calls.linear_args` vouches for it, else the module (quantized,
+        LoRA, TP and hooked layers; the reason counted in :attr:`stats`)."""
+        args = direct_calls.linear_args(layer)
+        if isinstance(args, str):
+            self.stats["module_calls"] += 1
+            self.stats[f"module call: {args}"] += 1
+            out = layer(x)
+            return out[0] if pair else out
+        self.stats["direct_calls"] += 1
+        return direct_calls.linear(x, *args)
 
     def _hoist(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Eager pre-hook of a regionally compiled block: this forward's joint RoPE tables, looked up once per forward

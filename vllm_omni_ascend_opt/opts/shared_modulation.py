@@ -274,6 +274,7 @@ class SharedModulation(Optimization):
                 encoder_hidden_states_mask,
                 image_rotary_emb,
                 hidden_states_mask,
+                opt.stats,
             )
 
         forward.__wrapped__ = original_forward  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ modes follow their switches, which the graph is guarded on.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.body import direct_calls
 from vllm_omni_ascend_opt.blocks.upstream import guards, targets
 from vllm_omni_ascend_opt.blocks.upstream.ada_norm import NATIVE, NPU_EVAL
 
@@ -106,7 +108,7 @@ class NormMod:
                 return affine_layernorm(self.kind, norm, x, *self.affine)
             owner.count_stock(why)
         if self.kind in (NATIVE, NPU_EVAL):
-            return layernorm(self.kind, norm, x) * self.first + self.shift
+            return layernorm(self.kind, norm, x, eager=True) * self.first + self.shift
         return norm(x, self.first, self.shift)
 
     def gated(self, y: torch.Tensor) -> torch.Tensor:
@@ -171,11 +173,28 @@ def _affine_dtype_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-def layernorm(kind: str, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The normalisation half of ``AdaLayerNorm`` for kinds native / npu_eval (what stock multiplies by 1+scale)."""
+def layernorm(kind: str, norm: nn.Module, x: torch.Tensor, eager: bool = False) -> torch.Tensor:
+    """The normalisation half of ``AdaLayerNorm`` for kinds native / npu_eval (what stock multiplies by 1+scale).
+    ``eager`` (never in traced code): a plain inner layer norm is called as its kernel (:mod:`.direct_calls`)."""
     if kind == NPU_EVAL:
         return _backend.torch_npu_module().npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps)
-    return norm.layernorm(x)
+    ln = norm._modules["layernorm"]
+    args = direct_calls.layer_norm_args(ln) if eager else None
+    return ln(x) if args is None else direct_calls.layer_norm(x, args)
+
+
+def feed_forward(ff: nn.Module, x: torch.Tensor, stats: Counter | None) -> torch.Tensor:
+    """``ff(x)`` for the block's MLPs (eager): its three kernels where :func:`.direct_calls.mlp_args` vouches for
+    them, else the module (the reason counted in ``stats``, the caller's)."""
+    args = direct_calls.mlp_args(ff)
+    if isinstance(args, str):
+        if stats is not None:
+            stats["module_calls"] += 1
+            stats[f"module call: {args}"] += 1
+        return ff(x)
+    if stats is not None:
+        stats["direct_calls"] += 1
+    return direct_calls.mlp(x, args)
 
 
 # ----- the block body -------------------------------------------------------------------------------------------
@@ -187,11 +206,13 @@ def block_body(
     encoder_hidden_states_mask: torch.Tensor | None,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
     hidden_states_mask: torch.Tensor | None,
+    stats: Counter | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM-Omni 0.30's block with its modulation read from ``mods``: the same ops on the same values as
     ``QwenImageTransformerBlock.forward`` (unless a fast-tier mode is on: :data:`FAST`). Single-segment blocks
     (``modulate_index=None``, image mods are :class:`NormMod`) and ``zero_cond_t`` blocks (image mods are
-    :class:`~.two_segment.SegMod`) share this body."""
+    :class:`~.two_segment.SegMod`) share this body. Known layers are called as their kernels (:mod:`.direct_calls`),
+    the others as modules; ``stats`` (the caller's) counts ``direct_calls`` and ``module_calls``."""
     img1, img2, txt1, txt2 = mods
     m = block._modules
     img_modulated = img1.norm(m["img_norm1"], hidden_states)
@@ -208,9 +229,9 @@ def block_body(
     encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output)
 
     img_modulated2 = img2.norm(m["img_norm2"], hidden_states)
-    hidden_states = img2.residual(hidden_states, m["img_mlp"](img_modulated2))
+    hidden_states = img2.residual(hidden_states, feed_forward(m["img_mlp"], img_modulated2, stats))
     txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states)
-    encoder_hidden_states = txt2.residual(encoder_hidden_states, m["txt_mlp"](txt_modulated2))
+    encoder_hidden_states = txt2.residual(encoder_hidden_states, feed_forward(m["txt_mlp"], txt_modulated2, stats))
 
     return _clip_fp16(encoder_hidden_states), _clip_fp16(hidden_states)
 

@@ -101,7 +101,7 @@ class SegMod:
         owner = FAST.owner("modulate")
         if owner is not None:
             owner.count_stock("two-segment image norm (zero_cond_t): the modulation differs between segments")
-        return self._apply(layernorm(self.kind, norm, x), self.first, self.shift)
+        return self._apply(layernorm(self.kind, norm, x, eager=True), self.first, self.shift)
 
     def gated(self, y: torch.Tensor) -> torch.Tensor:
         """Stock: ``where(idx, gate1, gate0) * y``."""

@@ -70,6 +70,8 @@ def npu_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Te
 
 def version_or_none(t: torch.Tensor) -> int | None:
     """``t._version``, or None for inference tensors (they track none; upstream never writes freqs in place)."""
+    if t.is_inference():  # asked first: reading an inference tensor's version raises
+        return None
     try:
         return t._version
     except RuntimeError:

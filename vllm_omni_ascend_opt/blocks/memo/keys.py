@@ -70,6 +70,8 @@ class Span:
 
 def sig_tensors(lin: nn.Module) -> list[torch.Tensor]:
     """The tensors a linear's :func:`linear_sig` covers, in its order: parameters, buffers and vLLM LoRA stacks."""
+    if not (lin._modules or lin._buffers or "lora_a_stacked" in lin.__dict__):  # a plain layer: its own parameters
+        return [t for t in lin._parameters.values() if t is not None]
     tensors = [*lin.parameters(), *lin.buffers()]
     for name in ("lora_a_stacked", "lora_b_stacked"):
         tensors.extend(t for t in lin.__dict__.get(name, ()) if isinstance(t, torch.Tensor))
@@ -82,16 +84,17 @@ def tensor_state(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad: b
     if grad and any(t.requires_grad for t in tensors):
         raise Unkeyable("autograd is recording (grad enabled and a modulation weight requires grad)")
     sig = []
-    for t in tensors:
-        try:
-            sig.append((id(t), t._version, t.dtype, t.device))
-        except RuntimeError as exc:
-            if t.is_inference():
-                raise Unkeyable(
-                    "modulation weights are inference tensors (no version counter to detect in-place "
-                    "updates); load or cast them under torch.no_grad(), not torch.inference_mode()"
-                ) from None
-            raise Unkeyable(f"cannot read a modulation weight's version ({type(t).__name__}: {exc})") from None
+    with torch._C.DisableTorchFunctionSubclass():  # metadata reads: vLLM's parameter subclasses need no dispatch
+        for t in tensors:
+            try:
+                sig.append((id(t), t._version, t.dtype, t.device))
+            except RuntimeError as exc:
+                if t.is_inference():
+                    raise Unkeyable(
+                        "modulation weights are inference tensors (no version counter to detect in-place "
+                        "updates); load or cast them under torch.no_grad(), not torch.inference_mode()"
+                    ) from None
+                raise Unkeyable(f"cannot read a modulation weight's version ({type(t).__name__}: {exc})") from None
     return tuple(sig)
 
 

@@ -49,7 +49,7 @@ def norm_kind(norm: nn.Module) -> str:
     ):
         return OPAQUE
     fn = getattr(norm.__dict__.get("_forward_method"), "__func__", None)
-    if fn in native_forwards(ada_module):
+    if fn is ada.forward_native or fn in native_forwards(ada_module):
         return NATIVE
     if fn is ada.forward_npu and not getattr(ada_module, "_HAS_MINDIESD", True) and _backend.torch_npu_module():
         return NPU_EVAL

@@ -4,7 +4,7 @@ its ``upstream`` table (:class:`~.fingerprints.Upstream`). ``python tools/finger
 for the installed release.
 """
 
-from vllm_omni_ascend_opt.blocks.upstream.fingerprints import same
+from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, ALL, Upstream, same
 
 TRANSFORMER = "vllm_omni.diffusion.models.qwen_image.qwen_image_transformer"
 PIPELINE = "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image"
@@ -55,4 +55,30 @@ TIME_EMBEDDING = (
     same(EMBEDDINGS, "Timesteps.forward", "58794175acc7b12d"),
     same(EMBEDDINGS, "get_timestep_embedding", "6028d48c06ba9784"),
     same(TORCH_EMBEDDING, "Embedding.forward", "612a591ba15b23d2"),
+)
+
+# ----- what the direct calls mirror (blocks/body/direct_calls.py) --------------------------------------------------
+LINEAR = "vllm.model_executor.layers.linear"
+LINEAR_UTILS = "vllm.model_executor.layers.utils"
+PARAMETER = "vllm.model_executor.parameter"
+NORM = "vllm_omni.diffusion.layers.norm"
+TORCH_NORMALIZATION = "torch.nn.modules.normalization"
+#: vLLM's plain linears down to their GEMM, vLLM-Omni's FeedForward and layer norms: a difference in any of them keeps
+#: every layer on its module path (the same result, more host time).
+DIRECT_CALLS = (
+    same(LINEAR, "ReplicatedLinear.forward", "0509484a019dc9a6"),
+    same(LINEAR, "ColumnParallelLinear.forward", "a83e0a998236fbef"),
+    Upstream(LINEAR, "QKVParallelLinear.forward", {ABSENT: ALL}),  # inherits ColumnParallelLinear's
+    same(LINEAR, "RowParallelLinear.forward", "6f282baaa162ded9"),
+    same(LINEAR, "UnquantizedLinearMethod.apply", "849ee397279b9b72"),
+    same(LINEAR_UTILS, "default_unquantized_gemm", "046576d5cfcb9a40"),
+    same(PARAMETER, "BasevLLMParameter.__torch_function__", "93ab4e0b466afb93"),
+    same(TRANSFORMER, "FeedForward.forward", "c600e6f33fe6119a"),
+    same(TRANSFORMER, "ColumnParallelApproxGELU.forward", "3433c7a2c2700355"),
+    same(TORCH_NORMALIZATION, "LayerNorm.forward", "29d655f9844bd1d5"),
+    same(NORM, "LayerNorm.forward", "f5141956f3353fa0"),
+    same(NORM, "LayerNorm.forward_native", "aeccdfbbc9f7927b"),
+    same(NORM, "LayerNorm.forward_cuda", "afe38032434620d2"),
+    same(NORM, "LayerNorm.forward_hip", "c351562493d6e6de"),
+    same(NORM, "LayerNorm.forward_npu", "42aaeca4199b5577"),
 )

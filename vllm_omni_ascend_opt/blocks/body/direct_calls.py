@@ -1,0 +1,207 @@
+"""Direct calls of layers whose behaviour is known: the kernels of vLLM's unquantized linears, vLLM-Omni's
+``FeedForward`` and plain layer norms, without re-entering the modules.
+
+Why (host time only; it changes no kernel): the block body and ``joint_attention`` call these layers in every block,
+and their module path (``nn.Module.__call__``, the linear's ``forward``, the quant method's ``apply``, an environment
+read, the parameter subclass's ``__torch_function__``) costs more host time than the layers' own kernel launches.
+It stays because leaving it out makes the default stack's host time more than 10% worse at 12 blocks
+(``benchmarks/bench_host.py --depth deep --configs default,default-direct_calls``; docs/results.md).
+
+How: :func:`linear_args` answers, per call, whether a layer is exactly what the direct call mirrors and returns its
+weight and bias: one of vLLM's plain linear classes (not a subclass: LoRA wrappers, platform replacements and
+quantized layers keep their own path), no hooks or instance ``forward``, vLLM's ``UnquantizedLinearMethod`` with the
+default GEMM, no tensor parallelism, no ``skip_bias_add``, row-parallel input already parallel, parameters whose
+``__torch_function__`` only strips the subclass. :func:`linear` then runs ``F.linear(x, weight, bias)`` with the
+subclass dispatch off: the very call the module path ends in, bitwise the same. :func:`mlp_args` / :func:`mlp` do the
+same for ``FeedForward`` (linear, GELU, linear) and :func:`layer_norm_args` / :func:`layer_norm` for layer norms.
+The upstream functions mirrored are declared in :data:`~..upstream.targets.DIRECT_CALLS` and checked by source
+fingerprint: a difference keeps every layer on its module path, with the reason. Process-wide facts are decided
+once per transformer forward (:func:`process_reason`); callers check ``guards.tracing()`` first.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints, forward_scope, targets
+
+_NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
+
+
+class _Known:
+    """The upstream classes the direct calls mirror, looked up once per set of live functions."""
+
+    def __init__(self) -> None:
+        lin = sys.modules[targets.LINEAR]
+        norm = sys.modules[targets.NORM]
+        tr = sys.modules[targets.TRANSFORMER]
+        self.omni_ln = norm.LayerNorm
+        # vLLM-Omni's LayerNorm dispatches per instance (CustomOp): these run forward_native (npu without MindIE-SD)
+        native = [norm.LayerNorm.forward_native, norm.LayerNorm.forward_cuda, norm.LayerNorm.forward_hip]
+        if not getattr(norm, "_HAS_MINDIESD", True):
+            native.append(norm.LayerNorm.forward_npu)
+        self.omni_ln_native = frozenset(native)
+        self.uq = lin.UnquantizedLinearMethod
+        self.default_gemm = sys.modules[targets.LINEAR_UTILS].default_unquantized_gemm
+        #: class -> "replicated" / "column" / "row"
+        self.linear_kinds: dict[type, str] = {
+            lin.ReplicatedLinear: "replicated",
+            lin.ColumnParallelLinear: "column",
+            lin.QKVParallelLinear: "column",
+            lin.RowParallelLinear: "row",
+        }
+        self.ff = tr.FeedForward
+        self.gelu = tr.ColumnParallelApproxGELU
+        #: __torch_function__ implementations that only strip the parameter subclass
+        self.plain_tf = {
+            torch._C._disabled_torch_function_impl,
+            sys.modules[targets.PARAMETER].BasevLLMParameter.__torch_function__.__func__,
+        }
+        bad = fingerprints.reasons(targets.DIRECT_CALLS, "the direct calls")
+        self.reason = "; ".join(bad) if bad else None
+
+
+_KNOWN: dict[tuple[int, ...], _Known] = {}
+
+
+def _known() -> _Known | str:
+    mods = (targets.LINEAR, targets.LINEAR_UTILS, targets.PARAMETER, targets.NORM, targets.TRANSFORMER)
+    if not all(m in sys.modules for m in mods):
+        return "vLLM's linear layers are not imported"
+    ident = tuple(id(fingerprints.live(d.module, d.qualname)[1]) for d in targets.DIRECT_CALLS)
+    k = _KNOWN.get(ident)
+    if k is None:
+        _KNOWN.clear()
+        k = _KNOWN[ident] = _Known()
+    return k.reason or k
+
+
+def _decided() -> _Known | str:
+    """The verified upstream, or why no layer is called directly: decided once per transformer forward."""
+    return forward_scope.decide("direct_calls.process", _decide)
+
+
+def process_reason() -> str | None:
+    """Why no layer is called directly in this forward (None: the instances decide): upstream code that differs
+    from the mirrored one, or vLLM's batch-invariant GEMM on a CUDA-like or XPU platform. Decided once per forward."""
+    k = _decided()
+    return k if isinstance(k, str) else None
+
+
+def _decide() -> _Known | str:
+    k = _known()
+    if isinstance(k, str):
+        return k
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike() or current_platform.is_xpu():  # apply() reads the flag on these platforms
+        envs = sys.modules.get("vllm.envs")
+        if envs is not None and envs.VLLM_BATCH_INVARIANT:
+            return "VLLM_BATCH_INVARIANT selects vLLM's batch-invariant GEMM"
+    return k
+
+
+def _plain(m: nn.Module) -> bool:
+    return not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
+
+
+def _plain_param(t: Any, k: _Known) -> bool:
+    if t is None or type(t) is torch.Tensor:
+        return True
+    tf = type(t).__torch_function__
+    return getattr(tf, "__func__", tf) in k.plain_tf
+
+
+def linear_args(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | str:
+    """``(weight, bias)`` of ``layer`` when calling ``F.linear`` directly is exactly its module path, else why not."""
+    k = _decided()
+    if isinstance(k, str):
+        return k
+    kind = k.linear_kinds.get(type(layer))
+    if kind is None:
+        return f"{type(layer).__name__} is not a plain vLLM linear (quantized, LoRA or platform layer)"
+    if not _plain(layer):
+        return "hooks or an instance forward on a linear"
+    d = layer.__dict__
+    qm = d.get("quant_method")
+    if type(qm) is not k.uq or qm.__dict__.get("_gemm_impl") is not k.default_gemm:
+        return "the linear's quant method is not vLLM's UnquantizedLinearMethod with the default GEMM"
+    if d.get("skip_bias_add") or (d.get("tp_size") or 1) != 1:
+        return "a tensor-parallel or skip_bias_add linear"
+    if kind == "row" and not d.get("input_is_parallel"):
+        return "a row-parallel linear whose input is split inside"
+    w, b = layer._parameters.get("weight"), layer._parameters.get("bias")
+    if w is None or not _plain_param(w, k) or not _plain_param(b, k):
+        return "a linear weight with its own __torch_function__ (DTensor, quantized tensor)"
+    return w, b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` without the parameter subclass's ``__torch_function__`` (which only strips it)."""
+    with _NO_SUBCLASS():
+        return F.linear(x, weight, bias)
+
+
+def mlp_args(ff: nn.Module) -> tuple[Any, ...] | str:
+    """``(w1, b1, approximate, w2, b2)`` of vLLM-Omni's ``FeedForward`` (linear, GELU, Identity, linear) when the
+    three kernels are exactly its module path, else why not."""
+    k = _decided()
+    if isinstance(k, str):
+        return k
+    net = ff._modules.get("net")
+    if type(ff) is not k.ff or not _plain(ff) or type(net) is not nn.ModuleList or len(net) != 3:
+        return "FeedForward is not vLLM-Omni's (linear, GELU, Identity, linear), or carries hooks"
+    act, ident, out = net
+    if type(act) is not k.gelu or type(ident) is not nn.Identity or not (_plain(act) and _plain(ident) and _plain(net)):
+        return "FeedForward.net is not (ColumnParallelApproxGELU, Identity, linear), or carries hooks"
+    first = linear_args(act.proj)
+    if isinstance(first, str):
+        return first
+    second = linear_args(out)
+    if isinstance(second, str):
+        return second
+    return (*first, act.approximate or "none", *second)
+
+
+def mlp(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
+    """vLLM-Omni's ``FeedForward`` as its three kernels (see :func:`mlp_args`)."""
+    w1, b1, approximate, w2, b2 = args
+    with _NO_SUBCLASS():
+        return F.linear(F.gelu(F.linear(x, w1, b1), approximate=approximate), w2, b2)
+
+
+def layer_norm_args(ln: nn.Module) -> tuple[Any, ...] | None:
+    """``(normalized_shape, weight, bias, eps, upcast)`` of a layer norm whose forward is one ``F.layer_norm``: a
+    plain ``nn.LayerNorm``, or vLLM-Omni's ``LayerNorm`` dispatched to ``forward_native`` (``upcast``: it runs in
+    fp32 and casts back), without hooks; else None (call the module). Global module hooks are the caller's guard."""
+    if not _plain(ln):
+        return None
+    p = ln._parameters
+    args = (ln.normalized_shape, p.get("weight"), p.get("bias"), ln.eps)
+    if type(ln) is nn.LayerNorm:
+        return (*args, False)
+    k = _decided()
+    if isinstance(k, str):
+        return None
+    if (
+        type(ln) is not k.omni_ln
+        or getattr(ln.__dict__.get("_forward_method"), "__func__", None) not in k.omni_ln_native
+    ):
+        return None
+    return (*args, True)
+
+
+def layer_norm(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
+    """The layer norm :func:`layer_norm_args` describes, as its forward computes it."""
+    shape, w, b, eps, upcast = args
+    with _NO_SUBCLASS():
+        if not upcast:
+            return F.layer_norm(x, shape, w, b, eps)
+        return F.layer_norm(
+            x.float(), shape, w.float() if w is not None else None, b.float() if b is not None else None, eps
+        ).to(x.dtype)
