@@ -31,8 +31,8 @@ How
   ``h + gate * y`` are the very elementwise ops stock runs, on the same values. Bounded by a byte budget
   (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512; 0 disables), least-recently-used temb first.
   Costs: one device->host copy of the timestep (B values) per forward (of ``temb``, B x 3072 values, where the
-  time embedding is not keyed); on a miss, 8 small copies per block to make the unpacked tensors contiguous. The
-  guards and the temb entry are decided once per forward (``blocks/upstream/forward_scope.py``).
+  time embedding is not keyed); on a miss, 8 small copies per block to make the unpacked tensors contiguous. Every
+  block finds the temb entry by the tensor's identity (no digest after the first lookup of a forward).
 Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``)
   Stock projects ``img_mod`` over ``temb = [emb(t); emb(0)]`` (2B rows) and, per image norm, builds three
   ``[B, L, D]`` tensors with ``torch.where(modulate_index, segment 1, segment 0)`` (``select01_modulation_native``, the
@@ -385,7 +385,7 @@ class SharedModulation(Optimization):
     # ----- attach -----------------------------------------------------------------------------------------
     def _attach(self, model: nn.Module) -> None:
         for tr in find_transformers(model):
-            # per-forward decisions (guards, the temb entry) once per forward; hooks once its blocks are compiled
+            # a scope per forward (the body's direct calls decide once per forward); hooks once its blocks are compiled
             forward_scope.watch(tr, self.name, on_forward=self._hoister.on_forward)
             for block in tr.transformer_blocks:
                 for name in ("img_mod", "txt_mod"):
