@@ -280,6 +280,7 @@ class JointAttention(Optimization):
         forward.__doc__ = original.__doc__
         return forward
 
+    # Eager/traced twin of blocks.body.joint_qkv.traced_forward: counters, caches and direct calls (eager only).
     def _joint_forward(
         self,
         mod: Any,

@@ -198,6 +198,7 @@ def feed_forward(ff: nn.Module, x: torch.Tensor, stats: Counter | None) -> torch
 
 
 # ----- the block body -------------------------------------------------------------------------------------------
+# Eager/traced twin of traced_block_body: the eager one counts, calls known layers directly and reads the memo.
 def block_body(
     block: nn.Module,
     mods: tuple[Any, ...],
@@ -279,6 +280,7 @@ def _traced_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> to
     return x + gate * y
 
 
+# Eager/traced twin of block_body: the traced one reads the hoisted modulation and no mutable state (dynamo).
 def traced_block_body(
     block: nn.Module,
     hoisted: tuple[tuple[str, ...], tuple[torch.Tensor, ...]],

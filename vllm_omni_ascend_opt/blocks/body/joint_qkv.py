@@ -311,6 +311,7 @@ def traced_reason(
     return None
 
 
+# Eager/traced twin of JointAttention._joint_forward: no counters, caches or direct calls inside a graph.
 def traced_forward(
     mod: Any,
     attn: Any,
