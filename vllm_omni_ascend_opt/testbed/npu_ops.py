@@ -161,13 +161,16 @@ def _suspended() -> Iterator[None]:
         _STATE.suspended -= 1
 
 
-def _record(name: str) -> None:
-    """Count one launch of ``name`` in every active counter (only in a decomposition's sub-counter while one runs)."""
+def _record(name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None) -> None:
+    """Count one launch of ``name`` in every active counter (only in a decomposition's sub-counter while one runs);
+    ``call`` (args, kwargs, result) goes to each counter's :meth:`NpuOpCounter.observe` (the device-time trace
+    prices the launch from it)."""
     active = _STATE.active
     targets = active[-1:] if active and active[-1]._isolated else active
     for c in targets:
         if c.enabled:
             c.counts[name] += 1
+            c.observe(name, call)
 
 
 def run_npu_kernel(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -181,7 +184,7 @@ def run_npu_kernel(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any)
     with _suspended():
         out = fn(*args, **kwargs)
     if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):
-        _record(f"npu::{name}")
+        _record(f"npu::{name}", (args, kwargs, out))
     return out
 
 
@@ -195,9 +198,10 @@ class _FunctionHooks(TorchFunctionMode):
         op = FUNCTION_HOOKS.get(func)
         if op is None or _STATE.suspended or op not in registered_ops():
             return func(*args, **kwargs)
-        _record(op)  # nested counters' hook modes are popped while this one runs: count in all of them here
         with _suspended():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        _record(op, (args, kwargs, out))  # nested counters' hook modes are popped while this runs: count in all here
+        return out
 
 
 class NpuOpCounter(TorchDispatchMode):
@@ -240,12 +244,20 @@ class NpuOpCounter(TorchDispatchMode):
             self._count(func, args, kwargs)
         return func(*args, **kwargs)
 
+    def observe(self, name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None) -> None:
+        """One launch of ``name`` was counted, with its ``(args, kwargs, result)`` when known; no-op here (the
+        device-time trace, ``devtime/trace.py``, prices it)."""
+
+    def absorb(self, pieces: NpuOpCounter) -> None:
+        """A decomposition's sub-counter ``pieces`` was merged into this one; a subclass takes what it recorded."""
+
     def _count(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         how, what = resolve(func)
         if how == "none":
             return
         if how == "kernel":
             self.counts[what] += 1
+            self.observe(what, (args, kwargs, None))
             return
         if how == "decompose" and self._depth < _MAX_DEPTH:
             pieces = self._pieces(what, args, kwargs)
@@ -254,9 +266,11 @@ class NpuOpCounter(TorchDispatchMode):
                 self.counts.update(pieces.counts)
                 self.decomposed.update(pieces.decomposed)
                 self.unresolved.update(pieces.unresolved)
+                self.absorb(pieces)
                 return
         self.counts[overload_name(func)] += 1
         self.unresolved[overload_name(func)] += 1
+        self.observe(overload_name(func), (args, kwargs, None))
 
     def _pieces(self, decomp: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> NpuOpCounter | None:
         """Run ``decomp`` on meta copies of the arguments under an isolated sub-counter; None if it cannot run."""
@@ -266,13 +280,17 @@ class NpuOpCounter(TorchDispatchMode):
                 lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
                 (args, kwargs),
             )
-        sub = NpuOpCounter(_isolated=True, _depth=self._depth + 1)
+        sub = self._sub_counter()
         try:
             with sub:
                 decomp(*meta_args, **meta_kwargs)
         except Exception:  # a decomposition that needs values (data-dependent) cannot run on meta
             return None
         return sub
+
+    def _sub_counter(self) -> NpuOpCounter:
+        """The isolated counter a decomposition's pieces are counted in (its class: a subclass's pieces are its own)."""
+        return type(self)(_isolated=True, _depth=self._depth + 1)
 
     @property
     def total(self) -> int:

@@ -1,0 +1,106 @@
+"""FLOPs and bytes of one kernel launch, from its arguments and result: what the device-time model prices.
+
+* kind: ``gemm`` (matrix multiplies and convolutions: the cube unit), ``attention`` (SDPA, ``npu_fusion_attention``,
+  ``npu_fused_infer_attention_score``), ``other`` (element-wise, norms, reductions, copies, ``cat``: the vector unit);
+* FLOPs: a multiply-add is 2. GEMM ``2*M*N*K``; convolution ``2 * output elements * Cin/groups * kernel volume``;
+  attention ``4 * B * heads * Sq * Sk * D`` (QK^T and PV; the softmax is left out, as usual for a compute floor);
+  ``other``: one per output element (they are priced by their bytes);
+* bytes: every distinct tensor argument read once (its elements x element size, a broadcast operand at its own size),
+  plus every tensor result written once. No cache reuse is assumed between launches, none is counted inside one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+GEMM, ATTENTION, OTHER = "gemm", "attention", "other"
+_GEMM_NAMES = {"addmm", "mm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "addmv", "mv", "dot"}
+_ATTENTION_NAMES = {
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "npu::npu_fusion_attention",
+    "npu::npu_fused_infer_attention_score",
+}
+
+
+@dataclass(frozen=True)
+class Cost:
+    kind: str
+    flops: float
+    bytes: float
+
+
+def base_name(name: str) -> str:
+    """``"addmm.out"`` -> ``"addmm"``; ``"npu::npu_rotary_mul"`` stays."""
+    return name if name.startswith("npu::") else name.split(".", 1)[0]
+
+
+def kind_of(name: str) -> str:
+    b = base_name(name)
+    if b in _ATTENTION_NAMES:
+        return ATTENTION
+    if b in _GEMM_NAMES or "conv" in b:
+        return GEMM
+    return OTHER
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for x in pytree.tree_leaves(tree):
+        if isinstance(x, torch.Tensor):
+            seen.setdefault(id(x), x)
+    return list(seen.values())
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _numel(tree: Any) -> int:
+    return sum(t.numel() for t in _tensors(tree))
+
+
+def _gemm_flops(b: str, args: tuple[Any, ...], out: Any) -> float:
+    outs = _tensors(out)
+    o = outs[0].numel() if outs else 0
+    if b in ("addmm", "baddbmm", "addbmm", "addmv"):
+        k = args[1].shape[-1]
+    elif b == "linear":
+        k = args[1].shape[-1]
+    elif "conv" in b:
+        w = args[1]
+        return 2.0 * o * (w.numel() // w.shape[0])
+    else:  # mm, bmm, matmul, mv, dot
+        k = args[0].shape[-1]
+    return 2.0 * o * k
+
+
+def _attention_flops(b: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    q, k = args[0], args[1]
+    if b.startswith("npu::"):
+        layout = kwargs.get("input_layout", args[4] if len(args) > 4 else "BSND")
+        sk = k.shape[{"BSND": 1, "BSH": 1, "BNSD": 2, "SBH": 0, "TND": 0}.get(layout, 1)]
+    else:
+        sk = k.shape[-2]
+    return 4.0 * q.numel() * sk
+
+
+def cost(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Cost:
+    """The :class:`Cost` of one launch of ``name`` (a counter's op name) called with ``args``/``kwargs``, result
+    ``out``."""
+    kind, b = kind_of(name), base_name(name)
+    reads = sum(nbytes(t) for t in _tensors((args, kwargs)))
+    writes = sum(nbytes(t) for t in _tensors(out))
+    if kind == GEMM:
+        flops = _gemm_flops(b, args, out)
+    elif kind == ATTENTION:
+        flops = _attention_flops(b, args, kwargs)
+    else:
+        flops = float(_numel(out))
+    return Cost(kind, flops, float(reads + writes))

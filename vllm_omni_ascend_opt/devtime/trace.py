@@ -1,0 +1,266 @@
+"""An op trace of the real model at full scale, with no memory: what each launch costs in FLOPs and bytes.
+
+:class:`OpTrace` is the NPU launch counter (``testbed/npu_ops.py``: what torch_npu 2.13 would launch, composites as
+their pieces, torch_npu ops as one) that also prices every launch it counts (:mod:`.costs`) and records where in the
+model it ran (outside the blocks, the first block, the last block) and from which line of Python. The counter's
+rules decide what is a launch; this module adds nothing to them, so the trace's launches are the counter's
+(``tests/test_devtime.py``).
+
+:func:`trace_transformer` builds vLLM-Omni's real ``QwenImageTransformer2DModel`` at the real width (hidden 3072,
+24 heads x 128, RoPE axes 16/56/56, text width 3584, 64 latent channels) and ``depth`` blocks, selects a
+``VLLM_OMNI_ASCEND_OPT`` spec, and traces one warm forward (a repeated request) at the real sequence length, under
+:class:`~.hollow.HollowMode` (nothing computed, nothing allocated that is touched), with vLLM-Omni's CustomOps
+dispatched as on Ascend. Every block runs the same ops, so 60 blocks are ``outside + first + 59 x last``:
+:meth:`CallTrace.per_call`. :func:`trace_vae` does the same for the real VAE decoder (base 96, z 16). The torch_npu
+fake (``tests/fake_torch_npu``) must be installed by the caller, as for the launch counter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_omni_ascend_opt.devtime.costs import cost
+from vllm_omni_ascend_opt.devtime.hollow import HollowMode
+from vllm_omni_ascend_opt.testbed.npu_ops import NpuOpCounter
+from vllm_omni_ascend_opt.testbed.tiny_model import REALWIDTH, ModelSpec
+
+#: Qwen-Image's real transformer and VAE sizes (the trace builds ``depth`` of the 60 blocks).
+FULL = dataclasses.replace(
+    REALWIDTH, name="full", num_layers=60, joint_attention_dim=3584, vae_z_dim=16, vae_base_dim=96
+)
+BLOCKS = 60
+#: Text tokens of the prompt (after the template's system prefix is dropped): an assumption, the reference's prompt
+#: is not published. Attention and the text stream scale with it; at 1280x704 it is 2% of the joint sequence.
+TEXT_TOKENS = 64
+_SKIP_FRAMES = ("/torch/", "/devtime/", "/testbed/npu_ops.py", "/fake_torch_npu/", "/contextlib.py")
+
+
+def _site() -> str:
+    """``file:line`` of the nearest caller that is model or plugin code (not torch, the trace or the fake)."""
+    f = sys._getframe(3)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not any(s in name for s in _SKIP_FRAMES):
+            short = name.split("/site-packages/")[-1].split("/vllm_omni_ascend_opt/")[-1]
+            return f"{short}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+@dataclass
+class Op:
+    """One kind of launch in one place: ``count`` launches with these totals."""
+
+    name: str
+    kind: str
+    site: str
+    count: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+
+
+@dataclass
+class OpTable:
+    """Launches aggregated by (kernel, call site): ``ops[(name, site)]``."""
+
+    ops: dict[tuple[str, str], Op] = field(default_factory=dict)
+
+    def add(self, name: str, kind: str, site: str, flops: float, nbytes: float, count: int = 1) -> None:
+        op = self.ops.get((name, site))
+        if op is None:
+            op = self.ops[(name, site)] = Op(name, kind, site)
+        op.count += count
+        op.flops += flops
+        op.bytes += nbytes
+
+    def merge(self, other: OpTable, times: int = 1) -> None:
+        for op in other.ops.values():
+            self.add(op.name, op.kind, op.site, op.flops * times, op.bytes * times, op.count * times)
+
+    @property
+    def launches(self) -> int:
+        return sum(o.count for o in self.ops.values())
+
+    @property
+    def flops(self) -> float:
+        return sum(o.flops for o in self.ops.values())
+
+    @property
+    def bytes(self) -> float:
+        return sum(o.bytes for o in self.ops.values())
+
+    def to_list(self) -> list[list[Any]]:
+        return [[o.name, o.kind, o.site, o.count, o.flops, o.bytes] for o in self.ops.values()]
+
+    @classmethod
+    def from_list(cls, rows: list[list[Any]]) -> OpTable:
+        t = cls()
+        for name, kind, site, count, flops, nb in rows:
+            t.add(name, kind, site, flops, nb, count)
+        return t
+
+
+class OpTrace(NpuOpCounter):
+    """The NPU launch counter, pricing each launch it counts into ``tables[scope]`` (``scope`` set by the caller)."""
+
+    def __init__(self, *, _isolated: bool = False, _depth: int = 0) -> None:
+        super().__init__(_isolated=_isolated, _depth=_depth)
+        self.scope = "outside"
+        self.tables: dict[str, OpTable] = defaultdict(OpTable)
+        self._pending: list[tuple[str, str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def observe(self, name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None) -> None:
+        args, kwargs, out = call if call is not None else ((), {}, None)
+        if out is None:  # an aten kernel counted before it ran: priced once its result exists
+            self._pending.append((name, _site(), args, kwargs))
+            return
+        self._price(name, _site(), args, kwargs, out)
+
+    def _price(self, name: str, site: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        c = cost(name, args, kwargs, out)
+        self.tables[self.scope].add(name, c.kind, site, c.flops, c.bytes)
+
+    def absorb(self, pieces: NpuOpCounter) -> None:
+        if isinstance(pieces, OpTrace):
+            for table in pieces.tables.values():
+                self.tables[self.scope].merge(table)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        mark = len(self._pending)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        pending, self._pending = self._pending[mark:], self._pending[:mark]
+        for name, site, a, k in pending:
+            self._price(name, site, a, k or {}, out)
+        return out
+
+
+@contextlib.contextmanager
+def _scopes(trace: OpTrace, blocks: Any) -> Iterator[None]:
+    """Set ``trace.scope`` to ``first`` / ``last`` while the first / last block runs, ``outside`` otherwise."""
+    handles = []
+    for i, blk in enumerate(blocks):
+        scope = "first" if i == 0 else "last" if i == len(blocks) - 1 else "middle"
+
+        def pre(_m, _a, _s=scope):
+            trace.scope = _s
+
+        def post(_m, _a, _o):
+            trace.scope = "outside"
+
+        handles += [blk.register_forward_pre_hook(pre), blk.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass
+class CallTrace:
+    """One warm transformer call (or one VAE decode): its op tables by scope and the depth it was traced at."""
+
+    tables: dict[str, OpTable]
+    depth: int
+    real_fallbacks: dict[str, int] = field(default_factory=dict)
+
+    def per_call(self, blocks: int = BLOCKS) -> OpTable:
+        """The whole call at ``blocks`` blocks: outside + first block + (blocks - 1) x the last block."""
+        out = OpTable()
+        out.merge(self.tables.get("outside", OpTable()))
+        if "last" not in self.tables:  # a VAE decode, or a depth-1 model
+            out.merge(self.tables.get("first", OpTable()), blocks if "first" in self.tables else 1)
+            return out
+        out.merge(self.tables["first"])
+        out.merge(self.tables["last"], blocks - 1)
+        return out
+
+    @property
+    def block(self) -> OpTable:
+        return self.tables.get("last") or self.tables.get("first") or OpTable()
+
+
+def build_transformer(rt: Any, spec: ModelSpec = FULL, depth: int = 2) -> Any:
+    """vLLM-Omni's transformer for ``spec`` at ``depth`` blocks, bf16, with uninitialised weights (nothing computed)."""
+    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
+
+    spec = dataclasses.replace(spec, num_layers=depth)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with HollowMode(), rt.context():
+            tr = QwenImageTransformer2DModel(od_config=rt.od_config, **spec.transformer_kwargs())
+    finally:
+        torch.set_default_dtype(default)
+    return tr.eval()
+
+
+def transformer_inputs(tr: Any, height: int, width: int, batch: int = 1, text_tokens: int = TEXT_TOKENS) -> dict:
+    """One denoise step's transformer inputs at ``height`` x ``width`` pixels (VAE /8, 2x2 packing), uninitialised."""
+    h, w = height // 16, width // 16
+    bf = torch.bfloat16
+    with HollowMode():
+        return dict(
+            hidden_states=torch.empty(batch, h * w, tr.in_channels, dtype=bf),
+            encoder_hidden_states=torch.empty(batch, text_tokens, tr.txt_norm.normalized_shape[0], dtype=bf),
+            encoder_hidden_states_mask=torch.ones(batch, text_tokens, dtype=torch.bool),
+            timestep=torch.full((batch,), 0.7, dtype=bf),
+            img_shapes=[[(1, h, w)]] * batch,
+            txt_seq_lens=[text_tokens] * batch,
+            return_dict=False,
+        )
+
+
+def trace_transformer(rt: Any, tr: Any, flags: str, kw: dict[str, Any]) -> CallTrace:
+    """Select ``flags`` on ``tr``, run a cold forward, trace a warm one (a repeated request), deselect."""
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.testbed.blockops import npu_dispatch
+
+    hollow = HollowMode()
+    api.select(flags, model=tr)
+    try:
+        with hollow, npu_dispatch(tr), rt.context(), torch.no_grad():
+            tr(**kw)  # cold: memo and tables filled, first-use kernel checks done
+            t = OpTrace()
+            with _scopes(t, tr.transformer_blocks), t:
+                tr(**kw)
+    finally:
+        api.select("none", model=tr)
+    return CallTrace(dict(t.tables), len(tr.transformer_blocks), dict(hollow.real_fallbacks))
+
+
+def build_vae(spec: ModelSpec = FULL) -> Any:
+    """vLLM-Omni's distributed Qwen-Image VAE at ``spec``'s size (real: base 96, z 16), bf16, uninitialised."""
+    from vllm_omni.diffusion.distributed.autoencoders.autoencoder_kl_qwenimage import (
+        DistributedAutoencoderKLQwenImage,
+    )
+
+    with HollowMode():
+        vae = DistributedAutoencoderKLQwenImage(**spec.vae_kwargs())
+    return vae.to(torch.bfloat16).eval()
+
+
+def trace_vae(rt: Any, vae: Any, flags: str, height: int, width: int, batch: int = 1) -> CallTrace:
+    """Trace one VAE decode of a ``height`` x ``width`` image (latents ``[B, z, 1, H/8, W/8]``) with ``flags``."""
+    from vllm_omni_ascend_opt import api
+
+    hollow = HollowMode()
+    with hollow:
+        z = torch.empty(batch, vae.config.z_dim, 1, height // 8, width // 8, dtype=torch.bfloat16)
+    api.select(flags, model=vae)
+    try:
+        with hollow, rt.context(), torch.no_grad():
+            vae.decode(z, return_dict=False)  # cold: per-weight tables of the VAE optimizations made
+            t = OpTrace()
+            with t:
+                vae.decode(z, return_dict=False)
+    finally:
+        api.select("none", model=vae)
+    return CallTrace(dict(t.tables), 1, dict(hollow.real_fallbacks))
