@@ -48,16 +48,26 @@ def _site() -> str:
     f = sys._getframe(3)
     while f is not None:
         name = f.f_code.co_filename
-        if not any(s in name for s in _SKIP_FRAMES):
+        if not any(s in name for s in _SKIP_FRAMES) and f.f_code.co_name != "__torch_function__":
             short = name.split("/site-packages/")[-1].split("/vllm_omni_ascend_opt/")[-1]
             return f"{short}:{f.f_lineno}"
         f = f.f_back
     return "?"
 
 
+def shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """``"1x3584x3072,3072x3072"``: the shapes of a launch's tensor arguments (ops are merged only when equal)."""
+    from torch.utils import _pytree as pytree
+
+    return ",".join(
+        "x".join(map(str, t.shape)) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+    )
+
+
 @dataclass
 class Op:
-    """One kind of launch in one place: ``count`` launches with these totals."""
+    """One kind of launch in one place, on one set of shapes: ``count`` launches with these totals. ``site`` is
+    ``file:line`` of the model or plugin code that launched it, then ``|`` and the argument shapes."""
 
     name: str
     kind: str
@@ -69,7 +79,7 @@ class Op:
 
 @dataclass
 class OpTable:
-    """Launches aggregated by (kernel, call site): ``ops[(name, site)]``."""
+    """Launches aggregated by (kernel, call site and shapes): ``ops[(name, site)]``."""
 
     ops: dict[tuple[str, str], Op] = field(default_factory=dict)
 
@@ -126,7 +136,7 @@ class OpTrace(NpuOpCounter):
 
     def _price(self, name: str, site: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         c = cost(name, args, kwargs, out)
-        self.tables[self.scope].add(name, c.kind, site, c.flops, c.bytes)
+        self.tables[self.scope].add(name, c.kind, f"{site}|{shapes(args, kwargs)}", c.flops, c.bytes)
 
     def absorb(self, pieces: NpuOpCounter) -> None:
         if isinstance(pieces, OpTrace):

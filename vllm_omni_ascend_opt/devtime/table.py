@@ -1,0 +1,111 @@
+"""The trace table the device-time model reads: per workload and configuration, the priced ops of one call.
+
+Written by ``benchmarks/bench_devtime.py --write-table`` (it needs the torch_npu fake of ``tests/``, so ``plan``
+never traces: it reads :data:`TABLE_FILE`). Per workload (resolution x batch) and configuration (stock, default,
+all, each optimization alone, and the reference's intermediate stacks the calibration needs): the ops of one warm
+transformer call at 60 blocks (:meth:`~.trace.CallTrace.per_call`) and of one VAE decode, each op as
+``[name, kind, site, launches, flops, bytes]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vllm_omni_ascend_opt.devtime.trace import BLOCKS, TEXT_TOKENS, OpTable
+
+TABLE_FILE = Path(__file__).with_name("devtime_table.json")
+VERSION = 1
+#: (height, width) in pixels: the issue's resolutions, the reference's 1280x704 among them.
+RESOLUTIONS: tuple[tuple[int, int], ...] = ((512, 512), (1024, 1024), (1328, 1328), (928, 1664), (704, 1280))
+BATCHES = (1, 2)
+REFERENCE_RES = (704, 1280)
+
+
+def workload_key(height: int, width: int, batch: int) -> str:
+    return f"{width}x{height}/B{batch}"
+
+
+def transformer_names() -> list[str]:
+    from vllm_omni_ascend_opt.ablation.estimate import transformer_opts
+
+    return transformer_opts()
+
+
+def configurations() -> dict[str, str]:
+    """Name -> ``VLLM_OMNI_ASCEND_OPT`` spec: stock, default, all, each optimization alone, and the reference's
+    ``pixel`` stack (the default transformer optimizations of the exact and pixel tiers) and ``pixel+vae``."""
+    from vllm_omni_ascend_opt import registry
+
+    opts = registry.all_optimizations()
+    out = {"stock": "none", "default": "default", "all": "all"}
+    out.update({o.name: f"none,+{o.name}" for o in opts})
+    pixel = [o.name for o in opts if o.default_enabled and o.equivalence in ("exact", "pixel")]
+    pixel_tr = [n for n in pixel if n in transformer_names()]
+    out["pixel"] = ",".join(["none", *(f"+{n}" for n in pixel_tr)])
+    out["pixel+vae"] = out["pixel"] + ",+vae_exact"
+    return out
+
+
+def build(
+    rt: Any,
+    *,
+    resolutions: tuple[tuple[int, int], ...] = RESOLUTIONS,
+    batches: tuple[int, ...] = BATCHES,
+    configs: dict[str, str] | None = None,
+    depth: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Trace every (workload, configuration); the torch_npu fake must be installed. Transformer and VAE traces are
+    shared between configurations that select the same optimizations for them."""
+    from vllm_omni_ascend_opt import flags as flags_mod
+    from vllm_omni_ascend_opt.devtime import trace as T
+
+    configs = configs or configurations()
+    tr_names = set(transformer_names())
+    tr, vae = T.build_transformer(rt, T.FULL, depth), T.build_vae(T.FULL)
+    out: dict[str, Any] = {
+        "version": VERSION,
+        "blocks": BLOCKS,
+        "text_tokens": TEXT_TOKENS,
+        "configs": configs,
+        "workloads": {},
+    }
+    for h, w in resolutions:
+        for b in batches:
+            kw = T.transformer_inputs(tr, h, w, b)
+            cache_tr: dict[tuple[str, ...], list[list[Any]]] = {}
+            cache_vae: dict[tuple[str, ...], list[list[Any]]] = {}
+            entry: dict[str, Any] = {}
+            for name, spec in configs.items():
+                opts = flags_mod.parse_spec(spec)
+                tkey = tuple(sorted(set(opts) & tr_names))
+                vkey = tuple(sorted(o for o in opts if o.startswith("vae_")))
+                if tkey not in cache_tr:
+                    spec_tr = ",".join(["none", *(f"+{n}" for n in tkey)])
+                    cache_tr[tkey] = T.trace_transformer(rt, tr, spec_tr, kw).per_call(BLOCKS).to_list()
+                if vkey not in cache_vae:
+                    spec_vae = ",".join(["none", *(f"+{n}" for n in vkey)])
+                    cache_vae[vkey] = T.trace_vae(rt, vae, spec_vae, h, w, b).per_call().to_list()
+                entry[name] = {"opts": list(opts), "transformer": cache_tr[tkey], "vae": cache_vae[vkey]}
+                if progress:
+                    progress(f"{workload_key(h, w, b)} {name}")
+            out["workloads"][workload_key(h, w, b)] = entry
+    return out
+
+
+def write(table: dict[str, Any], path: Path = TABLE_FILE) -> None:
+    path.write_text(json.dumps(table, separators=(",", ":")) + "\n")
+
+
+@functools.cache
+def load(path: Path = TABLE_FILE) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def call_ops(table: dict[str, Any], workload: str, config: str, part: str = "transformer") -> OpTable:
+    """The :class:`~.trace.OpTable` of one transformer call (``part="transformer"``) or one VAE decode."""
+    return OpTable.from_list(table["workloads"][workload][config][part])
