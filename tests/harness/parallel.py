@@ -137,6 +137,8 @@ class JobReport:
     wall_ms: float
     stage_ms: dict[str, float] = field(default_factory=dict)
     extra: Any = None
+    #: Collectives this rank issued during the job: op name -> [calls, bytes] (``devtime.layouts.CollectiveCounter``).
+    collectives: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -484,6 +486,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
     from vllm_omni.diffusion.forward_context import get_forward_context
 
     from vllm_omni_ascend_opt import _parallel, api
+    from vllm_omni_ascend_opt.devtime.layouts import CollectiveCounter
     from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
     from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime, shutdown
 
@@ -522,7 +525,8 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
             seen.clear()
             t = time.perf_counter()
             try:
-                res = job.generate(pipe, rt)
+                with CollectiveCounter() as coll:
+                    res = job.generate(pipe, rt)
             finally:
                 pc.mask_sp_padding = mask_before
             wall = (time.perf_counter() - t) * 1e3
@@ -536,6 +540,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
                     wall_ms=wall,
                     stage_ms=res.stage_ms,
                     extra=extra,
+                    collectives=coll.as_dict(),
                     **facts,
                 )
             )

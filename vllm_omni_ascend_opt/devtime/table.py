@@ -10,6 +10,7 @@ transformer call at 60 blocks (:meth:`~.trace.CallTrace.per_call`) and of one VA
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 from vllm_omni_ascend_opt.devtime.trace import BLOCKS, TEXT_TOKENS, OpTable
 
-TABLE_FILE = Path(__file__).with_name("devtime_table.json")
+TABLE_FILE = Path(__file__).with_name("devtime_table.json.gz")
 VERSION = 1
 #: (height, width) in pixels: the issue's resolutions, the reference's 1280x704 among them.
 RESOLUTIONS: tuple[tuple[int, int], ...] = ((512, 512), (1024, 1024), (1328, 1328), (928, 1664), (704, 1280))
@@ -29,15 +30,20 @@ def workload_key(height: int, width: int, batch: int) -> str:
     return f"{width}x{height}/B{batch}"
 
 
-def transformer_names() -> list[str]:
-    from vllm_omni_ascend_opt.ablation.estimate import transformer_opts
+TRANSFORMER_MODULE = "vllm_omni.diffusion.models.qwen_image.qwen_image_transformer"
 
-    return transformer_opts()
+
+def transformer_names() -> list[str]:
+    """The registered optimizations that patch the transformer module (in registry order)."""
+    from vllm_omni_ascend_opt import registry
+
+    return [o.name for o in registry.all_optimizations() if TRANSFORMER_MODULE in o.target_modules]
 
 
 def configurations() -> dict[str, str]:
-    """Name -> ``VLLM_OMNI_ASCEND_OPT`` spec: stock, default, all, each optimization alone, and the reference's
-    ``pixel`` stack (the default transformer optimizations of the exact and pixel tiers) and ``pixel+vae``."""
+    """Name -> ``VLLM_OMNI_ASCEND_OPT`` spec: stock, default, all, each optimization alone, the default stack less
+    each of its optimizations (``default-<name>``: ``ablate``'s leave-one-out), and the reference's ``pixel`` stack
+    (the default transformer optimizations of the exact and pixel tiers) and ``pixel+vae``."""
     from vllm_omni_ascend_opt import registry
 
     opts = registry.all_optimizations()
@@ -47,7 +53,23 @@ def configurations() -> dict[str, str]:
     pixel_tr = [n for n in pixel if n in transformer_names()]
     out["pixel"] = ",".join(["none", *(f"+{n}" for n in pixel_tr)])
     out["pixel+vae"] = out["pixel"] + ",+vae_exact"
+    out.update({f"default-{o.name}": f"default,-{o.name}" for o in opts if o.default_enabled})
     return out
+
+
+def find_config(table: dict[str, Any], opts: list[str] | tuple[str, ...]) -> str | None:
+    """The table's configuration that selects the same optimizations as ``opts`` for the transformer and the VAE."""
+    tr = set(transformer_names())
+
+    def norm(names: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return tuple(sorted(set(names) & tr)), tuple(sorted(n for n in names if n.startswith("vae_")))
+
+    want = norm(opts)
+    first = next(iter(table["workloads"].values()))
+    for name, entry in first.items():
+        if norm(entry["opts"]) == want:
+            return name
+    return None
 
 
 def build(
@@ -98,12 +120,18 @@ def build(
 
 
 def write(table: dict[str, Any], path: Path = TABLE_FILE) -> None:
-    path.write_text(json.dumps(table, separators=(",", ":")) + "\n")
+    """Gzipped JSON, FLOPs and bytes as integers (deterministic: no timestamp in the gzip header)."""
+    for entry in table["workloads"].values():
+        for cfg in entry.values():
+            for part in ("transformer", "vae"):
+                cfg[part] = [[n, k, s, c, int(f), int(b)] for n, k, s, c, f, b in cfg[part]]
+    raw = json.dumps(table, separators=(",", ":"), sort_keys=True).encode()
+    path.write_bytes(gzip.compress(raw, compresslevel=9, mtime=0))
 
 
 @functools.cache
 def load(path: Path = TABLE_FILE) -> dict[str, Any]:
-    return json.loads(path.read_text())
+    return json.loads(gzip.decompress(path.read_bytes()))
 
 
 def call_ops(table: dict[str, Any], workload: str, config: str, part: str = "transformer") -> OpTable:

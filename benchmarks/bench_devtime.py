@@ -1,0 +1,97 @@
+#!/usr/bin/env python
+"""Where the time goes on the device at full scale: the device-time model's tables (a MODEL, not a measurement).
+
+Usage (from the repo root)::
+
+    .venv/bin/python benchmarks/bench_devtime.py --write-table   # trace every workload x configuration, write
+                                                                 # vllm_omni_ascend_opt/devtime/devtime_table.json
+    .venv/bin/python benchmarks/bench_devtime.py                 # print the tables from the committed table
+    .venv/bin/python benchmarks/bench_devtime.py --cards 2,4,8   # and the multi-card layouts
+
+The trace (``devtime/trace.py``) runs vLLM-Omni's real Qwen-Image transformer (real width, 60 blocks as first +
+59 x last) and real VAE decoder on CPU with nothing computed, with the semantic torch_npu fake installed so the
+plugin takes its NPU paths; the model (``devtime/model.py``) is fitted on the reference's published figures and
+prints each calibration point's residual. Per resolution: predicted ms per image for each configuration and as a
+multiple of the compute floor, and the top ops of the default stack that are neither GEMMs nor attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+@contextlib.contextmanager
+def fake_torch_npu():
+    import pytest
+
+    from tests.fake_torch_npu import install
+
+    with pytest.MonkeyPatch.context() as mp:
+        install(mp)
+        yield
+
+
+def write_table() -> float:
+    import torch
+
+    from vllm_omni_ascend_opt.devtime import table as TB
+    from vllm_omni_ascend_opt.testbed import tiny_model
+    from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
+
+    torch.set_num_threads(2)
+    rt = init_cpu_runtime(str(tiny_model.build_model_dir(tiny_model.TINY)))
+    t0 = time.perf_counter()
+    with fake_torch_npu():
+        n = len(TB.RESOLUTIONS) * len(TB.BATCHES) * len(TB.configurations())
+        done = [0]
+
+        def progress(what: str) -> None:
+            done[0] += 1
+            print(f"\r  traced {done[0]}/{n} {what:<40}", end="", file=sys.stderr, flush=True)
+
+        table = TB.build(rt, progress=progress)
+    print(file=sys.stderr)
+    TB.write(table)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write-table", action="store_true", help="trace everything and rewrite the table first")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--cards", default="", help="also the multi-card layouts for these card counts, e.g. 2,4,8")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    traced = write_table() if args.write_table else None
+    from vllm_omni_ascend_opt.devtime import report
+    from vllm_omni_ascend_opt.devtime import table as TB
+
+    table = TB.load(TB.TABLE_FILE)
+    fit = report.calibration(table)
+    print("\n".join(report.calibration_lines(fit)))
+    for h, w in TB.RESOLUTIONS:
+        for b in TB.BATCHES:
+            wk = TB.workload_key(h, w, b)
+            print()
+            print("\n".join(report.text_tables(table, fit, wk, args.steps)))
+    if args.cards:
+        from vllm_omni_ascend_opt.devtime import layouts
+
+        cards = [int(c) for c in args.cards.split(",")]
+        for h, w in TB.RESOLUTIONS:
+            print()
+            print("\n".join(layouts.text_table(table, fit.params, h, w, args.steps, cards)))
+    took = time.perf_counter() - t0
+    print(f"\n  whole run {took:.1f} s" + (f" (trace {traced:.1f} s)" if traced is not None else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

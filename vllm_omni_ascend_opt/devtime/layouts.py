@@ -1,0 +1,231 @@
+"""Multi-card layouts for one image: the collectives each parallel mode issues, priced, and the best layout.
+
+Per transformer call, at ``B`` samples, ``S`` image tokens, ``T`` text tokens, hidden ``d`` = 3072, 60 blocks,
+bf16, what vLLM-Omni 0.30's parallel modes issue on each rank (counted on the real code by
+:class:`CollectiveCounter` under the gloo runs of ``tests/test_parallel.py``; ``tests/test_devtime_layouts.py``
+checks :func:`collectives` against them):
+
+* Ulysses SP (degree u): per block, one all-to-all each for the image q, k, v before attention and one for its
+  output (4 x B x S/u x d x 2 bytes per rank, (u-1)/u of it leaves the card); the image sequence is split u ways,
+  the text stream is computed whole on every rank; one all-gather of the output per call;
+* ring SP (degree r): per block, r-1 passes of the local k and v to the next rank (2 x B x S/r x d x 2 bytes each),
+  counted as not overlapped with compute (an upper bound); one all-gather of the output per call;
+* CFG-parallel (2): each rank runs one of the two CFG branches; one all-gather of the noise prediction per step;
+* TP (degree t): per block, the attention out-projection and the MLP's down-projection of each stream end in an
+  all-reduce (4 x B x (S or T) x d x 2 bytes); GEMMs, attention and the head-split QK norm and RoPE are split t
+  ways, every other element-wise op runs whole on every rank.
+
+Pricing (:data:`~.specs.HCCL_LATENCY_US` and the HCCS figures of :mod:`.specs`, approximate): an all-to-all or
+all-gather over u ranks moves its (u-1)/u share over u-1 links at once; an all-reduce costs twice that (reduce-
+scatter + all-gather); each collective also costs one latency. The compute side is the device-time model's, on the
+op table of one rank (ops on the split dimension scaled down, :func:`_rank_table`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm_omni_ascend_opt.devtime import model as M
+from vllm_omni_ascend_opt.devtime import table as TB
+from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM
+from vllm_omni_ascend_opt.devtime.specs import HCCL_LATENCY_US
+from vllm_omni_ascend_opt.devtime.trace import BLOCKS, OpTable
+
+HIDDEN, HEADS, HEAD_DIM, LINKS = 3072, 24, 128, 7
+#: The input argument of each c10d op whose bytes are counted (what one rank sends in).
+_INPUT_ARG = {
+    "alltoall_base_": "input",
+    "allreduce_": "tensors",
+    "allgather_": "input_tensors",
+    "_allgather_base_": "input_tensor",
+    "send": "tensors",
+}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """``with CollectiveCounter() as c: ...``: the ``c10d::`` collectives issued, by name, with the bytes of their
+    input (``c.calls``, ``c.bytes``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, _, name = func._schema.name.partition("::")
+        if ns == "c10d" and name not in ("barrier", "monitored_barrier_"):
+            named = dict(zip([a.name for a in func._schema.arguments], args, strict=False))
+            named.update(kwargs)
+            arg = named.get(_INPUT_ARG.get(name, ""), args[1] if len(args) > 1 else args[0])
+            self.calls[name] += 1
+            self.bytes[name] += sum(t.numel() * t.element_size() for t in pytree.tree_leaves(arg) if _is_t(t))
+        return func(*args, **kwargs)
+
+    def as_dict(self) -> dict[str, list[int]]:
+        return {n: [self.calls[n], self.bytes[n]] for n in self.calls}
+
+
+def _is_t(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class Layout:
+    ulysses: int = 1
+    ring: int = 1
+    cfg: int = 1
+    tp: int = 1
+
+    @property
+    def cards(self) -> int:
+        return self.ulysses * self.ring * self.cfg * self.tp
+
+    @property
+    def name(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("USP", self.ulysses), ("ring", self.ring), ("CFG", self.cfg), ("TP", self.tp))]
+        return (
+            "+".join(p for p, v in zip(parts, (self.ulysses, self.ring, self.cfg, self.tp), strict=True) if v > 1)
+            or "1 card"
+        )
+
+
+def collectives(
+    layout: Layout,
+    *,
+    batch: int,
+    image_tokens: int,
+    text_tokens: int,
+    blocks: int = BLOCKS,
+    hidden: int = HIDDEN,
+    channels: int = 64,
+    el: int = 2,
+) -> dict[str, list[int]]:
+    """Per rank and transformer call: ``c10d`` op name -> [calls, bytes sent in] (what :class:`CollectiveCounter`
+    sees; ``send`` stands for a ring pass), for the SP and TP modes; CFG-parallel's gather is per step
+    (:func:`cfg_collectives`). ``el`` bytes per element (bf16: 2), ``channels`` of the packed latent output."""
+    out: dict[str, list[int]] = {}
+
+    def add(name: str, calls: int, nbytes: int) -> None:
+        got = out.setdefault(name, [0, 0])
+        got[0] += calls
+        got[1] += nbytes
+
+    sp = layout.ulysses * layout.ring
+    local = batch * (image_tokens // sp) * hidden * el
+    if layout.ulysses > 1:  # q, k, v in and the output back; the text stream's output gathered once per block
+        add("alltoall_base_", 4 * blocks, 4 * blocks * local)
+        add("allgather_", blocks, blocks * batch * (text_tokens // layout.ulysses) * hidden * el)
+    if layout.ring > 1:
+        add("send", 2 * (layout.ring - 1) * blocks, 2 * (layout.ring - 1) * blocks * local)
+    if sp > 1:
+        add("_allgather_base_", 1, batch * (image_tokens // sp) * channels * el)
+    if layout.tp > 1:
+        add("allreduce_", 4 * blocks, 2 * blocks * batch * (image_tokens + text_tokens) * hidden * el)
+    return out
+
+
+def cfg_collectives(*, batch: int, image_tokens: int, channels: int = 64, el: int = 2) -> dict[str, list[int]]:
+    """CFG-parallel, per denoise step: one all-gather of the noise prediction."""
+    return {"_allgather_base_": [1, batch * image_tokens * channels * el]}
+
+
+def _comm_ms(name: str, calls: int, nbytes: int, ranks: int, hccs_gbps: float) -> float:
+    if ranks <= 1 or not calls:
+        return 0.0
+    link = hccs_gbps / LINKS * 1e9
+    lanes = min(ranks - 1, LINKS)
+    share = nbytes * (ranks - 1) / ranks
+    factor = {"allreduce_": 2.0, "send": float(lanes)}.get(name, 1.0)  # a ring pass uses one link
+    return (calls * HCCL_LATENCY_US * 1e-6 + factor * share / (lanes * link)) * 1e3
+
+
+def _rank_table(table: OpTable, layout: Layout, image_tokens: int, batch: int) -> OpTable:
+    """One rank's share of a transformer call's ops: SP splits every op on the image sequence, TP the GEMMs,
+    attention and the head-split ops; the rest runs whole on every rank."""
+    sp, tp = layout.ulysses * layout.ring, layout.tp
+    seq = re.compile(rf"(^|[x,]){image_tokens}(x|,|$)")
+    heads = f"x{HEADS}x{HEAD_DIM}"
+    out = OpTable()
+    for o in table.ops.values():
+        shapes = o.site.split("|", 1)[-1]
+        scale = 1.0
+        if sp > 1 and (seq.search(shapes) or o.kind == ATTENTION):
+            scale /= sp
+        if tp > 1 and (o.kind in (GEMM, ATTENTION) or heads in shapes):
+            scale /= tp
+        out.add(o.name, o.kind, o.site, o.flops * scale, o.bytes * scale, o.count)
+    return out
+
+
+def predict(
+    table: dict[str, Any],
+    params: M.Params,
+    layout: Layout,
+    config: str,
+    height: int,
+    width: int,
+    steps: int,
+    cfg_forwards: int = 2,
+) -> dict[str, float]:
+    """Predicted ms of one image with ``layout`` (model). CFG-parallel needs ``cfg_forwards`` = 2."""
+    wk = TB.workload_key(height, width, 1)
+    tr, vae = TB.call_ops(table, wk, config), TB.call_ops(table, wk, config, "vae")
+    s, t = (height // 16) * (width // 16), table["text_tokens"]
+    rank_call = M.call_ms(_rank_table(tr, layout, s, 1), params)
+    comm = sum(
+        _comm_ms(n, c, b, layout.ulysses * layout.ring if n != "allreduce_" else layout.tp, params.spec.hccs_gbps)
+        for n, (c, b) in collectives(layout, batch=1, image_tokens=s, text_tokens=t).items()
+    )
+    forwards = cfg_forwards // layout.cfg
+    step = forwards * (rank_call + comm)
+    if layout.cfg > 1:
+        ((c, b),) = cfg_collectives(batch=1, image_tokens=s).values()
+        step += _comm_ms("_allgather_base_", c, b, 2, params.spec.hccs_gbps)
+    total = steps * step + M.call_ms(vae, params) + params.const_ms
+    return {"ms": total, "comm_ms_per_step": forwards * comm, "compute_ms_per_call": rank_call}
+
+
+def layouts_for(cards: int, cfg: bool) -> list[Layout]:
+    out = []
+    for u, r, c, t in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (1, 2), (1, 2, 4, 8)):
+        lay = Layout(u, r, c, t)
+        if lay.cards == cards and (cfg or c == 1) and HEADS % (u * t) == 0:
+            out.append(lay)
+    return out
+
+
+def text_table(
+    table: dict[str, Any], params: M.Params, height: int, width: int, steps: int, cards: list[int], cfg: bool = True
+) -> list[str]:
+    fw = 2 if cfg else 1
+    lines = [
+        f"  multi-card layouts ({M.LABEL}), {width}x{height}, {steps} steps, CFG {'on' if cfg else 'off'}, "
+        f"{params.spec.name}, HCCS {params.spec.hccs_gbps:.0f} GB/s (approximate), {HCCL_LATENCY_US:.0f} us per "
+        "collective (assumed):"
+    ]
+    one = {c: predict(table, params, Layout(), c, height, width, steps, fw)["ms"] for c in ("stock", "default")}
+    lines.append(f"    1 card: stock {one['stock']:.0f} ms, default {one['default']:.0f} ms")
+    for n in cards:
+        rows = []
+        for lay in layouts_for(n, cfg):
+            st = predict(table, params, lay, "stock", height, width, steps, fw)
+            de = predict(table, params, lay, "default", height, width, steps, fw)
+            rows.append((de["ms"], lay, st, de))
+        rows.sort(key=lambda r: r[0])
+        for ms, lay, st, de in rows:
+            lines.append(
+                f"    {n} cards {lay.name:<16} stock {st['ms']:7.0f} ms (x{one['stock'] / st['ms']:.2f})  default "
+                f"{de['ms']:7.0f} ms (x{one['default'] / de['ms']:.2f})  comm {de['comm_ms_per_step']:6.1f} ms/step"
+            )
+        if rows:
+            lines.append(f"    best for {n} cards: {rows[0][1].name}")
+    return lines
