@@ -62,12 +62,73 @@ def write_table() -> float:
     return time.perf_counter() - t0
 
 
+def markdown(steps: int) -> str:
+    """docs/results.md's device-time tables, from the committed trace table."""
+    from vllm_omni_ascend_opt.devtime import layouts as L
+    from vllm_omni_ascend_opt.devtime import report
+    from vllm_omni_ascend_opt.devtime import table as TB
+
+    table = TB.load(TB.TABLE_FILE)
+    fit = report.calibration(table)
+    p = fit.params
+    out = [
+        f"Fitted: {p.describe()}.",
+        "",
+        "| calibration point | published ms | model ms | residual | |",
+        "|---|---|---|---|---|",
+    ]
+    for name, (ref, got, res, used) in fit.points.items():
+        out.append(f"| {name} | {ref:.1f} | {got:.1f} | {res:+.1f} | {'fit' if used else 'held out'} |")
+    res = [(h, w) for h, w in TB.RESOLUTIONS]
+    cols = ["stock", "default", "all", "portable"]
+    out += ["", f"Predicted ms per image (model), {steps} steps, B=1, CFG off (x compute floor in brackets):", ""]
+    out.append("| resolution | floor ms | " + " | ".join(cols) + " | B=2 default |")
+    out.append("|---" * (len(cols) + 3) + "|")
+    for h, w in res:
+        preds = report.predictions(table, p, TB.workload_key(h, w, 1), steps)
+        b2 = report.predictions(table, p, TB.workload_key(h, w, 2), steps)["default"]
+        cells = [f"{preds[c].image_ms:.0f} (x{preds[c].image_ms / preds[c].floor_ms:.2f})" for c in cols]
+        out.append(f"| {w}x{h} | {preds['stock'].floor_ms:.0f} | " + " | ".join(cells) + f" | {b2.image_ms:.0f} |")
+    alone = [n for n in TB.configurations() if n.startswith(tuple(TB.transformer_names())) or n.startswith("vae_")]
+    alone = [n for n in alone if "-" not in n and "+" not in n]
+    out += ["", f"Each optimization alone: predicted ms saved per image against stock (model), {steps} steps, B=1:", ""]
+    out.append("| optimization | " + " | ".join(f"{w}x{h}" for h, w in res) + " |")
+    out.append("|---" * (len(res) + 1) + "|")
+    for n in alone:
+        cells = []
+        for h, w in res:
+            preds = report.predictions(table, p, TB.workload_key(h, w, 1), steps)
+            cells.append(f"{preds['stock'].image_ms - preds[n].image_ms:.0f}")
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    wk = TB.workload_key(1328, 1328, 1)
+    step = report.predictions(table, p, wk, steps)["default"].transformer_ms
+    out += ["", f"Top 10 ops of the default stack that are neither GEMMs nor attention, 1328x1328, {steps} steps:", ""]
+    out += ["| ms per image | % of a default step | op | launches | GB | where |", "|---|---|---|---|---|---|"]
+    for r in report.top_ops(table, p, wk, "default", "transformer", 10, steps):
+        share = 100 * r["ms"] / steps / step
+        out.append(
+            f"| {r['ms']:.1f} | {share:.1f} | `{r['op']}` | {r['launches']} | {r['gbytes']:.1f} | `{r['site']}` |"
+        )
+    out += ["", "The same for one VAE decode (default), 1328x1328:", "", "| ms | op | launches | GB | where |"]
+    out.append("|---|---|---|---|---|")
+    for r in report.top_ops(table, p, wk, "default", "vae", 10, 1):
+        out.append(f"| {r['ms']:.1f} | `{r['op']}` | {r['launches']} | {r['gbytes']:.1f} | `{r['site']}` |")
+    for h, w, cfg in ((1024, 1024, True), (704, 1280, False)):
+        out += ["", "```", *L.text_table(table, p, h, w, steps, [2, 4, 8], cfg), "```"]
+    out += ["", "```", *L.published_checks(table, p), "```"]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--write-table", action="store_true", help="trace everything and rewrite the table first")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--cards", default="", help="also the multi-card layouts for these card counts, e.g. 2,4,8")
+    p.add_argument("--markdown", action="store_true", help="print docs/results.md's tables instead")
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.steps))
+        return 0
     t0 = time.perf_counter()
     traced = write_table() if args.write_table else None
     from vllm_omni_ascend_opt.devtime import report
@@ -88,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         for h, w in TB.RESOLUTIONS:
             print()
             print("\n".join(layouts.text_table(table, fit.params, h, w, args.steps, cards)))
+        print()
+        print("\n".join(layouts.published_checks(table, fit.params)))
     took = time.perf_counter() - t0
     print(f"\n  whole run {took:.1f} s" + (f" (trace {traced:.1f} s)" if traced is not None else ""))
     return 0

@@ -146,9 +146,18 @@ def add_subcommands(sub: Any) -> None:
     ab.add_argument("--fresh", action="store_true", help="discard earlier results in --out and start over")
     ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     ab.set_defaults(func=cmd_ablate)
-    pl = sub.add_parser("plan", help="dry run of ablate: configurations, number of runs, estimated duration")
+    pl = sub.add_parser(
+        "plan",
+        help="dry run of ablate: configurations, number of runs, estimated duration; for a Qwen-Image NPU workload "
+        "also the device-time model's predictions (a model, not measured)",
+    )
     _add_common(pl)
     pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.add_argument(
+        "--cards",
+        default="",
+        help="also the device-time model's multi-card layouts for one image on these card counts, e.g. 2,4,8",
+    )
     pl.set_defaults(func=cmd_plan)
 
 
@@ -321,10 +330,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     est = estimate(plan)
     stored = _stored_measurements(plan, args.out)
     launch = _launch_estimate(plan)
+    devtime = _devtime_section(plan, launch)
+    try:
+        cards = [int(c) for c in args.cards.split(",") if c.strip()]
+    except ValueError:
+        return _bad(f"--cards takes card counts like 2,4,8, not {args.cards!r}")
     if args.json:
         out = {"plan": plan.to_dict(), "estimate": est.to_dict(), "stored_measurements": stored}
         if launch is not None:
             out["launch_estimate"] = launch
+        if devtime is not None:
+            out["devtime_model"] = {k: v for k, v in devtime.items() if k != "tables"}
         print(json.dumps(out, indent=1))
         return 0
     _print_plan(plan, est)
@@ -333,6 +349,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for cid, ms in launch["ms_saved"].items():
             print(f"    {cid:<24} {'n/a (not in the launch table)' if ms is None else f'{ms:.0f} ms'}")
         print(textwrap.fill(launch["calibration"], 110, initial_indent="    ", subsequent_indent="    "))
+    if devtime is not None:
+        from vllm_omni_ascend_opt.devtime import report as devtime_report
+
+        wl = plan.workload
+        lines = devtime_report.plan_lines(
+            devtime, cards, height=wl.height, width=wl.width, steps=wl.steps, cfg=wl.cfg_scale > 1
+        )
+        print("\n".join(lines))
     if stored:
         print(
             f"\n  {args.out} already holds {stored} measurement(s) of this plan: ablate would resume (--fresh: "
@@ -361,6 +385,25 @@ def _launch_estimate(plan: Any) -> dict[str, Any] | None:
         "ms_saved": {c.id: launch_model.ms_saved(c.opts, steps=wl.steps, cfg=cfg) for c in plan.configs},
         "calibration": f"{wl.steps} steps x {2 if cfg else 1} forward(s) per step x 60 blocks; {cal.describe()}",
     }
+
+
+def _devtime_section(plan: Any, launch: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The device-time model's predictions for the plan's configurations (model, not measured); None for the tiny
+    model."""
+    from vllm_omni_ascend_opt.devtime import report as devtime_report
+
+    wl = plan.workload
+    if wl.is_tiny:
+        return None
+    return devtime_report.for_plan(
+        {c.id: list(c.opts) for c in plan.configs},
+        model=wl.model,
+        height=wl.height,
+        width=wl.width,
+        steps=wl.steps,
+        cfg_forwards=2 if wl.cfg_scale > 1 else 1,
+        launch_ms_saved=(launch or {}).get("ms_saved"),
+    )
 
 
 def _stored_measurements(plan: Any, out: Path) -> int:

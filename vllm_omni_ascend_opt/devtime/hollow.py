@@ -12,7 +12,8 @@ each op is answered from its meta kernel instead of being computed:
 * every other op runs on meta copies of its arguments, and its outputs are allocated, uninitialised, with the meta
   result's shape, stride and dtype: large ones are never touched (the pages are never faulted in), small ones
   (:data:`SMALL` elements) are filled with zeros (``True`` for ``bool``), so what the host reads is deterministic;
-* an op no meta kernel answers (value-dependent) runs for real on those deterministic values.
+* an op no meta kernel answers (value-dependent) runs for real on those deterministic values;
+* factories run for real when their result is small, and are allocated unwritten when it is large.
 
 So every value the host reads is 0, ``False`` is never seen where a ``bool`` reduction is taken, and ``torch.equal``
 answers True: each kernel check the plugin makes on first use passes (its errors are 0), data-dependent branches go
@@ -84,7 +85,7 @@ class HollowMode(TorchDispatchMode):
             return _mutated(func, args, kwargs)
         leaves = pytree.tree_leaves((args, kwargs))
         if not any(isinstance(x, torch.Tensor) for x in leaves):
-            return func(*args, **kwargs)  # a factory (arange, zeros ...): small in this model, made for real
+            return self._factory(func, args, kwargs)
         meta_args, meta_kwargs = pytree.tree_map(_to_meta, (args, kwargs))
         try:
             out = func(*meta_args, **meta_kwargs)
@@ -92,3 +93,17 @@ class HollowMode(TorchDispatchMode):
             self.real_fallbacks[name] = self.real_fallbacks.get(name, 0) + 1
             return func(*args, **kwargs)
         return pytree.tree_map(_materialize, out)
+
+    @staticmethod
+    def _factory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A factory (``arange``, ``zeros``, ``randn`` ...): made for real when small (its values may be read),
+        allocated unwritten when large (the kernel checks' random probes at full size)."""
+        has_device = any(a.name == "device" for a in func._schema.arguments)
+        if has_device and kwargs.get("device") in (None, "cpu", torch.device("cpu")):
+            try:
+                meta = func(*args, **{**kwargs, "device": torch.device("meta")})
+            except Exception:
+                meta = None
+            if isinstance(meta, torch.Tensor) and meta.numel() > SMALL:
+                return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device="cpu")
+        return func(*args, **kwargs)

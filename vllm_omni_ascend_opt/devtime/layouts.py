@@ -138,14 +138,16 @@ def cfg_collectives(*, batch: int, image_tokens: int, channels: int = 64, el: in
     return {"_allgather_base_": [1, batch * image_tokens * channels * el]}
 
 
-def _comm_ms(name: str, calls: int, nbytes: int, ranks: int, hccs_gbps: float) -> float:
+def _comm_ms(
+    name: str, calls: int, nbytes: int, ranks: int, hccs_gbps: float, latency_us: float = HCCL_LATENCY_US
+) -> float:
     if ranks <= 1 or not calls:
         return 0.0
     link = hccs_gbps / LINKS * 1e9
     lanes = min(ranks - 1, LINKS)
     share = nbytes * (ranks - 1) / ranks
     factor = {"allreduce_": 2.0, "send": float(lanes)}.get(name, 1.0)  # a ring pass uses one link
-    return (calls * HCCL_LATENCY_US * 1e-6 + factor * share / (lanes * link)) * 1e3
+    return (calls * latency_us * 1e-6 + factor * share / (lanes * link)) * 1e3
 
 
 def _rank_table(table: OpTable, layout: Layout, image_tokens: int, batch: int) -> OpTable:
@@ -175,6 +177,7 @@ def predict(
     width: int,
     steps: int,
     cfg_forwards: int = 2,
+    latency_us: float = HCCL_LATENCY_US,
 ) -> dict[str, float]:
     """Predicted ms of one image with ``layout`` (model). CFG-parallel needs ``cfg_forwards`` = 2."""
     wk = TB.workload_key(height, width, 1)
@@ -182,7 +185,9 @@ def predict(
     s, t = (height // 16) * (width // 16), table["text_tokens"]
     rank_call = M.call_ms(_rank_table(tr, layout, s, 1), params)
     comm = sum(
-        _comm_ms(n, c, b, layout.ulysses * layout.ring if n != "allreduce_" else layout.tp, params.spec.hccs_gbps)
+        _comm_ms(
+            n, c, b, layout.ulysses * layout.ring if n != "allreduce_" else layout.tp, params.spec.hccs_gbps, latency_us
+        )
         for n, (c, b) in collectives(layout, batch=1, image_tokens=s, text_tokens=t).items()
     )
     forwards = cfg_forwards // layout.cfg
@@ -221,7 +226,7 @@ def text_table(
             de = predict(table, params, lay, "default", height, width, steps, fw)
             rows.append((de["ms"], lay, st, de))
         rows.sort(key=lambda r: r[0])
-        for ms, lay, st, de in rows:
+        for _ms, lay, st, de in rows:
             lines.append(
                 f"    {n} cards {lay.name:<16} stock {st['ms']:7.0f} ms (x{one['stock'] / st['ms']:.2f})  default "
                 f"{de['ms']:7.0f} ms (x{one['default'] / de['ms']:.2f})  comm {de['comm_ms_per_step']:6.1f} ms/step"
@@ -229,3 +234,21 @@ def text_table(
         if rows:
             lines.append(f"    best for {n} cards: {rows[0][1].name}")
     return lines
+
+
+def published_checks(table: dict[str, Any], params: M.Params) -> list[str]:
+    """The model against the published multi-card figures (vLLM-Omni #3188, #4118; 910B3, 1024x1024). Assumed:
+    50 steps (the pipeline's default), CFG off (no negative prompt in the issue's requests), stock code."""
+    b3 = params.on("910B3")
+    one = predict(table, b3, Layout(), "stock", 1024, 1024, 50, 1)["ms"]
+    usp = predict(table, b3, Layout(ulysses=2), "stock", 1024, 1024, 50, 1)["ms"]
+    tp = predict(table, b3, Layout(tp=2), "stock", 1024, 1024, 50, 1)["ms"]
+    tp85 = predict(table, b3, Layout(tp=2), "stock", 1024, 1024, 50, 1, latency_us=85e3)["ms"]
+    return [
+        f"  published multi-card figures against the model ({M.LABEL}; 910B3 = the 910B1 fit at 910B3's peak; "
+        "1024x1024, 50 steps, CFG off, stock):",
+        f"    1 card: published ~26.6 s (#3188), model {one / 1e3:.1f} s",
+        f"    USP2: published about 2x (#4118), model x{one / usp:.2f}",
+        f"    TP2: published no gain (#3188) and ~263 s with ~85 ms per HCCL all-reduce (#4118); model x{one / tp:.2f} "
+        f"at {HCCL_LATENCY_US:.0f} us per collective, {tp85 / 1e3:.0f} s at 85 ms",
+    ]

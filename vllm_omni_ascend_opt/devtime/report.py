@@ -74,7 +74,7 @@ def top_ops(
 
 
 def _pred_line(name: str, p: M.Prediction) -> str:
-    return f"    {name:<22} {p.image_ms:8.0f} ms   x{p.image_ms / p.floor_ms:4.2f} of the floor"
+    return f"    {name:<28} {p.image_ms:8.0f} ms   x{p.image_ms / p.floor_ms:4.2f} of the floor"
 
 
 def text_tables(
@@ -97,7 +97,7 @@ def text_tables(
         f"    {workload}, {steps} steps, {cfg_forwards} forward(s) per step; compute floor (FLOPs / spec peak) "
         f"{any_pred.floor_ms:.0f} ms",
     ]
-    for name in configs or list(preds):
+    for name in configs or TB.ordered(preds):
         if name in preds:
             lines.append(_pred_line(name, preds[name]))
     calls = steps * cfg_forwards
@@ -122,3 +122,76 @@ def text_tables(
 
 def calibration_lines(fit: M.Fit) -> list[str]:
     return [f"  calibration ({M.LABEL}): {fit.params.describe()}", *(f"    {r}" for r in fit.rows())]
+
+
+def for_plan(
+    configs: dict[str, list[str]],
+    *,
+    model: str,
+    height: int,
+    width: int,
+    steps: int,
+    cfg_forwards: int,
+    launch_ms_saved: dict[str, float | None] | None = None,
+) -> dict[str, Any]:
+    """``plan``'s model section: per plan configuration (id -> optimizations) the predicted ms per image and the
+    ms saved against stock, with the launch-only model's figure beside it; ``note`` says why not, where not."""
+    out: dict[str, Any] = {"label": HEAD, "configs": {}, "note": ""}
+    if model not in ("Qwen/Qwen-Image", "Qwen-Image"):
+        out["note"] = f"the trace table holds Qwen-Image text-to-image only, not {model}"
+        return out
+    try:
+        table = TB.load(TB.TABLE_FILE)
+    except OSError as exc:
+        out["note"] = f"no trace table ({exc}): run benchmarks/bench_devtime.py --write-table"
+        return out
+    wk = TB.workload_key(height, width, 1)
+    if wk not in table["workloads"]:
+        out["note"] = f"{width}x{height} is not in the trace table (traced: {', '.join(table['workloads'])})"
+        return out
+    fit = calibration(table)
+    preds = predictions(table, fit.params, wk, steps, cfg_forwards)
+    stock = preds["stock"].image_ms
+    for cid, opts in configs.items():
+        name = TB.find_config(table, opts)
+        ms = preds[name].image_ms if name else None
+        out["configs"][cid] = {
+            "table_config": name,
+            "model_ms": ms,
+            "model_ms_saved": None if ms is None else stock - ms,
+            "launch_only_ms_saved": (launch_ms_saved or {}).get(cid),
+        }
+    out["params"] = fit.params.describe()
+    out["calibration"] = fit.rows()
+    out["tables"] = text_tables(table, fit, wk, steps, cfg_forwards)
+    out["workload"] = wk
+    return out
+
+
+def plan_lines(
+    section: dict[str, Any],
+    cards: list[int] | None = None,
+    *,
+    height: int = 0,
+    width: int = 0,
+    steps: int = 0,
+    cfg: bool = False,
+) -> list[str]:
+    """``plan``'s text for :func:`for_plan`'s section (and the multi-card layouts for ``cards``)."""
+    lines = [f"\n  {section['label']}, per plan configuration:"]
+    if section["note"]:
+        return [*lines, f"    not available: {section['note']}"]
+    lines.append(f"    {'configuration':<26} {'model ms':>9} {'saved':>7}  {'launch-only saved':>17}")
+    for cid, row in section["configs"].items():
+        ms, saved, lo = row["model_ms"], row["model_ms_saved"], row["launch_only_ms_saved"]
+        lines.append(
+            f"    {cid:<26} {'n/a' if ms is None else f'{ms:.0f}':>9} {'' if saved is None else f'{saved:.0f}':>7}  "
+            f"{'n/a' if lo is None else f'{lo:.0f}':>17}"
+        )
+    lines += ["", *section["tables"], "  calibration residuals:", *(f"    {r}" for r in section["calibration"])]
+    if cards:
+        from vllm_omni_ascend_opt.devtime import layouts
+
+        table = TB.load(TB.TABLE_FILE)
+        lines += ["", *layouts.text_table(table, calibration(table).params, height, width, steps, cards, cfg)]
+    return lines

@@ -24,6 +24,9 @@ VERSION = 1
 RESOLUTIONS: tuple[tuple[int, int], ...] = ((512, 512), (1024, 1024), (1328, 1328), (928, 1664), (704, 1280))
 BATCHES = (1, 2)
 REFERENCE_RES = (704, 1280)
+#: The default optimizations that act only through torch_npu kernels: without torch_npu (a CPU host planning an NPU
+#: run) ``ablate``'s full stack is the default less these, the ``portable`` configurations.
+NPU_ONLY = ("fused_attention", "nz_weights", "qk_norm")
 
 
 def workload_key(height: int, width: int, batch: int) -> str:
@@ -54,7 +57,16 @@ def configurations() -> dict[str, str]:
     out["pixel"] = ",".join(["none", *(f"+{n}" for n in pixel_tr)])
     out["pixel+vae"] = out["pixel"] + ",+vae_exact"
     out.update({f"default-{o.name}": f"default,-{o.name}" for o in opts if o.default_enabled})
+    portable = [o.name for o in opts if o.default_enabled and o.name not in NPU_ONLY]
+    out["portable"] = "default," + ",".join(f"-{n}" for n in NPU_ONLY)
+    out.update({f"portable-{n}": f"{out['portable']},-{n}" for n in portable})
     return out
+
+
+def ordered(names: Any) -> list[str]:
+    """``names`` in :func:`configurations` order (the table's JSON keys are sorted)."""
+    order = list(configurations())
+    return sorted(names, key=lambda n: order.index(n) if n in order else len(order))
 
 
 def find_config(table: dict[str, Any], opts: list[str] | tuple[str, ...]) -> str | None:
