@@ -233,8 +233,9 @@ def trace_transformer(rt: Any, tr: Any, flags: str, kw: dict[str, Any]) -> CallT
     from vllm_omni_ascend_opt import api
     from vllm_omni_ascend_opt.testbed.blockops import npu_dispatch
 
-    hollow = HollowMode()
-    api.select(flags, model=tr)
+    hollow = HollowMode()  # selecting too: attaching casts or copies weights (nz_weights), nothing computed
+    with hollow:
+        api.select(flags, model=tr)
     try:
         with hollow, npu_dispatch(tr), rt.context(), torch.no_grad():
             tr(**kw)  # cold: memo and tables filled, first-use kernel checks done
@@ -242,7 +243,8 @@ def trace_transformer(rt: Any, tr: Any, flags: str, kw: dict[str, Any]) -> CallT
             with _scopes(t, tr.transformer_blocks), t:
                 tr(**kw)
     finally:
-        api.select("none", model=tr)
+        with hollow:
+            api.select("none", model=tr)
     return CallTrace(dict(t.tables), len(tr.transformer_blocks), dict(hollow.real_fallbacks))
 
 
@@ -264,7 +266,8 @@ def trace_vae(rt: Any, vae: Any, flags: str, height: int, width: int, batch: int
     hollow = HollowMode()
     with hollow:
         z = torch.empty(batch, vae.config.z_dim, 1, height // 8, width // 8, dtype=torch.bfloat16)
-    api.select(flags, model=vae)
+    with hollow:
+        api.select(flags, model=vae)
     try:
         with hollow, rt.context(), torch.no_grad():
             vae.decode(z, return_dict=False)  # cold: per-weight tables of the VAE optimizations made
@@ -272,5 +275,6 @@ def trace_vae(rt: Any, vae: Any, flags: str, height: int, width: int, batch: int
             with t:
                 vae.decode(z, return_dict=False)
     finally:
-        api.select("none", model=vae)
+        with hollow:
+            api.select("none", model=vae)
     return CallTrace(dict(t.tables), 1, dict(hollow.real_fallbacks))
