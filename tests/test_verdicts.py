@@ -72,3 +72,32 @@ def test_clear_drops_everything_under_the_same_probe():
     cache.clear()
     assert _backend.probe_id() == probe and cache.get("a") is None and len(cache) == 0
     assert cache.get_or_make("a", lambda: "again") == ("again", True)
+
+
+def test_guard_backoff_schedule(monkeypatch):
+    """Errors are retried after 1, 2, 4, 8, 16 forwards (capped at 32) and demoted after the 6th in a row; a
+    TypeError is a verdict for the caller (not retried); a success after a fault clears it."""
+    from collections import Counter
+
+    from vllm_omni_ascend_opt.blocks.kernels import guard
+    from vllm_omni_ascend_opt.blocks.upstream import forward_scope
+
+    g, clock = guard.Guard("test", Counter()), [100]
+    monkeypatch.setattr(forward_scope, "forwards", lambda: clock[0])
+
+    def oom():
+        raise RuntimeError("NPU out of memory. Tried to allocate 1 GiB")
+
+    waits = []
+    for _ in range(guard.MAX_ERRORS):
+        assert g.run("k", oom) == (False, None, "") and g.waits("k")
+        (f,) = g.faults()
+        waits.append(f.retry_at - clock[0])
+        clock[0] = f.retry_at
+    assert waits == [1, 2, 4, 8, 16, 32] and f.demoted and f.kind == "out of memory"
+    assert g.waits("k") and "demoted to stock after 6 errors" in f.describe()
+    ok, _, refusal = g.run("t", lambda: int("x"))
+    assert not ok and "ValueError" in refusal and g.stats["faults"] == 6  # a verdict, not a fault
+    g.run("r", oom)
+    clock[0] += 1
+    assert not g.waits("r") and g.run("r", lambda: 7) == (True, 7, "") and [f.key for f in g.faults()] == ["k"]

@@ -115,6 +115,7 @@ def rows(model: Any = None) -> list[dict[str, Any]]:
                 "installed": opt.installed,
                 "reasons_inactive": reasons,
                 "notes": [*opt.upstream_notes(), *opt.notes()],
+                "kernel_classes": opt.kernel_classes() if opt.installed else None,
                 "upstream": [f.as_dict() for f in opt.upstream_findings()],
                 "requires": list(opt.requires),
                 "parallel_support": dict(opt.parallel_support),
@@ -192,6 +193,16 @@ def cache_memory() -> dict[str, dict[str, Any]]:
     return out
 
 
+def kernel_classes() -> dict[str, dict[str, Any]]:
+    """Per installed optimization with a verified kernel: shape classes on the kernel, on stock, and why."""
+    out = {}
+    for opt in registry.all_optimizations():
+        t = opt.kernel_classes() if opt.installed else None
+        if t is not None:
+            out[opt.name] = t
+    return out
+
+
 def status_report(model: Any = None) -> dict[str, Any]:
     off = off_reasons(model)
     report: dict[str, Any] = {
@@ -211,6 +222,7 @@ def status_report(model: Any = None) -> dict[str, Any]:
         "requests": _requests.get("n", 0),
         "fallbacks": {o.name: o.fallback_reasons() for o in registry.all_optimizations() if o.fallback_reasons()},
         "stats": {o.name: dict(o.stats) for o in registry.all_optimizations() if o.installed and o.stats},
+        "kernels": kernel_classes(),
     }
     if model is not None:
         report["pipeline"] = type(model).__name__

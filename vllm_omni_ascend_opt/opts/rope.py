@@ -79,6 +79,7 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels import guard as kguard
 from vllm_omni_ascend_opt.blocks.kernels import rotary
 from vllm_omni_ascend_opt.blocks.kernels.rope_tables import TABLE_CACHE_SIZE, version_or_none
 from vllm_omni_ascend_opt.blocks.kernels.rotary import ENV_KERNEL_POLICY, KernelVerdict, ShapeVerdict
@@ -232,6 +233,8 @@ class Rope(Optimization):
                 )
             out.extend(v.describe() for v in verdicts)
             out.extend(v.describe() for v in self.shape_verdicts())
+            out.extend(f"npu_rotary_mul fault: {f.describe()}" for f in self.rotary.guard.faults())
+            out.append(kguard.tally_line("npu_rotary_mul", self.kernel_classes() or {}))
         if self.stats:
             s = self.stats
             out.append(
@@ -240,6 +243,11 @@ class Rope(Optimization):
                 f"stock kernel with cached tables {s['delegate_calls']}, stock {s['stock_calls']}"
             )
         return out
+
+    def kernel_classes(self) -> dict[str, Any] | None:
+        if _backend.torch_npu_module() is None or not self.use_npu_kernel:
+            return None
+        return kguard.tally(self.verdicts() + self.shape_verdicts(), self.rotary.guard.faults())  # type: ignore[operator]
 
     def verdicts(self) -> list[KernelVerdict]:
         """The toy-shape verifications of the kernel per (device, dtype, head_dim), for the current backend."""

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels.guard import is_error
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 
 KERNEL = "npu_fusion_attention"
@@ -319,6 +320,8 @@ def verify(
                 )
                 return Verdict(False, str(device), dname, label, worst, errors)
     except Exception as exc:
+        if is_error(exc):  # out of memory, a runtime error: a fault, for the guard (not a verdict)
+            raise
         return Verdict(False, str(device), dname, label, f"kernel raised {exc.__class__.__name__}: {exc}", errors)
     detail = ", ".join(f"{c}: max|Δ| {e:.3g}" for c, e in errors.items())
     return Verdict(True, str(device), dname, label, f"{detail} (Nq={num_heads}, Nkv={nkv}, D={head_dim})", errors)
@@ -337,8 +340,19 @@ def check_class(
     try:
         out = call_kernel(npu, qr, kr, vr, masked, s)
     except Exception as exc:
+        if is_error(exc):  # a fault, for the guard
+            raise
         return ShapeVerdict(shape_class(q, k, masked), False, f"kernel raised {exc.__class__.__name__}: {exc}")
     return check_at_shape(qr, kr, vr, out, masked, s)
+
+
+def check_scratch_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Device scratch of :func:`check_class`: random q/k/v and the output in q's dtype, and a few fp32 chunks of
+    at most :data:`VERIFY_CHUNK_ELEMS` scores (scores, softmax, the stock SDPA's) plus the fp32 chunk outputs."""
+    b, sq, nq, _ = q.shape
+    io = (2 * q.numel() + 2 * k.numel()) * q.element_size()
+    scores = min(VERIFY_CHUNK_ELEMS, b * nq * sq * k.shape[1])
+    return io + 3 * 4 * scores + 3 * 4 * q.numel()
 
 
 def graph_capture() -> bool:

@@ -12,7 +12,9 @@ How the kernel is verified (before it is used, and again where it runs):
    pre-7.0 aclops fallback that ignored ``rotary_mode``) fails by orders of magnitude and is refused;
 2. :func:`verify_at_shape`, on the first real call of each :func:`shape_class`: the kernel's output on the real
    inputs against an fp32 reference; the class keeps the kernel only if it is within the tolerance and its max error
-   is no larger than stock's own. A call that raises refuses its class.
+   is no larger than stock's own. A call that raises a TypeError/ValueError refuses its class; an error of the moment
+   (out of memory, a runtime error) is a fault (:mod:`.guard`): that call takes the portable path, the class is
+   retried after the guard's backoff.
 
 Both kinds of verdict live in :class:`~.verdicts.VerdictCache` objects (a new backend probe drops them;
 :meth:`RotaryKernel.clear` on ``rope``'s uninstall). :class:`RotaryKernel` counts into its owner's statistics, so
@@ -33,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels.guard import Guard, is_error
 from vllm_omni_ascend_opt.blocks.kernels.rope_tables import (
     TableCache,
     Tables,
@@ -62,6 +65,15 @@ KERNEL_D_LIMIT = 896  # npu_rotary_mul doc: D < 896 and even
 KERNEL_BN_LIMIT = 1000  # npu_rotary_mul doc, interleave: B * N < 1000
 #: Shape-class verification: chunk the fp32 reference over S so that one chunk holds at most this many elements.
 VERIFY_CHUNK_ELEMS = 1 << 22
+#: fp32 chunk-sized temporaries alive at once in :func:`verify_at_shape` (x, out, ref, scale, err, stock, swap).
+_CHECK_TEMPS = 8
+
+
+def check_scratch_bytes(x: torch.Tensor) -> int:
+    """Device scratch of :func:`verify_at_shape` on ``x``: a few fp32 chunks of at most :data:`VERIFY_CHUNK_ELEMS`."""
+    b, s, n, d = x.shape
+    step = max(1, VERIFY_CHUNK_ELEMS // max(1, b * n * d))
+    return _CHECK_TEMPS * 4 * b * min(s, step) * n * d
 
 
 def reference_fp32(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +98,10 @@ class KernelVerdict:
     fn: Callable[..., torch.Tensor] | None = None
     err_kernel: float = math.nan  # max |kernel - ref_fp32|
     err_stock: float = math.nan  # max |stock - ref_fp32| (stock's own error in this dtype)
+
+    @property
+    def key(self) -> tuple[str, torch.dtype, int]:
+        return (self.device, self.dtype, self.head_dim)
 
     def describe(self) -> str:
         where = f"{self.device}/{str(self.dtype).removeprefix('torch.')}/D={self.head_dim}"
@@ -122,6 +138,8 @@ def verify_kernel(
         ncos, nsin = npu_tables(tables, freqs, scratch)
         out = kernel(x, ncos, nsin, rotary_mode="interleave")
     except Exception as exc:
+        if is_error(exc):  # out of memory, a runtime error: a fault, for the guard (not a verdict)
+            raise
         v.reason = f"the kernel raised {exc.__class__.__name__}: {exc}"
         return v
     if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != dtype or out.device != x.device:
@@ -253,9 +271,12 @@ class RotaryKernel:
         self.verdicts: VerdictCache[KernelVerdict] = VerdictCache()
         #: Per :func:`shape_class`: the check on the first real call of the class.
         self.shapes: VerdictCache[ShapeVerdict] = VerdictCache()
+        #: Faults of the checks and kernel calls (both kinds of key), retried with backoff.
+        self.guard = Guard(label, stats)
 
     def clear(self) -> None:
-        """Drop tables and verdicts."""
+        """Drop tables, verdicts and faults."""
+        self.guard.clear()
         self.tables.clear()
         self.verdicts.clear()
         self.shapes.clear()
@@ -264,7 +285,8 @@ class RotaryKernel:
         (logger.info if ok else logger.warning)("vllm-omni-ascend-opt: %s: %s", self.label, what)
 
     def kernel_for(self, x: torch.Tensor) -> KernelVerdict | None:
-        """The verified ``npu_rotary_mul`` verdict for ``x``'s (device, dtype, head_dim), or None (no kernel here)."""
+        """The verified ``npu_rotary_mul`` verdict for ``x``'s (device, dtype, head_dim), or None (no kernel here,
+        or its first-use check faulted: retried after the guard's backoff)."""
         if not self.policy.use_npu_kernel:
             return None
         mod = _backend.torch_npu_module()
@@ -273,11 +295,20 @@ class RotaryKernel:
         key = (str(x.device), x.dtype, x.shape[-1])
         v = self.verdicts.get(key)
         if v is None:
+            if self.guard.waits(key):
+                return None
             kernel = getattr(mod, "npu_rotary_mul", None)
             if kernel is None:
                 v = KernelVerdict(key[0], x.dtype, x.shape[-1], ok=False, reason="torch_npu has no npu_rotary_mul")
             else:
-                v = verify_kernel(kernel, x.device, x.dtype, x.shape[-1], x.shape[2])
+                ran, v, refusal = self.guard.run(
+                    key, lambda: verify_kernel(kernel, x.device, x.dtype, x.shape[-1], x.shape[2])
+                )
+                if not ran:
+                    if not refusal:
+                        return None  # a fault: recorded by the guard, retried later
+                    v = KernelVerdict(key[0], x.dtype, x.shape[-1], ok=False, reason=refusal)
+                assert v is not None
                 if v.ok and self.policy.requires_bitwise() and not v.bitwise_vs_stock:
                     v.ok, v.fn = False, None
                     v.reason = (
@@ -289,36 +320,49 @@ class RotaryKernel:
             self._log(v.ok, v.describe())
         return v if v.ok else None
 
+    def _kernel_call(
+        self, fn: Callable[..., torch.Tensor], x: torch.Tensor, tables: Tables, freqs: torch.Tensor, checked: bool
+    ) -> torch.Tensor | None:
+        """The kernel on ``x`` (and, on the first call of its class, the check): its output, or None when the class
+        was refused here (the verdict is stored). Runs inside the guard: whatever it raises costs this call only."""
+        key = shape_class(x)
+        cos, sin = npu_tables(tables, freqs, self.stats)
+        if not checked and not self.guard.fits(key, x.device, check_scratch_bytes(x)):
+            return None  # deferred: stock now, the check later
+        out = fn(x, cos, sin, rotary_mode="interleave")
+        if checked:
+            return out
+        pc, ps = portable_tables(tables, freqs, self.stats)
+        v = verify_at_shape(x, out, pc, ps, bitwise=self.policy.requires_bitwise())
+        self.shapes.put(key, v)
+        self.stats["shape_checks"] += 1
+        self._log(v.ok, v.describe())
+        return out if v.ok else None
+
     def apply(
         self, x: torch.Tensor, tables: Tables, freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
     ) -> torch.Tensor:
         """``rope(x, cos, sin)`` of stock with ``tables`` (of ``freqs``), on the backend the class docstring names
         (the kernel only where its shape class passed). ``inplace``: the caller owns ``x`` and no longer needs it, so
-        the portable math rotates it in place (fewer temporaries); the other paths return new tensors."""
+        the portable math rotates it in place (fewer temporaries); the other paths return new tensors. The kernel
+        call and its check run inside :attr:`guard`: a fault sends this call to the portable path."""
         verdict = self.kernel_for(x)
         if verdict is not None:
             b, _, n, d = x.shape
             key = shape_class(x)
             checked = self.shapes.get(key)
             eligible = freqs.shape[-1] * 2 == d and b * n < KERNEL_BN_LIMIT and x.dtype in KERNEL_DTYPES
-            if eligible and (checked is None or checked.ok):
-                cos, sin = npu_tables(tables, freqs, self.stats)
-                try:
-                    out = verdict.fn(x, cos, sin, rotary_mode="interleave")  # type: ignore[misc]
-                except Exception as exc:
-                    checked = ShapeVerdict(key, ok=False, reason=f"the kernel raised {exc.__class__.__name__}: {exc}")
-                    self.shapes.put(key, checked)
-                    self._log(False, checked.describe())
-                else:
-                    if checked is None:
-                        pc, ps = portable_tables(tables, freqs, self.stats)
-                        checked = verify_at_shape(x, out, pc, ps, bitwise=self.policy.requires_bitwise())
-                        self.shapes.put(key, checked)
-                        self.stats["shape_checks"] += 1
-                        self._log(checked.ok, checked.describe())
-                    if checked.ok:
-                        self.stats["kernel_calls"] += 1
-                        return out
+            if eligible and (checked is None or checked.ok) and not self.guard.waits(key):
+                fn = verdict.fn
+                assert fn is not None
+                ran, out, refusal = self.guard.run(
+                    key, lambda: self._kernel_call(fn, x, tables, freqs, checked is not None)
+                )
+                if refusal:
+                    self._log(False, self.shapes.put(key, ShapeVerdict(key, ok=False, reason=refusal)).describe())
+                elif ran and out is not None:
+                    self.stats["kernel_calls"] += 1
+                    return out
         if native_equivalent(rope):
             cos, sin_signed = portable_tables(tables, freqs, self.stats)
             self.stats["portable_calls"] += 1

@@ -49,6 +49,10 @@ class VerdictCache(Generic[V]):
         verdict = entries[key] = make()
         return verdict, True
 
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key`` (a fault that cleared; never a verdict: see the module docstring)."""
+        self._live().pop(key, None)
+
     def values(self) -> list[V]:
         return list(self._live().values())
 

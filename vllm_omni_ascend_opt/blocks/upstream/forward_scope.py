@@ -24,6 +24,14 @@ T = TypeVar("T")
 
 #: The decision tables of the open scopes, innermost last.
 _STACK: list[dict[Hashable, Any]] = []
+#: Outermost scopes opened so far in this process: the clock that kernel fault backoff counts in (never read while
+#: dynamo traces; a forward nobody watches does not advance it).
+_FORWARDS = [0]
+
+
+def forwards() -> int:
+    """How many outermost watched transformer forwards have started in this process (the fault-backoff clock)."""
+    return _FORWARDS[0]
 
 
 def current() -> dict[Hashable, Any] | None:
@@ -46,6 +54,8 @@ def decide(key: Hashable, make: Callable[[], T]) -> T:
 
 def _open(module: nn.Module, callbacks: dict[str, Callable[[nn.Module], None] | None]) -> dict[Hashable, Any]:
     scope: dict[Hashable, Any] = {}
+    if not _STACK:
+        _FORWARDS[0] += 1
     _STACK.append(scope)
     for callback in [c for c in callbacks.values() if c is not None]:
         callback(module)
