@@ -18,12 +18,18 @@ import pytest
 import torch
 
 from vllm_omni_ascend_opt import _report, api
-from vllm_omni_ascend_opt.blocks.kernels import rope_tables
+from vllm_omni_ascend_opt.blocks.kernels import rope_tables, saved
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.opts import fused_attention as fa
 from vllm_omni_ascend_opt.opts import qk_norm as qn
 from vllm_omni_ascend_opt.opts import rope
 from vllm_omni_ascend_opt.testbed import TINY
+
+
+@pytest.fixture(autouse=True)
+def _no_saved_verdicts(monkeypatch):
+    """Each test checks afresh after a new probe (saved verdicts would skip the checks the faults aim at)."""
+    monkeypatch.setenv(saved.ENV_VERDICT_CACHE, "off")
 
 
 @pytest.fixture(scope="module")

@@ -168,7 +168,9 @@ def build(
     """
     mod = types.ModuleType("torch_npu")
     mod.__fake__ = True  # type: ignore[attr-defined]
-    mod.__version__ = "2.13.0+fake"  # type: ignore[attr-defined]
+    # Another kernel is another build: the variants are part of the version (the saved verdicts' key holds it).
+    wrong = sorted(f"{k}={v}" for k, v in variants.items() if v != "correct")
+    mod.__version__ = "2.13.0+fake" + ("." + ".".join(wrong) if wrong else "")  # type: ignore[attr-defined]
     mod._C = _option_store({"ALLOW_INTERNAL_FORMAT": "enable" if allow_internal_format else "disable"})  # type: ignore[attr-defined]
     log = CallLog()
     mod.calls = log  # type: ignore[attr-defined]

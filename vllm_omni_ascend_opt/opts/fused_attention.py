@@ -180,8 +180,12 @@ class FusedAttention(Optimization):
         super().__init__()
         self._models: weakref.WeakKeyDictionary[nn.Module, _ModelState] = weakref.WeakKeyDictionary()
         #: First-use verdicts per (device, dtype) and per-call verdicts per shape class (one invalidation rule).
-        self._verdicts: VerdictCache[Verdict] = VerdictCache()
-        self._shapes: VerdictCache[ShapeVerdict] = VerdictCache()
+        self._verdicts: VerdictCache[Verdict] = VerdictCache(
+            KERNEL + ".toy", lambda k, ok, why: Verdict(ok, k[0], k[1], _backend.backend_label(), why or "saved")
+        )
+        self._shapes: VerdictCache[ShapeVerdict] = VerdictCache(
+            KERNEL, lambda k, ok, why: ShapeVerdict(k, ok, why or "saved verdict")
+        )
         #: Faults of the checks and kernel calls (both kinds of key), retried with backoff.
         self._guard = kguard.Guard(self.name, self.stats)
         self._forward_gen = 0  # bumped by the forward pre-hook of every attached transformer

@@ -187,7 +187,10 @@ class QkNorm(Optimization):
     def __init__(self) -> None:
         super().__init__()
         #: Per :func:`shape_class`: the check on the first real call of the class.
-        self._verdicts: VerdictCache[NormVerdict] = VerdictCache()
+        self._verdicts: VerdictCache[NormVerdict] = VerdictCache(
+            KERNEL,
+            lambda key, ok, reason: NormVerdict(key, ok=ok, reason=reason),  # type: ignore[arg-type]
+        )
         #: Faults of the checks and kernel calls per shape class, retried with backoff.
         self._guard = kguard.Guard(self.name, self.stats)
         self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()

@@ -189,12 +189,15 @@ def reference_attention(
 
 
 def shape_class(q: torch.Tensor, k: torch.Tensor, masked: torch.Tensor | None) -> tuple:
-    """(device, dtype, layout, B*Nq, Nkv, Sq bucket, Skv bucket, D, masked) of a BSND call: what tiling depends on."""
+    """(device, dtype, layout, B*Nq bucket, Nq/Nkv, Sq bucket, Skv bucket, D, masked) of a BSND call: what tiling
+    depends on (the GQA group size, not Nkv itself: a head split divides both). B*Nq is bucketed like the sequence lengths (next power of two): the kernel splits B*Nq over its cores
+    in blocks, so within a power-of-two range the same code runs with another block count, and CFG's batch of 2 and a
+    sequence-parallel split of the heads share classes instead of each being checked (and saved) on its own."""
     b, sq, nq, d = q.shape
     skv, nkv = k.shape[1], k.shape[2]
     bucket = lambda n: 1 << max(0, (n - 1).bit_length())  # noqa: E731
-    return (str(q.device), str(q.dtype).removeprefix("torch."), "BSND", b * nq, nkv, bucket(sq), bucket(skv), d,
-            masked is not None)  # fmt: skip
+    return (str(q.device), str(q.dtype).removeprefix("torch."), "BSND", bucket(b * nq), nq // max(1, nkv), bucket(sq),
+            bucket(skv), d, masked is not None)  # fmt: skip
 
 
 @dataclass
@@ -209,8 +212,8 @@ class ShapeVerdict:
     seconds: float = 0.0
 
     def describe(self) -> str:
-        dev, dtype, layout, bn, nkv, sq, skv, d, masked = self.key
-        where = f"{dev}/{dtype}/{layout} B*N={bn} Nkv={nkv} Sq<={sq} Skv<={skv} D={d}{' masked' if masked else ''}"
+        dev, dtype, layout, bn, group, sq, skv, d, masked = self.key
+        where = f"{dev}/{dtype}/{layout} B*N<={bn} Nq/Nkv={group} Sq<={sq} Skv<={skv} D={d}{' masked' if masked else ''}"
         state = "verified" if self.ok else "FAILED"
         return f"{KERNEL} {state} at {where}: {self.detail}"
 

@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -185,9 +185,19 @@ def _judge(ratio: float, err_kernel: float, err_stock: float) -> str:
 
 
 def shape_class(x: torch.Tensor) -> tuple[str, torch.dtype, str, int, int, int]:
-    """(device, dtype, layout, B*N, sequence-length bucket, D) of a BSND input: what a kernel tiling depends on."""
+    """(device, dtype, layout, B*N bucket, sequence-length bucket, D) of a BSND input: what a kernel tiling depends on.
+
+    B*N is bucketed like S (next power of two): the kernel spreads B*N*S rows over its cores in tiles, so within a
+    power-of-two range it runs the same tiling code with another tile count, and a class checked at one size in the
+    range stands for the others. That makes CFG's batch of 2 and a sequence-parallel split of the heads (24 heads at
+    B=1, 12 per rank at B=2) share classes, instead of each being checked (and saved) on its own."""
     b, s, n, d = x.shape
-    return (str(x.device), x.dtype, "BSND", b * n, 1 << max(0, (s - 1).bit_length()), d)
+    return (str(x.device), x.dtype, "BSND", bucket(b * n), bucket(s), d)
+
+
+def bucket(n: int) -> int:
+    """The next power of two >= n: the shape-class bucket of a size."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass
@@ -205,7 +215,7 @@ class ShapeVerdict:
 
     def describe(self) -> str:
         dev, dtype, layout, bn, bucket, d = self.key
-        where = f"{dev}/{str(dtype).removeprefix('torch.')}/{layout} B*N={bn} S<={bucket} D={d}"
+        where = f"{dev}/{str(dtype).removeprefix('torch.')}/{layout} B*N<={bn} S<={bucket} D={d}"
         if self.ok:
             return (
                 f"npu_rotary_mul at {where}: in use (max error {self.err_kernel:.3g} vs stock's {self.err_stock:.3g}, "
@@ -267,12 +277,24 @@ class RotaryKernel:
         self.stats = stats
         self.label = label
         self.tables = TableCache(stats)
-        #: Per (device, dtype, head_dim): the toy-shape verification.
-        self.verdicts: VerdictCache[KernelVerdict] = VerdictCache()
-        #: Per :func:`shape_class`: the check on the first real call of the class.
-        self.shapes: VerdictCache[ShapeVerdict] = VerdictCache()
+        #: Per (device, dtype, head_dim): the toy-shape verification; per :func:`shape_class`: the check on the
+        #: first real call of the class. Both saved on disk (:mod:`.saved`); a saved pass is not taken under the
+        #: bitwise policy (whether it was bitwise is not saved): the check runs.
+        self.verdicts: VerdictCache[KernelVerdict] = VerdictCache("npu_rotary_mul.toy", self._saved_toy)
+        self.shapes: VerdictCache[ShapeVerdict] = VerdictCache("npu_rotary_mul", self._saved_shape)
         #: Faults of the checks and kernel calls (both kinds of key), retried with backoff.
         self.guard = Guard(label, stats)
+
+    def _saved_toy(self, key: Any, ok: bool, reason: str) -> KernelVerdict | None:
+        if ok and self.policy.requires_bitwise():
+            return None
+        fn = getattr(_backend.torch_npu_module(), "npu_rotary_mul", None)
+        return KernelVerdict(key[0], key[1], key[2], ok=ok and fn is not None, reason=reason, fn=fn if ok else None)
+
+    def _saved_shape(self, key: Any, ok: bool, reason: str) -> ShapeVerdict | None:
+        if ok and self.policy.requires_bitwise():
+            return None
+        return ShapeVerdict(key, ok=ok, reason=reason or "saved verdict")
 
     def clear(self) -> None:
         """Drop tables, verdicts and faults."""
