@@ -213,7 +213,9 @@ class ShapeVerdict:
 
     def describe(self) -> str:
         dev, dtype, layout, bn, group, sq, skv, d, masked = self.key
-        where = f"{dev}/{dtype}/{layout} B*N<={bn} Nq/Nkv={group} Sq<={sq} Skv<={skv} D={d}{' masked' if masked else ''}"
+        where = (
+            f"{dev}/{dtype}/{layout} B*N<={bn} Nq/Nkv={group} Sq<={sq} Skv<={skv} D={d}{' masked' if masked else ''}"
+        )
         state = "verified" if self.ok else "FAILED"
         return f"{KERNEL} {state} at {where}: {self.detail}"
 

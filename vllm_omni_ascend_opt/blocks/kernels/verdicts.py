@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks.kernels import saved
+from vllm_omni_ascend_opt.blocks.kernels import agree, saved
 
 V = TypeVar("V")
 
@@ -37,6 +37,10 @@ class VerdictCache(Generic[V]):
         self._decode = decode
         #: verdicts read from disk instead of being checked (under the current probe)
         self.loaded = 0
+        #: refusals other ranks made (key text -> reason), applied on this rank's first lookup of the class
+        self._remote: dict[str, str] = {}
+        if self._saved_as is not None:
+            agree.register(self)
 
     def _live(self) -> dict[Hashable, V]:
         probe = _backend.probe_id()
@@ -44,6 +48,7 @@ class VerdictCache(Generic[V]):
             self._entries.clear()
             self._probe = probe
             self.loaded = 0
+            self._remote.clear()
         return self._entries
 
     def get(self, key: Hashable) -> V | None:
@@ -54,7 +59,8 @@ class VerdictCache(Generic[V]):
         return v
 
     def _from_disk(self, entries: dict[Hashable, V], key: Hashable) -> V | None:
-        hit = saved.lookup(self._saved_as, key)  # type: ignore[arg-type]
+        remote = self._remote.get(saved.key_text(key)) if self._remote else None
+        hit = (False, remote) if remote is not None else saved.lookup(self._saved_as, key)  # type: ignore[arg-type]
         if hit is None:
             return None
         v = self._decode(key, hit[0], hit[1])  # type: ignore[misc]
@@ -67,8 +73,29 @@ class VerdictCache(Generic[V]):
         self._live()[key] = verdict
         if self._saved_as is not None:
             ok = bool(getattr(verdict, "ok", False))
-            saved.save(self._saved_as, key, ok, str(getattr(verdict, "reason", "") or getattr(verdict, "detail", "")))
+            why = str(getattr(verdict, "reason", "") or getattr(verdict, "detail", ""))
+            saved.save(self._saved_as, key, ok, why)
+            agree.made(self, key, ok, why)
         return verdict
+
+    @property
+    def name(self) -> str | None:
+        """The kernel name its verdicts are saved and agreed under (None: kept in memory only)."""
+        return self._saved_as
+
+    def refuse_from_peer(self, text: str, reason: str) -> None:
+        """Another rank refused the class ``text`` (:func:`.saved.key_text`): refuse it here too, now if this rank
+        holds a verdict for it (a pass becomes the peer's refusal; never saved: the peer saved its own), else at
+        this rank's first lookup of it."""
+        entries = self._live()
+        for key, v in list(entries.items()):
+            if saved.key_text(key) == text:
+                if getattr(v, "ok", False) and self._decode is not None:
+                    refused = self._decode(key, False, reason)
+                    if refused is not None:
+                        entries[key] = refused
+                return
+        self._remote[text] = reason
 
     def get_or_make(self, key: Hashable, make: Callable[[], V]) -> tuple[V, bool]:
         """``(verdict, made)``: the cached verdict for ``key``, or ``make()``'s, stored (``made`` True)."""

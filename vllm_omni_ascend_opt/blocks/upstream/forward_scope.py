@@ -29,6 +29,22 @@ _STACK: list[dict[Hashable, Any]] = []
 _FORWARDS = [0]
 
 
+#: Called after each outermost watched forward that returned (not one that raised: a rank that failed must not
+#: leave the others waiting in a collective). Kernel verdicts are agreed between ranks here.
+_AT_END: list[Callable[[], Any]] = []
+
+
+def at_forward_end(fn: Callable[[], Any]) -> None:
+    """Call ``fn()`` after each outermost watched forward returns (idempotent)."""
+    if fn not in _AT_END:
+        _AT_END.append(fn)
+
+
+def _forward_ended() -> None:
+    for fn in _AT_END:
+        fn()
+
+
 def forwards() -> int:
     """How many outermost watched transformer forwards have started in this process (the fault-backoff clock)."""
     return _FORWARDS[0]
@@ -92,9 +108,12 @@ def _scoped_class(cls: type) -> type:
             return base_call(self, *args, **kwargs)
         scope = _open(self, w)
         try:
-            return base_call(self, *args, **kwargs)
+            out = base_call(self, *args, **kwargs)
         finally:
             _close(scope)
+        if not _STACK:
+            _forward_ended()
+        return out
 
     sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "_ascend_scoped_base": cls})
     sub.__qualname__ = cls.__qualname__
