@@ -232,3 +232,32 @@ def test_batch_times_heads_is_bucketed_like_the_sequence():
     assert rotary.shape_class(one) == rotary.shape_class(split) and rotary.shape_class(one)[3] == 32
     assert rotary.shape_class(torch.empty(2, 100, 24, 128))[3] == 64
     assert npu_attention.shape_class(one, one, None) == npu_attention.shape_class(split, split, None)
+
+
+def test_warmup_checks_the_classes_then_a_start_runs_none(fake_npu, monkeypatch, capsys):
+    """``vllm-omni-ascend-opt warmup`` checks each class once through the optimizations' own code and saves the
+    verdicts; a second start (another process) finds them all and checks nothing."""
+    import vllm_omni.diffusion.attention.backends.sdpa  # noqa: F401  (before the fake: accelerate probes torch_npu)
+
+    from vllm_omni_ascend_opt import cli
+    from vllm_omni_ascend_opt.blocks.kernels import saved
+    from vllm_omni_ascend_opt.opts import fused_attention, qk_norm, rope
+
+    fake_npu()
+    monkeypatch.setattr(torch, "npu", torch.npu, raising=False)
+    monkeypatch.setattr("vllm_omni_ascend_opt._backend.npu_device", lambda: torch.device("cpu"))
+    args = ["warmup", "--sizes", "64x48,32x32", "--batch", "1,2", "--sp", "2", "--text", "8"]
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows, last = [ln for ln in lines if ln.startswith("npu_")], lines[-1]
+    assert rows and all(ln.split()[-3] == "verified" for ln in rows)
+    assert "0 refused, 0 not decided" in last and str(saved.path()) in last
+    checks = sum(o.stats["shape_checks"] for o in (rope.OPT, qk_norm.OPT, fused_attention.OPT))
+    assert checks == len(rows) > 10
+    saved.forget()
+    fake_npu()  # the next start
+    for o in (rope.OPT, qk_norm.OPT, fused_attention.OPT):
+        o.stats.clear()
+    assert cli.main(args) == 0
+    assert sum(o.stats["shape_checks"] for o in (rope.OPT, qk_norm.OPT, fused_attention.OPT)) == 0
+    assert cli.main(["warmup", "--sizes", "100x7"]) == 2 and "multiples of 16" in capsys.readouterr().err

@@ -432,6 +432,23 @@ class FusedAttention(Optimization):
             return None, "kernel fault (retried later)"
         return out
 
+    def warm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None) -> bool | None:
+        """Check the kernel at the (device, dtype) and the class of BSND ``q``/``k``/``v`` now (``warmup``), as the
+        first real call would: the class verdict (ok), or None (no kernel, outside its limits, a fault or a
+        deferral). A class already decided is not checked again."""
+        npu = _backend.torch_npu_module()
+        if npu is None or fab.limits_violation(q, k, v):
+            return None
+        scale = q.shape[-1] ** -0.5
+        verdict = self._verdict(npu, q, k, scale)
+        if verdict is None or not verdict.ok:
+            return None if verdict is None else False
+        key = fab.shape_class(q, k, masked)
+        if self._shapes.get(key) is None and not self._guard.waits(key):
+            self._guard.run(key, lambda: self._fused_call(npu, q, k, v, None, scale, masked, True))
+        checked = self._shapes.get(key)
+        return None if checked is None else checked.ok
+
     def _fused_call(
         self, npu: ModuleType, q: Any, k: Any, v: Any, attn_metadata: Any, scale: Any, masked: Any, check: bool
     ) -> tuple[torch.Tensor | None, str]:

@@ -323,6 +323,18 @@ class QkNorm(Optimization):
         (logger.info if checked.ok else logger.warning)("vllm-omni-ascend-opt: qk_norm: %s", checked.describe())
         return out if checked.ok else None
 
+    def warm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool | None:
+        """Check the kernel's class of ``x`` now (``warmup``), as its first real call would: the verdict (ok), or
+        None (no kernel here, or the check faulted or was deferred). A class already decided is not checked again."""
+        kernel = self._kernel()
+        if kernel is None or x.dtype not in KERNEL_DTYPES:
+            return None
+        key = shape_class(x)
+        if self._verdicts.get(key) is None and not self._guard.waits(key):
+            self._guard.run(key, lambda: self._kernel_call(kernel, x, weight, eps, True))
+        v = self._verdicts.get(key)
+        return None if v is None else v.ok
+
     def ready(self, norms: Sequence[nn.Module | None]) -> bool:
         """Whether every norm in ``norms`` carries the kernel class (attached here) and torch_npu has the kernel:
         what ``joint_attention`` asks, through ``blocks.kernels.rms_norm.kernel_ready``, to choose its per-stream order."""

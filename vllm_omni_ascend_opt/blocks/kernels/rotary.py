@@ -393,6 +393,21 @@ class RotaryKernel:
         self.stats["delegate_calls"] += 1
         return rope(x, cos, sin)
 
+    def warm(self, x: torch.Tensor, freqs: torch.Tensor) -> bool | None:
+        """Check the kernel's class of ``x`` now (``warmup``), as its first real call would: the verdict (ok), or
+        None when there is no kernel here or the check faulted or was deferred. A class already decided is not
+        checked again."""
+        verdict = self.kernel_for(x)
+        if verdict is None or verdict.fn is None:
+            return None
+        key = shape_class(x)
+        checked = self.shapes.get(key)
+        if checked is None and not self.guard.waits(key):
+            fn = verdict.fn
+            self.guard.run(key, lambda: self._kernel_call(fn, x, Tables(x.dtype), freqs, False))
+            checked = self.shapes.get(key)
+        return None if checked is None else checked.ok
+
     def rotate(self, x: torch.Tensor, freqs: torch.Tensor, rope: nn.Module) -> torch.Tensor:
         """:meth:`apply` with the cached tables of ``freqs`` in ``x``'s dtype."""
         return self.apply(x, self.tables.get(freqs, x.dtype), freqs, rope)
