@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,7 @@ def _reset_for_tests() -> None:
     _announced = False
     _requests.clear()
     _model_ref.clear()
+    _status_failures.clear()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -246,12 +248,33 @@ def write_status_file(model: Any = None) -> Path | None:
     return path
 
 
+#: An unwritable status file: one warning, then a reminder at most this often (seconds), never a traceback per request.
+STATUS_REMINDER_S = 600.0
+_status_failures: dict[str, float] = {}
+
+
 def write_status_file_safely(model: Any = None) -> None:
-    """:func:`write_status_file`, logging (never raising) a failure: reporting must not break the engine."""
+    """:func:`write_status_file`, never raising: reporting must not break the engine. A failure logs one warning
+    (with the reason, no traceback), then a reminder at most every :data:`STATUS_REMINDER_S` seconds with the count
+    of failed writes; a write that works again says so once."""
     try:
         write_status_file(model)
-    except Exception:
-        logger.exception("vllm-omni-ascend-opt: writing the status file failed")
+    except Exception as exc:
+        n = _status_failures["n"] = _status_failures.get("n", 0) + 1
+        now = time.monotonic()
+        if n == 1 or now - _status_failures.get("last", now) >= STATUS_REMINDER_S:
+            _status_failures["last"] = now
+            logger.warning(
+                "vllm-omni-ascend-opt: cannot write the status file %s (%s: %s); %s",
+                status_file_path(),
+                exc.__class__.__name__,
+                exc,
+                "the engine runs on" if n == 1 else f"{n} writes failed so far",
+            )
+        return
+    if _status_failures.pop("n", 0):
+        _status_failures.clear()
+        logger.info("vllm-omni-ascend-opt: the status file is written again: %s", status_file_path())
 
 
 def track_model(model: Any) -> None:

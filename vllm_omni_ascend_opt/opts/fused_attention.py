@@ -75,6 +75,7 @@ from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
 from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import V030, V031, V032, Upstream, same
+from vllm_omni_ascend_opt.blocks.weak_lru import tensor_bytes
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -203,6 +204,14 @@ class FusedAttention(Optimization):
         if shapes and not any(v.ok for v in shapes):  # off only when off at every shape class seen
             reasons += [v.describe() + "; SDPA for this shape class" for v in shapes]
         return reasons
+
+    def cache_memory(self) -> dict[str, Any]:
+        """The per-forward [B, 1, S, S] mask cache (about 100 MB at 1328x1328, B=2) and the checks' scratch peak."""
+        return {
+            "masks": len(self._mask_cache),
+            "bytes": tensor_bytes(list(self._mask_cache.values())),
+            "check_scratch_peak_bytes": self._guard.scratch_peak,
+        }
 
     def kernel_classes(self) -> dict[str, Any] | None:
         if _backend.torch_npu_module() is None:

@@ -232,6 +232,10 @@ class QkNorm(Optimization):
         out.append(f"{KERNEL} calls {s['kernel_calls']}, stock calls {s['stock_calls']}")
         return out
 
+    def cache_memory(self) -> dict[str, Any]:
+        """No cache; the fp32 scratch peak its checks were sized to."""
+        return {"bytes": 0, "check_scratch_peak_bytes": self._guard.scratch_peak}
+
     def kernel_classes(self) -> dict[str, Any] | None:
         if self._process_reasons():
             return None

@@ -86,6 +86,7 @@ from vllm_omni_ascend_opt.blocks.kernels.rotary import ENV_KERNEL_POLICY, Kernel
 from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, V030, V031, V032, Upstream, same
+from vllm_omni_ascend_opt.blocks.weak_lru import tensor_bytes
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -181,7 +182,15 @@ class Rope(Optimization):
 
     def cache_memory(self) -> dict[str, Any]:
         tables = self.rotary.tables
-        return {"tables": len(tables), "table_cap": TABLE_CACHE_SIZE, "bytes": tables.nbytes()}
+        memo = [hit[1] for m in list(self._embed_memo.values()) for hit in m.values()]
+        return {
+            "tables": len(tables),
+            "table_cap": TABLE_CACHE_SIZE,
+            "bytes": tables.nbytes(),
+            "embed_memo_entries": len(memo),
+            "embed_memo_bytes": tensor_bytes(memo),
+            "check_scratch_peak_bytes": self.rotary.guard.scratch_peak,
+        }
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
         mod = sys.modules.get(_targets.TRANSFORMER)
