@@ -13,7 +13,7 @@ What the guard separates:
 
 The clock is :func:`~vllm_omni_ascend_opt.blocks.upstream.forward_scope.forwards` (outermost transformer forwards, a
 request of S steps is S forwards): a transient fault at step k is retried at step k+1, so the next request runs as
-if nothing had happened. Per call the guard costs one length check of an (almost always) empty table.
+if nothing had happened. Per call the guard costs one truthiness check of an (almost always) empty dict.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class Guard:
 
     def waits(self, key: Hashable) -> bool:
         """Whether ``key`` stays on stock now (backoff running, or demoted). The hot path: one length check."""
-        if not len(self._faults):
+        if not self._faults._entries:  # the hot path: no fault anywhere (a stale probe's entries: get() drops them)
             return False
         f = self._faults.get(key)
         return f is not None and (f.demoted or forward_scope.forwards() < f.retry_at)
@@ -103,7 +103,7 @@ class Guard:
         ``(False, None, reason)`` when it raised anything else (a TypeError, a ValueError: the kernel rejects this
         call for good, a verdict the caller stores). Either way the caller runs stock for this call. A success
         after a fault clears it."""
-        before = self._faults.get(key) if len(self._faults) else None
+        before = self._faults.get(key) if self._faults._entries else None
         try:
             out = fn()
         except Exception as exc:
