@@ -16,6 +16,17 @@ import torch.nn as nn
 
 
 def _rank(rank: int, port: int, out: str) -> None:
+    try:
+        _run_rank(rank, port, out)
+    except BaseException:
+        import traceback
+
+        with open(os.path.join(out, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _run_rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from tests.fake_torch_npu import build
@@ -55,7 +66,7 @@ def test_two_ranks_agree_when_one_ranks_kernel_is_wrong(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # fresh processes (pytest's may hold a process group of its own)
     procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path))) for r in (0, 1)]
     for p in procs:
         p.start()
@@ -63,7 +74,8 @@ def test_two_ranks_agree_when_one_ranks_kernel_is_wrong(tmp_path):
         p.join(60)
         if p.is_alive():
             p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    errors = [f.read_text() for f in sorted(tmp_path.glob("rank*.err"))]
+    assert [p.exitcode for p in procs] == [0, 0], errors
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["before"] == {"16": True} and r1["before"] == {"16": False, "64": False}  # each on its own data
     assert {k: v[0] for k, v in r0["after"].items()} == {k: v[0] for k, v in r1["after"].items()}  # agreed
