@@ -5,6 +5,11 @@ Usage (repo root, CPU; no NPU needed)::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/verify_cost.py            # S = 4352, B*N = 24 and 48, D = 128, bf16
     PYTHONPATH=$PWD .venv/bin/python benchmarks/verify_cost.py --seq 512  # quicker
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/verify_cost.py --cold-start  # 1328x1328, 1664x928, B=1,2
+
+``--cold-start`` runs ``vllm-omni-ascend-opt warmup``'s checks (every class those sizes hit, the plugin's own code)
+twice: a first start with an empty verdict cache, then a second start (a new backend probe, nothing in memory) that
+finds every verdict on disk; it prints the cost per shape class and that the second start runs no check.
 
 For ``rope`` (``blocks.rotary.verify_at_shape``: chunked fp32 reference and stock's own error on the real call's output)
 and ``fused_attention`` (``blocks.fusion_attention.check_class``: the kernel on random inputs of the call's shapes, a
@@ -40,13 +45,66 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def cold_start(sizes: str, batches: str, texts: str, sp: int) -> int:
+    """First start (empty verdict cache: every class checked) vs second start (saved verdicts: no check), through
+    ``vllm_omni_ascend_opt.warmup`` - the plugin's own check code - on the fake at real width."""
+    import tempfile
+
+    import pytest
+    import vllm_omni.diffusion.attention.backends.sdpa  # noqa: F401  (before the fake: accelerate probes torch_npu)
+
+    sys.path.insert(0, str(REPO))
+    from tests.fake_torch_npu import install
+    from vllm_omni_ascend_opt import _backend, registry, warmup
+    from vllm_omni_ascend_opt.blocks.kernels import saved
+
+    opts = [registry.get(n) for n in ("rope", "qk_norm", "fused_attention")]
+    mp = pytest.MonkeyPatch()
+    mp.setenv(saved.ENV_VERDICT_CACHE, tempfile.mkdtemp(prefix="verdicts-"))
+    mp.setattr(_backend, "npu_device", lambda: torch.device("cpu"))
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    args = (warmup.parse_sizes(sizes), warmup._ints(batches, "--batch"), sp, warmup._ints(texts, "--text"))
+    print(f"verify_cost --cold-start: the torch_npu FAKE on CPU ({torch.get_num_threads()} threads), bf16, 24 heads, "
+          f"D=128; sizes {sizes}, batch {batches}, text {texts}, sp {sp}")  # fmt: skip
+    try:
+        totals = []
+        for start in ("first start (empty cache)", "second start (saved verdicts)"):
+            install(mp)  # a new process: a new backend probe, no verdict in memory
+            saved.forget()
+            for o in opts:
+                o.stats.clear()
+            t0 = time.perf_counter()
+            rows = warmup.warm(*args)
+            wall = time.perf_counter() - t0
+            checks = sum(o.stats["shape_checks"] for o in opts)
+            totals.append((start, wall, checks, len(rows)))
+            print(f"\n{start}:")
+            print(f"  {'kernel':<22} {'shape class':<42} {'outcome':<10} {'check s':>8}")
+            for r in rows:
+                print(f"  {r.kernel:<22} {r.shape:<42} {r.outcome:<10} {r.seconds:8.3f}")
+        print()
+        for start, wall, checks, n in totals:
+            print(f"{start:<32} {n} classes, {checks:>3} checks run, {wall:8.2f} s")
+        print(f"second / first start: {totals[1][1] / totals[0][1]:.4f}x")
+    finally:
+        mp.undo()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=4352, help="joint sequence length (default 4352 = 256 text + 4096 image)")
     p.add_argument("--heads", type=int, default=24)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--cold-start", action="store_true", help="first start vs second start with saved verdicts")
+    p.add_argument("--sizes", default="1328x1328,1664x928", help="--cold-start: image sizes")
+    p.add_argument("--batch", default="1,2", help="--cold-start: batch sizes")
+    p.add_argument("--text", default="256", help="--cold-start: prompt token counts")
+    p.add_argument("--sp", type=int, default=1, help="--cold-start: Ulysses degree")
     a = p.parse_args(argv)
+    if a.cold_start:
+        return cold_start(a.sizes, a.batch, a.text, a.sp)
 
     import pytest
     import vllm_omni.diffusion.attention.backends.sdpa  # noqa: F401  (before the fake: accelerate probes torch_npu)

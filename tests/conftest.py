@@ -42,10 +42,14 @@ def tiny_pipe(runtime):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_plugin_state():
-    """Every test starts and ends with nothing selected or installed."""
+def _fresh_plugin_state(monkeypatch, tmp_path_factory):
+    """Every test starts and ends with nothing selected or installed, and with an empty saved-verdict cache of its
+    own (the fakes of all tests share one "environment": a verdict saved by one must never reach another)."""
     from vllm_omni_ascend_opt import _backend, _plugin
+    from vllm_omni_ascend_opt.blocks.kernels import saved
 
+    monkeypatch.setenv(saved.ENV_VERDICT_CACHE, str(tmp_path_factory.mktemp("verdicts")))
+    saved.forget()
     _plugin._reset_for_tests()
     _backend.reset_cache()
     yield

@@ -103,3 +103,35 @@ def test_bad_specs_list_valid_names(spec, fragment):
 def test_strict_env(monkeypatch, value, want):
     monkeypatch.setenv(flags.ENV_STRICT, value)
     assert flags.strict_from_env() is want
+
+
+@pytest.mark.parametrize("value", ["2", "enable", "yes please"])
+def test_a_boolean_env_var_with_another_spelling_warns_once(monkeypatch, caplog, value):
+    """Why (6): STRICT=2 silently meant false. Now: the usual spellings, and one warning for anything else."""
+    import logging
+
+    from vllm_omni_ascend_opt import _env
+
+    monkeypatch.setattr(_env, "_warned", set())
+    monkeypatch.setenv(flags.ENV_STRICT, value)
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        assert flags.strict_from_env() is False and flags.strict_from_env() is False
+    assert caplog.text.count(f"{flags.ENV_STRICT}={value!r} is not a boolean") == 1
+    for spelling, want in (("Yes", True), (" off ", False), ("TRUE", True), ("no", False)):
+        monkeypatch.setenv(flags.ENV_FORCE, spelling)
+        assert flags.force_from_env() is want
+
+
+def test_a_budget_outside_its_range_warns(monkeypatch, caplog):
+    import logging
+
+    from vllm_omni_ascend_opt import _env
+    from vllm_omni_ascend_opt.blocks.memo import cache
+
+    monkeypatch.setattr(_env, "_warned", set())
+    monkeypatch.setenv(cache.ENV_BUDGET_MB, "100000")
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        assert cache.budget_from_env() == 100000 * 1024**2
+        monkeypatch.setenv(cache.ENV_BUDGET_MB, "512")
+        assert cache.budget_from_env() == 512 * 1024**2
+    assert caplog.text.count("outside the sane range 0..16384 MiB") == 1

@@ -374,3 +374,30 @@ def test_fake_format_cast_returns_its_input_when_already_in_the_format(fake_npu)
     assert nzx is not x and fake.npu_format_cast(nzx, formats.FRACTAL_NZ) is nzx
     with pytest.raises(TypeError):
         fake.npu_format_cast(x, formats.FRACTAL_NZ, 1)  # customize_dtype is keyword-only [TNPU-YAML]
+
+
+@pytest.mark.parametrize("kind", ["oom", "runtime"])
+def test_a_cast_that_faults_part_way_is_rolled_back_and_the_next_attach_casts_all(fake_npu, bf16_pipe, runtime, kind):
+    """Why (4): a cast failing part-way left some weights in NZ, the model not recorded and detach unable to undo
+    them. Now all or nothing: every weight goes back to ND, status says why, and the next attach casts them all."""
+    fake = fake_npu()
+    tr = bf16_pipe.transformer
+    weights = {n: tr.get_submodule(n).weight for n in _linear_names(tr)}
+    before = {n: w.detach().clone() for n, w in weights.items()}
+    ref = _forward(tr, runtime)
+    fake.faults.inject("npu_format_cast", at=4, kind=kind)  # the 4th cast: 3 weights are NZ by then
+    assert api.select("none,+nz_weights", model=bf16_pipe) == ["nz_weights"]
+    assert fake.faults.fired == {"npu_format_cast": 1}
+    for n, w in weights.items():
+        assert tr.get_submodule(n).weight is w and fake.get_npu_format(w) == formats.ND and torch.equal(w, before[n])
+    (why,) = OPT.reasons_inactive(bf16_pipe)
+    assert "failed after 3 weight(s)" in why and "restored to ND" in why and "fake fault" in why
+    assert OPT.report(bf16_pipe)["cast"] == [] and torch.equal(_forward(tr, runtime), ref)
+    api.select("none", model=bf16_pipe)
+    api.select("none,+nz_weights", model=bf16_pipe)  # the next attach: everything cast
+    assert OPT.reasons_inactive(bf16_pipe) == [] and len(OPT.report(bf16_pipe)["cast"]) == N_LINEARS
+    # Why (4), second half: the check includes one GEMM at production rows on the model's own weight shape
+    (verdict,) = OPT._verdicts.values()
+    assert verdict.ok and "4096 rows with bias" in verdict.detail and "(weight " in verdict.detail
+    api.select("none", model=bf16_pipe)
+    assert all(fake.get_npu_format(w) == formats.ND for w in weights.values())

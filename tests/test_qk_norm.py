@@ -180,7 +180,36 @@ def test_traced_norms_are_stock_and_count_nothing(fake_npu, runtime, tiny_pipe, 
 # ----------------------------------------------------------------------------------------------------------------
 # refusals: per shape class, with the reason logged, output stock's
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("variant", "fragment"), [("no_gamma", "differs from the fp32"), ("raises", "kernel raised")])
+def test_a_raising_kernel_is_a_fault_retried_then_demoted(fake_npu, tiny_pipe, runtime, caplog, monkeypatch):
+    """A RuntimeError is an error of the moment, not a verdict: each call runs stock (the images are stock's), the
+    class is retried after its backoff and demoted after MAX_ERRORS errors in a row, with a reason."""
+    from vllm_omni_ascend_opt.blocks.kernels import guard
+
+    npu = fake_npu(rms_norm="raises")
+    api.select("none", model=tiny_pipe)
+    ref = generate(tiny_pipe, runtime, steps=2, seed=4).images
+    api.select("none,+joint_attention,+qk_norm", model=tiny_pipe)
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        got = generate(tiny_pipe, runtime, steps=2, seed=4).images
+    assert torch.equal(got, ref) and OPT.verdicts() == [] and OPT.stats["kernel_calls"] == 0
+    faults = OPT._guard.faults()
+    assert faults and all(f.kind == "runtime error" and not f.demoted for f in faults)
+    assert "EZ9999" in caplog.text and any("runtime error" in n for n in OPT.notes())
+    assert not OPT.reasons_inactive(tiny_pipe)  # not off: retried
+    monkeypatch.setattr(guard, "RETRY_CAP", 1)  # retry at every forward (the schedule: test_guard_backoff_schedule)
+    for _ in range(guard.MAX_ERRORS):
+        _forward(runtime, tiny_pipe.transformer)
+    calls = npu.calls["npu_rms_norm"]
+    demoted = [f for f in OPT._guard.faults() if f.demoted]  # the classes of _forward's shapes
+    assert demoted and all(f.errors == guard.MAX_ERRORS for f in demoted)
+    assert any("demoted to stock after 6 errors" in n for n in OPT.notes())
+    _forward(runtime, tiny_pipe.transformer)
+    assert npu.calls["npu_rms_norm"] == calls  # demoted: not retried
+    t = OPT.kernel_classes()
+    assert t["kernel"] == 0 and t["why"]["demoted: runtime error"] == len(demoted)
+
+
+@pytest.mark.parametrize(("variant", "fragment"), [("no_gamma", "differs from the fp32")])
 def test_a_wrong_kernel_is_refused_with_a_logged_reason(fake_npu, tiny_pipe, runtime, caplog, variant, fragment):
     npu = fake_npu(rms_norm=variant)
     api.select("none", model=tiny_pipe)

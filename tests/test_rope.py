@@ -481,8 +481,11 @@ def test_bad_kernels_stay_off_with_reason(runtime, tiny_pipe, fake_npu, variant,
     api.select("none,+rope", model=tiny_pipe)
     got = _forward(runtime, tiny_pipe.transformer)
     assert torch.equal(ref, got)
-    (v,) = OPT.verdicts()
-    assert not v.ok and why in v.reason
+    if variant in ("raises", "aclop"):  # a RuntimeError: a fault of the moment (retried with backoff), no verdict
+        assert OPT.verdicts() == [] and [f.kind for f in OPT.rotary.guard.faults()] == ["runtime error"]
+    else:
+        (v,) = OPT.verdicts()
+        assert not v.ok and why in v.reason
     assert any(why in n for n in OPT.notes())
 
 
@@ -620,9 +623,13 @@ def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu, caplog):
     with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
         got = _forward(runtime, tiny_pipe.transformer, hw=new_hw)
     assert torch.equal(ref, got)
-    failed = [sv for sv in OPT.shape_verdicts() if not sv.ok]
-    assert {sv.key[4] for sv in failed} == {16, 8} and all("device lost" in sv.reason for sv in failed)
-    assert "device lost" in caplog.text
+    faults = OPT.rotary.guard.faults()  # an error is not a verdict: both classes wait for their retry
+    assert {f.key[4] for f in faults} == {16, 8} and all("device lost" in f.error for f in faults)
+    assert all(sv.ok for sv in OPT.shape_verdicts()) and "device lost" in caplog.text
+    v.fn = npu.npu_rotary_mul  # the device is back: the next forward retries and keeps the kernel
+    calls = OPT.stats["kernel_calls"]
+    assert torch.equal(_forward(runtime, tiny_pipe.transformer, hw=new_hw), ref)
+    assert OPT.stats["kernel_calls"] > calls and OPT.rotary.guard.faults() == []
 
 
 # ----------------------------------------------------------------------------------------------------------------

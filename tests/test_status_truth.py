@@ -107,3 +107,47 @@ def test_status_file_with_a_bad_flag_reports_after_build_and_every_request(monke
         assert all(why == f"{flags.ENV_FLAG} is invalid, so nothing is patched" for why in st["off"].values())
     finally:
         h.close()
+
+
+def test_an_unwritable_status_file_warns_once_then_reminds(monkeypatch, tmp_path, caplog):
+    """Why (6): an unwritable status file logged a full traceback after every request. Now one warning, then a
+    rate-limited reminder with the count, and one line when it works again."""
+    import logging
+
+    from vllm_omni_ascend_opt import _report
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv(_report.ENV_STATUS_FILE, str(blocker / "status.json"))
+    clock = [1000.0]
+    monkeypatch.setattr(_report.time, "monotonic", lambda: clock[0])
+    with caplog.at_level(logging.INFO, logger="vllm_omni_ascend_opt"):
+        for _ in range(5):
+            _report.write_status_file_safely()
+        clock[0] += _report.STATUS_REMINDER_S
+        _report.write_status_file_safely()
+        monkeypatch.setenv(_report.ENV_STATUS_FILE, str(tmp_path / "status.json"))
+        _report.write_status_file_safely()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all(r.exc_info is None for r in caplog.records)
+    assert "cannot write the status file" in warnings[0].getMessage() and "6 writes failed" in warnings[1].getMessage()
+    assert "written again" in caplog.text and (tmp_path / "status.json").exists()
+
+
+def test_status_reports_every_cache_and_the_kernel_classes(fake_npu, runtime, tiny_pipe):
+    """Why (6): the joint freqs cache, rope's embed memo, the mask cache, the 2511 timestep-0 segments and the
+    checks' scratch were not in status. Each is now, with entries and bytes."""
+    from vllm_omni_ascend_opt import _report
+    from vllm_omni_ascend_opt.testbed.pipeline import generate
+
+    fake_npu()
+    api.select("default,+fused_attention", model=tiny_pipe)
+    generate(tiny_pipe, runtime, steps=1, seed=3)
+    mem = _report.status_report(tiny_pipe)["memory"]
+    assert mem["rope"]["embed_memo_entries"] > 0 and mem["rope"]["embed_memo_bytes"] > 0
+    assert mem["rope"]["check_scratch_peak_bytes"] > 0 and mem["qk_norm"]["check_scratch_peak_bytes"] > 0
+    assert mem["joint_attention"]["joint_freqs"] > 0 and mem["joint_attention"]["bytes"] > 0
+    assert {"masks", "bytes", "check_scratch_peak_bytes"} <= set(mem["fused_attention"])
+    assert {"zero_t_segments", "zero_t_bytes"} <= set(mem["shared_modulation"])
+    kernels = _report.status_report(tiny_pipe)["kernels"]
+    assert kernels["qk_norm"]["kernel"] > 0 and kernels["rope"]["kernel"] > 0

@@ -7,7 +7,12 @@ The rule: a verdict belongs to the backend probe it was made under (``_backend.p
 
 from __future__ import annotations
 
+import json
+import logging
+import sys
+
 import pytest
+import torch
 
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
@@ -72,3 +77,187 @@ def test_clear_drops_everything_under_the_same_probe():
     cache.clear()
     assert _backend.probe_id() == probe and cache.get("a") is None and len(cache) == 0
     assert cache.get_or_make("a", lambda: "again") == ("again", True)
+
+
+def test_guard_backoff_schedule(monkeypatch):
+    """Errors are retried after 1, 2, 4, 8, 16 forwards (capped at 32) and demoted after the 6th in a row; a
+    TypeError is a verdict for the caller (not retried); a success after a fault clears it."""
+    from collections import Counter
+
+    from vllm_omni_ascend_opt.blocks.kernels import guard
+    from vllm_omni_ascend_opt.blocks.upstream import forward_scope
+
+    g, clock = guard.Guard("test", Counter()), [100]
+    monkeypatch.setattr(forward_scope, "forwards", lambda: clock[0])
+
+    def oom():
+        raise RuntimeError("NPU out of memory. Tried to allocate 1 GiB")
+
+    waits = []
+    for _ in range(guard.MAX_ERRORS):
+        assert g.run("k", oom) == (False, None, "") and g.waits("k")
+        (f,) = g.faults()
+        waits.append(f.retry_at - clock[0])
+        clock[0] = f.retry_at
+    assert waits == [1, 2, 4, 8, 16, 32] and f.demoted and f.kind == "out of memory"
+    assert g.waits("k") and "demoted to stock after 6 errors" in f.describe()
+    ok, _, refusal = g.run("t", lambda: int("x"))
+    assert not ok and "ValueError" in refusal and g.stats["faults"] == 6  # a verdict, not a fault
+    g.run("r", oom)
+    clock[0] += 1
+    assert not g.waits("r") and g.run("r", lambda: 7) == (True, 7, "") and [f.key for f in g.faults()] == ["k"]
+
+
+# ----- saved verdicts ---------------------------------------------------------------------------------------------
+def _tiny_forward(rt, tr, txt=7):
+    from vllm_omni_ascend_opt.testbed import TINY
+
+    g = torch.Generator().manual_seed(1)
+    hs = torch.randn(1, 16, TINY.vae_z_dim * 4, generator=g)
+    ehs = torch.randn(1, txt, TINY.joint_attention_dim, generator=g)
+    with rt.context(), torch.no_grad():
+        return tr(
+            hidden_states=hs,
+            encoder_hidden_states=ehs,
+            encoder_hidden_states_mask=torch.ones(1, txt, dtype=torch.long),
+            timestep=torch.tensor([0.5]),
+            img_shapes=[[(1, 4, 4)]],
+            txt_seq_lens=[txt],
+        ).sample
+
+
+def test_a_second_start_with_saved_verdicts_runs_no_check(fake_npu, runtime, tiny_pipe):
+    """Why (5): verdicts lived in memory only, so every restart checked again. Saved on disk, keyed by the device
+    and its software stack, a restart (a new process: here a new probe and nothing loaded) takes them unchecked."""
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.blocks.kernels import saved
+    from vllm_omni_ascend_opt.opts import qk_norm, rope
+
+    npu = fake_npu()
+    tr = tiny_pipe.transformer
+    api.select("none,+rope,+qk_norm", model=tr)
+    first = _tiny_forward(runtime, tr)
+    checks = qk_norm.OPT.stats["shape_checks"], rope.OPT.stats["shape_checks"]
+    assert all(checks) and saved.path().exists() and saved.entries() > 0
+    saved.forget()
+    npu = fake_npu()  # the restart: a new probe, no verdict in memory
+    qk_norm.OPT.stats.clear(), rope.OPT.stats.clear()
+    second = _tiny_forward(runtime, tr)
+    assert torch.equal(first, second)
+    assert qk_norm.OPT.stats["shape_checks"] == 0 and rope.OPT.stats["shape_checks"] == 0  # no check at all
+    assert qk_norm.OPT.stats["kernel_calls"] == npu.calls["npu_rms_norm"] > 0
+    assert npu.calls["npu_rotary_mul"] == rope.OPT.stats["kernel_calls"] > 0  # not even the toy check ran
+    assert qk_norm.OPT._verdicts.loaded == len(qk_norm.OPT.verdicts()) > 0
+
+
+@pytest.mark.parametrize(
+    ("damage", "warning"),
+    [
+        (lambda p, d: p.write_text("{not json"), "not valid JSON"),
+        (lambda p, d: p.write_text(json.dumps({**d, "format": 0})), "format 0 is not 1"),
+        (lambda p, d: p.write_text(json.dumps({**d, "env": {**d["env"], "cann": "8.2.RC1"}})), "another device"),
+    ],
+)
+def test_corrupt_older_or_foreign_files_are_ignored_with_one_warning(fake_npu, caplog, damage, warning):
+    from vllm_omni_ascend_opt.blocks.kernels import saved
+
+    fake_npu()
+    saved.save("npu_rms_norm", ("npu:3", torch.bfloat16, 64, 128), True, "")
+    p = saved.path()
+    data = json.loads(p.read_text())
+    assert data["verdicts"] == {"npu_rms_norm": {"npu|bfloat16|64|128": [True, ""]}}  # no device index
+    assert set(data["env"]) == {"device", "soc", "cann", "torch_npu", "torch", "plugin"}
+    assert data["env"]["device"] == "FakeAscend910B1" and data["env"]["cann"] == "8.3.RC1"
+    damage(p, data)
+    saved.forget()
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        assert saved.lookup("npu_rms_norm", ("npu:0", torch.bfloat16, 64, 128)) is None
+        assert saved.lookup("npu_rms_norm", ("npu:0", torch.bfloat16, 64, 128)) is None
+    assert caplog.text.count("ignoring the saved kernel verdicts") == 1 and warning in caplog.text
+    saved.save("npu_rms_norm", ("npu:0", torch.float16, 64, 128), False, "differs")  # replaced by the next write
+    saved.forget()
+    assert saved.lookup("npu_rms_norm", ("npu:1", torch.float16, 64, 128)) == (False, "differs")
+
+
+def test_the_env_var_moves_or_disables_the_cache(fake_npu, monkeypatch, tmp_path):
+    from vllm_omni_ascend_opt.blocks.kernels import saved
+
+    fake_npu()
+    monkeypatch.setenv(saved.ENV_VERDICT_CACHE, str(tmp_path / "here"))
+    saved.save("k", ("npu:0", 1), True, "")
+    assert saved.path().parent == tmp_path / "here" and saved.path().exists()
+    for off in ("0", "off", "none"):
+        monkeypatch.setenv(saved.ENV_VERDICT_CACHE, off)
+        assert saved.directory() is None and saved.path() is None and saved.lookup("k", ("npu:0", 1)) is None
+    monkeypatch.delenv(saved.ENV_VERDICT_CACHE)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert saved.directory() == tmp_path / "xdg" / "vllm-omni-ascend-opt" / "verdicts"
+
+
+def _writer(args):
+    import os
+
+    from tests.fake_torch_npu import build
+    from vllm_omni_ascend_opt import _backend
+    from vllm_omni_ascend_opt.blocks.kernels import saved
+
+    path, who = args
+    os.environ[saved.ENV_VERDICT_CACHE] = path
+    sys.modules["torch_npu"] = build()
+    torch.npu = sys.modules["torch_npu"]._torch_npu_namespace
+    _backend.reset_cache()
+    saved.forget()
+    for i in range(40):
+        saved.save("k", (who, i), True, "")
+    return True
+
+
+def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
+    """Two processes saving at once: writes are serialized by a lock and each is a rename of a whole file, so the
+    file always parses and holds both processes' entries."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        assert pool.map(_writer, [(str(tmp_path), "a"), (str(tmp_path), "b")]) == [True, True]
+    (p,) = tmp_path.glob("verdicts-*.json")
+    table = json.loads(p.read_text())["verdicts"]["k"]
+    assert len(table) == 80 and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_batch_times_heads_is_bucketed_like_the_sequence():
+    """CFG's batch of 2 and a 2-way head split share a class with B=1 at all heads (24 -> 32), as the code says."""
+    from vllm_omni_ascend_opt.blocks.kernels import npu_attention, rotary
+
+    one, split = torch.empty(1, 100, 24, 128), torch.empty(2, 100, 12, 128)
+    assert rotary.shape_class(one) == rotary.shape_class(split) and rotary.shape_class(one)[3] == 32
+    assert rotary.shape_class(torch.empty(2, 100, 24, 128))[3] == 64
+    assert npu_attention.shape_class(one, one, None) == npu_attention.shape_class(split, split, None)
+
+
+def test_warmup_checks_the_classes_then_a_start_runs_none(fake_npu, monkeypatch, capsys):
+    """``vllm-omni-ascend-opt warmup`` checks each class once through the optimizations' own code and saves the
+    verdicts; a second start (another process) finds them all and checks nothing."""
+    import vllm_omni.diffusion.attention.backends.sdpa  # noqa: F401  (before the fake: accelerate probes torch_npu)
+
+    from vllm_omni_ascend_opt import cli
+    from vllm_omni_ascend_opt.blocks.kernels import saved
+    from vllm_omni_ascend_opt.opts import fused_attention, qk_norm, rope
+
+    fake_npu()
+    monkeypatch.setattr(torch, "npu", torch.npu, raising=False)
+    monkeypatch.setattr("vllm_omni_ascend_opt._backend.npu_device", lambda: torch.device("cpu"))
+    args = ["warmup", "--sizes", "64x48,32x32", "--batch", "1,2", "--sp", "2", "--text", "8"]
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows, last = [ln for ln in lines if ln.startswith("npu_")], lines[-1]
+    assert rows and all(ln.split()[-3] == "verified" for ln in rows)
+    assert "0 refused, 0 not decided" in last and str(saved.path()) in last
+    checks = sum(o.stats["shape_checks"] for o in (rope.OPT, qk_norm.OPT, fused_attention.OPT))
+    assert checks == len(rows) > 10
+    saved.forget()
+    fake_npu()  # the next start
+    for o in (rope.OPT, qk_norm.OPT, fused_attention.OPT):
+        o.stats.clear()
+    assert cli.main(args) == 0
+    assert sum(o.stats["shape_checks"] for o in (rope.OPT, qk_norm.OPT, fused_attention.OPT)) == 0
+    assert cli.main(["warmup", "--sizes", "100x7"]) == 2 and "multiples of 16" in capsys.readouterr().err

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,7 @@ def rows(model: Any = None) -> list[dict[str, Any]]:
                 "installed": opt.installed,
                 "reasons_inactive": reasons,
                 "notes": [*opt.upstream_notes(), *opt.notes()],
+                "kernel_classes": opt.kernel_classes() if opt.installed else None,
                 "upstream": [f.as_dict() for f in opt.upstream_findings()],
                 "requires": list(opt.requires),
                 "parallel_support": dict(opt.parallel_support),
@@ -170,6 +172,7 @@ def _reset_for_tests() -> None:
     _announced = False
     _requests.clear()
     _model_ref.clear()
+    _status_failures.clear()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -192,6 +195,16 @@ def cache_memory() -> dict[str, dict[str, Any]]:
     return out
 
 
+def kernel_classes() -> dict[str, dict[str, Any]]:
+    """Per installed optimization with a verified kernel: shape classes on the kernel, on stock, and why."""
+    out = {}
+    for opt in registry.all_optimizations():
+        t = opt.kernel_classes() if opt.installed else None
+        if t is not None:
+            out[opt.name] = t
+    return out
+
+
 def status_report(model: Any = None) -> dict[str, Any]:
     off = off_reasons(model)
     report: dict[str, Any] = {
@@ -211,6 +224,7 @@ def status_report(model: Any = None) -> dict[str, Any]:
         "requests": _requests.get("n", 0),
         "fallbacks": {o.name: o.fallback_reasons() for o in registry.all_optimizations() if o.fallback_reasons()},
         "stats": {o.name: dict(o.stats) for o in registry.all_optimizations() if o.installed and o.stats},
+        "kernels": kernel_classes(),
     }
     if model is not None:
         report["pipeline"] = type(model).__name__
@@ -234,12 +248,33 @@ def write_status_file(model: Any = None) -> Path | None:
     return path
 
 
+#: An unwritable status file: one warning, then a reminder at most this often (seconds), never a traceback per request.
+STATUS_REMINDER_S = 600.0
+_status_failures: dict[str, float] = {}
+
+
 def write_status_file_safely(model: Any = None) -> None:
-    """:func:`write_status_file`, logging (never raising) a failure: reporting must not break the engine."""
+    """:func:`write_status_file`, never raising: reporting must not break the engine. A failure logs one warning
+    (with the reason, no traceback), then a reminder at most every :data:`STATUS_REMINDER_S` seconds with the count
+    of failed writes; a write that works again says so once."""
     try:
         write_status_file(model)
-    except Exception:
-        logger.exception("vllm-omni-ascend-opt: writing the status file failed")
+    except Exception as exc:
+        n = _status_failures["n"] = _status_failures.get("n", 0) + 1
+        now = time.monotonic()
+        if n == 1 or now - _status_failures.get("last", now) >= STATUS_REMINDER_S:
+            _status_failures["last"] = now
+            logger.warning(
+                "vllm-omni-ascend-opt: cannot write the status file %s (%s: %s); %s",
+                status_file_path(),
+                exc.__class__.__name__,
+                exc,
+                "the engine runs on" if n == 1 else f"{n} writes failed so far",
+            )
+        return
+    if _status_failures.pop("n", 0):
+        _status_failures.clear()
+        logger.info("vllm-omni-ascend-opt: the status file is written again: %s", status_file_path())
 
 
 def track_model(model: Any) -> None:

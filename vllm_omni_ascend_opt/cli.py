@@ -1,4 +1,4 @@
-"""Command line: ``vllm-omni-ascend-opt list [--json]`` and the lab's ablation commands.
+"""Command line: ``vllm-omni-ascend-opt list [--json]``, ``warmup --sizes ...`` and the lab's ablation commands.
 
 The top layer of the package: it may import the lab (``ablation``), which the plugin core never does."""
 
@@ -71,6 +71,27 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 1 if STATE.config_error else 0
 
 
+def _cmd_warmup(args: argparse.Namespace) -> int:
+    from vllm_omni_ascend_opt import _backend, warmup
+
+    try:
+        sizes = warmup.parse_sizes(args.sizes)
+        batches = warmup._ints(args.batch, "--batch")
+        texts = warmup._ints(args.text, "--text")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if _backend.torch_npu_module() is None:
+        why = "; ".join(_backend.npu_unavailable_reasons())
+        print(f"warmup: nothing to verify here ({why}): the kernels are checked on an Ascend NPU only")
+        return 1
+    rows = warmup.warm(sizes, batches, args.sp, texts)
+    for r in rows:
+        print(f"{r.kernel:<22} {r.shape:<40} {r.outcome:<30} {r.seconds:8.2f} s")
+    print(warmup.summary(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-omni-ascend-opt",
@@ -82,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     lp = sub.add_parser("list", help="every optimization with its class, default, state here and flag spelling")
     lp.add_argument("--json", action="store_true", help="machine-readable output")
     lp.set_defaults(func=_cmd_list)
+    wp = sub.add_parser(
+        "warmup",
+        help="verify the kernel shape classes of these image sizes now and save the verdicts (a server starts warm)",
+    )
+    wp.add_argument("--sizes", required=True, help="WIDTHxHEIGHT list, e.g. 1328x1328,1664x928")
+    wp.add_argument("--batch", default="1", help="batch sizes, e.g. 1,2 (2: CFG batched); default 1")
+    wp.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) degree; default 1")
+    wp.add_argument("--text", default="64,128,256,512", help="prompt token counts to cover (bucketed); default 64..512")
+    wp.set_defaults(func=_cmd_warmup)
     try:
         from vllm_omni_ascend_opt.ablation import cli as ablation_cli
     except ImportError:

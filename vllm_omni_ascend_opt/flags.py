@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from vllm_omni_ascend_opt import registry
+from vllm_omni_ascend_opt import _env, registry
 from vllm_omni_ascend_opt.blocks.upstream import fingerprints
 
 ENV_FLAG = "VLLM_OMNI_ASCEND_OPT"
@@ -75,12 +75,8 @@ def spec_from_env() -> str:
 
 
 def strict_from_env() -> bool:
-    return _truthy(os.environ.get(ENV_STRICT))
+    return _env.boolean(ENV_STRICT)
 
 
 def force_from_env() -> bool:
     return fingerprints.forced()
-
-
-def _truthy(v: str | None) -> bool:
-    return (v or "").strip().lower() in ("1", "true", "yes", "on")

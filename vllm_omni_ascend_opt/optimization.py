@@ -252,6 +252,11 @@ class Optimization:
         self.stats.clear()
         self._fallbacks.clear()
 
+    def kernel_classes(self) -> dict[str, Any] | None:
+        """For an optimization that runs a verified device kernel: how many shape classes use it, how many run
+        stock, and why (``blocks.kernels.guard.tally``); None for the others. Off is reserved for off everywhere."""
+        return None
+
     def cache_memory(self) -> dict[str, Any] | None:
         """Memory its caches hold, with their budgets (``{"bytes": ..., ...}``); None when it keeps none."""
         return None

@@ -58,13 +58,67 @@ class CallLog:
         return self.calls.get(name, 0)
 
 
-def _counted(name: str, fn: Any, log: CallLog) -> Any:
+#: What the device raises, per fault kind: torch_npu's allocator message, and an ACL runtime error.
+FAULT_MESSAGES = {
+    "oom": "NPU out of memory. Tried to allocate 2.00 GiB (fake fault)",
+    "runtime": "EZ9999: Inner Error! aclnn kernel launch failed (fake fault)",
+}
+
+
+class FaultPlan:
+    """Fault injection: raise out-of-memory or a runtime error at the Nth call of any kernel (``inject``), or of any
+    function of a module (``proxy``: e.g. ``torch.stack`` as ``rope_tables`` sees it, to fault table building).
+
+    A fault raises on calls ``at`` .. ``at + times - 1`` of its target (1-based, counted from when it is injected);
+    ``fired`` counts the raises per target."""
+
+    def __init__(self) -> None:
+        self._plans: dict[str, list[tuple[int, int, str]]] = {}
+        self._seen: dict[str, int] = {}
+        self.fired: dict[str, int] = {}
+
+    def inject(self, target: str, *, at: int = 1, kind: str = "oom", times: int = 1) -> None:
+        if kind not in FAULT_MESSAGES:
+            raise KeyError(f"fault kind {kind!r}: one of {sorted(FAULT_MESSAGES)}")
+        self._plans.setdefault(target, []).append((self._seen.get(target, 0) + at, times, kind))
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def check(self, target: str) -> None:
+        """Count one call of ``target``; raise if a fault is planned for it."""
+        n = self._seen[target] = self._seen.get(target, 0) + 1
+        for first, times, kind in self._plans.get(target, ()):
+            if first <= n < first + times:
+                self.fired[target] = self.fired.get(target, 0) + 1
+                raise RuntimeError(f"{target}: {FAULT_MESSAGES[kind]}")
+
+    def proxy(self, module: Any, name: str) -> Any:
+        """A stand-in for ``module`` whose ``name`` counts (and faults) as target ``name``; all else delegates."""
+        plan, real = self, getattr(module, name)
+
+        class _Proxy:
+            def __getattr__(self, attr: str) -> Any:
+                return getattr(module, attr)
+
+        def faulting(*args: Any, **kwargs: Any) -> Any:
+            plan.check(name)
+            return real(*args, **kwargs)
+
+        p = _Proxy()
+        setattr(p, name, faulting)
+        return p
+
+
+def _counted(name: str, fn: Any, log: CallLog, faults: FaultPlan | None = None) -> Any:
     sig = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         sig.bind(*args, **kwargs)  # a keyword the schema does not have fails like torch.ops.npu.* does (TypeError)
         log.hit(name)
+        if faults is not None:
+            faults.check(name)
         # one NPU launch for the op counter, whatever CPU ops the fake computes it with (testbed/npu_ops.py)
         return run_npu_kernel(name, fn, *args, **kwargs)
 
@@ -98,27 +152,39 @@ def _option_store(initial: dict[str, str]) -> types.SimpleNamespace:
 
 
 def build(
-    *, allow_internal_format: bool = True, cann_version: str = "8.3.RC1", soc_version: int = 220, **variants: str
+    *,
+    allow_internal_format: bool = True,
+    cann_version: str = "8.3.RC1",
+    soc_version: int = 220,
+    free_memory: int = 64 << 30,
+    **variants: str,
 ) -> types.ModuleType:
     """Return a fresh fake ``torch_npu`` module (not installed anywhere).
 
     ``allow_internal_format``: the device's initial ``ALLOW_INTERNAL_FORMAT`` option (True on A2, False on A3
     [OP-AIF]); ``cann_version``: what ``torch.npu.utils.get_cann_version()`` reports; ``soc_version``: the chip
-    (220 = Ascend910B1).
+    (220 = Ascend910B1); ``free_memory``: what ``torch.npu.mem_get_info()`` reports free (settable later as
+    ``mod.memory["free"]``). ``mod.faults`` (:class:`FaultPlan`) injects faults.
     """
     mod = types.ModuleType("torch_npu")
     mod.__fake__ = True  # type: ignore[attr-defined]
-    mod.__version__ = "2.13.0+fake"  # type: ignore[attr-defined]
+    # Another kernel is another build: the variants are part of the version (the saved verdicts' key holds it).
+    wrong = sorted(f"{k}={v}" for k, v in variants.items() if v != "correct")
+    mod.__version__ = "2.13.0+fake" + ("." + ".".join(wrong) if wrong else "")  # type: ignore[attr-defined]
     mod._C = _option_store({"ALLOW_INTERNAL_FORMAT": "enable" if allow_internal_format else "disable"})  # type: ignore[attr-defined]
     log = CallLog()
     mod.calls = log  # type: ignore[attr-defined]
+    faults = FaultPlan()
+    mod.faults = faults  # type: ignore[attr-defined]
     for kernel, impls in KERNELS.items():
         choice = variants.pop(kernel.removeprefix("npu_"), variants.pop(kernel, "correct"))
         if choice not in impls:
             raise KeyError(f"fake {kernel}: no variant {choice!r} (have {sorted(impls)})")
-        setattr(mod, kernel, _counted(kernel, impls[choice], log))
+        setattr(mod, kernel, _counted(kernel, impls[choice], log, faults))
     if variants:
         raise KeyError(f"unknown fake kernel variants: {variants}")
+    memory = {"free": free_memory, "total": 64 << 30}
+    mod.memory = memory  # type: ignore[attr-defined]
     npu_ns = types.SimpleNamespace(
         is_available=lambda: True,
         device_count=lambda: 1,
@@ -128,6 +194,7 @@ def build(
         config=FakeNpuConfig(mod._C),  # type: ignore[attr-defined]
         utils=types.SimpleNamespace(get_cann_version=lambda module="CANN": cann_version),
         get_soc_version=lambda: soc_version,
+        mem_get_info=lambda *a: (memory["free"], memory["total"]),
     )
     mod._torch_npu_namespace = npu_ns  # type: ignore[attr-defined]
     mod.npu = npu_ns  # type: ignore[attr-defined]

@@ -53,3 +53,17 @@ class WeakLRU(Generic[V]):
         while len(entries) > self.cap:
             entries.popitem(last=False)
         return value
+
+
+def tensor_bytes(obj: object) -> int:
+    """Bytes of the tensors in ``obj`` (a tensor, or tuples / lists / dicts of them, nested): what a cache entry
+    holds, for status."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(o) for o in obj.values())
+    return 0

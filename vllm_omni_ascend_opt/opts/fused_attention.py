@@ -68,12 +68,14 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels import guard as kguard
 from vllm_omni_ascend_opt.blocks.kernels import npu_attention as fab
 from vllm_omni_ascend_opt.blocks.kernels.npu_attention import FUSED_DTYPES, KERNEL, ShapeVerdict, Verdict
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
-from vllm_omni_ascend_opt.blocks.upstream import guards
+from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import V030, V031, V032, Upstream, same
+from vllm_omni_ascend_opt.blocks.weak_lru import tensor_bytes
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -122,6 +124,7 @@ def _make_fused(stock: Any) -> Any:
 class _ModelState:
     layers: list[tuple[nn.Module, Any, Any]] = field(default_factory=list)  # (Attention layer, stock impl, fused)
     hooks: list[Any] = field(default_factory=list)  # forward pre-hook handles (one per transformer)
+    transformers: list[nn.Module] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)
     dtypes: set[torch.dtype] = field(default_factory=set)
     reasons: list[str] = field(default_factory=list)
@@ -178,8 +181,14 @@ class FusedAttention(Optimization):
         super().__init__()
         self._models: weakref.WeakKeyDictionary[nn.Module, _ModelState] = weakref.WeakKeyDictionary()
         #: First-use verdicts per (device, dtype) and per-call verdicts per shape class (one invalidation rule).
-        self._verdicts: VerdictCache[Verdict] = VerdictCache()
-        self._shapes: VerdictCache[ShapeVerdict] = VerdictCache()
+        self._verdicts: VerdictCache[Verdict] = VerdictCache(
+            KERNEL + ".toy", lambda k, ok, why: Verdict(ok, k[0], k[1], _backend.backend_label(), why or "saved")
+        )
+        self._shapes: VerdictCache[ShapeVerdict] = VerdictCache(
+            KERNEL, lambda k, ok, why: ShapeVerdict(k, ok, why or "saved verdict")
+        )
+        #: Faults of the checks and kernel calls (both kinds of key), retried with backoff.
+        self._guard = kguard.Guard(self.name, self.stats)
         self._forward_gen = 0  # bumped by the forward pre-hook of every attached transformer
         self._mask_cache: dict[tuple, torch.Tensor] = {}
         self._mask_gen = -1
@@ -191,8 +200,23 @@ class FusedAttention(Optimization):
         if npu is not None and not hasattr(npu, KERNEL):
             reasons.append(f"{_backend.backend_label()} has no {KERNEL}")
         reasons += [v.describe() + "; SDPA kept" for v in self._verdicts.values() if not v.ok]
-        reasons += [v.describe() + "; SDPA for this shape class" for v in self._shapes.values() if not v.ok]
+        shapes = self._shapes.values()
+        if shapes and not any(v.ok for v in shapes):  # off only when off at every shape class seen
+            reasons += [v.describe() + "; SDPA for this shape class" for v in shapes]
         return reasons
+
+    def cache_memory(self) -> dict[str, Any]:
+        """The per-forward [B, 1, S, S] mask cache (about 100 MB at 1328x1328, B=2) and the checks' scratch peak."""
+        return {
+            "masks": len(self._mask_cache),
+            "bytes": tensor_bytes(list(self._mask_cache.values())),
+            "check_scratch_peak_bytes": self._guard.scratch_peak,
+        }
+
+    def kernel_classes(self) -> dict[str, Any] | None:
+        if _backend.torch_npu_module() is None:
+            return None
+        return kguard.tally(self._shapes.values(), self._guard.faults())
 
     def shape_verdicts(self) -> list[ShapeVerdict]:
         """The per-shape-class checks of the kernel on real calls so far (under the current backend probe)."""
@@ -249,6 +273,11 @@ class FusedAttention(Optimization):
         ]
         out += [v.describe() for v in self._verdicts.values() if v.ok]
         out += [v.describe() for v in self._shapes.values() if v.ok]
+        out += [v.describe() + "; SDPA for this shape class" for v in self._shapes.values() if not v.ok]
+        out += [f"{KERNEL} fault: {f.describe()}" for f in self._guard.faults()]
+        t = self.kernel_classes()
+        if t is not None:
+            out.append(kguard.tally_line(KERNEL, t))
         if self.stats:
             out.append(
                 f"[B,1,S,S] masks built {self.stats['mask_builds']}, reused {self.stats['mask_reuses']} (once per "
@@ -273,6 +302,7 @@ class FusedAttention(Optimization):
 
     # ----- attach / detach --------------------------------------------------------------------------------------
     def _uninstall(self) -> None:
+        self._guard.clear()
         self._verdicts.clear()
         self._shapes.clear()
         self._mask_cache.clear()
@@ -307,9 +337,10 @@ class FusedAttention(Optimization):
             state.layers.append((layer, stock, fused))
         tr_cls = getattr(transformer_mod, "QwenImageTransformer2DModel", None)
         if state.layers and tr_cls is not None:
-            state.hooks = [
-                m.register_forward_pre_hook(self._new_forward) for m in model.modules() if isinstance(m, tr_cls)
-            ]
+            state.transformers = [m for m in model.modules() if isinstance(m, tr_cls)]
+            state.hooks = [m.register_forward_pre_hook(self._new_forward) for m in state.transformers]
+            for m in state.transformers:
+                forward_scope.watch(m, self.name)  # the fault-backoff clock counts its forwards
 
     @staticmethod
     def _layer_skip_reason(layer: Any, sdpa_cls: type) -> str:
@@ -332,21 +363,31 @@ class FusedAttention(Optimization):
             return
         for handle in state.hooks:
             handle.remove()
+        for m in state.transformers:
+            forward_scope.unwatch(m, self.name)
         for layer, stock, fused in state.layers:
             if layer.attention is fused:
                 layer.attention = stock
 
     # ----- the forward ------------------------------------------------------------------------------------------
-    def _verdict(self, npu: ModuleType, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> Verdict:
+    def _verdict(self, npu: ModuleType, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> Verdict | None:
         """The (device, dtype) verdict of :func:`~vllm_omni_ascend_opt.blocks.kernels.npu_attention.verify`, made on
-        first use at this layer's Nq / Nkv / D."""
+        first use at this layer's Nq / Nkv / D, inside the guard; None while a fault of it waits for its retry."""
         key = (str(q.device), str(q.dtype).removeprefix("torch."))
-        verdict, made = self._verdicts.get_or_make(
+        verdict = self._verdicts.get(key)
+        if verdict is not None or self._guard.waits(key):
+            return verdict
+        ran, verdict, refusal = self._guard.run(
             key,
             lambda: fab.verify(npu, q.device, q.dtype, q.shape[2], q.shape[3], num_kv_heads=k.shape[2], scale=scale),
         )
-        if made:
-            (logger.info if verdict.ok else logger.warning)("vllm-omni-ascend-opt: %s", verdict.describe())
+        if not ran:
+            if not refusal:
+                return None
+            verdict = Verdict(False, key[0], key[1], _backend.backend_label(), refusal)
+        assert verdict is not None
+        self._verdicts.put(key, verdict)
+        (logger.info if verdict.ok else logger.warning)("vllm-omni-ascend-opt: %s", verdict.describe())
         return verdict
 
     def _forward(self, impl: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_metadata: Any):
@@ -362,7 +403,10 @@ class FusedAttention(Optimization):
             why = fab.limits_violation(query, key, value)
         if not why:
             scale = getattr(impl, "softmax_scale", None)
-            if not self._verdict(npu, query, key, scale).ok:
+            verdict = self._verdict(npu, query, key, scale)
+            if verdict is None:
+                why = "kernel fault (retried later)"
+            elif not verdict.ok:
                 why = "verification failed"
             else:
                 out, why = self._fused_checked(npu, query, key, value, attn_metadata, scale)
@@ -381,23 +425,56 @@ class FusedAttention(Optimization):
         if why:
             return None, why
         key = fab.shape_class(q, k, masked)
-        checked, made = self._shapes.get_or_make(key, lambda: fab.check_class(npu, q, k, v, masked, scale))
-        if made:
+        checked = self._shapes.get(key)
+        if checked is not None and not checked.ok:
+            return None, "shape class failed verification"
+        if self._guard.waits(key):
+            return None, "kernel fault (retried later)"
+        ran, out, refusal = self._guard.run(
+            key, lambda: self._fused_call(npu, q, k, v, attn_metadata, scale, masked, checked is None)
+        )
+        if refusal:
+            failed = self._shapes.put(key, ShapeVerdict(key, False, refusal))
+            logger.warning("vllm-omni-ascend-opt: %s; SDPA for this shape class", failed.describe())
+            return None, "kernel error"
+        if not ran:
+            return None, "kernel fault (retried later)"
+        return out
+
+    def warm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None) -> bool | None:
+        """Check the kernel at the (device, dtype) and the class of BSND ``q``/``k``/``v`` now (``warmup``), as the
+        first real call would: the class verdict (ok), or None (no kernel, outside its limits, a fault or a
+        deferral). A class already decided is not checked again."""
+        npu = _backend.torch_npu_module()
+        if npu is None or fab.limits_violation(q, k, v):
+            return None
+        scale = q.shape[-1] ** -0.5
+        verdict = self._verdict(npu, q, k, scale)
+        if verdict is None or not verdict.ok:
+            return None if verdict is None else False
+        key = fab.shape_class(q, k, masked)
+        if self._shapes.get(key) is None and not self._guard.waits(key):
+            self._guard.run(key, lambda: self._fused_call(npu, q, k, v, None, scale, masked, True))
+        checked = self._shapes.get(key)
+        return None if checked is None else checked.ok
+
+    def _fused_call(
+        self, npu: ModuleType, q: Any, k: Any, v: Any, attn_metadata: Any, scale: Any, masked: Any, check: bool
+    ) -> tuple[torch.Tensor | None, str]:
+        """The class check (first call of its class) and the fused call, inside the guard: what either raises
+        costs this call only. (None, why): SDPA for this call."""
+        key = fab.shape_class(q, k, masked)
+        if check:
+            if not self._guard.fits(key, q.device, fab.check_scratch_bytes(q, k)):
+                return None, "check deferred (device memory)"
+            checked = self._shapes.put(key, fab.check_class(npu, q, k, v, masked, scale))
             self.stats["shape_checks"] += 1
             (logger.info if checked.ok else logger.warning)(
                 "vllm-omni-ascend-opt: %s%s", checked.describe(), "" if checked.ok else "; SDPA for this shape class"
             )
-        if not checked.ok:
-            return None, "shape class failed verification"
-        try:
-            out, why = fab.fused_forward(npu, q, k, v, attn_metadata, scale, masks=lambda *a: (masked, ""))
-        except Exception as exc:
-            failed = self._shapes.put(
-                key, ShapeVerdict(key, False, f"kernel raised {exc.__class__.__name__} at run time: {exc}")
-            )
-            logger.warning("vllm-omni-ascend-opt: %s; SDPA for this shape class", failed.describe())
-            return None, "kernel error"
-        return out, why
+            if not checked.ok:
+                return None, "shape class failed verification"
+        return fab.fused_forward(npu, q, k, v, attn_metadata, scale, masks=lambda *a: (masked, ""))
 
 
 OPT = FusedAttention()

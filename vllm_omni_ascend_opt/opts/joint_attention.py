@@ -138,6 +138,10 @@ class JointAttention(Optimization):
         self._hoister = compiled_blocks.Hoister(self._hoist, (READY_ROPE,), submodule="attn")
 
     # ----- reporting -----------------------------------------------------------------------------------------
+    def cache_memory(self) -> dict[str, Any]:
+        """The joint freqs cache (``cat(txt, vid)`` per freqs pair)."""
+        return {"joint_freqs": len(self._joint_freqs), "bytes": self._joint_freqs.nbytes()}
+
     def _process_reasons(self) -> list[str]:
         return []  # pure torch; runs wherever vLLM-Omni does
 

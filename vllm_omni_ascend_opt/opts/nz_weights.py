@@ -73,6 +73,7 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels.guard import fault_kind
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.optimization import Optimization
@@ -241,14 +242,24 @@ def trial_cast(npu: ModuleType, w_nd: torch.Tensor) -> tuple[torch.Tensor | None
     return nz, ""
 
 
+#: The NZ check's GEMM at production rows: at most this many rows, and at most CHECK_ELEMS elements per operand.
+PRODUCTION_ROWS = 4096
+CHECK_ELEMS = 1 << 24
+
+
 def check_nz_linear(w_nd: torch.Tensor, w_nz: torch.Tensor) -> tuple[bool, str]:
-    """One 3-D ``F.linear`` with bias and one without, NZ weight against ND weight: (ok, detail)."""
+    """One 3-D ``F.linear`` with bias and one without on a few rows, and one at production rows (up to
+    :data:`PRODUCTION_ROWS`), all at the model's real weight shape, NZ weight against ND weight: (ok, detail)."""
     n, k = w_nd.shape
     g = torch.Generator().manual_seed(0x4E5A)
     x = torch.randn(2, 7, k, generator=g).to(device=w_nd.device, dtype=w_nd.dtype)
     b = (torch.randn(n, generator=g) * 0.5).to(device=w_nd.device, dtype=w_nd.dtype)
+    # ...and one GEMM at production rows (a 1328x1328 image is ~7k tokens), with the fp32 bound's memory bounded.
+    rows = max(16, min(PRODUCTION_ROWS, CHECK_ELEMS // max(n, k)))
+    xp = torch.randn(1, rows, k, generator=g).to(device=w_nd.device, dtype=w_nd.dtype)
     worst = []
-    for case, bias in (("3-D addmm with bias", b), ("3-D matmul without bias", None)):
+    cases = (("3-D addmm with bias", x, b), ("3-D matmul without bias", x, None), (f"{rows} rows with bias", xp, b))
+    for case, x, bias in cases:
         try:
             got = torch.nn.functional.linear(x, w_nz, bias)
         except Exception as exc:
@@ -416,6 +427,24 @@ class NzWeights(Optimization):
         state.reasons = self._config_reasons(model)
         if state.reasons:
             return
+        try:
+            self._cast_all(npu, model, state)
+        except Exception as exc:  # all or nothing: every weight cast so far goes back to ND
+            done = len(state.cast)
+            self._rollback(state)
+            why = (
+                f"casting to FRACTAL_NZ failed after {done} weight(s) ({fault_kind(exc)}: {exc.__class__.__name__}: "
+                f"{exc}); every weight was restored to ND: no weight cast"
+            )
+            state.reasons.append(why)
+            logger.warning("vllm-omni-ascend-opt: nz_weights: %s", why)
+            return
+        if state.cast:
+            logger.info("vllm-omni-ascend-opt: nz_weights cast %d linear weights to FRACTAL_NZ", len(state.cast))
+            self.announce_weights_changed(model)
+
+    def _cast_all(self, npu: ModuleType, model: nn.Module, state: _State) -> None:
+        """Cast every eligible weight (recorded in ``state.cast`` as it goes, so that a fault can be rolled back)."""
         linear_types, lora_types = _linear_types()
         permitted = False
         for prefix, transformer in _transformers(model):
@@ -445,9 +474,14 @@ class NzWeights(Optimization):
                             continue
                         why = SKIP_CAST_FAILED
                 state.skipped[why] += 1
-        if state.cast:
-            logger.info("vllm-omni-ascend-opt: nz_weights cast %d linear weights to FRACTAL_NZ", len(state.cast))
-            self.announce_weights_changed(model)
+
+    def _rollback(self, state: _State) -> None:
+        """Cast back to ND every weight cast so far (lossless: a layout change), leaving the model as it was."""
+        with torch.no_grad():
+            for _name, w in state.cast:
+                w.data = state.npu.npu_format_cast(w.data, ACL_FORMAT_ND)
+        state.cast.clear()
+        state.skipped.clear()
 
     def _verdict(self, npu: ModuleType, w: torch.Tensor, nz: torch.Tensor) -> NzVerdict:
         """The (device, dtype) verdict of :func:`check_nz_linear`, computed on the first weight and cached.
@@ -465,10 +499,7 @@ class NzWeights(Optimization):
     def _revert(self, state: _State) -> None:
         if not state.cast or state.npu is None:
             return
-        with torch.no_grad():
-            for _name, w in state.cast:
-                w.data = state.npu.npu_format_cast(w.data, ACL_FORMAT_ND)
-        state.cast.clear()
+        self._rollback(state)
         self.announce_weights_changed()
 
     def _detach(self, model: nn.Module) -> None:

@@ -19,7 +19,9 @@ epsilon=eps)[0]``. On the first call of each shape class (device, dtype, rows bu
 (``x32 * rsqrt(mean(x32^2) + eps) * w32``, computed in chunks of rows, :data:`VERIFY_CHUNK_ELEMS`): every element must
 be within ``(TOLERANCE_EPS_FACTOR * eps(dtype) + RSTD_SLACK * eps(fp32)) * |ref|`` (one rounding to the dtype, 2x
 headroom, plus a reduction-order allowance for the fp32 rstd) and finite. A class that fails, or whose first call
-raises, keeps stock's composite with the reason logged (``notes()``/``verdicts()``). Anything else (autograd,
+raises a TypeError/ValueError, keeps stock's composite with the reason logged (``notes()``/``verdicts()``); an error
+of the moment (out of memory, a runtime error) in the check or the kernel costs that call only (stock runs it) and
+the class is retried after the backoff of :mod:`vllm_omni_ascend_opt.blocks.kernels.guard`. Anything else (autograd,
 ``torch.compile``, graph capture, an ineligible dtype/shape, no torch_npu) runs stock ``nn.RMSNorm.forward``.
 
 With ``joint_attention`` (text and image rows of one joint q or k): ``gamma`` must be ``[D]``, so one kernel cannot
@@ -63,9 +65,10 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels import guard as kguard
 from vllm_omni_ascend_opt.blocks.kernels import rms_norm
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
-from vllm_omni_ascend_opt.blocks.upstream import guards
+from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
@@ -82,6 +85,8 @@ TOLERANCE_EPS_FACTOR = 2.0
 RSTD_SLACK = 16.0
 #: Shape-class verification: at most this many elements per chunk of the fp32 reference.
 VERIFY_CHUNK_ELEMS = 1 << 22
+#: fp32 chunk-sized temporaries alive at once in :func:`verify_at_shape` (x32, ref, err, bound, stock).
+_CHECK_TEMPS = 6
 NORM_NAMES = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 
@@ -89,6 +94,11 @@ def reference_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     """``x32 * rsqrt(mean(x32^2, -1) + eps) * w32``: the RMSNorm in fp32 on the same (rounded) input."""
     x32 = x.float()
     return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def check_scratch_bytes(x: torch.Tensor) -> int:
+    """Device scratch of :func:`verify_at_shape` on ``x``: a few fp32 chunks of at most :data:`VERIFY_CHUNK_ELEMS`."""
+    return _CHECK_TEMPS * 4 * min(x.numel(), max(x.shape[-1], VERIFY_CHUNK_ELEMS))
 
 
 def shape_class(x: torch.Tensor) -> tuple[str, torch.dtype, int, int]:
@@ -177,7 +187,12 @@ class QkNorm(Optimization):
     def __init__(self) -> None:
         super().__init__()
         #: Per :func:`shape_class`: the check on the first real call of the class.
-        self._verdicts: VerdictCache[NormVerdict] = VerdictCache()
+        self._verdicts: VerdictCache[NormVerdict] = VerdictCache(
+            KERNEL,
+            lambda key, ok, reason: NormVerdict(key, ok=ok, reason=reason),  # type: ignore[arg-type]
+        )
+        #: Faults of the checks and kernel calls per shape class, retried with backoff.
+        self._guard = kguard.Guard(self.name, self.stats)
         self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
 
     # ----- reporting -----------------------------------------------------------------------------------------
@@ -210,8 +225,21 @@ class QkNorm(Optimization):
     def notes(self) -> list[str]:
         s = self.stats
         out = [v.describe() for v in self.verdicts()]
+        out.extend(f"{KERNEL} fault: {f.describe()}" for f in self._guard.faults())
+        t = self.kernel_classes()
+        if t is not None:
+            out.append(kguard.tally_line(KERNEL, t))
         out.append(f"{KERNEL} calls {s['kernel_calls']}, stock calls {s['stock_calls']}")
         return out
+
+    def cache_memory(self) -> dict[str, Any]:
+        """No cache; the fp32 scratch peak its checks were sized to."""
+        return {"bytes": 0, "check_scratch_peak_bytes": self._guard.scratch_peak}
+
+    def kernel_classes(self) -> dict[str, Any] | None:
+        if self._process_reasons():
+            return None
+        return kguard.tally(self.verdicts(), self._guard.faults())
 
     def verdicts(self) -> list[NormVerdict]:
         """The per-shape-class checks of the kernel so far (for the current backend probe)."""
@@ -227,14 +255,19 @@ class QkNorm(Optimization):
             module.__class__ = cls
         self._swapped = weakref.WeakKeyDictionary()
         self._verdicts.clear()
+        self._guard.clear()
 
     def _attach(self, model: nn.Module) -> None:
+        for tr in _transformers(model):
+            forward_scope.watch(tr, self.name)  # the fault-backoff clock counts its forwards
         for n in _qk_norms(model):
             if type(n) is nn.RMSNorm and n not in self._swapped:
                 self._swapped[n] = nn.RMSNorm
                 n.__class__ = rms_norm.KernelRMSNorm
 
     def _detach(self, model: nn.Module) -> None:
+        for tr in _transformers(model):
+            forward_scope.unwatch(tr, self.name)
         for n in _qk_norms(model):
             cls = self._swapped.pop(n, None)
             if cls is not None:
@@ -267,27 +300,44 @@ class QkNorm(Optimization):
             return None
         key = shape_class(x)
         checked = self._verdicts.get(key)
-        if checked is not None and not checked.ok:
+        if (checked is not None and not checked.ok) or self._guard.waits(key):
             self.stats["stock_calls"] += 1
             return None
-        try:
-            out = kernel(x, w, epsilon=float(eps))[0]
-        except Exception as exc:
-            checked = self._verdicts.put(
-                key, NormVerdict(key, ok=False, reason=f"the kernel raised {exc.__class__.__name__}: {exc}")
-            )
-            logger.warning("vllm-omni-ascend-opt: qk_norm: %s", checked.describe())
+        _, out, refusal = self._guard.run(key, lambda: self._kernel_call(kernel, x, w, float(eps), checked is None))
+        if refusal:
+            refused = self._verdicts.put(key, NormVerdict(key, ok=False, reason=refusal))
+            logger.warning("vllm-omni-ascend-opt: qk_norm: %s", refused.describe())
+        if out is None:
             self.stats["stock_calls"] += 1
             return None
-        if checked is None:
-            checked = self._verdicts.put(key, verify_at_shape(x, out, w, float(eps)))
-            self.stats["shape_checks"] += 1
-            (logger.info if checked.ok else logger.warning)("vllm-omni-ascend-opt: qk_norm: %s", checked.describe())
-            if not checked.ok:
-                self.stats["stock_calls"] += 1
-                return None
         self.stats["kernel_calls"] += 1
         return out
+
+    def _kernel_call(self, kernel: Any, x: torch.Tensor, w: torch.Tensor, eps: float, check: bool) -> Any:
+        """The kernel on ``x`` and, on the first call of its class, the check (inside the guard: whatever it raises
+        costs this call only). None: stock for this call (refused here, or the check deferred for memory)."""
+        key = shape_class(x)
+        if check and not self._guard.fits(key, x.device, check_scratch_bytes(x)):
+            return None
+        out = kernel(x, w, epsilon=eps)[0]
+        if not check:
+            return out
+        checked = self._verdicts.put(key, verify_at_shape(x, out, w, eps))
+        self.stats["shape_checks"] += 1
+        (logger.info if checked.ok else logger.warning)("vllm-omni-ascend-opt: qk_norm: %s", checked.describe())
+        return out if checked.ok else None
+
+    def warm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool | None:
+        """Check the kernel's class of ``x`` now (``warmup``), as its first real call would: the verdict (ok), or
+        None (no kernel here, or the check faulted or was deferred). A class already decided is not checked again."""
+        kernel = self._kernel()
+        if kernel is None or x.dtype not in KERNEL_DTYPES:
+            return None
+        key = shape_class(x)
+        if self._verdicts.get(key) is None and not self._guard.waits(key):
+            self._guard.run(key, lambda: self._kernel_call(kernel, x, weight, eps, True))
+        v = self._verdicts.get(key)
+        return None if v is None else v.ok
 
     def ready(self, norms: Sequence[nn.Module | None]) -> bool:
         """Whether every norm in ``norms`` carries the kernel class (attached here) and torch_npu has the kernel:
@@ -296,6 +346,13 @@ class QkNorm(Optimization):
 
     def is_prepared(self, norm: nn.Module) -> bool:
         return norm in self._swapped
+
+
+def _transformers(model: Any) -> list[nn.Module]:
+    mod = sys.modules.get(_targets.TRANSFORMER)
+    if mod is None or not isinstance(model, nn.Module):
+        return []
+    return [m for m in model.modules() if isinstance(m, mod.QwenImageTransformer2DModel)]
 
 
 def _qk_norms(model: Any) -> list[nn.Module]:

@@ -79,12 +79,14 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels import guard as kguard
 from vllm_omni_ascend_opt.blocks.kernels import rotary
 from vllm_omni_ascend_opt.blocks.kernels.rope_tables import TABLE_CACHE_SIZE, version_or_none
 from vllm_omni_ascend_opt.blocks.kernels.rotary import ENV_KERNEL_POLICY, KernelVerdict, ShapeVerdict
 from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, V030, V031, V032, Upstream, same
+from vllm_omni_ascend_opt.blocks.weak_lru import tensor_bytes
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -180,7 +182,15 @@ class Rope(Optimization):
 
     def cache_memory(self) -> dict[str, Any]:
         tables = self.rotary.tables
-        return {"tables": len(tables), "table_cap": TABLE_CACHE_SIZE, "bytes": tables.nbytes()}
+        memo = [hit[1] for m in list(self._embed_memo.values()) for hit in m.values()]
+        return {
+            "tables": len(tables),
+            "table_cap": TABLE_CACHE_SIZE,
+            "bytes": tables.nbytes(),
+            "embed_memo_entries": len(memo),
+            "embed_memo_bytes": tensor_bytes(memo),
+            "check_scratch_peak_bytes": self.rotary.guard.scratch_peak,
+        }
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
         mod = sys.modules.get(_targets.TRANSFORMER)
@@ -232,6 +242,8 @@ class Rope(Optimization):
                 )
             out.extend(v.describe() for v in verdicts)
             out.extend(v.describe() for v in self.shape_verdicts())
+            out.extend(f"npu_rotary_mul fault: {f.describe()}" for f in self.rotary.guard.faults())
+            out.append(kguard.tally_line("npu_rotary_mul", self.kernel_classes() or {}))
         if self.stats:
             s = self.stats
             out.append(
@@ -240,6 +252,11 @@ class Rope(Optimization):
                 f"stock kernel with cached tables {s['delegate_calls']}, stock {s['stock_calls']}"
             )
         return out
+
+    def kernel_classes(self) -> dict[str, Any] | None:
+        if _backend.torch_npu_module() is None or not self.use_npu_kernel:
+            return None
+        return kguard.tally(self.verdicts() + self.shape_verdicts(), self.rotary.guard.faults())  # type: ignore[operator]
 
     def verdicts(self) -> list[KernelVerdict]:
         """The toy-shape verifications of the kernel per (device, dtype, head_dim), for the current backend."""

@@ -200,6 +200,9 @@ class SharedModulation(Optimization):
             "budget_bytes": int(self.memo.max_bytes),
             "entries": len(self.memo),
             "evictions": int(self.memo.stats.get("evictions", 0)),
+            # Qwen-Image-Edit-2511's timestep-0 segments: kept outside the budget (one per block and weights)
+            "zero_t_segments": len(self.memo._zero_t),
+            "zero_t_bytes": int(self.memo.zero_t_nbytes),
         }
 
     def notes(self) -> list[str]:

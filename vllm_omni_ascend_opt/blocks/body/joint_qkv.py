@@ -170,6 +170,9 @@ class JointFreqsCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._entries.values())
+
     def get(self, vid: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
         kv, rv = rope_tables.table_key(vid, vid.dtype)
         kt, rt = rope_tables.table_key(txt, txt.dtype)

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels.guard import is_error
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 
 KERNEL = "npu_fusion_attention"
@@ -188,12 +189,15 @@ def reference_attention(
 
 
 def shape_class(q: torch.Tensor, k: torch.Tensor, masked: torch.Tensor | None) -> tuple:
-    """(device, dtype, layout, B*Nq, Nkv, Sq bucket, Skv bucket, D, masked) of a BSND call: what tiling depends on."""
+    """(device, dtype, layout, B*Nq bucket, Nq/Nkv, Sq bucket, Skv bucket, D, masked) of a BSND call: what tiling
+    depends on (the GQA group size, not Nkv itself: a head split divides both). B*Nq is bucketed like the sequence lengths (next power of two): the kernel splits B*Nq over its cores
+    in blocks, so within a power-of-two range the same code runs with another block count, and CFG's batch of 2 and a
+    sequence-parallel split of the heads share classes instead of each being checked (and saved) on its own."""
     b, sq, nq, d = q.shape
     skv, nkv = k.shape[1], k.shape[2]
     bucket = lambda n: 1 << max(0, (n - 1).bit_length())  # noqa: E731
-    return (str(q.device), str(q.dtype).removeprefix("torch."), "BSND", b * nq, nkv, bucket(sq), bucket(skv), d,
-            masked is not None)  # fmt: skip
+    return (str(q.device), str(q.dtype).removeprefix("torch."), "BSND", bucket(b * nq), nq // max(1, nkv), bucket(sq),
+            bucket(skv), d, masked is not None)  # fmt: skip
 
 
 @dataclass
@@ -208,8 +212,10 @@ class ShapeVerdict:
     seconds: float = 0.0
 
     def describe(self) -> str:
-        dev, dtype, layout, bn, nkv, sq, skv, d, masked = self.key
-        where = f"{dev}/{dtype}/{layout} B*N={bn} Nkv={nkv} Sq<={sq} Skv<={skv} D={d}{' masked' if masked else ''}"
+        dev, dtype, layout, bn, group, sq, skv, d, masked = self.key
+        where = (
+            f"{dev}/{dtype}/{layout} B*N<={bn} Nq/Nkv={group} Sq<={sq} Skv<={skv} D={d}{' masked' if masked else ''}"
+        )
         state = "verified" if self.ok else "FAILED"
         return f"{KERNEL} {state} at {where}: {self.detail}"
 
@@ -319,6 +325,8 @@ def verify(
                 )
                 return Verdict(False, str(device), dname, label, worst, errors)
     except Exception as exc:
+        if is_error(exc):  # out of memory, a runtime error: a fault, for the guard (not a verdict)
+            raise
         return Verdict(False, str(device), dname, label, f"kernel raised {exc.__class__.__name__}: {exc}", errors)
     detail = ", ".join(f"{c}: max|Δ| {e:.3g}" for c, e in errors.items())
     return Verdict(True, str(device), dname, label, f"{detail} (Nq={num_heads}, Nkv={nkv}, D={head_dim})", errors)
@@ -337,8 +345,19 @@ def check_class(
     try:
         out = call_kernel(npu, qr, kr, vr, masked, s)
     except Exception as exc:
+        if is_error(exc):  # a fault, for the guard
+            raise
         return ShapeVerdict(shape_class(q, k, masked), False, f"kernel raised {exc.__class__.__name__}: {exc}")
     return check_at_shape(qr, kr, vr, out, masked, s)
+
+
+def check_scratch_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Device scratch of :func:`check_class`: random q/k/v and the output in q's dtype, and a few fp32 chunks of
+    at most :data:`VERIFY_CHUNK_ELEMS` scores (scores, softmax, the stock SDPA's) plus the fp32 chunk outputs."""
+    b, sq, nq, _ = q.shape
+    io = (2 * q.numel() + 2 * k.numel()) * q.element_size()
+    scores = min(VERIFY_CHUNK_ELEMS, b * nq * sq * k.shape[1])
+    return io + 3 * 4 * scores + 3 * 4 * q.numel()
 
 
 def graph_capture() -> bool:

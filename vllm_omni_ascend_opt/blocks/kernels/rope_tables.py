@@ -22,7 +22,8 @@ TABLE_CACHE_SIZE = 32
 
 
 class Tables:
-    """cos/sin for one freqs tensor and dtype, built lazily in the forms each path needs."""
+    """cos/sin for one freqs tensor and dtype, built lazily in the forms each path needs. Each form is stored whole
+    (both of its tensors at once, after both are built): a fault while building leaves the entry as it was."""
 
     __slots__ = ("cos", "dtype", "half_cos", "half_sin", "npu_cos", "npu_sin", "sin_signed")
 
@@ -53,9 +54,11 @@ def portable_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[tor
     """``(cos, sin_signed)`` [S, 1, D] for :func:`apply_portable`."""
     if t.cos is None:
         c, s = half_tables(t, freqs, stats)
-        # Same values as stock's einops ``repeat(c, "... d -> ... 1 (d 2)")``.
-        t.cos = torch.repeat_interleave(c, 2, dim=-1).unsqueeze(-2)
-        t.sin_signed = torch.stack((-s, s), dim=-1).flatten(-2).unsqueeze(-2)
+        # Same values as stock's einops ``repeat(c, "... d -> ... 1 (d 2)")``. Both built before either is stored:
+        # a fault between the two (out of memory) leaves the entry as it was, never (cos, None).
+        cos = torch.repeat_interleave(c, 2, dim=-1).unsqueeze(-2)
+        sin_signed = torch.stack((-s, s), dim=-1).flatten(-2).unsqueeze(-2)
+        t.cos, t.sin_signed = cos, sin_signed
     return t.cos, t.sin_signed  # type: ignore[return-value]
 
 
@@ -63,8 +66,8 @@ def npu_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Te
     """``(cos, sin)`` [1, S, 1, D] repeat-interleaved: ``npu_rotary_mul``'s 1S1D class for BSND inputs."""
     if t.npu_sin is None:
         cos, _ = portable_tables(t, freqs, stats)
-        t.npu_cos = cos.unsqueeze(0)  # [1, S, 1, D] view of the portable table
-        t.npu_sin = torch.repeat_interleave(t.half_sin, 2, dim=-1)[None, :, None, :]  # type: ignore[arg-type]
+        sin = torch.repeat_interleave(t.half_sin, 2, dim=-1)[None, :, None, :]  # type: ignore[arg-type]
+        t.npu_cos, t.npu_sin = cos.unsqueeze(0), sin  # [1, S, 1, D] (cos: a view of the portable table); together
     return t.npu_cos, t.npu_sin  # type: ignore[return-value]
 
 

@@ -12,7 +12,9 @@ How the kernel is verified (before it is used, and again where it runs):
    pre-7.0 aclops fallback that ignored ``rotary_mode``) fails by orders of magnitude and is refused;
 2. :func:`verify_at_shape`, on the first real call of each :func:`shape_class`: the kernel's output on the real
    inputs against an fp32 reference; the class keeps the kernel only if it is within the tolerance and its max error
-   is no larger than stock's own. A call that raises refuses its class.
+   is no larger than stock's own. A call that raises a TypeError/ValueError refuses its class; an error of the moment
+   (out of memory, a runtime error) is a fault (:mod:`.guard`): that call takes the portable path, the class is
+   retried after the guard's backoff.
 
 Both kinds of verdict live in :class:`~.verdicts.VerdictCache` objects (a new backend probe drops them;
 :meth:`RotaryKernel.clear` on ``rope``'s uninstall). :class:`RotaryKernel` counts into its owner's statistics, so
@@ -27,12 +29,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels.guard import Guard, is_error
 from vllm_omni_ascend_opt.blocks.kernels.rope_tables import (
     TableCache,
     Tables,
@@ -62,6 +65,15 @@ KERNEL_D_LIMIT = 896  # npu_rotary_mul doc: D < 896 and even
 KERNEL_BN_LIMIT = 1000  # npu_rotary_mul doc, interleave: B * N < 1000
 #: Shape-class verification: chunk the fp32 reference over S so that one chunk holds at most this many elements.
 VERIFY_CHUNK_ELEMS = 1 << 22
+#: fp32 chunk-sized temporaries alive at once in :func:`verify_at_shape` (x, out, ref, scale, err, stock, swap).
+_CHECK_TEMPS = 8
+
+
+def check_scratch_bytes(x: torch.Tensor) -> int:
+    """Device scratch of :func:`verify_at_shape` on ``x``: a few fp32 chunks of at most :data:`VERIFY_CHUNK_ELEMS`."""
+    b, s, n, d = x.shape
+    step = max(1, VERIFY_CHUNK_ELEMS // max(1, b * n * d))
+    return _CHECK_TEMPS * 4 * b * min(s, step) * n * d
 
 
 def reference_fp32(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +98,10 @@ class KernelVerdict:
     fn: Callable[..., torch.Tensor] | None = None
     err_kernel: float = math.nan  # max |kernel - ref_fp32|
     err_stock: float = math.nan  # max |stock - ref_fp32| (stock's own error in this dtype)
+
+    @property
+    def key(self) -> tuple[str, torch.dtype, int]:
+        return (self.device, self.dtype, self.head_dim)
 
     def describe(self) -> str:
         where = f"{self.device}/{str(self.dtype).removeprefix('torch.')}/D={self.head_dim}"
@@ -122,6 +138,8 @@ def verify_kernel(
         ncos, nsin = npu_tables(tables, freqs, scratch)
         out = kernel(x, ncos, nsin, rotary_mode="interleave")
     except Exception as exc:
+        if is_error(exc):  # out of memory, a runtime error: a fault, for the guard (not a verdict)
+            raise
         v.reason = f"the kernel raised {exc.__class__.__name__}: {exc}"
         return v
     if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != dtype or out.device != x.device:
@@ -167,9 +185,19 @@ def _judge(ratio: float, err_kernel: float, err_stock: float) -> str:
 
 
 def shape_class(x: torch.Tensor) -> tuple[str, torch.dtype, str, int, int, int]:
-    """(device, dtype, layout, B*N, sequence-length bucket, D) of a BSND input: what a kernel tiling depends on."""
+    """(device, dtype, layout, B*N bucket, sequence-length bucket, D) of a BSND input: what a kernel tiling depends on.
+
+    B*N is bucketed like S (next power of two): the kernel spreads B*N*S rows over its cores in tiles, so within a
+    power-of-two range it runs the same tiling code with another tile count, and a class checked at one size in the
+    range stands for the others. That makes CFG's batch of 2 and a sequence-parallel split of the heads (24 heads at
+    B=1, 12 per rank at B=2) share classes, instead of each being checked (and saved) on its own."""
     b, s, n, d = x.shape
-    return (str(x.device), x.dtype, "BSND", b * n, 1 << max(0, (s - 1).bit_length()), d)
+    return (str(x.device), x.dtype, "BSND", bucket(b * n), bucket(s), d)
+
+
+def bucket(n: int) -> int:
+    """The next power of two >= n: the shape-class bucket of a size."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass
@@ -187,7 +215,7 @@ class ShapeVerdict:
 
     def describe(self) -> str:
         dev, dtype, layout, bn, bucket, d = self.key
-        where = f"{dev}/{str(dtype).removeprefix('torch.')}/{layout} B*N={bn} S<={bucket} D={d}"
+        where = f"{dev}/{str(dtype).removeprefix('torch.')}/{layout} B*N<={bn} S<={bucket} D={d}"
         if self.ok:
             return (
                 f"npu_rotary_mul at {where}: in use (max error {self.err_kernel:.3g} vs stock's {self.err_stock:.3g}, "
@@ -249,13 +277,28 @@ class RotaryKernel:
         self.stats = stats
         self.label = label
         self.tables = TableCache(stats)
-        #: Per (device, dtype, head_dim): the toy-shape verification.
-        self.verdicts: VerdictCache[KernelVerdict] = VerdictCache()
-        #: Per :func:`shape_class`: the check on the first real call of the class.
-        self.shapes: VerdictCache[ShapeVerdict] = VerdictCache()
+        #: Per (device, dtype, head_dim): the toy-shape verification; per :func:`shape_class`: the check on the
+        #: first real call of the class. Both saved on disk (:mod:`.saved`); a saved pass is not taken under the
+        #: bitwise policy (whether it was bitwise is not saved): the check runs.
+        self.verdicts: VerdictCache[KernelVerdict] = VerdictCache("npu_rotary_mul.toy", self._saved_toy)
+        self.shapes: VerdictCache[ShapeVerdict] = VerdictCache("npu_rotary_mul", self._saved_shape)
+        #: Faults of the checks and kernel calls (both kinds of key), retried with backoff.
+        self.guard = Guard(label, stats)
+
+    def _saved_toy(self, key: Any, ok: bool, reason: str) -> KernelVerdict | None:
+        if ok and self.policy.requires_bitwise():
+            return None
+        fn = getattr(_backend.torch_npu_module(), "npu_rotary_mul", None)
+        return KernelVerdict(key[0], key[1], key[2], ok=ok and fn is not None, reason=reason, fn=fn if ok else None)
+
+    def _saved_shape(self, key: Any, ok: bool, reason: str) -> ShapeVerdict | None:
+        if ok and self.policy.requires_bitwise():
+            return None
+        return ShapeVerdict(key, ok=ok, reason=reason or "saved verdict")
 
     def clear(self) -> None:
-        """Drop tables and verdicts."""
+        """Drop tables, verdicts and faults."""
+        self.guard.clear()
         self.tables.clear()
         self.verdicts.clear()
         self.shapes.clear()
@@ -264,7 +307,8 @@ class RotaryKernel:
         (logger.info if ok else logger.warning)("vllm-omni-ascend-opt: %s: %s", self.label, what)
 
     def kernel_for(self, x: torch.Tensor) -> KernelVerdict | None:
-        """The verified ``npu_rotary_mul`` verdict for ``x``'s (device, dtype, head_dim), or None (no kernel here)."""
+        """The verified ``npu_rotary_mul`` verdict for ``x``'s (device, dtype, head_dim), or None (no kernel here,
+        or its first-use check faulted: retried after the guard's backoff)."""
         if not self.policy.use_npu_kernel:
             return None
         mod = _backend.torch_npu_module()
@@ -273,11 +317,20 @@ class RotaryKernel:
         key = (str(x.device), x.dtype, x.shape[-1])
         v = self.verdicts.get(key)
         if v is None:
+            if self.guard.waits(key):
+                return None
             kernel = getattr(mod, "npu_rotary_mul", None)
             if kernel is None:
                 v = KernelVerdict(key[0], x.dtype, x.shape[-1], ok=False, reason="torch_npu has no npu_rotary_mul")
             else:
-                v = verify_kernel(kernel, x.device, x.dtype, x.shape[-1], x.shape[2])
+                ran, v, refusal = self.guard.run(
+                    key, lambda: verify_kernel(kernel, x.device, x.dtype, x.shape[-1], x.shape[2])
+                )
+                if not ran:
+                    if not refusal:
+                        return None  # a fault: recorded by the guard, retried later
+                    v = KernelVerdict(key[0], x.dtype, x.shape[-1], ok=False, reason=refusal)
+                assert v is not None
                 if v.ok and self.policy.requires_bitwise() and not v.bitwise_vs_stock:
                     v.ok, v.fn = False, None
                     v.reason = (
@@ -289,36 +342,49 @@ class RotaryKernel:
             self._log(v.ok, v.describe())
         return v if v.ok else None
 
+    def _kernel_call(
+        self, fn: Callable[..., torch.Tensor], x: torch.Tensor, tables: Tables, freqs: torch.Tensor, checked: bool
+    ) -> torch.Tensor | None:
+        """The kernel on ``x`` (and, on the first call of its class, the check): its output, or None when the class
+        was refused here (the verdict is stored). Runs inside the guard: whatever it raises costs this call only."""
+        key = shape_class(x)
+        cos, sin = npu_tables(tables, freqs, self.stats)
+        if not checked and not self.guard.fits(key, x.device, check_scratch_bytes(x)):
+            return None  # deferred: stock now, the check later
+        out = fn(x, cos, sin, rotary_mode="interleave")
+        if checked:
+            return out
+        pc, ps = portable_tables(tables, freqs, self.stats)
+        v = verify_at_shape(x, out, pc, ps, bitwise=self.policy.requires_bitwise())
+        self.shapes.put(key, v)
+        self.stats["shape_checks"] += 1
+        self._log(v.ok, v.describe())
+        return out if v.ok else None
+
     def apply(
         self, x: torch.Tensor, tables: Tables, freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
     ) -> torch.Tensor:
         """``rope(x, cos, sin)`` of stock with ``tables`` (of ``freqs``), on the backend the class docstring names
         (the kernel only where its shape class passed). ``inplace``: the caller owns ``x`` and no longer needs it, so
-        the portable math rotates it in place (fewer temporaries); the other paths return new tensors."""
+        the portable math rotates it in place (fewer temporaries); the other paths return new tensors. The kernel
+        call and its check run inside :attr:`guard`: a fault sends this call to the portable path."""
         verdict = self.kernel_for(x)
         if verdict is not None:
             b, _, n, d = x.shape
             key = shape_class(x)
             checked = self.shapes.get(key)
             eligible = freqs.shape[-1] * 2 == d and b * n < KERNEL_BN_LIMIT and x.dtype in KERNEL_DTYPES
-            if eligible and (checked is None or checked.ok):
-                cos, sin = npu_tables(tables, freqs, self.stats)
-                try:
-                    out = verdict.fn(x, cos, sin, rotary_mode="interleave")  # type: ignore[misc]
-                except Exception as exc:
-                    checked = ShapeVerdict(key, ok=False, reason=f"the kernel raised {exc.__class__.__name__}: {exc}")
-                    self.shapes.put(key, checked)
-                    self._log(False, checked.describe())
-                else:
-                    if checked is None:
-                        pc, ps = portable_tables(tables, freqs, self.stats)
-                        checked = verify_at_shape(x, out, pc, ps, bitwise=self.policy.requires_bitwise())
-                        self.shapes.put(key, checked)
-                        self.stats["shape_checks"] += 1
-                        self._log(checked.ok, checked.describe())
-                    if checked.ok:
-                        self.stats["kernel_calls"] += 1
-                        return out
+            if eligible and (checked is None or checked.ok) and not self.guard.waits(key):
+                fn = verdict.fn
+                assert fn is not None
+                ran, out, refusal = self.guard.run(
+                    key, lambda: self._kernel_call(fn, x, tables, freqs, checked is not None)
+                )
+                if refusal:
+                    self._log(False, self.shapes.put(key, ShapeVerdict(key, ok=False, reason=refusal)).describe())
+                elif ran and out is not None:
+                    self.stats["kernel_calls"] += 1
+                    return out
         if native_equivalent(rope):
             cos, sin_signed = portable_tables(tables, freqs, self.stats)
             self.stats["portable_calls"] += 1
@@ -326,6 +392,21 @@ class RotaryKernel:
         cos, sin = half_tables(tables, freqs, self.stats)
         self.stats["delegate_calls"] += 1
         return rope(x, cos, sin)
+
+    def warm(self, x: torch.Tensor, freqs: torch.Tensor) -> bool | None:
+        """Check the kernel's class of ``x`` now (``warmup``), as its first real call would: the verdict (ok), or
+        None when there is no kernel here or the check faulted or was deferred. A class already decided is not
+        checked again."""
+        verdict = self.kernel_for(x)
+        if verdict is None or verdict.fn is None:
+            return None
+        key = shape_class(x)
+        checked = self.shapes.get(key)
+        if checked is None and not self.guard.waits(key):
+            fn = verdict.fn
+            self.guard.run(key, lambda: self._kernel_call(fn, x, Tables(x.dtype), freqs, False))
+            checked = self.shapes.get(key)
+        return None if checked is None else checked.ok
 
     def rotate(self, x: torch.Tensor, freqs: torch.Tensor, rope: nn.Module) -> torch.Tensor:
         """:meth:`apply` with the cached tables of ``freqs`` in ``x``'s dtype."""

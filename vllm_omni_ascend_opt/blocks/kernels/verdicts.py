@@ -8,6 +8,10 @@ The rule: a verdict belongs to the backend probe (:func:`vllm_omni_ascend_opt._b
 when the probe changes (another ``torch_npu`` module, or a re-probe after ``_backend.reset_cache``), every entry is
 dropped before the next read or write. ``clear()`` drops them too (an optimization's ``uninstall``). Nothing else
 removes a verdict: a shape class keeps its verdict for the life of the process.
+
+A cache made with ``saved_as`` (the kernel's name) and ``decode`` also reads and writes the on-disk verdicts of
+:mod:`.saved`: a miss in memory asks the disk (a hit there is decoded and kept, no check runs), and every verdict
+put is saved. Faults never come here (:mod:`.guard` keeps them).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels import agree, saved
 
 V = TypeVar("V")
 
@@ -23,31 +28,85 @@ V = TypeVar("V")
 class VerdictCache(Generic[V]):
     """Verdicts by key, valid for the backend probe they were made under (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, saved_as: str | None = None, decode: Callable[[Hashable, bool, str], V | None] | None = None
+    ) -> None:
         self._entries: dict[Hashable, V] = {}
         self._probe: int | None = None
+        self._saved_as = saved_as if decode is not None else None
+        self._decode = decode
+        #: verdicts read from disk instead of being checked (under the current probe)
+        self.loaded = 0
+        #: refusals other ranks made (key text -> reason), applied on this rank's first lookup of the class
+        self._remote: dict[str, str] = {}
+        if self._saved_as is not None:
+            agree.register(self)
 
     def _live(self) -> dict[Hashable, V]:
         probe = _backend.probe_id()
         if probe != self._probe:
             self._entries.clear()
             self._probe = probe
+            self.loaded = 0
+            self._remote.clear()
         return self._entries
 
     def get(self, key: Hashable) -> V | None:
-        return self._live().get(key)
+        entries = self._live()
+        v = entries.get(key)
+        if v is None and self._saved_as is not None:
+            v = self._from_disk(entries, key)
+        return v
+
+    def _from_disk(self, entries: dict[Hashable, V], key: Hashable) -> V | None:
+        remote = self._remote.get(saved.key_text(key)) if self._remote else None
+        hit = (False, remote) if remote is not None else saved.lookup(self._saved_as, key)  # type: ignore[arg-type]
+        if hit is None:
+            return None
+        v = self._decode(key, hit[0], hit[1])  # type: ignore[misc]
+        if v is not None:  # None: the owner does not take it here (e.g. another policy); the check runs
+            entries[key] = v
+            self.loaded += 1
+        return v
 
     def put(self, key: Hashable, verdict: V) -> V:
         self._live()[key] = verdict
+        if self._saved_as is not None:
+            ok = bool(getattr(verdict, "ok", False))
+            why = str(getattr(verdict, "reason", "") or getattr(verdict, "detail", ""))
+            saved.save(self._saved_as, key, ok, why)
+            agree.made(self, key, ok, why)
         return verdict
+
+    @property
+    def name(self) -> str | None:
+        """The kernel name its verdicts are saved and agreed under (None: kept in memory only)."""
+        return self._saved_as
+
+    def refuse_from_peer(self, text: str, reason: str) -> None:
+        """Another rank refused the class ``text`` (:func:`.saved.key_text`): refuse it here too, now if this rank
+        holds a verdict for it (a pass becomes the peer's refusal; never saved: the peer saved its own), else at
+        this rank's first lookup of it."""
+        entries = self._live()
+        for key, v in list(entries.items()):
+            if saved.key_text(key) == text:
+                if getattr(v, "ok", False) and self._decode is not None:
+                    refused = self._decode(key, False, reason)
+                    if refused is not None:
+                        entries[key] = refused
+                return
+        self._remote[text] = reason
 
     def get_or_make(self, key: Hashable, make: Callable[[], V]) -> tuple[V, bool]:
         """``(verdict, made)``: the cached verdict for ``key``, or ``make()``'s, stored (``made`` True)."""
-        entries = self._live()
-        if key in entries:
-            return entries[key], False
-        verdict = entries[key] = make()
-        return verdict, True
+        v = self.get(key)
+        if v is not None:
+            return v, False
+        return self.put(key, make()), True
+
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key`` (a fault that cleared; never a verdict: see the module docstring)."""
+        self._live().pop(key, None)
 
     def values(self) -> list[V]:
         return list(self._live().values())

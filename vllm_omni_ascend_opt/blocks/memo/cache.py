@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vllm_omni_ascend_opt import _env
 from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
 from vllm_omni_ascend_opt.blocks.body.two_segment import SegmentPlan, SegMod
 from vllm_omni_ascend_opt.blocks.memo import time_embedding
@@ -63,6 +64,7 @@ def budget_from_env() -> int:
     mb = float(raw)  # ValueError for junk; reasons_inactive() reports it
     if not 0 <= mb < float("inf"):  # also rejects NaN
         raise ValueError(f"{ENV_BUDGET_MB}={raw!r} must be a non-negative number of MiB")
+    _env.check_range(ENV_BUDGET_MB, mb, 0, 16384, " MiB")  # above 16 GiB: memo bytes a card needs for weights
     return int(mb * 1024**2)
 
 

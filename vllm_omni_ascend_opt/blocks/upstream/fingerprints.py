@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt import _backend, _env
 
 #: The fingerprint of a function that the module (or class) does not define itself.
 ABSENT = "absent"
@@ -62,7 +62,7 @@ QWEN_IMAGE_21_PACKAGE = "vllm_omni.diffusion.models.qwen_image_21"
 
 def forced() -> bool:
     """``VLLM_OMNI_ASCEND_OPT_FORCE`` is set: install although upstream code differs (with a warning)."""
-    return (os.environ.get(ENV_FORCE) or "").strip().lower() in ("1", "true", "yes", "on")
+    return _env.boolean(ENV_FORCE)
 
 
 # ----- declarations ---------------------------------------------------------------------------------------------

@@ -8,10 +8,17 @@ fresh decision table) around each eager forward and closes it when the forward r
 (a block called directly, a transformer nobody watches, a hook registry that bypassed the hooks) every call makes its
 own. While torch.compile traces no scope is opened, and patched code never asks (it checks :func:`~.guards.tracing`
 first).
+
+Threading contract: one forward at a time per process, as vLLM-Omni runs it (its diffusion worker executes requests
+one after the other on one thread). The scope table is a module global owned by the thread that opened the outermost
+scope; a forward started on another thread while one is open is not scoped (every :func:`decide` there makes its own
+decision: correct, only slower) and logs one warning.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
@@ -21,20 +28,54 @@ import torch.nn as nn
 from vllm_omni_ascend_opt.blocks.upstream import guards
 
 T = TypeVar("T")
+logger = logging.getLogger("vllm_omni_ascend_opt")
 
 #: The decision tables of the open scopes, innermost last.
 _STACK: list[dict[Hashable, Any]] = []
+#: Outermost scopes opened so far in this process: the clock that kernel fault backoff counts in (never read while
+#: dynamo traces; a forward nobody watches does not advance it).
+_FORWARDS = [0]
+
+
+#: Called after each outermost watched forward that returned (not one that raised: a rank that failed must not
+#: leave the others waiting in a collective). Kernel verdicts are agreed between ranks here.
+_AT_END: list[Callable[[], Any]] = []
+
+
+def at_forward_end(fn: Callable[[], Any]) -> None:
+    """Call ``fn()`` after each outermost watched forward returns (idempotent)."""
+    if fn not in _AT_END:
+        _AT_END.append(fn)
+
+
+def _forward_ended() -> None:
+    for fn in _AT_END:
+        fn()
+
+
+def forwards() -> int:
+    """How many outermost watched transformer forwards have started in this process (the fault-backoff clock)."""
+    return _FORWARDS[0]
+
+
+#: The thread that opened the outermost scope (the threading contract of the module docstring).
+_OWNER = [0]
+_WARNED = [False]
+
+
+def _mine() -> bool:
+    return bool(_STACK) and _OWNER[0] == threading.get_ident()
 
 
 def current() -> dict[Hashable, Any] | None:
     """The decision table of the innermost open scope (the forward being run), or None outside watched forwards."""
-    return _STACK[-1] if _STACK else None
+    return _STACK[-1] if _mine() else None
 
 
 def decide(key: Hashable, make: Callable[[], T]) -> T:
     """The decision ``key`` of this forward: made by ``make()`` at the first ask within the scope and reused until the
     forward ends; outside a scope, ``make()`` on every call. Callers check ``guards.tracing()`` first."""
-    if not _STACK:
+    if not _mine():
         return make()
     table = _STACK[-1]
     try:
@@ -46,6 +87,9 @@ def decide(key: Hashable, make: Callable[[], T]) -> T:
 
 def _open(module: nn.Module, callbacks: dict[str, Callable[[nn.Module], None] | None]) -> dict[Hashable, Any]:
     scope: dict[Hashable, Any] = {}
+    if not _STACK:
+        _FORWARDS[0] += 1
+        _OWNER[0] = threading.get_ident()
     _STACK.append(scope)
     for callback in [c for c in callbacks.values() if c is not None]:
         callback(module)
@@ -80,11 +124,22 @@ def _scoped_class(cls: type) -> type:
         w = _WATCHED.get(self)
         if w is None or self._compiled_call_impl is not None or guards.tracing():
             return base_call(self, *args, **kwargs)
+        if _STACK and not _mine():  # another thread's forward is open: outside the threading contract
+            if not _WARNED[0]:
+                _WARNED[0] = True
+                logger.warning(
+                    "vllm-omni-ascend-opt: two transformer forwards run at once on different threads; the plugin "
+                    "expects one forward at a time per process (as vLLM-Omni runs it): this one runs unscoped"
+                )
+            return base_call(self, *args, **kwargs)
         scope = _open(self, w)
         try:
-            return base_call(self, *args, **kwargs)
+            out = base_call(self, *args, **kwargs)
         finally:
             _close(scope)
+        if not _STACK:
+            _forward_ended()
+        return out
 
     sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "_ascend_scoped_base": cls})
     sub.__qualname__ = cls.__qualname__

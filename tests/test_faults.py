@@ -1,0 +1,169 @@
+"""A fault costs one kernel call, never a request: fault injection through the torch_npu fake (``FaultPlan``).
+
+For every injection point (a kernel inside its check, the same kernel in use after the check, table building, a
+check that does not fit in free device memory) the test asserts the three things of the guard's contract
+(``blocks/kernels/guard.py``):
+
+1. the forward completes, with stock's result for the faulted call (bitwise where the kernel is bitwise stock);
+2. the next forward is exactly what it would be without the fault: the kernel is back after its backoff (one
+   forward), every verdict is a pass, the caches hold no partial entry;
+3. status (``notes()``, ``kernel_classes()``, the status report) names the fault while it waits.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from vllm_omni_ascend_opt import _report, api
+from vllm_omni_ascend_opt.blocks.kernels import rope_tables, saved
+from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
+from vllm_omni_ascend_opt.opts import fused_attention as fa
+from vllm_omni_ascend_opt.opts import qk_norm as qn
+from vllm_omni_ascend_opt.opts import rope
+from vllm_omni_ascend_opt.testbed import TINY
+
+
+@pytest.fixture(autouse=True)
+def _no_saved_verdicts(monkeypatch):
+    """Each test checks afresh after a new probe (saved verdicts would skip the checks the faults aim at)."""
+    monkeypatch.setenv(saved.ENV_VERDICT_CACHE, "off")
+
+
+@pytest.fixture(scope="module")
+def bf16_tr(runtime, tiny_pipe):
+    mod = sys.modules[_targets.TRANSFORMER]
+    with runtime.context():
+        t = mod.QwenImageTransformer2DModel(od_config=runtime.od_config, **TINY.transformer_kwargs())
+    t.load_state_dict(tiny_pipe.transformer.state_dict())
+    return t.to(torch.bfloat16).eval()
+
+
+def _forward(rt, tr, *, txt=7, hw=(4, 4), seed=1):
+    dtype = tr.proj_out.weight.dtype
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(1, hw[0] * hw[1], TINY.vae_z_dim * 4, generator=g).to(dtype)
+    ehs = torch.randn(1, txt, TINY.joint_attention_dim, generator=g).to(dtype)
+    with rt.context(), torch.no_grad():
+        return tr(
+            hidden_states=hs,
+            encoder_hidden_states=ehs,
+            encoder_hidden_states_mask=torch.ones(1, txt, dtype=torch.long),
+            timestep=torch.tensor([0.5]),
+            img_shapes=[[(1, *hw)]],
+            txt_seq_lens=[txt],
+        ).sample
+
+
+# (optimization, spec, kernel, call to fault, kind, is the kernel bitwise stock on the fake in bf16)
+POINTS = {
+    "rope toy check": (rope.OPT, "none,+rope", "npu_rotary_mul", 1, "oom", False),
+    "rope class check": (rope.OPT, "none,+rope", "npu_rotary_mul", 2, "runtime", False),
+    "rope in use": (rope.OPT, "none,+rope", "npu_rotary_mul", 5, "oom", False),
+    "qk_norm class check": (qn.OPT, "none,+qk_norm", "npu_rms_norm", 1, "oom", True),
+    "qk_norm in use": (qn.OPT, "none,+qk_norm", "npu_rms_norm", 6, "runtime", True),
+    "fused_attention toy check": (fa.OPT, "none,+fused_attention", "npu_fusion_attention", 2, "oom", False),
+    "fused_attention class check": (fa.OPT, "none,+fused_attention", "npu_fusion_attention", 3, "oom", False),
+    "fused_attention in use": (fa.OPT, "none,+fused_attention", "npu_fusion_attention", 5, "runtime", False),
+}
+KIND_WORDS = {"oom": "out of memory", "runtime": "runtime error"}
+
+
+def _guard(opt):
+    return opt.rotary.guard if opt is rope.OPT else opt._guard
+
+
+def _verdicts(opt):
+    if opt is rope.OPT:
+        return opt.verdicts() + opt.shape_verdicts()
+    if opt is fa.OPT:
+        return list(opt.verdicts().values()) + opt.shape_verdicts()
+    return opt.verdicts()
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+def test_a_fault_costs_one_call_and_the_next_forward_is_as_without_it(fake_npu, runtime, bf16_tr, point):
+    opt, spec, kernel, at, kind, bitwise = POINTS[point]
+    fake_npu()
+    api.select("none", model=bf16_tr)
+    stock = _forward(runtime, bf16_tr)
+    api.select(spec, model=bf16_tr)
+    clean = _forward(runtime, bf16_tr)  # the default run, no fault
+    npu = fake_npu()  # a new backend probe: every verdict is made afresh
+    npu.faults.inject(kernel, at=at, kind=kind)
+    faulted = _forward(runtime, bf16_tr)  # 1. completes
+    assert npu.faults.fired == {kernel: 1}
+    if bitwise:
+        assert torch.equal(faulted, stock) and torch.equal(clean, stock)
+    else:  # stock for the faulted call, the kernel elsewhere: between the two
+        assert torch.isfinite(faulted).all() and (faulted.float() - clean.float()).abs().max() <= 2.0**-4
+        if at == 1:  # the toy check faulted: no call of this forward took the kernel
+            assert torch.equal(faulted, stock)
+    (fault,) = _guard(opt).faults()  # 3. status names it
+    assert fault.kind == KIND_WORDS[kind] and "fake fault" in fault.error and not fault.demoted
+    assert any(KIND_WORDS[kind] in n for n in opt.notes())
+    assert opt.kernel_classes()["why"] == {KIND_WORDS[kind]: 1}
+    assert _report.status_report()["kernels"][opt.name]["why"] == {KIND_WORDS[kind]: 1}
+    assert not opt.reasons_inactive(bf16_tr)  # a fault is not "off"
+    again = _forward(runtime, bf16_tr)  # 2. the next forward: the kernel is back, as without the fault
+    assert torch.equal(again, clean)
+    assert _guard(opt).faults() == [] and all(v.ok for v in _verdicts(opt)) and opt.stats["recovered"] == 1
+    assert opt.kernel_classes()["stock"] == 0
+
+
+def test_a_fault_while_building_tables_leaves_no_partial_entry(fake_npu, monkeypatch):
+    """Why (3): ``portable_tables`` stored cos before building sin_signed; an out-of-memory error between the two
+    left (cos, None), and every later rotation raised TypeError. Now both are stored together, or neither."""
+    npu = fake_npu()
+    monkeypatch.setattr(rope_tables, "torch", npu.faults.proxy(torch, "stack"))
+    npu.faults.inject("stack", at=1, kind="oom")
+    freqs = torch.polar(torch.ones(5, 4), torch.rand(5, 4))
+    t = rope_tables.Tables(torch.float32)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        rope_tables.portable_tables(t, freqs, __import__("collections").Counter())
+    assert t.cos is None and t.sin_signed is None  # as it was
+    cos, sin_signed = rope_tables.portable_tables(t, freqs, __import__("collections").Counter())
+    assert cos is t.cos and sin_signed is t.sin_signed and sin_signed is not None
+
+
+def test_a_table_fault_on_the_kernel_path_costs_one_call(fake_npu, runtime, bf16_tr, monkeypatch):
+    """The same fault inside the guarded kernel call: that rotation runs the portable path (stock's values), the
+    forward completes, and the next forward uses the kernel with whole tables."""
+    fake_npu()
+    api.select("none,+rope", model=bf16_tr)
+    clean = _forward(runtime, bf16_tr)
+    npu = fake_npu()
+    rope.OPT.rotary.tables.clear()  # built afresh in the faulted forward
+    monkeypatch.setattr(rope_tables, "torch", npu.faults.proxy(torch, "repeat_interleave"))
+    npu.faults.inject("repeat_interleave", at=4, kind="oom")  # while building the NPU sin table of a real call
+    faulted = _forward(runtime, bf16_tr)
+    assert torch.isfinite(faulted).all() and (faulted.float() - clean.float()).abs().max() <= 2.0**-4
+    assert npu.faults.fired == {"repeat_interleave": 1}
+    assert [f.kind for f in rope.OPT.rotary.guard.faults()] == ["out of memory"]
+    for tables in rope.OPT.rotary.tables._entries.values():  # no half-built form
+        assert (tables.cos is None) == (tables.sin_signed is None)
+        assert (tables.npu_cos is None) == (tables.npu_sin is None)
+    calls = rope.OPT.stats["kernel_calls"]
+    assert torch.equal(_forward(runtime, bf16_tr), clean) and rope.OPT.stats["kernel_calls"] > calls
+    assert rope.OPT.rotary.guard.faults() == []
+
+
+def test_a_check_that_does_not_fit_in_free_memory_is_deferred_not_failed(fake_npu, runtime, bf16_tr):
+    """Before a class check runs, its fp32 scratch is compared with the device's free memory: it does not fit, so
+    the call runs stock and the check is deferred (no verdict, not an error); once memory is free it runs."""
+    npu = fake_npu()
+    api.select("none", model=bf16_tr)
+    stock = _forward(runtime, bf16_tr)
+    api.select("none,+qk_norm", model=bf16_tr)
+    npu.memory["free"] = 1024
+    assert torch.equal(_forward(runtime, bf16_tr), stock)
+    assert qn.OPT.verdicts() == [] and qn.OPT.stats["kernel_calls"] == 0 and qn.OPT.stats["deferred_checks"] > 0
+    faults = qn.OPT._guard.faults()
+    assert faults and all(f.kind == "deferred" and f.errors == 0 for f in faults)
+    assert any("check deferred (needs" in n and "MiB free" in n for n in qn.OPT.notes())
+    assert 0 < qn.OPT._guard.scratch_peak
+    npu.memory["free"] = 64 << 30
+    assert torch.equal(_forward(runtime, bf16_tr), stock)
+    assert qn.OPT.verdicts() and all(v.ok for v in qn.OPT.verdicts()) and qn.OPT.stats["kernel_calls"] > 0

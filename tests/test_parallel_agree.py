@@ -1,0 +1,84 @@
+"""Ranks agree on every kernel verdict (``blocks/kernels/agree.py``): 2 gloo processes, one of which has a wrong
+``npu_rms_norm`` (the fake's ``no_gamma`` variant). Each rank checks on its own; at the end of the forward the
+refusal of rank 1 replaces rank 0's pass, and a class only rank 1 has met is refused on rank 0 at its first lookup,
+without a check. Why (5): before, the two ranks of one image kept different kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+
+import torch
+import torch.nn as nn
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    try:
+        _run_rank(rank, port, out)
+    except BaseException:
+        import traceback
+
+        with open(os.path.join(out, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _run_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from tests.fake_torch_npu import build
+    from vllm_omni_ascend_opt import _backend
+    from vllm_omni_ascend_opt.blocks.kernels import agree, saved
+    from vllm_omni_ascend_opt.opts import qk_norm
+
+    os.environ[saved.ENV_VERDICT_CACHE] = os.path.join(out, f"cache{rank}")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    import sys
+
+    npu = build(**({"rms_norm": "no_gamma"} if rank == 1 else {}))
+    sys.modules["torch_npu"], torch.npu = npu, npu._torch_npu_namespace
+    _backend.reset_cache()
+    opt = qk_norm.OPT
+    norm = nn.RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    opt._swapped[norm] = nn.RMSNorm  # what attach does to a model's QK norms
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        opt.apply(norm, torch.randn(1, 8, 2, 16, generator=g))  # class rows<=16: both ranks check it
+        if rank == 1:
+            opt.apply(norm, torch.randn(1, 20, 2, 16, generator=g))  # rows<=64: only rank 1 meets it
+    before = {str(v.key[2]): v.ok for v in opt.verdicts()}
+    changed = agree.sync()  # what the end of the transformer forward runs
+    with torch.no_grad():
+        if rank == 0:
+            opt.apply(norm, torch.randn(1, 20, 2, 16, generator=g))  # rank 0 meets rows<=64 now
+    after = {str(v.key[2]): [v.ok, v.reason] for v in opt.verdicts()}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"before": before, "after": after, "changed": changed, "checks": opt.stats["shape_checks"]}, f)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_agree_when_one_ranks_kernel_is_wrong(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")  # fresh processes (pytest's may hold a process group of its own)
+    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+    errors = [f.read_text() for f in sorted(tmp_path.glob("rank*.err"))]
+    assert [p.exitcode for p in procs] == [0, 0], errors
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["before"] == {"16": True} and r1["before"] == {"16": False, "64": False}  # each on its own data
+    assert {k: v[0] for k, v in r0["after"].items()} == {k: v[0] for k, v in r1["after"].items()}  # agreed
+    assert r0["after"]["16"][0] is False and "refused on rank 1" in r0["after"]["16"][1]
+    assert r0["after"]["64"][0] is False and "refused on rank 1" in r0["after"]["64"][1]
+    assert r0["checks"] == 1  # rows<=64 was taken from rank 1's verdict, not checked again

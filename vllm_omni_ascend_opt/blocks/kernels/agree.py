@@ -1,0 +1,79 @@
+"""Ranks agree on every kernel verdict: a shape class refused on any rank is refused on all (a logical AND).
+
+Why: each rank checks a class on its own data (SP shards, CFG branches), and a kernel that is wrong only on some
+inputs or some cards could pass on one rank and fail on another; the ranks of one image would then run different
+kernels. So the verdicts a rank makes are exchanged with the others through the default process group, and a refusal
+anywhere replaces a pass everywhere (for a class a rank has not met yet, at its first lookup).
+
+When: at the end of each outermost transformer forward (:func:`sync`, called by ``forward_scope`` on close), the one
+point every rank of vLLM-Omni's parallel modes reaches the same number of times (each step runs the transformer
+once per rank), never in the middle of a forward where ranks may meet different shape classes (CFG-parallel
+branches with different prompt lengths). Cost: one ``all_gather_object`` of the new verdicts per forward, only when
+a process group of more than one rank exists. The forward that made a verdict may still differ between ranks; every
+later one agrees.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from vllm_omni_ascend_opt.blocks.upstream import forward_scope
+
+logger = logging.getLogger("vllm_omni_ascend_opt")
+
+#: cache name -> the caches of that kernel in this process (weakly)
+_CACHES: dict[str, weakref.WeakSet[Any]] = {}
+#: verdicts made on this rank since the last sync: (cache name, key text, ok, reason)
+_PENDING: list[tuple[str, str, bool, str]] = []
+
+
+def register(cache: Any) -> None:
+    _CACHES.setdefault(cache.name, weakref.WeakSet()).add(cache)
+
+
+def made(cache: Any, key: Any, ok: bool, reason: str) -> None:
+    """A verdict this rank just made (or took from disk): to be agreed at the next :func:`sync`."""
+    from vllm_omni_ascend_opt.blocks.kernels import saved
+
+    if _group_size() > 1:
+        _PENDING.append((cache.name, saved.key_text(key), ok, reason))
+
+
+def _group_size() -> int:
+    try:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    except Exception:
+        return 1
+
+
+def sync() -> int:
+    """Exchange this rank's new verdicts with the other ranks and apply their refusals; returns how many refusals
+    from peers changed or pre-empted a verdict here. A no-op (no collective) without a multi-rank group."""
+    if _group_size() <= 1:
+        _PENDING.clear()
+        return 0
+    import torch.distributed as dist
+
+    mine, _PENDING[:] = list(_PENDING), []
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    me, changed = dist.get_rank(), 0
+    for rank, verdicts in enumerate(everyone):
+        if rank == me:
+            continue
+        for name, text, ok, reason in verdicts or ():
+            if ok:
+                continue
+            for cache in list(_CACHES.get(name, ())):
+                cache.refuse_from_peer(text, f"refused on rank {rank}: {reason}")
+                changed += 1
+    if changed:
+        logger.warning("vllm-omni-ascend-opt: %d kernel verdict(s) refused on another rank apply here too", changed)
+    return changed
+
+
+forward_scope.at_forward_end(sync)

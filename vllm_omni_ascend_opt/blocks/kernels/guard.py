@@ -1,0 +1,188 @@
+"""One guard for every on-device kernel check and the kernel call it vets: a fault costs one call, never a request.
+
+What the guard separates:
+
+* a **verdict** (the kernel's output disagrees with the fp32 reference) is a fact about the kernel at a shape class:
+  the owner stores it in its :class:`~.verdicts.VerdictCache` and the class stays on stock for the life of the probe;
+* a **fault** (the check or the kernel raised: out of memory, a runtime error of the driver) is not: that call takes
+  the stock path, the request completes, and the class is retried with exponential backoff, after
+  :data:`RETRY_AFTER` forwards, then twice as many, ... up to :data:`RETRY_CAP`; after :data:`MAX_ERRORS` errors in a
+  row the class is *demoted* (stock until the next backend probe), with a reason that says so;
+* a **deferral** (the check's fp32 scratch would not fit in the device's free memory): the call takes the stock path
+  and the check runs later, with the same backoff, never counted as an error.
+
+The clock is :func:`~vllm_omni_ascend_opt.blocks.upstream.forward_scope.forwards` (outermost transformer forwards, a
+request of S steps is S forwards): a transient fault at step k is retried at step k+1, so the next request runs as
+if nothing had happened. Per call the guard costs one truthiness check of an (almost always) empty dict.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.upstream import forward_scope
+
+logger = logging.getLogger("vllm_omni_ascend_opt")
+T = TypeVar("T")
+
+#: Backoff, in transformer forwards: the first retry after this many, then doubling, never longer than the cap.
+RETRY_AFTER = 1
+RETRY_CAP = 32
+#: Errors in a row (no success between them) after which a shape class is demoted to stock.
+MAX_ERRORS = 6
+
+
+def fault_kind(exc: BaseException) -> str:
+    """The fault's kind: "out of memory", "runtime error" or the exception's class name: what status and the log call the fault."""
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+        return "out of memory"
+    if isinstance(exc, RuntimeError):
+        return "runtime error"
+    return exc.__class__.__name__
+
+
+def is_error(exc: BaseException) -> bool:
+    """An error of the moment, retried (out of memory, a driver or runtime error), not a verdict about the kernel."""
+    return isinstance(exc, (RuntimeError, MemoryError)) and not isinstance(exc, NotImplementedError)
+
+
+@dataclass
+class Fault:
+    """The last fault of one shape class: its kind, how many in a row, and when the class is tried again."""
+
+    key: Hashable
+    kind: str
+    error: str
+    errors: int = 0  # errors in a row (deferrals are not errors)
+    retry_at: int = 0  # forward number (forward_scope.forwards()) from which the class is tried again
+    demoted: bool = False
+    deferrals: int = 0
+
+    def describe(self) -> str:
+        if self.demoted:
+            return f"demoted to stock after {self.errors} errors in a row (last: {self.kind}: {self.error})"
+        if self.kind == "deferred":
+            return f"check deferred ({self.error}); retried from forward {self.retry_at}"
+        return f"{self.kind} ({self.error}); stock for now, retried from forward {self.retry_at} (error {self.errors})"
+
+
+class Guard:
+    """The faults of one owner's kernel, per shape class; counts into the owner's ``stats`` (``faults``,
+    ``deferred_checks``, ``recovered``) and logs with ``label``."""
+
+    def __init__(self, label: str, stats: Counter) -> None:
+        self.label = label
+        self.stats = stats
+        self._faults: VerdictCache[Fault] = VerdictCache()
+        #: Largest fp32 scratch a check of this owner was sized to (bytes), for status.
+        self.scratch_peak = 0
+
+    def clear(self) -> None:
+        self._faults.clear()
+
+    def faults(self) -> list[Fault]:
+        return self._faults.values()
+
+    def waits(self, key: Hashable) -> bool:
+        """Whether ``key`` stays on stock now (backoff running, or demoted). The hot path: one length check."""
+        if not self._faults._entries:  # the hot path: no fault anywhere (a stale probe's entries: get() drops them)
+            return False
+        f = self._faults.get(key)
+        return f is not None and (f.demoted or forward_scope.forwards() < f.retry_at)
+
+    def run(self, key: Hashable, fn: Callable[[], T]) -> tuple[bool, T | None, str]:
+        """Run ``fn`` (a check, a kernel call, or both) under the guard: ``(True, fn(), "")``; ``(False, None, "")``
+        when it raised an error of the moment (out of memory, a runtime error: recorded, retried with backoff); or
+        ``(False, None, reason)`` when it raised anything else (a TypeError, a ValueError: the kernel rejects this
+        call for good, a verdict the caller stores). Either way the caller runs stock for this call. A success
+        after a fault clears it."""
+        before = self._faults.get(key) if self._faults._entries else None
+        try:
+            out = fn()
+        except Exception as exc:
+            if not is_error(exc):
+                return False, None, f"the kernel raised {exc.__class__.__name__}: {exc}"
+            self.record(key, exc)
+            return False, None, ""
+        if before is not None and self._faults.get(key) is before:  # not a deferral made by fn just now
+            self._faults.drop(key)
+            self.stats["recovered"] += 1
+            logger.info("vllm-omni-ascend-opt: %s: the kernel works again at %s", self.label, _where(key))
+        return True, out, ""
+
+    def record(self, key: Hashable, exc: BaseException) -> Fault:
+        """Count one error of ``key`` and schedule its retry (or demote it)."""
+        prev = self._faults.get(key)
+        errors = (prev.errors if prev is not None else 0) + 1
+        f = Fault(key, fault_kind(exc), f"raised {exc.__class__.__name__}: {exc}"[:300], errors)
+        f.deferrals = prev.deferrals if prev is not None else 0
+        f.demoted = errors >= MAX_ERRORS
+        f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << (errors - 1))
+        self._faults.put(key, f)
+        self.stats["faults"] += 1
+        logger.warning("vllm-omni-ascend-opt: %s at %s: %s", self.label, _where(key), f.describe())
+        return f
+
+    def fits(self, key: Hashable, device: torch.device, scratch_bytes: int) -> bool:
+        """Whether a check needing ``scratch_bytes`` of scratch fits in ``device``'s free memory now; if not, the
+        check is deferred (the call runs stock, retried with backoff, not an error). True where the backend cannot
+        tell (CPU, a torch_npu without ``mem_get_info``)."""
+        self.scratch_peak = max(self.scratch_peak, scratch_bytes)
+        free = free_device_memory(device)
+        if free is None or scratch_bytes <= free:
+            return True
+        prev = self._faults.get(key)
+        deferrals = (prev.deferrals if prev is not None else 0) + 1
+        why = f"needs {scratch_bytes / 2**20:.0f} MiB of scratch, {free / 2**20:.0f} MiB free"
+        f = Fault(key, "deferred", why, prev.errors if prev is not None else 0, deferrals=deferrals)
+        f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << min(deferrals - 1, 16))
+        self._faults.put(key, f)
+        self.stats["deferred_checks"] += 1
+        logger.info("vllm-omni-ascend-opt: %s at %s: %s", self.label, _where(key), f.describe())
+        return False
+
+
+def free_device_memory(device: torch.device) -> int | None:
+    """Free bytes on ``device`` as the backend reports them (``torch.npu.mem_get_info``), or None when it cannot."""
+    get = getattr(getattr(torch, "npu", None), "mem_get_info", None)
+    if get is None:
+        return None
+    try:
+        return int(get(device)[0]) if device.type != "cpu" else int(get()[0])  # the fake's CPU "device"
+    except Exception:
+        return None
+
+
+def _where(key: Any) -> str:
+    if isinstance(key, tuple):
+        return "/".join(str(k).removeprefix("torch.") for k in key)
+    return str(key)
+
+
+def tally(verdicts: list[Any], faults: list[Fault]) -> dict[str, Any]:
+    """Per optimization: how many shape classes use the kernel, how many are on stock, and why (reason -> classes).
+    ``verdicts`` need ``.ok``, ``.key`` and a reason (``reason`` or ``detail``)."""
+    waiting = {f.key: f for f in faults}
+    in_use = [v for v in verdicts if v.ok and v.key not in waiting]
+    why: Counter = Counter()
+    for v in verdicts:
+        if not v.ok:
+            why["refused: " + (getattr(v, "reason", "") or getattr(v, "detail", "")).split(";")[0]] += 1
+    for f in faults:
+        why[("demoted: " if f.demoted else "") + f.kind] += 1
+    return {"kernel": len(in_use), "stock": sum(why.values()), "why": dict(why)}
+
+
+def tally_line(kernel: str, t: dict[str, Any]) -> str:
+    """One line of :func:`tally` for notes and ``list``."""
+    why = "; ".join(f"{n} {w}" for w, n in t["why"].items())
+    return f"{kernel}: {t['kernel']} shape class(es) use the kernel, {t['stock']} on stock" + (
+        f" ({why})" if why else ""
+    )
