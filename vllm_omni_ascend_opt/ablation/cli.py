@@ -42,8 +42,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--model",
-        help="'tiny' (the embedded test-bed Qwen-Image, default), a diffusers directory, or a "
-        "Hugging Face id of a Qwen-Image checkpoint",
+        help="'tiny' (the embedded test-bed Qwen-Image, default; without --workload the values of the "
+        f"'{TINY_DEFAULT}' workload: its 12-block model, steps, CFG and rounds), 'tiny-<variant>', a diffusers "
+        "directory, or a Hugging Face id of a Qwen-Image checkpoint",
     )
     g.add_argument(
         "--engine",
@@ -171,8 +172,21 @@ def _gates(text: str) -> dict[str, float]:
     return out
 
 
+#: The workload behind the plain tiny flow (``ablate`` / ``plan`` without ``--workload``, model ``tiny``): the deeper
+#: tiny model with steps, CFG and rounds whose saving clearly exceeds the noise (what ``make demo`` runs).
+TINY_DEFAULT = "tiny-cpu"
+
+
 def resolve_workload(args: argparse.Namespace) -> Workload:
-    wl = load_workload(args.workload) if args.workload else Workload(name="custom")
+    """The workload of ``args``: the named one (or, without ``--workload``, the defaults; for the tiny model the
+    :data:`TINY_DEFAULT` workload), then the command line's values over it."""
+    plain_tiny = not args.workload and getattr(args, "model", None) in (None, "tiny")
+    if args.workload:
+        wl = load_workload(args.workload)
+    elif plain_tiny:
+        wl = load_workload(TINY_DEFAULT)
+    else:
+        wl = Workload(name="custom")
     over: dict[str, Any] = {}
     for key in (
         "model",
@@ -199,7 +213,7 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
         "start_timeout_s",
     ):
         v = getattr(args, key, None)
-        if v is not None:
+        if v is not None and not (plain_tiny and key == "model"):  # tiny: the family, here its deeper model
             over[key] = v
     if args.seeds:
         over["seeds"] = list(args.seeds)
@@ -216,7 +230,7 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
         over["prompts"] = prompts
     if args.quality_gates:
         over.update(_gates(args.quality_gates))
-    if over and args.workload:
+    if over and (args.workload or plain_tiny):
         wl = dataclasses.replace(wl, name=f"{wl.name} (modified)")
     return from_mapping(over, name=wl.name, base=wl).validate()
 
@@ -408,8 +422,8 @@ def print_summary(results: dict[str, Any]) -> None:
     from vllm_omni_ascend_opt.ablation.report import gate_cell
 
     print(
-        f"\n{'optimization':<22} {'class':<6} {'saved ms (mean ± std)':>22} {'% stock':>8}  {'direction':<10} "
-        f"{'label':<13} equivalence"
+        f"\n{'optimization':<22} {'class':<6} {'on stages':<20} {'saved ms (mean ± std)':>22} {'% stock':>8}  "
+        f"{'total saved ms':>16}  {'direction':<10} {'label':<13} equivalence"
     )
     rows = [(o["name"], o["equivalence"], o, o["equivalence_check"]) for o in results["optimizations"]]
     fvs = results["full_vs_stock"]
@@ -420,8 +434,11 @@ def print_summary(results: dict[str, Any]) -> None:
         s = d["saved_ms"]
         saved = "–" if s["mean"] is None else f"{s['mean']:+.2f} ± {s['std']:.2f}"
         pct = "–" if d["saved_pct_of_stock"] is None else f"{d['saved_pct_of_stock']:+.2f}%"
+        t = d.get("total_saved_ms") or {}
+        total = "–" if t.get("mean") is None else f"{t['mean']:+.2f}"
+        on = "+".join(d.get("stages") or ["total"])
         print(
-            f"{name:<22} {cls:<6} {saved:>22} {pct:>8}  {d['direction']:<10} {d['label']:<13} "
+            f"{name:<22} {cls:<6} {on:<20} {saved:>22} {pct:>8}  {total:>16}  {d['direction']:<10} {d['label']:<13} "
             f"{gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"
         )
     nf = results["noise_floor"]
