@@ -18,6 +18,7 @@ in well under a second per process. Its behaviour comes from the ``ABLATION_FAKE
     die_run            {config id: n}: the n-th run kills this process with SIGKILL (as the OOM killer would)
     hang_run           {config id: n}: the n-th run never answers
     sigint_parent      {config id: n}: the n-th run sends SIGINT to the runner (an interrupted run), then answers
+    (a job with dtype bfloat16 gets its float image rounded to bfloat16: close to float32's, not pixel-identical)
     starts_log         a file that gets one line "config pid [child pid]" per process start
     engine_child       start a child process in this worker's process group (as an engine's worker would be)
 """
@@ -140,6 +141,8 @@ def main() -> int:
             total += float(ms)
         amp = sum(v for k, v in fake.get("perturb", {}).items() if k in opts)
         img = _image(int(cmd["seed"]), int(cmd["prompt"]), amp, job["height"], job["width"])
+        if job.get("dtype") == "bfloat16":  # keep the top 16 bits of each float32, as a bf16 cast does
+            img = (img.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
         u8 = np.round(np.clip((img.astype(np.float64) + 1) / 2, 0, 1).transpose(1, 2, 0) * 255).astype(np.uint8)
         if cmd.get("save"):
             from PIL import Image

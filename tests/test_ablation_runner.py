@@ -229,13 +229,13 @@ def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_
     plan = make_plan(repeats=4, process_sets=2, seeds=[1])
     log = tmp_path / "starts.log"
     spawned: list[str] = []
-    orig_spawn = runner_mod.Runner._spawn
+    orig_spawn = runner_mod.Runner.spawn
 
     def spawn(self, c, rnd):
         spawned.append(c.id)
         return orig_spawn(self, c, rnd)
 
-    monkeypatch.setattr(runner_mod.Runner, "_spawn", spawn)
+    monkeypatch.setattr(runner_mod.Runner, "spawn", spawn)
     _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "starts_log": str(log)})
     ids = [c.id for c in plan.configs]
     assert spawned == ids + ids[::-1]

@@ -1,4 +1,5 @@
-"""``vllm-omni-ascend-opt ablate`` and ``vllm-omni-ascend-opt plan`` (a dry run of ``ablate``).
+"""``vllm-omni-ascend-opt ablate`` and ``vllm-omni-ascend-opt plan`` (a dry run of ``ablate``); ``reference save``
+and ``compare`` are in :mod:`.refcli`.
 
 Exit codes of ``ablate``: 0 PASS, 1 FAIL, 2 INCONCLUSIVE or bad input (see :mod:`.stats`). ``plan`` exits 0, or 2 on
 bad input.
@@ -151,6 +152,9 @@ def add_subcommands(sub: Any) -> None:
     _add_common(pl)
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=cmd_plan)
+    from vllm_omni_ascend_opt.ablation.refcli import add_reference_commands
+
+    add_reference_commands(sub)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -190,6 +194,7 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
     over: dict[str, Any] = {}
     for key in (
         "model",
+        "image",
         "engine",
         "dtype",
         "height",
