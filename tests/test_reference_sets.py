@@ -257,3 +257,30 @@ def test_default_and_none_sets_of_the_tiny_model_are_pixel_identical(tmp_path, t
     assert opts and "vae_exact" in opts
     rc, res = compare(none, default, tmp_path / "c", "--tier", "pixel")
     assert rc == 0 and res["summary"] == {"pairs": 2, "pixel_identical": 2}
+
+
+def test_ablate_reference_adds_each_configuration_against_the_set(ref, tmp_path, monkeypatch):
+    from vllm_omni_ascend_opt.ablation import report, stats
+    from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
+    from vllm_omni_ascend_opt.ablation.runner import Runner
+    from vllm_omni_ascend_opt.ablation.workload import from_mapping
+    from vllm_omni_ascend_opt.testbed import build_model_dir
+
+    wl = from_mapping(dict(height=16, width=16, steps=2, seeds=[1, 2], repeats=1, warmup=0)).validate()
+    plan = build_plan(wl, [OptInfo("a", "exact"), OptInfo("b", "close")])
+    plan.model_path = str(build_model_dir(wl.tiny_spec()))
+    monkeypatch.setenv("ABLATION_FAKE", json.dumps({"saves_ms": {"a": 5.0}, "perturb": {"b": 0.01}}))
+    out = tmp_path / "abl"
+    data = Runner(plan, out, progress=False, worker_cmd=FAKE, log=lambda m: None).run()
+    results = report.build_results(data, stats.analyse(plan, data.records, out), command=["test"])
+    results["reference"] = refcli.against_reference(ref, out, plan, results["environment"])
+    report.write_all(results, out)
+    r = results["reference"]["configs"]
+    assert r["stock"]["passed"] and r["stock"]["pixel_identical"] == 2 and r["stock"]["only_here"] == 0
+    assert r["full"]["pairs"] == 2 and r["full"]["pixel_identical"] < 2 and r["full"]["ssim_min"] < 1
+    md = (out / "report.md").read_text()
+    assert "## Against the reference set" in md and "| `stock` | ✅ | 2/2 |" in md
+    # the ablation output is a set for compare too (its full configuration by default)
+    rc, res = compare(ref, out, tmp_path / "c", "--tier", "pixel")
+    assert rc == 1 and res["b"]["kind"] == "ablation:full"
+    assert compare(ref, out, tmp_path / "s", "--config", "stock", "--tier", "pixel")[0] == 0

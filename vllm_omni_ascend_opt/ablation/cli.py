@@ -147,6 +147,13 @@ def add_subcommands(sub: Any) -> None:
     _add_common(ab)
     ab.add_argument("--fresh", action="store_true", help="discard earlier results in --out and start over")
     ab.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ab.add_argument(
+        "--reference",
+        type=Path,
+        metavar="DIR",
+        help="a reference set (vllm-omni-ascend-opt reference save): the report compares each configuration's "
+        "images with it",
+    )
     ab.set_defaults(func=cmd_ablate)
     pl = sub.add_parser("plan", help="dry run of ablate: configurations, number of runs, estimated duration")
     _add_common(pl)
@@ -398,13 +405,15 @@ def _stored_measurements(plan: Any, out: Path) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from vllm_omni_ascend_opt.ablation import report, stats
+    from vllm_omni_ascend_opt.ablation import refcli, refset, report, stats
     from vllm_omni_ascend_opt.ablation.outdir import RunError
     from vllm_omni_ascend_opt.ablation.runner import Runner
 
     try:
         plan = make_plan(args, build_model=True)
-    except WorkloadError as exc:
+        if args.reference:
+            refcli.check_reference(args.reference)
+    except (WorkloadError, refset.SetError) as exc:
         return _bad(str(exc))
     _print_plan(plan)
     if not plan.stack:
@@ -416,6 +425,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         return _bad(str(exc))
     analysis = stats.analyse(plan, data.records, data.out.root, interrupted=data.interrupted)
     results = report.build_results(data, analysis, command=["vllm-omni-ascend-opt", *sys.argv[1:]])
+    if args.reference:
+        results["reference"] = refcli.against_reference(args.reference, data.out.root, plan, results["environment"])
     paths = report.write_all(results, args.out)
     print_summary(results)
     print(f"\nreport: {paths['markdown']}\n        {paths['json']}\n        {paths['chart']}")

@@ -174,3 +174,81 @@ def print_summary(res: dict[str, Any]) -> None:
         for o in res[f"only_in_{side}"]:
             print(f"only in {side.upper()}: {o['id']}")
     print(f"\n{res['verdict']} (exit {res['exit_code']})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ablate --reference DIR
+# ----------------------------------------------------------------------------------------------------------------
+def check_reference(path: Path) -> None:
+    """Load (and so check) the set of ``ablate --reference`` before anything runs; raises :class:`.refset.SetError`."""
+    from vllm_omni_ascend_opt.ablation import refset
+
+    refset.load(path)
+
+
+def against_reference(path: Path, out_root: Path, plan: Any, environment: dict[str, Any]) -> dict[str, Any]:
+    """Every configuration of a finished ablation in ``out_root`` (its workers' ``environment``) against the
+    reference set at ``path`` (the workload's close gates): results.json's ``reference`` and the report's "Against
+    the reference set" table."""
+    from vllm_omni_ascend_opt.ablation import refset, setcompare
+
+    wl = plan.workload
+    ref = refset.load(path)
+    out: dict[str, Any] = {"path": str(path), "gates": {"ssim": wl.ssim_gate, "psnr_db": wl.psnr_gate}, "configs": {}}
+    for c in plan.configs:
+        try:
+            mine = refset.load(out_root, c.id)
+            mine.manifest["environment"] = environment
+            res = setcompare.run_compare(ref, mine, tier="close", ssim_gate=wl.ssim_gate, psnr_gate=wl.psnr_gate)
+        except refset.SetError as exc:
+            out["configs"][c.id] = {"error": str(exc)}
+            continue
+        out.setdefault("differs", [f for f in res["facts"] if not f["same"] and f["field"] != "created"])
+        w = (res.get("gate") or {}).get("worst") or {}
+        out["configs"][c.id] = {
+            "passed": (res.get("gate") or {}).get("passed"),
+            "pairs": len(res["pairs"]),
+            "pixel_identical": sum(p["pixel_identical"] for p in res["pairs"]),
+            "ssim_min": w.get("ssim_min"),
+            "psnr_db_min": w.get("psnr_db_min"),
+            "only_in_reference": len(res["only_in_a"]),
+            "only_here": len(res["only_in_b"]),
+            "verdict": res["verdict"],
+        }
+    return out
+
+
+def reference_section(ref: dict[str, Any] | None) -> list[str]:
+    """report.md's table of each configuration against the external reference set (empty without one)."""
+    from vllm_omni_ascend_opt.ablation.compare import fmt_db
+
+    if not ref:
+        return []
+    g = ref["gates"]
+    lines = [
+        "",
+        "## Against the reference set",
+        "",
+        f"Each configuration's images against `{ref['path']}` (close gates SSIM ≥ {g['ssim']}, PSNR ≥ "
+        f"{g['psnr_db']} dB; `vllm-omni-ascend-opt compare` gives the full report).",
+    ]
+    differs = ref.get("differs") or []
+    if differs:
+        lines.append("Differs from the set: " + "; ".join(f"{f['field']} {f['a']} → {f['b']}" for f in differs) + ".")
+    lines += [
+        "",
+        "| configuration | vs reference | pixel-identical | SSIM min | PSNR min | one side only |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cid, r in ref["configs"].items():
+        if "error" in r:
+            lines.append(f"| `{cid}` | not compared: {r['error']} | – | – | – | – |")
+            continue
+        mark = {True: "✅", False: "❌", None: "–"}[r["passed"]]
+        ssim = "–" if r["ssim_min"] is None else f"{r['ssim_min']:.4f}"
+        psnr = "–" if r["psnr_db_min"] is None else fmt_db(r["psnr_db_min"])
+        lines.append(
+            f"| `{cid}` | {mark} | {r['pixel_identical']}/{r['pairs']} | {ssim} | {psnr} | "
+            f"{r['only_in_reference']} in the set, {r['only_here']} here |"
+        )
+    return lines

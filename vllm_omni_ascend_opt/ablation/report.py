@@ -282,6 +282,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"{gate_cell(c.get('vs_full'))} | {stable} |"
         )
     lines += memory_section(results["configs"])
+    from vllm_omni_ascend_opt.ablation.refcli import reference_section
+
+    lines += reference_section(results.get("reference"))
     if plan["skipped"]:
         lines += ["", "## Not in this run", "", "| optimization | why |", "|---|---|"]
         for n, why in plan["skipped"].items():
