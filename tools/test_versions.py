@@ -16,9 +16,14 @@ thread each; each step is one process):
    patch applied alone and stacked and compared with the plugin on the tiny pipeline; on other versions the script
    says it skips applying (``make test`` covers the headers and the script's logic in tests/test_patches.py).
 
+4. images across releases: ``reference save`` of a tiny set (the 2-block tiny model, 1 prompt, 1 seed, 2 steps) on
+   0.30 (``.venv``, while the other versions run their steps), then on each version its stock (``none``) and
+   ``default`` sets, each ``compare``d with 0.30's. A difference is reported (identical, or the metrics), not failed,
+   unless it is outside the close gates (upstream may change stock's images).
+
 Each step's exit code and wall time are printed, then per version what acts on the tiny pipelines and what does not
-(with the first reason), from the JSON files tests/test_versions.py writes to ``VERSIONS_REPORT``. Exit code 1 when a
-step failed.
+(with the first reason), from the JSON files tests/test_versions.py writes to ``VERSIONS_REPORT``, and the images
+against 0.30's. Exit code 1 when a step failed.
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ SELECTION: dict[str, tuple[str, ...]] = {
     "tests/test_fused_attention.py": ("fused_attention",),
 }
 BASE_RELEASE = "0.30.0"
+#: The cross-release image check's workload: the smallest that runs every default optimization (one worker start
+#: per set is the cost).
+REF_WORKLOAD = {"model": "tiny", "height": 32, "width": 32, "steps": 2, "seeds": [42], "threads": 1}
+REF_CONFIGS = ("none", "default")
 _CHANGED = (
     "import json; from vllm_omni_ascend_opt import registry; from vllm_omni_ascend_opt.blocks.upstream import fingerprints; "
     "print(json.dumps(sorted({o.name for o in registry.all_optimizations() "
@@ -95,6 +104,45 @@ def _step(label: str, cmd: list[str], env: dict[str, str], log: Path) -> tuple[s
     return label, rc, dt
 
 
+def _cli(python: Path | str) -> list[str]:
+    return [str(python), "-m", "vllm_omni_ascend_opt.cli"]
+
+
+def save_base_set(tmp: Path) -> tuple[str, int, float]:
+    """0.30's reference set (``.venv``, the interpreter running this script), saved while the versions run."""
+    wl = tmp / "ref-workload.json"
+    cmd = [
+        *_cli(sys.executable),
+        "reference",
+        "save",
+        "--workload",
+        str(wl),
+        "--tensors",
+        "--out",
+        str(tmp / "ref-0.30"),
+    ]
+    return _step("0.30: reference save (none)", cmd, _env({}), tmp / "ref-0.30.log")
+
+
+def _images_line(config: str, compare_json: Path) -> str:
+    """One line of the cross-release table: identical, or the metrics (from compare.json)."""
+    if not compare_json.exists():
+        return f"  images vs 0.30, {config}: not compared (see the log)"
+    res = json.loads(compare_json.read_text())
+    pairs = res["pairs"]
+    if not pairs:
+        return f"  images vs 0.30, {config}: nothing compared ({res['verdict']})"
+    if all(p["tensors"] and p["tensors"]["bitwise_identical"] for p in pairs):
+        what = "bitwise-identical"
+    elif all(p["pixel_identical"] for p in pairs):
+        what = "pixel-identical (float outputs differ)"
+    else:
+        w = res["gate"]["worst"]
+        what = f"differ: SSIM {w['ssim_min']:.4f}, PSNR {w['psnr_db_min']:.2f} dB, max |d| {w['max_abs_diff']:.3g}"
+    gate = "within" if res["exit_code"] == 0 else "OUTSIDE"
+    return f"  images vs 0.30, {config}: {what} ({gate} the close gates)"
+
+
 def _summary(version: str, report: Path, check_log: Path) -> list[str]:
     """What acts per pipeline, what does not and why (grouped), and the patch verdicts, for one version."""
     lines: list[str] = []
@@ -127,10 +175,13 @@ def _summary(version: str, report: Path, check_log: Path) -> list[str]:
     if check_log.exists():  # patches/check.py's last line: "summary: vllm-omni V, series against B: ..."
         done = [ln for ln in check_log.read_text().splitlines() if ln.startswith("summary: ")]
         lines.append(f"  patches: {done[-1].split(': ', 1)[1] if done else 'no summary (check.py did not finish)'}")
+    lines += [_images_line(c, report.parent / f"cmp-{version}-{c}" / "compare.json") for c in REF_CONFIGS]
     return [f"vllm-omni {omni}:", *lines]
 
 
-def _version(pair: str, tmp: Path, selection: bool, pytest_args: str) -> tuple[list[tuple[str, int, float]], list[str]]:
+def _version(
+    pair: str, tmp: Path, selection: bool, pytest_args: str, base_set: concurrent.futures.Future | None = None
+) -> tuple[list[tuple[str, int, float]], list[str]]:
     """Every step for one ``VERSION=VENV`` pair, one after the other; each step's log is printed when it ends."""
     version, venv = pair.split("=", 1)
     python = (REPO / venv / "bin" / "python").absolute()
@@ -157,8 +208,19 @@ def _version(pair: str, tmp: Path, selection: bool, pytest_args: str) -> tuple[l
             check_log,
         )
     )
+    wl = tmp / "ref-workload.json"
+    for config in REF_CONFIGS:
+        out = tmp / f"ref-{version}-{config}"
+        save = [*_cli(python), "reference", "save", "--workload", str(wl), "--config", config, "--tensors"]
+        steps.append(
+            (f"{version}: reference save ({config})", [*save, "--out", str(out)], _env({}), out.with_suffix(".log"))
+        )
+        cmp = [*_cli(python), "compare", str(tmp / "ref-0.30"), str(out), "--out", str(tmp / f"cmp-{version}-{config}")]
+        steps.append((f"{version}: compare with 0.30 ({config})", cmp, _env({}), tmp / f"cmp-{version}-{config}.log"))
     results = []
     for label, cmd, step_env, log in steps:
+        if "compare with 0.30" in label and base_set is not None:
+            base_set.result()  # 0.30's set is saved by then (it started first, beside the versions' steps)
         results.append(_step(label, cmd, step_env, log))
         with _PRINT:
             sys.stdout.write(log.read_text())
@@ -179,13 +241,20 @@ def main(argv: list[str] | None = None) -> int:
 
     t_all = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="test-versions-") as tmp:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(args.matrix) or 1) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(args.matrix) + 1) as pool:
+            (Path(tmp) / "ref-workload.json").write_text(json.dumps(REF_WORKLOAD))
+            base = pool.submit(save_base_set, Path(tmp))
             runs = [
-                pool.submit(_version, pair, Path(tmp), pair.split("=", 1)[0] not in no_selection, args.pytest_args)
+                pool.submit(
+                    _version, pair, Path(tmp), pair.split("=", 1)[0] not in no_selection, args.pytest_args, base
+                )
                 for pair in args.matrix
             ]
             done = [r.result() for r in runs]
-    results = [step for steps, _ in done for step in steps]
+            base_step = base.result()
+            with _PRINT:
+                sys.stdout.write((Path(tmp) / "ref-0.30.log").read_text())
+    results = [base_step, *(step for steps, _ in done for step in steps)]
     summaries = [line for _, lines in done for line in lines]
     total = time.monotonic() - t_all
     print("\n================ test-versions summary ================")
