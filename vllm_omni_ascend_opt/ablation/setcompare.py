@@ -29,9 +29,10 @@ from vllm_omni_ascend_opt.ablation.refset import MAY_DIFFER, MUST_MATCH, RefSet,
 
 TIERS = ("exact", "pixel", "close")
 WITHIN, OUTSIDE, NOTHING = 0, 1, 2
-#: Worst pairs drawn in compare.png, and how much the difference map is amplified.
+#: Worst pairs drawn in compare.png, and the most the difference map is amplified (the largest difference shown
+#: maps to white, up to this factor).
 WORST_SHOWN = 4
-AMPLIFY = 10.0
+MAX_AMPLIFY = 64.0
 
 
 def check_manifests(a: RefSet, b: RefSet) -> list[dict[str, Any]]:
@@ -177,7 +178,7 @@ def summary_rows(res: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-HEAD = ["image", "pixel-identical", "max |Δ|", "PSNR", "SSIM", "tensor max abs / rel"]
+HEAD = ["image", "pixel-identical", "max abs diff", "PSNR", "SSIM", "tensor max abs / rel"]
 
 
 def worst_first(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -217,31 +218,35 @@ def markdown(res: dict[str, Any]) -> str:
             lines += [f"- `{o['id']}`: {json.dumps(o['key'])}" for o in only]
     lines += [
         "",
-        "max |Δ| is in [-1, 1] units on the 8-bit images (2/255 = one level); PSNR and SSIM on the 8-bit images. "
+        "max abs diff is in [-1, 1] units on the 8-bit images (2/255 = one level); PSNR and SSIM on the 8-bit images. "
         "`compare.png`: the worst pairs, A | B | |A − B| amplified "
-        f"{AMPLIFY:g}x.",
+        f"{res.get('png_amplify', 1):g}x.",
         "",
     ]
     return "\n".join(lines)
 
 
-def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> None:
-    """The worst pairs, one row each: A, B and the amplified absolute difference, upscaled to >= 128 px."""
+def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> float:
+    """The worst pairs, one row each: A, B and the absolute difference amplified so that the largest one shown is
+    white (at most :data:`MAX_AMPLIFY` times), upscaled to >= 128 px. Returns the amplification."""
     from PIL import Image
 
     worst = worst_first(res["pairs"])[:WORST_SHOWN]
     by_a = {e.id: e for e in a.entries.values()}
     by_b = {e.id: e for e in b.entries.values()}
+    imgs = [(_image(by_a[p["id_a"]].png), _image(by_b[p["id_b"]].png)) for p in worst]
+    diffs = [np.abs(ia.astype(np.int16) - ib.astype(np.int16)) for ia, ib in imgs]
+    top = max(int(d.max()) for d in diffs)
+    amp = min(MAX_AMPLIFY, 255.0 / top) if top else 1.0
     rows = []
-    for p in worst:
-        ia, ib = _image(by_a[p["id_a"]].png), _image(by_b[p["id_b"]].png)
-        diff = np.clip(np.abs(ia.astype(np.int16) - ib.astype(np.int16)) * AMPLIFY, 0, 255).astype(np.uint8)
-        rows.append(np.concatenate([ia, ib, diff], axis=1))
+    for (ia, ib), d in zip(imgs, diffs, strict=True):
+        rows.append(np.concatenate([ia, ib, np.clip(d * amp, 0, 255).astype(np.uint8)], axis=1))
     width = max(r.shape[1] for r in rows)
     grid = np.concatenate([np.pad(r, ((0, 2), (0, width - r.shape[1]), (0, 0))) for r in rows], axis=0)
     scale = max(1, math.ceil(128 / min(r.shape[0] for r in rows)))
     im = Image.fromarray(grid)
     im.resize((im.width * scale, im.height * scale), Image.NEAREST).save(path)
+    return round(amp, 1)
 
 
 def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Path]:
@@ -250,13 +255,13 @@ def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Pat
 
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "compare.json", "markdown": out / "compare.md"}
+    if res["pairs"]:
+        paths["png"] = out / "compare.png"
+        tmp = out / f"compare.tmp{os.getpid()}.png"
+        res["png_amplify"] = write_png(res, a, b, tmp)
+        os.replace(tmp, paths["png"])
     for key, text in (("json", json.dumps(jsonable(res), indent=1, allow_nan=False)), ("markdown", markdown(res))):
         tmp = paths[key].with_name(paths[key].name + f".tmp{os.getpid()}")
         tmp.write_text(text)
         os.replace(tmp, paths[key])
-    if res["pairs"]:
-        paths["png"] = out / "compare.png"
-        tmp = out / f"compare.tmp{os.getpid()}.png"
-        write_png(res, a, b, tmp)
-        os.replace(tmp, paths["png"])
     return paths
