@@ -17,8 +17,8 @@ thread each; each step is one process):
    says it skips applying (``make test`` covers the headers and the script's logic in tests/test_patches.py).
 
 4. images across releases: ``reference save`` of a tiny set (the 2-block tiny model, 1 prompt, 1 seed, 2 steps) on
-   0.30 (``.venv``, while the other versions run their steps), then on each version its stock (``none``) and
-   ``default`` sets, each ``compare``d with 0.30's. A difference is reported (identical, or the metrics), not failed,
+   0.30 (``.venv``) and each version's stock (``none``) and ``default`` sets, beside the versions' test steps, then
+   each compared with 0.30's (``compare``'s code, in this process). A difference is reported (identical, or the metrics), not failed,
    unless it is outside the close gates (upstream may change stock's images).
 
 Each step's exit code and wall time are printed, then per version what acts on the tiny pipelines and what does not
@@ -124,11 +124,48 @@ def save_base_set(tmp: Path) -> tuple[str, int, float]:
     return _step("0.30: reference save (none)", cmd, _env({}), tmp / "ref-0.30.log")
 
 
-def _images_line(config: str, compare_json: Path) -> str:
-    """One line of the cross-release table: identical, or the metrics (from compare.json)."""
-    if not compare_json.exists():
-        return f"  images vs 0.30, {config}: not compared (see the log)"
-    res = json.loads(compare_json.read_text())
+def save_sets(pair: str, tmp: Path) -> list[tuple[str, int, float]]:
+    """A version's stock and default sets (``reference save`` in its venv), beside its test steps."""
+    version, venv = pair.split("=", 1)
+    python = (REPO / venv / "bin" / "python").absolute()
+    if not python.exists():
+        return []
+    wl = tmp / "ref-workload.json"
+    results = []
+    for config in REF_CONFIGS:
+        out = tmp / f"ref-{version}-{config}"
+        cmd = [*_cli(python), "reference", "save", "--workload", str(wl), "--config", config, "--tensors"]
+        results.append(
+            _step(f"{version}: reference save ({config})", [*cmd, "--out", str(out)], _env({}), tmp / f"{out.name}.log")
+        )
+    return results
+
+
+def compare_sets(version: str, tmp: Path) -> tuple[list[tuple[str, int, float]], list[str]]:
+    """Each of ``version``'s sets against 0.30's (``compare``'s code, in this process): a step per set that fails
+    only outside the close gates or when nothing could be compared, and one line each for the summary."""
+    sys.path.insert(0, str(REPO))
+    from vllm_omni_ascend_opt.ablation import refset, setcompare
+
+    steps, lines = [], []
+    for config in REF_CONFIGS:
+        t0 = time.monotonic()
+        label = f"{version}: images vs 0.30 ({config})"
+        try:
+            a, b = refset.load(tmp / "ref-0.30"), refset.load(tmp / f"ref-{version}-{config}")
+            res = setcompare.run_compare(a, b)
+            setcompare.write(res, a, b, tmp / f"cmp-{version}-{config}")
+        except (refset.SetError, OSError) as exc:
+            steps.append((label, 2, time.monotonic() - t0))
+            lines.append(f"  images vs 0.30, {config}: not compared: {exc}")
+            continue
+        steps.append((label, res["exit_code"], time.monotonic() - t0))
+        lines.append(_images_line(config, res))
+    return steps, lines
+
+
+def _images_line(config: str, res: dict) -> str:
+    """One line of the cross-release table: identical, or the metrics."""
     pairs = res["pairs"]
     if not pairs:
         return f"  images vs 0.30, {config}: nothing compared ({res['verdict']})"
@@ -175,13 +212,10 @@ def _summary(version: str, report: Path, check_log: Path) -> list[str]:
     if check_log.exists():  # patches/check.py's last line: "summary: vllm-omni V, series against B: ..."
         done = [ln for ln in check_log.read_text().splitlines() if ln.startswith("summary: ")]
         lines.append(f"  patches: {done[-1].split(': ', 1)[1] if done else 'no summary (check.py did not finish)'}")
-    lines += [_images_line(c, report.parent / f"cmp-{version}-{c}" / "compare.json") for c in REF_CONFIGS]
     return [f"vllm-omni {omni}:", *lines]
 
 
-def _version(
-    pair: str, tmp: Path, selection: bool, pytest_args: str, base_set: concurrent.futures.Future | None = None
-) -> tuple[list[tuple[str, int, float]], list[str]]:
+def _version(pair: str, tmp: Path, selection: bool, pytest_args: str) -> tuple[list[tuple[str, int, float]], list[str]]:
     """Every step for one ``VERSION=VENV`` pair, one after the other; each step's log is printed when it ends."""
     version, venv = pair.split("=", 1)
     python = (REPO / venv / "bin" / "python").absolute()
@@ -208,19 +242,8 @@ def _version(
             check_log,
         )
     )
-    wl = tmp / "ref-workload.json"
-    for config in REF_CONFIGS:
-        out = tmp / f"ref-{version}-{config}"
-        save = [*_cli(python), "reference", "save", "--workload", str(wl), "--config", config, "--tensors"]
-        steps.append(
-            (f"{version}: reference save ({config})", [*save, "--out", str(out)], _env({}), out.with_suffix(".log"))
-        )
-        cmp = [*_cli(python), "compare", str(tmp / "ref-0.30"), str(out), "--out", str(tmp / f"cmp-{version}-{config}")]
-        steps.append((f"{version}: compare with 0.30 ({config})", cmp, _env({}), tmp / f"cmp-{version}-{config}.log"))
     results = []
     for label, cmd, step_env, log in steps:
-        if "compare with 0.30" in label and base_set is not None:
-            base_set.result()  # 0.30's set is saved by then (it started first, beside the versions' steps)
         results.append(_step(label, cmd, step_env, log))
         with _PRINT:
             sys.stdout.write(log.read_text())
@@ -241,21 +264,27 @@ def main(argv: list[str] | None = None) -> int:
 
     t_all = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="test-versions-") as tmp:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(args.matrix) + 1) as pool:
-            (Path(tmp) / "ref-workload.json").write_text(json.dumps(REF_WORKLOAD))
+        (Path(tmp) / "ref-workload.json").write_text(json.dumps(REF_WORKLOAD))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(args.matrix) + 1) as pool:
             base = pool.submit(save_base_set, Path(tmp))
+            sets = [pool.submit(save_sets, pair, Path(tmp)) for pair in args.matrix]
             runs = [
-                pool.submit(
-                    _version, pair, Path(tmp), pair.split("=", 1)[0] not in no_selection, args.pytest_args, base
-                )
+                pool.submit(_version, pair, Path(tmp), pair.split("=", 1)[0] not in no_selection, args.pytest_args)
                 for pair in args.matrix
             ]
             done = [r.result() for r in runs]
-            base_step = base.result()
-            with _PRINT:
-                sys.stdout.write((Path(tmp) / "ref-0.30.log").read_text())
-    results = [base_step, *(step for steps, _ in done for step in steps)]
-    summaries = [line for _, lines in done for line in lines]
+            saved = [base.result(), *(step for s in sets for step in s.result())]
+        for log in sorted(Path(tmp).glob("ref-*.log")):
+            sys.stdout.write(log.read_text())
+        compared = [compare_sets(pair.split("=", 1)[0], Path(tmp)) for pair in args.matrix]
+    results = [
+        *saved,
+        *(step for steps, _ in done for step in steps),
+        *(step for steps, _ in compared for step in steps),
+    ]
+    summaries = []
+    for (_, lines), (_, image_lines) in zip(done, compared, strict=True):
+        summaries += [*lines, *image_lines]
     total = time.monotonic() - t_all
     print("\n================ test-versions summary ================")
     for label, rc, dt in results:
