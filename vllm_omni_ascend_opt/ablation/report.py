@@ -377,7 +377,7 @@ def write_chart(results: dict[str, Any], out: Path) -> Path:
     rows = [(o["name"], o) for o in results["optimizations"]]
     if results["full_vs_stock"]:
         rows.append(("full stack vs stock", results["full_vs_stock"]))
-    names = [n for n, _ in rows]
+    names = [f"{n}\n(on {_on(d)})" for n, d in rows]
     means = [d["saved_ms"]["mean"] or 0.0 for _, d in rows]
     stds = [d["saved_ms"]["std"] or 0.0 for _, d in rows]
     colors = [COLORS.get(d["label"], "#bdbdbd") for _, d in rows]
@@ -400,7 +400,7 @@ def write_chart(results: dict[str, Any], out: Path) -> Path:
     span = max(hi - lo, 1e-6)
     ax.set_xlim(lo - 0.25 * span, hi + 0.35 * span)
     wl = results["workload"]
-    ax.set_xlabel("time saved per image (ms, mean ± std over repeats; positive = faster)")
+    ax.set_xlabel("time saved per image on its stages (ms, mean ± std over repeats; positive = faster)")
     ax.set_title(
         f"{wl['name']}: {results['plan']['workload']['mode']}, {wl['width']}×{wl['height']}, "
         f"{wl['steps']} steps — {results['verdict']['result']}",
