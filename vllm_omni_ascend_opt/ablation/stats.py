@@ -24,7 +24,9 @@ Definitions (also in docs/ablation.md):
   same sign, ``flips`` otherwise (a flipping saving of small mean is within noise by the standard-error test).
 * Exit: FAIL (1) if a configuration failed, a gate failed, an optimization is a regression, or the full stack is a
   regression or saves less than ``min_improvement_pct`` of stock beyond the noise; PASS (0) when, without any of
-  those, the full stack is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise. Timing failures
+  those, the full stack is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise (e.g. the full
+  stack within noise or showing process bias; an optimization's process bias is listed and leaves its line
+  inconclusive). Timing failures
   measured while other processes kept the CPUs busy (see :func:`machine_load`) are INCONCLUSIVE, not FAIL.
 """
 
