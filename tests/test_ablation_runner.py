@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_ascend_opt.ablation import report, stats
+from vllm_omni_ascend_opt.ablation import report, stages, stats
 from vllm_omni_ascend_opt.ablation.outdir import RunError
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
 from vllm_omni_ascend_opt.ablation.runner import Runner
@@ -492,10 +492,10 @@ def test_a_process_that_runs_one_stage_faster_is_process_bias_not_a_regression(t
     assert vae["stages"] == ["vae_decode"] and vae["saved_ms"]["mean"] == pytest.approx(5.0)
     assert vae["control"]["stages"] == ["text_encode", "denoise"] and vae["control"]["bias"]
     assert vae["control"]["diff_ms"] == pytest.approx(-20.0)
-    assert vae["label"] == stats.BIAS
+    assert vae["label"] == stages.BIAS
     assert tr["label"] == stats.GAIN and tr["stages"] == ["denoise"] and not tr["control"]["bias"]
     assert fvs["stages"] == ["denoise", "vae_decode"] and fvs["saved_ms"]["mean"] == pytest.approx(15.0)
-    assert fvs["total_saved_ms"]["mean"] == pytest.approx(-10.0) and fvs["label"] == stats.BIAS
+    assert fvs["total_saved_ms"]["mean"] == pytest.approx(-10.0) and fvs["label"] == stages.BIAS
     v = res["verdict"]
     assert v["result"] == "INCONCLUSIVE", v
     text = " ".join(v["reasons"])

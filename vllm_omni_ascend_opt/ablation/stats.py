@@ -10,14 +10,8 @@ Definitions (also in docs/ablation.md):
 * The *noise floor* is how far apart two identical full stacks in two processes (``full``, ``full_ctrl``) come out:
   |mean over rounds of time(full) - time(full_ctrl)| plus two standard errors of that mean (one round: its
   |difference|). It shrinks as rounds are added, as a measurement's precision should.
-* Stages: each optimization declares the request stages it can change (``Optimization.changed_stages``: denoise for
-  the transformer ones, vae_decode for the VAE ones). A comparison's *measured stages* are those of the
-  optimizations its two sides differ by (full stack vs stock: those of the stack); its saving, noise floor and label
-  are taken on their summed time (on the total when they are every stage, or when the engine reports no stages).
-  The other stages are its *control*: nothing that differs between the two sides runs there, so a difference
-  beyond their own noise floor (the same definition on those stages) is *process bias* (one process simply ran
-  faster); the comparison is then labelled ``process bias``, which is inconclusive, never a gain or a regression.
-  The total-time saving stays in the report beside it.
+* Stages: each comparison's saving, noise floor and label are taken on the stages the optimizations it compares can
+  change, with the other stages as a control that names process bias (:mod:`.stages`); the total stays beside it.
 * Label: ``gain`` when the mean saving exceeds the noise floor and is positive by more than two standard errors over
   rounds; ``regression`` when the mean is below minus the noise floor and negative by more than two standard errors;
   ``within noise`` otherwise. ``direction`` is reported beside it: ``consistent`` when every round saved time with the
@@ -43,9 +37,6 @@ from vllm_omni_ascend_opt.ablation.protocol import STAGES
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
 GAIN, REGRESSION, NOISE = "gain", "regression", "within noise"
-#: The label of a comparison whose control stages differ beyond their noise floor (inconclusive).
-BIAS = "process bias"
-TOTAL = "total"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -142,73 +133,6 @@ def noise_floor(means: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any]
         "per_round_ms": per,
         "configs": ["full", "full_ctrl"],
     }
-
-
-def _basis(means: dict[str, dict[int, dict[str, float]]], stages: tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """What a comparison on ``stages`` is measured on: those stages, or ``("total",)`` when they are every stage or
-    some round of some configuration lacks one of them (an engine that reports no stages)."""
-    st = tuple(x for x in STAGES if x in stages)
-    if not st or set(st) == set(STAGES):
-        return (TOTAL,)
-    if all(x in row for rows in means.values() for row in rows.values() for x in st):
-        return st
-    return (TOTAL,)
-
-
-def _on(
-    means: dict[str, dict[int, dict[str, float]]], basis: tuple[str, ...]
-) -> dict[str, dict[int, dict[str, float]]]:
-    """``means`` with each round's ``total`` replaced by the sum of ``basis`` (so :func:`pair` and
-    :func:`noise_floor` measure those stages)."""
-    if basis == (TOTAL,):
-        return means
-    return {
-        cid: {r: {TOTAL: sum(row[x] for x in basis)} for r, row in rows.items() if all(x in row for x in basis)}
-        for cid, rows in means.items()
-    }
-
-
-def staged(
-    means: dict[str, dict[int, dict[str, float]]], without: str, with_: str, stages: tuple[str, ...] | list[str]
-) -> dict[str, Any]:
-    """The comparison of ``without`` and ``with_`` on the stages an optimization can change, with the rest as a
-    control (see the module docstring): ``basis`` (the stages measured, or ``["total"]``), ``saved`` (:func:`pair` on
-    them), ``noise`` (the noise floor on them), ``label``, and ``control`` (None when there is no control: the basis
-    is the total) with the control's saving, noise floor, label and whether it shows ``bias``."""
-    basis = _basis(means, stages)
-    on = _on(means, basis)
-    p = pair(on, without, with_)
-    nf = noise_floor(on)
-    noise_ms = nf["ms"] if nf else None
-    lab = label(p["per_round_ms"], p["mean_ms"], noise_ms)
-    control = None
-    rest = tuple(x for x in STAGES if x not in basis)
-    if basis != (TOTAL,) and rest:
-        c_on = _on(means, rest)
-        cp = pair(c_on, without, with_)
-        cnf = noise_floor(c_on)
-        c_lab = label(cp["per_round_ms"], cp["mean_ms"], cnf["ms"] if cnf else None)
-        control = {
-            "stages": list(rest),
-            "diff_ms": cp["mean_ms"],
-            "per_round_ms": cp["per_round_ms"],
-            "noise_ms": cnf["ms"] if cnf else None,
-            "bias": c_lab in (GAIN, REGRESSION),
-        }
-        if control["bias"] and lab != "not measured":
-            lab = BIAS
-    return {"basis": list(basis), "saved": p, "noise_ms": noise_ms, "label": lab, "control": control}
-
-
-def bias_text(what: str, entry: dict[str, Any]) -> str:
-    """The sentence that names a comparison's process bias, with the figure (``entry``: an optimization's or the
-    full stack's entry in the analysis)."""
-    c = entry["control"]
-    return (
-        f"process bias in {what}: the control stages ({', '.join(c['stages'])}), which nothing compared there "
-        f"changes, differ by {c['diff_ms']:+.2f} ms between the two processes, beyond their noise floor "
-        f"{c['noise_ms']:.2f} ms; inconclusive (on {'+'.join(entry['stages'])}: {_fmt_saved(entry)})"
-    )
 
 
 def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) -> dict[str, Any]:
@@ -328,6 +252,8 @@ def add_memory_ratios(configs: list[dict[str, Any]]) -> None:
 
 def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interrupted: bool = False) -> dict[str, Any]:
     """The ``analysis`` part of results.json (see docs/ablation.md)."""
+    from vllm_omni_ascend_opt.ablation import stages
+
     wl = plan.workload
     means = round_means(plan, records)
     failures = {r["config"]: r for r in records if r.get("type") == "failure"}
@@ -409,14 +335,14 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
         diff = set(plan.config(comp.with_).opts) ^ set(plan.config(comp.without).opts)
         eq = compare_configs(plan, out_root, comp.without, comp.with_, _class_of(plan, diff), diff) if usable else None
-        st = staged(means, comp.without, comp.with_, plan.stages_of(diff))
+        st = stages.staged(means, comp.without, comp.with_, plan.stages_of(diff))
         opts.append(
             {
                 "name": comp.opt,
                 "equivalence": info.equivalence,
                 "with": comp.with_,
                 "without": comp.without,
-                **_staged_fields(st, p, pct, stock_ms),
+                **stages.staged_fields(st, p, pct, stock_ms),
                 "label": st["label"] if usable else "not measured",
                 "equivalence_check": eq,
             }
@@ -427,9 +353,9 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
     if any(c.id == "full" for c in plan.configs):
         p = pair(means, "stock", "full")
         pct = 100 * p["mean_ms"] / stock_ms if p["mean_ms"] is not None and stock_ms else None
-        st = staged(means, "stock", "full", plan.stages_of(plan.config("full").opts))
+        st = stages.staged(means, "stock", "full", plan.stages_of(plan.config("full").opts))
         fvs = {
-            **_staged_fields(st, p, pct, stock_ms),
+            **stages.staged_fields(st, p, pct, stock_ms),
             "label": st["label"],
             "stock_ms": stock_ms,
             "full_ms": mean_total("full"),
@@ -444,26 +370,6 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         "full_vs_stock": fvs,
         "optimizations": opts,
         "configs": configs,
-    }
-
-
-def _staged_fields(
-    st: dict[str, Any], total: dict[str, Any], total_pct: float | None, stock_ms: float | None
-) -> dict[str, Any]:
-    """A comparison's entry in results.json: the saving on its measured stages (``saved_ms``, what the label and
-    verdict use), the total-time saving beside it, the stages used and the control."""
-    s = st["saved"]
-    pct = 100 * s["mean_ms"] / stock_ms if s["mean_ms"] is not None and stock_ms else None
-    return {
-        "stages": st["basis"],
-        "saved_ms": {"mean": s["mean_ms"], "std": s["std_ms"], "per_round": s["per_round_ms"]},
-        "saved_pct_of_stock": pct,
-        "noise_floor_ms": st["noise_ms"],
-        "total_saved_ms": {"mean": total["mean_ms"], "std": total["std_ms"], "per_round": total["per_round_ms"]},
-        "total_saved_pct_of_stock": total_pct,
-        "stages_saved_ms": total["stages_mean_ms"],
-        "control": st["control"],
-        "direction": direction(s["per_round_ms"]),
     }
 
 
@@ -483,6 +389,8 @@ def decide(
     Gate failures and failed configurations are FAILs whatever the machine did; timing FAILs (regressions, too small
     an improvement) become INCONCLUSIVE when the machine was busy while measuring (``busy``).
     """
+    from vllm_omni_ascend_opt.ablation import stages
+
     wl = plan.workload
     fail, unsure, slow = [], [], []
     for c in configs:
@@ -502,9 +410,9 @@ def decide(
         if chk and chk["gate"]["passed"] is False:
             fail.append(f"{o['name']} ({o['equivalence']}): gate failed: {chk['gate']['why']}")
         if o["label"] == REGRESSION:
-            slow.append(f"{o['name']} is a regression: {_fmt_saved(o, stages=True)}")
-        elif o["label"] == BIAS:
-            notes.append(bias_text(f"{o['name']}'s comparison ({o['without']} vs {o['with']})", o))
+            slow.append(f"{o['name']} is a regression: {stages.fmt_saved(o, stages=True)}")
+        elif o["label"] == stages.BIAS:
+            notes.append(stages.bias_text(f"{o['name']}'s comparison ({o['without']} vs {o['with']})", o))
     if noise is None:
         unsure.append("no noise floor (the control pair did not complete)")
     if interrupted:
@@ -515,17 +423,17 @@ def decide(
         lab, pct = fvs["label"], fvs["saved_pct_of_stock"]
         nf = fvs.get("noise_floor_ms")
         if lab == REGRESSION:
-            slow.append(f"the full stack is slower than stock: {_fmt_saved(fvs, stages=True)}")
-        elif lab == BIAS:
-            unsure.append(bias_text("full stack vs stock", fvs))
+            slow.append(f"the full stack is slower than stock: {stages.fmt_saved(fvs, stages=True)}")
+        elif lab == stages.BIAS:
+            unsure.append(stages.bias_text("full stack vs stock", fvs))
         elif lab == GAIN and pct is not None and pct < wl.min_improvement_pct:
             slow.append(
-                f"the full stack saves {pct:.2f}% of stock on {'+'.join(fvs.get('stages') or [TOTAL])}, less than "
+                f"the full stack saves {pct:.2f}% of stock on {'+'.join(fvs.get('stages') or [stages.TOTAL])}, less than "
                 f"--min-improvement-pct {wl.min_improvement_pct}%"
             )
         elif lab != GAIN:
             unsure.append(
-                f"full stack vs stock is {lab} ({_fmt_saved(fvs, stages=True)}, noise floor {nf:.2f} ms)"
+                f"full stack vs stock is {lab} ({stages.fmt_saved(fvs, stages=True)}, noise floor {nf:.2f} ms)"
                 if nf is not None
                 else f"full stack vs stock is {lab}"
             )
@@ -548,19 +456,8 @@ def decide(
         result = PASS
         nf = fvs.get("noise_floor_ms", noise["ms"])
         reasons = [
-            f"every gate held; the full stack saves {_fmt_saved(fvs, stages=True)} vs stock "
+            f"every gate held; the full stack saves {stages.fmt_saved(fvs, stages=True)} vs stock "
             f"(>= {wl.min_improvement_pct}%, beyond the noise floor {nf:.2f} ms)",
             *notes,
         ]
     return {"result": result, "exit_code": EXIT_CODES[result], "reasons": reasons}
-
-
-def _fmt_saved(d: dict[str, Any], *, stages: bool = False) -> str:
-    """``+x ± y ms (+z%)``, and with ``stages`` the stages it was measured on (``on denoise+vae_decode``)."""
-    s = d["saved_ms"]
-    if s["mean"] is None:
-        return "not measured"
-    pct = d.get("saved_pct_of_stock")
-    pct_s = f" ({pct:+.2f}%)" if pct is not None and not math.isnan(pct) else ""
-    on = f" on {'+'.join(d.get('stages') or [TOTAL])}" if stages else ""
-    return f"{s['mean']:+.2f} ± {s['std']:.2f} ms{pct_s}{on}"
