@@ -17,7 +17,8 @@ thread each; each step is one process):
    says it skips applying (``make test`` covers the headers and the script's logic in tests/test_patches.py).
 
 4. images across releases: ``reference save`` of a tiny set (the 2-block tiny model, 1 prompt, 1 seed, 2 steps) on
-   0.30 (``.venv``) and each version's stock (``none``) and ``default`` sets, beside the versions' test steps, then
+   0.30 (``.venv``) and each version's stock (``none``) and ``default`` sets, one at a time beside the versions' test
+   steps, then
    each compared with 0.30's (``compare``'s code, in this process). A difference is reported (identical, or the metrics), not failed,
    unless it is outside the close gates (upstream may change stock's images).
 
@@ -125,7 +126,7 @@ def save_base_set(tmp: Path) -> tuple[str, int, float]:
 
 
 def save_sets(pair: str, tmp: Path) -> list[tuple[str, int, float]]:
-    """A version's stock and default sets (``reference save`` in its venv), beside its test steps."""
+    """A version's stock and default sets (``reference save`` in its venv)."""
     version, venv = pair.split("=", 1)
     python = (REPO / venv / "bin" / "python").absolute()
     if not python.exists():
@@ -139,6 +140,12 @@ def save_sets(pair: str, tmp: Path) -> list[tuple[str, int, float]]:
             _step(f"{version}: reference save ({config})", [*cmd, "--out", str(out)], _env({}), tmp / f"{out.name}.log")
         )
     return results
+
+
+def save_all_sets(matrix: list[str], tmp: Path) -> list[tuple[str, int, float]]:
+    """0.30's set, then each version's, one process at a time beside the versions' test steps (one extra process
+    on the CPUs rather than five at once)."""
+    return [save_base_set(tmp), *(step for pair in matrix for step in save_sets(pair, tmp))]
 
 
 def compare_sets(version: str, tmp: Path) -> tuple[list[tuple[str, int, float]], list[str]]:
@@ -265,15 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="test-versions-") as tmp:
         (Path(tmp) / "ref-workload.json").write_text(json.dumps(REF_WORKLOAD))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(args.matrix) + 1) as pool:
-            base = pool.submit(save_base_set, Path(tmp))
-            sets = [pool.submit(save_sets, pair, Path(tmp)) for pair in args.matrix]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(args.matrix) + 1) as pool:
+            images = pool.submit(save_all_sets, args.matrix, Path(tmp))
             runs = [
                 pool.submit(_version, pair, Path(tmp), pair.split("=", 1)[0] not in no_selection, args.pytest_args)
                 for pair in args.matrix
             ]
             done = [r.result() for r in runs]
-            saved = [base.result(), *(step for s in sets for step in s.result())]
+            saved = images.result()
         for log in sorted(Path(tmp).glob("ref-*.log")):
             sys.stdout.write(log.read_text())
         compared = [compare_sets(pair.split("=", 1)[0], Path(tmp)) for pair in args.matrix]
