@@ -5,6 +5,10 @@ in well under a second per process. Its behaviour comes from the ``ABLATION_FAKE
 
     base_ms            time of stock (default 100)
     saves_ms           {opt: ms}: time saved when the configuration includes opt
+    save_stage         {opt: stage}: the stage whose time opt saves (default: the time is split 10% text_encode,
+                       60% denoise, 30% vae_decode, savings included)
+    stage_delay_ms     {config id: {stage: ms}}: added to that stage (and the total) in that configuration's
+                       processes (a process that simply runs slower in a stage nothing compared there changes)
     round_drift_ms     {round: ms}: added to every configuration in that round (drift that interleaving cancels)
     ctrl_offset_ms     added to the control configuration (sets the noise floor)
     jitter_ms          deterministic per (config, round, seed) jitter amplitude
@@ -14,6 +18,7 @@ in well under a second per process. Its behaviour comes from the ``ABLATION_FAKE
     die_run            {config id: n}: the n-th run kills this process with SIGKILL (as the OOM killer would)
     hang_run           {config id: n}: the n-th run never answers
     sigint_parent      {config id: n}: the n-th run sends SIGINT to the runner (an interrupted run), then answers
+    (a job with dtype bfloat16 gets its float image rounded to bfloat16: close to float32's, not pixel-identical)
     starts_log         a file that gets one line "config pid [child pid]" per process start
     engine_child       start a child process in this worker's process group (as an engine's worker would be)
 """
@@ -123,8 +128,21 @@ def main() -> int:
         if job["config"]["id"] == "full_ctrl":
             total += float(fake.get("ctrl_offset_ms", 0.0))
         total += _jitter(f"{cid}/{n}/{cmd['seed']}", float(fake.get("jitter_ms", 0.0)))
+        share = {"text_encode": 0.1, "denoise": 0.6, "vae_decode": 0.3}
+        own = fake.get("save_stage", {})
+        staged = {k: v for k, v in fake.get("saves_ms", {}).items() if k in opts and k in own}
+        total += sum(staged.values())  # split the rest, then take these from their own stage
+        stages = {st: f * total for st, f in share.items()}
+        for k, v in staged.items():
+            stages[own[k]] -= v
+            total -= v
+        for st, ms in fake.get("stage_delay_ms", {}).get(cid, {}).items():
+            stages[st] += float(ms)
+            total += float(ms)
         amp = sum(v for k, v in fake.get("perturb", {}).items() if k in opts)
         img = _image(int(cmd["seed"]), int(cmd["prompt"]), amp, job["height"], job["width"])
+        if job.get("dtype") == "bfloat16":  # keep the top 16 bits of each float32, as a bf16 cast does
+            img = (img.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
         u8 = np.round(np.clip((img.astype(np.float64) + 1) / 2, 0, 1).transpose(1, 2, 0) * 255).astype(np.uint8)
         if cmd.get("save"):
             from PIL import Image
@@ -138,7 +156,7 @@ def main() -> int:
                 "id": cmd["id"],
                 "total_ms": total,
                 "cpu_ms": total,
-                "stages_ms": {"text_encode": 0.1 * total, "denoise": 0.6 * total, "vae_decode": 0.3 * total},
+                "stages_ms": stages,
                 "sha256": hashlib.sha256(u8.tobytes()).hexdigest()[:16],
                 "saved": bool(cmd.get("save")),
             }

@@ -113,3 +113,27 @@ def test_prompts_file_and_overrides_reach_the_workload(tmp_path):
     wl = resolve_workload(args)
     assert wl.prompts == ["a cat", "a dog"] and wl.steps == 3 and (wl.ssim_gate, wl.psnr_gate) == (0.95, 30.0)
     assert wl.enforce_eager is False and wl.name == "tiny-cpu (modified)" and wl.seeds  # the rest from the file
+
+
+def test_the_plain_tiny_flow_runs_the_tiny_cpu_workload():
+    """``ablate --model tiny`` (no workload) measures what ``make demo`` measures: the deeper tiny model, its steps,
+    CFG and rounds; command-line values still override, and another model keeps the plain defaults."""
+    from vllm_omni_ascend_opt.ablation.cli import TINY_DEFAULT, resolve_workload
+    from vllm_omni_ascend_opt.ablation.workload import Workload, load_workload
+    from vllm_omni_ascend_opt.cli import build_parser
+
+    ref = load_workload(TINY_DEFAULT)
+    for argv in (["ablate"], ["ablate", "--model", "tiny"]):
+        wl = resolve_workload(build_parser().parse_args(argv))
+        assert (wl.model, wl.steps, wl.cfg_scale, wl.repeats, wl.process_sets) == (
+            ref.model,
+            ref.steps,
+            ref.cfg_scale,
+            ref.repeats,
+            ref.process_sets,
+        )
+        assert wl.model == "tiny-deep"
+    wl = resolve_workload(build_parser().parse_args(["ablate", "--model", "tiny", "--steps", "3"]))
+    assert wl.steps == 3 and wl.model == "tiny-deep" and wl.name == f"{TINY_DEFAULT} (modified)"
+    wl = resolve_workload(build_parser().parse_args(["ablate", "--model", "tiny-dmd2"]))
+    assert wl.model == "tiny-dmd2" and wl.steps == Workload().steps

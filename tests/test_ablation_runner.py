@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_ascend_opt.ablation import report, stats
+from vllm_omni_ascend_opt.ablation import report, stages, stats
 from vllm_omni_ascend_opt.ablation.outdir import RunError
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
 from vllm_omni_ascend_opt.ablation.runner import Runner
@@ -79,7 +79,7 @@ def test_a_clean_run_passes_and_writes_valid_reports(tmp_path, monkeypatch, sche
         im.verify()
         assert im.format == "PNG" and im.size[0] > 300
     md = (out / "report.md").read_text()
-    assert "**Verdict: PASS**" in md and "| `a` | exact | +10.00 ± 0.00 |" in md and "no NPU" in md
+    assert "**Verdict: PASS**" in md and "| `a` | exact | total | +10.00 ± 0.00 |" in md and "no NPU" in md
     # interleaving: in every round each configuration ran once per sample, in rotated order
     order = [s["config"] for s in res["samples"] if not s["warmup"] and s["round"] == 0]
     if schedule == "resident":
@@ -229,13 +229,13 @@ def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_
     plan = make_plan(repeats=4, process_sets=2, seeds=[1])
     log = tmp_path / "starts.log"
     spawned: list[str] = []
-    orig_spawn = runner_mod.Runner._spawn
+    orig_spawn = runner_mod.Runner.spawn
 
     def spawn(self, c, rnd):
         spawned.append(c.id)
         return orig_spawn(self, c, rnd)
 
-    monkeypatch.setattr(runner_mod.Runner, "_spawn", spawn)
+    monkeypatch.setattr(runner_mod.Runner, "spawn", spawn)
     _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "starts_log": str(log)})
     ids = [c.id for c in plan.configs]
     assert spawned == ids + ids[::-1]
@@ -463,3 +463,46 @@ def test_worker_with_exactly_its_configuration_reports_ready(monkeypatch):
     rc, events = _serve(monkeypatch, ["shared_modulation", "rope"], ["rope", "shared_modulation"])  # order-free
     assert rc == 0 and [e["event"] for e in events] == ["ready", "bye"]
     assert sorted(events[0]["active"]) == ["rope", "shared_modulation"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# stage-aware verdicts
+# ----------------------------------------------------------------------------------------------------------------
+STAGED_INFOS = [OptInfo("tr", "exact", stages=("denoise",)), OptInfo("vae", "exact", stages=("vae_decode",))]
+STAGED = {"base_ms": 300.0, "saves_ms": {"tr": 10.0, "vae": 5.0}, "save_stage": {"tr": "denoise", "vae": "vae_decode"}}
+
+
+def test_a_process_that_runs_one_stage_faster_is_process_bias_not_a_regression(tmp_path, monkeypatch):
+    """The false FAIL of the plain tiny ablation: loo_vae's process runs denoise 20 ms faster (a stage vae does not
+    change) and stock's process runs text encode 25 ms faster. On the total both read as regressions (a FAIL); on
+    their own stages both save time, and the control stages name the bias: inconclusive, never FAIL or gain."""
+    plan = build_plan(
+        from_mapping(dict(seeds=[1, 2], repeats=2, warmup=0, height=16, width=16, timeout_s=300.0)).validate(),
+        STAGED_INFOS,
+    )
+    fake = {
+        **STAGED,
+        "ctrl_offset_ms": 0.5,
+        "stage_delay_ms": {"loo_vae": {"denoise": -20.0}, "stock": {"text_encode": -25.0}},
+    }
+    _, res = run(plan, tmp_path / "out", monkeypatch, fake)
+    opts = {o["name"]: o for o in res["optimizations"]}
+    vae, tr, fvs = opts["vae"], opts["tr"], res["full_vs_stock"]
+    assert vae["total_saved_ms"]["mean"] == pytest.approx(-15.0)  # the total alone says: a regression
+    assert vae["stages"] == ["vae_decode"] and vae["saved_ms"]["mean"] == pytest.approx(5.0)
+    assert vae["control"]["stages"] == ["text_encode", "denoise"] and vae["control"]["bias"]
+    assert vae["control"]["diff_ms"] == pytest.approx(-20.0)
+    assert vae["label"] == stages.BIAS
+    assert tr["label"] == stats.GAIN and tr["stages"] == ["denoise"] and not tr["control"]["bias"]
+    assert fvs["stages"] == ["denoise", "vae_decode"] and fvs["saved_ms"]["mean"] == pytest.approx(15.0)
+    assert fvs["total_saved_ms"]["mean"] == pytest.approx(-10.0) and fvs["label"] == stages.BIAS
+    v = res["verdict"]
+    assert v["result"] == "INCONCLUSIVE", v
+    text = " ".join(v["reasons"])
+    assert "process bias in full stack vs stock" in text and "-25.00 ms" in text
+    assert "process bias in vae's comparison" in text and "regression" not in text
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "process bias" in md and "vae_decode" in md
+    # without the biased processes the same run passes, each line on its own stages
+    _, res = run(plan, tmp_path / "clean", monkeypatch, {**STAGED, "ctrl_offset_ms": 0.5})
+    assert res["verdict"]["result"] == "PASS" and "on denoise+vae_decode" in res["verdict"]["reasons"][0]

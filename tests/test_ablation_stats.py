@@ -10,7 +10,7 @@ import statistics
 import numpy as np
 import pytest
 
-from vllm_omni_ascend_opt.ablation import compare, stats
+from vllm_omni_ascend_opt.ablation import compare, stages, stats
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan, estimate
 from vllm_omni_ascend_opt.ablation.workload import (
     Workload,
@@ -420,3 +420,37 @@ def test_shipped_memory_mode_workloads():
     offload, tiled = load_workload("tiny-cpu-offload"), load_workload("tiny-cpu-tiled")
     assert offload.od_config == {"enable_layerwise_offload": True} and offload.engine == "testbed"
     assert tiled.vae_tiling == [32, 32, 24, 24] and tiled.height == tiled.width == 64  # 3x3 tiles of the tiny VAE
+
+
+def test_stages_come_from_the_registry():
+    """Transformer optimizations change denoise, VAE ones vae_decode; the planner takes them from the registry."""
+    from vllm_omni_ascend_opt import registry
+    from vllm_omni_ascend_opt.ablation.plan import opt_infos_from_registry
+
+    infos = {i.name: i.stages for i in opt_infos_from_registry()}
+    for opt in registry.all_optimizations():
+        want = ("vae_decode",) if "vae" in opt.regions else ("denoise",)
+        assert infos[opt.name] == opt.changed_stages() == want, opt.name
+    plan = build_plan(wl(), [OptInfo("t", "exact", stages=("denoise",)), OptInfo("v", "exact", stages=("vae_decode",))])
+    assert plan.stages_of({"t", "v"}) == ("denoise", "vae_decode") and plan.stages_of({"v"}) == ("vae_decode",)
+    assert OptInfo("unknown", "exact").stages == ("text_encode", "denoise", "vae_decode")  # unknown: the total
+
+
+def test_staged_comparison_measures_own_stages_and_flags_control_bias():
+    def row(te, dn, vd):
+        return {"total": te + dn + vd, "text_encode": te, "denoise": dn, "vae_decode": vd}
+
+    means = {
+        "full": {0: row(5, 50, 20), 1: row(5.1, 50, 20)},
+        "full_ctrl": {0: row(5.1, 50.5, 20), 1: row(5, 49.5, 20.2)},
+        "loo_t": {0: row(5, 60, 20), 1: row(5.05, 60.5, 20)},  # saves 10 ms of denoise, control equal
+        "loo_fast": {0: row(2, 60, 20), 1: row(2.1, 60.5, 20)},  # the same, in a process 3 ms faster at text encode
+    }
+    ok = stages.staged(means, "loo_t", "full", ("denoise",))
+    assert ok["basis"] == ["denoise"] and ok["label"] == stats.GAIN and not ok["control"]["bias"]
+    bad = stages.staged(means, "loo_fast", "full", ("denoise",))
+    assert bad["label"] == stages.BIAS and bad["control"]["diff_ms"] == pytest.approx(-3.0)
+    # every stage: on the total, no control; missing stage data: on the total too
+    assert stages.staged(means, "loo_t", "full", stages.STAGES)["basis"] == ["total"]
+    bare = {k: {r: {"total": v["total"]} for r, v in rows.items()} for k, rows in means.items()}
+    assert stages.staged(bare, "loo_fast", "full", ("denoise",))["control"] is None

@@ -16,9 +16,15 @@ thread each; each step is one process):
    patch applied alone and stacked and compared with the plugin on the tiny pipeline; on other versions the script
    says it skips applying (``make test`` covers the headers and the script's logic in tests/test_patches.py).
 
+4. images across releases: ``reference save`` of a tiny set (the 2-block tiny model, 1 prompt, 1 seed, 2 steps) on
+   0.30 (``.venv``) and each version's stock (``none``) and ``default`` sets, one at a time beside the versions' test
+   steps, then
+   each compared with 0.30's (``compare``'s code, in this process). A difference is reported (identical, or the metrics), not failed,
+   unless it is outside the close gates (upstream may change stock's images).
+
 Each step's exit code and wall time are printed, then per version what acts on the tiny pipelines and what does not
-(with the first reason), from the JSON files tests/test_versions.py writes to ``VERSIONS_REPORT``. Exit code 1 when a
-step failed.
+(with the first reason), from the JSON files tests/test_versions.py writes to ``VERSIONS_REPORT``, and the images
+against 0.30's. Exit code 1 when a step failed.
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ SELECTION: dict[str, tuple[str, ...]] = {
     "tests/test_fused_attention.py": ("fused_attention",),
 }
 BASE_RELEASE = "0.30.0"
+#: The cross-release image check's workload: the smallest that runs every default optimization (one worker start
+#: per set is the cost).
+REF_WORKLOAD = {"model": "tiny", "height": 32, "width": 32, "steps": 2, "seeds": [42], "threads": 1}
+REF_CONFIGS = ("none", "default")
 _CHANGED = (
     "import json; from vllm_omni_ascend_opt import registry; from vllm_omni_ascend_opt.blocks.upstream import fingerprints; "
     "print(json.dumps(sorted({o.name for o in registry.all_optimizations() "
@@ -93,6 +103,88 @@ def _step(label: str, cmd: list[str], env: dict[str, str], log: Path) -> tuple[s
     with open(log, "a") as fh:
         fh.write(f"=== {label}: exit {rc} in {dt:.0f} s\n")
     return label, rc, dt
+
+
+def _cli(python: Path | str) -> list[str]:
+    return [str(python), "-m", "vllm_omni_ascend_opt.cli"]
+
+
+def save_base_set(tmp: Path) -> tuple[str, int, float]:
+    """0.30's reference set (``.venv``, the interpreter running this script), saved while the versions run."""
+    wl = tmp / "ref-workload.json"
+    cmd = [
+        *_cli(sys.executable),
+        "reference",
+        "save",
+        "--workload",
+        str(wl),
+        "--tensors",
+        "--out",
+        str(tmp / "ref-0.30"),
+    ]
+    return _step("0.30: reference save (none)", cmd, _env({}), tmp / "ref-0.30.log")
+
+
+def save_sets(pair: str, tmp: Path) -> list[tuple[str, int, float]]:
+    """A version's stock and default sets (``reference save`` in its venv)."""
+    version, venv = pair.split("=", 1)
+    python = (REPO / venv / "bin" / "python").absolute()
+    if not python.exists():
+        return []
+    wl = tmp / "ref-workload.json"
+    results = []
+    for config in REF_CONFIGS:
+        out = tmp / f"ref-{version}-{config}"
+        cmd = [*_cli(python), "reference", "save", "--workload", str(wl), "--config", config, "--tensors"]
+        results.append(
+            _step(f"{version}: reference save ({config})", [*cmd, "--out", str(out)], _env({}), tmp / f"{out.name}.log")
+        )
+    return results
+
+
+def save_all_sets(matrix: list[str], tmp: Path) -> list[tuple[str, int, float]]:
+    """0.30's set, then each version's, one process at a time beside the versions' test steps (one extra process
+    on the CPUs rather than five at once)."""
+    return [save_base_set(tmp), *(step for pair in matrix for step in save_sets(pair, tmp))]
+
+
+def compare_sets(version: str, tmp: Path) -> tuple[list[tuple[str, int, float]], list[str]]:
+    """Each of ``version``'s sets against 0.30's (``compare``'s code, in this process): a step per set that fails
+    only outside the close gates or when nothing could be compared, and one line each for the summary."""
+    sys.path.insert(0, str(REPO))
+    from vllm_omni_ascend_opt.ablation import refset, setcompare
+
+    steps, lines = [], []
+    for config in REF_CONFIGS:
+        t0 = time.monotonic()
+        label = f"{version}: images vs 0.30 ({config})"
+        try:
+            a, b = refset.load(tmp / "ref-0.30"), refset.load(tmp / f"ref-{version}-{config}")
+            res = setcompare.run_compare(a, b)
+            setcompare.write(res, a, b, tmp / f"cmp-{version}-{config}")
+        except (refset.SetError, OSError) as exc:
+            steps.append((label, 2, time.monotonic() - t0))
+            lines.append(f"  images vs 0.30, {config}: not compared: {exc}")
+            continue
+        steps.append((label, res["exit_code"], time.monotonic() - t0))
+        lines.append(_images_line(config, res))
+    return steps, lines
+
+
+def _images_line(config: str, res: dict) -> str:
+    """One line of the cross-release table: identical, or the metrics."""
+    pairs = res["pairs"]
+    if not pairs:
+        return f"  images vs 0.30, {config}: nothing compared ({res['verdict']})"
+    if all(p["tensors"] and p["tensors"]["bitwise_identical"] for p in pairs):
+        what = "bitwise-identical"
+    elif all(p["pixel_identical"] for p in pairs):
+        what = "pixel-identical (float outputs differ)"
+    else:
+        w = res["gate"]["worst"]
+        what = f"differ: SSIM {w['ssim_min']:.4f}, PSNR {w['psnr_db_min']:.2f} dB, max |d| {w['max_abs_diff']:.3g}"
+    gate = "within" if res["exit_code"] == 0 else "OUTSIDE"
+    return f"  images vs 0.30, {config}: {what} ({gate} the close gates)"
 
 
 def _summary(version: str, report: Path, check_log: Path) -> list[str]:
@@ -179,14 +271,26 @@ def main(argv: list[str] | None = None) -> int:
 
     t_all = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="test-versions-") as tmp:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(args.matrix) or 1) as pool:
+        (Path(tmp) / "ref-workload.json").write_text(json.dumps(REF_WORKLOAD))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(args.matrix) + 1) as pool:
+            images = pool.submit(save_all_sets, args.matrix, Path(tmp))
             runs = [
                 pool.submit(_version, pair, Path(tmp), pair.split("=", 1)[0] not in no_selection, args.pytest_args)
                 for pair in args.matrix
             ]
             done = [r.result() for r in runs]
-    results = [step for steps, _ in done for step in steps]
-    summaries = [line for _, lines in done for line in lines]
+            saved = images.result()
+        for log in sorted(Path(tmp).glob("ref-*.log")):
+            sys.stdout.write(log.read_text())
+        compared = [compare_sets(pair.split("=", 1)[0], Path(tmp)) for pair in args.matrix]
+    results = [
+        *saved,
+        *(step for steps, _ in done for step in steps),
+        *(step for steps, _ in compared for step in steps),
+    ]
+    summaries = []
+    for (_, lines), (_, image_lines) in zip(done, compared, strict=True):
+        summaries += [*lines, *image_lines]
     total = time.monotonic() - t_all
     print("\n================ test-versions summary ================")
     for label, rc, dt in results:

@@ -58,6 +58,13 @@ PARALLEL_MODES = ("single", "ulysses", "ring", "cfg_parallel", "tensor_parallel"
 #: transformer's own forward outside the blocks, in the VAE decode, or once at load time on the weights.
 REGIONS = ("block", "transformer", "vae", "load")
 
+#: The stages of one request, in order (the ablation runner times each): prompt encoding, the denoising loop, the
+#: latents' unpacking and VAE decode.
+STAGES: tuple[str, ...] = ("text_encode", "denoise", "vae_decode")
+#: The stage whose time code in each region can change. ``load`` work (weight casts) is done once, but changes what
+#: every transformer forward reads, so denoise.
+STAGE_OF_REGION = {"block": "denoise", "transformer": "denoise", "load": "denoise", "vae": "vae_decode"}
+
 
 def weakest_tier(tiers: list[str] | tuple[str, ...] | set[str]) -> str:
     """The weakest of ``tiers`` (``exact`` for none): what a configuration containing them can promise."""
@@ -99,6 +106,9 @@ class Optimization:
     #: Where the patched code runs (:data:`REGIONS`). A compiled region of the model runs stock code for the
     #: optimizations that live in it (they step aside while torch.compile traces).
     regions: ClassVar[frozenset[str]] = frozenset()
+    #: The request stages (:data:`STAGES`) whose time it can change; None: those of its :attr:`regions`
+    #: (:data:`STAGE_OF_REGION`), every stage when it declares no region. :meth:`changed_stages` is the answer.
+    stages: ClassVar[frozenset[str] | None] = None
     #: The compile granularities (``"regional"``: vLLM-Omni's repeated blocks; ``"full"``: the whole transformer)
     #: under which its code acts inside the compiled graphs (written for tracing; value-keyed work done outside them).
     #: Under any other compile of all its :attr:`regions` it steps aside while dynamo traces: a reason on that model.
@@ -171,6 +181,14 @@ class Optimization:
                     reasons.append(why)
             reasons += self._model_reasons(model)
         return list(dict.fromkeys(reasons))
+
+    @classmethod
+    def changed_stages(cls) -> tuple[str, ...]:
+        """The stages whose time this optimization can change, in :data:`STAGES` order. The ablation runner takes
+        its saving and verdict on these and uses the others as a control (docs/ablation.md, "How verdicts are
+        made")."""
+        own = cls.stages if cls.stages is not None else {STAGE_OF_REGION[r] for r in cls.regions}
+        return tuple(st for st in STAGES if st in own) if own else STAGES
 
     def acting(self, model: Any = None) -> bool:
         """``not reasons_inactive(model)``: with a model, it acts through its per-instance work (attached) or through

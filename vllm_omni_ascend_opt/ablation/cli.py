@@ -1,4 +1,5 @@
-"""``vllm-omni-ascend-opt ablate`` and ``vllm-omni-ascend-opt plan`` (a dry run of ``ablate``).
+"""``vllm-omni-ascend-opt ablate`` and ``vllm-omni-ascend-opt plan`` (a dry run of ``ablate``); ``reference save``
+and ``compare`` are in :mod:`.refcli`.
 
 Exit codes of ``ablate``: 0 PASS, 1 FAIL, 2 INCONCLUSIVE or bad input (see :mod:`.stats`). ``plan`` exits 0, or 2 on
 bad input.
@@ -42,8 +43,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--model",
-        help="'tiny' (the embedded test-bed Qwen-Image, default), a diffusers directory, or a "
-        "Hugging Face id of a Qwen-Image checkpoint",
+        help="'tiny' (the embedded test-bed Qwen-Image, default; without --workload the values of the "
+        f"'{TINY_DEFAULT}' workload: its 12-block model, steps, CFG and rounds), 'tiny-<variant>', a diffusers "
+        "directory, or a Hugging Face id of a Qwen-Image checkpoint",
     )
     g.add_argument(
         "--engine",
@@ -145,6 +147,13 @@ def add_subcommands(sub: Any) -> None:
     _add_common(ab)
     ab.add_argument("--fresh", action="store_true", help="discard earlier results in --out and start over")
     ab.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ab.add_argument(
+        "--reference",
+        type=Path,
+        metavar="DIR",
+        help="a reference set (vllm-omni-ascend-opt reference save): the report compares each configuration's "
+        "images with it",
+    )
     ab.set_defaults(func=cmd_ablate)
     pl = sub.add_parser(
         "plan",
@@ -159,6 +168,9 @@ def add_subcommands(sub: Any) -> None:
         help="also the device-time model's multi-card layouts for one image on these card counts, e.g. 2,4,8",
     )
     pl.set_defaults(func=cmd_plan)
+    from vllm_omni_ascend_opt.ablation.refcli import add_reference_commands
+
+    add_reference_commands(sub)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -180,11 +192,25 @@ def _gates(text: str) -> dict[str, float]:
     return out
 
 
+#: The workload behind the plain tiny flow (``ablate`` / ``plan`` without ``--workload``, model ``tiny``): the deeper
+#: tiny model with steps, CFG and rounds whose saving clearly exceeds the noise (what ``make demo`` runs).
+TINY_DEFAULT = "tiny-cpu"
+
+
 def resolve_workload(args: argparse.Namespace) -> Workload:
-    wl = load_workload(args.workload) if args.workload else Workload(name="custom")
+    """The workload of ``args``: the named one (or, without ``--workload``, the defaults; for the tiny model the
+    :data:`TINY_DEFAULT` workload), then the command line's values over it."""
+    plain_tiny = not args.workload and getattr(args, "model", None) in (None, "tiny")
+    if args.workload:
+        wl = load_workload(args.workload)
+    elif plain_tiny:
+        wl = load_workload(TINY_DEFAULT)
+    else:
+        wl = Workload(name="custom")
     over: dict[str, Any] = {}
     for key in (
         "model",
+        "image",
         "engine",
         "dtype",
         "height",
@@ -208,7 +234,7 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
         "start_timeout_s",
     ):
         v = getattr(args, key, None)
-        if v is not None:
+        if v is not None and not (plain_tiny and key == "model"):  # tiny: the family, here its deeper model
             over[key] = v
     if args.seeds:
         over["seeds"] = list(args.seeds)
@@ -225,7 +251,7 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
         over["prompts"] = prompts
     if args.quality_gates:
         over.update(_gates(args.quality_gates))
-    if over and args.workload:
+    if over and (args.workload or plain_tiny):
         wl = dataclasses.replace(wl, name=f"{wl.name} (modified)")
     return from_mapping(over, name=wl.name, base=wl).validate()
 
@@ -306,7 +332,14 @@ def _print_plan(plan: Any, est: Any | None = None) -> None:
             own = "own" if plan.opts[n].close_gates else "workload's"
             print(f"    {n:<18} SSIM >= {g['ssim']}, PSNR >= {g['psnr_db']} dB ({own})")
     if plan.comparisons:
-        print("\n  verdicts from: " + "; ".join(f"{c.opt} = {c.without} - {c.with_}" for c in plan.comparisons))
+        on = {
+            c.opt: "+".join(plan.stages_of(set(plan.config(c.with_).opts) ^ set(plan.config(c.without).opts)))
+            for c in plan.comparisons
+        }
+        print(
+            "\n  verdicts from: "
+            + "; ".join(f"{c.opt} = {c.without} - {c.with_} (on {on[c.opt]})" for c in plan.comparisons)
+        )
     if plan.skipped:
         print("\n  not in this run:")
         for n, why in plan.skipped.items():
@@ -422,13 +455,15 @@ def _stored_measurements(plan: Any, out: Path) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from vllm_omni_ascend_opt.ablation import report, stats
+    from vllm_omni_ascend_opt.ablation import refcli, refset, report, stats
     from vllm_omni_ascend_opt.ablation.outdir import RunError
     from vllm_omni_ascend_opt.ablation.runner import Runner
 
     try:
         plan = make_plan(args, build_model=True)
-    except WorkloadError as exc:
+        if args.reference:
+            refcli.check_reference(args.reference)
+    except (WorkloadError, refset.SetError) as exc:
         return _bad(str(exc))
     _print_plan(plan)
     if not plan.stack:
@@ -440,6 +475,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         return _bad(str(exc))
     analysis = stats.analyse(plan, data.records, data.out.root, interrupted=data.interrupted)
     results = report.build_results(data, analysis, command=["vllm-omni-ascend-opt", *sys.argv[1:]])
+    if args.reference:
+        results["reference"] = refcli.against_reference(args.reference, data.out.root, plan, results["environment"])
     paths = report.write_all(results, args.out)
     print_summary(results)
     print(f"\nreport: {paths['markdown']}\n        {paths['json']}\n        {paths['chart']}")
@@ -451,8 +488,8 @@ def print_summary(results: dict[str, Any]) -> None:
     from vllm_omni_ascend_opt.ablation.report import gate_cell
 
     print(
-        f"\n{'optimization':<22} {'class':<6} {'saved ms (mean ± std)':>22} {'% stock':>8}  {'direction':<10} "
-        f"{'label':<13} equivalence"
+        f"\n{'optimization':<22} {'class':<6} {'on stages':<20} {'saved ms (mean ± std)':>22} {'% stock':>8}  "
+        f"{'total saved ms':>16}  {'direction':<10} {'label':<13} equivalence"
     )
     rows = [(o["name"], o["equivalence"], o, o["equivalence_check"]) for o in results["optimizations"]]
     fvs = results["full_vs_stock"]
@@ -463,8 +500,11 @@ def print_summary(results: dict[str, Any]) -> None:
         s = d["saved_ms"]
         saved = "–" if s["mean"] is None else f"{s['mean']:+.2f} ± {s['std']:.2f}"
         pct = "–" if d["saved_pct_of_stock"] is None else f"{d['saved_pct_of_stock']:+.2f}%"
+        t = d.get("total_saved_ms") or {}
+        total = "–" if t.get("mean") is None else f"{t['mean']:+.2f}"
+        on = "+".join(d.get("stages") or ["total"])
         print(
-            f"{name:<22} {cls:<6} {saved:>22} {pct:>8}  {d['direction']:<10} {d['label']:<13} "
+            f"{name:<22} {cls:<6} {on:<20} {saved:>22} {pct:>8}  {total:>16}  {d['direction']:<10} {d['label']:<13} "
             f"{gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"
         )
     nf = results["noise_floor"]

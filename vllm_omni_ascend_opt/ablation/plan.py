@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_ascend_opt.ablation.workload import Workload, WorkloadError
+from vllm_omni_ascend_opt.optimization import STAGES
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class OptInfo:
     needs: tuple[str, ...] = ()
     #: OmniDiffusionConfig fields it needs to have anything to act on (Optimization.needs_config).
     needs_config: tuple[tuple[str, Any], ...] = ()
+    #: The request stages whose time it can change (Optimization.changed_stages); every stage when unknown.
+    stages: tuple[str, ...] = STAGES
 
 
 def opt_infos_from_registry() -> list[OptInfo]:
@@ -53,7 +56,15 @@ def opt_infos_from_registry() -> list[OptInfo]:
         needs_config = tuple(sorted(opt.needs_config.items()))
         out.append(
             OptInfo(
-                opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary, gates, tuple(opt.needs), needs_config
+                opt.name,
+                opt.tier(),
+                opt.default_enabled,
+                reasons,
+                opt.summary,
+                gates,
+                tuple(opt.needs),
+                needs_config,
+                opt.changed_stages(),
             )
         )
     return out
@@ -123,6 +134,12 @@ class Plan:
             return {"ssim": wl.ssim_gate, "psnr_db": wl.psnr_gate}
         return {"ssim": min(g[0] for g in own), "psnr_db": min(g[1] for g in own)}
 
+    def stages_of(self, names: list[str] | tuple[str, ...] | set[str]) -> tuple[str, ...]:
+        """The stages some of ``names`` can change (:attr:`OptInfo.stages`), in request order: what a comparison
+        whose sides differ by ``names`` is measured on; the other stages are its control."""
+        own = {st for n in names for st in self.opts[n].stages}
+        return tuple(st for st in STAGES if st in own)
+
     def fingerprint(self) -> str:
         """Hash of everything that makes stored measurements reusable (a resume must match it exactly)."""
         wl = self.workload.to_dict()
@@ -169,6 +186,7 @@ class Plan:
                     "default": o.default_enabled,
                     "summary": o.summary,
                     "close_gates": self.close_gates([n]) if o.equivalence == "close" else None,
+                    "stages": list(o.stages),
                 }
                 for n, o in self.opts.items()
             },

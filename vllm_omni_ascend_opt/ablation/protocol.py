@@ -26,8 +26,10 @@ from __future__ import annotations
 import json
 from typing import IO, Any
 
+from vllm_omni_ascend_opt.optimization import STAGES
+
 PROTOCOL_VERSION = 1
-STAGES = ("text_encode", "denoise", "vae_decode")
+__all__ = ["PROTOCOL_VERSION", "STAGES", "decode", "send"]
 
 
 def send(stream: IO[str], obj: dict[str, Any]) -> None:

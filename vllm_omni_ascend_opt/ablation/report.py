@@ -128,6 +128,24 @@ def _saved(d: dict[str, Any]) -> str:
     return f"{s['mean']:+.2f} ± {s['std']:.2f}"
 
 
+def _on(d: dict[str, Any]) -> str:
+    """The stages a comparison's saving and label are taken on."""
+    return "+".join(d.get("stages") or ["total"])
+
+
+def _total(d: dict[str, Any]) -> str:
+    t = d.get("total_saved_ms") or {}
+    return "–" if t.get("mean") is None else f"{t['mean']:+.2f} ± {t['std']:.2f}"
+
+
+def _control(d: dict[str, Any]) -> str:
+    """The control stages' difference, ⚠ when it is process bias; – when there is no control."""
+    c = d.get("control")
+    if not c or c.get("diff_ms") is None:
+        return "–"
+    return f"{'⚠ ' if c['bias'] else ''}{c['diff_ms']:+.2f} (floor {_ms(c['noise_ms'])})"
+
+
 def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v:+.2f}%"
 
@@ -207,7 +225,18 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         "",
         *_table_head(
-            ["optimization", "class", "saved ms (mean ± std)", "% of stock", "per round (ms)", "direction", "label"],
+            [
+                "optimization",
+                "class",
+                "on stages",
+                "saved ms (mean ± std)",
+                "% of stock",
+                "per round (ms)",
+                "direction",
+                "label",
+                "total saved ms",
+                "control Δ ms",
+            ],
             ["equivalence"],
         ),
     ]
@@ -215,22 +244,26 @@ def markdown(results: dict[str, Any]) -> str:
         per = ", ".join(f"{x:+.1f}" for x in o["saved_ms"]["per_round"]) or "–"
         st = " | ".join(_ms(o["stages_saved_ms"].get(s), True) for s in STAGES)
         lines.append(
-            f"| `{o['name']}` | {o['equivalence']} | {_saved(o)} | {_pct(o['saved_pct_of_stock'])} | {per} | "
-            f"{o['direction']} | **{o['label']}** | {st} | {gate_cell(o['equivalence_check'])} |"
+            f"| `{o['name']}` | {o['equivalence']} | {_on(o)} | {_saved(o)} | {_pct(o['saved_pct_of_stock'])} | "
+            f"{per} | {o['direction']} | **{o['label']}** | {_total(o)} | {_control(o)} | {st} | "
+            f"{gate_cell(o['equivalence_check'])} |"
         )
     if fvs:
         per = ", ".join(f"{x:+.1f}" for x in fvs["saved_ms"]["per_round"]) or "–"
         st = " | ".join(_ms(fvs["stages_saved_ms"].get(s), True) for s in STAGES)
         full_cfg = next((c for c in results["configs"] if c["id"] == "full"), None)
         lines.append(
-            f"| **full stack vs stock** | | {_saved(fvs)} | {_pct(fvs['saved_pct_of_stock'])} | {per} | "
-            f"{fvs['direction']} | **{fvs['label']}** | {st} | "
+            f"| **full stack vs stock** | | {_on(fvs)} | {_saved(fvs)} | {_pct(fvs['saved_pct_of_stock'])} | {per} | "
+            f"{fvs['direction']} | **{fvs['label']}** | {_total(fvs)} | {_control(fvs)} | {st} | "
             f"{gate_cell(full_cfg.get('vs_stock') if full_cfg else None)} |"
         )
     lines += [
         "",
         "Saved = time without − time with the optimization (positive: faster), from the configurations named in "
-        "the comparison; docs/ablation.md in vllm-omni-ascend-opt explains how to read this report.",
+        "the comparison, on the stages it can change (*on stages*; its label and the verdict use these, with the "
+        "noise floor on the same stages); *total saved* is the same on the whole request. *Control Δ*: how much "
+        "the other stages, which nothing compared changes, differ (⚠ beyond their noise floor: process bias, the "
+        "comparison is inconclusive). docs/ablation.md in vllm-omni-ascend-opt explains how to read this report.",
         "",
         "## Configurations",
         "",
@@ -249,6 +282,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"{gate_cell(c.get('vs_full'))} | {stable} |"
         )
     lines += memory_section(results["configs"])
+    from vllm_omni_ascend_opt.ablation.refcli import reference_section
+
+    lines += reference_section(results.get("reference"))
     if plan["skipped"]:
         lines += ["", "## Not in this run", "", "| optimization | why |", "|---|---|"]
         for n, why in plan["skipped"].items():
@@ -341,7 +377,7 @@ def write_chart(results: dict[str, Any], out: Path) -> Path:
     rows = [(o["name"], o) for o in results["optimizations"]]
     if results["full_vs_stock"]:
         rows.append(("full stack vs stock", results["full_vs_stock"]))
-    names = [n for n, _ in rows]
+    names = [f"{n}\n(on {_on(d)})" for n, d in rows]
     means = [d["saved_ms"]["mean"] or 0.0 for _, d in rows]
     stds = [d["saved_ms"]["std"] or 0.0 for _, d in rows]
     colors = [COLORS.get(d["label"], "#bdbdbd") for _, d in rows]
@@ -364,7 +400,7 @@ def write_chart(results: dict[str, Any], out: Path) -> Path:
     span = max(hi - lo, 1e-6)
     ax.set_xlim(lo - 0.25 * span, hi + 0.35 * span)
     wl = results["workload"]
-    ax.set_xlabel("time saved per image (ms, mean ± std over repeats; positive = faster)")
+    ax.set_xlabel("time saved per image on its stages (ms, mean ± std over repeats; positive = faster)")
     ax.set_title(
         f"{wl['name']}: {results['plan']['workload']['mode']}, {wl['width']}×{wl['height']}, "
         f"{wl['steps']} steps — {results['verdict']['result']}",

@@ -138,7 +138,8 @@ class Runner:
             env = engine_env(env)
         return env
 
-    def _spawn(self, c: Config, rnd: int | None) -> Worker:
+    def spawn(self, c: Config, rnd: int | None) -> Worker:
+        """A worker process for configuration ``c`` (round ``rnd``; None: resident), with its job file and log."""
         job = self._job(c)
         return Worker(
             c, rnd, [*self.worker_cmd, "--job", str(job)], self._env(c), self.out.config_dir(c.id) / "worker.log"
@@ -324,7 +325,7 @@ class Runner:
         pending = list(configs)
         while pending or starting:
             while pending and len(starting) < self.wl.start_jobs:
-                starting.append(self._spawn(pending.pop(0), None))
+                starting.append(self.spawn(pending.pop(0), None))
             for w in list(starting):
                 if not w.events.empty():  # ready, an error, or eof
                     starting.remove(w)
@@ -376,7 +377,7 @@ class Runner:
 
     def _per_round_process(self, c: Config, rnd: int, prog: _Progress) -> None:
         """One configuration's process of round ``rnd``: start, warm up, every sample once, exit."""
-        w = self._spawn(c, rnd)
+        w = self.spawn(c, rnd)
         try:
             self._await_ready(w, rnd)
             prog.step(f"started {c.id} (round {rnd + 1})")

@@ -19,6 +19,16 @@ NUM = (int, float, str)  # str only for "inf" / "-inf" / "nan"
 STR = str
 
 SAVED = {"mean": Opt(NUM), "std": Opt(NUM), "per_round": [NUM]}
+#: A comparison's control: the stages nothing compared there changes, their difference and noise floor, and
+#: whether that difference is process bias (docs/ablation.md, "How verdicts are made").
+CONTROL = {"stages": [STR], "diff_ms": Opt(NUM), "per_round_ms": [NUM], "noise_ms": Opt(NUM), "bias": bool}
+STAGED = {
+    "stages": [STR],
+    "noise_floor_ms": Opt(NUM),
+    "total_saved_ms": SAVED,
+    "total_saved_pct_of_stock": Opt(NUM),
+    "control": Opt(CONTROL),
+}
 GATE = {"class": STR, "passed": Opt(bool), "why": STR}
 METRICS = {
     "pixel_identical": bool,
@@ -86,6 +96,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
         {
             "saved_ms": SAVED,
             "saved_pct_of_stock": Opt(NUM),
+            **STAGED,
             "stages_saved_ms": dict,
             "direction": STR,
             "label": STR,
@@ -101,6 +112,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
             "without": STR,
             "saved_ms": SAVED,
             "saved_pct_of_stock": Opt(NUM),
+            **STAGED,
             "stages_saved_ms": dict,
             "direction": STR,
             "label": STR,

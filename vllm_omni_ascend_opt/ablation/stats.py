@@ -10,13 +10,17 @@ Definitions (also in docs/ablation.md):
 * The *noise floor* is how far apart two identical full stacks in two processes (``full``, ``full_ctrl``) come out:
   |mean over rounds of time(full) - time(full_ctrl)| plus two standard errors of that mean (one round: its
   |difference|). It shrinks as rounds are added, as a measurement's precision should.
+* Stages: each comparison's saving, noise floor and label are taken on the stages the optimizations it compares can
+  change, with the other stages as a control that names process bias (:mod:`.stages`); the total stays beside it.
 * Label: ``gain`` when the mean saving exceeds the noise floor and is positive by more than two standard errors over
   rounds; ``regression`` when the mean is below minus the noise floor and negative by more than two standard errors;
   ``within noise`` otherwise. ``direction`` is reported beside it: ``consistent`` when every round saved time with the
   same sign, ``flips`` otherwise (a flipping saving of small mean is within noise by the standard-error test).
 * Exit: FAIL (1) if a configuration failed, a gate failed, an optimization is a regression, or the full stack is a
   regression or saves less than ``min_improvement_pct`` of stock beyond the noise; PASS (0) when, without any of
-  those, the full stack is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise. Timing failures
+  those, the full stack is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise (e.g. the full
+  stack within noise or showing process bias; an optimization's process bias is listed and leaves its line
+  inconclusive). Timing failures
   measured while other processes kept the CPUs busy (see :func:`machine_load`) are INCONCLUSIVE, not FAIL.
 """
 
@@ -248,6 +252,8 @@ def add_memory_ratios(configs: list[dict[str, Any]]) -> None:
 
 def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interrupted: bool = False) -> dict[str, Any]:
     """The ``analysis`` part of results.json (see docs/ablation.md)."""
+    from vllm_omni_ascend_opt.ablation import stages
+
     wl = plan.workload
     means = round_means(plan, records)
     failures = {r["config"]: r for r in records if r.get("type") == "failure"}
@@ -256,7 +262,6 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         if r.get("type") == "ready":
             ready.setdefault(r["config"], []).append(r)
     noise = noise_floor(means)
-    noise_ms = noise["ms"] if noise else None
 
     def mean_total(cid: str) -> float | None:
         rows = means.get(cid, {})
@@ -330,17 +335,15 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
         diff = set(plan.config(comp.with_).opts) ^ set(plan.config(comp.without).opts)
         eq = compare_configs(plan, out_root, comp.without, comp.with_, _class_of(plan, diff), diff) if usable else None
+        st = stages.staged(means, comp.without, comp.with_, plan.stages_of(diff))
         opts.append(
             {
                 "name": comp.opt,
                 "equivalence": info.equivalence,
                 "with": comp.with_,
                 "without": comp.without,
-                "saved_ms": {"mean": p["mean_ms"], "std": p["std_ms"], "per_round": p["per_round_ms"]},
-                "saved_pct_of_stock": pct,
-                "stages_saved_ms": p["stages_mean_ms"],
-                "direction": direction(p["per_round_ms"]),
-                "label": label(p["per_round_ms"], p["mean_ms"], noise_ms) if usable else "not measured",
+                **stages.staged_fields(st, p, pct, stock_ms),
+                "label": st["label"] if usable else "not measured",
                 "equivalence_check": eq,
             }
         )
@@ -350,12 +353,10 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
     if any(c.id == "full" for c in plan.configs):
         p = pair(means, "stock", "full")
         pct = 100 * p["mean_ms"] / stock_ms if p["mean_ms"] is not None and stock_ms else None
+        st = stages.staged(means, "stock", "full", plan.stages_of(plan.config("full").opts))
         fvs = {
-            "saved_ms": {"mean": p["mean_ms"], "std": p["std_ms"], "per_round": p["per_round_ms"]},
-            "saved_pct_of_stock": pct,
-            "stages_saved_ms": p["stages_mean_ms"],
-            "direction": direction(p["per_round_ms"]),
-            "label": label(p["per_round_ms"], p["mean_ms"], noise_ms),
+            **stages.staged_fields(st, p, pct, stock_ms),
+            "label": st["label"],
             "stock_ms": stock_ms,
             "full_ms": mean_total("full"),
         }
@@ -388,6 +389,8 @@ def decide(
     Gate failures and failed configurations are FAILs whatever the machine did; timing FAILs (regressions, too small
     an improvement) become INCONCLUSIVE when the machine was busy while measuring (``busy``).
     """
+    from vllm_omni_ascend_opt.ablation import stages
+
     wl = plan.workload
     fail, unsure, slow = [], [], []
     for c in configs:
@@ -401,12 +404,15 @@ def decide(
                 fail.append(
                     f"{c['id']} {key.replace('_', ' ')}: {chk['gate']['class']} gate failed: {chk['gate']['why']}"
                 )
+    notes = []
     for o in opts:
         chk = o["equivalence_check"]
         if chk and chk["gate"]["passed"] is False:
             fail.append(f"{o['name']} ({o['equivalence']}): gate failed: {chk['gate']['why']}")
         if o["label"] == REGRESSION:
-            slow.append(f"{o['name']} is a regression: {_fmt_saved(o)}")
+            slow.append(f"{o['name']} is a regression: {stages.fmt_saved(o, stages=True)}")
+        elif o["label"] == stages.BIAS:
+            notes.append(stages.bias_text(f"{o['name']}'s comparison ({o['without']} vs {o['with']})", o))
     if noise is None:
         unsure.append("no noise floor (the control pair did not complete)")
     if interrupted:
@@ -415,16 +421,20 @@ def decide(
         unsure.append("full stack vs stock not measured")
     else:
         lab, pct = fvs["label"], fvs["saved_pct_of_stock"]
+        nf = fvs.get("noise_floor_ms")
         if lab == REGRESSION:
-            slow.append(f"the full stack is slower than stock: {_fmt_saved(fvs)}")
+            slow.append(f"the full stack is slower than stock: {stages.fmt_saved(fvs, stages=True)}")
+        elif lab == stages.BIAS:
+            unsure.append(stages.bias_text("full stack vs stock", fvs))
         elif lab == GAIN and pct is not None and pct < wl.min_improvement_pct:
             slow.append(
-                f"the full stack saves {pct:.2f}% of stock, less than --min-improvement-pct {wl.min_improvement_pct}%"
+                f"the full stack saves {pct:.2f}% of stock on {'+'.join(fvs.get('stages') or [stages.TOTAL])}, less than "
+                f"--min-improvement-pct {wl.min_improvement_pct}%"
             )
         elif lab != GAIN:
             unsure.append(
-                f"full stack vs stock is {lab} ({_fmt_saved(fvs)}, noise floor {noise['ms']:.2f} ms)"
-                if noise
+                f"full stack vs stock is {lab} ({stages.fmt_saved(fvs, stages=True)}, noise floor {nf:.2f} ms)"
+                if nf is not None
                 else f"full stack vs stock is {lab}"
             )
     if busy and load:
@@ -439,22 +449,15 @@ def decide(
             unsure.append(note)
     fail += slow
     if fail:
-        result, reasons = FAIL, fail + unsure
+        result, reasons = FAIL, fail + unsure + notes
     elif unsure:
-        result, reasons = INCONCLUSIVE, unsure
+        result, reasons = INCONCLUSIVE, unsure + notes
     else:
         result = PASS
+        nf = fvs.get("noise_floor_ms", noise["ms"])
         reasons = [
-            f"every gate held; the full stack saves {_fmt_saved(fvs)} vs stock "
-            f"(>= {wl.min_improvement_pct}%, beyond the noise floor {noise['ms']:.2f} ms)"
+            f"every gate held; the full stack saves {stages.fmt_saved(fvs, stages=True)} vs stock "
+            f"(>= {wl.min_improvement_pct}%, beyond the noise floor {nf:.2f} ms)",
+            *notes,
         ]
     return {"result": result, "exit_code": EXIT_CODES[result], "reasons": reasons}
-
-
-def _fmt_saved(d: dict[str, Any]) -> str:
-    s = d["saved_ms"]
-    if s["mean"] is None:
-        return "not measured"
-    pct = d.get("saved_pct_of_stock")
-    pct_s = f" ({pct:+.2f}%)" if pct is not None and not math.isnan(pct) else ""
-    return f"{s['mean']:+.2f} ± {s['std']:.2f} ms{pct_s}"

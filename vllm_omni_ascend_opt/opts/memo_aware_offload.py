@@ -115,6 +115,9 @@ class MemoAwareOffload(Optimization):
         "forward whose modulation is all in shared_modulation's memo (exact: those weights are never read)."
     )
     equivalence = "exact"
+    #: No patched region of its own (it acts through the offload's forward hooks), but what it saves are the block
+    #: weight copies of each transformer forward.
+    stages = frozenset({"denoise"})
     default_enabled = True
     requires = ("vLLM-Omni 0.30.x with enable_layerwise_offload; any device",)
     inactive_when = (

@@ -1,0 +1,254 @@
+"""``vllm-omni-ascend-opt reference save`` and ``vllm-omni-ascend-opt compare`` (see :mod:`.refset` and
+:mod:`.setcompare`; docs/ablation.md, "Comparing machines and releases").
+
+Exit codes of ``compare``: 0 within the gates, 1 outside, 2 when nothing could be compared or on bad input.
+``reference save``: 0, or 2 on bad input or a failed generation (nothing is left half-written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_omni_ascend_opt.ablation.workload import DTYPES, ENGINES, WorkloadError
+
+BAD_INPUT = 2
+#: ``--config`` names besides a comma list of optimizations.
+CONFIG_NAMES = ("none", "default", "all")
+
+
+def add_reference_commands(sub: Any) -> None:
+    """Register ``reference save`` and ``compare`` on the main CLI's subparsers."""
+    ref = sub.add_parser("reference", help="reference image sets to compare across machines and releases")
+    rsub = ref.add_subparsers(dest="reference_cmd", metavar="ACTION", required=True)
+    sv = rsub.add_parser(
+        "save",
+        help="generate a workload's prompts x seeds with one configuration and save them with a manifest",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = sv.add_argument_group("workload (as for ablate: a named workload's values, then these)")
+    g.add_argument("--workload", metavar="NAME", help="named workload or a .toml/.json file")
+    g.add_argument("--model", help="'tiny' (default), 'tiny-<variant>', a diffusers directory or a Hugging Face id")
+    g.add_argument("--engine", choices=ENGINES)
+    g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--height", type=int)
+    g.add_argument("--width", type=int)
+    g.add_argument("--steps", type=int)
+    g.add_argument("--cfg-scale", type=float)
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    g.add_argument("--prompts-file", type=Path)
+    g.add_argument("--negative-prompt")
+    g.add_argument("--seeds", type=int, nargs="+")
+    g.add_argument("--image", help="input image of an edit pipeline: a path or 'sample'")
+    g.add_argument("--max-sequence-length", type=int)
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--threads", type=int)
+    g.add_argument("--timeout", type=float, dest="timeout_s")
+    g.add_argument("--start-timeout", type=float, dest="start_timeout_s")
+    g.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE")
+    sv.add_argument(
+        "--config",
+        default="none",
+        help="the configuration: none (stock, default), default (the default-on optimizations that can act here), "
+        "all, or a comma list of optimizations",
+    )
+    sv.add_argument("--out", type=Path, required=True, help="the set's directory (created; nothing else is written)")
+    sv.add_argument("--tensors", action="store_true", help="also save the raw float outputs (.npy)")
+    sv.add_argument("--fresh", action="store_true", help="replace a set already in --out")
+    sv.set_defaults(func=cmd_reference_save, only=None, skip=None, order=None, quality_gates=None)
+
+    cp = sub.add_parser(
+        "compare",
+        help="compare two reference sets (or a set and an ablation output) image by image",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cp.add_argument("a", type=Path, help="a reference set or an ablation output directory")
+    cp.add_argument("b", type=Path, help="a reference set or an ablation output directory")
+    cp.add_argument("--config", help="the configuration of an ablation output to compare (default full)", default=None)
+    cp.add_argument(
+        "--tier",
+        choices=("exact", "pixel", "close"),
+        default="close",
+        help="exact: bitwise tensors (pixel identity without tensors); pixel: identical uint8 images; close "
+        "(default): the SSIM/PSNR gates",
+    )
+    cp.add_argument("--gates", metavar="ssim=0.99,psnr=35", help="the close gates (default ssim=0.99,psnr=35)")
+    cp.add_argument("--out", type=Path, default=Path("compare-out"), help="report directory (default compare-out)")
+    cp.set_defaults(func=cmd_compare)
+
+
+def _bad(msg: str) -> int:
+    print(f"vllm-omni-ascend-opt: error: {msg}", file=sys.stderr)
+    return BAD_INPUT
+
+
+def resolve_config(plan: Any, name: str) -> Any:
+    """The :class:`~.plan.Config` of ``--config``: ``none``, ``default`` (the run's full stack: the default-on
+    optimizations that can act here), ``all`` (every one that can act here) or a comma list of names."""
+    import dataclasses
+
+    from vllm_omni_ascend_opt.ablation.plan import Config, build_plan, opt_infos_from_registry
+
+    infos = opt_infos_from_registry()
+    if name == "none":
+        return Config("reference", "none", (), "reference")
+    if name in ("default", "all"):
+        p = build_plan(dataclasses.replace(plan.workload, stack=name), infos)
+        return Config("reference", name, tuple(p.stack), "reference")
+    names = [n.strip() for n in name.split(",") if n.strip()]
+    p = build_plan(dataclasses.replace(plan.workload, stack="all"), infos)
+    bad = [n for n in names if n not in p.stack]
+    if bad:
+        why = "; ".join(f"{n}: {'; '.join(p.skipped.get(n, ['unknown optimization']))}" for n in bad)
+        raise WorkloadError(f"--config {name}: {', '.join(bad)} cannot act here ({why})")
+    order = [i.name for i in infos]
+    opts = tuple(n for n in order if n in names)
+    return Config("reference", ",".join(opts), opts, "reference")
+
+
+def cmd_reference_save(args: argparse.Namespace, worker_cmd: list[str] | None = None) -> int:
+    from vllm_omni_ascend_opt.ablation import refset
+    from vllm_omni_ascend_opt.ablation.cli import make_plan
+
+    try:
+        refset.check_out_dir(args.out, args.fresh)
+        plan = make_plan(args, build_model=True)
+        config = resolve_config(plan, args.config)
+    except (WorkloadError, refset.SetError) as exc:
+        return _bad(str(exc))
+    wl = plan.workload
+    print(
+        f"reference set: {wl.model}, {wl.dtype}, {wl.width}x{wl.height}, {wl.steps} steps, CFG {wl.cfg_scale}, "
+        f"{len(wl.prompts)} prompt(s) x seeds {wl.seeds}; configuration {config.label} ({config.spec}); "
+        f"engine {plan.engine}",
+        flush=True,
+    )
+    try:
+        s = refset.save(
+            plan, config, args.out, tensors=args.tensors, fresh=args.fresh, worker_cmd=worker_cmd, log=print
+        )
+    except refset.SetError as exc:
+        return _bad(str(exc))
+    print(f"saved {len(s.entries)} image(s) and {refset.MANIFEST} to {args.out}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from vllm_omni_ascend_opt.ablation import refset, setcompare
+    from vllm_omni_ascend_opt.ablation.cli import _gates
+
+    try:
+        gates = _gates(args.gates) if args.gates else {}
+        a = refset.load(args.a, args.config)
+        b = refset.load(args.b, args.config)
+        res = setcompare.run_compare(
+            a, b, tier=args.tier, ssim_gate=gates.get("ssim_gate", 0.99), psnr_gate=gates.get("psnr_gate", 35.0)
+        )
+    except (WorkloadError, refset.SetError) as exc:
+        return _bad(str(exc).replace("--quality-gates", "--gates"))
+    paths = setcompare.write(res, a, b, args.out)
+    print_summary(res)
+    print("\nreport: " + "\n        ".join(str(p) for p in paths.values()))
+    return int(res["exit_code"])
+
+
+def print_summary(res: dict[str, Any]) -> None:
+    """The side-by-side facts that differ, the pairs table and the verdict, as text."""
+    from vllm_omni_ascend_opt.ablation.setcompare import HEAD, summary_rows
+
+    print(f"A: {res['a']['path']} ({res['a']['kind']})\nB: {res['b']['path']} ({res['b']['kind']})")
+    for f in res["facts"]:
+        if not f["same"]:
+            print(f"  {f['field']:<22} {f['a']!s:<30} {f['b']}")
+    rows = summary_rows(res)
+    if rows:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEAD)]
+        print("\n" + "  ".join(h.ljust(w) for h, w in zip(HEAD, widths, strict=True)))
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    for side in ("a", "b"):
+        for o in res[f"only_in_{side}"]:
+            print(f"only in {side.upper()}: {o['id']}")
+    print(f"\n{res['verdict']} (exit {res['exit_code']})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ablate --reference DIR
+# ----------------------------------------------------------------------------------------------------------------
+def check_reference(path: Path) -> None:
+    """Load (and so check) the set of ``ablate --reference`` before anything runs; raises :class:`.refset.SetError`."""
+    from vllm_omni_ascend_opt.ablation import refset
+
+    refset.load(path)
+
+
+def against_reference(path: Path, out_root: Path, plan: Any, environment: dict[str, Any]) -> dict[str, Any]:
+    """Every configuration of a finished ablation in ``out_root`` (its workers' ``environment``) against the
+    reference set at ``path`` (the workload's close gates): results.json's ``reference`` and the report's "Against
+    the reference set" table."""
+    from vllm_omni_ascend_opt.ablation import refset, setcompare
+
+    wl = plan.workload
+    ref = refset.load(path)
+    out: dict[str, Any] = {"path": str(path), "gates": {"ssim": wl.ssim_gate, "psnr_db": wl.psnr_gate}, "configs": {}}
+    for c in plan.configs:
+        try:
+            mine = refset.load(out_root, c.id)
+            mine.manifest["environment"] = environment
+            res = setcompare.run_compare(ref, mine, tier="close", ssim_gate=wl.ssim_gate, psnr_gate=wl.psnr_gate)
+        except refset.SetError as exc:
+            out["configs"][c.id] = {"error": str(exc)}
+            continue
+        out.setdefault("differs", [f for f in res["facts"] if not f["same"] and f["field"] != "created"])
+        w = (res.get("gate") or {}).get("worst") or {}
+        out["configs"][c.id] = {
+            "passed": (res.get("gate") or {}).get("passed"),
+            "pairs": len(res["pairs"]),
+            "pixel_identical": sum(p["pixel_identical"] for p in res["pairs"]),
+            "ssim_min": w.get("ssim_min"),
+            "psnr_db_min": w.get("psnr_db_min"),
+            "only_in_reference": len(res["only_in_a"]),
+            "only_here": len(res["only_in_b"]),
+            "verdict": res["verdict"],
+        }
+    return out
+
+
+def reference_section(ref: dict[str, Any] | None) -> list[str]:
+    """report.md's table of each configuration against the external reference set (empty without one)."""
+    from vllm_omni_ascend_opt.ablation.compare import fmt_db
+
+    if not ref:
+        return []
+    g = ref["gates"]
+    lines = [
+        "",
+        "## Against the reference set",
+        "",
+        f"Each configuration's images against `{ref['path']}` (close gates SSIM ≥ {g['ssim']}, PSNR ≥ "
+        f"{g['psnr_db']} dB; `vllm-omni-ascend-opt compare` gives the full report).",
+    ]
+    differs = ref.get("differs") or []
+    if differs:
+        lines.append("Differs from the set: " + "; ".join(f"{f['field']} {f['a']} → {f['b']}" for f in differs) + ".")
+    lines += [
+        "",
+        "| configuration | vs reference | pixel-identical | SSIM min | PSNR min | one side only |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cid, r in ref["configs"].items():
+        if "error" in r:
+            lines.append(f"| `{cid}` | not compared: {r['error']} | – | – | – | – |")
+            continue
+        mark = {True: "✅", False: "❌", None: "–"}[r["passed"]]
+        ssim = "–" if r["ssim_min"] is None else f"{r['ssim_min']:.4f}"
+        psnr = "–" if r["psnr_db_min"] is None else fmt_db(r["psnr_db_min"])
+        lines.append(
+            f"| `{cid}` | {mark} | {r['pixel_identical']}/{r['pairs']} | {ssim} | {psnr} | "
+            f"{r['only_in_reference']} in the set, {r['only_here']} here |"
+        )
+    return lines

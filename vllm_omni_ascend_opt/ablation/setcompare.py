@@ -1,0 +1,267 @@
+"""``vllm-omni-ascend-opt compare A B``: two reference sets (or a set and an ablation output) image by image.
+
+* Manifests first: facts that must match (:data:`.refset.MUST_MATCH`: model, weights, pipeline, sizes, steps,
+  seeds) are an error naming the field, and nothing is compared; facts that may differ (device, versions,
+  configuration, ...) are shown side by side at the top of the report.
+* Pairing by key (prompt, seed, size, steps, CFG, input image): keys on one side only are listed, never dropped.
+  Two images of different sizes under one key are an error naming both files.
+* Per pair the project's metrics (:mod:`.compare`): pixel identity, max abs difference, PSNR, SSIM; with tensors on
+  both sides also bitwise identity, their max abs and relative error.
+* Gates by tier: ``exact`` (bitwise tensors; pixel identity where a side has none), ``pixel`` (uint8), ``close``
+  (default: SSIM >= 0.99 and PSNR >= 35 dB, configurable). Exit 0 within the gates, 1 outside, 2 when nothing
+  could be compared or the input is bad.
+* Output (``--out``): ``compare.json``, ``compare.md`` and ``compare.png`` (the worst pairs side by side with an
+  amplified difference map), written only once everything was compared.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_omni_ascend_opt.ablation import compare
+from vllm_omni_ascend_opt.ablation.refset import MAY_DIFFER, MUST_MATCH, RefSet, SetError
+
+TIERS = ("exact", "pixel", "close")
+WITHIN, OUTSIDE, NOTHING = 0, 1, 2
+#: Worst pairs drawn in compare.png, and the most the difference map is amplified (the largest difference shown
+#: maps to white, up to this factor).
+WORST_SHOWN = 4
+MAX_AMPLIFY = 64.0
+
+
+def check_manifests(a: RefSet, b: RefSet) -> list[dict[str, Any]]:
+    """Raise :class:`SetError` naming the first :data:`MUST_MATCH` field the two disagree on; else the
+    :data:`MAY_DIFFER` facts side by side (``[{"field", "a", "b", "same"}]``)."""
+    fa, fb = a.facts(), b.facts()
+    for name in MUST_MATCH:
+        if fa[name] != fb[name]:
+            raise SetError(
+                f"{a.root} and {b.root} disagree on {name}: {fa[name]!r} vs {fb[name]!r}; images made with a "
+                f"different {name} are not comparable (nothing compared)"
+            )
+    return [{"field": k, "a": fa[k], "b": fb[k], "same": fa[k] == fb[k]} for k in MAY_DIFFER]
+
+
+def _tensor_errors(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    denom = float(np.linalg.norm(a64))
+    return {
+        "bitwise_identical": bool(np.array_equal(a, b)),
+        "max_abs": float(np.abs(a64 - b64).max()),
+        "rel_error": float(np.linalg.norm(a64 - b64) / denom) if denom else (0.0 if not b64.any() else math.inf),
+    }
+
+
+def _image(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.uint8)
+
+
+def compare_pair(ea: Any, eb: Any) -> dict[str, Any]:
+    """Every metric of ``eb`` against ``ea`` (uint8 images; tensors when both sides have them)."""
+    ua, ub = _image(ea.png), _image(eb.png)
+    if ua.shape != ub.shape:
+        raise SetError(
+            f"{ea.png} and {eb.png}: images of different sizes ({ua.shape[1]}x{ua.shape[0]} vs "
+            f"{ub.shape[1]}x{ub.shape[0]}) under one key ({ea.key_text()})"
+        )
+    m = compare.compare(compare.StoredImage(ua, None), compare.StoredImage(ub, None))
+    tensors = None
+    if ea.tensor is not None and eb.tensor is not None:
+        ta, tb = np.load(ea.tensor), np.load(eb.tensor)
+        if ta.shape != tb.shape:
+            raise SetError(f"{ea.tensor} and {eb.tensor}: tensors of different shapes {ta.shape} vs {tb.shape}")
+        tensors = _tensor_errors(ta, tb)
+        m["bitwise_identical"] = tensors["bitwise_identical"]
+    return {"id_a": ea.id, "id_b": eb.id, "key": ea.key, **m, "tensors": tensors}
+
+
+def gate(pairs: list[dict[str, Any]], tier: str, ssim_gate: float, psnr_gate: float) -> dict[str, Any]:
+    """The tier's gate on the worst case over ``pairs`` (:func:`.compare.gate`, the ablation runner's)."""
+    per = {
+        p["id_a"]: {
+            k: p[k]
+            for k in (
+                "pixel_identical",
+                "bitwise_identical",
+                "max_abs_diff",
+                "mean_abs_diff",
+                "ssim",
+                "psnr_db",
+                "basis",
+            )
+        }
+        for p in pairs
+    }
+    agg = compare.aggregate(per)
+    if tier == "exact" and any(p["tensors"] is None for p in pairs):
+        agg["bitwise_identical"] = None  # a side without tensors: the exact tier falls back to pixel identity
+    elif tier == "exact":
+        agg["bitwise_identical"] = all(p["tensors"]["bitwise_identical"] for p in pairs)
+    g = compare.gate(agg, tier, ssim_gate, psnr_gate)
+    return {"worst": agg, **g}
+
+
+def run_compare(
+    a: RefSet, b: RefSet, *, tier: str = "close", ssim_gate: float = 0.99, psnr_gate: float = 35.0
+) -> dict[str, Any]:
+    """The comparison as a JSON-able dict, with ``exit_code``. Raises :class:`SetError` on bad input."""
+    if tier not in TIERS:
+        raise SetError(f"--tier {tier!r}: use one of {', '.join(TIERS)}")
+    facts = check_manifests(a, b)
+    both = [k for k in a.entries if k in b.entries]
+    only_a = [a.entries[k] for k in a.entries if k not in b.entries]
+    only_b = [b.entries[k] for k in b.entries if k not in a.entries]
+    pairs = [compare_pair(a.entries[k], b.entries[k]) for k in both]
+    result: dict[str, Any] = {
+        "a": {"path": str(a.root), "kind": a.kind},
+        "b": {"path": str(b.root), "kind": b.kind},
+        "facts": facts,
+        "tier": tier,
+        "gates": {"ssim": ssim_gate, "psnr_db": psnr_gate},
+        "pairs": pairs,
+        "only_in_a": [{"id": e.id, "key": e.key} for e in only_a],
+        "only_in_b": [{"id": e.id, "key": e.key} for e in only_b],
+    }
+    if not pairs:
+        result.update(gate=None, exit_code=NOTHING, verdict="nothing compared: no key is in both")
+        return result
+    g = gate(pairs, tier, ssim_gate, psnr_gate)
+    result["gate"] = g
+    identical = sum(p["pixel_identical"] for p in pairs)
+    result["summary"] = {"pairs": len(pairs), "pixel_identical": identical}
+    result["exit_code"] = WITHIN if g["passed"] else OUTSIDE
+    one_side = f"; {len(only_a) + len(only_b)} key(s) on one side only" if only_a or only_b else ""
+    result["verdict"] = (
+        f"{'within' if g['passed'] else 'OUTSIDE'} the {tier} gate: {g['why']} ({identical}/{len(pairs)} pairs "
+        f"pixel-identical{one_side})"
+    )
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# output
+# ----------------------------------------------------------------------------------------------------------------
+def _db(v: float) -> str:
+    return compare.fmt_db(v)
+
+
+def _tensor_cell(t: dict[str, Any] | None) -> str:
+    if t is None:
+        return "–"
+    return "bitwise" if t["bitwise_identical"] else f"{t['max_abs']:.3g} / {t['rel_error']:.3g}"
+
+
+def summary_rows(res: dict[str, Any]) -> list[list[str]]:
+    """One row per pair (worst first): id, pixel identical, max |Δ| (uint8 units / 255 in [-1, 1]), PSNR, SSIM,
+    tensor max abs / relative error."""
+    rows = []
+    for p in worst_first(res["pairs"]):
+        rows.append(
+            [
+                p["id_a"],
+                "yes" if p["pixel_identical"] else "no",
+                f"{p['max_abs_diff']:.3g}",
+                _db(p["psnr_db"]),
+                f"{p['ssim']:.4f}",
+                _tensor_cell(p["tensors"]),
+            ]
+        )
+    return rows
+
+
+HEAD = ["image", "pixel-identical", "max abs diff", "PSNR", "SSIM", "tensor max abs / rel"]
+
+
+def worst_first(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(pairs, key=lambda p: (p["pixel_identical"], p["ssim"], p["psnr_db"]))
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [
+        "# Comparison of two image sets",
+        "",
+        f"- A: `{res['a']['path']}` ({res['a']['kind']})",
+        f"- B: `{res['b']['path']}` ({res['b']['kind']})",
+        "",
+        f"**{res['verdict']}** (exit code {res['exit_code']})",
+        "",
+        "## What differs between the two (allowed)",
+        "",
+        "| field | A | B |",
+        "|---|---|---|",
+    ]
+    for f in res["facts"]:
+        mark = "" if f["same"] else " ⚠"
+        lines.append(f"| {f['field']}{mark} | {f['a']} | {f['b']} |")
+    lines += [
+        "",
+        f"## Pairs (tier {res['tier']}; close gates SSIM ≥ {res['gates']['ssim']}, PSNR ≥ "
+        f"{res['gates']['psnr_db']} dB)",
+        "",
+        "| " + " | ".join(HEAD) + " |",
+        "|" + "---|" * len(HEAD),
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in summary_rows(res)]
+    for side in ("a", "b"):
+        only = res[f"only_in_{side}"]
+        if only:
+            lines += ["", f"## Only in {side.upper()} ({len(only)}, not compared)", ""]
+            lines += [f"- `{o['id']}`: {json.dumps(o['key'])}" for o in only]
+    lines += [
+        "",
+        "max abs diff is in [-1, 1] units on the 8-bit images (2/255 = one level); PSNR and SSIM on the 8-bit images. "
+        "`compare.png`: the worst pairs, A | B | |A − B| amplified "
+        f"{res.get('png_amplify', 1):g}x.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> float:
+    """The worst pairs, one row each: A, B and the absolute difference amplified so that the largest one shown is
+    white (at most :data:`MAX_AMPLIFY` times), upscaled to >= 128 px. Returns the amplification."""
+    from PIL import Image
+
+    worst = worst_first(res["pairs"])[:WORST_SHOWN]
+    by_a = {e.id: e for e in a.entries.values()}
+    by_b = {e.id: e for e in b.entries.values()}
+    imgs = [(_image(by_a[p["id_a"]].png), _image(by_b[p["id_b"]].png)) for p in worst]
+    diffs = [np.abs(ia.astype(np.int16) - ib.astype(np.int16)) for ia, ib in imgs]
+    top = max(int(d.max()) for d in diffs)
+    amp = min(MAX_AMPLIFY, 255.0 / top) if top else 1.0
+    rows = []
+    for (ia, ib), d in zip(imgs, diffs, strict=True):
+        rows.append(np.concatenate([ia, ib, np.clip(d * amp, 0, 255).astype(np.uint8)], axis=1))
+    width = max(r.shape[1] for r in rows)
+    grid = np.concatenate([np.pad(r, ((0, 2), (0, width - r.shape[1]), (0, 0))) for r in rows], axis=0)
+    scale = max(1, math.ceil(128 / min(r.shape[0] for r in rows)))
+    im = Image.fromarray(grid)
+    im.resize((im.width * scale, im.height * scale), Image.NEAREST).save(path)
+    return round(amp, 1)
+
+
+def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Path]:
+    """compare.json, compare.md and (with pairs) compare.png in ``out``, each written atomically."""
+    from vllm_omni_ascend_opt.ablation.report import jsonable
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "compare.json", "markdown": out / "compare.md"}
+    if res["pairs"]:
+        paths["png"] = out / "compare.png"
+        tmp = out / f"compare.tmp{os.getpid()}.png"
+        res["png_amplify"] = write_png(res, a, b, tmp)
+        os.replace(tmp, paths["png"])
+    for key, text in (("json", json.dumps(jsonable(res), indent=1, allow_nan=False)), ("markdown", markdown(res))):
+        tmp = paths[key].with_name(paths[key].name + f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, paths[key])
+    return paths

@@ -1,0 +1,121 @@
+"""Stage-aware comparisons: a saving measured on the stages the compared optimizations can change, with the other
+stages as a control that names process bias (docs/ablation.md, "How verdicts are made").
+
+Each optimization declares the request stages it can change (``Optimization.changed_stages``: denoise for the
+transformer ones, vae_decode for the VAE ones). A comparison's *measured stages* are those of the optimizations its two
+sides differ by (full stack vs stock: those of the stack); its saving, noise floor and label are taken on their summed
+time (on the total when they are every stage, or when the engine reports no stages). The other stages are its
+*control*: nothing that differs between the two sides runs there, so a difference beyond their own noise floor (the
+same definition on those stages) is *process bias* (one process simply ran faster); the comparison is then labelled
+:data:`BIAS`, which is inconclusive, never a gain or a regression. The total-time saving stays in the report.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from vllm_omni_ascend_opt.ablation.protocol import STAGES
+from vllm_omni_ascend_opt.ablation.stats import GAIN, REGRESSION, direction, label, noise_floor, pair
+
+#: The label of a comparison whose control stages differ beyond their noise floor (inconclusive).
+BIAS = "process bias"
+TOTAL = "total"
+
+
+def _basis(means: dict[str, dict[int, dict[str, float]]], stages: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """What a comparison on ``stages`` is measured on: those stages, or ``("total",)`` when they are every stage or
+    some round of some configuration lacks one of them (an engine that reports no stages)."""
+    st = tuple(x for x in STAGES if x in stages)
+    if not st or set(st) == set(STAGES):
+        return (TOTAL,)
+    if all(x in row for rows in means.values() for row in rows.values() for x in st):
+        return st
+    return (TOTAL,)
+
+
+def _on(
+    means: dict[str, dict[int, dict[str, float]]], basis: tuple[str, ...]
+) -> dict[str, dict[int, dict[str, float]]]:
+    """``means`` with each round's ``total`` replaced by the sum of ``basis`` (so :func:`pair` and
+    :func:`noise_floor` measure those stages)."""
+    if basis == (TOTAL,):
+        return means
+    return {
+        cid: {r: {TOTAL: sum(row[x] for x in basis)} for r, row in rows.items() if all(x in row for x in basis)}
+        for cid, rows in means.items()
+    }
+
+
+def staged(
+    means: dict[str, dict[int, dict[str, float]]], without: str, with_: str, stages: tuple[str, ...] | list[str]
+) -> dict[str, Any]:
+    """The comparison of ``without`` and ``with_`` on the stages an optimization can change, with the rest as a
+    control (see the module docstring): ``basis`` (the stages measured, or ``["total"]``), ``saved`` (:func:`pair` on
+    them), ``noise`` (the noise floor on them), ``label``, and ``control`` (None when there is no control: the basis
+    is the total) with the control's saving, noise floor, label and whether it shows ``bias``."""
+    basis = _basis(means, stages)
+    on = _on(means, basis)
+    p = pair(on, without, with_)
+    nf = noise_floor(on)
+    noise_ms = nf["ms"] if nf else None
+    lab = label(p["per_round_ms"], p["mean_ms"], noise_ms)
+    control = None
+    rest = tuple(x for x in STAGES if x not in basis)
+    if basis != (TOTAL,) and rest:
+        c_on = _on(means, rest)
+        cp = pair(c_on, without, with_)
+        cnf = noise_floor(c_on)
+        c_lab = label(cp["per_round_ms"], cp["mean_ms"], cnf["ms"] if cnf else None)
+        control = {
+            "stages": list(rest),
+            "diff_ms": cp["mean_ms"],
+            "per_round_ms": cp["per_round_ms"],
+            "noise_ms": cnf["ms"] if cnf else None,
+            "bias": c_lab in (GAIN, REGRESSION),
+        }
+        if control["bias"] and lab != "not measured":
+            lab = BIAS
+    return {"basis": list(basis), "saved": p, "noise_ms": noise_ms, "label": lab, "control": control}
+
+
+def bias_text(what: str, entry: dict[str, Any]) -> str:
+    """The sentence that names a comparison's process bias, with the figure (``entry``: an optimization's or the
+    full stack's entry in the analysis)."""
+    c = entry["control"]
+    return (
+        f"process bias in {what}: the control stages ({', '.join(c['stages'])}), which nothing compared there "
+        f"changes, differ by {c['diff_ms']:+.2f} ms between the two processes, beyond their noise floor "
+        f"{c['noise_ms']:.2f} ms; inconclusive (on {'+'.join(entry['stages'])}: {fmt_saved(entry)})"
+    )
+
+
+def staged_fields(
+    st: dict[str, Any], total: dict[str, Any], total_pct: float | None, stock_ms: float | None
+) -> dict[str, Any]:
+    """A comparison's entry in results.json: the saving on its measured stages (``saved_ms``, what the label and
+    verdict use), the total-time saving beside it, the stages used and the control."""
+    s = st["saved"]
+    pct = 100 * s["mean_ms"] / stock_ms if s["mean_ms"] is not None and stock_ms else None
+    return {
+        "stages": st["basis"],
+        "saved_ms": {"mean": s["mean_ms"], "std": s["std_ms"], "per_round": s["per_round_ms"]},
+        "saved_pct_of_stock": pct,
+        "noise_floor_ms": st["noise_ms"],
+        "total_saved_ms": {"mean": total["mean_ms"], "std": total["std_ms"], "per_round": total["per_round_ms"]},
+        "total_saved_pct_of_stock": total_pct,
+        "stages_saved_ms": total["stages_mean_ms"],
+        "control": st["control"],
+        "direction": direction(s["per_round_ms"]),
+    }
+
+
+def fmt_saved(d: dict[str, Any], *, stages: bool = False) -> str:
+    """``+x ± y ms (+z%)``, and with ``stages`` the stages it was measured on (``on denoise+vae_decode``)."""
+    s = d["saved_ms"]
+    if s["mean"] is None:
+        return "not measured"
+    pct = d.get("saved_pct_of_stock")
+    pct_s = f" ({pct:+.2f}%)" if pct is not None and not math.isnan(pct) else ""
+    on = f" on {'+'.join(d.get('stages') or [TOTAL])}" if stages else ""
+    return f"{s['mean']:+.2f} ± {s['std']:.2f} ms{pct_s}{on}"
