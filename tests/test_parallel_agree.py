@@ -1,7 +1,7 @@
 """Ranks agree on every kernel verdict (``blocks/kernels/agree.py``): 2 gloo processes, one of which has a wrong
 ``npu_rms_norm`` (the fake's ``no_gamma`` variant). Each rank checks on its own; at the end of the forward the
 refusal of rank 1 replaces rank 0's pass, and a class only rank 1 has met is refused on rank 0 at its first lookup,
-without a check. Why (5): before, the two ranks of one image kept different kernels.
+without a check. Until then rank 0's passes wait (stock path), so the ranks never run different kernels. Why (5): before, the two ranks of one image kept different kernels.
 """
 
 from __future__ import annotations
@@ -47,18 +47,25 @@ def _run_rank(rank: int, port: int, out: str) -> None:
         norm.weight.uniform_(0.5, 1.5)
     opt._swapped[norm] = nn.RMSNorm  # what attach does to a model's QK norms
     g = torch.Generator().manual_seed(rank)
+    used = []  # per call: whether the kernel's output was used (None: the stock path)
     with torch.no_grad():
-        opt.apply(norm, torch.randn(1, 8, 2, 16, generator=g))  # class rows<=16: both ranks check it
+        used.append(opt.apply(norm, torch.randn(1, 8, 2, 16, generator=g)) is not None)  # rows<=16: both check it
         if rank == 1:
             opt.apply(norm, torch.randn(1, 20, 2, 16, generator=g))  # rows<=64: only rank 1 meets it
-    before = {str(v.key[2]): v.ok for v in opt.verdicts()}
+        else:
+            used.append(opt.apply(norm, torch.randn(1, 100, 2, 16, generator=g)) is not None)  # rows<=256: rank 0
+    before = {str(v.key[2]): [v.ok, v.reason] for v in opt.verdicts()}
     changed = agree.sync()  # what the end of the transformer forward runs
     with torch.no_grad():
         if rank == 0:
             opt.apply(norm, torch.randn(1, 20, 2, 16, generator=g))  # rank 0 meets rows<=64 now
+            used.append(opt.apply(norm, torch.randn(1, 100, 2, 16, generator=g)) is not None)
     after = {str(v.key[2]): [v.ok, v.reason] for v in opt.verdicts()}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"before": before, "after": after, "changed": changed, "checks": opt.stats["shape_checks"]}, f)
+        json.dump(
+            {"before": before, "after": after, "changed": changed, "checks": opt.stats["shape_checks"], "used": used},
+            f,
+        )
     dist.destroy_process_group()
 
 
@@ -77,8 +84,13 @@ def test_two_ranks_agree_when_one_ranks_kernel_is_wrong(tmp_path):
     errors = [f.read_text() for f in sorted(tmp_path.glob("rank*.err"))]
     assert [p.exitcode for p in procs] == [0, 0], errors
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert r0["before"] == {"16": True} and r1["before"] == {"16": False, "64": False}  # each on its own data
-    assert {k: v[0] for k, v in r0["after"].items()} == {k: v[0] for k, v in r1["after"].items()}  # agreed
+    # each on its own data; rank 0's passes wait for rank 1 (stock meanwhile): no rank used the kernel in forward 1
+    assert {k: v[0] for k, v in r1["before"].items()} == {"16": False, "64": False}
+    assert {k: v[0] for k, v in r0["before"].items()} == {"16": False, "256": False}
+    assert all("waiting for the other ranks" in v[1] for v in r0["before"].values())
+    assert r0["used"][:2] == [False, False] and r1["used"] == [False]
+    assert {k: r0["after"][k][0] for k in r1["after"]} == {k: v[0] for k, v in r1["after"].items()}  # agreed
     assert r0["after"]["16"][0] is False and "refused on rank 1" in r0["after"]["16"][1]
     assert r0["after"]["64"][0] is False and "refused on rank 1" in r0["after"]["64"][1]
-    assert r0["checks"] == 1  # rows<=64 was taken from rank 1's verdict, not checked again
+    assert r0["checks"] == 2  # rows<=64 was taken from rank 1's verdict, not checked again
+    assert r0["after"]["256"][0] is True and r0["used"][2] is True  # a pass no rank refused takes effect after sync

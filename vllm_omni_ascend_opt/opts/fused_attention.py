@@ -467,13 +467,14 @@ class FusedAttention(Optimization):
         if check:
             if not self._guard.fits(key, q.device, fab.check_scratch_bytes(q, k)):
                 return None, "check deferred (device memory)"
-            checked = self._shapes.put(key, fab.check_class(npu, q, k, v, masked, scale))
+            made = fab.check_class(npu, q, k, v, masked, scale)
+            usable = self._shapes.put(key, made).ok  # under several ranks a pass waits for the others (agree.py)
             self.stats["shape_checks"] += 1
-            (logger.info if checked.ok else logger.warning)(
-                "vllm-omni-ascend-opt: %s%s", checked.describe(), "" if checked.ok else "; SDPA for this shape class"
+            (logger.info if made.ok else logger.warning)(
+                "vllm-omni-ascend-opt: %s%s", made.describe(), "" if made.ok else "; SDPA for this shape class"
             )
-            if not checked.ok:
-                return None, "shape class failed verification"
+            if not usable:
+                return None, "shape class failed verification" if not made.ok else "waiting for the other ranks"
         return fab.fused_forward(npu, q, k, v, attn_metadata, scale, masks=lambda *a: (masked, ""))
 
 

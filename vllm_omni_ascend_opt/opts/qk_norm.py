@@ -322,10 +322,11 @@ class QkNorm(Optimization):
         out = kernel(x, w, epsilon=eps)[0]
         if not check:
             return out
-        checked = self._verdicts.put(key, verify_at_shape(x, out, w, eps))
+        made = verify_at_shape(x, out, w, eps)
+        usable = self._verdicts.put(key, made).ok  # under several ranks a pass waits for the others (agree.py)
         self.stats["shape_checks"] += 1
-        (logger.info if checked.ok else logger.warning)("vllm-omni-ascend-opt: qk_norm: %s", checked.describe())
-        return out if checked.ok else None
+        (logger.info if made.ok else logger.warning)("vllm-omni-ascend-opt: qk_norm: %s", made.describe())
+        return out if usable else None
 
     def warm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool | None:
         """Check the kernel's class of ``x`` now (``warmup``), as its first real call would: the verdict (ok), or

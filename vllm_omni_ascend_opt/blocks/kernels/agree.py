@@ -3,14 +3,15 @@
 Why: each rank checks a class on its own data (SP shards, CFG branches), and a kernel that is wrong only on some
 inputs or some cards could pass on one rank and fail on another; the ranks of one image would then run different
 kernels. So the verdicts a rank makes are exchanged with the others through the default process group, and a refusal
-anywhere replaces a pass everywhere (for a class a rank has not met yet, at its first lookup).
+anywhere replaces a pass everywhere (for a class a rank has not met yet, at its first lookup). A pass is held back
+until then: in the forward that checked it, the class takes the stock path on every rank.
 
 When: at the end of each outermost transformer forward (:func:`sync`, called by ``forward_scope`` on close), the one
 point every rank of vLLM-Omni's parallel modes reaches the same number of times (each step runs the transformer
 once per rank), never in the middle of a forward where ranks may meet different shape classes (CFG-parallel
 branches with different prompt lengths). Cost: one ``all_gather_object`` of the new verdicts per forward, only when
-a process group of more than one rank exists. The forward that made a verdict may still differ between ranks; every
-later one agrees.
+a process group of more than one rank exists. So the ranks run the same kernels in every forward: stock for a class
+in the forward that checks it (or reads its pass from disk), the agreed verdict afterwards.
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ def made(cache: Any, key: Any, ok: bool, reason: str) -> None:
         _PENDING.append((cache.name, saved.key_text(key), ok, reason))
 
 
+#: the reason a class takes the stock path while its pass waits for the other ranks (:meth:`VerdictCache._hold`)
+WAITING = "checked here; waiting for the other ranks' verdicts (end of this forward)"
+
+
+def multi_rank() -> bool:
+    """Whether verdicts must be agreed with other ranks (a process group of more than one rank exists)."""
+    return _group_size() > 1
+
+
 def _group_size() -> int:
     try:
         import torch.distributed as dist
@@ -55,6 +65,7 @@ def sync() -> int:
     from peers changed or pre-empted a verdict here. A no-op (no collective) without a multi-rank group."""
     if _group_size() <= 1:
         _PENDING.clear()
+        _release_held()
         return 0
     import torch.distributed as dist
 
@@ -73,7 +84,14 @@ def sync() -> int:
                 changed += 1
     if changed:
         logger.warning("vllm-omni-ascend-opt: %d kernel verdict(s) refused on another rank apply here too", changed)
+    _release_held()
     return changed
+
+
+def _release_held() -> None:
+    for caches in _CACHES.values():
+        for cache in list(caches):
+            cache.release_held()
 
 
 forward_scope.at_forward_end(sync)

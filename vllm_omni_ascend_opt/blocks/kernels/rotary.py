@@ -356,10 +356,10 @@ class RotaryKernel:
             return out
         pc, ps = portable_tables(tables, freqs, self.stats)
         v = verify_at_shape(x, out, pc, ps, bitwise=self.policy.requires_bitwise())
-        self.shapes.put(key, v)
+        usable = self.shapes.put(key, v).ok  # under several ranks a pass waits for the others (agree.py)
         self.stats["shape_checks"] += 1
         self._log(v.ok, v.describe())
-        return out if v.ok else None
+        return out if usable else None
 
     def apply(
         self, x: torch.Tensor, tables: Tables, freqs: torch.Tensor, rope: nn.Module, inplace: bool = False

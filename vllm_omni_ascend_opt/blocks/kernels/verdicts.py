@@ -39,6 +39,8 @@ class VerdictCache(Generic[V]):
         self.loaded = 0
         #: refusals other ranks made (key text -> reason), applied on this rank's first lookup of the class
         self._remote: dict[str, str] = {}
+        #: passes this rank made (or read) in the current forward, held back until the ranks agree (:meth:`_hold`)
+        self._held: dict[Hashable, V] = {}
         if self._saved_as is not None:
             agree.register(self)
 
@@ -49,6 +51,7 @@ class VerdictCache(Generic[V]):
             self._probe = probe
             self.loaded = 0
             self._remote.clear()
+            self._held.clear()
         return self._entries
 
     def get(self, key: Hashable) -> V | None:
@@ -67,16 +70,45 @@ class VerdictCache(Generic[V]):
         if v is not None:  # None: the owner does not take it here (e.g. another policy); the check runs
             entries[key] = v
             self.loaded += 1
+            if remote is None:
+                agree.made(self, key, hit[0], hit[1])
+                v = self._hold(entries, key, v)
         return v
 
     def put(self, key: Hashable, verdict: V) -> V:
-        self._live()[key] = verdict
+        entries = self._live()
+        entries[key] = verdict
         if self._saved_as is not None:
             ok = bool(getattr(verdict, "ok", False))
             why = str(getattr(verdict, "reason", "") or getattr(verdict, "detail", ""))
             saved.save(self._saved_as, key, ok, why)
             agree.made(self, key, ok, why)
+            verdict = self._hold(entries, key, verdict)
         return verdict
+
+    def _hold(self, entries: dict[Hashable, V], key: Hashable, verdict: V) -> V:
+        """Under several ranks, a pass is not used before every rank has agreed (at the end of the forward,
+        :func:`.agree.sync`): until then the class takes the stock path on this rank, as it does on a rank that
+        refused it, so the ranks of one image never run different kernels, not even in the forward that checked."""
+        if not getattr(verdict, "ok", False) or self._decode is None or not agree.multi_rank():
+            return verdict
+        waiting = self._decode(key, False, agree.WAITING)
+        if waiting is None:
+            return verdict
+        self._held[key] = verdict
+        entries[key] = waiting
+        return waiting
+
+    def release_held(self) -> int:
+        """The ranks have agreed: the passes held back in this forward take effect (a peer's refusal has already
+        replaced any of them); returns how many."""
+        if not self._held:
+            return 0
+        entries, n = self._live(), 0
+        for key, verdict in self._held.items():
+            entries[key], n = verdict, n + 1
+        self._held.clear()
+        return n
 
     @property
     def name(self) -> str | None:
@@ -88,9 +120,12 @@ class VerdictCache(Generic[V]):
         holds a verdict for it (a pass becomes the peer's refusal; never saved: the peer saved its own), else at
         this rank's first lookup of it."""
         entries = self._live()
+        held = [key for key in self._held if saved.key_text(key) == text]
+        for key in held:
+            del self._held[key]
         for key, v in list(entries.items()):
             if saved.key_text(key) == text:
-                if getattr(v, "ok", False) and self._decode is not None:
+                if (getattr(v, "ok", False) or key in held) and self._decode is not None:
                     refused = self._decode(key, False, reason)
                     if refused is not None:
                         entries[key] = refused
