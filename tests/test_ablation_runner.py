@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_ascend_opt.ablation import report, stages, stats
+from vllm_omni_ascend_opt.ablation import report, stages, stats, verdict
 from vllm_omni_ascend_opt.ablation.outdir import RunError
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
 from vllm_omni_ascend_opt.ablation.runner import Runner
@@ -35,7 +35,7 @@ def make_plan(**kw):
 def run(plan, out, monkeypatch, fake: dict, fresh=False):
     monkeypatch.setenv("ABLATION_FAKE", json.dumps(fake))
     data = Runner(plan, out, fresh=fresh, progress=False, worker_cmd=FAKE, log=lambda m: None).run()
-    analysis = stats.analyse(plan, data.records, data.out.root, interrupted=data.interrupted)
+    analysis = verdict.analyse(plan, data.records, data.out.root, interrupted=data.interrupted)
     results = report.build_results(data, analysis, command=["test"])
     report.write_all(results, out)
     return data, results

@@ -10,7 +10,7 @@ import statistics
 import numpy as np
 import pytest
 
-from vllm_omni_ascend_opt.ablation import compare, stages, stats
+from vllm_omni_ascend_opt.ablation import compare, stages, stats, verdict
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan, estimate
 from vllm_omni_ascend_opt.ablation.workload import (
     Workload,
@@ -311,7 +311,7 @@ def _verdict(plan, *, full_saved=10.0, noise=1.0, opt_label="gain", gate_ok=True
     }
     nf = {"ms": noise}
     load = {"load1_max": 9.0, "cpu_count": 2, "others_cpu_median": 1.5}
-    return stats.decide(plan, configs, opts, fvs, nf, busy=busy, load=load)
+    return verdict.decide(plan, configs, opts, fvs, nf, busy=busy, load=load)
 
 
 def test_exit_codes():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_omni_ascend_opt import registry
-from vllm_omni_ascend_opt.ablation import stats
+from vllm_omni_ascend_opt.ablation import stats, verdict
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan, opt_infos_from_registry
 from vllm_omni_ascend_opt.ablation.workload import from_mapping
 
@@ -68,7 +68,7 @@ def _analyse(monkeypatch, tmp_path, p, metrics: dict[str, tuple[float, float]]):
 
     monkeypatch.setattr(stats.compare, "load_stored", load)
     monkeypatch.setattr(stats.compare, "compare", cmp)
-    return stats.analyse(p, [], tmp_path)
+    return verdict.analyse(p, [], tmp_path)
 
 
 @pytest.mark.parametrize(

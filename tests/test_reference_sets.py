@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_omni_ascend_opt.ablation import refcli, refset
+from vllm_omni_ascend_opt.ablation import refcli, refset, setcompare
 from vllm_omni_ascend_opt.cli import build_parser, main
 
 FAKE = [sys.executable, str(Path(__file__).with_name("ablation_fake_worker.py"))]
@@ -260,7 +260,7 @@ def test_default_and_none_sets_of_the_tiny_model_are_pixel_identical(tmp_path, t
 
 
 def test_ablate_reference_adds_each_configuration_against_the_set(ref, tmp_path, monkeypatch):
-    from vllm_omni_ascend_opt.ablation import report, stats
+    from vllm_omni_ascend_opt.ablation import report, verdict
     from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
     from vllm_omni_ascend_opt.ablation.runner import Runner
     from vllm_omni_ascend_opt.ablation.workload import from_mapping
@@ -272,8 +272,8 @@ def test_ablate_reference_adds_each_configuration_against_the_set(ref, tmp_path,
     monkeypatch.setenv("ABLATION_FAKE", json.dumps({"saves_ms": {"a": 5.0}, "perturb": {"b": 0.01}}))
     out = tmp_path / "abl"
     data = Runner(plan, out, progress=False, worker_cmd=FAKE, log=lambda m: None).run()
-    results = report.build_results(data, stats.analyse(plan, data.records, out), command=["test"])
-    results["reference"] = refcli.against_reference(ref, out, plan, results["environment"])
+    results = report.build_results(data, verdict.analyse(plan, data.records, out), command=["test"])
+    results["reference"] = setcompare.against_reference(ref, out, plan, results["environment"])
     report.write_all(results, out)
     r = results["reference"]["configs"]
     assert r["stock"]["passed"] and r["stock"]["pixel_identical"] == 2 and r["stock"]["only_here"] == 0

@@ -114,10 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     wp.set_defaults(func=_cmd_warmup)
     try:
         from vllm_omni_ascend_opt.ablation import cli as ablation_cli
+        from vllm_omni_ascend_opt.ablation import refcli
     except ImportError:
-        ablation_cli = None
-    if ablation_cli is not None:
+        ablation_cli = refcli = None
+    if ablation_cli is not None and refcli is not None:
         ablation_cli.add_subcommands(sub)
+        refcli.add_reference_commands(sub)
     return p
 
 

@@ -168,9 +168,6 @@ def add_subcommands(sub: Any) -> None:
         help="also the device-time model's multi-card layouts for one image on these card counts, e.g. 2,4,8",
     )
     pl.set_defaults(func=cmd_plan)
-    from vllm_omni_ascend_opt.ablation.refcli import add_reference_commands
-
-    add_reference_commands(sub)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -455,14 +452,14 @@ def _stored_measurements(plan: Any, out: Path) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from vllm_omni_ascend_opt.ablation import refcli, refset, report, stats
+    from vllm_omni_ascend_opt.ablation import refset, report, setcompare, verdict
     from vllm_omni_ascend_opt.ablation.outdir import RunError
     from vllm_omni_ascend_opt.ablation.runner import Runner
 
     try:
         plan = make_plan(args, build_model=True)
         if args.reference:
-            refcli.check_reference(args.reference)
+            refset.load(args.reference)  # checked before anything runs
     except (WorkloadError, refset.SetError) as exc:
         return _bad(str(exc))
     _print_plan(plan)
@@ -473,10 +470,10 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         data = Runner(plan, args.out, fresh=args.fresh, progress=not args.no_progress).run()
     except RunError as exc:
         return _bad(str(exc))
-    analysis = stats.analyse(plan, data.records, data.out.root, interrupted=data.interrupted)
+    analysis = verdict.analyse(plan, data.records, data.out.root, interrupted=data.interrupted)
     results = report.build_results(data, analysis, command=["vllm-omni-ascend-opt", *sys.argv[1:]])
     if args.reference:
-        results["reference"] = refcli.against_reference(args.reference, data.out.root, plan, results["environment"])
+        results["reference"] = setcompare.against_reference(args.reference, data.out.root, plan, results["environment"])
     paths = report.write_all(results, args.out)
     print_summary(results)
     print(f"\nreport: {paths['markdown']}\n        {paths['json']}\n        {paths['chart']}")

@@ -18,7 +18,7 @@ STAGE_TITLES = {"text_encode": "text encode", "denoise": "denoise", "vae_decode"
 
 
 def build_results(data: Any, analysis: dict[str, Any], command: list[str] | None = None) -> dict[str, Any]:
-    """Assemble results.json from the run data (:class:`~.runner.RunData`) and :func:`~.stats.analyse`'s output."""
+    """Assemble results.json from the run data (:class:`~.runner.RunData`) and :func:`~.verdict.analyse`'s output."""
     from vllm_omni_ascend_opt import __version__
 
     plan = data.plan
@@ -282,8 +282,6 @@ def markdown(results: dict[str, Any]) -> str:
             f"{gate_cell(c.get('vs_full'))} | {stable} |"
         )
     lines += memory_section(results["configs"])
-    from vllm_omni_ascend_opt.ablation.refcli import reference_section
-
     lines += reference_section(results.get("reference"))
     if plan["skipped"]:
         lines += ["", "## Not in this run", "", "| optimization | why |", "|---|---|"]
@@ -424,3 +422,37 @@ def write_all(results: dict[str, Any], out: Path) -> dict[str, Path]:
         "markdown": write_markdown(results, out),
         "chart": write_chart(results, out),
     }
+
+
+def reference_section(ref: dict[str, Any] | None) -> list[str]:
+    """report.md's table of each configuration against the external reference set (empty without one)."""
+    if not ref:
+        return []
+    g = ref["gates"]
+    lines = [
+        "",
+        "## Against the reference set",
+        "",
+        f"Each configuration's images against `{ref['path']}` (close gates SSIM ≥ {g['ssim']}, PSNR ≥ "
+        f"{g['psnr_db']} dB; `vllm-omni-ascend-opt compare` gives the full report).",
+    ]
+    differs = ref.get("differs") or []
+    if differs:
+        lines.append("Differs from the set: " + "; ".join(f"{f['field']} {f['a']} → {f['b']}" for f in differs) + ".")
+    lines += [
+        "",
+        "| configuration | vs reference | pixel-identical | SSIM min | PSNR min | one side only |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cid, r in ref["configs"].items():
+        if "error" in r:
+            lines.append(f"| `{cid}` | not compared: {r['error']} | – | – | – | – |")
+            continue
+        mark = {True: "✅", False: "❌", None: "–"}[r["passed"]]
+        ssim = "–" if r["ssim_min"] is None else f"{r['ssim_min']:.4f}"
+        psnr = "–" if r["psnr_db_min"] is None else fmt_db(r["psnr_db_min"])
+        lines.append(
+            f"| `{cid}` | {mark} | {r['pixel_identical']}/{r['pairs']} | {ssim} | {psnr} | "
+            f"{r['only_in_reference']} in the set, {r['only_here']} here |"
+        )
+    return lines

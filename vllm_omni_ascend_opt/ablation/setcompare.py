@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from vllm_omni_ascend_opt.ablation import compare
+from vllm_omni_ascend_opt.ablation import refset as _refset
 from vllm_omni_ascend_opt.ablation.refset import MAY_DIFFER, MUST_MATCH, RefSet, SetError
 
 TIERS = ("exact", "pixel", "close")
@@ -265,3 +266,33 @@ def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Pat
         tmp.write_text(text)
         os.replace(tmp, paths[key])
     return paths
+
+
+def against_reference(path: Path, out_root: Path, plan: Any, environment: dict[str, Any]) -> dict[str, Any]:
+    """Every configuration of a finished ablation in ``out_root`` (its workers' ``environment``) against the
+    reference set at ``path`` (the workload's close gates): results.json's ``reference`` and the report's "Against
+    the reference set" table."""
+    wl = plan.workload
+    ref = _refset.load(path)
+    out: dict[str, Any] = {"path": str(path), "gates": {"ssim": wl.ssim_gate, "psnr_db": wl.psnr_gate}, "configs": {}}
+    for c in plan.configs:
+        try:
+            mine = _refset.load(out_root, c.id)
+            mine.manifest["environment"] = environment
+            res = run_compare(ref, mine, tier="close", ssim_gate=wl.ssim_gate, psnr_gate=wl.psnr_gate)
+        except SetError as exc:
+            out["configs"][c.id] = {"error": str(exc)}
+            continue
+        out.setdefault("differs", [f for f in res["facts"] if not f["same"] and f["field"] != "created"])
+        w = (res.get("gate") or {}).get("worst") or {}
+        out["configs"][c.id] = {
+            "passed": (res.get("gate") or {}).get("passed"),
+            "pairs": len(res["pairs"]),
+            "pixel_identical": sum(p["pixel_identical"] for p in res["pairs"]),
+            "ssim_min": w.get("ssim_min"),
+            "psnr_db_min": w.get("psnr_db_min"),
+            "only_in_reference": len(res["only_in_a"]),
+            "only_here": len(res["only_in_b"]),
+            "verdict": res["verdict"],
+        }
+    return out

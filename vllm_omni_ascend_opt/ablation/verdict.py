@@ -1,0 +1,241 @@
+"""A run's analysis and verdict: :func:`analyse` (the ``analysis`` part of results.json) and :func:`decide` (PASS /
+FAIL / INCONCLUSIVE with the reasons and the exit code).
+
+Built on the measurement primitives of :mod:`.stats` and the stage-aware comparisons of :mod:`.stages`; the
+definitions are in :mod:`.stats`' docstring and docs/ablation.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from vllm_omni_ascend_opt.ablation import stages
+from vllm_omni_ascend_opt.ablation.plan import Plan
+from vllm_omni_ascend_opt.ablation.protocol import STAGES
+from vllm_omni_ascend_opt.ablation.stats import (
+    EXIT_CODES,
+    FAIL,
+    GAIN,
+    INCONCLUSIVE,
+    PASS,
+    REGRESSION,
+    _class_of,
+    _std,
+    add_memory_ratios,
+    compare_configs,
+    machine_load,
+    noise_floor,
+    pair,
+    peak_memory,
+    round_means,
+)
+
+
+def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interrupted: bool = False) -> dict[str, Any]:
+    """The ``analysis`` part of results.json (see docs/ablation.md)."""
+    wl = plan.workload
+    means = round_means(plan, records)
+    failures = {r["config"]: r for r in records if r.get("type") == "failure"}
+    ready = {}
+    for r in records:
+        if r.get("type") == "ready":
+            ready.setdefault(r["config"], []).append(r)
+    noise = noise_floor(means)
+
+    def mean_total(cid: str) -> float | None:
+        rows = means.get(cid, {})
+        return statistics.fmean(v["total"] for v in rows.values()) if rows else None
+
+    stock_ms = mean_total("stock")
+    if noise is not None:
+        noise["pct"] = 100 * noise["ms"] / stock_ms if stock_ms else None
+
+    # configurations
+    full_opts = set(plan.config("full").opts) if any(c.id == "full" for c in plan.configs) else set()
+    shas: dict[str, dict[str, set[str]]] = {}
+    for r in records:
+        if r.get("type") == "sample" and r.get("sha256"):
+            shas.setdefault(r["config"], {}).setdefault(f"p{r['prompt']}_s{r['seed']}", set()).add(r["sha256"])
+    configs = []
+    complete = {c.id: len(means.get(c.id, {})) == wl.repeats for c in plan.configs}
+    for c in plan.configs:
+        rows = means.get(c.id, {})
+        totals = [rows[r]["total"] for r in sorted(rows)]
+        status = "failed" if c.id in failures else ("ok" if complete[c.id] else "incomplete")
+        entry: dict[str, Any] = {
+            "id": c.id,
+            "label": c.label,
+            "role": c.role,
+            "opts": list(c.opts),
+            "spec": c.spec,
+            "status": status,
+            "error": failures[c.id]["error"] if c.id in failures else None,
+            "rounds_complete": sorted(rows),
+            "total_ms": {
+                "mean": statistics.fmean(totals) if totals else None,
+                "std": _std(totals) if totals else None,
+                "per_round": totals,
+            },
+            "stages_ms": {
+                st: statistics.fmean(rows[r][st] for r in rows)
+                for st in STAGES
+                if rows and all(st in rows[r] for r in rows)
+            },
+            "load_s": [x.get("load_s") for x in ready.get(c.id, [])],
+            "pids": [x.get("pid") for x in ready.get(c.id, [])],
+            "active_in_worker": (ready.get(c.id) or [{}])[-1].get("active"),
+            "memory": peak_memory(ready.get(c.id, [])),
+            "outputs_stable_across_rounds": all(len(v) == 1 for v in shas.get(c.id, {}).values())
+            if shas.get(c.id)
+            else None,
+            "images": {f"p{p}_s{s}": f"images/{c.id}/p{p}_s{s}.png" for p, s in plan.samples},
+        }
+        for ref, key in (("stock", "vs_stock"), ("full", "vs_full")):
+            if c.id == ref or not any(x.id == ref for x in plan.configs) or status == "failed" or ref in failures:
+                entry[key] = None
+                continue
+            ref_opts = set() if ref == "stock" else full_opts
+            diff = ref_opts ^ set(c.opts)
+            entry[key] = compare_configs(plan, out_root, ref, c.id, _class_of(plan, diff) if diff else "exact", diff)
+        configs.append(entry)
+
+    add_memory_ratios(configs)
+
+    # optimizations
+    opts = []
+    for comp in plan.comparisons:
+        info = plan.opts[comp.opt]
+        p = pair(means, comp.without, comp.with_)
+        usable = comp.with_ not in failures and comp.without not in failures
+        pct = None
+        base = stock_ms if stock_ms else mean_total(comp.without)
+        if p["mean_ms"] is not None and base:
+            pct = 100 * p["mean_ms"] / base
+        # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
+        diff = set(plan.config(comp.with_).opts) ^ set(plan.config(comp.without).opts)
+        eq = compare_configs(plan, out_root, comp.without, comp.with_, _class_of(plan, diff), diff) if usable else None
+        st = stages.staged(means, comp.without, comp.with_, plan.stages_of(diff))
+        opts.append(
+            {
+                "name": comp.opt,
+                "equivalence": info.equivalence,
+                "with": comp.with_,
+                "without": comp.without,
+                **stages.staged_fields(st, p, pct, stock_ms),
+                "label": st["label"] if usable else "not measured",
+                "equivalence_check": eq,
+            }
+        )
+
+    # full stack vs stock
+    fvs = None
+    if any(c.id == "full" for c in plan.configs):
+        p = pair(means, "stock", "full")
+        pct = 100 * p["mean_ms"] / stock_ms if p["mean_ms"] is not None and stock_ms else None
+        st = stages.staged(means, "stock", "full", plan.stages_of(plan.config("full").opts))
+        fvs = {
+            **stages.staged_fields(st, p, pct, stock_ms),
+            "label": st["label"],
+            "stock_ms": stock_ms,
+            "full_ms": mean_total("full"),
+        }
+
+    load = machine_load(records)
+    verdict = decide(plan, configs, opts, fvs, noise, interrupted, busy=load["busy"], load=load)
+    return {
+        "verdict": verdict,
+        "measurement": {"round_stat": wl.round_stat, **load},
+        "noise_floor": noise,
+        "full_vs_stock": fvs,
+        "optimizations": opts,
+        "configs": configs,
+    }
+
+
+def decide(
+    plan: Plan,
+    configs: list[dict[str, Any]],
+    opts: list[dict[str, Any]],
+    fvs: dict[str, Any] | None,
+    noise: dict[str, Any] | None,
+    interrupted: bool = False,
+    *,
+    busy: bool = False,
+    load: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Overall PASS / FAIL / INCONCLUSIVE with the reasons, and the exit code.
+
+    Gate failures and failed configurations are FAILs whatever the machine did; timing FAILs (regressions, too small
+    an improvement) become INCONCLUSIVE when the machine was busy while measuring (``busy``).
+    """
+    wl = plan.workload
+    fail, unsure, slow = [], [], []
+    for c in configs:
+        if c["status"] == "failed":
+            fail.append(f"configuration {c['id']} failed: {c['error']}")
+        elif c["status"] == "incomplete":
+            unsure.append(f"configuration {c['id']} is incomplete ({len(c['rounds_complete'])}/{wl.repeats} rounds)")
+        for key in ("vs_stock", "vs_full"):
+            chk = c.get(key)
+            if chk and chk["gate"]["passed"] is False:
+                fail.append(
+                    f"{c['id']} {key.replace('_', ' ')}: {chk['gate']['class']} gate failed: {chk['gate']['why']}"
+                )
+    notes = []
+    for o in opts:
+        chk = o["equivalence_check"]
+        if chk and chk["gate"]["passed"] is False:
+            fail.append(f"{o['name']} ({o['equivalence']}): gate failed: {chk['gate']['why']}")
+        if o["label"] == REGRESSION:
+            slow.append(f"{o['name']} is a regression: {stages.fmt_saved(o, stages=True)}")
+        elif o["label"] == stages.BIAS:
+            notes.append(stages.bias_text(f"{o['name']}'s comparison ({o['without']} vs {o['with']})", o))
+    if noise is None:
+        unsure.append("no noise floor (the control pair did not complete)")
+    if interrupted:
+        unsure.append("the run was interrupted")
+    if fvs is None or fvs["saved_ms"]["mean"] is None:
+        unsure.append("full stack vs stock not measured")
+    else:
+        lab, pct = fvs["label"], fvs["saved_pct_of_stock"]
+        nf = fvs.get("noise_floor_ms")
+        if lab == REGRESSION:
+            slow.append(f"the full stack is slower than stock: {stages.fmt_saved(fvs, stages=True)}")
+        elif lab == stages.BIAS:
+            unsure.append(stages.bias_text("full stack vs stock", fvs))
+        elif lab == GAIN and pct is not None and pct < wl.min_improvement_pct:
+            slow.append(
+                f"the full stack saves {pct:.2f}% of stock on {'+'.join(fvs.get('stages') or [stages.TOTAL])}, less than "
+                f"--min-improvement-pct {wl.min_improvement_pct}%"
+            )
+        elif lab != GAIN:
+            unsure.append(
+                f"full stack vs stock is {lab} ({stages.fmt_saved(fvs, stages=True)}, noise floor {nf:.2f} ms)"
+                if nf is not None
+                else f"full stack vs stock is {lab}"
+            )
+    if busy and load:
+        note = (
+            f"the machine was busy while measuring (other processes kept {load['others_cpu_median']:.2f} of "
+            f"{load['cpu_count']} CPUs busy, median): wall-clock differences are unreliable"
+        )
+        if slow:
+            unsure.append(note + "; timing failures are reported as inconclusive: " + "; ".join(slow))
+            slow = []
+        elif fvs is None or fvs["label"] != GAIN:
+            unsure.append(note)
+    fail += slow
+    if fail:
+        result, reasons = FAIL, fail + unsure + notes
+    elif unsure:
+        result, reasons = INCONCLUSIVE, unsure + notes
+    else:
+        result = PASS
+        nf = fvs.get("noise_floor_ms", noise["ms"])
+        reasons = [
+            f"every gate held; the full stack saves {stages.fmt_saved(fvs, stages=True)} vs stock "
+            f"(>= {wl.min_improvement_pct}%, beyond the noise floor {nf:.2f} ms)",
+            *notes,
+        ]
+    return {"result": result, "exit_code": EXIT_CODES[result], "reasons": reasons}
