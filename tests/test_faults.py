@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from tests.harness.forward import tiny_forward
 from vllm_omni_ascend_opt import _report, api
 from vllm_omni_ascend_opt.blocks.kernels import rope_tables, saved
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
@@ -39,22 +40,6 @@ def bf16_tr(runtime, tiny_pipe):
         t = mod.QwenImageTransformer2DModel(od_config=runtime.od_config, **TINY.transformer_kwargs())
     t.load_state_dict(tiny_pipe.transformer.state_dict())
     return t.to(torch.bfloat16).eval()
-
-
-def _forward(rt, tr, *, txt=7, hw=(4, 4), seed=1):
-    dtype = tr.proj_out.weight.dtype
-    g = torch.Generator().manual_seed(seed)
-    hs = torch.randn(1, hw[0] * hw[1], TINY.vae_z_dim * 4, generator=g).to(dtype)
-    ehs = torch.randn(1, txt, TINY.joint_attention_dim, generator=g).to(dtype)
-    with rt.context(), torch.no_grad():
-        return tr(
-            hidden_states=hs,
-            encoder_hidden_states=ehs,
-            encoder_hidden_states_mask=torch.ones(1, txt, dtype=torch.long),
-            timestep=torch.tensor([0.5]),
-            img_shapes=[[(1, *hw)]],
-            txt_seq_lens=[txt],
-        ).sample
 
 
 # (optimization, spec, kernel, call to fault, kind, is the kernel bitwise stock on the fake in bf16)
@@ -88,12 +73,12 @@ def test_a_fault_costs_one_call_and_the_next_forward_is_as_without_it(fake_npu, 
     opt, spec, kernel, at, kind, bitwise = POINTS[point]
     fake_npu()
     api.select("none", model=bf16_tr)
-    stock = _forward(runtime, bf16_tr)
+    stock = tiny_forward(runtime, bf16_tr)
     api.select(spec, model=bf16_tr)
-    clean = _forward(runtime, bf16_tr)  # the default run, no fault
+    clean = tiny_forward(runtime, bf16_tr)  # the default run, no fault
     npu = fake_npu()  # a new backend probe: every verdict is made afresh
     npu.faults.inject(kernel, at=at, kind=kind)
-    faulted = _forward(runtime, bf16_tr)  # 1. completes
+    faulted = tiny_forward(runtime, bf16_tr)  # 1. completes
     assert npu.faults.fired == {kernel: 1}
     if bitwise:
         assert torch.equal(faulted, stock) and torch.equal(clean, stock)
@@ -107,7 +92,7 @@ def test_a_fault_costs_one_call_and_the_next_forward_is_as_without_it(fake_npu, 
     assert opt.kernel_classes()["why"] == {KIND_WORDS[kind]: 1}
     assert _report.status_report()["kernels"][opt.name]["why"] == {KIND_WORDS[kind]: 1}
     assert not opt.reasons_inactive(bf16_tr)  # a fault is not "off"
-    again = _forward(runtime, bf16_tr)  # 2. the next forward: the kernel is back, as without the fault
+    again = tiny_forward(runtime, bf16_tr)  # 2. the next forward: the kernel is back, as without the fault
     assert torch.equal(again, clean)
     assert _guard(opt).faults() == [] and all(v.ok for v in _verdicts(opt)) and opt.stats["recovered"] == 1
     assert opt.kernel_classes()["stock"] == 0
@@ -133,12 +118,12 @@ def test_a_table_fault_on_the_kernel_path_costs_one_call(fake_npu, runtime, bf16
     forward completes, and the next forward uses the kernel with whole tables."""
     fake_npu()
     api.select("none,+rope", model=bf16_tr)
-    clean = _forward(runtime, bf16_tr)
+    clean = tiny_forward(runtime, bf16_tr)
     npu = fake_npu()
     rope.OPT.rotary.tables.clear()  # built afresh in the faulted forward
     monkeypatch.setattr(rope_tables, "torch", npu.faults.proxy(torch, "repeat_interleave"))
     npu.faults.inject("repeat_interleave", at=4, kind="oom")  # while building the NPU sin table of a real call
-    faulted = _forward(runtime, bf16_tr)
+    faulted = tiny_forward(runtime, bf16_tr)
     assert torch.isfinite(faulted).all() and (faulted.float() - clean.float()).abs().max() <= 2.0**-4
     assert npu.faults.fired == {"repeat_interleave": 1}
     assert [f.kind for f in rope.OPT.rotary.guard.faults()] == ["out of memory"]
@@ -146,7 +131,7 @@ def test_a_table_fault_on_the_kernel_path_costs_one_call(fake_npu, runtime, bf16
         assert (tables.cos is None) == (tables.sin_signed is None)
         assert (tables.npu_cos is None) == (tables.npu_sin is None)
     calls = rope.OPT.stats["kernel_calls"]
-    assert torch.equal(_forward(runtime, bf16_tr), clean) and rope.OPT.stats["kernel_calls"] > calls
+    assert torch.equal(tiny_forward(runtime, bf16_tr), clean) and rope.OPT.stats["kernel_calls"] > calls
     assert rope.OPT.rotary.guard.faults() == []
 
 
@@ -155,15 +140,15 @@ def test_a_check_that_does_not_fit_in_free_memory_is_deferred_not_failed(fake_np
     the call runs stock and the check is deferred (no verdict, not an error); once memory is free it runs."""
     npu = fake_npu()
     api.select("none", model=bf16_tr)
-    stock = _forward(runtime, bf16_tr)
+    stock = tiny_forward(runtime, bf16_tr)
     api.select("none,+qk_norm", model=bf16_tr)
     npu.memory["free"] = 1024
-    assert torch.equal(_forward(runtime, bf16_tr), stock)
+    assert torch.equal(tiny_forward(runtime, bf16_tr), stock)
     assert qn.OPT.verdicts() == [] and qn.OPT.stats["kernel_calls"] == 0 and qn.OPT.stats["deferred_checks"] > 0
     faults = qn.OPT._guard.faults()
     assert faults and all(f.kind == "deferred" and f.errors == 0 for f in faults)
     assert any("check deferred (needs" in n and "MiB free" in n for n in qn.OPT.notes())
     assert 0 < qn.OPT._guard.scratch_peak
     npu.memory["free"] = 64 << 30
-    assert torch.equal(_forward(runtime, bf16_tr), stock)
+    assert torch.equal(tiny_forward(runtime, bf16_tr), stock)
     assert qn.OPT.verdicts() and all(v.ok for v in qn.OPT.verdicts()) and qn.OPT.stats["kernel_calls"] > 0

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from tests.harness.forward import tiny_forward
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
 
@@ -109,23 +110,6 @@ def test_guard_backoff_schedule(monkeypatch):
 
 
 # ----- saved verdicts ---------------------------------------------------------------------------------------------
-def _tiny_forward(rt, tr, txt=7):
-    from vllm_omni_ascend_opt.testbed import TINY
-
-    g = torch.Generator().manual_seed(1)
-    hs = torch.randn(1, 16, TINY.vae_z_dim * 4, generator=g)
-    ehs = torch.randn(1, txt, TINY.joint_attention_dim, generator=g)
-    with rt.context(), torch.no_grad():
-        return tr(
-            hidden_states=hs,
-            encoder_hidden_states=ehs,
-            encoder_hidden_states_mask=torch.ones(1, txt, dtype=torch.long),
-            timestep=torch.tensor([0.5]),
-            img_shapes=[[(1, 4, 4)]],
-            txt_seq_lens=[txt],
-        ).sample
-
-
 def test_a_second_start_with_saved_verdicts_runs_no_check(fake_npu, runtime, tiny_pipe):
     """Why (5): verdicts lived in memory only, so every restart checked again. Saved on disk, keyed by the device
     and its software stack, a restart (a new process: here a new probe and nothing loaded) takes them unchecked."""
@@ -136,13 +120,13 @@ def test_a_second_start_with_saved_verdicts_runs_no_check(fake_npu, runtime, tin
     npu = fake_npu()
     tr = tiny_pipe.transformer
     api.select("none,+rope,+qk_norm", model=tr)
-    first = _tiny_forward(runtime, tr)
+    first = tiny_forward(runtime, tr)
     checks = qk_norm.OPT.stats["shape_checks"], rope.OPT.stats["shape_checks"]
     assert all(checks) and saved.path().exists() and saved.entries() > 0
     saved.forget()
     npu = fake_npu()  # the restart: a new probe, no verdict in memory
     qk_norm.OPT.stats.clear(), rope.OPT.stats.clear()
-    second = _tiny_forward(runtime, tr)
+    second = tiny_forward(runtime, tr)
     assert torch.equal(first, second)
     assert qk_norm.OPT.stats["shape_checks"] == 0 and rope.OPT.stats["shape_checks"] == 0  # no check at all
     assert qk_norm.OPT.stats["kernel_calls"] == npu.calls["npu_rms_norm"] > 0
