@@ -360,9 +360,23 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
     try:
         pipe = h.pipeline
         sm = _opt("shared_modulation")
+        # Hold every block's materialized weights alive across the first two requests, so the allocator cannot hand
+        # the warm request the same addresses again: each block then really sees fresh storage.
+        held: list[list[torch.Tensor]] = []
+        hooks = [
+            b.register_forward_pre_hook(lambda m, a: held.append([p.detach() for p in m.parameters()]))
+            for b in pipe.transformer.transformer_blocks
+        ]
         request(h)
+        first = {p.data_ptr() for ps in held for p in ps if p.numel()}
+        n_first = len(held)
         sm.reset_stats()
         request(h)  # warm
+        for hook in hooks:
+            hook.remove()
+        warm = {p.data_ptr() for ps in held[n_first:] for p in ps if p.numel()}
+        held.clear()
+        assert first and warm and not first & warm  # the precondition: fresh storage in every block
         assert sm.stats["misses"] == 0 and sm.stats["hits"] > 0 and sm.fallback_reasons() == {}, dict(sm.stats)
         block = pipe.transformer.transformer_blocks[1]
         with torch.no_grad():
