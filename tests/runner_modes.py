@@ -150,19 +150,38 @@ def _enabled_backend(backend: Any) -> str | None:
     return type(backend).__name__ if backend is not None and getattr(backend, "enabled", True) else None
 
 
-def run_in_child(mode: str, spec: str, out: Path) -> ModeRun:
-    """:func:`run_mode` in a fresh interpreter (cache-dit: one pipeline per process)."""
+def run_in_children(mode: str, specs: list[str], root: Path) -> dict[str, ModeRun]:
+    """:func:`run_mode` for each of ``specs``, each in a fresh interpreter (cache-dit: one pipeline per process), all
+    at once: the children are independent, and the machine's cores run them side by side."""
     import os
     import subprocess
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "tests.runner_modes", mode, spec, str(out)]
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=1800)  # a hang guard
-    if proc.returncode != 0:
-        raise AssertionError(f"{mode} / {spec} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    data = json.loads((out / "run.json").read_text())
-    return ModeRun(images=torch.load(out / "images.pt"), **data)
+    procs = {}
+    for spec in specs:
+        (root / spec).mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "tests.runner_modes", mode, spec, str(root / spec)]
+        with open(root / spec / "stderr.txt", "wb") as err:  # a file: a full pipe would stall a talkative child
+            procs[spec] = subprocess.Popen(
+                cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+            )
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=1800)  # a hang guard
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    out = {}
+    for spec, proc in procs.items():
+        if proc.returncode != 0:
+            err = (root / spec / "stderr.txt").read_text(errors="replace")
+            raise AssertionError(f"{mode} / {spec} failed (exit {proc.returncode}):\n{err[-4000:]}")
+        data = json.loads((root / spec / "run.json").read_text())
+        out[spec] = ModeRun(images=torch.load(root / spec / "images.pt"), **data)
+    return out
 
 
 def main() -> None:
