@@ -24,10 +24,10 @@ unless that row says so.
    the mask prebuilt); and the candidate ``npu_fused_infer_attention_score``. The difference between the first and
    the third is what ``fused_attention`` saves on a current stack: the permute/contiguous copies and the mask
    expansion, not a faster attention kernel.
-2. ``nz_weights``: the plugin's gates - torch_npu / CANN versions (``nz_weights.version_reasons``), the trial cast
+2. ``nz_weights``: the plugin's gates - torch_npu / CANN versions (``nz_check.version_reasons``), the trial cast
    that establishes the internal-format permission (``torch.npu.config`` is write-only: it is set True as vLLM-Omni's
    NPU platform does, never read), and the first-use numerical check (3-D ``addmm`` with bias and bias-free
-   ``matmul``, ``nz_weights.check_nz_linear``); then the real Qwen-Image projections as the model runs them: 3-D
+   ``matmul``, ``nz_check.check_nz_linear``); then the real Qwen-Image projections as the model runs them: 3-D
    ``F.linear`` with bias on [1, tokens, in] (img_mod on 1 token; to_qkv, to_out, mlp up/down on all image tokens),
    ND vs FRACTAL_NZ weights, format round trip checked.
 3. ``rope``: the kernel policy (``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL``: ``pixel`` default, ``bitwise``), the toy-shape
@@ -216,7 +216,8 @@ def _candidate(ck: Checker, name: str, case: str, fn: Callable[[], torch.Tensor]
 # 2. NZ weights
 # ----------------------------------------------------------------------------------------------------------------
 def check_nz(ck: Checker, npu: Any, dtype: torch.dtype, hidden: int, img: int) -> None:
-    from vllm_omni_ascend_opt.opts import nz_weights as nzw
+    from vllm_omni_ascend_opt import _backend
+    from vllm_omni_ascend_opt.blocks.kernels import nz_check as nzw
 
     ck.section(f"nz_weights: 3-D F.linear with bias, ND vs FRACTAL_NZ ({nzw.ACL_FORMAT_FRACTAL_NZ}), hidden {hidden}")
     cfg = getattr(torch.npu, "config", None)
@@ -225,7 +226,7 @@ def check_nz(ck: Checker, npu: Any, dtype: torch.dtype, hidden: int, img: int) -
         cfg.allow_internal_format = True
     h = hidden
     versions = nzw.version_reasons(npu)
-    ck.row("plugin gate: torch_npu / CANN versions", f"CANN {nzw.cann_version()}", "FAIL" if versions else "PASS",
+    ck.row("plugin gate: torch_npu / CANN versions", f"CANN {_backend.cann_version()}", "FAIL" if versions else "PASS",
            why="; ".join(versions))  # fmt: skip
     gen = torch.Generator().manual_seed(1)
     probe = (torch.randn(3 * h, h, generator=gen) * h**-0.5).to(device=ck.device, dtype=dtype)
@@ -389,12 +390,11 @@ def _run(a: argparse.Namespace, dtype: torch.dtype, img: int, txt: int, hidden: 
     device = torch.device("cpu") if a.fake else _backend.npu_device()
     if not a.fake:
         torch.npu.set_device(device)
-    from vllm_omni_ascend_opt.opts import nz_weights as nzw
 
     name = torch.npu.get_device_name(device.index or 0) if hasattr(torch.npu, "get_device_name") else "?"
     soc = _soc_version()
     facts = {"chip": name, "soc_version": soc, "torch_npu": str(getattr(npu, "__version__", "?")),
-             "cann": nzw.cann_version(), "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
+             "cann": _backend.cann_version(), "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
              "txt_tokens": txt, "img_tokens": img, "heads": a.heads, "head_dim": a.head_dim, "fake": bool(a.fake)}  # fmt: skip
     print(f"npu_check_kernels: {name} | soc {soc} | torch_npu {facts['torch_npu']} | CANN {facts['cann']} | "
           f"dtype {facts['dtype']} | S={txt}+{img} N={a.heads} D={a.head_dim}"

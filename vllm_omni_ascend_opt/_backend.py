@@ -66,6 +66,17 @@ def _probe() -> tuple[ModuleType | None, str]:
     return mod, ""
 
 
+def cann_version() -> str | None:
+    """The CANN version torch_npu reports (``torch.npu.utils.get_cann_version(module="CANN")``); None without a usable
+    torch_npu or when it cannot tell (CANN older than 8.1.RC1 answers an empty string)."""
+    if torch_npu_module() is None:
+        return None
+    try:
+        return str(torch.npu.utils.get_cann_version(module="CANN")) or None
+    except Exception:
+        return None
+
+
 def is_npu_tensor(t: torch.Tensor) -> bool:
     """True when ``t`` lives on the NPU that :func:`torch_npu_module` drives (torch_npu's ``Tensor.is_npu``).
 

@@ -45,22 +45,11 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cann_version() -> str | None:
-    """The CANN version torch_npu reports (``torch_npu.npu.utils.get_cann_version``), None without torch_npu or when
-    it cannot tell (CANN older than 8.1.RC1 answers an empty string)."""
-    from vllm_omni_ascend_opt import _backend
-
-    mod = _backend.torch_npu_module()
-    if mod is None:
-        return None
-    with contextlib.suppress(Exception):
-        return mod.npu.utils.get_cann_version(module="CANN") or None
-    return None
-
-
 def environment(device: str) -> dict[str, Any]:
     """Versions and the device, as this worker sees them (stored in results.json)."""
     import torch
+
+    from vllm_omni_ascend_opt import _backend
 
     kind = device.split(":")[0]
     name = _cpu_name()
@@ -74,7 +63,7 @@ def environment(device: str) -> dict[str, Any]:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch_npu": _version("torch_npu") or _version("torch-npu"),
-        "cann": _cann_version() if kind == "npu" else None,
+        "cann": _backend.cann_version() if kind == "npu" else None,
         "cuda": torch.version.cuda if kind == "cuda" else None,
         "vllm": _version("vllm"),
         "vllm_omni": _version("vllm-omni") or _version("vllm_omni"),

@@ -74,22 +74,20 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks.kernels.guard import fault_kind
+from vllm_omni_ascend_opt.blocks.kernels.nz_check import (
+    ACL_FORMAT_FRACTAL_NZ,
+    ACL_FORMAT_ND,
+    check_nz_linear,
+    trial_cast,
+    version_reasons,
+)
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
-ACL_FORMAT_ND = 2  # [OP-FMT]
-ACL_FORMAT_FRACTAL_NZ = 29  # [OP-FMT]
 NZ_DTYPES = (torch.float16, torch.bfloat16)
-#: CANN from which ND x NZ linear/addmm/matmul run the WeightNz kernels [VA-3356].
-MIN_CANN = (8, 3)
-#: torch_npu line carrying op-plugin 7.2 (see the module docstring: our reading, not documented).
-MIN_TORCH_NPU = (2, 8)
-#: Numerical check: |nz - nd| <= K * eps(dtype) * (|x| @ |w|^T + |b|), K = 2. Two correct results (fp32 accumulation,
-#: one rounding each) differ by at most 2u = eps of that sum; K = 2 doubles it. A layout misread errs by O(sum).
-NUMERIC_EPS_FACTOR = 2.0
 
 # Per-layer skip reasons (keys of report(model)["skipped"]).
 SKIP_QUANTIZED = "quantized"
@@ -172,107 +170,6 @@ def _lora_reason(model: nn.Module, cfg: Any) -> str:
     if str(getattr(backend, "value", backend)) == "distill":
         return ""
     return "runtime LoRA is configured (lora_path with the PEFT backend): adapters are swapped per request"
-
-
-def _version_tuple(text: str) -> tuple[int, ...] | None:
-    """Leading numeric fields of a version string: "8.3.RC1" -> (8, 3); "2.13.0+fake" -> (2, 13, 0)."""
-    parts = []
-    for field_ in str(text).replace("+", ".").split("."):
-        if not field_.isdigit():
-            break
-        parts.append(int(field_))
-    return tuple(parts) or None
-
-
-def cann_version() -> str | None:
-    """``torch.npu.utils.get_cann_version()`` (torch_npu's ``torch_npu.npu.utils``), or None if it cannot say."""
-    getter = getattr(getattr(getattr(torch, "npu", None), "utils", None), "get_cann_version", None)
-    try:
-        return str(getter()) if getter is not None else None
-    except Exception:
-        return None
-
-
-def version_reasons(npu: ModuleType) -> list[str]:
-    """Why this torch_npu / CANN pair does not route ND x NZ matmuls to the WeightNz kernels ([] when it does)."""
-    tnpu = str(getattr(npu, "__version__", "?"))
-    cann = cann_version()
-    reasons = []
-    cann_t = _version_tuple(cann) if cann else None
-    if cann_t is None:
-        reasons.append(f"CANN version unknown (torch.npu.utils.get_cann_version() gave {cann!r}; torch_npu {tnpu})")
-    elif cann_t[:2] < MIN_CANN:
-        reasons.append(
-            f"CANN {cann} < {'.'.join(map(str, MIN_CANN))}: F.linear/addmm with an NZ weight does not reach "
-            f"aclnnMatmulWeightNz/aclnnAddmmWeightNz before CANN 8.3 (vllm-ascend PR #3356; torch_npu {tnpu})"
-        )
-    tnpu_t = _version_tuple(tnpu)
-    if tnpu_t is None or tnpu_t[:2] < MIN_TORCH_NPU:
-        reasons.append(
-            f"torch_npu {tnpu} < {'.'.join(map(str, MIN_TORCH_NPU))}: no op-plugin 7.2 WeightNz routing (CANN {cann})"
-        )
-    return reasons
-
-
-def _error_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    scale = torch.matmul(x.float().abs(), w.float().abs().t())
-    if b is not None:
-        scale = scale + b.float().abs()
-    return NUMERIC_EPS_FACTOR * torch.finfo(x.dtype).eps * scale + torch.finfo(torch.float32).tiny
-
-
-def trial_cast(npu: ModuleType, w_nd: torch.Tensor) -> tuple[torch.Tensor | None, str]:
-    """Cast ``w_nd`` to FRACTAL_NZ: (the NZ tensor, "") or (None, why not) - how permission is established.
-
-    ``torch.npu.config.allow_internal_format`` is write-only in torch_npu 2.13.0 [TNPU-CFG], so the plugin does not
-    read it: a cast that raises or comes back in another format means internal formats are not allowed here."""
-    try:
-        nz = npu.npu_format_cast(w_nd, ACL_FORMAT_FRACTAL_NZ)
-        fmt = npu.get_npu_format(nz)
-    except Exception as exc:
-        return None, (
-            f"trial npu_format_cast(w, {ACL_FORMAT_FRACTAL_NZ}) raised {exc.__class__.__name__}: {exc} (internal "
-            "formats not allowed? torch.npu.config.allow_internal_format is write-only and cannot be read back)"
-        )
-    if fmt != ACL_FORMAT_FRACTAL_NZ:
-        return None, (
-            f"trial npu_format_cast(w, {ACL_FORMAT_FRACTAL_NZ}) gave format {fmt}: internal formats not allowed "
-            "(torch.npu.config.allow_internal_format = False, the default on Atlas A3)"
-        )
-    return nz, ""
-
-
-#: The NZ check's GEMM at production rows: at most this many rows, and at most CHECK_ELEMS elements per operand.
-PRODUCTION_ROWS = 4096
-CHECK_ELEMS = 1 << 24
-
-
-def check_nz_linear(w_nd: torch.Tensor, w_nz: torch.Tensor) -> tuple[bool, str]:
-    """One 3-D ``F.linear`` with bias and one without on a few rows, and one at production rows (up to
-    :data:`PRODUCTION_ROWS`), all at the model's real weight shape, NZ weight against ND weight: (ok, detail)."""
-    n, k = w_nd.shape
-    g = torch.Generator().manual_seed(0x4E5A)
-    x = torch.randn(2, 7, k, generator=g).to(device=w_nd.device, dtype=w_nd.dtype)
-    b = (torch.randn(n, generator=g) * 0.5).to(device=w_nd.device, dtype=w_nd.dtype)
-    # ...and one GEMM at production rows (a 1328x1328 image is ~7k tokens), with the fp32 bound's memory bounded.
-    rows = max(16, min(PRODUCTION_ROWS, CHECK_ELEMS // max(n, k)))
-    xp = torch.randn(1, rows, k, generator=g).to(device=w_nd.device, dtype=w_nd.dtype)
-    worst = []
-    cases = (("3-D addmm with bias", x, b), ("3-D matmul without bias", x, None), (f"{rows} rows with bias", xp, b))
-    for case, x, bias in cases:
-        try:
-            got = torch.nn.functional.linear(x, w_nz, bias)
-        except Exception as exc:
-            return False, f"{case} with the NZ weight raised {exc.__class__.__name__}: {exc}"
-        want = torch.nn.functional.linear(x, w_nd, bias)
-        ratio = float(((got.float() - want.float()).abs() / _error_bound(x, w_nd, bias)).max())
-        if not ratio <= 1.0:  # NaN fails too
-            return False, (
-                f"{case}: NZ result differs from the ND weight's by up to {ratio:.3g}x the tolerance "
-                f"{NUMERIC_EPS_FACTOR:g}*eps*(|x|@|w|^T+|b|) (weight {n}x{k})"
-            )
-        worst.append(f"{case} {ratio:.3g}x")
-    return True, f"{', '.join(worst)} of the tolerance (weight {n}x{k})"
 
 
 def _offload_prefixes(transformer: nn.Module) -> list[str]:
@@ -369,7 +266,7 @@ class NzWeights(Optimization):
         ]
         npu = _backend.torch_npu_module()
         if npu is not None:
-            out.append(f"torch_npu {getattr(npu, '__version__', '?')}, CANN {cann_version()}")
+            out.append(f"torch_npu {getattr(npu, '__version__', '?')}, CANN {_backend.cann_version()}")
         out += [v.describe() for v in self._verdicts.values() if v.ok]
         return out
 

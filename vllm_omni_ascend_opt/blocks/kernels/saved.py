@@ -66,11 +66,10 @@ def environment() -> dict[str, str]:
         except Exception:
             return "?"
 
-    utils = getattr(npu, "utils", None)
     return {
         "device": ask(lambda: npu.get_device_name()),  # type: ignore[union-attr]
         "soc": ask(lambda: npu.get_soc_version()),  # type: ignore[union-attr]
-        "cann": ask(lambda: utils.get_cann_version(module="CANN")),  # type: ignore[union-attr]
+        "cann": _backend.cann_version() or "?",
         "torch_npu": str(getattr(mod, "__version__", "?")),
         "torch": torch.__version__,
         "plugin": __version__,
