@@ -91,7 +91,7 @@ def test_ablate_with_nothing_to_measure_starts_nothing(capsys, tmp_path):
 
 
 def test_prompts_file_and_overrides_reach_the_workload(tmp_path):
-    from vllm_omni_ascend_opt.ablation.cli import resolve_workload
+    from vllm_omni_ascend_opt.ablation.arguments import resolve_workload
     from vllm_omni_ascend_opt.cli import build_parser
 
     pf = tmp_path / "prompts.txt"
@@ -118,7 +118,7 @@ def test_prompts_file_and_overrides_reach_the_workload(tmp_path):
 def test_the_plain_tiny_flow_runs_the_tiny_cpu_workload():
     """``ablate --model tiny`` (no workload) measures what ``make demo`` measures: the deeper tiny model, its steps,
     CFG and rounds; command-line values still override, and another model keeps the plain defaults."""
-    from vllm_omni_ascend_opt.ablation.cli import TINY_DEFAULT, resolve_workload
+    from vllm_omni_ascend_opt.ablation.arguments import TINY_DEFAULT, resolve_workload
     from vllm_omni_ascend_opt.ablation.workload import Workload, load_workload
     from vllm_omni_ascend_opt.cli import build_parser
 

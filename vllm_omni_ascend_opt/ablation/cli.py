@@ -8,29 +8,24 @@ bad input.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib
 import json
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+from vllm_omni_ascend_opt.ablation.arguments import TINY_DEFAULT, bad_input, make_plan
 from vllm_omni_ascend_opt.ablation.workload import (
     DTYPES,
     ENGINES,
     MODES,
     SCHEDULES,
     STACKS,
-    Workload,
     WorkloadError,
     available_workloads,
-    from_mapping,
-    load_workload,
 )
 
 DEFAULT_OUT = "ablation-out"
-BAD_INPUT = 2
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -171,145 +166,8 @@ def add_subcommands(sub: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# resolving arguments
-# ----------------------------------------------------------------------------------------------------------------
-def _gates(text: str) -> dict[str, float]:
-    out = {}
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        key, _, val = item.partition("=")
-        key = key.strip().lower()
-        if key not in ("ssim", "psnr") or not val:
-            raise WorkloadError(f"--quality-gates {text!r}: use ssim=<0..1>,psnr=<dB> (e.g. ssim=0.99,psnr=35)")
-        try:
-            out[f"{key}_gate"] = float(val)
-        except ValueError:
-            raise WorkloadError(f"--quality-gates {text!r}: {val!r} is not a number") from None
-    return out
-
-
-#: The workload behind the plain tiny flow (``ablate`` / ``plan`` without ``--workload``, model ``tiny``): the deeper
-#: tiny model with steps, CFG and rounds whose saving clearly exceeds the noise (what ``make demo`` runs).
-TINY_DEFAULT = "tiny-cpu"
-
-
-def resolve_workload(args: argparse.Namespace) -> Workload:
-    """The workload of ``args``: the named one (or, without ``--workload``, the defaults; for the tiny model the
-    :data:`TINY_DEFAULT` workload), then the command line's values over it."""
-    plain_tiny = not args.workload and getattr(args, "model", None) in (None, "tiny")
-    if args.workload:
-        wl = load_workload(args.workload)
-    elif plain_tiny:
-        wl = load_workload(TINY_DEFAULT)
-    else:
-        wl = Workload(name="custom")
-    over: dict[str, Any] = {}
-    for key in (
-        "model",
-        "image",
-        "engine",
-        "dtype",
-        "height",
-        "width",
-        "steps",
-        "cfg_scale",
-        "negative_prompt",
-        "warmup",
-        "repeats",
-        "max_sequence_length",
-        "enforce_eager",
-        "mode",
-        "stack",
-        "min_improvement_pct",
-        "schedule",
-        "start_jobs",
-        "process_sets",
-        "pause_idle",
-        "threads",
-        "timeout_s",
-        "start_timeout_s",
-    ):
-        v = getattr(args, key, None)
-        if v is not None and not (plain_tiny and key == "model"):  # tiny: the family, here its deeper model
-            over[key] = v
-    if args.seeds:
-        over["seeds"] = list(args.seeds)
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        try:
-            lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            raise WorkloadError(f"--prompts-file: {exc}") from None
-        prompts += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-        if not prompts:
-            raise WorkloadError(f"--prompts-file {args.prompts_file}: no prompt in it")
-    if prompts:
-        over["prompts"] = prompts
-    if args.quality_gates:
-        over.update(_gates(args.quality_gates))
-    if over and (args.workload or plain_tiny):
-        wl = dataclasses.replace(wl, name=f"{wl.name} (modified)")
-    return from_mapping(over, name=wl.name, base=wl).validate()
-
-
-def _split(values: list[str] | None) -> list[str]:
-    return [n.strip() for v in values or [] for n in v.split(",") if n.strip()]
-
-
-def _import_extras(mods: list[str]) -> None:
-    from vllm_omni_ascend_opt import registry
-
-    registry.all_optimizations()  # built-ins first
-    for m in mods:
-        try:
-            importlib.import_module(m)
-        except Exception as exc:  # bad input
-            raise WorkloadError(f"--import {m}: {type(exc).__name__}: {exc}") from None
-
-
-def _looks_like_hf_id(model: str) -> bool:
-    parts = model.split("/")
-    return len(parts) == 2 and all(parts) and not model.startswith((".", "/", "~"))
-
-
-def make_plan(args: argparse.Namespace, *, build_model: bool) -> Any:
-    from vllm_omni_ascend_opt.ablation.plan import build_plan, opt_infos_from_registry
-
-    wl = resolve_workload(args)
-    _import_extras(args.imports)
-    plan = build_plan(
-        wl,
-        opt_infos_from_registry(),
-        only=_split(args.only),
-        skip=_split(args.skip),
-        order=_split([args.order] if args.order else None),
-        extra_imports=args.imports,
-    )
-    if wl.is_tiny:
-        if build_model:
-            from vllm_omni_ascend_opt.testbed import build_model_dir
-
-            plan.model_path = str(build_model_dir(wl.tiny_spec()))
-    else:
-        p = Path(wl.model).expanduser()
-        if p.is_dir():
-            if not (p / "model_index.json").is_file():
-                raise WorkloadError(f"--model {wl.model}: {p} has no model_index.json (not a diffusers directory)")
-            plan.model_path = str(p.resolve())
-        elif not _looks_like_hf_id(wl.model):
-            raise WorkloadError(f"--model {wl.model!r}: no such directory, and not a Hugging Face id (org/name)")
-    return plan
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # commands
 # ----------------------------------------------------------------------------------------------------------------
-def _bad(msg: str) -> int:
-    print(f"vllm-omni-ascend-opt: error: {msg}", file=sys.stderr)
-    return BAD_INPUT
-
-
 def _print_plan(plan: Any, est: Any | None = None) -> None:
     wl = plan.workload
     print(f"ablation '{wl.name}': mode {wl.mode}, engine {plan.engine}, schedule {plan.schedule}")
@@ -325,7 +183,7 @@ def _print_plan(plan: Any, est: Any | None = None) -> None:
     if close:
         print("\n  close-tier gates (each vs the configuration without it; several at once: the loosest of theirs):")
         for n in close:
-            g = plan.close_gates([n])
+            g = plan.closeparse_gates([n])
             own = "own" if plan.opts[n].close_gates else "workload's"
             print(f"    {n:<18} SSIM >= {g['ssim']}, PSNR >= {g['psnr_db']} dB ({own})")
     if plan.comparisons:
@@ -356,7 +214,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         plan = make_plan(args, build_model=False)
     except WorkloadError as exc:
-        return _bad(str(exc))
+        return bad_input(str(exc))
     est = estimate(plan)
     stored = _stored_measurements(plan, args.out)
     launch = _launch_estimate(plan)
@@ -364,7 +222,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         cards = [int(c) for c in args.cards.split(",") if c.strip()]
     except ValueError:
-        return _bad(f"--cards takes card counts like 2,4,8, not {args.cards!r}")
+        return bad_input(f"--cards takes card counts like 2,4,8, not {args.cards!r}")
     if args.json:
         out = {"plan": plan.to_dict(), "estimate": est.to_dict(), "stored_measurements": stored}
         if launch is not None:
@@ -461,15 +319,15 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         if args.reference:
             refset.load(args.reference)  # checked before anything runs
     except (WorkloadError, refset.SetError) as exc:
-        return _bad(str(exc))
+        return bad_input(str(exc))
     _print_plan(plan)
     if not plan.stack:
-        return _bad("nothing to measure: no optimization can take part in this run (reasons above)")
+        return bad_input("nothing to measure: no optimization can take part in this run (reasons above)")
     print(flush=True)
     try:
         data = Runner(plan, args.out, fresh=args.fresh, progress=not args.no_progress).run()
     except RunError as exc:
-        return _bad(str(exc))
+        return bad_input(str(exc))
     analysis = verdict.analyse(plan, data.records, data.out.root, interrupted=data.interrupted)
     results = report.build_results(data, analysis, command=["vllm-omni-ascend-opt", *sys.argv[1:]])
     if args.reference:

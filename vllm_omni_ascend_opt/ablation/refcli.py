@@ -8,13 +8,12 @@ Exit codes of ``compare``: 0 within the gates, 1 outside, 2 when nothing could b
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
+from vllm_omni_ascend_opt.ablation.arguments import bad_input, make_plan, parse_gates
 from vllm_omni_ascend_opt.ablation.workload import DTYPES, ENGINES, WorkloadError
 
-BAD_INPUT = 2
 #: ``--config`` names besides a comma list of optimizations.
 CONFIG_NAMES = ("none", "default", "all")
 
@@ -81,11 +80,6 @@ def add_reference_commands(sub: Any) -> None:
     cp.set_defaults(func=cmd_compare)
 
 
-def _bad(msg: str) -> int:
-    print(f"vllm-omni-ascend-opt: error: {msg}", file=sys.stderr)
-    return BAD_INPUT
-
-
 def resolve_config(plan: Any, name: str) -> Any:
     """The :class:`~.plan.Config` of ``--config``: ``none``, ``default`` (the run's full stack: the default-on
     optimizations that can act here), ``all`` (every one that can act here) or a comma list of names."""
@@ -112,14 +106,13 @@ def resolve_config(plan: Any, name: str) -> Any:
 
 def cmd_reference_save(args: argparse.Namespace, worker_cmd: list[str] | None = None) -> int:
     from vllm_omni_ascend_opt.ablation import refset
-    from vllm_omni_ascend_opt.ablation.cli import make_plan
 
     try:
         refset.check_out_dir(args.out, args.fresh)
         plan = make_plan(args, build_model=True)
         config = resolve_config(plan, args.config)
     except (WorkloadError, refset.SetError) as exc:
-        return _bad(str(exc))
+        return bad_input(str(exc))
     wl = plan.workload
     print(
         f"reference set: {wl.model}, {wl.dtype}, {wl.width}x{wl.height}, {wl.steps} steps, CFG {wl.cfg_scale}, "
@@ -132,24 +125,23 @@ def cmd_reference_save(args: argparse.Namespace, worker_cmd: list[str] | None = 
             plan, config, args.out, tensors=args.tensors, fresh=args.fresh, worker_cmd=worker_cmd, log=print
         )
     except refset.SetError as exc:
-        return _bad(str(exc))
+        return bad_input(str(exc))
     print(f"saved {len(s.entries)} image(s) and {refset.MANIFEST} to {args.out}")
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from vllm_omni_ascend_opt.ablation import refset, setcompare
-    from vllm_omni_ascend_opt.ablation.cli import _gates
 
     try:
-        gates = _gates(args.gates) if args.gates else {}
+        gates = parse_gates(args.gates) if args.gates else {}
         a = refset.load(args.a, args.config)
         b = refset.load(args.b, args.config)
         res = setcompare.run_compare(
             a, b, tier=args.tier, ssim_gate=gates.get("ssim_gate", 0.99), psnr_gate=gates.get("psnr_gate", 35.0)
         )
     except (WorkloadError, refset.SetError) as exc:
-        return _bad(str(exc).replace("--quality-gates", "--gates"))
+        return bad_input(str(exc).replace("--quality-gates", "--gates"))
     paths = setcompare.write(res, a, b, args.out)
     print_summary(res)
     print("\nreport: " + "\n        ".join(str(p) for p in paths.values()))
