@@ -183,7 +183,7 @@ def _print_plan(plan: Any, est: Any | None = None) -> None:
     if close:
         print("\n  close-tier gates (each vs the configuration without it; several at once: the loosest of theirs):")
         for n in close:
-            g = plan.closeparse_gates([n])
+            g = plan.close_gates([n])
             own = "own" if plan.opts[n].close_gates else "workload's"
             print(f"    {n:<18} SSIM >= {g['ssim']}, PSNR >= {g['psnr_db']} dB ({own})")
     if plan.comparisons:
