@@ -80,6 +80,26 @@ def test_clear_drops_everything_under_the_same_probe():
     assert cache.get_or_make("a", lambda: "again") == ("again", True)
 
 
+def test_a_class_is_asked_of_the_disk_once_per_probe(fake_npu, monkeypatch):
+    """A class with no saved verdict (one in fault backoff, looked up on every call) asks the disk once per probe."""
+    from vllm_omni_ascend_opt.blocks.kernels import saved
+
+    fake_npu()
+    asked: list = []
+    lookup = saved.lookup
+    monkeypatch.setattr(saved, "lookup", lambda kernel, key: asked.append(key) or lookup(kernel, key))
+    cache: VerdictCache[tuple] = VerdictCache("k", decode=lambda key, ok, why: (ok, why))
+    for _ in range(5):
+        assert cache.get(("npu:0", 1)) is None
+    assert asked == [("npu:0", 1)]
+    cache.refuse_from_peer(saved.key_text(("npu:0", 1)), "refused on rank 1")  # another rank's verdict still lands
+    assert cache.get(("npu:0", 1)) == (False, "refused on rank 1") and len(asked) == 1
+    saved.save("k", ("npu:0", 2), True, "")
+    assert cache.get(("npu:0", 2)) == (True, "") and cache.loaded == 2 and len(asked) == 2
+    _backend.reset_cache()  # a new probe: asked again (the peer's refusal belonged to the old one)
+    assert cache.get(("npu:0", 1)) is None and len(asked) == 3
+
+
 def test_guard_backoff_schedule(monkeypatch):
     """Errors are retried after 1, 2, 4, 8, 16 forwards (capped at 32) and demoted after the 6th in a row; a
     TypeError is a verdict for the caller (not retried); a success after a fault clears it."""

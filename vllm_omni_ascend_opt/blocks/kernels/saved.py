@@ -76,21 +76,13 @@ def environment() -> dict[str, str]:
     }
 
 
-#: (directory, backend probe) -> this environment's file: the environment is asked once per probe, not per lookup
-_paths: dict[tuple[Path, int], Path] = {}
-
-
 def path() -> Path | None:
     """This environment's file, or None (disabled, or no torch_npu: nothing to verify)."""
     d = directory()
     if d is None or _backend.torch_npu_module() is None:
         return None
-    tag = (d, _backend.probe_id())
-    p = _paths.get(tag)
-    if p is None:
-        env = json.dumps(environment(), sort_keys=True)
-        p = _paths[tag] = d / f"verdicts-{hashlib.sha256(env.encode()).hexdigest()[:16]}.json"
-    return p
+    env = json.dumps(environment(), sort_keys=True)
+    return d / f"verdicts-{hashlib.sha256(env.encode()).hexdigest()[:16]}.json"
 
 
 def key_text(key: Hashable) -> str:

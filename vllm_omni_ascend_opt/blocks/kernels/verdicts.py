@@ -10,8 +10,8 @@ dropped before the next read or write. ``clear()`` drops them too (an optimizati
 removes a verdict: a shape class keeps its verdict for the life of the process.
 
 A cache made with ``saved_as`` (the kernel's name) and ``decode`` also reads and writes the on-disk verdicts of
-:mod:`.saved`: a miss in memory asks the disk (a hit there is decoded and kept, no check runs), and every verdict
-put is saved. Faults never come here (:mod:`.guard` keeps them).
+:mod:`.saved`: a miss in memory asks the disk, once per class and probe (a hit there is decoded and kept, no check
+runs; a class in fault backoff is not asked again on every call), and every verdict put is saved. Faults never come here (:mod:`.guard` keeps them).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ class VerdictCache(Generic[V]):
         self._remote: dict[str, str] = {}
         #: passes this rank made (or read) in the current forward, held back until the ranks agree (:meth:`_hold`)
         self._held: dict[Hashable, V] = {}
+        #: classes already asked of the disk under the current probe (a miss there is not asked again per call)
+        self._asked: set[Hashable] = set()
         if self._saved_as is not None:
             agree.register(self)
 
@@ -52,12 +54,14 @@ class VerdictCache(Generic[V]):
             self.loaded = 0
             self._remote.clear()
             self._held.clear()
+            self._asked.clear()
         return self._entries
 
     def get(self, key: Hashable) -> V | None:
         entries = self._live()
         v = entries.get(key)
-        if v is None and self._saved_as is not None:
+        if v is None and self._saved_as is not None and key not in self._asked:
+            self._asked.add(key)
             v = self._from_disk(entries, key)
         return v
 
@@ -131,6 +135,7 @@ class VerdictCache(Generic[V]):
                         entries[key] = refused
                 return
         self._remote[text] = reason
+        self._asked -= {key for key in self._asked if saved.key_text(key) == text}
 
     def get_or_make(self, key: Hashable, make: Callable[[], V]) -> tuple[V, bool]:
         """``(verdict, made)``: the cached verdict for ``key``, or ``make()``'s, stored (``made`` True)."""
@@ -148,6 +153,7 @@ class VerdictCache(Generic[V]):
 
     def clear(self) -> None:
         self._entries.clear()
+        self._asked.clear()
 
     def __len__(self) -> int:
         return len(self._live())
