@@ -31,7 +31,8 @@ def _run_rank(rank: int, port: int, out: str) -> None:
 
     from tests.fake_torch_npu import build
     from vllm_omni_ascend_opt import _backend
-    from vllm_omni_ascend_opt.blocks.kernels import agree, saved
+    from vllm_omni_ascend_opt.blocks.kernels import saved
+    from vllm_omni_ascend_opt.blocks.upstream import forward_scope
     from vllm_omni_ascend_opt.opts import qk_norm
 
     os.environ[saved.ENV_VERDICT_CACHE] = os.path.join(out, f"cache{rank}")
@@ -55,7 +56,14 @@ def _run_rank(rank: int, port: int, out: str) -> None:
         else:
             used.append(opt.apply(norm, torch.randn(1, 100, 2, 16, generator=g)) is not None)  # rows<=256: rank 0
     before = {str(v.key[2]): [v.ok, v.reason] for v in opt.verdicts()}
-    changed = agree.sync()  # what the end of the transformer forward runs
+
+    class _Forward(nn.Module):
+        def forward(self) -> None:
+            return None
+
+    end = _Forward()
+    forward_scope.watch(end, "test")
+    end()  # the end of an outermost watched forward: the ranks agree there (agree.sync)
     with torch.no_grad():
         if rank == 0:
             opt.apply(norm, torch.randn(1, 20, 2, 16, generator=g))  # rank 0 meets rows<=64 now
@@ -63,7 +71,7 @@ def _run_rank(rank: int, port: int, out: str) -> None:
     after = {str(v.key[2]): [v.ok, v.reason] for v in opt.verdicts()}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(
-            {"before": before, "after": after, "changed": changed, "checks": opt.stats["shape_checks"], "used": used},
+            {"before": before, "after": after, "checks": opt.stats["shape_checks"], "used": used},
             f,
         )
     dist.destroy_process_group()
@@ -94,3 +102,34 @@ def test_two_ranks_agree_when_one_ranks_kernel_is_wrong(tmp_path):
     assert r0["after"]["64"][0] is False and "refused on rank 1" in r0["after"]["64"][1]
     assert r0["checks"] == 2  # rows<=64 was taken from rank 1's verdict, not checked again
     assert r0["after"]["256"][0] is True and r0["used"][2] is True  # a pass no rank refused takes effect after sync
+
+
+def test_verdicts_are_exchanged_over_a_cpu_group_never_the_device_one(monkeypatch, tmp_path):
+    """On a device backend (HCCL) ``all_gather_object`` moves the pickled verdicts through device memory and
+    synchronizes the stream: the exchange runs over vLLM's world CPU group, or a gloo group made once."""
+    import types
+
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    from vllm_omni_ascend_opt.blocks.kernels import agree
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        made: list = []
+        monkeypatch.setattr(agree, "_CPU_GROUPS", {})
+        monkeypatch.setattr(dist, "get_backend", lambda *a: "hccl")
+        monkeypatch.setattr(dist, "new_group", lambda **kw: made.append(kw) or "gloo-group")
+        monkeypatch.setattr(parallel_state, "get_world_group", lambda: (_ for _ in ()).throw(AssertionError()))
+        assert agree._cpu_group() == "gloo-group" and agree._cpu_group() == "gloo-group"
+        assert made == [{"backend": "gloo"}]  # made once
+        world = types.SimpleNamespace(world_size=1, cpu_group="vllm-cpu-group")
+        monkeypatch.setattr(agree, "_CPU_GROUPS", {})
+        monkeypatch.setattr(parallel_state, "get_world_group", lambda: world)
+        gathered: list = []
+        monkeypatch.setattr(agree, "_group_size", lambda: 2)
+        monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: gathered.append(group))
+        agree.sync()
+        assert gathered == ["vllm-cpu-group"] and len(made) == 1
+    finally:
+        dist.destroy_process_group()

@@ -10,7 +10,8 @@ When: at the end of each outermost transformer forward (:func:`sync`, called by 
 point every rank of vLLM-Omni's parallel modes reaches the same number of times (each step runs the transformer
 once per rank), never in the middle of a forward where ranks may meet different shape classes (CFG-parallel
 branches with different prompt lengths). Cost: one ``all_gather_object`` of the new verdicts per forward, only when
-a process group of more than one rank exists. So the ranks run the same kernels in every forward: stock for a class
+a process group of more than one rank exists, over a CPU (gloo) group (:func:`_cpu_group`): on a device backend
+(HCCL) it would move the pickled verdicts through device memory and synchronize the stream at every step. So the ranks run the same kernels in every forward: stock for a class
 in the forward that checks it (or reads its pass from disk), the agreed verdict afterwards.
 """
 
@@ -71,7 +72,7 @@ def sync() -> int:
 
     mine, _PENDING[:] = list(_PENDING), []
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=_cpu_group())
     me, changed = dist.get_rank(), 0
     for rank, verdicts in enumerate(everyone):
         if rank == me:
@@ -86,6 +87,33 @@ def sync() -> int:
         logger.warning("vllm-omni-ascend-opt: %d kernel verdict(s) refused on another rank apply here too", changed)
     _release_held()
     return changed
+
+
+#: id of the default process group -> the CPU group verdicts are exchanged over (None: the default one, gloo already)
+_CPU_GROUPS: dict[int, Any] = {}
+
+
+def _cpu_group() -> Any:
+    """A gloo group of every rank, made once per default group: vLLM's world CPU group when vLLM set one up, the
+    default group when it is gloo already, else a new gloo group (every rank asks at the same forward end, as
+    ``new_group`` requires)."""
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD)
+    if key not in _CPU_GROUPS:
+        group = None
+        try:
+            from vllm.distributed import parallel_state
+
+            world = parallel_state.get_world_group()
+            if world.world_size == dist.get_world_size():
+                group = world.cpu_group
+        except Exception:  # no vLLM world group in this process
+            group = None
+        if group is None and dist.get_backend() != "gloo":
+            group = dist.new_group(backend="gloo")
+        _CPU_GROUPS[key] = group
+    return _CPU_GROUPS[key]
 
 
 def _release_held() -> None:
