@@ -243,7 +243,7 @@ class Rope(Optimization):
             out.extend(v.describe() for v in verdicts)
             out.extend(v.describe() for v in self.shape_verdicts())
             out.extend(f"npu_rotary_mul fault: {f.describe()}" for f in self.rotary.guard.faults())
-            out.append(kguard.tally_line("npu_rotary_mul", self.kernel_classes() or {}))
+            out.append(kguard.tally_line("npu_rotary_mul", self.kernel_classes()))  # type: ignore[arg-type]
         if self.stats:
             s = self.stats
             out.append(
@@ -256,7 +256,7 @@ class Rope(Optimization):
     def kernel_classes(self) -> dict[str, Any] | None:
         if _backend.torch_npu_module() is None or not self.use_npu_kernel:
             return None
-        return kguard.tally(self.verdicts() + self.shape_verdicts(), self.rotary.guard.faults())  # type: ignore[operator]
+        return kguard.tally(self.shape_verdicts(), self.rotary.guard.faults())
 
     def verdicts(self) -> list[KernelVerdict]:
         """The toy-shape verifications of the kernel per (device, dtype, head_dim), for the current backend."""

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks.kernels.guard import Guard, is_error
+from vllm_omni_ascend_opt.blocks.kernels.guard import Guard, bucket, is_error
 from vllm_omni_ascend_opt.blocks.kernels.rope_tables import (
     TableCache,
     Tables,
@@ -98,10 +98,6 @@ class KernelVerdict:
     fn: Callable[..., torch.Tensor] | None = None
     err_kernel: float = math.nan  # max |kernel - ref_fp32|
     err_stock: float = math.nan  # max |stock - ref_fp32| (stock's own error in this dtype)
-
-    @property
-    def key(self) -> tuple[str, torch.dtype, int]:
-        return (self.device, self.dtype, self.head_dim)
 
     def describe(self) -> str:
         where = f"{self.device}/{str(self.dtype).removeprefix('torch.')}/D={self.head_dim}"
@@ -193,11 +189,6 @@ def shape_class(x: torch.Tensor) -> tuple[str, torch.dtype, str, int, int, int]:
     B=1, 12 per rank at B=2) share classes, instead of each being checked (and saved) on its own."""
     b, s, n, d = x.shape
     return (str(x.device), x.dtype, "BSND", bucket(b * n), bucket(s), d)
-
-
-def bucket(n: int) -> int:
-    """The next power of two >= n: the shape-class bucket of a size."""
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass
