@@ -105,7 +105,7 @@ def shape_class(x: torch.Tensor) -> tuple[str, torch.dtype, int, int]:
     """(device, dtype, rows bucket = next power of two of numel / D, D): what the kernel's tiling depends on."""
     d = x.shape[-1]
     rows = x.numel() // max(1, d)
-    return (str(x.device), x.dtype, 1 << max(0, (rows - 1).bit_length()), d)
+    return (str(x.device), x.dtype, kguard.bucket(rows), d)
 
 
 @dataclass
@@ -258,7 +258,7 @@ class QkNorm(Optimization):
         self._guard.clear()
 
     def _attach(self, model: nn.Module) -> None:
-        for tr in _transformers(model):
+        for tr in guards.find_transformers(model):
             forward_scope.watch(tr, self.name)  # the fault-backoff clock counts its forwards
         for n in _qk_norms(model):
             if type(n) is nn.RMSNorm and n not in self._swapped:
@@ -266,7 +266,7 @@ class QkNorm(Optimization):
                 n.__class__ = rms_norm.KernelRMSNorm
 
     def _detach(self, model: nn.Module) -> None:
-        for tr in _transformers(model):
+        for tr in guards.find_transformers(model):
             forward_scope.unwatch(tr, self.name)
         for n in _qk_norms(model):
             cls = self._swapped.pop(n, None)
@@ -347,13 +347,6 @@ class QkNorm(Optimization):
 
     def is_prepared(self, norm: nn.Module) -> bool:
         return norm in self._swapped
-
-
-def _transformers(model: Any) -> list[nn.Module]:
-    mod = sys.modules.get(_targets.TRANSFORMER)
-    if mod is None or not isinstance(model, nn.Module):
-        return []
-    return [m for m in model.modules() if isinstance(m, mod.QwenImageTransformer2DModel)]
 
 
 def _qk_norms(model: Any) -> list[nn.Module]:

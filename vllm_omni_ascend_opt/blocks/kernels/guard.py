@@ -39,6 +39,11 @@ RETRY_CAP = 32
 MAX_ERRORS = 6
 
 
+def bucket(n: int) -> int:
+    """The next power of two >= n: the shape-class bucket of a size (every kernel's shape classes use it)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def fault_kind(exc: BaseException) -> str:
     """The fault's kind: "out of memory", "runtime error" or the exception's class name: what status and the log call the fault."""
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks.kernels.guard import is_error
+from vllm_omni_ascend_opt.blocks.kernels.guard import bucket, is_error
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 
 KERNEL = "npu_fusion_attention"
@@ -195,7 +195,6 @@ def shape_class(q: torch.Tensor, k: torch.Tensor, masked: torch.Tensor | None) -
     sequence-parallel split of the heads share classes instead of each being checked (and saved) on its own."""
     b, sq, nq, d = q.shape
     skv, nkv = k.shape[1], k.shape[2]
-    bucket = lambda n: 1 << max(0, (n - 1).bit_length())  # noqa: E731
     return (str(q.device), str(q.dtype).removeprefix("torch."), "BSND", bucket(b * nq), nq // max(1, nkv), bucket(sq),
             bucket(skv), d, masked is not None)  # fmt: skip
 
