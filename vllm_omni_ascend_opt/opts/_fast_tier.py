@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from vllm_omni_ascend_opt.blocks.body.block_body import FAST, block_body_reason
-from vllm_omni_ascend_opt.blocks.memo.keys import find_transformers
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
+from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
 from vllm_omni_ascend_opt.optimization import Optimization
 
 #: The fast tier's gates (SSIM, PSNR dB): tighter than the workload's defaults (0.99 / 35 dB, sized for vae_fast).

@@ -177,12 +177,12 @@ class JointAttention(Optimization):
         self._tables.clear()
 
     def _attach(self, model: nn.Module) -> None:
-        for tr in _transformers(model):
+        for tr in guards.find_transformers(model):
             # per-forward decisions (guards, RoPE tables) once per forward; hooks once its blocks are compiled
             forward_scope.watch(tr, self.name, on_forward=self._hoister.on_forward)
 
     def _detach(self, model: nn.Module) -> None:
-        for tr in _transformers(model):
+        for tr in guards.find_transformers(model):
             forward_scope.unwatch(tr, self.name)
             self._hoister.release(tr)
 
@@ -415,13 +415,6 @@ def _global_hooks_reason() -> str | None:
 
 def _modules(model: Any) -> list[nn.Module]:
     return list(model.modules()) if isinstance(model, nn.Module) else []
-
-
-def _transformers(model: Any) -> list[nn.Module]:
-    mod = sys.modules.get(_targets.TRANSFORMER)
-    if mod is None:
-        return []
-    return [m for m in _modules(model) if isinstance(m, mod.QwenImageTransformer2DModel)]
 
 
 OPT = JointAttention()

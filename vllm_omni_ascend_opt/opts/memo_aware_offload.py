@@ -52,9 +52,9 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt.blocks.body.block_body import block_body_reason
-from vllm_omni_ascend_opt.blocks.memo.keys import find_transformers
 from vllm_omni_ascend_opt.blocks.upstream import guards
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import Upstream, same
+from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
 from vllm_omni_ascend_opt.blocks.upstream.layerwise import LAYERWISE_MODULE, block_hook, is_modulation, layerwise_hooks
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 

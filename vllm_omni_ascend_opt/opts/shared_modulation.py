@@ -104,12 +104,12 @@ from vllm_omni_ascend_opt.blocks.body.block_body import (
 from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, ModulationMemo, budget_from_env
 from vllm_omni_ascend_opt.blocks.memo.keys import (
     SELECT01_MODULE,
-    find_transformers,
     unkeyable_reasons,
 )
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm, forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, V030, V031, V032, Upstream, same
+from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
 from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
 
 _T, _ADA = _targets.TRANSFORMER, ada_norm.ADALAYERNORM_MODULE

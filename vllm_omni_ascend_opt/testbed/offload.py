@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_omni_ascend_opt.blocks.memo.keys import find_transformers
+from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
 from vllm_omni_ascend_opt.blocks.upstream.layerwise import host_weights
 
 

@@ -2,8 +2,7 @@
 (:func:`numerical_settings`), AdaLayerNorm kinds (:func:`~..upstream.ada_norm.norm_kind`), the span of a digested
 ``temb`` (:class:`Span`), and the checks that say when a projection cannot be keyed (:class:`Unkeyable`).
 
-Shared by ``shared_modulation`` (its memo, :mod:`.cache`, and its per-model reasons) and by the fast tier (which only
-needs :func:`find_transformers`), so that the reasons a model reports are the very checks the memo makes per call
+Used by ``shared_modulation`` (its memo, :mod:`.cache`, and its per-model reasons), so that the reasons a model reports are the very checks the memo makes per call
 (:func:`unkeyable_reasons`), not a guess from the weights between forwards.
 """
 
@@ -160,23 +159,6 @@ def block_parts(
 
 
 # ----- model-level helpers (reasons, notes, benchmarks) ---------------------------------------------------------
-def find_transformers(model: Any) -> list[nn.Module]:
-    """The QwenImageTransformer2DModel instances in ``model`` (a pipeline, a transformer, or any module tree)."""
-    t = sys.modules.get(targets.TRANSFORMER)
-    if t is None:
-        return []
-    cls = t.QwenImageTransformer2DModel
-    if isinstance(model, cls):
-        return [model]
-    found = []
-    tr = getattr(model, "transformer", None)
-    if isinstance(tr, cls):
-        found.append(tr)
-    if isinstance(model, nn.Module):
-        found.extend(m for m in model.modules() if isinstance(m, cls) and m is not tr)
-    return found
-
-
 def modulation_linears(transformer: nn.Module) -> list[nn.Module]:
     """Every projection whose output depends only on temb: each block's img_mod/txt_mod linear and norm_out.linear."""
     out = [seq._modules["1"] for b in transformer.transformer_blocks for seq in (b.img_mod, b.txt_mod)]

@@ -63,12 +63,21 @@ def block_compiled(block: nn.Module) -> bool:
     )
 
 
-def _transformers(model: Any) -> list[nn.Module]:
-    mod = sys.modules.get(targets.TRANSFORMER)
-    if mod is None or not isinstance(model, nn.Module):
+def find_transformers(model: Any) -> list[nn.Module]:
+    """The QwenImageTransformer2DModel instances in ``model`` (a pipeline, a transformer, or any module tree)."""
+    t = sys.modules.get(targets.TRANSFORMER)
+    if t is None:
         return []
-    cls = mod.QwenImageTransformer2DModel
-    return [m for m in model.modules() if isinstance(m, cls)]
+    cls = t.QwenImageTransformer2DModel
+    if isinstance(model, cls):
+        return [model]
+    found = []
+    tr = getattr(model, "transformer", None)
+    if isinstance(tr, cls):
+        found.append(tr)
+    if isinstance(model, nn.Module):
+        found.extend(m for m in model.modules() if isinstance(m, cls) and m is not tr)
+    return found
 
 
 def compiled_regions(model: Any) -> frozenset[str]:
@@ -76,7 +85,7 @@ def compiled_regions(model: Any) -> frozenset[str]:
     regional compile (each repeated block's forward, or the callable its hook registry dispatches to, is a compiled
     function), ``{"block", "transformer"}`` after full compile (``transformer.compile()``), else empty."""
     out: set[str] = set()
-    for tr in _transformers(model):
+    for tr in find_transformers(model):
         if getattr(tr, "_compiled_call_impl", None) is not None or _is_compiled(tr.__dict__.get("forward")):
             return frozenset({"block", "transformer"})
         for block in getattr(tr, "transformer_blocks", ()):
