@@ -119,11 +119,19 @@ def markdown(steps: int) -> str:
     return "\n".join(out)
 
 
+def _cards(text: str) -> list[int]:
+    from vllm_omni_ascend_opt.warmup import parse_ints
+
+    return parse_ints(text, "--cards")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--write-table", action="store_true", help="trace everything and rewrite the table first")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--cards", default="", help="also the multi-card layouts for these card counts, e.g. 2,4,8")
+    p.add_argument(
+        "--cards", type=_cards, default=[], help="also the multi-card layouts for these card counts, e.g. 2,4,8"
+    )
     p.add_argument("--markdown", action="store_true", help="print docs/results.md's tables instead")
     args = p.parse_args(argv)
     if args.markdown:
@@ -145,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cards:
         from vllm_omni_ascend_opt.devtime import layouts
 
-        cards = [int(c) for c in args.cards.split(",")]
+        cards = args.cards
         for h, w in TB.RESOLUTIONS:
             print()
             print("\n".join(layouts.text_table(table, fit.params, h, w, args.steps, cards)))

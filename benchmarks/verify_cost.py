@@ -63,7 +63,7 @@ def cold_start(sizes: str, batches: str, texts: str, sp: int) -> int:
     mp.setenv(saved.ENV_VERDICT_CACHE, tempfile.mkdtemp(prefix="verdicts-"))
     mp.setattr(_backend, "npu_device", lambda: torch.device("cpu"))
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    args = (warmup.parse_sizes(sizes), warmup._ints(batches, "--batch"), sp, warmup._ints(texts, "--text"))
+    args = (warmup.parse_sizes(sizes), warmup.parse_ints(batches, "--batch"), sp, warmup.parse_ints(texts, "--text"))
     print(f"verify_cost --cold-start: the torch_npu FAKE on CPU ({torch.get_num_threads()} threads), bf16, 24 heads, "
           f"D=128; sizes {sizes}, batch {batches}, text {texts}, sp {sp}")  # fmt: skip
     try:

@@ -76,8 +76,8 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
 
     try:
         sizes = warmup.parse_sizes(args.sizes)
-        batches = warmup._ints(args.batch, "--batch")
-        texts = warmup._ints(args.text, "--text")
+        batches = warmup.parse_ints(args.batch, "--batch")
+        texts = warmup.parse_ints(args.text, "--text") if args.text else list(warmup.DEFAULT_TEXT)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     wp.add_argument("--sizes", required=True, help="WIDTHxHEIGHT list, e.g. 1328x1328,1664x928")
     wp.add_argument("--batch", default="1", help="batch sizes, e.g. 1,2 (2: CFG batched); default 1")
     wp.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) degree; default 1")
-    wp.add_argument("--text", default="64,128,256,512", help="prompt token counts to cover (bucketed); default 64..512")
+    wp.add_argument("--text", help="prompt token counts to cover (bucketed); default 64,128,256,512")
     wp.set_defaults(func=_cmd_warmup)
     try:
         from vllm_omni_ascend_opt.ablation import cli as ablation_cli

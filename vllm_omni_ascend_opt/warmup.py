@@ -1,7 +1,7 @@
 """``vllm-omni-ascend-opt warmup``: check, once per machine, the kernel shape classes that requests will hit, and
 save the verdicts (``blocks/kernels/saved.py``), so that a server starts warm: its first request runs no check.
 
-Which classes: those of Qwen-Image's transformer (``--heads`` 24, ``--head-dim`` 128, bf16) at each ``--sizes``
+Which classes: those of Qwen-Image's transformer (24 heads of 128, bf16: :func:`warm`'s keywords) at each ``--sizes``
 (image tokens = (H/16) x (W/16): VAE /8, patch 2), each ``--batch`` (2: CFG batched) and each text-length bucket of
 ``--text`` (prompt tokens; the classes bucket sequence lengths to powers of two), as the default stack runs them:
 
@@ -27,13 +27,15 @@ from vllm_omni_ascend_opt.blocks.kernels import npu_attention, rotary, saved
 from vllm_omni_ascend_opt.opts import qk_norm
 
 DEFAULT_TEXT = (64, 128, 256, 512)
+#: What one check came to (a fault, a deferral and a missing kernel all leave the class unverified, retried later).
+VERIFIED, REFUSED, UNVERIFIED = "verified", "refused", "fault, deferred or no kernel"
 
 
 @dataclass
 class Row:
     kernel: str
     shape: str
-    outcome: str  # "verified", "refused", "fault or deferred", "no kernel", "saved"
+    outcome: str  # VERIFIED, REFUSED or UNVERIFIED
     seconds: float
 
 
@@ -48,7 +50,8 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _ints(text: str, what: str) -> list[int]:
+def parse_ints(text: str, what: str) -> list[int]:
+    """``"1,2"`` -> [1, 2]: a comma list of positive integers; ``what`` names the option in the error."""
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -90,7 +93,7 @@ def warm(
         t0 = time.perf_counter()
         ok = fn()
         secs = time.perf_counter() - t0
-        outcome = {True: "verified", False: "refused", None: "fault, deferred or no kernel"}[ok]
+        outcome = {True: VERIFIED, False: REFUSED, None: UNVERIFIED}[ok]
         rows.append(Row(kernel, label, outcome, secs))
 
     def rnd(*shape: int) -> torch.Tensor:
@@ -127,7 +130,7 @@ def warm(
 
 
 def summary(rows: list[Row]) -> str:
-    n = {o: sum(r.outcome == o for r in rows) for o in ("verified", "refused", "fault, deferred or no kernel")}
+    n = {o: sum(r.outcome == o for r in rows) for o in (VERIFIED, REFUSED, UNVERIFIED)}
     total = sum(r.seconds for r in rows)
     where = saved.path()
     return (

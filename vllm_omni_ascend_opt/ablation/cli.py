@@ -210,19 +210,20 @@ def _print_plan(plan: Any, est: Any | None = None) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from vllm_omni_ascend_opt.ablation.plan import estimate
+    from vllm_omni_ascend_opt.warmup import parse_ints
 
     try:
         plan = make_plan(args, build_model=False)
     except WorkloadError as exc:
         return bad_input(str(exc))
+    try:
+        cards = parse_ints(args.cards, "--cards") if args.cards.strip() else []
+    except ValueError as exc:
+        return bad_input(str(exc))
     est = estimate(plan)
     stored = _stored_measurements(plan, args.out)
     launch = _launch_estimate(plan)
     devtime = _devtime_section(plan, launch)
-    try:
-        cards = [int(c) for c in args.cards.split(",") if c.strip()]
-    except ValueError:
-        return bad_input(f"--cards takes card counts like 2,4,8, not {args.cards!r}")
     if args.json:
         out = {"plan": plan.to_dict(), "estimate": est.to_dict(), "stored_measurements": stored}
         if launch is not None:
