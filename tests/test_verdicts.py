@@ -133,7 +133,7 @@ def test_guard_backoff_schedule(monkeypatch):
 def test_a_second_start_with_saved_verdicts_runs_no_check(fake_npu, runtime, tiny_pipe):
     """Why (5): verdicts lived in memory only, so every restart checked again. Saved on disk, keyed by the device
     and its software stack, a restart (a new process: here a new probe and nothing loaded) takes them unchecked."""
-    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt import _report, api
     from vllm_omni_ascend_opt.blocks.kernels import saved
     from vllm_omni_ascend_opt.opts import qk_norm, rope
 
@@ -142,7 +142,9 @@ def test_a_second_start_with_saved_verdicts_runs_no_check(fake_npu, runtime, tin
     api.select("none,+rope,+qk_norm", model=tr)
     first = tiny_forward(runtime, tr)
     checks = qk_norm.OPT.stats["shape_checks"], rope.OPT.stats["shape_checks"]
-    assert all(checks) and saved.path().exists() and saved.entries() > 0
+    assert all(checks) and saved.path().exists()
+    assert _report.status_report()["saved_verdicts"] == {"path": str(saved.path()), "entries": saved.entries()}
+    assert saved.entries() >= sum(checks)
     saved.forget()
     npu = fake_npu()  # the restart: a new probe, no verdict in memory
     qk_norm.OPT.stats.clear(), rope.OPT.stats.clear()

@@ -205,6 +205,15 @@ def kernel_classes() -> dict[str, dict[str, Any]]:
     return out
 
 
+def saved_verdicts() -> dict[str, Any] | None:
+    """The verdict file this process reads and writes, and how many verdicts it knows from it (None: no torch_npu,
+    or the cache is off)."""
+    from vllm_omni_ascend_opt.blocks.kernels import saved
+
+    p = saved.path()
+    return None if p is None else {"path": str(p), "entries": saved.entries()}
+
+
 def status_report(model: Any = None) -> dict[str, Any]:
     off = off_reasons(model)
     report: dict[str, Any] = {
@@ -225,6 +234,7 @@ def status_report(model: Any = None) -> dict[str, Any]:
         "fallbacks": {o.name: o.fallback_reasons() for o in registry.all_optimizations() if o.fallback_reasons()},
         "stats": {o.name: dict(o.stats) for o in registry.all_optimizations() if o.installed and o.stats},
         "kernels": kernel_classes(),
+        "saved_verdicts": saved_verdicts(),
     }
     if model is not None:
         report["pipeline"] = type(model).__name__
