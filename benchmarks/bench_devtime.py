@@ -89,8 +89,7 @@ def markdown(steps: int) -> str:
         b2 = report.predictions(table, p, TB.workload_key(h, w, 2), steps)["default"]
         cells = [f"{preds[c].image_ms:.0f} (x{preds[c].image_ms / preds[c].floor_ms:.2f})" for c in cols]
         out.append(f"| {w}x{h} | {preds['stock'].floor_ms:.0f} | " + " | ".join(cells) + f" | {b2.image_ms:.0f} |")
-    alone = [n for n in TB.configurations() if n.startswith(tuple(TB.transformer_names())) or n.startswith("vae_")]
-    alone = [n for n in alone if "-" not in n and "+" not in n]
+    alone = [n for n in TB.configurations() if n in TB.transformer_names() + TB.vae_names()]
     out += ["", f"Each optimization alone: predicted ms saved per image against stock (model), {steps} steps, B=1:", ""]
     out.append("| optimization | " + " | ".join(f"{w}x{h}" for h, w in res) + " |")
     out.append("|---" * (len(res) + 1) + "|")

@@ -106,5 +106,15 @@ def get(name: str) -> Optimization:
     return REGISTRY.get(name)
 
 
+def patching(module: str, names: list[str] | tuple[str, ...] | None = None) -> list[str]:
+    """The optimizations that patch ``module`` (in registry order; only those in ``names`` when given)."""
+    return [o.name for o in REGISTRY.all() if module in o.target_modules and (names is None or o.name in names)]
+
+
+def in_region(region: str) -> list[str]:
+    """The optimizations whose patched code runs in ``region`` (:data:`~.optimization.REGIONS`), in registry order."""
+    return [o.name for o in REGISTRY.all() if region in o.regions]
+
+
 def default_names() -> list[str]:
     return [o.name for o in REGISTRY.all() if o.default_enabled]

@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 TABLE_FILE = Path(__file__).with_name("npu_launches.json")
-TRANSFORMER_MODULE = "vllm_omni.diffusion.models.qwen_image.qwen_image_transformer"
 QWEN_IMAGE_BLOCKS = 60
 #: The reference's published 910B1 measurement (BF16, eager, 1280x704, 8 steps, CFG off), in ms.
 REFERENCE = {"stock_ms": 3111.5, "steps": 8, "cfg_forwards": 1, "rope_ms": 194.0, "modulation_ms": 255.0}
@@ -58,9 +57,9 @@ def load_table(path: Path = TABLE_FILE) -> dict[str, Any]:
 def transformer_opts(names: list[str] | tuple[str, ...] | None = None) -> list[str]:
     """The registered optimizations that patch the transformer module (in registry order)."""
     from vllm_omni_ascend_opt import registry
+    from vllm_omni_ascend_opt.blocks.upstream import targets
 
-    opts = registry.all_optimizations()
-    return [o.name for o in opts if TRANSFORMER_MODULE in o.target_modules and (names is None or o.name in names)]
+    return registry.patching(targets.TRANSFORMER, names)
 
 
 def key(opts: list[str] | tuple[str, ...]) -> str:

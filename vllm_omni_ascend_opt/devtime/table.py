@@ -33,14 +33,19 @@ def workload_key(height: int, width: int, batch: int) -> str:
     return f"{width}x{height}/B{batch}"
 
 
-TRANSFORMER_MODULE = "vllm_omni.diffusion.models.qwen_image.qwen_image_transformer"
-
-
 def transformer_names() -> list[str]:
     """The registered optimizations that patch the transformer module (in registry order)."""
     from vllm_omni_ascend_opt import registry
+    from vllm_omni_ascend_opt.blocks.upstream import targets
 
-    return [o.name for o in registry.all_optimizations() if TRANSFORMER_MODULE in o.target_modules]
+    return registry.patching(targets.TRANSFORMER)
+
+
+def vae_names() -> list[str]:
+    """The registered optimizations that act in the VAE decode (in registry order)."""
+    from vllm_omni_ascend_opt import registry
+
+    return registry.in_region("vae")
 
 
 def configurations() -> dict[str, str]:
@@ -71,10 +76,10 @@ def ordered(names: Any) -> list[str]:
 
 def find_config(table: dict[str, Any], opts: list[str] | tuple[str, ...]) -> str | None:
     """The table's configuration that selects the same optimizations as ``opts`` for the transformer and the VAE."""
-    tr = set(transformer_names())
+    tr, vae = set(transformer_names()), set(vae_names())
 
     def norm(names: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return tuple(sorted(set(names) & tr)), tuple(sorted(n for n in names if n.startswith("vae_")))
+        return tuple(sorted(set(names) & tr)), tuple(sorted(set(names) & vae))
 
     want = norm(opts)
     first = next(iter(table["workloads"].values()))
@@ -99,7 +104,7 @@ def build(
     from vllm_omni_ascend_opt.devtime import trace as T
 
     configs = configs or configurations()
-    tr_names = set(transformer_names())
+    tr_names, vae_set = set(transformer_names()), set(vae_names())
     tr, vae = T.build_transformer(rt, T.FULL, depth), T.build_vae(T.FULL)
     out: dict[str, Any] = {
         "version": VERSION,
@@ -117,7 +122,7 @@ def build(
             for name, spec in configs.items():
                 opts = flags_mod.parse_spec(spec)
                 tkey = tuple(sorted(set(opts) & tr_names))
-                vkey = tuple(sorted(o for o in opts if o.startswith("vae_")))
+                vkey = tuple(sorted(set(opts) & vae_set))
                 if tkey not in cache_tr:
                     spec_tr = ",".join(["none", *(f"+{n}" for n in tkey)])
                     cache_tr[tkey] = T.trace_transformer(rt, tr, spec_tr, kw).per_call(BLOCKS).to_list()
