@@ -7,7 +7,8 @@ checks :func:`collectives` against them):
 
 * Ulysses SP (degree u): per block, one all-to-all each for the image q, k, v before attention and one for its
   output (4 x B x S/u x d x 2 bytes per rank, (u-1)/u of it leaves the card); the image sequence is split u ways,
-  the text stream is computed whole on every rank; one all-gather of the output per call;
+  the text stream is computed whole on every rank (its attention output all-gathered once per block); one
+  all-gather of the output per call;
 * ring SP (degree r): per block, r-1 passes of the local k and v to the next rank (2 x B x S/r x d x 2 bytes each),
   counted as not overlapped with compute (an upper bound); one all-gather of the output per call;
 * CFG-parallel (2): each rank runs one of the two CFG branches; one all-gather of the noise prediction per step;
@@ -37,9 +38,10 @@ from vllm_omni_ascend_opt.devtime import model as M
 from vllm_omni_ascend_opt.devtime import table as TB
 from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM
 from vllm_omni_ascend_opt.devtime.specs import HCCL_LATENCY_US
-from vllm_omni_ascend_opt.devtime.trace import BLOCKS, OpTable
+from vllm_omni_ascend_opt.devtime.trace import BLOCKS, FULL, OpTable
 
-HIDDEN, HEADS, HEAD_DIM, LINKS = 3072, 24, 128, 7
+HIDDEN, HEADS, HEAD_DIM = FULL.inner_dim, FULL.num_attention_heads, FULL.attention_head_dim
+LINKS = 7
 #: The input argument of each c10d op whose bytes are counted (what one rank sends in).
 _INPUT_ARG = {
     "alltoall_base_": "input",

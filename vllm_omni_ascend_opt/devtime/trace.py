@@ -36,7 +36,7 @@ from vllm_omni_ascend_opt.testbed.tiny_model import REALWIDTH, ModelSpec
 FULL = dataclasses.replace(
     REALWIDTH, name="full", num_layers=60, joint_attention_dim=3584, vae_z_dim=16, vae_base_dim=96
 )
-BLOCKS = 60
+BLOCKS = FULL.num_layers
 #: Text tokens of the prompt (after the template's system prefix is dropped): an assumption, the reference's prompt
 #: is not published. Attention and the text stream scale with it; at 1280x704 it is 2% of the joint sequence.
 TEXT_TOKENS = 64
@@ -175,11 +175,9 @@ def _scopes(trace: OpTrace, blocks: Any) -> Iterator[None]:
 
 @dataclass
 class CallTrace:
-    """One warm transformer call (or one VAE decode): its op tables by scope and the depth it was traced at."""
+    """One warm transformer call (or one VAE decode): its op tables by scope."""
 
     tables: dict[str, OpTable]
-    depth: int
-    real_fallbacks: dict[str, int] = field(default_factory=dict)
 
     def per_call(self, blocks: int = BLOCKS) -> OpTable:
         """The whole call at ``blocks`` blocks: outside + first block + (blocks - 1) x the last block."""
@@ -245,7 +243,7 @@ def trace_transformer(rt: Any, tr: Any, flags: str, kw: dict[str, Any]) -> CallT
     finally:
         with hollow:
             api.select("none", model=tr)
-    return CallTrace(dict(t.tables), len(tr.transformer_blocks), dict(hollow.real_fallbacks))
+    return CallTrace(dict(t.tables))
 
 
 def build_vae(spec: ModelSpec = FULL) -> Any:
@@ -277,4 +275,4 @@ def trace_vae(rt: Any, vae: Any, flags: str, height: int, width: int, batch: int
     finally:
         with hollow:
             api.select("none", model=vae)
-    return CallTrace(dict(t.tables), 1, dict(hollow.real_fallbacks))
+    return CallTrace(dict(t.tables))
