@@ -1,7 +1,7 @@
 """``vllm-omni-ascend-opt ablate`` and ``vllm-omni-ascend-opt plan`` (a dry run of ``ablate``); ``reference save``
 and ``compare`` are in :mod:`.refcli`.
 
-Exit codes of ``ablate``: 0 PASS, 1 FAIL, 2 INCONCLUSIVE or bad input (see :mod:`.stats`). ``plan`` exits 0, or 2 on
+Exit codes of ``ablate``: 0 PASS, 1 FAIL, 2 INCONCLUSIVE or bad input (see :mod:`.verdict`). ``plan`` exits 0, or 2 on
 bad input.
 """
 
@@ -223,13 +223,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     est = estimate(plan)
     stored = _stored_measurements(plan, args.out)
     launch = _launch_estimate(plan)
-    devtime = _devtime_section(plan, launch)
+    devtime = _devtime_section(plan, launch, cards)
     if args.json:
         out = {"plan": plan.to_dict(), "estimate": est.to_dict(), "stored_measurements": stored}
         if launch is not None:
             out["launch_estimate"] = launch
         if devtime is not None:
-            out["devtime_model"] = {k: v for k, v in devtime.items() if k != "tables"}
+            out["devtime_model"] = {k: v for k, v in devtime.items() if k not in ("tables", "layouts")}
         print(json.dumps(out, indent=1))
         return 0
     _print_plan(plan, est)
@@ -241,11 +241,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if devtime is not None:
         from vllm_omni_ascend_opt.devtime import report as devtime_report
 
-        wl = plan.workload
-        lines = devtime_report.plan_lines(
-            devtime, cards, height=wl.height, width=wl.width, steps=wl.steps, cfg=wl.cfg_scale > 1
-        )
-        print("\n".join(lines))
+        print("\n".join(devtime_report.plan_lines(devtime)))
     if stored:
         print(
             f"\n  {args.out} already holds {stored} measurement(s) of this plan: ablate would resume (--fresh: "
@@ -276,9 +272,9 @@ def _launch_estimate(plan: Any) -> dict[str, Any] | None:
     }
 
 
-def _devtime_section(plan: Any, launch: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The device-time model's predictions for the plan's configurations (model, not measured); None for the tiny
-    model."""
+def _devtime_section(plan: Any, launch: dict[str, Any] | None, cards: list[int]) -> dict[str, Any] | None:
+    """The device-time model's predictions for the plan's configurations, and its layouts on ``cards`` (model, not
+    measured); None for the tiny model."""
     from vllm_omni_ascend_opt.devtime import report as devtime_report
 
     wl = plan.workload
@@ -292,6 +288,7 @@ def _devtime_section(plan: Any, launch: dict[str, Any] | None) -> dict[str, Any]
         steps=wl.steps,
         cfg_forwards=2 if wl.cfg_scale > 1 else 1,
         launch_ms_saved=(launch or {}).get("ms_saved"),
+        cards=cards,
     )
 
 

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from vllm_omni_ascend_opt.devtime import model as M
@@ -18,15 +17,8 @@ from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM
 HEAD = "device-time model (model, not measured; devtime/model.py, calibrated on the reference)"
 
 
-@functools.cache
-def _cached_fit(path: str) -> M.Fit:
-    return calibration(TB.load(TB.TABLE_FILE if path == "" else path))
-
-
-def calibration(table: dict[str, Any] | None = None) -> M.Fit:
+def calibration(table: dict[str, Any]) -> M.Fit:
     """Fit the model on the reference points at the reference workload (1280x704, B=1) of ``table``."""
-    if table is None:
-        return _cached_fit("")
     wk = TB.workload_key(*TB.REFERENCE_RES, 1)
     calls = {
         n: (TB.call_ops(table, wk, n), TB.call_ops(table, wk, n, "vae"))
@@ -133,9 +125,11 @@ def for_plan(
     steps: int,
     cfg_forwards: int,
     launch_ms_saved: dict[str, float | None] | None = None,
+    cards: list[int] | None = None,
 ) -> dict[str, Any]:
     """``plan``'s model section: per plan configuration (id -> optimizations) the predicted ms per image and the
-    ms saved against stock, with the launch-only model's figure beside it; ``note`` says why not, where not."""
+    ms saved against stock, with the launch-only model's figure beside it, and the multi-card layouts for ``cards``
+    (one fit for both); ``note`` says why not, where not."""
     out: dict[str, Any] = {"label": HEAD, "configs": {}, "note": ""}
     if model not in ("Qwen/Qwen-Image", "Qwen-Image"):
         out["note"] = f"the trace table holds Qwen-Image text-to-image only, not {model}"
@@ -165,19 +159,15 @@ def for_plan(
     out["calibration"] = fit.rows()
     out["tables"] = text_tables(table, fit, wk, steps, cfg_forwards)
     out["workload"] = wk
+    if cards:
+        from vllm_omni_ascend_opt.devtime import layouts
+
+        out["layouts"] = layouts.text_table(table, fit.params, height, width, steps, cards, cfg_forwards > 1)
     return out
 
 
-def plan_lines(
-    section: dict[str, Any],
-    cards: list[int] | None = None,
-    *,
-    height: int = 0,
-    width: int = 0,
-    steps: int = 0,
-    cfg: bool = False,
-) -> list[str]:
-    """``plan``'s text for :func:`for_plan`'s section (and the multi-card layouts for ``cards``)."""
+def plan_lines(section: dict[str, Any]) -> list[str]:
+    """``plan``'s text for :func:`for_plan`'s section (with its multi-card layouts, when it has them)."""
     lines = [f"\n  {section['label']}, per plan configuration:"]
     if section["note"]:
         return [*lines, f"    not available: {section['note']}"]
@@ -189,9 +179,6 @@ def plan_lines(
             f"{'n/a' if lo is None else f'{lo:.0f}':>17}"
         )
     lines += ["", *section["tables"], "  calibration residuals:", *(f"    {r}" for r in section["calibration"])]
-    if cards:
-        from vllm_omni_ascend_opt.devtime import layouts
-
-        table = TB.load(TB.TABLE_FILE)
-        lines += ["", *layouts.text_table(table, calibration(table).params, height, width, steps, cards, cfg)]
+    if section.get("layouts"):
+        lines += ["", *section["layouts"]]
     return lines
