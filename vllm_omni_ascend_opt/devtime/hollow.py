@@ -70,10 +70,6 @@ def _mutated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 class HollowMode(TorchDispatchMode):
     """``with HollowMode(): model(**inputs)``: the real Python code runs, no arithmetic does (module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.real_fallbacks: dict[str, int] = {}
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
@@ -90,7 +86,6 @@ class HollowMode(TorchDispatchMode):
         try:
             out = func(*meta_args, **meta_kwargs)
         except Exception:  # value-dependent (no meta kernel): run on the deterministic values
-            self.real_fallbacks[name] = self.real_fallbacks.get(name, 0) + 1
             return func(*args, **kwargs)
         return pytree.tree_map(_materialize, out)
 

@@ -26,7 +26,6 @@ the launches and bytes they remove (the reference says 27-49 ms each).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -110,9 +109,6 @@ class Prediction:
     vae_ms: float
     image_ms: float
     floor_ms: float  # FLOPs / spec peak, the whole image's traced work
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 def predict(transformer: OpTable, vae: OpTable, p: Params, steps: int, cfg_forwards: int = 1) -> Prediction:
@@ -201,8 +197,3 @@ def fit(
             m = image(theta, name)
             pts[name] = (ref, m, m - ref, name in points)
     return Fit(params, pts)
-
-
-def max_abs_residual(f: Fit, *, held_out: bool | None = None) -> float:
-    vals = [abs(r) for _, _, r, used in f.points.values() if held_out is None or used != held_out]
-    return max(vals) if vals else math.nan
