@@ -4,7 +4,7 @@
 Usage (from the repo root)::
 
     .venv/bin/python benchmarks/bench_devtime.py --write-table   # trace every workload x configuration, write
-                                                                 # vllm_omni_ascend_opt/devtime/devtime_table.json
+                                                                 # vllm_omni_ascend_opt/devtime/devtime_table.json.gz
     .venv/bin/python benchmarks/bench_devtime.py                 # print the tables from the committed table
     .venv/bin/python benchmarks/bench_devtime.py --cards 2,4,8   # and the multi-card layouts
 

@@ -1,4 +1,5 @@
-"""From raw measurements to verdicts: per-round means, time saved, the noise floor, labels, gates, exit code.
+"""From raw measurements to the figures verdicts are made of: per-round means, time saved, the noise floor, labels,
+machine load, peak memory. The run's verdict and exit code are made from them in :mod:`.verdict`.
 
 Definitions (also in docs/ablation.md):
 
