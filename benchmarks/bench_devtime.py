@@ -18,24 +18,20 @@ multiple of the compute floor, and the top ops of the default stack that are nei
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-@contextlib.contextmanager
-def fake_torch_npu():
-    import pytest
+def fake_torch_npu() -> Any:
+    """The semantic torch_npu fake (tests/fake_torch_npu) installed for a ``with`` block."""
+    from tests.fake_torch_npu import installed
 
-    from tests.fake_torch_npu import install
-
-    with pytest.MonkeyPatch.context() as mp:
-        install(mp)
-        yield
+    return installed()
 
 
 def write_table() -> float:

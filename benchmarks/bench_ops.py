@@ -28,7 +28,6 @@ table ``plan``'s estimate reads.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
@@ -48,16 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@contextlib.contextmanager
-def fake_torch_npu():
-    """The semantic torch_npu fake (tests/fake_torch_npu) installed for the block."""
-    import pytest
+def fake_torch_npu() -> Any:
+    """The semantic torch_npu fake (tests/fake_torch_npu) installed for a ``with`` block."""
+    from tests.fake_torch_npu import installed
 
-    from tests.fake_torch_npu import install
-
-    with pytest.MonkeyPatch.context() as mp:
-        install(mp)
-        yield
+    return installed()
 
 
 def _opts(flags: str) -> tuple[str, ...]:

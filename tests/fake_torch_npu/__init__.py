@@ -27,10 +27,12 @@ namespace, and resets the plugin's backend probe. ``variants`` swap in deliberat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -215,3 +217,12 @@ def install(monkeypatch: Any, **kwargs: Any) -> types.ModuleType:
     _backend.reset_cache()
     monkeypatch.setattr(_backend, "_CACHE", {})
     return mod
+
+
+@contextlib.contextmanager
+def installed(**kwargs: Any) -> Iterator[types.ModuleType]:
+    """:func:`install` for a ``with`` block outside pytest (the benchmarks that run through the fake)."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        yield install(mp, **kwargs)
