@@ -49,6 +49,22 @@ def tiny_pipe(runtime):
     return load_pipeline(runtime)
 
 
+@pytest.fixture(scope="module")
+def bf16_transformer(runtime, tiny_pipe):
+    """A second QwenImageTransformer2DModel with the tiny weights, in bfloat16 (the session pipeline stays fp32);
+    one per test module."""
+    import torch
+
+    from vllm_omni_ascend_opt.blocks.upstream import targets
+    from vllm_omni_ascend_opt.testbed.tiny_model import TINY
+
+    mod = sys.modules[targets.TRANSFORMER]
+    with runtime.context():
+        t = mod.QwenImageTransformer2DModel(od_config=runtime.od_config, **TINY.transformer_kwargs())
+    t.load_state_dict(tiny_pipe.transformer.state_dict())
+    return t.to(torch.bfloat16).eval()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_plugin_state(monkeypatch, tmp_path_factory):
     """Every test starts and ends with nothing selected or installed, and with an empty saved-verdict cache of its

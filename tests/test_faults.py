@@ -12,34 +12,21 @@ check that does not fit in free device memory) the test asserts the three things
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
 from tests.harness.forward import tiny_forward
 from vllm_omni_ascend_opt import _report, api
 from vllm_omni_ascend_opt.blocks.kernels import rope_tables, saved
-from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.opts import fused_attention as fa
 from vllm_omni_ascend_opt.opts import qk_norm as qn
 from vllm_omni_ascend_opt.opts import rope
-from vllm_omni_ascend_opt.testbed import TINY
 
 
 @pytest.fixture(autouse=True)
 def _no_saved_verdicts(monkeypatch):
     """Each test checks afresh after a new probe (saved verdicts would skip the checks the faults aim at)."""
     monkeypatch.setenv(saved.ENV_VERDICT_CACHE, "off")
-
-
-@pytest.fixture(scope="module")
-def bf16_tr(runtime, tiny_pipe):
-    mod = sys.modules[_targets.TRANSFORMER]
-    with runtime.context():
-        t = mod.QwenImageTransformer2DModel(od_config=runtime.od_config, **TINY.transformer_kwargs())
-    t.load_state_dict(tiny_pipe.transformer.state_dict())
-    return t.to(torch.bfloat16).eval()
 
 
 # (optimization, spec, kernel, call to fault, kind, is the kernel bitwise stock on the fake in bf16)
@@ -69,16 +56,16 @@ def _verdicts(opt):
 
 
 @pytest.mark.parametrize("point", list(POINTS))
-def test_a_fault_costs_one_call_and_the_next_forward_is_as_without_it(fake_npu, runtime, bf16_tr, point):
+def test_a_fault_costs_one_call_and_the_next_forward_is_as_without_it(fake_npu, runtime, bf16_transformer, point):
     opt, spec, kernel, at, kind, bitwise = POINTS[point]
     fake_npu()
-    api.select("none", model=bf16_tr)
-    stock = tiny_forward(runtime, bf16_tr)
-    api.select(spec, model=bf16_tr)
-    clean = tiny_forward(runtime, bf16_tr)  # the default run, no fault
+    api.select("none", model=bf16_transformer)
+    stock = tiny_forward(runtime, bf16_transformer)
+    api.select(spec, model=bf16_transformer)
+    clean = tiny_forward(runtime, bf16_transformer)  # the default run, no fault
     npu = fake_npu()  # a new backend probe: every verdict is made afresh
     npu.faults.inject(kernel, at=at, kind=kind)
-    faulted = tiny_forward(runtime, bf16_tr)  # 1. completes
+    faulted = tiny_forward(runtime, bf16_transformer)  # 1. completes
     assert npu.faults.fired == {kernel: 1}
     if bitwise:
         assert torch.equal(faulted, stock) and torch.equal(clean, stock)
@@ -91,8 +78,8 @@ def test_a_fault_costs_one_call_and_the_next_forward_is_as_without_it(fake_npu, 
     assert any(KIND_WORDS[kind] in n for n in opt.notes())
     assert opt.kernel_classes()["why"] == {KIND_WORDS[kind]: 1}
     assert _report.status_report()["kernels"][opt.name]["why"] == {KIND_WORDS[kind]: 1}
-    assert not opt.reasons_inactive(bf16_tr)  # a fault is not "off"
-    again = tiny_forward(runtime, bf16_tr)  # 2. the next forward: the kernel is back, as without the fault
+    assert not opt.reasons_inactive(bf16_transformer)  # a fault is not "off"
+    again = tiny_forward(runtime, bf16_transformer)  # 2. the next forward: the kernel is back, as without the fault
     assert torch.equal(again, clean)
     assert _guard(opt).faults() == [] and all(v.ok for v in _verdicts(opt)) and opt.stats["recovered"] == 1
     assert opt.kernel_classes()["stock"] == 0
@@ -113,17 +100,17 @@ def test_a_fault_while_building_tables_leaves_no_partial_entry(fake_npu, monkeyp
     assert cos is t.cos and sin_signed is t.sin_signed and sin_signed is not None
 
 
-def test_a_table_fault_on_the_kernel_path_costs_one_call(fake_npu, runtime, bf16_tr, monkeypatch):
+def test_a_table_fault_on_the_kernel_path_costs_one_call(fake_npu, runtime, bf16_transformer, monkeypatch):
     """The same fault inside the guarded kernel call: that rotation runs the portable path (stock's values), the
     forward completes, and the next forward uses the kernel with whole tables."""
     fake_npu()
-    api.select("none,+rope", model=bf16_tr)
-    clean = tiny_forward(runtime, bf16_tr)
+    api.select("none,+rope", model=bf16_transformer)
+    clean = tiny_forward(runtime, bf16_transformer)
     npu = fake_npu()
     rope.OPT.rotary.tables.clear()  # built afresh in the faulted forward
     monkeypatch.setattr(rope_tables, "torch", npu.faults.proxy(torch, "repeat_interleave"))
     npu.faults.inject("repeat_interleave", at=4, kind="oom")  # while building the NPU sin table of a real call
-    faulted = tiny_forward(runtime, bf16_tr)
+    faulted = tiny_forward(runtime, bf16_transformer)
     assert torch.isfinite(faulted).all() and (faulted.float() - clean.float()).abs().max() <= 2.0**-4
     assert npu.faults.fired == {"repeat_interleave": 1}
     assert [f.kind for f in rope.OPT.rotary.guard.faults()] == ["out of memory"]
@@ -131,24 +118,24 @@ def test_a_table_fault_on_the_kernel_path_costs_one_call(fake_npu, runtime, bf16
         assert (tables.cos is None) == (tables.sin_signed is None)
         assert (tables.npu_cos is None) == (tables.npu_sin is None)
     calls = rope.OPT.stats["kernel_calls"]
-    assert torch.equal(tiny_forward(runtime, bf16_tr), clean) and rope.OPT.stats["kernel_calls"] > calls
+    assert torch.equal(tiny_forward(runtime, bf16_transformer), clean) and rope.OPT.stats["kernel_calls"] > calls
     assert rope.OPT.rotary.guard.faults() == []
 
 
-def test_a_check_that_does_not_fit_in_free_memory_is_deferred_not_failed(fake_npu, runtime, bf16_tr):
+def test_a_check_that_does_not_fit_in_free_memory_is_deferred_not_failed(fake_npu, runtime, bf16_transformer):
     """Before a class check runs, its fp32 scratch is compared with the device's free memory: it does not fit, so
     the call runs stock and the check is deferred (no verdict, not an error); once memory is free it runs."""
     npu = fake_npu()
-    api.select("none", model=bf16_tr)
-    stock = tiny_forward(runtime, bf16_tr)
-    api.select("none,+qk_norm", model=bf16_tr)
+    api.select("none", model=bf16_transformer)
+    stock = tiny_forward(runtime, bf16_transformer)
+    api.select("none,+qk_norm", model=bf16_transformer)
     npu.memory["free"] = 1024
-    assert torch.equal(tiny_forward(runtime, bf16_tr), stock)
+    assert torch.equal(tiny_forward(runtime, bf16_transformer), stock)
     assert qn.OPT.verdicts() == [] and qn.OPT.stats["kernel_calls"] == 0 and qn.OPT.stats["deferred_checks"] > 0
     faults = qn.OPT._guard.faults()
     assert faults and all(f.kind == "deferred" and f.errors == 0 for f in faults)
     assert any("check deferred (needs" in n and "MiB free" in n for n in qn.OPT.notes())
     assert 0 < qn.OPT._guard.scratch_peak
     npu.memory["free"] = 64 << 30
-    assert torch.equal(tiny_forward(runtime, bf16_tr), stock)
+    assert torch.equal(tiny_forward(runtime, bf16_transformer), stock)
     assert qn.OPT.verdicts() and all(v.ok for v in qn.OPT.verdicts()) and qn.OPT.stats["kernel_calls"] > 0

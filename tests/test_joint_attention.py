@@ -28,16 +28,6 @@ from vllm_omni_ascend_opt.testbed.pipeline import generate
 OPT = ja.OPT
 
 
-@pytest.fixture(scope="module")
-def bf16_transformer(runtime, tiny_pipe):
-    """A second QwenImageTransformer2DModel with the tiny weights, in bfloat16 (the session pipeline stays fp32)."""
-    mod = sys.modules[_targets.TRANSFORMER]
-    with runtime.context():
-        t = mod.QwenImageTransformer2DModel(od_config=runtime.od_config, **TINY.transformer_kwargs())
-    t.load_state_dict(tiny_pipe.transformer.state_dict())
-    return t.to(torch.bfloat16).eval()
-
-
 def _forward(rt, transformer, *, batch=2, hw=(4, 4), txt=7, pad=False, seed=1, grad=False):
     """One transformer forward with pipeline-shaped inputs; ``pad`` masks the last sample's final 3 text tokens."""
     dtype = transformer.proj_out.weight.dtype

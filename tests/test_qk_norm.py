@@ -9,7 +9,6 @@ reason logged, and leave the output stock's.
 from __future__ import annotations
 
 import logging
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import api, registry
-from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.metrics import to_uint8
 from vllm_omni_ascend_opt.opts import joint_attention as ja
 from vllm_omni_ascend_opt.opts import qk_norm as qn
@@ -26,16 +24,6 @@ from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
 from vllm_omni_ascend_opt.testbed.pipeline import generate
 
 OPT = qn.OPT
-
-
-@pytest.fixture(scope="module")
-def bf16_transformer(runtime, tiny_pipe):
-    """A second QwenImageTransformer2DModel with the tiny weights, in bfloat16 (the session pipeline stays fp32)."""
-    mod = sys.modules[_targets.TRANSFORMER]
-    with runtime.context():
-        t = mod.QwenImageTransformer2DModel(od_config=runtime.od_config, **TINY.transformer_kwargs())
-    t.load_state_dict(tiny_pipe.transformer.state_dict())
-    return t.to(torch.bfloat16).eval()
 
 
 def _forward(rt, transformer, *, txt=7, hw=(4, 4), batch=1, seed=1):

@@ -30,16 +30,6 @@ OPT = rope_mod.OPT
 # ----------------------------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def bf16_transformer(runtime, tiny_pipe):
-    """A second QwenImageTransformer2DModel with the tiny weights, in bfloat16 (the session pipeline stays fp32)."""
-    mod = sys.modules[_targets.TRANSFORMER]
-    with runtime.context():
-        t = mod.QwenImageTransformer2DModel(od_config=runtime.od_config, **TINY.transformer_kwargs())
-    t.load_state_dict(tiny_pipe.transformer.state_dict())
-    return t.to(torch.bfloat16).eval()
-
-
 def _transformer(tiny_pipe, bf16_transformer, dtype):
     return tiny_pipe.transformer if dtype == torch.float32 else bf16_transformer
 
