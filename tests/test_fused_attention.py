@@ -489,10 +489,11 @@ def test_mask_is_built_once_per_forward_not_per_layer(fake_npu, bf16_pipe, runti
         run_transformer(tr, runtime, masked=True, seed=4)
     finally:
         fab.kernel_mask = real
-    report = OPT.report(tr)
+    report, mem = OPT.report(tr), OPT.cache_memory()
     OPT.detach(tr)
     n_layers = len(_layers(tr))
     assert n_layers == 2 and report["calls"]["fused"] >= 2 * n_layers
+    assert mem["masks"] == 1 and mem["bytes"] > 0 and mem["check_scratch_peak_bytes"] > 0  # what status reports
     assert len(spy) == 2  # one [B,1,S,S] build per forward, not one per layer
     assert OPT.stats["mask_builds"] - builds == 2 and OPT.stats["mask_reuses"] - reuses == 2 * (n_layers - 1)
     assert any("masks built" in n for n in OPT.notes())

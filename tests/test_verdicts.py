@@ -230,6 +230,28 @@ def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
     assert len(table) == 80 and not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_save_waits_for_the_lock_another_process_holds(fake_npu):
+    """A write takes the lock file's exclusive flock before it reads, merges and renames: while another process
+    holds it, nothing is written (a bound from below: the thread cannot finish while the lock is held)."""
+    import fcntl
+    import threading
+
+    from vllm_omni_ascend_opt.blocks.kernels import saved
+
+    fake_npu()
+    p = saved.path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p.with_name(p.name + ".lock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        t = threading.Thread(target=saved.save, args=("k", ("npu:0", 1), True, ""))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and not p.exists()
+    t.join(60)
+    saved.forget()
+    assert not t.is_alive() and saved.lookup("k", ("npu:0", 1)) == (True, "")
+
+
 def test_batch_times_heads_is_bucketed_like_the_sequence():
     """CFG's batch of 2 and a 2-way head split share a class with B=1 at all heads (24 -> 32), as the code says."""
     from vllm_omni_ascend_opt.blocks.kernels import npu_attention, rotary
