@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import torch
 from vllm_omni_ascend_opt.devtime.costs import cost
 from vllm_omni_ascend_opt.devtime.hollow import HollowMode
 from vllm_omni_ascend_opt.testbed.npu_ops import NpuOpCounter
+from vllm_omni_ascend_opt.testbed.opcount import call_site
 from vllm_omni_ascend_opt.testbed.tiny_model import REALWIDTH, ModelSpec
 
 #: Qwen-Image's real transformer and VAE sizes (the trace builds ``depth`` of the 60 blocks).
@@ -40,19 +40,12 @@ BLOCKS = FULL.num_layers
 #: Text tokens of the prompt (after the template's system prefix is dropped): an assumption, the reference's prompt
 #: is not published. Attention and the text stream scale with it; at 1280x704 it is 2% of the joint sequence.
 TEXT_TOKENS = 64
-_SKIP_FRAMES = ("/torch/", "/devtime/", "/testbed/npu_ops.py", "/fake_torch_npu/", "/contextlib.py")
+_SKIP_FRAMES = ("/devtime/", "/testbed/npu_ops.py", "/fake_torch_npu/")
 
 
 def _site() -> str:
     """``file:line`` of the nearest caller that is model or plugin code (not torch, the trace or the fake)."""
-    f = sys._getframe(3)
-    while f is not None:
-        name = f.f_code.co_filename
-        if not any(s in name for s in _SKIP_FRAMES) and f.f_code.co_name != "__torch_function__":
-            short = name.split("/site-packages/")[-1].split("/vllm_omni_ascend_opt/")[-1]
-            return f"{short}:{f.f_lineno}"
-        f = f.f_back
-    return "?"
+    return call_site(4, _SKIP_FRAMES, ("__torch_function__",), function=False)
 
 
 def shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

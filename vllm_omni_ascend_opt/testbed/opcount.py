@@ -139,16 +139,26 @@ SYNC_OPS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal"}
 _OWN_FILES = (__file__,)
 
 
-def _site() -> str:
-    """``file:line (function)`` of the nearest caller outside torch and this module."""
+def call_site(
+    depth: int = 2, skip: tuple[str, ...] = (), skip_functions: tuple[str, ...] = (), function: bool = True
+) -> str:
+    """``file:line (function)`` of the nearest caller (from ``depth`` frames up) outside torch, contextlib, this
+    module, files whose path contains one of ``skip`` and functions named in ``skip_functions``; without
+    ``function``, ``file:line`` only."""
     import sys
 
-    f = sys._getframe(2)
+    f = sys._getframe(depth)
     while f is not None:
         name = f.f_code.co_filename
-        if name not in _OWN_FILES and "/torch/" not in name and "/contextlib.py" not in name:
+        if (
+            name not in _OWN_FILES
+            and "/torch/" not in name
+            and "/contextlib.py" not in name
+            and not any(s in name for s in skip)
+            and f.f_code.co_name not in skip_functions
+        ):
             short = name.split("/site-packages/")[-1].split("/vllm_omni_ascend_opt/")[-1]
-            return f"{short}:{f.f_lineno} ({f.f_code.co_name})"
+            return f"{short}:{f.f_lineno}" + (f" ({f.f_code.co_name})" if function else "")
         f = f.f_back
     return "?"
 
@@ -193,7 +203,7 @@ class SyncCounter(TorchDispatchMode):
             if name != "cpu" and host is not None and host[0] is frame and host[1] == ptr:
                 pass  # a read of the host copy made by .cpu() in this frame
             else:
-                counter._count(_site())
+                counter._count(call_site(2))
             counter._depth += 1
             try:
                 out = original(t, *args, **kwargs)
@@ -227,7 +237,7 @@ class SyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._depth and func._schema.name in SYNC_OPS:
-            self._count(_site())
+            self._count(call_site(2))
         self._depth += 1
         try:
             return func(*args, **(kwargs or {}))
