@@ -30,14 +30,15 @@ from typing import Any
 
 import torch
 
-from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt import _backend, _env
 from vllm_omni_ascend_opt._version import __version__
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
 ENV_VERDICT_CACHE = "VLLM_OMNI_ASCEND_OPT_VERDICT_CACHE"
 FORMAT = 1
-_OFF = ("0", "off", "none", "false", "no", "disabled")
+#: What turns the cache off: the boolean false spellings (an empty value means the default directory), and these.
+_OFF = (*(v for v in _env.FALSE if v), "none", "disabled")
 _lock = threading.Lock()
 #: path -> {kernel: {key: [ok, reason]}}, loaded once per path and probe
 _loaded: dict[str, Any] = {}
