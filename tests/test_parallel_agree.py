@@ -114,7 +114,9 @@ def test_verdicts_are_exchanged_over_a_cpu_group_never_the_device_one(monkeypatc
 
     from vllm_omni_ascend_opt.blocks.kernels import agree
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    own = not dist.is_initialized()  # another test of this session may have left one
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         made: list = []
         monkeypatch.setattr(agree, "_CPU_GROUPS", {})
@@ -123,7 +125,7 @@ def test_verdicts_are_exchanged_over_a_cpu_group_never_the_device_one(monkeypatc
         monkeypatch.setattr(parallel_state, "get_world_group", lambda: (_ for _ in ()).throw(AssertionError()))
         assert agree._cpu_group() == "gloo-group" and agree._cpu_group() == "gloo-group"
         assert made == [{"backend": "gloo"}]  # made once
-        world = types.SimpleNamespace(world_size=1, cpu_group="vllm-cpu-group")
+        world = types.SimpleNamespace(world_size=dist.get_world_size(), cpu_group="vllm-cpu-group")
         monkeypatch.setattr(agree, "_CPU_GROUPS", {})
         monkeypatch.setattr(parallel_state, "get_world_group", lambda: world)
         gathered: list = []
@@ -132,4 +134,5 @@ def test_verdicts_are_exchanged_over_a_cpu_group_never_the_device_one(monkeypatc
         agree.sync()
         assert gathered == ["vllm-cpu-group"] and len(made) == 1
     finally:
-        dist.destroy_process_group()
+        if own:
+            dist.destroy_process_group()
