@@ -180,7 +180,7 @@ def test_a_raising_kernel_is_a_fault_retried_then_demoted(fake_npu, tiny_pipe, r
     with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
         got = generate(tiny_pipe, runtime, steps=2, seed=4).images
     assert torch.equal(got, ref) and OPT.verdicts() == [] and OPT.stats["kernel_calls"] == 0
-    faults = OPT._guard.faults()
+    faults = OPT.path.guard.faults()
     assert faults and all(f.kind == "runtime error" and not f.demoted for f in faults)
     assert "EZ9999" in caplog.text and any("runtime error" in n for n in OPT.notes())
     assert not OPT.reasons_inactive(tiny_pipe)  # not off: retried
@@ -188,7 +188,7 @@ def test_a_raising_kernel_is_a_fault_retried_then_demoted(fake_npu, tiny_pipe, r
     for _ in range(guard.MAX_ERRORS):
         _forward(runtime, tiny_pipe.transformer)
     calls = npu.calls["npu_rms_norm"]
-    demoted = [f for f in OPT._guard.faults() if f.demoted]  # the classes of _forward's shapes
+    demoted = [f for f in OPT.path.guard.faults() if f.demoted]  # the classes of _forward's shapes
     assert demoted and all(f.errors == guard.MAX_ERRORS for f in demoted)
     assert any("demoted to stock after 6 errors" in n for n in OPT.notes())
     _forward(runtime, tiny_pipe.transformer)
@@ -266,13 +266,13 @@ def test_ineligible_calls_run_stock(fake_npu):
         norm = nn.RMSNorm(16, eps=1e-6)
         OPT._swapped[norm] = nn.RMSNorm
         with torch.no_grad():
-            assert OPT.apply(norm, torch.randn(2, 3, 16).bfloat16()) is None  # gamma fp32 != self bf16 [OP-RMS]
-            assert OPT.apply(norm, torch.randn(16)) is None  # 1-D self [OP-RMS]
-            assert OPT.apply(norm, torch.randn(2, 3, 16).double()) is None  # dtype [OP-RMS]
-        assert OPT.apply(norm, torch.randn(2, 3, 16)) is None  # autograd
+            assert OPT.path.apply(norm, torch.randn(2, 3, 16).bfloat16()) is None  # gamma fp32 != self bf16 [OP-RMS]
+            assert OPT.path.apply(norm, torch.randn(16)) is None  # 1-D self [OP-RMS]
+            assert OPT.path.apply(norm, torch.randn(2, 3, 16).double()) is None  # dtype [OP-RMS]
+        assert OPT.path.apply(norm, torch.randn(2, 3, 16)) is None  # autograd
         with torch.no_grad():
-            assert OPT.apply(nn.RMSNorm(16), torch.randn(2, 16)) is None  # not attached
-            assert OPT.apply(norm, torch.randn(2, 3, 16)) is not None
+            assert OPT.path.apply(nn.RMSNorm(16), torch.randn(2, 16)) is None  # not attached
+            assert OPT.path.apply(norm, torch.randn(2, 3, 16)) is not None
         assert npu.calls["npu_rms_norm"] == 1 and OPT.stats["stock_calls"] == 5
     finally:
         OPT.uninstall()
@@ -283,13 +283,13 @@ def test_verify_at_shape_accepts_the_documented_result_and_refuses_others():
     w = torch.randn(16, generator=g).bfloat16()
     x = torch.randn(3, 40, 16, generator=g).bfloat16()
     good = nn.functional.rms_norm(x, (16,), w, 1e-6)
-    v = qn.verify_at_shape(x, good, w, 1e-6)
-    assert v.ok and v.bitwise_vs_stock and v.max_err_over_bound <= 1.0
+    v = qn.OPT.path.check(x, good, w, 1e-6)
+    assert v.ok and v.bitwise and v.errors["over_bound"] <= 1.0
     bumped = good.clone()
     bumped[1, 7, 3] = bumped[1, 7, 3] * 1.0625  # one element off by 2^-4 relative
-    v = qn.verify_at_shape(x, bumped, w, 1e-6)
+    v = qn.OPT.path.check(x, bumped, w, 1e-6)
     assert not v.ok and "differs from the fp32 reference" in v.reason and "refused" in v.describe()
-    assert not qn.verify_at_shape(x, good[:, :-1], w, 1e-6).ok  # wrong shape
+    assert not qn.OPT.path.check(x, good[:, :-1], w, 1e-6).ok  # wrong shape
     nan = good.clone()
     nan[0, 0, 0] = float("nan")
-    assert not qn.verify_at_shape(x, nan, w, 1e-6).ok
+    assert not qn.OPT.path.check(x, nan, w, 1e-6).ok

@@ -196,7 +196,9 @@ class JointAttention(Optimization):
         txt_freqs: Any,
     ) -> str | None:
         """Why stock must run this call: the call guard once per forward, the instance and the inputs per call."""
-        why = forward_scope.decide("ja.call_reason", _call_guard)  # once per forward; global hooks: static_reason
+        why = forward_scope.decide(
+            "ja.call_reason", guards.eager_call_reason
+        )  # once per forward; global hooks: static_reason
         if why:
             return why
         why = static_reason(attn) or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
@@ -216,7 +218,7 @@ class JointAttention(Optimization):
         return joint_rms_norm(x, st, norm_txt.weight, norm_img.weight, norm_img.eps)
 
     def _joint_tables(
-        self, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, dtype: torch.dtype, kernel: rotary.RotaryKernel | None
+        self, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, dtype: torch.dtype, kernel: rotary.RotaryPath | None
     ) -> tuple[torch.Tensor, rope_tables.Tables]:
         """The joint freqs of this (vid, txt) pair and their tables in ``dtype``: from ``rope``'s rotary service while
         it is installed (its table cache and counters), else from this optimization's own cache. Found once per
@@ -236,7 +238,7 @@ class JointAttention(Optimization):
         ``rope`` switches on while installed (:func:`~vllm_omni_ascend_opt.blocks.kernels.rotary.active`: its verified NPU
         kernel and counters), else with the portable math. ``inplace``: ``x`` is this path's own (the portable math
         rotates it in place: the same ops, fewer temporaries)."""
-        kernel = rotary.active()
+        kernel = rotary.ROTARY.get()
         joint_freqs, tables = self._joint_tables(vid_freqs, txt_freqs, x.dtype, kernel)
         if kernel is not None:
             return kernel.apply(x, tables, joint_freqs, rope, inplace=inplace)
@@ -403,10 +405,6 @@ class JointAttention(Optimization):
                 tables = rope_tables.portable_tables(t, joint_freqs, self.stats)
         if attn is not None:
             compiled_blocks.set_ready(attn, READY_ROPE, tables)
-
-
-def _call_guard() -> str | None:
-    return guards.call_reason(any_grad=True, hooks=False)
 
 
 def _global_hooks_reason() -> str | None:
