@@ -196,9 +196,8 @@ class JointAttention(Optimization):
         txt_freqs: Any,
     ) -> str | None:
         """Why stock must run this call: the call guard once per forward, the instance and the inputs per call."""
-        why = forward_scope.decide(
-            "ja.call_reason", guards.eager_call_reason
-        )  # once per forward; global hooks: static_reason
+        # once per forward; global hooks: static_reason
+        why = forward_scope.decide("ja.call_reason", guards.eager_call_reason)
         if why:
             return why
         why = static_reason(attn) or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
