@@ -165,9 +165,6 @@ def add_subcommands(sub: Any) -> None:
     pl.set_defaults(func=cmd_plan)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# commands
-# ----------------------------------------------------------------------------------------------------------------
 def _print_plan(plan: Any, est: Any | None = None) -> None:
     wl = plan.workload
     print(f"ablation '{wl.name}': mode {wl.mode}, engine {plan.engine}, schedule {plan.schedule}")

@@ -106,9 +106,6 @@ def write_json(results: dict[str, Any], out: Path) -> Path:
     return path
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Markdown
-# ----------------------------------------------------------------------------------------------------------------
 def _table_head(first: list[str], last: list[str]) -> list[str]:
     """A markdown table's header row and separator: the ``first`` columns, one per stage, then the ``last``."""
     cols = [*first, *(f"{STAGE_TITLES[s]} ms" for s in STAGES), *last]
@@ -359,9 +356,6 @@ def write_markdown(results: dict[str, Any], out: Path) -> Path:
     return path
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# chart
-# ----------------------------------------------------------------------------------------------------------------
 COLORS = {"gain": "#2e7d32", "regression": "#c62828", "within noise": "#9e9e9e"}
 
 

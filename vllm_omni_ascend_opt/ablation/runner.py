@@ -84,7 +84,6 @@ class Runner:
         self.failed: dict[str, dict[str, Any]] = {}
         self._has_accelerator: bool | None = None
 
-    # ----- plumbing ----------------------------------------------------------------------------------------
     def _accelerator(self) -> bool:
         if self._has_accelerator is None:
             self._has_accelerator = accelerator_visible()
@@ -222,7 +221,6 @@ class Runner:
             self._record_sample(w.config, rnd, p, s, True, ev, (w.ready or {}).get("pid"))
             prog.step(f"warm-up {w.config.id}")
 
-    # ----- entry point -------------------------------------------------------------------------------------
     def run(self) -> RunData:
         t0 = time.perf_counter()
         fp = self.plan.fingerprint()

@@ -27,9 +27,6 @@ from vllm_omni_ascend_opt.ablation.engines import ENGINES, Generation
 from vllm_omni_ascend_opt.ablation.protocol import PROTOCOL_VERSION, decode, send
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# environment
-# ----------------------------------------------------------------------------------------------------------------
 def _version(dist: str) -> str | None:
     try:
         return metadata.version(dist)
@@ -75,9 +72,6 @@ def environment(device: str) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# main loop
-# ----------------------------------------------------------------------------------------------------------------
 def save_generation(gen: Generation, stem: str) -> None:
     """``stem.png`` (uint8) and, when there is a float output, ``stem.npy``; written atomically."""
     import numpy as np

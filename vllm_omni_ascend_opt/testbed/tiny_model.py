@@ -1,14 +1,10 @@
 """Offline, deterministic builder of tiny Qwen-Image model directories in diffusers format, one per pipeline.
 
-Everything is made from a seed: a tiny Qwen2.5-VL text encoder (with a tiny vision tower), a byte-level Qwen2
-tokenizer built in memory (no hub), a tiny ``AutoencoderKLQwenImage``, a tiny ``QwenImageTransformer2DModel`` and a
-``FlowMatchEulerDiscreteScheduler``. ``ModelSpec.pipeline`` picks the vLLM-Omni 0.30 pipeline the directory is for
-(``model_index.json``'s ``_class_name``): text-to-image, the DMD2 few-step variant, Edit, Edit-Plus (with or without
-the 2511 ``zero_cond_t``) and Layered. The image pipelines also get a ``processor/`` (transformers'
-``Qwen2VLProcessor`` with the torchvision-free ``Qwen2VLImageProcessorPil``, tiny ``min/max_pixels`` so the vision
-tower sees a few patches) and the vision special tokens in the tokenizer, matching the text encoder's token ids.
-The directory is cached on disk (atomic rename, safe for concurrent builders) under
-``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default ``~/.cache/vllm-omni-ascend-opt``), keyed on the spec and the seed.
+Everything is made from a seed: a tiny Qwen2.5-VL text encoder, a byte-level Qwen2 tokenizer built in memory, a tiny
+VAE, transformer and scheduler. ``ModelSpec.pipeline`` picks the vLLM-Omni pipeline (``model_index.json``'s
+``_class_name``); the image pipelines also get a torchvision-free ``processor/`` and the vision tokens. Directories
+are cached under ``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default ``~/.cache/vllm-omni-ascend-opt``), keyed on spec and seed,
+and renamed into place atomically (safe for concurrent builders).
 """
 
 from __future__ import annotations
