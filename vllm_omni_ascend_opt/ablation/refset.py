@@ -32,22 +32,11 @@ KEY_FIELDS = ("prompt", "negative_prompt", "seed", "width", "height", "steps", "
 MUST_MATCH = ("model", "weights", "pipeline", "size", "steps", "seed")
 #: Facts that may legitimately differ, shown side by side at the top of a comparison.
 MAY_DIFFER = (
-    "config",
-    "optimizations",
-    "dtype",
-    "engine",
-    "device",
-    "chip",
-    "cann",
-    "torch_npu",
-    "cuda",
-    "torch",
-    "diffusers",
-    "vllm",
-    "vllm_omni",
-    "vllm_omni_ascend_opt",
-    "created",
-)
+    "config optimizations dtype engine device chip cann torch_npu cuda torch diffusers vllm vllm_omni "
+    "vllm_omni_ascend_opt created"
+).split()
+#: Facts read from the manifest's environment by the same name.
+ENV_FACTS = ("cann", "torch_npu", "cuda", "torch", "diffusers", "vllm", "vllm_omni", "vllm_omni_ascend_opt")
 
 
 class SetError(ValueError):
@@ -102,14 +91,7 @@ class RefSet:
             "engine": (m.get("workload") or {}).get("engine"),
             "device": dev.get("type"),
             "chip": dev.get("name"),
-            "cann": env.get("cann"),
-            "torch_npu": env.get("torch_npu"),
-            "cuda": env.get("cuda"),
-            "torch": env.get("torch"),
-            "diffusers": env.get("diffusers"),
-            "vllm": env.get("vllm"),
-            "vllm_omni": env.get("vllm_omni"),
-            "vllm_omni_ascend_opt": env.get("vllm_omni_ascend_opt"),
+            **{k: env.get(k) for k in ENV_FACTS},
             "created": m.get("created"),
         }
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -111,24 +112,17 @@ def resolve(func: Any) -> tuple[str, Any]:
     return ("unresolved", name)
 
 
-def _function_hooks() -> dict[Callable[..., Any], str]:
-    import torch.nn.functional as F
-
-    table: dict[Callable[..., Any], str] = {
-        F.scaled_dot_product_attention: "scaled_dot_product_attention",
-        torch.matmul: "matmul",
-        torch.Tensor.matmul: "matmul",
-        torch.Tensor.__matmul__: "matmul",
-        torch.softmax: "softmax.int",
-        torch.Tensor.softmax: "softmax.int",
-        F.softmax: "softmax.int",
-    }
-    return table
-
-
 #: Python callable -> the CompositeImplicitAutograd overload it dispatches to, which torch_npu registers for the NPU
 #: (only entries whose overload is in :func:`registered_ops` take effect).
-FUNCTION_HOOKS: dict[Callable[..., Any], str] = _function_hooks()
+FUNCTION_HOOKS: dict[Callable[..., Any], str] = {
+    F.scaled_dot_product_attention: "scaled_dot_product_attention",
+    torch.matmul: "matmul",
+    torch.Tensor.matmul: "matmul",
+    torch.Tensor.__matmul__: "matmul",
+    torch.softmax: "softmax.int",
+    torch.Tensor.softmax: "softmax.int",
+    F.softmax: "softmax.int",
+}
 
 
 class _State(threading.local):

@@ -273,27 +273,19 @@ def apply_engine_cpu_runtime() -> list[str]:
 
 
 def _platform_methods() -> dict[str, Any]:
-    def noop(cls: Any, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def zero(cls: Any, *args: Any, **kwargs: Any) -> int:
-        return 0
-
-    def one(cls: Any, *args: Any, **kwargs: Any) -> int:
-        return 1
-
     def host_available(cls: Any, *args: Any, **kwargs: Any) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
+    noop, zero = classmethod(lambda cls, *a, **k: None), classmethod(lambda cls, *a, **k: 0)
     return {
         "dist_backend": "gloo",
-        "get_device_count": classmethod(one),
-        "set_device": classmethod(noop),
-        "synchronize": classmethod(noop),
-        "get_current_memory_usage": classmethod(zero),
-        "max_memory_reserved": classmethod(zero),
-        "max_memory_allocated": classmethod(zero),
-        "reset_peak_memory_stats": classmethod(noop),
+        "get_device_count": classmethod(lambda cls, *a, **k: 1),
+        "set_device": noop,
+        "synchronize": noop,
+        "get_current_memory_usage": zero,
+        "max_memory_reserved": zero,
+        "max_memory_allocated": zero,
+        "reset_peak_memory_stats": noop,
         "get_free_memory": classmethod(host_available),
     }
 

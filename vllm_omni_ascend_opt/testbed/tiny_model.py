@@ -137,11 +137,9 @@ TINY = ModelSpec(name="tiny")
 TINY_FAMILY: dict[str, ModelSpec] = {
     suffix or "t2i": TINY.variant(p, zero_cond_t=z) for (p, z), suffix in FAMILY_SUFFIX.items()
 }
-#: The test-bed width at depth: 12 blocks (hidden 64), the model of the shipped tiny CPU workloads (``tiny-deep``,
-#: ``tiny-deep-edit-2511``). With 2 blocks the plugin's savings per block-step (~50 launches, a few ms per request on
-#: a 2-core CPU) were the size of the per-request work around them (text encoder, VAE, engine, HTTP) and its noise;
-#: at 12 blocks with 8 steps and true CFG they are ~100x that per request, and a run still takes a few minutes.
-#: The unit tests keep the 2-block :data:`TINY`.
+#: The test-bed width at depth, 12 blocks: the model of the shipped tiny CPU workloads (``tiny-deep``,
+#: ``tiny-deep-edit-2511``), deep enough that the plugin's savings per request stand clear of the per-request work
+#: around them (text encoder, VAE, engine, HTTP) and its noise. The unit tests keep the 2-block :data:`TINY`.
 TINY_DEEP = ModelSpec(name="deep", num_layers=12)
 TINY_FAMILY["deep"] = TINY_DEEP
 TINY_FAMILY["deep-edit-2511"] = TINY_DEEP.variant(EDIT_PLUS, zero_cond_t=True)
