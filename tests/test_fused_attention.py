@@ -537,52 +537,6 @@ def test_a_new_forward_with_other_padding_gets_its_own_mask(fake_npu, bf16_pipe,
         assert (got[pad].float() - refs[pad].float()).abs().max().item() <= 2.0**-6
 
 
-def _run_hw(tr, runtime, hw, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    dt = tr.proj_out.weight.dtype
-    with runtime.context(), torch.no_grad():
-        return tr(
-            hidden_states=torch.randn(1, hw[0] * hw[1], 16, generator=g).to(dt),
-            encoder_hidden_states=torch.randn(1, TXT, 32, generator=g).to(dt),
-            encoder_hidden_states_mask=None,
-            timestep=torch.full((1,), 0.5),
-            img_shapes=[[(1, *hw)]],
-            txt_seq_lens=[TXT],
-            return_dict=False,
-        )[0]
-
-
-def test_shape_class_check_catches_a_long_sequence_fault(fake_npu, bf16_pipe, runtime, caplog):
-    """The toy check (S=47) passes a kernel that drops the scale beyond Sq=64; the first call at S=71 checks the kernel
-    at exactly that shape (random inputs, chunked fp32 reference) and that shape class goes to SDPA, with the reason."""
-    import logging
-
-    fake_npu(fusion_attention="long_seq_bug")
-    tr = bf16_pipe.transformer
-    ref_short, ref_long = _run_hw(tr, runtime, (4, 4)), _run_hw(tr, runtime, (8, 8))
-    OPT.attach(tr)
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
-        got_short, got_long = _run_hw(tr, runtime, (4, 4)), _run_hw(tr, runtime, (8, 8))
-    report = OPT.report(tr)
-    reasons = OPT.reasons_inactive()
-    OPT.detach(tr)
-    assert OPT.verdicts()[("cpu", "bfloat16")].ok  # the toy-shape verification cannot see it
-    assert torch.equal(got_long, ref_long)  # SDPA for the failing class
-    assert (got_short.float() - ref_short.float()).abs().max().item() <= 2.0**-6
-    assert report["calls"] == {"fused": 2, "sdpa: shape class failed verification": 2}  # 2 layers x 2 shapes
-    by_bucket = {v.key[5]: v for v in OPT.shape_verdicts()}
-    assert by_bucket[32].ok and not by_bucket[128].ok and "tol" in by_bucket[128].reason
-    # Not off: the S<=32 class uses the kernel. The failing class is named in the notes and the tally.
-    assert not any("refused" in r for r in reasons)
-    assert any("at cpu/bfloat16/BSND B*N<=4 Nq/Nkv=1 Sq<=128 Skv<=128 D=16: refused" in n for n in OPT.notes())
-    assert OPT.kernel_classes() == {
-        "kernel": 1,
-        "stock": 1,
-        "why": {"refused: max|fused - ref_fp32| 2.18 > tol 0.0156 (stock SDPA error 0.00351)": 1},
-    }
-    assert "stock for this class" in caplog.text
-
-
 def test_shape_check_reference_is_chunked_and_bounded(monkeypatch, fake_npu):
     """At production shapes the fp32 reference never holds more than VERIFY_CHUNK_ELEMS scores at once."""
     fake = fake_npu()

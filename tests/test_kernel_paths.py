@@ -44,7 +44,7 @@ CASES = {
 @pytest.fixture(params=list(CASES))
 def case(request):
     name = request.param
-    yield name, CASES[name], registry.get(name)
+    yield CASES[name], registry.get(name)
     api.select("none")
 
 
@@ -65,7 +65,7 @@ def _wrong_beyond(fn: Callable[..., Any], seq: int) -> Callable[..., Any]:
 
 
 def test_a_new_backend_probe_drops_every_verdict(case, fake_npu, runtime, bf16_transformer):
-    name, c, opt = case
+    c, opt = case
     tr = bf16_transformer
     npu = fake_npu(**c.wrong)
     api.select(c.spec, model=tr)
@@ -73,9 +73,9 @@ def test_a_new_backend_probe_drops_every_verdict(case, fake_npu, runtime, bf16_t
     path = c.path(opt)
     refused = _verdicts(path)
     assert refused and not any(v.ok for v in refused)
-    tried = npu.calls.get(c.kernel, 0)
+    tried = npu.calls[c.kernel]
     tiny_forward(runtime, tr)
-    assert npu.calls.get(c.kernel, 0) == tried  # a refused kernel is not called again under this probe
+    assert npu.calls[c.kernel] == tried  # a refused kernel is not called again under this probe
     npu = fake_npu()  # another torch_npu: a new probe
     assert _verdicts(path) == []
     tiny_forward(runtime, tr)
@@ -88,7 +88,7 @@ def test_a_new_backend_probe_drops_every_verdict(case, fake_npu, runtime, bf16_t
 def test_the_shape_class_check_refuses_a_kernel_wrong_only_at_long_sequences(
     case, fake_npu, runtime, bf16_transformer, caplog
 ):
-    name, c, opt = case
+    c, opt = case
     tr = bf16_transformer
     npu = fake_npu()
     setattr(npu, c.kernel, _wrong_beyond(getattr(npu, c.kernel), 64))
@@ -115,7 +115,7 @@ def test_the_shape_class_check_refuses_a_kernel_wrong_only_at_long_sequences(
 def test_traced_code_is_stock_and_counts_nothing(case, fake_npu, runtime, bf16_transformer, caplog):
     """Under torch.compile (a block's attention, as vLLM-Omni's regional compile traces it), fullgraph tracing
     succeeds, the graph holds stock code (equal results), and no kernel call, counter, verdict or log line appears."""
-    name, c, opt = case
+    c, opt = case
     npu = fake_npu()
     tr = bf16_transformer
     attn = tr.transformer_blocks[0].attn
@@ -136,7 +136,7 @@ def test_traced_code_is_stock_and_counts_nothing(case, fake_npu, runtime, bf16_t
     finally:
         torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-    assert npu.calls.get(c.kernel, 0) == 0 and not opt.stats and _verdicts(c.path(opt)) == []
+    assert npu.calls[c.kernel] == 0 and not opt.stats and _verdicts(c.path(opt)) == []
     assert not caplog.records
     with runtime.context(), torch.no_grad():
         attn(hs, ehs, vid, txt)  # eager again: the path acts (it was in place while tracing)

@@ -136,35 +136,6 @@ def test_ops_per_block_joint_and_per_stream(fake_npu, tiny_pipe, runtime):
     assert "aten::rsqrt" not in joint.counts and "aten::pow" not in joint.counts
 
 
-@pytest.mark.parametrize("spec", ["none,+qk_norm", "none,+joint_attention,+qk_norm"])
-def test_traced_norms_are_stock_and_count_nothing(fake_npu, runtime, tiny_pipe, caplog, spec):
-    """Under torch.compile (a block's attention, as vLLM-Omni's regional compile traces it) the kernel norm checks
-    ``guards.tracing()`` first: fullgraph tracing succeeds, the graph holds stock ``nn.RMSNorm`` (no kernel call), and
-    no counter, verdict or log line appears."""
-    npu = fake_npu()
-    attn = tiny_pipe.transformer.transformer_blocks[0].attn
-    g = torch.Generator().manual_seed(0)
-    hs, ehs = torch.randn(1, 16, attn.dim, generator=g), torch.randn(1, 7, attn.dim, generator=g)
-    api.select("none", model=tiny_pipe)
-    with runtime.context(), torch.no_grad():
-        vid, txt = tiny_pipe.transformer.pos_embed([(1, 4, 4)], [7], device=torch.device("cpu"))
-        want = attn(hs, ehs, vid, txt)
-    api.select(spec, model=tiny_pipe)
-    assert all(OPT.is_prepared(n) for n in _norms(tiny_pipe))
-    torch._dynamo.reset()
-    try:
-        with runtime.context(), torch.no_grad(), caplog.at_level(logging.DEBUG, logger="vllm_omni_ascend_opt"):
-            got = torch.compile(attn, backend="eager", fullgraph=True)(hs, ehs, vid, txt)
-    finally:
-        torch._dynamo.reset()
-    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-    assert npu.calls["npu_rms_norm"] == 0 and not OPT.stats and OPT.verdicts() == []
-    assert not caplog.records
-    with runtime.context(), torch.no_grad():
-        attn(hs, ehs, vid, txt)  # eager: the kernel runs (the classes were swapped while tracing)
-    assert npu.calls["npu_rms_norm"] == 4 and OPT.stats["kernel_calls"] == 4
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # refusals: per shape class, with the reason logged, output stock's
 # ----------------------------------------------------------------------------------------------------------------
@@ -215,20 +186,6 @@ def test_a_wrong_kernel_is_refused_with_a_logged_reason(fake_npu, tiny_pipe, run
     calls = npu.calls["npu_rms_norm"]
     generate(tiny_pipe, runtime, steps=1, seed=4)
     assert npu.calls["npu_rms_norm"] == calls  # refused classes are not retried
-
-
-def test_a_new_backend_probe_drops_the_verdicts(fake_npu, runtime, tiny_pipe):
-    """The verdict cache's one rule: verdicts belong to the backend probe they were made under. Another torch_npu
-    (a new probe) while qk_norm stays installed: the refusals are gone and the good kernel is verified afresh."""
-    fake_npu(rms_norm="no_gamma")
-    api.select("none,+qk_norm", model=tiny_pipe)
-    _forward(runtime, tiny_pipe.transformer)
-    assert OPT.verdicts() and not any(v.ok for v in OPT.verdicts()) and OPT.stats["kernel_calls"] == 0
-    npu = fake_npu()
-    assert OPT.verdicts() == []
-    _forward(runtime, tiny_pipe.transformer)
-    assert OPT.verdicts() and all(v.ok for v in OPT.verdicts()) and npu.calls["npu_rms_norm"] > 0
-    assert OPT.stats["kernel_calls"] == npu.calls["npu_rms_norm"]
 
 
 def test_refusal_is_per_shape_class(fake_npu, runtime, tiny_pipe, caplog):

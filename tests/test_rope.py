@@ -526,48 +526,6 @@ def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_tran
     torch.testing.assert_close(ref.float(), stock.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_a_new_backend_probe_drops_the_verdicts(runtime, tiny_pipe, fake_npu):
-    """The verdict cache's one rule: verdicts (toy-shape and per shape class) belong to the backend probe they were
-    made under. Another torch_npu (a new probe) while rope stays installed: the refusal is gone, the good kernel is
-    verified afresh and used."""
-    fake_npu(rotary_mul="half_pairing")
-    api.select("none,+rope", model=tiny_pipe)
-    _forward(runtime, tiny_pipe.transformer)
-    (v,) = OPT.verdicts()
-    assert not v.ok and OPT.stats["kernel_calls"] == 0
-    npu = fake_npu(rotary_mul="long_seq_bug")
-    assert OPT.verdicts() == [] and OPT.shape_verdicts() == []
-    _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
-    (v,) = OPT.verdicts()
-    assert v.ok and OPT.stats["kernel_calls"] > 0 and not all(sv.ok for sv in OPT.shape_verdicts())
-    npu = fake_npu()
-    assert OPT.verdicts() == [] and OPT.shape_verdicts() == []  # the refused shape class too
-    _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
-    assert len(OPT.shape_verdicts()) == 2 and all(sv.ok for sv in OPT.shape_verdicts())
-    assert npu.calls["npu_rotary_mul"] == 1 + 8  # verified, then used for both shape classes (2 blocks x 4)
-
-
-def test_shape_class_check_catches_a_long_sequence_fault(runtime, tiny_pipe, fake_npu, caplog):
-    """The toy-shape check (S=37) passes a kernel that is wrong only beyond S=64; the first real call of the longer
-    shape class is checked on its real inputs and falls back, while shorter classes keep the kernel."""
-    fake_npu(rotary_mul="long_seq_bug")
-    api.select("none", model=tiny_pipe)
-    ref = _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
-    api.select("none,+rope", model=tiny_pipe)
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
-        got = _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
-    assert torch.equal(ref, got)
-    (v,) = OPT.verdicts()
-    assert v.ok  # the toy check cannot see it
-    by_bucket = {sv.key[4]: sv for sv in OPT.shape_verdicts()}
-    assert not by_bucket[128].ok and "tolerance" in by_bucket[128].reason  # image tokens: S = 100
-    assert by_bucket[8].ok  # text tokens: S = 7
-    assert "refused" in caplog.text and "S<=128" in caplog.text
-    checks = OPT.stats["shape_checks"]
-    _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
-    assert OPT.stats["shape_checks"] == checks  # verdicts cached per class
-
-
 def test_shape_check_reference_is_chunked(monkeypatch):
     """Bounded memory at production shapes: the fp32 reference is computed over S in chunks."""
     b, s, n, d = 1, 40, 2, 8
