@@ -50,11 +50,11 @@ def _run_rank(rank: int, port: int, out: str) -> None:
     g = torch.Generator().manual_seed(rank)
     used = []  # per call: whether the kernel's output was used (None: the stock path)
     with torch.no_grad():
-        used.append(opt.apply(norm, torch.randn(1, 8, 2, 16, generator=g)) is not None)  # rows<=16: both check it
+        used.append(opt.path.apply(norm, torch.randn(1, 8, 2, 16, generator=g)) is not None)  # rows<=16: both check it
         if rank == 1:
-            opt.apply(norm, torch.randn(1, 20, 2, 16, generator=g))  # rows<=64: only rank 1 meets it
+            opt.path.apply(norm, torch.randn(1, 20, 2, 16, generator=g))  # rows<=64: only rank 1 meets it
         else:
-            used.append(opt.apply(norm, torch.randn(1, 100, 2, 16, generator=g)) is not None)  # rows<=256: rank 0
+            used.append(opt.path.apply(norm, torch.randn(1, 100, 2, 16, generator=g)) is not None)  # rows<=256: rank 0
     before = {str(v.key[2]): [v.ok, v.reason] for v in opt.verdicts()}
 
     class _Forward(nn.Module):
@@ -66,8 +66,8 @@ def _run_rank(rank: int, port: int, out: str) -> None:
     end()  # the end of an outermost watched forward: the ranks agree there (agree.sync)
     with torch.no_grad():
         if rank == 0:
-            opt.apply(norm, torch.randn(1, 20, 2, 16, generator=g))  # rank 0 meets rows<=64 now
-            used.append(opt.apply(norm, torch.randn(1, 100, 2, 16, generator=g)) is not None)
+            opt.path.apply(norm, torch.randn(1, 20, 2, 16, generator=g))  # rank 0 meets rows<=64 now
+            used.append(opt.path.apply(norm, torch.randn(1, 100, 2, 16, generator=g)) is not None)
     after = {str(v.key[2]): [v.ok, v.reason] for v in opt.verdicts()}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(
