@@ -90,7 +90,15 @@ class Optimization:
     """Base class. Subclasses set the class attributes and override the hooks they need."""
 
     name: ClassVar[str]
+    #: What it does, in a line. This and :attr:`why`, :attr:`how`, :attr:`upstream_pr` and :attr:`removal_plan` are
+    #: the one text about it: ``list``, the README table and the header of its patch (tools/gen_docs.py) show them.
     summary: ClassVar[str]
+    #: The stock work it removes and why that matters ("" renders nothing).
+    why: ClassVar[str] = ""
+    #: How it does it, and why that keeps its :attr:`equivalence`.
+    how: ClassVar[str] = ""
+    #: Open upstream PRs that touch the same code and how they differ, or what to propose upstream.
+    upstream_pr: ClassVar[str] = ""
     #: The weakest tier this optimization can deliver anywhere (its class); :meth:`tier` says what it delivers here.
     equivalence: ClassVar[Equivalence]
     default_enabled: ClassVar[bool] = True
@@ -117,7 +125,7 @@ class Optimization:
     acts_without_attach: ClassVar[bool] = False
     #: Further reusable model-level checks asked by :meth:`reasons_inactive` for a model, in order.
     model_checks: ClassVar[tuple[ModelCheck, ...]] = ()
-    #: Upstream change that makes this optimization obsolete (shown in docs and patches).
+    #: The upstream change that makes this optimization obsolete.
     removal_plan: ClassVar[str] = ""
     #: ``(SSIM, PSNR dB)`` this optimization must meet against the configuration without it when it delivers the
     #: ``close`` tier (the ablation runner's gate); None: the workload's ``ssim_gate`` / ``psnr_gate``.

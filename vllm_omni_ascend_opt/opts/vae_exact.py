@@ -1,43 +1,15 @@
-"""`vae_exact`: Remove VAE decode work that never changes a bit for single-frame images (unread cache clones, fp32 round trips, repeated counts).
+"""`vae_exact`: VAE decode work that never changes a bit for single-frame images, removed (:class:`VaeExact`).
 
-Why
-    Qwen-Image's VAE is the Wan *video* VAE: every decode of a still image (one latent frame, T = 1) pays for the
-    streaming machinery of video decoding. Per decode, at real width (base_dim 96), stock diffusers 0.40 / vLLM-Omni
-    0.30 clone the input of every causal convolution into a feature cache that only a *next* frame would read (32
-    full-size copies), round-trip each nearest upsample through fp32 (2 casts x 3 upsamples in bf16), copy the input
-    of each 1x1x1 convolution through a zero-width ``F.pad``, walk all ~200 modules twice per ``clear_cache`` (4x
-    per decode) to count convolutions it already counted in ``__init__``, and the pipeline re-creates and uploads the
-    latents mean / 1/std tensors on every call.
-How (per instance, through the instances' own ``__dict__``; the classes are untouched)
-    * ``single_frame_decode`` - ``vae._decode``: for a non-tiled single-frame latent, run the decoder with
-      ``feat_cache=None``. For the first (and only) frame every cache slot is ``None``, so each causal conv already
-      runs ``conv(x, None)`` and each ``upsample3d`` skips its ``time_conv``: the cache-less path is the same
-      computation minus the clones written for a frame that never comes. A tiled decode is handed to
-      ``tiled_decode`` exactly as stock's ``_decode`` does; multi-frame decodes take the stock path (``fallbacks``
-      counts them, with the reason).
-    * ``single_frame_tiles`` - ``vae.tiled_decode`` (``vae_use_tiling``) and ``vae.tile_exec`` (vLLM-Omni's VAE
-      patch parallelism): each single-frame tile is decoded as above, without the feature cache. The tiles, the
-      blending (stock's own ``blend_v`` / ``blend_h``, in stock's order, on the same tile tensors) and the crops are
-      stock's; the tiles of a row are blended as soon as the row is decoded and a row is dropped once the next one
-      is blended (stock decodes every tile before blending any), so fewer decoded tiles are alive at once.
-    * ``cached_conv_counts`` - ``vae.clear_cache``: use ``_cached_conv_counts`` (computed by diffusers' own
-      ``__init__``; checked against a fresh count at attach) instead of walking the module tree.
-    * ``upsample_native_dtype`` - each ``QwenImageUpsample.forward``: nearest(-exact) interpolation only copies
-      values, so ``interp(x.float()).type_as(x)`` equals ``interp(x)`` for fp16/bf16/fp32; verified once per
-      (device type, dtype) on a probe, stock otherwise (the verdicts: ``VaeExact.upsample_verdicts``, a
-      ``blocks.kernels.verdicts.VerdictCache``: a new backend probe drops them, uninstall clears them).
-    * ``pointwise_conv_no_pad`` - each 1x1x1 ``QwenImageCausalConv3d.forward``: its causal padding is all zeros,
-      so stock's ``F.pad`` only makes a contiguous copy; a contiguous input goes straight to ``Conv3d.forward``.
-    * ``latents_stats_cache`` - ``pipeline._decode_latents`` (QwenImagePipeline's own, checked by identity): the
-      mean and 1/std tensors are built by the same ops once per (device, dtype, config values) and reused
-      (:class:`LatentsStats`: one entry per pipeline; another device, dtype or config rebuilds it).
-    Each piece is proven bitwise (``torch.equal``) by tests/test_vae_exact.py, fp32 and bf16, several sizes.
-Upstream PR
-    None yet. diffusers computes ``_cached_conv_counts`` but 0.40's ``clear_cache`` does not use it; the cache
-    clones and the fp32 upsample round trip come from the video (Wan) VAE.
-Removal plan
-    Drop each piece when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes (tiles too), uses the
-    cached counts and interpolates in the input dtype; drop ``latents_stats_cache`` when vLLM-Omni caches them.
+Each piece is patched per instance through the instance's own ``__dict__`` (``_vae_common``) and proven bitwise by
+tests/test_vae_exact.py:
+
+* ``single_frame_decode`` (``vae._decode``) and ``single_frame_tiles`` (``tiled_decode``, ``tile_exec``: stock's tiles,
+  blending and crops; a row is dropped once the next one is blended): one frame decoded without the feature cache;
+* ``cached_conv_counts`` (``vae.clear_cache``): diffusers' ``_cached_conv_counts``, checked at attach;
+* ``upsample_native_dtype`` (``QwenImageUpsample.forward``): verified once per (device type, dtype) on a probe
+  (:attr:`VaeExact.upsample_verdicts`);
+* ``pointwise_conv_no_pad`` (1x1x1 ``QwenImageCausalConv3d.forward``): a contiguous input skips the pad copy;
+* ``latents_stats_cache`` (``pipeline._decode_latents``): :class:`LatentsStats`, one entry per pipeline.
 """
 
 from __future__ import annotations
@@ -400,7 +372,35 @@ def _make_decode_latents(pipe: Any) -> Any:
 # ------------------------------------------------------------------------------------------------------------------
 class VaeExact(VaeOptimization):
     name = "vae_exact"
-    summary = "Remove VAE decode work that never changes a bit for single-frame images (unread cache clones, fp32 round trips, repeated counts)."
+    summary = (
+        "Remove VAE decode work that never changes a bit for single-frame images (unread cache clones, fp32 round "
+        "trips, repeated counts)."
+    )
+    why = (
+        "Qwen-Image's VAE is the Wan video VAE: every decode of a still image (one latent frame) clones the input "
+        "of each causal convolution into a feature cache only a next frame would read, round-trips each nearest "
+        "upsample through fp32, copies the input of each 1x1x1 convolution through a zero-width F.pad, walks the "
+        "module tree on each clear_cache to count convolutions diffusers already counted, and re-creates the "
+        "latents mean and std tensors on every call."
+    )
+    how = (
+        "For one frame every feature-cache slot is None, so a decode without the cache is the same computation "
+        "minus the clones (tiled decodes: tile by tile, with stock's blending); clear_cache uses the cached conv "
+        "counts (checked equal to a fresh count); nearest upsampling only copies values, so it runs in the input "
+        "dtype (fp32/bf16/fp16, verified on a probe); a 1x1x1 causal convolution's padding is all zeros, so a "
+        "contiguous input goes straight to Conv3d; the latents mean and 1/std are built by the same ops once per "
+        "device, dtype and config. The removed work is copies, lossless casts and bookkeeping: bitwise stock. "
+        "Multi-frame decodes keep stock's path."
+    )
+    upstream_pr = (
+        "None found in vLLM-Omni or diffusers (diffusers computes _cached_conv_counts but clear_cache does not "
+        "use it). ComfyUI #12090 (merged) skips the Wan VAE's feature cache for single frames; sglang #38020 "
+        "(merged) ports Wan VAE decoder fast paths to the Qwen-Image VAE on CUDA."
+    )
+    removal_plan = (
+        "Drop each piece when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes, uses "
+        "its cached conv counts and interpolates in the input dtype, and vLLM-Omni caches the latents statistics."
+    )
     equivalence = "exact"
     default_enabled = True
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
@@ -425,10 +425,6 @@ class VaeExact(VaeOptimization):
         same(_targets.PIPELINE, "QwenImagePipeline._decode_latents", "61e30597d68a52fb"),
     )
     on_qwen_image_21 = QWEN_IMAGE_21_REFUSAL
-    removal_plan = (
-        "when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes, uses its cached conv "
-        "counts and interpolates in the input dtype, and vLLM-Omni caches the latents statistics"
-    )
     pieces = (
         "single_frame_decode",
         "single_frame_tiles",
