@@ -44,7 +44,7 @@ from vllm_omni_ascend_opt.blocks.body.joint_qkv import JointFreqsCache as _Joint
 from vllm_omni_ascend_opt.blocks.kernels import rms_norm, rope_tables, rotary
 from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
-from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
+from vllm_omni_ascend_opt.optimization import Optimization
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -80,12 +80,8 @@ class JointAttention(Optimization):
         "joint sequence (or fuses qk-norm-rope on NPU)."
     )
     equivalence = "exact"
-    default_enabled = True
     requires = ("any device and dtype (stock's fused CUDA qk-norm-rope path stays stock)",)
     target_modules = (_targets.TRANSFORMER,)
-    # The values handed to the attention layer are stock's (views of the joint tensors under SP); TP only changes
-    # the local head counts (equal for both streams); CFG-parallel runs each branch as a single request.
-    parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")
     regions = frozenset({"block"})
     #: Its joint path is written for tracing with the RoPE tables hoisted per forward (regional compile). Under full
     #: compile it would compute them in the graph, measured slower than compiled stock (bench_host --compiled full:

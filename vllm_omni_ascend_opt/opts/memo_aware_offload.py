@@ -26,7 +26,7 @@ from vllm_omni_ascend_opt.blocks.upstream import guards
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import Upstream, same
 from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
 from vllm_omni_ascend_opt.blocks.upstream.layerwise import LAYERWISE_MODULE, block_hook, is_modulation, layerwise_hooks
-from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
+from vllm_omni_ascend_opt.optimization import Optimization
 
 TENSOR_UTILS = "vllm_omni.diffusion.offloader.tensor_utils"
 #: The upstream code it wraps (``pre_forward``, ``prefetch_layer``), mirrors (``prefetch_layer``'s copy with the
@@ -107,7 +107,6 @@ class MemoAwareOffload(Optimization):
     #: No patched region of its own (it acts through the offload's forward hooks), but what it saves are the block
     #: weight copies of each transformer forward.
     stages = frozenset({"denoise"})
-    default_enabled = True
     requires = ("vLLM-Omni 0.30.x with enable_layerwise_offload; any device",)
     inactive_when = (
         "the model is not offloaded layerwise (nothing is copied), shared_modulation does not act, the blocks are "
@@ -121,7 +120,6 @@ class MemoAwareOffload(Optimization):
         "it asks shared_modulation's memo, which stays off there: upstream prepares one modulation for all blocks, "
         "no per-block img_mod/txt_mod weights to leave on the host"
     )
-    parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-rank hooks and memo, no collective
     no_patch_reason = (
         "upstream has no modulation memo to ask: a patch would stack on 0001-shared_modulation (every patch applies "
         "alone to pristine vLLM-Omni), and patches/check.py's exactness run loads the pipeline without layerwise "

@@ -43,7 +43,7 @@ from vllm_omni_ascend_opt.blocks.upstream import ada_norm, forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, V030, V031, V032, Upstream, same
 from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
-from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
+from vllm_omni_ascend_opt.optimization import Optimization
 
 _T, _ADA = _targets.TRANSFORMER, ada_norm.ADALAYERNORM_MODULE
 #: The upstream functions this patch replaces (the block forward, load_weights) or mirrors (everything its memoized
@@ -112,7 +112,6 @@ class SharedModulation(Optimization):
     equivalence = "exact"
     requires = ("vLLM-Omni >= 0.30 whose code matches the fingerprints it knows; any device and dtype",)
     target_modules = (_targets.TRANSFORMER,)
-    parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-rank memo, no collectives (see docstring)
     regions = frozenset({"block", "transformer"})  # the block body and projections; norm_out in the forward
     #: Regional compile: the memo runs in eager (the transformer's forward and pre-hooks of the compiled blocks), the
     #: compiled blocks receive ready modulation tensors. Full compile traces the memo's lookups: stock code there.

@@ -402,7 +402,6 @@ class VaeExact(VaeOptimization):
         "its cached conv counts and interpolates in the input dtype, and vLLM-Omni caches the latents statistics."
     )
     equivalence = "exact"
-    default_enabled = True
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)
     regions = frozenset({"vae"})
