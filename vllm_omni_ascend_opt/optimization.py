@@ -45,18 +45,9 @@ Equivalence = Literal["exact", "pixel", "close"]
 #: Equivalence tiers, strongest first. ``exact``: bitwise-identical outputs; ``pixel``: the uint8 images are identical
 #: (float outputs may differ in the last bits); ``close``: the images pass the SSIM/PSNR gates.
 TIERS: tuple[str, ...] = ("exact", "pixel", "close")
-TIER_MEANING = {
-    "exact": "bitwise-identical outputs",
-    "pixel": "uint8-identical images (float outputs may differ)",
-    "close": "images within the SSIM/PSNR gates",
-}
 
 #: Parallel modes an optimization declares its support for (vLLM-Omni's names, see ``_parallel.active_modes``).
 PARALLEL_MODES = ("single", "ulysses", "ring", "cfg_parallel", "tensor_parallel", "allgather", "vae_patch_parallel")
-
-#: Where an optimization's patched code runs (:attr:`Optimization.regions`): inside the transformer blocks, in the
-#: transformer's own forward outside the blocks, in the VAE decode, or once at load time on the weights.
-REGIONS = ("block", "transformer", "vae", "load")
 
 #: The stages of one request, in order (the ablation runner times each): prompt encoding, the denoising loop, the
 #: latents' unpacking and VAE decode.
@@ -111,8 +102,9 @@ class Optimization:
     #: Per parallel mode: "supported", or "off: <reason>" when the optimization does not act there (a mode it does
     #: not mention is not supported). Checked for every model (``_parallel.parallel_reasons_inactive``).
     parallel_support: ClassVar[dict[str, str]] = dict.fromkeys(PARALLEL_MODES, "supported")
-    #: Where the patched code runs (:data:`REGIONS`). A compiled region of the model runs stock code for the
-    #: optimizations that live in it (they step aside while torch.compile traces).
+    #: Where the patched code runs: ``block`` (inside the transformer blocks), ``transformer`` (its forward outside
+    #: them), ``vae`` (the decode) or ``load`` (once, on the weights). A compiled region of the model runs stock
+    #: code for the optimizations that live in it (they step aside while torch.compile traces).
     regions: ClassVar[frozenset[str]] = frozenset()
     #: The request stages (:data:`STAGES`) whose time it can change; None: those of its :attr:`regions`
     #: (:data:`STAGE_OF_REGION`), every stage when it declares no region. :meth:`changed_stages` is the answer.

@@ -19,7 +19,7 @@ T = TypeVar("T")
 class Slot(Generic[T]):
     """One provider at a time, named for logs and errors."""
 
-    __slots__ = ("name", "_owner")
+    __slots__ = ("_owner", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name

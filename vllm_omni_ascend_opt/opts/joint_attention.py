@@ -380,10 +380,6 @@ def _call_guard() -> str | None:
     return guards.call_reason(any_grad=True, hooks=False)
 
 
-def _global_hooks_reason() -> str | None:
-    return "global module hooks are registered" if guards.global_hooks() else None
-
-
 def _modules(model: Any) -> list[nn.Module]:
     return list(model.modules()) if isinstance(model, nn.Module) else []
 

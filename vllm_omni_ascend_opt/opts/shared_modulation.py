@@ -267,10 +267,6 @@ class SharedModulation(Optimization):
             hoisted = hoistable(mods) if mods is not None else None
         compiled_blocks.set_ready(block, READY, hoisted)
 
-    def hoisting(self, model: Any) -> bool:
-        """``model``'s compiled blocks receive their modulation from the eager pre-hooks (regional compile)."""
-        return any(self._hoister.active(tr) for tr in find_transformers(model))
-
     def _block_mods(
         self, block: nn.Module, temb: torch.Tensor, modulate_index: Any, hidden_states: torch.Tensor
     ) -> tuple[Any, ...] | None:

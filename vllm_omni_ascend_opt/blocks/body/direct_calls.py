@@ -16,7 +16,7 @@ subclass dispatch off: the very call the module path ends in, bitwise the same. 
 same for ``FeedForward`` (linear, GELU, linear) and :func:`layer_norm_args` / :func:`layer_norm` for layer norms.
 The upstream functions mirrored are declared in :data:`~..upstream.targets.DIRECT_CALLS` and checked by source
 fingerprint: a difference keeps every layer on its module path, with the reason. Process-wide facts are decided
-once per transformer forward (:func:`process_reason`); callers check ``guards.tracing()`` first.
+once per transformer forward; callers check ``guards.tracing()`` first.
 """
 
 from __future__ import annotations
@@ -84,13 +84,6 @@ def _known() -> _Known | str:
 def _decided() -> _Known | str:
     """The verified upstream, or why no layer is called directly: decided once per transformer forward."""
     return forward_scope.decide("direct_calls.process", _decide)
-
-
-def process_reason() -> str | None:
-    """Why no layer is called directly in this forward (None: the instances decide): upstream code that differs
-    from the mirrored one, or vLLM's batch-invariant GEMM on a CUDA-like or XPU platform. Decided once per forward."""
-    k = _decided()
-    return k if isinstance(k, str) else None
 
 
 def _decide() -> _Known | str:
