@@ -9,6 +9,7 @@ own affine or hooks, and mixed dtypes.
 
 from __future__ import annotations
 
+from vllm_omni_ascend_opt.blocks.body.block_body import FAST_MODULATE
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.opts._fast_tier import FastBlockMode
 
@@ -38,7 +39,7 @@ class FastModulate(FastBlockMode):
         "norm's weight and bias when they are [1, 1, D]."
     )
     removal_plan = "Drop when vLLM-Omni's AdaLayerNorm fuses (1 + scale, shift) into its layer norm kernel."
-    mode = "modulate"
+    slot = FAST_MODULATE
     #: What its one affine layer norm replaces: AdaLayerNorm's native and NPU paths (and the block it runs in).
     upstream = (_targets.BLOCK_FORWARD, _targets.ADA_FORWARD_NATIVE, _targets.ADA_FORWARD_NPU)
 

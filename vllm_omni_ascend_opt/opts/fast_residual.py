@@ -7,6 +7,7 @@ with ``out=``. Stock's ops run, with a counted reason, for mixed dtypes among ``
 
 from __future__ import annotations
 
+from vllm_omni_ascend_opt.blocks.body.block_body import FAST_RESIDUAL
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.opts._fast_tier import FastBlockMode
 
@@ -32,7 +33,7 @@ class FastResidual(FastBlockMode):
         "branch) in QwenImageTransformerBlock.forward."
     )
     removal_plan = "Drop when vLLM-Omni's block writes its gated residuals with one fused op."
-    mode = "residual"
+    slot = FAST_RESIDUAL
     #: What its addcmul replaces: the block's gated residuals ``x + gate * y``.
     upstream = (_targets.BLOCK_FORWARD,)
 

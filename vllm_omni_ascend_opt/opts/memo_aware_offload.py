@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt.blocks.body.block_body import block_body_reason
+from vllm_omni_ascend_opt.blocks.memo.cache import MEMO
 from vllm_omni_ascend_opt.blocks.upstream import guards
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import Upstream, same
 from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
@@ -226,9 +227,6 @@ class MemoAwareOffload(Optimization):
             return kwargs["temb"]
         return args[3] if len(args) > 3 else None
 
-    def _memo(self) -> Any:
-        return self._peers.get("shared_modulation").memo if self._peers is not None else None
-
     def _before_block(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> _Ring | None:
         """At block 0: decide for this forward (once). Returns the block's ring (None: not an attached block)."""
         found = self._rings.get(module)
@@ -255,8 +253,8 @@ class MemoAwareOffload(Optimization):
 
     def _forward_reason(self, tr: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
         """Why this forward must copy every weight (None: it may skip the modulation weights)."""
-        peer = self._peers.get("shared_modulation") if self._peers is not None else None
-        if peer is None or not peer.installed:
+        memo = MEMO.get()
+        if memo is None:
             return "shared_modulation is not installed"
         temb = self._temb(args, kwargs)
         if not isinstance(temb, torch.Tensor):
@@ -266,7 +264,6 @@ class MemoAwareOffload(Optimization):
         why = self._static_reason(tr)
         if why:
             return why
-        memo = peer.memo
         if not all(memo.has_block(b, temb) for b in tr.transformer_blocks):
             return NOT_ALL_MEMOIZED
         return None
@@ -297,7 +294,7 @@ class MemoAwareOffload(Optimization):
         params = source.next_block_parameters
         if all(p.numel() for n, p in params.items() if is_modulation(n)):
             return  # copied whole (block 0, or a forward that did not skip)
-        memo = self._memo()
+        memo = MEMO.get()
         if memo is not None and memo.has_block(module, self._temb(args, kwargs)):
             return
         self._fallback("a block's modulation left the memo after the per-forward decision: copied before it ran")

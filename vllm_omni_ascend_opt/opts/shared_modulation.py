@@ -34,7 +34,7 @@ from vllm_omni_ascend_opt.blocks.body.block_body import (
     hoistable,
     traced_block_body,
 )
-from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, ModulationMemo, budget_from_env
+from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, MEMO, ModulationMemo, budget_from_env
 from vllm_omni_ascend_opt.blocks.memo.keys import (
     SELECT01_MODULE,
     unkeyable_reasons,
@@ -256,6 +256,7 @@ class SharedModulation(Optimization):
 
         load_weights.__wrapped__ = original_load  # type: ignore[attr-defined]
         self.patches.set(model_cls, "load_weights", load_weights)
+        MEMO.provide(self.memo)
 
     def _hoist(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Eager pre-hook of a regionally compiled block: the memo lookup the compiled block cannot make, left on the
@@ -337,6 +338,7 @@ class SharedModulation(Optimization):
         }
 
     def _uninstall(self) -> None:
+        MEMO.withdraw(self.memo)
         self._hoister.release_all()
         for module, cls in list(self._swapped.items()):
             module.__class__ = cls
