@@ -47,9 +47,7 @@ from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.optimization import Optimization
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the optimization
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the optimization ---------------------------------------------------------------------------------------------
 class JointAttention(Optimization):
     name = "joint_attention"
     summary = (
@@ -84,8 +82,7 @@ class JointAttention(Optimization):
     target_modules = (_targets.TRANSFORMER,)
     regions = frozenset({"block"})
     #: Its joint path is written for tracing with the RoPE tables hoisted per forward (regional compile). Under full
-    #: compile it would compute them in the graph, measured slower than compiled stock (bench_host --compiled full:
-    #: 1.076x, 0.975x without it): there the traced graph keeps stock's attention.
+    #: compile it would compute them in the graph, slower than compiled stock: there the graph keeps stock's attention.
     acts_compiled = frozenset({"regional"})
     acts_without_attach = True
     #: What it replaces (the joint attention forward, qk-norm-rope) and mirrors (the native rotary math, stock's
@@ -305,7 +302,7 @@ class JointAttention(Optimization):
         else:
             qkv = torch.cat([txt_qkv, img_qkv], dim=1)
             # the projections live on in the joint tensor: free them before the norms' fp32 temporaries (alive
-            # together, they made the transformer's peak 1.22x stock's at 1328^2)
+            # together, they raise the transformer's peak above stock's)
             del img_qkv, txt_qkv
             b, s = qkv.shape[0], qkv.shape[1]
             value = qkv[..., q_size + kv_size :].view(b, s, nkv, d)

@@ -38,8 +38,7 @@ from vllm_omni_ascend_opt.opts._vae_common import (
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
-#: Why vae_exact stays off on Qwen-Image-2.1 (its own VAE class, AutoencoderKLQwenImage21): see the closing note of
-#: issue 22 for what is left there (the fp32 upsample round trip and the per-call latents statistics).
+#: Why vae_exact stays off on Qwen-Image-2.1 (its own VAE class, AutoencoderKLQwenImage21).
 QWEN_IMAGE_21_REFUSAL = (
     "its VAE (AutoencoderKLQwenImage21) already decodes without the feature cache and with 2-D convolutions; the two "
     "exact pieces left there (native-dtype upsample, latents statistics built once) are not implemented for it"
@@ -57,9 +56,7 @@ class UpsampleVerdict:
     ok: bool
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# single_frame_decode
-# ------------------------------------------------------------------------------------------------------------------
+# ----- single_frame_decode ------------------------------------------------------------------------------------------
 def tiling_applies(vae: nn.Module, z: torch.Tensor) -> bool:
     """The condition under which diffusers' ``_decode`` hands over to ``tiled_decode`` (and vLLM-Omni's
     ``DistributedAutoencoderKLQwenImage.tiled_decode`` to its patch-parallel executor)."""
@@ -95,7 +92,7 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
             return self.tiled_decode(z, return_dict=return_dict)  # stock's hand-over (single_frame_tiles acts there)
         why = single_frame_refusal(self, z)
         if why:
-            opt.fallback(why)
+            opt._fallback(why)
             return original(z, return_dict=return_dict)
         # Stock: clear_cache(); post_quant_conv(z); decoder(x[:, :, 0:1], feat_cache=all None); clamp; clear_cache().
         # x[:, :, 0:1] of a one-frame x is x itself, and with every cache slot None the decoder computes exactly
@@ -112,9 +109,7 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
     return _decode
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# single_frame_tiles
-# ------------------------------------------------------------------------------------------------------------------
+# ----- single_frame_tiles -------------------------------------------------------------------------------------------
 def tiles_refusal(vae: nn.Module) -> str:
     """Why the tiled decode of ``vae`` keeps stock code ("" when ``single_frame_tiles`` can act)."""
     mod = diffusers_vae()
@@ -180,7 +175,7 @@ def _make_tiled_decode(opt: VaeExact, vae: nn.Module) -> Any:
         if callable(distributed) and distributed():
             return original(z, return_dict=return_dict)  # vLLM-Omni's executor: its tiles go through tile_exec
         if refused := single_frame_refusal(self, z):
-            opt.fallback(refused)
+            opt._fallback(refused)
             return original(z, return_dict=return_dict)
         opt.stats["tiled_decodes"] += 1
         dec = tiled_decode_single_frame(opt, self, z)
@@ -199,7 +194,7 @@ def _make_tile_exec(opt: VaeExact, vae: nn.Module) -> Any:
             return original(task)
         frames = list(task.tensor)
         if len(frames) != 1 or frames[0].dim() != 5:
-            opt.fallback(multi_frame_reason(len(frames)))
+            opt._fallback(multi_frame_reason(len(frames)))
             return original(task)
         opt.stats["tiles"] += 1
         return decode_tile(self, frames[0])
@@ -207,9 +202,7 @@ def _make_tile_exec(opt: VaeExact, vae: nn.Module) -> Any:
     return tile_exec
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# cached_conv_counts
-# ------------------------------------------------------------------------------------------------------------------
+# ----- cached_conv_counts -------------------------------------------------------------------------------------------
 def _count_causal_convs(module: nn.Module | None) -> int:
     if module is None:
         return 0
@@ -242,9 +235,7 @@ def _clear_cache(self: nn.Module) -> None:
     self._enc_feat_map = [None] * self._enc_conv_num
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# upsample_native_dtype
-# ------------------------------------------------------------------------------------------------------------------
+# ----- upsample_native_dtype ----------------------------------------------------------------------------------------
 def check_native_upsample(module: nn.Module, device: torch.device, dtype: torch.dtype) -> UpsampleVerdict:
     """Does interpolating in ``dtype`` on ``device`` equal stock's fp32 round trip on a probe? (once per key)"""
     key = (device.type, dtype)
@@ -282,9 +273,7 @@ def _make_upsample_forward(verdicts: VerdictCache[UpsampleVerdict], module: nn.M
     return forward
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# pointwise_conv_no_pad
-# ------------------------------------------------------------------------------------------------------------------
+# ----- pointwise_conv_no_pad ----------------------------------------------------------------------------------------
 def _is_pointwise_causal_conv(m: nn.Module) -> bool:
     cls = diffusers_vae().QwenImageCausalConv3d
     return (
@@ -307,9 +296,7 @@ def _make_pointwise_forward(module: nn.Module) -> Any:
     return forward
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# latents_stats_cache
-# ------------------------------------------------------------------------------------------------------------------
+# ----- latents_stats_cache ------------------------------------------------------------------------------------------
 def decode_latents_refusal(pipe: Any) -> str:
     mod = sys.modules.get(_targets.PIPELINE)
     if mod is None:
@@ -369,7 +356,6 @@ def _make_decode_latents(pipe: Any) -> Any:
     return _decode_latents
 
 
-# ------------------------------------------------------------------------------------------------------------------
 class VaeExact(VaeOptimization):
     name = "vae_exact"
     summary = (

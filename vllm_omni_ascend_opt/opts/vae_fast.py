@@ -34,9 +34,7 @@ from vllm_omni_ascend_opt.opts._vae_common import (
 )
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# conv2d_last_tap
-# ------------------------------------------------------------------------------------------------------------------
+# ----- conv2d_last_tap ----------------------------------------------------------------------------------------------
 def last_tap_eligible(m: nn.Module) -> bool:
     """A stock causal conv whose output on one uncached frame depends only on its last temporal tap."""
     cls = diffusers_vae().QwenImageCausalConv3d
@@ -83,9 +81,7 @@ def _make_last_tap_forward(module: nn.Module) -> Any:
     return forward
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# rms_norm_input_dtype
-# ------------------------------------------------------------------------------------------------------------------
+# ----- rms_norm_input_dtype -----------------------------------------------------------------------------------------
 _NORM_EPS = 1e-12  # F.normalize's default eps, which stock uses
 _NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -130,7 +126,6 @@ def _make_norm_forward(module: nn.Module) -> Any:
     return forward
 
 
-# ------------------------------------------------------------------------------------------------------------------
 class VaeFast(VaeOptimization):
     name = "vae_fast"
     summary = "Faster approximate VAE decode, accepted only within SSIM >= 0.99 and PSNR >= 35 dB of stock."

@@ -4,8 +4,6 @@
 Why (host time only; it changes no kernel): the block body and ``joint_attention`` call these layers in every block,
 and their module path (``nn.Module.__call__``, the linear's ``forward``, the quant method's ``apply``, an environment
 read, the parameter subclass's ``__torch_function__``) costs more host time than the layers' own kernel launches.
-It stays because leaving it out makes the default stack's host time more than 10% worse at 12 blocks
-(``benchmarks/bench_host.py --depth deep --configs default,default-direct_calls``; docs/results.md).
 
 How: :func:`linear_args` answers, per call, whether a layer is exactly what the direct call mirrors and returns its
 weight and bias: one of vLLM's plain linear classes (not a subclass: LoRA wrappers, platform replacements and
