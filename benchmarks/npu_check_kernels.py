@@ -13,10 +13,10 @@ own policies and ends with what the plugin *would* use on this machine (``plugin
 takes the kernel, FAIL = it would refuse it, with the reason) - a kernel that passes a check here is not "in use"
 unless that row says so.
 
-1. ``fused_attention``: the plugin's first-use verification (``blocks.fusion_attention.verify``, toy shapes); then at the
+1. ``fused_attention``: the plugin's first-use verification (``AttentionPath.first_check``, toy shapes); then at the
    production shapes - BSND, 24 heads x 128, [text; image] joint sequence S = 256 + 4096 = 4352, B*N = 24 (batch 1,
    no mask) and 48 (batch 2, the second prompt 32 tokens shorter) - the plugin's per-shape-class check
-   (``blocks.fusion_attention.check_at_shape``: chunked fp32 reference, stock SDPA as the error budget; its one-time cost is
+   (``AttentionPath.class_check``: chunked fp32 reference, stock SDPA as the error budget; its one-time cost is
    printed), and timings of: stock ``SDPAImpl.forward_npu`` (permutes to BNSD, expands the mask, calls
    ``F.scaled_dot_product_attention``, which torch_npu (torch >= 2.5 builds) dispatches to ``npu_fusion_attention``
    BNSD itself); ``F.scaled_dot_product_attention`` alone on pre-permuted contiguous BNSD inputs (the kernel stock
@@ -31,8 +31,8 @@ unless that row says so.
    ``F.linear`` with bias on [1, tokens, in] (img_mod on 1 token; to_qkv, to_out, mlp up/down on all image tokens),
    ND vs FRACTAL_NZ weights, format round trip checked.
 3. ``rope``: the kernel policy (``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL``: ``pixel`` default, ``bitwise``), the toy-shape
-   verification (``blocks.rotary.verify_kernel``), then at the production shapes (S = 4352, B*N = 24 and 48,
-   D = 128) the per-shape-class check (``blocks.rotary.verify_at_shape``, chunked fp32 reference, error no larger than
+   verification (``RotaryPath.first_check``), then at the production shapes (S = 4352, B*N = 24 and 48,
+   D = 128) the per-shape-class check (``RotaryPath.class_check``, chunked fp32 reference, error no larger than
    stock's own) with its one-time cost, and timings of ``npu_rotary_mul`` vs the portable path.
 
 What it prints: a header line ``npu_check_kernels: <chip> | soc <version> | torch_npu <version> | CANN <version> |
@@ -145,9 +145,12 @@ def check_attention(ck: Checker, npu: Any, dtype: torch.dtype, n: int, d: int, t
 
     dev = ck.device
     ck.section(f"fused_attention: {fa.KERNEL} vs stock SDPA (BSND, N={n}, D={d}, S={txt}+{img})")
-    v = fa.verify(npu, dev, dtype, n, d)
-    ck.row("plugin verification (fused_attention.verify)", "toy, both", "PASS" if v.ok else "FAIL",
-           max(v.errors.values(), default=None), why="" if v.ok else v.detail)  # fmt: skip
+    from collections import Counter
+
+    path = fa.AttentionPath("npu_check_kernels", Counter())
+    v = path.first_check(npu, dev, dtype, n, d)
+    ck.row("plugin verification (AttentionPath.first_check)", "toy, both", "PASS" if v.ok else "FAIL",
+           max(v.errors.values(), default=None), why="" if v.ok else v.reason)  # fmt: skip
     scale = d**-0.5
     stock = fa.sdpa_impl(n, d, scale, n)
     gen = torch.Generator().manual_seed(0)
@@ -174,14 +177,14 @@ def check_attention(ck: Checker, npu: Any, dtype: torch.dtype, n: int, d: int, t
         del qb, kb, vb
         try:
             out = fa.call_kernel(npu, q, k, val, masked, scale)
-            sv = fa.check_at_shape(q, k, val, out, masked, scale)
+            sv = path.class_check(npu, q, k, val, masked, scale)
         except Exception as exc:
             ck.row("plugin would use npu_fusion_attention", case, "FAIL", why=f"{exc.__class__.__name__}: {exc}")
             would[case] = False
             continue
         would[case] = sv.ok
-        ck.row("plugin would use npu_fusion_attention", case, "PASS" if sv.ok else "FAIL", sv.err, None,
-               sv.seconds * 1e3, None, why=f"per-shape-class check (one-time cost in 'median ms'): {sv.detail}")  # fmt: skip
+        ck.row("plugin would use npu_fusion_attention", case, "PASS" if sv.ok else "FAIL", sv.errors.get("kernel"),
+               None, sv.seconds * 1e3, None, why=f"per-shape-class check (one-time cost in 'median ms'): {sv.reason}")  # fmt: skip
         med, mn = ck.time(lambda q=q, k=k, val=val, masked=masked: fa.call_kernel(npu, q, k, val, masked, scale))
         ck.row(f"plugin: {fa.KERNEL} (mask prebuilt)", case, "info", None, None, med, mn, stock_med)
         fia = getattr(npu, "npu_fused_infer_attention_score", None)
@@ -293,13 +296,14 @@ def check_rope(ck: Checker, npu: Any, dtype: torch.dtype, n: int, d: int, seq: i
     ck.section(f"rope: npu_rotary_mul(interleave) under the runtime policy {rope.ENV_KERNEL_POLICY}={policy}")
     kernel = getattr(npu, "npu_rotary_mul", None)
     if kernel is None:
-        ck.row("rope.verify_kernel", f"D={d}", "FAIL", why="npu_rotary_mul not in this torch_npu")
+        ck.row("RotaryPath.first_check", f"D={d}", "FAIL", why="npu_rotary_mul not in this torch_npu")
         ck.would_use["rope"] = {"ok": False, "tier": "exact", "why": "no npu_rotary_mul"}
         return
-    v = rotary.verify_kernel(kernel, ck.device, dtype, d, n)
-    toy_ok = v.ok and (policy == "pixel" or v.bitwise_vs_stock)
-    ck.row("plugin verification (rope.verify_kernel)", f"toy, D={d}", "PASS" if toy_ok else "FAIL", v.err_kernel,
-           v.err_stock, why=v.describe() + ("" if toy_ok or not v.ok else "; refused: the policy is bitwise"))  # fmt: skip
+    path = rotary.RotaryPath(rope.OPT, Counter(), "npu_check_kernels")  # rope's policy, a path of its own
+    v = path.first_check(kernel, ck.device, dtype, d, n)
+    toy_ok = v.ok
+    ck.row("plugin verification (RotaryPath.first_check)", f"toy, D={d}", "PASS" if toy_ok else "FAIL",
+           v.errors.get("kernel"), v.errors.get("stock"), why=v.describe())  # fmt: skip
     gen = torch.Generator().manual_seed(2)
     would = {}
     for b in (1, 2):
@@ -315,14 +319,14 @@ def check_rope(ck: Checker, npu: Any, dtype: torch.dtype, n: int, d: int, seq: i
         stock_med = med
         try:
             out = kernel(x, npu_cos, npu_sin, rotary_mode="interleave")
-            sv = rotary.verify_at_shape(x, out, cos, sin_signed, bitwise=policy == "bitwise")
+            sv = path.class_check(x, out, cos, sin_signed)
         except Exception as exc:
             ck.row("plugin would use npu_rotary_mul", case, "FAIL", why=f"{exc.__class__.__name__}: {exc}")
             would[case] = False
             continue
         would[case] = toy_ok and sv.ok
-        ck.row("plugin would use npu_rotary_mul", case, "PASS" if would[case] else "FAIL", sv.err_kernel,
-               sv.err_stock, sv.seconds * 1e3, None,
+        ck.row("plugin would use npu_rotary_mul", case, "PASS" if would[case] else "FAIL",
+               sv.errors.get("kernel"), sv.errors.get("stock"), sv.seconds * 1e3, None,
                why=f"per-shape-class check (one-time cost in 'median ms'): {sv.describe()}")  # fmt: skip
         med, mn = ck.time(lambda x=x, c=npu_cos, s=npu_sin: kernel(x, c, s, rotary_mode="interleave"))
         ck.row("plugin: npu_rotary_mul (1 launch)", case, "info", None, None, med, mn, stock_med)

@@ -11,8 +11,8 @@ Usage (repo root, CPU; no NPU needed)::
 twice: a first start with an empty verdict cache, then a second start (a new backend probe, nothing in memory) that
 finds every verdict on disk; it prints the cost per shape class and that the second start runs no check.
 
-For ``rope`` (``blocks.rotary.verify_at_shape``: chunked fp32 reference and stock's own error on the real call's output)
-and ``fused_attention`` (``blocks.fusion_attention.check_class``: the kernel on random inputs of the call's shapes, a
+For ``rope`` (``RotaryPath.class_check``: chunked fp32 reference and stock's own error on the real call's output)
+and ``fused_attention`` (``AttentionPath.class_check``: the kernel on random inputs of the call's shapes, a
 chunked fp32
 reference and stock SDPA on the same chunks) it prints the check's wall time next to one call of the (fake) kernel,
 median of ``--repeats``. These are **the fake's costs on this CPU**: the fake computes each kernel with plain torch,
@@ -30,6 +30,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 
     mp = pytest.MonkeyPatch()
     npu = install(mp)
+    rpath = rotary.RotaryPath(SimpleNamespace(use_npu_kernel=True, requires_bitwise=lambda: False), Counter(), "cost")
+    apath = fa.AttentionPath("cost", Counter())
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     s, n, d, dtype = a.seq, a.heads, a.head_dim, torch.bfloat16
     print(f"verify_cost: the torch_npu FAKE on CPU ({torch.get_num_threads()} threads), bf16, S={s}, D={d}")
@@ -133,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                 out = npu.npu_rotary_mul(x, ncos, nsin, rotary_mode="interleave")
                 kernel = functools.partial(npu.npu_rotary_mul, x, ncos, nsin, rotary_mode="interleave")
                 call = _median_s(kernel, a.repeats)
-                check = functools.partial(rotary.verify_at_shape, x, out, cos, sin_signed, bitwise=False)
+                check = functools.partial(rpath.class_check, x, out, cos, sin_signed)
                 sv = check()
                 chk = _median_s(check, a.repeats)
-                print(f"{'rope.verify_at_shape':<44} {b * n:>4} {chk:>9.3f} {call:>9.3f} {chk / call:>6.1f}x  "
+                print(f"{'RotaryPath.class_check':<44} {b * n:>4} {chk:>9.3f} {call:>9.3f} {chk / call:>6.1f}x  "
                       f"{'ok' if sv.ok else 'REFUSED: ' + sv.reason}")  # fmt: skip
                 del x, out
             for b in (1, 2):
@@ -149,10 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                 scale = d**-0.5
                 call = _median_s(functools.partial(fa.call_kernel, npu, q, k, v, masked, scale), a.repeats)
                 t0 = time.perf_counter()
-                sv = fa.check_class(npu, q, k, v, masked, scale)
+                sv = apath.class_check(npu, q, k, v, masked, scale)
                 chk = time.perf_counter() - t0
-                print(f"{'fusion_attention.check_class (+1 call)':<44} {b * n:>4} {chk:>9.3f} {call:>9.3f} "
-                      f"{chk / call:>6.1f}x  {'ok' if sv.ok else 'REFUSED: ' + sv.detail}")  # fmt: skip
+                print(f"{'AttentionPath.class_check (+1 call)':<44} {b * n:>4} {chk:>9.3f} {call:>9.3f} "
+                      f"{chk / call:>6.1f}x  {'ok' if sv.ok else 'REFUSED: ' + sv.reason}")  # fmt: skip
                 del q, k, v
     finally:
         mp.undo()

@@ -44,7 +44,7 @@ KIND_WORDS = {"oom": "out of memory", "runtime": "runtime error"}
 
 
 def _guard(opt):
-    return opt.rotary.guard if opt is rope.OPT else opt._guard
+    return opt.rotary.guard if opt is rope.OPT else opt.path.guard
 
 
 def _verdicts(opt):
@@ -132,10 +132,10 @@ def test_a_check_that_does_not_fit_in_free_memory_is_deferred_not_failed(fake_np
     npu.memory["free"] = 1024
     assert torch.equal(tiny_forward(runtime, bf16_transformer), stock)
     assert qn.OPT.verdicts() == [] and qn.OPT.stats["kernel_calls"] == 0 and qn.OPT.stats["deferred_checks"] > 0
-    faults = qn.OPT._guard.faults()
+    faults = qn.OPT.path.guard.faults()
     assert faults and all(f.kind == "deferred" and f.errors == 0 for f in faults)
     assert any("check deferred (needs" in n and "MiB free" in n for n in qn.OPT.notes())
-    assert 0 < qn.OPT._guard.scratch_peak
+    assert 0 < qn.OPT.path.guard.scratch_peak
     npu.memory["free"] = 64 << 30
     assert torch.equal(tiny_forward(runtime, bf16_transformer), stock)
     assert qn.OPT.verdicts() and all(v.ok for v in qn.OPT.verdicts()) and qn.OPT.stats["kernel_calls"] > 0

@@ -10,6 +10,7 @@ import logging
 import math
 import sys
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -406,7 +407,7 @@ def test_npu_path_uses_interleave_and_1s1d_tables(runtime, tiny_pipe, bf16_trans
     api.select("none,+rope", model=tiny_pipe)
     got = _forward(runtime, t, batch=2, pad=True, dtype=dtype)
     v = OPT.verdicts()
-    assert len(v) == 1 and v[0].ok and v[0].dtype == dtype, OPT.notes()
+    assert len(v) == 1 and v[0].ok and v[0].key[1] == dtype, OPT.notes()
     calls = seen[1:]  # [0] is the verification call
     assert len(calls) == 4 * len(t.transformer_blocks) and OPT.stats["kernel_calls"] == len(calls)
     assert OPT.stats["portable_calls"] == 0
@@ -435,7 +436,7 @@ def test_verdict_is_cached_per_device_and_dtype(runtime, tiny_pipe, bf16_transfo
         _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
     verifications = [c for c in seen if c[0].shape[1] == 37]  # verify_kernel's S
     assert [c[0].dtype for c in verifications] == [torch.float32, torch.bfloat16]
-    assert {(v.device, v.dtype) for v in OPT.verdicts()} == {("cpu", torch.float32), ("cpu", torch.bfloat16)}
+    assert {v.key[:2] for v in OPT.verdicts()} == {("cpu", torch.float32), ("cpu", torch.bfloat16)}
 
 
 def test_wrong_pairing_kernel_is_refused(runtime, tiny_pipe, fake_npu, caplog):
@@ -448,7 +449,7 @@ def test_wrong_pairing_kernel_is_refused(runtime, tiny_pipe, fake_npu, caplog):
     assert npu.calls["npu_rotary_mul"] == 1  # the verification call only
     assert torch.equal(ref, got)  # portable path, bitwise
     (v,) = OPT.verdicts()
-    assert not v.ok and "wrong pairing" in v.reason and v.max_err_over_bound > 100
+    assert not v.ok and "wrong pairing" in v.reason and v.errors["over_bound"] > 100
     assert OPT.stats["kernel_calls"] == 0 and OPT.stats["portable_calls"] > 0
     assert "refused" in caplog.text and "npu_rotary_mul" in caplog.text
     row = next(r for r in api.status() if r["name"] == "rope")
@@ -491,7 +492,7 @@ def test_low_precision_is_within_bf16_bound_accepted_by_pixel_refused_by_bitwise
     api.select("none,+rope")
     _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
     (v,) = OPT.verdicts()
-    assert v.ok and not v.bitwise_vs_stock and v.err_kernel <= v.err_stock
+    assert v.ok and not v.bitwise and v.errors["kernel"] <= v.errors["stock"]
     api.select("none")
     monkeypatch.setenv(rope_mod.ENV_KERNEL_POLICY, "bitwise")
     api.select("none,+rope")
@@ -513,8 +514,8 @@ def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_tran
     ref = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
     assert npu.calls["npu_rotary_mul"] > 1 and OPT.stats["kernel_calls"] > 0
     (v,) = OPT.verdicts()
-    assert v.ok and not v.bitwise_vs_stock  # fp32 inside: not stock's three bf16 roundings
-    assert all(sv.ok and not sv.bitwise_vs_stock for sv in OPT.shape_verdicts())
+    assert v.ok and not v.bitwise  # fp32 inside: not stock's three bf16 roundings
+    assert all(sv.ok and not sv.bitwise for sv in OPT.shape_verdicts())
     row = next(r for r in api.status() if r["name"] == "rope")
     assert row["tier"] == "pixel" and row["equivalence"] == "pixel" and row["active"]
     cli.main(["list"])
@@ -523,48 +524,6 @@ def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_tran
     stock = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
     assert not torch.equal(ref, stock)  # float outputs differ: the pixel tier, not exact
     torch.testing.assert_close(ref.float(), stock.float(), atol=3e-2, rtol=3e-2)
-
-
-def test_a_new_backend_probe_drops_the_verdicts(runtime, tiny_pipe, fake_npu):
-    """The verdict cache's one rule: verdicts (toy-shape and per shape class) belong to the backend probe they were
-    made under. Another torch_npu (a new probe) while rope stays installed: the refusal is gone, the good kernel is
-    verified afresh and used."""
-    fake_npu(rotary_mul="half_pairing")
-    api.select("none,+rope", model=tiny_pipe)
-    _forward(runtime, tiny_pipe.transformer)
-    (v,) = OPT.verdicts()
-    assert not v.ok and OPT.stats["kernel_calls"] == 0
-    npu = fake_npu(rotary_mul="long_seq_bug")
-    assert OPT.verdicts() == [] and OPT.shape_verdicts() == []
-    _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
-    (v,) = OPT.verdicts()
-    assert v.ok and OPT.stats["kernel_calls"] > 0 and not all(sv.ok for sv in OPT.shape_verdicts())
-    npu = fake_npu()
-    assert OPT.verdicts() == [] and OPT.shape_verdicts() == []  # the refused shape class too
-    _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
-    assert len(OPT.shape_verdicts()) == 2 and all(sv.ok for sv in OPT.shape_verdicts())
-    assert npu.calls["npu_rotary_mul"] == 1 + 8  # verified, then used for both shape classes (2 blocks x 4)
-
-
-def test_shape_class_check_catches_a_long_sequence_fault(runtime, tiny_pipe, fake_npu, caplog):
-    """The toy-shape check (S=37) passes a kernel that is wrong only beyond S=64; the first real call of the longer
-    shape class is checked on its real inputs and falls back, while shorter classes keep the kernel."""
-    fake_npu(rotary_mul="long_seq_bug")
-    api.select("none", model=tiny_pipe)
-    ref = _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
-    api.select("none,+rope", model=tiny_pipe)
-    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
-        got = _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
-    assert torch.equal(ref, got)
-    (v,) = OPT.verdicts()
-    assert v.ok  # the toy check cannot see it
-    by_bucket = {sv.key[4]: sv for sv in OPT.shape_verdicts()}
-    assert not by_bucket[128].ok and "tolerance" in by_bucket[128].reason  # image tokens: S = 100
-    assert by_bucket[8].ok  # text tokens: S = 7
-    assert "refused" in caplog.text and "S<=128" in caplog.text
-    checks = OPT.stats["shape_checks"]
-    _forward(runtime, tiny_pipe.transformer, hw=(10, 10))
-    assert OPT.stats["shape_checks"] == checks  # verdicts cached per class
 
 
 def test_shape_check_reference_is_chunked(monkeypatch):
@@ -578,8 +537,8 @@ def test_shape_check_reference_is_chunked(monkeypatch):
     theta = torch.rand(s, d // 2)
     t = rope_tables.Tables(torch.float32)
     cos, sin_signed = rope_tables.portable_tables(t, torch.polar(torch.ones_like(theta), theta), Counter())
-    sv = rotary.verify_at_shape(x, rope_tables.apply_portable(x, cos, sin_signed), cos, sin_signed, bitwise=True)
-    assert sv.ok and sv.bitwise_vs_stock and seen == [8] * 5
+    sv = _path(bitwise=True).class_check(x, rope_tables.apply_portable(x, cos, sin_signed), cos, sin_signed)
+    assert sv.ok and sv.bitwise and seen == [8] * 5
 
 
 def test_bitwise_kernel_is_used_by_default_in_bf16(runtime, bf16_transformer, fake_npu):
@@ -590,12 +549,12 @@ def test_bitwise_kernel_is_used_by_default_in_bf16(runtime, bf16_transformer, fa
     api.select("none,+rope")
     got = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
     (v,) = OPT.verdicts()
-    assert v.ok and v.bitwise_vs_stock
+    assert v.ok and v.bitwise
     assert npu.calls["npu_rotary_mul"] > 1 and OPT.stats["kernel_calls"] > 0
     assert torch.equal(ref, got)
 
 
-def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu, caplog):
+def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu, caplog, monkeypatch):
     """A real call that raises falls back to the portable path for its shape class, with the reason logged."""
     npu = fake_npu()
     new_hw = (3, 3)
@@ -609,14 +568,17 @@ def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu, caplog):
     def boom(*a, **k):
         raise RuntimeError("device lost")
 
-    v.fn = boom
+    real = npu.npu_rotary_mul
+    monkeypatch.setattr(npu, "npu_rotary_mul", boom)
     with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
         got = _forward(runtime, tiny_pipe.transformer, hw=new_hw)
     assert torch.equal(ref, got)
     faults = OPT.rotary.guard.faults()  # an error is not a verdict: both classes wait for their retry
     assert {f.key[4] for f in faults} == {16, 8} and all("device lost" in f.error for f in faults)
     assert all(sv.ok for sv in OPT.shape_verdicts()) and "device lost" in caplog.text
-    v.fn = npu.npu_rotary_mul  # the device is back: the next forward retries and keeps the kernel
+    monkeypatch.setattr(
+        npu, "npu_rotary_mul", real
+    )  # the device is back: the next forward retries and keeps the kernel
     calls = OPT.stats["kernel_calls"]
     assert torch.equal(_forward(runtime, tiny_pipe.transformer, hw=new_hw), ref)
     assert OPT.stats["kernel_calls"] > calls and OPT.rotary.guard.faults() == []
@@ -714,6 +676,12 @@ def test_fake_rejects_out_of_range_tables_and_mismatched_r():
         fake_rotary.npu_rotary_mul_no_rotary_mode(x, torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8), rotary_mode="x")
 
 
+def _path(bitwise: bool = False) -> rotary.RotaryPath:
+    """A rotary kernel path of its own (not rope's), with the given policy."""
+    policy = SimpleNamespace(use_npu_kernel=True, requires_bitwise=lambda: bitwise)
+    return rotary.RotaryPath(policy, Counter(), "test")
+
+
 def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair():
     """Even a kernel wrong in a single adjacent pair of one head is refused."""
 
@@ -722,10 +690,10 @@ def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair():
         out[..., 0, 0:2] = out[..., 0, 0:2].flip(-1)
         return out
 
-    v = rotary.verify_kernel(one_pair_wrong, torch.device("cpu"), torch.bfloat16, 16, 4)
-    assert not v.ok and v.max_err_over_bound > 1
-    v = rotary.verify_kernel(fake_rotary.npu_rotary_mul, torch.device("cpu"), torch.bfloat16, 128, 24)
-    assert v.ok and 0 < v.max_err_over_bound <= 1 and math.isfinite(v.max_err_over_bound)
+    v = _path().first_check(one_pair_wrong, torch.device("cpu"), torch.bfloat16, 16, 4)
+    assert not v.ok and v.errors["over_bound"] > 1
+    v = _path().first_check(fake_rotary.npu_rotary_mul, torch.device("cpu"), torch.bfloat16, 128, 24)
+    assert v.ok and 0 < v.errors["over_bound"] <= 1 and math.isfinite(v.errors["over_bound"])
 
 
 @pytest.mark.parametrize(

@@ -388,11 +388,11 @@ def test_upsample_verification_refuses_a_wrong_kernel(vaes, monkeypatch):
         return y + 1 if x.dtype == torch.bfloat16 else y
 
     monkeypatch.setattr(torch.nn.functional, "interpolate", wrong_in_bf16)
-    OPT.upsample_verdicts.clear()
+    OPT.upsample.clear()
     ref = decode(vae, z)
     api.select("none,+vae_exact", model=vae)
     got = decode(vae, z)
-    assert OPT.upsample_verdicts.values() == [vae_exact.UpsampleVerdict("cpu", torch.bfloat16, False)]
+    assert [(v.key, v.ok) for v in OPT.upsample.firsts.values()] == [(("cpu", torch.bfloat16), False)]
     assert torch.equal(ref, got)
 
 
@@ -404,9 +404,9 @@ def test_uninstall_clears_the_upsample_verdicts(vaes):
     api.select("none,+vae_exact", model=vae)
     decode(vae, latent(4, 4, torch.bfloat16))
     probe = _backend.probe_id()
-    assert OPT.upsample_verdicts.values() == [vae_exact.UpsampleVerdict("cpu", torch.bfloat16, True)]
+    assert [(v.key, v.ok) for v in OPT.upsample.firsts.values()] == [(("cpu", torch.bfloat16), True)]
     api.select("none")
-    assert _backend.probe_id() == probe and len(OPT.upsample_verdicts) == 0
+    assert _backend.probe_id() == probe and len(OPT.upsample.firsts) == 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -551,15 +551,15 @@ def test_tracing_runs_stock_decode_without_bookkeeping(vaes, monkeypatch):
         m.setattr(torch.compiler, "is_compiling", lambda: True)
         ref, stock = count_ops(lambda: decode(vae, z))
         api.select("none,+vae_exact", model=vae)
-        OPT.upsample_verdicts.clear()
+        OPT.upsample.clear()
         with decoder_calls(vae) as path:
             got, traced = count_ops(lambda: decode(vae, z))
     assert path == ["stock"] and torch.equal(ref, got)
     assert traced.counts == stock.counts
-    assert OPT.fallback_reasons() == {} and len(OPT.upsample_verdicts) == 0
+    assert OPT.fallback_reasons() == {} and len(OPT.upsample.firsts) == 0
     with decoder_calls(vae) as path:  # outside tracing the same attached VAE takes its own path again
         _, ours = count_ops(lambda: decode(vae, z))
-    assert path == ["single_frame"] and ours.total < stock.total and len(OPT.upsample_verdicts) == 1
+    assert path == ["single_frame"] and ours.total < stock.total and len(OPT.upsample.firsts) == 1
 
 
 def test_tracing_keeps_stock_decode_latents(tiny_pipe, runtime, monkeypatch):

@@ -1,8 +1,6 @@
-"""``blocks.verdicts.VerdictCache``: the one cache for kernel verdicts and its one invalidation rule.
-
-The rule: a verdict belongs to the backend probe it was made under (``_backend.probe_id``); a new probe (another
-``torch_npu`` module, a re-probe after ``_backend.reset_cache``) drops every entry before the next read or write, and
-``clear()`` (an optimization's uninstall) drops them too. Nothing else removes a verdict.
+"""Kernel verdicts: the one store rule (``ProbeDict``: a verdict lives as long as the backend probe it was made
+under; ``clear()`` drops it too), the store of a kernel path (``VerdictStore``: the disk asked once per class and
+probe, a peer's refusal), the guard's backoff, saved verdicts and warm-up.
 """
 
 from __future__ import annotations
@@ -10,74 +8,51 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections import Counter
 
 import pytest
 import torch
 
 from tests.harness.forward import tiny_forward
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import ProbeDict
+from vllm_omni_ascend_opt.blocks.kernels.verified import KernelPath
 
 
-def test_get_put_and_get_or_make():
-    cache: VerdictCache[str] = VerdictCache()
-    assert cache.get("a") is None and len(cache) == 0 and cache.values() == []
-    assert cache.put("a", "ok") == "ok" and cache.get("a") == "ok"
-    made = []
-    assert cache.get_or_make("b", lambda: made.append(1) or "fresh") == ("fresh", True)
-    assert cache.get_or_make("b", lambda: made.append(1) or "other") == ("fresh", False)  # made once
-    assert made == [1]
-    assert cache.get_or_make("a", lambda: pytest.fail("a put verdict is made again")) == ("ok", False)
-    assert cache.put("a", "refused") == "refused" and cache.get("a") == "refused"  # put replaces
-    assert sorted(cache.values()) == ["fresh", "refused"] and len(cache) == 2
+class _Path(KernelPath):
+    kernel = "k"
 
 
-def test_verdicts_live_as_long_as_the_probe():
-    """Nothing but a new probe (or clear) removes a verdict: many reads under one probe keep every entry."""
-    cache: VerdictCache[int] = VerdictCache()
-    for i in range(5):
-        cache.put(("shape", i), i)
+def test_get_put_values_and_clear():
+    d: ProbeDict[str] = ProbeDict()
+    assert d.get("a") is None and len(d) == 0 and d.values() == [] and not d
+    assert d.put("a", "ok") == "ok" and d.get("a") == "ok" and d
+    assert d.put("a", "refused") == "refused" and d.get("a") == "refused"  # put replaces
+    d.put("b", "fresh")
+    assert sorted(d.values()) == ["fresh", "refused"] and len(d) == 2
     probe = _backend.probe_id()
-    for _ in range(3):
-        assert [cache.get(("shape", i)) for i in range(5)] == list(range(5))
-    assert _backend.probe_id() == probe and len(cache) == 5
+    for _ in range(3):  # nothing but a new probe (or clear) removes a verdict
+        assert d.get("a") == "refused" and d.get("b") == "fresh"
+    d.clear()
+    assert _backend.probe_id() == probe and d.get("a") is None and len(d) == 0
 
 
-def test_a_new_probe_drops_every_verdict_on_every_path():
-    cache: VerdictCache[str] = VerdictCache()
-    cache.put("a", "ok")
-    cache.put("b", "refused")
-    probe = _backend.probe_id()
-    _backend.reset_cache()  # the backend is probed afresh
-    assert _backend.probe_id() != probe
-    assert cache.get("a") is None and cache.get("b") is None and len(cache) == 0  # get
-    cache.put("a", "old")
-    _backend.reset_cache()
-    assert cache.get_or_make("a", lambda: "new") == ("new", True)  # get_or_make
-    _backend.reset_cache()
-    cache.put("b", "fresh")  # put
-    assert cache.values() == ["fresh"]  # values
-    _backend.reset_cache()
-    assert len(cache) == 0  # len
-
-
-def test_another_torch_npu_module_drops_every_verdict(fake_npu):
-    """What the tests do all the time (and a process that re-imports torch_npu): a verdict made with one module is
-    never read under another."""
+def test_a_new_probe_drops_every_entry_and_says_so(fake_npu):
+    """A new probe (a re-probe, or another torch_npu module: what tests do all the time) drops every entry, on every
+    access path, and runs the store's hook once."""
     fake_npu()
-    cache: VerdictCache[str] = VerdictCache()
-    cache.put(("cpu", "bfloat16"), "verified with the first fake")
+    seen = []
+    d: ProbeDict[str] = ProbeDict(lambda: seen.append(1))
+    d.put("a", "ok")
+    seen.clear()
+    for access in (lambda: d.get("a"), lambda: d.values(), lambda: len(d), lambda: d.live()):
+        d.put("a", "ok")
+        _backend.reset_cache()  # the backend is probed afresh
+        assert access() in (None, [], 0, {}) and len(d) == 0
+    assert len(seen) == 4
+    d.put(("cpu", "bfloat16"), "verified with the first fake")
     fake_npu(fusion_attention="wrong_polarity")
-    assert cache.get(("cpu", "bfloat16")) is None and cache.values() == []
-
-
-def test_clear_drops_everything_under_the_same_probe():
-    cache: VerdictCache[str] = VerdictCache()
-    cache.put("a", "ok")
-    probe = _backend.probe_id()
-    cache.clear()
-    assert _backend.probe_id() == probe and cache.get("a") is None and len(cache) == 0
-    assert cache.get_or_make("a", lambda: "again") == ("again", True)
+    assert d.get(("cpu", "bfloat16")) is None and d.values() == []
 
 
 def test_a_class_is_asked_of_the_disk_once_per_probe(fake_npu, monkeypatch):
@@ -88,23 +63,26 @@ def test_a_class_is_asked_of_the_disk_once_per_probe(fake_npu, monkeypatch):
     asked: list = []
     lookup = saved.lookup
     monkeypatch.setattr(saved, "lookup", lambda kernel, key: asked.append(key) or lookup(kernel, key))
-    cache: VerdictCache[tuple] = VerdictCache("k", decode=lambda key, ok, why: (ok, why))
+    store = _Path("test", Counter()).classes
     for _ in range(5):
-        assert cache.get(("npu:0", 1)) is None
+        assert store.get(("npu:0", 1)) is None
     assert asked == [("npu:0", 1)]
-    cache.refuse_from_peer(saved.key_text(("npu:0", 1)), "refused on rank 1")  # another rank's verdict still lands
-    assert cache.get(("npu:0", 1)) == (False, "refused on rank 1") and len(asked) == 1
+    assert store.refuse_from_peer(saved.key_text(("npu:0", 1)), "refused on rank 1") is False  # not met here
+    from vllm_omni_ascend_opt.blocks.kernels import agree
+
+    agree._REMOTE.setdefault("k", {})[saved.key_text(("npu:0", 1))] = "refused on rank 1"  # as agree.sync stores it
+    v = store.get(("npu:0", 1))
+    assert (v.ok, v.reason) == (False, "refused on rank 1") and len(asked) == 1
     saved.save("k", ("npu:0", 2), True, "")
-    assert cache.get(("npu:0", 2)) == (True, "") and cache.loaded == 2 and len(asked) == 2
+    v = store.get(("npu:0", 2))
+    assert v.ok and v.reason == "saved verdict" and store.loaded == 1 and len(asked) == 2
     _backend.reset_cache()  # a new probe: asked again (the peer's refusal belonged to the old one)
-    assert cache.get(("npu:0", 1)) is None and len(asked) == 3
+    assert store.get(("npu:0", 1)) is None and len(asked) == 3
 
 
 def test_guard_backoff_schedule(monkeypatch):
     """Errors are retried after 1, 2, 4, 8, 16 forwards (capped at 32) and demoted after the 6th in a row; a
     TypeError is a verdict for the caller (not retried); a success after a fault clears it."""
-    from collections import Counter
-
     from vllm_omni_ascend_opt.blocks.kernels import guard
     from vllm_omni_ascend_opt.blocks.upstream import forward_scope
 
@@ -153,7 +131,7 @@ def test_a_second_start_with_saved_verdicts_runs_no_check(fake_npu, runtime, tin
     assert qk_norm.OPT.stats["shape_checks"] == 0 and rope.OPT.stats["shape_checks"] == 0  # no check at all
     assert qk_norm.OPT.stats["kernel_calls"] == npu.calls["npu_rms_norm"] > 0
     assert npu.calls["npu_rotary_mul"] == rope.OPT.stats["kernel_calls"] > 0  # not even the toy check ran
-    assert qk_norm.OPT._verdicts.loaded == len(qk_norm.OPT.verdicts()) > 0
+    assert qk_norm.OPT.path.classes.loaded == len(qk_norm.OPT.verdicts()) > 0
 
 
 @pytest.mark.parametrize(

@@ -272,7 +272,7 @@ class Optimization:
 
     def kernel_classes(self) -> dict[str, Any] | None:
         """For an optimization that runs a verified device kernel: how many shape classes use it, how many run
-        stock, and why (``blocks.kernels.guard.tally``); None for the others. Off is reserved for off everywhere."""
+        stock, and why (``blocks.kernels.verified.KernelPath.tally``); None for the others. Off is reserved for off everywhere."""
         return None
 
     def cache_memory(self) -> dict[str, Any] | None:

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from vllm_omni_ascend_opt import _backend, registry
-from vllm_omni_ascend_opt.blocks.kernels import npu_attention, rotary, saved
-from vllm_omni_ascend_opt.opts import qk_norm
+from vllm_omni_ascend_opt.blocks.kernels import npu_attention, rms_norm, rotary, saved
 
 DEFAULT_TEXT = (64, 128, 256, 512)
 #: What one check came to (a fault, a deferral and a missing kernel all leave the class unverified, retried later).
@@ -112,8 +111,8 @@ def warm(
                         run("npu_rotary_mul", f"{name} B={b} S={s}", key, lambda x=x, s=s: rope.rotary.warm(
                             x, _freqs(s, head_dim, dev, g)))  # fmt: skip
                         if name != "joint":
-                            key = ("qk", *qk_norm.shape_class(x))
-                            run("npu_rms_norm", f"{name} B={b} S={s}", key, lambda x=x: qk.warm(x, weight, 1e-6))
+                            key = ("qk", *rms_norm.shape_class(x))
+                            run("npu_rms_norm", f"{name} B={b} S={s}", key, lambda x=x: qk.path.warm(x, weight, 1e-6))
                     masks = [None] + ([True] if b > 1 else [])
                     for m in masks:
                         q = rnd(b, joint, heads // sp, head_dim)

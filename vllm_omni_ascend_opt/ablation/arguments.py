@@ -42,6 +42,13 @@ def parse_gates(text: str) -> dict[str, float]:
     return out
 
 
+#: Workload fields the command line can set by the same name.
+OVERRIDES = (
+    "model image engine dtype height width steps cfg_scale negative_prompt warmup repeats max_sequence_length "
+    "enforce_eager mode stack min_improvement_pct schedule start_jobs process_sets pause_idle threads timeout_s "
+    "start_timeout_s"
+).split()
+
 #: The workload behind the plain tiny flow (``ablate`` / ``plan`` without ``--workload``, model ``tiny``): the deeper
 #: tiny model with steps, CFG and rounds whose saving clearly exceeds the noise (what ``make demo`` runs).
 TINY_DEFAULT = "tiny-cpu"
@@ -58,31 +65,7 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
     else:
         wl = Workload(name="custom")
     over: dict[str, Any] = {}
-    for key in (
-        "model",
-        "image",
-        "engine",
-        "dtype",
-        "height",
-        "width",
-        "steps",
-        "cfg_scale",
-        "negative_prompt",
-        "warmup",
-        "repeats",
-        "max_sequence_length",
-        "enforce_eager",
-        "mode",
-        "stack",
-        "min_improvement_pct",
-        "schedule",
-        "start_jobs",
-        "process_sets",
-        "pause_idle",
-        "threads",
-        "timeout_s",
-        "start_timeout_s",
-    ):
+    for key in OVERRIDES:
         v = getattr(args, key, None)
         if v is not None and not (plain_tiny and key == "model"):  # tiny: the family, here its deeper model
             over[key] = v

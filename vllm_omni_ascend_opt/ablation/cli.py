@@ -165,9 +165,6 @@ def add_subcommands(sub: Any) -> None:
     pl.set_defaults(func=cmd_plan)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# commands
-# ----------------------------------------------------------------------------------------------------------------
 def _print_plan(plan: Any, est: Any | None = None) -> None:
     wl = plan.workload
     print(f"ablation '{wl.name}': mode {wl.mode}, engine {plan.engine}, schedule {plan.schedule}")
@@ -338,7 +335,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def print_summary(results: dict[str, Any]) -> None:
     """The main table of report.md, as text."""
-    from vllm_omni_ascend_opt.ablation.report import gate_cell
+    from vllm_omni_ascend_opt.ablation.report import _on, _pct, _saved, gate_cell
 
     print(
         f"\n{'optimization':<22} {'class':<6} {'on stages':<20} {'saved ms (mean ± std)':>22} {'% stock':>8}  "
@@ -350,15 +347,11 @@ def print_summary(results: dict[str, Any]) -> None:
         full = next((c for c in results["configs"] if c["id"] == "full"), None)
         rows.append(("full stack vs stock", "", fvs, full.get("vs_stock") if full else None))
     for name, cls, d, chk in rows:
-        s = d["saved_ms"]
-        saved = "–" if s["mean"] is None else f"{s['mean']:+.2f} ± {s['std']:.2f}"
-        pct = "–" if d["saved_pct_of_stock"] is None else f"{d['saved_pct_of_stock']:+.2f}%"
         t = d.get("total_saved_ms") or {}
         total = "–" if t.get("mean") is None else f"{t['mean']:+.2f}"
-        on = "+".join(d.get("stages") or ["total"])
         print(
-            f"{name:<22} {cls:<6} {on:<20} {saved:>22} {pct:>8}  {total:>16}  {d['direction']:<10} {d['label']:<13} "
-            f"{gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"
+            f"{name:<22} {cls:<6} {_on(d):<20} {_saved(d):>22} {_pct(d['saved_pct_of_stock']):>8}  {total:>16}  "
+            f"{d['direction']:<10} {d['label']:<13} {gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"
         )
     nf = results["noise_floor"]
     print(f"noise floor: {nf['ms']:.2f} ms" if nf else "noise floor: unknown")

@@ -1,17 +1,10 @@
 """Image equivalence for the ablation runner: pixel identity, abs diffs, SSIM and PSNR, and the gates.
 
-Images are stored by the workers (``images/<config>/<sample>.npy``: vLLM-Omni's float output, [3, H, W] in [-1, 1];
-``.png``: the uint8 image a user gets). The metrics follow the project's conventions
-(:mod:`vllm_omni_ascend_opt.metrics`, used when it is installed; an identical local fallback otherwise):
-
-* ``pixel_identical``: the 8-bit images are equal (``round(255 * clip((x + 1) / 2, 0, 1))``, vLLM-Omni's
-  post-processing) — the gate of the ``pixel`` tier;
-* ``bitwise_identical``: the float outputs are equal (None when a side has no float output, e.g. the Omni engine)
-  — the gate of the ``exact`` tier (pixel identity when there is no float output);
-* ``max_abs_diff`` / ``mean_abs_diff`` on the float outputs in [-1, 1] units (from the 8-bit images when a side has
-  no float output; ``basis`` then says ``uint8``);
-* SSIM and PSNR on the 8-bit images (``data_range=255``, ``channel_axis=-1``); identical images have PSNR ``inf``
-  (stored as the string ``"inf"`` in results.json) and SSIM 1.
+Workers store ``images/<config>/<sample>.npy`` (vLLM-Omni's float output, [3, H, W] in [-1, 1]) and ``.png`` (the
+uint8 image a user gets). The metrics are :mod:`vllm_omni_ascend_opt.metrics`': ``pixel_identical`` (the 8-bit
+images are equal: the ``pixel`` tier's gate), ``bitwise_identical`` (the float outputs are equal, None when a side
+has none: the ``exact`` tier's gate), max / mean abs diff on the floats in [-1, 1] units (``basis`` ``uint8`` when a
+side has no float output), and SSIM / PSNR on the 8-bit images (identical images: PSNR ``inf``, SSIM 1).
 """
 
 from __future__ import annotations
@@ -22,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from vllm_omni_ascend_opt import metrics
 
 
 @dataclass
@@ -38,8 +33,7 @@ class StoredImage:
 
 def to_uint8(chw_minus1_1: np.ndarray) -> np.ndarray:
     """vLLM-Omni / diffusers post-processing of a [3, H, W] float image in [-1, 1] to uint8 HWC."""
-    x = np.clip((chw_minus1_1.astype(np.float64) + 1.0) / 2.0, 0.0, 1.0)
-    return np.round(x.transpose(1, 2, 0) * 255.0).astype(np.uint8)
+    return metrics.to_uint8(chw_minus1_1)[0]
 
 
 def load_stored(stem: Path) -> StoredImage:
@@ -58,35 +52,13 @@ def load_stored(stem: Path) -> StoredImage:
     raise FileNotFoundError(f"no image stored at {stem}.npy/.png")
 
 
-def _compare_images(ref: np.ndarray, out: np.ndarray) -> dict[str, Any]:
-    """``vllm_omni_ascend_opt.metrics.compare_images`` when present, else the same computation here."""
-    try:
-        from vllm_omni_ascend_opt.metrics import compare_images
-    except ImportError:
-        compare_images = None
-    if compare_images is not None:
-        return dict(compare_images(ref, out))
-    from skimage.metrics import peak_signal_noise_ratio, structural_similarity
-
-    ua, ub = to_uint8(ref), to_uint8(out)
-    diff = np.abs(ref - out)
-    same = bool(np.array_equal(ua, ub))
-    return {
-        "pixel_identical": same,
-        "max_abs_diff": float(diff.max()),
-        "mean_abs_diff": float(diff.mean()),
-        "ssim": 1.0 if same else float(structural_similarity(ua, ub, data_range=255, channel_axis=-1)),
-        "psnr": math.inf if same else float(peak_signal_noise_ratio(ua, ub, data_range=255)),
-    }
-
-
 def compare(ref: StoredImage, out: StoredImage) -> dict[str, Any]:
     """Every metric of ``out`` against ``ref`` (see the module docstring)."""
     if ref.uint8.shape != out.uint8.shape:
         raise ValueError(f"image shapes differ: {ref.uint8.shape} vs {out.uint8.shape}")
     both_float = ref.float_chw is not None and out.float_chw is not None
     a, b = ref.as_float(), out.as_float()
-    m = _compare_images(a, b)
+    m = metrics.compare_images(a, b)
     return {
         "pixel_identical": bool(np.array_equal(ref.uint8, out.uint8)),
         "bitwise_identical": bool(np.array_equal(ref.float_chw, out.float_chw)) if both_float else None,
@@ -96,6 +68,10 @@ def compare(ref: StoredImage, out: StoredImage) -> dict[str, Any]:
         "psnr_db": float(m["psnr"]),
         "basis": "float" if both_float else "uint8",
     }
+
+
+#: The per-sample metrics of :func:`compare`.
+METRIC_KEYS = ("pixel_identical", "bitwise_identical", "max_abs_diff", "mean_abs_diff", "ssim", "psnr_db", "basis")
 
 
 def aggregate(per_sample: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -130,11 +106,8 @@ def gate(agg: dict[str, Any], equivalence: str, ssim_gate: float, psnr_gate: flo
         return {"class": "exact", "passed": ok, "why": why}
     if equivalence in ("exact", "pixel"):
         ok = bool(agg["pixel_identical"])
-        why = (
-            "pixel-identical"
-            if ok
-            else (f"not pixel-identical (max abs diff {agg['max_abs_diff']:.3g}, SSIM {agg['ssim_min']:.4f})")
-        )
+        diff = f"max abs diff {agg['max_abs_diff']:.3g}, SSIM {agg['ssim_min']:.4f}"
+        why = "pixel-identical" if ok else f"not pixel-identical ({diff})"
         return {"class": equivalence, "passed": ok, "why": why}
     ok = agg["ssim_min"] >= ssim_gate and agg["psnr_db_min"] >= psnr_gate
     why = f"SSIM {agg['ssim_min']:.4f} {'>=' if agg['ssim_min'] >= ssim_gate else '<'} {ssim_gate}, PSNR {fmt_db(agg['psnr_db_min'])} {'>=' if agg['psnr_db_min'] >= psnr_gate else '<'} {psnr_gate} dB"

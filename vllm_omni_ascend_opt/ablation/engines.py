@@ -1,31 +1,20 @@
 """The ablation worker's engines: how one configuration's model is loaded and how one image is generated and timed.
 
-Each engine has ``load()``, ``generate(prompt, seed) -> Generation``, ``active()`` (what acts on the pipeline, or
-None when unknown), ``model_reasons(name)`` (why an optimization is off) and ``close()``; the worker process
-(:mod:`.worker`) drives them over the line protocol.
+Each engine has ``load()``, ``generate(prompt, seed) -> Generation``, ``active()`` (what acts on the pipeline, None
+when unknown), ``model_reasons(name)`` (why an optimization is off) and ``close()``:
 
-* ``testbed``: vLLM-Omni's own ``QwenImagePipeline``, built by vLLM-Omni's ``DiffusersPipelineLoader`` in this process
-  (the test bed's runtime; CPU, or the accelerator when one is visible); with the workload's ``od_config`` (memory and
-  cache modes) through vLLM-Omni's own ``DiffusionModelRunner`` (``testbed/model_runner.py``), which applies them and runs
-  each request (``execute_model``), and with ``vae_tiling`` the VAE's tile size set after load. Each generation is timed between device
-  synchronizations, and so is each stage: ``encode_prompt`` (text encode), ``diffuse`` (denoise) and
-  ``_decode_latents`` (unpack + VAE decode), wrapped on this pipeline instance only. (vLLM-Omni's
-  ``DiffusionPipelineProfilerMixin`` times ``text_encoder.forward`` rather than the whole prompt encoding and
-  synchronizes only when a platform is available, hence our own wrappers.)
-* ``omni``: vLLM-Omni's offline engine ``vllm_omni.entrypoints.omni.Omni`` with ``enable_diffusion_pipeline_profiler``
-  on; the total is the wall time of ``Omni.generate`` (it returns after the image reached this process, so after the
-  device finished) and the stages are the engine's ``stage_durations``. The engine processes load the plugin
-  themselves (with the same environment). vLLM-Omni 0.30 has no CPU platform: without an accelerator the runner
-  passes the test bed's opt-in CPU runtime (``testbed/runtime.py``) in the environment.
-* ``serve``: one ``vllm serve MODEL --omni`` server per configuration, started by this worker on a free 127.0.0.1
-  port with the configuration's flags in its environment; its output goes to this configuration's log. Each
-  generation is ``POST /v1/images/generations`` (``b64_json``) from a standard-library client: the total is the
-  client-side latency (what a service user sees, HTTP and PNG encoding included), the stages are the server's
-  ``stage_durations`` (pipeline profiler on, plus ``server_generate``), and the image is the returned PNG.
+* ``testbed``: vLLM-Omni's ``QwenImagePipeline`` loaded in this process by its ``DiffusersPipelineLoader`` (the test
+  bed's runtime), through vLLM-Omni's ``DiffusionModelRunner`` when the workload sets ``od_config`` modes. The
+  generation and each stage (``encode_prompt``, ``diffuse``, ``_decode_latents``, wrapped on this instance) are
+  timed between device synchronizations (vLLM-Omni's profiler times only ``text_encoder.forward`` and synchronizes
+  only where a platform exists).
+* ``omni``: vLLM-Omni's offline ``Omni`` with its pipeline profiler on: the total is the wall time of
+  ``Omni.generate``, the stages its ``stage_durations``. Without an accelerator the runner passes the test bed's CPU
+  runtime in the environment.
+* ``serve``: one ``vllm serve MODEL --omni`` per configuration on a free 127.0.0.1 port, driven over
+  ``POST /v1/images/generations``: the total is the client-side latency, the stages the server's.
 
-For ``omni`` and ``serve`` the engine's own processes report, through the plugin's status file
-(``VLLM_OMNI_ASCEND_OPT_STATUS_FILE``, set by the engine), what acts on the pipeline they built; the worker
-compares that with the configuration as it does for ``testbed``.
+For ``omni`` and ``serve``, what acts in the engine's processes comes from the plugin's status file.
 """
 
 from __future__ import annotations

@@ -1,36 +1,20 @@
 """Estimated ms saved on a 910B1 (a model, NOT a measurement): kernel launches saved x a per-launch cost.
 
-Batch-1 eager Qwen-Image on an Ascend NPU is bound by kernel launches. This module turns the launches a
-configuration saves into milliseconds::
+Batch-1 eager Qwen-Image on an Ascend NPU is bound by kernel launches, so::
 
     ms saved per image = (launches per transformer call, stock - configuration)
-                         x steps x CFG forwards per step (2 when true CFG is on, else 1) x us per launch / 1000
+                         x steps x CFG forwards per step x us per launch / 1000
     launches per transformer call = 60 blocks x launches per block + launches outside the blocks
 
-Launch counts: :data:`TABLE_FILE`, written by ``benchmarks/bench_ops.py --write-table`` (``plan`` builds no model):
-per set of transformer optimizations, the launches per block and outside the blocks of one warm transformer call
-in bf16, counted by ``testbed/npu_ops.py``'s ``NpuOpCounter`` (what torch_npu 2.13 would launch) with the semantic
-torch_npu fake installed, so the NPU paths are the ones counted. Every subset is counted at the tiny width (2^n
-configurations); stock, all, and each optimization alone are checked equal at REAL width (hidden 3072, 24 heads x
-128) when the table is written: the number of launches does not depend on the width.
-Optimizations that patch no transformer module (the VAE ones) cannot change these counts and are left out of the
-key. ``tests/test_estimate.py`` checks the table against the counter (per block, at the tiny width, which launches
-the same per block) and that it covers every registered transformer optimization.
+The launch counts are :data:`TABLE_FILE` (``benchmarks/bench_ops.py --write-table``; ``plan`` builds no model): per
+set of transformer optimizations, one warm bf16 transformer call counted by ``testbed/npu_ops.py``'s
+``NpuOpCounter`` with the torch_npu fake installed (the count does not depend on the width; ``tests/test_estimate.py``
+checks the table against the counter). VAE optimizations cannot change these counts and are left out of the key.
 
-Calibration (:func:`calibration`), on the reference's published figures (one 910B1, BF16, eager, 1280x704, 8 steps,
-CFG off: stock 3111.5 ms; NPU RoPE saved ~194 ms, modulation sharing ~255 ms): the launches our ``rope`` and our
-``shared_modulation`` remove per transformer call (from the table), x 8 steps, give two per-launch costs:
-
-* RoPE: 194 ms / (8 x launches ``rope`` saves per call);
-* modulation: 255 ms / (8 x launches ``shared_modulation`` saves per call). Modulation sharing also stops reading
-  the 2 x 113 MB of modulation weights per block every step (the projections of a repeated timestep are memoized),
-  which a launch model does not capture: this figure over-states the cost of a launch.
-
-Both follow from the table, so they change when the launch counts do; their current values are in docs/results.md.
-
-The value used is the RoPE one (:data:`USED`): RoPE's savings are small element-wise kernels, the closest to pure
-launch cost. Attention fusion, NZ weights and the VAE (27-49 ms each in the reference) change kernels' speed, not
-only their number: the model says nothing about them beyond the launches they remove.
+The cost of a launch (:func:`calibration`) is the reference's published NPU RoPE saving over the launches our
+``rope`` removes (:data:`USED`: small element-wise kernels, the closest to pure launch cost); the same from
+modulation sharing is shown beside it and over-states it (that saving also skips weight reads). Optimizations that
+change kernel speed rather than kernel count (attention fusion, NZ weights, the VAE) get only their launches.
 """
 
 from __future__ import annotations

@@ -54,19 +54,8 @@ def opt_infos_from_registry() -> list[OptInfo]:
             reasons = (f"reasons_inactive() raised {exc!r}",)
         gates = tuple(opt.close_gates) if opt.close_gates is not None else None
         needs_config = tuple(sorted(opt.needs_config.items()))
-        out.append(
-            OptInfo(
-                opt.name,
-                opt.tier(),
-                opt.default_enabled,
-                reasons,
-                opt.summary,
-                gates,
-                tuple(opt.needs),
-                needs_config,
-                opt.changed_stages(),
-            )
-        )
+        info = (opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary, gates, tuple(opt.needs), needs_config)
+        out.append(OptInfo(*info, opt.changed_stages()))
     return out
 
 
@@ -80,6 +69,10 @@ class Config:
     @property
     def spec(self) -> str:
         return ",".join(["none", *(f"+{n}" for n in self.opts)])
+
+
+#: Workload fields that do not change what a measurement means (presentation, gates and patience).
+UNMEASURED = "name description start_jobs timeout_s start_timeout_s ssim_gate psnr_gate min_improvement_pct".split()
 
 
 @dataclass(frozen=True)
@@ -143,17 +136,8 @@ class Plan:
     def fingerprint(self) -> str:
         """Hash of everything that makes stored measurements reusable (a resume must match it exactly)."""
         wl = self.workload.to_dict()
-        for k in (
-            "name",
-            "description",
-            "start_jobs",
-            "timeout_s",
-            "start_timeout_s",
-            "ssim_gate",
-            "psnr_gate",
-            "min_improvement_pct",
-        ):
-            wl.pop(k, None)  # presentation, gates and patience do not change what a measurement means
+        for k in UNMEASURED:
+            wl.pop(k, None)
         blob = json.dumps(
             {
                 "workload": wl,
@@ -372,9 +356,6 @@ def accelerator_visible() -> bool:
     return bool(torch.cuda.is_available())
 
 
-# --------------------------------------------------------------------------------------------------------------
-# cost
-# --------------------------------------------------------------------------------------------------------------
 #: Rough constants behind ``plan``'s estimate, in seconds: an order of magnitude for planning, not a measurement.
 #: Tiny: a worker's start (mostly importing vLLM-Omni) and its image cost on a 2-core CPU. Real: the image cost of
 #: the reference run (Qwen-Image on one Ascend 910B1, BF16 eager, 1280x704, 8 steps) and an assumed process start

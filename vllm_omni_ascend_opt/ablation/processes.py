@@ -33,9 +33,6 @@ class WorkerFailed(RuntimeError):
         self.phase, self.error, self.tb = phase, error, tb
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# CPU accounting from /proc
-# ----------------------------------------------------------------------------------------------------------------
 def cpu_busy_s() -> float | None:
     """CPU seconds the whole machine has spent busy since boot (Linux ``/proc/stat``), or None elsewhere."""
     try:
@@ -88,9 +85,6 @@ def load1() -> float | None:
         return None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# one worker process and its group
-# ----------------------------------------------------------------------------------------------------------------
 class Worker:
     """A worker process and the thread that reads its events."""
 

@@ -1,24 +1,17 @@
-"""The line protocol between the ablation runner (parent) and its worker processes.
+"""The line protocol between the ablation runner (parent) and its worker processes: one JSON object per line.
 
-One JSON object per line. The parent starts ``python -m vllm_omni_ascend_opt.ablation.worker --job JOB.json`` with
-``VLLM_OMNI_ASCEND_OPT=<the configuration's spec>`` in the environment and talks to it over the worker's stdin
-(commands) and stdout (events). The worker moves everything else that would print to stdout (libraries, tqdm) to
-stderr, which the parent saves as the configuration's log.
+The parent starts ``python -m vllm_omni_ascend_opt.ablation.worker --job JOB.json`` with ``VLLM_OMNI_ASCEND_OPT`` set
+to the configuration's spec, sends commands on its stdin and reads events from its stdout; everything else the
+worker would print goes to stderr, the configuration's log. worker -> parent::
 
-worker -> parent::
-
-    {"event": "ready", "protocol": 1, "pid": 123, "load_s": 4.2, "env": {...}, "active": ["rope", ...] | null}
-    {"event": "result", "id": 7, "total_ms": 61.2, "stages_ms": {"text_encode": ..., "denoise": ..., "vae_decode":
-     ...}, "cpu_ms": 60.8 | null, "sha256": "...", "saved": true}
-    {"event": "error", "id": 7 | null, "phase": "start" | "run", "error": "OutOfMemoryError: ...", "traceback": "..."}
+    {"event": "ready", "protocol": 1, "pid": 123, "load_s": 4.2, "env": {...}, "active": [...] | null, "memory": ...}
+    {"event": "result", "id": 7, "total_ms": 61.2, "stages_ms": {...}, "cpu_ms": 60.8 | null, "sha256": "...",
+     "saved": true}
+    {"event": "error", "id": 7 | null, "phase": "start" | "run", "error": "...", "traceback": "..."}
     {"event": "bye"}
 
-parent -> worker::
-
-    {"cmd": "run", "id": 7, "prompt": 0, "seed": 42, "save": "/out/images/full/p0_s42" | null}
-    {"cmd": "exit"}
-
-After an ``error`` the parent stops using the worker (its state is unknown) and records the configuration as failed.
+parent -> worker: ``{"cmd": "run", "id": 7, "prompt": 0, "seed": 42, "save": "/out/images/full/p0_s42" | null}``,
+``{"cmd": "exit"}``. After an ``error`` the parent stops using the worker and records the configuration as failed.
 """
 
 from __future__ import annotations

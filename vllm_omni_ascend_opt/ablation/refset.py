@@ -1,21 +1,13 @@
 """Reference sets: a workload's images saved with a manifest that says exactly what made them, to be compared on
 another machine, release or configuration (``vllm-omni-ascend-opt reference save`` / ``compare``).
 
-A set is a directory::
-
-    manifest.json            what made the images (below), and the SHA-256 of every other file
-    images/<id>.png          each image (lossless), <id> = p<prompt>_s<seed>_<W>x<H>
-    images/<id>.npy          with --tensors: the raw float output ([3, H, W] in [-1, 1])
-
-The manifest (``version`` :data:`MANIFEST_VERSION`) holds each image's *key* (prompt, negative prompt, seed, size,
-steps, CFG, the input image's hash for edit pipelines), the model id and its weights' hash (the test bed's model
-key for the tiny models), the pipeline class, the configuration and its optimizations, the environment (device,
-chip, CANN / torch_npu / CUDA when present, torch, diffusers, vLLM, vLLM-Omni and plugin versions) and the date.
-
-:func:`load` reads a set, or an ablation output directory (one of its configurations as a set), and checks it: a
-missing or corrupt manifest, an unknown version or a file whose SHA-256 differs is a :class:`SetError` naming the
-file. :func:`save` generates a set through the ablation runner's engines (one worker process of one configuration)
-into a temporary directory and renames it into place only when complete: nothing half-written.
+A set is a directory: ``manifest.json`` (what made the images and the SHA-256 of every other file),
+``images/<id>.png`` (<id> = p<prompt>_s<seed>_<W>x<H>) and, with ``--tensors``, ``images/<id>.npy`` (the raw float
+output). The manifest holds each image's key (:data:`KEY_FIELDS`), the model id, its weights' hash and pipeline
+class, the configuration, the environment and the date. :func:`load` reads and checks a set (or one configuration
+of an ablation output): a bad manifest or a file whose SHA-256 differs is a :class:`SetError` naming the file.
+:func:`save` generates a set in one ablation worker into a temporary directory and renames it into place only when
+complete.
 """
 
 from __future__ import annotations
@@ -40,22 +32,11 @@ KEY_FIELDS = ("prompt", "negative_prompt", "seed", "width", "height", "steps", "
 MUST_MATCH = ("model", "weights", "pipeline", "size", "steps", "seed")
 #: Facts that may legitimately differ, shown side by side at the top of a comparison.
 MAY_DIFFER = (
-    "config",
-    "optimizations",
-    "dtype",
-    "engine",
-    "device",
-    "chip",
-    "cann",
-    "torch_npu",
-    "cuda",
-    "torch",
-    "diffusers",
-    "vllm",
-    "vllm_omni",
-    "vllm_omni_ascend_opt",
-    "created",
-)
+    "config optimizations dtype engine device chip cann torch_npu cuda torch diffusers vllm vllm_omni "
+    "vllm_omni_ascend_opt created"
+).split()
+#: Facts read from the manifest's environment by the same name.
+ENV_FACTS = ("cann", "torch_npu", "cuda", "torch", "diffusers", "vllm", "vllm_omni", "vllm_omni_ascend_opt")
 
 
 class SetError(ValueError):
@@ -110,21 +91,11 @@ class RefSet:
             "engine": (m.get("workload") or {}).get("engine"),
             "device": dev.get("type"),
             "chip": dev.get("name"),
-            "cann": env.get("cann"),
-            "torch_npu": env.get("torch_npu"),
-            "cuda": env.get("cuda"),
-            "torch": env.get("torch"),
-            "diffusers": env.get("diffusers"),
-            "vllm": env.get("vllm"),
-            "vllm_omni": env.get("vllm_omni"),
-            "vllm_omni_ascend_opt": env.get("vllm_omni_ascend_opt"),
+            **{k: env.get(k) for k in ENV_FACTS},
             "created": m.get("created"),
         }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# hashes and identities
-# ----------------------------------------------------------------------------------------------------------------
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -171,9 +142,6 @@ def entry_id(prompt: int, seed: int, width: int, height: int) -> str:
     return f"p{prompt}_s{seed}_{width}x{height}"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# loading
-# ----------------------------------------------------------------------------------------------------------------
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not path.is_file():
         raise SetError(f"{path}: no {what} (not a reference set or ablation output?)")
@@ -287,9 +255,6 @@ def _key(wl: Any, prompt: str, seed: int, img_hash: str | None) -> dict[str, Any
     }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# saving
-# ----------------------------------------------------------------------------------------------------------------
 def check_out_dir(out: Path, fresh: bool) -> None:
     """Refuse an output directory that holds a set (or anything else) unless ``fresh``."""
     if out.exists() and not fresh:

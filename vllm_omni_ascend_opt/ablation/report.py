@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm_omni_ascend_opt.ablation.compare import fmt_db
 from vllm_omni_ascend_opt.ablation.protocol import STAGES
+from vllm_omni_ascend_opt.ablation.schema import RESULTS_SCHEMA
 
 SCHEMA_VERSION = 1
 STAGE_TITLES = {"text_encode": "text encode", "denoise": "denoise", "vae_decode": "VAE decode"}
@@ -26,31 +27,9 @@ def build_results(data: Any, analysis: dict[str, Any], command: list[str] | None
     env = dict(envs[0]["env"]) if envs else {}
     env.pop("flag", None)
     same = all({k: v for k, v in e["env"].items() if k != "flag"} == env for e in envs)
-    samples = [
-        {
-            k: r.get(k)
-            for k in (
-                "config",
-                "round",
-                "prompt",
-                "seed",
-                "warmup",
-                "total_ms",
-                "stages_ms",
-                "cpu_ms",
-                "load1",
-                "others_cpu",
-                "sha256",
-                "pid",
-            )
-        }
-        for r in data.records
-        if r.get("type") == "sample"
-    ]
+    samples = [{k: r.get(k) for k in RESULTS_SCHEMA["samples"][0]} for r in data.records if r.get("type") == "sample"]
     failures = [
-        {k: r.get(k) for k in ("config", "round", "phase", "error", "traceback", "returncode", "log_tail")}
-        for r in data.records
-        if r.get("type") == "failure"
+        {k: r.get(k) for k in RESULTS_SCHEMA["failures"][0]} for r in data.records if r.get("type") == "failure"
     ]
     wl = plan.workload
     return {
@@ -91,24 +70,13 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-def _atomic_write(path: Path, text: str | bytes) -> None:
+def _atomic_write(path: Path, text: str) -> Path:
     tmp = path.with_name(path.name + ".tmp")
-    if isinstance(text, bytes):
-        tmp.write_bytes(text)
-    else:
-        tmp.write_text(text, encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
-
-
-def write_json(results: dict[str, Any], out: Path) -> Path:
-    path = Path(out) / "results.json"
-    _atomic_write(path, json.dumps(jsonable(results), indent=1, allow_nan=False))
     return path
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Markdown
-# ----------------------------------------------------------------------------------------------------------------
 def _table_head(first: list[str], last: list[str]) -> list[str]:
     """A markdown table's header row and separator: the ``first`` columns, one per stage, then the ``last``."""
     cols = [*first, *(f"{STAGE_TITLES[s]} ms" for s in STAGES), *last]
@@ -116,26 +84,18 @@ def _table_head(first: list[str], last: list[str]) -> list[str]:
 
 
 def _ms(v: float | None, sign: bool = False) -> str:
-    if v is None:
-        return "–"
-    return f"{v:+.2f}" if sign else f"{v:.2f}"
+    return "–" if v is None else f"{v:+.2f}" if sign else f"{v:.2f}"
 
 
-def _saved(d: dict[str, Any]) -> str:
-    s = d["saved_ms"]
-    if s["mean"] is None:
-        return "–"
-    return f"{s['mean']:+.2f} ± {s['std']:.2f}"
+def _saved(d: dict[str, Any], key: str = "saved_ms") -> str:
+    """``mean ± std`` of a comparison's ``saved_ms`` (or ``total_saved_ms``), signed."""
+    s = d.get(key) or {}
+    return "–" if s.get("mean") is None else f"{s['mean']:+.2f} ± {s['std']:.2f}"
 
 
 def _on(d: dict[str, Any]) -> str:
     """The stages a comparison's saving and label are taken on."""
     return "+".join(d.get("stages") or ["total"])
-
-
-def _total(d: dict[str, Any]) -> str:
-    t = d.get("total_saved_ms") or {}
-    return "–" if t.get("mean") is None else f"{t['mean']:+.2f} ± {t['std']:.2f}"
 
 
 def _control(d: dict[str, Any]) -> str:
@@ -148,6 +108,17 @@ def _control(d: dict[str, Any]) -> str:
 
 def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v:+.2f}%"
+
+
+def _comparison_row(head: str, d: dict[str, Any], chk: dict[str, Any] | None) -> str:
+    """A row of the time-saved table (``head``: its first two cells): an optimization's comparison or the full stack
+    vs stock."""
+    per = ", ".join(f"{x:+.1f}" for x in d["saved_ms"]["per_round"]) or "–"
+    st = " | ".join(_ms(d["stages_saved_ms"].get(s), True) for s in STAGES)
+    return (
+        f"| {head} | {_on(d)} | {_saved(d)} | {_pct(d['saved_pct_of_stock'])} | {per} | {d['direction']} | "
+        f"**{d['label']}** | {_saved(d, 'total_saved_ms')} | {_control(d)} | {st} | {gate_cell(chk)} |"
+    )
 
 
 def gate_cell(chk: dict[str, Any] | None) -> str:
@@ -241,22 +212,10 @@ def markdown(results: dict[str, Any]) -> str:
         ),
     ]
     for o in results["optimizations"]:
-        per = ", ".join(f"{x:+.1f}" for x in o["saved_ms"]["per_round"]) or "–"
-        st = " | ".join(_ms(o["stages_saved_ms"].get(s), True) for s in STAGES)
-        lines.append(
-            f"| `{o['name']}` | {o['equivalence']} | {_on(o)} | {_saved(o)} | {_pct(o['saved_pct_of_stock'])} | "
-            f"{per} | {o['direction']} | **{o['label']}** | {_total(o)} | {_control(o)} | {st} | "
-            f"{gate_cell(o['equivalence_check'])} |"
-        )
+        lines.append(_comparison_row(f"`{o['name']}` | {o['equivalence']}", o, o["equivalence_check"]))
     if fvs:
-        per = ", ".join(f"{x:+.1f}" for x in fvs["saved_ms"]["per_round"]) or "–"
-        st = " | ".join(_ms(fvs["stages_saved_ms"].get(s), True) for s in STAGES)
         full_cfg = next((c for c in results["configs"] if c["id"] == "full"), None)
-        lines.append(
-            f"| **full stack vs stock** | | {_on(fvs)} | {_saved(fvs)} | {_pct(fvs['saved_pct_of_stock'])} | {per} | "
-            f"{fvs['direction']} | **{fvs['label']}** | {_total(fvs)} | {_control(fvs)} | {st} | "
-            f"{gate_cell(full_cfg.get('vs_stock') if full_cfg else None)} |"
-        )
+        lines.append(_comparison_row("**full stack vs stock** |", fvs, full_cfg.get("vs_stock") if full_cfg else None))
     lines += [
         "",
         "Saved = time without − time with the optimization (positive: faster), from the configurations named in "
@@ -353,15 +312,6 @@ def memory_section(configs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def write_markdown(results: dict[str, Any], out: Path) -> Path:
-    path = Path(out) / "report.md"
-    _atomic_write(path, markdown(results))
-    return path
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# chart
-# ----------------------------------------------------------------------------------------------------------------
 COLORS = {"gain": "#2e7d32", "regression": "#c62828", "within noise": "#9e9e9e"}
 
 
@@ -416,10 +366,11 @@ def write_chart(results: dict[str, Any], out: Path) -> Path:
 
 
 def write_all(results: dict[str, Any], out: Path) -> dict[str, Path]:
+    """results.json, report.md and ablation.png in ``out``, each written atomically."""
     out = Path(out)
     return {
-        "json": write_json(results, out),
-        "markdown": write_markdown(results, out),
+        "json": _atomic_write(out / "results.json", json.dumps(jsonable(results), indent=1, allow_nan=False)),
+        "markdown": _atomic_write(out / "report.md", markdown(results)),
         "chart": write_chart(results, out),
     }
 

@@ -1,10 +1,6 @@
 """Run an ablation plan: one worker process per configuration, in the order of :mod:`.schedule`, every measurement
-appended to the output directory (:mod:`.outdir`) as it happens.
-
-Modules of the run: :mod:`.outdir` (the ``--out`` layout, lock, measurement log and resume), :mod:`.processes`
-(a worker process and its process group: start, pause, stop, CPU accounting), :mod:`.schedule` (Williams orders,
-process sets, start order, rotation, what is left to measure) and this one, the run loop: it builds each worker's
-job and environment, starts the workers, warms them up and measures, and records samples and failures.
+appended to the output directory (:mod:`.outdir`) as it happens. This is the run loop: it writes each worker's job
+and environment, starts the workers (:mod:`.processes`), warms them up, measures, and records samples and failures.
 """
 
 from __future__ import annotations
@@ -25,6 +21,12 @@ from vllm_omni_ascend_opt.ablation.processes import Worker, WorkerFailed, load1,
 from vllm_omni_ascend_opt.ablation.protocol import PROTOCOL_VERSION
 
 WORKER_MODULE = "vllm_omni_ascend_opt.ablation.worker"
+#: Workload fields a worker's job carries as they are.
+JOB_FIELDS = (
+    "model dtype height width steps negative_prompt image prompts seeds enforce_eager od_config threads".split()
+)
+#: The worker's result fields a sample record keeps.
+RESULT_FIELDS = ("total_ms", "stages_ms", "cpu_ms", "others_cpu", "sha256")
 T = TypeVar("T")
 
 
@@ -84,7 +86,6 @@ class Runner:
         self.failed: dict[str, dict[str, Any]] = {}
         self._has_accelerator: bool | None = None
 
-    # ----- plumbing ----------------------------------------------------------------------------------------
     def _accelerator(self) -> bool:
         if self._has_accelerator is None:
             self._has_accelerator = accelerator_visible()
@@ -96,27 +97,15 @@ class Runner:
             "protocol": PROTOCOL_VERSION,
             "config": {"id": c.id, "opts": list(c.opts), "spec": c.spec},
             "engine": self.plan.engine,
-            "model": wl.model,
             "model_path": self.plan.model_path,
-            "dtype": wl.dtype,
-            "height": wl.height,
-            "width": wl.width,
-            "steps": wl.steps,
+            **{k: getattr(wl, k) for k in JOB_FIELDS},
             "cfg_scale": float(wl.cfg_scale),
-            "negative_prompt": wl.negative_prompt,
-            "image": wl.image,
-            "prompts": list(wl.prompts),
-            "seeds": list(wl.seeds),
             "max_sequence_length": wl.seq_len(),
-            "enforce_eager": wl.enforce_eager,
-            "od_config": dict(wl.od_config),
             "vae_tiling": list(wl.vae_tiling) if wl.vae_tiling else None,
-            "threads": wl.threads,
             "imports": list(self.plan.extra_imports),
         }
-        d = self.out.config_dir(c.id)
-        d.mkdir(parents=True, exist_ok=True)
-        path = d / "job.json"
+        path = self.out.config_dir(c.id) / "job.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(job, indent=1))
         return path
 
@@ -148,19 +137,8 @@ class Runner:
     def _fail(self, w: Worker | None, c: Config, rnd: int | None, exc: WorkerFailed) -> None:
         tail = w.log_tail() if w is not None else ""
         rc = w.proc.poll() if w is not None else None
-        rec = self.store.add(
-            {
-                "type": "failure",
-                "config": c.id,
-                "round": rnd,
-                "phase": exc.phase,
-                "error": exc.error,
-                "traceback": exc.tb,
-                "returncode": rc,
-                "log_tail": tail,
-            }
-        )
-        self.failed[c.id] = rec
+        what = {"phase": exc.phase, "error": exc.error, "traceback": exc.tb, "returncode": rc, "log_tail": tail}
+        self.failed[c.id] = self.store.add({"type": "failure", "config": c.id, "round": rnd, **what})
         self.say(
             f"configuration {c.id} failed ({exc.phase}): {exc.error}  [log: {self.out.config_dir(c.id)}/worker.log]"
         )
@@ -178,41 +156,16 @@ class Runner:
     def _record_sample(
         self, c: Config, rnd: int, prompt: int, seed: int, warmup: bool, ev: dict[str, Any], pid: int | None
     ) -> None:
-        self.store.add(
-            {
-                "type": "sample",
-                "config": c.id,
-                "round": rnd,
-                "prompt": prompt,
-                "seed": seed,
-                "warmup": warmup,
-                "total_ms": ev["total_ms"],
-                "stages_ms": ev.get("stages_ms") or {},
-                "cpu_ms": ev.get("cpu_ms"),
-                "load1": load1(),
-                "others_cpu": ev.get("others_cpu"),
-                "sha256": ev.get("sha256"),
-                "pid": pid,
-            }
-        )
+        rec = {"type": "sample", "config": c.id, "round": rnd, "prompt": prompt, "seed": seed, "warmup": warmup}
+        self.store.add({**rec, **{k: ev.get(k) for k in RESULT_FIELDS}, "load1": load1(), "pid": pid})
 
     def _await_ready(self, w: Worker, rnd: int | None) -> None:
         ev = w.wait(self.wl.start_timeout_s, "start")
         if ev.get("event") != "ready":
             raise WorkerFailed("start", f"unexpected first event {ev!r}"[:500])
         w.ready = ev
-        self.store.add(
-            {
-                "type": "ready",
-                "config": w.config.id,
-                "round": rnd,
-                "pid": ev.get("pid"),
-                "load_s": ev.get("load_s"),
-                "env": ev.get("env"),
-                "active": ev.get("active"),
-                "memory": ev.get("memory"),
-            }
-        )
+        ready = {k: ev.get(k) for k in ("pid", "load_s", "env", "active", "memory")}
+        self.store.add({"type": "ready", "config": w.config.id, "round": rnd, **ready})
 
     def _warmup(self, w: Worker, rnd: int, prog: _Progress) -> None:
         samples = self.plan.samples
@@ -222,7 +175,6 @@ class Runner:
             self._record_sample(w.config, rnd, p, s, True, ev, (w.ready or {}).get("pid"))
             prog.step(f"warm-up {w.config.id}")
 
-    # ----- entry point -------------------------------------------------------------------------------------
     def run(self) -> RunData:
         t0 = time.perf_counter()
         fp = self.plan.fingerprint()

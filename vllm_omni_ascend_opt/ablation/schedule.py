@@ -1,22 +1,15 @@
-"""The order in which an ablation run starts and measures its configurations.
+"""The order in which an ablation run starts and measures its configurations (every configuration in its own fresh
+process, configurations interleaved, so that drift of the machine hits all of them alike).
 
-Schedules (both give every configuration its own fresh process and interleave configurations, so that drift of the
-machine hits all of them alike):
-
-* ``resident`` (default for the tiny model): one worker per configuration, all alive at once. Workers start
-  ``start_jobs`` at a time; once every worker is ready, each warms up in turn, and measuring starts.
-  With ``process_sets`` > 1 the rounds are split into that many consecutive blocks (:func:`process_sets`), each
-  measured by a freshly started set of workers, so that process-level effects (memory placement) are drawn more
-  than once; every other set starts the configurations in reverse order (:func:`start_order`), so that effects of
-  the start order cancel too. With ``pause_idle`` every worker's process group is stopped outside its own turn.
-  Then, for each round (= one repeat) and each sample (prompt x seed), every configuration runs once, in the orders
-  of a Williams design (:func:`williams_orders`, :func:`step_order`), one per step in turn: every configuration runs
-  at every position and right after every other configuration equally often, so neither a position nor a neighbour
-  (whose cache footprint the next one inherits) favours one configuration. Workers block on their stdin between
-  requests. Costs one model copy per configuration in memory.
-* ``per-round`` (default for a real checkpoint, where one device holds one copy of the model): for each round, the
-  configurations run one after another, rotated per round (:func:`rotation`), each in a fresh process that loads the
-  model, warms up, runs every sample once and exits.
+* ``resident`` (default for the tiny model): one worker per configuration, all alive at once, started
+  ``start_jobs`` at a time; once all are ready each warms up in turn, then every sample of every round runs on
+  every configuration in the orders of a Williams design (:func:`williams_orders`, :func:`step_order`): each
+  configuration runs at each position and right after each other one equally often. ``process_sets`` > 1 splits
+  the rounds into blocks, each measured by freshly started workers (:func:`process_sets`), every other one started
+  in reverse order (:func:`start_order`).
+* ``per-round`` (default for a real checkpoint, one model copy per device): each round runs the configurations one
+  after another, rotated per round (:func:`rotation`), each in a fresh process that loads, warms up, runs every
+  sample once and exits.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The shape of ``results.json`` (schema version 1), checked by :func:`validate` — documented in docs/ablation.md.
 
 A spec is a type (or a tuple of types), a dict ``{key: spec}`` (every key required), ``[spec]`` (a list of such
-items), or :class:`Opt` wrapping a spec that may also be ``None``. Non-finite floats are stored as the strings
-``"inf"``/``"-inf"``/``"nan"`` (PSNR of identical images), so numeric fields accept :data:`NUM`.
+items), or :class:`Opt` wrapping a spec that may also be ``None``; :func:`fields` writes a flat dict spec as text.
+Non-finite floats are stored as the strings ``"inf"``/``"-inf"``/``"nan"`` (PSNR of identical images), so numeric
+fields accept :data:`NUM`.
 """
 
 from __future__ import annotations
@@ -16,159 +17,77 @@ class Opt:
 
 
 NUM = (int, float, str)  # str only for "inf" / "-inf" / "nan"
-STR = str
+#: The letters of :func:`fields`: str, number, int, bool, dict, and lists of str / number / int.
+TYPES: dict[str, Any] = {"s": str, "n": NUM, "i": int, "b": bool, "d": dict, "S": [str], "N": [NUM], "I": [int]}
 
-SAVED = {"mean": Opt(NUM), "std": Opt(NUM), "per_round": [NUM]}
+
+def fields(text: str) -> dict[str, Any]:
+    """``"name:s round:i? ..."`` -> ``{"name": str, "round": Opt(int), ...}`` (letters: :data:`TYPES`; ``?``: or None)."""
+    out = {}
+    for item in text.split():
+        key, _, t = item.partition(":")
+        out[key] = Opt(TYPES[t[:-1]]) if t.endswith("?") else TYPES[t]
+    return out
+
+
+SAVED = fields("mean:n? std:n? per_round:N")
 #: A comparison's control: the stages nothing compared there changes, their difference and noise floor, and
 #: whether that difference is process bias (docs/ablation.md, "How verdicts are made").
-CONTROL = {"stages": [STR], "diff_ms": Opt(NUM), "per_round_ms": [NUM], "noise_ms": Opt(NUM), "bias": bool}
+CONTROL = fields("stages:S diff_ms:n? per_round_ms:N noise_ms:n? bias:b")
+#: A comparison's saving on its stages, beside the total (:func:`.stages.staged_fields`).
 STAGED = {
-    "stages": [STR],
-    "noise_floor_ms": Opt(NUM),
+    "saved_ms": SAVED,
+    **fields("saved_pct_of_stock:n? stages:S noise_floor_ms:n?"),
     "total_saved_ms": SAVED,
-    "total_saved_pct_of_stock": Opt(NUM),
+    **fields("total_saved_pct_of_stock:n? stages_saved_ms:d direction:s label:s"),
     "control": Opt(CONTROL),
 }
-GATE = {"class": STR, "passed": Opt(bool), "why": STR}
-METRICS = {
-    "pixel_identical": bool,
-    "bitwise_identical": Opt(bool),
-    "max_abs_diff": NUM,
-    "mean_abs_diff": NUM,
-    "ssim": NUM,
-    "psnr_db": NUM,
-    "basis": STR,
-}
-CHECK = Opt({"reference": STR, "class": STR, "per_sample": dict, "worst": dict, "gate": GATE, "missing": [STR]})
+CHECK = Opt({**fields("reference:s class:s per_sample:d worst:d missing:S"), "gate": fields("class:s passed:b? why:s")})
 
 RESULTS_SCHEMA: dict[str, Any] = {
-    "schema_version": int,
-    "tool": {"name": STR, "version": STR},
-    "created": STR,
-    "command": [STR],
-    "verdict": {"result": STR, "exit_code": int, "reasons": [STR]},
+    **fields("schema_version:i"),
+    "tool": fields("name:s version:s"),
+    **fields("created:s command:S"),
+    "verdict": fields("result:s exit_code:i reasons:S"),
     "workload": dict,
     "plan": {
-        "workload": dict,
-        "engine": STR,
-        "schedule": STR,
-        "model_path": Opt(STR),
-        "stack": [STR],
-        "skipped": dict,
-        "optimizations": dict,
-        "configs": [{"id": STR, "label": STR, "opts": [STR], "role": STR, "spec": STR}],
-        "comparisons": [{"opt": STR, "with": STR, "without": STR}],
-        "imports": [STR],
-        "fingerprint": STR,
+        **fields("workload:d engine:s schedule:s model_path:s? stack:S skipped:d optimizations:d"),
+        "configs": [fields("id:s label:s opts:S role:s spec:s")],
+        "comparisons": [fields("opt:s with:s without:s")],
+        **fields("imports:S fingerprint:s"),
     },
-    "environment": {
-        "python": Opt(STR),
-        "torch": Opt(STR),
-        "torch_npu": Opt(STR),
-        "vllm": Opt(STR),
-        "vllm_omni": Opt(STR),
-        "device": Opt(dict),
-        "same_in_every_worker": bool,
-        "workers": int,
-    },
-    "gates": {"ssim": NUM, "psnr_db": NUM, "min_improvement_pct": NUM},
-    "measurement": {
-        "round_stat": STR,
-        "cpu_count": int,
-        "load1_max": Opt(NUM),
-        "load1_median": Opt(NUM),
-        "others_cpu_median": Opt(NUM),
-        "others_cpu_threshold": NUM,
-        "wall_over_cpu_median": Opt(NUM),
-        "busy": bool,
-    },
-    "noise_floor": Opt(
-        {
-            "ms": NUM,
-            "mean_diff_ms": NUM,
-            "se_ms": Opt(NUM),
-            "pct": Opt(NUM),
-            "per_round_ms": [NUM],
-            "configs": [STR],
-        }
+    "environment": fields(
+        "python:s? torch:s? torch_npu:s? vllm:s? vllm_omni:s? device:d? same_in_every_worker:b workers:i"
     ),
-    "full_vs_stock": Opt(
-        {
-            "saved_ms": SAVED,
-            "saved_pct_of_stock": Opt(NUM),
-            **STAGED,
-            "stages_saved_ms": dict,
-            "direction": STR,
-            "label": STR,
-            "stock_ms": Opt(NUM),
-            "full_ms": Opt(NUM),
-        }
+    "gates": fields("ssim:n psnr_db:n min_improvement_pct:n"),
+    "measurement": fields(
+        "round_stat:s cpu_count:i load1_max:n? load1_median:n? others_cpu_median:n? others_cpu_threshold:n "
+        "wall_over_cpu_median:n? busy:b"
     ),
+    "noise_floor": Opt(fields("ms:n mean_diff_ms:n se_ms:n? pct:n? per_round_ms:N configs:S")),
+    "full_vs_stock": Opt({**STAGED, **fields("stock_ms:n? full_ms:n?")}),
     "optimizations": [
-        {
-            "name": STR,
-            "equivalence": STR,
-            "with": STR,
-            "without": STR,
-            "saved_ms": SAVED,
-            "saved_pct_of_stock": Opt(NUM),
-            **STAGED,
-            "stages_saved_ms": dict,
-            "direction": STR,
-            "label": STR,
-            "equivalence_check": CHECK,
-        }
+        {**fields("name:s equivalence:s with:s without:s"), **STAGED, "equivalence_check": CHECK},
     ],
     "configs": [
         {
-            "id": STR,
-            "label": STR,
-            "role": STR,
-            "opts": [STR],
-            "spec": STR,
-            "status": STR,
-            "error": Opt(STR),
-            "rounds_complete": [int],
+            **fields("id:s label:s role:s opts:S spec:s status:s error:s? rounds_complete:I"),
             "total_ms": SAVED,
-            "stages_ms": dict,
+            **fields("stages_ms:d active_in_worker:S? memory:d? outputs_stable_across_rounds:b? images:d"),
             "load_s": [Opt(NUM)],
             "pids": [Opt(int)],
-            "active_in_worker": Opt([STR]),
-            "memory": Opt(dict),
-            "outputs_stable_across_rounds": Opt(bool),
-            "images": dict,
             "vs_stock": CHECK,
             "vs_full": CHECK,
         }
     ],
     "samples": [
-        {
-            "config": STR,
-            "round": Opt(int),
-            "prompt": int,
-            "seed": int,
-            "warmup": bool,
-            "total_ms": NUM,
-            "stages_ms": dict,
-            "cpu_ms": Opt(NUM),
-            "load1": Opt(NUM),
-            "others_cpu": Opt(NUM),
-            "sha256": Opt(STR),
-            "pid": Opt(int),
-        }
+        fields(
+            "config:s round:i? prompt:i seed:i warmup:b total_ms:n stages_ms:d cpu_ms:n? load1:n? others_cpu:n? "
+            "sha256:s? pid:i?"
+        )
     ],
-    "failures": [
-        {
-            "config": STR,
-            "round": Opt(int),
-            "phase": STR,
-            "error": STR,
-            "traceback": Opt(STR),
-            "returncode": Opt(int),
-            "log_tail": Opt(STR),
-        }
-    ],
-    "run": {"wall_s": NUM, "resumed": bool, "dropped_on_resume": int, "interrupted": bool, "out_dir": STR},
+    "failures": [fields("config:s round:i? phase:s error:s traceback:s? returncode:i? log_tail:s?")],
+    "run": fields("wall_s:n resumed:b dropped_on_resume:i interrupted:b out_dir:s"),
 }
 
 

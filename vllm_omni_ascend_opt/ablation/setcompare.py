@@ -1,17 +1,11 @@
 """``vllm-omni-ascend-opt compare A B``: two reference sets (or a set and an ablation output) image by image.
 
-* Manifests first: facts that must match (:data:`.refset.MUST_MATCH`: model, weights, pipeline, sizes, steps,
-  seeds) are an error naming the field, and nothing is compared; facts that may differ (device, versions,
-  configuration, ...) are shown side by side at the top of the report.
-* Pairing by key (prompt, seed, size, steps, CFG, input image): keys on one side only are listed, never dropped.
-  Two images of different sizes under one key are an error naming both files.
-* Per pair the project's metrics (:mod:`.compare`): pixel identity, max abs difference, PSNR, SSIM; with tensors on
-  both sides also bitwise identity, their max abs and relative error.
-* Gates by tier: ``exact`` (bitwise tensors; pixel identity where a side has none), ``pixel`` (uint8), ``close``
-  (default: SSIM >= 0.99 and PSNR >= 35 dB, configurable). Exit 0 within the gates, 1 outside, 2 when nothing
-  could be compared or the input is bad.
-* Output (``--out``): ``compare.json``, ``compare.md`` and ``compare.png`` (the worst pairs side by side with an
-  amplified difference map), written only once everything was compared.
+Manifests first: a :data:`.refset.MUST_MATCH` fact that differs is an error naming it (nothing compared); the
+:data:`.refset.MAY_DIFFER` facts are shown side by side. Images pair by key; keys on one side only are listed, never
+dropped. Per pair the metrics of :mod:`.compare` (and, with tensors on both sides, their bitwise identity, max abs
+and relative error), gated by tier (``exact``, ``pixel``, ``close``). Exit 0 within the gates, 1 outside, 2 when
+nothing could be compared or on bad input. ``compare.json``, ``compare.md`` and ``compare.png`` (the worst pairs with
+an amplified difference map) are written only once everything was compared.
 """
 
 from __future__ import annotations
@@ -87,21 +81,7 @@ def compare_pair(ea: Any, eb: Any) -> dict[str, Any]:
 
 def gate(pairs: list[dict[str, Any]], tier: str, ssim_gate: float, psnr_gate: float) -> dict[str, Any]:
     """The tier's gate on the worst case over ``pairs`` (:func:`.compare.gate`, the ablation runner's)."""
-    per = {
-        p["id_a"]: {
-            k: p[k]
-            for k in (
-                "pixel_identical",
-                "bitwise_identical",
-                "max_abs_diff",
-                "mean_abs_diff",
-                "ssim",
-                "psnr_db",
-                "basis",
-            )
-        }
-        for p in pairs
-    }
+    per = {p["id_a"]: {k: p[k] for k in compare.METRIC_KEYS} for p in pairs}
     agg = compare.aggregate(per)
     if tier == "exact" and any(p["tensors"] is None for p in pairs):
         agg["bitwise_identical"] = None  # a side without tensors: the exact tier falls back to pixel identity
@@ -148,33 +128,18 @@ def run_compare(
     return result
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# output
-# ----------------------------------------------------------------------------------------------------------------
-def _db(v: float) -> str:
-    return compare.fmt_db(v)
-
-
-def _tensor_cell(t: dict[str, Any] | None) -> str:
-    if t is None:
-        return "–"
-    return "bitwise" if t["bitwise_identical"] else f"{t['max_abs']:.3g} / {t['rel_error']:.3g}"
-
-
 def summary_rows(res: dict[str, Any]) -> list[list[str]]:
-    """One row per pair (worst first): id, pixel identical, max |Δ| (uint8 units / 255 in [-1, 1]), PSNR, SSIM,
-    tensor max abs / relative error."""
+    """One row per pair (worst first): id, pixel identical, max |Δ| (in [-1, 1] units), PSNR, SSIM, tensor max abs /
+    relative error."""
     rows = []
     for p in worst_first(res["pairs"]):
+        t = p["tensors"]
+        tensor = (
+            "–" if t is None else "bitwise" if t["bitwise_identical"] else f"{t['max_abs']:.3g} / {t['rel_error']:.3g}"
+        )
+        pixel = "yes" if p["pixel_identical"] else "no"
         rows.append(
-            [
-                p["id_a"],
-                "yes" if p["pixel_identical"] else "no",
-                f"{p['max_abs_diff']:.3g}",
-                _db(p["psnr_db"]),
-                f"{p['ssim']:.4f}",
-                _tensor_cell(p["tensors"]),
-            ]
+            [p["id_a"], pixel, f"{p['max_abs_diff']:.3g}", compare.fmt_db(p["psnr_db"]), f"{p['ssim']:.4f}", tensor]
         )
     return rows
 

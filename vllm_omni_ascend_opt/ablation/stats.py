@@ -1,28 +1,18 @@
 """From raw measurements to the figures verdicts are made of: per-round means, time saved, the noise floor, labels,
-machine load, peak memory. The run's verdict and exit code are made from them in :mod:`.verdict`.
+machine load, peak memory (the verdict itself: :mod:`.verdict`; definitions also in docs/ablation.md).
 
-Definitions (also in docs/ablation.md):
-
-* A configuration's time in round r is the median (``round_stat = "mean"``: the mean) end-to-end time over that
-  round's samples (prompts x seeds); only complete rounds count.
-* An optimization's *time saved* in round r is ``time(without) - time(with)`` for the two configurations of its
-  comparison (leave-one-out: full-minus-it vs full; cumulative: previous prefix vs this prefix; single: stock vs
-  stock+it), over the rounds both completed. Reported as mean +- sample std over rounds, in ms and in % of stock.
-* The *noise floor* is how far apart two identical full stacks in two processes (``full``, ``full_ctrl``) come out:
-  |mean over rounds of time(full) - time(full_ctrl)| plus two standard errors of that mean (one round: its
-  |difference|). It shrinks as rounds are added, as a measurement's precision should.
-* Stages: each comparison's saving, noise floor and label are taken on the stages the optimizations it compares can
-  change, with the other stages as a control that names process bias (:mod:`.stages`); the total stays beside it.
-* Label: ``gain`` when the mean saving exceeds the noise floor and is positive by more than two standard errors over
-  rounds; ``regression`` when the mean is below minus the noise floor and negative by more than two standard errors;
-  ``within noise`` otherwise. ``direction`` is reported beside it: ``consistent`` when every round saved time with the
-  same sign, ``flips`` otherwise (a flipping saving of small mean is within noise by the standard-error test).
-* Exit: FAIL (1) if a configuration failed, a gate failed, an optimization is a regression, or the full stack is a
-  regression or saves less than ``min_improvement_pct`` of stock beyond the noise; PASS (0) when, without any of
-  those, the full stack is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise (e.g. the full
-  stack within noise or showing process bias; an optimization's process bias is listed and leaves its line
-  inconclusive). Timing failures
-  measured while other processes kept the CPUs busy (see :func:`machine_load`) are INCONCLUSIVE, not FAIL.
+* A configuration's time in a round: the median (``round_stat = "mean"``: the mean) over that round's samples;
+  only complete rounds count.
+* An optimization's time saved in a round: ``time(without) - time(with)`` for the two configurations of its
+  comparison, over the rounds both completed; reported as mean +- sample std, in ms and % of stock.
+* The noise floor: how far apart two identical full stacks in two processes (``full``, ``full_ctrl``) come out,
+  |mean difference over rounds| plus two standard errors of it (one round: its |difference|); it shrinks as rounds
+  are added, as a measurement's precision should.
+* Stages: each comparison is taken on the stages its optimizations can change, the rest being a control
+  (:mod:`.stages`).
+* Label: ``gain`` when the mean saving exceeds the noise floor and stays positive by two standard errors;
+  ``regression`` the same with the signs reversed; ``within noise`` otherwise. ``direction``: ``consistent`` when
+  every round has the same sign, ``flips`` otherwise.
 """
 
 from __future__ import annotations
@@ -40,9 +30,6 @@ EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
 GAIN, REGRESSION, NOISE = "gain", "regression", "within noise"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# timings
-# ----------------------------------------------------------------------------------------------------------------
 def round_means(plan: Plan, records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
     """config -> round -> {"total": ms, <stage>: ms}: the median (or mean, ``round_stat``) over the samples of each
     complete round."""
@@ -172,9 +159,6 @@ def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) ->
     }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# equivalence
-# ----------------------------------------------------------------------------------------------------------------
 def _class_of(plan: Plan, names: set[str]) -> str:
     """The weakest tier among ``names`` (exact < pixel < close): what the configuration is gated by."""
     from vllm_omni_ascend_opt.optimization import weakest_tier
@@ -215,9 +199,6 @@ def compare_configs(
     }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# everything
-# ----------------------------------------------------------------------------------------------------------------
 def peak_memory(ready: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A configuration's peak bytes per measured call (``transformer_forward``, ``vae_decode``: the worker's probe,
     ``testbed/memory.py``) over its workers: the largest peak and end seen (every worker measures the same warm

@@ -1,8 +1,10 @@
-"""A run's analysis and verdict: :func:`analyse` (the ``analysis`` part of results.json) and :func:`decide` (PASS /
-FAIL / INCONCLUSIVE with the reasons and the exit code).
+"""A run's analysis and verdict: :func:`analyse` (the ``analysis`` part of results.json) and :func:`decide`.
 
-Built on the measurement primitives of :mod:`.stats` and the stage-aware comparisons of :mod:`.stages`; the
-definitions are in :mod:`.stats`' docstring and docs/ablation.md.
+FAIL (1) when a configuration failed, a gate failed, an optimization is a regression, or the full stack is a
+regression or saves less than ``min_improvement_pct`` of stock; PASS (0) when, without any of those, the full stack
+is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise (the full stack within noise or showing
+process bias, an incomplete run). Timing failures measured while other processes kept the CPUs busy
+(:func:`.stats.machine_load`) are INCONCLUSIVE, not FAIL. The figures are :mod:`.stats`' and :mod:`.stages`'.
 """
 
 from __future__ import annotations

@@ -27,9 +27,6 @@ from vllm_omni_ascend_opt.ablation.engines import ENGINES, Generation
 from vllm_omni_ascend_opt.ablation.protocol import PROTOCOL_VERSION, decode, send
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# environment
-# ----------------------------------------------------------------------------------------------------------------
 def _version(dist: str) -> str | None:
     try:
         return metadata.version(dist)
@@ -75,9 +72,6 @@ def environment(device: str) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# main loop
-# ----------------------------------------------------------------------------------------------------------------
 def save_generation(gen: Generation, stem: str) -> None:
     """``stem.png`` (uint8) and, when there is a float output, ``stem.npy``; written atomically."""
     import numpy as np
@@ -96,6 +90,10 @@ def save_generation(gen: Generation, stem: str) -> None:
 
 def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:4000]
+
+
+def _error_event(cid: int | None, phase: str, error: str, tb: str = "") -> dict[str, Any]:
+    return {"event": "error", "id": cid, "phase": phase, "error": error, "traceback": tb}
 
 
 def load_plugin_like_vllm_omni() -> None:
@@ -154,24 +152,10 @@ def serve(job: dict[str, Any], proto_out: Any, commands: Any) -> int:
             parts = [f"{n} is off ({'; '.join(r) or 'no reason given'})" for n, r in missing.items()]
             parts += [f"{n} is active but was not requested" for n in extra]
             raise RuntimeError("the worker's optimizations differ from the configuration: " + "; ".join(parts))
-        memory = measure_memory(engine)
-        send(
-            proto_out,
-            {
-                "event": "ready",
-                "protocol": PROTOCOL_VERSION,
-                "pid": os.getpid(),
-                "load_s": load_s,
-                "env": environment(engine.device),
-                "active": active,
-                "memory": memory,
-            },
-        )
+        ready = {"pid": os.getpid(), "load_s": load_s, "env": environment(engine.device), "active": active}
+        send(proto_out, {"event": "ready", "protocol": PROTOCOL_VERSION, **ready, "memory": measure_memory(engine)})
     except BaseException as exc:  # report anything, then exit non-zero
-        send(
-            proto_out,
-            {"event": "error", "id": None, "phase": "start", "error": _error(exc), "traceback": traceback.format_exc()},
-        )
+        send(proto_out, _error_event(None, "start", _error(exc), traceback.format_exc()))
         return 3
     prompts = job["prompts"]
     for line in commands:
@@ -181,45 +165,17 @@ def serve(job: dict[str, Any], proto_out: Any, commands: Any) -> int:
         if cmd.get("cmd") == "exit":
             break
         if cmd.get("cmd") != "run":
-            send(
-                proto_out,
-                {
-                    "event": "error",
-                    "id": cmd.get("id"),
-                    "phase": "run",
-                    "error": f"unknown command {cmd!r}",
-                    "traceback": "",
-                },
-            )
+            send(proto_out, _error_event(cmd.get("id"), "run", f"unknown command {cmd!r}"))
             continue
         try:
             gen = engine.generate(prompts[int(cmd["prompt"])], int(cmd["seed"]))
-            sha = hashlib.sha256(gen.uint8.tobytes()).hexdigest()[:16]
             if cmd.get("save"):
                 save_generation(gen, cmd["save"])
-            send(
-                proto_out,
-                {
-                    "event": "result",
-                    "id": cmd["id"],
-                    "total_ms": gen.total_ms,
-                    "stages_ms": gen.stages_ms,
-                    "cpu_ms": gen.cpu_ms,
-                    "sha256": sha,
-                    "saved": bool(cmd.get("save")),
-                },
-            )
+            sha = hashlib.sha256(gen.uint8.tobytes()).hexdigest()[:16]
+            result = {"total_ms": gen.total_ms, "stages_ms": gen.stages_ms, "cpu_ms": gen.cpu_ms, "sha256": sha}
+            send(proto_out, {"event": "result", "id": cmd["id"], **result, "saved": bool(cmd.get("save"))})
         except BaseException as exc:  # an OOM or a kernel error fails this configuration only
-            send(
-                proto_out,
-                {
-                    "event": "error",
-                    "id": cmd.get("id"),
-                    "phase": "run",
-                    "error": _error(exc),
-                    "traceback": traceback.format_exc(),
-                },
-            )
+            send(proto_out, _error_event(cmd.get("id"), "run", _error(exc), traceback.format_exc()))
             if isinstance(exc, KeyboardInterrupt):
                 break
     engine.close()

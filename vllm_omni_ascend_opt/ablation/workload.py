@@ -232,9 +232,6 @@ def from_mapping(data: dict[str, Any], name: str = "custom", base: Workload | No
     return wl
 
 
-# --------------------------------------------------------------------------------------------------------------
-# files
-# --------------------------------------------------------------------------------------------------------------
 def find_workload(name: str) -> Path:
     """Path of the workload file called ``name`` (see the module docstring for the search order)."""
     p = Path(name)

@@ -1,25 +1,14 @@
 """Run real model code on CPU tensors without computing anything: :class:`HollowMode`.
 
-The device-time trace needs every op the real ``QwenImageTransformer2DModel`` (60 blocks, hidden 3072) and the real
-VAE decoder launch at 1328x1328, with its shapes, but not its numbers. Meta tensors give shapes, yet the code under
-trace reads device types (``torch.is_autocast_enabled("meta")`` fails) and a few host values (stock's
-``mask.all()``, the modulation memo's digest of the timestep embedding, the kernel checks' error bounds), and
-``FakeTensor`` is refused by the memo (``type(temb) is not torch.Tensor``). So the tensors stay plain CPU tensors and
-each op is answered from its meta kernel instead of being computed:
-
-* views and allocation-only ops run for real (no arithmetic);
-* in-place and ``out=`` ops return the tensor they would write, unwritten;
-* every other op runs on meta copies of its arguments, and its outputs are allocated, uninitialised, with the meta
-  result's shape, stride and dtype: large ones are never touched (the pages are never faulted in), small ones
-  (:data:`SMALL` elements) are filled with zeros (``True`` for ``bool``), so what the host reads is deterministic;
-* an op no meta kernel answers (value-dependent) runs for real on those deterministic values;
-* factories run for real when their result is small, and are allocated unwritten when it is large.
-
-So every value the host reads is 0, ``False`` is never seen where a ``bool`` reduction is taken, and ``torch.equal``
-answers True: each kernel check the plugin makes on first use passes (its errors are 0), data-dependent branches go
-the way a normal request goes (an all-ones text mask), and the memo sees the same timestep embedding twice. What the
-trace shows is the path of a request on which every verified kernel was accepted; ``tests/test_devtime.py`` checks
-that its launch count equals the counter's on real values.
+The device-time trace needs every op the real transformer (60 blocks, hidden 3072) and VAE launch at full size, with
+shapes but not numbers. Meta tensors would break the code under trace (it reads device types and a few host values,
+and the modulation memo refuses ``FakeTensor``), so tensors stay plain CPU tensors and each op is answered from its
+meta kernel: views and allocation-only ops run for real; in-place and ``out=`` ops return their target unwritten;
+every other op runs on meta copies and its outputs are allocated uninitialised (small ones, :data:`SMALL` elements,
+filled with zeros / ``True`` so host reads are deterministic); an op without a meta kernel runs for real on those
+values; factories run for real when small. So the kernel checks the plugin makes on first use pass, data-dependent
+branches go the way a normal request goes, and the memo sees the same timestep embedding twice:
+``tests/test_devtime.py`` checks the trace's launch count against the counter's on real values.
 """
 
 from __future__ import annotations

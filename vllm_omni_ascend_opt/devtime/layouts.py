@@ -1,25 +1,15 @@
 """Multi-card layouts for one image: the collectives each parallel mode issues, priced, and the best layout.
 
-Per transformer call, at ``B`` samples, ``S`` image tokens, ``T`` text tokens, hidden ``d`` = 3072, 60 blocks,
-bf16, what vLLM-Omni 0.30's parallel modes issue on each rank (counted on the real code by
-:class:`CollectiveCounter` under the gloo runs of ``tests/test_parallel.py``; ``tests/test_devtime_layouts.py``
-checks :func:`collectives` against them):
+Per transformer call and rank, what vLLM-Omni 0.30's parallel modes issue (counted on the real code by
+:class:`CollectiveCounter`; ``tests/test_devtime_model.py`` checks :func:`collectives` against it): Ulysses SP, per
+block an all-to-all each for the image q, k, v and the output, the text stream's output all-gathered; ring SP, per
+block r-1 passes of the local k and v (not overlapped: an upper bound); both one all-gather of the output per call;
+CFG-parallel, one all-gather of the noise prediction per step; TP, per block an all-reduce after each stream's
+attention out-projection and MLP down-projection, GEMMs, attention and head-split ops split t ways.
 
-* Ulysses SP (degree u): per block, one all-to-all each for the image q, k, v before attention and one for its
-  output (4 x B x S/u x d x 2 bytes per rank, (u-1)/u of it leaves the card); the image sequence is split u ways,
-  the text stream is computed whole on every rank (its attention output all-gathered once per block); one
-  all-gather of the output per call;
-* ring SP (degree r): per block, r-1 passes of the local k and v to the next rank (2 x B x S/r x d x 2 bytes each),
-  counted as not overlapped with compute (an upper bound); one all-gather of the output per call;
-* CFG-parallel (2): each rank runs one of the two CFG branches; one all-gather of the noise prediction per step;
-* TP (degree t): per block, the attention out-projection and the MLP's down-projection of each stream end in an
-  all-reduce (4 x B x (S or T) x d x 2 bytes); GEMMs, attention and the head-split QK norm and RoPE are split t
-  ways, every other element-wise op runs whole on every rank.
-
-Pricing (:data:`~.specs.HCCL_LATENCY_US` and the HCCS figures of :mod:`.specs`, approximate): an all-to-all or
-all-gather over u ranks moves its (u-1)/u share over u-1 links at once; an all-reduce costs twice that (reduce-
-scatter + all-gather); each collective also costs one latency. The compute side is the device-time model's, on the
-op table of one rank (ops on the split dimension scaled down, :func:`_rank_table`).
+Pricing (:mod:`.specs`, approximate): an all-to-all or all-gather over u ranks moves its (u-1)/u share over u-1
+links at once, an all-reduce twice that, plus one latency per collective; compute is the device-time model's on one
+rank's share of the ops (:func:`_rank_table`).
 """
 
 from __future__ import annotations

@@ -3,25 +3,17 @@
 Per launch (``devtime/trace.py`` gives each op's FLOPs, bytes and launches)::
 
     time = max(FLOPs / effective peak of its kind, bytes / effective bandwidth of its kind) + launches x overhead
+    image = steps x CFG forwards x transformer call + VAE decode + C
 
-GEMMs (and the VAE's convolutions) and attention each get their own effective peak (a fraction of the spec peak,
-:mod:`.specs`); every other op is priced by its bytes. A GEMM whose weights dominate (the modulation GEMVs, M = 1)
-is bound by reading them, at its own effective bandwidth (``gemm_bw_eff``): without it no single bandwidth explains
-both the reference's RoPE saving (many element-wise passes over activations) and its modulation saving (2 x 113 MB
-of weights per block and step). One image::
+GEMMs and attention each get an effective peak; every other op is priced by its bytes. A weight-bound GEMM (the
+modulation GEMVs, M = 1) reads its weights at its own bandwidth (``gemm_bw_eff``): no single bandwidth explains both
+the reference's RoPE saving (element-wise passes) and its modulation saving (weight reads). ``C``
+(:attr:`Params.const_ms`) stands for what the trace does not cover (text encoder, scheduler, host gaps).
 
-    ms = steps x CFG forwards x transformer call + VAE decode + C
-
-``C`` is the one fitted constant for everything the trace does not cover (the text encoder, the scheduler, latent
-preparation, host gaps), named :attr:`Params.const_ms`.
-
-Calibration (:func:`fit`): the reference's published numbers (one 910B1, BF16, eager, 1280x704, 8 steps, CFG off):
-stock 3111.5 ms; modulation sharing -255 ms; NPU RoPE -194 ms; the pixel-identical stack 2459.6 ms; with the VAE
-2425.5 ms; the full stack 2280 ms. Six parameters; the fit uses :data:`FIT_POINTS` (the exact and pixel tiers: same
-kernels, fewer of them) and holds out the VAE and full-stack points, which carry what the model cannot see. At one resolution the stock total fixes the GEMM and attention efficiencies and ``C`` only together, so
-each parameter carries a weak prior (:data:`PRIORS`, each with its reason); the data decide wherever they can.
-Known blind spots: NZ weights and attention fusion change kernel speed, not FLOPs or bytes: the model gives them only
-the launches and bytes they remove (the reference says 27-49 ms each).
+:func:`fit` calibrates the six parameters on the reference's published figures (:data:`REFERENCE_MS`): the points
+of :data:`FIT_POINTS` (same kernels, fewer of them), the others held out to check it. One resolution fixes the
+efficiencies and ``C`` only together, so each parameter carries a weak prior (:data:`PRIORS`, with its reason).
+NZ weights and attention fusion change kernel speed, not FLOPs or bytes: the model sees only what they remove.
 """
 
 from __future__ import annotations
@@ -119,9 +111,6 @@ def predict(transformer: OpTable, vae: OpTable, p: Params, steps: int, cfg_forwa
     return Prediction(t, v, steps * cfg_forwards * t + v + p.const_ms, floor)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# the fit
-# ---------------------------------------------------------------------------------------------------------------
 _NAMES = ("gemm_eff", "attn_eff", "bw_eff", "gemm_bw_eff", "launch_us", "const_ms")
 
 

@@ -1,18 +1,12 @@
 """An op trace of the real model at full scale, with no memory: what each launch costs in FLOPs and bytes.
 
-:class:`OpTrace` is the NPU launch counter (``testbed/npu_ops.py``: what torch_npu 2.13 would launch, composites as
-their pieces, torch_npu ops as one) that also prices every launch it counts (:mod:`.costs`) and records where in the
-model it ran (outside the blocks, the first block, the last block) and from which line of Python. The counter's
-rules decide what is a launch; this module adds nothing to them, so the trace's launches are the counter's
-(``tests/test_devtime.py``).
-
-:func:`trace_transformer` builds vLLM-Omni's real ``QwenImageTransformer2DModel`` at the real width (hidden 3072,
-24 heads x 128, RoPE axes 16/56/56, text width 3584, 64 latent channels) and ``depth`` blocks, selects a
-``VLLM_OMNI_ASCEND_OPT`` spec, and traces one warm forward (a repeated request) at the real sequence length, under
-:class:`~.hollow.HollowMode` (nothing computed, nothing allocated that is touched), with vLLM-Omni's CustomOps
-dispatched as on Ascend. Every block runs the same ops, so 60 blocks are ``outside + first + 59 x last``:
-:meth:`CallTrace.per_call`. :func:`trace_vae` does the same for the real VAE decoder (base 96, z 16). The torch_npu
-fake (``tests/fake_torch_npu``) must be installed by the caller, as for the launch counter.
+:class:`OpTrace` is the NPU launch counter (``testbed/npu_ops.py``) that also prices every launch it counts
+(:mod:`.costs`) and records where it ran (outside the blocks, the first block, the last block) and from which line
+of Python; the counter alone decides what is a launch. :func:`trace_transformer` builds vLLM-Omni's real
+``QwenImageTransformer2DModel`` (:data:`FULL`) at ``depth`` blocks, selects a ``VLLM_OMNI_ASCEND_OPT`` spec and traces
+one warm forward under :class:`~.hollow.HollowMode`, with the CustomOps dispatched as on Ascend; every block runs the
+same ops, so 60 blocks are ``outside + first + 59 x last`` (:meth:`CallTrace.per_call`). :func:`trace_vae` does the
+same for the real VAE decoder. The caller installs the torch_npu fake, as for the launch counter.
 """
 
 from __future__ import annotations

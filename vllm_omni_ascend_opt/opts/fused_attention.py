@@ -1,57 +1,13 @@
-"""`fused_attention`: Run the joint text+image attention with torch_npu.npu_fusion_attention (BSND), verified against SDPA on first use.
+"""`fused_attention`: the joint text+image attention through ``torch_npu.npu_fusion_attention`` (BSND).
 
-Why
-    Without MindIE-SD, vLLM-Omni 0.30 on Ascend resolves Qwen-Image's attention to its TORCH_SDPA backend
-    (``platforms/npu/platform.py`` ``get_diffusion_attn_backend_cls``), whose ``SDPAImpl.forward_npu`` permutes Q/K/V
-    to BNSD, expands a 2-D key mask to [B, 1, Sq, Skv] and calls ``F.scaled_dot_product_attention``. The reference
-    910B1 ablation measured 27-49 ms per image for replacing it with the fused Ascend kernel.
-How
-    Per model instance, never process-wide: :meth:`FusedAttention.attach` finds every ``QwenImageCrossAttention`` of
-    the model and swaps its ``attn`` layer's implementation object (``Attention.attention``, an ``SDPAImpl``) for an
-    instance of a per-class subclass whose ``forward`` calls ``torch_npu.npu_fusion_attention`` (BSND,
-    ``head_num`` = Nq, ``scale`` = the layer's ``softmax_scale`` = 1/sqrt(D) - the kernel's default is 1 - and the
-    keep-mask inverted: the kernel masks where True, SDPA keeps where True; no mask when vLLM-Omni dropped an
-    all-true mask). ``detach`` puts the original object back by identity. The ``Attention`` layer keeps its parallel
-    strategy, so Ulysses' ``pre_attention`` (all-to-all + joint concat) and ``post_attention`` run around the fused
-    call exactly as around SDPA. Ring attention never reaches the impl (``Attention._run_ring_attention`` runs
-    ``RingParallelAttention``'s own kernels), so ring layers are left alone and counted as skipped. Any call the
-    kernel cannot take (float32, causal, an unsupported mask, a limit below) goes to the original SDPA object.
-What it saves over torch_npu's own SDPA
-    Since its torch >= 2.5 builds, torch_npu already dispatches ``F.scaled_dot_product_attention`` on Atlas A2 to
-    ``npu_fusion_attention`` (BNSD). So on a current stack this optimization does **not** bring a faster attention
-    kernel: it saves what stock's ``SDPAImpl.forward_npu`` does around it - the three BSND->BNSD permutes with their
-    ``.contiguous()`` copies of Q/K/V, the BNSD->BSND copy of the output, and the [B, 1, S, S] mask expansion per
-    layer (built here once per transformer forward, see "Mask" below). ``benchmarks/npu_check_kernels.py`` times both
-    at the production shape and prints the difference; the reference 910B1 figure (27-49 ms per image) predates it.
-Mask
-    The kernel's [B, 1, Sq, Skv] bool mask is built once per transformer forward and reused by every layer: vLLM-Omni
-    builds the joint 2-D mask from the same inputs in every block (``torch.cat`` of the text and image masks), so
-    within one forward its values are the same; a forward pre-hook on each attached ``QwenImageTransformer2DModel``
-    starts a new mask generation. Outside an attached transformer's forward the mask is built per call.
-Verification, kernel choice, documented limits
-    In :mod:`vllm_omni_ascend_opt.blocks.kernels.npu_attention` (the kernel call, the mask translation, the limits and the
-    checks against SDPA, shared with ``benchmarks/npu_check_kernels.py``): verified on first use per (device, dtype)
-    and again on the first real call of each shape class; a failure keeps SDPA there, with the reason. The verdicts
-    live in two :class:`~vllm_omni_ascend_opt.blocks.kernels.verdicts.VerdictCache` objects (a new backend probe drops them,
-    ``uninstall`` clears them).
-Under torch.compile
-    The swapped ``forward`` asks ``blocks.upstream.guards.tracing()`` first and then runs the stock SDPA object: no counter,
-    cache, verdict or logger is touched inside a traced forward (the traced graph holds stock code); likewise the
-    per-forward mask hook. NPU graph capture (no graph mode [OP-FA]) also runs SDPA, counted as ``sdpa: graph mode``.
-Upstream code it relies on (``FusedAttention.upstream``, by source fingerprint)
-    The seam: ``Attention._forward_impl`` routes a non-ring call to ``Attention._run_local_attention``, which ends in
-    ``self.attention.forward(query, key, value, attn_metadata)``: the swapped object is what runs. Both changed in
-    0.31.0rc1 (HSDP compile boundary, ``resolve_execution_path``) and 0.32.0rc1 (explicit cross-attention contracts,
-    paged KV); the local call is unchanged, and for Qwen-Image's joint self-attention none of the new branches apply
-    (no cross contract, no paged KV, the FP32 FlashAttention fallback is CUDA-only). ``resolve_execution_path`` is a
-    capability query, not on the forward path. ``SDPAImpl.forward_npu`` (what the fused path replaces) and
-    ``__init__`` (copied per instance) are unchanged; ``SDPAImpl._forward_impl`` (the verification's reference)
-    moved its GQA / float-mask handling into ``_sdpa_attention`` in 0.32.0rc1: the same SDPA call for equal heads and
-    bool masks. tests/test_fused_attention.py runs on every version (``make test-versions``) through the torch_npu fake.
-Upstream PR
-    None. vLLM-Omni fuses NPU attention only through MindIE-SD's FLASH_ATTN backend.
-Removal plan
-    Drop when ``SDPAImpl.forward_npu`` calls ``npu_fusion_attention`` itself or MindIE-SD is the default backend.
+Per model instance: each ``QwenImageCrossAttention``'s vLLM-Omni ``Attention`` layer whose impl is stock
+``SDPAImpl`` gets an impl object of a subclass whose ``forward`` takes the fused path where it can and the stock
+object otherwise (``detach`` puts the stock object back). It runs after Ulysses' all-to-all, on whatever heads and
+rows the rank holds. The key mask is translated once per transformer forward (:meth:`FusedAttention.mask_for`) and
+reused by every layer of it.
+
+The kernel path (call, mask, limits, checks) is :class:`~vllm_omni_ascend_opt.blocks.kernels.npu_attention.
+AttentionPath`; the why, how, upstream and removal plan are the class's attributes (``vllm-omni-ascend-opt list``).
 """
 
 from __future__ import annotations
@@ -68,10 +24,9 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks.kernels import guard as kguard
 from vllm_omni_ascend_opt.blocks.kernels import npu_attention as fab
-from vllm_omni_ascend_opt.blocks.kernels.npu_attention import FUSED_DTYPES, KERNEL, ShapeVerdict, Verdict
-from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.kernels.npu_attention import FUSED_DTYPES, KERNEL
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import Verdict
 from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import V030, V031, V032, Upstream, same
@@ -134,7 +89,6 @@ class FusedAttention(Optimization):
     name = "fused_attention"
     summary = "Run the joint text+image attention with torch_npu.npu_fusion_attention (BSND), verified against SDPA on first use."
     equivalence = "close"
-    default_enabled = True
     requires = ("torch_npu with npu_fusion_attention; an Ascend NPU; fp16/bf16",)
     target_modules = (_targets.TRANSFORMER,)
     parallel_support: ClassVar[dict[str, str]] = {
@@ -180,15 +134,7 @@ class FusedAttention(Optimization):
     def __init__(self) -> None:
         super().__init__()
         self._models: weakref.WeakKeyDictionary[nn.Module, _ModelState] = weakref.WeakKeyDictionary()
-        #: First-use verdicts per (device, dtype) and per-call verdicts per shape class (one invalidation rule).
-        self._verdicts: VerdictCache[Verdict] = VerdictCache(
-            KERNEL + ".toy", lambda k, ok, why: Verdict(ok, k[0], k[1], _backend.backend_label(), why or "saved")
-        )
-        self._shapes: VerdictCache[ShapeVerdict] = VerdictCache(
-            KERNEL, lambda k, ok, why: ShapeVerdict(k, ok, why or "saved verdict")
-        )
-        #: Faults of the checks and kernel calls (both kinds of key), retried with backoff.
-        self._guard = kguard.Guard(self.name, self.stats)
+        self.path = fab.AttentionPath(self.name, self.stats)
         self._forward_gen = 0  # bumped by the forward pre-hook of every attached transformer
         self._mask_cache: dict[tuple, torch.Tensor] = {}
         self._mask_gen = -1
@@ -199,10 +145,10 @@ class FusedAttention(Optimization):
         npu = _backend.torch_npu_module()
         if npu is not None and not hasattr(npu, KERNEL):
             reasons.append(f"{_backend.backend_label()} has no {KERNEL}")
-        reasons += [v.describe() + "; SDPA kept" for v in self._verdicts.values() if not v.ok]
-        shapes = self._shapes.values()
+        reasons += [v.describe() for v in self.path.firsts.values() if not v.ok]
+        shapes = self.path.classes.values()
         if shapes and not any(v.ok for v in shapes):  # off only when off at every shape class seen
-            reasons += [v.describe() + "; SDPA for this shape class" for v in shapes]
+            reasons += [v.describe() for v in shapes]
         return reasons
 
     def cache_memory(self) -> dict[str, Any]:
@@ -210,17 +156,17 @@ class FusedAttention(Optimization):
         return {
             "masks": len(self._mask_cache),
             "bytes": tensor_bytes(list(self._mask_cache.values())),
-            "check_scratch_peak_bytes": self._guard.scratch_peak,
+            "check_scratch_peak_bytes": self.path.guard.scratch_peak,
         }
 
     def kernel_classes(self) -> dict[str, Any] | None:
         if _backend.torch_npu_module() is None:
             return None
-        return kguard.tally(self._shapes.values(), self._guard.faults())
+        return self.path.tally()
 
-    def shape_verdicts(self) -> list[ShapeVerdict]:
+    def shape_verdicts(self) -> list[Verdict]:
         """The per-shape-class checks of the kernel on real calls so far (under the current backend probe)."""
-        return self._shapes.values()
+        return self.path.classes.values()
 
     def mask_for(self, attn_mask: torch.Tensor | None, b: int, sq: int, skv: int) -> tuple[torch.Tensor | None, str]:
         """:func:`~vllm_omni_ascend_opt.blocks.kernels.npu_attention.kernel_mask`, built once per transformer forward and
@@ -261,7 +207,7 @@ class FusedAttention(Optimization):
             reasons.append(
                 f"the transformer runs in {', '.join(odd)}: {KERNEL} is used for float16/bfloat16 only, SDPA runs"
             )
-        reasons += [v.describe() + "; SDPA kept" for v in self._verdicts.values() if not v.ok]
+        reasons += [v.describe() for v in self.path.firsts.values() if not v.ok]
         return reasons
 
     def notes(self) -> list[str]:
@@ -271,13 +217,8 @@ class FusedAttention(Optimization):
             "npu_fused_infer_attention_score (see blocks.kernels.npu_attention); installed per Attention impl, after Ulysses' "
             "all-to-all"
         ]
-        out += [v.describe() for v in self._verdicts.values() if v.ok]
-        out += [v.describe() for v in self._shapes.values() if v.ok]
-        out += [v.describe() + "; SDPA for this shape class" for v in self._shapes.values() if not v.ok]
-        out += [f"{KERNEL} fault: {f.describe()}" for f in self._guard.faults()]
-        t = self.kernel_classes()
-        if t is not None:
-            out.append(kguard.tally_line(KERNEL, t))
+        if self.kernel_classes() is not None:
+            out += self.path.notes()
         if self.stats:
             out.append(
                 f"[B,1,S,S] masks built {self.stats['mask_builds']}, reused {self.stats['mask_reuses']} (once per "
@@ -286,9 +227,9 @@ class FusedAttention(Optimization):
             )
         return out
 
-    def verdicts(self) -> dict[tuple[str, str], Verdict]:
-        """The on-device verification outcome per (device, dtype) so far (under the current backend probe)."""
-        return {(v.device, v.dtype): v for v in self._verdicts.values()}
+    def verdicts(self) -> dict[tuple, Verdict]:
+        """The first-use check per (device, dtype) so far (under the current backend probe)."""
+        return {v.key: v for v in self.path.firsts.values()}
 
     def report(self, model: nn.Module) -> dict[str, Any]:
         """Per model: swapped layers, skipped layers by reason, and calls per path (``fused`` / ``sdpa: why``)."""
@@ -302,9 +243,7 @@ class FusedAttention(Optimization):
 
     # ----- attach / detach --------------------------------------------------------------------------------------
     def _uninstall(self) -> None:
-        self._guard.clear()
-        self._verdicts.clear()
-        self._shapes.clear()
+        self.path.clear()
         self._mask_cache.clear()
 
     def _attach(self, model: nn.Module) -> None:
@@ -371,24 +310,14 @@ class FusedAttention(Optimization):
 
     # ----- the forward ------------------------------------------------------------------------------------------
     def _verdict(self, npu: ModuleType, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> Verdict | None:
-        """The (device, dtype) verdict of :func:`~vllm_omni_ascend_opt.blocks.kernels.npu_attention.verify`, made on
-        first use at this layer's Nq / Nkv / D, inside the guard; None while a fault of it waits for its retry."""
+        """The first-use check at (device, dtype), made at this layer's Nq / Nkv / D; None while a fault of it waits."""
         key = (str(q.device), str(q.dtype).removeprefix("torch."))
-        verdict = self._verdicts.get(key)
-        if verdict is not None or self._guard.waits(key):
-            return verdict
-        ran, verdict, refusal = self._guard.run(
+        return self.path.decide(
             key,
-            lambda: fab.verify(npu, q.device, q.dtype, q.shape[2], q.shape[3], num_kv_heads=k.shape[2], scale=scale),
+            lambda: self.path.first_check(
+                npu, q.device, q.dtype, q.shape[2], q.shape[3], num_kv_heads=k.shape[2], scale=scale
+            ),
         )
-        if not ran:
-            if not refusal:
-                return None
-            verdict = Verdict(False, key[0], key[1], _backend.backend_label(), refusal)
-        assert verdict is not None
-        self._verdicts.put(key, verdict)
-        (logger.info if verdict.ok else logger.warning)("vllm-omni-ascend-opt: %s", verdict.describe())
-        return verdict
 
     def _forward(self, impl: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_metadata: Any):
         npu = _backend.torch_npu_module()
@@ -419,63 +348,38 @@ class FusedAttention(Optimization):
     def _fused_checked(
         self, npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: Any, scale: Any
     ) -> tuple[torch.Tensor | None, str]:
-        """The fused call, checked on the first real call of its shape class; (None, why) sends it to SDPA."""
+        """The fused call through the kernel path (checked on the first call of its class); (None, why): SDPA."""
         mask = getattr(attn_metadata, "attn_mask", None) if attn_metadata is not None else None
         masked, why = self.mask_for(mask, q.shape[0], q.shape[1], k.shape[1])
         if why:
             return None, why
         key = fab.shape_class(q, k, masked)
-        checked = self._shapes.get(key)
-        if checked is not None and not checked.ok:
-            return None, "shape class failed verification"
-        if self._guard.waits(key):
-            return None, "kernel fault (retried later)"
-        ran, out, refusal = self._guard.run(
-            key, lambda: self._fused_call(npu, q, k, v, attn_metadata, scale, masked, checked is None)
+        out = self._call(npu, key, q, k, v, masked, scale)
+        return (out, "") if out is not None else (None, self.path.why_stock(key))
+
+    def _call(self, npu: ModuleType, key: tuple, q: Any, k: Any, v: Any, masked: Any, scale: Any) -> Any:
+        s = float(scale) if scale is not None else q.shape[-1] ** -0.5
+        return self.path.call(
+            key,
+            lambda: fab.call_kernel(npu, q, k, v, masked, s),
+            lambda _out: self.path.class_check(npu, q, k, v, masked, scale),
+            lambda: fab.check_scratch_bytes(q, k),
+            q.device,
         )
-        if refusal:
-            failed = self._shapes.put(key, ShapeVerdict(key, False, refusal))
-            logger.warning("vllm-omni-ascend-opt: %s; SDPA for this shape class", failed.describe())
-            return None, "kernel error"
-        if not ran:
-            return None, "kernel fault (retried later)"
-        return out
 
     def warm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None) -> bool | None:
         """Check the kernel at the (device, dtype) and the class of BSND ``q``/``k``/``v`` now (``warmup``), as the
-        first real call would: the class verdict (ok), or None (no kernel, outside its limits, a fault or a
-        deferral). A class already decided is not checked again."""
+        first real call would: the class verdict, or None (no kernel, outside its limits, a fault or a deferral)."""
         npu = _backend.torch_npu_module()
         if npu is None or fab.limits_violation(q, k, v):
             return None
-        scale = q.shape[-1] ** -0.5
-        verdict = self._verdict(npu, q, k, scale)
+        verdict = self._verdict(npu, q, k, q.shape[-1] ** -0.5)
         if verdict is None or not verdict.ok:
             return None if verdict is None else False
         key = fab.shape_class(q, k, masked)
-        if self._shapes.get(key) is None and not self._guard.waits(key):
-            self._guard.run(key, lambda: self._fused_call(npu, q, k, v, None, scale, masked, True))
-        checked = self._shapes.get(key)
-        return None if checked is None else checked.ok
-
-    def _fused_call(
-        self, npu: ModuleType, q: Any, k: Any, v: Any, attn_metadata: Any, scale: Any, masked: Any, check: bool
-    ) -> tuple[torch.Tensor | None, str]:
-        """The class check (first call of its class) and the fused call, inside the guard: what either raises
-        costs this call only. (None, why): SDPA for this call."""
-        key = fab.shape_class(q, k, masked)
-        if check:
-            if not self._guard.fits(key, q.device, fab.check_scratch_bytes(q, k)):
-                return None, "check deferred (device memory)"
-            made = fab.check_class(npu, q, k, v, masked, scale)
-            usable = self._shapes.put(key, made).ok  # under several ranks a pass waits for the others (agree.py)
-            self.stats["shape_checks"] += 1
-            (logger.info if made.ok else logger.warning)(
-                "vllm-omni-ascend-opt: %s%s", made.describe(), "" if made.ok else "; SDPA for this shape class"
-            )
-            if not usable:
-                return None, "shape class failed verification" if not made.ok else "waiting for the other ranks"
-        return fab.fused_forward(npu, q, k, v, attn_metadata, scale, masks=lambda *a: (masked, ""))
+        if self.path.settled(key) is None:
+            self._call(npu, key, q, k, v, masked, None)
+        return self.path.settled(key)
 
 
 OPT = FusedAttention()

@@ -2,7 +2,7 @@
 
 Patches ``QwenImageCrossAttention.forward`` (class attribute; the block, stock or ``shared_modulation``'s body, calls
 ``block.attn(...)``, so both reach it). The joint math lives in ``blocks/body/joint_qkv.py``; the rotation goes
-through the rotary service ``rope`` switches on while installed (``blocks.kernels.rotary.active``), else the portable
+through the rotary service ``rope`` provides while installed (``blocks.kernels.rotary.ROTARY``), else the portable
 math of ``blocks.kernels.rope_tables`` with this optimization's own table cache. With ``qk_norm``'s kernel ready
 (``blocks.kernels.rms_norm.kernel_ready``) the norms run per stream on stock's views and q, k, v are joined by one
 ``cat`` each; RoPE still runs once on the joint sequence.
@@ -164,7 +164,8 @@ class JointAttention(Optimization):
         txt_freqs: Any,
     ) -> str | None:
         """Why stock must run this call: the call guard once per forward, the instance and the inputs per call."""
-        why = forward_scope.decide("ja.call_reason", _call_guard)  # once per forward; global hooks: static_reason
+        # once per forward; global hooks: static_reason
+        why = forward_scope.decide("ja.call_reason", guards.eager_call_reason)
         if why:
             return why
         why = static_reason(attn) or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
@@ -184,7 +185,7 @@ class JointAttention(Optimization):
         return joint_rms_norm(x, st, norm_txt.weight, norm_img.weight, norm_img.eps)
 
     def _joint_tables(
-        self, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, dtype: torch.dtype, kernel: rotary.RotaryKernel | None
+        self, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, dtype: torch.dtype, kernel: rotary.RotaryPath | None
     ) -> tuple[torch.Tensor, rope_tables.Tables]:
         """The joint freqs of this (vid, txt) pair and their tables in ``dtype``: from ``rope``'s rotary service while
         it is installed (its table cache and counters), else from this optimization's own cache. Found once per
@@ -201,10 +202,10 @@ class JointAttention(Optimization):
         self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
     ) -> torch.Tensor:
         """``x`` (q, k, or both stacked along the batch) rotated by the joint freqs: through the rotary service that
-        ``rope`` switches on while installed (:func:`~vllm_omni_ascend_opt.blocks.kernels.rotary.active`: its verified NPU
+        ``rope`` switches on while installed (``blocks.kernels.rotary.ROTARY``: its verified NPU
         kernel and counters), else with the portable math. ``inplace``: ``x`` is this path's own (the portable math
         rotates it in place: the same ops, fewer temporaries)."""
-        kernel = rotary.active()
+        kernel = rotary.ROTARY.get()
         joint_freqs, tables = self._joint_tables(vid_freqs, txt_freqs, x.dtype, kernel)
         if kernel is not None:
             return kernel.apply(x, tables, joint_freqs, rope, inplace=inplace)
@@ -371,10 +372,6 @@ class JointAttention(Optimization):
                 tables = rope_tables.portable_tables(t, joint_freqs, self.stats)
         if attn is not None:
             compiled_blocks.set_ready(attn, READY_ROPE, tables)
-
-
-def _call_guard() -> str | None:
-    return guards.call_reason(any_grad=True, hooks=False)
 
 
 def _modules(model: Any) -> list[nn.Module]:

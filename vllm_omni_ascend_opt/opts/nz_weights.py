@@ -1,61 +1,17 @@
-"""`nz_weights`: Cast the transformer's BF16/FP16 linear weights to FRACTAL_NZ (npu_format_cast(w, 29)) after loading.
+"""`nz_weights`: the transformer's BF16/FP16 linear weights cast to FRACTAL_NZ after loading.
 
-Why
-    Ascend's Cube unit consumes matmul weights in the fractal NZ layout; an ND (row-major) weight is re-laid-out on
-    every GEMM. vLLM-Omni 0.30 casts only quantized weights to NZ; vllm-ascend casts BF16/FP16 weights only with
-    ``weight_nz_mode == 2`` (``vllm_ascend/utils.py`` ``maybe_trans_nz``). The reference 910B1 ablation measured
-    27-49 ms per image for NZ DiT weights.
-How
-    :meth:`NzWeights.attach` runs from the plugin's wrapper of ``DiffusersPipelineLoader.load_model``, i.e. after
-    ``_process_weights_after_loading`` and distilled-LoRA fusion, and before vLLM-Omni enables CPU offload
-    (``diffusion_model_runner.py`` calls ``enable_offload_backend`` after ``load_model`` returns). For every linear
-    layer of the pipeline's transformer (vLLM ``LinearBase`` and ``nn.Linear``) it replaces the weight's data in place,
-    ``w.data = torch_npu.npu_format_cast(w.data, 29)`` (FRACTAL_NZ): the ``Parameter`` object, its class
-    (``ModelWeightParameter``) and attributes (``weight_loader``) stay. The cast is checked
-    (``get_npu_format == 29``) and undone if it did not take. ``detach`` casts the same weights back to ND (2).
-    Forward is unchanged: vLLM's ``UnquantizedLinearMethod`` calls ``F.linear``, which torch_npu runs on NZ weights.
-Gates (each says why in words, with the versions)
-    - CANN >= 8.3 (``torch.npu.utils.get_cann_version()``) and torch_npu >= 2.8: only from op-plugin 7.2 / CANN 8.3
-      does ``F.linear``/``addmm`` with an NZ weight go to ``aclnnMatmulWeightNz``/``aclnnAddmmWeightNz``
-      (vllm-ascend PR #3356 enables unquantized-linear NZ only on CANN 8.3) [VA-3356]. torch_npu 2.8 as the first
-      line of that op-plugin release is our reading of the release pairing, not a documented fact; every torch_npu
-      built for this project's torch (2.13) is newer.
-    - Permission: ``torch.npu.config`` is write-only in torch_npu 2.13.0 (``_npuConfig`` has only ``__setattr__``
-      [TNPU-CFG]), so reading ``allow_internal_format`` tells nothing. The permission is established by *trying*: the
-      first eligible weight is cast and ``get_npu_format`` must say 29 (a cast that raises or returns ND means internal
-      formats are not allowed: default off on A3 [OP-AIF]).
-    - Numbers, once per (device, dtype): with that weight in NZ, one 3-D ``F.linear`` with bias (``addmm``, the
-      model's layers) and one without (``matmul(3-D, NZ)``: ``RowParallelLinear`` on TP ranks > 0, ``skip_bias_add``
-      - a different route) must match the ND weight within ``NUMERIC_EPS_FACTOR * eps * (|x| @ |w|^T + |b|)``
-      (a route that reads the fractal layout as row-major fails by O(1)). Otherwise nothing is cast, with the errors.
-      The verdict lives in a ``blocks.kernels.verdicts.VerdictCache`` (a new backend probe drops it; uninstall clears it).
-Skipped, with reasons (``model_reasons_inactive`` for the whole model, ``report(model)["skipped"]`` per layer)
-    - CPU offload of the DiT configured (model-level or layerwise, ``resolve_offload(od_config)``): the offloader
-      moves/copies the weights after loading; layers under a ``*offload*`` hook; weights not on the NPU
-      (``Tensor.is_npu`` false: CPU, meta).
-    - HSDP (``parallel_config.use_hsdp``) and DTensor weights.
-    - runtime LoRA: ``lora_path`` with the PEFT backend (adapters are swapped per request by
-      ``DiffusionLoRAManager``), and LoRA-wrapped layers. Distilled LoRA fused at load time is fine.
-    - FP32 (and any non fp16/bf16) weights: vllm-ascend never casts FP32 to NZ.
-    - layers with n == 1 or k == 1: ``aclnnMatmulWeightNz`` rejects them [VA-10287: vllm-ascend PR #10287,
-      issue #10014, merged PR #16058]; quantized layers, i.e. a ``quant_method`` that is not an instance of vLLM's
-      ``UnquantizedLinearMethod`` (vllm-ascend's ``AscendUnquantizedLinearMethod`` is a subclass, hence unquantized);
-      weights already in an internal format; non 2-D weights.
-Contract with memos keyed on weights (``shared_modulation``)
-    ``w.data = ...`` keeps the Parameter's identity and does **not** bump ``w._version``, so nothing keyed on
-    (identity, ``_version``) notices. After casting (and after reverting) it announces a weights-changed event
-    through the registry (``announce_weights_changed``); ``shared_modulation`` drops its modulation memo on it
-    (its key also holds ``data_ptr``, which the cast changes, so this is belt and braces).
-Sources
-    [OP-FMT] Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_format_cast.md`` (returns a new tensor; ND = 2,
-    FRACTAL_NZ = 29); [OP-AIF] ``docs/context/（beta）torch_npu-npu-config-allow_internal_format.md``; [TNPU-CFG]
-    torch-npu 2.13.0 wheel ``torch_npu/npu/npu_config.py``; [VA-3356] vllm-project/vllm-ascend PR #3356 ("when
-    VLLM_ASCEND_ENABLE_NZ=1 and CANN version is 8.3, the weights of the Linear layer will be converted to
-    FRACTAL_NZ").
-Upstream PR
-    None (vllm-ascend's ``weight_nz_mode=2`` is the LLM-side equivalent). Qwen-Image-2.1 (0.32.0rc1) casts its own.
-Removal plan
-    Drop when vLLM-Omni's NPU loader casts unquantized DiT linear weights to NZ itself.
+:meth:`NzWeights.attach` runs from the plugin's wrapper of ``DiffusersPipelineLoader.load_model`` (after
+``_process_weights_after_loading`` and distilled-LoRA fusion, before vLLM-Omni enables CPU offload). For every
+eligible linear layer of the pipeline's transformer it replaces the weight's data in place,
+``w.data = torch_npu.npu_format_cast(w.data, 29)``: the ``Parameter``, its class and attributes stay; forward is
+unchanged (``F.linear`` runs on NZ weights). The cast is all or nothing: a fault restores every weight to ND.
+``detach`` casts back to ND (2). After either it announces a weights-changed event (``w.data = ...`` changes neither
+the Parameter's identity nor its ``_version``).
+
+The gates (versions, permission by a trial cast, the numbers per (device, dtype)) are
+:mod:`~vllm_omni_ascend_opt.blocks.kernels.nz_check` (sources cited there); per-layer skips (offload hooks, runtime
+LoRA, DTensor, quantized, fp32, n or k == 1, not on the NPU) are reported by :meth:`NzWeights.report`. The why, how,
+upstream and removal plan are the class's attributes (``vllm-omni-ascend-opt list``).
 """
 
 from __future__ import annotations
@@ -73,15 +29,14 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks.kernels.guard import fault_kind
 from vllm_omni_ascend_opt.blocks.kernels.nz_check import (
     ACL_FORMAT_FRACTAL_NZ,
     ACL_FORMAT_ND,
-    check_nz_linear,
+    NzPath,
     trial_cast,
     version_reasons,
 )
-from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import Verdict
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.optimization import Optimization
 
@@ -98,20 +53,6 @@ SKIP_NOT_NPU = "not on the NPU"
 SKIP_NOT_2D = "not 2-D"
 SKIP_NARROW = "n == 1 or k == 1"
 SKIP_CAST_FAILED = "cast did not produce FRACTAL_NZ"
-
-
-@dataclass(frozen=True)
-class NzVerdict:
-    """Outcome of the first-use check of NZ linears for one (device, dtype)."""
-
-    ok: bool
-    device: str
-    dtype: str
-    detail: str
-
-    def describe(self) -> str:
-        state = "verified" if self.ok else "FAILED"
-        return f"NZ linear check {state} on {self.device}/{self.dtype}: {self.detail}"
 
 
 @dataclass
@@ -215,7 +156,6 @@ class NzWeights(Optimization):
     name = "nz_weights"
     summary = "Cast the transformer's BF16/FP16 linear weights to FRACTAL_NZ (npu_format_cast(w, 29)) after loading."
     equivalence = "close"
-    default_enabled = True
     requires = (
         "torch_npu >= 2.8 with CANN >= 8.3 (WeightNz matmul routing); weights on an NPU; fp16/bf16; internal formats "
         "allowed (checked by a trial cast)",
@@ -229,8 +169,8 @@ class NzWeights(Optimization):
     def __init__(self) -> None:
         super().__init__()
         self._models: weakref.WeakKeyDictionary[nn.Module, _State] = weakref.WeakKeyDictionary()
-        #: The numerical check per (device, dtype) (one invalidation rule: a new backend probe drops it).
-        self._verdicts: VerdictCache[NzVerdict] = VerdictCache()
+        #: The numbers per (device, dtype), and the guard the cast runs under.
+        self.path = NzPath(self.name, self.stats)
 
     # ----- state in words ------------------------------------------------------------------------------------
     def _process_reasons(self) -> list[str]:
@@ -241,12 +181,12 @@ class NzWeights(Optimization):
             if missing:
                 reasons.append(f"{_backend.backend_label()} has no {', '.join(missing)}")
             reasons += version_reasons(npu)
-            reasons += [v.describe() for v in self._verdicts.values() if not v.ok]
+            reasons += [v.describe() for v in self.path.firsts.values() if not v.ok]
         return reasons
 
-    def verdicts(self) -> list[NzVerdict]:
+    def verdicts(self) -> list[Verdict]:
         """The first-use numerical checks so far, one per (device, dtype)."""
-        return self._verdicts.values()
+        return self.path.firsts.values()
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
         state = self._models.get(model)
@@ -267,7 +207,7 @@ class NzWeights(Optimization):
         npu = _backend.torch_npu_module()
         if npu is not None:
             out.append(f"torch_npu {getattr(npu, '__version__', '?')}, CANN {_backend.cann_version()}")
-        out += [v.describe() for v in self._verdicts.values() if v.ok]
+        out += [v.describe() for v in self.path.firsts.values() if v.ok]
         return out
 
     def report(self, model: nn.Module) -> dict[str, Any]:
@@ -324,14 +264,14 @@ class NzWeights(Optimization):
         state.reasons = self._config_reasons(model)
         if state.reasons:
             return
-        try:
-            self._cast_all(npu, model, state)
-        except Exception as exc:  # all or nothing: every weight cast so far goes back to ND
+        ran, _, refusal = self.path.guard.run("cast", lambda: self._cast_all(npu, model, state))
+        if not ran:  # all or nothing: every weight cast so far goes back to ND
             done = len(state.cast)
             self._rollback(state)
+            f = self.path.guard.fault("cast")
             why = (
-                f"casting to FRACTAL_NZ failed after {done} weight(s) ({fault_kind(exc)}: {exc.__class__.__name__}: "
-                f"{exc}); every weight was restored to ND: no weight cast"
+                f"casting to FRACTAL_NZ failed after {done} weight(s) ({refusal or f'{f.kind}: {f.error}'}); "  # type: ignore[union-attr]
+                "every weight was restored to ND: no weight cast"
             )
             state.reasons.append(why)
             logger.warning("vllm-omni-ascend-opt: nz_weights: %s", why)
@@ -356,11 +296,12 @@ class NzWeights(Optimization):
                     with torch.no_grad():
                         if not permitted:  # the first eligible weight: permission and numbers
                             nz, why_not = trial_cast(npu, w.data)
-                            verdict = self._verdict(npu, w.data, nz) if nz is not None else None
+                            verdict = None
+                            if nz is not None:
+                                verdict = self.path.decide(self._key(w), lambda w=w, nz=nz: self.path.check(w.data, nz))
                             if verdict is None or not verdict.ok:
-                                state.reasons.append(
-                                    (why_not or verdict.describe()) + "; no weight cast"  # type: ignore[union-attr]
-                                )
+                                why_not = why_not or (verdict.describe() if verdict else "the NZ check faulted")
+                                state.reasons.append(why_not + "; no weight cast")
                                 return
                             permitted = True
                         else:
@@ -380,18 +321,11 @@ class NzWeights(Optimization):
         state.cast.clear()
         state.skipped.clear()
 
-    def _verdict(self, npu: ModuleType, w: torch.Tensor, nz: torch.Tensor) -> NzVerdict:
-        """The (device, dtype) verdict of :func:`check_nz_linear`, computed on the first weight and cached.
-
-        (The permission - :func:`trial_cast` - is tried on every attach: the option can change, e.g. vLLM-Omni's
-        NPU platform enables it in ``set_device``.)"""
-        key = (str(w.device), str(w.dtype).removeprefix("torch."))
-        verdict = self._verdicts.get(key)
-        if verdict is None:
-            ok, detail = check_nz_linear(w, nz)
-            verdict = self._verdicts.put(key, NzVerdict(ok, key[0], key[1], detail))
-            (logger.info if ok else logger.warning)("vllm-omni-ascend-opt: nz_weights: %s", verdict.describe())
-        return verdict
+    @staticmethod
+    def _key(w: torch.Tensor) -> tuple[str, str]:
+        """The numbers are checked once per (device, dtype); the permission (:func:`trial_cast`) on every attach: the
+        option can change (vLLM-Omni's NPU platform enables it in ``set_device``)."""
+        return (str(w.device), str(w.dtype).removeprefix("torch."))
 
     def _revert(self, state: _State) -> None:
         if not state.cast or state.npu is None:
@@ -405,7 +339,7 @@ class NzWeights(Optimization):
             self._revert(state)
 
     def _uninstall(self) -> None:
-        self._verdicts.clear()
+        self.path.clear()
 
 
 def _unquantized_types() -> tuple[type, ...]:

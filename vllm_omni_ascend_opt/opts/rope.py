@@ -1,68 +1,15 @@
-"""`rope`: Build RoPE cos/sin tables once per forward shape and reuse them in every block; on Ascend apply them with a verified torch_npu.npu_rotary_mul (interleave).
+"""`rope`: RoPE cos/sin tables built once per forward shape and reused in every block; on Ascend applied with a
+verified ``torch_npu.npu_rotary_mul`` (interleave).
 
-Patch header (vllm-ascend ``vllm_ascend/patch/`` style)
--------------------------------------------------------
-Patched symbols (``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``; vLLM-Omni 0.30.0, 0.31.0rc1 and
-0.32.0rc1, recognised by the source fingerprints in :data:`UPSTREAM`):
+Patched (vLLM-Omni's ``qwen_image_transformer.py``, recognised by the fingerprints in :data:`UPSTREAM`): the module
+global ``_qwen_image_qk_norm_rope`` (looked up at call time, so it also reaches models built before the install,
+TeaCache's block loop and SP-sharded freqs), and ``QwenEmbedRope.forward`` / ``QwenEmbedLayer3DRope.forward``,
+memoized per (shapes, text lengths, device, table objects) so the same freqs objects reach every step.
 
-* module global ``_qwen_image_qk_norm_rope`` (looked up at call time by ``QwenImageCrossAttention.forward``, so the
-  patch also reaches models built before it was installed, TeaCache's block loop and SP-sharded freqs);
-* ``QwenEmbedRope.forward`` and ``QwenEmbedLayer3DRope.forward``: memoized per (shapes, text lengths, device, tables).
-  0.32.0rc1 replaced the ``functools.lru_cache`` on ``_compute_video_freqs`` / ``_compute_condition_freqs`` by a
-  bounded per-instance ``_freqs_cache`` (upstream #8016) with the old bodies in ``_build_*``: ``forward`` is
-  unchanged and still returns the same result for the same key, so the memo is unchanged too (both fingerprints are
-  known; tests/test_rope.py runs on 0.32 in ``make test-versions``). Whatever empties upstream's caches for a fresh
-  computation (patches/check.py) clears both kinds: the classes' ``cache_clear`` and the instances' dicts.
-
-Why: stock converts the complex freqs to ``cos``/``sin`` (``torch.real(freqs).to(dtype)``, ``torch.imag(...)``) in
-every block for img and txt, and ``RotaryEmbedding.forward_native`` then re-expands them (einops ``repeat``) and
-negates/stacks ``x`` on every call: 10 kernel launches per q/k, 40 per block. On Ascend without MindIE-SD that is
-also the path taken (``forward_npu`` falls back to ``forward_native``).
-
-How:
-
-* Tables: built once per freqs tensor and dtype, cached on the freqs tensor's identity (weak reference, so an entry
-  dies with its freqs; plus storage offset, shape, stride, dtype, device and, where tracked, ``_version``). The same
-  vid/txt freqs objects are passed to every block of a forward, and the ``QwenEmbedRope`` memo returns the same
-  objects for the same (image shapes, text lengths, device, ``pos_freqs``/``neg_freqs`` objects) across steps and
-  requests, so tables are built once per shape. Under sequence parallel the blocks see this rank's (padded) shard -
-  a different tensor - so ranks and paddings never share a table. Caches are bounded LRUs: 32 tables
-  (:class:`~vllm_omni_ascend_opt.blocks.kernels.rope_tables.TableCache`), :data:`EMBED_MEMO_SIZE` results per embedder.
-* Portable path (any device where stock runs ``forward_native``): ``x * cos + swap(x) * sin_signed`` with
-  ``cos`` = repeat-interleaved cos and ``sin_signed`` = (-s, s) interleaved, ``swap`` = adjacent pairs swapped
-  (one ``stack``). Each element sees exactly stock's operations in stock's order ((-a)*b == a*(-b) in IEEE
-  arithmetic), so results are bitwise identical: 4 launches per q/k instead of 10.
-* Where stock dispatches to another kernel (MindIE-SD, CUDA), that kernel is called with cached cos/sin: exact.
-* NPU path: ``torch_npu.npu_rotary_mul(x, cos, sin, rotary_mode="interleave")`` with cos/sin repeat-interleaved to
-  (1, S, 1, D) (class 1S1D for BSND, the only one interleave accepts): 1 launch per q/k. It is verified twice:
-  (1) once per (device, dtype, head_dim) on small random BSND inputs against the fp32 portable reference (see
-  ``blocks.kernels.rotary.TOLERANCE_EPS_FACTOR``): a kernel that pairs halves (``npu_apply_rotary_pos_emb``, or the pre-7.0
-  aclops fallback that ignored ``rotary_mode``; since op-plugin 7.0 that fallback raises for interleave) fails by
-  orders of magnitude and is refused; (2) on the first real call of each *shape class* (device, dtype, layout BSND,
-  B*N, sequence-length bucket = next power of two, D) the kernel's output on the real inputs is compared with an
-  fp32 reference computed in chunks over S (bounded memory, ``blocks.kernels.rotary.VERIFY_CHUNK_ELEMS``); the class keeps
-  the kernel only if it is within the tolerance and its max error is no larger than stock's own (the portable path,
-  stock's roundings, on the same chunks). Different tilings at production shapes (S ~ 4352, B*N 24-48) are thus checked
-  where they run; a call that raises falls back to the portable path for that class, with the reason logged.
-* Tier: the kernel computes in fp32 and rounds once, so it is not bitwise-equal to stock's three bf16 roundings;
-  with it ``rope`` delivers the ``pixel`` tier (uint8-identical images, float outputs may differ - what the
-  reference 910B1 work kept it for), without it ``exact``. Policy ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL``: ``pixel``
-  (default; ``verified`` is an alias) uses the verified kernel; ``bitwise`` uses it only where it is bitwise-equal
-  to stock on the verification inputs (an unknown value keeps ``bitwise`` and says so). ``Rope.tier()`` reports the
-  tier delivered here (``list``, ``status()``, the ablation gates). The RMSNorm before RoPE stays stock (no exact
-  fused replacement exists).
-* Where the code lives: the tables, their cache and the portable math in
-  :mod:`vllm_omni_ascend_opt.blocks.kernels.rope_tables`; the kernel's verification, its verdicts (a
-  :class:`~vllm_omni_ascend_opt.blocks.kernels.verdicts.VerdictCache` each) and the backend choice in
-  :class:`~vllm_omni_ascend_opt.blocks.kernels.rotary.RotaryKernel`, which this optimization owns (its statistics count
-  every call through it) and switches on for ``joint_attention`` while installed.
-* Under ``torch.compile`` tracing both patches run stock code at once (checked first: nothing is read, counted or
-  logged inside a traced forward); under autograd or graph capture the rotary patch runs stock code, counted.
-
-Upstream PR: vllm-omni #4043 (open) calls ``npu_rotary_mul`` in ``RotaryEmbedding.forward_npu``; table reuse is not
-proposed upstream yet.
-Removal plan: drop when vLLM-Omni builds cos/sin once per forward for Qwen-Image and its NPU RoPE uses
-``npu_rotary_mul(..., rotary_mode="interleave")`` verified on device.
+The tables, their cache and the portable math live in :mod:`~vllm_omni_ascend_opt.blocks.kernels.rope_tables`; the
+kernel path (checks, verdicts, backend choice) in :class:`~vllm_omni_ascend_opt.blocks.kernels.rotary.RotaryPath`,
+which this optimization owns and offers in the ``ROTARY`` slot for ``joint_attention`` while installed. The why,
+how, upstream and removal plan are the class's attributes (``vllm-omni-ascend-opt list``).
 """
 
 from __future__ import annotations
@@ -71,22 +18,21 @@ import logging
 import os
 import sys
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks.kernels import guard as kguard
 from vllm_omni_ascend_opt.blocks.kernels import rotary
 from vllm_omni_ascend_opt.blocks.kernels.rope_tables import TABLE_CACHE_SIZE, version_or_none
-from vllm_omni_ascend_opt.blocks.kernels.rotary import ENV_KERNEL_POLICY, KernelVerdict, ShapeVerdict
+from vllm_omni_ascend_opt.blocks.kernels.rotary import ENV_KERNEL_POLICY
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import Verdict
 from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, V030, V031, V032, Upstream, same
-from vllm_omni_ascend_opt.blocks.weak_lru import tensor_bytes
+from vllm_omni_ascend_opt.blocks.weak_lru import WeakLRU, tensor_bytes
 from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -135,20 +81,8 @@ class Rope(Optimization):
     summary = "Build RoPE cos/sin tables once per forward shape and reuse them in every block; on Ascend apply them with a verified torch_npu.npu_rotary_mul (interleave)."
     #: exact on the portable path; pixel with the NPU kernel (see :meth:`tier`).
     equivalence = "pixel"
-    default_enabled = True
     requires = ("NPU kernel path: torch_npu with npu_rotary_mul rotary_mode='interleave'",)
     target_modules = (_targets.TRANSFORMER,)
-    parallel_support: ClassVar[dict[str, str]] = {
-        "single": "supported",
-        # Tables are keyed on the freqs tensor each block receives: under Ulysses/Ring SP that is this rank's
-        # (padded) shard, so ranks and paddings never share a table; TP only changes the head count.
-        "ulysses": "supported",
-        "ring": "supported",
-        "cfg_parallel": "supported",
-        "tensor_parallel": "supported",
-        "allgather": "supported",
-        "vae_patch_parallel": "supported",
-    }
     regions = frozenset({"block", "transformer"})
     acts_without_attach = True
     upstream = UPSTREAM
@@ -172,8 +106,8 @@ class Rope(Optimization):
         super().__init__()
         #: Tables, kernel verdicts and the backend choice; counts into this optimization's stats, also for the calls
         #: ``joint_attention`` makes through it while this optimization switches it on (installed).
-        self.rotary = rotary.RotaryKernel(self, self.stats, self.name)
-        self._embed_memo: weakref.WeakKeyDictionary[nn.Module, OrderedDict] = weakref.WeakKeyDictionary()
+        self.rotary = rotary.RotaryPath(self, self.stats, self.name)
+        self._embed_memo: weakref.WeakKeyDictionary[nn.Module, WeakLRU] = weakref.WeakKeyDictionary()
         self._bad_policy: set[str] = set()
 
     # ----- reporting -----------------------------------------------------------------------------------------
@@ -182,7 +116,7 @@ class Rope(Optimization):
 
     def cache_memory(self) -> dict[str, Any]:
         tables = self.rotary.tables
-        memo = [hit[1] for m in list(self._embed_memo.values()) for hit in m.values()]
+        memo = [out for m in list(self._embed_memo.values()) for out in m.values()]
         return {
             "tables": len(tables),
             "table_cap": TABLE_CACHE_SIZE,
@@ -233,17 +167,12 @@ class Rope(Optimization):
         elif not self.use_npu_kernel:
             out.append("NPU kernel npu_rotary_mul disabled (Rope.use_npu_kernel=False); portable path in use.")
         else:
-            verdicts = self.verdicts()
-            if not verdicts:
+            if not self.verdicts():
                 out.append(
-                    "torch_npu present: npu_rotary_mul(interleave) will be verified against the fp32 portable "
-                    "reference on first use per (device, dtype, head_dim), and again on the first real call of each "
-                    "shape class (dtype, layout, B*N, S bucket), before it is used."
+                    "torch_npu present: npu_rotary_mul(interleave) is checked against the fp32 portable reference on "
+                    "first use per (device, dtype, head_dim), and on the first real call of each shape class."
                 )
-            out.extend(v.describe() for v in verdicts)
-            out.extend(v.describe() for v in self.shape_verdicts())
-            out.extend(f"npu_rotary_mul fault: {f.describe()}" for f in self.rotary.guard.faults())
-            out.append(kguard.tally_line("npu_rotary_mul", self.kernel_classes()))  # type: ignore[arg-type]
+            out.extend(self.rotary.notes())
         if self.stats:
             s = self.stats
             out.append(
@@ -256,15 +185,15 @@ class Rope(Optimization):
     def kernel_classes(self) -> dict[str, Any] | None:
         if _backend.torch_npu_module() is None or not self.use_npu_kernel:
             return None
-        return kguard.tally(self.shape_verdicts(), self.rotary.guard.faults())
+        return self.rotary.tally()
 
-    def verdicts(self) -> list[KernelVerdict]:
-        """The toy-shape verifications of the kernel per (device, dtype, head_dim), for the current backend."""
-        return self.rotary.verdicts.values()
+    def verdicts(self) -> list[Verdict]:
+        """The first-use checks of the kernel per (device, dtype, head_dim), for the current backend."""
+        return self.rotary.firsts.values()
 
-    def shape_verdicts(self) -> list[ShapeVerdict]:
+    def shape_verdicts(self) -> list[Verdict]:
         """The per-shape-class checks of the kernel on real calls so far, for the current backend."""
-        return self.rotary.shapes.values()
+        return self.rotary.classes.values()
 
     # ----- install -------------------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -274,10 +203,10 @@ class Rope(Optimization):
             cls = getattr(mod, cls_name, None)
             if cls is not None:
                 self.patches.set(cls, "forward", self._make_embed_forward(cls.forward))
-        rotary.switch_on(self.rotary)
+        rotary.ROTARY.provide(self.rotary)
 
     def _uninstall(self) -> None:
-        rotary.switch_off(self.rotary)
+        rotary.ROTARY.withdraw(self.rotary)
         self.reset_state()
 
     def _attach(self, model: nn.Module) -> None:
@@ -338,7 +267,7 @@ class Rope(Optimization):
                 # with joint_attention the joint path rotates in the graph)
                 return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)
             if (
-                forward_scope.decide("rope.call_reason", _call_guard) is not None  # once per forward
+                forward_scope.decide("rope.call_reason", guards.eager_call_reason) is not None  # once per forward
                 or q.dim() != 4
                 or freqs.dim() != 2
                 or not freqs.is_complex()
@@ -379,34 +308,25 @@ class Rope(Optimization):
         def forward(module: nn.Module, video_fhw: Any, txt_seq_lens: Any, device: Any) -> Any:
             """``QwenEmbedRope.forward`` memoized: same arguments and tables -> the same (vid, txt) freqs objects.
 
-            Memo policy: at most :data:`EMBED_MEMO_SIZE` results per embedder module; a hit moves to the most
-            recent end, the least recently used result is evicted; a result is served only while the tables it was
-            made from (``pos_freqs``/``neg_freqs``) are the same objects."""
+            At most :data:`EMBED_MEMO_SIZE` results per embedder module (LRU), each served only while the tables it
+            was made from (``pos_freqs``/``neg_freqs``) are the same objects."""
             if guards.tracing() or torch.is_grad_enabled():  # tracing first: nothing mutable read while tracing
                 return original(module, video_fhw, txt_seq_lens, device)
             key = _embed_key(module, video_fhw, txt_seq_lens, device)
             memo = opt._embed_memo.get(module)
             if key is not None and memo is not None:
-                hit = memo.get(key[0])
-                if hit is not None and all(r() is t for r, t in zip(hit[0], key[1], strict=True)):
-                    memo.move_to_end(key[0])
+                hit = memo.get(*key)
+                if hit is not None:
                     opt.stats["embed_memo_hits"] += 1
-                    return hit[1]
+                    return hit
             out = original(module, video_fhw, txt_seq_lens, device)
             after = _embed_key(module, video_fhw, txt_seq_lens, device)  # forward may have moved the tables
             if after is not None:
-                memo = opt._embed_memo.setdefault(module, OrderedDict())
-                memo[after[0]] = (tuple(weakref.ref(t) for t in after[1]), out)
-                while len(memo) > EMBED_MEMO_SIZE:
-                    memo.popitem(last=False)
+                opt._embed_memo.setdefault(module, WeakLRU(EMBED_MEMO_SIZE)).put(*after, out)
             return out
 
         forward.__wrapped__ = original  # type: ignore[attr-defined]
         return forward
-
-
-def _call_guard() -> str | None:
-    return guards.call_reason(any_grad=True, hooks=False)
 
 
 def _plain(obj: Any) -> Any:

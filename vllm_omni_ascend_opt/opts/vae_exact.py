@@ -7,7 +7,7 @@ tests/test_vae_exact.py:
   blending and crops; a row is dropped once the next one is blended): one frame decoded without the feature cache;
 * ``cached_conv_counts`` (``vae.clear_cache``): diffusers' ``_cached_conv_counts``, checked at attach;
 * ``upsample_native_dtype`` (``QwenImageUpsample.forward``): verified once per (device type, dtype) on a probe
-  (:attr:`VaeExact.upsample_verdicts`);
+  (:attr:`VaeExact.upsample`, a kernel path);
 * ``pointwise_conv_no_pad`` (1x1x1 ``QwenImageCausalConv3d.forward``): a contiguous input skips the pad copy;
 * ``latents_stats_cache`` (``pipeline._decode_latents``): :class:`LatentsStats`, one entry per pipeline.
 """
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt._patching import PatchSet
-from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import Verdict
+from vllm_omni_ascend_opt.blocks.kernels.verified import KernelPath
 from vllm_omni_ascend_opt.blocks.upstream import guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import same
@@ -45,15 +45,6 @@ QWEN_IMAGE_21_REFUSAL = (
 )
 #: dtypes for which an fp32 round trip is lossless, so skipping it cannot change a value.
 _ROUND_TRIP_LOSSLESS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class UpsampleVerdict:
-    """Whether nearest interpolation in ``dtype`` on ``device_type`` equals stock's fp32 round trip on a probe."""
-
-    device_type: str
-    dtype: torch.dtype
-    ok: bool
 
 
 # ----- single_frame_decode ------------------------------------------------------------------------------------------
@@ -236,37 +227,35 @@ def _clear_cache(self: nn.Module) -> None:
 
 
 # ----- upsample_native_dtype ----------------------------------------------------------------------------------------
-def check_native_upsample(module: nn.Module, device: torch.device, dtype: torch.dtype) -> UpsampleVerdict:
-    """Does interpolating in ``dtype`` on ``device`` equal stock's fp32 round trip on a probe? (once per key)"""
-    key = (device.type, dtype)
-    ok = False
-    if dtype in _ROUND_TRIP_LOSSLESS:
+class UpsamplePath(KernelPath):
+    """Nearest interpolation in the activation dtype instead of stock's fp32 round trip, checked per (device type,
+    dtype) on a probe; kept in memory."""
+
+    kernel = "native-dtype upsample"
+    persist = False
+
+    def check(self, module: nn.Module, device: torch.device, dtype: torch.dtype) -> Verdict:
+        """Does interpolating in ``dtype`` on ``device`` equal stock's fp32 round trip on a probe?"""
+        key = (device.type, dtype)
+        if dtype not in _ROUND_TRIP_LOSSLESS:
+            return self.verdict(key, False, "the fp32 round trip is not lossless in this dtype")
         gen = torch.Generator().manual_seed(0)  # CPU generator: never touches the device RNG state
         probe = (torch.randn(2, 3, 5, 7, generator=gen) * 100).to(device=device, dtype=dtype)
-        stock_forward = diffusers_vae().QwenImageUpsample.forward
-        try:
-            ok = bool(torch.equal(nn.Upsample.forward(module, probe), stock_forward(module, probe)))
-        except Exception as exc:
-            logger.info("vllm-omni-ascend-opt: native-dtype upsample unavailable for %s: %r", key, exc)
-            ok = False
-    if not ok:
-        logger.info("vllm-omni-ascend-opt: vae_exact keeps the fp32 upsample round trip for %s", key)
-    return UpsampleVerdict(device.type, dtype, ok)
+        same = bool(
+            torch.equal(nn.Upsample.forward(module, probe), diffusers_vae().QwenImageUpsample.forward(module, probe))
+        )
+        return self.verdict(key, same, f"{'equal to' if same else 'differs from'} stock's fp32 round trip on a probe")
+
+    def verified(self, module: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+        v = self.decide((device.type, dtype), lambda: self.check(module, device, dtype))
+        return v is not None and v.ok
 
 
-def native_upsample_verified(
-    verdicts: VerdictCache[UpsampleVerdict], module: nn.Module, device: torch.device, dtype: torch.dtype
-) -> bool:
-    """The verdict of :func:`check_native_upsample` per (device type, dtype), kept in ``verdicts``."""
-    verdict, _made = verdicts.get_or_make((device.type, dtype), lambda: check_native_upsample(module, device, dtype))
-    return verdict.ok
-
-
-def _make_upsample_forward(verdicts: VerdictCache[UpsampleVerdict], module: nn.Module) -> Any:
+def _make_upsample_forward(path: UpsamplePath, module: nn.Module) -> Any:
     original = module.forward
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not guards.tracing() and native_upsample_verified(verdicts, self, x.device, x.dtype):
+        if not guards.tracing() and path.verified(self, x.device, x.dtype):
             return nn.Upsample.forward(self, x)
         return original(x)
 
@@ -421,20 +410,15 @@ class VaeExact(VaeOptimization):
 
     def __init__(self) -> None:
         super().__init__()
-        #: Native-dtype upsample verdicts per (device type, dtype) (one invalidation rule; cleared on uninstall).
-        self.upsample_verdicts: VerdictCache[UpsampleVerdict] = VerdictCache()
+        #: The native-dtype upsample's verdicts per (device type, dtype) (cleared on uninstall).
+        self.upsample = UpsamplePath(self.name, self.stats)
 
     def _uninstall(self) -> None:
-        self.upsample_verdicts.clear()
+        self.upsample.clear()
 
     def notes(self) -> list[str]:
         out = ["multi-frame decodes keep stock _decode / tiled_decode (the submodule pieces still act)"]
-        checked = {
-            f"{v.device_type}/{str(v.dtype).removeprefix('torch.')}": v.ok for v in self.upsample_verdicts.values()
-        }
-        if checked:
-            out.append(f"native-dtype upsample verified: {checked}")
-        return out
+        return out + [v.describe() for v in self.upsample.firsts.values()]
 
     def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
         mod = diffusers_vae()
@@ -463,7 +447,7 @@ class VaeExact(VaeOptimization):
         report["upsample_native_dtype"] = self.patch_forwards(
             "upsample_native_dtype",
             ups,
-            lambda m: _make_upsample_forward(self.upsample_verdicts, m),
+            lambda m: _make_upsample_forward(self.upsample, m),
             ps,
             "no stock QwenImageUpsample in the decoder",
         )

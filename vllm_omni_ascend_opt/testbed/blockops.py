@@ -1,16 +1,10 @@
 """Kernel launches per transformer block on a warm forward, for a flag selection, a dtype and a width.
 
-One helper for the op-budget tests and the benchmarks (``benchmarks/bench_ops.py``): build vLLM-Omni 0.30's real
-``QwenImageTransformer2DModel`` (the tiny test-bed spec or the real width: hidden 3072, 24 heads x 128), select a
-``VLLM_OMNI_ASCEND_OPT`` spec on it, run one forward (cold: memo and tables filled, first-use kernel checks done)
-and count the second (warm, a repeated request) per block: its last block, under ``torch.no_grad`` (the project's
-convention).
-
-``npu=False`` counts what the CPU dispatches (:class:`~vllm_omni_ascend_opt.testbed.opcount.OpCounter`);
-``npu=True`` counts what torch_npu 2.13 would launch (:class:`~vllm_omni_ascend_opt.testbed.npu_ops.NpuOpCounter`),
-meant with the semantic torch_npu fake installed by the caller (tests: the ``fake_npu`` fixture), so that the
-plugin takes its NPU paths. The count per block does not depend on the sequence length (no op is per-token), so
-the real width is counted at a small image (128x128 -> 64 image tokens + 32 text tokens), not at 1280x704.
+For the op-budget tests and ``benchmarks/bench_ops.py``: build vLLM-Omni's real ``QwenImageTransformer2DModel`` (the
+tiny spec or the real width), select a ``VLLM_OMNI_ASCEND_OPT`` spec, run one cold forward and count the last block
+of a warm one under ``torch.no_grad``. ``npu=False`` counts what the CPU dispatches (:class:`~.opcount.OpCounter`),
+``npu=True`` what torch_npu would launch (:class:`~.npu_ops.NpuOpCounter`, with the torch_npu fake installed by the
+caller). No op is per-token, so the real width is counted at a small image.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""Peak memory of one call, on CPU or any device the profiler sees: the bytes of tensor storage allocated during the
-call and still alive at its worst moment.
+"""Peak memory of one call: the bytes of tensor storage allocated during it and alive at its worst moment.
 
-Method: ``torch.profiler.profile(profile_memory=True)`` records every allocation and free of the allocators it
-instruments as ``[memory]`` events with a signed byte count (positive: allocated, negative: freed). Summed in time
-order, they give the live bytes the call added over what existed before it; the maximum of that running sum is the
-peak. Storage that existed before the call (weights, inputs) is not counted; what the call returns is counted in
-``end``. The profiler's own bookkeeping allocates a few scalars (bytes, not kilobytes). ``tests/test_memory_probe.py``
-checks the method against hand-computed cases. On an accelerator with allocator statistics (CUDA, NPU) the
-allocator's own peak is read instead.
-
-:func:`first_call_peaks` measures calls made deep inside a larger run (the first transformer forward and the VAE
-decode of a generation): the benchmarks' peak-memory columns and the ablation worker's probe use it.
+``torch.profiler.profile(profile_memory=True)`` records every allocation and free as a ``[memory]`` event with a
+signed byte count; their running sum in time order is what the call added over what existed before it (weights and
+inputs are not counted), its maximum the peak, its end ``end``. On an accelerator with allocator statistics (CUDA,
+NPU) the allocator's own peak is read instead. ``tests/test_memory_probe.py`` checks the method on hand-computed
+cases. :func:`first_call_peaks` measures calls made deep inside a generation (the benchmarks, the ablation worker).
 """
 
 from __future__ import annotations
@@ -77,9 +71,6 @@ def _measure_allocator(acc: Any, fn: Callable[..., Any], *args: Any, **kwargs: A
     return out, MemoryPeak(peak=peak, end=acc.memory_allocated() - before, allocations=0)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# peaks of calls made inside a larger run (a generation): the benchmarks and the ablation worker
-# ----------------------------------------------------------------------------------------------------------------
 #: The calls whose peaks the benchmarks and the ablation report show: (label, path of the object, method name).
 PIPELINE_CALLS: tuple[tuple[str, str, str], ...] = (
     ("transformer_forward", "transformer", "forward"),

@@ -1,28 +1,14 @@
 """vLLM-Omni's own ``DiffusionModelRunner``, in this process, on the test bed's CPU runtime.
 
 The runner is what vLLM-Omni's diffusion worker drives: ``load_model`` builds the pipeline with the loader (the
-plugin attaches there), then applies, in its own order, CPU / layerwise offload, ``torch.compile`` (regional or
-full) and the cache backend; ``execute_model`` runs one request under ``torch.inference_mode`` with the cache
-refreshed per request. :class:`RunnerHarness` builds one from ``OmniDiffusionConfig`` fields (the same names users
-pass to ``Omni(...)`` / ``vllm serve``) and runs requests through it, so tests and benchmarks exercise the plugin in
-vLLM-Omni's memory, cache and compile modes without an accelerator.
-
-CPU-only adaptations, each applied here and nowhere else (see also ``runtime.apply_engine_cpu_runtime``):
-
-* the import half of the engine CPU runtime (torchvision-free image processors): the runner's module imports
-  vLLM-Omni's config factory, which imports vLLM's Qwen2-VL code;
-* ``pin_cpu_memory=False`` whenever an offload mode is asked for on a machine without an accelerator: pinned
-  memory needs one ("pin_memory=True requires a CUDA or other accelerator backend");
-* ``supports_torch_inductor`` answers True while the runner loads when ``compile=True`` (vLLM-Omni's
-  ``UnspecifiedOmniPlatform`` leaves it unimplemented, so the runner would skip compilation): the very
-  ``_compile_transformer`` path the runner takes on a platform with inductor.
-
-The platform-time workarounds (model CPU offload's ``get_free_memory``, LoRA's pinned memory, ...) are the engine CPU
-runtime's (``runtime.apply_engine_cpu_runtime``, applied by :meth:`RunnerHarness.load`), each with its reason.
-
-LoRA: vLLM-Omni's diffusion worker, not the runner, owns the ``DiffusionLoRAManager`` and activates each request's
-adapter before ``execute_model``; :meth:`RunnerHarness.enable_lora` builds it as the worker's ``init_lora_manager``
-does, and ``generate(lora=...)`` activates an adapter as the worker's ``execute_model`` does.
+plugin attaches there) and applies CPU / layerwise offload, ``torch.compile`` and the cache backend in its own
+order; ``execute_model`` runs one request. :class:`RunnerHarness` builds one from ``OmniDiffusionConfig`` fields (the
+names users pass to ``Omni(...)`` / ``vllm serve``), so tests and benchmarks exercise the plugin in vLLM-Omni's
+memory, cache and compile modes without an accelerator. CPU-only adaptations, here and nowhere else: the engine CPU
+runtime (``runtime.py``); ``pin_cpu_memory=False`` for offload without an accelerator (pinned memory needs one);
+``supports_torch_inductor`` answering True while a ``compile=True`` runner loads (the unspecified platform leaves it
+unimplemented, so the runner would skip compiling). LoRA: the worker, not the runner, owns the
+``DiffusionLoRAManager``; :meth:`RunnerHarness.enable_lora` and ``generate(lora=...)`` do what the worker does.
 """
 
 from __future__ import annotations

@@ -1,26 +1,20 @@
 """Count the kernels torch_npu 2.13 would launch for what runs here on CPU: :class:`NpuOpCounter`.
 
-:class:`~vllm_omni_ascend_opt.testbed.opcount.OpCounter` counts the aten ops the CPU dispatches. An NPU runs the same
-Python code, but torch_npu registers its own set of ``aten::`` kernels, so the launch count differs where the two
-backends disagree. Per op reaching the dispatcher (views and allocation-only ops excluded, as in ``opcount``):
+torch_npu registers its own set of ``aten::`` kernels, so the NPU's launch count differs from the CPU's dispatch
+(:class:`~.opcount.OpCounter`) where the two backends disagree. Per op reaching the dispatcher (views and
+allocation-only ops excluded):
 
-1. registered for the NPU (``PrivateUse1`` or ``AutogradPrivateUse1`` in :data:`REGISTERED_FILE`, extracted from the
-   real torch-npu 2.13.0 wheel by ``tools/gen_npu_registered_ops.py``) -> 1 launch;
-2. a structured op whose ``out=`` overload is registered (torch's generated ``CompositeExplicitAutogradNonFunctional``
-   kernel allocates the output and calls the ``out=`` kernel, e.g. ``gelu`` -> ``gelu.out``) -> 1 launch;
-3. otherwise, decomposed with torch's decomposition table (``torch._decomp``), recursively, on meta tensors: the
-   pieces are counted by these same rules (``_fused_rms_norm`` -> ``_to_copy, pow, mean, add, rsqrt, mul, mul,
-   _to_copy`` in bf16). The op itself still runs as it does on CPU, so the numbers computed do not change;
+1. registered for the NPU (a dense key in :data:`REGISTERED_FILE`, extracted from the real torch-npu 2.13.0 wheel by
+   ``tools/gen_npu_registered_ops.py``) -> 1 launch;
+2. a structured op whose ``out=`` overload is registered (``gelu`` -> ``gelu.out``) -> 1 launch;
+3. otherwise decomposed with ``torch._decomp`` on meta tensors, the pieces counted by these same rules (the op itself
+   still runs as on CPU, so no number changes);
 4. otherwise 1 launch, recorded in :attr:`NpuOpCounter.unresolved` (tests assert the models hit none).
 
-``CompositeImplicitAutograd`` ops decompose before they reach a dispatch mode; the CPU and the NPU run the same
-decomposition, except for the few such ops torch_npu registers itself (``scaled_dot_product_attention``, ``matmul``,
-``softmax.int`` among those our models call): their Python entry points are intercepted at the ``torch`` function
-level (:data:`FUNCTION_HOOKS`) and count 1 launch, with whatever the CPU dispatches inside not counted.
-
-torch_npu's own ops (``torch_npu.npu_rotary_mul`` ...) do not exist here; the semantic fake
-(``tests/fake_torch_npu``) runs each through :func:`run_npu_kernel`, which counts it as one ``npu::`` launch (when it
-returns a tensor) and hides the CPU ops the fake computes it with.
+``CompositeImplicitAutograd`` ops torch_npu registers itself (``scaled_dot_product_attention``, ``matmul``,
+``softmax.int``) are caught at their ``torch`` entry points (:data:`FUNCTION_HOOKS`) and count 1 launch. torch_npu's
+own ops run through the semantic fake (``tests/fake_torch_npu``), whose :func:`run_npu_kernel` counts each as one
+``npu::`` launch and hides the CPU ops it computes with.
 """
 
 from __future__ import annotations
@@ -34,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -117,32 +112,19 @@ def resolve(func: Any) -> tuple[str, Any]:
     return ("unresolved", name)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# torch-level entry points of CompositeImplicitAutograd ops torch_npu registers
-# ---------------------------------------------------------------------------------------------------------------
-def _function_hooks() -> dict[Callable[..., Any], str]:
-    import torch.nn.functional as F
-
-    table: dict[Callable[..., Any], str] = {
-        F.scaled_dot_product_attention: "scaled_dot_product_attention",
-        torch.matmul: "matmul",
-        torch.Tensor.matmul: "matmul",
-        torch.Tensor.__matmul__: "matmul",
-        torch.softmax: "softmax.int",
-        torch.Tensor.softmax: "softmax.int",
-        F.softmax: "softmax.int",
-    }
-    return table
-
-
 #: Python callable -> the CompositeImplicitAutograd overload it dispatches to, which torch_npu registers for the NPU
 #: (only entries whose overload is in :func:`registered_ops` take effect).
-FUNCTION_HOOKS: dict[Callable[..., Any], str] = _function_hooks()
+FUNCTION_HOOKS: dict[Callable[..., Any], str] = {
+    F.scaled_dot_product_attention: "scaled_dot_product_attention",
+    torch.matmul: "matmul",
+    torch.Tensor.matmul: "matmul",
+    torch.Tensor.__matmul__: "matmul",
+    torch.softmax: "softmax.int",
+    torch.Tensor.softmax: "softmax.int",
+    F.softmax: "softmax.int",
+}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# the counter
-# ---------------------------------------------------------------------------------------------------------------
 class _State(threading.local):
     def __init__(self) -> None:
         self.active: list[NpuOpCounter] = []

@@ -129,9 +129,6 @@ class TensorReadCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# host synchronisation points
-# ----------------------------------------------------------------------------------------------------------------
 #: Tensor methods that make the host wait for the device (read values back), counted by :class:`SyncCounter`.
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__")
 #: Aten ops that return a host value (what ``item()``, ``bool(t)``, ``float(t)``, ``torch.equal`` dispatch).

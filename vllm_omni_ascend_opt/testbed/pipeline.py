@@ -1,18 +1,11 @@
 """Load a Qwen-Image directory through vLLM-Omni's own loader and run its pipeline's ``forward``.
 
-Any pipeline of the family the test bed builds (:mod:`~vllm_omni_ascend_opt.testbed.tiny_model`): text-to-image,
-DMD2, Edit, Edit-Plus (2509 / 2511 ``zero_cond_t``) and Layered. The image pipelines get their request the way
-vLLM-Omni's ``DiffusionEngine`` hands it over: the input image goes through the pipeline's own registered
-pre-process function (``get_diffusion_pre_process_func``) before ``forward``. Two test-bed-only adaptations, both
-outside the pipelines' ``__init__``/``forward`` code, are applied in one place each:
-
-* :func:`tiny_processor_loading`: transformers' ``Qwen2VLProcessor`` always loads a *video* processor, and every
-  transformers video processor requires torchvision, which has no CPU wheel for this torch. Without torchvision, the
-  pipelines' ``Qwen2VLProcessor.from_pretrained`` is served by :class:`ImageOnlyQwen2VLProcessor` (the same class
-  minus the video processor; the Qwen-Image pipelines never pass videos).
-* :func:`tiny_image_areas`: the pre-process functions size the VAE / condition images to fixed areas of the real
-  model (1024^2, 384^2, 640^2 or 1024^2 for Layered); the test bed scales those areas by
-  :data:`AREA_SCALE` so the tiny model encodes 64x64-class images. Aspect-ratio handling and 32-px rounding are stock.
+Any pipeline of the test bed's family (:mod:`.tiny_model`). The image pipelines get their request as vLLM-Omni's
+``DiffusionEngine`` hands it over: the input image goes through the pipeline's registered pre-process function
+first. Two test-bed-only adaptations, outside the pipelines' own code: :func:`tiny_processor_loading` (without
+torchvision, which has no CPU wheel for this torch, ``Qwen2VLProcessor`` is served as the same class minus its video
+processor) and :func:`tiny_image_areas` (the pre-process functions' fixed image areas of the real model, scaled by
+:data:`AREA_SCALE` for the tiny one).
 """
 
 from __future__ import annotations

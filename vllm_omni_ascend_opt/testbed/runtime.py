@@ -1,15 +1,10 @@
 """Minimal CPU runtime for vLLM-Omni 0.30 (opt-in; separate from the NPU optimizations).
 
-vLLM-Omni 0.30 has no CPU platform. Without an accelerator it resolves ``UnspecifiedOmniPlatform``, whose diffusion
-attention-backend selection and ``AttentionImpl.forward`` dispatch raise ``NotImplementedError``. On such a
-machine only, :func:`init_cpu_runtime` routes both to vLLM-Omni's own pure-torch SDPA implementation, creates the gloo
-process group itself (vLLM-Omni's own init does ``rank % device_count()``, which is 0 on CPU), and initialises
-vLLM-Omni's parallel state exactly as ``diffusion_worker.py`` does. On a machine with an accelerator platform it
-changes nothing in vLLM-Omni and only sets up the groups.
-
-The same file also holds the CPU runtime for vLLM-Omni's *own* engines (the offline ``Omni`` and
-``vllm serve --omni``), see :func:`engine_env` and :func:`apply_engine_cpu_runtime`: one place knows what vLLM-Omni
-lacks on CPU, each workaround with its reason.
+vLLM-Omni 0.30 has no CPU platform: on ``UnspecifiedOmniPlatform`` its attention-backend selection and
+``AttentionImpl.forward`` raise. There only, :func:`init_cpu_runtime` routes both to vLLM-Omni's pure-torch SDPA,
+creates the gloo process group itself and initialises vLLM-Omni's parallel state as ``diffusion_worker.py`` does (on
+an accelerator platform it only sets up the groups). :func:`engine_env` and :func:`apply_engine_cpu_runtime` do the
+same for vLLM-Omni's own engines (``Omni``, ``vllm serve --omni``): one place knows what vLLM-Omni lacks on CPU.
 """
 
 from __future__ import annotations
@@ -186,9 +181,6 @@ def shutdown() -> None:
     _STATE.clear()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# CPU runtime for vLLM-Omni's own engines (Omni, vllm serve --omni) - test-only, opt-in
-# ----------------------------------------------------------------------------------------------------------------
 #: Opt-in switch. Set (with the site folder on PYTHONPATH) by :func:`engine_env` only.
 ENV_CPU_RUNTIME = "VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME"
 #: Folder whose ``sitecustomize.py`` installs the import-time half in every process that inherits the environment.
@@ -201,20 +193,11 @@ _ENGINE_APPLIED: list[str] = []
 def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) plus what makes vLLM-Omni's engines run on CPU in every process they start.
 
-    Mechanism, and why: vLLM-Omni's processes (the API server, the ``mp`` executor's spawned workers) are started by
-    vLLM-Omni itself, so the only things that reach all of them are the environment and the plugins it loads. The
-    workarounds come in two halves:
-
-    * import time (before vLLM is imported): ``SITE_DIR/sitecustomize.py``, found through ``PYTHONPATH``, which every
-      child inherits. It needs the standard library only and does nothing without ``ENV_CPU_RUNTIME=1``.
-    * platform time: the same ``sitecustomize`` wraps ``vllm_omni.plugins.load_omni_general_plugins`` (called by
-      vLLM-Omni in every process, before any model is built) so that it first calls :func:`apply_engine_cpu_runtime`;
-      that function changes nothing unless the platform is ``UnspecifiedOmniPlatform`` (no accelerator). The plugin
-      takes no part: the test bed runs the same with the plugin installed, excluded by ``VLLM_PLUGINS``, or broken.
-
-    Nothing is installed into site-packages and no second entry point exists: a user's process never sees either
-    half unless this environment is passed to it explicitly.
-    """
+    vLLM-Omni starts its processes itself (API server, ``mp`` workers), so only the environment reaches all of them:
+    ``SITE_DIR`` on ``PYTHONPATH`` (its ``sitecustomize`` installs the import-time workarounds, standard library
+    only, inert without ``ENV_CPU_RUNTIME=1``, and makes ``load_omni_general_plugins`` apply
+    :func:`apply_engine_cpu_runtime` first, which changes nothing on an accelerator platform). Nothing is installed:
+    a process sees neither half unless this environment is passed to it."""
     out = dict(os.environ if env is None else env)
     paths = [str(SITE_DIR)] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
     out["PYTHONPATH"] = os.pathsep.join(paths)
@@ -253,30 +236,12 @@ def engine_cpu_runtime_applied() -> list[str]:
 def apply_engine_cpu_runtime() -> list[str]:
     """Platform-time half of the engine CPU runtime; idempotent. Returns what it changed (empty on an accelerator).
 
-    On ``UnspecifiedOmniPlatform`` only (vLLM-Omni found no accelerator):
-
-    1. attention: backend selection and ``SDPAImpl.forward`` -> vLLM-Omni's pure-torch SDPA
-       (:func:`route_attention_to_sdpa_on_cpu`);
-    2. platform methods the engine calls and the unspecified platforms leave unimplemented, set on the classes of
-       both ``UnspecifiedOmniPlatform`` and vLLM's ``UnspecifiedPlatform`` (engine processes use the latter; the
-       ``--omni`` CLI makes vLLM's platform ``CpuPlatform`` only for argument parsing):
-       ``dist_backend`` (empty -> ``Unknown backend type`` at ``init_process_group``) -> ``gloo``;
-       ``get_device_count`` (0 -> ``rank % 0`` in parallel_state) -> 1; ``set_device`` / ``synchronize`` /
-       ``get_current_memory_usage`` (``NotImplementedError``) -> no-op / 0; ``max_memory_reserved`` /
-       ``max_memory_allocated`` / ``reset_peak_memory_stats`` (``Platform.__getattr__`` -> ``torch.cpu``, which has
-       none of them -> ``TypeError`` in the memory profiler) -> 0 / no-op; ``get_free_memory``
-       (``NotImplementedError``; model CPU offload's ``SequentialOffloadHook.pre_forward`` evaluates it for a debug
-       log on every swap) -> the host's available memory;
-    3. the ``mp`` executor's ``DiffusionAsyncOutput`` thread: it starts with
-       ``torch.device(torch.accelerator.current_accelerator().type, ...)``; with no accelerator that is an
-       ``AttributeError`` on None, the thread dies, and every request then waits forever for its output. Inside that
-       thread only, ``current_accelerator()`` answers ``cpu``, and outputs are packed without the (CPU) side stream,
-       since pinned memory and side streams need an accelerator;
-    4. LoRA: vLLM's ``LoRAModel.from_local_checkpoint`` pins the adapter's CPU tensors when its module-global
-       ``PIN_MEMORY`` is True, which vLLM decides without asking the platform (``pin_memory()`` then raises "requires
-       a CUDA or other accelerator backend"): ``PIN_MEMORY = False`` in ``vllm.lora.lora_model``
-       (:func:`cpu_lora_without_pinned_memory`).
-    """
+    On ``UnspecifiedOmniPlatform`` only: (1) attention -> vLLM-Omni's pure-torch SDPA; (2) the platform methods the
+    engine calls and the unspecified platforms (vLLM-Omni's and vLLM's) leave unimplemented or wrong on CPU
+    (:func:`_platform_methods`: ``dist_backend`` gloo, one device, no-op synchronisation and memory statistics, the
+    host's free memory for model CPU offload's debug log); (3) the ``mp`` executor's output thread, which dies on
+    ``current_accelerator()`` being None (then every request waits forever): inside it, ``cpu``, and outputs packed
+    without a side stream; (4) LoRA without pinned memory (vLLM pins adapters without asking the platform)."""
     if _ENGINE_APPLIED:
         return list(_ENGINE_APPLIED)
     from vllm_omni.platforms import current_omni_platform
@@ -308,27 +273,19 @@ def apply_engine_cpu_runtime() -> list[str]:
 
 
 def _platform_methods() -> dict[str, Any]:
-    def noop(cls: Any, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def zero(cls: Any, *args: Any, **kwargs: Any) -> int:
-        return 0
-
-    def one(cls: Any, *args: Any, **kwargs: Any) -> int:
-        return 1
-
     def host_available(cls: Any, *args: Any, **kwargs: Any) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
+    noop, zero = classmethod(lambda cls, *a, **k: None), classmethod(lambda cls, *a, **k: 0)
     return {
         "dist_backend": "gloo",
-        "get_device_count": classmethod(one),
-        "set_device": classmethod(noop),
-        "synchronize": classmethod(noop),
-        "get_current_memory_usage": classmethod(zero),
-        "max_memory_reserved": classmethod(zero),
-        "max_memory_allocated": classmethod(zero),
-        "reset_peak_memory_stats": classmethod(noop),
+        "get_device_count": classmethod(lambda cls, *a, **k: 1),
+        "set_device": noop,
+        "synchronize": noop,
+        "get_current_memory_usage": zero,
+        "max_memory_reserved": zero,
+        "max_memory_allocated": zero,
+        "reset_peak_memory_stats": noop,
         "get_free_memory": classmethod(host_available),
     }
 

@@ -1,14 +1,10 @@
 """Offline, deterministic builder of tiny Qwen-Image model directories in diffusers format, one per pipeline.
 
-Everything is made from a seed: a tiny Qwen2.5-VL text encoder (with a tiny vision tower), a byte-level Qwen2
-tokenizer built in memory (no hub), a tiny ``AutoencoderKLQwenImage``, a tiny ``QwenImageTransformer2DModel`` and a
-``FlowMatchEulerDiscreteScheduler``. ``ModelSpec.pipeline`` picks the vLLM-Omni 0.30 pipeline the directory is for
-(``model_index.json``'s ``_class_name``): text-to-image, the DMD2 few-step variant, Edit, Edit-Plus (with or without
-the 2511 ``zero_cond_t``) and Layered. The image pipelines also get a ``processor/`` (transformers'
-``Qwen2VLProcessor`` with the torchvision-free ``Qwen2VLImageProcessorPil``, tiny ``min/max_pixels`` so the vision
-tower sees a few patches) and the vision special tokens in the tokenizer, matching the text encoder's token ids.
-The directory is cached on disk (atomic rename, safe for concurrent builders) under
-``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default ``~/.cache/vllm-omni-ascend-opt``), keyed on the spec and the seed.
+Everything is made from a seed: a tiny Qwen2.5-VL text encoder, a byte-level Qwen2 tokenizer built in memory, a tiny
+VAE, transformer and scheduler. ``ModelSpec.pipeline`` picks the vLLM-Omni pipeline (``model_index.json``'s
+``_class_name``); the image pipelines also get a torchvision-free ``processor/`` and the vision tokens. Directories
+are cached under ``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default ``~/.cache/vllm-omni-ascend-opt``), keyed on spec and seed,
+and renamed into place atomically (safe for concurrent builders).
 """
 
 from __future__ import annotations
@@ -141,11 +137,9 @@ TINY = ModelSpec(name="tiny")
 TINY_FAMILY: dict[str, ModelSpec] = {
     suffix or "t2i": TINY.variant(p, zero_cond_t=z) for (p, z), suffix in FAMILY_SUFFIX.items()
 }
-#: The test-bed width at depth: 12 blocks (hidden 64), the model of the shipped tiny CPU workloads (``tiny-deep``,
-#: ``tiny-deep-edit-2511``). With 2 blocks the plugin's savings per block-step (~50 launches, a few ms per request on
-#: a 2-core CPU) were the size of the per-request work around them (text encoder, VAE, engine, HTTP) and its noise;
-#: at 12 blocks with 8 steps and true CFG they are ~100x that per request, and a run still takes a few minutes.
-#: The unit tests keep the 2-block :data:`TINY`.
+#: The test-bed width at depth, 12 blocks: the model of the shipped tiny CPU workloads (``tiny-deep``,
+#: ``tiny-deep-edit-2511``), deep enough that the plugin's savings per request stand clear of the per-request work
+#: around them (text encoder, VAE, engine, HTTP) and its noise. The unit tests keep the 2-block :data:`TINY`.
 TINY_DEEP = ModelSpec(name="deep", num_layers=12)
 TINY_FAMILY["deep"] = TINY_DEEP
 TINY_FAMILY["deep-edit-2511"] = TINY_DEEP.variant(EDIT_PLUS, zero_cond_t=True)

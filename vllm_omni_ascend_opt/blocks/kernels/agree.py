@@ -1,18 +1,17 @@
 """Ranks agree on every kernel verdict: a shape class refused on any rank is refused on all (a logical AND).
 
-Why: each rank checks a class on its own data (SP shards, CFG branches), and a kernel that is wrong only on some
-inputs or some cards could pass on one rank and fail on another; the ranks of one image would then run different
-kernels. So the verdicts a rank makes are exchanged with the others through the default process group, and a refusal
-anywhere replaces a pass everywhere (for a class a rank has not met yet, at its first lookup). A pass is held back
-until then: in the forward that checked it, the class takes the stock path on every rank.
+Why: each rank checks a class on its own data (SP shards, CFG branches); a kernel wrong only on some inputs or cards
+could pass on one rank and fail on another, and the ranks of one image would run different kernels. So the verdicts
+a rank makes are exchanged, and a refusal anywhere replaces a pass everywhere (for a class a rank has not met yet, at
+its first lookup: :func:`peer_refusal`). A pass is held back until then (:func:`hold`): in the forward that checked
+it, the class takes the stock path on every rank.
 
-When: at the end of each outermost transformer forward (:func:`sync`, called by ``forward_scope`` on close), the one
-point every rank of vLLM-Omni's parallel modes reaches the same number of times (each step runs the transformer
-once per rank), never in the middle of a forward where ranks may meet different shape classes (CFG-parallel
-branches with different prompt lengths). Cost: one ``all_gather_object`` of the new verdicts per forward, only when
-a process group of more than one rank exists, over a CPU (gloo) group (:func:`_cpu_group`): on a device backend
-(HCCL) it would move the pickled verdicts through device memory and synchronize the stream at every step. So the ranks run the same kernels in every forward: stock for a class
-in the forward that checks it (or reads its pass from disk), the agreed verdict afterwards.
+When: at the end of each outermost transformer forward (:func:`sync`, called by ``forward_scope``), the one point
+every rank reaches the same number of times; never mid-forward, where ranks may meet different classes. Cost: one
+``all_gather_object`` of the new verdicts per forward, only with a process group of more than one rank, over a CPU
+(gloo) group (:func:`_cpu_group`): over HCCL it would synchronize the stream at every step.
+
+This module owns that state: the verdicts to exchange, the passes held back and the peers' refusals not yet met.
 """
 
 from __future__ import annotations
@@ -21,29 +20,53 @@ import logging
 import weakref
 from typing import Any
 
+from vllm_omni_ascend_opt.blocks.kernels import saved
 from vllm_omni_ascend_opt.blocks.upstream import forward_scope
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
-#: cache name -> the caches of that kernel in this process (weakly)
-_CACHES: dict[str, weakref.WeakSet[Any]] = {}
-#: verdicts made on this rank since the last sync: (cache name, key text, ok, reason)
+#: kernel name -> the kernel paths of that kernel in this process (weakly)
+_PATHS: dict[str, weakref.WeakSet[Any]] = {}
+#: verdicts made on this rank since the last sync: (kernel, key text, ok, reason)
 _PENDING: list[tuple[str, str, bool, str]] = []
+#: passes made here in the current forward, held back until the ranks agree: (path, verdict)
+_HELD: list[tuple[Any, Any]] = []
+#: refusals from peers for classes no path here holds yet: kernel -> key text -> reason
+_REMOTE: dict[str, dict[str, str]] = {}
 
 
-def register(cache: Any) -> None:
-    _CACHES.setdefault(cache.name, weakref.WeakSet()).add(cache)
+def register(path: Any) -> None:
+    _PATHS.setdefault(path.kernel, weakref.WeakSet()).add(path)
 
 
-def made(cache: Any, key: Any, ok: bool, reason: str) -> None:
+def made(kernel: str, key: Any, ok: bool, reason: str) -> None:
     """A verdict this rank just made (or took from disk): to be agreed at the next :func:`sync`."""
-    from vllm_omni_ascend_opt.blocks.kernels import saved
-
     if _group_size() > 1:
-        _PENDING.append((cache.name, saved.key_text(key), ok, reason))
+        _PENDING.append((kernel, saved.key_text(key), ok, reason))
 
 
-#: the reason a class takes the stock path while its pass waits for the other ranks (:meth:`VerdictCache._hold`)
+def hold(path: Any, verdict: Any) -> bool:
+    """Under several ranks, hold a pass back until the ranks agree (the path runs stock meanwhile): True if held."""
+    if not verdict.ok or _group_size() <= 1:
+        return False
+    _HELD.append((path, verdict))
+    return True
+
+
+def peer_refusal(kernel: str, key: Any) -> str | None:
+    """Another rank's refusal of ``key`` that no path here had met yet, or None."""
+    if not _REMOTE:
+        return None
+    return _REMOTE.get(kernel, {}).get(saved.key_text(key))
+
+
+def forget(kernel: str) -> None:
+    """Drop what this module holds for ``kernel`` (its path was cleared, or the backend probe changed)."""
+    _REMOTE.pop(kernel, None)
+    _HELD[:] = [(p, v) for p, v in _HELD if p.kernel != kernel]
+
+
+#: the reason a class takes the stock path while its pass waits for the other ranks (:func:`hold`)
 WAITING = "checked here; waiting for the other ranks' verdicts (end of this forward)"
 
 
@@ -80,9 +103,12 @@ def sync() -> int:
         for name, text, ok, reason in verdicts or ():
             if ok:
                 continue
-            for cache in list(_CACHES.get(name, ())):
-                cache.refuse_from_peer(text, f"refused on rank {rank}: {reason}")
-                changed += 1
+            why = f"refused on rank {rank}: {reason}"
+            _HELD[:] = [(p, v) for p, v in _HELD if not (p.kernel == name and saved.key_text(v.key) == text)]
+            met = [p.refuse_from_peer(text, why) for p in list(_PATHS.get(name, ()))]
+            if not any(met):
+                _REMOTE.setdefault(name, {})[text] = why
+            changed += 1
     if changed:
         logger.warning("vllm-omni-ascend-opt: %d kernel verdict(s) refused on another rank apply here too", changed)
     _release_held()
@@ -117,9 +143,10 @@ def _cpu_group() -> Any:
 
 
 def _release_held() -> None:
-    for caches in _CACHES.values():
-        for cache in list(caches):
-            cache.release_held()
+    """The ranks have agreed: the passes held back in this forward take effect."""
+    held, _HELD[:] = list(_HELD), []
+    for path, verdict in held:
+        path.release(verdict)
 
 
 forward_scope.at_forward_end(sync)

@@ -1,19 +1,15 @@
-"""One guard for every on-device kernel check and the kernel call it vets: a fault costs one call, never a request.
+"""The guard around every on-device check and the kernel call it vets: a fault costs one call, never a request.
 
-What the guard separates:
+* a **verdict** (the kernel disagrees with its reference, or rejects the call with a TypeError/ValueError) is a fact
+  about the kernel at a key: the kernel path (:mod:`.verified`) stores it, and the key stays on stock;
+* a **fault** (out of memory, a runtime error of the driver) is not: that call takes the stock path, the request
+  completes, and the key is retried after :data:`RETRY_AFTER` forwards, then twice as many, up to :data:`RETRY_CAP`;
+  after :data:`MAX_ERRORS` errors in a row it is *demoted* (stock until the next backend probe), with its reason;
+* a **deferral** (the check's scratch would not fit in free device memory): stock now, the check later, with the
+  same backoff, never counted as an error.
 
-* a **verdict** (the kernel's output disagrees with the fp32 reference) is a fact about the kernel at a shape class:
-  the owner stores it in its :class:`~.verdicts.VerdictCache` and the class stays on stock for the life of the probe;
-* a **fault** (the check or the kernel raised: out of memory, a runtime error of the driver) is not: that call takes
-  the stock path, the request completes, and the class is retried with exponential backoff, after
-  :data:`RETRY_AFTER` forwards, then twice as many, ... up to :data:`RETRY_CAP`; after :data:`MAX_ERRORS` errors in a
-  row the class is *demoted* (stock until the next backend probe), with a reason that says so;
-* a **deferral** (the check's fp32 scratch would not fit in the device's free memory): the call takes the stock path
-  and the check runs later, with the same backoff, never counted as an error.
-
-The clock is :func:`~vllm_omni_ascend_opt.blocks.upstream.forward_scope.forwards` (outermost transformer forwards, a
-request of S steps is S forwards): a transient fault at step k is retried at step k+1, so the next request runs as
-if nothing had happened. Per call the guard costs one truthiness check of an (almost always) empty dict.
+The clock is :func:`~vllm_omni_ascend_opt.blocks.upstream.forward_scope.forwards` (outermost transformer forwards),
+so a transient fault at step k is retried at step k+1. Faults live in the guard's own :class:`~.verdicts.ProbeDict`.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from vllm_omni_ascend_opt.blocks.kernels.verdicts import VerdictCache
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import ProbeDict
 from vllm_omni_ascend_opt.blocks.upstream import forward_scope
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -85,7 +81,7 @@ class Guard:
     def __init__(self, label: str, stats: Counter) -> None:
         self.label = label
         self.stats = stats
-        self._faults: VerdictCache[Fault] = VerdictCache()
+        self._faults: ProbeDict[Fault] = ProbeDict()
         #: Largest fp32 scratch a check of this owner was sized to (bytes), for status.
         self.scratch_peak = 0
 
@@ -95,9 +91,12 @@ class Guard:
     def faults(self) -> list[Fault]:
         return self._faults.values()
 
+    def fault(self, key: Hashable) -> Fault | None:
+        return self._faults.get(key) if self._faults else None
+
     def waits(self, key: Hashable) -> bool:
         """Whether ``key`` stays on stock now (backoff running, or demoted). The hot path: one length check."""
-        if not self._faults._entries:  # the hot path: no fault anywhere (a stale probe's entries: get() drops them)
+        if not self._faults:  # the hot path: no fault anywhere
             return False
         f = self._faults.get(key)
         return f is not None and (f.demoted or forward_scope.forwards() < f.retry_at)
@@ -108,7 +107,7 @@ class Guard:
         ``(False, None, reason)`` when it raised anything else (a TypeError, a ValueError: the kernel rejects this
         call for good, a verdict the caller stores). Either way the caller runs stock for this call. A success
         after a fault clears it."""
-        before = self._faults.get(key) if self._faults._entries else None
+        before = self._faults.get(key) if self._faults else None
         try:
             out = fn()
         except Exception as exc:
@@ -169,25 +168,3 @@ def _where(key: Any) -> str:
     if isinstance(key, tuple):
         return "/".join(str(k).removeprefix("torch.") for k in key)
     return str(key)
-
-
-def tally(verdicts: list[Any], faults: list[Fault]) -> dict[str, Any]:
-    """Per optimization: how many shape classes use the kernel, how many are on stock, and why (reason -> classes).
-    ``verdicts`` need ``.ok``, ``.key`` and a reason (``reason`` or ``detail``)."""
-    waiting = {f.key: f for f in faults}
-    in_use = [v for v in verdicts if v.ok and v.key not in waiting]
-    why: Counter = Counter()
-    for v in verdicts:
-        if not v.ok:
-            why["refused: " + (getattr(v, "reason", "") or getattr(v, "detail", "")).split(";")[0]] += 1
-    for f in faults:
-        why[("demoted: " if f.demoted else "") + f.kind] += 1
-    return {"kernel": len(in_use), "stock": sum(why.values()), "why": dict(why)}
-
-
-def tally_line(kernel: str, t: dict[str, Any]) -> str:
-    """One line of :func:`tally` for notes and ``list``."""
-    why = "; ".join(f"{n} {w}" for w, n in t["why"].items())
-    return f"{kernel}: {t['kernel']} shape class(es) use the kernel, {t['stock']} on stock" + (
-        f" ({why})" if why else ""
-    )

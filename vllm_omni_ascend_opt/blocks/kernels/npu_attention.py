@@ -1,44 +1,30 @@
-"""The ``npu_fusion_attention`` call that replaces vLLM-Omni's SDPA, and its verification against SDPA.
+"""The ``npu_fusion_attention`` kernel path that replaces vLLM-Omni's SDPA: the call, the mask, the limits, the checks.
 
-What ``fused_attention`` runs per call and per shape class, as plain functions so that
-``benchmarks/npu_check_kernels.py`` and ``benchmarks/verify_cost.py`` run exactly the plugin's code: the kernel call
-(:func:`call_kernel`), the mask translation (:func:`kernel_mask`), the documented limits (:func:`limits_violation`),
-their composition (:func:`fused_forward`) and the checks against SDPA. The optimization keeps the verdicts.
+Plain functions (:func:`call_kernel`, :func:`kernel_mask`, :func:`limits_violation`, :func:`fused_forward`) and the
+:class:`AttentionPath` checks, so that ``benchmarks/npu_check_kernels.py`` and ``verify_cost.py`` run the plugin's
+own code. ``fused_attention`` owns the path's verdicts.
 
-Verification
-    On first use per (device, dtype), :func:`verify` runs the fused path on small random inputs of the real layout
-    (BSND, [text; image] joint sequence, the layer's Nq/Nkv/D), with and without a padded 2-D key mask, against a
-    float32 reference by explicit matmul/softmax (:func:`reference_attention`), with vLLM-Omni's own
-    ``SDPAImpl._forward_impl(..., mask_mode="full_qk")`` (the stock NPU path) in the same dtype as the error budget:
-    accepted when every output is finite and ``max|fused - ref_fp32| <= max(ATOL[dtype], 4 * max|sdpa - ref_fp32|)``.
-    On the first real call of each :func:`shape_class`, :func:`check_class` checks the kernel the same way on random
-    inputs of the call's shapes (in chunks, :data:`VERIFY_CHUNK_ELEMS`): production shapes (S ~ 4352, B*N 24-48) tile
-    differently from the toy check. A (device, dtype) or class that fails, or whose kernel raises, goes to SDPA with
-    the reason in ``FusedAttention.reasons_inactive``.
-Kernel choice
-    ``npu_fusion_attention`` over ``npu_fused_infer_attention_score`` (FIA): (1) it is the kernel the reference
-    ablation measured, and the one diffusers' ``_native_npu`` backend (``attention_dispatch.py``, BSND,
-    ``scale=1/sqrt(D)``, mask inverted) and vLLM-Omni 0.30's own NPU flash path (``flash_attn.py`` ``forward_fa_npu``)
-    call for inference on this data; (2) its documented caveat ("training only, no graph mode") does not bite:
-    Qwen-Image runs eagerly on NPU in vLLM-Omni 0.30; (3) its limits are wider: D 1..768 with no alignment or
-    contiguity rule, fp16/bf16/fp32 [OP-FA], versus FIA's D <= 512 and 16-aligned, non-contiguous inputs unsupported,
-    fp16/bf16 [OP-FIA]. ``benchmarks/npu_check_kernels.py`` verifies and times FIA next to it at the real layout.
-Documented limits encoded (checked per call; outside them SDPA runs)
-    [OP-FA] = Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md``; [OP-FIA] =
-    ``docs/context/torch_npu-npu_fused_infer_attention_score.md``.
-    D (head dim) 1..768 and Dq == Dk == Dv [OP-FA]; Nq 1..256 and Nq % Nkv == 0 [OP-FA]; B 1..2M, Sq/Skv 1..1M
-    [OP-FA]; key.shape == value.shape [OP-FA]; q/k/v of one dtype, used for float16/bfloat16 only (our policy:
-    float32 models stay bitwise stock); non-causal only; atten_mask bool, B1SS/11SS [OP-FA]; no graph mode
-    ("暂不支持图模式" [OP-FA]: under torch.compile tracing or NPU graph capture SDPA runs); inputs made contiguous
-    (no-op for the contiguous Q/K/V the model and Ulysses produce), as vLLM-Omni's own NPU call does.
+Checks: on first use per (device, dtype), the fused path on small random inputs of the real layout (BSND, [text;
+image] joint sequence, the layer's Nq/Nkv/D), with and without a padded 2-D key mask, against an fp32 reference by
+explicit matmul/softmax (:func:`reference_attention`), with vLLM-Omni's own ``SDPAImpl._forward_impl`` in the same
+dtype as the error budget: ``max|fused - ref| <= max(ATOL[dtype], 4 * max|sdpa - ref|)``. On the first real call of
+each :func:`shape_class`, the same rule on random inputs of the call's shapes, in chunks: production shapes tile
+differently from the small check.
+
+Why this kernel over ``npu_fused_infer_attention_score`` (FIA): it is the one the reference ablation measured and
+the one diffusers' ``_native_npu`` backend and vLLM-Omni's own NPU flash path call; its "training only, no graph
+mode" caveat does not bite (Qwen-Image runs eagerly); its limits are wider (D 1..768, no alignment rule, fp16/bf16/
+fp32 [OP-FA], versus FIA's D <= 512, 16-aligned, contiguous, fp16/bf16 [OP-FIA]). [OP-FA]/[OP-FIA]: Ascend/op-plugin
+``docs/context/torch_npu-npu_fusion_attention.md`` / ``...npu_fused_infer_attention_score.md``. Limits encoded
+(outside them SDPA runs): D 1..768, Dq == Dk == Dv; Nq 1..256, Nq % Nkv == 0; B 1..2M, S 1..1M; key.shape ==
+value.shape; one dtype, float16/bfloat16 only (float32 models stay bitwise stock); non-causal; bool B1SS/11SS mask;
+no graph mode.
 """
 
 from __future__ import annotations
 
 import importlib
-import math
 import time
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -46,6 +32,8 @@ import torch
 
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks.kernels.guard import bucket, is_error
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import Verdict
+from vllm_omni_ascend_opt.blocks.kernels.verified import Candidate, KernelPath
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 
 KERNEL = "npu_fusion_attention"
@@ -62,22 +50,6 @@ STOCK_ERROR_FACTOR = 4.0
 VERIFY_TXT, VERIFY_IMG, VERIFY_PAD = 7, 40, 3
 #: Shape-class check: at most this many fp32 scores per chunk of the reference (heads x query rows x Skv).
 VERIFY_CHUNK_ELEMS = 1 << 24
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Outcome of the on-device check for one (device, dtype)."""
-
-    ok: bool
-    device: str
-    dtype: str
-    backend: str
-    detail: str
-    errors: dict[str, float] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        state = "verified" if self.ok else "FAILED verification"
-        return f"{KERNEL} {state} on {self.device}/{self.dtype} ({self.backend}): {self.detail}"
 
 
 # ----- the fused call (one function, used by the forward and by the verification) -------------------------------
@@ -199,37 +171,13 @@ def shape_class(q: torch.Tensor, k: torch.Tensor, masked: torch.Tensor | None) -
             bucket(skv), d, masked is not None)  # fmt: skip
 
 
-@dataclass
-class ShapeVerdict:
-    """Outcome of checking the kernel on the first real call of one shape class."""
-
-    key: tuple
-    ok: bool
-    detail: str
-    err: float = math.nan
-    err_stock: float = math.nan
-    seconds: float = 0.0
-
-    def describe(self) -> str:
-        dev, dtype, layout, bn, group, sq, skv, d, masked = self.key
-        where = (
-            f"{dev}/{dtype}/{layout} B*N<={bn} Nq/Nkv={group} Sq<={sq} Skv<={skv} D={d}{' masked' if masked else ''}"
-        )
-        state = "verified" if self.ok else "FAILED"
-        return f"{KERNEL} {state} at {where}: {self.detail}"
-
-
-def check_at_shape(
+def class_errors(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, masked: torch.Tensor | None, scale: float
-) -> ShapeVerdict:
-    """The kernel's ``out`` for real BSND q/k/v against an fp32 reference, in chunks of heads and query rows.
-
-    ``masked``: the kernel's mask (True = excluded, [B|1, 1, Sq, Skv]) or None. The error budget is stock SDPA in
-    q's dtype on the same chunks (the rule of the module docstring)."""
+) -> tuple[float, float, bool]:
+    """(max |out - ref_fp32|, max |stock SDPA - ref_fp32|, out finite) for real BSND q/k/v, in chunks of heads and
+    query rows. ``masked``: the kernel's mask (True = excluded, [B|1, 1, Sq, Skv]) or None."""
     import torch.nn.functional as F
 
-    t0 = time.perf_counter()
-    key = shape_class(q, k, masked)
     b, sq, nq, _ = q.shape
     skv, nkv = k.shape[1], k.shape[2]
     qt, kt, vt, ot = (x.transpose(1, 2) for x in (q, k, v, out))  # BNSD views
@@ -254,14 +202,14 @@ def check_at_shape(
             err = max(err, float((got - ref).abs().max()))
             stock = F.scaled_dot_product_attention(qc, kh, vh, attn_mask=keep, scale=scale)
             err_stock = max(err_stock, float((stock.float() - ref).abs().max()))
-    tol = max(ATOL.get(q.dtype, 1e-2), STOCK_ERROR_FACTOR * err_stock)
+    return err, err_stock, finite
+
+
+def _judged(dtype: torch.dtype, err: float, err_stock: float, finite: bool) -> tuple[bool, str]:
+    tol = max(ATOL.get(dtype, 1e-2), STOCK_ERROR_FACTOR * err_stock)
     ok = finite and err <= tol
-    detail = f"max|fused - ref_fp32| {err:.3g} {'<=' if ok else '>'} tol {tol:.3g} (stock SDPA error {err_stock:.3g})"
-    if not finite:
-        detail = "non-finite output; " + detail
-    _backend.synchronize(q.device if q.device.type != "cpu" else None)
-    return ShapeVerdict(key, ok, detail + f"; check took {(time.perf_counter() - t0) * 1e3:.0f} ms", err, err_stock,
-                        time.perf_counter() - t0)  # fmt: skip
+    why = f"max|fused - ref_fp32| {err:.3g} {'<=' if ok else '>'} tol {tol:.3g} (stock SDPA error {err_stock:.3g})"
+    return ok, why if finite else "non-finite output; " + why
 
 
 def sdpa_impl(num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> Any:
@@ -271,83 +219,98 @@ def sdpa_impl(num_heads: int, head_dim: int, scale: float, num_kv_heads: int) ->
     )
 
 
-def verify(
-    npu: ModuleType,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    num_heads: int,
-    head_dim: int,
-    *,
-    num_kv_heads: int | None = None,
-    scale: float | None = None,
-    seq_txt: int = VERIFY_TXT,
-    seq_img: int = VERIFY_IMG,
-) -> Verdict:
-    """Check the fused path against vLLM-Omni's SDPA on random BSND inputs of the real layout (module docstring):
-    batch 1 without a mask, and batch 2 whose second prompt has ``VERIFY_PAD`` padded text tokens (the 2-D
-    [B, S_txt + S_img] key mask vLLM-Omni builds)."""
-    from vllm_omni.diffusion.attention.backends.abstract import AttentionMetadata
+class AttentionPath(KernelPath):
+    """``npu_fusion_attention`` in BSND for the attention impls ``fused_attention`` swaps."""
 
-    nkv = num_kv_heads or num_heads
-    scale = float(scale if scale is not None else head_dim**-0.5)
-    device = torch.device(device)
-    dname = str(dtype).removeprefix("torch.")
-    label = _backend.backend_label()
-    stock = sdpa_impl(num_heads, head_dim, scale, nkv)
-    gen = torch.Generator().manual_seed(20260829)
-    s = seq_txt + seq_img
-    errors: dict[str, float] = {}
-    try:
-        for case, b in (("no mask", 1), ("padded mask", 2)):
-            q = torch.randn(b, s, num_heads, head_dim, generator=gen)
-            k = torch.randn(b, s, nkv, head_dim, generator=gen)
-            v = torch.randn(b, s, nkv, head_dim, generator=gen)
-            meta = keep = None
-            if case == "padded mask":
-                keep = torch.ones(b, s, dtype=torch.bool)
-                keep[1, seq_txt - VERIFY_PAD : seq_txt] = False  # [text; image]: the 2nd prompt is shorter
-                keep = keep.to(device)
-                meta = AttentionMetadata(attn_mask=keep)
-            qd, kd, vd = (x.to(device=device, dtype=dtype) for x in (q, k, v))
-            out, why = fused_forward(npu, qd, kd, vd, meta, scale)
-            if out is None:
-                return Verdict(False, str(device), dname, label, f"{case}: not fusable ({why})", errors)
-            ref = reference_attention(*(x.to(device) for x in (q, k, v)), keep, scale)
-            same = stock._forward_impl(qd, kd, vd, meta, mask_mode="full_qk").float()
-            err = (out.float() - ref).abs().max().item() if torch.isfinite(out).all() else float("inf")
-            err_stock = (same - ref).abs().max().item()
-            tol = max(ATOL.get(dtype, 1e-2), STOCK_ERROR_FACTOR * err_stock)
-            errors[case] = err
-            if tuple(out.shape) != tuple(q.shape) or not err <= tol:
-                worst = (
-                    f"{case}: max|fused - sdpa_fp32| = {err:.3g} > tol {tol:.3g} (stock {dname} error {err_stock:.3g})"
-                )
-                return Verdict(False, str(device), dname, label, worst, errors)
-    except Exception as exc:
-        if is_error(exc):  # out of memory, a runtime error: a fault, for the guard (not a verdict)
-            raise
-        return Verdict(False, str(device), dname, label, f"kernel raised {exc.__class__.__name__}: {exc}", errors)
-    detail = ", ".join(f"{c}: max|Δ| {e:.3g}" for c, e in errors.items())
-    return Verdict(True, str(device), dname, label, f"{detail} (Nq={num_heads}, Nkv={nkv}, D={head_dim})", errors)
+    kernel = "npu_fusion_attention"
+    candidates = (Candidate("npu_fusion_attention", "close"),)
 
+    def place(self, key: tuple) -> str:
+        if len(key) == 2:
+            return f"{key[0]}/{key[1]}"
+        dev, dtype, layout, bn, group, sq, skv, d, masked = key
+        return f"{dev}/{dtype}/{layout} B*N<={bn} Nq/Nkv={group} Sq<={sq} Skv<={skv} D={d}{' masked' if masked else ''}"
 
-def check_class(
-    npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None, scale: Any
-) -> ShapeVerdict:
-    """Run the kernel on random inputs of this call's exact shapes, dtype and mask, and :func:`check_at_shape`.
+    def first_check(
+        self,
+        npu: ModuleType,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        num_heads: int,
+        head_dim: int,
+        *,
+        num_kv_heads: int | None = None,
+        scale: float | None = None,
+    ) -> Verdict:
+        """The fused path against vLLM-Omni's SDPA on random BSND inputs of the real layout (module docstring): batch
+        1 without a mask, and batch 2 whose second prompt has ``VERIFY_PAD`` padded text tokens (the 2-D key mask)."""
+        from vllm_omni.diffusion.attention.backends.abstract import AttentionMetadata
 
-    Random data, not the call's own: real activations can be degenerate (a tiny model's q.k barely depends on the
-    scale), random ones exercise every element of the tiling."""
-    s = float(scale) if scale is not None else q.shape[-1] ** -0.5
-    gen = torch.Generator().manual_seed(0x5A5A)
-    qr, kr, vr = (torch.randn(x.shape, generator=gen).to(device=x.device, dtype=x.dtype) for x in (q, k, v))
-    try:
-        out = call_kernel(npu, qr, kr, vr, masked, s)
-    except Exception as exc:
-        if is_error(exc):  # a fault, for the guard
-            raise
-        return ShapeVerdict(shape_class(q, k, masked), False, f"kernel raised {exc.__class__.__name__}: {exc}")
-    return check_at_shape(qr, kr, vr, out, masked, s)
+        nkv = num_kv_heads or num_heads
+        scale = float(scale if scale is not None else head_dim**-0.5)
+        device = torch.device(device)
+        key = (str(device), str(dtype).removeprefix("torch."))
+        stock = sdpa_impl(num_heads, head_dim, scale, nkv)
+        gen = torch.Generator().manual_seed(20260829)
+        s = VERIFY_TXT + VERIFY_IMG
+        errors: dict[str, float] = {}
+        try:
+            for case, b in (("no mask", 1), ("padded mask", 2)):
+                q = torch.randn(b, s, num_heads, head_dim, generator=gen)
+                k = torch.randn(b, s, nkv, head_dim, generator=gen)
+                v = torch.randn(b, s, nkv, head_dim, generator=gen)
+                meta = keep = None
+                if case == "padded mask":
+                    keep = torch.ones(b, s, dtype=torch.bool)
+                    keep[1, VERIFY_TXT - VERIFY_PAD : VERIFY_TXT] = False  # [text; image]: the 2nd prompt is shorter
+                    keep = keep.to(device)
+                    meta = AttentionMetadata(attn_mask=keep)
+                qd, kd, vd = (x.to(device=device, dtype=dtype) for x in (q, k, v))
+                out, why = fused_forward(npu, qd, kd, vd, meta, scale)
+                if out is None:
+                    return self.verdict(key, False, f"{case}: not fusable ({why})", errors=errors)
+                ref = reference_attention(*(x.to(device) for x in (q, k, v)), keep, scale)
+                same = stock._forward_impl(qd, kd, vd, meta, mask_mode="full_qk").float()
+                finite = bool(torch.isfinite(out).all())
+                err = (out.float() - ref).abs().max().item() if finite else float("inf")
+                errors[case] = err
+                ok, why = _judged(dtype, err, (same - ref).abs().max().item(), finite)
+                if tuple(out.shape) != tuple(q.shape) or not ok:
+                    return self.verdict(key, False, f"{case}: {why}", errors=errors)
+        except Exception as exc:
+            if is_error(exc):  # out of memory, a runtime error: a fault, for the guard (not a verdict)
+                raise
+            return self.verdict(key, False, f"kernel raised {exc.__class__.__name__}: {exc}", errors=errors)
+        detail = ", ".join(f"{c}: max|Δ| {e:.3g}" for c, e in errors.items())
+        return self.verdict(key, True, f"{detail} (Nq={num_heads}, Nkv={nkv}, D={head_dim})", errors=errors)
+
+    def class_check(
+        self,
+        npu: ModuleType,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        masked: torch.Tensor | None,
+        scale: Any,
+    ) -> Verdict:
+        """The kernel on random inputs of this call's exact shapes, dtype and mask against the fp32 reference (random
+        data, not the call's own: real activations can be degenerate, random ones exercise every tile)."""
+        t0 = time.perf_counter()
+        key = shape_class(q, k, masked)
+        s = float(scale) if scale is not None else q.shape[-1] ** -0.5
+        gen = torch.Generator().manual_seed(0x5A5A)
+        qr, kr, vr = (torch.randn(x.shape, generator=gen).to(device=x.device, dtype=x.dtype) for x in (q, k, v))
+        try:
+            out = call_kernel(npu, qr, kr, vr, masked, s)
+        except Exception as exc:
+            if is_error(exc):  # a fault, for the guard
+                raise
+            return self.verdict(key, False, f"kernel raised {exc.__class__.__name__}: {exc}")
+        err, err_stock, finite = class_errors(qr, kr, vr, out, masked, s)
+        ok, why = _judged(q.dtype, err, err_stock, finite)
+        _backend.synchronize(q.device if q.device.type != "cpu" else None)
+        facts = {"errors": {"kernel": err, "stock": err_stock}, "seconds": time.perf_counter() - t0}
+        return self.verdict(key, ok, why, **facts)
 
 
 def check_scratch_bytes(q: torch.Tensor, k: torch.Tensor) -> int:

@@ -12,6 +12,8 @@ from types import ModuleType
 import torch
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels.verdicts import Verdict
+from vllm_omni_ascend_opt.blocks.kernels.verified import Candidate, KernelPath
 
 ACL_FORMAT_ND = 2  # [OP-FMT]
 ACL_FORMAT_FRACTAL_NZ = 29  # [OP-FMT]
@@ -114,3 +116,16 @@ def check_nz_linear(w_nd: torch.Tensor, w_nz: torch.Tensor) -> tuple[bool, str]:
             )
         worst.append(f"{case} {ratio:.3g}x")
     return True, f"{', '.join(worst)} of the tolerance (weight {n}x{k})"
+
+
+class NzPath(KernelPath):
+    """FRACTAL_NZ linear weights: the first-use numbers per (device, dtype) (:func:`check_nz_linear`) and the guard
+    the all-or-nothing cast runs under; kept in memory (a cast is decided once per load)."""
+
+    kernel = "FRACTAL_NZ linear"
+    candidates = (Candidate("npu_format_cast", "close"),)
+    persist = False
+
+    def check(self, w_nd: torch.Tensor, w_nz: torch.Tensor) -> Verdict:
+        key = (str(w_nd.device), str(w_nd.dtype).removeprefix("torch."))
+        return self.verdict(key, *check_nz_linear(w_nd, w_nz))

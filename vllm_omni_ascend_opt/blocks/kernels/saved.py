@@ -1,18 +1,16 @@
-"""Kernel verdicts saved on disk, so that a restart, another worker or another rank of the same machine starts warm.
+"""Kernel verdicts saved on disk, so that a restart, another worker or another rank of the machine starts warm.
 
 Where: ``$VLLM_OMNI_ASCEND_OPT_VERDICT_CACHE`` (a directory), else ``$XDG_CACHE_HOME/vllm-omni-ascend-opt/verdicts``
-(``~/.cache/...`` without it). ``VLLM_OMNI_ASCEND_OPT_VERDICT_CACHE=0`` (or ``off``, ``none``, ``false``) disables it.
+(``~/.cache/...`` without it); ``=0`` (or ``off``, ``none``, ``false``) disables it.
 
-What: one JSON file per *environment* (device name, SoC version, CANN, torch_npu, torch, plugin version; the file
-name is a digest of them), holding ``{kernel: {shape class: [ok, reason]}}``. Only verdicts are saved (a pass, or a
-numerical refusal), never faults: an out-of-memory error says nothing about the kernel. The device index is dropped
-from the key (``npu:3`` -> ``npu``): every card of one machine is the same hardware (its name and SoC are in the
-environment).
+What: one JSON file per *environment* (device name, SoC, CANN, torch_npu, torch, plugin version; the file name is a
+digest of them) holding ``{kernel: {shape class: [ok, reason]}}``. Only verdicts are saved, never faults. The device
+index is dropped from the key (``npu:3`` -> ``npu``): every card of one machine is the same hardware.
 
-Safety: a write takes an exclusive ``flock`` on a lock file next to it, re-reads the file, merges, writes a temporary
-file and renames it over (``os.replace``: atomic on POSIX): concurrent processes and ranks never see a torn file and
-never lose each other's entries; readers take no lock. A file that does not parse, has another format number or another environment is ignored with one
-warning, never trusted (and replaced by the next write).
+Safety: a write takes an exclusive ``flock`` on a lock file beside it, re-reads, merges, writes a temporary file and
+renames it over (atomic on POSIX): no torn file, no lost entry; readers take no lock. A file that does not parse, has
+another format or another environment is ignored with one warning (and replaced by the next write).
+A class is asked of the disk once per backend probe (:func:`lookup_once`): a miss is not read again on every call.
 """
 
 from __future__ import annotations
@@ -43,6 +41,8 @@ _lock = threading.Lock()
 #: path -> {kernel: {key: [ok, reason]}}, loaded once per path and probe
 _loaded: dict[str, Any] = {}
 _warned: set[str] = set()
+#: (probe, kernel, key text) already asked of the disk by :func:`lookup_once`
+_asked: set[tuple[int, str, str]] = set()
 
 
 def directory() -> Path | None:
@@ -139,6 +139,20 @@ def lookup(kernel: str, key: Hashable) -> tuple[bool, str] | None:
     return None
 
 
+def lookup_once(kernel: str, key: Hashable) -> tuple[bool, str] | None:
+    """:func:`lookup`, the first time ``kernel`` asks for ``key`` under the current probe; None after that."""
+    tag = (_backend.probe_id(), kernel, key_text(key))
+    if tag in _asked:
+        return None
+    _asked.add(tag)
+    return lookup(kernel, key)
+
+
+def ask_again(kernel: str) -> None:
+    """Let :func:`lookup_once` read ``kernel``'s classes again (its path dropped what it knew)."""
+    _asked.difference_update({t for t in _asked if t[1] == kernel})
+
+
 def save(kernel: str, key: Hashable, ok: bool, reason: str) -> None:
     """Save a verdict (atomically; a failure to write is logged once and never raised)."""
     with _lock:
@@ -175,3 +189,4 @@ def forget() -> None:
     with _lock:
         _loaded.clear()
         _warned.clear()
+        _asked.clear()

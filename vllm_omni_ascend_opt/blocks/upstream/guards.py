@@ -117,3 +117,8 @@ def compile_reason(
         f"torch.compile runs {where} ({', '.join(sorted(compiled))}): {name} steps aside while dynamo traces, "
         "so the compiled graphs hold stock code"
     )
+
+
+def eager_call_reason() -> str | None:
+    """:func:`call_reason` for patched code that needs no autograd and ignores global hooks (asked once per forward)."""
+    return call_reason(any_grad=True, hooks=False)

@@ -1,24 +1,16 @@
 """The test bed's CPU runtime for vLLM-Omni's own engines, in every process they start (see ``testbed/runtime.py``).
 
-This folder is put on ``PYTHONPATH`` only by :func:`vllm_omni_ascend_opt.testbed.runtime.engine_env` (tests, the
-ablation runner's ``omni`` / ``serve`` engines), never by installing the plugin. Python imports ``sitecustomize`` at
-start-up in every process that inherits that environment, including the workers vLLM-Omni spawns. It acts only when
-``VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME=1``, and only on imports that would otherwise fail: it uses the standard library
-alone (no torch, no vLLM) so that it costs nothing at start-up.
+This folder is on ``PYTHONPATH`` only through :func:`vllm_omni_ascend_opt.testbed.runtime.engine_env`; Python imports
+``sitecustomize`` at start-up in every process that inherits it. It acts only with
+``VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME=1`` and uses the standard library alone (it costs nothing at start-up):
 
-1. torchvision is missing (no CPU wheel matches torch 2.13+cpu; the PyPI one is CUDA-linked and fails with
-   ``operator torchvision::nms does not exist``). vLLM's qwen2_vl, imported by vLLM-Omni's model registry in every
-   entry point, imports ``transformers.models.qwen2_vl.image_processing_qwen2_vl``, which imports torchvision at
-   module level. Such ``transformers.models.<m>.image_processing_<x>`` modules are served from their torchvision-free
-   twins ``image_processing_pil_<x>`` (same helpers such as ``smart_resize``; ``<X>ImageProcessor`` names the PIL
-   class). Text-to-image never runs an image processor.
-2. torchaudio is missing (no wheel matches torch 2.13+cpu): vLLM-Omni's OpenAI server imports it at module level for
-   its speech endpoints. An import-only placeholder is served whose attributes raise when used.
-3. The platform-time half: right after ``vllm_omni.plugins`` is imported, its ``load_omni_general_plugins`` (which
-   every vLLM-Omni process calls before it builds a model) is wrapped so that it first applies
-   :func:`vllm_omni_ascend_opt.testbed.runtime.apply_engine_cpu_runtime` (a no-op on an accelerator platform). The
-   test bed therefore works the same whether the plugin is installed, excluded by ``VLLM_PLUGINS`` or broken: the
-   plugin never imports the test bed.
+1. torchvision is missing (no CPU wheel matches this torch): ``transformers.models.<m>.image_processing_<x>`` (which
+   vLLM's qwen2_vl imports in every entry point) is served from its torchvision-free twin
+   ``image_processing_pil_<x>``.
+2. torchaudio is missing: vLLM-Omni's OpenAI server imports it at module level; an import-only placeholder is served.
+3. ``vllm_omni.plugins.load_omni_general_plugins`` (called by every vLLM-Omni process before it builds a model) first
+   applies :func:`~vllm_omni_ascend_opt.testbed.runtime.apply_engine_cpu_runtime`, so the test bed works the same
+   whether the plugin is installed, excluded or broken: the plugin never imports the test bed.
 """
 
 from __future__ import annotations

@@ -1,0 +1,143 @@
+"""Every verified kernel path behaves alike (``blocks/kernels/verified.py``), through the fake torch_npu: one suite,
+parametrised over ``rope`` (``npu_rotary_mul``), ``qk_norm`` (``npu_rms_norm``) and ``fused_attention``
+(``npu_fusion_attention``), each on the tiny bf16 transformer.
+
+* a new backend probe drops every verdict: a refused kernel is checked afresh and used under a good torch_npu;
+* a kernel wrong only beyond S = 64 passes the first-use check and is refused for the long shape class only, on its
+  first call, with the reason logged and tallied; shorter classes keep it; each class is checked once;
+* under torch.compile tracing the path runs stock code and reads, counts, makes and logs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness.forward import tiny_forward
+from vllm_omni_ascend_opt import api, registry
+
+
+@dataclass(frozen=True)
+class Case:
+    spec: str
+    kernel: str
+    #: fake variants whose kernel the first-use or class check refuses
+    wrong: dict[str, str]
+    #: the optimization's kernel path
+    path: Callable[[Any], Any]
+
+
+CASES = {
+    "rope": Case("none,+rope", "npu_rotary_mul", {"rotary_mul": "half_pairing"}, lambda opt: opt.rotary),
+    "qk_norm": Case("none,+qk_norm", "npu_rms_norm", {"rms_norm": "no_gamma"}, lambda opt: opt.path),
+    "fused_attention": Case(
+        "none,+fused_attention", "npu_fusion_attention", {"fusion_attention": "wrong_polarity"}, lambda opt: opt.path
+    ),
+}
+
+
+@pytest.fixture(params=list(CASES))
+def case(request):
+    name = request.param
+    yield CASES[name], registry.get(name)
+    api.select("none")
+
+
+def _verdicts(path: Any) -> list:
+    return path.firsts.values() + path.classes.values()
+
+
+def _wrong_beyond(fn: Callable[..., Any], seq: int) -> Callable[..., Any]:
+    """``fn`` whose output is doubled when its input's sequence (dim 1) is longer than ``seq``."""
+
+    def wrong(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = fn(x, *args, **kwargs)
+        if x.shape[1] <= seq:
+            return out
+        return (out[0] * 2, *out[1:]) if isinstance(out, tuple) else out * 2
+
+    return wrong
+
+
+def test_a_new_backend_probe_drops_every_verdict(case, fake_npu, runtime, bf16_transformer):
+    c, opt = case
+    tr = bf16_transformer
+    npu = fake_npu(**c.wrong)
+    api.select(c.spec, model=tr)
+    tiny_forward(runtime, tr)
+    path = c.path(opt)
+    refused = _verdicts(path)
+    assert refused and not any(v.ok for v in refused)
+    tried = npu.calls[c.kernel]
+    tiny_forward(runtime, tr)
+    assert npu.calls[c.kernel] == tried  # a refused kernel is not called again under this probe
+    npu = fake_npu()  # another torch_npu: a new probe
+    assert _verdicts(path) == []
+    tiny_forward(runtime, tr)
+    assert _verdicts(path) and all(v.ok for v in _verdicts(path))
+    checked = npu.calls[c.kernel]
+    tiny_forward(runtime, tr)
+    assert npu.calls[c.kernel] > checked  # used, warm
+
+
+def test_the_shape_class_check_refuses_a_kernel_wrong_only_at_long_sequences(
+    case, fake_npu, runtime, bf16_transformer, caplog
+):
+    c, opt = case
+    tr = bf16_transformer
+    npu = fake_npu()
+    setattr(npu, c.kernel, _wrong_beyond(getattr(npu, c.kernel), 64))
+    api.select(c.spec, model=tr)
+    path = c.path(opt)
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        for hw in ((10, 10), (4, 4)):  # 100 image tokens (107 joint), then 16 (23 joint); 7 text tokens
+            tiny_forward(runtime, tr, hw=hw)
+    assert all(v.ok for v in path.firsts.values())  # the first-use check cannot see it
+    classes = path.classes.values()
+    refused = [v for v in classes if not v.ok]
+    assert len(refused) == 1 and len(classes) >= 2, [v.describe() for v in classes]
+    assert refused[0].place in caplog.text and "refused" in caplog.text
+    tally = opt.kernel_classes()
+    assert tally["kernel"] == len(classes) - 1 and tally["stock"] == 1
+    assert list(tally["why"]) == ["refused: " + refused[0].reason.split(";")[0]]
+    checks, calls = opt.stats["shape_checks"], npu.calls[c.kernel]
+    assert checks == len(classes)
+    for hw in ((10, 10), (4, 4)):
+        tiny_forward(runtime, tr, hw=hw)
+    assert opt.stats["shape_checks"] == checks and npu.calls[c.kernel] > calls  # checked once, the rest kept
+
+
+def test_traced_code_is_stock_and_counts_nothing(case, fake_npu, runtime, bf16_transformer, caplog):
+    """Under torch.compile (a block's attention, as vLLM-Omni's regional compile traces it), fullgraph tracing
+    succeeds, the graph holds stock code (equal results), and no kernel call, counter, verdict or log line appears."""
+    c, opt = case
+    npu = fake_npu()
+    tr = bf16_transformer
+    attn = tr.transformer_blocks[0].attn
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(1, 16, attn.dim, generator=g).bfloat16()
+    ehs = torch.randn(1, 7, attn.dim, generator=g).bfloat16()
+    api.select("none", model=tr)
+    with runtime.context(), torch.no_grad():
+        vid, txt = tr.pos_embed([(1, 4, 4)], [7], device=torch.device("cpu"))
+        want = attn(hs, ehs, vid, txt)
+    api.select(c.spec, model=tr)
+    opt.reset_stats()
+    caplog.clear()
+    torch._dynamo.reset()
+    try:
+        with runtime.context(), torch.no_grad(), caplog.at_level(logging.DEBUG, logger="vllm_omni_ascend_opt"):
+            got = torch.compile(attn, backend="eager", fullgraph=True)(hs, ehs, vid, txt)
+    finally:
+        torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert npu.calls[c.kernel] == 0 and not opt.stats and _verdicts(c.path(opt)) == []
+    assert not caplog.records
+    with runtime.context(), torch.no_grad():
+        attn(hs, ehs, vid, txt)  # eager again: the path acts (it was in place while tracing)
+    assert npu.calls[c.kernel] > 0
