@@ -29,7 +29,22 @@ def test_generated_tables_match_the_registry_and_the_workloads(gen_docs):
 def test_a_change_in_the_registry_changes_the_tables(gen_docs, monkeypatch):
     opt = registry.get("rope")
     monkeypatch.setattr(type(opt), "summary", "something else entirely")
-    assert set(gen_docs.out_of_date()) == {"README.md", "patches/README.md"}
+    assert set(gen_docs.out_of_date()) == {"README.md", "patches/README.md", "patches/0002-rope.patch"}
+
+
+def test_patch_headers_say_what_the_class_says_and_keep_the_diff(gen_docs, monkeypatch):
+    opt = registry.get("vae_exact")
+    rel = "patches/0005-vae_exact.patch"
+    before = (REPO / rel).read_text()
+    monkeypatch.setattr(type(opt), "why", "a new reason, long enough to be wrapped " * 5)
+    monkeypatch.setattr(type(opt), "upstream_pr", "")  # empty: the patch's own text stays
+    after = gen_docs.patches()[rel]
+    fields, diff = gen_docs.split_patch(after)
+    assert diff == gen_docs.split_patch(before)[1] and after.startswith("0005-vae_exact\n\nWhat: ")
+    assert " ".join(fields["Why"].split()) == "Why: " + " ".join(opt.why.split())
+    assert max(len(line) for line in fields["Why"].splitlines()) <= 118
+    assert fields["Upstream overlap"] == gen_docs.split_patch(before)[0]["Upstream overlap"]
+    assert list(fields) == [f for f in gen_docs.PATCH_FIELDS if f in fields]  # the fixed order
 
 
 def test_every_optimization_has_its_patch_with_its_class(gen_docs):

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from tests.test_shared_modulation import COPRIME, EQUAL, build, edit_inputs, fwd, inputs
 from vllm_omni_ascend_opt import api, flags, registry
-from vllm_omni_ascend_opt.blocks.body.block_body import FAST, NormMod
+from vllm_omni_ascend_opt.blocks.body.block_body import FAST_MODULATE, NormMod
 from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm
 from vllm_omni_ascend_opt.metrics import compare_images
@@ -79,7 +79,7 @@ def test_needs_shared_modulation_and_says_so(runtime):
     api.select("none,+shared_modulation,+fast_modulate", model=tr)
     assert OPT.reasons_inactive(tr) == []
     api.select("none", model=tr)
-    assert not OPT.installed and not FAST.modulate
+    assert not OPT.installed and FAST_MODULATE.get() is None
     assert OPT.reasons_inactive(tr) == ["not installed"]
 
 

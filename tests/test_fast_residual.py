@@ -13,7 +13,7 @@ import torch
 from tests.test_fast_modulate import bf16_pipe, gates, warm_block  # noqa: F401  (bf16_pipe: a fixture)
 from tests.test_shared_modulation import COPRIME, EQUAL, UNEQUAL, build, edit_inputs, fwd, inputs
 from vllm_omni_ascend_opt import api, flags, registry
-from vllm_omni_ascend_opt.blocks.body.block_body import FAST, NormMod
+from vllm_omni_ascend_opt.blocks.body.block_body import FAST_RESIDUAL, NormMod
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm
 from vllm_omni_ascend_opt.opts.fast_residual import OPT
 from vllm_omni_ascend_opt.testbed import TINY
@@ -43,7 +43,7 @@ def test_needs_shared_modulation_and_says_so(runtime):
     OPT.reset_stats()
     assert torch.equal(fwd(tr, runtime, kw), want) and OPT.ran() == 0
     api.select("none", model=tr)
-    assert not FAST.residual and OPT.reasons_inactive(tr) == ["not installed"]
+    assert FAST_RESIDUAL.get() is None and OPT.reasons_inactive(tr) == ["not installed"]
 
 
 def test_fp32_images_within_gates_ops_per_block(tiny_pipe, runtime):

@@ -10,8 +10,8 @@ Each generated block sits between two markers in a Markdown file::
 Blocks: the optimization table in README.md (registry order, tier, default, summary, when it stays off) and its
 table of the vLLM-Omni modes that refuse Qwen-Image upstream (``_report.UPSTREAM_UNSUPPORTED_CACHE_BACKENDS``), the patch
 table in patches/README.md (one patch per optimization, numbered in registry order, with the open upstream PRs its
-header names) and the workload list in ablations/README.md (every workload shipped in the package, with its
-description and engine).
+``upstream_pr`` names) and the workload list in ablations/README.md (every workload shipped in the package, with its
+description and engine). It also writes the header of each patch in patches/ (:func:`patch_header`), keeping the diff.
 ``tests/test_docs.py`` fails when a file differs from what this script writes.
 
 Usage::
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,8 +70,8 @@ def patch_name(index: int, name: str) -> str:
 
 
 def patches_table() -> str:
-    """patches/README.md: one patch per optimization, in registry order, with the open upstream PRs its ``Upstream
-    overlap`` header field names (written "#NNNN (open...")."""
+    """patches/README.md: one patch per optimization, in registry order, with the open upstream PRs its
+    ``upstream_pr`` names (written "#NNNN (open...")."""
     from vllm_omni_ascend_opt import registry
 
     rows = [
@@ -82,12 +83,88 @@ def patches_table() -> str:
             rows.append(f"| none | `{opt.name}` | {opt.equivalence} | no patch: {_cell(opt.no_patch_reason)} | – |")
             continue
         name = patch_name(i, opt.name)
-        head = (REPO / "patches" / name).read_text().split("\ndiff --git", 1)[0]
-        m = re.search(r"^Upstream overlap: (.*?)(?=^[A-Z][A-Za-z ]+: |\Z)", head, re.S | re.M)
-        overlap = " ".join(m.group(1).split()) if m else ""
-        prs = list(dict.fromkeys(re.findall(r"(#\d{3,5}) \(open", overlap))) or ["none found"]
-        rows.append(f"| `{name}` | `{opt.name}` | {opt.equivalence} | {_cell(opt.summary)} | {', '.join(prs)} |")
+        overlap = " ".join(patch_fields(opt, (REPO / "patches" / name).read_text())["Upstream overlap"][0].split())
+        prs = list(dict.fromkeys(re.findall(r"(#\d{3,5}) \(open", overlap)))
+        rows.append(
+            f"| `{name}` | `{opt.name}` | {opt.equivalence} | {_cell(opt.summary)} | {', '.join(prs) or 'none found'} |"
+        )
     return "\n".join(rows)
+
+
+#: A patch header's fields in order, each with the class attribute it is written from; None (or an empty attribute):
+#: the patch's own text (what the patch's code is, its measured effect, risks, base, the environment it needs).
+PATCH_FIELDS: dict[str, str | None] = {
+    "What": "summary",
+    "Patch": None,
+    "Enable": None,
+    "Why": "why",
+    "How": "how",
+    "Equivalence": None,
+    "Measured effect": None,
+    "Risks": None,
+    "Base": None,
+    "Upstream overlap": "upstream_pr",
+    "Removal plan": "removal_plan",
+}
+_FIELD = re.compile(r"^([A-Z][A-Za-z ]+): ")
+
+
+def split_patch(text: str) -> tuple[dict[str, str], str]:
+    """A patch file's header fields (name -> their lines, as written) and the rest from its first ``diff --git``."""
+    head, sep, diff = text.partition("\ndiff --git")
+    fields: dict[str, str] = {}
+    key = None
+    for line in head.splitlines()[1:]:
+        m = _FIELD.match(line)
+        if m:
+            key = m.group(1)
+            if key not in PATCH_FIELDS:
+                raise ValueError(f"unknown patch header field {key!r}")
+            fields[key] = line
+        elif key and line.strip():
+            fields[key] += "\n" + line
+    return fields, sep.lstrip("\n") + diff
+
+
+def patch_fields(opt: object, text: str) -> dict[str, tuple[str, bool]]:
+    """The header fields of ``opt``'s patch, whose file reads ``text``: field -> (its text without the name, whether
+    it comes from the class; else the patch's own lines as written)."""
+    own, _ = split_patch(text)
+    out = {}
+    for field, attr in PATCH_FIELDS.items():
+        said = getattr(opt, attr) if attr else ""
+        if said:
+            out[field] = (" ".join(said.split()), True)
+        elif field in own:
+            out[field] = (own[field].split(": ", 1)[1], False)
+    return out
+
+
+def patch_header(name: str, fields: dict[str, tuple[str, bool]]) -> str:
+    """The header of the patch ``name`` (its file name without ``.patch``): the name, then the fields."""
+    lines = [name, ""]
+    for field, (text, generated) in fields.items():
+        line = f"{field}: {text}"
+        lines.append(
+            textwrap.fill(line, 118, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False)
+            if generated
+            else line
+        )
+    return "\n".join(lines) + "\n\n"
+
+
+def patches(root: Path = REPO) -> dict[str, str]:
+    """Each patch file (path relative to the repository) -> its text with the header :func:`patch_header` writes."""
+    from vllm_omni_ascend_opt import registry
+
+    out = {}
+    for i, opt in enumerate(registry.all_optimizations()):
+        if not opt.no_patch_reason:
+            name = patch_name(i, opt.name)
+            text = (root / "patches" / name).read_text()
+            header = patch_header(name.removesuffix(".patch"), patch_fields(opt, text))
+            out[f"patches/{name}"] = header + split_patch(text)[1]
+    return out
 
 
 def workloads_table() -> str:
@@ -120,23 +197,29 @@ def render(rel: str, text: str) -> str:
     return text
 
 
+def rendered(root: Path = REPO) -> dict[str, str]:
+    """Every generated file (relative path) -> the text this script writes."""
+    out = {rel: render(rel, (root / rel).read_text()) for rel in BLOCKS}
+    return out | patches(root)
+
+
 def out_of_date(root: Path = REPO) -> list[str]:
-    """The files whose generated blocks differ from what :func:`render` writes."""
-    return [rel for rel in BLOCKS if render(rel, (root / rel).read_text()) != (root / rel).read_text()]
+    """The files that differ from what this script writes."""
+    return [rel for rel, text in rendered(root).items() if text != (root / rel).read_text()]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="only check; exit 1 when a file is out of date")
     args = ap.parse_args(argv)
-    stale = out_of_date()
+    texts = rendered()
+    stale = [rel for rel, text in texts.items() if text != (REPO / rel).read_text()]
     if args.check:
         for rel in stale:
-            print(f"{rel}: generated tables are out of date (run python tools/gen_docs.py)")
+            print(f"{rel}: generated text is out of date (run python tools/gen_docs.py)")
         return 1 if stale else 0
     for rel in stale:
-        path = REPO / rel
-        path.write_text(render(rel, path.read_text()))
+        (REPO / rel).write_text(texts[rel])
         print(f"wrote {rel}")
     return 0
 

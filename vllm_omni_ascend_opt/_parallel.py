@@ -1,9 +1,8 @@
 """Which of vLLM-Omni's parallel modes a model (or this process) runs in, and what that means for an optimization.
 
 Optimizations declare per mode in ``Optimization.parallel_support`` whether they are correct there ("supported") or
-turn themselves off ("off: <reason>"). The declaration only takes effect through :func:`parallel_reasons_inactive`,
-which an optimization's ``model_reasons_inactive(model)`` (and, for process-wide patches, its patched code at call
-time) should include, so that ``list``, the loader hook and the tests all see the same reason.
+turn themselves off ("off: <reason>"). :meth:`Optimization.reasons_inactive` asks :func:`parallel_reasons_inactive`
+for every model, so that ``list``, the loader hook and the tests all see the same reason.
 
 Process-wide patches are installed when vLLM-Omni's modules are imported, before the parallel groups exist, so the
 mode can only be known per model (its ``parallel_config``) or at call time (the current diffusion config).

@@ -107,7 +107,7 @@ def rows(model: Any = None) -> list[dict[str, Any]]:
         out.append(
             {
                 "name": opt.name,
-                "summary": opt.summary,
+                **{k: getattr(opt, k) for k in ("summary", "why", "how", "upstream_pr", "removal_plan")},
                 "equivalence": opt.equivalence,
                 "tier": opt.tier(),
                 "default": opt.default_enabled,

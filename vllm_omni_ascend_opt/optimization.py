@@ -45,18 +45,9 @@ Equivalence = Literal["exact", "pixel", "close"]
 #: Equivalence tiers, strongest first. ``exact``: bitwise-identical outputs; ``pixel``: the uint8 images are identical
 #: (float outputs may differ in the last bits); ``close``: the images pass the SSIM/PSNR gates.
 TIERS: tuple[str, ...] = ("exact", "pixel", "close")
-TIER_MEANING = {
-    "exact": "bitwise-identical outputs",
-    "pixel": "uint8-identical images (float outputs may differ)",
-    "close": "images within the SSIM/PSNR gates",
-}
 
 #: Parallel modes an optimization declares its support for (vLLM-Omni's names, see ``_parallel.active_modes``).
 PARALLEL_MODES = ("single", "ulysses", "ring", "cfg_parallel", "tensor_parallel", "allgather", "vae_patch_parallel")
-
-#: Where an optimization's patched code runs (:attr:`Optimization.regions`): inside the transformer blocks, in the
-#: transformer's own forward outside the blocks, in the VAE decode, or once at load time on the weights.
-REGIONS = ("block", "transformer", "vae", "load")
 
 #: The stages of one request, in order (the ablation runner times each): prompt encoding, the denoising loop, the
 #: latents' unpacking and VAE decode.
@@ -90,7 +81,15 @@ class Optimization:
     """Base class. Subclasses set the class attributes and override the hooks they need."""
 
     name: ClassVar[str]
+    #: What it does, in a line. This and :attr:`why`, :attr:`how`, :attr:`upstream_pr` and :attr:`removal_plan` are
+    #: the one text about it: ``list``, the README table and the header of its patch (tools/gen_docs.py) show them.
     summary: ClassVar[str]
+    #: The stock work it removes and why that matters ("" renders nothing).
+    why: ClassVar[str] = ""
+    #: How it does it, and why that keeps its :attr:`equivalence`.
+    how: ClassVar[str] = ""
+    #: Open upstream PRs that touch the same code and how they differ, or what to propose upstream.
+    upstream_pr: ClassVar[str] = ""
     #: The weakest tier this optimization can deliver anywhere (its class); :meth:`tier` says what it delivers here.
     equivalence: ClassVar[Equivalence]
     default_enabled: ClassVar[bool] = True
@@ -103,8 +102,9 @@ class Optimization:
     #: Per parallel mode: "supported", or "off: <reason>" when the optimization does not act there (a mode it does
     #: not mention is not supported). Checked for every model (``_parallel.parallel_reasons_inactive``).
     parallel_support: ClassVar[dict[str, str]] = dict.fromkeys(PARALLEL_MODES, "supported")
-    #: Where the patched code runs (:data:`REGIONS`). A compiled region of the model runs stock code for the
-    #: optimizations that live in it (they step aside while torch.compile traces).
+    #: Where the patched code runs: ``block`` (inside the transformer blocks), ``transformer`` (its forward outside
+    #: them), ``vae`` (the decode) or ``load`` (once, on the weights). A compiled region of the model runs stock
+    #: code for the optimizations that live in it (they step aside while torch.compile traces).
     regions: ClassVar[frozenset[str]] = frozenset()
     #: The request stages (:data:`STAGES`) whose time it can change; None: those of its :attr:`regions`
     #: (:data:`STAGE_OF_REGION`), every stage when it declares no region. :meth:`changed_stages` is the answer.
@@ -117,7 +117,7 @@ class Optimization:
     acts_without_attach: ClassVar[bool] = False
     #: Further reusable model-level checks asked by :meth:`reasons_inactive` for a model, in order.
     model_checks: ClassVar[tuple[ModelCheck, ...]] = ()
-    #: Upstream change that makes this optimization obsolete (shown in docs and patches).
+    #: The upstream change that makes this optimization obsolete.
     removal_plan: ClassVar[str] = ""
     #: ``(SSIM, PSNR dB)`` this optimization must meet against the configuration without it when it delivers the
     #: ``close`` tier (the ablation runner's gate); None: the workload's ``ssim_gate`` / ``psnr_gate``.

@@ -112,7 +112,7 @@ def patching(module: str, names: list[str] | tuple[str, ...] | None = None) -> l
 
 
 def in_region(region: str) -> list[str]:
-    """The optimizations whose patched code runs in ``region`` (:data:`~.optimization.REGIONS`), in registry order."""
+    """The optimizations whose patched code runs in ``region`` (``Optimization.regions``), in registry order."""
     return [o.name for o in REGISTRY.all() if region in o.regions]
 
 

@@ -1,10 +1,9 @@
 """The fast tier's common base: close-tier modes of the memoized block body (``blocks/body/block_body.py``).
 
 Each fast-tier optimization (``fast_modulate``, ``fast_residual``) is its own flag, off by default and part of
-``all``. It patches nothing itself: ``install`` registers it as the owner of its mode in
-:data:`~vllm_omni_ascend_opt.blocks.body.block_body.FAST` (``uninstall`` unregisters), and the block body, which
-``shared_modulation``'s patched block forward runs, reports each call of the mode to it: its own :attr:`stats`
-(``ran``) and fallback reasons. Without ``shared_modulation`` the stock block runs and the mode does nothing
+``all``. It patches nothing itself: ``install`` provides it in its mode's slot (:attr:`FastBlockMode.slot`,
+``uninstall`` withdraws it), and the block body, which ``shared_modulation``'s patched block forward runs, reports
+each call of the mode to it: its own :attr:`stats` (``ran``) and fallback reasons. Without ``shared_modulation`` the stock block runs and the mode does nothing
 (``needs``: its reasons become this one's). It never imports ``shared_modulation``: what both use lives in
 ``blocks/``. Gated by SSIM >= 0.999 and PSNR >= 45 dB against the configuration without it (:attr:`close_gates`):
 these are last-bit changes (1 ulp in bf16), far inside the VAE tier's gates.
@@ -14,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from vllm_omni_ascend_opt.blocks.body.block_body import FAST, block_body_reason
+from vllm_omni_ascend_opt.blocks.body.block_body import ModeOwner, block_body_reason
+from vllm_omni_ascend_opt.blocks.slots import Slot
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
 from vllm_omni_ascend_opt.optimization import Optimization
@@ -24,10 +24,10 @@ FAST_TIER_GATES = (0.999, 45.0)
 
 
 class FastBlockMode(Optimization):
-    """A close-tier mode of the memoized block body (subclasses set ``name``, ``summary``, ``mode``); the
-    :class:`~vllm_omni_ascend_opt.blocks.body.block_body.ModeOwner` of its mode while installed."""
+    """A close-tier mode of the memoized block body (subclasses set ``name``, ``summary``, ``slot``); its mode's
+    :class:`~vllm_omni_ascend_opt.blocks.body.block_body.ModeOwner` while installed."""
 
-    mode: ClassVar[str]
+    slot: ClassVar[Slot[ModeOwner]]
     equivalence = "close"
     default_enabled = False
     close_gates = FAST_TIER_GATES
@@ -64,7 +64,7 @@ class FastBlockMode(Optimization):
         self._fallback(why)
 
     def _install(self) -> None:
-        FAST.register(self.mode, self)
+        self.slot.provide(self)
 
     def _uninstall(self) -> None:
-        FAST.unregister(self.mode, self)
+        self.slot.withdraw(self)

@@ -15,7 +15,7 @@ convolution and RMS-norm forwards), so they compose in any attach/detach order.
 Every patched function asks :func:`vllm_omni_ascend_opt.blocks.upstream.guards.tracing` first and, while torch.compile
 traces, runs the stock code without bookkeeping (no fallback counted, no verdict read, no cache built or read).
 vLLM-Omni does not compile the VAE; the rule is the same as in the transformer so that a compiled decode holds stock
-code. Fallbacks outside tracing go through the base's ``_fallback`` (:meth:`VaeOptimization.fallback`).
+code. Fallbacks outside tracing go through the base's ``_fallback``.
 """
 
 from __future__ import annotations
@@ -132,10 +132,6 @@ class VaeOptimization(Optimization):
         for m in modules if not why else ():
             ps.set(m, "forward", bind(m, make_forward(m)))
         return why
-
-    def fallback(self, reason: str) -> None:
-        """Count a call that took the stock path (multi-frame, tiled decode, ...; :meth:`fallback_reasons`)."""
-        self._fallback(reason)
 
     def piece_report(self, model: Any) -> PieceReport:
         """For an attached ``model``: piece -> "" when it acts, else the reason it does not."""

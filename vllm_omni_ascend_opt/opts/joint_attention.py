@@ -1,67 +1,21 @@
-"""`joint_attention`: Join the text and image streams once after their QKV projections; QK RMSNorms and RoPE run once on the joint sequence (bitwise stock).
+"""`joint_attention`: one join of Qwen-Image's text and image streams, bitwise stock (:class:`JointAttention`).
 
-Patch header (vllm-ascend ``vllm_ascend/patch/`` style)
--------------------------------------------------------
-Patched symbol (``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``; vLLM-Omni 0.30.0, 0.31.0rc1,
-0.32.0rc1, by the source fingerprints in ``JointAttention.upstream``):
-``QwenImageCrossAttention.forward`` (class attribute; the block - stock or ``shared_modulation``'s body - calls
-``block.attn(...)``, so both reach it).
+Patches ``QwenImageCrossAttention.forward`` (class attribute; the block, stock or ``shared_modulation``'s body, calls
+``block.attn(...)``, so both reach it). The joint math lives in ``blocks/body/joint_qkv.py``; the rotation goes
+through the rotary service ``rope`` provides while installed (``blocks.kernels.rotary.ROTARY``), else the portable
+math of ``blocks.kernels.rope_tables`` with this optimization's own table cache. With ``qk_norm``'s kernel ready
+(``blocks.kernels.rms_norm.kernel_ready``) the norms run per stream on stock's views and q, k, v are joined by one
+``cat`` each; RoPE still runs once on the joint sequence.
 
-Why: from the two QKV projections to the attention call stock runs, per block, four RMSNorms (one per stream for q
-and k: 6 kernel launches each in fp32, 8 in bf16 where the norm upcasts and casts back - torch_npu 2.13 registers no
-``aten::rms_norm`` kernel, so it runs as these pieces on an NPU too), four RoPE applications (one per stream for q and
-k) and three ``cat``s joining q, k and v of the two streams.
-
-How (every element sees exactly stock's operations in stock's order, so the output is bitwise stock):
-
-* One ``cat`` of ``txt_qkv`` and ``img_qkv`` along the sequence (text first, as stock joins them); q/k/v are views.
-* The QK RMSNorms once on the joint sequence, for q and k in one pass (:func:`joint_qk_rms_norm`; per stream and
-  tensor, :func:`joint_rms_norm`, when q and k differ in heads): torch 2.13's ``rms_norm`` composite on CPU (and,
-  piece by piece, on an NPU) is ``x.to(opmath)``, ``pow(2)``, ``mean(-1, keepdim)``, ``add_(eps)``, ``rsqrt``,
-  ``mul``, ``mul(weight)`` (fp32 opmath: the weight multiply happens before the one cast back), then ``to(dtype)``.
-  Every step is per row or element-wise, so it runs once on the rows of q and k of both streams, gathered into one
-  ``[2, B, S, N, D]`` tensor (q and k each a contiguous plane); only the weight multiply differs per plane and stream
-  (text rows ``norm_added_q/k.weight``, image rows ``norm_q/k.weight``): four in-place multiplies on the normalised
-  rows, no per-row weight table to keep in sync with the weights.
-* RoPE once on the joint sequence, q and k in one rotation (in place on the norm's output: the same four ops, one
-  temporary), with a joint table: the joint complex freqs ``cat(txt_freqs, vid_freqs)`` are built
-  once per (vid, txt) freqs pair (cached weakly on both, so once per shape with ``rope``'s embedder memo, once per
-  forward without it; a bounded LRU of :data:`JOINT_FREQS_CACHE_SIZE`) and rotated through the shared rotary blocks:
-  the rotary service ``rope`` switches on while installed (:func:`vllm_omni_ascend_opt.blocks.kernels.rotary.active`: its
-  table cache, verified NPU kernel and counters), else the portable math of
-  :mod:`vllm_omni_ascend_opt.blocks.kernels.rope_tables` with this optimization's own table cache (bitwise stock's
-  ``RotaryEmbedding.forward_native``; see ``rope``).
-* The attention call, output split and ``to_out``/``to_add_out`` as stock; the padded-text key mask is built as
-  stock builds it (``encoder_hidden_states_mask`` / ``hidden_states_mask`` are handled exactly). Under Ulysses/Ring
-  sequence parallelism (stock's ``AttentionMetadata(joint_query=txt...)`` branch) the image and text parts are views
-  of the joint tensors: the same values as stock's.
-* With ``qk_norm`` attached and its kernel present (asked of :func:`vllm_omni_ascend_opt.blocks.kernels.rms_norm.kernel_ready`,
-  never of ``qk_norm`` itself), the norms run per stream on stock's views (one ``npu_rms_norm`` each: gamma must be
-  [D]) and q, k, v are joined by one ``cat`` each (v stays contiguous for the attention kernel); RoPE still runs
-  once on the joint sequence. See ``qk_norm`` for the launch count.
-
-Launches per block, fp32 tiny, warm request (the CPU bitwise default stack): 74 -> 46 (norms 24 -> 10, RoPE
-16 -> 4, cats 3 -> 1).
-
-While ``torch.compile`` traces, the patched forward checks ``guards.tracing()`` first and runs the joint path as
-written for tracing (``blocks/joint_qkv.traced_forward``: the same math, no counter, cache or log; the RoPE tables
-hoisted by an eager pre-hook of each regionally compiled block): no graph break, fewer ops in the compiled graph than
-stock's attention. Under full compile (no eager place to hoist the tables) the graph keeps stock's attention: the
-joint path with its tables computed in the graph measured slower than compiled stock on inductor. Eagerly, the guards, the CUDA-fused check and
-the RoPE tables are decided once per forward (``blocks/upstream/forward_scope.py``), and the four projections are
-called as their kernels where vLLM's layer is plain (``blocks/body/direct_calls.py``). Falls back to stock, with the reason
-counted (:meth:`JointAttention.fallback_reasons`), under autograd, graph capture, when the norms are not plain
-``nn.RMSNorm`` with weights and one ``eps`` (Identity for ``qk_norm=False``, hooks, other classes), when the two
-streams' projections differ in heads or dtype, when the freqs do not match the sequence lengths, when stock's RoPE
-is not vLLM-Omni's native rotary math (MindIE-SD, CUDA kernels: their results on a joint sequence are not proven
-equal), and where stock takes its fused CUDA qk-norm-rope (Triton) path (>= 2048 tokens on CUDA): that kernel stays
-stock's. Quantized or LoRA-wrapped projections are called as modules, like stock, and their outputs joined.
-Non-contiguous views reach the attention (v is a view of the joint projection): bitwise on CPU SDPA and through
-``fused_attention`` (which makes its inputs contiguous) - tested.
-
-Upstream PR: none yet.
-Removal plan: drop when vLLM-Omni's ``QwenImageCrossAttention`` joins the streams once and normalizes/rotates the
-joint sequence (or ships a fused qk-norm-rope kernel for NPU).
+Eagerly, the guards, the CUDA-fused check and the RoPE tables are decided once per forward
+(``blocks/upstream/forward_scope.py``) and the four projections are called as their kernels where vLLM's layer is
+plain (``blocks/body/direct_calls.py``). While ``torch.compile`` traces, the joint path runs as written for tracing
+(``joint_qkv.traced_forward``) with the tables hoisted by an eager pre-hook of each regionally compiled block; under
+full compile the graph keeps stock's attention. Stock code runs, with the reason counted, under autograd, graph
+capture, for norms that are not plain ``nn.RMSNorm`` with weights and one ``eps``, streams that differ in heads or
+dtype, freqs that do not match the sequence lengths, a RoPE that is not vLLM-Omni's native math, and where stock
+takes its fused CUDA qk-norm-rope path. Non-contiguous views (v) reach the attention: bitwise on CPU SDPA and through
+``fused_attention``.
 """
 
 from __future__ import annotations
@@ -75,7 +29,6 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt.blocks.body import compiled_blocks, direct_calls
 from vllm_omni_ascend_opt.blocks.body.joint_qkv import (
-    JOINT_FREQS_CACHE_SIZE,  # noqa: F401  (the cache's bound, named in the header above)
     READY_ROPE,
     any_cuda_fused,
     attend,
@@ -91,26 +44,45 @@ from vllm_omni_ascend_opt.blocks.body.joint_qkv import JointFreqsCache as _Joint
 from vllm_omni_ascend_opt.blocks.kernels import rms_norm, rope_tables, rotary
 from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
-from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
+from vllm_omni_ascend_opt.optimization import Optimization
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the optimization
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the optimization ---------------------------------------------------------------------------------------------
 class JointAttention(Optimization):
     name = "joint_attention"
-    summary = "Join the text and image streams once after their QKV projections; QK RMSNorms and RoPE run once on the joint sequence (bitwise stock)."
+    summary = (
+        "Join the text and image streams once after their QKV projections; QK RMSNorms and RoPE run once on the "
+        "joint sequence (bitwise stock)."
+    )
+    why = (
+        "From the two QKV projections to the attention call stock runs, per block, four RMSNorms (one per stream "
+        "for q and k; torch_npu registers no aten::rms_norm kernel, so each runs as 6 to 8 kernels on Ascend "
+        "too), four RoPE applications and three cats joining q, k and v of the two streams; batch-1 eager "
+        "inference on an NPU is bound by kernel launches."
+    )
+    how = (
+        "One cat of the text and image QKV projections along the sequence (text first); q, k and v are views. The "
+        "QK RMSNorms run once on the joint rows of q and k, gathered into one [2, B, S, N, D] tensor (torch's "
+        "rms_norm composite in fp32 opmath; only the weight multiply differs per stream, before the one cast "
+        "back), and RoPE once on the joint sequence, in place, with tables of cat(txt_freqs, vid_freqs) built "
+        "once per freqs pair, as stock's native rotary ops in stock's order. Every element sees stock's "
+        "operations, so the output is bitwise stock's. The attention call, key mask, sequence-parallel branch and "
+        "output projections are stock's."
+    )
+    upstream_pr = (
+        "vllm-omni #7594 (open) does the same join on CUDA as one Triton launch (QK RMSNorm + RoPE + cat); this "
+        "is the portable/NPU form, bitwise stock, and leaves stock's CUDA fused path alone."
+    )
+    removal_plan = (
+        "Drop when vLLM-Omni's QwenImageCrossAttention joins the two streams once and normalizes/rotates the "
+        "joint sequence (or fuses qk-norm-rope on NPU)."
+    )
     equivalence = "exact"
-    default_enabled = True
     requires = ("any device and dtype (stock's fused CUDA qk-norm-rope path stays stock)",)
     target_modules = (_targets.TRANSFORMER,)
-    # The values handed to the attention layer are stock's (views of the joint tensors under SP); TP only changes
-    # the local head counts (equal for both streams); CFG-parallel runs each branch as a single request.
-    parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")
     regions = frozenset({"block"})
     #: Its joint path is written for tracing with the RoPE tables hoisted per forward (regional compile). Under full
-    #: compile it would compute them in the graph, measured slower than compiled stock (bench_host --compiled full:
-    #: 1.076x, 0.975x without it): there the traced graph keeps stock's attention.
+    #: compile it would compute them in the graph, slower than compiled stock: there the graph keeps stock's attention.
     acts_compiled = frozenset({"regional"})
     acts_without_attach = True
     #: What it replaces (the joint attention forward, qk-norm-rope) and mirrors (the native rotary math, stock's
@@ -125,10 +97,6 @@ class JointAttention(Optimization):
         _targets.ROTARY_FORWARD_NPU,
     )
     on_qwen_image_21 = "a single-stream transformer: there are no text and image streams to join"
-    removal_plan = (
-        "Drop when vLLM-Omni's QwenImageCrossAttention joins the two streams once and normalizes/rotates the joint "
-        "sequence (or fuses qk-norm-rope on NPU)."
-    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -234,7 +202,7 @@ class JointAttention(Optimization):
         self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
     ) -> torch.Tensor:
         """``x`` (q, k, or both stacked along the batch) rotated by the joint freqs: through the rotary service that
-        ``rope`` switches on while installed (:func:`~vllm_omni_ascend_opt.blocks.kernels.rotary.active`: its verified NPU
+        ``rope`` switches on while installed (``blocks.kernels.rotary.ROTARY``: its verified NPU
         kernel and counters), else with the portable math. ``inplace``: ``x`` is this path's own (the portable math
         rotates it in place: the same ops, fewer temporaries)."""
         kernel = rotary.ROTARY.get()
@@ -335,7 +303,7 @@ class JointAttention(Optimization):
         else:
             qkv = torch.cat([txt_qkv, img_qkv], dim=1)
             # the projections live on in the joint tensor: free them before the norms' fp32 temporaries (alive
-            # together, they made the transformer's peak 1.22x stock's at 1328^2)
+            # together, they raise the transformer's peak above stock's)
             del img_qkv, txt_qkv
             b, s = qkv.shape[0], qkv.shape[1]
             value = qkv[..., q_size + kv_size :].view(b, s, nkv, d)
@@ -404,10 +372,6 @@ class JointAttention(Optimization):
                 tables = rope_tables.portable_tables(t, joint_freqs, self.stats)
         if attn is not None:
             compiled_blocks.set_ready(attn, READY_ROPE, tables)
-
-
-def _global_hooks_reason() -> str | None:
-    return "global module hooks are registered" if guards.global_hooks() else None
 
 
 def _modules(model: Any) -> list[nn.Module]:

@@ -1,43 +1,13 @@
-"""`memo_aware_offload`: Under vLLM-Omni's layerwise offload, leave a block's modulation weights (img_mod/txt_mod) on the host for a forward whose modulation is all in shared_modulation's memo (exact: those weights are never read).
+"""`memo_aware_offload`: layerwise offload leaves modulation weights the memo makes unread on the host (what and why:
+:class:`MemoAwareOffload`).
 
-Patched upstream symbols (``vllm_omni/diffusion/offloader/layerwise_backend.py``, class attributes; the same source in
-vLLM-Omni 0.30.0-0.32.0rc1, declared in ``UPSTREAM``)
-----------------------------------------------------------------------------------------------------------------
-* ``LayerwiseOffloadHook.pre_forward``: the per-forward decision (at block 0) and the per-block guarantee (below).
-* ``LayerwiseOffloadHook.prefetch_layer``: for a forward that skips, copies the next block's weights without its
-  modulation projections into a compact device buffer (same bytes, same views), and leaves those weights as the
-  offloader's own zero-element placeholders.
-* per attached model, at its first offloaded forward: each block hook's materialization probe, when it is a
-  modulation weight, becomes the block's first other weight (restored on detach).
-
-Why
-  With ``enable_layerwise_offload`` (what 64 GB Atlas A2 users turn on for the 20B DiT) every forward copies every
-  block's weights host->device. ``img_mod`` / ``txt_mod`` (3072 -> 18432 each) are 34.6% of the DiT's weights, and
-  ``shared_modulation`` already holds their outputs for every timestep of a repeated request: on such a forward the
-  blocks read the memo, never those weights, and the copy is pure PCIe traffic (and device memory).
-How
-  Decision, once per forward, in block 0's ``pre_forward`` (before it prefetches block 1): the forward skips when,
-  for this ``temb``, ``shared_modulation``'s memo holds every block's modulation with the blocks' parameters as they
-  are at that moment (``ModulationMemo.has_block``: the very lookup the block makes), the block forward is the
-  memoizing one (no hook registry that captured the stock forward), the blocks are single-segment and not compiled.
-  Then each ``prefetch_layer`` of blocks 1..N-1 copies everything but the modulation weights. Block 0's weights are
-  prefetched by the last block during the previous forward, before this forward's ``temb`` exists: they are always
-  copied whole (so a cache backend's probe of ``block0.img_mod`` before the blocks run reads real weights).
-  Guarantee, per block, after upstream's ``pre_forward`` (which may re-prefetch a block a cache backend skipped):
-  a block whose modulation weights were left on the host runs only if the memo still hits for it; otherwise its
-  modulation weights are copied right then (``late_copies``, with a fallback reason). So no skipped weight is ever
-  read, whatever happens to the memo, and every output is bitwise stock's.
-  The placeholders do not change what the memo keys on when the signature keys on the parameters' identity and
-  version (issue 21's re-key): a placeholder has the same identity, version, dtype and device. With a signature
-  that includes storage (``data_ptr``) or shape, the decision simply finds no hit and everything is copied.
-Exactness
-  Only weights that are not read are not copied; the kept weights are the same host bytes in the same layout. Tests:
-  tests/test_memo_aware_offload.py (bitwise against stock with every cache backend the runner offers, bytes counted
-  on the copies, LoRA switch, the late copy, probes).
-Upstream PR
-  None yet. Upstream would let an offloaded module declare weights it can skip per forward.
-Removal plan
-  Drop when vLLM-Omni's layerwise offload skips weights a forward does not read (or memoizes modulation itself).
+Patches ``LayerwiseOffloadHook.pre_forward`` (block 0 decides once per forward; every block gets the guarantee that a
+weight left on the host is never read) and ``LayerwiseOffloadHook.prefetch_layer`` (a skipping forward copies the next
+block's other weights into a compact device buffer, same bytes and views, and leaves the modulation weights as the
+offloader's own zero-element placeholders) in ``vllm_omni/diffusion/offloader/layerwise_backend.py``. Per attached
+model, each block hook's materialization probe, when it is a modulation weight, becomes the block's first other
+weight (restored on detach). A placeholder keeps its parameter's identity, version, dtype and device, so the memo's
+keys still find their entries; a signature with storage or shape just finds no hit and everything is copied.
 """
 
 from __future__ import annotations
@@ -52,11 +22,12 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt.blocks.body.block_body import block_body_reason
+from vllm_omni_ascend_opt.blocks.memo.cache import MEMO
 from vllm_omni_ascend_opt.blocks.upstream import guards
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import Upstream, same
 from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
 from vllm_omni_ascend_opt.blocks.upstream.layerwise import LAYERWISE_MODULE, block_hook, is_modulation, layerwise_hooks
-from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
+from vllm_omni_ascend_opt.optimization import Optimization
 
 TENSOR_UTILS = "vllm_omni.diffusion.offloader.tensor_utils"
 #: The upstream code it wraps (``pre_forward``, ``prefetch_layer``), mirrors (``prefetch_layer``'s copy with the
@@ -114,11 +85,29 @@ class MemoAwareOffload(Optimization):
         "Under vLLM-Omni's layerwise offload, leave a block's modulation weights (img_mod/txt_mod) on the host for a "
         "forward whose modulation is all in shared_modulation's memo (exact: those weights are never read)."
     )
+    why = (
+        "With enable_layerwise_offload every forward copies every block's weights host->device, img_mod/txt_mod "
+        "(about a third of the DiT's weights) included, although on a forward whose modulation "
+        "shared_modulation's memo holds the blocks never read them: the copy is pure PCIe traffic and device "
+        "memory."
+    )
+    how = (
+        "In block 0's pre_forward, once per forward: the forward skips when the memo holds every block's "
+        "modulation for this temb with the blocks' parameters as they are (the very lookup the block makes), the "
+        "blocks run the memoizing forward, single-segment and not compiled. Then each prefetch of blocks 1..N-1 "
+        "copies everything but the modulation weights; block 0, prefetched before temb exists, is always copied "
+        "whole. Before each block runs, a block whose modulation left the memo has it copied then (a late copy), "
+        "so no skipped weight is ever read and every output is bitwise stock's."
+    )
+    upstream_pr = "None. Upstream would let an offloaded module declare weights it can skip per forward."
+    removal_plan = (
+        "Drop when vLLM-Omni's layerwise offload skips weights a forward does not read (or memoizes the "
+        "modulation itself)."
+    )
     equivalence = "exact"
     #: No patched region of its own (it acts through the offload's forward hooks), but what it saves are the block
     #: weight copies of each transformer forward.
     stages = frozenset({"denoise"})
-    default_enabled = True
     requires = ("vLLM-Omni 0.30.x with enable_layerwise_offload; any device",)
     inactive_when = (
         "the model is not offloaded layerwise (nothing is copied), shared_modulation does not act, the blocks are "
@@ -132,8 +121,6 @@ class MemoAwareOffload(Optimization):
         "it asks shared_modulation's memo, which stays off there: upstream prepares one modulation for all blocks, "
         "no per-block img_mod/txt_mod weights to leave on the host"
     )
-    parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-rank hooks and memo, no collective
-    removal_plan = "Drop when vLLM-Omni's layerwise offload skips weights a forward does not read."
     no_patch_reason = (
         "upstream has no modulation memo to ask: a patch would stack on 0001-shared_modulation (every patch applies "
         "alone to pristine vLLM-Omni), and patches/check.py's exactness run loads the pipeline without layerwise "
@@ -240,9 +227,6 @@ class MemoAwareOffload(Optimization):
             return kwargs["temb"]
         return args[3] if len(args) > 3 else None
 
-    def _memo(self) -> Any:
-        return self._peers.get("shared_modulation").memo if self._peers is not None else None
-
     def _before_block(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> _Ring | None:
         """At block 0: decide for this forward (once). Returns the block's ring (None: not an attached block)."""
         found = self._rings.get(module)
@@ -269,8 +253,8 @@ class MemoAwareOffload(Optimization):
 
     def _forward_reason(self, tr: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
         """Why this forward must copy every weight (None: it may skip the modulation weights)."""
-        peer = self._peers.get("shared_modulation") if self._peers is not None else None
-        if peer is None or not peer.installed:
+        memo = MEMO.get()
+        if memo is None:
             return "shared_modulation is not installed"
         temb = self._temb(args, kwargs)
         if not isinstance(temb, torch.Tensor):
@@ -280,7 +264,6 @@ class MemoAwareOffload(Optimization):
         why = self._static_reason(tr)
         if why:
             return why
-        memo = peer.memo
         if not all(memo.has_block(b, temb) for b in tr.transformer_blocks):
             return NOT_ALL_MEMOIZED
         return None
@@ -311,7 +294,7 @@ class MemoAwareOffload(Optimization):
         params = source.next_block_parameters
         if all(p.numel() for n, p in params.items() if is_modulation(n)):
             return  # copied whole (block 0, or a forward that did not skip)
-        memo = self._memo()
+        memo = MEMO.get()
         if memo is not None and memo.has_block(module, self._temb(args, kwargs)):
             return
         self._fallback("a block's modulation left the memo after the per-forward decision: copied before it ran")

@@ -1,87 +1,20 @@
-"""`shared_modulation`: Compute SiLU(temb) and the per-block modulation projections once per distinct timestep embedding (exact memo), and unpack them once per block into broadcast-ready tensors.
+"""`shared_modulation`: Qwen-Image's timestep-only modulation memoized, exactly (:class:`SharedModulation`).
 
-Patched upstream symbols (``vllm_omni/diffusion/models/qwen_image/qwen_image_transformer.py``; vLLM-Omni 0.30.0, 0.31.0rc1, 0.32.0rc1)
----------------------------------------------------------------------------------------------------------------------------------------
-* ``QwenImageTransformerBlock.forward`` (class attribute): the block reads its six modulation tensors from a memo.
-* ``QwenImageTransformer2DModel.load_weights`` (class attribute): drops the memo after a (re)load.
-* per attached transformer (``attach``): the ``img_mod``/``txt_mod`` ``nn.Sequential`` of every block and
-  ``norm_out`` (diffusers' ``AdaLayerNormContinuous``) get a memoizing subclass (``__class__`` swap, same object,
-  same state dict), so that direct calls such as TeaCache's block-0 probe ``block.img_mod(temb)`` and the final
-  ``norm_out(h, temb)`` hit the memo too. ``detach``/``uninstall`` restore the classes by identity.
+Patches (``qwen_image_transformer.py``): ``QwenImageTransformerBlock.forward`` reads the block's unpacked modulation
+from the memo (:class:`~vllm_omni_ascend_opt.blocks.memo.cache.ModulationMemo`; keys in ``blocks/memo/keys.py``, the
+block body in ``blocks/body/``); ``QwenImageTransformer2DModel.load_weights`` drops the memo. Per attached
+transformer the ``img_mod``/``txt_mod`` of every block, ``norm_out`` and ``time_text_embed`` get memoizing subclasses
+(``__class__`` swap, same object and state dict), so direct calls such as TeaCache's ``block.img_mod(temb)`` probe hit
+the memo too; ``detach`` restores the classes by identity.
 
-Why
-  Per forward, stock computes SiLU(temb) 2x per block + once in ``norm_out`` and runs ``img_mod``/``txt_mod``
-  (3072 -> 18432 each) in every block and ``norm_out.linear``: on real Qwen-Image 121 SiLUs and 121 GEMVs that read
-  ~1/3 of all DiT weights, although they depend only on the timestep embedding ``temb``. ``1 + scale`` is
-  recomputed four times per block from strided views.
-How
-  An exact memo (:class:`ModulationMemo` in ``blocks/memo/cache.py``, where its cache policies are listed;
-  keys in ``blocks/memo/keys.py``; the block body in ``blocks/body/block_body.py``): the key is the *value* of
-  ``temb`` (dtype, shape, device and a SHA-256 of its bytes, upstream's ``tensor_digest``), the numerical settings
-  (matmul precision, autocast, grad mode, TF32/HF32 flags), and, per slot, the modules and their weights (object
-  identity, ``_version``, shape, dtype, device -- not the storage, which vLLM-Omni's layerwise offload renews every
-  forward; vLLM LoRA stacks and active-slice mask; quant method). The temb entry of a forward is found through the
-  timestep: the swapped ``time_text_embed`` keys stock's temb by the timestep's value (B values read back, not temb's
-  B x 3072) with the embedding's weights and keeps it, so a repeated timestep runs no embedding kernel and the blocks
-  find the entry by temb's identity, no digest.
-  A miss replays stock's computation
-  (same ops, same inputs, one SiLU per distinct temb), so a hit is bitwise what stock would compute. Each block's
-  modulation is stored unpacked ("decode broadcast"): contiguous ``(1 + scale, shift, gate)`` tensors ``[B, 1, D]``
-  for its four norms, so a warm step runs no modulation op at all: ``LN(x) * (1 + scale) + shift`` and
-  ``h + gate * y`` are the very elementwise ops stock runs, on the same values. Bounded by a byte budget
-  (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512; 0 disables), least-recently-used temb first.
-  Costs: one device->host copy of the timestep (B values) per forward (of ``temb``, B x 3072 values, where the
-  time embedding is not keyed); on a miss, 8 small copies per block to make the unpacked tensors contiguous. Every
-  block finds the temb entry by the tensor's identity (no digest after the first lookup of a forward).
-Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``)
-  Stock projects ``img_mod`` over ``temb = [emb(t); emb(0)]`` (2B rows) and, per image norm, builds three
-  ``[B, L, D]`` tensors with ``torch.where(modulate_index, segment 1, segment 0)`` (``select01_modulation_native``, the
-  stock path on NPU and CPU), then ``LN(x) * (1 + scale) + shift`` and ``gate * y`` over them. Here the block's
-  modulation is memoized per temb value like the single-segment one, and the image stream uses per-segment
-  broadcast (``blocks/body/two_segment.py``): :class:`SegmentPlan` reads ``modulate_index`` once per forward (its runs of
-  equal values, one device->host copy); the sequence is viewed as ``[B, C, L/C, D]`` chunks (``C = L / gcd(run
-  lengths)``, at most :data:`MAX_BROADCAST_CHUNKS`; the default edit request has C = 2) and multiplied by
-  ``[B, C, 1, D]`` per-chunk
-  ``(1 + scale, shift, gate)`` -- or, for more chunks, each run is computed on its slice with ``out=``. Each
-  element sees the same IEEE mul/add on the same two values as in stock, so the result is bitwise stock's; the
-  ``where``s, the bool casts and ``1 + scale`` over ``[B, L, D]`` disappear. The timestep-0 segment is kept once per
-  block and weights signature for the model's life (reused while bitwise equal to the fresh rows of each missed
-  projection; ``zero_t_*`` stats); with slice plans the memo entries of new timesteps then add only their own
-  segment (broadcast plans keep small per-chunk copies of both).
-Exactness and fallbacks
-  While ``torch.compile`` traces, every patched forward checks :func:`blocks.upstream.guards.tracing` first and touches no
-  memo, counter or logger. Under vLLM-Omni's regional compile the lookups run in eager pre-hooks of the compiled
-  blocks, which receive the unpacked tensors ready (``blocks/body/compiled_blocks.py``) and run the body (with the fast
-  tier's modes) inside their graphs; under full compile nothing eager runs between the blocks, so the compiled graph
-  holds stock's modulation (reported as a reason). Otherwise it falls
-  back to the stock code, with a reason (:meth:`SharedModulation.fallback_reasons`, debug log), under
-  autograd (grad enabled and a tensor requiring grad), CUDA/NPU graph capture, global
-  ``nn.Module`` forward hooks or hooks on the modules it would skip, inference-tensor weights (no version counter),
-  unknown projection classes, and, for the edit models' two-segment blocks, the CUDA Triton select01 kernels (stock
-  there), a ``modulate_index`` that differs between batch rows, and MindIE-SD's fused image norms (they take per-token
-  tensors); those blocks still get their ``img_mod``/``txt_mod`` projections and ``norm_out`` from the memo on an
-  attached model (a view of the last temb, such as ``temb.chunk(2)[0]``, is keyed by its geometry, not re-hashed).
-  ``AdaLayerNorm`` is applied the way the instance dispatches
-  (``forward_native``; ``forward_npu`` via ``torch_npu.npu_layer_norm_eval`` without MindIE-SD; with MindIE-SD the
-  fused kernel takes ``scale``, so the memo keeps ``scale`` and calls the norm itself; likewise 0.32.0rc1's
-  ``forward_cuda`` where its CUDA Triton AdaLN kernel exists, whose reductions are not ``F.layer_norm``'s: native only
-  without it, ``ada_norm.native_forwards``; 0.32's own ``forward_musa`` is native). The mirrored upstream
-  functions are fingerprinted per release (:data:`UPSTREAM`, source SHA-256, per platform for AdaLayerNorm's backend
-  paths): upstream code that matches none of them turns the optimization off with a reason naming the function.
-  Weights written in place through ``.data`` (``param.data.copy_``) bypass version counters: reloads through
-  ``load_weights`` invalidate automatically, and so does the registry's weights-changed event (``nz_weights``'
-  casts); anything else must call :meth:`SharedModulation.invalidate`.
-Parallel
-  The memo is per process (per rank) and runs no collective, so a hit on one rank and a miss on another cannot
-  desynchronise anything; the modulation projections are ``ReplicatedLinear`` (identical on every TP rank), temb is
-  replicated under Ulysses/ring SP, and each CFG-parallel rank memoizes its own branch.
-Upstream PR
-  none yet; upstream's ``ExactProjectionCache`` (vllm_omni/diffusion/cache/exact_projection_cache.py) implements the
-  same idea for MiniMax-H3 only. Proposal: wire it into Qwen-Image's blocks with unpacked outputs.
-Removal plan
-  Drop this patch once vLLM-Omni memoizes Qwen-Image's modulation itself (its block forward's fingerprint then stops
-  matching and it turns itself off). Upstream overlap: vllm-omni #7529 (open) reuses the projections across the serial
-  CFG pair only.
+Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``): memoized per temb value like the single-segment one;
+the image stream uses per-segment broadcast (``blocks/body/two_segment.py``), the same IEEE ops on the same values.
+
+Under regional compile the lookups run in eager pre-hooks of the compiled blocks (``blocks/body/compiled_blocks.py``);
+under full compile the graph holds stock's modulation (a reason). Stock code runs, with a counted reason, under
+autograd, graph capture, global or modulation-module hooks, inference-tensor weights, MindIE-SD's fused image norms
+and the CUDA Triton select01 kernels. The memo is per rank and runs no collective. Weights written through ``.data``
+outside ``load_weights`` need :meth:`SharedModulation.invalidate` (or the registry's weights-changed event).
 """
 
 from __future__ import annotations
@@ -101,7 +34,7 @@ from vllm_omni_ascend_opt.blocks.body.block_body import (
     hoistable,
     traced_block_body,
 )
-from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, ModulationMemo, budget_from_env
+from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, MEMO, ModulationMemo, budget_from_env
 from vllm_omni_ascend_opt.blocks.memo.keys import (
     SELECT01_MODULE,
     unkeyable_reasons,
@@ -110,7 +43,7 @@ from vllm_omni_ascend_opt.blocks.upstream import ada_norm, forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, V030, V031, V032, Upstream, same
 from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
-from vllm_omni_ascend_opt.optimization import PARALLEL_MODES, Optimization
+from vllm_omni_ascend_opt.optimization import Optimization
 
 _T, _ADA = _targets.TRANSFORMER, ada_norm.ADALAYERNORM_MODULE
 #: The upstream functions this patch replaces (the block forward, load_weights) or mirrors (everything its memoized
@@ -143,17 +76,46 @@ UPSTREAM: tuple[Upstream, ...] = (
 
 class SharedModulation(Optimization):
     name = "shared_modulation"
-    summary = "Compute SiLU(temb) and the per-block modulation projections once per distinct timestep embedding (exact memo), and unpack them once per block into broadcast-ready tensors."
+    summary = (
+        "Compute SiLU(temb) and the per-block modulation projections once per distinct timestep embedding (exact "
+        "memo), and unpack them once per block into broadcast-ready tensors."
+    )
+    why = (
+        "Per forward, stock computes SiLU(temb) twice per block and once in norm_out, and runs every block's "
+        "img_mod/txt_mod projections (about a third of the DiT's weights) and norm_out.linear, although they "
+        "depend only on the timestep embedding temb, which repeats across the CFG branches of a step and across "
+        "requests with the same schedule; 1 + scale is recomputed four times per block from strided views."
+    )
+    how = (
+        "An exact memo keyed on the value of temb (dtype, shape, device, SHA-256 of its bytes; found through the "
+        "timestep's value by the time embedding, so a repeated timestep runs no embedding kernel), the numerical "
+        "settings (grad mode, matmul precision, autocast, TF32/HF32) and each projection's weights (identity, "
+        "version, shape, dtype, device, LoRA and quantization state). A miss replays stock's ops. Each block's "
+        "modulation is stored unpacked as contiguous (1 + scale, shift, gate) [B, 1, D] tensors, so a warm step "
+        "runs no modulation op and the block runs stock's elementwise ops on the same values: bitwise stock. "
+        "AdaLayerNorm is applied the way the instance dispatches (the native path and npu_layer_norm_eval take "
+        "the memoized 1 + scale; MindIE-SD and CUDA's Triton kernel are called as usual). Bounded by a byte "
+        "budget, least recently used temb first; reloading the weights clears it."
+    )
+    upstream_pr = (
+        "vllm-omni #7529 (open) reuses the modulation projections of the positive pass in the negative pass of "
+        "serial CFG (a consume-once, block-local cache); this memo also hits across steps with equal timesteps, "
+        "repeated requests and CFG-parallel ranks, and unpacks once per block: a textual conflict in the block "
+        "forward. vllm-omni #7419 (open) fuses the block's residual and AdaLN pointwise stages on CUDA: a textual "
+        "conflict, no semantic overlap. Upstream's ExactProjectionCache does the same for MiniMax-H3 only; "
+        "proposal: wire it into Qwen-Image with unpacked outputs."
+    )
+    removal_plan = (
+        "Drop once vLLM-Omni memoizes Qwen-Image's modulation itself: its block forward's fingerprint then stops "
+        "matching and this turns itself off with a reason."
+    )
     equivalence = "exact"
-    default_enabled = True
     requires = ("vLLM-Omni >= 0.30 whose code matches the fingerprints it knows; any device and dtype",)
     target_modules = (_targets.TRANSFORMER,)
-    parallel_support = dict.fromkeys(PARALLEL_MODES, "supported")  # per-rank memo, no collectives (see docstring)
     regions = frozenset({"block", "transformer"})  # the block body and projections; norm_out in the forward
     #: Regional compile: the memo runs in eager (the transformer's forward and pre-hooks of the compiled blocks), the
     #: compiled blocks receive ready modulation tensors. Full compile traces the memo's lookups: stock code there.
     acts_compiled = frozenset({"regional"})
-    removal_plan = "Drop once vLLM-Omni memoizes Qwen-Image's modulation (upstream ExactProjectionCache wiring)."
     upstream = UPSTREAM
     on_qwen_image_21 = (
         "one modulation projection shared by all blocks, prepared once per step by upstream itself "
@@ -294,6 +256,7 @@ class SharedModulation(Optimization):
 
         load_weights.__wrapped__ = original_load  # type: ignore[attr-defined]
         self.patches.set(model_cls, "load_weights", load_weights)
+        MEMO.provide(self.memo)
 
     def _hoist(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Eager pre-hook of a regionally compiled block: the memo lookup the compiled block cannot make, left on the
@@ -304,10 +267,6 @@ class SharedModulation(Optimization):
             mods = self._block_mods(block, temb, None, hidden_states)
             hoisted = hoistable(mods) if mods is not None else None
         compiled_blocks.set_ready(block, READY, hoisted)
-
-    def hoisting(self, model: Any) -> bool:
-        """``model``'s compiled blocks receive their modulation from the eager pre-hooks (regional compile)."""
-        return any(self._hoister.active(tr) for tr in find_transformers(model))
 
     def _block_mods(
         self, block: nn.Module, temb: torch.Tensor, modulate_index: Any, hidden_states: torch.Tensor
@@ -379,6 +338,7 @@ class SharedModulation(Optimization):
         }
 
     def _uninstall(self) -> None:
+        MEMO.withdraw(self.memo)
         self._hoister.release_all()
         for module, cls in list(self._swapped.items()):
             module.__class__ = cls

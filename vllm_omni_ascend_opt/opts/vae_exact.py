@@ -1,43 +1,15 @@
-"""`vae_exact`: Remove VAE decode work that never changes a bit for single-frame images (unread cache clones, fp32 round trips, repeated counts).
+"""`vae_exact`: VAE decode work that never changes a bit for single-frame images, removed (:class:`VaeExact`).
 
-Why
-    Qwen-Image's VAE is the Wan *video* VAE: every decode of a still image (one latent frame, T = 1) pays for the
-    streaming machinery of video decoding. Per decode, at real width (base_dim 96), stock diffusers 0.40 / vLLM-Omni
-    0.30 clone the input of every causal convolution into a feature cache that only a *next* frame would read (32
-    full-size copies), round-trip each nearest upsample through fp32 (2 casts x 3 upsamples in bf16), copy the input
-    of each 1x1x1 convolution through a zero-width ``F.pad``, walk all ~200 modules twice per ``clear_cache`` (4x
-    per decode) to count convolutions it already counted in ``__init__``, and the pipeline re-creates and uploads the
-    latents mean / 1/std tensors on every call.
-How (per instance, through the instances' own ``__dict__``; the classes are untouched)
-    * ``single_frame_decode`` - ``vae._decode``: for a non-tiled single-frame latent, run the decoder with
-      ``feat_cache=None``. For the first (and only) frame every cache slot is ``None``, so each causal conv already
-      runs ``conv(x, None)`` and each ``upsample3d`` skips its ``time_conv``: the cache-less path is the same
-      computation minus the clones written for a frame that never comes. A tiled decode is handed to
-      ``tiled_decode`` exactly as stock's ``_decode`` does; multi-frame decodes take the stock path (``fallbacks``
-      counts them, with the reason).
-    * ``single_frame_tiles`` - ``vae.tiled_decode`` (``vae_use_tiling``) and ``vae.tile_exec`` (vLLM-Omni's VAE
-      patch parallelism): each single-frame tile is decoded as above, without the feature cache. The tiles, the
-      blending (stock's own ``blend_v`` / ``blend_h``, in stock's order, on the same tile tensors) and the crops are
-      stock's; the tiles of a row are blended as soon as the row is decoded and a row is dropped once the next one
-      is blended (stock decodes every tile before blending any), so fewer decoded tiles are alive at once.
-    * ``cached_conv_counts`` - ``vae.clear_cache``: use ``_cached_conv_counts`` (computed by diffusers' own
-      ``__init__``; checked against a fresh count at attach) instead of walking the module tree.
-    * ``upsample_native_dtype`` - each ``QwenImageUpsample.forward``: nearest(-exact) interpolation only copies
-      values, so ``interp(x.float()).type_as(x)`` equals ``interp(x)`` for fp16/bf16/fp32; verified once per
-      (device type, dtype) on a probe, stock otherwise (the verdicts: ``VaeExact.upsample``, a kernel path of
-      ``blocks.kernels.verified``: a new backend probe drops them, uninstall clears them).
-    * ``pointwise_conv_no_pad`` - each 1x1x1 ``QwenImageCausalConv3d.forward``: its causal padding is all zeros,
-      so stock's ``F.pad`` only makes a contiguous copy; a contiguous input goes straight to ``Conv3d.forward``.
-    * ``latents_stats_cache`` - ``pipeline._decode_latents`` (QwenImagePipeline's own, checked by identity): the
-      mean and 1/std tensors are built by the same ops once per (device, dtype, config values) and reused
-      (:class:`LatentsStats`: one entry per pipeline; another device, dtype or config rebuilds it).
-    Each piece is proven bitwise (``torch.equal``) by tests/test_vae_exact.py, fp32 and bf16, several sizes.
-Upstream PR
-    None yet. diffusers computes ``_cached_conv_counts`` but 0.40's ``clear_cache`` does not use it; the cache
-    clones and the fp32 upsample round trip come from the video (Wan) VAE.
-Removal plan
-    Drop each piece when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes (tiles too), uses the
-    cached counts and interpolates in the input dtype; drop ``latents_stats_cache`` when vLLM-Omni caches them.
+Each piece is patched per instance through the instance's own ``__dict__`` (``_vae_common``) and proven bitwise by
+tests/test_vae_exact.py:
+
+* ``single_frame_decode`` (``vae._decode``) and ``single_frame_tiles`` (``tiled_decode``, ``tile_exec``: stock's tiles,
+  blending and crops; a row is dropped once the next one is blended): one frame decoded without the feature cache;
+* ``cached_conv_counts`` (``vae.clear_cache``): diffusers' ``_cached_conv_counts``, checked at attach;
+* ``upsample_native_dtype`` (``QwenImageUpsample.forward``): verified once per (device type, dtype) on a probe
+  (:attr:`VaeExact.upsample`, a kernel path);
+* ``pointwise_conv_no_pad`` (1x1x1 ``QwenImageCausalConv3d.forward``): a contiguous input skips the pad copy;
+* ``latents_stats_cache`` (``pipeline._decode_latents``): :class:`LatentsStats`, one entry per pipeline.
 """
 
 from __future__ import annotations
@@ -66,8 +38,7 @@ from vllm_omni_ascend_opt.opts._vae_common import (
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
-#: Why vae_exact stays off on Qwen-Image-2.1 (its own VAE class, AutoencoderKLQwenImage21): see the closing note of
-#: issue 22 for what is left there (the fp32 upsample round trip and the per-call latents statistics).
+#: Why vae_exact stays off on Qwen-Image-2.1 (its own VAE class, AutoencoderKLQwenImage21).
 QWEN_IMAGE_21_REFUSAL = (
     "its VAE (AutoencoderKLQwenImage21) already decodes without the feature cache and with 2-D convolutions; the two "
     "exact pieces left there (native-dtype upsample, latents statistics built once) are not implemented for it"
@@ -76,9 +47,7 @@ QWEN_IMAGE_21_REFUSAL = (
 _ROUND_TRIP_LOSSLESS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# single_frame_decode
-# ------------------------------------------------------------------------------------------------------------------
+# ----- single_frame_decode ------------------------------------------------------------------------------------------
 def tiling_applies(vae: nn.Module, z: torch.Tensor) -> bool:
     """The condition under which diffusers' ``_decode`` hands over to ``tiled_decode`` (and vLLM-Omni's
     ``DistributedAutoencoderKLQwenImage.tiled_decode`` to its patch-parallel executor)."""
@@ -114,7 +83,7 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
             return self.tiled_decode(z, return_dict=return_dict)  # stock's hand-over (single_frame_tiles acts there)
         why = single_frame_refusal(self, z)
         if why:
-            opt.fallback(why)
+            opt._fallback(why)
             return original(z, return_dict=return_dict)
         # Stock: clear_cache(); post_quant_conv(z); decoder(x[:, :, 0:1], feat_cache=all None); clamp; clear_cache().
         # x[:, :, 0:1] of a one-frame x is x itself, and with every cache slot None the decoder computes exactly
@@ -131,9 +100,7 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
     return _decode
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# single_frame_tiles
-# ------------------------------------------------------------------------------------------------------------------
+# ----- single_frame_tiles -------------------------------------------------------------------------------------------
 def tiles_refusal(vae: nn.Module) -> str:
     """Why the tiled decode of ``vae`` keeps stock code ("" when ``single_frame_tiles`` can act)."""
     mod = diffusers_vae()
@@ -199,7 +166,7 @@ def _make_tiled_decode(opt: VaeExact, vae: nn.Module) -> Any:
         if callable(distributed) and distributed():
             return original(z, return_dict=return_dict)  # vLLM-Omni's executor: its tiles go through tile_exec
         if refused := single_frame_refusal(self, z):
-            opt.fallback(refused)
+            opt._fallback(refused)
             return original(z, return_dict=return_dict)
         opt.stats["tiled_decodes"] += 1
         dec = tiled_decode_single_frame(opt, self, z)
@@ -218,7 +185,7 @@ def _make_tile_exec(opt: VaeExact, vae: nn.Module) -> Any:
             return original(task)
         frames = list(task.tensor)
         if len(frames) != 1 or frames[0].dim() != 5:
-            opt.fallback(multi_frame_reason(len(frames)))
+            opt._fallback(multi_frame_reason(len(frames)))
             return original(task)
         opt.stats["tiles"] += 1
         return decode_tile(self, frames[0])
@@ -226,9 +193,7 @@ def _make_tile_exec(opt: VaeExact, vae: nn.Module) -> Any:
     return tile_exec
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# cached_conv_counts
-# ------------------------------------------------------------------------------------------------------------------
+# ----- cached_conv_counts -------------------------------------------------------------------------------------------
 def _count_causal_convs(module: nn.Module | None) -> int:
     if module is None:
         return 0
@@ -261,9 +226,7 @@ def _clear_cache(self: nn.Module) -> None:
     self._enc_feat_map = [None] * self._enc_conv_num
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# upsample_native_dtype
-# ------------------------------------------------------------------------------------------------------------------
+# ----- upsample_native_dtype ----------------------------------------------------------------------------------------
 class UpsamplePath(KernelPath):
     """Nearest interpolation in the activation dtype instead of stock's fp32 round trip, checked per (device type,
     dtype) on a probe; kept in memory."""
@@ -299,9 +262,7 @@ def _make_upsample_forward(path: UpsamplePath, module: nn.Module) -> Any:
     return forward
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# pointwise_conv_no_pad
-# ------------------------------------------------------------------------------------------------------------------
+# ----- pointwise_conv_no_pad ----------------------------------------------------------------------------------------
 def _is_pointwise_causal_conv(m: nn.Module) -> bool:
     cls = diffusers_vae().QwenImageCausalConv3d
     return (
@@ -324,9 +285,7 @@ def _make_pointwise_forward(module: nn.Module) -> Any:
     return forward
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# latents_stats_cache
-# ------------------------------------------------------------------------------------------------------------------
+# ----- latents_stats_cache ------------------------------------------------------------------------------------------
 def decode_latents_refusal(pipe: Any) -> str:
     mod = sys.modules.get(_targets.PIPELINE)
     if mod is None:
@@ -386,12 +345,38 @@ def _make_decode_latents(pipe: Any) -> Any:
     return _decode_latents
 
 
-# ------------------------------------------------------------------------------------------------------------------
 class VaeExact(VaeOptimization):
     name = "vae_exact"
-    summary = "Remove VAE decode work that never changes a bit for single-frame images (unread cache clones, fp32 round trips, repeated counts)."
+    summary = (
+        "Remove VAE decode work that never changes a bit for single-frame images (unread cache clones, fp32 round "
+        "trips, repeated counts)."
+    )
+    why = (
+        "Qwen-Image's VAE is the Wan video VAE: every decode of a still image (one latent frame) clones the input "
+        "of each causal convolution into a feature cache only a next frame would read, round-trips each nearest "
+        "upsample through fp32, copies the input of each 1x1x1 convolution through a zero-width F.pad, walks the "
+        "module tree on each clear_cache to count convolutions diffusers already counted, and re-creates the "
+        "latents mean and std tensors on every call."
+    )
+    how = (
+        "For one frame every feature-cache slot is None, so a decode without the cache is the same computation "
+        "minus the clones (tiled decodes: tile by tile, with stock's blending); clear_cache uses the cached conv "
+        "counts (checked equal to a fresh count); nearest upsampling only copies values, so it runs in the input "
+        "dtype (fp32/bf16/fp16, verified on a probe); a 1x1x1 causal convolution's padding is all zeros, so a "
+        "contiguous input goes straight to Conv3d; the latents mean and 1/std are built by the same ops once per "
+        "device, dtype and config. The removed work is copies, lossless casts and bookkeeping: bitwise stock. "
+        "Multi-frame decodes keep stock's path."
+    )
+    upstream_pr = (
+        "None found in vLLM-Omni or diffusers (diffusers computes _cached_conv_counts but clear_cache does not "
+        "use it). ComfyUI #12090 (merged) skips the Wan VAE's feature cache for single frames; sglang #38020 "
+        "(merged) ports Wan VAE decoder fast paths to the Qwen-Image VAE on CUDA."
+    )
+    removal_plan = (
+        "Drop each piece when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes, uses "
+        "its cached conv counts and interpolates in the input dtype, and vLLM-Omni caches the latents statistics."
+    )
     equivalence = "exact"
-    default_enabled = True
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)
     regions = frozenset({"vae"})
@@ -414,10 +399,6 @@ class VaeExact(VaeOptimization):
         same(_targets.PIPELINE, "QwenImagePipeline._decode_latents", "61e30597d68a52fb"),
     )
     on_qwen_image_21 = QWEN_IMAGE_21_REFUSAL
-    removal_plan = (
-        "when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes, uses its cached conv "
-        "counts and interpolates in the input dtype, and vLLM-Omni caches the latents statistics"
-    )
     pieces = (
         "single_frame_decode",
         "single_frame_tiles",

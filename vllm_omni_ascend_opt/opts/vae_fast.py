@@ -1,39 +1,16 @@
-"""`vae_fast`: Faster approximate VAE decode, accepted only within SSIM >= 0.99 and PSNR >= 35 dB of stock.
+"""`vae_fast`: single-frame VAE decode with 2-D convolutions and input-dtype RMS norms (what and why: :class:`VaeFast`).
 
-Why
-    For a single latent frame, every 3x3x3 causal convolution of the Qwen-Image (Wan) VAE decoder zero-pads the
-    time axis to 3 frames and runs a Conv3d whose first two temporal taps multiply zeros: 3x the multiply-adds of
-    the 2D convolution that produces the result, plus a padded copy of the input. These convolutions take 63% (bf16)
-    to 80% (fp32) of decode time on CPU. The sum of the same non-zero products in another order differs in the last bits (measured on CPU
-    fp32: max |diff| 7e-7 for some shapes, bitwise equal for others), so this is the approximate tier, not
-    ``vae_exact``.
-How (per instance, through each module's own ``__dict__``; the classes are untouched)
-    * ``conv2d_last_tap`` - each decoder ``QwenImageCausalConv3d`` with a temporal kernel kt > 1 and full causal
-      padding (kt - 1 frames before, none after, no dilation, no groups): when called without a cache on one frame,
-      run ``F.conv2d`` of the frame with the last temporal tap ``weight[:, :, -1]`` (kept contiguous, built on first
-      use, rebuilt if the weight changes, moves or is reloaded) and the spatial padding inside the convolution.
-      Every other call (a cache, several frames) takes the stock forward. CPU, real width, bf16, 256^2: decode
-      2.0x alone; bf16 happens to stay pixel-identical on CPU, fp32 does not.
-    * ``rms_norm_input_dtype`` - each decoder ``QwenImageRMS_norm`` (channel-first): ``x / ||x|| * (gamma *
-      scale)`` in the input dtype, without stock's fp32 copy and cast back and without the ``+ 0.0`` bias: 4
-      kernels instead of 8 in bf16 (30 norms per decode). CPU bf16 256^2: 1.05x alone; SSIM 0.998, PSNR 48.8 dB.
-Candidates measured and dropped
-    * fp16 decode: SSIM 0.9989 / PSNR 50.4 dB vs bf16 stock (64^2), but 860x slower on CPU (74 s vs 86 ms: no fp16
-      convolution kernels) and no gain to expect on 910B, whose cube units run fp16 and bf16 at the same peak; overflow risk.
-    * fused RMS norm + SiLU (in-place SiLU after the norm, block activation bypassed): no gain in bf16 (11.5 vs
-      11.6 ms per 96-channel 256^2 norm + SiLU), needs the shared activation module swapped; torch_npu has no fused
-      channel-first L2-norm + SiLU kernel.
-    * NPU fused attention in the mid-block: torch_npu's ``F.scaled_dot_product_attention`` already dispatches this
-      BNSD, N=1, D=384 (<= 512), mask-free call to ``npu_fusion_attention`` on 910B1+ (op-plugin
-      ``ScaledDotProductAttentionKernelNpuOpApi.cpp``); one call per decode at 1/8 resolution; nothing to add.
-Gates
-    SSIM >= 0.99 and PSNR >= 35 dB against stock, on the tiny pipeline and on a real-width VAE (base_dim 96) at
-    256x256, fp32 and bf16: tests/test_vae_fast.py.
-Upstream PR
-    None. diffusers / Wan decode frame by frame through Conv3d by design (video); a still-image fast path would be
-    an upstream feature.
-Removal plan
-    Drop when diffusers' Qwen-Image VAE (or vLLM-Omni's distributed VAE) decodes single frames with 2D kernels.
+Pieces, patched per instance through each module's own ``__dict__`` (``_vae_common``):
+
+* ``conv2d_last_tap``: each decoder ``QwenImageCausalConv3d`` with a temporal kernel kt > 1 and full causal padding
+  (no dilation, no groups), called without a cache on one frame, runs ``F.conv2d`` with its last temporal tap (a
+  contiguous copy, rebuilt when the weight changes, moves or is reloaded); every other call runs the stock forward.
+* ``rms_norm_input_dtype``: each decoder ``QwenImageRMS_norm`` (channel-first) computes ``x / ||x|| * (gamma * scale)``
+  in the input dtype, without stock's fp32 copy and cast back.
+
+Not taken: an fp16 decode (no fp16 convolution kernels on CPU, no gain on 910B whose cube units run fp16 and bf16 at
+the same peak), a fused RMS norm + SiLU (no gain in bf16; torch_npu has no such kernel), fused attention in the
+mid-block (torch_npu's SDPA already dispatches it to ``npu_fusion_attention``).
 """
 
 from __future__ import annotations
@@ -57,9 +34,7 @@ from vllm_omni_ascend_opt.opts._vae_common import (
 )
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# conv2d_last_tap
-# ------------------------------------------------------------------------------------------------------------------
+# ----- conv2d_last_tap ----------------------------------------------------------------------------------------------
 def last_tap_eligible(m: nn.Module) -> bool:
     """A stock causal conv whose output on one uncached frame depends only on its last temporal tap."""
     cls = diffusers_vae().QwenImageCausalConv3d
@@ -106,9 +81,7 @@ def _make_last_tap_forward(module: nn.Module) -> Any:
     return forward
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# rms_norm_input_dtype
-# ------------------------------------------------------------------------------------------------------------------
+# ----- rms_norm_input_dtype -----------------------------------------------------------------------------------------
 _NORM_EPS = 1e-12  # F.normalize's default eps, which stock uses
 _NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -153,16 +126,35 @@ def _make_norm_forward(module: nn.Module) -> Any:
     return forward
 
 
-# ------------------------------------------------------------------------------------------------------------------
 class VaeFast(VaeOptimization):
     name = "vae_fast"
     summary = "Faster approximate VAE decode, accepted only within SSIM >= 0.99 and PSNR >= 35 dB of stock."
+    why = (
+        "For a single latent frame, every 3x3x3 causal convolution of the Qwen-Image (Wan) VAE decoder zero-pads "
+        "the time axis to 3 frames and runs a Conv3d whose first two temporal taps multiply zeros: 3x the "
+        "multiply-adds of the 2-D convolution that gives the result, plus a padded copy of the input; these "
+        "convolutions are most of the decode's time. Its RMS norms also round-trip through fp32."
+    )
+    how = (
+        "F.conv2d of the frame with the kernel's last temporal tap and the spatial padding inside the "
+        "convolution; the channel-first RMS norms as x / ||x|| * (gamma * scale) in the input dtype (4 kernels "
+        "instead of 8 in bf16). The same non-zero products summed in another order differ in the last bits: "
+        "close, gated at SSIM >= 0.99 and PSNR >= 35 dB against stock (tiny pipeline and a real-width VAE, fp32 "
+        "and bf16)."
+    )
+    upstream_pr = (
+        "None found in vLLM-Omni or diffusers (Wan decodes frame by frame through Conv3d by design). sglang "
+        "#38020 (merged, CUDA) keeps Conv3d with channels-last data movement and an RMSNorm->SiLU fusion."
+    )
+    removal_plan = (
+        "Drop when diffusers' Qwen-Image VAE (or vLLM-Omni's distributed VAE) decodes single frames with 2-D "
+        "convolutions."
+    )
     equivalence = "close"
     default_enabled = False
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)
     regions = frozenset({"vae"})
-    removal_plan = "when diffusers' Qwen-Image VAE decodes single frames with 2D convolutions"
     #: What its pieces replace: the causal convolution's forward (and the padding its __init__ sets up), the RMS
     #: norm's forward, and the decode that calls them without a cache on one frame.
     upstream = (

@@ -2,14 +2,11 @@
 unpacked tensors, and the fast tier's modes of it.
 
 Shared by ``shared_modulation`` (whose patched block forward calls :func:`block_body` with the memo's
-:class:`NormMod` / :class:`~.two_segment.SegMod` per norm) and by the fast tier (``fast_modulate``, ``fast_residual``),
-which turns its mode on here (:data:`FAST`) and never imports ``shared_modulation``.
-
-The fast tier's modes (``close``, off by default): an optimization registers itself as a mode's owner
-(:meth:`FastModes.register` in its ``install``, ``unregister`` in ``uninstall``), and the block body reports every
-call of the mode to that owner (:class:`ModeOwner`), so each fast optimization owns its statistics and fallback
-reasons. While dynamo traces no mode is counted; inside a regionally compiled block (:func:`traced_block_body`) the
-modes follow their switches, which the graph is guarded on.
+:class:`NormMod` / :class:`~.two_segment.SegMod` per norm) and by the fast tier (``close``, off by default): each of
+``fast_modulate`` and ``fast_residual`` provides itself in its mode's slot (:data:`FAST_MODULATE`,
+:data:`FAST_RESIDUAL`) while installed, and the block body reports every call of the mode to it (:class:`ModeOwner`).
+While dynamo traces no mode is counted; inside a regionally compiled block (:func:`traced_block_body`) the modes
+follow their slots, which the graph is guarded on.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ import torch.nn.functional as F
 
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks.body import direct_calls
+from vllm_omni_ascend_opt.blocks.slots import Slot
 from vllm_omni_ascend_opt.blocks.upstream import guards, targets
 from vllm_omni_ascend_opt.blocks.upstream.ada_norm import NATIVE, NPU_EVAL
 
@@ -40,46 +38,28 @@ class ModeOwner(Protocol):
         """A call kept stock's ops, because of ``why``."""
 
 
-class FastModes:
-    """Switches of the fast tier, read by the block body on every call: the attributes ``modulate``
-    (``fast_modulate``) and ``residual`` (``fast_residual``) hold the owners (None: off)."""
-
-    MODES = ("modulate", "residual")
-
-    def __init__(self) -> None:
-        self.modulate: ModeOwner | None = None
-        self.residual: ModeOwner | None = None
-
-    def register(self, mode: str, owner: ModeOwner) -> None:
-        """Turn ``mode`` on, reporting to ``owner``."""
-        if mode not in self.MODES:
-            raise ValueError(f"unknown fast mode {mode!r}")
-        setattr(self, mode, owner)
-
-    def unregister(self, mode: str, owner: ModeOwner) -> None:
-        """Turn ``mode`` off if ``owner`` turned it on."""
-        if mode in self.MODES and getattr(self, mode) is owner:
-            setattr(self, mode, None)
-
-    def owner(self, mode: str) -> ModeOwner | None:
-        """The owner of ``mode`` when it is on and dynamo is not tracing (checked first), else None."""
-        if guards.tracing():
-            return None
-        return getattr(self, mode)
-
-    def use_residual(self, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
-        """Whether a gated residual ``x + gate * y`` runs as ``addcmul`` (reported either way when the mode is on)."""
-        owner = self.owner("residual")
-        if owner is None:
-            return False
-        if not (x.dtype == gate.dtype == y.dtype):
-            owner.count_stock("mixed dtypes in the gated residual (stock promotes; addcmul would not)")
-            return False
-        owner.count_fast()
-        return True
+#: The fast tier's modes: the optimization that provides one gets every call of it reported.
+FAST_MODULATE: Slot[ModeOwner] = Slot("fast_modulate")
+FAST_RESIDUAL: Slot[ModeOwner] = Slot("fast_residual")
 
 
-FAST = FastModes()
+def mode_owner(slot: Slot[ModeOwner]) -> ModeOwner | None:
+    """The provider of a fast mode when it is on and dynamo is not tracing (checked first), else None."""
+    if guards.tracing():
+        return None
+    return slot.get()
+
+
+def use_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether a gated residual ``x + gate * y`` runs as ``addcmul`` (reported either way when the mode is on)."""
+    owner = mode_owner(FAST_RESIDUAL)
+    if owner is None:
+        return False
+    if not (x.dtype == gate.dtype == y.dtype):
+        owner.count_stock("mixed dtypes in the gated residual (stock promotes; addcmul would not)")
+        return False
+    owner.count_fast()
+    return True
 
 
 # ----- one norm's modulation ------------------------------------------------------------------------------------
@@ -98,7 +78,7 @@ class NormMod:
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``norm(x, scale, shift)``, computed with the same ops as the instance's stock dispatch (or, with
         ``fast_modulate``, as one affine layer norm)."""
-        owner = FAST.owner("modulate")
+        owner = mode_owner(FAST_MODULATE)
         if owner is not None:
             if self.affine is None:
                 self.affine = affine_params(self, norm)
@@ -117,7 +97,7 @@ class NormMod:
 
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Stock's ``x + gate * y``; with ``fast_residual`` one ``torch.addcmul(x, gate, y)``."""
-        if FAST.use_residual(x, self.gate, y):
+        if use_residual(x, self.gate, y):
             return torch.addcmul(x, self.gate, y)
         return x + self.gate * y
 
@@ -210,7 +190,7 @@ def block_body(
     stats: Counter | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM-Omni 0.30's block with its modulation read from ``mods``: the same ops on the same values as
-    ``QwenImageTransformerBlock.forward`` (unless a fast-tier mode is on: :data:`FAST`). Single-segment blocks
+    ``QwenImageTransformerBlock.forward`` (unless a fast-tier mode is on: :data:`FAST_MODULATE`, :data:`FAST_RESIDUAL`). Single-segment blocks
     (``modulate_index=None``, image mods are :class:`NormMod`) and ``zero_cond_t`` blocks (image mods are
     :class:`~.two_segment.SegMod`) share this body. Known layers are called as their kernels (:mod:`.direct_calls`),
     the others as modules; ``stats`` (the caller's) counts ``direct_calls`` and ``module_calls``."""
@@ -258,7 +238,7 @@ def hoistable(mods: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[torch.Tenso
 def _traced_norm(kind: str, norm: nn.Module, x: torch.Tensor, first: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     ln = norm.layernorm
     if (
-        FAST.modulate is not None  # a static switch in the graph (guarded); nothing is counted while compiled
+        FAST_MODULATE.get() is not None  # a static switch in the graph (guarded); nothing is counted while compiled
         and kind in (NATIVE, NPU_EVAL)
         and first.dim() == 3
         and first.shape[0] == 1
@@ -275,7 +255,7 @@ def _traced_norm(kind: str, norm: nn.Module, x: torch.Tensor, first: torch.Tenso
 
 
 def _traced_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if FAST.residual is not None and x.dtype == gate.dtype == y.dtype:
+    if FAST_RESIDUAL.get() is not None and x.dtype == gate.dtype == y.dtype:
         return torch.addcmul(x, gate, y)
     return x + gate * y
 

@@ -60,10 +60,6 @@ class Hoister:
             return
         self._handles[transformer] = [b.register_forward_pre_hook(self._pre, with_kwargs=True) for b in blocks]
 
-    def active(self, transformer: nn.Module) -> bool:
-        """The hooks are registered on ``transformer``'s blocks (its compiled blocks receive ready tensors)."""
-        return transformer in self._handles
-
     def release(self, transformer: nn.Module) -> None:
         """Remove the hooks and what they left on the modules."""
         for h in self._handles.pop(transformer, ()):

@@ -4,8 +4,6 @@
 Why (host time only; it changes no kernel): the block body and ``joint_attention`` call these layers in every block,
 and their module path (``nn.Module.__call__``, the linear's ``forward``, the quant method's ``apply``, an environment
 read, the parameter subclass's ``__torch_function__``) costs more host time than the layers' own kernel launches.
-It stays because leaving it out makes the default stack's host time more than 10% worse at 12 blocks
-(``benchmarks/bench_host.py --depth deep --configs default,default-direct_calls``; docs/results.md).
 
 How: :func:`linear_args` answers, per call, whether a layer is exactly what the direct call mirrors and returns its
 weight and bias: one of vLLM's plain linear classes (not a subclass: LoRA wrappers, platform replacements and
@@ -16,7 +14,7 @@ subclass dispatch off: the very call the module path ends in, bitwise the same. 
 same for ``FeedForward`` (linear, GELU, linear) and :func:`layer_norm_args` / :func:`layer_norm` for layer norms.
 The upstream functions mirrored are declared in :data:`~..upstream.targets.DIRECT_CALLS` and checked by source
 fingerprint: a difference keeps every layer on its module path, with the reason. Process-wide facts are decided
-once per transformer forward (:func:`process_reason`); callers check ``guards.tracing()`` first.
+once per transformer forward; callers check ``guards.tracing()`` first.
 """
 
 from __future__ import annotations
@@ -84,13 +82,6 @@ def _known() -> _Known | str:
 def _decided() -> _Known | str:
     """The verified upstream, or why no layer is called directly: decided once per transformer forward."""
     return forward_scope.decide("direct_calls.process", _decide)
-
-
-def process_reason() -> str | None:
-    """Why no layer is called directly in this forward (None: the instances decide): upstream code that differs
-    from the mirrored one, or vLLM's batch-invariant GEMM on a CUDA-like or XPU platform. Decided once per forward."""
-    k = _decided()
-    return k if isinstance(k, str) else None
 
 
 def _decide() -> _Known | str:

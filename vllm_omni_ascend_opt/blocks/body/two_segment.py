@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks.body.block_body import FAST, layernorm
+from vllm_omni_ascend_opt.blocks.body.block_body import FAST_MODULATE, layernorm, mode_owner, use_residual
 
 #: Two-segment blocks: at most this many equal-length chunks of the image sequence are modulated with one broadcast
 #: (``[B, C, 1, D]`` tensors per norm); more (segments of coprime lengths) use per-segment slices.
@@ -98,7 +98,7 @@ class SegMod:
 
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))``."""
-        owner = FAST.owner("modulate")
+        owner = mode_owner(FAST_MODULATE)
         if owner is not None:
             owner.count_stock("two-segment image norm (zero_cond_t): the modulation differs between segments")
         return self._apply(layernorm(self.kind, norm, x, eager=True), self.first, self.shift)
@@ -110,7 +110,7 @@ class SegMod:
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Stock's ``x + where(idx, gate1, gate0) * y``; with ``fast_residual`` one ``addcmul`` per broadcast/slice."""
         gate = self.gate if self.plan.broadcast else self.gate[0]
-        if not FAST.use_residual(x, gate, y):
+        if not use_residual(x, gate, y):
             return x + self.gated(y)
         plan = self.plan
         b, n, d = y.shape

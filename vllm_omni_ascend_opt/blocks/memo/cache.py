@@ -50,6 +50,7 @@ from vllm_omni_ascend_opt.blocks.memo.keys import (
     sig_tensors,
     silu_linear,
 )
+from vllm_omni_ascend_opt.blocks.slots import Slot
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm, guards, targets
 
 ENV_BUDGET_MB = "VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB"
@@ -508,3 +509,7 @@ class ModulationMemo:
             return False
         entry = self._resolve(temb)
         return self._lookup(entry, ("block", id(block)), block, (sig_img, sig_txt, kinds)) is not None
+
+
+#: The modulation memo on offer: ``shared_modulation`` provides its memo while installed (``memo_aware_offload`` asks it).
+MEMO: Slot[ModulationMemo] = Slot("modulation memo")

@@ -4,7 +4,7 @@ Call-time guards, asked by patched code on every call: :func:`tracing` **before*
 mutable is read, counted or logged inside a traced forward (dynamo folds the check to a constant and traces only
 stock code); then :func:`call_reason` and :func:`hooked`. Model-level facts, asked by
 :meth:`Optimization.reasons_inactive`: :func:`compiled_regions` (which
-:data:`~vllm_omni_ascend_opt.optimization.REGIONS` vLLM-Omni's ``torch.compile`` took) and :func:`compile_reason`.
+``Optimization.regions`` vLLM-Omni's ``torch.compile`` took) and :func:`compile_reason`.
 """
 
 from __future__ import annotations
