@@ -88,6 +88,16 @@ class _ModelState:
 class FusedAttention(Optimization):
     name = "fused_attention"
     summary = "Run the joint text+image attention with torch_npu.npu_fusion_attention (BSND), verified against SDPA on first use."
+    why = (
+        "Without MindIE-SD, SDPAImpl.forward_npu permutes Q/K/V to BNSD, expands the key mask to [B, 1, Sq, Skv] and "
+        "calls F.scaled_dot_product_attention; the fused kernel takes BSND and a mask built once per forward."
+    )
+    how = (
+        "npu_fusion_attention(BSND, the layer's scale, the inverted keep-mask) behind the NPU dispatch, verified per "
+        "(device, dtype) and per shape class against an fp32 reference with stock SDPA's own error as the budget; "
+        "SDPA where refused, for fp32, causal calls, tracing, graph capture and shapes outside the documented limits."
+    )
+    upstream_pr = "No open PR changes SDPAImpl.forward_npu; vllm-omni #7580 (open) targets torch.compile on Ascend."
     equivalence = "close"
     requires = ("torch_npu with npu_fusion_attention; an Ascend NPU; fp16/bf16",)
     target_modules = (_targets.TRANSFORMER,)

@@ -155,6 +155,19 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 class NzWeights(Optimization):
     name = "nz_weights"
     summary = "Cast the transformer's BF16/FP16 linear weights to FRACTAL_NZ (npu_format_cast(w, 29)) after loading."
+    why = (
+        "Ascend's Cube unit reads matmul weights in FRACTAL_NZ; an ND weight is re-laid-out on every GEMM, and "
+        "vLLM-Omni casts only quantized (and Qwen-Image-2.1's) weights."
+    )
+    how = (
+        "After loading, w.data = npu_format_cast(w.data, 29) for each eligible unquantized BF16/FP16 linear weight "
+        "(CANN >= 8.3, permission by a trial cast, the numbers checked once per (device, dtype)), all or nothing; the "
+        "Parameter and its attributes stay; weights-changed is announced."
+    )
+    upstream_pr = (
+        "Qwen-Image (1.x): none (vllm-ascend's weight_nz_mode=2 is the LLM-side equivalent); 0.32's Qwen-Image-2.1 "
+        "casts its own BF16 linear weights in its load_weights."
+    )
     equivalence = "close"
     requires = (
         "torch_npu >= 2.8 with CANN >= 8.3 (WeightNz matmul routing); weights on an NPU; fp16/bf16; internal formats "

@@ -79,6 +79,21 @@ UPSTREAM: tuple[Upstream, ...] = (
 class Rope(Optimization):
     name = "rope"
     summary = "Build RoPE cos/sin tables once per forward shape and reuse them in every block; on Ascend apply them with a verified torch_npu.npu_rotary_mul (interleave)."
+    why = (
+        "Stock converts the complex freqs to cos/sin in every block for both streams, and "
+        "RotaryEmbedding.forward_native re-expands them and negates/stacks x on every call (10 launches per q/k); "
+        "Ascend without MindIE-SD takes that path too."
+    )
+    how = (
+        "cos/sin tables built once per freqs tensor and dtype (weakly keyed LRU) and the embedder memoized per shape; "
+        "the portable x*cos + swap(x)*sin_signed is bitwise stock (4 launches); on NPU one npu_rotary_mul "
+        "(interleave), verified per (device, dtype, head_dim) and per shape class against an fp32 reference and "
+        "stock's own error: pixel (VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL=bitwise keeps it exact)."
+    )
+    upstream_pr = (
+        "vllm-omni #4043 (open) calls npu_rotary_mul per call in forward_npu, with no tables built once; "
+        "vllm-omni #7594 (open) fuses QK RMSNorm + RoPE + cat on CUDA only."
+    )
     #: exact on the portable path; pixel with the NPU kernel (see :meth:`tier`).
     equivalence = "pixel"
     requires = ("NPU kernel path: torch_npu with npu_rotary_mul rotary_mode='interleave'",)
