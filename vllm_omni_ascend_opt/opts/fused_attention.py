@@ -336,7 +336,7 @@ class FusedAttention(Optimization):
             why = "no torch_npu"
         elif getattr(impl, "causal", False):
             why = "causal"
-        elif fab.graph_capture():
+        elif _backend.graph_capture_reason() is not None:  # [OP-FA]: no graph mode
             why = "graph mode"
         else:
             why = fab.limits_violation(query, key, value)

@@ -52,13 +52,10 @@ VERIFY_TXT, VERIFY_IMG, VERIFY_PAD = 7, 40, 3
 VERIFY_CHUNK_ELEMS = 1 << 24
 
 
-# ----- the fused call (one function, used by the forward and by the verification) -------------------------------
 def kernel_mask(attn_mask: torch.Tensor | None, b: int, sq: int, skv: int) -> tuple[torch.Tensor | None, str]:
-    """SDPA keep-mask (True = attend) -> the kernel's B1SS/11SS bool mask (True = masked out) [OP-FA].
-
-    Returns ``(mask, "")``, or ``(None, why)`` when the mask has a form this path does not translate (SDPA runs).
-    Handles what vLLM-Omni's SDPA path handles for Qwen-Image: a 2-D [B, Skv] key mask (bool or 0/1), and bool 4-D
-    [B|1, 1, 1|Sq, Skv] masks. Float (additive) masks are left to SDPA."""
+    """SDPA keep-mask (True = attend) -> the kernel's B1SS/11SS bool mask (True = masked out) [OP-FA], or (None, why)
+    for a form it does not translate: a 2-D [B, Skv] key mask (bool or 0/1) and bool [B|1, 1, 1|Sq, Skv] masks are
+    taken; float (additive) masks stay with SDPA."""
     if attn_mask is None:
         return None, ""
     if attn_mask.dim() == 2 and tuple(attn_mask.shape) == (b, skv):
@@ -116,55 +113,21 @@ def limits_violation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
 
 
 def fused_forward(
-    npu: ModuleType,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_metadata: Any,
-    scale: float | None,
-    masks: Any = None,
+    npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: Any, scale: float | None
 ) -> tuple[torch.Tensor | None, str]:
-    """The fused replacement of ``SDPAImpl._forward_impl`` for BSND q/k/v: ``(out, "")`` or ``(None, why not)``.
-
-    ``masks``: a callable ``(attn_mask, b, sq, skv) -> (mask, why)`` (the per-forward cache), else :func:`kernel_mask`."""
+    """The fused replacement of ``SDPAImpl._forward_impl`` for BSND q/k/v: ``(out, "")`` or ``(None, why not)``."""
     why = limits_violation(q, k, v)
-    if why:
-        return None, why
     mask = getattr(attn_metadata, "attn_mask", None) if attn_metadata is not None else None
-    masked, why = (masks or kernel_mask)(mask, q.shape[0], q.shape[1], k.shape[1])
+    masked, why = (None, why) if why else kernel_mask(mask, q.shape[0], q.shape[1], k.shape[1])
     if why:
         return None, why
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    return call_kernel(npu, q, k, v, masked, float(scale)), ""
-
-
-# ----- verification against vLLM-Omni's SDPA --------------------------------------------------------------------
-def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scale: float, heads_per_chunk: int = 8
-) -> torch.Tensor:
-    """float32 attention by explicit matmul / softmax (no SDPA, no fused kernel): the independent reference.
-
-    q/k/v BSND (GQA allowed), ``keep`` an SDPA-style 2-D [B, Skv] keep-mask or None; returns float32 BSND. Heads are
-    processed ``heads_per_chunk`` at a time to bound the [B, n, Sq, Skv] score memory at the real layout."""
-    qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))
-    if kf.shape[1] != qf.shape[1]:
-        rep = qf.shape[1] // kf.shape[1]
-        kf, vf = kf.repeat_interleave(rep, dim=1), vf.repeat_interleave(rep, dim=1)
-    outs = []
-    for h in range(0, qf.shape[1], heads_per_chunk):
-        sc = torch.matmul(qf[:, h : h + heads_per_chunk], kf[:, h : h + heads_per_chunk].transpose(-1, -2)) * scale
-        if keep is not None:
-            sc = sc.masked_fill(~keep.bool()[:, None, None, :], float("-inf"))
-        outs.append(torch.matmul(torch.softmax(sc, dim=-1), vf[:, h : h + heads_per_chunk]))
-    return torch.cat(outs, dim=1).transpose(1, 2)
+    return call_kernel(npu, q, k, v, masked, float(scale if scale is not None else q.shape[-1] ** -0.5)), ""
 
 
 def shape_class(q: torch.Tensor, k: torch.Tensor, masked: torch.Tensor | None) -> tuple:
     """(device, dtype, layout, B*Nq bucket, Nq/Nkv, Sq bucket, Skv bucket, D, masked) of a BSND call: what tiling
-    depends on (the GQA group size, not Nkv itself: a head split divides both). B*Nq is bucketed like the sequence lengths (next power of two): the kernel splits B*Nq over its cores
-    in blocks, so within a power-of-two range the same code runs with another block count, and CFG's batch of 2 and a
-    sequence-parallel split of the heads share classes instead of each being checked (and saved) on its own."""
+    depends on (the GQA group size, not Nkv: a head split divides both). B*Nq is bucketed like S: CFG's batch of 2
+    and a sequence-parallel head split share classes."""
     b, sq, nq, d = q.shape
     skv, nkv = k.shape[1], k.shape[2]
     return (str(q.device), str(q.dtype).removeprefix("torch."), "BSND", bucket(b * nq), nq // max(1, nkv), bucket(sq),
@@ -212,6 +175,17 @@ def _judged(dtype: torch.dtype, err: float, err_stock: float, finite: bool) -> t
     return ok, why if finite else "non-finite output; " + why
 
 
+def _raised_or(fn: Any, *args: Any) -> tuple[Any, str]:
+    """``fn(*args)`` -> (out, why); a kernel that rejects the call (not an error of the moment: that is the guard's
+    fault) gives (None, what it raised)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if is_error(exc):
+            raise
+        return None, f"kernel raised {exc.__class__.__name__}: {exc}"
+
+
 def sdpa_impl(num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> Any:
     sdpa = importlib.import_module(_targets.SDPA_BACKEND)
     return sdpa.SDPAImpl(
@@ -242,45 +216,29 @@ class AttentionPath(KernelPath):
         num_kv_heads: int | None = None,
         scale: float | None = None,
     ) -> Verdict:
-        """The fused path against vLLM-Omni's SDPA on random BSND inputs of the real layout (module docstring): batch
-        1 without a mask, and batch 2 whose second prompt has ``VERIFY_PAD`` padded text tokens (the 2-D key mask)."""
+        """The fused path on random BSND inputs of the layer's layout against the fp32 reference: batch 1 without a
+        mask, and batch 2 whose second prompt has ``VERIFY_PAD`` padded text tokens (vLLM-Omni's 2-D key mask)."""
         from vllm_omni.diffusion.attention.backends.abstract import AttentionMetadata
 
-        nkv = num_kv_heads or num_heads
-        scale = float(scale if scale is not None else head_dim**-0.5)
-        device = torch.device(device)
-        key = (str(device), str(dtype).removeprefix("torch."))
-        stock = sdpa_impl(num_heads, head_dim, scale, nkv)
+        nkv, scale, device = num_kv_heads or num_heads, float(scale or head_dim**-0.5), torch.device(device)
+        key, s = (str(device), str(dtype).removeprefix("torch.")), VERIFY_TXT + VERIFY_IMG
         gen = torch.Generator().manual_seed(20260829)
-        s = VERIFY_TXT + VERIFY_IMG
         errors: dict[str, float] = {}
-        try:
-            for case, b in (("no mask", 1), ("padded mask", 2)):
-                q = torch.randn(b, s, num_heads, head_dim, generator=gen)
-                k = torch.randn(b, s, nkv, head_dim, generator=gen)
-                v = torch.randn(b, s, nkv, head_dim, generator=gen)
-                meta = keep = None
-                if case == "padded mask":
-                    keep = torch.ones(b, s, dtype=torch.bool)
-                    keep[1, VERIFY_TXT - VERIFY_PAD : VERIFY_TXT] = False  # [text; image]: the 2nd prompt is shorter
-                    keep = keep.to(device)
-                    meta = AttentionMetadata(attn_mask=keep)
-                qd, kd, vd = (x.to(device=device, dtype=dtype) for x in (q, k, v))
-                out, why = fused_forward(npu, qd, kd, vd, meta, scale)
-                if out is None:
-                    return self.verdict(key, False, f"{case}: not fusable ({why})", errors=errors)
-                ref = reference_attention(*(x.to(device) for x in (q, k, v)), keep, scale)
-                same = stock._forward_impl(qd, kd, vd, meta, mask_mode="full_qk").float()
-                finite = bool(torch.isfinite(out).all())
-                err = (out.float() - ref).abs().max().item() if finite else float("inf")
-                errors[case] = err
-                ok, why = _judged(dtype, err, (same - ref).abs().max().item(), finite)
-                if tuple(out.shape) != tuple(q.shape) or not ok:
-                    return self.verdict(key, False, f"{case}: {why}", errors=errors)
-        except Exception as exc:
-            if is_error(exc):  # out of memory, a runtime error: a fault, for the guard (not a verdict)
-                raise
-            return self.verdict(key, False, f"kernel raised {exc.__class__.__name__}: {exc}", errors=errors)
+        for case, b in (("no mask", 1), ("padded mask", 2)):
+            q, k, v = (torch.randn(b, s, n, head_dim, generator=gen).to(device, dtype) for n in (num_heads, nkv, nkv))
+            keep = None
+            if b == 2:
+                keep = torch.ones(b, s, dtype=torch.bool, device=device)
+                keep[1, VERIFY_TXT - VERIFY_PAD : VERIFY_TXT] = False  # [text; image]: the 2nd prompt is shorter
+            out, why = _raised_or(fused_forward, npu, q, k, v, AttentionMetadata(attn_mask=keep), scale)
+            if out is None:
+                return self.verdict(key, False, f"{case}: not fusable ({why})", errors=errors)
+            masked = kernel_mask(keep, b, s, s)[0]
+            err, err_stock, finite = class_errors(q, k, v, out, masked, scale)
+            errors[case] = err
+            ok, why = _judged(dtype, err, err_stock, finite)
+            if tuple(out.shape) != tuple(q.shape) or not ok:
+                return self.verdict(key, False, f"{case}: {why}", errors=errors)
         detail = ", ".join(f"{c}: max|Δ| {e:.3g}" for c, e in errors.items())
         return self.verdict(key, True, f"{detail} (Nq={num_heads}, Nkv={nkv}, D={head_dim})", errors=errors)
 
@@ -300,12 +258,9 @@ class AttentionPath(KernelPath):
         s = float(scale) if scale is not None else q.shape[-1] ** -0.5
         gen = torch.Generator().manual_seed(0x5A5A)
         qr, kr, vr = (torch.randn(x.shape, generator=gen).to(device=x.device, dtype=x.dtype) for x in (q, k, v))
-        try:
-            out = call_kernel(npu, qr, kr, vr, masked, s)
-        except Exception as exc:
-            if is_error(exc):  # a fault, for the guard
-                raise
-            return self.verdict(key, False, f"kernel raised {exc.__class__.__name__}: {exc}")
+        out, why = _raised_or(lambda: (call_kernel(npu, qr, kr, vr, masked, s), ""))
+        if out is None:
+            return self.verdict(key, False, why)
         err, err_stock, finite = class_errors(qr, kr, vr, out, masked, s)
         ok, why = _judged(q.dtype, err, err_stock, finite)
         _backend.synchronize(q.device if q.device.type != "cpu" else None)
@@ -314,15 +269,8 @@ class AttentionPath(KernelPath):
 
 
 def check_scratch_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
-    """Device scratch of :func:`check_class`: random q/k/v and the output in q's dtype, and a few fp32 chunks of
-    at most :data:`VERIFY_CHUNK_ELEMS` scores (scores, softmax, the stock SDPA's) plus the fp32 chunk outputs."""
+    """Device scratch of the class check: random q/k/v and the output, and a few fp32 chunks of scores."""
     b, sq, nq, _ = q.shape
     io = (2 * q.numel() + 2 * k.numel()) * q.element_size()
     scores = min(VERIFY_CHUNK_ELEMS, b * nq * sq * k.shape[1])
     return io + 3 * 4 * scores + 3 * 4 * q.numel()
-
-
-def graph_capture() -> bool:
-    """NPU graph capture: [OP-FA] "暂不支持图模式" (no graph mode), so SDPA runs there. (torch.compile tracing is
-    asked first, by the caller, through ``blocks.upstream.guards.tracing``.)"""
-    return _backend.graph_capture_reason() is not None
