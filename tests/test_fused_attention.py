@@ -281,6 +281,21 @@ def test_causal_impl_goes_to_sdpa(fake_npu):
     assert impl._ascend_opt_calls == {"sdpa: causal": 1}
 
 
+def test_a_call_outside_the_limits_goes_to_sdpa_unchecked(fake_npu):
+    """GQA with Nq % Nkv != 0 [OP-FA]: the swapped impl runs stock SDPA, names the limit, and never calls the kernel
+    (the fake raises on it)."""
+    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
+
+    npu = fake_npu()
+    stock = SDPAImpl(num_heads=6, head_size=16, softmax_scale=0.25, causal=False, num_kv_heads=4)
+    stock.forward = lambda *a: "stock"
+    impl = fa._make_fused(stock)
+    q, k = torch.randn(1, 5, 6, 16).bfloat16(), torch.randn(1, 5, 4, 16).bfloat16()
+    assert impl.forward(q, k, k, None) == "stock"
+    assert impl._ascend_opt_calls == {"sdpa: heads 6/4 (Nq 1..256, Nq % Nkv == 0)": 1}
+    assert npu.calls["npu_fusion_attention"] == 0
+
+
 def test_graph_mode_goes_to_sdpa(fake_npu, monkeypatch):
     """[OP-FA]: no graph mode. Under NPU graph capture the stock impl runs (counted); under torch.compile tracing the
     stock impl runs before any bookkeeping: the optimization's forward is never entered, nothing is counted."""
