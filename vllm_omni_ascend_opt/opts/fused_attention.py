@@ -37,9 +37,6 @@ logger = logging.getLogger("vllm_omni_ascend_opt")
 _L = _targets.ATTENTION_LAYER
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the swapped implementation object
-# ----------------------------------------------------------------------------------------------------------------
 class _FusedImplMixin:
     """Mixed in front of the stock impl class: ``forward`` takes the fused path when it can, else the stock object."""
 
@@ -149,7 +146,6 @@ class FusedAttention(Optimization):
         self._mask_cache: dict[tuple, torch.Tensor] = {}
         self._mask_gen = -1
 
-    # ----- state in words ------------------------------------------------------------------------------------
     def _process_reasons(self) -> list[str]:
         reasons = _backend.npu_unavailable_reasons()
         npu = _backend.torch_npu_module()
@@ -251,7 +247,6 @@ class FusedAttention(Optimization):
             calls.update(fused._ascend_opt_calls)
         return {"swapped": len(state.layers), "skipped": dict(state.skipped), "calls": dict(calls)}
 
-    # ----- attach / detach --------------------------------------------------------------------------------------
     def _uninstall(self) -> None:
         self.path.clear()
         self._mask_cache.clear()
@@ -318,7 +313,6 @@ class FusedAttention(Optimization):
             if layer.attention is fused:
                 layer.attention = stock
 
-    # ----- the forward ------------------------------------------------------------------------------------------
     def _verdict(self, npu: ModuleType, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> Verdict | None:
         """The first-use check at (device, dtype), made at this layer's Nq / Nkv / D; None while a fault of it waits."""
         key = (str(q.device), str(q.dtype).removeprefix("torch."))

@@ -185,7 +185,6 @@ class NzWeights(Optimization):
         #: The numbers per (device, dtype), and the guard the cast runs under.
         self.path = NzPath(self.name, self.stats)
 
-    # ----- state in words ------------------------------------------------------------------------------------
     def _process_reasons(self) -> list[str]:
         reasons = _backend.npu_unavailable_reasons()
         npu = _backend.torch_npu_module()
@@ -230,7 +229,6 @@ class NzWeights(Optimization):
             return {"cast": [], "skipped": {}}
         return {"cast": [n for n, _ in state.cast], "skipped": dict(state.skipped)}
 
-    # ----- attach / detach --------------------------------------------------------------------------------------
     def _config_reasons(self, model: nn.Module) -> list[str]:
         reasons = list(self.reasons_inactive())
         cfg = _od_config(model)

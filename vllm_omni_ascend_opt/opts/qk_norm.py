@@ -60,7 +60,6 @@ class QkNorm(Optimization):
         self.path = rms_norm.RmsNormPath(self.name, self.stats)
         self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
 
-    # ----- reporting -----------------------------------------------------------------------------------------
     def _process_reasons(self) -> list[str]:
         if _backend.torch_npu_module() is None:
             return _backend.npu_unavailable_reasons() or ["torch_npu unavailable"]
@@ -101,7 +100,6 @@ class QkNorm(Optimization):
         """The per-shape-class checks of the kernel so far (for the current backend probe)."""
         return self.path.classes.values()
 
-    # ----- install / attach ----------------------------------------------------------------------------------
     def _install(self) -> None:
         rms_norm.NORM.provide(self.path)
 

@@ -73,9 +73,6 @@ UPSTREAM: tuple[Upstream, ...] = (
 )
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the optimization
-# ----------------------------------------------------------------------------------------------------------------
 class Rope(Optimization):
     name = "rope"
     summary = "Build RoPE cos/sin tables once per forward shape and reuse them in every block; on Ascend apply them with a verified torch_npu.npu_rotary_mul (interleave)."
@@ -125,7 +122,6 @@ class Rope(Optimization):
         self._embed_memo: weakref.WeakKeyDictionary[nn.Module, WeakLRU] = weakref.WeakKeyDictionary()
         self._bad_policy: set[str] = set()
 
-    # ----- reporting -----------------------------------------------------------------------------------------
     def _process_reasons(self) -> list[str]:
         return []  # the portable path runs everywhere vLLM-Omni does
 
@@ -210,7 +206,6 @@ class Rope(Optimization):
         """The per-shape-class checks of the kernel on real calls so far, for the current backend."""
         return self.rotary.classes.values()
 
-    # ----- install -------------------------------------------------------------------------------------------
     def _install(self) -> None:
         mod = sys.modules[_targets.TRANSFORMER]
         self.patches.set(mod, "_qwen_image_qk_norm_rope", self._make_qk_norm_rope(mod._qwen_image_qk_norm_rope))
@@ -260,7 +255,6 @@ class Rope(Optimization):
             return True
         return raw == "bitwise"
 
-    # ----- patches -------------------------------------------------------------------------------------------
     def _make_qk_norm_rope(self, original: Callable[..., Any]) -> Callable[..., Any]:
         opt = self
         mod = sys.modules[_targets.TRANSFORMER]

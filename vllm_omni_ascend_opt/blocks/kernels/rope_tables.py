@@ -143,7 +143,6 @@ def graph_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     return torch.repeat_interleave(c, 2, dim=-1).unsqueeze(-2), torch.stack((-s, s), dim=-1).flatten(-2).unsqueeze(-2)
 
 
-# ----- rotary math ----------------------------------------------------------------------------------------------
 def swap_pairs(x: torch.Tensor) -> torch.Tensor:
     """(x1, x0, x3, x2, ...): stock's interleaved ``rotate_half`` without its negation (folded into sin)."""
     return torch.stack((x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)

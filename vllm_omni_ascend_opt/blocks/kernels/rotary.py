@@ -134,7 +134,6 @@ class RotaryPath(KernelPath):
         super().clear()
         self.tables.clear()
 
-    # ----- checks --------------------------------------------------------------------------------------------
     def _judge(self, ratio: float, err_k: float, err_s: float, same: bool) -> str:
         """Why the kernel's errors are unacceptable under the policy ("" when acceptable)."""
         if not ratio <= 1.0:
@@ -206,7 +205,6 @@ class RotaryPath(KernelPath):
         _backend.synchronize(x.device if x.device.type != "cpu" else None)
         return self._verdict(key, errs, time.perf_counter() - t0)
 
-    # ----- the service -----------------------------------------------------------------------------------------
     def kernel_for(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         """The verified ``npu_rotary_mul`` for ``x``'s (device, dtype, head_dim), or None (no kernel here, refused,
         or its first-use check faulted: retried after the guard's backoff)."""

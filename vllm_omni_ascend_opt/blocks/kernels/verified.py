@@ -127,7 +127,6 @@ class KernelPath:
         #: per (device, dtype, ...): the first-use check on small inputs (:meth:`decide`)
         self.firsts = VerdictStore(self.kernel + ".toy", self, self.persist)
 
-    # ----- what a path declares (overridden where it differs) ---------------------------------------------------
     def place(self, key: tuple) -> str:
         """The key in words, for logs and status."""
         return "/".join(str(p).removeprefix("torch.") for p in key)
@@ -145,7 +144,6 @@ class KernelPath:
                 return fn
         return None
 
-    # ----- the template -------------------------------------------------------------------------------------------
     def verdict(self, key: tuple, ok: bool, reason: str, **facts: Any) -> Verdict:
         """A verdict of this kernel at ``key`` (``facts``: bitwise, errors, seconds)."""
         return Verdict(self.kernel, key, ok, reason, self.place(key), **facts)
@@ -212,7 +210,6 @@ class KernelPath:
         (logger.info if v.ok else logger.warning)("vllm-omni-ascend-opt: %s: %s", self.label, v.describe())
         return store.put(v)
 
-    # ----- status -------------------------------------------------------------------------------------------------
     def tally(self) -> dict[str, Any]:
         """How many shape classes use the kernel, how many are on stock, and why (reason -> classes)."""
         faults = self.guard.faults()
