@@ -12,9 +12,8 @@ twice: a first start with an empty verdict cache, then a second start (a new bac
 finds every verdict on disk; it prints the cost per shape class and that the second start runs no check.
 
 For ``rope`` (``RotaryPath.class_check``: chunked fp32 reference and stock's own error on the real call's output)
-and ``fused_attention`` (``AttentionPath.class_check``: the kernel on random inputs of the call's shapes, a
-chunked fp32
-reference and stock SDPA on the same chunks) it prints the check's wall time next to one call of the (fake) kernel,
+and ``fused_attention`` (``AttentionPath.class_check``: the kernel on random inputs of the call's shapes, a chunked
+fp32 reference and stock SDPA on the same chunks) it prints the check's wall time next to one call of the (fake) kernel,
 median of ``--repeats``. These are **the fake's costs on this CPU**: the fake computes each kernel with plain torch,
 and the reference runs on the CPU. On an NPU the same check runs on the device; ``benchmarks/npu_check_kernels.py``
 prints the real one-time cost there. The check runs once per shape class per process (a diffusion request at one
