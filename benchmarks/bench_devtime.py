@@ -59,7 +59,7 @@ def write_table() -> float:
 
 
 def markdown(steps: int) -> str:
-    """docs/results.md's device-time tables, from the committed trace table."""
+    """docs/device-model.md's device-time tables, from the committed trace table."""
     from vllm_omni_ascend_opt.devtime import layouts as L
     from vllm_omni_ascend_opt.devtime import report
     from vllm_omni_ascend_opt.devtime import table as TB
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cards", type=_cards, default=[], help="also the multi-card layouts for these card counts, e.g. 2,4,8"
     )
-    p.add_argument("--markdown", action="store_true", help="print docs/results.md's tables instead")
+    p.add_argument("--markdown", action="store_true", help="print docs/device-model.md's tables instead")
     args = p.parse_args(argv)
     if args.markdown:
         print(markdown(args.steps))

@@ -13,7 +13,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_ascend_opt.ablation.workload import Workload, WorkloadError, from_mapping, load_workload
+from vllm_omni_ascend_opt.ablation.workload import (
+    DTYPES,
+    ENGINES,
+    MODES,
+    SCHEDULES,
+    STACKS,
+    Workload,
+    WorkloadError,
+    from_mapping,
+    load_workload,
+)
 
 #: The exit code of every ablation command on bad input.
 BAD_INPUT = 2
@@ -40,6 +50,41 @@ def parse_gates(text: str) -> dict[str, float]:
         except ValueError:
             raise WorkloadError(f"--quality-gates {text!r}: {val!r} is not a number") from None
     return out
+
+
+def _arguments() -> dict[str, dict[str, Any]]:
+    """Every argument ``ablate``, ``plan`` and ``reference save`` can take: flag -> ``add_argument`` keywords."""
+    ints = "--height --width --steps --warmup --repeats --max-sequence-length --process-sets --start-jobs --threads"
+    table: dict[str, dict[str, Any]] = {f: {"type": int} for f in ints.split()}
+    table.update({f: {"action": "append"} for f in ("--prompt", "--only", "--skip")})
+    table.update({f: {} for f in ("--model", "--negative-prompt", "--image", "--order")})
+    bools = ("--enforce-eager", "--pause-idle")
+    table.update({f: {"action": argparse.BooleanOptionalAction, "default": None} for f in bools})
+    choices = {"--engine": ENGINES, "--dtype": DTYPES, "--mode": MODES, "--stack": STACKS, "--schedule": SCHEDULES}
+    table.update({f: {"choices": c} for f, c in choices.items()})
+    return {
+        **table,
+        "--workload": {"metavar": "NAME"},
+        "--cfg-scale": {"type": float},
+        "--prompts-file": {"type": Path},
+        "--seeds": {"type": int, "nargs": "+"},
+        "--quality-gates": {"metavar": "ssim=0.99,psnr=35"},
+        "--min-improvement-pct": {"type": float},
+        "--import": {"dest": "imports", "action": "append", "default": [], "metavar": "MODULE"},
+        "--timeout": {"type": float, "dest": "timeout_s"},
+        "--start-timeout": {"type": float, "dest": "start_timeout_s"},
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser, groups: dict[str, str], helps: dict[str, str]) -> Any:
+    """Add to ``p`` an argument group per ``groups`` item (title -> its flags, space-separated), each flag with
+    its ``helps`` entry; returns the last group."""
+    table = _arguments()
+    for title, flags in groups.items():
+        g = p.add_argument_group(title)
+        for f in flags.split():
+            g.add_argument(f, **table[f], help=helps.get(f))
+    return g
 
 
 #: Workload fields the command line can set by the same name.

@@ -14,116 +14,59 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_ascend_opt.ablation.arguments import TINY_DEFAULT, bad_input, make_plan
-from vllm_omni_ascend_opt.ablation.workload import (
-    DTYPES,
-    ENGINES,
-    MODES,
-    SCHEDULES,
-    STACKS,
-    WorkloadError,
-    available_workloads,
-)
+from vllm_omni_ascend_opt.ablation.arguments import TINY_DEFAULT, add_arguments, bad_input, make_plan
+from vllm_omni_ascend_opt.ablation.workload import WorkloadError, available_workloads
 
 DEFAULT_OUT = "ablation-out"
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload (a named workload's values, then these, override the defaults)")
-    g.add_argument(
-        "--workload",
-        metavar="NAME",
-        help=f"named workload ({', '.join(available_workloads())}) or a "
+    helps = {
+        "--workload": f"named workload ({', '.join(available_workloads())}) or a "
         ".toml/.json file; looked up as a path, in ./ablations/, then in the package",
-    )
-    g.add_argument(
-        "--model",
-        help="'tiny' (the embedded test-bed Qwen-Image, default; without --workload the values of the "
+        "--model": "'tiny' (the embedded test-bed Qwen-Image, default; without --workload the values of the "
         f"'{TINY_DEFAULT}' workload: its 12-block model, steps, CFG and rounds), 'tiny-<variant>', a diffusers "
         "directory, or a Hugging Face id of a Qwen-Image checkpoint",
-    )
-    g.add_argument(
-        "--engine",
-        choices=ENGINES,
-        help="testbed: vLLM-Omni's pipeline in the worker; omni: vLLM-Omni's "
+        "--engine": "testbed: vLLM-Omni's pipeline in the worker; omni: vLLM-Omni's "
         "offline engine Omni (accelerator only); auto: testbed for tiny, omni for a real checkpoint when an "
         "accelerator is visible",
-    )
-    g.add_argument("--dtype", choices=DTYPES)
-    g.add_argument("--height", type=int)
-    g.add_argument("--width", type=int)
-    g.add_argument("--steps", type=int, help="denoising steps")
-    g.add_argument("--cfg-scale", type=float, help="true CFG scale (1 = off)")
-    g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    g.add_argument("--prompts-file", type=Path, help="one prompt per line ('#' starts a comment)")
-    g.add_argument("--negative-prompt")
-    g.add_argument("--seeds", type=int, nargs="+", help="seeds (default 42 43 44)")
-    g.add_argument("--warmup", type=int, help="warm-up generations per worker process (default 2)")
-    g.add_argument("--repeats", type=int, help="rounds; each runs every configuration on every seed (default 2)")
-    g.add_argument("--max-sequence-length", type=int)
-    g.add_argument(
-        "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="Omni engine: disable torch.compile / graphs (default: on)",
-    )
-    a = p.add_argument_group("ablation")
-    a.add_argument(
-        "--mode",
-        choices=MODES,
-        help="leave-one-out (default): full, full minus each, stock; "
+        "--steps": "denoising steps",
+        "--cfg-scale": "true CFG scale (1 = off)",
+        "--prompt": "a prompt (repeat for several)",
+        "--prompts-file": "one prompt per line ('#' starts a comment)",
+        "--seeds": "seeds (default 42 43 44)",
+        "--warmup": "warm-up generations per worker process (default 2)",
+        "--repeats": "rounds; each runs every configuration on every seed (default 2)",
+        "--enforce-eager": "Omni engine: disable torch.compile / graphs (default: on)",
+        "--mode": "leave-one-out (default): full, full minus each, stock; "
         "cumulative: stock, +1st, +1st+2nd, ...; single: stock + each alone",
-    )
-    a.add_argument("--order", help="comma list: order of the cumulative mode (default: registry order)")
-    a.add_argument("--only", action="append", help="comma list: only these optimizations take part")
-    a.add_argument("--skip", action="append", help="comma list: these optimizations do not take part")
-    a.add_argument(
-        "--stack", choices=STACKS, help="default: the full stack is the default-on optimizations; all: every active one"
-    )
-    a.add_argument("--quality-gates", metavar="ssim=0.99,psnr=35", help="gates of 'close' optimizations")
-    a.add_argument(
-        "--min-improvement-pct",
-        type=float,
-        help="PASS needs the full stack to save at least this %% of stock (default 1)",
-    )
-    a.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE in the runner and every worker before the plugin loads (out-of-tree "
+        "--order": "comma list: order of the cumulative mode (default: registry order)",
+        "--only": "comma list: only these optimizations take part",
+        "--skip": "comma list: these optimizations do not take part",
+        "--stack": "default: the full stack is the default-on optimizations; all: every active one",
+        "--quality-gates": "gates of 'close' optimizations",
+        "--min-improvement-pct": "PASS needs the full stack to save at least this %% of stock (default 1)",
+        "--import": "import MODULE in the runner and every worker before the plugin loads (out-of-tree "
         "optimizations register themselves this way)",
-    )
-    r = p.add_argument_group("execution")
-    r.add_argument(
-        "--schedule",
-        choices=SCHEDULES,
-        help="resident: one live worker per configuration, interleaved "
+        "--schedule": "resident: one live worker per configuration, interleaved "
         "request by request; per-round: a fresh process per configuration and round, one at a time "
         "(auto: resident for tiny, per-round otherwise)",
-    )
-    r.add_argument(
-        "--process-sets",
-        type=int,
-        help="resident: split the rounds into this many blocks, each with freshly started workers (default 1)",
-    )
-    r.add_argument(
-        "--pause-idle",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="resident: SIGSTOP every worker (and the engine processes it started) outside its own turn",
-    )
-    r.add_argument("--start-jobs", type=int, help="workers starting at the same time (resident; default 2)")
-    r.add_argument("--threads", type=int, help="torch threads per worker (default: torch's choice)")
-    r.add_argument("--timeout", type=float, dest="timeout_s", help="seconds allowed per generation (default 600)")
-    r.add_argument(
-        "--start-timeout",
-        type=float,
-        dest="start_timeout_s",
-        help="seconds allowed for a worker to import, load and report ready (default 1800)",
-    )
-    r.add_argument(
+        "--process-sets": "resident: split the rounds into this many blocks, each with freshly started workers "
+        "(default 1)",
+        "--pause-idle": "resident: SIGSTOP every worker (and the engine processes it started) outside its own turn",
+        "--start-jobs": "workers starting at the same time (resident; default 2)",
+        "--threads": "torch threads per worker (default: torch's choice)",
+        "--timeout": "seconds allowed per generation (default 600)",
+        "--start-timeout": "seconds allowed for a worker to import, load and report ready (default 1800)",
+    }
+    groups = {
+        "workload (a named workload's values, then these, override the defaults)": "--workload --model --engine "
+        "--dtype --height --width --steps --cfg-scale --prompt --prompts-file --negative-prompt --seeds --warmup "
+        "--repeats --max-sequence-length --enforce-eager",
+        "ablation": "--mode --order --only --skip --stack --quality-gates --min-improvement-pct --import",
+        "execution": "--schedule --process-sets --pause-idle --start-jobs --threads --timeout --start-timeout",
+    }
+    add_arguments(p, groups, helps).add_argument(
         "--out",
         type=Path,
         default=Path(DEFAULT_OUT),

@@ -151,12 +151,6 @@ class Worker:
                 raise WorkerFailed(phase, why)
             return ev
 
-    def poll_event(self) -> dict[str, Any] | None:
-        try:
-            return self.events.get_nowait()
-        except queue.Empty:
-            return None
-
     def run(self, prompt: int, seed: int, save: str | None, timeout: float) -> dict[str, Any]:
         """One generation. The result gets ``others_cpu``: cores that other processes kept busy meanwhile (machine
         busy time minus the CPU time of the worker's process group, engine processes included, per second of wall

@@ -11,11 +11,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_ascend_opt.ablation.arguments import bad_input, make_plan, parse_gates
-from vllm_omni_ascend_opt.ablation.workload import DTYPES, ENGINES, WorkloadError
-
-#: ``--config`` names besides a comma list of optimizations.
-CONFIG_NAMES = ("none", "default", "all")
+from vllm_omni_ascend_opt.ablation.arguments import add_arguments, bad_input, make_plan, parse_gates
+from vllm_omni_ascend_opt.ablation.workload import WorkloadError
 
 
 def add_reference_commands(sub: Any) -> None:
@@ -28,26 +25,18 @@ def add_reference_commands(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    g = sv.add_argument_group("workload (as for ablate: a named workload's values, then these)")
-    g.add_argument("--workload", metavar="NAME", help="named workload or a .toml/.json file")
-    g.add_argument("--model", help="'tiny' (default), 'tiny-<variant>', a diffusers directory or a Hugging Face id")
-    g.add_argument("--engine", choices=ENGINES)
-    g.add_argument("--dtype", choices=DTYPES)
-    g.add_argument("--height", type=int)
-    g.add_argument("--width", type=int)
-    g.add_argument("--steps", type=int)
-    g.add_argument("--cfg-scale", type=float)
-    g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    g.add_argument("--prompts-file", type=Path)
-    g.add_argument("--negative-prompt")
-    g.add_argument("--seeds", type=int, nargs="+")
-    g.add_argument("--image", help="input image of an edit pipeline: a path or 'sample'")
-    g.add_argument("--max-sequence-length", type=int)
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--threads", type=int)
-    g.add_argument("--timeout", type=float, dest="timeout_s")
-    g.add_argument("--start-timeout", type=float, dest="start_timeout_s")
-    g.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE")
+    helps = {
+        "--workload": "named workload or a .toml/.json file",
+        "--model": "'tiny' (default), 'tiny-<variant>', a diffusers directory or a Hugging Face id",
+        "--prompt": "a prompt (repeat for several)",
+        "--image": "input image of an edit pipeline: a path or 'sample'",
+    }
+    flags = (
+        "--workload --model --engine --dtype --height --width --steps --cfg-scale --prompt --prompts-file "
+        "--negative-prompt --seeds --image --max-sequence-length --enforce-eager --threads --timeout --start-timeout "
+        "--import"
+    )
+    add_arguments(sv, {"workload (as for ablate: a named workload's values, then these)": flags}, helps)
     sv.add_argument(
         "--config",
         default="none",

@@ -48,14 +48,13 @@ class Workload:
 
     name: str = "custom"
     description: str = ""
-    #: ``tiny`` (the embedded test-bed Qwen-Image), ``tiny-<variant>`` (its family: ``tiny-dmd2``, ``tiny-edit``,
-    #: ``tiny-edit-plus``, ``tiny-edit-2511``, ``tiny-layered``), a local diffusers directory, or a Hugging Face id.
+    #: ``tiny`` (the test-bed Qwen-Image), ``tiny-<variant>`` (``tiny-dmd2``, ``tiny-edit``, ``tiny-edit-plus``,
+    #: ``tiny-edit-2511``, ``tiny-layered``), a local diffusers directory, or a Hugging Face id.
     model: str = "tiny"
-    #: Input image of an image-editing pipeline (Edit, Edit-Plus, Layered): a file path, or ``sample`` (the test
-    #: bed's deterministic 48x32 sample image). None for text-to-image.
+    #: An edit pipeline's input image: a file path or ``sample`` (the test bed's 48x32 one); None for text-to-image.
     image: str | None = None
-    #: ``testbed``: vLLM-Omni's pipeline in the worker process; ``omni``: vLLM-Omni's offline engine ``Omni``;
-    #: ``serve``: one ``vllm serve --omni`` server per configuration, driven over HTTP (see docs/ablation.md).
+    #: ``testbed`` (vLLM-Omni's pipeline in the worker), ``omni`` (the offline engine ``Omni``) or ``serve`` (one
+    #: ``vllm serve --omni`` server per configuration, over HTTP).
     engine: str = "auto"
     dtype: str = "float32"
     height: int = 64
@@ -69,41 +68,33 @@ class Workload:
     repeats: int = 2
     #: Text-encoder sequence cap; ``None``: 64 for the tiny model, 512 otherwise.
     max_sequence_length: int | None = None
-    #: Passed to ``Omni(enforce_eager=...)``; the test-bed engine is always eager.
+    #: ``Omni(enforce_eager=...)``; the test-bed engine is always eager.
     enforce_eager: bool = True
-    #: vLLM-Omni memory / cache modes: ``OmniDiffusionConfig`` fields (``enable_layerwise_offload``,
-    #: ``enable_cpu_offload``, ``vae_use_tiling``, ``vae_use_slicing``, ``cache_backend``, ``cache_config``...). The
-    #: ``testbed`` engine then loads through vLLM-Omni's own ``DiffusionModelRunner`` (which applies them, on CPU
-    #: with ``pin_cpu_memory=False``); ``omni`` passes them to ``Omni(...)``. Optimizations that need a mode
-    #: (``Optimization.needs_config``) take part only in workloads that set it.
+    #: ``OmniDiffusionConfig`` fields (offload, VAE tiling/slicing, cache backend...): the ``testbed`` engine then
+    #: loads through vLLM-Omni's ``DiffusionModelRunner``, ``omni`` passes them to ``Omni``. Optimizations that need
+    #: a mode (``Optimization.needs_config``) take part only where it is set.
     od_config: dict[str, Any] = field(default_factory=dict)
-    #: VAE tile size, ``[min height, min width, stride height, stride width]`` in pixels: ``vae.enable_tiling(...)``
-    #: after load (no config field sets it; vLLM-Omni's default 256-px tiles do not tile small images). Implies
-    #: ``vae_use_tiling``. ``testbed`` engine only.
+    #: VAE tiles ``[min height, min width, stride height, stride width]`` in pixels, set by ``vae.enable_tiling``
+    #: after load (vLLM-Omni's 256-px default does not tile small images); implies ``vae_use_tiling``; testbed only.
     vae_tiling: list[int] | None = None
     mode: str = "leave-one-out"
-    #: ``default``: the full stack is the default-on optimizations; ``all``: every active one.
+    #: The full stack: the ``default``-on optimizations, or ``all`` active ones.
     stack: str = "default"
-    #: A configuration's time in one round: the ``median`` (robust to a stray preemption) or ``mean`` over the
-    #: round's samples (prompts x seeds).
+    #: A configuration's time in a round: ``median`` (robust to a stray preemption) or ``mean`` of its samples.
     round_stat: str = "median"
     ssim_gate: float = 0.99
     psnr_gate: float = 35.0
     min_improvement_pct: float = 1.0
-    #: ``resident``: one live worker per configuration, driven round-robin; ``per-round``: a fresh process per
-    #: (configuration, round), one at a time (needed when one device holds only one copy of the model).
+    #: ``resident`` (one live worker per configuration, round-robin) or ``per-round`` (a fresh process per
+    #: configuration and round, one at a time: for a device that holds one copy of the model).
     schedule: str = "auto"
-    #: Resident schedule: split the rounds into this many blocks, each with freshly started workers (samples
-    #: process-level effects more than once; costs one start-up per block).
+    #: Resident: blocks of rounds, each with freshly started workers (process effects sampled more than once).
     process_sets: int = 1
-    #: Resident schedule: stop every worker's process group (SIGSTOP) while another configuration is measured and
-    #: continue it (SIGCONT) for its own turn. vLLM-Omni's engines and servers keep background threads polling while
-    #: idle (~0.1 core each on CPU); with one resident server per configuration that steals cores from whichever
-    #: configuration is being measured, unevenly. POSIX only.
+    #: Resident, POSIX: SIGSTOP every worker's process group outside its own turn, since idle engines and servers
+    #: keep polling threads (~0.1 core each on CPU) that steal cores from the configuration being measured.
     pause_idle: bool = False
-    #: Workers importing/loading at the same time (resident schedule only).
+    #: Workers importing/loading at the same time (resident), and torch threads per worker (0: torch's default).
     start_jobs: int = 2
-    #: torch intra-op threads per worker (0: torch's default).
     threads: int = 0
     #: Seconds allowed for one generation, and for a worker to import, load and report ready.
     timeout_s: float = 600.0
@@ -134,46 +125,40 @@ class Workload:
 
     def validate(self) -> Workload:
         """Raise :class:`WorkloadError` with a message a person can act on; return self."""
-        problems = []
+        problems: list[str] = []
+
+        def need(ok: Any, problem: str) -> None:
+            if not ok:
+                problems.append(problem)
+
         for name, allowed in CHOICES.items():
             v = getattr(self, name)
-            if v not in allowed:
-                problems.append(f"{name} {v!r} is not one of {', '.join(allowed)}")
+            need(v in allowed, f"{name} {v!r} is not one of {', '.join(allowed)}")
         for name in ("height", "width"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v % 16:
-                problems.append(
-                    f"{name} must be a multiple of 16 and at least 16 (got {v!r}): Qwen-Image packs 2x2 "
-                    "latent patches of an 8x VAE"
-                )
-        if not isinstance(self.steps, int) or self.steps < 1:
-            problems.append(f"steps must be a positive integer (got {self.steps!r})")
-        if not isinstance(self.cfg_scale, (int, float)) or self.cfg_scale < 1.0:
-            problems.append(f"cfg_scale must be >= 1 (1 disables true CFG; got {self.cfg_scale!r})")
-        if not self.prompts or not all(isinstance(p, str) and p.strip() for p in self.prompts):
-            problems.append("at least one non-empty prompt is needed")
-        if not self.seeds or not all(isinstance(s, int) and s >= 0 for s in self.seeds):
-            problems.append(f"seeds must be non-negative integers (got {self.seeds!r})")
-        elif len(set(self.seeds)) != len(self.seeds):
-            problems.append(f"seeds must be distinct (got {self.seeds!r})")
-        if not isinstance(self.warmup, int) or self.warmup < 0:
-            problems.append(f"warmup must be >= 0 (got {self.warmup!r})")
-        if not isinstance(self.repeats, int) or self.repeats < 1:
-            problems.append(f"repeats must be >= 1 (got {self.repeats!r})")
-        if not 0.0 < float(self.ssim_gate) <= 1.0:
-            problems.append(f"the SSIM gate must be in (0, 1] (got {self.ssim_gate!r})")
-        if float(self.psnr_gate) <= 0:
-            problems.append(f"the PSNR gate must be positive dB (got {self.psnr_gate!r})")
-        if not isinstance(self.process_sets, int) or self.process_sets < 1:
-            problems.append(f"process_sets must be >= 1 (got {self.process_sets!r})")
-        if not isinstance(self.start_jobs, int) or self.start_jobs < 1:
-            problems.append(f"start_jobs must be >= 1 (got {self.start_jobs!r})")
-        if self.timeout_s <= 0 or self.start_timeout_s <= 0:
-            problems.append("timeouts must be positive")
-        if self.max_sequence_length is not None and int(self.max_sequence_length) < 1:
-            problems.append("max_sequence_length must be positive")
-        if self.model != "tiny" and not self.model.strip():
-            problems.append("model must be 'tiny', a directory or a Hugging Face id")
+            need(
+                isinstance(v, int) and v >= 16 and not v % 16,
+                f"{name} must be a multiple of 16 and at least 16 (got {v!r}): Qwen-Image packs 2x2 latent patches "
+                "of an 8x VAE",
+            )
+        need(_at_least(self.steps, 1), f"steps must be a positive integer (got {self.steps!r})")
+        cfg = self.cfg_scale
+        need(isinstance(cfg, (int, float)) and cfg >= 1.0, f"cfg_scale must be >= 1 (1 disables true CFG; got {cfg!r})")
+        prompts_ok = self.prompts and all(isinstance(p, str) and p.strip() for p in self.prompts)
+        need(prompts_ok, "at least one non-empty prompt is needed")
+        bad_seeds = not self.seeds or not all(_at_least(s, 0) for s in self.seeds)
+        need(not bad_seeds, f"seeds must be non-negative integers (got {self.seeds!r})")
+        need(bad_seeds or len(set(self.seeds)) == len(self.seeds), f"seeds must be distinct (got {self.seeds!r})")
+        for name, low in (("warmup", 0), ("repeats", 1)):
+            need(_at_least(getattr(self, name), low), f"{name} must be >= {low} (got {getattr(self, name)!r})")
+        need(0.0 < float(self.ssim_gate) <= 1.0, f"the SSIM gate must be in (0, 1] (got {self.ssim_gate!r})")
+        need(float(self.psnr_gate) > 0, f"the PSNR gate must be positive dB (got {self.psnr_gate!r})")
+        for name in ("process_sets", "start_jobs"):
+            need(_at_least(getattr(self, name), 1), f"{name} must be >= 1 (got {getattr(self, name)!r})")
+        need(self.timeout_s > 0 and self.start_timeout_s > 0, "timeouts must be positive")
+        msl = self.max_sequence_length
+        need(msl is None or int(msl) >= 1, "max_sequence_length must be positive")
+        need(self.model == "tiny" or self.model.strip(), "model must be 'tiny', a directory or a Hugging Face id")
         if self.is_tiny:
             from vllm_omni_ascend_opt.testbed.tiny_model import TINY_FAMILY
 
@@ -185,34 +170,33 @@ class Workload:
         if not isinstance(self.od_config, dict):
             problems.append(f"od_config must be a table of OmniDiffusionConfig fields (got {self.od_config!r})")
         elif self.od_config:
-            from dataclasses import fields as dc_fields
-
             try:
                 from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+                known = {f.name for f in dataclasses.fields(OmniDiffusionConfig)}
             except ImportError:  # the planner runs without vLLM-Omni in some tests: the worker checks then
-                known = None
-            else:
-                known = {f.name for f in dc_fields(OmniDiffusionConfig)}
-            bad = sorted(k for k in self.od_config if known is not None and k not in known)
-            if bad:
-                problems.append(f"od_config: OmniDiffusionConfig has no field(s) {', '.join(bad)}")
-        if self.vae_tiling is not None and (
-            not isinstance(self.vae_tiling, list)
-            or len(self.vae_tiling) != 4
-            or not all(isinstance(v, int) and v > 0 and v % 8 == 0 for v in self.vae_tiling)
-        ):
-            problems.append(
-                f"vae_tiling must be [min height, min width, stride height, stride width], positive multiples of 8 "
-                f"(got {self.vae_tiling!r})"
-            )
-        if self.image is not None and (not isinstance(self.image, str) or not self.image.strip()):
-            problems.append(f"image must be a file path or 'sample' (got {self.image!r})")
+                known = set(self.od_config)
+            bad = sorted(set(self.od_config) - known)
+            need(not bad, f"od_config: OmniDiffusionConfig has no field(s) {', '.join(bad)}")
+        tiles = self.vae_tiling
+        need(
+            tiles is None
+            or (isinstance(tiles, list) and len(tiles) == 4 and all(_at_least(v, 1) and v % 8 == 0 for v in tiles)),
+            "vae_tiling must be [min height, min width, stride height, stride width], positive multiples of 8 "
+            f"(got {tiles!r})",
+        )
+        im = self.image
+        need(im is None or (isinstance(im, str) and im.strip()), f"image must be a file path or 'sample' (got {im!r})")
         if problems:
             raise WorkloadError("invalid workload " + repr(self.name) + ": " + "; ".join(problems))
         return self
 
 
 FIELDS = {f.name for f in dataclasses.fields(Workload)}
+
+
+def _at_least(v: Any, low: int) -> bool:
+    return isinstance(v, int) and v >= low
 
 
 def from_mapping(data: dict[str, Any], name: str = "custom", base: Workload | None = None) -> Workload:

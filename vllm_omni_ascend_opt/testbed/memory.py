@@ -25,10 +25,6 @@ class MemoryPeak:
     end: int
     allocations: int
 
-    @property
-    def peak_mib(self) -> float:
-        return self.peak / 2**20
-
 
 def measure(fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: Any) -> tuple[Any, MemoryPeak]:
     """``fn(*args, **kwargs)`` under the memory profiler: its result and the :class:`MemoryPeak` on ``device``.

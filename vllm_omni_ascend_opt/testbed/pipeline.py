@@ -142,11 +142,6 @@ def load_pipeline(
     return pipe
 
 
-def pipeline_name(pipe: Any) -> str:
-    """vLLM-Omni's registry name of ``pipe`` (``model_index.json`` ``_class_name``)."""
-    return pipe.od_config.model_class_name or type(pipe).__name__
-
-
 def _match_text_encoder_dtype(pipe: Any, dtype: torch.dtype) -> None:
     """vLLM-Omni loads the text encoder in its stored dtype (bf16 in the real checkpoint) and makes the latents in
     that dtype; the test bed stores it in fp32, which breaks a 16-bit run at the transformer's first linear. Cast it

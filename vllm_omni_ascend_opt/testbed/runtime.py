@@ -163,13 +163,6 @@ def init_cpu_runtime(
     return rt
 
 
-def current_runtime() -> Runtime:
-    try:
-        return _STATE["rt"]
-    except KeyError:
-        raise RuntimeError("call init_cpu_runtime() first") from None
-
-
 def shutdown() -> None:
     """Tear down vLLM-Omni's groups and the process group (for spawned parallel workers)."""
     from vllm_omni.diffusion.distributed.parallel_state import destroy_distributed_env
@@ -222,10 +215,6 @@ def use_import_workarounds() -> None:
 
 
 _SITE: dict[str, Any] = {}
-
-
-def cpu_runtime_requested() -> bool:
-    return os.environ.get(ENV_CPU_RUNTIME) == "1"
 
 
 def engine_cpu_runtime_applied() -> list[str]:
