@@ -149,7 +149,7 @@ def _warn_if_forced(opt) -> None:
     patches or mirrors differs from every fingerprint it knows."""
     if not fingerprints.forced() or not opt.upstream:
         return
-    differs = [f.reason(opt.name) for f in opt.upstream_findings() if not f.ok]
+    differs = fingerprints.reasons(opt.upstream, opt.name)
     if differs:
         logger.warning(
             "vllm-omni-ascend-opt: installing %s although %s (%s=1; its exactness is not established here).",

@@ -44,10 +44,9 @@ UPSTREAM_UNSUPPORTED_CACHE_BACKENDS: dict[str, str] = {
 }
 
 logger = logging.getLogger(LOGGER_NAME)
-_announced = False
 _write_lock = threading.Lock()
-_requests: dict[str, int] = {}
-_model_ref: dict[str, Any] = {}
+#: What this process reported: "announced", "requests" (forwards), the tracked "model", the status file's "failures".
+_seen: dict[str, Any] = {}
 
 
 def wire_into_vllm_logging() -> bool:
@@ -146,22 +145,15 @@ def status_line() -> str:
 
 def announce(force: bool = False) -> bool:
     """Log the status line once per process. Without ``force`` only when the selection is settled."""
-    global _announced
-    if _announced:
+    if _seen.get("announced") or (not force and pending()):
         return False
-    if not force and pending():
-        return False
-    _announced = True
+    _seen["announced"] = True
     logger.info("%s", status_line())
     return True
 
 
 def _reset_for_tests() -> None:
-    global _announced
-    _announced = False
-    _requests.clear()
-    _model_ref.clear()
-    _status_failures.clear()
+    _seen.clear()
 
 
 # ----- status file
@@ -200,7 +192,7 @@ def status_report(model: Any = None) -> dict[str, Any]:
         "off": {n: why[0] for n, why in off.items()},
         "reasons": off,
         "memory": _each(lambda o: o.cache_memory()),
-        "requests": _requests.get("n", 0),
+        "requests": _seen.get("requests", 0),
         "fallbacks": _each(lambda o: o.fallback_reasons() or None),
         "stats": _each(lambda o: dict(o.stats) if o.installed and o.stats else None),
         "kernels": _each(lambda o: o.kernel_classes() if o.installed else None),
@@ -219,7 +211,7 @@ def write_status_file(model: Any = None) -> Path | None:
     if path is None:
         return None
     if model is None:
-        model = _model_ref.get("model")
+        model = _seen.get("model")
     with _write_lock:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -230,7 +222,6 @@ def write_status_file(model: Any = None) -> Path | None:
 
 #: An unwritable status file: one warning, then a reminder at most this often (seconds), never a traceback per request.
 STATUS_REMINDER_S = 600.0
-_status_failures: dict[str, float] = {}
 
 
 def write_status_file_safely(model: Any = None) -> None:
@@ -239,10 +230,10 @@ def write_status_file_safely(model: Any = None) -> None:
     try:
         write_status_file(model)
     except Exception as exc:
-        n = _status_failures["n"] = _status_failures.get("n", 0) + 1
+        n = _seen["failures"] = _seen.get("failures", 0) + 1
         now = time.monotonic()
-        if n == 1 or now - _status_failures.get("last", now) >= STATUS_REMINDER_S:
-            _status_failures["last"] = now
+        if n == 1 or now - _seen.get("last_warning", now) >= STATUS_REMINDER_S:
+            _seen["last_warning"] = now
             logger.warning(
                 "vllm-omni-ascend-opt: cannot write the status file %s (%s: %s); %s",
                 status_file_path(),
@@ -251,8 +242,8 @@ def write_status_file_safely(model: Any = None) -> None:
                 "the engine runs on" if n == 1 else f"{n} writes failed so far",
             )
         return
-    if _status_failures.pop("n", 0):
-        _status_failures.clear()
+    if _seen.pop("failures", 0):
+        _seen.pop("last_warning", None)
         logger.info("vllm-omni-ascend-opt: the status file is written again: %s", status_file_path())
 
 
@@ -261,14 +252,14 @@ def track_model(model: Any) -> None:
     ``VLLM_OMNI_ASCEND_OPT_STATUS_FILE`` is set; otherwise the model is left untouched)."""
     if status_file_path() is None:
         return
-    _model_ref["model"] = model
+    _seen["model"] = model
     forward = getattr(model, "forward", None)
     if forward is not None and not getattr(forward, "_ascend_opt_status", False):
 
         @functools.wraps(forward)
         def forward_then_report(*args: Any, **kwargs: Any) -> Any:
             out = forward(*args, **kwargs)
-            _requests["n"] = _requests.get("n", 0) + 1
+            _seen["requests"] = _seen.get("requests", 0) + 1
             write_status_file_safely(model)
             return out
 

@@ -48,12 +48,6 @@ def weakest_tier(tiers: list[str] | tuple[str, ...] | set[str]) -> str:
     return max(tiers, key=TIERS.index, default="exact")
 
 
-class ModelCheck(Protocol):
-    """A reusable model-level check: ``check(opt, model)`` -> the reason ``opt`` does not act on ``model``, or None."""
-
-    def __call__(self, opt: Optimization, model: Any) -> str | None: ...
-
-
 class Peers(Protocol):
     """What an optimization may ask of the others (the registry; optimizations never import each other)."""
 
@@ -66,15 +60,14 @@ class Optimization:
     """Base class. Subclasses set the class attributes and override the hooks they need."""
 
     name: ClassVar[str]
-    #: What it does, in a line. With :attr:`why`, :attr:`how`, :attr:`upstream_pr` and :attr:`removal_plan`: the one
-    #: text about it, shown by ``list``, the README table and its patch header (tools/gen_docs.py).
+    #: The one text about it, shown by ``list``, the README table and its patch header (tools/gen_docs.py): what it
+    #: does in a line, the stock work it removes, how (and why that keeps its :attr:`equivalence`), the open upstream
+    #: PRs on the same code or what to propose upstream, and the upstream change that makes it obsolete.
     summary: ClassVar[str]
-    #: The stock work it removes and why that matters ("" renders nothing).
     why: ClassVar[str] = ""
-    #: How it does it, and why that keeps its :attr:`equivalence`.
     how: ClassVar[str] = ""
-    #: Open upstream PRs that touch the same code and how they differ, or what to propose upstream.
     upstream_pr: ClassVar[str] = ""
+    removal_plan: ClassVar[str] = ""
     #: The weakest tier it can deliver anywhere; :meth:`tier` says what it delivers here.
     equivalence: ClassVar[Equivalence]
     default_enabled: ClassVar[bool] = True
@@ -96,10 +89,6 @@ class Optimization:
     acts_compiled: ClassVar[frozenset[str]] = frozenset()
     #: Its process-wide patches act on every model: no ``attach`` needed to act.
     acts_without_attach: ClassVar[bool] = False
-    #: Further reusable model-level checks asked by :meth:`reasons_inactive` for a model, in order.
-    model_checks: ClassVar[tuple[ModelCheck, ...]] = ()
-    #: The upstream change that makes this optimization obsolete.
-    removal_plan: ClassVar[str] = ""
     #: ``(SSIM, PSNR dB)`` it must meet against the configuration without it when ``close`` (the ablation gate);
     #: None: the workload's ``ssim_gate`` / ``psnr_gate``.
     close_gates: ClassVar[tuple[float, float] | None] = None
@@ -130,7 +119,7 @@ class Optimization:
     def reasons_inactive(self, model: Any = None) -> list[str]:
         """Why it does not act (empty: it does). In the process: the upstream code it does not know, the environment
         (:meth:`_process_reasons`), the optimizations it ``needs``. On ``model`` also, in order: Qwen-Image-2.1,
-        installed and attached, parallel modes, compiled regions, :attr:`model_checks`, :meth:`_model_reasons`."""
+        installed and attached, parallel modes, compiled regions, :meth:`_model_reasons`."""
         reasons = self.upstream_reasons() + list(self._process_reasons()) + self._needs_reasons(None)
         if model is None:
             return list(dict.fromkeys(reasons))
@@ -148,10 +137,6 @@ class Optimization:
             why = guards.compile_reason(self.regions, model, self.name, self.acts_compiled)
             if why:
                 reasons.append(why)
-            for check in self.model_checks:
-                why = check(self, model)
-                if why:
-                    reasons.append(why)
             reasons += self._model_reasons(model)
         return list(dict.fromkeys(reasons))
 

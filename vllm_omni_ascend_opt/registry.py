@@ -80,23 +80,8 @@ class Registry:
 
 
 REGISTRY = Registry(BUILTIN)
-
-
-def register_optimization(opt: Optimization) -> Optimization:
-    """Add ``opt`` after the built-in ones (its position is the order of ``list`` and cumulative ablations)."""
-    return REGISTRY.add(opt)
-
-
-def all_optimizations() -> list[Optimization]:
-    return REGISTRY.all()
-
-
-def names() -> list[str]:
-    return REGISTRY.names()
-
-
-def get(name: str) -> Optimization:
-    return REGISTRY.get(name)
+#: The one registry's methods; ``register_optimization`` adds after the built-in ones (the order of ``list``).
+register_optimization, all_optimizations, names, get = REGISTRY.add, REGISTRY.all, REGISTRY.names, REGISTRY.get
 
 
 def patching(module: str, names: list[str] | tuple[str, ...] | None = None) -> list[str]:
