@@ -49,17 +49,14 @@ _write_lock = threading.Lock()
 _seen: dict[str, Any] = {}
 
 
-def wire_into_vllm_logging() -> bool:
-    """Give the plugin's logger vLLM's handlers and level (idempotent). Returns True when they are wired."""
+def wire_into_vllm_logging() -> None:
+    """Give the plugin's logger vLLM's handlers and level, when vLLM has handlers (idempotent)."""
     vllm_logger = logging.getLogger("vllm")
-    if not vllm_logger.handlers:
-        return False
     for handler in vllm_logger.handlers:
         if handler not in logger.handlers:
             logger.addHandler(handler)
-    if logger.level == logging.NOTSET:
+    if vllm_logger.handlers and logger.level == logging.NOTSET:
         logger.setLevel(vllm_logger.level)
-    return True
 
 
 # ----- the one derivation
@@ -143,13 +140,12 @@ def status_line() -> str:
     )
 
 
-def announce(force: bool = False) -> bool:
+def announce(force: bool = False) -> None:
     """Log the status line once per process. Without ``force`` only when the selection is settled."""
     if _seen.get("announced") or (not force and pending()):
-        return False
+        return
     _seen["announced"] = True
     logger.info("%s", status_line())
-    return True
 
 
 def _reset_for_tests() -> None:
