@@ -7,11 +7,9 @@ Each generated block sits between two markers in a Markdown file::
     ...
     <!-- end of generated NAME -->
 
-Blocks: the optimization table in README.md (registry order, tier, default, summary, when it stays off) and its
-table of the vLLM-Omni modes that refuse Qwen-Image upstream (``_report.UPSTREAM_UNSUPPORTED_CACHE_BACKENDS``), the patch
-table in patches/README.md (one patch per optimization, numbered in registry order, with the open upstream PRs its
-``upstream_pr`` names) and the workload list in ablations/README.md (every workload shipped in the package, with its
-description and engine). It also writes the header of each patch in patches/ (:func:`patch_header`), keeping the diff.
+Blocks: README.md's optimization table and its table of the vLLM-Omni modes that refuse Qwen-Image upstream,
+patches/README.md's patch table (one patch per optimization, numbered in registry order) and ablations/README.md's
+workload list. It also writes the header of each patch in patches/ (:func:`patch_header`), keeping the diff.
 ``tests/test_docs.py`` fails when a file differs from what this script writes.
 
 Usage::
@@ -92,7 +90,7 @@ def patches_table() -> str:
 
 
 #: A patch header's fields in order, each with the class attribute it is written from; None (or an empty attribute):
-#: the patch's own text (what the patch's code is, its measured effect, risks, base, the environment it needs).
+#: the patch's own text.
 PATCH_FIELDS: dict[str, str | None] = {
     "What": "summary",
     "Patch": None,
@@ -199,8 +197,7 @@ def render(rel: str, text: str) -> str:
 
 def rendered(root: Path = REPO) -> dict[str, str]:
     """Every generated file (relative path) -> the text this script writes."""
-    out = {rel: render(rel, (root / rel).read_text()) for rel in BLOCKS}
-    return out | patches(root)
+    return {rel: render(rel, (root / rel).read_text()) for rel in BLOCKS} | patches(root)
 
 
 def out_of_date(root: Path = REPO) -> list[str]:

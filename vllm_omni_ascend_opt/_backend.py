@@ -32,10 +32,8 @@ def torch_npu_module() -> ModuleType | None:
 
 
 def probe_id() -> int:
-    """A number that changes whenever the backend is probed afresh (tests swap torch_npu modules in and out).
-
-    Per-backend verdicts (first-use kernel checks) store it and are recomputed when it changes; unlike ``id(module)``
-    it is never reused for a different module."""
+    """A number that changes whenever the backend is probed afresh: per-backend verdicts store it and are recomputed
+    when it changes (unlike ``id(module)``, it is never reused for a different module)."""
     torch_npu_module()
     return int(_CACHE["probe"])  # type: ignore[call-overload]
 
@@ -67,8 +65,8 @@ def _probe() -> tuple[ModuleType | None, str]:
 
 
 def cann_version() -> str | None:
-    """The CANN version torch_npu reports (``torch.npu.utils.get_cann_version(module="CANN")``); None without a usable
-    torch_npu or when it cannot tell (CANN older than 8.1.RC1 answers an empty string)."""
+    """The CANN version torch_npu reports; None without a usable torch_npu or when it cannot tell (CANN older than
+    8.1.RC1 answers an empty string)."""
     if torch_npu_module() is None:
         return None
     try:
@@ -78,30 +76,20 @@ def cann_version() -> str | None:
 
 
 def is_npu_tensor(t: torch.Tensor) -> bool:
-    """True when ``t`` lives on the NPU that :func:`torch_npu_module` drives (torch_npu's ``Tensor.is_npu``).
-
-    Asked through the tensor, not as ``t.device.type == "npu"``, so that the test fake (CPU tensors standing for device
-    memory, with ``is_npu`` defined by the fake) runs the same code path. ``False`` whenever torch_npu is unusable.
-    """
-    if torch_npu_module() is None:
-        return False
-    return bool(getattr(t, "is_npu", False))
+    """``t.is_npu`` when torch_npu is usable, else False. Asked through the tensor, not its device type, so that the
+    test fake (CPU tensors standing for device memory) runs the same code path."""
+    return torch_npu_module() is not None and bool(getattr(t, "is_npu", False))
 
 
 def backend_label() -> str:
     """``torch_npu <version>`` of the module in use, for reasons and notes (``"no torch_npu"`` when there is none)."""
     mod = torch_npu_module()
-    if mod is None:
-        return "no torch_npu"
-    return f"torch_npu {getattr(mod, '__version__', '?')}"
+    return "no torch_npu" if mod is None else f"torch_npu {getattr(mod, '__version__', '?')}"
 
 
 def graph_capture_reason() -> str | None:
-    """Why the current stream is being captured into a graph (CUDA or NPU), or None when it is not.
-
-    Optimizations that keep Python-side state (memos, table caches, first-use verification) step aside during
-    capture. The one place every optimization asks; never raises.
-    """
+    """Why the current stream is being captured into a graph (CUDA or NPU), or None; never raises. Optimizations
+    that keep Python-side state (memos, table caches, first-use checks) step aside during capture."""
     if "cuda" not in _CACHE:
         _CACHE["cuda"] = torch.cuda.is_available()
     try:

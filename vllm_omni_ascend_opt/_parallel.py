@@ -1,11 +1,9 @@
 """Which of vLLM-Omni's parallel modes a model (or this process) runs in, and what that means for an optimization.
 
 Optimizations declare per mode in ``Optimization.parallel_support`` whether they are correct there ("supported") or
-turn themselves off ("off: <reason>"). :meth:`Optimization.reasons_inactive` asks :func:`parallel_reasons_inactive`
-for every model, so that ``list``, the loader hook and the tests all see the same reason.
-
-Process-wide patches are installed when vLLM-Omni's modules are imported, before the parallel groups exist, so the
-mode can only be known per model (its ``parallel_config``) or at call time (the current diffusion config).
+turn themselves off ("off: <reason>"); ``reasons_inactive`` asks :func:`parallel_reasons_inactive` for every model.
+Patches are installed before the parallel groups exist, so the mode is known only per model (its
+``parallel_config``) or at call time (the current diffusion config).
 """
 
 from __future__ import annotations
@@ -40,13 +38,8 @@ def _parallel_config(model: Any = None) -> Any:
 
 
 def active_modes(model: Any = None) -> list[str]:
-    """The parallel modes ``model`` runs in (``["single"]`` when none), from its vLLM-Omni ``parallel_config``.
-
-    ``model`` may be a pipeline, a transformer, or None (then the current diffusion config is used, which vLLM-Omni's
-    worker sets around model construction and every forward). Modes that are not among the registry's
-    ``PARALLEL_MODES`` (``allgather``, ``vae_patch_parallel``) are reported too, so that an optimization that has not
-    declared them turns itself off there.
-    """
+    """The parallel modes ``model`` (a pipeline, a transformer, or None: the current diffusion config) runs in,
+    ``["single"]`` when none; modes an optimization does not declare turn it off."""
     pc = _parallel_config(model)
     if pc is None:
         return ["single"]
@@ -58,10 +51,10 @@ def parallel_reasons_inactive(opt: Any, model: Any = None) -> list[str]:
     """Reasons ``opt`` must stay off for ``model``: one per active mode that its ``parallel_support`` does not
     declare "supported" (a mode it does not mention is not supported)."""
     support = dict(getattr(opt, "parallel_support", {}) or {})
-    out = []
-    for mode in active_modes(model):
-        state = support.get(mode, "off: not declared for this mode")
-        if state != "supported":
-            why = state.split(":", 1)[1].strip() if state.startswith("off:") else state
-            out.append(f"off under vLLM-Omni {mode} parallelism: {why}")
-    return out
+    whys = ((mode, why_off(support.get(mode, "off: not declared for this mode"))) for mode in active_modes(model))
+    return [f"off under vLLM-Omni {mode} parallelism: {why}" for mode, why in whys if why is not None]
+
+
+def why_off(state: str) -> str | None:
+    """The reason in a ``parallel_support`` value ("off: <reason>"); None for "supported"."""
+    return None if state == "supported" else state.removeprefix("off:").strip()

@@ -1,23 +1,18 @@
 """``register()``: the vLLM-Omni general-plugin entry point, and the machinery that installs patches in time.
 
-vLLM-Omni calls every ``vllm_omni.general_plugins`` entry point once per process (main, stage, each diffusion
-worker), before the diffusion model is built. ``register`` must therefore be cheap and idempotent, must not import
-the (slow) Qwen-Image modules itself, and must still get its patches in before the model is constructed. It does so
-with a post-import hook: when a module named in an optimization's ``target_modules`` finishes importing, the
-optimizations whose targets are now all present are installed. Modules already imported are patched at once.
+vLLM-Omni calls every ``vllm_omni.general_plugins`` entry point once per process (main, stage, each diffusion worker)
+before the model is built. ``register`` must be cheap and idempotent and must not import the (slow) Qwen-Image modules,
+yet get its patches in before the model is constructed: a post-import hook installs an optimization when the last of
+its ``target_modules`` finishes importing (modules already imported are patched at once).
 
-What installs is decided by the upstream code, not by the version string: each optimization declares the upstream
-functions it patches or mirrors with the source fingerprints it knows (``Optimization.upstream``,
-:mod:`vllm_omni_ascend_opt.blocks.upstream.fingerprints`) and stays off with a reason where one differs. The only version fact
-left is the floor (vLLM-Omni >= 0.30) and an INFO note for a release the plugin was not checked on
-(:meth:`vllm_omni_ascend_opt._state.PluginState.check_version`). ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` installs anyway,
-with one warning per optimization whose code differs.
+What installs is decided by the upstream code (each optimization's ``upstream`` fingerprints), not by the version
+string; the only version facts are the floor and a note for an unchecked release (``PluginState.check_version``).
+``VLLM_OMNI_ASCEND_OPT_FORCE=1`` installs anyway, with one warning per optimization whose code differs.
 """
 
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import logging
 import sys
 from collections.abc import Callable, Iterable
@@ -41,9 +36,7 @@ class PluginConfigError(RuntimeError):
     """Raised in strict mode when the flags are bad or a selected optimization cannot be active."""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# post-import hook
-# ----------------------------------------------------------------------------------------------------------------
+# ----- post-import hook
 class _NotifyingLoader(importlib.abc.Loader):
     def __init__(self, inner: importlib.abc.Loader, callback: Callable[[str], None]) -> None:
         self._inner = inner
@@ -108,20 +101,10 @@ def _on_import(name: str) -> None:
         logger.exception("vllm-omni-ascend-opt: installing patches after importing %s failed", name)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# installing what is selected
-# ----------------------------------------------------------------------------------------------------------------
+# ----- installing what is selected
 def selected() -> list[str]:
     """Names currently selected (by the flags or the Python API), in registry order."""
     return list(STATE.selected)
-
-
-def config_error() -> str | None:
-    return STATE.config_error
-
-
-def version_error() -> str | None:
-    return STATE.version_error
 
 
 def set_selected(names: Iterable[str]) -> None:
@@ -163,10 +146,10 @@ def install_ready() -> list[str]:
 
 def _warn_if_forced(opt) -> None:
     """Under ``VLLM_OMNI_ASCEND_OPT_FORCE``: one warning for an optimization installed although upstream code it
-    patches or mirrors differs from every fingerprint it knows (nothing when it all matches)."""
+    patches or mirrors differs from every fingerprint it knows."""
     if not fingerprints.forced() or not opt.upstream:
         return
-    differs = [f.reason(opt.name) for f in opt.upstream_findings() if not f.ok]
+    differs = fingerprints.reasons(opt.upstream, opt.name)
     if differs:
         logger.warning(
             "vllm-omni-ascend-opt: installing %s although %s (%s=1; its exactness is not established here).",
@@ -211,9 +194,7 @@ def attach_all(model) -> list[str]:
     return _report.acting(model)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# versions
-# ----------------------------------------------------------------------------------------------------------------
+# ----- entry point
 def installed_version(dist: str) -> str | None:
     try:
         return metadata.version(dist)
@@ -221,16 +202,12 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# entry point
-# ----------------------------------------------------------------------------------------------------------------
 def register() -> None:
     """vLLM-Omni general-plugin entry point: read the flags, check the vLLM-Omni floor, install patches in time.
 
-    Idempotent: the second and later calls in a process return at once. Bad flags patch nothing (fail closed) and
-    log an error; with ``VLLM_OMNI_ASCEND_OPT_STRICT=1`` they raise :class:`PluginConfigError`, as does a selected
-    optimization that cannot be active here. In every case the loader hook is installed, so that the status file
-    (``VLLM_OMNI_ASCEND_OPT_STATUS_FILE``) reports after the model is built and after every request.
+    Idempotent. Bad flags patch nothing (fail closed) and log an error; ``VLLM_OMNI_ASCEND_OPT_STRICT=1`` raises
+    :class:`PluginConfigError` instead, also for a selected optimization that cannot be active here. The loader hook
+    is installed in every case, so that the status file reports after the model is built and after every request.
     """
     with LOCK:
         if STATE.registered:
@@ -238,9 +215,8 @@ def register() -> None:
         STATE.registered = True
         _report.wire_into_vllm_logging()
         strict = flags.strict_from_env()
-        spec = flags.spec_from_env()
         try:
-            names = flags.parse_spec(spec)
+            names = flags.parse_spec(flags.spec_from_env())
         except flags.FlagError as exc:
             STATE.config_error = str(exc)
             logger.error("vllm-omni-ascend-opt: %s Nothing is patched.", exc)
@@ -251,24 +227,20 @@ def register() -> None:
         STATE.check_version(installed_version("vllm-omni"))
         if STATE.version_note:
             logger.info("vllm-omni-ascend-opt: %s.", STATE.version_note)
-        if STATE.version_error:
-            if flags.force_from_env():
-                logger.warning(
-                    "vllm-omni-ascend-opt: %s; patching anyway (%s=1).", STATE.version_error, flags.ENV_FORCE
-                )
-            else:
-                logger.warning(
-                    "vllm-omni-ascend-opt: %s. Nothing is patched; set %s=1 to try anyway.",
-                    STATE.version_error,
-                    flags.ENV_FORCE,
-                )
-                if strict:
-                    raise PluginConfigError(STATE.version_error)
-                _report_without_patches()
-                return
+        if STATE.version_error and flags.force_from_env():
+            logger.warning("vllm-omni-ascend-opt: %s; patching anyway (%s=1).", STATE.version_error, flags.ENV_FORCE)
+        elif STATE.version_error:
+            logger.warning(
+                "vllm-omni-ascend-opt: %s. Nothing is patched; set %s=1 to try anyway.",
+                STATE.version_error,
+                flags.ENV_FORCE,
+            )
+            if strict:
+                raise PluginConfigError(STATE.version_error)
+            _report_without_patches()
+            return
         if strict:
-            bad = {n: registry.get(n).reasons_inactive() for n in names}
-            bad = {n: r for n, r in bad.items() if r}
+            bad = {n: r for n in names if (r := registry.get(n).reasons_inactive())}
             if bad:
                 msg = "; ".join(f"{n}: {', '.join(r)}" for n, r in bad.items())
                 raise PluginConfigError(f"selected optimizations cannot be active here ({msg})")

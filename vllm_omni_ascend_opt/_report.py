@@ -1,25 +1,16 @@
 """What the plugin tells the process it runs in: the status rows, one status line in vLLM's log, a JSON status file.
 
-Every report is derived from the same two answers: the plugin state (selection, a bad flag, a missing or too old
-vLLM-Omni: :mod:`vllm_omni_ascend_opt._state`) and each optimization's own :meth:`~Optimization.reasons_inactive`
-(upstream code it does not know included), for the process or for a model. :func:`explain` combines them; ``list``, ``status()``, the INFO line, the status file, the
-ablation worker and the parallel test jobs all read :func:`explain` or :func:`rows`.
+Every report derives from two answers, combined by :func:`explain`: the plugin state (selection, a bad flag, a missing
+or too old vLLM-Omni: :mod:`vllm_omni_ascend_opt._state`) and each optimization's own ``reasons_inactive``.
 
-* Log line. vLLM-Omni's logging setup configures only the ``vllm`` / ``vllm_omni`` logger trees, so the plugin's
-  own ``vllm_omni_ascend_opt`` logger would print nothing in ``vllm serve --omni``. :func:`wire_into_vllm_logging`
-  (called by ``register()``, i.e. only inside vLLM-Omni's processes) hands that logger vLLM's configured handlers
-  and level: its records then appear in vLLM's format, on vLLM's stream, and still propagate (pytest's ``caplog``
-  sees them). With ``VLLM_CONFIGURE_LOGGING=0`` vLLM has no handlers and nothing is wired.
-  :func:`announce` logs ONE INFO line per process, once the selection is settled (every selected optimization that
-  can be active is installed): version, flag, what is installed, and what is off with its first reason. A bad flag
-  or a missing / too old vLLM-Omni is logged by ``register()`` as an ERROR / WARNING instead; a release the plugin
-  was not checked on as one INFO note.
-* Status file. When ``VLLM_OMNI_ASCEND_OPT_STATUS_FILE`` names a path, the process that builds a model with
-  vLLM-Omni's loader writes a JSON report there (atomically) after the model is built and again after every
-  ``forward`` of that model, also when a bad flag or version patches nothing: pid, selected, installed, acting on
-  the pipeline, the reasons for the others, the compiled regions, fallbacks, and the memory of the plugin's caches
-  against their budgets. Tests and the ablation runner read it instead of scraping logs. ``{pid}`` in the path is
-  replaced by the process id.
+* Log line. vLLM-Omni configures only the ``vllm`` / ``vllm_omni`` logger trees, so :func:`wire_into_vllm_logging`
+  (called by ``register()``) hands the plugin's logger vLLM's handlers and level (records still propagate; with
+  ``VLLM_CONFIGURE_LOGGING=0`` nothing is wired). :func:`announce` logs ONE INFO line per process once the selection
+  is settled: version, flag, what is installed, and what is off with its first reason.
+* Status file. When ``VLLM_OMNI_ASCEND_OPT_STATUS_FILE`` names a path (``{pid}`` is replaced by the process id), the
+  process that builds a model with vLLM-Omni's loader writes a JSON report there (atomically) after the model is
+  built and after every ``forward`` of it, also when a bad flag or version patches nothing. Tests and the ablation
+  runner read it instead of scraping logs.
 """
 
 from __future__ import annotations
@@ -30,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,40 +36,32 @@ LOGGER_NAME = "vllm_omni_ascend_opt"
 #: The reason shown for a selected optimization that can act but whose vLLM-Omni modules are not imported yet.
 WAITING = "waits for its vLLM-Omni modules to be imported"
 
-#: vLLM-Omni 0.30 cache backends that refuse Qwen-Image upstream (``diffusion/cache/selector.py``): with them the
-#: model does not run at all, so there is nothing for the plugin to keep. The one source of ``list``'s note and the
-#: README's table (``tools/gen_docs.py``); tests/test_memory_modes.py checks each against the runner.
+#: vLLM-Omni cache backends that refuse Qwen-Image upstream (``diffusion/cache/selector.py``): the model does not run
+#: at all. The one source of ``list``'s note and the README's table; tests/test_memory_modes.py checks each.
 UPSTREAM_UNSUPPORTED_CACHE_BACKENDS: dict[str, str] = {
     "sea_cache": "vLLM-Omni's SeaCache supports Cosmos3 only: loading QwenImagePipeline raises ValueError",
     "step_cache": "vLLM-Omni's step_cache supports DreamZero only: loading QwenImagePipeline raises ValueError",
 }
 
 logger = logging.getLogger(LOGGER_NAME)
-_announced = False
 _write_lock = threading.Lock()
-_requests: dict[str, int] = {}
-_model_ref: dict[str, Any] = {}
+#: What this process reported: "announced", "requests" (forwards), the tracked "model", the status file's "failures".
+_seen: dict[str, Any] = {}
 
 
-def wire_into_vllm_logging() -> bool:
-    """Give the plugin's logger vLLM's handlers and level (idempotent). Returns True when they are wired."""
+def wire_into_vllm_logging() -> None:
+    """Give the plugin's logger vLLM's handlers and level, when vLLM has handlers (idempotent)."""
     vllm_logger = logging.getLogger("vllm")
-    if not vllm_logger.handlers:
-        return False
     for handler in vllm_logger.handlers:
         if handler not in logger.handlers:
             logger.addHandler(handler)
-    if logger.level == logging.NOTSET:
+    if vllm_logger.handlers and logger.level == logging.NOTSET:
         logger.setLevel(vllm_logger.level)
-    return True
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the one derivation
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the one derivation
 def explain(opt: Optimization, model: Any = None) -> list[str]:
-    """Why ``opt`` does not act (empty: it does): the plugin's reasons (selection, flag, version), then the
-    optimization's own for this process or for ``model``."""
+    """Why ``opt`` does not act (empty: it does): the plugin's reasons, then the optimization's own."""
     return list(dict.fromkeys(STATE.reasons(opt.name) + opt.reasons_inactive(model)))
 
 
@@ -100,7 +84,8 @@ def acting(model: Any) -> list[str]:
 
 
 def rows(model: Any = None) -> list[dict[str, Any]]:
-    """One row per optimization: metadata, selection and state here (or on ``model``): what ``list`` prints."""
+    """One row per optimization: metadata, selection and state in this process, or on ``model`` when given (what
+    ``list`` prints; ``active`` means no reason keeps it from acting)."""
     out = []
     for opt in registry.all_optimizations():
         reasons = explain(opt, model)
@@ -143,7 +128,7 @@ def pending() -> list[str]:
     """Selected optimizations that can be active but are not installed yet (their modules are not imported)."""
     if STATE.blocked():
         return []
-    return [n for n in STATE.selected if not registry.get(n).installed and not registry.get(n).reasons_inactive()]
+    return [n for n in STATE.selected if not (o := registry.get(n)).installed and not o.reasons_inactive()]
 
 
 def status_line() -> str:
@@ -155,54 +140,27 @@ def status_line() -> str:
     )
 
 
-def announce(force: bool = False) -> bool:
+def announce(force: bool = False) -> None:
     """Log the status line once per process. Without ``force`` only when the selection is settled."""
-    global _announced
-    if _announced:
-        return False
-    if not force and pending():
-        return False
-    _announced = True
+    if _seen.get("announced") or (not force and pending()):
+        return
+    _seen["announced"] = True
     logger.info("%s", status_line())
-    return True
 
 
 def _reset_for_tests() -> None:
-    global _announced
-    _announced = False
-    _requests.clear()
-    _model_ref.clear()
-    _status_failures.clear()
+    _seen.clear()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# status file
-# ----------------------------------------------------------------------------------------------------------------
+# ----- status file
 def status_file_path() -> Path | None:
     raw = os.environ.get(ENV_STATUS_FILE)
-    if not raw:
-        return None
-    return Path(raw.replace("{pid}", str(os.getpid())))
+    return Path(raw.replace("{pid}", str(os.getpid()))) if raw else None
 
 
-def cache_memory() -> dict[str, dict[str, Any]]:
-    """Bytes held by each optimization's caches, with their budgets (what each optimization reports)."""
-    out = {}
-    for opt in registry.all_optimizations():
-        mem = opt.cache_memory()
-        if mem is not None:
-            out[opt.name] = mem
-    return out
-
-
-def kernel_classes() -> dict[str, dict[str, Any]]:
-    """Per installed optimization with a verified kernel: shape classes on the kernel, on stock, and why."""
-    out = {}
-    for opt in registry.all_optimizations():
-        t = opt.kernel_classes() if opt.installed else None
-        if t is not None:
-            out[opt.name] = t
-    return out
+def _each(get: Callable[[Optimization], Any]) -> dict[str, Any]:
+    """Optimization name -> ``get(opt)``, for those where it is not None."""
+    return {o.name: v for o in registry.all_optimizations() if (v := get(o)) is not None}
 
 
 def saved_verdicts() -> dict[str, Any] | None:
@@ -229,11 +187,11 @@ def status_report(model: Any = None) -> dict[str, Any]:
         "installed": installed(),
         "off": {n: why[0] for n, why in off.items()},
         "reasons": off,
-        "memory": cache_memory(),
-        "requests": _requests.get("n", 0),
-        "fallbacks": {o.name: o.fallback_reasons() for o in registry.all_optimizations() if o.fallback_reasons()},
-        "stats": {o.name: dict(o.stats) for o in registry.all_optimizations() if o.installed and o.stats},
-        "kernels": kernel_classes(),
+        "memory": _each(lambda o: o.cache_memory()),
+        "requests": _seen.get("requests", 0),
+        "fallbacks": _each(lambda o: o.fallback_reasons() or None),
+        "stats": _each(lambda o: dict(o.stats) if o.installed and o.stats else None),
+        "kernels": _each(lambda o: o.kernel_classes() if o.installed else None),
         "saved_verdicts": saved_verdicts(),
     }
     if model is not None:
@@ -249,7 +207,7 @@ def write_status_file(model: Any = None) -> Path | None:
     if path is None:
         return None
     if model is None:
-        model = _model_ref.get("model")
+        model = _seen.get("model")
     with _write_lock:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -260,20 +218,18 @@ def write_status_file(model: Any = None) -> Path | None:
 
 #: An unwritable status file: one warning, then a reminder at most this often (seconds), never a traceback per request.
 STATUS_REMINDER_S = 600.0
-_status_failures: dict[str, float] = {}
 
 
 def write_status_file_safely(model: Any = None) -> None:
-    """:func:`write_status_file`, never raising: reporting must not break the engine. A failure logs one warning
-    (with the reason, no traceback), then a reminder at most every :data:`STATUS_REMINDER_S` seconds with the count
-    of failed writes; a write that works again says so once."""
+    """:func:`write_status_file`, never raising (reporting must not break the engine): a failure logs one warning,
+    then a reminder with the count at most every :data:`STATUS_REMINDER_S`; a write that works again says so once."""
     try:
         write_status_file(model)
     except Exception as exc:
-        n = _status_failures["n"] = _status_failures.get("n", 0) + 1
+        n = _seen["failures"] = _seen.get("failures", 0) + 1
         now = time.monotonic()
-        if n == 1 or now - _status_failures.get("last", now) >= STATUS_REMINDER_S:
-            _status_failures["last"] = now
+        if n == 1 or now - _seen.get("last_warning", now) >= STATUS_REMINDER_S:
+            _seen["last_warning"] = now
             logger.warning(
                 "vllm-omni-ascend-opt: cannot write the status file %s (%s: %s); %s",
                 status_file_path(),
@@ -282,8 +238,8 @@ def write_status_file_safely(model: Any = None) -> None:
                 "the engine runs on" if n == 1 else f"{n} writes failed so far",
             )
         return
-    if _status_failures.pop("n", 0):
-        _status_failures.clear()
+    if _seen.pop("failures", 0):
+        _seen.pop("last_warning", None)
         logger.info("vllm-omni-ascend-opt: the status file is written again: %s", status_file_path())
 
 
@@ -292,14 +248,14 @@ def track_model(model: Any) -> None:
     ``VLLM_OMNI_ASCEND_OPT_STATUS_FILE`` is set; otherwise the model is left untouched)."""
     if status_file_path() is None:
         return
-    _model_ref["model"] = model
+    _seen["model"] = model
     forward = getattr(model, "forward", None)
     if forward is not None and not getattr(forward, "_ascend_opt_status", False):
 
         @functools.wraps(forward)
         def forward_then_report(*args: Any, **kwargs: Any) -> Any:
             out = forward(*args, **kwargs)
-            _requests["n"] = _requests.get("n", 0) + 1
+            _seen["requests"] = _seen.get("requests", 0) + 1
             write_status_file_safely(model)
             return out
 

@@ -1,12 +1,10 @@
 """The plugin's state in this process, in one object: what is selected, the installed vLLM-Omni, and why nothing may
 be patched.
 
-Written by ``_plugin`` (``register()``, ``set_selected``); read downward by the report, the API and the CLI. Each
-optimization answers for itself whether it acts (``Optimization.reasons_inactive``, which includes whether the
-upstream code it patches or mirrors matches a fingerprint it knows: :mod:`vllm_omni_ascend_opt.blocks.upstream.fingerprints`);
-this object adds the facts that belong to the plugin: the selection, a bad flag, and the one version fact left,
-the installed vLLM-Omni release: missing or older than 0.30 (nothing is patched unless forced), or newer than the
-releases the plugin was checked on (one INFO note; each optimization still installs where its code matches).
+Written by ``_plugin`` (``register()``, ``set_selected``); read by the report, the API and the CLI. Each optimization
+answers for itself whether it acts; this object adds the plugin's facts: the selection, a bad flag, and the installed
+vLLM-Omni release: missing or older than the floor (nothing is patched unless forced), or not one the plugin was
+checked on (one INFO note; each optimization still installs where its upstream code matches).
 """
 
 from __future__ import annotations
@@ -35,16 +33,13 @@ class PluginState:
     config_error: str | None = None
     #: The installed vLLM-Omni version, as ``register()`` read it (None: not read, or not installed).
     omni_version: str | None = None
-    #: Why the installed vLLM-Omni cannot be patched at all: not installed, or older than
-    #: :data:`~vllm_omni_ascend_opt.blocks.upstream.fingerprints.MIN_OMNI` (nothing is patched unless forced).
+    #: Why the installed vLLM-Omni cannot be patched at all: not installed, or older than ``fingerprints.MIN_OMNI``.
     version_error: str | None = None
-    #: A release the plugin was not checked on (not in :data:`~vllm_omni_ascend_opt.blocks.upstream.fingerprints.KNOWN_OMNI`):
-    #: logged once at INFO; optimizations install where their upstream code matches a known fingerprint.
+    #: A release the plugin was not checked on (not in ``fingerprints.KNOWN_OMNI``), logged once at INFO.
     version_note: str | None = None
 
     def check_version(self, version: str | None) -> None:
-        """Record the installed vLLM-Omni ``version`` and what it means (:attr:`version_error`,
-        :attr:`version_note`). The version decides only the floor; the code decides the rest."""
+        """Record the installed vLLM-Omni ``version`` and what it means. The version decides only the floor."""
         self.omni_version, self.version_error, self.version_note = version, None, None
         floor = ".".join(map(str, fingerprints.MIN_OMNI))
         if version is None:
@@ -77,12 +72,7 @@ class PluginState:
         return out
 
     def reset(self) -> None:
-        self.registered = False
-        self.selected = []
-        self.config_error = None
-        self.omni_version = None
-        self.version_error = None
-        self.version_note = None
+        vars(self).update(vars(PluginState()))
 
 
 STATE = PluginState()

@@ -20,6 +20,10 @@ from typing import Any
 from vllm_omni_ascend_opt import _plugin, _report, flags, registry
 from vllm_omni_ascend_opt._state import STATE
 
+#: ``installed()``: the names installed now; ``status(model=None)``: one row per optimization (what ``list`` prints).
+installed = _report.installed
+status = _report.rows
+
 
 def _names(spec: str | Iterable[str]) -> list[str]:
     if isinstance(spec, str):
@@ -32,8 +36,7 @@ def _names(spec: str | Iterable[str]) -> list[str]:
 
 def select(spec: str | Iterable[str], model: Any = None) -> list[str]:
     """Make exactly ``spec`` selected process-wide; attach/detach ``model`` accordingly. Returns what is installed."""
-    names = _names(spec)
-    _plugin.set_selected(names)
+    _plugin.set_selected(_names(spec))
     if model is not None:
         for opt in registry.all_optimizations():
             if opt.installed:
@@ -69,9 +72,8 @@ def accepted_keywords() -> dict[str, bool]:
 
 
 def apply_to_qwen_image(model: Any = None, **switches: bool) -> list[str]:
-    """Select the default stack with per-optimization overrides: one keyword per optimization
-    (:func:`accepted_keywords`, e.g. ``rope=False``, ``vae_fast=True``); exactly the enabled ones are selected.
-    ``model`` may be an already-built pipeline or transformer. Returns what is installed."""
+    """Select the default stack with one keyword per optimization overriding it (``rope=False``, ``vae_fast=True``);
+    ``model`` may be a built pipeline or transformer. Returns what is installed."""
     chosen = accepted_keywords()
     unknown = sorted(set(switches) - set(chosen))
     if unknown:
@@ -81,14 +83,3 @@ def apply_to_qwen_image(model: Any = None, **switches: bool) -> list[str]:
         )
     chosen.update({k: bool(v) for k, v in switches.items()})
     return select([n for n, on in chosen.items() if on], model)
-
-
-def installed() -> list[str]:
-    """Names whose patches are installed in this process right now."""
-    return _report.installed()
-
-
-def status(model: Any = None) -> list[dict[str, Any]]:
-    """One row per optimization: metadata, selection and state in this process, or on ``model`` when given (what
-    ``list`` prints; ``active`` means no reason keeps it from acting)."""
-    return _report.rows(model)

@@ -11,33 +11,21 @@ import sys
 import textwrap
 
 from vllm_omni_ascend_opt import _plugin, _report, api, flags
+from vllm_omni_ascend_opt._parallel import why_off
 from vllm_omni_ascend_opt._state import STATE
 from vllm_omni_ascend_opt._version import __version__
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
     _plugin.register()  # reads VLLM_OMNI_ASCEND_OPT exactly as a vLLM-Omni process would
-    rows = api.status()
+    rows, omni, vllm = api.status(), _plugin.installed_version("vllm-omni"), _plugin.installed_version("vllm")
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "version": __version__,
-                    "flag": {flags.ENV_FLAG: flags.spec_from_env()},
-                    "vllm_omni": _plugin.installed_version("vllm-omni"),
-                    "vllm": _plugin.installed_version("vllm"),
-                    "optimizations": rows,
-                    "mode_notes": _report.mode_notes(),
-                },
-                indent=2,
-            )
-        )
+        out = {"version": __version__, "flag": {flags.ENV_FLAG: flags.spec_from_env()}, "vllm_omni": omni}
+        out |= {"vllm": vllm, "optimizations": rows, "mode_notes": _report.mode_notes()}
+        print(json.dumps(out, indent=2))
         return 0
     print(f"vllm-omni-ascend-opt {__version__}  ({flags.ENV_FLAG}={flags.spec_from_env()!r})")
-    print(
-        f"vllm-omni {_plugin.installed_version('vllm-omni') or 'not installed'}, "
-        f"vllm {_plugin.installed_version('vllm') or 'not installed'}"
-    )
+    print(f"vllm-omni {omni or 'not installed'}, vllm {vllm or 'not installed'}")
     if STATE.config_error:
         print(f"\nERROR: {STATE.config_error}\nNothing is patched.")
     if STATE.version_error:
@@ -62,8 +50,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         modes = [f"{m}={'yes' if v == 'supported' else 'no'}" for m, v in r["parallel_support"].items()]
         print("    parallel: " + ", ".join(modes))
         for m, v in r["parallel_support"].items():
-            if v != "supported":  # "off: <reason>"
-                why = v.split(":", 1)[1].strip() if v.startswith("off:") else v
+            if (why := why_off(v)) is not None:
                 print(textwrap.fill(f"{m}: {why}", 110, initial_indent="    off in ", subsequent_indent="          "))
     print("\nvLLM-Omni modes:")
     for note in _report.mode_notes():
@@ -115,11 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from vllm_omni_ascend_opt.ablation import cli as ablation_cli
         from vllm_omni_ascend_opt.ablation import refcli
-    except ImportError:
-        ablation_cli = refcli = None
-    if ablation_cli is not None and refcli is not None:
-        ablation_cli.add_subcommands(sub)
-        refcli.add_reference_commands(sub)
+    except ImportError:  # the lab's own dependencies are missing: list and warmup only
+        return p
+    ablation_cli.add_subcommands(sub)
+    refcli.add_reference_commands(sub)
     return p
 
 

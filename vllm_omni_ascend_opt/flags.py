@@ -20,8 +20,7 @@ from vllm_omni_ascend_opt.blocks.upstream import fingerprints
 
 ENV_FLAG = "VLLM_OMNI_ASCEND_OPT"
 ENV_STRICT = "VLLM_OMNI_ASCEND_OPT_STRICT"
-#: Install even where upstream code (or the vLLM-Omni version) is not one the plugin knows: owned by the upstream
-#: gate (:mod:`vllm_omni_ascend_opt.blocks.upstream.fingerprints`), named here with the other variables.
+#: Install even where upstream code (or the vLLM-Omni version) is not one the plugin knows (owned by ``fingerprints``).
 ENV_FORCE = fingerprints.ENV_FORCE
 BASES = ("default", "all", "none")
 
@@ -56,11 +55,7 @@ def parse_spec(spec: str | None) -> list[str]:
 
 
 def _base(word: str) -> set[str]:
-    if word == "all":
-        return set(registry.names())
-    if word == "none":
-        return set()
-    return set(registry.default_names())
+    return set({"all": registry.names(), "none": [], "default": registry.default_names()}[word])
 
 
 def _msg(spec: str, what: str, valid: list[str]) -> str:

@@ -1,22 +1,14 @@
 """Image-quality metrics for approximate ("close") optimizations: SSIM, PSNR, pixel identity, abs diffs.
 
-The gates of this project (fixed before any measurement, as in the reference 910B1 work) are SSIM >= 0.99 and
-PSNR >= 35 dB against stock. One call does everything::
+The gates, fixed before any measurement: SSIM >= 0.99 and PSNR >= 35 dB against stock
+(``passes_gates(compare_images(ref, out))``). Conventions:
 
-    from vllm_omni_ascend_opt.metrics import compare_images, passes_gates
-    m = compare_images(ref.images, out.images)          # float [B, 3, H, W] in [-1, 1] (vLLM-Omni's "pt" output)
-    assert passes_gates(m), m
-
-Conventions (stated once, used everywhere):
-
-* Inputs are float tensors or arrays of shape ``[B, 3, H, W]`` (or ``[3, H, W]``) holding values in
-  ``value_range``, ``(-1, 1)`` by default, which is what vLLM-Omni's pipelines return; pass ``value_range=(0, 1)``
-  for images already in ``[0, 1]``. Values outside the range are clipped, as the image post-processor does.
-* SSIM and PSNR are computed on the **8-bit images a user would save** (``round(255 * x01)``), with an explicit
-  ``data_range=255`` and ``channel_axis=-1`` (H, W, C), per image; the batch's **worst** image is reported.
+* Inputs are float tensors or arrays ``[B, 3, H, W]`` (or ``[3, H, W]``) with values in ``value_range``, ``(-1, 1)``
+  by default (vLLM-Omni's pipeline output); values outside are clipped, as the image post-processor does.
+* SSIM and PSNR are computed per image on the **8-bit images a user would save** (``round(255 * x01)``,
+  ``data_range=255``, H, W, C); the batch's **worst** image is reported. Identical images: ``psnr == inf``.
 * ``pixel_identical`` compares those 8-bit images exactly; ``max_abs_diff`` / ``mean_abs_diff`` are taken on the
-  float inputs, in their own units (a [-1, 1] image has twice the [0, 1] numbers).
-* Identical images have ``psnr == inf`` (no division by zero, no warning) and ``ssim == 1.0``.
+  float inputs, in their own units.
 """
 
 from __future__ import annotations
@@ -73,11 +65,7 @@ def _ssim(ref: np.ndarray, out: np.ndarray) -> float:
 
 
 def compare_images(ref: Any, out: Any, *, value_range: tuple[float, float] = (-1.0, 1.0)) -> dict[str, Any]:
-    """Compare ``out`` against the reference ``ref`` (same shape, float, values in ``value_range``).
-
-    Returns ``dict(pixel_identical, max_abs_diff, mean_abs_diff, ssim, psnr)``; see the module docstring for the
-    conventions (SSIM/PSNR on the 8-bit images, worst image of the batch; diffs on the floats).
-    """
+    """``dict(pixel_identical, max_abs_diff, mean_abs_diff, ssim, psnr)`` of ``out`` against ``ref`` (same shape)."""
     a, b = _as_numpy(ref), _as_numpy(out)
     if a.shape != b.shape:
         raise ValueError(f"shape mismatch: ref {a.shape} vs out {b.shape}")

@@ -1,16 +1,11 @@
 """The registry: every optimization, in its fixed order, and the events they share.
 
-Registry order is the order of ``list``, of the flag's ``default`` / ``all`` selections, of cumulative ablations and
-of the generated docs tables. The built-in optimizations are listed here, once; other packages (and tests) may add
-their own with :func:`register_optimization`.
+Registry order is the order of ``list``, of the flag's selections, of cumulative ablations and of the generated docs
+tables. Others (and tests) may add optimizations with :func:`register_optimization`.
 
-Optimizations never import each other. What one needs from another goes through the registry, which each
-optimization receives as its :class:`~vllm_omni_ascend_opt.optimization.Peers` when it joins:
-
-* ``get(name)``: the optimizations it ``needs`` (their reasons become its reasons);
-* ``weights_changed(model)``: an optimization that rewrites weights behind the version counters (``nz_weights``'
-  ``w.data = ...`` casts) announces it, and every other optimization's ``weights_changed`` hook drops what it keyed
-  on those weights (``shared_modulation``'s memo).
+Optimizations never import each other: each receives the registry as its ``Peers`` when it joins, to ``get`` the
+optimizations it ``needs`` and to announce ``weights_changed`` (``nz_weights``' ``w.data = ...`` casts), which every
+other optimization hears and drops what it keyed on those weights (``shared_modulation``'s memo).
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ from vllm_omni_ascend_opt.opts import (
     vae_fast,
 )
 
-#: The built-in optimizations in registry order.
 BUILTIN: tuple[Optimization, ...] = (
     shared_modulation.OPT,
     rope.OPT,
@@ -64,7 +58,6 @@ class Registry:
         return opt
 
     def remove(self, name: str) -> None:
-        """Forget ``name`` (tests that registered their own optimization)."""
         self._opts.pop(name, None)
 
     def all(self) -> list[Optimization]:
@@ -87,23 +80,8 @@ class Registry:
 
 
 REGISTRY = Registry(BUILTIN)
-
-
-def register_optimization(opt: Optimization) -> Optimization:
-    """Add ``opt`` after the built-in ones (its position is the order of ``list`` and cumulative ablations)."""
-    return REGISTRY.add(opt)
-
-
-def all_optimizations() -> list[Optimization]:
-    return REGISTRY.all()
-
-
-def names() -> list[str]:
-    return REGISTRY.names()
-
-
-def get(name: str) -> Optimization:
-    return REGISTRY.get(name)
+#: The one registry's methods; ``register_optimization`` adds after the built-in ones (the order of ``list``).
+register_optimization, all_optimizations, names, get = REGISTRY.add, REGISTRY.all, REGISTRY.names, REGISTRY.get
 
 
 def patching(module: str, names: list[str] | tuple[str, ...] | None = None) -> list[str]:

@@ -1,9 +1,9 @@
 """``vllm-omni-ascend-opt warmup``: check, once per machine, the kernel shape classes that requests will hit, and
 save the verdicts (``blocks/kernels/saved.py``), so that a server starts warm: its first request runs no check.
 
-Which classes: those of Qwen-Image's transformer (24 heads of 128, bf16: :func:`warm`'s keywords) at each ``--sizes``
-(image tokens = (H/16) x (W/16): VAE /8, patch 2), each ``--batch`` (2: CFG batched) and each text-length bucket of
-``--text`` (prompt tokens; the classes bucket sequence lengths to powers of two), as the default stack runs them:
+Which classes: those of Qwen-Image's transformer (24 heads of 128, bf16) at each ``--sizes`` (image tokens =
+(H/16) x (W/16)), each ``--batch`` (2: CFG batched) and each text-length bucket of ``--text``, as the default stack
+runs them:
 
 * ``rope`` (``npu_rotary_mul``): the image and text streams and the joint sequence (``joint_attention``), before
   Ulysses' all-to-all, i.e. on the image sequence split over ``--sp`` ranks with all heads;
@@ -34,7 +34,7 @@ VERIFIED, REFUSED, UNVERIFIED = "verified", "refused", "fault, deferred or no ke
 class Row:
     kernel: str
     shape: str
-    outcome: str  # VERIFIED, REFUSED or UNVERIFIED
+    outcome: str
     seconds: float
 
 
@@ -54,7 +54,7 @@ def parse_ints(text: str, what: str) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"{what} {text!r}: a comma list of positive integers") from None
+        vals = []
     if not vals or min(vals) < 1:
         raise ValueError(f"{what} {text!r}: a comma list of positive integers")
     return vals
@@ -90,10 +90,8 @@ def warm(
             return
         done.add(key)
         t0 = time.perf_counter()
-        ok = fn()
-        secs = time.perf_counter() - t0
-        outcome = {True: VERIFIED, False: REFUSED, None: UNVERIFIED}[ok]
-        rows.append(Row(kernel, label, outcome, secs))
+        outcome = {True: VERIFIED, False: REFUSED, None: UNVERIFIED}[fn()]
+        rows.append(Row(kernel, label, outcome, time.perf_counter() - t0))
 
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device=dev, dtype=dtype)
@@ -133,7 +131,6 @@ def summary(rows: list[Row]) -> str:
     total = sum(r.seconds for r in rows)
     where = saved.path()
     return (
-        f"{len(rows)} shape classes: {n['verified']} verified, {n['refused']} refused, "
-        f"{n['fault, deferred or no kernel']} not decided; {total:.1f} s of checks; verdicts saved in "
+        f"{len(rows)} shape classes: {n[VERIFIED]} verified, {n[REFUSED]} refused, {n[UNVERIFIED]} not decided; {total:.1f} s of checks; verdicts saved in "
         f"{where if where is not None else 'nowhere (' + saved.ENV_VERDICT_CACHE + ' disables the cache)'}"
     )
