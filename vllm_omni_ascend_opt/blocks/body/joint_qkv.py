@@ -204,11 +204,7 @@ def any_cuda_fused(
 
 
 def shape_reason(
-    attn: nn.Module,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    vid_freqs: Any,
-    txt_freqs: Any,
+    attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, vid_freqs: Any, txt_freqs: Any
 ) -> str | None:
     """Why the joint path does not fit these inputs (shapes, dtypes, freqs), or None."""
     if hidden_states.dim() != 3 or encoder_hidden_states.dim() != 3:
@@ -244,10 +240,7 @@ def attend(
     pc = attn.parallel_config
     if pc is not None and pc.sequence_parallel_size > 1 and not mod.get_forward_context().split_text_embed_in_sp:
         attn_metadata = mod.AttentionMetadata(
-            joint_query=query[:, :st],
-            joint_key=key[:, :st],
-            joint_value=value[:, :st],
-            joint_strategy="front",
+            joint_query=query[:, :st], joint_key=key[:, :st], joint_value=value[:, :st], joint_strategy="front"
         )
         if hidden_states_mask is not None:
             attn_metadata.attn_mask = hidden_states_mask
@@ -275,11 +268,7 @@ def attend(
 
 
 def traced_reason(
-    attn: nn.Module,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    vid_freqs: Any,
-    txt_freqs: Any,
+    attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, vid_freqs: Any, txt_freqs: Any
 ) -> str | None:
     """The eager path's checks that hold for a traced call (static: the graph is guarded on them; no ``out=`` op
     needs an autograd check)."""
