@@ -1,9 +1,8 @@
 """The memoized block body: vLLM-Omni's ``QwenImageTransformerBlock.forward`` with its modulation read from unpacked
-tensors (``shared_modulation``'s :class:`NormMod` / :class:`~.two_segment.SegMod` per norm), and the fast tier's
-modes of it: ``fast_modulate`` and ``fast_residual`` provide themselves in :data:`FAST_MODULATE` /
-:data:`FAST_RESIDUAL` while installed and get every call of their mode reported (:class:`ModeOwner`). While dynamo
-traces nothing is counted; inside a regionally compiled block (:func:`traced_block_body`) the modes follow their
-slots, which the graph is guarded on.
+tensors (:class:`NormMod`, :class:`~.two_segment.SegMod`), and the fast tier's modes of it: ``fast_modulate`` and
+``fast_residual`` provide themselves in :data:`FAST_MODULATE` / :data:`FAST_RESIDUAL` and get each call reported
+(:class:`ModeOwner`), except while dynamo traces. In a compiled block (:func:`traced_block_body`) the modes follow
+their slots, which the graph is guarded on.
 """
 
 from __future__ import annotations
@@ -26,13 +25,10 @@ from vllm_omni_ascend_opt.blocks.weak_lru import tensor_bytes
 
 
 class ModeOwner(Protocol):
-    """The optimization that turned a fast mode on."""
+    """The optimization that turned a fast mode on: told of each call that took the fast path or stock's (and why)."""
 
-    def count_fast(self) -> None:
-        """A call took the fast path."""
-
-    def count_stock(self, why: str) -> None:
-        """A call kept stock's ops, because of ``why``."""
+    def count_fast(self) -> None: ...
+    def count_stock(self, why: str) -> None: ...
 
 
 FAST_MODULATE: Slot[ModeOwner] = Slot("fast_modulate")
@@ -84,10 +80,6 @@ class NormMod:
         if self.kind in (NATIVE, NPU_EVAL):
             return layernorm(self.kind, norm, x, eager=True) * self.first + self.shift
         return norm(x, self.first, self.shift)
-
-    def gated(self, y: torch.Tensor) -> torch.Tensor:
-        """Stock's gated residual term ``gate * y`` (the interface :class:`~.two_segment.SegMod` shares)."""
-        return self.gate * y
 
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Stock's ``x + gate * y``; with ``fast_residual`` one ``torch.addcmul(x, gate, y)``."""

@@ -1,9 +1,7 @@
-"""Work hoisted out of regionally compiled blocks: what an optimization decides per step from values (the memo's
-lookup, this forward's RoPE tables) would be baked into a block's graph by dynamo. Once a watched transformer's blocks
-are compiled, a :class:`Hoister` registers a forward pre-hook on each block; it runs in eager (vLLM-Omni compiles
-``forward``, not ``__call__``), does the value-keyed work with its counters and leaves the result on the module
-(:func:`set_ready`). The traced code reads it (:func:`ready`) as graph inputs, guarded by structure and metadata, not
-identity: a new step's tensors run the same graph. Under full compile the hooks never register.
+"""Work hoisted out of regionally compiled blocks: dynamo would bake a per-step, value-keyed decision (the memo's
+lookup, this forward's RoPE tables) into a block's graph. A :class:`Hoister` pre-hooks each compiled block; the hook
+runs in eager (vLLM-Omni compiles ``forward``, not ``__call__``) and leaves its result on the module
+(:func:`set_ready`), which the traced code reads (:func:`ready`) as graph inputs, guarded by metadata, not identity.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Direct calls of layers whose behaviour is known (vLLM's unquantized linears, vLLM-Omni's ``FeedForward``, plain
-layer norms): their kernels without the module path (``__call__``, ``forward``, the quant method's ``apply``, the
-parameter subclass's ``__torch_function__``), which costs more host time than the kernel launches. Nothing changes on
-the device.
-
-:func:`linear_args` answers per call whether a layer is exactly what :func:`linear` mirrors (a plain vLLM linear
-class, not a subclass; no hooks; ``UnquantizedLinearMethod`` with the default GEMM; no TP or ``skip_bias_add``;
-parameters whose ``__torch_function__`` only strips the subclass); :func:`linear` then runs the very ``F.linear`` the
-module path ends in. Likewise :func:`mlp_args` / :func:`mlp` and :func:`layer_norm_args` / :func:`layer_norm`. The
-mirrored upstream is :data:`~..upstream.targets.DIRECT_CALLS`, checked by fingerprint (a difference keeps every layer
-on its module path); process-wide facts are decided once per forward. Callers check ``guards.tracing()`` first.
+layer norms): their kernels without the module path, which costs more host time than the kernel launches; nothing
+changes on the device. :func:`linear_args` / :func:`mlp_args` / :func:`layer_norm_args` answer per call whether a
+layer is exactly what the direct call mirrors (:data:`~..upstream.targets.DIRECT_CALLS`, checked by fingerprint),
+and :func:`linear` / :func:`mlp` / :func:`layer_norm` run the very ops its module path ends in. Process-wide facts
+are decided once per forward; callers check ``guards.tracing()`` first.
 """
 
 from __future__ import annotations

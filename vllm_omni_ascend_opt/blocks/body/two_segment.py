@@ -93,15 +93,11 @@ class SegMod:
             owner.count_stock("two-segment image norm (zero_cond_t): the modulation differs between segments")
         return self._apply(layernorm(self.kind, norm, x, eager=True), self.first, self.shift)
 
-    def gated(self, y: torch.Tensor) -> torch.Tensor:
-        """Stock: ``where(idx, gate1, gate0) * y``."""
-        return self._apply(y, self.gate, None)
-
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Stock's ``x + where(idx, gate1, gate0) * y``; with ``fast_residual`` one ``addcmul`` per broadcast/slice."""
         gate = self.gate if self.plan.broadcast else self.gate[0]
         if not use_residual(x, gate, y):
-            return x + self.gated(y)
+            return x + self._apply(y, self.gate, None)  # where(idx, gate1, gate0) * y
         plan = self.plan
         b, n, d = y.shape
         if plan.broadcast:

@@ -1,18 +1,13 @@
-"""The modulation memo: an exact, byte-bounded LRU of Qwen-Image's modulation tensors, keyed on the value of the
-timestep embedding ``temb`` and on the weights (``shared_modulation`` owns one). Policy, each rule pinned by a test
-in tests/test_shared_modulation.py and a named mutation:
+"""The modulation memo: an exact, byte-bounded LRU of Qwen-Image's modulation tensors (``shared_modulation`` owns
+one). Each rule below is pinned by a test in tests/test_shared_modulation.py and a named mutation.
 
-* Key: temb's value (dtype, shape, device, SHA-256 of its bytes; a view of the last digested temb by its geometry)
-  and the numerical settings; per slot (block, direct projection, ``norm_out``) the module and its weight signature
-  (:mod:`.keys`). A slot serves only while its module lives and its signature holds; a miss replays stock, so a hit
-  is bitwise stock's result.
-* LRU: a hit or a new slot moves its entry to the most recent end; eviction takes the least recently used entry,
-  never the one being filled.
-* Budget (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512 MiB) bounds SiLU(temb) and every payload; one
-  that cannot fit after evicting every other entry is not stored (``not_stored``). Budget 0 disables the memo.
-* Invalidation: :meth:`ModulationMemo.clear` (the owner's ``load_weights``, weights-changed, detach, uninstall);
-  version counters catch in-place writes. Timestep-0 segments (two-segment blocks) live outside the budget, one per
-  block and weights signature; a new signature replaces the block's older one, dead blocks are dropped.
+* Key: temb's value (SHA-256 of its bytes; a view of the last digested temb by its geometry) and the numerical
+  settings; per slot (block, direct projection, ``norm_out``) the module and its weight signature (:mod:`.keys`). A
+  miss replays stock, so a hit is bitwise stock's result.
+* LRU: a hit or new slot moves its entry to the most recent end; eviction never takes the entry being filled.
+* Budget (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512 MiB) bounds SiLU(temb) and every payload; what
+  cannot fit is not stored (``not_stored``); 0 disables the memo. :meth:`ModulationMemo.clear` on weight changes.
+* Timestep-0 segments (two-segment blocks): outside the budget, one per block and weights signature.
 """
 
 from __future__ import annotations
@@ -31,18 +26,8 @@ import torch.nn.functional as F
 from vllm_omni_ascend_opt import _env
 from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
 from vllm_omni_ascend_opt.blocks.body.two_segment import SegmentPlan, SegMod
-from vllm_omni_ascend_opt.blocks.memo import time_embedding
-from vllm_omni_ascend_opt.blocks.memo.keys import (
-    SELECT01_MODULE,
-    Span,
-    Unkeyable,
-    block_parts,
-    linear_sig,
-    norm_out_sig,
-    numerical_settings,
-    sig_tensors,
-    silu_linear,
-)
+from vllm_omni_ascend_opt.blocks.memo import keys, time_embedding
+from vllm_omni_ascend_opt.blocks.memo.keys import Span, Unkeyable
 from vllm_omni_ascend_opt.blocks.slots import Slot
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm, guards, targets
 from vllm_omni_ascend_opt.blocks.weak_lru import tensor_bytes
@@ -192,7 +177,7 @@ class ModulationMemo:
         from vllm_omni.diffusion.cache.exact_projection_cache import tensor_digest
 
         self.stats["digests"] += 1
-        entry = self._entry((tensor_digest(temb), str(temb.device), numerical_settings(temb.device.type)))
+        entry = self._entry((tensor_digest(temb), str(temb.device), keys.numerical_settings(temb.device.type)))
         self._last = (weakref.ref(temb), version, entry, Span.of(temb))
         return entry
 
@@ -230,7 +215,7 @@ class ModulationMemo:
             time_embedding.value_key(timestep),
             hidden_states.dtype,
             None if add is None else time_embedding.value_key(add),
-            numerical_settings(timestep.device.type),
+            keys.numerical_settings(timestep.device.type),
             tkey.sig,
         )
         entry = self._entry(key)
@@ -297,8 +282,8 @@ class ModulationMemo:
         """``seq(temb)`` for direct calls of ``img_mod``/``txt_mod`` (TeaCache's probe), or a fallback reason."""
         try:
             self._check(temb)
-            lin = silu_linear(seq)
-            sig = linear_sig(lin, torch.is_grad_enabled())
+            lin = keys.silu_linear(seq)
+            sig = keys.linear_sig(lin, torch.is_grad_enabled())
         except Unkeyable as exc:
             return None, str(exc)
         entry = self._resolve(temb)
@@ -315,7 +300,7 @@ class ModulationMemo:
         """The unpacked modulations (img1, img2, txt1, txt2) of ``block`` for ``temb``, or a fallback reason."""
         try:
             self._check(temb)
-            img_lin, txt_lin, kinds, sig_img, sig_txt = block_parts(block)
+            img_lin, txt_lin, kinds, sig_img, sig_txt = keys.block_parts(block)
         except Unkeyable as exc:
             return None, str(exc)
         sig = (sig_img, sig_txt, kinds)
@@ -354,7 +339,8 @@ class ModulationMemo:
         """Segment 1 (timestep 0) of ``block``'s image norms, kept per block and weights. ``raw``: this forward's
         timestep-0 rows of ``img_mod(temb)``, ``halves`` their ``(scale1, shift1, gate1)`` per norm. Reused only while
         bitwise equal to ``raw`` (a GEMM row depends on that row alone; ``zero_t_mismatch`` counts the contrary)."""
-        key = ("zero_t", id(block), sig, raw.shape, raw.dtype, str(raw.device), numerical_settings(raw.device.type))
+        settings = keys.numerical_settings(raw.device.type)
+        key = ("zero_t", id(block), sig, raw.shape, raw.dtype, str(raw.device), settings)
         stored = self._zero_t.get(key)
         if stored is not None and stored[0]() is block:
             if torch.equal(stored[1], raw):
@@ -381,7 +367,7 @@ class ModulationMemo:
                 raise Unkeyable("two-segment modulation with an unexpected temb / modulate_index batch")
             if index.shape[-1] != hidden_states.shape[1]:
                 raise Unkeyable("modulate_index does not match the image sequence")
-            img_lin, txt_lin, kinds, sig_img, sig_txt = block_parts(block)
+            img_lin, txt_lin, kinds, sig_img, sig_txt = keys.block_parts(block)
             if ada_norm.OPAQUE in kinds[:2]:
                 raise Unkeyable("a fused (MindIE-SD) image AdaLayerNorm takes per-token scale tensors")
             plan, why = self.segment_plan(index)
@@ -399,7 +385,7 @@ class ModulationMemo:
         img_params = self._projection(entry, block.img_mod, img_lin, sig_img, temb)
         temb_txt = torch.chunk(temb, 2, dim=0)[0]
         txt_params = self._projection(self._resolve(temb_txt), block.txt_mod, txt_lin, sig_txt, temb_txt)
-        sel = sys.modules[SELECT01_MODULE]
+        sel = sys.modules[keys.SELECT01_MODULE]
         splits = [sel.split_select01_mod_params(m) for m in img_params.chunk(2, dim=-1)]  # (scale0, ..., gate1)
         zero = self._zero_t_segments(block, (sig_img, kinds[:2]), img_params[batch:], tuple(sp[3:] for sp in splits))
         img = tuple(
@@ -419,7 +405,7 @@ class ModulationMemo:
         """``((1 + scale)[:, None, :], shift[:, None, :])`` of diffusers' AdaLayerNormContinuous, or a reason."""
         try:
             self._check(cond)
-            sig = norm_out_sig(norm, torch.is_grad_enabled())
+            sig = keys.norm_out_sig(norm, torch.is_grad_enabled())
         except Unkeyable as exc:
             return None, str(exc)
         entry = self._resolve(cond)
@@ -438,7 +424,7 @@ class ModulationMemo:
         """Whether :meth:`block` (single-segment) would hit now; nothing is computed, stored or counted."""
         try:
             self._check(temb)
-            _img, _txt, kinds, sig_img, sig_txt = block_parts(block)
+            _img, _txt, kinds, sig_img, sig_txt = keys.block_parts(block)
         except Unkeyable:
             return False
         entry = self._resolve(temb)
@@ -447,7 +433,7 @@ class ModulationMemo:
 
 def _refs(objs: tuple[Any, ...]) -> tuple[weakref.ReferenceType, ...]:
     """Weak references to the tensors of ``objs`` (a linear: its :func:`~.keys.sig_tensors`)."""
-    return tuple(weakref.ref(t) for x in objs for t in (sig_tensors(x) if isinstance(x, nn.Module) else (x,)))
+    return tuple(weakref.ref(t) for x in objs for t in (keys.sig_tensors(x) if isinstance(x, nn.Module) else (x,)))
 
 
 #: ``shared_modulation``'s memo while installed (``memo_aware_offload`` asks it).

@@ -151,13 +151,10 @@ def modulation_linears(transformer: nn.Module) -> list[nn.Module]:
 def unkeyable_reasons(transformer: nn.Module) -> list[str]:
     """Why the memo cannot key some of ``transformer``'s projections (the per-call checks, made on the model)."""
     reasons = []
-    for block in transformer.transformer_blocks:
+    checks = [(block_parts, b) for b in transformer.transformer_blocks] + [(norm_out_sig, transformer.norm_out)]
+    for check, module in checks:
         try:
-            block_parts(block, grad=False)
+            check(module, grad=False)
         except Unkeyable as exc:
             reasons.append(str(exc))
-    try:
-        norm_out_sig(transformer.norm_out, grad=False)
-    except Unkeyable as exc:
-        reasons.append(str(exc))
     return list(dict.fromkeys(reasons))

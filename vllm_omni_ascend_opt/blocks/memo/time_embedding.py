@@ -1,12 +1,8 @@
-"""What the time-embedding memo keys on: Qwen-Image's ``time_text_embed(timestep, hidden_states, addition_t_cond)``
-is a function of the timestep's value, the activation dtype, the additional condition's value, the weights of its
-linears (and additional-condition embedding) and the numerical settings, nothing else.
-
-Why: the embedding runs in every forward, and digesting temb reads all of it back to the host (B x 3072 values);
-keyed on the timestep (B values), a repeated timestep returns the very temb computed first, which the block memo then
-finds by identity. :func:`time_key` checks per call that the module is what the key covers; :func:`value_key` is a
-small tensor's exact value (``-0.0`` and ``0.0`` differ); :func:`upstream_reason` checks the fingerprints of
-:data:`~..upstream.targets.TIME_EMBEDDING`.
+"""What the time-embedding memo keys on: ``time_text_embed(timestep, hidden_states, addition_t_cond)`` is a function
+of the timestep's value, the activation dtype, the additional condition's value, its weights and the numerical
+settings. Keyed on the timestep (B values read back, not temb's B x 3072), a repeated timestep returns the very temb
+computed first, which the block memo finds by identity. :func:`time_key` checks per call that the module is what the
+key covers; :func:`upstream_reason` checks :data:`~..upstream.targets.TIME_EMBEDDING`'s fingerprints.
 """
 
 from __future__ import annotations

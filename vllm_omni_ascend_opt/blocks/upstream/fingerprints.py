@@ -1,17 +1,12 @@
 """The upstream code each optimization relies on, recognised by its source, not by a version string: each declares
-the functions it patches, replaces or mirrors (:class:`Upstream`) with the fingerprints it knows; where the code
-differs it stays off with a reason naming the function and the versions it knows (:func:`reasons`).
+the functions it patches, replaces or mirrors (:class:`Upstream`) with the fingerprints it knows, and stays off where
+the code differs, with a reason naming the function and the versions it knows (:func:`reasons`).
 
-* Fingerprint: 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, computed from the source
-  file without importing (:mod:`ast`, decorators included, cut with ``inspect.getblock``), so ``list`` and the worker
-  agree. A function the module or class does not define itself is :data:`ABSENT`.
-* Imported modules: the live attribute, unwrapped, must be the function defined there (:func:`replacement`).
-* A declaration with :attr:`Upstream.platforms` is checked only where vLLM-Omni dispatches to it.
-* ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` (:func:`forced`): install anyway, the differences become notes and a warning.
-* :func:`qwen_image_21` recognises Qwen-Image-2.1 (a different model) by class module, without importing.
-
-Adding a version: run ``python tools/fingerprints.py`` with it; for each function that differs, redo the exactness
-argument of the optimizations that declare it and add the new fingerprint to their tables.
+A fingerprint is 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, computed from the source
+file without importing (so ``list`` and the worker agree); an imported function must also be the one defined there
+(:func:`replacement`). ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` installs anyway, with notes and a warning. Adding a version:
+run ``python tools/fingerprints.py`` with it, redo the exactness argument of each function that differs, and add its
+fingerprint.
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ import torch
 
 from vllm_omni_ascend_opt import _backend, _env
 
-ABSENT = "absent"
+ABSENT = "absent"  # the fingerprint of a function the module (or class) does not define itself
 V030, V031, V032 = "0.30.0", "0.31.0rc1", "0.32.0rc1"
 #: The vLLM-Omni releases the fingerprints were taken from, oldest first (ALL: a function the same in each).
 KNOWN_OMNI: tuple[str, ...] = (V030, V031, V032)
@@ -161,25 +156,17 @@ def module_file(module: str) -> Path | None:
     if mod is not None and getattr(mod, "__file__", None):
         return Path(mod.__file__)
     top, *rest = module.split(".")
-    origin, dirs = _top_level(top)
-    if not rest:
-        return Path(origin) if origin and origin.endswith(".py") else None
-    for loc in dirs:
-        for p in (Path(loc, *rest[:-1], rest[-1] + ".py"), Path(loc, *rest, "__init__.py")):
-            if p.is_file():
-                return p
-    return None
-
-
-def _top_level(top: str) -> tuple[str | None, tuple[str, ...]]:
-    """``(origin, package directories)`` of a top-level module, found without importing it."""
     try:
         spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
     except (ImportError, ValueError):
         spec = None
-    if spec is None:
-        return None, ()
-    return spec.origin, tuple(spec.submodule_search_locations or ())
+    if spec is None or not rest:
+        return Path(spec.origin) if spec and spec.origin and spec.origin.endswith(".py") else None
+    for loc in spec.submodule_search_locations or ():
+        for p in (Path(loc, *rest[:-1], rest[-1] + ".py"), Path(loc, *rest, "__init__.py")):
+            if p.is_file():
+                return p
+    return None
 
 
 def fingerprint(module: str, qualname: str) -> str:

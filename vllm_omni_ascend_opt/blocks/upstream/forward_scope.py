@@ -68,17 +68,6 @@ def decide(key: Hashable, make: Callable[[], T]) -> T:
         return value
 
 
-def _open(module: nn.Module, callbacks: dict[str, Callable[[nn.Module], None] | None]) -> dict[Hashable, Any]:
-    scope: dict[Hashable, Any] = {}
-    if not _STACK:
-        _FORWARDS[0] += 1
-        _OWNER[0] = threading.get_ident()
-    _STACK.append(scope)
-    for callback in [c for c in callbacks.values() if c is not None]:
-        callback(module)
-    return scope
-
-
 def _close(scope: dict[Hashable, Any]) -> None:
     for i in range(len(_STACK) - 1, -1, -1):  # this forward's scope (and any left open inside it)
         if _STACK[i] is scope:
@@ -113,7 +102,13 @@ def _scoped_class(cls: type) -> type:
                     "expects one forward at a time per process (as vLLM-Omni runs it): this one runs unscoped"
                 )
             return base_call(self, *args, **kwargs)
-        scope = _open(self, w)
+        scope: dict[Hashable, Any] = {}
+        if not _STACK:
+            _FORWARDS[0] += 1
+            _OWNER[0] = threading.get_ident()
+        _STACK.append(scope)
+        for callback in [c for c in w.values() if c is not None]:
+            callback(self)
         try:
             out = base_call(self, *args, **kwargs)
         finally:
