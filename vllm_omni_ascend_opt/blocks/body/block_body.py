@@ -190,12 +190,10 @@ def block_body(
     )
     hidden_states = img1.residual(hidden_states, img_attn_output)
     encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output)
-
     img_modulated2 = img2.norm(m["img_norm2"], hidden_states)
     hidden_states = img2.residual(hidden_states, feed_forward(m["img_mlp"], img_modulated2, stats))
     txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states)
     encoder_hidden_states = txt2.residual(encoder_hidden_states, feed_forward(m["txt_mlp"], txt_modulated2, stats))
-
     return _clip_fp16(encoder_hidden_states), _clip_fp16(hidden_states)
 
 
