@@ -1,12 +1,8 @@
-"""Slots: the one way optimizations cooperate.
-
-An optimization never imports another one. When one offers something others use (``rope``'s verified rotary path,
-``qk_norm``'s RMSNorm kernel, a fast-tier mode, ``shared_modulation``'s memo), the offer goes through a
-:class:`Slot` declared in ``blocks/`` next to the thing it carries: the owner fills it in ``install`` and empties it
-in ``uninstall``; a user asks :meth:`Slot.get` and takes its own path on None. The registry is not a way to reach a
-peer: it only combines reasons (``Optimization.needs``) and broadcasts that weights changed.
-
-Read on hot paths (one attribute read), and never inside a traced forward: callers ask ``guards.tracing()`` first.
+"""Slots: the one way optimizations cooperate. An optimization never imports another; what one offers others
+(``rope``'s rotary path, ``qk_norm``'s RMSNorm kernel, a fast-tier mode, ``shared_modulation``'s memo) goes through a
+:class:`Slot` declared next to it in ``blocks/``: the owner fills it in ``install`` and empties it in ``uninstall``,
+a user asks :meth:`Slot.get` and takes its own path on None. Read on hot paths, never inside a traced forward
+(callers ask ``guards.tracing()`` first).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""A bounded LRU whose entries live only as long as the objects they were made for: the RoPE table cache and the
-joint freqs cache key on tensors by identity, so an entry must die with its tensors (an id can be reused once the
-object is gone) and must never keep them alive.
-
-Policy: at most ``cap`` entries; a hit moves its entry to the most recent end; a new entry beyond the cap evicts
-the least recently used one; an entry is dropped when any of its owners dies. An entry is inserted only once its
-value is complete (:meth:`WeakLRU.put` takes the finished value).
+"""A bounded LRU whose entries live only as long as the objects they were made for (the RoPE table and joint freqs
+caches key on tensors by identity: an id can be reused once its object is gone), never keeping them alive. At most
+``cap`` entries; a hit moves its entry to the most recent end; an entry is dropped when any of its owners dies.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ class WeakLRU(Generic[V]):
         return hit[1]
 
     def put(self, key: Hashable, owners: tuple[Any, ...], value: V) -> V:
-        """Store ``value`` under ``key`` until one of ``owners`` dies or it is evicted; returns ``value``."""
+        """Store the finished ``value`` under ``key`` until one of ``owners`` dies or it is evicted; returns it."""
         entries = self._entries
 
         def _drop(_ref: weakref.ref, key: Hashable = key) -> None:
@@ -56,8 +52,7 @@ class WeakLRU(Generic[V]):
 
 
 def tensor_bytes(obj: object) -> int:
-    """Bytes of the tensors in ``obj`` (a tensor, or tuples / lists / dicts of them, nested): what a cache entry
-    holds, for status."""
+    """Bytes of the tensors in ``obj`` (nested tuples / lists / dicts of tensors): what a cache entry holds."""
     import torch
 
     if isinstance(obj, torch.Tensor):

@@ -1,12 +1,8 @@
-"""The memoized block body: vLLM-Omni 0.30's ``QwenImageTransformerBlock.forward`` with its modulation read from
-unpacked tensors, and the fast tier's modes of it.
-
-Shared by ``shared_modulation`` (whose patched block forward calls :func:`block_body` with the memo's
-:class:`NormMod` / :class:`~.two_segment.SegMod` per norm) and by the fast tier (``close``, off by default): each of
-``fast_modulate`` and ``fast_residual`` provides itself in its mode's slot (:data:`FAST_MODULATE`,
-:data:`FAST_RESIDUAL`) while installed, and the block body reports every call of the mode to it (:class:`ModeOwner`).
-While dynamo traces no mode is counted; inside a regionally compiled block (:func:`traced_block_body`) the modes
-follow their slots, which the graph is guarded on.
+"""The memoized block body: vLLM-Omni's ``QwenImageTransformerBlock.forward`` with its modulation read from unpacked
+tensors (:class:`NormMod`, :class:`~.two_segment.SegMod`), and the fast tier's modes of it: ``fast_modulate`` and
+``fast_residual`` provide themselves in :data:`FAST_MODULATE` / :data:`FAST_RESIDUAL` and get each call reported
+(:class:`ModeOwner`), except while dynamo traces. In a compiled block (:func:`traced_block_body`) the modes follow
+their slots, which the graph is guarded on.
 """
 
 from __future__ import annotations
@@ -25,26 +21,22 @@ from vllm_omni_ascend_opt.blocks.body import direct_calls
 from vllm_omni_ascend_opt.blocks.slots import Slot
 from vllm_omni_ascend_opt.blocks.upstream import guards, targets
 from vllm_omni_ascend_opt.blocks.upstream.ada_norm import NATIVE, NPU_EVAL
+from vllm_omni_ascend_opt.blocks.weak_lru import tensor_bytes
 
 
-# ----- the fast tier's modes ------------------------------------------------------------------------------------
 class ModeOwner(Protocol):
-    """The optimization that turned a fast mode on: the block body reports every call of the mode to it."""
+    """The optimization that turned a fast mode on: told of each call that took the fast path or stock's (and why)."""
 
-    def count_fast(self) -> None:
-        """A call took the fast path."""
-
-    def count_stock(self, why: str) -> None:
-        """A call kept stock's ops, because of ``why``."""
+    def count_fast(self) -> None: ...
+    def count_stock(self, why: str) -> None: ...
 
 
-#: The fast tier's modes: the optimization that provides one gets every call of it reported.
 FAST_MODULATE: Slot[ModeOwner] = Slot("fast_modulate")
 FAST_RESIDUAL: Slot[ModeOwner] = Slot("fast_residual")
 
 
 def mode_owner(slot: Slot[ModeOwner]) -> ModeOwner | None:
-    """The provider of a fast mode when it is on and dynamo is not tracing (checked first), else None."""
+    """The provider of a fast mode when it is on and dynamo is not tracing, else None."""
     if guards.tracing():
         return None
     return slot.get()
@@ -62,7 +54,6 @@ def use_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
     return True
 
 
-# ----- one norm's modulation ------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class NormMod:
     """One AdaLayerNorm's modulation, unpacked: ``first`` is ``1 + scale`` (kinds native/npu_eval) or ``scale``."""
@@ -71,13 +62,12 @@ class NormMod:
     shift: torch.Tensor
     gate: torch.Tensor
     kind: str
-    #: fast_modulate: the ``[D]`` affine ``(1 + scale, shift)`` of every token (views of ``first``/``shift``), or why
-    #: this norm cannot take them; built on first fast use and kept with the memo entry (a warm step pays no op).
+    # fast_modulate: the ``[D]`` affine ``(1 + scale, shift)`` of every token, or why not; built on first fast use.
     affine: tuple[torch.Tensor, torch.Tensor] | str | None = None
 
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``norm(x, scale, shift)``, computed with the same ops as the instance's stock dispatch (or, with
-        ``fast_modulate``, as one affine layer norm)."""
+        """``norm(x, scale, shift)`` with the ops of the instance's stock dispatch (``fast_modulate``: one affine
+        layer norm)."""
         owner = mode_owner(FAST_MODULATE)
         if owner is not None:
             if self.affine is None:
@@ -90,10 +80,6 @@ class NormMod:
         if self.kind in (NATIVE, NPU_EVAL):
             return layernorm(self.kind, norm, x, eager=True) * self.first + self.shift
         return norm(x, self.first, self.shift)
-
-    def gated(self, y: torch.Tensor) -> torch.Tensor:
-        """Stock's gated residual term ``gate * y`` (the interface :class:`~.two_segment.SegMod` shares)."""
-        return self.gate * y
 
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Stock's ``x + gate * y``; with ``fast_residual`` one ``torch.addcmul(x, gate, y)``."""
@@ -108,16 +94,15 @@ class NormMod:
         return NormMod(first, shift.clone(memory_format=own), gate.clone(memory_format=own), kind)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.first, self.shift, self.gate))
+        return tensor_bytes((self.first, self.shift, self.gate))
 
 
 def affine_layernorm(
     kind: str, norm: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 ) -> torch.Tensor:
-    """fast_modulate: ``LN(x) * (1 + scale) + shift`` as ONE affine layer norm, ``weight = 1 + scale``,
-    ``bias = shift`` (``[D]``) -- the one place that picks its kernel: ``npu_layer_norm_eval`` (kind npu_eval,
-    [OP-LNE] accepts weight and bias) or ``F.layer_norm`` (native). The affine runs in the kernel's fp32 opmath
-    with one rounding instead of stock's three roundings in bf16: close, not exact (1 ulp bf16)."""
+    """fast_modulate: ``LN(x) * (1 + scale) + shift`` as one affine layer norm (``weight = 1 + scale``, ``bias =
+    shift``: ``npu_layer_norm_eval`` or ``F.layer_norm``). One rounding in fp32 opmath instead of stock's three in
+    bf16: close, not exact."""
     if kind == NPU_EVAL:
         return _backend.torch_npu_module().npu_layer_norm_eval(
             x, normalized_shape=[norm.hidden_size], weight=weight, bias=bias, eps=norm.eps
@@ -154,8 +139,8 @@ def _affine_dtype_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 
 
 def layernorm(kind: str, norm: nn.Module, x: torch.Tensor, eager: bool = False) -> torch.Tensor:
-    """The normalisation half of ``AdaLayerNorm`` for kinds native / npu_eval (what stock multiplies by 1+scale).
-    ``eager`` (never in traced code): a plain inner layer norm is called as its kernel (:mod:`.direct_calls`)."""
+    """The normalisation half of ``AdaLayerNorm`` (kinds native / npu_eval). ``eager`` (never in traced code): a
+    plain inner layer norm is called as its kernel (:mod:`.direct_calls`)."""
     if kind == NPU_EVAL:
         return _backend.torch_npu_module().npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps)
     ln = norm._modules["layernorm"]
@@ -164,8 +149,8 @@ def layernorm(kind: str, norm: nn.Module, x: torch.Tensor, eager: bool = False) 
 
 
 def feed_forward(ff: nn.Module, x: torch.Tensor, stats: Counter | None) -> torch.Tensor:
-    """``ff(x)`` for the block's MLPs (eager): its three kernels where :func:`.direct_calls.mlp_args` vouches for
-    them, else the module (the reason counted in ``stats``, the caller's)."""
+    """``ff(x)`` (eager): its three kernels where :func:`.direct_calls.mlp_args` vouches for them, else the module
+    (the reason counted in the caller's ``stats``)."""
     args = direct_calls.mlp_args(ff)
     if isinstance(args, str):
         if stats is not None:
@@ -177,8 +162,7 @@ def feed_forward(ff: nn.Module, x: torch.Tensor, stats: Counter | None) -> torch
     return direct_calls.mlp(x, args)
 
 
-# ----- the block body -------------------------------------------------------------------------------------------
-# Eager/traced twin of traced_block_body: the eager one counts, calls known layers directly and reads the memo.
+# Eager twin of traced_block_body: counts, calls known layers directly and reads the memo.
 def block_body(
     block: nn.Module,
     mods: tuple[Any, ...],
@@ -189,11 +173,9 @@ def block_body(
     hidden_states_mask: torch.Tensor | None,
     stats: Counter | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM-Omni 0.30's block with its modulation read from ``mods``: the same ops on the same values as
-    ``QwenImageTransformerBlock.forward`` (unless a fast-tier mode is on: :data:`FAST_MODULATE`, :data:`FAST_RESIDUAL`). Single-segment blocks
-    (``modulate_index=None``, image mods are :class:`NormMod`) and ``zero_cond_t`` blocks (image mods are
-    :class:`~.two_segment.SegMod`) share this body. Known layers are called as their kernels (:mod:`.direct_calls`),
-    the others as modules; ``stats`` (the caller's) counts ``direct_calls`` and ``module_calls``."""
+    """The block with its modulation read from ``mods`` (:class:`NormMod`, or :class:`~.two_segment.SegMod` for the
+    image norms of ``zero_cond_t`` blocks): stock's ops on stock's values unless a fast-tier mode is on. ``stats``
+    (the caller's) counts ``direct_calls`` and ``module_calls``."""
     img1, img2, txt1, txt2 = mods
     m = block._modules
     img_modulated = img1.norm(m["img_norm1"], hidden_states)
@@ -208,12 +190,10 @@ def block_body(
     )
     hidden_states = img1.residual(hidden_states, img_attn_output)
     encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output)
-
     img_modulated2 = img2.norm(m["img_norm2"], hidden_states)
     hidden_states = img2.residual(hidden_states, feed_forward(m["img_mlp"], img_modulated2, stats))
     txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states)
     encoder_hidden_states = txt2.residual(encoder_hidden_states, feed_forward(m["txt_mlp"], txt_modulated2, stats))
-
     return _clip_fp16(encoder_hidden_states), _clip_fp16(hidden_states)
 
 
@@ -222,14 +202,12 @@ def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
     return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
 
-# ----- the block body inside a compiled graph (regional compile: modulation hoisted by an eager pre-hook) -------
-#: The attribute a compiled block reads its hoisted modulation from: ``(kinds, tensors)``, the four norms' kinds and
-#: their ``(first, shift, gate)`` tensors in the order img1, img2, txt1, txt2 (see :mod:`.compiled_blocks`).
+#: Where a compiled block reads its hoisted modulation (:func:`hoistable`; :mod:`.compiled_blocks`).
 READY = "_ascend_ready_modulation"
 
 
 def hoistable(mods: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...]] | None:
-    """``mods`` (single-segment :class:`NormMod` only) as the plain ``(kinds, tensors)`` a compiled block reads."""
+    """``mods`` (single-segment only) as the plain ``(kinds, (first, shift, gate) * 4)`` a compiled block reads."""
     if not all(type(m) is NormMod for m in mods):
         return None
     return tuple(m.kind for m in mods), tuple(t for m in mods for t in (m.first, m.shift, m.gate))
@@ -238,7 +216,7 @@ def hoistable(mods: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[torch.Tenso
 def _traced_norm(kind: str, norm: nn.Module, x: torch.Tensor, first: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     ln = norm.layernorm
     if (
-        FAST_MODULATE.get() is not None  # a static switch in the graph (guarded); nothing is counted while compiled
+        FAST_MODULATE.get() is not None  # a static switch in the graph (guarded)
         and kind in (NATIVE, NPU_EVAL)
         and first.dim() == 3
         and first.shape[0] == 1
@@ -260,7 +238,7 @@ def _traced_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> to
     return x + gate * y
 
 
-# Eager/traced twin of block_body: the traced one reads the hoisted modulation and no mutable state (dynamo).
+# Traced twin of block_body: reads the hoisted modulation and no mutable state.
 def traced_block_body(
     block: nn.Module,
     hoisted: tuple[tuple[str, ...], tuple[torch.Tensor, ...]],
@@ -270,9 +248,8 @@ def traced_block_body(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
     hidden_states_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`block_body` as written for dynamo: the modulation comes ready (``hoisted``, looked up in eager), the
-    layers are called as modules (the graph inlines them), the fast tier's modes follow their switches without
-    counting, nothing mutable is read or written. Single-segment blocks only."""
+    """:func:`block_body` for dynamo (single-segment): modulation ``hoisted`` in eager, layers called as modules,
+    the fast modes follow their switches uncounted."""
     (k1, k2, tk1, tk2), (f1, s1, g1, f2, s2, g2, tf1, ts1, tg1, tf2, ts2, tg2) = hoisted
     m = block._modules
     img_modulated = _traced_norm(k1, m["img_norm1"], hidden_states, f1, s1)
@@ -295,16 +272,12 @@ def traced_block_body(
 
 
 def block_body_reason(transformer: nn.Module) -> str | None:
-    """Why the memoized block body does not run in some blocks of ``transformer`` (None: it runs wherever the block
-    forward is called): a vLLM-Omni hook registry (MagCache, layerwise offload, SP) that was installed before
-    shared_modulation captured the stock forward. Those blocks still read their projections from the memo (the
-    swapped ``img_mod``/``txt_mod``); the fast tier's modes do not run there."""
+    """Why the memoized block body does not run in some blocks (None: it does in all): a vLLM-Omni hook registry
+    (MagCache, layerwise offload, SP) captured the stock forward before shared_modulation. Those blocks still read
+    their projections from the memo; the fast tier's modes do not run there."""
     patched = sys.modules[targets.TRANSFORMER].QwenImageTransformerBlock.forward
-    n = 0
-    for block in transformer.transformer_blocks:
-        captured = block.__dict__.get("_omni_original_forward")
-        if captured is not None and getattr(captured, "__func__", None) is not patched:
-            n += 1
+    captured = [b.__dict__.get("_omni_original_forward") for b in transformer.transformer_blocks]
+    n = sum(1 for c in captured if c is not None and getattr(c, "__func__", None) is not patched)
     if not n:
         return None
     return (

@@ -1,15 +1,7 @@
-"""Work hoisted out of regionally compiled blocks: compiled blocks receive ready tensors.
-
-Why: under vLLM-Omni's regional compile each transformer block is a compiled graph, and what an optimization decides
-per step from values (the memo's lookup, the RoPE tables of this forward's freqs) cannot run inside it: dynamo would
-bake one step's answer into the graph.
-
-How: once a watched transformer's blocks are compiled (checked when a forward's scope opens), a :class:`Hoister`
-registers a forward pre-hook on each block; block hooks run in eager (vLLM-Omni compiles ``forward``, not
-``nn.Module.__call__``). There the optimization does its value-keyed work, with its counters and fallback reasons,
-and leaves the result on the module (:func:`set_ready`); the traced code reads it (:func:`ready`) as graph inputs,
-which dynamo guards by structure and tensor metadata, not identity, so a new step's tensors run the same graph. Under
-full compile the hooks never register (no eager code runs between the blocks).
+"""Work hoisted out of regionally compiled blocks: dynamo would bake a per-step, value-keyed decision (the memo's
+lookup, this forward's RoPE tables) into a block's graph. A :class:`Hoister` pre-hooks each compiled block; the hook
+runs in eager (vLLM-Omni compiles ``forward``, not ``__call__``) and leaves its result on the module
+(:func:`set_ready`), which the traced code reads (:func:`ready`) as graph inputs, guarded by metadata, not identity.
 """
 
 from __future__ import annotations
@@ -40,13 +32,12 @@ class Hoister:
 
     def __init__(self, hook: Hook, names: tuple[str, ...], submodule: str | None = None) -> None:
         self._hook = hook
-        #: attributes the hook sets (cleared on release), on the block or on ``block.<submodule>``
-        self._names = names
+        self._names = names  # what the hook sets (cleared on release), on the block or ``block.<submodule>``
         self._submodule = submodule
         self._handles: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
     def _pre(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if guards.tracing():  # never inside a traced region (full compile traces these hooks: nothing to do)
+        if guards.tracing():  # full compile traces these hooks: nothing to do
             return
         self._hook(block, args, kwargs)
 

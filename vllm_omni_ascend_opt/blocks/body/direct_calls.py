@@ -1,20 +1,9 @@
-"""Direct calls of layers whose behaviour is known: the kernels of vLLM's unquantized linears, vLLM-Omni's
-``FeedForward`` and plain layer norms, without re-entering the modules.
-
-Why (host time only; it changes no kernel): the block body and ``joint_attention`` call these layers in every block,
-and their module path (``nn.Module.__call__``, the linear's ``forward``, the quant method's ``apply``, an environment
-read, the parameter subclass's ``__torch_function__``) costs more host time than the layers' own kernel launches.
-
-How: :func:`linear_args` answers, per call, whether a layer is exactly what the direct call mirrors and returns its
-weight and bias: one of vLLM's plain linear classes (not a subclass: LoRA wrappers, platform replacements and
-quantized layers keep their own path), no hooks or instance ``forward``, vLLM's ``UnquantizedLinearMethod`` with the
-default GEMM, no tensor parallelism, no ``skip_bias_add``, row-parallel input already parallel, parameters whose
-``__torch_function__`` only strips the subclass. :func:`linear` then runs ``F.linear(x, weight, bias)`` with the
-subclass dispatch off: the very call the module path ends in, bitwise the same. :func:`mlp_args` / :func:`mlp` do the
-same for ``FeedForward`` (linear, GELU, linear) and :func:`layer_norm_args` / :func:`layer_norm` for layer norms.
-The upstream functions mirrored are declared in :data:`~..upstream.targets.DIRECT_CALLS` and checked by source
-fingerprint: a difference keeps every layer on its module path, with the reason. Process-wide facts are decided
-once per transformer forward; callers check ``guards.tracing()`` first.
+"""Direct calls of layers whose behaviour is known (vLLM's unquantized linears, vLLM-Omni's ``FeedForward``, plain
+layer norms): their kernels without the module path, which costs more host time than the kernel launches; nothing
+changes on the device. :func:`linear_args` / :func:`mlp_args` / :func:`layer_norm_args` answer per call whether a
+layer is exactly what the direct call mirrors (:data:`~..upstream.targets.DIRECT_CALLS`, checked by fingerprint),
+and :func:`linear` / :func:`mlp` / :func:`layer_norm` run the very ops its module path ends in. Process-wide facts
+are decided once per forward; callers check ``guards.tracing()`` first.
 """
 
 from __future__ import annotations
@@ -32,21 +21,20 @@ _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 
 
 class _Known:
-    """The upstream classes the direct calls mirror, looked up once per set of live functions."""
+    """The upstream classes the direct calls mirror, once per set of live functions."""
 
     def __init__(self) -> None:
         lin = sys.modules[targets.LINEAR]
         norm = sys.modules[targets.NORM]
         tr = sys.modules[targets.TRANSFORMER]
         self.omni_ln = norm.LayerNorm
-        # vLLM-Omni's LayerNorm dispatches per instance (CustomOp): these run forward_native (npu without MindIE-SD)
+        # vLLM-Omni's LayerNorm dispatches per instance (CustomOp): these run forward_native
         native = [norm.LayerNorm.forward_native, norm.LayerNorm.forward_cuda, norm.LayerNorm.forward_hip]
         if not getattr(norm, "_HAS_MINDIESD", True):
             native.append(norm.LayerNorm.forward_npu)
         self.omni_ln_native = frozenset(native)
         self.uq = lin.UnquantizedLinearMethod
         self.default_gemm = sys.modules[targets.LINEAR_UTILS].default_unquantized_gemm
-        #: class -> "replicated" / "column" / "row"
         self.linear_kinds: dict[type, str] = {
             lin.ReplicatedLinear: "replicated",
             lin.ColumnParallelLinear: "column",
@@ -55,8 +43,7 @@ class _Known:
         }
         self.ff = tr.FeedForward
         self.gelu = tr.ColumnParallelApproxGELU
-        #: __torch_function__ implementations that only strip the parameter subclass
-        self.plain_tf = {
+        self.plain_tf = {  # __torch_function__ implementations that only strip the parameter subclass
             torch._C._disabled_torch_function_impl,
             sys.modules[targets.PARAMETER].BasevLLMParameter.__torch_function__.__func__,
         }
@@ -139,8 +126,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def mlp_args(ff: nn.Module) -> tuple[Any, ...] | str:
-    """``(w1, b1, approximate, w2, b2)`` of vLLM-Omni's ``FeedForward`` (linear, GELU, Identity, linear) when the
-    three kernels are exactly its module path, else why not."""
+    """``(w1, b1, approximate, w2, b2)`` of vLLM-Omni's ``FeedForward`` when its three kernels are exactly its
+    module path, else why not."""
     k = _decided()
     if isinstance(k, str):
         return k
@@ -150,12 +137,10 @@ def mlp_args(ff: nn.Module) -> tuple[Any, ...] | str:
     act, ident, out = net
     if type(act) is not k.gelu or type(ident) is not nn.Identity or not (_plain(act) and _plain(ident) and _plain(net)):
         return "FeedForward.net is not (ColumnParallelApproxGELU, Identity, linear), or carries hooks"
-    first = linear_args(act.proj)
-    if isinstance(first, str):
-        return first
-    second = linear_args(out)
-    if isinstance(second, str):
-        return second
+    first, second = linear_args(act.proj), linear_args(out)
+    for args in (first, second):
+        if isinstance(args, str):
+            return args
     return (*first, act.approximate or "none", *second)
 
 
@@ -167,9 +152,8 @@ def mlp(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
 
 
 def layer_norm_args(ln: nn.Module) -> tuple[Any, ...] | None:
-    """``(normalized_shape, weight, bias, eps, upcast)`` of a layer norm whose forward is one ``F.layer_norm``: a
-    plain ``nn.LayerNorm``, or vLLM-Omni's ``LayerNorm`` dispatched to ``forward_native`` (``upcast``: it runs in
-    fp32 and casts back), without hooks; else None (call the module). Global module hooks are the caller's guard."""
+    """``(normalized_shape, weight, bias, eps, upcast)`` of a hook-free ``nn.LayerNorm`` or vLLM-Omni ``LayerNorm``
+    dispatched to ``forward_native`` (``upcast``: fp32 and back), else None. Global hooks are the caller's guard."""
     if not _plain(ln):
         return None
     p = ln._parameters

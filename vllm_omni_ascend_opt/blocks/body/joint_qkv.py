@@ -1,12 +1,8 @@
-"""The joint QKV path's building blocks: the joint RMSNorm, the joint RoPE freqs cache, the static checks, the
-attention call on the joint sequence and the whole path as written for a compiled graph.
-
-``joint_attention`` runs this path eagerly with its counters, caches and per-forward decisions; inside a compiled graph
-it runs the same math without any of them (:func:`traced_forward`). Both share what is here (counters are the caller's),
-so the two never drift apart. Every element sees stock's operations in stock's order (see ``joint_attention``'s header);
-the traced path differs only in how it is assembled (one ``cat`` instead of ``out=`` writes, layers called as modules,
-tables hoisted by an eager pre-hook or computed in the graph), which the compiler may fuse: pixel-identical to compiled
-stock.
+"""The joint QKV path's building blocks: the joint RMSNorm, the joint freqs cache, the checks, the attention on the
+joint sequence, and the path as written for a compiled graph (:func:`traced_forward`). ``joint_attention`` runs it
+eagerly with its counters and caches; the traced path runs the same math without them, assembled differently (one
+``cat`` instead of ``out=`` writes, layers as modules, tables hoisted or computed in the graph): pixel-identical to
+compiled stock.
 """
 
 from __future__ import annotations
@@ -23,26 +19,21 @@ from vllm_omni_ascend_opt.blocks.body import compiled_blocks
 from vllm_omni_ascend_opt.blocks.kernels import rms_norm, rope_tables
 from vllm_omni_ascend_opt.blocks.upstream import guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
-from vllm_omni_ascend_opt.blocks.weak_lru import WeakLRU
+from vllm_omni_ascend_opt.blocks.weak_lru import WeakLRU, tensor_bytes
 
-#: The attribute of a compiled block's attention that holds this forward's joint ``(cos, sin_signed)`` tables.
+#: Where a compiled block's attention holds this forward's joint ``(cos, sin_signed)`` tables.
 READY_ROPE = "_ascend_ready_rope"
-#: Joint freqs kept (LRU): one per (vid, txt) freqs pair, i.e. per shape with ``rope``'s embedder memo.
+#: Joint freqs kept (LRU): one per (vid, txt) freqs pair.
 JOINT_FREQS_CACHE_SIZE = 16
 _OPMATH = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
-#: Devices where ``torch.rms_norm(x_opmath, (D,), None, eps)`` is the composite's pieces (CPU: checked bitwise against
-#: them in tests/test_joint_attention.py; NPU: torch_npu 2.13 registers no rms_norm kernel, so the composite runs).
+#: Devices where ``torch.rms_norm(x_opmath, (D,), None, eps)`` runs the composite's pieces (NPU: torch_npu registers no
+#: rms_norm kernel; CPU: checked bitwise in tests/test_joint_attention.py).
 COMPOSITE_RMS_DEVICES = frozenset({"cpu", "npu"})
 
 
-# ----- the joint RMSNorm ----------------------------------------------------------------------------------------
 def joint_rms_norm(x: torch.Tensor, st: int, w_txt: torch.Tensor, w_img: torch.Tensor, eps: float) -> torch.Tensor:
-    """``cat([rms_norm(x[:, :st], w_txt), rms_norm(x[:, st:], w_img)], dim=1)``, bitwise, with one norm pass.
-
-    Reproduces torch 2.13's ``rms_norm`` composite (what ``nn.RMSNorm`` runs on CPU and, op by op, on an NPU):
-    upcast to the opmath type (fp32 for fp16/bf16), ``rsqrt(pow(x, 2).mean(-1, keepdim=True).add_(eps))``,
-    ``x * rstd``, ``* weight`` in the promoted type, one cast back to ``x.dtype``. ``eps`` is applied as the opmath
-    scalar, as the composite does."""
+    """``cat([rms_norm(x[:, :st], w_txt), rms_norm(x[:, st:], w_img)], dim=1)``, bitwise, with one norm pass: torch's
+    ``rms_norm`` composite (upcast to opmath, ``x * rsqrt(mean(x^2) + eps)``, ``* weight`` promoted, one cast back)."""
     dtype = x.dtype
     opmath = _OPMATH.get(dtype, dtype)
     normed = _rms_rows(x.to(opmath), eps, opmath)
@@ -62,14 +53,10 @@ def joint_qk_rms_norm(
     w_img: tuple[torch.Tensor, torch.Tensor],
     eps: float,
 ) -> torch.Tensor:
-    """:func:`joint_rms_norm` of q and k together, bitwise stock's four norms. ``qk`` is the ``[2, B, S, N, D]`` q/k
-    view of the joint QKV tensor (``qkv[..., :2*N*D].unflatten(-1, (2, N, D)).permute(2, 0, 1, 3, 4)``),
-    ``w_txt``/``w_img`` the (q, k) weights of each stream; returns a new contiguous ``[2, B, S, N, D]`` tensor (q, k).
-    The composite normalises every row by itself, and each plane-and-stream is multiplied by its own weight, in place.
-
-    In fp32 both planes take one norm pass. Where the norm upcasts (bf16/fp16), the planes are normalised one after
-    the other into the output (its cast is the ``copy_``): both planes' fp32 temporaries at once would put the
-    transformer's peak above stock's, and the upcast makes the copy the one-pass saves anyway."""
+    """:func:`joint_rms_norm` of q and k together, bitwise stock's four norms: ``qk`` is the ``[2, B, S, N, D]`` q/k
+    view of the joint QKV tensor, ``w_txt``/``w_img`` each stream's (q, k) weights; returns a new contiguous tensor.
+    In fp32 both planes take one pass; where the norm upcasts, one plane after the other (both fp32 temporaries at
+    once would raise the peak above stock's)."""
     dtype = qk.dtype
     opmath = _OPMATH.get(dtype, dtype)
     if dtype == opmath:
@@ -96,8 +83,7 @@ def _rms_rows(xu: torch.Tensor, eps: float, opmath: torch.dtype) -> torch.Tensor
 
 
 def qk_weights_fit(dtype: torch.dtype, weights: tuple[torch.Tensor, ...]) -> bool:
-    """Whether :func:`joint_qk_rms_norm` can multiply by ``weights`` in place: each promotes with the norm's opmath
-    type to that type (as stock's ``mul(weight)`` would: bf16/fp16 weights on fp32 rows, or same-dtype weights)."""
+    """Whether :func:`joint_qk_rms_norm` can multiply by ``weights`` in place (each promotes to the opmath type)."""
     opmath = _OPMATH.get(dtype, dtype)
     return all(_promote(opmath, w.dtype) == opmath for w in weights)
 
@@ -128,8 +114,7 @@ def _plain_rms_norm(norm: nn.Module) -> str | None:
 
 
 def static_reason(attn: nn.Module) -> str | None:
-    """Why the joint path can never run for this ``QwenImageCrossAttention`` (None when it can), checked per call:
-    the instance's modules and global module hooks."""
+    """Why the joint path cannot run for this ``QwenImageCrossAttention`` (its modules, global hooks), or None."""
     m = attn._modules
     norms = (m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"])
     for n in norms:
@@ -154,11 +139,9 @@ def freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:
     return freqs.dim() == 2 and freqs.is_complex() and freqs.shape[0] == seq and freqs.shape[-1] * 2 <= head_dim
 
 
-# ----- joint freqs, cached weakly on the (vid, txt) freqs pair --------------------------------------------------
 class JointFreqsCache:
-    """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair, keyed like ``rope``'s tables
-    (:func:`~vllm_omni_ascend_opt.blocks.kernels.rope_tables.table_key`): a :class:`~.weak_lru.WeakLRU` of
-    :data:`JOINT_FREQS_CACHE_SIZE` entries, each dropped when either freqs tensor dies."""
+    """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair, keyed like ``rope``'s tables, dropped when either
+    freqs tensor dies."""
 
     def __init__(self, stats: Counter) -> None:
         self._entries: WeakLRU[torch.Tensor] = WeakLRU(JOINT_FREQS_CACHE_SIZE)
@@ -171,7 +154,7 @@ class JointFreqsCache:
         return len(self._entries)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._entries.values())
+        return tensor_bytes(list(self._entries.values()))
 
     def get(self, vid: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
         kv, rv = rope_tables.table_key(vid, vid.dtype)
@@ -188,18 +171,15 @@ class JointFreqsCache:
 def graph_joint_rms_norm(
     x: torch.Tensor, st: int, w_txt: torch.Tensor, w_img: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """:func:`joint_rms_norm` as written for a compiled graph: the same values, the two weight rows joined by one
-    ``cat`` instead of ``out=`` writes (which a graph would have to functionalize)."""
+    """:func:`joint_rms_norm` for a compiled graph: the same values, one ``cat`` instead of ``out=`` writes."""
     dtype = x.dtype
     normed = torch.rms_norm(x.to(_OPMATH.get(dtype, dtype)), (x.shape[-1],), None, eps)
     return torch.cat([normed[:, :st] * w_txt, normed[:, st:] * w_img], dim=1).to(dtype)
 
 
-# ----- checks shared by the eager and the traced path -----------------------------------------------------------
 def cuda_fused(mod: Any, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
-    """Whether stock's ``_qwen_image_qk_norm_rope`` would take its fused CUDA path for the stream whose hidden
-    states are ``x`` (stock's own condition, in its order: token threshold, then ``_fused_cuda_supported``, which
-    reads only q/k's device and dtype: those of ``x``, which the stream's QKV projection keeps)."""
+    """Whether stock's ``_qwen_image_qk_norm_rope`` takes its fused CUDA path for the stream with hidden states ``x``
+    (stock's condition in its order; ``_fused_cuda_supported`` reads only q/k's device and dtype, those of ``x``)."""
     tokens = x.shape[0] * x.shape[1]
     return bool(
         tokens >= mod.fused_qk_norm_rope_min_tokens(mod._FUSED_MIN_TOKENS)
@@ -224,13 +204,9 @@ def any_cuda_fused(
 
 
 def shape_reason(
-    attn: nn.Module,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    vid_freqs: Any,
-    txt_freqs: Any,
+    attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, vid_freqs: Any, txt_freqs: Any
 ) -> str | None:
-    """The per-call checks on the inputs (shapes, dtypes, freqs), None when the joint path fits them."""
+    """Why the joint path does not fit these inputs (shapes, dtypes, freqs), or None."""
     if hidden_states.dim() != 3 or encoder_hidden_states.dim() != 3:
         return "hidden states are not [B, S, D]"
     if hidden_states.dtype != encoder_hidden_states.dtype:
@@ -245,7 +221,6 @@ def shape_reason(
     return None
 
 
-# ----- the attention on the joint sequence (eager and traced) ---------------------------------------------------
 def attend(
     mod: Any,
     attn: nn.Module,
@@ -259,17 +234,13 @@ def attend(
     encoder_hidden_states_mask: torch.Tensor | None,
     stats: Counter | None = None,
 ) -> torch.Tensor:
-    """Stock's attention call on the joint ``[B, S_txt + S_img, N, D]`` q/k/v: under Ulysses/Ring SP (stock's
-    ``joint_query=txt...`` branch) the text rows as the joint part, else with stock's padded-text key mask; the
-    output flattened back to ``[B, S, N*D]`` in q's dtype. ``stats`` (eager only) counts ``sp_calls``/``masked_calls``."""
+    """Stock's attention on the joint ``[B, S_txt + S_img, N, D]`` q/k/v (under SP the text rows as the joint part,
+    else with stock's padded-text key mask), flattened to ``[B, S, N*D]`` in q's dtype. ``stats``: eager only."""
     m = attn._modules
     pc = attn.parallel_config
     if pc is not None and pc.sequence_parallel_size > 1 and not mod.get_forward_context().split_text_embed_in_sp:
         attn_metadata = mod.AttentionMetadata(
-            joint_query=query[:, :st],
-            joint_key=key[:, :st],
-            joint_value=value[:, :st],
-            joint_strategy="front",
+            joint_query=query[:, :st], joint_key=key[:, :st], joint_value=value[:, :st], joint_strategy="front"
         )
         if hidden_states_mask is not None:
             attn_metadata.attn_mask = hidden_states_mask
@@ -296,16 +267,11 @@ def attend(
     return joint_hidden_states.flatten(2, 3).to(query.dtype)
 
 
-# ----- inside a compiled graph ----------------------------------------------------------------------------------
 def traced_reason(
-    attn: nn.Module,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    vid_freqs: Any,
-    txt_freqs: Any,
+    attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, vid_freqs: Any, txt_freqs: Any
 ) -> str | None:
-    """The eager path's checks that hold for a traced call (static: the graph is guarded on them). No autograd or
-    capture check is needed: the traced path has no ``out=`` op and no Python state."""
+    """The eager path's checks that hold for a traced call (static: the graph is guarded on them; no ``out=`` op
+    needs an autograd check)."""
     why = static_reason(attn) or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
     if why:
         return why
@@ -325,9 +291,8 @@ def traced_forward(
     hidden_states_mask: torch.Tensor | None,
     encoder_hidden_states_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The joint path as written for dynamo: layers called as modules (the graph inlines them), the joint norm
-    without ``out=``, the RoPE tables hoisted by the eager pre-hook (regional compile, :data:`READY_ROPE`) or
-    computed in the graph (full compile), no counters. None: the projections disagree (the caller runs stock)."""
+    """The joint path for dynamo: layers as modules, the joint norm without ``out=``, RoPE tables hoisted
+    (:data:`READY_ROPE`, regional compile) or computed in the graph. None: the projections disagree (run stock)."""
     m = attn._modules
     img_qkv = m["to_qkv"](hidden_states)[0]
     txt_qkv = m["add_kv_proj"](encoder_hidden_states)[0]

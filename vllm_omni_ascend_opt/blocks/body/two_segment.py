@@ -1,13 +1,8 @@
-"""Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``): where each image token takes the current
-timestep's modulation or timestep 0's, and the per-segment broadcast that replaces stock's ``torch.where``.
-
-Stock projects ``img_mod`` over ``temb = [emb(t); emb(0)]`` and, per image norm, builds three ``[B, L, D]`` tensors
-with ``torch.where(modulate_index, segment 1, segment 0)`` (``select01_modulation_native``). :class:`SegmentPlan`
-reads ``modulate_index`` once per forward (its runs of equal values); :class:`SegMod` views the sequence as
-``[B, C, L/C, D]`` chunks (``C = L / gcd(run lengths)``, at most :data:`MAX_BROADCAST_CHUNKS`) multiplied by
-``[B, C, 1, D]`` per-chunk tensors, or computes each run on its slice with ``out=``. Each element sees the same
-IEEE mul/add on the same two values as in stock, so the result is bitwise stock's. The memo (:mod:`..memo.cache`)
-builds them; the block body applies them through the :class:`~.block_body.NormMod` interface.
+"""Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``): each image token takes the current timestep's
+modulation or timestep 0's. Stock builds three ``[B, L, D]`` tensors per image norm with ``torch.where(modulate_index,
+segment 1, segment 0)``; :class:`SegmentPlan` reads ``modulate_index`` once per forward (its runs), and :class:`SegMod`
+multiplies ``[B, C, L/C, D]`` chunks (``C = L / gcd(run lengths)``, at most :data:`MAX_BROADCAST_CHUNKS`) by
+``[B, C, 1, D]`` tensors, or each run's slice with ``out=``: the same IEEE mul/add on the same values, bitwise stock.
 """
 
 from __future__ import annotations
@@ -20,16 +15,16 @@ import torch
 import torch.nn as nn
 
 from vllm_omni_ascend_opt.blocks.body.block_body import FAST_MODULATE, layernorm, mode_owner, use_residual
+from vllm_omni_ascend_opt.blocks.weak_lru import tensor_bytes
 
-#: Two-segment blocks: at most this many equal-length chunks of the image sequence are modulated with one broadcast
-#: (``[B, C, 1, D]`` tensors per norm); more (segments of coprime lengths) use per-segment slices.
+#: At most this many equal chunks are modulated with one broadcast; more use per-segment slices.
 MAX_BROADCAST_CHUNKS = 16
 
 
 @dataclass(frozen=True, slots=True)
 class SegmentPlan:
-    """Where stock's ``select01_modulation_native`` picks segment 0 or 1 along the (local) image sequence: ``runs``
-    of equal ``modulate_index != 0`` values, ``(start, end, segment)``, identical in every batch row."""
+    """Where stock picks segment 0 or 1 along the (local) image sequence: ``runs`` ``(start, end, segment)`` of equal
+    ``modulate_index != 0``, identical in every batch row."""
 
     length: int
     runs: tuple[tuple[int, int, int], ...]
@@ -61,18 +56,13 @@ class SegmentPlan:
             if i == len(values) or values[i] != values[start]:
                 runs.append((start, i, int(values[start])))
                 start = i
-        chunk = 0
-        for a, b, _ in runs:
-            chunk = math.gcd(chunk, b - a)
-        return SegmentPlan(len(values), tuple(runs), chunk)
+        return SegmentPlan(len(values), tuple(runs), math.gcd(*(b - a for a, b, _ in runs)))
 
 
 @dataclass(slots=True)
 class SegMod:
-    """One two-segment AdaLayerNorm's modulation (image stream of a ``zero_cond_t`` block), unpacked.
-
-    Broadcast plans: ``first``/``shift``/``gate`` are ``[B, chunks, 1, D]`` (each chunk's segment row, copied);
-    slice plans: tuples indexed by segment of ``[B, 1, D]`` tensors. ``first`` is ``1 + scale``."""
+    """One two-segment image norm's modulation: ``first`` (``1 + scale``), ``shift`` and ``gate`` are
+    ``[B, chunks, 1, D]`` for broadcast plans, else tuples by segment of ``[B, 1, D]``."""
 
     first: Any
     shift: Any
@@ -103,15 +93,11 @@ class SegMod:
             owner.count_stock("two-segment image norm (zero_cond_t): the modulation differs between segments")
         return self._apply(layernorm(self.kind, norm, x, eager=True), self.first, self.shift)
 
-    def gated(self, y: torch.Tensor) -> torch.Tensor:
-        """Stock: ``where(idx, gate1, gate0) * y``."""
-        return self._apply(y, self.gate, None)
-
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Stock's ``x + where(idx, gate1, gate0) * y``; with ``fast_residual`` one ``addcmul`` per broadcast/slice."""
         gate = self.gate if self.plan.broadcast else self.gate[0]
         if not use_residual(x, gate, y):
-            return x + self.gated(y)
+            return x + self._apply(y, self.gate, None)  # where(idx, gate1, gate0) * y
         plan = self.plan
         b, n, d = y.shape
         if plan.broadcast:
@@ -124,8 +110,7 @@ class SegMod:
 
     @staticmethod
     def segment(scale: torch.Tensor, shift: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One segment's ``(1 + scale, shift, gate)`` as contiguous ``[B, 1, D]`` tensors, from stock's
-        ``split_select01_mod_params`` halves (``[B, D]`` views of the projection)."""
+        """One segment's ``(1 + scale, shift, gate)`` as contiguous ``[B, 1, D]``, from ``[B, D]`` projection views."""
         own = torch.contiguous_format
         return ((1 + scale).unsqueeze(1), shift.unsqueeze(1).clone(memory_format=own), gate.unsqueeze(1).clone())
 
@@ -134,14 +119,12 @@ class SegMod:
         """``per_seg[k]`` is :meth:`segment` of segment ``k`` (0: current timestep, 1: timestep 0)."""
         if plan.broadcast:
             order = plan.chunk_segments()
-            first, shift, gate = (torch.stack([per_seg[k][j] for k in order], dim=1) for j in range(3))
-            return SegMod(first, shift, gate, kind, plan)
-        first, shift, gate = (tuple(per_seg[k][j] for k in (0, 1)) for j in range(3))
-        return SegMod(first, shift, gate, kind, plan)
+            return SegMod(*(torch.stack([per_seg[k][j] for k in order], dim=1) for j in range(3)), kind, plan)
+        return SegMod(*(tuple(per_seg[k][j] for k in (0, 1)) for j in range(3)), kind, plan)
 
     def nbytes(self, segment: int | None = None) -> int:
         """Bytes held; for slice plans ``segment`` counts only that segment's tensors."""
-        if self.plan.broadcast:
-            return sum(t.numel() * t.element_size() for t in (self.first, self.shift, self.gate))
-        segs = (0, 1) if segment is None else (segment,)
-        return sum(x[k].numel() * x[k].element_size() for x in (self.first, self.shift, self.gate) for k in segs)
+        mods = (self.first, self.shift, self.gate)
+        if self.plan.broadcast or segment is None:
+            return tensor_bytes(mods)
+        return tensor_bytes([x[segment] for x in mods])

@@ -1,9 +1,6 @@
-"""What the modulation memo keys on: weight signatures (:func:`linear_sig`), numerical settings
-(:func:`numerical_settings`), AdaLayerNorm kinds (:func:`~..upstream.ada_norm.norm_kind`), the span of a digested
-``temb`` (:class:`Span`), and the checks that say when a projection cannot be keyed (:class:`Unkeyable`).
-
-Used by ``shared_modulation`` (its memo, :mod:`.cache`, and its per-model reasons), so that the reasons a model reports are the very checks the memo makes per call
-(:func:`unkeyable_reasons`), not a guess from the weights between forwards.
+"""What the modulation memo keys on: weight signatures (:func:`linear_sig`), numerical settings, AdaLayerNorm kinds,
+the span of a digested ``temb`` (:class:`Span`), and when a projection cannot be keyed (:class:`Unkeyable`). The
+reasons a model reports (:func:`unkeyable_reasons`) are the very checks the memo makes per call.
 """
 
 from __future__ import annotations
@@ -26,20 +23,14 @@ class Unkeyable(Exception):
 
 def numerical_settings(device_type: str) -> tuple[Any, ...]:
     """Process state that can change what the projection computes for the same inputs and weights."""
-    matmul = torch.backends.cuda.matmul
-    cublas = (
-        matmul.allow_tf32,
-        matmul.allow_bf16_reduced_precision_reduction,
-        matmul.allow_fp16_reduced_precision_reduction,
-    )
-    npu = getattr(torch, "npu", None)
+    mm = torch.backends.cuda.matmul
     return (
         torch.is_grad_enabled(),  # vLLM-Omni's LoRA apply() takes a different (out=) path without grad
         torch.get_float32_matmul_precision(),
         torch.is_autocast_enabled(device_type),
         torch.get_autocast_dtype(device_type),
-        cublas,
-        getattr(getattr(npu, "matmul", None), "allow_hf32", None),
+        (mm.allow_tf32, mm.allow_bf16_reduced_precision_reduction, mm.allow_fp16_reduced_precision_reduction),
+        getattr(getattr(getattr(torch, "npu", None), "matmul", None), "allow_hf32", None),
     )
 
 
@@ -57,8 +48,8 @@ class Span:
         return Span(t.untyped_storage(), t.dtype, t.storage_offset(), t.numel()) if t.is_contiguous() else None
 
     def contains(self, a: torch.Tensor) -> bool:
-        """``a`` only reads this span's memory (same storage and dtype): its values are then fixed by the digested
-        values and ``a``'s geometry."""
+        """``a`` only reads this span's memory (same storage and dtype): its values follow from the digest and its
+        geometry."""
         if a.dtype != self.dtype or a.untyped_storage().data_ptr() != self.storage.data_ptr():
             return False
         if a.numel() == 0 or any(st < 0 for st in a.stride()):
@@ -78,8 +69,8 @@ def sig_tensors(lin: nn.Module) -> list[torch.Tensor]:
 
 
 def tensor_state(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad: bool) -> tuple[Any, ...]:
-    """The per-call half of :func:`linear_sig`: each tensor's identity, version counter, dtype and device. Raises
-    :class:`Unkeyable` while autograd records through one of them, or for a tensor without a version counter."""
+    """Each tensor's (identity, version counter, dtype, device); :class:`Unkeyable` while autograd records through one
+    of them, or for a tensor without a version counter."""
     if grad and any(t.requires_grad for t in tensors):
         raise Unkeyable("autograd is recording (grad enabled and a modulation weight requires grad)")
     sig = []
@@ -98,18 +89,13 @@ def tensor_state(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad: b
 
 
 def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
-    """What a linear's output depends on besides its input: ``(id of the layer, id of its quantization method, its
-    vLLM-Omni LoRA slices)`` and each of :func:`sig_tensors`' state (:func:`tensor_state`: identity, version counter,
-    dtype, device). Only replicated projections (no collective inside, identical on every rank): vLLM's
-    ReplicatedLinear, plain or LoRA-wrapped; raises :class:`Unkeyable` for any other layer.
+    """What a linear's output depends on besides its input: the ids of the layer and its quant method, its LoRA
+    slices and :func:`tensor_state` of :func:`sig_tensors`. Only vLLM's ReplicatedLinear (plain or LoRA-wrapped: no
+    collective inside); :class:`Unkeyable` for any other layer.
 
-    Not the storage: vLLM-Omni's layerwise offload gives every block fresh storage each forward (``w.data = ...``,
-    same values, same Parameter, same version), and a zero-element placeholder of shape ``(0,)`` between forwards;
-    ``memo_aware_offload`` leaves those placeholders in the blocks whose modulation the memo serves, and asks the memo
-    at block 0 while blocks 1..N-1 still hold them. So not the shape either: a shape only changes with the storage
-    (``.data = ...``, ``set_``). What changes values behind (identity, version) is announced instead:
-    ``load_weights`` and the registry's weights-changed event clear the memo. The identities are only compared
-    while the tensors are alive (the memo keeps weak references: an id cannot be reused meanwhile)."""
+    Neither storage nor shape: layerwise offload swaps storage each forward (same values, Parameter and version) and
+    leaves ``(0,)`` placeholders between forwards, which ``memo_aware_offload`` keeps in blocks the memo serves.
+    Changes behind (identity, version) are announced (``load_weights``, weights-changed clear the memo)."""
     cls = type(lin)
     if not issubclass(cls, sys.modules[targets.TRANSFORMER].ReplicatedLinear) and not any(
         c.__name__ == "ReplicatedLinearWithLoRA" for c in cls.__mro__
@@ -121,8 +107,7 @@ def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
 
 
 def norm_out_sig(norm: nn.Module, grad: bool) -> tuple[Any, ...]:
-    """The weight signature of ``norm_out``'s linear; raises :class:`Unkeyable` when its SiLU and linear are not
-    stock's (or carry hooks)."""
+    """The weight signature of ``norm_out``'s linear; :class:`Unkeyable` unless its SiLU and linear are stock's."""
     m = norm._modules
     silu, lin = m.get("silu"), m.get("linear")
     if type(silu) is not nn.SiLU or silu.inplace or guards.hooked(silu) or guards.hooked(lin):
@@ -131,8 +116,7 @@ def norm_out_sig(norm: nn.Module, grad: bool) -> tuple[Any, ...]:
 
 
 def silu_linear(seq: nn.Module) -> nn.Module:
-    """The linear of stock's ``nn.Sequential(nn.SiLU(), <replicated linear>)``; raises if ``seq`` is not that, or
-    carries forward hooks (skipping the module on a hit would skip the hook)."""
+    """The linear of stock's ``nn.Sequential(nn.SiLU(), <linear>)``; :class:`Unkeyable` if ``seq`` is not that."""
     mods = seq._modules
     if not isinstance(seq, nn.Sequential) or len(mods) != 2:
         raise Unkeyable("modulation module is not nn.Sequential(SiLU, Linear)")
@@ -147,18 +131,16 @@ def silu_linear(seq: nn.Module) -> nn.Module:
 def block_parts(
     block: nn.Module, grad: bool | None = None
 ) -> tuple[nn.Module, nn.Module, tuple[str, ...], tuple, tuple]:
-    """(img linear, txt linear, the four AdaLayerNorm kinds, img weight signature, txt weight signature) of a block:
-    what its memo entries are keyed on. Raises :class:`Unkeyable` when a projection cannot be memoized. ``grad``:
-    whether autograd records (default: the current grad mode)."""
+    """(img linear, txt linear, the four AdaLayerNorm kinds, img and txt weight signatures): a block's memo key.
+    ``grad``: whether autograd records (default: the current grad mode)."""
     grad = torch.is_grad_enabled() if grad is None else grad
-    m = block._modules  # submodules without nn.Module.__getattr__
+    m = block._modules
     img_lin = silu_linear(m["img_mod"])
     txt_lin = silu_linear(m["txt_mod"])
     kinds = tuple(ada_norm.norm_kind(m[n]) for n in ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2"))
     return img_lin, txt_lin, kinds, linear_sig(img_lin, grad), linear_sig(txt_lin, grad)
 
 
-# ----- model-level helpers (reasons, notes, benchmarks) ---------------------------------------------------------
 def modulation_linears(transformer: nn.Module) -> list[nn.Module]:
     """Every projection whose output depends only on temb: each block's img_mod/txt_mod linear and norm_out.linear."""
     out = [seq._modules["1"] for b in transformer.transformer_blocks for seq in (b.img_mod, b.txt_mod)]
@@ -169,13 +151,10 @@ def modulation_linears(transformer: nn.Module) -> list[nn.Module]:
 def unkeyable_reasons(transformer: nn.Module) -> list[str]:
     """Why the memo cannot key some of ``transformer``'s projections (the per-call checks, made on the model)."""
     reasons = []
-    for block in transformer.transformer_blocks:
+    checks = [(block_parts, b) for b in transformer.transformer_blocks] + [(norm_out_sig, transformer.norm_out)]
+    for check, module in checks:
         try:
-            block_parts(block, grad=False)
+            check(module, grad=False)
         except Unkeyable as exc:
             reasons.append(str(exc))
-    try:
-        norm_out_sig(transformer.norm_out, grad=False)
-    except Unkeyable as exc:
-        reasons.append(str(exc))
     return list(dict.fromkeys(reasons))

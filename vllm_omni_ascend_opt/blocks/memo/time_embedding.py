@@ -1,16 +1,8 @@
-"""What the time-embedding memo keys on: Qwen-Image's ``time_text_embed(timestep, hidden_states, addition_t_cond)``
-is a function of the timestep's value, the activation dtype, the additional condition's value, the weights of its two
-linears (and of the additional-condition embedding) and the numerical settings, nothing else.
-
-Why: the transformer recomputes the timestep embedding in every forward (a sinusoidal embedding, two linears and a
-SiLU: ~15 kernels), and finding temb's memo entry by a digest reads all of it back to the host (B x 3072 values).
-Keyed on the timestep's value (B values: one small device->host read per forward), a repeated timestep returns the
-very ``temb`` tensor computed the first time, and the block memo finds its entry by that tensor's identity.
-
-How: :func:`time_key` checks, per call, that the module is exactly what the key covers and returns its weights'
-signature; :func:`value_key` is the exact key of a small tensor's value (``-0.0`` and ``0.0`` differ, as they do for
-``sin``). The upstream functions whose output the key must determine are declared in
-:data:`~..upstream.targets.TIME_EMBEDDING` and checked by their source fingerprints (:func:`upstream_reason`).
+"""What the time-embedding memo keys on: ``time_text_embed(timestep, hidden_states, addition_t_cond)`` is a function
+of the timestep's value, the activation dtype, the additional condition's value, its weights and the numerical
+settings. Keyed on the timestep (B values read back, not temb's B x 3072), a repeated timestep returns the very temb
+computed first, which the block memo finds by identity. :func:`time_key` checks per call that the module is what the
+key covers; :func:`upstream_reason` checks :data:`~..upstream.targets.TIME_EMBEDDING`'s fingerprints.
 """
 
 from __future__ import annotations
@@ -25,15 +17,14 @@ import torch.nn as nn
 from vllm_omni_ascend_opt.blocks.memo.keys import Unkeyable, linear_sig
 from vllm_omni_ascend_opt.blocks.upstream import fingerprints, guards, targets
 
-EMBEDDINGS_MODULE = targets.EMBEDDINGS
 #: Per set of live function objects: why the time embedding is not memoized (None: its code is the known one).
 _VERIFIED: dict[tuple[int, ...], str | None] = {}
 
 
 def upstream_reason() -> str | None:
-    """Why the time embedding cannot be memoized in this process (upstream code differs), or None. Checked once per
-    set of live functions (a function replaced at run time is checked anew)."""
-    if EMBEDDINGS_MODULE not in sys.modules or targets.TRANSFORMER not in sys.modules:
+    """Why the time embedding cannot be memoized here (upstream code differs), or None; once per set of live
+    functions."""
+    if targets.EMBEDDINGS not in sys.modules or targets.TRANSFORMER not in sys.modules:
         return "diffusers' embeddings or the Qwen-Image transformer are not imported"
     ident = tuple(id(fingerprints.live(d.module, d.qualname)[1]) for d in targets.TIME_EMBEDDING)
     if ident not in _VERIFIED:
@@ -59,21 +50,17 @@ def _tensor_sig(t: torch.Tensor, grad: bool) -> tuple[Any, ...]:
 
 @dataclass(frozen=True, slots=True)
 class TimeKey:
-    """What the memo keys a ``QwenTimestepProjEmbeddings`` call on besides its inputs (:func:`time_key`)."""
+    """What the memo keys a ``QwenTimestepProjEmbeddings`` call on besides its inputs."""
 
-    #: (id of the module, the time projection's settings, use_add, padding_idx, each weight signature)
-    sig: tuple[Any, ...]
-    #: the modules and tensors ``sig`` names by identity (the memo keeps weak references to them)
-    tensors: tuple[Any, ...]
-    #: stock reads ``addition_t_cond`` (the additional-condition embedding is used)
-    use_add: bool
+    sig: tuple[Any, ...]  # (module id, time projection settings, use_add, padding_idx, each weight signature)
+    tensors: tuple[Any, ...]  # the modules and tensors ``sig`` names by identity
+    use_add: bool  # stock reads ``addition_t_cond``
 
 
 def time_key(module: nn.Module, grad: bool) -> TimeKey:
-    """The :class:`TimeKey` of a ``QwenTimestepProjEmbeddings``. Raises :class:`Unkeyable` when its output may depend
-    on anything the key does not cover (another class, hooks anywhere in it, an instance forward, a condition
-    projection, a post-activation, an embedding with ``max_norm``)."""
-    e = sys.modules[EMBEDDINGS_MODULE]
+    """The :class:`TimeKey` of a ``QwenTimestepProjEmbeddings``; :class:`Unkeyable` when its output may depend on
+    anything the key does not cover."""
+    e = sys.modules[targets.EMBEDDINGS]
     m = module._modules
     proj, emb = m.get("time_proj"), m.get("timestep_embedder")
     if type(proj) is not e.Timesteps or type(emb) is not e.TimestepEmbedding:
@@ -82,14 +69,10 @@ def time_key(module: nn.Module, grad: bool) -> TimeKey:
         )
     if "forward" in module.__dict__ or any(guards.hooked(m) for m in module.modules()):
         raise Unkeyable("hooks or an instance forward in time_text_embed")
-    e_mods = emb._modules
-    if (
-        e_mods.get("cond_proj") is not None
-        or e_mods.get("post_act") is not None
-        or type(e_mods.get("act")) is not nn.SiLU
-    ):
+    em = emb._modules
+    if em.get("cond_proj") is not None or em.get("post_act") is not None or type(em.get("act")) is not nn.SiLU:
         raise Unkeyable("time_text_embed's TimestepEmbedding has a condition projection, post-activation or non-SiLU")
-    lin1, lin2 = e_mods["linear_1"], e_mods["linear_2"]
+    lin1, lin2 = em["linear_1"], em["linear_2"]
     settings = tuple(getattr(proj, n) for n in ("num_channels", "flip_sin_to_cos", "downscale_freq_shift", "scale"))
     use_add = bool(getattr(module, "use_additional_t_cond", False))
     add_sig: tuple[Any, ...] = ()

@@ -1,8 +1,5 @@
-"""How vLLM-Omni's ``AdaLayerNorm`` instances apply ``(scale, shift)``: the one place that looks at their dispatch.
-
-The memoized block body reproduces each kind with stock's ops, the memo keys on the kinds, and the fast tier's affine
-layer norm replaces the native and NPU kinds. ``shared_modulation`` fingerprints each dispatch target (per platform).
-"""
+"""How vLLM-Omni's ``AdaLayerNorm`` instances apply ``(scale, shift)``: the one place that looks at their dispatch
+(the block body reproduces each kind, the memo keys on it, the fast tier replaces the native and NPU kinds)."""
 
 from __future__ import annotations
 
@@ -14,21 +11,16 @@ import torch.nn as nn
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks.upstream import targets
 
-ADALAYERNORM_MODULE = targets.ADALAYERNORM
-CUSTOM_OP_MODULE = targets.CUSTOM_OP
-# How an AdaLayerNorm instance applies (scale, shift); decided in one place: norm_kind().
+ADALAYERNORM_MODULE, CUSTOM_OP_MODULE = targets.ADALAYERNORM, targets.CUSTOM_OP
 NATIVE = "native"  # layernorm(x) * (1 + scale) + shift, with the instance's own LayerNorm
 NPU_EVAL = "npu_eval"  # torch_npu.npu_layer_norm_eval(x, ...) * (1 + scale) + shift
 OPAQUE = "opaque"  # anything else (MindIE-SD fused kernel, patched instance): call norm(x, scale, shift)
 
 
 def native_forwards(ada_module: Any) -> tuple[Any, ...]:
-    """The ``AdaLayerNorm`` methods that compute ``forward_native`` exactly (kind :data:`NATIVE`): ``forward_native``
-    itself, ``forward_hip`` and (0.32.0rc1+) ``forward_musa`` where the class defines them as it, and
-    ``forward_cuda`` only where it has no fused kernel to take: 0.32.0rc1 routes it to a CUDA Triton AdaLN kernel
-    (``_adaln_fused_forward``, None without Triton) whose mean/variance reductions are not ``F.layer_norm``'s, so
-    with that kernel the instance is called as it is (:data:`OPAQUE`, still exact). Before 0.32 the module has no
-    ``_adaln_fused_forward`` and ``forward_cuda`` is ``forward_native``."""
+    """The ``AdaLayerNorm`` methods that compute ``forward_native`` exactly (kind :data:`NATIVE`): it, the class's
+    own ``forward_hip`` / ``forward_musa``, and ``forward_cuda`` unless it can take the fused Triton AdaLN kernel
+    (``_adaln_fused_forward``, whose reductions are not ``F.layer_norm``'s: then the instance is :data:`OPAQUE`)."""
     ada = ada_module.AdaLayerNorm
     out = [ada.forward_native]
     out += [vars(ada)[n] for n in ("forward_hip", "forward_musa") if n in vars(ada)]  # own, not CustomOp's
@@ -38,7 +30,7 @@ def native_forwards(ada_module: Any) -> tuple[Any, ...]:
 
 
 def norm_kind(norm: nn.Module) -> str:
-    """How ``norm`` (vLLM-Omni's AdaLayerNorm) applies (scale, shift) -- the one place that looks at the backend."""
+    """How ``norm`` (vLLM-Omni's AdaLayerNorm) applies (scale, shift)."""
     ada_module = sys.modules[ADALAYERNORM_MODULE]
     ada = ada_module.AdaLayerNorm
     if (

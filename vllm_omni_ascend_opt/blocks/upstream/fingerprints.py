@@ -1,27 +1,12 @@
-"""The upstream code each optimization relies on, recognised by its source, not by a version string.
+"""The upstream code each optimization relies on, recognised by its source, not by a version string: each declares
+the functions it patches, replaces or mirrors (:class:`Upstream`) with the fingerprints it knows, and stays off where
+the code differs, with a reason naming the function and the versions it knows (:func:`reasons`).
 
-Every optimization declares the upstream functions it patches, replaces or mirrors (:attr:`Optimization.upstream`,
-a tuple of :class:`Upstream`), each with the source fingerprints it knows and the vLLM-Omni versions that ship them.
-It installs on any vLLM-Omni >= 0.30 whose code matches one of those fingerprints; where the code differs, it stays
-off with a reason that names the function and the versions it knows (:func:`reasons`). A newer release whose
-functions all match just works (``_state`` logs one INFO line about the unknown version).
-
-* Fingerprint: the first 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, computed
-  **from the source file, without importing vLLM-Omni** (:func:`fingerprint`: the definition found with :mod:`ast`,
-  decorators included, and cut with ``inspect.getblock``: exactly the lines ``inspect.getsource`` returns), so a fresh
-  ``vllm-omni-ascend-opt list`` and the worker give the same answer. A function that the module or class does not
-  define itself is :data:`ABSENT`, which a declaration may list as known.
-* Imported modules are checked once more (:func:`replacement`): the live attribute, unwrapped through ``__wrapped__``,
-  must be the function defined at that place in that file; anything else counts as a difference.
-* Per platform: a declaration with :attr:`Upstream.platforms` matters only where vLLM-Omni dispatches to it
-  (:func:`current_platform`); elsewhere it is listed as not checked.
-* ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` (:func:`forced`, for experts): install anyway; the differences are then notes and
-  one warning per optimization instead of reasons.
-* Qwen-Image-2.1 (vLLM-Omni 0.32+): a different model whose NPU work upstream already does itself;
-  :func:`qwen_image_21` recognises it by class module (no import), so that each optimization can say why it stays off.
-
-Adding a version: run ``python tools/fingerprints.py`` in a venv with it; for each function that differs, redo the
-exactness argument of the optimizations that declare it, adapt them, and add the new fingerprint to their tables.
+A fingerprint is 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, computed from the source
+file without importing (so ``list`` and the worker agree); an imported function must also be the one defined there
+(:func:`replacement`). ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` installs anyway, with notes and a warning. Adding a version:
+run ``python tools/fingerprints.py`` with it, redo the exactness argument of each function that differs, and add its
+fingerprint.
 """
 
 from __future__ import annotations
@@ -34,7 +19,7 @@ import os
 import sys
 import textwrap
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -42,21 +27,14 @@ import torch
 
 from vllm_omni_ascend_opt import _backend, _env
 
-#: The fingerprint of a function that the module (or class) does not define itself.
-ABSENT = "absent"
+ABSENT = "absent"  # the fingerprint of a function the module (or class) does not define itself
 V030, V031, V032 = "0.30.0", "0.31.0rc1", "0.32.0rc1"
-#: The vLLM-Omni releases whose code the fingerprints below were taken from, oldest first.
+#: The vLLM-Omni releases the fingerprints were taken from, oldest first (ALL: a function the same in each).
 KNOWN_OMNI: tuple[str, ...] = (V030, V031, V032)
-#: Every known release (for functions that are the same in all of them).
 ALL = KNOWN_OMNI
-#: The oldest vLLM-Omni the plugin installs on (major, minor); older releases are refused by version (``_state``).
-MIN_OMNI = (0, 30)
-#: Install even where upstream code differs from every known fingerprint (experts only).
+MIN_OMNI = (0, 30)  # older releases are refused by version (``_state``)
 ENV_FORCE = "VLLM_OMNI_ASCEND_OPT_FORCE"
-
-#: Platforms as :func:`current_platform` names them.
-PLATFORMS = ("cpu", "cuda", "rocm", "npu", "musa")
-#: The package of vLLM-Omni's Qwen-Image-2.1 (0.32.0rc1+): pipeline, transformer, VAE.
+PLATFORMS = ("cpu", "cuda", "rocm", "npu", "musa")  # as :func:`current_platform` names them
 QWEN_IMAGE_21_PACKAGE = "vllm_omni.diffusion.models.qwen_image_21"
 
 
@@ -65,12 +43,10 @@ def forced() -> bool:
     return _env.boolean(ENV_FORCE)
 
 
-# ----- declarations ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Upstream:
     """One upstream function an optimization relies on: ``known`` maps a fingerprint (or :data:`ABSENT`) to the
-    vLLM-Omni releases that ship that code; ``platforms`` limits the check to the platforms where vLLM-Omni dispatches
-    to the function (empty: everywhere)."""
+    releases that ship it; ``platforms`` limits the check to where vLLM-Omni dispatches to it (empty: everywhere)."""
 
     module: str
     qualname: str
@@ -100,24 +76,21 @@ def same(module: str, qualname: str, fp: str, platforms: tuple[str, ...] = ()) -
 
 @dataclass(frozen=True)
 class Finding:
-    """What :func:`check` found for one declaration in this process."""
+    """What :func:`check` found for one declaration: the releases whose code this is (``matches``), whether it is
+    checked on this platform (``applies``), why the live function is not the source's (``replaced``)."""
 
     decl: Upstream
     fingerprint: str
-    #: Releases whose code this is (empty: not a known fingerprint).
     matches: tuple[str, ...]
-    #: False where the declaration's platforms exclude this one (then it is not checked).
     applies: bool = True
-    #: Why the live function is not the one in the source file ("" when it is, or when the module is not imported).
     replaced: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.applies or (bool(self.matches) and not self.replaced)
 
     def reason(self, owner: str) -> str:
-        """The reason ``owner`` stays off because of this finding, naming the function and the versions it knows."""
+        """Why ``owner`` stays off because of this finding."""
         d = self.decl
         where = f" (on {', '.join(d.platforms)})" if d.platforms else ""
         known = ", ".join(d.versions())
@@ -177,38 +150,27 @@ def summary(findings: list[Finding]) -> str:
     return line
 
 
-# ----- fingerprints from source files, without importing --------------------------------------------------------
 def module_file(module: str) -> Path | None:
-    """The source file of ``module`` without importing it (nor its parent packages): its ``__file__`` when it is
-    imported, else the path below its top-level package's location. None when it cannot be found."""
+    """The source file of ``module`` without importing it or its parents (its ``__file__`` when imported), or None."""
     mod = sys.modules.get(module)
     if mod is not None and getattr(mod, "__file__", None):
         return Path(mod.__file__)
     top, *rest = module.split(".")
-    origin, dirs = _top_level(top)
-    if not rest:
-        return Path(origin) if origin and origin.endswith(".py") else None
-    for loc in dirs:
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not rest:
+        return Path(spec.origin) if spec and spec.origin and spec.origin.endswith(".py") else None
+    for loc in spec.submodule_search_locations or ():
         for p in (Path(loc, *rest[:-1], rest[-1] + ".py"), Path(loc, *rest, "__init__.py")):
             if p.is_file():
                 return p
     return None
 
 
-def _top_level(top: str) -> tuple[str | None, tuple[str, ...]]:
-    """``(origin, package directories)`` of a top-level module, found without importing it."""
-    try:
-        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        return None, ()
-    return spec.origin, tuple(spec.submodule_search_locations or ())
-
-
 def fingerprint(module: str, qualname: str) -> str:
-    """The fingerprint of ``module.qualname``'s source (:data:`ABSENT` when it is not defined there; a sentence
-    starting with ``unreadable`` when the file cannot be read or parsed)."""
+    """The fingerprint of ``module.qualname``'s source (:data:`ABSENT`; ``unreadable: ...`` when it cannot be read)."""
     path = module_file(module)
     if path is None:
         return f"unreadable: module {module} not found"
@@ -274,7 +236,7 @@ class _SourceIndex:
 
 
 def _statements(body: list[ast.stmt]) -> Iterable[ast.stmt]:
-    """Statements of a module or class body, looking into ``if`` / ``try`` blocks (definitions made there)."""
+    """Statements of a module or class body, including those in ``if`` / ``try`` blocks."""
     for n in body:
         if isinstance(n, ast.If):
             yield from _statements(n.body)
@@ -286,10 +248,8 @@ def _statements(body: list[ast.stmt]) -> Iterable[ast.stmt]:
             yield n
 
 
-# ----- the live function, where the module is imported ----------------------------------------------------------
 def live(module: str, qualname: str) -> tuple[bool, Any]:
-    """``(found, object)``: ``module.qualname`` as defined on the imported module or class itself (``__dict__``,
-    not inherited), or ``(False, None)``. Call only when the module is imported."""
+    """``(found, object)``: ``module.qualname`` in the imported module's or class's own ``__dict__``."""
     obj: Any = sys.modules[module]
     *owners, name = qualname.split(".")
     for part in owners:
@@ -302,8 +262,8 @@ def live(module: str, qualname: str) -> tuple[bool, Any]:
 
 
 def replacement(module: str, qualname: str) -> str:
-    """Why the imported ``module.qualname`` is not the function its source file defines ("" when it is, or when the
-    module is not imported). Unwraps ``__wrapped__`` chains (the plugin's own patches, ``functools.wraps``)."""
+    """Why the imported ``module.qualname`` (unwrapped) is not the function its source defines ("": it is, or the
+    module is not imported)."""
     mod = sys.modules.get(module)
     if mod is None or getattr(getattr(mod, "__spec__", None), "_initializing", False):
         return ""
@@ -329,10 +289,9 @@ def replacement(module: str, qualname: str) -> str:
     return ""
 
 
-# ----- platform -------------------------------------------------------------------------------------------------
 def current_platform() -> str:
-    """The platform vLLM-Omni dispatches ``CustomOp``s for here: ``npu`` (torch_npu usable: the plugin's one probe,
-    ``_backend``), else ``rocm`` / ``cuda`` / ``musa`` by torch's own device checks, else ``cpu``."""
+    """The platform vLLM-Omni dispatches ``CustomOp``s for here: ``npu`` (``_backend``'s probe), else ``rocm`` /
+    ``cuda`` / ``musa`` by torch's device checks, else ``cpu``."""
     if _backend.torch_npu_module() is not None:
         return "npu"
     if torch.cuda.is_available():
@@ -343,14 +302,10 @@ def current_platform() -> str:
     return "cpu"
 
 
-# ----- Qwen-Image-2.1 -------------------------------------------------------------------------------------------
 def qwen_image_21(model: Any) -> str | None:
-    """The class name when ``model`` is (or holds, as ``.transformer`` / ``.vae``) a piece of vLLM-Omni's
-    Qwen-Image-2.1 (``models/qwen_image_21``), else None. By class module only: nothing is imported."""
+    """The class name when ``model`` is (or holds as ``.transformer`` / ``.vae``) a piece of Qwen-Image-2.1."""
     for obj in (model, getattr(model, "transformer", None), getattr(model, "vae", None)):
-        if obj is None:
-            continue
-        for cls in type(obj).__mro__:
+        for cls in type(obj).__mro__:  # (None: NoneType, never a match)
             if cls.__module__.startswith(QWEN_IMAGE_21_PACKAGE + "."):
                 return type(obj).__name__ if obj is model else f"{type(model).__name__} ({cls.__name__})"
     return None

@@ -1,18 +1,12 @@
-"""Per-forward decisions: one scope per transformer forward, so that what is the same for every block of a forward
-(vLLM-Omni's transformer runs its blocks one after the other, with the same ``temb``, freqs and process state) is
-decided once, at the first block that asks, and never outlives the forward.
+"""Per-forward decisions: what is the same for every block of a forward (same ``temb``, freqs, process state) is
+decided once, at the first block that asks, and never outlives the forward. A :func:`watch` ed transformer's
+``__call__`` opens a scope (a fresh decision table) around each eager forward; :func:`decide` ``(key, make)`` makes
+the decision at the first ask in a scope and reuses it, and outside a scope makes it on every call. No scope opens
+while torch.compile traces.
 
-An optimization :func:`watch` es each transformer it is attached to: the instance's ``__call__`` opens a scope (a
-fresh decision table) around each eager forward and closes it when the forward returns or raises. Patched code asks
-:func:`decide` ``(key, make)``: inside a scope the first call makes the decision and the others reuse it; outside one
-(a block called directly, a transformer nobody watches, a hook registry that bypassed the hooks) every call makes its
-own. While torch.compile traces no scope is opened, and patched code never asks (it checks :func:`~.guards.tracing`
-first).
-
-Threading contract: one forward at a time per process, as vLLM-Omni runs it (its diffusion worker executes requests
-one after the other on one thread). The scope table is a module global owned by the thread that opened the outermost
-scope; a forward started on another thread while one is open is not scoped (every :func:`decide` there makes its own
-decision: correct, only slower) and logs one warning.
+Threading contract: one forward at a time per process, as vLLM-Omni's diffusion worker runs them. The table belongs
+to the thread that opened the outermost scope; a forward on another thread meanwhile runs unscoped (correct, only
+slower) and logs one warning.
 """
 
 from __future__ import annotations
@@ -30,15 +24,10 @@ from vllm_omni_ascend_opt.blocks.upstream import guards
 T = TypeVar("T")
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
-#: The decision tables of the open scopes, innermost last.
-_STACK: list[dict[Hashable, Any]] = []
-#: Outermost scopes opened so far in this process: the clock that kernel fault backoff counts in (never read while
-#: dynamo traces; a forward nobody watches does not advance it).
-_FORWARDS = [0]
-
-
-#: Called after each outermost watched forward that returned (not one that raised: a rank that failed must not
-#: leave the others waiting in a collective). Kernel verdicts are agreed between ranks here.
+_STACK: list[dict[Hashable, Any]] = []  # the open scopes' decision tables, innermost last
+_FORWARDS = [0]  # outermost watched forwards started: the kernel fault backoff's clock
+# Called after each outermost watched forward that returned (not raised: a failed rank must not leave the others
+# waiting in a collective).
 _AT_END: list[Callable[[], Any]] = []
 
 
@@ -48,18 +37,12 @@ def at_forward_end(fn: Callable[[], Any]) -> None:
         _AT_END.append(fn)
 
 
-def _forward_ended() -> None:
-    for fn in _AT_END:
-        fn()
-
-
 def forwards() -> int:
-    """How many outermost watched transformer forwards have started in this process (the fault-backoff clock)."""
+    """How many outermost watched transformer forwards have started in this process."""
     return _FORWARDS[0]
 
 
-#: The thread that opened the outermost scope (the threading contract of the module docstring).
-_OWNER = [0]
+_OWNER = [0]  # the thread that opened the outermost scope
 _WARNED = [False]
 
 
@@ -73,27 +56,16 @@ def current() -> dict[Hashable, Any] | None:
 
 
 def decide(key: Hashable, make: Callable[[], T]) -> T:
-    """The decision ``key`` of this forward: made by ``make()`` at the first ask within the scope and reused until the
-    forward ends; outside a scope, ``make()`` on every call. Callers check ``guards.tracing()`` first."""
+    """The decision ``key`` of this forward (``make()`` at the first ask; outside a scope at every ask). Callers check
+    ``guards.tracing()`` first."""
     if not _mine():
         return make()
     table = _STACK[-1]
     try:
         return table[key]
     except KeyError:
-        value = table[key] = make()
+        table[key] = value = make()
         return value
-
-
-def _open(module: nn.Module, callbacks: dict[str, Callable[[nn.Module], None] | None]) -> dict[Hashable, Any]:
-    scope: dict[Hashable, Any] = {}
-    if not _STACK:
-        _FORWARDS[0] += 1
-        _OWNER[0] = threading.get_ident()
-    _STACK.append(scope)
-    for callback in [c for c in callbacks.values() if c is not None]:
-        callback(module)
-    return scope
 
 
 def _close(scope: dict[Hashable, Any]) -> None:
@@ -103,18 +75,16 @@ def _close(scope: dict[Hashable, Any]) -> None:
             break
 
 
-#: transformer -> {owner: called with the transformer when a scope opens, or None} (eager only: e.g. hoisting work
-#: out of compiled blocks once they are compiled)
+# transformer -> {owner: called with the transformer when a scope opens, or None}
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, dict[str, Callable[[nn.Module], None] | None]] = (
     weakref.WeakKeyDictionary()
 )
-#: original class -> its scoped subclass (same name and module; only ``__call__`` differs)
 _SCOPED: dict[type, type] = {}
 
 
 def _scoped_class(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__call__`` opens a scope around an eager forward of a watched instance (a fully
-    compiled transformer, ``_compiled_call_impl``, is called as stock calls it)."""
+    """A subclass of ``cls`` (same name and module) whose ``__call__`` opens a scope around an eager forward of a
+    watched instance."""
     sub = _SCOPED.get(cls)
     if sub is not None:
         return sub
@@ -132,13 +102,20 @@ def _scoped_class(cls: type) -> type:
                     "expects one forward at a time per process (as vLLM-Omni runs it): this one runs unscoped"
                 )
             return base_call(self, *args, **kwargs)
-        scope = _open(self, w)
+        scope: dict[Hashable, Any] = {}
+        if not _STACK:
+            _FORWARDS[0] += 1
+            _OWNER[0] = threading.get_ident()
+        _STACK.append(scope)
+        for callback in [c for c in w.values() if c is not None]:
+            callback(self)
         try:
             out = base_call(self, *args, **kwargs)
         finally:
             _close(scope)
         if not _STACK:
-            _forward_ended()
+            for fn in _AT_END:
+                fn()
         return out
 
     sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "_ascend_scoped_base": cls})
@@ -148,10 +125,9 @@ def _scoped_class(cls: type) -> type:
 
 
 def watch(transformer: nn.Module, owner: str, on_forward: Callable[[nn.Module], None] | None = None) -> None:
-    """Open a scope around every eager forward of ``transformer`` while at least one owner watches it (idempotent);
-    ``on_forward(transformer)`` runs when the scope opens. The instance gets a subclass whose ``__call__`` opens the
-    scope (a ``__class__`` swap: same object, same state; restored when the last owner goes). Not module hooks nor a
-    wrapper of ``forward``: both would change how a fully compiled transformer is traced (more graphs)."""
+    """Open a scope around every eager forward of ``transformer`` while an owner watches it; ``on_forward`` runs when
+    it opens. A ``__class__`` swap (restored when the last owner goes), not hooks or a ``forward`` wrapper: those
+    would change how a fully compiled transformer is traced."""
     w = _WATCHED.get(transformer)
     if w is None:
         w = _WATCHED[transformer] = {}

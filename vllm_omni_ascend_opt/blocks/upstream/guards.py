@@ -1,10 +1,6 @@
-"""Guards, written once: when patched code must run stock code, and which parts of a model are compiled.
-
-Call-time guards, asked by patched code on every call: :func:`tracing` **before** anything else, so that nothing
-mutable is read, counted or logged inside a traced forward (dynamo folds the check to a constant and traces only
-stock code); then :func:`call_reason` and :func:`hooked`. Model-level facts, asked by
-:meth:`Optimization.reasons_inactive`: :func:`compiled_regions` (which
-``Optimization.regions`` vLLM-Omni's ``torch.compile`` took) and :func:`compile_reason`.
+"""Guards: when patched code must run stock code, and which parts of a model are compiled. Patched code asks
+:func:`tracing` before anything else (nothing mutable is read, counted or logged inside a traced forward), then
+:func:`call_reason` and :func:`hooked`; :meth:`Optimization.reasons_inactive` asks :func:`compile_reason`.
 """
 
 from __future__ import annotations
@@ -36,10 +32,8 @@ def hooked(module: nn.Module) -> bool:
 
 
 def call_reason(*grad_tensors: torch.Tensor, any_grad: bool = False, hooks: bool = True) -> str | None:
-    """Why patched code must run stock code for this call (None: it may take its own path).
-
-    ``any_grad``: any enabled autograd is a reason; otherwise only autograd with one of ``grad_tensors`` requiring
-    grad. ``hooks``: global module hooks are a reason. Call :func:`tracing` first."""
+    """Why patched code must run stock code for this call, or None: autograd (``any_grad``: any; else through one of
+    ``grad_tensors``), graph capture, global module hooks (``hooks``)."""
     if torch.is_grad_enabled() and (any_grad or any(t.requires_grad for t in grad_tensors)):
         return "autograd is recording"
     why = _backend.graph_capture_reason()
@@ -55,8 +49,7 @@ def _is_compiled(fn: Any) -> bool:
 
 
 def block_compiled(block: nn.Module) -> bool:
-    """``block``'s forward, or the callable its vLLM-Omni hook registry dispatches to, is a torch.compile'd
-    function (vLLM-Omni's regional compile), or the block module itself is compiled."""
+    """``block`` or its forward (or what its hook registry dispatches to) is compiled (regional compile)."""
     d = block.__dict__
     return getattr(block, "_compiled_call_impl", None) is not None or any(
         _is_compiled(f) for f in (d.get("forward"), d.get("_omni_original_forward"))
@@ -81,9 +74,8 @@ def find_transformers(model: Any) -> list[nn.Module]:
 
 
 def compiled_regions(model: Any) -> frozenset[str]:
-    """The regions of ``model`` (a pipeline or transformer) that torch.compile runs: ``{"block"}`` after vLLM-Omni's
-    regional compile (each repeated block's forward, or the callable its hook registry dispatches to, is a compiled
-    function), ``{"block", "transformer"}`` after full compile (``transformer.compile()``), else empty."""
+    """The regions of ``model`` that torch.compile runs: ``{"block"}`` (regional compile), plus ``"transformer"``
+    (full compile), or none."""
     out: set[str] = set()
     for tr in find_transformers(model):
         if getattr(tr, "_compiled_call_impl", None) is not None or _is_compiled(tr.__dict__.get("forward")):
@@ -106,7 +98,7 @@ def compile_reason(
     regions: frozenset[str], model: Any, name: str, acts_compiled: frozenset[str] = frozenset()
 ) -> str | None:
     """Why an optimization living in ``regions`` does not act on ``model`` because torch.compile runs all of them
-    (None when it acts there: not all compiled, or it acts inside graphs of this granularity, ``acts_compiled``)."""
+    (None: not all compiled, or it acts inside graphs of this granularity, ``acts_compiled``)."""
     compiled = compiled_regions(model)
     if not regions or not compiled or not regions <= compiled:
         return None
@@ -120,5 +112,5 @@ def compile_reason(
 
 
 def eager_call_reason() -> str | None:
-    """:func:`call_reason` for patched code that needs no autograd and ignores global hooks (asked once per forward)."""
+    """:func:`call_reason` for patched code that needs no autograd and ignores global hooks."""
     return call_reason(any_grad=True, hooks=False)

@@ -1,11 +1,7 @@
-"""vLLM-Omni's layerwise offloader (``diffusion/offloader/layerwise_backend.py``) as the plugin and the test bed see
-it, for ``memo_aware_offload`` (which weights to leave on the host) and ``testbed/offload.py`` (bytes copied).
-
-``enable_layerwise_offload`` keeps every block's weights on the host, flattened per dtype into one tensor per block
-(``LayerwiseOffloadHook.dtype_cpu_flattened_weights``, per-weight ``dtype_metadata``: name, offset, numel, shape,
-stride), and hooks a ring over the blocks: block ``i``'s ``pre_forward`` copies block ``i + 1``'s weights
-host->device (``prefetch_layer``; the last block prefetches block 0 for the next forward), its ``post_forward`` swaps
-its own weights for zero-element placeholders (``offload_layer``).
+"""vLLM-Omni's layerwise offloader as ``memo_aware_offload`` and the test bed see it: every block's weights stay on
+the host, one flattened tensor per block and dtype (``dtype_cpu_flattened_weights``); block ``i``'s ``pre_forward``
+copies block ``i + 1``'s weights to the device (the last prefetches block 0), its ``post_forward`` swaps its own for
+zero-element placeholders.
 """
 
 from __future__ import annotations
@@ -14,16 +10,13 @@ from typing import Any
 
 import torch.nn as nn
 
-#: vLLM-Omni's layerwise offload module and the name its hooks are registered under.
 LAYERWISE_MODULE = "vllm_omni.diffusion.offloader.layerwise_backend"
 HOOK_NAME = "layerwise_offload"
-#: Weight-name prefixes (in a block) of the modulation projections ``img_mod`` / ``txt_mod`` (a LoRA wrapper keeps
-#: the same parameter objects under these names in the offloader's metadata).
 MODULATION_PREFIXES = ("img_mod.", "txt_mod.")
 
 
 def is_modulation(name: str) -> bool:
-    """Whether the block weight ``name`` (as in the offloader's metadata) belongs to ``img_mod`` / ``txt_mod``."""
+    """Whether the block weight ``name`` (offloader metadata, LoRA-wrapped too) is ``img_mod``'s / ``txt_mod``'s."""
     return name.startswith(MODULATION_PREFIXES)
 
 

@@ -1,8 +1,5 @@
-"""Upstream modules the optimizations patch (vLLM-Omni 0.30.0, 0.31.0rc1, 0.32.0rc1 and the diffusers 0.40.x all
-three pin), and the upstream functions several of them declare, once: each optimization lists these, with its own, in
-its ``upstream`` table (:class:`~.fingerprints.Upstream`). ``python tools/fingerprints.py`` prints the fingerprints
-for the installed release.
-"""
+"""Upstream modules the optimizations patch, and the upstream functions several of them declare (in their
+``upstream`` tables), written once. ``python tools/fingerprints.py`` prints the installed release's fingerprints."""
 
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, ALL, Upstream, same
 
@@ -18,7 +15,6 @@ ROTARY = "vllm_omni.diffusion.layers.rope"
 FUSED_QK_NORM_ROPE = "vllm_omni.diffusion.layers.fused_qk_norm_rope"
 LOADER = "vllm_omni.diffusion.model_loader.diffusers_loader"
 
-# ----- declarations shared by several optimizations ----------------------------------------------------------------
 #: The block forward: shared_modulation replaces it (its block body mirrors it), the fast tier modes live in it.
 BLOCK_FORWARD = same(TRANSFORMER, "QwenImageTransformerBlock.forward", "8177c846de52aa4e")
 #: AdaLayerNorm's native path (``LN(x) * (1 + scale) + shift``): mirrored by the memo's block body and fast_modulate.
@@ -44,11 +40,9 @@ CAUSAL_CONV_INIT = same(DIFFUSERS_VAE, "QwenImageCausalConv3d.__init__", "5644f5
 #: The loader's load_model: the plugin attaches after it returns (weights processed, before offload is enabled).
 LOAD_MODEL = same(LOADER, "DiffusersPipelineLoader.load_model", "d13c38b93708077e")
 
-# ----- what the time-embedding memo's key must determine (blocks/memo/time_embedding.py) ------------------------
 EMBEDDINGS = "diffusers.models.embeddings"
 TORCH_EMBEDDING = "torch.nn.modules.sparse"
-#: Qwen-Image's timestep embedding and the diffusers / torch functions it runs: the memo keys their output on the
-#: timestep's value, so a difference in any of them keeps the time embedding unmemoized (the blocks' memo still acts).
+#: Qwen-Image's timestep embedding and what it runs: the memo keys their output on the timestep's value.
 TIME_EMBEDDING = (
     same(TRANSFORMER, "QwenTimestepProjEmbeddings.forward", "e127246f041ab288"),
     same(EMBEDDINGS, "TimestepEmbedding.forward", "7a64747c1e8ed70d"),
@@ -57,14 +51,12 @@ TIME_EMBEDDING = (
     same(TORCH_EMBEDDING, "Embedding.forward", "612a591ba15b23d2"),
 )
 
-# ----- what the direct calls mirror (blocks/body/direct_calls.py) --------------------------------------------------
 LINEAR = "vllm.model_executor.layers.linear"
 LINEAR_UTILS = "vllm.model_executor.layers.utils"
 PARAMETER = "vllm.model_executor.parameter"
 NORM = "vllm_omni.diffusion.layers.norm"
 TORCH_NORMALIZATION = "torch.nn.modules.normalization"
-#: vLLM's plain linears down to their GEMM, vLLM-Omni's FeedForward and layer norms: a difference in any of them keeps
-#: every layer on its module path (the same result, more host time).
+#: What the direct calls mirror: vLLM's plain linears down to their GEMM, vLLM-Omni's FeedForward and layer norms.
 DIRECT_CALLS = (
     same(LINEAR, "ReplicatedLinear.forward", "0509484a019dc9a6"),
     same(LINEAR, "ColumnParallelLinear.forward", "a83e0a998236fbef"),
