@@ -148,8 +148,7 @@ class MemoAwareOffload(Optimization):
         """Why no forward of ``tr`` can skip, whatever the memo holds (None: forwards may skip)."""
         if any(getattr(b, "zero_cond_t", False) for b in tr.transformer_blocks):
             return "two-segment modulation (zero_cond_t): not covered, every weight is copied"
-        why = block_body_reason(tr)
-        if why:
+        if why := block_body_reason(tr):
             return why
         if "block" in guards.compiled_regions(tr):
             return "torch.compile runs the blocks: they read their modulation weights, every weight is copied"
@@ -180,9 +179,7 @@ class MemoAwareOffload(Optimization):
 
         @torch.compiler.disable
         def prefetch_layer(self: Any, non_blocking: bool = True) -> None:
-            if guards.tracing():
-                return original_prefetch(self, non_blocking)
-            parts = opt._skip_parts(self)
+            parts = None if guards.tracing() else opt._skip_parts(self)
             if parts is None:
                 return original_prefetch(self, non_blocking)
             return opt._prefetch_without_modulation(self, parts, non_blocking)
@@ -208,8 +205,7 @@ class MemoAwareOffload(Optimization):
         for tr in find_transformers(model):
             for block in tr.transformer_blocks:
                 self._rings.pop(block, None)
-            ps = self._probes.pop(id(tr), None)
-            if ps is not None:
+            if (ps := self._probes.pop(id(tr), None)) is not None:
                 ps.revert()
 
     @staticmethod
@@ -251,8 +247,7 @@ class MemoAwareOffload(Optimization):
             return "the block call carries no temb tensor"
         if kwargs.get("modulate_index") is not None:
             return "two-segment modulation (modulate_index): not covered"
-        why = self._static_reason(tr)
-        if why:
+        if why := self._static_reason(tr):
             return why
         if not all(memo.has_block(b, temb) for b in tr.transformer_blocks):
             return NOT_ALL_MEMOIZED

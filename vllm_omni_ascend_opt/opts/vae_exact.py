@@ -169,10 +169,8 @@ def _make_tile_exec(opt: VaeExact, vae: nn.Module) -> Any:
 
 
 def _count_causal_convs(module: nn.Module | None) -> int:
-    if module is None:
-        return 0
     cls = diffusers_vae().QwenImageCausalConv3d
-    return sum(isinstance(m, cls) for m in module.modules())
+    return 0 if module is None else sum(isinstance(m, cls) for m in module.modules())
 
 
 def conv_counts_refusal(vae: nn.Module) -> str:
@@ -290,8 +288,7 @@ class LatentsStats:
 
 
 def _make_decode_latents(pipe: Any) -> Any:
-    mod = sys.modules[_targets.PIPELINE]
-    DiffusionOutput = mod.DiffusionOutput
+    DiffusionOutput = sys.modules[_targets.PIPELINE].DiffusionOutput
     original = pipe._decode_latents
     stats = LatentsStats()
 
@@ -304,10 +301,7 @@ def _make_decode_latents(pipe: Any) -> Any:
         latents_mean, latents_std = stats.get(self.vae.config, latents.device, latents.dtype)
         latents = latents / latents_std + latents_mean
         image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
-        return DiffusionOutput(
-            output=image,
-            stage_durations=self.stage_durations if hasattr(self, "stage_durations") else None,
-        )
+        return DiffusionOutput(output=image, stage_durations=getattr(self, "stage_durations", None))
 
     return _decode_latents
 
