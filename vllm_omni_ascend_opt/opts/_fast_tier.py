@@ -1,12 +1,10 @@
 """The fast tier's common base: close-tier modes of the memoized block body (``blocks/body/block_body.py``).
 
-Each fast-tier optimization (``fast_modulate``, ``fast_residual``) is its own flag, off by default and part of
-``all``. It patches nothing itself: ``install`` provides it in its mode's slot (:attr:`FastBlockMode.slot`,
-``uninstall`` withdraws it), and the block body, which ``shared_modulation``'s patched block forward runs, reports
-each call of the mode to it: its own :attr:`stats` (``ran``) and fallback reasons. Without ``shared_modulation`` the stock block runs and the mode does nothing
-(``needs``: its reasons become this one's). It never imports ``shared_modulation``: what both use lives in
-``blocks/``. Gated by SSIM >= 0.999 and PSNR >= 45 dB against the configuration without it (:attr:`close_gates`):
-these are last-bit changes (1 ulp in bf16), far inside the VAE tier's gates.
+Each mode (``fast_modulate``, ``fast_residual``) is its own flag, off by default, and patches nothing: ``install``
+provides it in its mode's slot and the block body, which ``shared_modulation``'s block forward runs, reports each call
+of the mode to it (:class:`~vllm_omni_ascend_opt.blocks.body.block_body.ModeOwner`: ``ran`` and fallback reasons).
+Without ``shared_modulation`` the stock block runs (``needs``). Gated by :attr:`close_gates` against the configuration
+without it: last-bit changes (1 ulp in bf16), far inside the VAE tier's gates.
 """
 
 from __future__ import annotations
@@ -19,13 +17,12 @@ from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
 from vllm_omni_ascend_opt.optimization import Optimization
 
-#: The fast tier's gates (SSIM, PSNR dB): tighter than the workload's defaults (0.99 / 35 dB, sized for vae_fast).
+#: The fast tier's gates (SSIM, PSNR dB), tighter than the workload's defaults (sized for vae_fast).
 FAST_TIER_GATES = (0.999, 45.0)
 
 
 class FastBlockMode(Optimization):
-    """A close-tier mode of the memoized block body (subclasses set ``name``, ``summary``, ``slot``); its mode's
-    :class:`~vllm_omni_ascend_opt.blocks.body.block_body.ModeOwner` while installed."""
+    """A close-tier mode of the memoized block body (subclasses set ``name``, ``summary``, ``slot``)."""
 
     slot: ClassVar[Slot[ModeOwner]]
     equivalence = "close"
@@ -33,7 +30,6 @@ class FastBlockMode(Optimization):
     close_gates = FAST_TIER_GATES
     needs = ("shared_modulation",)
     regions = frozenset({"block"})
-    #: A mode of shared_modulation's block body, which runs inside regionally compiled blocks (not under full compile).
     acts_compiled = frozenset({"regional"})
     acts_without_attach = True
     requires = ("shared_modulation active (a mode of its memoized block body); any device",)
@@ -54,13 +50,10 @@ class FastBlockMode(Optimization):
         """Calls that took this fast path since the last :meth:`reset_stats`."""
         return self.stats["ran"]
 
-    # ----- ModeOwner: the block body reports here ----------------------------------------------------------------
     def count_fast(self) -> None:
-        """A call in the block body took this fast path."""
         self.stats["ran"] += 1
 
     def count_stock(self, why: str) -> None:
-        """A call in the block body kept stock's ops (a fallback reason of this optimization)."""
         self._fallback(why)
 
     def _install(self) -> None:

@@ -1,21 +1,11 @@
 """Shared machinery of ``vae_exact`` and ``vae_fast``: find the VAE, patch it per instance, report what acts.
 
-The text-to-image pipeline decodes with vLLM-Omni's ``DistributedAutoencoderKLQwenImage``, a subclass of diffusers'
-``AutoencoderKLQwenImage`` that does not override ``_decode`` or any decoder submodule. Both VAE optimizations work
-per *instance* (never on the classes, which other pipelines and the encoder share) and only through attributes of
-the instances' own ``__dict__`` (``vae._decode``, ``vae.clear_cache``, ``submodule.forward``,
-``pipeline._decode_latents``), recorded in one :class:`~vllm_omni_ascend_opt._patching.PatchSet` per attached model,
-so that ``detach`` restores the class attribute by identity. ``vae.decode`` itself is never touched: vLLM-Omni's
-pipeline profiler wraps it per instance.
-
-The two optimizations patch disjoint attributes (``vae_exact``: ``_decode``, ``tiled_decode``, ``tile_exec``,
-``clear_cache``, upsample and 1x1x1 convolution forwards, ``_decode_latents``; ``vae_fast``: 3x3x3 / 3x1x1 causal
-convolution and RMS-norm forwards), so they compose in any attach/detach order.
-
-Every patched function asks :func:`vllm_omni_ascend_opt.blocks.upstream.guards.tracing` first and, while torch.compile
-traces, runs the stock code without bookkeeping (no fallback counted, no verdict read, no cache built or read).
-vLLM-Omni does not compile the VAE; the rule is the same as in the transformer so that a compiled decode holds stock
-code. Fallbacks outside tracing go through the base's ``_fallback``.
+Both work per *instance* (never on the classes, which other pipelines and the encoder share), only through
+attributes of the instances' own ``__dict__``, recorded in one :class:`~vllm_omni_ascend_opt._patching.PatchSet` per
+attached model so that ``detach`` restores them. ``vae.decode`` itself is never touched (vLLM-Omni's pipeline
+profiler wraps it per instance). The two patch disjoint attributes, so they compose in any attach/detach order.
+Every patched function asks :func:`~vllm_omni_ascend_opt.blocks.upstream.guards.tracing` first and, while dynamo
+traces, runs stock code without bookkeeping.
 """
 
 from __future__ import annotations
@@ -61,11 +51,8 @@ def of_exact_class(module: nn.Module, cls: type, method: str = "forward") -> boo
 
 
 def resolve(model: Any) -> tuple[Any | None, nn.Module | None, list[str]]:
-    """``(pipeline or None, vae or None, reasons)`` for ``model``: a pipeline with ``.vae`` or a bare VAE.
-
-    ``reasons`` is empty when the VAE is diffusers' ``AutoencoderKLQwenImage`` (or vLLM-Omni's distributed
-    subclass) with the stock ``_decode`` and decoder; otherwise it says why the VAE optimizations leave it alone.
-    """
+    """``(pipeline or None, vae or None, reasons)`` for a pipeline with ``.vae`` or a bare VAE; ``reasons`` say why
+    the VAE optimizations leave it alone (none for diffusers' ``AutoencoderKLQwenImage`` with stock decode parts)."""
     mod = diffusers_vae()
     base = mod.AutoencoderKLQwenImage
     if isinstance(model, base):
@@ -76,14 +63,11 @@ def resolve(model: Any) -> tuple[Any | None, nn.Module | None, list[str]]:
             return None, None, [f"{type(model).__name__} is neither a Qwen-Image VAE nor a pipeline with a .vae"]
         pipe = model
         if not isinstance(vae, base):
-            return (
-                pipe,
-                None,
-                [
-                    f"{type(model).__name__}.vae is {type(vae).__module__}.{type(vae).__name__}, not diffusers' "
-                    "AutoencoderKLQwenImage (vLLM-Omni's DistributedAutoencoderKLQwenImage is the supported one)"
-                ],
+            why = (
+                f"{type(model).__name__}.vae is {type(vae).__module__}.{type(vae).__name__}, not diffusers' "
+                "AutoencoderKLQwenImage (vLLM-Omni's DistributedAutoencoderKLQwenImage is the supported one)"
             )
+            return pipe, None, [why]
     reasons = []
     if getattr(type(vae), "_decode", None) is not base._decode:
         reasons.append(f"{type(vae).__name__} overrides _decode")
@@ -110,27 +94,25 @@ class VaeOptimization(Optimization):
 
     def __init__(self) -> None:
         super().__init__()
-        #: Pieces attached by the next ``attach`` (benchmarks switch single pieces off to measure them).
+        #: Pieces attached by the next ``attach`` (benchmarks switch single pieces off).
         self.enabled_pieces: set[str] = set(self.pieces)
         self._state: weakref.WeakKeyDictionary[Any, _Attached] = weakref.WeakKeyDictionary()
         self._vae_owner: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
-    # ----- subclass hooks ----------------------------------------------------------------------------------
     def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
         """Install this optimization's pieces on ``vae`` (and ``pipe``) through ``ps``; report each piece."""
         raise NotImplementedError
 
-    # ----- bookkeeping -------------------------------------------------------------------------------------
     def wants(self, piece: str) -> str:
         """ "" when ``piece`` should be attached, else why not (switched off through ``enabled_pieces``)."""
         return "" if piece in self.enabled_pieces else "switched off (enabled_pieces)"
 
     def patch_forwards(self, piece: str, modules: list[nn.Module], make_forward: Any, ps: PatchSet, none: str) -> str:
-        """Replace ``forward`` of each module in ``modules`` by ``make_forward(module)`` (through ``ps``) when
-        ``piece`` is wanted and there is at least one; returns "" when it acts, else why not (``none`` if empty)."""
+        """Each module's ``forward`` replaced by ``make_forward(module)`` when ``piece`` is wanted; "" when it acts,
+        else why not (``none``: no such module)."""
         why = self.wants(piece) or ("" if modules else none)
         for m in modules if not why else ():
-            ps.set(m, "forward", bind(m, make_forward(m)))
+            ps.set(m, "forward", MethodType(make_forward(m), m))
         return why
 
     def piece_report(self, model: Any) -> PieceReport:
@@ -148,17 +130,18 @@ class VaeOptimization(Optimization):
             if not any(v == "" for v in st.pieces.values()):
                 return [f"{p}: {why}" for p, why in st.pieces.items()]
             return []
-        _pipe, vae, reasons = resolve(model)
-        if not reasons and vae in self._vae_owner:
-            return ["its VAE is already attached through another model"]
-        return reasons
+        return self._resolve(model)[2]
 
-    # ----- attach / detach ---------------------------------------------------------------------------------
-    def _attach(self, model: Any) -> None:
-        ps = PatchSet(f"{self.name}:{type(model).__name__}")
+    def _resolve(self, model: Any) -> tuple[Any | None, nn.Module | None, list[str]]:
+        """:func:`resolve`, refusing a VAE already attached through another model."""
         pipe, vae, reasons = resolve(model)
         if not reasons and vae in self._vae_owner:
             reasons = ["its VAE is already attached through another model"]
+        return pipe, vae, reasons
+
+    def _attach(self, model: Any) -> None:
+        ps = PatchSet(f"{self.name}:{type(model).__name__}")
+        pipe, vae, reasons = self._resolve(model)
         st = _Attached(ps, None, reasons=reasons)
         if reasons:
             logger.info("vllm-omni-ascend-opt: %s does nothing for %s: %s", self.name, type(model).__name__, reasons)
@@ -182,8 +165,3 @@ class VaeOptimization(Optimization):
         st.patches.revert()
         if st.vae is not None:
             self._vae_owner.pop(st.vae, None)
-
-
-def bind(module: Any, fn: Any) -> MethodType:
-    """``fn`` bound to ``module`` (stored in the instance ``__dict__``, it shadows the class method)."""
-    return MethodType(fn, module)

@@ -1,10 +1,9 @@
-"""`fast_modulate`: each AdaLayerNorm's modulation as one affine layer norm (what and why: :class:`FastModulate`).
+"""`fast_modulate`: each AdaLayerNorm's modulation as one affine layer norm (:class:`FastModulate`).
 
-A mode of ``shared_modulation``'s block body (``blocks/body/block_body.py``), which it needs; it patches nothing itself.
-The ``[D]`` weight and bias are views of the memoized ``(1 + scale, shift)``, kept with the memo entry, so a warm step
-pays no extra op. Stock's ops run, with a counted reason, for batch rows with different modulation, the edit models'
-two-segment image norms (their text norms take the fast path), MindIE-SD's fused AdaLayerNorm, a LayerNorm with its
-own affine or hooks, and mixed dtypes.
+A mode of ``shared_modulation``'s block body (``_fast_tier``). The ``[D]`` weight and bias are views of the memoized
+``(1 + scale, shift)``, kept with the memo entry. Stock's ops run, with a counted reason, for batch rows with
+different modulation, two-segment image norms, MindIE-SD's fused AdaLayerNorm, a LayerNorm with its own affine or
+hooks, and mixed dtypes.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ class FastModulate(FastBlockMode):
     )
     removal_plan = "Drop when vLLM-Omni's AdaLayerNorm fuses (1 + scale, shift) into its layer norm kernel."
     slot = FAST_MODULATE
-    #: What its one affine layer norm replaces: AdaLayerNorm's native and NPU paths (and the block it runs in).
+    #: AdaLayerNorm's native and NPU paths (and the block they run in).
     upstream = (_targets.BLOCK_FORWARD, _targets.ADA_FORWARD_NATIVE, _targets.ADA_FORWARD_NPU)
 
     def notes(self) -> list[str]:

@@ -1,8 +1,7 @@
-"""`fast_residual`: the block's four gated residuals as ``torch.addcmul`` (what and why: :class:`FastResidual`).
+"""`fast_residual`: the block's four gated residuals as ``torch.addcmul`` (:class:`FastResidual`).
 
-A mode of ``shared_modulation``'s block body (``blocks/body/block_body.py``), which it needs; it patches nothing itself.
-For the edit models' two-segment image stream it runs one ``addcmul`` per broadcast chunk view, or per segment slice
-with ``out=``. Stock's ops run, with a counted reason, for mixed dtypes among ``x``, ``gate`` and ``y``.
+A mode of ``shared_modulation``'s block body (``_fast_tier``). The edit models' two-segment image stream runs one
+``addcmul`` per broadcast chunk view or per segment slice (``out=``). Mixed dtypes keep stock's ops (counted).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ class FastResidual(FastBlockMode):
     )
     removal_plan = "Drop when vLLM-Omni's block writes its gated residuals with one fused op."
     slot = FAST_RESIDUAL
-    #: What its addcmul replaces: the block's gated residuals ``x + gate * y``.
+    #: The block's gated residuals ``x + gate * y``.
     upstream = (_targets.BLOCK_FORWARD,)
 
 

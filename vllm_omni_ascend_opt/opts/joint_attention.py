@@ -1,21 +1,16 @@
 """`joint_attention`: one join of Qwen-Image's text and image streams, bitwise stock (:class:`JointAttention`).
 
-Patches ``QwenImageCrossAttention.forward`` (class attribute; the block, stock or ``shared_modulation``'s body, calls
-``block.attn(...)``, so both reach it). The joint math lives in ``blocks/body/joint_qkv.py``; the rotation goes
-through the rotary service ``rope`` provides while installed (``blocks.kernels.rotary.ROTARY``), else the portable
-math of ``blocks.kernels.rope_tables`` with this optimization's own table cache. With ``qk_norm``'s kernel ready
-(``blocks.kernels.rms_norm.kernel_ready``) the norms run per stream on stock's views and q, k, v are joined by one
-``cat`` each; RoPE still runs once on the joint sequence.
+Patches ``QwenImageCrossAttention.forward`` (the block, stock or ``shared_modulation``'s body, calls ``block.attn``).
+The joint math lives in ``blocks/body/joint_qkv.py``; the rotation goes through ``rope``'s rotary service while it is
+installed (``blocks.kernels.rotary.ROTARY``), else the portable math of ``blocks.kernels.rope_tables``. With
+``qk_norm``'s kernel ready the norms run per stream on stock's views, then one ``cat`` each for q, k, v.
 
-Eagerly, the guards, the CUDA-fused check and the RoPE tables are decided once per forward
-(``blocks/upstream/forward_scope.py``) and the four projections are called as their kernels where vLLM's layer is
-plain (``blocks/body/direct_calls.py``). While ``torch.compile`` traces, the joint path runs as written for tracing
-(``joint_qkv.traced_forward``) with the tables hoisted by an eager pre-hook of each regionally compiled block; under
-full compile the graph keeps stock's attention. Stock code runs, with the reason counted, under autograd, graph
-capture, for norms that are not plain ``nn.RMSNorm`` with weights and one ``eps``, streams that differ in heads or
-dtype, freqs that do not match the sequence lengths, a RoPE that is not vLLM-Omni's native math, and where stock
-takes its fused CUDA qk-norm-rope path. Non-contiguous views (v) reach the attention: bitwise on CPU SDPA and through
-``fused_attention``.
+Eagerly, the guards, the CUDA-fused check and the RoPE tables are decided once per forward (``forward_scope``) and
+plain projections are called as their kernels (``blocks/body/direct_calls.py``). While dynamo traces a regionally
+compiled block, ``joint_qkv.traced_forward`` runs with tables hoisted by an eager pre-hook; under full compile the
+graph keeps stock's attention. Stock runs, with the reason counted, under autograd, graph capture, for norms that are
+not plain ``nn.RMSNorm`` with weights and one ``eps``, streams that differ in heads or dtype, freqs that do not match
+the sequence lengths, a RoPE that is not vLLM-Omni's native math, and where stock takes its fused CUDA path.
 """
 
 from __future__ import annotations
@@ -47,7 +42,6 @@ from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.optimization import Optimization
 
 
-# ----- the optimization ---------------------------------------------------------------------------------------------
 class JointAttention(Optimization):
     name = "joint_attention"
     summary = (
@@ -102,10 +96,8 @@ class JointAttention(Optimization):
         super().__init__()
         self._joint_freqs = _JointFreqsCache(self.stats)
         self._tables = rope_tables.TableCache(self.stats)  # used when `rope` is not installed
-        #: regional compile: eager pre-hooks that hand each compiled block's attention this forward's RoPE tables
         self._hoister = compiled_blocks.Hoister(self._hoist, (READY_ROPE,), submodule="attn")
 
-    # ----- reporting -----------------------------------------------------------------------------------------
     def cache_memory(self) -> dict[str, Any]:
         """The joint freqs cache (``cat(txt, vid)`` per freqs pair)."""
         return {"joint_freqs": len(self._joint_freqs), "bytes": self._joint_freqs.nbytes()}
@@ -117,7 +109,8 @@ class JointAttention(Optimization):
         mod = sys.modules.get(_targets.TRANSFORMER)
         if mod is None:
             return ["vLLM-Omni's Qwen-Image transformer is not imported"]
-        attns = [m for m in _modules(model) if isinstance(m, mod.QwenImageCrossAttention)]
+        modules = model.modules() if isinstance(model, nn.Module) else ()
+        attns = [m for m in modules if isinstance(m, mod.QwenImageCrossAttention)]
         if not attns:
             return ["no QwenImageCrossAttention in this model"]
         reasons = [static_reason(a) for a in attns]
@@ -133,10 +126,8 @@ class JointAttention(Optimization):
         out += [f"stock ({n}x): {why}" for why, n in self._fallbacks.most_common()]
         return out
 
-    # ----- install -------------------------------------------------------------------------------------------
     def _install(self) -> None:
-        mod = sys.modules[_targets.TRANSFORMER]
-        cls = mod.QwenImageCrossAttention
+        cls = sys.modules[_targets.TRANSFORMER].QwenImageCrossAttention
         self.patches.set(cls, "forward", self._make_forward(cls.forward))
 
     def _uninstall(self) -> None:
@@ -146,7 +137,6 @@ class JointAttention(Optimization):
 
     def _attach(self, model: nn.Module) -> None:
         for tr in guards.find_transformers(model):
-            # per-forward decisions (guards, RoPE tables) once per forward; hooks once its blocks are compiled
             forward_scope.watch(tr, self.name, on_forward=self._hoister.on_forward)
 
     def _detach(self, model: nn.Module) -> None:
@@ -154,7 +144,6 @@ class JointAttention(Optimization):
             forward_scope.unwatch(tr, self.name)
             self._hoister.release(tr)
 
-    # ----- the patched forward -------------------------------------------------------------------------------
     def _call_reason(
         self,
         attn: nn.Module,
@@ -164,15 +153,13 @@ class JointAttention(Optimization):
         txt_freqs: Any,
     ) -> str | None:
         """Why stock must run this call: the call guard once per forward, the instance and the inputs per call."""
-        # once per forward; global hooks: static_reason
         why = forward_scope.decide("ja.call_reason", guards.eager_call_reason)
         if why:
             return why
         why = static_reason(attn) or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
         if why:
             return why
-        # decided before any projection runs: a fallback found after them would compute both QKV GEMMs twice; the
-        # same for every block of a forward (its shapes, device and dtype), so decided once per forward
+        # before any projection runs (a later fallback would compute both QKV GEMMs twice); once per forward
         d = attn.head_dim
         key = ("ja.cuda_fused", attn.qk_norm, hidden_states.shape, encoder_hidden_states.shape, vid_freqs.shape, d)
         if forward_scope.decide(
@@ -187,9 +174,8 @@ class JointAttention(Optimization):
     def _joint_tables(
         self, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, dtype: torch.dtype, kernel: rotary.RotaryPath | None
     ) -> tuple[torch.Tensor, rope_tables.Tables]:
-        """The joint freqs of this (vid, txt) pair and their tables in ``dtype``: from ``rope``'s rotary service while
-        it is installed (its table cache and counters), else from this optimization's own cache. Found once per
-        forward (the same freqs objects reach every block)."""
+        """The joint freqs of (vid, txt) and their tables in ``dtype`` (from ``kernel``'s cache, else this one's), once
+        per forward: the same freqs objects reach every block."""
         key = ("ja.tables", id(vid_freqs), id(txt_freqs), dtype, kernel is not None)
 
         def make() -> tuple[torch.Tensor, rope_tables.Tables]:
@@ -201,10 +187,8 @@ class JointAttention(Optimization):
     def _rotate(
         self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
     ) -> torch.Tensor:
-        """``x`` (q, k, or both stacked along the batch) rotated by the joint freqs: through the rotary service that
-        ``rope`` switches on while installed (``blocks.kernels.rotary.ROTARY``: its verified NPU
-        kernel and counters), else with the portable math. ``inplace``: ``x`` is this path's own (the portable math
-        rotates it in place: the same ops, fewer temporaries)."""
+        """``x`` (q, k, or both stacked along the batch) rotated by the joint freqs, through ``rope``'s rotary service
+        while installed, else the portable math. ``inplace``: ``x`` is this path's own (rotated in place)."""
         kernel = rotary.ROTARY.get()
         joint_freqs, tables = self._joint_tables(vid_freqs, txt_freqs, x.dtype, kernel)
         if kernel is not None:
@@ -228,7 +212,6 @@ class JointAttention(Optimization):
             streams = (hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
             masks = (hidden_states_mask, encoder_hidden_states_mask)
             if guards.tracing():  # first: dynamo traces; nothing here is counted, cached or logged
-                # only in a regionally compiled block, whose eager pre-hook hoisted this forward's tables
                 hoisted = compiled_blocks.ready(self, READY_ROPE) is not None
                 if hoisted and traced_reason(self, *streams) is None:
                     out = traced_forward(mod, self, *streams, *masks)
@@ -237,7 +220,7 @@ class JointAttention(Optimization):
             else:
                 why = opt._call_reason(self, *streams)
                 if why is None:
-                    out = opt._joint_forward(mod, self, *streams, *masks)
+                    out = opt._joint_forward(mod, self, streams, masks)
                     if isinstance(out, tuple):
                         return out
                     why = out
@@ -253,19 +236,12 @@ class JointAttention(Optimization):
         forward.__doc__ = original.__doc__
         return forward
 
-    # Eager/traced twin of blocks.body.joint_qkv.traced_forward: counters, caches and direct calls (eager only).
     def _joint_forward(
-        self,
-        mod: Any,
-        attn: Any,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        vid_freqs: torch.Tensor,
-        txt_freqs: torch.Tensor,
-        hidden_states_mask: torch.Tensor | None,
-        encoder_hidden_states_mask: torch.Tensor | None,
+        self, mod: Any, attn: Any, streams: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor | None, ...]
     ) -> tuple[torch.Tensor, torch.Tensor] | str:
-        """The joint path, or the reason it cannot run (the caller then runs stock)."""
+        """The joint path (eager twin of ``joint_qkv.traced_forward``: counters, caches, direct calls), or the reason
+        it cannot run (the caller then runs stock)."""
+        hidden_states, encoder_hidden_states, vid_freqs, txt_freqs = streams
         m = attn._modules
         img_qkv = self._project(m["to_qkv"], hidden_states, pair=True)
         txt_qkv = self._project(m["add_kv_proj"], encoder_hidden_states, pair=True)
@@ -282,17 +258,11 @@ class JointAttention(Optimization):
         st = encoder_hidden_states.shape[1]
         norm_q, norm_k, norm_added_q, norm_added_k = m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"]
         if rms_norm.kernel_ready([norm_q, norm_k, norm_added_q, norm_added_k]):
-            # qk_norm's npu_rms_norm takes gamma [D]: one kernel per stream (on stock's views), then one cat each for
-            # q, k and v (v stays contiguous for the attention kernel). 9 launches with the joint rotary, against 11
-            # in stock's order.
-            img_q, img_k, img_v = (
-                t.unflatten(-1, (n, d))
-                for t, n in zip(img_qkv.split([q_size, kv_size, kv_size], dim=-1), (nq, nkv, nkv), strict=True)
-            )
-            txt_q, txt_k, txt_v = (
-                t.unflatten(-1, (n, d))
-                for t, n in zip(txt_qkv.split([q_size, kv_size, kv_size], dim=-1), (nq, nkv, nkv), strict=True)
-            )
+            # qk_norm's npu_rms_norm takes gamma [D]: one kernel per stream on stock's views, then one cat each for
+            # q, k and v (v stays contiguous for the attention kernel)
+            sizes = [q_size, kv_size, kv_size]
+            img_q, img_k, img_v = (t.unflatten(-1, (-1, d)) for t in img_qkv.split(sizes, dim=-1))
+            txt_q, txt_k, txt_v = (t.unflatten(-1, (-1, d)) for t in txt_qkv.split(sizes, dim=-1))
             query = torch.cat([norm_added_q(txt_q), norm_q(img_q)], dim=1)
             key = torch.cat([norm_added_k(txt_k), norm_k(img_k)], dim=1)
             value = torch.cat([txt_v, img_v], dim=1)
@@ -302,8 +272,7 @@ class JointAttention(Optimization):
             key = self._rotate(key, vid_freqs, txt_freqs, m["rope"])
         else:
             qkv = torch.cat([txt_qkv, img_qkv], dim=1)
-            # the projections live on in the joint tensor: free them before the norms' fp32 temporaries (alive
-            # together, they raise the transformer's peak above stock's)
+            # free the projections before the norms' fp32 temporaries (together they raise the peak above stock's)
             del img_qkv, txt_qkv
             b, s = qkv.shape[0], qkv.shape[1]
             value = qkv[..., q_size + kv_size :].view(b, s, nkv, d)
@@ -311,9 +280,8 @@ class JointAttention(Optimization):
             eps = norm_q.eps
             one_pass = nq == nkv and norm_k.eps == eps and qk_weights_fit(qkv.dtype, (*w_txt, *w_img))
             if one_pass and 2 * b * nq < rotary.KERNEL_BN_LIMIT:
-                # q and k as one [2, B, S, N, D] tensor: one norm pass and one rotation for both (9 launches fewer
-                # per block in fp32 than one each; the rotary kernel's B*N limit holds for the pair), normalised and
-                # rotated in place on the norm's output (the peak stays below stock's per-stream temporaries)
+                # q and k as one [2, B, S, N, D] tensor: one norm pass and one rotation for both (the rotary
+                # kernel's B*N limit holds for the pair), rotated in place on the norm's output (a lower peak)
                 qk = qkv[..., : q_size + kv_size].view(b, s, 2, nq, d).permute(2, 0, 1, 3, 4)
                 qk = joint_qk_rms_norm(qk, st, w_txt, w_img, eps).flatten(0, 1)
                 del qkv
@@ -330,26 +298,15 @@ class JointAttention(Optimization):
         self.stats["joint_calls"] += 1
 
         joint_hidden_states = attend(
-            mod,
-            attn,
-            query,
-            key,
-            value,
-            st,
-            hidden_states,
-            encoder_hidden_states,
-            hidden_states_mask,
-            encoder_hidden_states_mask,
-            self.stats,
+            mod, attn, query, key, value, st, hidden_states, encoder_hidden_states, *masks, self.stats
         )
         img_attn_output = self._project(m["to_out"], joint_hidden_states[:, st:, :])
         txt_attn_output = self._project(m["to_add_out"], joint_hidden_states[:, :st, :])
         return img_attn_output, txt_attn_output
 
     def _project(self, layer: nn.Module, x: torch.Tensor, pair: bool = False) -> torch.Tensor:
-        """``layer(x)`` (its output; ``pair``: the layer returns ``(output, bias)``): the GEMM directly where
-        :func:`~vllm_omni_ascend_opt.blocks.body.direct_calls.linear_args` vouches for it, else the module (quantized,
-        LoRA, TP and hooked layers; the reason counted in :attr:`stats`)."""
+        """``layer(x)`` (``pair``: the layer returns ``(output, bias)``): the GEMM directly where ``direct_calls``
+        vouches for it, else the module (quantized, LoRA, TP, hooked layers; the reason counted)."""
         args = direct_calls.linear_args(layer)
         if isinstance(args, str):
             self.stats["module_calls"] += 1
@@ -360,8 +317,7 @@ class JointAttention(Optimization):
         return direct_calls.linear(x, *args)
 
     def _hoist(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Eager pre-hook of a regionally compiled block: this forward's joint RoPE tables, looked up once per forward
-        and left on the block's attention for its compiled code (None: the graph computes them)."""
+        """Eager pre-hook of a regionally compiled block: this forward's joint RoPE tables, left on its attention."""
         attn = block._modules.get("attn")
         freqs, hidden_states = kwargs.get("image_rotary_emb"), kwargs.get("hidden_states")
         tables = None
@@ -372,10 +328,6 @@ class JointAttention(Optimization):
                 tables = rope_tables.portable_tables(t, joint_freqs, self.stats)
         if attn is not None:
             compiled_blocks.set_ready(attn, READY_ROPE, tables)
-
-
-def _modules(model: Any) -> list[nn.Module]:
-    return list(model.modules()) if isinstance(model, nn.Module) else []
 
 
 OPT = JointAttention()

@@ -1,13 +1,10 @@
-"""`memo_aware_offload`: layerwise offload leaves modulation weights the memo makes unread on the host (what and why:
-:class:`MemoAwareOffload`).
+"""`memo_aware_offload`: layerwise offload leaves weights the memo makes unread on the host (:class:`MemoAwareOffload`).
 
-Patches ``LayerwiseOffloadHook.pre_forward`` (block 0 decides once per forward; every block gets the guarantee that a
-weight left on the host is never read) and ``LayerwiseOffloadHook.prefetch_layer`` (a skipping forward copies the next
-block's other weights into a compact device buffer, same bytes and views, and leaves the modulation weights as the
-offloader's own zero-element placeholders) in ``vllm_omni/diffusion/offloader/layerwise_backend.py``. Per attached
-model, each block hook's materialization probe, when it is a modulation weight, becomes the block's first other
-weight (restored on detach). A placeholder keeps its parameter's identity, version, dtype and device, so the memo's
-keys still find their entries; a signature with storage or shape just finds no hit and everything is copied.
+Patches ``LayerwiseOffloadHook.pre_forward`` (block 0 decides per forward; every block is guaranteed that a weight
+left on the host is never read) and ``LayerwiseOffloadHook.prefetch_layer`` (a skipping forward copies the next
+block's other weights into one compact device buffer per dtype; the modulation weights stay the offloader's own
+zero-element placeholders, which keep each parameter's identity and version, so the memo's keys still hit). Each block
+hook's materialization probe, when it is a modulation weight, becomes the block's first other weight (until detach).
 """
 
 from __future__ import annotations
@@ -30,9 +27,8 @@ from vllm_omni_ascend_opt.blocks.upstream.layerwise import LAYERWISE_MODULE, blo
 from vllm_omni_ascend_opt.optimization import Optimization
 
 TENSOR_UTILS = "vllm_omni.diffusion.offloader.tensor_utils"
-#: The upstream code it wraps (``pre_forward``, ``prefetch_layer``), mirrors (``prefetch_layer``'s copy with the
-#: modulation weights left out) or calls (the storage helpers, the hook's attributes set in ``__init__`` /
-#: ``initialize_hook``): the same source in vLLM-Omni 0.30.0, 0.31.0rc1 and 0.32.0rc1.
+#: The upstream code it wraps (``pre_forward``), mirrors (``prefetch_layer``'s copy) or calls (the storage helpers,
+#: the hook's attributes set in ``__init__`` / ``initialize_hook``).
 UPSTREAM: tuple[Upstream, ...] = (
     same(LAYERWISE_MODULE, "LayerwiseOffloadHook.pre_forward", "c8ff89a07c2c559a"),
     same(LAYERWISE_MODULE, "LayerwiseOffloadHook.prefetch_layer", "cdd013501e670e59"),
@@ -105,8 +101,7 @@ class MemoAwareOffload(Optimization):
         "modulation itself)."
     )
     equivalence = "exact"
-    #: No patched region of its own (it acts through the offload's forward hooks), but what it saves are the block
-    #: weight copies of each transformer forward.
+    #: No patched region (it acts through the offload's hooks); it saves block weight copies of each forward.
     stages = frozenset({"denoise"})
     requires = ("vLLM-Omni 0.30.x with enable_layerwise_offload; any device",)
     inactive_when = (
@@ -133,7 +128,6 @@ class MemoAwareOffload(Optimization):
         self._parts: weakref.WeakKeyDictionary[Any, dict[torch.dtype, _Part]] = weakref.WeakKeyDictionary()
         self._probes: dict[int, PatchSet] = {}
 
-    # ----- reasons ----------------------------------------------------------------------------------------
     def _model_reasons(self, model: Any) -> list[str]:
         transformers = find_transformers(model)
         if not transformers:
@@ -145,7 +139,8 @@ class MemoAwareOffload(Optimization):
                     "vLLM-Omni's layerwise offload is not enabled on this model (enable_layerwise_offload): no block "
                     "weights are copied per forward"
                 )
-            reasons += [why for why in (self._static_reason(tr),) if why]
+            if why := self._static_reason(tr):
+                reasons.append(why)
         return list(dict.fromkeys(reasons))
 
     @staticmethod
@@ -153,8 +148,7 @@ class MemoAwareOffload(Optimization):
         """Why no forward of ``tr`` can skip, whatever the memo holds (None: forwards may skip)."""
         if any(getattr(b, "zero_cond_t", False) for b in tr.transformer_blocks):
             return "two-segment modulation (zero_cond_t): not covered, every weight is copied"
-        why = block_body_reason(tr)
-        if why:
+        if why := block_body_reason(tr):
             return why
         if "block" in guards.compiled_regions(tr):
             return "torch.compile runs the blocks: they read their modulation weights, every weight is copied"
@@ -168,7 +162,6 @@ class MemoAwareOffload(Optimization):
             f"{s['late_copies']}"
         ]
 
-    # ----- install ----------------------------------------------------------------------------------------
     def _install(self) -> None:
         hook_cls = sys.modules[LAYERWISE_MODULE].LayerwiseOffloadHook
         original_pre = hook_cls.pre_forward
@@ -186,9 +179,7 @@ class MemoAwareOffload(Optimization):
 
         @torch.compiler.disable
         def prefetch_layer(self: Any, non_blocking: bool = True) -> None:
-            if guards.tracing():
-                return original_prefetch(self, non_blocking)
-            parts = opt._skip_parts(self)
+            parts = None if guards.tracing() else opt._skip_parts(self)
             if parts is None:
                 return original_prefetch(self, non_blocking)
             return opt._prefetch_without_modulation(self, parts, non_blocking)
@@ -204,7 +195,6 @@ class MemoAwareOffload(Optimization):
         self._probes.clear()
         self._parts = weakref.WeakKeyDictionary()
 
-    # ----- attach -----------------------------------------------------------------------------------------
     def _attach(self, model: nn.Module) -> None:
         for tr in find_transformers(model):
             ring = _Ring(weakref.ref(tr))
@@ -215,17 +205,13 @@ class MemoAwareOffload(Optimization):
         for tr in find_transformers(model):
             for block in tr.transformer_blocks:
                 self._rings.pop(block, None)
-            ps = self._probes.pop(id(tr), None)
-            if ps is not None:
+            if (ps := self._probes.pop(id(tr), None)) is not None:
                 ps.revert()
 
-    # ----- the per-forward decision and the per-block guarantee -------------------------------------------
     @staticmethod
     def _temb(args: tuple, kwargs: dict[str, Any]) -> Any:
-        """The block call's ``temb`` (keyword, or the 4th positional argument of the block forward)."""
-        if "temb" in kwargs:
-            return kwargs["temb"]
-        return args[3] if len(args) > 3 else None
+        """The block call's ``temb`` (keyword, or the block forward's 4th positional argument)."""
+        return kwargs["temb"] if "temb" in kwargs else (args[3] if len(args) > 3 else None)
 
     def _before_block(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> _Ring | None:
         """At block 0: decide for this forward (once). Returns the block's ring (None: not an attached block)."""
@@ -261,17 +247,15 @@ class MemoAwareOffload(Optimization):
             return "the block call carries no temb tensor"
         if kwargs.get("modulate_index") is not None:
             return "two-segment modulation (modulate_index): not covered"
-        why = self._static_reason(tr)
-        if why:
+        if why := self._static_reason(tr):
             return why
         if not all(memo.has_block(b, temb) for b in tr.transformer_blocks):
             return NOT_ALL_MEMOIZED
         return None
 
     def _set_probes(self, tr: nn.Module) -> None:
-        """Point each block hook's materialization probe at a weight this optimization always copies (upstream picks
-        the block's first weight: ``img_mod.1.weight``), so that a block whose modulation weights stay on the host
-        still reads as materialized and is not copied a second time."""
+        """Point each block hook's materialization probe (upstream: the first weight, ``img_mod.1.weight``) at a weight
+        always copied, so a block whose modulation stays on the host reads as materialized, not copied twice."""
         ps = self._probes.setdefault(id(tr), PatchSet(f"{self.name}:probes"))
         for block in tr.transformer_blocks:
             hook = block_hook(block)
@@ -286,8 +270,8 @@ class MemoAwareOffload(Optimization):
                 ps.set(hook, "_materialization_probe", other)
 
     def _guarantee(self, hook: Any, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Before a block of a skipping forward runs: if its modulation weights are on the host and the memo does
-        not hit for it any more, copy them now (synchronously)."""
+        """Before a block of a skipping forward runs: its modulation weights left on the host are copied now
+        (synchronously) when the memo no longer hits for it."""
         source = getattr(hook, "_prev_hook", None)  # the hook that prefetches this block
         if source is None or source.next_block is not module:
             return
@@ -301,7 +285,6 @@ class MemoAwareOffload(Optimization):
         self.stats["late_copies"] += 1
         self._copy_modulation(source)
 
-    # ----- copies -------------------------------------------------------------------------------------------
     def _skip_parts(self, hook: Any) -> dict[torch.dtype, _Part] | None:
         """The kept / skipped weights of the block ``hook`` prefetches, when this forward skips (else None)."""
         found = self._rings.get(hook.next_block)
@@ -317,12 +300,10 @@ class MemoAwareOffload(Optimization):
         return parts
 
     def _prefetch_without_modulation(self, hook: Any, parts: dict[torch.dtype, _Part], non_blocking: bool) -> None:
-        """Upstream's ``prefetch_layer`` (vLLM-Omni 0.30.0) with the modulation weights left out: the other weights'
-        contiguous host ranges are copied into one compact device buffer per dtype and viewed with their own shape
-        and stride; the modulation weights stay zero-element placeholders (upstream's own)."""
-        up = sys.modules[LAYERWISE_MODULE]
+        """Upstream's ``prefetch_layer`` without the modulation weights: the others' contiguous host ranges go into one
+        compact device buffer per dtype, viewed with their own shape and stride; the rest get placeholders."""
         tu = sys.modules[TENSOR_UTILS]
-        platform = up.current_omni_platform
+        platform = sys.modules[LAYERWISE_MODULE].current_omni_platform
         hook.copy_stream.wait_stream(platform.current_stream())
         evt = platform.Event()
         device_weights: dict[torch.dtype, torch.Tensor] = {}

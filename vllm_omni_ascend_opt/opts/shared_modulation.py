@@ -1,20 +1,15 @@
 """`shared_modulation`: Qwen-Image's timestep-only modulation memoized, exactly (:class:`SharedModulation`).
 
-Patches (``qwen_image_transformer.py``): ``QwenImageTransformerBlock.forward`` reads the block's unpacked modulation
-from the memo (:class:`~vllm_omni_ascend_opt.blocks.memo.cache.ModulationMemo`; keys in ``blocks/memo/keys.py``, the
-block body in ``blocks/body/``); ``QwenImageTransformer2DModel.load_weights`` drops the memo. Per attached
-transformer the ``img_mod``/``txt_mod`` of every block, ``norm_out`` and ``time_text_embed`` get memoizing subclasses
-(``__class__`` swap, same object and state dict), so direct calls such as TeaCache's ``block.img_mod(temb)`` probe hit
-the memo too; ``detach`` restores the classes by identity.
-
-Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``): memoized per temb value like the single-segment one;
-the image stream uses per-segment broadcast (``blocks/body/two_segment.py``), the same IEEE ops on the same values.
-
-Under regional compile the lookups run in eager pre-hooks of the compiled blocks (``blocks/body/compiled_blocks.py``);
-under full compile the graph holds stock's modulation (a reason). Stock code runs, with a counted reason, under
-autograd, graph capture, global or modulation-module hooks, inference-tensor weights, MindIE-SD's fused image norms
-and the CUDA Triton select01 kernels. The memo is per rank and runs no collective. Weights written through ``.data``
-outside ``load_weights`` need :meth:`SharedModulation.invalidate` (or the registry's weights-changed event).
+Patches ``QwenImageTransformerBlock.forward`` (reads the block's unpacked modulation from the memo,
+``blocks/memo/``; the block body in ``blocks/body/``) and ``QwenImageTransformer2DModel.load_weights`` (drops the
+memo). Per attached transformer, every block's ``img_mod``/``txt_mod``, ``norm_out`` and ``time_text_embed`` get
+memoizing subclasses (``__class__`` swap: same object and state dict), so direct calls such as TeaCache's
+``block.img_mod(temb)`` hit the memo too; ``detach`` restores the classes. Two-segment modulation (``zero_cond_t``)
+uses per-segment broadcast (``blocks/body/two_segment.py``). Under regional compile the lookups run in eager pre-hooks
+of the compiled blocks. Stock code runs, with a counted reason, under autograd, graph capture, global or
+modulation-module hooks, inference-tensor weights, MindIE-SD's fused image norms and the CUDA Triton select01
+kernels. The memo is per rank (no collective). Weights written through ``.data`` outside ``load_weights`` need
+:meth:`SharedModulation.invalidate` (or the registry's weights-changed event).
 """
 
 from __future__ import annotations
@@ -46,12 +41,9 @@ from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
 from vllm_omni_ascend_opt.optimization import Optimization
 
 _T, _ADA = _targets.TRANSFORMER, ada_norm.ADALAYERNORM_MODULE
-#: The upstream functions this patch replaces (the block forward, load_weights) or mirrors (everything its memoized
-#: block body and projections recompute), with the source fingerprints it knows (``blocks/upstream/fingerprints.py``). A function
-#: whose source matches none of them turns it off with a reason: the exactness argument must be redone first.
-#: AdaLayerNorm's per-backend paths are checked where vLLM-Omni dispatches to them; 0.32.0rc1's forward_cuda (the
-#: CUDA Triton AdaLN kernel, whose reductions are not F.layer_norm's) is accepted because ``norm_kind`` treats it as
-#: native only where that kernel is absent, and calls the instance (exact) otherwise.
+#: What it replaces (block forward, load_weights) or mirrors (what its block body and projections recompute); a
+#: source matching no fingerprint turns it off. 0.32's forward_cuda (a Triton AdaLN kernel) is accepted because
+#: ``norm_kind`` treats it as native only where that kernel is absent, and calls the instance otherwise.
 UPSTREAM: tuple[Upstream, ...] = (
     _targets.BLOCK_FORWARD,
     same(_T, "QwenImageTransformerBlock._modulate", "790253f78c1c2199"),
@@ -113,8 +105,7 @@ class SharedModulation(Optimization):
     requires = ("vLLM-Omni >= 0.30 whose code matches the fingerprints it knows; any device and dtype",)
     target_modules = (_targets.TRANSFORMER,)
     regions = frozenset({"block", "transformer"})  # the block body and projections; norm_out in the forward
-    #: Regional compile: the memo runs in eager (the transformer's forward and pre-hooks of the compiled blocks), the
-    #: compiled blocks receive ready modulation tensors. Full compile traces the memo's lookups: stock code there.
+    #: Regional compile: the lookups run in eager, the compiled blocks get ready tensors; full compile: stock.
     acts_compiled = frozenset({"regional"})
     upstream = UPSTREAM
     on_qwen_image_21 = (
@@ -125,20 +116,17 @@ class SharedModulation(Optimization):
     def __init__(self) -> None:
         super().__init__()
         self.memo = ModulationMemo()
-        self.stats = self.memo.stats  # the memo counts hits, misses, digests... for this optimization
+        self.stats = self.memo.stats
         self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
-        self._classes: dict[str, type] = {}
-        #: regional compile: eager pre-hooks that hand compiled blocks their modulation (blocks/body/compiled_blocks.py)
+        self._classes: dict[str, tuple[type, type]] = {}
         self._hoister = compiled_blocks.Hoister(self._hoist, (READY,))
 
-    # ----- reasons ----------------------------------------------------------------------------------------
     def _process_reasons(self) -> list[str]:
-        reasons = []
         try:
             budget_from_env()
         except ValueError as exc:
-            reasons.append(f"{ENV_BUDGET_MB} is invalid ({exc})")
-        return reasons
+            return [f"{ENV_BUDGET_MB} is invalid ({exc})"]
+        return []
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
         transformers = find_transformers(model)
@@ -148,8 +136,7 @@ class SharedModulation(Optimization):
         if self.memo.max_bytes <= 0:
             reasons.append(f"modulation memo budget is 0 ({ENV_BUDGET_MB})")
         for tr in transformers:
-            # The very checks the memo makes per call (keyability of every projection), not a guess from the
-            # weights between forwards (under layerwise offload they are placeholders then).
+            # the memo's per-call checks, not the weights between forwards (placeholders under layerwise offload)
             reasons += unkeyable_reasons(tr)
         return list(dict.fromkeys(reasons))
 
@@ -162,7 +149,7 @@ class SharedModulation(Optimization):
             "budget_bytes": int(self.memo.max_bytes),
             "entries": len(self.memo),
             "evictions": int(self.memo.stats.get("evictions", 0)),
-            # Qwen-Image-Edit-2511's timestep-0 segments: kept outside the budget (one per block and weights)
+            # the edit models' timestep-0 segments, outside the budget
             "zero_t_segments": len(self.memo._zero_t),
             "zero_t_bytes": int(self.memo.zero_t_nbytes),
         }
@@ -176,15 +163,13 @@ class SharedModulation(Optimization):
         ]
 
     def invalidate(self) -> None:
-        """Drop every memoized tensor: call after writing modulation weights in a way version counters cannot see
-        (``param.data`` writes other than ``load_weights``, which invalidates by itself)."""
+        """Drop the memo: call after writing modulation weights behind the version counters (``param.data``)."""
         self.memo.clear()
 
     def weights_changed(self, model: Any = None) -> None:
         """Another optimization rewrote weights behind the version counters (``nz_weights``): drop the memo."""
         self.invalidate()
 
-    # ----- install ----------------------------------------------------------------------------------------
     def _install(self) -> None:
         t = sys.modules[_targets.TRANSFORMER]
         block_cls, model_cls = t.QwenImageTransformerBlock, t.QwenImageTransformer2DModel
@@ -210,15 +195,8 @@ class SharedModulation(Optimization):
             elif modulate_index is None:
                 hoisted = compiled_blocks.ready(self, READY)  # regional compile: looked up by the eager pre-hook
                 if hoisted is not None:
-                    return traced_block_body(
-                        self,
-                        hoisted,
-                        hidden_states,
-                        encoder_hidden_states,
-                        encoder_hidden_states_mask,
-                        image_rotary_emb,
-                        hidden_states_mask,
-                    )
+                    streams = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, image_rotary_emb)
+                    return traced_block_body(self, hoisted, *streams, hidden_states_mask)
             if mods is None:
                 return original_forward(
                     self,
@@ -259,8 +237,7 @@ class SharedModulation(Optimization):
         MEMO.provide(self.memo)
 
     def _hoist(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Eager pre-hook of a regionally compiled block: the memo lookup the compiled block cannot make, left on the
-        block as ready tensors (None: the compiled block runs stock's code; the reason is counted)."""
+        """Eager pre-hook of a regionally compiled block: its memo lookup, left on the block (None: stock runs)."""
         temb, hidden_states = kwargs.get("temb"), kwargs.get("hidden_states")
         hoisted = None
         if temb is not None and hidden_states is not None and kwargs.get("modulate_index") is None:
@@ -273,31 +250,33 @@ class SharedModulation(Optimization):
     ) -> tuple[Any, ...] | None:
         """The block's unpacked modulation from the memo, or None (the reason counted) when stock must run."""
         if modulate_index is not None and block.zero_cond_t:
-            mods, why = self.memo.block_two_segment(block, temb, modulate_index, hidden_states)
-        elif modulate_index is not None or block.zero_cond_t:
-            mods, why = None, "zero_cond_t and modulate_index disagree (stock decides)"
-        else:
-            mods, why = self.memo.block(block, temb)
-        if mods is None:
+            return self._hit(self.memo.block_two_segment(block, temb, modulate_index, hidden_states))
+        if modulate_index is not None or block.zero_cond_t:
+            return self._hit((None, "zero_cond_t and modulate_index disagree (stock decides)"))
+        return self._hit(self.memo.block(block, temb))
+
+    def _hit(self, found: tuple[Any, str | None]) -> Any:
+        """The memo's answer, or None with the reason it gave counted."""
+        out, why = found
+        if out is None:
             self._fallback(why or "unknown")
-        return mods
+        return out
 
     def _make_classes(self, t: Any) -> None:
         if self._classes:
             return
         opt = self
-        base_norm = t.AdaLayerNormContinuous
-        stock_norm_out = base_norm.forward
+        base_norm, base_time = t.AdaLayerNormContinuous, t.QwenTimestepProjEmbeddings
+        stock_norm_out, stock_time = base_norm.forward, base_time.forward
 
         class MemoModulation(nn.Sequential):
             """Stock ``nn.Sequential(SiLU, ReplicatedLinear)`` whose direct calls are memoized (same object)."""
 
             def forward(self, input: torch.Tensor) -> torch.Tensor:
                 if not guards.tracing():  # first: under dynamo, stock's Sequential and nothing else
-                    out, why = opt.memo.direct_projection(self, input)
+                    out = opt._hit(opt.memo.direct_projection(self, input))
                     if out is not None:
                         return out
-                    opt._fallback(why or "unknown")
                 return nn.Sequential.forward(self, input)
 
         class MemoAdaLayerNormContinuous(base_norm):
@@ -305,36 +284,29 @@ class SharedModulation(Optimization):
 
             def forward(self, x: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
                 if not guards.tracing():  # first: under dynamo, stock's forward and nothing else
-                    mods, why = opt.memo.norm_out(self, x, conditioning_embedding)
+                    mods = opt._hit(opt.memo.norm_out(self, x, conditioning_embedding))
                     if mods is not None:
                         ops, shift = mods
                         return self.norm(x) * ops + shift
-                    opt._fallback(why or "unknown")
                 return stock_norm_out(self, x, conditioning_embedding)
 
-        base_time = t.QwenTimestepProjEmbeddings
-        stock_time = base_time.forward
-
         class MemoTimeEmbedding(base_time):
-            """vLLM-Omni's QwenTimestepProjEmbeddings whose output (stock's) is keyed in the memo by the timestep's
-            value, so that the blocks find their entry without a digest of temb (same object, same state dict)."""
+            """QwenTimestepProjEmbeddings whose output is keyed in the memo by the timestep's value, so the blocks
+            find their entry without a digest of temb (same object)."""
 
             def forward(
                 self, timestep: torch.Tensor, hidden_states: torch.Tensor, addition_t_cond: Any = None
             ) -> torch.Tensor:
                 if not guards.tracing():  # first: under dynamo, stock's time embedding and nothing else
-                    temb, why = opt.memo.time_embedding(self, timestep, hidden_states, addition_t_cond, stock_time)
+                    temb = opt._hit(opt.memo.time_embedding(self, timestep, hidden_states, addition_t_cond, stock_time))
                     if temb is not None:
                         return temb
-                    opt._fallback(why or "unknown")
                 return stock_time(self, timestep, hidden_states, addition_t_cond)
 
         self._classes = {
-            "modulation": MemoModulation,
-            "norm_out": MemoAdaLayerNormContinuous,
-            "norm_base": base_norm,
-            "time": MemoTimeEmbedding,
-            "time_base": base_time,
+            "modulation": (nn.Sequential, MemoModulation),
+            "norm_out": (base_norm, MemoAdaLayerNormContinuous),
+            "time": (base_time, MemoTimeEmbedding),
         }
 
     def _uninstall(self) -> None:
@@ -345,32 +317,30 @@ class SharedModulation(Optimization):
         self._swapped = weakref.WeakKeyDictionary()
         self.memo.clear()
 
-    # ----- attach -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _swappable(tr: nn.Module) -> list[tuple[nn.Module, str]]:
+        """The transformer's modules that get a memoizing class, with their kind (a key of ``_classes``)."""
+        mods = [(getattr(b, n), "modulation") for b in tr.transformer_blocks for n in ("img_mod", "txt_mod")]
+        return [*mods, (tr.norm_out, "norm_out"), (tr.time_text_embed, "time")]
+
     def _attach(self, model: nn.Module) -> None:
         for tr in find_transformers(model):
-            # a scope per forward (the body's direct calls decide once per forward); hooks once its blocks are compiled
             forward_scope.watch(tr, self.name, on_forward=self._hoister.on_forward)
-            for block in tr.transformer_blocks:
-                for name in ("img_mod", "txt_mod"):
-                    self._swap(getattr(block, name), nn.Sequential, self._classes["modulation"])
-            self._swap(tr.norm_out, self._classes["norm_base"], self._classes["norm_out"])
-            self._swap(tr.time_text_embed, self._classes["time_base"], self._classes["time"])
+            for m, kind in self._swappable(tr):
+                base, memo_cls = self._classes[kind]
+                if type(m) is base and m not in self._swapped:
+                    self._swapped[m] = base
+                    m.__class__ = memo_cls
 
     def _detach(self, model: nn.Module) -> None:
         for tr in find_transformers(model):
             forward_scope.unwatch(tr, self.name)
             self._hoister.release(tr)
-            parts = [getattr(b, n) for b in tr.transformer_blocks for n in ("img_mod", "txt_mod")]
-            for m in [*parts, tr.norm_out, tr.time_text_embed]:
+            for m, _ in self._swappable(tr):
                 cls = self._swapped.pop(m, None)
                 if cls is not None:
                     m.__class__ = cls
         self.memo.clear()
-
-    def _swap(self, module: nn.Module, expected: type, replacement: type) -> None:
-        if type(module) is expected and module not in self._swapped:
-            self._swapped[module] = expected
-            module.__class__ = replacement
 
     def is_prepared(self, module: nn.Module) -> bool:
         """Whether ``module`` (an img_mod/txt_mod/norm_out) currently carries the memoizing class."""

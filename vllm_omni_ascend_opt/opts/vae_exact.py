@@ -1,21 +1,17 @@
 """`vae_exact`: VAE decode work that never changes a bit for single-frame images, removed (:class:`VaeExact`).
 
-Each piece is patched per instance through the instance's own ``__dict__`` (``_vae_common``) and proven bitwise by
-tests/test_vae_exact.py:
-
-* ``single_frame_decode`` (``vae._decode``) and ``single_frame_tiles`` (``tiled_decode``, ``tile_exec``: stock's tiles,
-  blending and crops; a row is dropped once the next one is blended): one frame decoded without the feature cache;
-* ``cached_conv_counts`` (``vae.clear_cache``): diffusers' ``_cached_conv_counts``, checked at attach;
-* ``upsample_native_dtype`` (``QwenImageUpsample.forward``): verified once per (device type, dtype) on a probe
-  (:attr:`VaeExact.upsample`, a kernel path);
-* ``pointwise_conv_no_pad`` (1x1x1 ``QwenImageCausalConv3d.forward``): a contiguous input skips the pad copy;
-* ``latents_stats_cache`` (``pipeline._decode_latents``): :class:`LatentsStats`, one entry per pipeline.
+Each piece is patched per instance (``_vae_common``) and proven bitwise by tests/test_vae_exact.py:
+``single_frame_decode`` (``vae._decode``), ``single_frame_tiles`` (``tiled_decode``, ``tile_exec``),
+``cached_conv_counts`` (``vae.clear_cache``, the counts checked at attach), ``upsample_native_dtype``
+(``QwenImageUpsample.forward``, verified once per device type and dtype on a probe: :attr:`VaeExact.upsample`),
+``pointwise_conv_no_pad`` (1x1x1 ``QwenImageCausalConv3d.forward``) and ``latents_stats_cache``
+(``pipeline._decode_latents``, :class:`LatentsStats`).
 """
 
 from __future__ import annotations
 
-import logging
 import sys
+from types import MethodType
 from typing import Any
 
 import torch
@@ -30,27 +26,17 @@ from vllm_omni_ascend_opt.blocks.upstream.fingerprints import same
 from vllm_omni_ascend_opt.opts._vae_common import (
     PieceReport,
     VaeOptimization,
-    bind,
     decode_modules,
     diffusers_vae,
     of_exact_class,
 )
 
-logger = logging.getLogger("vllm_omni_ascend_opt")
-
-#: Why vae_exact stays off on Qwen-Image-2.1 (its own VAE class, AutoencoderKLQwenImage21).
-QWEN_IMAGE_21_REFUSAL = (
-    "its VAE (AutoencoderKLQwenImage21) already decodes without the feature cache and with 2-D convolutions; the two "
-    "exact pieces left there (native-dtype upsample, latents statistics built once) are not implemented for it"
-)
 #: dtypes for which an fp32 round trip is lossless, so skipping it cannot change a value.
 _ROUND_TRIP_LOSSLESS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# ----- single_frame_decode ------------------------------------------------------------------------------------------
 def tiling_applies(vae: nn.Module, z: torch.Tensor) -> bool:
-    """The condition under which diffusers' ``_decode`` hands over to ``tiled_decode`` (and vLLM-Omni's
-    ``DistributedAutoencoderKLQwenImage.tiled_decode`` to its patch-parallel executor)."""
+    """Whether diffusers' ``_decode`` hands ``z`` over to ``tiled_decode``."""
     h, w = z.shape[-2], z.shape[-1]
     min_h = vae.tile_sample_min_height // vae.spatial_compression_ratio
     min_w = vae.tile_sample_min_width // vae.spatial_compression_ratio
@@ -58,8 +44,7 @@ def tiling_applies(vae: nn.Module, z: torch.Tensor) -> bool:
 
 
 def single_frame_refusal(vae: nn.Module, z: torch.Tensor) -> str:
-    """Why ``z`` must take the stock ``_decode`` ("" when the cache-less single-frame path applies). A tiled
-    decode is not refused here: ``_decode`` hands it to ``tiled_decode`` as stock does (``single_frame_tiles``)."""
+    """Why ``z`` must take the stock ``_decode`` ("" when the cache-less single-frame path applies)."""
     if z.dim() != 5:
         return f"latent of {z.dim()} dims (expected [B, C, T, H, W])"
     if z.shape[2] != 1:
@@ -80,27 +65,23 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
         if guards.tracing():  # first: stock code, no bookkeeping while dynamo traces
             return original(z, return_dict=return_dict)
         if z.dim() == 5 and tiling_applies(self, z):
-            return self.tiled_decode(z, return_dict=return_dict)  # stock's hand-over (single_frame_tiles acts there)
+            return self.tiled_decode(z, return_dict=return_dict)  # stock's hand-over
         why = single_frame_refusal(self, z)
         if why:
             opt._fallback(why)
             return original(z, return_dict=return_dict)
-        # Stock: clear_cache(); post_quant_conv(z); decoder(x[:, :, 0:1], feat_cache=all None); clamp; clear_cache().
-        # x[:, :, 0:1] of a one-frame x is x itself, and with every cache slot None the decoder computes exactly
-        # what it computes with feat_cache=None, minus the clones it would store for a next frame.
+        # Stock: clear_cache(); post_quant_conv; decoder(x[:, :, 0:1], all cache slots None); clamp; clear_cache().
+        # For one frame that is the decoder without a cache, minus the clones it would store for a next frame.
         opt.stats["single_frame_decodes"] += 1
         x = self.post_quant_conv(z)
         out = self.decoder(x)
         out = torch.clamp(out, min=-1.0, max=1.0)
         self.clear_cache()  # leave the same (fresh) cache state as stock
-        if not return_dict:
-            return (out,)
-        return DecoderOutput(sample=out)
+        return DecoderOutput(sample=out) if return_dict else (out,)
 
     return _decode
 
 
-# ----- single_frame_tiles -------------------------------------------------------------------------------------------
 def tiles_refusal(vae: nn.Module) -> str:
     """Why the tiled decode of ``vae`` keeps stock code ("" when ``single_frame_tiles`` can act)."""
     mod = diffusers_vae()
@@ -116,20 +97,15 @@ def tiles_refusal(vae: nn.Module) -> str:
 
 
 def decode_tile(vae: nn.Module, tile: torch.Tensor) -> torch.Tensor:
-    """One single-frame tile as stock's tiled decode computes it (``clear_cache``; ``post_quant_conv``; decoder with
-    every cache slot None), without the feature cache: the same computation minus the clones for a next frame."""
+    """One single-frame tile as stock's tiled decode computes it, without the feature cache (minus its clones)."""
     return vae.decoder(vae.post_quant_conv(tile))
 
 
 def tiled_decode_single_frame(opt: VaeExact, vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
-    """diffusers 0.40 ``AutoencoderKLQwenImage.tiled_decode`` for a one-frame latent, bitwise.
-
-    Same tiles (latent windows at the same strides), each decoded by :func:`decode_tile` (stock: ``cat`` of the one
-    frame, a copy of the same values); the same blending: stock blends, after decoding every tile, each tile with
-    the blended tile above (``blend_v``) and the blended tile to its left (``blend_h``), in place on the stored
-    tiles, row by row. Here row ``i`` is blended as soon as it is decoded, when row ``i - 1`` is already blended:
-    every tile sees the same operations on the same values in the same order. Row ``i - 1`` is then dropped (only
-    row ``i``'s ``blend_v`` reads it); the crops are concatenated as stock does."""
+    """diffusers' ``AutoencoderKLQwenImage.tiled_decode`` for a one-frame latent, bitwise: the same tiles, crops and
+    blends (``blend_v`` with the blended row above, then ``blend_h`` with the left tile). Stock blends after decoding
+    every tile; here row ``i`` is blended once decoded, row ``i - 1`` already blended (the same ops in the same
+    order), and row ``i - 1`` is then dropped."""
     _, _, _, height, width = z.shape
     ratio = vae.spatial_compression_ratio
     min_h, min_w = vae.tile_sample_min_height // ratio, vae.tile_sample_min_width // ratio
@@ -170,7 +146,7 @@ def _make_tiled_decode(opt: VaeExact, vae: nn.Module) -> Any:
             return original(z, return_dict=return_dict)
         opt.stats["tiled_decodes"] += 1
         dec = tiled_decode_single_frame(opt, self, z)
-        return (dec,) if not return_dict else DecoderOutput(sample=dec)
+        return DecoderOutput(sample=dec) if return_dict else (dec,)
 
     return tiled_decode
 
@@ -179,8 +155,7 @@ def _make_tile_exec(opt: VaeExact, vae: nn.Module) -> Any:
     original = vae.tile_exec
 
     def tile_exec(self: nn.Module, task: Any) -> torch.Tensor:
-        """vLLM-Omni's ``tile_exec`` (``clear_cache``; decode each frame of the tile with the cache; ``cat``) for a
-        one-frame tile: :func:`decode_tile`. The merge clears the cache itself (``tile_merge``)."""
+        """vLLM-Omni's ``tile_exec`` for a one-frame tile: :func:`decode_tile` (``tile_merge`` clears the cache)."""
         if guards.tracing():
             return original(task)
         frames = list(task.tensor)
@@ -193,12 +168,9 @@ def _make_tile_exec(opt: VaeExact, vae: nn.Module) -> Any:
     return tile_exec
 
 
-# ----- cached_conv_counts -------------------------------------------------------------------------------------------
 def _count_causal_convs(module: nn.Module | None) -> int:
-    if module is None:
-        return 0
     cls = diffusers_vae().QwenImageCausalConv3d
-    return sum(isinstance(m, cls) for m in module.modules())
+    return 0 if module is None else sum(isinstance(m, cls) for m in module.modules())
 
 
 def conv_counts_refusal(vae: nn.Module) -> str:
@@ -226,16 +198,14 @@ def _clear_cache(self: nn.Module) -> None:
     self._enc_feat_map = [None] * self._enc_conv_num
 
 
-# ----- upsample_native_dtype ----------------------------------------------------------------------------------------
 class UpsamplePath(KernelPath):
     """Nearest interpolation in the activation dtype instead of stock's fp32 round trip, checked per (device type,
-    dtype) on a probe; kept in memory."""
+    dtype) on a probe."""
 
     kernel = "native-dtype upsample"
     persist = False
 
     def check(self, module: nn.Module, device: torch.device, dtype: torch.dtype) -> Verdict:
-        """Does interpolating in ``dtype`` on ``device`` equal stock's fp32 round trip on a probe?"""
         key = (device.type, dtype)
         if dtype not in _ROUND_TRIP_LOSSLESS:
             return self.verdict(key, False, "the fp32 round trip is not lossless in this dtype")
@@ -262,7 +232,6 @@ def _make_upsample_forward(path: UpsamplePath, module: nn.Module) -> Any:
     return forward
 
 
-# ----- pointwise_conv_no_pad ----------------------------------------------------------------------------------------
 def _is_pointwise_causal_conv(m: nn.Module) -> bool:
     cls = diffusers_vae().QwenImageCausalConv3d
     return (
@@ -285,7 +254,6 @@ def _make_pointwise_forward(module: nn.Module) -> Any:
     return forward
 
 
-# ----- latents_stats_cache ------------------------------------------------------------------------------------------
 def decode_latents_refusal(pipe: Any) -> str:
     mod = sys.modules.get(_targets.PIPELINE)
     if mod is None:
@@ -299,19 +267,16 @@ def decode_latents_refusal(pipe: Any) -> str:
 
 
 class LatentsStats:
-    """The latents mean and 1/std tensors of one pipeline, built by ``QwenImagePipeline._decode_latents``' own ops
-    once per (device, dtype, z_dim, latents_mean, latents_std) and reused. One entry: a pipeline decodes on one
-    device in one dtype, so another key (a move, another dtype, another config) replaces it."""
+    """The latents mean and 1/std of one pipeline, built by ``_decode_latents``' own ops once per (device, dtype,
+    config) and reused; one entry (a pipeline decodes on one device in one dtype): another key replaces it."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def get(self, cfg: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mean, 1/std)`` for ``cfg`` (the VAE config) on ``device`` in ``dtype``."""
         key = (device, dtype, cfg.z_dim, tuple(cfg.latents_mean), tuple(cfg.latents_std))
         hit = self._entries.get(key)
         if hit is None:
-            # The very ops of QwenImagePipeline._decode_latents, run once.
             mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)
             inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)
             self._entries.clear()  # one entry
@@ -323,8 +288,7 @@ class LatentsStats:
 
 
 def _make_decode_latents(pipe: Any) -> Any:
-    mod = sys.modules[_targets.PIPELINE]
-    DiffusionOutput = mod.DiffusionOutput
+    DiffusionOutput = sys.modules[_targets.PIPELINE].DiffusionOutput
     original = pipe._decode_latents
     stats = LatentsStats()
 
@@ -337,10 +301,7 @@ def _make_decode_latents(pipe: Any) -> Any:
         latents_mean, latents_std = stats.get(self.vae.config, latents.device, latents.dtype)
         latents = latents / latents_std + latents_mean
         image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
-        return DiffusionOutput(
-            output=image,
-            stage_durations=self.stage_durations if hasattr(self, "stage_durations") else None,
-        )
+        return DiffusionOutput(output=image, stage_durations=getattr(self, "stage_durations", None))
 
     return _decode_latents
 
@@ -380,8 +341,8 @@ class VaeExact(VaeOptimization):
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)
     regions = frozenset({"vae"})
-    #: What its pieces replace or mirror: the decode (single frame, without the feature cache every decoder module
-    #: would fill), clear_cache, the upsample and 1x1x1 conv forwards, the tiling condition, _decode_latents.
+    #: What its pieces replace or mirror: the decode (and the decoder modules' feature cache), clear_cache, the
+    #: upsample and 1x1x1 conv forwards, the tiling condition, the tiled decode, _decode_latents.
     upstream = (
         _targets.VAE_DECODE,
         _targets.CAUSAL_CONV_FORWARD,
@@ -393,12 +354,14 @@ class VaeExact(VaeOptimization):
         same(_targets.DIFFUSERS_VAE, "QwenImageUpBlock.forward", "a1729c9f7cb2d237"),
         same(_targets.DIFFUSERS_VAE, "QwenImageDecoder3d.forward", "b1966dcbe8cbcae3"),
         same(_targets.DIST_VAE, "DistributedAutoencoderKLQwenImage.tiled_decode", "96ab08c2ad536cb8"),
-        # single_frame_tiles mirrors these two (tiles, blend order, crops; the tile decode without the cache clones)
         same(_targets.DIFFUSERS_VAE, "AutoencoderKLQwenImage.tiled_decode", "e738fe5a0cf065e9"),
         same(_targets.DIST_VAE, "DistributedAutoencoderKLQwenImage.tile_exec", "50aec6f1ba18ab37"),
         same(_targets.PIPELINE, "QwenImagePipeline._decode_latents", "61e30597d68a52fb"),
     )
-    on_qwen_image_21 = QWEN_IMAGE_21_REFUSAL
+    on_qwen_image_21 = (
+        "its VAE (AutoencoderKLQwenImage21) already decodes without the feature cache and with 2-D convolutions; the "
+        "two exact pieces left there (native-dtype upsample, latents statistics built once) are not implemented for it"
+    )
     pieces = (
         "single_frame_decode",
         "single_frame_tiles",
@@ -410,7 +373,7 @@ class VaeExact(VaeOptimization):
 
     def __init__(self) -> None:
         super().__init__()
-        #: The native-dtype upsample's verdicts per (device type, dtype) (cleared on uninstall).
+        #: The native-dtype upsample's verdicts per (device type, dtype).
         self.upsample = UpsamplePath(self.name, self.stats)
 
     def _uninstall(self) -> None:
@@ -428,19 +391,19 @@ class VaeExact(VaeOptimization):
         if not why and "_decode" in vars(vae):
             why = "_decode is already replaced on this instance"
         if not why:
-            ps.set(vae, "_decode", bind(vae, _make_decode(self, vae)))
+            ps.set(vae, "_decode", MethodType(_make_decode(self, vae), vae))
         report["single_frame_decode"] = why
 
         why = self.wants("single_frame_tiles") or tiles_refusal(vae)
         if not why:
-            ps.set(vae, "tiled_decode", bind(vae, _make_tiled_decode(self, vae)))
+            ps.set(vae, "tiled_decode", MethodType(_make_tiled_decode(self, vae), vae))
             if callable(getattr(vae, "tile_exec", None)):  # vLLM-Omni's distributed VAE (patch parallelism)
-                ps.set(vae, "tile_exec", bind(vae, _make_tile_exec(self, vae)))
+                ps.set(vae, "tile_exec", MethodType(_make_tile_exec(self, vae), vae))
         report["single_frame_tiles"] = why
 
         why = self.wants("cached_conv_counts") or conv_counts_refusal(vae)
         if not why:
-            ps.set(vae, "clear_cache", bind(vae, _clear_cache))
+            ps.set(vae, "clear_cache", MethodType(_clear_cache, vae))
         report["cached_conv_counts"] = why
 
         ups = [m for m in decode_modules(vae) if of_exact_class(m, mod.QwenImageUpsample)]
@@ -465,7 +428,7 @@ class VaeExact(VaeOptimization):
             why = "attached to a bare VAE (no pipeline _decode_latents)"
         why = why or decode_latents_refusal(pipe)
         if not why:
-            ps.set(pipe, "_decode_latents", bind(pipe, _make_decode_latents(pipe)))
+            ps.set(pipe, "_decode_latents", MethodType(_make_decode_latents(pipe), pipe))
         report["latents_stats_cache"] = why
         return report
 

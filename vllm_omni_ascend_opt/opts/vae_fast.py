@@ -1,16 +1,12 @@
-"""`vae_fast`: single-frame VAE decode with 2-D convolutions and input-dtype RMS norms (what and why: :class:`VaeFast`).
+"""`vae_fast`: single-frame VAE decode with 2-D convolutions and input-dtype RMS norms (:class:`VaeFast`).
 
-Pieces, patched per instance through each module's own ``__dict__`` (``_vae_common``):
+Pieces, patched per instance (``_vae_common``): ``conv2d_last_tap`` (each decoder ``QwenImageCausalConv3d`` with a
+temporal kernel > 1 and full causal padding, called without a cache on one frame) and ``rms_norm_input_dtype`` (each
+decoder channel-first ``QwenImageRMS_norm``); every other call runs the stock forward.
 
-* ``conv2d_last_tap``: each decoder ``QwenImageCausalConv3d`` with a temporal kernel kt > 1 and full causal padding
-  (no dilation, no groups), called without a cache on one frame, runs ``F.conv2d`` with its last temporal tap (a
-  contiguous copy, rebuilt when the weight changes, moves or is reloaded); every other call runs the stock forward.
-* ``rms_norm_input_dtype``: each decoder ``QwenImageRMS_norm`` (channel-first) computes ``x / ||x|| * (gamma * scale)``
-  in the input dtype, without stock's fp32 copy and cast back.
-
-Not taken: an fp16 decode (no fp16 convolution kernels on CPU, no gain on 910B whose cube units run fp16 and bf16 at
-the same peak), a fused RMS norm + SiLU (no gain in bf16; torch_npu has no such kernel), fused attention in the
-mid-block (torch_npu's SDPA already dispatches it to ``npu_fusion_attention``).
+Not taken: an fp16 decode (no fp16 convolution kernels on CPU; 910B's cube units run fp16 and bf16 at the same peak),
+a fused RMS norm + SiLU (torch_npu has no such kernel), fused attention in the mid-block (torch_npu's SDPA already
+dispatches to ``npu_fusion_attention``).
 """
 
 from __future__ import annotations
@@ -34,11 +30,9 @@ from vllm_omni_ascend_opt.opts._vae_common import (
 )
 
 
-# ----- conv2d_last_tap ----------------------------------------------------------------------------------------------
 def last_tap_eligible(m: nn.Module) -> bool:
     """A stock causal conv whose output on one uncached frame depends only on its last temporal tap."""
-    cls = diffusers_vae().QwenImageCausalConv3d
-    if not of_exact_class(m, cls):
+    if not of_exact_class(m, diffusers_vae().QwenImageCausalConv3d):
         return False
     kt = m.kernel_size[0]
     pw0, pw1, ph0, ph1, pt0, pt1 = m._padding
@@ -58,13 +52,12 @@ def last_tap_eligible(m: nn.Module) -> bool:
 def _make_last_tap_forward(module: nn.Module) -> Any:
     original = module.forward
     state: dict[str, Any] = {"key": None, "w": None}
-    _pw, _pw1, ph, _ph1, _pt0, _pt1 = module._padding
-    padding2d = (ph, _pw)
-    stride2d = tuple(module.stride[1:])
+    pw, _, ph, _, _, _ = module._padding
+    padding2d, stride2d = (ph, pw), tuple(module.stride[1:])
 
     def last_tap(weight: torch.Tensor) -> torch.Tensor:
         """The contiguous last temporal tap, rebuilt when the weight changes in place (``_version``), is reloaded
-        (``w.data = ...``: a new ``data_ptr``) or moves / is re-cast (device, dtype)."""
+        (a new ``data_ptr``), moves or is re-cast."""
         key = (weight.data_ptr(), weight.device, weight.dtype, weight._version)
         if state["key"] != key:
             state["w"] = weight.detach()[:, :, -1].contiguous()
@@ -81,7 +74,6 @@ def _make_last_tap_forward(module: nn.Module) -> Any:
     return forward
 
 
-# ----- rms_norm_input_dtype -----------------------------------------------------------------------------------------
 _NORM_EPS = 1e-12  # F.normalize's default eps, which stock uses
 _NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -106,10 +98,9 @@ def _make_norm_forward(module: nn.Module) -> Any:
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if guards.tracing() or x.dtype not in _NORM_DTYPES:
             return original(x)
-        # Stock: F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma + bias. In bf16 that is 8 kernels and
-        # 6 full-tensor passes (fp32 copy, divide, cast back, two products, + 0.0). Here: the norm, a clamp, one
-        # divide and one in-place product with gamma * scale (precomputed): 4 kernels, 2 full passes. bf16 has
-        # fp32's range; fp16 accumulates the norm in fp32 and clamps it at fp16's smallest normal.
+        # Stock: F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma + bias. Here: the norm, a clamp, one
+        # divide, one in-place product with gamma * scale. bf16 has fp32's range; fp16 accumulates the norm in fp32
+        # and clamps it at fp16's smallest normal.
         if x.dtype == torch.float16:
             norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32)
             norm = norm.to(x.dtype).clamp_min(torch.finfo(x.dtype).tiny)
@@ -155,8 +146,8 @@ class VaeFast(VaeOptimization):
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)
     regions = frozenset({"vae"})
-    #: What its pieces replace: the causal convolution's forward (and the padding its __init__ sets up), the RMS
-    #: norm's forward, and the decode that calls them without a cache on one frame.
+    #: What it replaces: the causal conv's forward (and its __init__'s padding), the RMS norm's forward, and the
+    #: decode that calls them without a cache on one frame.
     upstream = (
         _targets.VAE_DECODE,
         _targets.CAUSAL_CONV_FORWARD,
@@ -169,7 +160,7 @@ class VaeFast(VaeOptimization):
     def notes(self) -> list[str]:
         return [
             "single uncached frames only; video frames and cached calls keep Conv3d",
-            "keeps a contiguous copy of each 3x3x3 kernel's last tap (1/3 of those weights, ~47 MB bf16 at real width)",
+            "keeps a contiguous copy of each 3x3x3 kernel's last tap (1/3 of those weights)",
         ]
 
     def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
