@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.harness.forward import tiny_forward
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.blocks.body import compiled_blocks
 from vllm_omni_ascend_opt.blocks.body.joint_qkv import READY_ROPE
@@ -26,27 +27,6 @@ from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
 from vllm_omni_ascend_opt.testbed.pipeline import generate
 
 OPT = ja.OPT
-
-
-def _forward(rt, transformer, *, batch=2, hw=(4, 4), txt=7, pad=False, seed=1, grad=False):
-    """One transformer forward with pipeline-shaped inputs; ``pad`` masks the last sample's final 3 text tokens."""
-    dtype = transformer.proj_out.weight.dtype
-    g = torch.Generator().manual_seed(seed)
-    h, w = hw
-    hs = torch.randn(batch, h * w, TINY.vae_z_dim * 4, generator=g).to(dtype)
-    ehs = torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype)
-    mask = torch.ones(batch, txt, dtype=torch.long)
-    if pad:
-        mask[-1, txt - 3 :] = 0
-    with rt.context(), (torch.enable_grad if grad else torch.no_grad)():
-        return transformer(
-            hidden_states=hs,
-            encoder_hidden_states=ehs,
-            encoder_hidden_states_mask=mask,
-            timestep=torch.linspace(0.3, 0.8, batch),
-            img_shapes=[[(1, h, w)]] * batch,
-            txt_seq_lens=[txt] * batch,
-        ).sample
 
 
 def _attn(transformer):
@@ -169,10 +149,10 @@ def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pi
     t = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
     cases = [dict(txt=7), dict(txt=9), dict(txt=7, pad=True), dict(txt=9, hw=(4, 6), pad=True), dict(txt=7)]
     api.select("none", model=t)
-    refs = [_forward(runtime, t, **c) for c in cases]
+    refs = [tiny_forward(runtime, t, batch=2, **c) for c in cases]
     api.select(spec, model=t)
     OPT.reset_stats()
-    got = [_forward(runtime, t, **c) for c in cases]
+    got = [tiny_forward(runtime, t, batch=2, **c) for c in cases]
     for c, a, b in zip(cases, refs, got, strict=True):
         assert torch.equal(a, b), c
     layers = len(t.transformer_blocks)
@@ -289,7 +269,7 @@ def test_peak_memory_of_a_default_forward_is_not_above_stocks(runtime, tiny_pipe
     hw = (16, 16) if dtype == "fp32" else (8, 8)
 
     def call() -> torch.Tensor:
-        return _forward(runtime, tr, batch=1, hw=hw, txt=32)
+        return tiny_forward(runtime, tr, hw=hw, txt=32)
 
     api.select("none", model=tr)
     want, stock = measure(call)
@@ -305,10 +285,10 @@ def test_bitwise_through_fused_attention_with_the_fake_npu(runtime, bf16_transfo
     """bf16 through ``fused_attention`` (npu_fusion_attention via the fake): the joint views give stock's result."""
     npu = fake_npu()
     api.select("none,+fused_attention", model=bf16_transformer)
-    ref = _forward(runtime, bf16_transformer, pad=True)
+    ref = tiny_forward(runtime, bf16_transformer, batch=2, pad=True)
     api.select("none,+fused_attention,+joint_attention", model=bf16_transformer)
     OPT.reset_stats()
-    got = _forward(runtime, bf16_transformer, pad=True)
+    got = tiny_forward(runtime, bf16_transformer, batch=2, pad=True)
     assert npu.calls["npu_fusion_attention"] > 0 and OPT.stats["joint_calls"] > 0
     assert torch.equal(ref, got)
 
@@ -499,14 +479,14 @@ def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_count
     npu = fake_npu()
     layers = len(bf16_transformer.transformer_blocks)
     api.select("none,+rope,+joint_attention", model=bf16_transformer)
-    _forward(runtime, bf16_transformer)
+    tiny_forward(runtime, bf16_transformer, batch=2)
     assert OPT.stats["joint_calls"] == layers and OPT.fallback_reasons() == {}
     assert npu.calls["npu_rotary_mul"] == 1 + layers  # the verification, then q and k together per block
     assert rope.stats["kernel_calls"] == layers and rope.stats["table_builds"] == 1  # one joint table
     assert OPT.stats["table_builds"] == 0  # not joint_attention's own cache
     api.select("none,+joint_attention", model=bf16_transformer)
     OPT.reset_stats()
-    _forward(runtime, bf16_transformer)
+    tiny_forward(runtime, bf16_transformer, batch=2)
     assert npu.calls["npu_rotary_mul"] == 1 + layers and not rope.stats  # rope off: no kernel, nothing counted
     assert OPT.stats["joint_calls"] == layers and OPT.stats["table_builds"] == 1
 
