@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.test_shared_modulation import COPRIME, EQUAL, UNEQUAL, build, edit_inputs, fwd, inputs
+from tests.harness.forward import build, fwd, inputs
+from tests.test_shared_modulation import COPRIME, EQUAL, UNEQUAL, edit_inputs
 from vllm_omni_ascend_opt import api, flags, registry
 from vllm_omni_ascend_opt.blocks.body.block_body import FAST, NormMod
 from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.harness.forward import build, fwd, inputs
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
 from vllm_omni_ascend_opt.blocks.memo import keys
@@ -39,37 +40,6 @@ PROJ_PER_FORWARD = 2 * L + 1  # img_mod + txt_mod per block, norm_out.linear
 # ----------------------------------------------------------------------------------------------------------------
 def T():
     return importlib.import_module("vllm_omni.diffusion.models.qwen_image.qwen_image_transformer")
-
-
-def build(runtime, dtype=torch.float32, seed=0, **kwargs) -> nn.Module:
-    """A tiny QwenImageTransformer2DModel built directly, with random weights loaded through load_weights."""
-    with runtime.context():
-        tr = T().QwenImageTransformer2DModel(od_config=runtime.od_config, **{**TINY.transformer_kwargs(), **kwargs})
-    tr.load_weights(random_transformer_state_dict(TINY, seed).items())
-    return tr.to(dtype).eval()
-
-
-def inputs(dtype, batch=1, hw=(2, 2), txt=7, pad=0, t=(0.5,), seed=0, images=1) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    n_img = hw[0] * hw[1] * images
-    mask = torch.ones(batch, txt, dtype=torch.bool)
-    if pad:
-        mask[-1, txt - pad :] = False  # right padding on the last row
-    ts = torch.tensor([t[i % len(t)] for i in range(batch)])
-    return dict(
-        hidden_states=torch.randn(batch, n_img, 16, generator=g).to(dtype),
-        encoder_hidden_states=torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype),
-        encoder_hidden_states_mask=mask,
-        timestep=ts.to(dtype),
-        img_shapes=[[(1, *hw)] * images] * batch,
-        txt_seq_lens=[txt] * batch,
-        return_dict=False,
-    )
-
-
-def fwd(tr, runtime, kw) -> torch.Tensor:
-    with runtime.context(), torch.no_grad():
-        return tr(**kw)[0]
 
 
 def mod_tensors(tr) -> list[torch.Tensor]:
