@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from vllm_omni_ascend_opt.testbed.opcount import SyncCounter
+from tests.harness.forward import build, fwd, inputs
+from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt.testbed.opcount import OpCounter, SyncCounter
+
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -36,37 +41,8 @@ def test_sync_counter_counts_each_host_read_once_and_says_where():
     assert torch.Tensor.item is torch._C.TensorBase.item  # restored on exit
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# helpers: a tiny transformer built directly (2 blocks), its inputs, a forward
-# ----------------------------------------------------------------------------------------------------------------
-def _build(runtime, dtype=torch.float32):
-    from vllm_omni_ascend_opt.testbed import blockops
-
-    return blockops.build_transformer(runtime, blockops.TINY, dtype)
-
-
-def _inputs(tr, hw=(4, 4), txt=32, t=0.7, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        hidden_states=torch.randn(1, hw[0] * hw[1], tr.in_channels, generator=g),
-        encoder_hidden_states=torch.randn(1, txt, tr.txt_norm.normalized_shape[0], generator=g),
-        encoder_hidden_states_mask=torch.ones(1, txt, dtype=torch.bool),
-        timestep=torch.full((1,), t),
-        img_shapes=[[(1, *hw)]],
-        txt_seq_lens=[txt],
-        return_dict=False,
-    )
-
-
-def _fwd(runtime, tr, kw, grad=False):
-    with runtime.context(), torch.set_grad_enabled(grad):
-        return tr(**kw)[0].detach().clone()
-
-
-def _opt(name):
-    from vllm_omni_ascend_opt import registry
-
-    return registry.get(name)
+def _inputs(hw=(4, 4), t=0.7):
+    return inputs(torch.float32, hw=hw, txt=32, t=(t,))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -75,36 +51,33 @@ def _opt(name):
 def test_per_forward_decisions_are_remade_every_forward(runtime):
     """The guards are decided once per forward: a forward under autograd after one without must see autograd (the
     joint path steps aside, with its reason), and the next one without must act again."""
-    from vllm_omni_ascend_opt import api
     from vllm_omni_ascend_opt.blocks.upstream import forward_scope
 
-    tr = _build(runtime)
-    kw = _inputs(tr)
+    tr = build(runtime)
+    kw = _inputs()
     api.select("default", model=tr)
     assert "joint_attention" in forward_scope.watched(tr) and "shared_modulation" in forward_scope.watched(tr)
-    ja = _opt("joint_attention")
+    ja = registry.get("joint_attention")
     ja.reset_stats()
-    _fwd(runtime, tr, kw)
+    fwd(tr, runtime, kw)
     assert ja.stats["joint_calls"] == 2 and ja.fallback_reasons() == {}
-    _fwd(runtime, tr, kw, grad=True)
+    fwd(tr, runtime, kw, grad=True)
     assert ja.fallback_reasons() == {"autograd is recording": 2}, ja.fallback_reasons()
-    _fwd(runtime, tr, kw)
+    fwd(tr, runtime, kw)
     assert ja.stats["joint_calls"] == 4 and ja.fallback_reasons() == {"autograd is recording": 2}
     assert forward_scope.current() is None  # closed after every forward
 
 
 def test_decisions_are_per_call_outside_a_forward(runtime):
     """After a forward, a block called directly decides for itself (the forward's scope is closed)."""
-    from vllm_omni_ascend_opt import api
-
-    tr = _build(runtime)
-    kw = _inputs(tr)
+    tr = build(runtime)
+    kw = _inputs()
     api.select("default", model=tr)
     captured = {}
     handle = tr.transformer_blocks[0].register_forward_pre_hook(lambda m, a, k: captured.update(k), with_kwargs=True)
-    _fwd(runtime, tr, kw)
+    fwd(tr, runtime, kw)
     handle.remove()
-    ja = _opt("joint_attention")
+    ja = registry.get("joint_attention")
     ja.reset_stats()
     with runtime.context(), torch.enable_grad():
         tr.transformer_blocks[0](**captured)
@@ -114,11 +87,9 @@ def test_decisions_are_per_call_outside_a_forward(runtime):
 def test_memo_precheck_is_remade_per_call_outside_a_forward(runtime):
     """The memo's guards for one temb object: the same object later requiring grad is refused (never a stale
     "may memoize" from an earlier call)."""
-    from vllm_omni_ascend_opt import api
-
-    tr = _build(runtime)
+    tr = build(runtime)
     api.select("none,+shared_modulation", model=tr)
-    sm = _opt("shared_modulation")
+    sm = registry.get("shared_modulation")
     block = tr.transformer_blocks[0]
     temb = torch.randn(1, tr.inner_dim)
     with torch.no_grad():
@@ -133,18 +104,16 @@ def test_memo_precheck_is_remade_per_call_outside_a_forward(runtime):
 def test_global_hooks_are_decided_per_forward(runtime):
     from torch.nn.modules import module as torch_module
 
-    from vllm_omni_ascend_opt import api
-
-    tr = _build(runtime)
-    kw = _inputs(tr)
+    tr = build(runtime)
+    kw = _inputs()
     api.select("default", model=tr)
-    want = _fwd(runtime, tr, kw)
-    ja = _opt("joint_attention")
+    want = fwd(tr, runtime, kw)
+    ja = registry.get("joint_attention")
     ja.reset_stats()
     seen = []
     handle = torch_module.register_module_forward_hook(lambda m, a, o: seen.append(type(m).__name__))
     try:
-        got = _fwd(runtime, tr, kw)
+        got = fwd(tr, runtime, kw)
     finally:
         handle.remove()
     assert ja.fallback_reasons() == {"global module hooks are registered": 2}, ja.fallback_reasons()
@@ -156,16 +125,14 @@ def test_rotation_tables_are_decided_per_forward(runtime, spec):
     """Same sequence lengths, other RoPE freqs (4x6 vs 6x4 image tokens): each forward rotates with its own tables,
     bitwise stock (joint_attention alone: new freqs objects every forward; rope alone: its embedder memo returns one
     freqs object per shape, per stream)."""
-    from vllm_omni_ascend_opt import api
-
-    tr = _build(runtime)
-    cases = [_inputs(tr, hw=(4, 6)), _inputs(tr, hw=(6, 4)), _inputs(tr, hw=(4, 6)), _inputs(tr, hw=(6, 4))]
+    tr = build(runtime)
+    cases = [_inputs(hw=(4, 6)), _inputs(hw=(6, 4)), _inputs(hw=(4, 6)), _inputs(hw=(6, 4))]
     api.select("none", model=tr)
-    want = [_fwd(runtime, tr, kw) for kw in cases]
+    want = [fwd(tr, runtime, kw) for kw in cases]
     api.select(spec, model=tr)
-    opt = _opt(spec.split("+")[1])
+    opt = registry.get(spec.split("+")[1])
     opt.reset_stats()
-    got = [_fwd(runtime, tr, kw) for kw in cases]
+    got = [fwd(tr, runtime, kw) for kw in cases]
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     if "joint" in spec:
         assert opt.stats["joint_calls"] == 2 * len(cases) and opt.stats["joint_freqs_builds"] == len(cases)
@@ -179,18 +146,16 @@ def test_rotation_tables_are_decided_per_forward(runtime, spec):
 def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime, monkeypatch):
     """The block's MLPs and the attention projections run as their kernels, bitwise; a hook added to one of them
     between forwards runs (that module is called as a module), and so does an upstream class patched meanwhile."""
-    from vllm_omni_ascend_opt import api
-
-    tr = _build(runtime)
-    kw = _inputs(tr)
+    tr = build(runtime)
+    kw = _inputs()
     api.select("none", model=tr)
-    want = _fwd(runtime, tr, kw)
+    want = fwd(tr, runtime, kw)
     api.select("default", model=tr)
-    sm, ja = _opt("shared_modulation"), _opt("joint_attention")
-    _fwd(runtime, tr, kw)
+    sm, ja = registry.get("shared_modulation"), registry.get("joint_attention")
+    fwd(tr, runtime, kw)
     sm.reset_stats()
     ja.reset_stats()
-    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert torch.equal(fwd(tr, runtime, kw), want)
     assert sm.stats["direct_calls"] == 4 and sm.stats["module_calls"] == 0  # 2 MLPs x 2 blocks
     assert ja.stats["direct_calls"] == 8 and ja.stats["module_calls"] == 0  # 4 projections x 2 blocks
     fired = []
@@ -200,7 +165,7 @@ def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime,
         b0.attn.to_out.register_forward_pre_hook(lambda *a: fired.append("to_out")),
     ]
     try:
-        assert torch.equal(_fwd(runtime, tr, kw), want)
+        assert torch.equal(fwd(tr, runtime, kw), want)
     finally:
         for h in handles:
             h.remove()
@@ -215,31 +180,12 @@ def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime,
         return stock_row(self, input_)
 
     monkeypatch.setattr(lin.RowParallelLinear, "forward", patched)
-    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert torch.equal(fwd(tr, runtime, kw), want)
     assert len(calls) == 8  # to_out, to_add_out and the MLPs' second linears of both blocks: modules again
     monkeypatch.undo()
     calls.clear()
-    _fwd(runtime, tr, kw)
+    fwd(tr, runtime, kw)
     assert calls == []
-
-
-def test_joint_rms_norm_composite_branch_is_the_pieces(monkeypatch):
-    """``torch.rms_norm`` without weight on the opmath input (CPU/NPU) is bitwise the hand-written pieces, at the
-    real head dim, for every float dtype."""
-    from vllm_omni_ascend_opt.blocks.body import joint_qkv as jam
-
-    g = torch.Generator().manual_seed(3)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        x = (torch.randn(2, 77, 6, 128, generator=g) * 3).to(dtype)
-        wt, wi = torch.randn(128, generator=g).to(dtype), torch.randn(128, generator=g).to(dtype)
-        fast = jam.joint_rms_norm(x, 29, wt, wi, 1e-6)
-        monkeypatch.setattr(jam, "COMPOSITE_RMS_DEVICES", frozenset())
-        pieces = jam.joint_rms_norm(x, 29, wt, wi, 1e-6)
-        monkeypatch.undo()
-        stock = torch.cat(
-            [torch.rms_norm(x[:, :29], (128,), wt, 1e-6), torch.rms_norm(x[:, 29:], (128,), wi, 1e-6)], dim=1
-        )
-        assert torch.equal(fast, pieces) and torch.equal(fast, stock), dtype
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -248,19 +194,16 @@ def test_joint_rms_norm_composite_branch_is_the_pieces(monkeypatch):
 def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
     """The blocks find their memo entry through the timestep's value (read once per forward, B values) and temb's
     identity: no digest of temb; a change of the embedding's weights is a new key (the blocks recompute)."""
-    from vllm_omni_ascend_opt import api
-    from vllm_omni_ascend_opt.testbed.opcount import SyncCounter
-
-    tr = _build(runtime)
-    kws = [_inputs(tr, t=0.7), _inputs(tr, t=0.3), _inputs(tr, t=0.7)]
+    tr = build(runtime)
+    kws = [_inputs(t=0.7), _inputs(t=0.3), _inputs(t=0.7)]
     api.select("none", model=tr)
-    want = [_fwd(runtime, tr, kw) for kw in kws]
+    want = [fwd(tr, runtime, kw) for kw in kws]
     api.select("none,+shared_modulation", model=tr)
-    sm = _opt("shared_modulation")
+    sm = registry.get("shared_modulation")
     sm.reset_stats()
-    got = [_fwd(runtime, tr, kw) for kw in kws]
+    got = [fwd(tr, runtime, kw) for kw in kws]
     with SyncCounter() as syncs:
-        again = _fwd(runtime, tr, kws[0])
+        again = fwd(tr, runtime, kws[0])
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)) and torch.equal(again, want[0])
     assert sm.stats["time_keys"] == 4 and sm.stats["digests"] == 4  # one timestep read per forward, no temb digest
     assert sm.stats["time_hits"] == 2  # the repeats of t=0.7 return the memoized temb: no embedding kernel runs
@@ -273,51 +216,46 @@ def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
     with torch.no_grad():
         tr.time_text_embed.timestep_embedder.linear_2.bias.add_(0.5)
     misses = sm.stats["misses"]
-    got = _fwd(runtime, tr, kws[0])
+    got = fwd(tr, runtime, kws[0])
     assert sm.stats["misses"] == misses + 3
     api.select("none", model=tr)
-    assert torch.equal(got, _fwd(runtime, tr, kws[0]))
+    assert torch.equal(got, fwd(tr, runtime, kws[0]))
 
 
 def test_time_embedding_hit_returns_the_memoized_temb_unless_it_was_written(runtime):
     """A repeated timestep returns the temb of its first forward without running the embedding; a temb written in
     place since (outside inference mode, where it has a version counter) is recomputed, not returned."""
-    from vllm_omni_ascend_opt import api
-    from vllm_omni_ascend_opt.testbed.opcount import OpCounter
-
-    tr = _build(runtime)
-    kw = _inputs(tr, t=0.4)
+    tr = build(runtime)
+    kw = _inputs(t=0.4)
     api.select("none", model=tr)
-    want = _fwd(runtime, tr, kw)
+    want = fwd(tr, runtime, kw)
     api.select("none,+shared_modulation", model=tr)
-    sm = _opt("shared_modulation")
+    sm = registry.get("shared_modulation")
     sm.reset_stats()
-    _fwd(runtime, tr, kw)
+    fwd(tr, runtime, kw)
     with OpCounter() as ops:
-        hit = _fwd(runtime, tr, kw)
+        hit = fwd(tr, runtime, kw)
     assert sm.stats["time_hits"] == 1 and torch.equal(hit, want)
     assert not {"aten::sin", "aten::cos", "aten::silu"} & set(ops.counts), dict(ops.counts)  # no embedding op
     (entry,) = [e for e in sm.memo._entries.values() if e.temb is not None]
     with torch.no_grad():
         entry.temb.add_(1.0)
-    again = _fwd(runtime, tr, kw)
+    again = fwd(tr, runtime, kw)
     assert sm.stats["time_hits"] == 1, "a temb written in place was returned"
     assert torch.equal(again, want)
 
 
 def test_time_embedding_memo_steps_aside_for_hooks(runtime):
-    from vllm_omni_ascend_opt import api
-
-    tr = _build(runtime)
-    kw = _inputs(tr)
+    tr = build(runtime)
+    kw = _inputs()
     api.select("none,+shared_modulation", model=tr)
-    sm = _opt("shared_modulation")
-    _fwd(runtime, tr, kw)
+    sm = registry.get("shared_modulation")
+    fwd(tr, runtime, kw)
     sm.reset_stats()
     fired = []
     h = tr.time_text_embed.timestep_embedder.register_forward_hook(lambda *a: fired.append(1))
     try:
-        _fwd(runtime, tr, kw)
+        fwd(tr, runtime, kw)
     finally:
         h.remove()
     assert fired == [1]
@@ -349,7 +287,6 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
     """Layerwise offload gives every block fresh storage each forward: a warm request must still hit everywhere
     (0 misses); an in-place write and a LoRA switch (stacks written in place, slice switched on) must miss, and the
     images stay stock's."""
-    from vllm_omni_ascend_opt import api
     from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 
     def request(h):
@@ -359,7 +296,7 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
     h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
     try:
         pipe = h.pipeline
-        sm = _opt("shared_modulation")
+        sm = registry.get("shared_modulation")
         # Hold every block's materialized weights alive across the first two requests, so the allocator cannot hand
         # the warm request the same addresses again: each block then really sees fresh storage.
         held: list[list[torch.Tensor]] = []
@@ -407,9 +344,7 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
 # bench_host --instructions: the split of callgrind's per-function counts
 # ----------------------------------------------------------------------------------------------------------------
 def test_instruction_split_counts_functions_once_and_names_the_kernels(monkeypatch):
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     import instructions
 
     text = """\
@@ -435,19 +370,15 @@ Ir                   file:function
 def test_segment_timer_splits_a_forward_per_block_without_changing_it(runtime, monkeypatch):
     """The timed ModuleList is the same object for the measurement: the plugin still acts in every block, the
     output is bitwise the untimed one, one segment per block plus before and after; the class is restored."""
-    from pathlib import Path
-
-    from vllm_omni_ascend_opt import api
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     import segments
 
-    tr = _build(runtime)
-    kw = _inputs(tr)
+    tr = build(runtime)
+    kw = _inputs()
     api.select("default", model=tr)
-    ref = _fwd(runtime, tr, kw)
+    ref = fwd(tr, runtime, kw)
     blocks, cls = tr.transformer_blocks, type(tr.transformer_blocks)
-    ja = _opt("joint_attention")
+    ja = registry.get("joint_attention")
     ja.reset_stats()
     out = []
     with segments.timed_blocks(tr) as timed, runtime.context(), torch.no_grad():

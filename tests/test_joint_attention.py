@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.harness.forward import tiny_forward
 from vllm_omni_ascend_opt import api, registry
-from vllm_omni_ascend_opt.blocks.body import compiled_blocks
+from vllm_omni_ascend_opt.blocks.body import compiled_blocks, joint_qkv
 from vllm_omni_ascend_opt.blocks.body.joint_qkv import READY_ROPE
 from vllm_omni_ascend_opt.blocks.kernels import rope_tables
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
@@ -26,27 +27,6 @@ from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
 from vllm_omni_ascend_opt.testbed.pipeline import generate
 
 OPT = ja.OPT
-
-
-def _forward(rt, transformer, *, batch=2, hw=(4, 4), txt=7, pad=False, seed=1, grad=False):
-    """One transformer forward with pipeline-shaped inputs; ``pad`` masks the last sample's final 3 text tokens."""
-    dtype = transformer.proj_out.weight.dtype
-    g = torch.Generator().manual_seed(seed)
-    h, w = hw
-    hs = torch.randn(batch, h * w, TINY.vae_z_dim * 4, generator=g).to(dtype)
-    ehs = torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype)
-    mask = torch.ones(batch, txt, dtype=torch.long)
-    if pad:
-        mask[-1, txt - 3 :] = 0
-    with rt.context(), (torch.enable_grad if grad else torch.no_grad)():
-        return transformer(
-            hidden_states=hs,
-            encoder_hidden_states=ehs,
-            encoder_hidden_states_mask=mask,
-            timestep=torch.linspace(0.3, 0.8, batch),
-            img_shapes=[[(1, h, w)]] * batch,
-            txt_seq_lens=[txt] * batch,
-        ).sample
 
 
 def _attn(transformer):
@@ -95,11 +75,13 @@ def _stock_attn(attn, *args, **kwargs):
 # ----------------------------------------------------------------------------------------------------------------
 # the joint RMSNorm, bitwise
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d", [16, 128], ids=["tiny", "real_head_dim"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_joint_rms_norm_is_bitwise_the_two_norms_and_cat(dtype):
-    """Including non-contiguous views (the q/k slices of a QKV projection), as nn.RMSNorm computes them."""
+def test_joint_rms_norm_is_bitwise_the_two_norms_and_cat(dtype, d, monkeypatch):
+    """Including non-contiguous views (the q/k slices of a QKV projection), as nn.RMSNorm computes them: through
+    ``torch.rms_norm``'s composite on the joint rows (CPU/NPU) and through the hand-written pieces alike."""
     g = torch.Generator().manual_seed(0)
-    st, si, n, d = 7, 16, 4, 16
+    st, si, n = 7, 16, 4
     txt_qkv = (torch.randn(2, st, 3 * n * d, generator=g) * 3).to(dtype)
     img_qkv = (torch.randn(2, si, 3 * n * d, generator=g) * 3).to(dtype)
     nt, ni = nn.RMSNorm(d, eps=1e-6).to(dtype), nn.RMSNorm(d, eps=1e-6).to(dtype)
@@ -109,11 +91,13 @@ def test_joint_rms_norm_is_bitwise_the_two_norms_and_cat(dtype):
     tq = txt_qkv[..., : n * d].unflatten(-1, (n, d))
     iq = img_qkv[..., : n * d].unflatten(-1, (n, d))
     joint = torch.cat([txt_qkv, img_qkv], dim=1)[..., : n * d].unflatten(-1, (n, d))
-    assert not joint.is_contiguous()
+    assert not joint.is_contiguous() and "cpu" in joint_qkv.COMPOSITE_RMS_DEVICES
     with torch.no_grad():  # the optimization runs without autograd only
         want = torch.cat([nt(tq), ni(iq)], dim=1)
         got = ja.joint_rms_norm(joint, st, nt.weight, ni.weight, 1e-6)
-    assert got.dtype == want.dtype and torch.equal(got, want)
+        monkeypatch.setattr(joint_qkv, "COMPOSITE_RMS_DEVICES", frozenset())
+        pieces = ja.joint_rms_norm(joint, st, nt.weight, ni.weight, 1e-6)
+    assert got.dtype == want.dtype and torch.equal(got, want) and torch.equal(pieces, want)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -169,10 +153,10 @@ def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pi
     t = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
     cases = [dict(txt=7), dict(txt=9), dict(txt=7, pad=True), dict(txt=9, hw=(4, 6), pad=True), dict(txt=7)]
     api.select("none", model=t)
-    refs = [_forward(runtime, t, **c) for c in cases]
+    refs = [tiny_forward(runtime, t, batch=2, **c) for c in cases]
     api.select(spec, model=t)
     OPT.reset_stats()
-    got = [_forward(runtime, t, **c) for c in cases]
+    got = [tiny_forward(runtime, t, batch=2, **c) for c in cases]
     for c, a, b in zip(cases, refs, got, strict=True):
         assert torch.equal(a, b), c
     layers = len(t.transformer_blocks)
@@ -254,13 +238,10 @@ def test_non_contiguous_value_view_is_bitwise_through_sdpa(runtime, tiny_pipe):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_peak_memory_of_an_attention_call_is_below_stocks(runtime, tiny_pipe, bf16_transformer, dtype):
-    """Peak bytes of one attention call (testbed/memory.py's profiler probe), joint path against stock's on the same
-    inputs: the joint path frees the per-stream projections once they are in the joint tensor, before the norms'
-    temporaries (held together, they made the real-width forward's peak 1.22x stock's at 1328^2), and where the norm
-    upcasts (bf16) it normalises q and k one after the other (their fp32 temporaries together: 1.28x stock's at real
-    width, 512^2). Measured at the call, not the whole forward: where a forward peaks depends on the CPU (on an AMD
-    EPYC the bf16 GEMMs' scratch makes an MLP linear the tiny forward's peak, and there the joint path's RoPE tables,
-    kept for the whole forward, are what differs; the default stack's forward is the next test)."""
+    """Peak bytes of one attention call, joint path against stock's on the same inputs: the joint path frees the
+    per-stream projections once they are in the joint tensor, before the norms' temporaries, and where the norm
+    upcasts (bf16) it normalises q and k one after the other. Measured at the call: where a whole forward peaks
+    depends on the CPU (the default stack's forward is the next test)."""
     from vllm_omni_ascend_opt.testbed.memory import measure
 
     tr = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
@@ -274,8 +255,7 @@ def test_peak_memory_of_an_attention_call_is_below_stocks(runtime, tiny_pipe, bf
         OPT.reset_stats()
         got, joint = measure(lambda: attn(hs, ehs, vid, txt))
     assert OPT.stats["joint_calls"] == 1 and all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-    # below, not equal: with the projections held through the norms the call's peak is exactly stock's (0.71-0.83x
-    # without, at these sizes)
+    # below, not equal: with the projections held through the norms the call's peak is exactly stock's
     assert joint.peak < stock.peak, (joint.peak, stock.peak)
 
 
@@ -289,7 +269,7 @@ def test_peak_memory_of_a_default_forward_is_not_above_stocks(runtime, tiny_pipe
     hw = (16, 16) if dtype == "fp32" else (8, 8)
 
     def call() -> torch.Tensor:
-        return _forward(runtime, tr, batch=1, hw=hw, txt=32)
+        return tiny_forward(runtime, tr, hw=hw, txt=32)
 
     api.select("none", model=tr)
     want, stock = measure(call)
@@ -305,10 +285,10 @@ def test_bitwise_through_fused_attention_with_the_fake_npu(runtime, bf16_transfo
     """bf16 through ``fused_attention`` (npu_fusion_attention via the fake): the joint views give stock's result."""
     npu = fake_npu()
     api.select("none,+fused_attention", model=bf16_transformer)
-    ref = _forward(runtime, bf16_transformer, pad=True)
+    ref = tiny_forward(runtime, bf16_transformer, batch=2, pad=True)
     api.select("none,+fused_attention,+joint_attention", model=bf16_transformer)
     OPT.reset_stats()
-    got = _forward(runtime, bf16_transformer, pad=True)
+    got = tiny_forward(runtime, bf16_transformer, batch=2, pad=True)
     assert npu.calls["npu_fusion_attention"] > 0 and OPT.stats["joint_calls"] > 0
     assert torch.equal(ref, got)
 
@@ -404,33 +384,25 @@ def test_stocks_fused_cuda_path_is_left_to_stock(runtime, tiny_pipe, monkeypatch
     assert len(calls) == 2  # decided before the projections: stock computes each QKV GEMM once, not after ours
 
 
-def test_per_tensor_norms_where_q_and_k_cannot_share_a_pass(runtime, tiny_pipe, monkeypatch):
-    """QK-norm weights that do not multiply in the norm's opmath dtype (float64 weights on fp32 rows: stock promotes)
-    keep the per-tensor joint norm (q, then k), still bitwise stock: the branch the one-pass q/k norm leaves."""
-    api.select("none,+joint_attention", model=tiny_pipe)
-    attn = _clone(_attn(tiny_pipe.transformer))
+def _double_weights(attn) -> None:
     for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
         norm = attn._modules[name]
         norm.weight = nn.Parameter(norm.weight.detach().double(), requires_grad=False)
-    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
-    calls = []
-    per_tensor = ja.joint_rms_norm
-    monkeypatch.setattr(ja, "joint_rms_norm", lambda *a: calls.append(1) or per_tensor(*a))
-    OPT.reset_stats()
-    with runtime.context(), torch.no_grad():
-        want = _stock_attn(attn, hs, ehs, vid, txt)
-        got = attn(hs, ehs, vid, txt)
-    assert OPT.stats["joint_calls"] == 1 and calls == [1, 1]  # q, then k
-    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
-def test_q_and_k_norms_with_different_eps_keep_separate_passes(runtime, tiny_pipe, monkeypatch):
-    """q's and k's norms may use different eps (each stream's pair agrees): one pass for both would normalise k with
-    q's eps. They keep the per-tensor joint norm, bitwise stock."""
-    api.select("none,+joint_attention", model=tiny_pipe)
-    attn = _clone(_attn(tiny_pipe.transformer))
+def _k_eps(attn) -> None:
     for name in ("norm_k", "norm_added_k"):
         attn._modules[name].eps = 1e-2
+
+
+@pytest.mark.parametrize("edit", [_double_weights, _k_eps], ids=["weights_not_in_opmath", "k_eps_differs"])
+def test_per_tensor_norms_where_q_and_k_cannot_share_a_pass(runtime, tiny_pipe, monkeypatch, edit):
+    """QK-norm weights that do not multiply in the norm's opmath dtype (float64 weights on fp32 rows: stock
+    promotes), or q's and k's norms with different eps (each stream's pair agrees; one pass would normalise k with
+    q's eps): the per-tensor joint norm (q, then k, each with its own eps), still bitwise stock."""
+    api.select("none,+joint_attention", model=tiny_pipe)
+    attn = _clone(_attn(tiny_pipe.transformer))
+    edit(attn)
     hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
     calls = []
     per_tensor = ja.joint_rms_norm
@@ -439,8 +411,8 @@ def test_q_and_k_norms_with_different_eps_keep_separate_passes(runtime, tiny_pip
     with runtime.context(), torch.no_grad():
         want = _stock_attn(attn, hs, ehs, vid, txt)
         got = attn(hs, ehs, vid, txt)
-    assert OPT.stats["joint_calls"] == 1 and calls == [attn.norm_q.eps, 1e-2]
-    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert OPT.stats["joint_calls"] == 1 and calls == [attn.norm_q.eps, attn.norm_k.eps]
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
 def test_mismatched_freqs_fall_back(runtime, tiny_pipe):
@@ -454,20 +426,6 @@ def test_mismatched_freqs_fall_back(runtime, tiny_pipe):
         assert OPT._call_reason(attn, hs, ehs.double(), vid, txt) == "text and image hidden states differ in dtype"
 
 
-def test_joint_freqs_cache_dies_with_its_freqs():
-    stats = OPT.stats.__class__()
-    cache = ja._JointFreqsCache(stats)
-    vid = torch.polar(torch.ones(4, 8), torch.rand(4, 8))
-    txt = torch.polar(torch.ones(3, 8), torch.rand(3, 8))
-    j = cache.get(vid, txt)
-    assert torch.equal(j, torch.cat([txt, vid])) and cache.get(vid, txt) is j and len(cache) == 1
-    txt2 = torch.polar(torch.ones(3, 8), torch.rand(3, 8))  # same shape, other tensor: another entry
-    assert cache.get(vid, txt2) is not j and len(cache) == 2
-    del txt, j
-    assert len(cache) == 1
-    assert stats["joint_freqs_builds"] == 2 and stats["joint_freqs_hits"] == 1
-
-
 def test_joint_freqs_cache_is_an_lru_of_16_and_dies_with_either_freqs():
     """The documented policy: at most 16 joint freqs; a hit moves its entry to the most recent end; a new entry
     beyond the cap evicts the least recently used one; an entry dies with its vid freqs as with its txt freqs."""
@@ -476,7 +434,7 @@ def test_joint_freqs_cache_is_an_lru_of_16_and_dies_with_either_freqs():
     txt = torch.polar(torch.ones(3, 8), torch.rand(3, 8))
     vids = [torch.polar(torch.ones(4, 8), torch.full((4, 8), float(i))) for i in range(17)]
     first = [cache.get(v, txt) for v in vids[:16]]
-    assert len(cache) == 16
+    assert len(cache) == 16 and torch.equal(first[0], torch.cat([txt, vids[0]]))
     assert cache.get(vids[0], txt) is first[0]  # a hit: now the most recent; vids[1] is the least recently used
     cache.get(vids[16], txt)  # the 17th: evicts vids[1]
     assert len(cache) == 16
@@ -499,14 +457,14 @@ def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_count
     npu = fake_npu()
     layers = len(bf16_transformer.transformer_blocks)
     api.select("none,+rope,+joint_attention", model=bf16_transformer)
-    _forward(runtime, bf16_transformer)
+    tiny_forward(runtime, bf16_transformer, batch=2)
     assert OPT.stats["joint_calls"] == layers and OPT.fallback_reasons() == {}
     assert npu.calls["npu_rotary_mul"] == 1 + layers  # the verification, then q and k together per block
     assert rope.stats["kernel_calls"] == layers and rope.stats["table_builds"] == 1  # one joint table
     assert OPT.stats["table_builds"] == 0  # not joint_attention's own cache
     api.select("none,+joint_attention", model=bf16_transformer)
     OPT.reset_stats()
-    _forward(runtime, bf16_transformer)
+    tiny_forward(runtime, bf16_transformer, batch=2)
     assert npu.calls["npu_rotary_mul"] == 1 + layers and not rope.stats  # rope off: no kernel, nothing counted
     assert OPT.stats["joint_calls"] == layers and OPT.stats["table_builds"] == 1
 

@@ -8,26 +8,12 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.harness.forward import build, fwd, inputs
 from vllm_omni_ascend_opt import api, registry
 
 
-def _build(runtime):
-    from vllm_omni_ascend_opt.testbed import blockops
-
-    return blockops.build_transformer(runtime, blockops.TINY, torch.float32)
-
-
-def _fwd(runtime, tr, kw):
-    from vllm_omni_ascend_opt.testbed import blockops  # noqa: F401  (the runtime's modules are imported)
-
-    with runtime.context(), torch.no_grad():
-        return tr(**kw)[0].detach().clone()
-
-
-def _inputs(tr):
-    from vllm_omni_ascend_opt.testbed import blockops
-
-    return blockops.t2i_inputs(tr, torch.float32, 32, 32)
+def _inputs():
+    return inputs(torch.float32, txt=32, t=(0.7,))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -35,12 +21,12 @@ def _inputs(tr):
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def default_tr(runtime):
-    tr = _build(runtime)
-    kw = _inputs(tr)
+    tr = build(runtime)
+    kw = _inputs()
     api.select("none", model=tr)
-    want = _fwd(runtime, tr, kw)
+    want = fwd(tr, runtime, kw)
     api.select("default", model=tr)
-    _fwd(runtime, tr, kw)  # the memo filled
+    fwd(tr, runtime, kw)  # the memo filled
     return tr, kw, want
 
 
@@ -69,42 +55,13 @@ def test_a_swapped_mlp_linear_is_called_as_the_new_module(runtime, default_tr):
     ff.net[2] = Wrapper(stock_out)
     sm = _stats("shared_modulation")
     try:
-        assert torch.equal(_fwd(runtime, tr, kw), want)
+        assert torch.equal(fwd(tr, runtime, kw), want)
     finally:
         ff.net[2] = stock_out
     assert calls == [1] and sm["hits"] > 0  # the memoized body ran and called the wrapper
     calls.clear()
-    _fwd(runtime, tr, kw)
+    fwd(tr, runtime, kw)
     assert calls == []
-
-
-def test_a_replaced_projection_weight_is_used(runtime, default_tr):
-    """A parameter replaced between forwards (not written in place): the joint path uses the new one."""
-    tr, kw, _ = default_tr
-    attn = tr.transformer_blocks[1].attn
-    old = attn.to_out.weight
-    attn.to_out.weight = nn.Parameter(old.detach() * 0.5, requires_grad=False)
-    try:
-        got = _fwd(runtime, tr, kw)
-        api.select("none", model=tr)
-        want = _fwd(runtime, tr, kw)
-    finally:
-        attn.to_out.weight = old
-    assert torch.equal(got, want)
-
-
-def test_a_changed_layer_norm_eps_is_used(runtime, default_tr):
-    tr, kw, _ = default_tr
-    ln = tr.transformer_blocks[0].img_norm2.layernorm
-    eps = ln.eps
-    ln.eps = 0.5
-    try:
-        got = _fwd(runtime, tr, kw)
-        api.select("none", model=tr)
-        want = _fwd(runtime, tr, kw)
-    finally:
-        ln.eps = eps
-    assert torch.equal(got, want)
 
 
 def test_a_qk_norm_hook_added_between_forwards_sends_the_attention_to_stock(runtime, default_tr):
@@ -113,13 +70,13 @@ def test_a_qk_norm_hook_added_between_forwards_sends_the_attention_to_stock(runt
     h = tr.transformer_blocks[0].attn.norm_added_k.register_forward_hook(lambda *a: fired.append(1))
     ja = _stats("joint_attention")
     try:
-        assert torch.equal(_fwd(runtime, tr, kw), want)
+        assert torch.equal(fwd(tr, runtime, kw), want)
     finally:
         h.remove()
     assert fired == [1] and ja["joint_calls"] == len(tr.transformer_blocks) - 1
     assert registry.get("joint_attention").fallback_reasons() == {"hooks or an instance forward on a QK norm": 1}
     ja = _stats("joint_attention")
-    _fwd(runtime, tr, kw)
+    fwd(tr, runtime, kw)
     assert ja["joint_calls"] == len(tr.transformer_blocks)
 
 
@@ -129,7 +86,7 @@ def test_a_qk_norm_hook_added_between_forwards_sends_the_attention_to_stock(runt
 def _stock_after(runtime, tr, kw, spec="default"):
     """Stock's output for the model as it is now, then back to ``spec``."""
     api.select("none", model=tr)
-    want = _fwd(runtime, tr, kw)
+    want = fwd(tr, runtime, kw)
     api.select(spec, model=tr)
     return want
 
@@ -155,19 +112,41 @@ MEMO_KEYED = {
 }
 
 
-@pytest.mark.parametrize("where", list(MEMO_KEYED))
-def test_a_replaced_weight_is_keyed_anew(runtime, default_tr, where):
-    """A weight the memo keys on, replaced between forwards (a new Parameter, same shape): the memo must not serve
-    what the old weight gave."""
+def _new_weight(get):
+    def change(tr):
+        lin = get(tr)
+        old = lin.weight
+        lin.weight = nn.Parameter(old.detach() * 0.5, requires_grad=False)
+        return lambda: setattr(lin, "weight", old)
+
+    return change
+
+
+def _layer_norm_eps(tr):
+    ln = tr.transformer_blocks[0].img_norm2.layernorm
+    eps, ln.eps = ln.eps, 0.5
+    return lambda: setattr(ln, "eps", eps)
+
+
+#: Changes between forwards, each returning its undo: a projection weight replaced (the joint path), a layer norm's
+#: eps, and the weights the memo keys on, replaced by a new Parameter of the same shape ("keyed_anew").
+CHANGES = {
+    "projection_weight": _new_weight(lambda tr: tr.transformer_blocks[1].attn.to_out),
+    "layer_norm_eps": _layer_norm_eps,
+    **{f"keyed_anew-{where}": _new_weight(get) for where, (_, get, _) in MEMO_KEYED.items()},
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_between_forwards_is_used(runtime, default_tr, change):
+    """The next forward computes with the model as it is now: the memo never serves what the old weight gave."""
     tr, kw, _ = default_tr
-    lin = MEMO_KEYED[where][1](tr)
-    old = lin.weight
-    lin.weight = nn.Parameter(old.detach() * 0.5, requires_grad=False)
+    undo = CHANGES[change](tr)
     try:
-        got = _fwd(runtime, tr, kw)
+        got = fwd(tr, runtime, kw)
         want = _stock_after(runtime, tr, kw)
     finally:
-        lin.weight = old
+        undo()
     assert torch.equal(got, want)
 
 
@@ -181,13 +160,13 @@ def test_a_hook_added_between_forwards_runs(runtime, default_tr, where):
     h = module(tr).register_forward_hook(lambda *a: fired.append(1))
     _stats("shared_modulation")
     try:
-        assert torch.equal(_fwd(runtime, tr, kw), want)
+        assert torch.equal(fwd(tr, runtime, kw), want)
     finally:
         h.remove()
     assert fired == [1]
     assert reason in registry.get("shared_modulation").fallback_reasons()
     sm = _stats("shared_modulation")
-    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert torch.equal(fwd(tr, runtime, kw), want)
     assert sm["misses"] == 0 and registry.get("shared_modulation").fallback_reasons() == {}
 
 
@@ -204,7 +183,7 @@ def test_a_patched_adalayernorm_dispatch_is_seen_by_the_memo(runtime, default_tr
         return stock_forward(self, *args, **kwargs)
 
     monkeypatch.setattr(ada, "forward", patched)
-    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert torch.equal(fwd(tr, runtime, kw), want)
     assert len(calls) == 4 * len(tr.transformer_blocks)  # every AdaLayerNorm called as a module
 
 
@@ -215,10 +194,10 @@ def test_an_attention_hook_added_between_forwards_runs(runtime, default_tr):
     fired = []
     h = block.attn.register_forward_pre_hook(lambda *a: fired.append(1))
     try:
-        assert torch.equal(_fwd(runtime, tr, kw), want)
+        assert torch.equal(fwd(tr, runtime, kw), want)
     finally:
         h.remove()
     assert fired == [1]
     fired.clear()
-    assert torch.equal(_fwd(runtime, tr, kw), want)
+    assert torch.equal(fwd(tr, runtime, kw), want)
     assert fired == []

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.harness.forward import build, fwd, inputs
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
 from vllm_omni_ascend_opt.blocks.memo import keys
@@ -39,37 +40,6 @@ PROJ_PER_FORWARD = 2 * L + 1  # img_mod + txt_mod per block, norm_out.linear
 # ----------------------------------------------------------------------------------------------------------------
 def T():
     return importlib.import_module("vllm_omni.diffusion.models.qwen_image.qwen_image_transformer")
-
-
-def build(runtime, dtype=torch.float32, seed=0, **kwargs) -> nn.Module:
-    """A tiny QwenImageTransformer2DModel built directly, with random weights loaded through load_weights."""
-    with runtime.context():
-        tr = T().QwenImageTransformer2DModel(od_config=runtime.od_config, **{**TINY.transformer_kwargs(), **kwargs})
-    tr.load_weights(random_transformer_state_dict(TINY, seed).items())
-    return tr.to(dtype).eval()
-
-
-def inputs(dtype, batch=1, hw=(2, 2), txt=7, pad=0, t=(0.5,), seed=0, images=1) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    n_img = hw[0] * hw[1] * images
-    mask = torch.ones(batch, txt, dtype=torch.bool)
-    if pad:
-        mask[-1, txt - pad :] = False  # right padding on the last row
-    ts = torch.tensor([t[i % len(t)] for i in range(batch)])
-    return dict(
-        hidden_states=torch.randn(batch, n_img, 16, generator=g).to(dtype),
-        encoder_hidden_states=torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype),
-        encoder_hidden_states_mask=mask,
-        timestep=ts.to(dtype),
-        img_shapes=[[(1, *hw)] * images] * batch,
-        txt_seq_lens=[txt] * batch,
-        return_dict=False,
-    )
-
-
-def fwd(tr, runtime, kw) -> torch.Tensor:
-    with runtime.context(), torch.no_grad():
-        return tr(**kw)[0]
 
 
 def mod_tensors(tr) -> list[torch.Tensor]:
@@ -200,10 +170,6 @@ def test_projections_and_weight_bytes_per_step(tiny_pipe, runtime):
     assert warm.calls == 0 and warm.bytes == 0
     assert OPT.memo.stats["digests"] == steps * 2  # one temb digest per forward
     assert OPT.memo.stats["projections"] == 0 and OPT.memo.stats["silu"] == 0
-    print(
-        f"\nmodulation weights {mod_bytes} B = {fraction:.3f} of DiT weights; bytes/step stock "
-        f"{stock.bytes // steps}, cold {cold.bytes // steps}, warm {warm.bytes // steps}"
-    )
 
 
 def test_silu_once_per_temb_and_ops_per_block(runtime):
@@ -227,7 +193,6 @@ def test_silu_once_per_temb_and_ops_per_block(runtime):
     removed = stock_block.counts - warm_block.counts
     assert removed == Counter({"aten::add": 4, "aten::silu": 2, "aten::addmm": 2})  # 1+scale x4, SiLU x2, GEMV x2
     assert not (warm_block.counts - stock_block.counts)  # nothing added
-    print(f"\nkernel-launching ops per block: stock {stock_block.total}, shared_modulation {warm_block.total}")
 
 
 def test_teacache_extractor_hits(runtime):
@@ -396,12 +361,11 @@ def test_budget_env(monkeypatch, runtime):
 def _fallback_case(runtime, tr, reason, kw=None, grad=False):
     kw = kw or inputs(torch.float32)
     api.select("none", model=tr)
-    with runtime.context(), torch.set_grad_enabled(grad):
-        want = tr(**kw)[0].detach()
+    want = fwd(tr, runtime, kw, grad)
     api.select(ON, model=tr)
     OPT.reset_stats()
-    with TensorReadCounter(mod_tensors(tr)) as c, runtime.context(), torch.set_grad_enabled(grad):
-        got = tr(**kw)[0].detach()
+    with TensorReadCounter(mod_tensors(tr)) as c:
+        got = fwd(tr, runtime, kw, grad)
     assert torch.equal(got, want)
     assert any(reason in r for r in OPT.fallback_reasons()), OPT.fallback_reasons()
     return c.calls
@@ -533,20 +497,23 @@ class _LayerNormEvalSpy:
         return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps) + self.OFFSET
 
 
-@pytest.mark.parametrize("mindiesd", [False, True], ids=["torch_npu", "mindiesd"])
-def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd):
+@pytest.mark.parametrize(
+    "mindiesd, edit", [(False, False), (True, False), (False, True)], ids=["torch_npu", "mindiesd", "two_segment"]
+)
+def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd, edit):
+    """Stock's NPU image norms are npu_layer_norm_eval(x) * (1 + scale) + shift without MindIE-SD (also on the
+    two-segment path of the edit models), MindIE-SD's fused kernel with it: the memoized path calls the same."""
     T()  # imports the model modules when this test runs alone
-    ada_mod = sys.modules[ada_norm.ADALAYERNORM_MODULE]
     fake = fake_npu()
     spy = _LayerNormEvalSpy()
     monkeypatch.setattr(fake, "npu_layer_norm_eval", spy, raising=False)
-    monkeypatch.setattr(ada_mod, "_HAS_MINDIESD", mindiesd)
-    tr = build(runtime)
+    monkeypatch.setattr(sys.modules[ada_norm.ADALAYERNORM_MODULE], "_HAS_MINDIESD", mindiesd)
+    tr = build(runtime, zero_cond_t=edit)
     norms = [n for b in tr.transformer_blocks for n in (b.img_norm1, b.img_norm2, b.txt_norm1, b.txt_norm2)]
     for n in norms:  # what CustomOp binds at construction on an NPU platform
         n._forward_method = n.forward_npu
     assert {ada_norm.norm_kind(n) for n in norms} == {ada_norm.OPAQUE if mindiesd else ada_norm.NPU_EVAL}
-    kw = inputs(torch.float32, batch=2, pad=2)
+    kw = edit_inputs(torch.float32, UNEQUAL, batch=2) if edit else inputs(torch.float32, batch=2, pad=2)
     api.select("none", model=tr)
     want = fwd(tr, runtime, kw)
     per_forward = spy.calls
@@ -621,7 +588,6 @@ def test_numerical_settings_autocast_bitwise_after_warm_memo(runtime):
     assert torch.equal(fwd_autocast(), want_autocast)
     assert torch.equal(fwd(tr, runtime, kw), want_plain)
     assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
-    # the NPU kernel, not a native LayerNorm with equal numbers: as many calls per forward as stock makes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -758,28 +724,6 @@ def test_two_segment_fallbacks(runtime, monkeypatch):
     t = T()
     monkeypatch.setattr(t, "can_use_qwen_select01_triton", lambda x: True)  # stock would run the fused kernels
     _fallback_case(runtime, tr, "Triton select01", kw=kw)
-
-
-def test_two_segment_npu_adalayernorm_bitwise(runtime, fake_npu, monkeypatch):
-    """On an NPU without MindIE-SD stock's image norms are npu_layer_norm_eval(x) * (1 + scale) + shift."""
-    ada_mod = sys.modules[ada_norm.ADALAYERNORM_MODULE]
-    fake = fake_npu()
-    spy = _LayerNormEvalSpy()  # marked result: a native LayerNorm in its place could not be bitwise-equal
-    monkeypatch.setattr(fake, "npu_layer_norm_eval", spy, raising=False)
-    monkeypatch.setattr(ada_mod, "_HAS_MINDIESD", False)
-    tr = build(runtime, zero_cond_t=True)
-    for b in tr.transformer_blocks:
-        for n in (b.img_norm1, b.img_norm2, b.txt_norm1, b.txt_norm2):
-            n._forward_method = n.forward_npu
-    kw = edit_inputs(torch.float32, UNEQUAL, batch=2)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    per_forward = spy.calls
-    assert per_forward == 4 * L  # stock: every AdaLayerNorm of every block goes through the kernel
-    api.select(ON, model=tr)
-    assert torch.equal(fwd(tr, runtime, kw), want) and torch.equal(fwd(tr, runtime, kw), want)
-    assert spy.calls == 3 * per_forward  # the two-segment path calls the same kernel as often as stock
-    assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
 
 
 def test_two_segment_under_inference_mode(runtime):

@@ -180,7 +180,9 @@ def test_pipeline_decode_latents_bitwise_with_real_stats(tiny_pipe, runtime, dty
         tiny_pipe.vae = original_vae
 
 
-def test_latents_stats_built_once(tiny_pipe, runtime, monkeypatch):
+def test_latents_stats_built_once_and_per_call_while_tracing(tiny_pipe, runtime, monkeypatch):
+    """Stock builds the mean and std tensors every call; the pipeline piece once, and under torch.compile tracing it
+    runs QwenImagePipeline._decode_latents (the statistics built per call)."""
     packed = torch.randn(1, 4 * 4, 16, generator=torch.Generator().manual_seed(0))
     made = []
     real_tensor = torch.tensor
@@ -196,6 +198,14 @@ def test_latents_stats_built_once(tiny_pipe, runtime, monkeypatch):
     made.clear()
     run(), run(), run()
     assert len(made) == 2  # built once, reused
+    made.clear()
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        run(), run()
+    assert len(made) == 4  # stock: mean and std, every call
+    made.clear()
+    run(), run()
+    assert made == []  # outside tracing: from the cache
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -560,29 +570,6 @@ def test_tracing_runs_stock_decode_without_bookkeeping(vaes, monkeypatch):
     with decoder_calls(vae) as path:  # outside tracing the same attached VAE takes its own path again
         _, ours = count_ops(lambda: decode(vae, z))
     assert path == ["single_frame"] and ours.total < stock.total and len(OPT.upsample.firsts) == 1
-
-
-def test_tracing_keeps_stock_decode_latents(tiny_pipe, runtime, monkeypatch):
-    """Under tracing the pipeline piece runs QwenImagePipeline._decode_latents (the statistics built per call)."""
-    packed = torch.randn(1, 4 * 4, 16, generator=torch.Generator().manual_seed(0))
-    made = []
-    real_tensor = torch.tensor
-    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(1) or real_tensor(*a, **k))
-
-    def run():
-        with runtime.context(), torch.no_grad():
-            return tiny_pipe._decode_latents(packed, 32, 32, "pt").output
-
-    api.select("none,+vae_exact", model=tiny_pipe)
-    run()
-    made.clear()
-    with monkeypatch.context() as m:
-        m.setattr(torch.compiler, "is_compiling", lambda: True)
-        run(), run()
-    assert len(made) == 4  # stock: mean and std, every call
-    made.clear()
-    run(), run()
-    assert made == []  # outside tracing: from the cache
 
 
 def test_tracing_runs_stock_tiled_decode_without_bookkeeping(tiny_pipe, monkeypatch):

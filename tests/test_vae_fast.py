@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d, QwenImageRMS_norm
 
 from tests.test_vae_exact import decode, latent, make_dist_vae, patched_anywhere
 from vllm_omni_ascend_opt import api, metrics
@@ -135,8 +136,6 @@ def test_fewer_ops_and_no_zero_padded_conv3d(realwidth):
 # fallbacks, weights, revert
 # ----------------------------------------------------------------------------------------------------------------
 def test_cached_or_multi_frame_calls_use_stock_conv3d():
-    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
-
     torch.manual_seed(0)
     conv = QwenImageCausalConv3d(4, 6, 3, padding=1)
     x1 = torch.randn(1, 4, 1, 5, 5)
@@ -150,62 +149,39 @@ def test_cached_or_multi_frame_calls_use_stock_conv3d():
     assert torch.allclose(want[2], got[2], atol=1e-5) and got[2].shape == want[2].shape
 
 
-def test_last_tap_follows_weight_updates():
-    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
-
-    torch.manual_seed(0)
+def _last_tap():
     conv = QwenImageCausalConv3d(4, 6, 3, padding=1)
-    forward = vae_fast._make_last_tap_forward(conv).__get__(conv)
-    x = torch.randn(1, 4, 1, 5, 5)
-    with torch.no_grad():
-        forward(x)
-        conv.weight.mul_(2.0)  # in-place reload (bumps the version counter)
-        assert torch.allclose(forward(x), conv(x), atol=1e-5)
-        conv.to(torch.float64)  # moved / re-cast
-        assert forward(x.double()).dtype == torch.float64
+    return conv, vae_fast._make_last_tap_forward(conv).__get__(conv), conv.weight, torch.randn(1, 4, 1, 5, 5)
 
 
-def test_last_tap_follows_a_reload():
-    """A reload through ``w.data = ...`` keeps the Parameter and its version counter: only the data_ptr changes."""
-    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
-
-    torch.manual_seed(0)
-    conv = QwenImageCausalConv3d(4, 6, 3, padding=1)
-    forward = vae_fast._make_last_tap_forward(conv).__get__(conv)
-    x = torch.randn(1, 4, 1, 5, 5)
-    with torch.no_grad():
-        before = forward(x)
-        version = conv.weight._version
-        conv.weight.data = conv.weight.data * -3.0  # reloaded weights (a new tensor, same dtype and device)
-        assert conv.weight._version == version
-        after = forward(x)
-    assert not torch.allclose(after, before, atol=1e-3)
-    assert torch.allclose(after, conv(x), atol=1e-5)
-
-
-def test_scaled_gamma_follows_a_reload():
-    """The cached gamma * scale follows a ``gamma.data = ...`` reload (same version counter, new data_ptr)."""
-    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageRMS_norm
-
-    torch.manual_seed(0)
+def _scaled_gamma():
     norm = QwenImageRMS_norm(32, images=False)
-    forward = vae_fast._make_norm_forward(norm).__get__(norm)
-    x = torch.randn(2, 32, 1, 6, 5)
+    return norm, vae_fast._make_norm_forward(norm).__get__(norm), norm.gamma, torch.randn(2, 32, 1, 6, 5)
+
+
+@pytest.mark.parametrize("make", [_last_tap, _scaled_gamma], ids=["last_tap", "scaled_gamma"])
+def test_cached_weights_follow_updates_and_reloads(make):
+    """The last tap's contiguous weights and the norm's gamma * scale follow an in-place update (the version counter
+    moves), a reload through ``w.data = ...`` (same Parameter and version counter, new data_ptr) and a re-cast."""
+    torch.manual_seed(0)
+    module, forward, w, x = make()
     with torch.no_grad():
         before = forward(x)
-        version = norm.gamma._version
-        norm.gamma.data = torch.rand_like(norm.gamma) + 0.5
-        assert norm.gamma._version == version
+        w.mul_(2.0)  # in-place reload, LoRA merge
+        torch.testing.assert_close(forward(x), module(x), rtol=1e-5, atol=1e-5)
+        version = w._version
+        w.data = w.data * -3.0  # reloaded weights (a new tensor, same dtype and device)
+        assert w._version == version
         after = forward(x)
+        torch.testing.assert_close(after, module(x), rtol=1e-5, atol=1e-5)
+        module.to(torch.float64)  # moved / re-cast
+        assert forward(x.double()).dtype == torch.float64
     assert not torch.allclose(after, before, atol=1e-3)
-    torch.testing.assert_close(after, norm(x), rtol=1e-5, atol=1e-5)
 
 
 def test_tracing_runs_the_stock_forwards(monkeypatch):
     """Under torch.compile tracing both pieces run stock code first thing: Conv3d on the padded input (no conv2d, no
     last-tap cache) and the fp32 RMS norm (bit for bit); outside tracing the same forwards take their own paths."""
-    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d, QwenImageRMS_norm
-
     torch.manual_seed(0)
     conv = QwenImageCausalConv3d(4, 6, 3, padding=1)
     norm = QwenImageRMS_norm(32, images=False).to(torch.bfloat16)
@@ -230,8 +206,6 @@ def test_tracing_runs_the_stock_forwards(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_rms_norm_input_dtype_close_to_stock(dtype):
-    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageRMS_norm
-
     torch.manual_seed(0)
     for norm in (QwenImageRMS_norm(32, images=False), QwenImageRMS_norm(32, images=True, bias=True)):
         with torch.no_grad():

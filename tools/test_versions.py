@@ -52,8 +52,7 @@ MARKED = ("tests/test_versions.py", "tests/test_upstream.py", "tests/test_qwen_i
 #: 0.30.0's code, ``make test`` has already run them on that very code.
 SELECTION: dict[str, tuple[str, ...]] = {
     "tests/test_shared_modulation.py": ("shared_modulation",),
-    "tests/test_fast_modulate.py": ("fast_modulate", "shared_modulation"),
-    "tests/test_fast_residual.py": ("fast_residual", "shared_modulation"),
+    "tests/test_fast_tier.py": ("fast_modulate", "fast_residual", "shared_modulation"),
     "tests/test_rope.py": ("rope",),
     "tests/test_joint_attention.py": ("joint_attention", "rope"),
     "tests/test_fused_attention.py": ("fused_attention",),

@@ -1,25 +1,86 @@
-"""One warm-able forward of the tiny test-bed transformer on random inputs (fixed seed), in its weights' dtype."""
+"""The tiny test-bed transformer built directly (seeded random weights), its inputs and one forward."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from vllm_omni_ascend_opt.testbed import TINY
+from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
 
 
-def tiny_forward(rt: Any, tr: Any, *, txt: int = 7, hw: tuple[int, int] = (4, 4), seed: int = 1) -> torch.Tensor:
+def build(runtime: Any, dtype: torch.dtype = torch.float32, seed: int = 0, **kwargs: Any) -> torch.nn.Module:
+    """vLLM-Omni's QwenImageTransformer2DModel at the tiny spec (``kwargs`` override it), weights loaded through
+    ``load_weights``."""
+    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
+
+    with runtime.context():
+        tr = QwenImageTransformer2DModel(od_config=runtime.od_config, **{**TINY.transformer_kwargs(), **kwargs})
+    tr.load_weights(random_transformer_state_dict(TINY, seed).items())
+    return tr.to(dtype).eval()
+
+
+def inputs(
+    dtype: torch.dtype,
+    batch: int = 1,
+    hw: tuple[int, int] = (2, 2),
+    txt: int = 7,
+    pad: int = 0,
+    t: tuple[float, ...] = (0.5,),
+    seed: int = 0,
+    images: int = 1,
+) -> dict[str, Any]:
+    """Keyword arguments of one transformer call: ``pad`` text tokens masked on the last row, row i at timestep
+    ``t[i % len(t)]``, ``images`` image shapes per row."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, txt, dtype=torch.bool)
+    if pad:
+        mask[-1, txt - pad :] = False
+    return dict(
+        hidden_states=torch.randn(batch, hw[0] * hw[1] * images, TINY.vae_z_dim * 4, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype),
+        encoder_hidden_states_mask=mask,
+        timestep=torch.tensor([t[i % len(t)] for i in range(batch)]).to(dtype),
+        img_shapes=[[(1, *hw)] * images] * batch,
+        txt_seq_lens=[txt] * batch,
+        return_dict=False,
+    )
+
+
+def fwd(tr: Any, runtime: Any, kw: dict[str, Any], grad: bool = False) -> torch.Tensor:
+    with runtime.context(), torch.set_grad_enabled(grad):
+        return tr(**kw)[0].detach()
+
+
+def tiny_forward(
+    rt: Any,
+    tr: Any,
+    *,
+    batch: int = 1,
+    hw: tuple[int, int] = (4, 4),
+    txt: int = 7,
+    pad: bool = False,
+    seed: int = 1,
+    mode: Callable[[], AbstractContextManager[Any]] = torch.no_grad,
+) -> torch.Tensor:
+    """``batch`` rows at different timesteps; ``pad`` masks the last row's final 3 text tokens; run under ``mode``
+    (a grad mode: ``torch.no_grad``, ``torch.inference_mode``, ``torch.enable_grad``)."""
     dtype = tr.proj_out.weight.dtype
     g = torch.Generator().manual_seed(seed)
-    hs = torch.randn(1, hw[0] * hw[1], TINY.vae_z_dim * 4, generator=g).to(dtype)
-    ehs = torch.randn(1, txt, TINY.joint_attention_dim, generator=g).to(dtype)
-    with rt.context(), torch.no_grad():
+    hs = torch.randn(batch, hw[0] * hw[1], TINY.vae_z_dim * 4, generator=g).to(dtype)
+    ehs = torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype)
+    mask = torch.ones(batch, txt, dtype=torch.long)
+    if pad:
+        mask[-1, txt - 3 :] = 0
+    with rt.context(), mode():
         return tr(
             hidden_states=hs,
             encoder_hidden_states=ehs,
-            encoder_hidden_states_mask=torch.ones(1, txt, dtype=torch.long),
-            timestep=torch.tensor([0.5]),
-            img_shapes=[[(1, *hw)]],
-            txt_seq_lens=[txt],
+            encoder_hidden_states_mask=mask,
+            timestep=torch.linspace(0.5, 0.8, batch),
+            img_shapes=[[(1, *hw)]] * batch,
+            txt_seq_lens=[txt] * batch,
         ).sample

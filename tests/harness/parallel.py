@@ -128,14 +128,10 @@ class JobReport:
     env_reasons: dict[str, list[str]]
     #: Selected name -> the counters it exposes after the job (``stats`` / ``memo.stats`` / ``cache_info()``).
     stats: dict[str, Any]
-    #: Selected name -> its ``notes()`` after the job (kernel paths in use, cache sizes, ...).
-    notes: dict[str, list[str]]
     #: Selected name -> its ``fallback_reasons()`` (why calls ran stock code), where it has that method.
     fallbacks: dict[str, Any]
     #: (global image tokens before padding, SP padding) for every transformer forward of the job.
     sp_padding: list[tuple[int | None, int]]
-    wall_ms: float
-    stage_ms: dict[str, float] = field(default_factory=dict)
     extra: Any = None
     #: Collectives this rank issued during the job: op name -> [calls, bytes] (``devtime.layouts.CollectiveCounter``).
     collectives: dict[str, list[int]] = field(default_factory=dict)
@@ -154,12 +150,7 @@ class RankReport:
     sp_log: list[str]
     #: :func:`vllm_omni_ascend_opt._parallel.active_modes` of the loaded pipeline.
     active_modes: list[str]
-    #: Seconds to import and set up the process groups (the first mode of a spawn pays the imports).
-    startup_s: float
-    load_s: float
     jobs: list[JobReport]
-    #: Seconds this mode took in this worker, from group set-up to the last job.
-    mode_s: float = 0.0
 
     def job(self, key: str) -> JobReport:
         for j in self.jobs:
@@ -174,14 +165,9 @@ class ParallelRun:
     world_size: int
     ranks: list[RankReport]
     dtype: str
-    #: Wall-clock seconds of the whole spawn (shared by every mode it ran).
-    wall_s: float
 
     def images(self, key: str, rank: int = 0) -> torch.Tensor:
         return self.ranks[rank].job(key).images
-
-    def job(self, key: str, rank: int = 0) -> JobReport:
-        return self.ranks[rank].job(key)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,7 +218,7 @@ def run_parallel_modes(
         raise ValueError(f"modes of one spawn must share a world size: {[(r.mode, MODES[r.mode][1]) for r in plan]}")
     (world_size,) = sizes
     model_dir = str(model_dir or build_model_dir())
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # the deadline's start
     with tempfile.TemporaryDirectory(prefix="ascend-opt-parallel-") as tmp:
         work = Path(tmp)
         cfg = {
@@ -297,15 +283,8 @@ def run_parallel_modes(
             _kill_all(procs)
             for log in logs:
                 log.close()
-    wall = time.monotonic() - t0
     return {
-        run.key: ParallelRun(
-            mode=run.mode,
-            world_size=world_size,
-            ranks=[reports[i] for reports in per_rank],
-            dtype=run.dtype,
-            wall_s=wall,
-        )
+        run.key: ParallelRun(run.mode, world_size, [reports[i] for reports in per_rank], run.dtype)
         for i, run in enumerate(plan)
     }
 
@@ -410,20 +389,11 @@ def _plain(value: Any) -> Any:
         return repr(value)
 
 
-def _opt_facts(opt: Any) -> tuple[dict[str, Any] | None, list[str], dict[str, Any] | None]:
-    """(stats, notes, fallback reasons) of one optimization, as plain data (what each optimization owns)."""
-    try:
-        notes = [str(n) for n in opt.notes()]
-    except Exception as exc:  # a fact, not a failure of the run
-        notes = [f"notes() raised {exc!r}"]
-    return (_plain(dict(opt.stats)) if opt.stats else None), notes, (_plain(opt.fallback_reasons()) or None)
-
-
 def _job_facts(pipe: Any) -> dict[str, Any]:
     from vllm_omni_ascend_opt import _plugin, _report, api, registry
 
     selected = _plugin.selected()
-    acting, reasons, env_reasons, stats, notes, fallbacks = [], {}, {}, {}, {}, {}
+    acting, reasons, env_reasons, stats, fallbacks = [], {}, {}, {}, {}
     for opt in registry.all_optimizations():
         if opt.name not in selected:
             continue
@@ -432,11 +402,9 @@ def _job_facts(pipe: Any) -> dict[str, Any]:
         env_reasons[opt.name] = list(opt.reasons_inactive())
         if not why:
             acting.append(opt.name)
-        s, n, f = _opt_facts(opt)
-        notes[opt.name] = n
-        if s is not None:
-            stats[opt.name] = s
-        if f:
+        if opt.stats:
+            stats[opt.name] = _plain(dict(opt.stats))
+        if f := _plain(opt.fallback_reasons()):
             fallbacks[opt.name] = f
     return dict(
         selected=selected,
@@ -445,7 +413,6 @@ def _job_facts(pipe: Any) -> dict[str, Any]:
         reasons=reasons,
         env_reasons=env_reasons,
         stats=stats,
-        notes=notes,
         fallbacks=fallbacks,
     )
 
@@ -462,7 +429,6 @@ def _call_hook(ref: str | None, rank: int) -> Any:
 def _worker(work: Path, rank: int) -> None:
     cfg = json.loads((work / "config.json").read_text())
     threading.Thread(target=_watchdog, args=(cfg["deadline"], cfg["parent_pid"]), daemon=True).start()
-    t0 = time.perf_counter()
     torch.set_num_threads(1)
     _call_hook(cfg["setup"], rank)
 
@@ -478,12 +444,11 @@ def _worker(work: Path, rank: int) -> None:
 
     reports = []
     for run in cfg["runs"]:
-        reports.append(_run_mode(cfg, run, rank, capture, t0))
-        t0 = time.perf_counter()
+        reports.append(_run_mode(cfg, run, rank, capture))
     torch.save(reports, work / f"rank{rank}.pt")
 
 
-def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Capture, t0: float) -> RankReport:
+def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Capture) -> RankReport:
     import gc
 
     from vllm_omni.diffusion.forward_context import get_forward_context
@@ -503,9 +468,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
         init_method=run["init_method"],
         dtype=getattr(torch, run["dtype"]),
     )
-    t1 = time.perf_counter()
     pipe = load_pipeline(rt)
-    t2 = time.perf_counter()
     hooks = _sp_hooks(pipe.transformer)  # the ground truth of "the _sp_plan was applied"
 
     seen: list[tuple[int | None, int]] = []
@@ -526,13 +489,11 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
             _call_hook(job.before, rank)
             api.select(job.spec, model=pipe)
             seen.clear()
-            t = time.perf_counter()
             try:
                 with CollectiveCounter() as coll:
                     res = job.generate(pipe, rt)
             finally:
                 pc.mask_sp_padding = mask_before
-            wall = (time.perf_counter() - t) * 1e3
             facts = _job_facts(pipe)  # before the after-hook, which may change the selection
             extra = _plain(_call_hook(job.after, rank))
             jobs.append(
@@ -540,8 +501,6 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
                     job=job,
                     images=res.images,
                     sp_padding=list(seen),
-                    wall_ms=wall,
-                    stage_ms=res.stage_ms,
                     extra=extra,
                     collectives=coll.as_dict(),
                     **facts,
@@ -557,10 +516,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
         sp_hooks=hooks,
         sp_log=list(capture.lines),
         active_modes=_parallel.active_modes(pipe),
-        startup_s=t1 - t0,
-        load_s=t2 - t1,
         jobs=jobs,
-        mode_s=time.perf_counter() - t0,
     )
     api.select("none", model=pipe)  # detach before the model goes
     del pipe
