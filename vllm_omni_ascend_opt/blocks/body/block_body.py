@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
@@ -149,8 +149,10 @@ def layernorm(kind: str, norm: nn.Module, x: torch.Tensor, eager: bool = False) 
 
 
 def feed_forward(ff: nn.Module, x: torch.Tensor, stats: Counter | None) -> torch.Tensor:
-    """``ff(x)`` (eager): its three kernels where :func:`.direct_calls.mlp_args` vouches for them, else the module
-    (the reason counted in the caller's ``stats``)."""
+    """``ff(x)``: its three kernels where :func:`.direct_calls.mlp_args` vouches for them, else the module
+    (the reason counted in the caller's ``stats``); the module, uncounted, in a compiled block."""
+    if guards.tracing():
+        return ff(x)
     args = direct_calls.mlp_args(ff)
     if isinstance(args, str):
         if stats is not None:
@@ -162,7 +164,6 @@ def feed_forward(ff: nn.Module, x: torch.Tensor, stats: Counter | None) -> torch
     return direct_calls.mlp(x, args)
 
 
-# Eager twin of traced_block_body: counts, calls known layers directly and reads the memo.
 def block_body(
     block: nn.Module,
     mods: tuple[Any, ...],
@@ -213,32 +214,39 @@ def hoistable(mods: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[torch.Tenso
     return tuple(m.kind for m in mods), tuple(t for m in mods for t in (m.first, m.shift, m.gate))
 
 
-def _traced_norm(kind: str, norm: nn.Module, x: torch.Tensor, first: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    ln = norm.layernorm
-    if (
-        FAST_MODULATE.get() is not None  # a static switch in the graph (guarded)
-        and kind in (NATIVE, NPU_EVAL)
-        and first.dim() == 3
-        and first.shape[0] == 1
-        and first.shape[1] == 1
-        and x.dtype == first.dtype
-        and x.shape[-1] == first.shape[-1]
-        and ln.weight is None
-        and ln.bias is None
-    ):
-        return affine_layernorm(kind, norm, x, first[0, 0], shift[0, 0])
-    if kind in (NATIVE, NPU_EVAL):
-        return layernorm(kind, norm, x) * first + shift
-    return norm(x, first, shift)
+class _Hoisted(NamedTuple):
+    """One norm's modulation as a compiled block reads it (:func:`hoistable`): the fast modes follow their slots (static
+    switches the graph is guarded on), uncounted; layers called as modules."""
+
+    kind: str
+    first: torch.Tensor
+    shift: torch.Tensor
+    gate: torch.Tensor
+
+    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        kind, first, shift, ln = self.kind, self.first, self.shift, norm.layernorm
+        if (
+            FAST_MODULATE.get() is not None
+            and kind in (NATIVE, NPU_EVAL)
+            and first.dim() == 3
+            and first.shape[0] == 1
+            and first.shape[1] == 1
+            and x.dtype == first.dtype
+            and x.shape[-1] == first.shape[-1]
+            and ln.weight is None
+            and ln.bias is None
+        ):
+            return affine_layernorm(kind, norm, x, first[0, 0], shift[0, 0])
+        if kind in (NATIVE, NPU_EVAL):
+            return layernorm(kind, norm, x) * first + shift
+        return norm(x, first, shift)
+
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if FAST_RESIDUAL.get() is not None and x.dtype == self.gate.dtype == y.dtype:
+            return torch.addcmul(x, self.gate, y)
+        return x + self.gate * y
 
 
-def _traced_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if FAST_RESIDUAL.get() is not None and x.dtype == gate.dtype == y.dtype:
-        return torch.addcmul(x, gate, y)
-    return x + gate * y
-
-
-# Traced twin of block_body: reads the hoisted modulation and no mutable state.
 def traced_block_body(
     block: nn.Module,
     hoisted: tuple[tuple[str, ...], tuple[torch.Tensor, ...]],
@@ -248,27 +256,11 @@ def traced_block_body(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
     hidden_states_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`block_body` for dynamo (single-segment): modulation ``hoisted`` in eager, layers called as modules,
-    the fast modes follow their switches uncounted."""
-    (k1, k2, tk1, tk2), (f1, s1, g1, f2, s2, g2, tf1, ts1, tg1, tf2, ts2, tg2) = hoisted
-    m = block._modules
-    img_modulated = _traced_norm(k1, m["img_norm1"], hidden_states, f1, s1)
-    txt_modulated = _traced_norm(tk1, m["txt_norm1"], encoder_hidden_states, tf1, ts1)
-    img_attn_output, txt_attn_output = m["attn"](
-        hidden_states=img_modulated,
-        encoder_hidden_states=txt_modulated,
-        vid_freqs=image_rotary_emb[0],
-        txt_freqs=image_rotary_emb[1],
-        hidden_states_mask=hidden_states_mask,
-        encoder_hidden_states_mask=encoder_hidden_states_mask,
-    )
-    hidden_states = _traced_residual(hidden_states, g1, img_attn_output)
-    encoder_hidden_states = _traced_residual(encoder_hidden_states, tg1, txt_attn_output)
-    img_modulated2 = _traced_norm(k2, m["img_norm2"], hidden_states, f2, s2)
-    hidden_states = _traced_residual(hidden_states, g2, m["img_mlp"](img_modulated2))
-    txt_modulated2 = _traced_norm(tk2, m["txt_norm2"], encoder_hidden_states, tf2, ts2)
-    encoder_hidden_states = _traced_residual(encoder_hidden_states, tg2, m["txt_mlp"](txt_modulated2))
-    return _clip_fp16(encoder_hidden_states), _clip_fp16(hidden_states)
+    """:func:`block_body` for dynamo (single-segment), on the modulation ``hoisted`` in eager; no mutable state read."""
+    kinds, t = hoisted
+    mods = tuple(_Hoisted(kind, *t[3 * i : 3 * i + 3]) for i, kind in enumerate(kinds))
+    streams = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, image_rotary_emb)
+    return block_body(block, mods, *streams, hidden_states_mask)
 
 
 def block_body_reason(transformer: nn.Module) -> str | None:

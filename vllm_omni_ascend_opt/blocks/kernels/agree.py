@@ -1,17 +1,10 @@
 """Ranks agree on every kernel verdict: a shape class refused on any rank is refused on all (a logical AND).
 
-Why: each rank checks a class on its own data (SP shards, CFG branches); a kernel wrong only on some inputs or cards
-could pass on one rank and fail on another, and the ranks of one image would run different kernels. So the verdicts
-a rank makes are exchanged, and a refusal anywhere replaces a pass everywhere (for a class a rank has not met yet, at
-its first lookup: :func:`peer_refusal`). A pass is held back until then (:func:`hold`): in the forward that checked
-it, the class takes the stock path on every rank.
-
-When: at the end of each outermost transformer forward (:func:`sync`, called by ``forward_scope``), the one point
-every rank reaches the same number of times; never mid-forward, where ranks may meet different classes. Cost: one
-``all_gather_object`` of the new verdicts per forward, only with a process group of more than one rank, over a CPU
-(gloo) group (:func:`_cpu_group`): over HCCL it would synchronize the stream at every step.
-
-This module owns that state: the verdicts to exchange, the passes held back and the peers' refusals not yet met.
+Each rank checks a class on its own data (SP shards, CFG branches), so a kernel wrong only on some inputs could pass
+on one rank and fail on another. The verdicts a rank makes are exchanged at the end of each outermost transformer
+forward (:func:`sync`, the one point every rank reaches equally often) with one ``all_gather_object`` over a CPU
+(gloo) group (:func:`_cpu_group`; over HCCL it would synchronize the stream); a refusal anywhere replaces a pass
+everywhere, or waits for a class not met yet (:func:`peer_refusal`). A pass is held back until then (:func:`hold`).
 """
 
 from __future__ import annotations
@@ -68,11 +61,6 @@ def forget(kernel: str) -> None:
 
 #: the reason a class takes the stock path while its pass waits for the other ranks (:func:`hold`)
 WAITING = "checked here; waiting for the other ranks' verdicts (end of this forward)"
-
-
-def multi_rank() -> bool:
-    """Whether verdicts must be agreed with other ranks (a process group of more than one rank exists)."""
-    return _group_size() > 1
 
 
 def _group_size() -> int:

@@ -1,15 +1,11 @@
 """The guard around every on-device check and the kernel call it vets: a fault costs one call, never a request.
 
-* a **verdict** (the kernel disagrees with its reference, or rejects the call with a TypeError/ValueError) is a fact
-  about the kernel at a key: the kernel path (:mod:`.verified`) stores it, and the key stays on stock;
-* a **fault** (out of memory, a runtime error of the driver) is not: that call takes the stock path, the request
-  completes, and the key is retried after :data:`RETRY_AFTER` forwards, then twice as many, up to :data:`RETRY_CAP`;
-  after :data:`MAX_ERRORS` errors in a row it is *demoted* (stock until the next backend probe), with its reason;
-* a **deferral** (the check's scratch would not fit in free device memory): stock now, the check later, with the
-  same backoff, never counted as an error.
-
-The clock is :func:`~vllm_omni_ascend_opt.blocks.upstream.forward_scope.forwards` (outermost transformer forwards),
-so a transient fault at step k is retried at step k+1. Faults live in the guard's own :class:`~.verdicts.ProbeDict`.
+A **verdict** (the kernel disagrees with its reference, or rejects the call with a TypeError/ValueError) is stored by
+the kernel path (:mod:`.verified`). A **fault** (out of memory, a driver's runtime error) is not: the call runs stock
+and the key is retried after :data:`RETRY_AFTER` forwards, doubling up to :data:`RETRY_CAP`; after :data:`MAX_ERRORS`
+errors in a row it is demoted (stock until the next backend probe). A **deferral** (the check's scratch would not fit
+in free device memory) backs off the same way without counting as an error. The clock is
+:func:`~vllm_omni_ascend_opt.blocks.upstream.forward_scope.forwards` (outermost transformer forwards).
 """
 
 from __future__ import annotations
@@ -103,10 +99,8 @@ class Guard:
 
     def run(self, key: Hashable, fn: Callable[[], T]) -> tuple[bool, T | None, str]:
         """Run ``fn`` (a check, a kernel call, or both) under the guard: ``(True, fn(), "")``; ``(False, None, "")``
-        when it raised an error of the moment (out of memory, a runtime error: recorded, retried with backoff); or
-        ``(False, None, reason)`` when it raised anything else (a TypeError, a ValueError: the kernel rejects this
-        call for good, a verdict the caller stores). Either way the caller runs stock for this call. A success
-        after a fault clears it."""
+        after an error of the moment (recorded, retried with backoff); ``(False, None, reason)`` when it raised
+        anything else (the kernel rejects this call for good: a verdict the caller stores). A success clears a fault."""
         before = self._faults.get(key) if self._faults else None
         try:
             out = fn()
@@ -121,7 +115,7 @@ class Guard:
             logger.info("vllm-omni-ascend-opt: %s: the kernel works again at %s", self.label, _where(key))
         return True, out, ""
 
-    def record(self, key: Hashable, exc: BaseException) -> Fault:
+    def record(self, key: Hashable, exc: BaseException) -> None:
         """Count one error of ``key`` and schedule its retry (or demote it)."""
         prev = self._faults.get(key)
         errors = (prev.errors if prev is not None else 0) + 1
@@ -129,15 +123,11 @@ class Guard:
         f.deferrals = prev.deferrals if prev is not None else 0
         f.demoted = errors >= MAX_ERRORS
         f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << (errors - 1))
-        self._faults.put(key, f)
-        self.stats["faults"] += 1
-        logger.warning("vllm-omni-ascend-opt: %s at %s: %s", self.label, _where(key), f.describe())
-        return f
+        self._put(f, "faults", logger.warning)
 
     def fits(self, key: Hashable, device: torch.device, scratch_bytes: int) -> bool:
-        """Whether a check needing ``scratch_bytes`` of scratch fits in ``device``'s free memory now; if not, the
-        check is deferred (the call runs stock, retried with backoff, not an error). True where the backend cannot
-        tell (CPU, a torch_npu without ``mem_get_info``)."""
+        """Whether a check needing ``scratch_bytes`` fits in ``device``'s free memory now (else it is deferred, with
+        backoff); True where the backend cannot tell."""
         self.scratch_peak = max(self.scratch_peak, scratch_bytes)
         free = free_device_memory(device)
         if free is None or scratch_bytes <= free:
@@ -147,10 +137,13 @@ class Guard:
         why = f"needs {scratch_bytes / 2**20:.0f} MiB of scratch, {free / 2**20:.0f} MiB free"
         f = Fault(key, "deferred", why, prev.errors if prev is not None else 0, deferrals=deferrals)
         f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << min(deferrals - 1, 16))
-        self._faults.put(key, f)
-        self.stats["deferred_checks"] += 1
-        logger.info("vllm-omni-ascend-opt: %s at %s: %s", self.label, _where(key), f.describe())
+        self._put(f, "deferred_checks", logger.info)
         return False
+
+    def _put(self, f: Fault, counter: str, log: Callable[..., None]) -> None:
+        self._faults.put(f.key, f)
+        self.stats[counter] += 1
+        log("vllm-omni-ascend-opt: %s at %s: %s", self.label, _where(f.key), f.describe())
 
 
 def free_device_memory(device: torch.device) -> int | None:

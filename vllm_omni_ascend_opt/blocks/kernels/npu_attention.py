@@ -1,24 +1,16 @@
 """The ``npu_fusion_attention`` kernel path that replaces vLLM-Omni's SDPA: the call, the mask, the limits, the checks.
 
-Plain functions (:func:`call_kernel`, :func:`kernel_mask`, :func:`limits_violation`, :func:`fused_forward`) and the
-:class:`AttentionPath` checks, so that ``benchmarks/npu_check_kernels.py`` and ``verify_cost.py`` run the plugin's
-own code. ``fused_attention`` owns the path's verdicts.
+Plain functions (:func:`call_kernel`, :func:`kernel_mask`, :func:`limits_violation`, :func:`fused_forward`) so that
+``benchmarks/`` run the plugin's own code; ``fused_attention`` owns the path's verdicts. Checks: on first use per
+(device, dtype), small random BSND [text; image] inputs of the layer's Nq/Nkv/D, with and without a padded 2-D key
+mask; on the first real call of each :func:`shape_class`, random inputs of the call's shapes (production shapes tile
+differently). Both against an fp32 reference (:func:`class_errors`), with stock SDPA's own error as the budget:
+``max|fused - ref| <= max(ATOL[dtype], 4 * max|sdpa - ref|)``.
 
-Checks: on first use per (device, dtype), the fused path on small random inputs of the real layout (BSND, [text;
-image] joint sequence, the layer's Nq/Nkv/D), with and without a padded 2-D key mask, against an fp32 reference by
-explicit matmul/softmax (:func:`reference_attention`), with vLLM-Omni's own ``SDPAImpl._forward_impl`` in the same
-dtype as the error budget: ``max|fused - ref| <= max(ATOL[dtype], 4 * max|sdpa - ref|)``. On the first real call of
-each :func:`shape_class`, the same rule on random inputs of the call's shapes, in chunks: production shapes tile
-differently from the small check.
-
-Why this kernel over ``npu_fused_infer_attention_score`` (FIA): it is the one the reference ablation measured and
-the one diffusers' ``_native_npu`` backend and vLLM-Omni's own NPU flash path call; its "training only, no graph
-mode" caveat does not bite (Qwen-Image runs eagerly); its limits are wider (D 1..768, no alignment rule, fp16/bf16/
-fp32 [OP-FA], versus FIA's D <= 512, 16-aligned, contiguous, fp16/bf16 [OP-FIA]). [OP-FA]/[OP-FIA]: Ascend/op-plugin
-``docs/context/torch_npu-npu_fusion_attention.md`` / ``...npu_fused_infer_attention_score.md``. Limits encoded
-(outside them SDPA runs): D 1..768, Dq == Dk == Dv; Nq 1..256, Nq % Nkv == 0; B 1..2M, S 1..1M; key.shape ==
-value.shape; one dtype, float16/bfloat16 only (float32 models stay bitwise stock); non-causal; bool B1SS/11SS mask;
-no graph mode.
+This kernel rather than ``npu_fused_infer_attention_score``: diffusers' ``_native_npu`` backend and vLLM-Omni's NPU
+flash path call it, and its limits are wider [OP-FA] (Ascend/op-plugin ``torch_npu-npu_fusion_attention.md``).
+Limits encoded (outside them SDPA runs): D 1..768, Dq == Dk == Dv; Nq 1..256, Nq % Nkv == 0; B 1..2M, S 1..1M;
+key.shape == value.shape; float16/bfloat16 only (float32 stays bitwise stock); non-causal; bool B1SS/11SS mask; no graph mode.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The ``torch_npu.npu_rms_norm`` kernel path: its shape class, its fp32 reference and tolerance, and the norm class.
 
-``qk_norm`` swaps Qwen-Image's QK norms to :class:`KernelRMSNorm` (same object, same parameters) and offers its
-:class:`RmsNormPath` in the :data:`NORM` slot; the norm's forward runs the path where it can, stock's forward
-otherwise. ``joint_attention`` asks :func:`kernel_ready` (never ``qk_norm``) whether all four norms of an attention
-layer will take the kernel, to choose its per-stream order.
-
-Check, on the first real call of each shape class (device, dtype, rows bucket, D): the kernel's output against
-``x32 * rsqrt(mean(x32^2) + eps) * w32`` in chunks of rows; every element within
-``(TOLERANCE_EPS_FACTOR * eps(dtype) + RSTD_SLACK * eps(fp32)) * |ref|`` and finite. A kernel computing in fp32 and
-rounding once errs by eps/2 plus its fp32 rstd error; one that ignores gamma, eps or the row errs by orders more.
-Documented limits [OP-RMS] (Ascend/op-plugin ``torch_npu-npu_rms_norm.md``): fp16/bf16/fp32, gamma of self's dtype
-and self's trailing dims, self 2-8 dims.
+``qk_norm`` swaps the QK norms to :class:`KernelRMSNorm` and offers its :class:`RmsNormPath` in :data:`NORM`;
+``joint_attention`` asks :func:`kernel_ready` whether all four norms of a layer will take the kernel. Check, on the
+first real call of each shape class: the output against ``x32 * rsqrt(mean(x32^2) + eps) * w32`` in chunks of rows,
+finite and within ``(TOLERANCE_EPS_FACTOR * eps(dtype) + RSTD_SLACK * eps(fp32)) * |ref|``. Documented limits
+[OP-RMS] (Ascend/op-plugin ``torch_npu-npu_rms_norm.md``): fp16/bf16/fp32, gamma of self's dtype and trailing dims,
+self 2-8 dims.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""RoPE cos/sin tables and vLLM-Omni's rotary math, written once: ``rope`` (per stream) and ``joint_attention`` (on
-the joint sequence) both rotate q/k with tables built from vLLM-Omni's complex freqs, and must key those tables the
-same way (:func:`table_key`, :class:`TableCache`). Nothing here is an optimization: the caches count into the
-:class:`~collections.Counter` of whoever owns them.
-
-:func:`apply_portable` is bitwise stock's interleaved ``RotaryEmbedding.forward_native``; only where stock's rotary
-call runs that native math (:func:`native_equivalent`) may a joint sequence, or a cached table, replace it.
+"""RoPE cos/sin tables and vLLM-Omni's rotary math, written once for ``rope`` (per stream) and ``joint_attention``
+(joint sequence), which must key their tables the same way (:func:`table_key`, :class:`TableCache`).
+:func:`apply_portable` is bitwise stock's interleaved ``RotaryEmbedding.forward_native``; it may replace stock's
+rotary call only where that call runs the native math (:func:`native_equivalent`).
 """
 
 from __future__ import annotations

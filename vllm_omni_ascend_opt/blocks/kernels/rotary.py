@@ -1,15 +1,11 @@
-"""The ``torch_npu.npu_rotary_mul`` kernel path and the rotary service that runs it.
+"""The ``torch_npu.npu_rotary_mul`` kernel path and the rotary service that runs it: ``rope`` owns a
+:class:`RotaryPath` and offers it in :data:`ROTARY`; ``joint_attention`` rotates through it, or with the portable
+math of :mod:`.rope_tables` when the slot is empty.
 
-``rope`` owns a :class:`RotaryPath` (tables, verdicts, policy, statistics) and offers it in the :data:`ROTARY` slot
-while installed; ``joint_attention`` rotates its joint q/k through it, or with the portable math of
-:mod:`.rope_tables` when the slot is empty.
-
-Checks (the template of :mod:`.verified` runs them): once per (device, dtype, head_dim) on small random BSND inputs
-(a kernel that pairs halves, e.g. ``npu_apply_rotary_pos_emb`` or the pre-7.0 aclops fallback that ignored
-``rotary_mode``, errs by orders of magnitude), and on the first real call of each :func:`shape_class`, in chunks
-over S. Bound, per element: ``|kernel - ref_fp32| <= K * eps(dtype) * (|x*cos| + |swap(x)*sin|)``, K =
-:data:`TOLERANCE_EPS_FACTOR`, and the kernel's max error no larger than stock's own. A kernel computing in fp32 and
-rounding once errs by <= eps/2 of that sum; stock's three roundings by up to ~eps; a wrong pairing by O(|x|).
+Checks: once per (device, dtype, head_dim) on small random BSND inputs (a kernel that pairs halves errs by orders of
+magnitude), and on the first real call of each :func:`shape_class`, in chunks over S. Bound, per element:
+``|kernel - ref_fp32| <= K * eps(dtype) * (|x*cos| + |swap(x)*sin|)``, K = :data:`TOLERANCE_EPS_FACTOR`, and the
+kernel's max error no larger than stock's own.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Kernel verdicts saved on disk, so that a restart, another worker or another rank of the machine starts warm.
 
-Where: ``$VLLM_OMNI_ASCEND_OPT_VERDICT_CACHE`` (a directory), else ``$XDG_CACHE_HOME/vllm-omni-ascend-opt/verdicts``
-(``~/.cache/...`` without it); ``=0`` (or ``off``, ``none``, ``false``) disables it.
+Where: ``$VLLM_OMNI_ASCEND_OPT_VERDICT_CACHE`` (a directory; ``0``/``off``/``none``/``false`` disables it), else
+``$XDG_CACHE_HOME/vllm-omni-ascend-opt/verdicts`` (``~/.cache/...`` without it). What: one JSON file per environment
+(device, SoC, CANN, torch_npu, torch, plugin version; named by their digest) holding ``{kernel: {shape class: [ok,
+reason]}}``, the device index dropped from the key (``npu:3`` -> ``npu``). Never faults.
 
-What: one JSON file per *environment* (device name, SoC, CANN, torch_npu, torch, plugin version; the file name is a
-digest of them) holding ``{kernel: {shape class: [ok, reason]}}``. Only verdicts are saved, never faults. The device
-index is dropped from the key (``npu:3`` -> ``npu``): every card of one machine is the same hardware.
-
-Safety: a write takes an exclusive ``flock`` on a lock file beside it, re-reads, merges, writes a temporary file and
-renames it over (atomic on POSIX): no torn file, no lost entry; readers take no lock. A file that does not parse, has
-another format or another environment is ignored with one warning (and replaced by the next write).
-A class is asked of the disk once per backend probe (:func:`lookup_once`): a miss is not read again on every call.
+A write takes an exclusive ``flock`` beside the file, re-reads, merges, and renames a temporary file over it: no torn
+file, no lost entry. A file that does not parse or was made for another format or environment is ignored with one
+warning. A class is asked of the disk once per backend probe (:func:`lookup_once`).
 """
 
 from __future__ import annotations

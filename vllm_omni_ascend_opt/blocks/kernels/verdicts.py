@@ -1,11 +1,8 @@
 """The one verdict type, and the one store rule: a verdict lives as long as the backend probe it was made under.
 
-A :class:`Verdict` is what a kernel path (:mod:`.verified`) decides for one key: a shape class, or the first-use
-check of a (device, dtype). It says ``ok`` and why in one field, ``reason`` (the refusal, or the evidence of a pass).
-
-:class:`ProbeDict` holds verdicts (and the guard's faults) by key and drops them all when the backend probe changes
-(:func:`vllm_omni_ascend_opt._backend.probe_id`: another ``torch_npu`` module, or a re-probe); ``clear()`` drops them
-too. Persistence is :mod:`.saved`'s, rank agreement :mod:`.agree`'s.
+A :class:`Verdict` is a kernel path's decision at one key (``reason``: the refusal, or the evidence of a pass).
+:class:`ProbeDict` holds verdicts (and the guard's faults) by key and drops them all when
+:func:`vllm_omni_ascend_opt._backend.probe_id` changes, or on ``clear()``.
 """
 
 from __future__ import annotations

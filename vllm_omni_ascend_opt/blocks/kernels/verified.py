@@ -1,20 +1,10 @@
 """The one verified-kernel template: every kernel path the plugin takes on an NPU is a :class:`KernelPath`.
 
-A kernel path (a subclass) declares only what differs: its ``kernel`` name, its :class:`Candidate` list (each with
-its tier), how its keys read (:meth:`KernelPath.place`) and, per call, its shape class, its check (the reference and
-the tolerance) and the scratch that check needs. The template does the rest, once:
-
-1. verdict lookup (:class:`VerdictStore`): memory for the backend probe, a peer rank's refusal (:mod:`.agree`), the
-   disk once per probe (:mod:`.saved`);
-2. the fault wait (:mod:`.guard`): a key in backoff runs stock;
-3. the guarded check-and-call (:meth:`KernelPath.call`): on the first call of a class the check's scratch must fit in
-   free device memory (else the check is deferred), the kernel runs, its output is checked, and the verdict is stored,
-   saved, agreed (a pass waits for the ranks) and logged; whatever raises costs this call only, a TypeError or
-   ValueError is a refusal;
-4. the status tally (:meth:`KernelPath.tally`): classes using the kernel, classes on stock and why.
-
-A first-use check that hands back no kernel output (the per-device check on small inputs, NZ's numbers, the VAE's
-probe) goes through :meth:`KernelPath.decide`, under the same guard and stores. None from either means: stock.
+A subclass declares its ``kernel`` name, its :class:`Candidate` list, how its keys read (:meth:`KernelPath.place`)
+and, per call, its shape class, its check and that check's scratch. The template does the rest: the verdict lookup
+(:class:`VerdictStore`: memory, a peer rank's refusal, the disk once per probe), the fault wait and the guarded
+check-and-call (:mod:`.guard`; a check whose scratch does not fit is deferred), and the status tally. A first-use
+check that hands back no kernel output goes through :meth:`KernelPath.decide`. None from either means: stock.
 """
 
 from __future__ import annotations
