@@ -10,7 +10,8 @@ differently). Both against an fp32 reference (:func:`class_errors`), with stock 
 This kernel rather than ``npu_fused_infer_attention_score``: diffusers' ``_native_npu`` backend and vLLM-Omni's NPU
 flash path call it, and its limits are wider [OP-FA] (Ascend/op-plugin ``torch_npu-npu_fusion_attention.md``).
 Limits encoded (outside them SDPA runs): D 1..768, Dq == Dk == Dv; Nq 1..256, Nq % Nkv == 0; B 1..2M, S 1..1M;
-key.shape == value.shape; float16/bfloat16 only (float32 stays bitwise stock); non-causal; bool B1SS/11SS mask; no graph mode.
+key.shape == value.shape; float16/bfloat16 only (float32 stays bitwise stock); non-causal; bool B1SS/11SS mask; no
+graph mode.
 """
 
 from __future__ import annotations
@@ -45,9 +46,8 @@ VERIFY_CHUNK_ELEMS = 1 << 24
 
 
 def kernel_mask(attn_mask: torch.Tensor | None, b: int, sq: int, skv: int) -> tuple[torch.Tensor | None, str]:
-    """SDPA keep-mask (True = attend) -> the kernel's B1SS/11SS bool mask (True = masked out) [OP-FA], or (None, why)
-    for a form it does not translate: a 2-D [B, Skv] key mask (bool or 0/1) and bool [B|1, 1, 1|Sq, Skv] masks are
-    taken; float (additive) masks stay with SDPA."""
+    """SDPA keep-mask (True = attend; 2-D [B, Skv] bool or 0/1, or bool [B|1, 1, 1|Sq, Skv]) -> the kernel's B1SS/11SS
+    bool mask (True = masked out) [OP-FA], or (None, why) for another form (float masks stay with SDPA)."""
     if attn_mask is None:
         return None, ""
     if attn_mask.dim() == 2 and tuple(attn_mask.shape) == (b, skv):
@@ -118,8 +118,7 @@ def fused_forward(
 
 def shape_class(q: torch.Tensor, k: torch.Tensor, masked: torch.Tensor | None) -> tuple:
     """(device, dtype, layout, B*Nq bucket, Nq/Nkv, Sq bucket, Skv bucket, D, masked) of a BSND call: what tiling
-    depends on (the GQA group size, not Nkv: a head split divides both). B*Nq is bucketed like S: CFG's batch of 2
-    and a sequence-parallel head split share classes."""
+    depends on (the GQA group size, not Nkv: a head split divides both; B*Nq bucketed like S)."""
     b, sq, nq, d = q.shape
     skv, nkv = k.shape[1], k.shape[2]
     return (str(q.device), str(q.dtype).removeprefix("torch."), "BSND", bucket(b * nq), nq // max(1, nkv), bucket(sq),
@@ -168,8 +167,7 @@ def _judged(dtype: torch.dtype, err: float, err_stock: float, finite: bool) -> t
 
 
 def _raised_or(fn: Any, *args: Any) -> tuple[Any, str]:
-    """``fn(*args)`` -> (out, why); a kernel that rejects the call (not an error of the moment: that is the guard's
-    fault) gives (None, what it raised)."""
+    """``fn(*args)`` -> (out, why); a kernel that rejects the call gives (None, what it raised); errors propagate."""
     try:
         return fn(*args)
     except Exception as exc:
@@ -188,7 +186,7 @@ def sdpa_impl(num_heads: int, head_dim: int, scale: float, num_kv_heads: int) ->
 class AttentionPath(KernelPath):
     """``npu_fusion_attention`` in BSND for the attention impls ``fused_attention`` swaps."""
 
-    kernel = "npu_fusion_attention"
+    kernel = KERNEL
     candidates = (Candidate("npu_fusion_attention", "close"),)
 
     def place(self, key: tuple) -> str:
@@ -243,8 +241,8 @@ class AttentionPath(KernelPath):
         masked: torch.Tensor | None,
         scale: Any,
     ) -> Verdict:
-        """The kernel on random inputs of this call's exact shapes, dtype and mask against the fp32 reference (random
-        data, not the call's own: real activations can be degenerate, random ones exercise every tile)."""
+        """The kernel on random inputs of this call's shapes, dtype and mask against the fp32 reference (random data
+        exercises every tile; real activations can be degenerate)."""
         t0 = time.perf_counter()
         key = shape_class(q, k, masked)
         s = float(scale) if scale is not None else q.shape[-1] ** -0.5

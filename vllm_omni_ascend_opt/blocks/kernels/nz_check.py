@@ -7,6 +7,7 @@ Sources are cited in ``opts/nz_weights.py`` (the optimization that owns these ch
 
 from __future__ import annotations
 
+import re
 from types import ModuleType
 
 import torch
@@ -28,12 +29,8 @@ NUMERIC_EPS_FACTOR = 2.0
 
 def _version_tuple(text: str) -> tuple[int, ...] | None:
     """Leading numeric fields of a version string: "8.3.RC1" -> (8, 3); "2.13.0+fake" -> (2, 13, 0)."""
-    parts = []
-    for field_ in str(text).replace("+", ".").split("."):
-        if not field_.isdigit():
-            break
-        parts.append(int(field_))
-    return tuple(parts) or None
+    m = re.match(r"\d+(?:\.\d+)*(?=\.|$)", str(text).replace("+", "."))
+    return tuple(map(int, m.group().split("."))) if m else None
 
 
 def version_reasons(npu: ModuleType) -> list[str]:
@@ -65,10 +62,8 @@ def _error_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> to
 
 
 def trial_cast(npu: ModuleType, w_nd: torch.Tensor) -> tuple[torch.Tensor | None, str]:
-    """Cast ``w_nd`` to FRACTAL_NZ: (the NZ tensor, "") or (None, why not) - how permission is established.
-
-    ``torch.npu.config.allow_internal_format`` is write-only in torch_npu 2.13.0 [TNPU-CFG], so the plugin does not
-    read it: a cast that raises or comes back in another format means internal formats are not allowed here."""
+    """Cast ``w_nd`` to FRACTAL_NZ: (the NZ tensor, "") or (None, why not). ``allow_internal_format`` is write-only
+    [TNPU-CFG]: a cast that raises or comes back in another format means internal formats are not allowed here."""
     try:
         nz = npu.npu_format_cast(w_nd, ACL_FORMAT_FRACTAL_NZ)
         fmt = npu.get_npu_format(nz)
@@ -97,7 +92,6 @@ def check_nz_linear(w_nd: torch.Tensor, w_nz: torch.Tensor) -> tuple[bool, str]:
     g = torch.Generator().manual_seed(0x4E5A)
     x = torch.randn(2, 7, k, generator=g).to(device=w_nd.device, dtype=w_nd.dtype)
     b = (torch.randn(n, generator=g) * 0.5).to(device=w_nd.device, dtype=w_nd.dtype)
-    # ...and one GEMM at production rows (a 1328x1328 image is ~7k tokens), with the fp32 bound's memory bounded.
     rows = max(16, min(PRODUCTION_ROWS, CHECK_ELEMS // max(n, k)))
     xp = torch.randn(1, rows, k, generator=g).to(device=w_nd.device, dtype=w_nd.dtype)
     worst = []
@@ -119,8 +113,8 @@ def check_nz_linear(w_nd: torch.Tensor, w_nz: torch.Tensor) -> tuple[bool, str]:
 
 
 class NzPath(KernelPath):
-    """FRACTAL_NZ linear weights: the first-use numbers per (device, dtype) (:func:`check_nz_linear`) and the guard
-    the all-or-nothing cast runs under; kept in memory (a cast is decided once per load)."""
+    """FRACTAL_NZ linear weights: the first-use numbers per (device, dtype) and the guard the all-or-nothing cast
+    runs under; kept in memory (a cast is decided once per load)."""
 
     kernel = "FRACTAL_NZ linear"
     candidates = (Candidate("npu_format_cast", "close"),)

@@ -62,8 +62,7 @@ class RmsNormPath(KernelPath):
         return f"{dev}/{str(dtype).removeprefix('torch.')} rows<={rows} D={d}"
 
     def apply(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """``norm(x)`` through the verified kernel, or None (stock ``nn.RMSNorm.forward``). Never while dynamo traces
-        (:class:`KernelRMSNorm` asks first)."""
+        """``norm(x)`` through the verified kernel, or None (stock ``nn.RMSNorm.forward``); never under dynamo."""
         fn = self.function()
         w, eps = norm.weight, norm.eps
         out = None
@@ -82,9 +81,8 @@ class RmsNormPath(KernelPath):
         return out
 
     def _call(self, fn: object, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
-        key = shape_class(x)
         return self.call(
-            key,
+            shape_class(x),
             lambda: fn(x, w, epsilon=eps)[0],  # type: ignore[operator]
             lambda out: self.check(x, out, w, eps),
             lambda: check_scratch_bytes(x),
@@ -139,8 +137,7 @@ NORM: Slot[RmsNormPath] = Slot("npu_rms_norm")
 
 
 class KernelRMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` whose forward runs the verified kernel where it can (swapped in per instance), and stock's
-    forward while dynamo traces (nothing mutable is read)."""
+    """``nn.RMSNorm`` running the verified kernel where it can (swapped in per instance); stock's under dynamo."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if guards.tracing():
@@ -150,8 +147,7 @@ class KernelRMSNorm(nn.RMSNorm):
         return nn.RMSNorm.forward(self, x) if y is None else y
 
 
-#: The classes whose forward computes stock ``nn.RMSNorm`` (the kernel class falls back to it, or differs from it
-#: only within the kernel's verified tolerance).
+#: The classes whose forward computes stock ``nn.RMSNorm`` (within the kernel's verified tolerance).
 RMS_NORM_CLASSES: tuple[type[nn.Module], ...] = (nn.RMSNorm, KernelRMSNorm)
 
 

@@ -14,13 +14,13 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt.blocks.weak_lru import WeakLRU
 
-#: Tables kept per cache (one per (freqs tensor, dtype)): a few shapes x (vid, txt) x dtypes, with room to spare.
+#: Tables kept per cache, one per (freqs tensor, dtype).
 TABLE_CACHE_SIZE = 32
 
 
 class Tables:
-    """cos/sin for one freqs tensor and dtype, built lazily in the forms each path needs. Each form is stored whole
-    (both of its tensors at once, after both are built): a fault while building leaves the entry as it was."""
+    """cos/sin for one freqs tensor and dtype, built lazily in the forms each path needs; each form is stored whole
+    (both tensors at once, once both are built), so a fault while building leaves the entry as it was."""
 
     __slots__ = ("cos", "dtype", "half_cos", "half_sin", "npu_cos", "npu_sin", "sin_signed")
 
@@ -37,7 +37,7 @@ class Tables:
 def half_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock's ``(real(freqs).to(dtype), imag(freqs).to(dtype))`` [S, D/2], built once (``stats["table_builds"]``)."""
     if t.half_cos is None:
-        # Exactly stock's conversion (copied when it is a view of freqs, so the cache never pins freqs' storage).
+        # stock's conversion, copied when a view of freqs (the cache never pins freqs' storage)
         cos = torch.real(freqs).to(t.dtype)
         sin = torch.imag(freqs).to(t.dtype)
         if cos.data_ptr() == freqs.data_ptr() or cos._base is not None:
@@ -51,8 +51,7 @@ def portable_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[tor
     """``(cos, sin_signed)`` [S, 1, D] for :func:`apply_portable`."""
     if t.cos is None:
         c, s = half_tables(t, freqs, stats)
-        # Same values as stock's einops ``repeat(c, "... d -> ... 1 (d 2)")``. Both built before either is stored:
-        # a fault between the two (out of memory) leaves the entry as it was, never (cos, None).
+        # stock's einops ``repeat(c, "... d -> ... 1 (d 2)")``; both built before either is stored
         cos = torch.repeat_interleave(c, 2, dim=-1).unsqueeze(-2)
         sin_signed = torch.stack((-s, s), dim=-1).flatten(-2).unsqueeze(-2)
         t.cos, t.sin_signed = cos, sin_signed
@@ -64,7 +63,7 @@ def npu_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Te
     if t.npu_sin is None:
         cos, _ = portable_tables(t, freqs, stats)
         sin = torch.repeat_interleave(t.half_sin, 2, dim=-1)[None, :, None, :]  # type: ignore[arg-type]
-        t.npu_cos, t.npu_sin = cos.unsqueeze(0), sin  # [1, S, 1, D] (cos: a view of the portable table); together
+        t.npu_cos, t.npu_sin = cos.unsqueeze(0), sin  # cos: a view of the portable table
     return t.npu_cos, t.npu_sin  # type: ignore[return-value]
 
 
@@ -79,10 +78,8 @@ def version_or_none(t: torch.Tensor) -> int | None:
 
 
 def table_key(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:
-    """``(key, root)``: what identifies the tables of ``freqs`` in ``dtype``, and the tensor the entry lives with. A
-    view of a live, versioned base (e.g. a rank's chunk of the full vid freqs, txt freqs sliced from ``pos_freqs``) is
-    identified by base + geometry; anything else by its own identity. The key holds ``id(root)``: a cache must also
-    check, through a weak reference, that ``root`` is still the object it was made for."""
+    """``(key, root)``: what identifies the tables of ``freqs`` in ``dtype`` (a view by its base and geometry), and
+    the tensor the entry lives with (the key holds ``id(root)``: a cache checks ``root`` through a weak reference)."""
     base = freqs._base
     root = base if base is not None else freqs
     key = (
@@ -99,8 +96,7 @@ def table_key(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[tuple, torch.Ten
 
 
 class TableCache:
-    """Tables per freqs tensor (by identity, weakly) and dtype: a :class:`~.weak_lru.WeakLRU` of
-    :data:`TABLE_CACHE_SIZE` entries, each dropped when its freqs (root) tensor dies."""
+    """Tables per freqs tensor (weakly, by identity) and dtype, each dropped when its freqs (root) tensor dies."""
 
     def __init__(self, stats: Counter) -> None:
         self._entries: WeakLRU[Tables] = WeakLRU(TABLE_CACHE_SIZE)
@@ -122,8 +118,7 @@ class TableCache:
         )
 
     def get(self, freqs: torch.Tensor, dtype: torch.dtype) -> Tables:
-        """The tables of ``freqs`` in ``dtype`` (``stats["table_hits"]`` on a hit), or a new, empty entry (its forms
-        are built lazily, each one whole, by the builders above)."""
+        """The tables of ``freqs`` in ``dtype`` (``stats["table_hits"]`` on a hit), or a new, empty entry."""
         key, root = table_key(freqs, dtype)
         hit = self._entries.get(key, (root,))
         if hit is not None:
@@ -133,8 +128,7 @@ class TableCache:
 
 
 def graph_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin_signed)`` [S, 1, D] of :func:`portable_tables`, computed as tensor ops only (no cache): what
-    traced code uses where no table was hoisted (full compile: the compiler may share them between blocks)."""
+    """``(cos, sin_signed)`` of :func:`portable_tables` as tensor ops only, for traced code with no hoisted table."""
     c = torch.real(freqs).to(dtype)
     s = torch.imag(freqs).to(dtype)
     return torch.repeat_interleave(c, 2, dim=-1).unsqueeze(-2), torch.stack((-s, s), dim=-1).flatten(-2).unsqueeze(-2)
@@ -146,10 +140,8 @@ def swap_pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_portable(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Bitwise-equal to ``RotaryEmbedding(is_neox_style=False).forward_native(x, cos_half, sin_half)``.
-
-    ``cos``/``sin_signed`` are [S, 1, rotary_dim] (see :func:`portable_tables`); ``x`` is [B, S, N, D]. Each element
-    sees exactly stock's operations in stock's order ((-a)*b == a*(-b) in IEEE arithmetic): 4 launches, not 10."""
+    """Bitwise ``RotaryEmbedding(is_neox_style=False).forward_native`` on [B, S, N, D] ``x`` with [S, 1, rotary_dim]
+    tables: stock's operations in stock's order per element ((-a)*b == a*(-b) in IEEE arithmetic), in fewer launches."""
     ro_dim = cos.shape[-1]
     if ro_dim == x.shape[-1]:
         return x * cos + swap_pairs(x) * sin_signed
@@ -158,9 +150,8 @@ def apply_portable(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor)
 
 
 def apply_portable_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """:func:`apply_portable` written into ``x`` (which the caller owns and no longer needs): the same four ops in
-    the same order on the same values (``x*cos``, ``swap(x)*sin``, their sum), in place, so the rotation needs one
-    temporary instead of three. Returns ``x``."""
+    """:func:`apply_portable` in place into ``x`` (the caller owns it and no longer needs it): the same ops on the same
+    values, one temporary instead of three. Returns ``x``."""
     ro_dim = cos.shape[-1]
     xr = x if ro_dim == x.shape[-1] else x[..., :ro_dim]
     rotated = swap_pairs(xr)  # before xr changes

@@ -85,17 +85,14 @@ def errors(
 
 
 def shape_class(x: torch.Tensor) -> tuple[str, torch.dtype, str, int, int, int]:
-    """(device, dtype, layout, B*N bucket, sequence-length bucket, D) of a BSND input: what a kernel tiling depends on.
-
-    B*N is bucketed like S (next power of two): the kernel spreads B*N*S rows over its cores in tiles, so CFG's batch
-    of 2 and a sequence-parallel split of the heads share classes instead of each being checked on its own."""
+    """(device, dtype, layout, B*N bucket, S bucket, D) of a BSND input: what the kernel's tiling depends on (B*N is
+    bucketed like S, so CFG's batch of 2 and a sequence-parallel head split share classes)."""
     b, s, n, d = x.shape
     return (str(x.device), x.dtype, "BSND", bucket(b * n), bucket(s), d)
 
 
 class KernelPolicy(Protocol):
-    """What the owner decides (``rope``): whether the NPU kernel may be tried, and whether only a kernel bitwise
-    equal to stock is accepted."""
+    """The owner's (``rope``) choice: may the NPU kernel be tried, and must it be bitwise equal to stock."""
 
     use_npu_kernel: bool
 
@@ -104,8 +101,7 @@ class KernelPolicy(Protocol):
 
 class RotaryPath(KernelPath):
     """Cached tables and the backend choice for one owner: the verified ``npu_rotary_mul``, else the portable math
-    (where stock runs ``forward_native``), else stock's own rotary kernel with cached tables. Counts into the owner's
-    ``stats``: ``table_builds`` / ``table_hits``, ``kernel_calls``, ``portable_calls``, ``delegate_calls``."""
+    (where stock runs ``forward_native``), else stock's own rotary kernel with cached tables."""
 
     kernel = "npu_rotary_mul"
     candidates = (Candidate("npu_rotary_mul", "pixel"),)
@@ -148,11 +144,7 @@ class RotaryPath(KernelPath):
 
     def _verdict(self, key: tuple, errs: tuple[float, float, float, bool], seconds: float = 0.0) -> Verdict:
         ratio, err_k, err_s, same = errs
-        facts = {
-            "bitwise": same,
-            "errors": {"kernel": err_k, "stock": err_s, "over_bound": ratio},
-            "seconds": seconds,
-        }
+        facts = {"bitwise": same, "errors": {"kernel": err_k, "stock": err_s, "over_bound": ratio}, "seconds": seconds}
         why = self._judge(*errs)
         if why:
             return self.verdict(key, False, why, **facts)
@@ -191,8 +183,8 @@ class RotaryPath(KernelPath):
         return v
 
     def class_check(self, x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> Verdict:
-        """The kernel's ``out`` for the real BSND ``x`` against the fp32 reference (``cos`` / ``sin_signed``: the
-        portable [S, 1, D] tables of this call), in chunks over S."""
+        """The kernel's ``out`` for the real BSND ``x`` against the fp32 reference (``cos`` / ``sin_signed``: this
+        call's portable tables), in chunks over S."""
         t0 = time.perf_counter()
         key = shape_class(x)
         if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
@@ -202,8 +194,8 @@ class RotaryPath(KernelPath):
         return self._verdict(key, errs, time.perf_counter() - t0)
 
     def kernel_for(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        """The verified ``npu_rotary_mul`` for ``x``'s (device, dtype, head_dim), or None (no kernel here, refused,
-        or its first-use check faulted: retried after the guard's backoff)."""
+        """The verified ``npu_rotary_mul`` for ``x``'s (device, dtype, head_dim), or None (none here, refused, or its
+        first-use check faulted)."""
         if not self.policy.use_npu_kernel or _backend.torch_npu_module() is None:
             return None
         fn = self.function()
@@ -245,8 +237,7 @@ class RotaryPath(KernelPath):
         return rope(x, cos, sin)
 
     def warm(self, x: torch.Tensor, freqs: torch.Tensor) -> bool | None:
-        """Check the class of ``x`` now (``warmup``), as its first real call would: the verdict, or None (no kernel
-        here, a fault or a deferral)."""
+        """Check the class of ``x`` now (``warmup``), as its first real call would: the verdict, or None."""
         fn = self.kernel_for(x)
         if fn is None:
             return None
