@@ -1,8 +1,6 @@
-"""Slots: the one way optimizations cooperate. An optimization never imports another; what one offers others
-(``rope``'s rotary path, ``qk_norm``'s RMSNorm kernel, a fast-tier mode, ``shared_modulation``'s memo) goes through a
-:class:`Slot` declared next to it in ``blocks/``: the owner fills it in ``install`` and empties it in ``uninstall``,
-a user asks :meth:`Slot.get` and takes its own path on None. Read on hot paths, never inside a traced forward
-(callers ask ``guards.tracing()`` first).
+"""Slots: the one way optimizations cooperate (one never imports another). What one offers others goes through a
+:class:`Slot` declared in ``blocks/``: the owner fills it in ``install`` and empties it in ``uninstall``; a user asks
+:meth:`Slot.get` and takes its own path on None.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""A bounded LRU whose entries live only as long as the objects they were made for (the RoPE table and joint freqs
-caches key on tensors by identity: an id can be reused once its object is gone), never keeping them alive. At most
-``cap`` entries; a hit moves its entry to the most recent end; an entry is dropped when any of its owners dies.
+"""A bounded LRU whose entries live only as long as the objects they were made for, never keeping them alive (the
+RoPE caches key on tensors by identity, and an id can be reused once its object is gone).
 """
 
 from __future__ import annotations

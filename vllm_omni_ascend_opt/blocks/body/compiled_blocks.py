@@ -1,7 +1,6 @@
-"""Work hoisted out of regionally compiled blocks: dynamo would bake a per-step, value-keyed decision (the memo's
-lookup, this forward's RoPE tables) into a block's graph. A :class:`Hoister` pre-hooks each compiled block; the hook
-runs in eager (vLLM-Omni compiles ``forward``, not ``__call__``) and leaves its result on the module
-(:func:`set_ready`), which the traced code reads (:func:`ready`) as graph inputs, guarded by metadata, not identity.
+"""Work hoisted out of regionally compiled blocks (the memo's lookup, this forward's RoPE tables), which dynamo would
+bake into a block's graph: a :class:`Hoister`'s pre-hook runs in eager (vLLM-Omni compiles ``forward``, not
+``__call__``) and leaves its result on the module (:func:`set_ready`) for the traced code to read (:func:`ready`).
 """
 
 from __future__ import annotations

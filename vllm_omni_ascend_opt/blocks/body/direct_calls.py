@@ -1,9 +1,8 @@
 """Direct calls of layers whose behaviour is known (vLLM's unquantized linears, vLLM-Omni's ``FeedForward``, plain
-layer norms): their kernels without the module path, which costs more host time than the kernel launches; nothing
-changes on the device. :func:`linear_args` / :func:`mlp_args` / :func:`layer_norm_args` answer per call whether a
-layer is exactly what the direct call mirrors (:data:`~..upstream.targets.DIRECT_CALLS`, checked by fingerprint),
-and :func:`linear` / :func:`mlp` / :func:`layer_norm` run the very ops its module path ends in. Process-wide facts
-are decided once per forward; callers check ``guards.tracing()`` first.
+layer norms): the very ops their module path ends in, without its host time; nothing changes on the device.
+:func:`linear_args` / :func:`mlp_args` / :func:`layer_norm_args` say per call whether a layer is exactly what the
+direct call mirrors (:data:`~..upstream.targets.DIRECT_CALLS`, checked by fingerprint); process-wide facts are
+decided once per forward. Callers check ``guards.tracing()`` first.
 """
 
 from __future__ import annotations
@@ -126,8 +125,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def mlp_args(ff: nn.Module) -> tuple[Any, ...] | str:
-    """``(w1, b1, approximate, w2, b2)`` of vLLM-Omni's ``FeedForward`` when its three kernels are exactly its
-    module path, else why not."""
+    """``(w1, b1, approximate, w2, b2)`` of vLLM-Omni's ``FeedForward`` when its three kernels are its module path."""
     k = _decided()
     if isinstance(k, str):
         return k
@@ -153,7 +151,7 @@ def mlp(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
 
 def layer_norm_args(ln: nn.Module) -> tuple[Any, ...] | None:
     """``(normalized_shape, weight, bias, eps, upcast)`` of a hook-free ``nn.LayerNorm`` or vLLM-Omni ``LayerNorm``
-    dispatched to ``forward_native`` (``upcast``: fp32 and back), else None. Global hooks are the caller's guard."""
+    dispatched to ``forward_native`` (``upcast``: fp32 and back), else None (global hooks: the caller's guard)."""
     if not _plain(ln):
         return None
     p = ln._parameters

@@ -1,8 +1,6 @@
 """The joint QKV path's building blocks: the joint RMSNorm, the joint freqs cache, the checks, the attention on the
-joint sequence, and the path as written for a compiled graph (:func:`traced_forward`). ``joint_attention`` runs it
-eagerly with its counters and caches; the traced path runs the same math without them, assembled differently (one
-``cat`` instead of ``out=`` writes, layers as modules, tables hoisted or computed in the graph): pixel-identical to
-compiled stock.
+joint sequence, and the path for a compiled graph (:func:`traced_forward`: the same math as ``joint_attention``'s
+eager path without counters or caches, one ``cat`` instead of ``out=`` writes, layers as modules).
 """
 
 from __future__ import annotations
@@ -53,10 +51,9 @@ def joint_qk_rms_norm(
     w_img: tuple[torch.Tensor, torch.Tensor],
     eps: float,
 ) -> torch.Tensor:
-    """:func:`joint_rms_norm` of q and k together, bitwise stock's four norms: ``qk`` is the ``[2, B, S, N, D]`` q/k
-    view of the joint QKV tensor, ``w_txt``/``w_img`` each stream's (q, k) weights; returns a new contiguous tensor.
-    In fp32 both planes take one pass; where the norm upcasts, one plane after the other (both fp32 temporaries at
-    once would raise the peak above stock's)."""
+    """:func:`joint_rms_norm` of the ``[2, B, S, N, D]`` q/k view ``qk`` (``w_txt``/``w_img``: each stream's (q, k)
+    weights), bitwise stock's four norms, as a new contiguous tensor; where the norm upcasts, one plane at a time
+    (both fp32 temporaries at once would raise the peak above stock's)."""
     dtype = qk.dtype
     opmath = _OPMATH.get(dtype, dtype)
     if dtype == opmath:
@@ -140,8 +137,7 @@ def freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:
 
 
 class JointFreqsCache:
-    """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair, keyed like ``rope``'s tables, dropped when either
-    freqs tensor dies."""
+    """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair, keyed like ``rope``'s tables, dropped with either."""
 
     def __init__(self, stats: Counter) -> None:
         self._entries: WeakLRU[torch.Tensor] = WeakLRU(JOINT_FREQS_CACHE_SIZE)
@@ -179,7 +175,7 @@ def graph_joint_rms_norm(
 
 def cuda_fused(mod: Any, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
     """Whether stock's ``_qwen_image_qk_norm_rope`` takes its fused CUDA path for the stream with hidden states ``x``
-    (stock's condition in its order; ``_fused_cuda_supported`` reads only q/k's device and dtype, those of ``x``)."""
+    (``_fused_cuda_supported`` reads only q/k's device and dtype, those of ``x``)."""
     tokens = x.shape[0] * x.shape[1]
     return bool(
         tokens >= mod.fused_qk_norm_rope_min_tokens(mod._FUSED_MIN_TOKENS)
@@ -252,14 +248,8 @@ def attend(
     else:
         attn_metadata = None
         if hidden_states_mask is not None or encoder_hidden_states_mask is not None:
-            txt_mask = encoder_hidden_states_mask
-            if txt_mask is None:
-                txt_mask = torch.ones(
-                    encoder_hidden_states.shape[:2], dtype=torch.bool, device=encoder_hidden_states.device
-                )
-            img_mask = hidden_states_mask
-            if img_mask is None:
-                img_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
+            txt_mask = _keep_all_if_none(encoder_hidden_states_mask, encoder_hidden_states)
+            img_mask = _keep_all_if_none(hidden_states_mask, hidden_states)
             attn_metadata = mod.AttentionMetadata(attn_mask=torch.cat([txt_mask, img_mask], dim=1))
             if stats is not None:
                 stats["masked_calls"] += 1
@@ -267,11 +257,14 @@ def attend(
     return joint_hidden_states.flatten(2, 3).to(query.dtype)
 
 
+def _keep_all_if_none(mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return mask if mask is not None else torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+
+
 def traced_reason(
     attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, vid_freqs: Any, txt_freqs: Any
 ) -> str | None:
-    """The eager path's checks that hold for a traced call (static: the graph is guarded on them; no ``out=`` op
-    needs an autograd check)."""
+    """The eager path's checks that hold for a traced call (the graph is guarded on them)."""
     why = static_reason(attn) or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
     if why:
         return why
@@ -280,7 +273,6 @@ def traced_reason(
     return None
 
 
-# Eager/traced twin of JointAttention._joint_forward: no counters, caches or direct calls inside a graph.
 def traced_forward(
     mod: Any,
     attn: Any,
@@ -311,16 +303,6 @@ def traced_forward(
         tables = rope_tables.graph_tables(torch.cat([txt_freqs, vid_freqs], dim=0), query.dtype)
     query = rope_tables.apply_portable(query, *tables)
     key = rope_tables.apply_portable(key, *tables)
-    out = attend(
-        mod,
-        attn,
-        query,
-        key,
-        value,
-        st,
-        hidden_states,
-        encoder_hidden_states,
-        hidden_states_mask,
-        encoder_hidden_states_mask,
-    )
+    streams = (hidden_states, encoder_hidden_states, hidden_states_mask, encoder_hidden_states_mask)
+    out = attend(mod, attn, query, key, value, st, *streams)
     return m["to_out"](out[:, st:, :]), m["to_add_out"](out[:, :st, :])

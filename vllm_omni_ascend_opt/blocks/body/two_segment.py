@@ -1,8 +1,7 @@
 """Two-segment modulation (Qwen-Image-Edit-2511, ``zero_cond_t``): each image token takes the current timestep's
-modulation or timestep 0's. Stock builds three ``[B, L, D]`` tensors per image norm with ``torch.where(modulate_index,
-segment 1, segment 0)``; :class:`SegmentPlan` reads ``modulate_index`` once per forward (its runs), and :class:`SegMod`
-multiplies ``[B, C, L/C, D]`` chunks (``C = L / gcd(run lengths)``, at most :data:`MAX_BROADCAST_CHUNKS`) by
-``[B, C, 1, D]`` tensors, or each run's slice with ``out=``: the same IEEE mul/add on the same values, bitwise stock.
+modulation or timestep 0's, where stock builds ``[B, L, D]`` tensors with ``torch.where(modulate_index, ...)``.
+:class:`SegmentPlan` reads ``modulate_index``'s runs once per forward; :class:`SegMod` multiplies ``[B, C, L/C, D]``
+chunks by ``[B, C, 1, D]`` tensors, or each run's slice with ``out=``: the same IEEE ops on the same values.
 """
 
 from __future__ import annotations
