@@ -53,7 +53,12 @@ class _Known:
 _KNOWN: dict[tuple[int, ...], _Known] = {}
 
 
-def _known() -> _Known | str:
+def _decided() -> _Known | str:
+    """The verified upstream, or why no layer is called directly: decided once per transformer forward."""
+    return forward_scope.decide("direct_calls.process", _decide)
+
+
+def _decide() -> _Known | str:
     mods = (targets.LINEAR, targets.LINEAR_UTILS, targets.PARAMETER, targets.NORM, targets.TRANSFORMER)
     if not all(m in sys.modules for m in mods):
         return "vLLM's linear layers are not imported"
@@ -62,18 +67,8 @@ def _known() -> _Known | str:
     if k is None:
         _KNOWN.clear()
         k = _KNOWN[ident] = _Known()
-    return k.reason or k
-
-
-def _decided() -> _Known | str:
-    """The verified upstream, or why no layer is called directly: decided once per transformer forward."""
-    return forward_scope.decide("direct_calls.process", _decide)
-
-
-def _decide() -> _Known | str:
-    k = _known()
-    if isinstance(k, str):
-        return k
+    if k.reason:
+        return k.reason
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda_alike() or current_platform.is_xpu():  # apply() reads the flag on these platforms

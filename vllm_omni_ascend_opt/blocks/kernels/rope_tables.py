@@ -167,9 +167,7 @@ def native_equivalent(rope: nn.Module) -> bool:
     if mod is None:
         return False
     cls = mod.RotaryEmbedding
-    if type(rope) is not cls or "forward" in rope.__dict__:
-        return False
-    if not rope.interleaved or not rope.half_head_dim:
+    if type(rope) is not cls or "forward" in rope.__dict__ or not (rope.interleaved and rope.half_head_dim):
         return False
     fm = getattr(rope, "_forward_method", None)
     if getattr(fm, "__self__", None) is not rope:
