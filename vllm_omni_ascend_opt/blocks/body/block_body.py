@@ -1,8 +1,6 @@
 """The memoized block body: vLLM-Omni's ``QwenImageTransformerBlock.forward`` with its modulation read from unpacked
-tensors (:class:`NormMod`, :class:`~.two_segment.SegMod`), and the fast tier's modes of it: ``fast_modulate`` and
-``fast_residual`` provide themselves in :data:`FAST_MODULATE` / :data:`FAST_RESIDUAL` and get each call reported
-(:class:`ModeOwner`), except while dynamo traces. In a compiled block (:func:`traced_block_body`) the modes follow
-their slots, which the graph is guarded on.
+tensors (:class:`NormMod`, :class:`~.two_segment.SegMod`), and the fast tier's modes of it (:data:`FAST_MODULATE`,
+:data:`FAST_RESIDUAL`): each call reported to the mode's owner in eager, the slots followed in a compiled block.
 """
 
 from __future__ import annotations
@@ -101,8 +99,7 @@ def affine_layernorm(
     kind: str, norm: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 ) -> torch.Tensor:
     """fast_modulate: ``LN(x) * (1 + scale) + shift`` as one affine layer norm (``weight = 1 + scale``, ``bias =
-    shift``: ``npu_layer_norm_eval`` or ``F.layer_norm``). One rounding in fp32 opmath instead of stock's three in
-    bf16: close, not exact."""
+    shift``): one rounding in fp32 opmath instead of stock's three in bf16, close, not exact."""
     if kind == NPU_EVAL:
         return _backend.torch_npu_module().npu_layer_norm_eval(
             x, normalized_shape=[norm.hidden_size], weight=weight, bias=bias, eps=norm.eps
@@ -265,8 +262,7 @@ def traced_block_body(
 
 def block_body_reason(transformer: nn.Module) -> str | None:
     """Why the memoized block body does not run in some blocks (None: it does in all): a vLLM-Omni hook registry
-    (MagCache, layerwise offload, SP) captured the stock forward before shared_modulation. Those blocks still read
-    their projections from the memo; the fast tier's modes do not run there."""
+    (MagCache, layerwise offload, SP) captured the stock forward before shared_modulation was installed."""
     patched = sys.modules[targets.TRANSFORMER].QwenImageTransformerBlock.forward
     captured = [b.__dict__.get("_omni_original_forward") for b in transformer.transformer_blocks]
     n = sum(1 for c in captured if c is not None and getattr(c, "__func__", None) is not patched)

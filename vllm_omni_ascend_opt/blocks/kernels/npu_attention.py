@@ -50,19 +50,14 @@ def kernel_mask(attn_mask: torch.Tensor | None, b: int, sq: int, skv: int) -> tu
     bool mask (True = masked out) [OP-FA], or (None, why) for another form (float masks stay with SDPA)."""
     if attn_mask is None:
         return None, ""
-    if attn_mask.dim() == 2 and tuple(attn_mask.shape) == (b, skv):
+    shape = tuple(attn_mask.shape)
+    if shape == (b, skv):
         masked = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
         return masked.view(b, 1, 1, skv).expand(b, 1, sq, skv).contiguous(), ""
-    if (
-        attn_mask.dim() == 4
-        and attn_mask.dtype == torch.bool
-        and attn_mask.shape[0] in (1, b)
-        and attn_mask.shape[1] == 1
-        and attn_mask.shape[2] in (1, sq)
-        and attn_mask.shape[3] == skv
-    ):
-        return (~attn_mask).expand(attn_mask.shape[0], 1, sq, skv).contiguous(), ""
-    return None, f"mask {tuple(attn_mask.shape)} {attn_mask.dtype}"
+    bool_4d = attn_mask.dtype == torch.bool and len(shape) == 4 and shape[0] in (1, b)
+    if bool_4d and shape[1:] in ((1, 1, skv), (1, sq, skv)):
+        return (~attn_mask).expand(shape[0], 1, sq, skv).contiguous(), ""
+    return None, f"mask {shape} {attn_mask.dtype}"
 
 
 def call_kernel(

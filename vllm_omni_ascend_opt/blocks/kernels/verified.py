@@ -168,8 +168,7 @@ class KernelPath:
         return out if ran else None
 
     def decide(self, key: tuple, make: Callable[[], Verdict]) -> Verdict | None:
-        """The first-use verdict at ``key``, made by ``make()`` under the guard and stored; None while a fault of it
-        waits for its retry."""
+        """The first-use verdict at ``key``, made by ``make()`` under the guard and stored (None: a fault waits)."""
         v = self.firsts.get(key)
         if v is not None or self.guard.waits(key):
             return v
