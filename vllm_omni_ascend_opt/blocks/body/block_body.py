@@ -64,8 +64,7 @@ class NormMod:
     affine: tuple[torch.Tensor, torch.Tensor] | str | None = None
 
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``norm(x, scale, shift)`` with the ops of the instance's stock dispatch (``fast_modulate``: one affine
-        layer norm)."""
+        """``norm(x, scale, shift)`` with the ops of stock's dispatch (``fast_modulate``: one affine layer norm)."""
         owner = mode_owner(FAST_MODULATE)
         if owner is not None:
             if self.affine is None:
@@ -171,9 +170,8 @@ def block_body(
     hidden_states_mask: torch.Tensor | None,
     stats: Counter | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block with its modulation read from ``mods`` (:class:`NormMod`, or :class:`~.two_segment.SegMod` for the
-    image norms of ``zero_cond_t`` blocks): stock's ops on stock's values unless a fast-tier mode is on. ``stats``
-    (the caller's) counts ``direct_calls`` and ``module_calls``."""
+    """The block with its modulation read from ``mods`` (:class:`NormMod`, :class:`~.two_segment.SegMod` or, traced,
+    :class:`_Hoisted`): stock's ops on stock's values unless a fast-tier mode is on; ``stats``: the caller's."""
     img1, img2, txt1, txt2 = mods
     m = block._modules
     img_modulated = img1.norm(m["img_norm1"], hidden_states)

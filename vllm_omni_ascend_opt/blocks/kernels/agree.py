@@ -108,9 +108,8 @@ _CPU_GROUPS: dict[int, Any] = {}
 
 
 def _cpu_group() -> Any:
-    """A gloo group of every rank, made once per default group: vLLM's world CPU group when vLLM set one up, the
-    default group when it is gloo already, else a new gloo group (every rank asks at the same forward end, as
-    ``new_group`` requires)."""
+    """A gloo group of every rank, once per default group: vLLM's world CPU group, the default group when it is gloo,
+    else a new gloo group (every rank asks at the same forward end, as ``new_group`` requires)."""
     import torch.distributed as dist
 
     key = id(dist.group.WORLD)

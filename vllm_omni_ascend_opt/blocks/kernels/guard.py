@@ -37,7 +37,7 @@ def bucket(n: int) -> int:
 
 
 def fault_kind(exc: BaseException) -> str:
-    """The fault's kind: "out of memory", "runtime error" or the exception's class name: what status and the log call the fault."""
+    """The fault's kind: "out of memory", "runtime error" or the exception's class name (for status and the log)."""
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
         return "out of memory"
     if isinstance(exc, RuntimeError):
@@ -71,8 +71,7 @@ class Fault:
 
 
 class Guard:
-    """The faults of one owner's kernel, per shape class; counts into the owner's ``stats`` (``faults``,
-    ``deferred_checks``, ``recovered``) and logs with ``label``."""
+    """The faults of one owner's kernel per shape class; counts into the owner's ``stats`` and logs with ``label``."""
 
     def __init__(self, label: str, stats: Counter) -> None:
         self.label = label

@@ -86,8 +86,8 @@ CHECK_ELEMS = 1 << 24
 
 
 def check_nz_linear(w_nd: torch.Tensor, w_nz: torch.Tensor) -> tuple[bool, str]:
-    """One 3-D ``F.linear`` with bias and one without on a few rows, and one at production rows (up to
-    :data:`PRODUCTION_ROWS`), all at the model's real weight shape, NZ weight against ND weight: (ok, detail)."""
+    """``F.linear`` with the NZ weight against the ND weight at the real weight shape, 3-D with and without bias and at
+    up to :data:`PRODUCTION_ROWS` rows: (ok, detail)."""
     n, k = w_nd.shape
     g = torch.Generator().manual_seed(0x4E5A)
     x = torch.randn(2, 7, k, generator=g).to(device=w_nd.device, dtype=w_nd.dtype)
