@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from tests.harness.forward import build, fwd, inputs
+from tests.harness.stock import stock_then
 from tests.test_shared_modulation import COPRIME, EQUAL, UNEQUAL, edit_inputs
 from vllm_omni_ascend_opt import api, flags, registry
 from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
@@ -102,9 +103,7 @@ def test_inactive_where_shared_modulation_is(opt, monkeypatch):
 def test_needs_shared_modulation_and_says_so(opt, runtime):
     tr = build(runtime)
     kw = inputs(torch.float32)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(f"none,+{opt.name}", model=tr)
+    want = stock_then(f"none,+{opt.name}", tr, lambda: fwd(tr, runtime, kw))
     assert opt.installed and not sm.OPT.installed
     assert "shared_modulation is not installed" in opt.reasons_inactive(tr)[0]
     opt.reset_stats()
@@ -185,9 +184,7 @@ def test_batch_rows_with_equal_and_different_modulation(runtime):
 def test_two_segment_image_norms_fall_back_text_norms_do_not(runtime, shapes):
     tr = build(runtime, zero_cond_t=True)
     kw = edit_inputs(torch.float32, shapes)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(f"{SM_ON},+fast_modulate", model=tr)
+    want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
     MOD.reset_stats()
     _close(fwd(tr, runtime, kw), want)
     assert MOD.ran() == 2 * L  # the text stream's two norms per block
@@ -202,9 +199,7 @@ def test_layernorm_with_own_affine_or_hooks_falls_back(runtime):
     blk.img_norm1.layernorm.weight = nn.Parameter(torch.full((TINY.inner_dim,), 1.5))  # stock multiplies by it too
     handle = blk.txt_norm1.layernorm.register_forward_hook(lambda *_: None)
     try:
-        api.select("none", model=tr)
-        want = fwd(tr, runtime, kw)
-        api.select(f"{SM_ON},+fast_modulate", model=tr)
+        want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
         MOD.reset_stats()
         _close(fwd(tr, runtime, kw), want)
         assert MOD.fallback_reasons() == {
@@ -222,9 +217,7 @@ def test_mindiesd_adalayernorm_falls_back(runtime, fake_npu, monkeypatch):
     tr = build(runtime)
     _npu_norms(tr.transformer_blocks)
     kw = inputs(torch.float32)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(f"{SM_ON},+fast_modulate", model=tr)
+    want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
     MOD.reset_stats()
     assert torch.equal(fwd(tr, runtime, kw), want)
     (why,) = MOD.fallback_reasons()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.fake_torch_npu.formats import FakeNpuError
+from tests.harness.forward import fwd, inputs
 from vllm_omni_ascend_opt import api
 from vllm_omni_ascend_opt.blocks.kernels import npu_attention as fab
 from vllm_omni_ascend_opt.opts import fused_attention as fa
@@ -24,55 +25,23 @@ B, TXT, IMG_HW = 2, 7, (4, 4)  # 2 prompts, 7 text tokens, 4x4 latent patches (a
 HEADS, HEAD_DIM = 4, 16  # the tiny test-bed transformer
 
 
-def _load(runtime, dtype: torch.dtype):
-    """A fresh pipeline from vLLM-Omni's loader (the plugin's loader hook runs) in ``dtype``."""
-    return load_pipeline(runtime, dtype=dtype)
-
-
 @pytest.fixture(scope="module")
 def bf16_pipe(runtime):
-    return _load(runtime, torch.bfloat16)
-
-
-def _inputs(dtype: torch.dtype, seed: int = 0, pad: int = 5):
-    g = torch.Generator().manual_seed(seed)
-    h, w = IMG_HW
-    hs = torch.randn(B, h * w, 16, generator=g).to(dtype)
-    ehs = torch.randn(B, TXT, 32, generator=g).to(dtype)
-    keep = torch.ones(B, TXT, dtype=torch.bool)
-    keep[1, pad:] = False  # the second prompt is TXT - pad tokens shorter: a padded text mask
-    return hs, ehs, keep
+    return load_pipeline(runtime, dtype=torch.bfloat16)
 
 
 def run_transformer(tr, runtime, *, masked: bool, seed: int = 0, pad: int = 5) -> torch.Tensor:
-    hs, ehs, keep = _inputs(tr.proj_out.weight.dtype, seed, pad)
-    with runtime.context(), torch.no_grad():
-        return tr(
-            hidden_states=hs,
-            encoder_hidden_states=ehs,
-            encoder_hidden_states_mask=keep if masked else None,
-            timestep=torch.full((B,), 0.5),
-            img_shapes=[[(1, *IMG_HW)]] * B,
-            txt_seq_lens=[TXT] * B,
-            return_dict=False,
-        )[0]
+    """``B`` prompts; with ``masked`` the second keeps only its first ``pad`` text tokens (a padded text mask)."""
+    kw = inputs(tr.proj_out.weight.dtype, B, IMG_HW, TXT, pad=TXT - pad, seed=seed)
+    if not masked:
+        kw["encoder_hidden_states_mask"] = None
+    return fwd(tr, runtime, kw)
 
 
 def _layers(tr):
     from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageCrossAttention
 
     return [m.attn for m in tr.modules() if isinstance(m, QwenImageCrossAttention)]
-
-
-class _Spy:
-    """Wraps the fake kernel and records its arguments."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, []
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append((args, kwargs))
-        return self.fn(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -127,15 +96,17 @@ def test_layout_head_num_scale_and_mask_polarity_reach_the_kernel(fake_npu, bf16
     OPT.attach(tr)
     run_transformer(tr, runtime, masked=True)  # first use: verification runs here
     run_transformer(tr, runtime, masked=False)  # ... and the check of the unmasked shape class
-    spy = fake.npu_fusion_attention = _Spy(fake.npu_fusion_attention)
+    calls, kernel = [], fake.npu_fusion_attention
+    fake.npu_fusion_attention = lambda *a, **k: calls.append((a, k)) or kernel(*a, **k)
     run_transformer(tr, runtime, masked=True)
     run_transformer(tr, runtime, masked=False)
     OPT.detach(tr)
-    assert len(spy.calls) == 4  # 2 blocks x 2 forwards
+    assert len(calls) == 4  # 2 blocks x 2 forwards
     s = TXT + IMG_HW[0] * IMG_HW[1]
-    _, keep = _inputs(torch.bfloat16)[1:]
+    keep = torch.ones(B, TXT, dtype=torch.bool)
+    keep[1, 5:] = False
     joint_keep = torch.cat([keep, torch.ones(B, s - TXT, dtype=torch.bool)], dim=1)
-    for i, (args, kwargs) in enumerate(spy.calls):
+    for i, (args, kwargs) in enumerate(calls):
         q, k, v, head_num = args
         assert q.shape == k.shape == v.shape == (B, s, HEADS, HEAD_DIM) and q.dtype == torch.bfloat16
         assert head_num == HEADS and kwargs["input_layout"] == "BSND"
@@ -241,18 +212,12 @@ def _meta(*shape, dtype=torch.bfloat16):
 def test_limits_send_the_call_to_sdpa(q, k, why, fake_npu):
     npu = fake_npu()
     assert fab.limits_violation(_meta(*q), _meta(*k), _meta(*k)).startswith(why)
-    if len(q) == 4:  # the fake enforces the same documented limit [OP-FA]
+    if len(q) == 4:  # fused_forward checks before calling the kernel, which enforces the same limit [OP-FA]
         qq, kk = torch.zeros(q, dtype=torch.bfloat16), torch.zeros(k, dtype=torch.bfloat16)
+        out, reason = fab.fused_forward(npu, qq, kk, kk, None, None)
+        assert out is None and reason.startswith(why)
         with pytest.raises(FakeNpuError, match=r"OP-FA"):
             npu.npu_fusion_attention(qq, kk, kk, q[2], input_layout="BSND")
-
-
-@pytest.mark.parametrize(("nq", "nkv", "d", "why"), [(6, 4, 16, "heads 6/4"), (2, 2, 769, "head dim 769")])
-def test_fused_forward_checks_the_limits_before_calling_the_kernel(fake_npu, nq, nkv, d, why):
-    npu = fake_npu()
-    q, k = torch.zeros(1, 8, nq, d, dtype=torch.bfloat16), torch.zeros(1, 8, nkv, d, dtype=torch.bfloat16)
-    out, reason = fab.fused_forward(npu, q, k, k, None, None)  # the kernel would raise on these [OP-FA]
-    assert out is None and reason.startswith(why)
 
 
 def test_dtype_and_mask_forms_outside_the_path(fake_npu):
@@ -376,7 +341,7 @@ def test_runs_between_the_parallel_strategys_pre_and_post_attention(fake_npu, bf
 
 def test_ring_and_non_sdpa_layers_are_skipped(fake_npu, runtime, monkeypatch):
     fake_npu()
-    pipe = _load(runtime, torch.bfloat16)
+    pipe = load_pipeline(runtime, dtype=torch.bfloat16)
     ring_layer, other_layer = _layers(pipe.transformer)
     monkeypatch.setattr(ring_layer, "use_ring", True)
     monkeypatch.setattr(other_layer, "attention", object())
@@ -467,8 +432,8 @@ def test_check_script_against_the_fake(capsys, tmp_path):
 
 
 def test_check_script_applies_the_runtime_policies(capsys, tmp_path, monkeypatch):
-    """Finding 3: the script said "PASS ... in use" for a rope kernel the runtime refused. It now applies the policy
-    (bitwise refuses the fp32-inside kernel) and the nz gates (an old CANN), and says what the plugin would use."""
+    """The script applies rope's policy (bitwise refuses the fp32-inside kernel) and the nz gates (an old CANN), and
+    says what the plugin would use."""
     import json
 
     from vllm_omni_ascend_opt.opts import rope as rope_mod
@@ -489,7 +454,7 @@ def test_check_script_applies_the_runtime_policies(capsys, tmp_path, monkeypatch
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# issue 12: the mask once per forward, verification at the shapes that run, the fake against the real package
+# the mask once per forward, verification at the shapes that run, the fake's documented semantics
 # ----------------------------------------------------------------------------------------------------------------
 def test_mask_is_built_once_per_forward_not_per_layer(fake_npu, bf16_pipe, runtime):
     fake_npu()
@@ -515,40 +480,35 @@ def test_mask_is_built_once_per_forward_not_per_layer(fake_npu, bf16_pipe, runti
     assert any("masks built" in n for n in OPT.notes())
 
 
-def test_a_new_forward_rebuilds_the_mask(fake_npu, bf16_pipe, runtime):
-    """Masks of different forwards never mix: a different padding in the next forward is honoured."""
-    fake_npu()
-    tr = bf16_pipe.transformer
-    ref_masked = run_transformer(tr, runtime, masked=True, seed=5)
-    ref_plain = run_transformer(tr, runtime, masked=False, seed=5)
-    OPT.attach(tr)
-    got_masked = run_transformer(tr, runtime, masked=True, seed=5)
-    got_plain = run_transformer(tr, runtime, masked=False, seed=5)
-    OPT.detach(tr)
-    for got, ref in ((got_masked, ref_masked), (got_plain, ref_plain)):
-        assert (got.float() - ref.float()).abs().max().item() <= 2.0**-6
-    assert not torch.equal(got_masked, got_plain)
-
-
 def test_a_new_forward_with_other_padding_gets_its_own_mask(fake_npu, bf16_pipe, runtime):
     """The per-forward mask cache is keyed on shapes, not values: a new forward (generation) must drop it, or the next
-    batch with the same shapes but other padding would reuse the previous forward's mask."""
+    batch with the same shapes but other padding (or no mask) would reuse the previous forward's mask."""
     fake = fake_npu()
     tr = bf16_pipe.transformer
-    refs = {pad: run_transformer(tr, runtime, masked=True, seed=7, pad=pad) for pad in (5, 3)}
+    pads = (5, 3, None)  # None: no mask
+
+    def run(pad: int | None) -> torch.Tensor:
+        return run_transformer(tr, runtime, masked=pad is not None, seed=7, pad=pad or TXT)
+
+    refs = {pad: run(pad) for pad in pads}
     OPT.attach(tr)
-    run_transformer(tr, runtime, masked=True, seed=7, pad=5)  # verification and the shape-class check
-    spy = fake.npu_fusion_attention = _Spy(fake.npu_fusion_attention)
-    got = {pad: run_transformer(tr, runtime, masked=True, seed=7, pad=pad) for pad in (5, 3)}
+    for pad in (5, None):  # verification and the shape-class checks
+        run(pad)
+    calls, kernel = [], fake.npu_fusion_attention
+    fake.npu_fusion_attention = lambda *a, **k: calls.append(k) or kernel(*a, **k)
+    got = {pad: run(pad) for pad in pads}
     OPT.detach(tr)
     s = TXT + IMG_HW[0] * IMG_HW[1]
-    for i, (_args, kwargs) in enumerate(spy.calls):  # 2 layers x (pad 5, then pad 3)
-        pad = (5, 5, 3, 3)[i]
+    assert len(calls) == 6
+    for kwargs, pad in zip(calls, (5, 5, 3, 3, None, None), strict=True):  # 2 layers per forward
         mask = kwargs["atten_mask"]
-        assert mask.shape == (B, 1, s, s) and mask[1, 0, :, pad:TXT].all() and not mask[1, 0, :, :pad].any()
-    assert len(spy.calls) == 4
+        if pad is None:
+            assert mask is None
+        else:
+            assert mask.shape == (B, 1, s, s) and mask[1, 0, :, pad:TXT].all() and not mask[1, 0, :, :pad].any()
     assert not torch.equal(refs[5], refs[3])  # the padding matters (in the tiny model, by less than the tolerance)
-    for pad in (5, 3):
+    assert not torch.equal(got[5], got[None])
+    for pad in pads:
         assert (got[pad].float() - refs[pad].float()).abs().max().item() <= 2.0**-6
 
 
@@ -574,7 +534,7 @@ def test_shape_check_reference_is_chunked_and_bounded(monkeypatch, fake_npu):
 
 
 def test_fake_sparse_mode_range_outside_tnd(fake_npu):
-    """[OP-FA] 7 and 8 are the varlen (TND) split modes: BSND accepts 0..6 only (the fake once accepted 0..8)."""
+    """[OP-FA] 7 and 8 are the varlen (TND) split modes: BSND accepts 0..6 only."""
     fake = fake_npu()
     q = torch.randn(1, 8, 2, 16).bfloat16()
     for mode in (7, 8):
@@ -608,19 +568,3 @@ def test_fake_trailing_parameters_of_the_real_schema(fake_npu):
     assert len(out) == 7
     with pytest.raises(TypeError):
         fake.npu_fusion_attention(q, q, q, 2, "BSND", no_such_argument=1)
-
-
-def test_uninstall_clears_the_verdicts(fake_npu, bf16_pipe, runtime):
-    """The verdict caches' second rule: uninstall drops every verdict (same backend probe), so a re-install verifies
-    afresh."""
-    from vllm_omni_ascend_opt import _backend
-
-    fake_npu()
-    tr = bf16_pipe.transformer
-    OPT.attach(tr)
-    run_transformer(tr, runtime, masked=True)
-    OPT.detach(tr)
-    probe = _backend.probe_id()
-    assert OPT.verdicts() and OPT.shape_verdicts()
-    OPT.uninstall()
-    assert _backend.probe_id() == probe and OPT.verdicts() == {} and OPT.shape_verdicts() == []

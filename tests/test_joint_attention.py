@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from tests.harness.forward import tiny_forward
+from tests.harness.stock import stock_then
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.blocks.body import compiled_blocks, joint_qkv
 from vllm_omni_ascend_opt.blocks.body.joint_qkv import READY_ROPE
@@ -152,9 +153,7 @@ def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pi
     same image size: different joint freqs (and tables) per text length."""
     t = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
     cases = [dict(txt=7), dict(txt=9), dict(txt=7, pad=True), dict(txt=9, hw=(4, 6), pad=True), dict(txt=7)]
-    api.select("none", model=t)
-    refs = [tiny_forward(runtime, t, batch=2, **c) for c in cases]
-    api.select(spec, model=t)
+    refs = stock_then(spec, t, lambda: [tiny_forward(runtime, t, batch=2, **c) for c in cases])
     OPT.reset_stats()
     got = [tiny_forward(runtime, t, batch=2, **c) for c in cases]
     for c, a, b in zip(cases, refs, got, strict=True):
@@ -163,8 +162,7 @@ def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pi
     assert OPT.stats["joint_calls"] == len(cases) * layers
     assert OPT.stats["masked_calls"] >= 2 * layers  # the padded cases went through the mask path
     # With rope's embedder memo the freqs objects repeat per shape: (4x4, 7), (4x4, 9), (4x6, 9) -> 3 joint freqs;
-    # without it every forward has new freqs objects -> one per forward. The joint freqs are looked up once per
-    # forward (issue 21: a per-forward decision, reused by every block), so a forward either builds or reuses once.
+    # without it one per forward (the joint freqs are looked up once per forward).
     builds = 3 if "rope" in spec else len(cases)
     assert OPT.stats["joint_freqs_builds"] == builds
     assert OPT.stats["joint_freqs_hits"] == len(cases) - builds
@@ -470,11 +468,9 @@ def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_count
 
 
 def test_traced_attention_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog):
-    """Under torch.compile (a block's attention, as vLLM-Omni's regional compile traces it) the patched forward
-    checks ``guards.tracing()`` first: fullgraph tracing succeeds (no logger call breaks the graph), the graph holds
-    the joint path as written for tracing when the block's pre-hook hoisted its RoPE tables (issue 21, regional
-    compile: two joint RMSNorms, not stock's four per-stream ones; stock's values, bitwise on the eager backend), stock's
-    attention without them (full compile), and no counter, fallback reason, cache entry or log line appears."""
+    """Under torch.compile fullgraph tracing succeeds; the graph holds the joint path when the block's pre-hook hoisted
+    its RoPE tables (regional compile: two joint RMSNorms), stock's attention without them (full compile), both with
+    stock's values; no counter, fallback reason, cache entry or log line appears."""
     api.select("none", model=tiny_pipe)
     attn = _attn(tiny_pipe.transformer)
     hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)

@@ -15,35 +15,16 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.harness.forward import tiny_forward
+from tests.harness.stock import stock_then
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.metrics import to_uint8
 from vllm_omni_ascend_opt.opts import joint_attention as ja
 from vllm_omni_ascend_opt.opts import qk_norm as qn
-from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
 from vllm_omni_ascend_opt.testbed.pipeline import generate
 
 OPT = qn.OPT
-
-
-def _forward(rt, transformer, *, txt=7, hw=(4, 4), batch=1, seed=1):
-    dtype = transformer.proj_out.weight.dtype
-    g = torch.Generator().manual_seed(seed)
-    hs = torch.randn(batch, hw[0] * hw[1], TINY.vae_z_dim * 4, generator=g).to(dtype)
-    ehs = torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype)
-    with rt.context(), torch.no_grad():
-        return transformer(
-            hidden_states=hs,
-            encoder_hidden_states=ehs,
-            encoder_hidden_states_mask=torch.ones(batch, txt, dtype=torch.long),
-            timestep=torch.linspace(0.3, 0.8, batch),
-            img_shapes=[[(1, *hw)]] * batch,
-            txt_seq_lens=[txt] * batch,
-        ).sample
-
-
-def _norms(model):
-    return qn._qk_norms(model)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -56,7 +37,7 @@ def test_cpu_without_torch_npu_is_inactive_with_the_reason(tiny_pipe, runtime):
     assert reasons and "torch_npu is not installed" in reasons[0]
     api.select("default", model=tiny_pipe)
     assert not OPT.installed and "qk_norm" not in api.installed()
-    assert all(type(n) is nn.RMSNorm for n in _norms(tiny_pipe))
+    assert all(type(n) is nn.RMSNorm for n in qn._qk_norms(tiny_pipe))
     row = {r["name"]: r for r in api.status()}["qk_norm"]
     assert row["equivalence"] == "pixel" and row["tier"] == "exact" and not row["active"]
     assert any("torch_npu is not installed" in r for r in row["reasons_inactive"])
@@ -68,10 +49,10 @@ def test_cpu_without_torch_npu_is_inactive_with_the_reason(tiny_pipe, runtime):
 def test_attach_swaps_the_four_norms_of_this_model_only_and_detach_restores(fake_npu, tiny_pipe, bf16_transformer):
     fake_npu()
     api.select("none,+qk_norm", model=tiny_pipe)
-    norms = _norms(tiny_pipe)
+    norms = qn._qk_norms(tiny_pipe)
     assert len(norms) == 4 * len(tiny_pipe.transformer.transformer_blocks)
     assert all(OPT.is_prepared(n) and type(n) is not nn.RMSNorm and isinstance(n, nn.RMSNorm) for n in norms)
-    assert all(type(n) is nn.RMSNorm for n in _norms(bf16_transformer))  # not attached there
+    assert all(type(n) is nn.RMSNorm for n in qn._qk_norms(bf16_transformer))  # not attached there
     OPT.attach(tiny_pipe)  # idempotent
     OPT.install()
     assert OPT.tier() == "pixel" and OPT.reasons_inactive(tiny_pipe) == []
@@ -83,9 +64,7 @@ def test_attach_swaps_the_four_norms_of_this_model_only_and_detach_restores(fake
 @pytest.mark.parametrize("spec", ["none,+qk_norm", "none,+rope,+joint_attention,+qk_norm", "default"])
 def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, runtime, spec):
     npu = fake_npu()
-    api.select("none", model=tiny_pipe)
-    ref = generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images
-    api.select(spec, model=tiny_pipe)
+    ref = stock_then(spec, tiny_pipe, lambda: generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images)
     got = generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images
     assert np.array_equal(to_uint8(got), to_uint8(ref))  # pixel tier
     assert torch.equal(got, ref)  # fp32: the fake rounds like stock's composite
@@ -98,9 +77,9 @@ def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, runti
 def test_bf16_transformer_identical_through_the_fake(fake_npu, runtime, bf16_transformer):
     npu = fake_npu()
     api.select("none", model=bf16_transformer)
-    ref = _forward(runtime, bf16_transformer)
+    ref = tiny_forward(runtime, bf16_transformer)
     api.select("none,+joint_attention,+qk_norm", model=bf16_transformer)
-    got = _forward(runtime, bf16_transformer)
+    got = tiny_forward(runtime, bf16_transformer)
     assert npu.calls["npu_rms_norm"] == 4 * len(bf16_transformer.transformer_blocks)  # 2 streams x (q, k)
     assert ja.OPT.stats["kernel_norm_calls"] == len(bf16_transformer.transformer_blocks)
     assert torch.equal(got, ref)
@@ -110,9 +89,9 @@ def test_with_fused_attention_the_value_reaches_the_kernel_contiguous(fake_npu, 
     """(a) in the qk_norm docstring: v is joined by a cat, so npu_fusion_attention needs no copy of it."""
     fake_npu()
     api.select("none,+joint_attention,+qk_norm,+fused_attention", model=bf16_transformer)
-    _forward(runtime, bf16_transformer)  # verification outside the count
+    tiny_forward(runtime, bf16_transformer)  # verification outside the count
     with count_module_calls(bf16_transformer.transformer_blocks[-1]) as calls:
-        _forward(runtime, bf16_transformer)
+        tiny_forward(runtime, bf16_transformer)
     c = calls[-1].counts
     assert c["fake_torch_npu::fusion_attention"] == 1 and c["fake_torch_npu::rms_norm"] == 4
     assert c["aten::cat"] == 3 and c["aten::clone"] == 0, c
@@ -157,12 +136,12 @@ def test_a_raising_kernel_is_a_fault_retried_then_demoted(fake_npu, tiny_pipe, r
     assert not OPT.reasons_inactive(tiny_pipe)  # not off: retried
     monkeypatch.setattr(guard, "RETRY_CAP", 1)  # retry at every forward (the schedule: test_guard_backoff_schedule)
     for _ in range(guard.MAX_ERRORS):
-        _forward(runtime, tiny_pipe.transformer)
+        tiny_forward(runtime, tiny_pipe.transformer)
     calls = npu.calls["npu_rms_norm"]
     demoted = [f for f in OPT.path.guard.faults() if f.demoted]  # the classes of _forward's shapes
     assert demoted and all(f.errors == guard.MAX_ERRORS for f in demoted)
     assert any("demoted to stock after 6 errors" in n for n in OPT.notes())
-    _forward(runtime, tiny_pipe.transformer)
+    tiny_forward(runtime, tiny_pipe.transformer)
     assert npu.calls["npu_rms_norm"] == calls  # demoted: not retried
     t = OPT.kernel_classes()
     assert t["kernel"] == 0 and t["why"]["demoted: runtime error"] == len(demoted)
@@ -202,10 +181,10 @@ def test_refusal_is_per_shape_class(fake_npu, runtime, tiny_pipe, caplog):
     npu.npu_rms_norm = wrong_for_nine_tokens
     t = tiny_pipe.transformer
     api.select("none", model=t)
-    refs = [_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
+    refs = [tiny_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
     api.select("none,+joint_attention,+qk_norm", model=t)
     with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
-        got = [_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
+        got = [tiny_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
     assert all(torch.equal(a, b) for a, b in zip(refs, got, strict=True))
     by_key = {v.key: v for v in OPT.verdicts()}
     assert by_key[("cpu", torch.float32, 32, 16)].ok  # 7 text tokens x 4 heads

@@ -11,13 +11,13 @@ import importlib
 import sys
 from collections import Counter
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 
 from tests.harness.forward import build, fwd, inputs
+from tests.harness.stock import stock_then
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
 from vllm_omni_ascend_opt.blocks.memo import keys
@@ -48,30 +48,6 @@ def mod_tensors(tr) -> list[torch.Tensor]:
 
 def nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
-
-
-@contextlib.contextmanager
-def reads_in(module: nn.Module, tensors: list[torch.Tensor]) -> Iterator[SimpleNamespace]:
-    """Reads of ``tensors`` (TensorReadCounter) summed over the calls of ``module`` only (not the VAE, not the text
-    encoder), through hooks on ``module`` itself (the memo only refuses hooks on the modules it skips)."""
-    total = SimpleNamespace(calls=0, bytes=0)
-    active: list[TensorReadCounter] = []
-
-    def pre(*_):
-        active.append(TensorReadCounter(tensors).__enter__())
-
-    def post(*_):
-        c = active.pop()
-        c.__exit__(None, None, None)
-        total.calls += c.calls
-        total.bytes += c.bytes
-
-    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    try:
-        yield total
-    finally:
-        for h in handles:
-            h.remove()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -120,9 +96,7 @@ def test_transformer_output_bitwise(runtime, dtype, batch):
         inputs(dtype, batch, hw=(3, 4), pad=3, seed=1),  # second resolution, padded text mask
         inputs(dtype, batch, hw=(2, 2), pad=2, t=(0.25, 0.75), seed=2),  # per-row timesteps when batch == 2
     ]
-    api.select("none", model=tr)
-    want = [fwd(tr, runtime, kw) for kw in cases]
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: [fwd(tr, runtime, kw) for kw in cases])
     for _ in range(2):  # cold (misses), then warm (hits)
         got = [fwd(tr, runtime, kw) for kw in cases]
         for g, w in zip(got, want, strict=True):
@@ -153,7 +127,7 @@ def test_projections_and_weight_bytes_per_step(tiny_pipe, runtime):
     assert 0.30 < fraction < 0.37, fraction  # ~1/3 of the DiT weights (12 D^2 of 36 D^2 per block)
 
     def run():
-        with reads_in(tr, mods) as c:
+        with TensorReadCounter(mods) as c:
             generate(tiny_pipe, runtime, steps=steps, seed=1, cfg_scale=3.0)  # true CFG: 2 forwards per step
         return c
 
@@ -201,9 +175,7 @@ def test_teacache_extractor_hits(runtime):
 
     tr = build(runtime)
     kw = inputs(torch.float32)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
 
     def via_teacache():
         args = {k: v for k, v in kw.items() if k != "return_dict"}
@@ -316,9 +288,7 @@ def test_byte_budget_is_never_exceeded(runtime):
     recomputed next time; the bytes held, SiLU(temb) included, never exceed the budget; outputs stay stock's."""
     tr = build(runtime)
     kw = inputs(torch.float32)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
     d = TINY.inner_dim
     # fp32 [1, D] temb and SiLU(temb); 2 and 12 [1, 1, D] for norm_out and a block
     temb_bytes, silu_bytes, norm_out_bytes, block_bytes = d * 4, d * 4, 2 * d * 4, 12 * d * 4
@@ -360,9 +330,7 @@ def test_budget_env(monkeypatch, runtime):
 # ----------------------------------------------------------------------------------------------------------------
 def _fallback_case(runtime, tr, reason, kw=None, grad=False):
     kw = kw or inputs(torch.float32)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw, grad)
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw, grad))
     OPT.reset_stats()
     with TensorReadCounter(mod_tensors(tr)) as c:
         got = fwd(tr, runtime, kw, grad)
@@ -408,9 +376,7 @@ def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplo
     kw = inputs(torch.float32)
     fast = (fast_modulate.OPT, fast_residual.OPT)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(ON + ",+fast_modulate,+fast_residual", model=tr)
+    want = stock_then(ON + ",+fast_modulate,+fast_residual", tr, lambda: fwd(tr, runtime, kw))
     for opt in (OPT, *fast):
         opt.reset_stats()
     caplog.set_level("DEBUG", logger="vllm_omni_ascend_opt")
@@ -614,9 +580,7 @@ COPRIME = [(1, 1, 17), (1, 1, 2), (1, 1, 3)]  # 17 + 5 tokens: gcd 1 -> 22 chunk
 def test_two_segment_blocks_bitwise(runtime, dtype, batch, shapes):
     tr = build(runtime, dtype=dtype, zero_cond_t=True)
     kw = edit_inputs(dtype, shapes, batch=batch)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
     assert OPT.reasons_inactive(tr) == []
     OPT.reset_stats()
     cold, warm = fwd(tr, runtime, kw), fwd(tr, runtime, kw)
@@ -697,9 +661,7 @@ def test_two_segment_memo_is_keyed_on_the_segments(runtime):
     tr = build(runtime, zero_cond_t=True)
     same_length = [(1, 2, 3), (1, 1, 2)]  # 6 + 2 tokens, like EQUAL's 4 + 4
     cases = [EQUAL, same_length, EQUAL, UNEQUAL]
-    api.select("none", model=tr)
-    want = [fwd(tr, runtime, edit_inputs(torch.float32, shapes)) for shapes in cases]
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: [fwd(tr, runtime, edit_inputs(torch.float32, shapes)) for shapes in cases])
     OPT.reset_stats()
     got = [fwd(tr, runtime, edit_inputs(torch.float32, shapes)) for shapes in cases]
     for shapes, w, g in zip(cases, want, got, strict=True):
@@ -732,9 +694,7 @@ def test_two_segment_under_inference_mode(runtime):
     forward of the same request reads no modulation weight."""
     tr = build(runtime, zero_cond_t=True)
     kw = edit_inputs(torch.float32, UNEQUAL)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
     OPT.reset_stats()
     with runtime.context(), torch.inference_mode():
         outs = [tr(**kw)[0].clone() for _ in range(2)]

@@ -143,14 +143,8 @@ def test_pipeline_bitwise_fp32(tiny_pipe, runtime):
 def test_pipeline_decode_latents_bitwise_with_real_stats(tiny_pipe, runtime, dtype):
     """The pipeline-level piece (cached mean / 1/std) with non-trivial statistics, fp32 and bf16."""
     original_vae = tiny_pipe.vae
-    cfg = dict(original_vae.config)
-    vae = make_dist_vae(
-        dtype,
-        base_dim=cfg["base_dim"],
-        dim_mult=cfg["dim_mult"],
-        num_res_blocks=cfg["num_res_blocks"],
-        temperal_downsample=cfg["temperal_downsample"],
-    )
+    arch = ("base_dim", "dim_mult", "num_res_blocks", "temperal_downsample")
+    vae = make_dist_vae(dtype, **{k: original_vae.config[k] for k in arch})
     tiny_pipe.vae = vae
     try:
         z = vae.config.z_dim

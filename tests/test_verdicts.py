@@ -109,8 +109,8 @@ def test_guard_backoff_schedule(monkeypatch):
 
 # ----- saved verdicts ---------------------------------------------------------------------------------------------
 def test_a_second_start_with_saved_verdicts_runs_no_check(fake_npu, runtime, tiny_pipe):
-    """Why (5): verdicts lived in memory only, so every restart checked again. Saved on disk, keyed by the device
-    and its software stack, a restart (a new process: here a new probe and nothing loaded) takes them unchecked."""
+    """Verdicts saved on disk, keyed by the device and its software stack: a restart (here a new probe and nothing
+    loaded) takes them unchecked."""
     from vllm_omni_ascend_opt import _report, api
     from vllm_omni_ascend_opt.blocks.kernels import saved
     from vllm_omni_ascend_opt.opts import qk_norm, rope

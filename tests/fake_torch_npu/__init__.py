@@ -2,27 +2,23 @@
 
 Each kernel computes its *documented* result with plain torch on CPU tensors and raises on *documented* constraint
 violations, so that the plugin's NPU code paths (argument layout, modes, mask polarity, formats) are exercised for
-real. Every constraint is listed, with its source, in the module that implements the kernel:
+real. Every constraint is listed, with its source, in the module that implements the kernel: :mod:`.rotary`
+(``npu_rotary_mul``), :mod:`.attention` (``npu_fusion_attention``, ``npu_fused_infer_attention_score``),
+:mod:`.formats` (``npu_format_cast`` / ``get_npu_format``, ``allow_internal_format`` and the device model),
+:mod:`.norms` (``npu_layer_norm_eval``, ``npu_rms_norm``).
 
-* :mod:`.rotary`    - ``npu_rotary_mul``
-* :mod:`.attention` - ``npu_fusion_attention`` (and ``npu_fused_infer_attention_score`` if used)
-* :mod:`.formats`   - ``npu_format_cast`` / ``get_npu_format``, ``torch.npu.config.allow_internal_format`` and the
-  device model (``Tensor.is_npu`` for CPU tensors, ``mark_host``), installed by its ``install_hooks``
-* :mod:`.norms`     - ``npu_layer_norm_eval``, ``npu_rms_norm``
-
-The real package is the reference: :mod:`.reference` reads the pinned torch-npu 2.13.0 wheel (schemas, meta
-functions, ``_npuConfig``) and ``tests/test_fake_torch_npu_reference.py`` checks every fake op's signature, output
-shapes/dtypes and ``torch.npu.config`` against it. Like the real ``torch.ops.npu.*`` ops, the fake's kernels take the
-schema's argument names (first argument ``self`` for most), and ``torch.npu.config`` is write-only
-(:class:`FakeNpuConfig`), backed by an option store read with ``torch_npu._C._npu_getOption``.
+The real package is the reference: :mod:`.reference` reads the pinned torch-npu 2.13.0 wheel and
+``tests/test_fake_torch_npu_reference.py`` checks every fake op's signature (the schema's argument names, ``self``
+first for most), output shapes/dtypes and ``torch.npu.config`` (write-only, :class:`FakeNpuConfig`, backed by an
+option store read with ``torch_npu._C._npu_getOption``) against it.
 
 Sources are abbreviated: [OP-ROT] Ascend/op-plugin docs ``torch_npu-npu_rotary_mul.md``; [OP-FA]
 ``torch_npu-npu_fusion_attention.md``; [OP-FIA] ``torch_npu-npu_fused_infer_attention_score.md``; [OP-FMT]
 ``torch_npu-npu_format_cast.md``; [DESIGN] ``../shared/design/torch-npu-kernels.md`` (a digest of those pages).
 
 ``install(monkeypatch, **variants)`` puts the fake in ``sys.modules['torch_npu']`` and a matching ``torch.npu``
-namespace, and resets the plugin's backend probe. ``variants`` swap in deliberately wrong kernels (e.g.
-``rotary_mul="half_pairing"``) to prove that the plugin's on-device verification refuses them.
+namespace, and resets the plugin's backend probe; ``variants`` swap in deliberately wrong kernels (e.g.
+``rotary_mul="half_pairing"``) that the plugin's on-device verification must refuse.
 """
 
 from __future__ import annotations
