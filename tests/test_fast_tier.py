@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from tests.harness.forward import build, fwd, inputs
-from tests.harness.stock import stock_then
+from tests.harness.stock import stock_then, warm_block
 from tests.test_shared_modulation import COPRIME, EQUAL, UNEQUAL, edit_inputs
 from vllm_omni_ascend_opt import api, flags, registry
 from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
@@ -26,7 +26,7 @@ from vllm_omni_ascend_opt.opts import fast_modulate, fast_residual
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
-from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline
+from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
 
 MOD, RES = fast_modulate.OPT, fast_residual.OPT
 L = TINY.num_layers
@@ -53,16 +53,6 @@ MAX_ABS_DIFF = {torch.float32: 1e-5, torch.bfloat16: 0.05}
 @pytest.fixture(scope="module")
 def bf16_pipe(runtime):
     return load_pipeline(runtime, dtype=torch.bfloat16)
-
-
-def warm_block(pipe, rt, spec: str, **kw) -> tuple[Counter, torch.Tensor]:
-    """Select ``spec``; op counts of the last block on a repeated (warm) request, and its images."""
-    api.select(spec, model=pipe)
-    generate(pipe, rt, **kw)
-    with count_module_calls(pipe.transformer.transformer_blocks[-1]) as calls:
-        images = generate(pipe, rt, **kw).images
-    assert calls[0].counts == calls[-1].counts
-    return calls[-1].counts, images
 
 
 def assert_close_images(ref: torch.Tensor, got: torch.Tensor, dtype: torch.dtype) -> None:

@@ -1,13 +1,9 @@
 """A fault costs one kernel call, never a request: fault injection through the torch_npu fake (``FaultPlan``).
 
-For every injection point (a kernel inside its check, the same kernel in use after the check, table building, a
-check that does not fit in free device memory) the test asserts the three things of the guard's contract
-(``blocks/kernels/guard.py``):
-
-1. the forward completes, with stock's result for the faulted call (bitwise where the kernel is bitwise stock);
-2. the next forward is exactly what it would be without the fault: the kernel is back after its backoff (one
-   forward), every verdict is a pass, the caches hold no partial entry;
-3. status (``notes()``, ``kernel_classes()``, the status report) names the fault while it waits.
+For a kernel inside its check, in use after the check, table building, and a check that does not fit in free device
+memory, the guard's contract (``blocks/kernels/guard.py``): the forward completes with stock's result for the faulted
+call; the next forward is as without the fault (the kernel back after its backoff, every verdict a pass, no partial
+cache entry); status names the fault while it waits.
 """
 
 from __future__ import annotations

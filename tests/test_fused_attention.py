@@ -7,6 +7,8 @@ module fixture loads the tiny Qwen-Image through vLLM-Omni's own loader with ``d
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 
 import pytest
@@ -17,6 +19,7 @@ from tests.harness.forward import fwd, inputs
 from vllm_omni_ascend_opt import api
 from vllm_omni_ascend_opt.blocks.kernels import npu_attention as fab
 from vllm_omni_ascend_opt.opts import fused_attention as fa
+from vllm_omni_ascend_opt.opts import rope as rope_mod
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
 from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline
 
@@ -91,17 +94,19 @@ def test_swaps_the_impl_of_this_model_only_and_restores_it(fake_npu, bf16_pipe, 
 # what reaches the kernel: BSND, head_num, scale = 1/sqrt(D), mask inverted, no mask when vLLM-Omni dropped it
 # ----------------------------------------------------------------------------------------------------------------
 def test_layout_head_num_scale_and_mask_polarity_reach_the_kernel(fake_npu, bf16_pipe, runtime):
+    """What reaches the kernel, and its result: equal to SDPA's within tolerance, masked or not."""
     fake = fake_npu()
     tr = bf16_pipe.transformer
+    refs = {m: run_transformer(tr, runtime, masked=m, seed=1) for m in (True, False)}
     OPT.attach(tr)
     run_transformer(tr, runtime, masked=True)  # first use: verification runs here
     run_transformer(tr, runtime, masked=False)  # ... and the check of the unmasked shape class
     calls, kernel = [], fake.npu_fusion_attention
     fake.npu_fusion_attention = lambda *a, **k: calls.append((a, k)) or kernel(*a, **k)
-    run_transformer(tr, runtime, masked=True)
-    run_transformer(tr, runtime, masked=False)
+    got = {m: run_transformer(tr, runtime, masked=m, seed=1) for m in (True, False)}
+    report = OPT.report(tr)
     OPT.detach(tr)
-    assert len(calls) == 4  # 2 blocks x 2 forwards
+    assert len(calls) == 4 and report["calls"] == {"fused": 8}  # 2 blocks x 2 forwards (4 with the first two)
     s = TXT + IMG_HW[0] * IMG_HW[1]
     keep = torch.ones(B, TXT, dtype=torch.bool)
     keep[1, 5:] = False
@@ -118,20 +123,9 @@ def test_layout_head_num_scale_and_mask_polarity_reach_the_kernel(fake_npu, bf16
             assert mask[1, 0, :, 5:TXT].all() and not mask[0].any()
         else:  # all-true mask dropped upstream (T:1261): no mask at all
             assert mask is None
-
-
-@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "padded-mask"])
-def test_result_equals_sdpa_within_tolerance(fake_npu, bf16_pipe, runtime, masked):
-    fake_npu()
-    tr = bf16_pipe.transformer
-    ref = run_transformer(tr, runtime, masked=masked, seed=1)
-    OPT.attach(tr)
-    got = run_transformer(tr, runtime, masked=masked, seed=1)
-    report = OPT.report(tr)
-    OPT.detach(tr)
-    assert report["calls"] == {"fused": 2}
-    err = (got.float() - ref.float()).abs().max().item()
-    assert 0 < err <= 2.0**-6, err  # a different kernel: close (here 1 bf16 ulp), never wrong
+    for m in (True, False):
+        err = (got[m].float() - refs[m].float()).abs().max().item()
+        assert 0 < err <= 2.0**-6, err  # a different kernel: close (here 1 bf16 ulp), never wrong
     verdict = OPT.verdicts()[("cpu", "bfloat16")]
     assert verdict.ok and set(verdict.errors) == {"no mask", "padded mask"}
     assert all(e <= fab.ATOL[torch.bfloat16] for e in verdict.errors.values())
@@ -233,32 +227,21 @@ def test_dtype_and_mask_forms_outside_the_path(fake_npu):
         npu.npu_fusion_attention(q, q, q, 2, input_layout="BSND", atten_mask=torch.zeros(1, 1, 1, 4, dtype=torch.bool))
 
 
-def test_causal_impl_goes_to_sdpa(fake_npu):
-    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
-
-    fake_npu()
-    stock = SDPAImpl(num_heads=2, head_size=16, softmax_scale=0.25, causal=True)
-    impl = fa._make_fused(stock)
-    q = torch.randn(1, 5, 2, 16).bfloat16()
-    want = stock._forward_impl(q, q, q, None)
-    stock.forward = lambda *a: stock._forward_impl(*a)  # what the platform dispatch does on CPU
-    assert torch.equal(impl.forward(q, q, q, None), want)
-    assert impl._ascend_opt_calls == {"sdpa: causal": 1}
-
-
-def test_a_call_outside_the_limits_goes_to_sdpa_unchecked(fake_npu):
-    """GQA with Nq % Nkv != 0 [OP-FA]: the swapped impl runs stock SDPA, names the limit, and never calls the kernel
-    (the fake raises on it)."""
+@pytest.mark.parametrize(
+    ("causal", "nq", "nkv", "why"), [(True, 2, 2, "causal"), (False, 6, 4, "heads 6/4 (Nq 1..256, Nq % Nkv == 0)")]
+)
+def test_a_causal_call_or_one_outside_the_limits_goes_to_sdpa_unchecked(fake_npu, causal, nq, nkv, why):
+    """A causal impl, or GQA with Nq % Nkv != 0 [OP-FA]: the swapped impl runs stock SDPA, names why, and never calls
+    the kernel (the fake raises on the GQA call)."""
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
 
     npu = fake_npu()
-    stock = SDPAImpl(num_heads=6, head_size=16, softmax_scale=0.25, causal=False, num_kv_heads=4)
+    stock = SDPAImpl(num_heads=nq, head_size=16, softmax_scale=0.25, causal=causal, num_kv_heads=nkv)
     stock.forward = lambda *a: "stock"
     impl = fa._make_fused(stock)
-    q, k = torch.randn(1, 5, 6, 16).bfloat16(), torch.randn(1, 5, 4, 16).bfloat16()
+    q, k = torch.randn(1, 5, nq, 16).bfloat16(), torch.randn(1, 5, nkv, 16).bfloat16()
     assert impl.forward(q, k, k, None) == "stock"
-    assert impl._ascend_opt_calls == {"sdpa: heads 6/4 (Nq 1..256, Nq % Nkv == 0)": 1}
-    assert npu.calls["npu_fusion_attention"] == 0
+    assert impl._ascend_opt_calls == {f"sdpa: {why}": 1} and npu.calls["npu_fusion_attention"] == 0
 
 
 def test_graph_mode_goes_to_sdpa(fake_npu, monkeypatch):
@@ -284,8 +267,6 @@ def test_graph_mode_goes_to_sdpa(fake_npu, monkeypatch):
 def test_tracing_runs_stock_sdpa_without_bookkeeping(fake_npu, bf16_pipe, runtime, monkeypatch, caplog):
     """Under torch.compile tracing the attached transformer runs stock SDPA bit for bit, and nothing mutable is
     touched: no call counted, no verdict made, no mask built, no forward generation started, nothing logged."""
-    import logging
-
     fake = fake_npu()
     tr = bf16_pipe.transformer
     with monkeypatch.context() as m:
@@ -387,31 +368,21 @@ def test_op_count_per_block(fake_npu, bf16_pipe, runtime):
 # ----------------------------------------------------------------------------------------------------------------
 # the NPU check script (benchmarks/npu_check_kernels.py): skips cleanly here, runs end to end against the fake
 # ----------------------------------------------------------------------------------------------------------------
-def _check_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "npu_check_kernels.py"
-    spec = importlib.util.spec_from_file_location("npu_check_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 SMALL = ["--fake", "--img-tokens", "24", "--txt-tokens", "40", "--heads", "2", "--head-dim", "16", "--hidden", "32"]
 SMALL += ["--iters", "1", "--warmup", "0"]
 
 
 def test_check_script_skips_without_torch_npu(capsys):
-    assert _check_script().main([]) == 0
+    from benchmarks import npu_check_kernels as script
+
+    assert script.main([]) == 0
     out = capsys.readouterr().out
     assert out.startswith("SKIPPED: torch_npu is not installed") and "nothing to check" in out
 
 
 def test_check_script_against_the_fake(capsys, tmp_path):
-    import json
+    from benchmarks import npu_check_kernels as script
 
-    script = _check_script()
     js = tmp_path / "check.json"
     assert script.main([*SMALL, "--json", str(js)]) == 0
     out = capsys.readouterr().out
@@ -434,11 +405,8 @@ def test_check_script_against_the_fake(capsys, tmp_path):
 def test_check_script_applies_the_runtime_policies(capsys, tmp_path, monkeypatch):
     """The script applies rope's policy (bitwise refuses the fp32-inside kernel) and the nz gates (an old CANN), and
     says what the plugin would use."""
-    import json
+    from benchmarks import npu_check_kernels as script
 
-    from vllm_omni_ascend_opt.opts import rope as rope_mod
-
-    script = _check_script()
     js = tmp_path / "check.json"
     monkeypatch.setenv(rope_mod.ENV_KERNEL_POLICY, "bitwise")
     assert script.main([*SMALL, "--json", str(js)]) == 1
@@ -524,13 +492,8 @@ def test_shape_check_reference_is_chunked_and_bounded(monkeypatch, fake_npu):
     q, k, v = (torch.randn(b, s, n, d, generator=g).bfloat16() for _ in range(3))
     out = fab.call_kernel(fake, q, k, v, None, d**-0.5)
     err, err_stock, finite = fab.class_errors(q, k, v, out, None, d**-0.5)
-    assert (
-        finite
-        and err <= max(fab.ATOL[torch.bfloat16], 4 * err_stock)
-        and len(seen) > n
-        and max(seen) <= fab.VERIFY_CHUNK_ELEMS
-        and sum(seen) == b * n * s * s
-    )
+    assert finite and err <= max(fab.ATOL[torch.bfloat16], 4 * err_stock)
+    assert len(seen) > n and max(seen) <= fab.VERIFY_CHUNK_ELEMS and sum(seen) == b * n * s * s
 
 
 def test_fake_sparse_mode_range_outside_tnd(fake_npu):

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from tests.harness.forward import tiny_forward
-from tests.harness.stock import stock_then
+from tests.harness.stock import stock_then, warm_block
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.blocks.body import compiled_blocks, joint_qkv
 from vllm_omni_ascend_opt.blocks.body.joint_qkv import READY_ROPE
@@ -24,7 +24,7 @@ from vllm_omni_ascend_opt.blocks.kernels import rope_tables
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.opts import joint_attention as ja
 from vllm_omni_ascend_opt.testbed import TINY
-from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
+from vllm_omni_ascend_opt.testbed.memory import measure
 from vllm_omni_ascend_opt.testbed.pipeline import generate
 
 OPT = ja.OPT
@@ -174,19 +174,12 @@ def test_the_ops_per_block_fall_by_twenty_eight_bitwise(runtime, tiny_pipe):
     ``[2, B, S, N, D]`` buffer, one norm pass, four weight multiplies), RoPE 16 -> 4 (q and k in one rotation),
     cats 3 -> 1."""
 
-    def ops(spec):
-        api.select(spec, model=tiny_pipe)
-        generate(tiny_pipe, runtime, steps=1, seed=3)
-        with count_module_calls(tiny_pipe.transformer.transformer_blocks[-1]) as calls:
-            img = generate(tiny_pipe, runtime, steps=1, seed=3).images
-        return calls[-1], img
-
-    without, a = ops("default,-joint_attention")
-    with_, b = ops("default")
+    without, a = warm_block(tiny_pipe, runtime, "default,-joint_attention", steps=1, seed=3)
+    with_, b = warm_block(tiny_pipe, runtime, "default", steps=1, seed=3)
     assert torch.equal(a, b)
-    assert without.total - with_.total == 28, (without.counts, with_.counts)
-    assert with_.counts["aten::cat"] == 1 and without.counts["aten::cat"] == 3
-    assert with_.counts["aten::rsqrt"] == 1 and with_.counts["aten::stack"] == 1 and with_.counts["aten::clone"] == 1
+    assert without.total() - with_.total() == 28, (without, with_)
+    assert with_["aten::cat"] == 1 and without["aten::cat"] == 3
+    assert with_["aten::rsqrt"] == 1 and with_["aten::stack"] == 1 and with_["aten::clone"] == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -235,13 +228,13 @@ def test_non_contiguous_value_view_is_bitwise_through_sdpa(runtime, tiny_pipe):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_peak_memory_of_an_attention_call_is_below_stocks(runtime, tiny_pipe, bf16_transformer, dtype):
+def test_peak_memory_of_an_attention_call_is_below_stocks_and_of_a_forward_not_above(
+    runtime, tiny_pipe, bf16_transformer, dtype
+):
     """Peak bytes of one attention call, joint path against stock's on the same inputs: the joint path frees the
     per-stream projections once they are in the joint tensor, before the norms' temporaries, and where the norm
-    upcasts (bf16) it normalises q and k one after the other. Measured at the call: where a whole forward peaks
-    depends on the CPU (the default stack's forward is the next test)."""
-    from vllm_omni_ascend_opt.testbed.memory import measure
-
+    upcasts (bf16) it normalises q and k one after the other. Where a whole forward peaks depends on the CPU: one
+    warm forward with the default stack is never above stock's (the README's target), with stock's output."""
     tr = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
     hw = (16, 16) if dtype == "fp32" else (8, 8)
     attn = _attn(tr)
@@ -256,22 +249,10 @@ def test_peak_memory_of_an_attention_call_is_below_stocks(runtime, tiny_pipe, bf
     # below, not equal: with the projections held through the norms the call's peak is exactly stock's
     assert joint.peak < stock.peak, (joint.peak, stock.peak)
 
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_peak_memory_of_a_default_forward_is_not_above_stocks(runtime, tiny_pipe, bf16_transformer, dtype):
-    """The target (README: the default stack is never above stock): one warm transformer forward's peak bytes with
-    the default stack, bitwise stock's output, at the sizes of the call test above."""
-    from vllm_omni_ascend_opt.testbed.memory import measure
-
-    tr = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
-    hw = (16, 16) if dtype == "fp32" else (8, 8)
-
     def call() -> torch.Tensor:
         return tiny_forward(runtime, tr, hw=hw, txt=32)
 
-    api.select("none", model=tr)
-    want, stock = measure(call)
-    api.select("default", model=tr)
+    want, stock = stock_then("default", tr, lambda: measure(call))
     call()  # tables and memo entries are made by the first forward of a shape: the warm forward is measured
     OPT.reset_stats()
     got, default = measure(call)

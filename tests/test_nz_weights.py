@@ -14,10 +14,11 @@ import torch
 
 from tests.fake_torch_npu import formats
 from tests.harness.forward import tiny_forward
-from vllm_omni_ascend_opt import api
+from vllm_omni_ascend_opt import _backend, api
 from vllm_omni_ascend_opt.blocks.kernels import nz_check
 from vllm_omni_ascend_opt.opts import nz_weights as nz
-from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
+from vllm_omni_ascend_opt.opts import shared_modulation
+from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline
 
 OPT = nz.OPT
 #: The tiny transformer's linear layers: time embedding (2), img_in, txt_in, per block img_mod, to_qkv, add_kv_proj,
@@ -40,8 +41,6 @@ def _linear_names(tr) -> list[str]:
 # without torch_npu
 # ----------------------------------------------------------------------------------------------------------------
 def test_cpu_without_torch_npu_is_inactive_and_changes_nothing(tiny_pipe, runtime):
-    from vllm_omni_ascend_opt.testbed.pipeline import generate
-
     assert any("torch_npu" in r for r in OPT.reasons_inactive())
     ptrs = {n: p.data_ptr() for n, p in tiny_pipe.transformer.named_parameters()}
     ref = generate(tiny_pipe, runtime, steps=2, seed=5)
@@ -99,8 +98,6 @@ def test_loader_hook_casts_after_loading(fake_npu, runtime):
 
 
 def test_weight_memos_are_invalidated_after_cast_and_revert(fake_npu, bf16_pipe, monkeypatch):
-    from vllm_omni_ascend_opt.opts import shared_modulation
-
     fake_npu()
     calls = []
     w = bf16_pipe.transformer.proj_out.weight
@@ -213,8 +210,6 @@ def test_numbers_are_verified_at_first_use_for_both_routes(fake_npu, bf16_pipe, 
 
 def test_numeric_check_is_cached_until_uninstall_clears_it(fake_npu, bf16_pipe, monkeypatch):
     """The (device, dtype) verdict serves the next attach; uninstall drops it (same backend probe)."""
-    from vllm_omni_ascend_opt import _backend
-
     fake_npu()
     OPT.attach(bf16_pipe)
     OPT.detach(bf16_pipe)

@@ -16,8 +16,9 @@ import torch
 import torch.nn as nn
 
 from tests.harness.forward import tiny_forward
-from tests.harness.stock import stock_then
+from tests.harness.stock import stock_then, warm_block
 from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt.blocks.kernels import guard
 from vllm_omni_ascend_opt.metrics import to_uint8
 from vllm_omni_ascend_opt.opts import joint_attention as ja
 from vllm_omni_ascend_opt.opts import qk_norm as qn
@@ -101,18 +102,11 @@ def test_ops_per_block_joint_and_per_stream(fake_npu, tiny_pipe, runtime):
     """The documented counts: 40 launches per block with joint_attention (one kernel per stream + one cat per q/k),
     42 without it (stock's order: four kernels, three cats, four rotary calls)."""
     fake_npu()
-
-    def ops(spec):
-        api.select(spec, model=tiny_pipe)
-        generate(tiny_pipe, runtime, steps=1, seed=3)
-        with count_module_calls(tiny_pipe.transformer.transformer_blocks[-1]) as calls:
-            generate(tiny_pipe, runtime, steps=1, seed=3)
-        return calls[-1]
-
-    joint, separate = ops("default"), ops("default,-joint_attention")
-    assert joint.counts["fake_torch_npu::rms_norm"] == 4 == separate.counts["fake_torch_npu::rms_norm"]
-    assert joint.total == 40 and separate.total == 42, (joint.counts, separate.counts)
-    assert "aten::rsqrt" not in joint.counts and "aten::pow" not in joint.counts
+    joint, _ = warm_block(tiny_pipe, runtime, "default", steps=1, seed=3)
+    separate, _ = warm_block(tiny_pipe, runtime, "default,-joint_attention", steps=1, seed=3)
+    assert joint["fake_torch_npu::rms_norm"] == 4 == separate["fake_torch_npu::rms_norm"]
+    assert joint.total() == 40 and separate.total() == 42, (joint, separate)
+    assert "aten::rsqrt" not in joint and "aten::pow" not in joint
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -121,8 +115,6 @@ def test_ops_per_block_joint_and_per_stream(fake_npu, tiny_pipe, runtime):
 def test_a_raising_kernel_is_a_fault_retried_then_demoted(fake_npu, tiny_pipe, runtime, caplog, monkeypatch):
     """A RuntimeError is an error of the moment, not a verdict: each call runs stock (the images are stock's), the
     class is retried after its backoff and demoted after MAX_ERRORS errors in a row, with a reason."""
-    from vllm_omni_ascend_opt.blocks.kernels import guard
-
     npu = fake_npu(rms_norm="raises")
     api.select("none", model=tiny_pipe)
     ref = generate(tiny_pipe, runtime, steps=2, seed=4).images

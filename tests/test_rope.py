@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from tests.fake_torch_npu import rotary as fake_rotary
 from tests.harness.forward import tiny_forward
 from tests.harness.stock import stock_then
-from vllm_omni_ascend_opt import api
+from vllm_omni_ascend_opt import api, cli
 from vllm_omni_ascend_opt.blocks.kernels import rope_tables, rotary
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.opts import rope as rope_mod
@@ -111,16 +111,12 @@ def test_transformer_output_bitwise(runtime, tiny_pipe, bf16_transformer, dtype,
 
 @pytest.mark.parametrize("cfg", [1.0, 3.0], ids=["cfg-off", "true-cfg"])
 def test_pipeline_images_bitwise(runtime, tiny_pipe, cfg):
-    api.select("none", model=tiny_pipe)
-    ref = [
-        generate(tiny_pipe, runtime, steps=2, seed=3, cfg_scale=cfg, height=h, width=w) for h, w in ((32, 32), (32, 48))
-    ]
-    api.select("none,+rope", model=tiny_pipe)
-    got = [
-        generate(tiny_pipe, runtime, steps=2, seed=3, cfg_scale=cfg, height=h, width=w) for h, w in ((32, 32), (32, 48))
-    ]
-    for a, b in zip(ref, got, strict=True):
-        assert torch.equal(a.images, b.images)
+    def run():
+        return [generate(tiny_pipe, runtime, height=h, width=w, **kw).images for h, w in ((32, 32), (32, 48))]
+
+    kw = dict(steps=2, seed=3, cfg_scale=cfg)
+    ref = stock_then("none,+rope", tiny_pipe, run)
+    assert all(torch.equal(a, b) for a, b in zip(ref, run(), strict=True))
     assert OPT.stats["portable_calls"] > 0
 
 
@@ -443,8 +439,6 @@ def test_low_precision_is_within_bf16_bound_accepted_by_pixel_refused_by_bitwise
 def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_transformer, fake_npu, capsys):
     """In bf16 through the fake the default stack runs npu_rotary_mul and ``list`` / status() report rope as
     ``pixel``; on CPU without torch_npu it is ``exact``."""
-    from vllm_omni_ascend_opt import cli
-
     assert OPT.tier() == "exact"  # no torch_npu here: portable path
     npu = fake_npu()
     api.select("default")
@@ -510,9 +504,7 @@ def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu, caplog, 
     faults = OPT.rotary.guard.faults()  # an error is not a verdict: both classes wait for their retry
     assert {f.key[4] for f in faults} == {16, 8} and all("device lost" in f.error for f in faults)
     assert all(sv.ok for sv in OPT.shape_verdicts()) and "device lost" in caplog.text
-    monkeypatch.setattr(
-        npu, "npu_rotary_mul", real
-    )  # the device is back: the next forward retries and keeps the kernel
+    monkeypatch.setattr(npu, "npu_rotary_mul", real)  # the device is back: the next forward retries, keeps it
     calls = OPT.stats["kernel_calls"]
     assert torch.equal(tiny_forward(runtime, tiny_pipe.transformer, hw=new_hw), ref)
     assert OPT.stats["kernel_calls"] > calls and OPT.rotary.guard.faults() == []

@@ -23,6 +23,7 @@ from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
 from vllm_omni_ascend_opt.blocks.memo import keys
 from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, ModulationMemo
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm
+from vllm_omni_ascend_opt.opts import fast_modulate, fast_residual
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import OpCounter, TensorReadCounter, count_module_calls
@@ -370,8 +371,6 @@ def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplo
     norm_out) and the fast tier's modes check ``guards.tracing()`` first and run stock code: every projection is
     computed, and nothing is counted, memoized or logged (what dynamo would otherwise guard on or break the graph
     at)."""
-    from vllm_omni_ascend_opt.opts import fast_modulate, fast_residual
-
     tr = build(runtime)
     kw = inputs(torch.float32)
     fast = (fast_modulate.OPT, fast_residual.OPT)
@@ -409,8 +408,6 @@ def test_hook_that_captured_stock_forward_is_a_note_not_a_reason(runtime):
     from the memo, no fallback) and says so in a model note; the fast tier, a mode of the block body, counts only
     the other blocks and reports the note as its reason."""
     from vllm_omni.diffusion.hooks.base import HookRegistry
-
-    from vllm_omni_ascend_opt.opts import fast_modulate
 
     tr = build(runtime)
     kw = inputs(torch.float32)

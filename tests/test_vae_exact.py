@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt import api
-from vllm_omni_ascend_opt.opts import vae_exact
+from vllm_omni_ascend_opt import _backend, _plugin, api
+from vllm_omni_ascend_opt.metrics import compare_images
+from vllm_omni_ascend_opt.opts import vae_exact, vae_fast
 from vllm_omni_ascend_opt.opts.vae_exact import OPT
+from vllm_omni_ascend_opt.testbed.memory import measure
 from vllm_omni_ascend_opt.testbed.opcount import count_ops
 from vllm_omni_ascend_opt.testbed.pipeline import generate
 
@@ -256,14 +260,18 @@ def test_multi_frame_takes_stock_path(vaes, dtype):
 
 
 @contextlib.contextmanager
-def tiling(vae: nn.Module, *tile: int) -> Iterator[None]:
-    """``vae.enable_tiling(*tile)`` for the duration (sample-space min height/width, stride height/width)."""
+def tiled(pipe: nn.Module, dtype: torch.dtype = torch.float32) -> Iterator[nn.Module]:
+    """The pipeline's VAE in ``dtype``, tiled with ``TILES`` for the duration; after it nothing is selected on the
+    pipeline and the VAE is back in fp32, untiled."""
+    vae = pipe.vae.to(dtype)
     saved = (vae.use_tiling, vae.tile_sample_min_height, vae.tile_sample_min_width)
     saved += (vae.tile_sample_stride_height, vae.tile_sample_stride_width)
-    vae.enable_tiling(*tile)
+    vae.enable_tiling(*TILES)
     try:
-        yield
+        yield vae
     finally:
+        api.select("none", model=pipe)
+        vae.to(torch.float32)
         vae.use_tiling = saved[0]
         (vae.tile_sample_min_height, vae.tile_sample_min_width) = saved[1:3]
         (vae.tile_sample_stride_height, vae.tile_sample_stride_width) = saved[3:]
@@ -285,23 +293,18 @@ def test_tiled_and_patch_parallel_decodes_bitwise_with_single_frame_tiles(tiny_p
     """vae_use_tiling (diffusers' tiled_decode) and the patch-parallel split/exec/merge, on one rank: each tile is
     decoded without the feature cache (the path ran: no decoder call got a cache), the result is stock's bit for
     bit, including the edge tiles (a 20x12 latent is 4x2 tiles, the last ones partial) and the blending."""
-    vae = tiny_pipe.vae.to(dtype)
     z = latent(20, 12, dtype)
-    try:
-        with tiling(vae, *TILES):
-            with decoder_calls(vae) as stock_path:
-                ref_tiled, ref_pp = decode(vae, z), parallel_decode(vae, z)
-            assert stock_path == ["stock"] * 16  # 8 tiles, twice: it really tiles
-            api.select("none,+vae_exact", model=tiny_pipe)
-            assert OPT.piece_report(tiny_pipe)["single_frame_tiles"] == ""
-            with decoder_calls(vae) as path:
-                got_tiled, got_pp = decode(vae, z), parallel_decode(vae, z)
-            assert path == ["single_frame"] * 16
-            assert OPT.stats["tiled_decodes"] == 1 and OPT.stats["tiles"] == 16
-            assert OPT.fallback_reasons() == {}  # no "stock tiled_decode path kept" any more
-    finally:
-        api.select("none", model=tiny_pipe)
-        tiny_pipe.vae.to(torch.float32)
+    with tiled(tiny_pipe, dtype) as vae:
+        with decoder_calls(vae) as stock_path:
+            ref_tiled, ref_pp = decode(vae, z), parallel_decode(vae, z)
+        assert stock_path == ["stock"] * 16  # 8 tiles, twice: it really tiles
+        api.select("none,+vae_exact", model=tiny_pipe)
+        assert OPT.piece_report(tiny_pipe)["single_frame_tiles"] == ""
+        with decoder_calls(vae) as path:
+            got_tiled, got_pp = decode(vae, z), parallel_decode(vae, z)
+        assert path == ["single_frame"] * 16
+        assert OPT.stats["tiled_decodes"] == 1 and OPT.stats["tiles"] == 16
+        assert OPT.fallback_reasons() == {}  # no "stock tiled_decode path kept" any more
     assert ref_tiled.shape == (1, 3, 1, 80, 48) and ref_tiled.dtype == dtype
     assert torch.equal(ref_tiled, got_tiled)
     assert torch.equal(ref_pp, got_pp)
@@ -311,11 +314,6 @@ def test_tiled_decode_keeps_at_most_two_rows_of_tiles(tiny_pipe, monkeypatch):
     """Stock decodes every tile before blending any; the tiled piece blends each row as soon as it is decoded and
     drops the row above: at most two rows of decoded tiles are alive at once (counted with weak references), the
     result is the same and the decode's peak memory is lower (exact, so a test; the ratios are in bench_vae)."""
-    import weakref
-
-    from vllm_omni_ascend_opt.testbed.memory import measure
-
-    vae = tiny_pipe.vae
     z = latent(40, 12, torch.float32)  # 7 rows of 2 tiles
     decoded: list[weakref.ref] = []
     alive: list[int] = []
@@ -328,31 +326,24 @@ def test_tiled_decode_keeps_at_most_two_rows_of_tiles(tiny_pipe, monkeypatch):
         return out
 
     monkeypatch.setattr(vae_exact, "decode_tile", counting)
-    try:
-        with tiling(vae, *TILES):
-            ref, stock = measure(decode, vae, z)
-            api.select("none,+vae_exact", model=tiny_pipe)
-            got, ours = measure(decode, vae, z)
-            assert OPT.stats["tiles"] == 14
-    finally:
-        api.select("none", model=tiny_pipe)
+    with tiled(tiny_pipe) as vae:
+        ref, stock = measure(decode, vae, z)
+        api.select("none,+vae_exact", model=tiny_pipe)
+        got, ours = measure(decode, vae, z)
+        assert OPT.stats["tiles"] == 14
     assert torch.equal(ref, got)
     assert len(alive) == 14 and max(alive) == 3, alive  # two rows of 2, minus the one being replaced, plus one
     assert ours.peak < stock.peak, (ours.peak, stock.peak)
 
 
 def test_multi_frame_tiled_decode_takes_the_stock_path(tiny_pipe):
-    vae = tiny_pipe.vae
     z = latent(12, 6, torch.float32, t=3)
-    try:
-        with tiling(vae, *TILES):
-            ref = decode(vae, z)
-            api.select("none,+vae_exact", model=tiny_pipe)
-            got = decode(vae, z)
-            assert OPT.stats["tiled_decodes"] == 0
-            assert any("multi-frame" in r for r in OPT.fallback_reasons())
-    finally:
-        api.select("none", model=tiny_pipe)
+    with tiled(tiny_pipe) as vae:
+        ref = decode(vae, z)
+        api.select("none,+vae_exact", model=tiny_pipe)
+        got = decode(vae, z)
+        assert OPT.stats["tiled_decodes"] == 0
+        assert any("multi-frame" in r for r in OPT.fallback_reasons())
     assert ref.shape[2] == 5 and torch.equal(ref, got)  # 1 + 4 * 1 frames: the time conv ran
 
 
@@ -360,25 +351,17 @@ def test_multi_frame_tiled_decode_takes_the_stock_path(tiny_pipe):
 def test_vae_fast_on_tiles_stays_within_its_gates(tiny_pipe, dtype):
     """vae_fast acts on each tile (stock's tiled path and vae_exact's alike: every tile is an uncached frame) and
     the tiled image stays within vae_fast's SSIM / PSNR gates."""
-    from vllm_omni_ascend_opt.metrics import compare_images
-    from vllm_omni_ascend_opt.opts import vae_fast
-
-    vae = tiny_pipe.vae.to(dtype)
     z = latent(20, 12, dtype)
-    try:
-        with tiling(vae, *TILES):
-            ref = decode(vae, z)
-            for spec in ("none,+vae_fast", "none,+vae_exact,+vae_fast"):
-                api.select(spec, model=tiny_pipe)
-                got = decode(vae, z)
-                q = compare_images(ref[:, :, 0].float(), got[:, :, 0].float())
-                assert not torch.equal(ref, got) or dtype == torch.bfloat16, spec  # fp32: the last tap changes bits
-                assert q["ssim"] >= 0.99 and q["psnr"] >= 35.0, (spec, q)
-                assert vae_fast.OPT.piece_report(tiny_pipe)["conv2d_last_tap"] == ""
-                api.select("none", model=tiny_pipe)
-    finally:
-        api.select("none", model=tiny_pipe)
-        tiny_pipe.vae.to(torch.float32)
+    with tiled(tiny_pipe, dtype) as vae:
+        ref = decode(vae, z)
+        for spec in ("none,+vae_fast", "none,+vae_exact,+vae_fast"):
+            api.select(spec, model=tiny_pipe)
+            got = decode(vae, z)
+            q = compare_images(ref[:, :, 0].float(), got[:, :, 0].float())
+            assert not torch.equal(ref, got) or dtype == torch.bfloat16, spec  # fp32: the last tap changes bits
+            assert q["ssim"] >= 0.99 and q["psnr"] >= 35.0, (spec, q)
+            assert vae_fast.OPT.piece_report(tiny_pipe)["conv2d_last_tap"] == ""
+            api.select("none", model=tiny_pipe)
 
 
 def test_upsample_verification_refuses_a_wrong_kernel(vaes, monkeypatch):
@@ -402,8 +385,6 @@ def test_upsample_verification_refuses_a_wrong_kernel(vaes, monkeypatch):
 
 def test_uninstall_clears_the_upsample_verdicts(vaes):
     """The verdict cache's second rule: uninstall drops the native-dtype upsample verdicts (same backend probe)."""
-    from vllm_omni_ascend_opt import _backend
-
     vae = vaes[torch.bfloat16]
     api.select("none,+vae_exact", model=vae)
     decode(vae, latent(4, 4, torch.bfloat16))
@@ -443,8 +424,6 @@ def test_attach_detach_restore_by_identity(tiny_pipe):
 
 def test_loader_hook_attaches_to_pipelines(tiny_pipe):
     """The plugin's loader hook calls attach_all on every pipeline vLLM-Omni's loader returns."""
-    from vllm_omni_ascend_opt import _plugin
-
     api.select("none,+vae_exact")
     assert _plugin.attach_all(tiny_pipe) == ["vae_exact"]
     assert OPT.is_attached(tiny_pipe) and "_decode" in vars(tiny_pipe.vae)
@@ -514,8 +493,6 @@ def _stock_stats(cfg, device: torch.device, dtype: torch.dtype) -> tuple[torch.T
 def test_latents_stats_one_entry_rebuilt_on_another_device_dtype_or_config(monkeypatch):
     """LatentsStats keeps one entry per pipeline, keyed on (device, dtype, z_dim, latents_mean, latents_std): each
     change below differs from the previous call in that one component only, and gets its own, stock-equal tensors."""
-    from types import SimpleNamespace
-
     stats = vae_exact.LatentsStats()
     cfg = SimpleNamespace(z_dim=4, latents_mean=list(MEAN), latents_std=list(STD))
     cpu, meta = torch.device("cpu"), torch.device("meta")
@@ -569,16 +546,12 @@ def test_tracing_runs_stock_decode_without_bookkeeping(vaes, monkeypatch):
 def test_tracing_runs_stock_tiled_decode_without_bookkeeping(tiny_pipe, monkeypatch):
     """Under torch.compile tracing the patched tiled_decode / tile_exec run stock code first thing: every tile
     through the feature cache, nothing counted."""
-    vae = tiny_pipe.vae
     z = latent(20, 12, torch.float32)
-    try:
-        with tiling(vae, *TILES):
-            ref = decode(vae, z)
-            api.select("none,+vae_exact", model=tiny_pipe)
-            with monkeypatch.context() as m, decoder_calls(vae) as path:
-                m.setattr(torch.compiler, "is_compiling", lambda: True)
-                got, got_pp = decode(vae, z), parallel_decode(vae, z)
-            assert path == ["stock"] * 16 and OPT.stats["tiles"] == 0 and OPT.fallback_reasons() == {}
-    finally:
-        api.select("none", model=tiny_pipe)
+    with tiled(tiny_pipe) as vae:
+        ref = decode(vae, z)
+        api.select("none,+vae_exact", model=tiny_pipe)
+        with monkeypatch.context() as m, decoder_calls(vae) as path:
+            m.setattr(torch.compiler, "is_compiling", lambda: True)
+            got, got_pp = decode(vae, z), parallel_decode(vae, z)
+        assert path == ["stock"] * 16 and OPT.stats["tiles"] == 0 and OPT.fallback_reasons() == {}
     assert torch.equal(ref, got) and torch.equal(ref, got_pp)

@@ -26,8 +26,6 @@ storage was marked as host memory with :func:`mark_host`; meta tensors never are
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -190,11 +188,9 @@ class _NzMatmulCheck(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextlib.contextmanager
-def nz_matmul_check() -> Iterator[None]:
+def nz_matmul_check() -> TorchDispatchMode:
     """Within the block, a matmul that reads a FRACTAL_NZ operand with n == 1 or k == 1 raises, as on the device."""
-    with _NzMatmulCheck():
-        yield
+    return _NzMatmulCheck()
 
 
 def misread_nz(t: torch.Tensor) -> torch.Tensor:
@@ -226,14 +222,12 @@ class _NzRoute(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextlib.contextmanager
-def nz_route_ignores_format(*ops: str) -> Iterator[None]:
+def nz_route_ignores_format(*ops: str) -> TorchDispatchMode:
     """Within the block, the named aten ops (``"aten::addmm"``, ``"aten::mm"``) read an NZ operand as if it were ND:
     an old op-plugin / CANN where ``F.linear`` with an NZ weight does not reach the WeightNz kernels [VA-3356]. The
     3-D ``F.linear`` with bias runs ``aten::addmm``, without bias ``aten::mm`` (one route can be right, the other
     wrong)."""
-    with _NzRoute(frozenset(ops)):
-        yield
+    return _NzRoute(frozenset(ops))
 
 
 #: kernel name -> {variant: implementation}; "correct" follows the documentation.
