@@ -48,25 +48,6 @@ def _layers(tr):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# without torch_npu: inactive, with a reason, and nothing changes
-# ----------------------------------------------------------------------------------------------------------------
-def test_cpu_without_torch_npu_is_inactive_and_changes_nothing(tiny_pipe, runtime):
-    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
-
-    reasons = OPT.reasons_inactive()
-    assert any("torch_npu" in r for r in reasons), reasons
-    ref = generate(tiny_pipe, runtime, steps=2, seed=3)
-    assert api.select("none,+fused_attention", model=tiny_pipe) == []  # not installed
-    OPT.attach(tiny_pipe)  # a direct attach does nothing either, and says why
-    assert any("torch_npu" in r for r in OPT.reasons_inactive(tiny_pipe))
-    assert OPT.report(tiny_pipe)["swapped"] == 0
-    assert all(type(layer.attention) is SDPAImpl for layer in _layers(tiny_pipe.transformer))
-    got = generate(tiny_pipe, runtime, steps=2, seed=3)
-    OPT.detach(tiny_pipe)
-    assert torch.equal(ref.images, got.images)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # per instance, by identity, reversible
 # ----------------------------------------------------------------------------------------------------------------
 def test_swaps_the_impl_of_this_model_only_and_restores_it(fake_npu, bf16_pipe, tiny_pipe):

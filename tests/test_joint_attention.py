@@ -170,9 +170,8 @@ def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pi
 
 
 def test_the_ops_per_block_fall_by_twenty_eight_bitwise(runtime, tiny_pipe):
-    """74 -> 46 on the CPU default stack (fp32): norms 24 -> 10 (q and k of both streams gathered into one
-    ``[2, B, S, N, D]`` buffer, one norm pass, four weight multiplies), RoPE 16 -> 4 (q and k in one rotation),
-    cats 3 -> 1."""
+    """74 -> 46 on the CPU default stack (fp32): norms 24 -> 10 (one pass over q and k of both streams), RoPE
+    16 -> 4 (q and k in one rotation), cats 3 -> 1."""
 
     without, a = warm_block(tiny_pipe, runtime, "default,-joint_attention", steps=1, seed=3)
     with_, b = warm_block(tiny_pipe, runtime, "default", steps=1, seed=3)
@@ -376,9 +375,8 @@ def _k_eps(attn) -> None:
 
 @pytest.mark.parametrize("edit", [_double_weights, _k_eps], ids=["weights_not_in_opmath", "k_eps_differs"])
 def test_per_tensor_norms_where_q_and_k_cannot_share_a_pass(runtime, tiny_pipe, monkeypatch, edit):
-    """QK-norm weights that do not multiply in the norm's opmath dtype (float64 weights on fp32 rows: stock
-    promotes), or q's and k's norms with different eps (each stream's pair agrees; one pass would normalise k with
-    q's eps): the per-tensor joint norm (q, then k, each with its own eps), still bitwise stock."""
+    """QK-norm weights outside the norm's opmath dtype (float64 on fp32 rows: stock promotes), or q's and k's norms
+    with different eps: the per-tensor joint norm (q, then k, each with its own eps), still bitwise stock."""
     api.select("none,+joint_attention", model=tiny_pipe)
     attn = _clone(_attn(tiny_pipe.transformer))
     edit(attn)

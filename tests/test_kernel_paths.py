@@ -7,7 +7,8 @@ parametrised over ``rope`` (``npu_rotary_mul``), ``qk_norm`` (``npu_rms_norm``) 
 * a kernel wrong only beyond S = 64 passes the first-use check and is refused for the long shape class only, on its
   first call, with the reason logged and tallied; shorter classes keep it; each class is checked once;
 * under torch.compile tracing (the embedder and a block's attention) the path runs stock code and reads, counts,
-  caches, makes and logs nothing.
+  caches, makes and logs nothing;
+* without torch_npu, ``fused_attention`` and ``nz_weights`` stay off with the reason and change nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from tests.harness.forward import tiny_forward
 from vllm_omni_ascend_opt import _backend, api, registry
+from vllm_omni_ascend_opt.testbed.pipeline import generate
 
 
 @dataclass(frozen=True)
@@ -159,3 +161,25 @@ def test_traced_code_is_stock_and_counts_nothing(case, fake_npu, runtime, bf16_t
     with runtime.context(), torch.no_grad():
         attn(hs, ehs, vid, txt)  # eager again: the path acts (it was in place while tracing)
     assert npu.calls[c.kernel] > 0
+
+
+@pytest.mark.parametrize(("name", "nothing"), [("fused_attention", {"swapped": 0}), ("nz_weights", {"cast": []})])
+def test_without_torch_npu_inactive_with_the_reason_and_nothing_changes(name, nothing, tiny_pipe, runtime):
+    """Without torch_npu the NPU-only paths are not installed, a direct attach does nothing either and says why: the
+    attention impls, the weights' storage and the images stay stock's."""
+    opt, tr = registry.get(name), tiny_pipe.transformer
+
+    def state():  # the weights' storage and the attention impls
+        impls = [type(b.attn.attn.attention) for b in tr.transformer_blocks]
+        return {n: p.data_ptr() for n, p in tr.named_parameters()}, impls
+
+    assert any("torch_npu" in r for r in opt.reasons_inactive())
+    before = state()
+    ref = generate(tiny_pipe, runtime, steps=2, seed=3)
+    assert api.select(f"none,+{name}", model=tiny_pipe) == []
+    opt.attach(tiny_pipe)
+    assert any("torch_npu" in r for r in opt.reasons_inactive(tiny_pipe))
+    assert {k: opt.report(tiny_pipe)[k] for k in nothing} == nothing and state() == before
+    got = generate(tiny_pipe, runtime, steps=2, seed=3)
+    opt.detach(tiny_pipe)
+    assert state() == before and torch.equal(ref.images, got.images)

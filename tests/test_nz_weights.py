@@ -18,7 +18,7 @@ from vllm_omni_ascend_opt import _backend, api
 from vllm_omni_ascend_opt.blocks.kernels import nz_check
 from vllm_omni_ascend_opt.opts import nz_weights as nz
 from vllm_omni_ascend_opt.opts import shared_modulation
-from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline
+from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
 
 OPT = nz.OPT
 #: The tiny transformer's linear layers: time embedding (2), img_in, txt_in, per block img_mod, to_qkv, add_kv_proj,
@@ -35,23 +35,6 @@ def _linear_names(tr) -> list[str]:
     from vllm.model_executor.layers.linear import LinearBase
 
     return [n for n, m in tr.named_modules() if isinstance(m, (LinearBase, torch.nn.Linear))]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# without torch_npu
-# ----------------------------------------------------------------------------------------------------------------
-def test_cpu_without_torch_npu_is_inactive_and_changes_nothing(tiny_pipe, runtime):
-    assert any("torch_npu" in r for r in OPT.reasons_inactive())
-    ptrs = {n: p.data_ptr() for n, p in tiny_pipe.transformer.named_parameters()}
-    ref = generate(tiny_pipe, runtime, steps=2, seed=5)
-    assert api.select("none,+nz_weights", model=tiny_pipe) == []
-    OPT.attach(tiny_pipe)
-    assert any("torch_npu" in r for r in OPT.reasons_inactive(tiny_pipe))
-    assert OPT.report(tiny_pipe)["cast"] == []
-    got = generate(tiny_pipe, runtime, steps=2, seed=5)
-    OPT.detach(tiny_pipe)
-    assert {n: p.data_ptr() for n, p in tiny_pipe.transformer.named_parameters()} == ptrs
-    assert torch.equal(ref.images, got.images)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -232,7 +232,7 @@ def test_op_counts_per_block(runtime, tiny_pipe, fake_npu):
 # ----------------------------------------------------------------------------------------------------------------
 # table cache keys
 # ----------------------------------------------------------------------------------------------------------------
-def test_table_key_separates_sp_shards_paddings_and_versions():
+def test_table_key_separates_sp_shards_paddings_versions_and_text_lengths():
     stats = Counter()
     cache = rope_tables.TableCache(stats)
     full = torch.polar(torch.ones(10, 4), torch.rand(10, 4))
@@ -250,11 +250,7 @@ def test_table_key_separates_sp_shards_paddings_and_versions():
     n = len(cache)
     del full, r0, r1, padded, t0, t1, tp
     assert len(cache) < n  # entries die with their freqs
-
-
-def test_table_key_separates_text_lengths_sliced_from_one_base():
-    """Text freqs are slices of one pos_freqs: 7 and 9 tokens share base, offset and stride; only the shape differs."""
-    cache = rope_tables.TableCache(Counter())
+    # text freqs are slices of one pos_freqs: 7 and 9 tokens share base, offset and stride; only the shape differs
     pos = torch.polar(torch.ones(32, 4), torch.rand(32, 4))
     t7, t9 = cache.get(pos[3:10], torch.float32), cache.get(pos[3:12], torch.float32)
     assert t7 is not t9 and cache.get(pos[3:10], torch.float32) is t7

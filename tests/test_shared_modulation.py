@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn as nn
+from diffusers.models.normalization import AdaLayerNormContinuous
 
 from tests.harness.forward import build, fwd, inputs
 from tests.harness.stock import stock_then
@@ -55,8 +56,6 @@ def nbytes(ts) -> int:
 # install / uninstall / attach
 # ----------------------------------------------------------------------------------------------------------------
 def test_install_uninstall_restore_by_identity(tiny_pipe, runtime):
-    from diffusers.models.normalization import AdaLayerNormContinuous
-
     block_cls, model_cls = T().QwenImageTransformerBlock, T().QwenImageTransformer2DModel
     fwd0, load0 = block_cls.__dict__["forward"], model_cls.__dict__["load_weights"]
     tr = tiny_pipe.transformer
@@ -249,10 +248,9 @@ def test_byte_budget_lru(runtime):
 
 
 def test_lru_hit_moves_the_entry_to_the_recent_end(runtime):
-    """The memo's LRU order on direct calls (one entry per temb value; in a forward the second block's lookup would
-    move the entry anyway): a hit moves its entry to the most recent end, eviction takes the least recently used
-    entry first -- found by digest (a new temb object of a known value) and by identity (the last digested temb
-    again, after a view of it made its own entry)."""
+    """The memo's LRU order on direct calls: a hit moves its entry to the most recent end, eviction takes the least
+    recently used first -- found by digest (a new temb object of a known value) and by identity (the last digested
+    temb again, after a view of it made its own entry)."""
     tr = build(runtime)
     seq = tr.transformer_blocks[0].img_mod  # a stock Sequential(SiLU, ReplicatedLinear)
     g = torch.Generator().manual_seed(11)
@@ -367,10 +365,8 @@ def test_fallback_compile_capture_hooks(runtime, monkeypatch, fake_npu):
 
 
 def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplog):
-    """While dynamo traces (``torch.compiler.is_compiling()``), every patched forward (block, img_mod/txt_mod,
-    norm_out) and the fast tier's modes check ``guards.tracing()`` first and run stock code: every projection is
-    computed, and nothing is counted, memoized or logged (what dynamo would otherwise guard on or break the graph
-    at)."""
+    """While dynamo traces, every patched forward (block, img_mod/txt_mod, norm_out) and the fast tier's modes run
+    stock code: every projection is computed, and nothing is counted, memoized or logged."""
     tr = build(runtime)
     kw = inputs(torch.float32)
     fast = (fast_modulate.OPT, fast_residual.OPT)
@@ -444,11 +440,8 @@ def test_fingerprint_mismatch_turns_it_off(monkeypatch):
 # AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel
 # ----------------------------------------------------------------------------------------------------------------
 class _LayerNormEvalSpy:
-    """A test-local ``torch_npu.npu_layer_norm_eval`` that logs its calls and whose result differs from
-    ``torch.nn.functional.layer_norm`` by a constant offset (2**-10), so that a path that silently used the native
-    LayerNorm instead (``norm.layernorm(x)``) could not be bitwise-equal to stock's NPU path. The documented result
-    ([OP-LNE] Ascend/op-plugin docs ``torch_npu-npu_layer_norm_eval.md``) is ``F.layer_norm``; the offset is a marker,
-    not a claim about the kernel."""
+    """``npu_layer_norm_eval`` counting its calls, its result ``F.layer_norm``'s [OP-LNE] plus a marker offset: a path
+    that silently used the native LayerNorm instead could not be bitwise-equal to stock's NPU path."""
 
     OFFSET = 2.0**-10
 

@@ -28,6 +28,7 @@ import functools
 import inspect
 import sys
 import types
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,19 +42,6 @@ KERNELS: dict[str, dict[str, Any]] = {}
 for _mod in (rotary, attention, formats, norms):
     for _kernel, _variants in getattr(_mod, "VARIANTS", {}).items():
         KERNELS[_kernel] = dict(_variants)
-
-
-class CallLog:
-    """Counts calls per kernel, so tests can assert that a path was (or was not) taken."""
-
-    def __init__(self) -> None:
-        self.calls: dict[str, int] = {}
-
-    def hit(self, name: str) -> None:
-        self.calls[name] = self.calls.get(name, 0) + 1
-
-    def __getitem__(self, name: str) -> int:
-        return self.calls.get(name, 0)
 
 
 #: What the device raises, per fault kind: torch_npu's allocator message, and an ACL runtime error.
@@ -80,9 +68,6 @@ class FaultPlan:
             raise KeyError(f"fault kind {kind!r}: one of {sorted(FAULT_MESSAGES)}")
         self._plans.setdefault(target, []).append((self._seen.get(target, 0) + at, times, kind))
 
-    def clear(self) -> None:
-        self._plans.clear()
-
     def check(self, target: str) -> None:
         """Count one call of ``target``; raise if a fault is planned for it."""
         n = self._seen[target] = self._seen.get(target, 0) + 1
@@ -108,13 +93,13 @@ class FaultPlan:
         return p
 
 
-def _counted(name: str, fn: Any, log: CallLog, faults: FaultPlan | None = None) -> Any:
+def _counted(name: str, fn: Any, log: Counter[str], faults: FaultPlan | None = None) -> Any:
     sig = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         sig.bind(*args, **kwargs)  # a keyword the schema does not have fails like torch.ops.npu.* does (TypeError)
-        log.hit(name)
+        log[name] += 1
         if faults is not None:
             faults.check(name)
         # one NPU launch for the op counter, whatever CPU ops the fake computes it with (testbed/npu_ops.py)
@@ -170,7 +155,7 @@ def build(
     wrong = sorted(f"{k}={v}" for k, v in variants.items() if v != "correct")
     mod.__version__ = "2.13.0+fake" + ("." + ".".join(wrong) if wrong else "")  # type: ignore[attr-defined]
     mod._C = _option_store({"ALLOW_INTERNAL_FORMAT": "enable" if allow_internal_format else "disable"})  # type: ignore[attr-defined]
-    log = CallLog()
+    log: Counter[str] = Counter()  # calls per kernel: tests assert that a path was (or was not) taken
     mod.calls = log  # type: ignore[attr-defined]
     faults = FaultPlan()
     mod.faults = faults  # type: ignore[attr-defined]
