@@ -151,9 +151,7 @@ def test_npu_path_one_layer_norm_eval_with_weight_and_bias_and_the_whole_tier(
     assert_close_images(ref, got, torch.float32)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fast_modulate's fallbacks
-# ----------------------------------------------------------------------------------------------------------------
+# ----- fast_modulate's fallbacks --------------------------------------------------------------------------------------
 def test_batch_rows_with_equal_and_different_modulation(runtime):
     tr = build(runtime)
     same, differ = inputs(torch.float32, batch=2, pad=2), inputs(torch.float32, batch=2, t=(0.25, 0.75), seed=2)
@@ -230,9 +228,7 @@ def test_dtype_and_shape_reasons_on_a_norm_mod(runtime):
     assert "not one [B, 1, D] row" in next(iter(MOD.fallback_reasons())) and MOD.ran() == 0
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fast_residual: the two-segment image stream, the fallback
-# ----------------------------------------------------------------------------------------------------------------
+# ----- fast_residual: the two-segment image stream, the fallback ------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shapes", [EQUAL, UNEQUAL, COPRIME], ids=["equal", "unequal", "slices"])
 def test_two_segment_blocks(runtime, dtype, shapes):

@@ -47,9 +47,7 @@ def _layers(tr):
     return [m.attn for m in tr.modules() if isinstance(m, QwenImageCrossAttention)]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# per instance, by identity, reversible
-# ----------------------------------------------------------------------------------------------------------------
+# ----- per instance, by identity, reversible --------------------------------------------------------------------------
 def test_swaps_the_impl_of_this_model_only_and_restores_it(fake_npu, bf16_pipe, tiny_pipe):
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
 
@@ -71,9 +69,7 @@ def test_swaps_the_impl_of_this_model_only_and_restores_it(fake_npu, bf16_pipe, 
     assert all(layer.attention is s for layer, s in zip(layers, stock, strict=True))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# what reaches the kernel: BSND, head_num, scale = 1/sqrt(D), mask inverted, no mask when vLLM-Omni dropped it
-# ----------------------------------------------------------------------------------------------------------------
+# ----- what reaches the kernel: BSND, head_num, scale = 1/sqrt(D), mask inverted, no mask when vLLM-Omni dropped it ---
 def test_layout_head_num_scale_and_mask_polarity_reach_the_kernel(fake_npu, bf16_pipe, runtime):
     """What reaches the kernel, and its result: equal to SDPA's within tolerance, masked or not."""
     fake = fake_npu()
@@ -132,9 +128,7 @@ def test_fused_forward_matches_fp32_sdpa_with_gqa_and_masks(fake_npu, dtype):
         assert (out.float() - ref).abs().max().item() <= fab.ATOL[dtype]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# verification refuses wrong kernels; float32 models stay stock
-# ----------------------------------------------------------------------------------------------------------------
+# ----- verification refuses wrong kernels; float32 models stay stock --------------------------------------------------
 @pytest.mark.parametrize("variant", ["wrong_polarity", "ignores_scale"])
 def test_verification_refuses_a_wrong_kernel(fake_npu, bf16_pipe, runtime, variant):
     fake = fake_npu(fusion_attention=variant)
@@ -168,9 +162,7 @@ def test_float32_model_stays_bitwise_stock_with_a_reason(fake_npu, tiny_pipe, ru
     assert any("float32" in r for r in reasons) and calls and set(calls) == {"sdpa: dtype float32"}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# documented limits: checked before the call (and the fake would reject the same calls)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- documented limits: checked before the call (and the fake would reject the same calls) --------------------------
 def _meta(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="meta")
 
@@ -270,9 +262,7 @@ def test_tracing_runs_stock_sdpa_without_bookkeeping(fake_npu, bf16_pipe, runtim
     assert before[1] == {"fused": 2} and before[2] > 0 and before[3] == 1  # what it would have touched
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# sequence parallelism: after Ulysses' pre-attention; ring and foreign backends are skipped
-# ----------------------------------------------------------------------------------------------------------------
+# ----- sequence parallelism: after Ulysses' pre-attention; ring and foreign backends are skipped ----------------------
 def test_runs_between_the_parallel_strategys_pre_and_post_attention(fake_npu, bf16_pipe, runtime, monkeypatch):
     fake = fake_npu()
     tr = bf16_pipe.transformer
@@ -317,9 +307,7 @@ def test_ring_and_non_sdpa_layers_are_skipped(fake_npu, runtime, monkeypatch):
     assert "ring" in OPT.parallel_support and OPT.parallel_support["ring"].startswith("off")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# op counts per block (through the fake: one kernel = one launch)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- op counts per block (through the fake: one kernel = one launch) ------------------------------------------------
 def test_op_count_per_block(fake_npu, bf16_pipe, runtime):
     fake_npu()
     tr = bf16_pipe.transformer
@@ -346,9 +334,7 @@ def test_op_count_per_block(fake_npu, bf16_pipe, runtime):
     assert fused[True].total == stock[True].total - 1
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the NPU check script (benchmarks/npu_check_kernels.py): skips cleanly here, runs end to end against the fake
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the NPU check script (benchmarks/npu_check_kernels.py): skips cleanly here, runs end to end against the fake ---
 SMALL = ["--fake", "--img-tokens", "24", "--txt-tokens", "40", "--heads", "2", "--head-dim", "16", "--hidden", "32"]
 SMALL += ["--iters", "1", "--warmup", "0"]
 
@@ -402,9 +388,7 @@ def test_check_script_applies_the_runtime_policies(capsys, tmp_path, monkeypatch
     assert "CANN 8.2.RC1 < 8.3" in out and not json.loads(js.read_text())["would_use"]["nz_weights"]["ok"]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the mask once per forward, verification at the shapes that run, the fake's documented semantics
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the mask once per forward, verification at the shapes that run, the fake's documented semantics ----------------
 def test_mask_is_built_once_per_forward_not_per_layer(fake_npu, bf16_pipe, runtime):
     fake_npu()
     tr = bf16_pipe.transformer

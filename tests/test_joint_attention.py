@@ -73,9 +73,7 @@ def _stock_attn(attn, *args, **kwargs):
     return OPT.patches.original(type(attn), "forward")(attn, *args, **kwargs)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the joint RMSNorm, bitwise
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the joint RMSNorm, bitwise -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("d", [16, 128], ids=["tiny", "real_head_dim"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_joint_rms_norm_is_bitwise_the_two_norms_and_cat(dtype, d, monkeypatch):
@@ -101,9 +99,7 @@ def test_joint_rms_norm_is_bitwise_the_two_norms_and_cat(dtype, d, monkeypatch):
     assert got.dtype == want.dtype and torch.equal(got, want) and torch.equal(pieces, want)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# install / uninstall
-# ----------------------------------------------------------------------------------------------------------------
+# ----- install / uninstall --------------------------------------------------------------------------------------------
 def test_install_and_uninstall_are_idempotent_and_restore_the_original(runtime, tiny_pipe):
     cls = sys.modules[_targets.TRANSFORMER].QwenImageCrossAttention
     original = cls.forward
@@ -130,9 +126,7 @@ def test_listed_with_its_tier_and_no_reason_on_cpu(tiny_pipe):
     assert rows["joint_attention"]["flag"] == {"enable": "+joint_attention", "disable": "-joint_attention"}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# bitwise on the pipeline and on the transformer, with and without rope
-# ----------------------------------------------------------------------------------------------------------------
+# ----- bitwise on the pipeline and on the transformer, with and without rope ------------------------------------------
 def test_pipeline_default_is_bitwise_none_and_the_joint_path_ran(runtime, tiny_pipe):
     api.select("none", model=tiny_pipe)
     ref = generate(tiny_pipe, runtime, steps=2, seed=5, cfg_scale=4.0).images
@@ -181,9 +175,7 @@ def test_the_ops_per_block_fall_by_twenty_eight_bitwise(runtime, tiny_pipe):
     assert with_["aten::rsqrt"] == 1 and with_["aten::stack"] == 1 and with_["aten::clone"] == 1
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the attention module directly: SP branch, views through the attention, fallbacks
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the attention module directly: SP branch, views through the attention, fallbacks -------------------------------
 def test_sequence_parallel_branch_hands_stock_values_to_the_attention(runtime, tiny_pipe, monkeypatch):
     """With ``sequence_parallel_size > 1`` stock passes the text q/k/v as ``joint_*`` metadata; the joint path passes
     views of its joint tensors. Captured at the attention layer: the same values, bitwise."""

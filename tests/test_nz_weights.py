@@ -37,9 +37,7 @@ def _linear_names(tr) -> list[str]:
     return [n for n, m in tr.named_modules() if isinstance(m, (LinearBase, torch.nn.Linear))]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# exactly the right layers, Parameters kept, reverted
-# ----------------------------------------------------------------------------------------------------------------
+# ----- exactly the right layers, Parameters kept, reverted ------------------------------------------------------------
 def test_casts_exactly_the_transformer_linears_and_reverts(fake_npu, bf16_pipe, runtime):
     fake = fake_npu()
     tr = bf16_pipe.transformer
@@ -93,9 +91,7 @@ def test_weight_memos_are_invalidated_after_cast_and_revert(fake_npu, bf16_pipe,
     assert calls == [1, 1]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# every skip reason is reachable
-# ----------------------------------------------------------------------------------------------------------------
+# ----- every skip reason is reachable ---------------------------------------------------------------------------------
 def test_skip_float32_weights(fake_npu, tiny_pipe):
     fake_npu()
     OPT.attach(tiny_pipe)

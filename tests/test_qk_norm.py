@@ -28,9 +28,7 @@ from vllm_omni_ascend_opt.testbed.pipeline import generate
 OPT = qn.OPT
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# without torch_npu
-# ----------------------------------------------------------------------------------------------------------------
+# ----- without torch_npu ----------------------------------------------------------------------------------------------
 def test_cpu_without_torch_npu_is_inactive_with_the_reason(tiny_pipe, runtime):
     assert "qk_norm" in registry.default_names()
     assert registry.names().index("qk_norm") == registry.names().index("joint_attention") + 1
@@ -44,9 +42,7 @@ def test_cpu_without_torch_npu_is_inactive_with_the_reason(tiny_pipe, runtime):
     assert any("torch_npu is not installed" in r for r in row["reasons_inactive"])
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# with the fake: attach/detach, the kernel path, bitwise/pixel results
-# ----------------------------------------------------------------------------------------------------------------
+# ----- with the fake: attach/detach, the kernel path, bitwise/pixel results -------------------------------------------
 def test_attach_swaps_the_four_norms_of_this_model_only_and_detach_restores(fake_npu, tiny_pipe, bf16_transformer):
     fake_npu()
     api.select("none,+qk_norm", model=tiny_pipe)
@@ -109,9 +105,7 @@ def test_ops_per_block_joint_and_per_stream(fake_npu, tiny_pipe, runtime):
     assert "aten::rsqrt" not in joint and "aten::pow" not in joint
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# refusals: per shape class, with the reason logged, output stock's
-# ----------------------------------------------------------------------------------------------------------------
+# ----- refusals: per shape class, with the reason logged, output stock's ----------------------------------------------
 def test_a_raising_kernel_is_a_fault_retried_then_demoted(fake_npu, tiny_pipe, runtime, caplog, monkeypatch):
     """A RuntimeError is an error of the moment, not a verdict: each call runs stock (the images are stock's), the
     class is retried after its backoff and demoted after MAX_ERRORS errors in a row, with a reason."""

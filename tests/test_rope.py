@@ -30,9 +30,7 @@ from vllm_omni_ascend_opt.testbed.pipeline import generate
 OPT = rope_mod.OPT
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------------------------
+# ----- helpers --------------------------------------------------------------------------------------------------------
 def _transformer(tiny_pipe, bf16_transformer, dtype):
     return tiny_pipe.transformer if dtype == torch.float32 else bf16_transformer
 
@@ -59,9 +57,7 @@ def _block_ops(rt, transformer) -> int:
     return res[0].total
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# patch mechanics
-# ----------------------------------------------------------------------------------------------------------------
+# ----- patch mechanics ------------------------------------------------------------------------------------------------
 def test_install_and_uninstall_restore_by_identity(tiny_pipe):
     mod = sys.modules[_targets.TRANSFORMER]
     orig_fn, orig_fwd = mod._qwen_image_qk_norm_rope, mod.QwenEmbedRope.forward
@@ -90,9 +86,7 @@ def test_list_on_cpu_shows_active_and_why_no_npu_kernel():
     assert all(v == "supported" for v in row["parallel_support"].values())
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# bitwise equality with stock (portable path)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- bitwise equality with stock (portable path) --------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("batch", "pad"), [(1, False), (2, False), (2, True)], ids=["b1", "b2", "b2-padded"])
 def test_transformer_output_bitwise(runtime, tiny_pipe, bf16_transformer, dtype, batch, pad):
@@ -192,9 +186,7 @@ def test_grad_mode_runs_stock(runtime, tiny_pipe):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# counting
-# ----------------------------------------------------------------------------------------------------------------
+# ----- counting -------------------------------------------------------------------------------------------------------
 def test_cos_sin_conversions_per_forward(runtime, tiny_pipe):
     t = tiny_pipe.transformer
     blocks = len(t.transformer_blocks)
@@ -229,9 +221,7 @@ def test_op_counts_per_block(runtime, tiny_pipe, fake_npu):
     assert kernel <= 70
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# table cache keys
-# ----------------------------------------------------------------------------------------------------------------
+# ----- table cache keys -----------------------------------------------------------------------------------------------
 def test_table_key_separates_sp_shards_paddings_versions_and_text_lengths():
     stats = Counter()
     cache = rope_tables.TableCache(stats)
@@ -317,9 +307,7 @@ def test_embed_memo_is_an_lru_of_8_results_per_module():
     assert OPT.stats["embed_memo_hits"] == hits + 3
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# NPU path through the fake torch_npu
-# ----------------------------------------------------------------------------------------------------------------
+# ----- NPU path through the fake torch_npu ----------------------------------------------------------------------------
 def _spy(npu):
     seen = []
     inner = npu.npu_rotary_mul
@@ -506,9 +494,7 @@ def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu, caplog, 
     assert OPT.stats["kernel_calls"] > calls and OPT.rotary.guard.faults() == []
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the fake itself: documented semantics and constraints
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the fake itself: documented semantics and constraints ----------------------------------------------------------
 def _doc_formula(x, r1, r2, mode):
     """[OP-ROT] small-op formula (einops rearrange written with stack/flatten)."""
     if mode == "half":

@@ -37,9 +37,7 @@ L = TINY.num_layers
 PROJ_PER_FORWARD = 2 * L + 1  # img_mod + txt_mod per block, norm_out.linear
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------------------------
+# ----- helpers --------------------------------------------------------------------------------------------------------
 def T():
     return importlib.import_module("vllm_omni.diffusion.models.qwen_image.qwen_image_transformer")
 
@@ -52,9 +50,7 @@ def nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# install / uninstall / attach
-# ----------------------------------------------------------------------------------------------------------------
+# ----- install / uninstall / attach -----------------------------------------------------------------------------------
 def test_install_uninstall_restore_by_identity(tiny_pipe, runtime):
     block_cls, model_cls = T().QwenImageTransformerBlock, T().QwenImageTransformer2DModel
     fwd0, load0 = block_cls.__dict__["forward"], model_cls.__dict__["load_weights"]
@@ -84,9 +80,7 @@ def test_install_uninstall_restore_by_identity(tiny_pipe, runtime):
     assert OPT.reasons_inactive(tiny_pipe) == ["not installed"]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# bitwise
-# ----------------------------------------------------------------------------------------------------------------
+# ----- bitwise --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_transformer_output_bitwise(runtime, dtype, batch):
@@ -116,9 +110,7 @@ def test_pipeline_images_bitwise(tiny_pipe, runtime, cfg):
     assert OPT.fallback_reasons() == {}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# counting: projections, weight bytes, SiLU, ops per block
-# ----------------------------------------------------------------------------------------------------------------
+# ----- counting: projections, weight bytes, SiLU, ops per block -------------------------------------------------------
 def test_projections_and_weight_bytes_per_step(tiny_pipe, runtime):
     tr, steps = tiny_pipe.transformer, 2
     mods = mod_tensors(tr)
@@ -191,9 +183,7 @@ def test_teacache_extractor_hits(runtime):
     assert torch.equal(out, want) and warm_calls == 0
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# invalidation and memory bound
-# ----------------------------------------------------------------------------------------------------------------
+# ----- invalidation and memory bound ----------------------------------------------------------------------------------
 def test_inplace_weight_change_misses(runtime):
     tr = build(runtime)
     kw = inputs(torch.float32)
@@ -324,9 +314,7 @@ def test_budget_env(monkeypatch, runtime):
     assert OPT.memo.max_bytes == int(1.5 * 1024**2)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fallbacks: stock code, with a reason
-# ----------------------------------------------------------------------------------------------------------------
+# ----- fallbacks: stock code, with a reason ---------------------------------------------------------------------------
 def _fallback_case(runtime, tr, reason, kw=None, grad=False):
     kw = kw or inputs(torch.float32)
     want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw, grad))
@@ -436,9 +424,7 @@ def test_fingerprint_mismatch_turns_it_off(monkeypatch):
     assert api.select(ON) == []
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel
-# ----------------------------------------------------------------------------------------------------------------
+# ----- AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel ------------------
 class _LayerNormEvalSpy:
     """``npu_layer_norm_eval`` counting its calls, its result ``F.layer_norm``'s [OP-LNE] plus a marker offset: a path
     that silently used the native LayerNorm instead could not be bitwise-equal to stock's NPU path."""
@@ -483,9 +469,7 @@ def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd
         assert not torch.equal(norms[0].layernorm(x), spy(x, [TINY.inner_dim], eps=norms[0].eps))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the memo key: numerical settings (grad mode, matmul precision, autocast) are part of it
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the memo key: numerical settings (grad mode, matmul precision, autocast) are part of it ------------------------
 @contextlib.contextmanager
 def _matmul_precision(value: str) -> Iterator[None]:
     old = torch.get_float32_matmul_precision()
@@ -546,9 +530,7 @@ def test_numerical_settings_autocast_bitwise_after_warm_memo(runtime):
     assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# two-segment modulation (Qwen-Image-Edit-2511 zero_cond_t / modulate_index), issue 14
-# ----------------------------------------------------------------------------------------------------------------
+# ----- two-segment modulation (Qwen-Image-Edit-2511 zero_cond_t / modulate_index), issue 14 ---------------------------
 def edit_inputs(dtype, shapes, batch=1, t=0.5, seed=0) -> dict:
     """Transformer inputs of an edit request: ``shapes[0]`` is the denoised image, the rest condition images
     (vLLM-Omni's ModulateIndexPrepare: segment 0 for the first shape, segment 1 = timestep 0 for the rest)."""

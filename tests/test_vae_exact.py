@@ -95,9 +95,7 @@ def vaes(runtime):
     return {dt: make_dist_vae(dt) for dt in DTYPES}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# bitwise
-# ----------------------------------------------------------------------------------------------------------------
+# ----- bitwise --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_direct_vae_bitwise_several_sizes(vaes, dtype):
     vae = vaes[dtype]
@@ -204,9 +202,7 @@ def test_latents_stats_built_once_and_per_call_while_tracing(tiny_pipe, runtime,
     assert made == []  # outside tracing: from the cache
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# work removed
-# ----------------------------------------------------------------------------------------------------------------
+# ----- work removed ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_fewer_kernel_launches(vaes, dtype):
     vae = vaes[dtype]
@@ -239,9 +235,7 @@ def test_clear_cache_does_not_walk_modules(vaes, monkeypatch):
     assert vae._enc_feat_map == [None] * vae._cached_conv_counts["encoder"]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fallbacks keep stock results
-# ----------------------------------------------------------------------------------------------------------------
+# ----- fallbacks keep stock results -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_multi_frame_takes_stock_path(vaes, dtype):
     vae = vaes[dtype]
@@ -378,9 +372,7 @@ def test_upsample_verification_refuses_a_wrong_kernel(vaes, monkeypatch):
     assert torch.equal(ref, got)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# install / detach / idempotence / other models
-# ----------------------------------------------------------------------------------------------------------------
+# ----- install / detach / idempotence / other models ------------------------------------------------------------------
 def test_attach_detach_restore_by_identity(tiny_pipe):
     vae = tiny_pipe.vae
     decode_before = vae.decode  # vLLM-Omni's profiler may wrap this per instance: never touched
@@ -469,9 +461,7 @@ def test_status_lists_vae_exact_active():
     assert rows["vae_exact"]["equivalence"] == "exact"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# cache policies (one-entry latents statistics) and compile-safe bookkeeping
-# ----------------------------------------------------------------------------------------------------------------
+# ----- cache policies (one-entry latents statistics) and compile-safe bookkeeping -------------------------------------
 def _stock_stats(cfg, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """QwenImagePipeline._decode_latents' own ops for the mean and 1/std tensors."""
     mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)

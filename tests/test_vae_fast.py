@@ -32,9 +32,7 @@ def assert_nontrivial(img: torch.Tensor) -> None:
     assert (img.abs() >= 1.0).float().mean() < 0.5
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# metrics
-# ----------------------------------------------------------------------------------------------------------------
+# ----- metrics --------------------------------------------------------------------------------------------------------
 def test_metrics_identical_images():
     img = torch.rand(2, 3, 16, 24) * 2 - 1
     m = compare_images(img, img.clone())
@@ -67,9 +65,7 @@ def test_metrics_explicit_data_range_and_value_range():
         metrics.to_uint8(ref, value_range=(1.0, 1.0))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# gates
-# ----------------------------------------------------------------------------------------------------------------
+# ----- gates ----------------------------------------------------------------------------------------------------------
 def test_gates_on_tiny_pipeline_and_composition(tiny_pipe, runtime):
     kw = dict(height=48, width=64, steps=2, seed=5)
     ref = stock_then("none,+vae_fast", tiny_pipe, lambda: generate(tiny_pipe, runtime, **kw).images)
@@ -131,9 +127,7 @@ def test_fewer_ops_and_no_zero_padded_conv3d(realwidth):
     assert fast.total < stock.total
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fallbacks, weights, revert
-# ----------------------------------------------------------------------------------------------------------------
+# ----- fallbacks, weights, revert -------------------------------------------------------------------------------------
 def test_cached_or_multi_frame_calls_use_stock_conv3d():
     torch.manual_seed(0)
     conv = QwenImageCausalConv3d(4, 6, 3, padding=1)

@@ -50,9 +50,7 @@ _FIA_MAX_B = 65536
 _FIA_MAX_GQA = 64
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# shared math (BNSD, float32 inside)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- shared math (BNSD, float32 inside) -----------------------------------------------------------------------------
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -165,9 +163,7 @@ def _(query, key, value, atten_mask, layout, head_num, kv_heads, scale, pre, nxt
     return torch.empty_like(query), stats, stats.clone(), query.new_empty((0,))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# npu_fusion_attention: documented argument checks
-# ----------------------------------------------------------------------------------------------------------------
+# ----- npu_fusion_attention: documented argument checks ---------------------------------------------------------------
 def _fa_shapes(query: torch.Tensor, key: torch.Tensor, head_num: int, layout: str) -> tuple[int, int, int, int, int]:
     """Return (B, Sq, Skv, Nkv, D) or raise [OP-FA]."""
     want_dim = 3 if layout in ("BSH", "SBH") else 4
@@ -328,9 +324,7 @@ def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool =
     return npu_fusion_attention
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# npu_fused_infer_attention_score (a candidate the check script times; the plugin does not call it)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- npu_fused_infer_attention_score (a candidate the check script times; the plugin does not call it) --------------
 @torch.library.custom_op("fake_torch_npu::fused_infer_attention", mutates_args=())
 def _fia_op(
     query: torch.Tensor,

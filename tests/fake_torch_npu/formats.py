@@ -63,9 +63,7 @@ class FakeNpuError(RuntimeError):
     """Raised where the real torch_npu rejects its arguments (a TORCH_CHECK / aclnn parameter error)."""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# device model
-# ----------------------------------------------------------------------------------------------------------------
+# ----- device model ---------------------------------------------------------------------------------------------------
 def on_npu(t: torch.Tensor) -> bool:
     """Whether ``t`` stands for NPU memory in the fake: a CPU tensor whose storage is not marked as host memory."""
     if t.device.type != "cpu":
@@ -86,9 +84,7 @@ def install_hooks(monkeypatch: Any, mod: Any) -> None:
     mod.Format = type("Format", (), {name: value for value, name in FORMATS.items()})
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the copy: one custom op, so an op counter sees one launch (the device's TransData), not the fake's own ops
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the copy: one custom op, so an op counter sees one launch (the device's TransData), not the fake's own ops -----
 @torch.library.custom_op("fake_torch_npu::format_cast", mutates_args=())
 def _format_cast_op(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
@@ -164,9 +160,7 @@ def _nz_cast_keeps_nd(
     return _format_cast_op(self)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# where the real device fails on NZ weights
-# ----------------------------------------------------------------------------------------------------------------
+# ----- where the real device fails on NZ weights ----------------------------------------------------------------------
 _MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul"}
 
 

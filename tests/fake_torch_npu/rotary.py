@@ -35,9 +35,7 @@ class FakeNpuError(RuntimeError):
     """Raised where the real kernel rejects its arguments (a TORCH_CHECK / aclnn parameter error)."""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the computation: one custom op, so it counts as one launch
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the computation: one custom op, so it counts as one launch -----------------------------------------------------
 @torch.library.custom_op("fake_torch_npu::rotary_mul", mutates_args=())
 def _rotary_mul_op(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, pairing: str, precision: str) -> torch.Tensor:
     """out = x * r1 + rotate(x) * r2. ``precision``: "fp32" (one rounding at the end, as a fused vector kernel does) or
@@ -64,9 +62,7 @@ def _(x, r1, r2, pairing, precision):
     return torch.empty_like(x)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# documented argument checks
-# ----------------------------------------------------------------------------------------------------------------
+# ----- documented argument checks -------------------------------------------------------------------------------------
 def _shape_class(x: torch.Tensor, r: torch.Tensor, mode: str) -> tuple[str, int, int]:
     """Return (layout, B, N) for ``x`` given the broadcast shape of ``r``, or raise [OP-ROT layout tables]."""
     xs, rs = tuple(x.shape), tuple(r.shape)
@@ -136,9 +132,7 @@ def _cast_like(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return r if r.dtype == x.dtype else r.to(x.dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# variants
-# ----------------------------------------------------------------------------------------------------------------
+# ----- variants -------------------------------------------------------------------------------------------------------
 def npu_rotary_mul(
     self: torch.Tensor,
     r1: torch.Tensor,
