@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from tests.harness.forward import build, fwd, inputs
+from tests.harness.stock import stock_then, warm_block
 from tests.test_shared_modulation import COPRIME, EQUAL, UNEQUAL, edit_inputs
 from vllm_omni_ascend_opt import api, flags, registry
 from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
@@ -25,7 +26,7 @@ from vllm_omni_ascend_opt.opts import fast_modulate, fast_residual
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
-from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline
+from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
 
 MOD, RES = fast_modulate.OPT, fast_residual.OPT
 L = TINY.num_layers
@@ -52,16 +53,6 @@ MAX_ABS_DIFF = {torch.float32: 1e-5, torch.bfloat16: 0.05}
 @pytest.fixture(scope="module")
 def bf16_pipe(runtime):
     return load_pipeline(runtime, dtype=torch.bfloat16)
-
-
-def warm_block(pipe, rt, spec: str, **kw) -> tuple[Counter, torch.Tensor]:
-    """Select ``spec``; op counts of the last block on a repeated (warm) request, and its images."""
-    api.select(spec, model=pipe)
-    generate(pipe, rt, **kw)
-    with count_module_calls(pipe.transformer.transformer_blocks[-1]) as calls:
-        images = generate(pipe, rt, **kw).images
-    assert calls[0].counts == calls[-1].counts
-    return calls[-1].counts, images
 
 
 def assert_close_images(ref: torch.Tensor, got: torch.Tensor, dtype: torch.dtype) -> None:
@@ -102,9 +93,7 @@ def test_inactive_where_shared_modulation_is(opt, monkeypatch):
 def test_needs_shared_modulation_and_says_so(opt, runtime):
     tr = build(runtime)
     kw = inputs(torch.float32)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(f"none,+{opt.name}", model=tr)
+    want = stock_then(f"none,+{opt.name}", tr, lambda: fwd(tr, runtime, kw))
     assert opt.installed and not sm.OPT.installed
     assert "shared_modulation is not installed" in opt.reasons_inactive(tr)[0]
     opt.reset_stats()
@@ -162,9 +151,7 @@ def test_npu_path_one_layer_norm_eval_with_weight_and_bias_and_the_whole_tier(
     assert_close_images(ref, got, torch.float32)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fast_modulate's fallbacks
-# ----------------------------------------------------------------------------------------------------------------
+# ----- fast_modulate's fallbacks --------------------------------------------------------------------------------------
 def test_batch_rows_with_equal_and_different_modulation(runtime):
     tr = build(runtime)
     same, differ = inputs(torch.float32, batch=2, pad=2), inputs(torch.float32, batch=2, t=(0.25, 0.75), seed=2)
@@ -185,9 +172,7 @@ def test_batch_rows_with_equal_and_different_modulation(runtime):
 def test_two_segment_image_norms_fall_back_text_norms_do_not(runtime, shapes):
     tr = build(runtime, zero_cond_t=True)
     kw = edit_inputs(torch.float32, shapes)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(f"{SM_ON},+fast_modulate", model=tr)
+    want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
     MOD.reset_stats()
     _close(fwd(tr, runtime, kw), want)
     assert MOD.ran() == 2 * L  # the text stream's two norms per block
@@ -202,9 +187,7 @@ def test_layernorm_with_own_affine_or_hooks_falls_back(runtime):
     blk.img_norm1.layernorm.weight = nn.Parameter(torch.full((TINY.inner_dim,), 1.5))  # stock multiplies by it too
     handle = blk.txt_norm1.layernorm.register_forward_hook(lambda *_: None)
     try:
-        api.select("none", model=tr)
-        want = fwd(tr, runtime, kw)
-        api.select(f"{SM_ON},+fast_modulate", model=tr)
+        want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
         MOD.reset_stats()
         _close(fwd(tr, runtime, kw), want)
         assert MOD.fallback_reasons() == {
@@ -222,9 +205,7 @@ def test_mindiesd_adalayernorm_falls_back(runtime, fake_npu, monkeypatch):
     tr = build(runtime)
     _npu_norms(tr.transformer_blocks)
     kw = inputs(torch.float32)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(f"{SM_ON},+fast_modulate", model=tr)
+    want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
     MOD.reset_stats()
     assert torch.equal(fwd(tr, runtime, kw), want)
     (why,) = MOD.fallback_reasons()
@@ -247,9 +228,7 @@ def test_dtype_and_shape_reasons_on_a_norm_mod(runtime):
     assert "not one [B, 1, D] row" in next(iter(MOD.fallback_reasons())) and MOD.ran() == 0
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fast_residual: the two-segment image stream, the fallback
-# ----------------------------------------------------------------------------------------------------------------
+# ----- fast_residual: the two-segment image stream, the fallback ------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shapes", [EQUAL, UNEQUAL, COPRIME], ids=["equal", "unequal", "slices"])
 def test_two_segment_blocks(runtime, dtype, shapes):

@@ -1,13 +1,9 @@
 """A fault costs one kernel call, never a request: fault injection through the torch_npu fake (``FaultPlan``).
 
-For every injection point (a kernel inside its check, the same kernel in use after the check, table building, a
-check that does not fit in free device memory) the test asserts the three things of the guard's contract
-(``blocks/kernels/guard.py``):
-
-1. the forward completes, with stock's result for the faulted call (bitwise where the kernel is bitwise stock);
-2. the next forward is exactly what it would be without the fault: the kernel is back after its backoff (one
-   forward), every verdict is a pass, the caches hold no partial entry;
-3. status (``notes()``, ``kernel_classes()``, the status report) names the fault while it waits.
+For a kernel inside its check, in use after the check, table building, and a check that does not fit in free device
+memory, the guard's contract (``blocks/kernels/guard.py``): the forward completes with stock's result for the faulted
+call; the next forward is as without the fault (the kernel back after its backoff, every verdict a pass, no partial
+cache entry); status names the fault while it waits.
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ import pytest
 import torch
 
 from tests.harness.forward import tiny_forward
+from tests.harness.stock import stock_then
 from vllm_omni_ascend_opt import _report, api
 from vllm_omni_ascend_opt.blocks.kernels import rope_tables, saved
 from vllm_omni_ascend_opt.opts import fused_attention as fa
@@ -43,25 +40,15 @@ POINTS = {
 KIND_WORDS = {"oom": "out of memory", "runtime": "runtime error"}
 
 
-def _guard(opt):
-    return opt.rotary.guard if opt is rope.OPT else opt.path.guard
-
-
-def _verdicts(opt):
-    if opt is rope.OPT:
-        return opt.verdicts() + opt.shape_verdicts()
-    if opt is fa.OPT:
-        return list(opt.verdicts().values()) + opt.shape_verdicts()
-    return opt.verdicts()
+def _path(opt):
+    return opt.rotary if opt is rope.OPT else opt.path
 
 
 @pytest.mark.parametrize("point", list(POINTS))
 def test_a_fault_costs_one_call_and_the_next_forward_is_as_without_it(fake_npu, runtime, bf16_transformer, point):
     opt, spec, kernel, at, kind, bitwise = POINTS[point]
     fake_npu()
-    api.select("none", model=bf16_transformer)
-    stock = tiny_forward(runtime, bf16_transformer)
-    api.select(spec, model=bf16_transformer)
+    stock = stock_then(spec, bf16_transformer, lambda: tiny_forward(runtime, bf16_transformer))
     clean = tiny_forward(runtime, bf16_transformer)  # the default run, no fault
     npu = fake_npu()  # a new backend probe: every verdict is made afresh
     npu.faults.inject(kernel, at=at, kind=kind)
@@ -73,7 +60,8 @@ def test_a_fault_costs_one_call_and_the_next_forward_is_as_without_it(fake_npu, 
         assert torch.isfinite(faulted).all() and (faulted.float() - clean.float()).abs().max() <= 2.0**-4
         if at == 1:  # the toy check faulted: no call of this forward took the kernel
             assert torch.equal(faulted, stock)
-    (fault,) = _guard(opt).faults()  # 3. status names it
+    path = _path(opt)
+    (fault,) = path.guard.faults()  # 3. status names it
     assert fault.kind == KIND_WORDS[kind] and "fake fault" in fault.error and not fault.demoted
     assert any(KIND_WORDS[kind] in n for n in opt.notes())
     assert opt.kernel_classes()["why"] == {KIND_WORDS[kind]: 1}
@@ -81,13 +69,13 @@ def test_a_fault_costs_one_call_and_the_next_forward_is_as_without_it(fake_npu, 
     assert not opt.reasons_inactive(bf16_transformer)  # a fault is not "off"
     again = tiny_forward(runtime, bf16_transformer)  # 2. the next forward: the kernel is back, as without the fault
     assert torch.equal(again, clean)
-    assert _guard(opt).faults() == [] and all(v.ok for v in _verdicts(opt)) and opt.stats["recovered"] == 1
+    verdicts = path.firsts.values() + path.classes.values()
+    assert path.guard.faults() == [] and all(v.ok for v in verdicts) and opt.stats["recovered"] == 1
     assert opt.kernel_classes()["stock"] == 0
 
 
 def test_a_fault_while_building_tables_leaves_no_partial_entry(fake_npu, monkeypatch):
-    """Why (3): ``portable_tables`` stored cos before building sin_signed; an out-of-memory error between the two
-    left (cos, None), and every later rotation raised TypeError. Now both are stored together, or neither."""
+    """An out-of-memory error while building the tables leaves neither cos nor sin_signed stored."""
     npu = fake_npu()
     monkeypatch.setattr(rope_tables, "torch", npu.faults.proxy(torch, "stack"))
     npu.faults.inject("stack", at=1, kind="oom")
@@ -126,9 +114,7 @@ def test_a_check_that_does_not_fit_in_free_memory_is_deferred_not_failed(fake_np
     """Before a class check runs, its fp32 scratch is compared with the device's free memory: it does not fit, so
     the call runs stock and the check is deferred (no verdict, not an error); once memory is free it runs."""
     npu = fake_npu()
-    api.select("none", model=bf16_transformer)
-    stock = tiny_forward(runtime, bf16_transformer)
-    api.select("none,+qk_norm", model=bf16_transformer)
+    stock = stock_then("none,+qk_norm", bf16_transformer, lambda: tiny_forward(runtime, bf16_transformer))
     npu.memory["free"] = 1024
     assert torch.equal(tiny_forward(runtime, bf16_transformer), stock)
     assert qn.OPT.verdicts() == [] and qn.OPT.stats["kernel_calls"] == 0 and qn.OPT.stats["deferred_checks"] > 0

@@ -7,15 +7,19 @@ module fixture loads the tiny Qwen-Image through vLLM-Omni's own loader with ``d
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 
 import pytest
 import torch
 
 from tests.fake_torch_npu.formats import FakeNpuError
+from tests.harness.forward import fwd, inputs
 from vllm_omni_ascend_opt import api
 from vllm_omni_ascend_opt.blocks.kernels import npu_attention as fab
 from vllm_omni_ascend_opt.opts import fused_attention as fa
+from vllm_omni_ascend_opt.opts import rope as rope_mod
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
 from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline
 
@@ -24,38 +28,17 @@ B, TXT, IMG_HW = 2, 7, (4, 4)  # 2 prompts, 7 text tokens, 4x4 latent patches (a
 HEADS, HEAD_DIM = 4, 16  # the tiny test-bed transformer
 
 
-def _load(runtime, dtype: torch.dtype):
-    """A fresh pipeline from vLLM-Omni's loader (the plugin's loader hook runs) in ``dtype``."""
-    return load_pipeline(runtime, dtype=dtype)
-
-
 @pytest.fixture(scope="module")
 def bf16_pipe(runtime):
-    return _load(runtime, torch.bfloat16)
-
-
-def _inputs(dtype: torch.dtype, seed: int = 0, pad: int = 5):
-    g = torch.Generator().manual_seed(seed)
-    h, w = IMG_HW
-    hs = torch.randn(B, h * w, 16, generator=g).to(dtype)
-    ehs = torch.randn(B, TXT, 32, generator=g).to(dtype)
-    keep = torch.ones(B, TXT, dtype=torch.bool)
-    keep[1, pad:] = False  # the second prompt is TXT - pad tokens shorter: a padded text mask
-    return hs, ehs, keep
+    return load_pipeline(runtime, dtype=torch.bfloat16)
 
 
 def run_transformer(tr, runtime, *, masked: bool, seed: int = 0, pad: int = 5) -> torch.Tensor:
-    hs, ehs, keep = _inputs(tr.proj_out.weight.dtype, seed, pad)
-    with runtime.context(), torch.no_grad():
-        return tr(
-            hidden_states=hs,
-            encoder_hidden_states=ehs,
-            encoder_hidden_states_mask=keep if masked else None,
-            timestep=torch.full((B,), 0.5),
-            img_shapes=[[(1, *IMG_HW)]] * B,
-            txt_seq_lens=[TXT] * B,
-            return_dict=False,
-        )[0]
+    """``B`` prompts; with ``masked`` the second keeps only its first ``pad`` text tokens (a padded text mask)."""
+    kw = inputs(tr.proj_out.weight.dtype, B, IMG_HW, TXT, pad=TXT - pad, seed=seed)
+    if not masked:
+        kw["encoder_hidden_states_mask"] = None
+    return fwd(tr, runtime, kw)
 
 
 def _layers(tr):
@@ -64,39 +47,7 @@ def _layers(tr):
     return [m.attn for m in tr.modules() if isinstance(m, QwenImageCrossAttention)]
 
 
-class _Spy:
-    """Wraps the fake kernel and records its arguments."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, []
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append((args, kwargs))
-        return self.fn(*args, **kwargs)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# without torch_npu: inactive, with a reason, and nothing changes
-# ----------------------------------------------------------------------------------------------------------------
-def test_cpu_without_torch_npu_is_inactive_and_changes_nothing(tiny_pipe, runtime):
-    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
-
-    reasons = OPT.reasons_inactive()
-    assert any("torch_npu" in r for r in reasons), reasons
-    ref = generate(tiny_pipe, runtime, steps=2, seed=3)
-    assert api.select("none,+fused_attention", model=tiny_pipe) == []  # not installed
-    OPT.attach(tiny_pipe)  # a direct attach does nothing either, and says why
-    assert any("torch_npu" in r for r in OPT.reasons_inactive(tiny_pipe))
-    assert OPT.report(tiny_pipe)["swapped"] == 0
-    assert all(type(layer.attention) is SDPAImpl for layer in _layers(tiny_pipe.transformer))
-    got = generate(tiny_pipe, runtime, steps=2, seed=3)
-    OPT.detach(tiny_pipe)
-    assert torch.equal(ref.images, got.images)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# per instance, by identity, reversible
-# ----------------------------------------------------------------------------------------------------------------
+# ----- per instance, by identity, reversible --------------------------------------------------------------------------
 def test_swaps_the_impl_of_this_model_only_and_restores_it(fake_npu, bf16_pipe, tiny_pipe):
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
 
@@ -118,24 +69,26 @@ def test_swaps_the_impl_of_this_model_only_and_restores_it(fake_npu, bf16_pipe, 
     assert all(layer.attention is s for layer, s in zip(layers, stock, strict=True))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# what reaches the kernel: BSND, head_num, scale = 1/sqrt(D), mask inverted, no mask when vLLM-Omni dropped it
-# ----------------------------------------------------------------------------------------------------------------
+# ----- what reaches the kernel: BSND, head_num, scale = 1/sqrt(D), mask inverted, no mask when vLLM-Omni dropped it ---
 def test_layout_head_num_scale_and_mask_polarity_reach_the_kernel(fake_npu, bf16_pipe, runtime):
+    """What reaches the kernel, and its result: equal to SDPA's within tolerance, masked or not."""
     fake = fake_npu()
     tr = bf16_pipe.transformer
+    refs = {m: run_transformer(tr, runtime, masked=m, seed=1) for m in (True, False)}
     OPT.attach(tr)
     run_transformer(tr, runtime, masked=True)  # first use: verification runs here
     run_transformer(tr, runtime, masked=False)  # ... and the check of the unmasked shape class
-    spy = fake.npu_fusion_attention = _Spy(fake.npu_fusion_attention)
-    run_transformer(tr, runtime, masked=True)
-    run_transformer(tr, runtime, masked=False)
+    calls, kernel = [], fake.npu_fusion_attention
+    fake.npu_fusion_attention = lambda *a, **k: calls.append((a, k)) or kernel(*a, **k)
+    got = {m: run_transformer(tr, runtime, masked=m, seed=1) for m in (True, False)}
+    report = OPT.report(tr)
     OPT.detach(tr)
-    assert len(spy.calls) == 4  # 2 blocks x 2 forwards
+    assert len(calls) == 4 and report["calls"] == {"fused": 8}  # 2 blocks x 2 forwards (4 with the first two)
     s = TXT + IMG_HW[0] * IMG_HW[1]
-    _, keep = _inputs(torch.bfloat16)[1:]
+    keep = torch.ones(B, TXT, dtype=torch.bool)
+    keep[1, 5:] = False
     joint_keep = torch.cat([keep, torch.ones(B, s - TXT, dtype=torch.bool)], dim=1)
-    for i, (args, kwargs) in enumerate(spy.calls):
+    for i, (args, kwargs) in enumerate(calls):
         q, k, v, head_num = args
         assert q.shape == k.shape == v.shape == (B, s, HEADS, HEAD_DIM) and q.dtype == torch.bfloat16
         assert head_num == HEADS and kwargs["input_layout"] == "BSND"
@@ -147,20 +100,9 @@ def test_layout_head_num_scale_and_mask_polarity_reach_the_kernel(fake_npu, bf16
             assert mask[1, 0, :, 5:TXT].all() and not mask[0].any()
         else:  # all-true mask dropped upstream (T:1261): no mask at all
             assert mask is None
-
-
-@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "padded-mask"])
-def test_result_equals_sdpa_within_tolerance(fake_npu, bf16_pipe, runtime, masked):
-    fake_npu()
-    tr = bf16_pipe.transformer
-    ref = run_transformer(tr, runtime, masked=masked, seed=1)
-    OPT.attach(tr)
-    got = run_transformer(tr, runtime, masked=masked, seed=1)
-    report = OPT.report(tr)
-    OPT.detach(tr)
-    assert report["calls"] == {"fused": 2}
-    err = (got.float() - ref.float()).abs().max().item()
-    assert 0 < err <= 2.0**-6, err  # a different kernel: close (here 1 bf16 ulp), never wrong
+    for m in (True, False):
+        err = (got[m].float() - refs[m].float()).abs().max().item()
+        assert 0 < err <= 2.0**-6, err  # a different kernel: close (here 1 bf16 ulp), never wrong
     verdict = OPT.verdicts()[("cpu", "bfloat16")]
     assert verdict.ok and set(verdict.errors) == {"no mask", "padded mask"}
     assert all(e <= fab.ATOL[torch.bfloat16] for e in verdict.errors.values())
@@ -186,9 +128,7 @@ def test_fused_forward_matches_fp32_sdpa_with_gqa_and_masks(fake_npu, dtype):
         assert (out.float() - ref).abs().max().item() <= fab.ATOL[dtype]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# verification refuses wrong kernels; float32 models stay stock
-# ----------------------------------------------------------------------------------------------------------------
+# ----- verification refuses wrong kernels; float32 models stay stock --------------------------------------------------
 @pytest.mark.parametrize("variant", ["wrong_polarity", "ignores_scale"])
 def test_verification_refuses_a_wrong_kernel(fake_npu, bf16_pipe, runtime, variant):
     fake = fake_npu(fusion_attention=variant)
@@ -222,9 +162,7 @@ def test_float32_model_stays_bitwise_stock_with_a_reason(fake_npu, tiny_pipe, ru
     assert any("float32" in r for r in reasons) and calls and set(calls) == {"sdpa: dtype float32"}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# documented limits: checked before the call (and the fake would reject the same calls)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- documented limits: checked before the call (and the fake would reject the same calls) --------------------------
 def _meta(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="meta")
 
@@ -241,18 +179,12 @@ def _meta(*shape, dtype=torch.bfloat16):
 def test_limits_send_the_call_to_sdpa(q, k, why, fake_npu):
     npu = fake_npu()
     assert fab.limits_violation(_meta(*q), _meta(*k), _meta(*k)).startswith(why)
-    if len(q) == 4:  # the fake enforces the same documented limit [OP-FA]
+    if len(q) == 4:  # fused_forward checks before calling the kernel, which enforces the same limit [OP-FA]
         qq, kk = torch.zeros(q, dtype=torch.bfloat16), torch.zeros(k, dtype=torch.bfloat16)
+        out, reason = fab.fused_forward(npu, qq, kk, kk, None, None)
+        assert out is None and reason.startswith(why)
         with pytest.raises(FakeNpuError, match=r"OP-FA"):
             npu.npu_fusion_attention(qq, kk, kk, q[2], input_layout="BSND")
-
-
-@pytest.mark.parametrize(("nq", "nkv", "d", "why"), [(6, 4, 16, "heads 6/4"), (2, 2, 769, "head dim 769")])
-def test_fused_forward_checks_the_limits_before_calling_the_kernel(fake_npu, nq, nkv, d, why):
-    npu = fake_npu()
-    q, k = torch.zeros(1, 8, nq, d, dtype=torch.bfloat16), torch.zeros(1, 8, nkv, d, dtype=torch.bfloat16)
-    out, reason = fab.fused_forward(npu, q, k, k, None, None)  # the kernel would raise on these [OP-FA]
-    assert out is None and reason.startswith(why)
 
 
 def test_dtype_and_mask_forms_outside_the_path(fake_npu):
@@ -268,32 +200,21 @@ def test_dtype_and_mask_forms_outside_the_path(fake_npu):
         npu.npu_fusion_attention(q, q, q, 2, input_layout="BSND", atten_mask=torch.zeros(1, 1, 1, 4, dtype=torch.bool))
 
 
-def test_causal_impl_goes_to_sdpa(fake_npu):
-    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
-
-    fake_npu()
-    stock = SDPAImpl(num_heads=2, head_size=16, softmax_scale=0.25, causal=True)
-    impl = fa._make_fused(stock)
-    q = torch.randn(1, 5, 2, 16).bfloat16()
-    want = stock._forward_impl(q, q, q, None)
-    stock.forward = lambda *a: stock._forward_impl(*a)  # what the platform dispatch does on CPU
-    assert torch.equal(impl.forward(q, q, q, None), want)
-    assert impl._ascend_opt_calls == {"sdpa: causal": 1}
-
-
-def test_a_call_outside_the_limits_goes_to_sdpa_unchecked(fake_npu):
-    """GQA with Nq % Nkv != 0 [OP-FA]: the swapped impl runs stock SDPA, names the limit, and never calls the kernel
-    (the fake raises on it)."""
+@pytest.mark.parametrize(
+    ("causal", "nq", "nkv", "why"), [(True, 2, 2, "causal"), (False, 6, 4, "heads 6/4 (Nq 1..256, Nq % Nkv == 0)")]
+)
+def test_a_causal_call_or_one_outside_the_limits_goes_to_sdpa_unchecked(fake_npu, causal, nq, nkv, why):
+    """A causal impl, or GQA with Nq % Nkv != 0 [OP-FA]: the swapped impl runs stock SDPA, names why, and never calls
+    the kernel (the fake raises on the GQA call)."""
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
 
     npu = fake_npu()
-    stock = SDPAImpl(num_heads=6, head_size=16, softmax_scale=0.25, causal=False, num_kv_heads=4)
+    stock = SDPAImpl(num_heads=nq, head_size=16, softmax_scale=0.25, causal=causal, num_kv_heads=nkv)
     stock.forward = lambda *a: "stock"
     impl = fa._make_fused(stock)
-    q, k = torch.randn(1, 5, 6, 16).bfloat16(), torch.randn(1, 5, 4, 16).bfloat16()
+    q, k = torch.randn(1, 5, nq, 16).bfloat16(), torch.randn(1, 5, nkv, 16).bfloat16()
     assert impl.forward(q, k, k, None) == "stock"
-    assert impl._ascend_opt_calls == {"sdpa: heads 6/4 (Nq 1..256, Nq % Nkv == 0)": 1}
-    assert npu.calls["npu_fusion_attention"] == 0
+    assert impl._ascend_opt_calls == {f"sdpa: {why}": 1} and npu.calls["npu_fusion_attention"] == 0
 
 
 def test_graph_mode_goes_to_sdpa(fake_npu, monkeypatch):
@@ -319,8 +240,6 @@ def test_graph_mode_goes_to_sdpa(fake_npu, monkeypatch):
 def test_tracing_runs_stock_sdpa_without_bookkeeping(fake_npu, bf16_pipe, runtime, monkeypatch, caplog):
     """Under torch.compile tracing the attached transformer runs stock SDPA bit for bit, and nothing mutable is
     touched: no call counted, no verdict made, no mask built, no forward generation started, nothing logged."""
-    import logging
-
     fake = fake_npu()
     tr = bf16_pipe.transformer
     with monkeypatch.context() as m:
@@ -343,9 +262,7 @@ def test_tracing_runs_stock_sdpa_without_bookkeeping(fake_npu, bf16_pipe, runtim
     assert before[1] == {"fused": 2} and before[2] > 0 and before[3] == 1  # what it would have touched
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# sequence parallelism: after Ulysses' pre-attention; ring and foreign backends are skipped
-# ----------------------------------------------------------------------------------------------------------------
+# ----- sequence parallelism: after Ulysses' pre-attention; ring and foreign backends are skipped ----------------------
 def test_runs_between_the_parallel_strategys_pre_and_post_attention(fake_npu, bf16_pipe, runtime, monkeypatch):
     fake = fake_npu()
     tr = bf16_pipe.transformer
@@ -376,7 +293,7 @@ def test_runs_between_the_parallel_strategys_pre_and_post_attention(fake_npu, bf
 
 def test_ring_and_non_sdpa_layers_are_skipped(fake_npu, runtime, monkeypatch):
     fake_npu()
-    pipe = _load(runtime, torch.bfloat16)
+    pipe = load_pipeline(runtime, dtype=torch.bfloat16)
     ring_layer, other_layer = _layers(pipe.transformer)
     monkeypatch.setattr(ring_layer, "use_ring", True)
     monkeypatch.setattr(other_layer, "attention", object())
@@ -390,9 +307,7 @@ def test_ring_and_non_sdpa_layers_are_skipped(fake_npu, runtime, monkeypatch):
     assert "ring" in OPT.parallel_support and OPT.parallel_support["ring"].startswith("off")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# op counts per block (through the fake: one kernel = one launch)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- op counts per block (through the fake: one kernel = one launch) ------------------------------------------------
 def test_op_count_per_block(fake_npu, bf16_pipe, runtime):
     fake_npu()
     tr = bf16_pipe.transformer
@@ -419,34 +334,22 @@ def test_op_count_per_block(fake_npu, bf16_pipe, runtime):
     assert fused[True].total == stock[True].total - 1
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the NPU check script (benchmarks/npu_check_kernels.py): skips cleanly here, runs end to end against the fake
-# ----------------------------------------------------------------------------------------------------------------
-def _check_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "npu_check_kernels.py"
-    spec = importlib.util.spec_from_file_location("npu_check_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
+# ----- the NPU check script (benchmarks/npu_check_kernels.py): skips cleanly here, runs end to end against the fake ---
 SMALL = ["--fake", "--img-tokens", "24", "--txt-tokens", "40", "--heads", "2", "--head-dim", "16", "--hidden", "32"]
 SMALL += ["--iters", "1", "--warmup", "0"]
 
 
 def test_check_script_skips_without_torch_npu(capsys):
-    assert _check_script().main([]) == 0
+    from benchmarks import npu_check_kernels as script
+
+    assert script.main([]) == 0
     out = capsys.readouterr().out
     assert out.startswith("SKIPPED: torch_npu is not installed") and "nothing to check" in out
 
 
 def test_check_script_against_the_fake(capsys, tmp_path):
-    import json
+    from benchmarks import npu_check_kernels as script
 
-    script = _check_script()
     js = tmp_path / "check.json"
     assert script.main([*SMALL, "--json", str(js)]) == 0
     out = capsys.readouterr().out
@@ -467,13 +370,10 @@ def test_check_script_against_the_fake(capsys, tmp_path):
 
 
 def test_check_script_applies_the_runtime_policies(capsys, tmp_path, monkeypatch):
-    """Finding 3: the script said "PASS ... in use" for a rope kernel the runtime refused. It now applies the policy
-    (bitwise refuses the fp32-inside kernel) and the nz gates (an old CANN), and says what the plugin would use."""
-    import json
+    """The script applies rope's policy (bitwise refuses the fp32-inside kernel) and the nz gates (an old CANN), and
+    says what the plugin would use."""
+    from benchmarks import npu_check_kernels as script
 
-    from vllm_omni_ascend_opt.opts import rope as rope_mod
-
-    script = _check_script()
     js = tmp_path / "check.json"
     monkeypatch.setenv(rope_mod.ENV_KERNEL_POLICY, "bitwise")
     assert script.main([*SMALL, "--json", str(js)]) == 1
@@ -488,9 +388,7 @@ def test_check_script_applies_the_runtime_policies(capsys, tmp_path, monkeypatch
     assert "CANN 8.2.RC1 < 8.3" in out and not json.loads(js.read_text())["would_use"]["nz_weights"]["ok"]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# issue 12: the mask once per forward, verification at the shapes that run, the fake against the real package
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the mask once per forward, verification at the shapes that run, the fake's documented semantics ----------------
 def test_mask_is_built_once_per_forward_not_per_layer(fake_npu, bf16_pipe, runtime):
     fake_npu()
     tr = bf16_pipe.transformer
@@ -515,40 +413,35 @@ def test_mask_is_built_once_per_forward_not_per_layer(fake_npu, bf16_pipe, runti
     assert any("masks built" in n for n in OPT.notes())
 
 
-def test_a_new_forward_rebuilds_the_mask(fake_npu, bf16_pipe, runtime):
-    """Masks of different forwards never mix: a different padding in the next forward is honoured."""
-    fake_npu()
-    tr = bf16_pipe.transformer
-    ref_masked = run_transformer(tr, runtime, masked=True, seed=5)
-    ref_plain = run_transformer(tr, runtime, masked=False, seed=5)
-    OPT.attach(tr)
-    got_masked = run_transformer(tr, runtime, masked=True, seed=5)
-    got_plain = run_transformer(tr, runtime, masked=False, seed=5)
-    OPT.detach(tr)
-    for got, ref in ((got_masked, ref_masked), (got_plain, ref_plain)):
-        assert (got.float() - ref.float()).abs().max().item() <= 2.0**-6
-    assert not torch.equal(got_masked, got_plain)
-
-
 def test_a_new_forward_with_other_padding_gets_its_own_mask(fake_npu, bf16_pipe, runtime):
     """The per-forward mask cache is keyed on shapes, not values: a new forward (generation) must drop it, or the next
-    batch with the same shapes but other padding would reuse the previous forward's mask."""
+    batch with the same shapes but other padding (or no mask) would reuse the previous forward's mask."""
     fake = fake_npu()
     tr = bf16_pipe.transformer
-    refs = {pad: run_transformer(tr, runtime, masked=True, seed=7, pad=pad) for pad in (5, 3)}
+    pads = (5, 3, None)  # None: no mask
+
+    def run(pad: int | None) -> torch.Tensor:
+        return run_transformer(tr, runtime, masked=pad is not None, seed=7, pad=pad or TXT)
+
+    refs = {pad: run(pad) for pad in pads}
     OPT.attach(tr)
-    run_transformer(tr, runtime, masked=True, seed=7, pad=5)  # verification and the shape-class check
-    spy = fake.npu_fusion_attention = _Spy(fake.npu_fusion_attention)
-    got = {pad: run_transformer(tr, runtime, masked=True, seed=7, pad=pad) for pad in (5, 3)}
+    for pad in (5, None):  # verification and the shape-class checks
+        run(pad)
+    calls, kernel = [], fake.npu_fusion_attention
+    fake.npu_fusion_attention = lambda *a, **k: calls.append(k) or kernel(*a, **k)
+    got = {pad: run(pad) for pad in pads}
     OPT.detach(tr)
     s = TXT + IMG_HW[0] * IMG_HW[1]
-    for i, (_args, kwargs) in enumerate(spy.calls):  # 2 layers x (pad 5, then pad 3)
-        pad = (5, 5, 3, 3)[i]
+    assert len(calls) == 6
+    for kwargs, pad in zip(calls, (5, 5, 3, 3, None, None), strict=True):  # 2 layers per forward
         mask = kwargs["atten_mask"]
-        assert mask.shape == (B, 1, s, s) and mask[1, 0, :, pad:TXT].all() and not mask[1, 0, :, :pad].any()
-    assert len(spy.calls) == 4
+        if pad is None:
+            assert mask is None
+        else:
+            assert mask.shape == (B, 1, s, s) and mask[1, 0, :, pad:TXT].all() and not mask[1, 0, :, :pad].any()
     assert not torch.equal(refs[5], refs[3])  # the padding matters (in the tiny model, by less than the tolerance)
-    for pad in (5, 3):
+    assert not torch.equal(got[5], got[None])
+    for pad in pads:
         assert (got[pad].float() - refs[pad].float()).abs().max().item() <= 2.0**-6
 
 
@@ -564,17 +457,12 @@ def test_shape_check_reference_is_chunked_and_bounded(monkeypatch, fake_npu):
     q, k, v = (torch.randn(b, s, n, d, generator=g).bfloat16() for _ in range(3))
     out = fab.call_kernel(fake, q, k, v, None, d**-0.5)
     err, err_stock, finite = fab.class_errors(q, k, v, out, None, d**-0.5)
-    assert (
-        finite
-        and err <= max(fab.ATOL[torch.bfloat16], 4 * err_stock)
-        and len(seen) > n
-        and max(seen) <= fab.VERIFY_CHUNK_ELEMS
-        and sum(seen) == b * n * s * s
-    )
+    assert finite and err <= max(fab.ATOL[torch.bfloat16], 4 * err_stock)
+    assert len(seen) > n and max(seen) <= fab.VERIFY_CHUNK_ELEMS and sum(seen) == b * n * s * s
 
 
 def test_fake_sparse_mode_range_outside_tnd(fake_npu):
-    """[OP-FA] 7 and 8 are the varlen (TND) split modes: BSND accepts 0..6 only (the fake once accepted 0..8)."""
+    """[OP-FA] 7 and 8 are the varlen (TND) split modes: BSND accepts 0..6 only."""
     fake = fake_npu()
     q = torch.randn(1, 8, 2, 16).bfloat16()
     for mode in (7, 8):
@@ -608,19 +496,3 @@ def test_fake_trailing_parameters_of_the_real_schema(fake_npu):
     assert len(out) == 7
     with pytest.raises(TypeError):
         fake.npu_fusion_attention(q, q, q, 2, "BSND", no_such_argument=1)
-
-
-def test_uninstall_clears_the_verdicts(fake_npu, bf16_pipe, runtime):
-    """The verdict caches' second rule: uninstall drops every verdict (same backend probe), so a re-install verifies
-    afresh."""
-    from vllm_omni_ascend_opt import _backend
-
-    fake_npu()
-    tr = bf16_pipe.transformer
-    OPT.attach(tr)
-    run_transformer(tr, runtime, masked=True)
-    OPT.detach(tr)
-    probe = _backend.probe_id()
-    assert OPT.verdicts() and OPT.shape_verdicts()
-    OPT.uninstall()
-    assert _backend.probe_id() == probe and OPT.verdicts() == {} and OPT.shape_verdicts() == []

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from tests.harness.forward import tiny_forward
+from tests.harness.stock import stock_then, warm_block
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.blocks.body import compiled_blocks, joint_qkv
 from vllm_omni_ascend_opt.blocks.body.joint_qkv import READY_ROPE
@@ -23,7 +24,7 @@ from vllm_omni_ascend_opt.blocks.kernels import rope_tables
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.opts import joint_attention as ja
 from vllm_omni_ascend_opt.testbed import TINY
-from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
+from vllm_omni_ascend_opt.testbed.memory import measure
 from vllm_omni_ascend_opt.testbed.pipeline import generate
 
 OPT = ja.OPT
@@ -72,9 +73,7 @@ def _stock_attn(attn, *args, **kwargs):
     return OPT.patches.original(type(attn), "forward")(attn, *args, **kwargs)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the joint RMSNorm, bitwise
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the joint RMSNorm, bitwise -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("d", [16, 128], ids=["tiny", "real_head_dim"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_joint_rms_norm_is_bitwise_the_two_norms_and_cat(dtype, d, monkeypatch):
@@ -100,9 +99,7 @@ def test_joint_rms_norm_is_bitwise_the_two_norms_and_cat(dtype, d, monkeypatch):
     assert got.dtype == want.dtype and torch.equal(got, want) and torch.equal(pieces, want)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# install / uninstall
-# ----------------------------------------------------------------------------------------------------------------
+# ----- install / uninstall --------------------------------------------------------------------------------------------
 def test_install_and_uninstall_are_idempotent_and_restore_the_original(runtime, tiny_pipe):
     cls = sys.modules[_targets.TRANSFORMER].QwenImageCrossAttention
     original = cls.forward
@@ -129,9 +126,7 @@ def test_listed_with_its_tier_and_no_reason_on_cpu(tiny_pipe):
     assert rows["joint_attention"]["flag"] == {"enable": "+joint_attention", "disable": "-joint_attention"}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# bitwise on the pipeline and on the transformer, with and without rope
-# ----------------------------------------------------------------------------------------------------------------
+# ----- bitwise on the pipeline and on the transformer, with and without rope ------------------------------------------
 def test_pipeline_default_is_bitwise_none_and_the_joint_path_ran(runtime, tiny_pipe):
     api.select("none", model=tiny_pipe)
     ref = generate(tiny_pipe, runtime, steps=2, seed=5, cfg_scale=4.0).images
@@ -152,9 +147,7 @@ def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pi
     same image size: different joint freqs (and tables) per text length."""
     t = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
     cases = [dict(txt=7), dict(txt=9), dict(txt=7, pad=True), dict(txt=9, hw=(4, 6), pad=True), dict(txt=7)]
-    api.select("none", model=t)
-    refs = [tiny_forward(runtime, t, batch=2, **c) for c in cases]
-    api.select(spec, model=t)
+    refs = stock_then(spec, t, lambda: [tiny_forward(runtime, t, batch=2, **c) for c in cases])
     OPT.reset_stats()
     got = [tiny_forward(runtime, t, batch=2, **c) for c in cases]
     for c, a, b in zip(cases, refs, got, strict=True):
@@ -163,8 +156,7 @@ def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pi
     assert OPT.stats["joint_calls"] == len(cases) * layers
     assert OPT.stats["masked_calls"] >= 2 * layers  # the padded cases went through the mask path
     # With rope's embedder memo the freqs objects repeat per shape: (4x4, 7), (4x4, 9), (4x6, 9) -> 3 joint freqs;
-    # without it every forward has new freqs objects -> one per forward. The joint freqs are looked up once per
-    # forward (issue 21: a per-forward decision, reused by every block), so a forward either builds or reuses once.
+    # without it one per forward (the joint freqs are looked up once per forward).
     builds = 3 if "rope" in spec else len(cases)
     assert OPT.stats["joint_freqs_builds"] == builds
     assert OPT.stats["joint_freqs_hits"] == len(cases) - builds
@@ -172,28 +164,18 @@ def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pi
 
 
 def test_the_ops_per_block_fall_by_twenty_eight_bitwise(runtime, tiny_pipe):
-    """74 -> 46 on the CPU default stack (fp32): norms 24 -> 10 (q and k of both streams gathered into one
-    ``[2, B, S, N, D]`` buffer, one norm pass, four weight multiplies), RoPE 16 -> 4 (q and k in one rotation),
-    cats 3 -> 1."""
+    """74 -> 46 on the CPU default stack (fp32): norms 24 -> 10 (one pass over q and k of both streams), RoPE
+    16 -> 4 (q and k in one rotation), cats 3 -> 1."""
 
-    def ops(spec):
-        api.select(spec, model=tiny_pipe)
-        generate(tiny_pipe, runtime, steps=1, seed=3)
-        with count_module_calls(tiny_pipe.transformer.transformer_blocks[-1]) as calls:
-            img = generate(tiny_pipe, runtime, steps=1, seed=3).images
-        return calls[-1], img
-
-    without, a = ops("default,-joint_attention")
-    with_, b = ops("default")
+    without, a = warm_block(tiny_pipe, runtime, "default,-joint_attention", steps=1, seed=3)
+    with_, b = warm_block(tiny_pipe, runtime, "default", steps=1, seed=3)
     assert torch.equal(a, b)
-    assert without.total - with_.total == 28, (without.counts, with_.counts)
-    assert with_.counts["aten::cat"] == 1 and without.counts["aten::cat"] == 3
-    assert with_.counts["aten::rsqrt"] == 1 and with_.counts["aten::stack"] == 1 and with_.counts["aten::clone"] == 1
+    assert without.total() - with_.total() == 28, (without, with_)
+    assert with_["aten::cat"] == 1 and without["aten::cat"] == 3
+    assert with_["aten::rsqrt"] == 1 and with_["aten::stack"] == 1 and with_["aten::clone"] == 1
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the attention module directly: SP branch, views through the attention, fallbacks
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the attention module directly: SP branch, views through the attention, fallbacks -------------------------------
 def test_sequence_parallel_branch_hands_stock_values_to_the_attention(runtime, tiny_pipe, monkeypatch):
     """With ``sequence_parallel_size > 1`` stock passes the text q/k/v as ``joint_*`` metadata; the joint path passes
     views of its joint tensors. Captured at the attention layer: the same values, bitwise."""
@@ -237,13 +219,13 @@ def test_non_contiguous_value_view_is_bitwise_through_sdpa(runtime, tiny_pipe):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_peak_memory_of_an_attention_call_is_below_stocks(runtime, tiny_pipe, bf16_transformer, dtype):
+def test_peak_memory_of_an_attention_call_is_below_stocks_and_of_a_forward_not_above(
+    runtime, tiny_pipe, bf16_transformer, dtype
+):
     """Peak bytes of one attention call, joint path against stock's on the same inputs: the joint path frees the
     per-stream projections once they are in the joint tensor, before the norms' temporaries, and where the norm
-    upcasts (bf16) it normalises q and k one after the other. Measured at the call: where a whole forward peaks
-    depends on the CPU (the default stack's forward is the next test)."""
-    from vllm_omni_ascend_opt.testbed.memory import measure
-
+    upcasts (bf16) it normalises q and k one after the other. Where a whole forward peaks depends on the CPU: one
+    warm forward with the default stack is never above stock's (the README's target), with stock's output."""
     tr = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
     hw = (16, 16) if dtype == "fp32" else (8, 8)
     attn = _attn(tr)
@@ -258,22 +240,10 @@ def test_peak_memory_of_an_attention_call_is_below_stocks(runtime, tiny_pipe, bf
     # below, not equal: with the projections held through the norms the call's peak is exactly stock's
     assert joint.peak < stock.peak, (joint.peak, stock.peak)
 
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_peak_memory_of_a_default_forward_is_not_above_stocks(runtime, tiny_pipe, bf16_transformer, dtype):
-    """The target (README: the default stack is never above stock): one warm transformer forward's peak bytes with
-    the default stack, bitwise stock's output, at the sizes of the call test above."""
-    from vllm_omni_ascend_opt.testbed.memory import measure
-
-    tr = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
-    hw = (16, 16) if dtype == "fp32" else (8, 8)
-
     def call() -> torch.Tensor:
         return tiny_forward(runtime, tr, hw=hw, txt=32)
 
-    api.select("none", model=tr)
-    want, stock = measure(call)
-    api.select("default", model=tr)
+    want, stock = stock_then("default", tr, lambda: measure(call))
     call()  # tables and memo entries are made by the first forward of a shape: the warm forward is measured
     OPT.reset_stats()
     got, default = measure(call)
@@ -397,9 +367,8 @@ def _k_eps(attn) -> None:
 
 @pytest.mark.parametrize("edit", [_double_weights, _k_eps], ids=["weights_not_in_opmath", "k_eps_differs"])
 def test_per_tensor_norms_where_q_and_k_cannot_share_a_pass(runtime, tiny_pipe, monkeypatch, edit):
-    """QK-norm weights that do not multiply in the norm's opmath dtype (float64 weights on fp32 rows: stock
-    promotes), or q's and k's norms with different eps (each stream's pair agrees; one pass would normalise k with
-    q's eps): the per-tensor joint norm (q, then k, each with its own eps), still bitwise stock."""
+    """QK-norm weights outside the norm's opmath dtype (float64 on fp32 rows: stock promotes), or q's and k's norms
+    with different eps: the per-tensor joint norm (q, then k, each with its own eps), still bitwise stock."""
     api.select("none,+joint_attention", model=tiny_pipe)
     attn = _clone(_attn(tiny_pipe.transformer))
     edit(attn)
@@ -470,11 +439,9 @@ def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_count
 
 
 def test_traced_attention_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog):
-    """Under torch.compile (a block's attention, as vLLM-Omni's regional compile traces it) the patched forward
-    checks ``guards.tracing()`` first: fullgraph tracing succeeds (no logger call breaks the graph), the graph holds
-    the joint path as written for tracing when the block's pre-hook hoisted its RoPE tables (issue 21, regional
-    compile: two joint RMSNorms, not stock's four per-stream ones; stock's values, bitwise on the eager backend), stock's
-    attention without them (full compile), and no counter, fallback reason, cache entry or log line appears."""
+    """Under torch.compile fullgraph tracing succeeds; the graph holds the joint path when the block's pre-hook hoisted
+    its RoPE tables (regional compile: two joint RMSNorms), stock's attention without them (full compile), both with
+    stock's values; no counter, fallback reason, cache entry or log line appears."""
     api.select("none", model=tiny_pipe)
     attn = _attn(tiny_pipe.transformer)
     hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)

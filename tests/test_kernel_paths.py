@@ -3,9 +3,12 @@ parametrised over ``rope`` (``npu_rotary_mul``), ``qk_norm`` (``npu_rms_norm``) 
 (``npu_fusion_attention``), each on the tiny bf16 transformer.
 
 * a new backend probe drops every verdict: a refused kernel is checked afresh and used under a good torch_npu;
+  uninstall drops them too;
 * a kernel wrong only beyond S = 64 passes the first-use check and is refused for the long shape class only, on its
   first call, with the reason logged and tallied; shorter classes keep it; each class is checked once;
-* under torch.compile tracing the path runs stock code and reads, counts, makes and logs nothing.
+* under torch.compile tracing (the embedder and a block's attention) the path runs stock code and reads, counts,
+  caches, makes and logs nothing;
+* without torch_npu, ``fused_attention`` and ``nz_weights`` stay off with the reason and change nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import pytest
 import torch
 
 from tests.harness.forward import tiny_forward
-from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt import _backend, api, registry
+from vllm_omni_ascend_opt.testbed.pipeline import generate
 
 
 @dataclass(frozen=True)
@@ -30,10 +34,18 @@ class Case:
     wrong: dict[str, str]
     #: the optimization's kernel path
     path: Callable[[Any], Any]
+    #: entries in the optimization's own caches (tables, memos)
+    cached: Callable[[Any], int] = lambda opt: 0
 
 
 CASES = {
-    "rope": Case("none,+rope", "npu_rotary_mul", {"rotary_mul": "half_pairing"}, lambda opt: opt.rotary),
+    "rope": Case(
+        "none,+rope",
+        "npu_rotary_mul",
+        {"rotary_mul": "half_pairing"},
+        lambda opt: opt.rotary,
+        lambda opt: len(opt.rotary.tables) + len(opt._embed_memo),
+    ),
     "qk_norm": Case("none,+qk_norm", "npu_rms_norm", {"rms_norm": "no_gamma"}, lambda opt: opt.path),
     "fused_attention": Case(
         "none,+fused_attention", "npu_fusion_attention", {"fusion_attention": "wrong_polarity"}, lambda opt: opt.path
@@ -64,7 +76,7 @@ def _wrong_beyond(fn: Callable[..., Any], seq: int) -> Callable[..., Any]:
     return wrong
 
 
-def test_a_new_backend_probe_drops_every_verdict(case, fake_npu, runtime, bf16_transformer):
+def test_a_new_backend_probe_or_uninstall_drops_every_verdict(case, fake_npu, runtime, bf16_transformer):
     c, opt = case
     tr = bf16_transformer
     npu = fake_npu(**c.wrong)
@@ -83,6 +95,9 @@ def test_a_new_backend_probe_drops_every_verdict(case, fake_npu, runtime, bf16_t
     checked = npu.calls[c.kernel]
     tiny_forward(runtime, tr)
     assert npu.calls[c.kernel] > checked  # used, warm
+    probe = _backend.probe_id()
+    api.select("none", model=tr)  # uninstall drops every verdict too (same probe): a re-install checks afresh
+    assert _backend.probe_id() == probe and _verdicts(path) == []
 
 
 def test_the_shape_class_check_refuses_a_kernel_wrong_only_at_long_sequences(
@@ -113,8 +128,9 @@ def test_the_shape_class_check_refuses_a_kernel_wrong_only_at_long_sequences(
 
 
 def test_traced_code_is_stock_and_counts_nothing(case, fake_npu, runtime, bf16_transformer, caplog):
-    """Under torch.compile (a block's attention, as vLLM-Omni's regional compile traces it), fullgraph tracing
-    succeeds, the graph holds stock code (equal results), and no kernel call, counter, verdict or log line appears."""
+    """Under torch.compile (the embedder, and a block's attention as vLLM-Omni's regional compile traces it),
+    fullgraph tracing succeeds, the graph holds stock code (equal results), and no kernel call, counter, verdict,
+    fallback, cache entry or log line appears."""
     c, opt = case
     npu = fake_npu()
     tr = bf16_transformer
@@ -122,9 +138,10 @@ def test_traced_code_is_stock_and_counts_nothing(case, fake_npu, runtime, bf16_t
     g = torch.Generator().manual_seed(0)
     hs = torch.randn(1, 16, attn.dim, generator=g).bfloat16()
     ehs = torch.randn(1, 7, attn.dim, generator=g).bfloat16()
+    cpu = torch.device("cpu")
     api.select("none", model=tr)
     with runtime.context(), torch.no_grad():
-        vid, txt = tr.pos_embed([(1, 4, 4)], [7], device=torch.device("cpu"))
+        vid, txt = tr.pos_embed([(1, 4, 4)], [7], device=cpu)
         want = attn(hs, ehs, vid, txt)
     api.select(c.spec, model=tr)
     opt.reset_stats()
@@ -132,12 +149,37 @@ def test_traced_code_is_stock_and_counts_nothing(case, fake_npu, runtime, bf16_t
     torch._dynamo.reset()
     try:
         with runtime.context(), torch.no_grad(), caplog.at_level(logging.DEBUG, logger="vllm_omni_ascend_opt"):
+            emb = torch.compile(tr.pos_embed, backend="eager", fullgraph=True)([(1, 4, 4)], [7], cpu)
             got = torch.compile(attn, backend="eager", fullgraph=True)(hs, ehs, vid, txt)
     finally:
         torch._dynamo.reset()
+    assert torch.equal(emb[0], vid) and torch.equal(emb[1], txt)
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     assert npu.calls[c.kernel] == 0 and not opt.stats and _verdicts(c.path(opt)) == []
+    assert opt.fallback_reasons() == {} and c.cached(opt) == 0
     assert not caplog.records
     with runtime.context(), torch.no_grad():
         attn(hs, ehs, vid, txt)  # eager again: the path acts (it was in place while tracing)
     assert npu.calls[c.kernel] > 0
+
+
+@pytest.mark.parametrize(("name", "nothing"), [("fused_attention", {"swapped": 0}), ("nz_weights", {"cast": []})])
+def test_without_torch_npu_inactive_with_the_reason_and_nothing_changes(name, nothing, tiny_pipe, runtime):
+    """Without torch_npu the NPU-only paths are not installed, a direct attach does nothing either and says why: the
+    attention impls, the weights' storage and the images stay stock's."""
+    opt, tr = registry.get(name), tiny_pipe.transformer
+
+    def state():  # the weights' storage and the attention impls
+        impls = [type(b.attn.attn.attention) for b in tr.transformer_blocks]
+        return {n: p.data_ptr() for n, p in tr.named_parameters()}, impls
+
+    assert any("torch_npu" in r for r in opt.reasons_inactive())
+    before = state()
+    ref = generate(tiny_pipe, runtime, steps=2, seed=3)
+    assert api.select(f"none,+{name}", model=tiny_pipe) == []
+    opt.attach(tiny_pipe)
+    assert any("torch_npu" in r for r in opt.reasons_inactive(tiny_pipe))
+    assert {k: opt.report(tiny_pipe)[k] for k in nothing} == nothing and state() == before
+    got = generate(tiny_pipe, runtime, steps=2, seed=3)
+    opt.detach(tiny_pipe)
+    assert state() == before and torch.equal(ref.images, got.images)

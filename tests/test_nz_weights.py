@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from tests.fake_torch_npu import formats
-from vllm_omni_ascend_opt import api
+from tests.harness.forward import tiny_forward
+from vllm_omni_ascend_opt import _backend, api
 from vllm_omni_ascend_opt.blocks.kernels import nz_check
 from vllm_omni_ascend_opt.opts import nz_weights as nz
+from vllm_omni_ascend_opt.opts import shared_modulation
 from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
 
 OPT = nz.OPT
@@ -24,13 +26,9 @@ OPT = nz.OPT
 N_LINEARS = 4 + 2 * 10 + 2
 
 
-def _load(runtime, dtype: torch.dtype = torch.bfloat16, **od_overrides):
-    return load_pipeline(runtime, dtype=dtype, **od_overrides)
-
-
 @pytest.fixture(scope="module")
 def bf16_pipe(runtime):
-    return _load(runtime)
+    return load_pipeline(runtime, dtype=torch.bfloat16)
 
 
 def _linear_names(tr) -> list[str]:
@@ -39,43 +37,7 @@ def _linear_names(tr) -> list[str]:
     return [n for n, m in tr.named_modules() if isinstance(m, (LinearBase, torch.nn.Linear))]
 
 
-def _forward(tr, runtime) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    dt = tr.proj_out.weight.dtype
-    with runtime.context(), torch.no_grad():
-        return tr(
-            hidden_states=torch.randn(1, 16, 16, generator=g).to(dt),
-            encoder_hidden_states=torch.randn(1, 7, 32, generator=g).to(dt),
-            encoder_hidden_states_mask=None,
-            timestep=torch.full((1,), 0.5),
-            img_shapes=[[(1, 4, 4)]],
-            txt_seq_lens=[7],
-            return_dict=False,
-        )[0]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# without torch_npu
-# ----------------------------------------------------------------------------------------------------------------
-def test_cpu_without_torch_npu_is_inactive_and_changes_nothing(tiny_pipe, runtime):
-    from vllm_omni_ascend_opt.testbed.pipeline import generate
-
-    assert any("torch_npu" in r for r in OPT.reasons_inactive())
-    ptrs = {n: p.data_ptr() for n, p in tiny_pipe.transformer.named_parameters()}
-    ref = generate(tiny_pipe, runtime, steps=2, seed=5)
-    assert api.select("none,+nz_weights", model=tiny_pipe) == []
-    OPT.attach(tiny_pipe)
-    assert any("torch_npu" in r for r in OPT.reasons_inactive(tiny_pipe))
-    assert OPT.report(tiny_pipe)["cast"] == []
-    got = generate(tiny_pipe, runtime, steps=2, seed=5)
-    OPT.detach(tiny_pipe)
-    assert {n: p.data_ptr() for n, p in tiny_pipe.transformer.named_parameters()} == ptrs
-    assert torch.equal(ref.images, got.images)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# exactly the right layers, Parameters kept, reverted
-# ----------------------------------------------------------------------------------------------------------------
+# ----- exactly the right layers, Parameters kept, reverted ------------------------------------------------------------
 def test_casts_exactly_the_transformer_linears_and_reverts(fake_npu, bf16_pipe, runtime):
     fake = fake_npu()
     tr = bf16_pipe.transformer
@@ -85,7 +47,7 @@ def test_casts_exactly_the_transformer_linears_and_reverts(fake_npu, bf16_pipe, 
     before = {n: w.detach().clone() for n, w in weights.items()}
     others = {id(p): p.data_ptr() for m in (bf16_pipe.vae, bf16_pipe.text_encoder) for p in m.parameters()}
     nonlinear = {id(p): p.data_ptr() for p in tr.parameters()}
-    ref = _forward(tr, runtime)
+    ref = tiny_forward(runtime, tr)
     assert api.select("none,+nz_weights", model=bf16_pipe) == ["nz_weights"]
     report = OPT.report(bf16_pipe)
     assert sorted(report["cast"]) == sorted(f"transformer.{n}" for n in names) and report["skipped"] == {}
@@ -97,7 +59,7 @@ def test_casts_exactly_the_transformer_linears_and_reverts(fake_npu, bf16_pipe, 
     linear_ids = {id(w) for w in weights.values()}
     assert all(p.data_ptr() == nonlinear[id(p)] for p in tr.parameters() if id(p) not in linear_ids)
     assert {id(p): p.data_ptr() for m in (bf16_pipe.vae, bf16_pipe.text_encoder) for p in m.parameters()} == others
-    assert torch.equal(_forward(tr, runtime), ref)  # the fake's NZ holds the same values (the device: "close")
+    assert torch.equal(tiny_forward(runtime, tr), ref)  # the fake's NZ holds the same values (the device: "close")
     assert fake.calls["npu_format_cast"] == N_LINEARS
     api.select("none", model=bf16_pipe)
     for n, w in weights.items():
@@ -109,7 +71,7 @@ def test_loader_hook_casts_after_loading(fake_npu, runtime):
     """The plugin attaches to what DiffusersPipelineLoader.load_model returns (after its weight post-processing)."""
     fake = fake_npu()
     api.select("none,+nz_weights")
-    pipe = _load(runtime)
+    pipe = load_pipeline(runtime, dtype=torch.bfloat16)
     assert OPT.is_attached(pipe) and len(OPT.report(pipe)["cast"]) == N_LINEARS
     assert fake.get_npu_format(pipe.transformer.proj_out.weight) == formats.FRACTAL_NZ
     api.select("none", model=pipe)
@@ -117,8 +79,6 @@ def test_loader_hook_casts_after_loading(fake_npu, runtime):
 
 
 def test_weight_memos_are_invalidated_after_cast_and_revert(fake_npu, bf16_pipe, monkeypatch):
-    from vllm_omni_ascend_opt.opts import shared_modulation
-
     fake_npu()
     calls = []
     w = bf16_pipe.transformer.proj_out.weight
@@ -131,9 +91,7 @@ def test_weight_memos_are_invalidated_after_cast_and_revert(fake_npu, bf16_pipe,
     assert calls == [1, 1]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# every skip reason is reachable
-# ----------------------------------------------------------------------------------------------------------------
+# ----- every skip reason is reachable ---------------------------------------------------------------------------------
 def test_skip_float32_weights(fake_npu, tiny_pipe):
     fake_npu()
     OPT.attach(tiny_pipe)
@@ -156,8 +114,8 @@ def test_skip_when_internal_format_is_not_allowed(fake_npu, bf16_pipe):
 
 
 def test_active_through_the_write_only_config_and_vllm_ascend_linear_method(fake_npu, runtime):
-    """Finding 1 and 2: torch.npu.config cannot be read back (torch_npu 2.13.0 ``_npuConfig``), and vllm-ascend's
-    ``AscendUnquantizedLinearMethod`` is a subclass of vLLM's ``UnquantizedLinearMethod``: nz_weights still acts."""
+    """torch.npu.config cannot be read back, and vllm-ascend's ``AscendUnquantizedLinearMethod`` subclasses vLLM's
+    ``UnquantizedLinearMethod``: nz_weights still acts."""
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
     fake = fake_npu()
@@ -165,7 +123,7 @@ def test_active_through_the_write_only_config_and_vllm_ascend_linear_method(fake
     with pytest.raises(AttributeError):
         torch.npu.config.allow_internal_format  # noqa: B018 - write-only, like the real _npuConfig
     ascend_method = type("AscendUnquantizedLinearMethod", (UnquantizedLinearMethod,), {})
-    pipe = _load(runtime)
+    pipe = load_pipeline(runtime, dtype=torch.bfloat16)
     layers = [m for m in pipe.transformer.modules() if isinstance(m, LinearBase)]
     assert layers and all(type(m.quant_method) is UnquantizedLinearMethod for m in layers)
     for m in layers:
@@ -229,7 +187,8 @@ def test_numbers_are_verified_at_first_use_for_both_routes(fake_npu, bf16_pipe, 
     assert any("refused" in r for r in OPT.reasons_inactive())  # cached per (device, dtype), shown by `list`
 
 
-def test_numeric_check_passes_and_is_cached(fake_npu, bf16_pipe, runtime):
+def test_numeric_check_is_cached_until_uninstall_clears_it(fake_npu, bf16_pipe, monkeypatch):
+    """The (device, dtype) verdict serves the next attach; uninstall drops it (same backend probe)."""
     fake_npu()
     OPT.attach(bf16_pipe)
     OPT.detach(bf16_pipe)
@@ -237,24 +196,11 @@ def test_numeric_check_passes_and_is_cached(fake_npu, bf16_pipe, runtime):
     assert verdict.ok and "3-D addmm with bias" in verdict.reason and "3-D matmul without bias" in verdict.reason
     calls = []
     orig = nz_check.check_nz_linear
-    nz_check.check_nz_linear = lambda *a: calls.append(1) or orig(*a)
-    try:
-        OPT.attach(bf16_pipe)
-        OPT.detach(bf16_pipe)
-    finally:
-        nz_check.check_nz_linear = orig
-    assert calls == [] and any("verified" in n for n in OPT.notes())
-
-
-def test_uninstall_clears_the_verdict(fake_npu, bf16_pipe):
-    """The verdict cache's second rule: uninstall drops the (device, dtype) verdict (same backend probe)."""
-    from vllm_omni_ascend_opt import _backend
-
-    fake_npu()
+    monkeypatch.setattr(nz_check, "check_nz_linear", lambda *a: calls.append(1) or orig(*a))
     OPT.attach(bf16_pipe)
     OPT.detach(bf16_pipe)
+    assert calls == [] and any("verified" in n for n in OPT.notes())
     probe = _backend.probe_id()
-    assert len(OPT.verdicts()) == 1
     OPT.uninstall()
     assert _backend.probe_id() == probe and OPT.verdicts() == []
 
@@ -270,7 +216,7 @@ def test_uninstall_clears_the_verdict(fake_npu, bf16_pipe):
 )
 def test_skip_model_level_configurations(fake_npu, runtime, override, needle):
     fake_npu()
-    pipe = _load(runtime)
+    pipe = load_pipeline(runtime, dtype=torch.bfloat16)
     cfg = copy.copy(pipe.od_config)
     cfg.__dict__.pop("_resolved_diffusion_offload", None)  # resolve_offload caches its answer on the config
     if override == "hsdp":
@@ -290,7 +236,7 @@ def test_distilled_lora_fused_at_load_does_not_block(fake_npu, runtime):
     from vllm_omni.diffusion.lora.manager import LoRABackend
 
     fake_npu()
-    pipe = _load(runtime)
+    pipe = load_pipeline(runtime, dtype=torch.bfloat16)
     pipe.od_config = copy.copy(pipe.od_config)
     pipe.od_config.lora_path, pipe.od_config.lora_backend = "/loras/distilled", LoRABackend.DISTILL
     OPT.attach(pipe)
@@ -307,7 +253,7 @@ def test_skip_per_layer_reasons(fake_npu, runtime):
     from vllm_omni.diffusion.hooks.base import HookRegistry, ModelHook
 
     fake = fake_npu(allow_internal_format=True)
-    pipe = _load(runtime)
+    pipe = load_pipeline(runtime, dtype=torch.bfloat16)
     tr = pipe.transformer
     b0, b1 = tr.transformer_blocks
     # host memory (CPU / layerwise offload left it there): all of block 1's weights
@@ -370,7 +316,7 @@ def test_a_cast_that_does_not_take_is_undone(fake_npu, bf16_pipe):
 
 
 def test_fake_format_cast_returns_its_input_when_already_in_the_format(fake_npu):
-    """Finding 5: the real cast returns ``self`` when it already has the format (no copy)."""
+    """The real cast returns ``self`` when it already has the format (no copy)."""
     fake = fake_npu()
     x = torch.randn(32, 16).bfloat16()
     assert fake.npu_format_cast(x, formats.ND) is x
@@ -382,13 +328,13 @@ def test_fake_format_cast_returns_its_input_when_already_in_the_format(fake_npu)
 
 @pytest.mark.parametrize("kind", ["oom", "runtime"])
 def test_a_cast_that_faults_part_way_is_rolled_back_and_the_next_attach_casts_all(fake_npu, bf16_pipe, runtime, kind):
-    """Why (4): a cast failing part-way left some weights in NZ, the model not recorded and detach unable to undo
-    them. Now all or nothing: every weight goes back to ND, status says why, and the next attach casts them all."""
+    """All or nothing: after a cast fails part-way every weight goes back to ND, status says why, and the next attach
+    casts them all."""
     fake = fake_npu()
     tr = bf16_pipe.transformer
     weights = {n: tr.get_submodule(n).weight for n in _linear_names(tr)}
     before = {n: w.detach().clone() for n, w in weights.items()}
-    ref = _forward(tr, runtime)
+    ref = tiny_forward(runtime, tr)
     fake.faults.inject("npu_format_cast", at=4, kind=kind)  # the 4th cast: 3 weights are NZ by then
     assert api.select("none,+nz_weights", model=bf16_pipe) == ["nz_weights"]
     assert fake.faults.fired == {"npu_format_cast": 1}
@@ -396,11 +342,11 @@ def test_a_cast_that_faults_part_way_is_rolled_back_and_the_next_attach_casts_al
         assert tr.get_submodule(n).weight is w and fake.get_npu_format(w) == formats.ND and torch.equal(w, before[n])
     (why,) = OPT.reasons_inactive(bf16_pipe)
     assert "failed after 3 weight(s)" in why and "restored to ND" in why and "fake fault" in why
-    assert OPT.report(bf16_pipe)["cast"] == [] and torch.equal(_forward(tr, runtime), ref)
+    assert OPT.report(bf16_pipe)["cast"] == [] and torch.equal(tiny_forward(runtime, tr), ref)
     api.select("none", model=bf16_pipe)
     api.select("none,+nz_weights", model=bf16_pipe)  # the next attach: everything cast
     assert OPT.reasons_inactive(bf16_pipe) == [] and len(OPT.report(bf16_pipe)["cast"]) == N_LINEARS
-    # Why (4), second half: the check includes one GEMM at production rows on the model's own weight shape
+    # the check includes one GEMM at production rows on the model's own weight shape
     (verdict,) = OPT.path.firsts.values()
     assert verdict.ok and "4096 rows with bias" in verdict.reason and "(weight " in verdict.reason
     api.select("none", model=bf16_pipe)

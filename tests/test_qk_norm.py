@@ -15,40 +15,20 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.harness.forward import tiny_forward
+from tests.harness.stock import stock_then, warm_block
 from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt.blocks.kernels import guard
 from vllm_omni_ascend_opt.metrics import to_uint8
 from vllm_omni_ascend_opt.opts import joint_attention as ja
 from vllm_omni_ascend_opt.opts import qk_norm as qn
-from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
 from vllm_omni_ascend_opt.testbed.pipeline import generate
 
 OPT = qn.OPT
 
 
-def _forward(rt, transformer, *, txt=7, hw=(4, 4), batch=1, seed=1):
-    dtype = transformer.proj_out.weight.dtype
-    g = torch.Generator().manual_seed(seed)
-    hs = torch.randn(batch, hw[0] * hw[1], TINY.vae_z_dim * 4, generator=g).to(dtype)
-    ehs = torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype)
-    with rt.context(), torch.no_grad():
-        return transformer(
-            hidden_states=hs,
-            encoder_hidden_states=ehs,
-            encoder_hidden_states_mask=torch.ones(batch, txt, dtype=torch.long),
-            timestep=torch.linspace(0.3, 0.8, batch),
-            img_shapes=[[(1, *hw)]] * batch,
-            txt_seq_lens=[txt] * batch,
-        ).sample
-
-
-def _norms(model):
-    return qn._qk_norms(model)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# without torch_npu
-# ----------------------------------------------------------------------------------------------------------------
+# ----- without torch_npu ----------------------------------------------------------------------------------------------
 def test_cpu_without_torch_npu_is_inactive_with_the_reason(tiny_pipe, runtime):
     assert "qk_norm" in registry.default_names()
     assert registry.names().index("qk_norm") == registry.names().index("joint_attention") + 1
@@ -56,22 +36,20 @@ def test_cpu_without_torch_npu_is_inactive_with_the_reason(tiny_pipe, runtime):
     assert reasons and "torch_npu is not installed" in reasons[0]
     api.select("default", model=tiny_pipe)
     assert not OPT.installed and "qk_norm" not in api.installed()
-    assert all(type(n) is nn.RMSNorm for n in _norms(tiny_pipe))
+    assert all(type(n) is nn.RMSNorm for n in qn._qk_norms(tiny_pipe))
     row = {r["name"]: r for r in api.status()}["qk_norm"]
     assert row["equivalence"] == "pixel" and row["tier"] == "exact" and not row["active"]
     assert any("torch_npu is not installed" in r for r in row["reasons_inactive"])
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# with the fake: attach/detach, the kernel path, bitwise/pixel results
-# ----------------------------------------------------------------------------------------------------------------
+# ----- with the fake: attach/detach, the kernel path, bitwise/pixel results -------------------------------------------
 def test_attach_swaps_the_four_norms_of_this_model_only_and_detach_restores(fake_npu, tiny_pipe, bf16_transformer):
     fake_npu()
     api.select("none,+qk_norm", model=tiny_pipe)
-    norms = _norms(tiny_pipe)
+    norms = qn._qk_norms(tiny_pipe)
     assert len(norms) == 4 * len(tiny_pipe.transformer.transformer_blocks)
     assert all(OPT.is_prepared(n) and type(n) is not nn.RMSNorm and isinstance(n, nn.RMSNorm) for n in norms)
-    assert all(type(n) is nn.RMSNorm for n in _norms(bf16_transformer))  # not attached there
+    assert all(type(n) is nn.RMSNorm for n in qn._qk_norms(bf16_transformer))  # not attached there
     OPT.attach(tiny_pipe)  # idempotent
     OPT.install()
     assert OPT.tier() == "pixel" and OPT.reasons_inactive(tiny_pipe) == []
@@ -83,9 +61,7 @@ def test_attach_swaps_the_four_norms_of_this_model_only_and_detach_restores(fake
 @pytest.mark.parametrize("spec", ["none,+qk_norm", "none,+rope,+joint_attention,+qk_norm", "default"])
 def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, runtime, spec):
     npu = fake_npu()
-    api.select("none", model=tiny_pipe)
-    ref = generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images
-    api.select(spec, model=tiny_pipe)
+    ref = stock_then(spec, tiny_pipe, lambda: generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images)
     got = generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images
     assert np.array_equal(to_uint8(got), to_uint8(ref))  # pixel tier
     assert torch.equal(got, ref)  # fp32: the fake rounds like stock's composite
@@ -98,9 +74,9 @@ def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, runti
 def test_bf16_transformer_identical_through_the_fake(fake_npu, runtime, bf16_transformer):
     npu = fake_npu()
     api.select("none", model=bf16_transformer)
-    ref = _forward(runtime, bf16_transformer)
+    ref = tiny_forward(runtime, bf16_transformer)
     api.select("none,+joint_attention,+qk_norm", model=bf16_transformer)
-    got = _forward(runtime, bf16_transformer)
+    got = tiny_forward(runtime, bf16_transformer)
     assert npu.calls["npu_rms_norm"] == 4 * len(bf16_transformer.transformer_blocks)  # 2 streams x (q, k)
     assert ja.OPT.stats["kernel_norm_calls"] == len(bf16_transformer.transformer_blocks)
     assert torch.equal(got, ref)
@@ -110,9 +86,9 @@ def test_with_fused_attention_the_value_reaches_the_kernel_contiguous(fake_npu, 
     """(a) in the qk_norm docstring: v is joined by a cat, so npu_fusion_attention needs no copy of it."""
     fake_npu()
     api.select("none,+joint_attention,+qk_norm,+fused_attention", model=bf16_transformer)
-    _forward(runtime, bf16_transformer)  # verification outside the count
+    tiny_forward(runtime, bf16_transformer)  # verification outside the count
     with count_module_calls(bf16_transformer.transformer_blocks[-1]) as calls:
-        _forward(runtime, bf16_transformer)
+        tiny_forward(runtime, bf16_transformer)
     c = calls[-1].counts
     assert c["fake_torch_npu::fusion_attention"] == 1 and c["fake_torch_npu::rms_norm"] == 4
     assert c["aten::cat"] == 3 and c["aten::clone"] == 0, c
@@ -122,28 +98,17 @@ def test_ops_per_block_joint_and_per_stream(fake_npu, tiny_pipe, runtime):
     """The documented counts: 40 launches per block with joint_attention (one kernel per stream + one cat per q/k),
     42 without it (stock's order: four kernels, three cats, four rotary calls)."""
     fake_npu()
-
-    def ops(spec):
-        api.select(spec, model=tiny_pipe)
-        generate(tiny_pipe, runtime, steps=1, seed=3)
-        with count_module_calls(tiny_pipe.transformer.transformer_blocks[-1]) as calls:
-            generate(tiny_pipe, runtime, steps=1, seed=3)
-        return calls[-1]
-
-    joint, separate = ops("default"), ops("default,-joint_attention")
-    assert joint.counts["fake_torch_npu::rms_norm"] == 4 == separate.counts["fake_torch_npu::rms_norm"]
-    assert joint.total == 40 and separate.total == 42, (joint.counts, separate.counts)
-    assert "aten::rsqrt" not in joint.counts and "aten::pow" not in joint.counts
+    joint, _ = warm_block(tiny_pipe, runtime, "default", steps=1, seed=3)
+    separate, _ = warm_block(tiny_pipe, runtime, "default,-joint_attention", steps=1, seed=3)
+    assert joint["fake_torch_npu::rms_norm"] == 4 == separate["fake_torch_npu::rms_norm"]
+    assert joint.total() == 40 and separate.total() == 42, (joint, separate)
+    assert "aten::rsqrt" not in joint and "aten::pow" not in joint
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# refusals: per shape class, with the reason logged, output stock's
-# ----------------------------------------------------------------------------------------------------------------
+# ----- refusals: per shape class, with the reason logged, output stock's ----------------------------------------------
 def test_a_raising_kernel_is_a_fault_retried_then_demoted(fake_npu, tiny_pipe, runtime, caplog, monkeypatch):
     """A RuntimeError is an error of the moment, not a verdict: each call runs stock (the images are stock's), the
     class is retried after its backoff and demoted after MAX_ERRORS errors in a row, with a reason."""
-    from vllm_omni_ascend_opt.blocks.kernels import guard
-
     npu = fake_npu(rms_norm="raises")
     api.select("none", model=tiny_pipe)
     ref = generate(tiny_pipe, runtime, steps=2, seed=4).images
@@ -157,12 +122,12 @@ def test_a_raising_kernel_is_a_fault_retried_then_demoted(fake_npu, tiny_pipe, r
     assert not OPT.reasons_inactive(tiny_pipe)  # not off: retried
     monkeypatch.setattr(guard, "RETRY_CAP", 1)  # retry at every forward (the schedule: test_guard_backoff_schedule)
     for _ in range(guard.MAX_ERRORS):
-        _forward(runtime, tiny_pipe.transformer)
+        tiny_forward(runtime, tiny_pipe.transformer)
     calls = npu.calls["npu_rms_norm"]
     demoted = [f for f in OPT.path.guard.faults() if f.demoted]  # the classes of _forward's shapes
     assert demoted and all(f.errors == guard.MAX_ERRORS for f in demoted)
     assert any("demoted to stock after 6 errors" in n for n in OPT.notes())
-    _forward(runtime, tiny_pipe.transformer)
+    tiny_forward(runtime, tiny_pipe.transformer)
     assert npu.calls["npu_rms_norm"] == calls  # demoted: not retried
     t = OPT.kernel_classes()
     assert t["kernel"] == 0 and t["why"]["demoted: runtime error"] == len(demoted)
@@ -202,10 +167,10 @@ def test_refusal_is_per_shape_class(fake_npu, runtime, tiny_pipe, caplog):
     npu.npu_rms_norm = wrong_for_nine_tokens
     t = tiny_pipe.transformer
     api.select("none", model=t)
-    refs = [_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
+    refs = [tiny_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
     api.select("none,+joint_attention,+qk_norm", model=t)
     with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
-        got = [_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
+        got = [tiny_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
     assert all(torch.equal(a, b) for a, b in zip(refs, got, strict=True))
     by_key = {v.key: v for v in OPT.verdicts()}
     assert by_key[("cpu", torch.float32, 32, 16)].ok  # 7 text tokens x 4 heads

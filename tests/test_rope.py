@@ -17,7 +17,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tests.fake_torch_npu import rotary as fake_rotary
-from vllm_omni_ascend_opt import api
+from tests.harness.forward import tiny_forward
+from tests.harness.stock import stock_then
+from vllm_omni_ascend_opt import api, cli
 from vllm_omni_ascend_opt.blocks.kernels import rope_tables, rotary
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.opts import rope as rope_mod
@@ -28,32 +30,9 @@ from vllm_omni_ascend_opt.testbed.pipeline import generate
 OPT = rope_mod.OPT
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------------------------
+# ----- helpers --------------------------------------------------------------------------------------------------------
 def _transformer(tiny_pipe, bf16_transformer, dtype):
     return tiny_pipe.transformer if dtype == torch.float32 else bf16_transformer
-
-
-def _forward(rt, transformer, *, batch=1, hw=(4, 4), txt=7, pad=False, dtype=torch.float32, seed=1, grad_mode=None):
-    """One transformer forward with pipeline-shaped inputs; ``pad`` masks the last sample's final 3 text tokens."""
-    g = torch.Generator().manual_seed(seed)
-    h, w = hw
-    hs = torch.randn(batch, h * w, TINY.vae_z_dim * 4, generator=g).to(dtype)
-    ehs = torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype)
-    mask = torch.ones(batch, txt, dtype=torch.long)
-    if pad:
-        mask[-1, txt - 3 :] = 0
-    ts = torch.linspace(0.3, 0.8, batch)
-    with rt.context(), (grad_mode or torch.no_grad)():
-        return transformer(
-            hidden_states=hs,
-            encoder_hidden_states=ehs,
-            encoder_hidden_states_mask=mask,
-            timestep=ts,
-            img_shapes=[[(1, h, w)]] * batch,
-            txt_seq_lens=[txt] * batch,
-        ).sample
 
 
 class _ConversionCounter(TorchFunctionMode):
@@ -69,18 +48,16 @@ class _ConversionCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _block_ops(rt, transformer, dtype=torch.float32) -> int:
+def _block_ops(rt, transformer) -> int:
     """Kernel launches of the last block in one (warm) forward."""
-    _forward(rt, transformer, dtype=dtype)  # warm: tables, verification
+    tiny_forward(rt, transformer)  # warm: tables, verification
     with count_module_calls(transformer.transformer_blocks[-1]) as res:
-        _forward(rt, transformer, dtype=dtype)
+        tiny_forward(rt, transformer)
     assert len(res) == 1
     return res[0].total
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# patch mechanics
-# ----------------------------------------------------------------------------------------------------------------
+# ----- patch mechanics ------------------------------------------------------------------------------------------------
 def test_install_and_uninstall_restore_by_identity(tiny_pipe):
     mod = sys.modules[_targets.TRANSFORMER]
     orig_fn, orig_fwd = mod._qwen_image_qk_norm_rope, mod.QwenEmbedRope.forward
@@ -109,19 +86,17 @@ def test_list_on_cpu_shows_active_and_why_no_npu_kernel():
     assert all(v == "supported" for v in row["parallel_support"].values())
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# bitwise equality with stock (portable path)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- bitwise equality with stock (portable path) --------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("batch", "pad"), [(1, False), (2, False), (2, True)], ids=["b1", "b2", "b2-padded"])
 def test_transformer_output_bitwise(runtime, tiny_pipe, bf16_transformer, dtype, batch, pad):
     t = _transformer(tiny_pipe, bf16_transformer, dtype)
     shapes = [(4, 4), (4, 6), (4, 4)]  # two resolutions, then back to the first (table reuse across requests)
     api.select("none", model=tiny_pipe)
-    ref = [_forward(runtime, t, batch=batch, hw=hw, pad=pad, dtype=dtype) for hw in shapes]
+    ref = [tiny_forward(runtime, t, batch=batch, hw=hw, pad=pad) for hw in shapes]
     api.select("none,+rope", model=tiny_pipe)
-    got = [_forward(runtime, t, batch=batch, hw=hw, pad=pad, dtype=dtype) for hw in shapes]
-    got.append(_forward(runtime, t, batch=batch, hw=shapes[0], pad=pad, dtype=dtype))  # warm repeat
+    got = [tiny_forward(runtime, t, batch=batch, hw=hw, pad=pad) for hw in shapes]
+    got.append(tiny_forward(runtime, t, batch=batch, hw=shapes[0], pad=pad))  # warm repeat
     assert all(torch.equal(a, b) for a, b in zip(ref, got[:3], strict=True))
     assert torch.equal(ref[0], got[3])
     assert OPT.stats["portable_calls"] > 0 and OPT.stats["stock_calls"] == 0
@@ -130,16 +105,12 @@ def test_transformer_output_bitwise(runtime, tiny_pipe, bf16_transformer, dtype,
 
 @pytest.mark.parametrize("cfg", [1.0, 3.0], ids=["cfg-off", "true-cfg"])
 def test_pipeline_images_bitwise(runtime, tiny_pipe, cfg):
-    api.select("none", model=tiny_pipe)
-    ref = [
-        generate(tiny_pipe, runtime, steps=2, seed=3, cfg_scale=cfg, height=h, width=w) for h, w in ((32, 32), (32, 48))
-    ]
-    api.select("none,+rope", model=tiny_pipe)
-    got = [
-        generate(tiny_pipe, runtime, steps=2, seed=3, cfg_scale=cfg, height=h, width=w) for h, w in ((32, 32), (32, 48))
-    ]
-    for a, b in zip(ref, got, strict=True):
-        assert torch.equal(a.images, b.images)
+    def run():
+        return [generate(tiny_pipe, runtime, height=h, width=w, **kw).images for h, w in ((32, 32), (32, 48))]
+
+    kw = dict(steps=2, seed=3, cfg_scale=cfg)
+    ref = stock_then("none,+rope", tiny_pipe, run)
+    assert all(torch.equal(a, b) for a, b in zip(ref, run(), strict=True))
     assert OPT.stats["portable_calls"] > 0
 
 
@@ -158,11 +129,11 @@ def test_inference_mode_bitwise_and_tables_reused_across_steps(runtime, tiny_pip
     """vLLM-Omni's model runner uses inference_mode (tensors without version counters)."""
     t = tiny_pipe.transformer
     api.select("none", model=tiny_pipe)
-    ref = [_forward(runtime, t, hw=hw, grad_mode=torch.inference_mode) for hw in ((4, 4), (6, 4))]
+    ref = [tiny_forward(runtime, t, hw=hw, mode=torch.inference_mode) for hw in ((4, 4), (6, 4))]
     api.select("none,+rope", model=tiny_pipe)
-    got = [_forward(runtime, t, hw=hw, grad_mode=torch.inference_mode) for hw in ((4, 4), (6, 4))]
+    got = [tiny_forward(runtime, t, hw=hw, mode=torch.inference_mode) for hw in ((4, 4), (6, 4))]
     builds = OPT.stats["table_builds"]
-    again = _forward(runtime, t, hw=(4, 4), grad_mode=torch.inference_mode)
+    again = tiny_forward(runtime, t, hw=(4, 4), mode=torch.inference_mode)
     assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)) and torch.equal(ref[0], again)
     assert builds == 4 and OPT.stats["table_builds"] == builds  # 2 shapes x (vid, txt); none on the repeat
 
@@ -192,9 +163,9 @@ def test_stock_kernel_with_cached_tables_when_stock_is_not_forward_native(runtim
     rope = tiny_pipe.transformer.transformer_blocks[0].attn.rope
     api.select("none", model=tiny_pipe)
     monkeypatch.setattr(rope, "_forward_method", rope.forward_cuda)  # on CPU: apply_rotary_emb_torch
-    ref = _forward(runtime, tiny_pipe.transformer)
+    ref = tiny_forward(runtime, tiny_pipe.transformer)
     api.select("none,+rope", model=tiny_pipe)
-    got = _forward(runtime, tiny_pipe.transformer)
+    got = tiny_forward(runtime, tiny_pipe.transformer)
     assert torch.equal(ref, got)
     assert OPT.stats["delegate_calls"] == 4 and OPT.stats["portable_calls"] == 4  # block 0 vs block 1
 
@@ -215,47 +186,14 @@ def test_grad_mode_runs_stock(runtime, tiny_pipe):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_traced_code_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog):
-    """Under torch.compile (the embedder, and a block's attention as vLLM-Omni's regional compile traces it) both
-    patches check ``guards.tracing()`` first: fullgraph tracing succeeds, the graph holds stock code (equal results)
-    and no counter, table, memo entry or log line appears."""
-    t = tiny_pipe.transformer
-    attn = t.transformer_blocks[0].attn
-    g = torch.Generator().manual_seed(0)
-    hs, ehs = torch.randn(1, 16, attn.dim, generator=g), torch.randn(1, 7, attn.dim, generator=g)
-    cpu = torch.device("cpu")
-    api.select("none", model=tiny_pipe)
-    with runtime.context(), torch.no_grad():
-        vid, txt = t.pos_embed([(1, 4, 4)], [7], device=cpu)
-        want = attn(hs, ehs, vid, txt)
-    api.select("none,+rope", model=tiny_pipe)
-    torch._dynamo.reset()
-    try:
-        with runtime.context(), torch.no_grad(), caplog.at_level(logging.DEBUG, logger="vllm_omni_ascend_opt"):
-            emb = torch.compile(t.pos_embed, backend="eager", fullgraph=True)([(1, 4, 4)], [7], cpu)
-            got = torch.compile(attn, backend="eager", fullgraph=True)(hs, ehs, vid, txt)
-    finally:
-        torch._dynamo.reset()
-    assert torch.equal(emb[0], vid) and torch.equal(emb[1], txt)
-    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-    assert not OPT.stats and OPT.fallback_reasons() == {}
-    assert len(OPT.rotary.tables) == 0 and len(OPT._embed_memo) == 0
-    assert not caplog.records
-    with runtime.context(), torch.no_grad():
-        attn(hs, ehs, vid, txt)  # eager again: rope acts (the patches were in place while tracing)
-    assert OPT.stats["portable_calls"] == 4  # q and k of both streams
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# counting
-# ----------------------------------------------------------------------------------------------------------------
+# ----- counting -------------------------------------------------------------------------------------------------------
 def test_cos_sin_conversions_per_forward(runtime, tiny_pipe):
     t = tiny_pipe.transformer
     blocks = len(t.transformer_blocks)
 
     def conversions(hw):
         with _ConversionCounter() as c:
-            _forward(runtime, t, hw=hw)
+            tiny_forward(runtime, t, hw=hw)
         return c.n
 
     api.select("none", model=tiny_pipe)
@@ -270,9 +208,7 @@ def test_cos_sin_conversions_per_forward(runtime, tiny_pipe):
 def test_op_counts_per_block(runtime, tiny_pipe, fake_npu):
     """Stock vs rope (portable) vs rope (fake NPU) on the tiny config; rope's own share of the block."""
     t = tiny_pipe.transformer
-    api.select("none", model=tiny_pipe)
-    stock = _block_ops(runtime, t)
-    api.select("none,+rope", model=tiny_pipe)
+    stock = stock_then("none,+rope", tiny_pipe, lambda: _block_ops(runtime, t))
     portable = _block_ops(runtime, t)
     npu = fake_npu()
     api.select("none", model=tiny_pipe)
@@ -285,10 +221,8 @@ def test_op_counts_per_block(runtime, tiny_pipe, fake_npu):
     assert kernel <= 70
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# table cache keys
-# ----------------------------------------------------------------------------------------------------------------
-def test_table_key_separates_sp_shards_paddings_and_versions():
+# ----- table cache keys -----------------------------------------------------------------------------------------------
+def test_table_key_separates_sp_shards_paddings_versions_and_text_lengths():
     stats = Counter()
     cache = rope_tables.TableCache(stats)
     full = torch.polar(torch.ones(10, 4), torch.rand(10, 4))
@@ -306,11 +240,7 @@ def test_table_key_separates_sp_shards_paddings_and_versions():
     n = len(cache)
     del full, r0, r1, padded, t0, t1, tp
     assert len(cache) < n  # entries die with their freqs
-
-
-def test_table_key_separates_text_lengths_sliced_from_one_base():
-    """Text freqs are slices of one pos_freqs: 7 and 9 tokens share base, offset and stride; only the shape differs."""
-    cache = rope_tables.TableCache(Counter())
+    # text freqs are slices of one pos_freqs: 7 and 9 tokens share base, offset and stride; only the shape differs
     pos = torch.polar(torch.ones(32, 4), torch.rand(32, 4))
     t7, t9 = cache.get(pos[3:10], torch.float32), cache.get(pos[3:12], torch.float32)
     assert t7 is not t9 and cache.get(pos[3:10], torch.float32) is t7
@@ -321,10 +251,8 @@ def test_text_lengths_7_9_7_at_one_image_size_bitwise(runtime, tiny_pipe):
     length are never served for another), and the repeated 7-token shape reuses its tables."""
     t = tiny_pipe.transformer
     lengths = (7, 9, 7)
-    api.select("none", model=tiny_pipe)
-    want = [_forward(runtime, t, txt=n, hw=(4, 4)) for n in lengths]
-    api.select("none,+rope", model=tiny_pipe)
-    got = [_forward(runtime, t, txt=n, hw=(4, 4)) for n in lengths]
+    want = stock_then("none,+rope", tiny_pipe, lambda: [tiny_forward(runtime, t, txt=n, hw=(4, 4)) for n in lengths])
+    got = [tiny_forward(runtime, t, txt=n, hw=(4, 4)) for n in lengths]
     for n, g, w in zip(lengths, got, want, strict=True):
         assert torch.equal(g, w), n
     assert OPT.stats["table_hits"] > 0
@@ -379,9 +307,7 @@ def test_embed_memo_is_an_lru_of_8_results_per_module():
     assert OPT.stats["embed_memo_hits"] == hits + 3
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# NPU path through the fake torch_npu
-# ----------------------------------------------------------------------------------------------------------------
+# ----- NPU path through the fake torch_npu ----------------------------------------------------------------------------
 def _spy(npu):
     seen = []
     inner = npu.npu_rotary_mul
@@ -402,10 +328,8 @@ def test_npu_path_uses_interleave_and_1s1d_tables(runtime, tiny_pipe, bf16_trans
     npu = fake_npu()
     seen = _spy(npu)
     t = _transformer(tiny_pipe, bf16_transformer, dtype)
-    api.select("none", model=tiny_pipe)
-    ref = _forward(runtime, t, batch=2, pad=True, dtype=dtype)
-    api.select("none,+rope", model=tiny_pipe)
-    got = _forward(runtime, t, batch=2, pad=True, dtype=dtype)
+    ref = stock_then("none,+rope", tiny_pipe, lambda: tiny_forward(runtime, t, batch=2, pad=True))
+    got = tiny_forward(runtime, t, batch=2, pad=True)
     v = OPT.verdicts()
     assert len(v) == 1 and v[0].ok and v[0].key[1] == dtype, OPT.notes()
     calls = seen[1:]  # [0] is the verification call
@@ -432,8 +356,8 @@ def test_verdict_is_cached_per_device_and_dtype(runtime, tiny_pipe, bf16_transfo
     seen = _spy(npu)
     api.select("none,+rope", model=tiny_pipe)
     for _ in range(2):
-        _forward(runtime, tiny_pipe.transformer)
-        _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+        tiny_forward(runtime, tiny_pipe.transformer)
+        tiny_forward(runtime, bf16_transformer)
     verifications = [c for c in seen if c[0].shape[1] == 37]  # verify_kernel's S
     assert [c[0].dtype for c in verifications] == [torch.float32, torch.bfloat16]
     assert {v.key[:2] for v in OPT.verdicts()} == {("cpu", torch.float32), ("cpu", torch.bfloat16)}
@@ -441,11 +365,9 @@ def test_verdict_is_cached_per_device_and_dtype(runtime, tiny_pipe, bf16_transfo
 
 def test_wrong_pairing_kernel_is_refused(runtime, tiny_pipe, fake_npu, caplog):
     npu = fake_npu(rotary_mul="half_pairing")
-    api.select("none", model=tiny_pipe)
-    ref = _forward(runtime, tiny_pipe.transformer)
-    api.select("none,+rope", model=tiny_pipe)
+    ref = stock_then("none,+rope", tiny_pipe, lambda: tiny_forward(runtime, tiny_pipe.transformer))
     with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
-        got = _forward(runtime, tiny_pipe.transformer)
+        got = tiny_forward(runtime, tiny_pipe.transformer)
     assert npu.calls["npu_rotary_mul"] == 1  # the verification call only
     assert torch.equal(ref, got)  # portable path, bitwise
     (v,) = OPT.verdicts()
@@ -467,10 +389,8 @@ def test_wrong_pairing_kernel_is_refused(runtime, tiny_pipe, fake_npu, caplog):
 )
 def test_bad_kernels_stay_off_with_reason(runtime, tiny_pipe, fake_npu, variant, dtype, why):
     fake_npu(rotary_mul=variant)
-    api.select("none", model=tiny_pipe)
-    ref = _forward(runtime, tiny_pipe.transformer)
-    api.select("none,+rope", model=tiny_pipe)
-    got = _forward(runtime, tiny_pipe.transformer)
+    ref = stock_then("none,+rope", tiny_pipe, lambda: tiny_forward(runtime, tiny_pipe.transformer))
+    got = tiny_forward(runtime, tiny_pipe.transformer)
     assert torch.equal(ref, got)
     if variant in ("raises", "aclop"):  # a RuntimeError: a fault of the moment (retried with backoff), no verdict
         assert OPT.verdicts() == [] and [f.kind for f in OPT.rotary.guard.faults()] == ["runtime error"]
@@ -487,31 +407,27 @@ def test_low_precision_is_within_bf16_bound_accepted_by_pixel_refused_by_bitwise
     so the default ``pixel`` policy takes it; ``bitwise`` refuses any kernel that is not bitwise-equal to stock."""
     assert OPT.require_bitwise_kernel is None and not OPT.requires_bitwise()  # the shipped default: pixel
     fake_npu(rotary_mul="low_precision")
-    api.select("none")
-    ref = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
-    api.select("none,+rope")
-    _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+    ref = stock_then("none,+rope", None, lambda: tiny_forward(runtime, bf16_transformer))
+    tiny_forward(runtime, bf16_transformer)
     (v,) = OPT.verdicts()
     assert v.ok and not v.bitwise and v.errors["kernel"] <= v.errors["stock"]
     api.select("none")
     monkeypatch.setenv(rope_mod.ENV_KERNEL_POLICY, "bitwise")
     api.select("none,+rope")
-    got = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+    got = tiny_forward(runtime, bf16_transformer)
     (v,) = OPT.verdicts()
     assert not v.ok and "not bitwise" in v.reason and rope_mod.ENV_KERNEL_POLICY in v.reason
     assert torch.equal(ref, got) and OPT.tier() == "exact"  # stayed on the portable path
 
 
 def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_transformer, fake_npu, capsys):
-    """Done-when of issue 12: in bf16 through the fake, the default stack runs npu_rotary_mul and ``list`` / status()
-    report rope as ``pixel``; on CPU without torch_npu it is ``exact``."""
-    from vllm_omni_ascend_opt import cli
-
+    """In bf16 through the fake the default stack runs npu_rotary_mul and ``list`` / status() report rope as
+    ``pixel``; on CPU without torch_npu it is ``exact``."""
     assert OPT.tier() == "exact"  # no torch_npu here: portable path
     npu = fake_npu()
     api.select("default")
     assert OPT.tier() == "pixel"
-    ref = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+    ref = tiny_forward(runtime, bf16_transformer)
     assert npu.calls["npu_rotary_mul"] > 1 and OPT.stats["kernel_calls"] > 0
     (v,) = OPT.verdicts()
     assert v.ok and not v.bitwise  # fp32 inside: not stock's three bf16 roundings
@@ -521,7 +437,7 @@ def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_tran
     cli.main(["list"])
     assert any(line.split()[:2] == ["rope", "pixel"] for line in capsys.readouterr().out.splitlines())
     api.select("none")
-    stock = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+    stock = tiny_forward(runtime, bf16_transformer)
     assert not torch.equal(ref, stock)  # float outputs differ: the pixel tier, not exact
     torch.testing.assert_close(ref.float(), stock.float(), atol=3e-2, rtol=3e-2)
 
@@ -544,10 +460,8 @@ def test_shape_check_reference_is_chunked(monkeypatch):
 def test_bitwise_kernel_is_used_by_default_in_bf16(runtime, bf16_transformer, fake_npu):
     """A kernel that rounds like stock's small ops (the "small_ops" double) passes the exact default in bf16."""
     npu = fake_npu(rotary_mul="small_ops")
-    api.select("none")
-    ref = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
-    api.select("none,+rope")
-    got = _forward(runtime, bf16_transformer, dtype=torch.bfloat16)
+    ref = stock_then("none,+rope", None, lambda: tiny_forward(runtime, bf16_transformer))
+    got = tiny_forward(runtime, bf16_transformer)
     (v,) = OPT.verdicts()
     assert v.ok and v.bitwise
     assert npu.calls["npu_rotary_mul"] > 1 and OPT.stats["kernel_calls"] > 0
@@ -558,10 +472,8 @@ def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu, caplog, 
     """A real call that raises falls back to the portable path for its shape class, with the reason logged."""
     npu = fake_npu()
     new_hw = (3, 3)
-    api.select("none", model=tiny_pipe)
-    ref = _forward(runtime, tiny_pipe.transformer, hw=new_hw)
-    api.select("none,+rope", model=tiny_pipe)
-    _forward(runtime, tiny_pipe.transformer)  # verified and used
+    ref = stock_then("none,+rope", tiny_pipe, lambda: tiny_forward(runtime, tiny_pipe.transformer, hw=new_hw))
+    tiny_forward(runtime, tiny_pipe.transformer)  # verified and used
     (v,) = OPT.verdicts()
     assert v.ok and npu.calls["npu_rotary_mul"] == 1 + 8
 
@@ -571,22 +483,18 @@ def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu, caplog, 
     real = npu.npu_rotary_mul
     monkeypatch.setattr(npu, "npu_rotary_mul", boom)
     with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
-        got = _forward(runtime, tiny_pipe.transformer, hw=new_hw)
+        got = tiny_forward(runtime, tiny_pipe.transformer, hw=new_hw)
     assert torch.equal(ref, got)
     faults = OPT.rotary.guard.faults()  # an error is not a verdict: both classes wait for their retry
     assert {f.key[4] for f in faults} == {16, 8} and all("device lost" in f.error for f in faults)
     assert all(sv.ok for sv in OPT.shape_verdicts()) and "device lost" in caplog.text
-    monkeypatch.setattr(
-        npu, "npu_rotary_mul", real
-    )  # the device is back: the next forward retries and keeps the kernel
+    monkeypatch.setattr(npu, "npu_rotary_mul", real)  # the device is back: the next forward retries, keeps it
     calls = OPT.stats["kernel_calls"]
-    assert torch.equal(_forward(runtime, tiny_pipe.transformer, hw=new_hw), ref)
+    assert torch.equal(tiny_forward(runtime, tiny_pipe.transformer, hw=new_hw), ref)
     assert OPT.stats["kernel_calls"] > calls and OPT.rotary.guard.faults() == []
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the fake itself: documented semantics and constraints
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the fake itself: documented semantics and constraints ----------------------------------------------------------
 def _doc_formula(x, r1, r2, mode):
     """[OP-ROT] small-op formula (einops rearrange written with stack/flatten)."""
     if mode == "half":
@@ -715,11 +623,9 @@ def test_kernel_policy_from_env(monkeypatch, value, want):
 def test_graph_capture_takes_the_stock_path(runtime, tiny_pipe, fake_npu, monkeypatch):
     """During NPU graph capture (the shared probe in _backend) rope neither verifies nor uses tables: stock code."""
     npu = fake_npu()
-    api.select("none", model=tiny_pipe)
-    ref = _forward(runtime, tiny_pipe.transformer)
-    api.select("none,+rope", model=tiny_pipe)
+    ref = stock_then("none,+rope", tiny_pipe, lambda: tiny_forward(runtime, tiny_pipe.transformer))
     monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: True, raising=False)
-    got = _forward(runtime, tiny_pipe.transformer)
+    got = tiny_forward(runtime, tiny_pipe.transformer)
     assert torch.equal(ref, got)
     assert OPT.stats["stock_calls"] > 0 and OPT.stats["kernel_calls"] == 0 and OPT.stats["portable_calls"] == 0
     assert npu.calls["npu_rotary_mul"] == 0

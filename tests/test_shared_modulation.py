@@ -11,18 +11,20 @@ import importlib
 import sys
 from collections import Counter
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
+from diffusers.models.normalization import AdaLayerNormContinuous
 
 from tests.harness.forward import build, fwd, inputs
+from tests.harness.stock import stock_then
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
 from vllm_omni_ascend_opt.blocks.memo import keys
 from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, ModulationMemo
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm
+from vllm_omni_ascend_opt.opts import fast_modulate, fast_residual
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.opcount import OpCounter, TensorReadCounter, count_module_calls
@@ -35,9 +37,7 @@ L = TINY.num_layers
 PROJ_PER_FORWARD = 2 * L + 1  # img_mod + txt_mod per block, norm_out.linear
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------------------------
+# ----- helpers --------------------------------------------------------------------------------------------------------
 def T():
     return importlib.import_module("vllm_omni.diffusion.models.qwen_image.qwen_image_transformer")
 
@@ -50,36 +50,8 @@ def nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-@contextlib.contextmanager
-def reads_in(module: nn.Module, tensors: list[torch.Tensor]) -> Iterator[SimpleNamespace]:
-    """Reads of ``tensors`` (TensorReadCounter) summed over the calls of ``module`` only (not the VAE, not the text
-    encoder), through hooks on ``module`` itself (the memo only refuses hooks on the modules it skips)."""
-    total = SimpleNamespace(calls=0, bytes=0)
-    active: list[TensorReadCounter] = []
-
-    def pre(*_):
-        active.append(TensorReadCounter(tensors).__enter__())
-
-    def post(*_):
-        c = active.pop()
-        c.__exit__(None, None, None)
-        total.calls += c.calls
-        total.bytes += c.bytes
-
-    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    try:
-        yield total
-    finally:
-        for h in handles:
-            h.remove()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# install / uninstall / attach
-# ----------------------------------------------------------------------------------------------------------------
+# ----- install / uninstall / attach -----------------------------------------------------------------------------------
 def test_install_uninstall_restore_by_identity(tiny_pipe, runtime):
-    from diffusers.models.normalization import AdaLayerNormContinuous
-
     block_cls, model_cls = T().QwenImageTransformerBlock, T().QwenImageTransformer2DModel
     fwd0, load0 = block_cls.__dict__["forward"], model_cls.__dict__["load_weights"]
     tr = tiny_pipe.transformer
@@ -108,9 +80,7 @@ def test_install_uninstall_restore_by_identity(tiny_pipe, runtime):
     assert OPT.reasons_inactive(tiny_pipe) == ["not installed"]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# bitwise
-# ----------------------------------------------------------------------------------------------------------------
+# ----- bitwise --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_transformer_output_bitwise(runtime, dtype, batch):
@@ -120,9 +90,7 @@ def test_transformer_output_bitwise(runtime, dtype, batch):
         inputs(dtype, batch, hw=(3, 4), pad=3, seed=1),  # second resolution, padded text mask
         inputs(dtype, batch, hw=(2, 2), pad=2, t=(0.25, 0.75), seed=2),  # per-row timesteps when batch == 2
     ]
-    api.select("none", model=tr)
-    want = [fwd(tr, runtime, kw) for kw in cases]
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: [fwd(tr, runtime, kw) for kw in cases])
     for _ in range(2):  # cold (misses), then warm (hits)
         got = [fwd(tr, runtime, kw) for kw in cases]
         for g, w in zip(got, want, strict=True):
@@ -142,9 +110,7 @@ def test_pipeline_images_bitwise(tiny_pipe, runtime, cfg):
     assert OPT.fallback_reasons() == {}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# counting: projections, weight bytes, SiLU, ops per block
-# ----------------------------------------------------------------------------------------------------------------
+# ----- counting: projections, weight bytes, SiLU, ops per block -------------------------------------------------------
 def test_projections_and_weight_bytes_per_step(tiny_pipe, runtime):
     tr, steps = tiny_pipe.transformer, 2
     mods = mod_tensors(tr)
@@ -153,7 +119,7 @@ def test_projections_and_weight_bytes_per_step(tiny_pipe, runtime):
     assert 0.30 < fraction < 0.37, fraction  # ~1/3 of the DiT weights (12 D^2 of 36 D^2 per block)
 
     def run():
-        with reads_in(tr, mods) as c:
+        with TensorReadCounter(mods) as c:
             generate(tiny_pipe, runtime, steps=steps, seed=1, cfg_scale=3.0)  # true CFG: 2 forwards per step
         return c
 
@@ -201,9 +167,7 @@ def test_teacache_extractor_hits(runtime):
 
     tr = build(runtime)
     kw = inputs(torch.float32)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
 
     def via_teacache():
         args = {k: v for k, v in kw.items() if k != "return_dict"}
@@ -219,9 +183,7 @@ def test_teacache_extractor_hits(runtime):
     assert torch.equal(out, want) and warm_calls == 0
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# invalidation and memory bound
-# ----------------------------------------------------------------------------------------------------------------
+# ----- invalidation and memory bound ----------------------------------------------------------------------------------
 def test_inplace_weight_change_misses(runtime):
     tr = build(runtime)
     kw = inputs(torch.float32)
@@ -276,10 +238,9 @@ def test_byte_budget_lru(runtime):
 
 
 def test_lru_hit_moves_the_entry_to_the_recent_end(runtime):
-    """The memo's LRU order on direct calls (one entry per temb value; in a forward the second block's lookup would
-    move the entry anyway): a hit moves its entry to the most recent end, eviction takes the least recently used
-    entry first -- found by digest (a new temb object of a known value) and by identity (the last digested temb
-    again, after a view of it made its own entry)."""
+    """The memo's LRU order on direct calls: a hit moves its entry to the most recent end, eviction takes the least
+    recently used first -- found by digest (a new temb object of a known value) and by identity (the last digested
+    temb again, after a view of it made its own entry)."""
     tr = build(runtime)
     seq = tr.transformer_blocks[0].img_mod  # a stock Sequential(SiLU, ReplicatedLinear)
     g = torch.Generator().manual_seed(11)
@@ -316,9 +277,7 @@ def test_byte_budget_is_never_exceeded(runtime):
     recomputed next time; the bytes held, SiLU(temb) included, never exceed the budget; outputs stay stock's."""
     tr = build(runtime)
     kw = inputs(torch.float32)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
     d = TINY.inner_dim
     # fp32 [1, D] temb and SiLU(temb); 2 and 12 [1, 1, D] for norm_out and a block
     temb_bytes, silu_bytes, norm_out_bytes, block_bytes = d * 4, d * 4, 2 * d * 4, 12 * d * 4
@@ -355,14 +314,10 @@ def test_budget_env(monkeypatch, runtime):
     assert OPT.memo.max_bytes == int(1.5 * 1024**2)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fallbacks: stock code, with a reason
-# ----------------------------------------------------------------------------------------------------------------
+# ----- fallbacks: stock code, with a reason ---------------------------------------------------------------------------
 def _fallback_case(runtime, tr, reason, kw=None, grad=False):
     kw = kw or inputs(torch.float32)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw, grad)
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw, grad))
     OPT.reset_stats()
     with TensorReadCounter(mod_tensors(tr)) as c:
         got = fwd(tr, runtime, kw, grad)
@@ -398,19 +353,13 @@ def test_fallback_compile_capture_hooks(runtime, monkeypatch, fake_npu):
 
 
 def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplog):
-    """While dynamo traces (``torch.compiler.is_compiling()``), every patched forward (block, img_mod/txt_mod,
-    norm_out) and the fast tier's modes check ``guards.tracing()`` first and run stock code: every projection is
-    computed, and nothing is counted, memoized or logged (what dynamo would otherwise guard on or break the graph
-    at)."""
-    from vllm_omni_ascend_opt.opts import fast_modulate, fast_residual
-
+    """While dynamo traces, every patched forward (block, img_mod/txt_mod, norm_out) and the fast tier's modes run
+    stock code: every projection is computed, and nothing is counted, memoized or logged."""
     tr = build(runtime)
     kw = inputs(torch.float32)
     fast = (fast_modulate.OPT, fast_residual.OPT)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(ON + ",+fast_modulate,+fast_residual", model=tr)
+    want = stock_then(ON + ",+fast_modulate,+fast_residual", tr, lambda: fwd(tr, runtime, kw))
     for opt in (OPT, *fast):
         opt.reset_stats()
     caplog.set_level("DEBUG", logger="vllm_omni_ascend_opt")
@@ -444,8 +393,6 @@ def test_hook_that_captured_stock_forward_is_a_note_not_a_reason(runtime):
     the other blocks and reports the note as its reason."""
     from vllm_omni.diffusion.hooks.base import HookRegistry
 
-    from vllm_omni_ascend_opt.opts import fast_modulate
-
     tr = build(runtime)
     kw = inputs(torch.float32)
     api.select("none", model=tr)
@@ -477,15 +424,10 @@ def test_fingerprint_mismatch_turns_it_off(monkeypatch):
     assert api.select(ON) == []
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel
-# ----------------------------------------------------------------------------------------------------------------
+# ----- AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel ------------------
 class _LayerNormEvalSpy:
-    """A test-local ``torch_npu.npu_layer_norm_eval`` that logs its calls and whose result differs from
-    ``torch.nn.functional.layer_norm`` by a constant offset (2**-10), so that a path that silently used the native
-    LayerNorm instead (``norm.layernorm(x)``) could not be bitwise-equal to stock's NPU path. The documented result
-    ([OP-LNE] Ascend/op-plugin docs ``torch_npu-npu_layer_norm_eval.md``) is ``F.layer_norm``; the offset is a marker,
-    not a claim about the kernel."""
+    """``npu_layer_norm_eval`` counting its calls, its result ``F.layer_norm``'s [OP-LNE] plus a marker offset: a path
+    that silently used the native LayerNorm instead could not be bitwise-equal to stock's NPU path."""
 
     OFFSET = 2.0**-10
 
@@ -527,9 +469,7 @@ def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd
         assert not torch.equal(norms[0].layernorm(x), spy(x, [TINY.inner_dim], eps=norms[0].eps))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the memo key: numerical settings (grad mode, matmul precision, autocast) are part of it
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the memo key: numerical settings (grad mode, matmul precision, autocast) are part of it ------------------------
 @contextlib.contextmanager
 def _matmul_precision(value: str) -> Iterator[None]:
     old = torch.get_float32_matmul_precision()
@@ -590,9 +530,7 @@ def test_numerical_settings_autocast_bitwise_after_warm_memo(runtime):
     assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# two-segment modulation (Qwen-Image-Edit-2511 zero_cond_t / modulate_index), issue 14
-# ----------------------------------------------------------------------------------------------------------------
+# ----- two-segment modulation (Qwen-Image-Edit-2511 zero_cond_t / modulate_index), issue 14 ---------------------------
 def edit_inputs(dtype, shapes, batch=1, t=0.5, seed=0) -> dict:
     """Transformer inputs of an edit request: ``shapes[0]`` is the denoised image, the rest condition images
     (vLLM-Omni's ModulateIndexPrepare: segment 0 for the first shape, segment 1 = timestep 0 for the rest)."""
@@ -614,9 +552,7 @@ COPRIME = [(1, 1, 17), (1, 1, 2), (1, 1, 3)]  # 17 + 5 tokens: gcd 1 -> 22 chunk
 def test_two_segment_blocks_bitwise(runtime, dtype, batch, shapes):
     tr = build(runtime, dtype=dtype, zero_cond_t=True)
     kw = edit_inputs(dtype, shapes, batch=batch)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
     assert OPT.reasons_inactive(tr) == []
     OPT.reset_stats()
     cold, warm = fwd(tr, runtime, kw), fwd(tr, runtime, kw)
@@ -697,9 +633,7 @@ def test_two_segment_memo_is_keyed_on_the_segments(runtime):
     tr = build(runtime, zero_cond_t=True)
     same_length = [(1, 2, 3), (1, 1, 2)]  # 6 + 2 tokens, like EQUAL's 4 + 4
     cases = [EQUAL, same_length, EQUAL, UNEQUAL]
-    api.select("none", model=tr)
-    want = [fwd(tr, runtime, edit_inputs(torch.float32, shapes)) for shapes in cases]
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: [fwd(tr, runtime, edit_inputs(torch.float32, shapes)) for shapes in cases])
     OPT.reset_stats()
     got = [fwd(tr, runtime, edit_inputs(torch.float32, shapes)) for shapes in cases]
     for shapes, w, g in zip(cases, want, got, strict=True):
@@ -732,9 +666,7 @@ def test_two_segment_under_inference_mode(runtime):
     forward of the same request reads no modulation weight."""
     tr = build(runtime, zero_cond_t=True)
     kw = edit_inputs(torch.float32, UNEQUAL)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(ON, model=tr)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
     OPT.reset_stats()
     with runtime.context(), torch.inference_mode():
         outs = [tr(**kw)[0].clone() for _ in range(2)]

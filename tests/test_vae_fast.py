@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d, QwenImageRMS_norm
 
+from tests.harness.stock import stock_then
 from tests.test_vae_exact import decode, latent, make_dist_vae, patched_anywhere
 from vllm_omni_ascend_opt import api, metrics
 from vllm_omni_ascend_opt.metrics import compare_images, passes_gates
@@ -31,9 +32,7 @@ def assert_nontrivial(img: torch.Tensor) -> None:
     assert (img.abs() >= 1.0).float().mean() < 0.5
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# metrics
-# ----------------------------------------------------------------------------------------------------------------
+# ----- metrics --------------------------------------------------------------------------------------------------------
 def test_metrics_identical_images():
     img = torch.rand(2, 3, 16, 24) * 2 - 1
     m = compare_images(img, img.clone())
@@ -66,14 +65,10 @@ def test_metrics_explicit_data_range_and_value_range():
         metrics.to_uint8(ref, value_range=(1.0, 1.0))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# gates
-# ----------------------------------------------------------------------------------------------------------------
+# ----- gates ----------------------------------------------------------------------------------------------------------
 def test_gates_on_tiny_pipeline_and_composition(tiny_pipe, runtime):
     kw = dict(height=48, width=64, steps=2, seed=5)
-    api.select("none", model=tiny_pipe)
-    ref = generate(tiny_pipe, runtime, **kw).images
-    api.select("none,+vae_fast", model=tiny_pipe)
+    ref = stock_then("none,+vae_fast", tiny_pipe, lambda: generate(tiny_pipe, runtime, **kw).images)
     assert OPT.piece_report(tiny_pipe) == {"conv2d_last_tap": "", "rms_norm_input_dtype": ""}
     fast = generate(tiny_pipe, runtime, **kw).images
     api.select("none,+vae_exact,+vae_fast", model=tiny_pipe)
@@ -132,9 +127,7 @@ def test_fewer_ops_and_no_zero_padded_conv3d(realwidth):
     assert fast.total < stock.total
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fallbacks, weights, revert
-# ----------------------------------------------------------------------------------------------------------------
+# ----- fallbacks, weights, revert -------------------------------------------------------------------------------------
 def test_cached_or_multi_frame_calls_use_stock_conv3d():
     torch.manual_seed(0)
     conv = QwenImageCausalConv3d(4, 6, 3, padding=1)

@@ -5,18 +5,26 @@ probe, a peer's refusal), the guard's backoff, saved verdicts and warm-up.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import multiprocessing
+import os
 import sys
+import threading
 from collections import Counter
 
 import pytest
 import torch
 
+from tests.fake_torch_npu import build
 from tests.harness.forward import tiny_forward
-from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt import _backend, _report, api, cli
+from vllm_omni_ascend_opt.blocks.kernels import guard, npu_attention, rotary, saved
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import ProbeDict
 from vllm_omni_ascend_opt.blocks.kernels.verified import KernelPath
+from vllm_omni_ascend_opt.blocks.upstream import forward_scope
+from vllm_omni_ascend_opt.opts import fused_attention, qk_norm, rope
 
 
 class _Path(KernelPath):
@@ -57,8 +65,6 @@ def test_a_new_probe_drops_every_entry_and_says_so(fake_npu):
 
 def test_a_class_is_asked_of_the_disk_once_per_probe(fake_npu, monkeypatch):
     """A class with no saved verdict (one in fault backoff, looked up on every call) asks the disk once per probe."""
-    from vllm_omni_ascend_opt.blocks.kernels import saved
-
     fake_npu()
     asked: list = []
     lookup = saved.lookup
@@ -83,9 +89,6 @@ def test_a_class_is_asked_of_the_disk_once_per_probe(fake_npu, monkeypatch):
 def test_guard_backoff_schedule(monkeypatch):
     """Errors are retried after 1, 2, 4, 8, 16 forwards (capped at 32) and demoted after the 6th in a row; a
     TypeError is a verdict for the caller (not retried); a success after a fault clears it."""
-    from vllm_omni_ascend_opt.blocks.kernels import guard
-    from vllm_omni_ascend_opt.blocks.upstream import forward_scope
-
     g, clock = guard.Guard("test", Counter()), [100]
     monkeypatch.setattr(forward_scope, "forwards", lambda: clock[0])
 
@@ -109,12 +112,8 @@ def test_guard_backoff_schedule(monkeypatch):
 
 # ----- saved verdicts ---------------------------------------------------------------------------------------------
 def test_a_second_start_with_saved_verdicts_runs_no_check(fake_npu, runtime, tiny_pipe):
-    """Why (5): verdicts lived in memory only, so every restart checked again. Saved on disk, keyed by the device
-    and its software stack, a restart (a new process: here a new probe and nothing loaded) takes them unchecked."""
-    from vllm_omni_ascend_opt import _report, api
-    from vllm_omni_ascend_opt.blocks.kernels import saved
-    from vllm_omni_ascend_opt.opts import qk_norm, rope
-
+    """Verdicts saved on disk, keyed by the device and its software stack: a restart (here a new probe and nothing
+    loaded) takes them unchecked."""
     npu = fake_npu()
     tr = tiny_pipe.transformer
     api.select("none,+rope,+qk_norm", model=tr)
@@ -143,8 +142,6 @@ def test_a_second_start_with_saved_verdicts_runs_no_check(fake_npu, runtime, tin
     ],
 )
 def test_corrupt_older_or_foreign_files_are_ignored_with_one_warning(fake_npu, caplog, damage, warning):
-    from vllm_omni_ascend_opt.blocks.kernels import saved
-
     fake_npu()
     saved.save("npu_rms_norm", ("npu:3", torch.bfloat16, 64, 128), True, "")
     p = saved.path()
@@ -164,8 +161,6 @@ def test_corrupt_older_or_foreign_files_are_ignored_with_one_warning(fake_npu, c
 
 
 def test_the_env_var_moves_or_disables_the_cache(fake_npu, monkeypatch, tmp_path):
-    from vllm_omni_ascend_opt.blocks.kernels import saved
-
     fake_npu()
     monkeypatch.setenv(saved.ENV_VERDICT_CACHE, str(tmp_path / "here"))
     saved.save("k", ("npu:0", 1), True, "")
@@ -179,11 +174,6 @@ def test_the_env_var_moves_or_disables_the_cache(fake_npu, monkeypatch, tmp_path
 
 
 def _writer(args):
-    import os
-
-    from tests.fake_torch_npu import build
-    from vllm_omni_ascend_opt import _backend
-    from vllm_omni_ascend_opt.blocks.kernels import saved
 
     path, who = args
     os.environ[saved.ENV_VERDICT_CACHE] = path
@@ -199,8 +189,6 @@ def _writer(args):
 def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
     """Two processes saving at once: writes are serialized by a lock and each is a rename of a whole file, so the
     file always parses and holds both processes' entries."""
-    import multiprocessing
-
     with multiprocessing.get_context("fork").Pool(2) as pool:
         assert pool.map(_writer, [(str(tmp_path), "a"), (str(tmp_path), "b")]) == [True, True]
     (p,) = tmp_path.glob("verdicts-*.json")
@@ -211,11 +199,6 @@ def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
 def test_a_save_waits_for_the_lock_another_process_holds(fake_npu):
     """A write takes the lock file's exclusive flock before it reads, merges and renames: while another process
     holds it, nothing is written (a bound from below: the thread cannot finish while the lock is held)."""
-    import fcntl
-    import threading
-
-    from vllm_omni_ascend_opt.blocks.kernels import saved
-
     fake_npu()
     p = saved.path()
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -232,8 +215,6 @@ def test_a_save_waits_for_the_lock_another_process_holds(fake_npu):
 
 def test_batch_times_heads_is_bucketed_like_the_sequence():
     """CFG's batch of 2 and a 2-way head split share a class with B=1 at all heads (24 -> 32), as the code says."""
-    from vllm_omni_ascend_opt.blocks.kernels import npu_attention, rotary
-
     one, split = torch.empty(1, 100, 24, 128), torch.empty(2, 100, 12, 128)
     assert rotary.shape_class(one) == rotary.shape_class(split) and rotary.shape_class(one)[3] == 32
     assert rotary.shape_class(torch.empty(2, 100, 24, 128))[3] == 64
@@ -244,10 +225,6 @@ def test_warmup_checks_the_classes_then_a_start_runs_none(fake_npu, monkeypatch,
     """``vllm-omni-ascend-opt warmup`` checks each class once through the optimizations' own code and saves the
     verdicts; a second start (another process) finds them all and checks nothing."""
     import vllm_omni.diffusion.attention.backends.sdpa  # noqa: F401  (before the fake: accelerate probes torch_npu)
-
-    from vllm_omni_ascend_opt import cli
-    from vllm_omni_ascend_opt.blocks.kernels import saved
-    from vllm_omni_ascend_opt.opts import fused_attention, qk_norm, rope
 
     fake_npu()
     monkeypatch.setattr(torch, "npu", torch.npu, raising=False)

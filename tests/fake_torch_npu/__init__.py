@@ -2,27 +2,23 @@
 
 Each kernel computes its *documented* result with plain torch on CPU tensors and raises on *documented* constraint
 violations, so that the plugin's NPU code paths (argument layout, modes, mask polarity, formats) are exercised for
-real. Every constraint is listed, with its source, in the module that implements the kernel:
+real. Every constraint is listed, with its source, in the module that implements the kernel: :mod:`.rotary`
+(``npu_rotary_mul``), :mod:`.attention` (``npu_fusion_attention``, ``npu_fused_infer_attention_score``),
+:mod:`.formats` (``npu_format_cast`` / ``get_npu_format``, ``allow_internal_format`` and the device model),
+:mod:`.norms` (``npu_layer_norm_eval``, ``npu_rms_norm``).
 
-* :mod:`.rotary`    - ``npu_rotary_mul``
-* :mod:`.attention` - ``npu_fusion_attention`` (and ``npu_fused_infer_attention_score`` if used)
-* :mod:`.formats`   - ``npu_format_cast`` / ``get_npu_format``, ``torch.npu.config.allow_internal_format`` and the
-  device model (``Tensor.is_npu`` for CPU tensors, ``mark_host``), installed by its ``install_hooks``
-* :mod:`.norms`     - ``npu_layer_norm_eval``, ``npu_rms_norm``
-
-The real package is the reference: :mod:`.reference` reads the pinned torch-npu 2.13.0 wheel (schemas, meta
-functions, ``_npuConfig``) and ``tests/test_fake_torch_npu_reference.py`` checks every fake op's signature, output
-shapes/dtypes and ``torch.npu.config`` against it. Like the real ``torch.ops.npu.*`` ops, the fake's kernels take the
-schema's argument names (first argument ``self`` for most), and ``torch.npu.config`` is write-only
-(:class:`FakeNpuConfig`), backed by an option store read with ``torch_npu._C._npu_getOption``.
+The real package is the reference: :mod:`.reference` reads the pinned torch-npu 2.13.0 wheel and
+``tests/test_fake_torch_npu_reference.py`` checks every fake op's signature (the schema's argument names, ``self``
+first for most), output shapes/dtypes and ``torch.npu.config`` (write-only, :class:`FakeNpuConfig`, backed by an
+option store read with ``torch_npu._C._npu_getOption``) against it.
 
 Sources are abbreviated: [OP-ROT] Ascend/op-plugin docs ``torch_npu-npu_rotary_mul.md``; [OP-FA]
 ``torch_npu-npu_fusion_attention.md``; [OP-FIA] ``torch_npu-npu_fused_infer_attention_score.md``; [OP-FMT]
 ``torch_npu-npu_format_cast.md``; [DESIGN] ``../shared/design/torch-npu-kernels.md`` (a digest of those pages).
 
 ``install(monkeypatch, **variants)`` puts the fake in ``sys.modules['torch_npu']`` and a matching ``torch.npu``
-namespace, and resets the plugin's backend probe. ``variants`` swap in deliberately wrong kernels (e.g.
-``rotary_mul="half_pairing"``) to prove that the plugin's on-device verification refuses them.
+namespace, and resets the plugin's backend probe; ``variants`` swap in deliberately wrong kernels (e.g.
+``rotary_mul="half_pairing"``) that the plugin's on-device verification must refuse.
 """
 
 from __future__ import annotations
@@ -32,6 +28,7 @@ import functools
 import inspect
 import sys
 import types
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,19 +42,6 @@ KERNELS: dict[str, dict[str, Any]] = {}
 for _mod in (rotary, attention, formats, norms):
     for _kernel, _variants in getattr(_mod, "VARIANTS", {}).items():
         KERNELS[_kernel] = dict(_variants)
-
-
-class CallLog:
-    """Counts calls per kernel, so tests can assert that a path was (or was not) taken."""
-
-    def __init__(self) -> None:
-        self.calls: dict[str, int] = {}
-
-    def hit(self, name: str) -> None:
-        self.calls[name] = self.calls.get(name, 0) + 1
-
-    def __getitem__(self, name: str) -> int:
-        return self.calls.get(name, 0)
 
 
 #: What the device raises, per fault kind: torch_npu's allocator message, and an ACL runtime error.
@@ -84,9 +68,6 @@ class FaultPlan:
             raise KeyError(f"fault kind {kind!r}: one of {sorted(FAULT_MESSAGES)}")
         self._plans.setdefault(target, []).append((self._seen.get(target, 0) + at, times, kind))
 
-    def clear(self) -> None:
-        self._plans.clear()
-
     def check(self, target: str) -> None:
         """Count one call of ``target``; raise if a fault is planned for it."""
         n = self._seen[target] = self._seen.get(target, 0) + 1
@@ -112,13 +93,13 @@ class FaultPlan:
         return p
 
 
-def _counted(name: str, fn: Any, log: CallLog, faults: FaultPlan | None = None) -> Any:
+def _counted(name: str, fn: Any, log: Counter[str], faults: FaultPlan | None = None) -> Any:
     sig = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         sig.bind(*args, **kwargs)  # a keyword the schema does not have fails like torch.ops.npu.* does (TypeError)
-        log.hit(name)
+        log[name] += 1
         if faults is not None:
             faults.check(name)
         # one NPU launch for the op counter, whatever CPU ops the fake computes it with (testbed/npu_ops.py)
@@ -174,7 +155,7 @@ def build(
     wrong = sorted(f"{k}={v}" for k, v in variants.items() if v != "correct")
     mod.__version__ = "2.13.0+fake" + ("." + ".".join(wrong) if wrong else "")  # type: ignore[attr-defined]
     mod._C = _option_store({"ALLOW_INTERNAL_FORMAT": "enable" if allow_internal_format else "disable"})  # type: ignore[attr-defined]
-    log = CallLog()
+    log: Counter[str] = Counter()  # calls per kernel: tests assert that a path was (or was not) taken
     mod.calls = log  # type: ignore[attr-defined]
     faults = FaultPlan()
     mod.faults = faults  # type: ignore[attr-defined]

@@ -1,56 +1,29 @@
 """Fake torch_npu kernels: attention (``npu_fusion_attention``, ``npu_fused_infer_attention_score``).
 
-Sources (see ``__init__``):
+Sources (see ``__init__``); the constraints are checked in the code below, each citing its source:
 
-* [OP-FA] Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (commits 3ec6c1f and 0d8f401, same
-  constraints). Prototype ``npu_fusion_attention(query, key, value, head_num, input_layout, pse=None,
-  padding_mask=None, atten_mask=None, scale=1., keep_prob=1., pre_tockens=2147483647, next_tockens=2147483647,
-  inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
-  sync=False) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)``; output 0 is attention_out, 1/2 softmax max/sum
-  (float), 3 reserved, 4-6 dropout seed/offset/length.
-  - query/key/value: float16, bfloat16, float32, all of one dtype; one ``input_layout`` for all: BSH, SBH, BSND, BNSD,
-    TND (TND = varlen, needs actual_seq_qlen/kvlen).
-  - key and value have the same shape; B equal, 1..2M (varlen 1..2K); D: Dq = Dk, Dk >= Dv, 1..768; S 1..1M.
-  - Nq / Nkv a non-zero integer, Nq 1..256 (GQA when > 1).
-  - ``atten_mask``: bool / uint8, **1 (True) = this position does NOT take part** ("取值为1代表该位不参与计算"),
-    shapes BNSS, B1SS, 11SS, SS. ``scale`` defaults to **1**. ``padding_mask``: "暂不支持该传参" (not supported).
-  - ``keep_prob`` in (0, 1]. ``inner_precise``: 0/1 reserved, 2 = invalid-row computation ("avoids precision loss
-    when a whole row is masked"). ``sparse_mode`` 0..8, where 7 and 8 are the varlen long-sequence split modes
-    ("表示varlen且为长序列外切场景", TND only): outside TND 0..6; 0 = defaultMask (with a mask, keep it consistent with
-    pre_tockens / next_tockens; without a mask, full computation), 1 = allMask (a full mask is required).
-  - "该接口仅在训练场景下使用" / "暂不支持图模式" (training only, no graph mode). Product: Atlas A2 training.
-  - The reference example of the page computes ``softmax(q k^T * scale + mask * -10000) v`` in BNSD.
-* [OP-FIA] ``docs/context/torch_npu-npu_fused_infer_attention_score.md`` (commit 0adf450): ``(query, key, value, *,
-  ..., atten_mask=None, ..., num_heads=1, scale=1.0, pre_tokens=2147483647, next_tokens=2147483647,
-  input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0, ..., softmax_lse_flag=False, ...) ->
-  (Tensor, Tensor)``. Inference and graph mode. query float16/bfloat16 (A2/A3); query, key, value and atten_mask:
-  **non-contiguous tensors not supported**; layouts BSH, BSND, BNSD (+ BNSD_BSND, TND, ... not modelled);
-  num_heads must match query's N (BNSD); num_key_value_heads 0 = num_heads, must divide it, ratio <= 64, and match
-  key's N (BSND/BNSD). For Q_S > 1: B <= 65536, N <= 256, D <= 512, D 16-aligned for float16/bfloat16, S <= 20M;
-  atten_mask bool/int8/uint8 of shape (Q_S, KV_S), (B, Q_S, KV_S), (1, Q_S, KV_S), (B, 1, Q_S, KV_S),
-  (1, 1, Q_S, KV_S); sparse_mode 0..4; inner_precise 0..3. Output 2 (softmax_lse): the page says a [1] zero tensor
-  unless softmax_lse_flag, but the 2.13.0 wheel's meta function returns an *empty* [0] float32 tensor; the fake
-  follows the wheel [TNPU-META]. The page describes the mask as "indicating whether to compute the correlation between tokens";
-  the fake uses the same polarity as [OP-FA] (True = masked), as vllm-ascend passes ``triu(ones, 1)`` causal masks
-  to it - an inference, checked against SDPA on the device by ``benchmarks/npu_check_kernels.py``.
+* [OP-FA] Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (commits 3ec6c1f, 0d8f401): returns
+  (attention_out, softmax max, softmax sum (float), reserved, dropout seed/offset/length). ``atten_mask`` bool/uint8,
+  **1 (True) = this position does NOT take part** ("取值为1代表该位不参与计算"); ``scale`` defaults to **1**;
+  ``padding_mask`` not supported; ``inner_precise`` 2 = invalid-row computation; ``sparse_mode`` 7 and 8 are the
+  varlen (TND) split modes, so other layouts take 0..6. Training only, no graph mode. The page's reference example
+  computes ``softmax(q k^T * scale + mask * -10000) v`` in BNSD.
+* [OP-FIA] ``docs/context/torch_npu-npu_fused_infer_attention_score.md`` (commit 0adf450): inference and graph mode;
+  non-contiguous inputs not supported. Output 2 (softmax_lse): the page says a [1] zero tensor, the 2.13.0 wheel's
+  meta an *empty* [0] float32 tensor; the fake follows the wheel [TNPU-META]. The mask polarity is taken as [OP-FA]'s
+  (vllm-ascend passes ``triu(ones, 1)`` causal masks): an inference checked on the device by
+  ``benchmarks/npu_check_kernels.py``.
+* [TNPU-YAML] the torch-npu 2.13.0 wheel's ``npu_native_functions_by_codegen.yaml``: the signatures below (with
+  ``npu_fusion_attention``'s trailing ``sink``, ``dropout_mask``, ``seed``, ``offset``).
+* [TNPU-META] the same wheel's ``op_plugin/meta/_meta_registrations.py``: output shapes and dtypes.
+* [FA-BF16-P] the real kernel rounds the softmax weights to the input dtype before the P*V matmul (P is a Cube-unit
+  operand), so the fake does too: the plugin's tolerances meet that realistic error.
 
-* [TNPU-YAML] the torch-npu 2.13.0 wheel's ``npu_native_functions_by_codegen.yaml``: ``npu_fusion_attention`` has,
-  after ``softmax_layout``, the trailing parameters ``Tensor? sink=None, Tensor? dropout_mask=None, int seed=0, int
-  offset=0``; ``npu_fused_infer_attention_score`` has the full keyword-only list written out below.
-* [TNPU-META] the same wheel's ``op_plugin/meta/_meta_registrations.py``: output shapes and dtypes of every op the fake
-  models (checked by ``tests/test_fake_torch_npu_reference.py``).
-* [FA-BF16-P] issue 12, finding 5: the real kernel rounds the softmax weights to the input dtype (bf16) before the
-  P*V matmul (standard for flash attention: P is a Cube-unit operand), so the fake does too - the plugin's
-  tolerances are tested against that realistic error, not against one rounding of an fp32 result.
+Each computation is one ``torch.library`` custom op (one launch for an op counter, as on the device), in float32
+except for the softmax weights [FA-BF16-P]; the output is rounded once to the input dtype.
 
-The computation runs inside ``torch.library`` custom ops (``fake_torch_npu::fusion_attention``,
-``fake_torch_npu::fused_infer_attention``), so an op counter (a TorchDispatchMode) sees exactly one launch per call, as
-on the device, and not the fake's own torch ops. It computes in float32 except for the softmax weights, which are
-rounded to the input dtype before P*V [FA-BF16-P]; the output is rounded once to the input dtype.
-
-Variants: ``fusion_attention="wrong_polarity"`` masks where the mask is False (a kernel/wrapper with SDPA's polarity);
-``fusion_attention="ignores_scale"`` always uses scale 1 (a wrapper that drops the argument). The plugin's on-device
-verification must refuse both.
+Variants: ``wrong_polarity`` masks where the mask is False (SDPA's polarity), ``ignores_scale`` always uses scale 1,
+``long_seq_bug`` drops the scale beyond Sq = 64. The plugin's verification must refuse them.
 """
 
 from __future__ import annotations
@@ -77,9 +50,7 @@ _FIA_MAX_B = 65536
 _FIA_MAX_GQA = 64
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# shared math (BNSD, float32 inside)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- shared math (BNSD, float32 inside) -----------------------------------------------------------------------------
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -192,9 +163,7 @@ def _(query, key, value, atten_mask, layout, head_num, kv_heads, scale, pre, nxt
     return torch.empty_like(query), stats, stats.clone(), query.new_empty((0,))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# npu_fusion_attention: documented argument checks
-# ----------------------------------------------------------------------------------------------------------------
+# ----- npu_fusion_attention: documented argument checks ---------------------------------------------------------------
 def _fa_shapes(query: torch.Tensor, key: torch.Tensor, head_num: int, layout: str) -> tuple[int, int, int, int, int]:
     """Return (B, Sq, Skv, Nkv, D) or raise [OP-FA]."""
     want_dim = 3 if layout in ("BSH", "SBH") else 4
@@ -355,9 +324,7 @@ def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool =
     return npu_fusion_attention
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# npu_fused_infer_attention_score (a candidate the check script times; the plugin does not call it)
-# ----------------------------------------------------------------------------------------------------------------
+# ----- npu_fused_infer_attention_score (a candidate the check script times; the plugin does not call it) --------------
 @torch.library.custom_op("fake_torch_npu::fused_infer_attention", mutates_args=())
 def _fia_op(
     query: torch.Tensor,

@@ -2,49 +2,30 @@
 
 Sources (see ``__init__``):
 
-* [OP-FMT] Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_format_cast.md`` (commit 18c2792):
-  ``torch_npu.npu_format_cast(input, acl_format) -> Tensor``; "修改后的新张量不会替换原有张量" (it returns a *new*
-  tensor and leaves ``input`` alone); ``acl_format`` is an ``int`` or a ``torch_npu.Format`` whose table lists
-  UNDEFINED=-1, NCHW=0, NHWC=1, ND=2, NC1HWC0=3, FRACTAL_Z=4, NC1HWC0_C04=12, HWCN=16, NDHWC=27,
-  FRACTAL_NZ=29 ("内部格式" - an internal format), NCDHW=30, NDC1HWC0=32, FRACTAL_Z_3D=33, NC=35, NCL=47. Its example:
-  ``get_npu_format(torch.rand(2, 3, 4, 5).npu()) == 0`` and ``== 2`` after ``npu_format_cast(x, 2)``.
-* [OP-GFMT] ``docs/context/（beta）at_npu-native-get_npu_format.md``: returns the NPU format of a tensor (an int).
-* [OP-AIF] ``docs/context/（beta）torch_npu-npu-config-allow_internal_format.md``: ``True`` allows private (internal)
-  formats; ``False`` forbids allocating *any* private-format tensor. Default ``True`` on Atlas training / A2 /
-  inference products, ``False`` on Atlas A3. The real op's reaction to a forbidden cast is not documented; the fake
-  raises, so that a cast the plugin makes despite the flag fails loudly instead of passing silently.
-* [TNPU-CFG] the torch-npu 2.13.0 wheel, ``torch_npu/npu/npu_config.py``: ``torch.npu.config`` is an ``_npuConfig``
-  whose only method is ``__setattr__``, forwarding ``allow_internal_format`` to ``torch_npu._C._npu_setOption(
-  {"ALLOW_INTERNAL_FORMAT": "enable"|"disable"})``: the attribute is **write-only** (reading it raises
-  AttributeError) and any other name is silently dropped. The option store is read with
-  ``torch_npu._C._npu_getOption(name) -> bytes | None`` (used that way in the same file for ``ALLOW_MATMUL_HF32``).
-  The fake keeps the same split (``__init__``: ``FakeNpuConfig`` and ``mod._C``).
-* [TNPU-YAML] the same wheel's ``npu_native_functions_by_codegen.yaml``: ``npu_format_cast(Tensor self, int
-  acl_format, *, int? customize_dtype=None, int? input_dtype=None) -> Tensor``; ``get_npu_format(Tensor self) -> int``.
-* [TNPU-FMT-SAME] torch_npu's format cast returns its input itself when it already has the requested format (issue
-  12, finding 5, from a review of torch_npu's format-cast kernel): no copy, same storage. Code that casts "to be
-  sure" must therefore not assume it received a new tensor.
-* [VA-10287] vllm-project/vllm-ascend PR #10287 (issue #10014) and merged PR #16058: ``aclnnMatmulWeightNz`` rejects
-  a FRACTAL_NZ mat2 with n == 1 or k == 1 ("Not support mat2 n = 1 or k = 1 when format is FRACTAL_NZ"). The cast
-  itself succeeds; the *matmul* fails. :func:`nz_matmul_check` models that failure point.
-* [VA-3356] vllm-project/vllm-ascend PR #3356: unquantized linear weights go NZ only "when ... CANN version is 8.3":
-  before that op-plugin/CANN, ``F.linear`` / ``addmm`` / ``matmul`` with an NZ weight do not reach
-  ``aclnnMatmulWeightNz`` / ``aclnnAddmmWeightNz``. :func:`nz_route_ignores_format` models a route that reads the
-  fractal layout as ND.
-* [TNPU-ISNPU] torch_npu adds a ``Tensor.is_npu`` property (used as ``tensor.is_npu`` throughout torch_npu and
-  vllm-ascend code, e.g. ``_ensure_nd_format``: ``if tensor.is_npu and torch_npu.get_npu_format(tensor) != 2``).
+* [OP-FMT] Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_format_cast.md`` (commit 18c2792): returns a *new*
+  tensor ("修改后的新张量不会替换原有张量"); ``acl_format`` an int or ``torch_npu.Format`` (table: ``FORMATS``;
+  FRACTAL_NZ=29 is "内部格式", an internal format). [OP-GFMT] ``at_npu-native-get_npu_format.md``: the format, an int.
+* [OP-AIF] ``torch_npu-npu-config-allow_internal_format.md``: ``False`` forbids allocating any private-format tensor
+  (default ``True`` on A2, ``False`` on A3). The real reaction to a forbidden cast is undocumented: the fake raises.
+* [TNPU-CFG] torch-npu 2.13.0 ``torch_npu/npu/npu_config.py``: ``torch.npu.config`` only has ``__setattr__``, which
+  forwards ``allow_internal_format`` to ``torch_npu._C._npu_setOption``: **write-only**, other names dropped; read
+  back with ``_npu_getOption(name) -> bytes | None`` (``__init__``: ``FakeNpuConfig`` and ``mod._C``).
+* [TNPU-YAML] the wheel's ``npu_native_functions_by_codegen.yaml``: ``npu_format_cast(Tensor self, int acl_format, *,
+  int? customize_dtype=None, int? input_dtype=None) -> Tensor``; ``get_npu_format(Tensor self) -> int``.
+* [TNPU-FMT-SAME] the cast returns its input itself when it already has the format (no copy, same storage).
+* [VA-10287] vllm-ascend PRs #10287, #16058: ``aclnnMatmulWeightNz`` rejects a FRACTAL_NZ mat2 with n == 1 or k == 1;
+  the cast succeeds, the *matmul* fails (:func:`nz_matmul_check`).
+* [VA-3356] vllm-ascend PR #3356: before CANN 8.3 ``F.linear`` / ``addmm`` / ``matmul`` with an NZ weight do not reach
+  the WeightNz kernels (:func:`nz_route_ignores_format` reads the fractal layout as ND).
+* [TNPU-ISNPU] torch_npu's ``Tensor.is_npu`` property.
 
-Device model (the fake runs on CPU tensors): while the fake is installed, CPU tensors stand for NPU memory and
-``Tensor.is_npu`` is True for them, **unless** their storage was marked as host memory with :func:`mark_host` (a
-weight left on the host by CPU or layerwise offload). Meta tensors are never on the NPU. The format tag lives on the
-tensor's *storage* object, as torch_npu keeps ``npu_format`` in the storage's ``NPUStorageDesc``: it follows
-``param.data = ...`` assignments and views exactly like the real format does, and dies with the storage.
+Device model: while the fake is installed, CPU tensors stand for NPU memory (``Tensor.is_npu`` True) unless their
+storage was marked as host memory with :func:`mark_host`; meta tensors never are. The format tag lives on the
+*storage*, as torch_npu's ``NPUStorageDesc``: it follows ``param.data = ...`` and views, and dies with the storage.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -82,9 +63,7 @@ class FakeNpuError(RuntimeError):
     """Raised where the real torch_npu rejects its arguments (a TORCH_CHECK / aclnn parameter error)."""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# device model
-# ----------------------------------------------------------------------------------------------------------------
+# ----- device model ---------------------------------------------------------------------------------------------------
 def on_npu(t: torch.Tensor) -> bool:
     """Whether ``t`` stands for NPU memory in the fake: a CPU tensor whose storage is not marked as host memory."""
     if t.device.type != "cpu":
@@ -105,9 +84,7 @@ def install_hooks(monkeypatch: Any, mod: Any) -> None:
     mod.Format = type("Format", (), {name: value for value, name in FORMATS.items()})
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the copy: one custom op, so an op counter sees one launch (the device's TransData), not the fake's own ops
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the copy: one custom op, so an op counter sees one launch (the device's TransData), not the fake's own ops -----
 @torch.library.custom_op("fake_torch_npu::format_cast", mutates_args=())
 def _format_cast_op(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
@@ -183,9 +160,7 @@ def _nz_cast_keeps_nd(
     return _format_cast_op(self)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# where the real device fails on NZ weights
-# ----------------------------------------------------------------------------------------------------------------
+# ----- where the real device fails on NZ weights ----------------------------------------------------------------------
 _MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul"}
 
 
@@ -207,11 +182,9 @@ class _NzMatmulCheck(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextlib.contextmanager
-def nz_matmul_check() -> Iterator[None]:
+def nz_matmul_check() -> TorchDispatchMode:
     """Within the block, a matmul that reads a FRACTAL_NZ operand with n == 1 or k == 1 raises, as on the device."""
-    with _NzMatmulCheck():
-        yield
+    return _NzMatmulCheck()
 
 
 def misread_nz(t: torch.Tensor) -> torch.Tensor:
@@ -243,14 +216,12 @@ class _NzRoute(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextlib.contextmanager
-def nz_route_ignores_format(*ops: str) -> Iterator[None]:
+def nz_route_ignores_format(*ops: str) -> TorchDispatchMode:
     """Within the block, the named aten ops (``"aten::addmm"``, ``"aten::mm"``) read an NZ operand as if it were ND:
     an old op-plugin / CANN where ``F.linear`` with an NZ weight does not reach the WeightNz kernels [VA-3356]. The
     3-D ``F.linear`` with bias runs ``aten::addmm``, without bias ``aten::mm`` (one route can be right, the other
     wrong)."""
-    with _NzRoute(frozenset(ops)):
-        yield
+    return _NzRoute(frozenset(ops))
 
 
 #: kernel name -> {variant: implementation}; "correct" follows the documentation.

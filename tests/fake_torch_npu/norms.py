@@ -2,25 +2,17 @@
 
 Sources (see ``__init__``):
 
-* [OP-LNE] the torch-npu 2.13.0 wheel, ``torch_npu/_op_plugin_docs.py``: ``torch_npu.npu_layer_norm_eval(input,
-  normalized_shape, weight=None, bias=None, eps=1e-05) -> Tensor``, "与torch.nn.functional.layer_norm相同, 优化NPU设备实现"
-  (the same as ``F.layer_norm``, an NPU implementation); schema ``npu_layer_norm_eval(Tensor input, int[]
-  normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-05) -> Tensor`` (first argument named
-  ``input`` here, unlike most ops); meta: ``empty_like(input)``.
+* [OP-LNE] the torch-npu 2.13.0 wheel's ``_op_plugin_docs.py``: ``npu_layer_norm_eval(input, normalized_shape,
+  weight=None, bias=None, eps=1e-05) -> Tensor``, "与torch.nn.functional.layer_norm相同" (``F.layer_norm``'s result;
+  first argument named ``input``, unlike most ops); meta: ``empty_like(input)``.
+* [OP-RMS] op-plugin ``torch_npu-npu_rms_norm.md`` and ``_op_plugin_docs.py``: ``npu_rms_norm(Tensor self, Tensor
+  gamma, float epsilon=1e-06) -> (Tensor, Tensor)``; self float16/bfloat16/float32 of 2-8 dims, gamma of self's dtype;
+  ``self.dim() >= gamma.dim()`` (``RmsNormKernelNpu.cpp``). Outputs ``y = x * rstd * gamma`` (self's dtype) and
+  ``rstd = 1 / sqrt(mean(x^2 over gamma's dims) + eps)`` (float32, shape ``self.shape[:-gamma.dim()] + [1] *
+  gamma.dim()``, the wheel's ``npu_rms_norm_meta``), computed in fp32 and rounded once.
 
-* [OP-RMS] Ascend/op-plugin docs ``torch_npu-npu_rms_norm.md`` and the wheel's ``_op_plugin_docs.py``:
-  ``torch_npu.npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)``; "self: float16,
-  bfloat16, float32, 2-8 dims; gamma: the same dtype as self, usually self's last dimension"; outputs the final
-  ``y`` and ``rstd`` (the reciprocal RMS, kept for the backward); "input dtypes only float16, bfloat16, float32".
-  The aclops kernel checks ``self.dim() >= gamma.dim()`` (``RmsNormKernelNpu.cpp``); the op IR ``RmsNorm``
-  (``REG_OP``: y of x's dtype, rstd float) and the wheel's meta (``npu_rms_norm_meta``): ``y`` = ``empty_like(self)``,
-  ``rstd`` float32 of shape ``self.shape[:self.dim() - gamma.dim()] + [1] * gamma.dim()``. Formula [OP-RMS]:
-  ``rstd = 1 / sqrt(mean(x^2 over gamma's dims) + eps)``, ``y = x * rstd * gamma``, computed here in fp32 and
-  rounded once to self's dtype (fp32 opmath, as the kernel's float ``rstd`` output implies).
-
-The value equals ``F.layer_norm`` (bitwise on CPU), so a test cannot tell the two apart by their numbers: the fake's
-call log (``torch_npu.calls["npu_layer_norm_eval"]``) is what shows that the NPU path was taken. The computation is
-one ``torch.library`` custom op, so an op counter sees one launch.
+The values equal the stock ops' (bitwise on CPU): the call log (``torch_npu.calls``) shows the NPU path was taken.
+Each computation is one ``torch.library`` custom op: one launch for an op counter.
 """
 
 from __future__ import annotations

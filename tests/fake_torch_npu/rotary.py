@@ -2,34 +2,21 @@
 
 Sources (see ``__init__``):
 
-* [OP-ROT] Ascend/op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_rotary_mul.md`` (master, snapshot
-  517f2e7, 2026-08; same text as the 7.3.0 page ``docs/context/torch_npu-npu_rotary_mul.md``):
-  ``npu_rotary_mul(input, r1, r2, rotary_mode='half', rotate=None)``; out = x * r1 + rotate(x) * r2 with
-  half: rotate(x) = cat(-x2, x1) over chunk(x, 2, -1); interleave: x1 = x[..., ::2], x2 = x[..., 1::2],
-  rotate(x) = rearrange(stack((-x2, x1), -1), "... d two -> ... (d two)"). input/r1/r2: 3D or 4D, float16 / bfloat16
-  / float32; output has input's shape and dtype. Constraints (``jit_compile=False``, Atlas A2/A3):
-  half: layouts BNSD/BSND/SBND/TND, D < 896 and even, B, N < 1000; r1/r2 in [-1, 1], shape per layout
-  BNSD: 11SD/B1SD/BNSD, BSND: 1S1D/BS1D/BSND, SBND: S11D/SB1D/SBND, TND: T1D/TND.
-  interleave: layouts BNSD/BSND/SBND/TND, B*N < 1000, D < 896 and even; r1/r2 in [-1, 1], **only**
-  BNSD: 11SD, BSND: 1S1D, SBND: S11D, TND: T1D.
-* [OP-ROT-IMPL] Ascend/op-plugin ``op_plugin/ops/opapi/RotaryMulKernelNpuOpApi.cpp`` (same snapshot):
-  ``TORCH_CHECK(rotary_mode == "half" || rotary_mode == "interleave")`` before Ascend950; r1/r2 of another dtype than
-  input are cast to input's dtype (``isRotaryMulMixDtypeSupport``); and ``op_plugin/ops/aclops/RotaryMulKernelNpu.cpp``
-  (the fallback taken by ``DO_COMPATIBILITY`` when ``aclnnRotaryPositionEmbedding`` is missing, and below Ascend910B1):
-  in releases before op-plugin 7.0.0 it **ignores rotary_mode** and always computes the half form - the real-world
-  origin of the ``half_pairing`` variant below (also what a half-only kernel such as ``npu_apply_rotary_pos_emb``
-  computes).
-* [OP-ROT-ACLOP] op-plugin ``op_plugin/ops/aclops/RotaryMulKernelNpu.cpp`` (commit 0581e5a, the 7.x line):
-  ``TORCH_CHECK(rotary_mode == "half", "npu_rotary_mul in aclop only support rotary_mode with half, but got ...")``
-  - the old aclop path now *raises* for interleave: the ``aclop`` variant.
-* [TNPU-YAML] the real torch-npu 2.13.0 wheel, ``npu_native_functions_by_codegen.yaml``: ``npu_rotary_mul(Tensor
-  self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor`` (``torch.ops.npu``; the
-  first argument is named ``self``). ``tests/test_fake_torch_npu_reference.py`` checks every fake op against it.
-* [OP-ROT-6.0] torch_npu 6.0 API page (hiascend.com ``ptaoplist_000486``): ``npu_rotary_mul(x, r1, r2)`` without a
-  ``rotary_mode`` argument (half only, D = 128) - the origin of the ``no_rotary_mode`` variant.
+* [OP-ROT] Ascend/op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_rotary_mul.md`` (snapshot 517f2e7; same
+  text as the 7.3.0 page): out = x * r1 + rotate(x) * r2 with half: rotate(x) = cat(-x2, x1) over chunk(x, 2, -1);
+  interleave: rotate(x) = stack((-x[..., 1::2], x[..., ::2]), -1) flattened. 3D or 4D, float16 / bfloat16 / float32.
+  half: D < 896 and even, B, N < 1000, r1/r2 in [-1, 1] of shape BNSD: 11SD/B1SD/BNSD, BSND: 1S1D/BS1D/BSND,
+  SBND: S11D/SB1D/SBND, TND: T1D/TND. interleave: B*N < 1000, D < 896 and even, **only** 11SD/1S1D/S11D/T1D.
+* [OP-ROT-IMPL] op-plugin ``RotaryMulKernelNpuOpApi.cpp``: ``TORCH_CHECK`` on rotary_mode; r1/r2 cast to input's
+  dtype. Its aclops fallback (``RotaryMulKernelNpu.cpp``) before op-plugin 7.0.0 **ignores rotary_mode** and computes
+  the half form: the ``half_pairing`` variant.
+* [OP-ROT-ACLOP] the same aclops file in the 7.x line (commit 0581e5a) *raises* for interleave: the ``aclop`` variant.
+* [TNPU-YAML] the torch-npu 2.13.0 wheel: ``npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half',
+  Tensor? rotate=None) -> Tensor``.
+* [OP-ROT-6.0] torch_npu 6.0 (hiascend.com ``ptaoplist_000486``): no ``rotary_mode`` argument (half only, D = 128):
+  the ``no_rotary_mode`` variant.
 
-The computation itself runs inside a ``torch.library`` custom op (``fake_torch_npu::rotary_mul``), so an op counter
-(TorchDispatchMode) sees exactly one kernel launch per call, as on the device, and not the fake's own torch ops.
+The computation is one ``torch.library`` custom op (``fake_torch_npu::rotary_mul``): one launch for an op counter.
 """
 
 from __future__ import annotations
@@ -48,9 +35,7 @@ class FakeNpuError(RuntimeError):
     """Raised where the real kernel rejects its arguments (a TORCH_CHECK / aclnn parameter error)."""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the computation: one custom op, so it counts as one launch
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the computation: one custom op, so it counts as one launch -----------------------------------------------------
 @torch.library.custom_op("fake_torch_npu::rotary_mul", mutates_args=())
 def _rotary_mul_op(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, pairing: str, precision: str) -> torch.Tensor:
     """out = x * r1 + rotate(x) * r2. ``precision``: "fp32" (one rounding at the end, as a fused vector kernel does) or
@@ -77,9 +62,7 @@ def _(x, r1, r2, pairing, precision):
     return torch.empty_like(x)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# documented argument checks
-# ----------------------------------------------------------------------------------------------------------------
+# ----- documented argument checks -------------------------------------------------------------------------------------
 def _shape_class(x: torch.Tensor, r: torch.Tensor, mode: str) -> tuple[str, int, int]:
     """Return (layout, B, N) for ``x`` given the broadcast shape of ``r``, or raise [OP-ROT layout tables]."""
     xs, rs = tuple(x.shape), tuple(r.shape)
@@ -149,9 +132,7 @@ def _cast_like(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return r if r.dtype == x.dtype else r.to(x.dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# variants
-# ----------------------------------------------------------------------------------------------------------------
+# ----- variants -------------------------------------------------------------------------------------------------------
 def npu_rotary_mul(
     self: torch.Tensor,
     r1: torch.Tensor,
