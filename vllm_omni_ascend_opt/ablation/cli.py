@@ -278,18 +278,13 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def print_summary(results: dict[str, Any]) -> None:
     """The main table of report.md, as text."""
-    from vllm_omni_ascend_opt.ablation.report import _on, _pct, _saved, gate_cell
+    from vllm_omni_ascend_opt.ablation.report import _on, _pct, _saved, comparison_rows, gate_cell
 
     print(
         f"\n{'optimization':<22} {'class':<6} {'on stages':<20} {'saved ms (mean ± std)':>22} {'% stock':>8}  "
         f"{'total saved ms':>16}  {'direction':<10} {'label':<13} equivalence"
     )
-    rows = [(o["name"], o["equivalence"], o, o["equivalence_check"]) for o in results["optimizations"]]
-    fvs = results["full_vs_stock"]
-    if fvs:
-        full = next((c for c in results["configs"] if c["id"] == "full"), None)
-        rows.append(("full stack vs stock", "", fvs, full.get("vs_stock") if full else None))
-    for name, cls, d, chk in rows:
+    for name, cls, d, chk in comparison_rows(results):
         t = d.get("total_saved_ms") or {}
         total = "–" if t.get("mean") is None else f"{t['mean']:+.2f}"
         print(

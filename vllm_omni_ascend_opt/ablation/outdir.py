@@ -1,10 +1,9 @@
 """The ablation run's output directory: its layout, its lock, the measurement log and what a resume keeps.
 
-Everything a run measures is appended to ``<out>/measurements.jsonl`` as it happens, each record tagged with the
-plan's fingerprint. A rerun with the same plan resumes: complete units are kept (resident: complete rounds;
-per-round: complete (configuration, round) processes), partial ones are measured again, and configurations that
-failed stay failed (``--fresh`` starts over). A directory holding another plan's results is refused, and so is one
-that a live run holds (``.lock`` with its pid).
+Every measurement is appended to ``<out>/measurements.jsonl`` as it happens, tagged with the plan's fingerprint. A
+rerun of the same plan resumes: complete units are kept (resident: complete rounds; per-round: complete
+(configuration, round) processes), partial ones measured again, failed configurations stay failed. A directory
+holding another plan's results, or locked by a live run (``.lock``), is refused.
 """
 
 from __future__ import annotations
@@ -57,10 +56,7 @@ class OutDir:
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock()  # before --fresh removes anything: never under a live run's feet
         if fresh:
-            for name in OWNED:
-                p = self.root / name
-                if name == ".lock":
-                    continue
+            for p in (self.root / name for name in OWNED if name != ".lock"):
                 if p.is_dir():
                     shutil.rmtree(p)
                 elif p.exists():
@@ -105,8 +101,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, someone else's
+        pass
     return True
 
 

@@ -70,16 +70,17 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-def _atomic_write(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
+def atomic_write(path: Path, text: str) -> Path:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
     return path
 
 
-def _table_head(first: list[str], last: list[str]) -> list[str]:
-    """A markdown table's header row and separator: the ``first`` columns, one per stage, then the ``last``."""
-    cols = [*first, *(f"{STAGE_TITLES[s]} ms" for s in STAGES), *last]
+def _table_head(first: str, last: str) -> list[str]:
+    """A markdown table's header row and separator: the ``first`` columns (`` | ``-separated), one per stage, then
+    the ``last``."""
+    cols = [*first.split(" | "), *(f"{STAGE_TITLES[s]} ms" for s in STAGES), *last.split(" | ")]
     return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
 
@@ -108,6 +109,15 @@ def _control(d: dict[str, Any]) -> str:
 
 def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v:+.2f}%"
+
+
+def comparison_rows(results: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], dict[str, Any] | None]]:
+    """``(name, class, comparison, equivalence check)`` per optimization, then the full stack vs stock (class "")."""
+    rows = [(o["name"], o["equivalence"], o, o["equivalence_check"]) for o in results["optimizations"]]
+    if results["full_vs_stock"]:
+        full = next((c for c in results["configs"] if c["id"] == "full"), None)
+        rows.append(("full stack vs stock", "", results["full_vs_stock"], full.get("vs_stock") if full else None))
+    return rows
 
 
 def _comparison_row(head: str, d: dict[str, Any], chk: dict[str, Any] | None) -> str:
@@ -183,7 +193,6 @@ def markdown(results: dict[str, Any]) -> str:
                 "",
             ]
     nf = results["noise_floor"]
-    fvs = results["full_vs_stock"]
     lines += ["## Time saved per optimization", ""]
     if nf:
         pct = f" ({nf['pct']:.2f}% of stock)" if nf.get("pct") is not None else ""
@@ -196,26 +205,13 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         "",
         *_table_head(
-            [
-                "optimization",
-                "class",
-                "on stages",
-                "saved ms (mean ± std)",
-                "% of stock",
-                "per round (ms)",
-                "direction",
-                "label",
-                "total saved ms",
-                "control Δ ms",
-            ],
-            ["equivalence"],
+            "optimization | class | on stages | saved ms (mean ± std) | % of stock | per round (ms) | direction | "
+            "label | total saved ms | control Δ ms",
+            "equivalence",
         ),
     ]
-    for o in results["optimizations"]:
-        lines.append(_comparison_row(f"`{o['name']}` | {o['equivalence']}", o, o["equivalence_check"]))
-    if fvs:
-        full_cfg = next((c for c in results["configs"] if c["id"] == "full"), None)
-        lines.append(_comparison_row("**full stack vs stock** |", fvs, full_cfg.get("vs_stock") if full_cfg else None))
+    for name, cls, d, chk in comparison_rows(results):
+        lines.append(_comparison_row(f"`{name}` | {cls}" if cls else f"**{name}** |", d, chk))
     lines += [
         "",
         "Saved = time without − time with the optimization (positive: faster), from the configurations named in "
@@ -226,9 +222,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "## Configurations",
         "",
-        *_table_head(
-            ["configuration", "optimizations", "status", "total ms (mean ± std)"], ["vs stock", "vs full", "stable"]
-        ),
+        *_table_head("configuration | optimizations | status | total ms (mean ± std)", "vs stock | vs full | stable"),
     ]
     for c in results["configs"]:
         t = c["total_ms"]
@@ -322,9 +316,7 @@ def write_chart(results: dict[str, Any], out: Path) -> Path:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    rows = [(o["name"], o) for o in results["optimizations"]]
-    if results["full_vs_stock"]:
-        rows.append(("full stack vs stock", results["full_vs_stock"]))
+    rows = [(n, d) for n, _, d, _ in comparison_rows(results)]
     names = [f"{n}\n(on {_on(d)})" for n, d in rows]
     means = [d["saved_ms"]["mean"] or 0.0 for _, d in rows]
     stds = [d["saved_ms"]["std"] or 0.0 for _, d in rows]
@@ -369,8 +361,8 @@ def write_all(results: dict[str, Any], out: Path) -> dict[str, Path]:
     """results.json, report.md and ablation.png in ``out``, each written atomically."""
     out = Path(out)
     return {
-        "json": _atomic_write(out / "results.json", json.dumps(jsonable(results), indent=1, allow_nan=False)),
-        "markdown": _atomic_write(out / "report.md", markdown(results)),
+        "json": atomic_write(out / "results.json", json.dumps(jsonable(results), indent=1, allow_nan=False)),
+        "markdown": atomic_write(out / "report.md", markdown(results)),
         "chart": write_chart(results, out),
     }
 

@@ -1,6 +1,5 @@
 """Run an ablation plan: one worker process per configuration, in the order of :mod:`.schedule`, every measurement
-appended to the output directory (:mod:`.outdir`) as it happens. This is the run loop: it writes each worker's job
-and environment, starts the workers (:mod:`.processes`), warms them up, measures, and records samples and failures.
+appended to the output directory (:mod:`.outdir`) as it happens.
 """
 
 from __future__ import annotations
@@ -160,10 +159,7 @@ class Runner:
         self.store.add({**rec, **{k: ev.get(k) for k in RESULT_FIELDS}, "load1": load1(), "pid": pid})
 
     def _await_ready(self, w: Worker, rnd: int | None) -> None:
-        ev = w.wait(self.wl.start_timeout_s, "start")
-        if ev.get("event") != "ready":
-            raise WorkerFailed("start", f"unexpected first event {ev!r}"[:500])
-        w.ready = ev
+        ev = w.wait_ready(self.wl.start_timeout_s)
         ready = {k: ev.get(k) for k in ("pid", "load_s", "env", "active", "memory")}
         self.store.add({"type": "ready", "config": w.config.id, "round": rnd, **ready})
 
@@ -230,8 +226,8 @@ class Runner:
             prog.close()
 
     def _resident_set(self, rounds: list[int], todo: Measured, prog: _Progress, start_order: list[Config]) -> None:
-        """One process set: start a worker for every configuration with work left in ``rounds`` (in
-        ``start_order``), warm each up in turn once all are ready, measure the rounds, stop them all."""
+        """One process set: start a worker per configuration with work left in ``rounds``, warm each up in turn, measure
+        the rounds, stop them all."""
         configs = [c for c in start_order if c.id not in self.failed and any((c.id, r) in todo for r in rounds)]
         if not configs:
             return
@@ -239,9 +235,7 @@ class Runner:
         starting: list[Worker] = []
         try:
             self._start_all(configs, workers, starting, prog)
-            # warm-up once every worker is up, one after another, right before measuring: a worker warmed up as
-            # soon as it was ready (while others were still loading) and then left idle through the other starts
-            # runs its first measured requests slower (docs/results.md, the ablation runner's schedule)
+            # warm-up in turn once every worker is up: one left idle after its warm-up runs its first requests slower
             order = [c for c in self.plan.configs if c.id in workers]
             for c in order:
                 self._turn(workers, c, None, self._warmup, rounds[0], prog)
@@ -272,8 +266,8 @@ class Runner:
     def _start_all(
         self, configs: list[Config], workers: dict[str, Worker], starting: list[Worker], prog: _Progress
     ) -> None:
-        """Start a worker for each of ``configs``, ``start_jobs`` at a time, into ``workers`` once ready (paused
-        with ``pause_idle``); ``starting`` holds the ones not ready yet (the caller kills them on an exception)."""
+        """Start a worker for each of ``configs``, ``start_jobs`` at a time, into ``workers`` once ready; ``starting``
+        holds the ones not ready yet (the caller kills them on an exception)."""
         pending = list(configs)
         while pending or starting:
             while pending and len(starting) < self.wl.start_jobs:
@@ -299,9 +293,8 @@ class Runner:
     def _turn(
         self, workers: dict[str, Worker], c: Config, rnd: int | None, action: Callable[..., T], *args: Any
     ) -> T | None:
-        """``action(worker, *args)`` on ``c``'s worker as its turn: its group continued for it and, with
-        ``pause_idle``, stopped again right after. None when the worker failed (recorded, stopped and removed from
-        ``workers``)."""
+        """``action(worker, *args)`` on ``c``'s worker, continued for it (and paused after with ``pause_idle``); None
+        when the worker failed (recorded, stopped and removed from ``workers``)."""
         w = workers[c.id]
         try:
             w.resume()

@@ -217,20 +217,20 @@ def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> float:
 
 def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Path]:
     """compare.json, compare.md and (with pairs) compare.png in ``out``, each written atomically."""
-    from vllm_omni_ascend_opt.ablation.report import jsonable
+    from vllm_omni_ascend_opt.ablation.report import atomic_write, jsonable
 
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "compare.json", "markdown": out / "compare.md"}
+    paths = {}
     if res["pairs"]:
         paths["png"] = out / "compare.png"
         tmp = out / f"compare.tmp{os.getpid()}.png"
         res["png_amplify"] = write_png(res, a, b, tmp)
         os.replace(tmp, paths["png"])
-    for key, text in (("json", json.dumps(jsonable(res), indent=1, allow_nan=False)), ("markdown", markdown(res))):
-        tmp = paths[key].with_name(paths[key].name + f".tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, paths[key])
-    return paths
+    return {
+        "json": atomic_write(out / "compare.json", json.dumps(jsonable(res), indent=1, allow_nan=False)),
+        "markdown": atomic_write(out / "compare.md", markdown(res)),
+        **paths,
+    }
 
 
 def against_reference(path: Path, out_root: Path, plan: Any, environment: dict[str, Any]) -> dict[str, Any]:
