@@ -1,8 +1,4 @@
-"""From the command line to a workload and a plan: what ``ablate``, ``plan`` and ``reference save`` share.
-
-``resolve_workload`` lays the command line's values over the named workload (or the tiny default); ``make_plan``
-builds the plan and checks the model path; ``bad_input`` is how every ablation command reports bad input (exit 2).
-"""
+"""From the command line to a workload and a plan: what ``ablate``, ``plan`` and ``reference save`` share."""
 
 from __future__ import annotations
 
@@ -25,14 +21,11 @@ from vllm_omni_ascend_opt.ablation.workload import (
     load_workload,
 )
 
-#: The exit code of every ablation command on bad input.
-BAD_INPUT = 2
-
 
 def bad_input(msg: str) -> int:
-    """Print ``msg`` as the CLI's error line and return :data:`BAD_INPUT`."""
+    """Print ``msg`` as the CLI's error line and return 2, every ablation command's exit code on bad input."""
     print(f"vllm-omni-ascend-opt: error: {msg}", file=sys.stderr)
-    return BAD_INPUT
+    return 2
 
 
 def parse_gates(text: str) -> dict[str, float]:
@@ -134,10 +127,6 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
     return from_mapping(over, name=wl.name, base=wl).validate()
 
 
-def _split(values: list[str] | None) -> list[str]:
-    return [n.strip() for v in values or [] for n in v.split(",") if n.strip()]
-
-
 def _import_extras(mods: list[str]) -> None:
     from vllm_omni_ascend_opt import registry
 
@@ -162,9 +151,9 @@ def make_plan(args: argparse.Namespace, *, build_model: bool) -> Any:
     plan = build_plan(
         wl,
         opt_infos_from_registry(),
-        only=_split(args.only),
-        skip=_split(args.skip),
-        order=_split([args.order] if args.order else None),
+        only=args.only,
+        skip=args.skip,
+        order=[args.order] if args.order else None,
         extra_imports=args.imports,
     )
     if wl.is_tiny:

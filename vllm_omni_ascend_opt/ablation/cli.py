@@ -154,11 +154,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         plan = make_plan(args, build_model=False)
-    except WorkloadError as exc:
-        return bad_input(str(exc))
-    try:
         cards = parse_ints(args.cards, "--cards") if args.cards.strip() else []
-    except ValueError as exc:
+    except ValueError as exc:  # WorkloadError included
         return bad_input(str(exc))
     est = estimate(plan)
     stored = _stored_measurements(plan, args.out)

@@ -7,7 +7,6 @@ what other processes took meanwhile (``others_cpu``).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import signal
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni_ascend_opt.ablation.plan import Config
-from vllm_omni_ascend_opt.ablation.protocol import decode
+from vllm_omni_ascend_opt.ablation.protocol import decode, send
 
 
 class WorkerFailed(RuntimeError):
@@ -172,12 +171,9 @@ class Worker:
     def _run(self, prompt: int, seed: int, save: str | None, timeout: float) -> dict[str, Any]:
         self._next_id += 1
         cmd = {"cmd": "run", "id": self._next_id, "prompt": prompt, "seed": seed, "save": save}
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):  # the reader reports how it died
             assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass  # the reader reports how it died
+            send(self.proc.stdin, cmd)
         while True:
             ev = self.wait(timeout, "run")
             if ev.get("event") == "result" and ev.get("id") == self._next_id:
@@ -223,8 +219,7 @@ class Worker:
         if self.proc.poll() is None:
             with contextlib.suppress(BrokenPipeError, OSError, ValueError):
                 assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
+                send(self.proc.stdin, {"cmd": "exit"})
                 self.proc.stdin.close()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=grace)

@@ -120,17 +120,6 @@ def comparison_rows(results: dict[str, Any]) -> list[tuple[str, str, dict[str, A
     return rows
 
 
-def _comparison_row(head: str, d: dict[str, Any], chk: dict[str, Any] | None) -> str:
-    """A row of the time-saved table (``head``: its first two cells): an optimization's comparison or the full stack
-    vs stock."""
-    per = ", ".join(f"{x:+.1f}" for x in d["saved_ms"]["per_round"]) or "–"
-    st = " | ".join(_ms(d["stages_saved_ms"].get(s), True) for s in STAGES)
-    return (
-        f"| {head} | {_on(d)} | {_saved(d)} | {_pct(d['saved_pct_of_stock'])} | {per} | {d['direction']} | "
-        f"**{d['label']}** | {_saved(d, 'total_saved_ms')} | {_control(d)} | {st} | {gate_cell(chk)} |"
-    )
-
-
 def gate_cell(chk: dict[str, Any] | None) -> str:
     """An equivalence check as a report cell: ✅ / ❌ and the worst pixel, SSIM or PSNR figures (also the CLI summary)."""
     if not chk:
@@ -211,7 +200,13 @@ def markdown(results: dict[str, Any]) -> str:
         ),
     ]
     for name, cls, d, chk in comparison_rows(results):
-        lines.append(_comparison_row(f"`{name}` | {cls}" if cls else f"**{name}** |", d, chk))
+        head = f"`{name}` | {cls}" if cls else f"**{name}** |"
+        per = ", ".join(f"{x:+.1f}" for x in d["saved_ms"]["per_round"]) or "–"
+        st = " | ".join(_ms(d["stages_saved_ms"].get(s), True) for s in STAGES)
+        lines.append(
+            f"| {head} | {_on(d)} | {_saved(d)} | {_pct(d['saved_pct_of_stock'])} | {per} | {d['direction']} | "
+            f"**{d['label']}** | {_saved(d, 'total_saved_ms')} | {_control(d)} | {st} | {gate_cell(chk)} |"
+        )
     lines += [
         "",
         "Saved = time without − time with the optimization (positive: faster), from the configurations named in "
@@ -290,20 +285,18 @@ def memory_section(configs: list[dict[str, Any]]) -> list[str]:
     for c in measured:
         mem = c["memory"]
         if "error" in mem:
-            lines.append(
-                f"| `{c['id']}` | " + " | ".join(["probe failed: " + str(mem["error"])[:80]] * len(cols)) + " |"
-            )
-            continue
-        cells = []
-        for label in MEMORY_CALLS:
-            m = mem.get(label)
-            if not m:
-                cells.append("–")
-                continue
-            r = m.get("vs_stock")
-            cells.append(f"{m['peak'] / 2**20:.2f}" + ("" if r is None else f" ({r:.3f}×)"))
+            cells = ["probe failed: " + str(mem["error"])[:80]] * len(cols)
+        else:
+            cells = [_peak_cell(mem.get(label)) for label in MEMORY_CALLS]
         lines.append(f"| `{c['id']}` | " + " | ".join(cells) + " |")
     return lines
+
+
+def _peak_cell(m: dict[str, Any] | None) -> str:
+    if not m:
+        return "–"
+    r = m.get("vs_stock")
+    return f"{m['peak'] / 2**20:.2f}" + ("" if r is None else f" ({r:.3f}×)")
 
 
 COLORS = {"gain": "#2e7d32", "regression": "#c62828", "within noise": "#9e9e9e"}
