@@ -127,27 +127,17 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
     return from_mapping(over, name=wl.name, base=wl).validate()
 
 
-def _import_extras(mods: list[str]) -> None:
+def make_plan(args: argparse.Namespace, *, build_model: bool) -> Any:
     from vllm_omni_ascend_opt import registry
+    from vllm_omni_ascend_opt.ablation.plan import build_plan, opt_infos_from_registry
 
-    registry.all_optimizations()  # built-ins first
-    for m in mods:
+    wl = resolve_workload(args)
+    registry.all_optimizations()  # built-ins first: --import modules add to the registry
+    for m in args.imports:
         try:
             importlib.import_module(m)
         except Exception as exc:  # bad input
             raise WorkloadError(f"--import {m}: {type(exc).__name__}: {exc}") from None
-
-
-def _looks_like_hf_id(model: str) -> bool:
-    parts = model.split("/")
-    return len(parts) == 2 and all(parts) and not model.startswith((".", "/", "~"))
-
-
-def make_plan(args: argparse.Namespace, *, build_model: bool) -> Any:
-    from vllm_omni_ascend_opt.ablation.plan import build_plan, opt_infos_from_registry
-
-    wl = resolve_workload(args)
-    _import_extras(args.imports)
     plan = build_plan(
         wl,
         opt_infos_from_registry(),
@@ -167,6 +157,6 @@ def make_plan(args: argparse.Namespace, *, build_model: bool) -> Any:
             if not (p / "model_index.json").is_file():
                 raise WorkloadError(f"--model {wl.model}: {p} has no model_index.json (not a diffusers directory)")
             plan.model_path = str(p.resolve())
-        elif not _looks_like_hf_id(wl.model):
+        elif len(parts := wl.model.split("/")) != 2 or not all(parts) or wl.model.startswith((".", "/", "~")):
             raise WorkloadError(f"--model {wl.model!r}: no such directory, and not a Hugging Face id (org/name)")
     return plan

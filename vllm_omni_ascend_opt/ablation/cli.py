@@ -230,17 +230,12 @@ def _devtime_section(plan: Any, launch: dict[str, Any] | None, cards: list[int])
 
 
 def _stored_measurements(plan: Any, out: Path) -> int:
-    from vllm_omni_ascend_opt.ablation.outdir import Store, select_resumable
+    from vllm_omni_ascend_opt.ablation.outdir import OutDir, Store, select_resumable
 
-    pj = Path(out) / "plan.json"
-    if not pj.is_file():
+    od = OutDir(out)
+    if od.stored_fingerprint() != plan.fingerprint():
         return 0
-    try:
-        if json.loads(pj.read_text()).get("fingerprint") != plan.fingerprint():
-            return 0
-    except (OSError, ValueError):
-        return 0
-    kept, _ = select_resumable(plan, Store(Path(out) / "measurements.jsonl", plan.fingerprint()).load())
+    kept, _ = select_resumable(plan, Store(od.log, plan.fingerprint()).load())
     return sum(1 for r in kept if r.get("type") == "sample" and not r.get("warmup"))
 
 

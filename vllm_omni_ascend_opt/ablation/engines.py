@@ -74,6 +74,10 @@ def input_image(spec: str | None) -> Any:
         return im.convert("RGB")
 
 
+#: The test-bed pipeline's methods timed as our stages.
+TESTBED_STAGES = {"encode_prompt": "text_encode", "diffuse": "denoise", "_decode_latents": "vae_decode"}
+
+
 class TestbedEngine:
     def __init__(self, job: dict[str, Any]) -> None:
         self.job = job
@@ -87,8 +91,7 @@ class TestbedEngine:
         from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
         from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
 
-        dtype = getattr(torch, self.job["dtype"])
-        self.rt = init_cpu_runtime(self.job["model_path"], dtype=dtype)
+        self.rt = init_cpu_runtime(self.job["model_path"], dtype=getattr(torch, self.job["dtype"]))
         modes = dict(self.job.get("od_config") or {})
         tiles = self.job.get("vae_tiling")
         if tiles:
@@ -104,11 +107,7 @@ class TestbedEngine:
             self.pipe.vae.enable_tiling(*tiles)
         if hasattr(self.pipe, "set_progress_bar_config"):
             self.pipe.set_progress_bar_config(disable=True)
-        for method, stage in (
-            ("encode_prompt", "text_encode"),
-            ("diffuse", "denoise"),
-            ("_decode_latents", "vae_decode"),
-        ):
+        for method, stage in TESTBED_STAGES.items():
             if hasattr(self.pipe, method):  # the edit pipelines decode inline (no _decode_latents)
                 setattr(self.pipe, method, self._timed(stage, getattr(self.pipe, method)))
 

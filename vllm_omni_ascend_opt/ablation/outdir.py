@@ -62,10 +62,7 @@ class OutDir:
                 elif p.exists():
                     p.unlink()
         if self.plan_json.is_file():
-            try:
-                old = json.loads(self.plan_json.read_text()).get("fingerprint")
-            except (OSError, ValueError):
-                old = None
+            old = self.stored_fingerprint()
             if old != fingerprint:
                 self.unlock()
                 raise RunError(
@@ -74,6 +71,13 @@ class OutDir:
                 )
             return self.log.is_file()
         return False
+
+    def stored_fingerprint(self) -> str | None:
+        """The fingerprint in the directory's plan.json, None without a readable one."""
+        try:
+            return json.loads(self.plan_json.read_text()).get("fingerprint")
+        except (OSError, ValueError):
+            return None
 
     def _lock(self) -> None:
         lock = self.root / ".lock"

@@ -159,10 +159,7 @@ class Plan:
                 }
                 for n, o in self.opts.items()
             },
-            "configs": [
-                {"id": c.id, "label": c.label, "opts": list(c.opts), "role": c.role, "spec": c.spec}
-                for c in self.configs
-            ],
+            "configs": [{**dataclasses.asdict(c), "opts": list(c.opts), "spec": c.spec} for c in self.configs],
             "comparisons": [{"opt": c.opt, "with": c.with_, "without": c.without} for c in self.comparisons],
             "imports": list(self.extra_imports),
             "notes": list(self.notes),
@@ -194,7 +191,6 @@ def build_plan(
     skip: list[str] | None = None,
     order: list[str] | None = None,
     engine: str | None = None,
-    schedule: str | None = None,
     extra_imports: list[str] | None = None,
 ) -> Plan:
     """The configurations and comparisons of one run. ``infos`` in registry order. Raises WorkloadError."""
@@ -218,9 +214,7 @@ def build_plan(
                 f"acts only with {', '.join(unmet)} (a vLLM-Omni mode this workload's od_config does not set)"
             ]
         elif not info.default_enabled and workload.stack != "all" and n not in only_l:
-            skipped[n] = [
-                f"off by default ({info.equivalence}); include it with --stack all or --only {n}",
-            ]
+            skipped[n] = [f"off by default ({info.equivalence}); include it with --stack all or --only {n}"]
         else:
             stack.append(n)
     changed = True
@@ -232,14 +226,11 @@ def build_plan(
                 stack.remove(n)
                 skipped[n] = [f"needs {', '.join(missing)}, which cannot take part in this run"]
                 changed = True
-    if order_l:
-        bad = [n for n in order_l if n not in stack]
-        if bad:
-            why = "; ".join(n + ": " + skipped.get(n, ["?"])[0] for n in bad)
-            raise WorkloadError(f"--order names {', '.join(bad)}, which cannot take part in this run ({why})")
-        seq = order_l + [n for n in stack if n not in order_l]
-    else:
-        seq = list(stack)
+    bad = [n for n in order_l if n not in stack]
+    if bad:
+        why = "; ".join(n + ": " + skipped.get(n, ["?"])[0] for n in bad)
+        raise WorkloadError(f"--order names {', '.join(bad)}, which cannot take part in this run ({why})")
+    seq = order_l + [n for n in stack if n not in order_l]
     for i, n in enumerate(seq):
         late = [m for m in by_name[n].needs if m in seq[i + 1 :]]
         if late:
@@ -255,10 +246,6 @@ def build_plan(
                 out.add(m)
                 todo.extend(by_name[m].needs)
         return out
-
-    def dependents(n: str) -> list[str]:
-        """The optimizations of the stack that need ``n``, transitively."""
-        return [m for m in stack if n in needed(m)]
 
     def reg(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
         return tuple(n for n in valid if n in set(names))
@@ -279,7 +266,7 @@ def build_plan(
     comparisons: list[Comparison] = []
     if workload.mode == "leave-one-out":
         for n in seq:
-            deps = dependents(n)
+            deps = [m for m in stack if n in needed(m)]  # they need it, transitively
             label = f"full - {n}" + (f" (and {', '.join(deps)}, which need it)" if deps else "")
             without = add(f"loo_{n}", label, reg([m for m in stack if m != n and m not in deps]), "leave-one-out")
             comparisons.append(Comparison(n, full_id, without))
@@ -309,7 +296,7 @@ def build_plan(
                 "no accelerator is visible: this checkpoint would run on CPU in the test-bed engine (vLLM-Omni's "
                 "Omni engine needs an accelerator platform)"
             )
-    sched = schedule or workload.schedule
+    sched = workload.schedule
     if sched == "auto":
         sched = "resident" if workload.is_tiny else "per-round"
     if eng in ("omni", "serve") and not accelerator_visible():

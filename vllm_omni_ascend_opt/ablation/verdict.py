@@ -55,6 +55,14 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
     if noise is not None:
         noise["pct"] = 100 * noise["ms"] / stock_ms if stock_ms else None
 
+    def compared(without: str, with_: str, names: Any) -> dict[str, Any]:
+        """The staged comparison of two configurations that differ by ``names``, with its label."""
+        p = pair(means, without, with_)
+        base = stock_ms or mean_total(without)
+        pct = 100 * p["mean_ms"] / base if p["mean_ms"] is not None and base else None
+        st = stages.staged(means, without, with_, plan.stages_of(names))
+        return {**stages.staged_fields(st, p, pct, stock_ms), "label": st["label"]}
+
     ids = {c.id for c in plan.configs}
     full_opts = set(plan.config("full").opts) if "full" in ids else set()
     configs = []
@@ -103,38 +111,25 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
 
     opts = []
     for comp in plan.comparisons:
-        info = plan.opts[comp.opt]
-        p = pair(means, comp.without, comp.with_)
         usable = comp.with_ not in failures and comp.without not in failures
-        base = stock_ms or mean_total(comp.without)
-        pct = 100 * p["mean_ms"] / base if p["mean_ms"] is not None and base else None
         # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
         diff = set(plan.config(comp.with_).opts) ^ set(plan.config(comp.without).opts)
         eq = compare_configs(plan, out_root, comp.without, comp.with_, _class_of(plan, diff), diff) if usable else None
-        st = stages.staged(means, comp.without, comp.with_, plan.stages_of(diff))
         opts.append(
             {
                 "name": comp.opt,
-                "equivalence": info.equivalence,
+                "equivalence": plan.opts[comp.opt].equivalence,
                 "with": comp.with_,
                 "without": comp.without,
-                **stages.staged_fields(st, p, pct, stock_ms),
-                "label": st["label"] if usable else "not measured",
+                **compared(comp.without, comp.with_, diff),
+                **({} if usable else {"label": "not measured"}),
                 "equivalence_check": eq,
             }
         )
 
     fvs = None
     if "full" in ids:
-        p = pair(means, "stock", "full")
-        pct = 100 * p["mean_ms"] / stock_ms if p["mean_ms"] is not None and stock_ms else None
-        st = stages.staged(means, "stock", "full", plan.stages_of(plan.config("full").opts))
-        fvs = {
-            **stages.staged_fields(st, p, pct, stock_ms),
-            "label": st["label"],
-            "stock_ms": stock_ms,
-            "full_ms": mean_total("full"),
-        }
+        fvs = {**compared("stock", "full", full_opts), "stock_ms": stock_ms, "full_ms": mean_total("full")}
 
     load = machine_load(records)
     verdict = decide(plan, configs, opts, fvs, noise, interrupted, busy=load["busy"], load=load)

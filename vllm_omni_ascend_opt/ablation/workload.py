@@ -220,22 +220,14 @@ def available_workloads() -> list[str]:
 
 def load_workload(name: str) -> Workload:
     path = find_workload(name)
-    data = parse_file(path)
-    return from_mapping(data, name=path.stem)
-
-
-def parse_file(path: Path) -> dict[str, Any]:
     text = path.read_text(encoding="utf-8")
     try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = parse_toml(text)
-    except (ValueError, json.JSONDecodeError) as exc:
+        data = json.loads(text) if path.suffix == ".json" else parse_toml(text)
+    except ValueError as exc:  # JSONDecodeError and TOMLDecodeError included
         raise WorkloadError(f"cannot parse workload file {path}: {exc}") from None
     if not isinstance(data, dict):
         raise WorkloadError(f"workload file {path} must hold a table of key = value pairs")
-    return data
+    return from_mapping(data, name=path.stem)
 
 
 def parse_toml(text: str) -> dict[str, Any]:
