@@ -12,6 +12,7 @@ from typing import Any
 from vllm_omni_ascend_opt.ablation.workload import (
     DTYPES,
     ENGINES,
+    FIELDS,
     MODES,
     SCHEDULES,
     STACKS,
@@ -80,13 +81,6 @@ def add_arguments(p: argparse.ArgumentParser, groups: dict[str, str], helps: dic
     return g
 
 
-#: Workload fields the command line can set by the same name.
-OVERRIDES = (
-    "model image engine dtype height width steps cfg_scale negative_prompt warmup repeats max_sequence_length "
-    "enforce_eager mode stack min_improvement_pct schedule start_jobs process_sets pause_idle threads timeout_s "
-    "start_timeout_s"
-).split()
-
 #: The workload behind the plain tiny flow (``ablate`` / ``plan`` without ``--workload``, model ``tiny``): the deeper
 #: tiny model with steps, CFG and rounds whose saving clearly exceeds the noise (what ``make demo`` runs).
 TINY_DEFAULT = "tiny-cpu"
@@ -103,12 +97,10 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
     else:
         wl = Workload(name="custom")
     over: dict[str, Any] = {}
-    for key in OVERRIDES:
+    for key in FIELDS:  # the options named as a workload field
         v = getattr(args, key, None)
         if v is not None and not (plain_tiny and key == "model"):  # tiny: the family, here its deeper model
             over[key] = v
-    if args.seeds:
-        over["seeds"] = list(args.seeds)
     prompts = list(args.prompt or [])
     if args.prompts_file:
         try:

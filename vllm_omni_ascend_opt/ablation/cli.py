@@ -127,10 +127,7 @@ def _print_plan(plan: Any, est: Any | None = None) -> None:
             own = "own" if plan.opts[n].close_gates else "workload's"
             print(f"    {n:<18} SSIM >= {g['ssim']}, PSNR >= {g['psnr_db']} dB ({own})")
     if plan.comparisons:
-        on = {
-            c.opt: "+".join(plan.stages_of(set(plan.config(c.with_).opts) ^ set(plan.config(c.without).opts)))
-            for c in plan.comparisons
-        }
+        on = {c.opt: "+".join(plan.stages_of(plan.diff(c.with_, c.without))) for c in plan.comparisons}
         print(
             "\n  verdicts from: "
             + "; ".join(f"{c.opt} = {c.without} - {c.with_} (on {on[c.opt]})" for c in plan.comparisons)

@@ -34,14 +34,8 @@ class OutDir:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-
-    @property
-    def plan_json(self) -> Path:
-        return self.root / "plan.json"
-
-    @property
-    def log(self) -> Path:
-        return self.root / "measurements.jsonl"
+        self.plan_json = self.root / "plan.json"
+        self.log = self.root / "measurements.jsonl"
 
     def config_dir(self, cid: str) -> Path:
         return self.root / "configs" / cid

@@ -100,6 +100,10 @@ class Plan:
     def samples(self) -> list[tuple[int, int]]:
         return self.workload.samples()
 
+    def diff(self, a: str, b: str) -> set[str]:
+        """The optimizations configurations ``a`` and ``b`` differ by."""
+        return set(self.config(a).opts) ^ set(self.config(b).opts)
+
     def close_gates(self, names: list[str] | tuple[str, ...] | set[str]) -> dict[str, float]:
         """The SSIM / PSNR gates of a comparison whose two sides differ by ``names``: the loosest of their ``close``
         optimizations' own gates (their errors add), else the workload's."""

@@ -296,11 +296,10 @@ def save(
             w.run(p, s, str(stem), wl.timeout_s)
             say(f"  {eid}")
             npy = stem.with_suffix(".npy")
-            keep_npy = tensors and npy.is_file()
-            if npy.is_file() and not keep_npy:
+            if npy.is_file() and not tensors:
                 npy.unlink()
             item = {"id": eid, "key": _key(wl, wl.prompts[p], s, img_hash), "png": f"images/{eid}.png"}
-            item["tensor"] = f"images/{eid}.npy" if keep_npy else None
+            item["tensor"] = f"images/{eid}.npy" if npy.is_file() else None
             for rel in filter(None, (item["png"], item["tensor"])):
                 files[rel] = sha256_file(tmp / rel)
             images.append(item)
@@ -314,8 +313,6 @@ def save(
         raise
     w.stop()
     shutil.rmtree(tmp / "configs", ignore_errors=True)  # the job file and worker log of a finished set
-    with contextlib.suppress(OSError):
-        (tmp / ".lock").unlink()
     manifest = {
         "format": FORMAT,
         "version": MANIFEST_VERSION,

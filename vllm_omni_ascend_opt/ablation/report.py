@@ -27,10 +27,11 @@ def build_results(data: Any, analysis: dict[str, Any], command: list[str] | None
     env = dict(envs[0]["env"]) if envs else {}
     env.pop("flag", None)
     same = all({k: v for k, v in e["env"].items() if k != "flag"} == env for e in envs)
-    samples = [{k: r.get(k) for k in RESULTS_SCHEMA["samples"][0]} for r in data.records if r.get("type") == "sample"]
-    failures = [
-        {k: r.get(k) for k in RESULTS_SCHEMA["failures"][0]} for r in data.records if r.get("type") == "failure"
-    ]
+
+    def rows(kind: str) -> list[dict[str, Any]]:
+        """The records of type ``kind`` with the fields results.json keeps of them."""
+        return [{k: r.get(k) for k in RESULTS_SCHEMA[kind + "s"][0]} for r in data.records if r.get("type") == kind]
+
     wl = plan.workload
     return {
         "schema_version": SCHEMA_VERSION,
@@ -47,8 +48,8 @@ def build_results(data: Any, analysis: dict[str, Any], command: list[str] | None
         "full_vs_stock": analysis["full_vs_stock"],
         "optimizations": analysis["optimizations"],
         "configs": analysis["configs"],
-        "samples": samples,
-        "failures": failures,
+        "samples": rows("sample"),
+        "failures": rows("failure"),
         "run": {
             "wall_s": data.wall_s,
             "resumed": data.resumed,

@@ -42,29 +42,33 @@ def _on(
     }
 
 
+def _measured(
+    means: dict[str, dict[int, dict[str, float]]], basis: tuple[str, ...], without: str, with_: str
+) -> tuple[dict[str, Any], float | None, str]:
+    """:func:`pair`, the noise floor and the label of a comparison on ``basis``."""
+    on = _on(means, basis)
+    p = pair(on, without, with_)
+    nf = noise_floor(on)
+    noise_ms = nf["ms"] if nf else None
+    return p, noise_ms, label(p["per_round_ms"], p["mean_ms"], noise_ms)
+
+
 def staged(
     means: dict[str, dict[int, dict[str, float]]], without: str, with_: str, stages: tuple[str, ...] | list[str]
 ) -> dict[str, Any]:
     """The comparison of ``without`` and ``with_`` on ``stages``: ``basis`` (the stages measured, or ``["total"]``),
     ``saved`` (:func:`pair` on them), ``noise_ms``, ``label``, and ``control`` (None when the basis is the total)."""
     basis = _basis(means, stages)
-    on = _on(means, basis)
-    p = pair(on, without, with_)
-    nf = noise_floor(on)
-    noise_ms = nf["ms"] if nf else None
-    lab = label(p["per_round_ms"], p["mean_ms"], noise_ms)
+    p, noise_ms, lab = _measured(means, basis, without, with_)
     control = None
     rest = tuple(x for x in STAGES if x not in basis)
     if basis != (TOTAL,) and rest:
-        c_on = _on(means, rest)
-        cp = pair(c_on, without, with_)
-        cnf = noise_floor(c_on)
-        c_lab = label(cp["per_round_ms"], cp["mean_ms"], cnf["ms"] if cnf else None)
+        cp, c_noise, c_lab = _measured(means, rest, without, with_)
         control = {
             "stages": list(rest),
             "diff_ms": cp["mean_ms"],
             "per_round_ms": cp["per_round_ms"],
-            "noise_ms": cnf["ms"] if cnf else None,
+            "noise_ms": c_noise,
             "bias": c_lab in (GAIN, REGRESSION),
         }
         if control["bias"] and lab != "not measured":

@@ -150,14 +150,14 @@ def _class_of(plan: Plan, names: set[str]) -> str:
     return weakest_tier([plan.opts[n].equivalence for n in names])
 
 
-def compare_configs(
-    plan: Plan, out_root: Any, ref: str, other: str, equivalence: str, diff: set[str] | None = None
-) -> dict[str, Any]:
-    """Metrics of ``other`` against ``ref`` on every sample, the worst case, and the gate. ``diff``: the
-    optimizations the two differ by, whose own ``close`` gates apply (:meth:`Plan.close_gates`)."""
+def compare_configs(plan: Plan, out_root: Any, ref: str, other: str) -> dict[str, Any]:
+    """Metrics of ``other`` against ``ref`` on every sample, the worst case, and the gate of the optimizations the
+    two differ by (the weakest tier among them, their own ``close`` gates: :meth:`Plan.close_gates`)."""
     from pathlib import Path
 
     root = Path(out_root)
+    diff = plan.diff(ref, other)
+    equivalence = _class_of(plan, diff)
     per: dict[str, dict[str, Any]] = {}
     missing = []
     for p, s in plan.samples:
@@ -170,7 +170,7 @@ def compare_configs(
             continue
         per[key] = compare.compare(a, b)
     agg = compare.aggregate(per) if not missing else {}
-    gates = plan.close_gates(diff or set())
+    gates = plan.close_gates(diff)
     g = compare.gate(agg, equivalence, gates["ssim"], gates["psnr_db"])
     return {
         "reference": ref,

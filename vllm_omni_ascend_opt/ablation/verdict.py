@@ -21,7 +21,6 @@ from vllm_omni_ascend_opt.ablation.stats import (
     INCONCLUSIVE,
     PASS,
     REGRESSION,
-    _class_of,
     _std,
     add_memory_ratios,
     compare_configs,
@@ -64,7 +63,6 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         return {**stages.staged_fields(st, p, pct, stock_ms), "label": st["label"]}
 
     ids = {c.id for c in plan.configs}
-    full_opts = set(plan.config("full").opts) if "full" in ids else set()
     configs = []
     for c in plan.configs:
         rows = means.get(c.id, {})
@@ -99,12 +97,8 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
             "images": {f"p{p}_s{s}": f"images/{c.id}/p{p}_s{s}.png" for p, s in plan.samples},
         }
         for ref, key in (("stock", "vs_stock"), ("full", "vs_full")):
-            if c.id == ref or ref not in ids or status == "failed" or ref in failures:
-                entry[key] = None
-                continue
-            ref_opts = set() if ref == "stock" else full_opts
-            diff = ref_opts ^ set(c.opts)
-            entry[key] = compare_configs(plan, out_root, ref, c.id, _class_of(plan, diff) if diff else "exact", diff)
+            usable = c.id != ref and ref in ids and status != "failed" and ref not in failures
+            entry[key] = compare_configs(plan, out_root, ref, c.id) if usable else None
         configs.append(entry)
 
     add_memory_ratios(configs)
@@ -113,8 +107,8 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
     for comp in plan.comparisons:
         usable = comp.with_ not in failures and comp.without not in failures
         # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
-        diff = set(plan.config(comp.with_).opts) ^ set(plan.config(comp.without).opts)
-        eq = compare_configs(plan, out_root, comp.without, comp.with_, _class_of(plan, diff), diff) if usable else None
+        diff = plan.diff(comp.with_, comp.without)
+        eq = compare_configs(plan, out_root, comp.without, comp.with_) if usable else None
         opts.append(
             {
                 "name": comp.opt,
@@ -129,7 +123,11 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
 
     fvs = None
     if "full" in ids:
-        fvs = {**compared("stock", "full", full_opts), "stock_ms": stock_ms, "full_ms": mean_total("full")}
+        fvs = {
+            **compared("stock", "full", plan.diff("stock", "full")),
+            "stock_ms": stock_ms,
+            "full_ms": mean_total("full"),
+        }
 
     load = machine_load(records)
     verdict = decide(plan, configs, opts, fvs, noise, interrupted, busy=load["busy"], load=load)
