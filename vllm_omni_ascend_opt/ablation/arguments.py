@@ -71,8 +71,7 @@ def _arguments() -> dict[str, dict[str, Any]]:
 
 
 def add_arguments(p: argparse.ArgumentParser, groups: dict[str, str], helps: dict[str, str]) -> Any:
-    """Add to ``p`` an argument group per ``groups`` item (title -> its flags, space-separated), each flag with
-    its ``helps`` entry; returns the last group."""
+    """Add to ``p`` a group per ``groups`` item (title -> flags) with their ``helps``; returns the last group."""
     table = _arguments()
     for title, flags in groups.items():
         g = p.add_argument_group(title)

@@ -187,8 +187,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _launch_estimate(plan: Any) -> dict[str, Any] | None:
-    """Per configuration, the estimated ms saved on a 910B1 (model, not measured); None for the tiny model (the
-    model is calibrated on Qwen-Image's 60 blocks at 910B1 launch cost) or without a launch table."""
+    """Per configuration, the estimated ms saved on a 910B1 (model, not measured); None for the tiny model."""
     from vllm_omni_ascend_opt.ablation import estimate as launch_model
 
     wl = plan.workload
@@ -207,8 +206,7 @@ def _launch_estimate(plan: Any) -> dict[str, Any] | None:
 
 
 def _devtime_section(plan: Any, launch: dict[str, Any] | None, cards: list[int]) -> dict[str, Any] | None:
-    """The device-time model's predictions for the plan's configurations, and its layouts on ``cards`` (model, not
-    measured); None for the tiny model."""
+    """The device-time model's predictions and layouts on ``cards`` (not measured); None for the tiny model."""
     from vllm_omni_ascend_opt.devtime import report as devtime_report
 
     wl = plan.workload

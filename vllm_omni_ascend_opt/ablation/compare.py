@@ -95,9 +95,8 @@ def aggregate(per_sample: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def gate(agg: dict[str, Any], equivalence: str, ssim_gate: float, psnr_gate: float) -> dict[str, Any]:
-    """Judge an aggregated comparison by an equivalence tier: ``exact`` needs bitwise-identical float outputs (pixel
-    identity when a side has none), ``pixel`` needs identical uint8 images, ``close`` needs SSIM >= ``ssim_gate`` and
-    PSNR >= ``psnr_gate`` on every sample."""
+    """Judge an aggregated comparison by a tier: ``exact``: bitwise-identical floats (else pixel identity), ``pixel``:
+    identical uint8 images, ``close``: SSIM >= ``ssim_gate`` and PSNR >= ``psnr_gate`` on every sample."""
     if not agg:
         return {"class": equivalence, "passed": None, "why": "not compared (an image is missing)"}
     if equivalence == "exact" and agg.get("bitwise_identical") is not None:

@@ -60,8 +60,7 @@ def to_uint8_hwc(images: Any) -> Any:
 
 
 def input_image(spec: str | None) -> Any:
-    """The workload's input image (image-editing pipelines): None, ``sample`` (the test bed's deterministic sample
-    image) or a file path, as an RGB PIL image."""
+    """The workload's input image: None, ``sample`` (the test bed's) or a file path, as an RGB PIL image."""
     if not spec:
         return None
     if spec == "sample":
@@ -178,8 +177,7 @@ class TestbedEngine:
         )
 
     def memory(self) -> dict[str, dict[str, int]]:
-        """Peak bytes of one transformer forward and one VAE decode on a warm request (``testbed/memory.py``): one
-        untimed generation fills the caches, the next is measured. Never part of a timed sample."""
+        """Peak bytes of one transformer forward and one VAE decode on a warm request (never a timed sample)."""
         from vllm_omni_ascend_opt.testbed.memory import first_call_peaks, pipeline_targets
 
         prompt, seed = self.job["prompts"][0], int((self.job.get("seeds") or [0])[0])
@@ -215,17 +213,16 @@ class _StatusFileEngine:
 
         self.job = job
         self.device = pick_device()
-        base = Path(self.job.get("status_dir") or os.environ.get("TMPDIR") or "/tmp")
+        base = Path(os.environ.get("TMPDIR") or "/tmp")
         cid = (self.job.get("config") or {}).get("id", "engine")
         self.status_path = base / f"ascend-opt-status-{os.getpid()}-{cid}.json"
         self.status_path.unlink(missing_ok=True)
         os.environ[ENV_STATUS_FILE] = str(self.status_path)  # inherited by every engine process
 
     def status(self) -> dict[str, Any] | None:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             return json.loads(self.status_path.read_text())
-        except (OSError, ValueError):
-            return None
+        return None
 
     def active(self) -> list[str] | None:
         st = self.status()
@@ -252,9 +249,8 @@ class OmniEngine(_StatusFileEngine):
             "dtype": j["dtype"],
             "enforce_eager": bool(j["enforce_eager"]),
             "enable_diffusion_pipeline_profiler": True,
+            **(j.get("od_config") or {}),  # the workload's vLLM-Omni modes
         }
-        kwargs.update(j.get("od_config") or {})  # the workload's vLLM-Omni modes
-        kwargs.update(j.get("omni_kwargs") or {})
         self.omni = Omni(**kwargs)
 
     def generate(self, prompt: str, seed: int) -> Generation:

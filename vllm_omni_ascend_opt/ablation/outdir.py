@@ -68,10 +68,9 @@ class OutDir:
 
     def stored_fingerprint(self) -> str | None:
         """The fingerprint in the directory's plan.json, None without a readable one."""
-        try:
+        with contextlib.suppress(OSError, ValueError):
             return json.loads(self.plan_json.read_text()).get("fingerprint")
-        except (OSError, ValueError):
-            return None
+        return None
 
     def _lock(self) -> None:
         lock = self.root / ".lock"

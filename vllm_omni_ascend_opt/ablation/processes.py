@@ -40,8 +40,7 @@ def cpu_busy_s() -> float | None:
 
 
 def group_stats(pgid: int) -> list[tuple[str, int]] | None:
-    """(state letter, CPU ticks used) of every live process of process group ``pgid`` (Linux ``/proc``), or None
-    elsewhere."""
+    """(state letter, CPU ticks) of every live process of group ``pgid`` (Linux ``/proc``; None elsewhere)."""
     try:
         pids = [d for d in os.listdir("/proc") if d.isdigit()]
     except OSError:
@@ -72,10 +71,9 @@ def group_cpu_s(pgid: int) -> float | None:
 
 def load1() -> float | None:
     """The machine's 1-minute load average (to flag runs measured while other work competed for the CPU)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
+    return None
 
 
 class Worker:
@@ -180,10 +178,9 @@ class Worker:
                 return ev
 
     def _returncode(self) -> int | None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             return self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            return None
+        return None
 
     def pause(self, settle_s: float = 2.0) -> None:
         """Stop the worker's process group until :meth:`resume`, and wait (up to ``settle_s``) until /proc shows it

@@ -201,8 +201,7 @@ def load(path: Path | str, config: str | None = None) -> RefSet:
 
 
 def load_ablation(root: Path, config: str) -> RefSet:
-    """Configuration ``config`` of the ablation output ``root`` as a set (its images, keys from plan.json,
-    environment from results.json when the run finished)."""
+    """Configuration ``config`` of the ablation output ``root`` as a set (keys from plan.json)."""
     from vllm_omni_ascend_opt.ablation.workload import from_mapping
 
     plan = _read_json(root / "plan.json", "ablation plan")

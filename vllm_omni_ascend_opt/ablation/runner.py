@@ -214,8 +214,7 @@ class Runner:
                         self._per_round_process(c, rnd, prog)
 
     def _resident_set(self, rounds: list[int], todo: Measured, prog: Any, start_order: list[Config]) -> None:
-        """One process set: start a worker per configuration with work left in ``rounds``, warm each up in turn, measure
-        the rounds, stop them all."""
+        """One process set: a worker per configuration with work left in ``rounds``: start, warm up, measure, stop."""
         configs = [c for c in start_order if c.id not in self.failed and any((c.id, r) in todo for r in rounds)]
         if not configs:
             return

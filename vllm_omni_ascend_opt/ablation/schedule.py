@@ -50,8 +50,7 @@ def process_sets(repeats: int, sets: int) -> list[list[int]]:
 
 
 def start_order(configs: list[T], set_index: int) -> list[T]:
-    """The order process set ``set_index`` starts its workers in: every other set in reverse, since workers started
-    earlier can run slower all run long."""
+    """Every other process set starts its workers in reverse: workers started earlier can run slower."""
     return list(reversed(configs)) if set_index % 2 == 1 else list(configs)
 
 

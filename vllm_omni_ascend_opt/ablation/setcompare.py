@@ -225,9 +225,8 @@ def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Pat
 
 
 def against_reference(path: Path, out_root: Path, plan: Any, environment: dict[str, Any]) -> dict[str, Any]:
-    """Every configuration of a finished ablation in ``out_root`` (its workers' ``environment``) against the
-    reference set at ``path`` (the workload's close gates): results.json's ``reference`` and the report's "Against
-    the reference set" table."""
+    """Every configuration of a finished ablation in ``out_root`` against the reference set at ``path`` (the
+    workload's close gates): results.json's ``reference``."""
     wl = plan.workload
     ref = _refset.load(path)
     out: dict[str, Any] = {"path": str(path), "gates": {"ssim": wl.ssim_gate, "psnr_db": wl.psnr_gate}, "configs": {}}

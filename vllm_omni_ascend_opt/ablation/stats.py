@@ -26,8 +26,7 @@ GAIN, REGRESSION, NOISE = "gain", "regression", "within noise"
 
 
 def round_means(plan: Plan, records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
-    """config -> round -> {"total": ms, <stage>: ms}: the median (or mean, ``round_stat``) over the samples of each
-    complete round."""
+    """config -> round -> {"total": ms, <stage>: ms} over each complete round's samples (``round_stat``)."""
     samples = set(plan.samples)
     agg = statistics.median if plan.workload.round_stat == "median" else statistics.fmean
     acc: dict[tuple[str, int], dict[tuple[int, int], dict[str, Any]]] = {}
@@ -114,9 +113,8 @@ def noise_floor(means: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any]
 
 
 def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) -> dict[str, Any]:
-    """How much other work competed with the workers while measuring: ``busy`` when the median of ``others_cpu``
-    (cores other processes kept busy per measurement) exceeds the cores the worker left free by a quarter core (at
-    least half a core in all); a timing-only FAIL then becomes INCONCLUSIVE. The load average is context only."""
+    """How much other work competed while measuring: ``busy`` when the median ``others_cpu`` exceeds the cores
+    the worker left free by a quarter core (at least half a core); a timing-only FAIL then becomes INCONCLUSIVE."""
     import os
 
     cpus = cpu_count or os.cpu_count() or 1
@@ -184,8 +182,7 @@ def compare_configs(plan: Plan, out_root: Any, ref: str, other: str) -> dict[str
 
 
 def peak_memory(ready: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """A configuration's peak bytes per measured call over its workers (the largest peak and end seen); None when no
-    worker measured (``omni`` / ``serve``)."""
+    """A configuration's largest peak and end bytes per measured call over its workers; None: none measured."""
     out: dict[str, Any] = {}
     errors = []
     for r in ready:

@@ -26,10 +26,9 @@ from vllm_omni_ascend_opt.ablation.protocol import PROTOCOL_VERSION, decode, sen
 
 
 def _version(dist: str) -> str | None:
-    try:
+    with contextlib.suppress(metadata.PackageNotFoundError):
         return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+    return None
 
 
 def _cpu_name() -> str:
@@ -111,8 +110,7 @@ def load_plugin_like_vllm_omni() -> None:
 
 
 def measure_memory(engine: Any) -> dict[str, Any] | None:
-    """The engine's peak bytes of one transformer forward and one VAE decode (None: the model is in another process).
-    A failed probe is reported, not fatal."""
+    """The engine's memory probe (None: the model is in another process); a failed probe is reported."""
     probe = getattr(engine, "memory", None)
     if probe is None:
         return None
