@@ -79,9 +79,8 @@ def load1() -> float | None:
 class Worker:
     """A worker process and the thread that reads its events."""
 
-    def __init__(self, config: Config, rnd: int | None, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, config: Config, argv: list[str], env: dict[str, str], log_path: Path) -> None:
         self.config = config
-        self.round = rnd
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path

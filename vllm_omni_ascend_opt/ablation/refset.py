@@ -285,7 +285,7 @@ def save(
     runner = Runner(plan, tmp, progress=False, worker_cmd=worker_cmd, log=say)
     w = None
     try:
-        w = runner.spawn(config, None)
+        w = runner.spawn(config)
         ready = w.wait_ready(wl.start_timeout_s)
         img_hash = input_image_sha256(wl.image)
         images, files = [], {}

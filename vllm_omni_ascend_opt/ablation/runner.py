@@ -111,12 +111,10 @@ class Runner:
             env = engine_env(env)
         return env
 
-    def spawn(self, c: Config, rnd: int | None) -> Worker:
-        """A worker process for configuration ``c`` (round ``rnd``; None: resident), with its job file and log."""
-        job = self._job(c)
-        return Worker(
-            c, rnd, [*self.worker_cmd, "--job", str(job)], self._env(c), self.out.config_dir(c.id) / "worker.log"
-        )
+    def spawn(self, c: Config) -> Worker:
+        """A worker process for configuration ``c``, with its job file and log."""
+        argv = [*self.worker_cmd, "--job", str(self._job(c))]
+        return Worker(c, argv, self._env(c), self.out.config_dir(c.id) / "worker.log")
 
     def _fail(self, w: Worker | None, c: Config, rnd: int | None, exc: WorkerFailed) -> None:
         tail = w.log_tail() if w is not None else ""
@@ -256,7 +254,7 @@ class Runner:
         pending = list(configs)
         while pending or starting:
             while pending and len(starting) < self.wl.start_jobs:
-                starting.append(self.spawn(pending.pop(0), None))
+                starting.append(self.spawn(pending.pop(0)))
             for w in list(starting):
                 if not w.events.empty():  # ready, an error, or eof
                     starting.remove(w)
@@ -295,7 +293,7 @@ class Runner:
 
     def _per_round_process(self, c: Config, rnd: int, prog: Any) -> None:
         """One configuration's process of round ``rnd``: start, warm up, every sample once, exit."""
-        w = self.spawn(c, rnd)
+        w = self.spawn(c)
         try:
             self._await_ready(w, rnd)
             _step(prog, f"started {c.id} (round {rnd + 1})")
