@@ -162,7 +162,6 @@ def test_omni_engine_adapter_builds_vllm_omni_requests(monkeypatch):
         "cfg_scale": 4.0,
         "negative_prompt": " ",
         "max_sequence_length": 512,
-        "omni_kwargs": {},
     }
     eng = OmniEngine(job)
     eng.load()

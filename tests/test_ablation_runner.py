@@ -231,9 +231,9 @@ def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_
     spawned: list[str] = []
     orig_spawn = runner_mod.Runner.spawn
 
-    def spawn(self, c, rnd):
+    def spawn(self, c):
         spawned.append(c.id)
-        return orig_spawn(self, c, rnd)
+        return orig_spawn(self, c)
 
     monkeypatch.setattr(runner_mod.Runner, "spawn", spawn)
     _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "starts_log": str(log)})

@@ -1,8 +1,4 @@
-"""From the command line to a workload and a plan: what ``ablate``, ``plan`` and ``reference save`` share.
-
-``resolve_workload`` lays the command line's values over the named workload (or the tiny default); ``make_plan``
-builds the plan and checks the model path; ``bad_input`` is how every ablation command reports bad input (exit 2).
-"""
+"""From the command line to a workload and a plan: what ``ablate``, ``plan`` and ``reference save`` share."""
 
 from __future__ import annotations
 
@@ -16,6 +12,7 @@ from typing import Any
 from vllm_omni_ascend_opt.ablation.workload import (
     DTYPES,
     ENGINES,
+    FIELDS,
     MODES,
     SCHEDULES,
     STACKS,
@@ -25,14 +22,11 @@ from vllm_omni_ascend_opt.ablation.workload import (
     load_workload,
 )
 
-#: The exit code of every ablation command on bad input.
-BAD_INPUT = 2
-
 
 def bad_input(msg: str) -> int:
-    """Print ``msg`` as the CLI's error line and return :data:`BAD_INPUT`."""
+    """Print ``msg`` as the CLI's error line and return 2, every ablation command's exit code on bad input."""
     print(f"vllm-omni-ascend-opt: error: {msg}", file=sys.stderr)
-    return BAD_INPUT
+    return 2
 
 
 def parse_gates(text: str) -> dict[str, float]:
@@ -77,8 +71,7 @@ def _arguments() -> dict[str, dict[str, Any]]:
 
 
 def add_arguments(p: argparse.ArgumentParser, groups: dict[str, str], helps: dict[str, str]) -> Any:
-    """Add to ``p`` an argument group per ``groups`` item (title -> its flags, space-separated), each flag with
-    its ``helps`` entry; returns the last group."""
+    """Add to ``p`` a group per ``groups`` item (title -> flags) with their ``helps``; returns the last group."""
     table = _arguments()
     for title, flags in groups.items():
         g = p.add_argument_group(title)
@@ -86,13 +79,6 @@ def add_arguments(p: argparse.ArgumentParser, groups: dict[str, str], helps: dic
             g.add_argument(f, **table[f], help=helps.get(f))
     return g
 
-
-#: Workload fields the command line can set by the same name.
-OVERRIDES = (
-    "model image engine dtype height width steps cfg_scale negative_prompt warmup repeats max_sequence_length "
-    "enforce_eager mode stack min_improvement_pct schedule start_jobs process_sets pause_idle threads timeout_s "
-    "start_timeout_s"
-).split()
 
 #: The workload behind the plain tiny flow (``ablate`` / ``plan`` without ``--workload``, model ``tiny``): the deeper
 #: tiny model with steps, CFG and rounds whose saving clearly exceeds the noise (what ``make demo`` runs).
@@ -110,12 +96,10 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
     else:
         wl = Workload(name="custom")
     over: dict[str, Any] = {}
-    for key in OVERRIDES:
+    for key in FIELDS:  # the options named as a workload field
         v = getattr(args, key, None)
         if v is not None and not (plain_tiny and key == "model"):  # tiny: the family, here its deeper model
             over[key] = v
-    if args.seeds:
-        over["seeds"] = list(args.seeds)
     prompts = list(args.prompt or [])
     if args.prompts_file:
         try:
@@ -134,37 +118,23 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
     return from_mapping(over, name=wl.name, base=wl).validate()
 
 
-def _split(values: list[str] | None) -> list[str]:
-    return [n.strip() for v in values or [] for n in v.split(",") if n.strip()]
-
-
-def _import_extras(mods: list[str]) -> None:
+def make_plan(args: argparse.Namespace, *, build_model: bool) -> Any:
     from vllm_omni_ascend_opt import registry
+    from vllm_omni_ascend_opt.ablation.plan import build_plan, opt_infos_from_registry
 
-    registry.all_optimizations()  # built-ins first
-    for m in mods:
+    wl = resolve_workload(args)
+    registry.all_optimizations()  # built-ins first: --import modules add to the registry
+    for m in args.imports:
         try:
             importlib.import_module(m)
         except Exception as exc:  # bad input
             raise WorkloadError(f"--import {m}: {type(exc).__name__}: {exc}") from None
-
-
-def _looks_like_hf_id(model: str) -> bool:
-    parts = model.split("/")
-    return len(parts) == 2 and all(parts) and not model.startswith((".", "/", "~"))
-
-
-def make_plan(args: argparse.Namespace, *, build_model: bool) -> Any:
-    from vllm_omni_ascend_opt.ablation.plan import build_plan, opt_infos_from_registry
-
-    wl = resolve_workload(args)
-    _import_extras(args.imports)
     plan = build_plan(
         wl,
         opt_infos_from_registry(),
-        only=_split(args.only),
-        skip=_split(args.skip),
-        order=_split([args.order] if args.order else None),
+        only=args.only,
+        skip=args.skip,
+        order=[args.order] if args.order else None,
         extra_imports=args.imports,
     )
     if wl.is_tiny:
@@ -178,6 +148,6 @@ def make_plan(args: argparse.Namespace, *, build_model: bool) -> Any:
             if not (p / "model_index.json").is_file():
                 raise WorkloadError(f"--model {wl.model}: {p} has no model_index.json (not a diffusers directory)")
             plan.model_path = str(p.resolve())
-        elif not _looks_like_hf_id(wl.model):
+        elif len(parts := wl.model.split("/")) != 2 or not all(parts) or wl.model.startswith((".", "/", "~")):
             raise WorkloadError(f"--model {wl.model!r}: no such directory, and not a Hugging Face id (org/name)")
     return plan

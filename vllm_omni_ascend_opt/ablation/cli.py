@@ -127,10 +127,7 @@ def _print_plan(plan: Any, est: Any | None = None) -> None:
             own = "own" if plan.opts[n].close_gates else "workload's"
             print(f"    {n:<18} SSIM >= {g['ssim']}, PSNR >= {g['psnr_db']} dB ({own})")
     if plan.comparisons:
-        on = {
-            c.opt: "+".join(plan.stages_of(set(plan.config(c.with_).opts) ^ set(plan.config(c.without).opts)))
-            for c in plan.comparisons
-        }
+        on = {c.opt: "+".join(plan.stages_of(plan.diff(c.with_, c.without))) for c in plan.comparisons}
         print(
             "\n  verdicts from: "
             + "; ".join(f"{c.opt} = {c.without} - {c.with_} (on {on[c.opt]})" for c in plan.comparisons)
@@ -154,11 +151,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         plan = make_plan(args, build_model=False)
-    except WorkloadError as exc:
-        return bad_input(str(exc))
-    try:
         cards = parse_ints(args.cards, "--cards") if args.cards.strip() else []
-    except ValueError as exc:
+    except ValueError as exc:  # WorkloadError included
         return bad_input(str(exc))
     est = estimate(plan)
     stored = _stored_measurements(plan, args.out)
@@ -193,8 +187,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _launch_estimate(plan: Any) -> dict[str, Any] | None:
-    """Per configuration, the estimated ms saved on a 910B1 (model, not measured); None for the tiny model (the
-    model is calibrated on Qwen-Image's 60 blocks at 910B1 launch cost) or without a launch table."""
+    """Per configuration, the estimated ms saved on a 910B1 (model, not measured); None for the tiny model."""
     from vllm_omni_ascend_opt.ablation import estimate as launch_model
 
     wl = plan.workload
@@ -213,8 +206,7 @@ def _launch_estimate(plan: Any) -> dict[str, Any] | None:
 
 
 def _devtime_section(plan: Any, launch: dict[str, Any] | None, cards: list[int]) -> dict[str, Any] | None:
-    """The device-time model's predictions for the plan's configurations, and its layouts on ``cards`` (model, not
-    measured); None for the tiny model."""
+    """The device-time model's predictions and layouts on ``cards`` (not measured); None for the tiny model."""
     from vllm_omni_ascend_opt.devtime import report as devtime_report
 
     wl = plan.workload
@@ -233,17 +225,12 @@ def _devtime_section(plan: Any, launch: dict[str, Any] | None, cards: list[int])
 
 
 def _stored_measurements(plan: Any, out: Path) -> int:
-    from vllm_omni_ascend_opt.ablation.outdir import Store, select_resumable
+    from vllm_omni_ascend_opt.ablation.outdir import OutDir, Store, select_resumable
 
-    pj = Path(out) / "plan.json"
-    if not pj.is_file():
+    od = OutDir(out)
+    if od.stored_fingerprint() != plan.fingerprint():
         return 0
-    try:
-        if json.loads(pj.read_text()).get("fingerprint") != plan.fingerprint():
-            return 0
-    except (OSError, ValueError):
-        return 0
-    kept, _ = select_resumable(plan, Store(Path(out) / "measurements.jsonl", plan.fingerprint()).load())
+    kept, _ = select_resumable(plan, Store(od.log, plan.fingerprint()).load())
     return sum(1 for r in kept if r.get("type") == "sample" and not r.get("warmup"))
 
 
@@ -278,18 +265,13 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def print_summary(results: dict[str, Any]) -> None:
     """The main table of report.md, as text."""
-    from vllm_omni_ascend_opt.ablation.report import _on, _pct, _saved, gate_cell
+    from vllm_omni_ascend_opt.ablation.report import _on, _pct, _saved, comparison_rows, gate_cell
 
     print(
         f"\n{'optimization':<22} {'class':<6} {'on stages':<20} {'saved ms (mean ± std)':>22} {'% stock':>8}  "
         f"{'total saved ms':>16}  {'direction':<10} {'label':<13} equivalence"
     )
-    rows = [(o["name"], o["equivalence"], o, o["equivalence_check"]) for o in results["optimizations"]]
-    fvs = results["full_vs_stock"]
-    if fvs:
-        full = next((c for c in results["configs"] if c["id"] == "full"), None)
-        rows.append(("full stack vs stock", "", fvs, full.get("vs_stock") if full else None))
-    for name, cls, d, chk in rows:
+    for name, cls, d, chk in comparison_rows(results):
         t = d.get("total_saved_ms") or {}
         total = "–" if t.get("mean") is None else f"{t['mean']:+.2f}"
         print(

@@ -1,10 +1,7 @@
-"""Image equivalence for the ablation runner: pixel identity, abs diffs, SSIM and PSNR, and the gates.
-
-Workers store ``images/<config>/<sample>.npy`` (vLLM-Omni's float output, [3, H, W] in [-1, 1]) and ``.png`` (the
-uint8 image a user gets). The metrics are :mod:`vllm_omni_ascend_opt.metrics`': ``pixel_identical`` (the 8-bit
-images are equal: the ``pixel`` tier's gate), ``bitwise_identical`` (the float outputs are equal, None when a side
-has none: the ``exact`` tier's gate), max / mean abs diff on the floats in [-1, 1] units (``basis`` ``uint8`` when a
-side has no float output), and SSIM / PSNR on the 8-bit images (identical images: PSNR ``inf``, SSIM 1).
+"""Image equivalence for the ablation runner: the metrics of :mod:`vllm_omni_ascend_opt.metrics` on the stored
+images (``<sample>.npy``: the float output in [-1, 1]; ``.png``: the 8-bit image), and the tiers' gates.
+``bitwise_identical`` is None when a side has no float output (abs diffs then on the 8-bit images, ``basis``
+``uint8``); identical images have PSNR ``inf`` and SSIM 1.
 """
 
 from __future__ import annotations
@@ -45,11 +42,16 @@ def load_stored(stem: Path) -> StoredImage:
             return StoredImage(arr, None)
         return StoredImage(to_uint8(arr), arr)
     if png.is_file():
-        from PIL import Image
-
-        with Image.open(png) as im:
-            return StoredImage(np.asarray(im.convert("RGB"), dtype=np.uint8), None)
+        return StoredImage(read_png(png), None)
     raise FileNotFoundError(f"no image stored at {stem}.npy/.png")
+
+
+def read_png(path: Path) -> np.ndarray:
+    """An image file as uint8 RGB [H, W, 3]."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.uint8)
 
 
 def compare(ref: StoredImage, out: StoredImage) -> dict[str, Any]:
@@ -93,9 +95,8 @@ def aggregate(per_sample: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def gate(agg: dict[str, Any], equivalence: str, ssim_gate: float, psnr_gate: float) -> dict[str, Any]:
-    """Judge an aggregated comparison by an equivalence tier: ``exact`` needs bitwise-identical float outputs (pixel
-    identity when a side has none), ``pixel`` needs identical uint8 images, ``close`` needs SSIM >= ``ssim_gate`` and
-    PSNR >= ``psnr_gate`` on every sample."""
+    """Judge an aggregated comparison by a tier: ``exact``: bitwise-identical floats (else pixel identity), ``pixel``:
+    identical uint8 images, ``close``: SSIM >= ``ssim_gate`` and PSNR >= ``psnr_gate`` on every sample."""
     if not agg:
         return {"class": equivalence, "passed": None, "why": "not compared (an image is missing)"}
     if equivalence == "exact" and agg.get("bitwise_identical") is not None:

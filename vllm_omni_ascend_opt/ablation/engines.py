@@ -1,20 +1,14 @@
-"""The ablation worker's engines: how one configuration's model is loaded and how one image is generated and timed.
+"""The ablation worker's engines: how one configuration's model is loaded and one image generated and timed.
 
 Each engine has ``load()``, ``generate(prompt, seed) -> Generation``, ``active()`` (what acts on the pipeline, None
 when unknown), ``model_reasons(name)`` (why an optimization is off) and ``close()``:
 
-* ``testbed``: vLLM-Omni's ``QwenImagePipeline`` loaded in this process by its ``DiffusersPipelineLoader`` (the test
-  bed's runtime), through vLLM-Omni's ``DiffusionModelRunner`` when the workload sets ``od_config`` modes. The
-  generation and each stage (``encode_prompt``, ``diffuse``, ``_decode_latents``, wrapped on this instance) are
-  timed between device synchronizations (vLLM-Omni's profiler times only ``text_encoder.forward`` and synchronizes
-  only where a platform exists).
-* ``omni``: vLLM-Omni's offline ``Omni`` with its pipeline profiler on: the total is the wall time of
-  ``Omni.generate``, the stages its ``stage_durations``. Without an accelerator the runner passes the test bed's CPU
-  runtime in the environment.
-* ``serve``: one ``vllm serve MODEL --omni`` per configuration on a free 127.0.0.1 port, driven over
-  ``POST /v1/images/generations``: the total is the client-side latency, the stages the server's.
-
-For ``omni`` and ``serve``, what acts in the engine's processes comes from the plugin's status file.
+* ``testbed``: vLLM-Omni's ``QwenImagePipeline`` in this process (through its ``DiffusionModelRunner`` when the
+  workload sets ``od_config`` modes); the generation and each stage timed between device synchronizations.
+* ``omni``: vLLM-Omni's offline ``Omni`` with its pipeline profiler: the wall time of ``Omni.generate``, the stages
+  from its ``stage_durations``.
+* ``serve``: one ``vllm serve MODEL --omni`` per configuration, over ``POST /v1/images/generations``: the client-side
+  latency, the server's stages. ``omni`` and ``serve`` read what acts from the plugin's status file.
 """
 
 from __future__ import annotations
@@ -28,25 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: The job's fields that both test-bed request builders (``pipeline.make_request``, ``serve.image_request``) take.
-SAMPLING = ("height", "width", "steps", "cfg_scale", "negative_prompt")
-
 
 def sampling(job: dict[str, Any]) -> dict[str, Any]:
-    """The job's sampling settings, keyword arguments of the test bed's request builders."""
-    return {k: job[k] for k in SAMPLING}
+    """The job's sampling settings, as both test-bed request builders take them."""
+    return {k: job[k] for k in ("height", "width", "steps", "cfg_scale", "negative_prompt")}
 
 
 @dataclass
 class Generation:
-    """One generated image and its timings, as the worker reports and saves it."""
-
     uint8: Any  # numpy [H, W, 3]
     float_chw: Any | None  # numpy float32 [3, H, W] in [-1, 1], or None
     total_ms: float
     stages_ms: dict[str, float] = field(default_factory=dict)
-    #: CPU time of this process during the generation (all threads); wall >> CPU on a CPU run = preempted
-    cpu_ms: float | None = None
+    cpu_ms: float | None = None  # CPU time of this process (all threads) during the generation
 
 
 def pick_device() -> str:
@@ -72,8 +60,7 @@ def to_uint8_hwc(images: Any) -> Any:
 
 
 def input_image(spec: str | None) -> Any:
-    """The workload's input image (image-editing pipelines): None, ``sample`` (the test bed's deterministic sample
-    image) or a file path, as an RGB PIL image."""
+    """The workload's input image: None, ``sample`` (the test bed's) or a file path, as an RGB PIL image."""
     if not spec:
         return None
     if spec == "sample":
@@ -86,9 +73,11 @@ def input_image(spec: str | None) -> Any:
         return im.convert("RGB")
 
 
-class TestbedEngine:
-    """vLLM-Omni's QwenImagePipeline in this process (see the module docstring)."""
+#: The test-bed pipeline's methods timed as our stages.
+TESTBED_STAGES = {"encode_prompt": "text_encode", "diffuse": "denoise", "_decode_latents": "vae_decode"}
 
+
+class TestbedEngine:
     def __init__(self, job: dict[str, Any]) -> None:
         self.job = job
         self.device = pick_device()
@@ -101,8 +90,7 @@ class TestbedEngine:
         from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
         from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
 
-        dtype = getattr(torch, self.job["dtype"])
-        self.rt = init_cpu_runtime(self.job["model_path"], dtype=dtype)
+        self.rt = init_cpu_runtime(self.job["model_path"], dtype=getattr(torch, self.job["dtype"]))
         modes = dict(self.job.get("od_config") or {})
         tiles = self.job.get("vae_tiling")
         if tiles:
@@ -118,11 +106,7 @@ class TestbedEngine:
             self.pipe.vae.enable_tiling(*tiles)
         if hasattr(self.pipe, "set_progress_bar_config"):
             self.pipe.set_progress_bar_config(disable=True)
-        for method, stage in (
-            ("encode_prompt", "text_encode"),
-            ("diffuse", "denoise"),
-            ("_decode_latents", "vae_decode"),
-        ):
+        for method, stage in TESTBED_STAGES.items():
             if hasattr(self.pipe, method):  # the edit pipelines decode inline (no _decode_latents)
                 setattr(self.pipe, method, self._timed(stage, getattr(self.pipe, method)))
 
@@ -193,9 +177,7 @@ class TestbedEngine:
         )
 
     def memory(self) -> dict[str, dict[str, int]]:
-        """Peak bytes of one transformer forward and one VAE decode on a warm request (``testbed/memory.py``): one
-        untimed generation fills the caches, the next one is measured (its first transformer forward and its VAE
-        decode). Called once per worker, before it reports ready; never part of a timed sample."""
+        """Peak bytes of one transformer forward and one VAE decode on a warm request (never a timed sample)."""
         from vllm_omni_ascend_opt.testbed.memory import first_call_peaks, pipeline_targets
 
         prompt, seed = self.job["prompts"][0], int((self.job.get("seeds") or [0])[0])
@@ -223,26 +205,24 @@ def omni_stages_ms(stage_durations: dict[str, float] | None) -> dict[str, float]
     return out
 
 
-class _StatusFileMixin:
+class _StatusFileEngine:
     """Engines whose model lives in vLLM-Omni's processes: what acts there comes from the plugin's status file."""
 
-    job: dict[str, Any]
-    status_path: Path
-
-    def _use_status_file(self) -> None:
+    def __init__(self, job: dict[str, Any]) -> None:
         from vllm_omni_ascend_opt._report import ENV_STATUS_FILE
 
-        base = Path(self.job.get("status_dir") or os.environ.get("TMPDIR") or "/tmp")
+        self.job = job
+        self.device = pick_device()
+        base = Path(os.environ.get("TMPDIR") or "/tmp")
         cid = (self.job.get("config") or {}).get("id", "engine")
         self.status_path = base / f"ascend-opt-status-{os.getpid()}-{cid}.json"
         self.status_path.unlink(missing_ok=True)
         os.environ[ENV_STATUS_FILE] = str(self.status_path)  # inherited by every engine process
 
     def status(self) -> dict[str, Any] | None:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             return json.loads(self.status_path.read_text())
-        except (OSError, ValueError):
-            return None
+        return None
 
     def active(self) -> list[str] | None:
         st = self.status()
@@ -259,14 +239,7 @@ class _StatusFileMixin:
         return [f"in the engine process {st.get('pid')}: {w}" for w in why]
 
 
-class OmniEngine(_StatusFileMixin):
-    """vLLM-Omni's offline engine (``Omni``) in this process (see the module docstring)."""
-
-    def __init__(self, job: dict[str, Any]) -> None:
-        self.job = job
-        self.device = pick_device()
-        self._use_status_file()
-
+class OmniEngine(_StatusFileEngine):
     def load(self) -> None:
         from vllm_omni.entrypoints.omni import Omni
 
@@ -276,9 +249,8 @@ class OmniEngine(_StatusFileMixin):
             "dtype": j["dtype"],
             "enforce_eager": bool(j["enforce_eager"]),
             "enable_diffusion_pipeline_profiler": True,
+            **(j.get("od_config") or {}),  # the workload's vLLM-Omni modes
         }
-        kwargs.update(j.get("od_config") or {})  # the workload's vLLM-Omni modes
-        kwargs.update(j.get("omni_kwargs") or {})
         self.omni = Omni(**kwargs)
 
     def generate(self, prompt: str, seed: int) -> Generation:
@@ -329,23 +301,15 @@ def serve_stages_ms(stage_durations: dict[str, float] | None) -> dict[str, float
     return out
 
 
-class ServeEngine(_StatusFileMixin):
-    """One ``vllm serve --omni`` server for this configuration, driven over HTTP (see the module docstring)."""
-
-    def __init__(self, job: dict[str, Any]) -> None:
-        self.job = job
-        self.device = pick_device()
-        self.server: Any = None
-        self._use_status_file()
+class ServeEngine(_StatusFileEngine):
+    server: Any = None
 
     def load(self) -> None:
         from vllm_omni_ascend_opt.testbed.serve import OmniServer
 
         j = self.job
-        # Flags: this process's environment (VLLM_OMNI_ASCEND_OPT / _STRICT from the runner) is the server's.
-        # Output: log_path None -> this worker's stderr, i.e. the configuration's log. The server stays in this
-        # worker's process group, so the runner's group kill ends it too. Executor: vLLM-Omni's default for a
-        # single-stage diffusion model (the model in the API-server process), as `vllm serve --omni` runs it.
+        # The server inherits this process's flags, writes to its stderr (the configuration's log) and stays in its
+        # process group (the runner's group kill ends it); executor: vLLM-Omni's default, as `vllm serve --omni`.
         self.server = OmniServer(
             j["model_path"] or j["model"],
             log_path=None,

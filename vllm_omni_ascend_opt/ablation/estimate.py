@@ -6,15 +6,10 @@ Batch-1 eager Qwen-Image on an Ascend NPU is bound by kernel launches, so::
                          x steps x CFG forwards per step x us per launch / 1000
     launches per transformer call = 60 blocks x launches per block + launches outside the blocks
 
-The launch counts are :data:`TABLE_FILE` (``benchmarks/bench_ops.py --write-table``; ``plan`` builds no model): per
-set of transformer optimizations, one warm bf16 transformer call counted by ``testbed/npu_ops.py``'s
-``NpuOpCounter`` with the torch_npu fake installed (the count does not depend on the width; ``tests/test_estimate.py``
-checks the table against the counter). VAE optimizations cannot change these counts and are left out of the key.
-
-The cost of a launch (:func:`calibration`) is the reference's published NPU RoPE saving over the launches our
-``rope`` removes (:data:`USED`: small element-wise kernels, the closest to pure launch cost); the same from
-modulation sharing is shown beside it and over-states it (that saving also skips weight reads). Optimizations that
-change kernel speed rather than kernel count (attention fusion, NZ weights, the VAE) get only their launches.
+The launch counts are :data:`TABLE_FILE` (``benchmarks/bench_ops.py --write-table``), counted per set of transformer
+optimizations by ``testbed/npu_ops.py``'s ``NpuOpCounter``. The cost of a launch (:func:`calibration`) is the
+reference's published NPU RoPE saving over the launches ``rope`` removes (small element-wise kernels, the closest to
+pure launch cost). Optimizations that change kernel speed rather than count get only their launches.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The ablation run's output directory: its layout, its lock, the measurement log and what a resume keeps.
 
-Everything a run measures is appended to ``<out>/measurements.jsonl`` as it happens, each record tagged with the
-plan's fingerprint. A rerun with the same plan resumes: complete units are kept (resident: complete rounds;
-per-round: complete (configuration, round) processes), partial ones are measured again, and configurations that
-failed stay failed (``--fresh`` starts over). A directory holding another plan's results is refused, and so is one
-that a live run holds (``.lock`` with its pid).
+Every measurement is appended to ``<out>/measurements.jsonl`` as it happens, tagged with the plan's fingerprint. A
+rerun of the same plan resumes: complete units are kept (resident: complete rounds; per-round: complete
+(configuration, round) processes), partial ones measured again, failed configurations stay failed. A directory
+holding another plan's results, or locked by a live run (``.lock``), is refused.
 """
 
 from __future__ import annotations
@@ -35,14 +34,8 @@ class OutDir:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-
-    @property
-    def plan_json(self) -> Path:
-        return self.root / "plan.json"
-
-    @property
-    def log(self) -> Path:
-        return self.root / "measurements.jsonl"
+        self.plan_json = self.root / "plan.json"
+        self.log = self.root / "measurements.jsonl"
 
     def config_dir(self, cid: str) -> Path:
         return self.root / "configs" / cid
@@ -57,19 +50,13 @@ class OutDir:
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock()  # before --fresh removes anything: never under a live run's feet
         if fresh:
-            for name in OWNED:
-                p = self.root / name
-                if name == ".lock":
-                    continue
+            for p in (self.root / name for name in OWNED if name != ".lock"):
                 if p.is_dir():
                     shutil.rmtree(p)
                 elif p.exists():
                     p.unlink()
         if self.plan_json.is_file():
-            try:
-                old = json.loads(self.plan_json.read_text()).get("fingerprint")
-            except (OSError, ValueError):
-                old = None
+            old = self.stored_fingerprint()
             if old != fingerprint:
                 self.unlock()
                 raise RunError(
@@ -78,6 +65,12 @@ class OutDir:
                 )
             return self.log.is_file()
         return False
+
+    def stored_fingerprint(self) -> str | None:
+        """The fingerprint in the directory's plan.json, None without a readable one."""
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(self.plan_json.read_text()).get("fingerprint")
+        return None
 
     def _lock(self) -> None:
         lock = self.root / ".lock"
@@ -105,8 +98,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, someone else's
+        pass
     return True
 
 

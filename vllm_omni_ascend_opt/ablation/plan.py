@@ -1,13 +1,9 @@
 """From a workload, a mode and the registry to the list of configurations an ablation runs.
 
-Every configuration is one exact set of optimizations, passed to its worker as ``VLLM_OMNI_ASCEND_OPT=none,+a,+b``
-(``none`` first, so vLLM-Omni's defaults never leak in). Each mode adds the configurations it needs to three that
-every run has: ``stock`` (nothing), ``full`` (the full stack) and ``full_ctrl``, a second, identical full stack in its
-own process whose difference from ``full`` is the noise floor. Configurations with the same set are merged (except
-the control).
-
-The *comparisons* say what each optimization's verdict is computed from: a pair of configurations that differ only
-by that optimization (``without`` minus ``with`` = time saved).
+Each configuration is one exact set of optimizations (``VLLM_OMNI_ASCEND_OPT=none,+a,+b``). Every run has ``stock``,
+``full`` and ``full_ctrl`` (a second full stack in its own process: the noise floor); each mode adds what it needs,
+configurations with the same set merged. A *comparison* is a pair of configurations that differ only by one
+optimization (``without`` minus ``with`` = time saved).
 """
 
 from __future__ import annotations
@@ -25,20 +21,17 @@ from vllm_omni_ascend_opt.optimization import STAGES
 
 @dataclass(frozen=True)
 class OptInfo:
-    """What the planner needs to know about one optimization (taken from the registry, or made up in tests)."""
+    """What the planner needs to know about one optimization: the registry's ``Optimization`` fields of the same
+    meaning (``equivalence`` is its ``tier()``, ``stages`` its ``changed_stages()``), or made up in tests."""
 
     name: str
-    equivalence: str  # the tier it delivers here: "exact" | "pixel" | "close" (Optimization.tier())
+    equivalence: str
     default_enabled: bool = True
     reasons_inactive: tuple[str, ...] = ()
     summary: str = ""
-    #: ``(SSIM, PSNR dB)`` of its own ``close`` gate (Optimization.close_gates); None: the workload's gates.
-    close_gates: tuple[float, float] | None = None
-    #: Optimizations it acts through (Optimization.needs): kept in every configuration that has it.
+    close_gates: tuple[float, float] | None = None  # (SSIM, PSNR dB); None: the workload's gates
     needs: tuple[str, ...] = ()
-    #: OmniDiffusionConfig fields it needs to have anything to act on (Optimization.needs_config).
     needs_config: tuple[tuple[str, Any], ...] = ()
-    #: The request stages whose time it can change (Optimization.changed_stages); every stage when unknown.
     stages: tuple[str, ...] = STAGES
 
 
@@ -53,9 +46,8 @@ def opt_infos_from_registry() -> list[OptInfo]:
         except Exception as exc:  # a broken probe is itself a reason
             reasons = (f"reasons_inactive() raised {exc!r}",)
         gates = tuple(opt.close_gates) if opt.close_gates is not None else None
-        needs_config = tuple(sorted(opt.needs_config.items()))
-        info = (opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary, gates, tuple(opt.needs), needs_config)
-        out.append(OptInfo(*info, opt.changed_stages()))
+        info = (opt.name, opt.tier(), opt.default_enabled, reasons, opt.summary, gates, tuple(opt.needs))
+        out.append(OptInfo(*info, tuple(sorted(opt.needs_config.items())), opt.changed_stages()))
     return out
 
 
@@ -90,14 +82,12 @@ class Plan:
     configs: list[Config]
     comparisons: list[Comparison]
     stack: list[str]
-    #: name -> reasons it is not part of this run (inactive here, excluded by --only/--skip, off by default)
     skipped: dict[str, list[str]]
     opts: dict[str, OptInfo]
     engine: str
     schedule: str
     model_path: str | None = None
     extra_imports: list[str] = field(default_factory=list)
-    #: Things a person should know before running (printed by ``plan`` and ``ablate``, kept in plan.json).
     notes: list[str] = field(default_factory=list)
 
     def config(self, cid: str) -> Config:
@@ -110,13 +100,13 @@ class Plan:
     def samples(self) -> list[tuple[int, int]]:
         return self.workload.samples()
 
-    def close_gates(self, names: list[str] | tuple[str, ...] | set[str]) -> dict[str, float]:
-        """The SSIM / PSNR gates of a comparison whose two sides differ by ``names``.
+    def diff(self, a: str, b: str) -> set[str]:
+        """The optimizations configurations ``a`` and ``b`` differ by."""
+        return set(self.config(a).opts) ^ set(self.config(b).opts)
 
-        Each ``close`` optimization among them brings its own gate (``OptInfo.close_gates``, the workload's when it
-        has none); when several differ at once their errors add, so the comparison is held to the loosest of their
-        gates (the lowest SSIM and the lowest PSNR), never to a tighter one than any of them claims alone. With no
-        ``close`` optimization among ``names`` (exact/pixel tiers ignore these numbers): the workload's gates."""
+    def close_gates(self, names: list[str] | tuple[str, ...] | set[str]) -> dict[str, float]:
+        """The SSIM / PSNR gates of a comparison whose two sides differ by ``names``: the loosest of their ``close``
+        optimizations' own gates (their errors add), else the workload's."""
         wl = self.workload
         own = [
             self.opts[n].close_gates or (wl.ssim_gate, wl.psnr_gate)
@@ -128,8 +118,7 @@ class Plan:
         return {"ssim": min(g[0] for g in own), "psnr_db": min(g[1] for g in own)}
 
     def stages_of(self, names: list[str] | tuple[str, ...] | set[str]) -> tuple[str, ...]:
-        """The stages some of ``names`` can change (:attr:`OptInfo.stages`), in request order: what a comparison
-        whose sides differ by ``names`` is measured on; the other stages are its control."""
+        """The stages some of ``names`` can change, in request order: what a comparison of them is measured on."""
         own = {st for n in names for st in self.opts[n].stages}
         return tuple(st for st in STAGES if st in own)
 
@@ -174,10 +163,7 @@ class Plan:
                 }
                 for n, o in self.opts.items()
             },
-            "configs": [
-                {"id": c.id, "label": c.label, "opts": list(c.opts), "role": c.role, "spec": c.spec}
-                for c in self.configs
-            ],
+            "configs": [{**dataclasses.asdict(c), "opts": list(c.opts), "spec": c.spec} for c in self.configs],
             "comparisons": [{"opt": c.opt, "with": c.with_, "without": c.without} for c in self.comparisons],
             "imports": list(self.extra_imports),
             "notes": list(self.notes),
@@ -209,7 +195,6 @@ def build_plan(
     skip: list[str] | None = None,
     order: list[str] | None = None,
     engine: str | None = None,
-    schedule: str | None = None,
     extra_imports: list[str] | None = None,
 ) -> Plan:
     """The configurations and comparisons of one run. ``infos`` in registry order. Raises WorkloadError."""
@@ -233,9 +218,7 @@ def build_plan(
                 f"acts only with {', '.join(unmet)} (a vLLM-Omni mode this workload's od_config does not set)"
             ]
         elif not info.default_enabled and workload.stack != "all" and n not in only_l:
-            skipped[n] = [
-                f"off by default ({info.equivalence}); include it with --stack all or --only {n}",
-            ]
+            skipped[n] = [f"off by default ({info.equivalence}); include it with --stack all or --only {n}"]
         else:
             stack.append(n)
     changed = True
@@ -247,14 +230,11 @@ def build_plan(
                 stack.remove(n)
                 skipped[n] = [f"needs {', '.join(missing)}, which cannot take part in this run"]
                 changed = True
-    if order_l:
-        bad = [n for n in order_l if n not in stack]
-        if bad:
-            why = "; ".join(n + ": " + skipped.get(n, ["?"])[0] for n in bad)
-            raise WorkloadError(f"--order names {', '.join(bad)}, which cannot take part in this run ({why})")
-        seq = order_l + [n for n in stack if n not in order_l]
-    else:
-        seq = list(stack)
+    bad = [n for n in order_l if n not in stack]
+    if bad:
+        why = "; ".join(n + ": " + skipped.get(n, ["?"])[0] for n in bad)
+        raise WorkloadError(f"--order names {', '.join(bad)}, which cannot take part in this run ({why})")
+    seq = order_l + [n for n in stack if n not in order_l]
     for i, n in enumerate(seq):
         late = [m for m in by_name[n].needs if m in seq[i + 1 :]]
         if late:
@@ -270,10 +250,6 @@ def build_plan(
                 out.add(m)
                 todo.extend(by_name[m].needs)
         return out
-
-    def dependents(n: str) -> list[str]:
-        """The optimizations of the stack that need ``n``, transitively."""
-        return [m for m in stack if n in needed(m)]
 
     def reg(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
         return tuple(n for n in valid if n in set(names))
@@ -294,7 +270,7 @@ def build_plan(
     comparisons: list[Comparison] = []
     if workload.mode == "leave-one-out":
         for n in seq:
-            deps = dependents(n)
+            deps = [m for m in stack if n in needed(m)]  # they need it, transitively
             label = f"full - {n}" + (f" (and {', '.join(deps)}, which need it)" if deps else "")
             without = add(f"loo_{n}", label, reg([m for m in stack if m != n and m not in deps]), "leave-one-out")
             comparisons.append(Comparison(n, full_id, without))
@@ -324,7 +300,7 @@ def build_plan(
                 "no accelerator is visible: this checkpoint would run on CPU in the test-bed engine (vLLM-Omni's "
                 "Omni engine needs an accelerator platform)"
             )
-    sched = schedule or workload.schedule
+    sched = workload.schedule
     if sched == "auto":
         sched = "resident" if workload.is_tiny else "per-round"
     if eng in ("omni", "serve") and not accelerator_visible():
@@ -356,10 +332,8 @@ def accelerator_visible() -> bool:
     return bool(torch.cuda.is_available())
 
 
-#: Rough constants behind ``plan``'s estimate, in seconds: an order of magnitude for planning, not a measurement.
-#: Tiny: a worker's start (mostly importing vLLM-Omni) and its image cost on a 2-core CPU. Real: the image cost of
-#: the reference run (Qwen-Image on one Ascend 910B1, BF16 eager, 1280x704, 8 steps) and an assumed process start
-#: (import, engine start, weights).
+#: Rough constants behind ``plan``'s estimate, in seconds (an order of magnitude, not a measurement): a worker's
+#: start and image cost for the tiny model on a 2-core CPU, and for Qwen-Image on one Ascend 910B1.
 TINY_START_S = 12.0
 TINY_IMAGE_S_PER_MPIX_STEP = 0.06 / (64 * 64 / 1e6 * 4)
 TINY_IMAGE_FIXED_S = 0.02

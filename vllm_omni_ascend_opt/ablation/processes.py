@@ -1,17 +1,12 @@
-"""The runner's side of a worker process: started in its own process group, driven over the line protocol, and
-paused, continued, stopped or killed as one group together with the engine processes it started.
-
-A worker leads its own process group (``start_new_session``), which holds every process it starts (``omni``'s
-``mp`` worker, a ``serve`` server and its engine). Signals go to the whole group: with ``pause_idle`` the runner
-stops (SIGSTOP) every worker's group outside its own turn, so the idle polling of resident engines does not compete
-with the configuration being measured. The CPU a generation costs is accounted for the whole group from Linux
-``/proc`` (the machine's busy time minus the group's is what other processes took meanwhile: ``others_cpu``).
+"""The runner's side of a worker process: started as the leader of its own process group (which holds the engine
+processes it starts), driven over the line protocol, and paused, continued, stopped or killed as one group. The CPU a
+generation costs is accounted for the whole group from Linux ``/proc``; the machine's busy time minus the group's is
+what other processes took meanwhile (``others_cpu``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import signal
@@ -22,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni_ascend_opt.ablation.plan import Config
-from vllm_omni_ascend_opt.ablation.protocol import decode
+from vllm_omni_ascend_opt.ablation.protocol import decode, send
 
 
 class WorkerFailed(RuntimeError):
@@ -45,9 +40,7 @@ def cpu_busy_s() -> float | None:
 
 
 def group_stats(pgid: int) -> list[tuple[str, int]] | None:
-    """(state letter, CPU ticks used) of every live process of process group ``pgid`` (Linux ``/proc``), or None
-    elsewhere. A worker leads its own group, which holds the engine processes it started (``omni``'s ``mp`` worker,
-    a ``serve`` server and its engine)."""
+    """(state letter, CPU ticks) of every live process of group ``pgid`` (Linux ``/proc``; None elsewhere)."""
     try:
         pids = [d for d in os.listdir("/proc") if d.isdigit()]
     except OSError:
@@ -71,26 +64,23 @@ def group_stats(pgid: int) -> list[tuple[str, int]] | None:
 
 
 def group_cpu_s(pgid: int) -> float | None:
-    """CPU seconds (user + system) used so far by the live processes of process group ``pgid``: the CPU a
-    generation costs wherever in the worker's group it ran. None without ``/proc``."""
+    """CPU seconds (user + system) used so far by process group ``pgid``; None without ``/proc``."""
     stats = group_stats(pgid)
     return None if stats is None else sum(t for _, t in stats) / os.sysconf("SC_CLK_TCK")
 
 
 def load1() -> float | None:
     """The machine's 1-minute load average (to flag runs measured while other work competed for the CPU)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
+    return None
 
 
 class Worker:
     """A worker process and the thread that reads its events."""
 
-    def __init__(self, config: Config, rnd: int | None, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, config: Config, argv: list[str], env: dict[str, str], log_path: Path) -> None:
         self.config = config
-        self.round = rnd
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
@@ -151,10 +141,17 @@ class Worker:
                 raise WorkerFailed(phase, why)
             return ev
 
+    def wait_ready(self, timeout: float) -> dict[str, Any]:
+        """The worker's ``ready`` event (kept in :attr:`ready`); raises WorkerFailed on anything else."""
+        ev = self.wait(timeout, "start")
+        if ev.get("event") != "ready":
+            raise WorkerFailed("start", f"unexpected first event {ev!r}"[:500])
+        self.ready = ev
+        return ev
+
     def run(self, prompt: int, seed: int, save: str | None, timeout: float) -> dict[str, Any]:
-        """One generation. The result gets ``others_cpu``: cores that other processes kept busy meanwhile (machine
-        busy time minus the CPU time of the worker's process group, engine processes included, per second of wall
-        time), when both are known."""
+        """One generation, with ``others_cpu``: cores other processes kept busy meanwhile (machine busy time minus
+        the worker group's CPU time, per second of wall time), when known."""
         g0 = group_cpu_s(self.proc.pid)
         b0, t0 = cpu_busy_s(), time.monotonic()
         ev = self._run(prompt, seed, save, timeout)
@@ -171,27 +168,22 @@ class Worker:
     def _run(self, prompt: int, seed: int, save: str | None, timeout: float) -> dict[str, Any]:
         self._next_id += 1
         cmd = {"cmd": "run", "id": self._next_id, "prompt": prompt, "seed": seed, "save": save}
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):  # the reader reports how it died
             assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass  # the reader reports how it died
+            send(self.proc.stdin, cmd)
         while True:
             ev = self.wait(timeout, "run")
             if ev.get("event") == "result" and ev.get("id") == self._next_id:
                 return ev
 
     def _returncode(self) -> int | None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             return self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            return None
+        return None
 
     def pause(self, settle_s: float = 2.0) -> None:
-        """Stop the worker's whole process group (the engine processes it started included) until :meth:`resume`,
-        and wait (up to ``settle_s``) until /proc shows every process of it stopped: a signal is delivered
-        asynchronously, and the next configuration's measurement must not overlap this group's last work."""
+        """Stop the worker's process group until :meth:`resume`, and wait (up to ``settle_s``) until /proc shows it
+        stopped: the next configuration's measurement must not overlap this group's last work."""
         if self.paused or self.proc.poll() is not None:
             return
         try:
@@ -223,18 +215,11 @@ class Worker:
         if self.proc.poll() is None:
             with contextlib.suppress(BrokenPipeError, OSError, ValueError):
                 assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
+                send(self.proc.stdin, {"cmd": "exit"})
                 self.proc.stdin.close()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        # whatever the worker left behind in its group (engine processes) goes too
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            self.proc.wait(timeout=10)
+        self.kill()  # whatever the worker left behind in its group (engine processes) goes too
         with contextlib.suppress(Exception):
             self._log.close()
 

@@ -1,8 +1,7 @@
 """The line protocol between the ablation runner (parent) and its worker processes: one JSON object per line.
 
-The parent starts ``python -m vllm_omni_ascend_opt.ablation.worker --job JOB.json`` with ``VLLM_OMNI_ASCEND_OPT`` set
-to the configuration's spec, sends commands on its stdin and reads events from its stdout; everything else the
-worker would print goes to stderr, the configuration's log. worker -> parent::
+The parent sends commands on the worker's stdin and reads events from its stdout (anything else the worker prints
+goes to stderr, the configuration's log). worker -> parent::
 
     {"event": "ready", "protocol": 1, "pid": 123, "load_s": 4.2, "env": {...}, "active": [...] | null, "memory": ...}
     {"event": "result", "id": 7, "total_ms": 61.2, "stages_ms": {...}, "cpu_ms": 60.8 | null, "sha256": "...",
@@ -11,7 +10,7 @@ worker would print goes to stderr, the configuration's log. worker -> parent::
     {"event": "bye"}
 
 parent -> worker: ``{"cmd": "run", "id": 7, "prompt": 0, "seed": 42, "save": "/out/images/full/p0_s42" | null}``,
-``{"cmd": "exit"}``. After an ``error`` the parent stops using the worker and records the configuration as failed.
+``{"cmd": "exit"}``. After an ``error`` the parent records the configuration as failed.
 """
 
 from __future__ import annotations

@@ -79,17 +79,15 @@ def resolve_config(plan: Any, name: str) -> Any:
     infos = opt_infos_from_registry()
     if name == "none":
         return Config("reference", "none", (), "reference")
+    p = build_plan(dataclasses.replace(plan.workload, stack="default" if name == "default" else "all"), infos)
     if name in ("default", "all"):
-        p = build_plan(dataclasses.replace(plan.workload, stack=name), infos)
         return Config("reference", name, tuple(p.stack), "reference")
     names = [n.strip() for n in name.split(",") if n.strip()]
-    p = build_plan(dataclasses.replace(plan.workload, stack="all"), infos)
     bad = [n for n in names if n not in p.stack]
     if bad:
         why = "; ".join(f"{n}: {'; '.join(p.skipped.get(n, ['unknown optimization']))}" for n in bad)
         raise WorkloadError(f"--config {name}: {', '.join(bad)} cannot act here ({why})")
-    order = [i.name for i in infos]
-    opts = tuple(n for n in order if n in names)
+    opts = tuple(i.name for i in infos if i.name in names)  # registry order
     return Config("reference", ",".join(opts), opts, "reference")
 
 

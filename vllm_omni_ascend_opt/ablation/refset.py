@@ -1,13 +1,10 @@
 """Reference sets: a workload's images saved with a manifest that says exactly what made them, to be compared on
 another machine, release or configuration (``vllm-omni-ascend-opt reference save`` / ``compare``).
 
-A set is a directory: ``manifest.json`` (what made the images and the SHA-256 of every other file),
-``images/<id>.png`` (<id> = p<prompt>_s<seed>_<W>x<H>) and, with ``--tensors``, ``images/<id>.npy`` (the raw float
-output). The manifest holds each image's key (:data:`KEY_FIELDS`), the model id, its weights' hash and pipeline
-class, the configuration, the environment and the date. :func:`load` reads and checks a set (or one configuration
-of an ablation output): a bad manifest or a file whose SHA-256 differs is a :class:`SetError` naming the file.
-:func:`save` generates a set in one ablation worker into a temporary directory and renames it into place only when
-complete.
+A set is a directory: ``manifest.json`` (what made the images: key of each image, model, configuration,
+environment, date; and the SHA-256 of every other file), ``images/<id>.png`` (<id> = p<prompt>_s<seed>_<W>x<H>) and,
+with ``--tensors``, ``images/<id>.npy`` (the raw float output). :func:`load` checks a set (a bad manifest or file is
+a :class:`SetError` naming the file) or reads one configuration of an ablation output as a set.
 """
 
 from __future__ import annotations
@@ -117,8 +114,8 @@ def input_image_sha256(spec: str | None) -> str | None:
 
 
 def model_identity(workload: Any, model_path: str | None) -> dict[str, Any]:
-    """Model id, weights hash and pipeline class: the test bed's model key for a tiny model (its weights follow
-    from spec and seed), the SHA-256 over the weight files of a local directory (read once), else unknown."""
+    """Model id, weights hash (the test bed's model key for a tiny model, the SHA-256 over the weight files of a
+    local directory, else unknown) and pipeline class."""
     pipeline = None
     if model_path and (Path(model_path) / "model_index.json").is_file():
         with contextlib.suppress(OSError, ValueError):
@@ -204,8 +201,7 @@ def load(path: Path | str, config: str | None = None) -> RefSet:
 
 
 def load_ablation(root: Path, config: str) -> RefSet:
-    """Configuration ``config`` of the ablation output ``root`` as a set (its images, keys from plan.json,
-    environment from results.json when the run finished)."""
+    """Configuration ``config`` of the ablation output ``root`` as a set (keys from plan.json)."""
     from vllm_omni_ascend_opt.ablation.workload import from_mapping
 
     plan = _read_json(root / "plan.json", "ablation plan")
@@ -274,8 +270,8 @@ def save(
     worker_cmd: list[str] | None = None,
     log: Any = None,
 ) -> RefSet:
-    """Generate every image of ``plan``'s workload with ``config`` (a :class:`~.plan.Config`) in one worker of the
-    ablation runner, and write the set to ``out`` (see the module docstring). Raises :class:`SetError`."""
+    """Generate every image of ``plan``'s workload with ``config`` (a :class:`~.plan.Config`) in one ablation worker
+    and write the set to ``out``, renamed into place only when complete. Raises :class:`SetError`."""
     from vllm_omni_ascend_opt.ablation.processes import WorkerFailed
     from vllm_omni_ascend_opt.ablation.runner import Runner
 
@@ -289,10 +285,8 @@ def save(
     runner = Runner(plan, tmp, progress=False, worker_cmd=worker_cmd, log=say)
     w = None
     try:
-        w = runner.spawn(config, None)
-        ready = w.wait(wl.start_timeout_s, "start")
-        if ready.get("event") != "ready":
-            raise WorkerFailed("start", f"unexpected first event {ready!r}"[:500])
+        w = runner.spawn(config)
+        ready = w.wait_ready(wl.start_timeout_s)
         img_hash = input_image_sha256(wl.image)
         images, files = [], {}
         for p, s in plan.samples:
@@ -301,29 +295,23 @@ def save(
             w.run(p, s, str(stem), wl.timeout_s)
             say(f"  {eid}")
             npy = stem.with_suffix(".npy")
-            keep_npy = tensors and npy.is_file()
-            if npy.is_file() and not keep_npy:
+            if npy.is_file() and not tensors:
                 npy.unlink()
             item = {"id": eid, "key": _key(wl, wl.prompts[p], s, img_hash), "png": f"images/{eid}.png"}
-            item["tensor"] = f"images/{eid}.npy" if keep_npy else None
+            item["tensor"] = f"images/{eid}.npy" if npy.is_file() else None
             for rel in filter(None, (item["png"], item["tensor"])):
                 files[rel] = sha256_file(tmp / rel)
             images.append(item)
-    except WorkerFailed as exc:
+    except BaseException as exc:
         tail = w.log_tail(20) if w is not None else ""
         if w is not None:
             w.kill()
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SetError(f"{out}: generating the set failed ({exc.phase}): {exc.error}\n{tail}") from None
-    except BaseException:
-        if w is not None:
-            w.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, WorkerFailed):
+            raise SetError(f"{out}: generating the set failed ({exc.phase}): {exc.error}\n{tail}") from None
         raise
     w.stop()
     shutil.rmtree(tmp / "configs", ignore_errors=True)  # the job file and worker log of a finished set
-    with contextlib.suppress(OSError):
-        (tmp / ".lock").unlink()
     manifest = {
         "format": FORMAT,
         "version": MANIFEST_VERSION,

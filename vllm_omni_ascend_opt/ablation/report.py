@@ -27,10 +27,11 @@ def build_results(data: Any, analysis: dict[str, Any], command: list[str] | None
     env = dict(envs[0]["env"]) if envs else {}
     env.pop("flag", None)
     same = all({k: v for k, v in e["env"].items() if k != "flag"} == env for e in envs)
-    samples = [{k: r.get(k) for k in RESULTS_SCHEMA["samples"][0]} for r in data.records if r.get("type") == "sample"]
-    failures = [
-        {k: r.get(k) for k in RESULTS_SCHEMA["failures"][0]} for r in data.records if r.get("type") == "failure"
-    ]
+
+    def rows(kind: str) -> list[dict[str, Any]]:
+        """The records of type ``kind`` with the fields results.json keeps of them."""
+        return [{k: r.get(k) for k in RESULTS_SCHEMA[kind + "s"][0]} for r in data.records if r.get("type") == kind]
+
     wl = plan.workload
     return {
         "schema_version": SCHEMA_VERSION,
@@ -47,8 +48,8 @@ def build_results(data: Any, analysis: dict[str, Any], command: list[str] | None
         "full_vs_stock": analysis["full_vs_stock"],
         "optimizations": analysis["optimizations"],
         "configs": analysis["configs"],
-        "samples": samples,
-        "failures": failures,
+        "samples": rows("sample"),
+        "failures": rows("failure"),
         "run": {
             "wall_s": data.wall_s,
             "resumed": data.resumed,
@@ -70,16 +71,17 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-def _atomic_write(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
+def atomic_write(path: Path, text: str) -> Path:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
     return path
 
 
-def _table_head(first: list[str], last: list[str]) -> list[str]:
-    """A markdown table's header row and separator: the ``first`` columns, one per stage, then the ``last``."""
-    cols = [*first, *(f"{STAGE_TITLES[s]} ms" for s in STAGES), *last]
+def _table_head(first: str, last: str) -> list[str]:
+    """A markdown table's header row and separator: the ``first`` columns (`` | ``-separated), one per stage, then
+    the ``last``."""
+    cols = [*first.split(" | "), *(f"{STAGE_TITLES[s]} ms" for s in STAGES), *last.split(" | ")]
     return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
 
@@ -110,15 +112,13 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v:+.2f}%"
 
 
-def _comparison_row(head: str, d: dict[str, Any], chk: dict[str, Any] | None) -> str:
-    """A row of the time-saved table (``head``: its first two cells): an optimization's comparison or the full stack
-    vs stock."""
-    per = ", ".join(f"{x:+.1f}" for x in d["saved_ms"]["per_round"]) or "–"
-    st = " | ".join(_ms(d["stages_saved_ms"].get(s), True) for s in STAGES)
-    return (
-        f"| {head} | {_on(d)} | {_saved(d)} | {_pct(d['saved_pct_of_stock'])} | {per} | {d['direction']} | "
-        f"**{d['label']}** | {_saved(d, 'total_saved_ms')} | {_control(d)} | {st} | {gate_cell(chk)} |"
-    )
+def comparison_rows(results: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], dict[str, Any] | None]]:
+    """``(name, class, comparison, equivalence check)`` per optimization, then the full stack vs stock (class "")."""
+    rows = [(o["name"], o["equivalence"], o, o["equivalence_check"]) for o in results["optimizations"]]
+    if results["full_vs_stock"]:
+        full = next((c for c in results["configs"] if c["id"] == "full"), None)
+        rows.append(("full stack vs stock", "", results["full_vs_stock"], full.get("vs_stock") if full else None))
+    return rows
 
 
 def gate_cell(chk: dict[str, Any] | None) -> str:
@@ -183,7 +183,6 @@ def markdown(results: dict[str, Any]) -> str:
                 "",
             ]
     nf = results["noise_floor"]
-    fvs = results["full_vs_stock"]
     lines += ["## Time saved per optimization", ""]
     if nf:
         pct = f" ({nf['pct']:.2f}% of stock)" if nf.get("pct") is not None else ""
@@ -196,26 +195,19 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         "",
         *_table_head(
-            [
-                "optimization",
-                "class",
-                "on stages",
-                "saved ms (mean ± std)",
-                "% of stock",
-                "per round (ms)",
-                "direction",
-                "label",
-                "total saved ms",
-                "control Δ ms",
-            ],
-            ["equivalence"],
+            "optimization | class | on stages | saved ms (mean ± std) | % of stock | per round (ms) | direction | "
+            "label | total saved ms | control Δ ms",
+            "equivalence",
         ),
     ]
-    for o in results["optimizations"]:
-        lines.append(_comparison_row(f"`{o['name']}` | {o['equivalence']}", o, o["equivalence_check"]))
-    if fvs:
-        full_cfg = next((c for c in results["configs"] if c["id"] == "full"), None)
-        lines.append(_comparison_row("**full stack vs stock** |", fvs, full_cfg.get("vs_stock") if full_cfg else None))
+    for name, cls, d, chk in comparison_rows(results):
+        head = f"`{name}` | {cls}" if cls else f"**{name}** |"
+        per = ", ".join(f"{x:+.1f}" for x in d["saved_ms"]["per_round"]) or "–"
+        st = " | ".join(_ms(d["stages_saved_ms"].get(s), True) for s in STAGES)
+        lines.append(
+            f"| {head} | {_on(d)} | {_saved(d)} | {_pct(d['saved_pct_of_stock'])} | {per} | {d['direction']} | "
+            f"**{d['label']}** | {_saved(d, 'total_saved_ms')} | {_control(d)} | {st} | {gate_cell(chk)} |"
+        )
     lines += [
         "",
         "Saved = time without − time with the optimization (positive: faster), from the configurations named in "
@@ -226,9 +218,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "## Configurations",
         "",
-        *_table_head(
-            ["configuration", "optimizations", "status", "total ms (mean ± std)"], ["vs stock", "vs full", "stable"]
-        ),
+        *_table_head("configuration | optimizations | status | total ms (mean ± std)", "vs stock | vs full | stable"),
     ]
     for c in results["configs"]:
         t = c["total_ms"]
@@ -296,20 +286,18 @@ def memory_section(configs: list[dict[str, Any]]) -> list[str]:
     for c in measured:
         mem = c["memory"]
         if "error" in mem:
-            lines.append(
-                f"| `{c['id']}` | " + " | ".join(["probe failed: " + str(mem["error"])[:80]] * len(cols)) + " |"
-            )
-            continue
-        cells = []
-        for label in MEMORY_CALLS:
-            m = mem.get(label)
-            if not m:
-                cells.append("–")
-                continue
-            r = m.get("vs_stock")
-            cells.append(f"{m['peak'] / 2**20:.2f}" + ("" if r is None else f" ({r:.3f}×)"))
+            cells = ["probe failed: " + str(mem["error"])[:80]] * len(cols)
+        else:
+            cells = [_peak_cell(mem.get(label)) for label in MEMORY_CALLS]
         lines.append(f"| `{c['id']}` | " + " | ".join(cells) + " |")
     return lines
+
+
+def _peak_cell(m: dict[str, Any] | None) -> str:
+    if not m:
+        return "–"
+    r = m.get("vs_stock")
+    return f"{m['peak'] / 2**20:.2f}" + ("" if r is None else f" ({r:.3f}×)")
 
 
 COLORS = {"gain": "#2e7d32", "regression": "#c62828", "within noise": "#9e9e9e"}
@@ -322,9 +310,7 @@ def write_chart(results: dict[str, Any], out: Path) -> Path:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    rows = [(o["name"], o) for o in results["optimizations"]]
-    if results["full_vs_stock"]:
-        rows.append(("full stack vs stock", results["full_vs_stock"]))
+    rows = [(n, d) for n, _, d, _ in comparison_rows(results)]
     names = [f"{n}\n(on {_on(d)})" for n, d in rows]
     means = [d["saved_ms"]["mean"] or 0.0 for _, d in rows]
     stds = [d["saved_ms"]["std"] or 0.0 for _, d in rows]
@@ -369,8 +355,8 @@ def write_all(results: dict[str, Any], out: Path) -> dict[str, Path]:
     """results.json, report.md and ablation.png in ``out``, each written atomically."""
     out = Path(out)
     return {
-        "json": _atomic_write(out / "results.json", json.dumps(jsonable(results), indent=1, allow_nan=False)),
-        "markdown": _atomic_write(out / "report.md", markdown(results)),
+        "json": atomic_write(out / "results.json", json.dumps(jsonable(results), indent=1, allow_nan=False)),
+        "markdown": atomic_write(out / "report.md", markdown(results)),
         "chart": write_chart(results, out),
     }
 

@@ -1,10 +1,10 @@
 """Run an ablation plan: one worker process per configuration, in the order of :mod:`.schedule`, every measurement
-appended to the output directory (:mod:`.outdir`) as it happens. This is the run loop: it writes each worker's job
-and environment, starts the workers (:mod:`.processes`), warms them up, measures, and records samples and failures.
+appended to the output directory (:mod:`.outdir`) as it happens.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -43,24 +43,10 @@ class RunData:
     wall_s: float = 0.0
 
 
-class _Progress:
-    """A tqdm bar over the run's steps (starts, warm-ups, measurements) on stderr, or nothing."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = None
-        if enabled and total:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
-
-    def step(self, desc: str) -> None:
-        if self.bar is not None:
-            self.bar.set_description(desc, refresh=False)
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+def _step(bar: Any, desc: str) -> None:
+    """One step of the run's progress bar (starts, warm-ups, measurements)."""
+    bar.set_description(desc, refresh=False)
+    bar.update(1)
 
 
 class Runner:
@@ -84,12 +70,10 @@ class Runner:
         self.worker_cmd = worker_cmd or [sys.executable, "-m", WORKER_MODULE]
         self.say = log or (lambda msg: print(msg, file=sys.stderr))
         self.failed: dict[str, dict[str, Any]] = {}
-        self._has_accelerator: bool | None = None
 
+    @functools.cached_property
     def _accelerator(self) -> bool:
-        if self._has_accelerator is None:
-            self._has_accelerator = accelerator_visible()
-        return self._has_accelerator
+        return accelerator_visible()
 
     def _job(self, c: Config) -> Path:
         wl = self.wl
@@ -119,7 +103,7 @@ class Runner:
         if self.wl.threads:
             # the engine processes a worker starts (omni's mp worker, a server) take their torch thread count from it
             env["OMP_NUM_THREADS"] = str(self.wl.threads)
-        if self.plan.engine in ("omni", "serve") and not self._accelerator():
+        if self.plan.engine in ("omni", "serve") and not self._accelerator:
             # vLLM-Omni's own engines on a CPU-only machine: the test bed's opt-in CPU runtime, in every process
             # they start (it changes nothing on an accelerator platform, and is not passed there at all).
             from vllm_omni_ascend_opt.testbed.runtime import engine_env
@@ -127,12 +111,10 @@ class Runner:
             env = engine_env(env)
         return env
 
-    def spawn(self, c: Config, rnd: int | None) -> Worker:
-        """A worker process for configuration ``c`` (round ``rnd``; None: resident), with its job file and log."""
-        job = self._job(c)
-        return Worker(
-            c, rnd, [*self.worker_cmd, "--job", str(job)], self._env(c), self.out.config_dir(c.id) / "worker.log"
-        )
+    def spawn(self, c: Config) -> Worker:
+        """A worker process for configuration ``c``, with its job file and log."""
+        argv = [*self.worker_cmd, "--job", str(self._job(c))]
+        return Worker(c, argv, self._env(c), self.out.config_dir(c.id) / "worker.log")
 
     def _fail(self, w: Worker | None, c: Config, rnd: int | None, exc: WorkerFailed) -> None:
         tail = w.log_tail() if w is not None else ""
@@ -160,20 +142,17 @@ class Runner:
         self.store.add({**rec, **{k: ev.get(k) for k in RESULT_FIELDS}, "load1": load1(), "pid": pid})
 
     def _await_ready(self, w: Worker, rnd: int | None) -> None:
-        ev = w.wait(self.wl.start_timeout_s, "start")
-        if ev.get("event") != "ready":
-            raise WorkerFailed("start", f"unexpected first event {ev!r}"[:500])
-        w.ready = ev
+        ev = w.wait_ready(self.wl.start_timeout_s)
         ready = {k: ev.get(k) for k in ("pid", "load_s", "env", "active", "memory")}
         self.store.add({"type": "ready", "config": w.config.id, "round": rnd, **ready})
 
-    def _warmup(self, w: Worker, rnd: int, prog: _Progress) -> None:
+    def _warmup(self, w: Worker, rnd: int, prog: Any) -> None:
         samples = self.plan.samples
         for i in range(self.wl.warmup):
             p, s = samples[i % len(samples)]
             ev = w.run(p, s, None, self.wl.timeout_s)
             self._record_sample(w.config, rnd, p, s, True, ev, (w.ready or {}).get("pid"))
-            prog.step(f"warm-up {w.config.id}")
+            _step(prog, f"warm-up {w.config.id}")
 
     def run(self) -> RunData:
         t0 = time.perf_counter()
@@ -198,10 +177,7 @@ class Runner:
                 self.store.rewrite([])
             interrupted = False
             try:
-                if self.plan.schedule == "resident":
-                    self._run_resident()
-                else:
-                    self._run_per_round()
+                self._measure()
             except KeyboardInterrupt:
                 interrupted = True
                 self.say("interrupted: what finished is kept in measurements.jsonl; rerun the same command to resume")
@@ -211,27 +187,32 @@ class Runner:
         finally:
             self.out.unlock()
 
-    def _run_resident(self) -> None:
-        todo = schedule.todo(self.plan, self.store.records, self.failed)
-        sets = [
-            [r for r in b if any(k[1] == r for k in todo)]
-            for b in schedule.process_sets(self.wl.repeats, self.wl.process_sets)
-        ]
-        sets = [b for b in sets if b]
-        total = 0
-        for b in sets:
-            cfgs = {k[0] for k in todo if k[1] in b}
-            total += len(cfgs) * (1 + self.wl.warmup) + sum(len(v) for k, v in todo.items() if k[1] in b)
-        prog = _Progress(total, self.progress_enabled)
-        try:
-            for i, b in enumerate(sets):
-                self._resident_set(b, todo, prog, schedule.start_order(self.plan.configs, i))
-        finally:
-            prog.close()
+    def _measure(self) -> None:
+        """Every (configuration, round) still to measure: resident (process sets of live workers) or per round."""
+        from tqdm.auto import tqdm
 
-    def _resident_set(self, rounds: list[int], todo: Measured, prog: _Progress, start_order: list[Config]) -> None:
-        """One process set: start a worker for every configuration with work left in ``rounds`` (in
-        ``start_order``), warm each up in turn once all are ready, measure the rounds, stop them all."""
+        todo = schedule.todo(self.plan, self.store.records, self.failed)
+        resident = self.plan.schedule == "resident"
+        starts = len(todo)
+        if resident:
+            left = {r for _, r in todo}
+            sets = [[r for r in b if r in left] for b in schedule.process_sets(self.wl.repeats, self.wl.process_sets)]
+            sets = [b for b in sets if b]
+            starts = sum(len({c for c, r in todo if r in b}) for b in sets)
+        total = starts * (1 + self.wl.warmup) + sum(len(v) for v in todo.values())
+        on = self.progress_enabled and total > 0
+        with tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True, leave=True, disable=not on) as prog:
+            if resident:
+                for i, b in enumerate(sets):
+                    self._resident_set(b, todo, prog, schedule.start_order(self.plan.configs, i))
+                return
+            for rnd in range(self.wl.repeats):
+                for c in schedule.rotation(self.plan.configs, rnd):
+                    if (c.id, rnd) in todo and c.id not in self.failed:
+                        self._per_round_process(c, rnd, prog)
+
+    def _resident_set(self, rounds: list[int], todo: Measured, prog: Any, start_order: list[Config]) -> None:
+        """One process set: a worker per configuration with work left in ``rounds``: start, warm up, measure, stop."""
         configs = [c for c in start_order if c.id not in self.failed and any((c.id, r) in todo for r in rounds)]
         if not configs:
             return
@@ -239,9 +220,7 @@ class Runner:
         starting: list[Worker] = []
         try:
             self._start_all(configs, workers, starting, prog)
-            # warm-up once every worker is up, one after another, right before measuring: a worker warmed up as
-            # soon as it was ready (while others were still loading) and then left idle through the other starts
-            # runs its first measured requests slower (docs/results.md, the ablation runner's schedule)
+            # warm-up in turn once every worker is up: one left idle after its warm-up runs its first requests slower
             order = [c for c in self.plan.configs if c.id in workers]
             for c in order:
                 self._turn(workers, c, None, self._warmup, rounds[0], prog)
@@ -261,7 +240,7 @@ class Runner:
                         if ev is None:
                             continue
                         self._record_sample(c, rnd, p, s, False, ev, (workers[c.id].ready or {}).get("pid"))
-                        prog.step(f"round {rnd + 1}/{self.wl.repeats}")
+                        _step(prog, f"round {rnd + 1}/{self.wl.repeats}")
         except BaseException:
             for w in [*workers.values(), *starting]:
                 w.kill()
@@ -269,21 +248,19 @@ class Runner:
         finally:
             stop_all([*workers.values(), *starting])
 
-    def _start_all(
-        self, configs: list[Config], workers: dict[str, Worker], starting: list[Worker], prog: _Progress
-    ) -> None:
-        """Start a worker for each of ``configs``, ``start_jobs`` at a time, into ``workers`` once ready (paused
-        with ``pause_idle``); ``starting`` holds the ones not ready yet (the caller kills them on an exception)."""
+    def _start_all(self, configs: list[Config], workers: dict[str, Worker], starting: list[Worker], prog: Any) -> None:
+        """Start a worker for each of ``configs``, ``start_jobs`` at a time, into ``workers`` once ready; ``starting``
+        holds the ones not ready yet (the caller kills them on an exception)."""
         pending = list(configs)
         while pending or starting:
             while pending and len(starting) < self.wl.start_jobs:
-                starting.append(self.spawn(pending.pop(0), None))
+                starting.append(self.spawn(pending.pop(0)))
             for w in list(starting):
                 if not w.events.empty():  # ready, an error, or eof
                     starting.remove(w)
                     try:
                         self._await_ready(w, None)
-                        prog.step(f"started {w.config.id}")
+                        _step(prog, f"started {w.config.id}")
                         workers[w.config.id] = w
                         if self.wl.pause_idle:
                             w.pause()
@@ -299,9 +276,8 @@ class Runner:
     def _turn(
         self, workers: dict[str, Worker], c: Config, rnd: int | None, action: Callable[..., T], *args: Any
     ) -> T | None:
-        """``action(worker, *args)`` on ``c``'s worker as its turn: its group continued for it and, with
-        ``pause_idle``, stopped again right after. None when the worker failed (recorded, stopped and removed from
-        ``workers``)."""
+        """``action(worker, *args)`` on ``c``'s worker, continued for it (and paused after with ``pause_idle``); None
+        when the worker failed (recorded, stopped and removed from ``workers``)."""
         w = workers[c.id]
         try:
             w.resume()
@@ -315,29 +291,17 @@ class Runner:
             return None
         return result
 
-    def _run_per_round(self) -> None:
-        todo = schedule.todo(self.plan, self.store.records, self.failed)
-        total = sum(1 + self.wl.warmup + len(v) for v in todo.values())
-        prog = _Progress(total, self.progress_enabled)
-        try:
-            for rnd in range(self.wl.repeats):
-                for c in schedule.rotation(self.plan.configs, rnd):
-                    if (c.id, rnd) in todo and c.id not in self.failed:
-                        self._per_round_process(c, rnd, prog)
-        finally:
-            prog.close()
-
-    def _per_round_process(self, c: Config, rnd: int, prog: _Progress) -> None:
+    def _per_round_process(self, c: Config, rnd: int, prog: Any) -> None:
         """One configuration's process of round ``rnd``: start, warm up, every sample once, exit."""
-        w = self.spawn(c, rnd)
+        w = self.spawn(c)
         try:
             self._await_ready(w, rnd)
-            prog.step(f"started {c.id} (round {rnd + 1})")
+            _step(prog, f"started {c.id} (round {rnd + 1})")
             self._warmup(w, rnd, prog)
             for p, s in self.plan.samples:
                 ev = w.run(p, s, self._save_stem(c, p, s), self.wl.timeout_s)
                 self._record_sample(c, rnd, p, s, False, ev, (w.ready or {}).get("pid"))
-                prog.step(f"round {rnd + 1}/{self.wl.repeats}")
+                _step(prog, f"round {rnd + 1}/{self.wl.repeats}")
         except WorkerFailed as exc:
             self._fail(w, c, rnd, exc)
         except BaseException:

@@ -1,15 +1,11 @@
-"""The order in which an ablation run starts and measures its configurations (every configuration in its own fresh
-process, configurations interleaved, so that drift of the machine hits all of them alike).
+"""The order in which an ablation run starts and measures its configurations, interleaved so that drift of the
+machine hits all of them alike.
 
-* ``resident`` (default for the tiny model): one worker per configuration, all alive at once, started
-  ``start_jobs`` at a time; once all are ready each warms up in turn, then every sample of every round runs on
-  every configuration in the orders of a Williams design (:func:`williams_orders`, :func:`step_order`): each
-  configuration runs at each position and right after each other one equally often. ``process_sets`` > 1 splits
-  the rounds into blocks, each measured by freshly started workers (:func:`process_sets`), every other one started
-  in reverse order (:func:`start_order`).
-* ``per-round`` (default for a real checkpoint, one model copy per device): each round runs the configurations one
-  after another, rotated per round (:func:`rotation`), each in a fresh process that loads, warms up, runs every
-  sample once and exits.
+* ``resident`` (default for the tiny model): one worker per configuration, all alive at once; once all are ready
+  each warms up in turn, then every sample of every round runs on every configuration in Williams orders
+  (:func:`step_order`). ``process_sets`` > 1 splits the rounds into blocks, each with freshly started workers.
+* ``per-round`` (default for a real checkpoint): each round runs the configurations one after another, rotated per
+  round (:func:`rotation`), each in a fresh process that loads, warms up, runs every sample once and exits.
 """
 
 from __future__ import annotations
@@ -23,12 +19,8 @@ T = TypeVar("T")
 
 
 def williams_orders(n: int) -> list[list[int]]:
-    """Orders of ``n`` configurations (a Williams design: a Latin square balanced for first-order carry-over).
-
-    Over all returned orders each index stands at each position equally often and directly follows each other index
-    equally often (n orders for even n; for odd n each order and its reverse, 2n). A plain rotation keeps the cyclic
-    neighbours fixed: configuration i would always run right after configuration i-1.
-    """
+    """Orders of ``n`` configurations (a Williams design): each index stands at each position, and directly follows
+    each other index, equally often (n orders for even n; for odd n each order and its reverse, 2n)."""
     if n <= 1:
         return [list(range(n))]
     first, lo, hi = [0], 1, n - 1
@@ -45,8 +37,7 @@ def williams_orders(n: int) -> list[list[int]]:
 
 
 def step_order(live: list[T], step: int) -> list[T]:
-    """The configurations still measured, in the order of measuring step ``step`` (round x samples + sample): the
-    Williams orders in turn."""
+    """``live`` in the Williams order of measuring step ``step`` (round x samples + sample)."""
     rows = williams_orders(len(live))
     return [live[i] for i in rows[step % len(rows)]]
 
@@ -59,9 +50,7 @@ def process_sets(repeats: int, sets: int) -> list[list[int]]:
 
 
 def start_order(configs: list[T], set_index: int) -> list[T]:
-    """The order process set ``set_index`` starts its workers in: every other set in reverse. Workers started
-    earlier can run slower all run long (docs/results.md, the ablation runner's schedule), so each configuration gets
-    an early and a late start."""
+    """Every other process set starts its workers in reverse: workers started earlier can run slower."""
     return list(reversed(configs)) if set_index % 2 == 1 else list(configs)
 
 

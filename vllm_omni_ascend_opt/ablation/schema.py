@@ -66,9 +66,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
     ),
     "noise_floor": Opt(fields("ms:n mean_diff_ms:n se_ms:n? pct:n? per_round_ms:N configs:S")),
     "full_vs_stock": Opt({**STAGED, **fields("stock_ms:n? full_ms:n?")}),
-    "optimizations": [
-        {**fields("name:s equivalence:s with:s without:s"), **STAGED, "equivalence_check": CHECK},
-    ],
+    "optimizations": [{**fields("name:s equivalence:s with:s without:s"), **STAGED, "equivalence_check": CHECK}],
     "configs": [
         {
             **fields("id:s label:s role:s opts:S spec:s status:s error:s? rounds_complete:I"),

@@ -1,11 +1,9 @@
 """``vllm-omni-ascend-opt compare A B``: two reference sets (or a set and an ablation output) image by image.
 
-Manifests first: a :data:`.refset.MUST_MATCH` fact that differs is an error naming it (nothing compared); the
-:data:`.refset.MAY_DIFFER` facts are shown side by side. Images pair by key; keys on one side only are listed, never
-dropped. Per pair the metrics of :mod:`.compare` (and, with tensors on both sides, their bitwise identity, max abs
-and relative error), gated by tier (``exact``, ``pixel``, ``close``). Exit 0 within the gates, 1 outside, 2 when
-nothing could be compared or on bad input. ``compare.json``, ``compare.md`` and ``compare.png`` (the worst pairs with
-an amplified difference map) are written only once everything was compared.
+A :data:`.refset.MUST_MATCH` fact that differs is an error naming it (nothing compared); the :data:`.refset.MAY_DIFFER`
+facts are shown side by side. Images pair by key; keys on one side only are listed. Per pair the metrics of
+:mod:`.compare` (and tensor errors when both sides have tensors), gated by tier. ``compare.json``, ``compare.md`` and
+``compare.png`` (the worst pairs with an amplified difference map) are written only once everything was compared.
 """
 
 from __future__ import annotations
@@ -53,16 +51,9 @@ def _tensor_errors(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     }
 
 
-def _image(path: Path) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(path) as im:
-        return np.asarray(im.convert("RGB"), dtype=np.uint8)
-
-
 def compare_pair(ea: Any, eb: Any) -> dict[str, Any]:
     """Every metric of ``eb`` against ``ea`` (uint8 images; tensors when both sides have them)."""
-    ua, ub = _image(ea.png), _image(eb.png)
+    ua, ub = compare.read_png(ea.png), compare.read_png(eb.png)
     if ua.shape != ub.shape:
         raise SetError(
             f"{ea.png} and {eb.png}: images of different sizes ({ua.shape[1]}x{ua.shape[0]} vs "
@@ -200,7 +191,7 @@ def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> float:
     worst = worst_first(res["pairs"])[:WORST_SHOWN]
     by_a = {e.id: e for e in a.entries.values()}
     by_b = {e.id: e for e in b.entries.values()}
-    imgs = [(_image(by_a[p["id_a"]].png), _image(by_b[p["id_b"]].png)) for p in worst]
+    imgs = [(compare.read_png(by_a[p["id_a"]].png), compare.read_png(by_b[p["id_b"]].png)) for p in worst]
     diffs = [np.abs(ia.astype(np.int16) - ib.astype(np.int16)) for ia, ib in imgs]
     top = max(int(d.max()) for d in diffs)
     amp = min(MAX_AMPLIFY, 255.0 / top) if top else 1.0
@@ -217,26 +208,25 @@ def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> float:
 
 def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Path]:
     """compare.json, compare.md and (with pairs) compare.png in ``out``, each written atomically."""
-    from vllm_omni_ascend_opt.ablation.report import jsonable
+    from vllm_omni_ascend_opt.ablation.report import atomic_write, jsonable
 
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "compare.json", "markdown": out / "compare.md"}
+    paths = {}
     if res["pairs"]:
         paths["png"] = out / "compare.png"
         tmp = out / f"compare.tmp{os.getpid()}.png"
         res["png_amplify"] = write_png(res, a, b, tmp)
         os.replace(tmp, paths["png"])
-    for key, text in (("json", json.dumps(jsonable(res), indent=1, allow_nan=False)), ("markdown", markdown(res))):
-        tmp = paths[key].with_name(paths[key].name + f".tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, paths[key])
-    return paths
+    return {
+        "json": atomic_write(out / "compare.json", json.dumps(jsonable(res), indent=1, allow_nan=False)),
+        "markdown": atomic_write(out / "compare.md", markdown(res)),
+        **paths,
+    }
 
 
 def against_reference(path: Path, out_root: Path, plan: Any, environment: dict[str, Any]) -> dict[str, Any]:
-    """Every configuration of a finished ablation in ``out_root`` (its workers' ``environment``) against the
-    reference set at ``path`` (the workload's close gates): results.json's ``reference`` and the report's "Against
-    the reference set" table."""
+    """Every configuration of a finished ablation in ``out_root`` against the reference set at ``path`` (the
+    workload's close gates): results.json's ``reference``."""
     wl = plan.workload
     ref = _refset.load(path)
     out: dict[str, Any] = {"path": str(path), "gates": {"ssim": wl.ssim_gate, "psnr_db": wl.psnr_gate}, "configs": {}}

@@ -1,13 +1,9 @@
-"""Stage-aware comparisons: a saving measured on the stages the compared optimizations can change, with the other
-stages as a control that names process bias (docs/ablation.md, "How verdicts are made").
+"""Stage-aware comparisons (docs/ablation.md, "How verdicts are made").
 
-Each optimization declares the request stages it can change (``Optimization.changed_stages``: denoise for the
-transformer ones, vae_decode for the VAE ones). A comparison's *measured stages* are those of the optimizations its two
-sides differ by (full stack vs stock: those of the stack); its saving, noise floor and label are taken on their summed
-time (on the total when they are every stage, or when the engine reports no stages). The other stages are its
-*control*: nothing that differs between the two sides runs there, so a difference beyond their own noise floor (the
-same definition on those stages) is *process bias* (one process simply ran faster); the comparison is then labelled
-:data:`BIAS`, which is inconclusive, never a gain or a regression. The total-time saving stays in the report.
+A comparison is measured on the stages its optimizations can change (``Optimization.changed_stages``), on the total
+when they are every stage or the engine reports none. The other stages are its *control*: nothing compared runs
+there, so a difference beyond their own noise floor is *process bias* and labels the comparison :data:`BIAS`
+(inconclusive, never a gain or a regression).
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ def _basis(means: dict[str, dict[int, dict[str, float]]], stages: tuple[str, ...
 def _on(
     means: dict[str, dict[int, dict[str, float]]], basis: tuple[str, ...]
 ) -> dict[str, dict[int, dict[str, float]]]:
-    """``means`` with each round's ``total`` replaced by the sum of ``basis`` (so :func:`pair` and
-    :func:`noise_floor` measure those stages)."""
+    """``means`` with each round's ``total`` replaced by the sum of ``basis``."""
     if basis == (TOTAL,):
         return means
     return {
@@ -47,31 +42,33 @@ def _on(
     }
 
 
-def staged(
-    means: dict[str, dict[int, dict[str, float]]], without: str, with_: str, stages: tuple[str, ...] | list[str]
-) -> dict[str, Any]:
-    """The comparison of ``without`` and ``with_`` on the stages an optimization can change, with the rest as a
-    control (see the module docstring): ``basis`` (the stages measured, or ``["total"]``), ``saved`` (:func:`pair` on
-    them), ``noise`` (the noise floor on them), ``label``, and ``control`` (None when there is no control: the basis
-    is the total) with the control's saving, noise floor, label and whether it shows ``bias``."""
-    basis = _basis(means, stages)
+def _measured(
+    means: dict[str, dict[int, dict[str, float]]], basis: tuple[str, ...], without: str, with_: str
+) -> tuple[dict[str, Any], float | None, str]:
+    """:func:`pair`, the noise floor and the label of a comparison on ``basis``."""
     on = _on(means, basis)
     p = pair(on, without, with_)
     nf = noise_floor(on)
     noise_ms = nf["ms"] if nf else None
-    lab = label(p["per_round_ms"], p["mean_ms"], noise_ms)
+    return p, noise_ms, label(p["per_round_ms"], p["mean_ms"], noise_ms)
+
+
+def staged(
+    means: dict[str, dict[int, dict[str, float]]], without: str, with_: str, stages: tuple[str, ...] | list[str]
+) -> dict[str, Any]:
+    """The comparison of ``without`` and ``with_`` on ``stages``: ``basis`` (the stages measured, or ``["total"]``),
+    ``saved`` (:func:`pair` on them), ``noise_ms``, ``label``, and ``control`` (None when the basis is the total)."""
+    basis = _basis(means, stages)
+    p, noise_ms, lab = _measured(means, basis, without, with_)
     control = None
     rest = tuple(x for x in STAGES if x not in basis)
     if basis != (TOTAL,) and rest:
-        c_on = _on(means, rest)
-        cp = pair(c_on, without, with_)
-        cnf = noise_floor(c_on)
-        c_lab = label(cp["per_round_ms"], cp["mean_ms"], cnf["ms"] if cnf else None)
+        cp, c_noise, c_lab = _measured(means, rest, without, with_)
         control = {
             "stages": list(rest),
             "diff_ms": cp["mean_ms"],
             "per_round_ms": cp["per_round_ms"],
-            "noise_ms": cnf["ms"] if cnf else None,
+            "noise_ms": c_noise,
             "bias": c_lab in (GAIN, REGRESSION),
         }
         if control["bias"] and lab != "not measured":
@@ -80,8 +77,7 @@ def staged(
 
 
 def bias_text(what: str, entry: dict[str, Any]) -> str:
-    """The sentence that names a comparison's process bias, with the figure (``entry``: an optimization's or the
-    full stack's entry in the analysis)."""
+    """The sentence that names a comparison's process bias (``entry``: its entry in the analysis)."""
     c = entry["control"]
     return (
         f"process bias in {what}: the control stages ({', '.join(c['stages'])}), which nothing compared there "
@@ -93,8 +89,7 @@ def bias_text(what: str, entry: dict[str, Any]) -> str:
 def staged_fields(
     st: dict[str, Any], total: dict[str, Any], total_pct: float | None, stock_ms: float | None
 ) -> dict[str, Any]:
-    """A comparison's entry in results.json: the saving on its measured stages (``saved_ms``, what the label and
-    verdict use), the total-time saving beside it, the stages used and the control."""
+    """A comparison's entry in results.json: the saving on its stages (what label and verdict use) and on the total."""
     s = st["saved"]
     pct = 100 * s["mean_ms"] / stock_ms if s["mean_ms"] is not None and stock_ms else None
     return {

@@ -1,15 +1,10 @@
-"""From raw measurements to the figures verdicts are made of: per-round means, time saved, the noise floor, labels,
-machine load, peak memory (the verdict itself: :mod:`.verdict`; definitions also in docs/ablation.md).
+"""From raw measurements to the figures verdicts are made of (definitions also in docs/ablation.md).
 
 * A configuration's time in a round: the median (``round_stat = "mean"``: the mean) over that round's samples;
   only complete rounds count.
-* An optimization's time saved in a round: ``time(without) - time(with)`` for the two configurations of its
-  comparison, over the rounds both completed; reported as mean +- sample std, in ms and % of stock.
-* The noise floor: how far apart two identical full stacks in two processes (``full``, ``full_ctrl``) come out,
-  |mean difference over rounds| plus two standard errors of it (one round: its |difference|); it shrinks as rounds
-  are added, as a measurement's precision should.
-* Stages: each comparison is taken on the stages its optimizations can change, the rest being a control
-  (:mod:`.stages`).
+* Time saved in a round: ``time(without) - time(with)``, over the rounds both completed; mean +- sample std.
+* The noise floor: |mean difference over rounds| of two identical full stacks in two processes (``full``,
+  ``full_ctrl``) plus two standard errors of it, so it shrinks as rounds are added.
 * Label: ``gain`` when the mean saving exceeds the noise floor and stays positive by two standard errors;
   ``regression`` the same with the signs reversed; ``within noise`` otherwise. ``direction``: ``consistent`` when
   every round has the same sign, ``flips`` otherwise.
@@ -31,8 +26,7 @@ GAIN, REGRESSION, NOISE = "gain", "regression", "within noise"
 
 
 def round_means(plan: Plan, records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
-    """config -> round -> {"total": ms, <stage>: ms}: the median (or mean, ``round_stat``) over the samples of each
-    complete round."""
+    """config -> round -> {"total": ms, <stage>: ms} over each complete round's samples (``round_stat``)."""
     samples = set(plan.samples)
     agg = statistics.median if plan.workload.round_stat == "median" else statistics.fmean
     acc: dict[tuple[str, int], dict[tuple[int, int], dict[str, Any]]] = {}
@@ -89,11 +83,7 @@ def standard_error(per_round: list[float]) -> float | None:
 
 
 def label(per_round: list[float], mean: float | None, noise_ms: float | None) -> str:
-    """gain / regression / within noise (see the module docstring); ``not measured`` without data.
-
-    gain: the mean saving exceeds the noise floor and stays positive by two standard errors over rounds
-    (one round: the noise floor alone); regression: the same with the signs reversed.
-    """
+    """gain / regression / within noise (see the module docstring; one round: the noise floor alone)."""
     if mean is None or not per_round:
         return "not measured"
     if noise_ms is None:
@@ -107,8 +97,7 @@ def label(per_round: list[float], mean: float | None, noise_ms: float | None) ->
 
 
 def noise_floor(means: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any] | None:
-    """How far apart two identical full stacks in two processes come out: |mean difference over rounds| plus two
-    standard errors of it (one round: that round's |difference|)."""
+    """The noise floor (see the module docstring; one round: that round's |difference|)."""
     p = pair(means, "full_ctrl", "full")
     per = p["per_round_ms"]
     if not per:
@@ -124,15 +113,8 @@ def noise_floor(means: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any]
 
 
 def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) -> dict[str, Any]:
-    """How much other work competed with the workers while measuring.
-
-    Per measurement the runner records ``others_cpu``: the cores other processes kept busy during that generation
-    (machine busy time from /proc/stat minus the worker's own CPU time, per second). ``busy`` is true when its median
-    exceeds the cores the worker left free by a quarter core (at least half a core in all): wall-clock differences then
-    say little, and a
-    timing-only FAIL becomes INCONCLUSIVE. The load average is kept for context only (it lags by a minute and counts
-    the run's own workers starting up).
-    """
+    """How much other work competed while measuring: ``busy`` when the median ``others_cpu`` exceeds the cores
+    the worker left free by a quarter core (at least half a core); a timing-only FAIL then becomes INCONCLUSIVE."""
     import os
 
     cpus = cpu_count or os.cpu_count() or 1
@@ -166,14 +148,14 @@ def _class_of(plan: Plan, names: set[str]) -> str:
     return weakest_tier([plan.opts[n].equivalence for n in names])
 
 
-def compare_configs(
-    plan: Plan, out_root: Any, ref: str, other: str, equivalence: str, diff: set[str] | None = None
-) -> dict[str, Any]:
-    """Metrics of ``other`` against ``ref`` on every sample, the worst case, and the gate. ``diff``: the
-    optimizations the two differ by, whose own ``close`` gates apply (:meth:`Plan.close_gates`)."""
+def compare_configs(plan: Plan, out_root: Any, ref: str, other: str) -> dict[str, Any]:
+    """Metrics of ``other`` against ``ref`` on every sample, the worst case, and the gate of the optimizations the
+    two differ by (the weakest tier among them, their own ``close`` gates: :meth:`Plan.close_gates`)."""
     from pathlib import Path
 
     root = Path(out_root)
+    diff = plan.diff(ref, other)
+    equivalence = _class_of(plan, diff)
     per: dict[str, dict[str, Any]] = {}
     missing = []
     for p, s in plan.samples:
@@ -186,7 +168,7 @@ def compare_configs(
             continue
         per[key] = compare.compare(a, b)
     agg = compare.aggregate(per) if not missing else {}
-    gates = plan.close_gates(diff or set())
+    gates = plan.close_gates(diff)
     g = compare.gate(agg, equivalence, gates["ssim"], gates["psnr_db"])
     return {
         "reference": ref,
@@ -200,9 +182,7 @@ def compare_configs(
 
 
 def peak_memory(ready: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """A configuration's peak bytes per measured call (``transformer_forward``, ``vae_decode``: the worker's probe,
-    ``testbed/memory.py``) over its workers: the largest peak and end seen (every worker measures the same warm
-    request, so they agree unless something else differs). None when no worker measured (``omni`` / ``serve``)."""
+    """A configuration's largest peak and end bytes per measured call over its workers; None: none measured."""
     out: dict[str, Any] = {}
     errors = []
     for r in ready:

@@ -2,9 +2,8 @@
 
 FAIL (1) when a configuration failed, a gate failed, an optimization is a regression, or the full stack is a
 regression or saves less than ``min_improvement_pct`` of stock; PASS (0) when, without any of those, the full stack
-is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise (the full stack within noise or showing
-process bias, an incomplete run). Timing failures measured while other processes kept the CPUs busy
-(:func:`.stats.machine_load`) are INCONCLUSIVE, not FAIL. The figures are :mod:`.stats`' and :mod:`.stages`'.
+is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise. Timing failures measured while other
+processes kept the CPUs busy (:func:`.stats.machine_load`) are INCONCLUSIVE, not FAIL.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from vllm_omni_ascend_opt.ablation.stats import (
     INCONCLUSIVE,
     PASS,
     REGRESSION,
-    _class_of,
     _std,
     add_memory_ratios,
     compare_configs,
@@ -39,10 +37,13 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
     wl = plan.workload
     means = round_means(plan, records)
     failures = {r["config"]: r for r in records if r.get("type") == "failure"}
-    ready = {}
+    ready: dict[str, list[dict[str, Any]]] = {}
+    shas: dict[str, dict[str, set[str]]] = {}
     for r in records:
         if r.get("type") == "ready":
             ready.setdefault(r["config"], []).append(r)
+        elif r.get("type") == "sample" and r.get("sha256"):
+            shas.setdefault(r["config"], {}).setdefault(f"p{r['prompt']}_s{r['seed']}", set()).add(r["sha256"])
     noise = noise_floor(means)
 
     def mean_total(cid: str) -> float | None:
@@ -53,18 +54,20 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
     if noise is not None:
         noise["pct"] = 100 * noise["ms"] / stock_ms if stock_ms else None
 
-    # configurations
-    full_opts = set(plan.config("full").opts) if any(c.id == "full" for c in plan.configs) else set()
-    shas: dict[str, dict[str, set[str]]] = {}
-    for r in records:
-        if r.get("type") == "sample" and r.get("sha256"):
-            shas.setdefault(r["config"], {}).setdefault(f"p{r['prompt']}_s{r['seed']}", set()).add(r["sha256"])
+    def compared(without: str, with_: str, names: Any) -> dict[str, Any]:
+        """The staged comparison of two configurations that differ by ``names``, with its label."""
+        p = pair(means, without, with_)
+        base = stock_ms or mean_total(without)
+        pct = 100 * p["mean_ms"] / base if p["mean_ms"] is not None and base else None
+        st = stages.staged(means, without, with_, plan.stages_of(names))
+        return {**stages.staged_fields(st, p, pct, stock_ms), "label": st["label"]}
+
+    ids = {c.id for c in plan.configs}
     configs = []
-    complete = {c.id: len(means.get(c.id, {})) == wl.repeats for c in plan.configs}
     for c in plan.configs:
         rows = means.get(c.id, {})
         totals = [rows[r]["total"] for r in sorted(rows)]
-        status = "failed" if c.id in failures else ("ok" if complete[c.id] else "incomplete")
+        status = "failed" if c.id in failures else ("ok" if len(rows) == wl.repeats else "incomplete")
         entry: dict[str, Any] = {
             "id": c.id,
             "label": c.label,
@@ -94,51 +97,34 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
             "images": {f"p{p}_s{s}": f"images/{c.id}/p{p}_s{s}.png" for p, s in plan.samples},
         }
         for ref, key in (("stock", "vs_stock"), ("full", "vs_full")):
-            if c.id == ref or not any(x.id == ref for x in plan.configs) or status == "failed" or ref in failures:
-                entry[key] = None
-                continue
-            ref_opts = set() if ref == "stock" else full_opts
-            diff = ref_opts ^ set(c.opts)
-            entry[key] = compare_configs(plan, out_root, ref, c.id, _class_of(plan, diff) if diff else "exact", diff)
+            usable = c.id != ref and ref in ids and status != "failed" and ref not in failures
+            entry[key] = compare_configs(plan, out_root, ref, c.id) if usable else None
         configs.append(entry)
 
     add_memory_ratios(configs)
 
-    # optimizations
     opts = []
     for comp in plan.comparisons:
-        info = plan.opts[comp.opt]
-        p = pair(means, comp.without, comp.with_)
         usable = comp.with_ not in failures and comp.without not in failures
-        pct = None
-        base = stock_ms if stock_ms else mean_total(comp.without)
-        if p["mean_ms"] is not None and base:
-            pct = 100 * p["mean_ms"] / base
         # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
-        diff = set(plan.config(comp.with_).opts) ^ set(plan.config(comp.without).opts)
-        eq = compare_configs(plan, out_root, comp.without, comp.with_, _class_of(plan, diff), diff) if usable else None
-        st = stages.staged(means, comp.without, comp.with_, plan.stages_of(diff))
+        diff = plan.diff(comp.with_, comp.without)
+        eq = compare_configs(plan, out_root, comp.without, comp.with_) if usable else None
         opts.append(
             {
                 "name": comp.opt,
-                "equivalence": info.equivalence,
+                "equivalence": plan.opts[comp.opt].equivalence,
                 "with": comp.with_,
                 "without": comp.without,
-                **stages.staged_fields(st, p, pct, stock_ms),
-                "label": st["label"] if usable else "not measured",
+                **compared(comp.without, comp.with_, diff),
+                **({} if usable else {"label": "not measured"}),
                 "equivalence_check": eq,
             }
         )
 
-    # full stack vs stock
     fvs = None
-    if any(c.id == "full" for c in plan.configs):
-        p = pair(means, "stock", "full")
-        pct = 100 * p["mean_ms"] / stock_ms if p["mean_ms"] is not None and stock_ms else None
-        st = stages.staged(means, "stock", "full", plan.stages_of(plan.config("full").opts))
+    if "full" in ids:
         fvs = {
-            **stages.staged_fields(st, p, pct, stock_ms),
-            "label": st["label"],
+            **compared("stock", "full", plan.diff("stock", "full")),
             "stock_ms": stock_ms,
             "full_ms": mean_total("full"),
         }
@@ -166,11 +152,7 @@ def decide(
     busy: bool = False,
     load: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Overall PASS / FAIL / INCONCLUSIVE with the reasons, and the exit code.
-
-    Gate failures and failed configurations are FAILs whatever the machine did; timing FAILs (regressions, too small
-    an improvement) become INCONCLUSIVE when the machine was busy while measuring (``busy``).
-    """
+    """Overall PASS / FAIL / INCONCLUSIVE with the reasons, and the exit code (see the module docstring)."""
     wl = plan.workload
     fail, unsure, slow = [], [], []
     for c in configs:

@@ -1,10 +1,8 @@
 """One ablation configuration in its own process: ``python -m vllm_omni_ascend_opt.ablation.worker --job JOB.json``.
 
-The parent sets ``VLLM_OMNI_ASCEND_OPT`` (and ``VLLM_OMNI_ASCEND_OPT_STRICT=1``) in this process's environment; the
-plugin is then loaded exactly as vLLM-Omni loads it, by ``vllm_omni.plugins.load_omni_general_plugins()``, before the
-model is built. The model is loaded once by the job's engine (:mod:`.engines`: ``testbed``, ``omni`` or ``serve``;
-load time reported, never part of a measurement), the worker checks that exactly the configuration's optimizations
-act, then answers ``run`` commands until ``exit`` (see :mod:`vllm_omni_ascend_opt.ablation.protocol`).
+The parent sets ``VLLM_OMNI_ASCEND_OPT`` (and ``_STRICT=1``); the plugin is loaded as vLLM-Omni loads it, the job's
+engine (:mod:`.engines`) loads the model once, the worker checks that exactly the configuration's optimizations act,
+then answers ``run`` commands until ``exit`` (:mod:`.protocol`).
 """
 
 from __future__ import annotations
@@ -28,10 +26,9 @@ from vllm_omni_ascend_opt.ablation.protocol import PROTOCOL_VERSION, decode, sen
 
 
 def _version(dist: str) -> str | None:
-    try:
+    with contextlib.suppress(metadata.PackageNotFoundError):
         return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+    return None
 
 
 def _cpu_name() -> str:
@@ -113,8 +110,7 @@ def load_plugin_like_vllm_omni() -> None:
 
 
 def measure_memory(engine: Any) -> dict[str, Any] | None:
-    """The engine's peak bytes of one transformer forward and one VAE decode (None when its model lives in another
-    process: ``omni`` / ``serve``). A failed probe is reported, not fatal: the timings do not depend on it."""
+    """The engine's memory probe (None: the model is in another process); a failed probe is reported."""
     probe = getattr(engine, "memory", None)
     if probe is None:
         return None

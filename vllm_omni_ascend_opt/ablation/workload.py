@@ -1,12 +1,8 @@
 """What an ablation generates and how often: the :class:`Workload`, named workload files and their lookup.
 
-A workload is the set of knobs that make two ablation runs comparable (model, engine, dtype, resolution, steps, CFG,
-prompts, seeds, warm-ups, repeats, gates). Values come, lowest priority first, from the built-in defaults, a named
-workload file (``--workload NAME``) and the command line.
-
-Named workloads are TOML (or JSON) files holding flat ``key = value`` pairs with the field names of
-:class:`Workload`. ``--workload NAME`` looks for, in order: ``NAME`` as a file path, ``./ablations/NAME.toml`` /
-``.json`` (your own, next to your checkout), and the files shipped in ``vllm_omni_ascend_opt/workloads/``.
+Values come, lowest priority first, from the defaults, a named workload file and the command line. Named workloads
+are TOML (or JSON) files of flat ``key = value`` pairs named as :class:`Workload`'s fields; ``--workload NAME`` looks
+for ``NAME`` as a path, then ``./ablations/NAME.toml`` / ``.json``, then ``vllm_omni_ascend_opt/workloads/``.
 """
 
 from __future__ import annotations
@@ -48,13 +44,10 @@ class Workload:
 
     name: str = "custom"
     description: str = ""
-    #: ``tiny`` (the test-bed Qwen-Image), ``tiny-<variant>`` (``tiny-dmd2``, ``tiny-edit``, ``tiny-edit-plus``,
-    #: ``tiny-edit-2511``, ``tiny-layered``), a local diffusers directory, or a Hugging Face id.
+    #: ``tiny`` (the test-bed Qwen-Image), ``tiny-<variant>``, a local diffusers directory, or a Hugging Face id.
     model: str = "tiny"
     #: An edit pipeline's input image: a file path or ``sample`` (the test bed's 48x32 one); None for text-to-image.
     image: str | None = None
-    #: ``testbed`` (vLLM-Omni's pipeline in the worker), ``omni`` (the offline engine ``Omni``) or ``serve`` (one
-    #: ``vllm serve --omni`` server per configuration, over HTTP).
     engine: str = "auto"
     dtype: str = "float32"
     height: int = 64
@@ -70,37 +63,25 @@ class Workload:
     max_sequence_length: int | None = None
     #: ``Omni(enforce_eager=...)``; the test-bed engine is always eager.
     enforce_eager: bool = True
-    #: ``OmniDiffusionConfig`` fields (offload, VAE tiling/slicing, cache backend...): the ``testbed`` engine then
-    #: loads through vLLM-Omni's ``DiffusionModelRunner``, ``omni`` passes them to ``Omni``. Optimizations that need
-    #: a mode (``Optimization.needs_config``) take part only where it is set.
+    #: ``OmniDiffusionConfig`` fields (offload, VAE tiling, cache backend...): vLLM-Omni's modes for the run.
     od_config: dict[str, Any] = field(default_factory=dict)
-    #: VAE tiles ``[min height, min width, stride height, stride width]`` in pixels, set by ``vae.enable_tiling``
-    #: after load (vLLM-Omni's 256-px default does not tile small images); implies ``vae_use_tiling``; testbed only.
+    #: VAE tiles ``[min height, min width, stride height, stride width]`` in pixels (testbed only).
     vae_tiling: list[int] | None = None
     mode: str = "leave-one-out"
-    #: The full stack: the ``default``-on optimizations, or ``all`` active ones.
     stack: str = "default"
-    #: A configuration's time in a round: ``median`` (robust to a stray preemption) or ``mean`` of its samples.
     round_stat: str = "median"
     ssim_gate: float = 0.99
     psnr_gate: float = 35.0
     min_improvement_pct: float = 1.0
-    #: ``resident`` (one live worker per configuration, round-robin) or ``per-round`` (a fresh process per
-    #: configuration and round, one at a time: for a device that holds one copy of the model).
-    schedule: str = "auto"
-    #: Resident: blocks of rounds, each with freshly started workers (process effects sampled more than once).
+    schedule: str = "auto"  # see schedule.py
     process_sets: int = 1
-    #: Resident, POSIX: SIGSTOP every worker's process group outside its own turn, since idle engines and servers
-    #: keep polling threads (~0.1 core each on CPU) that steal cores from the configuration being measured.
+    #: SIGSTOP every worker's process group outside its own turn: idle engines keep polling threads.
     pause_idle: bool = False
-    #: Workers importing/loading at the same time (resident), and torch threads per worker (0: torch's default).
     start_jobs: int = 2
-    threads: int = 0
-    #: Seconds allowed for one generation, and for a worker to import, load and report ready.
+    threads: int = 0  # torch threads per worker (0: torch's default)
     timeout_s: float = 600.0
     start_timeout_s: float = 1800.0
 
-    # ---------------------------------------------------------------------------------------------------------
     @property
     def is_tiny(self) -> bool:
         return self.model == "tiny" or self.model.startswith("tiny-")
@@ -239,22 +220,14 @@ def available_workloads() -> list[str]:
 
 def load_workload(name: str) -> Workload:
     path = find_workload(name)
-    data = parse_file(path)
-    return from_mapping(data, name=path.stem)
-
-
-def parse_file(path: Path) -> dict[str, Any]:
     text = path.read_text(encoding="utf-8")
     try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = parse_toml(text)
-    except (ValueError, json.JSONDecodeError) as exc:
+        data = json.loads(text) if path.suffix == ".json" else parse_toml(text)
+    except ValueError as exc:  # JSONDecodeError and TOMLDecodeError included
         raise WorkloadError(f"cannot parse workload file {path}: {exc}") from None
     if not isinstance(data, dict):
         raise WorkloadError(f"workload file {path} must hold a table of key = value pairs")
-    return data
+    return from_mapping(data, name=path.stem)
 
 
 def parse_toml(text: str) -> dict[str, Any]:
