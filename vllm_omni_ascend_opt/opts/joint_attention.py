@@ -1,16 +1,10 @@
 """`joint_attention`: one join of Qwen-Image's text and image streams, bitwise stock (:class:`JointAttention`).
 
-Patches ``QwenImageCrossAttention.forward`` (the block, stock or ``shared_modulation``'s body, calls ``block.attn``).
-The joint math lives in ``blocks/body/joint_qkv.py``; the rotation goes through ``rope``'s rotary service while it is
-installed (``blocks.kernels.rotary.ROTARY``), else the portable math of ``blocks.kernels.rope_tables``. With
-``qk_norm``'s kernel ready the norms run per stream on stock's views, then one ``cat`` each for q, k, v.
-
-Eagerly, the guards, the CUDA-fused check and the RoPE tables are decided once per forward (``forward_scope``) and
-plain projections are called as their kernels (``blocks/body/direct_calls.py``). While dynamo traces a regionally
-compiled block, ``joint_qkv.traced_forward`` runs with tables hoisted by an eager pre-hook; under full compile the
-graph keeps stock's attention. Stock runs, with the reason counted, under autograd, graph capture, for norms that are
-not plain ``nn.RMSNorm`` with weights and one ``eps``, streams that differ in heads or dtype, freqs that do not match
-the sequence lengths, a RoPE that is not vLLM-Omni's native math, and where stock takes its fused CUDA path.
+Patches ``QwenImageCrossAttention.forward``; the joint math lives in ``blocks/body/joint_qkv.py``. The rotation goes
+through ``rope``'s rotary service while it is installed (``blocks.kernels.rotary.ROTARY``), else the portable math.
+Eagerly, the guards, the CUDA-fused check and the RoPE tables are decided once per forward (``forward_scope``); under
+regional compile ``joint_qkv.traced_forward`` runs with tables hoisted by an eager pre-hook; under full compile the
+graph keeps stock's attention. Stock runs, with the reason counted, wherever ``_call_reason`` says so.
 """
 
 from __future__ import annotations
@@ -75,12 +69,10 @@ class JointAttention(Optimization):
     requires = ("any device and dtype (stock's fused CUDA qk-norm-rope path stays stock)",)
     target_modules = (_targets.TRANSFORMER,)
     regions = frozenset({"block"})
-    #: Its joint path is written for tracing with the RoPE tables hoisted per forward (regional compile). Under full
-    #: compile it would compute them in the graph, slower than compiled stock: there the graph keeps stock's attention.
+    #: Under full compile the tables would be computed in the graph, slower than compiled stock: stock's attention.
     acts_compiled = frozenset({"regional"})
     acts_without_attach = True
-    #: What it replaces (the joint attention forward, qk-norm-rope) and mirrors (the native rotary math, stock's
-    #: fused-CUDA branch condition, the QK norms' construction).
+    #: What it replaces (the joint attention forward, qk-norm-rope) and mirrors.
     upstream = (
         _targets.CROSS_ATTENTION_FORWARD,
         _targets.CROSS_ATTENTION_INIT,
@@ -101,9 +93,6 @@ class JointAttention(Optimization):
     def cache_memory(self) -> dict[str, Any]:
         """The joint freqs cache (``cat(txt, vid)`` per freqs pair)."""
         return {"joint_freqs": len(self._joint_freqs), "bytes": self._joint_freqs.nbytes()}
-
-    def _process_reasons(self) -> list[str]:
-        return []  # pure torch; runs wherever vLLM-Omni does
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
         mod = sys.modules.get(_targets.TRANSFORMER)
@@ -174,8 +163,8 @@ class JointAttention(Optimization):
     def _joint_tables(
         self, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, dtype: torch.dtype, kernel: rotary.RotaryPath | None
     ) -> tuple[torch.Tensor, rope_tables.Tables]:
-        """The joint freqs of (vid, txt) and their tables in ``dtype`` (from ``kernel``'s cache, else this one's), once
-        per forward: the same freqs objects reach every block."""
+        """The joint freqs of (vid, txt) and their tables in ``dtype`` (``kernel``'s cache, else this one's), once per
+        forward."""
         key = ("ja.tables", id(vid_freqs), id(txt_freqs), dtype, kernel is not None)
 
         def make() -> tuple[torch.Tensor, rope_tables.Tables]:
@@ -187,8 +176,7 @@ class JointAttention(Optimization):
     def _rotate(
         self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
     ) -> torch.Tensor:
-        """``x`` (q, k, or both stacked along the batch) rotated by the joint freqs, through ``rope``'s rotary service
-        while installed, else the portable math. ``inplace``: ``x`` is this path's own (rotated in place)."""
+        """``x`` (q, k, or both stacked) rotated by the joint freqs (``inplace``: ``x`` is this path's own)."""
         kernel = rotary.ROTARY.get()
         joint_freqs, tables = self._joint_tables(vid_freqs, txt_freqs, x.dtype, kernel)
         if kernel is not None:
@@ -239,8 +227,7 @@ class JointAttention(Optimization):
     def _joint_forward(
         self, mod: Any, attn: Any, streams: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor | None, ...]
     ) -> tuple[torch.Tensor, torch.Tensor] | str:
-        """The joint path (eager twin of ``joint_qkv.traced_forward``: counters, caches, direct calls), or the reason
-        it cannot run (the caller then runs stock)."""
+        """The joint path (eager twin of ``joint_qkv.traced_forward``), or the reason it cannot run."""
         hidden_states, encoder_hidden_states, vid_freqs, txt_freqs = streams
         m = attn._modules
         img_qkv = self._project(m["to_qkv"], hidden_states, pair=True)
@@ -305,8 +292,8 @@ class JointAttention(Optimization):
         return img_attn_output, txt_attn_output
 
     def _project(self, layer: nn.Module, x: torch.Tensor, pair: bool = False) -> torch.Tensor:
-        """``layer(x)`` (``pair``: the layer returns ``(output, bias)``): the GEMM directly where ``direct_calls``
-        vouches for it, else the module (quantized, LoRA, TP, hooked layers; the reason counted)."""
+        """``layer(x)`` (``pair``: it returns ``(output, bias)``): the GEMM directly where ``direct_calls`` vouches
+        for it, else the module (the reason counted)."""
         args = direct_calls.linear_args(layer)
         if isinstance(args, str):
             self.stats["module_calls"] += 1

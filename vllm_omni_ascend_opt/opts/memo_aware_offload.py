@@ -1,10 +1,8 @@
 """`memo_aware_offload`: layerwise offload leaves weights the memo makes unread on the host (:class:`MemoAwareOffload`).
 
-Patches ``LayerwiseOffloadHook.pre_forward`` (block 0 decides per forward; every block is guaranteed that a weight
-left on the host is never read) and ``LayerwiseOffloadHook.prefetch_layer`` (a skipping forward copies the next
-block's other weights into one compact device buffer per dtype; the modulation weights stay the offloader's own
-zero-element placeholders, which keep each parameter's identity and version, so the memo's keys still hit). Each block
-hook's materialization probe, when it is a modulation weight, becomes the block's first other weight (until detach).
+Patches ``LayerwiseOffloadHook.pre_forward`` (block 0 decides per forward; no block reads a weight left on the host)
+and ``prefetch_layer`` (a skipping forward copies the next block's other weights into one device buffer per dtype; the
+modulation weights stay the offloader's placeholders, which keep identity and version, so the memo's keys still hit).
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from vllm_omni_ascend_opt.blocks.upstream.layerwise import LAYERWISE_MODULE, blo
 from vllm_omni_ascend_opt.optimization import Optimization
 
 TENSOR_UTILS = "vllm_omni.diffusion.offloader.tensor_utils"
-#: The upstream code it wraps (``pre_forward``), mirrors (``prefetch_layer``'s copy) or calls (the storage helpers,
-#: the hook's attributes set in ``__init__`` / ``initialize_hook``).
+#: The upstream code it wraps (``pre_forward``), mirrors (``prefetch_layer``'s copy) or calls.
 UPSTREAM: tuple[Upstream, ...] = (
     same(LAYERWISE_MODULE, "LayerwiseOffloadHook.pre_forward", "c8ff89a07c2c559a"),
     same(LAYERWISE_MODULE, "LayerwiseOffloadHook.prefetch_layer", "cdd013501e670e59"),
@@ -254,8 +251,8 @@ class MemoAwareOffload(Optimization):
         return None
 
     def _set_probes(self, tr: nn.Module) -> None:
-        """Point each block hook's materialization probe (upstream: the first weight, ``img_mod.1.weight``) at a weight
-        always copied, so a block whose modulation stays on the host reads as materialized, not copied twice."""
+        """Point each block hook's materialization probe (upstream: ``img_mod.1.weight``) at a weight always copied,
+        so a block whose modulation stays on the host reads as materialized."""
         ps = self._probes.setdefault(id(tr), PatchSet(f"{self.name}:probes"))
         for block in tr.transformer_blocks:
             hook = block_hook(block)
@@ -270,8 +267,7 @@ class MemoAwareOffload(Optimization):
                 ps.set(hook, "_materialization_probe", other)
 
     def _guarantee(self, hook: Any, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Before a block of a skipping forward runs: its modulation weights left on the host are copied now
-        (synchronously) when the memo no longer hits for it."""
+        """Before a block of a skipping forward runs: copy its modulation weights now if the memo no longer hits."""
         source = getattr(hook, "_prev_hook", None)  # the hook that prefetches this block
         if source is None or source.next_block is not module:
             return
@@ -293,15 +289,13 @@ class MemoAwareOffload(Optimization):
         ring, index = found
         if not ring.skip or index == 0:  # block 0 is prefetched for the next forward: always whole
             return None
-        parts = self._parts.get(hook)
-        if parts is None:
-            parts = {dtype: _Part.of(meta) for dtype, meta in hook.dtype_metadata.items()}
-            self._parts[hook] = parts
-        return parts
+        if hook not in self._parts:
+            self._parts[hook] = {dtype: _Part.of(meta) for dtype, meta in hook.dtype_metadata.items()}
+        return self._parts[hook]
 
     def _prefetch_without_modulation(self, hook: Any, parts: dict[torch.dtype, _Part], non_blocking: bool) -> None:
-        """Upstream's ``prefetch_layer`` without the modulation weights: the others' contiguous host ranges go into one
-        compact device buffer per dtype, viewed with their own shape and stride; the rest get placeholders."""
+        """Upstream's ``prefetch_layer`` without the modulation weights (those get placeholders): one compact device
+        buffer per dtype."""
         tu = sys.modules[TENSOR_UTILS]
         platform = sys.modules[LAYERWISE_MODULE].current_omni_platform
         hook.copy_stream.wait_stream(platform.current_stream())

@@ -1,17 +1,10 @@
-"""`nz_weights`: the transformer's BF16/FP16 linear weights cast to FRACTAL_NZ after loading.
+"""`nz_weights`: the transformer's BF16/FP16 linear weights cast to FRACTAL_NZ after loading (:class:`NzWeights`).
 
-:meth:`NzWeights.attach` runs from the plugin's wrapper of ``DiffusersPipelineLoader.load_model`` (after
-``_process_weights_after_loading`` and distilled-LoRA fusion, before vLLM-Omni enables CPU offload). For every
-eligible linear layer of the pipeline's transformer it replaces the weight's data in place,
-``w.data = torch_npu.npu_format_cast(w.data, 29)``: the ``Parameter``, its class and attributes stay; forward is
-unchanged (``F.linear`` runs on NZ weights). The cast is all or nothing: a fault restores every weight to ND.
-``detach`` casts back to ND (2). After either it announces a weights-changed event (``w.data = ...`` changes neither
-the Parameter's identity nor its ``_version``).
-
-The gates (versions, permission by a trial cast, the numbers per (device, dtype)) are
-:mod:`~vllm_omni_ascend_opt.blocks.kernels.nz_check` (sources cited there); per-layer skips (offload hooks, runtime
-LoRA, DTensor, quantized, fp32, n or k == 1, not on the NPU) are reported by :meth:`NzWeights.report`. The why, how,
-upstream and removal plan are the class's attributes (``vllm-omni-ascend-opt list``).
+``attach`` runs from the plugin's wrapper of ``DiffusersPipelineLoader.load_model`` (after weight post-processing and
+distilled-LoRA fusion, before CPU offload) and sets ``w.data = npu_format_cast(w.data, 29)`` per eligible weight:
+the ``Parameter`` stays, forward is unchanged. All or nothing (a fault restores ND); ``detach`` casts back to ND.
+Either announces a weights-changed event (``w.data = ...`` changes neither identity nor ``_version``). The gates
+are :mod:`~vllm_omni_ascend_opt.blocks.kernels.nz_check`; per-layer skips are in :meth:`NzWeights.report`.
 """
 
 from __future__ import annotations
@@ -232,9 +225,7 @@ class NzWeights(Optimization):
     def _config_reasons(self, model: nn.Module) -> list[str]:
         reasons = list(self.reasons_inactive())
         cfg = _od_config(model)
-        for why in (_offload_reason(cfg), _lora_reason(model, cfg)):
-            if why:
-                reasons.append(why)
+        reasons += [why for why in (_offload_reason(cfg), _lora_reason(model, cfg)) if why]
         pc = getattr(cfg, "parallel_config", None)
         if getattr(pc, "use_hsdp", False):
             reasons.append("HSDP is on: the weights are DTensor shards gathered per forward")
@@ -308,8 +299,9 @@ class NzWeights(Optimization):
                         if not permitted:  # the first eligible weight: permission and numbers
                             nz, why_not = trial_cast(npu, w.data)
                             verdict = None
-                            if nz is not None:
-                                verdict = self.path.decide(self._key(w), lambda w=w, nz=nz: self.path.check(w.data, nz))
+                            if nz is not None:  # the numbers once per (device, dtype); the permission on every attach
+                                key = (str(w.device), str(w.dtype).removeprefix("torch."))
+                                verdict = self.path.decide(key, lambda w=w, nz=nz: self.path.check(w.data, nz))
                             if verdict is None or not verdict.ok:
                                 why_not = why_not or (verdict.describe() if verdict else "the NZ check faulted")
                                 state.reasons.append(why_not + "; no weight cast")
@@ -325,29 +317,18 @@ class NzWeights(Optimization):
                 state.skipped[why] += 1
 
     def _rollback(self, state: _State) -> None:
-        """Cast back to ND every weight cast so far (lossless: a layout change), leaving the model as it was."""
+        """Cast back to ND every weight cast so far (lossless: a layout change)."""
         with torch.no_grad():
             for _name, w in state.cast:
                 w.data = state.npu.npu_format_cast(w.data, ACL_FORMAT_ND)
         state.cast.clear()
         state.skipped.clear()
 
-    @staticmethod
-    def _key(w: torch.Tensor) -> tuple[str, str]:
-        """The numbers are checked once per (device, dtype); the permission (:func:`trial_cast`) on every attach: the
-        option can change (vLLM-Omni's NPU platform enables it in ``set_device``)."""
-        return (str(w.device), str(w.dtype).removeprefix("torch."))
-
-    def _revert(self, state: _State) -> None:
-        if not state.cast or state.npu is None:
-            return
-        self._rollback(state)
-        self.announce_weights_changed()
-
     def _detach(self, model: nn.Module) -> None:
         state = self._models.pop(model, None)
-        if state is not None:
-            self._revert(state)
+        if state is not None and state.cast and state.npu is not None:
+            self._rollback(state)
+            self.announce_weights_changed()
 
     def _uninstall(self) -> None:
         self.path.clear()

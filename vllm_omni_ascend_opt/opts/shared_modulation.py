@@ -1,15 +1,11 @@
 """`shared_modulation`: Qwen-Image's timestep-only modulation memoized, exactly (:class:`SharedModulation`).
 
-Patches ``QwenImageTransformerBlock.forward`` (reads the block's unpacked modulation from the memo,
-``blocks/memo/``; the block body in ``blocks/body/``) and ``QwenImageTransformer2DModel.load_weights`` (drops the
-memo). Per attached transformer, every block's ``img_mod``/``txt_mod``, ``norm_out`` and ``time_text_embed`` get
-memoizing subclasses (``__class__`` swap: same object and state dict), so direct calls such as TeaCache's
-``block.img_mod(temb)`` hit the memo too; ``detach`` restores the classes. Two-segment modulation (``zero_cond_t``)
-uses per-segment broadcast (``blocks/body/two_segment.py``). Under regional compile the lookups run in eager pre-hooks
-of the compiled blocks. Stock code runs, with a counted reason, under autograd, graph capture, global or
-modulation-module hooks, inference-tensor weights, MindIE-SD's fused image norms and the CUDA Triton select01
-kernels. The memo is per rank (no collective). Weights written through ``.data`` outside ``load_weights`` need
-:meth:`SharedModulation.invalidate` (or the registry's weights-changed event).
+Patches ``QwenImageTransformerBlock.forward`` (the memo is ``blocks/memo/``, the block body ``blocks/body/``) and
+``QwenImageTransformer2DModel.load_weights`` (drops the memo). Per attached transformer, each block's
+``img_mod``/``txt_mod``, ``norm_out`` and ``time_text_embed`` get memoizing subclasses (``__class__`` swap), so
+direct calls such as TeaCache's ``block.img_mod(temb)`` hit the memo too. Under regional compile the lookups run in
+eager pre-hooks of the compiled blocks. The memo is per rank; weights written through ``.data`` outside
+``load_weights`` need :meth:`SharedModulation.invalidate` (or the registry's weights-changed event).
 """
 
 from __future__ import annotations
@@ -30,10 +26,7 @@ from vllm_omni_ascend_opt.blocks.body.block_body import (
     traced_block_body,
 )
 from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, MEMO, ModulationMemo, budget_from_env
-from vllm_omni_ascend_opt.blocks.memo.keys import (
-    SELECT01_MODULE,
-    unkeyable_reasons,
-)
+from vllm_omni_ascend_opt.blocks.memo.keys import SELECT01_MODULE, unkeyable_reasons
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm, forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, V030, V031, V032, Upstream, same
@@ -41,9 +34,7 @@ from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
 from vllm_omni_ascend_opt.optimization import Optimization
 
 _T, _ADA = _targets.TRANSFORMER, ada_norm.ADALAYERNORM_MODULE
-#: What it replaces (block forward, load_weights) or mirrors (what its block body and projections recompute); a
-#: source matching no fingerprint turns it off. 0.32's forward_cuda (a Triton AdaLN kernel) is accepted because
-#: ``norm_kind`` treats it as native only where that kernel is absent, and calls the instance otherwise.
+#: What it replaces (block forward, load_weights) or mirrors (what its block body and projections recompute).
 UPSTREAM: tuple[Upstream, ...] = (
     _targets.BLOCK_FORWARD,
     same(_T, "QwenImageTransformerBlock._modulate", "790253f78c1c2199"),
@@ -189,13 +180,13 @@ class SharedModulation(Optimization):
             modulate_index: list[int] | None = None,
             hidden_states_mask: torch.Tensor | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor]:
+            streams = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, image_rotary_emb)
             mods = None
             if not guards.tracing():  # first: under dynamo nothing mutable is read, the graph holds stock's block
                 mods = opt._block_mods(self, temb, modulate_index, hidden_states)
             elif modulate_index is None:
                 hoisted = compiled_blocks.ready(self, READY)  # regional compile: looked up by the eager pre-hook
                 if hoisted is not None:
-                    streams = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, image_rotary_emb)
                     return traced_block_body(self, hoisted, *streams, hidden_states_mask)
             if mods is None:
                 return original_forward(
@@ -209,16 +200,7 @@ class SharedModulation(Optimization):
                     modulate_index=modulate_index,
                     hidden_states_mask=hidden_states_mask,
                 )
-            return block_body(
-                self,
-                mods,
-                hidden_states,
-                encoder_hidden_states,
-                encoder_hidden_states_mask,
-                image_rotary_emb,
-                hidden_states_mask,
-                opt.stats,
-            )
+            return block_body(self, mods, *streams, hidden_states_mask, opt.stats)
 
         forward.__wrapped__ = original_forward  # type: ignore[attr-defined]
         forward.__doc__ = original_forward.__doc__
@@ -291,8 +273,7 @@ class SharedModulation(Optimization):
                 return stock_norm_out(self, x, conditioning_embedding)
 
         class MemoTimeEmbedding(base_time):
-            """QwenTimestepProjEmbeddings whose output is keyed in the memo by the timestep's value, so the blocks
-            find their entry without a digest of temb (same object)."""
+            """QwenTimestepProjEmbeddings whose output the memo keys by the timestep's value (same object)."""
 
             def forward(
                 self, timestep: torch.Tensor, hidden_states: torch.Tensor, addition_t_cond: Any = None

@@ -1,11 +1,9 @@
 """`vae_exact`: VAE decode work that never changes a bit for single-frame images, removed (:class:`VaeExact`).
 
-Each piece is patched per instance (``_vae_common``) and proven bitwise by tests/test_vae_exact.py:
-``single_frame_decode`` (``vae._decode``), ``single_frame_tiles`` (``tiled_decode``, ``tile_exec``),
-``cached_conv_counts`` (``vae.clear_cache``, the counts checked at attach), ``upsample_native_dtype``
-(``QwenImageUpsample.forward``, verified once per device type and dtype on a probe: :attr:`VaeExact.upsample`),
-``pointwise_conv_no_pad`` (1x1x1 ``QwenImageCausalConv3d.forward``) and ``latents_stats_cache``
-(``pipeline._decode_latents``, :class:`LatentsStats`).
+Each piece is patched per instance (``_vae_common``): ``single_frame_decode`` (``vae._decode``), ``single_frame_tiles``
+(``tiled_decode``, ``tile_exec``), ``cached_conv_counts`` (``clear_cache``), ``upsample_native_dtype``
+(``QwenImageUpsample.forward``), ``pointwise_conv_no_pad`` (1x1x1 convs) and ``latents_stats_cache``
+(``pipeline._decode_latents``).
 """
 
 from __future__ import annotations
@@ -70,8 +68,7 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
         if why:
             opt._fallback(why)
             return original(z, return_dict=return_dict)
-        # Stock: clear_cache(); post_quant_conv; decoder(x[:, :, 0:1], all cache slots None); clamp; clear_cache().
-        # For one frame that is the decoder without a cache, minus the clones it would store for a next frame.
+        # For one frame stock's cached decode is the decoder without a cache, minus the clones stored for a next frame.
         opt.stats["single_frame_decodes"] += 1
         x = self.post_quant_conv(z)
         out = self.decoder(x)
@@ -103,9 +100,7 @@ def decode_tile(vae: nn.Module, tile: torch.Tensor) -> torch.Tensor:
 
 def tiled_decode_single_frame(opt: VaeExact, vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
     """diffusers' ``AutoencoderKLQwenImage.tiled_decode`` for a one-frame latent, bitwise: the same tiles, crops and
-    blends (``blend_v`` with the blended row above, then ``blend_h`` with the left tile). Stock blends after decoding
-    every tile; here row ``i`` is blended once decoded, row ``i - 1`` already blended (the same ops in the same
-    order), and row ``i - 1`` is then dropped."""
+    blends in the same order, each row blended once decoded (stock decodes every tile first)."""
     _, _, _, height, width = z.shape
     ratio = vae.spatial_compression_ratio
     min_h, min_w = vae.tile_sample_min_height // ratio, vae.tile_sample_min_width // ratio
@@ -199,8 +194,7 @@ def _clear_cache(self: nn.Module) -> None:
 
 
 class UpsamplePath(KernelPath):
-    """Nearest interpolation in the activation dtype instead of stock's fp32 round trip, checked per (device type,
-    dtype) on a probe."""
+    """Nearest interpolation in the activation dtype, checked per (device type, dtype) on a probe."""
 
     kernel = "native-dtype upsample"
     persist = False
@@ -267,8 +261,7 @@ def decode_latents_refusal(pipe: Any) -> str:
 
 
 class LatentsStats:
-    """The latents mean and 1/std of one pipeline, built by ``_decode_latents``' own ops once per (device, dtype,
-    config) and reused; one entry (a pipeline decodes on one device in one dtype): another key replaces it."""
+    """The latents mean and 1/std of one pipeline, built by stock's ops once per (device, dtype, config); one entry."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -341,8 +334,7 @@ class VaeExact(VaeOptimization):
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)
     regions = frozenset({"vae"})
-    #: What its pieces replace or mirror: the decode (and the decoder modules' feature cache), clear_cache, the
-    #: upsample and 1x1x1 conv forwards, the tiling condition, the tiled decode, _decode_latents.
+    #: What its pieces replace or mirror.
     upstream = (
         _targets.VAE_DECODE,
         _targets.CAUSAL_CONV_FORWARD,

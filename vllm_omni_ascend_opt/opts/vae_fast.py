@@ -1,12 +1,8 @@
 """`vae_fast`: single-frame VAE decode with 2-D convolutions and input-dtype RMS norms (:class:`VaeFast`).
 
-Pieces, patched per instance (``_vae_common``): ``conv2d_last_tap`` (each decoder ``QwenImageCausalConv3d`` with a
-temporal kernel > 1 and full causal padding, called without a cache on one frame) and ``rms_norm_input_dtype`` (each
-decoder channel-first ``QwenImageRMS_norm``); every other call runs the stock forward.
-
-Not taken: an fp16 decode (no fp16 convolution kernels on CPU; 910B's cube units run fp16 and bf16 at the same peak),
-a fused RMS norm + SiLU (torch_npu has no such kernel), fused attention in the mid-block (torch_npu's SDPA already
-dispatches to ``npu_fusion_attention``).
+Pieces, patched per instance (``_vae_common``): ``conv2d_last_tap`` (each decoder causal conv with a temporal kernel
+> 1, called without a cache on one frame) and ``rms_norm_input_dtype`` (each decoder channel-first
+``QwenImageRMS_norm``); every other call runs the stock forward.
 """
 
 from __future__ import annotations
@@ -56,8 +52,7 @@ def _make_last_tap_forward(module: nn.Module) -> Any:
     padding2d, stride2d = (ph, pw), tuple(module.stride[1:])
 
     def last_tap(weight: torch.Tensor) -> torch.Tensor:
-        """The contiguous last temporal tap, rebuilt when the weight changes in place (``_version``), is reloaded
-        (a new ``data_ptr``), moves or is re-cast."""
+        """The contiguous last temporal tap, rebuilt when the weight changes, is reloaded, moves or is re-cast."""
         key = (weight.data_ptr(), weight.device, weight.dtype, weight._version)
         if state["key"] != key:
             state["w"] = weight.detach()[:, :, -1].contiguous()
@@ -87,7 +82,7 @@ def _make_norm_forward(module: nn.Module) -> Any:
     state: dict[str, Any] = {"key": None, "g": None}
 
     def scaled_gamma(self: nn.Module) -> torch.Tensor:
-        """``gamma * scale``, rebuilt when gamma changes in place, is reloaded, moves or is re-cast (as the last tap)."""
+        """``gamma * scale``, rebuilt when gamma changes (as the last tap)."""
         gamma = self.gamma
         key = (gamma.data_ptr(), gamma.device, gamma.dtype, gamma._version, self.scale)
         if state["key"] != key:
@@ -98,9 +93,8 @@ def _make_norm_forward(module: nn.Module) -> Any:
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if guards.tracing() or x.dtype not in _NORM_DTYPES:
             return original(x)
-        # Stock: F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma + bias. Here: the norm, a clamp, one
-        # divide, one in-place product with gamma * scale. bf16 has fp32's range; fp16 accumulates the norm in fp32
-        # and clamps it at fp16's smallest normal.
+        # Stock normalizes in fp32; here in x's dtype (bf16 has fp32's range; fp16 accumulates the norm in fp32 and
+        # clamps it at fp16's smallest normal).
         if x.dtype == torch.float16:
             norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32)
             norm = norm.to(x.dtype).clamp_min(torch.finfo(x.dtype).tiny)
@@ -146,8 +140,7 @@ class VaeFast(VaeOptimization):
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)
     regions = frozenset({"vae"})
-    #: What it replaces: the causal conv's forward (and its __init__'s padding), the RMS norm's forward, and the
-    #: decode that calls them without a cache on one frame.
+    #: What it replaces: the causal conv's and RMS norm's forwards, and the decode that calls them.
     upstream = (
         _targets.VAE_DECODE,
         _targets.CAUSAL_CONV_FORWARD,
