@@ -1,7 +1,6 @@
 """`fast_residual`: the block's four gated residuals as ``torch.addcmul`` (:class:`FastResidual`).
 
-A mode of ``shared_modulation``'s block body (``_fast_tier``). The edit models' two-segment image stream runs one
-``addcmul`` per broadcast chunk view or per segment slice (``out=``). Mixed dtypes keep stock's ops (counted).
+A mode of ``shared_modulation``'s block body (``_fast_tier``); mixed dtypes keep stock's ops (counted).
 """
 
 from __future__ import annotations

@@ -43,27 +43,23 @@ class JointAttention(Optimization):
         "joint sequence (bitwise stock)."
     )
     why = (
-        "From the two QKV projections to the attention call stock runs, per block, four RMSNorms (one per stream "
-        "for q and k; torch_npu registers no aten::rms_norm kernel, so each runs as 6 to 8 kernels on Ascend "
-        "too), four RoPE applications and three cats joining q, k and v of the two streams; batch-1 eager "
-        "inference on an NPU is bound by kernel launches."
+        "Per block, stock runs four QK RMSNorms (6 to 8 kernels each on Ascend: torch_npu has no aten::rms_norm), "
+        "four RoPE applications and three cats joining the two streams' q, k and v; batch-1 eager inference on an "
+        "NPU is bound by kernel launches."
     )
     how = (
-        "One cat of the text and image QKV projections along the sequence (text first); q, k and v are views. The "
-        "QK RMSNorms run once on the joint rows of q and k, gathered into one [2, B, S, N, D] tensor (torch's "
-        "rms_norm composite in fp32 opmath; only the weight multiply differs per stream, before the one cast "
-        "back), and RoPE once on the joint sequence, in place, with tables of cat(txt_freqs, vid_freqs) built "
-        "once per freqs pair, as stock's native rotary ops in stock's order. Every element sees stock's "
-        "operations, so the output is bitwise stock's. The attention call, key mask, sequence-parallel branch and "
-        "output projections are stock's."
+        "One cat of the text and image QKV projections (text first); q, k and v are views. The QK RMSNorms run "
+        "once on the joint rows of q and k as one [2, B, S, N, D] tensor (fp32 opmath; only the weight multiply "
+        "differs per stream), and RoPE once on the joint sequence, in place, with tables of cat(txt_freqs, "
+        "vid_freqs) built once per freqs pair, in stock's op order: bitwise stock. Attention, mask, sequence "
+        "parallelism and output projections stay stock's."
     )
     upstream_pr = (
         "vllm-omni #7594 (open) does the same join on CUDA as one Triton launch (QK RMSNorm + RoPE + cat); this "
         "is the portable/NPU form, bitwise stock, and leaves stock's CUDA fused path alone."
     )
     removal_plan = (
-        "Drop when vLLM-Omni's QwenImageCrossAttention joins the two streams once and normalizes/rotates the "
-        "joint sequence (or fuses qk-norm-rope on NPU)."
+        "Drop when vLLM-Omni's QwenImageCrossAttention joins the two streams once (or fuses qk-norm-rope on NPU)."
     )
     equivalence = "exact"
     requires = ("any device and dtype (stock's fused CUDA qk-norm-rope path stays stock)",)

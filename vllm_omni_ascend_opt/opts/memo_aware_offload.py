@@ -80,23 +80,17 @@ class MemoAwareOffload(Optimization):
     )
     why = (
         "With enable_layerwise_offload every forward copies every block's weights host->device, img_mod/txt_mod "
-        "(about a third of the DiT's weights) included, although on a forward whose modulation "
-        "shared_modulation's memo holds the blocks never read them: the copy is pure PCIe traffic and device "
-        "memory."
+        "included, although blocks whose modulation shared_modulation's memo holds never read them."
     )
     how = (
-        "In block 0's pre_forward, once per forward: the forward skips when the memo holds every block's "
-        "modulation for this temb with the blocks' parameters as they are (the very lookup the block makes), the "
-        "blocks run the memoizing forward, single-segment and not compiled. Then each prefetch of blocks 1..N-1 "
-        "copies everything but the modulation weights; block 0, prefetched before temb exists, is always copied "
-        "whole. Before each block runs, a block whose modulation left the memo has it copied then (a late copy), "
-        "so no skipped weight is ever read and every output is bitwise stock's."
+        "In block 0's pre_forward, once per forward: skip when the memo holds every block's modulation for this "
+        "temb (the lookup the blocks make) and the blocks run the memoizing forward (single-segment, not "
+        "compiled). Prefetches of blocks 1..N-1 then copy all but the modulation weights (block 0 always whole); "
+        "a block whose entry left the memo gets them copied before it runs, so no skipped weight is read: bitwise "
+        "stock."
     )
     upstream_pr = "None. Upstream would let an offloaded module declare weights it can skip per forward."
-    removal_plan = (
-        "Drop when vLLM-Omni's layerwise offload skips weights a forward does not read (or memoizes the "
-        "modulation itself)."
-    )
+    removal_plan = "Drop when vLLM-Omni's layerwise offload skips weights a forward does not read."
     equivalence = "exact"
     #: No patched region (it acts through the offload's hooks); it saves block weight copies of each forward.
     stages = frozenset({"denoise"})

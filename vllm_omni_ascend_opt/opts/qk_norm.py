@@ -1,12 +1,7 @@
 """`qk_norm`: Qwen-Image's four QK RMSNorms per block as ``torch_npu.npu_rms_norm``, verified per shape class.
 
-The kernel path (shape class, fp32 reference, tolerance) is :class:`~vllm_omni_ascend_opt.blocks.kernels.rms_norm.
-RmsNormPath`; this module swaps the norm class in per model instance and offers the path in the ``NORM`` slot while
-installed. The why, how, upstream and removal plan are the class's attributes (``vllm-omni-ascend-opt list``).
-
-With ``joint_attention`` (text and image rows of one joint q or k), ``gamma`` must be ``[D]``, so one kernel cannot
-apply both streams' weights; ``joint_attention`` then norms each stream with one kernel before its joint cat (it asks
-``rms_norm.kernel_ready``, never this module).
+The kernel path is ``blocks.kernels.rms_norm.RmsNormPath``; this module swaps the norm class in per model instance
+and offers the path in the ``NORM`` slot while installed (``joint_attention`` asks ``rms_norm.kernel_ready``).
 """
 
 from __future__ import annotations
@@ -49,7 +44,7 @@ class QkNorm(Optimization):
     target_modules = (_targets.TRANSFORMER,)
     regions = frozenset({"block"})
     removal_plan = "Drop when torch_npu registers aten::rms_norm for NPU or vLLM-Omni's Qwen-Image uses an NPU RMSNorm."
-    #: Where the swapped norms are called (before RoPE, on [B, S, H, D]) and how they are built (nn.RMSNorm, [D]).
+    #: Where the swapped norms are called and how they are built.
     upstream = (_targets.QK_NORM_ROPE, _targets.CROSS_ATTENTION_INIT)
     on_qwen_image_21 = (
         "its QK norms are diffusers' RMSNorm, which already calls torch_npu.npu_rms_norm whenever torch_npu imports"

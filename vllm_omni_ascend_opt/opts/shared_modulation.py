@@ -64,34 +64,26 @@ class SharedModulation(Optimization):
         "memo), and unpack them once per block into broadcast-ready tensors."
     )
     why = (
-        "Per forward, stock computes SiLU(temb) twice per block and once in norm_out, and runs every block's "
+        "Per forward, stock computes SiLU(temb) in every block and in norm_out and runs every block's "
         "img_mod/txt_mod projections (about a third of the DiT's weights) and norm_out.linear, although they "
-        "depend only on the timestep embedding temb, which repeats across the CFG branches of a step and across "
-        "requests with the same schedule; 1 + scale is recomputed four times per block from strided views."
+        "depend only on temb, which repeats across a step's CFG branches and across requests with the same "
+        "schedule."
     )
     how = (
-        "An exact memo keyed on the value of temb (dtype, shape, device, SHA-256 of its bytes; found through the "
-        "timestep's value by the time embedding, so a repeated timestep runs no embedding kernel), the numerical "
-        "settings (grad mode, matmul precision, autocast, TF32/HF32) and each projection's weights (identity, "
-        "version, shape, dtype, device, LoRA and quantization state). A miss replays stock's ops. Each block's "
-        "modulation is stored unpacked as contiguous (1 + scale, shift, gate) [B, 1, D] tensors, so a warm step "
-        "runs no modulation op and the block runs stock's elementwise ops on the same values: bitwise stock. "
-        "AdaLayerNorm is applied the way the instance dispatches (the native path and npu_layer_norm_eval take "
-        "the memoized 1 + scale; MindIE-SD and CUDA's Triton kernel are called as usual). Bounded by a byte "
-        "budget, least recently used temb first; reloading the weights clears it."
+        "An exact memo keyed on the value of temb (SHA-256 of its bytes; found through the timestep's value, so a "
+        "repeated timestep runs no embedding kernel), the numerical settings and each projection's weights "
+        "(identity, version, LoRA and quantization state); a miss replays stock's ops. Each block's modulation is "
+        "stored unpacked as contiguous (1 + scale, shift, gate) [B, 1, D] tensors: a warm step runs no modulation "
+        "op and the block runs stock's elementwise ops on the same values, bitwise stock. Bounded by a byte "
+        "budget (LRU); reloading the weights clears it."
     )
     upstream_pr = (
-        "vllm-omni #7529 (open) reuses the modulation projections of the positive pass in the negative pass of "
-        "serial CFG (a consume-once, block-local cache); this memo also hits across steps with equal timesteps, "
-        "repeated requests and CFG-parallel ranks, and unpacks once per block: a textual conflict in the block "
-        "forward. vllm-omni #7419 (open) fuses the block's residual and AdaLN pointwise stages on CUDA: a textual "
-        "conflict, no semantic overlap. Upstream's ExactProjectionCache does the same for MiniMax-H3 only; "
-        "proposal: wire it into Qwen-Image with unpacked outputs."
+        "vllm-omni #7529 (open) reuses the positive pass's modulation projections in serial CFG's negative pass; "
+        "this memo also hits across steps, requests and CFG-parallel ranks: a textual conflict in the block "
+        "forward, as with vllm-omni #7419 (open, CUDA AdaLN fusion). Upstream's ExactProjectionCache does this "
+        "for MiniMax-H3 only; proposal: wire it into Qwen-Image."
     )
-    removal_plan = (
-        "Drop once vLLM-Omni memoizes Qwen-Image's modulation itself: its block forward's fingerprint then stops "
-        "matching and this turns itself off with a reason."
-    )
+    removal_plan = "Drop once vLLM-Omni memoizes Qwen-Image's modulation itself (the fingerprints then turn this off)."
     equivalence = "exact"
     requires = ("vLLM-Omni >= 0.30 whose code matches the fingerprints it knows; any device and dtype",)
     target_modules = (_targets.TRANSFORMER,)

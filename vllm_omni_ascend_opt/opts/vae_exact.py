@@ -306,20 +306,18 @@ class VaeExact(VaeOptimization):
         "trips, repeated counts)."
     )
     why = (
-        "Qwen-Image's VAE is the Wan video VAE: every decode of a still image (one latent frame) clones the input "
-        "of each causal convolution into a feature cache only a next frame would read, round-trips each nearest "
-        "upsample through fp32, copies the input of each 1x1x1 convolution through a zero-width F.pad, walks the "
-        "module tree on each clear_cache to count convolutions diffusers already counted, and re-creates the "
-        "latents mean and std tensors on every call."
+        "Qwen-Image's VAE is the Wan video VAE: each still-image decode clones every causal convolution's input "
+        "into a feature cache only a next frame would read, round-trips each nearest upsample through fp32, "
+        "copies each 1x1x1 convolution's input through a zero-width F.pad, recounts the convolutions on each "
+        "clear_cache and re-creates the latents mean and std on every call."
     )
     how = (
-        "For one frame every feature-cache slot is None, so a decode without the cache is the same computation "
-        "minus the clones (tiled decodes: tile by tile, with stock's blending); clear_cache uses the cached conv "
-        "counts (checked equal to a fresh count); nearest upsampling only copies values, so it runs in the input "
-        "dtype (fp32/bf16/fp16, verified on a probe); a 1x1x1 causal convolution's padding is all zeros, so a "
-        "contiguous input goes straight to Conv3d; the latents mean and 1/std are built by the same ops once per "
-        "device, dtype and config. The removed work is copies, lossless casts and bookkeeping: bitwise stock. "
-        "Multi-frame decodes keep stock's path."
+        "For one frame every cache slot is None, so a decode without the cache is the same computation minus the "
+        "clones (tiled decodes too, with stock's blending); clear_cache uses diffusers' cached conv counts "
+        "(checked at attach); nearest upsampling runs in the input dtype (verified on a probe); a contiguous "
+        "input goes straight to a 1x1x1 convolution's Conv3d; the latents statistics are built once per device, "
+        "dtype and config. Only copies, lossless casts and bookkeeping are removed: bitwise stock. Multi-frame "
+        "decodes keep stock's path."
     )
     upstream_pr = (
         "None found in vLLM-Omni or diffusers (diffusers computes _cached_conv_counts but clear_cache does not "
@@ -327,8 +325,8 @@ class VaeExact(VaeOptimization):
         "(merged) ports Wan VAE decoder fast paths to the Qwen-Image VAE on CUDA."
     )
     removal_plan = (
-        "Drop each piece when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes, uses "
-        "its cached conv counts and interpolates in the input dtype, and vLLM-Omni caches the latents statistics."
+        "Drop each piece when diffusers' Qwen-Image VAE does the same (no feature cache for one frame, cached "
+        "conv counts, input-dtype interpolation) and vLLM-Omni caches the latents statistics."
     )
     equivalence = "exact"
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)

@@ -121,20 +121,15 @@ class VaeFast(VaeOptimization):
         "convolutions are most of the decode's time. Its RMS norms also round-trip through fp32."
     )
     how = (
-        "F.conv2d of the frame with the kernel's last temporal tap and the spatial padding inside the "
-        "convolution; the channel-first RMS norms as x / ||x|| * (gamma * scale) in the input dtype (4 kernels "
-        "instead of 8 in bf16). The same non-zero products summed in another order differ in the last bits: "
-        "close, gated at SSIM >= 0.99 and PSNR >= 35 dB against stock (tiny pipeline and a real-width VAE, fp32 "
-        "and bf16)."
+        "F.conv2d of the frame with the kernel's last temporal tap, padding inside the convolution; the "
+        "channel-first RMS norms as x / ||x|| * (gamma * scale) in the input dtype. The same products summed in "
+        "another order differ in the last bits: close, gated at SSIM >= 0.99 and PSNR >= 35 dB against stock."
     )
     upstream_pr = (
         "None found in vLLM-Omni or diffusers (Wan decodes frame by frame through Conv3d by design). sglang "
         "#38020 (merged, CUDA) keeps Conv3d with channels-last data movement and an RMSNorm->SiLU fusion."
     )
-    removal_plan = (
-        "Drop when diffusers' Qwen-Image VAE (or vLLM-Omni's distributed VAE) decodes single frames with 2-D "
-        "convolutions."
-    )
+    removal_plan = "Drop when diffusers' (or vLLM-Omni's) Qwen-Image VAE decodes single frames with 2-D convolutions."
     equivalence = "close"
     default_enabled = False
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
