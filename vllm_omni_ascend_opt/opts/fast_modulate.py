@@ -34,7 +34,6 @@ class FastModulate(FastBlockMode):
     )
     removal_plan = "Drop when vLLM-Omni's AdaLayerNorm fuses (1 + scale, shift) into its layer norm kernel."
     slot = FAST_MODULATE
-    #: AdaLayerNorm's native and NPU paths (and the block they run in).
     upstream = (_targets.BLOCK_FORWARD, _targets.ADA_FORWARD_NATIVE, _targets.ADA_FORWARD_NPU)
 
     def notes(self) -> list[str]:

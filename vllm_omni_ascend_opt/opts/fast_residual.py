@@ -32,7 +32,6 @@ class FastResidual(FastBlockMode):
     )
     removal_plan = "Drop when vLLM-Omni's block writes its gated residuals with one fused op."
     slot = FAST_RESIDUAL
-    #: The block's gated residuals ``x + gate * y``.
     upstream = (_targets.BLOCK_FORWARD,)
 
 

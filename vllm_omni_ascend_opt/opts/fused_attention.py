@@ -162,9 +162,7 @@ class FusedAttention(Optimization):
         }
 
     def kernel_classes(self) -> dict[str, Any] | None:
-        if _backend.torch_npu_module() is None:
-            return None
-        return self.path.tally()
+        return None if _backend.torch_npu_module() is None else self.path.tally()
 
     def shape_verdicts(self) -> list[Verdict]:
         """The per-shape-class checks of the kernel on real calls so far (under the current backend probe)."""

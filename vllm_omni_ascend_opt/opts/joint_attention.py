@@ -68,7 +68,6 @@ class JointAttention(Optimization):
     #: Under full compile the tables would be computed in the graph, slower than compiled stock: stock's attention.
     acts_compiled = frozenset({"regional"})
     acts_without_attach = True
-    #: What it replaces (the joint attention forward, qk-norm-rope) and mirrors.
     upstream = (
         _targets.CROSS_ATTENTION_FORWARD,
         _targets.CROSS_ATTENTION_INIT,
@@ -241,8 +240,7 @@ class JointAttention(Optimization):
         st = encoder_hidden_states.shape[1]
         norm_q, norm_k, norm_added_q, norm_added_k = m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"]
         if rms_norm.kernel_ready([norm_q, norm_k, norm_added_q, norm_added_k]):
-            # qk_norm's npu_rms_norm takes gamma [D]: one kernel per stream on stock's views, then one cat each for
-            # q, k and v (v stays contiguous for the attention kernel)
+            # npu_rms_norm takes gamma [D]: one kernel per stream on stock's views, then one cat each for q, k, v
             sizes = [q_size, kv_size, kv_size]
             img_q, img_k, img_v = (t.unflatten(-1, (-1, d)) for t in img_qkv.split(sizes, dim=-1))
             txt_q, txt_k, txt_v = (t.unflatten(-1, (-1, d)) for t in txt_qkv.split(sizes, dim=-1))
@@ -263,8 +261,7 @@ class JointAttention(Optimization):
             eps = norm_q.eps
             one_pass = nq == nkv and norm_k.eps == eps and qk_weights_fit(qkv.dtype, (*w_txt, *w_img))
             if one_pass and 2 * b * nq < rotary.KERNEL_BN_LIMIT:
-                # q and k as one [2, B, S, N, D] tensor: one norm pass and one rotation for both (the rotary
-                # kernel's B*N limit holds for the pair), rotated in place on the norm's output (a lower peak)
+                # q and k as one [2, B, S, N, D] tensor: one norm pass, one in-place rotation (within the B*N limit)
                 qk = qkv[..., : q_size + kv_size].view(b, s, 2, nq, d).permute(2, 0, 1, 3, 4)
                 qk = joint_qk_rms_norm(qk, st, w_txt, w_img, eps).flatten(0, 1)
                 del qkv

@@ -25,7 +25,6 @@ from vllm_omni_ascend_opt.blocks.upstream.layerwise import LAYERWISE_MODULE, blo
 from vllm_omni_ascend_opt.optimization import Optimization
 
 TENSOR_UTILS = "vllm_omni.diffusion.offloader.tensor_utils"
-#: The upstream code it wraps (``pre_forward``), mirrors (``prefetch_layer``'s copy) or calls.
 UPSTREAM: tuple[Upstream, ...] = (
     same(LAYERWISE_MODULE, "LayerwiseOffloadHook.pre_forward", "c8ff89a07c2c559a"),
     same(LAYERWISE_MODULE, "LayerwiseOffloadHook.prefetch_layer", "cdd013501e670e59"),

@@ -13,7 +13,6 @@ import logging
 import sys
 import weakref
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -56,16 +55,10 @@ class _State:
     reasons: list[str] = field(default_factory=list)
 
 
-def _transformers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def _transformers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The DiT(s) of a pipeline (``transformer``, ``transformer_2``), or ``model`` itself."""
-    found = False
-    for attr in ("transformer", "transformer_2"):
-        sub = getattr(model, attr, None)
-        if isinstance(sub, nn.Module):
-            found = True
-            yield attr, sub
-    if not found:
-        yield "", model
+    subs = [(attr, getattr(model, attr, None)) for attr in ("transformer", "transformer_2")]
+    return [(attr, sub) for attr, sub in subs if isinstance(sub, nn.Module)] or [("", model)]
 
 
 def _od_config(model: nn.Module) -> Any:

@@ -44,7 +44,6 @@ class QkNorm(Optimization):
     target_modules = (_targets.TRANSFORMER,)
     regions = frozenset({"block"})
     removal_plan = "Drop when torch_npu registers aten::rms_norm for NPU or vLLM-Omni's Qwen-Image uses an NPU RMSNorm."
-    #: Where the swapped norms are called and how they are built.
     upstream = (_targets.QK_NORM_ROPE, _targets.CROSS_ATTENTION_INIT)
     on_qwen_image_21 = (
         "its QK norms are diffusers' RMSNorm, which already calls torch_npu.npu_rms_norm whenever torch_npu imports"
@@ -129,11 +128,8 @@ def _qk_norms(model: Any) -> list[nn.Module]:
     mod = sys.modules.get(_targets.TRANSFORMER)
     if mod is None or not isinstance(model, nn.Module):
         return []
-    out = []
-    for m in model.modules():
-        if isinstance(m, mod.QwenImageCrossAttention):
-            out.extend(n for n in (getattr(m, name, None) for name in NORM_NAMES) if isinstance(n, nn.RMSNorm))
-    return out
+    attns = [m for m in model.modules() if isinstance(m, mod.QwenImageCrossAttention)]
+    return [n for m in attns for n in (getattr(m, name, None) for name in NORM_NAMES) if isinstance(n, nn.RMSNorm)]
 
 
 OPT = QkNorm()

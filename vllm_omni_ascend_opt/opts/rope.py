@@ -37,7 +37,6 @@ POLICIES = ("pixel", "verified", "bitwise")
 EMBED_MEMO_SIZE = 8
 
 _T = _targets.TRANSFORMER
-#: The upstream functions rope patches (qk-norm-rope, the embedders' forward) or mirrors.
 UPSTREAM: tuple[Upstream, ...] = (
     _targets.QK_NORM_ROPE,
     _targets.FUSED_MIN_TOKENS,
@@ -180,9 +179,7 @@ class Rope(Optimization):
         return out
 
     def kernel_classes(self) -> dict[str, Any] | None:
-        if _backend.torch_npu_module() is None or not self.use_npu_kernel:
-            return None
-        return self.rotary.tally()
+        return None if _backend.torch_npu_module() is None or not self.use_npu_kernel else self.rotary.tally()
 
     def verdicts(self) -> list[Verdict]:
         """The first-use checks of the kernel per (device, dtype, head_dim), for the current backend."""
@@ -203,7 +200,9 @@ class Rope(Optimization):
 
     def _uninstall(self) -> None:
         rotary.ROTARY.withdraw(self.rotary)
-        self.reset_state()
+        self.rotary.clear()  # tables and kernel verdicts
+        self._embed_memo.clear()
+        self._bad_policy.clear()
 
     def _attach(self, model: nn.Module) -> None:
         for tr in guards.find_transformers(model):
@@ -212,13 +211,6 @@ class Rope(Optimization):
     def _detach(self, model: nn.Module) -> None:
         for tr in guards.find_transformers(model):
             forward_scope.unwatch(tr, self.name)
-
-    def reset_state(self) -> None:
-        """Drop tables, shape memos, kernel verdicts and counters."""
-        self.rotary.clear()
-        self._embed_memo.clear()
-        self.stats.clear()
-        self._bad_policy.clear()
 
     def requires_bitwise(self) -> bool:
         """The kernel policy: the attribute, else the env (default ``pixel``; an unknown value: ``bitwise``, logged)."""

@@ -34,7 +34,6 @@ from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
 from vllm_omni_ascend_opt.optimization import Optimization
 
 _T, _ADA = _targets.TRANSFORMER, ada_norm.ADALAYERNORM_MODULE
-#: What it replaces (block forward, load_weights) or mirrors (what its block body and projections recompute).
 UPSTREAM: tuple[Upstream, ...] = (
     _targets.BLOCK_FORWARD,
     same(_T, "QwenImageTransformerBlock._modulate", "790253f78c1c2199"),

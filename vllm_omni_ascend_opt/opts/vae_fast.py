@@ -135,7 +135,6 @@ class VaeFast(VaeOptimization):
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)
     regions = frozenset({"vae"})
-    #: What it replaces: the causal conv's and RMS norm's forwards, and the decode that calls them.
     upstream = (
         _targets.VAE_DECODE,
         _targets.CAUSAL_CONV_FORWARD,
