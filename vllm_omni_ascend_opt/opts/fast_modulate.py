@@ -17,10 +17,7 @@ class FastModulate(FastBlockMode):
         "AdaLayerNorm modulate as one affine layer_norm (weight 1+scale, bias shift): 2-4 fewer kernels per norm; "
         "a last-bit change (1 ulp bf16), gated by SSIM >= 0.999 / PSNR >= 45 dB."
     )
-    why = (
-        "Each of a block's four AdaLayerNorms runs a layer norm without affine, then * (1 + scale) and + shift: 3 "
-        "to 5 kernels per norm on the native path; batch-1 eager inference on an NPU is bound by kernel launches."
-    )
+    why = "Each AdaLayerNorm runs a plain layer norm, then * (1 + scale) and + shift: 3 to 5 kernels per norm."
     how = (
         "Where one [1, 1, D] modulation row serves every token, F.layer_norm(x, (D,), weight=1 + scale, "
         "bias=shift, eps) (npu_layer_norm_eval on an NPU without MindIE-SD, as stock's forward_npu): one kernel "

@@ -1,9 +1,7 @@
 """`fused_attention`: the joint text+image attention through ``torch_npu.npu_fusion_attention`` (BSND).
 
-Per model instance, each joint attention layer whose impl is stock ``SDPAImpl`` gets an impl of a subclass whose
-``forward`` takes the fused path where it can, else the stock object (``detach`` puts it back). It runs after
-Ulysses' all-to-all; the key mask is built once per transformer forward (:meth:`FusedAttention.mask_for`). The
-kernel path is ``blocks.kernels.npu_attention.AttentionPath``.
+Per model instance, each joint attention layer whose impl is stock ``SDPAImpl`` gets an impl whose ``forward`` takes
+the fused path where it can, else the stock object's; the key mask is built once per transformer forward.
 """
 
 from __future__ import annotations
@@ -81,10 +79,7 @@ class _ModelState:
 class FusedAttention(Optimization):
     name = "fused_attention"
     summary = "Run the joint text+image attention with torch_npu.npu_fusion_attention (BSND), verified against SDPA on first use."
-    why = (
-        "Without MindIE-SD, SDPAImpl.forward_npu permutes Q/K/V to BNSD, expands the key mask to [B, 1, Sq, Skv] and "
-        "calls F.scaled_dot_product_attention; the fused kernel takes BSND and a mask built once per forward."
-    )
+    why = "SDPAImpl.forward_npu permutes Q/K/V to BNSD and expands the key mask per call; the kernel takes BSND."
     how = (
         "npu_fusion_attention(BSND, the layer's scale, the inverted keep-mask) behind the NPU dispatch, verified per "
         "(device, dtype) and per shape class against an fp32 reference with stock SDPA's own error as the budget; "
@@ -361,8 +356,7 @@ class FusedAttention(Optimization):
         )
 
     def warm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None) -> bool | None:
-        """Check the kernel for BSND ``q``/``k``/``v`` now (``warmup``) as the first real call would: the class
-        verdict, or None (no kernel, outside its limits, a fault or a deferral)."""
+        """Check the kernel for BSND ``q``/``k``/``v`` now (``warmup``): the class verdict, or None (not checked)."""
         npu = _backend.torch_npu_module()
         if npu is None or fab.limits_violation(q, k, v):
             return None

@@ -1,10 +1,8 @@
 """`joint_attention`: one join of Qwen-Image's text and image streams, bitwise stock (:class:`JointAttention`).
 
-Patches ``QwenImageCrossAttention.forward``; the joint math lives in ``blocks/body/joint_qkv.py``. The rotation goes
-through ``rope``'s rotary service while it is installed (``blocks.kernels.rotary.ROTARY``), else the portable math.
-Eagerly, the guards, the CUDA-fused check and the RoPE tables are decided once per forward (``forward_scope``); under
-regional compile ``joint_qkv.traced_forward`` runs with tables hoisted by an eager pre-hook; under full compile the
-graph keeps stock's attention. Stock runs, with the reason counted, wherever ``_call_reason`` says so.
+Patches ``QwenImageCrossAttention.forward``; the joint math is ``blocks/body/joint_qkv.py``, the rotation ``rope``'s
+rotary service while installed, else the portable math. Under regional compile ``joint_qkv.traced_forward`` runs
+with tables hoisted by an eager pre-hook; under full compile the graph keeps stock's attention.
 """
 
 from __future__ import annotations
@@ -38,10 +36,7 @@ from vllm_omni_ascend_opt.optimization import Optimization
 
 class JointAttention(Optimization):
     name = "joint_attention"
-    summary = (
-        "Join the text and image streams once after their QKV projections; QK RMSNorms and RoPE run once on the "
-        "joint sequence (bitwise stock)."
-    )
+    summary = "Join text and image streams once; QK RMSNorms and RoPE run once on the joint sequence (bitwise stock)."
     why = (
         "Per block, stock runs four QK RMSNorms (6 to 8 kernels each on Ascend: torch_npu has no aten::rms_norm), "
         "four RoPE applications and three cats joining the two streams' q, k and v; batch-1 eager inference on an "
@@ -54,13 +49,8 @@ class JointAttention(Optimization):
         "vid_freqs) built once per freqs pair, in stock's op order: bitwise stock. Attention, mask, sequence "
         "parallelism and output projections stay stock's."
     )
-    upstream_pr = (
-        "vllm-omni #7594 (open) does the same join on CUDA as one Triton launch (QK RMSNorm + RoPE + cat); this "
-        "is the portable/NPU form, bitwise stock, and leaves stock's CUDA fused path alone."
-    )
-    removal_plan = (
-        "Drop when vLLM-Omni's QwenImageCrossAttention joins the two streams once (or fuses qk-norm-rope on NPU)."
-    )
+    upstream_pr = "vllm-omni #7594 (open) does the same join on CUDA in one Triton launch; this is the portable form."
+    removal_plan = "Drop when vLLM-Omni's joint attention joins the streams once (or fuses qk-norm-rope on NPU)."
     equivalence = "exact"
     requires = ("any device and dtype (stock's fused CUDA qk-norm-rope path stays stock)",)
     target_modules = (_targets.TRANSFORMER,)
@@ -158,8 +148,7 @@ class JointAttention(Optimization):
     def _joint_tables(
         self, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, dtype: torch.dtype, kernel: rotary.RotaryPath | None
     ) -> tuple[torch.Tensor, rope_tables.Tables]:
-        """The joint freqs of (vid, txt) and their tables in ``dtype`` (``kernel``'s cache, else this one's), once per
-        forward."""
+        """The joint freqs of (vid, txt) and their tables in ``dtype``, once per forward."""
         key = ("ja.tables", id(vid_freqs), id(txt_freqs), dtype, kernel is not None)
 
         def make() -> tuple[torch.Tensor, rope_tables.Tables]:
@@ -285,8 +274,7 @@ class JointAttention(Optimization):
         return img_attn_output, txt_attn_output
 
     def _project(self, layer: nn.Module, x: torch.Tensor, pair: bool = False) -> torch.Tensor:
-        """``layer(x)`` (``pair``: it returns ``(output, bias)``): the GEMM directly where ``direct_calls`` vouches
-        for it, else the module (the reason counted)."""
+        """``layer(x)`` (``pair``: it returns ``(output, bias)``), as the GEMM where ``direct_calls`` vouches for it."""
         args = direct_calls.linear_args(layer)
         if isinstance(args, str):
             self.stats["module_calls"] += 1

@@ -1,8 +1,7 @@
 """`memo_aware_offload`: layerwise offload leaves weights the memo makes unread on the host (:class:`MemoAwareOffload`).
 
-Patches ``LayerwiseOffloadHook.pre_forward`` (block 0 decides per forward; no block reads a weight left on the host)
-and ``prefetch_layer`` (a skipping forward copies the next block's other weights into one device buffer per dtype; the
-modulation weights stay the offloader's placeholders, which keep identity and version, so the memo's keys still hit).
+Patches ``LayerwiseOffloadHook.pre_forward`` (block 0 decides per forward) and ``prefetch_layer`` (a skipping forward
+leaves the modulation weights as the offloader's placeholders, which keep identity and version: the memo still hits).
 """
 
 from __future__ import annotations
@@ -73,14 +72,8 @@ class _Ring:
 
 class MemoAwareOffload(Optimization):
     name = "memo_aware_offload"
-    summary = (
-        "Under vLLM-Omni's layerwise offload, leave a block's modulation weights (img_mod/txt_mod) on the host for a "
-        "forward whose modulation is all in shared_modulation's memo (exact: those weights are never read)."
-    )
-    why = (
-        "With enable_layerwise_offload every forward copies every block's weights host->device, img_mod/txt_mod "
-        "included, although blocks whose modulation shared_modulation's memo holds never read them."
-    )
+    summary = "Under layerwise offload, leave modulation weights the memo makes unread on the host (exact)."
+    why = "Layerwise offload copies every block weight per forward, even img_mod/txt_mod that the memo leaves unread."
     how = (
         "In block 0's pre_forward, once per forward: skip when the memo holds every block's modulation for this "
         "temb (the lookup the blocks make) and the blocks run the memoizing forward (single-segment, not "
@@ -244,8 +237,7 @@ class MemoAwareOffload(Optimization):
         return None
 
     def _set_probes(self, tr: nn.Module) -> None:
-        """Point each block hook's materialization probe (upstream: ``img_mod.1.weight``) at a weight always copied,
-        so a block whose modulation stays on the host reads as materialized."""
+        """Point each block hook's materialization probe (upstream: ``img_mod.1.weight``) at a weight always copied."""
         ps = self._probes.setdefault(id(tr), PatchSet(f"{self.name}:probes"))
         for block in tr.transformer_blocks:
             hook = block_hook(block)
@@ -287,8 +279,7 @@ class MemoAwareOffload(Optimization):
         return self._parts[hook]
 
     def _prefetch_without_modulation(self, hook: Any, parts: dict[torch.dtype, _Part], non_blocking: bool) -> None:
-        """Upstream's ``prefetch_layer`` without the modulation weights (those get placeholders): one compact device
-        buffer per dtype."""
+        """Upstream's ``prefetch_layer`` without the modulation weights (left as placeholders)."""
         tu = sys.modules[TENSOR_UTILS]
         platform = sys.modules[LAYERWISE_MODULE].current_omni_platform
         hook.copy_stream.wait_stream(platform.current_stream())

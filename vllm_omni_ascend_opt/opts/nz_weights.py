@@ -1,10 +1,8 @@
 """`nz_weights`: the transformer's BF16/FP16 linear weights cast to FRACTAL_NZ after loading (:class:`NzWeights`).
 
-``attach`` runs from the plugin's wrapper of ``DiffusersPipelineLoader.load_model`` (after weight post-processing and
-distilled-LoRA fusion, before CPU offload) and sets ``w.data = npu_format_cast(w.data, 29)`` per eligible weight:
-the ``Parameter`` stays, forward is unchanged. All or nothing (a fault restores ND); ``detach`` casts back to ND.
-Either announces a weights-changed event (``w.data = ...`` changes neither identity nor ``_version``). The gates
-are :mod:`~vllm_omni_ascend_opt.blocks.kernels.nz_check`; per-layer skips are in :meth:`NzWeights.report`.
+``attach`` runs from the plugin's wrapper of ``DiffusersPipelineLoader.load_model`` (before CPU offload) and sets
+``w.data = npu_format_cast(w.data, 29)`` per eligible weight, all or nothing; ``detach`` casts back to ND. Either
+announces a weights-changed event (``w.data = ...`` changes neither identity nor ``_version``).
 """
 
 from __future__ import annotations
@@ -141,19 +139,12 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 class NzWeights(Optimization):
     name = "nz_weights"
     summary = "Cast the transformer's BF16/FP16 linear weights to FRACTAL_NZ (npu_format_cast(w, 29)) after loading."
-    why = (
-        "Ascend's Cube unit reads matmul weights in FRACTAL_NZ; an ND weight is re-laid-out on every GEMM, and "
-        "vLLM-Omni casts only quantized (and Qwen-Image-2.1's) weights."
-    )
+    why = "Ascend's Cube unit reads matmul weights in FRACTAL_NZ; an ND weight is re-laid-out on every GEMM."
     how = (
-        "After loading, w.data = npu_format_cast(w.data, 29) for each eligible unquantized BF16/FP16 linear weight "
-        "(CANN >= 8.3, permission by a trial cast, the numbers checked once per (device, dtype)), all or nothing; the "
-        "Parameter and its attributes stay; weights-changed is announced."
+        "After loading, w.data = npu_format_cast(w.data, 29) for each eligible unquantized BF16/FP16 linear "
+        "weight (CANN >= 8.3, permitted by a trial cast, numbers checked per (device, dtype)), all or nothing."
     )
-    upstream_pr = (
-        "Qwen-Image (1.x): none (vllm-ascend's weight_nz_mode=2 is the LLM-side equivalent); 0.32's Qwen-Image-2.1 "
-        "casts its own BF16 linear weights in its load_weights."
-    )
+    upstream_pr = "None for Qwen-Image (1.x); vllm-ascend's weight_nz_mode=2 is the LLM-side equivalent."
     equivalence = "close"
     requires = (
         "torch_npu >= 2.8 with CANN >= 8.3 (WeightNz matmul routing); weights on an NPU; fp16/bf16; internal formats "

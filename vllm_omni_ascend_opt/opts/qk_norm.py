@@ -26,19 +26,13 @@ NORM_NAMES = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 class QkNorm(Optimization):
     name = "qk_norm"
     summary = "Run Qwen-Image's four QK RMSNorms per block as torch_npu.npu_rms_norm, verified per shape class against an fp32 reference."
-    why = (
-        "torch_npu registers no aten::rms_norm kernel: each of a block's four QK RMSNorms runs as 8 kernels in bf16 "
-        "on an NPU (_to_copy, pow, mean, add_, rsqrt, mul, mul, _to_copy); npu_rms_norm is one."
-    )
+    why = "torch_npu has no aten::rms_norm: each QK RMSNorm runs as 8 bf16 kernels on an NPU, npu_rms_norm as one."
     how = (
         "npu_rms_norm(x, weight, epsilon=eps)[0] within its documented constraints, verified on the first call of "
         "each shape class against an fp32 reference (one rounding, 2x headroom); stock nn.RMSNorm where refused, "
         "under autograd, tracing or graph capture: pixel."
     )
-    upstream_pr = (
-        "None for Qwen-Image (1.x) on NPU (#7594 is CUDA-only); vllm-ascend uses npu_rms_norm in its RMSNorm custom "
-        "op for LLMs."
-    )
+    upstream_pr = "None for Qwen-Image on NPU (#7594 is CUDA-only); vllm-ascend uses npu_rms_norm for LLMs."
     equivalence = "pixel"
     requires = ("torch_npu with npu_rms_norm (float16/bfloat16/float32)",)
     target_modules = (_targets.TRANSFORMER,)

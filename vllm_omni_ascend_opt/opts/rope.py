@@ -1,9 +1,8 @@
 """`rope`: RoPE cos/sin tables built once per forward shape and reused in every block (:class:`Rope`).
 
-Patches the module global ``_qwen_image_qk_norm_rope`` (looked up at call time, so it also reaches models built
-before the install and TeaCache's block loop) and the embedders' ``forward``, memoized so the same freqs objects
-reach every step. Tables and portable math: ``blocks.kernels.rope_tables``; the kernel path:
-``blocks.kernels.rotary.RotaryPath``, offered in the ``ROTARY`` slot for ``joint_attention`` while installed.
+Patches the module global ``_qwen_image_qk_norm_rope`` (looked up at call time, so it also reaches TeaCache's block
+loop) and the embedders' ``forward``, memoized so the same freqs objects reach every step. Its kernel path
+(``blocks.kernels.rotary.RotaryPath``) is offered in the ``ROTARY`` slot for ``joint_attention`` while installed.
 """
 
 from __future__ import annotations
@@ -68,9 +67,8 @@ class Rope(Optimization):
     name = "rope"
     summary = "Build RoPE cos/sin tables once per forward shape and reuse them in every block; on Ascend apply them with a verified torch_npu.npu_rotary_mul (interleave)."
     why = (
-        "Stock converts the complex freqs to cos/sin in every block for both streams, and "
-        "RotaryEmbedding.forward_native re-expands them and negates/stacks x on every call (10 launches per q/k); "
-        "Ascend without MindIE-SD takes that path too."
+        "Stock converts the complex freqs to cos/sin in every block for both streams, and forward_native re-expands "
+        "them and negates/stacks x on every call (10 launches per q/k), as does Ascend without MindIE-SD."
     )
     how = (
         "cos/sin tables built once per freqs tensor and dtype (weakly keyed LRU) and the embedder memoized per shape; "
@@ -78,10 +76,7 @@ class Rope(Optimization):
         "(interleave), verified per (device, dtype, head_dim) and per shape class against an fp32 reference and "
         "stock's own error: pixel (VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL=bitwise keeps it exact)."
     )
-    upstream_pr = (
-        "vllm-omni #4043 (open) calls npu_rotary_mul per call in forward_npu, with no tables built once; "
-        "vllm-omni #7594 (open) fuses QK RMSNorm + RoPE + cat on CUDA only."
-    )
+    upstream_pr = "vllm-omni #4043 (open): npu_rotary_mul per call, no cached tables; #7594 (open): CUDA-only fusion."
     #: exact on the portable path; pixel with the NPU kernel (see :meth:`tier`).
     equivalence = "pixel"
     requires = ("NPU kernel path: torch_npu with npu_rotary_mul rotary_mode='interleave'",)
@@ -93,10 +88,7 @@ class Rope(Optimization):
         "upstream applies its RoPE there with torch_npu.npu_rotary_mul and tables cached per freqs "
         "(_apply_qwen_image21_rotary_emb_npu); no Qwen-Image (1.x) embedder or qk-norm-rope to patch"
     )
-    removal_plan = (
-        "Drop when vLLM-Omni builds Qwen-Image cos/sin once per forward and RotaryEmbedding.forward_npu calls "
-        "npu_rotary_mul(rotary_mode='interleave') (vllm-omni PR #4043) verified on device."
-    )
+    removal_plan = "Drop when vLLM-Omni builds cos/sin once per forward and calls npu_rotary_mul (vllm-omni #4043)."
 
     #: Set False to keep the portable path even where torch_npu is present.
     use_npu_kernel: bool = True

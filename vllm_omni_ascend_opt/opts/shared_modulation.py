@@ -1,11 +1,9 @@
 """`shared_modulation`: Qwen-Image's timestep-only modulation memoized, exactly (:class:`SharedModulation`).
 
-Patches ``QwenImageTransformerBlock.forward`` (the memo is ``blocks/memo/``, the block body ``blocks/body/``) and
-``QwenImageTransformer2DModel.load_weights`` (drops the memo). Per attached transformer, each block's
-``img_mod``/``txt_mod``, ``norm_out`` and ``time_text_embed`` get memoizing subclasses (``__class__`` swap), so
-direct calls such as TeaCache's ``block.img_mod(temb)`` hit the memo too. Under regional compile the lookups run in
-eager pre-hooks of the compiled blocks. The memo is per rank; weights written through ``.data`` outside
-``load_weights`` need :meth:`SharedModulation.invalidate` (or the registry's weights-changed event).
+Patches ``QwenImageTransformerBlock.forward`` and ``load_weights`` (drops the memo). Per attached transformer, each
+block's ``img_mod``/``txt_mod``, ``norm_out`` and ``time_text_embed`` get memoizing subclasses (``__class__`` swap),
+so direct calls such as TeaCache's ``block.img_mod(temb)`` hit the memo too. Weights written through ``.data``
+outside ``load_weights`` need :meth:`SharedModulation.invalidate` (or the registry's weights-changed event).
 """
 
 from __future__ import annotations
@@ -58,10 +56,7 @@ UPSTREAM: tuple[Upstream, ...] = (
 
 class SharedModulation(Optimization):
     name = "shared_modulation"
-    summary = (
-        "Compute SiLU(temb) and the per-block modulation projections once per distinct timestep embedding (exact "
-        "memo), and unpack them once per block into broadcast-ready tensors."
-    )
+    summary = "Memoize the blocks' modulation projections per distinct timestep embedding (exact), unpacked per block."
     why = (
         "Per forward, stock computes SiLU(temb) in every block and in norm_out and runs every block's "
         "img_mod/txt_mod projections (about a third of the DiT's weights) and norm_out.linear, although they "

@@ -1,9 +1,7 @@
 """`vae_exact`: VAE decode work that never changes a bit for single-frame images, removed (:class:`VaeExact`).
 
-Each piece is patched per instance (``_vae_common``): ``single_frame_decode`` (``vae._decode``), ``single_frame_tiles``
-(``tiled_decode``, ``tile_exec``), ``cached_conv_counts`` (``clear_cache``), ``upsample_native_dtype``
-(``QwenImageUpsample.forward``), ``pointwise_conv_no_pad`` (1x1x1 convs) and ``latents_stats_cache``
-(``pipeline._decode_latents``).
+Pieces, patched per instance (``_vae_common``): ``single_frame_decode``, ``single_frame_tiles``, ``cached_conv_counts``,
+``upsample_native_dtype``, ``pointwise_conv_no_pad`` and ``latents_stats_cache``.
 """
 
 from __future__ import annotations
@@ -301,10 +299,7 @@ def _make_decode_latents(pipe: Any) -> Any:
 
 class VaeExact(VaeOptimization):
     name = "vae_exact"
-    summary = (
-        "Remove VAE decode work that never changes a bit for single-frame images (unread cache clones, fp32 round "
-        "trips, repeated counts)."
-    )
+    summary = "Remove VAE decode work that never changes a bit for single-frame images."
     why = (
         "Qwen-Image's VAE is the Wan video VAE: each still-image decode clones every causal convolution's input "
         "into a feature cache only a next frame would read, round-trips each nearest upsample through fp32, "
@@ -319,15 +314,8 @@ class VaeExact(VaeOptimization):
         "dtype and config. Only copies, lossless casts and bookkeeping are removed: bitwise stock. Multi-frame "
         "decodes keep stock's path."
     )
-    upstream_pr = (
-        "None found in vLLM-Omni or diffusers (diffusers computes _cached_conv_counts but clear_cache does not "
-        "use it). ComfyUI #12090 (merged) skips the Wan VAE's feature cache for single frames; sglang #38020 "
-        "(merged) ports Wan VAE decoder fast paths to the Qwen-Image VAE on CUDA."
-    )
-    removal_plan = (
-        "Drop each piece when diffusers' Qwen-Image VAE does the same (no feature cache for one frame, cached "
-        "conv counts, input-dtype interpolation) and vLLM-Omni caches the latents statistics."
-    )
+    upstream_pr = "None upstream; ComfyUI #12090 (merged) skips the Wan VAE's feature cache for single frames."
+    removal_plan = "Drop each piece once diffusers (and vLLM-Omni, for the latents statistics) do the same."
     equivalence = "exact"
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)

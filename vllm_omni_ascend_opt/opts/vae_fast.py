@@ -1,8 +1,7 @@
 """`vae_fast`: single-frame VAE decode with 2-D convolutions and input-dtype RMS norms (:class:`VaeFast`).
 
-Pieces, patched per instance (``_vae_common``): ``conv2d_last_tap`` (each decoder causal conv with a temporal kernel
-> 1, called without a cache on one frame) and ``rms_norm_input_dtype`` (each decoder channel-first
-``QwenImageRMS_norm``); every other call runs the stock forward.
+Pieces, patched per instance (``_vae_common``): ``conv2d_last_tap`` (decoder causal convs with a temporal kernel > 1)
+and ``rms_norm_input_dtype`` (decoder channel-first RMS norms); every other call runs the stock forward.
 """
 
 from __future__ import annotations
@@ -125,10 +124,7 @@ class VaeFast(VaeOptimization):
         "channel-first RMS norms as x / ||x|| * (gamma * scale) in the input dtype. The same products summed in "
         "another order differ in the last bits: close, gated at SSIM >= 0.99 and PSNR >= 35 dB against stock."
     )
-    upstream_pr = (
-        "None found in vLLM-Omni or diffusers (Wan decodes frame by frame through Conv3d by design). sglang "
-        "#38020 (merged, CUDA) keeps Conv3d with channels-last data movement and an RMSNorm->SiLU fusion."
-    )
+    upstream_pr = "None in vLLM-Omni or diffusers; sglang #38020 (merged, CUDA) keeps Conv3d (channels-last)."
     removal_plan = "Drop when diffusers' (or vLLM-Omni's) Qwen-Image VAE decodes single frames with 2-D convolutions."
     equivalence = "close"
     default_enabled = False
