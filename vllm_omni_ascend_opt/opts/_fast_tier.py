@@ -1,10 +1,7 @@
 """The fast tier's common base: close-tier modes of the memoized block body (``blocks/body/block_body.py``).
 
-Each mode (``fast_modulate``, ``fast_residual``) is its own flag, off by default, and patches nothing: ``install``
-provides it in its mode's slot and the block body, which ``shared_modulation``'s block forward runs, reports each call
-of the mode to it (:class:`~vllm_omni_ascend_opt.blocks.body.block_body.ModeOwner`: ``ran`` and fallback reasons).
-Without ``shared_modulation`` the stock block runs (``needs``). Gated by :attr:`close_gates` against the configuration
-without it: last-bit changes (1 ulp in bf16), far inside the VAE tier's gates.
+Each mode is its own flag, off by default, and patches nothing: ``install`` provides it in its slot, and the block
+body that ``shared_modulation`` runs reports each call to it (``ModeOwner``). Gated by :attr:`close_gates`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Shared machinery of ``vae_exact`` and ``vae_fast``: find the VAE, patch it per instance, report what acts.
 
-Both work per *instance* (never on the classes, which other pipelines and the encoder share), only through
-attributes of the instances' own ``__dict__``, recorded in one :class:`~vllm_omni_ascend_opt._patching.PatchSet` per
-attached model so that ``detach`` restores them. ``vae.decode`` itself is never touched (vLLM-Omni's pipeline
-profiler wraps it per instance). The two patch disjoint attributes, so they compose in any attach/detach order.
-Every patched function asks :func:`~vllm_omni_ascend_opt.blocks.upstream.guards.tracing` first and, while dynamo
-traces, runs stock code without bookkeeping.
+Both patch only instance attributes (never the classes, which the encoder shares), recorded in one ``PatchSet`` per
+attached model so that ``detach`` restores them; ``vae.decode`` itself is never touched (vLLM-Omni's profiler wraps
+it). The two patch disjoint attributes, so they compose in any order. While dynamo traces, stock code runs.
 """
 
 from __future__ import annotations
@@ -51,8 +48,8 @@ def of_exact_class(module: nn.Module, cls: type, method: str = "forward") -> boo
 
 
 def resolve(model: Any) -> tuple[Any | None, nn.Module | None, list[str]]:
-    """``(pipeline or None, vae or None, reasons)`` for a pipeline with ``.vae`` or a bare VAE; ``reasons`` say why
-    the VAE optimizations leave it alone (none for diffusers' ``AutoencoderKLQwenImage`` with stock decode parts)."""
+    """``(pipeline or None, vae or None, reasons)`` for a pipeline with ``.vae`` or a bare VAE; ``reasons``: why the
+    VAE optimizations leave it alone."""
     mod = diffusers_vae()
     base = mod.AutoencoderKLQwenImage
     if isinstance(model, base):
@@ -108,8 +105,7 @@ class VaeOptimization(Optimization):
         return "" if piece in self.enabled_pieces else "switched off (enabled_pieces)"
 
     def patch_forwards(self, piece: str, modules: list[nn.Module], make_forward: Any, ps: PatchSet, none: str) -> str:
-        """Each module's ``forward`` replaced by ``make_forward(module)`` when ``piece`` is wanted; "" when it acts,
-        else why not (``none``: no such module)."""
+        """Each module's ``forward`` replaced by ``make_forward(module)``; "" when it acts, else why not."""
         why = self.wants(piece) or ("" if modules else none)
         for m in modules if not why else ():
             ps.set(m, "forward", MethodType(make_forward(m), m))

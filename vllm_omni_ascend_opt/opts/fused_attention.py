@@ -1,13 +1,7 @@
 """`fused_attention`: the joint text+image attention through ``torch_npu.npu_fusion_attention`` (BSND).
 
-Per model instance: each ``QwenImageCrossAttention``'s vLLM-Omni ``Attention`` layer whose impl is stock
-``SDPAImpl`` gets an impl object of a subclass whose ``forward`` takes the fused path where it can and the stock
-object otherwise (``detach`` puts the stock object back). It runs after Ulysses' all-to-all, on whatever heads and
-rows the rank holds. The key mask is translated once per transformer forward (:meth:`FusedAttention.mask_for`) and
-reused by every layer of it.
-
-The kernel path (call, mask, limits, checks) is :class:`~vllm_omni_ascend_opt.blocks.kernels.npu_attention.
-AttentionPath`; the why, how, upstream and removal plan are the class's attributes (``vllm-omni-ascend-opt list``).
+Per model instance, each joint attention layer whose impl is stock ``SDPAImpl`` gets an impl whose ``forward`` takes
+the fused path where it can, else the stock object's; the key mask is built once per transformer forward.
 """
 
 from __future__ import annotations
@@ -85,10 +79,7 @@ class _ModelState:
 class FusedAttention(Optimization):
     name = "fused_attention"
     summary = "Run the joint text+image attention with torch_npu.npu_fusion_attention (BSND), verified against SDPA on first use."
-    why = (
-        "Without MindIE-SD, SDPAImpl.forward_npu permutes Q/K/V to BNSD, expands the key mask to [B, 1, Sq, Skv] and "
-        "calls F.scaled_dot_product_attention; the fused kernel takes BSND and a mask built once per forward."
-    )
+    why = "SDPAImpl.forward_npu permutes Q/K/V to BNSD and expands the key mask per call; the kernel takes BSND."
     how = (
         "npu_fusion_attention(BSND, the layer's scale, the inverted keep-mask) behind the NPU dispatch, verified per "
         "(device, dtype) and per shape class against an fp32 reference with stock SDPA's own error as the budget; "
@@ -158,7 +149,7 @@ class FusedAttention(Optimization):
         return reasons
 
     def cache_memory(self) -> dict[str, Any]:
-        """The per-forward [B, 1, S, S] mask cache (about 100 MB at 1328x1328, B=2) and the checks' scratch peak."""
+        """The per-forward [B, 1, S, S] mask cache and the checks' scratch peak."""
         return {
             "masks": len(self._mask_cache),
             "bytes": tensor_bytes(list(self._mask_cache.values())),
@@ -166,17 +157,14 @@ class FusedAttention(Optimization):
         }
 
     def kernel_classes(self) -> dict[str, Any] | None:
-        if _backend.torch_npu_module() is None:
-            return None
-        return self.path.tally()
+        return None if _backend.torch_npu_module() is None else self.path.tally()
 
     def shape_verdicts(self) -> list[Verdict]:
         """The per-shape-class checks of the kernel on real calls so far (under the current backend probe)."""
         return self.path.classes.values()
 
     def mask_for(self, attn_mask: torch.Tensor | None, b: int, sq: int, skv: int) -> tuple[torch.Tensor | None, str]:
-        """:func:`~vllm_omni_ascend_opt.blocks.kernels.npu_attention.kernel_mask`, built once per transformer forward and
-        reused by every layer of it (see the module docstring, "Mask"); a new forward generation drops the cache."""
+        """``npu_attention.kernel_mask``, built once per transformer forward and reused by every layer of it."""
         if attn_mask is None or self._forward_gen == 0:
             return fab.kernel_mask(attn_mask, b, sq, skv)
         if self._mask_gen != self._forward_gen:
@@ -194,8 +182,7 @@ class FusedAttention(Optimization):
         return masked, why
 
     def _new_forward(self, module: nn.Module, args: Any) -> None:
-        """Forward pre-hook of an attached transformer: a new forward, so masks are built afresh. Nothing while
-        torch.compile traces (the layers run stock SDPA there and never read the mask cache)."""
+        """Forward pre-hook of an attached transformer: masks are built afresh (not while tracing: stock SDPA)."""
         if guards.tracing():
             return
         self._forward_gen += 1
@@ -242,9 +229,7 @@ class FusedAttention(Optimization):
         state = self._models.get(model)
         if state is None:
             return {"swapped": 0, "skipped": {}, "calls": {}}
-        calls: Counter = Counter()
-        for _layer, _stock, fused in state.layers:
-            calls.update(fused._ascend_opt_calls)
+        calls = sum((fused._ascend_opt_calls for _layer, _stock, fused in state.layers), Counter())
         return {"swapped": len(state.layers), "skipped": dict(state.skipped), "calls": dict(calls)}
 
     def _uninstall(self) -> None:
@@ -325,7 +310,6 @@ class FusedAttention(Optimization):
 
     def _forward(self, impl: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_metadata: Any):
         npu = _backend.torch_npu_module()
-        why = ""
         if npu is None:
             why = "no torch_npu"
         elif getattr(impl, "causal", False):
@@ -372,8 +356,7 @@ class FusedAttention(Optimization):
         )
 
     def warm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None) -> bool | None:
-        """Check the kernel at the (device, dtype) and the class of BSND ``q``/``k``/``v`` now (``warmup``), as the
-        first real call would: the class verdict, or None (no kernel, outside its limits, a fault or a deferral)."""
+        """Check the kernel for BSND ``q``/``k``/``v`` now (``warmup``): the class verdict, or None (not checked)."""
         npu = _backend.torch_npu_module()
         if npu is None or fab.limits_violation(q, k, v):
             return None

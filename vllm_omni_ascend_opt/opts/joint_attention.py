@@ -1,16 +1,8 @@
 """`joint_attention`: one join of Qwen-Image's text and image streams, bitwise stock (:class:`JointAttention`).
 
-Patches ``QwenImageCrossAttention.forward`` (the block, stock or ``shared_modulation``'s body, calls ``block.attn``).
-The joint math lives in ``blocks/body/joint_qkv.py``; the rotation goes through ``rope``'s rotary service while it is
-installed (``blocks.kernels.rotary.ROTARY``), else the portable math of ``blocks.kernels.rope_tables``. With
-``qk_norm``'s kernel ready the norms run per stream on stock's views, then one ``cat`` each for q, k, v.
-
-Eagerly, the guards, the CUDA-fused check and the RoPE tables are decided once per forward (``forward_scope``) and
-plain projections are called as their kernels (``blocks/body/direct_calls.py``). While dynamo traces a regionally
-compiled block, ``joint_qkv.traced_forward`` runs with tables hoisted by an eager pre-hook; under full compile the
-graph keeps stock's attention. Stock runs, with the reason counted, under autograd, graph capture, for norms that are
-not plain ``nn.RMSNorm`` with weights and one ``eps``, streams that differ in heads or dtype, freqs that do not match
-the sequence lengths, a RoPE that is not vLLM-Omni's native math, and where stock takes its fused CUDA path.
+Patches ``QwenImageCrossAttention.forward``; the joint math is ``blocks/body/joint_qkv.py``, the rotation ``rope``'s
+rotary service while installed, else the portable math. Under regional compile ``joint_qkv.traced_forward`` runs
+with tables hoisted by an eager pre-hook; under full compile the graph keeps stock's attention.
 """
 
 from __future__ import annotations
@@ -44,43 +36,28 @@ from vllm_omni_ascend_opt.optimization import Optimization
 
 class JointAttention(Optimization):
     name = "joint_attention"
-    summary = (
-        "Join the text and image streams once after their QKV projections; QK RMSNorms and RoPE run once on the "
-        "joint sequence (bitwise stock)."
-    )
+    summary = "Join text and image streams once; QK RMSNorms and RoPE run once on the joint sequence (bitwise stock)."
     why = (
-        "From the two QKV projections to the attention call stock runs, per block, four RMSNorms (one per stream "
-        "for q and k; torch_npu registers no aten::rms_norm kernel, so each runs as 6 to 8 kernels on Ascend "
-        "too), four RoPE applications and three cats joining q, k and v of the two streams; batch-1 eager "
-        "inference on an NPU is bound by kernel launches."
+        "Per block, stock runs four QK RMSNorms (6 to 8 kernels each on Ascend: torch_npu has no aten::rms_norm), "
+        "four RoPE applications and three cats joining the two streams' q, k and v; batch-1 eager inference on an "
+        "NPU is bound by kernel launches."
     )
     how = (
-        "One cat of the text and image QKV projections along the sequence (text first); q, k and v are views. The "
-        "QK RMSNorms run once on the joint rows of q and k, gathered into one [2, B, S, N, D] tensor (torch's "
-        "rms_norm composite in fp32 opmath; only the weight multiply differs per stream, before the one cast "
-        "back), and RoPE once on the joint sequence, in place, with tables of cat(txt_freqs, vid_freqs) built "
-        "once per freqs pair, as stock's native rotary ops in stock's order. Every element sees stock's "
-        "operations, so the output is bitwise stock's. The attention call, key mask, sequence-parallel branch and "
-        "output projections are stock's."
+        "One cat of the text and image QKV projections (text first); q, k and v are views. The QK RMSNorms run "
+        "once on the joint rows of q and k as one [2, B, S, N, D] tensor (fp32 opmath; only the weight multiply "
+        "differs per stream), and RoPE once on the joint sequence, in place, with tables of cat(txt_freqs, "
+        "vid_freqs) built once per freqs pair, in stock's op order: bitwise stock. Attention, mask, sequence "
+        "parallelism and output projections stay stock's."
     )
-    upstream_pr = (
-        "vllm-omni #7594 (open) does the same join on CUDA as one Triton launch (QK RMSNorm + RoPE + cat); this "
-        "is the portable/NPU form, bitwise stock, and leaves stock's CUDA fused path alone."
-    )
-    removal_plan = (
-        "Drop when vLLM-Omni's QwenImageCrossAttention joins the two streams once and normalizes/rotates the "
-        "joint sequence (or fuses qk-norm-rope on NPU)."
-    )
+    upstream_pr = "vllm-omni #7594 (open) does the same join on CUDA in one Triton launch; this is the portable form."
+    removal_plan = "Drop when vLLM-Omni's joint attention joins the streams once (or fuses qk-norm-rope on NPU)."
     equivalence = "exact"
     requires = ("any device and dtype (stock's fused CUDA qk-norm-rope path stays stock)",)
     target_modules = (_targets.TRANSFORMER,)
     regions = frozenset({"block"})
-    #: Its joint path is written for tracing with the RoPE tables hoisted per forward (regional compile). Under full
-    #: compile it would compute them in the graph, slower than compiled stock: there the graph keeps stock's attention.
+    #: Under full compile the tables would be computed in the graph, slower than compiled stock: stock's attention.
     acts_compiled = frozenset({"regional"})
     acts_without_attach = True
-    #: What it replaces (the joint attention forward, qk-norm-rope) and mirrors (the native rotary math, stock's
-    #: fused-CUDA branch condition, the QK norms' construction).
     upstream = (
         _targets.CROSS_ATTENTION_FORWARD,
         _targets.CROSS_ATTENTION_INIT,
@@ -101,9 +78,6 @@ class JointAttention(Optimization):
     def cache_memory(self) -> dict[str, Any]:
         """The joint freqs cache (``cat(txt, vid)`` per freqs pair)."""
         return {"joint_freqs": len(self._joint_freqs), "bytes": self._joint_freqs.nbytes()}
-
-    def _process_reasons(self) -> list[str]:
-        return []  # pure torch; runs wherever vLLM-Omni does
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
         mod = sys.modules.get(_targets.TRANSFORMER)
@@ -174,8 +148,7 @@ class JointAttention(Optimization):
     def _joint_tables(
         self, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, dtype: torch.dtype, kernel: rotary.RotaryPath | None
     ) -> tuple[torch.Tensor, rope_tables.Tables]:
-        """The joint freqs of (vid, txt) and their tables in ``dtype`` (from ``kernel``'s cache, else this one's), once
-        per forward: the same freqs objects reach every block."""
+        """The joint freqs of (vid, txt) and their tables in ``dtype``, once per forward."""
         key = ("ja.tables", id(vid_freqs), id(txt_freqs), dtype, kernel is not None)
 
         def make() -> tuple[torch.Tensor, rope_tables.Tables]:
@@ -187,8 +160,7 @@ class JointAttention(Optimization):
     def _rotate(
         self, x: torch.Tensor, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, rope: nn.Module, inplace: bool = False
     ) -> torch.Tensor:
-        """``x`` (q, k, or both stacked along the batch) rotated by the joint freqs, through ``rope``'s rotary service
-        while installed, else the portable math. ``inplace``: ``x`` is this path's own (rotated in place)."""
+        """``x`` (q, k, or both stacked) rotated by the joint freqs (``inplace``: ``x`` is this path's own)."""
         kernel = rotary.ROTARY.get()
         joint_freqs, tables = self._joint_tables(vid_freqs, txt_freqs, x.dtype, kernel)
         if kernel is not None:
@@ -239,8 +211,7 @@ class JointAttention(Optimization):
     def _joint_forward(
         self, mod: Any, attn: Any, streams: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor | None, ...]
     ) -> tuple[torch.Tensor, torch.Tensor] | str:
-        """The joint path (eager twin of ``joint_qkv.traced_forward``: counters, caches, direct calls), or the reason
-        it cannot run (the caller then runs stock)."""
+        """The joint path (eager twin of ``joint_qkv.traced_forward``), or the reason it cannot run."""
         hidden_states, encoder_hidden_states, vid_freqs, txt_freqs = streams
         m = attn._modules
         img_qkv = self._project(m["to_qkv"], hidden_states, pair=True)
@@ -258,8 +229,7 @@ class JointAttention(Optimization):
         st = encoder_hidden_states.shape[1]
         norm_q, norm_k, norm_added_q, norm_added_k = m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"]
         if rms_norm.kernel_ready([norm_q, norm_k, norm_added_q, norm_added_k]):
-            # qk_norm's npu_rms_norm takes gamma [D]: one kernel per stream on stock's views, then one cat each for
-            # q, k and v (v stays contiguous for the attention kernel)
+            # npu_rms_norm takes gamma [D]: one kernel per stream on stock's views, then one cat each for q, k, v
             sizes = [q_size, kv_size, kv_size]
             img_q, img_k, img_v = (t.unflatten(-1, (-1, d)) for t in img_qkv.split(sizes, dim=-1))
             txt_q, txt_k, txt_v = (t.unflatten(-1, (-1, d)) for t in txt_qkv.split(sizes, dim=-1))
@@ -280,8 +250,7 @@ class JointAttention(Optimization):
             eps = norm_q.eps
             one_pass = nq == nkv and norm_k.eps == eps and qk_weights_fit(qkv.dtype, (*w_txt, *w_img))
             if one_pass and 2 * b * nq < rotary.KERNEL_BN_LIMIT:
-                # q and k as one [2, B, S, N, D] tensor: one norm pass and one rotation for both (the rotary
-                # kernel's B*N limit holds for the pair), rotated in place on the norm's output (a lower peak)
+                # q and k as one [2, B, S, N, D] tensor: one norm pass, one in-place rotation (within the B*N limit)
                 qk = qkv[..., : q_size + kv_size].view(b, s, 2, nq, d).permute(2, 0, 1, 3, 4)
                 qk = joint_qk_rms_norm(qk, st, w_txt, w_img, eps).flatten(0, 1)
                 del qkv
@@ -305,8 +274,7 @@ class JointAttention(Optimization):
         return img_attn_output, txt_attn_output
 
     def _project(self, layer: nn.Module, x: torch.Tensor, pair: bool = False) -> torch.Tensor:
-        """``layer(x)`` (``pair``: the layer returns ``(output, bias)``): the GEMM directly where ``direct_calls``
-        vouches for it, else the module (quantized, LoRA, TP, hooked layers; the reason counted)."""
+        """``layer(x)`` (``pair``: it returns ``(output, bias)``), as the GEMM where ``direct_calls`` vouches for it."""
         args = direct_calls.linear_args(layer)
         if isinstance(args, str):
             self.stats["module_calls"] += 1

@@ -1,10 +1,7 @@
 """`memo_aware_offload`: layerwise offload leaves weights the memo makes unread on the host (:class:`MemoAwareOffload`).
 
-Patches ``LayerwiseOffloadHook.pre_forward`` (block 0 decides per forward; every block is guaranteed that a weight
-left on the host is never read) and ``LayerwiseOffloadHook.prefetch_layer`` (a skipping forward copies the next
-block's other weights into one compact device buffer per dtype; the modulation weights stay the offloader's own
-zero-element placeholders, which keep each parameter's identity and version, so the memo's keys still hit). Each block
-hook's materialization probe, when it is a modulation weight, becomes the block's first other weight (until detach).
+Patches ``LayerwiseOffloadHook.pre_forward`` (block 0 decides per forward) and ``prefetch_layer`` (a skipping forward
+leaves the modulation weights as the offloader's placeholders, which keep identity and version: the memo still hits).
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ from vllm_omni_ascend_opt.blocks.upstream.layerwise import LAYERWISE_MODULE, blo
 from vllm_omni_ascend_opt.optimization import Optimization
 
 TENSOR_UTILS = "vllm_omni.diffusion.offloader.tensor_utils"
-#: The upstream code it wraps (``pre_forward``), mirrors (``prefetch_layer``'s copy) or calls (the storage helpers,
-#: the hook's attributes set in ``__init__`` / ``initialize_hook``).
 UPSTREAM: tuple[Upstream, ...] = (
     same(LAYERWISE_MODULE, "LayerwiseOffloadHook.pre_forward", "c8ff89a07c2c559a"),
     same(LAYERWISE_MODULE, "LayerwiseOffloadHook.prefetch_layer", "cdd013501e670e59"),
@@ -77,29 +72,17 @@ class _Ring:
 
 class MemoAwareOffload(Optimization):
     name = "memo_aware_offload"
-    summary = (
-        "Under vLLM-Omni's layerwise offload, leave a block's modulation weights (img_mod/txt_mod) on the host for a "
-        "forward whose modulation is all in shared_modulation's memo (exact: those weights are never read)."
-    )
-    why = (
-        "With enable_layerwise_offload every forward copies every block's weights host->device, img_mod/txt_mod "
-        "(about a third of the DiT's weights) included, although on a forward whose modulation "
-        "shared_modulation's memo holds the blocks never read them: the copy is pure PCIe traffic and device "
-        "memory."
-    )
+    summary = "Under layerwise offload, leave modulation weights the memo makes unread on the host (exact)."
+    why = "Layerwise offload copies every block weight per forward, even img_mod/txt_mod that the memo leaves unread."
     how = (
-        "In block 0's pre_forward, once per forward: the forward skips when the memo holds every block's "
-        "modulation for this temb with the blocks' parameters as they are (the very lookup the block makes), the "
-        "blocks run the memoizing forward, single-segment and not compiled. Then each prefetch of blocks 1..N-1 "
-        "copies everything but the modulation weights; block 0, prefetched before temb exists, is always copied "
-        "whole. Before each block runs, a block whose modulation left the memo has it copied then (a late copy), "
-        "so no skipped weight is ever read and every output is bitwise stock's."
+        "In block 0's pre_forward, once per forward: skip when the memo holds every block's modulation for this "
+        "temb (the lookup the blocks make) and the blocks run the memoizing forward (single-segment, not "
+        "compiled). Prefetches of blocks 1..N-1 then copy all but the modulation weights (block 0 always whole); "
+        "a block whose entry left the memo gets them copied before it runs, so no skipped weight is read: bitwise "
+        "stock."
     )
     upstream_pr = "None. Upstream would let an offloaded module declare weights it can skip per forward."
-    removal_plan = (
-        "Drop when vLLM-Omni's layerwise offload skips weights a forward does not read (or memoizes the "
-        "modulation itself)."
-    )
+    removal_plan = "Drop when vLLM-Omni's layerwise offload skips weights a forward does not read."
     equivalence = "exact"
     #: No patched region (it acts through the offload's hooks); it saves block weight copies of each forward.
     stages = frozenset({"denoise"})
@@ -254,8 +237,7 @@ class MemoAwareOffload(Optimization):
         return None
 
     def _set_probes(self, tr: nn.Module) -> None:
-        """Point each block hook's materialization probe (upstream: the first weight, ``img_mod.1.weight``) at a weight
-        always copied, so a block whose modulation stays on the host reads as materialized, not copied twice."""
+        """Point each block hook's materialization probe (upstream: ``img_mod.1.weight``) at a weight always copied."""
         ps = self._probes.setdefault(id(tr), PatchSet(f"{self.name}:probes"))
         for block in tr.transformer_blocks:
             hook = block_hook(block)
@@ -270,8 +252,7 @@ class MemoAwareOffload(Optimization):
                 ps.set(hook, "_materialization_probe", other)
 
     def _guarantee(self, hook: Any, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Before a block of a skipping forward runs: its modulation weights left on the host are copied now
-        (synchronously) when the memo no longer hits for it."""
+        """Before a block of a skipping forward runs: copy its modulation weights now if the memo no longer hits."""
         source = getattr(hook, "_prev_hook", None)  # the hook that prefetches this block
         if source is None or source.next_block is not module:
             return
@@ -293,15 +274,12 @@ class MemoAwareOffload(Optimization):
         ring, index = found
         if not ring.skip or index == 0:  # block 0 is prefetched for the next forward: always whole
             return None
-        parts = self._parts.get(hook)
-        if parts is None:
-            parts = {dtype: _Part.of(meta) for dtype, meta in hook.dtype_metadata.items()}
-            self._parts[hook] = parts
-        return parts
+        if hook not in self._parts:
+            self._parts[hook] = {dtype: _Part.of(meta) for dtype, meta in hook.dtype_metadata.items()}
+        return self._parts[hook]
 
     def _prefetch_without_modulation(self, hook: Any, parts: dict[torch.dtype, _Part], non_blocking: bool) -> None:
-        """Upstream's ``prefetch_layer`` without the modulation weights: the others' contiguous host ranges go into one
-        compact device buffer per dtype, viewed with their own shape and stride; the rest get placeholders."""
+        """Upstream's ``prefetch_layer`` without the modulation weights (left as placeholders)."""
         tu = sys.modules[TENSOR_UTILS]
         platform = sys.modules[LAYERWISE_MODULE].current_omni_platform
         hook.copy_stream.wait_stream(platform.current_stream())

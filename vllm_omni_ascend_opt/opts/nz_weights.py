@@ -1,17 +1,8 @@
-"""`nz_weights`: the transformer's BF16/FP16 linear weights cast to FRACTAL_NZ after loading.
+"""`nz_weights`: the transformer's BF16/FP16 linear weights cast to FRACTAL_NZ after loading (:class:`NzWeights`).
 
-:meth:`NzWeights.attach` runs from the plugin's wrapper of ``DiffusersPipelineLoader.load_model`` (after
-``_process_weights_after_loading`` and distilled-LoRA fusion, before vLLM-Omni enables CPU offload). For every
-eligible linear layer of the pipeline's transformer it replaces the weight's data in place,
-``w.data = torch_npu.npu_format_cast(w.data, 29)``: the ``Parameter``, its class and attributes stay; forward is
-unchanged (``F.linear`` runs on NZ weights). The cast is all or nothing: a fault restores every weight to ND.
-``detach`` casts back to ND (2). After either it announces a weights-changed event (``w.data = ...`` changes neither
-the Parameter's identity nor its ``_version``).
-
-The gates (versions, permission by a trial cast, the numbers per (device, dtype)) are
-:mod:`~vllm_omni_ascend_opt.blocks.kernels.nz_check` (sources cited there); per-layer skips (offload hooks, runtime
-LoRA, DTensor, quantized, fp32, n or k == 1, not on the NPU) are reported by :meth:`NzWeights.report`. The why, how,
-upstream and removal plan are the class's attributes (``vllm-omni-ascend-opt list``).
+``attach`` runs from the plugin's wrapper of ``DiffusersPipelineLoader.load_model`` (before CPU offload) and sets
+``w.data = npu_format_cast(w.data, 29)`` per eligible weight, all or nothing; ``detach`` casts back to ND. Either
+announces a weights-changed event (``w.data = ...`` changes neither identity nor ``_version``).
 """
 
 from __future__ import annotations
@@ -20,7 +11,6 @@ import logging
 import sys
 import weakref
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -63,16 +53,10 @@ class _State:
     reasons: list[str] = field(default_factory=list)
 
 
-def _transformers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def _transformers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The DiT(s) of a pipeline (``transformer``, ``transformer_2``), or ``model`` itself."""
-    found = False
-    for attr in ("transformer", "transformer_2"):
-        sub = getattr(model, attr, None)
-        if isinstance(sub, nn.Module):
-            found = True
-            yield attr, sub
-    if not found:
-        yield "", model
+    subs = [(attr, getattr(model, attr, None)) for attr in ("transformer", "transformer_2")]
+    return [(attr, sub) for attr, sub in subs if isinstance(sub, nn.Module)] or [("", model)]
 
 
 def _od_config(model: nn.Module) -> Any:
@@ -155,19 +139,12 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 class NzWeights(Optimization):
     name = "nz_weights"
     summary = "Cast the transformer's BF16/FP16 linear weights to FRACTAL_NZ (npu_format_cast(w, 29)) after loading."
-    why = (
-        "Ascend's Cube unit reads matmul weights in FRACTAL_NZ; an ND weight is re-laid-out on every GEMM, and "
-        "vLLM-Omni casts only quantized (and Qwen-Image-2.1's) weights."
-    )
+    why = "Ascend's Cube unit reads matmul weights in FRACTAL_NZ; an ND weight is re-laid-out on every GEMM."
     how = (
-        "After loading, w.data = npu_format_cast(w.data, 29) for each eligible unquantized BF16/FP16 linear weight "
-        "(CANN >= 8.3, permission by a trial cast, the numbers checked once per (device, dtype)), all or nothing; the "
-        "Parameter and its attributes stay; weights-changed is announced."
+        "After loading, w.data = npu_format_cast(w.data, 29) for each eligible unquantized BF16/FP16 linear "
+        "weight (CANN >= 8.3, permitted by a trial cast, numbers checked per (device, dtype)), all or nothing."
     )
-    upstream_pr = (
-        "Qwen-Image (1.x): none (vllm-ascend's weight_nz_mode=2 is the LLM-side equivalent); 0.32's Qwen-Image-2.1 "
-        "casts its own BF16 linear weights in its load_weights."
-    )
+    upstream_pr = "None for Qwen-Image (1.x); vllm-ascend's weight_nz_mode=2 is the LLM-side equivalent."
     equivalence = "close"
     requires = (
         "torch_npu >= 2.8 with CANN >= 8.3 (WeightNz matmul routing); weights on an NPU; fp16/bf16; internal formats "
@@ -232,9 +209,7 @@ class NzWeights(Optimization):
     def _config_reasons(self, model: nn.Module) -> list[str]:
         reasons = list(self.reasons_inactive())
         cfg = _od_config(model)
-        for why in (_offload_reason(cfg), _lora_reason(model, cfg)):
-            if why:
-                reasons.append(why)
+        reasons += [why for why in (_offload_reason(cfg), _lora_reason(model, cfg)) if why]
         pc = getattr(cfg, "parallel_config", None)
         if getattr(pc, "use_hsdp", False):
             reasons.append("HSDP is on: the weights are DTensor shards gathered per forward")
@@ -308,8 +283,9 @@ class NzWeights(Optimization):
                         if not permitted:  # the first eligible weight: permission and numbers
                             nz, why_not = trial_cast(npu, w.data)
                             verdict = None
-                            if nz is not None:
-                                verdict = self.path.decide(self._key(w), lambda w=w, nz=nz: self.path.check(w.data, nz))
+                            if nz is not None:  # the numbers once per (device, dtype); the permission on every attach
+                                key = (str(w.device), str(w.dtype).removeprefix("torch."))
+                                verdict = self.path.decide(key, lambda w=w, nz=nz: self.path.check(w.data, nz))
                             if verdict is None or not verdict.ok:
                                 why_not = why_not or (verdict.describe() if verdict else "the NZ check faulted")
                                 state.reasons.append(why_not + "; no weight cast")
@@ -325,29 +301,18 @@ class NzWeights(Optimization):
                 state.skipped[why] += 1
 
     def _rollback(self, state: _State) -> None:
-        """Cast back to ND every weight cast so far (lossless: a layout change), leaving the model as it was."""
+        """Cast back to ND every weight cast so far (lossless: a layout change)."""
         with torch.no_grad():
             for _name, w in state.cast:
                 w.data = state.npu.npu_format_cast(w.data, ACL_FORMAT_ND)
         state.cast.clear()
         state.skipped.clear()
 
-    @staticmethod
-    def _key(w: torch.Tensor) -> tuple[str, str]:
-        """The numbers are checked once per (device, dtype); the permission (:func:`trial_cast`) on every attach: the
-        option can change (vLLM-Omni's NPU platform enables it in ``set_device``)."""
-        return (str(w.device), str(w.dtype).removeprefix("torch."))
-
-    def _revert(self, state: _State) -> None:
-        if not state.cast or state.npu is None:
-            return
-        self._rollback(state)
-        self.announce_weights_changed()
-
     def _detach(self, model: nn.Module) -> None:
         state = self._models.pop(model, None)
-        if state is not None:
-            self._revert(state)
+        if state is not None and state.cast and state.npu is not None:
+            self._rollback(state)
+            self.announce_weights_changed()
 
     def _uninstall(self) -> None:
         self.path.clear()

@@ -1,12 +1,7 @@
 """`qk_norm`: Qwen-Image's four QK RMSNorms per block as ``torch_npu.npu_rms_norm``, verified per shape class.
 
-The kernel path (shape class, fp32 reference, tolerance) is :class:`~vllm_omni_ascend_opt.blocks.kernels.rms_norm.
-RmsNormPath`; this module swaps the norm class in per model instance and offers the path in the ``NORM`` slot while
-installed. The why, how, upstream and removal plan are the class's attributes (``vllm-omni-ascend-opt list``).
-
-With ``joint_attention`` (text and image rows of one joint q or k), ``gamma`` must be ``[D]``, so one kernel cannot
-apply both streams' weights; ``joint_attention`` then norms each stream with one kernel before its joint cat (it asks
-``rms_norm.kernel_ready``, never this module).
+The kernel path is ``blocks.kernels.rms_norm.RmsNormPath``; this module swaps the norm class in per model instance
+and offers the path in the ``NORM`` slot while installed (``joint_attention`` asks ``rms_norm.kernel_ready``).
 """
 
 from __future__ import annotations
@@ -31,25 +26,18 @@ NORM_NAMES = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 class QkNorm(Optimization):
     name = "qk_norm"
     summary = "Run Qwen-Image's four QK RMSNorms per block as torch_npu.npu_rms_norm, verified per shape class against an fp32 reference."
-    why = (
-        "torch_npu registers no aten::rms_norm kernel: each of a block's four QK RMSNorms runs as 8 kernels in bf16 "
-        "on an NPU (_to_copy, pow, mean, add_, rsqrt, mul, mul, _to_copy); npu_rms_norm is one."
-    )
+    why = "torch_npu has no aten::rms_norm: each QK RMSNorm runs as 8 bf16 kernels on an NPU, npu_rms_norm as one."
     how = (
         "npu_rms_norm(x, weight, epsilon=eps)[0] within its documented constraints, verified on the first call of "
         "each shape class against an fp32 reference (one rounding, 2x headroom); stock nn.RMSNorm where refused, "
         "under autograd, tracing or graph capture: pixel."
     )
-    upstream_pr = (
-        "None for Qwen-Image (1.x) on NPU (#7594 is CUDA-only); vllm-ascend uses npu_rms_norm in its RMSNorm custom "
-        "op for LLMs."
-    )
+    upstream_pr = "None for Qwen-Image on NPU (#7594 is CUDA-only); vllm-ascend uses npu_rms_norm for LLMs."
     equivalence = "pixel"
     requires = ("torch_npu with npu_rms_norm (float16/bfloat16/float32)",)
     target_modules = (_targets.TRANSFORMER,)
     regions = frozenset({"block"})
     removal_plan = "Drop when torch_npu registers aten::rms_norm for NPU or vLLM-Omni's Qwen-Image uses an NPU RMSNorm."
-    #: Where the swapped norms are called (before RoPE, on [B, S, H, D]) and how they are built (nn.RMSNorm, [D]).
     upstream = (_targets.QK_NORM_ROPE, _targets.CROSS_ATTENTION_INIT)
     on_qwen_image_21 = (
         "its QK norms are diffusers' RMSNorm, which already calls torch_npu.npu_rms_norm whenever torch_npu imports"
@@ -134,11 +122,8 @@ def _qk_norms(model: Any) -> list[nn.Module]:
     mod = sys.modules.get(_targets.TRANSFORMER)
     if mod is None or not isinstance(model, nn.Module):
         return []
-    out = []
-    for m in model.modules():
-        if isinstance(m, mod.QwenImageCrossAttention):
-            out.extend(n for n in (getattr(m, name, None) for name in NORM_NAMES) if isinstance(n, nn.RMSNorm))
-    return out
+    attns = [m for m in model.modules() if isinstance(m, mod.QwenImageCrossAttention)]
+    return [n for m in attns for n in (getattr(m, name, None) for name in NORM_NAMES) if isinstance(n, nn.RMSNorm)]
 
 
 OPT = QkNorm()

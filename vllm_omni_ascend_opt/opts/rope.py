@@ -1,15 +1,8 @@
-"""`rope`: RoPE cos/sin tables built once per forward shape and reused in every block; on Ascend applied with a
-verified ``torch_npu.npu_rotary_mul`` (interleave).
+"""`rope`: RoPE cos/sin tables built once per forward shape and reused in every block (:class:`Rope`).
 
-Patched (vLLM-Omni's ``qwen_image_transformer.py``, recognised by the fingerprints in :data:`UPSTREAM`): the module
-global ``_qwen_image_qk_norm_rope`` (looked up at call time, so it also reaches models built before the install,
-TeaCache's block loop and SP-sharded freqs), and ``QwenEmbedRope.forward`` / ``QwenEmbedLayer3DRope.forward``,
-memoized per (shapes, text lengths, device, table objects) so the same freqs objects reach every step.
-
-The tables, their cache and the portable math live in :mod:`~vllm_omni_ascend_opt.blocks.kernels.rope_tables`; the
-kernel path (checks, verdicts, backend choice) in :class:`~vllm_omni_ascend_opt.blocks.kernels.rotary.RotaryPath`,
-which this optimization owns and offers in the ``ROTARY`` slot for ``joint_attention`` while installed. The why,
-how, upstream and removal plan are the class's attributes (``vllm-omni-ascend-opt list``).
+Patches the module global ``_qwen_image_qk_norm_rope`` (looked up at call time, so it also reaches TeaCache's block
+loop) and the embedders' ``forward``, memoized so the same freqs objects reach every step. Its kernel path
+(``blocks.kernels.rotary.RotaryPath``) is offered in the ``ROTARY`` slot for ``joint_attention`` while installed.
 """
 
 from __future__ import annotations
@@ -43,8 +36,6 @@ POLICIES = ("pixel", "verified", "bitwise")
 EMBED_MEMO_SIZE = 8
 
 _T = _targets.TRANSFORMER
-#: The upstream functions rope patches (qk-norm-rope, the embedders' forward) or mirrors (what the embedders compute,
-#: the native rotary math, stock's fused-CUDA branch condition), with the source fingerprints it knows.
 UPSTREAM: tuple[Upstream, ...] = (
     _targets.QK_NORM_ROPE,
     _targets.FUSED_MIN_TOKENS,
@@ -55,7 +46,6 @@ UPSTREAM: tuple[Upstream, ...] = (
     same(_T, "QwenEmbedLayer3DRope.forward", "a1198ba9ab7ff6cc"),
     Upstream(_T, "QwenEmbedRope.__init__", {"2a0b2ac6aef42c5a": (V030, V031), "77e96f6224e3eb62": (V032,)}),
     Upstream(_T, "QwenEmbedLayer3DRope.__init__", {"d423f2c06a4e9ea3": (V030, V031), "c954f35fd13f7112": (V032,)}),
-    # lru_cache (0.30/0.31) -> per-instance _freqs_cache with the bodies in _build_* (0.32, upstream #8016)
     Upstream(_T, "QwenEmbedRope._compute_video_freqs", {"11b65b39fc21a8ca": (V030, V031), "96ac02ec4d50008c": (V032,)}),
     Upstream(_T, "QwenEmbedRope._build_video_freqs", {ABSENT: (V030, V031), "179ee8c1a00d4813": (V032,)}),
     Upstream(
@@ -77,9 +67,8 @@ class Rope(Optimization):
     name = "rope"
     summary = "Build RoPE cos/sin tables once per forward shape and reuse them in every block; on Ascend apply them with a verified torch_npu.npu_rotary_mul (interleave)."
     why = (
-        "Stock converts the complex freqs to cos/sin in every block for both streams, and "
-        "RotaryEmbedding.forward_native re-expands them and negates/stacks x on every call (10 launches per q/k); "
-        "Ascend without MindIE-SD takes that path too."
+        "Stock converts the complex freqs to cos/sin in every block for both streams, and forward_native re-expands "
+        "them and negates/stacks x on every call (10 launches per q/k), as does Ascend without MindIE-SD."
     )
     how = (
         "cos/sin tables built once per freqs tensor and dtype (weakly keyed LRU) and the embedder memoized per shape; "
@@ -87,10 +76,7 @@ class Rope(Optimization):
         "(interleave), verified per (device, dtype, head_dim) and per shape class against an fp32 reference and "
         "stock's own error: pixel (VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL=bitwise keeps it exact)."
     )
-    upstream_pr = (
-        "vllm-omni #4043 (open) calls npu_rotary_mul per call in forward_npu, with no tables built once; "
-        "vllm-omni #7594 (open) fuses QK RMSNorm + RoPE + cat on CUDA only."
-    )
+    upstream_pr = "vllm-omni #4043 (open): npu_rotary_mul per call, no cached tables; #7594 (open): CUDA-only fusion."
     #: exact on the portable path; pixel with the NPU kernel (see :meth:`tier`).
     equivalence = "pixel"
     requires = ("NPU kernel path: torch_npu with npu_rotary_mul rotary_mode='interleave'",)
@@ -102,28 +88,19 @@ class Rope(Optimization):
         "upstream applies its RoPE there with torch_npu.npu_rotary_mul and tables cached per freqs "
         "(_apply_qwen_image21_rotary_emb_npu); no Qwen-Image (1.x) embedder or qk-norm-rope to patch"
     )
-    removal_plan = (
-        "Drop when vLLM-Omni builds Qwen-Image cos/sin once per forward and RotaryEmbedding.forward_npu calls "
-        "npu_rotary_mul(rotary_mode='interleave') (vllm-omni PR #4043) verified on device."
-    )
+    removal_plan = "Drop when vLLM-Omni builds cos/sin once per forward and calls npu_rotary_mul (vllm-omni #4043)."
 
     #: Set False to keep the portable path even where torch_npu is present.
     use_npu_kernel: bool = True
-    #: Accept the NPU kernel only if it is bitwise-equal to stock's math (keeps ``rope`` in the ``exact`` tier).
-    #: None (default): from ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL`` (``pixel``, the default, or ``bitwise``), read when
-    #: the kernel is verified; True/False override it.
+    #: Accept the NPU kernel only if it is bitwise-equal to stock's math; None: from the env (``ENV_KERNEL_POLICY``).
     require_bitwise_kernel: bool | None = None
 
     def __init__(self) -> None:
         super().__init__()
-        #: Tables, kernel verdicts and the backend choice; counts into this optimization's stats, also for the calls
-        #: ``joint_attention`` makes through it while this optimization switches it on (installed).
+        #: Tables, kernel verdicts and the backend choice (also serves ``joint_attention``'s calls while installed).
         self.rotary = rotary.RotaryPath(self, self.stats, self.name)
         self._embed_memo: weakref.WeakKeyDictionary[nn.Module, WeakLRU] = weakref.WeakKeyDictionary()
         self._bad_policy: set[str] = set()
-
-    def _process_reasons(self) -> list[str]:
-        return []  # the portable path runs everywhere vLLM-Omni does
 
     def cache_memory(self) -> dict[str, Any]:
         tables = self.rotary.tables
@@ -194,9 +171,7 @@ class Rope(Optimization):
         return out
 
     def kernel_classes(self) -> dict[str, Any] | None:
-        if _backend.torch_npu_module() is None or not self.use_npu_kernel:
-            return None
-        return self.rotary.tally()
+        return None if _backend.torch_npu_module() is None or not self.use_npu_kernel else self.rotary.tally()
 
     def verdicts(self) -> list[Verdict]:
         """The first-use checks of the kernel per (device, dtype, head_dim), for the current backend."""
@@ -217,29 +192,20 @@ class Rope(Optimization):
 
     def _uninstall(self) -> None:
         rotary.ROTARY.withdraw(self.rotary)
-        self.reset_state()
-
-    def _attach(self, model: nn.Module) -> None:
-        mod = sys.modules.get(_targets.TRANSFORMER)
-        for tr in model.modules() if mod is not None and isinstance(model, nn.Module) else ():
-            if isinstance(tr, mod.QwenImageTransformer2DModel):
-                forward_scope.watch(tr, self.name)  # the guard and the tables once per forward
-
-    def _detach(self, model: nn.Module) -> None:
-        for tr in model.modules() if isinstance(model, nn.Module) else ():
-            forward_scope.unwatch(tr, self.name)
-
-    def reset_state(self) -> None:
-        """Drop tables, shape memos, kernel verdicts and counters."""
-        self.rotary.clear()
+        self.rotary.clear()  # tables and kernel verdicts
         self._embed_memo.clear()
-        self.stats.clear()
         self._bad_policy.clear()
 
-    def requires_bitwise(self) -> bool:
-        """The kernel policy: the explicit attribute, else ``VLLM_OMNI_ASCEND_OPT_ROPE_KERNEL`` (default ``pixel``).
+    def _attach(self, model: nn.Module) -> None:
+        for tr in guards.find_transformers(model):
+            forward_scope.watch(tr, self.name)  # the guard and the tables once per forward
 
-        An unknown value keeps the safe ``bitwise`` policy and is logged and shown in ``notes()``."""
+    def _detach(self, model: nn.Module) -> None:
+        for tr in guards.find_transformers(model):
+            forward_scope.unwatch(tr, self.name)
+
+    def requires_bitwise(self) -> bool:
+        """The kernel policy: the attribute, else the env (default ``pixel``; an unknown value: ``bitwise``, logged)."""
         if self.require_bitwise_kernel is not None:
             return self.require_bitwise_kernel
         raw = os.environ.get(ENV_KERNEL_POLICY, "pixel").strip().lower()
@@ -272,8 +238,6 @@ class Rope(Optimization):
         ) -> tuple[torch.Tensor, torch.Tensor]:
             """vLLM-Omni's ``_qwen_image_qk_norm_rope`` with cached cos/sin (and the verified NPU kernel)."""
             if guards.tracing():  # first: dynamo traces stock code, nothing here is read or counted
-                # (per stream, its portable math in a graph is not smaller than stock's: the compiler fuses both;
-                # with joint_attention the joint path rotates in the graph)
                 return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)
             if (
                 forward_scope.decide("rope.call_reason", guards.eager_call_reason) is not None  # once per forward
@@ -297,15 +261,13 @@ class Rope(Optimization):
                 return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)
             q = norm_q(q)
             k = norm_k(k)
-            # the same freqs object reaches every block of a forward: its tables are found once per forward
             return opt._rotate(q, freqs, rope), opt._rotate(k, freqs, rope)
 
         _qwen_image_qk_norm_rope.__wrapped__ = original  # type: ignore[attr-defined]
         return _qwen_image_qk_norm_rope
 
     def _rotate(self, x: torch.Tensor, freqs: torch.Tensor, rope: nn.Module) -> torch.Tensor:
-        """``rope(x, cos, sin)`` of stock with the cached tables of ``freqs`` in ``x``'s dtype (as stock converts
-        them), through the rotary service (verified kernel, portable math or the block's own kernel)."""
+        """Stock's ``rope(x, cos, sin)`` with the cached tables of ``freqs`` in ``x``'s dtype (rotary service)."""
         tables = forward_scope.decide(
             ("rope.tables", id(freqs), x.dtype), lambda: self.rotary.tables.get(freqs, x.dtype)
         )
@@ -315,10 +277,7 @@ class Rope(Optimization):
         opt = self
 
         def forward(module: nn.Module, video_fhw: Any, txt_seq_lens: Any, device: Any) -> Any:
-            """``QwenEmbedRope.forward`` memoized: same arguments and tables -> the same (vid, txt) freqs objects.
-
-            At most :data:`EMBED_MEMO_SIZE` results per embedder module (LRU), each served only while the tables it
-            was made from (``pos_freqs``/``neg_freqs``) are the same objects."""
+            """``QwenEmbedRope.forward`` memoized (LRU per module) while ``pos_freqs``/``neg_freqs`` stay the same."""
             if guards.tracing() or torch.is_grad_enabled():  # tracing first: nothing mutable read while tracing
                 return original(module, video_fhw, txt_seq_lens, device)
             key = _embed_key(module, video_fhw, txt_seq_lens, device)

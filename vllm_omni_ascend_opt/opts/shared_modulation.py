@@ -1,15 +1,9 @@
 """`shared_modulation`: Qwen-Image's timestep-only modulation memoized, exactly (:class:`SharedModulation`).
 
-Patches ``QwenImageTransformerBlock.forward`` (reads the block's unpacked modulation from the memo,
-``blocks/memo/``; the block body in ``blocks/body/``) and ``QwenImageTransformer2DModel.load_weights`` (drops the
-memo). Per attached transformer, every block's ``img_mod``/``txt_mod``, ``norm_out`` and ``time_text_embed`` get
-memoizing subclasses (``__class__`` swap: same object and state dict), so direct calls such as TeaCache's
-``block.img_mod(temb)`` hit the memo too; ``detach`` restores the classes. Two-segment modulation (``zero_cond_t``)
-uses per-segment broadcast (``blocks/body/two_segment.py``). Under regional compile the lookups run in eager pre-hooks
-of the compiled blocks. Stock code runs, with a counted reason, under autograd, graph capture, global or
-modulation-module hooks, inference-tensor weights, MindIE-SD's fused image norms and the CUDA Triton select01
-kernels. The memo is per rank (no collective). Weights written through ``.data`` outside ``load_weights`` need
-:meth:`SharedModulation.invalidate` (or the registry's weights-changed event).
+Patches ``QwenImageTransformerBlock.forward`` and ``load_weights`` (drops the memo). Per attached transformer, each
+block's ``img_mod``/``txt_mod``, ``norm_out`` and ``time_text_embed`` get memoizing subclasses (``__class__`` swap),
+so direct calls such as TeaCache's ``block.img_mod(temb)`` hit the memo too. Weights written through ``.data``
+outside ``load_weights`` need :meth:`SharedModulation.invalidate` (or the registry's weights-changed event).
 """
 
 from __future__ import annotations
@@ -30,10 +24,7 @@ from vllm_omni_ascend_opt.blocks.body.block_body import (
     traced_block_body,
 )
 from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, MEMO, ModulationMemo, budget_from_env
-from vllm_omni_ascend_opt.blocks.memo.keys import (
-    SELECT01_MODULE,
-    unkeyable_reasons,
-)
+from vllm_omni_ascend_opt.blocks.memo.keys import SELECT01_MODULE, unkeyable_reasons
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm, forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, V030, V031, V032, Upstream, same
@@ -41,9 +32,6 @@ from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
 from vllm_omni_ascend_opt.optimization import Optimization
 
 _T, _ADA = _targets.TRANSFORMER, ada_norm.ADALAYERNORM_MODULE
-#: What it replaces (block forward, load_weights) or mirrors (what its block body and projections recompute); a
-#: source matching no fingerprint turns it off. 0.32's forward_cuda (a Triton AdaLN kernel) is accepted because
-#: ``norm_kind`` treats it as native only where that kernel is absent, and calls the instance otherwise.
 UPSTREAM: tuple[Upstream, ...] = (
     _targets.BLOCK_FORWARD,
     same(_T, "QwenImageTransformerBlock._modulate", "790253f78c1c2199"),
@@ -68,39 +56,28 @@ UPSTREAM: tuple[Upstream, ...] = (
 
 class SharedModulation(Optimization):
     name = "shared_modulation"
-    summary = (
-        "Compute SiLU(temb) and the per-block modulation projections once per distinct timestep embedding (exact "
-        "memo), and unpack them once per block into broadcast-ready tensors."
-    )
+    summary = "Memoize the blocks' modulation projections per distinct timestep embedding (exact), unpacked per block."
     why = (
-        "Per forward, stock computes SiLU(temb) twice per block and once in norm_out, and runs every block's "
+        "Per forward, stock computes SiLU(temb) in every block and in norm_out and runs every block's "
         "img_mod/txt_mod projections (about a third of the DiT's weights) and norm_out.linear, although they "
-        "depend only on the timestep embedding temb, which repeats across the CFG branches of a step and across "
-        "requests with the same schedule; 1 + scale is recomputed four times per block from strided views."
+        "depend only on temb, which repeats across a step's CFG branches and across requests with the same "
+        "schedule."
     )
     how = (
-        "An exact memo keyed on the value of temb (dtype, shape, device, SHA-256 of its bytes; found through the "
-        "timestep's value by the time embedding, so a repeated timestep runs no embedding kernel), the numerical "
-        "settings (grad mode, matmul precision, autocast, TF32/HF32) and each projection's weights (identity, "
-        "version, shape, dtype, device, LoRA and quantization state). A miss replays stock's ops. Each block's "
-        "modulation is stored unpacked as contiguous (1 + scale, shift, gate) [B, 1, D] tensors, so a warm step "
-        "runs no modulation op and the block runs stock's elementwise ops on the same values: bitwise stock. "
-        "AdaLayerNorm is applied the way the instance dispatches (the native path and npu_layer_norm_eval take "
-        "the memoized 1 + scale; MindIE-SD and CUDA's Triton kernel are called as usual). Bounded by a byte "
-        "budget, least recently used temb first; reloading the weights clears it."
+        "An exact memo keyed on the value of temb (SHA-256 of its bytes; found through the timestep's value, so a "
+        "repeated timestep runs no embedding kernel), the numerical settings and each projection's weights "
+        "(identity, version, LoRA and quantization state); a miss replays stock's ops. Each block's modulation is "
+        "stored unpacked as contiguous (1 + scale, shift, gate) [B, 1, D] tensors: a warm step runs no modulation "
+        "op and the block runs stock's elementwise ops on the same values, bitwise stock. Bounded by a byte "
+        "budget (LRU); reloading the weights clears it."
     )
     upstream_pr = (
-        "vllm-omni #7529 (open) reuses the modulation projections of the positive pass in the negative pass of "
-        "serial CFG (a consume-once, block-local cache); this memo also hits across steps with equal timesteps, "
-        "repeated requests and CFG-parallel ranks, and unpacks once per block: a textual conflict in the block "
-        "forward. vllm-omni #7419 (open) fuses the block's residual and AdaLN pointwise stages on CUDA: a textual "
-        "conflict, no semantic overlap. Upstream's ExactProjectionCache does the same for MiniMax-H3 only; "
-        "proposal: wire it into Qwen-Image with unpacked outputs."
+        "vllm-omni #7529 (open) reuses the positive pass's modulation projections in serial CFG's negative pass; "
+        "this memo also hits across steps, requests and CFG-parallel ranks: a textual conflict in the block "
+        "forward, as with vllm-omni #7419 (open, CUDA AdaLN fusion). Upstream's ExactProjectionCache does this "
+        "for MiniMax-H3 only; proposal: wire it into Qwen-Image."
     )
-    removal_plan = (
-        "Drop once vLLM-Omni memoizes Qwen-Image's modulation itself: its block forward's fingerprint then stops "
-        "matching and this turns itself off with a reason."
-    )
+    removal_plan = "Drop once vLLM-Omni memoizes Qwen-Image's modulation itself (the fingerprints then turn this off)."
     equivalence = "exact"
     requires = ("vLLM-Omni >= 0.30 whose code matches the fingerprints it knows; any device and dtype",)
     target_modules = (_targets.TRANSFORMER,)
@@ -189,13 +166,13 @@ class SharedModulation(Optimization):
             modulate_index: list[int] | None = None,
             hidden_states_mask: torch.Tensor | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor]:
+            streams = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, image_rotary_emb)
             mods = None
             if not guards.tracing():  # first: under dynamo nothing mutable is read, the graph holds stock's block
                 mods = opt._block_mods(self, temb, modulate_index, hidden_states)
             elif modulate_index is None:
                 hoisted = compiled_blocks.ready(self, READY)  # regional compile: looked up by the eager pre-hook
                 if hoisted is not None:
-                    streams = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, image_rotary_emb)
                     return traced_block_body(self, hoisted, *streams, hidden_states_mask)
             if mods is None:
                 return original_forward(
@@ -209,16 +186,7 @@ class SharedModulation(Optimization):
                     modulate_index=modulate_index,
                     hidden_states_mask=hidden_states_mask,
                 )
-            return block_body(
-                self,
-                mods,
-                hidden_states,
-                encoder_hidden_states,
-                encoder_hidden_states_mask,
-                image_rotary_emb,
-                hidden_states_mask,
-                opt.stats,
-            )
+            return block_body(self, mods, *streams, hidden_states_mask, opt.stats)
 
         forward.__wrapped__ = original_forward  # type: ignore[attr-defined]
         forward.__doc__ = original_forward.__doc__
@@ -291,8 +259,7 @@ class SharedModulation(Optimization):
                 return stock_norm_out(self, x, conditioning_embedding)
 
         class MemoTimeEmbedding(base_time):
-            """QwenTimestepProjEmbeddings whose output is keyed in the memo by the timestep's value, so the blocks
-            find their entry without a digest of temb (same object)."""
+            """QwenTimestepProjEmbeddings whose output the memo keys by the timestep's value (same object)."""
 
             def forward(
                 self, timestep: torch.Tensor, hidden_states: torch.Tensor, addition_t_cond: Any = None

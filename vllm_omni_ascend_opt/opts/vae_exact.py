@@ -1,11 +1,7 @@
 """`vae_exact`: VAE decode work that never changes a bit for single-frame images, removed (:class:`VaeExact`).
 
-Each piece is patched per instance (``_vae_common``) and proven bitwise by tests/test_vae_exact.py:
-``single_frame_decode`` (``vae._decode``), ``single_frame_tiles`` (``tiled_decode``, ``tile_exec``),
-``cached_conv_counts`` (``vae.clear_cache``, the counts checked at attach), ``upsample_native_dtype``
-(``QwenImageUpsample.forward``, verified once per device type and dtype on a probe: :attr:`VaeExact.upsample`),
-``pointwise_conv_no_pad`` (1x1x1 ``QwenImageCausalConv3d.forward``) and ``latents_stats_cache``
-(``pipeline._decode_latents``, :class:`LatentsStats`).
+Pieces, patched per instance (``_vae_common``): ``single_frame_decode``, ``single_frame_tiles``, ``cached_conv_counts``,
+``upsample_native_dtype``, ``pointwise_conv_no_pad`` and ``latents_stats_cache``.
 """
 
 from __future__ import annotations
@@ -70,8 +66,7 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
         if why:
             opt._fallback(why)
             return original(z, return_dict=return_dict)
-        # Stock: clear_cache(); post_quant_conv; decoder(x[:, :, 0:1], all cache slots None); clamp; clear_cache().
-        # For one frame that is the decoder without a cache, minus the clones it would store for a next frame.
+        # For one frame stock's cached decode is the decoder without a cache, minus the clones stored for a next frame.
         opt.stats["single_frame_decodes"] += 1
         x = self.post_quant_conv(z)
         out = self.decoder(x)
@@ -103,9 +98,7 @@ def decode_tile(vae: nn.Module, tile: torch.Tensor) -> torch.Tensor:
 
 def tiled_decode_single_frame(opt: VaeExact, vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
     """diffusers' ``AutoencoderKLQwenImage.tiled_decode`` for a one-frame latent, bitwise: the same tiles, crops and
-    blends (``blend_v`` with the blended row above, then ``blend_h`` with the left tile). Stock blends after decoding
-    every tile; here row ``i`` is blended once decoded, row ``i - 1`` already blended (the same ops in the same
-    order), and row ``i - 1`` is then dropped."""
+    blends in the same order, each row blended once decoded (stock decodes every tile first)."""
     _, _, _, height, width = z.shape
     ratio = vae.spatial_compression_ratio
     min_h, min_w = vae.tile_sample_min_height // ratio, vae.tile_sample_min_width // ratio
@@ -199,8 +192,7 @@ def _clear_cache(self: nn.Module) -> None:
 
 
 class UpsamplePath(KernelPath):
-    """Nearest interpolation in the activation dtype instead of stock's fp32 round trip, checked per (device type,
-    dtype) on a probe."""
+    """Nearest interpolation in the activation dtype, checked per (device type, dtype) on a probe."""
 
     kernel = "native-dtype upsample"
     persist = False
@@ -267,8 +259,7 @@ def decode_latents_refusal(pipe: Any) -> str:
 
 
 class LatentsStats:
-    """The latents mean and 1/std of one pipeline, built by ``_decode_latents``' own ops once per (device, dtype,
-    config) and reused; one entry (a pipeline decodes on one device in one dtype): another key replaces it."""
+    """The latents mean and 1/std of one pipeline, built by stock's ops once per (device, dtype, config); one entry."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -308,41 +299,27 @@ def _make_decode_latents(pipe: Any) -> Any:
 
 class VaeExact(VaeOptimization):
     name = "vae_exact"
-    summary = (
-        "Remove VAE decode work that never changes a bit for single-frame images (unread cache clones, fp32 round "
-        "trips, repeated counts)."
-    )
+    summary = "Remove VAE decode work that never changes a bit for single-frame images."
     why = (
-        "Qwen-Image's VAE is the Wan video VAE: every decode of a still image (one latent frame) clones the input "
-        "of each causal convolution into a feature cache only a next frame would read, round-trips each nearest "
-        "upsample through fp32, copies the input of each 1x1x1 convolution through a zero-width F.pad, walks the "
-        "module tree on each clear_cache to count convolutions diffusers already counted, and re-creates the "
-        "latents mean and std tensors on every call."
+        "Qwen-Image's VAE is the Wan video VAE: each still-image decode clones every causal convolution's input "
+        "into a feature cache only a next frame would read, round-trips each nearest upsample through fp32, "
+        "copies each 1x1x1 convolution's input through a zero-width F.pad, recounts the convolutions on each "
+        "clear_cache and re-creates the latents mean and std on every call."
     )
     how = (
-        "For one frame every feature-cache slot is None, so a decode without the cache is the same computation "
-        "minus the clones (tiled decodes: tile by tile, with stock's blending); clear_cache uses the cached conv "
-        "counts (checked equal to a fresh count); nearest upsampling only copies values, so it runs in the input "
-        "dtype (fp32/bf16/fp16, verified on a probe); a 1x1x1 causal convolution's padding is all zeros, so a "
-        "contiguous input goes straight to Conv3d; the latents mean and 1/std are built by the same ops once per "
-        "device, dtype and config. The removed work is copies, lossless casts and bookkeeping: bitwise stock. "
-        "Multi-frame decodes keep stock's path."
+        "For one frame every cache slot is None, so a decode without the cache is the same computation minus the "
+        "clones (tiled decodes too, with stock's blending); clear_cache uses diffusers' cached conv counts "
+        "(checked at attach); nearest upsampling runs in the input dtype (verified on a probe); a contiguous "
+        "input goes straight to a 1x1x1 convolution's Conv3d; the latents statistics are built once per device, "
+        "dtype and config. Only copies, lossless casts and bookkeeping are removed: bitwise stock. Multi-frame "
+        "decodes keep stock's path."
     )
-    upstream_pr = (
-        "None found in vLLM-Omni or diffusers (diffusers computes _cached_conv_counts but clear_cache does not "
-        "use it). ComfyUI #12090 (merged) skips the Wan VAE's feature cache for single frames; sglang #38020 "
-        "(merged) ports Wan VAE decoder fast paths to the Qwen-Image VAE on CUDA."
-    )
-    removal_plan = (
-        "Drop each piece when diffusers' Qwen-Image VAE skips the feature cache for single-frame decodes, uses "
-        "its cached conv counts and interpolates in the input dtype, and vLLM-Omni caches the latents statistics."
-    )
+    upstream_pr = "None upstream; ComfyUI #12090 (merged) skips the Wan VAE's feature cache for single frames."
+    removal_plan = "Drop each piece once diffusers (and vLLM-Omni, for the latents statistics) do the same."
     equivalence = "exact"
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)
     regions = frozenset({"vae"})
-    #: What its pieces replace or mirror: the decode (and the decoder modules' feature cache), clear_cache, the
-    #: upsample and 1x1x1 conv forwards, the tiling condition, the tiled decode, _decode_latents.
     upstream = (
         _targets.VAE_DECODE,
         _targets.CAUSAL_CONV_FORWARD,

@@ -1,12 +1,7 @@
 """`vae_fast`: single-frame VAE decode with 2-D convolutions and input-dtype RMS norms (:class:`VaeFast`).
 
-Pieces, patched per instance (``_vae_common``): ``conv2d_last_tap`` (each decoder ``QwenImageCausalConv3d`` with a
-temporal kernel > 1 and full causal padding, called without a cache on one frame) and ``rms_norm_input_dtype`` (each
-decoder channel-first ``QwenImageRMS_norm``); every other call runs the stock forward.
-
-Not taken: an fp16 decode (no fp16 convolution kernels on CPU; 910B's cube units run fp16 and bf16 at the same peak),
-a fused RMS norm + SiLU (torch_npu has no such kernel), fused attention in the mid-block (torch_npu's SDPA already
-dispatches to ``npu_fusion_attention``).
+Pieces, patched per instance (``_vae_common``): ``conv2d_last_tap`` (decoder causal convs with a temporal kernel > 1)
+and ``rms_norm_input_dtype`` (decoder channel-first RMS norms); every other call runs the stock forward.
 """
 
 from __future__ import annotations
@@ -56,8 +51,7 @@ def _make_last_tap_forward(module: nn.Module) -> Any:
     padding2d, stride2d = (ph, pw), tuple(module.stride[1:])
 
     def last_tap(weight: torch.Tensor) -> torch.Tensor:
-        """The contiguous last temporal tap, rebuilt when the weight changes in place (``_version``), is reloaded
-        (a new ``data_ptr``), moves or is re-cast."""
+        """The contiguous last temporal tap, rebuilt when the weight changes, is reloaded, moves or is re-cast."""
         key = (weight.data_ptr(), weight.device, weight.dtype, weight._version)
         if state["key"] != key:
             state["w"] = weight.detach()[:, :, -1].contiguous()
@@ -87,7 +81,7 @@ def _make_norm_forward(module: nn.Module) -> Any:
     state: dict[str, Any] = {"key": None, "g": None}
 
     def scaled_gamma(self: nn.Module) -> torch.Tensor:
-        """``gamma * scale``, rebuilt when gamma changes in place, is reloaded, moves or is re-cast (as the last tap)."""
+        """``gamma * scale``, rebuilt when gamma changes (as the last tap)."""
         gamma = self.gamma
         key = (gamma.data_ptr(), gamma.device, gamma.dtype, gamma._version, self.scale)
         if state["key"] != key:
@@ -98,9 +92,8 @@ def _make_norm_forward(module: nn.Module) -> Any:
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if guards.tracing() or x.dtype not in _NORM_DTYPES:
             return original(x)
-        # Stock: F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma + bias. Here: the norm, a clamp, one
-        # divide, one in-place product with gamma * scale. bf16 has fp32's range; fp16 accumulates the norm in fp32
-        # and clamps it at fp16's smallest normal.
+        # Stock normalizes in fp32; here in x's dtype (bf16 has fp32's range; fp16 accumulates the norm in fp32 and
+        # clamps it at fp16's smallest normal).
         if x.dtype == torch.float16:
             norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32)
             norm = norm.to(x.dtype).clamp_min(torch.finfo(x.dtype).tiny)
@@ -127,27 +120,17 @@ class VaeFast(VaeOptimization):
         "convolutions are most of the decode's time. Its RMS norms also round-trip through fp32."
     )
     how = (
-        "F.conv2d of the frame with the kernel's last temporal tap and the spatial padding inside the "
-        "convolution; the channel-first RMS norms as x / ||x|| * (gamma * scale) in the input dtype (4 kernels "
-        "instead of 8 in bf16). The same non-zero products summed in another order differ in the last bits: "
-        "close, gated at SSIM >= 0.99 and PSNR >= 35 dB against stock (tiny pipeline and a real-width VAE, fp32 "
-        "and bf16)."
+        "F.conv2d of the frame with the kernel's last temporal tap, padding inside the convolution; the "
+        "channel-first RMS norms as x / ||x|| * (gamma * scale) in the input dtype. The same products summed in "
+        "another order differ in the last bits: close, gated at SSIM >= 0.99 and PSNR >= 35 dB against stock."
     )
-    upstream_pr = (
-        "None found in vLLM-Omni or diffusers (Wan decodes frame by frame through Conv3d by design). sglang "
-        "#38020 (merged, CUDA) keeps Conv3d with channels-last data movement and an RMSNorm->SiLU fusion."
-    )
-    removal_plan = (
-        "Drop when diffusers' Qwen-Image VAE (or vLLM-Omni's distributed VAE) decodes single frames with 2-D "
-        "convolutions."
-    )
+    upstream_pr = "None in vLLM-Omni or diffusers; sglang #38020 (merged, CUDA) keeps Conv3d (channels-last)."
+    removal_plan = "Drop when diffusers' (or vLLM-Omni's) Qwen-Image VAE decodes single frames with 2-D convolutions."
     equivalence = "close"
     default_enabled = False
     requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
     target_modules = (_targets.DIST_VAE,)
     regions = frozenset({"vae"})
-    #: What it replaces: the causal conv's forward (and its __init__'s padding), the RMS norm's forward, and the
-    #: decode that calls them without a cache on one frame.
     upstream = (
         _targets.VAE_DECODE,
         _targets.CAUSAL_CONV_FORWARD,
