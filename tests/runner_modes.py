@@ -1,12 +1,8 @@
-"""vLLM-Omni's memory and cache modes, run through its own ``DiffusionModelRunner`` (``testbed/model_runner.py``): the
-modes, one run of a mode under a flag, and what the tests compare (tests/test_memory_modes.py).
+"""vLLM-Omni's memory and cache modes through its own ``DiffusionModelRunner``, for tests/test_memory_modes.py.
 
-One run = load the tiny model with the mode's ``OmniDiffusionConfig`` fields under a ``VLLM_OMNI_ASCEND_OPT``
-selection, then the same request twice (64x64, 8 steps, CFG on): the images of both, and, for the second (warm)
-request, every optimization's statistics and fallback reasons and what the plugin reports as acting on the pipeline.
-
-cache-dit enables once per process (a second pipeline asserts inside cache-dit), so its modes run in a child
-process each: ``python -m tests.runner_modes MODE SPEC OUT_DIR`` writes ``OUT_DIR/run.json`` and ``images.pt``.
+One run loads the tiny model with the mode's ``OmniDiffusionConfig`` fields under a selection and makes the same
+request twice: both images and, for the warm one, every optimization's statistics, fallbacks and acting status.
+cache-dit enables once per process, so its modes run in a child each (``python -m tests.runner_modes MODE SPEC OUT``).
 """
 
 from __future__ import annotations

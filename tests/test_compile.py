@@ -1,11 +1,10 @@
-"""Under vLLM-Omni's torch.compile (regional and full), forced on the CPU runtime through its own runner: the
-optimizations act *inside* the compiled model (issue 21), the plugin's bookkeeping stays out of the traced code.
+"""Under vLLM-Omni's torch.compile (regional and full), forced on the CPU runtime through its own runner.
 
-Compiled default is pixel-identical to compiled stock (inductor reorders float math, so bitwise is not the bar) and the
-fast tier stays within its gates, repeated requests are identical, nothing recompiles after the first request of a
-shape, the plugin causes no graph break (none located in its code), the compiled graphs run fewer ops with the
-default stack than with stock, the value-keyed work (the modulation memo, the RoPE tables) ran in eager hooks while
-the compiled blocks received ready tensors (regional), and the status says truthfully what acts."""
+Compiled default is pixel-identical to compiled stock (inductor reorders float math) and the fast tier within its
+gates; repeats are identical and nothing recompiles; the plugin causes no graph break; the compiled graphs run fewer
+ops with the default stack; the value-keyed work (memo, RoPE tables) runs in eager hooks and reaches the compiled
+blocks as ready tensors (regional); the status says truthfully what acts.
+"""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""The torch_npu fake against the real package: the pinned torch-npu 2.13.0 wheel, read (never installed).
-
-* every fake op's signature (argument names incl. ``self``, order, keyword-only, defaults) equals its schema in
-  ``npu_native_functions_by_codegen.yaml``, and its number of outputs the schema's return arity;
-* its outputs' shapes and dtypes equal what the wheel's meta functions (``op_plugin/meta/_meta_registrations.py``,
-  run on CPU with stubs) return for the same arguments;
-* ``torch.npu.config`` behaves like the real ``_npuConfig`` (write-only).
-
-Constraints the meta functions do not check (value ranges, layouts, sparse modes, formats) are cited to the op-plugin
-docs in the fake's modules and tested in the per-optimization test files. Skips with the reason when the wheel
-cannot be fetched (``tests/fake_torch_npu/reference.py``).
+"""The torch_npu fake against the pinned torch-npu 2.13.0 wheel, read (never installed): every fake op's signature
+equals its codegen schema (names, order, keyword-only, defaults, output arity), its outputs' shapes and dtypes equal
+the wheel's meta functions', and ``torch.npu.config`` is write-only like the real one. Skips with the reason when the
+wheel cannot be fetched (``tests/fake_torch_npu/reference.py``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""The whole Qwen-Image family of vLLM-Omni 0.30 (issue 14): DMD2, Edit, Edit-Plus (2509 and 2511 ``zero_cond_t``)
-and Layered, each a tiny offline model loaded through vLLM-Omni's own loader and run through its real pipeline.
+"""The Qwen-Image family of vLLM-Omni 0.30: DMD2, Edit, Edit-Plus (2509, 2511 ``zero_cond_t``) and Layered, each a
+tiny model loaded through vLLM-Omni's loader and run through its real pipeline.
 
-Per pipeline: the default stack gives ``none``'s images bit for bit over CFG on/off, two seeds, two resolutions, a
-repeated request (warm caches) and, for the image pipelines, two different input images (a cache keyed on the wrong
-thing would return the first image's result for the second); every selected optimization either acts on the
-pipeline or says why not; ``vae_fast`` meets its gates. Sized for 2 cores: one pipeline load and one set of
-reference images per pipeline (module fixtures).
+Per pipeline: the default stack gives ``none``'s images bitwise over CFG on/off, seeds, resolutions, a repeat and
+(image pipelines) two input images; every selected optimization acts or says why; ``vae_fast`` meets its gates.
+One pipeline load and one set of reference images per pipeline (module fixtures).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""memo_aware_offload through vLLM-Omni's own runner with layerwise offload: a warm forward whose modulation is all in
-the memo leaves every block's img_mod / txt_mod weights but block 0's on the host (bytes counted on the copies:
-testbed/offload.py), bitwise stock's output, with TeaCache and MagCache too; a cold forward, a LoRA switch and a memo
-that loses an entry copy what the blocks read; the status says what runs.
-
-The memo keys weights on identity and version, not storage nor shape (issue 21's re-key, blocks/memo/keys.py):
-the offloader renews a block's storage every forward and leaves (0,)-shaped placeholders between forwards. With a
-memo that keys on storage (as before the re-key) the optimization copies everything (exact, no gain), checked last.
+"""memo_aware_offload through vLLM-Omni's runner with layerwise offload: a warm forward whose modulation is all in
+the memo leaves blocks 1..N-1's img_mod / txt_mod weights on the host (bytes counted on the copies), bitwise stock,
+with TeaCache and MagCache too; a cold forward, a LoRA switch and a memo that loses an entry copy what the blocks
+read. The memo keys weights on identity and version, not storage: with a storage key it copies everything.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""The plugin in vLLM-Omni's memory and cache modes, through vLLM-Omni's own ``DiffusionModelRunner`` on the CPU
-runtime (``testbed/model_runner.py``): VAE slicing and tiling, layerwise and model CPU offload, cache-dit (DBCache,
-TaylorSeer, SCM: one child process each), TeaCache, MagCache (explicit ratios), and LoRA switching.
+"""The plugin in vLLM-Omni's memory and cache modes, through its own ``DiffusionModelRunner`` on the CPU runtime:
+VAE slicing and tiling, layerwise and model CPU offload, cache-dit (a child process each), TeaCache, MagCache, LoRA.
 
-For every mode: the default stack equals ``none`` bit for bit, a repeated request is identical, what the plugin
-reports as acting is what ran (each acting optimization counted its work, with no fallback; nothing else counted),
-the modulation memo hits on a warm request, and the mode itself really acted (slices, tiles, skipped blocks,
-offload hooks)."""
+Per mode: default is bitwise ``none`` and repeats; what reports acting is what counted work (nothing else did); the
+memo hits on a warm request; the mode itself acted (slices, tiles, skipped blocks, offload hooks).
+"""
 
 from __future__ import annotations
 

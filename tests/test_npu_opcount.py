@@ -1,11 +1,8 @@
 """The NPU op counter (``testbed/npu_ops.py``): what torch_npu 2.13 would launch, counted on CPU.
 
-* the registered-op list is the real wheel's (regenerated from the cached/fetched wheel and compared; skips with
-  the reason when the wheel cannot be fetched);
-* small known cases: ``nn.RMSNorm`` in bf16 runs as its 8 pieces, ``F.layer_norm`` / ``F.gelu`` / SDPA as one
-  kernel each, a fake torch_npu kernel as one launch with none of its internals;
-* per block of the tiny transformer on a warm forward (``testbed/blockops.py``): stock pinned in bf16 through the
-  fake, the default stack below it, nothing the counter cannot place.
+* the registered-op list is the real wheel's (skips with the reason when the wheel cannot be fetched);
+* known cases: bf16 ``nn.RMSNorm`` as its 8 pieces, layer norm / gelu / SDPA as one kernel, a fake kernel as one;
+* per block of the tiny transformer, warm: stock pinned in bf16 through the fake, the default stack below it.
 """
 
 from __future__ import annotations

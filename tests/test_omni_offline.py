@@ -1,13 +1,9 @@
-"""The plugin inside vLLM-Omni's offline engine ``Omni``, where users run it, on CPU with the tiny model.
+"""The plugin inside vLLM-Omni's offline engine ``Omni`` on CPU with the tiny model.
 
-``Omni(distributed_executor_backend="mp")`` builds the model in a worker process it spawns; that worker loads the
-plugin through vLLM-Omni's entry points and reports, in a JSON status file named by
-``VLLM_OMNI_ASCEND_OPT_STATUS_FILE``, what it installed and what acts on the pipeline it built. The images of the
-default stack must be bitwise-identical to ``VLLM_OMNI_ASCEND_OPT=none`` (run in-process: a second process layout,
-same numbers). A third engine runs with ``VLLM_PLUGINS`` naming another plugin only: vLLM-Omni must not load ours,
-and the test bed's CPU runtime must still let the engine start and serve stock images. The engines run at the same
-time, each in its own child process with the test bed's CPU runtime
-(:func:`vllm_omni_ascend_opt.testbed.runtime.engine_env`).
+``Omni(distributed_executor_backend="mp")`` builds the model in a spawned worker that loads the plugin through the
+entry points and writes the JSON status file; the default stack's images must be bitwise ``none``'s (run in-process).
+A third engine with ``VLLM_PLUGINS`` naming another plugin must not load ours and still serve stock images. The
+engines run side by side, each in a child process with the test bed's CPU runtime.
 """
 
 from __future__ import annotations

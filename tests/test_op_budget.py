@@ -1,13 +1,8 @@
-"""The project's device-independent targets: kernel-launching ops per transformer block on a warm request.
+"""The device-independent targets: kernel-launching ops per transformer block on a warm request.
 
-stock ~105 (our counter: 106 on the tiny config); the bitwise-exact default stack <= 47 on CPU (measured 46:
-``joint_attention`` joins the streams once and runs the QK norms and RoPE once on q and k of the joint sequence), and
-<= 45 with
-the torch_npu paths (measured 40: ``npu_rms_norm`` per stream, ``npu_rotary_mul`` on the joint sequence; counted
-through the semantic fake, fp32 where the fake kernels are bitwise with stock).
-The whole transformer call is budgeted too, so once-per-forward work (RoPE freqs and tables, timestep embedding,
-norm_out) cannot grow unseen: outside the blocks stock launches 30 ops, the default stack <= 15 (measured 13: the
-timestep embedding of a repeated timestep is memoized).
+Stock 106 on the tiny config; the exact default stack <= 47 on CPU and <= 45 with the torch_npu paths (through the
+semantic fake, fp32). The whole transformer call is budgeted too, so once-per-forward work (RoPE tables, timestep
+embedding, norm_out) cannot grow unseen: outside the blocks the default stack <= 15.
 """
 
 from __future__ import annotations

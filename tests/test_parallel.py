@@ -1,18 +1,11 @@
-"""Every optimization under vLLM-Omni's own parallelism, with real process groups on CPU (issue 8).
+"""Every optimization under vLLM-Omni's own parallelism, with real process groups on CPU.
 
-All four parallel modes (TP 2, CFG-parallel 2 with true CFG, Ring SP 2, Ulysses SP 2) run one after the other in
-the same 2 fresh gloo worker processes (:mod:`tests.harness.parallel`: new groups and a new pipeline
-per mode, vLLM-Omni imported once). Per mode the pipeline runs ``none`` and ``default`` at several resolutions,
-toggled with ``api.select(spec, model=pipe)``. The resolutions are chosen to catch caches keyed on too little: an
-odd token count that Ulysses pads, an even one with the same per-rank shard length, and its transpose (same shapes
-everywhere, different RoPE positions), with prompts of different lengths, run back to back and then the first
-again. The pipeline always uses true CFG, so the text length alternates between the prompt and the negative prompt
-inside every step.
-
-Checks per mode: ``default`` is bitwise ``none``; every rank returns the same image and acts with the same
-optimizations; an optimization that can be active is installed and attached, and one whose ``parallel_support``
-says it is off in the mode does not act; ``none`` is reported against the single-process output. The Ulysses run
-then repeats its requests with the torch_npu test double installed, so that the NPU kernel paths run under SP too.
+TP 2, CFG-parallel 2 (true CFG), Ring SP 2 and Ulysses SP 2 run in turn in the same 2 gloo workers
+(:mod:`tests.harness.parallel`), each running ``none``, ``default`` and ``all`` at resolutions chosen to catch caches
+keyed on too little: an odd token count that Ulysses pads, an even one with the same shard length, its transpose
+(other RoPE positions), prompts of different lengths, then the first again. Per mode: ``default`` is bitwise
+``none``; every rank returns the same image and acts alike; what can act is installed, what ``parallel_support``
+declares off does not act; ``none`` matches the single process. Each mode repeats in bf16 with the torch_npu double.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Ranks agree on every kernel verdict (``blocks/kernels/agree.py``): 2 gloo processes, one of which has a wrong
-``npu_rms_norm`` (the fake's ``no_gamma`` variant). Each rank checks on its own; at the end of the forward the
-refusal of rank 1 replaces rank 0's pass, and a class only rank 1 has met is refused on rank 0 at its first lookup,
-without a check. Until then rank 0's passes wait (stock path), so the ranks never run different kernels. Why (5): before, the two ranks of one image kept different kernels.
+"""Ranks agree on every kernel verdict (``blocks/kernels/agree.py``): 2 gloo processes, rank 1 with a wrong
+``npu_rms_norm`` (the fake's ``no_gamma``). At the end of the forward rank 1's refusal replaces rank 0's pass, and a
+class only rank 1 has met is refused on rank 0 without a check; until then rank 0's passes wait (stock path), so the
+ranks never run different kernels.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The upstream patches in ``patches/``: one per optimization, numbered in registry order, each with its header, and
-``patches/check.py``'s gate and apply machinery.
+``patches/check.py``'s gate and apply machinery (its functions, imported from the file).
 
-The series is cut against vLLM-Omni 0.32.0rc1 (``check.BASE``). Headers, numbering and paths are checked here on any
-installed version; applying the series (each patch alone and all stacked) and the exactness comparison with the plugin
-need that release's tree, so ``make test-versions`` runs ``patches/check.py --exactness`` in the 0.32 venv (on other
-versions the script checks the headers and says it skips the rest, as tested below).
-
-The checks are ``patches/check.py``'s functions (imported from the file).
+The series is cut against ``check.BASE``; headers, numbering and paths are checked on any version, while applying it
+and the exactness comparison need that release's tree (``make test-versions`` runs ``check.py --exactness``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
-"""Gate by the code, not the version (issue 22): ``blocks/upstream/fingerprints.py`` and the ``upstream`` tables.
+"""Gate by the code, not the version: ``blocks/upstream/fingerprints.py`` and the ``upstream`` tables.
 
-* A synthetic upstream module in a temporary directory: a function whose source differs from every known fingerprint
-  turns its optimization off with a reason naming the function and the releases it knows; ``FORCE`` installs it
-  anyway with one warning; a newer release's fingerprint listed as known is accepted; ``ABSENT`` is a fingerprint;
-  per-platform declarations are checked only on their platform; a function replaced at run time (not by the plugin)
-  counts as a difference.
-* The real tables, in the installed vLLM-Omni (marker ``versions``: ``make test-versions`` runs these on 0.30.0,
-  0.31.0rc1 and 0.32.0rc1): fingerprints from the source file equal ``inspect.getsource``'s, every declared function
-  of every optimization matches a fingerprint listed for this very release, and nothing of vLLM-Omni is imported to
-  find out (what makes ``vllm-omni-ascend-opt list`` in a fresh process agree with the worker).
-* A newer release whose code matches: installs with one INFO note.
+* A synthetic upstream module: a function differing from every known fingerprint turns its optimization off with a
+  reason; ``FORCE`` installs anyway with one warning; a newer release's fingerprint is accepted; ``ABSENT`` is a
+  fingerprint; per-platform declarations apply on their platform; a run-time replacement counts as a difference.
+* The real tables (marker ``versions``): file fingerprints equal ``inspect.getsource``'s, every declared function
+  matches this release, and nothing of vLLM-Omni is imported to find out.
+* A newer release whose code matches installs with one INFO note.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
-"""What depends on the installed vLLM-Omni version (issue 22): ``make test-versions`` runs this module, with the other
-version-sensitive tests (tools/test_versions.py: ``SELECTION``), in one venv per version: 0.30.0 (``.venv``),
-0.31.0rc1 (``.venv-0.31``) and 0.32.0rc1 (``.venv-0.32``), each from the pinned CPU locks in ``requirements/``, and
-``patches/check.py`` after it.
+"""What depends on the installed vLLM-Omni version: ``make test-versions`` runs this module (with the selection in
+tools/test_versions.py) in one venv per release (0.30.0, 0.31.0rc1, 0.32.0rc1).
 
-* The plugin loads through vLLM-Omni's own plugin loader (``load_omni_general_plugins``, what every vLLM-Omni
-  process does) in a fresh process, and installs exactly the default optimizations that can act here once the
-  Qwen-Image modules are imported. What installs is decided by the upstream code each optimization declares
-  (``Optimization.upstream``: source fingerprints per release), not by the version string; only a vLLM-Omni older
-  than 0.30 is refused by version (without ``VLLM_OMNI_ASCEND_OPT_FORCE=1``).
-* ``vllm-omni-ascend-opt list --json`` names every optimization, active or with its reasons, and says the same as
-  users run it (the Qwen-Image modules not imported) and as a worker sees it (imported): the fingerprints are read
-  from the source files, so the answer does not wait for the import. Every declared upstream function matches.
-* The default stack is bitwise ``none`` on the tiny text-to-image and edit pipelines (CFG off and on, two seeds), and
-  the optimizations that act on CPU do act there.
+* The plugin loads through ``load_omni_general_plugins`` in a fresh process and installs exactly the default
+  optimizations that can act here; what installs follows the upstream code's fingerprints, not the version string
+  (only a release below the floor is refused, unless forced).
+* ``list --json`` says the same before and after the Qwen-Image modules are imported; every upstream function matches.
+* The default stack is bitwise ``none`` on the tiny text-to-image and edit pipelines, and the CPU ones act.
 
-The optimizations that do not act on a version for a reason of that version are listed in :data:`KNOWN_GAPS` with
-the reason; the tests require exactly that list (a gap that closes, or a new one, fails). ``VERSIONS_REPORT`` (a
-directory, set by ``make test-versions``) receives one JSON file per check for the summary the target prints.
+:data:`KNOWN_GAPS` lists per series the default optimizations that do not act, with their reason; the tests require
+exactly that list. ``VERSIONS_REPORT`` (a directory) receives one JSON file per check for the target's summary.
 """
 
 from __future__ import annotations
