@@ -1,5 +1,5 @@
-"""Host-lean hot path (issue 21): the host-sync counter of the test bed, per-forward decisions and their invalidation,
-the memo's weight keys under layerwise offload, and the direct calls of known layers."""
+"""Host-lean hot path: the test bed's host-sync counter, per-forward decisions and their invalidation, the memo's
+weight keys under layerwise offload, the direct calls of known layers, and bench_host's helpers."""
 
 from __future__ import annotations
 

@@ -211,12 +211,9 @@ def test_upstream_change_turns_it_off(monkeypatch):
 
 
 def test_storage_keyed_memo_copies_everything_bitwise(runtime, monkeypatch):
-    """With a memo that keys weights on their device storage (as before issue 21's re-key), the decision finds no hit
-    for the placeholders of blocks 1..N-1: every forward copies every weight, and the output is stock's.
-
-    The storage key is emulated by a token that never repeats: the offloader renews every block's storage each forward,
-    and a ``data_ptr`` alone may coincide with the last forward's after the allocator reuses a freed address (it did,
-    depending on what ran before in the process)."""
+    """With a memo keyed on device storage the decision finds no hit for blocks 1..N-1's placeholders: every forward
+    copies every weight, and the output is stock's. The storage key is a token that never repeats (a ``data_ptr``
+    may coincide with the last forward's after the allocator reuses an address)."""
     import itertools
 
     from vllm_omni_ascend_opt.blocks.memo import keys as modulation_keys

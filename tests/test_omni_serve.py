@@ -132,9 +132,8 @@ def test_bogus_flag_with_strict_fails_start_with_the_plugins_message(servers):
 
 
 def test_server_without_our_plugin_starts_and_serves_stock(servers):
-    """``VLLM_PLUGINS`` that excludes ascend_opt: the server starts (it once failed with "Orchestrator initialization
-    failed": only the plugin applied the test bed's CPU runtime), serves stock's image, and loads no plugin although
-    ``VLLM_OMNI_ASCEND_OPT=default`` is set: no status file, no INFO line."""
+    """``VLLM_PLUGINS`` that excludes ascend_opt: the server starts (the CPU runtime does not need the plugin), serves
+    stock's image, and loads no plugin although ``VLLM_OMNI_ASCEND_OPT=default`` is set: no status file, no INFO line."""
     o = servers.other
     r, ref = o.generate(_body(2)), servers.stock.generate(_body(2))
     assert r.status == 200 and ref.status == 200, (r.body, ref.body)

@@ -1,6 +1,5 @@
-"""What the plugin reports is what it runs: the API's defaults, status under vLLM-Omni's memory modes and hooks, and
-the status file when the flag is bad. Models run through vLLM-Omni's own ``DiffusionModelRunner`` (in this process,
-on the test bed's CPU runtime: ``testbed.model_runner``)."""
+"""What the plugin reports is what it runs: the API's defaults, status under vLLM-Omni's runner (layerwise offload,
+hooks), and the status file when the flag is bad."""
 
 from __future__ import annotations
 
@@ -17,9 +16,6 @@ from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 SM, FAST_MOD = registry.get("shared_modulation"), registry.get("fast_modulate")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the API's keywords are the registry's
-# ----------------------------------------------------------------------------------------------------------------
 def test_apply_to_qwen_image_defaults_are_the_default_stack():
     want = api.select("default")
     api.select("none")
@@ -110,11 +106,8 @@ def test_status_file_with_a_bad_flag_reports_after_build_and_every_request(monke
 
 
 def test_an_unwritable_status_file_warns_once_then_reminds(monkeypatch, tmp_path, caplog):
-    """Why (6): an unwritable status file logged a full traceback after every request. Now one warning, then a
-    rate-limited reminder with the count, and one line when it works again."""
+    """One warning (no traceback), then a rate-limited reminder with the count, and one line when it works again."""
     import logging
-
-    from vllm_omni_ascend_opt import _report
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
@@ -135,9 +128,7 @@ def test_an_unwritable_status_file_warns_once_then_reminds(monkeypatch, tmp_path
 
 
 def test_status_reports_every_cache_and_the_kernel_classes(fake_npu, runtime, tiny_pipe):
-    """Why (6): the joint freqs cache, rope's embed memo, the mask cache, the 2511 timestep-0 segments and the
-    checks' scratch were not in status. Each is now, with entries and bytes."""
-    from vllm_omni_ascend_opt import _report
+    """Every cache (joint freqs, rope's embed memo, masks, 2511 timestep-0 segments, check scratch) is in status."""
     from vllm_omni_ascend_opt.testbed.pipeline import generate
 
     fake_npu()

@@ -41,9 +41,7 @@ SUPPORTED = release_tuple(OMNI) >= fingerprints.MIN_OMNI
 FORCED = flags.force_from_env()
 #: The default optimizations that act on CPU (the others need torch_npu) on a version the plugin fully supports.
 NPU_FREE_DEFAULT = ["shared_modulation", "rope", "vae_exact", "joint_attention"]
-#: Per vLLM-Omni series: default optimizations that do not act there, and a phrase of the reason they give. Round
-#: two of issue 22 closed 0.32's (shared_modulation refused every platform because of the CUDA AdaLayerNorm path):
-#: none is left.
+#: Per vLLM-Omni series: default optimizations that do not act there, and a phrase of the reason they give.
 KNOWN_GAPS: dict[str, dict[str, str]] = {"0.30": {}, "0.31": {}, "0.32": {}}
 GAPS = KNOWN_GAPS.get(SERIES)
 
@@ -83,9 +81,8 @@ def test_known_gaps_name_default_optimizations():
 
 @pytest.fixture(scope="module")
 def worker() -> dict[str, Any]:
-    """One fresh process as vLLM-Omni starts one: ``load_omni_general_plugins()``; ``list --json`` as users run it
-    (the Qwen-Image modules not imported); the model package imported, as the worker does next; ``list --json`` again,
-    and what is selected and installed then (one process: importing vLLM-Omni costs 10-60 s)."""
+    """One fresh process as vLLM-Omni starts one: ``load_omni_general_plugins()``, ``list --json`` as users run it,
+    the model package imported as the worker does next, ``list --json`` again and what is selected and installed."""
     got = _run(
         """
         import contextlib, io, json, sys
