@@ -110,13 +110,11 @@ class ModeRun:
 
 def run_mode(runtime: Any, mode: str, spec: str) -> ModeRun:
     """Load the tiny model through vLLM-Omni's runner in ``mode`` with ``spec`` selected; two identical requests."""
-    from vllm_omni_ascend_opt import _report, api, registry
-    from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
+    from tests.harness.runner import loaded
+    from vllm_omni_ascend_opt import _report, registry
 
     m = MODES[mode]
-    api.select(spec)
-    h = RunnerHarness.load(runtime, **m.fields)
-    try:
+    with loaded(runtime, spec, **m.fields) as h:
         if m.tiles is not None:
             h.pipeline.vae.enable_tiling(*m.tiles)
         images = [h.generate(**REQUEST, **m.sampling)]
@@ -137,9 +135,6 @@ def run_mode(runtime: Any, mode: str, spec: str) -> ModeRun:
                 "cache": _enabled_backend(h.runner.cache_backend),
             },
         )
-    finally:
-        h.close()
-        api.select("none")
 
 
 def _enabled_backend(backend: Any) -> str | None:

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from tests.harness.forward import build
+from tests.harness.runner import loaded
 from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.blocks.body import compiled_blocks
 from vllm_omni_ascend_opt.blocks.body.block_body import READY
 from vllm_omni_ascend_opt.blocks.body.joint_qkv import READY_ROPE
 from vllm_omni_ascend_opt.metrics import compare_images, to_uint8
 from vllm_omni_ascend_opt.opts._fast_tier import FAST_TIER_GATES
-from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 
 pytestmark = pytest.mark.slow
 
@@ -74,9 +74,7 @@ def _compiled_run(runtime: Any, spec: str, granularity: str, breaks: _BreakLog) 
     counters.clear()
     metrics.reset()
     breaks.messages.clear()
-    api.select(spec)
-    h = RunnerHarness.load(runtime, compile=True, diffusion_compile_granularity=granularity)
-    try:
+    with loaded(runtime, spec, compile=True, diffusion_compile_granularity=granularity) as h:
         images, frames = [], []
         for i in range(REQUESTS):
             images.append(h.generate(height=32, width=32, steps=2, cfg_scale=4.0))
@@ -104,9 +102,6 @@ def _compiled_run(runtime: Any, spec: str, granularity: str, breaks: _BreakLog) 
                 "rope": compiled_blocks.ready(block.attn, READY_ROPE) is not None,
             },
         )
-    finally:
-        h.close()
-        api.select("none")
 
 
 class _Runs:

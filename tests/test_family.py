@@ -192,28 +192,23 @@ def _warm_counts(fam: SimpleNamespace, rt: Any) -> dict[str, Any]:
     return dict(block=blocks[0].total, step=steps[0].total, mod_bytes=reads.bytes / len(steps), images=images)
 
 
-def test_ops_per_block_and_step(fam, runtime):
+@pytest.mark.parametrize("npu_paths", [False, True], ids=["cpu", "npu_paths"])
+def test_ops_per_block_and_step(fam, runtime, fake_npu, npu_paths):
+    """``npu_paths``: the torch_npu paths through the semantic fake (fp32: its kernels round like stock)."""
+    npu = fake_npu() if npu_paths else None
     api.select("none", model=fam.pipe)
     stock = _warm_counts(fam, runtime)
     api.select("default", model=fam.pipe)
     opt = _warm_counts(fam, runtime)
     assert torch.equal(stock["images"], opt["images"])
+    if npu_paths:
+        assert npu.calls["npu_rotary_mul"] > 0
+        assert opt["block"] <= NPU_BLOCK_BUDGET[fam.key], opt["block"]
+        return
     assert stock["mod_bytes"] > 0 and opt["mod_bytes"] == 0
     assert stock["block"] - opt["block"] >= T2I_REDUCTION, (stock["block"], opt["block"])
     assert opt["block"] <= CPU_BLOCK_BUDGET[fam.key], opt["block"]
     assert stock["step"] - opt["step"] >= TINY_LAYERS * T2I_REDUCTION
-
-
-def test_ops_per_block_with_npu_paths(fam, runtime, fake_npu):
-    """The torch_npu paths through the semantic fake (fp32: its kernels round like stock)."""
-    npu = fake_npu()
-    api.select("none", model=fam.pipe)
-    stock = _warm_counts(fam, runtime)
-    api.select("default", model=fam.pipe)
-    opt = _warm_counts(fam, runtime)
-    assert npu.calls["npu_rotary_mul"] > 0
-    assert torch.equal(stock["images"], opt["images"])
-    assert opt["block"] <= NPU_BLOCK_BUDGET[fam.key], opt["block"]
 
 
 # ----------------------------------------------------------------------------------------------------------------

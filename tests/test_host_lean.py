@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.harness.forward import build, fwd, inputs
+from tests.harness.runner import loaded
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.testbed.opcount import OpCounter, SyncCounter
 
@@ -287,14 +288,11 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
     """Layerwise offload gives every block fresh storage each forward: a warm request must still hit everywhere
     (0 misses); an in-place write and a LoRA switch (stacks written in place, slice switched on) must miss, and the
     images stay stock's."""
-    from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 
     def request(h):
         return h.generate(height=32, width=32, steps=2, cfg_scale=4.0)
 
-    api.select("default")
-    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
-    try:
+    with loaded(runtime, "default", enable_layerwise_offload=True) as h:
         pipe = h.pipeline
         sm = registry.get("shared_modulation")
         # Hold every block's materialized weights alive across the first two requests, so the allocator cannot hand
@@ -336,8 +334,6 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
         assert sm.stats["misses"] > 0
         api.select("none", model=pipe)
         assert torch.equal(got, request(h))
-    finally:
-        h.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.harness.runner import loaded
 from tests.runner_modes import BLOCK_CALLS, MODES, REQUEST, ModeRun, evidence, run_in_children, run_mode
 from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
@@ -116,9 +117,7 @@ def _lora_requests(runtime, tmp_path, spec: str, **fields) -> tuple[list[torch.T
     from tests.harness.lora import write_adapter
 
     sm = registry.get("shared_modulation")
-    api.select(spec)
-    h = RunnerHarness.load(runtime, **fields)
-    try:
+    with loaded(runtime, spec, **fields) as h:
         adapters = {
             name: (name, i + 1, str(write_adapter(tmp_path / name, h.pipeline.transformer, seed=i)), 1.0)
             for i, name in enumerate("AB")
@@ -130,9 +129,6 @@ def _lora_requests(runtime, tmp_path, spec: str, **fields) -> tuple[list[torch.T
             images.append(h.generate(**{**REQUEST, "steps": 2}, lora=adapters.get(name)))
             stats.append(dict(sm.stats))
         return images, stats
-    finally:
-        h.close()
-        api.select("none")
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "layerwise_offload"])

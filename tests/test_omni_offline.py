@@ -8,6 +8,7 @@ engines run side by side, each in a child process with the test bed's CPU runtim
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -23,12 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 SCRIPT = Path(__file__).with_name("omni_offline_script.py")
 REPO = Path(__file__).resolve().parents[1]
-NPU_FREE_DEFAULT = {
-    "shared_modulation",
-    "rope",
-    "joint_attention",
-    "vae_exact",
-}  # the default stack minus the torch_npu ones
+NPU_FREE_DEFAULT = {"shared_modulation", "rope", "joint_attention", "vae_exact"}  # the default stack minus torch_npu's
 #: The plugin's INFO line starts with this (one per process that loaded it).
 PLUGIN_LINE = "vllm-omni-ascend-opt 0.1.0 (VLLM_OMNI_ASCEND_OPT="
 #: The test bed's CPU runtime logs this where it applied itself (testbed/runtime.py).
@@ -78,10 +74,8 @@ def runs(tiny_model_dir, tmp_path_factory):
         yield {name: root / name for name in procs}
     finally:
         for proc in procs.values():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
             proc.wait(timeout=10)
             proc._log.close()
 
@@ -124,10 +118,8 @@ def test_default_stack_images_bitwise_equal_none(runs):
 
 
 def test_engine_without_our_plugin_starts_and_serves_stock(runs):
-    """``VLLM_PLUGINS`` that excludes ascend_opt: the engine starts (the test bed's CPU runtime does not depend on the
-    plugin; it did once, and such an engine failed with "Orchestrator initialization failed"), serves images
-    bitwise-equal to ``VLLM_OMNI_ASCEND_OPT=none``, and the plugin is not loaded in any of its processes although
-    ``VLLM_OMNI_ASCEND_OPT=default`` is set: no status file, no INFO line."""
+    """``VLLM_PLUGINS`` that excludes ascend_opt: the engine starts (the CPU runtime does not need the plugin), serves
+    ``none``'s images bitwise, and no process loads the plugin although ``VLLM_OMNI_ASCEND_OPT=default`` is set."""
     out = runs["other_plugin"]
     log = (out / "log.txt").read_text(errors="replace")
     assert not (out / "status.json").exists(), "the plugin was loaded although VLLM_PLUGINS excludes it"

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from tests.harness.runner import loaded
 from vllm_omni_ascend_opt import _plugin, _report, api, flags, registry
 from vllm_omni_ascend_opt._state import STATE
 from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
@@ -41,9 +42,7 @@ def _request(h: RunnerHarness) -> torch.Tensor:
 
 
 def test_status_under_layerwise_offload_matches_what_runs(runtime):
-    api.select("all")
-    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
-    try:
+    with loaded(runtime, "all", enable_layerwise_offload=True) as h:
         pipe = h.pipeline
         assert _report.explain(SM, pipe) == [] and _report.explain(FAST_MOD, pipe) == []  # between forwards
         _request(h)
@@ -53,17 +52,13 @@ def test_status_under_layerwise_offload_matches_what_runs(runtime):
         assert SM.stats["hits"] > 0 and SM.fallback_reasons() == {}, (dict(SM.stats), SM.fallback_reasons())
         assert FAST_MOD.ran() > 0  # the memoized block body ran, as reported
         assert "shared_modulation" in _report.acting(pipe) and "fast_modulate" in _report.acting(pipe)
-    finally:
-        h.close()
 
 
 def test_switch_on_a_pipeline_whose_hooks_captured_the_stock_block(runtime):
     """Layerwise offload's hook registry captured the stock block forward at load (nothing installed then): after
     selecting the default stack and fast_modulate, the projections are memoized (shared_modulation acts, with a
     note), the block body is not (the fast tier does not act, and says why)."""
-    api.select("none")
-    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
-    try:
+    with loaded(runtime, "none", enable_layerwise_offload=True) as h:
         pipe = h.pipeline
         want = _request(h)
         api.select("default,+fast_modulate", model=pipe)
@@ -77,8 +72,6 @@ def test_switch_on_a_pipeline_whose_hooks_captured_the_stock_block(runtime):
         assert SM.stats["hits"] > 0 and SM.fallback_reasons() == {}  # the projections come from the memo
         assert FAST_MOD.ran() == 0, why  # the stock block ran: the fast mode never did
         assert torch.equal(got, want)  # only exact optimizations acted (CPU: no torch_npu kernels)
-    finally:
-        h.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -91,8 +84,7 @@ def test_status_file_with_a_bad_flag_reports_after_build_and_every_request(monke
     _plugin.register()
     st = json.loads(path.read_text())
     assert "bogus" in st["config_error"] and st["requests"] == 0 and "pipeline" not in st
-    h = RunnerHarness.load(runtime)
-    try:
+    with loaded(runtime) as h:
         st = json.loads(path.read_text())
         assert st["pipeline"] == "QwenImagePipeline" and st["installed"] == [] and st["acting_on_pipeline"] == []
         assert st["pid"] == os.getpid() and st["requests"] == 0
@@ -101,8 +93,6 @@ def test_status_file_with_a_bad_flag_reports_after_build_and_every_request(monke
         st = json.loads(path.read_text())
         assert st["requests"] == 2
         assert all(why == f"{flags.ENV_FLAG} is invalid, so nothing is patched" for why in st["off"].values())
-    finally:
-        h.close()
 
 
 def test_an_unwritable_status_file_warns_once_then_reminds(monkeypatch, tmp_path, caplog):

@@ -79,18 +79,9 @@ class Job:
         """Run this request on ``pipe`` (whatever is selected on it now); a :class:`GenerationResult`."""
         from vllm_omni_ascend_opt.testbed.pipeline import generate, sample_image
 
-        return generate(
-            pipe,
-            rt,
-            self.prompt,
-            height=self.height,
-            width=self.width,
-            steps=self.steps,
-            seed=self.seed,
-            cfg_scale=self.cfg_scale,
-            negative_prompt=self.negative_prompt,
-            image=None if self.image is None else sample_image(self.image),
-        )
+        kw = {k: getattr(self, k) for k in ("height", "width", "steps", "seed", "cfg_scale", "negative_prompt")}
+        image = None if self.image is None else sample_image(self.image)
+        return generate(pipe, rt, self.prompt, image=image, **kw)
 
 
 @dataclass(frozen=True)
@@ -181,7 +172,6 @@ def run_parallel_modes(
     timeout_s: float = 180.0,
     setup: str | None = None,
     pythonpath: list[str] | None = None,
-    env: dict[str, str] | None = None,
 ) -> dict[str, ParallelRun]:
     """Run each :class:`ModeRun` in turn in the same fresh workers (one world size; vLLM-Omni imported once);
     return the reports by :attr:`ModeRun.key`.
@@ -248,7 +238,6 @@ def run_parallel_modes(
         # the workers run this module as tests.harness.parallel: the repository root is on their path
         paths = [*(pythonpath or ()), str(Path(__file__).resolve().parents[2]), child_env.get("PYTHONPATH", "")]
         child_env["PYTHONPATH"] = os.pathsep.join(paths).rstrip(os.pathsep)
-        child_env.update(env or {})
         procs: list[subprocess.Popen] = []
         logs = []
         try:
@@ -283,16 +272,11 @@ def _wait_all(procs: list[subprocess.Popen], work: Path, deadline: float) -> Non
     while True:
         codes = [p.poll() for p in procs]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            raise ParallelRunError(
-                f"rank(s) {failed} failed (exit codes {codes})\n{_tails(work, len(procs))}", [p.pid for p in procs]
-            )
         if all(c == 0 for c in codes):
             return
-        if time.monotonic() > deadline:
-            raise ParallelRunError(
-                f"timed out (exit codes {codes}); workers killed\n{_tails(work, len(procs))}", [p.pid for p in procs]
-            )
+        if failed or time.monotonic() > deadline:
+            what = f"rank(s) {failed} failed (exit codes {codes})" if failed else f"timed out (exit codes {codes})"
+            raise ParallelRunError(f"{what}; workers killed\n{_tails(work, len(procs))}", [p.pid for p in procs])
         time.sleep(0.1)
 
 
