@@ -8,11 +8,10 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.harness import REPO
 
 
 @pytest.mark.slow

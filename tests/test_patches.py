@@ -7,25 +7,14 @@ and the exactness comparison need that release's tree (``make test-versions`` ru
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.harness import load_script
 
-
-def _load_check():
-    spec = importlib.util.spec_from_file_location("patches_check", REPO / "patches" / "check.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-check = _load_check()
+check = load_script("patches_check", "patches/check.py")
 PATCHES = check.patch_files()
 
 
