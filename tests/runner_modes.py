@@ -49,6 +49,10 @@ class Mode:
     own_process: bool = False
 
 
+def _cache_dit(**config: Any) -> Mode:
+    return Mode({"cache_backend": "cache_dit", "cache_config": {"max_warmup_steps": 2, **config}}, own_process=True)
+
+
 MODES: dict[str, Mode] = {
     "vae_slicing": Mode({"vae_use_slicing": True}, sampling={"num_outputs_per_prompt": 2}),
     "vae_tiling": Mode({"vae_use_tiling": True}, tiles=TILES),
@@ -63,24 +67,9 @@ MODES: dict[str, Mode] = {
             "cache_config": {"mag_ratios": [1.0] * 8, "mag_threshold": 0.5, "mag_retention_ratio": 0.2},
         }
     ),
-    "cache_dit_dbcache": Mode(
-        {"cache_backend": "cache_dit", "cache_config": {"max_warmup_steps": 2, "residual_diff_threshold": 0.5}},
-        own_process=True,
-    ),
-    "cache_dit_taylorseer": Mode(
-        {
-            "cache_backend": "cache_dit",
-            "cache_config": {"max_warmup_steps": 2, "residual_diff_threshold": 0.5, "enable_taylorseer": True},
-        },
-        own_process=True,
-    ),
-    "cache_dit_scm": Mode(
-        {
-            "cache_backend": "cache_dit",
-            "cache_config": {"max_warmup_steps": 2, "scm_steps_mask_policy": "ultra", "scm_steps_policy": "static"},
-        },
-        own_process=True,
-    ),
+    "cache_dit_dbcache": _cache_dit(residual_diff_threshold=0.5),
+    "cache_dit_taylorseer": _cache_dit(residual_diff_threshold=0.5, enable_taylorseer=True),
+    "cache_dit_scm": _cache_dit(scm_steps_mask_policy="ultra", scm_steps_policy="static"),
 }
 
 

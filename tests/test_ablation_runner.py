@@ -28,8 +28,7 @@ def make_plan(**kw):
     base = dict(
         seeds=[1, 2], repeats=2, warmup=1, height=16, width=16, start_jobs=3, timeout_s=300.0, start_timeout_s=600.0
     )
-    base.update(kw)
-    return build_plan(from_mapping(base).validate(), INFOS)
+    return build_plan(from_mapping({**base, **kw}).validate(), INFOS)
 
 
 def run(plan, out, monkeypatch, fake: dict, fresh=False):

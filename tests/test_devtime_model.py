@@ -138,9 +138,6 @@ def test_layouts_name_a_best_and_price_tp_above_sp(table, fit):
     assert usp["ms"] < tp["ms"] < one["ms"] and tp["comm_ms_per_step"] > usp["comm_ms_per_step"] > 0
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# plan
-# ---------------------------------------------------------------------------------------------------------------
 def test_plan_prints_the_model_with_the_launch_only_column_and_layouts(capsys, tmp_path):
     args = ["plan", "--workload", "qwen-image-910b1", "--out", str(tmp_path / "o"), "--cards", "2"]
     assert main(args) == 0

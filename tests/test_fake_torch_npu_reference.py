@@ -66,9 +66,6 @@ def test_installed_fake_ops_keep_the_schema_signature_and_reject_unknown_keyword
         mod.npu_format_cast(torch.randn(4, 4), 29, None)  # customize_dtype is keyword-only
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# output shapes / dtypes / arity against the meta functions
-# ----------------------------------------------------------------------------------------------------------------
 def _cases():
     g = torch.Generator().manual_seed(0)
 
@@ -139,9 +136,6 @@ def test_format_cast_matches_the_real_meta_and_schema(wheel, fake_npu):
     assert reference.schemas()["get_npu_format"].returns == ("int",) and isinstance(fake.get_npu_format(nz), int)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# torch.npu.config
-# ----------------------------------------------------------------------------------------------------------------
 def _script(cfg, options) -> list[object]:
     """The same operations on a config object; what each does (result or exception type) and the option store."""
     trace: list[object] = []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness.forward import build, fwd, inputs
+from tests.harness.forward import build, fwd, inputs, stock_then
 from tests.harness.runner import loaded
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.testbed.opcount import OpCounter, SyncCounter
@@ -18,9 +18,6 @@ from vllm_omni_ascend_opt.testbed.opcount import OpCounter, SyncCounter
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the host-sync counter
-# ----------------------------------------------------------------------------------------------------------------
 def test_sync_counter_counts_each_host_read_once_and_says_where():
     x = torch.randn(4)
     with SyncCounter() as s:
@@ -128,9 +125,7 @@ def test_rotation_tables_are_decided_per_forward(runtime, spec):
     freqs object per shape, per stream)."""
     tr = build(runtime)
     cases = [_inputs(hw=(4, 6)), _inputs(hw=(6, 4)), _inputs(hw=(4, 6)), _inputs(hw=(6, 4))]
-    api.select("none", model=tr)
-    want = [fwd(tr, runtime, kw) for kw in cases]
-    api.select(spec, model=tr)
+    want = stock_then(tr, runtime, cases, spec)
     opt = registry.get(spec.split("+")[1])
     opt.reset_stats()
     got = [fwd(tr, runtime, kw) for kw in cases]
@@ -141,17 +136,12 @@ def test_rotation_tables_are_decided_per_forward(runtime, spec):
         assert opt.stats["portable_calls"] == 4 * 2 * len(cases) and opt.stats["table_builds"] == 3
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# direct calls of known layers
-# ----------------------------------------------------------------------------------------------------------------
 def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime, monkeypatch):
     """The block's MLPs and the attention projections run as their kernels, bitwise; a hook added to one of them
     between forwards runs (that module is called as a module), and so does an upstream class patched meanwhile."""
     tr = build(runtime)
     kw = _inputs()
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select("default", model=tr)
+    (want,) = stock_then(tr, runtime, [kw], "default")
     sm, ja = registry.get("shared_modulation"), registry.get("joint_attention")
     fwd(tr, runtime, kw)
     sm.reset_stats()
@@ -189,17 +179,12 @@ def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime,
     assert calls == []
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the time-embedding memo
-# ----------------------------------------------------------------------------------------------------------------
 def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
     """The blocks find their memo entry through the timestep's value (read once per forward, B values) and temb's
     identity: no digest of temb; a change of the embedding's weights is a new key (the blocks recompute)."""
     tr = build(runtime)
     kws = [_inputs(t=0.7), _inputs(t=0.3), _inputs(t=0.7)]
-    api.select("none", model=tr)
-    want = [fwd(tr, runtime, kw) for kw in kws]
-    api.select("none,+shared_modulation", model=tr)
+    want = stock_then(tr, runtime, kws, "none,+shared_modulation")
     sm = registry.get("shared_modulation")
     sm.reset_stats()
     got = [fwd(tr, runtime, kw) for kw in kws]
@@ -228,9 +213,7 @@ def test_time_embedding_hit_returns_the_memoized_temb_unless_it_was_written(runt
     place since (outside inference mode, where it has a version counter) is recomputed, not returned."""
     tr = build(runtime)
     kw = _inputs(t=0.4)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select("none,+shared_modulation", model=tr)
+    (want,) = stock_then(tr, runtime, [kw], "none,+shared_modulation")
     sm = registry.get("shared_modulation")
     sm.reset_stats()
     fwd(tr, runtime, kw)

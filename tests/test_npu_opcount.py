@@ -33,9 +33,6 @@ def _count(fn) -> NpuOpCounter:
     return c
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# the registered-op list
-# ---------------------------------------------------------------------------------------------------------------
 def test_registered_op_file_is_current_with_the_real_wheel():
     from tests.fake_torch_npu import reference
     from tools import gen_npu_registered_ops as gen
@@ -58,9 +55,6 @@ def test_registered_op_facts():
     assert "dequantize.self" not in ops  # QuantizedPrivateUse1 only: no kernel for a dense tensor
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# small known cases
-# ---------------------------------------------------------------------------------------------------------------
 def test_rmsnorm_in_bf16_counts_its_pieces():
     x, norm = torch.randn(2, 5, 64, dtype=BF16), nn.RMSNorm(64, eps=1e-6).to(BF16)
     c = _count(lambda: norm(x))
@@ -130,9 +124,6 @@ def test_nested_counters_both_count_hooks_and_fake_kernels(fake_npu):
     assert inner.counts == want and outer.counts == want
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# per block of the tiny transformer
-# ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(runtime):
     out = {}

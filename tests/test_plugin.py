@@ -52,18 +52,14 @@ def test_bad_flag_patches_nothing_and_logs(monkeypatch, caplog):
     assert "shared_modulation" in caplog.text
 
 
-def test_bad_flag_raises_in_strict_mode(monkeypatch):
-    monkeypatch.setenv(flags.ENV_FLAG, "default,-nope")
+@pytest.mark.parametrize(
+    ("spec", "match"), [("default,-nope", "Valid names"), ("none,+fused_attention", "fused_attention")]
+)
+def test_strict_mode_raises_on_a_bad_flag_or_a_selected_optimization_that_cannot_act(monkeypatch, spec, match):
+    """fused_attention cannot be active on CPU without torch_npu."""
+    monkeypatch.setenv(flags.ENV_FLAG, spec)
     monkeypatch.setenv(flags.ENV_STRICT, "1")
-    with pytest.raises(_plugin.PluginConfigError, match="Valid names"):
-        _plugin.register()
-
-
-def test_strict_raises_when_selected_cannot_be_active(monkeypatch):
-    # On CPU without torch_npu, fused_attention cannot be active.
-    monkeypatch.setenv(flags.ENV_FLAG, "none,+fused_attention")
-    monkeypatch.setenv(flags.ENV_STRICT, "1")
-    with pytest.raises(_plugin.PluginConfigError, match="fused_attention"):
+    with pytest.raises(_plugin.PluginConfigError, match=match):
         _plugin.register()
 
 

@@ -74,9 +74,6 @@ def test_switch_on_a_pipeline_whose_hooks_captured_the_stock_block(runtime):
         assert torch.equal(got, want)  # only exact optimizations acted (CPU: no torch_npu kernels)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the status file: also with a bad flag, after the model is built and after every request
-# ----------------------------------------------------------------------------------------------------------------
 def test_status_file_with_a_bad_flag_reports_after_build_and_every_request(monkeypatch, tmp_path, runtime):
     path = tmp_path / "status.json"
     monkeypatch.setenv(_report.ENV_STATUS_FILE, str(path))

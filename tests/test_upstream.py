@@ -189,9 +189,6 @@ def test_a_function_replaced_at_run_time_is_a_difference(probe, monkeypatch):
     assert "foreign" in why
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# a newer vLLM-Omni whose code matches: one INFO note, everything installs
-# ----------------------------------------------------------------------------------------------------------------
 def test_newer_release_with_known_code_just_works_with_one_info_note(monkeypatch, caplog):
     monkeypatch.setattr(_plugin, "installed_version", lambda d: "0.33.0")
     with caplog.at_level(logging.INFO, logger="vllm_omni_ascend_opt"):
