@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.harness import LogLines
 from tests.harness.forward import build
 from tests.harness.runner import loaded
 from vllm_omni_ascend_opt import _report, api, registry
@@ -57,23 +58,14 @@ class CompiledRun:
     hoisted: dict[str, bool] = field(default_factory=dict)
 
 
-class _BreakLog(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _compiled_run(runtime: Any, spec: str, granularity: str, breaks: _BreakLog) -> CompiledRun:
+def _compiled_run(runtime: Any, spec: str, granularity: str, breaks: LogLines) -> CompiledRun:
     from torch._dynamo.utils import counters
     from torch._inductor import metrics
 
     torch._dynamo.reset()
     counters.clear()
     metrics.reset()
-    breaks.messages.clear()
+    breaks.lines.clear()
     with loaded(runtime, spec, compile=True, diffusion_compile_granularity=granularity) as h:
         images, frames = [], []
         for i in range(REQUESTS):
@@ -95,7 +87,7 @@ def _compiled_run(runtime: Any, spec: str, granularity: str, breaks: _BreakLog) 
             captured=captured,
             ir_nodes=ir_nodes,
             kernels=kernels,
-            break_sites=[m.split("\n")[0] for m in breaks.messages],
+            break_sites=[m.split("\n")[0] for m in breaks.lines],
             memo_hits=int(sm.stats["hits"]),
             hoisted={
                 "modulation": compiled_blocks.ready(block, READY) is not None,
@@ -122,7 +114,7 @@ class _Runs:
     def _run(self, granularity: str, spec: str) -> CompiledRun:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # compiled code on CPU: one thread, as the other tests' second core may be busy
-        breaks = _BreakLog()
+        breaks = LogLines()
         torch._logging.set_logs(graph_breaks=True)
         loggers = [logging.getLogger(name) for name in GRAPH_BREAK_LOGGERS]
         for lg in loggers:

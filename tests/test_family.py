@@ -148,9 +148,8 @@ def test_vae_fast_meets_its_gates(fam, runtime):
 
 
 def test_dmd2_forward_as_shipped_raises():
-    """vLLM-Omni 0.30's ``DMD2PipelineMixin.forward`` passes ``guidance_scale``/``num_inference_steps`` to
-    ``QwenImagePipeline.forward(req)``; the test bed runs the mixin's sanitize step and the base forward instead
-    (testbed.pipeline.run_forward). When this starts passing, upstream fixed it: drop the work-around."""
+    """Why the test bed runs the mixin's sanitize step and the base forward itself (``pipeline.run_forward``); when
+    this starts passing, upstream fixed it: drop the work-around."""
     from vllm_omni.diffusion.models.dmd2.mixin import DMD2PipelineMixin
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
@@ -217,9 +216,8 @@ def test_ops_per_block_and_step(fam, runtime, fake_npu, npu_paths):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("variant", ["edit-2511", "edit-plus"])
 def test_edit_pipelines_under_ulysses_and_cfg_parallel(variant):
-    """``default`` is bitwise ``none`` in each mode on every rank; under Ulysses each rank holds its shard of the
-    sequence and of ``modulate_index`` (the condition tokens' timestep-0 segment), so the segment plans differ
-    per rank. Requests: two input images, two output sizes, true CFG, the first repeated (warm caches)."""
+    """``default`` is bitwise ``none`` on every rank; under Ulysses each rank holds its shard of the sequence and of
+    ``modulate_index``, so the segment plans differ per rank. Two input images and sizes, true CFG, a repeat."""
     from tests.harness.parallel import Job, ModeRun, run_parallel_modes
 
     reqs = {

@@ -121,8 +121,7 @@ def test_global_hooks_are_decided_per_forward(runtime):
 @pytest.mark.parametrize("spec", ["none,+joint_attention", "none,+rope"])
 def test_rotation_tables_are_decided_per_forward(runtime, spec):
     """Same sequence lengths, other RoPE freqs (4x6 vs 6x4 image tokens): each forward rotates with its own tables,
-    bitwise stock (joint_attention alone: new freqs objects every forward; rope alone: its embedder memo returns one
-    freqs object per shape, per stream)."""
+    bitwise stock (joint_attention: new freqs every forward; rope: one memoized freqs object per shape and stream)."""
     tr = build(runtime)
     cases = [_inputs(hw=(4, 6)), _inputs(hw=(6, 4)), _inputs(hw=(4, 6)), _inputs(hw=(6, 4))]
     want = stock_then(tr, runtime, cases, spec)
@@ -268,9 +267,8 @@ class ReplicatedLinearWithLoRA(torch.nn.Module):
 
 
 def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime):
-    """Layerwise offload gives every block fresh storage each forward: a warm request must still hit everywhere
-    (0 misses); an in-place write and a LoRA switch (stacks written in place, slice switched on) must miss, and the
-    images stay stock's."""
+    """Layerwise offload gives every block fresh storage each forward: a warm request still hits everywhere; an
+    in-place write and a LoRA switch miss, and the images stay stock's."""
 
     def request(h):
         return h.generate(height=32, width=32, steps=2, cfg_scale=4.0)

@@ -90,9 +90,8 @@ def test_cold_forwards_copy_everything_with_the_reason(runtime):
 
 
 def test_a_memo_that_loses_an_entry_gets_the_weights_copied_late(runtime, monkeypatch):
-    """The per-block guarantee: clear the memo right after block 0's decision (once, on the warm request's first
-    skipping forward); block 1, whose modulation weights were left on the host, then misses, and they are copied
-    before it runs: still bitwise, and the bytes add up."""
+    """The memo cleared right after block 0's decision (warm request): block 1, whose modulation weights stayed on the
+    host, misses and gets them copied before it runs: still bitwise, and the bytes add up."""
     ref = offloaded(runtime, "none")
     decide = OPT._before_block
     skips: list[int] = []
@@ -185,9 +184,8 @@ def test_upstream_change_turns_it_off(monkeypatch):
 
 
 def test_storage_keyed_memo_copies_everything_bitwise(runtime, monkeypatch):
-    """With a memo keyed on device storage the decision finds no hit for blocks 1..N-1's placeholders: every forward
-    copies every weight, and the output is stock's. The storage key is a token that never repeats (a ``data_ptr``
-    may coincide with the last forward's after the allocator reuses an address)."""
+    """A memo keyed on device storage (emulated: a token that never repeats) finds no hit for the placeholders: every
+    forward copies every weight, and the output is stock's."""
     import itertools
 
     from vllm_omni_ascend_opt.blocks.memo import keys as modulation_keys

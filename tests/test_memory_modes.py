@@ -133,10 +133,8 @@ def _lora_requests(runtime, tmp_path, spec: str, **fields) -> tuple[list[torch.T
 
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "layerwise_offload"])
 def test_lora_switch_is_bitwise_and_misses_the_memo(runtime, tmp_path, offload):
-    """A LoRA switch changes the modulation projections (the adapters target img_mod / txt_mod): default equals
-    none for every request, each adapter changes the image, switching back gives the same image again, and the
-    memo misses on the first forward after every switch (a real weight change) while the CFG branch that follows
-    hits."""
+    """The adapters target img_mod / txt_mod: default equals none for every request, each adapter changes the image,
+    switching back gives it again, and the memo misses after every switch while the CFG branch that follows hits."""
     fields = {"enable_layerwise_offload": True} if offload else {}
     ref, _ = _lora_requests(runtime, tmp_path / "none", "none", **fields)
     got, stats = _lora_requests(runtime, tmp_path / "default", "default", **fields)
@@ -153,10 +151,8 @@ def test_lora_switch_is_bitwise_and_misses_the_memo(runtime, tmp_path, offload):
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("workload", ["tiny-cpu-offload", "tiny-cpu-tiled"])
 def test_the_ablation_engine_loads_the_workload_modes_through_vllm_omnis_runner(runtime, tiny_model_dir, workload):
-    """``ablate --workload tiny-cpu-offload / tiny-cpu-tiled``: the test-bed engine builds vLLM-Omni's own runner with
-    the workload's ``od_config`` (layerwise offload really hooks the blocks) and its ``vae_tiling`` (the decode really
-    tiles), and the default stack acts in that mode (memo_aware_offload skips on the warm request; vae_exact decodes
-    the tiles)."""
+    """The test-bed engine builds vLLM-Omni's runner with the workload's ``od_config`` and ``vae_tiling`` (the
+    blocks really offload, the decode really tiles), and the default stack acts in that mode."""
     from vllm_omni_ascend_opt.ablation.engines import TestbedEngine
     from vllm_omni_ascend_opt.ablation.workload import load_workload
     from vllm_omni_ascend_opt.blocks.upstream.layerwise import layerwise_hooks

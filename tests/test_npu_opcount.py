@@ -144,10 +144,8 @@ def test_stock_block_in_bf16_through_the_fake_is_pinned(tiny, runtime, fake_npu)
     fake_npu()
     tr, kw = tiny[BF16]
     stock = blockops.count_block(tr, runtime, kw, "none", npu=True)
-    # 110 per block = the CPU counter's 126 less its 8 `_unsafe_view` (the reshapes of stock RoPE's non-contiguous
-    # results: metadata only, torch_npu has no kernel for it and its decomposition is a view) and less the 8 casts
-    # of the native AdaLayerNorm (on an Ascend platform vLLM-Omni dispatches AdaLayerNorm.forward_npu:
-    # npu_layer_norm_eval on the bf16 input; blockops.npu_dispatch). Per block:
+    # 110 per block = the CPU counter's 126 less 8 `_unsafe_view` (views: no NPU kernel) and less the native
+    # AdaLayerNorm's 8 casts (on Ascend, forward_npu runs npu_layer_norm_eval on the bf16 input). Per block:
     #   modulation, img + txt: silu + addmm                                                   2 x 2 =  4
     #   AdaLayerNorm x 4: npu_layer_norm_eval; modulate: 1 + scale, *, + shift                  4 x 4 = 16
     #   attention 76: to_qkv + add_kv_proj (2 addmm); QK RMSNorms x 4 of 8 (_to_copy, pow, mean, add_, rsqrt,

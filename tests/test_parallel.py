@@ -175,9 +175,8 @@ _FAKE_NPU: list[pytest.MonkeyPatch] = []
 
 
 def install_fake_npu(rank: int) -> None:
-    """After the pipeline is built (vLLM-Omni keeps its CPU platform): torch_npu is the semantic test double,
-    installed exactly as the ``fake_npu`` fixture does. The job that follows selects ``none`` (uninstalling
-    everything), so every later selection re-probes the backend."""
+    """Once the pipeline is built (vLLM-Omni keeps its CPU platform), the torch_npu double as ``fake_npu`` installs
+    it; the next job selects ``none``, so every later selection re-probes the backend."""
     from tests.fake_torch_npu import install
 
     mp = pytest.MonkeyPatch()
@@ -230,9 +229,8 @@ def _gone(pid: int) -> bool:
     ids=["failing_rank", "hung_rank"],
 )
 def test_a_failing_or_hung_rank_stops_the_run_and_every_worker(tiny_model_dir, mode, hook, timeout_s, message):
-    """A failing rank ends the run at once: rank 0, waiting for rank 1 in the process group, is still running when
-    the failure is seen (exit code None), then killed, not waited for (the deadline is far away whatever the load).
-    A hung rank ends it at the deadline, never earlier; both ranks were still running, then killed."""
+    """A failing rank ends the run at once (rank 0, still waiting in the group, is killed, not waited for); a hung
+    rank ends it at the deadline, never earlier; every worker is gone afterwards."""
     t = time.monotonic()
     with pytest.raises(ParallelRunError, match=message) as e:
         run_parallel(
@@ -271,9 +269,8 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_default_is_bitwise_none_in_the_same_mode(run):
-    """Including after other resolutions ran in the same processes (a stale cache would show here). With the
-    torch_npu double (bf16): the exact optimizations stay bitwise. Where close ones act (``all``; NPU paths through
-    the double), the image stays within PSNR 35 dB of stock."""
+    """Also after other resolutions ran in the same processes (a stale cache would show); where close optimizations
+    act (``all``, NPU paths through the double) the image stays within PSNR 35 dB of stock."""
     for r in run.ranks:
         for j in r.jobs:
             if j.job.spec == "none":

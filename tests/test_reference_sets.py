@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from vllm_omni_ascend_opt.ablation import refcli, refset, setcompare
 from vllm_omni_ascend_opt.cli import build_parser, main
@@ -187,15 +188,11 @@ def _version(root: Path) -> Path:
 
 def _sha(root: Path) -> Path:
     p = root / "images" / "p0_s2_16x16.png"
-    from PIL import Image
-
     Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(p)
     return p
 
 
 def _size(root: Path) -> Path:
-    from PIL import Image
-
     p = root / "images" / "p0_s1_16x16.png"
     Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(p)
     edit_manifest(root, lambda m: None)  # hashes match: the sizes under one key do not

@@ -55,9 +55,8 @@ def test_status_under_layerwise_offload_matches_what_runs(runtime):
 
 
 def test_switch_on_a_pipeline_whose_hooks_captured_the_stock_block(runtime):
-    """Layerwise offload's hook registry captured the stock block forward at load (nothing installed then): after
-    selecting the default stack and fast_modulate, the projections are memoized (shared_modulation acts, with a
-    note), the block body is not (the fast tier does not act, and says why)."""
+    """Layerwise offload's hooks captured the stock block forward at load: after the switch the projections are
+    memoized (shared_modulation acts, with a note), the block body is not (fast_modulate says why)."""
     with loaded(runtime, "none", enable_layerwise_offload=True) as h:
         pipe = h.pipeline
         want = _request(h)

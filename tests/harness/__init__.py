@@ -4,6 +4,7 @@ adapters for the tests, built on the test bed (``vllm_omni_ascend_opt.testbed``)
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -18,3 +19,16 @@ def load_script(name: str, rel: str) -> ModuleType:
     sys.modules[name] = mod  # dataclasses resolve their module by name
     spec.loader.exec_module(mod)
     return mod
+
+
+class LogLines(logging.Handler):
+    """Keeps the messages it handles that contain ``mark`` (in any case)."""
+
+    def __init__(self, mark: str = "", level: int = logging.DEBUG) -> None:
+        super().__init__(level)
+        self.mark = mark.lower()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.mark in (msg := record.getMessage()).lower():
+            self.lines.append(msg)

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from tests.harness import LogLines
+
 #: Parallel mode name (the keys of ``Optimization.parallel_support``) -> (DiffusionParallelConfig fields, world size).
 MODES: dict[str, tuple[dict[str, int], int]] = {
     "single": ({}, 1),
@@ -311,18 +313,6 @@ def _watchdog(deadline: float, parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-class _Capture(logging.Handler):
-    def __init__(self, mark: str) -> None:
-        super().__init__(logging.INFO)
-        self.mark = mark
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if self.mark.lower() in msg.lower():
-            self.lines.append(msg)
-
-
 def _group_facts() -> dict[str, int]:
     from vllm_omni.diffusion.distributed import parallel_state as ps
 
@@ -398,7 +388,7 @@ def _worker(work: Path, rank: int) -> None:
 
     api.select(cfg["initial_spec"])  # before vLLM-Omni's model modules are imported: patches go in on import
 
-    capture = _Capture(_SP_LOG_MARK)
+    capture = LogLines(_SP_LOG_MARK, logging.INFO)
     sp_logger = logging.getLogger("vllm_omni.diffusion.registry")
     sp_logger.addHandler(capture)
     if sp_logger.getEffectiveLevel() > logging.INFO:
@@ -407,7 +397,7 @@ def _worker(work: Path, rank: int) -> None:
     torch.save([_run_mode(cfg, run, rank, capture) for run in cfg["runs"]], work / f"rank{rank}.pt")
 
 
-def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Capture) -> RankReport:
+def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: LogLines) -> RankReport:
     import gc
 
     from vllm_omni.diffusion.forward_context import get_forward_context
