@@ -28,8 +28,7 @@ EVIDENCE = {
     "joint_attention": ("joint_calls",),
     "vae_exact": ("single_frame_decodes", "tiled_decodes"),
 }
-#: What memo_aware_offload counts where the mode offloads layerwise (its ``needs_config``; elsewhere it has nothing to
-#: act on and says so): the warm forwards that left the modulation weights on the host.
+#: What memo_aware_offload counts where the mode offloads layerwise (its ``needs_config``): the skipping forwards.
 OFFLOAD_EVIDENCE = {"memo_aware_offload": ("forwards_skipping",)}
 
 
@@ -59,8 +58,7 @@ MODES: dict[str, Mode] = {
     "layerwise_offload": Mode({"enable_layerwise_offload": True}),
     "model_cpu_offload": Mode({"enable_cpu_offload": True}),
     "tea_cache": Mode({"cache_backend": "tea_cache", "cache_config": {"rel_l1_thresh": 0.6}}),
-    # No built-in table for QwenImageTransformer2DModel: explicit ratios (all 1: every step may be skipped once the
-    # retained first steps have run, up to mag_max_skip_steps).
+    # no built-in table for QwenImageTransformer2DModel: explicit ratios (all 1: any step after the retained ones)
     "mag_cache": Mode(
         {
             "cache_backend": "mag_cache",

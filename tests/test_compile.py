@@ -48,8 +48,7 @@ class CompiledRun:
     hit_recompile_limit: bool
     status: dict[str, Any]
     reasons: dict[str, list[str]]
-    #: the compiled graphs of the first request: torch ops dynamo captured, inductor IR nodes before fusion, and the
-    #: kernels inductor generated (all blocks share one graph under regional compile: these are per block there)
+    #: the first request's graphs: ops dynamo captured, IR nodes before fusion, kernels (per block under regional)
     captured: int = 0
     ir_nodes: int = 0
     kernels: int = 0

@@ -89,9 +89,6 @@ def test_predictions_cover_every_workload_and_configuration(table, fit):
     assert len(rows) == 10 and all(r["op"] not in ("addmm", "scaled_dot_product_attention") for r in rows)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# multi-card collectives against the real code (the gloo spawn of tests/test_parallel.py)
-# ---------------------------------------------------------------------------------------------------------------
 _LAYOUT = {
     "ulysses": L.Layout(ulysses=2),
     "ring": L.Layout(ring=2),

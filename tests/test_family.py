@@ -167,8 +167,7 @@ def test_dmd2_forward_as_shipped_raises():
 # ----------------------------------------------------------------------------------------------------------------
 # kernel-launching ops per block and per denoise step, modulation bytes per step (warm request)
 # ----------------------------------------------------------------------------------------------------------------
-#: The text-to-image block's reduction on this tiny model (stock 106 -> default 46 on the DMD2 pipeline, which runs
-#: the text-to-image transformer): every pipeline, the two-segment edit block included, must reach it.
+#: The text-to-image block's reduction on this tiny model: every pipeline, the two-segment edit block too, reaches it.
 T2I_REDUCTION = 106 - 46
 
 
@@ -210,9 +209,6 @@ def test_ops_per_block_and_step(fam, runtime, fake_npu, npu_paths):
     assert stock["step"] - opt["step"] >= TINY_LAYERS * T2I_REDUCTION
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# parallel modes: the edit pipelines under Ulysses SP 2 and CFG-parallel 2 (2 gloo processes)
-# ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.multiproc
 @pytest.mark.parametrize("variant", ["edit-2511", "edit-plus"])
 def test_edit_pipelines_under_ulysses_and_cfg_parallel(variant):

@@ -83,8 +83,7 @@ def test_decisions_are_per_call_outside_a_forward(runtime):
 
 
 def test_memo_precheck_is_remade_per_call_outside_a_forward(runtime):
-    """The memo's guards for one temb object: the same object later requiring grad is refused (never a stale
-    "may memoize" from an earlier call)."""
+    """The same temb object later requiring grad is refused (never a stale "may memoize" from an earlier call)."""
     tr = build(runtime)
     api.select("none,+shared_modulation", model=tr)
     sm = registry.get("shared_modulation")

@@ -68,8 +68,7 @@ def test_status_matches_what_ran(runs, mode):
 def test_memo_hits_on_a_warm_request(runs, mode):
     sm = runs(mode, "default").stats["shared_modulation"]
     assert sm["hits"] > 0, sm
-    # Every mode, layerwise offload included: the offloader gives every block fresh storage each forward and
-    # (0,)-shaped placeholders between forwards, and the memo keys on neither (blocks/modulation_keys.linear_sig).
+    # layerwise offload included: the memo keys on neither its fresh storage nor its (0,)-shaped placeholders
     assert sm.get("misses", 0) == 0, sm
 
 
@@ -99,8 +98,7 @@ def test_the_mode_really_acted(runs, mode):
 
 @pytest.mark.parametrize("backend", list(_report.UPSTREAM_UNSUPPORTED_CACHE_BACKENDS))
 def test_cache_backends_listed_as_unsupported_reject_qwen_image(runtime, backend):
-    """Every cache backend ``list`` and the README call unsupported for Qwen-Image upstream (SeaCache: Cosmos3,
-    step_cache: DreamZero) really refuses it: the runner raises at load, with the plugin's default stack selected."""
+    """Every cache backend ``list`` calls unsupported for Qwen-Image upstream really refuses it at load."""
     assert set(_report.UPSTREAM_UNSUPPORTED_CACHE_BACKENDS) == {"sea_cache", "step_cache"}
     api.select("default")
     with pytest.raises(ValueError, match=r"(?i)not support"):
@@ -108,12 +106,8 @@ def test_cache_backends_listed_as_unsupported_reject_qwen_image(runtime, backend
     assert any(backend in note for note in _report.mode_notes())
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# LoRA switching between requests
-# ----------------------------------------------------------------------------------------------------------------
 def _lora_requests(runtime, tmp_path, spec: str, **fields) -> tuple[list[torch.Tensor], list[dict[str, int]]]:
-    """Requests with no adapter, A, B, A, none (switched before each, as vLLM-Omni's worker does): the images and
-    shared_modulation's statistics per request."""
+    """Requests with no adapter, A, B, A, none: the images and shared_modulation's statistics per request."""
     from tests.harness.lora import write_adapter
 
     sm = registry.get("shared_modulation")
@@ -146,9 +140,6 @@ def test_lora_switch_is_bitwise_and_misses_the_memo(runtime, tmp_path, offload):
         assert s["misses"] >= 2 * 2 and s["hits"] > 0, stats  # 2 steps x 2 blocks at least
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the ablation's test-bed engine in the shipped memory-mode workloads
-# ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("workload", ["tiny-cpu-offload", "tiny-cpu-tiled"])
 def test_the_ablation_engine_loads_the_workload_modes_through_vllm_omnis_runner(runtime, tiny_model_dir, workload):
     """The test-bed engine builds vLLM-Omni's runner with the workload's ``od_config`` and ``vae_tiling`` (the

@@ -81,8 +81,7 @@ def test_a_qk_norm_hook_added_between_forwards_sends_the_attention_to_stock(runt
 # ----------------------------------------------------------------------------------------------------------------
 # the modulation memo (block parts, time embedding, norm_out): changes between forwards are seen at the next forward
 # ----------------------------------------------------------------------------------------------------------------
-#: What the memo keys, by where it sits (the ids the mutation check selects with -k): the module a hook goes on, the
-#: linear whose weight is replaced, the fallback reason while the hook is there.
+#: Where the memo keys (ids for -k): the module a hook goes on, the linear replaced, the reason while hooked.
 MEMO_KEYED = {
     "modulation": (
         lambda tr: tr.transformer_blocks[0].txt_mod,
@@ -118,8 +117,7 @@ def _layer_norm_eps(tr):
     return lambda: setattr(ln, "eps", eps)
 
 
-#: Changes between forwards, each returning its undo: a projection weight replaced (the joint path), a layer norm's
-#: eps, and the weights the memo keys on, replaced by a new Parameter of the same shape ("keyed_anew").
+#: Changes between forwards, each returning its undo: a projection weight, a layer norm's eps, the memo's key weights.
 CHANGES = {
     "projection_weight": _new_weight(lambda tr: tr.transformer_blocks[1].attn.to_out),
     "layer_norm_eps": _layer_norm_eps,

@@ -57,8 +57,7 @@ def _start(model: Path, out: Path, flag: str, kwargs: dict, plugins: str | None 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
-    """{"default": out_dir, "none": out_dir, "other_plugin": out_dir}: the engines run concurrently; killed by process
-    group at the end. ``other_plugin``: the default flag, the ``mp`` backend and ``VLLM_PLUGINS=some_other_plugin``."""
+    """The output directory of each engine (run concurrently, killed by process group at the end)."""
     root = tmp_path_factory.mktemp("omni_offline")
     mp = {"distributed_executor_backend": "mp"}
     procs = {

@@ -87,8 +87,7 @@ def jobs_for(mode: str, specs: tuple[str, ...] = ("default",), group: str = "", 
 
 
 def npu_jobs(mode: str) -> list[Job]:
-    """BF16: ``none`` without the torch_npu double, then the double installed for ``none``, ``default`` and the exact
-    subset (each job reports the double's kernel calls), and the double removed again before the next mode."""
+    """BF16: ``none``, then with the torch_npu double (its calls reported per job) every spec, the double removed."""
     plain = [_job("bf16:", "none", k) for k in _shape_keys(mode, npu=True)]
     npu = jobs_for(mode, ("default", EXACT_SPEC, "all"), group="npu:", npu=True, after=HOOKS + "fake_npu_calls")
     npu[0] = dataclasses.replace(npu[0], before=HOOKS + "install_fake_npu")
@@ -212,9 +211,6 @@ def _gone(pid: int) -> bool:
     return False
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the harness itself: bounded in time, always cleaned up
-# ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "mode, hook, timeout_s, message",
     [
@@ -245,9 +241,6 @@ def test_unknown_mode_is_refused():
         run_parallel("pipeline", [])
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# per mode
-# ----------------------------------------------------------------------------------------------------------------
 def test_vllm_omni_parallel_state_and_sp_plan(run):
     """The groups exist as vLLM-Omni's worker makes them, and SP modes carry the transformer's ``_sp_plan`` hooks
     (vLLM-Omni only warns when applying them fails)."""

@@ -17,12 +17,12 @@ import pytest
 from vllm_omni_ascend_opt import _patching, _plugin, api, flags, registry
 from vllm_omni_ascend_opt.optimization import Optimization
 
-PY = sys.executable
-
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     e = {**os.environ, **env}
-    return subprocess.run([PY, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e, timeout=900
+    )
 
 
 def test_entry_point_is_discoverable():

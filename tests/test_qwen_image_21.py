@@ -64,9 +64,6 @@ def test_every_optimization_names_qwen_image_21_first():
     assert _report.acting(q21) == []
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the real tiny Qwen-Image-2.1 (0.32.0rc1+)
-# ----------------------------------------------------------------------------------------------------------------
 needs_21 = pytest.mark.skipif(not t21.available(), reason="this vLLM-Omni has no Qwen-Image-2.1 (0.32.0rc1+)")
 
 

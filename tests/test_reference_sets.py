@@ -168,9 +168,6 @@ def test_edit_pipelines_are_keyed_by_their_input_image(tmp_path, monkeypatch):
     assert rc == 0 and len(res["pairs"]) == 2
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# bad input: one clear error naming the file, nothing written
-# ----------------------------------------------------------------------------------------------------------------
 def _missing(root: Path) -> Path:
     (root / refset.MANIFEST).unlink()
     return root / refset.MANIFEST
@@ -238,9 +235,6 @@ def test_a_failed_generation_leaves_nothing(tmp_path, monkeypatch, capsys):
     assert not out.exists() and not list(tmp_path.glob(".broken.partial-*"))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the real test-bed engine
-# ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.multiproc
 def test_default_and_none_sets_of_the_tiny_model_are_pixel_identical(tmp_path, tiny_model_dir):
     """Both sets generated at the same time (each a worker that imports vLLM-Omni: the start-up is the cost)."""

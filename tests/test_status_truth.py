@@ -34,9 +34,6 @@ def test_apply_to_qwen_image_switches_one_per_optimization():
         api.apply_to_qwen_image(bogus=True)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# status under vLLM-Omni's runner: layerwise offload, hooks installed before a switch
-# ----------------------------------------------------------------------------------------------------------------
 def _request(h: RunnerHarness) -> torch.Tensor:
     return h.generate(height=32, width=32, steps=2, cfg_scale=4.0)
 

@@ -212,9 +212,6 @@ def test_only_the_floor_is_a_version_fact(version, refused):
     STATE.reset()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the real tables, in the installed vLLM-Omni (make test-versions: every release)
-# ----------------------------------------------------------------------------------------------------------------
 def _declarations() -> list[tuple[str, Upstream]]:
     return [(o.name, d) for o in registry.all_optimizations() for d in o.upstream]
 
@@ -229,11 +226,7 @@ def test_every_optimization_declares_its_upstream_code():
 def test_source_fingerprints_equal_inspect_getsource():
     """The file-based fingerprint (nothing imported) is the very value ``inspect.getsource`` gives once imported, and
     the imported function is the one in that file (no replacement)."""
-    seen = set()
-    for _owner, d in _declarations():
-        if (d.module, d.qualname) in seen:
-            continue
-        seen.add((d.module, d.qualname))
+    for d in {(d.module, d.qualname): d for _, d in _declarations()}.values():
         fp = fingerprints.fingerprint(d.module, d.qualname)
         mod = importlib.import_module(d.module)
         found, obj = fingerprints.live(d.module, d.qualname)

@@ -159,8 +159,7 @@ def test_list_json_says_for_every_optimization_whether_it_acts(worker, imported)
 
 
 def test_list_says_the_same_before_and_after_the_model_import(worker):
-    """The fingerprints are read from the source files: ``list`` as users run it (nothing imported) and as the worker
-    sees it (the Qwen-Image modules imported) agree on every optimization, reasons and upstream findings included."""
+    """The fingerprints come from the source files: before and after the model import ``list`` says the same."""
     plain = {o["name"]: o for o in worker["list_plain"]["optimizations"]}
     imported = {o["name"]: o for o in worker["list_imported"]["optimizations"]}
     for key in ("active", "reasons_inactive", "upstream"):

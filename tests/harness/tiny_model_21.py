@@ -73,13 +73,6 @@ def available() -> bool:
         return False
 
 
-def _random_(module: nn.Module, std: float, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * std)
-
-
 def build_transformer(runtime: Any, spec: Spec21 = SPEC21, seed: int = 0) -> nn.Module:
     """A tiny ``QwenImage21Transformer2DModel`` with N(0, std) weights loaded through its own ``load_weights``."""
     mod = importlib.import_module(TRANSFORMER)
@@ -95,7 +88,10 @@ def build_vae(spec: Spec21 = SPEC21, seed: int = 1) -> nn.Module:
     """vLLM-Omni's ``DistributedAutoencoderKLQwenImage21`` at a tiny width, N(0, 0.05) weights."""
     cls = importlib.import_module(DIST_VAE).DistributedAutoencoderKLQwenImage21
     vae = cls(**spec.vae_kwargs())
-    _random_(vae, 0.05, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     vae.init_distributed()
     return vae.eval()
 
