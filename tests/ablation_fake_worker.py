@@ -9,9 +9,7 @@ in well under a second per process. Its behaviour comes from the ``ABLATION_FAKE
                        60% denoise, 30% vae_decode, savings included)
     stage_delay_ms     {config id: {stage: ms}}: added to that stage (and the total) in that configuration's
                        processes (a process that simply runs slower in a stage nothing compared there changes)
-    round_drift_ms     {round: ms}: added to every configuration in that round (drift that interleaving cancels)
     ctrl_offset_ms     added to the control configuration (sets the noise floor)
-    jitter_ms          deterministic per (config, round, seed) jitter amplitude
     perturb            {opt: amplitude}: image changes when the configuration includes opt
     crash_start        [config ids]: exit with code 3 before "ready"
     error_run          {config id: n}: the n-th run (1-based, warm-ups included) answers an error event
@@ -44,13 +42,6 @@ def _image(seed: int, prompt: int, amp: float, h: int, w: int) -> np.ndarray:
         rng = np.random.default_rng(seed * 1000 + prompt)
         img = img + amp * rng.standard_normal(img.shape).astype(np.float32)
     return np.clip(img, -1, 1).astype(np.float32)
-
-
-def _jitter(key: str, amp: float) -> float:
-    if not amp:
-        return 0.0
-    h = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    return (2 * h - 1) * amp
 
 
 def main() -> int:
@@ -123,11 +114,9 @@ def main() -> int:
             continue
         if fake.get("sigint_parent", {}).get(cid) == n:
             os.kill(os.getppid(), signal.SIGINT)
-        # the round is not part of the protocol: the fake derives it from how many runs it has answered
         total = base - sum(v for k, v in fake.get("saves_ms", {}).items() if k in opts)
         if job["config"]["id"] == "full_ctrl":
             total += float(fake.get("ctrl_offset_ms", 0.0))
-        total += _jitter(f"{cid}/{n}/{cmd['seed']}", float(fake.get("jitter_ms", 0.0)))
         share = {"text_encode": 0.1, "denoise": 0.6, "vae_decode": 0.3}
         own = fake.get("save_stage", {})
         staged = {k: v for k, v in fake.get("saves_ms", {}).items() if k in opts and k in own}

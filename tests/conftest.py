@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -86,7 +87,4 @@ def fake_npu(monkeypatch):
     """Factory: ``fake_npu(rotary="half_pairing", ...)`` installs the semantic torch_npu fake for one test."""
     from tests.fake_torch_npu import install
 
-    def _install(**kwargs):
-        return install(monkeypatch, **kwargs)
-
-    return _install
+    return functools.partial(install, monkeypatch)

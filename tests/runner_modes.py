@@ -1,12 +1,8 @@
-"""vLLM-Omni's memory and cache modes, run through its own ``DiffusionModelRunner`` (``testbed/model_runner.py``): the
-modes, one run of a mode under a flag, and what the tests compare (tests/test_memory_modes.py).
+"""vLLM-Omni's memory and cache modes through its own ``DiffusionModelRunner``, for tests/test_memory_modes.py.
 
-One run = load the tiny model with the mode's ``OmniDiffusionConfig`` fields under a ``VLLM_OMNI_ASCEND_OPT``
-selection, then the same request twice (64x64, 8 steps, CFG on): the images of both, and, for the second (warm)
-request, every optimization's statistics and fallback reasons and what the plugin reports as acting on the pipeline.
-
-cache-dit enables once per process (a second pipeline asserts inside cache-dit), so its modes run in a child
-process each: ``python -m tests.runner_modes MODE SPEC OUT_DIR`` writes ``OUT_DIR/run.json`` and ``images.pt``.
+One run loads the tiny model with the mode's ``OmniDiffusionConfig`` fields under a selection and makes the same
+request twice: both images and, for the warm one, every optimization's statistics, fallbacks and acting status.
+cache-dit enables once per process, so its modes run in a child each (``python -m tests.runner_modes MODE SPEC OUT``).
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ EVIDENCE = {
     "joint_attention": ("joint_calls",),
     "vae_exact": ("single_frame_decodes", "tiled_decodes"),
 }
-#: What memo_aware_offload counts where the mode offloads layerwise (its ``needs_config``; elsewhere it has nothing to
-#: act on and says so): the warm forwards that left the modulation weights on the host.
+#: What memo_aware_offload counts where the mode offloads layerwise (its ``needs_config``): the skipping forwards.
 OFFLOAD_EVIDENCE = {"memo_aware_offload": ("forwards_skipping",)}
 
 
@@ -53,38 +48,26 @@ class Mode:
     own_process: bool = False
 
 
+def _cache_dit(**config: Any) -> Mode:
+    return Mode({"cache_backend": "cache_dit", "cache_config": {"max_warmup_steps": 2, **config}}, own_process=True)
+
+
 MODES: dict[str, Mode] = {
     "vae_slicing": Mode({"vae_use_slicing": True}, sampling={"num_outputs_per_prompt": 2}),
     "vae_tiling": Mode({"vae_use_tiling": True}, tiles=TILES),
     "layerwise_offload": Mode({"enable_layerwise_offload": True}),
     "model_cpu_offload": Mode({"enable_cpu_offload": True}),
     "tea_cache": Mode({"cache_backend": "tea_cache", "cache_config": {"rel_l1_thresh": 0.6}}),
-    # No built-in table for QwenImageTransformer2DModel: explicit ratios (all 1: every step may be skipped once the
-    # retained first steps have run, up to mag_max_skip_steps).
+    # no built-in table for QwenImageTransformer2DModel: explicit ratios (all 1: any step after the retained ones)
     "mag_cache": Mode(
         {
             "cache_backend": "mag_cache",
             "cache_config": {"mag_ratios": [1.0] * 8, "mag_threshold": 0.5, "mag_retention_ratio": 0.2},
         }
     ),
-    "cache_dit_dbcache": Mode(
-        {"cache_backend": "cache_dit", "cache_config": {"max_warmup_steps": 2, "residual_diff_threshold": 0.5}},
-        own_process=True,
-    ),
-    "cache_dit_taylorseer": Mode(
-        {
-            "cache_backend": "cache_dit",
-            "cache_config": {"max_warmup_steps": 2, "residual_diff_threshold": 0.5, "enable_taylorseer": True},
-        },
-        own_process=True,
-    ),
-    "cache_dit_scm": Mode(
-        {
-            "cache_backend": "cache_dit",
-            "cache_config": {"max_warmup_steps": 2, "scm_steps_mask_policy": "ultra", "scm_steps_policy": "static"},
-        },
-        own_process=True,
-    ),
+    "cache_dit_dbcache": _cache_dit(residual_diff_threshold=0.5),
+    "cache_dit_taylorseer": _cache_dit(residual_diff_threshold=0.5, enable_taylorseer=True),
+    "cache_dit_scm": _cache_dit(scm_steps_mask_policy="ultra", scm_steps_policy="static"),
 }
 
 
@@ -114,13 +97,11 @@ class ModeRun:
 
 def run_mode(runtime: Any, mode: str, spec: str) -> ModeRun:
     """Load the tiny model through vLLM-Omni's runner in ``mode`` with ``spec`` selected; two identical requests."""
-    from vllm_omni_ascend_opt import _report, api, registry
-    from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
+    from tests.harness.runner import loaded
+    from vllm_omni_ascend_opt import _report, registry
 
     m = MODES[mode]
-    api.select(spec)
-    h = RunnerHarness.load(runtime, **m.fields)
-    try:
+    with loaded(runtime, spec, **m.fields) as h:
         if m.tiles is not None:
             h.pipeline.vae.enable_tiling(*m.tiles)
         images = [h.generate(**REQUEST, **m.sampling)]
@@ -141,9 +122,6 @@ def run_mode(runtime: Any, mode: str, spec: str) -> ModeRun:
                 "cache": _enabled_backend(h.runner.cache_backend),
             },
         )
-    finally:
-        h.close()
-        api.select("none")
 
 
 def _enabled_backend(backend: Any) -> str | None:

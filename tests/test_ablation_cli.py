@@ -23,26 +23,8 @@ def test_plan_json_and_modes(capsys, tmp_path):
     names = [o.name for o in registry.all_optimizations() if not o.reasons_inactive()]
     if not names:
         pytest.skip("no optimization can be active on this machine")
-    assert (
-        main(
-            [
-                "plan",
-                "--json",
-                "--mode",
-                "single",
-                "--only",
-                names[0],
-                "--repeats",
-                "3",
-                "--seeds",
-                "1",
-                "2",
-                "--out",
-                str(tmp_path),
-            ]
-        )
-        == 0
-    )
+    args = ["plan", "--json", "--mode", "single", "--only", names[0], "--repeats", "3", "--seeds", "1", "2"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [c["id"] for c in doc["plan"]["configs"]] == ["stock", "full", "full_ctrl"]
     assert doc["plan"]["configs"][1]["spec"] == f"none,+{names[0]}"

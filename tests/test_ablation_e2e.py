@@ -8,11 +8,10 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.harness import REPO
 
 
 @pytest.mark.slow
@@ -22,41 +21,11 @@ def test_tiny_leave_one_out_end_to_end(tmp_path, tiny_model_dir):
     exactly, one with a small image change. Five worker processes (stock, full, full minus each, the control)."""
     out = tmp_path / "out"
     env = dict(os.environ, ABLATION_TESTOPTS_DELAYS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm_omni_ascend_opt.cli",
-        "ablate",
-        "--import",
-        "tests.ablation_testopts",
-        "--only",
-        "abl_test_fast,abl_test_close",
-        "--seeds",
-        "42",
-        "43",
-        "44",
-        "--repeats",
-        "2",
-        "--warmup",
-        "1",
-        "--height",
-        "32",
-        "--width",
-        "32",
-        "--steps",
-        "2",
-        "--threads",
-        "1",
-        "--process-sets",
-        "1",
-        "--cfg-scale",
-        "1",
-        "--start-jobs",
-        "2",
-        "--out",
-        str(out),
-        "--no-progress",
-    ]
+    args = (
+        "ablate --import tests.ablation_testopts --only abl_test_fast,abl_test_close --seeds 42 43 44 --repeats 2"
+        " --warmup 1 --height 32 --width 32 --steps 2 --threads 1 --process-sets 1 --cfg-scale 1 --start-jobs 2"
+    )
+    cmd = [sys.executable, "-m", "vllm_omni_ascend_opt.cli", *args.split(), "--out", str(out), "--no-progress"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)  # a hang guard
     res = json.loads((out / "results.json").read_text())
     from vllm_omni_ascend_opt.ablation import stats

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from vllm_omni_ascend_opt.ablation import report, stages, stats, verdict
 from vllm_omni_ascend_opt.ablation.outdir import RunError
@@ -28,8 +29,7 @@ def make_plan(**kw):
     base = dict(
         seeds=[1, 2], repeats=2, warmup=1, height=16, width=16, start_jobs=3, timeout_s=300.0, start_timeout_s=600.0
     )
-    base.update(kw)
-    return build_plan(from_mapping(base).validate(), INFOS)
+    return build_plan(from_mapping({**base, **kw}).validate(), INFOS)
 
 
 def run(plan, out, monkeypatch, fake: dict, fresh=False):
@@ -73,8 +73,6 @@ def test_a_clean_run_passes_and_writes_valid_reports(tmp_path, monkeypatch, sche
     assert len(measured) == len(plan.configs) * 2 * 2
     assert (out / "images" / "loo_a" / "p0_s1.png").is_file() and (out / "images" / "full" / "p0_s2.npy").is_file()
     # reports a person reads
-    from PIL import Image
-
     with Image.open(out / "ablation.png") as im:
         im.verify()
         assert im.format == "PNG" and im.size[0] > 300
@@ -215,8 +213,6 @@ def test_without_a_control_there_is_no_noise_floor_and_reports_still_render(tmp_
     assert "no noise floor (the control pair did not complete)" in res["verdict"]["reasons"]
     md = (tmp_path / "out" / "report.md").read_text()
     assert "Noise floor: **unknown**" in md and "## Failures" in md and "configs/full_ctrl/worker.log" in md
-    from PIL import Image
-
     with Image.open(tmp_path / "out" / "ablation.png") as im:
         im.verify()
 
@@ -240,10 +236,7 @@ def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_
     ids = [c.id for c in plan.configs]
     assert spawned == ids + ids[::-1]
     assert sorted(starts(log)) == sorted(ids * 2)
-    pids = {}
-    for s in res["samples"]:
-        if not s["warmup"] and s["config"] == "full":
-            pids[s["round"]] = s["pid"]
+    pids = {s["round"]: s["pid"] for s in res["samples"] if not s["warmup"] and s["config"] == "full"}
     assert pids[0] == pids[1] != pids[2] == pids[3]
     assert res["verdict"]["result"] == "PASS"
 

@@ -30,9 +30,7 @@ INFOS = [
 
 
 def wl(**kw) -> Workload:
-    base = dict(seeds=[1, 2], repeats=3, warmup=0)
-    base.update(kw)
-    return from_mapping(base).validate()
+    return from_mapping({"seeds": [1, 2], "repeats": 3, "warmup": 0, **kw}).validate()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ INFOS = [
 ]
 
 
-def plan(mode: str = "leave-one-out"):
+def plan(mode: str = "leave-one-out", infos=INFOS, **kw):
     wl = from_mapping({"seeds": [1], "repeats": 1, "warmup": 0, "mode": mode, "stack": "all"}).validate()
-    return build_plan(wl, INFOS)
+    return build_plan(wl, infos, **kw)
 
 
 def test_gate_selection_per_difference():
@@ -48,10 +48,7 @@ def test_registry_fast_tier_declares_its_gates():
 
 def _analyse(monkeypatch, tmp_path, p, metrics: dict[str, tuple[float, float]]):
     """``analyse`` with the image comparison replaced: ``metrics[other config] = (SSIM, PSNR)`` whatever the
-    reference."""
-
-    def load(stem):
-        return stem.parent.name  # the configuration id
+    reference (a stored image loads as its configuration id)."""
 
     def cmp(ref, other):
         ssim, psnr = metrics.get(other, (1.0, float("inf")))
@@ -66,7 +63,7 @@ def _analyse(monkeypatch, tmp_path, p, metrics: dict[str, tuple[float, float]]):
             "basis": "float",
         }
 
-    monkeypatch.setattr(stats.compare, "load_stored", load)
+    monkeypatch.setattr(stats.compare, "load_stored", lambda stem: stem.parent.name)
     monkeypatch.setattr(stats.compare, "compare", cmp)
     return verdict.analyse(p, [], tmp_path)
 
@@ -113,13 +110,8 @@ NEEDS = [
 ]
 
 
-def needs_plan(mode: str, infos=NEEDS, **kw):
-    wl = from_mapping({"seeds": [1], "repeats": 1, "warmup": 0, "mode": mode, "stack": "all"}).validate()
-    return build_plan(wl, infos, **kw)
-
-
 def test_leave_one_out_of_a_needed_optimization_leaves_out_its_dependents(monkeypatch, tmp_path):
-    p = needs_plan("leave-one-out")
+    p = plan("leave-one-out", NEEDS)
     assert p.config("loo_memo").opts == ("ex",) and "fast, which need it" in p.config("loo_memo").label
     assert p.config("loo_fast").opts == ("memo", "ex")
     # memo's verdict compares full with full - memo - fast: held to the close class and fast's gate
@@ -130,21 +122,21 @@ def test_leave_one_out_of_a_needed_optimization_leaves_out_its_dependents(monkey
 
 
 def test_single_and_cumulative_keep_what_an_optimization_needs():
-    p = needs_plan("single")
+    p = plan("single", NEEDS)
     assert p.config("single_fast").opts == ("memo", "fast")
     comp = {c.opt: c for c in p.comparisons}
     assert comp["fast"].without == "single_memo" and comp["memo"].without == "stock"  # fast vs memo alone
-    p = needs_plan("cumulative")
+    p = plan("cumulative", NEEDS)
     assert [p.config(c.with_).opts for c in p.comparisons][-1] == ("memo", "ex", "fast")
     with pytest.raises(Exception, match="puts fast before memo, which it needs"):
-        needs_plan("cumulative", order=["fast", "memo"])
+        plan("cumulative", NEEDS, order=["fast", "memo"])
 
 
 def test_an_optimization_whose_need_cannot_take_part_is_skipped():
     infos = [OptInfo("memo", "exact", reasons_inactive=("broken",)), *NEEDS[1:]]
-    p = needs_plan("leave-one-out", infos)
+    p = plan("leave-one-out", infos)
     assert p.stack == ["ex"] and p.skipped["fast"] == ["needs memo, which cannot take part in this run"]
-    p = needs_plan("leave-one-out", skip=["memo"])
+    p = plan("leave-one-out", NEEDS, skip=["memo"])
     assert "fast" not in p.stack and "needs memo" in p.skipped["fast"][0]
 
 

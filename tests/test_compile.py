@@ -1,11 +1,10 @@
-"""Under vLLM-Omni's torch.compile (regional and full), forced on the CPU runtime through its own runner: the
-optimizations act *inside* the compiled model (issue 21), the plugin's bookkeeping stays out of the traced code.
+"""Under vLLM-Omni's torch.compile (regional and full), forced on the CPU runtime through its own runner.
 
-Compiled default is pixel-identical to compiled stock (inductor reorders float math, so bitwise is not the bar) and the
-fast tier stays within its gates, repeated requests are identical, nothing recompiles after the first request of a
-shape, the plugin causes no graph break (none located in its code), the compiled graphs run fewer ops with the
-default stack than with stock, the value-keyed work (the modulation memo, the RoPE tables) ran in eager hooks while
-the compiled blocks received ready tensors (regional), and the status says truthfully what acts."""
+Compiled default is pixel-identical to compiled stock (inductor reorders float math) and the fast tier within its
+gates; repeats are identical and nothing recompiles; the plugin causes no graph break; the compiled graphs run fewer
+ops with the default stack; the value-keyed work (memo, RoPE tables) runs in eager hooks and reaches the compiled
+blocks as ready tensors (regional); the status says truthfully what acts.
+"""
 
 from __future__ import annotations
 
@@ -16,14 +15,15 @@ from typing import Any
 import pytest
 import torch
 
+from tests.harness import LogLines
 from tests.harness.forward import build
+from tests.harness.runner import loaded
 from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.blocks.body import compiled_blocks
 from vllm_omni_ascend_opt.blocks.body.block_body import READY
 from vllm_omni_ascend_opt.blocks.body.joint_qkv import READY_ROPE
 from vllm_omni_ascend_opt.metrics import compare_images, to_uint8
 from vllm_omni_ascend_opt.opts._fast_tier import FAST_TIER_GATES
-from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +48,7 @@ class CompiledRun:
     hit_recompile_limit: bool
     status: dict[str, Any]
     reasons: dict[str, list[str]]
-    #: the compiled graphs of the first request: torch ops dynamo captured, inductor IR nodes before fusion, and the
-    #: kernels inductor generated (all blocks share one graph under regional compile: these are per block there)
+    #: the first request's graphs: ops dynamo captured, IR nodes before fusion, kernels (per block under regional)
     captured: int = 0
     ir_nodes: int = 0
     kernels: int = 0
@@ -58,26 +57,15 @@ class CompiledRun:
     hoisted: dict[str, bool] = field(default_factory=dict)
 
 
-class _BreakLog(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _compiled_run(runtime: Any, spec: str, granularity: str, breaks: _BreakLog) -> CompiledRun:
+def _compiled_run(runtime: Any, spec: str, granularity: str, breaks: LogLines) -> CompiledRun:
     from torch._dynamo.utils import counters
     from torch._inductor import metrics
 
     torch._dynamo.reset()
     counters.clear()
     metrics.reset()
-    breaks.messages.clear()
-    api.select(spec)
-    h = RunnerHarness.load(runtime, compile=True, diffusion_compile_granularity=granularity)
-    try:
+    breaks.lines.clear()
+    with loaded(runtime, spec, compile=True, diffusion_compile_granularity=granularity) as h:
         images, frames = [], []
         for i in range(REQUESTS):
             images.append(h.generate(height=32, width=32, steps=2, cfg_scale=4.0))
@@ -98,21 +86,17 @@ def _compiled_run(runtime: Any, spec: str, granularity: str, breaks: _BreakLog) 
             captured=captured,
             ir_nodes=ir_nodes,
             kernels=kernels,
-            break_sites=[m.split("\n")[0] for m in breaks.messages],
+            break_sites=[m.split("\n")[0] for m in breaks.lines],
             memo_hits=int(sm.stats["hits"]),
             hoisted={
                 "modulation": compiled_blocks.ready(block, READY) is not None,
                 "rope": compiled_blocks.ready(block.attn, READY_ROPE) is not None,
             },
         )
-    finally:
-        h.close()
-        api.select("none")
 
 
 class _Runs:
-    """The compiled runs of this module, each made on first use and kept: a selection of these tests (``-k``, the
-    mutation check) compiles only the runs it reads."""
+    """The compiled runs, each made on first use and kept: a ``-k`` selection compiles only the runs it reads."""
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
@@ -129,7 +113,7 @@ class _Runs:
     def _run(self, granularity: str, spec: str) -> CompiledRun:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # compiled code on CPU: one thread, as the other tests' second core may be busy
-        breaks = _BreakLog()
+        breaks = LogLines()
         torch._logging.set_logs(graph_breaks=True)
         loggers = [logging.getLogger(name) for name in GRAPH_BREAK_LOGGERS]
         for lg in loggers:
@@ -158,17 +142,15 @@ def test_compiled_default_is_pixel_identical_to_compiled_stock(compiled, granula
 
 
 def test_compiled_fast_tier_is_within_its_gates(compiled):
-    """The fast tier acts inside regionally compiled blocks (affine layer norm, addcmul): within SSIM >= 0.999 and
-    PSNR >= 45 dB of compiled stock."""
+    """The fast tier acts inside regionally compiled blocks, within its gates of compiled stock."""
     stock, fast = compiled[("regional", "none")], compiled[("regional", FAST)]
     ssim_min, psnr_min = FAST_TIER_GATES
     for a, b in zip(stock.images, fast.images, strict=True):
         m = compare_images(a, b)
         assert m["ssim"] >= ssim_min and m["psnr"] >= psnr_min, m
     assert {"fast_modulate", "fast_residual"} <= set(fast.status["acting_on_pipeline"])
-    # its modes ran in the compiled blocks: the affine layer norm folds LN's "* (1 + scale) + shift" and addcmul
-    # folds "+ gate * y", so dynamo captured fewer ops (inductor decomposes both back into the same pointwise math,
-    # so the pixels may well equal the default stack's: they are not the proof)
+    # it ran in the compiled blocks: the affine layer norm and addcmul fold ops, so dynamo captured fewer (the pixels
+    # may equal the default stack's: inductor decomposes both back into the same math)
     default = compiled[("regional", "default")]
     assert fast.captured < default.captured, (fast.captured, default.captured)
 
@@ -195,10 +177,8 @@ def test_the_plugin_causes_no_graph_break(compiled, granularity):
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_compiled_graphs_run_fewer_ops_with_the_default_stack(compiled, granularity):
-    """Counted from the compiled graphs of the first request: the torch ops dynamo captured, inductor's IR nodes
-    before fusion and the kernels it generated (one graph shared by every block under regional compile). Under full
-    compile the graph is stock's: nothing of the default stack acts inside it (joint_attention's in-graph tables
-    measured slower than compiled stock; the value-keyed work has no eager place there)."""
+    """Counted from the first request's compiled graphs: ops dynamo captured, inductor's IR nodes before fusion and
+    its kernels. Under full compile the graph is stock's: nothing of the default stack acts inside it."""
     stock, default = compiled[(granularity, "none")], compiled[(granularity, "default")]
     if granularity == "full":
         assert (default.captured, default.ir_nodes, default.kernels) == (stock.captured, stock.ir_nodes, stock.kernels)
@@ -208,8 +188,8 @@ def test_compiled_graphs_run_fewer_ops_with_the_default_stack(compiled, granular
 
 
 def test_regional_compile_hoists_value_keyed_work(compiled):
-    """Regional: the memo lookups and the RoPE tables ran in eager pre-hooks (memo hits counted) and the compiled
-    blocks received them as ready tensors. Full: nothing is hoisted (the whole transformer is traced)."""
+    """Regional: the memo lookups and RoPE tables ran in eager pre-hooks and reached the compiled blocks as ready
+    tensors. Full: nothing is hoisted."""
     regional, full = compiled[("regional", "default")], compiled[("full", "default")]
     assert regional.hoisted == {"modulation": True, "rope": True} and regional.memo_hits > 0
     assert full.hoisted == {"modulation": False, "rope": False} and full.memo_hits == 0
@@ -219,10 +199,8 @@ def test_status_says_what_the_compiled_model_uses(compiled):
     regional, full = compiled[("regional", "default")], compiled[("full", "default")]
     assert regional.status["compiled_regions"] == ["block"]
     assert full.status["compiled_regions"] == ["block", "transformer"]
-    # regional: the blocks are compiled and receive the hoisted memo lookups and tables; every default acts
     assert {"shared_modulation", "rope", "joint_attention", "vae_exact"} <= set(regional.status["acting_on_pipeline"])
-    # full: the whole transformer is compiled: the memo, rope's tables and embedder memo and the joint path's tables
-    # have no eager place to run (joint_attention computing them in the graph measured slower than compiled stock)
+    # full: the value-keyed work (memo, rope's tables, the joint path's tables) has no eager place to run
     assert "vae_exact" in full.status["acting_on_pipeline"]
     for name in ("shared_modulation", "rope", "joint_attention"):
         assert "torch.compile runs the whole transformer" in full.reasons[name][0], full.reasons
@@ -230,9 +208,8 @@ def test_status_says_what_the_compiled_model_uses(compiled):
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_status_of_a_compiled_transformer_without_inductor(runtime, granularity):
-    """The same status facts on a transformer compiled the way vLLM-Omni's runner does (regional: each repeated
-    block's forward; full: ``module.compile()``), with dynamo's eager backend: nothing is compiled until it runs, so
-    this is cheap, and the status is read from the model alone."""
+    """The same status facts on a transformer compiled as vLLM-Omni's runner does, with dynamo's eager backend
+    (cheap: nothing compiles until it runs); the status is read from the model alone."""
     from vllm_omni.diffusion.compile import regionally_compile
 
     from vllm_omni_ascend_opt.blocks.upstream import guards
@@ -245,11 +222,11 @@ def test_status_of_a_compiled_transformer_without_inductor(runtime, granularity)
     if granularity == "full":
         tr.compile(backend="eager")
         assert guards.compiled_regions(tr) == {"block", "transformer"}
-        acting = set()  # no eager place for value-keyed work; joint_attention's in-graph tables: slower than stock
+        acting = set()  # no eager place for value-keyed work
     else:
         regionally_compile(tr, backend="eager")
         assert guards.compiled_regions(tr) == {"block"}
-        acting = {"shared_modulation", "rope", "joint_attention"}  # issue 21: hoisted into the compiled blocks
+        acting = {"shared_modulation", "rope", "joint_attention"}  # hoisted into the compiled blocks
     for name in ("shared_modulation", "rope", "joint_attention"):
         reasons = _report.explain(registry.get(name), tr)
         assert (reasons == []) is (name in acting), (name, reasons)

@@ -1,11 +1,8 @@
 """The device-time trace (``devtime/``): FLOPs and bytes by hand, launches equal to the counter's.
 
-* :mod:`~vllm_omni_ascend_opt.devtime.costs` on a linear, an SDPA, a ``layer_norm`` and an element-wise op, computed
-  by hand from their shapes;
-* the trace of the real model under :class:`~vllm_omni_ascend_opt.devtime.hollow.HollowMode` launches exactly what
-  the NPU launch counter counts on real values: per block and outside the blocks, at the tiny width (against
-  ``blockops.count_block``) and at the real width (against the committed launch table, itself checked at real
-  width by ``bench_ops.py --write-table``), for stock, default and all;
+* :mod:`~vllm_omni_ascend_opt.devtime.costs` on a linear, an SDPA, a layer norm and an element-wise op, by hand;
+* the hollow trace of the real model launches exactly what the NPU counter counts, per block and outside the blocks,
+  at the tiny width and at the real width (the committed launch table), for stock, default and all;
 * its FLOPs at real width equal the transformer's by hand (12 d^2 per token and GEMM, 4 S^2 d of attention).
 """
 

@@ -1,14 +1,10 @@
 """The device-time model (``devtime/model.py``) on the committed trace table; multi-card collectives; ``plan``.
 
-* an op's predicted time by hand: compute-bound GEMM, memory-bound element-wise op, launch overhead;
-* the fit reproduces each calibration point within its printed residual, within 25 ms on the points it fits and
-  on the held-out VAE point; the full-stack point is the model's known blind spot (NZ weights and attention fusion
-  change kernel speed, not FLOPs or bytes): the model gives them nothing;
-* an image is steps x CFG forwards x one call + the VAE + the fitted constant;
-* the collectives each parallel mode issues (``devtime/layouts.py``) equal what the gloo runs of
-  ``tests/test_parallel.py`` count on the real code (the same spawn, shared with that module);
-* ``plan --workload qwen-image-910b1 --cards 2`` prints the model's tables labelled as a model, the launch-only
-  figure as a column, and names the best 2-card layout.
+* predicted op times by hand (GEMM, element-wise, launch overhead); the fit reproduces its calibration points
+  within their residuals and the held-out VAE point; an image is steps x CFG forwards + the VAE + the constant;
+* the collectives of each parallel mode (``devtime/layouts.py``) equal what the gloo runs of tests/test_parallel.py
+  count on the real code (the same spawn);
+* ``plan --cards 2`` prints the model's tables labelled as a model and names the best 2-card layout.
 """
 
 from __future__ import annotations
@@ -93,9 +89,6 @@ def test_predictions_cover_every_workload_and_configuration(table, fit):
     assert len(rows) == 10 and all(r["op"] not in ("addmm", "scaled_dot_product_attention") for r in rows)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# multi-card collectives against the real code (the gloo spawn of tests/test_parallel.py)
-# ---------------------------------------------------------------------------------------------------------------
 _LAYOUT = {
     "ulysses": L.Layout(ulysses=2),
     "ring": L.Layout(ring=2),
@@ -142,9 +135,6 @@ def test_layouts_name_a_best_and_price_tp_above_sp(table, fit):
     assert usp["ms"] < tp["ms"] < one["ms"] and tp["comm_ms_per_step"] > usp["comm_ms_per_step"] > 0
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# plan
-# ---------------------------------------------------------------------------------------------------------------
 def test_plan_prints_the_model_with_the_launch_only_column_and_layouts(capsys, tmp_path):
     args = ["plan", "--workload", "qwen-image-910b1", "--out", str(tmp_path / "o"), "--cards", "2"]
     assert main(args) == 0

@@ -3,23 +3,17 @@ the README's example lines."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
+from tests.harness import REPO, load_script
 from vllm_omni_ascend_opt import registry
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def gen_docs():
-    spec = importlib.util.spec_from_file_location("gen_docs", REPO / "tools" / "gen_docs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gen_docs", "tools/gen_docs.py")
 
 
 def test_generated_tables_match_the_registry_and_the_workloads(gen_docs):

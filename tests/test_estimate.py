@@ -1,9 +1,7 @@
 """The 910B1 estimate (``ablation/estimate.py``): launches saved x a per-launch cost calibrated on the reference.
 
-* the committed launch table is current: it covers every subset of the registered transformer optimizations, and
-  its per-block counts equal what the NPU counter measures now (at the tiny width, which launches the same per
-  block as the real width the table was written at: ``benchmarks/bench_ops.py --write-table`` checks that);
-* the model's arithmetic, by hand from the table: 60 blocks, steps, CFG forwards, the RoPE calibration;
+* the committed launch table covers every subset of the transformer optimizations and equals the NPU counter now;
+* the model's arithmetic by hand from the table (60 blocks, steps, CFG, the RoPE calibration);
 * ``plan --workload qwen-image-910b1`` prints it per configuration, labelled an estimate; the tiny workload not.
 """
 

@@ -1,14 +1,7 @@
-"""The torch_npu fake against the real package: the pinned torch-npu 2.13.0 wheel, read (never installed).
-
-* every fake op's signature (argument names incl. ``self``, order, keyword-only, defaults) equals its schema in
-  ``npu_native_functions_by_codegen.yaml``, and its number of outputs the schema's return arity;
-* its outputs' shapes and dtypes equal what the wheel's meta functions (``op_plugin/meta/_meta_registrations.py``,
-  run on CPU with stubs) return for the same arguments;
-* ``torch.npu.config`` behaves like the real ``_npuConfig`` (write-only).
-
-Constraints the meta functions do not check (value ranges, layouts, sparse modes, formats) are cited to the op-plugin
-docs in the fake's modules and tested in the per-optimization test files. Skips with the reason when the wheel
-cannot be fetched (``tests/fake_torch_npu/reference.py``).
+"""The torch_npu fake against the pinned torch-npu 2.13.0 wheel, read (never installed): every fake op's signature
+equals its codegen schema (names, order, keyword-only, defaults, output arity), its outputs' shapes and dtypes equal
+the wheel's meta functions', and ``torch.npu.config`` is write-only like the real one. Skips with the reason when the
+wheel cannot be fetched (``tests/fake_torch_npu/reference.py``).
 """
 
 from __future__ import annotations
@@ -73,9 +66,6 @@ def test_installed_fake_ops_keep_the_schema_signature_and_reject_unknown_keyword
         mod.npu_format_cast(torch.randn(4, 4), 29, None)  # customize_dtype is keyword-only
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# output shapes / dtypes / arity against the meta functions
-# ----------------------------------------------------------------------------------------------------------------
 def _cases():
     g = torch.Generator().manual_seed(0)
 
@@ -146,9 +136,6 @@ def test_format_cast_matches_the_real_meta_and_schema(wheel, fake_npu):
     assert reference.schemas()["get_npu_format"].returns == ("int",) and isinstance(fake.get_npu_format(nz), int)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# torch.npu.config
-# ----------------------------------------------------------------------------------------------------------------
 def _script(cfg, options) -> list[object]:
     """The same operations on a config object; what each does (result or exception type) and the option store."""
     trace: list[object] = []

@@ -1,11 +1,9 @@
-"""The whole Qwen-Image family of vLLM-Omni 0.30 (issue 14): DMD2, Edit, Edit-Plus (2509 and 2511 ``zero_cond_t``)
-and Layered, each a tiny offline model loaded through vLLM-Omni's own loader and run through its real pipeline.
+"""The Qwen-Image family of vLLM-Omni 0.30: DMD2, Edit, Edit-Plus (2509, 2511 ``zero_cond_t``) and Layered, each a
+tiny model loaded through vLLM-Omni's loader and run through its real pipeline.
 
-Per pipeline: the default stack gives ``none``'s images bit for bit over CFG on/off, two seeds, two resolutions, a
-repeated request (warm caches) and, for the image pipelines, two different input images (a cache keyed on the wrong
-thing would return the first image's result for the second); every selected optimization either acts on the
-pipeline or says why not; ``vae_fast`` meets its gates. Sized for 2 cores: one pipeline load and one set of
-reference images per pipeline (module fixtures).
+Per pipeline: the default stack gives ``none``'s images bitwise over CFG on/off, seeds, resolutions, a repeat and
+(image pipelines) two input images; every selected optimization acts or says why; ``vae_fast`` meets its gates.
+One pipeline load and one set of reference images per pipeline (module fixtures).
 """
 
 from __future__ import annotations
@@ -150,9 +148,8 @@ def test_vae_fast_meets_its_gates(fam, runtime):
 
 
 def test_dmd2_forward_as_shipped_raises():
-    """vLLM-Omni 0.30's ``DMD2PipelineMixin.forward`` passes ``guidance_scale``/``num_inference_steps`` to
-    ``QwenImagePipeline.forward(req)``; the test bed runs the mixin's sanitize step and the base forward instead
-    (testbed.pipeline.run_forward). When this starts passing, upstream fixed it: drop the work-around."""
+    """Why the test bed runs the mixin's sanitize step and the base forward itself (``pipeline.run_forward``); when
+    this starts passing, upstream fixed it: drop the work-around."""
     from vllm_omni.diffusion.models.dmd2.mixin import DMD2PipelineMixin
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
@@ -170,8 +167,7 @@ def test_dmd2_forward_as_shipped_raises():
 # ----------------------------------------------------------------------------------------------------------------
 # kernel-launching ops per block and per denoise step, modulation bytes per step (warm request)
 # ----------------------------------------------------------------------------------------------------------------
-#: The text-to-image block's reduction on this tiny model (stock 106 -> default 46 on the DMD2 pipeline, which runs
-#: the text-to-image transformer): every pipeline, the two-segment edit block included, must reach it.
+#: The text-to-image block's reduction on this tiny model: every pipeline, the two-segment edit block too, reaches it.
 T2I_REDUCTION = 106 - 46
 
 
@@ -194,39 +190,30 @@ def _warm_counts(fam: SimpleNamespace, rt: Any) -> dict[str, Any]:
     return dict(block=blocks[0].total, step=steps[0].total, mod_bytes=reads.bytes / len(steps), images=images)
 
 
-def test_ops_per_block_and_step(fam, runtime):
+@pytest.mark.parametrize("npu_paths", [False, True], ids=["cpu", "npu_paths"])
+def test_ops_per_block_and_step(fam, runtime, fake_npu, npu_paths):
+    """``npu_paths``: the torch_npu paths through the semantic fake (fp32: its kernels round like stock)."""
+    npu = fake_npu() if npu_paths else None
     api.select("none", model=fam.pipe)
     stock = _warm_counts(fam, runtime)
     api.select("default", model=fam.pipe)
     opt = _warm_counts(fam, runtime)
     assert torch.equal(stock["images"], opt["images"])
+    if npu_paths:
+        assert npu.calls["npu_rotary_mul"] > 0
+        assert opt["block"] <= NPU_BLOCK_BUDGET[fam.key], opt["block"]
+        return
     assert stock["mod_bytes"] > 0 and opt["mod_bytes"] == 0
     assert stock["block"] - opt["block"] >= T2I_REDUCTION, (stock["block"], opt["block"])
     assert opt["block"] <= CPU_BLOCK_BUDGET[fam.key], opt["block"]
     assert stock["step"] - opt["step"] >= TINY_LAYERS * T2I_REDUCTION
 
 
-def test_ops_per_block_with_npu_paths(fam, runtime, fake_npu):
-    """The torch_npu paths through the semantic fake (fp32: its kernels round like stock)."""
-    npu = fake_npu()
-    api.select("none", model=fam.pipe)
-    stock = _warm_counts(fam, runtime)
-    api.select("default", model=fam.pipe)
-    opt = _warm_counts(fam, runtime)
-    assert npu.calls["npu_rotary_mul"] > 0
-    assert torch.equal(stock["images"], opt["images"])
-    assert opt["block"] <= NPU_BLOCK_BUDGET[fam.key], opt["block"]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# parallel modes: the edit pipelines under Ulysses SP 2 and CFG-parallel 2 (2 gloo processes)
-# ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.multiproc
 @pytest.mark.parametrize("variant", ["edit-2511", "edit-plus"])
 def test_edit_pipelines_under_ulysses_and_cfg_parallel(variant):
-    """``default`` is bitwise ``none`` in each mode on every rank; under Ulysses each rank holds its shard of the
-    sequence and of ``modulate_index`` (the condition tokens' timestep-0 segment), so the segment plans differ
-    per rank. Requests: two input images, two output sizes, true CFG, the first repeated (warm caches)."""
+    """``default`` is bitwise ``none`` on every rank; under Ulysses each rank holds its shard of the sequence and of
+    ``modulate_index``, so the segment plans differ per rank. Two input images and sizes, true CFG, a repeat."""
     from tests.harness.parallel import Job, ModeRun, run_parallel_modes
 
     reqs = {

@@ -1,5 +1,5 @@
-"""Host-lean hot path (issue 21): the host-sync counter of the test bed, per-forward decisions and their invalidation,
-the memo's weight keys under layerwise offload, and the direct calls of known layers."""
+"""Host-lean hot path: the test bed's host-sync counter, per-forward decisions and their invalidation, the memo's
+weight keys under layerwise offload, the direct calls of known layers, and bench_host's helpers."""
 
 from __future__ import annotations
 
@@ -10,16 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness.forward import build, fwd, inputs
+from tests.harness.forward import build, fwd, inputs, stock_then
+from tests.harness.runner import loaded
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.testbed.opcount import OpCounter, SyncCounter
 
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the host-sync counter
-# ----------------------------------------------------------------------------------------------------------------
 def test_sync_counter_counts_each_host_read_once_and_says_where():
     x = torch.randn(4)
     with SyncCounter() as s:
@@ -85,8 +83,7 @@ def test_decisions_are_per_call_outside_a_forward(runtime):
 
 
 def test_memo_precheck_is_remade_per_call_outside_a_forward(runtime):
-    """The memo's guards for one temb object: the same object later requiring grad is refused (never a stale
-    "may memoize" from an earlier call)."""
+    """The same temb object later requiring grad is refused (never a stale "may memoize" from an earlier call)."""
     tr = build(runtime)
     api.select("none,+shared_modulation", model=tr)
     sm = registry.get("shared_modulation")
@@ -123,13 +120,10 @@ def test_global_hooks_are_decided_per_forward(runtime):
 @pytest.mark.parametrize("spec", ["none,+joint_attention", "none,+rope"])
 def test_rotation_tables_are_decided_per_forward(runtime, spec):
     """Same sequence lengths, other RoPE freqs (4x6 vs 6x4 image tokens): each forward rotates with its own tables,
-    bitwise stock (joint_attention alone: new freqs objects every forward; rope alone: its embedder memo returns one
-    freqs object per shape, per stream)."""
+    bitwise stock (joint_attention: new freqs every forward; rope: one memoized freqs object per shape and stream)."""
     tr = build(runtime)
     cases = [_inputs(hw=(4, 6)), _inputs(hw=(6, 4)), _inputs(hw=(4, 6)), _inputs(hw=(6, 4))]
-    api.select("none", model=tr)
-    want = [fwd(tr, runtime, kw) for kw in cases]
-    api.select(spec, model=tr)
+    want = stock_then(tr, runtime, cases, spec)
     opt = registry.get(spec.split("+")[1])
     opt.reset_stats()
     got = [fwd(tr, runtime, kw) for kw in cases]
@@ -140,17 +134,12 @@ def test_rotation_tables_are_decided_per_forward(runtime, spec):
         assert opt.stats["portable_calls"] == 4 * 2 * len(cases) and opt.stats["table_builds"] == 3
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# direct calls of known layers
-# ----------------------------------------------------------------------------------------------------------------
 def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime, monkeypatch):
     """The block's MLPs and the attention projections run as their kernels, bitwise; a hook added to one of them
     between forwards runs (that module is called as a module), and so does an upstream class patched meanwhile."""
     tr = build(runtime)
     kw = _inputs()
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select("default", model=tr)
+    (want,) = stock_then(tr, runtime, [kw], "default")
     sm, ja = registry.get("shared_modulation"), registry.get("joint_attention")
     fwd(tr, runtime, kw)
     sm.reset_stats()
@@ -188,17 +177,12 @@ def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime,
     assert calls == []
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the time-embedding memo
-# ----------------------------------------------------------------------------------------------------------------
 def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
     """The blocks find their memo entry through the timestep's value (read once per forward, B values) and temb's
     identity: no digest of temb; a change of the embedding's weights is a new key (the blocks recompute)."""
     tr = build(runtime)
     kws = [_inputs(t=0.7), _inputs(t=0.3), _inputs(t=0.7)]
-    api.select("none", model=tr)
-    want = [fwd(tr, runtime, kw) for kw in kws]
-    api.select("none,+shared_modulation", model=tr)
+    want = stock_then(tr, runtime, kws, "none,+shared_modulation")
     sm = registry.get("shared_modulation")
     sm.reset_stats()
     got = [fwd(tr, runtime, kw) for kw in kws]
@@ -227,9 +211,7 @@ def test_time_embedding_hit_returns_the_memoized_temb_unless_it_was_written(runt
     place since (outside inference mode, where it has a version counter) is recomputed, not returned."""
     tr = build(runtime)
     kw = _inputs(t=0.4)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select("none,+shared_modulation", model=tr)
+    (want,) = stock_then(tr, runtime, [kw], "none,+shared_modulation")
     sm = registry.get("shared_modulation")
     sm.reset_stats()
     fwd(tr, runtime, kw)
@@ -284,17 +266,13 @@ class ReplicatedLinearWithLoRA(torch.nn.Module):
 
 
 def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime):
-    """Layerwise offload gives every block fresh storage each forward: a warm request must still hit everywhere
-    (0 misses); an in-place write and a LoRA switch (stacks written in place, slice switched on) must miss, and the
-    images stay stock's."""
-    from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
+    """Layerwise offload gives every block fresh storage each forward: a warm request still hits everywhere; an
+    in-place write and a LoRA switch miss, and the images stay stock's."""
 
     def request(h):
         return h.generate(height=32, width=32, steps=2, cfg_scale=4.0)
 
-    api.select("default")
-    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
-    try:
+    with loaded(runtime, "default", enable_layerwise_offload=True) as h:
         pipe = h.pipeline
         sm = registry.get("shared_modulation")
         # Hold every block's materialized weights alive across the first two requests, so the allocator cannot hand
@@ -336,8 +314,6 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
         assert sm.stats["misses"] > 0
         api.select("none", model=pipe)
         assert torch.equal(got, request(h))
-    finally:
-        h.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------

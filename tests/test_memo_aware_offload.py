@@ -1,11 +1,7 @@
-"""memo_aware_offload through vLLM-Omni's own runner with layerwise offload: a warm forward whose modulation is all in
-the memo leaves every block's img_mod / txt_mod weights but block 0's on the host (bytes counted on the copies:
-testbed/offload.py), bitwise stock's output, with TeaCache and MagCache too; a cold forward, a LoRA switch and a memo
-that loses an entry copy what the blocks read; the status says what runs.
-
-The memo keys weights on identity and version, not storage nor shape (issue 21's re-key, blocks/memo/keys.py):
-the offloader renews a block's storage every forward and leaves (0,)-shaped placeholders between forwards. With a
-memo that keys on storage (as before the re-key) the optimization copies everything (exact, no gain), checked last.
+"""memo_aware_offload through vLLM-Omni's runner with layerwise offload: a warm forward whose modulation is all in
+the memo leaves blocks 1..N-1's img_mod / txt_mod weights on the host (bytes counted on the copies), bitwise stock,
+with TeaCache and MagCache too; a cold forward, a LoRA switch and a memo that loses an entry copy what the blocks
+read. The memo keys weights on identity and version, not storage: with a storage key it copies everything.
 """
 
 from __future__ import annotations
@@ -16,10 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.harness.runner import loaded
 from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.blocks.upstream.layerwise import block_hook, is_modulation
 from vllm_omni_ascend_opt.opts import memo_aware_offload as mao
-from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
 
 OPT, SM = mao.OPT, registry.get("shared_modulation")
@@ -48,9 +44,7 @@ def _block_sizes(pipe) -> tuple[int, int]:
 
 
 def offloaded(runtime, spec: str, **fields) -> Offloaded:
-    api.select(spec)
-    h = RunnerHarness.load(runtime, enable_layerwise_offload=True, **fields)
-    try:
+    with loaded(runtime, spec, enable_layerwise_offload=True, **fields) as h:
         images, moved = [], []
         for _ in range(2):
             for opt in registry.all_optimizations():
@@ -61,9 +55,6 @@ def offloaded(runtime, spec: str, **fields) -> Offloaded:
         return Offloaded(
             images, moved, dict(OPT.stats), dict(SM.stats), OPT.fallback_reasons(), *_block_sizes(h.pipeline)
         )
-    finally:
-        h.close()
-        api.select("none")
 
 
 @pytest.mark.parametrize("cache", [None, "tea_cache", "mag_cache"])
@@ -89,23 +80,18 @@ def test_warm_forwards_leave_the_modulation_weights_on_the_host(runtime, cache):
 
 
 def test_cold_forwards_copy_everything_with_the_reason(runtime):
-    api.select("default")
-    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
-    try:
+    with loaded(runtime, "default", enable_layerwise_offload=True) as h:
         OPT.reset_stats()
         h.generate(**REQUEST)
         # each step's first forward meets a new temb and copies everything; its CFG branch (same temb) skips
         assert OPT.stats["forwards_copying"] == 2 and OPT.stats["forwards_skipping"] == 2
         assert OPT.fallback_reasons() == {mao.NOT_ALL_MEMOIZED: 2}
         assert _report.explain(OPT, h.pipeline) == []  # it acts on this model; the fallbacks say when it copies
-    finally:
-        h.close()
 
 
 def test_a_memo_that_loses_an_entry_gets_the_weights_copied_late(runtime, monkeypatch):
-    """The per-block guarantee: clear the memo right after block 0's decision (once, on the warm request's first
-    skipping forward); block 1, whose modulation weights were left on the host, then misses, and they are copied
-    before it runs: still bitwise, and the bytes add up."""
+    """The memo cleared right after block 0's decision (warm request): block 1, whose modulation weights stayed on the
+    host, misses and gets them copied before it runs: still bitwise, and the bytes add up."""
     ref = offloaded(runtime, "none")
     decide = OPT._before_block
     skips: list[int] = []
@@ -135,9 +121,7 @@ def test_lora_switch_under_offload_copies_the_new_weights(runtime, tmp_path):
     from tests.harness.lora import write_adapter
 
     def run(spec: str) -> tuple[list[torch.Tensor], list[dict[str, int]]]:
-        api.select(spec)
-        h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
-        try:
+        with loaded(runtime, spec, enable_layerwise_offload=True) as h:
             lora = ("A", 1, str(write_adapter(tmp_path / spec, h.pipeline.transformer)), 1.0)
             h.enable_lora()
             images, stats = [], []
@@ -146,9 +130,6 @@ def test_lora_switch_under_offload_copies_the_new_weights(runtime, tmp_path):
                 images.append(h.generate(**REQUEST, lora=adapter))
                 stats.append(dict(OPT.stats))
             return images, stats
-        finally:
-            h.close()
-            api.select("none")
 
     ref, _ = run("none")
     got, stats = run("default")
@@ -162,9 +143,7 @@ def test_lora_switch_under_offload_copies_the_new_weights(runtime, tmp_path):
 def test_probes_point_at_a_copied_weight_and_are_restored(runtime):
     """Upstream's materialization probe of a block is its first weight (img_mod.1.weight); a block whose modulation
     weights stay on the host must still read as materialized, or upstream copies it a second time."""
-    api.select("default")
-    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
-    try:
+    with loaded(runtime, "default", enable_layerwise_offload=True) as h:
         hooks = [block_hook(b) for b in h.pipeline.transformer.transformer_blocks]
         before = [hk._materialization_probe for hk in hooks]
         names = [{id(p): n for n, p in b.named_parameters()} for b in h.pipeline.transformer.transformer_blocks]
@@ -174,21 +153,14 @@ def test_probes_point_at_a_copied_weight_and_are_restored(runtime):
         assert all(not is_modulation(names[i][id(hk._materialization_probe)]) for i, hk in enumerate(hooks))
         api.select("none")  # uninstall: every probe is upstream's again
         assert [hk._materialization_probe for hk in hooks] == before
-    finally:
-        h.close()
 
 
 def test_status_without_layerwise_offload_and_under_tracing(runtime, monkeypatch):
-    api.select("default")
-    h = RunnerHarness.load(runtime)
-    try:
+    with loaded(runtime, "default") as h:
         (why,) = _report.explain(OPT, h.pipeline)
         assert "layerwise offload is not enabled" in why
         assert "memo_aware_offload" not in _report.acting(h.pipeline)
-    finally:
-        h.close()
-    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
-    try:
+    with loaded(runtime, "default", enable_layerwise_offload=True) as h:
         assert "memo_aware_offload" in _report.acting(h.pipeline)
         h.generate(**REQUEST)
         OPT.reset_stats()
@@ -199,9 +171,6 @@ def test_status_without_layerwise_offload_and_under_tracing(runtime, monkeypatch
                 hook.pre_forward(h.pipeline.transformer.transformer_blocks[0])  # stock: prefetch block 1 whole
         assert OPT.stats == {} and OPT.fallback_reasons() == {}
         assert copies.bytes == _block_sizes(h.pipeline)[0]
-    finally:
-        h.close()
-        api.select("none")
 
 
 def test_upstream_change_turns_it_off(monkeypatch):
@@ -215,12 +184,8 @@ def test_upstream_change_turns_it_off(monkeypatch):
 
 
 def test_storage_keyed_memo_copies_everything_bitwise(runtime, monkeypatch):
-    """With a memo that keys weights on their device storage (as before issue 21's re-key), the decision finds no hit
-    for the placeholders of blocks 1..N-1: every forward copies every weight, and the output is stock's.
-
-    The storage key is emulated by a token that never repeats: the offloader renews every block's storage each forward,
-    and a ``data_ptr`` alone may coincide with the last forward's after the allocator reuses a freed address (it did,
-    depending on what ran before in the process)."""
+    """A memo keyed on device storage (emulated: a token that never repeats) finds no hit for the placeholders: every
+    forward copies every weight, and the output is stock's."""
     import itertools
 
     from vllm_omni_ascend_opt.blocks.memo import keys as modulation_keys
@@ -246,14 +211,10 @@ def test_the_byte_counter_counts_only_copies_out_of_the_offloaders_host_weights(
     the offloader; a copy out of a block's host weights is, with its bytes."""
     from vllm_omni_ascend_opt.blocks.upstream.layerwise import host_weights
 
-    api.select("none")
-    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
-    try:
+    with loaded(runtime, "none", enable_layerwise_offload=True) as h:
         host = host_weights(h.pipeline.transformer)[0]
         with count_offload_copies(h.pipeline) as copies:
             torch.empty(1000, dtype=host.dtype).copy_(torch.ones(1000, dtype=host.dtype))
             assert copies.bytes == 0 and copies.copies == 0
             torch.empty(10, dtype=host.dtype).copy_(host[:10])
         assert copies.bytes == 10 * host.element_size() and copies.copies == 1
-    finally:
-        h.close()

@@ -1,17 +1,16 @@
-"""The plugin in vLLM-Omni's memory and cache modes, through vLLM-Omni's own ``DiffusionModelRunner`` on the CPU
-runtime (``testbed/model_runner.py``): VAE slicing and tiling, layerwise and model CPU offload, cache-dit (DBCache,
-TaylorSeer, SCM: one child process each), TeaCache, MagCache (explicit ratios), and LoRA switching.
+"""The plugin in vLLM-Omni's memory and cache modes, through its own ``DiffusionModelRunner`` on the CPU runtime:
+VAE slicing and tiling, layerwise and model CPU offload, cache-dit (a child process each), TeaCache, MagCache, LoRA.
 
-For every mode: the default stack equals ``none`` bit for bit, a repeated request is identical, what the plugin
-reports as acting is what ran (each acting optimization counted its work, with no fallback; nothing else counted),
-the modulation memo hits on a warm request, and the mode itself really acted (slices, tiles, skipped blocks,
-offload hooks)."""
+Per mode: default is bitwise ``none`` and repeats; what reports acting is what counted work (nothing else did); the
+memo hits on a warm request; the mode itself acted (slices, tiles, skipped blocks, offload hooks).
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.harness.runner import loaded
 from tests.runner_modes import BLOCK_CALLS, MODES, REQUEST, ModeRun, evidence, run_in_children, run_mode
 from vllm_omni_ascend_opt import _report, api, registry
 from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
@@ -69,8 +68,7 @@ def test_status_matches_what_ran(runs, mode):
 def test_memo_hits_on_a_warm_request(runs, mode):
     sm = runs(mode, "default").stats["shared_modulation"]
     assert sm["hits"] > 0, sm
-    # Every mode, layerwise offload included: the offloader gives every block fresh storage each forward and
-    # (0,)-shaped placeholders between forwards, and the memo keys on neither (blocks/modulation_keys.linear_sig).
+    # layerwise offload included: the memo keys on neither its fresh storage nor its (0,)-shaped placeholders
     assert sm.get("misses", 0) == 0, sm
 
 
@@ -100,8 +98,7 @@ def test_the_mode_really_acted(runs, mode):
 
 @pytest.mark.parametrize("backend", list(_report.UPSTREAM_UNSUPPORTED_CACHE_BACKENDS))
 def test_cache_backends_listed_as_unsupported_reject_qwen_image(runtime, backend):
-    """Every cache backend ``list`` and the README call unsupported for Qwen-Image upstream (SeaCache: Cosmos3,
-    step_cache: DreamZero) really refuses it: the runner raises at load, with the plugin's default stack selected."""
+    """Every cache backend ``list`` calls unsupported for Qwen-Image upstream really refuses it at load."""
     assert set(_report.UPSTREAM_UNSUPPORTED_CACHE_BACKENDS) == {"sea_cache", "step_cache"}
     api.select("default")
     with pytest.raises(ValueError, match=r"(?i)not support"):
@@ -109,18 +106,12 @@ def test_cache_backends_listed_as_unsupported_reject_qwen_image(runtime, backend
     assert any(backend in note for note in _report.mode_notes())
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# LoRA switching between requests
-# ----------------------------------------------------------------------------------------------------------------
 def _lora_requests(runtime, tmp_path, spec: str, **fields) -> tuple[list[torch.Tensor], list[dict[str, int]]]:
-    """Requests with no adapter, A, B, A, none (switched before each, as vLLM-Omni's worker does): the images and
-    shared_modulation's statistics per request."""
+    """Requests with no adapter, A, B, A, none: the images and shared_modulation's statistics per request."""
     from tests.harness.lora import write_adapter
 
     sm = registry.get("shared_modulation")
-    api.select(spec)
-    h = RunnerHarness.load(runtime, **fields)
-    try:
+    with loaded(runtime, spec, **fields) as h:
         adapters = {
             name: (name, i + 1, str(write_adapter(tmp_path / name, h.pipeline.transformer, seed=i)), 1.0)
             for i, name in enumerate("AB")
@@ -132,17 +123,12 @@ def _lora_requests(runtime, tmp_path, spec: str, **fields) -> tuple[list[torch.T
             images.append(h.generate(**{**REQUEST, "steps": 2}, lora=adapters.get(name)))
             stats.append(dict(sm.stats))
         return images, stats
-    finally:
-        h.close()
-        api.select("none")
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "layerwise_offload"])
 def test_lora_switch_is_bitwise_and_misses_the_memo(runtime, tmp_path, offload):
-    """A LoRA switch changes the modulation projections (the adapters target img_mod / txt_mod): default equals
-    none for every request, each adapter changes the image, switching back gives the same image again, and the
-    memo misses on the first forward after every switch (a real weight change) while the CFG branch that follows
-    hits."""
+    """The adapters target img_mod / txt_mod: default equals none for every request, each adapter changes the image,
+    switching back gives it again, and the memo misses after every switch while the CFG branch that follows hits."""
     fields = {"enable_layerwise_offload": True} if offload else {}
     ref, _ = _lora_requests(runtime, tmp_path / "none", "none", **fields)
     got, stats = _lora_requests(runtime, tmp_path / "default", "default", **fields)
@@ -154,15 +140,10 @@ def test_lora_switch_is_bitwise_and_misses_the_memo(runtime, tmp_path, offload):
         assert s["misses"] >= 2 * 2 and s["hits"] > 0, stats  # 2 steps x 2 blocks at least
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the ablation's test-bed engine in the shipped memory-mode workloads
-# ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("workload", ["tiny-cpu-offload", "tiny-cpu-tiled"])
 def test_the_ablation_engine_loads_the_workload_modes_through_vllm_omnis_runner(runtime, tiny_model_dir, workload):
-    """``ablate --workload tiny-cpu-offload / tiny-cpu-tiled``: the test-bed engine builds vLLM-Omni's own runner with
-    the workload's ``od_config`` (layerwise offload really hooks the blocks) and its ``vae_tiling`` (the decode really
-    tiles), and the default stack acts in that mode (memo_aware_offload skips on the warm request; vae_exact decodes
-    the tiles)."""
+    """The test-bed engine builds vLLM-Omni's runner with the workload's ``od_config`` and ``vae_tiling`` (the
+    blocks really offload, the decode really tiles), and the default stack acts in that mode."""
     from vllm_omni_ascend_opt.ablation.engines import TestbedEngine
     from vllm_omni_ascend_opt.ablation.workload import load_workload
     from vllm_omni_ascend_opt.blocks.upstream.layerwise import layerwise_hooks

@@ -40,9 +40,6 @@ def test_in_place_halves_the_peak():
     assert one.peak < two.peak
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# first_call_peaks: the peak of the first call of a method, deep inside a larger run
-# ----------------------------------------------------------------------------------------------------------------
 class _Allocates(torch.nn.Module):
     def forward(self, n: int) -> torch.Tensor:
         return _two_step(torch.zeros(n))  # +4n bytes for the input, then 8n more at the peak: 12n

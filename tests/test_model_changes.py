@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.harness.forward import build, fwd, inputs
-from vllm_omni_ascend_opt import api, registry
+from tests.harness.forward import build, fwd, inputs, stock_then
+from vllm_omni_ascend_opt import registry
 
 
 def _inputs():
@@ -23,9 +23,7 @@ def _inputs():
 def default_tr(runtime):
     tr = build(runtime)
     kw = _inputs()
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select("default", model=tr)
+    (want,) = stock_then(tr, runtime, [kw], "default")
     fwd(tr, runtime, kw)  # the memo filled
     return tr, kw, want
 
@@ -83,16 +81,7 @@ def test_a_qk_norm_hook_added_between_forwards_sends_the_attention_to_stock(runt
 # ----------------------------------------------------------------------------------------------------------------
 # the modulation memo (block parts, time embedding, norm_out): changes between forwards are seen at the next forward
 # ----------------------------------------------------------------------------------------------------------------
-def _stock_after(runtime, tr, kw, spec="default"):
-    """Stock's output for the model as it is now, then back to ``spec``."""
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    api.select(spec, model=tr)
-    return want
-
-
-#: What the memo keys, by where it sits (the ids the mutation check selects with -k): the module a hook goes on, the
-#: linear whose weight is replaced, the fallback reason while the hook is there.
+#: Where the memo keys (ids for -k): the module a hook goes on, the linear replaced, the reason while hooked.
 MEMO_KEYED = {
     "modulation": (
         lambda tr: tr.transformer_blocks[0].txt_mod,
@@ -128,8 +117,7 @@ def _layer_norm_eps(tr):
     return lambda: setattr(ln, "eps", eps)
 
 
-#: Changes between forwards, each returning its undo: a projection weight replaced (the joint path), a layer norm's
-#: eps, and the weights the memo keys on, replaced by a new Parameter of the same shape ("keyed_anew").
+#: Changes between forwards, each returning its undo: a projection weight, a layer norm's eps, the memo's key weights.
 CHANGES = {
     "projection_weight": _new_weight(lambda tr: tr.transformer_blocks[1].attn.to_out),
     "layer_norm_eps": _layer_norm_eps,
@@ -144,7 +132,7 @@ def test_a_change_between_forwards_is_used(runtime, default_tr, change):
     undo = CHANGES[change](tr)
     try:
         got = fwd(tr, runtime, kw)
-        want = _stock_after(runtime, tr, kw)
+        (want,) = stock_then(tr, runtime, [kw], "default")
     finally:
         undo()
     assert torch.equal(got, want)

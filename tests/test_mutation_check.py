@@ -3,26 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.harness import REPO, load_script
 
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("mutation_check", REPO / "tools" / "mutation_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-mc = _tool()
+mc = load_script("mutation_check", "tools/mutation_check.py")
 
 
 def test_the_project_list_applies_and_covers_every_area():

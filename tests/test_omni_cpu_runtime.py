@@ -56,9 +56,12 @@ _PLUGIN_LOADING = (
 )
 
 
-@pytest.mark.parametrize(("opt_in", "plugins"), [(True, None), (True, "some_other_plugin"), (False, None)])
+@pytest.mark.parametrize(
+    ("opt_in", "plugins"), [(True, None), (True, "some_other_plugin"), (False, None), (False, "some_other_plugin")]
+)
 def test_plugin_loading_applies_the_cpu_runtime_only_when_asked(opt_in, plugins):
-    """The test bed applies its runtime when vLLM-Omni loads plugins, whether or not ours is among them."""
+    """The test bed applies its runtime when vLLM-Omni loads plugins, whether or not ours is among them; ours is
+    registered unless ``VLLM_PLUGINS`` leaves it out."""
     env = rt_mod.engine_env()
     if not opt_in:
         env.pop(rt_mod.ENV_CPU_RUNTIME)
@@ -70,11 +73,11 @@ def test_plugin_loading_applies_the_cpu_runtime_only_when_asked(opt_in, plugins)
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["registered"] is (plugins is None)  # the plugin's part is independent of the runtime
     if not opt_in:
         assert out["applied"] == []
         return
     assert "attention->SDPA" in out["applied"] and "platform methods" in out["applied"]
-    assert out["registered"] is (plugins is None)  # the plugin's part is independent of the runtime
 
 
 _PROBE = (

@@ -1,17 +1,14 @@
-"""The plugin inside vLLM-Omni's offline engine ``Omni``, where users run it, on CPU with the tiny model.
+"""The plugin inside vLLM-Omni's offline engine ``Omni`` on CPU with the tiny model.
 
-``Omni(distributed_executor_backend="mp")`` builds the model in a worker process it spawns; that worker loads the
-plugin through vLLM-Omni's entry points and reports, in a JSON status file named by
-``VLLM_OMNI_ASCEND_OPT_STATUS_FILE``, what it installed and what acts on the pipeline it built. The images of the
-default stack must be bitwise-identical to ``VLLM_OMNI_ASCEND_OPT=none`` (run in-process: a second process layout,
-same numbers). A third engine runs with ``VLLM_PLUGINS`` naming another plugin only: vLLM-Omni must not load ours,
-and the test bed's CPU runtime must still let the engine start and serve stock images. The engines run at the same
-time, each in its own child process with the test bed's CPU runtime
-(:func:`vllm_omni_ascend_opt.testbed.runtime.engine_env`).
+``Omni(distributed_executor_backend="mp")`` builds the model in a spawned worker that loads the plugin through the
+entry points and writes the JSON status file; the default stack's images must be bitwise ``none``'s (run in-process).
+A third engine with ``VLLM_PLUGINS`` naming another plugin must not load ours and still serve stock images. The
+engines run side by side, each in a child process with the test bed's CPU runtime.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -27,12 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 SCRIPT = Path(__file__).with_name("omni_offline_script.py")
 REPO = Path(__file__).resolve().parents[1]
-NPU_FREE_DEFAULT = {
-    "shared_modulation",
-    "rope",
-    "joint_attention",
-    "vae_exact",
-}  # the default stack minus the torch_npu ones
+NPU_FREE_DEFAULT = {"shared_modulation", "rope", "joint_attention", "vae_exact"}  # the default stack minus torch_npu's
 #: The plugin's INFO line starts with this (one per process that loaded it).
 PLUGIN_LINE = "vllm-omni-ascend-opt 0.1.0 (VLLM_OMNI_ASCEND_OPT="
 #: The test bed's CPU runtime logs this where it applied itself (testbed/runtime.py).
@@ -65,8 +57,7 @@ def _start(model: Path, out: Path, flag: str, kwargs: dict, plugins: str | None 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
-    """{"default": out_dir, "none": out_dir, "other_plugin": out_dir}: the engines run concurrently; killed by process
-    group at the end. ``other_plugin``: the default flag, the ``mp`` backend and ``VLLM_PLUGINS=some_other_plugin``."""
+    """The output directory of each engine (run concurrently, killed by process group at the end)."""
     root = tmp_path_factory.mktemp("omni_offline")
     mp = {"distributed_executor_backend": "mp"}
     procs = {
@@ -82,10 +73,8 @@ def runs(tiny_model_dir, tmp_path_factory):
         yield {name: root / name for name in procs}
     finally:
         for proc in procs.values():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
             proc.wait(timeout=10)
             proc._log.close()
 
@@ -128,10 +117,8 @@ def test_default_stack_images_bitwise_equal_none(runs):
 
 
 def test_engine_without_our_plugin_starts_and_serves_stock(runs):
-    """``VLLM_PLUGINS`` that excludes ascend_opt: the engine starts (the test bed's CPU runtime does not depend on the
-    plugin; it did once, and such an engine failed with "Orchestrator initialization failed"), serves images
-    bitwise-equal to ``VLLM_OMNI_ASCEND_OPT=none``, and the plugin is not loaded in any of its processes although
-    ``VLLM_OMNI_ASCEND_OPT=default`` is set: no status file, no INFO line."""
+    """``VLLM_PLUGINS`` that excludes ascend_opt: the engine starts (the CPU runtime does not need the plugin), serves
+    ``none``'s images bitwise, and no process loads the plugin although ``VLLM_OMNI_ASCEND_OPT=default`` is set."""
     out = runs["other_plugin"]
     log = (out / "log.txt").read_text(errors="replace")
     assert not (out / "status.json").exists(), "the plugin was loaded although VLLM_PLUGINS excludes it"

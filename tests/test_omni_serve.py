@@ -1,19 +1,10 @@
 """The plugin inside ``vllm serve <tiny model> --omni`` (vLLM-Omni's OpenAI-compatible server), over real HTTP.
 
-Five servers start at once, on free 127.0.0.1 ports, each in its own process group (stopped by PID / group at the
-end, also when a test fails):
-
-* ``default``: the default stack, ``mp`` executor (the model lives in a worker process), a tight 0.02 MiB modulation
-  memo budget so that the soak has to evict;
-* ``stock``: ``VLLM_OMNI_ASCEND_OPT=none``, ``mp`` executor: the reference images;
-* ``bogus``: ``VLLM_OMNI_ASCEND_OPT=bogus`` without strict mode, in-process (one process, so "logged once" is exact);
-* ``strict``: the same flag with ``VLLM_OMNI_ASCEND_OPT_STRICT=1``: must fail to start;
-* ``other_plugin``: the default flag with ``VLLM_PLUGINS=some_other_plugin``, in-process: vLLM-Omni does not load
-  our plugin, and the server still starts on CPU (the test bed's runtime does not depend on the plugin).
-
-Every server writes the plugin's JSON status file (``VLLM_OMNI_ASCEND_OPT_STATUS_FILE``), refreshed after each
-request by the process that holds the model; the tests read it rather than scraping logs, except for the log line
-itself.
+Five servers start at once, each in its own process group (stopped at the end, also on failure): ``default`` (mp
+executor, a 0.02 MiB memo budget so the soak evicts), ``stock`` (``none``, mp: the references), ``bogus`` (a bad
+flag, in-process: "logged once" is exact), ``strict`` (the same with strict mode: must fail to start) and
+``other_plugin`` (``VLLM_PLUGINS`` excludes ours: still starts on CPU and serves stock). Each writes the plugin's JSON
+status file after every request; the tests read it rather than scraping logs.
 """
 
 from __future__ import annotations
@@ -141,9 +132,8 @@ def test_bogus_flag_with_strict_fails_start_with_the_plugins_message(servers):
 
 
 def test_server_without_our_plugin_starts_and_serves_stock(servers):
-    """``VLLM_PLUGINS`` that excludes ascend_opt: the server starts (it once failed with "Orchestrator initialization
-    failed": only the plugin applied the test bed's CPU runtime), serves stock's image, and loads no plugin although
-    ``VLLM_OMNI_ASCEND_OPT=default`` is set: no status file, no INFO line."""
+    """``VLLM_PLUGINS`` that excludes ascend_opt: the server starts (the CPU runtime does not need the plugin), serves
+    stock's image, and loads no plugin although ``VLLM_OMNI_ASCEND_OPT=default`` is set: no status file, no INFO line."""
     o = servers.other
     r, ref = o.generate(_body(2)), servers.stock.generate(_body(2))
     assert r.status == 200 and ref.status == 200, (r.body, ref.body)

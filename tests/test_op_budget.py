@@ -1,13 +1,8 @@
-"""The project's device-independent targets: kernel-launching ops per transformer block on a warm request.
+"""The device-independent targets: kernel-launching ops per transformer block on a warm request.
 
-stock ~105 (our counter: 106 on the tiny config); the bitwise-exact default stack <= 47 on CPU (measured 46:
-``joint_attention`` joins the streams once and runs the QK norms and RoPE once on q and k of the joint sequence), and
-<= 45 with
-the torch_npu paths (measured 40: ``npu_rms_norm`` per stream, ``npu_rotary_mul`` on the joint sequence; counted
-through the semantic fake, fp32 where the fake kernels are bitwise with stock).
-The whole transformer call is budgeted too, so once-per-forward work (RoPE freqs and tables, timestep embedding,
-norm_out) cannot grow unseen: outside the blocks stock launches 30 ops, the default stack <= 15 (measured 13: the
-timestep embedding of a repeated timestep is memoized).
+Stock 106 on the tiny config; the exact default stack <= 47 on CPU and <= 45 with the torch_npu paths (through the
+semantic fake, fp32). The whole transformer call is budgeted too, so once-per-forward work (RoPE tables, timestep
+embedding, norm_out) cannot grow unseen: outside the blocks the default stack <= 15.
 """
 
 from __future__ import annotations
@@ -79,13 +74,11 @@ def test_default_stack_with_npu_paths_meets_the_npu_op_budget(tiny_pipe, runtime
 
 
 def test_npu_launch_budgets_in_bf16_default_and_fast_tier(runtime, fake_npu):
-    """Issue 13's targets, counted as torch_npu 2.13 would launch them (``testbed/npu_ops.NpuOpCounter``: composite
-    ops torch_npu registers no kernel for count as their pieces) in bf16 through the fake, warm request, per block:
-    stock 110 (vLLM-Omni's own NPU dispatch: AdaLayerNorm through npu_layer_norm_eval), the default stack (exact +
-    pixel) <= 45 (measured 40), with the opt-in fast tier (close) <= 30 (measured 28)."""
+    """Counted as torch_npu 2.13 would launch them (``NpuOpCounter``) in bf16 through the fake, warm, per block:
+    stock 110 (AdaLayerNorm through npu_layer_norm_eval), the default stack <= 45, with the fast tier <= 30."""
     from vllm_omni_ascend_opt.testbed import blockops
 
-    fake_npu()
+    npu = fake_npu()
     stock = blockops.ops_per_block(runtime, "none")
     default = blockops.ops_per_block(runtime, "default")
     fast = blockops.ops_per_block(runtime, "default,+fast_modulate,+fast_residual")
@@ -94,5 +87,7 @@ def test_npu_launch_budgets_in_bf16_default_and_fast_tier(runtime, fake_npu):
     assert stock.total == 110 and not stock.unresolved and not default.unresolved and not fast.unresolved
     # the kernels that make the budget are the ones counted (each path ran)
     assert default.counts["npu::npu_rms_norm"] == 4 and default.counts["npu::npu_rotary_mul"] == 2
+    assert npu.calls["npu_rotary_mul"] > 0  # the fake's kernels really ran
     assert default.total <= 45, default.counts
     assert fast.total <= 30, fast.counts
+    assert blockops.ops_per_block(runtime, "none", dtype=torch.float32, npu=False).total == 106  # the CPU budget's

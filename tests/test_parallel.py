@@ -1,18 +1,11 @@
-"""Every optimization under vLLM-Omni's own parallelism, with real process groups on CPU (issue 8).
+"""Every optimization under vLLM-Omni's own parallelism, with real process groups on CPU.
 
-All four parallel modes (TP 2, CFG-parallel 2 with true CFG, Ring SP 2, Ulysses SP 2) run one after the other in
-the same 2 fresh gloo worker processes (:mod:`tests.harness.parallel`: new groups and a new pipeline
-per mode, vLLM-Omni imported once). Per mode the pipeline runs ``none`` and ``default`` at several resolutions,
-toggled with ``api.select(spec, model=pipe)``. The resolutions are chosen to catch caches keyed on too little: an
-odd token count that Ulysses pads, an even one with the same per-rank shard length, and its transpose (same shapes
-everywhere, different RoPE positions), with prompts of different lengths, run back to back and then the first
-again. The pipeline always uses true CFG, so the text length alternates between the prompt and the negative prompt
-inside every step.
-
-Checks per mode: ``default`` is bitwise ``none``; every rank returns the same image and acts with the same
-optimizations; an optimization that can be active is installed and attached, and one whose ``parallel_support``
-says it is off in the mode does not act; ``none`` is reported against the single-process output. The Ulysses run
-then repeats its requests with the torch_npu test double installed, so that the NPU kernel paths run under SP too.
+TP 2, CFG-parallel 2 (true CFG), Ring SP 2 and Ulysses SP 2 run in turn in the same 2 gloo workers
+(:mod:`tests.harness.parallel`), each running ``none``, ``default`` and ``all`` at resolutions chosen to catch caches
+keyed on too little: an odd token count that Ulysses pads, an even one with the same shard length, its transpose
+(other RoPE positions), prompts of different lengths, then the first again. Per mode: ``default`` is bitwise
+``none``; every rank returns the same image and acts alike; what can act is installed, what ``parallel_support``
+declares off does not act; ``none`` matches the single process. Each mode repeats in bf16 with the torch_npu double.
 """
 
 from __future__ import annotations
@@ -94,8 +87,7 @@ def jobs_for(mode: str, specs: tuple[str, ...] = ("default",), group: str = "", 
 
 
 def npu_jobs(mode: str) -> list[Job]:
-    """BF16: ``none`` without the torch_npu double, then the double installed for ``none``, ``default`` and the exact
-    subset (each job reports the double's kernel calls), and the double removed again before the next mode."""
+    """BF16: ``none``, then with the torch_npu double (its calls reported per job) every spec, the double removed."""
     plain = [_job("bf16:", "none", k) for k in _shape_keys(mode, npu=True)]
     npu = jobs_for(mode, ("default", EXACT_SPEC, "all"), group="npu:", npu=True, after=HOOKS + "fake_npu_calls")
     npu[0] = dataclasses.replace(npu[0], before=HOOKS + "install_fake_npu")
@@ -182,9 +174,8 @@ _FAKE_NPU: list[pytest.MonkeyPatch] = []
 
 
 def install_fake_npu(rank: int) -> None:
-    """After the pipeline is built (vLLM-Omni keeps its CPU platform): torch_npu is the semantic test double,
-    installed exactly as the ``fake_npu`` fixture does. The job that follows selects ``none`` (uninstalling
-    everything), so every later selection re-probes the backend."""
+    """Once the pipeline is built (vLLM-Omni keeps its CPU platform), the torch_npu double as ``fake_npu`` installs
+    it; the next job selects ``none``, so every later selection re-probes the backend."""
     from tests.fake_torch_npu import install
 
     mp = pytest.MonkeyPatch()
@@ -220,9 +211,6 @@ def _gone(pid: int) -> bool:
     return False
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the harness itself: bounded in time, always cleaned up
-# ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "mode, hook, timeout_s, message",
     [
@@ -237,9 +225,8 @@ def _gone(pid: int) -> bool:
     ids=["failing_rank", "hung_rank"],
 )
 def test_a_failing_or_hung_rank_stops_the_run_and_every_worker(tiny_model_dir, mode, hook, timeout_s, message):
-    """A failing rank ends the run at once: rank 0, waiting for rank 1 in the process group, is still running when
-    the failure is seen (exit code None), then killed, not waited for (the deadline is far away whatever the load).
-    A hung rank ends it at the deadline, never earlier; both ranks were still running, then killed."""
+    """A failing rank ends the run at once (rank 0, still waiting in the group, is killed, not waited for); a hung
+    rank ends it at the deadline, never earlier; every worker is gone afterwards."""
     t = time.monotonic()
     with pytest.raises(ParallelRunError, match=message) as e:
         run_parallel(
@@ -254,9 +241,6 @@ def test_unknown_mode_is_refused():
         run_parallel("pipeline", [])
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# per mode
-# ----------------------------------------------------------------------------------------------------------------
 def test_vllm_omni_parallel_state_and_sp_plan(run):
     """The groups exist as vLLM-Omni's worker makes them, and SP modes carry the transformer's ``_sp_plan`` hooks
     (vLLM-Omni only warns when applying them fails)."""
@@ -278,9 +262,8 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_default_is_bitwise_none_in_the_same_mode(run):
-    """Including after other resolutions ran in the same processes (a stale cache would show here). With the
-    torch_npu double (bf16): the exact optimizations stay bitwise. Where close ones act (``all``; NPU paths through
-    the double), the image stays within PSNR 35 dB of stock."""
+    """Also after other resolutions ran in the same processes (a stale cache would show); where close optimizations
+    act (``all``, NPU paths through the double) the image stays within PSNR 35 dB of stock."""
     for r in run.ranks:
         for j in r.jobs:
             if j.job.spec == "none":

@@ -1,7 +1,7 @@
-"""Ranks agree on every kernel verdict (``blocks/kernels/agree.py``): 2 gloo processes, one of which has a wrong
-``npu_rms_norm`` (the fake's ``no_gamma`` variant). Each rank checks on its own; at the end of the forward the
-refusal of rank 1 replaces rank 0's pass, and a class only rank 1 has met is refused on rank 0 at its first lookup,
-without a check. Until then rank 0's passes wait (stock path), so the ranks never run different kernels. Why (5): before, the two ranks of one image kept different kernels.
+"""Ranks agree on every kernel verdict (``blocks/kernels/agree.py``): 2 gloo processes, rank 1 with a wrong
+``npu_rms_norm`` (the fake's ``no_gamma``). At the end of the forward rank 1's refusal replaces rank 0's pass, and a
+class only rank 1 has met is refused on rank 0 without a check; until then rank 0's passes wait (stock path), so the
+ranks never run different kernels.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 
 import torch
 import torch.nn as nn
@@ -70,17 +69,14 @@ def _run_rank(rank: int, port: int, out: str) -> None:
             used.append(opt.path.apply(norm, torch.randn(1, 100, 2, 16, generator=g)) is not None)
     after = {str(v.key[2]): [v.ok, v.reason] for v in opt.verdicts()}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(
-            {"before": before, "after": after, "checks": opt.stats["shape_checks"], "used": used},
-            f,
-        )
+        json.dump({"before": before, "after": after, "checks": opt.stats["shape_checks"], "used": used}, f)
     dist.destroy_process_group()
 
 
 def test_two_ranks_agree_when_one_ranks_kernel_is_wrong(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from vllm_omni_ascend_opt.testbed.runtime import free_port
+
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")  # fresh processes (pytest's may hold a process group of its own)
     procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path))) for r in (0, 1)]
     for p in procs:

@@ -10,16 +10,10 @@ from vllm_omni_ascend_opt import _parallel, optimization, registry
 
 
 def _pc(**kw):
-    base = dict(
-        ulysses_degree=1,
-        ring_degree=1,
-        allgather_degree=1,
-        cfg_parallel_size=1,
-        tensor_parallel_size=1,
-        vae_patch_parallel_size=1,
+    fields = (
+        "ulysses_degree ring_degree allgather_degree cfg_parallel_size tensor_parallel_size vae_patch_parallel_size"
     )
-    base.update(kw)
-    return SimpleNamespace(**base)
+    return SimpleNamespace(**{**dict.fromkeys(fields.split(), 1), **kw})
 
 
 @pytest.mark.parametrize(
@@ -54,19 +48,18 @@ class _Opt:
     }
 
 
-def test_reasons_name_the_mode_and_the_declared_reason():
-    model = SimpleNamespace(parallel_config=_pc(ring_degree=2))
-    assert _parallel.parallel_reasons_inactive(_Opt(), model) == [
-        "off under vLLM-Omni ring parallelism: the ring kernel ignores the mask"
-    ]
-    assert _parallel.parallel_reasons_inactive(_Opt(), SimpleNamespace(parallel_config=_pc(ulysses_degree=2))) == []
-
-
-def test_an_undeclared_mode_is_not_supported():
-    model = SimpleNamespace(parallel_config=_pc(tensor_parallel_size=2))
-    assert _parallel.parallel_reasons_inactive(_Opt(), model) == [
-        "off under vLLM-Omni tensor_parallel parallelism: not declared for this mode"
-    ]
+@pytest.mark.parametrize(
+    ("fields", "want"),
+    [
+        ({"ring_degree": 2}, ["off under vLLM-Omni ring parallelism: the ring kernel ignores the mask"]),
+        ({"ulysses_degree": 2}, []),
+        ({"tensor_parallel_size": 2}, ["off under vLLM-Omni tensor_parallel parallelism: not declared for this mode"]),
+    ],
+    ids=["declared_off", "supported", "undeclared"],
+)
+def test_reasons_name_the_mode_and_the_declared_reason(fields, want):
+    model = SimpleNamespace(parallel_config=_pc(**fields))
+    assert _parallel.parallel_reasons_inactive(_Opt(), model) == want
 
 
 def test_every_registered_optimization_declares_every_parallel_mode():

@@ -1,35 +1,20 @@
 """The upstream patches in ``patches/``: one per optimization, numbered in registry order, each with its header, and
-``patches/check.py``'s gate and apply machinery.
+``patches/check.py``'s gate and apply machinery (its functions, imported from the file).
 
-The series is cut against vLLM-Omni 0.32.0rc1 (``check.BASE``). Headers, numbering and paths are checked here on any
-installed version; applying the series (each patch alone and all stacked) and the exactness comparison with the plugin
-need that release's tree, so ``make test-versions`` runs ``patches/check.py --exactness`` in the 0.32 venv (on other
-versions the script checks the headers and says it skips the rest, as tested below).
-
-The checks are ``patches/check.py``'s functions (imported from the file).
+The series is cut against ``check.BASE``; headers, numbering and paths are checked on any version, while applying it
+and the exactness comparison need that release's tree (``make test-versions`` runs ``check.py --exactness``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.harness import load_script
 
-
-def _load_check():
-    spec = importlib.util.spec_from_file_location("patches_check", REPO / "patches" / "check.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-check = _load_check()
+check = load_script("patches_check", "patches/check.py")
 PATCHES = check.patch_files()
 
 

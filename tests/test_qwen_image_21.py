@@ -1,16 +1,12 @@
-"""Qwen-Image-2.1 (vLLM-Omni 0.32.0rc1+, ``models/qwen_image_21``): the plugin recognises it and leaves it alone.
+"""Qwen-Image-2.1 (vLLM-Omni 0.32.0rc1+): the plugin recognises it and leaves it alone.
 
-Upstream already does there what the optimizations do for Qwen-Image (1.x): fused attention, ``npu_rotary_mul``, NZ
-weights, modulation once per step, ``npu_rms_norm`` (diffusers' RMSNorm), a VAE without the feature cache. Every
-optimization stays off on it with that reason (``Optimization.on_qwen_image_21``), attaches nothing, and
-``nz_weights`` never casts a weight there (a second cast, or one where upstream declined, is what must not happen).
+Upstream already does there what the optimizations do for Qwen-Image 1.x, so every optimization stays off with that
+reason (``Optimization.on_qwen_image_21``), attaches nothing, and ``nz_weights`` never casts a weight there.
 
-* A stand-in (a class in the 2.1 package's namespace around a bf16 linear stack) runs on every version: nz_weights
-  casts the same stack under any other class and nothing under the 2.1 one (torch_npu fake).
-* The real tiny 2.1 pipeline (``tests/harness/tiny_model_21.py``; marker ``versions``, so ``make test-versions`` runs it on
-  0.32.0rc1, skipped where vLLM-Omni has no 2.1): with every optimization selected, nothing of it changes (classes,
-  forwards, parameters), its VAE decode through its own ``_decode_latents`` is bitwise ``none``'s, and with the
-  torch_npu fake no weight is cast.
+* A stand-in (a class in the 2.1 package's namespace) runs on every version: nz_weights casts the same stack under
+  any other class and nothing under the 2.1 one.
+* The real tiny 2.1 pipeline (marker ``versions``; skipped without 2.1): with everything selected nothing of it
+  changes, its VAE decode is bitwise ``none``'s, and with the torch_npu fake no weight is cast.
 """
 
 from __future__ import annotations
@@ -68,9 +64,6 @@ def test_every_optimization_names_qwen_image_21_first():
     assert _report.acting(q21) == []
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the real tiny Qwen-Image-2.1 (0.32.0rc1+)
-# ----------------------------------------------------------------------------------------------------------------
 needs_21 = pytest.mark.skipif(not t21.available(), reason="this vLLM-Omni has no Qwen-Image-2.1 (0.32.0rc1+)")
 
 

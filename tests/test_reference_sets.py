@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from vllm_omni_ascend_opt.ablation import refcli, refset, setcompare
 from vllm_omni_ascend_opt.cli import build_parser, main
@@ -167,9 +168,6 @@ def test_edit_pipelines_are_keyed_by_their_input_image(tmp_path, monkeypatch):
     assert rc == 0 and len(res["pairs"]) == 2
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# bad input: one clear error naming the file, nothing written
-# ----------------------------------------------------------------------------------------------------------------
 def _missing(root: Path) -> Path:
     (root / refset.MANIFEST).unlink()
     return root / refset.MANIFEST
@@ -187,15 +185,11 @@ def _version(root: Path) -> Path:
 
 def _sha(root: Path) -> Path:
     p = root / "images" / "p0_s2_16x16.png"
-    from PIL import Image
-
     Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(p)
     return p
 
 
 def _size(root: Path) -> Path:
-    from PIL import Image
-
     p = root / "images" / "p0_s1_16x16.png"
     Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(p)
     edit_manifest(root, lambda m: None)  # hashes match: the sizes under one key do not
@@ -241,9 +235,6 @@ def test_a_failed_generation_leaves_nothing(tmp_path, monkeypatch, capsys):
     assert not out.exists() and not list(tmp_path.glob(".broken.partial-*"))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the real test-bed engine
-# ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.multiproc
 def test_default_and_none_sets_of_the_tiny_model_are_pixel_identical(tmp_path, tiny_model_dir):
     """Both sets generated at the same time (each a worker that imports vLLM-Omni: the start-up is the cost)."""

@@ -47,11 +47,15 @@ class _Popen:
         return None
 
 
-def test_server_gets_the_flags_and_the_cpu_runtime(monkeypatch, tmp_path):
-    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT", "none,+shared_modulation")
-    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STRICT", "1")
+@pytest.fixture
+def engine_env(monkeypatch, tmp_path):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STATUS_FILE", "")  # the engine sets it; restored after the test
+
+
+def test_server_gets_the_flags_and_the_cpu_runtime(monkeypatch, engine_env):
+    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT", "none,+shared_modulation")
+    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STRICT", "1")
     monkeypatch.setattr(serve_mod.subprocess, "Popen", _Popen)
     monkeypatch.setattr(serve_mod.OmniServer, "wait_ready", lambda self, timeout=0: self)
     _Popen.calls.clear()
@@ -77,9 +81,7 @@ def _png(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def test_serve_generation_from_the_http_answer(monkeypatch, tmp_path):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STATUS_FILE", "")
+def test_serve_generation_from_the_http_answer(engine_env):
     pixels = np.arange(32 * 48 * 3, dtype=np.uint8).reshape(32, 48, 3)
     sent = {}
 
@@ -109,9 +111,7 @@ def test_serve_generation_from_the_http_answer(monkeypatch, tmp_path):
     assert gen.stages_ms == pytest.approx({"denoise": 500.0, "vae_decode": 100.0, "server_generate": 640.0})
 
 
-def test_serve_engine_reports_what_the_server_process_acts_with(monkeypatch, tmp_path):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STATUS_FILE", "")
+def test_serve_engine_reports_what_the_server_process_acts_with(engine_env):
     eng = engines_mod.ServeEngine(JOB)
     with pytest.raises(RuntimeError, match="no plugin status file"):
         eng.active()

@@ -1,6 +1,5 @@
-"""What the plugin reports is what it runs: the API's defaults, status under vLLM-Omni's memory modes and hooks, and
-the status file when the flag is bad. Models run through vLLM-Omni's own ``DiffusionModelRunner`` (in this process,
-on the test bed's CPU runtime: ``testbed.model_runner``)."""
+"""What the plugin reports is what it runs: the API's defaults, status under vLLM-Omni's runner (layerwise offload,
+hooks), and the status file when the flag is bad."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import os
 import pytest
 import torch
 
+from tests.harness.runner import loaded
 from vllm_omni_ascend_opt import _plugin, _report, api, flags, registry
 from vllm_omni_ascend_opt._state import STATE
 from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
@@ -17,9 +17,6 @@ from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 SM, FAST_MOD = registry.get("shared_modulation"), registry.get("fast_modulate")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the API's keywords are the registry's
-# ----------------------------------------------------------------------------------------------------------------
 def test_apply_to_qwen_image_defaults_are_the_default_stack():
     want = api.select("default")
     api.select("none")
@@ -37,17 +34,12 @@ def test_apply_to_qwen_image_switches_one_per_optimization():
         api.apply_to_qwen_image(bogus=True)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# status under vLLM-Omni's runner: layerwise offload, hooks installed before a switch
-# ----------------------------------------------------------------------------------------------------------------
 def _request(h: RunnerHarness) -> torch.Tensor:
     return h.generate(height=32, width=32, steps=2, cfg_scale=4.0)
 
 
 def test_status_under_layerwise_offload_matches_what_runs(runtime):
-    api.select("all")
-    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
-    try:
+    with loaded(runtime, "all", enable_layerwise_offload=True) as h:
         pipe = h.pipeline
         assert _report.explain(SM, pipe) == [] and _report.explain(FAST_MOD, pipe) == []  # between forwards
         _request(h)
@@ -57,17 +49,12 @@ def test_status_under_layerwise_offload_matches_what_runs(runtime):
         assert SM.stats["hits"] > 0 and SM.fallback_reasons() == {}, (dict(SM.stats), SM.fallback_reasons())
         assert FAST_MOD.ran() > 0  # the memoized block body ran, as reported
         assert "shared_modulation" in _report.acting(pipe) and "fast_modulate" in _report.acting(pipe)
-    finally:
-        h.close()
 
 
 def test_switch_on_a_pipeline_whose_hooks_captured_the_stock_block(runtime):
-    """Layerwise offload's hook registry captured the stock block forward at load (nothing installed then): after
-    selecting the default stack and fast_modulate, the projections are memoized (shared_modulation acts, with a
-    note), the block body is not (the fast tier does not act, and says why)."""
-    api.select("none")
-    h = RunnerHarness.load(runtime, enable_layerwise_offload=True)
-    try:
+    """Layerwise offload's hooks captured the stock block forward at load: after the switch the projections are
+    memoized (shared_modulation acts, with a note), the block body is not (fast_modulate says why)."""
+    with loaded(runtime, "none", enable_layerwise_offload=True) as h:
         pipe = h.pipeline
         want = _request(h)
         api.select("default,+fast_modulate", model=pipe)
@@ -81,13 +68,8 @@ def test_switch_on_a_pipeline_whose_hooks_captured_the_stock_block(runtime):
         assert SM.stats["hits"] > 0 and SM.fallback_reasons() == {}  # the projections come from the memo
         assert FAST_MOD.ran() == 0, why  # the stock block ran: the fast mode never did
         assert torch.equal(got, want)  # only exact optimizations acted (CPU: no torch_npu kernels)
-    finally:
-        h.close()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the status file: also with a bad flag, after the model is built and after every request
-# ----------------------------------------------------------------------------------------------------------------
 def test_status_file_with_a_bad_flag_reports_after_build_and_every_request(monkeypatch, tmp_path, runtime):
     path = tmp_path / "status.json"
     monkeypatch.setenv(_report.ENV_STATUS_FILE, str(path))
@@ -95,8 +77,7 @@ def test_status_file_with_a_bad_flag_reports_after_build_and_every_request(monke
     _plugin.register()
     st = json.loads(path.read_text())
     assert "bogus" in st["config_error"] and st["requests"] == 0 and "pipeline" not in st
-    h = RunnerHarness.load(runtime)
-    try:
+    with loaded(runtime) as h:
         st = json.loads(path.read_text())
         assert st["pipeline"] == "QwenImagePipeline" and st["installed"] == [] and st["acting_on_pipeline"] == []
         assert st["pid"] == os.getpid() and st["requests"] == 0
@@ -105,16 +86,11 @@ def test_status_file_with_a_bad_flag_reports_after_build_and_every_request(monke
         st = json.loads(path.read_text())
         assert st["requests"] == 2
         assert all(why == f"{flags.ENV_FLAG} is invalid, so nothing is patched" for why in st["off"].values())
-    finally:
-        h.close()
 
 
 def test_an_unwritable_status_file_warns_once_then_reminds(monkeypatch, tmp_path, caplog):
-    """Why (6): an unwritable status file logged a full traceback after every request. Now one warning, then a
-    rate-limited reminder with the count, and one line when it works again."""
+    """One warning (no traceback), then a rate-limited reminder with the count, and one line when it works again."""
     import logging
-
-    from vllm_omni_ascend_opt import _report
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
@@ -135,9 +111,7 @@ def test_an_unwritable_status_file_warns_once_then_reminds(monkeypatch, tmp_path
 
 
 def test_status_reports_every_cache_and_the_kernel_classes(fake_npu, runtime, tiny_pipe):
-    """Why (6): the joint freqs cache, rope's embed memo, the mask cache, the 2511 timestep-0 segments and the
-    checks' scratch were not in status. Each is now, with entries and bytes."""
-    from vllm_omni_ascend_opt import _report
+    """Every cache (joint freqs, rope's embed memo, masks, 2511 timestep-0 segments, check scratch) is in status."""
     from vllm_omni_ascend_opt.testbed.pipeline import generate
 
     fake_npu()

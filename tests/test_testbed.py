@@ -45,10 +45,7 @@ def test_generation_is_deterministic(tiny_pipe, runtime):
 
 @pytest.mark.parametrize("cfg", [1.0, 3.0])
 def test_matches_diffusers_pipeline(tiny_pipe, runtime, tiny_model_dir, cfg):
-    """Sanity check of the test bed: vLLM-Omni's pipeline equals diffusers 0.40's on the same directory.
-
-    vLLM-Omni returns images in [-1, 1] ("pt" before post-processing); diffusers' "pt" output is in [0, 1].
-    """
+    """vLLM-Omni's pipeline equals diffusers' on the same directory (its images in [-1, 1], diffusers' in [0, 1])."""
     from diffusers import QwenImagePipeline
 
     ref = QwenImagePipeline.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)

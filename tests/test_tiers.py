@@ -1,7 +1,5 @@
-"""Equivalence tiers (issue 12): ``exact`` (bitwise), ``pixel`` (uint8-identical images), ``close`` (SSIM/PSNR).
-
-Each optimization reports the tier it delivers here (``Optimization.tier()``: ``list``, ``status()``, the ablation
-plan), and the ablation runner gates each comparison by the weakest tier among the optimizations that differ.
+"""Equivalence tiers: ``exact`` (bitwise), ``pixel`` (uint8-identical images), ``close`` (SSIM/PSNR). Each
+optimization reports its tier here, and the ablation runner gates a comparison by the weakest tier that differs.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
-"""Gate by the code, not the version (issue 22): ``blocks/upstream/fingerprints.py`` and the ``upstream`` tables.
+"""Gate by the code, not the version: ``blocks/upstream/fingerprints.py`` and the ``upstream`` tables.
 
-* A synthetic upstream module in a temporary directory: a function whose source differs from every known fingerprint
-  turns its optimization off with a reason naming the function and the releases it knows; ``FORCE`` installs it
-  anyway with one warning; a newer release's fingerprint listed as known is accepted; ``ABSENT`` is a fingerprint;
-  per-platform declarations are checked only on their platform; a function replaced at run time (not by the plugin)
-  counts as a difference.
-* The real tables, in the installed vLLM-Omni (marker ``versions``: ``make test-versions`` runs these on 0.30.0,
-  0.31.0rc1 and 0.32.0rc1): fingerprints from the source file equal ``inspect.getsource``'s, every declared function
-  of every optimization matches a fingerprint listed for this very release, and nothing of vLLM-Omni is imported to
-  find out (what makes ``vllm-omni-ascend-opt list`` in a fresh process agree with the worker).
-* A newer release whose code matches: installs with one INFO note.
+* A synthetic upstream module: a function differing from every known fingerprint turns its optimization off with a
+  reason; ``FORCE`` installs anyway with one warning; a newer release's fingerprint is accepted; ``ABSENT`` is a
+  fingerprint; per-platform declarations apply on their platform; a run-time replacement counts as a difference.
+* The real tables (marker ``versions``): file fingerprints equal ``inspect.getsource``'s, every declared function
+  matches this release, and nothing of vLLM-Omni is imported to find out.
+* A newer release whose code matches installs with one INFO note.
 """
 
 from __future__ import annotations
@@ -193,9 +189,6 @@ def test_a_function_replaced_at_run_time_is_a_difference(probe, monkeypatch):
     assert "foreign" in why
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# a newer vLLM-Omni whose code matches: one INFO note, everything installs
-# ----------------------------------------------------------------------------------------------------------------
 def test_newer_release_with_known_code_just_works_with_one_info_note(monkeypatch, caplog):
     monkeypatch.setattr(_plugin, "installed_version", lambda d: "0.33.0")
     with caplog.at_level(logging.INFO, logger="vllm_omni_ascend_opt"):
@@ -219,9 +212,6 @@ def test_only_the_floor_is_a_version_fact(version, refused):
     STATE.reset()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the real tables, in the installed vLLM-Omni (make test-versions: every release)
-# ----------------------------------------------------------------------------------------------------------------
 def _declarations() -> list[tuple[str, Upstream]]:
     return [(o.name, d) for o in registry.all_optimizations() for d in o.upstream]
 
@@ -236,11 +226,7 @@ def test_every_optimization_declares_its_upstream_code():
 def test_source_fingerprints_equal_inspect_getsource():
     """The file-based fingerprint (nothing imported) is the very value ``inspect.getsource`` gives once imported, and
     the imported function is the one in that file (no replacement)."""
-    seen = set()
-    for _owner, d in _declarations():
-        if (d.module, d.qualname) in seen:
-            continue
-        seen.add((d.module, d.qualname))
+    for d in {(d.module, d.qualname): d for _, d in _declarations()}.values():
         fp = fingerprints.fingerprint(d.module, d.qualname)
         mod = importlib.import_module(d.module)
         found, obj = fingerprints.live(d.module, d.qualname)
@@ -346,14 +332,20 @@ def test_forward_cuda_is_native_only_without_the_fused_kernel(ada, runtime, monk
     for n in norms:  # what CustomOp binds at construction on a CUDA platform
         n._forward_method = n.forward_cuda
     assert {ada_norm.norm_kind(n) for n in norms} == {ada_norm.OPAQUE if kernel else ada_norm.NATIVE}
+    _memo_is_bitwise_stock(tr, runtime, spy, 4 * sm.L if kernel else 0)
+
+
+def _memo_is_bitwise_stock(tr, runtime, spy: _FusedAdaLNSpy | None = None, stock_calls: int = 0) -> None:
+    """Cold and warm memoized forwards equal stock's, whose every AdaLayerNorm goes through the fused kernel (when
+    there is one, ``stock_calls`` per forward); the memoized path calls the instance (the kernel) as often."""
     kw = sm.inputs(torch.float32, batch=2, pad=2)
     api.select("none", model=tr)
     want = sm.fwd(tr, runtime, kw)
-    per_forward = spy.calls
-    assert per_forward == (4 * sm.L if kernel else 0)  # stock: every AdaLayerNorm goes through the kernel
+    per_forward = spy.calls if spy else 0
+    assert per_forward == stock_calls
     api.select(sm.ON, model=tr)
     assert torch.equal(sm.fwd(tr, runtime, kw), want) and torch.equal(sm.fwd(tr, runtime, kw), want)  # cold, warm
-    assert spy.calls == 3 * per_forward  # the memoized path calls the instance (the kernel) as often as stock
+    assert (spy.calls if spy else 0) == 3 * per_forward
     assert sm.OPT.memo.stats["hits"] > 0 and sm.OPT.fallback_reasons() == {}
 
 
@@ -368,12 +360,7 @@ def test_forward_musa_is_native_where_adalayernorm_defines_it(ada, runtime, monk
     for n in norms:
         n._forward_method = n.forward_musa
     assert {ada_norm.norm_kind(n) for n in norms} == {ada_norm.NATIVE}
-    kw = sm.inputs(torch.float32, batch=2, pad=2)
-    api.select("none", model=tr)
-    want = sm.fwd(tr, runtime, kw)
-    api.select(sm.ON, model=tr)
-    assert torch.equal(sm.fwd(tr, runtime, kw), want) and torch.equal(sm.fwd(tr, runtime, kw), want)
-    assert sm.OPT.memo.stats["hits"] > 0 and sm.OPT.fallback_reasons() == {}
+    _memo_is_bitwise_stock(tr, runtime)
 
 
 def _forward_musa_032(self, x, scale, shift):

@@ -1,22 +1,14 @@
-"""What depends on the installed vLLM-Omni version (issue 22): ``make test-versions`` runs this module, with the other
-version-sensitive tests (tools/test_versions.py: ``SELECTION``), in one venv per version: 0.30.0 (``.venv``),
-0.31.0rc1 (``.venv-0.31``) and 0.32.0rc1 (``.venv-0.32``), each from the pinned CPU locks in ``requirements/``, and
-``patches/check.py`` after it.
+"""What depends on the installed vLLM-Omni version: ``make test-versions`` runs this module (with the selection in
+tools/test_versions.py) in one venv per release (0.30.0, 0.31.0rc1, 0.32.0rc1).
 
-* The plugin loads through vLLM-Omni's own plugin loader (``load_omni_general_plugins``, what every vLLM-Omni
-  process does) in a fresh process, and installs exactly the default optimizations that can act here once the
-  Qwen-Image modules are imported. What installs is decided by the upstream code each optimization declares
-  (``Optimization.upstream``: source fingerprints per release), not by the version string; only a vLLM-Omni older
-  than 0.30 is refused by version (without ``VLLM_OMNI_ASCEND_OPT_FORCE=1``).
-* ``vllm-omni-ascend-opt list --json`` names every optimization, active or with its reasons, and says the same as
-  users run it (the Qwen-Image modules not imported) and as a worker sees it (imported): the fingerprints are read
-  from the source files, so the answer does not wait for the import. Every declared upstream function matches.
-* The default stack is bitwise ``none`` on the tiny text-to-image and edit pipelines (CFG off and on, two seeds), and
-  the optimizations that act on CPU do act there.
+* The plugin loads through ``load_omni_general_plugins`` in a fresh process and installs exactly the default
+  optimizations that can act here; what installs follows the upstream code's fingerprints, not the version string
+  (only a release below the floor is refused, unless forced).
+* ``list --json`` says the same before and after the Qwen-Image modules are imported; every upstream function matches.
+* The default stack is bitwise ``none`` on the tiny text-to-image and edit pipelines, and the CPU ones act.
 
-The optimizations that do not act on a version for a reason of that version are listed in :data:`KNOWN_GAPS` with
-the reason; the tests require exactly that list (a gap that closes, or a new one, fails). ``VERSIONS_REPORT`` (a
-directory, set by ``make test-versions``) receives one JSON file per check for the summary the target prints.
+:data:`KNOWN_GAPS` lists per series the default optimizations that do not act, with their reason; the tests require
+exactly that list. ``VERSIONS_REPORT`` (a directory) receives one JSON file per check for the target's summary.
 """
 
 from __future__ import annotations
@@ -49,9 +41,7 @@ SUPPORTED = release_tuple(OMNI) >= fingerprints.MIN_OMNI
 FORCED = flags.force_from_env()
 #: The default optimizations that act on CPU (the others need torch_npu) on a version the plugin fully supports.
 NPU_FREE_DEFAULT = ["shared_modulation", "rope", "vae_exact", "joint_attention"]
-#: Per vLLM-Omni series: default optimizations that do not act there, and a phrase of the reason they give. Round
-#: two of issue 22 closed 0.32's (shared_modulation refused every platform because of the CUDA AdaLayerNorm path):
-#: none is left.
+#: Per vLLM-Omni series: default optimizations that do not act there, and a phrase of the reason they give.
 KNOWN_GAPS: dict[str, dict[str, str]] = {"0.30": {}, "0.31": {}, "0.32": {}}
 GAPS = KNOWN_GAPS.get(SERIES)
 
@@ -91,9 +81,8 @@ def test_known_gaps_name_default_optimizations():
 
 @pytest.fixture(scope="module")
 def worker() -> dict[str, Any]:
-    """One fresh process as vLLM-Omni starts one: ``load_omni_general_plugins()``; ``list --json`` as users run it
-    (the Qwen-Image modules not imported); the model package imported, as the worker does next; ``list --json`` again,
-    and what is selected and installed then (one process: importing vLLM-Omni costs 10-60 s)."""
+    """One fresh process as vLLM-Omni starts one: ``load_omni_general_plugins()``, ``list --json`` as users run it,
+    the model package imported as the worker does next, ``list --json`` again and what is selected and installed."""
     got = _run(
         """
         import contextlib, io, json, sys
@@ -170,8 +159,7 @@ def test_list_json_says_for_every_optimization_whether_it_acts(worker, imported)
 
 
 def test_list_says_the_same_before_and_after_the_model_import(worker):
-    """The fingerprints are read from the source files: ``list`` as users run it (nothing imported) and as the worker
-    sees it (the Qwen-Image modules imported) agree on every optimization, reasons and upstream findings included."""
+    """The fingerprints come from the source files: before and after the model import ``list`` says the same."""
     plain = {o["name"]: o for o in worker["list_plain"]["optimizations"]}
     imported = {o["name"]: o for o in worker["list_imported"]["optimizations"]}
     for key in ("active", "reasons_inactive", "upstream"):

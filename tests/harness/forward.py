@@ -84,3 +84,13 @@ def tiny_forward(
             img_shapes=[[(1, *hw)]] * batch,
             txt_seq_lens=[txt] * batch,
         ).sample
+
+
+def stock_then(tr: Any, runtime: Any, kws: list[dict[str, Any]], spec: str) -> list[torch.Tensor]:
+    """Stock's outputs of ``tr`` as it is now, one per input of ``kws``; then ``spec`` is selected on it."""
+    from vllm_omni_ascend_opt import api
+
+    api.select("none", model=tr)
+    want = [fwd(tr, runtime, kw) for kw in kws]
+    api.select(spec, model=tr)
+    return want

@@ -1,9 +1,5 @@
-"""Seeded PEFT LoRA adapters for the test bed's models, written the way vLLM-Omni's ``DiffusionLoRAManager`` loads
-them (``adapter_config.json`` + ``adapter_model.safetensors``, keys ``base_model.model.<module>.lora_A/B.weight``).
-
-Used by the tests that switch adapters between requests through vLLM-Omni's own runner (``testbed/model_runner.py``:
-``RunnerHarness.enable_lora`` / ``generate(lora=...)``): a LoRA switch changes what the targeted linears compute,
-so every cache keyed on those weights must miss after it.
+"""Seeded PEFT LoRA adapters written the way vLLM-Omni's ``DiffusionLoRAManager`` loads them, for the tests that
+switch adapters between requests (a switch changes the targeted linears: every cache keyed on them must miss).
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Run the tiny Qwen-Image under vLLM-Omni's parallel modes with real process groups on CPU.
 
-:func:`run_parallel_modes` starts ``world_size`` worker processes (``python -m tests.harness.parallel``,
-gloo on 127.0.0.1, free ports chosen at run time, one torch thread each) and runs one or more modes in them, one
-after the other. Per mode every worker selects the initial ``VLLM_OMNI_ASCEND_OPT`` spec *before* the model is built
-(the first time, before vLLM-Omni is even imported), initialises vLLM-Omni's parallel state as its diffusion worker
-does (:func:`~vllm_omni_ascend_opt.testbed.runtime.init_cpu_runtime`), loads the pipeline through vLLM-Omni's own
-``DiffusersPipelineLoader`` (which applies the transformer's ``_sp_plan`` hooks in SP modes), runs every
-:class:`Job` in order, switching the selection on the built pipeline with ``api.select(spec, model=pipe)`` before
-each, and tears the groups down. Each rank reports its images and facts: which optimizations were installed and
-acting, their reasons to be off, the counters and notes they expose, the SP padding seen, the SP hooks present.
+:func:`run_parallel_modes` starts ``world_size`` workers (``python -m tests.harness.parallel``, gloo on 127.0.0.1,
+one torch thread each). Per mode each worker selects the initial spec before the model is built, initialises
+vLLM-Omni's parallel state as its diffusion worker does, loads the pipeline through vLLM-Omni's loader (which applies
+the ``_sp_plan`` hooks in SP modes), runs every :class:`Job` with ``api.select(spec, model=pipe)`` before each, and
+reports per rank: images, what was installed and acting and why not, counters, SP padding and hooks.
 
-Processes are bounded in time and always cleaned up: a failing rank or the deadline kills the whole group of
-workers (each runs in its own session), and each worker also exits on its own when its parent dies or its
-deadline passes, so a desynchronised collective can hang a test run for at most ``timeout_s``.
+A failing rank or the deadline kills every worker's process group; each worker also exits when its parent dies or
+its deadline passes, so a desynchronised collective hangs a run for at most ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -33,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.harness import LogLines
 
 #: Parallel mode name (the keys of ``Optimization.parallel_support``) -> (DiffusionParallelConfig fields, world size).
 MODES: dict[str, tuple[dict[str, int], int]] = {
@@ -84,18 +81,9 @@ class Job:
         """Run this request on ``pipe`` (whatever is selected on it now); a :class:`GenerationResult`."""
         from vllm_omni_ascend_opt.testbed.pipeline import generate, sample_image
 
-        return generate(
-            pipe,
-            rt,
-            self.prompt,
-            height=self.height,
-            width=self.width,
-            steps=self.steps,
-            seed=self.seed,
-            cfg_scale=self.cfg_scale,
-            negative_prompt=self.negative_prompt,
-            image=None if self.image is None else sample_image(self.image),
-        )
+        kw = {k: getattr(self, k) for k in ("height", "width", "steps", "seed", "cfg_scale", "negative_prompt")}
+        image = None if self.image is None else sample_image(self.image)
+        return generate(pipe, rt, self.prompt, image=image, **kw)
 
 
 @dataclass(frozen=True)
@@ -105,11 +93,10 @@ class ModeRun:
     mode: str
     jobs: tuple[Job, ...]
     dtype: str = "float32"
-    label: str = ""
 
     @property
     def key(self) -> str:
-        return self.label or (self.mode if self.dtype == "float32" else f"{self.mode}@{self.dtype}")
+        return self.mode if self.dtype == "float32" else f"{self.mode}@{self.dtype}"
 
 
 @dataclass
@@ -187,18 +174,13 @@ def run_parallel_modes(
     timeout_s: float = 180.0,
     setup: str | None = None,
     pythonpath: list[str] | None = None,
-    env: dict[str, str] | None = None,
 ) -> dict[str, ParallelRun]:
-    """Run each :class:`ModeRun`, one after the other, in the same fresh worker processes; return the reports by
-    :attr:`ModeRun.key`.
+    """Run each :class:`ModeRun` in turn in the same fresh workers (one world size; vLLM-Omni imported once);
+    return the reports by :attr:`ModeRun.key`.
 
-    Per mode the workers set up vLLM-Omni's groups (a new free port), select ``initial_spec`` and build the pipeline,
-    run the jobs, then tear the groups down; vLLM-Omni is imported once per spawn, which is most of a mode's cost.
-    The modes must share one world size. ``setup`` (``"module:function"``, called with the rank) runs first thing in
-    each worker; per-job hooks are :attr:`Job.before` / :attr:`Job.after` (e.g. to install a torch_npu test double
-    once the pipeline is built, so that vLLM-Omni keeps its CPU platform; it stays for later modes).
-    ``pythonpath`` entries are prepended to the workers' ``PYTHONPATH``. Raises :class:`ParallelRunError` when a rank
-    fails or ``timeout_s`` (for the whole spawn) passes; no worker outlives this call.
+    ``setup`` (``"module:function"``, called with the rank) runs first in each worker; ``pythonpath`` entries are
+    prepended to the workers' ``PYTHONPATH``. Raises :class:`ParallelRunError` when a rank fails or ``timeout_s`` (for
+    the whole spawn) passes; no worker outlives this call.
     """
     from vllm_omni_ascend_opt.testbed.runtime import free_port
     from vllm_omni_ascend_opt.testbed.tiny_model import build_model_dir
@@ -250,15 +232,13 @@ def run_parallel_modes(
                 "VLLM_OMNI_ASCEND_OPT": initial_spec,
                 "MASTER_ADDR": "127.0.0.1",
                 "GLOO_SOCKET_IFNAME": child_env.get("GLOO_SOCKET_IFNAME", "lo"),
-                # every rank checks its kernels itself, so that ranks' kernel calls compare one to one (which rank
-                # would find the other's saved verdicts depends on timing; saved verdicts: tests/test_verdicts.py)
+                # every rank checks its kernels itself (no saved verdicts): the ranks' kernel calls compare one to one
                 "VLLM_OMNI_ASCEND_OPT_VERDICT_CACHE": "off",
             }
         )
         # the workers run this module as tests.harness.parallel: the repository root is on their path
         paths = [*(pythonpath or ()), str(Path(__file__).resolve().parents[2]), child_env.get("PYTHONPATH", "")]
         child_env["PYTHONPATH"] = os.pathsep.join(paths).rstrip(os.pathsep)
-        child_env.update(env or {})
         procs: list[subprocess.Popen] = []
         logs = []
         try:
@@ -293,16 +273,11 @@ def _wait_all(procs: list[subprocess.Popen], work: Path, deadline: float) -> Non
     while True:
         codes = [p.poll() for p in procs]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            raise ParallelRunError(
-                f"rank(s) {failed} failed (exit codes {codes})\n{_tails(work, len(procs))}", [p.pid for p in procs]
-            )
         if all(c == 0 for c in codes):
             return
-        if time.monotonic() > deadline:
-            raise ParallelRunError(
-                f"timed out (exit codes {codes}); workers killed\n{_tails(work, len(procs))}", [p.pid for p in procs]
-            )
+        if failed or time.monotonic() > deadline:
+            what = f"rank(s) {failed} failed (exit codes {codes})" if failed else f"timed out (exit codes {codes})"
+            raise ParallelRunError(f"{what}; workers killed\n{_tails(work, len(procs))}", [p.pid for p in procs])
         time.sleep(0.1)
 
 
@@ -337,34 +312,17 @@ def _watchdog(deadline: float, parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-class _Capture(logging.Handler):
-    def __init__(self, mark: str) -> None:
-        super().__init__(logging.INFO)
-        self.mark = mark
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if self.mark.lower() in msg.lower():
-            self.lines.append(msg)
-
-
 def _group_facts() -> dict[str, int]:
     from vllm_omni.diffusion.distributed import parallel_state as ps
 
     facts = {}
-    for name, fn in (
-        ("sp_rank", "get_sequence_parallel_rank"),
-        ("sp_size", "get_sequence_parallel_world_size"),
-        ("ulysses_rank", "get_ulysses_parallel_rank"),
-        ("ulysses_size", "get_ulysses_parallel_world_size"),
-        ("ring_rank", "get_ring_parallel_rank"),
-        ("ring_size", "get_ring_parallel_world_size"),
-        ("cfg_rank", "get_classifier_free_guidance_rank"),
-        ("cfg_size", "get_classifier_free_guidance_world_size"),
-    ):
+    for key, group in (("sp", "sequence_parallel"), ("ulysses", "ulysses_parallel"), ("ring", "ring_parallel")):
         with contextlib.suppress(Exception):
-            facts[name] = int(getattr(ps, fn)())
+            facts[f"{key}_rank"] = int(getattr(ps, f"get_{group}_rank")())
+            facts[f"{key}_size"] = int(getattr(ps, f"get_{group}_world_size")())
+    with contextlib.suppress(Exception):
+        facts["cfg_rank"] = int(ps.get_classifier_free_guidance_rank())
+        facts["cfg_size"] = int(ps.get_classifier_free_guidance_world_size())
     with contextlib.suppress(Exception):
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
@@ -393,28 +351,21 @@ def _job_facts(pipe: Any) -> dict[str, Any]:
     from vllm_omni_ascend_opt import _plugin, _report, api, registry
 
     selected = _plugin.selected()
-    acting, reasons, env_reasons, stats, fallbacks = [], {}, {}, {}, {}
+    out = dict(
+        selected=selected, installed=api.installed(), acting=[], reasons={}, env_reasons={}, stats={}, fallbacks={}
+    )
     for opt in registry.all_optimizations():
         if opt.name not in selected:
             continue
-        why = _report.explain(opt, pipe)
-        reasons[opt.name] = why
-        env_reasons[opt.name] = list(opt.reasons_inactive())
+        why = out["reasons"][opt.name] = _report.explain(opt, pipe)
+        out["env_reasons"][opt.name] = list(opt.reasons_inactive())
         if not why:
-            acting.append(opt.name)
+            out["acting"].append(opt.name)
         if opt.stats:
-            stats[opt.name] = _plain(dict(opt.stats))
+            out["stats"][opt.name] = _plain(dict(opt.stats))
         if f := _plain(opt.fallback_reasons()):
-            fallbacks[opt.name] = f
-    return dict(
-        selected=selected,
-        installed=api.installed(),
-        acting=acting,
-        reasons=reasons,
-        env_reasons=env_reasons,
-        stats=stats,
-        fallbacks=fallbacks,
-    )
+            out["fallbacks"][opt.name] = f
+    return out
 
 
 def _call_hook(ref: str | None, rank: int) -> Any:
@@ -436,19 +387,16 @@ def _worker(work: Path, rank: int) -> None:
 
     api.select(cfg["initial_spec"])  # before vLLM-Omni's model modules are imported: patches go in on import
 
-    capture = _Capture(_SP_LOG_MARK)
+    capture = LogLines(_SP_LOG_MARK, logging.INFO)
     sp_logger = logging.getLogger("vllm_omni.diffusion.registry")
     sp_logger.addHandler(capture)
     if sp_logger.getEffectiveLevel() > logging.INFO:
         sp_logger.setLevel(logging.INFO)
 
-    reports = []
-    for run in cfg["runs"]:
-        reports.append(_run_mode(cfg, run, rank, capture))
-    torch.save(reports, work / f"rank{rank}.pt")
+    torch.save([_run_mode(cfg, run, rank, capture) for run in cfg["runs"]], work / f"rank{rank}.pt")
 
 
-def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Capture) -> RankReport:
+def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: LogLines) -> RankReport:
     import gc
 
     from vllm_omni.diffusion.forward_context import get_forward_context
@@ -497,14 +445,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: _Cap
             facts = _job_facts(pipe)  # before the after-hook, which may change the selection
             extra = _plain(_call_hook(job.after, rank))
             jobs.append(
-                JobReport(
-                    job=job,
-                    images=res.images,
-                    sp_padding=list(seen),
-                    extra=extra,
-                    collectives=coll.as_dict(),
-                    **facts,
-                )
+                JobReport(job, res.images, sp_padding=list(seen), extra=extra, collectives=coll.as_dict(), **facts)
             )
     finally:
         handle.remove()

@@ -1,19 +1,9 @@
 """Tiny, seeded Qwen-Image-2.1 pieces (vLLM-Omni 0.32.0rc1+, ``models/qwen_image_21``) for the tests.
 
-Qwen-Image-2.1 is a different model from Qwen-Image (1.x): a single-stream DiT with one shared modulation, its own
-VAE (``AutoencoderKLQwenImage21``) and a Qwen3-VL prompt encoder, and upstream already does its NPU work itself
-(fused attention, ``npu_rotary_mul``, NZ weights, ``npu_rms_norm`` through diffusers' RMSNorm). The plugin's job there
-is to recognise it and leave it alone. What the tests need for that is the real classes at a tiny size, not a
-full pipeline run (which would also need a tiny Qwen3-VL text encoder and processor):
-
-* :func:`build_transformer`: ``QwenImage21Transformer2DModel`` (2 layers, 2 heads x 16), built under the test bed's
-  runtime and loaded with N(0, 0.05) weights through its own ``load_weights``;
-* :func:`build_vae`: vLLM-Omni's ``DistributedAutoencoderKLQwenImage21`` at base width 16, 4 latent channels;
-* :func:`build_pipeline`: a ``QwenImage21Pipeline`` holding both, assembled without ``__init__`` (no text encoder,
-  scheduler or processor), enough for attach / detach and ``_decode_latents``;
-* :func:`latents`: packed latents as the denoise loop hands them to ``_decode_latents``.
-
-:func:`available` says whether the installed vLLM-Omni has Qwen-Image-2.1 (found without importing it).
+Qwen-Image-2.1 is a different model (single-stream DiT, its own VAE, a Qwen3-VL encoder) whose NPU work upstream
+already does; the plugin must recognise it and leave it alone. The tests need the real classes at a tiny size:
+:func:`build_transformer`, :func:`build_vae`, :func:`build_pipeline` (assembled without ``__init__``: enough for
+attach / detach and ``_decode_latents``) and :func:`latents`; :func:`available` says whether vLLM-Omni has 2.1.
 """
 
 from __future__ import annotations
@@ -83,13 +73,6 @@ def available() -> bool:
         return False
 
 
-def _random_(module: nn.Module, std: float, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * std)
-
-
 def build_transformer(runtime: Any, spec: Spec21 = SPEC21, seed: int = 0) -> nn.Module:
     """A tiny ``QwenImage21Transformer2DModel`` with N(0, std) weights loaded through its own ``load_weights``."""
     mod = importlib.import_module(TRANSFORMER)
@@ -105,7 +88,10 @@ def build_vae(spec: Spec21 = SPEC21, seed: int = 1) -> nn.Module:
     """vLLM-Omni's ``DistributedAutoencoderKLQwenImage21`` at a tiny width, N(0, 0.05) weights."""
     cls = importlib.import_module(DIST_VAE).DistributedAutoencoderKLQwenImage21
     vae = cls(**spec.vae_kwargs())
-    _random_(vae, 0.05, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     vae.init_distributed()
     return vae.eval()
 
