@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness.forward import build, fwd, inputs, stock_then
+from tests.harness.forward import build, fwd, inputs, stock_outputs
 from tests.harness.runner import loaded
 from vllm_omni_ascend_opt import api, registry
 from vllm_omni_ascend_opt.testbed.opcount import OpCounter, SyncCounter
@@ -123,7 +123,7 @@ def test_rotation_tables_are_decided_per_forward(runtime, spec):
     bitwise stock (joint_attention: new freqs every forward; rope: one memoized freqs object per shape and stream)."""
     tr = build(runtime)
     cases = [_inputs(hw=(4, 6)), _inputs(hw=(6, 4)), _inputs(hw=(4, 6)), _inputs(hw=(6, 4))]
-    want = stock_then(tr, runtime, cases, spec)
+    want = stock_outputs(tr, runtime, cases, spec)
     opt = registry.get(spec.split("+")[1])
     opt.reset_stats()
     got = [fwd(tr, runtime, kw) for kw in cases]
@@ -139,7 +139,7 @@ def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime,
     between forwards runs (that module is called as a module), and so does an upstream class patched meanwhile."""
     tr = build(runtime)
     kw = _inputs()
-    (want,) = stock_then(tr, runtime, [kw], "default")
+    (want,) = stock_outputs(tr, runtime, [kw], "default")
     sm, ja = registry.get("shared_modulation"), registry.get("joint_attention")
     fwd(tr, runtime, kw)
     sm.reset_stats()
@@ -182,7 +182,7 @@ def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
     identity: no digest of temb; a change of the embedding's weights is a new key (the blocks recompute)."""
     tr = build(runtime)
     kws = [_inputs(t=0.7), _inputs(t=0.3), _inputs(t=0.7)]
-    want = stock_then(tr, runtime, kws, "none,+shared_modulation")
+    want = stock_outputs(tr, runtime, kws, "none,+shared_modulation")
     sm = registry.get("shared_modulation")
     sm.reset_stats()
     got = [fwd(tr, runtime, kw) for kw in kws]
@@ -211,7 +211,7 @@ def test_time_embedding_hit_returns_the_memoized_temb_unless_it_was_written(runt
     place since (outside inference mode, where it has a version counter) is recomputed, not returned."""
     tr = build(runtime)
     kw = _inputs(t=0.4)
-    (want,) = stock_then(tr, runtime, [kw], "none,+shared_modulation")
+    (want,) = stock_outputs(tr, runtime, [kw], "none,+shared_modulation")
     sm = registry.get("shared_modulation")
     sm.reset_stats()
     fwd(tr, runtime, kw)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.harness.forward import build, fwd, inputs, stock_then
+from tests.harness.forward import build, fwd, inputs, stock_outputs
 from vllm_omni_ascend_opt import registry
 
 
@@ -23,7 +23,7 @@ def _inputs():
 def default_tr(runtime):
     tr = build(runtime)
     kw = _inputs()
-    (want,) = stock_then(tr, runtime, [kw], "default")
+    (want,) = stock_outputs(tr, runtime, [kw], "default")
     fwd(tr, runtime, kw)  # the memo filled
     return tr, kw, want
 
@@ -132,7 +132,7 @@ def test_a_change_between_forwards_is_used(runtime, default_tr, change):
     undo = CHANGES[change](tr)
     try:
         got = fwd(tr, runtime, kw)
-        (want,) = stock_then(tr, runtime, [kw], "default")
+        (want,) = stock_outputs(tr, runtime, [kw], "default")
     finally:
         undo()
     assert torch.equal(got, want)

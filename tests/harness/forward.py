@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from tests.harness.stock import stock_then
 from vllm_omni_ascend_opt.testbed import TINY
 from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
 
@@ -86,11 +87,6 @@ def tiny_forward(
         ).sample
 
 
-def stock_then(tr: Any, runtime: Any, kws: list[dict[str, Any]], spec: str) -> list[torch.Tensor]:
+def stock_outputs(tr: Any, runtime: Any, kws: list[dict[str, Any]], spec: str) -> list[torch.Tensor]:
     """Stock's outputs of ``tr`` as it is now, one per input of ``kws``; then ``spec`` is selected on it."""
-    from vllm_omni_ascend_opt import api
-
-    api.select("none", model=tr)
-    want = [fwd(tr, runtime, kw) for kw in kws]
-    api.select(spec, model=tr)
-    return want
+    return stock_then(spec, tr, lambda: [fwd(tr, runtime, kw) for kw in kws])
