@@ -1,13 +1,11 @@
 """The modulation memo: an exact, byte-bounded LRU of Qwen-Image's modulation tensors (``shared_modulation`` owns
-one). Each rule below is pinned by a test in tests/test_shared_modulation.py and a named mutation.
+one). Each rule is pinned by a test in tests/test_shared_modulation.py and a named mutation.
 
 * Key: temb's value (SHA-256 of its bytes; a view of the last digested temb by its geometry) and the numerical
-  settings; per slot (block, direct projection, ``norm_out``) the module and its weight signature (:mod:`.keys`). A
-  miss replays stock, so a hit is bitwise stock's result.
+  settings; per slot (block, direct projection, ``norm_out``) the module and its weight signature (:mod:`.keys`).
 * LRU: a hit or new slot moves its entry to the most recent end; eviction never takes the entry being filled.
-* Budget (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512 MiB) bounds SiLU(temb) and every payload; what
-  cannot fit is not stored (``not_stored``); 0 disables the memo. :meth:`ModulationMemo.clear` on weight changes.
-* Timestep-0 segments (two-segment blocks): outside the budget, one per block and weights signature.
+* Budget (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512 MiB; 0 disables) bounds SiLU(temb) and every
+  payload; what cannot fit is not stored. Timestep-0 segments (two-segment blocks) sit outside it.
 """
 
 from __future__ import annotations
@@ -193,7 +191,7 @@ class ModulationMemo:
         self, module: nn.Module, timestep: torch.Tensor, hidden_states: torch.Tensor, addition_t_cond: Any, stock: Any
     ) -> tuple[torch.Tensor | None, str | None]:
         """``time_text_embed(...)`` keyed on the timestep's value (:mod:`.time_embedding`): a hit returns the very temb
-        ``stock`` computed on the miss. (temb, None), or (None, why not: the blocks then digest temb)."""
+        ``stock`` computed on the miss. (temb, None), or (None, why not)."""
         try:
             self._check(timestep)
             if torch.is_grad_enabled():
@@ -289,11 +287,10 @@ class ModulationMemo:
         entry = self._resolve(temb)
         key = ("raw", id(seq))
         raw = self._hit(entry, key, seq, sig)
-        if raw is not None:
-            return raw, None
-        self.stats["projections"] += 1
-        raw = lin(self._silu(entry, temb))
-        self._store(entry, key, seq, sig, raw, tensor_bytes(raw), (lin,))
+        if raw is None:
+            self.stats["projections"] += 1
+            raw = lin(self._silu(entry, temb))
+            self._store(entry, key, seq, sig, raw, tensor_bytes(raw), (lin,))
         return raw, None
 
     def block(self, block: nn.Module, temb: torch.Tensor) -> tuple[tuple[NormMod, ...] | None, str | None]:
@@ -307,15 +304,13 @@ class ModulationMemo:
         entry = self._resolve(temb)
         key = ("block", id(block))
         mods = self._hit(entry, key, block, sig)
-        if mods is not None:
-            return mods, None
-        # Replay of stock: img_mod(temb), txt_mod(temb), chunk(2), _modulate -> (scale, shift, gate) views.
-        params = (
-            *self._projection(entry, block.img_mod, img_lin, sig_img, temb).chunk(2, dim=-1),
-            *self._projection(entry, block.txt_mod, txt_lin, sig_txt, temb).chunk(2, dim=-1),
-        )
-        mods = tuple(NormMod.unpack(*block._modulate(p), kind) for p, kind in zip(params, kinds, strict=True))
-        self._store(entry, key, block, sig, mods, sum(m.nbytes() for m in mods), (img_lin, txt_lin))
+        if mods is None:  # replay stock: img_mod(temb), txt_mod(temb), chunk(2), _modulate -> (scale, shift, gate)
+            params = (
+                *self._projection(entry, block.img_mod, img_lin, sig_img, temb).chunk(2, dim=-1),
+                *self._projection(entry, block.txt_mod, txt_lin, sig_txt, temb).chunk(2, dim=-1),
+            )
+            mods = tuple(NormMod.unpack(*block._modulate(p), kind) for p, kind in zip(params, kinds, strict=True))
+            self._store(entry, key, block, sig, mods, sum(m.nbytes() for m in mods), (img_lin, txt_lin))
         return mods, None
 
     def segment_plan(self, index: torch.Tensor) -> tuple[SegmentPlan | None, str | None]:
@@ -336,9 +331,8 @@ class ModulationMemo:
     def _zero_t_segments(
         self, block: nn.Module, sig: Any, raw: torch.Tensor, halves: tuple[Any, ...]
     ) -> tuple[tuple[torch.Tensor, ...], ...]:
-        """Segment 1 (timestep 0) of ``block``'s image norms, kept per block and weights. ``raw``: this forward's
-        timestep-0 rows of ``img_mod(temb)``, ``halves`` their ``(scale1, shift1, gate1)`` per norm. Reused only while
-        bitwise equal to ``raw`` (a GEMM row depends on that row alone; ``zero_t_mismatch`` counts the contrary)."""
+        """Segment 1 (timestep 0) of ``block``'s image norms, kept per block and weights, reused only while bitwise
+        equal to ``raw`` (this forward's timestep-0 rows of ``img_mod(temb)``; ``halves``: their segments per norm)."""
         settings = keys.numerical_settings(raw.device.type)
         key = ("zero_t", id(block), sig, raw.shape, raw.dtype, str(raw.device), settings)
         stored = self._zero_t.get(key)
@@ -411,13 +405,11 @@ class ModulationMemo:
         entry = self._resolve(cond)
         key = ("norm_out", id(norm), x.dtype)
         mods = self._hit(entry, key, norm, sig)
-        if mods is not None:
-            return mods, None
-        self.stats["projections"] += 1  # diffusers' AdaLayerNormContinuous.forward up to the norm
-        emb = norm.linear(self._silu(entry, cond).to(x.dtype))
-        scale, shift = torch.chunk(emb, 2, dim=1)
-        mods = ((1 + scale)[:, None, :], shift[:, None, :].clone(memory_format=torch.contiguous_format))
-        self._store(entry, key, norm, sig, mods, tensor_bytes(mods), (norm.linear,))
+        if mods is None:
+            self.stats["projections"] += 1  # diffusers' AdaLayerNormContinuous.forward up to the norm
+            scale, shift = torch.chunk(norm.linear(self._silu(entry, cond).to(x.dtype)), 2, dim=1)
+            mods = ((1 + scale)[:, None, :], shift[:, None, :].clone(memory_format=torch.contiguous_format))
+            self._store(entry, key, norm, sig, mods, tensor_bytes(mods), (norm.linear,))
         return mods, None
 
     def has_block(self, block: nn.Module, temb: torch.Tensor) -> bool:

@@ -1,12 +1,9 @@
 """The upstream code each optimization relies on, recognised by its source, not by a version string: each declares
-the functions it patches, replaces or mirrors (:class:`Upstream`) with the fingerprints it knows, and stays off where
-the code differs, with a reason naming the function and the versions it knows (:func:`reasons`).
+the functions it patches, replaces or mirrors (:class:`Upstream`) and stays off where one differs (:func:`reasons`).
 
-A fingerprint is 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, computed from the source
-file without importing (so ``list`` and the worker agree); an imported function must also be the one defined there
-(:func:`replacement`). ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` installs anyway, with notes and a warning. Adding a version:
-run ``python tools/fingerprints.py`` with it, redo the exactness argument of each function that differs, and add its
-fingerprint.
+A fingerprint is 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, read from the source file
+without importing; an imported function must also be the one defined there (:func:`replacement`). To add a release,
+run ``python tools/fingerprints.py`` with it and redo the exactness argument of each function that differs.
 """
 
 from __future__ import annotations
@@ -39,14 +36,14 @@ QWEN_IMAGE_21_PACKAGE = "vllm_omni.diffusion.models.qwen_image_21"
 
 
 def forced() -> bool:
-    """``VLLM_OMNI_ASCEND_OPT_FORCE`` is set: install although upstream code differs (with a warning)."""
+    """``VLLM_OMNI_ASCEND_OPT_FORCE`` is set: install although upstream code differs."""
     return _env.boolean(ENV_FORCE)
 
 
 @dataclass(frozen=True)
 class Upstream:
-    """One upstream function an optimization relies on: ``known`` maps a fingerprint (or :data:`ABSENT`) to the
-    releases that ship it; ``platforms`` limits the check to where vLLM-Omni dispatches to it (empty: everywhere)."""
+    """One upstream function: ``known`` maps a fingerprint (or :data:`ABSENT`) to the releases that ship it;
+    ``platforms`` limits the check to where vLLM-Omni dispatches to it (empty: everywhere)."""
 
     module: str
     qualname: str
@@ -76,8 +73,7 @@ def same(module: str, qualname: str, fp: str, platforms: tuple[str, ...] = ()) -
 
 @dataclass(frozen=True)
 class Finding:
-    """What :func:`check` found for one declaration: the releases whose code this is (``matches``), whether it is
-    checked on this platform (``applies``), why the live function is not the source's (``replaced``)."""
+    """What :func:`check` found for one declaration (``replaced``: why the live function is not the source's)."""
 
     decl: Upstream
     fingerprint: str
@@ -170,7 +166,7 @@ def module_file(module: str) -> Path | None:
 
 
 def fingerprint(module: str, qualname: str) -> str:
-    """The fingerprint of ``module.qualname``'s source (:data:`ABSENT`; ``unreadable: ...`` when it cannot be read)."""
+    """The fingerprint of ``module.qualname``'s source, :data:`ABSENT` or ``unreadable: ...``."""
     path = module_file(module)
     if path is None:
         return f"unreadable: module {module} not found"
@@ -262,8 +258,7 @@ def live(module: str, qualname: str) -> tuple[bool, Any]:
 
 
 def replacement(module: str, qualname: str) -> str:
-    """Why the imported ``module.qualname`` (unwrapped) is not the function its source defines ("": it is, or the
-    module is not imported)."""
+    """Why the imported ``module.qualname`` (unwrapped) is not the function its source defines ("": it is)."""
     mod = sys.modules.get(module)
     if mod is None or getattr(getattr(mod, "__spec__", None), "_initializing", False):
         return ""
@@ -290,8 +285,7 @@ def replacement(module: str, qualname: str) -> str:
 
 
 def current_platform() -> str:
-    """The platform vLLM-Omni dispatches ``CustomOp``s for here: ``npu`` (``_backend``'s probe), else ``rocm`` /
-    ``cuda`` / ``musa`` by torch's device checks, else ``cpu``."""
+    """The platform vLLM-Omni dispatches ``CustomOp``s for here: ``npu``, ``rocm``, ``cuda``, ``musa`` or ``cpu``."""
     if _backend.torch_npu_module() is not None:
         return "npu"
     if torch.cuda.is_available():
