@@ -16,12 +16,11 @@ from importlib import metadata
 from vllm_omni_ascend_opt import _report, flags, registry
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt._state import LOCK, STATE
-from vllm_omni_ascend_opt.blocks.upstream import fingerprints
-from vllm_omni_ascend_opt.optimization import fully_imported
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints, targets
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
-LOADER_MODULE = "vllm_omni.diffusion.model_loader.diffusers_loader"
+LOADER_MODULE = targets.LOADER
 
 _core = PatchSet("core")
 _finder: _PostImportFinder | None = None
@@ -155,7 +154,7 @@ def _warn_if_forced(opt) -> None:
 
 def _install_core() -> None:
     """Attach installed optimizations to every pipeline vLLM-Omni's loader builds, and report on it."""
-    if not fully_imported(LOADER_MODULE):
+    if not fingerprints.fully_imported(LOADER_MODULE):
         return
     loader_cls = sys.modules[LOADER_MODULE].DiffusersPipelineLoader
     if _core.is_patched(loader_cls, "load_model"):

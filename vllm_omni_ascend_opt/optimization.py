@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from collections import Counter
 from typing import Any, ClassVar, Literal, Protocol
@@ -19,7 +18,7 @@ from vllm_omni_ascend_opt._parallel import parallel_reasons_inactive
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt.blocks.upstream import fingerprints as _upstream
 from vllm_omni_ascend_opt.blocks.upstream import guards
-from vllm_omni_ascend_opt.blocks.upstream.fingerprints import Upstream
+from vllm_omni_ascend_opt.blocks.upstream.fingerprints import Upstream, fully_imported
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
@@ -280,9 +279,3 @@ class Optimization:
 
     def __repr__(self) -> str:
         return f"<Optimization {self.name} ({self.tier()}, installed={self._installed})>"
-
-
-def fully_imported(module_name: str) -> bool:
-    """``module_name`` is in ``sys.modules`` and has finished executing."""
-    mod = sys.modules.get(module_name)
-    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)

@@ -176,17 +176,6 @@ def fingerprint(module: str, qualname: str) -> str:
         return f"unreadable: {exc.__class__.__name__}: {exc}"
 
 
-def definition_line(module: str, qualname: str) -> int | None:
-    """The first line (first decorator included) of ``qualname`` in ``module``'s file, or None."""
-    path = module_file(module)
-    if path is None:
-        return None
-    try:
-        return _SourceIndex.of(path).first_line(qualname)
-    except (OSError, SyntaxError, ValueError):
-        return None
-
-
 class _SourceIndex:
     """A parsed source file, kept while its size and modification time stay the same."""
 
@@ -244,6 +233,12 @@ def _statements(body: list[ast.stmt]) -> Iterable[ast.stmt]:
             yield n
 
 
+def fully_imported(module_name: str) -> bool:
+    """``module_name`` is in ``sys.modules`` and has finished executing."""
+    mod = sys.modules.get(module_name)
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)
+
+
 def live(module: str, qualname: str) -> tuple[bool, Any]:
     """``(found, object)``: ``module.qualname`` in the imported module's or class's own ``__dict__``."""
     obj: Any = sys.modules[module]
@@ -259,14 +254,17 @@ def live(module: str, qualname: str) -> tuple[bool, Any]:
 
 def replacement(module: str, qualname: str) -> str:
     """Why the imported ``module.qualname`` (unwrapped) is not the function its source defines ("": it is)."""
-    mod = sys.modules.get(module)
-    if mod is None or getattr(getattr(mod, "__spec__", None), "_initializing", False):
+    if not fully_imported(module):
         return ""
     try:
         found, obj = live(module, qualname)
     except TypeError:  # an owner without __dict__
         return f"{qualname} is not a class attribute here"
-    line = definition_line(module, qualname)
+    path = module_file(module)
+    try:  # the first line of its definition (first decorator included)
+        line = None if path is None else _SourceIndex.of(path).first_line(qualname)
+    except (OSError, SyntaxError, ValueError):
+        line = None
     if not found:
         return "" if line is None else f"{qualname} is defined in the source but missing on the imported module"
     if line is None:
@@ -277,7 +275,6 @@ def replacement(module: str, qualname: str) -> str:
     code = getattr(fn, "__code__", None)
     if code is None:
         return f"{qualname} is a {type(fn).__name__}, not a Python function"
-    path = module_file(module)
     same_file = path is not None and os.path.realpath(code.co_filename) == os.path.realpath(path)
     if not same_file or code.co_firstlineno != line:
         return f"it is {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
