@@ -27,9 +27,8 @@ class PatchSet:
 
     def set(self, owner: Any, name: str, replacement: Any) -> None:
         """Replace ``owner.name`` with ``replacement``; a second call for the same target is a no-op."""
-        for rec in self._records:
-            if rec.owner is owner and rec.name == name:
-                return
+        if self.is_patched(owner, name):
+            return
         # The owner's own namespace: revert never pins an inherited attribute.
         namespace = owner.__dict__ if hasattr(owner, "__dict__") else {}
         original = namespace.get(name, _MISSING)

@@ -20,7 +20,6 @@ def release_tuple(version: str) -> tuple[int, ...]:
 
 @dataclass
 class PluginState:
-    #: ``register()`` ran in this process.
     registered: bool = False
     #: Selected names in registry order (by the flags or the Python API).
     selected: list[str] = field(default_factory=list)

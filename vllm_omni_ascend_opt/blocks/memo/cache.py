@@ -179,14 +179,6 @@ class ModulationMemo:
         self._last = (weakref.ref(temb), version, entry, Span.of(temb))
         return entry
 
-    def _reset(self, entry: _Entry) -> None:
-        """Drop everything ``entry`` holds (a weight its key names by id died)."""
-        self._bytes -= entry.nbytes
-        entry.nbytes = 0
-        entry.slots.clear()
-        entry.silu = entry.temb = None
-        entry.refs = ()
-
     def time_embedding(
         self, module: nn.Module, timestep: torch.Tensor, hidden_states: torch.Tensor, addition_t_cond: Any, stock: Any
     ) -> tuple[torch.Tensor | None, str | None]:
@@ -217,8 +209,12 @@ class ModulationMemo:
             tkey.sig,
         )
         entry = self._entry(key)
-        if any(ref() is None for ref in entry.refs):
-            self._reset(entry)  # a weight named by id in the key died: its id may be another tensor's now
+        if any(ref() is None for ref in entry.refs):  # a weight named by id in the key died: drop all it holds
+            self._bytes -= entry.nbytes
+            entry.nbytes = 0
+            entry.slots.clear()
+            entry.silu = entry.temb = None
+            entry.refs = ()
         if not entry.refs:
             entry.refs = _refs(tkey.tensors)
         self.stats["time_keys"] += 1

@@ -131,8 +131,6 @@ def reasons(decls: Iterable[Upstream], owner: str, platform: str | None = None) 
 def summary(findings: list[Finding]) -> str:
     """One line for ``list``: how many declared functions match, and the releases whose code all of them match."""
     checked = [f for f in findings if f.applies]
-    if not findings:
-        return "no upstream function declared"
     good = [f for f in checked if f.ok]
     seen = {v for f in good for v in f.matches}
     order = [*KNOWN_OMNI, *sorted(seen - set(KNOWN_OMNI))]
