@@ -61,7 +61,6 @@ class Optimization:
     #: The weakest tier it can deliver anywhere; :meth:`tier` says what it delivers here.
     equivalence: ClassVar[Equivalence]
     default_enabled: ClassVar[bool] = True
-    #: Requirements, in words.
     requires: ClassVar[tuple[str, ...]] = ()
     #: When it stays off or runs stock code, in a sentence.
     inactive_when: ClassVar[str] = ""
