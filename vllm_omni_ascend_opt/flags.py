@@ -68,5 +68,4 @@ def strict_from_env() -> bool:
     return _env.boolean(ENV_STRICT)
 
 
-def force_from_env() -> bool:
-    return fingerprints.forced()
+force_from_env = fingerprints.forced

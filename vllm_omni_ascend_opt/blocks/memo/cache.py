@@ -73,7 +73,7 @@ class ModulationMemo:
     def __init__(self, max_bytes: int = DEFAULT_BUDGET_MB * 1024**2) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
-        self._bytes = 0
+        self.nbytes = 0  # held within the budget
         # The last digested temb, its version, its entry, its Span (None: not contiguous).
         self._last: tuple[weakref.ReferenceType, int | None, _Entry, Span | None] | None = None
         self.stats: Counter[str] = Counter()
@@ -81,16 +81,12 @@ class ModulationMemo:
         self._zero_t: dict[tuple[Any, ...], tuple[weakref.ReferenceType, torch.Tensor, tuple[Any, ...]]] = {}
         self._plan: tuple[weakref.ReferenceType, int | None, SegmentPlan | str] | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
     def __len__(self) -> int:
         return len(self._entries)
 
     def clear(self) -> None:
         self._entries.clear()
-        self._bytes = 0
+        self.nbytes = 0
         self._last = None
         self._zero_t.clear()
         self._plan = None
@@ -106,7 +102,7 @@ class ModulationMemo:
 
     def _evict(self, keep: _Entry | None, need: int = 0) -> None:
         """Drop least-recently-used entries (never ``keep``) until ``need`` more bytes fit in the budget."""
-        while self._bytes + need > self.max_bytes and self._entries:
+        while self.nbytes + need > self.max_bytes and self._entries:
             key = next(iter(self._entries))
             victim = self._entries[key]
             if victim is keep:
@@ -115,23 +111,22 @@ class ModulationMemo:
                 self._entries.move_to_end(key)
                 continue
             del self._entries[key]
-            self._bytes -= victim.nbytes
+            self.nbytes -= victim.nbytes
             self.stats["evictions"] += 1
             if self._last is not None and self._last[2] is victim:
                 self._last = None
 
     def _admit(self, entry: _Entry, nb: int) -> bool:
-        """Charge ``nb`` more bytes to ``entry``, evicting other entries as needed. False: not stored (``entry`` was
-        evicted meanwhile, or ``nb`` cannot fit: ``not_stored``)."""
+        """Charge ``nb`` more bytes to ``entry``, evicting others; False: not stored (evicted meanwhile, or no room)."""
         if self._entries.get(entry.key) is not entry:
             return False  # evicted meanwhile (its bytes are already released)
-        if self._bytes + nb > self.max_bytes:
+        if self.nbytes + nb > self.max_bytes:
             self._evict(keep=entry, need=nb)
-        if self._bytes + nb > self.max_bytes:
+        if self.nbytes + nb > self.max_bytes:
             self.stats["not_stored"] += 1
             return False
         entry.nbytes += nb
-        self._bytes += nb
+        self.nbytes += nb
         return True
 
     def _store(
@@ -143,7 +138,7 @@ class ModulationMemo:
         old = entry.slots.pop(key, None)
         if old is not None:
             entry.nbytes -= old.nbytes
-            self._bytes -= old.nbytes
+            self.nbytes -= old.nbytes
         if self._admit(entry, nb):
             entry.slots[key] = _Slot(weakref.ref(module), sig, payload, nb, _refs(lins))
 
@@ -209,13 +204,11 @@ class ModulationMemo:
             tkey.sig,
         )
         entry = self._entry(key)
-        if any(ref() is None for ref in entry.refs):  # a weight named by id in the key died: drop all it holds
-            self._bytes -= entry.nbytes
+        if not entry.refs or any(ref() is None for ref in entry.refs):  # new, or a weight its key names by id died
+            self.nbytes -= entry.nbytes
             entry.nbytes = 0
             entry.slots.clear()
             entry.silu = entry.temb = None
-            entry.refs = ()
-        if not entry.refs:
             entry.refs = _refs(tkey.tensors)
         self.stats["time_keys"] += 1
         temb = entry.temb
@@ -284,8 +277,7 @@ class ModulationMemo:
         key = ("raw", id(seq))
         raw = self._hit(entry, key, seq, sig)
         if raw is None:
-            self.stats["projections"] += 1
-            raw = lin(self._silu(entry, temb))
+            raw = self._projection(entry, seq, lin, sig, temb)
             self._store(entry, key, seq, sig, raw, tensor_bytes(raw), (lin,))
         return raw, None
 
