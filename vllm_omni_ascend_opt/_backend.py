@@ -1,8 +1,6 @@
-"""The one place that decides whether Ascend kernels can be used in this process.
-
-No optimization checks for an NPU on its own: each asks :func:`torch_npu_module` (the imported ``torch_npu`` or
-``None``) and :func:`npu_unavailable_reasons` (why not, in words). Tests substitute a semantic fake by putting a module
-named ``torch_npu`` into ``sys.modules`` before asking; the package itself never ships a fake.
+"""The one place that decides whether Ascend kernels can be used in this process: :func:`torch_npu_module` (the
+imported ``torch_npu`` or ``None``) and :func:`npu_unavailable_reasons`. Tests put a fake ``torch_npu`` module into
+``sys.modules`` before asking; the package itself never ships a fake.
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ def torch_npu_module() -> ModuleType | None:
 
 
 def probe_id() -> int:
-    """A number that changes whenever the backend is probed afresh: per-backend verdicts store it and are recomputed
-    when it changes (unlike ``id(module)``, it is never reused for a different module)."""
+    """A number that changes whenever the backend is probed afresh (unlike ``id(module)``, never reused)."""
     torch_npu_module()
     return int(_CACHE["probe"])  # type: ignore[call-overload]
 
@@ -65,8 +62,7 @@ def _probe() -> tuple[ModuleType | None, str]:
 
 
 def cann_version() -> str | None:
-    """The CANN version torch_npu reports; None without a usable torch_npu or when it cannot tell (CANN older than
-    8.1.RC1 answers an empty string)."""
+    """The CANN version torch_npu reports; None without a usable torch_npu or when it cannot tell."""
     if torch_npu_module() is None:
         return None
     try:
@@ -76,8 +72,7 @@ def cann_version() -> str | None:
 
 
 def is_npu_tensor(t: torch.Tensor) -> bool:
-    """``t.is_npu`` when torch_npu is usable, else False. Asked through the tensor, not its device type, so that the
-    test fake (CPU tensors standing for device memory) runs the same code path."""
+    """``t.is_npu`` when torch_npu is usable, else False (through the tensor, so that the test fake answers too)."""
     return torch_npu_module() is not None and bool(getattr(t, "is_npu", False))
 
 
@@ -88,8 +83,7 @@ def backend_label() -> str:
 
 
 def graph_capture_reason() -> str | None:
-    """Why the current stream is being captured into a graph (CUDA or NPU), or None; never raises. Optimizations
-    that keep Python-side state (memos, table caches, first-use checks) step aside during capture."""
+    """Why the current stream is being captured into a graph (CUDA or NPU), or None; never raises."""
     if "cuda" not in _CACHE:
         _CACHE["cuda"] = torch.cuda.is_available()
     try:

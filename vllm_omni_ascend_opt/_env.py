@@ -1,8 +1,6 @@
-"""Reading the plugin's environment variables: every value is answered, none is taken in silence.
-
-* :func:`boolean`: ``1/true/yes/on`` and ``0/false/no/off`` (any case, spaces ignored) - the usual spellings; anything
-  else keeps the default and logs one warning naming the variable and the accepted spellings.
-* :func:`check_range`: a numeric budget outside its sane range is used as given, with one warning.
+"""Reading the plugin's environment variables: every value is answered, none is taken in silence. An unknown boolean
+spelling keeps the default (:func:`boolean`) and a budget outside its sane range is used as given
+(:func:`check_range`), each with one warning.
 """
 
 from __future__ import annotations

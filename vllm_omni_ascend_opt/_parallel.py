@@ -1,9 +1,5 @@
-"""Which of vLLM-Omni's parallel modes a model (or this process) runs in, and what that means for an optimization.
-
-Optimizations declare per mode in ``Optimization.parallel_support`` whether they are correct there ("supported") or
-turn themselves off ("off: <reason>"); ``reasons_inactive`` asks :func:`parallel_reasons_inactive` for every model.
-Patches are installed before the parallel groups exist, so the mode is known only per model (its
-``parallel_config``) or at call time (the current diffusion config).
+"""Which of vLLM-Omni's parallel modes a model (or this process) runs in, against each ``parallel_support``. Patches
+are installed before the parallel groups exist, so the mode is known only per model or at call time.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ def _parallel_config(model: Any = None) -> Any:
 
 
 def active_modes(model: Any = None) -> list[str]:
-    """The parallel modes ``model`` (a pipeline, a transformer, or None: the current diffusion config) runs in,
-    ``["single"]`` when none; modes an optimization does not declare turn it off."""
+    """The parallel modes ``model`` (None: the current diffusion config) runs in, ``["single"]`` when none."""
     pc = _parallel_config(model)
     if pc is None:
         return ["single"]
@@ -48,8 +43,7 @@ def active_modes(model: Any = None) -> list[str]:
 
 
 def parallel_reasons_inactive(opt: Any, model: Any = None) -> list[str]:
-    """Reasons ``opt`` must stay off for ``model``: one per active mode that its ``parallel_support`` does not
-    declare "supported" (a mode it does not mention is not supported)."""
+    """One reason per active mode that ``opt``'s ``parallel_support`` does not declare "supported"."""
     support = dict(getattr(opt, "parallel_support", {}) or {})
     whys = ((mode, why_off(support.get(mode, "off: not declared for this mode"))) for mode in active_modes(model))
     return [f"off under vLLM-Omni {mode} parallelism: {why}" for mode, why in whys if why is not None]

@@ -1,8 +1,5 @@
-"""Attribute patching that restores originals by identity.
-
-Every monkey-patch the plugin makes goes through :class:`PatchSet`, so that ``revert`` puts back *the very object*
-that was there before (``getattr(owner, name) is original`` after revert), patches are idempotent, and a test can ask
-whether a given patch is installed.
+"""Attribute patching that restores originals by identity: every monkey-patch goes through a :class:`PatchSet`, whose
+``revert`` puts back *the very object* that was there before.
 """
 
 from __future__ import annotations
@@ -30,10 +27,9 @@ class PatchSet:
 
     def set(self, owner: Any, name: str, replacement: Any) -> None:
         """Replace ``owner.name`` with ``replacement``; a second call for the same target is a no-op."""
-        for rec in self._records:
-            if rec.owner is owner and rec.name == name:
-                return
-        # Look in the owner's own namespace (not inherited), so revert never pins an inherited attribute.
+        if self.is_patched(owner, name):
+            return
+        # The owner's own namespace: revert never pins an inherited attribute.
         namespace = owner.__dict__ if hasattr(owner, "__dict__") else {}
         original = namespace.get(name, _MISSING)
         self._records.append(_Record(owner, name, original, replacement))

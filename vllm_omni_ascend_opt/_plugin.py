@@ -1,13 +1,8 @@
 """``register()``: the vLLM-Omni general-plugin entry point, and the machinery that installs patches in time.
 
-vLLM-Omni calls every ``vllm_omni.general_plugins`` entry point once per process (main, stage, each diffusion worker)
-before the model is built. ``register`` must be cheap and idempotent and must not import the (slow) Qwen-Image modules,
-yet get its patches in before the model is constructed: a post-import hook installs an optimization when the last of
-its ``target_modules`` finishes importing (modules already imported are patched at once).
-
-What installs is decided by the upstream code (each optimization's ``upstream`` fingerprints), not by the version
-string; the only version facts are the floor and a note for an unchecked release (``PluginState.check_version``).
-``VLLM_OMNI_ASCEND_OPT_FORCE=1`` installs anyway, with one warning per optimization whose code differs.
+vLLM-Omni calls ``register`` once per process before the model is built; it must be cheap and idempotent and must not
+import the Qwen-Image modules. A post-import hook installs an optimization when the last of its ``target_modules``
+finishes importing. The upstream code's fingerprints decide what installs; the version only sets a floor.
 """
 
 from __future__ import annotations
@@ -21,12 +16,11 @@ from importlib import metadata
 from vllm_omni_ascend_opt import _report, flags, registry
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt._state import LOCK, STATE
-from vllm_omni_ascend_opt.blocks.upstream import fingerprints
-from vllm_omni_ascend_opt.optimization import fully_imported
+from vllm_omni_ascend_opt.blocks.upstream import fingerprints, targets
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
-LOADER_MODULE = "vllm_omni.diffusion.model_loader.diffusers_loader"
+LOADER_MODULE = targets.LOADER
 
 _core = PatchSet("core")
 _finder: _PostImportFinder | None = None
@@ -145,8 +139,7 @@ def install_ready() -> list[str]:
 
 
 def _warn_if_forced(opt) -> None:
-    """Under ``VLLM_OMNI_ASCEND_OPT_FORCE``: one warning for an optimization installed although upstream code it
-    patches or mirrors differs from every fingerprint it knows."""
+    """Under ``VLLM_OMNI_ASCEND_OPT_FORCE``: warn when ``opt`` installs although its upstream code differs."""
     if not fingerprints.forced() or not opt.upstream:
         return
     differs = fingerprints.reasons(opt.upstream, opt.name)
@@ -160,9 +153,8 @@ def _warn_if_forced(opt) -> None:
 
 
 def _install_core() -> None:
-    """Attach installed optimizations to every pipeline that vLLM-Omni's loader builds, and report on it (also when
-    a bad flag or version patches nothing: the status file then says so after the model is built)."""
-    if not fully_imported(LOADER_MODULE):
+    """Attach installed optimizations to every pipeline vLLM-Omni's loader builds, and report on it."""
+    if not fingerprints.fully_imported(LOADER_MODULE):
         return
     loader_cls = sys.modules[LOADER_MODULE].DiffusersPipelineLoader
     if _core.is_patched(loader_cls, "load_model"):
@@ -203,12 +195,9 @@ def installed_version(dist: str) -> str | None:
 
 
 def register() -> None:
-    """vLLM-Omni general-plugin entry point: read the flags, check the vLLM-Omni floor, install patches in time.
-
-    Idempotent. Bad flags patch nothing (fail closed) and log an error; ``VLLM_OMNI_ASCEND_OPT_STRICT=1`` raises
-    :class:`PluginConfigError` instead, also for a selected optimization that cannot be active here. The loader hook
-    is installed in every case, so that the status file reports after the model is built and after every request.
-    """
+    """Read the flags, check the vLLM-Omni floor, install patches in time. Idempotent. Bad flags patch nothing and
+    log an error; ``VLLM_OMNI_ASCEND_OPT_STRICT=1`` raises :class:`PluginConfigError` instead, also for a selected
+    optimization that cannot be active here. The loader hook is installed in every case (status file)."""
     with LOCK:
         if STATE.registered:
             return
@@ -250,8 +239,7 @@ def register() -> None:
 
 
 def _report_without_patches() -> None:
-    """A bad flag or version: nothing is selected, but the status file is written now and, through the loader hook,
-    after the model is built and after every request."""
+    """A bad flag or version: nothing is selected, but the status file is written now and through the loader hook."""
     _watch({LOADER_MODULE})
     _install_core()
     _report.write_status_file_safely()

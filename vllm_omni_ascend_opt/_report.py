@@ -1,16 +1,9 @@
-"""What the plugin tells the process it runs in: the status rows, one status line in vLLM's log, a JSON status file.
+"""What the plugin tells the process it runs in: the status rows, one INFO line in vLLM's log, a JSON status file.
 
-Every report derives from two answers, combined by :func:`explain`: the plugin state (selection, a bad flag, a missing
-or too old vLLM-Omni: :mod:`vllm_omni_ascend_opt._state`) and each optimization's own ``reasons_inactive``.
-
-* Log line. vLLM-Omni configures only the ``vllm`` / ``vllm_omni`` logger trees, so :func:`wire_into_vllm_logging`
-  (called by ``register()``) hands the plugin's logger vLLM's handlers and level (records still propagate; with
-  ``VLLM_CONFIGURE_LOGGING=0`` nothing is wired). :func:`announce` logs ONE INFO line per process once the selection
-  is settled: version, flag, what is installed, and what is off with its first reason.
-* Status file. When ``VLLM_OMNI_ASCEND_OPT_STATUS_FILE`` names a path (``{pid}`` is replaced by the process id), the
-  process that builds a model with vLLM-Omni's loader writes a JSON report there (atomically) after the model is
-  built and after every ``forward`` of it, also when a bad flag or version patches nothing. Tests and the ablation
-  runner read it instead of scraping logs.
+Every report derives from :func:`explain`: the plugin state (:mod:`._state`) and each optimization's
+``reasons_inactive``. :func:`announce` logs the line once the selection is settled, through vLLM's handlers
+(:func:`wire_into_vllm_logging`). ``VLLM_OMNI_ASCEND_OPT_STATUS_FILE`` (``{pid}``: the process id) names a JSON file
+written atomically after the model is built and after each of its forwards (tests and the ablation runner read it).
 """
 
 from __future__ import annotations
@@ -36,8 +29,7 @@ LOGGER_NAME = "vllm_omni_ascend_opt"
 #: The reason shown for a selected optimization that can act but whose vLLM-Omni modules are not imported yet.
 WAITING = "waits for its vLLM-Omni modules to be imported"
 
-#: vLLM-Omni cache backends that refuse Qwen-Image upstream (``diffusion/cache/selector.py``): the model does not run
-#: at all. The one source of ``list``'s note and the README's table; tests/test_memory_modes.py checks each.
+#: vLLM-Omni cache backends that refuse Qwen-Image upstream (``diffusion/cache/selector.py``).
 UPSTREAM_UNSUPPORTED_CACHE_BACKENDS: dict[str, str] = {
     "sea_cache": "vLLM-Omni's SeaCache supports Cosmos3 only: loading QwenImagePipeline raises ValueError",
     "step_cache": "vLLM-Omni's step_cache supports DreamZero only: loading QwenImagePipeline raises ValueError",
@@ -84,8 +76,7 @@ def acting(model: Any) -> list[str]:
 
 
 def rows(model: Any = None) -> list[dict[str, Any]]:
-    """One row per optimization: metadata, selection and state in this process, or on ``model`` when given (what
-    ``list`` prints; ``active`` means no reason keeps it from acting)."""
+    """One row per optimization (what ``list`` prints): metadata and state in this process, or on ``model``."""
     out = []
     for opt in registry.all_optimizations():
         reasons = explain(opt, model)
@@ -112,8 +103,7 @@ def rows(model: Any = None) -> list[dict[str, Any]]:
 
 
 def off_reasons(model: Any = None) -> dict[str, list[str]]:
-    """Every optimization that does not act -> its reasons. Without ``model``: those not installed (a selected one
-    that can act is waiting for its modules); with ``model``: those not acting on it."""
+    """Every optimization not installed (without ``model``) or not acting on ``model`` -> its reasons."""
     out = {}
     for opt in registry.all_optimizations():
         if model is None and opt.installed:
@@ -164,8 +154,7 @@ def _each(get: Callable[[Optimization], Any]) -> dict[str, Any]:
 
 
 def saved_verdicts() -> dict[str, Any] | None:
-    """The verdict file this process reads and writes, and how many verdicts it knows from it (None: no torch_npu,
-    or the cache is off)."""
+    """The verdict file and how many verdicts it holds (None: no torch_npu, or the cache is off)."""
     from vllm_omni_ascend_opt.blocks.kernels import saved
 
     p = saved.path()
@@ -216,13 +205,12 @@ def write_status_file(model: Any = None) -> Path | None:
     return path
 
 
-#: An unwritable status file: one warning, then a reminder at most this often (seconds), never a traceback per request.
+#: Seconds between reminders that the status file cannot be written.
 STATUS_REMINDER_S = 600.0
 
 
 def write_status_file_safely(model: Any = None) -> None:
-    """:func:`write_status_file`, never raising (reporting must not break the engine): a failure logs one warning,
-    then a reminder with the count at most every :data:`STATUS_REMINDER_S`; a write that works again says so once."""
+    """:func:`write_status_file`, never raising: one warning, then a reminder every :data:`STATUS_REMINDER_S`."""
     try:
         write_status_file(model)
     except Exception as exc:
@@ -244,8 +232,7 @@ def write_status_file_safely(model: Any = None) -> None:
 
 
 def track_model(model: Any) -> None:
-    """After vLLM-Omni's loader built ``model``: write the status file now and after each ``forward`` (only when
-    ``VLLM_OMNI_ASCEND_OPT_STATUS_FILE`` is set; otherwise the model is left untouched)."""
+    """Write the status file now and after each ``forward`` of ``model`` (only when the variable is set)."""
     if status_file_path() is None:
         return
     _seen["model"] = model

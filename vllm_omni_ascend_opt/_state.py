@@ -1,10 +1,5 @@
-"""The plugin's state in this process, in one object: what is selected, the installed vLLM-Omni, and why nothing may
-be patched.
-
-Written by ``_plugin`` (``register()``, ``set_selected``); read by the report, the API and the CLI. Each optimization
-answers for itself whether it acts; this object adds the plugin's facts: the selection, a bad flag, and the installed
-vLLM-Omni release: missing or older than the floor (nothing is patched unless forced), or not one the plugin was
-checked on (one INFO note; each optimization still installs where its upstream code matches).
+"""The plugin's state in this process: what is selected, the installed vLLM-Omni, and why nothing may be patched (a
+bad flag, a missing or too old vLLM-Omni). Written by ``_plugin``; read by the report, the API and the CLI.
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ def release_tuple(version: str) -> tuple[int, ...]:
 
 @dataclass
 class PluginState:
-    #: ``register()`` ran in this process.
     registered: bool = False
     #: Selected names in registry order (by the flags or the Python API).
     selected: list[str] = field(default_factory=list)

@@ -1,14 +1,11 @@
-"""Python API: one switch per optimization, on the process or on an already-built model.
-
-In the style of Liger-Kernel's ``apply_liger_kernel_to_*``::
+"""Python API: one switch per optimization, on the process or on an already-built model::
 
     from vllm_omni_ascend_opt import apply_to_qwen_image, optimizations
     apply_to_qwen_image(pipeline, nz_weights=False)               # the default stack minus nz_weights, on it
     with optimizations("none,+rope", model=pipeline):              # temporarily a different selection
         ...
 
-The keywords of :func:`apply_to_qwen_image` are the registry's names (:func:`accepted_keywords`), each defaulting
-to the optimization's ``default_enabled``: a new optimization is a new keyword without an edit here.
+The keywords of :func:`apply_to_qwen_image` are the registry's names, each defaulting to ``default_enabled``.
 """
 
 from __future__ import annotations

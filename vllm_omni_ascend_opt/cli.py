@@ -1,6 +1,5 @@
-"""Command line: ``vllm-omni-ascend-opt list [--json]``, ``warmup --sizes ...`` and the lab's ablation commands.
-
-The top layer of the package: it may import the lab (``ablation``), which the plugin core never does."""
+"""Command line: ``vllm-omni-ascend-opt list [--json]``, ``warmup --sizes ...`` and the lab's ablation commands (the
+top layer of the package: it may import the lab, which the plugin core never does)."""
 
 from __future__ import annotations
 

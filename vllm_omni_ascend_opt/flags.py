@@ -6,9 +6,8 @@ Grammar (comma separated, whitespace ignored)::
     base   := "default" | "all" | "none"
     item   := "+"name | "-"name | name | base
 
-A spec that starts with a name (``rope,shared_modulation``) selects exactly those names. ``+name`` adds, ``-name``
-removes, and a later base resets the selection. Unknown names and malformed items raise :class:`FlagError`,
-whose message lists the valid names.
+A spec that starts with a name selects exactly those names; a later base resets the selection. Unknown names and
+malformed items raise :class:`FlagError`, whose message lists the valid names.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ def parse_spec(spec: str | None) -> list[str]:
         if not item:
             raise FlagError(_msg(spec, f"empty item at position {i + 1}", valid))
         if item in BASES:
-            selected = _base(item)
+            selected = set({"all": valid, "none": [], "default": registry.default_names()}[item])
             continue
         sign, name = (item[0], item[1:].strip()) if item[0] in "+-" else ("", item)
         if not name or not name.replace("_", "").isalnum():
@@ -52,10 +51,6 @@ def parse_spec(spec: str | None) -> list[str]:
         else:
             selected.add(name)
     return [n for n in valid if n in selected]
-
-
-def _base(word: str) -> set[str]:
-    return set({"all": registry.names(), "none": [], "default": registry.default_names()}[word])
 
 
 def _msg(spec: str, what: str, valid: list[str]) -> str:
@@ -73,5 +68,4 @@ def strict_from_env() -> bool:
     return _env.boolean(ENV_STRICT)
 
 
-def force_from_env() -> bool:
-    return fingerprints.forced()
+force_from_env = fingerprints.forced

@@ -1,14 +1,9 @@
 """Image-quality metrics for approximate ("close") optimizations: SSIM, PSNR, pixel identity, abs diffs.
 
-The gates, fixed before any measurement: SSIM >= 0.99 and PSNR >= 35 dB against stock
-(``passes_gates(compare_images(ref, out))``). Conventions:
-
-* Inputs are float tensors or arrays ``[B, 3, H, W]`` (or ``[3, H, W]``) with values in ``value_range``, ``(-1, 1)``
-  by default (vLLM-Omni's pipeline output); values outside are clipped, as the image post-processor does.
-* SSIM and PSNR are computed per image on the **8-bit images a user would save** (``round(255 * x01)``,
-  ``data_range=255``, H, W, C); the batch's **worst** image is reported. Identical images: ``psnr == inf``.
-* ``pixel_identical`` compares those 8-bit images exactly; ``max_abs_diff`` / ``mean_abs_diff`` are taken on the
-  float inputs, in their own units.
+The gates, fixed before any measurement: SSIM >= 0.99 and PSNR >= 35 dB against stock. Inputs are float ``[B, 3, H,
+W]`` (or ``[3, H, W]``) in ``value_range`` (default ``(-1, 1)``, clipped). SSIM and PSNR are computed per image on the
+8-bit images a user would save (``data_range=255``) and the batch's worst is reported; identical images: ``psnr ==
+inf``. ``max_abs_diff`` / ``mean_abs_diff`` are taken on the float inputs.
 """
 
 from __future__ import annotations

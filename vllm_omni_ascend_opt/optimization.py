@@ -1,20 +1,13 @@
 """The :class:`Optimization` base: metadata, switches, and the one answer to "does it act here, and why not".
 
-Each optimization (``opts/``) has two levels of switches, both idempotent and restoring originals by identity
-(:mod:`vllm_omni_ascend_opt._patching`): ``install()`` / ``uninstall()`` patch upstream classes and module globals
-process-wide before any model is built (once the modules in ``target_modules`` are imported); ``attach(model)`` /
-``detach(model)`` do the per-instance work on a built pipeline or transformer (weight casts, VAE submodules, ...).
-
-:meth:`Optimization.reasons_inactive` answers whether it acts and why not, for the process or for a model; everything
-that reports (``list``, ``status()``, the INFO line, the status file, the ablation worker) asks it. Each optimization
-also owns its statistics, its fallback reasons (why calls ran stock code) and the memory its caches hold. Bookkeeping
-never happens inside a traced forward: patched code checks :func:`blocks.upstream.guards.tracing` first.
+``install()`` / ``uninstall()`` patch upstream code process-wide once ``target_modules`` are imported; ``attach(model)``
+/ ``detach(model)`` do the per-instance work. Both are idempotent and restore originals by identity. Every report asks
+:meth:`Optimization.reasons_inactive`. No bookkeeping inside a traced forward: patched code checks ``guards.tracing``.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from collections import Counter
 from typing import Any, ClassVar, Literal, Protocol
@@ -25,21 +18,20 @@ from vllm_omni_ascend_opt._parallel import parallel_reasons_inactive
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt.blocks.upstream import fingerprints as _upstream
 from vllm_omni_ascend_opt.blocks.upstream import guards
-from vllm_omni_ascend_opt.blocks.upstream.fingerprints import Upstream
+from vllm_omni_ascend_opt.blocks.upstream.fingerprints import Upstream, fully_imported
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
 Equivalence = Literal["exact", "pixel", "close"]
-#: Equivalence tiers, strongest first. ``exact``: bitwise-identical outputs; ``pixel``: identical uint8 images (float
-#: outputs may differ in the last bits); ``close``: the images pass the SSIM/PSNR gates.
+#: Strongest first: bitwise-identical outputs; identical uint8 images; images that pass the SSIM/PSNR gates.
 TIERS: tuple[str, ...] = ("exact", "pixel", "close")
 
-#: Parallel modes an optimization declares its support for (vLLM-Omni's names, see ``_parallel.active_modes``).
+#: vLLM-Omni's parallel modes (``_parallel.active_modes``).
 PARALLEL_MODES = ("single", "ulysses", "ring", "cfg_parallel", "tensor_parallel", "allgather", "vae_patch_parallel")
 
-#: The stages of one request, in order (the ablation runner times each).
+#: The stages of one request, in order.
 STAGES: tuple[str, ...] = ("text_encode", "denoise", "vae_decode")
-#: The stage whose time code in each region can change (``load`` work changes what every transformer forward reads).
+#: The stage each region's code can change (``load`` work changes what every transformer forward reads).
 STAGE_OF_REGION = {"block": "denoise", "transformer": "denoise", "load": "denoise", "vae": "vae_decode"}
 
 
@@ -49,7 +41,7 @@ def weakest_tier(tiers: list[str] | tuple[str, ...] | set[str]) -> str:
 
 
 class Peers(Protocol):
-    """What an optimization may ask of the others (the registry; optimizations never import each other)."""
+    """What an optimization may ask of the others (the registry)."""
 
     def get(self, name: str) -> Optimization: ...
 
@@ -60,9 +52,7 @@ class Optimization:
     """Base class. Subclasses set the class attributes and override the hooks they need."""
 
     name: ClassVar[str]
-    #: The one text about it, shown by ``list``, the README table and its patch header (tools/gen_docs.py): what it
-    #: does in a line, the stock work it removes, how (and why that keeps its :attr:`equivalence`), the open upstream
-    #: PRs on the same code or what to propose upstream, and the upstream change that makes it obsolete.
+    #: What it does, the stock work it removes, how (and why that keeps its tier), the upstream PRs, what obsoletes it.
     summary: ClassVar[str]
     why: ClassVar[str] = ""
     how: ClassVar[str] = ""
@@ -71,36 +61,30 @@ class Optimization:
     #: The weakest tier it can deliver anywhere; :meth:`tier` says what it delivers here.
     equivalence: ClassVar[Equivalence]
     default_enabled: ClassVar[bool] = True
-    #: Human-readable requirements, shown by ``list``.
     requires: ClassVar[tuple[str, ...]] = ()
-    #: When it stays off or runs stock code, in a sentence (the README's table).
+    #: When it stays off or runs stock code, in a sentence.
     inactive_when: ClassVar[str] = ""
     #: Modules whose import triggers ``install`` (all must be fully imported first).
     target_modules: ClassVar[tuple[str, ...]] = ()
     #: Per parallel mode: "supported", or "off: <reason>" (a mode it does not mention is not supported).
     parallel_support: ClassVar[dict[str, str]] = dict.fromkeys(PARALLEL_MODES, "supported")
-    #: Where the patched code runs: ``block``, ``transformer`` (its forward outside the blocks), ``vae`` or ``load``
-    #: (once, on the weights). In a compiled region it runs stock code (it steps aside while torch.compile traces).
+    #: Where the patched code runs: ``block``, ``transformer`` (outside the blocks), ``vae`` or ``load`` (the weights).
     regions: ClassVar[frozenset[str]] = frozenset()
     #: The request stages (:data:`STAGES`) whose time it can change; None: those of its :attr:`regions`.
     stages: ClassVar[frozenset[str] | None] = None
-    #: Compile granularities (``"regional"``: the repeated blocks; ``"full"``: the whole transformer) under which its
-    #: code acts inside the compiled graphs; under any other compile of all its :attr:`regions` it steps aside.
+    #: Compile granularities (``"regional"``, ``"full"``) under which it acts inside the graphs; else it steps aside.
     acts_compiled: ClassVar[frozenset[str]] = frozenset()
     #: Its process-wide patches act on every model: no ``attach`` needed to act.
     acts_without_attach: ClassVar[bool] = False
-    #: ``(SSIM, PSNR dB)`` it must meet against the configuration without it when ``close`` (the ablation gate);
-    #: None: the workload's ``ssim_gate`` / ``psnr_gate``.
+    #: ``(SSIM, PSNR dB)`` a ``close`` one must meet without it (None: the workload's gates).
     close_gates: ClassVar[tuple[float, float] | None] = None
     #: Optimizations it acts through: inactive with their reasons when they are; the ablation planner keeps them.
     needs: ClassVar[tuple[str, ...]] = ()
-    #: ``OmniDiffusionConfig`` fields (name -> value) without which it has nothing to act on: the ablation planner
-    #: leaves it out of workloads that do not set them.
+    #: ``OmniDiffusionConfig`` fields (name -> value) without which it has nothing to act on.
     needs_config: ClassVar[dict[str, Any]] = {}
     #: Why it has no maintainers' patch in ``patches/`` (empty: it has one).
     no_patch_reason: ClassVar[str] = ""
-    #: The upstream functions it patches, replaces or mirrors, with the source fingerprints it knows: it stays off
-    #: where one differs (unless forced).
+    #: The upstream functions it patches, replaces or mirrors; it stays off where one differs (unless forced).
     upstream: ClassVar[tuple[Upstream, ...]] = ()
     #: Why it stays off on vLLM-Omni's Qwen-Image-2.1; "" when it handles 2.1 itself. Checked first for a model.
     on_qwen_image_21: ClassVar[str] = "it is written for Qwen-Image (1.x) and does not know this model"
@@ -117,9 +101,7 @@ class Optimization:
 
     # ----- the one answer: does it act, and why not
     def reasons_inactive(self, model: Any = None) -> list[str]:
-        """Why it does not act (empty: it does). In the process: the upstream code it does not know, the environment
-        (:meth:`_process_reasons`), the optimizations it ``needs``. On ``model`` also, in order: Qwen-Image-2.1,
-        installed and attached, parallel modes, compiled regions, :meth:`_model_reasons`."""
+        """Why it does not act (empty: it does): in the process, or on ``model``."""
         reasons = self.upstream_reasons() + list(self._process_reasons()) + self._needs_reasons(None)
         if model is None:
             return list(dict.fromkeys(reasons))
@@ -142,8 +124,7 @@ class Optimization:
 
     @classmethod
     def changed_stages(cls) -> tuple[str, ...]:
-        """The stages whose time it can change, in :data:`STAGES` order (every stage when it declares no region):
-        the ablation runner's verdict is taken on these, the others are a control."""
+        """The stages whose time it can change, in :data:`STAGES` order (every stage when it declares no region)."""
         own = cls.stages if cls.stages is not None else {STAGE_OF_REGION[r] for r in cls.regions}
         return tuple(st for st in STAGES if st in own) if own else STAGES
 
@@ -199,10 +180,6 @@ class Optimization:
         """Extra facts for ``list`` (e.g. which kernel path is in use and why), not reasons to be off."""
         return []
 
-    def model_notes(self, model: Any) -> list[str]:
-        """Facts about how it acts on ``model`` when it acts only in part (e.g. some blocks keep stock code)."""
-        return []
-
     def tier(self) -> Equivalence:
         """The tier it delivers in this process: :attr:`equivalence`, unless its paths differ per backend."""
         return self.equivalence
@@ -217,8 +194,7 @@ class Optimization:
         self._fallbacks.clear()
 
     def kernel_classes(self) -> dict[str, Any] | None:
-        """For one that runs a verified device kernel: the shape classes on the kernel, on stock, and why
-        (``KernelPath.tally``); None for the others."""
+        """The shape classes on its device kernel, on stock, and why (``KernelPath.tally``); None without one."""
         return None
 
     def cache_memory(self) -> dict[str, Any] | None:
@@ -237,8 +213,7 @@ class Optimization:
         self._peers = peers
 
     def weights_changed(self, model: Any = None) -> None:
-        """Hook: weights of ``model`` (None: any) changed behind the version counters (a ``w.data = ...`` swap);
-        optimizations that key caches on weights drop them here."""
+        """Hook: weights of ``model`` (None: any) changed behind the version counters; drop caches keyed on them."""
 
     def announce_weights_changed(self, model: Any = None) -> None:
         """Tell every other registered optimization that this one changed weights of ``model``."""
@@ -279,8 +254,7 @@ class Optimization:
 
     # ----- per-instance work
     def attach(self, model: nn.Module) -> None:
-        """Apply per-instance work to a built pipeline or transformer. Idempotent; nothing on Qwen-Image-2.1 when it
-        stays off there (upstream already does that work)."""
+        """Apply per-instance work to a built pipeline or transformer. Idempotent; nothing where it is off on 2.1."""
         if model in self._attached or self.qwen_image_21_reason(model):
             return
         self._attach(model)
@@ -304,9 +278,3 @@ class Optimization:
 
     def __repr__(self) -> str:
         return f"<Optimization {self.name} ({self.tier()}, installed={self._installed})>"
-
-
-def fully_imported(module_name: str) -> bool:
-    """``module_name`` is in ``sys.modules`` and has finished executing."""
-    mod = sys.modules.get(module_name)
-    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)

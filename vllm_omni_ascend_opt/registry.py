@@ -1,11 +1,7 @@
-"""The registry: every optimization, in its fixed order, and the events they share.
+"""The registry: every optimization, in its fixed order (of ``list``, the flag, cumulative ablations and the docs).
 
-Registry order is the order of ``list``, of the flag's selections, of cumulative ablations and of the generated docs
-tables. Others (and tests) may add optimizations with :func:`register_optimization`.
-
-Optimizations never import each other: each receives the registry as its ``Peers`` when it joins, to ``get`` the
-optimizations it ``needs`` and to announce ``weights_changed`` (``nz_weights``' ``w.data = ...`` casts), which every
-other optimization hears and drops what it keyed on those weights (``shared_modulation``'s memo).
+Optimizations never import each other: each receives the registry as its ``Peers``, to ``get`` the optimizations it
+``needs`` and to announce ``weights_changed``, which every other optimization hears.
 """
 
 from __future__ import annotations

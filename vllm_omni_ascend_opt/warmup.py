@@ -1,17 +1,11 @@
 """``vllm-omni-ascend-opt warmup``: check, once per machine, the kernel shape classes that requests will hit, and
-save the verdicts (``blocks/kernels/saved.py``), so that a server starts warm: its first request runs no check.
+save the verdicts (``blocks/kernels/saved.py``), so that a server's first request runs no check.
 
-Which classes: those of Qwen-Image's transformer (24 heads of 128, bf16) at each ``--sizes`` (image tokens =
-(H/16) x (W/16)), each ``--batch`` (2: CFG batched) and each text-length bucket of ``--text``, as the default stack
-runs them:
-
-* ``rope`` (``npu_rotary_mul``): the image and text streams and the joint sequence (``joint_attention``), before
-  Ulysses' all-to-all, i.e. on the image sequence split over ``--sp`` ranks with all heads;
-* ``qk_norm`` (``npu_rms_norm``): the image and text rows, per stream;
-* ``fused_attention`` (``npu_fusion_attention``): the joint sequence after the all-to-all (all of it, heads / sp),
-  unmasked, and with a key mask at batch 2 (prompts of different lengths).
-
-Each check runs through the optimization's own code (``warm``), inside its guard: a fault is reported, not raised.
+The classes of Qwen-Image's transformer (24 heads of 128, bf16) at each ``--sizes`` (image tokens (H/16) x (W/16)),
+``--batch`` and text-length bucket of ``--text``, as the default stack runs them: ``rope`` on the image, text and
+joint sequences before Ulysses' all-to-all (split over ``--sp`` ranks); ``qk_norm`` on the image and text rows;
+``fused_attention`` on the joint sequence after it (heads / sp), unmasked and, at batch 2, with a key mask. Each check
+runs through the optimization's own code (``warm``), inside its guard: a fault is reported, not raised.
 """
 
 from __future__ import annotations
@@ -111,8 +105,7 @@ def warm(
                         if name != "joint":
                             key = ("qk", *rms_norm.shape_class(x))
                             run("npu_rms_norm", f"{name} B={b} S={s}", key, lambda x=x: qk.path.warm(x, weight, 1e-6))
-                    masks = [None] + ([True] if b > 1 else [])
-                    for m in masks:
+                    for m in (False, True) if b > 1 else (False,):
                         q = rnd(b, joint, heads // sp, head_dim)
                         masked = None
                         if m:

@@ -1,13 +1,11 @@
 """The modulation memo: an exact, byte-bounded LRU of Qwen-Image's modulation tensors (``shared_modulation`` owns
-one). Each rule below is pinned by a test in tests/test_shared_modulation.py and a named mutation.
+one). Each rule is pinned by a test in tests/test_shared_modulation.py and a named mutation.
 
 * Key: temb's value (SHA-256 of its bytes; a view of the last digested temb by its geometry) and the numerical
-  settings; per slot (block, direct projection, ``norm_out``) the module and its weight signature (:mod:`.keys`). A
-  miss replays stock, so a hit is bitwise stock's result.
+  settings; per slot (block, direct projection, ``norm_out``) the module and its weight signature (:mod:`.keys`).
 * LRU: a hit or new slot moves its entry to the most recent end; eviction never takes the entry being filled.
-* Budget (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512 MiB) bounds SiLU(temb) and every payload; what
-  cannot fit is not stored (``not_stored``); 0 disables the memo. :meth:`ModulationMemo.clear` on weight changes.
-* Timestep-0 segments (two-segment blocks): outside the budget, one per block and weights signature.
+* Budget (``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB``, default 512 MiB; 0 disables) bounds SiLU(temb) and every
+  payload; what cannot fit is not stored. Timestep-0 segments (two-segment blocks) sit outside it.
 """
 
 from __future__ import annotations
@@ -75,7 +73,7 @@ class ModulationMemo:
     def __init__(self, max_bytes: int = DEFAULT_BUDGET_MB * 1024**2) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
-        self._bytes = 0
+        self.nbytes = 0  # held within the budget
         # The last digested temb, its version, its entry, its Span (None: not contiguous).
         self._last: tuple[weakref.ReferenceType, int | None, _Entry, Span | None] | None = None
         self.stats: Counter[str] = Counter()
@@ -83,16 +81,12 @@ class ModulationMemo:
         self._zero_t: dict[tuple[Any, ...], tuple[weakref.ReferenceType, torch.Tensor, tuple[Any, ...]]] = {}
         self._plan: tuple[weakref.ReferenceType, int | None, SegmentPlan | str] | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
     def __len__(self) -> int:
         return len(self._entries)
 
     def clear(self) -> None:
         self._entries.clear()
-        self._bytes = 0
+        self.nbytes = 0
         self._last = None
         self._zero_t.clear()
         self._plan = None
@@ -108,7 +102,7 @@ class ModulationMemo:
 
     def _evict(self, keep: _Entry | None, need: int = 0) -> None:
         """Drop least-recently-used entries (never ``keep``) until ``need`` more bytes fit in the budget."""
-        while self._bytes + need > self.max_bytes and self._entries:
+        while self.nbytes + need > self.max_bytes and self._entries:
             key = next(iter(self._entries))
             victim = self._entries[key]
             if victim is keep:
@@ -117,23 +111,22 @@ class ModulationMemo:
                 self._entries.move_to_end(key)
                 continue
             del self._entries[key]
-            self._bytes -= victim.nbytes
+            self.nbytes -= victim.nbytes
             self.stats["evictions"] += 1
             if self._last is not None and self._last[2] is victim:
                 self._last = None
 
     def _admit(self, entry: _Entry, nb: int) -> bool:
-        """Charge ``nb`` more bytes to ``entry``, evicting other entries as needed. False: not stored (``entry`` was
-        evicted meanwhile, or ``nb`` cannot fit: ``not_stored``)."""
+        """Charge ``nb`` more bytes to ``entry``, evicting others; False: not stored (evicted meanwhile, or no room)."""
         if self._entries.get(entry.key) is not entry:
             return False  # evicted meanwhile (its bytes are already released)
-        if self._bytes + nb > self.max_bytes:
+        if self.nbytes + nb > self.max_bytes:
             self._evict(keep=entry, need=nb)
-        if self._bytes + nb > self.max_bytes:
+        if self.nbytes + nb > self.max_bytes:
             self.stats["not_stored"] += 1
             return False
         entry.nbytes += nb
-        self._bytes += nb
+        self.nbytes += nb
         return True
 
     def _store(
@@ -145,7 +138,7 @@ class ModulationMemo:
         old = entry.slots.pop(key, None)
         if old is not None:
             entry.nbytes -= old.nbytes
-            self._bytes -= old.nbytes
+            self.nbytes -= old.nbytes
         if self._admit(entry, nb):
             entry.slots[key] = _Slot(weakref.ref(module), sig, payload, nb, _refs(lins))
 
@@ -181,19 +174,11 @@ class ModulationMemo:
         self._last = (weakref.ref(temb), version, entry, Span.of(temb))
         return entry
 
-    def _reset(self, entry: _Entry) -> None:
-        """Drop everything ``entry`` holds (a weight its key names by id died)."""
-        self._bytes -= entry.nbytes
-        entry.nbytes = 0
-        entry.slots.clear()
-        entry.silu = entry.temb = None
-        entry.refs = ()
-
     def time_embedding(
         self, module: nn.Module, timestep: torch.Tensor, hidden_states: torch.Tensor, addition_t_cond: Any, stock: Any
     ) -> tuple[torch.Tensor | None, str | None]:
         """``time_text_embed(...)`` keyed on the timestep's value (:mod:`.time_embedding`): a hit returns the very temb
-        ``stock`` computed on the miss. (temb, None), or (None, why not: the blocks then digest temb)."""
+        ``stock`` computed on the miss. (temb, None), or (None, why not)."""
         try:
             self._check(timestep)
             if torch.is_grad_enabled():
@@ -219,9 +204,11 @@ class ModulationMemo:
             tkey.sig,
         )
         entry = self._entry(key)
-        if any(ref() is None for ref in entry.refs):
-            self._reset(entry)  # a weight named by id in the key died: its id may be another tensor's now
-        if not entry.refs:
+        if not entry.refs or any(ref() is None for ref in entry.refs):  # new, or a weight its key names by id died
+            self.nbytes -= entry.nbytes
+            entry.nbytes = 0
+            entry.slots.clear()
+            entry.silu = entry.temb = None
             entry.refs = _refs(tkey.tensors)
         self.stats["time_keys"] += 1
         temb = entry.temb
@@ -289,11 +276,9 @@ class ModulationMemo:
         entry = self._resolve(temb)
         key = ("raw", id(seq))
         raw = self._hit(entry, key, seq, sig)
-        if raw is not None:
-            return raw, None
-        self.stats["projections"] += 1
-        raw = lin(self._silu(entry, temb))
-        self._store(entry, key, seq, sig, raw, tensor_bytes(raw), (lin,))
+        if raw is None:
+            raw = self._projection(entry, seq, lin, sig, temb)
+            self._store(entry, key, seq, sig, raw, tensor_bytes(raw), (lin,))
         return raw, None
 
     def block(self, block: nn.Module, temb: torch.Tensor) -> tuple[tuple[NormMod, ...] | None, str | None]:
@@ -307,15 +292,13 @@ class ModulationMemo:
         entry = self._resolve(temb)
         key = ("block", id(block))
         mods = self._hit(entry, key, block, sig)
-        if mods is not None:
-            return mods, None
-        # Replay of stock: img_mod(temb), txt_mod(temb), chunk(2), _modulate -> (scale, shift, gate) views.
-        params = (
-            *self._projection(entry, block.img_mod, img_lin, sig_img, temb).chunk(2, dim=-1),
-            *self._projection(entry, block.txt_mod, txt_lin, sig_txt, temb).chunk(2, dim=-1),
-        )
-        mods = tuple(NormMod.unpack(*block._modulate(p), kind) for p, kind in zip(params, kinds, strict=True))
-        self._store(entry, key, block, sig, mods, sum(m.nbytes() for m in mods), (img_lin, txt_lin))
+        if mods is None:  # replay stock: img_mod(temb), txt_mod(temb), chunk(2), _modulate -> (scale, shift, gate)
+            params = (
+                *self._projection(entry, block.img_mod, img_lin, sig_img, temb).chunk(2, dim=-1),
+                *self._projection(entry, block.txt_mod, txt_lin, sig_txt, temb).chunk(2, dim=-1),
+            )
+            mods = tuple(NormMod.unpack(*block._modulate(p), kind) for p, kind in zip(params, kinds, strict=True))
+            self._store(entry, key, block, sig, mods, sum(m.nbytes() for m in mods), (img_lin, txt_lin))
         return mods, None
 
     def segment_plan(self, index: torch.Tensor) -> tuple[SegmentPlan | None, str | None]:
@@ -336,9 +319,8 @@ class ModulationMemo:
     def _zero_t_segments(
         self, block: nn.Module, sig: Any, raw: torch.Tensor, halves: tuple[Any, ...]
     ) -> tuple[tuple[torch.Tensor, ...], ...]:
-        """Segment 1 (timestep 0) of ``block``'s image norms, kept per block and weights. ``raw``: this forward's
-        timestep-0 rows of ``img_mod(temb)``, ``halves`` their ``(scale1, shift1, gate1)`` per norm. Reused only while
-        bitwise equal to ``raw`` (a GEMM row depends on that row alone; ``zero_t_mismatch`` counts the contrary)."""
+        """Segment 1 (timestep 0) of ``block``'s image norms, kept per block and weights, reused only while bitwise
+        equal to ``raw`` (this forward's timestep-0 rows of ``img_mod(temb)``; ``halves``: their segments per norm)."""
         settings = keys.numerical_settings(raw.device.type)
         key = ("zero_t", id(block), sig, raw.shape, raw.dtype, str(raw.device), settings)
         stored = self._zero_t.get(key)
@@ -411,13 +393,11 @@ class ModulationMemo:
         entry = self._resolve(cond)
         key = ("norm_out", id(norm), x.dtype)
         mods = self._hit(entry, key, norm, sig)
-        if mods is not None:
-            return mods, None
-        self.stats["projections"] += 1  # diffusers' AdaLayerNormContinuous.forward up to the norm
-        emb = norm.linear(self._silu(entry, cond).to(x.dtype))
-        scale, shift = torch.chunk(emb, 2, dim=1)
-        mods = ((1 + scale)[:, None, :], shift[:, None, :].clone(memory_format=torch.contiguous_format))
-        self._store(entry, key, norm, sig, mods, tensor_bytes(mods), (norm.linear,))
+        if mods is None:
+            self.stats["projections"] += 1  # diffusers' AdaLayerNormContinuous.forward up to the norm
+            scale, shift = torch.chunk(norm.linear(self._silu(entry, cond).to(x.dtype)), 2, dim=1)
+            mods = ((1 + scale)[:, None, :], shift[:, None, :].clone(memory_format=torch.contiguous_format))
+            self._store(entry, key, norm, sig, mods, tensor_bytes(mods), (norm.linear,))
         return mods, None
 
     def has_block(self, block: nn.Module, temb: torch.Tensor) -> bool:

@@ -1,7 +1,6 @@
 """What the modulation memo keys on: weight signatures (:func:`linear_sig`), numerical settings, AdaLayerNorm kinds,
-the span of a digested ``temb`` (:class:`Span`), and when a projection cannot be keyed (:class:`Unkeyable`). The
-reasons a model reports (:func:`unkeyable_reasons`) are the very checks the memo makes per call.
-"""
+the span of a digested ``temb`` (:class:`Span`), and when a projection cannot be keyed (:class:`Unkeyable`, the very
+checks :func:`unkeyable_reasons` reports for a model)."""
 
 from __future__ import annotations
 
@@ -70,7 +69,7 @@ def sig_tensors(lin: nn.Module) -> list[torch.Tensor]:
 
 def tensor_state(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad: bool) -> tuple[Any, ...]:
     """Each tensor's (identity, version counter, dtype, device); :class:`Unkeyable` while autograd records through one
-    of them, or for a tensor without a version counter."""
+    of them, or without a version counter."""
     if grad and any(t.requires_grad for t in tensors):
         raise Unkeyable("autograd is recording (grad enabled and a modulation weight requires grad)")
     sig = []
@@ -89,13 +88,9 @@ def tensor_state(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad: b
 
 
 def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
-    """What a linear's output depends on besides its input: the ids of the layer and its quant method, its LoRA
-    slices and :func:`tensor_state` of :func:`sig_tensors`. Only vLLM's ReplicatedLinear (plain or LoRA-wrapped: no
-    collective inside); :class:`Unkeyable` for any other layer.
-
-    Neither storage nor shape: layerwise offload swaps storage each forward (same values, Parameter and version) and
-    leaves ``(0,)`` placeholders between forwards, which ``memo_aware_offload`` keeps in blocks the memo serves.
-    Changes behind (identity, version) are announced (``load_weights``, weights-changed clear the memo)."""
+    """What a vLLM ReplicatedLinear's output depends on besides its input (:class:`Unkeyable` for other layers): the
+    ids of the layer and its quant method, its LoRA slices and :func:`tensor_state` of :func:`sig_tensors`. Neither
+    storage nor shape: layerwise offload swaps storage and leaves ``(0,)`` placeholders between forwards."""
     cls = type(lin)
     if not issubclass(cls, sys.modules[targets.TRANSFORMER].ReplicatedLinear) and not any(
         c.__name__ == "ReplicatedLinearWithLoRA" for c in cls.__mro__
@@ -131,8 +126,7 @@ def silu_linear(seq: nn.Module) -> nn.Module:
 def block_parts(
     block: nn.Module, grad: bool | None = None
 ) -> tuple[nn.Module, nn.Module, tuple[str, ...], tuple, tuple]:
-    """(img linear, txt linear, the four AdaLayerNorm kinds, img and txt weight signatures): a block's memo key.
-    ``grad``: whether autograd records (default: the current grad mode)."""
+    """(img linear, txt linear, the four AdaLayerNorm kinds, img and txt weight signatures): a block's memo key."""
     grad = torch.is_grad_enabled() if grad is None else grad
     m = block._modules
     img_lin = silu_linear(m["img_mod"])

@@ -1,8 +1,6 @@
 """What the time-embedding memo keys on: ``time_text_embed(timestep, hidden_states, addition_t_cond)`` is a function
 of the timestep's value, the activation dtype, the additional condition's value, its weights and the numerical
-settings. Keyed on the timestep (B values read back, not temb's B x 3072), a repeated timestep returns the very temb
-computed first, which the block memo finds by identity. :func:`time_key` checks per call that the module is what the
-key covers; :func:`upstream_reason` checks :data:`~..upstream.targets.TIME_EMBEDDING`'s fingerprints.
+settings. A repeated timestep returns the very temb computed first, which the block memo finds by identity.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ _VERIFIED: dict[tuple[int, ...], str | None] = {}
 
 
 def upstream_reason() -> str | None:
-    """Why the time embedding cannot be memoized here (upstream code differs), or None; once per set of live
-    functions."""
+    """Why the time embedding cannot be memoized here (upstream code differs), or None."""
     if targets.EMBEDDINGS not in sys.modules or targets.TRANSFORMER not in sys.modules:
         return "diffusers' embeddings or the Qwen-Image transformer are not imported"
     ident = tuple(id(fingerprints.live(d.module, d.qualname)[1]) for d in targets.TIME_EMBEDDING)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import torch.nn as nn
 
@@ -15,18 +14,6 @@ ADALAYERNORM_MODULE, CUSTOM_OP_MODULE = targets.ADALAYERNORM, targets.CUSTOM_OP
 NATIVE = "native"  # layernorm(x) * (1 + scale) + shift, with the instance's own LayerNorm
 NPU_EVAL = "npu_eval"  # torch_npu.npu_layer_norm_eval(x, ...) * (1 + scale) + shift
 OPAQUE = "opaque"  # anything else (MindIE-SD fused kernel, patched instance): call norm(x, scale, shift)
-
-
-def native_forwards(ada_module: Any) -> tuple[Any, ...]:
-    """The ``AdaLayerNorm`` methods that compute ``forward_native`` exactly (kind :data:`NATIVE`): it, the class's
-    own ``forward_hip`` / ``forward_musa``, and ``forward_cuda`` unless it can take the fused Triton AdaLN kernel
-    (``_adaln_fused_forward``, whose reductions are not ``F.layer_norm``'s: then the instance is :data:`OPAQUE`)."""
-    ada = ada_module.AdaLayerNorm
-    out = [ada.forward_native]
-    out += [vars(ada)[n] for n in ("forward_hip", "forward_musa") if n in vars(ada)]  # own, not CustomOp's
-    if getattr(ada_module, "_adaln_fused_forward", None) is None:
-        out.append(ada.forward_cuda)
-    return tuple(out)
 
 
 def norm_kind(norm: nn.Module) -> str:
@@ -41,7 +28,13 @@ def norm_kind(norm: nn.Module) -> str:
     ):
         return OPAQUE
     fn = getattr(norm.__dict__.get("_forward_method"), "__func__", None)
-    if fn is ada.forward_native or fn in native_forwards(ada_module):
+    # The methods that compute forward_native exactly: it, the class's own forward_hip / forward_musa, and forward_cuda
+    # unless it can take the fused Triton AdaLN kernel (its reductions are not F.layer_norm's: then it is OPAQUE).
+    native = [ada.forward_native]
+    native += [vars(ada)[n] for n in ("forward_hip", "forward_musa") if n in vars(ada)]  # own, not CustomOp's
+    if getattr(ada_module, "_adaln_fused_forward", None) is None:
+        native.append(ada.forward_cuda)
+    if fn in native:
         return NATIVE
     if fn is ada.forward_npu and not getattr(ada_module, "_HAS_MINDIESD", True) and _backend.torch_npu_module():
         return NPU_EVAL

@@ -1,12 +1,9 @@
 """The upstream code each optimization relies on, recognised by its source, not by a version string: each declares
-the functions it patches, replaces or mirrors (:class:`Upstream`) with the fingerprints it knows, and stays off where
-the code differs, with a reason naming the function and the versions it knows (:func:`reasons`).
+the functions it patches, replaces or mirrors (:class:`Upstream`) and stays off where one differs (:func:`reasons`).
 
-A fingerprint is 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, computed from the source
-file without importing (so ``list`` and the worker agree); an imported function must also be the one defined there
-(:func:`replacement`). ``VLLM_OMNI_ASCEND_OPT_FORCE=1`` installs anyway, with notes and a warning. Adding a version:
-run ``python tools/fingerprints.py`` with it, redo the exactness argument of each function that differs, and add its
-fingerprint.
+A fingerprint is 16 hex digits of the SHA-256 of ``textwrap.dedent(inspect.getsource(fn))``, read from the source file
+without importing; an imported function must also be the one defined there (:func:`replacement`). To add a release,
+run ``python tools/fingerprints.py`` with it and redo the exactness argument of each function that differs.
 """
 
 from __future__ import annotations
@@ -39,14 +36,14 @@ QWEN_IMAGE_21_PACKAGE = "vllm_omni.diffusion.models.qwen_image_21"
 
 
 def forced() -> bool:
-    """``VLLM_OMNI_ASCEND_OPT_FORCE`` is set: install although upstream code differs (with a warning)."""
+    """``VLLM_OMNI_ASCEND_OPT_FORCE`` is set: install although upstream code differs."""
     return _env.boolean(ENV_FORCE)
 
 
 @dataclass(frozen=True)
 class Upstream:
-    """One upstream function an optimization relies on: ``known`` maps a fingerprint (or :data:`ABSENT`) to the
-    releases that ship it; ``platforms`` limits the check to where vLLM-Omni dispatches to it (empty: everywhere)."""
+    """One upstream function: ``known`` maps a fingerprint (or :data:`ABSENT`) to the releases that ship it;
+    ``platforms`` limits the check to where vLLM-Omni dispatches to it (empty: everywhere)."""
 
     module: str
     qualname: str
@@ -76,8 +73,7 @@ def same(module: str, qualname: str, fp: str, platforms: tuple[str, ...] = ()) -
 
 @dataclass(frozen=True)
 class Finding:
-    """What :func:`check` found for one declaration: the releases whose code this is (``matches``), whether it is
-    checked on this platform (``applies``), why the live function is not the source's (``replaced``)."""
+    """What :func:`check` found for one declaration (``replaced``: why the live function is not the source's)."""
 
     decl: Upstream
     fingerprint: str
@@ -135,8 +131,6 @@ def reasons(decls: Iterable[Upstream], owner: str, platform: str | None = None) 
 def summary(findings: list[Finding]) -> str:
     """One line for ``list``: how many declared functions match, and the releases whose code all of them match."""
     checked = [f for f in findings if f.applies]
-    if not findings:
-        return "no upstream function declared"
     good = [f for f in checked if f.ok]
     seen = {v for f in good for v in f.matches}
     order = [*KNOWN_OMNI, *sorted(seen - set(KNOWN_OMNI))]
@@ -170,7 +164,7 @@ def module_file(module: str) -> Path | None:
 
 
 def fingerprint(module: str, qualname: str) -> str:
-    """The fingerprint of ``module.qualname``'s source (:data:`ABSENT`; ``unreadable: ...`` when it cannot be read)."""
+    """The fingerprint of ``module.qualname``'s source, :data:`ABSENT` or ``unreadable: ...``."""
     path = module_file(module)
     if path is None:
         return f"unreadable: module {module} not found"
@@ -178,17 +172,6 @@ def fingerprint(module: str, qualname: str) -> str:
         return _SourceIndex.of(path).fingerprint(qualname)
     except (OSError, SyntaxError, ValueError) as exc:
         return f"unreadable: {exc.__class__.__name__}: {exc}"
-
-
-def definition_line(module: str, qualname: str) -> int | None:
-    """The first line (first decorator included) of ``qualname`` in ``module``'s file, or None."""
-    path = module_file(module)
-    if path is None:
-        return None
-    try:
-        return _SourceIndex.of(path).first_line(qualname)
-    except (OSError, SyntaxError, ValueError):
-        return None
 
 
 class _SourceIndex:
@@ -248,6 +231,12 @@ def _statements(body: list[ast.stmt]) -> Iterable[ast.stmt]:
             yield n
 
 
+def fully_imported(module_name: str) -> bool:
+    """``module_name`` is in ``sys.modules`` and has finished executing."""
+    mod = sys.modules.get(module_name)
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)
+
+
 def live(module: str, qualname: str) -> tuple[bool, Any]:
     """``(found, object)``: ``module.qualname`` in the imported module's or class's own ``__dict__``."""
     obj: Any = sys.modules[module]
@@ -262,16 +251,18 @@ def live(module: str, qualname: str) -> tuple[bool, Any]:
 
 
 def replacement(module: str, qualname: str) -> str:
-    """Why the imported ``module.qualname`` (unwrapped) is not the function its source defines ("": it is, or the
-    module is not imported)."""
-    mod = sys.modules.get(module)
-    if mod is None or getattr(getattr(mod, "__spec__", None), "_initializing", False):
+    """Why the imported ``module.qualname`` (unwrapped) is not the function its source defines ("": it is)."""
+    if not fully_imported(module):
         return ""
     try:
         found, obj = live(module, qualname)
     except TypeError:  # an owner without __dict__
         return f"{qualname} is not a class attribute here"
-    line = definition_line(module, qualname)
+    path = module_file(module)
+    try:  # the first line of its definition (first decorator included)
+        line = None if path is None else _SourceIndex.of(path).first_line(qualname)
+    except (OSError, SyntaxError, ValueError):
+        line = None
     if not found:
         return "" if line is None else f"{qualname} is defined in the source but missing on the imported module"
     if line is None:
@@ -282,7 +273,6 @@ def replacement(module: str, qualname: str) -> str:
     code = getattr(fn, "__code__", None)
     if code is None:
         return f"{qualname} is a {type(fn).__name__}, not a Python function"
-    path = module_file(module)
     same_file = path is not None and os.path.realpath(code.co_filename) == os.path.realpath(path)
     if not same_file or code.co_firstlineno != line:
         return f"it is {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
@@ -290,8 +280,7 @@ def replacement(module: str, qualname: str) -> str:
 
 
 def current_platform() -> str:
-    """The platform vLLM-Omni dispatches ``CustomOp``s for here: ``npu`` (``_backend``'s probe), else ``rocm`` /
-    ``cuda`` / ``musa`` by torch's device checks, else ``cpu``."""
+    """The platform vLLM-Omni dispatches ``CustomOp``s for here: ``npu``, ``rocm``, ``cuda``, ``musa`` or ``cpu``."""
     if _backend.torch_npu_module() is not None:
         return "npu"
     if torch.cuda.is_available():

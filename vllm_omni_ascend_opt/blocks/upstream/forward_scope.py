@@ -1,12 +1,9 @@
-"""Per-forward decisions: what is the same for every block of a forward (same ``temb``, freqs, process state) is
-decided once, at the first block that asks, and never outlives the forward. A :func:`watch` ed transformer's
-``__call__`` opens a scope (a fresh decision table) around each eager forward; :func:`decide` ``(key, make)`` makes
-the decision at the first ask in a scope and reuses it, and outside a scope makes it on every call. No scope opens
-while torch.compile traces.
+"""Per-forward decisions: what is the same for every block of a forward is decided once, at the first block that
+asks. A :func:`watch` ed transformer's ``__call__`` opens a scope (a fresh decision table) around each eager forward;
+:func:`decide` reuses a decision within a scope and makes it on every call outside one.
 
-Threading contract: one forward at a time per process, as vLLM-Omni's diffusion worker runs them. The table belongs
-to the thread that opened the outermost scope; a forward on another thread meanwhile runs unscoped (correct, only
-slower) and logs one warning.
+Threading contract: one forward at a time per process. A forward on another thread meanwhile runs unscoped (correct,
+only slower) and logs one warning.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ logger = logging.getLogger("vllm_omni_ascend_opt")
 
 _STACK: list[dict[Hashable, Any]] = []  # the open scopes' decision tables, innermost last
 _FORWARDS = [0]  # outermost watched forwards started: the kernel fault backoff's clock
-# Called after each outermost watched forward that returned (not raised: a failed rank must not leave the others
-# waiting in a collective).
+# Called after each outermost watched forward that returned (not raised: the other ranks may not be there).
 _AT_END: list[Callable[[], Any]] = []
 
 
@@ -56,8 +52,7 @@ def current() -> dict[Hashable, Any] | None:
 
 
 def decide(key: Hashable, make: Callable[[], T]) -> T:
-    """The decision ``key`` of this forward (``make()`` at the first ask; outside a scope at every ask). Callers check
-    ``guards.tracing()`` first."""
+    """The decision ``key`` of this forward (``make()`` at the first ask; outside a scope at every ask)."""
     if not _mine():
         return make()
     table = _STACK[-1]
@@ -83,8 +78,7 @@ _SCOPED: dict[type, type] = {}
 
 
 def _scoped_class(cls: type) -> type:
-    """A subclass of ``cls`` (same name and module) whose ``__call__`` opens a scope around an eager forward of a
-    watched instance."""
+    """A subclass of ``cls`` (same name) whose ``__call__`` opens a scope around a watched instance's eager forward."""
     sub = _SCOPED.get(cls)
     if sub is not None:
         return sub
@@ -126,8 +120,7 @@ def _scoped_class(cls: type) -> type:
 
 def watch(transformer: nn.Module, owner: str, on_forward: Callable[[nn.Module], None] | None = None) -> None:
     """Open a scope around every eager forward of ``transformer`` while an owner watches it; ``on_forward`` runs when
-    it opens. A ``__class__`` swap (restored when the last owner goes), not hooks or a ``forward`` wrapper: those
-    would change how a fully compiled transformer is traced."""
+    it opens. A ``__class__`` swap: hooks or a ``forward`` wrapper would change how a compiled transformer is traced."""
     w = _WATCHED.get(transformer)
     if w is None:
         w = _WATCHED[transformer] = {}

@@ -1,6 +1,5 @@
 """Guards: when patched code must run stock code, and which parts of a model are compiled. Patched code asks
-:func:`tracing` before anything else (nothing mutable is read, counted or logged inside a traced forward), then
-:func:`call_reason` and :func:`hooked`; :meth:`Optimization.reasons_inactive` asks :func:`compile_reason`.
+:func:`tracing` before anything else (nothing mutable is touched inside a traced forward), then :func:`call_reason`.
 """
 
 from __future__ import annotations
@@ -74,8 +73,7 @@ def find_transformers(model: Any) -> list[nn.Module]:
 
 
 def compiled_regions(model: Any) -> frozenset[str]:
-    """The regions of ``model`` that torch.compile runs: ``{"block"}`` (regional compile), plus ``"transformer"``
-    (full compile), or none."""
+    """The regions of ``model`` that torch.compile runs: ``{"block"}``, plus ``"transformer"`` when fully compiled."""
     out: set[str] = set()
     for tr in find_transformers(model):
         if getattr(tr, "_compiled_call_impl", None) is not None or _is_compiled(tr.__dict__.get("forward")):
@@ -97,8 +95,7 @@ def compile_granularity(compiled: frozenset[str]) -> str | None:
 def compile_reason(
     regions: frozenset[str], model: Any, name: str, acts_compiled: frozenset[str] = frozenset()
 ) -> str | None:
-    """Why an optimization living in ``regions`` does not act on ``model`` because torch.compile runs all of them
-    (None: not all compiled, or it acts inside graphs of this granularity, ``acts_compiled``)."""
+    """Why an optimization in ``regions`` does not act on ``model`` because torch.compile runs all of them, or None."""
     compiled = compiled_regions(model)
     if not regions or not compiled or not regions <= compiled:
         return None

@@ -1,8 +1,5 @@
-"""vLLM-Omni's layerwise offloader as ``memo_aware_offload`` and the test bed see it: every block's weights stay on
-the host, one flattened tensor per block and dtype (``dtype_cpu_flattened_weights``); block ``i``'s ``pre_forward``
-copies block ``i + 1``'s weights to the device (the last prefetches block 0), its ``post_forward`` swaps its own for
-zero-element placeholders.
-"""
+"""vLLM-Omni's layerwise offloader: block weights stay on the host, one flattened tensor per block and dtype; block
+``i``'s ``pre_forward`` prefetches block ``i + 1``, its ``post_forward`` swaps its own for empty placeholders."""
 
 from __future__ import annotations
 
