@@ -16,7 +16,7 @@ process with ``vllm_omni_ascend_opt.api.select(spec, model=vae)`` and interleave
 that machine noise hits all configurations alike. It prints per configuration: the median decode time (and min),
 the ratio to stock measured in the same run, kernel-launching aten ops per decode (views and allocation-only ops
 excluded: vllm_omni_ascend_opt/testbed/opcount.py), the image quality against stock (pixel identity, SSIM,
-PSNR on the 8-bit images: vllm_omni_ascend_opt/metrics.py), and the peak memory of one decode with its ratio to
+PSNR on the 8-bit images: vllm_omni_ascend_opt/ablation/metrics.py), and the peak memory of one decode with its ratio to
 stock: bytes of tensor storage the decode allocates and holds at its worst moment, weights and the latent excluded
 (vllm_omni_ascend_opt/testbed/memory.py; one extra, untimed decode per configuration and size). On a VAE the
 default stack is ``vae_exact`` and ``all`` is ``vae_exact+vae_fast`` (the transformer optimizations do not apply).
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     from vllm_omni_ascend_opt import _backend, api, registry
-    from vllm_omni_ascend_opt.metrics import compare_images
+    from vllm_omni_ascend_opt.ablation.metrics import compare_images
     from vllm_omni_ascend_opt.testbed.memory import measure, mib, ratio
     from vllm_omni_ascend_opt.testbed.opcount import count_ops
 

@@ -425,7 +425,8 @@ def _against_stock(patch: Path, name: str, up: dict[str, Any], stock: dict[str, 
     alone (exact: bitwise; approximate: its gates), and that its code ran (op counts differ from stock's)."""
     import torch
 
-    from vllm_omni_ascend_opt import metrics, registry
+    from vllm_omni_ascend_opt import registry
+    from vllm_omni_ascend_opt.ablation import metrics
 
     opt = registry.get(name)
     problems = []

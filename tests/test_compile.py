@@ -19,10 +19,10 @@ from tests.harness import LogLines
 from tests.harness.forward import build
 from tests.harness.runner import loaded
 from vllm_omni_ascend_opt import _report, api, registry
+from vllm_omni_ascend_opt.ablation.metrics import compare_images, to_uint8
 from vllm_omni_ascend_opt.blocks.body import compiled_blocks
 from vllm_omni_ascend_opt.blocks.body.block_body import READY
 from vllm_omni_ascend_opt.blocks.body.joint_qkv import READY_ROPE
-from vllm_omni_ascend_opt.metrics import compare_images, to_uint8
 from vllm_omni_ascend_opt.opts._fast_tier import FAST_TIER_GATES
 
 pytestmark = pytest.mark.slow

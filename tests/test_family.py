@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from vllm_omni_ascend_opt import _plugin, _report, api
+from vllm_omni_ascend_opt.ablation.metrics import compare_images, passes_gates
 from vllm_omni_ascend_opt.blocks.memo.keys import modulation_linears
-from vllm_omni_ascend_opt.metrics import compare_images, passes_gates
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.testbed import TINY_FAMILY, build_model_dir
 from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline, sample_image

@@ -18,10 +18,10 @@ from tests.harness.forward import build, fwd, inputs
 from tests.harness.stock import stock_then, warm_block
 from tests.test_shared_modulation import COPRIME, EQUAL, UNEQUAL, edit_inputs
 from vllm_omni_ascend_opt import api, flags, registry
+from vllm_omni_ascend_opt.ablation.metrics import compare_images
 from vllm_omni_ascend_opt.blocks.body.block_body import NormMod
 from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm
-from vllm_omni_ascend_opt.metrics import compare_images
 from vllm_omni_ascend_opt.opts import fast_modulate, fast_residual
 from vllm_omni_ascend_opt.opts import shared_modulation as sm
 from vllm_omni_ascend_opt.testbed import TINY

@@ -18,8 +18,8 @@ import torch.nn as nn
 from tests.harness.forward import tiny_forward
 from tests.harness.stock import stock_then, warm_block
 from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt.ablation.metrics import to_uint8
 from vllm_omni_ascend_opt.blocks.kernels import guard
-from vllm_omni_ascend_opt.metrics import to_uint8
 from vllm_omni_ascend_opt.opts import joint_attention as ja
 from vllm_omni_ascend_opt.opts import qk_norm as qn
 from vllm_omni_ascend_opt.testbed.opcount import count_module_calls

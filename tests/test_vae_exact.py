@@ -13,7 +13,7 @@ import torch.nn as nn
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage, QwenImageResidualBlock
 
 from vllm_omni_ascend_opt import _backend, _plugin, api
-from vllm_omni_ascend_opt.metrics import compare_images
+from vllm_omni_ascend_opt.ablation.metrics import compare_images
 from vllm_omni_ascend_opt.opts import vae_exact, vae_fast
 from vllm_omni_ascend_opt.opts.vae_exact import OPT
 from vllm_omni_ascend_opt.testbed.memory import measure

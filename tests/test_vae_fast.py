@@ -1,5 +1,5 @@
 """vae_fast: quality gates vs stock (tiny pipeline, real-width VAE at 256x256), composition with vae_exact, clean
-revert, fallbacks; and the quality metrics it is judged by (vllm_omni_ascend_opt.metrics)."""
+revert, fallbacks; and the quality metrics it is judged by (vllm_omni_ascend_opt.ablation.metrics)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCaus
 
 from tests.harness.stock import stock_then
 from tests.test_vae_exact import decode, latent, make_dist_vae, patched_anywhere
-from vllm_omni_ascend_opt import api, metrics
-from vllm_omni_ascend_opt.metrics import compare_images, passes_gates
+from vllm_omni_ascend_opt import api
+from vllm_omni_ascend_opt.ablation import metrics
+from vllm_omni_ascend_opt.ablation.metrics import compare_images, passes_gates
 from vllm_omni_ascend_opt.opts import vae_exact, vae_fast
 from vllm_omni_ascend_opt.opts.vae_fast import OPT
 from vllm_omni_ascend_opt.testbed.opcount import count_ops

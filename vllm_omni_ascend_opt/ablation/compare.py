@@ -1,4 +1,4 @@
-"""Image equivalence for the ablation runner: the metrics of :mod:`vllm_omni_ascend_opt.metrics` on the stored
+"""Image equivalence for the ablation runner: the metrics of :mod:`vllm_omni_ascend_opt.ablation.metrics` on the stored
 images (``<sample>.npy``: the float output in [-1, 1]; ``.png``: the 8-bit image), and the tiers' gates.
 ``bitwise_identical`` is None when a side has no float output (abs diffs then on the 8-bit images, ``basis``
 ``uint8``); identical images have PSNR ``inf`` and SSIM 1.
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_omni_ascend_opt import metrics
+from vllm_omni_ascend_opt.ablation import metrics
 
 
 @dataclass
