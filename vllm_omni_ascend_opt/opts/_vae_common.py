@@ -86,6 +86,9 @@ class _Attached:
 class VaeOptimization(Optimization):
     """Per-instance VAE optimization: subclasses implement :meth:`_patch_pieces` and list :attr:`pieces`."""
 
+    requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
+    target_modules = (_targets.DIST_VAE,)
+    regions = frozenset({"vae"})
     #: The pieces this optimization is made of, in the order they are reported.
     pieces: tuple[str, ...] = ()
 

@@ -6,7 +6,7 @@ the fused path where it can, else the stock object's; the key mask is built once
 
 from __future__ import annotations
 
-import logging
+import functools
 import sys
 import weakref
 from collections import Counter
@@ -27,7 +27,6 @@ from vllm_omni_ascend_opt.blocks.upstream.fingerprints import V030, V031, V032, 
 from vllm_omni_ascend_opt.blocks.weak_lru import tensor_bytes
 from vllm_omni_ascend_opt.optimization import Optimization
 
-logger = logging.getLogger("vllm_omni_ascend_opt")
 _L = _targets.ATTENTION_LAYER
 
 
@@ -43,19 +42,13 @@ class _FusedImplMixin:
         return OPT._forward(self, query, key, value, attn_metadata)
 
 
-_FUSED_CLASSES: dict[type, type] = {}
-
-
+@functools.cache
 def _fused_class(stock_cls: type) -> type:
-    cls = _FUSED_CLASSES.get(stock_cls)
-    if cls is None:
-        cls = type(
-            f"AscendFused{stock_cls.__name__}",
-            (_FusedImplMixin, stock_cls),
-            {"__module__": __name__, "__doc__": f"{stock_cls.__name__} whose forward runs {KERNEL} (BSND)."},
-        )
-        _FUSED_CLASSES[stock_cls] = cls
-    return cls
+    return type(
+        f"AscendFused{stock_cls.__name__}",
+        (_FusedImplMixin, stock_cls),
+        {"__module__": __name__, "__doc__": f"{stock_cls.__name__} whose forward runs {KERNEL} (BSND)."},
+    )
 
 
 def _make_fused(stock: Any) -> Any:
@@ -188,9 +181,7 @@ class FusedAttention(Optimization):
         self._forward_gen += 1
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
-        state = self._models.get(model)
-        if state is None:
-            return ["not attached to this model"]
+        state = self._models[model]  # asked only while attached
         reasons = list(state.reasons)
         if not state.layers:
             skipped = ", ".join(f"{k}: {n}" for k, n in state.skipped.items()) or "none found"

@@ -178,9 +178,7 @@ class NzWeights(Optimization):
         return self.path.firsts.values()
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
-        state = self._models.get(model)
-        if state is None:
-            return ["not attached to this model"]
+        state = self._models[model]  # asked only while attached
         reasons = list(state.reasons)
         if not state.cast and not reasons:
             skipped = ", ".join(f"{k}: {n}" for k, n in state.skipped.items()) or "no linear layer found"

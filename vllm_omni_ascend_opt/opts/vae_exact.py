@@ -317,9 +317,6 @@ class VaeExact(VaeOptimization):
     upstream_pr = "None upstream; ComfyUI #12090 (merged) skips the Wan VAE's feature cache for single frames."
     removal_plan = "Drop each piece once diffusers (and vLLM-Omni, for the latents statistics) do the same."
     equivalence = "exact"
-    requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
-    target_modules = (_targets.DIST_VAE,)
-    regions = frozenset({"vae"})
     upstream = (
         _targets.VAE_DECODE,
         _targets.CAUSAL_CONV_FORWARD,

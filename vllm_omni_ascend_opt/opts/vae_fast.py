@@ -128,9 +128,6 @@ class VaeFast(VaeOptimization):
     removal_plan = "Drop when diffusers' (or vLLM-Omni's) Qwen-Image VAE decodes single frames with 2-D convolutions."
     equivalence = "close"
     default_enabled = False
-    requires = ("diffusers' AutoencoderKLQwenImage (vLLM-Omni's distributed subclass); any device",)
-    target_modules = (_targets.DIST_VAE,)
-    regions = frozenset({"vae"})
     upstream = (
         _targets.VAE_DECODE,
         _targets.CAUSAL_CONV_FORWARD,
