@@ -86,8 +86,7 @@ TINY_DEFAULT = "tiny-cpu"
 
 
 def resolve_workload(args: argparse.Namespace) -> Workload:
-    """The workload of ``args``: the named one (or, without ``--workload``, the defaults; for the tiny model the
-    :data:`TINY_DEFAULT` workload), then the command line's values over it."""
+    """The named workload (else :data:`TINY_DEFAULT` for the tiny model, else the defaults) with ``args`` over it."""
     plain_tiny = not args.workload and getattr(args, "model", None) in (None, "tiny")
     if args.workload:
         wl = load_workload(args.workload)

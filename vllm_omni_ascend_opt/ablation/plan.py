@@ -172,19 +172,11 @@ class Plan:
 
 
 def _names(csv: list[str] | None, valid: list[str], what: str) -> list[str]:
-    if not csv:
-        return []
-    out = []
-    for item in csv:
-        for n in item.split(","):
-            n = n.strip()
-            if not n:
-                continue
-            if n not in valid:
-                raise WorkloadError(f"{what}: unknown optimization {n!r}; valid names: {', '.join(valid)}")
-            if n not in out:
-                out.append(n)
-    return out
+    names = [n.strip() for item in csv or [] for n in item.split(",") if n.strip()]
+    for n in names:
+        if n not in valid:
+            raise WorkloadError(f"{what}: unknown optimization {n!r}; valid names: {', '.join(valid)}")
+    return list(dict.fromkeys(names))
 
 
 def build_plan(

@@ -181,12 +181,8 @@ def load(path: Path | str, config: str | None = None) -> RefSet:
     out = RefSet(root, m)
     for item in images:
         try:
-            e = Entry(
-                item["id"],
-                dict(item["key"]),
-                root / item["png"],
-                root / item["tensor"] if item.get("tensor") else None,
-            )
+            tensor = root / item["tensor"] if item.get("tensor") else None
+            e = Entry(item["id"], dict(item["key"]), root / item["png"], tensor)
             if item["png"] not in files or (item.get("tensor") and item["tensor"] not in files):
                 raise KeyError("a file without its SHA-256")
             missing = [k for k in KEY_FIELDS if k not in e.key]
@@ -230,10 +226,9 @@ def load_ablation(root: Path, config: str) -> RefSet:
             stem = root / "images" / config / f"p{p}_s{s}"
             if not stem.with_suffix(".png").is_file():
                 continue
-            key = _key(wl, prompt, s, img_hash)
-            e = Entry(entry_id(p, s, wl.width, wl.height), key, stem.with_suffix(".png"))
-            if stem.with_suffix(".npy").is_file():
-                e.tensor = stem.with_suffix(".npy")
+            npy = stem.with_suffix(".npy")
+            e = Entry(entry_id(p, s, wl.width, wl.height), _key(wl, prompt, s, img_hash), stem.with_suffix(".png"))
+            e.tensor = npy if npy.is_file() else None
             out.entries[e.key_tuple()] = e
     return out
 

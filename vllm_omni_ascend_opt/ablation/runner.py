@@ -135,10 +135,9 @@ class Runner:
             return None
         return str(stem)
 
-    def _record_sample(
-        self, c: Config, rnd: int, prompt: int, seed: int, warmup: bool, ev: dict[str, Any], pid: int | None
-    ) -> None:
-        rec = {"type": "sample", "config": c.id, "round": rnd, "prompt": prompt, "seed": seed, "warmup": warmup}
+    def _record_sample(self, w: Worker, rnd: int, prompt: int, seed: int, warmup: bool, ev: dict[str, Any]) -> None:
+        rec = {"type": "sample", "config": w.config.id, "round": rnd, "prompt": prompt, "seed": seed, "warmup": warmup}
+        pid = (w.ready or {}).get("pid")
         self.store.add({**rec, **{k: ev.get(k) for k in RESULT_FIELDS}, "load1": load1(), "pid": pid})
 
     def _await_ready(self, w: Worker, rnd: int | None) -> None:
@@ -151,7 +150,7 @@ class Runner:
         for i in range(self.wl.warmup):
             p, s = samples[i % len(samples)]
             ev = w.run(p, s, None, self.wl.timeout_s)
-            self._record_sample(w.config, rnd, p, s, True, ev, (w.ready or {}).get("pid"))
+            self._record_sample(w, rnd, p, s, True, ev)
             _step(prog, f"warm-up {w.config.id}")
 
     def run(self) -> RunData:
@@ -239,7 +238,7 @@ class Runner:
                         ev = self._turn(workers, c, rnd, Worker.run, p, s, stem, self.wl.timeout_s)
                         if ev is None:
                             continue
-                        self._record_sample(c, rnd, p, s, False, ev, (workers[c.id].ready or {}).get("pid"))
+                        self._record_sample(workers[c.id], rnd, p, s, False, ev)
                         _step(prog, f"round {rnd + 1}/{self.wl.repeats}")
         except BaseException:
             for w in [*workers.values(), *starting]:
@@ -249,8 +248,7 @@ class Runner:
             stop_all([*workers.values(), *starting])
 
     def _start_all(self, configs: list[Config], workers: dict[str, Worker], starting: list[Worker], prog: Any) -> None:
-        """Start a worker for each of ``configs``, ``start_jobs`` at a time, into ``workers`` once ready; ``starting``
-        holds the ones not ready yet (the caller kills them on an exception)."""
+        """Start ``configs``' workers, ``start_jobs`` at a time, into ``workers`` once ready (``starting``: not yet)."""
         pending = list(configs)
         while pending or starting:
             while pending and len(starting) < self.wl.start_jobs:
@@ -276,8 +274,7 @@ class Runner:
     def _turn(
         self, workers: dict[str, Worker], c: Config, rnd: int | None, action: Callable[..., T], *args: Any
     ) -> T | None:
-        """``action(worker, *args)`` on ``c``'s worker, continued for it (and paused after with ``pause_idle``); None
-        when the worker failed (recorded, stopped and removed from ``workers``)."""
+        """``action(worker, *args)`` on ``c``'s running worker; None when it failed (recorded and removed)."""
         w = workers[c.id]
         try:
             w.resume()
@@ -300,7 +297,7 @@ class Runner:
             self._warmup(w, rnd, prog)
             for p, s in self.plan.samples:
                 ev = w.run(p, s, self._save_stem(c, p, s), self.wl.timeout_s)
-                self._record_sample(c, rnd, p, s, False, ev, (w.ready or {}).get("pid"))
+                self._record_sample(w, rnd, p, s, False, ev)
                 _step(prog, f"round {rnd + 1}/{self.wl.repeats}")
         except WorkerFailed as exc:
             self._fail(w, c, rnd, exc)

@@ -29,8 +29,7 @@ MAX_AMPLIFY = 64.0
 
 
 def check_manifests(a: RefSet, b: RefSet) -> list[dict[str, Any]]:
-    """Raise :class:`SetError` naming the first :data:`MUST_MATCH` field the two disagree on; else the
-    :data:`MAY_DIFFER` facts side by side (``[{"field", "a", "b", "same"}]``)."""
+    """Raise :class:`SetError` on the first :data:`MUST_MATCH` fact that differs; else the :data:`MAY_DIFFER` ones."""
     fa, fb = a.facts(), b.facts()
     for name in MUST_MATCH:
         if fa[name] != fb[name]:
@@ -120,8 +119,7 @@ def run_compare(
 
 
 def summary_rows(res: dict[str, Any]) -> list[list[str]]:
-    """One row per pair (worst first): id, pixel identical, max |Δ| (in [-1, 1] units), PSNR, SSIM, tensor max abs /
-    relative error."""
+    """One row per pair, worst first, in :data:`HEAD`'s columns."""
     rows = []
     for p in worst_first(res["pairs"]):
         t = p["tensors"]
@@ -225,8 +223,7 @@ def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Pat
 
 
 def against_reference(path: Path, out_root: Path, plan: Any, environment: dict[str, Any]) -> dict[str, Any]:
-    """Every configuration of a finished ablation in ``out_root`` against the reference set at ``path`` (the
-    workload's close gates): results.json's ``reference``."""
+    """results.json's ``reference``: every configuration in ``out_root`` against the set at ``path`` (close gates)."""
     wl = plan.workload
     ref = _refset.load(path)
     out: dict[str, Any] = {"path": str(path), "gates": {"ssim": wl.ssim_gate, "psnr_db": wl.psnr_gate}, "configs": {}}
