@@ -136,12 +136,11 @@ def make_plan(args: argparse.Namespace, *, build_model: bool) -> Any:
         order=[args.order] if args.order else None,
         extra_imports=args.imports,
     )
-    if wl.is_tiny:
-        if build_model:
-            from vllm_omni_ascend_opt.testbed import build_model_dir
+    if wl.is_tiny and build_model:
+        from vllm_omni_ascend_opt.testbed import build_model_dir
 
-            plan.model_path = str(build_model_dir(wl.tiny_spec()))
-    else:
+        plan.model_path = str(build_model_dir(wl.tiny_spec()))
+    elif not wl.is_tiny:
         p = Path(wl.model).expanduser()
         if p.is_dir():
             if not (p / "model_index.json").is_file():

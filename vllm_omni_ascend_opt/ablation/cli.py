@@ -8,6 +8,7 @@ bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import textwrap
@@ -22,14 +23,13 @@ DEFAULT_OUT = "ablation-out"
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     helps = {
-        "--workload": f"named workload ({', '.join(available_workloads())}) or a "
-        ".toml/.json file; looked up as a path, in ./ablations/, then in the package",
+        "--workload": f"named workload ({', '.join(available_workloads())}) or a .toml/.json file; looked up as a "
+        "path, in ./ablations/, then in the package",
         "--model": "'tiny' (the embedded test-bed Qwen-Image, default; without --workload the values of the "
         f"'{TINY_DEFAULT}' workload: its 12-block model, steps, CFG and rounds), 'tiny-<variant>', a diffusers "
         "directory, or a Hugging Face id of a Qwen-Image checkpoint",
-        "--engine": "testbed: vLLM-Omni's pipeline in the worker; omni: vLLM-Omni's "
-        "offline engine Omni (accelerator only); auto: testbed for tiny, omni for a real checkpoint when an "
-        "accelerator is visible",
+        "--engine": "testbed: vLLM-Omni's pipeline in the worker; omni: vLLM-Omni's offline engine Omni (accelerator "
+        "only); auto: testbed for tiny, omni for a real checkpoint when an accelerator is visible",
         "--steps": "denoising steps",
         "--cfg-scale": "true CFG scale (1 = off)",
         "--prompt": "a prompt (repeat for several)",
@@ -46,13 +46,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--stack": "default: the full stack is the default-on optimizations; all: every active one",
         "--quality-gates": "gates of 'close' optimizations",
         "--min-improvement-pct": "PASS needs the full stack to save at least this %% of stock (default 1)",
-        "--import": "import MODULE in the runner and every worker before the plugin loads (out-of-tree "
-        "optimizations register themselves this way)",
-        "--schedule": "resident: one live worker per configuration, interleaved "
-        "request by request; per-round: a fresh process per configuration and round, one at a time "
-        "(auto: resident for tiny, per-round otherwise)",
-        "--process-sets": "resident: split the rounds into this many blocks, each with freshly started workers "
-        "(default 1)",
+        "--import": "import MODULE in the runner and every worker before the plugin loads (out-of-tree optimizations)",
+        "--schedule": "resident: one live worker per configuration, interleaved request by request; per-round: a "
+        "fresh process per configuration and round, one at a time (auto: resident for tiny, per-round otherwise)",
+        "--process-sets": "resident: split the rounds into this many blocks of freshly started workers (default 1)",
         "--pause-idle": "resident: SIGSTOP every worker (and the engine processes it started) outside its own turn",
         "--start-jobs": "workers starting at the same time (resident; default 2)",
         "--threads": "torch threads per worker (default: torch's choice)",
@@ -86,11 +83,7 @@ def add_subcommands(sub: Any) -> None:
     ab.add_argument("--fresh", action="store_true", help="discard earlier results in --out and start over")
     ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     ab.add_argument(
-        "--reference",
-        type=Path,
-        metavar="DIR",
-        help="a reference set (vllm-omni-ascend-opt reference save): the report compares each configuration's "
-        "images with it",
+        "--reference", type=Path, metavar="DIR", help="a reference set (reference save) to compare every image with"
     )
     ab.set_defaults(func=cmd_ablate)
     pl = sub.add_parser(
@@ -100,11 +93,7 @@ def add_subcommands(sub: Any) -> None:
     )
     _add_common(pl)
     pl.add_argument("--json", action="store_true", help="machine-readable output")
-    pl.add_argument(
-        "--cards",
-        default="",
-        help="also the device-time model's multi-card layouts for one image on these card counts, e.g. 2,4,8",
-    )
+    pl.add_argument("--cards", default="", help="also the device-time model's multi-card layouts, e.g. 2,4,8 cards")
     pl.set_defaults(func=cmd_plan)
 
 
@@ -156,10 +145,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return bad_input(str(exc))
     est = estimate(plan)
     stored = _stored_measurements(plan, args.out)
-    launch = _launch_estimate(plan)
-    devtime = _devtime_section(plan, launch, cards)
+    launch = devtime = None
+    if not plan.workload.is_tiny:  # the launch and device-time models are of a real checkpoint
+        launch = _launch_estimate(plan)
+        devtime = _devtime_section(plan, launch, cards)
     if args.json:
-        out = {"plan": plan.to_dict(), "estimate": est.to_dict(), "stored_measurements": stored}
+        out = {"plan": plan.to_dict(), "estimate": dataclasses.asdict(est), "stored_measurements": stored}
         if launch is not None:
             out["launch_estimate"] = launch
         if devtime is not None:
@@ -186,13 +177,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch_estimate(plan: Any) -> dict[str, Any] | None:
-    """Per configuration, the estimated ms saved on a 910B1 (model, not measured); None for the tiny model."""
+def _launch_estimate(plan: Any) -> dict[str, Any]:
+    """Per configuration, the estimated ms saved on a 910B1 (model, not measured)."""
     from vllm_omni_ascend_opt.ablation import estimate as launch_model
 
     wl = plan.workload
-    if wl.is_tiny:
-        return None
     try:
         cal = launch_model.calibration()
     except (OSError, ValueError) as exc:
@@ -205,13 +194,11 @@ def _launch_estimate(plan: Any) -> dict[str, Any] | None:
     }
 
 
-def _devtime_section(plan: Any, launch: dict[str, Any] | None, cards: list[int]) -> dict[str, Any] | None:
-    """The device-time model's predictions and layouts on ``cards`` (not measured); None for the tiny model."""
+def _devtime_section(plan: Any, launch: dict[str, Any], cards: list[int]) -> dict[str, Any]:
+    """The device-time model's predictions and layouts on ``cards`` (not measured)."""
     from vllm_omni_ascend_opt.devtime import report as devtime_report
 
     wl = plan.workload
-    if wl.is_tiny:
-        return None
     return devtime_report.for_plan(
         {c.id: list(c.opts) for c in plan.configs},
         model=wl.model,
@@ -219,7 +206,7 @@ def _devtime_section(plan: Any, launch: dict[str, Any] | None, cards: list[int])
         width=wl.width,
         steps=wl.steps,
         cfg_forwards=2 if wl.cfg_scale > 1 else 1,
-        launch_ms_saved=(launch or {}).get("ms_saved"),
+        launch_ms_saved=launch["ms_saved"],
         cards=cards,
     )
 

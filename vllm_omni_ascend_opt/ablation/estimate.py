@@ -116,8 +116,7 @@ def ms_saved(
 
 
 def summary(configs: dict[str, str], *, steps: int = REFERENCE["steps"], cfg: bool = False) -> str:
-    """One line for a benchmark's op table: per configuration (name -> ``VLLM_OMNI_ASCEND_OPT`` spec) the estimate
-    for Qwen-Image at 1280x704 on a 910B1 ("n/a" where the launch table lacks it)."""
+    """A benchmark's one-line estimate per configuration (name -> ``VLLM_OMNI_ASCEND_OPT`` spec); "n/a": unknown."""
     from vllm_omni_ascend_opt import flags
 
     parts = []

@@ -3,8 +3,7 @@ another machine, release or configuration (``vllm-omni-ascend-opt reference save
 
 A set is a directory: ``manifest.json`` (what made the images: key of each image, model, configuration,
 environment, date; and the SHA-256 of every other file), ``images/<id>.png`` (<id> = p<prompt>_s<seed>_<W>x<H>) and,
-with ``--tensors``, ``images/<id>.npy`` (the raw float output). :func:`load` checks a set (a bad manifest or file is
-a :class:`SetError` naming the file) or reads one configuration of an ablation output as a set.
+with ``--tensors``, ``images/<id>.npy`` (the raw float output).
 """
 
 from __future__ import annotations
@@ -114,8 +113,7 @@ def input_image_sha256(spec: str | None) -> str | None:
 
 
 def model_identity(workload: Any, model_path: str | None) -> dict[str, Any]:
-    """Model id, weights hash (the test bed's model key for a tiny model, the SHA-256 over the weight files of a
-    local directory, else unknown) and pipeline class."""
+    """Model id, weights hash (tiny model key, SHA-256 of a local directory's weight files, else None), pipeline."""
     pipeline = None
     if model_path and (Path(model_path) / "model_index.json").is_file():
         with contextlib.suppress(OSError, ValueError):
@@ -152,8 +150,7 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def load(path: Path | str, config: str | None = None) -> RefSet:
-    """A reference set at ``path`` (its manifest and every file checked), or, when ``path`` is an ablation output
-    directory, its configuration ``config`` (default ``full``) as a set."""
+    """The checked reference set at ``path``, or configuration ``config`` (default full) of an ablation output."""
     root = Path(path)
     if not root.is_dir():
         raise SetError(f"{root}: no such directory")
@@ -265,8 +262,7 @@ def save(
     worker_cmd: list[str] | None = None,
     log: Any = None,
 ) -> RefSet:
-    """Generate every image of ``plan``'s workload with ``config`` (a :class:`~.plan.Config`) in one ablation worker
-    and write the set to ``out``, renamed into place only when complete. Raises :class:`SetError`."""
+    """Generate ``plan``'s images with ``config`` in one worker; the set is renamed into ``out`` only when complete."""
     from vllm_omni_ascend_opt.ablation.processes import WorkerFailed
     from vllm_omni_ascend_opt.ablation.runner import Runner
 

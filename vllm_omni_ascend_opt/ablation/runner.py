@@ -104,8 +104,7 @@ class Runner:
             # the engine processes a worker starts (omni's mp worker, a server) take their torch thread count from it
             env["OMP_NUM_THREADS"] = str(self.wl.threads)
         if self.plan.engine in ("omni", "serve") and not self._accelerator:
-            # vLLM-Omni's own engines on a CPU-only machine: the test bed's opt-in CPU runtime, in every process
-            # they start (it changes nothing on an accelerator platform, and is not passed there at all).
+            # vLLM-Omni's own engines on a CPU-only machine: the test bed's opt-in CPU runtime in all their processes
             from vllm_omni_ascend_opt.testbed.runtime import engine_env
 
             env = engine_env(env)
@@ -224,7 +223,6 @@ class Runner:
             for c in order:
                 self._turn(workers, c, None, self._warmup, rounds[0], prog)
             order = [c for c in order if c.id in workers]
-            # measurement: interleaved
             samples = self.plan.samples
             for rnd in rounds:
                 for k, (p, s) in enumerate(samples):

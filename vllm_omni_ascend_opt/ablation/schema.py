@@ -8,12 +8,13 @@ fields accept :data:`NUM`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 
+@dataclass
 class Opt:
-    def __init__(self, spec: Any) -> None:
-        self.spec = spec
+    spec: Any
 
 
 NUM = (int, float, str)  # str only for "inf" / "-inf" / "nan"
@@ -107,10 +108,7 @@ def validate(obj: Any, spec: Any = None, path: str = "$") -> list[str]:
     if isinstance(spec, list):
         if not isinstance(obj, list):
             return [f"{path}: expected a list, got {type(obj).__name__}"]
-        errs = []
-        for i, item in enumerate(obj):
-            errs += validate(item, spec[0], f"{path}[{i}]")
-        return errs
+        return [e for i, item in enumerate(obj) for e in validate(item, spec[0], f"{path}[{i}]")]
     types = spec if isinstance(spec, tuple) else (spec,)
     if bool in types or not isinstance(obj, bool):
         if isinstance(obj, types):

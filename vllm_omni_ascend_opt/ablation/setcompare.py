@@ -1,9 +1,7 @@
 """``vllm-omni-ascend-opt compare A B``: two reference sets (or a set and an ablation output) image by image.
 
-A :data:`.refset.MUST_MATCH` fact that differs is an error naming it (nothing compared); the :data:`.refset.MAY_DIFFER`
-facts are shown side by side. Images pair by key; keys on one side only are listed. Per pair the metrics of
-:mod:`.compare` (and tensor errors when both sides have tensors), gated by tier. ``compare.json``, ``compare.md`` and
-``compare.png`` (the worst pairs with an amplified difference map) are written only once everything was compared.
+Images pair by key; each pair gets :mod:`.compare`'s metrics (and tensor errors when both sides have tensors), gated
+by tier. The reports are written only once everything was compared.
 """
 
 from __future__ import annotations
@@ -40,16 +38,6 @@ def check_manifests(a: RefSet, b: RefSet) -> list[dict[str, Any]]:
     return [{"field": k, "a": fa[k], "b": fb[k], "same": fa[k] == fb[k]} for k in MAY_DIFFER]
 
 
-def _tensor_errors(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    denom = float(np.linalg.norm(a64))
-    return {
-        "bitwise_identical": bool(np.array_equal(a, b)),
-        "max_abs": float(np.abs(a64 - b64).max()),
-        "rel_error": float(np.linalg.norm(a64 - b64) / denom) if denom else (0.0 if not b64.any() else math.inf),
-    }
-
-
 def compare_pair(ea: Any, eb: Any) -> dict[str, Any]:
     """Every metric of ``eb`` against ``ea`` (uint8 images; tensors when both sides have them)."""
     ua, ub = compare.read_png(ea.png), compare.read_png(eb.png)
@@ -64,7 +52,13 @@ def compare_pair(ea: Any, eb: Any) -> dict[str, Any]:
         ta, tb = np.load(ea.tensor), np.load(eb.tensor)
         if ta.shape != tb.shape:
             raise SetError(f"{ea.tensor} and {eb.tensor}: tensors of different shapes {ta.shape} vs {tb.shape}")
-        tensors = _tensor_errors(ta, tb)
+        a64, b64 = ta.astype(np.float64), tb.astype(np.float64)
+        denom = float(np.linalg.norm(a64))
+        tensors = {
+            "bitwise_identical": bool(np.array_equal(ta, tb)),
+            "max_abs": float(np.abs(a64 - b64).max()),
+            "rel_error": float(np.linalg.norm(a64 - b64) / denom) if denom else (0.0 if not b64.any() else math.inf),
+        }
         m["bitwise_identical"] = tensors["bitwise_identical"]
     return {"id_a": ea.id, "id_b": eb.id, "key": ea.key, **m, "tensors": tensors}
 
@@ -182,8 +176,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> float:
-    """The worst pairs, one row each: A, B and the absolute difference amplified so that the largest one shown is
-    white (at most :data:`MAX_AMPLIFY` times), upscaled to >= 128 px. Returns the amplification."""
+    """The worst pairs as rows of A, B and their difference amplified (returned) to white; at least 128 px high."""
     from PIL import Image
 
     worst = worst_first(res["pairs"])[:WORST_SHOWN]

@@ -97,10 +97,6 @@ class Workload:
             return int(self.max_sequence_length)
         return 64 if self.is_tiny else 512
 
-    def samples(self) -> list[tuple[int, int]]:
-        """(prompt index, seed) of every image of one repeat, in run order."""
-        return [(p, s) for p in range(len(self.prompts)) for s in self.seeds]
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
