@@ -88,12 +88,7 @@ TINY_DEFAULT = "tiny-cpu"
 def resolve_workload(args: argparse.Namespace) -> Workload:
     """The named workload (else :data:`TINY_DEFAULT` for the tiny model, else the defaults) with ``args`` over it."""
     plain_tiny = not args.workload and getattr(args, "model", None) in (None, "tiny")
-    if args.workload:
-        wl = load_workload(args.workload)
-    elif plain_tiny:
-        wl = load_workload(TINY_DEFAULT)
-    else:
-        wl = Workload(name="custom")
+    wl = load_workload(args.workload or TINY_DEFAULT) if args.workload or plain_tiny else Workload(name="custom")
     over: dict[str, Any] = {}
     for key in FIELDS:  # the options named as a workload field
         v = getattr(args, key, None)

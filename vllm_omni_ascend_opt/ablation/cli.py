@@ -145,15 +145,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return bad_input(str(exc))
     est = estimate(plan)
     stored = _stored_measurements(plan, args.out)
+    wl = plan.workload
     launch = devtime = None
-    if not plan.workload.is_tiny:  # the launch and device-time models are of a real checkpoint
+    if not wl.is_tiny:  # the launch and device-time models are of a real checkpoint
+        from vllm_omni_ascend_opt.devtime import report as devtime_report
+
         launch = _launch_estimate(plan)
-        devtime = _devtime_section(plan, launch, cards)
+        devtime = devtime_report.for_plan(
+            {c.id: list(c.opts) for c in plan.configs},
+            model=wl.model,
+            height=wl.height,
+            width=wl.width,
+            steps=wl.steps,
+            cfg_forwards=2 if wl.cfg_scale > 1 else 1,
+            launch_ms_saved=launch["ms_saved"],
+            cards=cards,
+        )
     if args.json:
         out = {"plan": plan.to_dict(), "estimate": dataclasses.asdict(est), "stored_measurements": stored}
         if launch is not None:
             out["launch_estimate"] = launch
-        if devtime is not None:
             out["devtime_model"] = {k: v for k, v in devtime.items() if k not in ("tables", "layouts")}
         print(json.dumps(out, indent=1))
         return 0
@@ -163,9 +174,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for cid, ms in launch["ms_saved"].items():
             print(f"    {cid:<24} {'n/a (not in the launch table)' if ms is None else f'{ms:.0f} ms'}")
         print(textwrap.fill(launch["calibration"], 110, initial_indent="    ", subsequent_indent="    "))
-    if devtime is not None:
-        from vllm_omni_ascend_opt.devtime import report as devtime_report
-
         print("\n".join(devtime_report.plan_lines(devtime)))
     if stored:
         print(
@@ -192,23 +200,6 @@ def _launch_estimate(plan: Any) -> dict[str, Any]:
         "ms_saved": {c.id: launch_model.ms_saved(c.opts, steps=wl.steps, cfg=cfg) for c in plan.configs},
         "calibration": f"{wl.steps} steps x {2 if cfg else 1} forward(s) per step x 60 blocks; {cal.describe()}",
     }
-
-
-def _devtime_section(plan: Any, launch: dict[str, Any], cards: list[int]) -> dict[str, Any]:
-    """The device-time model's predictions and layouts on ``cards`` (not measured)."""
-    from vllm_omni_ascend_opt.devtime import report as devtime_report
-
-    wl = plan.workload
-    return devtime_report.for_plan(
-        {c.id: list(c.opts) for c in plan.configs},
-        model=wl.model,
-        height=wl.height,
-        width=wl.width,
-        steps=wl.steps,
-        cfg_forwards=2 if wl.cfg_scale > 1 else 1,
-        launch_ms_saved=launch["ms_saved"],
-        cards=cards,
-    )
 
 
 def _stored_measurements(plan: Any, out: Path) -> int:
@@ -252,15 +243,14 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def print_summary(results: dict[str, Any]) -> None:
     """The main table of report.md, as text."""
-    from vllm_omni_ascend_opt.ablation.report import _on, _pct, _saved, comparison_rows, gate_cell
+    from vllm_omni_ascend_opt.ablation.report import _ms, _on, _pct, _saved, comparison_rows, gate_cell
 
     print(
         f"\n{'optimization':<22} {'class':<6} {'on stages':<20} {'saved ms (mean ± std)':>22} {'% stock':>8}  "
         f"{'total saved ms':>16}  {'direction':<10} {'label':<13} equivalence"
     )
     for name, cls, d, chk in comparison_rows(results):
-        t = d.get("total_saved_ms") or {}
-        total = "–" if t.get("mean") is None else f"{t['mean']:+.2f}"
+        total = _ms((d.get("total_saved_ms") or {}).get("mean"), sign=True)
         print(
             f"{name:<22} {cls:<6} {_on(d):<20} {_saved(d):>22} {_pct(d['saved_pct_of_stock']):>8}  {total:>16}  "
             f"{d['direction']:<10} {d['label']:<13} {gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"

@@ -165,13 +165,7 @@ class TestbedEngine:
         images = (outs[0] if isinstance(outs, list) else outs).output
         if images.dim() == 3:
             images = images.unsqueeze(0)
-        return Generation(
-            uint8=to_uint8_hwc(images),
-            float_chw=images[0].detach().float().cpu().numpy(),
-            total_ms=total,
-            stages_ms=dict(self.stages),
-            cpu_ms=cpu,
-        )
+        return Generation(to_uint8_hwc(images), images[0].detach().float().cpu().numpy(), total, dict(self.stages), cpu)
 
     def memory(self) -> dict[str, dict[str, int]]:
         """Peak bytes of one transformer forward and one VAE decode on a warm request (never a timed sample)."""

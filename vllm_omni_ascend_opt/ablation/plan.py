@@ -1,9 +1,5 @@
-"""From a workload, a mode and the registry to the list of configurations an ablation runs.
-
-Each configuration is one exact set of optimizations (``VLLM_OMNI_ASCEND_OPT=none,+a,+b``). Every run has ``stock``,
-``full`` and ``full_ctrl`` (a second full stack in its own process: the noise floor); each mode adds what it needs,
-configurations with the same set merged. A *comparison* is a pair of configurations that differ only by one
-optimization (``without`` minus ``with`` = time saved).
+"""From a workload, a mode and the registry to the configurations an ablation runs (docs/ablation.md, "Modes and
+configurations"): ``stock``, ``full``, ``full_ctrl`` (the noise floor) and what the mode adds, same sets merged.
 """
 
 from __future__ import annotations

@@ -26,13 +26,10 @@ KEY_FIELDS = ("prompt", "negative_prompt", "seed", "width", "height", "steps", "
 #: Manifest facts two compared sets must share (an error naming the field otherwise): what makes the images the
 #: same images. Sizes, steps and seeds are compared as the sets of values the images use.
 MUST_MATCH = ("model", "weights", "pipeline", "size", "steps", "seed")
-#: Facts that may legitimately differ, shown side by side at the top of a comparison.
-MAY_DIFFER = (
-    "config optimizations dtype engine device chip cann torch_npu cuda torch diffusers vllm vllm_omni "
-    "vllm_omni_ascend_opt created"
-).split()
 #: Facts read from the manifest's environment by the same name.
 ENV_FACTS = ("cann", "torch_npu", "cuda", "torch", "diffusers", "vllm", "vllm_omni", "vllm_omni_ascend_opt")
+#: Facts that may legitimately differ, shown side by side at the top of a comparison.
+MAY_DIFFER = ("config", "optimizations", "dtype", "engine", "device", "chip", *ENV_FACTS, "created")
 
 
 class SetError(ValueError):

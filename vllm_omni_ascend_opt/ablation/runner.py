@@ -115,16 +115,14 @@ class Runner:
         argv = [*self.worker_cmd, "--job", str(self._job(c))]
         return Worker(c, argv, self._env(c), self.out.config_dir(c.id) / "worker.log")
 
-    def _fail(self, w: Worker | None, c: Config, rnd: int | None, exc: WorkerFailed) -> None:
-        tail = w.log_tail() if w is not None else ""
-        rc = w.proc.poll() if w is not None else None
+    def _fail(self, w: Worker, rnd: int | None, exc: WorkerFailed) -> None:
+        c, tail, rc = w.config, w.log_tail(), w.proc.poll()
         what = {"phase": exc.phase, "error": exc.error, "traceback": exc.tb, "returncode": rc, "log_tail": tail}
         self.failed[c.id] = self.store.add({"type": "failure", "config": c.id, "round": rnd, **what})
         self.say(
             f"configuration {c.id} failed ({exc.phase}): {exc.error}  [log: {self.out.config_dir(c.id)}/worker.log]"
         )
-        if w is not None:
-            w.kill()
+        w.kill()
 
     def _save_stem(self, c: Config, prompt: int, seed: int) -> str | None:
         stem = self.out.image_stem(c.id, prompt, seed)
@@ -261,11 +259,11 @@ class Runner:
                         if self.wl.pause_idle:
                             w.pause()
                     except WorkerFailed as exc:
-                        self._fail(w, w.config, None, exc)
+                        self._fail(w, None, exc)
                         w.stop(0)
                 elif time.monotonic() - w.t_start > self.wl.start_timeout_s:
                     starting.remove(w)
-                    self._fail(w, w.config, None, WorkerFailed("start", "not ready in time (worker killed)"))
+                    self._fail(w, None, WorkerFailed("start", "not ready in time (worker killed)"))
                     w.stop(0)
             time.sleep(0.05)
 
@@ -280,7 +278,7 @@ class Runner:
             if self.wl.pause_idle:
                 w.pause()
         except WorkerFailed as exc:
-            self._fail(w, c, rnd, exc)
+            self._fail(w, rnd, exc)
             w.stop(0)
             del workers[c.id]
             return None
@@ -298,7 +296,7 @@ class Runner:
                 self._record_sample(w, rnd, p, s, False, ev)
                 _step(prog, f"round {rnd + 1}/{self.wl.repeats}")
         except WorkerFailed as exc:
-            self._fail(w, c, rnd, exc)
+            self._fail(w, rnd, exc)
         except BaseException:
             w.kill()
             raise

@@ -2,8 +2,6 @@
 
 A spec is a type (or a tuple of types), a dict ``{key: spec}`` (every key required), ``[spec]`` (a list of such
 items), or :class:`Opt` wrapping a spec that may also be ``None``; :func:`fields` writes a flat dict spec as text.
-Non-finite floats are stored as the strings ``"inf"``/``"-inf"``/``"nan"`` (PSNR of identical images), so numeric
-fields accept :data:`NUM`.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ class Opt:
     spec: Any
 
 
-NUM = (int, float, str)  # str only for "inf" / "-inf" / "nan"
+NUM = (int, float, str)  # str only for "inf" / "-inf" / "nan": non-finite floats (PSNR of identical images)
 #: The letters of :func:`fields`: str, number, int, bool, dict, and lists of str / number / int.
 TYPES: dict[str, Any] = {"s": str, "n": NUM, "i": int, "b": bool, "d": dict, "S": [str], "N": [NUM], "I": [int]}
 

@@ -6,7 +6,9 @@ labels, as defined in docs/ablation.md ("Verdicts and exit codes").
 from __future__ import annotations
 
 import math
+import os
 import statistics
+from pathlib import Path
 from typing import Any
 
 from vllm_omni_ascend_opt.ablation import compare
@@ -109,8 +111,6 @@ def noise_floor(means: Means) -> dict[str, Any] | None:
 
 def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) -> dict[str, Any]:
     """``busy``: the median ``others_cpu`` exceeds the cores the worker left free by a quarter (at least half) core."""
-    import os
-
     cpus = cpu_count or os.cpu_count() or 1
     meas = [r for r in records if r.get("type") == "sample" and not r.get("warmup")]
     loads = [r["load1"] for r in meas if r.get("load1") is not None]
@@ -144,8 +144,6 @@ def _class_of(plan: Plan, names: set[str]) -> str:
 
 def compare_configs(plan: Plan, out_root: Any, ref: str, other: str) -> dict[str, Any]:
     """``other`` against ``ref`` per sample, the worst case, and the gate of the weakest tier the two differ by."""
-    from pathlib import Path
-
     root = Path(out_root)
     diff = plan.diff(ref, other)
     equivalence = _class_of(plan, diff)
