@@ -93,7 +93,9 @@ def add_subcommands(sub: Any) -> None:
     )
     _add_common(pl)
     pl.add_argument("--json", action="store_true", help="machine-readable output")
-    pl.add_argument("--cards", default="", help="also the device-time model's multi-card layouts, e.g. 2,4,8 cards")
+    pl.add_argument(
+        "--cards", default="", help="also the device-time model's multi-card layouts for one image, e.g. on 2,4,8 cards"
+    )
     pl.set_defaults(func=cmd_plan)
 
 
