@@ -308,8 +308,8 @@ def _verdict(plan, *, full_saved=10.0, noise=1.0, opt_label="gain", gate_ok=True
         "label": stats.label([full_saved] * 3, full_saved, noise),
     }
     nf = {"ms": noise}
-    load = {"load1_max": 9.0, "cpu_count": 2, "others_cpu_median": 1.5}
-    return verdict.decide(plan, configs, opts, fvs, nf, busy=busy, load=load)
+    load = {"load1_max": 9.0, "cpu_count": 2, "others_cpu_median": 1.5, "busy": busy}
+    return verdict.decide(plan, configs, opts, fvs, nf, load=load)
 
 
 def test_exit_codes():

@@ -86,15 +86,9 @@ TINY_DEFAULT = "tiny-cpu"
 
 
 def resolve_workload(args: argparse.Namespace) -> Workload:
-    """The workload of ``args``: the named one (or, without ``--workload``, the defaults; for the tiny model the
-    :data:`TINY_DEFAULT` workload), then the command line's values over it."""
+    """The named workload (else :data:`TINY_DEFAULT` for the tiny model, else the defaults) with ``args`` over it."""
     plain_tiny = not args.workload and getattr(args, "model", None) in (None, "tiny")
-    if args.workload:
-        wl = load_workload(args.workload)
-    elif plain_tiny:
-        wl = load_workload(TINY_DEFAULT)
-    else:
-        wl = Workload(name="custom")
+    wl = load_workload(args.workload or TINY_DEFAULT) if args.workload or plain_tiny else Workload(name="custom")
     over: dict[str, Any] = {}
     for key in FIELDS:  # the options named as a workload field
         v = getattr(args, key, None)
@@ -137,12 +131,11 @@ def make_plan(args: argparse.Namespace, *, build_model: bool) -> Any:
         order=[args.order] if args.order else None,
         extra_imports=args.imports,
     )
-    if wl.is_tiny:
-        if build_model:
-            from vllm_omni_ascend_opt.testbed import build_model_dir
+    if wl.is_tiny and build_model:
+        from vllm_omni_ascend_opt.testbed import build_model_dir
 
-            plan.model_path = str(build_model_dir(wl.tiny_spec()))
-    else:
+        plan.model_path = str(build_model_dir(wl.tiny_spec()))
+    elif not wl.is_tiny:
         p = Path(wl.model).expanduser()
         if p.is_dir():
             if not (p / "model_index.json").is_file():

@@ -8,6 +8,7 @@ bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import textwrap
@@ -22,14 +23,13 @@ DEFAULT_OUT = "ablation-out"
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     helps = {
-        "--workload": f"named workload ({', '.join(available_workloads())}) or a "
-        ".toml/.json file; looked up as a path, in ./ablations/, then in the package",
+        "--workload": f"named workload ({', '.join(available_workloads())}) or a .toml/.json file; looked up as a "
+        "path, in ./ablations/, then in the package",
         "--model": "'tiny' (the embedded test-bed Qwen-Image, default; without --workload the values of the "
         f"'{TINY_DEFAULT}' workload: its 12-block model, steps, CFG and rounds), 'tiny-<variant>', a diffusers "
         "directory, or a Hugging Face id of a Qwen-Image checkpoint",
-        "--engine": "testbed: vLLM-Omni's pipeline in the worker; omni: vLLM-Omni's "
-        "offline engine Omni (accelerator only); auto: testbed for tiny, omni for a real checkpoint when an "
-        "accelerator is visible",
+        "--engine": "testbed: vLLM-Omni's pipeline in the worker; omni: vLLM-Omni's offline engine Omni (accelerator "
+        "only); auto: testbed for tiny, omni for a real checkpoint when an accelerator is visible",
         "--steps": "denoising steps",
         "--cfg-scale": "true CFG scale (1 = off)",
         "--prompt": "a prompt (repeat for several)",
@@ -46,13 +46,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--stack": "default: the full stack is the default-on optimizations; all: every active one",
         "--quality-gates": "gates of 'close' optimizations",
         "--min-improvement-pct": "PASS needs the full stack to save at least this %% of stock (default 1)",
-        "--import": "import MODULE in the runner and every worker before the plugin loads (out-of-tree "
-        "optimizations register themselves this way)",
-        "--schedule": "resident: one live worker per configuration, interleaved "
-        "request by request; per-round: a fresh process per configuration and round, one at a time "
-        "(auto: resident for tiny, per-round otherwise)",
-        "--process-sets": "resident: split the rounds into this many blocks, each with freshly started workers "
-        "(default 1)",
+        "--import": "import MODULE in the runner and every worker before the plugin loads (out-of-tree optimizations)",
+        "--schedule": "resident: one live worker per configuration, interleaved request by request; per-round: a "
+        "fresh process per configuration and round, one at a time (auto: resident for tiny, per-round otherwise)",
+        "--process-sets": "resident: split the rounds into this many blocks of freshly started workers (default 1)",
         "--pause-idle": "resident: SIGSTOP every worker (and the engine processes it started) outside its own turn",
         "--start-jobs": "workers starting at the same time (resident; default 2)",
         "--threads": "torch threads per worker (default: torch's choice)",
@@ -86,11 +83,7 @@ def add_subcommands(sub: Any) -> None:
     ab.add_argument("--fresh", action="store_true", help="discard earlier results in --out and start over")
     ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     ab.add_argument(
-        "--reference",
-        type=Path,
-        metavar="DIR",
-        help="a reference set (vllm-omni-ascend-opt reference save): the report compares each configuration's "
-        "images with it",
+        "--reference", type=Path, metavar="DIR", help="a reference set (reference save) to compare every image with"
     )
     ab.set_defaults(func=cmd_ablate)
     pl = sub.add_parser(
@@ -101,9 +94,7 @@ def add_subcommands(sub: Any) -> None:
     _add_common(pl)
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument(
-        "--cards",
-        default="",
-        help="also the device-time model's multi-card layouts for one image on these card counts, e.g. 2,4,8",
+        "--cards", default="", help="also the device-time model's multi-card layouts for one image, e.g. on 2,4,8 cards"
     )
     pl.set_defaults(func=cmd_plan)
 
@@ -156,13 +147,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return bad_input(str(exc))
     est = estimate(plan)
     stored = _stored_measurements(plan, args.out)
-    launch = _launch_estimate(plan)
-    devtime = _devtime_section(plan, launch, cards)
+    wl = plan.workload
+    launch = devtime = None
+    if not wl.is_tiny:  # the launch and device-time models are of a real checkpoint
+        from vllm_omni_ascend_opt.devtime import report as devtime_report
+
+        launch = _launch_estimate(plan)
+        devtime = devtime_report.for_plan(
+            {c.id: list(c.opts) for c in plan.configs},
+            model=wl.model,
+            height=wl.height,
+            width=wl.width,
+            steps=wl.steps,
+            cfg_forwards=2 if wl.cfg_scale > 1 else 1,
+            launch_ms_saved=launch["ms_saved"],
+            cards=cards,
+        )
     if args.json:
-        out = {"plan": plan.to_dict(), "estimate": est.to_dict(), "stored_measurements": stored}
+        out = {"plan": plan.to_dict(), "estimate": dataclasses.asdict(est), "stored_measurements": stored}
         if launch is not None:
             out["launch_estimate"] = launch
-        if devtime is not None:
             out["devtime_model"] = {k: v for k, v in devtime.items() if k not in ("tables", "layouts")}
         print(json.dumps(out, indent=1))
         return 0
@@ -172,9 +176,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for cid, ms in launch["ms_saved"].items():
             print(f"    {cid:<24} {'n/a (not in the launch table)' if ms is None else f'{ms:.0f} ms'}")
         print(textwrap.fill(launch["calibration"], 110, initial_indent="    ", subsequent_indent="    "))
-    if devtime is not None:
-        from vllm_omni_ascend_opt.devtime import report as devtime_report
-
         print("\n".join(devtime_report.plan_lines(devtime)))
     if stored:
         print(
@@ -186,13 +187,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch_estimate(plan: Any) -> dict[str, Any] | None:
-    """Per configuration, the estimated ms saved on a 910B1 (model, not measured); None for the tiny model."""
+def _launch_estimate(plan: Any) -> dict[str, Any]:
+    """Per configuration, the estimated ms saved on a 910B1 (model, not measured)."""
     from vllm_omni_ascend_opt.ablation import estimate as launch_model
 
     wl = plan.workload
-    if wl.is_tiny:
-        return None
     try:
         cal = launch_model.calibration()
     except (OSError, ValueError) as exc:
@@ -203,25 +202,6 @@ def _launch_estimate(plan: Any) -> dict[str, Any] | None:
         "ms_saved": {c.id: launch_model.ms_saved(c.opts, steps=wl.steps, cfg=cfg) for c in plan.configs},
         "calibration": f"{wl.steps} steps x {2 if cfg else 1} forward(s) per step x 60 blocks; {cal.describe()}",
     }
-
-
-def _devtime_section(plan: Any, launch: dict[str, Any] | None, cards: list[int]) -> dict[str, Any] | None:
-    """The device-time model's predictions and layouts on ``cards`` (not measured); None for the tiny model."""
-    from vllm_omni_ascend_opt.devtime import report as devtime_report
-
-    wl = plan.workload
-    if wl.is_tiny:
-        return None
-    return devtime_report.for_plan(
-        {c.id: list(c.opts) for c in plan.configs},
-        model=wl.model,
-        height=wl.height,
-        width=wl.width,
-        steps=wl.steps,
-        cfg_forwards=2 if wl.cfg_scale > 1 else 1,
-        launch_ms_saved=(launch or {}).get("ms_saved"),
-        cards=cards,
-    )
 
 
 def _stored_measurements(plan: Any, out: Path) -> int:
@@ -265,15 +245,14 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def print_summary(results: dict[str, Any]) -> None:
     """The main table of report.md, as text."""
-    from vllm_omni_ascend_opt.ablation.report import _on, _pct, _saved, comparison_rows, gate_cell
+    from vllm_omni_ascend_opt.ablation.report import _ms, _on, _pct, _saved, comparison_rows, gate_cell
 
     print(
         f"\n{'optimization':<22} {'class':<6} {'on stages':<20} {'saved ms (mean ± std)':>22} {'% stock':>8}  "
         f"{'total saved ms':>16}  {'direction':<10} {'label':<13} equivalence"
     )
     for name, cls, d, chk in comparison_rows(results):
-        t = d.get("total_saved_ms") or {}
-        total = "–" if t.get("mean") is None else f"{t['mean']:+.2f}"
+        total = _ms((d.get("total_saved_ms") or {}).get("mean"), sign=True)
         print(
             f"{name:<22} {cls:<6} {_on(d):<20} {_saved(d):>22} {_pct(d['saved_pct_of_stock']):>8}  {total:>16}  "
             f"{d['direction']:<10} {d['label']:<13} {gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"

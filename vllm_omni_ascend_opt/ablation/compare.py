@@ -1,8 +1,6 @@
-"""Image equivalence for the ablation runner: the metrics of :mod:`vllm_omni_ascend_opt.ablation.metrics` on the stored
-images (``<sample>.npy``: the float output in [-1, 1]; ``.png``: the 8-bit image), and the tiers' gates.
-``bitwise_identical`` is None when a side has no float output (abs diffs then on the 8-bit images, ``basis``
-``uint8``); identical images have PSNR ``inf`` and SSIM 1.
-"""
+"""Image equivalence for the ablation runner: :mod:`vllm_omni_ascend_opt.ablation.metrics` on the stored images
+(``.npy``: the float output in [-1, 1]; ``.png``: 8-bit; ``bitwise_identical`` None without both floats), and the
+tiers' gates."""
 
 from __future__ import annotations
 
@@ -95,8 +93,7 @@ def aggregate(per_sample: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def gate(agg: dict[str, Any], equivalence: str, ssim_gate: float, psnr_gate: float) -> dict[str, Any]:
-    """Judge an aggregated comparison by a tier: ``exact``: bitwise-identical floats (else pixel identity), ``pixel``:
-    identical uint8 images, ``close``: SSIM >= ``ssim_gate`` and PSNR >= ``psnr_gate`` on every sample."""
+    """Judge an aggregated comparison by a tier (exact, pixel, or close: the SSIM and PSNR gates on every sample)."""
     if not agg:
         return {"class": equivalence, "passed": None, "why": "not compared (an image is missing)"}
     if equivalence == "exact" and agg.get("bitwise_identical") is not None:

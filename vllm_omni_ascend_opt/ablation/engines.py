@@ -1,14 +1,11 @@
-"""The ablation worker's engines: how one configuration's model is loaded and one image generated and timed.
+"""The ablation worker's engines: ``load()``, ``generate(prompt, seed) -> Generation``, ``active()`` (None: unknown),
+``model_reasons(name)`` and ``close()``.
 
-Each engine has ``load()``, ``generate(prompt, seed) -> Generation``, ``active()`` (what acts on the pipeline, None
-when unknown), ``model_reasons(name)`` (why an optimization is off) and ``close()``:
-
-* ``testbed``: vLLM-Omni's ``QwenImagePipeline`` in this process (through its ``DiffusionModelRunner`` when the
-  workload sets ``od_config`` modes); the generation and each stage timed between device synchronizations.
-* ``omni``: vLLM-Omni's offline ``Omni`` with its pipeline profiler: the wall time of ``Omni.generate``, the stages
-  from its ``stage_durations``.
-* ``serve``: one ``vllm serve MODEL --omni`` per configuration, over ``POST /v1/images/generations``: the client-side
-  latency, the server's stages. ``omni`` and ``serve`` read what acts from the plugin's status file.
+* ``testbed``: vLLM-Omni's ``QwenImagePipeline`` in this process (its ``DiffusionModelRunner`` for ``od_config``
+  modes); the generation and each stage timed between device synchronizations.
+* ``omni``: vLLM-Omni's offline ``Omni``: the wall time of ``Omni.generate``, the profiler's stages.
+* ``serve``: one ``vllm serve MODEL --omni`` per configuration: the client-side latency, the server's stages.
+  ``omni`` and ``serve`` read what acts from the plugin's status file.
 """
 
 from __future__ import annotations
@@ -168,13 +165,7 @@ class TestbedEngine:
         images = (outs[0] if isinstance(outs, list) else outs).output
         if images.dim() == 3:
             images = images.unsqueeze(0)
-        return Generation(
-            uint8=to_uint8_hwc(images),
-            float_chw=images[0].detach().float().cpu().numpy(),
-            total_ms=total,
-            stages_ms=dict(self.stages),
-            cpu_ms=cpu,
-        )
+        return Generation(to_uint8_hwc(images), images[0].detach().float().cpu().numpy(), total, dict(self.stages), cpu)
 
     def memory(self) -> dict[str, dict[str, int]]:
         """Peak bytes of one transformer forward and one VAE decode on a warm request (never a timed sample)."""
@@ -244,14 +235,13 @@ class OmniEngine(_StatusFileEngine):
         from vllm_omni.entrypoints.omni import Omni
 
         j = self.job
-        kwargs: dict[str, Any] = {
-            "model": j["model_path"] or j["model"],
-            "dtype": j["dtype"],
-            "enforce_eager": bool(j["enforce_eager"]),
-            "enable_diffusion_pipeline_profiler": True,
+        self.omni = Omni(
+            model=j["model_path"] or j["model"],
+            dtype=j["dtype"],
+            enforce_eager=bool(j["enforce_eager"]),
+            enable_diffusion_pipeline_profiler=True,
             **(j.get("od_config") or {}),  # the workload's vLLM-Omni modes
-        }
-        self.omni = Omni(**kwargs)
+        )
 
     def generate(self, prompt: str, seed: int) -> Generation:
         import numpy as np
@@ -292,8 +282,7 @@ class OmniEngine(_StatusFileEngine):
 
 
 def serve_stages_ms(stage_durations: dict[str, float] | None) -> dict[str, float]:
-    """The server's ``metrics.stage_durations``: the pipeline profiler's stages (seconds, as for ``omni``) plus
-    ``server_generate`` = the engine stages' own ``stage_<i>_gen_ms`` (the server-side time without HTTP)."""
+    """The profiler's stages as for ``omni``, plus ``server_generate``: the server-side time without HTTP."""
     out = omni_stages_ms(stage_durations)
     gen = [float(v) for k, v in (stage_durations or {}).items() if k.startswith("stage_") and k.endswith("_gen_ms")]
     if gen:
@@ -330,12 +319,7 @@ class ServeEngine(_StatusFileEngine):
         r = self.server.generate(body, timeout=float(j.get("timeout_s") or 600.0))
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status} from the server: {json.dumps(r.body)[:2000]}")
-        return Generation(
-            uint8=r.image(),
-            float_chw=None,
-            total_ms=r.latency_s * 1e3,
-            stages_ms=serve_stages_ms(r.stage_durations()),
-        )
+        return Generation(r.image(), None, r.latency_s * 1e3, serve_stages_ms(r.stage_durations()))
 
     def close(self) -> None:
         if self.server is not None:

@@ -1,15 +1,9 @@
 """Estimated ms saved on a 910B1 (a model, NOT a measurement): kernel launches saved x a per-launch cost.
 
-Batch-1 eager Qwen-Image on an Ascend NPU is bound by kernel launches, so::
-
-    ms saved per image = (launches per transformer call, stock - configuration)
-                         x steps x CFG forwards per step x us per launch / 1000
-    launches per transformer call = 60 blocks x launches per block + launches outside the blocks
-
-The launch counts are :data:`TABLE_FILE` (``benchmarks/bench_ops.py --write-table``), counted per set of transformer
-optimizations by ``testbed/npu_ops.py``'s ``NpuOpCounter``. The cost of a launch (:func:`calibration`) is the
-reference's published NPU RoPE saving over the launches ``rope`` removes (small element-wise kernels, the closest to
-pure launch cost). Optimizations that change kernel speed rather than count get only their launches.
+Batch-1 eager Qwen-Image on an Ascend NPU is bound by kernel launches, so the saving per image is the launches per
+transformer call (60 blocks and outside them) removed from stock's x steps x CFG forwards x us per launch. The counts
+are :data:`TABLE_FILE` (``benchmarks/bench_ops.py --write-table``); a launch's cost (:func:`calibration`) is the
+reference's NPU RoPE saving over the launches ``rope`` removes. Faster kernels count only their launches.
 """
 
 from __future__ import annotations
@@ -116,8 +110,7 @@ def ms_saved(
 
 
 def summary(configs: dict[str, str], *, steps: int = REFERENCE["steps"], cfg: bool = False) -> str:
-    """One line for a benchmark's op table: per configuration (name -> ``VLLM_OMNI_ASCEND_OPT`` spec) the estimate
-    for Qwen-Image at 1280x704 on a 910B1 ("n/a" where the launch table lacks it)."""
+    """A benchmark's one-line estimate per configuration (name -> ``VLLM_OMNI_ASCEND_OPT`` spec); "n/a": unknown."""
     from vllm_omni_ascend_opt import flags
 
     parts = []

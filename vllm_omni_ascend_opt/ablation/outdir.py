@@ -1,9 +1,7 @@
 """The ablation run's output directory: its layout, its lock, the measurement log and what a resume keeps.
 
-Every measurement is appended to ``<out>/measurements.jsonl`` as it happens, tagged with the plan's fingerprint. A
-rerun of the same plan resumes: complete units are kept (resident: complete rounds; per-round: complete
-(configuration, round) processes), partial ones measured again, failed configurations stay failed. A directory
-holding another plan's results, or locked by a live run (``.lock``), is refused.
+Every measurement is appended to ``measurements.jsonl`` as it happens, tagged with the plan's fingerprint; a rerun
+of the same plan resumes (:func:`select_resumable`). Another plan's directory, or one a live run locks, is refused.
 """
 
 from __future__ import annotations
@@ -133,7 +131,6 @@ class Store:
         rec = {"fp": self.fp, "t": time.time(), **rec}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-            f.flush()
         self.records.append(rec)
         return rec
 
@@ -148,7 +145,7 @@ def measured(records: list[dict[str, Any]]) -> Measured:
 
 
 def select_resumable(plan: Plan, records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """The records a resume keeps, and how many measurements it drops (units that did not finish)."""
+    """The records a resume keeps and how many measurements it drops: unfinished rounds (resident) or processes."""
     failed = {r["config"] for r in records if r.get("type") == "failure"}
     samples = set(plan.samples)
     complete_units = {k for k, v in measured(records).items() if samples <= v}

@@ -1,9 +1,5 @@
-"""From a workload, a mode and the registry to the list of configurations an ablation runs.
-
-Each configuration is one exact set of optimizations (``VLLM_OMNI_ASCEND_OPT=none,+a,+b``). Every run has ``stock``,
-``full`` and ``full_ctrl`` (a second full stack in its own process: the noise floor); each mode adds what it needs,
-configurations with the same set merged. A *comparison* is a pair of configurations that differ only by one
-optimization (``without`` minus ``with`` = time saved).
+"""From a workload, a mode and the registry to the configurations an ablation runs (docs/ablation.md, "Modes and
+configurations"): ``stock``, ``full``, ``full_ctrl`` (the noise floor) and what the mode adds, same sets merged.
 """
 
 from __future__ import annotations
@@ -21,8 +17,7 @@ from vllm_omni_ascend_opt.optimization import STAGES
 
 @dataclass(frozen=True)
 class OptInfo:
-    """What the planner needs to know about one optimization: the registry's ``Optimization`` fields of the same
-    meaning (``equivalence`` is its ``tier()``, ``stages`` its ``changed_stages()``), or made up in tests."""
+    """What the planner needs of one ``Optimization`` (``equivalence``: its ``tier()``; ``stages``: changed ones)."""
 
     name: str
     equivalence: str
@@ -98,15 +93,15 @@ class Plan:
 
     @property
     def samples(self) -> list[tuple[int, int]]:
-        return self.workload.samples()
+        """(prompt index, seed) of every image of one repeat, in run order."""
+        return [(p, s) for p in range(len(self.workload.prompts)) for s in self.workload.seeds]
 
     def diff(self, a: str, b: str) -> set[str]:
         """The optimizations configurations ``a`` and ``b`` differ by."""
         return set(self.config(a).opts) ^ set(self.config(b).opts)
 
     def close_gates(self, names: list[str] | tuple[str, ...] | set[str]) -> dict[str, float]:
-        """The SSIM / PSNR gates of a comparison whose two sides differ by ``names``: the loosest of their ``close``
-        optimizations' own gates (their errors add), else the workload's."""
+        """The loosest own gates of the ``close`` optimizations in ``names`` (their errors add), else the workload's."""
         wl = self.workload
         own = [
             self.opts[n].close_gates or (wl.ssim_gate, wl.psnr_gate)
@@ -124,26 +119,21 @@ class Plan:
 
     def fingerprint(self) -> str:
         """Hash of everything that makes stored measurements reusable (a resume must match it exactly)."""
-        wl = self.workload.to_dict()
-        for k in UNMEASURED:
-            wl.pop(k, None)
+        wl = self.workload
+        # the tiny model's built directory is named by a hash of its spec and seed
+        model = f"tiny:{wl.tiny_spec().key(0)}" if wl.is_tiny else self.model_path or wl.model
         blob = json.dumps(
             {
-                "workload": wl,
+                "workload": {k: v for k, v in wl.to_dict().items() if k not in UNMEASURED},
                 "configs": [dataclasses.asdict(c) for c in self.configs],
                 "engine": self.engine,
                 "schedule": self.schedule,
-                "model": self._model_identity(),
+                "model": model,
                 "imports": self.extra_imports,
             },
             sort_keys=True,
         )
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-    def _model_identity(self) -> str | None:
-        if self.workload.is_tiny:  # the built directory's name is a hash of the tiny model's spec and seed
-            return f"tiny:{self.workload.tiny_spec().key(0)}"
-        return self.model_path or self.workload.model
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -172,19 +162,11 @@ class Plan:
 
 
 def _names(csv: list[str] | None, valid: list[str], what: str) -> list[str]:
-    if not csv:
-        return []
-    out = []
-    for item in csv:
-        for n in item.split(","):
-            n = n.strip()
-            if not n:
-                continue
-            if n not in valid:
-                raise WorkloadError(f"{what}: unknown optimization {n!r}; valid names: {', '.join(valid)}")
-            if n not in out:
-                out.append(n)
-    return out
+    names = [n.strip() for item in csv or [] for n in item.split(",") if n.strip()]
+    for n in names:
+        if n not in valid:
+            raise WorkloadError(f"{what}: unknown optimization {n!r}; valid names: {', '.join(valid)}")
+    return list(dict.fromkeys(names))
 
 
 def build_plan(
@@ -300,9 +282,7 @@ def build_plan(
                 "no accelerator is visible: this checkpoint would run on CPU in the test-bed engine (vLLM-Omni's "
                 "Omni engine needs an accelerator platform)"
             )
-    sched = workload.schedule
-    if sched == "auto":
-        sched = "resident" if workload.is_tiny else "per-round"
+    sched = workload.schedule if workload.schedule != "auto" else "resident" if workload.is_tiny else "per-round"
     if eng in ("omni", "serve") and not accelerator_visible():
         notes.append(
             f"no accelerator is visible: the {eng} engine runs vLLM-Omni on CPU through the test bed's CPU runtime "
@@ -349,9 +329,6 @@ class Estimate:
     seconds: float
     assumptions: str
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def estimate(plan: Plan) -> Estimate:
     wl = plan.workload
@@ -368,13 +345,11 @@ def estimate(plan: Plan) -> Estimate:
     measured = n * wl.repeats * per_round
     if plan.schedule == "resident":
         sets = max(1, min(wl.process_sets, wl.repeats))
-        processes = n * sets
-        gens = processes * wl.warmup + measured
-        secs = sets * math.ceil(n / max(1, wl.start_jobs)) * start + gens * image
+        processes, starts = n * sets, sets * math.ceil(n / max(1, wl.start_jobs))
     else:
-        processes = n * wl.repeats
-        gens = processes * wl.warmup + measured
-        secs = processes * start + gens * image
+        processes = starts = n * wl.repeats
+    gens = processes * wl.warmup + measured
+    secs = starts * start + gens * image
     return Estimate(
         processes, gens, measured, secs, f"rough: {basis}; start {start:.0f} s/process, {image:.2f} s/image"
     )

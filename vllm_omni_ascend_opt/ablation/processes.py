@@ -132,7 +132,9 @@ class Worker:
             if kind == "error":
                 raise WorkerFailed(ev.get("phase") or phase, ev.get("error") or "error", ev.get("traceback") or "")
             if kind == "eof":
-                rc = self._returncode()
+                rc = None
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    rc = self.proc.wait(timeout=10)
                 why = f"worker exited with code {rc}"
                 if rc is not None and rc < 0:
                     sig = -rc
@@ -150,8 +152,7 @@ class Worker:
         return ev
 
     def run(self, prompt: int, seed: int, save: str | None, timeout: float) -> dict[str, Any]:
-        """One generation, with ``others_cpu``: cores other processes kept busy meanwhile (machine busy time minus
-        the worker group's CPU time, per second of wall time), when known."""
+        """One generation, with ``others_cpu``: the cores other processes kept busy meanwhile, when known."""
         g0 = group_cpu_s(self.proc.pid)
         b0, t0 = cpu_busy_s(), time.monotonic()
         ev = self._run(prompt, seed, save, timeout)
@@ -176,14 +177,8 @@ class Worker:
             if ev.get("event") == "result" and ev.get("id") == self._next_id:
                 return ev
 
-    def _returncode(self) -> int | None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            return self.proc.wait(timeout=10)
-        return None
-
     def pause(self, settle_s: float = 2.0) -> None:
-        """Stop the worker's process group until :meth:`resume`, and wait (up to ``settle_s``) until /proc shows it
-        stopped: the next configuration's measurement must not overlap this group's last work."""
+        """Stop the worker's group until :meth:`resume`; wait until it is stopped, so the next measurement is alone."""
         if self.paused or self.proc.poll() is not None:
             return
         try:

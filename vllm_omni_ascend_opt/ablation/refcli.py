@@ -70,8 +70,7 @@ def add_reference_commands(sub: Any) -> None:
 
 
 def resolve_config(plan: Any, name: str) -> Any:
-    """The :class:`~.plan.Config` of ``--config``: ``none``, ``default`` (the run's full stack: the default-on
-    optimizations that can act here), ``all`` (every one that can act here) or a comma list of names."""
+    """The :class:`~.plan.Config` of ``--config`` (``none``, ``default``, ``all`` or a comma list: see its help)."""
     import dataclasses
 
     from vllm_omni_ascend_opt.ablation.plan import Config, build_plan, opt_infos_from_registry

@@ -3,8 +3,7 @@ another machine, release or configuration (``vllm-omni-ascend-opt reference save
 
 A set is a directory: ``manifest.json`` (what made the images: key of each image, model, configuration,
 environment, date; and the SHA-256 of every other file), ``images/<id>.png`` (<id> = p<prompt>_s<seed>_<W>x<H>) and,
-with ``--tensors``, ``images/<id>.npy`` (the raw float output). :func:`load` checks a set (a bad manifest or file is
-a :class:`SetError` naming the file) or reads one configuration of an ablation output as a set.
+with ``--tensors``, ``images/<id>.npy`` (the raw float output).
 """
 
 from __future__ import annotations
@@ -27,13 +26,10 @@ KEY_FIELDS = ("prompt", "negative_prompt", "seed", "width", "height", "steps", "
 #: Manifest facts two compared sets must share (an error naming the field otherwise): what makes the images the
 #: same images. Sizes, steps and seeds are compared as the sets of values the images use.
 MUST_MATCH = ("model", "weights", "pipeline", "size", "steps", "seed")
-#: Facts that may legitimately differ, shown side by side at the top of a comparison.
-MAY_DIFFER = (
-    "config optimizations dtype engine device chip cann torch_npu cuda torch diffusers vllm vllm_omni "
-    "vllm_omni_ascend_opt created"
-).split()
 #: Facts read from the manifest's environment by the same name.
 ENV_FACTS = ("cann", "torch_npu", "cuda", "torch", "diffusers", "vllm", "vllm_omni", "vllm_omni_ascend_opt")
+#: Facts that may legitimately differ, shown side by side at the top of a comparison.
+MAY_DIFFER = ("config", "optimizations", "dtype", "engine", "device", "chip", *ENV_FACTS, "created")
 
 
 class SetError(ValueError):
@@ -114,8 +110,7 @@ def input_image_sha256(spec: str | None) -> str | None:
 
 
 def model_identity(workload: Any, model_path: str | None) -> dict[str, Any]:
-    """Model id, weights hash (the test bed's model key for a tiny model, the SHA-256 over the weight files of a
-    local directory, else unknown) and pipeline class."""
+    """Model id, weights hash (tiny model key, SHA-256 of a local directory's weight files, else None), pipeline."""
     pipeline = None
     if model_path and (Path(model_path) / "model_index.json").is_file():
         with contextlib.suppress(OSError, ValueError):
@@ -152,8 +147,7 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def load(path: Path | str, config: str | None = None) -> RefSet:
-    """A reference set at ``path`` (its manifest and every file checked), or, when ``path`` is an ablation output
-    directory, its configuration ``config`` (default ``full``) as a set."""
+    """The checked reference set at ``path``, or configuration ``config`` (default full) of an ablation output."""
     root = Path(path)
     if not root.is_dir():
         raise SetError(f"{root}: no such directory")
@@ -181,12 +175,8 @@ def load(path: Path | str, config: str | None = None) -> RefSet:
     out = RefSet(root, m)
     for item in images:
         try:
-            e = Entry(
-                item["id"],
-                dict(item["key"]),
-                root / item["png"],
-                root / item["tensor"] if item.get("tensor") else None,
-            )
+            tensor = root / item["tensor"] if item.get("tensor") else None
+            e = Entry(item["id"], dict(item["key"]), root / item["png"], tensor)
             if item["png"] not in files or (item.get("tensor") and item["tensor"] not in files):
                 raise KeyError("a file without its SHA-256")
             missing = [k for k in KEY_FIELDS if k not in e.key]
@@ -230,10 +220,9 @@ def load_ablation(root: Path, config: str) -> RefSet:
             stem = root / "images" / config / f"p{p}_s{s}"
             if not stem.with_suffix(".png").is_file():
                 continue
-            key = _key(wl, prompt, s, img_hash)
-            e = Entry(entry_id(p, s, wl.width, wl.height), key, stem.with_suffix(".png"))
-            if stem.with_suffix(".npy").is_file():
-                e.tensor = stem.with_suffix(".npy")
+            npy = stem.with_suffix(".npy")
+            e = Entry(entry_id(p, s, wl.width, wl.height), _key(wl, prompt, s, img_hash), stem.with_suffix(".png"))
+            e.tensor = npy if npy.is_file() else None
             out.entries[e.key_tuple()] = e
     return out
 
@@ -270,8 +259,7 @@ def save(
     worker_cmd: list[str] | None = None,
     log: Any = None,
 ) -> RefSet:
-    """Generate every image of ``plan``'s workload with ``config`` (a :class:`~.plan.Config`) in one ablation worker
-    and write the set to ``out``, renamed into place only when complete. Raises :class:`SetError`."""
+    """Generate ``plan``'s images with ``config`` in one worker; the set is renamed into ``out`` only when complete."""
     from vllm_omni_ascend_opt.ablation.processes import WorkerFailed
     from vllm_omni_ascend_opt.ablation.runner import Runner
 

@@ -79,8 +79,7 @@ def atomic_write(path: Path, text: str) -> Path:
 
 
 def _table_head(first: str, last: str) -> list[str]:
-    """A markdown table's header row and separator: the ``first`` columns (`` | ``-separated), one per stage, then
-    the ``last``."""
+    """A markdown table's header and separator: the ``first`` columns, one per stage, then the ``last``."""
     cols = [*first.split(" | "), *(f"{STAGE_TITLES[s]} ms" for s in STAGES), *last.split(" | ")]
     return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
@@ -165,11 +164,9 @@ def markdown(results: dict[str, Any]) -> str:
     m = results.get("measurement") or {}
     if m:
         n = len(wl["prompts"]) * len(wl["seeds"])
-        others = (
-            "unknown"
-            if m.get("others_cpu_median") is None
-            else f"other processes kept {m['others_cpu_median']:.2f} of {m['cpu_count']} CPUs busy (median)"
-        )
+        others = "unknown"
+        if m.get("others_cpu_median") is not None:
+            others = f"other processes kept {m['others_cpu_median']:.2f} of {m['cpu_count']} CPUs busy (median)"
         load = "" if m.get("load1_max") is None else f"; 1-min load average up to {m['load1_max']:.1f}"
         lines += [
             f"Each configuration's time in a round is the {m['round_stat']} over its {n} image(s). "
@@ -326,8 +323,7 @@ def write_chart(results: dict[str, Any], out: Path) -> Path:
     for yi, (_, d), m, sd in zip(y, rows, means, stds, strict=True):
         pct = d.get("saved_pct_of_stock")
         txt = f"{m:+.1f} ms" + (f" ({pct:+.1f}%)" if pct is not None else "") + f"  {d['label']}"
-        # Labels always sit right of the bar's positive end (or of zero for a negative bar), inside the axes,
-        # so they never run into the optimization names on the y axis.
+        # right of the bar's positive end (or of zero), never over the optimization names on the y axis
         end = m + sd if m >= 0 else max(0.0, nf["ms"] if nf else 0.0)
         ax.annotate(txt, (end, yi), xytext=(4, 0), textcoords="offset points", ha="left", va="center", fontsize=8)
     lo, hi = ax.get_xlim()

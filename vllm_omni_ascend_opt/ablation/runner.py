@@ -104,8 +104,7 @@ class Runner:
             # the engine processes a worker starts (omni's mp worker, a server) take their torch thread count from it
             env["OMP_NUM_THREADS"] = str(self.wl.threads)
         if self.plan.engine in ("omni", "serve") and not self._accelerator:
-            # vLLM-Omni's own engines on a CPU-only machine: the test bed's opt-in CPU runtime, in every process
-            # they start (it changes nothing on an accelerator platform, and is not passed there at all).
+            # vLLM-Omni's own engines on a CPU-only machine: the test bed's opt-in CPU runtime in all their processes
             from vllm_omni_ascend_opt.testbed.runtime import engine_env
 
             env = engine_env(env)
@@ -116,16 +115,14 @@ class Runner:
         argv = [*self.worker_cmd, "--job", str(self._job(c))]
         return Worker(c, argv, self._env(c), self.out.config_dir(c.id) / "worker.log")
 
-    def _fail(self, w: Worker | None, c: Config, rnd: int | None, exc: WorkerFailed) -> None:
-        tail = w.log_tail() if w is not None else ""
-        rc = w.proc.poll() if w is not None else None
+    def _fail(self, w: Worker, rnd: int | None, exc: WorkerFailed) -> None:
+        c, tail, rc = w.config, w.log_tail(), w.proc.poll()
         what = {"phase": exc.phase, "error": exc.error, "traceback": exc.tb, "returncode": rc, "log_tail": tail}
         self.failed[c.id] = self.store.add({"type": "failure", "config": c.id, "round": rnd, **what})
         self.say(
             f"configuration {c.id} failed ({exc.phase}): {exc.error}  [log: {self.out.config_dir(c.id)}/worker.log]"
         )
-        if w is not None:
-            w.kill()
+        w.kill()
 
     def _save_stem(self, c: Config, prompt: int, seed: int) -> str | None:
         stem = self.out.image_stem(c.id, prompt, seed)
@@ -135,10 +132,9 @@ class Runner:
             return None
         return str(stem)
 
-    def _record_sample(
-        self, c: Config, rnd: int, prompt: int, seed: int, warmup: bool, ev: dict[str, Any], pid: int | None
-    ) -> None:
-        rec = {"type": "sample", "config": c.id, "round": rnd, "prompt": prompt, "seed": seed, "warmup": warmup}
+    def _record_sample(self, w: Worker, rnd: int, prompt: int, seed: int, warmup: bool, ev: dict[str, Any]) -> None:
+        rec = {"type": "sample", "config": w.config.id, "round": rnd, "prompt": prompt, "seed": seed, "warmup": warmup}
+        pid = (w.ready or {}).get("pid")
         self.store.add({**rec, **{k: ev.get(k) for k in RESULT_FIELDS}, "load1": load1(), "pid": pid})
 
     def _await_ready(self, w: Worker, rnd: int | None) -> None:
@@ -151,7 +147,7 @@ class Runner:
         for i in range(self.wl.warmup):
             p, s = samples[i % len(samples)]
             ev = w.run(p, s, None, self.wl.timeout_s)
-            self._record_sample(w.config, rnd, p, s, True, ev, (w.ready or {}).get("pid"))
+            self._record_sample(w, rnd, p, s, True, ev)
             _step(prog, f"warm-up {w.config.id}")
 
     def run(self) -> RunData:
@@ -225,7 +221,6 @@ class Runner:
             for c in order:
                 self._turn(workers, c, None, self._warmup, rounds[0], prog)
             order = [c for c in order if c.id in workers]
-            # measurement: interleaved
             samples = self.plan.samples
             for rnd in rounds:
                 for k, (p, s) in enumerate(samples):
@@ -239,7 +234,7 @@ class Runner:
                         ev = self._turn(workers, c, rnd, Worker.run, p, s, stem, self.wl.timeout_s)
                         if ev is None:
                             continue
-                        self._record_sample(c, rnd, p, s, False, ev, (workers[c.id].ready or {}).get("pid"))
+                        self._record_sample(workers[c.id], rnd, p, s, False, ev)
                         _step(prog, f"round {rnd + 1}/{self.wl.repeats}")
         except BaseException:
             for w in [*workers.values(), *starting]:
@@ -249,8 +244,7 @@ class Runner:
             stop_all([*workers.values(), *starting])
 
     def _start_all(self, configs: list[Config], workers: dict[str, Worker], starting: list[Worker], prog: Any) -> None:
-        """Start a worker for each of ``configs``, ``start_jobs`` at a time, into ``workers`` once ready; ``starting``
-        holds the ones not ready yet (the caller kills them on an exception)."""
+        """Start ``configs``' workers, ``start_jobs`` at a time, into ``workers`` once ready (``starting``: not yet)."""
         pending = list(configs)
         while pending or starting:
             while pending and len(starting) < self.wl.start_jobs:
@@ -265,19 +259,18 @@ class Runner:
                         if self.wl.pause_idle:
                             w.pause()
                     except WorkerFailed as exc:
-                        self._fail(w, w.config, None, exc)
+                        self._fail(w, None, exc)
                         w.stop(0)
                 elif time.monotonic() - w.t_start > self.wl.start_timeout_s:
                     starting.remove(w)
-                    self._fail(w, w.config, None, WorkerFailed("start", "not ready in time (worker killed)"))
+                    self._fail(w, None, WorkerFailed("start", "not ready in time (worker killed)"))
                     w.stop(0)
             time.sleep(0.05)
 
     def _turn(
         self, workers: dict[str, Worker], c: Config, rnd: int | None, action: Callable[..., T], *args: Any
     ) -> T | None:
-        """``action(worker, *args)`` on ``c``'s worker, continued for it (and paused after with ``pause_idle``); None
-        when the worker failed (recorded, stopped and removed from ``workers``)."""
+        """``action(worker, *args)`` on ``c``'s running worker; None when it failed (recorded and removed)."""
         w = workers[c.id]
         try:
             w.resume()
@@ -285,7 +278,7 @@ class Runner:
             if self.wl.pause_idle:
                 w.pause()
         except WorkerFailed as exc:
-            self._fail(w, c, rnd, exc)
+            self._fail(w, rnd, exc)
             w.stop(0)
             del workers[c.id]
             return None
@@ -300,10 +293,10 @@ class Runner:
             self._warmup(w, rnd, prog)
             for p, s in self.plan.samples:
                 ev = w.run(p, s, self._save_stem(c, p, s), self.wl.timeout_s)
-                self._record_sample(c, rnd, p, s, False, ev, (w.ready or {}).get("pid"))
+                self._record_sample(w, rnd, p, s, False, ev)
                 _step(prog, f"round {rnd + 1}/{self.wl.repeats}")
         except WorkerFailed as exc:
-            self._fail(w, c, rnd, exc)
+            self._fail(w, rnd, exc)
         except BaseException:
             w.kill()
             raise

@@ -2,21 +2,20 @@
 
 A spec is a type (or a tuple of types), a dict ``{key: spec}`` (every key required), ``[spec]`` (a list of such
 items), or :class:`Opt` wrapping a spec that may also be ``None``; :func:`fields` writes a flat dict spec as text.
-Non-finite floats are stored as the strings ``"inf"``/``"-inf"``/``"nan"`` (PSNR of identical images), so numeric
-fields accept :data:`NUM`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 
+@dataclass
 class Opt:
-    def __init__(self, spec: Any) -> None:
-        self.spec = spec
+    spec: Any
 
 
-NUM = (int, float, str)  # str only for "inf" / "-inf" / "nan"
+NUM = (int, float, str)  # str only for "inf" / "-inf" / "nan": non-finite floats (PSNR of identical images)
 #: The letters of :func:`fields`: str, number, int, bool, dict, and lists of str / number / int.
 TYPES: dict[str, Any] = {"s": str, "n": NUM, "i": int, "b": bool, "d": dict, "S": [str], "N": [NUM], "I": [int]}
 
@@ -107,10 +106,7 @@ def validate(obj: Any, spec: Any = None, path: str = "$") -> list[str]:
     if isinstance(spec, list):
         if not isinstance(obj, list):
             return [f"{path}: expected a list, got {type(obj).__name__}"]
-        errs = []
-        for i, item in enumerate(obj):
-            errs += validate(item, spec[0], f"{path}[{i}]")
-        return errs
+        return [e for i, item in enumerate(obj) for e in validate(item, spec[0], f"{path}[{i}]")]
     types = spec if isinstance(spec, tuple) else (spec,)
     if bool in types or not isinstance(obj, bool):
         if isinstance(obj, types):

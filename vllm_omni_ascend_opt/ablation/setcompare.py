@@ -1,9 +1,7 @@
 """``vllm-omni-ascend-opt compare A B``: two reference sets (or a set and an ablation output) image by image.
 
-A :data:`.refset.MUST_MATCH` fact that differs is an error naming it (nothing compared); the :data:`.refset.MAY_DIFFER`
-facts are shown side by side. Images pair by key; keys on one side only are listed. Per pair the metrics of
-:mod:`.compare` (and tensor errors when both sides have tensors), gated by tier. ``compare.json``, ``compare.md`` and
-``compare.png`` (the worst pairs with an amplified difference map) are written only once everything was compared.
+Images pair by key; each pair gets :mod:`.compare`'s metrics (and tensor errors when both sides have tensors), gated
+by tier. The reports are written only once everything was compared.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ MAX_AMPLIFY = 64.0
 
 
 def check_manifests(a: RefSet, b: RefSet) -> list[dict[str, Any]]:
-    """Raise :class:`SetError` naming the first :data:`MUST_MATCH` field the two disagree on; else the
-    :data:`MAY_DIFFER` facts side by side (``[{"field", "a", "b", "same"}]``)."""
+    """Raise :class:`SetError` on the first :data:`MUST_MATCH` fact that differs; else the :data:`MAY_DIFFER` ones."""
     fa, fb = a.facts(), b.facts()
     for name in MUST_MATCH:
         if fa[name] != fb[name]:
@@ -39,16 +36,6 @@ def check_manifests(a: RefSet, b: RefSet) -> list[dict[str, Any]]:
                 f"different {name} are not comparable (nothing compared)"
             )
     return [{"field": k, "a": fa[k], "b": fb[k], "same": fa[k] == fb[k]} for k in MAY_DIFFER]
-
-
-def _tensor_errors(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    denom = float(np.linalg.norm(a64))
-    return {
-        "bitwise_identical": bool(np.array_equal(a, b)),
-        "max_abs": float(np.abs(a64 - b64).max()),
-        "rel_error": float(np.linalg.norm(a64 - b64) / denom) if denom else (0.0 if not b64.any() else math.inf),
-    }
 
 
 def compare_pair(ea: Any, eb: Any) -> dict[str, Any]:
@@ -65,7 +52,13 @@ def compare_pair(ea: Any, eb: Any) -> dict[str, Any]:
         ta, tb = np.load(ea.tensor), np.load(eb.tensor)
         if ta.shape != tb.shape:
             raise SetError(f"{ea.tensor} and {eb.tensor}: tensors of different shapes {ta.shape} vs {tb.shape}")
-        tensors = _tensor_errors(ta, tb)
+        a64, b64 = ta.astype(np.float64), tb.astype(np.float64)
+        denom = float(np.linalg.norm(a64))
+        tensors = {
+            "bitwise_identical": bool(np.array_equal(ta, tb)),
+            "max_abs": float(np.abs(a64 - b64).max()),
+            "rel_error": float(np.linalg.norm(a64 - b64) / denom) if denom else (0.0 if not b64.any() else math.inf),
+        }
         m["bitwise_identical"] = tensors["bitwise_identical"]
     return {"id_a": ea.id, "id_b": eb.id, "key": ea.key, **m, "tensors": tensors}
 
@@ -120,8 +113,7 @@ def run_compare(
 
 
 def summary_rows(res: dict[str, Any]) -> list[list[str]]:
-    """One row per pair (worst first): id, pixel identical, max |Δ| (in [-1, 1] units), PSNR, SSIM, tensor max abs /
-    relative error."""
+    """One row per pair, worst first, in :data:`HEAD`'s columns."""
     rows = []
     for p in worst_first(res["pairs"]):
         t = p["tensors"]
@@ -184,8 +176,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> float:
-    """The worst pairs, one row each: A, B and the absolute difference amplified so that the largest one shown is
-    white (at most :data:`MAX_AMPLIFY` times), upscaled to >= 128 px. Returns the amplification."""
+    """The worst pairs as rows of A, B and their difference amplified (returned) to white; at least 128 px high."""
     from PIL import Image
 
     worst = worst_first(res["pairs"])[:WORST_SHOWN]
@@ -225,8 +216,7 @@ def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Pat
 
 
 def against_reference(path: Path, out_root: Path, plan: Any, environment: dict[str, Any]) -> dict[str, Any]:
-    """Every configuration of a finished ablation in ``out_root`` against the reference set at ``path`` (the
-    workload's close gates): results.json's ``reference``."""
+    """results.json's ``reference``: every configuration in ``out_root`` against the set at ``path`` (close gates)."""
     wl = plan.workload
     ref = _refset.load(path)
     out: dict[str, Any] = {"path": str(path), "gates": {"ssim": wl.ssim_gate, "psnr_db": wl.psnr_gate}, "configs": {}}

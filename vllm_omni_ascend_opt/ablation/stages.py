@@ -1,9 +1,5 @@
-"""Stage-aware comparisons (docs/ablation.md, "How verdicts are made").
-
-A comparison is measured on the stages its optimizations can change (``Optimization.changed_stages``), on the total
-when they are every stage or the engine reports none. The other stages are its *control*: nothing compared runs
-there, so a difference beyond their own noise floor is *process bias* and labels the comparison :data:`BIAS`
-(inconclusive, never a gain or a regression).
+"""Stage-aware comparisons: on the stages the optimizations can change, the other stages as a control whose
+difference beyond its noise floor is *process bias* (docs/ablation.md, "How verdicts are made").
 """
 
 from __future__ import annotations
@@ -12,16 +8,15 @@ import math
 from typing import Any
 
 from vllm_omni_ascend_opt.ablation.protocol import STAGES
-from vllm_omni_ascend_opt.ablation.stats import GAIN, REGRESSION, direction, label, noise_floor, pair
+from vllm_omni_ascend_opt.ablation.stats import GAIN, REGRESSION, Means, direction, label, noise_floor, pair
 
 #: The label of a comparison whose control stages differ beyond their noise floor (inconclusive).
 BIAS = "process bias"
 TOTAL = "total"
 
 
-def _basis(means: dict[str, dict[int, dict[str, float]]], stages: tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """What a comparison on ``stages`` is measured on: those stages, or ``("total",)`` when they are every stage or
-    some round of some configuration lacks one of them (an engine that reports no stages)."""
+def _basis(means: Means, stages: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """``stages``, or ``("total",)`` when they are every stage or some round lacks one (an engine without stages)."""
     st = tuple(x for x in STAGES if x in stages)
     if not st or set(st) == set(STAGES):
         return (TOTAL,)
@@ -30,9 +25,7 @@ def _basis(means: dict[str, dict[int, dict[str, float]]], stages: tuple[str, ...
     return (TOTAL,)
 
 
-def _on(
-    means: dict[str, dict[int, dict[str, float]]], basis: tuple[str, ...]
-) -> dict[str, dict[int, dict[str, float]]]:
+def _on(means: Means, basis: tuple[str, ...]) -> Means:
     """``means`` with each round's ``total`` replaced by the sum of ``basis``."""
     if basis == (TOTAL,):
         return means
@@ -43,7 +36,7 @@ def _on(
 
 
 def _measured(
-    means: dict[str, dict[int, dict[str, float]]], basis: tuple[str, ...], without: str, with_: str
+    means: Means, basis: tuple[str, ...], without: str, with_: str
 ) -> tuple[dict[str, Any], float | None, str]:
     """:func:`pair`, the noise floor and the label of a comparison on ``basis``."""
     on = _on(means, basis)
@@ -53,11 +46,8 @@ def _measured(
     return p, noise_ms, label(p["per_round_ms"], p["mean_ms"], noise_ms)
 
 
-def staged(
-    means: dict[str, dict[int, dict[str, float]]], without: str, with_: str, stages: tuple[str, ...] | list[str]
-) -> dict[str, Any]:
-    """The comparison of ``without`` and ``with_`` on ``stages``: ``basis`` (the stages measured, or ``["total"]``),
-    ``saved`` (:func:`pair` on them), ``noise_ms``, ``label``, and ``control`` (None when the basis is the total)."""
+def staged(means: Means, without: str, with_: str, stages: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``basis``, ``saved`` (:func:`pair` on it), ``noise_ms``, ``label`` and ``control`` (None on the total)."""
     basis = _basis(means, stages)
     p, noise_ms, lab = _measured(means, basis, without, with_)
     control = None

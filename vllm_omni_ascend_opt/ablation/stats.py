@@ -1,19 +1,14 @@
-"""From raw measurements to the figures verdicts are made of (definitions also in docs/ablation.md).
-
-* A configuration's time in a round: the median (``round_stat = "mean"``: the mean) over that round's samples;
-  only complete rounds count.
-* Time saved in a round: ``time(without) - time(with)``, over the rounds both completed; mean +- sample std.
-* The noise floor: |mean difference over rounds| of two identical full stacks in two processes (``full``,
-  ``full_ctrl``) plus two standard errors of it, so it shrinks as rounds are added.
-* Label: ``gain`` when the mean saving exceeds the noise floor and stays positive by two standard errors;
-  ``regression`` the same with the signs reversed; ``within noise`` otherwise. ``direction``: ``consistent`` when
-  every round has the same sign, ``flips`` otherwise.
+"""From raw measurements to the figures verdicts are made of: a configuration's time per complete round
+(``round_stat`` over its samples), time saved per round (``time(without) - time(with)``), the noise floor and the
+labels, as defined in docs/ablation.md ("Verdicts and exit codes").
 """
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
+from pathlib import Path
 from typing import Any
 
 from vllm_omni_ascend_opt.ablation import compare
@@ -23,9 +18,11 @@ from vllm_omni_ascend_opt.ablation.protocol import STAGES
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
 GAIN, REGRESSION, NOISE = "gain", "regression", "within noise"
+#: configuration -> round -> {"total": ms, <stage>: ms}: what :func:`round_means` returns.
+Means = dict[str, dict[int, dict[str, float]]]
 
 
-def round_means(plan: Plan, records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
+def round_means(plan: Plan, records: list[dict[str, Any]]) -> Means:
     """config -> round -> {"total": ms, <stage>: ms} over each complete round's samples (``round_stat``)."""
     samples = set(plan.samples)
     agg = statistics.median if plan.workload.round_stat == "median" else statistics.fmean
@@ -33,7 +30,7 @@ def round_means(plan: Plan, records: list[dict[str, Any]]) -> dict[str, dict[int
     for r in records:
         if r.get("type") == "sample" and not r.get("warmup"):
             acc.setdefault((r["config"], r["round"]), {})[(r["prompt"], r["seed"])] = r
-    out: dict[str, dict[int, dict[str, float]]] = {}
+    out: Means = {}
     for (cid, rnd), got in acc.items():
         if set(got) != samples:
             continue
@@ -51,7 +48,7 @@ def _std(xs: list[float]) -> float:
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
-def pair(means: dict[str, dict[int, dict[str, float]]], without: str, with_: str) -> dict[str, Any]:
+def pair(means: Means, without: str, with_: str) -> dict[str, Any]:
     """Time saved by going from ``without`` to ``with_``, per round and summarised."""
     a, b = means.get(without, {}), means.get(with_, {})
     rounds = sorted(set(a) & set(b))
@@ -83,7 +80,7 @@ def standard_error(per_round: list[float]) -> float | None:
 
 
 def label(per_round: list[float], mean: float | None, noise_ms: float | None) -> str:
-    """gain / regression / within noise (see the module docstring; one round: the noise floor alone)."""
+    """gain / regression beyond the noise floor and two standard errors, else within noise (one round: the floor)."""
     if mean is None or not per_round:
         return "not measured"
     if noise_ms is None:
@@ -96,8 +93,8 @@ def label(per_round: list[float], mean: float | None, noise_ms: float | None) ->
     return NOISE
 
 
-def noise_floor(means: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any] | None:
-    """The noise floor (see the module docstring; one round: that round's |difference|)."""
+def noise_floor(means: Means) -> dict[str, Any] | None:
+    """|mean of full - full_ctrl| + two standard errors over rounds (one round: that round's |difference|)."""
     p = pair(means, "full_ctrl", "full")
     per = p["per_round_ms"]
     if not per:
@@ -113,10 +110,7 @@ def noise_floor(means: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any]
 
 
 def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) -> dict[str, Any]:
-    """How much other work competed while measuring: ``busy`` when the median ``others_cpu`` exceeds the cores
-    the worker left free by a quarter core (at least half a core); a timing-only FAIL then becomes INCONCLUSIVE."""
-    import os
-
+    """``busy``: the median ``others_cpu`` exceeds the cores the worker left free by a quarter (at least half) core."""
     cpus = cpu_count or os.cpu_count() or 1
     meas = [r for r in records if r.get("type") == "sample" and not r.get("warmup")]
     loads = [r["load1"] for r in meas if r.get("load1") is not None]
@@ -149,10 +143,7 @@ def _class_of(plan: Plan, names: set[str]) -> str:
 
 
 def compare_configs(plan: Plan, out_root: Any, ref: str, other: str) -> dict[str, Any]:
-    """Metrics of ``other`` against ``ref`` on every sample, the worst case, and the gate of the optimizations the
-    two differ by (the weakest tier among them, their own ``close`` gates: :meth:`Plan.close_gates`)."""
-    from pathlib import Path
-
+    """``other`` against ``ref`` per sample, the worst case, and the gate of the weakest tier the two differ by."""
     root = Path(out_root)
     diff = plan.diff(ref, other)
     equivalence = _class_of(plan, diff)

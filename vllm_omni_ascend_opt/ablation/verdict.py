@@ -130,7 +130,7 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         }
 
     load = machine_load(records)
-    verdict = decide(plan, configs, opts, fvs, noise, interrupted, busy=load["busy"], load=load)
+    verdict = decide(plan, configs, opts, fvs, noise, interrupted, load=load)
     return {
         "verdict": verdict,
         "measurement": {"round_stat": wl.round_stat, **load},
@@ -149,7 +149,6 @@ def decide(
     noise: dict[str, Any] | None,
     interrupted: bool = False,
     *,
-    busy: bool = False,
     load: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Overall PASS / FAIL / INCONCLUSIVE with the reasons, and the exit code (see the module docstring)."""
@@ -199,7 +198,7 @@ def decide(
                 if nf is not None
                 else f"full stack vs stock is {lab}"
             )
-    if busy and load:
+    if load and load.get("busy"):
         note = (
             f"the machine was busy while measuring (other processes kept {load['others_cpu_median']:.2f} of "
             f"{load['cpu_count']} CPUs busy, median): wall-clock differences are unreliable"

@@ -1,8 +1,7 @@
 """One ablation configuration in its own process: ``python -m vllm_omni_ascend_opt.ablation.worker --job JOB.json``.
 
-The parent sets ``VLLM_OMNI_ASCEND_OPT`` (and ``_STRICT=1``); the plugin is loaded as vLLM-Omni loads it, the job's
-engine (:mod:`.engines`) loads the model once, the worker checks that exactly the configuration's optimizations act,
-then answers ``run`` commands until ``exit`` (:mod:`.protocol`).
+The plugin is loaded as vLLM-Omni loads it, the job's engine (:mod:`.engines`) loads the model once, the worker checks
+that exactly the configuration's optimizations act, then answers ``run`` commands until ``exit`` (:mod:`.protocol`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What an ablation generates and how often: the :class:`Workload`, named workload files and their lookup.
 
-Values come, lowest priority first, from the defaults, a named workload file and the command line. Named workloads
-are TOML (or JSON) files of flat ``key = value`` pairs named as :class:`Workload`'s fields; ``--workload NAME`` looks
-for ``NAME`` as a path, then ``./ablations/NAME.toml`` / ``.json``, then ``vllm_omni_ascend_opt/workloads/``.
+Values come, lowest priority first, from the defaults, a named workload file (TOML or JSON ``key = value`` pairs
+named as :class:`Workload`'s fields; lookup: :func:`find_workload`) and the command line.
 """
 
 from __future__ import annotations
@@ -96,10 +95,6 @@ class Workload:
         if self.max_sequence_length:
             return int(self.max_sequence_length)
         return 64 if self.is_tiny else 512
-
-    def samples(self) -> list[tuple[int, int]]:
-        """(prompt index, seed) of every image of one repeat, in run order."""
-        return [(p, s) for p in range(len(self.prompts)) for s in self.seeds]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -198,7 +193,7 @@ def from_mapping(data: dict[str, Any], name: str = "custom", base: Workload | No
 
 
 def find_workload(name: str) -> Path:
-    """Path of the workload file called ``name`` (see the module docstring for the search order)."""
+    """The workload file ``name``: a path, else ``NAME.toml`` / ``.json`` in ./ablations/, then in the package."""
     p = Path(name)
     if p.suffix in (".toml", ".json") and p.is_file():
         return p
