@@ -62,16 +62,10 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _numel(tree: Any) -> int:
-    return sum(t.numel() for t in _tensors(tree))
-
-
 def _gemm_flops(b: str, args: tuple[Any, ...], out: Any) -> float:
     outs = _tensors(out)
     o = outs[0].numel() if outs else 0
-    if b in ("addmm", "baddbmm", "addbmm", "addmv"):
-        k = args[1].shape[-1]
-    elif b == "linear":
+    if b in ("addmm", "baddbmm", "addbmm", "addmv", "linear"):
         k = args[1].shape[-1]
     elif "conv" in b:
         w = args[1]
@@ -102,5 +96,5 @@ def cost(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
     elif kind == ATTENTION:
         flops = _attention_flops(b, args, kwargs)
     else:
-        flops = float(_numel(out))
+        flops = float(sum(t.numel() for t in _tensors(out)))
     return Cost(kind, flops, float(reads + writes))

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_omni_ascend_opt.devtime import model as M
 from vllm_omni_ascend_opt.devtime import table as TB
-from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM
+from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM, nbytes
 from vllm_omni_ascend_opt.devtime.specs import HCCL_LATENCY_US
 from vllm_omni_ascend_opt.devtime.trace import BLOCKS, FULL, OpTable
 
@@ -59,15 +59,11 @@ class CollectiveCounter(TorchDispatchMode):
             named.update(kwargs)
             arg = named.get(_INPUT_ARG.get(name, ""), args[1] if len(args) > 1 else args[0])
             self.calls[name] += 1
-            self.bytes[name] += sum(t.numel() * t.element_size() for t in pytree.tree_leaves(arg) if _is_t(t))
+            self.bytes[name] += sum(nbytes(t) for t in pytree.tree_leaves(arg) if isinstance(t, torch.Tensor))
         return func(*args, **kwargs)
 
     def as_dict(self) -> dict[str, list[int]]:
         return {n: [self.calls[n], self.bytes[n]] for n in self.calls}
-
-
-def _is_t(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
 
 
 @dataclass(frozen=True)
@@ -83,11 +79,8 @@ class Layout:
 
     @property
     def name(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("USP", self.ulysses), ("ring", self.ring), ("CFG", self.cfg), ("TP", self.tp))]
-        return (
-            "+".join(p for p, v in zip(parts, (self.ulysses, self.ring, self.cfg, self.tp), strict=True) if v > 1)
-            or "1 card"
-        )
+        parts = (("USP", self.ulysses), ("ring", self.ring), ("CFG", self.cfg), ("TP", self.tp))
+        return "+".join(f"{k}{v}" for k, v in parts if v > 1) or "1 card"
 
 
 def collectives(

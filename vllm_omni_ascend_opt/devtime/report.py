@@ -65,10 +65,6 @@ def top_ops(
     return sorted(rows, key=lambda r: -r["ms"])[:n]
 
 
-def _pred_line(name: str, p: M.Prediction) -> str:
-    return f"    {name:<28} {p.image_ms:8.0f} ms   x{p.image_ms / p.floor_ms:4.2f} of the floor"
-
-
 def text_tables(
     table: dict[str, Any],
     fit: M.Fit,
@@ -91,7 +87,8 @@ def text_tables(
     ]
     for name in configs or TB.ordered(preds):
         if name in preds:
-            lines.append(_pred_line(name, preds[name]))
+            ms = preds[name].image_ms
+            lines.append(f"    {name:<28} {ms:8.0f} ms   x{ms / preds[name].floor_ms:4.2f} of the floor")
     calls = steps * cfg_forwards
     per_step = preds["default"].transformer_ms * cfg_forwards if "default" in preds else 0.0
     lines.append(

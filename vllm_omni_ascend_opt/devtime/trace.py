@@ -22,6 +22,7 @@ import torch
 
 from vllm_omni_ascend_opt.devtime.costs import cost
 from vllm_omni_ascend_opt.devtime.hollow import HollowMode
+from vllm_omni_ascend_opt.testbed.blockops import new_transformer, npu_dispatch
 from vllm_omni_ascend_opt.testbed.npu_ops import NpuOpCounter
 from vllm_omni_ascend_opt.testbed.opcount import call_site
 from vllm_omni_ascend_opt.testbed.tiny_model import REALWIDTH, ModelSpec
@@ -184,17 +185,8 @@ class CallTrace:
 
 def build_transformer(rt: Any, spec: ModelSpec = FULL, depth: int = 2) -> Any:
     """vLLM-Omni's transformer for ``spec`` at ``depth`` blocks, bf16, with uninitialised weights (nothing computed)."""
-    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
-
     spec = dataclasses.replace(spec, num_layers=depth)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with HollowMode(), rt.context():
-            tr = QwenImageTransformer2DModel(od_config=rt.od_config, **spec.transformer_kwargs())
-    finally:
-        torch.set_default_dtype(default)
-    return tr.eval()
+    return new_transformer(rt, spec, torch.bfloat16, HollowMode()).eval()
 
 
 def transformer_inputs(tr: Any, height: int, width: int, batch: int = 1, text_tokens: int = TEXT_TOKENS) -> dict:
@@ -213,24 +205,29 @@ def transformer_inputs(tr: Any, height: int, width: int, batch: int = 1, text_to
         )
 
 
-def trace_transformer(rt: Any, tr: Any, flags: str, kw: dict[str, Any]) -> CallTrace:
-    """Select ``flags`` on ``tr``, run a cold forward, trace a warm one (a repeated request), deselect."""
+def _trace(rt: Any, model: Any, flags: str, run: Any, blocks: Any = (), npu: bool = False) -> CallTrace:
+    """Select ``flags`` on ``model``, ``run()`` cold, trace a warm ``run()`` (a repeated request), deselect.
+    ``npu``: with the CustomOps dispatched as on Ascend (:func:`~vllm_omni_ascend_opt.testbed.blockops.npu_dispatch`)."""
     from vllm_omni_ascend_opt import api
-    from vllm_omni_ascend_opt.testbed.blockops import npu_dispatch
 
     hollow = HollowMode()  # selecting too: attaching casts or copies weights (nz_weights), nothing computed
     with hollow:
-        api.select(flags, model=tr)
+        api.select(flags, model=model)
     try:
-        with hollow, npu_dispatch(tr), rt.context(), torch.no_grad():
-            tr(**kw)  # cold: memo and tables filled, first-use kernel checks done
+        with hollow, npu_dispatch(model) if npu else contextlib.nullcontext(), rt.context(), torch.no_grad():
+            run()  # cold: memo and tables filled, first-use kernel checks done
             t = OpTrace()
-            with _scopes(t, tr.transformer_blocks), t:
-                tr(**kw)
+            with _scopes(t, blocks), t:
+                run()
     finally:
         with hollow:
-            api.select("none", model=tr)
+            api.select("none", model=model)
     return CallTrace(dict(t.tables))
+
+
+def trace_transformer(rt: Any, tr: Any, flags: str, kw: dict[str, Any]) -> CallTrace:
+    """Trace one warm transformer call with ``flags`` (:func:`_trace`)."""
+    return _trace(rt, tr, flags, lambda: tr(**kw), tr.transformer_blocks, npu=True)
 
 
 def build_vae(spec: ModelSpec = FULL) -> Any:
@@ -246,20 +243,6 @@ def build_vae(spec: ModelSpec = FULL) -> Any:
 
 def trace_vae(rt: Any, vae: Any, flags: str, height: int, width: int, batch: int = 1) -> CallTrace:
     """Trace one VAE decode of a ``height`` x ``width`` image (latents ``[B, z, 1, H/8, W/8]``) with ``flags``."""
-    from vllm_omni_ascend_opt import api
-
-    hollow = HollowMode()
-    with hollow:
+    with HollowMode():
         z = torch.empty(batch, vae.config.z_dim, 1, height // 8, width // 8, dtype=torch.bfloat16)
-    with hollow:
-        api.select(flags, model=vae)
-    try:
-        with hollow, rt.context(), torch.no_grad():
-            vae.decode(z, return_dict=False)  # cold: per-weight tables of the VAE optimizations made
-            t = OpTrace()
-            with t:
-                vae.decode(z, return_dict=False)
-    finally:
-        with hollow:
-            api.select("none", model=vae)
-    return CallTrace(dict(t.tables))
+    return _trace(rt, vae, flags, lambda: vae.decode(z, return_dict=False))

@@ -42,19 +42,24 @@ class BlockCount:
         return self.call_total - self.blocks * self.total
 
 
-def build_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype) -> Any:
-    """vLLM-Omni's transformer for ``spec`` with the test bed's seeded random weights, in ``dtype``."""
+def new_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype, mode: Any = None) -> Any:
+    """vLLM-Omni's transformer for ``spec``, allocated in ``dtype`` (under the dispatch mode ``mode``, if any)."""
     from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
-
-    from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # vLLM's linears allocate in the default dtype: no fp32 copy of the model
     try:
-        with rt.context():
-            tr = QwenImageTransformer2DModel(od_config=rt.od_config, **spec.transformer_kwargs())
+        with mode or contextlib.nullcontext(), rt.context():
+            return QwenImageTransformer2DModel(od_config=rt.od_config, **spec.transformer_kwargs())
     finally:
         torch.set_default_dtype(default)
+
+
+def build_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype) -> Any:
+    """vLLM-Omni's transformer for ``spec`` with the test bed's seeded random weights, in ``dtype``."""
+    from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
+
+    tr = new_transformer(rt, spec, dtype)
     state = random_transformer_state_dict(spec, seed=0)
     tr.load_weights(state.items())
     return tr.to(dtype).eval()

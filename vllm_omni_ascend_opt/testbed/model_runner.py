@@ -1,14 +1,12 @@
 """vLLM-Omni's own ``DiffusionModelRunner``, in this process, on the test bed's CPU runtime.
 
 The runner is what vLLM-Omni's diffusion worker drives: ``load_model`` builds the pipeline with the loader (the
-plugin attaches there) and applies CPU / layerwise offload, ``torch.compile`` and the cache backend in its own
-order; ``execute_model`` runs one request. :class:`RunnerHarness` builds one from ``OmniDiffusionConfig`` fields (the
-names users pass to ``Omni(...)`` / ``vllm serve``), so tests and benchmarks exercise the plugin in vLLM-Omni's
-memory, cache and compile modes without an accelerator. CPU-only adaptations, here and nowhere else: the engine CPU
-runtime (``runtime.py``); ``pin_cpu_memory=False`` for offload without an accelerator (pinned memory needs one);
-``supports_torch_inductor`` answering True while a ``compile=True`` runner loads (the unspecified platform leaves it
-unimplemented, so the runner would skip compiling). LoRA: the worker, not the runner, owns the
-``DiffusionLoRAManager``; :meth:`RunnerHarness.enable_lora` and ``generate(lora=...)`` do what the worker does.
+plugin attaches there) and applies offload, ``torch.compile`` and the cache backend in its own order;
+``execute_model`` runs one request. :class:`RunnerHarness` builds one from ``OmniDiffusionConfig`` fields, so tests
+and benchmarks exercise the plugin in vLLM-Omni's memory, cache and compile modes without an accelerator. CPU-only
+adaptations: the engine CPU runtime (``runtime.py``); ``pin_cpu_memory=False`` for offload (pinned memory needs an
+accelerator); ``supports_torch_inductor`` True while a ``compile=True`` runner loads (else the runner skips
+compiling). LoRA: :meth:`RunnerHarness.enable_lora` and ``generate(lora=...)`` do what the worker does.
 """
 
 from __future__ import annotations
@@ -118,17 +116,13 @@ class RunnerHarness:
         width: int = 64,
         steps: int = 4,
         seed: int = 42,
-        cfg_scale: float = 1.0,
-        negative_prompt: str | None = None,
-        request_id: str = "ascend-opt",
         lora: Lora | None = None,
-        **sampling: Any,
+        **request: Any,
     ) -> torch.Tensor:
         """One request through ``runner.execute_model``; the decoded images ``[B, 3, H, W]`` (float, CPU).
 
         ``lora`` (after :meth:`enable_lora`): the request's adapter, activated before the request as vLLM-Omni's
-        worker does (None: no adapter). ``sampling``: further ``OmniDiffusionSamplingParams`` fields
-        (``num_outputs_per_prompt=2``)."""
+        worker does (None: no adapter). ``request``: further :func:`~.pipeline.make_request` keywords."""
         if lora is not None and self.lora_manager is None:
             raise RuntimeError("generate(lora=...) needs enable_lora() first")
         if self.lora_manager is not None:
@@ -136,17 +130,7 @@ class RunnerHarness:
 
             req = None if lora is None else LoRARequest(lora_name=lora[0], lora_int_id=lora[1], lora_path=lora[2])
             self.lora_manager.set_active_adapter(req, 1.0 if lora is None else lora[3])
-        batch = make_request(
-            prompt,
-            height=height,
-            width=width,
-            steps=steps,
-            seed=seed,
-            cfg_scale=cfg_scale,
-            negative_prompt=negative_prompt,
-            request_id=request_id,
-            **sampling,
-        )
+        batch = make_request(prompt, height=height, width=width, steps=steps, seed=seed, **request)
         with self.rt.context():
             out = self.runner.execute_model(batch.requests[0])
         images = out.output

@@ -1,8 +1,7 @@
 """Count the kernels torch_npu 2.13 would launch for what runs here on CPU: :class:`NpuOpCounter`.
 
-torch_npu registers its own set of ``aten::`` kernels, so the NPU's launch count differs from the CPU's dispatch
-(:class:`~.opcount.OpCounter`) where the two backends disagree. Per op reaching the dispatcher (views and
-allocation-only ops excluded):
+torch_npu registers its own set of ``aten::`` kernels. Per op reaching the dispatcher (views and allocation-only ops
+excluded):
 
 1. registered for the NPU (a dense key in :data:`REGISTERED_FILE`, extracted from the real torch-npu 2.13.0 wheel by
    ``tools/gen_npu_registered_ops.py``) -> 1 launch;
@@ -144,9 +143,8 @@ def _suspended() -> Iterator[None]:
 
 
 def _record(name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None) -> None:
-    """Count one launch of ``name`` in every active counter (only in a decomposition's sub-counter while one runs);
-    ``call`` (args, kwargs, result) goes to each counter's :meth:`NpuOpCounter.observe` (the device-time trace
-    prices the launch from it)."""
+    """Count one launch of ``name`` in every active counter (only in a decomposition's sub-counter while one runs),
+    and pass ``call`` (args, kwargs, result) to its :meth:`NpuOpCounter.observe`."""
     active = _STATE.active
     targets = active[-1:] if active and active[-1]._isolated else active
     for c in targets:
@@ -156,11 +154,8 @@ def _record(name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None 
 
 
 def run_npu_kernel(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn`` (a fake torch_npu kernel ``name``) as ONE launch: the CPU ops inside are not counted.
-
-    Counted (as ``npu::<name>``) only when the result holds a tensor: queries such as ``get_npu_format`` launch
-    nothing.
-    """
+    """Run ``fn`` (a fake torch_npu kernel ``name``) as ONE launch (``npu::<name>``), the CPU ops inside uncounted;
+    only when the result holds a tensor: queries such as ``get_npu_format`` launch nothing."""
     if _STATE.suspended or not _STATE.active:
         return fn(*args, **kwargs)
     with _suspended():
@@ -262,17 +257,13 @@ class NpuOpCounter(TorchDispatchMode):
                 lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
                 (args, kwargs),
             )
-        sub = self._sub_counter()
+        sub = type(self)(_isolated=True, _depth=self._depth + 1)  # a subclass's pieces are its own
         try:
             with sub:
                 decomp(*meta_args, **meta_kwargs)
         except Exception:  # a decomposition that needs values (data-dependent) cannot run on meta
             return None
         return sub
-
-    def _sub_counter(self) -> NpuOpCounter:
-        """The isolated counter a decomposition's pieces are counted in (its class: a subclass's pieces are its own)."""
-        return type(self)(_isolated=True, _depth=self._depth + 1)
 
     @property
     def total(self) -> int:

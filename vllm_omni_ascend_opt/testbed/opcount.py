@@ -1,14 +1,13 @@
 """Count kernel-launching aten ops (what an NPU pays a launch for), excluding views and allocation-only ops.
 
-On an NPU, batch-1 eager Qwen-Image is bound by kernel launches, which a 2-core CPU hides; counting the dispatched
-aten ops is the device-independent proxy our benchmarks report next to wall-clock ratios. What torch_npu itself would
-launch for the same code (its registered kernels, composites as their pieces, torch_npu ops as one) is counted by
-:class:`vllm_omni_ascend_opt.testbed.npu_ops.NpuOpCounter`.
+On an NPU, batch-1 eager Qwen-Image is bound by kernel launches, which a CPU hides: the dispatched aten ops are a
+device-independent proxy. What torch_npu itself would launch is counted by :class:`~.npu_ops.NpuOpCounter`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -101,9 +100,7 @@ def count_module_calls(module: torch.nn.Module, counter: Callable[[], Any] | Non
 class TensorReadCounter(TorchDispatchMode):
     """Counts the kernel-launching ops that read any of ``tensors`` (matched by storage, so views such as
     ``weight.t()`` count) and the bytes they read: each watched storage's size once per op that takes it.
-
-    ``with TensorReadCounter(weights) as c: ...`` then ``c.calls`` / ``c.bytes``. Used for "modulation weight bytes
-    read per denoise step": a GEMV reads its whole weight and bias once.
+    ``with TensorReadCounter(weights) as c: ...`` then ``c.calls`` / ``c.bytes``.
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -142,8 +139,6 @@ def call_site(
     """``file:line (function)`` of the nearest caller (from ``depth`` frames up) outside torch, contextlib, this
     module, files whose path contains one of ``skip`` and functions named in ``skip_functions``; without
     ``function``, ``file:line`` only."""
-    import sys
-
     f = sys._getframe(depth)
     while f is not None:
         name = f.f_code.co_filename
@@ -161,15 +156,10 @@ def call_site(
 
 
 class SyncCounter(TorchDispatchMode):
-    """Counts host synchronisation points: calls of ``Tensor.item`` / ``tolist`` / ``cpu`` / ``numpy`` / ``__bool__``
-    (tensor truthiness) and the aten ops that return host values (``_local_scalar_dense``, ``is_nonzero``,
-    ``equal``) when no counted method dispatched them.
-
-    On a device each of these waits for the queued kernels; on the CPU test bed they cost nothing, so they are
-    counted where they are called, whatever the device. ``.cpu()`` is the copy to the host: reads of the copy it
-    returned (``numpy()``, ``tolist()``, ``item()`` on a tensor sharing its storage, in the same caller frame) are
-    host-side and not counted again. ``with SyncCounter() as s: ...`` then ``s.total`` and ``s.sites`` (per
-    ``file:line (function)``: where each sync point is).
+    """Counts host synchronisation points (on a device each waits for the queued kernels): calls of
+    :data:`SYNC_METHODS` and the :data:`SYNC_OPS` that no counted method dispatched. Reads of the host copy a
+    ``.cpu()`` returned (a tensor sharing its storage, in the same caller frame) are not counted again.
+    ``with SyncCounter() as s: ...`` then ``s.total`` and ``s.sites`` (per ``file:line (function)``).
     """
 
     def __init__(self) -> None:
@@ -183,24 +173,19 @@ class SyncCounter(TorchDispatchMode):
     def total(self) -> int:
         return sum(self.sites.values())
 
-    def _count(self, site: str) -> None:
-        self.sites[site] += 1
-
     def _wrap(self, name: str, original: Any) -> Any:
         counter = self
 
         def method(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if counter._depth:
                 return original(t, *args, **kwargs)
-            import sys
-
             frame = sys._getframe(1)
             ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else -1
             host = counter._host_copy
             if name != "cpu" and host is not None and host[0] is frame and host[1] == ptr:
                 pass  # a read of the host copy made by .cpu() in this frame
             else:
-                counter._count(call_site(2))
+                counter.sites[call_site(2)] += 1
             counter._depth += 1
             try:
                 out = original(t, *args, **kwargs)
@@ -234,7 +219,7 @@ class SyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._depth and func._schema.name in SYNC_OPS:
-            self._count(call_site(2))
+            self.sites[call_site(2)] += 1
         self._depth += 1
         try:
             return func(*args, **(kwargs or {}))

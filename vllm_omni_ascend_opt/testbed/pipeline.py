@@ -31,14 +31,13 @@ class GenerationResult:
     stage_ms: dict[str, float] = field(default_factory=dict)
 
 
-#: Pipeline modules whose pre-process sizes images with a module-global ``calculate_dimensions`` (see module doc).
-_AREA_MODULES = (
+#: The image pipelines' modules: they load the module-global ``Qwen2VLProcessor`` in ``__init__`` and size images with
+#: the module-global ``calculate_dimensions`` (see module doc).
+_IMAGE_MODULES = (
     "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit",
     "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit_plus",
     "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_layered",
 )
-#: Pipeline modules that load ``Qwen2VLProcessor`` (module global) in ``__init__``.
-_PROCESSOR_MODULES = _AREA_MODULES
 #: Test-bed scale of the real models' image areas: 1024^2 -> 64^2 (VAE image), 384^2 -> 32^2 (condition image).
 AREA_SCALE = (64 / 1024) ** 2
 
@@ -63,10 +62,6 @@ def image_only_processor_class() -> type:
     return ImageOnlyQwen2VLProcessor
 
 
-def _torchvision_available() -> bool:
-    return importlib.util.find_spec("torchvision") is not None
-
-
 @contextlib.contextmanager
 def _patched_globals(modules: tuple[str, ...], name: str, make: Any) -> Iterator[None]:
     """Set ``module.<name> = make(old)`` in each module for the duration; restored by identity afterwards."""
@@ -86,10 +81,10 @@ def _patched_globals(modules: tuple[str, ...], name: str, make: Any) -> Iterator
 @contextlib.contextmanager
 def tiny_processor_loading() -> Iterator[None]:
     """While loading an image pipeline without torchvision: serve ``Qwen2VLProcessor`` as the image-only class."""
-    if _torchvision_available():
+    if importlib.util.find_spec("torchvision") is not None:
         yield
         return
-    with _patched_globals(_PROCESSOR_MODULES, "Qwen2VLProcessor", lambda _old: image_only_processor_class()):
+    with _patched_globals(_IMAGE_MODULES, "Qwen2VLProcessor", lambda _old: image_only_processor_class()):
         yield
 
 
@@ -103,7 +98,7 @@ def tiny_image_areas(scale: float = AREA_SCALE) -> Iterator[None]:
 
         return calculate_dimensions
 
-    with _patched_globals(_AREA_MODULES, "calculate_dimensions", make):
+    with _patched_globals(_IMAGE_MODULES, "calculate_dimensions", make):
         yield
 
 
@@ -143,9 +138,8 @@ def load_pipeline(
 
 
 def _match_text_encoder_dtype(pipe: Any, dtype: torch.dtype) -> None:
-    """vLLM-Omni loads the text encoder in its stored dtype (bf16 in the real checkpoint) and makes the latents in
-    that dtype; the test bed stores it in fp32, which breaks a 16-bit run at the transformer's first linear. Cast it
-    to the run's 16-bit dtype, as the real checkpoint would be. fp32 runs are unchanged."""
+    """vLLM-Omni loads the text encoder in its stored dtype (the test bed's: fp32, the real checkpoint's: bf16), which
+    would break a 16-bit run at the transformer's first linear: cast it to the run's 16-bit dtype."""
     te = getattr(pipe, "text_encoder", None)
     if te is None or dtype not in (torch.float16, torch.bfloat16):
         return
@@ -204,11 +198,9 @@ def make_request(
 def run_forward(pipe: Any, req: Any) -> Any:
     """``pipe.forward(req)``; for ``QwenImageDMD2Pipeline`` the DMD2 mixin's forward minus its broken call.
 
-    vLLM-Omni 0.30's ``DMD2PipelineMixin.forward`` sanitizes the request (few-step count, no CFG) and then calls
-    ``super().forward(req, guidance_scale=..., num_inference_steps=...)``, which ``QwenImagePipeline.forward(req)``
-    does not accept (TypeError; pinned by tests/test_family.py). The test bed runs the mixin's own
-    ``_sanitize_dmd2_request`` and then ``QwenImagePipeline.forward`` -- the mixin's forward without the extra
-    keywords, whose values the sanitized request already carries -- with the DMD2 scheduler the mixin installed."""
+    vLLM-Omni 0.30's ``DMD2PipelineMixin.forward`` passes ``super().forward`` keywords that
+    ``QwenImagePipeline.forward(req)`` does not accept (TypeError; pinned by tests/test_family.py). Its own
+    ``_sanitize_dmd2_request`` puts those values in the request, then ``QwenImagePipeline.forward`` runs."""
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImageDMD2Pipeline, QwenImagePipeline
 
     if isinstance(pipe, QwenImageDMD2Pipeline):
@@ -250,28 +242,17 @@ def generate(
     width: int = 32,
     steps: int = 2,
     seed: int = 42,
-    cfg_scale: float = 1.0,
-    negative_prompt: str | None = None,
-    max_sequence_length: int = 64,
     image: Any = None,
-    **sampling: Any,
+    **request: Any,
 ) -> GenerationResult:
-    """Run one request through the pipeline's ``forward`` and return the decoded image tensor.
+    """Run one request (``request``: further :func:`make_request` keywords) through the pipeline's ``forward`` and
+    return the decoded image tensor.
 
     Image pipelines (Edit, Edit-Plus, Layered) need ``image``; it is pre-processed by the pipeline's own registered
     pre-process function first. Layered returns its decoded layers stacked as ``[layers, C, H, W]`` (RGBA)."""
+    pre_process = pre_process_func(pipe) if image is not None else None
     req = make_request(
-        prompt,
-        height=height,
-        width=width,
-        steps=steps,
-        seed=seed,
-        cfg_scale=cfg_scale,
-        negative_prompt=negative_prompt,
-        max_sequence_length=max_sequence_length,
-        image=image,
-        pre_process=pre_process_func(pipe) if image is not None else None,
-        **sampling,
+        prompt, height=height, width=width, steps=steps, seed=seed, image=image, pre_process=pre_process, **request
     )
     t0 = time.perf_counter()
     with rt.context(), torch.no_grad():

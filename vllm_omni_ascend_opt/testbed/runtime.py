@@ -10,6 +10,8 @@ same for vLLM-Omni's own engines (``Omni``, ``vllm serve --omni``): one place kn
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import logging
 import os
 import socket
@@ -54,10 +56,7 @@ def free_port() -> int:
 
 
 def route_attention_to_sdpa_on_cpu() -> bool:
-    """On ``UnspecifiedOmniPlatform`` only: select vLLM-Omni's SDPA backend and run its pure-torch forward.
-
-    Returns True when it changed something. Idempotent.
-    """
+    """On ``UnspecifiedOmniPlatform`` only: vLLM-Omni's SDPA backend, pure-torch forward. True when applied."""
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
     from vllm_omni.platforms import current_omni_platform
 
@@ -186,11 +185,8 @@ _ENGINE_APPLIED: list[str] = []
 def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) plus what makes vLLM-Omni's engines run on CPU in every process they start.
 
-    vLLM-Omni starts its processes itself (API server, ``mp`` workers), so only the environment reaches all of them:
-    ``SITE_DIR`` on ``PYTHONPATH`` (its ``sitecustomize`` installs the import-time workarounds, standard library
-    only, inert without ``ENV_CPU_RUNTIME=1``, and makes ``load_omni_general_plugins`` apply
-    :func:`apply_engine_cpu_runtime` first, which changes nothing on an accelerator platform). Nothing is installed:
-    a process sees neither half unless this environment is passed to it."""
+    vLLM-Omni starts its processes itself (API server, ``mp`` workers), so only the environment reaches them all:
+    ``SITE_DIR`` on ``PYTHONPATH`` and ``ENV_CPU_RUNTIME=1`` (see ``omni_cpu_site/sitecustomize.py``)."""
     out = dict(os.environ if env is None else env)
     paths = [str(SITE_DIR)] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
     out["PYTHONPATH"] = os.pathsep.join(paths)
@@ -199,22 +195,18 @@ def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
+@functools.cache
+def _site_module() -> Any:
+    spec = importlib.util.spec_from_file_location("_ascend_opt_cpu_site", SITE_DIR / "sitecustomize.py")
+    site = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(site)  # type: ignore[union-attr]
+    return site
+
+
 def use_import_workarounds() -> None:
-    """In this process: the interpreter-start half's torchvision-free image processors, for code that imports
-    vLLM-Omni's engine modules in-process (``testbed.model_runner``). Idempotent. (No audio placeholder: nothing imported
-    in-process needs it, and it would make ``torchaudio`` look installed to the rest of the process.)"""
-    import importlib.util
-
-    site = _SITE.get("module")
-    if site is None:
-        spec = importlib.util.spec_from_file_location("_ascend_opt_cpu_site", SITE_DIR / "sitecustomize.py")
-        site = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(site)  # type: ignore[union-attr]
-        _SITE["module"] = site
-    site.install_import_fallbacks(audio=False)
-
-
-_SITE: dict[str, Any] = {}
+    """In this process, for engine modules imported in-process: the torchvision-free image processors (no audio
+    placeholder: it would make ``torchaudio`` look installed to the rest of the process). Idempotent."""
+    _site_module().install_import_fallbacks(audio=False)
 
 
 def engine_cpu_runtime_applied() -> list[str]:
@@ -226,11 +218,9 @@ def apply_engine_cpu_runtime() -> list[str]:
     """Platform-time half of the engine CPU runtime; idempotent. Returns what it changed (empty on an accelerator).
 
     On ``UnspecifiedOmniPlatform`` only: (1) attention -> vLLM-Omni's pure-torch SDPA; (2) the platform methods the
-    engine calls and the unspecified platforms (vLLM-Omni's and vLLM's) leave unimplemented or wrong on CPU
-    (:func:`_platform_methods`: ``dist_backend`` gloo, one device, no-op synchronisation and memory statistics, the
-    host's free memory for model CPU offload's debug log); (3) the ``mp`` executor's output thread, which dies on
-    ``current_accelerator()`` being None (then every request waits forever): inside it, ``cpu``, and outputs packed
-    without a side stream; (4) LoRA without pinned memory (vLLM pins adapters without asking the platform)."""
+    unspecified platforms (vLLM-Omni's and vLLM's) leave unimplemented or wrong on CPU (:func:`_platform_methods`);
+    (3) the ``mp`` executor's output thread, which dies on ``current_accelerator()`` being None (every request then
+    waits forever): inside it, ``cpu``; (4) LoRA without pinned memory (vLLM pins adapters without asking)."""
     if _ENGINE_APPLIED:
         return list(_ENGINE_APPLIED)
     from vllm_omni.platforms import current_omni_platform
@@ -280,8 +270,7 @@ def _platform_methods() -> dict[str, Any]:
 
 
 def cpu_lora_without_pinned_memory() -> bool:
-    """See item 4 of :func:`apply_engine_cpu_runtime`. Returns True when it changed something (only without an
-    accelerator; idempotent)."""
+    """Item 4 of :func:`apply_engine_cpu_runtime` (only without an accelerator). True when it changed something."""
     if torch.accelerator.current_accelerator() is not None:
         return False
     import vllm.lora.lora_model as lora_model
@@ -292,7 +281,7 @@ def cpu_lora_without_pinned_memory() -> bool:
 
 
 def _cpu_async_output_thread() -> bool:
-    """See item 3 of :func:`apply_engine_cpu_runtime`. Returns True when it changed something."""
+    """Item 3 of :func:`apply_engine_cpu_runtime`. True when it changed something."""
     if torch.accelerator.current_accelerator() is not None:
         return False
     from vllm_omni.diffusion.worker import diffusion_worker as dw
