@@ -99,7 +99,6 @@ def call_ms(table: OpTable, p: Params) -> float:
 @dataclass(frozen=True)
 class Prediction:
     transformer_ms: float  # one call
-    vae_ms: float
     image_ms: float
     floor_ms: float  # FLOPs / spec peak, the whole image's traced work
 
@@ -109,7 +108,7 @@ def predict(transformer: OpTable, vae: OpTable, p: Params, steps: int, cfg_forwa
     t, v = call_ms(transformer, p), call_ms(vae, p)
     flops = steps * cfg_forwards * transformer.flops + vae.flops
     floor = flops / (p.spec.peak_tflops * 1e12) * 1e3
-    return Prediction(t, v, steps * cfg_forwards * t + v + p.const_ms, floor)
+    return Prediction(t, steps * cfg_forwards * t + v + p.const_ms, floor)
 
 
 def _vectors(table: OpTable) -> tuple[np.ndarray, ...]:

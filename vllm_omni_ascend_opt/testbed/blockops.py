@@ -28,7 +28,6 @@ WIDTHS: dict[str, ModelSpec] = {"tiny": TINY, "real": REALWIDTH}
 class BlockCount:
     """Launches of one block on a warm forward: ``total``, by op name, and what the NPU counter could not place."""
 
-    flags: str
     total: int
     counts: Counter[str] = field(default_factory=Counter)
     unresolved: Counter[str] = field(default_factory=Counter)
@@ -124,7 +123,7 @@ def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) 
     # RoPE table of ``joint_attention`` when the ``rope`` embedder memo is off and the freqs are new each forward);
     # it is counted with the work outside the blocks (``BlockCount.outside``), per block is the steady state
     unresolved = Counter(getattr(call, "unresolved", {}))
-    return BlockCount(flags, c.total, Counter(c.counts), unresolved, call.total, len(tr.transformer_blocks))
+    return BlockCount(c.total, Counter(c.counts), unresolved, call.total, len(tr.transformer_blocks))
 
 
 def ops_per_block(

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -26,24 +26,13 @@ from vllm_omni_ascend_opt.testbed.runtime import Runtime, apply_engine_cpu_runti
 OFFLOAD_FIELDS = ("enable_cpu_offload", "enable_layerwise_offload")
 
 
-@contextlib.contextmanager
-def _inductor_supported(on: bool) -> Iterator[None]:
+def _inductor_supported(on: bool) -> Any:
     """While loading: the platform says it supports inductor (only when ``on``; restored afterwards)."""
     if not on:
-        yield
-        return
+        return contextlib.nullcontext()
     from vllm_omni.platforms import current_omni_platform
 
-    cls = type(current_omni_platform)
-    before = cls.__dict__.get("supports_torch_inductor")
-    cls.supports_torch_inductor = classmethod(lambda _cls: True)
-    try:
-        yield
-    finally:
-        if before is None:
-            del cls.supports_torch_inductor
-        else:
-            cls.supports_torch_inductor = before
+    return mock.patch.object(type(current_omni_platform), "supports_torch_inductor", classmethod(lambda _cls: True))
 
 
 def runner_config(rt: Runtime, **fields: Any) -> Any:

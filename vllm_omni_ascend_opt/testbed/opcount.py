@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 from torch.utils import _pytree as pytree
@@ -167,7 +168,7 @@ class SyncCounter(TorchDispatchMode):
         self.sites: Counter[str] = Counter()
         self._depth = 0
         self._host_copy: tuple[Any, int] | None = None  # (caller frame, storage pointer) of the last .cpu()
-        self._saved: dict[str, Any] = {}
+        self._patches = contextlib.ExitStack()
 
     @property
     def total(self) -> int:
@@ -200,21 +201,15 @@ class SyncCounter(TorchDispatchMode):
 
     def __enter__(self) -> SyncCounter:
         for name in SYNC_METHODS:
-            original = getattr(torch.Tensor, name)
-            self._saved[name] = torch.Tensor.__dict__.get(name)
-            setattr(torch.Tensor, name, self._wrap(name, original))
+            wrapped = self._wrap(name, getattr(torch.Tensor, name))
+            self._patches.enter_context(mock.patch.object(torch.Tensor, name, wrapped))
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
         try:
             return super().__exit__(*exc)
         finally:
-            for name, saved in self._saved.items():
-                if saved is None:
-                    delattr(torch.Tensor, name)
-                else:
-                    setattr(torch.Tensor, name, saved)
-            self._saved.clear()
+            self._patches.close()
             self._host_copy = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -15,10 +15,10 @@ import copy
 import functools
 import importlib
 import importlib.util
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -28,7 +28,6 @@ from vllm_omni_ascend_opt.testbed.runtime import Runtime
 @dataclass
 class GenerationResult:
     images: torch.Tensor  # [B, 3, H, W] in [-1, 1] (vLLM-Omni's "pt" output), float
-    stage_ms: dict[str, float] = field(default_factory=dict)
 
 
 #: The image pipelines' modules: they load the module-global ``Qwen2VLProcessor`` in ``__init__`` and size images with
@@ -65,17 +64,11 @@ def image_only_processor_class() -> type:
 @contextlib.contextmanager
 def _patched_globals(modules: tuple[str, ...], name: str, make: Any) -> Iterator[None]:
     """Set ``module.<name> = make(old)`` in each module for the duration; restored by identity afterwards."""
-    saved = []
-    try:
+    with contextlib.ExitStack() as patches:
         for mod_name in modules:
             mod = importlib.import_module(mod_name)
-            old = getattr(mod, name)
-            saved.append((mod, old))
-            setattr(mod, name, make(old))
+            patches.enter_context(mock.patch.object(mod, name, make(getattr(mod, name))))
         yield
-    finally:
-        for mod, old in saved:
-            setattr(mod, name, old)
 
 
 @contextlib.contextmanager
@@ -254,16 +247,12 @@ def generate(
     req = make_request(
         prompt, height=height, width=width, steps=steps, seed=seed, image=image, pre_process=pre_process, **request
     )
-    t0 = time.perf_counter()
     with rt.context(), torch.no_grad():
         outs = run_forward(pipe, req)
-    total = (time.perf_counter() - t0) * 1e3
     out = outs[0] if isinstance(outs, list) else outs  # DMD2 / text-to-image: list; edit / layered: one output
     images = out.output
     if isinstance(images, list):  # Layered: one [layers, C, H, W] tensor per batch item
         images = torch.cat(list(images), dim=0)
     if images.dim() == 3:
         images = images.unsqueeze(0)
-    stages = dict(getattr(out, "stage_durations", None) or {})
-    stages["total"] = total
-    return GenerationResult(images=images.detach().float().cpu(), stage_ms=stages)
+    return GenerationResult(images=images.detach().float().cpu())

@@ -26,25 +26,7 @@ ENV = "VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME"
 _TRANSFORMERS_MODELS = "transformers.models."
 
 
-class _PilTwinLoader(importlib.abc.Loader):
-    def __init__(self, twin: str) -> None:
-        self.twin = twin
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module) -> None:
-        twin = importlib.import_module(self.twin)
-        for name, value in vars(twin).items():
-            if name.startswith("__"):
-                continue
-            setattr(module, name, value)
-            if isinstance(value, type) and name.endswith("ImageProcessorPil"):
-                setattr(module, name[: -len("Pil")], value)
-        module.__ascend_opt_cpu_twin__ = self.twin
-
-
-class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder):
+class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
         if not fullname.startswith(_TRANSFORMERS_MODELS):
             return None
@@ -54,10 +36,31 @@ class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder):
         twin = f"{head}.image_processing_pil_{leaf[len('image_processing_') :]}"
         if importlib.util.find_spec(twin) is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _PilTwinLoader(twin))
+        return importlib.machinery.ModuleSpec(fullname, self, loader_state=twin)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        twin = module.__spec__.loader_state
+        for name, value in vars(importlib.import_module(twin)).items():
+            if name.startswith("__"):
+                continue
+            setattr(module, name, value)
+            if isinstance(value, type) and name.endswith("ImageProcessorPil"):
+                setattr(module, name[: -len("Pil")], value)
+        module.__ascend_opt_cpu_twin__ = twin
 
 
-class _PlaceholderLoader(importlib.abc.Loader):
+class _Placeholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots: tuple[str, ...]) -> None:
+        self.roots = roots
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname.partition(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
     def create_module(self, spec):
         return None
 
@@ -75,16 +78,6 @@ class _PlaceholderLoader(importlib.abc.Loader):
 
         module.__getattr__ = __getattr__
         module.__version__ = "0+ascend-opt-cpu-placeholder"
-
-
-class _Placeholders(importlib.abc.MetaPathFinder):
-    def __init__(self, roots: tuple[str, ...]) -> None:
-        self.roots = roots
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname.partition(".")[0] in self.roots:
-            return importlib.machinery.ModuleSpec(fullname, _PlaceholderLoader(), is_package=True)
-        return None
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
