@@ -1,14 +1,12 @@
 """Run real model code on CPU tensors without computing anything: :class:`HollowMode`.
 
-The device-time trace needs every op the real transformer (60 blocks, hidden 3072) and VAE launch at full size, with
-shapes but not numbers. Meta tensors would break the code under trace (it reads device types and a few host values,
-and the modulation memo refuses ``FakeTensor``), so tensors stay plain CPU tensors and each op is answered from its
-meta kernel: views and allocation-only ops run for real; in-place and ``out=`` ops return their target unwritten;
-every other op runs on meta copies and its outputs are allocated uninitialised (small ones, :data:`SMALL` elements,
-filled with zeros / ``True`` so host reads are deterministic); an op without a meta kernel runs for real on those
-values; factories run for real when small. So the kernel checks the plugin makes on first use pass, data-dependent
-branches go the way a normal request goes, and the memo sees the same timestep embedding twice:
-``tests/test_devtime.py`` checks the trace's launch count against the counter's on real values.
+The device-time trace needs every op the real transformer and VAE launch at full size, with shapes but not numbers.
+Meta tensors would break the code under trace (it reads device types and a few host values, and the modulation memo
+refuses ``FakeTensor``), so tensors stay plain CPU tensors and each op is answered from its meta kernel: views and
+allocation-only ops run for real; in-place and ``out=`` ops return their target unwritten; every other op runs on
+meta copies and its outputs are allocated uninitialised (up to :data:`SMALL` elements filled, so host reads are
+deterministic); an op without a meta kernel runs for real on those values; factories run for real when small. So
+first-use kernel checks pass and data-dependent branches go the way a normal request goes.
 """
 
 from __future__ import annotations

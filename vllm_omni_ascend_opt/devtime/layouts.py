@@ -1,15 +1,14 @@
 """Multi-card layouts for one image: the collectives each parallel mode issues, priced, and the best layout.
 
-Per transformer call and rank, what vLLM-Omni 0.30's parallel modes issue (counted on the real code by
-:class:`CollectiveCounter`; ``tests/test_devtime_model.py`` checks :func:`collectives` against it): Ulysses SP, per
-block an all-to-all each for the image q, k, v and the output, the text stream's output all-gathered; ring SP, per
-block r-1 passes of the local k and v (not overlapped: an upper bound); both one all-gather of the output per call;
-CFG-parallel, one all-gather of the noise prediction per step; TP, per block an all-reduce after each stream's
-attention out-projection and MLP down-projection, GEMMs, attention and head-split ops split t ways.
+Per transformer call and rank, what vLLM-Omni 0.30's parallel modes issue (:func:`collectives`, checked against
+:class:`CollectiveCounter` on the real code): Ulysses SP, per block an all-to-all each for the image q, k, v and the
+output, the text stream's output all-gathered; ring SP, per block r-1 passes of the local k and v (not overlapped: an
+upper bound); both one all-gather of the output per call; CFG-parallel, one all-gather of the noise prediction per
+step; TP, per block an all-reduce after each stream's attention out-projection and MLP down-projection, GEMMs,
+attention and head-split ops split t ways.
 
-Pricing (:mod:`.specs`, approximate): an all-to-all or all-gather over u ranks moves its (u-1)/u share over u-1
-links at once, an all-reduce twice that, plus one latency per collective; compute is the device-time model's on one
-rank's share of the ops (:func:`_rank_table`).
+Pricing (approximate): an all-to-all or all-gather over u ranks moves its (u-1)/u share over u-1 links at once, an
+all-reduce twice that, plus one latency per collective; compute is one rank's share of the ops (:func:`_rank_table`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The trace table the device-time model reads: per workload and configuration, the priced ops of one call.
 
 Written by ``benchmarks/bench_devtime.py --write-table`` (it needs the torch_npu fake of ``tests/``, so ``plan``
-never traces: it reads :data:`TABLE_FILE`). Per workload (resolution x batch) and configuration (stock, default,
-all, each optimization alone, and the reference's intermediate stacks the calibration needs): the ops of one warm
-transformer call at 60 blocks (:meth:`~.trace.CallTrace.per_call`) and of one VAE decode, each op as
-``[name, kind, site, launches, flops, bytes]``.
+never traces). Per workload (resolution x batch) and configuration (:func:`configurations`): the ops of one warm
+transformer call at 60 blocks and of one VAE decode, each op as ``[name, kind, site, launches, flops, bytes]``.
 """
 
 from __future__ import annotations

@@ -2,11 +2,10 @@
 
 :class:`OpTrace` is the NPU launch counter (``testbed/npu_ops.py``) that also prices every launch it counts
 (:mod:`.costs`) and records where it ran (outside the blocks, the first block, the last block) and from which line
-of Python; the counter alone decides what is a launch. :func:`trace_transformer` builds vLLM-Omni's real
-``QwenImageTransformer2DModel`` (:data:`FULL`) at ``depth`` blocks, selects a ``VLLM_OMNI_ASCEND_OPT`` spec and traces
-one warm forward under :class:`~.hollow.HollowMode`, with the CustomOps dispatched as on Ascend; every block runs the
-same ops, so 60 blocks are ``outside + first + 59 x last`` (:meth:`CallTrace.per_call`). :func:`trace_vae` does the
-same for the real VAE decoder. The caller installs the torch_npu fake, as for the launch counter.
+of Python. :func:`trace_transformer` traces one warm forward of the real transformer under
+:class:`~.hollow.HollowMode`; every block runs the same ops, so 60 blocks are ``outside + first + 59 x last``
+(:meth:`CallTrace.per_call`). :func:`trace_vae` does the same for the VAE decoder. The caller installs the torch_npu
+fake, as for the launch counter.
 """
 
 from __future__ import annotations
@@ -54,8 +53,7 @@ def shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 @dataclass
 class Op:
-    """One kind of launch in one place, on one set of shapes: ``count`` launches with these totals. ``site`` is
-    ``file:line`` of the model or plugin code that launched it, then ``|`` and the argument shapes."""
+    """``count`` launches of ``name`` at ``site`` (``file:line`` of the model or plugin code, ``|``, the shapes)."""
 
     name: str
     kind: str
@@ -90,10 +88,6 @@ class OpTable:
     @property
     def flops(self) -> float:
         return sum(o.flops for o in self.ops.values())
-
-    @property
-    def bytes(self) -> float:
-        return sum(o.bytes for o in self.ops.values())
 
     def to_list(self) -> list[list[Any]]:
         return [[o.name, o.kind, o.site, o.count, o.flops, o.bytes] for o in self.ops.values()]

@@ -1,10 +1,8 @@
 """Kernel launches per transformer block on a warm forward, for a flag selection, a dtype and a width.
 
-For the op-budget tests and ``benchmarks/bench_ops.py``: build vLLM-Omni's real ``QwenImageTransformer2DModel`` (the
-tiny spec or the real width), select a ``VLLM_OMNI_ASCEND_OPT`` spec, run one cold forward and count the last block
-of a warm one under ``torch.no_grad``. ``npu=False`` counts what the CPU dispatches (:class:`~.opcount.OpCounter`),
-``npu=True`` what torch_npu would launch (:class:`~.npu_ops.NpuOpCounter`, with the torch_npu fake installed by the
-caller). No op is per-token, so the real width is counted at a small image.
+For the op-budget tests and ``benchmarks/bench_ops.py``: vLLM-Omni's real ``QwenImageTransformer2DModel`` (tiny or
+real width), counted by :class:`~.opcount.OpCounter` (``npu=False``) or :class:`~.npu_ops.NpuOpCounter` (with the
+torch_npu fake installed by the caller). No op is per-token, so the real width is counted at a small image.
 """
 
 from __future__ import annotations
@@ -81,10 +79,8 @@ def t2i_inputs(tr: Any, dtype: torch.dtype, height: int = 128, width: int = 128)
 
 @contextlib.contextmanager
 def npu_dispatch(tr: Any) -> Iterator[int]:
-    """Dispatch ``tr``'s vLLM-Omni ``CustomOp`` modules as on an Ascend platform (``CustomOp.dispatch_forward``
-    picks ``forward_npu`` there; on this CPU-only machine it picked ``forward_native``), so that stock's NPU code is
-    what is counted, e.g. ``AdaLayerNorm.forward_npu``: ``npu_layer_norm_eval(x) * (1 + scale) + shift`` without the
-    native path's fp32 casts. Yields how many modules were switched; restores every one afterwards."""
+    """Dispatch ``tr``'s vLLM-Omni ``CustomOp`` modules to ``forward_npu`` as on an Ascend platform (here they picked
+    ``forward_native``), so that stock's NPU code is what is counted. Yields how many modules were switched."""
     from vllm_omni.diffusion.layers.custom_op import CustomOp
 
     saved = []
@@ -136,11 +132,8 @@ def ops_per_block(
     height: int = 128,
     image_width: int = 128,
 ) -> BlockCount:
-    """One line for a budget test: launches per block of a warm forward of the ``width`` transformer in ``dtype``.
-
-    ``npu=True`` (the default) counts what torch_npu would launch; install the torch_npu fake first so that the
-    plugin takes its NPU paths (e.g. ``fake_npu(); assert ops_per_block(runtime, "default").total <= 45``).
-    """
+    """Launches per block of a warm forward of the ``width`` transformer in ``dtype`` (:func:`count_block`); with
+    ``npu=True`` install the torch_npu fake first so that the plugin takes its NPU paths."""
     tr = build_transformer(rt, WIDTHS[width], dtype)
     return count_block(tr, rt, t2i_inputs(tr, dtype, height, image_width), flags, npu=npu)
 

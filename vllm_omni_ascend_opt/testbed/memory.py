@@ -48,24 +48,16 @@ def measure(fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: A
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities, profile_memory=True, record_shapes=False) as prof:
         out = fn(*args, **kwargs)
-    want = torch.device(device).type
     events = sorted(
         (e.start_ns(), e.nbytes())
         for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and str(e.device_type()).rsplit(".", 1)[-1].lower() == want
+        if e.name() == "[memory]" and str(e.device_type()).rsplit(".", 1)[-1].lower() == kind
     )
     live = peak = 0
     for _t, nbytes in events:
         live += nbytes
         peak = max(peak, live)
     return out, MemoryPeak(peak=peak, end=live, allocations=sum(1 for _t, n in events if n > 0))
-
-
-#: The calls whose peaks the benchmarks and the ablation report show: (label, path of the object, method name).
-PIPELINE_CALLS: tuple[tuple[str, str, str], ...] = (
-    ("transformer_forward", "transformer", "forward"),
-    ("vae_decode", "vae", "decode"),
-)
 
 
 @contextlib.contextmanager
@@ -94,9 +86,10 @@ def first_call_peaks(targets: dict[str, tuple[Any, str]], device: str = "cpu") -
 
 
 def pipeline_targets(pipe: Any) -> dict[str, tuple[Any, str]]:
-    """:data:`PIPELINE_CALLS` found on ``pipe`` (a pipeline without a transformer or a VAE has fewer)."""
+    """The calls whose peaks the benchmarks and the ablation report show, found on ``pipe`` (a pipeline without a
+    transformer or a VAE has fewer)."""
     out = {}
-    for label, attr, method in PIPELINE_CALLS:
+    for label, attr, method in (("transformer_forward", "transformer", "forward"), ("vae_decode", "vae", "decode")):
         obj = getattr(pipe, attr, None)
         if obj is not None and callable(getattr(obj, method, None)):
             out[label] = (obj, method)

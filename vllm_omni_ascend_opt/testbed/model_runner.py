@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch
 
-from vllm_omni_ascend_opt.testbed.pipeline import make_request
+from vllm_omni_ascend_opt.testbed.pipeline import decoded_images, make_request
 from vllm_omni_ascend_opt.testbed.runtime import Runtime, apply_engine_cpu_runtime, use_import_workarounds
 
 #: ``OmniDiffusionConfig`` fields that switch an offload mode on.
@@ -65,11 +65,9 @@ class RunnerHarness:
     def load(
         cls, rt: Runtime, *, compile: bool = False, device: str | torch.device = "cpu", **fields: Any
     ) -> RunnerHarness:
-        """Build a runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields`` and load it (on ``device``:
-        the CPU, or the accelerator the ablation worker runs on).
-
+        """Build a runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields`` and load it on ``device``.
         ``compile=True`` sets ``enforce_eager=False`` and lets the runner compile (``diffusion_compile_granularity``
-        picks regional or full); otherwise the runner runs eagerly."""
+        picks regional or full)."""
         use_import_workarounds()
         apply_engine_cpu_runtime()
         from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
@@ -121,11 +119,7 @@ class RunnerHarness:
             self.lora_manager.set_active_adapter(req, 1.0 if lora is None else lora[3])
         batch = make_request(prompt, height=height, width=width, steps=steps, seed=seed, **request)
         with self.rt.context():
-            out = self.runner.execute_model(batch.requests[0])
-        images = out.output
-        if images.dim() == 3:
-            images = images.unsqueeze(0)
-        return images.detach().float().cpu()
+            return decoded_images(self.runner.execute_model(batch.requests[0]))
 
     def close(self) -> None:
         """Drop the cache backend and the offloader's hooks (one cache-dit pipeline per process)."""

@@ -70,11 +70,8 @@ def count_ops(fn: Callable[[], Any]) -> tuple[Any, OpCounter]:
 
 @contextlib.contextmanager
 def count_module_calls(module: torch.nn.Module, counter: Callable[[], Any] | None = None) -> Iterator[list[OpCounter]]:
-    """Yields a list that receives one counter per call of ``module`` (e.g. one transformer block).
-
-    Use inside an outer run; only ops dispatched while ``module.forward`` runs are counted. ``counter`` builds the
-    counter (default :class:`OpCounter`; ``testbed.npu_ops.NpuOpCounter`` counts what torch_npu would launch).
-    """
+    """Yields a list that receives one counter per call of ``module`` (only ops dispatched while ``module.forward``
+    runs); ``counter`` builds it (default :class:`OpCounter`)."""
     results: list[OpCounter] = []
     active: list[OpCounter] = []
     make = counter or OpCounter

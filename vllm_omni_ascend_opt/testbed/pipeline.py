@@ -250,9 +250,14 @@ def generate(
     with rt.context(), torch.no_grad():
         outs = run_forward(pipe, req)
     out = outs[0] if isinstance(outs, list) else outs  # DMD2 / text-to-image: list; edit / layered: one output
+    return GenerationResult(images=decoded_images(out))
+
+
+def decoded_images(out: Any) -> torch.Tensor:
+    """A ``DiffusionOutput``'s images as ``[B, C, H, W]`` float on the CPU (Layered: its layers stacked)."""
     images = out.output
     if isinstance(images, list):  # Layered: one [layers, C, H, W] tensor per batch item
         images = torch.cat(list(images), dim=0)
     if images.dim() == 3:
         images = images.unsqueeze(0)
-    return GenerationResult(images=images.detach().float().cpu())
+    return images.detach().float().cpu()

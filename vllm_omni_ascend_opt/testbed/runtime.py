@@ -90,10 +90,9 @@ def route_ring_kernel_to_cpu() -> None:
     def eff(q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=False, scale=None):
         if q.device.type != "cpu":
             return original(q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale
         )[:2]
-        return out, lse
 
     ring_kernels._scaled_dot_product_efficient_attention = eff
     ring_kernels._ascend_opt_cpu_routed = True

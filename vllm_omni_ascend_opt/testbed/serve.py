@@ -57,8 +57,7 @@ class ImageResponse:
         return np.asarray(Image.open(io.BytesIO(self.png)).convert("RGB"), dtype=np.uint8)
 
     def stage_durations(self) -> dict[str, float]:
-        metrics = self.body.get("metrics") or {}
-        return dict(metrics.get("stage_durations") or {})
+        return dict((self.body.get("metrics") or {}).get("stage_durations") or {})
 
 
 def image_request(
@@ -70,7 +69,6 @@ def image_request(
     seed: int,
     cfg_scale: float = 1.0,
     negative_prompt: str | None = None,
-    model: str | None = None,
 ) -> dict[str, Any]:
     """An OpenAI images-API body for vLLM-Omni's server (``true_cfg_scale`` > 1 with a negative prompt: true CFG)."""
     body: dict[str, Any] = {
@@ -84,8 +82,6 @@ def image_request(
     }
     if cfg_scale > 1.0:
         body["negative_prompt"] = negative_prompt if negative_prompt is not None else " "
-    if model is not None:
-        body["model"] = model
     return body
 
 

@@ -151,12 +151,10 @@ TINY_FAMILY["deep-edit-2511"] = TINY_DEEP.variant(EDIT_PLUS, zero_cond_t=True)
 #: Real width (hidden 3072, 24 heads x 128, RoPE axes 16/56/56) at reduced depth, for benchmarks.
 REALWIDTH = ModelSpec(
     name="realwidth",
-    num_layers=2,
     num_attention_heads=24,
     attention_head_dim=128,
     axes_dims_rope=(16, 56, 56),
     joint_attention_dim=64,
-    vae_base_dim=24,
     weight_std=0.02,
 )
 
