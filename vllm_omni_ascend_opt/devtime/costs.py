@@ -86,8 +86,7 @@ def _attention_flops(b: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> f
 
 
 def cost(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Cost:
-    """The :class:`Cost` of one launch of ``name`` (a counter's op name) called with ``args``/``kwargs``, result
-    ``out``."""
+    """The :class:`Cost` of one launch of ``name`` (a counter's op name) with these arguments and result."""
     kind, b = kind_of(name), base_name(name)
     reads = sum(nbytes(t) for t in _tensors((args, kwargs)))
     writes = sum(nbytes(t) for t in _tensors(out))

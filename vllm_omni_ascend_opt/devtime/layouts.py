@@ -42,8 +42,7 @@ _INPUT_ARG = {
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """``with CollectiveCounter() as c: ...``: the ``c10d::`` collectives issued, by name, with the bytes of their
-    input (``c.calls``, ``c.bytes``)."""
+    """``with CollectiveCounter() as c: ...``: the ``c10d::`` collectives, by name: ``c.calls``, ``c.bytes`` in."""
 
     def __init__(self) -> None:
         super().__init__()

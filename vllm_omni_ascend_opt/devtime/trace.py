@@ -200,8 +200,7 @@ def transformer_inputs(tr: Any, height: int, width: int, batch: int = 1, text_to
 
 
 def _trace(rt: Any, model: Any, flags: str, run: Any, blocks: Any = (), npu: bool = False) -> CallTrace:
-    """Select ``flags`` on ``model``, ``run()`` cold, trace a warm ``run()`` (a repeated request), deselect.
-    ``npu``: with the CustomOps dispatched as on Ascend (:func:`~vllm_omni_ascend_opt.testbed.blockops.npu_dispatch`)."""
+    """Select ``flags`` on ``model``, ``run()`` cold, trace a warm ``run()`` (``npu``: under ``npu_dispatch``)."""
     from vllm_omni_ascend_opt import api
 
     hollow = HollowMode()  # selecting too: attaching casts or copies weights (nz_weights), nothing computed

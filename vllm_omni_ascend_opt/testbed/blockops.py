@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
-from vllm_omni_ascend_opt.testbed.tiny_model import REALWIDTH, TINY, ModelSpec
+from vllm_omni_ascend_opt.testbed.tiny_model import TINY, ModelSpec
 
 TEXT_TOKENS = 32
 TIMESTEP = 0.7
-WIDTHS: dict[str, ModelSpec] = {"tiny": TINY, "real": REALWIDTH}
 
 
 @dataclass
@@ -96,8 +95,8 @@ def npu_dispatch(tr: Any) -> Iterator[int]:
 
 
 def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) -> BlockCount:
-    """Select ``flags`` on ``tr``, run one cold forward, then count the last block of a warm one. ``npu=True``: with
-    the CustomOps dispatched as on an Ascend platform (:func:`npu_dispatch`)."""
+    """Select ``flags`` on ``tr``, run one cold forward, then count the last block of a warm one (``npu``: under
+    :func:`npu_dispatch`)."""
     from vllm_omni_ascend_opt import api
     from vllm_omni_ascend_opt.testbed.npu_ops import NpuOpCounter
     from vllm_omni_ascend_opt.testbed.opcount import OpCounter, count_module_calls
@@ -123,24 +122,16 @@ def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) 
 
 
 def ops_per_block(
-    rt: Any,
-    flags: str = "default",
-    *,
-    width: str = "tiny",
-    dtype: torch.dtype = torch.bfloat16,
-    npu: bool = True,
-    height: int = 128,
-    image_width: int = 128,
+    rt: Any, flags: str = "default", *, dtype: torch.dtype = torch.bfloat16, npu: bool = True
 ) -> BlockCount:
-    """Launches per block of a warm forward of the ``width`` transformer in ``dtype`` (:func:`count_block`); with
+    """Launches per block of a warm forward of the tiny transformer in ``dtype`` (:func:`count_block`); with
     ``npu=True`` install the torch_npu fake first so that the plugin takes its NPU paths."""
-    tr = build_transformer(rt, WIDTHS[width], dtype)
-    return count_block(tr, rt, t2i_inputs(tr, dtype, height, image_width), flags, npu=npu)
+    tr = build_transformer(rt, TINY, dtype)
+    return count_block(tr, rt, t2i_inputs(tr, dtype), flags, npu=npu)
 
 
 def configurations() -> dict[str, str]:
-    """The configurations the op tables report: stock, default, all (default + the off-by-default opt-ins, the
-    fast tier among them), and each registered optimization alone."""
+    """The configurations the op tables report: stock, default, all, and each registered optimization alone."""
     from vllm_omni_ascend_opt import registry
 
     out = {"stock": "none", "default": "default", "all": "all"}

@@ -86,8 +86,7 @@ def first_call_peaks(targets: dict[str, tuple[Any, str]], device: str = "cpu") -
 
 
 def pipeline_targets(pipe: Any) -> dict[str, tuple[Any, str]]:
-    """The calls whose peaks the benchmarks and the ablation report show, found on ``pipe`` (a pipeline without a
-    transformer or a VAE has fewer)."""
+    """The calls whose peaks the benchmarks and the ablation report show, those ``pipe`` has."""
     out = {}
     for label, attr, method in (("transformer_forward", "transformer", "forward"), ("vae_decode", "vae", "decode")):
         obj = getattr(pipe, attr, None)

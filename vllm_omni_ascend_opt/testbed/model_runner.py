@@ -35,20 +35,6 @@ def _inductor_supported(on: bool) -> Any:
     return mock.patch.object(type(current_omni_platform), "supports_torch_inductor", classmethod(lambda _cls: True))
 
 
-def runner_config(rt: Runtime, **fields: Any) -> Any:
-    """A copy of the runtime's ``OmniDiffusionConfig`` with ``fields`` set (cached resolutions dropped)."""
-    od = copy.copy(rt.od_config)
-    for name in [k for k in vars(od) if k.startswith("_resolved")]:
-        delattr(od, name)  # e.g. the offload policy resolved for the runtime's own config
-    if any(fields.get(f) for f in OFFLOAD_FIELDS) and torch.accelerator.current_accelerator() is None:
-        fields.setdefault("pin_cpu_memory", False)
-    for name, value in fields.items():
-        if not hasattr(od, name):
-            raise TypeError(f"OmniDiffusionConfig has no field {name!r}")
-        setattr(od, name, value)
-    return od
-
-
 #: ``generate(lora=...)``: (adapter name, positive int id, adapter directory, scale), or None for no adapter.
 Lora = tuple[str, int, str, float]
 
@@ -73,7 +59,15 @@ class RunnerHarness:
         from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
 
         fields.setdefault("enforce_eager", not compile)
-        od = runner_config(rt, **fields)
+        od = copy.copy(rt.od_config)  # with ``fields`` set, cached resolutions dropped
+        for name in [k for k in vars(od) if k.startswith("_resolved")]:
+            delattr(od, name)  # e.g. the offload policy resolved for the runtime's own config
+        if any(fields.get(f) for f in OFFLOAD_FIELDS) and torch.accelerator.current_accelerator() is None:
+            fields.setdefault("pin_cpu_memory", False)
+        for name, value in fields.items():
+            if not hasattr(od, name):
+                raise TypeError(f"OmniDiffusionConfig has no field {name!r}")
+            setattr(od, name, value)
         runner = DiffusionModelRunner(rt.vllm_config, od, torch.device(device))
         with rt.context(), _inductor_supported(compile):
             runner.load_model()

@@ -165,10 +165,6 @@ def run_npu_kernel(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any)
 
 
 class _FunctionHooks(TorchFunctionMode):
-    def __init__(self, owner: NpuOpCounter) -> None:
-        super().__init__()
-        self.owner = owner
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op = FUNCTION_HOOKS.get(func)
@@ -194,7 +190,7 @@ class NpuOpCounter(OpCounter):
         self.unresolved: Counter[str] = Counter()
         self._isolated = _isolated  # a decomposition's sub-counter: its pieces run on meta, unseen by outer modes
         self._depth = _depth
-        self._hooks = _FunctionHooks(self)
+        self._hooks = _FunctionHooks()
 
     def __enter__(self):
         _STATE.active.append(self)
@@ -219,8 +215,7 @@ class NpuOpCounter(OpCounter):
         return func(*args, **kwargs)
 
     def observe(self, name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None) -> None:
-        """One launch of ``name`` was counted, with its ``(args, kwargs, result)`` when known; no-op here (the
-        device-time trace, ``devtime/trace.py``, prices it)."""
+        """One launch of ``name`` was counted, with its ``(args, kwargs, result)`` when known (for subclasses)."""
 
     def absorb(self, pieces: NpuOpCounter) -> None:
         """A decomposition's sub-counter ``pieces`` was merged into this one; a subclass takes what it recorded."""

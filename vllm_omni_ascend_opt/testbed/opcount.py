@@ -70,8 +70,7 @@ def count_ops(fn: Callable[[], Any]) -> tuple[Any, OpCounter]:
 
 @contextlib.contextmanager
 def count_module_calls(module: torch.nn.Module, counter: Callable[[], Any] | None = None) -> Iterator[list[OpCounter]]:
-    """Yields a list that receives one counter per call of ``module`` (only ops dispatched while ``module.forward``
-    runs); ``counter`` builds it (default :class:`OpCounter`)."""
+    """Yields a list that receives one counter (made by ``counter``) per call of ``module``."""
     results: list[OpCounter] = []
     active: list[OpCounter] = []
     make = counter or OpCounter
@@ -103,10 +102,7 @@ class TensorReadCounter(TorchDispatchMode):
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         super().__init__()
-        self._sizes: dict[int, int] = {}
-        for t in tensors:
-            st = t.untyped_storage()
-            self._sizes[st.data_ptr()] = st.nbytes()
+        self._sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         self.calls = 0
         self.bytes = 0
 
@@ -128,7 +124,6 @@ class TensorReadCounter(TorchDispatchMode):
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__")
 #: Aten ops that return a host value (what ``item()``, ``bool(t)``, ``float(t)``, ``torch.equal`` dispatch).
 SYNC_OPS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal"}
-_OWN_FILES = (__file__,)
 
 
 def call_site(
@@ -141,7 +136,7 @@ def call_site(
     while f is not None:
         name = f.f_code.co_filename
         if (
-            name not in _OWN_FILES
+            name != __file__
             and "/torch/" not in name
             and "/contextlib.py" not in name
             and not any(s in name for s in skip)

@@ -219,8 +219,7 @@ class OmniServer:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def group_alive(self) -> bool:
-        """Whether any process of the server's process group (or, without a session of its own, the server) is
-        still there."""
+        """Whether any process of the server's group (without a session of its own: the server) is still there."""
         if self.proc is None:
             return False
         if not self.new_session:

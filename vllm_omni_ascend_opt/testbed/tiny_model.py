@@ -27,8 +27,6 @@ EDIT_PLUS = "QwenImageEditPlusPipeline"
 LAYERED = "QwenImageLayeredPipeline"
 #: The vLLM-Omni 0.30 Qwen-Image pipelines the builder can make a directory for.
 PIPELINES = (T2I, DMD2, EDIT, EDIT_PLUS, LAYERED)
-#: Pipelines whose prompt encoding runs the text encoder's vision tower on an input image (need ``processor/``).
-IMAGE_INPUT_PIPELINES = (EDIT, EDIT_PLUS, LAYERED)
 #: Vision special tokens (Qwen2.5-VL names) appended to the byte-level vocabulary for the image pipelines, with the
 #: text encoder config field that holds each one's id.
 VISION_TOKENS = {
@@ -76,7 +74,8 @@ class ModelSpec:
 
     @property
     def image_input(self) -> bool:
-        return self.pipeline in IMAGE_INPUT_PIPELINES
+        """The prompt encoding runs the text encoder's vision tower on an input image (needs ``processor/``)."""
+        return self.pipeline in (EDIT, EDIT_PLUS, LAYERED)
 
     def transformer_kwargs(self) -> dict:
         kw = dict(

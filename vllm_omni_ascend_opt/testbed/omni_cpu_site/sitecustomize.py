@@ -135,11 +135,6 @@ def install_import_fallbacks(audio: bool = True) -> None:
         sys.meta_path.append(_Placeholders(missing))  # last: only for names no other finder knows
 
 
-def _install() -> None:
-    sys.meta_path.insert(0, _AfterImport("vllm_omni.plugins", _apply_runtime_before_plugins))
-    install_import_fallbacks()
-
-
 def _chain_next_sitecustomize() -> None:
     """Run the ``sitecustomize`` this one shadows (a later entry of ``sys.path``), if there is one."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -157,7 +152,8 @@ def _chain_next_sitecustomize() -> None:
 if __name__ == "sitecustomize":  # at interpreter start (not when the test bed loads this file in-process)
     if os.environ.get(ENV) == "1":
         try:
-            _install()
+            sys.meta_path.insert(0, _AfterImport("vllm_omni.plugins", _apply_runtime_before_plugins))
+            install_import_fallbacks()
         except Exception as exc:  # never break interpreter start-up
             print(f"vllm-omni-ascend-opt CPU runtime: import workarounds not installed: {exc!r}", file=sys.stderr)
     _chain_next_sitecustomize()
