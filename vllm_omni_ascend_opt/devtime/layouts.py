@@ -183,12 +183,8 @@ def predict(
 
 
 def layouts_for(cards: int, cfg: bool) -> list[Layout]:
-    out = []
-    for u, r, c, t in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (1, 2), (1, 2, 4, 8)):
-        lay = Layout(u, r, c, t)
-        if lay.cards == cards and (cfg or c == 1) and HEADS % (u * t) == 0:
-            out.append(lay)
-    return out
+    grid = (Layout(*g) for g in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (1, 2), (1, 2, 4, 8)))
+    return [lay for lay in grid if lay.cards == cards and (cfg or lay.cfg == 1) and HEADS % (lay.ulysses * lay.tp) == 0]
 
 
 def text_table(

@@ -83,12 +83,8 @@ def find_config(table: dict[str, Any], opts: list[str] | tuple[str, ...]) -> str
     def norm(names: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return tuple(sorted(set(names) & tr)), tuple(sorted(set(names) & vae))
 
-    want = norm(opts)
     first = next(iter(table["workloads"].values()))
-    for name, entry in first.items():
-        if norm(entry["opts"]) == want:
-            return name
-    return None
+    return next((name for name, entry in first.items() if norm(entry["opts"]) == norm(opts)), None)
 
 
 def build(

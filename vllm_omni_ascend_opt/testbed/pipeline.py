@@ -126,18 +126,12 @@ def load_pipeline(
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
         pipe = loader.load_model(load_device=str(device), device=device)
     pipe.eval()
-    _match_text_encoder_dtype(pipe, od.dtype)
-    return pipe
-
-
-def _match_text_encoder_dtype(pipe: Any, dtype: torch.dtype) -> None:
-    """vLLM-Omni loads the text encoder in its stored dtype (the test bed's: fp32, the real checkpoint's: bf16), which
-    would break a 16-bit run at the transformer's first linear: cast it to the run's 16-bit dtype."""
+    # vLLM-Omni loads the text encoder in its stored dtype (the test bed's: fp32, the real checkpoint's: bf16), which
+    # would break a 16-bit run at the transformer's first linear: cast it to the run's 16-bit dtype.
     te = getattr(pipe, "text_encoder", None)
-    if te is None or dtype not in (torch.float16, torch.bfloat16):
-        return
-    if next(te.parameters()).dtype == torch.float32:
-        te.to(dtype)
+    if te is not None and od.dtype in (torch.float16, torch.bfloat16) and next(te.parameters()).dtype == torch.float32:
+        te.to(od.dtype)
+    return pipe
 
 
 def make_request(

@@ -96,17 +96,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             self._busy = False
         if spec is None or spec.loader is None:
             return spec
-        inner, action = spec.loader, self.action
+        exec_module, action = spec.loader.exec_module, self.action
 
-        class _Then(importlib.abc.Loader):
-            def create_module(self, spec):
-                return inner.create_module(spec)
+        def then(module) -> None:
+            exec_module(module)
+            action(module)
 
-            def exec_module(self, module) -> None:
-                inner.exec_module(module)
-                action(module)
-
-        spec.loader = _Then()
+        spec.loader.exec_module = then  # this spec's own loader instance
         return spec
 
 
