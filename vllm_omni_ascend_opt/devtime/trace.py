@@ -137,22 +137,20 @@ class OpTrace(NpuOpCounter):
 @contextlib.contextmanager
 def _scopes(trace: OpTrace, blocks: Any) -> Iterator[None]:
     """Set ``trace.scope`` to ``first`` / ``last`` while the first / last block runs, ``outside`` otherwise."""
-    handles = []
-    for i, blk in enumerate(blocks):
-        scope = "first" if i == 0 else "last" if i == len(blocks) - 1 else "middle"
 
-        def pre(_m, _a, _s=scope):
-            trace.scope = _s
+    def post(_m, _a, _o):
+        trace.scope = "outside"
 
-        def post(_m, _a, _o):
-            trace.scope = "outside"
+    with contextlib.ExitStack() as hooks:
+        for i, blk in enumerate(blocks):
+            scope = "first" if i == 0 else "last" if i == len(blocks) - 1 else "middle"
 
-        handles += [blk.register_forward_pre_hook(pre), blk.register_forward_hook(post)]
-    try:
+            def pre(_m, _a, _s=scope):
+                trace.scope = _s
+
+            hooks.enter_context(blk.register_forward_pre_hook(pre))
+            hooks.enter_context(blk.register_forward_hook(post))
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @dataclass

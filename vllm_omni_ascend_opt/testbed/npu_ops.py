@@ -42,14 +42,8 @@ _MAX_DEPTH = 8  # decomposition recursion guard
 @functools.cache
 def registered_ops() -> frozenset[str]:
     """Overloads (``"add.Tensor"``, ``"_to_copy"`` for ``default``) with a dense NPU kernel in torch_npu 2.13.0."""
-    ops = set()
-    for line in REGISTERED_FILE.read_text().splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, keys = line.split()
-        if _DENSE_KEYS & set(keys.split(",")):
-            ops.add(name)
-    return frozenset(ops)
+    rows = (line.split() for line in REGISTERED_FILE.read_text().splitlines() if line and not line.startswith("#"))
+    return frozenset(name for name, keys in rows if _DENSE_KEYS & set(keys.split(",")))
 
 
 def wheel_header() -> dict[str, str]:

@@ -38,10 +38,7 @@ _NO_KERNEL = {
 
 def is_kernel_launch(func: Any) -> bool:
     """True when ``func`` (an OpOverload) would launch a device kernel: not a view, not allocation-only."""
-    name = func._schema.name
-    if name in _NO_KERNEL:
-        return False
-    return not getattr(func, "is_view", False)
+    return func._schema.name not in _NO_KERNEL and not getattr(func, "is_view", False)
 
 
 class OpCounter(TorchDispatchMode):
@@ -85,13 +82,8 @@ def count_module_calls(module: torch.nn.Module, counter: Callable[[], Any] | Non
         c.__exit__(None, None, None)
         results.append(c)
 
-    h1 = module.register_forward_pre_hook(pre)
-    h2 = module.register_forward_hook(post)
-    try:
+    with module.register_forward_pre_hook(pre), module.register_forward_hook(post):
         yield results
-    finally:
-        h1.remove()
-        h2.remove()
 
 
 class TensorReadCounter(TorchDispatchMode):
