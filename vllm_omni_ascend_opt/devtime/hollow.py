@@ -20,7 +20,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 #: Outputs up to this many elements are filled (zeros / True) so that host reads of them are deterministic.
 SMALL = 1 << 16
 _REAL = {"aten::empty", "aten::empty_strided", "aten::set_", "aten::resize_", "aten::lift_fresh", "aten::detach"}
-_ALWAYS_TRUE = {"aten::equal"}
 
 
 def _to_meta(x: Any) -> Any:
@@ -43,8 +42,7 @@ def _materialize(t: Any) -> Any:
 def _mutated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What an in-place / ``out=`` op returns, without writing it."""
     schema = func._schema
-    named = dict(zip([a.name for a in schema.arguments], args, strict=False))
-    named.update(kwargs)
+    named = {**dict(zip([a.name for a in schema.arguments], args, strict=False)), **kwargs}
     written = [named.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     written = [w for w in written if w is not None]
     if not schema.returns:
@@ -60,7 +58,7 @@ class HollowMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
-        if name in _ALWAYS_TRUE:
+        if name == "aten::equal":  # the memo's value checks see equal tensors, as in a repeated request
             return True
         if getattr(func, "is_view", False) or name in _REAL:
             return func(*args, **kwargs)

@@ -53,8 +53,7 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         ns, _, name = func._schema.name.partition("::")
         if ns == "c10d" and name not in ("barrier", "monitored_barrier_"):
-            named = dict(zip([a.name for a in func._schema.arguments], args, strict=False))
-            named.update(kwargs)
+            named = {**dict(zip([a.name for a in func._schema.arguments], args, strict=False)), **kwargs}
             arg = named.get(_INPUT_ARG.get(name, ""), args[1] if len(args) > 1 else args[0])
             self.calls[name] += 1
             self.bytes[name] += sum(nbytes(t) for t in pytree.tree_leaves(arg) if isinstance(t, torch.Tensor))

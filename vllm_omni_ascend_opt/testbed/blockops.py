@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -82,16 +83,11 @@ def npu_dispatch(tr: Any) -> Iterator[int]:
     ``forward_native``), so that stock's NPU code is what is counted. Yields how many modules were switched."""
     from vllm_omni.diffusion.layers.custom_op import CustomOp
 
-    saved = []
-    for m in tr.modules():
-        if isinstance(m, CustomOp) and "_forward_method" in m.__dict__:
-            saved.append((m, m.__dict__["_forward_method"]))
-            m._forward_method = m.forward_npu
-    try:
-        yield len(saved)
-    finally:
-        for m, fn in saved:
-            m._forward_method = fn
+    switched = [m for m in tr.modules() if isinstance(m, CustomOp) and "_forward_method" in m.__dict__]
+    with contextlib.ExitStack() as patches:
+        for m in switched:
+            patches.enter_context(mock.patch.object(m, "_forward_method", m.forward_npu))
+        yield len(switched)
 
 
 def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) -> BlockCount:
@@ -114,9 +110,8 @@ def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) 
     (c,), (first,), (call,) = calls, b0, whole
     if first.total < c.total:
         raise AssertionError(f"{flags}: block 0 launches {first.total}, fewer than the last block's {c.total}")
-    # block 0 may launch more: once-per-forward work done lazily by the first block that needs it (e.g. the joint
-    # RoPE table of ``joint_attention`` when the ``rope`` embedder memo is off and the freqs are new each forward);
-    # it is counted with the work outside the blocks (``BlockCount.outside``), per block is the steady state
+    # block 0 may launch more: once-per-forward work done lazily by the first block that needs it (e.g. a joint RoPE
+    # table) counts as outside the blocks (``BlockCount.outside``); per block is the steady state
     unresolved = Counter(getattr(call, "unresolved", {}))
     return BlockCount(c.total, Counter(c.counts), unresolved, call.total, len(tr.transformer_blocks))
 

@@ -171,12 +171,9 @@ class _FunctionHooks(TorchFunctionMode):
 
 
 class NpuOpCounter(OpCounter):
-    """``with NpuOpCounter() as c: ...`` then ``c.total`` / ``c.counts``: the kernels torch_npu 2.13 would launch.
-
-    ``c.counts`` is keyed by yaml overload name (``"mul.Tensor"``, ``"npu::npu_rotary_mul"``);
-    ``c.decomposed`` counts the ops that ran as their pieces, ``c.unresolved`` the ones counted 1 without an NPU
-    kernel to show for it (neither registered nor decomposable: should stay empty).
-    """
+    """``with NpuOpCounter() as c: ...`` then ``c.total`` / ``c.counts`` (by yaml overload name, ``"mul.Tensor"``,
+    ``"npu::npu_rotary_mul"``): the kernels torch_npu 2.13 would launch. ``c.decomposed`` counts the ops that ran as
+    their pieces, ``c.unresolved`` those counted 1 without an NPU kernel to show for it (should stay empty)."""
 
     def __init__(self, *, _isolated: bool = False, _depth: int = 0) -> None:
         super().__init__()

@@ -89,8 +89,7 @@ def count_module_calls(module: torch.nn.Module, counter: Callable[[], Any] | Non
 class TensorReadCounter(TorchDispatchMode):
     """Counts the kernel-launching ops that read any of ``tensors`` (matched by storage, so views such as
     ``weight.t()`` count) and the bytes they read: each watched storage's size once per op that takes it.
-    ``with TensorReadCounter(weights) as c: ...`` then ``c.calls`` / ``c.bytes``.
-    """
+    ``with TensorReadCounter(weights) as c: ...`` then ``c.calls`` / ``c.bytes``."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         super().__init__()
@@ -144,8 +143,7 @@ class SyncCounter(TorchDispatchMode):
     """Counts host synchronisation points (on a device each waits for the queued kernels): calls of
     :data:`SYNC_METHODS` and the :data:`SYNC_OPS` that no counted method dispatched. Reads of the host copy a
     ``.cpu()`` returned (a tensor sharing its storage, in the same caller frame) are not counted again.
-    ``with SyncCounter() as s: ...`` then ``s.total`` and ``s.sites`` (per ``file:line (function)``).
-    """
+    ``with SyncCounter() as s: ...`` then ``s.total`` and ``s.sites`` (per ``file:line (function)``)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,11 +1,9 @@
 """Load a Qwen-Image directory through vLLM-Omni's own loader and run its pipeline's ``forward``.
 
-Any pipeline of the test bed's family (:mod:`.tiny_model`). The image pipelines get their request as vLLM-Omni's
-``DiffusionEngine`` hands it over: the input image goes through the pipeline's registered pre-process function
-first. Two test-bed-only adaptations, outside the pipelines' own code: :func:`tiny_processor_loading` (without
-torchvision, which has no CPU wheel for this torch, ``Qwen2VLProcessor`` is served as the same class minus its video
-processor) and :func:`tiny_image_areas` (the pre-process functions' fixed image areas of the real model, scaled by
-:data:`AREA_SCALE` for the tiny one).
+Any pipeline of the test bed's family (:mod:`.tiny_model`); image inputs go through the pipeline's registered
+pre-process function first, as in vLLM-Omni's ``DiffusionEngine``. Two test-bed-only adaptations:
+:func:`tiny_processor_loading` (without torchvision, which has no CPU wheel for this torch, ``Qwen2VLProcessor`` is
+served minus its video processor) and :func:`tiny_image_areas` (the real model's image areas, scaled for the tiny one).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Minimal CPU runtime for vLLM-Omni 0.30 (opt-in; separate from the NPU optimizations).
 
 vLLM-Omni 0.30 has no CPU platform: on ``UnspecifiedOmniPlatform`` its attention-backend selection and
-``AttentionImpl.forward`` raise. There only, :func:`init_cpu_runtime` routes both to vLLM-Omni's pure-torch SDPA,
-creates the gloo process group itself and initialises vLLM-Omni's parallel state as ``diffusion_worker.py`` does (on
-an accelerator platform it only sets up the groups). :func:`engine_env` and :func:`apply_engine_cpu_runtime` do the
-same for vLLM-Omni's own engines (``Omni``, ``vllm serve --omni``): one place knows what vLLM-Omni lacks on CPU.
+``AttentionImpl.forward`` raise. There only, :func:`init_cpu_runtime` routes both to vLLM-Omni's pure-torch SDPA;
+everywhere, it creates the gloo process group and vLLM-Omni's parallel state as ``diffusion_worker.py`` does.
+:func:`engine_env` and :func:`apply_engine_cpu_runtime` do the same for vLLM-Omni's own engines.
 """
 
 from __future__ import annotations
@@ -111,8 +110,7 @@ def init_cpu_runtime(
     """Create vLLM-Omni's configs and process groups for this process (idempotent within a process).
 
     ``parallel`` holds ``DiffusionParallelConfig`` fields (``ulysses_degree=2``, ``cfg_parallel_size=2``, ...);
-    with ``world_size > 1`` pass the same ``init_method`` (``tcp://127.0.0.1:PORT``) to every rank.
-    """
+    with ``world_size > 1`` pass the same ``init_method`` (``tcp://127.0.0.1:PORT``) to every rank."""
     if "rt" in _STATE:
         return _STATE["rt"]
     from vllm.config import set_current_vllm_config
@@ -251,9 +249,6 @@ def apply_engine_cpu_runtime() -> list[str]:
 
 
 def _platform_methods() -> dict[str, Any]:
-    def host_available(cls: Any, *args: Any, **kwargs: Any) -> int:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
     noop, zero = classmethod(lambda cls, *a, **k: None), classmethod(lambda cls, *a, **k: 0)
     return {
         "dist_backend": "gloo",
@@ -264,7 +259,7 @@ def _platform_methods() -> dict[str, Any]:
         "max_memory_reserved": zero,
         "max_memory_allocated": zero,
         "reset_peak_memory_stats": noop,
-        "get_free_memory": classmethod(host_available),
+        "get_free_memory": classmethod(lambda cls, *a, **k: os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")),
     }
 
 

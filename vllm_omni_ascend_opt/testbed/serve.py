@@ -225,11 +225,10 @@ class OmniServer:
         if not self.new_session:
             return self.proc.poll() is None
         try:
-            os.killpg(self.proc.pid, 0)
+            with contextlib.suppress(PermissionError):  # there, owned by another user
+                os.killpg(self.proc.pid, 0)
         except ProcessLookupError:
             return False
-        except PermissionError:
-            return True
         return True
 
     def stop(self, grace: float = 20.0) -> None:

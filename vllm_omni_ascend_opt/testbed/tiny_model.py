@@ -1,10 +1,9 @@
 """Offline, deterministic builder of tiny Qwen-Image model directories in diffusers format, one per pipeline.
 
-Everything is made from a seed: a tiny Qwen2.5-VL text encoder, a byte-level Qwen2 tokenizer built in memory, a tiny
-VAE, transformer and scheduler. ``ModelSpec.pipeline`` picks the vLLM-Omni pipeline (``model_index.json``'s
-``_class_name``); the image pipelines also get a torchvision-free ``processor/`` and the vision tokens. Directories
-are cached under ``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default ``~/.cache/vllm-omni-ascend-opt``), keyed on spec and seed,
-and renamed into place atomically (safe for concurrent builders).
+Everything is made from a seed: a tiny Qwen2.5-VL text encoder, a byte-level Qwen2 tokenizer, a tiny VAE, transformer
+and scheduler; the image pipelines also get a torchvision-free ``processor/``. Directories are cached under
+``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default ``~/.cache/vllm-omni-ascend-opt``), keyed on spec and seed, and renamed into
+place atomically (safe for concurrent builders).
 """
 
 from __future__ import annotations

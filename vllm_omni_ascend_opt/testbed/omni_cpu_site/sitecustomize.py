@@ -126,9 +126,8 @@ def install_import_fallbacks(audio: bool = True) -> None:
         isinstance(f, _TorchvisionFreeImageProcessors) for f in sys.meta_path
     ):
         sys.meta_path.insert(0, _TorchvisionFreeImageProcessors())
-    missing = tuple(name for name in ("torchaudio",) if importlib.util.find_spec(name) is None)
-    if audio and missing:
-        sys.meta_path.append(_Placeholders(missing))  # last: only for names no other finder knows
+    if audio and importlib.util.find_spec("torchaudio") is None:
+        sys.meta_path.append(_Placeholders(("torchaudio",)))  # last: only for names no other finder knows
 
 
 def _chain_next_sitecustomize() -> None:
