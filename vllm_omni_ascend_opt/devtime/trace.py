@@ -223,9 +223,7 @@ def trace_transformer(rt: Any, tr: Any, flags: str, kw: dict[str, Any]) -> CallT
 
 def build_vae(spec: ModelSpec = FULL) -> Any:
     """vLLM-Omni's distributed Qwen-Image VAE at ``spec``'s size (real: base 96, z 16), bf16, uninitialised."""
-    from vllm_omni.diffusion.distributed.autoencoders.autoencoder_kl_qwenimage import (
-        DistributedAutoencoderKLQwenImage,
-    )
+    from vllm_omni.diffusion.distributed.autoencoders.autoencoder_kl_qwenimage import DistributedAutoencoderKLQwenImage
 
     with HollowMode():
         vae = DistributedAutoencoderKLQwenImage(**spec.vae_kwargs())

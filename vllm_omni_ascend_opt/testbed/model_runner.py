@@ -35,10 +35,6 @@ def _inductor_supported(on: bool) -> Any:
     return mock.patch.object(type(current_omni_platform), "supports_torch_inductor", classmethod(lambda _cls: True))
 
 
-#: ``generate(lora=...)``: (adapter name, positive int id, adapter directory, scale), or None for no adapter.
-Lora = tuple[str, int, str, float]
-
-
 @dataclass
 class RunnerHarness:
     """A loaded ``DiffusionModelRunner`` and the runtime it runs in."""
@@ -97,13 +93,13 @@ class RunnerHarness:
         width: int = 64,
         steps: int = 4,
         seed: int = 42,
-        lora: Lora | None = None,
+        lora: tuple[str, int, str, float] | None = None,
         **request: Any,
     ) -> torch.Tensor:
         """One request through ``runner.execute_model``; the decoded images ``[B, 3, H, W]`` (float, CPU).
 
-        ``lora`` (after :meth:`enable_lora`): the request's adapter, activated before the request as vLLM-Omni's
-        worker does (None: no adapter). ``request``: further :func:`~.pipeline.make_request` keywords."""
+        ``lora`` (after :meth:`enable_lora`): the request's adapter (name, positive int id, directory, scale),
+        activated before the request as vLLM-Omni's worker does (None: no adapter). ``request``: further :func:`~.pipeline.make_request` keywords."""
         if lora is not None and self.lora_manager is None:
             raise RuntimeError("generate(lora=...) needs enable_lora() first")
         if self.lora_manager is not None:

@@ -115,10 +115,7 @@ def init_cpu_runtime(
         return _STATE["rt"]
     from vllm.config import set_current_vllm_config
     from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
-    from vllm_omni.diffusion.distributed.parallel_state import (
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
+    from vllm_omni.diffusion.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from vllm_omni.diffusion.forward_context import set_forward_context
     from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
 
