@@ -41,37 +41,19 @@ def base_name(name: str) -> str:
     return name if name.startswith("npu::") else name.split(".", 1)[0]
 
 
-def kind_of(name: str) -> str:
-    b = base_name(name)
-    if b in _ATTENTION_NAMES:
-        return ATTENTION
-    if b in _GEMM_NAMES or "conv" in b:
-        return GEMM
-    return OTHER
-
-
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for x in pytree.tree_leaves(tree):
-        if isinstance(x, torch.Tensor):
-            seen.setdefault(id(x), x)
-    return list(seen.values())
+    """The distinct tensors of ``tree``."""
+    return list({id(x): x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)}.values())
 
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _numel(tree: Any) -> int:
-    return sum(t.numel() for t in _tensors(tree))
-
-
 def _gemm_flops(b: str, args: tuple[Any, ...], out: Any) -> float:
     outs = _tensors(out)
     o = outs[0].numel() if outs else 0
-    if b in ("addmm", "baddbmm", "addbmm", "addmv"):
-        k = args[1].shape[-1]
-    elif b == "linear":
+    if b in ("addmm", "baddbmm", "addbmm", "addmv", "linear"):
         k = args[1].shape[-1]
     elif "conv" in b:
         w = args[1]
@@ -92,15 +74,14 @@ def _attention_flops(b: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> f
 
 
 def cost(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Cost:
-    """The :class:`Cost` of one launch of ``name`` (a counter's op name) called with ``args``/``kwargs``, result
-    ``out``."""
-    kind, b = kind_of(name), base_name(name)
+    """The :class:`Cost` of one launch of ``name`` (a counter's op name) with these arguments and result."""
+    b = base_name(name)
+    if b in _ATTENTION_NAMES:
+        kind, flops = ATTENTION, _attention_flops(b, args, kwargs)
+    elif b in _GEMM_NAMES or "conv" in b:
+        kind, flops = GEMM, _gemm_flops(b, args, out)
+    else:
+        kind, flops = OTHER, float(sum(t.numel() for t in _tensors(out)))
     reads = sum(nbytes(t) for t in _tensors((args, kwargs)))
     writes = sum(nbytes(t) for t in _tensors(out))
-    if kind == GEMM:
-        flops = _gemm_flops(b, args, out)
-    elif kind == ATTENTION:
-        flops = _attention_flops(b, args, kwargs)
-    else:
-        flops = float(_numel(out))
     return Cost(kind, flops, float(reads + writes))

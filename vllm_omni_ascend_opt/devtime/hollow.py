@@ -1,14 +1,12 @@
 """Run real model code on CPU tensors without computing anything: :class:`HollowMode`.
 
-The device-time trace needs every op the real transformer (60 blocks, hidden 3072) and VAE launch at full size, with
-shapes but not numbers. Meta tensors would break the code under trace (it reads device types and a few host values,
-and the modulation memo refuses ``FakeTensor``), so tensors stay plain CPU tensors and each op is answered from its
-meta kernel: views and allocation-only ops run for real; in-place and ``out=`` ops return their target unwritten;
-every other op runs on meta copies and its outputs are allocated uninitialised (small ones, :data:`SMALL` elements,
-filled with zeros / ``True`` so host reads are deterministic); an op without a meta kernel runs for real on those
-values; factories run for real when small. So the kernel checks the plugin makes on first use pass, data-dependent
-branches go the way a normal request goes, and the memo sees the same timestep embedding twice:
-``tests/test_devtime.py`` checks the trace's launch count against the counter's on real values.
+The device-time trace needs every op the real transformer and VAE launch at full size, with shapes but not numbers.
+Meta tensors would break the code under trace (it reads device types and a few host values, and the modulation memo
+refuses ``FakeTensor``), so tensors stay plain CPU tensors and each op is answered from its meta kernel: views and
+allocation-only ops run for real; in-place and ``out=`` ops return their target unwritten; every other op runs on
+meta copies and its outputs are allocated uninitialised (up to :data:`SMALL` elements filled, so host reads are
+deterministic); an op without a meta kernel runs for real on those values; factories run for real when small. So
+first-use kernel checks pass and data-dependent branches go the way a normal request goes.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 #: Outputs up to this many elements are filled (zeros / True) so that host reads of them are deterministic.
 SMALL = 1 << 16
 _REAL = {"aten::empty", "aten::empty_strided", "aten::set_", "aten::resize_", "aten::lift_fresh", "aten::detach"}
-_ALWAYS_TRUE = {"aten::equal"}
 
 
 def _to_meta(x: Any) -> Any:
@@ -45,8 +42,7 @@ def _materialize(t: Any) -> Any:
 def _mutated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What an in-place / ``out=`` op returns, without writing it."""
     schema = func._schema
-    named = dict(zip([a.name for a in schema.arguments], args, strict=False))
-    named.update(kwargs)
+    named = {**dict(zip([a.name for a in schema.arguments], args, strict=False)), **kwargs}
     written = [named.get(a.name) for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     written = [w for w in written if w is not None]
     if not schema.returns:
@@ -62,7 +58,7 @@ class HollowMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
-        if name in _ALWAYS_TRUE:
+        if name == "aten::equal":  # the memo's value checks see equal tensors, as in a repeated request
             return True
         if getattr(func, "is_view", False) or name in _REAL:
             return func(*args, **kwargs)

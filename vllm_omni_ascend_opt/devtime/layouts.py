@@ -1,15 +1,14 @@
 """Multi-card layouts for one image: the collectives each parallel mode issues, priced, and the best layout.
 
-Per transformer call and rank, what vLLM-Omni 0.30's parallel modes issue (counted on the real code by
-:class:`CollectiveCounter`; ``tests/test_devtime_model.py`` checks :func:`collectives` against it): Ulysses SP, per
-block an all-to-all each for the image q, k, v and the output, the text stream's output all-gathered; ring SP, per
-block r-1 passes of the local k and v (not overlapped: an upper bound); both one all-gather of the output per call;
-CFG-parallel, one all-gather of the noise prediction per step; TP, per block an all-reduce after each stream's
-attention out-projection and MLP down-projection, GEMMs, attention and head-split ops split t ways.
+Per transformer call and rank, what vLLM-Omni 0.30's parallel modes issue (:func:`collectives`, checked against
+:class:`CollectiveCounter` on the real code): Ulysses SP, per block an all-to-all each for the image q, k, v and the
+output, the text stream's output all-gathered; ring SP, per block r-1 passes of the local k and v (not overlapped: an
+upper bound); both one all-gather of the output per call; CFG-parallel, one all-gather of the noise prediction per
+step; TP, per block an all-reduce after each stream's attention out-projection and MLP down-projection, GEMMs,
+attention and head-split ops split t ways.
 
-Pricing (:mod:`.specs`, approximate): an all-to-all or all-gather over u ranks moves its (u-1)/u share over u-1
-links at once, an all-reduce twice that, plus one latency per collective; compute is the device-time model's on one
-rank's share of the ops (:func:`_rank_table`).
+Pricing (approximate): an all-to-all or all-gather over u ranks moves its (u-1)/u share over u-1 links at once, an
+all-reduce twice that, plus one latency per collective; compute is one rank's share of the ops (:func:`_rank_table`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_omni_ascend_opt.devtime import model as M
 from vllm_omni_ascend_opt.devtime import table as TB
-from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM
+from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM, nbytes
 from vllm_omni_ascend_opt.devtime.specs import HCCL_LATENCY_US
 from vllm_omni_ascend_opt.devtime.trace import BLOCKS, FULL, OpTable
 
@@ -43,8 +42,7 @@ _INPUT_ARG = {
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """``with CollectiveCounter() as c: ...``: the ``c10d::`` collectives issued, by name, with the bytes of their
-    input (``c.calls``, ``c.bytes``)."""
+    """``with CollectiveCounter() as c: ...``: the ``c10d::`` collectives, by name: ``c.calls``, ``c.bytes`` in."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,19 +53,14 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         ns, _, name = func._schema.name.partition("::")
         if ns == "c10d" and name not in ("barrier", "monitored_barrier_"):
-            named = dict(zip([a.name for a in func._schema.arguments], args, strict=False))
-            named.update(kwargs)
+            named = {**dict(zip([a.name for a in func._schema.arguments], args, strict=False)), **kwargs}
             arg = named.get(_INPUT_ARG.get(name, ""), args[1] if len(args) > 1 else args[0])
             self.calls[name] += 1
-            self.bytes[name] += sum(t.numel() * t.element_size() for t in pytree.tree_leaves(arg) if _is_t(t))
+            self.bytes[name] += sum(nbytes(t) for t in pytree.tree_leaves(arg) if isinstance(t, torch.Tensor))
         return func(*args, **kwargs)
 
     def as_dict(self) -> dict[str, list[int]]:
         return {n: [self.calls[n], self.bytes[n]] for n in self.calls}
-
-
-def _is_t(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
 
 
 @dataclass(frozen=True)
@@ -83,11 +76,8 @@ class Layout:
 
     @property
     def name(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("USP", self.ulysses), ("ring", self.ring), ("CFG", self.cfg), ("TP", self.tp))]
-        return (
-            "+".join(p for p, v in zip(parts, (self.ulysses, self.ring, self.cfg, self.tp), strict=True) if v > 1)
-            or "1 card"
-        )
+        parts = (("USP", self.ulysses), ("ring", self.ring), ("CFG", self.cfg), ("TP", self.tp))
+        return "+".join(f"{k}{v}" for k, v in parts if v > 1) or "1 card"
 
 
 def collectives(
@@ -192,12 +182,8 @@ def predict(
 
 
 def layouts_for(cards: int, cfg: bool) -> list[Layout]:
-    out = []
-    for u, r, c, t in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (1, 2), (1, 2, 4, 8)):
-        lay = Layout(u, r, c, t)
-        if lay.cards == cards and (cfg or c == 1) and HEADS % (u * t) == 0:
-            out.append(lay)
-    return out
+    grid = (Layout(*g) for g in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (1, 2), (1, 2, 4, 8)))
+    return [lay for lay in grid if lay.cards == cards and (cfg or lay.cfg == 1) and HEADS % (lay.ulysses * lay.tp) == 0]
 
 
 def text_table(

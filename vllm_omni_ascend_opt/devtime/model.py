@@ -41,7 +41,8 @@ REFERENCE_STEPS = 8
 REFERENCE_DEVICE = "910B1"
 #: The calibration points the fit uses; the rest of :data:`REFERENCE_MS` is held out to check it.
 FIT_POINTS = ("stock", "shared_modulation", "rope", "pixel")
-#: (value, spread in log space, why): a weak prior per parameter, for the directions the data cannot fix.
+#: (value, spread in log space, why): a weak prior per parameter (in :class:`Params` order), for the directions the
+#: data cannot fix.
 PRIORS: dict[str, tuple[float, float, str]] = {
     "gemm_eff": (0.6, 0.5, "large bf16 GEMMs on a cube unit usually reach 50-70% of peak"),
     "attn_eff": (0.45, 0.5, "fused attention usually reaches less than GEMMs (softmax on the vector unit)"),
@@ -98,7 +99,6 @@ def call_ms(table: OpTable, p: Params) -> float:
 @dataclass(frozen=True)
 class Prediction:
     transformer_ms: float  # one call
-    vae_ms: float
     image_ms: float
     floor_ms: float  # FLOPs / spec peak, the whole image's traced work
 
@@ -108,10 +108,7 @@ def predict(transformer: OpTable, vae: OpTable, p: Params, steps: int, cfg_forwa
     t, v = call_ms(transformer, p), call_ms(vae, p)
     flops = steps * cfg_forwards * transformer.flops + vae.flops
     floor = flops / (p.spec.peak_tflops * 1e12) * 1e3
-    return Prediction(t, v, steps * cfg_forwards * t + v + p.const_ms, floor)
-
-
-_NAMES = ("gemm_eff", "attn_eff", "bw_eff", "gemm_bw_eff", "launch_us", "const_ms")
+    return Prediction(t, steps * cfg_forwards * t + v + p.const_ms, floor)
 
 
 def _vectors(table: OpTable) -> tuple[np.ndarray, ...]:
@@ -168,8 +165,8 @@ def fit(
         tv, vv = vecs[name]
         return steps * _fast_ms(tv, theta, spec) + _fast_ms(vv, theta, spec) + theta[5]
 
-    prior = np.array([PRIORS[n][0] for n in _NAMES])
-    spread = np.array([PRIORS[n][1] for n in _NAMES])
+    prior = np.array([value for value, _, _ in PRIORS.values()])
+    spread = np.array([s for _, s, _ in PRIORS.values()])
 
     def residuals(log_theta: np.ndarray) -> np.ndarray:
         theta = np.exp(log_theta)

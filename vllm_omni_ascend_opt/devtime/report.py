@@ -1,10 +1,5 @@
-"""What the device-time model tells, as tables: ``plan`` and ``benchmarks/bench_devtime.py`` print these.
-
-* :func:`calibration`: the fit on the reference workload of the trace table, with each point's residual;
-* :func:`predictions`: per configuration, predicted ms per image, and as a multiple of the compute floor;
-* :func:`top_ops`: the ops of a configuration that are neither GEMMs nor attention, by predicted ms per image;
-* :func:`text_tables`: all of it as text, labelled a model.
-"""
+"""What the device-time model tells, as tables labelled a model: ``plan`` and ``benchmarks/bench_devtime.py`` print
+these."""
 
 from __future__ import annotations
 
@@ -65,18 +60,12 @@ def top_ops(
     return sorted(rows, key=lambda r: -r["ms"])[:n]
 
 
-def _pred_line(name: str, p: M.Prediction) -> str:
-    return f"    {name:<28} {p.image_ms:8.0f} ms   x{p.image_ms / p.floor_ms:4.2f} of the floor"
-
-
 def text_tables(
     table: dict[str, Any],
     fit: M.Fit,
     workload: str,
     steps: int,
     cfg_forwards: int = 1,
-    *,
-    configs: list[str] | None = None,
     top: int = 10,
 ) -> list[str]:
     """The model's tables for one workload and step count, as lines of text."""
@@ -89,9 +78,9 @@ def text_tables(
         f"    {workload}, {steps} steps, {cfg_forwards} forward(s) per step; compute floor (FLOPs / spec peak) "
         f"{any_pred.floor_ms:.0f} ms",
     ]
-    for name in configs or TB.ordered(preds):
-        if name in preds:
-            lines.append(_pred_line(name, preds[name]))
+    for name in TB.ordered(preds):
+        ms = preds[name].image_ms
+        lines.append(f"    {name:<28} {ms:8.0f} ms   x{ms / preds[name].floor_ms:4.2f} of the floor")
     calls = steps * cfg_forwards
     per_step = preds["default"].transformer_ms * cfg_forwards if "default" in preds else 0.0
     lines.append(

@@ -1,10 +1,8 @@
 """The trace table the device-time model reads: per workload and configuration, the priced ops of one call.
 
 Written by ``benchmarks/bench_devtime.py --write-table`` (it needs the torch_npu fake of ``tests/``, so ``plan``
-never traces: it reads :data:`TABLE_FILE`). Per workload (resolution x batch) and configuration (stock, default,
-all, each optimization alone, and the reference's intermediate stacks the calibration needs): the ops of one warm
-transformer call at 60 blocks (:meth:`~.trace.CallTrace.per_call`) and of one VAE decode, each op as
-``[name, kind, site, launches, flops, bytes]``.
+never traces). Per workload (resolution x batch) and configuration (:func:`configurations`): the ops of one warm
+transformer call at 60 blocks and of one VAE decode, each op as ``[name, kind, site, launches, flops, bytes]``.
 """
 
 from __future__ import annotations
@@ -48,18 +46,22 @@ def vae_names() -> list[str]:
     return registry.in_region("vae")
 
 
+def _only(names: Any) -> str:
+    """The spec that selects ``names`` and nothing else."""
+    return ",".join(["none", *(f"+{n}" for n in names)])
+
+
 def configurations() -> dict[str, str]:
-    """Name -> ``VLLM_OMNI_ASCEND_OPT`` spec: stock, default, all, each optimization alone, the default stack less
-    each of its optimizations (``default-<name>``: ``ablate``'s leave-one-out), and the reference's ``pixel`` stack
-    (the default transformer optimizations of the exact and pixel tiers) and ``pixel+vae``."""
+    """Name -> ``VLLM_OMNI_ASCEND_OPT`` spec: the op tables' (:func:`~.testbed.blockops.configurations`), the default
+    stack less each of its optimizations (``default-<name>``: ``ablate``'s leave-one-out), and the reference's
+    ``pixel`` stack (the default transformer optimizations of the exact and pixel tiers) and ``pixel+vae``."""
     from vllm_omni_ascend_opt import registry
+    from vllm_omni_ascend_opt.testbed import blockops
 
     opts = registry.all_optimizations()
-    out = {"stock": "none", "default": "default", "all": "all"}
-    out.update({o.name: f"none,+{o.name}" for o in opts})
+    out = blockops.configurations()
     pixel = [o.name for o in opts if o.default_enabled and o.equivalence in ("exact", "pixel")]
-    pixel_tr = [n for n in pixel if n in transformer_names()]
-    out["pixel"] = ",".join(["none", *(f"+{n}" for n in pixel_tr)])
+    out["pixel"] = _only(n for n in pixel if n in transformer_names())
     out["pixel+vae"] = out["pixel"] + ",+vae_exact"
     out.update({f"default-{o.name}": f"default,-{o.name}" for o in opts if o.default_enabled})
     portable = [o.name for o in opts if o.default_enabled and o.name not in NPU_ONLY]
@@ -81,12 +83,8 @@ def find_config(table: dict[str, Any], opts: list[str] | tuple[str, ...]) -> str
     def norm(names: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return tuple(sorted(set(names) & tr)), tuple(sorted(set(names) & vae))
 
-    want = norm(opts)
     first = next(iter(table["workloads"].values()))
-    for name, entry in first.items():
-        if norm(entry["opts"]) == want:
-            return name
-    return None
+    return next((name for name, entry in first.items() if norm(entry["opts"]) == norm(opts)), None)
 
 
 def build(
@@ -116,20 +114,17 @@ def build(
     for h, w in resolutions:
         for b in batches:
             kw = T.transformer_inputs(tr, h, w, b)
-            cache_tr: dict[tuple[str, ...], list[list[Any]]] = {}
-            cache_vae: dict[tuple[str, ...], list[list[Any]]] = {}
+            traced: dict[tuple[str, tuple[str, ...]], list[list[Any]]] = {}
             entry: dict[str, Any] = {}
             for name, spec in configs.items():
                 opts = flags_mod.parse_spec(spec)
-                tkey = tuple(sorted(set(opts) & tr_names))
-                vkey = tuple(sorted(set(opts) & vae_set))
-                if tkey not in cache_tr:
-                    spec_tr = ",".join(["none", *(f"+{n}" for n in tkey)])
-                    cache_tr[tkey] = T.trace_transformer(rt, tr, spec_tr, kw).per_call(BLOCKS).to_list()
-                if vkey not in cache_vae:
-                    spec_vae = ",".join(["none", *(f"+{n}" for n in vkey)])
-                    cache_vae[vkey] = T.trace_vae(rt, vae, spec_vae, h, w, b).per_call().to_list()
-                entry[name] = {"opts": list(opts), "transformer": cache_tr[tkey], "vae": cache_vae[vkey]}
+                tkey = ("transformer", tuple(sorted(set(opts) & tr_names)))
+                vkey = ("vae", tuple(sorted(set(opts) & vae_set)))
+                if tkey not in traced:
+                    traced[tkey] = T.trace_transformer(rt, tr, _only(tkey[1]), kw).per_call(BLOCKS).to_list()
+                if vkey not in traced:
+                    traced[vkey] = T.trace_vae(rt, vae, _only(vkey[1]), h, w, b).per_call().to_list()
+                entry[name] = {"opts": list(opts), "transformer": traced[tkey], "vae": traced[vkey]}
                 if progress:
                     progress(f"{workload_key(h, w, b)} {name}")
             out["workloads"][workload_key(h, w, b)] = entry

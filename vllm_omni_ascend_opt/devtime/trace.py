@@ -2,11 +2,10 @@
 
 :class:`OpTrace` is the NPU launch counter (``testbed/npu_ops.py``) that also prices every launch it counts
 (:mod:`.costs`) and records where it ran (outside the blocks, the first block, the last block) and from which line
-of Python; the counter alone decides what is a launch. :func:`trace_transformer` builds vLLM-Omni's real
-``QwenImageTransformer2DModel`` (:data:`FULL`) at ``depth`` blocks, selects a ``VLLM_OMNI_ASCEND_OPT`` spec and traces
-one warm forward under :class:`~.hollow.HollowMode`, with the CustomOps dispatched as on Ascend; every block runs the
-same ops, so 60 blocks are ``outside + first + 59 x last`` (:meth:`CallTrace.per_call`). :func:`trace_vae` does the
-same for the real VAE decoder. The caller installs the torch_npu fake, as for the launch counter.
+of Python. :func:`trace_transformer` traces one warm forward of the real transformer under
+:class:`~.hollow.HollowMode`; every block runs the same ops, so 60 blocks are ``outside + first + 59 x last``
+(:meth:`CallTrace.per_call`). :func:`trace_vae` does the same for the VAE decoder. The caller installs the torch_npu
+fake, as for the launch counter.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import torch
 
 from vllm_omni_ascend_opt.devtime.costs import cost
 from vllm_omni_ascend_opt.devtime.hollow import HollowMode
+from vllm_omni_ascend_opt.testbed.blockops import new_transformer, npu_dispatch
 from vllm_omni_ascend_opt.testbed.npu_ops import NpuOpCounter
 from vllm_omni_ascend_opt.testbed.opcount import call_site
 from vllm_omni_ascend_opt.testbed.tiny_model import REALWIDTH, ModelSpec
@@ -53,8 +53,7 @@ def shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 @dataclass
 class Op:
-    """One kind of launch in one place, on one set of shapes: ``count`` launches with these totals. ``site`` is
-    ``file:line`` of the model or plugin code that launched it, then ``|`` and the argument shapes."""
+    """``count`` launches of ``name`` at ``site`` (``file:line`` of the model or plugin code, ``|``, the shapes)."""
 
     name: str
     kind: str
@@ -89,10 +88,6 @@ class OpTable:
     @property
     def flops(self) -> float:
         return sum(o.flops for o in self.ops.values())
-
-    @property
-    def bytes(self) -> float:
-        return sum(o.bytes for o in self.ops.values())
 
     def to_list(self) -> list[list[Any]]:
         return [[o.name, o.kind, o.site, o.count, o.flops, o.bytes] for o in self.ops.values()]
@@ -142,22 +137,20 @@ class OpTrace(NpuOpCounter):
 @contextlib.contextmanager
 def _scopes(trace: OpTrace, blocks: Any) -> Iterator[None]:
     """Set ``trace.scope`` to ``first`` / ``last`` while the first / last block runs, ``outside`` otherwise."""
-    handles = []
-    for i, blk in enumerate(blocks):
-        scope = "first" if i == 0 else "last" if i == len(blocks) - 1 else "middle"
 
-        def pre(_m, _a, _s=scope):
-            trace.scope = _s
+    def post(_m, _a, _o):
+        trace.scope = "outside"
 
-        def post(_m, _a, _o):
-            trace.scope = "outside"
+    with contextlib.ExitStack() as hooks:
+        for i, blk in enumerate(blocks):
+            scope = "first" if i == 0 else "last" if i == len(blocks) - 1 else "middle"
 
-        handles += [blk.register_forward_pre_hook(pre), blk.register_forward_hook(post)]
-    try:
+            def pre(_m, _a, _s=scope):
+                trace.scope = _s
+
+            hooks.enter_context(blk.register_forward_pre_hook(pre))
+            hooks.enter_context(blk.register_forward_hook(post))
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @dataclass
@@ -184,17 +177,8 @@ class CallTrace:
 
 def build_transformer(rt: Any, spec: ModelSpec = FULL, depth: int = 2) -> Any:
     """vLLM-Omni's transformer for ``spec`` at ``depth`` blocks, bf16, with uninitialised weights (nothing computed)."""
-    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
-
     spec = dataclasses.replace(spec, num_layers=depth)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with HollowMode(), rt.context():
-            tr = QwenImageTransformer2DModel(od_config=rt.od_config, **spec.transformer_kwargs())
-    finally:
-        torch.set_default_dtype(default)
-    return tr.eval()
+    return new_transformer(rt, spec, torch.bfloat16, HollowMode()).eval()
 
 
 def transformer_inputs(tr: Any, height: int, width: int, batch: int = 1, text_tokens: int = TEXT_TOKENS) -> dict:
@@ -213,31 +197,33 @@ def transformer_inputs(tr: Any, height: int, width: int, batch: int = 1, text_to
         )
 
 
-def trace_transformer(rt: Any, tr: Any, flags: str, kw: dict[str, Any]) -> CallTrace:
-    """Select ``flags`` on ``tr``, run a cold forward, trace a warm one (a repeated request), deselect."""
+def _trace(rt: Any, model: Any, flags: str, run: Any, blocks: Any = (), npu: bool = False) -> CallTrace:
+    """Select ``flags`` on ``model``, ``run()`` cold, trace a warm ``run()`` (``npu``: under ``npu_dispatch``)."""
     from vllm_omni_ascend_opt import api
-    from vllm_omni_ascend_opt.testbed.blockops import npu_dispatch
 
     hollow = HollowMode()  # selecting too: attaching casts or copies weights (nz_weights), nothing computed
     with hollow:
-        api.select(flags, model=tr)
+        api.select(flags, model=model)
     try:
-        with hollow, npu_dispatch(tr), rt.context(), torch.no_grad():
-            tr(**kw)  # cold: memo and tables filled, first-use kernel checks done
+        with hollow, npu_dispatch(model) if npu else contextlib.nullcontext(), rt.context(), torch.no_grad():
+            run()  # cold: memo and tables filled, first-use kernel checks done
             t = OpTrace()
-            with _scopes(t, tr.transformer_blocks), t:
-                tr(**kw)
+            with _scopes(t, blocks), t:
+                run()
     finally:
         with hollow:
-            api.select("none", model=tr)
+            api.select("none", model=model)
     return CallTrace(dict(t.tables))
+
+
+def trace_transformer(rt: Any, tr: Any, flags: str, kw: dict[str, Any]) -> CallTrace:
+    """Trace one warm transformer call with ``flags`` (:func:`_trace`)."""
+    return _trace(rt, tr, flags, lambda: tr(**kw), tr.transformer_blocks, npu=True)
 
 
 def build_vae(spec: ModelSpec = FULL) -> Any:
     """vLLM-Omni's distributed Qwen-Image VAE at ``spec``'s size (real: base 96, z 16), bf16, uninitialised."""
-    from vllm_omni.diffusion.distributed.autoencoders.autoencoder_kl_qwenimage import (
-        DistributedAutoencoderKLQwenImage,
-    )
+    from vllm_omni.diffusion.distributed.autoencoders.autoencoder_kl_qwenimage import DistributedAutoencoderKLQwenImage
 
     with HollowMode():
         vae = DistributedAutoencoderKLQwenImage(**spec.vae_kwargs())
@@ -246,20 +232,6 @@ def build_vae(spec: ModelSpec = FULL) -> Any:
 
 def trace_vae(rt: Any, vae: Any, flags: str, height: int, width: int, batch: int = 1) -> CallTrace:
     """Trace one VAE decode of a ``height`` x ``width`` image (latents ``[B, z, 1, H/8, W/8]``) with ``flags``."""
-    from vllm_omni_ascend_opt import api
-
-    hollow = HollowMode()
-    with hollow:
+    with HollowMode():
         z = torch.empty(batch, vae.config.z_dim, 1, height // 8, width // 8, dtype=torch.bfloat16)
-    with hollow:
-        api.select(flags, model=vae)
-    try:
-        with hollow, rt.context(), torch.no_grad():
-            vae.decode(z, return_dict=False)  # cold: per-weight tables of the VAE optimizations made
-            t = OpTrace()
-            with t:
-                vae.decode(z, return_dict=False)
-    finally:
-        with hollow:
-            api.select("none", model=vae)
-    return CallTrace(dict(t.tables))
+    return _trace(rt, vae, flags, lambda: vae.decode(z, return_dict=False))

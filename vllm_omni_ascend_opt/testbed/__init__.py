@@ -4,22 +4,6 @@ Used by the tests, ``make demo`` and the ablation runner. Nothing here is import
 runtime changes vLLM-Omni only when you call :func:`init_cpu_runtime` and only when no accelerator platform exists.
 """
 
-from vllm_omni_ascend_opt.testbed.tiny_model import (
-    PIPELINES,
-    REALWIDTH,
-    TINY,
-    TINY_FAMILY,
-    ModelSpec,
-    build_model_dir,
-    random_transformer_state_dict,
-)
+from vllm_omni_ascend_opt.testbed.tiny_model import REALWIDTH, TINY, TINY_FAMILY, build_model_dir
 
-__all__ = [
-    "PIPELINES",
-    "REALWIDTH",
-    "TINY",
-    "TINY_FAMILY",
-    "ModelSpec",
-    "build_model_dir",
-    "random_transformer_state_dict",
-]
+__all__ = ["REALWIDTH", "TINY", "TINY_FAMILY", "build_model_dir"]

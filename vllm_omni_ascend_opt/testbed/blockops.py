@@ -1,10 +1,8 @@
 """Kernel launches per transformer block on a warm forward, for a flag selection, a dtype and a width.
 
-For the op-budget tests and ``benchmarks/bench_ops.py``: build vLLM-Omni's real ``QwenImageTransformer2DModel`` (the
-tiny spec or the real width), select a ``VLLM_OMNI_ASCEND_OPT`` spec, run one cold forward and count the last block
-of a warm one under ``torch.no_grad``. ``npu=False`` counts what the CPU dispatches (:class:`~.opcount.OpCounter`),
-``npu=True`` what torch_npu would launch (:class:`~.npu_ops.NpuOpCounter`, with the torch_npu fake installed by the
-caller). No op is per-token, so the real width is counted at a small image.
+For the op-budget tests and ``benchmarks/bench_ops.py``: vLLM-Omni's real ``QwenImageTransformer2DModel`` (tiny or
+real width), counted by :class:`~.opcount.OpCounter` (``npu=False``) or :class:`~.npu_ops.NpuOpCounter` (with the
+torch_npu fake installed by the caller). No op is per-token, so the real width is counted at a small image.
 """
 
 from __future__ import annotations
@@ -14,21 +12,20 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 
-from vllm_omni_ascend_opt.testbed.tiny_model import REALWIDTH, TINY, ModelSpec
+from vllm_omni_ascend_opt.testbed.tiny_model import TINY, ModelSpec
 
 TEXT_TOKENS = 32
 TIMESTEP = 0.7
-WIDTHS: dict[str, ModelSpec] = {"tiny": TINY, "real": REALWIDTH}
 
 
 @dataclass
 class BlockCount:
     """Launches of one block on a warm forward: ``total``, by op name, and what the NPU counter could not place."""
 
-    flags: str
     total: int
     counts: Counter[str] = field(default_factory=Counter)
     unresolved: Counter[str] = field(default_factory=Counter)
@@ -42,19 +39,24 @@ class BlockCount:
         return self.call_total - self.blocks * self.total
 
 
-def build_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype) -> Any:
-    """vLLM-Omni's transformer for ``spec`` with the test bed's seeded random weights, in ``dtype``."""
+def new_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype, mode: Any = None) -> Any:
+    """vLLM-Omni's transformer for ``spec``, allocated in ``dtype`` (under the dispatch mode ``mode``, if any)."""
     from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
-
-    from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # vLLM's linears allocate in the default dtype: no fp32 copy of the model
     try:
-        with rt.context():
-            tr = QwenImageTransformer2DModel(od_config=rt.od_config, **spec.transformer_kwargs())
+        with mode or contextlib.nullcontext(), rt.context():
+            return QwenImageTransformer2DModel(od_config=rt.od_config, **spec.transformer_kwargs())
     finally:
         torch.set_default_dtype(default)
+
+
+def build_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype) -> Any:
+    """vLLM-Omni's transformer for ``spec`` with the test bed's seeded random weights, in ``dtype``."""
+    from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
+
+    tr = new_transformer(rt, spec, dtype)
     state = random_transformer_state_dict(spec, seed=0)
     tr.load_weights(state.items())
     return tr.to(dtype).eval()
@@ -77,27 +79,20 @@ def t2i_inputs(tr: Any, dtype: torch.dtype, height: int = 128, width: int = 128)
 
 @contextlib.contextmanager
 def npu_dispatch(tr: Any) -> Iterator[int]:
-    """Dispatch ``tr``'s vLLM-Omni ``CustomOp`` modules as on an Ascend platform (``CustomOp.dispatch_forward``
-    picks ``forward_npu`` there; on this CPU-only machine it picked ``forward_native``), so that stock's NPU code is
-    what is counted, e.g. ``AdaLayerNorm.forward_npu``: ``npu_layer_norm_eval(x) * (1 + scale) + shift`` without the
-    native path's fp32 casts. Yields how many modules were switched; restores every one afterwards."""
+    """Dispatch ``tr``'s vLLM-Omni ``CustomOp`` modules to ``forward_npu`` as on an Ascend platform (here they picked
+    ``forward_native``), so that stock's NPU code is what is counted. Yields how many modules were switched."""
     from vllm_omni.diffusion.layers.custom_op import CustomOp
 
-    saved = []
-    for m in tr.modules():
-        if isinstance(m, CustomOp) and "_forward_method" in m.__dict__:
-            saved.append((m, m.__dict__["_forward_method"]))
-            m._forward_method = m.forward_npu
-    try:
-        yield len(saved)
-    finally:
-        for m, fn in saved:
-            m._forward_method = fn
+    switched = [m for m in tr.modules() if isinstance(m, CustomOp) and "_forward_method" in m.__dict__]
+    with contextlib.ExitStack() as patches:
+        for m in switched:
+            patches.enter_context(mock.patch.object(m, "_forward_method", m.forward_npu))
+        yield len(switched)
 
 
 def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) -> BlockCount:
-    """Select ``flags`` on ``tr``, run one cold forward, then count the last block of a warm one. ``npu=True``: with
-    the CustomOps dispatched as on an Ascend platform (:func:`npu_dispatch`)."""
+    """Select ``flags`` on ``tr``, run one cold forward, then count the last block of a warm one (``npu``: under
+    :func:`npu_dispatch`)."""
     from vllm_omni_ascend_opt import api
     from vllm_omni_ascend_opt.testbed.npu_ops import NpuOpCounter
     from vllm_omni_ascend_opt.testbed.opcount import OpCounter, count_module_calls
@@ -115,35 +110,23 @@ def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) 
     (c,), (first,), (call,) = calls, b0, whole
     if first.total < c.total:
         raise AssertionError(f"{flags}: block 0 launches {first.total}, fewer than the last block's {c.total}")
-    # block 0 may launch more: once-per-forward work done lazily by the first block that needs it (e.g. the joint
-    # RoPE table of ``joint_attention`` when the ``rope`` embedder memo is off and the freqs are new each forward);
-    # it is counted with the work outside the blocks (``BlockCount.outside``), per block is the steady state
+    # block 0 may launch more: once-per-forward work done lazily by the first block that needs it (e.g. a joint RoPE
+    # table) counts as outside the blocks (``BlockCount.outside``); per block is the steady state
     unresolved = Counter(getattr(call, "unresolved", {}))
-    return BlockCount(flags, c.total, Counter(c.counts), unresolved, call.total, len(tr.transformer_blocks))
+    return BlockCount(c.total, Counter(c.counts), unresolved, call.total, len(tr.transformer_blocks))
 
 
 def ops_per_block(
-    rt: Any,
-    flags: str = "default",
-    *,
-    width: str = "tiny",
-    dtype: torch.dtype = torch.bfloat16,
-    npu: bool = True,
-    height: int = 128,
-    image_width: int = 128,
+    rt: Any, flags: str = "default", *, dtype: torch.dtype = torch.bfloat16, npu: bool = True
 ) -> BlockCount:
-    """One line for a budget test: launches per block of a warm forward of the ``width`` transformer in ``dtype``.
-
-    ``npu=True`` (the default) counts what torch_npu would launch; install the torch_npu fake first so that the
-    plugin takes its NPU paths (e.g. ``fake_npu(); assert ops_per_block(runtime, "default").total <= 45``).
-    """
-    tr = build_transformer(rt, WIDTHS[width], dtype)
-    return count_block(tr, rt, t2i_inputs(tr, dtype, height, image_width), flags, npu=npu)
+    """Launches per block of a warm forward of the tiny transformer in ``dtype`` (:func:`count_block`); with
+    ``npu=True`` install the torch_npu fake first so that the plugin takes its NPU paths."""
+    tr = build_transformer(rt, TINY, dtype)
+    return count_block(tr, rt, t2i_inputs(tr, dtype), flags, npu=npu)
 
 
 def configurations() -> dict[str, str]:
-    """The configurations the op tables report: stock, default, all (default + the off-by-default opt-ins, the
-    fast tier among them), and each registered optimization alone."""
+    """The configurations the op tables report: stock, default, all, and each registered optimization alone."""
     from vllm_omni_ascend_opt import registry
 
     out = {"stock": "none", "default": "default", "all": "all"}

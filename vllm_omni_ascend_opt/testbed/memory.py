@@ -2,9 +2,8 @@
 
 ``torch.profiler.profile(profile_memory=True)`` records every allocation and free as a ``[memory]`` event with a
 signed byte count; their running sum in time order is what the call added over what existed before it (weights and
-inputs are not counted), its maximum the peak, its end ``end``. On an accelerator with allocator statistics (CUDA,
-NPU) the allocator's own peak is read instead. ``tests/test_memory_probe.py`` checks the method on hand-computed
-cases. :func:`first_call_peaks` measures calls made deep inside a generation (the benchmarks, the ablation worker).
+inputs are not counted), its maximum the peak, its end ``end``. :func:`first_call_peaks` measures calls made deep
+inside a generation (the benchmarks, the ablation worker).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -35,7 +35,12 @@ def measure(fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: A
     kind = torch.device(device).type
     acc = getattr(torch, kind, None) if kind != "cpu" else None
     if acc is not None and callable(getattr(acc, "max_memory_allocated", None)):
-        return _measure_allocator(acc, fn, *args, **kwargs)
+        acc.synchronize()
+        acc.reset_peak_memory_stats()
+        before = acc.memory_allocated()
+        out = fn(*args, **kwargs)
+        acc.synchronize()
+        return out, MemoryPeak(acc.max_memory_allocated() - before, acc.memory_allocated() - before, allocations=0)
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -43,11 +48,10 @@ def measure(fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: A
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities, profile_memory=True, record_shapes=False) as prof:
         out = fn(*args, **kwargs)
-    want = torch.device(device).type
     events = sorted(
         (e.start_ns(), e.nbytes())
         for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and str(e.device_type()).rsplit(".", 1)[-1].lower() == want
+        if e.name() == "[memory]" and str(e.device_type()).rsplit(".", 1)[-1].lower() == kind
     )
     live = peak = 0
     for _t, nbytes in events:
@@ -56,35 +60,15 @@ def measure(fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: A
     return out, MemoryPeak(peak=peak, end=live, allocations=sum(1 for _t, n in events if n > 0))
 
 
-def _measure_allocator(acc: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, MemoryPeak]:
-    """:func:`measure` through an accelerator allocator's statistics (synchronized around the call)."""
-    acc.synchronize()
-    acc.reset_peak_memory_stats()
-    before = acc.memory_allocated()
-    out = fn(*args, **kwargs)
-    acc.synchronize()
-    peak = acc.max_memory_allocated() - before
-    return out, MemoryPeak(peak=peak, end=acc.memory_allocated() - before, allocations=0)
-
-
-#: The calls whose peaks the benchmarks and the ablation report show: (label, path of the object, method name).
-PIPELINE_CALLS: tuple[tuple[str, str, str], ...] = (
-    ("transformer_forward", "transformer", "forward"),
-    ("vae_decode", "vae", "decode"),
-)
-
-
 @contextlib.contextmanager
 def first_call_peaks(targets: dict[str, tuple[Any, str]], device: str = "cpu") -> Iterator[dict[str, MemoryPeak]]:
     """While active, the first call of each ``obj.method`` (``label -> (obj, method)``) runs under :func:`measure`;
     the yielded dict fills with ``label -> MemoryPeak`` as those calls happen.
 
-    The method is wrapped through the instance (``obj.method = wrapper``) around whatever ``obj.method`` is now (a
-    bound method, or a hook registry's forward wrapper such as vLLM-Omni's cache and offload hooks), and the
-    instance attribute is restored exactly on exit (removed when there was none). Only the first call is measured:
-    one transformer forward is one denoise step, whatever the number of steps and CFG branches."""
+    The method is wrapped through the instance around whatever ``obj.method`` is now (a bound method, or a hook
+    registry's forward wrapper such as vLLM-Omni's cache and offload hooks); the instance attribute is restored
+    exactly on exit. Only the first call is measured: one transformer forward is one denoise step."""
     peaks: dict[str, MemoryPeak] = {}
-    saved: list[tuple[Any, str, bool, Any]] = []
 
     def wrap(label: str, current: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -95,24 +79,16 @@ def first_call_peaks(targets: dict[str, tuple[Any, str]], device: str = "cpu") -
 
         return wrapper
 
-    try:
+    with contextlib.ExitStack() as patches:
         for label, (obj, method) in targets.items():
-            had = method in vars(obj)
-            saved.append((obj, method, had, vars(obj).get(method)))
-            setattr(obj, method, wrap(label, getattr(obj, method)))
+            patches.enter_context(mock.patch.object(obj, method, wrap(label, getattr(obj, method))))
         yield peaks
-    finally:
-        for obj, method, had, value in reversed(saved):
-            if had:
-                setattr(obj, method, value)
-            else:
-                delattr(obj, method)
 
 
 def pipeline_targets(pipe: Any) -> dict[str, tuple[Any, str]]:
-    """:data:`PIPELINE_CALLS` found on ``pipe`` (a pipeline without a transformer or a VAE has fewer)."""
+    """The calls whose peaks the benchmarks and the ablation report show, those ``pipe`` has."""
     out = {}
-    for label, attr, method in PIPELINE_CALLS:
+    for label, attr, method in (("transformer_forward", "transformer", "forward"), ("vae_decode", "vae", "decode")):
         obj = getattr(pipe, attr, None)
         if obj is not None and callable(getattr(obj, method, None)):
             out[label] = (obj, method)

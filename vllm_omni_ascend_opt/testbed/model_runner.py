@@ -1,69 +1,38 @@
 """vLLM-Omni's own ``DiffusionModelRunner``, in this process, on the test bed's CPU runtime.
 
 The runner is what vLLM-Omni's diffusion worker drives: ``load_model`` builds the pipeline with the loader (the
-plugin attaches there) and applies CPU / layerwise offload, ``torch.compile`` and the cache backend in its own
-order; ``execute_model`` runs one request. :class:`RunnerHarness` builds one from ``OmniDiffusionConfig`` fields (the
-names users pass to ``Omni(...)`` / ``vllm serve``), so tests and benchmarks exercise the plugin in vLLM-Omni's
-memory, cache and compile modes without an accelerator. CPU-only adaptations, here and nowhere else: the engine CPU
-runtime (``runtime.py``); ``pin_cpu_memory=False`` for offload without an accelerator (pinned memory needs one);
-``supports_torch_inductor`` answering True while a ``compile=True`` runner loads (the unspecified platform leaves it
-unimplemented, so the runner would skip compiling). LoRA: the worker, not the runner, owns the
-``DiffusionLoRAManager``; :meth:`RunnerHarness.enable_lora` and ``generate(lora=...)`` do what the worker does.
+plugin attaches there) and applies offload, ``torch.compile`` and the cache backend in its own order;
+``execute_model`` runs one request. :class:`RunnerHarness` builds one from ``OmniDiffusionConfig`` fields, so tests
+and benchmarks exercise the plugin in vLLM-Omni's memory, cache and compile modes without an accelerator. CPU-only
+adaptations: the engine CPU runtime (``runtime.py``); ``pin_cpu_memory=False`` for offload (pinned memory needs an
+accelerator); ``supports_torch_inductor`` True while a ``compile=True`` runner loads (else the runner skips
+compiling). LoRA: :meth:`RunnerHarness.enable_lora` and ``generate(lora=...)`` do what the worker does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 
-from vllm_omni_ascend_opt.testbed.pipeline import make_request
+from vllm_omni_ascend_opt.testbed.pipeline import decoded_images, make_request
 from vllm_omni_ascend_opt.testbed.runtime import Runtime, apply_engine_cpu_runtime, use_import_workarounds
 
 #: ``OmniDiffusionConfig`` fields that switch an offload mode on.
 OFFLOAD_FIELDS = ("enable_cpu_offload", "enable_layerwise_offload")
 
 
-@contextlib.contextmanager
-def _inductor_supported(on: bool) -> Iterator[None]:
+def _inductor_supported(on: bool) -> Any:
     """While loading: the platform says it supports inductor (only when ``on``; restored afterwards)."""
     if not on:
-        yield
-        return
+        return contextlib.nullcontext()
     from vllm_omni.platforms import current_omni_platform
 
-    cls = type(current_omni_platform)
-    before = cls.__dict__.get("supports_torch_inductor")
-    cls.supports_torch_inductor = classmethod(lambda _cls: True)
-    try:
-        yield
-    finally:
-        if before is None:
-            del cls.supports_torch_inductor
-        else:
-            cls.supports_torch_inductor = before
-
-
-def runner_config(rt: Runtime, **fields: Any) -> Any:
-    """A copy of the runtime's ``OmniDiffusionConfig`` with ``fields`` set (cached resolutions dropped)."""
-    od = copy.copy(rt.od_config)
-    for name in [k for k in vars(od) if k.startswith("_resolved")]:
-        delattr(od, name)  # e.g. the offload policy resolved for the runtime's own config
-    if any(fields.get(f) for f in OFFLOAD_FIELDS) and torch.accelerator.current_accelerator() is None:
-        fields.setdefault("pin_cpu_memory", False)
-    for name, value in fields.items():
-        if not hasattr(od, name):
-            raise TypeError(f"OmniDiffusionConfig has no field {name!r}")
-        setattr(od, name, value)
-    return od
-
-
-#: ``generate(lora=...)``: (adapter name, positive int id, adapter directory, scale), or None for no adapter.
-Lora = tuple[str, int, str, float]
+    return mock.patch.object(type(current_omni_platform), "supports_torch_inductor", classmethod(lambda _cls: True))
 
 
 @dataclass
@@ -78,17 +47,23 @@ class RunnerHarness:
     def load(
         cls, rt: Runtime, *, compile: bool = False, device: str | torch.device = "cpu", **fields: Any
     ) -> RunnerHarness:
-        """Build a runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields`` and load it (on ``device``:
-        the CPU, or the accelerator the ablation worker runs on).
-
+        """Build a runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields`` and load it on ``device``.
         ``compile=True`` sets ``enforce_eager=False`` and lets the runner compile (``diffusion_compile_granularity``
-        picks regional or full); otherwise the runner runs eagerly."""
+        picks regional or full)."""
         use_import_workarounds()
         apply_engine_cpu_runtime()
         from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
 
         fields.setdefault("enforce_eager", not compile)
-        od = runner_config(rt, **fields)
+        od = copy.copy(rt.od_config)  # with ``fields`` set, cached resolutions dropped
+        for name in [k for k in vars(od) if k.startswith("_resolved")]:
+            delattr(od, name)  # e.g. the offload policy resolved for the runtime's own config
+        if any(fields.get(f) for f in OFFLOAD_FIELDS) and torch.accelerator.current_accelerator() is None:
+            fields.setdefault("pin_cpu_memory", False)
+        for name, value in fields.items():
+            if not hasattr(od, name):
+                raise TypeError(f"OmniDiffusionConfig has no field {name!r}")
+            setattr(od, name, value)
         runner = DiffusionModelRunner(rt.vllm_config, od, torch.device(device))
         with rt.context(), _inductor_supported(compile):
             runner.load_model()
@@ -118,17 +93,13 @@ class RunnerHarness:
         width: int = 64,
         steps: int = 4,
         seed: int = 42,
-        cfg_scale: float = 1.0,
-        negative_prompt: str | None = None,
-        request_id: str = "ascend-opt",
-        lora: Lora | None = None,
-        **sampling: Any,
+        lora: tuple[str, int, str, float] | None = None,
+        **request: Any,
     ) -> torch.Tensor:
         """One request through ``runner.execute_model``; the decoded images ``[B, 3, H, W]`` (float, CPU).
 
-        ``lora`` (after :meth:`enable_lora`): the request's adapter, activated before the request as vLLM-Omni's
-        worker does (None: no adapter). ``sampling``: further ``OmniDiffusionSamplingParams`` fields
-        (``num_outputs_per_prompt=2``)."""
+        ``lora`` (after :meth:`enable_lora`): the request's adapter (name, positive int id, directory, scale),
+        activated before the request as vLLM-Omni's worker does (None: no adapter). ``request``: further :func:`~.pipeline.make_request` keywords."""
         if lora is not None and self.lora_manager is None:
             raise RuntimeError("generate(lora=...) needs enable_lora() first")
         if self.lora_manager is not None:
@@ -136,23 +107,9 @@ class RunnerHarness:
 
             req = None if lora is None else LoRARequest(lora_name=lora[0], lora_int_id=lora[1], lora_path=lora[2])
             self.lora_manager.set_active_adapter(req, 1.0 if lora is None else lora[3])
-        batch = make_request(
-            prompt,
-            height=height,
-            width=width,
-            steps=steps,
-            seed=seed,
-            cfg_scale=cfg_scale,
-            negative_prompt=negative_prompt,
-            request_id=request_id,
-            **sampling,
-        )
+        batch = make_request(prompt, height=height, width=width, steps=steps, seed=seed, **request)
         with self.rt.context():
-            out = self.runner.execute_model(batch.requests[0])
-        images = out.output
-        if images.dim() == 3:
-            images = images.unsqueeze(0)
-        return images.detach().float().cpu()
+            return decoded_images(self.runner.execute_model(batch.requests[0]))
 
     def close(self) -> None:
         """Drop the cache backend and the offloader's hooks (one cache-dit pipeline per process)."""

@@ -1,15 +1,13 @@
 """Count the kernels torch_npu 2.13 would launch for what runs here on CPU: :class:`NpuOpCounter`.
 
-torch_npu registers its own set of ``aten::`` kernels, so the NPU's launch count differs from the CPU's dispatch
-(:class:`~.opcount.OpCounter`) where the two backends disagree. Per op reaching the dispatcher (views and
-allocation-only ops excluded):
+torch_npu registers its own set of ``aten::`` kernels. Per op reaching the dispatcher (views and allocation-only ops
+excluded):
 
-1. registered for the NPU (a dense key in :data:`REGISTERED_FILE`, extracted from the real torch-npu 2.13.0 wheel by
-   ``tools/gen_npu_registered_ops.py``) -> 1 launch;
+1. registered for the NPU (a dense key in :data:`REGISTERED_FILE`, from the torch-npu 2.13.0 wheel) -> 1 launch;
 2. a structured op whose ``out=`` overload is registered (``gelu`` -> ``gelu.out``) -> 1 launch;
 3. otherwise decomposed with ``torch._decomp`` on meta tensors, the pieces counted by these same rules (the op itself
-   still runs as on CPU, so no number changes);
-4. otherwise 1 launch, recorded in :attr:`NpuOpCounter.unresolved` (tests assert the models hit none).
+   still runs as on CPU);
+4. otherwise 1 launch, recorded in :attr:`NpuOpCounter.unresolved`.
 
 ``CompositeImplicitAutograd`` ops torch_npu registers itself (``scaled_dot_product_attention``, ``matmul``,
 ``softmax.int``) are caught at their ``torch`` entry points (:data:`FUNCTION_HOOKS`) and count 1 launch. torch_npu's
@@ -31,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
-from vllm_omni_ascend_opt.testbed.opcount import is_kernel_launch
+from vllm_omni_ascend_opt.testbed.opcount import OpCounter, is_kernel_launch
 
 REGISTERED_FILE = Path(__file__).with_name("npu_registered_ops.txt")
 #: Dispatch keys whose kernels run for a dense NPU tensor.
@@ -44,14 +42,8 @@ _MAX_DEPTH = 8  # decomposition recursion guard
 @functools.cache
 def registered_ops() -> frozenset[str]:
     """Overloads (``"add.Tensor"``, ``"_to_copy"`` for ``default``) with a dense NPU kernel in torch_npu 2.13.0."""
-    ops = set()
-    for line in REGISTERED_FILE.read_text().splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, keys = line.split()
-        if _DENSE_KEYS & set(keys.split(",")):
-            ops.add(name)
-    return frozenset(ops)
+    rows = (line.split() for line in REGISTERED_FILE.read_text().splitlines() if line and not line.startswith("#"))
+    return frozenset(name for name, keys in rows if _DENSE_KEYS & set(keys.split(",")))
 
 
 def wheel_header() -> dict[str, str]:
@@ -144,9 +136,8 @@ def _suspended() -> Iterator[None]:
 
 
 def _record(name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None) -> None:
-    """Count one launch of ``name`` in every active counter (only in a decomposition's sub-counter while one runs);
-    ``call`` (args, kwargs, result) goes to each counter's :meth:`NpuOpCounter.observe` (the device-time trace
-    prices the launch from it)."""
+    """Count one launch of ``name`` in every active counter (only in a decomposition's sub-counter while one runs),
+    and pass ``call`` (args, kwargs, result) to its :meth:`NpuOpCounter.observe`."""
     active = _STATE.active
     targets = active[-1:] if active and active[-1]._isolated else active
     for c in targets:
@@ -156,11 +147,8 @@ def _record(name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None 
 
 
 def run_npu_kernel(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn`` (a fake torch_npu kernel ``name``) as ONE launch: the CPU ops inside are not counted.
-
-    Counted (as ``npu::<name>``) only when the result holds a tensor: queries such as ``get_npu_format`` launch
-    nothing.
-    """
+    """Run ``fn`` (a fake torch_npu kernel ``name``) as ONE launch (``npu::<name>``), the CPU ops inside uncounted;
+    only when the result holds a tensor: queries such as ``get_npu_format`` launch nothing."""
     if _STATE.suspended or not _STATE.active:
         return fn(*args, **kwargs)
     with _suspended():
@@ -171,10 +159,6 @@ def run_npu_kernel(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any)
 
 
 class _FunctionHooks(TorchFunctionMode):
-    def __init__(self, owner: NpuOpCounter) -> None:
-        super().__init__()
-        self.owner = owner
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op = FUNCTION_HOOKS.get(func)
@@ -186,23 +170,18 @@ class _FunctionHooks(TorchFunctionMode):
         return out
 
 
-class NpuOpCounter(TorchDispatchMode):
-    """``with NpuOpCounter() as c: ...`` then ``c.total`` / ``c.counts``: the kernels torch_npu 2.13 would launch.
-
-    ``c.counts`` is keyed by yaml overload name (``"mul.Tensor"``, ``"npu::npu_rotary_mul"``);
-    ``c.decomposed`` counts the ops that ran as their pieces, ``c.unresolved`` the ones counted 1 without an NPU
-    kernel to show for it (neither registered nor decomposable: should stay empty).
-    """
+class NpuOpCounter(OpCounter):
+    """``with NpuOpCounter() as c: ...`` then ``c.total`` / ``c.counts`` (by yaml overload name, ``"mul.Tensor"``,
+    ``"npu::npu_rotary_mul"``): the kernels torch_npu 2.13 would launch. ``c.decomposed`` counts the ops that ran as
+    their pieces, ``c.unresolved`` those counted 1 without an NPU kernel to show for it (should stay empty)."""
 
     def __init__(self, *, _isolated: bool = False, _depth: int = 0) -> None:
         super().__init__()
-        self.counts: Counter[str] = Counter()
         self.decomposed: Counter[str] = Counter()
         self.unresolved: Counter[str] = Counter()
-        self.enabled = True
         self._isolated = _isolated  # a decomposition's sub-counter: its pieces run on meta, unseen by outer modes
         self._depth = _depth
-        self._hooks = _FunctionHooks(self)
+        self._hooks = _FunctionHooks()
 
     def __enter__(self):
         _STATE.active.append(self)
@@ -227,8 +206,7 @@ class NpuOpCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def observe(self, name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None) -> None:
-        """One launch of ``name`` was counted, with its ``(args, kwargs, result)`` when known; no-op here (the
-        device-time trace, ``devtime/trace.py``, prices it)."""
+        """One launch of ``name`` was counted, with its ``(args, kwargs, result)`` when known (for subclasses)."""
 
     def absorb(self, pieces: NpuOpCounter) -> None:
         """A decomposition's sub-counter ``pieces`` was merged into this one; a subclass takes what it recorded."""
@@ -237,12 +215,8 @@ class NpuOpCounter(TorchDispatchMode):
         how, what = resolve(func)
         if how == "none":
             return
-        if how == "kernel":
-            self.counts[what] += 1
-            self.observe(what, (args, kwargs, None))
-            return
-        if how == "decompose" and self._depth < _MAX_DEPTH:
-            pieces = self._pieces(what, args, kwargs)
+        if how == "decompose":
+            pieces = self._pieces(what, args, kwargs) if self._depth < _MAX_DEPTH else None
             if pieces is not None:
                 self.decomposed[overload_name(func)] += 1
                 self.counts.update(pieces.counts)
@@ -250,9 +224,11 @@ class NpuOpCounter(TorchDispatchMode):
                 self.unresolved.update(pieces.unresolved)
                 self.absorb(pieces)
                 return
-        self.counts[overload_name(func)] += 1
-        self.unresolved[overload_name(func)] += 1
-        self.observe(overload_name(func), (args, kwargs, None))
+        if how != "kernel":  # unresolved, or a decomposition that could not run: one launch we cannot account for
+            what = overload_name(func)
+            self.unresolved[what] += 1
+        self.counts[what] += 1
+        self.observe(what, (args, kwargs, None))
 
     def _pieces(self, decomp: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> NpuOpCounter | None:
         """Run ``decomp`` on meta copies of the arguments under an isolated sub-counter; None if it cannot run."""
@@ -262,18 +238,10 @@ class NpuOpCounter(TorchDispatchMode):
                 lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
                 (args, kwargs),
             )
-        sub = self._sub_counter()
+        sub = type(self)(_isolated=True, _depth=self._depth + 1)  # a subclass's pieces are its own
         try:
             with sub:
                 decomp(*meta_args, **meta_kwargs)
         except Exception:  # a decomposition that needs values (data-dependent) cannot run on meta
             return None
         return sub
-
-    def _sub_counter(self) -> NpuOpCounter:
-        """The isolated counter a decomposition's pieces are counted in (its class: a subclass's pieces are its own)."""
-        return type(self)(_isolated=True, _depth=self._depth + 1)
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())

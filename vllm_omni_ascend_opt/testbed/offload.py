@@ -1,11 +1,9 @@
 """Bytes vLLM-Omni's layerwise offloader copies host->device, counted on the copies themselves.
 
-:func:`count_offload_copies` runs a region (a request) under a ``TorchDispatchMode`` that adds up every
-``aten::copy_`` whose source lives in one of the offloader's host weight tensors (``blocks/layerwise.host_weights``:
-one flattened tensor per block and dtype). That covers every path that moves block weights to the device: the
-prefetch of the next block in each hook's ``pre_forward``, upstream's synchronous prefetch of a block a cache backend
-skipped, and ``memo_aware_offload``'s late copy of modulation weights. On CPU "device" is the CPU too; what is
-counted is the same bytes an NPU would receive over PCIe.
+:func:`count_offload_copies` adds up every ``aten::copy_`` whose source lives in one of the offloader's host weight
+tensors (one flattened tensor per block and dtype), so every path that moves block weights to the device is covered
+(prefetch, a cache backend's skipped-block prefetch, ``memo_aware_offload``'s late modulation copy). On CPU "device"
+is the CPU too; the bytes are those an NPU would receive over PCIe.
 """
 
 from __future__ import annotations

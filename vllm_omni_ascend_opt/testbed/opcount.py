@@ -1,17 +1,17 @@
 """Count kernel-launching aten ops (what an NPU pays a launch for), excluding views and allocation-only ops.
 
-On an NPU, batch-1 eager Qwen-Image is bound by kernel launches, which a 2-core CPU hides; counting the dispatched
-aten ops is the device-independent proxy our benchmarks report next to wall-clock ratios. What torch_npu itself would
-launch for the same code (its registered kernels, composites as their pieces, torch_npu ops as one) is counted by
-:class:`vllm_omni_ascend_opt.testbed.npu_ops.NpuOpCounter`.
+On an NPU, batch-1 eager Qwen-Image is bound by kernel launches, which a CPU hides: the dispatched aten ops are a
+device-independent proxy. What torch_npu itself would launch is counted by :class:`~.npu_ops.NpuOpCounter`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 from torch.utils import _pytree as pytree
@@ -38,10 +38,7 @@ _NO_KERNEL = {
 
 def is_kernel_launch(func: Any) -> bool:
     """True when ``func`` (an OpOverload) would launch a device kernel: not a view, not allocation-only."""
-    name = func._schema.name
-    if name in _NO_KERNEL:
-        return False
-    return not getattr(func, "is_view", False)
+    return func._schema.name not in _NO_KERNEL and not getattr(func, "is_view", False)
 
 
 class OpCounter(TorchDispatchMode):
@@ -70,11 +67,7 @@ def count_ops(fn: Callable[[], Any]) -> tuple[Any, OpCounter]:
 
 @contextlib.contextmanager
 def count_module_calls(module: torch.nn.Module, counter: Callable[[], Any] | None = None) -> Iterator[list[OpCounter]]:
-    """Yields a list that receives one counter per call of ``module`` (e.g. one transformer block).
-
-    Use inside an outer run; only ops dispatched while ``module.forward`` runs are counted. ``counter`` builds the
-    counter (default :class:`OpCounter`; ``testbed.npu_ops.NpuOpCounter`` counts what torch_npu would launch).
-    """
+    """Yields a list that receives one counter (made by ``counter``) per call of ``module``."""
     results: list[OpCounter] = []
     active: list[OpCounter] = []
     make = counter or OpCounter
@@ -89,29 +82,18 @@ def count_module_calls(module: torch.nn.Module, counter: Callable[[], Any] | Non
         c.__exit__(None, None, None)
         results.append(c)
 
-    h1 = module.register_forward_pre_hook(pre)
-    h2 = module.register_forward_hook(post)
-    try:
+    with module.register_forward_pre_hook(pre), module.register_forward_hook(post):
         yield results
-    finally:
-        h1.remove()
-        h2.remove()
 
 
 class TensorReadCounter(TorchDispatchMode):
     """Counts the kernel-launching ops that read any of ``tensors`` (matched by storage, so views such as
     ``weight.t()`` count) and the bytes they read: each watched storage's size once per op that takes it.
-
-    ``with TensorReadCounter(weights) as c: ...`` then ``c.calls`` / ``c.bytes``. Used for "modulation weight bytes
-    read per denoise step": a GEMV reads its whole weight and bias once.
-    """
+    ``with TensorReadCounter(weights) as c: ...`` then ``c.calls`` / ``c.bytes``."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         super().__init__()
-        self._sizes: dict[int, int] = {}
-        for t in tensors:
-            st = t.untyped_storage()
-            self._sizes[st.data_ptr()] = st.nbytes()
+        self._sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         self.calls = 0
         self.bytes = 0
 
@@ -133,7 +115,6 @@ class TensorReadCounter(TorchDispatchMode):
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__")
 #: Aten ops that return a host value (what ``item()``, ``bool(t)``, ``float(t)``, ``torch.equal`` dispatch).
 SYNC_OPS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal"}
-_OWN_FILES = (__file__,)
 
 
 def call_site(
@@ -142,13 +123,11 @@ def call_site(
     """``file:line (function)`` of the nearest caller (from ``depth`` frames up) outside torch, contextlib, this
     module, files whose path contains one of ``skip`` and functions named in ``skip_functions``; without
     ``function``, ``file:line`` only."""
-    import sys
-
     f = sys._getframe(depth)
     while f is not None:
         name = f.f_code.co_filename
         if (
-            name not in _OWN_FILES
+            name != __file__
             and "/torch/" not in name
             and "/contextlib.py" not in name
             and not any(s in name for s in skip)
@@ -161,30 +140,21 @@ def call_site(
 
 
 class SyncCounter(TorchDispatchMode):
-    """Counts host synchronisation points: calls of ``Tensor.item`` / ``tolist`` / ``cpu`` / ``numpy`` / ``__bool__``
-    (tensor truthiness) and the aten ops that return host values (``_local_scalar_dense``, ``is_nonzero``,
-    ``equal``) when no counted method dispatched them.
-
-    On a device each of these waits for the queued kernels; on the CPU test bed they cost nothing, so they are
-    counted where they are called, whatever the device. ``.cpu()`` is the copy to the host: reads of the copy it
-    returned (``numpy()``, ``tolist()``, ``item()`` on a tensor sharing its storage, in the same caller frame) are
-    host-side and not counted again. ``with SyncCounter() as s: ...`` then ``s.total`` and ``s.sites`` (per
-    ``file:line (function)``: where each sync point is).
-    """
+    """Counts host synchronisation points (on a device each waits for the queued kernels): calls of
+    :data:`SYNC_METHODS` and the :data:`SYNC_OPS` that no counted method dispatched. Reads of the host copy a
+    ``.cpu()`` returned (a tensor sharing its storage, in the same caller frame) are not counted again.
+    ``with SyncCounter() as s: ...`` then ``s.total`` and ``s.sites`` (per ``file:line (function)``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sites: Counter[str] = Counter()
         self._depth = 0
         self._host_copy: tuple[Any, int] | None = None  # (caller frame, storage pointer) of the last .cpu()
-        self._saved: dict[str, Any] = {}
+        self._patches = contextlib.ExitStack()
 
     @property
     def total(self) -> int:
         return sum(self.sites.values())
-
-    def _count(self, site: str) -> None:
-        self.sites[site] += 1
 
     def _wrap(self, name: str, original: Any) -> Any:
         counter = self
@@ -192,15 +162,13 @@ class SyncCounter(TorchDispatchMode):
         def method(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if counter._depth:
                 return original(t, *args, **kwargs)
-            import sys
-
             frame = sys._getframe(1)
             ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else -1
             host = counter._host_copy
             if name != "cpu" and host is not None and host[0] is frame and host[1] == ptr:
                 pass  # a read of the host copy made by .cpu() in this frame
             else:
-                counter._count(call_site(2))
+                counter.sites[call_site(2)] += 1
             counter._depth += 1
             try:
                 out = original(t, *args, **kwargs)
@@ -215,26 +183,20 @@ class SyncCounter(TorchDispatchMode):
 
     def __enter__(self) -> SyncCounter:
         for name in SYNC_METHODS:
-            original = getattr(torch.Tensor, name)
-            self._saved[name] = torch.Tensor.__dict__.get(name)
-            setattr(torch.Tensor, name, self._wrap(name, original))
+            wrapped = self._wrap(name, getattr(torch.Tensor, name))
+            self._patches.enter_context(mock.patch.object(torch.Tensor, name, wrapped))
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
         try:
             return super().__exit__(*exc)
         finally:
-            for name, saved in self._saved.items():
-                if saved is None:
-                    delattr(torch.Tensor, name)
-                else:
-                    setattr(torch.Tensor, name, saved)
-            self._saved.clear()
+            self._patches.close()
             self._host_copy = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._depth and func._schema.name in SYNC_OPS:
-            self._count(call_site(2))
+            self.sites[call_site(2)] += 1
         self._depth += 1
         try:
             return func(*args, **(kwargs or {}))

@@ -1,11 +1,9 @@
 """Load a Qwen-Image directory through vLLM-Omni's own loader and run its pipeline's ``forward``.
 
-Any pipeline of the test bed's family (:mod:`.tiny_model`). The image pipelines get their request as vLLM-Omni's
-``DiffusionEngine`` hands it over: the input image goes through the pipeline's registered pre-process function
-first. Two test-bed-only adaptations, outside the pipelines' own code: :func:`tiny_processor_loading` (without
-torchvision, which has no CPU wheel for this torch, ``Qwen2VLProcessor`` is served as the same class minus its video
-processor) and :func:`tiny_image_areas` (the pre-process functions' fixed image areas of the real model, scaled by
-:data:`AREA_SCALE` for the tiny one).
+Any pipeline of the test bed's family (:mod:`.tiny_model`); image inputs go through the pipeline's registered
+pre-process function first, as in vLLM-Omni's ``DiffusionEngine``. Two test-bed-only adaptations:
+:func:`tiny_processor_loading` (without torchvision, which has no CPU wheel for this torch, ``Qwen2VLProcessor`` is
+served minus its video processor) and :func:`tiny_image_areas` (the real model's image areas, scaled for the tiny one).
 """
 
 from __future__ import annotations
@@ -15,10 +13,10 @@ import copy
 import functools
 import importlib
 import importlib.util
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -28,17 +26,15 @@ from vllm_omni_ascend_opt.testbed.runtime import Runtime
 @dataclass
 class GenerationResult:
     images: torch.Tensor  # [B, 3, H, W] in [-1, 1] (vLLM-Omni's "pt" output), float
-    stage_ms: dict[str, float] = field(default_factory=dict)
 
 
-#: Pipeline modules whose pre-process sizes images with a module-global ``calculate_dimensions`` (see module doc).
-_AREA_MODULES = (
+#: The image pipelines' modules: they load the module-global ``Qwen2VLProcessor`` in ``__init__`` and size images with
+#: the module-global ``calculate_dimensions`` (see module doc).
+_IMAGE_MODULES = (
     "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit",
     "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit_plus",
     "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_layered",
 )
-#: Pipeline modules that load ``Qwen2VLProcessor`` (module global) in ``__init__``.
-_PROCESSOR_MODULES = _AREA_MODULES
 #: Test-bed scale of the real models' image areas: 1024^2 -> 64^2 (VAE image), 384^2 -> 32^2 (condition image).
 AREA_SCALE = (64 / 1024) ** 2
 
@@ -63,33 +59,23 @@ def image_only_processor_class() -> type:
     return ImageOnlyQwen2VLProcessor
 
 
-def _torchvision_available() -> bool:
-    return importlib.util.find_spec("torchvision") is not None
-
-
 @contextlib.contextmanager
 def _patched_globals(modules: tuple[str, ...], name: str, make: Any) -> Iterator[None]:
     """Set ``module.<name> = make(old)`` in each module for the duration; restored by identity afterwards."""
-    saved = []
-    try:
+    with contextlib.ExitStack() as patches:
         for mod_name in modules:
             mod = importlib.import_module(mod_name)
-            old = getattr(mod, name)
-            saved.append((mod, old))
-            setattr(mod, name, make(old))
+            patches.enter_context(mock.patch.object(mod, name, make(getattr(mod, name))))
         yield
-    finally:
-        for mod, old in saved:
-            setattr(mod, name, old)
 
 
 @contextlib.contextmanager
 def tiny_processor_loading() -> Iterator[None]:
     """While loading an image pipeline without torchvision: serve ``Qwen2VLProcessor`` as the image-only class."""
-    if _torchvision_available():
+    if importlib.util.find_spec("torchvision") is not None:
         yield
         return
-    with _patched_globals(_PROCESSOR_MODULES, "Qwen2VLProcessor", lambda _old: image_only_processor_class()):
+    with _patched_globals(_IMAGE_MODULES, "Qwen2VLProcessor", lambda _old: image_only_processor_class()):
         yield
 
 
@@ -103,7 +89,7 @@ def tiny_image_areas(scale: float = AREA_SCALE) -> Iterator[None]:
 
         return calculate_dimensions
 
-    with _patched_globals(_AREA_MODULES, "calculate_dimensions", make):
+    with _patched_globals(_IMAGE_MODULES, "calculate_dimensions", make):
         yield
 
 
@@ -138,19 +124,12 @@ def load_pipeline(
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
         pipe = loader.load_model(load_device=str(device), device=device)
     pipe.eval()
-    _match_text_encoder_dtype(pipe, od.dtype)
-    return pipe
-
-
-def _match_text_encoder_dtype(pipe: Any, dtype: torch.dtype) -> None:
-    """vLLM-Omni loads the text encoder in its stored dtype (bf16 in the real checkpoint) and makes the latents in
-    that dtype; the test bed stores it in fp32, which breaks a 16-bit run at the transformer's first linear. Cast it
-    to the run's 16-bit dtype, as the real checkpoint would be. fp32 runs are unchanged."""
+    # vLLM-Omni loads the text encoder in its stored dtype (the test bed's: fp32, the real checkpoint's: bf16), which
+    # would break a 16-bit run at the transformer's first linear: cast it to the run's 16-bit dtype.
     te = getattr(pipe, "text_encoder", None)
-    if te is None or dtype not in (torch.float16, torch.bfloat16):
-        return
-    if next(te.parameters()).dtype == torch.float32:
-        te.to(dtype)
+    if te is not None and od.dtype in (torch.float16, torch.bfloat16) and next(te.parameters()).dtype == torch.float32:
+        te.to(od.dtype)
+    return pipe
 
 
 def make_request(
@@ -204,11 +183,9 @@ def make_request(
 def run_forward(pipe: Any, req: Any) -> Any:
     """``pipe.forward(req)``; for ``QwenImageDMD2Pipeline`` the DMD2 mixin's forward minus its broken call.
 
-    vLLM-Omni 0.30's ``DMD2PipelineMixin.forward`` sanitizes the request (few-step count, no CFG) and then calls
-    ``super().forward(req, guidance_scale=..., num_inference_steps=...)``, which ``QwenImagePipeline.forward(req)``
-    does not accept (TypeError; pinned by tests/test_family.py). The test bed runs the mixin's own
-    ``_sanitize_dmd2_request`` and then ``QwenImagePipeline.forward`` -- the mixin's forward without the extra
-    keywords, whose values the sanitized request already carries -- with the DMD2 scheduler the mixin installed."""
+    vLLM-Omni 0.30's ``DMD2PipelineMixin.forward`` passes ``super().forward`` keywords that
+    ``QwenImagePipeline.forward(req)`` does not accept (TypeError; pinned by tests/test_family.py). Its own
+    ``_sanitize_dmd2_request`` puts those values in the request, then ``QwenImagePipeline.forward`` runs."""
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImageDMD2Pipeline, QwenImagePipeline
 
     if isinstance(pipe, QwenImageDMD2Pipeline):
@@ -250,39 +227,29 @@ def generate(
     width: int = 32,
     steps: int = 2,
     seed: int = 42,
-    cfg_scale: float = 1.0,
-    negative_prompt: str | None = None,
-    max_sequence_length: int = 64,
     image: Any = None,
-    **sampling: Any,
+    **request: Any,
 ) -> GenerationResult:
-    """Run one request through the pipeline's ``forward`` and return the decoded image tensor.
+    """Run one request (``request``: further :func:`make_request` keywords) through the pipeline's ``forward`` and
+    return the decoded image tensor.
 
     Image pipelines (Edit, Edit-Plus, Layered) need ``image``; it is pre-processed by the pipeline's own registered
     pre-process function first. Layered returns its decoded layers stacked as ``[layers, C, H, W]`` (RGBA)."""
+    pre_process = pre_process_func(pipe) if image is not None else None
     req = make_request(
-        prompt,
-        height=height,
-        width=width,
-        steps=steps,
-        seed=seed,
-        cfg_scale=cfg_scale,
-        negative_prompt=negative_prompt,
-        max_sequence_length=max_sequence_length,
-        image=image,
-        pre_process=pre_process_func(pipe) if image is not None else None,
-        **sampling,
+        prompt, height=height, width=width, steps=steps, seed=seed, image=image, pre_process=pre_process, **request
     )
-    t0 = time.perf_counter()
     with rt.context(), torch.no_grad():
         outs = run_forward(pipe, req)
-    total = (time.perf_counter() - t0) * 1e3
     out = outs[0] if isinstance(outs, list) else outs  # DMD2 / text-to-image: list; edit / layered: one output
+    return GenerationResult(images=decoded_images(out))
+
+
+def decoded_images(out: Any) -> torch.Tensor:
+    """A ``DiffusionOutput``'s images as ``[B, C, H, W]`` float on the CPU (Layered: its layers stacked)."""
     images = out.output
     if isinstance(images, list):  # Layered: one [layers, C, H, W] tensor per batch item
         images = torch.cat(list(images), dim=0)
     if images.dim() == 3:
         images = images.unsqueeze(0)
-    stages = dict(getattr(out, "stage_durations", None) or {})
-    stages["total"] = total
-    return GenerationResult(images=images.detach().float().cpu(), stage_ms=stages)
+    return images.detach().float().cpu()

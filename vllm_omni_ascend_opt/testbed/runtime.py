@@ -1,15 +1,16 @@
 """Minimal CPU runtime for vLLM-Omni 0.30 (opt-in; separate from the NPU optimizations).
 
 vLLM-Omni 0.30 has no CPU platform: on ``UnspecifiedOmniPlatform`` its attention-backend selection and
-``AttentionImpl.forward`` raise. There only, :func:`init_cpu_runtime` routes both to vLLM-Omni's pure-torch SDPA,
-creates the gloo process group itself and initialises vLLM-Omni's parallel state as ``diffusion_worker.py`` does (on
-an accelerator platform it only sets up the groups). :func:`engine_env` and :func:`apply_engine_cpu_runtime` do the
-same for vLLM-Omni's own engines (``Omni``, ``vllm serve --omni``): one place knows what vLLM-Omni lacks on CPU.
+``AttentionImpl.forward`` raise. There only, :func:`init_cpu_runtime` routes both to vLLM-Omni's pure-torch SDPA;
+everywhere, it creates the gloo process group and vLLM-Omni's parallel state as ``diffusion_worker.py`` does.
+:func:`engine_env` and :func:`apply_engine_cpu_runtime` do the same for vLLM-Omni's own engines.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import logging
 import os
 import socket
@@ -54,10 +55,7 @@ def free_port() -> int:
 
 
 def route_attention_to_sdpa_on_cpu() -> bool:
-    """On ``UnspecifiedOmniPlatform`` only: select vLLM-Omni's SDPA backend and run its pure-torch forward.
-
-    Returns True when it changed something. Idempotent.
-    """
+    """On ``UnspecifiedOmniPlatform`` only: vLLM-Omni's SDPA backend, pure-torch forward. True when applied."""
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
     from vllm_omni.platforms import current_omni_platform
 
@@ -91,10 +89,9 @@ def route_ring_kernel_to_cpu() -> None:
     def eff(q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=False, scale=None):
         if q.device.type != "cpu":
             return original(q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale
         )[:2]
-        return out, lse
 
     ring_kernels._scaled_dot_product_efficient_attention = eff
     ring_kernels._ascend_opt_cpu_routed = True
@@ -113,16 +110,12 @@ def init_cpu_runtime(
     """Create vLLM-Omni's configs and process groups for this process (idempotent within a process).
 
     ``parallel`` holds ``DiffusionParallelConfig`` fields (``ulysses_degree=2``, ``cfg_parallel_size=2``, ...);
-    with ``world_size > 1`` pass the same ``init_method`` (``tcp://127.0.0.1:PORT``) to every rank.
-    """
+    with ``world_size > 1`` pass the same ``init_method`` (``tcp://127.0.0.1:PORT``) to every rank."""
     if "rt" in _STATE:
         return _STATE["rt"]
     from vllm.config import set_current_vllm_config
     from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
-    from vllm_omni.diffusion.distributed.parallel_state import (
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
+    from vllm_omni.diffusion.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from vllm_omni.diffusion.forward_context import set_forward_context
     from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
 
@@ -186,11 +179,8 @@ _ENGINE_APPLIED: list[str] = []
 def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) plus what makes vLLM-Omni's engines run on CPU in every process they start.
 
-    vLLM-Omni starts its processes itself (API server, ``mp`` workers), so only the environment reaches all of them:
-    ``SITE_DIR`` on ``PYTHONPATH`` (its ``sitecustomize`` installs the import-time workarounds, standard library
-    only, inert without ``ENV_CPU_RUNTIME=1``, and makes ``load_omni_general_plugins`` apply
-    :func:`apply_engine_cpu_runtime` first, which changes nothing on an accelerator platform). Nothing is installed:
-    a process sees neither half unless this environment is passed to it."""
+    vLLM-Omni starts its processes itself (API server, ``mp`` workers), so only the environment reaches them all:
+    ``SITE_DIR`` on ``PYTHONPATH`` and ``ENV_CPU_RUNTIME=1`` (see ``omni_cpu_site/sitecustomize.py``)."""
     out = dict(os.environ if env is None else env)
     paths = [str(SITE_DIR)] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
     out["PYTHONPATH"] = os.pathsep.join(paths)
@@ -199,22 +189,18 @@ def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
+@functools.cache
+def _site_module() -> Any:
+    spec = importlib.util.spec_from_file_location("_ascend_opt_cpu_site", SITE_DIR / "sitecustomize.py")
+    site = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(site)  # type: ignore[union-attr]
+    return site
+
+
 def use_import_workarounds() -> None:
-    """In this process: the interpreter-start half's torchvision-free image processors, for code that imports
-    vLLM-Omni's engine modules in-process (``testbed.model_runner``). Idempotent. (No audio placeholder: nothing imported
-    in-process needs it, and it would make ``torchaudio`` look installed to the rest of the process.)"""
-    import importlib.util
-
-    site = _SITE.get("module")
-    if site is None:
-        spec = importlib.util.spec_from_file_location("_ascend_opt_cpu_site", SITE_DIR / "sitecustomize.py")
-        site = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(site)  # type: ignore[union-attr]
-        _SITE["module"] = site
-    site.install_import_fallbacks(audio=False)
-
-
-_SITE: dict[str, Any] = {}
+    """In this process, for engine modules imported in-process: the torchvision-free image processors (no audio
+    placeholder: it would make ``torchaudio`` look installed to the rest of the process). Idempotent."""
+    _site_module().install_import_fallbacks(audio=False)
 
 
 def engine_cpu_runtime_applied() -> list[str]:
@@ -226,11 +212,9 @@ def apply_engine_cpu_runtime() -> list[str]:
     """Platform-time half of the engine CPU runtime; idempotent. Returns what it changed (empty on an accelerator).
 
     On ``UnspecifiedOmniPlatform`` only: (1) attention -> vLLM-Omni's pure-torch SDPA; (2) the platform methods the
-    engine calls and the unspecified platforms (vLLM-Omni's and vLLM's) leave unimplemented or wrong on CPU
-    (:func:`_platform_methods`: ``dist_backend`` gloo, one device, no-op synchronisation and memory statistics, the
-    host's free memory for model CPU offload's debug log); (3) the ``mp`` executor's output thread, which dies on
-    ``current_accelerator()`` being None (then every request waits forever): inside it, ``cpu``, and outputs packed
-    without a side stream; (4) LoRA without pinned memory (vLLM pins adapters without asking the platform)."""
+    unspecified platforms (vLLM-Omni's and vLLM's) leave unimplemented or wrong on CPU (:func:`_platform_methods`);
+    (3) the ``mp`` executor's output thread, which dies on ``current_accelerator()`` being None (every request then
+    waits forever): inside it, ``cpu``; (4) LoRA without pinned memory (vLLM pins adapters without asking)."""
     if _ENGINE_APPLIED:
         return list(_ENGINE_APPLIED)
     from vllm_omni.platforms import current_omni_platform
@@ -262,9 +246,6 @@ def apply_engine_cpu_runtime() -> list[str]:
 
 
 def _platform_methods() -> dict[str, Any]:
-    def host_available(cls: Any, *args: Any, **kwargs: Any) -> int:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
     noop, zero = classmethod(lambda cls, *a, **k: None), classmethod(lambda cls, *a, **k: 0)
     return {
         "dist_backend": "gloo",
@@ -275,13 +256,12 @@ def _platform_methods() -> dict[str, Any]:
         "max_memory_reserved": zero,
         "max_memory_allocated": zero,
         "reset_peak_memory_stats": noop,
-        "get_free_memory": classmethod(host_available),
+        "get_free_memory": classmethod(lambda cls, *a, **k: os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")),
     }
 
 
 def cpu_lora_without_pinned_memory() -> bool:
-    """See item 4 of :func:`apply_engine_cpu_runtime`. Returns True when it changed something (only without an
-    accelerator; idempotent)."""
+    """Item 4 of :func:`apply_engine_cpu_runtime` (only without an accelerator). True when it changed something."""
     if torch.accelerator.current_accelerator() is not None:
         return False
     import vllm.lora.lora_model as lora_model
@@ -292,7 +272,7 @@ def cpu_lora_without_pinned_memory() -> bool:
 
 
 def _cpu_async_output_thread() -> bool:
-    """See item 3 of :func:`apply_engine_cpu_runtime`. Returns True when it changed something."""
+    """Item 3 of :func:`apply_engine_cpu_runtime`. True when it changed something."""
     if torch.accelerator.current_accelerator() is not None:
         return False
     from vllm_omni.diffusion.worker import diffusion_worker as dw

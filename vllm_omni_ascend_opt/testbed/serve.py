@@ -57,8 +57,7 @@ class ImageResponse:
         return np.asarray(Image.open(io.BytesIO(self.png)).convert("RGB"), dtype=np.uint8)
 
     def stage_durations(self) -> dict[str, float]:
-        metrics = self.body.get("metrics") or {}
-        return dict(metrics.get("stage_durations") or {})
+        return dict((self.body.get("metrics") or {}).get("stage_durations") or {})
 
 
 def image_request(
@@ -70,7 +69,6 @@ def image_request(
     seed: int,
     cfg_scale: float = 1.0,
     negative_prompt: str | None = None,
-    model: str | None = None,
 ) -> dict[str, Any]:
     """An OpenAI images-API body for vLLM-Omni's server (``true_cfg_scale`` > 1 with a negative prompt: true CFG)."""
     body: dict[str, Any] = {
@@ -84,8 +82,6 @@ def image_request(
     }
     if cfg_scale > 1.0:
         body["negative_prompt"] = negative_prompt if negative_prompt is not None else " "
-    if model is not None:
-        body["model"] = model
     return body
 
 
@@ -126,7 +122,6 @@ class OmniServer:
     port: int = 0
     proc: subprocess.Popen | None = None
     model_id: str | None = None
-    started_s: float | None = None
 
     @property
     def base_url(self) -> str:
@@ -153,28 +148,24 @@ class OmniServer:
         env.setdefault("VLLM_LOGGING_COLOR", "0")
         env["PYTHONUNBUFFERED"] = "1"
         header = f"===== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n"
-        if self.log_path is None:
-            sys.stderr.write(header)
-            sys.stderr.flush()
-            self._spawn(argv, env, sys.stderr.fileno())
-            return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            log.write(header.encode())
-            log.flush()
-            self._spawn(argv, env, log)
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") if self.log_path else contextlib.nullcontext() as log:
+            if log is None:
+                sys.stderr.write(header)
+                sys.stderr.flush()
+            else:
+                log.write(header.encode())
+                log.flush()
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log or sys.stderr.fileno(),
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=self.new_session,
+            )
         return self
-
-    def _spawn(self, argv: list[str], env: dict[str, str], out: Any) -> None:
-        self._t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=self.new_session,
-        )
 
     def wait_ready(self, timeout: float = 240.0) -> OmniServer:
         """Poll ``/health`` until 200; raise :class:`ServerError` when the server exits or the time is up."""
@@ -183,14 +174,11 @@ class OmniServer:
         while True:
             if self.proc.poll() is not None:
                 raise ServerError(f"server exited with code {self.proc.returncode}:\n{self.log_tail()}".rstrip())
-            with contextlib.suppress(OSError, urllib.error.URLError):
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
+            if self.healthy(timeout=2):
+                break
             if time.monotonic() > deadline:
                 raise ServerError(f"server not healthy within {timeout:.0f} s:\n{self.log_tail()}")
             time.sleep(0.5)
-        self.started_s = time.monotonic() - self._t0
         with urllib.request.urlopen(self.base_url + "/v1/models", timeout=10) as r:
             self.model_id = json.load(r)["data"][0]["id"]
         return self
@@ -202,9 +190,9 @@ class OmniServer:
         except subprocess.TimeoutExpired:
             return None
 
-    def healthy(self) -> bool:
+    def healthy(self, timeout: float = 5.0) -> bool:
         try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=timeout) as r:
                 return r.status == 200
         except (OSError, urllib.error.URLError):
             return False
@@ -216,11 +204,8 @@ class OmniServer:
         t0 = time.perf_counter()
         status, payload = post_json(self.base_url + "/v1/images/generations", body, timeout)
         latency = time.perf_counter() - t0
-        png = None
         data = payload.get("data") if status == 200 else None
-        if data:
-            png = base64.b64decode(data[0]["b64_json"])
-        return ImageResponse(status, payload, latency, png)
+        return ImageResponse(status, payload, latency, base64.b64decode(data[0]["b64_json"]) if data else None)
 
     def log_text(self) -> str:
         if self.log_path is None:
@@ -234,56 +219,42 @@ class OmniServer:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def group_alive(self) -> bool:
-        """Whether any process of the server's process group (or, without a session of its own, the server) is
-        still there."""
+        """Whether any process of the server's group (without a session of its own: the server) is still there."""
         if self.proc is None:
             return False
         if not self.new_session:
             return self.proc.poll() is None
         try:
-            os.killpg(self.proc.pid, 0)
+            with contextlib.suppress(PermissionError):  # there, owned by another user
+                os.killpg(self.proc.pid, 0)
         except ProcessLookupError:
             return False
-        except PermissionError:
-            return True
         return True
 
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM to the server's process group, then SIGKILL to whatever is left of it; reap the server."""
         if self.proc is None:
             return
-        if not self.new_session:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=grace)
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-            with contextlib.suppress(Exception):
-                self.proc.wait(timeout=10)
-            return
-        pgid = self.proc.pid  # start_new_session: the group is the server's pid
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGTERM)
+        self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self.group_alive():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=0.2)
-            if self.proc.poll() is not None and not self.group_alive():
-                break
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
+        self._signal(signal.SIGKILL)
         with contextlib.suppress(Exception):
             self.proc.wait(timeout=10)
         end = time.monotonic() + 10
         while self.group_alive() and time.monotonic() < end:  # zombies of the group are reaped by init
             time.sleep(0.1)
 
-    def __enter__(self) -> OmniServer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def _signal(self, sig: int) -> None:
+        """``sig`` to the server's process group (its pid, with ``new_session``), else to the server alone."""
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if self.new_session:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
 
 
 def stop_all(servers: list[OmniServer], grace: float = 20.0) -> None:

@@ -1,10 +1,9 @@
 """Offline, deterministic builder of tiny Qwen-Image model directories in diffusers format, one per pipeline.
 
-Everything is made from a seed: a tiny Qwen2.5-VL text encoder, a byte-level Qwen2 tokenizer built in memory, a tiny
-VAE, transformer and scheduler. ``ModelSpec.pipeline`` picks the vLLM-Omni pipeline (``model_index.json``'s
-``_class_name``); the image pipelines also get a torchvision-free ``processor/`` and the vision tokens. Directories
-are cached under ``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default ``~/.cache/vllm-omni-ascend-opt``), keyed on spec and seed,
-and renamed into place atomically (safe for concurrent builders).
+Everything is made from a seed: a tiny Qwen2.5-VL text encoder, a byte-level Qwen2 tokenizer, a tiny VAE, transformer
+and scheduler; the image pipelines also get a torchvision-free ``processor/``. Directories are cached under
+``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default ``~/.cache/vllm-omni-ascend-opt``), keyed on spec and seed, and renamed into
+place atomically (safe for concurrent builders).
 """
 
 from __future__ import annotations
@@ -27,10 +26,14 @@ EDIT_PLUS = "QwenImageEditPlusPipeline"
 LAYERED = "QwenImageLayeredPipeline"
 #: The vLLM-Omni 0.30 Qwen-Image pipelines the builder can make a directory for.
 PIPELINES = (T2I, DMD2, EDIT, EDIT_PLUS, LAYERED)
-#: Pipelines whose prompt encoding runs the text encoder's vision tower on an input image (need ``processor/``).
-IMAGE_INPUT_PIPELINES = (EDIT, EDIT_PLUS, LAYERED)
-#: Vision special tokens (Qwen2.5-VL names) appended to the byte-level vocabulary for the image pipelines.
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+#: Vision special tokens (Qwen2.5-VL names) appended to the byte-level vocabulary for the image pipelines, with the
+#: text encoder config field that holds each one's id.
+VISION_TOKENS = {
+    "<|vision_start|>": "vision_start_token_id",
+    "<|vision_end|>": "vision_end_token_id",
+    "<|image_pad|>": "image_token_id",
+    "<|video_pad|>": "video_token_id",
+}
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ class ModelSpec:
 
     @property
     def image_input(self) -> bool:
-        return self.pipeline in IMAGE_INPUT_PIPELINES
+        """The prompt encoding runs the text encoder's vision tower on an input image (needs ``processor/``)."""
+        return self.pipeline in (EDIT, EDIT_PLUS, LAYERED)
 
     def transformer_kwargs(self) -> dict:
         kw = dict(
@@ -137,21 +141,18 @@ TINY = ModelSpec(name="tiny")
 TINY_FAMILY: dict[str, ModelSpec] = {
     suffix or "t2i": TINY.variant(p, zero_cond_t=z) for (p, z), suffix in FAMILY_SUFFIX.items()
 }
-#: The test-bed width at depth, 12 blocks: the model of the shipped tiny CPU workloads (``tiny-deep``,
-#: ``tiny-deep-edit-2511``), deep enough that the plugin's savings per request stand clear of the per-request work
-#: around them (text encoder, VAE, engine, HTTP) and its noise. The unit tests keep the 2-block :data:`TINY`.
+#: The test-bed width at depth, 12 blocks: the model of the shipped tiny CPU workloads, deep enough that the plugin's
+#: savings stand clear of the per-request work around them (text encoder, VAE, engine, HTTP) and its noise.
 TINY_DEEP = ModelSpec(name="deep", num_layers=12)
 TINY_FAMILY["deep"] = TINY_DEEP
 TINY_FAMILY["deep-edit-2511"] = TINY_DEEP.variant(EDIT_PLUS, zero_cond_t=True)
 #: Real width (hidden 3072, 24 heads x 128, RoPE axes 16/56/56) at reduced depth, for benchmarks.
 REALWIDTH = ModelSpec(
     name="realwidth",
-    num_layers=2,
     num_attention_heads=24,
     attention_head_dim=128,
     axes_dims_rope=(16, 56, 56),
     joint_attention_dim=64,
-    vae_base_dim=24,
     weight_std=0.02,
 )
 
@@ -183,7 +184,7 @@ def build_model_dir(spec: ModelSpec = TINY, seed: int = 0, root: Path | str | No
 
 def _tokenizer(vision: bool = False):
     """Byte-level Qwen2 tokenizer: ids 0..256 are <|endoftext|> and the 256 byte symbols, then the chat tokens and
-    (``vision``) :data:`VISION_TOKENS` in order (ids 259..262, see :func:`_vision_token_ids`)."""
+    (``vision``) :data:`VISION_TOKENS` in order (ids 259..262)."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
@@ -195,26 +196,14 @@ def _tokenizer(vision: bool = False):
     return tok
 
 
-def _vision_token_ids(tok) -> dict[str, int]:
-    ids = dict(zip(VISION_TOKENS, tok.convert_tokens_to_ids(list(VISION_TOKENS)), strict=True))
-    return {
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-    }
-
-
 #: The tiny vision tower's image processor: 14-px patches merged 2x2, between 2x2 and 4x4 merged tokens per image.
 PROCESSOR_MIN_PIXELS = 28 * 28 * 4
 PROCESSOR_MAX_PIXELS = 28 * 28 * 16
 
 
 def _save_processor(tok, out: Path) -> None:
-    """transformers' ``Qwen2VLProcessor`` with the PIL image processor (no torchvision), saved under ``out``.
-
-    Saved through the image-only subclass (every transformers video processor needs torchvision) and recorded as
-    ``Qwen2VLProcessor``, the class the pipelines load."""
+    """transformers' ``Qwen2VLProcessor`` with the PIL image processor, saved under ``out`` through the image-only
+    subclass (every video processor needs torchvision) and recorded as ``Qwen2VLProcessor``, the class pipelines load."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from vllm_omni_ascend_opt.testbed.pipeline import image_only_processor_class
@@ -253,7 +242,7 @@ def _build(spec: ModelSpec, seed: int, out: Path) -> None:
     tokenizer = _tokenizer(vision=spec.image_input)
     # Text-to-image keeps its historical (unused) vision token ids, so its directory stays byte-identical.
     token_ids = (
-        _vision_token_ids(tokenizer)
+        {attr: tokenizer.convert_tokens_to_ids(token) for token, attr in VISION_TOKENS.items()}
         if spec.image_input
         else dict(vision_start_token_id=290, vision_end_token_id=291, image_token_id=293, video_token_id=294)
     )

@@ -1,16 +1,14 @@
 """The test bed's CPU runtime for vLLM-Omni's own engines, in every process they start (see ``testbed/runtime.py``).
 
-This folder is on ``PYTHONPATH`` only through :func:`vllm_omni_ascend_opt.testbed.runtime.engine_env`; Python imports
-``sitecustomize`` at start-up in every process that inherits it. It acts only with
-``VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME=1`` and uses the standard library alone (it costs nothing at start-up):
+This folder is on ``PYTHONPATH`` only through :func:`vllm_omni_ascend_opt.testbed.runtime.engine_env`. It acts only
+with ``VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME=1`` and uses the standard library alone (it costs nothing at start-up):
 
 1. torchvision is missing (no CPU wheel matches this torch): ``transformers.models.<m>.image_processing_<x>`` (which
-   vLLM's qwen2_vl imports in every entry point) is served from its torchvision-free twin
-   ``image_processing_pil_<x>``.
+   vLLM's qwen2_vl imports in every entry point) is served from its twin ``image_processing_pil_<x>``.
 2. torchaudio is missing: vLLM-Omni's OpenAI server imports it at module level; an import-only placeholder is served.
 3. ``vllm_omni.plugins.load_omni_general_plugins`` (called by every vLLM-Omni process before it builds a model) first
    applies :func:`~vllm_omni_ascend_opt.testbed.runtime.apply_engine_cpu_runtime`, so the test bed works the same
-   whether the plugin is installed, excluded or broken: the plugin never imports the test bed.
+   whether the plugin is installed, excluded or broken.
 """
 
 from __future__ import annotations
@@ -26,25 +24,7 @@ ENV = "VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME"
 _TRANSFORMERS_MODELS = "transformers.models."
 
 
-class _PilTwinLoader(importlib.abc.Loader):
-    def __init__(self, twin: str) -> None:
-        self.twin = twin
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module) -> None:
-        twin = importlib.import_module(self.twin)
-        for name, value in vars(twin).items():
-            if name.startswith("__"):
-                continue
-            setattr(module, name, value)
-            if isinstance(value, type) and name.endswith("ImageProcessorPil"):
-                setattr(module, name[: -len("Pil")], value)
-        module.__ascend_opt_cpu_twin__ = self.twin
-
-
-class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder):
+class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
         if not fullname.startswith(_TRANSFORMERS_MODELS):
             return None
@@ -54,10 +34,31 @@ class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder):
         twin = f"{head}.image_processing_pil_{leaf[len('image_processing_') :]}"
         if importlib.util.find_spec(twin) is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _PilTwinLoader(twin))
+        return importlib.machinery.ModuleSpec(fullname, self, loader_state=twin)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        twin = module.__spec__.loader_state
+        for name, value in vars(importlib.import_module(twin)).items():
+            if name.startswith("__"):
+                continue
+            setattr(module, name, value)
+            if isinstance(value, type) and name.endswith("ImageProcessorPil"):
+                setattr(module, name[: -len("Pil")], value)
+        module.__ascend_opt_cpu_twin__ = twin
 
 
-class _PlaceholderLoader(importlib.abc.Loader):
+class _Placeholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots: tuple[str, ...]) -> None:
+        self.roots = roots
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname.partition(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
     def create_module(self, spec):
         return None
 
@@ -75,16 +76,6 @@ class _PlaceholderLoader(importlib.abc.Loader):
 
         module.__getattr__ = __getattr__
         module.__version__ = "0+ascend-opt-cpu-placeholder"
-
-
-class _Placeholders(importlib.abc.MetaPathFinder):
-    def __init__(self, roots: tuple[str, ...]) -> None:
-        self.roots = roots
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname.partition(".")[0] in self.roots:
-            return importlib.machinery.ModuleSpec(fullname, _PlaceholderLoader(), is_package=True)
-        return None
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -105,17 +96,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             self._busy = False
         if spec is None or spec.loader is None:
             return spec
-        inner, action = spec.loader, self.action
+        exec_module, action = spec.loader.exec_module, self.action
 
-        class _Then(importlib.abc.Loader):
-            def create_module(self, spec):
-                return inner.create_module(spec)
+        def then(module) -> None:
+            exec_module(module)
+            action(module)
 
-            def exec_module(self, module) -> None:
-                inner.exec_module(module)
-                action(module)
-
-        spec.loader = _Then()
+        spec.loader.exec_module = then  # this spec's own loader instance
         return spec
 
 
@@ -139,14 +126,8 @@ def install_import_fallbacks(audio: bool = True) -> None:
         isinstance(f, _TorchvisionFreeImageProcessors) for f in sys.meta_path
     ):
         sys.meta_path.insert(0, _TorchvisionFreeImageProcessors())
-    missing = tuple(name for name in ("torchaudio",) if importlib.util.find_spec(name) is None)
-    if audio and missing:
-        sys.meta_path.append(_Placeholders(missing))  # last: only for names no other finder knows
-
-
-def _install() -> None:
-    sys.meta_path.insert(0, _AfterImport("vllm_omni.plugins", _apply_runtime_before_plugins))
-    install_import_fallbacks()
+    if audio and importlib.util.find_spec("torchaudio") is None:
+        sys.meta_path.append(_Placeholders(("torchaudio",)))  # last: only for names no other finder knows
 
 
 def _chain_next_sitecustomize() -> None:
@@ -166,7 +147,8 @@ def _chain_next_sitecustomize() -> None:
 if __name__ == "sitecustomize":  # at interpreter start (not when the test bed loads this file in-process)
     if os.environ.get(ENV) == "1":
         try:
-            _install()
+            sys.meta_path.insert(0, _AfterImport("vllm_omni.plugins", _apply_runtime_before_plugins))
+            install_import_fallbacks()
         except Exception as exc:  # never break interpreter start-up
             print(f"vllm-omni-ascend-opt CPU runtime: import workarounds not installed: {exc!r}", file=sys.stderr)
     _chain_next_sitecustomize()
