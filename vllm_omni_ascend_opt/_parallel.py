@@ -35,9 +35,7 @@ def _parallel_config(model: Any = None) -> Any:
 
 def active_modes(model: Any = None) -> list[str]:
     """The parallel modes ``model`` (None: the current diffusion config) runs in, ``["single"]`` when none."""
-    pc = _parallel_config(model)
-    if pc is None:
-        return ["single"]
+    pc = _parallel_config(model)  # None: every degree reads as 1
     modes = [name for attr, name in _FIELDS if int(getattr(pc, attr, 1) or 1) > 1]
     return modes or ["single"]
 

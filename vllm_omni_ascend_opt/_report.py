@@ -195,12 +195,11 @@ def write_status_file(model: Any = None) -> Path | None:
     path = status_file_path()
     if path is None:
         return None
-    if model is None:
-        model = _seen.get("model")
     with _write_lock:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(status_report(model), indent=1, sort_keys=True, default=str))
+        report = status_report(model if model is not None else _seen.get("model"))
+        tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
         os.replace(tmp, path)
     return path
 

@@ -78,10 +78,8 @@ def compiled_regions(model: Any) -> frozenset[str]:
     for tr in find_transformers(model):
         if getattr(tr, "_compiled_call_impl", None) is not None or _is_compiled(tr.__dict__.get("forward")):
             return frozenset({"block", "transformer"})
-        for block in getattr(tr, "transformer_blocks", ()):
-            if block_compiled(block):
-                out.add("block")
-                break
+        if any(block_compiled(block) for block in getattr(tr, "transformer_blocks", ())):
+            out.add("block")
     return frozenset(out)
 
 
@@ -97,9 +95,7 @@ def compile_reason(
 ) -> str | None:
     """Why an optimization in ``regions`` does not act on ``model`` because torch.compile runs all of them, or None."""
     compiled = compiled_regions(model)
-    if not regions or not compiled or not regions <= compiled:
-        return None
-    if compile_granularity(compiled) in acts_compiled:
+    if not regions or not regions <= compiled or compile_granularity(compiled) in acts_compiled:
         return None
     where = "the whole transformer" if "transformer" in compiled else "the transformer blocks"
     return (
