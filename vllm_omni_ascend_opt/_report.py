@@ -149,7 +149,6 @@ def status_file_path() -> Path | None:
 
 
 def _each(get: Callable[[Optimization], Any]) -> dict[str, Any]:
-    """Optimization name -> ``get(opt)``, for those where it is not None."""
     return {o.name: v for o in registry.all_optimizations() if (v := get(o)) is not None}
 
 

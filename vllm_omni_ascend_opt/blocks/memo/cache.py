@@ -72,24 +72,20 @@ class ModulationMemo:
 
     def __init__(self, max_bytes: int = DEFAULT_BUDGET_MB * 1024**2) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
-        self.nbytes = 0  # held within the budget
-        # The last digested temb, its version, its entry, its Span (None: not contiguous).
-        self._last: tuple[weakref.ReferenceType, int | None, _Entry, Span | None] | None = None
         self.stats: Counter[str] = Counter()
-        # Two-segment blocks: the timestep-0 segment per (block, weights, settings).
-        self._zero_t: dict[tuple[Any, ...], tuple[weakref.ReferenceType, torch.Tensor, tuple[Any, ...]]] = {}
-        self._plan: tuple[weakref.ReferenceType, int | None, SegmentPlan | str] | None = None
+        self.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
-        self._last = None
-        self._zero_t.clear()
-        self._plan = None
+        self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
+        self.nbytes = 0  # held within the budget
+        # The last digested temb, its version, its entry, its Span (None: not contiguous).
+        self._last: tuple[weakref.ReferenceType, int | None, _Entry, Span | None] | None = None
+        # Two-segment blocks: the timestep-0 segment per (block, weights, settings).
+        self._zero_t: dict[tuple[Any, ...], tuple[weakref.ReferenceType, torch.Tensor, tuple[Any, ...]]] = {}
+        self._plan: tuple[weakref.ReferenceType, int | None, SegmentPlan | str] | None = None
 
     @property
     def zero_t_nbytes(self) -> int:
@@ -252,7 +248,6 @@ class ModulationMemo:
         return slot.payload
 
     def _hit(self, entry: _Entry, key: tuple[Any, ...], module: nn.Module, sig: Any) -> Any:
-        """:meth:`_lookup`, counted as a hit or a miss."""
         found = self._lookup(entry, key, module, sig)
         self.stats["hits" if found is not None else "misses"] += 1
         return found

@@ -47,8 +47,7 @@ class Span:
         return Span(t.untyped_storage(), t.dtype, t.storage_offset(), t.numel()) if t.is_contiguous() else None
 
     def contains(self, a: torch.Tensor) -> bool:
-        """``a`` only reads this span's memory (same storage and dtype): its values follow from the digest and its
-        geometry."""
+        """``a`` reads only this span's memory (same storage, dtype): the digest and its geometry fix its values."""
         if a.dtype != self.dtype or a.untyped_storage().data_ptr() != self.storage.data_ptr():
             return False
         if a.numel() == 0 or any(st < 0 for st in a.stride()):

@@ -83,21 +83,15 @@ def compiled_regions(model: Any) -> frozenset[str]:
     return frozenset(out)
 
 
-def compile_granularity(compiled: frozenset[str]) -> str | None:
-    """``"full"`` (the whole transformer), ``"regional"`` (its blocks) or None, from :func:`compiled_regions`."""
-    if "transformer" in compiled:
-        return "full"
-    return "regional" if compiled else None
-
-
 def compile_reason(
     regions: frozenset[str], model: Any, name: str, acts_compiled: frozenset[str] = frozenset()
 ) -> str | None:
     """Why an optimization in ``regions`` does not act on ``model`` because torch.compile runs all of them, or None."""
     compiled = compiled_regions(model)
-    if not regions or not regions <= compiled or compile_granularity(compiled) in acts_compiled:
+    full = "transformer" in compiled  # the whole transformer ("full"), else its blocks ("regional")
+    if not regions or not regions <= compiled or ("full" if full else "regional") in acts_compiled:
         return None
-    where = "the whole transformer" if "transformer" in compiled else "the transformer blocks"
+    where = "the whole transformer" if full else "the transformer blocks"
     return (
         f"torch.compile runs {where} ({', '.join(sorted(compiled))}): {name} steps aside while dynamo traces, "
         "so the compiled graphs hold stock code"
