@@ -173,8 +173,7 @@ class ModulationMemo:
     def time_embedding(
         self, module: nn.Module, timestep: torch.Tensor, hidden_states: torch.Tensor, addition_t_cond: Any, stock: Any
     ) -> tuple[torch.Tensor | None, str | None]:
-        """``time_text_embed(...)`` keyed on the timestep's value (:mod:`.time_embedding`): a hit returns the very temb
-        ``stock`` computed on the miss. (temb, None), or (None, why not)."""
+        """``time_text_embed(...)`` keyed on the timestep's value: a hit returns the very temb ``stock`` computed."""
         try:
             self._check(timestep)
             if torch.is_grad_enabled():

@@ -55,8 +55,7 @@ class TimeKey:
 
 
 def time_key(module: nn.Module, grad: bool) -> TimeKey:
-    """The :class:`TimeKey` of a ``QwenTimestepProjEmbeddings``; :class:`Unkeyable` when its output may depend on
-    anything the key does not cover."""
+    """The :class:`TimeKey` of a ``QwenTimestepProjEmbeddings``; :class:`Unkeyable` if the key may not cover all."""
     e = sys.modules[targets.EMBEDDINGS]
     m = module._modules
     proj, emb = m.get("time_proj"), m.get("timestep_embedder")
