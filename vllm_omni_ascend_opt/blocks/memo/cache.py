@@ -173,7 +173,7 @@ class ModulationMemo:
     def time_embedding(
         self, module: nn.Module, timestep: torch.Tensor, hidden_states: torch.Tensor, addition_t_cond: Any, stock: Any
     ) -> tuple[torch.Tensor | None, str | None]:
-        """``time_text_embed(...)`` keyed on the timestep's value: a hit returns the very temb ``stock`` computed."""
+        """``time_text_embed(...)`` keyed on the timestep's value (a hit: the temb ``stock`` computed), or a reason."""
         try:
             self._check(timestep)
             if torch.is_grad_enabled():
