@@ -63,10 +63,8 @@ def find_transformers(model: Any) -> list[nn.Module]:
     cls = t.QwenImageTransformer2DModel
     if isinstance(model, cls):
         return [model]
-    found = []
     tr = getattr(model, "transformer", None)
-    if isinstance(tr, cls):
-        found.append(tr)
+    found = [tr] if isinstance(tr, cls) else []
     if isinstance(model, nn.Module):
         found.extend(m for m in model.modules() if isinstance(m, cls) and m is not tr)
     return found
