@@ -102,8 +102,7 @@ def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
 
 def norm_out_sig(norm: nn.Module, grad: bool) -> tuple[Any, ...]:
     """The weight signature of ``norm_out``'s linear; :class:`Unkeyable` unless its SiLU and linear are stock's."""
-    m = norm._modules
-    silu, lin = m.get("silu"), m.get("linear")
+    silu, lin = norm._modules.get("silu"), norm._modules.get("linear")
     if type(silu) is not nn.SiLU or silu.inplace or guards.hooked(silu) or guards.hooked(lin):
         raise Unkeyable("norm_out's SiLU/linear is not stock's (or has hooks)")
     return linear_sig(lin, grad)
