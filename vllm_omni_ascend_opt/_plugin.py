@@ -252,4 +252,4 @@ def _reset_for_tests() -> None:
             opt.uninstall()
         _core.revert()
         STATE.reset()
-        _report._reset_for_tests()
+        _report._seen.clear()

@@ -138,10 +138,6 @@ def announce(force: bool = False) -> None:
     logger.info("%s", status_line())
 
 
-def _reset_for_tests() -> None:
-    _seen.clear()
-
-
 # ----- status file
 def status_file_path() -> Path | None:
     raw = os.environ.get(ENV_STATUS_FILE)

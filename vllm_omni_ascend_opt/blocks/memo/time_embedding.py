@@ -25,8 +25,7 @@ def upstream_reason() -> str | None:
         return "diffusers' embeddings or the Qwen-Image transformer are not imported"
     ident = tuple(id(fingerprints.live(d.module, d.qualname)[1]) for d in targets.TIME_EMBEDDING)
     if ident not in _VERIFIED:
-        bad = fingerprints.reasons(targets.TIME_EMBEDDING, "the time-embedding memo")
-        _VERIFIED[ident] = "; ".join(bad) if bad else None
+        _VERIFIED[ident] = "; ".join(fingerprints.reasons(targets.TIME_EMBEDDING, "the time-embedding memo")) or None
     return _VERIFIED[ident]
 
 
