@@ -19,25 +19,20 @@ _FIELDS = (
 
 def _parallel_config(model: Any = None) -> Any:
     for obj in (model, getattr(model, "transformer", None)):
-        pc = getattr(obj, "parallel_config", None)
-        if pc is not None:
-            return pc
         od = getattr(obj, "od_config", None)
-        if od is not None and getattr(od, "parallel_config", None) is not None:
-            return od.parallel_config
+        for pc in (getattr(obj, "parallel_config", None), getattr(od, "parallel_config", None)):
+            if pc is not None:
+                return pc
     try:
         from vllm_omni.diffusion.config import get_current_diffusion_config_or_none
     except ImportError:
         return None
-    od = get_current_diffusion_config_or_none()
-    return getattr(od, "parallel_config", None)
+    return getattr(get_current_diffusion_config_or_none(), "parallel_config", None)
 
 
 def active_modes(model: Any = None) -> list[str]:
     """The parallel modes ``model`` (None: the current diffusion config) runs in, ``["single"]`` when none."""
-    pc = _parallel_config(model)
-    if pc is None:
-        return ["single"]
+    pc = _parallel_config(model)  # None: every degree reads as 1
     modes = [name for attr, name in _FIELDS if int(getattr(pc, attr, 1) or 1) > 1]
     return modes or ["single"]
 

@@ -30,8 +30,7 @@ class PatchSet:
         if self.is_patched(owner, name):
             return
         # The owner's own namespace: revert never pins an inherited attribute.
-        namespace = owner.__dict__ if hasattr(owner, "__dict__") else {}
-        original = namespace.get(name, _MISSING)
+        original = getattr(owner, "__dict__", {}).get(name, _MISSING)
         self._records.append(_Record(owner, name, original, replacement))
         setattr(owner, name, replacement)
 

@@ -122,7 +122,7 @@ def install_ready() -> list[str]:
             return done
         for name in STATE.selected:
             opt = registry.get(name)
-            if opt.installed or not opt.targets_imported():
+            if opt.installed or not all(fingerprints.fully_imported(m) for m in opt.target_modules):
                 continue
             reasons = opt.reasons_inactive()
             if reasons:
@@ -252,4 +252,4 @@ def _reset_for_tests() -> None:
             opt.uninstall()
         _core.revert()
         STATE.reset()
-        _report._reset_for_tests()
+        _report._seen.clear()

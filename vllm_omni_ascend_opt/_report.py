@@ -138,10 +138,6 @@ def announce(force: bool = False) -> None:
     logger.info("%s", status_line())
 
 
-def _reset_for_tests() -> None:
-    _seen.clear()
-
-
 # ----- status file
 def status_file_path() -> Path | None:
     raw = os.environ.get(ENV_STATUS_FILE)
@@ -149,7 +145,6 @@ def status_file_path() -> Path | None:
 
 
 def _each(get: Callable[[Optimization], Any]) -> dict[str, Any]:
-    """Optimization name -> ``get(opt)``, for those where it is not None."""
     return {o.name: v for o in registry.all_optimizations() if (v := get(o)) is not None}
 
 
@@ -195,12 +190,11 @@ def write_status_file(model: Any = None) -> Path | None:
     path = status_file_path()
     if path is None:
         return None
-    if model is None:
-        model = _seen.get("model")
     with _write_lock:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(status_report(model), indent=1, sort_keys=True, default=str))
+        report = status_report(model if model is not None else _seen.get("model"))
+        tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
         os.replace(tmp, path)
     return path
 

@@ -34,8 +34,7 @@ def parse_spec(spec: str | None) -> list[str]:
     if spec is None or not spec.strip():
         spec = "default"
     selected: set[str] = set()
-    items = [s.strip() for s in spec.split(",")]
-    for i, item in enumerate(items):
+    for i, item in enumerate(s.strip() for s in spec.split(",")):
         if not item:
             raise FlagError(_msg(spec, f"empty item at position {i + 1}", valid))
         if item in BASES:

@@ -18,7 +18,7 @@ from vllm_omni_ascend_opt._parallel import parallel_reasons_inactive
 from vllm_omni_ascend_opt._patching import PatchSet
 from vllm_omni_ascend_opt.blocks.upstream import fingerprints as _upstream
 from vllm_omni_ascend_opt.blocks.upstream import guards
-from vllm_omni_ascend_opt.blocks.upstream.fingerprints import Upstream, fully_imported
+from vllm_omni_ascend_opt.blocks.upstream.fingerprints import Upstream
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
@@ -224,9 +224,6 @@ class Optimization:
     @property
     def installed(self) -> bool:
         return self._installed
-
-    def targets_imported(self) -> bool:
-        return all(fully_imported(m) for m in self.target_modules)
 
     def install(self) -> None:
         """Patch upstream classes/globals. Idempotent. Raises if the targets are not importable."""

@@ -72,24 +72,20 @@ class ModulationMemo:
 
     def __init__(self, max_bytes: int = DEFAULT_BUDGET_MB * 1024**2) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
-        self.nbytes = 0  # held within the budget
-        # The last digested temb, its version, its entry, its Span (None: not contiguous).
-        self._last: tuple[weakref.ReferenceType, int | None, _Entry, Span | None] | None = None
         self.stats: Counter[str] = Counter()
-        # Two-segment blocks: the timestep-0 segment per (block, weights, settings).
-        self._zero_t: dict[tuple[Any, ...], tuple[weakref.ReferenceType, torch.Tensor, tuple[Any, ...]]] = {}
-        self._plan: tuple[weakref.ReferenceType, int | None, SegmentPlan | str] | None = None
+        self.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
-        self._last = None
-        self._zero_t.clear()
-        self._plan = None
+        self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
+        self.nbytes = 0  # held within the budget
+        # The last digested temb, its version, its entry, its Span (None: not contiguous).
+        self._last: tuple[weakref.ReferenceType, int | None, _Entry, Span | None] | None = None
+        # Two-segment blocks: the timestep-0 segment per (block, weights, settings).
+        self._zero_t: dict[tuple[Any, ...], tuple[weakref.ReferenceType, torch.Tensor, tuple[Any, ...]]] = {}
+        self._plan: tuple[weakref.ReferenceType, int | None, SegmentPlan | str] | None = None
 
     @property
     def zero_t_nbytes(self) -> int:
@@ -177,8 +173,7 @@ class ModulationMemo:
     def time_embedding(
         self, module: nn.Module, timestep: torch.Tensor, hidden_states: torch.Tensor, addition_t_cond: Any, stock: Any
     ) -> tuple[torch.Tensor | None, str | None]:
-        """``time_text_embed(...)`` keyed on the timestep's value (:mod:`.time_embedding`): a hit returns the very temb
-        ``stock`` computed on the miss. (temb, None), or (None, why not)."""
+        """``time_text_embed(...)`` keyed on the timestep's value (a hit: the temb ``stock`` computed), or a reason."""
         try:
             self._check(timestep)
             if torch.is_grad_enabled():
@@ -252,7 +247,6 @@ class ModulationMemo:
         return slot.payload
 
     def _hit(self, entry: _Entry, key: tuple[Any, ...], module: nn.Module, sig: Any) -> Any:
-        """:meth:`_lookup`, counted as a hit or a miss."""
         found = self._lookup(entry, key, module, sig)
         self.stats["hits" if found is not None else "misses"] += 1
         return found

@@ -47,8 +47,7 @@ class Span:
         return Span(t.untyped_storage(), t.dtype, t.storage_offset(), t.numel()) if t.is_contiguous() else None
 
     def contains(self, a: torch.Tensor) -> bool:
-        """``a`` only reads this span's memory (same storage and dtype): its values follow from the digest and its
-        geometry."""
+        """``a`` reads only this span's memory (same storage, dtype): the digest and its geometry fix its values."""
         if a.dtype != self.dtype or a.untyped_storage().data_ptr() != self.storage.data_ptr():
             return False
         if a.numel() == 0 or any(st < 0 for st in a.stride()):
@@ -103,8 +102,7 @@ def linear_sig(lin: nn.Module, grad: bool) -> tuple[Any, ...]:
 
 def norm_out_sig(norm: nn.Module, grad: bool) -> tuple[Any, ...]:
     """The weight signature of ``norm_out``'s linear; :class:`Unkeyable` unless its SiLU and linear are stock's."""
-    m = norm._modules
-    silu, lin = m.get("silu"), m.get("linear")
+    silu, lin = norm._modules.get("silu"), norm._modules.get("linear")
     if type(silu) is not nn.SiLU or silu.inplace or guards.hooked(silu) or guards.hooked(lin):
         raise Unkeyable("norm_out's SiLU/linear is not stock's (or has hooks)")
     return linear_sig(lin, grad)

@@ -25,8 +25,7 @@ def upstream_reason() -> str | None:
         return "diffusers' embeddings or the Qwen-Image transformer are not imported"
     ident = tuple(id(fingerprints.live(d.module, d.qualname)[1]) for d in targets.TIME_EMBEDDING)
     if ident not in _VERIFIED:
-        bad = fingerprints.reasons(targets.TIME_EMBEDDING, "the time-embedding memo")
-        _VERIFIED[ident] = "; ".join(bad) if bad else None
+        _VERIFIED[ident] = "; ".join(fingerprints.reasons(targets.TIME_EMBEDDING, "the time-embedding memo")) or None
     return _VERIFIED[ident]
 
 
@@ -55,8 +54,7 @@ class TimeKey:
 
 
 def time_key(module: nn.Module, grad: bool) -> TimeKey:
-    """The :class:`TimeKey` of a ``QwenTimestepProjEmbeddings``; :class:`Unkeyable` when its output may depend on
-    anything the key does not cover."""
+    """The :class:`TimeKey` of a ``QwenTimestepProjEmbeddings``; :class:`Unkeyable` if the key may not cover all."""
     e = sys.modules[targets.EMBEDDINGS]
     m = module._modules
     proj, emb = m.get("time_proj"), m.get("timestep_embedder")
@@ -72,15 +70,11 @@ def time_key(module: nn.Module, grad: bool) -> TimeKey:
     lin1, lin2 = em["linear_1"], em["linear_2"]
     settings = tuple(getattr(proj, n) for n in ("num_channels", "flip_sin_to_cos", "downscale_freq_shift", "scale"))
     use_add = bool(getattr(module, "use_additional_t_cond", False))
-    add_sig: tuple[Any, ...] = ()
-    tensors: tuple[Any, ...] = (lin1, lin2)
-    padding_idx = None
-    if use_add:
-        add = m.get("addition_t_embedding")
-        if type(add) is not nn.Embedding or add.max_norm is not None:
-            raise Unkeyable("time_text_embed's additional-condition embedding is not a plain nn.Embedding")
-        padding_idx = add.padding_idx
-        add_sig = (_tensor_sig(add.weight, grad),)
-        tensors = (lin1, lin2, add.weight)
+    add = m.get("addition_t_embedding") if use_add else None
+    if use_add and (type(add) is not nn.Embedding or add.max_norm is not None):
+        raise Unkeyable("time_text_embed's additional-condition embedding is not a plain nn.Embedding")
+    add_weights = (add.weight,) if use_add else ()
+    add_sig = tuple(_tensor_sig(w, grad) for w in add_weights)
+    padding_idx = add.padding_idx if use_add else None
     sig = (id(module), settings, use_add, padding_idx, linear_sig(lin1, grad), linear_sig(lin2, grad), add_sig)
-    return TimeKey(sig, tensors, use_add)
+    return TimeKey(sig, (lin1, lin2, *add_weights), use_add)

@@ -245,9 +245,7 @@ def live(module: str, qualname: str) -> tuple[bool, Any]:
         obj = vars(obj).get(part)
         if obj is None:
             return False, None
-    if name not in vars(obj):
-        return False, None
-    return True, vars(obj)[name]
+    return (True, vars(obj)[name]) if name in vars(obj) else (False, None)
 
 
 def replacement(module: str, qualname: str) -> str:

@@ -144,8 +144,7 @@ def unwatch(transformer: nn.Module, owner: str) -> None:
 
 def watched(transformer: nn.Module) -> frozenset[str]:
     """The owners watching ``transformer`` (empty: its forwards open no scope)."""
-    w = _WATCHED.get(transformer)
-    return frozenset(w) if w is not None else frozenset()
+    return frozenset(_WATCHED.get(transformer, ()))
 
 
 def reset() -> None:

@@ -63,10 +63,8 @@ def find_transformers(model: Any) -> list[nn.Module]:
     cls = t.QwenImageTransformer2DModel
     if isinstance(model, cls):
         return [model]
-    found = []
     tr = getattr(model, "transformer", None)
-    if isinstance(tr, cls):
-        found.append(tr)
+    found = [tr] if isinstance(tr, cls) else []
     if isinstance(model, nn.Module):
         found.extend(m for m in model.modules() if isinstance(m, cls) and m is not tr)
     return found
@@ -78,18 +76,9 @@ def compiled_regions(model: Any) -> frozenset[str]:
     for tr in find_transformers(model):
         if getattr(tr, "_compiled_call_impl", None) is not None or _is_compiled(tr.__dict__.get("forward")):
             return frozenset({"block", "transformer"})
-        for block in getattr(tr, "transformer_blocks", ()):
-            if block_compiled(block):
-                out.add("block")
-                break
+        if any(block_compiled(block) for block in getattr(tr, "transformer_blocks", ())):
+            out.add("block")
     return frozenset(out)
-
-
-def compile_granularity(compiled: frozenset[str]) -> str | None:
-    """``"full"`` (the whole transformer), ``"regional"`` (its blocks) or None, from :func:`compiled_regions`."""
-    if "transformer" in compiled:
-        return "full"
-    return "regional" if compiled else None
 
 
 def compile_reason(
@@ -97,11 +86,10 @@ def compile_reason(
 ) -> str | None:
     """Why an optimization in ``regions`` does not act on ``model`` because torch.compile runs all of them, or None."""
     compiled = compiled_regions(model)
-    if not regions or not compiled or not regions <= compiled:
+    full = "transformer" in compiled  # the whole transformer ("full"), else its blocks ("regional")
+    if not regions or not regions <= compiled or ("full" if full else "regional") in acts_compiled:
         return None
-    if compile_granularity(compiled) in acts_compiled:
-        return None
-    where = "the whole transformer" if "transformer" in compiled else "the transformer blocks"
+    where = "the whole transformer" if full else "the transformer blocks"
     return (
         f"torch.compile runs {where} ({', '.join(sorted(compiled))}): {name} steps aside while dynamo traces, "
         "so the compiled graphs hold stock code"

@@ -41,21 +41,19 @@ CAUSAL_CONV_INIT = same(DIFFUSERS_VAE, "QwenImageCausalConv3d.__init__", "5644f5
 LOAD_MODEL = same(LOADER, "DiffusersPipelineLoader.load_model", "d13c38b93708077e")
 
 EMBEDDINGS = "diffusers.models.embeddings"
-TORCH_EMBEDDING = "torch.nn.modules.sparse"
 #: Qwen-Image's timestep embedding and what it runs: the memo keys their output on the timestep's value.
 TIME_EMBEDDING = (
     same(TRANSFORMER, "QwenTimestepProjEmbeddings.forward", "e127246f041ab288"),
     same(EMBEDDINGS, "TimestepEmbedding.forward", "7a64747c1e8ed70d"),
     same(EMBEDDINGS, "Timesteps.forward", "58794175acc7b12d"),
     same(EMBEDDINGS, "get_timestep_embedding", "6028d48c06ba9784"),
-    same(TORCH_EMBEDDING, "Embedding.forward", "612a591ba15b23d2"),
+    same("torch.nn.modules.sparse", "Embedding.forward", "612a591ba15b23d2"),
 )
 
 LINEAR = "vllm.model_executor.layers.linear"
 LINEAR_UTILS = "vllm.model_executor.layers.utils"
 PARAMETER = "vllm.model_executor.parameter"
 NORM = "vllm_omni.diffusion.layers.norm"
-TORCH_NORMALIZATION = "torch.nn.modules.normalization"
 #: What the direct calls mirror: vLLM's plain linears down to their GEMM, vLLM-Omni's FeedForward and layer norms.
 DIRECT_CALLS = (
     same(LINEAR, "ReplicatedLinear.forward", "0509484a019dc9a6"),
@@ -67,7 +65,7 @@ DIRECT_CALLS = (
     same(PARAMETER, "BasevLLMParameter.__torch_function__", "93ab4e0b466afb93"),
     same(TRANSFORMER, "FeedForward.forward", "c600e6f33fe6119a"),
     same(TRANSFORMER, "ColumnParallelApproxGELU.forward", "3433c7a2c2700355"),
-    same(TORCH_NORMALIZATION, "LayerNorm.forward", "29d655f9844bd1d5"),
+    same("torch.nn.modules.normalization", "LayerNorm.forward", "29d655f9844bd1d5"),
     same(NORM, "LayerNorm.forward", "f5141956f3353fa0"),
     same(NORM, "LayerNorm.forward_native", "aeccdfbbc9f7927b"),
     same(NORM, "LayerNorm.forward_cuda", "afe38032434620d2"),
