@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from vllm_omni_ascend_opt._plugin import PluginConfigError, register
 from vllm_omni_ascend_opt._version import __version__
-from vllm_omni_ascend_opt.api import apply_to_qwen_image, disable, enable, installed, optimizations, select, status
+from vllm_omni_ascend_opt.api import (
+    apply_to_qwen_image,
+    disable,
+    enable,
+    installed,
+    optimizations,
+    select,
+    status,
+)
 from vllm_omni_ascend_opt.flags import FlagError
 
 __all__ = [
