@@ -47,15 +47,6 @@ def pick_device() -> str:
     return "cpu"
 
 
-def to_uint8_hwc(images: Any) -> Any:
-    """vLLM-Omni's post-processing of its "pt" output ([B, 3, H, W] in [-1, 1]) for the first image."""
-    import torch
-
-    x = images[0] if images.dim() == 4 else images
-    x = (x.detach().float().cpu() / 2 + 0.5).clamp(0, 1)
-    return (x.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
-
-
 def input_image(spec: str | None) -> Any:
     """The workload's input image: None, ``sample`` (the test bed's) or a file path, as an RGB PIL image."""
     if not spec:
@@ -163,9 +154,10 @@ class TestbedEngine:
             total = (time.perf_counter() - t0) * 1e3
             cpu = (time.process_time() - c0) * 1e3
         images = (outs[0] if isinstance(outs, list) else outs).output
-        if images.dim() == 3:
-            images = images.unsqueeze(0)
-        return Generation(to_uint8_hwc(images), images[0].detach().float().cpu().numpy(), total, dict(self.stages), cpu)
+        x = (images[0] if images.dim() == 4 else images).detach().float().cpu()  # [3, H, W] in [-1, 1]
+        # vLLM-Omni's post-processing of its "pt" output
+        uint8 = ((x / 2 + 0.5).clamp(0, 1).permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+        return Generation(uint8, x.numpy(), total, dict(self.stages), cpu)
 
     def memory(self) -> dict[str, dict[str, int]]:
         """Peak bytes of one transformer forward and one VAE decode on a warm request (never a timed sample)."""

@@ -7,6 +7,7 @@ import datetime as _dt
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,13 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-def atomic_write(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
+def atomic_write(path: Path, content: str | Callable[[Path], Any]) -> Path:
+    """``content`` (text, or a function that writes the path it is given) to ``path`` by way of a temporary file."""
+    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}{path.suffix}")
+    if callable(content):
+        content(tmp)
+    else:
+        tmp.write_text(content, encoding="utf-8")
     os.replace(tmp, path)
     return path
 
@@ -339,11 +344,8 @@ def write_chart(results: dict[str, Any], out: Path) -> Path:
     if nf:
         ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    path = Path(out) / "ablation.png"
-    tmp = path.with_name("ablation.tmp.png")
-    fig.savefig(tmp)
+    path = atomic_write(Path(out) / "ablation.png", fig.savefig)
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 

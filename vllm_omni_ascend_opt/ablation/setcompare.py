@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -175,8 +174,8 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> float:
-    """The worst pairs as rows of A, B and their difference amplified (returned) to white; at least 128 px high."""
+def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> None:
+    """The worst pairs as rows of A, B and their difference amplified to white (by ``res["png_amplify"]``)."""
     from PIL import Image
 
     worst = worst_first(res["pairs"])[:WORST_SHOWN]
@@ -191,10 +190,10 @@ def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> float:
         rows.append(np.concatenate([ia, ib, np.clip(d * amp, 0, 255).astype(np.uint8)], axis=1))
     width = max(r.shape[1] for r in rows)
     grid = np.concatenate([np.pad(r, ((0, 2), (0, width - r.shape[1]), (0, 0))) for r in rows], axis=0)
-    scale = max(1, math.ceil(128 / min(r.shape[0] for r in rows)))
+    scale = max(1, math.ceil(128 / min(r.shape[0] for r in rows)))  # at least 128 px high
     im = Image.fromarray(grid)
     im.resize((im.width * scale, im.height * scale), Image.NEAREST).save(path)
-    return round(amp, 1)
+    res["png_amplify"] = round(amp, 1)
 
 
 def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Path]:
@@ -204,10 +203,7 @@ def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Pat
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     if res["pairs"]:
-        paths["png"] = out / "compare.png"
-        tmp = out / f"compare.tmp{os.getpid()}.png"
-        res["png_amplify"] = write_png(res, a, b, tmp)
-        os.replace(tmp, paths["png"])
+        paths["png"] = atomic_write(out / "compare.png", lambda tmp: write_png(res, a, b, tmp))
     return {
         "json": atomic_write(out / "compare.json", json.dumps(jsonable(res), indent=1, allow_nan=False)),
         "markdown": atomic_write(out / "compare.md", markdown(res)),
