@@ -1,11 +1,5 @@
-"""The ablation worker's engines: ``load()``, ``generate(prompt, seed) -> Generation``, ``active()`` (None: unknown),
-``model_reasons(name)`` and ``close()``.
-
-* ``testbed``: vLLM-Omni's ``QwenImagePipeline`` in this process (its ``DiffusionModelRunner`` for ``od_config``
-  modes); the generation and each stage timed between device synchronizations.
-* ``omni``: vLLM-Omni's offline ``Omni``: the wall time of ``Omni.generate``, the profiler's stages.
-* ``serve``: one ``vllm serve MODEL --omni`` per configuration: the client-side latency, the server's stages.
-  ``omni`` and ``serve`` read what acts from the plugin's status file.
+"""The ablation worker's engines (``testbed``, ``omni``, ``serve``: docs/ablation.md, "Engines: which one when"):
+``load()``, ``generate(prompt, seed) -> Generation``, ``active()`` (None: unknown), ``model_reasons(name)``, ``close()``.
 """
 
 from __future__ import annotations

@@ -121,9 +121,7 @@ class Store:
 
     def rewrite(self, records: list[dict[str, Any]]) -> None:
         tmp = self.path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+        tmp.write_text("".join(json.dumps(rec) + "\n" for rec in records))
         os.replace(tmp, self.path)
         self.records = list(records)
 

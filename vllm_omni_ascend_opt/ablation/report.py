@@ -255,10 +255,8 @@ def markdown(results: dict[str, Any]) -> str:
         "- `images/<configuration>/p<prompt>_s<seed>.png` (+ `.npy`: float output in [-1, 1])",
         "- `configs/<configuration>/worker.log`: each worker's log",
         "",
-        f"Run wall time {run['wall_s']:.1f} s"
-        + (" (resumed)" if run["resumed"] else "")
-        + (", interrupted" if run["interrupted"] else "")
-        + ".",
+        f"Run wall time {run['wall_s']:.1f} s{' (resumed)' if run['resumed'] else ''}"
+        f"{', interrupted' if run['interrupted'] else ''}.",
         "",
     ]
     return "\n".join(lines)

@@ -4,7 +4,6 @@ appended to the output directory (:mod:`.outdir`) as it happens.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -71,10 +70,6 @@ class Runner:
         self.say = log or (lambda msg: print(msg, file=sys.stderr))
         self.failed: dict[str, dict[str, Any]] = {}
 
-    @functools.cached_property
-    def _accelerator(self) -> bool:
-        return accelerator_visible()
-
     def _job(self, c: Config) -> Path:
         wl = self.wl
         job = {
@@ -103,7 +98,7 @@ class Runner:
         if self.wl.threads:
             # the engine processes a worker starts (omni's mp worker, a server) take their torch thread count from it
             env["OMP_NUM_THREADS"] = str(self.wl.threads)
-        if self.plan.engine in ("omni", "serve") and not self._accelerator:
+        if self.plan.engine in ("omni", "serve") and not accelerator_visible():
             # vLLM-Omni's own engines on a CPU-only machine: the test bed's opt-in CPU runtime in all their processes
             from vllm_omni_ascend_opt.testbed.runtime import engine_env
 
@@ -122,7 +117,7 @@ class Runner:
         self.say(
             f"configuration {c.id} failed ({exc.phase}): {exc.error}  [log: {self.out.config_dir(c.id)}/worker.log]"
         )
-        w.kill()
+        w.stop(0)
 
     def _save_stem(self, c: Config, prompt: int, seed: int) -> str | None:
         stem = self.out.image_stem(c.id, prompt, seed)
@@ -256,11 +251,9 @@ class Runner:
                             w.pause()
                     except WorkerFailed as exc:
                         self._fail(w, None, exc)
-                        w.stop(0)
                 elif time.monotonic() - w.t_start > self.wl.start_timeout_s:
                     starting.remove(w)
                     self._fail(w, None, WorkerFailed("start", "not ready in time (worker killed)"))
-                    w.stop(0)
             time.sleep(0.05)
 
     def _turn(
@@ -275,7 +268,6 @@ class Runner:
                 w.pause()
         except WorkerFailed as exc:
             self._fail(w, rnd, exc)
-            w.stop(0)
             del workers[c.id]
             return None
         return result

@@ -160,14 +160,13 @@ def compare_configs(plan: Plan, out_root: Any, ref: str, other: str) -> dict[str
         per[key] = compare.compare(a, b)
     agg = compare.aggregate(per) if not missing else {}
     gates = plan.close_gates(diff)
-    g = compare.gate(agg, equivalence, gates["ssim"], gates["psnr_db"])
     return {
         "reference": ref,
         "class": equivalence,
         "gates": gates,
         "per_sample": per,
         "worst": agg,
-        "gate": g,
+        "gate": compare.gate(agg, equivalence, gates["ssim"], gates["psnr_db"]),
         "missing": missing,
     }
 

@@ -1,9 +1,5 @@
-"""A run's analysis and verdict: :func:`analyse` (the ``analysis`` part of results.json) and :func:`decide`.
-
-FAIL (1) when a configuration failed, a gate failed, an optimization is a regression, or the full stack is a
-regression or saves less than ``min_improvement_pct`` of stock; PASS (0) when, without any of those, the full stack
-is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise. Timing failures measured while other
-processes kept the CPUs busy (:func:`.stats.machine_load`) are INCONCLUSIVE, not FAIL.
+"""A run's analysis and verdict: :func:`analyse` (the ``analysis`` part of results.json) and :func:`decide` (PASS,
+FAIL or INCONCLUSIVE: docs/ablation.md, "Verdicts and exit codes").
 """
 
 from __future__ import annotations
@@ -123,11 +119,8 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
 
     fvs = None
     if "full" in ids:
-        fvs = {
-            **compared("stock", "full", plan.diff("stock", "full")),
-            "stock_ms": stock_ms,
-            "full_ms": mean_total("full"),
-        }
+        full_vs = compared("stock", "full", plan.diff("stock", "full"))
+        fvs = {**full_vs, "stock_ms": stock_ms, "full_ms": mean_total("full")}
 
     load = machine_load(records)
     verdict = decide(plan, configs, opts, fvs, noise, interrupted, load=load)
@@ -151,7 +144,7 @@ def decide(
     *,
     load: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Overall PASS / FAIL / INCONCLUSIVE with the reasons, and the exit code (see the module docstring)."""
+    """Overall PASS / FAIL / INCONCLUSIVE with the reasons, and the exit code."""
     wl = plan.workload
     fail, unsure, slow = [], [], []
     for c in configs:
