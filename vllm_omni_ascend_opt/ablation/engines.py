@@ -36,9 +36,7 @@ def pick_device() -> str:
 
     if _backend.torch_npu_module() is not None:
         return str(_backend.npu_device())
-    if torch.cuda.is_available():
-        return "cuda:0"
-    return "cpu"
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
 def input_image(spec: str | None) -> Any:

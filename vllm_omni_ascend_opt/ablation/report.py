@@ -236,8 +236,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += reference_section(results.get("reference"))
     if plan["skipped"]:
         lines += ["", "## Not in this run", "", "| optimization | why |", "|---|---|"]
-        for n, why in plan["skipped"].items():
-            lines.append(f"| `{n}` | {'; '.join(why)} |")
+        lines += [f"| `{n}` | {'; '.join(why)} |" for n, why in plan["skipped"].items()]
     if results["failures"]:
         lines += ["", "## Failures", ""]
         for f in results["failures"]:
@@ -369,8 +368,7 @@ def reference_section(ref: dict[str, Any] | None) -> list[str]:
         f"Each configuration's images against `{ref['path']}` (close gates SSIM ≥ {g['ssim']}, PSNR ≥ "
         f"{g['psnr_db']} dB; `vllm-omni-ascend-opt compare` gives the full report).",
     ]
-    differs = ref.get("differs") or []
-    if differs:
+    if differs := ref.get("differs"):
         lines.append("Differs from the set: " + "; ".join(f"{f['field']} {f['a']} → {f['b']}" for f in differs) + ".")
     lines += [
         "",

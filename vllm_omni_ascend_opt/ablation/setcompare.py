@@ -1,7 +1,5 @@
-"""``vllm-omni-ascend-opt compare A B``: two reference sets (or a set and an ablation output) image by image.
-
-Images pair by key; each pair gets :mod:`.compare`'s metrics (and tensor errors when both sides have tensors), gated
-by tier. The reports are written only once everything was compared.
+"""``vllm-omni-ascend-opt compare A B``: two reference sets (or a set and an ablation output) image by image, paired
+by key, gated by tier; the reports are written only once everything was compared.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from vllm_omni_ascend_opt.ablation.refset import MAY_DIFFER, MUST_MATCH, RefSet,
 
 TIERS = ("exact", "pixel", "close")
 WITHIN, OUTSIDE, NOTHING = 0, 1, 2
-#: Worst pairs drawn in compare.png, and the most the difference map is amplified (the largest difference shown
-#: maps to white, up to this factor).
+#: Worst pairs drawn in compare.png, and the most their difference map is amplified (its largest difference: white).
 WORST_SHOWN = 4
 MAX_AMPLIFY = 64.0
 
@@ -147,9 +144,7 @@ def markdown(res: dict[str, Any]) -> str:
         "| field | A | B |",
         "|---|---|---|",
     ]
-    for f in res["facts"]:
-        mark = "" if f["same"] else " ⚠"
-        lines.append(f"| {f['field']}{mark} | {f['a']} | {f['b']} |")
+    lines += [f"| {f['field']}{'' if f['same'] else ' ⚠'} | {f['a']} | {f['b']} |" for f in res["facts"]]
     lines += [
         "",
         f"## Pairs (tier {res['tier']}; close gates SSIM ≥ {res['gates']['ssim']}, PSNR ≥ "
@@ -185,9 +180,8 @@ def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> None:
     diffs = [np.abs(ia.astype(np.int16) - ib.astype(np.int16)) for ia, ib in imgs]
     top = max(int(d.max()) for d in diffs)
     amp = min(MAX_AMPLIFY, 255.0 / top) if top else 1.0
-    rows = []
-    for (ia, ib), d in zip(imgs, diffs, strict=True):
-        rows.append(np.concatenate([ia, ib, np.clip(d * amp, 0, 255).astype(np.uint8)], axis=1))
+    shown = [np.clip(d * amp, 0, 255).astype(np.uint8) for d in diffs]
+    rows = [np.concatenate([ia, ib, ds], axis=1) for (ia, ib), ds in zip(imgs, shown, strict=True)]
     width = max(r.shape[1] for r in rows)
     grid = np.concatenate([np.pad(r, ((0, 2), (0, width - r.shape[1]), (0, 0))) for r in rows], axis=0)
     scale = max(1, math.ceil(128 / min(r.shape[0] for r in rows)))  # at least 128 px high

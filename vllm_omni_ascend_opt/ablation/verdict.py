@@ -104,18 +104,16 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         usable = comp.with_ not in failures and comp.without not in failures
         # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
         diff = plan.diff(comp.with_, comp.without)
-        eq = compare_configs(plan, out_root, comp.without, comp.with_) if usable else None
-        opts.append(
-            {
-                "name": comp.opt,
-                "equivalence": plan.opts[comp.opt].equivalence,
-                "with": comp.with_,
-                "without": comp.without,
-                **compared(comp.without, comp.with_, diff),
-                **({} if usable else {"label": "not measured"}),
-                "equivalence_check": eq,
-            }
-        )
+        o = {
+            "name": comp.opt,
+            "equivalence": plan.opts[comp.opt].equivalence,
+            "with": comp.with_,
+            "without": comp.without,
+            **compared(comp.without, comp.with_, diff),
+            **({} if usable else {"label": "not measured"}),
+            "equivalence_check": compare_configs(plan, out_root, comp.without, comp.with_) if usable else None,
+        }
+        opts.append(o)
 
     fvs = None
     if "full" in ids:
