@@ -42,12 +42,12 @@ def test_gates_per_tier_on_pixel_identical_but_not_bitwise_images():
     assert compare.gate(uint8_only, "exact", 0.99, 35)["passed"] is True  # no float output: pixel identity
 
 
-def test_configuration_is_gated_by_the_weakest_tier_it_contains():
+def test_configuration_is_gated_by_the_weakest_tier_it_contains(tmp_path):
     infos = [OptInfo("e", "exact"), OptInfo("p", "pixel"), OptInfo("c", "close")]
     plan = build_plan(from_mapping({"seeds": [1], "repeats": 1, "warmup": 0}).validate(), infos)
-    assert stats._class_of(plan, {"e"}) == "exact"
-    assert stats._class_of(plan, {"e", "p"}) == "pixel"
-    assert stats._class_of(plan, {"p", "c"}) == "close"
+    assert stats.compare_configs(plan, tmp_path, "full", "loo_e")["class"] == "exact"  # they differ by e
+    assert stats.compare_configs(plan, tmp_path, "loo_c", "stock")["class"] == "pixel"  # by e and p
+    assert stats.compare_configs(plan, tmp_path, "loo_e", "stock")["class"] == "close"  # by p and c
 
 
 def test_tier_here_reaches_list_status_and_the_ablation_plan(fake_npu):

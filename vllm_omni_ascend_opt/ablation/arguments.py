@@ -32,9 +32,7 @@ def bad_input(msg: str) -> int:
 def parse_gates(text: str) -> dict[str, float]:
     """``ssim=0.99,psnr=35`` -> ``{"ssim_gate": 0.99, "psnr_gate": 35.0}``; raises WorkloadError on anything else."""
     out = {}
-    for item in text.split(","):
-        if not item.strip():
-            continue
+    for item in filter(str.strip, text.split(",")):
         key, _, val = item.partition("=")
         key = key.strip().lower()
         if key not in ("ssim", "psnr") or not val:

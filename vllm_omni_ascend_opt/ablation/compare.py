@@ -57,8 +57,7 @@ def compare(ref: StoredImage, out: StoredImage) -> dict[str, Any]:
     if ref.uint8.shape != out.uint8.shape:
         raise ValueError(f"image shapes differ: {ref.uint8.shape} vs {out.uint8.shape}")
     both_float = ref.float_chw is not None and out.float_chw is not None
-    a, b = ref.as_float(), out.as_float()
-    m = metrics.compare_images(a, b)
+    m = metrics.compare_images(ref.as_float(), out.as_float())
     return {
         "pixel_identical": bool(np.array_equal(ref.uint8, out.uint8)),
         "bitwise_identical": bool(np.array_equal(ref.float_chw, out.float_chw)) if both_float else None,

@@ -1,11 +1,5 @@
-"""The ablation worker's engines: ``load()``, ``generate(prompt, seed) -> Generation``, ``active()`` (None: unknown),
-``model_reasons(name)`` and ``close()``.
-
-* ``testbed``: vLLM-Omni's ``QwenImagePipeline`` in this process (its ``DiffusionModelRunner`` for ``od_config``
-  modes); the generation and each stage timed between device synchronizations.
-* ``omni``: vLLM-Omni's offline ``Omni``: the wall time of ``Omni.generate``, the profiler's stages.
-* ``serve``: one ``vllm serve MODEL --omni`` per configuration: the client-side latency, the server's stages.
-  ``omni`` and ``serve`` read what acts from the plugin's status file.
+"""The ablation worker's engines (``testbed``, ``omni``, ``serve``: docs/ablation.md, "Engines: which one when"):
+``load()``, ``generate(prompt, seed) -> Generation``, ``active()`` (None: unknown), ``model_reasons(name)``, ``close()``.
 """
 
 from __future__ import annotations
@@ -42,18 +36,7 @@ def pick_device() -> str:
 
     if _backend.torch_npu_module() is not None:
         return str(_backend.npu_device())
-    if torch.cuda.is_available():
-        return "cuda:0"
-    return "cpu"
-
-
-def to_uint8_hwc(images: Any) -> Any:
-    """vLLM-Omni's post-processing of its "pt" output ([B, 3, H, W] in [-1, 1]) for the first image."""
-    import torch
-
-    x = images[0] if images.dim() == 4 else images
-    x = (x.detach().float().cpu() / 2 + 0.5).clamp(0, 1)
-    return (x.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
 def input_image(spec: str | None) -> Any:
@@ -163,9 +146,10 @@ class TestbedEngine:
             total = (time.perf_counter() - t0) * 1e3
             cpu = (time.process_time() - c0) * 1e3
         images = (outs[0] if isinstance(outs, list) else outs).output
-        if images.dim() == 3:
-            images = images.unsqueeze(0)
-        return Generation(to_uint8_hwc(images), images[0].detach().float().cpu().numpy(), total, dict(self.stages), cpu)
+        x = (images[0] if images.dim() == 4 else images).detach().float().cpu()  # [3, H, W] in [-1, 1]
+        # vLLM-Omni's post-processing of its "pt" output
+        uint8 = ((x / 2 + 0.5).clamp(0, 1).permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+        return Generation(uint8, x.numpy(), total, dict(self.stages), cpu)
 
     def memory(self) -> dict[str, dict[str, int]]:
         """Peak bytes of one transformer forward and one VAE decode on a warm request (never a timed sample)."""

@@ -1,9 +1,6 @@
-"""Estimated ms saved on a 910B1 (a model, NOT a measurement): kernel launches saved x a per-launch cost.
-
-Batch-1 eager Qwen-Image on an Ascend NPU is bound by kernel launches, so the saving per image is the launches per
-transformer call (60 blocks and outside them) removed from stock's x steps x CFG forwards x us per launch. The counts
-are :data:`TABLE_FILE` (``benchmarks/bench_ops.py --write-table``); a launch's cost (:func:`calibration`) is the
-reference's NPU RoPE saving over the launches ``rope`` removes. Faster kernels count only their launches.
+"""Estimated ms saved on a 910B1 (a model, NOT a measurement): batch-1 eager Qwen-Image on an Ascend NPU is bound
+by kernel launches, so launches saved (:data:`TABLE_FILE`) x a per-launch cost (:func:`calibration`); docs/results.md
+explains both. Faster kernels count only their launches.
 """
 
 from __future__ import annotations
@@ -51,8 +48,7 @@ def key(opts: list[str] | tuple[str, ...]) -> str:
 
 def launches(opts: list[str] | tuple[str, ...], table: dict[str, Any] | None = None) -> dict[str, int] | None:
     """``{"block": ..., "outside": ...}`` for this configuration, or None when the table does not hold it."""
-    table = table or load_table()
-    return table["entries"].get(key(opts))
+    return (table or load_table())["entries"].get(key(opts))
 
 
 def launches_per_call(opts: list[str] | tuple[str, ...], blocks: int = QWEN_IMAGE_BLOCKS) -> int | None:

@@ -1,7 +1,5 @@
-"""The ablation run's output directory: its layout, its lock, the measurement log and what a resume keeps.
-
-Every measurement is appended to ``measurements.jsonl`` as it happens, tagged with the plan's fingerprint; a rerun
-of the same plan resumes (:func:`select_resumable`). Another plan's directory, or one a live run locks, is refused.
+"""The ablation run's output directory: its layout, its lock, the measurement log (tagged with the plan's
+fingerprint) and what a resume keeps (:func:`select_resumable`); docs/ablation.md, "Robustness".
 """
 
 from __future__ import annotations
@@ -75,10 +73,9 @@ class OutDir:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            try:
+            pid = 0
+            with contextlib.suppress(OSError, ValueError):
                 pid = int(lock.read_text().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
             if pid and _alive(pid):
                 raise RunError(f"{self.root} is in use by another ablation run (pid {pid})") from None
             lock.unlink(missing_ok=True)
@@ -121,9 +118,7 @@ class Store:
 
     def rewrite(self, records: list[dict[str, Any]]) -> None:
         tmp = self.path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+        tmp.write_text("".join(json.dumps(rec) + "\n" for rec in records))
         os.replace(tmp, self.path)
         self.records = list(records)
 
@@ -157,12 +152,8 @@ def select_resumable(plan: Plan, records: list[dict[str, Any]]) -> tuple[list[di
         keep_unit = complete_units
     kept, dropped = [], 0
     for r in records:
-        if r.get("type") == "sample":
-            unit = (r["config"], r["round"])
-            if unit in keep_unit or r["config"] in failed:
-                kept.append(r)
-            elif not r.get("warmup"):
-                dropped += 1
-        else:
+        if r.get("type") != "sample" or (r["config"], r["round"]) in keep_unit or r["config"] in failed:
             kept.append(r)
+        elif not r.get("warmup"):
+            dropped += 1
     return kept, dropped

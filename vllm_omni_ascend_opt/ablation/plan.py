@@ -333,16 +333,14 @@ class Estimate:
 def estimate(plan: Plan) -> Estimate:
     wl = plan.workload
     n = len(plan.configs)
-    per_round = len(plan.samples)
-    cfg_factor = 2.0 if wl.cfg_scale > 1 else 1.0
-    mpix_steps = wl.height * wl.width / 1e6 * wl.steps * cfg_factor
+    mpix_steps = wl.height * wl.width / 1e6 * wl.steps * (2.0 if wl.cfg_scale > 1 else 1.0)
     if wl.is_tiny:
         start, image = TINY_START_S, TINY_IMAGE_FIXED_S + TINY_IMAGE_S_PER_MPIX_STEP * mpix_steps
         basis = "tiny model on a 2-core CPU"
     else:
         start, image = REAL_START_S, REAL_IMAGE_S_PER_MPIX_STEP * mpix_steps
         basis = "Qwen-Image on one Ascend 910B1 (BF16 eager); process start assumed 120 s"
-    measured = n * wl.repeats * per_round
+    measured = n * wl.repeats * len(plan.samples)
     if plan.schedule == "resident":
         sets = max(1, min(wl.process_sets, wl.repeats))
         processes, starts = n * sets, sets * math.ceil(n / max(1, wl.start_jobs))

@@ -153,9 +153,16 @@ class Worker:
 
     def run(self, prompt: int, seed: int, save: str | None, timeout: float) -> dict[str, Any]:
         """One generation, with ``others_cpu``: the cores other processes kept busy meanwhile, when known."""
+        self._next_id += 1
+        cmd = {"cmd": "run", "id": self._next_id, "prompt": prompt, "seed": seed, "save": save}
         g0 = group_cpu_s(self.proc.pid)
         b0, t0 = cpu_busy_s(), time.monotonic()
-        ev = self._run(prompt, seed, save, timeout)
+        with contextlib.suppress(BrokenPipeError, OSError):  # the reader reports how it died
+            assert self.proc.stdin is not None
+            send(self.proc.stdin, cmd)
+        ev = self.wait(timeout, "run")
+        while ev.get("event") != "result" or ev.get("id") != self._next_id:
+            ev = self.wait(timeout, "run")
         b1, t1 = cpu_busy_s(), time.monotonic()
         g1 = group_cpu_s(self.proc.pid)
         # the worker's whole group when /proc shows it (engine processes included), else what the worker reported
@@ -165,17 +172,6 @@ class Worker:
         if b0 is not None and b1 is not None and own is not None and t1 > t0:
             ev["others_cpu"] = max(0.0, (b1 - b0 - own) / (t1 - t0))
         return ev
-
-    def _run(self, prompt: int, seed: int, save: str | None, timeout: float) -> dict[str, Any]:
-        self._next_id += 1
-        cmd = {"cmd": "run", "id": self._next_id, "prompt": prompt, "seed": seed, "save": save}
-        with contextlib.suppress(BrokenPipeError, OSError):  # the reader reports how it died
-            assert self.proc.stdin is not None
-            send(self.proc.stdin, cmd)
-        while True:
-            ev = self.wait(timeout, "run")
-            if ev.get("event") == "result" and ev.get("id") == self._next_id:
-                return ev
 
     def pause(self, settle_s: float = 2.0) -> None:
         """Stop the worker's group until :meth:`resume`; wait until it is stopped, so the next measurement is alone."""

@@ -8,6 +8,7 @@ Exit codes of ``compare``: 0 within the gates, 1 outside, 2 when nothing could b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,6 @@ def add_reference_commands(sub: Any) -> None:
 
 def resolve_config(plan: Any, name: str) -> Any:
     """The :class:`~.plan.Config` of ``--config`` (``none``, ``default``, ``all`` or a comma list: see its help)."""
-    import dataclasses
-
     from vllm_omni_ascend_opt.ablation.plan import Config, build_plan, opt_infos_from_registry
 
     infos = opt_infos_from_registry()

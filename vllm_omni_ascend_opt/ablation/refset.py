@@ -1,9 +1,6 @@
-"""Reference sets: a workload's images saved with a manifest that says exactly what made them, to be compared on
-another machine, release or configuration (``vllm-omni-ascend-opt reference save`` / ``compare``).
-
-A set is a directory: ``manifest.json`` (what made the images: key of each image, model, configuration,
-environment, date; and the SHA-256 of every other file), ``images/<id>.png`` (<id> = p<prompt>_s<seed>_<W>x<H>) and,
-with ``--tensors``, ``images/<id>.npy`` (the raw float output).
+"""Reference sets: a workload's images with a manifest that says exactly what made them (``manifest.json``, with the
+SHA-256 of every other file), to be compared on another machine, release or configuration; their layout is in
+docs/ablation.md, "Comparing machines and releases".
 """
 
 from __future__ import annotations

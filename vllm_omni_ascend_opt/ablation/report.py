@@ -7,6 +7,7 @@ import datetime as _dt
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,13 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-def atomic_write(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
+def atomic_write(path: Path, content: str | Callable[[Path], Any]) -> Path:
+    """``content`` (text, or a function that writes the path it is given) to ``path`` by way of a temporary file."""
+    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}{path.suffix}")
+    if callable(content):
+        content(tmp)
+    else:
+        tmp.write_text(content, encoding="utf-8")
     os.replace(tmp, path)
     return path
 
@@ -231,8 +236,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += reference_section(results.get("reference"))
     if plan["skipped"]:
         lines += ["", "## Not in this run", "", "| optimization | why |", "|---|---|"]
-        for n, why in plan["skipped"].items():
-            lines.append(f"| `{n}` | {'; '.join(why)} |")
+        lines += [f"| `{n}` | {'; '.join(why)} |" for n, why in plan["skipped"].items()]
     if results["failures"]:
         lines += ["", "## Failures", ""]
         for f in results["failures"]:
@@ -250,10 +254,8 @@ def markdown(results: dict[str, Any]) -> str:
         "- `images/<configuration>/p<prompt>_s<seed>.png` (+ `.npy`: float output in [-1, 1])",
         "- `configs/<configuration>/worker.log`: each worker's log",
         "",
-        f"Run wall time {run['wall_s']:.1f} s"
-        + (" (resumed)" if run["resumed"] else "")
-        + (", interrupted" if run["interrupted"] else "")
-        + ".",
+        f"Run wall time {run['wall_s']:.1f} s{' (resumed)' if run['resumed'] else ''}"
+        f"{', interrupted' if run['interrupted'] else ''}.",
         "",
     ]
     return "\n".join(lines)
@@ -339,11 +341,8 @@ def write_chart(results: dict[str, Any], out: Path) -> Path:
     if nf:
         ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    path = Path(out) / "ablation.png"
-    tmp = path.with_name("ablation.tmp.png")
-    fig.savefig(tmp)
+    path = atomic_write(Path(out) / "ablation.png", fig.savefig)
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 
@@ -369,8 +368,7 @@ def reference_section(ref: dict[str, Any] | None) -> list[str]:
         f"Each configuration's images against `{ref['path']}` (close gates SSIM ≥ {g['ssim']}, PSNR ≥ "
         f"{g['psnr_db']} dB; `vllm-omni-ascend-opt compare` gives the full report).",
     ]
-    differs = ref.get("differs") or []
-    if differs:
+    if differs := ref.get("differs"):
         lines.append("Differs from the set: " + "; ".join(f"{f['field']} {f['a']} → {f['b']}" for f in differs) + ".")
     lines += [
         "",

@@ -4,7 +4,6 @@ appended to the output directory (:mod:`.outdir`) as it happens.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -71,10 +70,6 @@ class Runner:
         self.say = log or (lambda msg: print(msg, file=sys.stderr))
         self.failed: dict[str, dict[str, Any]] = {}
 
-    @functools.cached_property
-    def _accelerator(self) -> bool:
-        return accelerator_visible()
-
     def _job(self, c: Config) -> Path:
         wl = self.wl
         job = {
@@ -103,7 +98,7 @@ class Runner:
         if self.wl.threads:
             # the engine processes a worker starts (omni's mp worker, a server) take their torch thread count from it
             env["OMP_NUM_THREADS"] = str(self.wl.threads)
-        if self.plan.engine in ("omni", "serve") and not self._accelerator:
+        if self.plan.engine in ("omni", "serve") and not accelerator_visible():
             # vLLM-Omni's own engines on a CPU-only machine: the test bed's opt-in CPU runtime in all their processes
             from vllm_omni_ascend_opt.testbed.runtime import engine_env
 
@@ -122,7 +117,7 @@ class Runner:
         self.say(
             f"configuration {c.id} failed ({exc.phase}): {exc.error}  [log: {self.out.config_dir(c.id)}/worker.log]"
         )
-        w.kill()
+        w.stop(0)
 
     def _save_stem(self, c: Config, prompt: int, seed: int) -> str | None:
         stem = self.out.image_stem(c.id, prompt, seed)
@@ -132,10 +127,13 @@ class Runner:
             return None
         return str(stem)
 
-    def _record_sample(self, w: Worker, rnd: int, prompt: int, seed: int, warmup: bool, ev: dict[str, Any]) -> None:
+    def _record_sample(
+        self, w: Worker, rnd: int, prompt: int, seed: int, warmup: bool, ev: dict[str, Any], prog: Any
+    ) -> None:
         rec = {"type": "sample", "config": w.config.id, "round": rnd, "prompt": prompt, "seed": seed, "warmup": warmup}
         pid = (w.ready or {}).get("pid")
         self.store.add({**rec, **{k: ev.get(k) for k in RESULT_FIELDS}, "load1": load1(), "pid": pid})
+        _step(prog, f"warm-up {w.config.id}" if warmup else f"round {rnd + 1}/{self.wl.repeats}")
 
     def _await_ready(self, w: Worker, rnd: int | None) -> None:
         ev = w.wait_ready(self.wl.start_timeout_s)
@@ -147,8 +145,7 @@ class Runner:
         for i in range(self.wl.warmup):
             p, s = samples[i % len(samples)]
             ev = w.run(p, s, None, self.wl.timeout_s)
-            self._record_sample(w, rnd, p, s, True, ev)
-            _step(prog, f"warm-up {w.config.id}")
+            self._record_sample(w, rnd, p, s, True, ev, prog)
 
     def run(self) -> RunData:
         t0 = time.perf_counter()
@@ -157,20 +154,15 @@ class Runner:
         try:
             self.out.plan_json.write_text(json.dumps(self.plan.to_dict(), indent=1))
             self.store = Store(self.out.log, fp)
-            dropped = 0
+            kept, dropped = select_resumable(self.plan, self.store.load()) if resumed else ([], 0)
+            self.store.rewrite(kept)
+            self.failed.update({r["config"]: r for r in kept if r.get("type") == "failure"})
             if resumed:
-                kept, dropped = select_resumable(self.plan, self.store.load())
-                self.store.rewrite(kept)
-                for r in kept:
-                    if r.get("type") == "failure":
-                        self.failed[r["config"]] = r
                 done = sum(1 for r in kept if r.get("type") == "sample" and not r.get("warmup"))
                 self.say(
                     f"resuming in {self.out.root}: {done} measurement(s) kept, {dropped} from unfinished units "
                     f"dropped, {len(self.failed)} failed configuration(s) kept as failed"
                 )
-            else:
-                self.store.rewrite([])
             interrupted = False
             try:
                 self._measure()
@@ -234,8 +226,7 @@ class Runner:
                         ev = self._turn(workers, c, rnd, Worker.run, p, s, stem, self.wl.timeout_s)
                         if ev is None:
                             continue
-                        self._record_sample(workers[c.id], rnd, p, s, False, ev)
-                        _step(prog, f"round {rnd + 1}/{self.wl.repeats}")
+                        self._record_sample(workers[c.id], rnd, p, s, False, ev, prog)
         except BaseException:
             for w in [*workers.values(), *starting]:
                 w.kill()
@@ -260,11 +251,9 @@ class Runner:
                             w.pause()
                     except WorkerFailed as exc:
                         self._fail(w, None, exc)
-                        w.stop(0)
                 elif time.monotonic() - w.t_start > self.wl.start_timeout_s:
                     starting.remove(w)
                     self._fail(w, None, WorkerFailed("start", "not ready in time (worker killed)"))
-                    w.stop(0)
             time.sleep(0.05)
 
     def _turn(
@@ -279,7 +268,6 @@ class Runner:
                 w.pause()
         except WorkerFailed as exc:
             self._fail(w, rnd, exc)
-            w.stop(0)
             del workers[c.id]
             return None
         return result
@@ -293,8 +281,7 @@ class Runner:
             self._warmup(w, rnd, prog)
             for p, s in self.plan.samples:
                 ev = w.run(p, s, self._save_stem(c, p, s), self.wl.timeout_s)
-                self._record_sample(w, rnd, p, s, False, ev)
-                _step(prog, f"round {rnd + 1}/{self.wl.repeats}")
+                self._record_sample(w, rnd, p, s, False, ev, prog)
         except WorkerFailed as exc:
             self._fail(w, rnd, exc)
         except BaseException:

@@ -1,11 +1,6 @@
 """The order in which an ablation run starts and measures its configurations, interleaved so that drift of the
-machine hits all of them alike.
-
-* ``resident`` (default for the tiny model): one worker per configuration, all alive at once; once all are ready
-  each warms up in turn, then every sample of every round runs on every configuration in Williams orders
-  (:func:`step_order`). ``process_sets`` > 1 splits the rounds into blocks, each with freshly started workers.
-* ``per-round`` (default for a real checkpoint): each round runs the configurations one after another, rotated per
-  round (:func:`rotation`), each in a fresh process that loads, warms up, runs every sample once and exits.
+machine hits all of them alike: ``resident`` (:func:`step_order`, :func:`process_sets`) and ``per-round``
+(:func:`rotation`), as docs/ablation.md ("How the measurement stays honest") describes.
 """
 
 from __future__ import annotations

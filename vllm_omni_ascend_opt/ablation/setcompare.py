@@ -1,14 +1,11 @@
-"""``vllm-omni-ascend-opt compare A B``: two reference sets (or a set and an ablation output) image by image.
-
-Images pair by key; each pair gets :mod:`.compare`'s metrics (and tensor errors when both sides have tensors), gated
-by tier. The reports are written only once everything was compared.
+"""``vllm-omni-ascend-opt compare A B``: two reference sets (or a set and an ablation output) image by image, paired
+by key, gated by tier; the reports are written only once everything was compared.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +17,7 @@ from vllm_omni_ascend_opt.ablation.refset import MAY_DIFFER, MUST_MATCH, RefSet,
 
 TIERS = ("exact", "pixel", "close")
 WITHIN, OUTSIDE, NOTHING = 0, 1, 2
-#: Worst pairs drawn in compare.png, and the most the difference map is amplified (the largest difference shown
-#: maps to white, up to this factor).
+#: Worst pairs drawn in compare.png, and the most their difference map is amplified (its largest difference: white).
 WORST_SHOWN = 4
 MAX_AMPLIFY = 64.0
 
@@ -148,9 +144,7 @@ def markdown(res: dict[str, Any]) -> str:
         "| field | A | B |",
         "|---|---|---|",
     ]
-    for f in res["facts"]:
-        mark = "" if f["same"] else " ⚠"
-        lines.append(f"| {f['field']}{mark} | {f['a']} | {f['b']} |")
+    lines += [f"| {f['field']}{'' if f['same'] else ' ⚠'} | {f['a']} | {f['b']} |" for f in res["facts"]]
     lines += [
         "",
         f"## Pairs (tier {res['tier']}; close gates SSIM ≥ {res['gates']['ssim']}, PSNR ≥ "
@@ -175,8 +169,8 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> float:
-    """The worst pairs as rows of A, B and their difference amplified (returned) to white; at least 128 px high."""
+def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> None:
+    """The worst pairs as rows of A, B and their difference amplified to white (by ``res["png_amplify"]``)."""
     from PIL import Image
 
     worst = worst_first(res["pairs"])[:WORST_SHOWN]
@@ -186,15 +180,14 @@ def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> float:
     diffs = [np.abs(ia.astype(np.int16) - ib.astype(np.int16)) for ia, ib in imgs]
     top = max(int(d.max()) for d in diffs)
     amp = min(MAX_AMPLIFY, 255.0 / top) if top else 1.0
-    rows = []
-    for (ia, ib), d in zip(imgs, diffs, strict=True):
-        rows.append(np.concatenate([ia, ib, np.clip(d * amp, 0, 255).astype(np.uint8)], axis=1))
+    shown = [np.clip(d * amp, 0, 255).astype(np.uint8) for d in diffs]
+    rows = [np.concatenate([ia, ib, ds], axis=1) for (ia, ib), ds in zip(imgs, shown, strict=True)]
     width = max(r.shape[1] for r in rows)
     grid = np.concatenate([np.pad(r, ((0, 2), (0, width - r.shape[1]), (0, 0))) for r in rows], axis=0)
-    scale = max(1, math.ceil(128 / min(r.shape[0] for r in rows)))
+    scale = max(1, math.ceil(128 / min(r.shape[0] for r in rows)))  # at least 128 px high
     im = Image.fromarray(grid)
     im.resize((im.width * scale, im.height * scale), Image.NEAREST).save(path)
-    return round(amp, 1)
+    res["png_amplify"] = round(amp, 1)
 
 
 def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Path]:
@@ -204,10 +197,7 @@ def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Pat
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     if res["pairs"]:
-        paths["png"] = out / "compare.png"
-        tmp = out / f"compare.tmp{os.getpid()}.png"
-        res["png_amplify"] = write_png(res, a, b, tmp)
-        os.replace(tmp, paths["png"])
+        paths["png"] = atomic_write(out / "compare.png", lambda tmp: write_png(res, a, b, tmp))
     return {
         "json": atomic_write(out / "compare.json", json.dumps(jsonable(res), indent=1, allow_nan=False)),
         "markdown": atomic_write(out / "compare.md", markdown(res)),

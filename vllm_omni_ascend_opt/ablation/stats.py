@@ -14,6 +14,7 @@ from typing import Any
 from vllm_omni_ascend_opt.ablation import compare
 from vllm_omni_ascend_opt.ablation.plan import Plan
 from vllm_omni_ascend_opt.ablation.protocol import STAGES
+from vllm_omni_ascend_opt.optimization import weakest_tier
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
@@ -135,18 +136,11 @@ def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) ->
     }
 
 
-def _class_of(plan: Plan, names: set[str]) -> str:
-    """The weakest tier among ``names`` (exact < pixel < close): what the configuration is gated by."""
-    from vllm_omni_ascend_opt.optimization import weakest_tier
-
-    return weakest_tier([plan.opts[n].equivalence for n in names])
-
-
 def compare_configs(plan: Plan, out_root: Any, ref: str, other: str) -> dict[str, Any]:
     """``other`` against ``ref`` per sample, the worst case, and the gate of the weakest tier the two differ by."""
     root = Path(out_root)
     diff = plan.diff(ref, other)
-    equivalence = _class_of(plan, diff)
+    equivalence = weakest_tier([plan.opts[n].equivalence for n in diff])  # exact < pixel < close
     per: dict[str, dict[str, Any]] = {}
     missing = []
     for p, s in plan.samples:
@@ -160,14 +154,13 @@ def compare_configs(plan: Plan, out_root: Any, ref: str, other: str) -> dict[str
         per[key] = compare.compare(a, b)
     agg = compare.aggregate(per) if not missing else {}
     gates = plan.close_gates(diff)
-    g = compare.gate(agg, equivalence, gates["ssim"], gates["psnr_db"])
     return {
         "reference": ref,
         "class": equivalence,
         "gates": gates,
         "per_sample": per,
         "worst": agg,
-        "gate": g,
+        "gate": compare.gate(agg, equivalence, gates["ssim"], gates["psnr_db"]),
         "missing": missing,
     }
 

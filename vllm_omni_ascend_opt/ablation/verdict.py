@@ -1,9 +1,5 @@
-"""A run's analysis and verdict: :func:`analyse` (the ``analysis`` part of results.json) and :func:`decide`.
-
-FAIL (1) when a configuration failed, a gate failed, an optimization is a regression, or the full stack is a
-regression or saves less than ``min_improvement_pct`` of stock; PASS (0) when, without any of those, the full stack
-is a gain of at least ``min_improvement_pct``; INCONCLUSIVE (2) otherwise. Timing failures measured while other
-processes kept the CPUs busy (:func:`.stats.machine_load`) are INCONCLUSIVE, not FAIL.
+"""A run's analysis and verdict: :func:`analyse` (the ``analysis`` part of results.json) and :func:`decide` (PASS,
+FAIL or INCONCLUSIVE: docs/ablation.md, "Verdicts and exit codes").
 """
 
 from __future__ import annotations
@@ -108,26 +104,21 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         usable = comp.with_ not in failures and comp.without not in failures
         # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
         diff = plan.diff(comp.with_, comp.without)
-        eq = compare_configs(plan, out_root, comp.without, comp.with_) if usable else None
-        opts.append(
-            {
-                "name": comp.opt,
-                "equivalence": plan.opts[comp.opt].equivalence,
-                "with": comp.with_,
-                "without": comp.without,
-                **compared(comp.without, comp.with_, diff),
-                **({} if usable else {"label": "not measured"}),
-                "equivalence_check": eq,
-            }
-        )
+        o = {
+            "name": comp.opt,
+            "equivalence": plan.opts[comp.opt].equivalence,
+            "with": comp.with_,
+            "without": comp.without,
+            **compared(comp.without, comp.with_, diff),
+            **({} if usable else {"label": "not measured"}),
+            "equivalence_check": compare_configs(plan, out_root, comp.without, comp.with_) if usable else None,
+        }
+        opts.append(o)
 
     fvs = None
     if "full" in ids:
-        fvs = {
-            **compared("stock", "full", plan.diff("stock", "full")),
-            "stock_ms": stock_ms,
-            "full_ms": mean_total("full"),
-        }
+        full_vs = compared("stock", "full", plan.diff("stock", "full"))
+        fvs = {**full_vs, "stock_ms": stock_ms, "full_ms": mean_total("full")}
 
     load = machine_load(records)
     verdict = decide(plan, configs, opts, fvs, noise, interrupted, load=load)
@@ -151,7 +142,7 @@ def decide(
     *,
     load: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Overall PASS / FAIL / INCONCLUSIVE with the reasons, and the exit code (see the module docstring)."""
+    """Overall PASS / FAIL / INCONCLUSIVE with the reasons, and the exit code."""
     wl = plan.workload
     fail, unsure, slow = [], [], []
     for c in configs:

@@ -125,12 +125,10 @@ class Workload:
         bad_seeds = not self.seeds or not all(_at_least(s, 0) for s in self.seeds)
         need(not bad_seeds, f"seeds must be non-negative integers (got {self.seeds!r})")
         need(bad_seeds or len(set(self.seeds)) == len(self.seeds), f"seeds must be distinct (got {self.seeds!r})")
-        for name, low in (("warmup", 0), ("repeats", 1)):
+        for name, low in (("warmup", 0), ("repeats", 1), ("process_sets", 1), ("start_jobs", 1)):
             need(_at_least(getattr(self, name), low), f"{name} must be >= {low} (got {getattr(self, name)!r})")
         need(0.0 < float(self.ssim_gate) <= 1.0, f"the SSIM gate must be in (0, 1] (got {self.ssim_gate!r})")
         need(float(self.psnr_gate) > 0, f"the PSNR gate must be positive dB (got {self.psnr_gate!r})")
-        for name in ("process_sets", "start_jobs"):
-            need(_at_least(getattr(self, name), 1), f"{name} must be >= 1 (got {getattr(self, name)!r})")
         need(self.timeout_s > 0 and self.start_timeout_s > 0, "timeouts must be positive")
         msl = self.max_sequence_length
         need(msl is None or int(msl) >= 1, "max_sequence_length must be positive")
