@@ -138,11 +138,10 @@ class Fit:
     points: dict[str, tuple[float, float, float, bool]]
 
     def rows(self) -> list[str]:
-        out = []
-        for name, (ref, got, res, used) in self.points.items():
-            tag = "fit" if used else "held out"
-            out.append(f"{name:<18} published {ref:7.1f}  model {got:7.1f}  residual {res:+6.1f} ms ({tag})")
-        return out
+        return [
+            f"{name:<18} published {ref:7.1f}  model {got:7.1f}  residual {res:+6.1f} ms ({'fit' if used else 'held out'})"
+            for name, (ref, got, res, used) in self.points.items()
+        ]
 
 
 def fit(

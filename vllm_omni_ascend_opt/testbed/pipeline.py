@@ -82,14 +82,7 @@ def tiny_processor_loading() -> Iterator[None]:
 @contextlib.contextmanager
 def tiny_image_areas(scale: float = AREA_SCALE) -> Iterator[None]:
     """While pre-processing: the pipelines' ``calculate_dimensions(target_area, ratio)`` sees ``target_area * scale``."""
-
-    def make(old: Any) -> Any:
-        def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
-            return old(target_area * scale, ratio)
-
-        return calculate_dimensions
-
-    with _patched_globals(_IMAGE_MODULES, "calculate_dimensions", make):
+    with _patched_globals(_IMAGE_MODULES, "calculate_dimensions", lambda old: lambda area, r: old(area * scale, r)):
         yield
 
 

@@ -208,12 +208,10 @@ class OmniServer:
         return ImageResponse(status, payload, latency, base64.b64decode(data[0]["b64_json"]) if data else None)
 
     def log_text(self) -> str:
-        if self.log_path is None:
-            return ""
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):
+                return self.log_path.read_text(errors="replace")
+        return ""
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])

@@ -50,12 +50,9 @@ class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder, importlib.ab
         module.__ascend_opt_cpu_twin__ = twin
 
 
-class _Placeholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots: tuple[str, ...]) -> None:
-        self.roots = roots
-
+class _AudioPlaceholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
-        if fullname.partition(".")[0] in self.roots:
+        if fullname.partition(".")[0] == "torchaudio":
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -127,7 +124,7 @@ def install_import_fallbacks(audio: bool = True) -> None:
     ):
         sys.meta_path.insert(0, _TorchvisionFreeImageProcessors())
     if audio and importlib.util.find_spec("torchaudio") is None:
-        sys.meta_path.append(_Placeholders(("torchaudio",)))  # last: only for names no other finder knows
+        sys.meta_path.append(_AudioPlaceholders())  # last: only for names no other finder knows
 
 
 def _chain_next_sitecustomize() -> None:
