@@ -2,10 +2,8 @@
 
 :class:`OpTrace` is the NPU launch counter (``testbed/npu_ops.py``) that also prices every launch it counts
 (:mod:`.costs`) and records where it ran (outside the blocks, the first block, the last block) and from which line
-of Python. :func:`trace_transformer` traces one warm forward of the real transformer under
-:class:`~.hollow.HollowMode`; every block runs the same ops, so 60 blocks are ``outside + first + 59 x last``
-(:meth:`CallTrace.per_call`). :func:`trace_vae` does the same for the VAE decoder. The caller installs the torch_npu
-fake, as for the launch counter.
+of Python. :func:`trace_transformer` and :func:`trace_vae` trace one warm call under :class:`~.hollow.HollowMode`;
+60 blocks are ``outside + first + 59 x last`` (:meth:`CallTrace.per_call`). The caller installs the torch_npu fake.
 """
 
 from __future__ import annotations
