@@ -136,10 +136,11 @@ class Fit:
     points: dict[str, tuple[float, float, float, bool]]
 
     def rows(self) -> list[str]:
-        return [
-            f"{name:<18} published {ref:7.1f}  model {got:7.1f}  residual {res:+6.1f} ms ({'fit' if used else 'held out'})"
-            for name, (ref, got, res, used) in self.points.items()
-        ]
+        out = []
+        for name, (ref, got, res, used) in self.points.items():
+            tag = "fit" if used else "held out"
+            out.append(f"{name:<18} published {ref:7.1f}  model {got:7.1f}  residual {res:+6.1f} ms ({tag})")
+        return out
 
 
 def fit(

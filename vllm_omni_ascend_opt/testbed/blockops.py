@@ -1,8 +1,7 @@
 """Kernel launches per transformer block on a warm forward, for a flag selection, a dtype and a width.
 
-For the op-budget tests and ``benchmarks/bench_ops.py``: vLLM-Omni's real ``QwenImageTransformer2DModel`` (tiny or
-real width), counted by :class:`~.opcount.OpCounter` (``npu=False``) or :class:`~.npu_ops.NpuOpCounter` (with the
-torch_npu fake installed by the caller). No op is per-token, so the real width is counted at a small image.
+vLLM-Omni's real transformer (tiny or real width; no op is per-token, so a small image), counted by
+:class:`~.opcount.OpCounter` or, with the caller's torch_npu fake, :class:`~.npu_ops.NpuOpCounter`.
 """
 
 from __future__ import annotations
