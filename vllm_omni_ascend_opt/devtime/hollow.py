@@ -1,12 +1,10 @@
 """Run real model code on CPU tensors without computing anything: :class:`HollowMode`.
 
-The device-time trace needs every op the real transformer and VAE launch at full size, with shapes but not numbers.
-Meta tensors would break the code under trace (it reads device types and a few host values, and the modulation memo
-refuses ``FakeTensor``), so tensors stay plain CPU tensors and each op is answered from its meta kernel: views and
-allocation-only ops run for real; in-place and ``out=`` ops return their target unwritten; every other op runs on
-meta copies and its outputs are allocated uninitialised (up to :data:`SMALL` elements filled, so host reads are
-deterministic); an op without a meta kernel runs for real on those values; factories run for real when small. So
-first-use kernel checks pass and data-dependent branches go the way a normal request goes.
+The device-time trace needs every op at full size, shapes without numbers. Meta tensors would break the code under
+trace (device types, host reads, the modulation memo refuses ``FakeTensor``), so tensors stay plain CPU tensors and
+each op is answered from its meta kernel: views and allocations run for real, in-place and ``out=`` ops return their
+target unwritten, other outputs are allocated uninitialised (up to :data:`SMALL` elements filled, for deterministic
+host reads); ops without a meta kernel and small factories run for real.
 """
 
 from __future__ import annotations

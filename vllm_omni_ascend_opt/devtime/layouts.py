@@ -1,11 +1,8 @@
 """Multi-card layouts for one image: the collectives each parallel mode issues, priced, and the best layout.
 
-Per transformer call and rank, what vLLM-Omni 0.30's parallel modes issue (:func:`collectives`, checked against
-:class:`CollectiveCounter` on the real code): Ulysses SP, per block an all-to-all each for the image q, k, v and the
-output, the text stream's output all-gathered; ring SP, per block r-1 passes of the local k and v (not overlapped: an
-upper bound); both one all-gather of the output per call; CFG-parallel, one all-gather of the noise prediction per
-step; TP, per block an all-reduce after each stream's attention out-projection and MLP down-projection, GEMMs,
-attention and head-split ops split t ways.
+:func:`collectives` gives, per transformer call and rank, what vLLM-Omni 0.30's parallel modes issue (Ulysses and
+ring SP, TP; CFG-parallel per step), checked against :class:`CollectiveCounter` on the real code. Ring passes are
+not overlapped (an upper bound).
 
 Pricing (approximate): an all-to-all or all-gather over u ranks moves its (u-1)/u share over u-1 links at once, an
 all-reduce twice that, plus one latency per collective; compute is one rank's share of the ops (:func:`_rank_table`).
@@ -106,11 +103,11 @@ def collectives(
     if layout.ulysses > 1:  # q, k, v in and the output back; the text stream's output gathered once per block
         add("alltoall_base_", 4 * blocks, 4 * blocks * local)
         add("allgather_", blocks, blocks * batch * (text_tokens // layout.ulysses) * hidden * el)
-    if layout.ring > 1:
+    if layout.ring > 1:  # per block r-1 passes of the local k and v
         add("send", 2 * (layout.ring - 1) * blocks, 2 * (layout.ring - 1) * blocks * local)
-    if sp > 1:
+    if sp > 1:  # the output all-gathered once per call
         add("_allgather_base_", 1, batch * (image_tokens // sp) * channels * el)
-    if layout.tp > 1:
+    if layout.tp > 1:  # per block an all-reduce after each stream's attention out-projection and MLP down-projection
         add("allreduce_", 4 * blocks, 2 * blocks * batch * (image_tokens + text_tokens) * hidden * el)
     return out
 

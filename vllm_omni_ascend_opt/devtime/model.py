@@ -5,14 +5,12 @@ Per launch (``devtime/trace.py`` gives each op's FLOPs, bytes and launches)::
     time = max(FLOPs / effective peak of its kind, bytes / effective bandwidth of its kind) + launches x overhead
     image = steps x CFG forwards x transformer call + VAE decode + C
 
-GEMMs and attention each get an effective peak; every other op is priced by its bytes. A weight-bound GEMM (the
-modulation GEMVs, M = 1) reads its weights at its own bandwidth (``gemm_bw_eff``): no single bandwidth explains both
-the reference's RoPE saving (element-wise passes) and its modulation saving (weight reads). ``C``
+GEMMs and attention each get an effective peak; every other op is priced by its bytes, a weight-bound GEMM (M = 1)
+at its own bandwidth (``gemm_bw_eff``: one bandwidth cannot explain both the RoPE and the modulation savings). ``C``
 (:attr:`Params.const_ms`) stands for what the trace does not cover (text encoder, scheduler, host gaps).
 
-:func:`fit` calibrates the six parameters on the reference's published figures (:data:`REFERENCE_MS`): the points
-of :data:`FIT_POINTS` (same kernels, fewer of them), the others held out to check it. One resolution fixes the
-efficiencies and ``C`` only together, so each parameter carries a weak prior (:data:`PRIORS`, with its reason).
+:func:`fit` calibrates the six parameters on :data:`FIT_POINTS` of the published :data:`REFERENCE_MS`, the rest held
+out; one resolution fixes the efficiencies and ``C`` only together, hence a weak prior each (:data:`PRIORS`).
 NZ weights and attention fusion change kernel speed, not FLOPs or bytes: the model sees only what they remove.
 """
 

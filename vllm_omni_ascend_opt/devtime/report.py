@@ -1,5 +1,4 @@
-"""What the device-time model tells, as tables labelled a model: ``plan`` and ``benchmarks/bench_devtime.py`` print
-these."""
+"""The device-time model's tables, labelled a model, as ``plan`` and ``benchmarks/bench_devtime.py`` print them."""
 
 from __future__ import annotations
 

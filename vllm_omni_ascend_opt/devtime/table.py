@@ -1,8 +1,7 @@
 """The trace table the device-time model reads: per workload and configuration, the priced ops of one call.
 
-Written by ``benchmarks/bench_devtime.py --write-table`` (it needs the torch_npu fake of ``tests/``, so ``plan``
-never traces). Per workload (resolution x batch) and configuration (:func:`configurations`): the ops of one warm
-transformer call at 60 blocks and of one VAE decode, each op as ``[name, kind, site, launches, flops, bytes]``.
+Written by ``benchmarks/bench_devtime.py --write-table`` (with the torch_npu fake of ``tests/``: ``plan`` never
+traces): one warm 60-block transformer call and one VAE decode, each op ``[name, kind, site, launches, flops, bytes]``.
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 
 :class:`OpTrace` is the NPU launch counter (``testbed/npu_ops.py``) that also prices every launch it counts
 (:mod:`.costs`) and records where it ran (outside the blocks, the first block, the last block) and from which line
-of Python. :func:`trace_transformer` traces one warm forward of the real transformer under
-:class:`~.hollow.HollowMode`; every block runs the same ops, so 60 blocks are ``outside + first + 59 x last``
-(:meth:`CallTrace.per_call`). :func:`trace_vae` does the same for the VAE decoder. The caller installs the torch_npu
-fake, as for the launch counter.
+of Python. :func:`trace_transformer` and :func:`trace_vae` trace one warm call under :class:`~.hollow.HollowMode`;
+60 blocks are ``outside + first + 59 x last`` (:meth:`CallTrace.per_call`). The caller installs the torch_npu fake.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import torch
 
 from vllm_omni_ascend_opt.devtime.costs import cost
 from vllm_omni_ascend_opt.devtime.hollow import HollowMode
-from vllm_omni_ascend_opt.testbed.blockops import new_transformer, npu_dispatch
+from vllm_omni_ascend_opt.testbed.blockops import new_transformer, npu_dispatch, t2i_inputs
 from vllm_omni_ascend_opt.testbed.npu_ops import NpuOpCounter
 from vllm_omni_ascend_opt.testbed.opcount import call_site
 from vllm_omni_ascend_opt.testbed.tiny_model import REALWIDTH, ModelSpec
@@ -32,14 +30,10 @@ FULL = dataclasses.replace(
 )
 BLOCKS = FULL.num_layers
 #: Text tokens of the prompt (after the template's system prefix is dropped): an assumption, the reference's prompt
-#: is not published. Attention and the text stream scale with it; at 1280x704 it is 2% of the joint sequence.
+#: is not published. Attention and the text stream scale with it.
 TEXT_TOKENS = 64
+#: Frames skipped when looking for the model or plugin line an op came from.
 _SKIP_FRAMES = ("/devtime/", "/testbed/npu_ops.py", "/fake_torch_npu/")
-
-
-def _site() -> str:
-    """``file:line`` of the nearest caller that is model or plugin code (not torch, the trace or the fake)."""
-    return call_site(4, _SKIP_FRAMES, ("__torch_function__",), function=False)
 
 
 def shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -111,10 +105,11 @@ class OpTrace(NpuOpCounter):
 
     def observe(self, name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None) -> None:
         args, kwargs, out = call if call is not None else ((), {}, None)
+        site = call_site(3, _SKIP_FRAMES, ("__torch_function__",), function=False)
         if out is None:  # an aten kernel counted before it ran: priced once its result exists
-            self._pending.append((name, _site(), args, kwargs))
-            return
-        self._price(name, _site(), args, kwargs, out)
+            self._pending.append((name, site, args, kwargs))
+        else:
+            self._price(name, site, args, kwargs, out)
 
     def _price(self, name: str, site: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         c = cost(name, args, kwargs, out)
@@ -163,11 +158,10 @@ class CallTrace:
         """The whole call at ``blocks`` blocks: outside + first block + (blocks - 1) x the last block."""
         out = OpTable()
         out.merge(self.tables.get("outside", OpTable()))
-        if "last" not in self.tables:  # a VAE decode, or a depth-1 model
-            out.merge(self.tables.get("first", OpTable()), blocks if "first" in self.tables else 1)
-            return out
-        out.merge(self.tables["first"])
-        out.merge(self.tables["last"], blocks - 1)
+        last = self.tables.get("last")  # None: a VAE decode, or a depth-1 model
+        out.merge(self.tables.get("first", OpTable()), 1 if last else blocks)
+        if last:
+            out.merge(last, blocks - 1)
         return out
 
     @property
@@ -182,19 +176,9 @@ def build_transformer(rt: Any, spec: ModelSpec = FULL, depth: int = 2) -> Any:
 
 
 def transformer_inputs(tr: Any, height: int, width: int, batch: int = 1, text_tokens: int = TEXT_TOKENS) -> dict:
-    """One denoise step's transformer inputs at ``height`` x ``width`` pixels (VAE /8, 2x2 packing), uninitialised."""
-    h, w = height // 16, width // 16
-    bf = torch.bfloat16
+    """:func:`~.blockops.t2i_inputs` at ``height`` x ``width`` pixels in bf16, made under :class:`HollowMode`."""
     with HollowMode():
-        return dict(
-            hidden_states=torch.empty(batch, h * w, tr.in_channels, dtype=bf),
-            encoder_hidden_states=torch.empty(batch, text_tokens, tr.txt_norm.normalized_shape[0], dtype=bf),
-            encoder_hidden_states_mask=torch.ones(batch, text_tokens, dtype=torch.bool),
-            timestep=torch.full((batch,), 0.7, dtype=bf),
-            img_shapes=[[(1, h, w)]] * batch,
-            txt_seq_lens=[text_tokens] * batch,
-            return_dict=False,
-        )
+        return t2i_inputs(tr, torch.bfloat16, height, width, batch, text_tokens)
 
 
 def _trace(rt: Any, model: Any, flags: str, run: Any, blocks: Any = (), npu: bool = False) -> CallTrace:

@@ -1,8 +1,7 @@
 """Kernel launches per transformer block on a warm forward, for a flag selection, a dtype and a width.
 
-For the op-budget tests and ``benchmarks/bench_ops.py``: vLLM-Omni's real ``QwenImageTransformer2DModel`` (tiny or
-real width), counted by :class:`~.opcount.OpCounter` (``npu=False``) or :class:`~.npu_ops.NpuOpCounter` (with the
-torch_npu fake installed by the caller). No op is per-token, so the real width is counted at a small image.
+vLLM-Omni's real transformer (tiny or real width; no op is per-token, so a small image), counted by
+:class:`~.opcount.OpCounter` or, with the caller's torch_npu fake, :class:`~.npu_ops.NpuOpCounter`.
 """
 
 from __future__ import annotations
@@ -62,17 +61,19 @@ def build_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype) -> Any:
     return tr.to(dtype).eval()
 
 
-def t2i_inputs(tr: Any, dtype: torch.dtype, height: int = 128, width: int = 128) -> dict[str, Any]:
-    """One text-to-image denoise step's transformer inputs (B=1, CFG off)."""
+def t2i_inputs(
+    tr: Any, dtype: torch.dtype, height: int = 128, width: int = 128, batch: int = 1, text_tokens: int = TEXT_TOKENS
+) -> dict[str, Any]:
+    """One text-to-image denoise step's transformer inputs (CFG off)."""
     g = torch.Generator().manual_seed(0)
     h, w = height // 16, width // 16  # VAE /8, then 2x2 packing
     return dict(
-        hidden_states=torch.randn(1, h * w, tr.in_channels, generator=g).to(dtype),
-        encoder_hidden_states=torch.randn(1, TEXT_TOKENS, tr.txt_norm.normalized_shape[0], generator=g).to(dtype),
-        encoder_hidden_states_mask=torch.ones(1, TEXT_TOKENS, dtype=torch.bool),
-        timestep=torch.full((1,), TIMESTEP).to(dtype),
-        img_shapes=[[(1, h, w)]],
-        txt_seq_lens=[TEXT_TOKENS],
+        hidden_states=torch.randn(batch, h * w, tr.in_channels, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(batch, text_tokens, tr.txt_norm.normalized_shape[0], generator=g).to(dtype),
+        encoder_hidden_states_mask=torch.ones(batch, text_tokens, dtype=torch.bool),
+        timestep=torch.full((batch,), TIMESTEP, dtype=dtype),
+        img_shapes=[[(1, h, w)]] * batch,
+        txt_seq_lens=[text_tokens] * batch,
         return_dict=False,
     )
 

@@ -1,9 +1,8 @@
 """Peak memory of one call: the bytes of tensor storage allocated during it and alive at its worst moment.
 
-``torch.profiler.profile(profile_memory=True)`` records every allocation and free as a ``[memory]`` event with a
-signed byte count; their running sum in time order is what the call added over what existed before it (weights and
-inputs are not counted), its maximum the peak, its end ``end``. :func:`first_call_peaks` measures calls made deep
-inside a generation (the benchmarks, the ablation worker).
+The running sum of the profiler's signed ``[memory]`` events (``profile_memory=True``) in time order is what the call
+added over what existed before it (weights and inputs not counted): its maximum the peak, its last value ``end``.
+:func:`first_call_peaks` measures calls made deep inside a generation.
 """
 
 from __future__ import annotations
@@ -27,11 +26,9 @@ class MemoryPeak:
 
 
 def measure(fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: Any) -> tuple[Any, MemoryPeak]:
-    """``fn(*args, **kwargs)`` under the memory profiler: its result and the :class:`MemoryPeak` on ``device``.
-
-    On an accelerator whose torch module keeps allocator statistics (``torch.cuda``, ``torch.npu`` with
-    torch_npu), the caching allocator's own peak is used instead: ``max_memory_allocated`` after
-    ``reset_peak_memory_stats``, minus what was allocated before the call (``allocations`` is then 0: unknown)."""
+    """``fn(*args, **kwargs)`` under the memory profiler: its result and the :class:`MemoryPeak` on ``device``. On an
+    accelerator with allocator statistics (``torch.cuda``, ``torch.npu``), the allocator's own peak over what was
+    allocated before (``allocations`` then 0: unknown)."""
     kind = torch.device(device).type
     acc = getattr(torch, kind, None) if kind != "cpu" else None
     if acc is not None and callable(getattr(acc, "max_memory_allocated", None)):
@@ -63,11 +60,8 @@ def measure(fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: A
 @contextlib.contextmanager
 def first_call_peaks(targets: dict[str, tuple[Any, str]], device: str = "cpu") -> Iterator[dict[str, MemoryPeak]]:
     """While active, the first call of each ``obj.method`` (``label -> (obj, method)``) runs under :func:`measure`;
-    the yielded dict fills with ``label -> MemoryPeak`` as those calls happen.
-
-    The method is wrapped through the instance around whatever ``obj.method`` is now (a bound method, or a hook
-    registry's forward wrapper such as vLLM-Omni's cache and offload hooks); the instance attribute is restored
-    exactly on exit. Only the first call is measured: one transformer forward is one denoise step."""
+    the yielded dict fills with ``label -> MemoryPeak``. Wraps whatever ``obj.method`` is now (vLLM-Omni's cache and
+    offload hooks included) through the instance attribute, restored exactly on exit."""
     peaks: dict[str, MemoryPeak] = {}
 
     def wrap(label: str, current: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,12 +1,9 @@
 """vLLM-Omni's own ``DiffusionModelRunner``, in this process, on the test bed's CPU runtime.
 
-The runner is what vLLM-Omni's diffusion worker drives: ``load_model`` builds the pipeline with the loader (the
-plugin attaches there) and applies offload, ``torch.compile`` and the cache backend in its own order;
-``execute_model`` runs one request. :class:`RunnerHarness` builds one from ``OmniDiffusionConfig`` fields, so tests
-and benchmarks exercise the plugin in vLLM-Omni's memory, cache and compile modes without an accelerator. CPU-only
-adaptations: the engine CPU runtime (``runtime.py``); ``pin_cpu_memory=False`` for offload (pinned memory needs an
-accelerator); ``supports_torch_inductor`` True while a ``compile=True`` runner loads (else the runner skips
-compiling). LoRA: :meth:`RunnerHarness.enable_lora` and ``generate(lora=...)`` do what the worker does.
+:class:`RunnerHarness` builds the runner the diffusion worker drives from ``OmniDiffusionConfig`` fields, so tests and
+benchmarks exercise the plugin in vLLM-Omni's memory, cache, compile and LoRA modes without an accelerator. CPU-only
+adaptations: the engine CPU runtime (``runtime.py``), ``pin_cpu_memory=False`` for offload, and
+``supports_torch_inductor`` True while a ``compile=True`` runner loads (else the runner skips compiling).
 """
 
 from __future__ import annotations
@@ -96,10 +93,9 @@ class RunnerHarness:
         lora: tuple[str, int, str, float] | None = None,
         **request: Any,
     ) -> torch.Tensor:
-        """One request through ``runner.execute_model``; the decoded images ``[B, 3, H, W]`` (float, CPU).
-
-        ``lora`` (after :meth:`enable_lora`): the request's adapter (name, positive int id, directory, scale),
-        activated before the request as vLLM-Omni's worker does (None: no adapter). ``request``: further :func:`~.pipeline.make_request` keywords."""
+        """One request through ``runner.execute_model``; the decoded images ``[B, 3, H, W]`` (float, CPU). ``lora``
+        (after :meth:`enable_lora`): the adapter (name, int id > 0, directory, scale), activated as the worker does;
+        ``request``: further :func:`~.pipeline.make_request` keywords."""
         if lora is not None and self.lora_manager is None:
             raise RuntimeError("generate(lora=...) needs enable_lora() first")
         if self.lora_manager is not None:

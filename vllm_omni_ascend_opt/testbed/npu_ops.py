@@ -1,18 +1,10 @@
 """Count the kernels torch_npu 2.13 would launch for what runs here on CPU: :class:`NpuOpCounter`.
 
-torch_npu registers its own set of ``aten::`` kernels. Per op reaching the dispatcher (views and allocation-only ops
-excluded):
-
-1. registered for the NPU (a dense key in :data:`REGISTERED_FILE`, from the torch-npu 2.13.0 wheel) -> 1 launch;
-2. a structured op whose ``out=`` overload is registered (``gelu`` -> ``gelu.out``) -> 1 launch;
-3. otherwise decomposed with ``torch._decomp`` on meta tensors, the pieces counted by these same rules (the op itself
-   still runs as on CPU);
-4. otherwise 1 launch, recorded in :attr:`NpuOpCounter.unresolved`.
-
-``CompositeImplicitAutograd`` ops torch_npu registers itself (``scaled_dot_product_attention``, ``matmul``,
-``softmax.int``) are caught at their ``torch`` entry points (:data:`FUNCTION_HOOKS`) and count 1 launch. torch_npu's
-own ops run through the semantic fake (``tests/fake_torch_npu``), whose :func:`run_npu_kernel` counts each as one
-``npu::`` launch and hides the CPU ops it computes with.
+Per op reaching the dispatcher (views and allocation-only ops excluded), :func:`resolve`: registered for the NPU (a
+dense key in :data:`REGISTERED_FILE`, from the torch-npu 2.13.0 wheel) or through its structured ``out=`` overload ->
+1 launch; else its ``torch._decomp`` pieces on meta tensors, counted by the same rules; else 1 launch, recorded in
+:attr:`NpuOpCounter.unresolved`. Composite ops torch_npu registers itself (``matmul``, SDPA, ``softmax.int``) count 1
+at their ``torch`` entry points (:data:`FUNCTION_HOOKS`); the torch_npu fake's ops 1 each (:func:`run_npu_kernel`).
 """
 
 from __future__ import annotations

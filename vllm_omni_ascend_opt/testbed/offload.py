@@ -1,9 +1,8 @@
 """Bytes vLLM-Omni's layerwise offloader copies host->device, counted on the copies themselves.
 
-:func:`count_offload_copies` adds up every ``aten::copy_`` whose source lives in one of the offloader's host weight
-tensors (one flattened tensor per block and dtype), so every path that moves block weights to the device is covered
-(prefetch, a cache backend's skipped-block prefetch, ``memo_aware_offload``'s late modulation copy). On CPU "device"
-is the CPU too; the bytes are those an NPU would receive over PCIe.
+:func:`count_offload_copies` adds up every ``aten::copy_`` out of the offloader's host weight tensors, so every path
+that moves block weights to the device is covered (prefetch, cache skips, late modulation copies). On CPU the bytes
+are those an NPU would receive over PCIe.
 """
 
 from __future__ import annotations

@@ -140,10 +140,9 @@ def call_site(
 
 
 class SyncCounter(TorchDispatchMode):
-    """Counts host synchronisation points (on a device each waits for the queued kernels): calls of
-    :data:`SYNC_METHODS` and the :data:`SYNC_OPS` that no counted method dispatched. Reads of the host copy a
-    ``.cpu()`` returned (a tensor sharing its storage, in the same caller frame) are not counted again.
-    ``with SyncCounter() as s: ...`` then ``s.total`` and ``s.sites`` (per ``file:line (function)``)."""
+    """``with SyncCounter() as s: ...`` then ``s.total`` and ``s.sites`` (per ``file:line (function)``): host syncs,
+    calls of :data:`SYNC_METHODS` and :data:`SYNC_OPS` no counted method dispatched; reads of a ``.cpu()`` host copy
+    in the same caller frame are not counted again."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -82,14 +82,7 @@ def tiny_processor_loading() -> Iterator[None]:
 @contextlib.contextmanager
 def tiny_image_areas(scale: float = AREA_SCALE) -> Iterator[None]:
     """While pre-processing: the pipelines' ``calculate_dimensions(target_area, ratio)`` sees ``target_area * scale``."""
-
-    def make(old: Any) -> Any:
-        def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
-            return old(target_area * scale, ratio)
-
-        return calculate_dimensions
-
-    with _patched_globals(_IMAGE_MODULES, "calculate_dimensions", make):
+    with _patched_globals(_IMAGE_MODULES, "calculate_dimensions", lambda old: lambda area, r: old(area * scale, r)):
         yield
 
 
@@ -101,10 +94,8 @@ def load_pipeline(
     model: str | None = None,
     **od_overrides: Any,
 ) -> Any:
-    """Build and load the pipeline with vLLM-Omni's ``DiffusersPipelineLoader`` (the same call its model runner
-    makes). The plugin's loader hook attaches installed optimizations to the result. ``dtype``, ``model`` (another
-    model directory: its ``model_index.json`` picks the pipeline class) and ``od_overrides``
-    (``OmniDiffusionConfig`` fields) apply to this pipeline only, on a copy of the runtime's config."""
+    """The pipeline as vLLM-Omni's model runner loads it (the plugin attaches there). ``dtype``, ``model`` (another
+    model directory) and ``od_overrides`` (``OmniDiffusionConfig`` fields) apply to a copy of the runtime's config."""
     from vllm.config.load import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
@@ -147,11 +138,9 @@ def make_request(
     pre_process: Any = None,
     **sampling: Any,
 ) -> Any:
-    """A one-request ``DiffusionRequestBatch`` exactly as vLLM-Omni's scheduler hands it to ``forward``.
-
-    ``image`` (a PIL image or a list of them) goes into ``multi_modal_data``; ``pre_process`` (the pipeline's
-    registered pre-process function, see :func:`pre_process_func`) is then applied, under :func:`tiny_image_areas`,
-    as ``DiffusionEngine`` does. ``sampling`` sets further ``OmniDiffusionSamplingParams`` fields (``layers=2``)."""
+    """A one-request ``DiffusionRequestBatch`` as vLLM-Omni's scheduler hands it to ``forward``. ``image`` (PIL, or a
+    list) goes into ``multi_modal_data``, then ``pre_process`` (:func:`pre_process_func`) runs under
+    :func:`tiny_image_areas`, as in ``DiffusionEngine``; ``sampling``: more ``OmniDiffusionSamplingParams`` fields."""
     from vllm_omni.diffusion.request import OmniDiffusionRequest
     from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -181,11 +170,8 @@ def make_request(
 
 
 def run_forward(pipe: Any, req: Any) -> Any:
-    """``pipe.forward(req)``; for ``QwenImageDMD2Pipeline`` the DMD2 mixin's forward minus its broken call.
-
-    vLLM-Omni 0.30's ``DMD2PipelineMixin.forward`` passes ``super().forward`` keywords that
-    ``QwenImagePipeline.forward(req)`` does not accept (TypeError; pinned by tests/test_family.py). Its own
-    ``_sanitize_dmd2_request`` puts those values in the request, then ``QwenImagePipeline.forward`` runs."""
+    """``pipe.forward(req)``; for ``QwenImageDMD2Pipeline`` the DMD2 mixin's forward minus its call with keywords
+    ``QwenImagePipeline.forward`` rejects (vLLM-Omni 0.30; tests/test_family.py): sanitize the request, then forward."""
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImageDMD2Pipeline, QwenImagePipeline
 
     if isinstance(pipe, QwenImageDMD2Pipeline):
@@ -230,11 +216,8 @@ def generate(
     image: Any = None,
     **request: Any,
 ) -> GenerationResult:
-    """Run one request (``request``: further :func:`make_request` keywords) through the pipeline's ``forward`` and
-    return the decoded image tensor.
-
-    Image pipelines (Edit, Edit-Plus, Layered) need ``image``; it is pre-processed by the pipeline's own registered
-    pre-process function first. Layered returns its decoded layers stacked as ``[layers, C, H, W]`` (RGBA)."""
+    """Run one request (``request``: further :func:`make_request` keywords) through the pipeline's ``forward``; the
+    decoded images (:func:`decoded_images`); image pipelines need ``image`` (pre-processed: :func:`make_request`)."""
     pre_process = pre_process_func(pipe) if image is not None else None
     req = make_request(
         prompt, height=height, width=width, steps=steps, seed=seed, image=image, pre_process=pre_process, **request

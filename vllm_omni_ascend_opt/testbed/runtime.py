@@ -107,10 +107,8 @@ def init_cpu_runtime(
     init_method: str | None = None,
     **od_kwargs: Any,
 ) -> Runtime:
-    """Create vLLM-Omni's configs and process groups for this process (idempotent within a process).
-
-    ``parallel`` holds ``DiffusionParallelConfig`` fields (``ulysses_degree=2``, ``cfg_parallel_size=2``, ...);
-    with ``world_size > 1`` pass the same ``init_method`` (``tcp://127.0.0.1:PORT``) to every rank."""
+    """Create vLLM-Omni's configs and process groups for this process (idempotent). ``parallel``: fields of
+    ``DiffusionParallelConfig``; with ``world_size > 1`` pass every rank the same ``init_method`` (``tcp://...``)."""
     if "rt" in _STATE:
         return _STATE["rt"]
     from vllm.config import set_current_vllm_config
@@ -177,10 +175,8 @@ _ENGINE_APPLIED: list[str] = []
 
 
 def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's) plus what makes vLLM-Omni's engines run on CPU in every process they start.
-
-    vLLM-Omni starts its processes itself (API server, ``mp`` workers), so only the environment reaches them all:
-    ``SITE_DIR`` on ``PYTHONPATH`` and ``ENV_CPU_RUNTIME=1`` (see ``omni_cpu_site/sitecustomize.py``)."""
+    """``env`` (default: this process's) plus ``SITE_DIR`` on ``PYTHONPATH`` and ``ENV_CPU_RUNTIME=1``: only the
+    environment reaches every process vLLM-Omni's engines start (API server, ``mp`` workers)."""
     out = dict(os.environ if env is None else env)
     paths = [str(SITE_DIR)] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
     out["PYTHONPATH"] = os.pathsep.join(paths)
@@ -209,12 +205,10 @@ def engine_cpu_runtime_applied() -> list[str]:
 
 
 def apply_engine_cpu_runtime() -> list[str]:
-    """Platform-time half of the engine CPU runtime; idempotent. Returns what it changed (empty on an accelerator).
-
-    On ``UnspecifiedOmniPlatform`` only: (1) attention -> vLLM-Omni's pure-torch SDPA; (2) the platform methods the
-    unspecified platforms (vLLM-Omni's and vLLM's) leave unimplemented or wrong on CPU (:func:`_platform_methods`);
-    (3) the ``mp`` executor's output thread, which dies on ``current_accelerator()`` being None (every request then
-    waits forever): inside it, ``cpu``; (4) LoRA without pinned memory (vLLM pins adapters without asking)."""
+    """Platform-time half of the engine CPU runtime, on ``UnspecifiedOmniPlatform`` only; idempotent. Returns what it
+    changed: (1) attention -> pure-torch SDPA; (2) platform methods unimplemented on CPU (:func:`_platform_methods`);
+    (3) ``cpu`` as ``current_accelerator()`` in the ``mp`` executor's output thread (None kills it: requests hang);
+    (4) LoRA without pinned memory (vLLM pins adapters without asking)."""
     if _ENGINE_APPLIED:
         return list(_ENGINE_APPLIED)
     from vllm_omni.platforms import current_omni_platform

@@ -1,8 +1,7 @@
 """``vllm serve <model> --omni`` as a child process on 127.0.0.1, and a standard-library HTTP client for it.
 
-Used by the server tests and the ablation runner's ``serve`` engine. The server runs in its own process group
-(``start_new_session``), so :meth:`OmniServer.stop` ends it and every process it started (the ``mp`` executor's
-worker, multiprocessing's resource tracker) by that group, also when a test fails. Requests go to 127.0.0.1 only.
+The server leads its own process group, so :meth:`OmniServer.stop` ends it and every process it started (``mp``
+worker, resource tracker) together, also when a test fails.
 """
 
 from __future__ import annotations
@@ -102,14 +101,9 @@ def post_json(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict
 
 @dataclass
 class OmniServer:
-    """One ``vllm serve MODEL --omni`` process on a free 127.0.0.1 port, with the engine CPU runtime available.
-
-    ``env`` is added to this process's environment (flags such as ``VLLM_OMNI_ASCEND_OPT``); the test bed's CPU
-    runtime switch and site folder come from :func:`engine_env` (they change nothing on an accelerator platform).
-    The server's stdout and stderr go to ``log_path`` (appended), or to this process's stderr when it is None.
-    ``new_session`` (default): the server leads its own process group, which :meth:`stop` ends as a whole; False
-    keeps it in the caller's group (the ablation worker: the runner then ends worker and server together).
-    """
+    """One ``vllm serve MODEL --omni`` process on a free 127.0.0.1 port, in this environment plus ``env`` and
+    :func:`engine_env`'s, logging to ``log_path`` (appended; None: this process's stderr). ``new_session``: its own
+    process group, which :meth:`stop` ends as a whole; False keeps it in the caller's (the ablation worker's)."""
 
     model: str
     log_path: Path | None
@@ -208,12 +202,10 @@ class OmniServer:
         return ImageResponse(status, payload, latency, base64.b64decode(data[0]["b64_json"]) if data else None)
 
     def log_text(self) -> str:
-        if self.log_path is None:
-            return ""
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):
+                return self.log_path.read_text(errors="replace")
+        return ""
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])

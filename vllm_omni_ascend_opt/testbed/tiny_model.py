@@ -1,9 +1,8 @@
 """Offline, deterministic builder of tiny Qwen-Image model directories in diffusers format, one per pipeline.
 
-Everything is made from a seed: a tiny Qwen2.5-VL text encoder, a byte-level Qwen2 tokenizer, a tiny VAE, transformer
-and scheduler; the image pipelines also get a torchvision-free ``processor/``. Directories are cached under
-``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default ``~/.cache/vllm-omni-ascend-opt``), keyed on spec and seed, and renamed into
-place atomically (safe for concurrent builders).
+A tiny Qwen2.5-VL text encoder, byte-level tokenizer, VAE, transformer and scheduler (image pipelines: a
+torchvision-free ``processor/``), from a seed; cached under ``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default
+``~/.cache/vllm-omni-ascend-opt``) by spec and seed, renamed into place atomically (safe for concurrent builders).
 """
 
 from __future__ import annotations
@@ -135,14 +134,13 @@ FAMILY_SUFFIX = {
     (LAYERED, False): "layered",
 }
 
-#: The default test-bed model: 2 blocks, 4 heads x 16, VAE base 24, 17 MB on disk.
+#: The default test-bed model: 2 blocks, 4 heads x 16, VAE base 24.
 TINY = ModelSpec(name="tiny")
 #: The whole family at the test-bed size (text-to-image first), keyed by the variant suffix ("" = text-to-image).
 TINY_FAMILY: dict[str, ModelSpec] = {
     suffix or "t2i": TINY.variant(p, zero_cond_t=z) for (p, z), suffix in FAMILY_SUFFIX.items()
 }
-#: The test-bed width at depth, 12 blocks: the model of the shipped tiny CPU workloads, deep enough that the plugin's
-#: savings stand clear of the per-request work around them (text encoder, VAE, engine, HTTP) and its noise.
+#: The test-bed width at 12 blocks (the shipped tiny CPU workloads): the plugin's savings stand clear of the noise.
 TINY_DEEP = ModelSpec(name="deep", num_layers=12)
 TINY_FAMILY["deep"] = TINY_DEEP
 TINY_FAMILY["deep-edit-2511"] = TINY_DEEP.variant(EDIT_PLUS, zero_cond_t=True)

@@ -1,14 +1,13 @@
 """The test bed's CPU runtime for vLLM-Omni's own engines, in every process they start (see ``testbed/runtime.py``).
 
-This folder is on ``PYTHONPATH`` only through :func:`vllm_omni_ascend_opt.testbed.runtime.engine_env`. It acts only
-with ``VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME=1`` and uses the standard library alone (it costs nothing at start-up):
+On ``PYTHONPATH`` only through :func:`~vllm_omni_ascend_opt.testbed.runtime.engine_env`; acts only with
+``VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME=1``; standard library only (nothing to pay at start-up):
 
-1. torchvision is missing (no CPU wheel matches this torch): ``transformers.models.<m>.image_processing_<x>`` (which
-   vLLM's qwen2_vl imports in every entry point) is served from its twin ``image_processing_pil_<x>``.
-2. torchaudio is missing: vLLM-Omni's OpenAI server imports it at module level; an import-only placeholder is served.
-3. ``vllm_omni.plugins.load_omni_general_plugins`` (called by every vLLM-Omni process before it builds a model) first
-   applies :func:`~vllm_omni_ascend_opt.testbed.runtime.apply_engine_cpu_runtime`, so the test bed works the same
-   whether the plugin is installed, excluded or broken.
+1. without torchvision (no CPU wheel for this torch), ``transformers.models.<m>.image_processing_<x>`` is served from
+   its twin ``image_processing_pil_<x>``;
+2. without torchaudio (vLLM-Omni's OpenAI server imports it), an import-only placeholder is served;
+3. ``vllm_omni.plugins.load_omni_general_plugins`` first applies ``apply_engine_cpu_runtime``, so the test bed works
+   the same whether the plugin is installed, excluded or broken.
 """
 
 from __future__ import annotations
@@ -50,12 +49,9 @@ class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder, importlib.ab
         module.__ascend_opt_cpu_twin__ = twin
 
 
-class _Placeholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots: tuple[str, ...]) -> None:
-        self.roots = roots
-
+class _AudioPlaceholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
-        if fullname.partition(".")[0] in self.roots:
+        if fullname.partition(".")[0] == "torchaudio":
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -127,7 +123,7 @@ def install_import_fallbacks(audio: bool = True) -> None:
     ):
         sys.meta_path.insert(0, _TorchvisionFreeImageProcessors())
     if audio and importlib.util.find_spec("torchaudio") is None:
-        sys.meta_path.append(_Placeholders(("torchaudio",)))  # last: only for names no other finder knows
+        sys.meta_path.append(_AudioPlaceholders())  # last: only for names no other finder knows
 
 
 def _chain_next_sitecustomize() -> None:
