@@ -186,8 +186,8 @@ def install_fake_npu(rank: int) -> None:
 def fake_npu_calls(rank: int) -> dict[str, int]:
     """The double's kernel calls since the previous job."""
     log = sys.modules["torch_npu"].calls
-    calls = dict(log.calls)
-    log.calls.clear()
+    calls = dict(log)
+    log.clear()
     return calls
 
 
