@@ -16,8 +16,9 @@ import torch.nn as nn
 
 from vllm_omni_ascend_opt._parallel import parallel_reasons_inactive
 from vllm_omni_ascend_opt._patching import PatchSet
+from vllm_omni_ascend_opt.blocks.body.compiled_blocks import Hoister
 from vllm_omni_ascend_opt.blocks.upstream import fingerprints as _upstream
-from vllm_omni_ascend_opt.blocks.upstream import guards
+from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import Upstream
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -76,6 +77,8 @@ class Optimization:
     acts_compiled: ClassVar[frozenset[str]] = frozenset()
     #: Its process-wide patches act on every model: no ``attach`` needed to act.
     acts_without_attach: ClassVar[bool] = False
+    #: While attached, its transformers' forwards open a ``forward_scope`` (per-forward decisions, the fault clock).
+    watches_forwards: ClassVar[bool] = False
     #: ``(SSIM, PSNR dB)`` a ``close`` one must meet without it (None: the workload's gates).
     close_gates: ClassVar[tuple[float, float] | None] = None
     #: Optimizations it acts through: inactive with their reasons when they are; the ablation planner keeps them.
@@ -98,6 +101,10 @@ class Optimization:
         self._fallbacks: Counter[str] = Counter()
         self._logged: set[str] = set()
         self._peers: Peers | None = None
+        #: Hooks on the blocks of its watched transformers (registered at a forward's start, released on detach).
+        self._hoister: Hoister | None = None
+        #: Modules it gave one of its classes -> their own class (restored on detach and uninstall).
+        self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
 
     # ----- the one answer: does it act, and why not
     def reasons_inactive(self, model: Any = None) -> list[str]:
@@ -134,9 +141,7 @@ class Optimization:
 
     def upstream_reasons(self) -> list[str]:
         """Why the upstream code differs from what it knows; empty under ``VLLM_OMNI_ASCEND_OPT_FORCE``."""
-        if not self.upstream or _upstream.forced():
-            return []
-        return _upstream.reasons(self.upstream, self.name)
+        return [] if not self.upstream or _upstream.forced() else _upstream.reasons(self.upstream, self.name)
 
     def upstream_findings(self) -> list[_upstream.Finding]:
         """What each declared upstream function is here (fingerprint, the releases it matches, checked or not)."""
@@ -237,6 +242,8 @@ class Optimization:
         """Detach from every model, then restore every patched attribute by identity; drop stats. Idempotent."""
         for model in list(self._attached):
             self.detach(model)
+        for module in list(self._swapped):
+            self._restore_class(module)
         self.patches.revert()
         self._uninstall()
         self.reset_stats()
@@ -254,6 +261,9 @@ class Optimization:
         """Apply per-instance work to a built pipeline or transformer. Idempotent; nothing where it is off on 2.1."""
         if model in self._attached or self.qwen_image_21_reason(model):
             return
+        on_forward = self._hoister.on_forward if self._hoister else None
+        for tr in self._watched(model):
+            forward_scope.watch(tr, self.name, on_forward=on_forward)
         self._attach(model)
         self._attached.add(model)
 
@@ -261,11 +271,33 @@ class Optimization:
         """Undo :meth:`attach` on ``model``. Idempotent."""
         if model not in self._attached:
             return
+        for tr in self._watched(model):
+            forward_scope.unwatch(tr, self.name)
+            if self._hoister:
+                self._hoister.release(tr)
         self._detach(model)
         self._attached.discard(model)
 
     def is_attached(self, model: nn.Module) -> bool:
         return model in self._attached
+
+    def _watched(self, model: nn.Module) -> list[nn.Module]:
+        return guards.find_transformers(model) if self.watches_forwards else []
+
+    def _swap_class(self, module: nn.Module, base: type, cls: type) -> None:
+        """Give ``module`` the class ``cls`` when it is exactly a ``base`` (and not swapped already)."""
+        if type(module) is base and module not in self._swapped:
+            self._swapped[module] = base
+            module.__class__ = cls
+
+    def _restore_class(self, module: nn.Module) -> None:
+        cls = self._swapped.pop(module, None)
+        if cls is not None:
+            module.__class__ = cls
+
+    def is_prepared(self, module: nn.Module) -> bool:
+        """Whether ``module`` currently carries the class it gave it."""
+        return module in self._swapped
 
     def _attach(self, model: nn.Module) -> None:
         """Override for per-instance work."""

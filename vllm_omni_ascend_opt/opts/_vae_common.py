@@ -117,9 +117,7 @@ class VaeOptimization(Optimization):
     def piece_report(self, model: Any) -> PieceReport:
         """For an attached ``model``: piece -> "" when it acts, else the reason it does not."""
         st = self._state.get(model)
-        if st is None:
-            return {p: "not attached" for p in self.pieces}
-        return dict(st.pieces)
+        return dict(st.pieces) if st is not None else {p: "not attached" for p in self.pieces}
 
     def _model_reasons(self, model: Any) -> list[str]:
         st = self._state.get(model)

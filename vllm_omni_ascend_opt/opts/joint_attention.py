@@ -58,6 +58,7 @@ class JointAttention(Optimization):
     #: Under full compile the tables would be computed in the graph, slower than compiled stock: stock's attention.
     acts_compiled = frozenset({"regional"})
     acts_without_attach = True
+    watches_forwards = True
     upstream = (
         _targets.CROSS_ATTENTION_FORWARD,
         _targets.CROSS_ATTENTION_INIT,
@@ -108,15 +109,6 @@ class JointAttention(Optimization):
         self._hoister.release_all()
         self._joint_freqs.clear()
         self._tables.clear()
-
-    def _attach(self, model: nn.Module) -> None:
-        for tr in guards.find_transformers(model):
-            forward_scope.watch(tr, self.name, on_forward=self._hoister.on_forward)
-
-    def _detach(self, model: nn.Module) -> None:
-        for tr in guards.find_transformers(model):
-            forward_scope.unwatch(tr, self.name)
-            self._hoister.release(tr)
 
     def _call_reason(
         self,

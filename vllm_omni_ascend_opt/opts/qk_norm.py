@@ -7,7 +7,6 @@ and offers the path in the ``NORM`` slot while installed (``joint_attention`` as
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import Any
 
 import torch.nn as nn
@@ -15,7 +14,6 @@ import torch.nn as nn
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks.kernels import rms_norm
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import Verdict
-from vllm_omni_ascend_opt.blocks.upstream import forward_scope, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.optimization import Optimization
 
@@ -37,6 +35,7 @@ class QkNorm(Optimization):
     requires = ("torch_npu with npu_rms_norm (float16/bfloat16/float32)",)
     target_modules = (_targets.TRANSFORMER,)
     regions = frozenset({"block"})
+    watches_forwards = True  # the fault-backoff clock counts its forwards
     removal_plan = "Drop when torch_npu registers aten::rms_norm for NPU or vLLM-Omni's Qwen-Image uses an NPU RMSNorm."
     upstream = (_targets.QK_NORM_ROPE, _targets.CROSS_ATTENTION_INIT)
     on_qwen_image_21 = (
@@ -46,7 +45,6 @@ class QkNorm(Optimization):
     def __init__(self) -> None:
         super().__init__()
         self.path = rms_norm.RmsNormPath(self.name, self.stats)
-        self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
 
     def _process_reasons(self) -> list[str]:
         if _backend.torch_npu_module() is None:
@@ -93,29 +91,15 @@ class QkNorm(Optimization):
 
     def _uninstall(self) -> None:
         rms_norm.NORM.withdraw(self.path)
-        for module, cls in list(self._swapped.items()):
-            module.__class__ = cls
-        self._swapped = weakref.WeakKeyDictionary()
         self.path.clear()
 
     def _attach(self, model: nn.Module) -> None:
-        for tr in guards.find_transformers(model):
-            forward_scope.watch(tr, self.name)  # the fault-backoff clock counts its forwards
         for n in _qk_norms(model):
-            if type(n) is nn.RMSNorm and n not in self._swapped:
-                self._swapped[n] = nn.RMSNorm
-                n.__class__ = rms_norm.KernelRMSNorm
+            self._swap_class(n, nn.RMSNorm, rms_norm.KernelRMSNorm)
 
     def _detach(self, model: nn.Module) -> None:
-        for tr in guards.find_transformers(model):
-            forward_scope.unwatch(tr, self.name)
         for n in _qk_norms(model):
-            cls = self._swapped.pop(n, None)
-            if cls is not None:
-                n.__class__ = cls
-
-    def is_prepared(self, norm: nn.Module) -> bool:
-        return norm in self._swapped
+            self._restore_class(n)
 
 
 def _qk_norms(model: Any) -> list[nn.Module]:

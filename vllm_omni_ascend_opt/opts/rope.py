@@ -83,6 +83,7 @@ class Rope(Optimization):
     target_modules = (_targets.TRANSFORMER,)
     regions = frozenset({"block", "transformer"})
     acts_without_attach = True
+    watches_forwards = True  # the guard and the tables once per forward
     upstream = UPSTREAM
     on_qwen_image_21 = (
         "upstream applies its RoPE there with torch_npu.npu_rotary_mul and tables cached per freqs "
@@ -195,14 +196,6 @@ class Rope(Optimization):
         self.rotary.clear()  # tables and kernel verdicts
         self._embed_memo.clear()
         self._bad_policy.clear()
-
-    def _attach(self, model: nn.Module) -> None:
-        for tr in guards.find_transformers(model):
-            forward_scope.watch(tr, self.name)  # the guard and the tables once per forward
-
-    def _detach(self, model: nn.Module) -> None:
-        for tr in guards.find_transformers(model):
-            forward_scope.unwatch(tr, self.name)
 
     def requires_bitwise(self) -> bool:
         """The kernel policy: the attribute, else the env (default ``pixel``; an unknown value: ``bitwise``, logged)."""

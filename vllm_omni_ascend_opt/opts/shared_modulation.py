@@ -9,7 +9,6 @@ outside ``load_weights`` need :meth:`SharedModulation.invalidate` (or the regist
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from vllm_omni_ascend_opt.blocks.body.block_body import (
 )
 from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, MEMO, ModulationMemo, budget_from_env
 from vllm_omni_ascend_opt.blocks.memo.keys import SELECT01_MODULE, unkeyable_reasons
-from vllm_omni_ascend_opt.blocks.upstream import ada_norm, forward_scope, guards
+from vllm_omni_ascend_opt.blocks.upstream import ada_norm, guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, V030, V031, V032, Upstream, same
 from vllm_omni_ascend_opt.blocks.upstream.guards import find_transformers
@@ -84,6 +83,7 @@ class SharedModulation(Optimization):
     regions = frozenset({"block", "transformer"})  # the block body and projections; norm_out in the forward
     #: Regional compile: the lookups run in eager, the compiled blocks get ready tensors; full compile: stock.
     acts_compiled = frozenset({"regional"})
+    watches_forwards = True
     upstream = UPSTREAM
     on_qwen_image_21 = (
         "one modulation projection shared by all blocks, prepared once per step by upstream itself "
@@ -94,7 +94,6 @@ class SharedModulation(Optimization):
         super().__init__()
         self.memo = ModulationMemo()
         self.stats = self.memo.stats
-        self._swapped: weakref.WeakKeyDictionary[nn.Module, type] = weakref.WeakKeyDictionary()
         self._classes: dict[str, tuple[type, type]] = {}
         self._hoister = compiled_blocks.Hoister(self._hoist, (READY,))
 
@@ -279,9 +278,6 @@ class SharedModulation(Optimization):
     def _uninstall(self) -> None:
         MEMO.withdraw(self.memo)
         self._hoister.release_all()
-        for module, cls in list(self._swapped.items()):
-            module.__class__ = cls
-        self._swapped = weakref.WeakKeyDictionary()
         self.memo.clear()
 
     @staticmethod
@@ -292,26 +288,14 @@ class SharedModulation(Optimization):
 
     def _attach(self, model: nn.Module) -> None:
         for tr in find_transformers(model):
-            forward_scope.watch(tr, self.name, on_forward=self._hoister.on_forward)
             for m, kind in self._swappable(tr):
-                base, memo_cls = self._classes[kind]
-                if type(m) is base and m not in self._swapped:
-                    self._swapped[m] = base
-                    m.__class__ = memo_cls
+                self._swap_class(m, *self._classes[kind])
 
     def _detach(self, model: nn.Module) -> None:
         for tr in find_transformers(model):
-            forward_scope.unwatch(tr, self.name)
-            self._hoister.release(tr)
             for m, _ in self._swappable(tr):
-                cls = self._swapped.pop(m, None)
-                if cls is not None:
-                    m.__class__ = cls
+                self._restore_class(m)
         self.memo.clear()
-
-    def is_prepared(self, module: nn.Module) -> bool:
-        """Whether ``module`` (an img_mod/txt_mod/norm_out) currently carries the memoizing class."""
-        return module in self._swapped
 
 
 OPT = SharedModulation()

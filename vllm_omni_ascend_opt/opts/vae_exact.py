@@ -217,9 +217,8 @@ def _make_upsample_forward(path: UpsamplePath, module: nn.Module) -> Any:
     original = module.forward
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not guards.tracing() and path.verified(self, x.device, x.dtype):
-            return nn.Upsample.forward(self, x)
-        return original(x)
+        verified = not guards.tracing() and path.verified(self, x.device, x.dtype)
+        return nn.Upsample.forward(self, x) if verified else original(x)
 
     return forward
 
@@ -239,9 +238,7 @@ def _make_pointwise_forward(module: nn.Module) -> Any:
 
     def forward(self: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
         # Stock: F.pad(x, [0] * 6) (a contiguous copy; cache_x is ignored when the temporal pad is 0) then Conv3d.
-        if not guards.tracing() and x.is_contiguous():
-            return nn.Conv3d.forward(self, x)
-        return original(x, cache_x)
+        return nn.Conv3d.forward(self, x) if not guards.tracing() and x.is_contiguous() else original(x, cache_x)
 
     return forward
 

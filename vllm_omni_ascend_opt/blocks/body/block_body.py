@@ -35,9 +35,7 @@ FAST_RESIDUAL: Slot[ModeOwner] = Slot("fast_residual")
 
 def mode_owner(slot: Slot[ModeOwner]) -> ModeOwner | None:
     """The provider of a fast mode when it is on and dynamo is not tracing, else None."""
-    if guards.tracing():
-        return None
-    return slot.get()
+    return None if guards.tracing() else slot.get()
 
 
 def use_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
@@ -80,9 +78,7 @@ class NormMod:
 
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Stock's ``x + gate * y``; with ``fast_residual`` one ``torch.addcmul(x, gate, y)``."""
-        if use_residual(x, self.gate, y):
-            return torch.addcmul(x, self.gate, y)
-        return x + self.gate * y
+        return torch.addcmul(x, self.gate, y) if use_residual(x, self.gate, y) else x + self.gate * y
 
     @staticmethod
     def unpack(scale: torch.Tensor, shift: torch.Tensor, gate: torch.Tensor, kind: str) -> NormMod:

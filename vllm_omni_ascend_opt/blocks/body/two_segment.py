@@ -124,6 +124,4 @@ class SegMod:
     def nbytes(self, segment: int | None = None) -> int:
         """Bytes held; for slice plans ``segment`` counts only that segment's tensors."""
         mods = (self.first, self.shift, self.gate)
-        if self.plan.broadcast or segment is None:
-            return tensor_bytes(mods)
-        return tensor_bytes([x[segment] for x in mods])
+        return tensor_bytes(mods if self.plan.broadcast or segment is None else [x[segment] for x in mods])

@@ -48,9 +48,7 @@ def hold(path: Any, verdict: Any) -> bool:
 
 def peer_refusal(kernel: str, key: Any) -> str | None:
     """Another rank's refusal of ``key`` that no path here had met yet, or None."""
-    if not _REMOTE:
-        return None
-    return _REMOTE.get(kernel, {}).get(saved.key_text(key))
+    return _REMOTE.get(kernel, {}).get(saved.key_text(key)) if _REMOTE else None
 
 
 def forget(kernel: str) -> None:

@@ -157,6 +157,4 @@ def free_device_memory(device: torch.device) -> int | None:
 
 
 def _where(key: Any) -> str:
-    if isinstance(key, tuple):
-        return "/".join(str(k).removeprefix("torch.") for k in key)
-    return str(key)
+    return "/".join(str(k).removeprefix("torch.") for k in key) if isinstance(key, tuple) else str(key)
