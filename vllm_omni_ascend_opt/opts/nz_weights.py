@@ -144,7 +144,7 @@ class NzWeights(Optimization):
         "After loading, w.data = npu_format_cast(w.data, 29) for each eligible unquantized BF16/FP16 linear "
         "weight (CANN >= 8.3, permitted by a trial cast, numbers checked per (device, dtype)), all or nothing."
     )
-    upstream_pr = "None for Qwen-Image (1.x); vllm-ascend's weight_nz_mode=2 is the LLM-side equivalent."
+    upstream_pr = "Qwen-Image (1.x): none (vllm-ascend's weight_nz_mode=2 is the LLM-side equivalent)."
     equivalence = "close"
     requires = (
         "torch_npu >= 2.8 with CANN >= 8.3 (WeightNz matmul routing); weights on an NPU; fp16/bf16; internal formats "
