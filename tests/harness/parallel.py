@@ -470,6 +470,14 @@ if __name__ == "__main__":
     # Run the worker from the package module (not __main__) so its reports unpickle in the parent.
     from tests.harness import parallel as _this
 
-    _this._worker(Path(sys.argv[1]), int(sys.argv[2]))
+    code = 0
+    try:
+        _this._worker(Path(sys.argv[1]), int(sys.argv[2]))
+    except BaseException:  # a failing rank exits at once, with its traceback, instead of hanging in teardown
+        import traceback
+
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown of vLLM's atexit handlers (they can block on a torn-down group)
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown of vLLM's atexit handlers (they can block on a torn-down group)
