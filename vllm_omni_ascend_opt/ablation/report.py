@@ -40,6 +40,7 @@ def build_results(data: Any, analysis: dict[str, Any], command: list[str] | None
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": list(command or []),
         "verdict": analysis["verdict"],
+        "significance": analysis["significance"],
         "workload": wl.to_dict(),
         "plan": plan.to_dict(),
         "environment": {**env, "same_in_every_worker": same, "workers": len(envs)},
@@ -142,6 +143,28 @@ def gate_cell(chk: dict[str, Any] | None) -> str:
     return f"{mark} SSIM {w['ssim_min']:.4f}, PSNR {fmt_db(w['psnr_db_min'])}{limits}"
 
 
+def _p(p: float | None) -> str:
+    return "–" if p is None else f"{p:.2g}"
+
+
+def _significance(sig: dict[str, Any]) -> str:
+    """The sentence that names the test, the correction and the family-wise level the labels were taken with."""
+    if not sig:
+        return ""
+    level = f"{100 * sig['family_wise_level']:g}%"
+    if not sig.get("tested"):
+        return (
+            f"*p*: the {sig['test']}. With this few rounds it cannot reach {level} over {sig['family']} "
+            "comparison(s), so the labels use the noise floor and two standard errors: their false-alarm rate is "
+            "not controlled (add rounds)."
+        )
+    return (
+        f"*p*: the {sig['test']} on the per-round savings; the optimizations' p-values are {sig['correction']}-"
+        f"corrected over the {sig['family']} compared here, at a family-wise level of {level}; the full stack vs "
+        f"stock is its own test at {level}. Gain or regression = significant and beyond the noise floor."
+    )
+
+
 def markdown(results: dict[str, Any]) -> str:
     wl, plan, v = results["workload"], results["plan"], results["verdict"]
     env = results["environment"]
@@ -198,7 +221,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         *_table_head(
             "optimization | class | on stages | saved ms (mean ± std) | % of stock | per round (ms) | direction | "
-            "label | total saved ms | control Δ ms",
+            "label | p | total saved ms | control Δ ms",
             "equivalence",
         ),
     ]
@@ -208,8 +231,10 @@ def markdown(results: dict[str, Any]) -> str:
         st = " | ".join(_ms(d["stages_saved_ms"].get(s), True) for s in STAGES)
         lines.append(
             f"| {head} | {_on(d)} | {_saved(d)} | {_pct(d['saved_pct_of_stock'])} | {per} | {d['direction']} | "
-            f"**{d['label']}** | {_saved(d, 'total_saved_ms')} | {_control(d)} | {st} | {gate_cell(chk)} |"
+            f"**{d['label']}** | {_p(d.get('p_value'))} | {_saved(d, 'total_saved_ms')} | {_control(d)} | {st} | "
+            f"{gate_cell(chk)} |"
         )
+    sig = results.get("significance") or {}
     lines += [
         "",
         "Saved = time without − time with the optimization (positive: faster), from the configurations named in "
@@ -217,6 +242,8 @@ def markdown(results: dict[str, Any]) -> str:
         "noise floor on the same stages); *total saved* is the same on the whole request. *Control Δ*: how much "
         "the other stages, which nothing compared changes, differ (⚠ beyond their noise floor: process bias, the "
         "comparison is inconclusive). docs/ablation.md in vllm-omni-ascend-opt explains how to read this report.",
+        "",
+        _significance(sig),
         "",
         "## Configurations",
         "",

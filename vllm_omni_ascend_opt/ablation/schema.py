@@ -38,7 +38,7 @@ STAGED = {
     "saved_ms": SAVED,
     **fields("saved_pct_of_stock:n? stages:S noise_floor_ms:n?"),
     "total_saved_ms": SAVED,
-    **fields("total_saved_pct_of_stock:n? stages_saved_ms:d direction:s label:s"),
+    **fields("total_saved_pct_of_stock:n? stages_saved_ms:d direction:s label:s p_value:n? p_raw:n?"),
     "control": Opt(CONTROL),
 }
 CHECK = Opt({**fields("reference:s class:s per_sample:d worst:d missing:S"), "gate": fields("class:s passed:b? why:s")})
@@ -48,6 +48,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
     "tool": fields("name:s version:s"),
     **fields("created:s command:S"),
     "verdict": fields("result:s exit_code:i reasons:S"),
+    "significance": fields("test:s family_wise_level:n correction:s family:i tested:b"),
     "workload": dict,
     "plan": {
         **fields("workload:d engine:s schedule:s model_path:s? stack:S skipped:d optimizations:d"),

@@ -8,7 +8,16 @@ import math
 from typing import Any
 
 from vllm_omni_ascend_opt.ablation.protocol import STAGES
-from vllm_omni_ascend_opt.ablation.stats import GAIN, REGRESSION, Means, direction, label, noise_floor, pair
+from vllm_omni_ascend_opt.ablation.stats import (
+    GAIN,
+    REGRESSION,
+    Means,
+    direction,
+    label,
+    noise_floor,
+    pair,
+    signed_rank_p,
+)
 
 #: The label of a comparison whose control stages differ beyond their noise floor (inconclusive).
 BIAS = "process bias"
@@ -36,20 +45,29 @@ def _on(means: Means, basis: tuple[str, ...]) -> Means:
 
 
 def _measured(
-    means: Means, basis: tuple[str, ...], without: str, with_: str
+    means: Means, basis: tuple[str, ...], without: str, with_: str, pv: float | None = None, family: int = 1
 ) -> tuple[dict[str, Any], float | None, str]:
-    """:func:`pair`, the noise floor and the label of a comparison on ``basis``."""
+    """:func:`pair`, the noise floor and the label of a comparison on ``basis`` (``pv``: its corrected p)."""
     on = _on(means, basis)
     p = pair(on, without, with_)
     nf = noise_floor(on)
     noise_ms = nf["ms"] if nf else None
-    return p, noise_ms, label(p["per_round_ms"], p["mean_ms"], noise_ms)
+    return p, noise_ms, label(p["per_round_ms"], p["mean_ms"], noise_ms, pv, family)
 
 
-def staged(means: Means, without: str, with_: str, stages: tuple[str, ...] | list[str]) -> dict[str, Any]:
-    """``basis``, ``saved`` (:func:`pair` on it), ``noise_ms``, ``label`` and ``control`` (None on the total)."""
+def staged(
+    means: Means,
+    without: str,
+    with_: str,
+    stages: tuple[str, ...] | list[str],
+    p: float | None = None,
+    family: int = 1,
+) -> dict[str, Any]:
+    """``basis``, ``saved`` (:func:`pair` on it), ``noise_ms``, ``p_raw`` (its own signed-rank p), ``p`` (``p`` when
+    given, corrected over ``family`` comparisons, else ``p_raw``), ``label`` and ``control`` (None on the total)."""
     basis = _basis(means, stages)
-    p, noise_ms, lab = _measured(means, basis, without, with_)
+    p_s, noise_ms, lab = _measured(means, basis, without, with_, p, family)
+    raw = signed_rank_p(p_s["per_round_ms"]) if p_s["per_round_ms"] else None
     control = None
     rest = tuple(x for x in STAGES if x not in basis)
     if basis != (TOTAL,) and rest:
@@ -63,7 +81,16 @@ def staged(means: Means, without: str, with_: str, stages: tuple[str, ...] | lis
         }
         if control["bias"] and lab != "not measured":
             lab = BIAS
-    return {"basis": list(basis), "saved": p, "noise_ms": noise_ms, "label": lab, "control": control}
+    p_used = raw if p is None else p
+    return {
+        "basis": list(basis),
+        "saved": p_s,
+        "noise_ms": noise_ms,
+        "p_raw": raw,
+        "p": p_used,
+        "label": lab,
+        "control": control,
+    }
 
 
 def bias_text(what: str, entry: dict[str, Any]) -> str:
@@ -92,6 +119,8 @@ def staged_fields(
         "stages_saved_ms": total["stages_mean_ms"],
         "control": st["control"],
         "direction": direction(s["per_round_ms"]),
+        "p_value": st["p"],
+        "p_raw": st["p_raw"],
     }
 
 
@@ -103,4 +132,5 @@ def fmt_saved(d: dict[str, Any], *, stages: bool = False) -> str:
     pct = d.get("saved_pct_of_stock")
     pct_s = f" ({pct:+.2f}%)" if pct is not None and not math.isnan(pct) else ""
     on = f" on {'+'.join(d.get('stages') or [TOTAL])}" if stages else ""
-    return f"{s['mean']:+.2f} ± {s['std']:.2f} ms{pct_s}{on}"
+    pv = d.get("p_value")
+    return f"{s['mean']:+.2f} ± {s['std']:.2f} ms{pct_s}{on}" + (f", p = {pv:.2g}" if pv is not None and stages else "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ from vllm_omni_ascend_opt.optimization import weakest_tier
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
 GAIN, REGRESSION, NOISE = "gain", "regression", "within noise"
+#: The family-wise false-alarm level of a run's optimization verdicts (Holm), and the full stack's own level.
+ALPHA = 0.05
+TEST = "exact two-sided Wilcoxon signed-rank test over rounds"
 #: configuration -> round -> {"total": ms, <stage>: ms}: what :func:`round_means` returns.
 Means = dict[str, dict[int, dict[str, float]]]
 
@@ -80,16 +84,75 @@ def standard_error(per_round: list[float]) -> float | None:
     return statistics.stdev(per_round) / math.sqrt(len(per_round)) if len(per_round) > 1 else None
 
 
-def label(per_round: list[float], mean: float | None, noise_ms: float | None) -> str:
-    """gain / regression beyond the noise floor and two standard errors, else within noise (one round: the floor)."""
+@lru_cache(maxsize=256)
+def _null_counts(scores: tuple[int, ...]) -> tuple[int, ...]:
+    """How many of the 2^n sign assignments of ``scores`` give each sum of the positive ones (0..sum)."""
+    counts = [1] + [0] * sum(scores)
+    for sc in scores:
+        counts = [c + (counts[t - sc] if t >= sc else 0) for t, c in enumerate(counts)]
+    return tuple(counts)
+
+
+def signed_rank_p(per_round: list[float]) -> float:
+    """Two-sided p of the exact Wilcoxon signed-rank test that the savings are symmetric about zero.
+
+    Ranks of |saving| (mid-ranks for ties, zero savings dropped); the null distribution is every sign assignment,
+    counted exactly, so the false-alarm rate holds at any number of rounds."""
+    xs = [x for x in per_round if x != 0]
+    if not xs:
+        return 1.0
+    order = sorted(range(len(xs)), key=lambda i: abs(xs[i]))
+    scores = [0] * len(xs)  # twice the mid-rank: integers
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and abs(xs[order[j + 1]]) == abs(xs[order[i]]):
+            j += 1
+        for k in range(i, j + 1):
+            scores[order[k]] = i + j + 2
+        i = j + 1
+    total = sum(scores)
+    obs = abs(2 * sum(sc for sc, x in zip(scores, xs, strict=True) if x > 0) - total)
+    counts = _null_counts(tuple(sorted(scores)))
+    extreme = sum(c for t, c in enumerate(counts) if abs(2 * t - total) >= obs)
+    return extreme / 2 ** len(xs)
+
+
+def holm(ps: list[float | None]) -> list[float | None]:
+    """Holm–Bonferroni adjusted p-values (None stays None and does not count as a comparison)."""
+    idx = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])  # type: ignore[arg-type,return-value]
+    out: list[float | None] = [None] * len(ps)
+    running = 0.0
+    for k, i in enumerate(idx):
+        running = max(running, min(1.0, (len(idx) - k) * ps[i]))  # type: ignore[operator]
+        out[i] = running
+    return out
+
+
+def testable(rounds: int, family: int = 1, alpha: float = ALPHA) -> bool:
+    """Whether the signed-rank test over ``rounds`` can reach ``alpha`` over ``family`` comparisons at all."""
+    return rounds > 0 and family * 2.0 / 2**rounds <= alpha
+
+
+def label(
+    per_round: list[float], mean: float | None, noise_ms: float | None, p: float | None = None, family: int = 1
+) -> str:
+    """gain / regression: beyond the noise floor and significant (``p``, default the saving's own signed-rank test,
+    <= :data:`ALPHA`); else within noise. Rounds too few for the test to reach the level over ``family``
+    comparisons: beyond the floor and two standard errors (one round: the floor)."""
     if mean is None or not per_round:
         return "not measured"
     if noise_ms is None:
         return "no noise floor"
-    se = standard_error(per_round) or 0.0
-    if mean > noise_ms and mean - 2 * se > 0:
+    if testable(len(per_round), family):
+        sig = (signed_rank_p(per_round) if p is None else p) <= ALPHA
+        up = down = sig
+    else:
+        se = standard_error(per_round) or 0.0
+        up, down = mean - 2 * se > 0, mean + 2 * se < 0
+    if mean > noise_ms and up:
         return GAIN
-    if mean < -noise_ms and mean + 2 * se < 0:
+    if mean < -noise_ms and down:
         return REGRESSION
     return NOISE
 

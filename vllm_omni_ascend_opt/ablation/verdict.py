@@ -11,20 +11,24 @@ from vllm_omni_ascend_opt.ablation import stages
 from vllm_omni_ascend_opt.ablation.plan import Plan
 from vllm_omni_ascend_opt.ablation.protocol import STAGES
 from vllm_omni_ascend_opt.ablation.stats import (
+    ALPHA,
     EXIT_CODES,
     FAIL,
     GAIN,
     INCONCLUSIVE,
     PASS,
     REGRESSION,
+    TEST,
     _std,
     add_memory_ratios,
     compare_configs,
+    holm,
     machine_load,
     noise_floor,
     pair,
     peak_memory,
     round_means,
+    testable,
 )
 
 
@@ -50,12 +54,13 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
     if noise is not None:
         noise["pct"] = 100 * noise["ms"] / stock_ms if stock_ms else None
 
-    def compared(without: str, with_: str, names: Any) -> dict[str, Any]:
-        """The staged comparison of two configurations that differ by ``names``, with its label."""
+    def compared(without: str, with_: str, names: Any, pv: float | None = None, family: int = 1) -> dict[str, Any]:
+        """The staged comparison of two configurations that differ by ``names``, with its label (``pv``: its p
+        corrected over ``family`` comparisons; None: its own test)."""
         p = pair(means, without, with_)
         base = stock_ms or mean_total(without)
         pct = 100 * p["mean_ms"] / base if p["mean_ms"] is not None and base else None
-        st = stages.staged(means, without, with_, plan.stages_of(names))
+        st = stages.staged(means, without, with_, plan.stages_of(names), pv, family)
         return {**stages.staged_fields(st, p, pct, stock_ms), "label": st["label"]}
 
     ids = {c.id for c in plan.configs}
@@ -99,9 +104,16 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
 
     add_memory_ratios(configs)
 
+    # the optimizations' verdicts are one family: their signed-rank p-values are corrected together (Holm)
+    usable = [c.with_ not in failures and c.without not in failures for c in plan.comparisons]
+    raw = [
+        compared(c.without, c.with_, plan.diff(c.with_, c.without))["p_value"] if ok else None
+        for c, ok in zip(plan.comparisons, usable, strict=True)
+    ]
+    adjusted = holm(raw)
+    family = sum(p is not None for p in raw)
     opts = []
-    for comp in plan.comparisons:
-        usable = comp.with_ not in failures and comp.without not in failures
+    for comp, ok, pv in zip(plan.comparisons, usable, adjusted, strict=True):
         # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
         diff = plan.diff(comp.with_, comp.without)
         o = {
@@ -109,9 +121,9 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
             "equivalence": plan.opts[comp.opt].equivalence,
             "with": comp.with_,
             "without": comp.without,
-            **compared(comp.without, comp.with_, diff),
-            **({} if usable else {"label": "not measured"}),
-            "equivalence_check": compare_configs(plan, out_root, comp.without, comp.with_) if usable else None,
+            **compared(comp.without, comp.with_, diff, pv, family),
+            **({} if ok else {"label": "not measured"}),
+            "equivalence_check": compare_configs(plan, out_root, comp.without, comp.with_) if ok else None,
         }
         opts.append(o)
 
@@ -122,8 +134,16 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
 
     load = machine_load(records)
     verdict = decide(plan, configs, opts, fvs, noise, interrupted, load=load)
+    rounds = max((len(o["saved_ms"]["per_round"]) for o in opts), default=0)
     return {
         "verdict": verdict,
+        "significance": {
+            "test": TEST,
+            "family_wise_level": ALPHA,
+            "correction": "Holm",
+            "family": family,
+            "tested": testable(rounds, family),
+        },
         "measurement": {"round_stat": wl.round_stat, **load},
         "noise_floor": noise,
         "full_vs_stock": fvs,
