@@ -19,6 +19,7 @@ from vllm_omni_ascend_opt.ablation.stats import (
     PASS,
     REGRESSION,
     TEST,
+    Means,
     _std,
     add_memory_ratios,
     compare_configs,
@@ -32,18 +33,9 @@ from vllm_omni_ascend_opt.ablation.stats import (
 )
 
 
-def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interrupted: bool = False) -> dict[str, Any]:
-    """The ``analysis`` part of results.json (see docs/ablation.md)."""
-    wl = plan.workload
-    means = round_means(plan, records)
-    failures = {r["config"]: r for r in records if r.get("type") == "failure"}
-    ready: dict[str, list[dict[str, Any]]] = {}
-    shas: dict[str, dict[str, set[str]]] = {}
-    for r in records:
-        if r.get("type") == "ready":
-            ready.setdefault(r["config"], []).append(r)
-        elif r.get("type") == "sample" and r.get("sha256"):
-            shas.setdefault(r["config"], {}).setdefault(f"p{r['prompt']}_s{r['seed']}", set()).add(r["sha256"])
+def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
+    """The timing verdicts of a run from its round means: ``optimizations`` (one per comparison, Holm-corrected
+    together), ``full_vs_stock`` (its own test), ``noise_floor``, ``stock_ms`` and ``significance``."""
     noise = noise_floor(means)
 
     def mean_total(cid: str) -> float | None:
@@ -62,6 +54,62 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         pct = 100 * p["mean_ms"] / base if p["mean_ms"] is not None and base else None
         st = stages.staged(means, without, with_, plan.stages_of(names), pv, family)
         return {**stages.staged_fields(st, p, pct, stock_ms), "label": st["label"]}
+
+    # the optimizations' verdicts are one family: their signed-rank p-values are corrected together (Holm)
+    usable = [c.with_ not in failed and c.without not in failed for c in plan.comparisons]
+    diffs = [plan.diff(c.with_, c.without) for c in plan.comparisons]
+    raw = [
+        compared(c.without, c.with_, d)["p_value"] if ok else None
+        for c, d, ok in zip(plan.comparisons, diffs, usable, strict=True)
+    ]
+    adjusted = holm(raw)
+    family = sum(p is not None for p in raw)
+    opts = []
+    for comp, d, ok, pv in zip(plan.comparisons, diffs, usable, adjusted, strict=True):
+        # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
+        o = {
+            "name": comp.opt,
+            "equivalence": plan.opts[comp.opt].equivalence,
+            "with": comp.with_,
+            "without": comp.without,
+            **compared(comp.without, comp.with_, d, pv, family),
+            **({} if ok else {"label": "not measured"}),
+        }
+        opts.append(o)
+    fvs = None
+    if "full" in {c.id for c in plan.configs}:
+        full_vs = compared("stock", "full", plan.diff("stock", "full"))
+        fvs = {**full_vs, "stock_ms": stock_ms, "full_ms": mean_total("full")}
+    rounds = max((len(o["saved_ms"]["per_round"]) for o in opts), default=0)
+    significance = {
+        "test": TEST,
+        "family_wise_level": ALPHA,
+        "correction": "Holm",
+        "family": family,
+        "tested": testable(rounds, family),
+    }
+    return {
+        "optimizations": opts,
+        "full_vs_stock": fvs,
+        "noise_floor": noise,
+        "stock_ms": stock_ms,
+        "significance": significance,
+    }
+
+
+def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interrupted: bool = False) -> dict[str, Any]:
+    """The ``analysis`` part of results.json (see docs/ablation.md)."""
+    wl = plan.workload
+    means = round_means(plan, records)
+    failures = {r["config"]: r for r in records if r.get("type") == "failure"}
+    ready: dict[str, list[dict[str, Any]]] = {}
+    shas: dict[str, dict[str, set[str]]] = {}
+    for r in records:
+        if r.get("type") == "ready":
+            ready.setdefault(r["config"], []).append(r)
+        elif r.get("type") == "sample" and r.get("sha256"):
+            shas.setdefault(r["config"], {}).setdefault(f"p{r['prompt']}_s{r['seed']}", set()).add(r["sha256"])
+    timed = timings(plan, means, failures)
 
     ids = {c.id for c in plan.configs}
     configs = []
@@ -103,47 +151,16 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         configs.append(entry)
 
     add_memory_ratios(configs)
-
-    # the optimizations' verdicts are one family: their signed-rank p-values are corrected together (Holm)
-    usable = [c.with_ not in failures and c.without not in failures for c in plan.comparisons]
-    raw = [
-        compared(c.without, c.with_, plan.diff(c.with_, c.without))["p_value"] if ok else None
-        for c, ok in zip(plan.comparisons, usable, strict=True)
-    ]
-    adjusted = holm(raw)
-    family = sum(p is not None for p in raw)
-    opts = []
-    for comp, ok, pv in zip(plan.comparisons, usable, adjusted, strict=True):
-        # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
-        diff = plan.diff(comp.with_, comp.without)
-        o = {
-            "name": comp.opt,
-            "equivalence": plan.opts[comp.opt].equivalence,
-            "with": comp.with_,
-            "without": comp.without,
-            **compared(comp.without, comp.with_, diff, pv, family),
-            **({} if ok else {"label": "not measured"}),
-            "equivalence_check": compare_configs(plan, out_root, comp.without, comp.with_) if ok else None,
-        }
-        opts.append(o)
-
-    fvs = None
-    if "full" in ids:
-        full_vs = compared("stock", "full", plan.diff("stock", "full"))
-        fvs = {**full_vs, "stock_ms": stock_ms, "full_ms": mean_total("full")}
-
+    opts = timed["optimizations"]
+    for o in opts:
+        ok = o["with"] not in failures and o["without"] not in failures
+        o["equivalence_check"] = compare_configs(plan, out_root, o["without"], o["with"]) if ok else None
+    fvs, noise = timed["full_vs_stock"], timed["noise_floor"]
     load = machine_load(records)
     verdict = decide(plan, configs, opts, fvs, noise, interrupted, load=load)
-    rounds = max((len(o["saved_ms"]["per_round"]) for o in opts), default=0)
     return {
         "verdict": verdict,
-        "significance": {
-            "test": TEST,
-            "family_wise_level": ALPHA,
-            "correction": "Holm",
-            "family": family,
-            "tested": testable(rounds, family),
-        },
+        "significance": timed["significance"],
         "measurement": {"round_stat": wl.round_stat, **load},
         "noise_floor": noise,
         "full_vs_stock": fvs,
