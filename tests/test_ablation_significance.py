@@ -12,6 +12,7 @@ sample, i.e. x% of that configuration's measured stage time.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from functools import lru_cache
@@ -72,7 +73,7 @@ def draw(rng: random.Random, plan: Plan, effect: tuple[str, float] | None = None
 def _bounds(repeats: int, sets: int) -> list[tuple[int, int]]:
     k = max(1, min(sets, repeats))
     b = [round(i * repeats / k) for i in range(k + 1)]
-    return list(zip(b[:-1], b[1:], strict=True))
+    return list(itertools.pairwise(b))
 
 
 def judge(plan: Plan, means: stats.Means) -> tuple[dict[str, Any], dict[str, Any]]:

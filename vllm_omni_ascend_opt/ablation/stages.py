@@ -45,14 +45,14 @@ def _on(means: Means, basis: tuple[str, ...]) -> Means:
 
 
 def _measured(
-    means: Means, basis: tuple[str, ...], without: str, with_: str, pv: float | None = None, family: int = 1
+    means: Means, basis: tuple[str, ...], without: str, with_: str
 ) -> tuple[dict[str, Any], float | None, str]:
-    """:func:`pair`, the noise floor and the label of a comparison on ``basis`` (``pv``: its corrected p)."""
+    """:func:`pair`, the noise floor and the label (its own test) of a comparison on ``basis``."""
     on = _on(means, basis)
     p = pair(on, without, with_)
     nf = noise_floor(on)
     noise_ms = nf["ms"] if nf else None
-    return p, noise_ms, label(p["per_round_ms"], p["mean_ms"], noise_ms, pv, family)
+    return p, noise_ms, label(p["per_round_ms"], p["mean_ms"], noise_ms)
 
 
 def staged(
@@ -66,7 +66,7 @@ def staged(
     """``basis``, ``saved`` (:func:`pair` on it), ``noise_ms``, ``p_raw`` (its own signed-rank p), ``p`` (``p`` when
     given, corrected over ``family`` comparisons, else ``p_raw``), ``label`` and ``control`` (None on the total)."""
     basis = _basis(means, stages)
-    p_s, noise_ms, lab = _measured(means, basis, without, with_, p, family)
+    p_s, noise_ms, _ = _measured(means, basis, without, with_)
     raw = signed_rank_p(p_s["per_round_ms"]) if p_s["per_round_ms"] else None
     control = None
     rest = tuple(x for x in STAGES if x not in basis)
@@ -79,18 +79,15 @@ def staged(
             "noise_ms": c_noise,
             "bias": c_lab in (GAIN, REGRESSION),
         }
-        if control["bias"] and lab != "not measured":
-            lab = BIAS
-    p_used = raw if p is None else p
-    return {
-        "basis": list(basis),
-        "saved": p_s,
-        "noise_ms": noise_ms,
-        "p_raw": raw,
-        "p": p_used,
-        "label": lab,
-        "control": control,
-    }
+    st = {"basis": list(basis), "saved": p_s, "noise_ms": noise_ms, "p_raw": raw, "control": control}
+    return {**st, "p": raw if p is None else p, "label": judged(st, p, family)}
+
+
+def judged(st: dict[str, Any], p: float | None = None, family: int = 1) -> str:
+    """The label of a :func:`staged` comparison with ``p`` (None: its own test) over ``family`` comparisons."""
+    s = st["saved"]
+    lab = label(s["per_round_ms"], s["mean_ms"], st["noise_ms"], p, family)
+    return BIAS if st["control"] and st["control"]["bias"] and lab != "not measured" else lab
 
 
 def bias_text(what: str, entry: dict[str, Any]) -> str:

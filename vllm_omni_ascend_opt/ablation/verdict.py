@@ -46,39 +46,36 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
     if noise is not None:
         noise["pct"] = 100 * noise["ms"] / stock_ms if stock_ms else None
 
-    def compared(without: str, with_: str, names: Any, pv: float | None = None, family: int = 1) -> dict[str, Any]:
-        """The staged comparison of two configurations that differ by ``names``, with its label (``pv``: its p
-        corrected over ``family`` comparisons; None: its own test)."""
+    def compared(without: str, with_: str, names: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The staged comparison of two configurations that differ by ``names`` (its own test), and its fields."""
         p = pair(means, without, with_)
         base = stock_ms or mean_total(without)
         pct = 100 * p["mean_ms"] / base if p["mean_ms"] is not None and base else None
-        st = stages.staged(means, without, with_, plan.stages_of(names), pv, family)
-        return {**stages.staged_fields(st, p, pct, stock_ms), "label": st["label"]}
+        st = stages.staged(means, without, with_, plan.stages_of(names))
+        return st, {**stages.staged_fields(st, p, pct, stock_ms), "label": st["label"]}
 
     # the optimizations' verdicts are one family: their signed-rank p-values are corrected together (Holm)
     usable = [c.with_ not in failed and c.without not in failed for c in plan.comparisons]
-    diffs = [plan.diff(c.with_, c.without) for c in plan.comparisons]
-    raw = [
-        compared(c.without, c.with_, d)["p_value"] if ok else None
-        for c, d, ok in zip(plan.comparisons, diffs, usable, strict=True)
-    ]
-    adjusted = holm(raw)
-    family = sum(p is not None for p in raw)
+    # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
+    done = [compared(c.without, c.with_, plan.diff(c.with_, c.without)) for c in plan.comparisons]
+    adjusted = holm([st["p_raw"] if ok else None for (st, _), ok in zip(done, usable, strict=True)])
+    family = sum(p is not None for p in adjusted)
     opts = []
-    for comp, d, ok, pv in zip(plan.comparisons, diffs, usable, adjusted, strict=True):
-        # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
-        o = {
-            "name": comp.opt,
-            "equivalence": plan.opts[comp.opt].equivalence,
-            "with": comp.with_,
-            "without": comp.without,
-            **compared(comp.without, comp.with_, d, pv, family),
-            **({} if ok else {"label": "not measured"}),
-        }
-        opts.append(o)
+    for comp, (st, fields), ok, pv in zip(plan.comparisons, done, usable, adjusted, strict=True):
+        opts.append(
+            {
+                "name": comp.opt,
+                "equivalence": plan.opts[comp.opt].equivalence,
+                "with": comp.with_,
+                "without": comp.without,
+                **fields,
+                "p_value": pv,
+                "label": stages.judged(st, pv, family) if ok else "not measured",
+            }
+        )
     fvs = None
     if "full" in {c.id for c in plan.configs}:
-        full_vs = compared("stock", "full", plan.diff("stock", "full"))
+        _, full_vs = compared("stock", "full", plan.diff("stock", "full"))
         fvs = {**full_vs, "stock_ms": stock_ms, "full_ms": mean_total("full")}
     rounds = max((len(o["saved_ms"]["per_round"]) for o in opts), default=0)
     significance = {
