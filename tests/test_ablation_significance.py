@@ -34,7 +34,10 @@ EFFECT = 0.10
 def recorded() -> tuple[dict[str, Any], Plan, stats.Means]:
     fx = json.loads(FIXTURE.read_text())
     infos = [OptInfo(n, "exact", stages=tuple(st)) for n, st in fx["stages"].items()]
-    wl = from_mapping({"seeds": fx["workload"]["seeds"], "repeats": fx["workload"]["repeats"], "warmup": 0})
+    tiny = load_workload("tiny-cpu")
+    wl = from_mapping(
+        {"seeds": fx["workload"]["seeds"], "repeats": fx["workload"]["repeats"], "warmup": 0, "round_stat": tiny.round_stat}
+    )
     plan = build_plan(wl.validate(), infos)
     records = [{"type": "sample", "warmup": False, **s} for s in fx["samples"]]
     return fx, plan, stats.round_means(plan, records)

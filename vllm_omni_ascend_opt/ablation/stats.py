@@ -30,7 +30,7 @@ Means = dict[str, dict[int, dict[str, float]]]
 def round_means(plan: Plan, records: list[dict[str, Any]]) -> Means:
     """config -> round -> {"total": ms, <stage>: ms} over each complete round's samples (``round_stat``)."""
     samples = set(plan.samples)
-    agg = statistics.median if plan.workload.round_stat == "median" else statistics.fmean
+    agg = {"median": statistics.median, "mean": statistics.fmean, "min": min}[plan.workload.round_stat]
     acc: dict[tuple[str, int], dict[tuple[int, int], dict[str, Any]]] = {}
     for r in records:
         if r.get("type") == "sample" and not r.get("warmup"):

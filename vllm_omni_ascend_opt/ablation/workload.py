@@ -21,7 +21,7 @@ ENGINES = ("auto", "testbed", "omni", "serve")
 SCHEDULES = ("auto", "resident", "per-round")
 STACKS = ("default", "all")
 DTYPES = ("float32", "bfloat16", "float16")
-ROUND_STATS = ("median", "mean")
+ROUND_STATS = ("median", "mean", "min")
 #: Fields with a fixed set of values, in the order ``validate`` reports them.
 CHOICES = {
     "mode": MODES,
