@@ -68,10 +68,11 @@ def staged(
     basis = _basis(means, stages)
     p_s, noise_ms, _ = _measured(means, basis, without, with_)
     raw = signed_rank_p(p_s["per_round_ms"]) if p_s["per_round_ms"] else None
-    control = None
+    control, control_p = None, None
     rest = tuple(x for x in STAGES if x not in basis)
     if basis != (TOTAL,) and rest:
         cp, c_noise, c_lab = _measured(means, rest, without, with_)
+        control_p = signed_rank_p(cp["per_round_ms"]) if cp["per_round_ms"] else None
         control = {
             "stages": list(rest),
             "diff_ms": cp["mean_ms"],
@@ -80,11 +81,17 @@ def staged(
             "bias": c_lab in (GAIN, REGRESSION),
         }
     st = {"basis": list(basis), "saved": p_s, "noise_ms": noise_ms, "p_raw": raw, "control": control}
-    return {**st, "p": raw if p is None else p, "label": judged(st, p, family)}
+    return {**st, "control_p": control_p, "p": raw if p is None else p, "label": judged(st, p, family)}
 
 
-def judged(st: dict[str, Any], p: float | None = None, family: int = 1) -> str:
-    """The label of a :func:`staged` comparison with ``p`` (None: its own test) over ``family`` comparisons."""
+def judged(
+    st: dict[str, Any], p: float | None = None, family: int = 1, control_p: float | None = None, controls: int = 1
+) -> str:
+    """The label of a :func:`staged` comparison with ``p`` (None: its own test) over ``family`` comparisons; with
+    ``control_p`` (its control's p corrected over ``controls`` checks) the control's bias is decided again first."""
+    c = st["control"]
+    if c is not None and control_p is not None:
+        c["bias"] = label(c["per_round_ms"], c["diff_ms"], c["noise_ms"], control_p, controls) in (GAIN, REGRESSION)
     s = st["saved"]
     lab = label(s["per_round_ms"], s["mean_ms"], st["noise_ms"], p, family)
     return BIAS if st["control"] and st["control"]["bias"] and lab != "not measured" else lab

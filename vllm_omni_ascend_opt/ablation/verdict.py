@@ -60,8 +60,11 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
     done = [compared(c.without, c.with_, plan.diff(c.with_, c.without)) for c in plan.comparisons]
     adjusted = holm([st["p_raw"] if ok else None for (st, _), ok in zip(done, usable, strict=True)])
     family = sum(p is not None for p in adjusted)
+    # so are their process-bias checks: a control flagged by chance makes a true effect inconclusive
+    ctrl = holm([st["control_p"] if ok else None for (st, _), ok in zip(done, usable, strict=True)])
+    controls = sum(p is not None for p in ctrl)
     opts = []
-    for comp, (st, fields), ok, pv in zip(plan.comparisons, done, usable, adjusted, strict=True):
+    for comp, (st, fields), ok, pv, cpv in zip(plan.comparisons, done, usable, adjusted, ctrl, strict=True):
         opts.append(
             {
                 "name": comp.opt,
@@ -70,7 +73,7 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
                 "without": comp.without,
                 **fields,
                 "p_value": pv,
-                "label": stages.judged(st, pv, family) if ok else "not measured",
+                "label": stages.judged(st, pv, family, cpv, controls) if ok else "not measured",
             }
         )
     fvs = None
