@@ -5,6 +5,7 @@ labels, as defined in docs/ablation.md ("Verdicts and exit codes").
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -50,7 +51,11 @@ def round_means(plan: Plan, records: list[dict[str, Any]]) -> Means:
 
 
 def _std(xs: list[float]) -> float:
-    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+    """Sample standard deviation (floats: the simulation of verdicts calls it thousands of times)."""
+    if len(xs) < 2:
+        return 0.0
+    m = math.fsum(xs) / len(xs)
+    return math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
 def pair(means: Means, without: str, with_: str) -> dict[str, Any]:
@@ -81,16 +86,16 @@ def direction(per_round: list[float]) -> str:
 
 def standard_error(per_round: list[float]) -> float | None:
     """Standard error of the mean over rounds (None with fewer than two rounds)."""
-    return statistics.stdev(per_round) / math.sqrt(len(per_round)) if len(per_round) > 1 else None
+    return _std(per_round) / math.sqrt(len(per_round)) if len(per_round) > 1 else None
 
 
 @lru_cache(maxsize=256)
-def _null_counts(scores: tuple[int, ...]) -> tuple[int, ...]:
-    """How many of the 2^n sign assignments of ``scores`` give each sum of the positive ones (0..sum)."""
+def _null_cdf(scores: tuple[int, ...]) -> tuple[int, ...]:
+    """How many of the 2^n sign assignments of ``scores`` give a sum of the positive ones <= t, for t = 0..sum."""
     counts = [1] + [0] * sum(scores)
     for sc in scores:
         counts = [c + (counts[t - sc] if t >= sc else 0) for t, c in enumerate(counts)]
-    return tuple(counts)
+    return tuple(itertools.accumulate(counts))
 
 
 def signed_rank_p(per_round: list[float]) -> float:
@@ -113,9 +118,11 @@ def signed_rank_p(per_round: list[float]) -> float:
         i = j + 1
     total = sum(scores)
     obs = abs(2 * sum(sc for sc, x in zip(scores, xs, strict=True) if x > 0) - total)
-    counts = _null_counts(tuple(sorted(scores)))
-    extreme = sum(c for t, c in enumerate(counts) if abs(2 * t - total) >= obs)
-    return extreme / 2 ** len(xs)
+    if obs == 0:
+        return 1.0
+    # the null distribution is symmetric: P(|2T - total| >= obs) = 2 P(T <= (total - obs) / 2)
+    cdf = _null_cdf(tuple(sorted(scores)))
+    return min(1.0, 2 * cdf[(total - obs) // 2] / 2 ** len(xs)) if obs <= total else 0.0
 
 
 def holm(ps: list[float | None]) -> list[float | None]:
