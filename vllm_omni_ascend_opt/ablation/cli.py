@@ -245,20 +245,27 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def print_summary(results: dict[str, Any]) -> None:
     """The main table of report.md, as text."""
-    from vllm_omni_ascend_opt.ablation.report import _ms, _on, _pct, _saved, comparison_rows, gate_cell
+    from vllm_omni_ascend_opt.ablation.report import _ms, _on, _p, _pct, _saved, comparison_rows, gate_cell
 
     print(
         f"\n{'optimization':<22} {'class':<6} {'on stages':<20} {'saved ms (mean ± std)':>22} {'% stock':>8}  "
-        f"{'total saved ms':>16}  {'direction':<10} {'label':<13} equivalence"
+        f"{'total saved ms':>16}  {'direction':<10} {'label':<13} {'p':>8} equivalence"
     )
     for name, cls, d, chk in comparison_rows(results):
         total = _ms((d.get("total_saved_ms") or {}).get("mean"), sign=True)
         print(
             f"{name:<22} {cls:<6} {_on(d):<20} {_saved(d):>22} {_pct(d['saved_pct_of_stock']):>8}  {total:>16}  "
-            f"{d['direction']:<10} {d['label']:<13} {gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"
+            f"{d['direction']:<10} {d['label']:<13} {_p(d.get('p_value')):>8} "
+            f"{gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"
         )
     nf = results["noise_floor"]
     print(f"noise floor: {nf['ms']:.2f} ms" if nf else "noise floor: unknown")
+    sig = results.get("significance")
+    if sig:
+        print(
+            f"p: {sig['test']}, {sig['correction']}-corrected over the optimizations, family-wise level "
+            f"{100 * sig['family_wise_level']:g}%" + ("" if sig["tested"] else " (too few rounds: not applied)")
+        )
     for c in results["configs"]:
         if c["status"] != "ok":
             print(f"configuration {c['id']}: {c['status']}" + (f" ({c['error']})" if c["error"] else ""))
