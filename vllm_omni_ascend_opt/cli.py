@@ -4,6 +4,7 @@ top layer of the package: it may import the lab, which the plugin core never doe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -72,8 +73,11 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
         print(f"warmup: nothing to verify here ({why}): the kernels are checked on an Ascend NPU only")
         return 1
     rows = warmup.warm(sizes, batches, args.sp, texts)
+    if args.json:
+        print(json.dumps({"rows": [dataclasses.asdict(r) for r in rows], "summary": warmup.summary(rows)}, indent=1))
+        return 0
     for r in rows:
-        print(f"{r.kernel:<22} {r.shape:<40} {r.outcome:<30} {r.seconds:8.2f} s")
+        print(r.text())
     print(warmup.summary(rows))
     return 0
 
@@ -97,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     wp.add_argument("--batch", default="1", help="batch sizes, e.g. 1,2 (2: CFG batched); default 1")
     wp.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) degree; default 1")
     wp.add_argument("--text", help="prompt token counts to cover (bucketed); default 64,128,256,512")
+    wp.add_argument("--json", action="store_true", help="machine-readable output (with each class's timings)")
     wp.set_defaults(func=_cmd_warmup)
     try:
         from vllm_omni_ascend_opt.ablation import cli as ablation_cli

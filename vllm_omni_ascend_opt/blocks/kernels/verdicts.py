@@ -83,7 +83,7 @@ class ProbeDict(Generic[V]):
 
 def timing_text(t: dict[str, Any] | None) -> str:
     """A verdict's timing in words ("" when untimed)."""
-    if not t or not t.get("timed") or t.get("kernel_ms") is None:
+    if not t or t.get("kernel_ms") is None:
         return ""
     r = t.get("ratio")
     return f"{t.get('candidate') or 'stock'} {t['kernel_ms']:.4g} ms vs stock {t['stock_ms']:.4g} ms" + (

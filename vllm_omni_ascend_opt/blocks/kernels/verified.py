@@ -179,7 +179,7 @@ class KernelPath:
                     made[name] = self.verdict(key, False, f"the kernel raised {exc.__class__.__name__}: {exc}")
             self.stats["shape_checks"] += 1
             v = self._store(self.classes, self._timed(key, made, tried, stock, device))
-            return outs[v.timing["candidate"]] if v.ok and v.timing else None
+            return outs[(v.timing or {}).get("candidate") or first] if v.ok else None
 
         ran, out, refusal = self.guard.run(key, attempt)
         if refusal:
@@ -189,18 +189,14 @@ class KernelPath:
     def _timed(self, key: tuple, made: dict[str, Verdict], tried: dict, stock: Any, device: torch.device) -> Verdict:
         """The class verdict from the candidates' checks, timed against ``stock`` where timing is on."""
         ok = [n for n, v in made.items() if v.ok]
-        timed = bool(ok) and stock is not None and timing.enabled()
-        stock_ms = timing.measure(stock, device) if timed else None
-        cands = {n: (timing.measure(tried[n][0], device) if timed else 0.0) if n in ok else None for n in made}
-        self.stats["timings"] += len(ok) + 1 if timed else 0
+        if not (ok and stock is not None and timing.enabled()):
+            return next(iter(made.values()))  # untimed: the one candidate's check decides, as without timing
+        stock_ms = timing.measure(stock, device)
+        cands = {n: timing.measure(tried[n][0], device) if n in ok else None for n in made}
+        self.stats["timings"] += len(ok) + 1
         t = timing.report(cands, stock_ms, list(made))
         t["refused"] = {n: v.reason[:200] for n, v in made.items() if not v.ok}
-        if t["candidate"] is not None:
-            v = made[t["candidate"]]
-        elif not ok:
-            v = next(iter(made.values()))
-        else:
-            v = self.verdict(key, False, timing.slower(t))
+        v = made[t["candidate"]] if t["candidate"] else self.verdict(key, False, timing.slower(t))
         v.timing = t
         return v
 
@@ -237,7 +233,8 @@ class KernelPath:
         return store.put(v)
 
     def tally(self) -> dict[str, Any]:
-        """How many shape classes use the kernel, how many are on stock, and why (reason -> classes)."""
+        """How many shape classes use the kernel, how many are on stock and why (reason -> classes), and per class in
+        use its candidate and ratio to stock."""
         faults = self.guard.faults()
         waiting = {f.key for f in faults}
         verdicts = self.classes.values()
@@ -247,8 +244,12 @@ class KernelPath:
                 why["refused: " + v.reason.split(";")[0]] += 1
         for f in faults:
             why[("demoted: " if f.demoted else "") + f.kind] += 1
-        used = sum(1 for v in verdicts if v.ok and v.key not in waiting)
-        return {"kernel": used, "stock": sum(why.values()), "why": dict(why)}
+        used = [v for v in verdicts if v.ok and v.key not in waiting]
+        t = {v.place: v.timing or {} for v in used}
+        # per class in use: the candidate and its ratio to stock (None: untimed)
+        in_use = {p: {"candidate": x.get("candidate") or self.candidates[0].name, "ratio": x.get("ratio")}
+                  for p, x in t.items()}  # fmt: skip
+        return {"kernel": len(used), "stock": sum(why.values()), "why": dict(why), "in_use": in_use}
 
     def notes(self) -> list[str]:
         """Every verdict and fault in words, and the tally line."""
