@@ -219,3 +219,68 @@ def test_two_ranks_where_one_measures_the_kernel_slower_both_run_stock(tmp_path)
     assert r0["after"]["64"][0] is False and "refused on rank 1: slower" in r0["after"]["64"][1]
     assert r0["after"]["16"][0] is r1["after"]["16"][0] is True
     assert r0["used"] == r1["used"] == [False, False, True, False]  # waiting, then the agreed choice on both
+
+
+def test_warmup_prints_stock_each_candidate_and_the_choice(fake_npu, monkeypatch, capsys):
+    import vllm_omni.diffusion.attention.backends.sdpa  # noqa: F401  (before the fake: accelerate probes torch_npu)
+
+    from vllm_omni_ascend_opt import cli
+
+    npu = fake_npu(timed=True)
+    monkeypatch.setattr(torch, "npu", torch.npu, raising=False)
+    monkeypatch.setattr("vllm_omni_ascend_opt._backend.npu_device", lambda: torch.device("cpu"))
+    npu.timing.set("npu_rms_norm", lambda x, *a, **k: 1.2 if x.shape[1] > 8 else 0.7)  # slower on the image rows
+    npu.timing.set("npu_fusion_attention", lambda *a, input_layout="BSH", **k: 0.9 if input_layout == "BSND" else 0.8)
+    npu.timing.set("npu_fused_infer_attention_score", 0.6)
+    args = ["warmup", "--sizes", "64x48", "--batch", "1", "--text", "8"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    if os.environ.get("SHOW_WARMUP"):  # the table, for a report
+        with open(os.environ["SHOW_WARMUP"], "w") as f:
+            f.write(out)
+    lines = out.splitlines()
+    fa = [ln for ln in lines if ln.startswith("npu_fusion_attention")]
+    assert fa and all("stock 1 ms" in ln and "npu_fusion_attention 0.9 ms" in ln and "npu_fusion_attention/BNSD 0.8 ms"
+                      in ln and ln.endswith("-> npu_fused_infer_attention_score") for ln in fa)  # fmt: skip
+    norms = {ln.split()[1]: ln for ln in lines if ln.startswith("npu_rms_norm")}
+    assert (
+        norms["image"].endswith("-> stock") and " refused " in norms["image"] and "npu_rms_norm 1.2" in norms["image"]
+    )
+    assert norms["text"].endswith("-> npu_rms_norm") and "verified" in norms["text"]
+    assert cli.main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {r["timing"]["candidate"] for r in rows if r["kernel"] == "npu_fusion_attention"} == {
+        "npu_fused_infer_attention_score"
+    }
+    assert all(r["timing"]["stock_ms"] == 1.0 for r in rows if r["outcome"] != "fault, deferred or no kernel")
+
+
+def test_the_status_file_shows_the_candidate_in_use_and_its_ratio(fake_npu, runtime, bf16_transformer, tmp_path,
+                                                                  monkeypatch):  # fmt: skip
+    from tests.harness.forward import tiny_forward
+    from vllm_omni_ascend_opt import _report, api
+
+    monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STATUS_FILE", str(tmp_path / "status.json"))
+    npu = fake_npu(timed=True)
+    npu.timing.set("npu_rotary_mul", 2.0)  # rope: slower everywhere; qk_norm and attention: the default 0.5 ms
+    api.select("default", model=bf16_transformer)
+    tiny_forward(runtime, bf16_transformer)
+    status = json.loads(_report.write_status_file(bf16_transformer).read_text())
+    kernels = status["kernels"]
+    assert kernels["rope"]["kernel"] == 0 and all(w.startswith("refused: slower: kernel 2 ms") for w in
+                                                  kernels["rope"]["why"])  # fmt: skip
+    for name, cand in (("qk_norm", "npu_rms_norm"), ("fused_attention", "npu_fusion_attention")):
+        in_use = kernels[name]["in_use"]
+        assert in_use and kernels[name]["kernel"] == len(in_use)
+        assert all(u == {"candidate": cand, "ratio": 0.5} for u in in_use.values()), in_use
+
+
+def test_launches_per_block_are_unchanged_where_every_kernel_wins(runtime, fake_npu):
+    """NPU bf16 through the fake, warm, with timing on and every kernel faster: default 40, fast tier 28."""
+    from vllm_omni_ascend_opt.testbed import blockops
+
+    npu = fake_npu(timed=True)
+    default = blockops.ops_per_block(runtime, "default")
+    fast = blockops.ops_per_block(runtime, "default,+fast_modulate,+fast_residual")
+    assert npu.timing.elapsed > 0  # the classes were timed (in the cold forward)
+    assert (default.total, fast.total) == (40, 28), (default.counts, fast.counts)

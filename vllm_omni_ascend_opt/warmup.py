@@ -39,7 +39,7 @@ class Row:
         t = self.timing
         if not t:
             return line
-        ms = "  ".join(f"{n} {'refused' if v is None else f'{v:.4g}'}" for n, v in t["candidates"].items())
+        ms = "  ".join(f"{n} {'refused' if v is None else f'{v:.4g} ms'}" for n, v in t["candidates"].items())
         return f"{line}  stock {t['stock_ms']:.4g} ms | {ms} -> {t.get('candidate') or 'stock'}"
 
 
