@@ -284,3 +284,27 @@ def test_launches_per_block_are_unchanged_where_every_kernel_wins(runtime, fake_
     fast = blockops.ops_per_block(runtime, "default,+fast_modulate,+fast_residual")
     assert npu.timing.elapsed > 0  # the classes were timed (in the cold forward)
     assert (default.total, fast.total) == (40, 28), (default.counts, fast.counts)
+
+
+@pytest.mark.parametrize("nz_ms", [0.8, 1.0])
+def test_nz_weights_are_cast_only_where_the_nz_gemm_is_faster(fake_npu, runtime, nz_ms):
+    """Per weight shape, ND's GEMM then NZ's at production rows (plain GEMMs: the fake prices them as ``stock``, ND's
+    5 timed calls 1 ms, NZ's ``nz_ms``); not faster by the margin: SKIP_SLOWER, the weight stays ND."""
+    from vllm_omni_ascend_opt import api
+    from vllm_omni_ascend_opt.opts import nz_weights as nz
+    from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
+
+    pipe = load_pipeline(runtime, dtype=BF16)
+    npu = fake_npu(timed=True)
+    region = iter(range(10**6))
+    npu.timing.stock = lambda: 1.0 if (next(region) // timing.REPEATS) % 2 == 0 else nz_ms
+    assert api.select("none,+nz_weights", model=pipe) == ["nz_weights"]
+    report = nz.OPT.report(pipe)
+    shapes = {k[2:] for k in nz.OPT.path.timed}
+    assert len(shapes) > 1 and nz.OPT.stats["timings"] == 2 * len(shapes)  # once per weight shape
+    assert all(t["stock_ms"] == 1.0 and t["kernel_ms"] == nz_ms for t in nz.OPT.path.timed.values())
+    if nz_ms < 1.0:
+        assert report["cast"] and not report["skipped"]
+    else:
+        assert not report["cast"] and report["skipped"] == {nz.SKIP_SLOWER: 26}
+    api.select("none", model=pipe)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels import timing
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import Verdict
 from vllm_omni_ascend_opt.blocks.kernels.verified import Candidate, KernelPath
 
@@ -119,6 +121,31 @@ class NzPath(KernelPath):
     kernel = "FRACTAL_NZ linear"
     candidates = (Candidate("npu_format_cast", "close"),)
     persist = False
+
+    def __init__(self, label: str, stats: Any) -> None:
+        super().__init__(label, stats)
+        #: per (device, dtype, n, k): the NZ GEMM's timing against ND at production rows (:meth:`slower`)
+        self.timed: dict[tuple, dict[str, Any]] = {}
+
+    def slower(self, w_nd: torch.Tensor, w_nz: torch.Tensor) -> bool:
+        """Whether the NZ GEMM misses the margin against ND at production rows (timed once per weight shape: ND
+        first, then NZ); False with timing off."""
+        if not timing.enabled():
+            return False
+        key = (str(w_nd.device), str(w_nd.dtype).removeprefix("torch."), *w_nd.shape)
+        if key not in self.timed:
+            n, k = w_nd.shape
+            rows = max(16, min(PRODUCTION_ROWS, CHECK_ELEMS // max(n, k)))
+            x = torch.randn(1, rows, k, generator=torch.Generator().manual_seed(0x4E5A)).to(w_nd.device, w_nd.dtype)
+            nd = timing.measure(lambda: torch.nn.functional.linear(x, w_nd), w_nd.device)
+            nz = timing.measure(lambda: torch.nn.functional.linear(x, w_nz), w_nd.device)
+            self.timed[key] = timing.report({self.candidates[0].name: nz}, nd, [self.candidates[0].name])
+            self.stats["timings"] += 2
+        return self.timed[key]["candidate"] is None
+
+    def clear(self) -> None:
+        super().clear()
+        self.timed.clear()
 
     def check(self, w_nd: torch.Tensor, w_nz: torch.Tensor) -> Verdict:
         key = (str(w_nd.device), str(w_nd.dtype).removeprefix("torch."))
