@@ -9,6 +9,8 @@ import json
 import logging
 import sys
 import textwrap
+from pathlib import Path
+from typing import Any
 
 from vllm_omni_ascend_opt import _plugin, _report, api, flags
 from vllm_omni_ascend_opt._parallel import why_off
@@ -110,7 +112,28 @@ def build_parser() -> argparse.ArgumentParser:
         return p
     ablation_cli.add_subcommands(sub)
     refcli.add_reference_commands(sub)
+    pl = sub.choices["plan"]
+    pl.add_argument("--measured", metavar="FILE", help="saved kernel timings to set beside the device-time model "
+                    "(default: this device's saved verdicts, when they hold timings)")  # fmt: skip
+    pl.set_defaults(func=_with_measured(pl.get_default("func")))
     return p
+
+
+def _with_measured(plan: Any) -> Any:
+    """``plan``, then the measured kernel timings beside the model (``devtime/measured.py``) where there are some."""
+
+    def run(args: argparse.Namespace) -> int:
+        from vllm_omni_ascend_opt.blocks.kernels import saved
+        from vllm_omni_ascend_opt.devtime import measured
+
+        rc = plan(args)
+        path = args.measured or saved.path()
+        if rc == 0 and not args.json and path is not None and Path(path).is_file():
+            hw = {k: getattr(args, k) for k in ("height", "width", "steps") if getattr(args, k, None)}
+            print("\n".join(measured.section(Path(path), **hw)))
+        return rc
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
