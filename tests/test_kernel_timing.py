@@ -312,3 +312,40 @@ def test_nz_weights_are_cast_only_where_the_nz_gemm_is_faster(fake_npu, runtime,
     assert api.select("none,+nz_weights", model=pipe) == ["nz_weights"]  # again: the saved timings, none measured
     assert nz.OPT.stats["timings"] == 0 and bool(nz.OPT.report(pipe)["cast"]) is (nz_ms < 1.0)
     api.select("none", model=pipe)
+
+
+def test_ranks_agree_on_one_candidate_at_the_forward_end(fake_npu, monkeypatch):
+    """Two ranks (the exchange stubbed in-process): here the infer kernel is fastest, the peer found it slower than
+    stock; both then run the candidate :func:`timing.agreed` picks from both timings (here BNSD), saved as agreed."""
+    import torch.distributed as dist
+
+    import vllm_omni.diffusion.attention.backends.sdpa  # noqa: F401  (before the fake: accelerate probes torch_npu)
+    from vllm_omni_ascend_opt.blocks.kernels import agree
+
+    npu = fake_npu(timed=True)
+    npu.timing.set("npu_fusion_attention", lambda *a, input_layout="BSH", **k: 0.8 if input_layout == "BSND" else 0.6)
+    npu.timing.set("npu_fused_infer_attention_score", 0.4)
+    monkeypatch.setattr(agree, "_group_size", lambda: 2)
+    monkeypatch.setattr(agree, "_cpu_group", lambda: None)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    peer = {"candidate": "npu_fusion_attention", "stock_ms": 1.0, "kernel_ms": 0.7, "candidates": {
+        "npu_fusion_attention": 0.7, "npu_fusion_attention/BNSD": 0.7, "npu_fused_infer_attention_score": 1.1}}
+
+    def gather(everyone, mine, group=None):
+        everyone[0] = mine
+        everyone[1] = [(k, t, ok, r, peer) for k, t, ok, r, _ in mine]  # the peer met the same classes
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    opt = fused_attention.OPT
+    q, k, v = _attention()
+    assert opt.warm(q, k, v, None) is False  # held: waiting for the other rank
+    (held,) = opt.path.classes.values()
+    assert held.reason == agree.WAITING
+    agree.sync()
+    (verdict,) = opt.path.classes.values()
+    assert verdict.ok and verdict.timing["candidate"] == "npu_fusion_attention/BNSD" and verdict.timing["agreed"]
+    assert saved.lookup(opt.path.kernel, verdict.key)[2]["candidate"] == "npu_fusion_attention/BNSD"
+    fa, fia = npu.calls["npu_fusion_attention"], npu.calls["npu_fused_infer_attention_score"]
+    opt._call(npu, verdict.key, q, k, v, None, None)
+    assert npu.calls["npu_fusion_attention"] == fa + 1 and npu.calls["npu_fused_infer_attention_score"] == fia
