@@ -318,8 +318,8 @@ def test_ranks_agree_on_one_candidate_at_the_forward_end(fake_npu, monkeypatch):
     """Two ranks (the exchange stubbed in-process): here the infer kernel is fastest, the peer found it slower than
     stock; both then run the candidate :func:`timing.agreed` picks from both timings (here BNSD), saved as agreed."""
     import torch.distributed as dist
-
     import vllm_omni.diffusion.attention.backends.sdpa  # noqa: F401  (before the fake: accelerate probes torch_npu)
+
     from vllm_omni_ascend_opt.blocks.kernels import agree
 
     npu = fake_npu(timed=True)
@@ -329,8 +329,16 @@ def test_ranks_agree_on_one_candidate_at_the_forward_end(fake_npu, monkeypatch):
     monkeypatch.setattr(agree, "_cpu_group", lambda: None)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
     monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
-    peer = {"candidate": "npu_fusion_attention", "stock_ms": 1.0, "kernel_ms": 0.7, "candidates": {
-        "npu_fusion_attention": 0.7, "npu_fusion_attention/BNSD": 0.7, "npu_fused_infer_attention_score": 1.1}}
+    peer = {
+        "candidate": "npu_fusion_attention",
+        "stock_ms": 1.0,
+        "kernel_ms": 0.7,
+        "candidates": {
+            "npu_fusion_attention": 0.7,
+            "npu_fusion_attention/BNSD": 0.7,
+            "npu_fused_infer_attention_score": 1.1,
+        },
+    }
 
     def gather(everyone, mine, group=None):
         everyone[0] = mine
@@ -339,7 +347,9 @@ def test_ranks_agree_on_one_candidate_at_the_forward_end(fake_npu, monkeypatch):
     monkeypatch.setattr(dist, "all_gather_object", gather)
     opt = fused_attention.OPT
     q, k, v = _attention()
-    assert opt.warm(q, k, v, None) is False  # held: waiting for the other rank
+    assert opt.warm(q, k, v, None) is False  # the first-use check, held: waiting for the other rank
+    agree.sync()
+    assert opt.warm(q, k, v, None) is False  # the class, held
     (held,) = opt.path.classes.values()
     assert held.reason == agree.WAITING
     agree.sync()
