@@ -137,7 +137,7 @@ def test_a_second_start_with_saved_verdicts_runs_no_check(fake_npu, runtime, tin
     ("damage", "warning"),
     [
         (lambda p, d: p.write_text("{not json"), "not valid JSON"),
-        (lambda p, d: p.write_text(json.dumps({**d, "format": 0})), "format 0 is not 1"),
+        (lambda p, d: p.write_text(json.dumps({**d, "format": 0})), "format 0 is not 2"),
         (lambda p, d: p.write_text(json.dumps({**d, "env": {**d["env"], "cann": "8.2.RC1"}})), "another device"),
     ],
 )
@@ -146,7 +146,7 @@ def test_corrupt_older_or_foreign_files_are_ignored_with_one_warning(fake_npu, c
     saved.save("npu_rms_norm", ("npu:3", torch.bfloat16, 64, 128), True, "")
     p = saved.path()
     data = json.loads(p.read_text())
-    assert data["verdicts"] == {"npu_rms_norm": {"npu|bfloat16|64|128": [True, ""]}}  # no device index
+    assert data["verdicts"] == {"npu_rms_norm": {"npu|bfloat16|64|128": [True, "", None]}}  # no device index
     assert set(data["env"]) == {"device", "soc", "cann", "torch_npu", "torch", "plugin"}
     assert data["env"]["device"] == "FakeAscend910B1" and data["env"]["cann"] == "8.3.RC1"
     damage(p, data)
@@ -157,7 +157,7 @@ def test_corrupt_older_or_foreign_files_are_ignored_with_one_warning(fake_npu, c
     assert caplog.text.count("ignoring the saved kernel verdicts") == 1 and warning in caplog.text
     saved.save("npu_rms_norm", ("npu:0", torch.float16, 64, 128), False, "differs")  # replaced by the next write
     saved.forget()
-    assert saved.lookup("npu_rms_norm", ("npu:1", torch.float16, 64, 128)) == (False, "differs")
+    assert saved.lookup("npu_rms_norm", ("npu:1", torch.float16, 64, 128)) == (False, "differs", None)
 
 
 def test_the_env_var_moves_or_disables_the_cache(fake_npu, monkeypatch, tmp_path):
@@ -210,7 +210,7 @@ def test_a_save_waits_for_the_lock_another_process_holds(fake_npu):
         assert t.is_alive() and not p.exists()
     t.join(60)
     saved.forget()
-    assert not t.is_alive() and saved.lookup("k", ("npu:0", 1)) == (True, "")
+    assert not t.is_alive() and saved.lookup("k", ("npu:0", 1)) == (True, "", None)
 
 
 def test_batch_times_heads_is_bucketed_like_the_sequence():

@@ -4,10 +4,13 @@ top layer of the package: it may import the lab, which the plugin core never doe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 import textwrap
+from pathlib import Path
+from typing import Any
 
 from vllm_omni_ascend_opt import _plugin, _report, api, flags
 from vllm_omni_ascend_opt._parallel import why_off
@@ -72,8 +75,11 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
         print(f"warmup: nothing to verify here ({why}): the kernels are checked on an Ascend NPU only")
         return 1
     rows = warmup.warm(sizes, batches, args.sp, texts)
+    if args.json:
+        print(json.dumps({"rows": [dataclasses.asdict(r) for r in rows], "summary": warmup.summary(rows)}, indent=1))
+        return 0
     for r in rows:
-        print(f"{r.kernel:<22} {r.shape:<40} {r.outcome:<30} {r.seconds:8.2f} s")
+        print(r.text())
     print(warmup.summary(rows))
     return 0
 
@@ -97,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     wp.add_argument("--batch", default="1", help="batch sizes, e.g. 1,2 (2: CFG batched); default 1")
     wp.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) degree; default 1")
     wp.add_argument("--text", help="prompt token counts to cover (bucketed); default 64,128,256,512")
+    wp.add_argument("--json", action="store_true", help="machine-readable output (with each class's timings)")
     wp.set_defaults(func=_cmd_warmup)
     try:
         from vllm_omni_ascend_opt.ablation import cli as ablation_cli
@@ -105,7 +112,28 @@ def build_parser() -> argparse.ArgumentParser:
         return p
     ablation_cli.add_subcommands(sub)
     refcli.add_reference_commands(sub)
+    pl = sub.choices["plan"]
+    pl.add_argument("--measured", metavar="FILE", help="saved kernel timings to set beside the device-time model "
+                    "(default: this device's saved verdicts, when they hold timings)")  # fmt: skip
+    pl.set_defaults(func=_with_measured(pl.get_default("func")))
     return p
+
+
+def _with_measured(plan: Any) -> Any:
+    """``plan``, then the measured kernel timings beside the model (``devtime/measured.py``) where there are some."""
+
+    def run(args: argparse.Namespace) -> int:
+        from vllm_omni_ascend_opt.blocks.kernels import saved
+        from vllm_omni_ascend_opt.devtime import measured
+
+        rc = plan(args)
+        path = args.measured or saved.path()
+        if rc == 0 and not args.json and path is not None and Path(path).is_file():
+            hw = {k: getattr(args, k) for k in ("height", "width", "steps") if getattr(args, k, None)}
+            print("\n".join(measured.section(Path(path), **hw)))
+        return rc
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ The classes of Qwen-Image's transformer (24 heads of 128, bf16) at each ``--size
 ``--batch`` and text-length bucket of ``--text``, as the default stack runs them: ``rope`` on the image, text and
 joint sequences before Ulysses' all-to-all (split over ``--sp`` ranks); ``qk_norm`` on the image and text rows;
 ``fused_attention`` on the joint sequence after it (heads / sp), unmasked and, at batch 2, with a key mask. Each check
-runs through the optimization's own code (``warm``), inside its guard: a fault is reported, not raised.
+runs through the optimization's own code (``warm``), inside its guard: a fault is reported, not raised. Each row
+carries the class verdict's timing (:mod:`.blocks.kernels.timing`): stock's ms, each candidate's, and the choice.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ class Row:
     shape: str
     outcome: str
     seconds: float
+    #: the class verdict's timing (stock_ms, candidates: name -> ms or None, candidate: the choice), or None
+    timing: dict[str, Any] | None = None
+
+    def text(self) -> str:
+        line = f"{self.kernel:<22} {self.shape:<40} {self.outcome:<9} {self.seconds:6.2f} s"
+        t = self.timing
+        if not t:
+            return line
+        ms = "  ".join(f"{n} {'refused' if v is None else f'{v:.4g} ms'}" for n, v in t["candidates"].items())
+        return f"{line}  stock {t['stock_ms']:.4g} ms | {ms} -> {t.get('candidate') or 'stock'}"
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
@@ -85,7 +96,9 @@ def warm(
         done.add(key)
         t0 = time.perf_counter()
         outcome = {True: VERIFIED, False: REFUSED, None: UNVERIFIED}[fn()]
-        rows.append(Row(kernel, label, outcome, time.perf_counter() - t0))
+        path = {"rope": rope.rotary, "qk": qk.path, "fa": fa.path}[key[0]]
+        v = path.classes.get(key[1:]) if path is not None else None
+        rows.append(Row(kernel, label, outcome, time.perf_counter() - t0, v.timing if v is not None else None))
 
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device=dev, dtype=dtype)

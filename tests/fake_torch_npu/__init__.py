@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from tests.fake_torch_npu import attention, formats, norms, rotary
+from tests.fake_torch_npu.timing import TimingPlan
 from vllm_omni_ascend_opt.testbed.npu_ops import run_npu_kernel
 
 #: Kernel name -> {variant name -> implementation}. "correct" is the documented behaviour.
@@ -93,7 +94,9 @@ class FaultPlan:
         return p
 
 
-def _counted(name: str, fn: Any, log: Counter[str], faults: FaultPlan | None = None) -> Any:
+def _counted(
+    name: str, fn: Any, log: Counter[str], faults: FaultPlan | None = None, timing: TimingPlan | None = None
+) -> Any:
     sig = inspect.signature(fn)
 
     @functools.wraps(fn)
@@ -102,6 +105,8 @@ def _counted(name: str, fn: Any, log: Counter[str], faults: FaultPlan | None = N
         log[name] += 1
         if faults is not None:
             faults.check(name)
+        if timing is not None:
+            timing.tick(name, args, kwargs)
         # one NPU launch for the op counter, whatever CPU ops the fake computes it with (testbed/npu_ops.py)
         return run_npu_kernel(name, fn, *args, **kwargs)
 
@@ -147,7 +152,7 @@ def build(
     ``allow_internal_format``: the device's initial ``ALLOW_INTERNAL_FORMAT`` option (True on A2, False on A3
     [OP-AIF]); ``cann_version``: what ``torch.npu.utils.get_cann_version()`` reports; ``soc_version``: the chip
     (220 = Ascend910B1); ``free_memory``: what ``torch.npu.mem_get_info()`` reports free (settable later as
-    ``mod.memory["free"]``). ``mod.faults`` (:class:`FaultPlan`) injects faults.
+    ``mod.memory["free"]``). ``mod.faults`` (:class:`FaultPlan`) injects faults; ``mod.timing`` (:class:`.timing.TimingPlan`) plans device time.
     """
     mod = types.ModuleType("torch_npu")
     mod.__fake__ = True  # type: ignore[attr-defined]
@@ -159,11 +164,13 @@ def build(
     mod.calls = log  # type: ignore[attr-defined]
     faults = FaultPlan()
     mod.faults = faults  # type: ignore[attr-defined]
+    timing = TimingPlan()
+    mod.timing = timing  # type: ignore[attr-defined]
     for kernel, impls in KERNELS.items():
         choice = variants.pop(kernel.removeprefix("npu_"), variants.pop(kernel, "correct"))
         if choice not in impls:
             raise KeyError(f"fake {kernel}: no variant {choice!r} (have {sorted(impls)})")
-        setattr(mod, kernel, _counted(kernel, impls[choice], log, faults))
+        setattr(mod, kernel, _counted(kernel, impls[choice], log, faults, timing))
     if variants:
         raise KeyError(f"unknown fake kernel variants: {variants}")
     memory = {"free": free_memory, "total": 64 << 30}
@@ -173,6 +180,7 @@ def build(
         device_count=lambda: 1,
         current_device=lambda: 0,
         synchronize=lambda *a, **k: None,
+        Event=timing.event_class(),
         get_device_name=lambda *a, **k: "FakeAscend910B1",
         config=FakeNpuConfig(mod._C),  # type: ignore[attr-defined]
         utils=types.SimpleNamespace(get_cann_version=lambda module="CANN": cann_version),
@@ -184,9 +192,14 @@ def build(
     return mod
 
 
-def install(monkeypatch: Any, **kwargs: Any) -> types.ModuleType:
-    """Install a fake built with ``kwargs`` as ``torch_npu`` and ``torch.npu`` for the duration of a test."""
+def install(monkeypatch: Any, *, timed: bool = False, **kwargs: Any) -> types.ModuleType:
+    """Install a fake built with ``kwargs`` as ``torch_npu`` and ``torch.npu`` for the duration of a test; the kernel
+    timing (``VLLM_OMNI_ASCEND_OPT_TIMING``) is off unless ``timed`` (tests of other things keep their call counts)."""
     from vllm_omni_ascend_opt import _backend
+    from vllm_omni_ascend_opt.blocks.kernels import timing
+
+    if not timed:
+        monkeypatch.setenv(timing.ENV_TIMING, "0")
 
     mod = build(**kwargs)
     monkeypatch.setitem(sys.modules, "torch_npu", mod)

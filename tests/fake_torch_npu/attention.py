@@ -28,6 +28,7 @@ Variants: ``wrong_polarity`` masks where the mask is False (SDPA's polarity), ``
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -480,5 +481,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "ignores_scale": _make_fusion_attention(honour_scale=False),
         "long_seq_bug": _make_fusion_attention(scale_until=64),
     },
-    "npu_fused_infer_attention_score": {"correct": npu_fused_infer_attention_score},
+    "npu_fused_infer_attention_score": {
+        "correct": npu_fused_infer_attention_score,
+        "ignores_scale": functools.wraps(npu_fused_infer_attention_score)(
+            lambda *a, **k: npu_fused_infer_attention_score(*a, **{**k, "scale": 1.0})
+        ),
+    },
 }

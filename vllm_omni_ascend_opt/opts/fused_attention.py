@@ -344,6 +344,8 @@ class FusedAttention(Optimization):
             lambda _out: self.path.class_check(npu, q, k, v, masked, scale),
             lambda: fab.check_scratch_bytes(q, k),
             q.device,
+            stock=lambda: fab.stock_sdpa(q, k, v, masked, s),
+            more=lambda: self.path.more(npu, q, k, v, masked, scale),
         )
 
     def warm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None) -> bool | None:

@@ -43,6 +43,7 @@ SKIP_NOT_NPU = "not on the NPU"
 SKIP_NOT_2D = "not 2-D"
 SKIP_NARROW = "n == 1 or k == 1"
 SKIP_CAST_FAILED = "cast did not produce FRACTAL_NZ"
+SKIP_SLOWER = "NZ GEMM not faster than ND at production rows"
 
 
 @dataclass
@@ -291,11 +292,12 @@ class NzWeights(Optimization):
                             permitted = True
                         else:
                             nz = npu.npu_format_cast(w.data, ACL_FORMAT_FRACTAL_NZ)
-                        if npu.get_npu_format(nz) == ACL_FORMAT_FRACTAL_NZ:
+                        is_nz = npu.get_npu_format(nz) == ACL_FORMAT_FRACTAL_NZ
+                        if is_nz and not self.path.slower(w.data, nz):
                             w.data = nz
                             state.cast.append((f"{prefix}.{name}".strip("."), w))
                             continue
-                        why = SKIP_CAST_FAILED
+                        why = SKIP_SLOWER if is_nz else SKIP_CAST_FAILED
                 state.skipped[why] += 1
 
     def _rollback(self, state: _State) -> None:

@@ -4,24 +4,27 @@ Each rank checks a class on its own data (SP shards, CFG branches), so a kernel 
 on one rank and fail on another. The verdicts a rank makes are exchanged at the end of each outermost transformer
 forward (:func:`sync`, the one point every rank reaches equally often) with one ``all_gather_object`` over a CPU
 (gloo) group (:func:`_cpu_group`; over HCCL it would synchronize the stream); a refusal anywhere replaces a pass
-everywhere, or waits for a class not met yet (:func:`peer_refusal`). A pass is held back until then (:func:`hold`).
+everywhere, or waits for a class not met yet (:func:`peer_refusal`). A pass is held back until then (:func:`hold`);
+passes of one class reported by several ranks in the same exchange then run the one candidate
+:func:`.timing.agreed` picks from everyone's timings (or stock, when none passed and beat stock on every rank).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any
 
-from vllm_omni_ascend_opt.blocks.kernels import saved
+from vllm_omni_ascend_opt.blocks.kernels import saved, timing
 from vllm_omni_ascend_opt.blocks.upstream import forward_scope
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
 #: kernel name -> the kernel paths of that kernel in this process (weakly)
 _PATHS: dict[str, weakref.WeakSet[Any]] = {}
-#: verdicts made on this rank since the last sync: (kernel, key text, ok, reason)
-_PENDING: list[tuple[str, str, bool, str]] = []
+#: verdicts made on this rank since the last sync: (kernel, key text, ok, reason, timing)
+_PENDING: list[tuple[str, str, bool, str, Any]] = []
 #: passes made here in the current forward, held back until the ranks agree: (path, verdict)
 _HELD: list[tuple[Any, Any]] = []
 #: refusals from peers for classes no path here holds yet: kernel -> key text -> reason
@@ -32,10 +35,10 @@ def register(path: Any) -> None:
     _PATHS.setdefault(path.kernel, weakref.WeakSet()).add(path)
 
 
-def made(kernel: str, key: Any, ok: bool, reason: str) -> None:
+def made(kernel: str, key: Any, ok: bool, reason: str, timing: Any = None) -> None:
     """A verdict this rank just made (or took from disk): to be agreed at the next :func:`sync`."""
     if _group_size() > 1:
-        _PENDING.append((kernel, saved.key_text(key), ok, reason))
+        _PENDING.append((kernel, saved.key_text(key), ok, reason, timing))
 
 
 def hold(path: Any, verdict: Any) -> bool:
@@ -83,11 +86,12 @@ def sync() -> int:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine, group=_cpu_group())
     me, changed = dist.get_rank(), 0
+    passes: dict[tuple[str, str], list[Any]] = {}
     for rank, verdicts in enumerate(everyone):
-        if rank == me:
-            continue
-        for name, text, ok, reason in verdicts or ():
-            if ok:
+        for name, text, ok, reason, t in verdicts or ():
+            if ok and t:
+                passes.setdefault((name, text), []).append(t)
+            if ok or rank == me:
                 continue
             why = f"refused on rank {rank}: {reason}"
             _HELD[:] = [(p, v) for p, v in _HELD if not (p.kernel == name and saved.key_text(v.key) == text)]
@@ -97,8 +101,24 @@ def sync() -> int:
             changed += 1
     if changed:
         logger.warning("vllm-omni-ascend-opt: %d kernel verdict(s) refused on another rank apply here too", changed)
+    _HELD[:] = [(p, _agreed(p, v, passes.get((p.kernel, saved.key_text(v.key)), []))) for p, v in _HELD]
     _release_held()
     return changed
+
+
+def _agreed(store: Any, v: Any, timings: list[Any]) -> Any:
+    """The held pass ``v`` running the candidate every rank agrees on (the timings the ranks reported for it)."""
+    order = [c.name for c in store._path.candidates]
+    if len(timings) < 2 or not v.timing:
+        return v
+    choice = timing.agreed(timings, order)
+    if choice == v.timing.get("candidate"):
+        return v
+    if choice is None:
+        return store._path.verdict(v.key, False, "no candidate passed and beat stock on every rank", timing=v.timing)
+    t = {**v.timing, "candidate": choice, "kernel_ms": v.timing["candidates"][choice], "agreed": True}
+    t["ratio"] = round(t["kernel_ms"] / t["stock_ms"], 4) if t["stock_ms"] and t["kernel_ms"] is not None else None
+    return dataclasses.replace(v, timing=t, reason=f"{v.reason}; ranks agreed on {choice}")
 
 
 #: id of the default process group -> the CPU group verdicts are exchanged over (None: the default one, gloo already)

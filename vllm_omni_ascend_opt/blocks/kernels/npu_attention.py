@@ -7,8 +7,9 @@ mask; on the first real call of each :func:`shape_class`, random inputs of the c
 differently). Both against an fp32 reference (:func:`class_errors`), with stock SDPA's own error as the budget:
 ``max|fused - ref| <= max(ATOL[dtype], 4 * max|sdpa - ref|)``.
 
-This kernel rather than ``npu_fused_infer_attention_score``: diffusers' ``_native_npu`` backend and vLLM-Omni's NPU
-flash path call it, and its limits are wider [OP-FA] (Ascend/op-plugin ``torch_npu-npu_fusion_attention.md``).
+Candidates per class (:data:`CALLS`): this kernel in BSND (diffusers' ``_native_npu`` backend and vLLM-Omni's NPU
+flash path call it; its limits are the wider [OP-FA]), in BNSD, and ``npu_fused_infer_attention_score`` [OP-FIA]:
+each checked, the fastest correct one that beats stock SDPA wins the class (:mod:`.timing`).
 Limits encoded (outside them SDPA runs): D 1..768, Dq == Dk == Dv; Nq 1..256, Nq % Nkv == 0; B 1..2M, S 1..1M;
 key.shape == value.shape; float16/bfloat16 only (float32 stays bitwise stock); non-causal; bool B1SS/11SS mask; no
 graph mode.
@@ -76,6 +77,41 @@ def call_kernel(
         sparse_mode=0,
         inner_precise=0,
     )[0]
+
+
+def call_bnsd(
+    npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """``npu_fusion_attention`` in BNSD on BSND q/k/v; returns a BSND view [OP-FA]."""
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    out = npu.npu_fusion_attention(qt, kt, vt, q.shape[2], input_layout="BNSD", atten_mask=masked, scale=scale,
+                                   keep_prob=1.0, sparse_mode=0, inner_precise=0)[0]  # fmt: skip
+    return out.transpose(1, 2)
+
+
+def call_fia(
+    npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """``npu_fused_infer_attention_score`` on BSND q/k/v (mask: True = excluded, [B|1, 1, Sq, Skv]) [OP-FIA]."""
+    return npu.npu_fused_infer_attention_score(
+        q.contiguous(), k.contiguous(), v.contiguous(), atten_mask=masked, num_heads=q.shape[2], scale=scale,
+        input_layout="BSND", num_key_value_heads=k.shape[2],
+    )[0]  # fmt: skip
+
+
+def stock_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None, scale: float) -> Any:
+    """Stock SDPA on BSND q/k/v (the timing's baseline)."""
+    import torch.nn.functional as F
+
+    keep = None if masked is None else ~masked
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    gqa = q.shape[2] != k.shape[2]
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=keep, scale=scale, enable_gqa=gqa).transpose(1, 2)
+
+
+#: candidate name -> its call on BSND q/k/v
+CALLS = {"npu_fusion_attention": call_kernel, "npu_fusion_attention/BNSD": call_bnsd,
+         "npu_fused_infer_attention_score": call_fia}  # fmt: skip
 
 
 def limits_violation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
@@ -182,7 +218,11 @@ class AttentionPath(KernelPath):
     """``npu_fusion_attention`` in BSND for the attention impls ``fused_attention`` swaps."""
 
     kernel = KERNEL
-    candidates = (Candidate("npu_fusion_attention", "close"),)
+    candidates = (
+        Candidate("npu_fusion_attention", "close"),
+        Candidate("npu_fusion_attention/BNSD", "close", "npu_fusion_attention"),
+        Candidate("npu_fused_infer_attention_score", "close"),
+    )
 
     def place(self, key: tuple) -> str:
         if len(key) == 2:
@@ -235,15 +275,16 @@ class AttentionPath(KernelPath):
         v: torch.Tensor,
         masked: torch.Tensor | None,
         scale: Any,
+        call: Any = call_kernel,
     ) -> Verdict:
-        """The kernel on random inputs of this call's shapes, dtype and mask against the fp32 reference (random data
-        exercises every tile; real activations can be degenerate)."""
+        """The candidate ``call`` on random inputs of this call's shapes, dtype and mask against the fp32 reference
+        (random data exercises every tile; real activations can be degenerate)."""
         t0 = time.perf_counter()
         key = shape_class(q, k, masked)
         s = float(scale) if scale is not None else q.shape[-1] ** -0.5
         gen = torch.Generator().manual_seed(0x5A5A)
         qr, kr, vr = (torch.randn(x.shape, generator=gen).to(device=x.device, dtype=x.dtype) for x in (q, k, v))
-        out, why = _raised_or(lambda: (call_kernel(npu, qr, kr, vr, masked, s), ""))
+        out, why = _raised_or(lambda: (call(npu, qr, kr, vr, masked, s), ""))
         if out is None:
             return self.verdict(key, False, why)
         err, err_stock, finite = class_errors(qr, kr, vr, out, masked, s)
@@ -251,6 +292,15 @@ class AttentionPath(KernelPath):
         _backend.synchronize(q.device if q.device.type != "cpu" else None)
         facts = {"errors": {"kernel": err, "stock": err_stock}, "seconds": time.perf_counter() - t0}
         return self.verdict(key, ok, why, **facts)
+
+    def more(self, npu: ModuleType, q: Any, k: Any, v: Any, masked: Any, scale: Any) -> tuple:
+        """The further candidates this torch_npu has, as :meth:`KernelPath.call` takes them."""
+        s = float(scale) if scale is not None else q.shape[-1] ** -0.5
+        return tuple(
+            (c.name, lambda f=CALLS[c.name]: f(npu, q, k, v, masked, s),
+             lambda _out, f=CALLS[c.name]: self.class_check(npu, q, k, v, masked, scale, f))
+            for c in self.candidates[1:] if hasattr(npu, c.op or c.name)
+        )  # fmt: skip
 
 
 def check_scratch_bytes(q: torch.Tensor, k: torch.Tensor) -> int:

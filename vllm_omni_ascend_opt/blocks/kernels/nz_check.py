@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from vllm_omni_ascend_opt import _backend
+from vllm_omni_ascend_opt.blocks.kernels import saved, timing
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import Verdict
 from vllm_omni_ascend_opt.blocks.kernels.verified import Candidate, KernelPath
 
@@ -80,6 +82,8 @@ def trial_cast(npu: ModuleType, w_nd: torch.Tensor) -> tuple[torch.Tensor | None
     return nz, ""
 
 
+#: The saved NZ GEMM timings (key: device, dtype, n, k, rows), read by ``devtime/measured.py`` too.
+NZ_TIMING = "FRACTAL_NZ linear.timing"
 #: The NZ check's GEMM at production rows: at most this many rows, and at most CHECK_ELEMS elements per operand.
 PRODUCTION_ROWS = 4096
 CHECK_ELEMS = 1 << 24
@@ -119,6 +123,35 @@ class NzPath(KernelPath):
     kernel = "FRACTAL_NZ linear"
     candidates = (Candidate("npu_format_cast", "close"),)
     persist = False
+
+    def __init__(self, label: str, stats: Any) -> None:
+        super().__init__(label, stats)
+        #: per (device, dtype, n, k): the NZ GEMM's timing against ND at production rows (:meth:`slower`)
+        self.timed: dict[tuple, dict[str, Any]] = {}
+
+    def slower(self, w_nd: torch.Tensor, w_nz: torch.Tensor) -> bool:
+        """Whether the NZ GEMM misses the margin against ND at production rows (timed once per weight shape, ND
+        first, then NZ, and saved as :data:`NZ_TIMING`); False with timing off."""
+        if not timing.enabled():
+            return False
+        n, k = w_nd.shape
+        rows = max(16, min(PRODUCTION_ROWS, CHECK_ELEMS // max(n, k)))
+        key = (str(w_nd.device), str(w_nd.dtype).removeprefix("torch."), n, k, rows)
+        if key not in self.timed:
+            hit = saved.lookup(NZ_TIMING, key)
+            if hit is None or hit[2] is None:
+                x = torch.randn(1, rows, k, generator=torch.Generator().manual_seed(0x4E5A)).to(w_nd.device, w_nd.dtype)
+                nd = timing.measure(lambda: torch.nn.functional.linear(x, w_nd), w_nd.device)
+                nz = timing.measure(lambda: torch.nn.functional.linear(x, w_nz), w_nd.device)
+                hit = (True, "timed", timing.report({self.candidates[0].name: nz}, nd, [self.candidates[0].name]))
+                self.stats["timings"] += 2
+                saved.save(NZ_TIMING, key, True, "timed", hit[2])
+            self.timed[key] = hit[2]
+        return self.timed[key]["candidate"] is None
+
+    def clear(self) -> None:
+        super().clear()
+        self.timed.clear()
 
     def check(self, w_nd: torch.Tensor, w_nz: torch.Tensor) -> Verdict:
         key = (str(w_nd.device), str(w_nd.dtype).removeprefix("torch."))

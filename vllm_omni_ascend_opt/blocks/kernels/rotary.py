@@ -213,6 +213,7 @@ class RotaryPath(KernelPath):
             lambda out: self.class_check(x, out, *portable_tables(tables, freqs, self.stats)),
             lambda: check_scratch_bytes(x),
             x.device,
+            stock=lambda: apply_portable(x, *portable_tables(tables, freqs, self.stats)),
         )
 
     def apply(

@@ -3,7 +3,8 @@
 Where: ``$VLLM_OMNI_ASCEND_OPT_VERDICT_CACHE`` (a directory; ``0``/``off``/``none``/``false`` disables it), else
 ``$XDG_CACHE_HOME/vllm-omni-ascend-opt/verdicts`` (``~/.cache/...`` without it). What: one JSON file per environment
 (device, SoC, CANN, torch_npu, torch, plugin version; named by their digest) holding ``{kernel: {shape class: [ok,
-reason]}}``, the device index dropped from the key (``npu:3`` -> ``npu``). Never faults.
+reason, timing]}}`` (format 2; timing: :func:`.timing.report` or null; format 1's ``[ok, reason]`` still reads), the
+device index dropped from the key (``npu:3`` -> ``npu``). Never faults.
 
 A write takes an exclusive ``flock`` beside the file, re-reads, merges, and renames a temporary file over it: no torn
 file, no lost entry. A file that does not parse or was made for another format or environment is ignored with one
@@ -31,7 +32,9 @@ from vllm_omni_ascend_opt._version import __version__
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
 ENV_VERDICT_CACHE = "VLLM_OMNI_ASCEND_OPT_VERDICT_CACHE"
-FORMAT = 1
+FORMAT = 2
+#: formats this version reads (1: ``[ok, reason]`` without timing)
+READS = (1, 2)
 #: What turns the cache off: the boolean false spellings (an empty value means the default directory), and these.
 _OFF = (*(v for v in _env.FALSE if v), "none", "disabled")
 _lock = threading.Lock()
@@ -101,7 +104,7 @@ def _read(p: Path) -> dict[str, Any]:
         data = json.loads(raw)
     except ValueError:
         return _ignore(p, "not valid JSON")
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("format") not in READS:
         return _ignore(p, f"format {data.get('format') if isinstance(data, dict) else '?'} is not {FORMAT}")
     if data.get("env") != environment():
         return _ignore(p, "made for another device or software stack")
@@ -126,17 +129,18 @@ def _table() -> tuple[Path | None, dict[str, Any]]:
     return p, _loaded[tag]
 
 
-def lookup(kernel: str, key: Hashable) -> tuple[bool, str] | None:
-    """The saved ``(ok, reason)`` of ``kernel`` at ``key``, or None (not saved, or the cache is off)."""
+def lookup(kernel: str, key: Hashable) -> tuple[bool, str, dict[str, Any] | None] | None:
+    """The saved ``(ok, reason, timing)`` of ``kernel`` at ``key``, or None (not saved, or the cache is off)."""
     with _lock:
         _, table = _table()
         hit = table.get(kernel, {}).get(key_text(key))
-    if isinstance(hit, list) and len(hit) == 2 and isinstance(hit[0], bool):
-        return hit[0], str(hit[1])
+    if isinstance(hit, list) and len(hit) in (2, 3) and isinstance(hit[0], bool):
+        t = hit[2] if len(hit) == 3 and isinstance(hit[2], dict) else None
+        return hit[0], str(hit[1]), t
     return None
 
 
-def lookup_once(kernel: str, key: Hashable) -> tuple[bool, str] | None:
+def lookup_once(kernel: str, key: Hashable) -> tuple[bool, str, dict[str, Any] | None] | None:
     """:func:`lookup`, the first time ``kernel`` asks for ``key`` under the current probe; None after that."""
     tag = (_backend.probe_id(), kernel, key_text(key))
     if tag in _asked:
@@ -150,13 +154,13 @@ def ask_again(kernel: str) -> None:
     _asked.difference_update({t for t in _asked if t[1] == kernel})
 
 
-def save(kernel: str, key: Hashable, ok: bool, reason: str) -> None:
+def save(kernel: str, key: Hashable, ok: bool, reason: str, timing: dict[str, Any] | None = None) -> None:
     """Save a verdict (atomically; a failure to write is logged once and never raised)."""
     with _lock:
         p, table = _table()
         if p is None:
             return
-        table.setdefault(kernel, {})[key_text(key)] = [bool(ok), reason[:500]]
+        table.setdefault(kernel, {})[key_text(key)] = [bool(ok), reason[:500], timing]
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
             with open(p.with_name(p.name + ".lock"), "a") as lock:

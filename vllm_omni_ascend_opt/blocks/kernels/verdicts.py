@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from vllm_omni_ascend_opt import _backend
 
@@ -30,10 +30,13 @@ class Verdict:
     #: measured errors by name (e.g. ``kernel``, ``stock``, ``over_bound``), for notes and tests
     errors: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    #: the candidates' and stock's device times and the choice (:func:`.timing.report`), saved with the verdict
+    timing: dict[str, Any] | None = None
 
     def describe(self) -> str:
         if self.ok:
-            return f"{self.kernel} at {self.place}: verified, in use ({self.reason})"
+            t = timing_text(self.timing)
+            return f"{self.kernel} at {self.place}: verified, in use ({self.reason}{'; ' + t if t else ''})"
         return f"{self.kernel} at {self.place}: refused ({self.reason}); stock for this class"
 
 
@@ -76,3 +79,13 @@ class ProbeDict(Generic[V]):
 
     def __len__(self) -> int:
         return len(self.live())
+
+
+def timing_text(t: dict[str, Any] | None) -> str:
+    """A verdict's timing in words ("" when untimed)."""
+    if not t or t.get("kernel_ms") is None:
+        return ""
+    r = t.get("ratio")
+    return f"{t.get('candidate') or 'stock'} {t['kernel_ms']:.4g} ms vs stock {t['stock_ms']:.4g} ms" + (
+        f", {r:.3g}x" if r is not None else ""
+    )

@@ -1,10 +1,11 @@
 """The one verified-kernel template: every kernel path the plugin takes on an NPU is a :class:`KernelPath`.
 
 A subclass declares its ``kernel`` name, its :class:`Candidate` list, how its keys read (:meth:`KernelPath.place`)
-and, per call, its shape class, its check and that check's scratch. The template does the rest: the verdict lookup
-(:class:`VerdictStore`: memory, a peer rank's refusal, the disk once per probe), the fault wait and the guarded
-check-and-call (:mod:`.guard`; a check whose scratch does not fit is deferred), and the status tally. A first-use
-check that hands back no kernel output goes through :meth:`KernelPath.decide`. None from either means: stock.
+and, per call, its shape class, its check and that check's scratch, the stock call, and further candidates. The
+template does the rest: the verdict lookup (:class:`VerdictStore`: memory, a peer rank's refusal, the disk once per
+probe), the fault wait, the guarded check-and-call (:mod:`.guard`; a check whose scratch does not fit is deferred),
+the timing against stock (:mod:`.timing`), and the status tally. A first-use check that hands back no kernel output
+goes through :meth:`KernelPath.decide`. None from either means: stock.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks.kernels import agree, saved
-from vllm_omni_ascend_opt.blocks.kernels.guard import Guard
+from vllm_omni_ascend_opt.blocks.kernels import agree, saved, timing
+from vllm_omni_ascend_opt.blocks.kernels.guard import Guard, is_error
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import ProbeDict, Verdict
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -32,6 +33,7 @@ class Candidate:
 
     name: str
     tier: str
+    op: str = ""  # the torch_npu function (default: ``name``)
 
 
 class VerdictStore:
@@ -57,24 +59,26 @@ class VerdictStore:
             hit = saved.lookup_once(self.kernel, key)
             if hit is not None and self._path.accept_saved(key, hit[0]):
                 self.loaded += 1
-                v = self._settle(self._path.verdict(key, hit[0], hit[1] or "saved verdict"))
+                v = self._settle(self._path.verdict(key, hit[0], hit[1] or "saved verdict", timing=hit[2]))
         return v
 
     def put(self, v: Verdict) -> Verdict:
         """Store a verdict made here; returns the one to act on now (a pass held for the ranks reads as waiting)."""
         if self._persist:
-            saved.save(self.kernel, v.key, v.ok, v.reason)
+            saved.save(self.kernel, v.key, v.ok, v.reason, v.timing)
         return self._settle(v)
 
     def _settle(self, v: Verdict) -> Verdict:
         if self._persist:
-            agree.made(self.kernel, v.key, v.ok, v.reason)
+            agree.made(self.kernel, v.key, v.ok, v.reason, v.timing)
             if agree.hold(self, v):
                 v = self._path.verdict(v.key, False, agree.WAITING)
         return self._mem.put(v.key, v)
 
     def release(self, v: Verdict) -> None:
-        """The ranks agreed: a held pass takes effect."""
+        """The ranks agreed: a held pass takes effect (saved again when the agreed candidate differs)."""
+        if self._persist and v.timing and v.timing.get("agreed"):
+            saved.save(self.kernel, v.key, v.ok, v.reason, v.timing)
         self._mem.put(v.key, v)
 
     def refuse_from_peer(self, text: str, reason: str) -> bool:
@@ -129,7 +133,7 @@ class KernelPath:
         """The first candidate this torch_npu has, or None (no kernel here)."""
         mod = _backend.torch_npu_module()
         for c in self.candidates:
-            fn = getattr(mod, c.name, None) if mod is not None else None
+            fn = getattr(mod, c.op or c.name, None) if mod is not None else None
             if fn is not None:
                 return fn
         return None
@@ -145,27 +149,56 @@ class KernelPath:
         check: Callable[[T], Verdict],
         scratch: Callable[[], int],
         device: torch.device,
+        stock: Callable[[], Any] | None = None,
+        more: Callable[[], tuple[tuple[str, Callable[[], T], Callable[[T], Verdict]], ...]] | None = None,
     ) -> T | None:
         """``run()`` where ``key`` may use the kernel, checked by ``check(out)`` on the first call of the class (after
-        ``scratch()`` bytes were found free on ``device``); None: stock for this call."""
+        ``scratch()`` bytes were found free on ``device``), then timed against ``stock()``; ``more()``: further
+        candidates (name, run, check), the fastest passing one wins the class. None: stock for this call."""
         known = self.classes.get(key)
         if (known is not None and not known.ok) or self.guard.waits(key):
             return None
 
         def attempt() -> T | None:
-            if known is None and not self.guard.fits(key, device, scratch()):
-                return None  # deferred: stock now, the check later
-            out = run()
+            first = self.candidates[0].name
             if known is not None:
-                return out
-            made = check(out)
+                name = (known.timing or {}).get("candidate") or first
+                return run() if name == first else {n: r for n, r, _ in more()}[name]()  # type: ignore[misc]
+            alts = more() if more and timing.enabled() else ()  # untimed: no ground to prefer another candidate
+            tried = {first: (run, check), **{n: (r, c) for n, r, c in alts}}
+            if not self.guard.fits(key, device, scratch()):
+                return None  # deferred: stock now, the check later
+            outs, made = {}, {}
+            for name, (r, c) in tried.items():
+                try:
+                    outs[name] = r()
+                    made[name] = c(outs[name])
+                except Exception as exc:
+                    if is_error(exc) or name == first:
+                        raise  # a fault of the class, or the first candidate's refusal (the guard's)
+                    made[name] = self.verdict(key, False, f"the kernel raised {exc.__class__.__name__}: {exc}")
             self.stats["shape_checks"] += 1
-            return out if self._store(self.classes, made).ok else None
+            v = self._store(self.classes, self._timed(key, made, tried, stock, device))
+            return outs[(v.timing or {}).get("candidate") or first] if v.ok else None
 
         ran, out, refusal = self.guard.run(key, attempt)
         if refusal:
             self._store(self.classes, self.verdict(key, False, refusal))
         return out if ran else None
+
+    def _timed(self, key: tuple, made: dict[str, Verdict], tried: dict, stock: Any, device: torch.device) -> Verdict:
+        """The class verdict from the candidates' checks, timed against ``stock`` where timing is on."""
+        ok = [n for n, v in made.items() if v.ok]
+        if not (ok and stock is not None and timing.enabled()):
+            return next(iter(made.values()))  # untimed: the one candidate's check decides, as without timing
+        stock_ms = timing.measure(stock, device)
+        cands = {n: timing.measure(tried[n][0], device) if n in ok else None for n in made}
+        self.stats["timings"] += len(ok) + 1
+        t = timing.report(cands, stock_ms, list(made))
+        t["refused"] = {n: v.reason[:200] for n, v in made.items() if not v.ok}
+        v = made[t["candidate"]] if t["candidate"] else self.verdict(key, False, timing.slower(t))
+        v.timing = t
+        return v
 
     def decide(self, key: tuple, make: Callable[[], Verdict]) -> Verdict | None:
         """The first-use verdict at ``key``, made by ``make()`` under the guard and stored (None: a fault waits)."""
@@ -200,7 +233,8 @@ class KernelPath:
         return store.put(v)
 
     def tally(self) -> dict[str, Any]:
-        """How many shape classes use the kernel, how many are on stock, and why (reason -> classes)."""
+        """How many shape classes use the kernel, how many are on stock and why (reason -> classes), and per class in
+        use its candidate and ratio to stock."""
         faults = self.guard.faults()
         waiting = {f.key for f in faults}
         verdicts = self.classes.values()
@@ -210,8 +244,12 @@ class KernelPath:
                 why["refused: " + v.reason.split(";")[0]] += 1
         for f in faults:
             why[("demoted: " if f.demoted else "") + f.kind] += 1
-        used = sum(1 for v in verdicts if v.ok and v.key not in waiting)
-        return {"kernel": used, "stock": sum(why.values()), "why": dict(why)}
+        used = [v for v in verdicts if v.ok and v.key not in waiting]
+        t = {v.place: v.timing or {} for v in used}
+        # per class in use: the candidate and its ratio to stock (None: untimed)
+        in_use = {p: {"candidate": x.get("candidate") or self.candidates[0].name, "ratio": x.get("ratio")}
+                  for p, x in t.items()}  # fmt: skip
+        return {"kernel": len(used), "stock": sum(why.values()), "why": dict(why), "in_use": in_use}
 
     def notes(self) -> list[str]:
         """Every verdict and fault in words, and the tally line."""

@@ -1,0 +1,63 @@
+"""The fake's device clock: a deterministic timing plan (like :class:`~tests.fake_torch_npu.FaultPlan`) that gives each
+fake kernel call a device time, and ``torch.npu.Event`` / ``synchronize`` that read it.
+
+Wall-clock time on a CPU says nothing about an NPU, so timing tests configure ``mod.timing`` instead: ``set(kernel,
+ms)`` (``ms``: a number, or a function of the call's arguments, e.g. slower at one shape class), and ``stock`` for
+a timed region in which no fake kernel ran (the stock path: plain torch ops). Defaults: every kernel 0.5 ms, stock
+1.0 ms (every kernel wins). ``Event(enable_timing=True)`` as torch_npu 2.13.0 defines it (``torch_npu.npu.Event``:
+``enable_timing``, ``blocking``, ``interprocess``): ``record()``, ``synchronize()``, ``elapsed_time(end)`` in ms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+DEFAULT_KERNEL_MS, DEFAULT_STOCK_MS = 0.5, 1.0
+
+
+class TimingPlan:
+    """Device time per fake kernel call; ``elapsed`` counts the timed regions read (``elapsed_time`` calls)."""
+
+    def __init__(self) -> None:
+        self.costs: dict[str, float | Callable[..., float]] = {}
+        self.stock: float | Callable[[], float] = DEFAULT_STOCK_MS
+        self.clock = 0.0
+        self.calls = 0
+        self.elapsed = 0
+
+    def set(self, kernel: str, ms: float | Callable[..., float]) -> None:
+        self.costs[kernel] = ms
+
+    def tick(self, kernel: str, args: tuple, kwargs: dict) -> None:
+        """One call of ``kernel`` ran on the device: the clock advances by its planned time."""
+        cost = self.costs.get(kernel, DEFAULT_KERNEL_MS)
+        self.clock += float(cost(*args, **kwargs) if callable(cost) else cost)
+        self.calls += 1
+
+    def event_class(self) -> type:
+        plan = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+                self.enable_timing = enable_timing
+                self.at: tuple[float, int] | None = None
+
+            def record(self, stream: Any = None) -> None:
+                self.at = (plan.clock, plan.calls)
+
+            def synchronize(self) -> None:
+                return None
+
+            def query(self) -> bool:
+                return True
+
+            def elapsed_time(self, end: Event) -> float:
+                if not (self.enable_timing and end.enable_timing) or self.at is None or end.at is None:
+                    raise RuntimeError("Both events must be recorded with enable_timing=True")  # as on the device
+                plan.elapsed += 1
+                if end.at[1] == self.at[1]:  # no fake kernel ran in between: the stock path
+                    return float(plan.stock() if callable(plan.stock) else plan.stock)
+                return end.at[0] - self.at[0]
+
+        return Event
