@@ -203,15 +203,21 @@ class NzWeights(Optimization):
         if npu is not None:
             out.append(f"torch_npu {getattr(npu, '__version__', '?')}, CANN {_backend.cann_version()}")
         out += [v.describe() for v in self.verdicts() if v.ok]
+        for state in list(self._models.values()):  # vLLM-Omni's NPU int8 linears of each attached model
+            nd = Counter(why for why in state.int8.values() if why != "FRACTAL_NZ")
+            if state.int8:
+                out.append(f"int8: {len(state.int8)} vLLM-Omni NPU int8 linear(s), {len(state.int8) - nd.total()} in "
+                           f"FRACTAL_NZ" + "".join(f"; {n} ND: {why}" for why, n in nd.items()))  # fmt: skip
         return out
 
     def report(self, model: nn.Module) -> dict[str, Any]:
-        """Per model: names of the weights cast to NZ, the skipped layers by reason, and vLLM-Omni's NPU int8 layers
-        (name -> FRACTAL_NZ or why not)."""
+        """Per model: names of the weights cast to NZ, the skipped layers by reason, and (where there are any)
+        vLLM-Omni's NPU int8 layers, name -> FRACTAL_NZ or why not."""
         state = self._models.get(model)
         if state is None:
-            return {"cast": [], "skipped": {}, "int8": {}}
-        return {"cast": [n for n, _ in state.cast], "skipped": dict(state.skipped), "int8": dict(state.int8)}
+            return {"cast": [], "skipped": {}}
+        out = {"cast": [n for n, _ in state.cast], "skipped": dict(state.skipped)}
+        return out | ({"int8": dict(state.int8)} if state.int8 else {})
 
     def _config_reasons(self, model: nn.Module) -> list[str]:
         reasons = list(self.reasons_inactive())
@@ -311,6 +317,7 @@ class NzWeights(Optimization):
                             state.cast.append((full, w))
                             if int8:
                                 state.int8[full] = "FRACTAL_NZ"
+                                self.stats["int8_weights_nz"] += 1
                             continue
                         else:
                             why = SKIP_CAST_FAILED
