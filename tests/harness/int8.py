@@ -58,4 +58,8 @@ def int8_layers(transformer: torch.nn.Module) -> list[str]:
     import importlib
 
     ic = importlib.import_module(INT8_MODULE)
-    return [n for n, m in transformer.named_modules() if isinstance(getattr(m, "quant_method", None), ic.NPUInt8LinearMethod)]
+    return [
+        n
+        for n, m in transformer.named_modules()
+        if isinstance(getattr(m, "quant_method", None), ic.NPUInt8LinearMethod)
+    ]
