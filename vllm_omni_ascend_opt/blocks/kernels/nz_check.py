@@ -126,10 +126,8 @@ class NzPath(KernelPath):
 
 
 def is_npu_int8(module: torch.nn.Module) -> bool:
-    """Whether ``module`` runs vLLM-Omni's NPU int8 method (``npu_dynamic_quant`` + ``npu_quant_matmul`` on an int8
-    ``[k, n]`` weight, ``vllm_omni/quantization/int8_config.py``), whose weight ``npu_quant_matmul`` may read in NZ."""
-    qm = getattr(module, "quant_method", None)
-    return any(c.__name__ == "NPUInt8LinearMethod" for c in type(qm).__mro__)
+    """Whether ``module`` runs vLLM-Omni's NPU int8 (``npu_dynamic_quant`` + ``npu_quant_matmul``, int8 ``[k, n]``)."""
+    return any(c.__name__ == "NPUInt8LinearMethod" for c in type(getattr(module, "quant_method", None)).__mro__)
 
 
 def check_nz_quant_matmul(npu: ModuleType, module: torch.nn.Module, w_nz: torch.Tensor) -> tuple[bool, str]:
