@@ -72,6 +72,9 @@ def _cases():
     def rnd(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=g).to(dtype)
 
+    def i8(*shape):
+        return torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+
     cos = torch.rand(1, 6, 1, 64, generator=g).bfloat16()
     half_r = torch.rand(1, 1, 6, 32, generator=g).half()
     mask = torch.zeros(2, 1, 12, 12, dtype=torch.bool)
@@ -97,6 +100,14 @@ def _cases():
         ("npu_layer_norm_eval", "3-D", (rnd(2, 5, 16), [16]), {"eps": 1e-6}),
         ("npu_rms_norm", "BSND bf16", (rnd(2, 6, 3, 64), rnd(64)), {"epsilon": 1e-6}),
         ("npu_rms_norm", "2-D gamma fp32", (rnd(4, 5, 16, dtype=torch.float32), rnd(5, 16, dtype=torch.float32)), {}),
+        ("npu_dynamic_quant", "2-D bf16 per token", (rnd(6, 32),), {}),
+        ("npu_dynamic_quant", "3-D fp16 per token", (rnd(2, 6, 32, dtype=torch.float16),), {}),
+        (
+            "npu_quant_matmul",
+            "int8 x int8, bf16 out, per-token scale, bias",
+            (i8(6, 32), i8(32, 48), rnd(48, dtype=torch.float32)),
+            {"pertoken_scale": rnd(6, dtype=torch.float32).abs(), "bias": rnd(48), "output_dtype": 15},
+        ),
     ]
 
 

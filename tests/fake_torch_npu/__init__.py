@@ -5,7 +5,7 @@ violations, so that the plugin's NPU code paths (argument layout, modes, mask po
 real. Every constraint is listed, with its source, in the module that implements the kernel: :mod:`.rotary`
 (``npu_rotary_mul``), :mod:`.attention` (``npu_fusion_attention``, ``npu_fused_infer_attention_score``),
 :mod:`.formats` (``npu_format_cast`` / ``get_npu_format``, ``allow_internal_format`` and the device model),
-:mod:`.norms` (``npu_layer_norm_eval``, ``npu_rms_norm``).
+:mod:`.norms` (``npu_layer_norm_eval``, ``npu_rms_norm``), :mod:`.quant` (``npu_dynamic_quant``, ``npu_quant_matmul``).
 
 The real package is the reference: :mod:`.reference` reads the pinned torch-npu 2.13.0 wheel and
 ``tests/test_fake_torch_npu_reference.py`` checks every fake op's signature (the schema's argument names, ``self``
@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from tests.fake_torch_npu import attention, formats, norms, rotary
+from tests.fake_torch_npu import attention, formats, norms, quant, rotary
 from tests.fake_torch_npu.timing import TimingPlan
 from vllm_omni_ascend_opt.testbed.npu_ops import run_npu_kernel
 
 #: Kernel name -> {variant name -> implementation}. "correct" is the documented behaviour.
 KERNELS: dict[str, dict[str, Any]] = {}
-for _mod in (rotary, attention, formats, norms):
+for _mod in (rotary, attention, formats, norms, quant):
     for _kernel, _variants in getattr(_mod, "VARIANTS", {}).items():
         KERNELS[_kernel] = dict(_variants)
 

@@ -222,6 +222,10 @@ class Stubs:
         c = types.SimpleNamespace(_npu_setOption=self._set_option, _npu_getOption=self._get_option)
         root = types.ModuleType("torch_npu")
         root._C = c  # type: ignore[attr-defined]
+        # torch_npu's own dtypes, as the enum values the meta functions map them to (npu_quant_matmul reads them)
+        for name, value in (("int4", 285), ("hifloat8", 290), ("float8_e8m0fnu", 293), ("float4_e2m1fn_x2", 296),
+                            ("float4_e1m2fn_x2", 297)):  # fmt: skip
+            setattr(root, name, value)
         err = types.ModuleType("torch_npu.utils._error_code")
         err.ErrCode = _Anything()  # type: ignore[attr-defined]
         err.ops_error = err.pta_error = lambda *a, **k: ""  # type: ignore[attr-defined]

@@ -96,6 +96,12 @@ def add_subcommands(sub: Any) -> None:
     pl.add_argument(
         "--cards", default="", help="also the device-time model's multi-card layouts for one image, e.g. on 2,4,8 cards"
     )
+    pl.add_argument(
+        "--quantization",
+        choices=("int8",),
+        help="also the device-time model's predictions under vLLM-Omni's NPU int8 (default: the workload's "
+        "od_config quantization_config)",
+    )
     pl.set_defaults(func=cmd_plan)
 
 
@@ -162,6 +168,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             cfg_forwards=2 if wl.cfg_scale > 1 else 1,
             launch_ms_saved=launch["ms_saved"],
             cards=cards,
+            quantization=args.quantization or wl.od_config.get("quantization_config"),
         )
     if args.json:
         out = {"plan": plan.to_dict(), "estimate": dataclasses.asdict(est), "stored_measurements": stored}

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM
+from vllm_omni_ascend_opt.devtime.int8 import GEMM_INT8, INT8_PEAK_RATIO
 from vllm_omni_ascend_opt.devtime.specs import SPECS, DeviceSpec
 from vllm_omni_ascend_opt.devtime.trace import OpTable
 
@@ -84,9 +85,9 @@ class Params:
 def op_ms(op: Any, p: Params) -> float:
     """Predicted device ms of one aggregated op (its ``count`` launches)."""
     s = p.spec
-    peak = {GEMM: p.gemm_eff, ATTENTION: p.attn_eff}.get(op.kind)
+    peak = {GEMM: p.gemm_eff, ATTENTION: p.attn_eff, GEMM_INT8: p.gemm_eff * INT8_PEAK_RATIO}.get(op.kind)
     compute = op.flops / (peak * s.peak_tflops * 1e12) if peak else 0.0
-    memory = op.bytes / ((p.gemm_bw_eff if op.kind == GEMM else p.bw_eff) * s.hbm_gbps * 1e9)
+    memory = op.bytes / ((p.gemm_bw_eff if op.kind in (GEMM, GEMM_INT8) else p.bw_eff) * s.hbm_gbps * 1e9)
     return (max(compute, memory) + op.count * p.launch_us * 1e-6) * 1e3
 
 

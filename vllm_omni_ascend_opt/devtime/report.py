@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 from vllm_omni_ascend_opt.devtime import model as M
 from vllm_omni_ascend_opt.devtime import table as TB
 from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM
+from vllm_omni_ascend_opt.devtime.int8 import INT8_PEAK_RATIO, int8_table
 
 HEAD = "device-time model (model, not measured; devtime/model.py, calibrated on the reference)"
 
@@ -23,13 +25,14 @@ def calibration(table: dict[str, Any]) -> M.Fit:
 
 
 def predictions(
-    table: dict[str, Any], params: M.Params, workload: str, steps: int, cfg_forwards: int = 1
+    table: dict[str, Any], params: M.Params, workload: str, steps: int, cfg_forwards: int = 1, int8: bool = False
 ) -> dict[str, M.Prediction]:
-    """Configuration -> :class:`~.model.Prediction` of one image at ``workload`` (a key of the table)."""
+    """Configuration -> :class:`~.model.Prediction` of one image at ``workload`` (a key of the table); ``int8``:
+    under vLLM-Omni's NPU int8 (:func:`~.int8.int8_table`; the floor stays the bf16 one)."""
     out = {}
     for name in table["workloads"][workload]:
         tr, vae = TB.call_ops(table, workload, name), TB.call_ops(table, workload, name, "vae")
-        out[name] = M.predict(tr, vae, params, steps, cfg_forwards)
+        out[name] = M.predict(int8_table(tr) if int8 else tr, vae, params, steps, cfg_forwards)
     return out
 
 
@@ -114,10 +117,12 @@ def for_plan(
     cfg_forwards: int,
     launch_ms_saved: dict[str, float | None] | None = None,
     cards: list[int] | None = None,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     """``plan``'s model section: per plan configuration (id -> optimizations) the predicted ms per image and the
     ms saved against stock, with the launch-only model's figure beside it, and the multi-card layouts for ``cards``
-    (one fit for both); ``note`` says why not, where not."""
+    (one fit for both); ``note`` says why not, where not. ``quantization="int8"``: each configuration also under
+    vLLM-Omni's NPU int8, in ms and x the bf16 compute floor, beside bf16."""
     out: dict[str, Any] = {"label": HEAD, "configs": {}, "note": ""}
     if model not in ("Qwen/Qwen-Image", "Qwen-Image"):
         out["note"] = f"the trace table holds Qwen-Image text-to-image only, not {model}"
@@ -134,6 +139,7 @@ def for_plan(
     fit = calibration(table)
     preds = predictions(table, fit.params, wk, steps, cfg_forwards)
     stock = preds["stock"].image_ms
+    int8 = predictions(table, fit.params, wk, steps, cfg_forwards, int8=True) if quantization == "int8" else None
     for cid, opts in configs.items():
         name = TB.find_config(table, opts)
         ms = preds[name].image_ms if name else None
@@ -143,6 +149,17 @@ def for_plan(
             "model_ms_saved": None if ms is None else stock - ms,
             "launch_only_ms_saved": (launch_ms_saved or {}).get(cid),
         }
+        if int8 is not None:
+            i8 = int8[name].image_ms if name else None
+            floor = preds["stock"].floor_ms
+            out["configs"][cid] |= {"x_floor": None if ms is None else ms / floor, "int8_ms": i8}
+            out["configs"][cid]["int8_x_floor"] = None if i8 is None else i8 / floor
+    if int8 is not None:
+        out["int8_note"] = (
+            "int8: vLLM-Omni's NPU int8 priced on the bf16 trace (devtime/int8.py): the blocks' GEMMs at the int8 "
+            f"peak ({INT8_PEAK_RATIO:g}x bf16), one npu_dynamic_quant each by its bytes; x = ms / the bf16 compute "
+            "floor. Not priced: the weight layout (NZ int8 weights have the FLOPs and bytes of ND ones: 0 ms here)"
+        )
     out["params"] = fit.params.describe()
     out["calibration"] = fit.rows()
     out["tables"] = text_tables(table, fit, wk, steps, cfg_forwards)
@@ -154,18 +171,29 @@ def for_plan(
     return out
 
 
+def _num(v: float | None, fmt: str) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
 def plan_lines(section: dict[str, Any]) -> list[str]:
     """``plan``'s text for :func:`for_plan`'s section (with its multi-card layouts, when it has them)."""
     lines = [f"\n  {section['label']}, per plan configuration:"]
     if section["note"]:
         return [*lines, f"    not available: {section['note']}"]
-    lines.append(f"    {'configuration':<26} {'model ms':>9} {'saved':>7}  {'launch-only saved':>17}")
+    int8 = "int8_note" in section
+    extra = f"  {'x floor':>7} {'int8 ms':>8} {'x floor':>7}" if int8 else ""
+    lines.append(f"    {'configuration':<26} {'model ms':>9} {'saved':>7}  {'launch-only saved':>17}{extra}")
     for cid, row in section["configs"].items():
         ms, saved, lo = row["model_ms"], row["model_ms_saved"], row["launch_only_ms_saved"]
+        if int8:
+            x, i8, xi = (row[k] for k in ("x_floor", "int8_ms", "int8_x_floor"))
+            extra = f"  {_num(x, '.2f'):>7} {_num(i8, '.0f'):>8} {_num(xi, '.2f'):>7}"
         lines.append(
             f"    {cid:<26} {'n/a' if ms is None else f'{ms:.0f}':>9} {'' if saved is None else f'{saved:.0f}':>7}  "
-            f"{'n/a' if lo is None else f'{lo:.0f}':>17}"
+            f"{'n/a' if lo is None else f'{lo:.0f}':>17}{extra}"
         )
+    if int8:
+        lines.append(textwrap.fill(section["int8_note"], 110, initial_indent="    ", subsequent_indent="    "))
     lines += ["", *section["tables"], "  calibration residuals:", *(f"    {r}" for r in section["calibration"])]
     if section.get("layouts"):
         lines += ["", *section["layouts"]]

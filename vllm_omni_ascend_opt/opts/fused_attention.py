@@ -243,9 +243,10 @@ class FusedAttention(Optimization):
         for module in model.modules():
             if not isinstance(module, cross_cls):
                 continue
-            qkv = getattr(getattr(module, "to_qkv", None), "weight", None)
-            if isinstance(qkv, torch.Tensor):
-                state.dtypes.add(qkv.dtype)
+            lin = getattr(module, "to_qkv", None)
+            qkv = getattr(lin, "weight", None)
+            if isinstance(qkv, torch.Tensor):  # a quantized linear keeps its activations' dtype (vLLM's orig_dtype)
+                state.dtypes.add(qkv.dtype if qkv.is_floating_point() else getattr(lin, "orig_dtype", qkv.dtype))
             layer = getattr(module, "attn", None)
             why = self._layer_skip_reason(layer, sdpa_cls)
             if why:

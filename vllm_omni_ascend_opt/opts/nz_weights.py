@@ -2,7 +2,9 @@
 
 ``attach`` runs from the plugin's wrapper of ``DiffusersPipelineLoader.load_model`` (before CPU offload) and sets
 ``w.data = npu_format_cast(w.data, 29)`` per eligible weight, all or nothing; ``detach`` casts back to ND. Either
-announces a weights-changed event (``w.data = ...`` changes neither identity nor ``_version``).
+announces a weights-changed event (``w.data = ...`` changes neither identity nor ``_version``). Under vLLM-Omni's NPU
+int8 (``--quantization int8``) the int8 ``[k, n]`` weights are cast too where ``npu_quant_matmul`` gives the ND
+result bit for bit at that weight shape (int32 accumulation); a refused shape stays ND, with its reason.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks.kernels.nz_check import (
     ACL_FORMAT_FRACTAL_NZ,
     ACL_FORMAT_ND,
+    NzInt8Path,
     NzPath,
+    is_npu_int8,
     trial_cast,
     version_reasons,
 )
@@ -52,6 +56,7 @@ class _State:
     cast: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)
     reasons: list[str] = field(default_factory=list)
+    int8: dict[str, str] = field(default_factory=dict)  # vLLM-Omni NPU int8 layer -> FRACTAL_NZ or why not
 
 
 def _transformers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -143,7 +148,8 @@ class NzWeights(Optimization):
     why = "Ascend's Cube unit reads matmul weights in FRACTAL_NZ; an ND weight is re-laid-out on every GEMM."
     how = (
         "After loading, w.data = npu_format_cast(w.data, 29) for each eligible unquantized BF16/FP16 linear "
-        "weight (CANN >= 8.3, permitted by a trial cast, numbers checked per (device, dtype)), all or nothing."
+        "weight (CANN >= 8.3, permitted by a trial cast, numbers checked per (device, dtype)) and each int8 weight "
+        "of vLLM-Omni's NPU int8 linears (npu_quant_matmul bitwise against ND per weight shape), all or nothing."
     )
     upstream_pr = "Qwen-Image (1.x): none (vllm-ascend's weight_nz_mode=2 is the LLM-side equivalent)."
     equivalence = "close"
@@ -162,6 +168,8 @@ class NzWeights(Optimization):
         self._models: weakref.WeakKeyDictionary[nn.Module, _State] = weakref.WeakKeyDictionary()
         #: The numbers per (device, dtype), and the guard the cast runs under.
         self.path = NzPath(self.name, self.stats)
+        #: int8 weights of vLLM-Omni's NPU int8 linears: bitwise per weight shape; a refusal skips that shape only.
+        self.int8 = NzInt8Path(self.name, self.stats)
 
     def _process_reasons(self) -> list[str]:
         reasons = _backend.npu_unavailable_reasons()
@@ -176,7 +184,7 @@ class NzWeights(Optimization):
 
     def verdicts(self) -> list[Verdict]:
         """The first-use numerical checks so far, one per (device, dtype)."""
-        return self.path.firsts.values()
+        return [*self.path.firsts.values(), *self.int8.firsts.values()]
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
         state = self._models[model]  # asked only while attached
@@ -195,15 +203,22 @@ class NzWeights(Optimization):
         npu = _backend.torch_npu_module()
         if npu is not None:
             out.append(f"torch_npu {getattr(npu, '__version__', '?')}, CANN {_backend.cann_version()}")
-        out += [v.describe() for v in self.path.firsts.values() if v.ok]
+        out += [v.describe() for v in self.verdicts() if v.ok]
+        for state in list(self._models.values()):  # vLLM-Omni's NPU int8 linears of each attached model
+            nd = Counter(why for why in state.int8.values() if why != "FRACTAL_NZ")
+            if state.int8:
+                out.append(f"int8: {len(state.int8)} vLLM-Omni NPU int8 linear(s), {len(state.int8) - nd.total()} in "
+                           f"FRACTAL_NZ" + "".join(f"; {n} ND: {why}" for why, n in nd.items()))  # fmt: skip
         return out
 
     def report(self, model: nn.Module) -> dict[str, Any]:
-        """Per model: names of the weights cast to NZ and the skipped layers by reason."""
+        """Per model: names of the weights cast to NZ, the skipped layers by reason, and (where there are any)
+        vLLM-Omni's NPU int8 layers, name -> FRACTAL_NZ or why not."""
         state = self._models.get(model)
         if state is None:
             return {"cast": [], "skipped": {}}
-        return {"cast": [n for n, _ in state.cast], "skipped": dict(state.skipped)}
+        out = {"cast": [n for n, _ in state.cast], "skipped": dict(state.skipped)}
+        return out | ({"int8": dict(state.int8)} if state.int8 else {})
 
     def _config_reasons(self, model: nn.Module) -> list[str]:
         reasons = list(self.reasons_inactive())
@@ -218,7 +233,8 @@ class NzWeights(Optimization):
         self, npu: ModuleType, module: nn.Module, w: nn.Parameter, under_lora: bool, under_offload: bool
     ) -> str:
         qm = getattr(module, "quant_method", None)
-        if qm is not None and not isinstance(qm, _unquantized_types()):
+        int8 = w.dtype == torch.int8 and is_npu_int8(module)  # npu_quant_matmul reads an NZ x2 [OP-QMM]
+        if qm is not None and not int8 and not isinstance(qm, _unquantized_types()):
             return SKIP_QUANTIZED
         if under_lora:
             return SKIP_LORA
@@ -226,7 +242,7 @@ class NzWeights(Optimization):
             return SKIP_OFFLOAD_HOOK
         if _is_dtensor(w):
             return SKIP_DTENSOR
-        if w.dtype not in NZ_DTYPES:
+        if w.dtype not in NZ_DTYPES and not int8:
             return f"dtype {str(w.dtype).removeprefix('torch.')}"
         if not _backend.is_npu_tensor(w):
             return SKIP_NOT_NPU
@@ -277,28 +293,48 @@ class NzWeights(Optimization):
                 if w is None:
                     continue
                 why = self._layer_skip(npu, module, w, _under(name, lora), _under(name, offloaded))
+                full = f"{prefix}.{name}".strip(".")
                 if not why:
                     with torch.no_grad():
-                        if not permitted:  # the first eligible weight: permission and numbers
+                        if not permitted:  # the first eligible weight: the permission, on every attach
                             nz, why_not = trial_cast(npu, w.data)
-                            verdict = None
-                            if nz is not None:  # the numbers once per (device, dtype); the permission on every attach
-                                key = (str(w.device), str(w.dtype).removeprefix("torch."))
-                                verdict = self.path.decide(key, lambda w=w, nz=nz: self.path.check(w.data, nz))
-                            if verdict is None or not verdict.ok:
-                                why_not = why_not or (verdict.describe() if verdict else "the NZ check faulted")
+                            if nz is None:
                                 state.reasons.append(why_not + "; no weight cast")
                                 return
                             permitted = True
                         else:
                             nz = npu.npu_format_cast(w.data, ACL_FORMAT_FRACTAL_NZ)
-                        is_nz = npu.get_npu_format(nz) == ACL_FORMAT_FRACTAL_NZ
-                        if is_nz and not self.path.slower(w.data, nz):
+                        int8 = w.dtype == torch.int8
+                        verdict = self._numbers(npu, module, w, nz, int8)
+                        if verdict is None or not verdict.ok:
+                            why_not = verdict.describe() if verdict else "the NZ check faulted"
+                            if not int8:
+                                self._rollback(state)
+                                state.reasons.append(why_not + "; no weight cast")
+                                return
+                            why = f"int8 NZ refused: {why_not}"
+                        elif npu.get_npu_format(nz) != ACL_FORMAT_FRACTAL_NZ:
+                            why = SKIP_CAST_FAILED
+                        elif not int8 and self.path.slower(w.data, nz):  # int8 NZ is not timed yet
+                            why = SKIP_SLOWER
+                        else:
                             w.data = nz
-                            state.cast.append((f"{prefix}.{name}".strip("."), w))
+                            state.cast.append((full, w))
+                            if int8:
+                                state.int8[full] = "FRACTAL_NZ"
+                                self.stats["int8_weights_nz"] += 1
                             continue
-                        why = SKIP_SLOWER if is_nz else SKIP_CAST_FAILED
+                if is_npu_int8(module):
+                    state.int8[full] = why
                 state.skipped[why] += 1
+
+    def _numbers(self, npu: ModuleType, module: nn.Module, w: nn.Parameter, nz: torch.Tensor, int8: bool) -> Any:
+        """The verdict on ``nz``: per weight shape for int8 weights, else once per (device, dtype)."""
+        if int8:
+            key = (str(w.device), "int8", *w.shape)
+            return self.int8.decide(key, lambda: self.int8.check_int8(npu, module, nz))
+        key = (str(w.device), str(w.dtype).removeprefix("torch."))
+        return self.path.decide(key, lambda: self.path.check(w.data, nz))
 
     def _rollback(self, state: _State) -> None:
         """Cast back to ND every weight cast so far (lossless: a layout change)."""
@@ -307,6 +343,7 @@ class NzWeights(Optimization):
                 w.data = state.npu.npu_format_cast(w.data, ACL_FORMAT_ND)
         state.cast.clear()
         state.skipped.clear()
+        state.int8.clear()
 
     def _detach(self, model: nn.Module) -> None:
         state = self._models.pop(model, None)
@@ -316,6 +353,7 @@ class NzWeights(Optimization):
 
     def _uninstall(self) -> None:
         self.path.clear()
+        self.int8.clear()
 
 
 def _unquantized_types() -> tuple[type, ...]:

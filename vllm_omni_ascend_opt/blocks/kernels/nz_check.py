@@ -156,3 +156,41 @@ class NzPath(KernelPath):
     def check(self, w_nd: torch.Tensor, w_nz: torch.Tensor) -> Verdict:
         key = (str(w_nd.device), str(w_nd.dtype).removeprefix("torch."))
         return self.verdict(key, *check_nz_linear(w_nd, w_nz))
+
+
+def is_npu_int8(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs vLLM-Omni's NPU int8 (``npu_dynamic_quant`` + ``npu_quant_matmul``, int8 ``[k, n]``)."""
+    return any(c.__name__ == "NPUInt8LinearMethod" for c in type(getattr(module, "quant_method", None)).__mro__)
+
+
+def check_nz_quant_matmul(npu: ModuleType, module: torch.nn.Module, w_nz: torch.Tensor) -> tuple[bool, str]:
+    """``npu_quant_matmul`` with the NZ weight against the ND one at this weight shape, with and without bias and at
+    a few row counts: int32 accumulation is exact, so the results must be bit for bit the same: (ok, detail)."""
+    w_nd, scale, bias = module.weight.data, module.weight_scale.data, getattr(module, "bias", None)
+    k, n = w_nd.shape
+    dtype = getattr(module, "orig_dtype", torch.bfloat16)
+    g = torch.Generator().manual_seed(0x4E5A)
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, k, generator=g).to(device=w_nd.device, dtype=dtype)
+        qx, s = npu.npu_dynamic_quant(x)
+        for b in (bias, None):
+            kw = dict(bias=b, pertoken_scale=s, output_dtype=dtype)
+            try:
+                got = npu.npu_quant_matmul(qx, w_nz, scale, **kw)
+            except Exception as exc:
+                return False, f"npu_quant_matmul with an NZ int8 weight {k}x{n} raised {exc.__class__.__name__}: {exc}"
+            if not torch.equal(got, npu.npu_quant_matmul(qx, w_nd, scale, **kw)):
+                return False, f"npu_quant_matmul with the NZ int8 weight {k}x{n} is not bitwise the ND result"
+    return True, f"bitwise the ND result (int8 weight {k}x{n}, 1/7/64 rows, with and without bias)"
+
+
+class NzInt8Path(NzPath):
+    """FRACTAL_NZ int8 weights of vLLM-Omni's NPU int8 linears: one bitwise check per weight shape."""
+
+    kernel = "FRACTAL_NZ int8 weight"
+    candidates = (Candidate("npu_format_cast", "exact"),)
+
+    def check_int8(self, npu: ModuleType, module: torch.nn.Module, w_nz: torch.Tensor) -> Verdict:
+        key = (str(w_nz.device), "int8", *w_nz.shape)
+        ok, detail = check_nz_quant_matmul(npu, module, w_nz)
+        return self.verdict(key, ok, detail, bitwise=ok)

@@ -1,0 +1,60 @@
+"""vLLM-Omni's NPU int8 (``--quantization int8``) priced on the bf16 trace (a model, never a measurement).
+
+vLLM-Omni 0.30's ``NPUInt8LinearMethod`` runs each quantized linear as ``npu_dynamic_quant(x)`` (bf16 in, int8 and
+an fp32 per-token scale out) and ``npu_quant_matmul`` (int8 x int8, int32 sums, bf16 out). It quantizes the blocks'
+linears and keeps the modulation (``img_mod``/``txt_mod``, M = 1) and the timestep embedder in full precision
+(``safe_quant_config``, ``quant_config=None``); the few other linears outside the blocks are priced as bf16 here.
+
+:func:`int8_table` rewrites a bf16 call's op table: each quantized GEMM keeps its FLOPs, priced at the int8 peak
+(:data:`INT8_PEAK_RATIO` x the bf16 one [PEAK-I8]) with int8 operand bytes, plus one ``npu_dynamic_quant`` launch
+priced by its bytes. What it cannot price: the weight layout. An NZ int8 weight (``nz_weights``) has the same FLOPs
+and bytes as an ND one, so the model gives it 0 ms; only a measurement can say what it is worth.
+
+* [PEAK-I8] the Da Vinci cube does 4096 FP16 or 8192 INT8 MACs per cycle (Hot Chips 2019; Ascend 910: 256 TFLOPS
+  FP16, 512 TOPS INT8), so the int8 peak is twice the FP16/BF16 one; third-party 910B summaries quote the same ratio.
+"""
+
+from __future__ import annotations
+
+import re
+
+from vllm_omni_ascend_opt.devtime.costs import GEMM, OTHER
+from vllm_omni_ascend_opt.devtime.trace import BLOCKS, OpTable
+
+#: int8 peak / bf16 peak [PEAK-I8].
+INT8_PEAK_RATIO = 2.0
+GEMM_INT8 = "gemm_int8"
+QUANT_OP = "npu_dynamic_quant"
+_DIMS = re.compile(r"(\d+)x(\d+)")
+
+
+def gemm_shape(site: str) -> tuple[int, int, int] | None:
+    """(M, K, N) of a traced 2-D GEMM from its site's shapes (``addmm``: ``N,MxK,KxN``; ``mm``: ``MxK,KxN``)."""
+    dims = _DIMS.findall(site.partition("|")[2])
+    if len(dims) < 2:
+        return None
+    (m, k), (k2, n) = (tuple(map(int, d)) for d in dims[-2:])
+    return (m, k, n) if k == k2 else None
+
+
+def quantized(op: object, blocks: int = BLOCKS) -> bool:
+    """Whether vLLM-Omni's int8 quantizes this GEMM: a per-block linear (launched once per block) with M > 1."""
+    shape = gemm_shape(op.site)  # type: ignore[attr-defined]
+    count = op.count  # type: ignore[attr-defined]
+    return op.kind == GEMM and shape is not None and shape[0] > 1 and count % blocks == 0  # type: ignore[attr-defined]
+
+
+def int8_table(table: OpTable, blocks: int = BLOCKS) -> OpTable:
+    """``table`` (one bf16 call) as vLLM-Omni's NPU int8 runs it: int8 GEMMs and their dynamic quantizations."""
+    out = OpTable()
+    for op in table.ops.values():
+        if not quantized(op, blocks):
+            out.add(op.name, op.kind, op.site, op.flops, op.bytes, op.count)
+            continue
+        m, k, n = gemm_shape(op.site)  # type: ignore[misc]
+        bias = 2 * n if op.name.startswith("addmm") else 0
+        gemm_bytes = m * k + k * n + 2 * m * n + 4 * m + 4 * n + bias  # int8 x, w; bf16 out; fp32 scales
+        out.add(f"npu_quant_matmul[{op.name}]", GEMM_INT8, op.site, op.flops, gemm_bytes * op.count, op.count)
+        quant_bytes = 2 * m * k + m * k + 4 * m  # bf16 in, int8 out, fp32 per-token scale
+        out.add(QUANT_OP, OTHER, op.site, 0.0, quant_bytes * op.count, op.count)
+    return out
