@@ -92,8 +92,10 @@ def _plain_param(t: Any, k: _Known) -> bool:
 def linear_args(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | str:
     """``(weight, bias)`` of ``layer`` when calling ``F.linear`` directly is exactly its module path, else why not."""
     k = _decided()
-    if isinstance(k, str):
-        return k
+    return k if isinstance(k, str) else _linear_args(layer, k)
+
+
+def _linear_args(layer: nn.Module, k: _Known) -> tuple[torch.Tensor, torch.Tensor | None] | str:
     kind = k.linear_kinds.get(type(layer))
     if kind is None:
         return f"{type(layer).__name__} is not a plain vLLM linear (quantized, LoRA or platform layer)"
@@ -130,7 +132,7 @@ def mlp_args(ff: nn.Module) -> tuple[Any, ...] | str:
     act, ident, out = net
     if type(act) is not k.gelu or type(ident) is not nn.Identity or not (_plain(act) and _plain(ident) and _plain(net)):
         return "FeedForward.net is not (ColumnParallelApproxGELU, Identity, linear), or carries hooks"
-    first, second = linear_args(act.proj), linear_args(out)
+    first, second = _linear_args(act.proj, k), _linear_args(out, k)
     for args in (first, second):
         if isinstance(args, str):
             return args

@@ -116,9 +116,14 @@ def silu_linear(seq: nn.Module) -> nn.Module:
     act, lin = mods.values()
     if type(act) is not nn.SiLU or act.inplace:
         raise Unkeyable("modulation activation is not an out-of-place nn.SiLU")
-    if any(guards.hooked(m) for m in seq.modules()):
+    if guards.hooked(seq) or _hooked_tree(act) or _hooked_tree(lin):
         raise Unkeyable("forward hooks on a modulation module (skipping it would skip the hook)")
     return lin
+
+
+def _hooked_tree(m: nn.Module) -> bool:
+    """``m`` or a module below it carries forward hooks (a leaf is checked without walking)."""
+    return guards.hooked(m) or (bool(m._modules) and any(guards.hooked(c) for c in m.modules()))
 
 
 def block_parts(

@@ -14,9 +14,8 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
+import torch
 import torch.nn as nn
-
-from vllm_omni_ascend_opt.blocks.upstream import guards
 
 T = TypeVar("T")
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -86,7 +85,7 @@ def _scoped_class(cls: type) -> type:
 
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         w = _WATCHED.get(self)
-        if w is None or self._compiled_call_impl is not None or guards.tracing():
+        if w is None or self._compiled_call_impl is not None or torch.compiler.is_compiling():  # dynamo traces
             return base_call(self, *args, **kwargs)
         if _STACK and not _mine():  # another thread's forward is open: outside the threading contract
             if not _WARNED[0]:

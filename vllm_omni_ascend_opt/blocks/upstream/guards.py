@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.nn.modules import module as _torch_module
 
 from vllm_omni_ascend_opt import _backend
-from vllm_omni_ascend_opt.blocks.upstream import targets
+from vllm_omni_ascend_opt.blocks.upstream import forward_scope, targets
 
 
 def tracing() -> bool:
@@ -32,15 +32,20 @@ def hooked(module: nn.Module) -> bool:
 
 def call_reason(*grad_tensors: torch.Tensor, any_grad: bool = False, hooks: bool = True) -> str | None:
     """Why patched code must run stock code for this call, or None: autograd (``any_grad``: any; else through one of
-    ``grad_tensors``), graph capture, global module hooks (``hooks``)."""
+    ``grad_tensors``); graph capture and global module hooks (``hooks``), once per forward."""
     if torch.is_grad_enabled() and (any_grad or any(t.requires_grad for t in grad_tensors)):
         return "autograd is recording"
+    if hooks:
+        return forward_scope.decide("guards.capture_or_hooks", _capture_or_hooks_reason)
+    return forward_scope.decide("guards.capture", _backend.graph_capture_reason)
+
+
+def _capture_or_hooks_reason() -> str | None:
+    """Process-wide, the same for the whole forward: a graph capture, then global module hooks."""
     why = _backend.graph_capture_reason()
-    if why:
-        return why
-    if hooks and global_hooks():
+    if why is None and global_hooks():
         return "global nn.Module forward hooks are registered"
-    return None
+    return why
 
 
 def _is_compiled(fn: Any) -> bool:
