@@ -179,6 +179,27 @@ def test_reading_the_real_config_gives_nothing_which_is_why_nz_weights_must_not_
     assert getattr(real, "allow_internal_format", None) is None
 
 
+def test_timing_plan_prices_quant_matmul_by_the_schema_weight_argument(wheel, fake_npu):
+    """The timing plan reads ``npu_quant_matmul``'s weight where the real schema has it (``x2``, second positional):
+    default ND 1 ms, NZ 0.5 ms; ``by_weight_format`` sets both, positional or keyword."""
+    arg = reference.schemas()["npu_quant_matmul"].args[1]
+    assert (arg.name, arg.kw_only) == ("x2", False)
+    npu = fake_npu(timed=True)
+    q, s = npu.npu_dynamic_quant(torch.randn(4, 16).to(torch.bfloat16))
+    nd = torch.randint(-127, 128, (16, 8), dtype=torch.int8)
+    nz, ws = npu.npu_format_cast(nd, formats.FRACTAL_NZ), torch.rand(8)
+
+    def ms(w, keyword=False):
+        t0 = npu.timing.clock
+        args, kw = ((q,), {"x2": w, "scale": ws}) if keyword else ((q, w, ws), {})
+        npu.npu_quant_matmul(*args, pertoken_scale=s, output_dtype=torch.bfloat16, **kw)
+        return npu.timing.clock - t0
+
+    assert (ms(nd), ms(nz)) == (1.0, 0.5)
+    npu.timing.by_weight_format("npu_quant_matmul", 2.0, 1.5)
+    assert (ms(nd), ms(nz), ms(nd, True), ms(nz, True)) == (2.0, 1.5, 2.0, 1.5)
+
+
 def test_fake_rms_norm_computes_the_documented_result_and_enforces_its_constraints(fake_npu):
     """[OP-RMS]: y = x * rsqrt(mean(x^2) + eps) * gamma (fp32 inside, one rounding), rstd float32; dtypes
     fp16/bf16/fp32 with gamma of self's dtype; self 2-8 dims; gamma the trailing dims of self."""

@@ -221,3 +221,45 @@ def test_nz_int8_fault_rolls_every_weight_back(runtime, monkeypatch, fake_npu):
     assert any("after 19 weight(s)" in w and "every weight was restored to ND" in w for w in _report.explain(nz, pipe))
     fmts = {formats.get_npu_format(m.weight) for m in pipe.transformer.modules() if hasattr(m, "quant_method")}
     assert fmts == {formats.ND} and torch.equal(stock, got)
+
+
+@pytest.mark.parametrize("nz_ms", [0.8, 1.0])
+def test_nz_int8_kept_only_where_the_quant_matmul_is_faster(runtime, monkeypatch, fake_npu, nz_ms):
+    """Per int8 weight shape, ``npu_quant_matmul`` on the ND weight then on the NZ one (the activation quantized once
+    by ``npu_dynamic_quant``), 2 warm-ups + 5 repeats each: NZ kept where it beats ND by the margin, else the weight
+    stays ND with the reason and both figures; the timings are saved and a second start measures none."""
+    from vllm_omni_ascend_opt.blocks.kernels import saved, timing
+    from vllm_omni_ascend_opt.opts import nz_weights as nzw
+
+    fake = fake_npu(timed=True)
+    fake.timing.by_weight_format("npu_quant_matmul", 1.0, nz_ms)
+    pipe = h.load_int8(runtime, monkeypatch, fake)
+    stock = _images(pipe, runtime, "none")
+    qmm, dq = fake.calls["npu_quant_matmul"], fake.calls["npu_dynamic_quant"]
+    nz = registry.get("nz_weights")
+    nz.stats.clear()
+    assert api.select("none,+nz_weights", model=pipe) == ["nz_weights"]
+    timed = nz.int8.timed
+    assert {k[2:4] for k in timed} == {(64, 192), (64, 64), (64, 256), (256, 64)}
+    assert nz.stats["timings"] == 2 * (len(timed) + len(nz.path.timed))  # and the bf16 weights' shapes
+    assert all(t["stock_ms"] == 1.0 and t["kernel_ms"] == nz_ms for t in timed.values())
+    timed_calls = 2 * (timing.WARMUPS + timing.REPEATS)  # ND then NZ, after the bitwise check's 3 rows x 2 bias x 2
+    assert fake.calls["npu_quant_matmul"] - qmm == 4 * (12 + timed_calls)
+    assert fake.calls["npu_dynamic_quant"] - dq == 4 * (3 + 1)  # one quantized activation per timed shape
+    for key, t in timed.items():
+        assert saved.lookup("FRACTAL_NZ int8 weight.timing", key) == (True, "timed", t)
+    rep = nz.report(pipe)
+    if nz_ms < 1.0:
+        assert set(rep["int8"].values()) == {"FRACTAL_NZ"}
+    else:
+        why = f"{nzw.SKIP_SLOWER} (slower: kernel 1 ms, stock 1 ms (needs 2% less))"
+        assert set(rep["int8"].values()) == {why} and rep["skipped"][why] == 16
+        assert any(n.startswith(f"int8: 16 vLLM-Omni NPU int8 linear(s), 0 in FRACTAL_NZ; 16 ND: {why}")
+                   for n in nz.notes())  # fmt: skip
+        assert all(formats.get_npu_format(m.weight) == formats.ND for n, m in pipe.transformer.named_modules()
+                   if f"transformer.{n}" in rep["int8"])  # fmt: skip
+    assert torch.equal(stock, _images(pipe, runtime, "none,+nz_weights"))
+    api.select("none", model=pipe)
+    nz.stats.clear()
+    assert api.select("none,+nz_weights", model=pipe) == ["nz_weights"]  # again: the saved timings, none measured
+    assert nz.stats["timings"] == 0 and nz.report(pipe)["int8"] == rep["int8"]

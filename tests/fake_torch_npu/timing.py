@@ -4,7 +4,8 @@ fake kernel call a device time, and ``torch.npu.Event`` / ``synchronize`` that r
 Wall-clock time on a CPU says nothing about an NPU, so timing tests configure ``mod.timing`` instead: ``set(kernel,
 ms)`` (``ms``: a number, or a function of the call's arguments, e.g. slower at one shape class), and ``stock`` for
 a timed region in which no fake kernel ran (the stock path: plain torch ops). Defaults: every kernel 0.5 ms, stock
-1.0 ms (every kernel wins). ``Event(enable_timing=True)`` as torch_npu 2.13.0 defines it (``torch_npu.npu.Event``:
+1.0 ms (every kernel wins); ``npu_quant_matmul``, whose ND weight is the stock path of an NZ one, 1.0 ms with an ND
+``x2`` and 0.5 ms with a FRACTAL_NZ one (:meth:`TimingPlan.by_weight_format` sets other figures). ``Event(enable_timing=True)`` as torch_npu 2.13.0 defines it (``torch_npu.npu.Event``:
 ``enable_timing``, ``blocking``, ``interprocess``): ``record()``, ``synchronize()``, ``elapsed_time(end)`` in ms.
 """
 
@@ -12,6 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import torch
+
+from tests.fake_torch_npu import formats
 
 DEFAULT_KERNEL_MS, DEFAULT_STOCK_MS = 0.5, 1.0
 
@@ -25,9 +30,23 @@ class TimingPlan:
         self.clock = 0.0
         self.calls = 0
         self.elapsed = 0
+        self.by_weight_format("npu_quant_matmul", DEFAULT_STOCK_MS, DEFAULT_KERNEL_MS)
 
     def set(self, kernel: str, ms: float | Callable[..., float]) -> None:
         self.costs[kernel] = ms
+
+    def by_weight_format(self, kernel: str, nd_ms: float, nz_ms: float) -> None:
+        """``kernel`` (a GEMM: ``x1``, ``x2``, ...) costs ``nz_ms`` when its weight ``x2`` is FRACTAL_NZ, else
+        ``nd_ms``; a call the kernel will reject (``x2`` not an NPU tensor) is priced as ND."""
+
+        def cost(*args: Any, **kwargs: Any) -> float:
+            x2 = args[1] if len(args) > 1 else kwargs.get("x2")
+            nz = (
+                isinstance(x2, torch.Tensor) and formats.on_npu(x2) and formats.get_npu_format(x2) == formats.FRACTAL_NZ
+            )
+            return nz_ms if nz else nd_ms
+
+        self.set(kernel, cost)
 
     def tick(self, kernel: str, args: tuple, kwargs: dict) -> None:
         """One call of ``kernel`` ran on the device: the clock advances by its planned time."""

@@ -82,7 +82,8 @@ def trial_cast(npu: ModuleType, w_nd: torch.Tensor) -> tuple[torch.Tensor | None
     return nz, ""
 
 
-#: The saved NZ GEMM timings (key: device, dtype, n, k, rows), read by ``devtime/measured.py`` too.
+#: The saved NZ GEMM timings (key: device, dtype, n, k, rows), read by ``devtime/measured.py`` too; the int8 ones are
+#: ``FRACTAL_NZ int8 weight.timing`` (key: device, "int8", k, n, rows).
 NZ_TIMING = "FRACTAL_NZ linear.timing"
 #: The NZ check's GEMM at production rows: at most this many rows, and at most CHECK_ELEMS elements per operand.
 PRODUCTION_ROWS = 4096
@@ -129,25 +130,30 @@ class NzPath(KernelPath):
         #: per (device, dtype, n, k): the NZ GEMM's timing against ND at production rows (:meth:`slower`)
         self.timed: dict[tuple, dict[str, Any]] = {}
 
-    def slower(self, w_nd: torch.Tensor, w_nz: torch.Tensor) -> bool:
-        """Whether the NZ GEMM misses the margin against ND at production rows (timed once per weight shape, ND
-        first, then NZ, and saved as :data:`NZ_TIMING`); False with timing off."""
+    def slower(self, w_nd: torch.Tensor, w_nz: torch.Tensor, module: torch.nn.Module | None = None) -> str:
+        """Why the NZ GEMM is not kept ("slower: ..."), or "" where it beats ND by the margin at production rows
+        (timed once per weight shape, ND first, then NZ, and saved as ``<kernel>.timing``); "" with timing off."""
         if not timing.enabled():
-            return False
-        n, k = w_nd.shape
-        rows = max(16, min(PRODUCTION_ROWS, CHECK_ELEMS // max(n, k)))
-        key = (str(w_nd.device), str(w_nd.dtype).removeprefix("torch."), n, k, rows)
+            return ""
+        rows = max(16, min(PRODUCTION_ROWS, CHECK_ELEMS // max(w_nd.shape)))
+        key = (str(w_nd.device), str(w_nd.dtype).removeprefix("torch."), *w_nd.shape, rows)
         if key not in self.timed:
-            hit = saved.lookup(NZ_TIMING, key)
+            hit = saved.lookup(self.kernel + ".timing", key)
             if hit is None or hit[2] is None:
-                x = torch.randn(1, rows, k, generator=torch.Generator().manual_seed(0x4E5A)).to(w_nd.device, w_nd.dtype)
-                nd = timing.measure(lambda: torch.nn.functional.linear(x, w_nd), w_nd.device)
-                nz = timing.measure(lambda: torch.nn.functional.linear(x, w_nz), w_nd.device)
+                gemm = self.gemm(w_nd, rows, module)
+                nd = timing.measure(lambda: gemm(w_nd), w_nd.device)
+                nz = timing.measure(lambda: gemm(w_nz), w_nd.device)
                 hit = (True, "timed", timing.report({self.candidates[0].name: nz}, nd, [self.candidates[0].name]))
                 self.stats["timings"] += 2
-                saved.save(NZ_TIMING, key, True, "timed", hit[2])
+                saved.save(self.kernel + ".timing", key, True, "timed", hit[2])
             self.timed[key] = hit[2]
-        return self.timed[key]["candidate"] is None
+        return "" if self.timed[key]["candidate"] else timing.slower(self.timed[key])
+
+    def gemm(self, w_nd: torch.Tensor, rows: int, module: torch.nn.Module | None) -> Any:
+        """The GEMM :meth:`slower` times, as a function of the weight: ``F.linear`` of ``rows`` random rows."""
+        x = torch.randn(1, rows, w_nd.shape[1], generator=torch.Generator().manual_seed(0x4E5A))
+        x = x.to(w_nd.device, w_nd.dtype)
+        return lambda w: torch.nn.functional.linear(x, w)
 
     def clear(self) -> None:
         super().clear()
@@ -185,10 +191,20 @@ def check_nz_quant_matmul(npu: ModuleType, module: torch.nn.Module, w_nz: torch.
 
 
 class NzInt8Path(NzPath):
-    """FRACTAL_NZ int8 weights of vLLM-Omni's NPU int8 linears: one bitwise check per weight shape."""
+    """FRACTAL_NZ int8 weights of vLLM-Omni's NPU int8 linears: one bitwise check per weight shape, then the
+    ``npu_quant_matmul`` timing of NZ against ND (:meth:`gemm`)."""
 
     kernel = "FRACTAL_NZ int8 weight"
     candidates = (Candidate("npu_format_cast", "exact"),)
+
+    def gemm(self, w_nd: torch.Tensor, rows: int, module: torch.nn.Module | None) -> Any:
+        """vLLM-Omni's NPU int8 ``apply``: ``npu_quant_matmul`` with its arguments, on ``rows`` random activations
+        quantized once by ``npu_dynamic_quant`` (the same for ND and NZ, so outside the timed calls)."""
+        npu, dtype = _backend.torch_npu_module(), getattr(module, "orig_dtype", torch.bfloat16)
+        x = torch.randn(rows, w_nd.shape[0], generator=torch.Generator().manual_seed(0x4E5A)).to(w_nd.device, dtype)
+        qx, s = npu.npu_dynamic_quant(x)
+        scale, bias = module.weight_scale, getattr(module, "bias", None)  # type: ignore[union-attr]
+        return lambda w: npu.npu_quant_matmul(qx, w, scale, bias=bias, pertoken_scale=s, output_dtype=dtype)
 
     def check_int8(self, npu: ModuleType, module: torch.nn.Module, w_nz: torch.Tensor) -> Verdict:
         key = (str(w_nz.device), "int8", *w_nz.shape)
