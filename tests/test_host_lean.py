@@ -177,6 +177,31 @@ def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime,
     assert calls == []
 
 
+def test_direct_calls_follow_a_parameter_class_patched_between_forwards(runtime, monkeypatch):
+    """A weight class given its own ``__torch_function__`` between forwards: its linears are modules again (the
+    function runs), bitwise; with it gone, kernels again."""
+    tr = build(runtime)
+    kw = _inputs()
+    (want,) = stock_outputs(tr, runtime, [kw], "default")
+    ja = registry.get("joint_attention")
+    fwd(tr, runtime, kw)
+    cls = type(tr.transformer_blocks[0].attn.to_out.weight)
+    stock_tf, seen = cls.__torch_function__, []
+
+    def tf(c, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return stock_tf(func, types, args, kwargs or {})
+
+    monkeypatch.setattr(cls, "__torch_function__", classmethod(tf))
+    ja.reset_stats()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    assert ja.stats["direct_calls"] == 0 and ja.stats["module_calls"] == 8 and seen
+    monkeypatch.undo()
+    ja.reset_stats()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    assert ja.stats["direct_calls"] == 8 and ja.stats["module_calls"] == 0
+
+
 def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
     """The blocks find their memo entry through the timestep's value (read once per forward, B values) and temb's
     identity: no digest of temb; a change of the embedding's weights is a new key (the blocks recompute)."""

@@ -48,6 +48,7 @@ class _Known:
         }
         bad = fingerprints.reasons(targets.DIRECT_CALLS, "the direct calls")
         self.reason = "; ".join(bad) if bad else None
+        self.plain_types: set[type] = set()  # parameter classes :func:`_plain_param` passed in this forward
 
 
 _KNOWN: dict[tuple[int, ...], _Known] = {}
@@ -69,6 +70,7 @@ def _decide() -> _Known | str:
         k = _KNOWN[ident] = _Known()
     if k.reason:
         return k.reason
+    k.plain_types = {torch.Tensor, type(None)}  # a class's __torch_function__ may change between forwards
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda_alike() or current_platform.is_xpu():  # apply() reads the flag on these platforms
@@ -83,10 +85,14 @@ def _plain(m: nn.Module) -> bool:
 
 
 def _plain_param(t: Any, k: _Known) -> bool:
-    if t is None or type(t) is torch.Tensor:
+    cls = type(t)
+    if cls in k.plain_types:
         return True
-    tf = type(t).__torch_function__
-    return getattr(tf, "__func__", tf) in k.plain_tf
+    tf = cls.__torch_function__
+    if getattr(tf, "__func__", tf) not in k.plain_tf:
+        return False
+    k.plain_types.add(cls)
+    return True
 
 
 def linear_args(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | str:
@@ -99,9 +105,9 @@ def _linear_args(layer: nn.Module, k: _Known) -> tuple[torch.Tensor, torch.Tenso
     kind = k.linear_kinds.get(type(layer))
     if kind is None:
         return f"{type(layer).__name__} is not a plain vLLM linear (quantized, LoRA or platform layer)"
-    if not _plain(layer):
-        return "hooks or an instance forward on a linear"
     d = layer.__dict__
+    if layer._forward_hooks or layer._forward_pre_hooks or "forward" in d:  # not _plain(layer), inlined
+        return "hooks or an instance forward on a linear"
     qm = d.get("quant_method")
     if type(qm) is not k.uq or qm.__dict__.get("_gemm_impl") is not k.default_gemm:
         return "the linear's quant method is not vLLM's UnquantizedLinearMethod with the default GEMM"
@@ -109,8 +115,10 @@ def _linear_args(layer: nn.Module, k: _Known) -> tuple[torch.Tensor, torch.Tenso
         return "a tensor-parallel or skip_bias_add linear"
     if kind == "row" and not d.get("input_is_parallel"):
         return "a row-parallel linear whose input is split inside"
-    w, b = layer._parameters.get("weight"), layer._parameters.get("bias")
-    if w is None or not _plain_param(w, k) or not _plain_param(b, k):
+    p = layer._parameters
+    w, b = p.get("weight"), p.get("bias")
+    plain = k.plain_types
+    if w is None or not (type(w) in plain or _plain_param(w, k)) or not (type(b) in plain or _plain_param(b, k)):
         return "a linear weight with its own __torch_function__ (DTensor, quantized tensor)"
     return w, b
 

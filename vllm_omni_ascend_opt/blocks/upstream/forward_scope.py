@@ -52,7 +52,7 @@ def current() -> dict[Hashable, Any] | None:
 
 def decide(key: Hashable, make: Callable[[], T]) -> T:
     """The decision ``key`` of this forward (``make()`` at the first ask; outside a scope at every ask)."""
-    if not _mine():
+    if not _STACK or _OWNER[0] != threading.get_ident():  # _mine(), inlined: asked several times per block
         return make()
     table = _STACK[-1]
     try:
