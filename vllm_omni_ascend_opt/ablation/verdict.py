@@ -187,7 +187,7 @@ def decide(
     wl = plan.workload
     fail, unsure, slow = [], [], []
     for c in configs:
-        if c["role"] == INFORMATION:  # measured for information only: never a reason for the verdict
+        if c.get("role") == INFORMATION:  # measured for information only: never a reason for the verdict
             continue
         if c["status"] == "failed":
             fail.append(f"configuration {c['id']} failed: {c['error']}")
