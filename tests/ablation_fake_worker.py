@@ -11,6 +11,8 @@ in well under a second per process. Its behaviour comes from the ``ABLATION_FAKE
                        processes (a process that simply runs slower in a stage nothing compared there changes)
     ctrl_offset_ms     added to the control configuration (sets the noise floor)
     perturb            {opt: amplitude}: image changes when the configuration includes opt
+    quantized_ms       denoise time saved when the job's od_config sets quantization_config (vLLM-Omni's int8)
+    quantized_perturb  image change (amplitude) when the job's od_config sets quantization_config
     crash_start        [config ids]: exit with code 3 before "ready"
     error_run          {config id: n}: the n-th run (1-based, warm-ups included) answers an error event
     die_run            {config id: n}: the n-th run kills this process with SIGKILL (as the OOM killer would)
@@ -125,10 +127,15 @@ def main() -> int:
         for k, v in staged.items():
             stages[own[k]] -= v
             total -= v
+        quantized = bool((job.get("od_config") or {}).get("quantization_config"))
+        if quantized:
+            stages["denoise"] -= float(fake.get("quantized_ms", 0.0))
+            total -= float(fake.get("quantized_ms", 0.0))
         for st, ms in fake.get("stage_delay_ms", {}).get(cid, {}).items():
             stages[st] += float(ms)
             total += float(ms)
         amp = sum(v for k, v in fake.get("perturb", {}).items() if k in opts)
+        amp += float(fake.get("quantized_perturb", 0.0)) if quantized else 0.0
         img = _image(int(cmd["seed"]), int(cmd["prompt"]), amp, job["height"], job["width"])
         if job.get("dtype") == "bfloat16":  # keep the top 16 bits of each float32, as a bf16 cast does
             img = (img.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)

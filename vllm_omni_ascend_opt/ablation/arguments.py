@@ -50,7 +50,7 @@ def _arguments() -> dict[str, dict[str, Any]]:
     table: dict[str, dict[str, Any]] = {f: {"type": int} for f in ints.split()}
     table.update({f: {"action": "append"} for f in ("--prompt", "--only", "--skip")})
     table.update({f: {} for f in ("--model", "--negative-prompt", "--image", "--order")})
-    bools = ("--enforce-eager", "--pause-idle")
+    bools = ("--enforce-eager", "--pause-idle", "--vs-unquantized")
     table.update({f: {"action": argparse.BooleanOptionalAction, "default": None} for f in bools})
     choices = {"--engine": ENGINES, "--dtype": DTYPES, "--mode": MODES, "--stack": STACKS, "--schedule": SCHEDULES}
     table.update({f: {"choices": c} for f, c in choices.items()})

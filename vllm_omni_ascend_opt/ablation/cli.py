@@ -46,6 +46,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--stack": "default: the full stack is the default-on optimizations; all: every active one",
         "--quality-gates": "gates of 'close' optimizations",
         "--min-improvement-pct": "PASS needs the full stack to save at least this %% of stock (default 1)",
+        "--vs-unquantized": "also run stock without od_config's quantization_config (vLLM-Omni's int8) and report "
+        "the quantized stock against it (time, SSIM/PSNR) as information, outside the verdict",
         "--import": "import MODULE in the runner and every worker before the plugin loads (out-of-tree optimizations)",
         "--schedule": "resident: one live worker per configuration, interleaved request by request; per-round: a "
         "fresh process per configuration and round, one at a time (auto: resident for tiny, per-round otherwise)",
@@ -60,7 +62,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "workload (a named workload's values, then these, override the defaults)": "--workload --model --engine "
         "--dtype --height --width --steps --cfg-scale --prompt --prompts-file --negative-prompt --seeds --warmup "
         "--repeats --max-sequence-length --enforce-eager",
-        "ablation": "--mode --order --only --skip --stack --quality-gates --min-improvement-pct --import",
+        "ablation": "--mode --order --only --skip --stack --quality-gates --min-improvement-pct --vs-unquantized "
+        "--import",
         "execution": "--schedule --process-sets --pause-idle --start-jobs --threads --timeout --start-timeout",
     }
     add_arguments(p, groups, helps).add_argument(
@@ -115,7 +118,8 @@ def _print_plan(plan: Any, est: Any | None = None) -> None:
     print(f"  full stack: {', '.join(plan.stack) or '(empty)'}")
     print(f"\n  {'configuration':<24} {'role':<14} VLLM_OMNI_ASCEND_OPT")
     for c in plan.configs:
-        print(f"  {c.id:<24} {c.role:<14} {c.spec}")
+        drop = f" (od_config without {', '.join(c.od_drop)}: information, no verdict)" if c.od_drop else ""
+        print(f"  {c.id:<24} {c.role:<14} {c.spec}{drop}")
     close = [n for n in plan.stack if plan.opts[n].equivalence == "close"]
     if close:
         print("\n  close-tier gates (each vs the configuration without it; several at once: the loosest of theirs):")
@@ -160,7 +164,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         launch = _launch_estimate(plan)
         devtime = devtime_report.for_plan(
-            {c.id: list(c.opts) for c in plan.configs},
+            # the unquantized information configuration is bf16 stock: the bf16 column already prices it
+            {c.id: list(c.opts) for c in plan.configs if not c.od_drop},
             model=wl.model,
             height=wl.height,
             width=wl.width,
@@ -252,6 +257,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def print_summary(results: dict[str, Any]) -> None:
     """The main table of report.md, as text."""
+    from vllm_omni_ascend_opt.ablation import information
     from vllm_omni_ascend_opt.ablation.report import _ms, _on, _p, _pct, _saved, comparison_rows, gate_cell
 
     print(
@@ -276,6 +282,8 @@ def print_summary(results: dict[str, Any]) -> None:
     for c in results["configs"]:
         if c["status"] != "ok":
             print(f"configuration {c['id']}: {c['status']}" + (f" ({c['error']})" if c["error"] else ""))
+    if line := information.summary((results.get("information") or {}).get("vs_unquantized")):
+        print(textwrap.fill(line, 110, subsequent_indent="  "))
     v = results["verdict"]
     print(f"\nverdict: {v['result']} (exit {v['exit_code']})")
     for r in v["reasons"]:

@@ -46,16 +46,37 @@ def opt_infos_from_registry() -> list[OptInfo]:
     return out
 
 
+#: The role of a configuration measured for information only: no verdict, gate or exit code depends on it.
+INFORMATION = "information"
+#: The ``vs_unquantized`` information configuration: stock with the workload's od_config minus its quantization.
+UNQUANTIZED = "stock_unquantized"
+#: The od_config field that holds vLLM-Omni's quantization (``int8``); the only one the information run drops.
+QUANTIZATION_KEY = "quantization_config"
+
+
 @dataclass(frozen=True)
 class Config:
     id: str  # file-system safe, unique
     label: str  # for people
     opts: tuple[str, ...]  # in registry order
-    role: str  # stock | full | control | leave-one-out | cumulative | single
+    role: str  # stock | full | control | leave-one-out | cumulative | single | information
+    #: od_config fields this configuration runs without (the workload's others stay): its worker's job drops them.
+    od_drop: tuple[str, ...] = ()
 
     @property
     def spec(self) -> str:
         return ",".join(["none", *(f"+{n}" for n in self.opts)])
+
+    def od_config(self, workload_od: dict[str, Any]) -> dict[str, Any]:
+        """The vLLM-Omni modes this configuration's worker runs with: the workload's, less :attr:`od_drop`."""
+        return {k: v for k, v in workload_od.items() if k not in self.od_drop}
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields that identify it (``od_drop`` only when set: plans without it keep their fingerprint)."""
+        d = dataclasses.asdict(self)
+        if not self.od_drop:
+            del d["od_drop"]
+        return d
 
 
 #: Workload fields that do not change what a measurement means (presentation, gates and patience).
@@ -125,7 +146,7 @@ class Plan:
         blob = json.dumps(
             {
                 "workload": {k: v for k, v in wl.to_dict().items() if k not in UNMEASURED},
-                "configs": [dataclasses.asdict(c) for c in self.configs],
+                "configs": [c.as_dict() for c in self.configs],
                 "engine": self.engine,
                 "schedule": self.schedule,
                 "model": model,
@@ -153,7 +174,10 @@ class Plan:
                 }
                 for n, o in self.opts.items()
             },
-            "configs": [{**dataclasses.asdict(c), "opts": list(c.opts), "spec": c.spec} for c in self.configs],
+            "configs": [
+                {**dataclasses.asdict(c), "opts": list(c.opts), "od_drop": list(c.od_drop), "spec": c.spec}
+                for c in self.configs
+            ],
             "comparisons": [{"opt": c.opt, "with": c.with_, "without": c.without} for c in self.comparisons],
             "imports": list(self.extra_imports),
             "notes": list(self.notes),
@@ -272,6 +296,11 @@ def build_plan(
     if full:
         # The control: deliberately a duplicate of the full stack, in its own process.
         configs.append(Config("full_ctrl", "full stack (control)", full, "control"))
+    if workload.vs_unquantized:
+        # Information: stock as it would run without the quantization, interleaved with the others like them.
+        quant = workload.od_config.get(QUANTIZATION_KEY)
+        label = f"stock without quantization_config={quant!r} (information, no verdict)"
+        configs.append(Config(UNQUANTIZED, label, (), INFORMATION, od_drop=(QUANTIZATION_KEY,)))
 
     notes = []
     eng = engine or workload.engine

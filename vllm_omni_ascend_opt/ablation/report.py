@@ -11,7 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_omni_ascend_opt.ablation import information
 from vllm_omni_ascend_opt.ablation.compare import fmt_db
+from vllm_omni_ascend_opt.ablation.plan import INFORMATION
 from vllm_omni_ascend_opt.ablation.protocol import STAGES
 from vllm_omni_ascend_opt.ablation.schema import RESULTS_SCHEMA
 
@@ -50,6 +52,7 @@ def build_results(data: Any, analysis: dict[str, Any], command: list[str] | None
         "full_vs_stock": analysis["full_vs_stock"],
         "optimizations": analysis["optimizations"],
         "configs": analysis["configs"],
+        "information": analysis.get("information"),
         "samples": rows("sample"),
         "failures": rows("failure"),
         "run": {
@@ -244,6 +247,7 @@ def markdown(results: dict[str, Any]) -> str:
         "comparison is inconclusive). docs/ablation.md in vllm-omni-ascend-opt explains how to read this report.",
         "",
         _significance(sig),
+        *information.section((results.get("information") or {}).get("vs_unquantized"), results["gates"]),
         "",
         "## Configurations",
         "",
@@ -254,6 +258,8 @@ def markdown(results: dict[str, Any]) -> str:
         tot = "–" if t["mean"] is None else f"{t['mean']:.2f} ± {t['std']:.2f}"
         st = " | ".join(_ms(c["stages_ms"].get(s)) for s in STAGES)
         opts = ", ".join(c["opts"]) or "(none)"
+        if c["role"] == INFORMATION:  # other vLLM-Omni modes than the rest: its label says which
+            opts += f"; {c['label']}"
         stable = {True: "yes", False: "**no**", None: "–"}[c["outputs_stable_across_rounds"]]
         lines.append(
             f"| `{c['id']}` | {opts} | {c['status']} | {tot} | {st} | {gate_cell(c.get('vs_stock'))} | "

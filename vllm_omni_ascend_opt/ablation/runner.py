@@ -78,6 +78,7 @@ class Runner:
             "engine": self.plan.engine,
             "model_path": self.plan.model_path,
             **{k: getattr(wl, k) for k in JOB_FIELDS},
+            "od_config": c.od_config(wl.od_config),  # the information configuration drops the quantization
             "cfg_scale": float(wl.cfg_scale),
             "max_sequence_length": wl.seq_len(),
             "vae_tiling": list(wl.vae_tiling) if wl.vae_tiling else None,

@@ -42,6 +42,20 @@ STAGED = {
     "control": Opt(CONTROL),
 }
 CHECK = Opt({**fields("reference:s class:s per_sample:d worst:d missing:S"), "gate": fields("class:s passed:b? why:s")})
+#: ``information.vs_unquantized``: the quantized stock against stock without the quantization, never judged.
+VS_UNQUANTIZED = {
+    **fields("reference:s config:s quantization:s in_verdict:b status:s"),
+    "time": Opt(
+        {
+            "saved_ms": SAVED,
+            **fields(
+                "stages:S se_ms:n? saved_pct_of_unquantized:n? stages_saved_ms:d unquantized_ms:n quantized_ms:n "
+                "noise_floor_ms:n? direction:s p_value:n tested:b label:s"
+            ),
+        }
+    ),
+    "image": Opt(fields("per_sample:d worst:d missing:S")),
+}
 
 RESULTS_SCHEMA: dict[str, Any] = {
     **fields("schema_version:i"),
@@ -78,6 +92,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
             "vs_full": CHECK,
         }
     ],
+    "information": Opt({"vs_unquantized": Opt(VS_UNQUANTIZED)}),
     "samples": [
         fields(
             "config:s round:i? prompt:i seed:i warmup:b total_ms:n stages_ms:d cpu_ms:n? load1:n? others_cpu:n? "

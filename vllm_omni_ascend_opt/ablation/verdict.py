@@ -7,8 +7,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from vllm_omni_ascend_opt.ablation import stages
-from vllm_omni_ascend_opt.ablation.plan import Plan
+from vllm_omni_ascend_opt.ablation import information, stages
+from vllm_omni_ascend_opt.ablation.plan import INFORMATION, Plan
 from vllm_omni_ascend_opt.ablation.protocol import STAGES
 from vllm_omni_ascend_opt.ablation.stats import (
     ALPHA,
@@ -146,7 +146,9 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
             "images": {f"p{p}_s{s}": f"images/{c.id}/p{p}_s{s}.png" for p, s in plan.samples},
         }
         for ref, key in (("stock", "vs_stock"), ("full", "vs_full")):
+            # an information configuration is not held to any tier (it runs other vLLM-Omni modes)
             usable = c.id != ref and ref in ids and status != "failed" and ref not in failures
+            usable = usable and c.role != INFORMATION
             entry[key] = compare_configs(plan, out_root, ref, c.id) if usable else None
         configs.append(entry)
 
@@ -158,6 +160,7 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
     fvs, noise = timed["full_vs_stock"], timed["noise_floor"]
     load = machine_load(records)
     verdict = decide(plan, configs, opts, fvs, noise, interrupted, load=load)
+    unquantized = information.vs_unquantized(plan, means, out_root, failures)
     return {
         "verdict": verdict,
         "significance": timed["significance"],
@@ -166,6 +169,7 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
         "full_vs_stock": fvs,
         "optimizations": opts,
         "configs": configs,
+        "information": {"vs_unquantized": unquantized} if unquantized else None,
     }
 
 
@@ -183,6 +187,8 @@ def decide(
     wl = plan.workload
     fail, unsure, slow = [], [], []
     for c in configs:
+        if c.get("role") == INFORMATION:  # measured for information only: never a reason for the verdict
+            continue
         if c["status"] == "failed":
             fail.append(f"configuration {c['id']} failed: {c['error']}")
         elif c["status"] == "incomplete":

@@ -64,6 +64,9 @@ class Workload:
     enforce_eager: bool = True
     #: ``OmniDiffusionConfig`` fields (offload, VAE tiling, cache backend...): vLLM-Omni's modes for the run.
     od_config: dict[str, Any] = field(default_factory=dict)
+    #: Also run stock without ``od_config``'s ``quantization_config`` (vLLM-Omni's int8): what the quantization
+    #: itself costs in image quality and saves in time, reported as information, never judged (plan.INFORMATION).
+    vs_unquantized: bool = False
     #: VAE tiles ``[min height, min width, stride height, stride width]`` in pixels (testbed only).
     vae_tiling: list[int] | None = None
     mode: str = "leave-one-out"
@@ -152,6 +155,12 @@ class Workload:
                 known = set(self.od_config)
             bad = sorted(set(self.od_config) - known)
             need(not bad, f"od_config: OmniDiffusionConfig has no field(s) {', '.join(bad)}")
+        quantized = isinstance(self.od_config, dict) and self.od_config.get("quantization_config")
+        need(
+            not self.vs_unquantized or quantized,
+            "vs_unquantized compares stock with and without od_config's quantization_config, which this workload "
+            "does not set",
+        )
         tiles = self.vae_tiling
         need(
             tiles is None
