@@ -38,9 +38,9 @@ def mode_owner(slot: Slot[ModeOwner]) -> ModeOwner | None:
     return None if guards.tracing() else slot.get()
 
 
-def use_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether a gated residual ``x + gate * y`` runs as ``addcmul`` (reported either way when the mode is on)."""
-    owner = mode_owner(FAST_RESIDUAL)
+def use_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, owner: ModeOwner | None) -> bool:
+    """Whether a gated residual ``x + gate * y`` runs as ``addcmul`` (reported to ``owner``, the
+    :data:`FAST_RESIDUAL` mode's, when it is on)."""
     if owner is None:
         return False
     if not (x.dtype == gate.dtype == y.dtype):
@@ -61,9 +61,9 @@ class NormMod:
     # fast_modulate: the ``[D]`` affine ``(1 + scale, shift)`` of every token, or why not; built on first fast use.
     affine: tuple[torch.Tensor, torch.Tensor] | str | None = None
 
-    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``norm(x, scale, shift)`` with the ops of stock's dispatch (``fast_modulate``: one affine layer norm)."""
-        owner = mode_owner(FAST_MODULATE)
+    def norm(self, norm: nn.Module, x: torch.Tensor, owner: ModeOwner | None) -> torch.Tensor:
+        """``norm(x, scale, shift)`` with the ops of stock's dispatch (``owner``: the :data:`FAST_MODULATE` mode's
+        when it is on, one affine layer norm)."""
         if owner is not None:
             if self.affine is None:
                 self.affine = affine_params(self, norm)
@@ -76,9 +76,9 @@ class NormMod:
             return layernorm(self.kind, norm, x, eager=True) * self.first + self.shift
         return norm(x, self.first, self.shift)
 
-    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Stock's ``x + gate * y``; with ``fast_residual`` one ``torch.addcmul(x, gate, y)``."""
-        return torch.addcmul(x, self.gate, y) if use_residual(x, self.gate, y) else x + self.gate * y
+    def residual(self, x: torch.Tensor, y: torch.Tensor, owner: ModeOwner | None) -> torch.Tensor:
+        """Stock's ``x + gate * y``; with ``fast_residual`` (``owner``) one ``torch.addcmul(x, gate, y)``."""
+        return torch.addcmul(x, self.gate, y) if use_residual(x, self.gate, y, owner) else x + self.gate * y
 
     @staticmethod
     def unpack(scale: torch.Tensor, shift: torch.Tensor, gate: torch.Tensor, kind: str) -> NormMod:
@@ -170,8 +170,9 @@ def block_body(
     :class:`_Hoisted`): stock's ops on stock's values unless a fast-tier mode is on; ``stats``: the caller's."""
     img1, img2, txt1, txt2 = mods
     m = block._modules
-    img_modulated = img1.norm(m["img_norm1"], hidden_states)
-    txt_modulated = txt1.norm(m["txt_norm1"], encoder_hidden_states)
+    fm, fr = mode_owner(FAST_MODULATE), mode_owner(FAST_RESIDUAL)  # once per block
+    img_modulated = img1.norm(m["img_norm1"], hidden_states, fm)
+    txt_modulated = txt1.norm(m["txt_norm1"], encoder_hidden_states, fm)
     img_attn_output, txt_attn_output = m["attn"](
         hidden_states=img_modulated,
         encoder_hidden_states=txt_modulated,
@@ -180,12 +181,12 @@ def block_body(
         hidden_states_mask=hidden_states_mask,
         encoder_hidden_states_mask=encoder_hidden_states_mask,
     )
-    hidden_states = img1.residual(hidden_states, img_attn_output)
-    encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output)
-    img_modulated2 = img2.norm(m["img_norm2"], hidden_states)
-    hidden_states = img2.residual(hidden_states, feed_forward(m["img_mlp"], img_modulated2, stats))
-    txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states)
-    encoder_hidden_states = txt2.residual(encoder_hidden_states, feed_forward(m["txt_mlp"], txt_modulated2, stats))
+    hidden_states = img1.residual(hidden_states, img_attn_output, fr)
+    encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output, fr)
+    img_modulated2 = img2.norm(m["img_norm2"], hidden_states, fm)
+    hidden_states = img2.residual(hidden_states, feed_forward(m["img_mlp"], img_modulated2, stats), fr)
+    txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states, fm)
+    encoder_hidden_states = txt2.residual(encoder_hidden_states, feed_forward(m["txt_mlp"], txt_modulated2, stats), fr)
     return _clip_fp16(encoder_hidden_states), _clip_fp16(hidden_states)
 
 
@@ -214,7 +215,7 @@ class _Hoisted(NamedTuple):
     shift: torch.Tensor
     gate: torch.Tensor
 
-    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def norm(self, norm: nn.Module, x: torch.Tensor, owner: None = None) -> torch.Tensor:
         kind, first, shift, ln = self.kind, self.first, self.shift, norm.layernorm
         if (
             FAST_MODULATE.get() is not None
@@ -232,7 +233,7 @@ class _Hoisted(NamedTuple):
             return layernorm(kind, norm, x) * first + shift
         return norm(x, first, shift)
 
-    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def residual(self, x: torch.Tensor, y: torch.Tensor, owner: None = None) -> torch.Tensor:
         if FAST_RESIDUAL.get() is not None and x.dtype == self.gate.dtype == y.dtype:
             return torch.addcmul(x, self.gate, y)
         return x + self.gate * y

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks.body.block_body import FAST_MODULATE, layernorm, mode_owner, use_residual
+from vllm_omni_ascend_opt.blocks.body.block_body import ModeOwner, layernorm, use_residual
 from vllm_omni_ascend_opt.blocks.weak_lru import tensor_bytes
 
 #: At most this many equal chunks are modulated with one broadcast; more use per-segment slices.
@@ -85,17 +85,16 @@ class SegMod:
                 part.add_(add[seg])
         return out
 
-    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))``."""
-        owner = mode_owner(FAST_MODULATE)
+    def norm(self, norm: nn.Module, x: torch.Tensor, owner: ModeOwner | None) -> torch.Tensor:
+        """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))`` (``owner``: fast_modulate's)."""
         if owner is not None:
             owner.count_stock("two-segment image norm (zero_cond_t): the modulation differs between segments")
         return self._apply(layernorm(self.kind, norm, x, eager=True), self.first, self.shift)
 
-    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def residual(self, x: torch.Tensor, y: torch.Tensor, owner: ModeOwner | None) -> torch.Tensor:
         """Stock's ``x + where(idx, gate1, gate0) * y``; with ``fast_residual`` one ``addcmul`` per broadcast/slice."""
         gate = self.gate if self.plan.broadcast else self.gate[0]
-        if not use_residual(x, gate, y):
+        if not use_residual(x, gate, y, owner):
             return x + self._apply(y, self.gate, None)  # where(idx, gate1, gate0) * y
         plan = self.plan
         b, n, d = y.shape
