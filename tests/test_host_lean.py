@@ -202,6 +202,30 @@ def test_direct_calls_follow_a_parameter_class_patched_between_forwards(runtime,
     assert ja.stats["direct_calls"] == 8 and ja.stats["module_calls"] == 0
 
 
+def test_a_torch_function_mode_sees_the_direct_layer_norms_as_from_the_module(runtime):
+    """Under a torch-function mode the inner layer norms called directly reach it as ``F.layer_norm`` (as from the
+    module), bitwise; without a mode they skip that wrapper."""
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.funcs: list = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.funcs.append(func)
+            return func(*args, **(kwargs or {}))
+
+    tr = build(runtime)
+    kw = _inputs()
+    (want,) = stock_outputs(tr, runtime, [kw], "default")
+    fwd(tr, runtime, kw)
+    with Seen() as seen:
+        got = fwd(tr, runtime, kw)
+    assert torch.equal(got, want)
+    assert torch.nn.functional.layer_norm in seen.funcs and torch.layer_norm not in seen.funcs
+
+
 def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
     """The blocks find their memo entry through the timestep's value (read once per forward, B values) and temb's
     identity: no digest of temb; a change of the embedding's weights is a new key (the blocks recompute)."""

@@ -177,9 +177,12 @@ def layer_norm_args(ln: nn.Module) -> tuple[Any, ...] | None:
 def layer_norm(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
     """The layer norm :func:`layer_norm_args` describes, as its forward computes it."""
     shape, w, b, eps, upcast = args
+    dtype = x.dtype
     with _NO_SUBCLASS():
-        if not upcast:
-            return F.layer_norm(x, shape, w, b, eps)
-        return F.layer_norm(
-            x.float(), shape, w.float() if w is not None else None, b.float() if b is not None else None, eps
-        ).to(x.dtype)
+        if upcast:
+            x, w, b = x.float(), w.float() if w is not None else None, b.float() if b is not None else None
+        if torch._C._is_torch_function_mode_enabled():  # a mode sees F.layer_norm, as from the module
+            out = F.layer_norm(x, shape, w, b, eps)
+        else:  # F.layer_norm's body: without a mode or a subclass its dispatch check is False
+            out = torch.layer_norm(x, shape, w, b, eps, torch.backends.cudnn.enabled)
+        return out.to(dtype) if upcast else out

@@ -134,7 +134,8 @@ def block_parts(
     m = block._modules
     img_lin = silu_linear(m["img_mod"])
     txt_lin = silu_linear(m["txt_mod"])
-    kinds = tuple(ada_norm.norm_kind(m[n]) for n in ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2"))
+    kind = ada_norm.norm_kind
+    kinds = (kind(m["img_norm1"]), kind(m["img_norm2"]), kind(m["txt_norm1"]), kind(m["txt_norm2"]))
     return img_lin, txt_lin, kinds, linear_sig(img_lin, grad), linear_sig(txt_lin, grad)
 
 
