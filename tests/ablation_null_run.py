@@ -63,7 +63,17 @@ def fixture_from(out: Path) -> dict[str, Any]:
     return {
         "what": "per-sample times of an ablation run whose configurations all run the same code (tests/ablation_null_run.py)",
         "workload": {
-            k: wl.get(k) for k in ("model", "steps", "cfg_scale", "seeds", "repeats", "process_sets", "threads")
+            k: wl.get(k)
+            for k in (
+                "model",
+                "steps",
+                "cfg_scale",
+                "seeds",
+                "repeats",
+                "process_sets",
+                "threads",
+                "vae_decode_repeats",
+            )
         },
         "configs": [c["id"] for c in plan["configs"]],
         "stages": {n: ["vae_decode" if n == "null_d" else "denoise"] for n in NAMES},

@@ -499,3 +499,40 @@ def test_a_process_that_runs_one_stage_faster_is_process_bias_not_a_regression(t
     # without the biased processes the same run passes, each line on its own stages
     _, res = run(plan, tmp_path / "clean", monkeypatch, {**STAGED, "ctrl_offset_ms": 0.5})
     assert res["verdict"]["result"] == "PASS" and "on denoise+vae_decode" in res["verdict"]["reasons"][0]
+
+
+def test_repeated_vae_decodes_time_the_fastest_and_leave_the_extra_ones_out_of_the_total(monkeypatch):
+    """``vae_decode_repeats``: the test-bed engine decodes the same latents again, times the stage as the fastest
+    decode, returns the first decode's image and counts only one decode in the generation's total."""
+    import torch
+
+    from vllm_omni_ascend_opt.ablation import engines, runner
+
+    assert "vae_decode_repeats" in runner.JOB_FIELDS  # the workload's value reaches the worker
+    clock = [0.0]
+    monkeypatch.setattr(engines.time, "perf_counter", lambda: clock[0])
+    took = iter([0.005, 0.002, 0.004, 0.003])  # s per decode: the second is the fastest
+    calls = []
+
+    def decode(latents):
+        clock[0] += next(took)
+        calls.append(latents)
+        return torch.full((3, 2, 2), 0.5)
+
+    eng = engines.TestbedEngine({"vae_decode_repeats": 4})
+    eng.stages, eng.extra_ms = {}, 0.0
+    first = eng._timed("vae_decode", decode)("z")
+    assert calls == ["z"] * 4 and torch.equal(first, torch.full((3, 2, 2), 0.5))
+    assert eng.stages["vae_decode"] == pytest.approx(2.0)
+    assert eng.extra_ms == pytest.approx(14.0 - 2.0)  # what generate() takes off the measured total
+    # other stages run once, and one repeat is the plain timer
+    took = iter([0.007, 0.001])
+    eng._timed("denoise", decode)("z")
+    engines.TestbedEngine({"vae_decode_repeats": 1})._timed("vae_decode", decode)("z")
+    assert len(calls) == 6 and eng.stages["denoise"] == pytest.approx(7.0)
+    # a decode that does not repeat its image is an error, never a silently mixed measurement
+    eng = engines.TestbedEngine({"vae_decode_repeats": 2})
+    eng.stages, eng.extra_ms = {}, 0.0
+    outs = iter([torch.zeros(3, 2, 2), torch.ones(3, 2, 2)])
+    with pytest.raises(RuntimeError, match="another image"):
+        eng._timed("vae_decode", lambda _: next(outs))("z")

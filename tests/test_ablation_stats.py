@@ -407,6 +407,7 @@ def test_an_optimization_that_needs_a_vllm_omni_mode_takes_part_only_where_the_w
         ({"od_config": ["enable_layerwise_offload"]}, "od_config must be a table"),
         ({"vae_tiling": [32, 32, 24]}, "vae_tiling must be"),
         ({"vae_tiling": [32, 32, 24, 20]}, "vae_tiling must be"),
+        ({"vae_decode_repeats": 0}, "vae_decode_repeats must be >= 1"),
     ],
 )
 def test_memory_mode_workload_values_are_checked(bad, msg):

@@ -53,6 +53,16 @@ def input_image(spec: str | None) -> Any:
         return im.convert("RGB")
 
 
+def _same_output(a: Any, b: Any) -> bool:
+    """Whether two ``_decode_latents`` results hold the same image tensor (bit for bit)."""
+    import torch
+
+    x, y = getattr(a, "output", a), getattr(b, "output", b)
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return x.shape == y.shape and torch.equal(x, y)
+    return type(x) is type(y)
+
+
 #: The test-bed pipeline's methods timed as our stages.
 TESTBED_STAGES = {"encode_prompt": "text_encode", "diffuse": "denoise", "_decode_latents": "vae_decode"}
 
@@ -62,6 +72,7 @@ class TestbedEngine:
         self.job = job
         self.device = pick_device()
         self.stages: dict[str, float] = {}
+        self.extra_ms = 0.0  # time of the repeated VAE decodes, not part of the generation
         self.harness: Any = None
 
     def load(self) -> None:
@@ -96,14 +107,36 @@ class TestbedEngine:
         _backend.synchronize(self.device)
 
     def _timed(self, stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        repeats = max(1, int(self.job.get("vae_decode_repeats") or 1)) if stage == "vae_decode" else 1
+
+        def once(*args: Any, **kwargs: Any) -> tuple[Any, float]:
             self._sync()
             t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
+            out = fn(*args, **kwargs)
+            self._sync()
+            return out, (time.perf_counter() - t0) * 1e3
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if repeats == 1:
                 self._sync()
-                self.stages[stage] = self.stages.get(stage, 0.0) + (time.perf_counter() - t0) * 1e3
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self._sync()
+                    self.stages[stage] = self.stages.get(stage, 0.0) + (time.perf_counter() - t0) * 1e3
+            # ``vae_decode_repeats``: the same latents decoded again; the stage is the fastest decode, the image the
+            # first one's, and the generation's total leaves the extra decodes out (see docs/ablation.md)
+            t_all = time.perf_counter()
+            out, best = once(*args, **kwargs)
+            for _ in range(repeats - 1):
+                again, ms = once(*args, **kwargs)
+                if not _same_output(out, again):
+                    raise RuntimeError("vae_decode_repeats: decoding the same latents again gave another image")
+                best = min(best, ms)
+            self.extra_ms += (time.perf_counter() - t_all) * 1e3 - best
+            self.stages[stage] = self.stages.get(stage, 0.0) + best
+            return out
 
         wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
         return wrapper
@@ -134,7 +167,7 @@ class TestbedEngine:
             image=image,
             pre_process=pre_process_func(self.pipe) if image is not None else None,
         )
-        self.stages = {}
+        self.stages, self.extra_ms = {}, 0.0
         with self.rt.context(), torch.no_grad():
             self._sync()
             c0, t0 = time.process_time(), time.perf_counter()
@@ -143,7 +176,7 @@ class TestbedEngine:
             else:
                 outs = run_forward(self.pipe, req)
             self._sync()
-            total = (time.perf_counter() - t0) * 1e3
+            total = (time.perf_counter() - t0) * 1e3 - self.extra_ms
             cpu = (time.process_time() - c0) * 1e3
         images = (outs[0] if isinstance(outs, list) else outs).output
         x = (images[0] if images.dim() == 4 else images).detach().float().cpu()  # [3, H, W] in [-1, 1]

@@ -69,6 +69,9 @@ class Workload:
     vs_unquantized: bool = False
     #: VAE tiles ``[min height, min width, stride height, stride width]`` in pixels (testbed only).
     vae_tiling: list[int] | None = None
+    #: Testbed only: decode each image's latents this many times, timing the VAE decode stage as the fastest (the
+    #: image is the first decode's; the generation's total leaves the extra decodes out).
+    vae_decode_repeats: int = 1
     mode: str = "leave-one-out"
     stack: str = "default"
     round_stat: str = "median"
@@ -128,7 +131,13 @@ class Workload:
         bad_seeds = not self.seeds or not all(_at_least(s, 0) for s in self.seeds)
         need(not bad_seeds, f"seeds must be non-negative integers (got {self.seeds!r})")
         need(bad_seeds or len(set(self.seeds)) == len(self.seeds), f"seeds must be distinct (got {self.seeds!r})")
-        for name, low in (("warmup", 0), ("repeats", 1), ("process_sets", 1), ("start_jobs", 1)):
+        for name, low in (
+            ("warmup", 0),
+            ("repeats", 1),
+            ("process_sets", 1),
+            ("start_jobs", 1),
+            ("vae_decode_repeats", 1),
+        ):
             need(_at_least(getattr(self, name), low), f"{name} must be >= {low} (got {getattr(self, name)!r})")
         need(0.0 < float(self.ssim_gate) <= 1.0, f"the SSIM gate must be in (0, 1] (got {self.ssim_gate!r})")
         need(float(self.psnr_gate) > 0, f"the PSNR gate must be positive dB (got {self.psnr_gate!r})")
