@@ -101,7 +101,7 @@ def null_figures(runs: int = RUNS, seed: int = 0) -> dict[str, float]:
         fail += v["result"] == stats.FAIL
         regression += stats.REGRESSION in labels
         gain += stats.GAIN in labels
-        significant += any(o["p_value"] <= stats.ALPHA for o in timed["optimizations"])
+        significant += any(o["p_value"] <= stats.ALPHA for o in timed["optimizations"] if o["stages"] == ["denoise"])
     return {"fail": fail / runs, "regression": regression / runs, "gain": gain / runs, "fwer": significant / runs}
 
 
@@ -123,6 +123,7 @@ def test_fixture_is_a_real_null_run_of_the_shipped_workload():
     assert fx["workload"]["model"] == tiny.model and fx["workload"]["steps"] == tiny.steps
     assert fx["workload"]["process_sets"] == tiny.process_sets and fx["workload"]["threads"] == tiny.threads
     assert fx["workload"]["repeats"] > tiny.repeats  # rounds to draw from, without replacement
+    assert fx["workload"]["vae_decode_repeats"] == tiny.vae_decode_repeats
     assert sorted(means) == sorted(c.id for c in plan.configs)
     assert all(len(rows) == fx["workload"]["repeats"] for rows in means.values())
 
@@ -132,16 +133,15 @@ def test_under_the_null_at_most_one_run_in_a_hundred_has_a_fail_or_a_regression(
     print("null:", got)
     assert got["fail"] <= 0.01 and got["regression"] <= 0.01
     assert got["gain"] <= stats.ALPHA  # false gains (any optimization or the full stack) stay within the level
-    # the corrected test alone holds the family-wise level (the noise floor only adds to it)
+    # On denoise the corrected test alone holds the family-wise level (the noise floor only adds to it). On the
+    # VAE decode, timed as the fastest of several decodes, two processes' steady offsets exceed the round-to-round
+    # noise: the paired test finds them (they are real), and the floor over every null pair keeps them from a label.
     assert got["fwer"] <= stats.ALPHA + 0.02
 
 
-#: The least power per measured stage. Denoise: the issue's 90%. VAE decode: NOT the issue's 90% (measured ~60%):
-#: on the 32x32 tiny model 10% of that stage is ~1.7 ms, the size of the per-process offsets on it, and the noise
-#: floor (which includes full vs full_ctrl's offset) often exceeds it. The fixture predates tiny-cpu's
-#: ``vae_decode_repeats`` (the VAE decode timed as the fastest of several decodes, which shrinks those offsets); once
-#: it is re-recorded on a quiet machine (tests/ablation_null_run.py), this bound is to be raised to the issue's 90%.
-POWER = {"denoise": 0.90, "vae_decode": 0.55}
+#: The least power per measured stage: the issue's 90% on both (tiny-cpu times the VAE decode as the fastest of
+#: several decodes, ``vae_decode_repeats``; with one decode its per-process offsets were the size of a 10% effect).
+POWER = {"denoise": 0.90, "vae_decode": 0.90}
 
 
 @pytest.mark.parametrize("rel, want", [(EFFECT, stats.GAIN), (-EFFECT, stats.REGRESSION)], ids=["gain", "regression"])

@@ -44,14 +44,24 @@ def _on(means: Means, basis: tuple[str, ...]) -> Means:
     }
 
 
+#: Per stage, the pairs of configurations ``(without, with_)`` that nothing compared between them changes there.
+Nulls = dict[str, list[tuple[str, str]]]
+
+
 def _measured(
-    means: Means, basis: tuple[str, ...], without: str, with_: str
+    means: Means, basis: tuple[str, ...], without: str, with_: str, nulls: Nulls | None = None
 ) -> tuple[dict[str, Any], float | None, str]:
-    """:func:`pair`, the noise floor and the label (its own test) of a comparison on ``basis``."""
+    """:func:`pair`, the noise floor and the label (its own test) of a comparison on ``basis``. The floor is the
+    largest over the identical full stacks and every other pair that is null on all of ``basis`` (``nulls``): one
+    pair of processes says little of how far two processes' speeds can differ on a stage."""
     on = _on(means, basis)
     p = pair(on, without, with_)
-    nf = noise_floor(on)
-    noise_ms = nf["ms"] if nf else None
+    pairs = [("full_ctrl", "full")]
+    if nulls is not None and basis != (TOTAL,):
+        shared = set.intersection(*(set(nulls.get(x, ())) for x in basis))
+        pairs += sorted(pr for pr in shared if pr != (without, with_))
+    floors = [nf["ms"] for nf in (noise_floor(on, a, b) for a, b in pairs) if nf]
+    noise_ms = max(floors) if floors else None
     return p, noise_ms, label(p["per_round_ms"], p["mean_ms"], noise_ms)
 
 
@@ -62,16 +72,17 @@ def staged(
     stages: tuple[str, ...] | list[str],
     p: float | None = None,
     family: int = 1,
+    nulls: Nulls | None = None,
 ) -> dict[str, Any]:
     """``basis``, ``saved`` (:func:`pair` on it), ``noise_ms``, ``p_raw`` (its own signed-rank p), ``p`` (``p`` when
     given, corrected over ``family`` comparisons, else ``p_raw``), ``label`` and ``control`` (None on the total)."""
     basis = _basis(means, stages)
-    p_s, noise_ms, _ = _measured(means, basis, without, with_)
+    p_s, noise_ms, _ = _measured(means, basis, without, with_, nulls)
     raw = signed_rank_p(p_s["per_round_ms"]) if p_s["per_round_ms"] else None
     control, control_p = None, None
     rest = tuple(x for x in STAGES if x not in basis)
     if basis != (TOTAL,) and rest:
-        cp, c_noise, c_lab = _measured(means, rest, without, with_)
+        cp, c_noise, c_lab = _measured(means, rest, without, with_, nulls)
         control_p = signed_rank_p(cp["per_round_ms"]) if cp["per_round_ms"] else None
         control = {
             "stages": list(rest),

@@ -164,9 +164,10 @@ def label(
     return NOISE
 
 
-def noise_floor(means: Means) -> dict[str, Any] | None:
-    """|mean of full - full_ctrl| + two standard errors over rounds (one round: that round's |difference|)."""
-    p = pair(means, "full_ctrl", "full")
+def noise_floor(means: Means, a: str = "full_ctrl", b: str = "full") -> dict[str, Any] | None:
+    """|mean of a - b| + two standard errors over rounds (one round: that round's |difference|): by default the two
+    identical full stacks."""
+    p = pair(means, a, b)
     per = p["per_round_ms"]
     if not per:
         return None
@@ -176,7 +177,7 @@ def noise_floor(means: Means) -> dict[str, Any] | None:
         "mean_diff_ms": statistics.fmean(per),
         "se_ms": se,
         "per_round_ms": per,
-        "configs": ["full", "full_ctrl"],
+        "configs": [b, a],
     }
 
 

@@ -43,6 +43,13 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
         return statistics.fmean(v["total"] for v in rows.values()) if rows else None
 
     stock_ms = mean_total("stock")
+    # per stage, the compared pairs whose optimizations do not act there: more process pairs for its noise floor
+    nulls: stages.Nulls = {}
+    for c in plan.comparisons:
+        acts = set(plan.stages_of(plan.diff(c.with_, c.without)))
+        for x in STAGES:
+            if x not in acts:
+                nulls.setdefault(x, []).append((c.without, c.with_))
     if noise is not None:
         noise["pct"] = 100 * noise["ms"] / stock_ms if stock_ms else None
 
@@ -51,7 +58,7 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
         p = pair(means, without, with_)
         base = stock_ms or mean_total(without)
         pct = 100 * p["mean_ms"] / base if p["mean_ms"] is not None and base else None
-        st = stages.staged(means, without, with_, plan.stages_of(names))
+        st = stages.staged(means, without, with_, plan.stages_of(names), nulls=nulls)
         return st, {**stages.staged_fields(st, p, pct, stock_ms), "label": st["label"]}
 
     # the optimizations' verdicts are one family: their signed-rank p-values are corrected together (Holm)
