@@ -16,9 +16,9 @@ from typing import Any
 
 from vllm_omni_ascend_opt.ablation import compare
 from vllm_omni_ascend_opt.ablation.plan import INFORMATION, QUANTIZATION_KEY, Plan
-from vllm_omni_ascend_opt.ablation.protocol import STAGES
 from vllm_omni_ascend_opt.ablation.stats import (
     Means,
+    compare_samples,
     direction,
     label,
     noise_floor,
@@ -88,68 +88,8 @@ def _time(means: Means, ref: str) -> dict[str, Any] | None:
 
 def _images(plan: Plan, root: Path, ref: str) -> dict[str, Any]:
     """Every sample of the quantized stock against the unquantized one (the project's metrics), and the worst."""
-    per: dict[str, dict[str, Any]] = {}
-    missing = []
-    for p, s in plan.samples:
-        key = f"p{p}_s{s}"
-        try:
-            a = compare.load_stored(root / "images" / ref / key)
-            b = compare.load_stored(root / "images" / QUANTIZED / key)
-        except FileNotFoundError:
-            missing.append(key)
-            continue
-        per[key] = compare.compare(a, b)
+    per, missing = compare_samples(plan, root, ref, QUANTIZED)
     return {"per_sample": per, "worst": compare.aggregate(per), "missing": missing}
-
-
-def section(info: dict[str, Any] | None, gates: dict[str, Any]) -> list[str]:
-    """report.md's information section (empty without one): one row, outside the verdict."""
-    if not info:
-        return []
-    from vllm_omni_ascend_opt.ablation.report import STAGE_TITLES, _ms, _p, _pct, _saved
-
-    q = info["quantization"]
-    lines = [
-        "",
-        f"## Information: {q} stock vs stock without quantization (not in the verdict)",
-        "",
-        f"`{info['config']}` runs vLLM-Omni's `quantization_config={q!r}`, as every configuration above; "
-        f"`{info['reference']}` is the same stock without it (the workload's other od_config fields kept), measured "
-        "in the same rounds. The optimizations' tiers and the verdict stay judged against the quantized stock: this "
-        "row only says what the quantization itself saves and costs, and cannot fail the run.",
-        "",
-    ]
-    if info["status"] != "ok":
-        return [*lines, f"Not measured: {info['status'].removeprefix('not measured: ')}."]
-    t, im = info["time"], info["image"]
-    w = im["worst"]
-    cols = " | ".join(f"{STAGE_TITLES[s]} ms" for s in STAGES)
-    head = (
-        "comparison | saved ms (mean ± std) | SE ms | % of unquantized | per round (ms) | direction | label | p | "
-        f"{cols} | pixel-identical | SSIM min | PSNR min"
-    )
-    lines += [f"| {head} |", "|" + "---|" * len(head.split(" | "))]
-    per = ", ".join(f"{x:+.1f}" for x in t["saved_ms"]["per_round"])
-    st = " | ".join(_ms(t["stages_saved_ms"].get(s), True) for s in STAGES)
-    if w:
-        ident = f"{'yes' if w['pixel_identical'] else 'no'} ({w['samples']} images)"
-        ssim, psnr = f"{w['ssim_min']:.4f}", compare.fmt_db(w["psnr_db_min"])
-    else:
-        ident, ssim, psnr = f"– (missing {', '.join(im['missing'])})", "–", "–"
-    lines += [
-        f"| **{info['config']} vs {info['reference']}** | {_saved(t)} | {_ms(t['se_ms'])} | "
-        f"{_pct(t['saved_pct_of_unquantized'])} | {per} | {t['direction']} | {t['label']} | {_p(t['p_value'])} | "
-        f"{st} | {ident} | {ssim} | {psnr} |",
-        "",
-        f"Saved = time({info['reference']}) − time({info['config']}) per round, on the whole request (positive: the "
-        f"quantization is faster); *p*: the signed-rank test on its own (not in the optimizations' family); label "
-        f"against the noise floor ({_ms(t['noise_floor_ms'])} ms)"
-        + ("" if t["tested"] else " and two standard errors (too few rounds for the test)")
-        + ". SSIM/PSNR: the quantized images against the "
-        f"unquantized ones, worst image; for scale only, the close tier's gates are SSIM ≥ {gates['ssim']}, PSNR ≥ "
-        f"{gates['psnr_db']} dB (not applied here).",
-    ]
-    return lines
 
 
 def summary(info: dict[str, Any] | None) -> str | None:

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_ascend_opt.ablation import information
 from vllm_omni_ascend_opt.ablation.compare import fmt_db
 from vllm_omni_ascend_opt.ablation.plan import INFORMATION
 from vllm_omni_ascend_opt.ablation.protocol import STAGES
@@ -247,7 +246,7 @@ def markdown(results: dict[str, Any]) -> str:
         "comparison is inconclusive). docs/ablation.md in vllm-omni-ascend-opt explains how to read this report.",
         "",
         _significance(sig),
-        *information.section((results.get("information") or {}).get("vs_unquantized"), results["gates"]),
+        *information_section((results.get("information") or {}).get("vs_unquantized"), results["gates"]),
         "",
         "## Configurations",
         "",
@@ -296,6 +295,54 @@ def markdown(results: dict[str, Any]) -> str:
 
 #: Measured calls of the memory table, in column order, with their titles.
 MEMORY_CALLS = {"transformer_forward": "transformer forward", "vae_decode": "VAE decode"}
+
+
+def information_section(info: dict[str, Any] | None, gates: dict[str, Any]) -> list[str]:
+    """report.md's information section (empty without one): one row, outside the verdict."""
+    if not info:
+        return []
+    q = info["quantization"]
+    lines = [
+        "",
+        f"## Information: {q} stock vs stock without quantization (not in the verdict)",
+        "",
+        f"`{info['config']}` runs vLLM-Omni's `quantization_config={q!r}`, as every configuration above; "
+        f"`{info['reference']}` is the same stock without it (the workload's other od_config fields kept), measured "
+        "in the same rounds. The optimizations' tiers and the verdict stay judged against the quantized stock: this "
+        "row only says what the quantization itself saves and costs, and cannot fail the run.",
+        "",
+    ]
+    if info["status"] != "ok":
+        return [*lines, f"Not measured: {info['status'].removeprefix('not measured: ')}."]
+    t, im = info["time"], info["image"]
+    w = im["worst"]
+    cols = " | ".join(f"{STAGE_TITLES[s]} ms" for s in STAGES)
+    head = (
+        "comparison | saved ms (mean ± std) | SE ms | % of unquantized | per round (ms) | direction | label | p | "
+        f"{cols} | pixel-identical | SSIM min | PSNR min"
+    )
+    lines += [f"| {head} |", "|" + "---|" * len(head.split(" | "))]
+    per = ", ".join(f"{x:+.1f}" for x in t["saved_ms"]["per_round"])
+    st = " | ".join(_ms(t["stages_saved_ms"].get(s), True) for s in STAGES)
+    if w:
+        ident = f"{'yes' if w['pixel_identical'] else 'no'} ({w['samples']} images)"
+        ssim, psnr = f"{w['ssim_min']:.4f}", fmt_db(w["psnr_db_min"])
+    else:
+        ident, ssim, psnr = f"– (missing {', '.join(im['missing'])})", "–", "–"
+    lines += [
+        f"| **{info['config']} vs {info['reference']}** | {_saved(t)} | {_ms(t['se_ms'])} | "
+        f"{_pct(t['saved_pct_of_unquantized'])} | {per} | {t['direction']} | {t['label']} | {_p(t['p_value'])} | "
+        f"{st} | {ident} | {ssim} | {psnr} |",
+        "",
+        f"Saved = time({info['reference']}) − time({info['config']}) per round, on the whole request (positive: the "
+        f"quantization is faster); *p*: the signed-rank test on its own (not in the optimizations' family); label "
+        f"against the noise floor ({_ms(t['noise_floor_ms'])} ms)"
+        + ("" if t["tested"] else " and two standard errors (too few rounds for the test)")
+        + ". SSIM/PSNR: the quantized images against the "
+        f"unquantized ones, worst image; for scale only, the close tier's gates are SSIM ≥ {gates['ssim']}, PSNR ≥ "
+        f"{gates['psnr_db']} dB (not applied here).",
+    ]
+    return lines
 
 
 def memory_section(configs: list[dict[str, Any]]) -> list[str]:

@@ -207,11 +207,8 @@ def machine_load(records: list[dict[str, Any]], cpu_count: int | None = None) ->
     }
 
 
-def compare_configs(plan: Plan, out_root: Any, ref: str, other: str) -> dict[str, Any]:
-    """``other`` against ``ref`` per sample, the worst case, and the gate of the weakest tier the two differ by."""
-    root = Path(out_root)
-    diff = plan.diff(ref, other)
-    equivalence = weakest_tier([plan.opts[n].equivalence for n in diff])  # exact < pixel < close
+def compare_samples(plan: Plan, root: Path, ref: str, other: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Each sample's stored image of ``other`` against ``ref`` (:func:`~.compare.compare`), and the samples missing."""
     per: dict[str, dict[str, Any]] = {}
     missing = []
     for p, s in plan.samples:
@@ -223,6 +220,15 @@ def compare_configs(plan: Plan, out_root: Any, ref: str, other: str) -> dict[str
             missing.append(key)
             continue
         per[key] = compare.compare(a, b)
+    return per, missing
+
+
+def compare_configs(plan: Plan, out_root: Any, ref: str, other: str) -> dict[str, Any]:
+    """``other`` against ``ref`` per sample, the worst case, and the gate of the weakest tier the two differ by."""
+    root = Path(out_root)
+    diff = plan.diff(ref, other)
+    equivalence = weakest_tier([plan.opts[n].equivalence for n in diff])  # exact < pixel < close
+    per, missing = compare_samples(plan, root, ref, other)
     agg = compare.aggregate(per) if not missing else {}
     gates = plan.close_gates(diff)
     return {
