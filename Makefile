@@ -54,7 +54,7 @@ MUTATION_ARGS ?=
 mutation: $(STAMP)
 	$(PY) tools/mutation_check.py $(MUTATION_ARGS)
 
-# The demo: a leave-one-out ablation of the embedded tiny Qwen-Image on CPU (workload tiny-cpu, ~2 min on 2 cores when the machine is quiet).
+# The demo: a leave-one-out ablation of the embedded tiny Qwen-Image on CPU (workload tiny-cpu, ~3.5 min on 2 cores).
 # It succeeds when the reports are written; the verdict (exit 0 PASS / 1 FAIL / 2 INCONCLUSIVE) is printed.
 DEMO_OUT ?= ablation-out/demo
 demo: $(STAMP)
