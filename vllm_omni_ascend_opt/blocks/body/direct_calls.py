@@ -85,9 +85,8 @@ def _plain(m: nn.Module) -> bool:
 
 
 def _plain_param(t: Any, k: _Known) -> bool:
+    """Whether ``t``'s class (not yet in ``k.plain_types``) only strips its subclass; learned for this forward."""
     cls = type(t)
-    if cls in k.plain_types:
-        return True
     tf = cls.__torch_function__
     if getattr(tf, "__func__", tf) not in k.plain_tf:
         return False
