@@ -38,13 +38,9 @@ def decode_modules(vae: nn.Module) -> Iterator[nn.Module]:
     yield from vae.decoder.modules()
 
 
-def of_exact_class(module: nn.Module, cls: type, method: str = "forward") -> bool:
-    """``module`` is a ``cls`` whose ``method`` is ``cls``'s own (not overridden by a subclass or an instance)."""
-    return (
-        isinstance(module, cls)
-        and getattr(type(module), method, None) is getattr(cls, method)
-        and method not in module.__dict__
-    )
+def of_exact_class(module: nn.Module, cls: type) -> bool:
+    """``module`` is a ``cls`` whose ``forward`` is ``cls``'s own (not overridden by a subclass or an instance)."""
+    return isinstance(module, cls) and type(module).forward is cls.forward and "forward" not in module.__dict__
 
 
 def resolve(model: Any) -> tuple[Any | None, nn.Module | None, list[str]]:
@@ -52,19 +48,15 @@ def resolve(model: Any) -> tuple[Any | None, nn.Module | None, list[str]]:
     VAE optimizations leave it alone."""
     mod = diffusers_vae()
     base = mod.AutoencoderKLQwenImage
-    if isinstance(model, base):
-        pipe, vae = None, model
-    else:
-        vae = getattr(model, "vae", None)
-        if vae is None:
-            return None, None, [f"{type(model).__name__} is neither a Qwen-Image VAE nor a pipeline with a .vae"]
-        pipe = model
-        if not isinstance(vae, base):
-            why = (
-                f"{type(model).__name__}.vae is {type(vae).__module__}.{type(vae).__name__}, not diffusers' "
-                "AutoencoderKLQwenImage (vLLM-Omni's DistributedAutoencoderKLQwenImage is the supported one)"
-            )
-            return pipe, None, [why]
+    pipe, vae = (None, model) if isinstance(model, base) else (model, getattr(model, "vae", None))
+    if vae is None:
+        return None, None, [f"{type(model).__name__} is neither a Qwen-Image VAE nor a pipeline with a .vae"]
+    if not isinstance(vae, base):
+        why = (
+            f"{type(model).__name__}.vae is {type(vae).__module__}.{type(vae).__name__}, not diffusers' "
+            "AutoencoderKLQwenImage (vLLM-Omni's DistributedAutoencoderKLQwenImage is the supported one)"
+        )
+        return pipe, None, [why]
     reasons = []
     if getattr(type(vae), "_decode", None) is not base._decode:
         reasons.append(f"{type(vae).__name__} overrides _decode")
@@ -107,11 +99,12 @@ class VaeOptimization(Optimization):
         """ "" when ``piece`` should be attached, else why not (switched off through ``enabled_pieces``)."""
         return "" if piece in self.enabled_pieces else "switched off (enabled_pieces)"
 
-    def patch_forwards(self, piece: str, modules: list[nn.Module], make_forward: Any, ps: PatchSet, none: str) -> str:
-        """Each module's ``forward`` replaced by ``make_forward(module)``; "" when it acts, else why not."""
+    def patch_forwards(self, piece: str, vae: nn.Module, eligible: Any, make: Any, ps: PatchSet, none: str) -> str:
+        """Each ``eligible`` decode module's ``forward`` replaced by ``make(module)``; "" when it acts, else why not."""
+        modules = [m for m in decode_modules(vae) if eligible(m)]
         why = self.wants(piece) or ("" if modules else none)
         for m in modules if not why else ():
-            ps.set(m, "forward", MethodType(make_forward(m), m))
+            ps.set(m, "forward", MethodType(make(m), m))
         return why
 
     def piece_report(self, model: Any) -> PieceReport:
@@ -121,13 +114,11 @@ class VaeOptimization(Optimization):
 
     def _model_reasons(self, model: Any) -> list[str]:
         st = self._state.get(model)
-        if st is not None:
-            if st.reasons:
-                return list(st.reasons)
-            if not any(v == "" for v in st.pieces.values()):
-                return [f"{p}: {why}" for p, why in st.pieces.items()]
-            return []
-        return self._resolve(model)[2]
+        if st is None:
+            return self._resolve(model)[2]
+        if st.reasons or "" in st.pieces.values():
+            return list(st.reasons)
+        return [f"{p}: {why}" for p, why in st.pieces.items()]
 
     def _resolve(self, model: Any) -> tuple[Any | None, nn.Module | None, list[str]]:
         """:func:`resolve`, refusing a VAE already attached through another model."""
@@ -157,8 +148,7 @@ class VaeOptimization(Optimization):
 
     def _detach(self, model: Any) -> None:
         st = self._state.pop(model, None)
-        if st is None:
-            return
-        st.patches.revert()
-        if st.vae is not None:
-            self._vae_owner.pop(st.vae, None)
+        if st is not None:
+            st.patches.revert()
+            if st.vae is not None:
+                self._vae_owner.pop(st.vae, None)

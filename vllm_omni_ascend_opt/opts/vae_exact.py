@@ -22,7 +22,6 @@ from vllm_omni_ascend_opt.blocks.upstream.fingerprints import same
 from vllm_omni_ascend_opt.opts._vae_common import (
     PieceReport,
     VaeOptimization,
-    decode_modules,
     diffusers_vae,
     of_exact_class,
 )
@@ -33,23 +32,27 @@ _ROUND_TRIP_LOSSLESS = (torch.float32, torch.bfloat16, torch.float16)
 
 def tiling_applies(vae: nn.Module, z: torch.Tensor) -> bool:
     """Whether diffusers' ``_decode`` hands ``z`` over to ``tiled_decode``."""
-    h, w = z.shape[-2], z.shape[-1]
-    min_h = vae.tile_sample_min_height // vae.spatial_compression_ratio
-    min_w = vae.tile_sample_min_width // vae.spatial_compression_ratio
-    return bool(vae.use_tiling and (w > min_w or h > min_h))
+    ratio = vae.spatial_compression_ratio
+    too_big = z.shape[-1] > vae.tile_sample_min_width // ratio or z.shape[-2] > vae.tile_sample_min_height // ratio
+    return bool(vae.use_tiling and too_big)
 
 
-def single_frame_refusal(vae: nn.Module, z: torch.Tensor) -> str:
+#: Why a latent of more than one frame (``.format(frames)``) keeps stock code.
+_MULTI_FRAME = "multi-frame latent (T = {}): the feature cache carries state between frames"
+
+
+def single_frame_refusal(z: torch.Tensor) -> str:
     """Why ``z`` must take the stock ``_decode`` ("" when the cache-less single-frame path applies)."""
     if z.dim() != 5:
         return f"latent of {z.dim()} dims (expected [B, C, T, H, W])"
     if z.shape[2] != 1:
-        return multi_frame_reason(z.shape[2])
+        return _MULTI_FRAME.format(z.shape[2])
     return ""
 
 
-def multi_frame_reason(frames: int) -> str:
-    return f"multi-frame latent (T = {frames}): the feature cache carries state between frames"
+def _replaced(obj: Any, *attrs: str) -> str:
+    """Why ``obj`` is left alone when one of ``attrs`` is already replaced on the instance ("" when none is)."""
+    return f"{' / '.join(attrs)} is already replaced on this instance" if any(a in vars(obj) for a in attrs) else ""
 
 
 def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
@@ -62,15 +65,12 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
             return original(z, return_dict=return_dict)
         if z.dim() == 5 and tiling_applies(self, z):
             return self.tiled_decode(z, return_dict=return_dict)  # stock's hand-over
-        why = single_frame_refusal(self, z)
-        if why:
+        if why := single_frame_refusal(z):
             opt._fallback(why)
             return original(z, return_dict=return_dict)
         # For one frame stock's cached decode is the decoder without a cache, minus the clones stored for a next frame.
         opt.stats["single_frame_decodes"] += 1
-        x = self.post_quant_conv(z)
-        out = self.decoder(x)
-        out = torch.clamp(out, min=-1.0, max=1.0)
+        out = torch.clamp(decode_tile(self, z), min=-1.0, max=1.0)
         self.clear_cache()  # leave the same (fresh) cache state as stock
         return DecoderOutput(sample=out) if return_dict else (out,)
 
@@ -86,13 +86,11 @@ def tiles_refusal(vae: nn.Module) -> str:
         known.add(dist.DistributedAutoencoderKLQwenImage.tiled_decode)
     if getattr(type(vae), "tiled_decode", None) not in known:
         return f"{type(vae).__name__} overrides tiled_decode"
-    if "tiled_decode" in vars(vae) or "tile_exec" in vars(vae):
-        return "tiled_decode / tile_exec is already replaced on this instance"
-    return ""
+    return _replaced(vae, "tiled_decode", "tile_exec")
 
 
 def decode_tile(vae: nn.Module, tile: torch.Tensor) -> torch.Tensor:
-    """One single-frame tile as stock's tiled decode computes it, without the feature cache (minus its clones)."""
+    """A single-frame latent or tile decoded as stock does, without the feature cache (minus its clones)."""
     return vae.decoder(vae.post_quant_conv(tile))
 
 
@@ -134,8 +132,8 @@ def _make_tiled_decode(opt: VaeExact, vae: nn.Module) -> Any:
         distributed = getattr(self, "is_distributed_enabled", None)
         if callable(distributed) and distributed():
             return original(z, return_dict=return_dict)  # vLLM-Omni's executor: its tiles go through tile_exec
-        if refused := single_frame_refusal(self, z):
-            opt._fallback(refused)
+        if why := single_frame_refusal(z):
+            opt._fallback(why)
             return original(z, return_dict=return_dict)
         opt.stats["tiled_decodes"] += 1
         dec = tiled_decode_single_frame(opt, self, z)
@@ -153,7 +151,7 @@ def _make_tile_exec(opt: VaeExact, vae: nn.Module) -> Any:
             return original(task)
         frames = list(task.tensor)
         if len(frames) != 1 or frames[0].dim() != 5:
-            opt._fallback(multi_frame_reason(len(frames)))
+            opt._fallback(_MULTI_FRAME.format(len(frames)))
             return original(task)
         opt.stats["tiles"] += 1
         return decode_tile(self, frames[0])
@@ -173,9 +171,7 @@ def conv_counts_refusal(vae: nn.Module) -> str:
     fresh = {"decoder": _count_causal_convs(vae.decoder), "encoder": _count_causal_convs(vae.encoder)}
     if {k: cached[k] for k in fresh} != fresh:
         return f"_cached_conv_counts {cached} disagree with the modules {fresh}"
-    if "clear_cache" in vae.__dict__:
-        return "clear_cache is already replaced on this instance"
-    return ""
+    return _replaced(vae, "clear_cache")
 
 
 def _clear_cache(self: nn.Module) -> None:
@@ -203,9 +199,7 @@ class UpsamplePath(KernelPath):
             return self.verdict(key, False, "the fp32 round trip is not lossless in this dtype")
         gen = torch.Generator().manual_seed(0)  # CPU generator: never touches the device RNG state
         probe = (torch.randn(2, 3, 5, 7, generator=gen) * 100).to(device=device, dtype=dtype)
-        same = bool(
-            torch.equal(nn.Upsample.forward(module, probe), diffusers_vae().QwenImageUpsample.forward(module, probe))
-        )
+        same = torch.equal(nn.Upsample.forward(module, probe), diffusers_vae().QwenImageUpsample.forward(module, probe))
         return self.verdict(key, same, f"{'equal to' if same else 'differs from'} stock's fp32 round trip on a probe")
 
     def verified(self, module: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
@@ -243,16 +237,17 @@ def _make_pointwise_forward(module: nn.Module) -> Any:
     return forward
 
 
-def decode_latents_refusal(pipe: Any) -> str:
+def decode_latents_refusal(pipe: Any | None) -> str:
+    """Why ``latents_stats_cache`` leaves ``pipe`` alone ("" when it can act)."""
+    if pipe is None:
+        return "attached to a bare VAE (no pipeline _decode_latents)"
     mod = sys.modules.get(_targets.PIPELINE)
     if mod is None:
         return f"{_targets.PIPELINE} is not imported"
     stock = getattr(getattr(mod, "QwenImagePipeline", None), "_decode_latents", None)
     if stock is None or getattr(type(pipe), "_decode_latents", None) is not stock:
         return f"{type(pipe).__name__}._decode_latents is not QwenImagePipeline's (vLLM-Omni 0.30)"
-    if "_decode_latents" in vars(pipe):
-        return "_decode_latents is already replaced on this instance"
-    return ""
+    return _replaced(pipe, "_decode_latents")
 
 
 class LatentsStats:
@@ -355,52 +350,37 @@ class VaeExact(VaeOptimization):
         return out + [v.describe() for v in self.upsample.firsts.values()]
 
     def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
-        mod = diffusers_vae()
         report: PieceReport = {}
-
-        why = self.wants("single_frame_decode")
-        if not why and "_decode" in vars(vae):
-            why = "_decode is already replaced on this instance"
+        report["single_frame_decode"] = why = self.wants("single_frame_decode") or _replaced(vae, "_decode")
         if not why:
             ps.set(vae, "_decode", MethodType(_make_decode(self, vae), vae))
-        report["single_frame_decode"] = why
-
-        why = self.wants("single_frame_tiles") or tiles_refusal(vae)
+        report["single_frame_tiles"] = why = self.wants("single_frame_tiles") or tiles_refusal(vae)
         if not why:
             ps.set(vae, "tiled_decode", MethodType(_make_tiled_decode(self, vae), vae))
             if callable(getattr(vae, "tile_exec", None)):  # vLLM-Omni's distributed VAE (patch parallelism)
                 ps.set(vae, "tile_exec", MethodType(_make_tile_exec(self, vae), vae))
-        report["single_frame_tiles"] = why
-
-        why = self.wants("cached_conv_counts") or conv_counts_refusal(vae)
+        report["cached_conv_counts"] = why = self.wants("cached_conv_counts") or conv_counts_refusal(vae)
         if not why:
             ps.set(vae, "clear_cache", MethodType(_clear_cache, vae))
-        report["cached_conv_counts"] = why
-
-        ups = [m for m in decode_modules(vae) if of_exact_class(m, mod.QwenImageUpsample)]
         report["upsample_native_dtype"] = self.patch_forwards(
             "upsample_native_dtype",
-            ups,
+            vae,
+            lambda m: of_exact_class(m, diffusers_vae().QwenImageUpsample),
             lambda m: _make_upsample_forward(self.upsample, m),
             ps,
             "no stock QwenImageUpsample in the decoder",
         )
-        pw = [m for m in decode_modules(vae) if _is_pointwise_causal_conv(m)]
         report["pointwise_conv_no_pad"] = self.patch_forwards(
             "pointwise_conv_no_pad",
-            pw,
+            vae,
+            _is_pointwise_causal_conv,
             _make_pointwise_forward,
             ps,
             "no stock 1x1x1 causal convolution in the decode path",
         )
-
-        why = self.wants("latents_stats_cache")
-        if not why and pipe is None:
-            why = "attached to a bare VAE (no pipeline _decode_latents)"
-        why = why or decode_latents_refusal(pipe)
+        report["latents_stats_cache"] = why = self.wants("latents_stats_cache") or decode_latents_refusal(pipe)
         if not why:
             ps.set(pipe, "_decode_latents", MethodType(_make_decode_latents(pipe), pipe))
-        report["latents_stats_cache"] = why
         return report
 
 

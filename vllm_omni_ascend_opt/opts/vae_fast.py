@@ -19,7 +19,6 @@ from vllm_omni_ascend_opt.blocks.upstream.fingerprints import same
 from vllm_omni_ascend_opt.opts._vae_common import (
     PieceReport,
     VaeOptimization,
-    decode_modules,
     diffusers_vae,
     of_exact_class,
 )
@@ -144,19 +143,19 @@ class VaeFast(VaeOptimization):
         ]
 
     def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
-        convs = [m for m in decode_modules(vae) if last_tap_eligible(m)]
-        norms = [m for m in decode_modules(vae) if norm_eligible(m)]
         return {
             "conv2d_last_tap": self.patch_forwards(
                 "conv2d_last_tap",
-                convs,
+                vae,
+                last_tap_eligible,
                 _make_last_tap_forward,
                 ps,
                 "no stock causal convolution with a temporal kernel > 1 in the decoder",
             ),
             "rms_norm_input_dtype": self.patch_forwards(
                 "rms_norm_input_dtype",
-                norms,
+                vae,
+                norm_eligible,
                 _make_norm_forward,
                 ps,
                 "no stock channel-first QwenImageRMS_norm in the decoder",
