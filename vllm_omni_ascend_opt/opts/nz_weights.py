@@ -66,73 +66,53 @@ def _transformers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(attr, sub) for attr, sub in subs if isinstance(sub, nn.Module)] or [("", model)]
 
 
-def _od_config(model: nn.Module) -> Any:
+def _config_reasons(model: nn.Module) -> list[str]:
+    """Why the configuration of ``model`` rules the cast out: CPU offload of the DiT, runtime LoRA, HSDP."""
     cfg = getattr(model, "od_config", None)
-    if cfg is not None:
-        return cfg
-    try:
-        from vllm_omni.diffusion.config import get_current_diffusion_config_or_none
-
-        return get_current_diffusion_config_or_none()
-    except Exception:
-        return None
-
-
-def _offload_reason(cfg: Any) -> str:
     if cfg is None:
-        return ""
+        try:
+            from vllm_omni.diffusion.config import get_current_diffusion_config_or_none
+
+            cfg = get_current_diffusion_config_or_none()
+        except Exception:
+            return []
+    if cfg is None:
+        return []
+    reasons = []
     try:
         from vllm_omni.diffusion.offloader.config import DIT_COMPONENT, OffloadStrategy, resolve_offload
 
         resolved = resolve_offload(cfg)
     except Exception:
-        return ""
-    if resolved.strategy is not OffloadStrategy.NONE and resolved.offloads(DIT_COMPONENT):
-        return (
+        resolved = None
+    if resolved is not None and resolved.strategy is not OffloadStrategy.NONE and resolved.offloads(DIT_COMPONENT):
+        reasons.append(
             f"CPU offload of the DiT is configured ({resolved.strategy.value}): the offloader moves and copies the "
             "weights after loading, which an internal-format weight does not survive"
         )
-    return ""
-
-
-def _lora_reason(model: nn.Module, cfg: Any) -> str:
-    if cfg is None or not getattr(cfg, "lora_path", None) or getattr(model, "lora_is_fused", False):
-        return ""
     backend = getattr(cfg, "lora_backend", "peft")
-    if str(getattr(backend, "value", backend)) == "distill":
-        return ""
-    return "runtime LoRA is configured (lora_path with the PEFT backend): adapters are swapped per request"
+    runtime_lora = getattr(cfg, "lora_path", None) and not getattr(model, "lora_is_fused", False)
+    if runtime_lora and str(getattr(backend, "value", backend)) != "distill":
+        reasons.append("runtime LoRA is configured (lora_path with the PEFT backend): adapters are swapped per request")
+    if getattr(getattr(cfg, "parallel_config", None), "use_hsdp", False):
+        reasons.append("HSDP is on: the weights are DTensor shards gathered per forward")
+    return reasons
 
 
-def _offload_prefixes(transformer: nn.Module) -> list[str]:
-    """Module names carrying a vLLM-Omni hook whose name mentions offload (e.g. ``layerwise_offload``)."""
-    out = []
-    for name, mod in transformer.named_modules():
-        registry = getattr(mod, "_hook_registry", None)
-        hooks = getattr(registry, "_hooks", None) or {}
-        if any("offload" in str(h) for h in hooks):
-            out.append(name)
-    return out
-
-
-def _lora_prefixes(transformer: nn.Module, lora_types: tuple[type, ...]) -> list[str]:
-    """Module names of LoRA wrappers (vLLM ``BaseLayerWithLoRA`` or anything holding a ``base_layer``)."""
-    return [
-        name
-        for name, mod in transformer.named_modules()
-        if (lora_types and isinstance(mod, lora_types)) or isinstance(getattr(mod, "base_layer", None), nn.Module)
-    ]
+def _lora_and_offload_prefixes(transformer: nn.Module, lora_types: tuple[type, ...]) -> tuple[list[str], list[str]]:
+    """Module names of LoRA wrappers (vLLM ``BaseLayerWithLoRA`` or anything holding a ``base_layer``), and of modules
+    carrying a vLLM-Omni hook whose name mentions offload (e.g. ``layerwise_offload``)."""
+    lora, offloaded = [], []
+    for name, m in transformer.named_modules():
+        if (lora_types and isinstance(m, lora_types)) or isinstance(getattr(m, "base_layer", None), nn.Module):
+            lora.append(name)
+        if any("offload" in str(h) for h in getattr(getattr(m, "_hook_registry", None), "_hooks", None) or {}):
+            offloaded.append(name)
+    return lora, offloaded
 
 
 def _under(name: str, prefixes: list[str]) -> bool:
     return any(not p or name == p or name.startswith(p + ".") for p in prefixes)
-
-
-def _linear_weight(module: nn.Module, linear_types: tuple[type, ...]) -> nn.Parameter | None:
-    if not isinstance(module, linear_types):
-        return None
-    w = getattr(module, "weight", None)
-    return w if isinstance(w, nn.Parameter) else None
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -221,25 +201,17 @@ class NzWeights(Optimization):
         out = {"cast": [n for n, _ in state.cast], "skipped": dict(state.skipped)}
         return out | ({"int8": dict(state.int8)} if state.int8 else {})
 
-    def _config_reasons(self, model: nn.Module) -> list[str]:
-        reasons = list(self.reasons_inactive())
-        cfg = _od_config(model)
-        reasons += [why for why in (_offload_reason(cfg), _lora_reason(model, cfg)) if why]
-        pc = getattr(cfg, "parallel_config", None)
-        if getattr(pc, "use_hsdp", False):
-            reasons.append("HSDP is on: the weights are DTensor shards gathered per forward")
-        return reasons
-
     def _layer_skip(
-        self, npu: ModuleType, module: nn.Module, w: nn.Parameter, under_lora: bool, under_offload: bool
+        self, npu: ModuleType, module: nn.Module, w: nn.Parameter, plain: tuple[type, ...], lora: bool, offload: bool
     ) -> str:
+        """Why ``w`` stays ND ("" when it is eligible); ``plain``: the unquantized linear methods."""
         qm = getattr(module, "quant_method", None)
         int8 = w.dtype == torch.int8 and is_npu_int8(module)  # npu_quant_matmul reads an NZ x2 [OP-QMM]
-        if qm is not None and not int8 and not isinstance(qm, _unquantized_types()):
+        if qm is not None and not int8 and not isinstance(qm, plain):
             return SKIP_QUANTIZED
-        if under_lora:
+        if lora:
             return SKIP_LORA
-        if under_offload:
+        if offload:
             return SKIP_OFFLOAD_HOOK
         if _is_dtensor(w):
             return SKIP_DTENSOR
@@ -263,7 +235,7 @@ class NzWeights(Optimization):
         if npu is None:
             state.reasons = _backend.npu_unavailable_reasons()
             return
-        state.reasons = self._config_reasons(model)
+        state.reasons = [*self.reasons_inactive(), *_config_reasons(model)]
         if state.reasons:
             return
         ran, _, refusal = self.path.guard.run("cast", lambda: self._cast_all(npu, model, state))
@@ -282,49 +254,48 @@ class NzWeights(Optimization):
             logger.info("vllm-omni-ascend-opt: nz_weights cast %d linear weights to FRACTAL_NZ", len(state.cast))
             self.announce_weights_changed(model)
 
+    @torch.no_grad()
     def _cast_all(self, npu: ModuleType, model: nn.Module, state: _State) -> None:
         """Cast every eligible weight (recorded in ``state.cast`` as it goes, so that a fault can be rolled back)."""
-        linear_types, lora_types = _linear_types()
+        linear_types, lora_types, plain = _vllm_types()
         permitted = False
         for prefix, transformer in _transformers(model):
-            offloaded = _offload_prefixes(transformer)
-            lora = _lora_prefixes(transformer, lora_types)
+            lora, offloaded = _lora_and_offload_prefixes(transformer, lora_types)
             for name, module in transformer.named_modules():
-                w = _linear_weight(module, linear_types)
-                if w is None:
+                w = getattr(module, "weight", None)
+                if not isinstance(module, linear_types) or not isinstance(w, nn.Parameter):
                     continue
-                why = self._layer_skip(npu, module, w, _under(name, lora), _under(name, offloaded))
+                why = self._layer_skip(npu, module, w, plain, _under(name, lora), _under(name, offloaded))
                 full = f"{prefix}.{name}".strip(".")
                 if not why:
-                    with torch.no_grad():
-                        if not permitted:  # the first eligible weight: the permission, on every attach
-                            nz, why_not = trial_cast(npu, w.data)
-                            if nz is None:
-                                state.reasons.append(why_not + "; no weight cast")
-                                return
-                            permitted = True
-                        else:
-                            nz = npu.npu_format_cast(w.data, ACL_FORMAT_FRACTAL_NZ)
-                        int8 = w.dtype == torch.int8
-                        verdict = self._numbers(npu, module, w, nz, int8)
-                        if verdict is None or not verdict.ok:
-                            why_not = verdict.describe() if verdict else "the NZ check faulted"
-                            if not int8:
-                                self._rollback(state)
-                                state.reasons.append(why_not + "; no weight cast")
-                                return
-                            why = f"int8 NZ refused: {why_not}"
-                        elif npu.get_npu_format(nz) != ACL_FORMAT_FRACTAL_NZ:
-                            why = SKIP_CAST_FAILED
-                        elif slow := (self.int8 if int8 else self.path).slower(w.data, nz, module):
-                            why = f"{SKIP_SLOWER} ({slow})" if int8 else SKIP_SLOWER
-                        else:
-                            w.data = nz
-                            state.cast.append((full, w))
-                            if int8:
-                                state.int8[full] = "FRACTAL_NZ"
-                                self.stats["int8_weights_nz"] += 1
-                            continue
+                    if not permitted:  # the first eligible weight: the permission, on every attach
+                        nz, why_not = trial_cast(npu, w.data)
+                        if nz is None:
+                            state.reasons.append(why_not + "; no weight cast")
+                            return
+                        permitted = True
+                    else:
+                        nz = npu.npu_format_cast(w.data, ACL_FORMAT_FRACTAL_NZ)
+                    int8 = w.dtype == torch.int8
+                    verdict = self._numbers(npu, module, w, nz, int8)
+                    if verdict is None or not verdict.ok:
+                        why_not = verdict.describe() if verdict else "the NZ check faulted"
+                        if not int8:
+                            self._rollback(state)
+                            state.reasons.append(why_not + "; no weight cast")
+                            return
+                        why = f"int8 NZ refused: {why_not}"
+                    elif npu.get_npu_format(nz) != ACL_FORMAT_FRACTAL_NZ:
+                        why = SKIP_CAST_FAILED
+                    elif slow := (self.int8 if int8 else self.path).slower(w.data, nz, module):
+                        why = f"{SKIP_SLOWER} ({slow})" if int8 else SKIP_SLOWER
+                    else:
+                        w.data = nz
+                        state.cast.append((full, w))
+                        if int8:
+                            state.int8[full] = "FRACTAL_NZ"
+                            self.stats["int8_weights_nz"] += 1
+                        continue
                 if is_npu_int8(module):
                     state.int8[full] = why
                 state.skipped[why] += 1
@@ -337,11 +308,11 @@ class NzWeights(Optimization):
         key = (str(w.device), str(w.dtype).removeprefix("torch."))
         return self.path.decide(key, lambda: self.path.check(w.data, nz))
 
+    @torch.no_grad()
     def _rollback(self, state: _State) -> None:
         """Cast back to ND every weight cast so far (lossless: a layout change)."""
-        with torch.no_grad():
-            for _name, w in state.cast:
-                w.data = state.npu.npu_format_cast(w.data, ACL_FORMAT_ND)
+        for _name, w in state.cast:
+            w.data = state.npu.npu_format_cast(w.data, ACL_FORMAT_ND)
         state.cast.clear()
         state.skipped.clear()
         state.int8.clear()
@@ -357,27 +328,18 @@ class NzWeights(Optimization):
         self.int8.clear()
 
 
-def _unquantized_types() -> tuple[type, ...]:
-    """vLLM's ``UnquantizedLinearMethod`` (subclasses, e.g. vllm-ascend's ``AscendUnquantizedLinearMethod``, count)."""
+def _vllm_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """(linear layer classes, LoRA wrapper classes, unquantized linear methods) of the installed vLLM, imported lazily;
+    a subclass counts (vllm-ascend's ``AscendUnquantizedLinearMethod`` is unquantized)."""
     try:
-        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     except ImportError:  # pragma: no cover - vLLM always present with vLLM-Omni
-        return ()
-    return (UnquantizedLinearMethod,)
-
-
-def _linear_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """(linear layer classes, LoRA wrapper classes) of the installed vLLM, imported lazily."""
-    linear: tuple[type, ...] = (nn.Linear,)
-    try:
-        from vllm.model_executor.layers.linear import LinearBase
-
-        linear = (*linear, LinearBase)
-    except ImportError:  # pragma: no cover - vLLM always present with vLLM-Omni
-        pass
+        linear, plain = (nn.Linear,), ()
+    else:
+        linear, plain = (nn.Linear, LinearBase), (UnquantizedLinearMethod,)
     # LoRA wrappers exist only if vLLM's LoRA layers were imported (DiffusionLoRAManager does); do not import them.
     lora_base = getattr(sys.modules.get("vllm.lora.layers"), "BaseLayerWithLoRA", None)
-    return linear, (lora_base,) if isinstance(lora_base, type) else ()
+    return linear, (lora_base,) if isinstance(lora_base, type) else (), plain
 
 
 OPT = NzWeights()
