@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import logging
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import MethodType, ModuleType
 from typing import Any
@@ -32,39 +31,9 @@ def diffusers_vae() -> ModuleType:
     return importlib.import_module(_targets.DIFFUSERS_VAE)
 
 
-def decode_modules(vae: nn.Module) -> Iterator[nn.Module]:
-    """Every module that runs during ``vae._decode``: ``post_quant_conv`` and the decoder's modules."""
-    yield from vae.post_quant_conv.modules()
-    yield from vae.decoder.modules()
-
-
 def of_exact_class(module: nn.Module, cls: type) -> bool:
     """``module`` is a ``cls`` whose ``forward`` is ``cls``'s own (not overridden by a subclass or an instance)."""
     return isinstance(module, cls) and type(module).forward is cls.forward and "forward" not in module.__dict__
-
-
-def resolve(model: Any) -> tuple[Any | None, nn.Module | None, list[str]]:
-    """``(pipeline or None, vae or None, reasons)`` for a pipeline with ``.vae`` or a bare VAE; ``reasons``: why the
-    VAE optimizations leave it alone."""
-    mod = diffusers_vae()
-    base = mod.AutoencoderKLQwenImage
-    pipe, vae = (None, model) if isinstance(model, base) else (model, getattr(model, "vae", None))
-    if vae is None:
-        return None, None, [f"{type(model).__name__} is neither a Qwen-Image VAE nor a pipeline with a .vae"]
-    if not isinstance(vae, base):
-        why = (
-            f"{type(model).__name__}.vae is {type(vae).__module__}.{type(vae).__name__}, not diffusers' "
-            "AutoencoderKLQwenImage (vLLM-Omni's DistributedAutoencoderKLQwenImage is the supported one)"
-        )
-        return pipe, None, [why]
-    reasons = []
-    if getattr(type(vae), "_decode", None) is not base._decode:
-        reasons.append(f"{type(vae).__name__} overrides _decode")
-    if type(getattr(vae, "decoder", None)) is not mod.QwenImageDecoder3d:
-        reasons.append("its decoder is not diffusers' QwenImageDecoder3d")
-    if not isinstance(getattr(vae, "post_quant_conv", None), mod.QwenImageCausalConv3d):
-        reasons.append("its post_quant_conv is not a QwenImageCausalConv3d")
-    return pipe, (None if reasons else vae), reasons
 
 
 @dataclass
@@ -100,8 +69,9 @@ class VaeOptimization(Optimization):
         return "" if piece in self.enabled_pieces else "switched off (enabled_pieces)"
 
     def patch_forwards(self, piece: str, vae: nn.Module, eligible: Any, make: Any, ps: PatchSet, none: str) -> str:
-        """Each ``eligible`` decode module's ``forward`` replaced by ``make(module)``; "" when it acts, else why not."""
-        modules = [m for m in decode_modules(vae) if eligible(m)]
+        """The ``forward`` of each ``eligible`` module that runs during ``vae._decode`` (``post_quant_conv`` and the
+        decoder's) replaced by ``make(module)``; "" when it acts, else why not."""
+        modules = [m for part in (vae.post_quant_conv, vae.decoder) for m in part.modules() if eligible(m)]
         why = self.wants(piece) or ("" if modules else none)
         for m in modules if not why else ():
             ps.set(m, "forward", MethodType(make(m), m))
@@ -121,11 +91,29 @@ class VaeOptimization(Optimization):
         return [f"{p}: {why}" for p, why in st.pieces.items()]
 
     def _resolve(self, model: Any) -> tuple[Any | None, nn.Module | None, list[str]]:
-        """:func:`resolve`, refusing a VAE already attached through another model."""
-        pipe, vae, reasons = resolve(model)
+        """``(pipeline or None, vae or None, reasons)`` for a pipeline with ``.vae`` or a bare VAE; ``reasons``: why
+        this optimization leaves it alone."""
+        mod = diffusers_vae()
+        base = mod.AutoencoderKLQwenImage
+        pipe, vae = (None, model) if isinstance(model, base) else (model, getattr(model, "vae", None))
+        if vae is None:
+            return None, None, [f"{type(model).__name__} is neither a Qwen-Image VAE nor a pipeline with a .vae"]
+        if not isinstance(vae, base):
+            why = (
+                f"{type(model).__name__}.vae is {type(vae).__module__}.{type(vae).__name__}, not diffusers' "
+                "AutoencoderKLQwenImage (vLLM-Omni's DistributedAutoencoderKLQwenImage is the supported one)"
+            )
+            return pipe, None, [why]
+        reasons = []
+        if getattr(type(vae), "_decode", None) is not base._decode:
+            reasons.append(f"{type(vae).__name__} overrides _decode")
+        if type(getattr(vae, "decoder", None)) is not mod.QwenImageDecoder3d:
+            reasons.append("its decoder is not diffusers' QwenImageDecoder3d")
+        if not isinstance(getattr(vae, "post_quant_conv", None), mod.QwenImageCausalConv3d):
+            reasons.append("its post_quant_conv is not a QwenImageCausalConv3d")
         if not reasons and vae in self._vae_owner:
-            reasons = ["its VAE is already attached through another model"]
-        return pipe, vae, reasons
+            reasons.append("its VAE is already attached through another model")
+        return pipe, (None if reasons else vae), reasons
 
     def _attach(self, model: Any) -> None:
         ps = PatchSet(f"{self.name}:{type(model).__name__}")
