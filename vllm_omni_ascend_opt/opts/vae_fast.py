@@ -30,32 +30,30 @@ def last_tap_eligible(m: nn.Module) -> bool:
         return False
     kt = m.kernel_size[0]
     pw0, pw1, ph0, ph1, pt0, pt1 = m._padding
-    return (
-        kt > 1
-        and pt0 == kt - 1  # causal: kt - 1 zero frames in front, so one frame meets only the last tap
-        and pt1 == 0
-        and pw0 == pw1
-        and ph0 == ph1
-        and tuple(m.padding) == (0, 0, 0)
-        and tuple(m.dilation) == (1, 1, 1)
-        and m.groups == 1
-        and m.padding_mode == "zeros"
-    )
+    causal = kt > 1 and (pt0, pt1) == (kt - 1, 0)  # kt - 1 zero frames in front: one frame meets only the last tap
+    plain = tuple(m.padding) == (0, 0, 0) and tuple(m.dilation) == (1, 1, 1) and m.groups == 1
+    return causal and pw0 == pw1 and ph0 == ph1 and plain and m.padding_mode == "zeros"
+
+
+def _derived(derive: Any) -> Any:
+    """``derive(t.detach(), *extra)``, kept until ``t`` is updated, reloaded, moved or re-cast, or ``extra`` changes."""
+    state: dict[str, Any] = {"key": None, "value": None}
+
+    def get(t: torch.Tensor, *extra: Any) -> torch.Tensor:
+        key = (t.data_ptr(), t.device, t.dtype, t._version, *extra)
+        if state["key"] != key:
+            state["value"] = derive(t.detach(), *extra)
+            state["key"] = key
+        return state["value"]
+
+    return get
 
 
 def _make_last_tap_forward(module: nn.Module) -> Any:
     original = module.forward
-    state: dict[str, Any] = {"key": None, "w": None}
+    last_tap = _derived(lambda w: w[:, :, -1].contiguous())  # the contiguous last temporal tap
     pw, _, ph, _, _, _ = module._padding
     padding2d, stride2d = (ph, pw), tuple(module.stride[1:])
-
-    def last_tap(weight: torch.Tensor) -> torch.Tensor:
-        """The contiguous last temporal tap, rebuilt when the weight changes, is reloaded, moves or is re-cast."""
-        key = (weight.data_ptr(), weight.device, weight.dtype, weight._version)
-        if state["key"] != key:
-            state["w"] = weight.detach()[:, :, -1].contiguous()
-            state["key"] = key
-        return state["w"]
 
     def forward(self: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
         if guards.tracing() or cache_x is not None or x.dim() != 5 or x.shape[2] != 1:
@@ -77,16 +75,7 @@ def norm_eligible(m: nn.Module) -> bool:
 
 def _make_norm_forward(module: nn.Module) -> Any:
     original = module.forward
-    state: dict[str, Any] = {"key": None, "g": None}
-
-    def scaled_gamma(self: nn.Module) -> torch.Tensor:
-        """``gamma * scale``, rebuilt when gamma changes (as the last tap)."""
-        gamma = self.gamma
-        key = (gamma.data_ptr(), gamma.device, gamma.dtype, gamma._version, self.scale)
-        if state["key"] != key:
-            state["g"] = gamma.detach() * self.scale
-            state["key"] = key
-        return state["g"]
+    scaled_gamma = _derived(lambda gamma, scale: gamma * scale)
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if guards.tracing() or x.dtype not in _NORM_DTYPES:
@@ -99,7 +88,7 @@ def _make_norm_forward(module: nn.Module) -> Any:
         else:
             norm = torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(_NORM_EPS)
         y = x / norm
-        g = scaled_gamma(self)
+        g = scaled_gamma(self.gamma, self.scale)
         y = y.mul_(g) if torch.result_type(y, g) == y.dtype else y * g  # keep stock's type promotion
         bias = self.bias
         if isinstance(bias, torch.Tensor) or bias != 0.0:
