@@ -56,8 +56,6 @@ def _replaced(obj: Any, *attrs: str) -> str:
 
 
 def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
-    from diffusers.models.autoencoders.vae import DecoderOutput
-
     original = vae._decode  # bound stock method (or whatever was there), called on fallback
 
     def _decode(self: nn.Module, z: torch.Tensor, return_dict: bool = True) -> Any:
@@ -72,15 +70,14 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
         opt.stats["single_frame_decodes"] += 1
         out = torch.clamp(decode_tile(self, z), min=-1.0, max=1.0)
         self.clear_cache()  # leave the same (fresh) cache state as stock
-        return DecoderOutput(sample=out) if return_dict else (out,)
+        return diffusers_vae().DecoderOutput(sample=out) if return_dict else (out,)
 
     return _decode
 
 
 def tiles_refusal(vae: nn.Module) -> str:
     """Why the tiled decode of ``vae`` keeps stock code ("" when ``single_frame_tiles`` can act)."""
-    mod = diffusers_vae()
-    known = {mod.AutoencoderKLQwenImage.tiled_decode}
+    known = {diffusers_vae().AutoencoderKLQwenImage.tiled_decode}
     dist = sys.modules.get(_targets.DIST_VAE)
     if dist is not None:
         known.add(dist.DistributedAutoencoderKLQwenImage.tiled_decode)
@@ -122,8 +119,6 @@ def tiled_decode_single_frame(opt: VaeExact, vae: nn.Module, z: torch.Tensor) ->
 
 
 def _make_tiled_decode(opt: VaeExact, vae: nn.Module) -> Any:
-    from diffusers.models.autoencoders.vae import DecoderOutput
-
     original = vae.tiled_decode
 
     def tiled_decode(self: nn.Module, z: torch.Tensor, return_dict: bool = True) -> Any:
@@ -137,7 +132,7 @@ def _make_tiled_decode(opt: VaeExact, vae: nn.Module) -> Any:
             return original(z, return_dict=return_dict)
         opt.stats["tiled_decodes"] += 1
         dec = tiled_decode_single_frame(opt, self, z)
-        return DecoderOutput(sample=dec) if return_dict else (dec,)
+        return diffusers_vae().DecoderOutput(sample=dec) if return_dict else (dec,)
 
     return tiled_decode
 
@@ -159,16 +154,14 @@ def _make_tile_exec(opt: VaeExact, vae: nn.Module) -> Any:
     return tile_exec
 
 
-def _count_causal_convs(module: nn.Module | None) -> int:
-    cls = diffusers_vae().QwenImageCausalConv3d
-    return 0 if module is None else sum(isinstance(m, cls) for m in module.modules())
-
-
 def conv_counts_refusal(vae: nn.Module) -> str:
+    """Why ``cached_conv_counts`` leaves ``vae`` alone ("" when diffusers' cached counts match its convolutions)."""
     cached = getattr(vae, "_cached_conv_counts", None)
     if not isinstance(cached, dict) or not {"decoder", "encoder"} <= cached.keys():
         return "this diffusers has no _cached_conv_counts"
-    fresh = {"decoder": _count_causal_convs(vae.decoder), "encoder": _count_causal_convs(vae.encoder)}
+    cls = diffusers_vae().QwenImageCausalConv3d
+    parts = {"decoder": vae.decoder, "encoder": vae.encoder}
+    fresh = {k: 0 if part is None else sum(isinstance(m, cls) for m in part.modules()) for k, part in parts.items()}
     if {k: cached[k] for k in fresh} != fresh:
         return f"_cached_conv_counts {cached} disagree with the modules {fresh}"
     return _replaced(vae, "clear_cache")
@@ -218,12 +211,10 @@ def _make_upsample_forward(path: UpsamplePath, module: nn.Module) -> Any:
 
 
 def _is_pointwise_causal_conv(m: nn.Module) -> bool:
+    """A stock causal convolution without any padding (the 1x1x1 ones): its zero-width ``F.pad`` only copies."""
     cls = diffusers_vae().QwenImageCausalConv3d
     return (
-        of_exact_class(m, cls)
-        and all(p == 0 for p in m._padding)
-        and tuple(m.padding) == (0, 0, 0)
-        and m.padding_mode == "zeros"
+        of_exact_class(m, cls) and not any(m._padding) and tuple(m.padding) == (0, 0, 0) and m.padding_mode == "zeros"
     )
 
 
