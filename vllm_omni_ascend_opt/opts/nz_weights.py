@@ -100,8 +100,7 @@ def _config_reasons(model: nn.Module) -> list[str]:
 
 
 def _lora_and_offload_prefixes(transformer: nn.Module, lora_types: tuple[type, ...]) -> tuple[list[str], list[str]]:
-    """Module names of LoRA wrappers (vLLM ``BaseLayerWithLoRA`` or anything holding a ``base_layer``), and of modules
-    carrying a vLLM-Omni hook whose name mentions offload (e.g. ``layerwise_offload``)."""
+    """Names of LoRA wrappers (``BaseLayerWithLoRA`` or with a ``base_layer``) and of modules under an offload hook."""
     lora, offloaded = [], []
     for name, m in transformer.named_modules():
         if (lora_types and isinstance(m, lora_types)) or isinstance(getattr(m, "base_layer", None), nn.Module):
@@ -164,7 +163,7 @@ class NzWeights(Optimization):
         return reasons
 
     def verdicts(self) -> list[Verdict]:
-        """The first-use numerical checks so far, one per (device, dtype)."""
+        """The first-use numerical checks so far, one per (device, dtype) and one per int8 weight shape."""
         return [*self.path.firsts.values(), *self.int8.firsts.values()]
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
@@ -249,8 +248,7 @@ class NzWeights(Optimization):
             )
             state.reasons.append(why)
             logger.warning("vllm-omni-ascend-opt: nz_weights: %s", why)
-            return
-        if state.cast:
+        elif state.cast:
             logger.info("vllm-omni-ascend-opt: nz_weights cast %d linear weights to FRACTAL_NZ", len(state.cast))
             self.announce_weights_changed(model)
 
@@ -319,7 +317,7 @@ class NzWeights(Optimization):
 
     def _detach(self, model: nn.Module) -> None:
         state = self._models.pop(model, None)
-        if state is not None and state.cast and state.npu is not None:
+        if state is not None and state.cast:
             self._rollback(state)
             self.announce_weights_changed()
 
@@ -329,8 +327,7 @@ class NzWeights(Optimization):
 
 
 def _vllm_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
-    """(linear layer classes, LoRA wrapper classes, unquantized linear methods) of the installed vLLM, imported lazily;
-    a subclass counts (vllm-ascend's ``AscendUnquantizedLinearMethod`` is unquantized)."""
+    """(linear layer classes, LoRA wrapper classes, unquantized linear methods, subclasses included) of vLLM, lazily."""
     try:
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     except ImportError:  # pragma: no cover - vLLM always present with vLLM-Omni

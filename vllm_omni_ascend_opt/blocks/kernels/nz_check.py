@@ -1,8 +1,7 @@
 """The FRACTAL_NZ weight checks ``nz_weights`` runs before it casts anything: the torch_npu / CANN gate, the trial
 cast that establishes permission, and the numerical check of ``F.linear`` with an NZ weight against the ND weight.
-
-Sources are cited in ``opts/nz_weights.py`` (the optimization that owns these checks and their verdicts):
-[OP-FMT] format codes, [TNPU-CFG] ``allow_internal_format`` is write-only, [VA-3356] the CANN 8.3 WeightNz routing.
+Sources ([OP-FMT] format codes, [TNPU-CFG] write-only ``allow_internal_format``, [VA-3356] the CANN 8.3 WeightNz
+routing) are cited in ``tests/fake_torch_npu/formats.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ ACL_FORMAT_ND = 2  # [OP-FMT]
 ACL_FORMAT_FRACTAL_NZ = 29  # [OP-FMT]
 #: CANN from which ND x NZ linear/addmm/matmul run the WeightNz kernels [VA-3356].
 MIN_CANN = (8, 3)
-#: torch_npu line carrying op-plugin 7.2 (see nz_weights' docstring: our reading, not documented).
+#: torch_npu line carrying op-plugin 7.2 (our reading, not documented).
 MIN_TORCH_NPU = (2, 8)
 #: Numerical check: |nz - nd| <= K * eps(dtype) * (|x| @ |w|^T + |b|), K = 2. Two correct results (fp32 accumulation,
 #: one rounding each) differ by at most 2u = eps of that sum; K = 2 doubles it. A layout misread errs by O(sum).
