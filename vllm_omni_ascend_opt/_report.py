@@ -83,8 +83,7 @@ def rows(model: Any = None) -> list[dict[str, Any]]:
         out.append(
             {
                 "name": opt.name,
-                **{k: getattr(opt, k) for k in ("summary", "why", "how", "upstream_pr", "removal_plan")},
-                "equivalence": opt.equivalence,
+                **{k: getattr(opt, k) for k in ("summary", "why", "how", "upstream_pr", "removal_plan", "equivalence")},
                 "tier": opt.tier(),
                 "default": opt.default_enabled,
                 "selected": opt.name in STATE.selected,
@@ -104,14 +103,10 @@ def rows(model: Any = None) -> list[dict[str, Any]]:
 
 def off_reasons(model: Any = None) -> dict[str, list[str]]:
     """Every optimization not installed (without ``model``) or not acting on ``model`` -> its reasons."""
-    out = {}
-    for opt in registry.all_optimizations():
-        if model is None and opt.installed:
-            continue
-        reasons = explain(opt, model) or ([] if model is not None else [WAITING])
-        if reasons:
-            out[opt.name] = reasons
-    return out
+    opts = registry.all_optimizations()
+    if model is not None:
+        return {o.name: why for o in opts if (why := explain(o, model))}
+    return {o.name: explain(o) or [WAITING] for o in opts if not o.installed}
 
 
 def pending() -> list[str]:
@@ -162,11 +157,8 @@ def status_report(model: Any = None) -> dict[str, Any]:
         "pid": os.getpid(),
         "version": __version__,
         "flag": os.environ.get(flags.ENV_FLAG),
-        "registered": STATE.registered,
-        "config_error": STATE.config_error,
+        **{k: getattr(STATE, k) for k in ("registered", "config_error", "version_error", "version_note")},
         "vllm_omni": STATE.omni_version,
-        "version_error": STATE.version_error,
-        "version_note": STATE.version_note,
         "selected": list(STATE.selected),
         "installed": installed(),
         "off": {n: why[0] for n, why in off.items()},

@@ -25,10 +25,7 @@ status = _report.rows
 def _names(spec: str | Iterable[str]) -> list[str]:
     if isinstance(spec, str):
         return flags.parse_spec(spec)
-    names = list(spec)
-    for n in names:
-        registry.get(n)  # raises KeyError listing valid names
-    return names
+    return [registry.get(n).name for n in spec]  # registry.get raises KeyError listing valid names
 
 
 def select(spec: str | Iterable[str], model: Any = None) -> list[str]:
@@ -36,10 +33,7 @@ def select(spec: str | Iterable[str], model: Any = None) -> list[str]:
     _plugin.set_selected(_names(spec))
     if model is not None:
         for opt in registry.all_optimizations():
-            if opt.installed:
-                opt.attach(model)
-            else:
-                opt.detach(model)
+            (opt.attach if opt.installed else opt.detach)(model)
     return installed()
 
 
