@@ -198,18 +198,13 @@ class MemoAwareOffload(Optimization):
 
     def _before_block(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> _Ring | None:
         """At block 0: decide for this forward (once). Returns the block's ring (None: not an attached block)."""
-        found = self._rings.get(module)
-        if found is None:
-            return None
-        ring, index = found
-        if index != 0:
+        ring, index = self._rings.get(module, (None, 0))
+        if ring is None or index != 0:
             return ring
-        tr = ring.transformer()
         ring.skip = False
-        if tr is None:
+        if (tr := ring.transformer()) is None:
             return None
-        why = self._forward_reason(tr, args, kwargs)
-        if why:
+        if why := self._forward_reason(tr, args, kwargs):
             self.stats["forwards_copying"] += 1
             self._fallback(why)
             return ring
@@ -268,11 +263,8 @@ class MemoAwareOffload(Optimization):
 
     def _skip_parts(self, hook: Any) -> dict[torch.dtype, _Part] | None:
         """The kept / skipped weights of the block ``hook`` prefetches, when this forward skips (else None)."""
-        found = self._rings.get(hook.next_block)
-        if found is None:
-            return None
-        ring, index = found
-        if not ring.skip or index == 0:  # block 0 is prefetched for the next forward: always whole
+        ring, index = self._rings.get(hook.next_block, (None, 0))
+        if ring is None or not ring.skip or index == 0:  # block 0 is prefetched for the next forward: always whole
             return None
         if hook not in self._parts:
             self._parts[hook] = {dtype: _Part.of(meta) for dtype, meta in hook.dtype_metadata.items()}
