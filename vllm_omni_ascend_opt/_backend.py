@@ -104,10 +104,5 @@ def npu_device() -> torch.device:
 
 def synchronize(device: torch.device | str | None) -> None:
     """Wait for queued work on ``device`` (NPU, CUDA or nothing to do on CPU)."""
-    if device is None:
-        return
-    kind = torch.device(device).type
-    if kind == "cuda":
-        torch.cuda.synchronize()
-    elif kind == "npu":
-        torch.npu.synchronize()
+    if device is not None and (kind := torch.device(device).type) in ("cuda", "npu"):
+        getattr(torch, kind).synchronize()

@@ -133,13 +133,11 @@ def summary(findings: list[Finding]) -> str:
     checked = [f for f in findings if f.applies]
     good = [f for f in checked if f.ok]
     seen = {v for f in good for v in f.matches}
-    order = [*KNOWN_OMNI, *sorted(seen - set(KNOWN_OMNI))]
-    common = [v for v in order if v in seen and all(v in f.matches for f in good)]
+    common = [v for v in (*KNOWN_OMNI, *sorted(seen - set(KNOWN_OMNI))) if all(v in f.matches for f in good)]
     line = f"{len(good)}/{len(checked)} upstream functions match a known fingerprint"
     if good and len(good) == len(checked):
         line += f" (as in vLLM-Omni {', '.join(common)})" if common else " (each as in some known release)"
-    skipped = len(findings) - len(checked)
-    if skipped:
+    if skipped := len(findings) - len(checked):
         line += f"; {skipped} not checked on {current_platform()} (other platforms' code paths)"
     return line
 
