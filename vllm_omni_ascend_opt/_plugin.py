@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.abc
 import logging
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from importlib import metadata
 
 from vllm_omni_ascend_opt import _report, flags, registry
@@ -23,7 +23,6 @@ logger = logging.getLogger("vllm_omni_ascend_opt")
 LOADER_MODULE = targets.LOADER
 
 _core = PatchSet("core")
-_finder: _PostImportFinder | None = None
 
 
 class PluginConfigError(RuntimeError):
@@ -32,9 +31,8 @@ class PluginConfigError(RuntimeError):
 
 # ----- post-import hook
 class _NotifyingLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, callback: Callable[[str], None]) -> None:
+    def __init__(self, inner: importlib.abc.Loader) -> None:
         self._inner = inner
-        self._callback = callback
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
@@ -45,18 +43,17 @@ class _NotifyingLoader(importlib.abc.Loader):
         spec = getattr(module, "__spec__", None)
         if spec is not None:
             spec._initializing = False
-        self._callback(module.__name__)
+        _on_import(module.__name__)
 
     def __getattr__(self, item):  # get_source, is_package, ... for tools that ask the loader
         return getattr(self._inner, item)
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Wraps the loader of watched modules so that ``callback(name)`` runs right after the module executes."""
+    """Wraps the loader of watched modules so that ``_on_import(name)`` runs right after the module executes."""
 
-    def __init__(self, watched: Iterable[str], callback: Callable[[str], None]) -> None:
-        self.watched = set(watched)
-        self.callback = callback
+    def __init__(self) -> None:
+        self.watched: set[str] = set()
         self._busy: set[str] = set()
 
     def find_spec(self, fullname, path, target=None):
@@ -69,17 +66,17 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         finally:
             self._busy.discard(fullname)
         if spec is not None and spec.loader is not None and not isinstance(spec.loader, _NotifyingLoader):
-            spec.loader = _NotifyingLoader(spec.loader, self.callback)
+            spec.loader = _NotifyingLoader(spec.loader)
         return spec
 
 
+_finder = _PostImportFinder()
+
+
 def _watch(modules: Iterable[str]) -> None:
-    global _finder
-    if _finder is None:
-        _finder = _PostImportFinder(modules, _on_import)
+    if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
-    else:
-        _finder.watched.update(modules)
+    _finder.watched.update(modules)
 
 
 def _on_import(name: str) -> None:
