@@ -112,12 +112,12 @@ class Optimization:
         reasons = self.upstream_reasons() + list(self._process_reasons()) + self._needs_reasons(None)
         if model is None:
             return list(dict.fromkeys(reasons))
-        if why_21 := self.qwen_image_21_reason(model):
-            return list(dict.fromkeys([why_21, *reasons]))
         attached = self.is_attached(model)
-        if not self._installed and not attached:
-            return list(dict.fromkeys(reasons)) or ["not installed"]
-        if not attached and not self.acts_without_attach:
+        if why_21 := self.qwen_image_21_reason(model):
+            reasons.insert(0, why_21)
+        elif not self._installed and not attached:
+            reasons = reasons or ["not installed"]
+        elif not attached and not self.acts_without_attach:
             reasons.append("not attached to this model")
         else:
             reasons += self._needs_reasons(model)

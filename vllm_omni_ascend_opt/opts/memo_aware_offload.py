@@ -238,9 +238,8 @@ class MemoAwareOffload(Optimization):
             hook = block_hook(block)
             if hook is None:
                 continue
-            names = {id(p): n for n, p in block.named_parameters()}
             probe = getattr(hook, "_materialization_probe", None)
-            if probe is None or not is_modulation(names.get(id(probe), "")):
+            if probe is None or not any(p is probe and is_modulation(n) for n, p in block.named_parameters()):
                 continue
             other = next((p for n, p in block.named_parameters() if not is_modulation(n)), None)
             if other is not None:
