@@ -77,28 +77,25 @@ def acting(model: Any) -> list[str]:
 
 def rows(model: Any = None) -> list[dict[str, Any]]:
     """One row per optimization (what ``list`` prints): metadata and state in this process, or on ``model``."""
-    out = []
-    for opt in registry.all_optimizations():
-        reasons = explain(opt, model)
-        out.append(
-            {
-                "name": opt.name,
-                **{k: getattr(opt, k) for k in ("summary", "why", "how", "upstream_pr", "removal_plan", "equivalence")},
-                "tier": opt.tier(),
-                "default": opt.default_enabled,
-                "selected": opt.name in STATE.selected,
-                "active": not reasons,
-                "installed": opt.installed,
-                "reasons_inactive": reasons,
-                "notes": [*opt.upstream_notes(), *opt.notes()],
-                "kernel_classes": opt.kernel_classes() if opt.installed else None,
-                "upstream": [f.as_dict() for f in opt.upstream_findings()],
-                "requires": list(opt.requires),
-                "parallel_support": dict(opt.parallel_support),
-                "flag": {"enable": f"+{opt.name}", "disable": f"-{opt.name}"},
-            }
-        )
-    return out
+    return [
+        {
+            "name": opt.name,
+            **{k: getattr(opt, k) for k in ("summary", "why", "how", "upstream_pr", "removal_plan", "equivalence")},
+            "tier": opt.tier(),
+            "default": opt.default_enabled,
+            "selected": opt.name in STATE.selected,
+            "active": not (reasons := explain(opt, model)),
+            "installed": opt.installed,
+            "reasons_inactive": reasons,
+            "notes": [*opt.upstream_notes(), *opt.notes()],
+            "kernel_classes": opt.kernel_classes() if opt.installed else None,
+            "upstream": [f.as_dict() for f in opt.upstream_findings()],
+            "requires": list(opt.requires),
+            "parallel_support": dict(opt.parallel_support),
+            "flag": {"enable": f"+{opt.name}", "disable": f"-{opt.name}"},
+        }
+        for opt in registry.all_optimizations()
+    ]
 
 
 def off_reasons(model: Any = None) -> dict[str, list[str]]:

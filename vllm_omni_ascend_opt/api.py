@@ -66,8 +66,7 @@ def apply_to_qwen_image(model: Any = None, **switches: bool) -> list[str]:
     """Select the default stack with one keyword per optimization overriding it (``rope=False``, ``vae_fast=True``);
     ``model`` may be a built pipeline or transformer. Returns what is installed."""
     chosen = accepted_keywords()
-    unknown = sorted(set(switches) - set(chosen))
-    if unknown:
+    if unknown := sorted(set(switches) - set(chosen)):
         raise TypeError(
             f"apply_to_qwen_image() got unknown optimization keyword(s) {', '.join(unknown)}; "
             f"accepted: {', '.join(chosen)}"

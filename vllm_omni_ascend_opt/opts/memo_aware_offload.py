@@ -112,8 +112,7 @@ class MemoAwareOffload(Optimization):
         self._probes: dict[int, PatchSet] = {}
 
     def _model_reasons(self, model: Any) -> list[str]:
-        transformers = find_transformers(model)
-        if not transformers:
+        if not (transformers := find_transformers(model)):
             return ["no Qwen-Image transformer in this model"]
         reasons = []
         for tr in transformers:
@@ -250,8 +249,7 @@ class MemoAwareOffload(Optimization):
         source = getattr(hook, "_prev_hook", None)  # the hook that prefetches this block
         if source is None or source.next_block is not module:
             return
-        params = source.next_block_parameters
-        if all(p.numel() for n, p in params.items() if is_modulation(n)):
+        if all(p.numel() for n, p in source.next_block_parameters.items() if is_modulation(n)):
             return  # copied whole (block 0, or a forward that did not skip)
         memo = MEMO.get()
         if memo is not None and memo.has_block(module, self._temb(args, kwargs)):

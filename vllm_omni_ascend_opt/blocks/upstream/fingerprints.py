@@ -163,8 +163,7 @@ def module_file(module: str) -> Path | None:
 
 def fingerprint(module: str, qualname: str) -> str:
     """The fingerprint of ``module.qualname``'s source, :data:`ABSENT` or ``unreadable: ...``."""
-    path = module_file(module)
-    if path is None:
+    if (path := module_file(module)) is None:
         return f"unreadable: module {module} not found"
     try:
         return _SourceIndex.of(path).fingerprint(qualname)
@@ -266,8 +265,7 @@ def replacement(module: str, qualname: str) -> str:
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
     fn = inspect.unwrap(obj) if callable(obj) else obj
-    code = getattr(fn, "__code__", None)
-    if code is None:
+    if (code := getattr(fn, "__code__", None)) is None:
         return f"{qualname} is a {type(fn).__name__}, not a Python function"
     same_file = path is not None and os.path.realpath(code.co_filename) == os.path.realpath(path)
     if not same_file or code.co_firstlineno != line:
