@@ -147,8 +147,7 @@ class Optimization:
 
     def upstream_notes(self) -> list[str]:
         """For ``list``: how its upstream code matched, and under ``FORCE`` what it acts despite."""
-        findings = self.upstream_findings()
-        if not findings:
+        if not (findings := self.upstream_findings()):
             return []
         out = [_upstream.summary(findings)]
         if _upstream.forced():

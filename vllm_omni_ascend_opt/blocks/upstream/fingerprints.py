@@ -33,6 +33,7 @@ MIN_OMNI = (0, 30)  # older releases are refused by version (``_state``)
 ENV_FORCE = "VLLM_OMNI_ASCEND_OPT_FORCE"
 PLATFORMS = ("cpu", "cuda", "rocm", "npu", "musa")  # as :func:`current_platform` names them
 QWEN_IMAGE_21_PACKAGE = "vllm_omni.diffusion.models.qwen_image_21"
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 def forced() -> bool:
@@ -193,12 +194,10 @@ class _SourceIndex:
         body: list[ast.stmt] = self.tree.body
         node: ast.AST | None = None
         for part in qualname.split("."):
-            node = None
-            for n in _statements(body):  # the last definition wins, as when the body executes
-                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part:
-                    node = n
-            if node is None:
+            defs = [n for n in _statements(body) if isinstance(n, _DEFINITIONS) and n.name == part]
+            if not defs:
                 return None
+            node = defs[-1]  # the last definition wins, as when the body executes
             body = node.body  # type: ignore[attr-defined]
         return node
 
