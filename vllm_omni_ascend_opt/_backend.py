@@ -5,6 +5,7 @@ imported ``torch_npu`` or ``None``) and :func:`npu_unavailable_reasons`. Tests p
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import sys
@@ -86,14 +87,12 @@ def graph_capture_reason() -> str | None:
     """Why the current stream is being captured into a graph (CUDA or NPU), or None; never raises."""
     if "cuda" not in _CACHE:
         _CACHE["cuda"] = torch.cuda.is_available()
-    try:
+    with contextlib.suppress(Exception):
         if _CACHE["cuda"] and torch.cuda.is_current_stream_capturing():
             return "CUDA graph capture in progress"
         probe = getattr(getattr(torch, "npu", None), "is_current_stream_capturing", None)
         if probe is not None and torch_npu_module() is not None and probe():
             return "NPU graph capture in progress"
-    except Exception:
-        return None
     return None
 
 
@@ -104,10 +103,5 @@ def npu_device() -> torch.device:
 
 def synchronize(device: torch.device | str | None) -> None:
     """Wait for queued work on ``device`` (NPU, CUDA or nothing to do on CPU)."""
-    if device is None:
-        return
-    kind = torch.device(device).type
-    if kind == "cuda":
-        torch.cuda.synchronize()
-    elif kind == "npu":
-        torch.npu.synchronize()
+    if device is not None and (kind := torch.device(device).type) in ("cuda", "npu"):
+        getattr(torch, kind).synchronize()

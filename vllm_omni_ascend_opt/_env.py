@@ -20,11 +20,8 @@ def boolean(name: str, default: bool = False) -> bool:
     raw = os.environ.get(name)
     if raw is None:
         return default
-    v = raw.strip().lower()
-    if v in TRUE:
-        return True
-    if v in FALSE:
-        return False
+    if (v := raw.strip().lower()) in TRUE + FALSE:
+        return v in TRUE
     _warn_once(
         name,
         raw,

@@ -6,15 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-#: DiffusionParallelConfig field -> mode name used in ``parallel_support``.
-_FIELDS = (
-    ("ulysses_degree", "ulysses"),
-    ("ring_degree", "ring"),
-    ("allgather_degree", "allgather"),
-    ("cfg_parallel_size", "cfg_parallel"),
-    ("tensor_parallel_size", "tensor_parallel"),
-    ("vae_patch_parallel_size", "vae_patch_parallel"),
-)
+#: DiffusionParallelConfig fields; each names its mode in ``parallel_support`` (less ``_degree`` / ``_size``).
+_FIELDS = "ulysses_degree ring_degree allgather_degree cfg_parallel_size tensor_parallel_size vae_patch_parallel_size"
 
 
 def _parallel_config(model: Any = None) -> Any:
@@ -33,7 +26,7 @@ def _parallel_config(model: Any = None) -> Any:
 def active_modes(model: Any = None) -> list[str]:
     """The parallel modes ``model`` (None: the current diffusion config) runs in, ``["single"]`` when none."""
     pc = _parallel_config(model)  # None: every degree reads as 1
-    modes = [name for attr, name in _FIELDS if int(getattr(pc, attr, 1) or 1) > 1]
+    modes = [attr.rsplit("_", 1)[0] for attr in _FIELDS.split() if int(getattr(pc, attr, 1) or 1) > 1]
     return modes or ["single"]
 
 

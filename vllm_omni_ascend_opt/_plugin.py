@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.abc
 import logging
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from importlib import metadata
 
 from vllm_omni_ascend_opt import _report, flags, registry
@@ -23,7 +23,6 @@ logger = logging.getLogger("vllm_omni_ascend_opt")
 LOADER_MODULE = targets.LOADER
 
 _core = PatchSet("core")
-_finder: _PostImportFinder | None = None
 
 
 class PluginConfigError(RuntimeError):
@@ -32,9 +31,8 @@ class PluginConfigError(RuntimeError):
 
 # ----- post-import hook
 class _NotifyingLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, callback: Callable[[str], None]) -> None:
+    def __init__(self, inner: importlib.abc.Loader) -> None:
         self._inner = inner
-        self._callback = callback
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
@@ -45,18 +43,17 @@ class _NotifyingLoader(importlib.abc.Loader):
         spec = getattr(module, "__spec__", None)
         if spec is not None:
             spec._initializing = False
-        self._callback(module.__name__)
+        _on_import(module.__name__)
 
     def __getattr__(self, item):  # get_source, is_package, ... for tools that ask the loader
         return getattr(self._inner, item)
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Wraps the loader of watched modules so that ``callback(name)`` runs right after the module executes."""
+    """Wraps the loader of watched modules so that ``_on_import(name)`` runs right after the module executes."""
 
-    def __init__(self, watched: Iterable[str], callback: Callable[[str], None]) -> None:
-        self.watched = set(watched)
-        self.callback = callback
+    def __init__(self) -> None:
+        self.watched: set[str] = set()
         self._busy: set[str] = set()
 
     def find_spec(self, fullname, path, target=None):
@@ -64,28 +61,22 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             return None
         self._busy.add(fullname)
         try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-            else:
-                return None
+            finders = (f for f in sys.meta_path if f is not self and hasattr(f, "find_spec"))
+            spec = next((s for f in finders if (s := f.find_spec(fullname, path, target)) is not None), None)
         finally:
             self._busy.discard(fullname)
-        if spec.loader is not None and not isinstance(spec.loader, _NotifyingLoader):
-            spec.loader = _NotifyingLoader(spec.loader, self.callback)
+        if spec is not None and spec.loader is not None and not isinstance(spec.loader, _NotifyingLoader):
+            spec.loader = _NotifyingLoader(spec.loader)
         return spec
 
 
+_finder = _PostImportFinder()
+
+
 def _watch(modules: Iterable[str]) -> None:
-    global _finder
-    if _finder is None:
-        _finder = _PostImportFinder(modules, _on_import)
+    if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
-    else:
-        _finder.watched.update(modules)
+    _finder.watched.update(modules)
 
 
 def _on_import(name: str) -> None:
@@ -124,8 +115,7 @@ def install_ready() -> list[str]:
             opt = registry.get(name)
             if opt.installed or not all(fingerprints.fully_imported(m) for m in opt.target_modules):
                 continue
-            reasons = opt.reasons_inactive()
-            if reasons:
+            if reasons := opt.reasons_inactive():
                 logger.debug("vllm-omni-ascend-opt: %s stays off: %s", name, "; ".join(reasons))
                 continue
             _warn_if_forced(opt)
@@ -140,10 +130,7 @@ def install_ready() -> list[str]:
 
 def _warn_if_forced(opt) -> None:
     """Under ``VLLM_OMNI_ASCEND_OPT_FORCE``: warn when ``opt`` installs although its upstream code differs."""
-    if not fingerprints.forced() or not opt.upstream:
-        return
-    differs = fingerprints.reasons(opt.upstream, opt.name)
-    if differs:
+    if fingerprints.forced() and (differs := fingerprints.reasons(opt.upstream, opt.name)):
         logger.warning(
             "vllm-omni-ascend-opt: installing %s although %s (%s=1; its exactness is not established here).",
             opt.name,
@@ -209,9 +196,7 @@ def register() -> None:
         except flags.FlagError as exc:
             STATE.config_error = str(exc)
             logger.error("vllm-omni-ascend-opt: %s Nothing is patched.", exc)
-            if strict:
-                raise PluginConfigError(str(exc)) from None
-            _report_without_patches()
+            _refuse(str(exc), strict)
             return
         STATE.check_version(installed_version("vllm-omni"))
         if STATE.version_note:
@@ -224,22 +209,20 @@ def register() -> None:
                 STATE.version_error,
                 flags.ENV_FORCE,
             )
-            if strict:
-                raise PluginConfigError(STATE.version_error)
-            _report_without_patches()
+            _refuse(STATE.version_error, strict)
             return
-        if strict:
-            bad = {n: r for n in names if (r := registry.get(n).reasons_inactive())}
-            if bad:
-                msg = "; ".join(f"{n}: {', '.join(r)}" for n, r in bad.items())
-                raise PluginConfigError(f"selected optimizations cannot be active here ({msg})")
+        if strict and (bad := {n: r for n in names if (r := registry.get(n).reasons_inactive())}):
+            msg = "; ".join(f"{n}: {', '.join(r)}" for n, r in bad.items())
+            raise PluginConfigError(f"selected optimizations cannot be active here ({msg})")
         set_selected(names)
         logger.debug("vllm-omni-ascend-opt: selected %s", ", ".join(names) or "nothing")
         _report.announce()
 
 
-def _report_without_patches() -> None:
-    """A bad flag or version: nothing is selected, but the status file is written now and through the loader hook."""
+def _refuse(why: str, strict: bool) -> None:
+    """A bad flag or version: raise when strict; else select nothing but write the status file now and on load."""
+    if strict:
+        raise PluginConfigError(why) from None
     _watch({LOADER_MODULE})
     _install_core()
     _report.write_status_file_safely()

@@ -77,41 +77,33 @@ def acting(model: Any) -> list[str]:
 
 def rows(model: Any = None) -> list[dict[str, Any]]:
     """One row per optimization (what ``list`` prints): metadata and state in this process, or on ``model``."""
-    out = []
-    for opt in registry.all_optimizations():
-        reasons = explain(opt, model)
-        out.append(
-            {
-                "name": opt.name,
-                **{k: getattr(opt, k) for k in ("summary", "why", "how", "upstream_pr", "removal_plan")},
-                "equivalence": opt.equivalence,
-                "tier": opt.tier(),
-                "default": opt.default_enabled,
-                "selected": opt.name in STATE.selected,
-                "active": not reasons,
-                "installed": opt.installed,
-                "reasons_inactive": reasons,
-                "notes": [*opt.upstream_notes(), *opt.notes()],
-                "kernel_classes": opt.kernel_classes() if opt.installed else None,
-                "upstream": [f.as_dict() for f in opt.upstream_findings()],
-                "requires": list(opt.requires),
-                "parallel_support": dict(opt.parallel_support),
-                "flag": {"enable": f"+{opt.name}", "disable": f"-{opt.name}"},
-            }
-        )
-    return out
+    return [
+        {
+            "name": opt.name,
+            **{k: getattr(opt, k) for k in ("summary", "why", "how", "upstream_pr", "removal_plan", "equivalence")},
+            "tier": opt.tier(),
+            "default": opt.default_enabled,
+            "selected": opt.name in STATE.selected,
+            "active": not (reasons := explain(opt, model)),
+            "installed": opt.installed,
+            "reasons_inactive": reasons,
+            "notes": [*opt.upstream_notes(), *opt.notes()],
+            "kernel_classes": opt.kernel_classes() if opt.installed else None,
+            "upstream": [f.as_dict() for f in opt.upstream_findings()],
+            "requires": list(opt.requires),
+            "parallel_support": dict(opt.parallel_support),
+            "flag": {"enable": f"+{opt.name}", "disable": f"-{opt.name}"},
+        }
+        for opt in registry.all_optimizations()
+    ]
 
 
 def off_reasons(model: Any = None) -> dict[str, list[str]]:
     """Every optimization not installed (without ``model``) or not acting on ``model`` -> its reasons."""
-    out = {}
-    for opt in registry.all_optimizations():
-        if model is None and opt.installed:
-            continue
-        reasons = explain(opt, model) or ([] if model is not None else [WAITING])
-        if reasons:
-            out[opt.name] = reasons
-    return out
+    opts = registry.all_optimizations()
+    if model is not None:
+        return {o.name: why for o in opts if (why := explain(o, model))}
+    return {o.name: explain(o) or [WAITING] for o in opts if not o.installed}
 
 
 def pending() -> list[str]:
@@ -162,11 +154,8 @@ def status_report(model: Any = None) -> dict[str, Any]:
         "pid": os.getpid(),
         "version": __version__,
         "flag": os.environ.get(flags.ENV_FLAG),
-        "registered": STATE.registered,
-        "config_error": STATE.config_error,
+        **{k: getattr(STATE, k) for k in ("registered", "config_error", "version_error", "version_note")},
         "vllm_omni": STATE.omni_version,
-        "version_error": STATE.version_error,
-        "version_note": STATE.version_note,
         "selected": list(STATE.selected),
         "installed": installed(),
         "off": {n: why[0] for n, why in off.items()},

@@ -60,10 +60,8 @@ class PluginState:
         """The plugin's own reasons why ``name`` cannot act here (the optimization adds its own)."""
         if self.config_error is not None:
             return [f"{flags.ENV_FLAG} is invalid, so nothing is patched"]
-        out = [] if name in self.selected else [f"not selected by {flags.ENV_FLAG}"]
-        if self.version_error is not None and not flags.force_from_env():
-            out.insert(0, self.version_error)  # the cause: the selection was dropped because of it
-        return out
+        cause = [self.version_error] if self.blocked() else []  # the selection was dropped because of it
+        return cause if name in self.selected else [*cause, f"not selected by {flags.ENV_FLAG}"]
 
     def reset(self) -> None:
         vars(self).update(vars(PluginState()))

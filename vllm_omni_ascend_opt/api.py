@@ -25,10 +25,7 @@ status = _report.rows
 def _names(spec: str | Iterable[str]) -> list[str]:
     if isinstance(spec, str):
         return flags.parse_spec(spec)
-    names = list(spec)
-    for n in names:
-        registry.get(n)  # raises KeyError listing valid names
-    return names
+    return [registry.get(n).name for n in spec]  # registry.get raises KeyError listing valid names
 
 
 def select(spec: str | Iterable[str], model: Any = None) -> list[str]:
@@ -36,10 +33,7 @@ def select(spec: str | Iterable[str], model: Any = None) -> list[str]:
     _plugin.set_selected(_names(spec))
     if model is not None:
         for opt in registry.all_optimizations():
-            if opt.installed:
-                opt.attach(model)
-            else:
-                opt.detach(model)
+            (opt.attach if opt.installed else opt.detach)(model)
     return installed()
 
 
@@ -72,8 +66,7 @@ def apply_to_qwen_image(model: Any = None, **switches: bool) -> list[str]:
     """Select the default stack with one keyword per optimization overriding it (``rope=False``, ``vae_fast=True``);
     ``model`` may be a built pipeline or transformer. Returns what is installed."""
     chosen = accepted_keywords()
-    unknown = sorted(set(switches) - set(chosen))
-    if unknown:
+    if unknown := sorted(set(switches) - set(chosen)):
         raise TypeError(
             f"apply_to_qwen_image() got unknown optimization keyword(s) {', '.join(unknown)}; "
             f"accepted: {', '.join(chosen)}"

@@ -37,8 +37,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"\nnote: {STATE.version_note}")
     print()
     hdr = f"{'optimization':<18} {'tier':<6} {'default':<8} {'state':<9} flag"
-    print(hdr)
-    print("-" * len(hdr))
+    print(hdr, "-" * len(hdr), sep="\n")
     for r in rows:
         state = "active" if r["active"] else "inactive"
         print(
@@ -78,9 +77,7 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"rows": [dataclasses.asdict(r) for r in rows], "summary": warmup.summary(rows)}, indent=1))
         return 0
-    for r in rows:
-        print(r.text())
-    print(warmup.summary(rows))
+    print(*(r.text() for r in rows), warmup.summary(rows), sep="\n")
     return 0
 
 

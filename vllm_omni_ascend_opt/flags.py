@@ -45,10 +45,7 @@ def parse_spec(spec: str | None) -> list[str]:
             raise FlagError(_msg(spec, f"malformed item {item!r}", valid))
         if name not in valid:
             raise FlagError(_msg(spec, f"unknown optimization {name!r}", valid))
-        if sign == "-":
-            selected.discard(name)
-        else:
-            selected.add(name)
+        (selected.discard if sign == "-" else selected.add)(name)
     return [n for n in valid if n in selected]
 
 

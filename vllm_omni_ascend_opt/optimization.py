@@ -112,19 +112,17 @@ class Optimization:
         reasons = self.upstream_reasons() + list(self._process_reasons()) + self._needs_reasons(None)
         if model is None:
             return list(dict.fromkeys(reasons))
-        why_21 = self.qwen_image_21_reason(model)
-        if why_21:
-            return list(dict.fromkeys([why_21, *reasons]))
         attached = self.is_attached(model)
-        if not self._installed and not attached:
-            return list(dict.fromkeys(reasons)) or ["not installed"]
-        if not attached and not self.acts_without_attach:
+        if why_21 := self.qwen_image_21_reason(model):
+            reasons.insert(0, why_21)
+        elif not self._installed and not attached:
+            reasons = reasons or ["not installed"]
+        elif not attached and not self.acts_without_attach:
             reasons.append("not attached to this model")
         else:
             reasons += self._needs_reasons(model)
             reasons += parallel_reasons_inactive(self, model)
-            why = guards.compile_reason(self.regions, model, self.name, self.acts_compiled)
-            if why:
+            if why := guards.compile_reason(self.regions, model, self.name, self.acts_compiled):
                 reasons.append(why)
             reasons += self._model_reasons(model)
         return list(dict.fromkeys(reasons))
@@ -149,8 +147,7 @@ class Optimization:
 
     def upstream_notes(self) -> list[str]:
         """For ``list``: how its upstream code matched, and under ``FORCE`` what it acts despite."""
-        findings = self.upstream_findings()
-        if not findings:
+        if not (findings := self.upstream_findings()):
             return []
         out = [_upstream.summary(findings)]
         if _upstream.forced():
@@ -159,9 +156,7 @@ class Optimization:
 
     def qwen_image_21_reason(self, model: Any) -> str | None:
         """Why it stays off on ``model`` when that is vLLM-Omni's Qwen-Image-2.1 (None otherwise)."""
-        if not self.on_qwen_image_21:
-            return None
-        cls = _upstream.qwen_image_21(model)
+        cls = self.on_qwen_image_21 and _upstream.qwen_image_21(model)
         return f"Qwen-Image-2.1 ({cls}): {self.on_qwen_image_21}" if cls else None
 
     def _model_reasons(self, model: Any) -> list[str]:

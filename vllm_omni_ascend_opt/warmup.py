@@ -5,12 +5,12 @@ The classes of Qwen-Image's transformer (24 heads of 128, bf16) at each ``--size
 ``--batch`` and text-length bucket of ``--text``, as the default stack runs them: ``rope`` on the image, text and
 joint sequences before Ulysses' all-to-all (split over ``--sp`` ranks); ``qk_norm`` on the image and text rows;
 ``fused_attention`` on the joint sequence after it (heads / sp), unmasked and, at batch 2, with a key mask. Each check
-runs through the optimization's own code (``warm``), inside its guard: a fault is reported, not raised. Each row
-carries the class verdict's timing (:mod:`.blocks.kernels.timing`): stock's ms, each candidate's, and the choice.
+runs through the optimization's own code (``warm``), inside its guard: a fault is reported, not raised.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +36,7 @@ class Row:
 
     def text(self) -> str:
         line = f"{self.kernel:<22} {self.shape:<40} {self.outcome:<9} {self.seconds:6.2f} s"
-        t = self.timing
-        if not t:
+        if not (t := self.timing):
             return line
         ms = "  ".join(f"{n} {'refused' if v is None else f'{v:.4g} ms'}" for n, v in t["candidates"].items())
         return f"{line}  stock {t['stock_ms']:.4g} ms | {ms} -> {t.get('candidate') or 'stock'}"
@@ -105,30 +104,27 @@ def warm(
 
     weight = torch.ones(head_dim, device=dev, dtype=dtype)
     with torch.no_grad():
-        for w, h in sizes:
+        for (w, h), b, t in itertools.product(sizes, batches, texts):
             img = (w // 16) * (h // 16)
-            for b in batches:
-                for t in texts:
-                    joint = img + t
-                    for name, s in (("image", -(-img // sp)), ("text", t), ("joint", -(-joint // sp))):
-                        x = rnd(b, s, heads, head_dim)
-                        key = ("rope", *rotary.shape_class(x))
-                        run("npu_rotary_mul", f"{name} B={b} S={s}", key, lambda x=x, s=s: rope.rotary.warm(
-                            x, _freqs(s, head_dim, dev, g)))  # fmt: skip
-                        if name != "joint":
-                            key = ("qk", *rms_norm.shape_class(x))
-                            run("npu_rms_norm", f"{name} B={b} S={s}", key, lambda x=x: qk.path.warm(x, weight, 1e-6))
-                    for m in (False, True) if b > 1 else (False,):
-                        q = rnd(b, joint, heads // sp, head_dim)
-                        masked = None
-                        if m:
-                            keep = torch.ones(b, joint, dtype=torch.bool, device=dev)
-                            keep[1:, max(0, t - 8) : t] = False  # a shorter second prompt
-                            masked = (~keep).view(b, 1, 1, joint).expand(b, 1, joint, joint).contiguous()
-                        key = ("fa", *npu_attention.shape_class(q, q, masked))
-                        label = f"joint B={b} S={joint} heads={heads // sp}{' masked' if m else ''}"
-                        run("npu_fusion_attention", label, key, lambda q=q, masked=masked: fa.warm(q, q, q, masked))
-                        del q, masked
+            joint = img + t
+            for name, s in (("image", -(-img // sp)), ("text", t), ("joint", -(-joint // sp))):
+                x, label = rnd(b, s, heads, head_dim), f"{name} B={b} S={s}"
+                key = ("rope", *rotary.shape_class(x))
+                run("npu_rotary_mul", label, key, lambda x=x, s=s: rope.rotary.warm(x, _freqs(s, head_dim, dev, g)))
+                if name != "joint":
+                    key = ("qk", *rms_norm.shape_class(x))
+                    run("npu_rms_norm", label, key, lambda x=x: qk.path.warm(x, weight, 1e-6))
+            for m in (False, True) if b > 1 else (False,):
+                q = rnd(b, joint, heads // sp, head_dim)
+                masked = None
+                if m:
+                    keep = torch.ones(b, joint, dtype=torch.bool, device=dev)
+                    keep[1:, max(0, t - 8) : t] = False  # a shorter second prompt
+                    masked = (~keep).view(b, 1, 1, joint).expand(b, 1, joint, joint).contiguous()
+                key = ("fa", *npu_attention.shape_class(q, q, masked))
+                label = f"joint B={b} S={joint} heads={heads // sp}{' masked' if m else ''}"
+                run("npu_fusion_attention", label, key, lambda q=q, masked=masked: fa.warm(q, q, q, masked))
+                del q, masked
     return rows
 
 

@@ -112,8 +112,7 @@ class MemoAwareOffload(Optimization):
         self._probes: dict[int, PatchSet] = {}
 
     def _model_reasons(self, model: Any) -> list[str]:
-        transformers = find_transformers(model)
-        if not transformers:
+        if not (transformers := find_transformers(model)):
             return ["no Qwen-Image transformer in this model"]
         reasons = []
         for tr in transformers:
@@ -198,18 +197,13 @@ class MemoAwareOffload(Optimization):
 
     def _before_block(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> _Ring | None:
         """At block 0: decide for this forward (once). Returns the block's ring (None: not an attached block)."""
-        found = self._rings.get(module)
-        if found is None:
-            return None
-        ring, index = found
-        if index != 0:
+        ring, index = self._rings.get(module, (None, 0))
+        if ring is None or index != 0:
             return ring
-        tr = ring.transformer()
         ring.skip = False
-        if tr is None:
+        if (tr := ring.transformer()) is None:
             return None
-        why = self._forward_reason(tr, args, kwargs)
-        if why:
+        if why := self._forward_reason(tr, args, kwargs):
             self.stats["forwards_copying"] += 1
             self._fallback(why)
             return ring
@@ -243,9 +237,8 @@ class MemoAwareOffload(Optimization):
             hook = block_hook(block)
             if hook is None:
                 continue
-            names = {id(p): n for n, p in block.named_parameters()}
             probe = getattr(hook, "_materialization_probe", None)
-            if probe is None or not is_modulation(names.get(id(probe), "")):
+            if probe is None or not any(p is probe and is_modulation(n) for n, p in block.named_parameters()):
                 continue
             other = next((p for n, p in block.named_parameters() if not is_modulation(n)), None)
             if other is not None:
@@ -256,8 +249,7 @@ class MemoAwareOffload(Optimization):
         source = getattr(hook, "_prev_hook", None)  # the hook that prefetches this block
         if source is None or source.next_block is not module:
             return
-        params = source.next_block_parameters
-        if all(p.numel() for n, p in params.items() if is_modulation(n)):
+        if all(p.numel() for n, p in source.next_block_parameters.items() if is_modulation(n)):
             return  # copied whole (block 0, or a forward that did not skip)
         memo = MEMO.get()
         if memo is not None and memo.has_block(module, self._temb(args, kwargs)):
@@ -268,11 +260,8 @@ class MemoAwareOffload(Optimization):
 
     def _skip_parts(self, hook: Any) -> dict[torch.dtype, _Part] | None:
         """The kept / skipped weights of the block ``hook`` prefetches, when this forward skips (else None)."""
-        found = self._rings.get(hook.next_block)
-        if found is None:
-            return None
-        ring, index = found
-        if not ring.skip or index == 0:  # block 0 is prefetched for the next forward: always whole
+        ring, index = self._rings.get(hook.next_block, (None, 0))
+        if ring is None or not ring.skip or index == 0:  # block 0 is prefetched for the next forward: always whole
             return None
         if hook not in self._parts:
             self._parts[hook] = {dtype: _Part.of(meta) for dtype, meta in hook.dtype_metadata.items()}

@@ -33,6 +33,7 @@ MIN_OMNI = (0, 30)  # older releases are refused by version (``_state``)
 ENV_FORCE = "VLLM_OMNI_ASCEND_OPT_FORCE"
 PLATFORMS = ("cpu", "cuda", "rocm", "npu", "musa")  # as :func:`current_platform` names them
 QWEN_IMAGE_21_PACKAGE = "vllm_omni.diffusion.models.qwen_image_21"
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 def forced() -> bool:
@@ -133,13 +134,11 @@ def summary(findings: list[Finding]) -> str:
     checked = [f for f in findings if f.applies]
     good = [f for f in checked if f.ok]
     seen = {v for f in good for v in f.matches}
-    order = [*KNOWN_OMNI, *sorted(seen - set(KNOWN_OMNI))]
-    common = [v for v in order if v in seen and all(v in f.matches for f in good)]
+    common = [v for v in (*KNOWN_OMNI, *sorted(seen - set(KNOWN_OMNI))) if all(v in f.matches for f in good)]
     line = f"{len(good)}/{len(checked)} upstream functions match a known fingerprint"
     if good and len(good) == len(checked):
         line += f" (as in vLLM-Omni {', '.join(common)})" if common else " (each as in some known release)"
-    skipped = len(findings) - len(checked)
-    if skipped:
+    if skipped := len(findings) - len(checked):
         line += f"; {skipped} not checked on {current_platform()} (other platforms' code paths)"
     return line
 
@@ -165,8 +164,7 @@ def module_file(module: str) -> Path | None:
 
 def fingerprint(module: str, qualname: str) -> str:
     """The fingerprint of ``module.qualname``'s source, :data:`ABSENT` or ``unreadable: ...``."""
-    path = module_file(module)
-    if path is None:
+    if (path := module_file(module)) is None:
         return f"unreadable: module {module} not found"
     try:
         return _SourceIndex.of(path).fingerprint(qualname)
@@ -196,12 +194,10 @@ class _SourceIndex:
         body: list[ast.stmt] = self.tree.body
         node: ast.AST | None = None
         for part in qualname.split("."):
-            node = None
-            for n in _statements(body):  # the last definition wins, as when the body executes
-                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part:
-                    node = n
-            if node is None:
+            defs = [n for n in _statements(body) if isinstance(n, _DEFINITIONS) and n.name == part]
+            if not defs:
                 return None
+            node = defs[-1]  # the last definition wins, as when the body executes
             body = node.body  # type: ignore[attr-defined]
         return node
 
@@ -268,8 +264,7 @@ def replacement(module: str, qualname: str) -> str:
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
     fn = inspect.unwrap(obj) if callable(obj) else obj
-    code = getattr(fn, "__code__", None)
-    if code is None:
+    if (code := getattr(fn, "__code__", None)) is None:
         return f"{qualname} is a {type(fn).__name__}, not a Python function"
     same_file = path is not None and os.path.realpath(code.co_filename) == os.path.realpath(path)
     if not same_file or code.co_firstlineno != line:
