@@ -90,10 +90,8 @@ class Guard:
         return self._faults.get(key) if self._faults else None
 
     def waits(self, key: Hashable) -> bool:
-        """Whether ``key`` stays on stock now (backoff running, or demoted). The hot path: one length check."""
-        if not self._faults:  # the hot path: no fault anywhere
-            return False
-        f = self._faults.get(key)
+        """Whether ``key`` stays on stock now (backoff running, or demoted)."""
+        f = self.fault(key)  # the hot path: one length check when no fault anywhere
         return f is not None and (f.demoted or forward_scope.forwards() < f.retry_at)
 
     def run(self, key: Hashable, fn: Callable[[], T]) -> tuple[bool, T | None, str]:
@@ -116,10 +114,10 @@ class Guard:
 
     def record(self, key: Hashable, exc: BaseException) -> None:
         """Count one error of ``key`` and schedule its retry (or demote it)."""
-        prev = self._faults.get(key)
-        errors = (prev.errors if prev is not None else 0) + 1
-        f = Fault(key, fault_kind(exc), f"raised {exc.__class__.__name__}: {exc}"[:300], errors)
-        f.deferrals = prev.deferrals if prev is not None else 0
+        prev = self._faults.get(key) or Fault(key, "", "")
+        errors = prev.errors + 1
+        why = f"raised {exc.__class__.__name__}: {exc}"[:300]
+        f = Fault(key, fault_kind(exc), why, errors, deferrals=prev.deferrals)
         f.demoted = errors >= MAX_ERRORS
         f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << (errors - 1))
         self._put(f, "faults", logger.warning)
@@ -131,11 +129,10 @@ class Guard:
         free = free_device_memory(device)
         if free is None or scratch_bytes <= free:
             return True
-        prev = self._faults.get(key)
-        deferrals = (prev.deferrals if prev is not None else 0) + 1
+        prev = self._faults.get(key) or Fault(key, "", "")
         why = f"needs {scratch_bytes / 2**20:.0f} MiB of scratch, {free / 2**20:.0f} MiB free"
-        f = Fault(key, "deferred", why, prev.errors if prev is not None else 0, deferrals=deferrals)
-        f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << min(deferrals - 1, 16))
+        f = Fault(key, "deferred", why, prev.errors, deferrals=prev.deferrals + 1)
+        f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << min(f.deferrals - 1, 16))
         self._put(f, "deferred_checks", logger.info)
         return False
 
