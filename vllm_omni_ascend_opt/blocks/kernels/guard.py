@@ -98,7 +98,7 @@ class Guard:
         """Run ``fn`` (a check, a kernel call, or both) under the guard: ``(True, fn(), "")``; ``(False, None, "")``
         after an error of the moment (recorded, retried with backoff); ``(False, None, reason)`` when it raised
         anything else (the kernel rejects this call for good: a verdict the caller stores). A success clears a fault."""
-        before = self._faults.get(key) if self._faults else None
+        before = self.fault(key)
         try:
             out = fn()
         except Exception as exc:
@@ -109,7 +109,7 @@ class Guard:
         if before is not None and self._faults.get(key) is before:  # not a deferral made by fn just now
             self._faults.drop(key)
             self.stats["recovered"] += 1
-            logger.info("vllm-omni-ascend-opt: %s: the kernel works again at %s", self.label, _where(key))
+            logger.info("vllm-omni-ascend-opt: %s: the kernel works again at %s", self.label, where(key))
         return True, out, ""
 
     def record(self, key: Hashable, exc: BaseException) -> None:
@@ -139,7 +139,7 @@ class Guard:
     def _put(self, f: Fault, counter: str, log: Callable[..., None]) -> None:
         self._faults.put(f.key, f)
         self.stats[counter] += 1
-        log("vllm-omni-ascend-opt: %s at %s: %s", self.label, _where(f.key), f.describe())
+        log("vllm-omni-ascend-opt: %s at %s: %s", self.label, where(f.key), f.describe())
 
 
 def free_device_memory(device: torch.device) -> int | None:
@@ -153,5 +153,5 @@ def free_device_memory(device: torch.device) -> int | None:
         return None
 
 
-def _where(key: Any) -> str:
+def where(key: Any) -> str:
     return "/".join(str(k).removeprefix("torch.") for k in key) if isinstance(key, tuple) else str(key)

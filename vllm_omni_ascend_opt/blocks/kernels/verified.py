@@ -20,7 +20,7 @@ import torch
 
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks.kernels import agree, saved, timing
-from vllm_omni_ascend_opt.blocks.kernels.guard import Guard, is_error
+from vllm_omni_ascend_opt.blocks.kernels.guard import Guard, is_error, where
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import ProbeDict, Verdict
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -121,7 +121,7 @@ class KernelPath:
 
     def place(self, key: tuple) -> str:
         """The key in words, for logs and status."""
-        return "/".join(str(p).removeprefix("torch.") for p in key)
+        return where(key)
 
     def accept_saved(self, key: tuple, ok: bool) -> bool:
         """Whether a saved verdict is taken as it is (False: the check runs again, e.g. under a stricter policy)."""
