@@ -212,9 +212,7 @@ class FusedAttention(Optimization):
 
     def report(self, model: nn.Module) -> dict[str, Any]:
         """Per model: swapped layers, skipped layers by reason, and calls per path (``fused`` / ``sdpa: why``)."""
-        state = self._models.get(model)
-        if state is None:
-            return {"swapped": 0, "skipped": {}, "calls": {}}
+        state = self._models.get(model) or _ModelState()
         calls = sum((fused._ascend_opt_calls for _layer, _stock, fused in state.layers), Counter())
         return {"swapped": len(state.layers), "skipped": dict(state.skipped), "calls": dict(calls)}
 

@@ -146,13 +146,11 @@ class RotaryPath(KernelPath):
         ratio, err_k, err_s, same = errs
         facts = {"bitwise": same, "errors": {"kernel": err_k, "stock": err_s, "over_bound": ratio}, "seconds": seconds}
         why = self._judge(*errs)
-        if why:
-            return self.verdict(key, False, why, **facts)
         evidence = (
             f"max error {err_k:.3g} vs stock's {err_s:.3g}, {ratio:.3g} of the bound; bitwise equal to stock: "
             f"{'yes' if same else 'no'}"
         )
-        return self.verdict(key, True, evidence, **facts)
+        return self.verdict(key, not why, why or evidence, **facts)
 
     def first_check(self, fn: Callable[..., torch.Tensor], device: Any, dtype: torch.dtype, d: int, n: int) -> Verdict:
         """The kernel against the portable reference on small random inputs of the real layout (BSND) and dtype."""
