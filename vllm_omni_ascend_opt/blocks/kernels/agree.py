@@ -121,8 +121,7 @@ _CPU_GROUPS: dict[int, Any] = {}
 
 
 def _cpu_group() -> Any:
-    """A gloo group of every rank, once per default group: vLLM's world CPU group, the default group when it is gloo,
-    else a new gloo group (every rank asks at the same forward end, as ``new_group`` requires)."""
+    """A gloo group of every rank: vLLM's world CPU group, else the default group if gloo, else a new gloo group."""
     import torch.distributed as dist
 
     key = id(dist.group.WORLD)
@@ -135,7 +134,7 @@ def _cpu_group() -> Any:
         except Exception:  # no vLLM world group in this process
             group = None
         if group is None and dist.get_backend() != "gloo":
-            group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo")  # collective: every rank asks at the same forward end
         _CPU_GROUPS[key] = group
     return _CPU_GROUPS[key]
 

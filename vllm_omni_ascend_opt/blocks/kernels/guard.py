@@ -4,8 +4,7 @@ A **verdict** (the kernel disagrees with its reference, or rejects the call with
 the kernel path (:mod:`.verified`). A **fault** (out of memory, a driver's runtime error) is not: the call runs stock
 and the key is retried after :data:`RETRY_AFTER` forwards, doubling up to :data:`RETRY_CAP`; after :data:`MAX_ERRORS`
 errors in a row it is demoted (stock until the next backend probe). A **deferral** (the check's scratch would not fit
-in free device memory) backs off the same way without counting as an error. The clock is
-:func:`~vllm_omni_ascend_opt.blocks.upstream.forward_scope.forwards` (outermost transformer forwards).
+in free device memory) backs off the same way without counting as an error. The clock: ``forward_scope.forwards()``.
 """
 
 from __future__ import annotations

@@ -68,8 +68,7 @@ def call_kernel(
     scale: float,
     layout: str = "BSND",
 ) -> torch.Tensor:
-    """``npu_fusion_attention`` on BSND q/k/v, run in ``layout`` (BSND, or BNSD on transposed copies); returns BSND
-    output [OP-FA]. ``masked``: True = excluded."""
+    """``npu_fusion_attention`` on BSND q/k/v run in ``layout`` (BSND or BNSD) [OP-FA]; ``masked``: True = excluded."""
     bnsd = layout == "BNSD"
     qkv = ((x.transpose(1, 2) if bnsd else x).contiguous() for x in (q, k, v))
     out = npu.npu_fusion_attention(*qkv, q.shape[2], input_layout=layout, atten_mask=masked, scale=scale,
@@ -98,7 +97,8 @@ def stock_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.
 
 
 #: candidate name -> its call on BSND q/k/v
-CALLS = {"npu_fusion_attention": call_kernel, "npu_fusion_attention/BNSD": functools.partial(call_kernel, layout="BNSD"),
+CALLS = {"npu_fusion_attention": call_kernel,
+         "npu_fusion_attention/BNSD": functools.partial(call_kernel, layout="BNSD"),
          "npu_fused_infer_attention_score": call_fia}  # fmt: skip
 
 
