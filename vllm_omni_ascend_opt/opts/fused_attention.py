@@ -27,7 +27,7 @@ from vllm_omni_ascend_opt.blocks.upstream.fingerprints import V030, V031, V032, 
 from vllm_omni_ascend_opt.blocks.weak_lru import tensor_bytes
 from vllm_omni_ascend_opt.optimization import Optimization
 
-_L = _targets.ATTENTION_LAYER
+_L, _S = _targets.ATTENTION_LAYER, _targets.SDPA_BACKEND
 
 
 class _FusedImplMixin:
@@ -108,13 +108,9 @@ class FusedAttention(Optimization):
             {"993e1e36560fe86f": (V030,), "44ccc81fbd7f347d": (V031,), "80475767d74d76da": (V032,)},
         ),
         same(_L, "Attention._run_ring_attention", "c21123d6776e4b1d"),
-        same(_targets.SDPA_BACKEND, "SDPAImpl.forward_npu", "a06f5d142abd1872"),
-        same(_targets.SDPA_BACKEND, "SDPAImpl.__init__", "d075d75dc52d9396"),
-        Upstream(
-            _targets.SDPA_BACKEND,
-            "SDPAImpl._forward_impl",
-            {"93dcc56782929c57": (V030, V031), "6c3f07b099b053d1": (V032,)},
-        ),
+        same(_S, "SDPAImpl.forward_npu", "a06f5d142abd1872"),
+        same(_S, "SDPAImpl.__init__", "d075d75dc52d9396"),
+        Upstream(_S, "SDPAImpl._forward_impl", {"93dcc56782929c57": (V030, V031), "6c3f07b099b053d1": (V032,)}),
         same(_targets.TRANSFORMER, "QwenImageTransformer2DModel.forward", "5f909b9290c3e0ad"),  # one mask per forward
         _targets.CROSS_ATTENTION_FORWARD,
     )
@@ -191,8 +187,7 @@ class FusedAttention(Optimization):
             reasons.append(
                 f"the transformer runs in {', '.join(odd)}: {KERNEL} is used for float16/bfloat16 only, SDPA runs"
             )
-        reasons += [v.describe() for v in self.path.firsts.values() if not v.ok]
-        return reasons
+        return reasons  # the first-use refusals are process reasons
 
     def notes(self) -> list[str]:
         out = [
@@ -217,9 +212,7 @@ class FusedAttention(Optimization):
 
     def report(self, model: nn.Module) -> dict[str, Any]:
         """Per model: swapped layers, skipped layers by reason, and calls per path (``fused`` / ``sdpa: why``)."""
-        state = self._models.get(model)
-        if state is None:
-            return {"swapped": 0, "skipped": {}, "calls": {}}
+        state = self._models.get(model) or _ModelState()
         calls = sum((fused._ascend_opt_calls for _layer, _stock, fused in state.layers), Counter())
         return {"swapped": len(state.layers), "skipped": dict(state.skipped), "calls": dict(calls)}
 
@@ -311,26 +304,22 @@ class FusedAttention(Optimization):
         else:
             why = fab.limits_violation(query, key, value)
         if not why:
-            scale = getattr(impl, "softmax_scale", None)
-            verdict = self._verdict(npu, query, key, scale)
-            if verdict is None:
-                why = "kernel fault (retried later)"
-            elif not verdict.ok:
-                why = "verification failed"
-            else:
-                out, why = self._fused_checked(npu, query, key, value, attn_metadata, scale)
-                if out is not None:
-                    impl._ascend_opt_calls["fused"] += 1
-                    return out
+            out, why = self._fused_checked(npu, impl, query, key, value, attn_metadata)
+            if out is not None:
+                impl._ascend_opt_calls["fused"] += 1
+                return out
         impl._ascend_opt_calls[f"sdpa: {why}"] += 1
         return impl._ascend_opt_stock.forward(query, key, value, attn_metadata)
 
     def _fused_checked(
-        self, npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: Any, scale: Any
+        self, npu: ModuleType, impl: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: Any
     ) -> tuple[torch.Tensor | None, str]:
-        """The fused call through the kernel path (checked on the first call of its class); (None, why): SDPA."""
-        mask = getattr(attn_metadata, "attn_mask", None) if attn_metadata is not None else None
-        masked, why = self.mask_for(mask, q.shape[0], q.shape[1], k.shape[1])
+        """The fused call once the kernel is verified here (and its class on its first call); (None, why): SDPA."""
+        scale = getattr(impl, "softmax_scale", None)
+        verdict = self._verdict(npu, q, k, scale)
+        if verdict is None or not verdict.ok:
+            return None, "kernel fault (retried later)" if verdict is None else "verification failed"
+        masked, why = self.mask_for(getattr(attn_metadata, "attn_mask", None), q.shape[0], q.shape[1], k.shape[1])
         if why:
             return None, why
         key = fab.shape_class(q, k, masked)

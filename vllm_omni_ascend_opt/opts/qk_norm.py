@@ -66,10 +66,8 @@ class QkNorm(Optimization):
 
     def tier(self) -> str:
         """``pixel`` where the kernel runs (or will, once verified); ``exact`` where it cannot (nothing changes)."""
-        if self.reasons_inactive():
-            return "exact"
         verdicts = self.verdicts()
-        return "exact" if verdicts and not any(v.ok for v in verdicts) else "pixel"
+        return "exact" if self.reasons_inactive() or (verdicts and not any(v.ok for v in verdicts)) else "pixel"
 
     def notes(self) -> list[str]:
         out = self.path.notes() if self.kernel_classes() is not None else []

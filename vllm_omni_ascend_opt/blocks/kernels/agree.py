@@ -1,12 +1,11 @@
 """Ranks agree on every kernel verdict: a shape class refused on any rank is refused on all (a logical AND).
 
 Each rank checks a class on its own data (SP shards, CFG branches), so a kernel wrong only on some inputs could pass
-on one rank and fail on another. The verdicts a rank makes are exchanged at the end of each outermost transformer
-forward (:func:`sync`, the one point every rank reaches equally often) with one ``all_gather_object`` over a CPU
-(gloo) group (:func:`_cpu_group`; over HCCL it would synchronize the stream); a refusal anywhere replaces a pass
-everywhere, or waits for a class not met yet (:func:`peer_refusal`). A pass is held back until then (:func:`hold`);
-passes of one class reported by several ranks in the same exchange then run the one candidate
-:func:`.timing.agreed` picks from everyone's timings (or stock, when none passed and beat stock on every rank).
+on one rank and fail on another. The verdicts a rank makes (:func:`made`; a pass is held back meanwhile) are exchanged
+at the end of each outermost transformer forward (:func:`sync`, the one point every rank reaches equally often) over
+a CPU (gloo) group (:func:`_cpu_group`; over HCCL it would synchronize the stream): a refusal anywhere replaces a pass
+everywhere, or waits for a class not met yet (:func:`peer_refusal`); passes of one class from several ranks run
+the candidate :func:`.timing.agreed` picks from everyone's timings (stock when none passed and beat it on every rank).
 """
 
 from __future__ import annotations
@@ -35,18 +34,15 @@ def register(path: Any) -> None:
     _PATHS.setdefault(path.kernel, weakref.WeakSet()).add(path)
 
 
-def made(kernel: str, key: Any, ok: bool, reason: str, timing: Any = None) -> None:
-    """A verdict this rank just made (or took from disk): to be agreed at the next :func:`sync`."""
-    if _group_size() > 1:
-        _PENDING.append((kernel, saved.key_text(key), ok, reason, timing))
-
-
-def hold(path: Any, verdict: Any) -> bool:
-    """Under several ranks, hold a pass back until the ranks agree (the path runs stock meanwhile): True if held."""
-    if not verdict.ok or _group_size() <= 1:
+def made(store: Any, v: Any) -> bool:
+    """A verdict ``store`` just made (or took from disk), agreed at the next :func:`sync`; under several ranks a pass
+    is held back until then (the path runs stock meanwhile): True if held."""
+    if _group_size() <= 1:
         return False
-    _HELD.append((path, verdict))
-    return True
+    _PENDING.append((store.kernel, saved.key_text(v.key), v.ok, v.reason, v.timing))
+    if v.ok:
+        _HELD.append((store, v))
+    return v.ok
 
 
 def peer_refusal(kernel: str, key: Any) -> str | None:
@@ -60,7 +56,7 @@ def forget(kernel: str) -> None:
     _HELD[:] = [(p, v) for p, v in _HELD if p.kernel != kernel]
 
 
-#: the reason a class takes the stock path while its pass waits for the other ranks (:func:`hold`)
+#: the reason a class takes the stock path while its pass waits for the other ranks (:func:`made`)
 WAITING = "checked here; waiting for the other ranks' verdicts (end of this forward)"
 
 
@@ -108,10 +104,9 @@ def sync() -> int:
 
 def _agreed(store: Any, v: Any, timings: list[Any]) -> Any:
     """The held pass ``v`` running the candidate every rank agrees on (the timings the ranks reported for it)."""
-    order = [c.name for c in store._path.candidates]
     if len(timings) < 2 or not v.timing:
         return v
-    choice = timing.agreed(timings, order)
+    choice = timing.agreed(timings, [c.name for c in store._path.candidates])
     if choice == v.timing.get("candidate"):
         return v
     if choice is None:
@@ -126,23 +121,20 @@ _CPU_GROUPS: dict[int, Any] = {}
 
 
 def _cpu_group() -> Any:
-    """A gloo group of every rank, once per default group: vLLM's world CPU group, the default group when it is gloo,
-    else a new gloo group (every rank asks at the same forward end, as ``new_group`` requires)."""
+    """A gloo group of every rank: vLLM's world CPU group, else the default group if gloo, else a new gloo group."""
     import torch.distributed as dist
 
     key = id(dist.group.WORLD)
     if key not in _CPU_GROUPS:
-        group = None
         try:
             from vllm.distributed import parallel_state
 
             world = parallel_state.get_world_group()
-            if world.world_size == dist.get_world_size():
-                group = world.cpu_group
+            group = world.cpu_group if world.world_size == dist.get_world_size() else None
         except Exception:  # no vLLM world group in this process
             group = None
         if group is None and dist.get_backend() != "gloo":
-            group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo")  # collective: every rank asks at the same forward end
         _CPU_GROUPS[key] = group
     return _CPU_GROUPS[key]
 

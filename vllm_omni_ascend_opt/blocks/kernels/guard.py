@@ -4,8 +4,7 @@ A **verdict** (the kernel disagrees with its reference, or rejects the call with
 the kernel path (:mod:`.verified`). A **fault** (out of memory, a driver's runtime error) is not: the call runs stock
 and the key is retried after :data:`RETRY_AFTER` forwards, doubling up to :data:`RETRY_CAP`; after :data:`MAX_ERRORS`
 errors in a row it is demoted (stock until the next backend probe). A **deferral** (the check's scratch would not fit
-in free device memory) backs off the same way without counting as an error. The clock is
-:func:`~vllm_omni_ascend_opt.blocks.upstream.forward_scope.forwards` (outermost transformer forwards).
+in free device memory) backs off the same way without counting as an error. The clock: ``forward_scope.forwards()``.
 """
 
 from __future__ import annotations
@@ -90,17 +89,15 @@ class Guard:
         return self._faults.get(key) if self._faults else None
 
     def waits(self, key: Hashable) -> bool:
-        """Whether ``key`` stays on stock now (backoff running, or demoted). The hot path: one length check."""
-        if not self._faults:  # the hot path: no fault anywhere
-            return False
-        f = self._faults.get(key)
+        """Whether ``key`` stays on stock now (backoff running, or demoted)."""
+        f = self.fault(key)  # the hot path: one length check when no fault anywhere
         return f is not None and (f.demoted or forward_scope.forwards() < f.retry_at)
 
     def run(self, key: Hashable, fn: Callable[[], T]) -> tuple[bool, T | None, str]:
         """Run ``fn`` (a check, a kernel call, or both) under the guard: ``(True, fn(), "")``; ``(False, None, "")``
         after an error of the moment (recorded, retried with backoff); ``(False, None, reason)`` when it raised
         anything else (the kernel rejects this call for good: a verdict the caller stores). A success clears a fault."""
-        before = self._faults.get(key) if self._faults else None
+        before = self.fault(key)
         try:
             out = fn()
         except Exception as exc:
@@ -111,15 +108,15 @@ class Guard:
         if before is not None and self._faults.get(key) is before:  # not a deferral made by fn just now
             self._faults.drop(key)
             self.stats["recovered"] += 1
-            logger.info("vllm-omni-ascend-opt: %s: the kernel works again at %s", self.label, _where(key))
+            logger.info("vllm-omni-ascend-opt: %s: the kernel works again at %s", self.label, where(key))
         return True, out, ""
 
     def record(self, key: Hashable, exc: BaseException) -> None:
         """Count one error of ``key`` and schedule its retry (or demote it)."""
-        prev = self._faults.get(key)
-        errors = (prev.errors if prev is not None else 0) + 1
-        f = Fault(key, fault_kind(exc), f"raised {exc.__class__.__name__}: {exc}"[:300], errors)
-        f.deferrals = prev.deferrals if prev is not None else 0
+        prev = self._faults.get(key) or Fault(key, "", "")
+        errors = prev.errors + 1
+        why = f"raised {exc.__class__.__name__}: {exc}"[:300]
+        f = Fault(key, fault_kind(exc), why, errors, deferrals=prev.deferrals)
         f.demoted = errors >= MAX_ERRORS
         f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << (errors - 1))
         self._put(f, "faults", logger.warning)
@@ -131,18 +128,17 @@ class Guard:
         free = free_device_memory(device)
         if free is None or scratch_bytes <= free:
             return True
-        prev = self._faults.get(key)
-        deferrals = (prev.deferrals if prev is not None else 0) + 1
+        prev = self._faults.get(key) or Fault(key, "", "")
         why = f"needs {scratch_bytes / 2**20:.0f} MiB of scratch, {free / 2**20:.0f} MiB free"
-        f = Fault(key, "deferred", why, prev.errors if prev is not None else 0, deferrals=deferrals)
-        f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << min(deferrals - 1, 16))
+        f = Fault(key, "deferred", why, prev.errors, deferrals=prev.deferrals + 1)
+        f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << min(f.deferrals - 1, 16))
         self._put(f, "deferred_checks", logger.info)
         return False
 
     def _put(self, f: Fault, counter: str, log: Callable[..., None]) -> None:
         self._faults.put(f.key, f)
         self.stats[counter] += 1
-        log("vllm-omni-ascend-opt: %s at %s: %s", self.label, _where(f.key), f.describe())
+        log("vllm-omni-ascend-opt: %s at %s: %s", self.label, where(f.key), f.describe())
 
 
 def free_device_memory(device: torch.device) -> int | None:
@@ -156,5 +152,5 @@ def free_device_memory(device: torch.device) -> int | None:
         return None
 
 
-def _where(key: Any) -> str:
+def where(key: Any) -> str:
     return "/".join(str(k).removeprefix("torch.") for k in key) if isinstance(key, tuple) else str(key)

@@ -1,22 +1,20 @@
 """The ``npu_fusion_attention`` kernel path that replaces vLLM-Omni's SDPA: the call, the mask, the limits, the checks.
 
 Plain functions (:func:`call_kernel`, :func:`kernel_mask`, :func:`limits_violation`, :func:`fused_forward`) so that
-``benchmarks/`` run the plugin's own code; ``fused_attention`` owns the path's verdicts. Checks: on first use per
-(device, dtype), small random BSND [text; image] inputs of the layer's Nq/Nkv/D, with and without a padded 2-D key
-mask; on the first real call of each :func:`shape_class`, random inputs of the call's shapes (production shapes tile
-differently). Both against an fp32 reference (:func:`class_errors`), with stock SDPA's own error as the budget:
-``max|fused - ref| <= max(ATOL[dtype], 4 * max|sdpa - ref|)``.
-
-Candidates per class (:data:`CALLS`): this kernel in BSND (diffusers' ``_native_npu`` backend and vLLM-Omni's NPU
-flash path call it; its limits are the wider [OP-FA]), in BNSD, and ``npu_fused_infer_attention_score`` [OP-FIA]:
-each checked, the fastest correct one that beats stock SDPA wins the class (:mod:`.timing`).
-Limits encoded (outside them SDPA runs): D 1..768, Dq == Dk == Dv; Nq 1..256, Nq % Nkv == 0; B 1..2M, S 1..1M;
-key.shape == value.shape; float16/bfloat16 only (float32 stays bitwise stock); non-causal; bool B1SS/11SS mask; no
-graph mode.
+``benchmarks/`` run the plugin's own code; ``fused_attention`` owns the path's verdicts. Checks, against an fp32
+reference (:func:`class_errors`) with stock SDPA's own error as the budget, ``max|fused - ref| <= max(ATOL[dtype],
+4 * max|sdpa - ref|)``: on first use per (device, dtype), small random BSND [text; image] inputs of the layer's
+Nq/Nkv/D, with and without a padded 2-D key mask; on the first real call of each :func:`shape_class`, random inputs of
+the call's shapes (production shapes tile differently). Candidates per class (:data:`CALLS`): this kernel in BSND (as
+diffusers' ``_native_npu`` backend and vLLM-Omni's NPU flash path call it) and in BNSD, and
+``npu_fused_infer_attention_score`` [OP-FIA]; the fastest correct one that beats stock SDPA wins (:mod:`.timing`).
+SDPA runs outside the [OP-FA] limits (:func:`limits_violation`), for float32 (bitwise stock), causal calls, masks
+other than bool B1SS/11SS or 2-D, and in graph mode.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import time
 from types import ModuleType
@@ -62,31 +60,20 @@ def kernel_mask(attn_mask: torch.Tensor | None, b: int, sq: int, skv: int) -> tu
 
 
 def call_kernel(
-    npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None, scale: float
+    npu: ModuleType,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    masked: torch.Tensor | None,
+    scale: float,
+    layout: str = "BSND",
 ) -> torch.Tensor:
-    """``npu_fusion_attention`` on BSND q/k/v; returns BSND output [OP-FA]. ``masked``: True = excluded."""
-    return npu.npu_fusion_attention(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        q.shape[2],
-        input_layout="BSND",
-        atten_mask=masked,
-        scale=scale,
-        keep_prob=1.0,
-        sparse_mode=0,
-        inner_precise=0,
-    )[0]
-
-
-def call_bnsd(
-    npu: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """``npu_fusion_attention`` in BNSD on BSND q/k/v; returns a BSND view [OP-FA]."""
-    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    out = npu.npu_fusion_attention(qt, kt, vt, q.shape[2], input_layout="BNSD", atten_mask=masked, scale=scale,
+    """``npu_fusion_attention`` on BSND q/k/v run in ``layout`` (BSND or BNSD) [OP-FA]; ``masked``: True = excluded."""
+    bnsd = layout == "BNSD"
+    qkv = ((x.transpose(1, 2) if bnsd else x).contiguous() for x in (q, k, v))
+    out = npu.npu_fusion_attention(*qkv, q.shape[2], input_layout=layout, atten_mask=masked, scale=scale,
                                    keep_prob=1.0, sparse_mode=0, inner_precise=0)[0]  # fmt: skip
-    return out.transpose(1, 2)
+    return out.transpose(1, 2) if bnsd else out
 
 
 def call_fia(
@@ -110,7 +97,8 @@ def stock_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.
 
 
 #: candidate name -> its call on BSND q/k/v
-CALLS = {"npu_fusion_attention": call_kernel, "npu_fusion_attention/BNSD": call_bnsd,
+CALLS = {"npu_fusion_attention": call_kernel,
+         "npu_fusion_attention/BNSD": functools.partial(call_kernel, layout="BNSD"),
          "npu_fused_infer_attention_score": call_fia}  # fmt: skip
 
 
@@ -140,7 +128,7 @@ def fused_forward(
 ) -> tuple[torch.Tensor | None, str]:
     """The fused replacement of ``SDPAImpl._forward_impl`` for BSND q/k/v: ``(out, "")`` or ``(None, why not)``."""
     why = limits_violation(q, k, v)
-    mask = getattr(attn_metadata, "attn_mask", None) if attn_metadata is not None else None
+    mask = getattr(attn_metadata, "attn_mask", None)
     masked, why = (None, why) if why else kernel_mask(mask, q.shape[0], q.shape[1], k.shape[1])
     if why:
         return None, why
@@ -190,11 +178,15 @@ def class_errors(
     return err, err_stock, finite
 
 
-def _judged(dtype: torch.dtype, err: float, err_stock: float, finite: bool) -> tuple[bool, str]:
-    tol = max(ATOL.get(dtype, 1e-2), STOCK_ERROR_FACTOR * err_stock)
+def _judged(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, masked: torch.Tensor | None, scale: float
+) -> tuple[bool, str, float, float]:
+    """(ok, why, kernel error, stock error) of ``out`` by :func:`class_errors`, stock SDPA's error as the budget."""
+    err, err_stock, finite = class_errors(q, k, v, out, masked, scale)
+    tol = max(ATOL.get(q.dtype, 1e-2), STOCK_ERROR_FACTOR * err_stock)
     ok = finite and err <= tol
     why = f"max|fused - ref_fp32| {err:.3g} {'<=' if ok else '>'} tol {tol:.3g} (stock SDPA error {err_stock:.3g})"
-    return ok, why if finite else "non-finite output; " + why
+    return ok, why if finite else "non-finite output; " + why, err, err_stock
 
 
 def _raised_or(fn: Any, *args: Any) -> tuple[Any, str]:
@@ -241,8 +233,8 @@ class AttentionPath(KernelPath):
         num_kv_heads: int | None = None,
         scale: float | None = None,
     ) -> Verdict:
-        """The fused path on random BSND inputs of the layer's layout against the fp32 reference: batch 1 without a
-        mask, and batch 2 whose second prompt has ``VERIFY_PAD`` padded text tokens (vLLM-Omni's 2-D key mask)."""
+        """The fused path on random BSND inputs against the fp32 reference: batch 1 without a mask, and batch 2 whose
+        second prompt has ``VERIFY_PAD`` padded text tokens (vLLM-Omni's 2-D key mask)."""
         from vllm_omni.diffusion.attention.backends.abstract import AttentionMetadata
 
         nkv, scale, device = num_kv_heads or num_heads, float(scale or head_dim**-0.5), torch.device(device)
@@ -258,10 +250,7 @@ class AttentionPath(KernelPath):
             out, why = _raised_or(fused_forward, npu, q, k, v, AttentionMetadata(attn_mask=keep), scale)
             if out is None:
                 return self.verdict(key, False, f"{case}: not fusable ({why})", errors=errors)
-            masked = kernel_mask(keep, b, s, s)[0]
-            err, err_stock, finite = class_errors(q, k, v, out, masked, scale)
-            errors[case] = err
-            ok, why = _judged(dtype, err, err_stock, finite)
+            ok, why, errors[case], _ = _judged(q, k, v, out, kernel_mask(keep, b, s, s)[0], scale)
             if tuple(out.shape) != tuple(q.shape) or not ok:
                 return self.verdict(key, False, f"{case}: {why}", errors=errors)
         detail = ", ".join(f"{c}: max|Δ| {e:.3g}" for c, e in errors.items())
@@ -287,8 +276,7 @@ class AttentionPath(KernelPath):
         out, why = _raised_or(lambda: (call(npu, qr, kr, vr, masked, s), ""))
         if out is None:
             return self.verdict(key, False, why)
-        err, err_stock, finite = class_errors(qr, kr, vr, out, masked, s)
-        ok, why = _judged(q.dtype, err, err_stock, finite)
+        ok, why, err, err_stock = _judged(qr, kr, vr, out, masked, s)
         _backend.synchronize(q.device if q.device.type != "cpu" else None)
         facts = {"errors": {"kernel": err, "stock": err_stock}, "seconds": time.perf_counter() - t0}
         return self.verdict(key, ok, why, **facts)

@@ -146,13 +146,11 @@ class RotaryPath(KernelPath):
         ratio, err_k, err_s, same = errs
         facts = {"bitwise": same, "errors": {"kernel": err_k, "stock": err_s, "over_bound": ratio}, "seconds": seconds}
         why = self._judge(*errs)
-        if why:
-            return self.verdict(key, False, why, **facts)
         evidence = (
             f"max error {err_k:.3g} vs stock's {err_s:.3g}, {ratio:.3g} of the bound; bitwise equal to stock: "
             f"{'yes' if same else 'no'}"
         )
-        return self.verdict(key, True, evidence, **facts)
+        return self.verdict(key, not why, why or evidence, **facts)
 
     def first_check(self, fn: Callable[..., torch.Tensor], device: Any, dtype: torch.dtype, d: int, n: int) -> Verdict:
         """The kernel against the portable reference on small random inputs of the real layout (BSND) and dtype."""
@@ -183,8 +181,7 @@ class RotaryPath(KernelPath):
         return v
 
     def class_check(self, x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> Verdict:
-        """The kernel's ``out`` for the real BSND ``x`` against the fp32 reference (``cos`` / ``sin_signed``: this
-        call's portable tables), in chunks over S."""
+        """The kernel's ``out`` for the real BSND ``x`` against the fp32 reference on this call's portable tables."""
         t0 = time.perf_counter()
         key = shape_class(x)
         if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
@@ -194,8 +191,7 @@ class RotaryPath(KernelPath):
         return self._verdict(key, errs, time.perf_counter() - t0)
 
     def kernel_for(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        """The verified ``npu_rotary_mul`` for ``x``'s (device, dtype, head_dim), or None (none here, refused, or its
-        first-use check faulted)."""
+        """The verified ``npu_rotary_mul`` for ``x``'s (device, dtype, head_dim), or None (absent, refused, faulted)."""
         if not self.policy.use_npu_kernel or _backend.torch_npu_module() is None:
             return None
         fn = self.function()

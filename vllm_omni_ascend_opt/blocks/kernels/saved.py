@@ -169,8 +169,7 @@ def save(kernel: str, key: Hashable, ok: bool, reason: str, timing: dict[str, An
                 for k, entries in table.items():
                     merged.setdefault(k, {}).update(entries)
                 tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-                doc = {"format": FORMAT, "env": environment(), "verdicts": merged}
-                tmp.write_text(json.dumps(doc, sort_keys=True))
+                tmp.write_text(json.dumps({"format": FORMAT, "env": environment(), "verdicts": merged}, sort_keys=True))
                 os.replace(tmp, p)  # readers see the old file or the new one, never a torn one
         except OSError as exc:
             if str(p) + "#write" not in _warned:

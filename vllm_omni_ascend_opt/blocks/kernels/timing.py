@@ -1,11 +1,10 @@
 """Verified faster, not only correct: each candidate that passed its check is timed against stock on the same inputs.
 
-On the first call of a shape class, after the check: :data:`WARMUPS` calls, then the median of :data:`REPEATS`,
-device-synchronised (``torch.npu.Event(enable_timing=True)`` pairs; else ``synchronize()`` around a host timer), for
-stock and each passing candidate. The fastest candidate wins the class if its median is at least
-``$VLLM_OMNI_ASCEND_OPT_MIN_GAIN_PCT`` (default 2) below stock's; else the class is refused, "slower: kernel X ms,
-stock Y ms" (a verdict, saved like the others). ``$VLLM_OMNI_ASCEND_OPT_TIMING=0``: correctness only (the first
-passing candidate). Across ranks, :func:`agreed` picks the same candidate on every rank from the gathered reports.
+On the first call of a shape class, after the check, :func:`measure` times stock and each passing candidate on the
+device. The fastest candidate wins the class if its median is at least ``$VLLM_OMNI_ASCEND_OPT_MIN_GAIN_PCT``
+(default 2) below stock's; else the class is refused, "slower: kernel X ms, stock Y ms" (a verdict, saved like the
+others). ``$VLLM_OMNI_ASCEND_OPT_TIMING=0``: correctness only (the first passing candidate). Across ranks,
+:func:`agreed` picks the same candidate on every rank from the gathered reports.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ def faster(ms: float | None, stock_ms: float | None) -> bool:
 
 
 def measure(fn: Callable[[], Any], device: torch.device) -> float:
-    """Median device milliseconds of ``fn()`` after :data:`WARMUPS` calls."""
+    """Median ms of :data:`REPEATS` calls after :data:`WARMUPS` (NPU event pairs, else a synchronised host timer)."""
     npu = getattr(torch, "npu", None)
     event = getattr(npu, "Event", None)
     sync = getattr(npu, "synchronize", None) or (lambda: None)
@@ -84,8 +83,7 @@ def choose(reports: Sequence[dict[str, float | None]], order: Sequence[str]) -> 
 
 
 def agreed(timings: Sequence[dict[str, Any]], order: Sequence[str]) -> str | None:
-    """The candidate all ranks run, from every rank's saved timing (each rank's margin is checked against its own
-    stock): the same answer on every rank, since every rank computes it from the same gathered data."""
+    """The candidate all ranks run, from every rank's saved timing (each rank's margin against its own stock)."""
     return choose([{**t["candidates"], "stock": t["stock_ms"]} for t in timings], order)
 
 

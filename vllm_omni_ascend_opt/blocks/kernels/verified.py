@@ -20,7 +20,7 @@ import torch
 
 from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks.kernels import agree, saved, timing
-from vllm_omni_ascend_opt.blocks.kernels.guard import Guard, is_error
+from vllm_omni_ascend_opt.blocks.kernels.guard import Guard, is_error, where
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import ProbeDict, Verdict
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
@@ -69,10 +69,8 @@ class VerdictStore:
         return self._settle(v)
 
     def _settle(self, v: Verdict) -> Verdict:
-        if self._persist:
-            agree.made(self.kernel, v.key, v.ok, v.reason, v.timing)
-            if agree.hold(self, v):
-                v = self._path.verdict(v.key, False, agree.WAITING)
+        if self._persist and agree.made(self, v):
+            v = self._path.verdict(v.key, False, agree.WAITING)
         return self._mem.put(v.key, v)
 
     def release(self, v: Verdict) -> None:
@@ -123,7 +121,7 @@ class KernelPath:
 
     def place(self, key: tuple) -> str:
         """The key in words, for logs and status."""
-        return "/".join(str(p).removeprefix("torch.") for p in key)
+        return where(key)
 
     def accept_saved(self, key: tuple, ok: bool) -> bool:
         """Whether a saved verdict is taken as it is (False: the check runs again, e.g. under a stricter policy)."""
@@ -132,11 +130,8 @@ class KernelPath:
     def function(self) -> Callable[..., Any] | None:
         """The first candidate this torch_npu has, or None (no kernel here)."""
         mod = _backend.torch_npu_module()
-        for c in self.candidates:
-            fn = getattr(mod, c.op or c.name, None) if mod is not None else None
-            if fn is not None:
-                return fn
-        return None
+        fns = (getattr(mod, c.op or c.name, None) for c in self.candidates)
+        return next((fn for fn in fns if fn is not None), None)
 
     def verdict(self, key: tuple, ok: bool, reason: str, **facts: Any) -> Verdict:
         """A verdict of this kernel at ``key`` (``facts``: bitwise, errors, seconds)."""
@@ -206,12 +201,9 @@ class KernelPath:
         if v is not None or self.guard.waits(key):
             return v
         ran, v, refusal = self.guard.run(key, make)
-        if not ran:
-            if not refusal:
-                return None
-            v = self.verdict(key, False, refusal)
-        assert v is not None
-        return self._store(self.firsts, v)
+        if not (ran or refusal):
+            return None
+        return self._store(self.firsts, v if ran else self.verdict(key, False, refusal))
 
     def settled(self, key: tuple) -> bool | None:
         """The class verdict at ``key`` (ok), or None: not decided yet."""
@@ -234,19 +226,14 @@ class KernelPath:
 
     def tally(self) -> dict[str, Any]:
         """How many shape classes use the kernel, how many are on stock and why (reason -> classes), and per class in
-        use its candidate and ratio to stock."""
+        use its candidate and ratio to stock (None: untimed)."""
         faults = self.guard.faults()
         waiting = {f.key for f in faults}
         verdicts = self.classes.values()
-        why: Counter = Counter()
-        for v in verdicts:
-            if not v.ok:
-                why["refused: " + v.reason.split(";")[0]] += 1
-        for f in faults:
-            why[("demoted: " if f.demoted else "") + f.kind] += 1
+        why = Counter("refused: " + v.reason.split(";")[0] for v in verdicts if not v.ok)
+        why.update(("demoted: " if f.demoted else "") + f.kind for f in faults)
         used = [v for v in verdicts if v.ok and v.key not in waiting]
         t = {v.place: v.timing or {} for v in used}
-        # per class in use: the candidate and its ratio to stock (None: untimed)
         in_use = {p: {"candidate": x.get("candidate") or self.candidates[0].name, "ratio": x.get("ratio")}
                   for p, x in t.items()}  # fmt: skip
         return {"kernel": len(used), "stock": sum(why.values()), "why": dict(why), "in_use": in_use}
