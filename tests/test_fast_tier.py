@@ -19,7 +19,7 @@ from tests.harness.stock import stock_then, warm_block
 from tests.test_shared_modulation import COPRIME, EQUAL, UNEQUAL, edit_inputs
 from vllm_omni_ascend_opt import api, flags, registry
 from vllm_omni_ascend_opt.ablation.metrics import compare_images
-from vllm_omni_ascend_opt.blocks.body.block_body import FAST_MODULATE, FAST_RESIDUAL, NormMod, mode_owner
+from vllm_omni_ascend_opt.blocks.body.block_body import NormMod, block_calls
 from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm
 from vllm_omni_ascend_opt.opts import fast_modulate, fast_residual
@@ -220,11 +220,11 @@ def test_dtype_and_shape_reasons_on_a_norm_mod(runtime):
     api.select(f"{SM_ON},+fast_modulate")
     MOD.reset_stats()
     mod = NormMod.unpack(scale, shift, gate, ada_norm.NATIVE)
-    assert torch.equal(mod.norm(norm, x, mode_owner(FAST_MODULATE)), norm.layernorm(x) * mod.first + mod.shift)
+    assert torch.equal(mod.norm(norm, x, block_calls()[0]), norm.layernorm(x) * mod.first + mod.shift)
     assert "dtypes differ" in next(iter(MOD.fallback_reasons()))
     MOD.reset_stats()
     flat = NormMod.unpack(scale[:, 0], shift[:, 0], gate[:, 0], ada_norm.NATIVE)  # [B, D]: no token axis
-    flat.norm(norm, x.float(), mode_owner(FAST_MODULATE))
+    flat.norm(norm, x.float(), block_calls()[0])
     assert "not one [B, 1, D] row" in next(iter(MOD.fallback_reasons())) and MOD.ran() == 0
 
 
@@ -260,8 +260,8 @@ def test_mixed_dtypes_fall_back(runtime):
     x, y = torch.randn(1, 5, TINY.inner_dim), torch.randn(1, 5, TINY.inner_dim, dtype=torch.bfloat16)
     api.select(f"{SM_ON},+fast_residual")
     RES.reset_stats()
-    out = mod.residual(x, y, mode_owner(FAST_RESIDUAL))
+    out = mod.residual(x, y, block_calls()[1])
     assert torch.equal(out, x + gate * y) and out.dtype == torch.float32
     assert RES.ran() == 0 and "mixed dtypes" in next(iter(RES.fallback_reasons()))
     xb = x.to(torch.bfloat16)
-    assert torch.equal(mod.residual(xb, y, mode_owner(FAST_RESIDUAL)), torch.addcmul(xb, gate, y)) and RES.ran() == 1
+    assert torch.equal(mod.residual(xb, y, block_calls()[1]), torch.addcmul(xb, gate, y)) and RES.ran() == 1

@@ -20,7 +20,7 @@ from diffusers.models.normalization import AdaLayerNormContinuous
 from tests.harness.forward import build, fwd, inputs
 from tests.harness.stock import stock_then
 from vllm_omni_ascend_opt import api, registry
-from vllm_omni_ascend_opt.blocks.body.block_body import FAST_MODULATE, FAST_RESIDUAL, NormMod, mode_owner
+from vllm_omni_ascend_opt.blocks.body.block_body import NormMod, block_calls
 from vllm_omni_ascend_opt.blocks.memo import keys
 from vllm_omni_ascend_opt.blocks.memo.cache import ENV_BUDGET_MB, ModulationMemo
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm
@@ -370,7 +370,7 @@ def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplo
         mod = NormMod.unpack(*(torch.randn(1, 1, d) for _ in range(3)), ada_norm.NATIVE)
         x = torch.randn(1, 3, d)
         block = tr.transformer_blocks[0]
-        fm, fr = mode_owner(FAST_MODULATE), mode_owner(FAST_RESIDUAL)  # what block_body asks: None while tracing
+        fm, fr, _ = block_calls()  # what block_body asks: None while tracing
         assert torch.equal(mod.norm(block.img_norm1, x, fm), block.img_norm1.layernorm(x) * mod.first + mod.shift)
         assert torch.equal(mod.residual(x, x, fr), x + mod.gate * x)
     assert torch.equal(got, want) and reads.calls == PROJ_PER_FORWARD

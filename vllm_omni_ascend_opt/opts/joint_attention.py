@@ -206,8 +206,9 @@ class JointAttention(Optimization):
         """The joint path (eager twin of ``joint_qkv.traced_forward``), or the reason it cannot run."""
         hidden_states, encoder_hidden_states, vid_freqs, txt_freqs = streams
         m = attn._modules
-        img_qkv = self._project(m["to_qkv"], hidden_states, pair=True)
-        txt_qkv = self._project(m["add_kv_proj"], encoder_hidden_states, pair=True)
+        direct = direct_calls.decided()
+        img_qkv = self._project(m["to_qkv"], hidden_states, direct, pair=True)
+        txt_qkv = self._project(m["add_kv_proj"], encoder_hidden_states, direct, pair=True)
         if (
             img_qkv.dtype != txt_qkv.dtype
             or img_qkv.shape[-1] != txt_qkv.shape[-1]
@@ -261,13 +262,14 @@ class JointAttention(Optimization):
         joint_hidden_states = attend(
             mod, attn, query, key, value, st, hidden_states, encoder_hidden_states, *masks, self.stats
         )
-        img_attn_output = self._project(m["to_out"], joint_hidden_states[:, st:, :])
-        txt_attn_output = self._project(m["to_add_out"], joint_hidden_states[:, :st, :])
+        img_attn_output = self._project(m["to_out"], joint_hidden_states[:, st:, :], direct)
+        txt_attn_output = self._project(m["to_add_out"], joint_hidden_states[:, :st, :], direct)
         return img_attn_output, txt_attn_output
 
-    def _project(self, layer: nn.Module, x: torch.Tensor, pair: bool = False) -> torch.Tensor:
-        """``layer(x)`` (``pair``: it returns ``(output, bias)``), as the GEMM where ``direct_calls`` vouches for it."""
-        args = direct_calls.linear_args(layer)
+    def _project(self, layer: nn.Module, x: torch.Tensor, direct: Any, pair: bool = False) -> torch.Tensor:
+        """``layer(x)`` (``pair``: it returns ``(output, bias)``), as the GEMM where ``direct_calls`` vouches for it
+        (``direct``: :func:`.direct_calls.decided`)."""
+        args = direct_calls.linear_args(layer, direct)
         if isinstance(args, str):
             self.stats["module_calls"] += 1
             self.stats[f"module call: {args}"] += 1

@@ -33,9 +33,12 @@ FAST_MODULATE: Slot[ModeOwner] = Slot("fast_modulate")
 FAST_RESIDUAL: Slot[ModeOwner] = Slot("fast_residual")
 
 
-def mode_owner(slot: Slot[ModeOwner]) -> ModeOwner | None:
-    """The provider of a fast mode when it is on and dynamo is not tracing, else None."""
-    return None if guards.tracing() else slot.get()
+def block_calls() -> tuple[ModeOwner | None, ModeOwner | None, Any]:
+    """What one block body reads, asked once per block: the owners of :data:`FAST_MODULATE` and
+    :data:`FAST_RESIDUAL` when on, and :func:`.direct_calls.decided`; all None while dynamo traces."""
+    if guards.tracing():
+        return None, None, None
+    return FAST_MODULATE.get(), FAST_RESIDUAL.get(), direct_calls.decided()
 
 
 def use_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, owner: ModeOwner | None) -> bool:
@@ -61,9 +64,9 @@ class NormMod:
     # fast_modulate: the ``[D]`` affine ``(1 + scale, shift)`` of every token, or why not; built on first fast use.
     affine: tuple[torch.Tensor, torch.Tensor] | str | None = None
 
-    def norm(self, norm: nn.Module, x: torch.Tensor, owner: ModeOwner | None) -> torch.Tensor:
+    def norm(self, norm: nn.Module, x: torch.Tensor, owner: ModeOwner | None, direct: Any = None) -> torch.Tensor:
         """``norm(x, scale, shift)`` with the ops of stock's dispatch (``owner``: the :data:`FAST_MODULATE` mode's
-        when it is on, one affine layer norm)."""
+        when it is on, one affine layer norm; ``direct``: :func:`.direct_calls.decided`)."""
         if owner is not None:
             if self.affine is None:
                 self.affine = affine_params(self, norm)
@@ -73,12 +76,14 @@ class NormMod:
                 return affine_layernorm(self.kind, norm, x, *self.affine)
             owner.count_stock(why)
         if self.kind in (NATIVE, NPU_EVAL):
-            return layernorm(self.kind, norm, x, eager=True) * self.first + self.shift
+            return layernorm(self.kind, norm, x, direct) * self.first + self.shift
         return norm(x, self.first, self.shift)
 
     def residual(self, x: torch.Tensor, y: torch.Tensor, owner: ModeOwner | None) -> torch.Tensor:
         """Stock's ``x + gate * y``; with ``fast_residual`` (``owner``) one ``torch.addcmul(x, gate, y)``."""
-        return torch.addcmul(x, self.gate, y) if use_residual(x, self.gate, y, owner) else x + self.gate * y
+        if owner is not None and use_residual(x, self.gate, y, owner):
+            return torch.addcmul(x, self.gate, y)
+        return x + self.gate * y
 
     @staticmethod
     def unpack(scale: torch.Tensor, shift: torch.Tensor, gate: torch.Tensor, kind: str) -> NormMod:
@@ -130,22 +135,22 @@ def _affine_dtype_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-def layernorm(kind: str, norm: nn.Module, x: torch.Tensor, eager: bool = False) -> torch.Tensor:
-    """The normalisation half of ``AdaLayerNorm`` (kinds native / npu_eval). ``eager`` (never in traced code): a
-    plain inner layer norm is called as its kernel (:mod:`.direct_calls`)."""
+def layernorm(kind: str, norm: nn.Module, x: torch.Tensor, direct: Any = None) -> torch.Tensor:
+    """The normalisation half of ``AdaLayerNorm`` (kinds native / npu_eval). ``direct`` (eager only:
+    :func:`.direct_calls.decided`): a plain inner layer norm is called as its kernel."""
     if kind == NPU_EVAL:
         return _backend.torch_npu_module().npu_layer_norm_eval(x, normalized_shape=[norm.hidden_size], eps=norm.eps)
     ln = norm._modules["layernorm"]
-    args = direct_calls.layer_norm_args(ln) if eager else None
+    args = None if direct is None else direct_calls.layer_norm_args(ln, direct)
     return ln(x) if args is None else direct_calls.layer_norm(x, args)
 
 
-def feed_forward(ff: nn.Module, x: torch.Tensor, stats: Counter | None) -> torch.Tensor:
+def feed_forward(ff: nn.Module, x: torch.Tensor, stats: Counter | None, direct: Any) -> torch.Tensor:
     """``ff(x)``: its three kernels where :func:`.direct_calls.mlp_args` vouches for them, else the module
-    (the reason counted in the caller's ``stats``); the module, uncounted, in a compiled block."""
-    if guards.tracing():
+    (the reason counted in the caller's ``stats``); the module, uncounted, in a compiled block (``direct`` None)."""
+    if direct is None:
         return ff(x)
-    args = direct_calls.mlp_args(ff)
+    args = direct_calls.mlp_args(ff, direct)
     if isinstance(args, str):
         if stats is not None:
             stats["module_calls"] += 1
@@ -170,9 +175,9 @@ def block_body(
     :class:`_Hoisted`): stock's ops on stock's values unless a fast-tier mode is on; ``stats``: the caller's."""
     img1, img2, txt1, txt2 = mods
     m = block._modules
-    fm, fr = mode_owner(FAST_MODULATE), mode_owner(FAST_RESIDUAL)  # once per block
-    img_modulated = img1.norm(m["img_norm1"], hidden_states, fm)
-    txt_modulated = txt1.norm(m["txt_norm1"], encoder_hidden_states, fm)
+    fm, fr, direct = block_calls()
+    img_modulated = img1.norm(m["img_norm1"], hidden_states, fm, direct)
+    txt_modulated = txt1.norm(m["txt_norm1"], encoder_hidden_states, fm, direct)
     img_attn_output, txt_attn_output = m["attn"](
         hidden_states=img_modulated,
         encoder_hidden_states=txt_modulated,
@@ -183,10 +188,11 @@ def block_body(
     )
     hidden_states = img1.residual(hidden_states, img_attn_output, fr)
     encoder_hidden_states = txt1.residual(encoder_hidden_states, txt_attn_output, fr)
-    img_modulated2 = img2.norm(m["img_norm2"], hidden_states, fm)
-    hidden_states = img2.residual(hidden_states, feed_forward(m["img_mlp"], img_modulated2, stats), fr)
-    txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states, fm)
-    encoder_hidden_states = txt2.residual(encoder_hidden_states, feed_forward(m["txt_mlp"], txt_modulated2, stats), fr)
+    img_modulated2 = img2.norm(m["img_norm2"], hidden_states, fm, direct)
+    hidden_states = img2.residual(hidden_states, feed_forward(m["img_mlp"], img_modulated2, stats, direct), fr)
+    txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states, fm, direct)
+    txt_ff = feed_forward(m["txt_mlp"], txt_modulated2, stats, direct)
+    encoder_hidden_states = txt2.residual(encoder_hidden_states, txt_ff, fr)
     return _clip_fp16(encoder_hidden_states), _clip_fp16(hidden_states)
 
 
@@ -215,7 +221,7 @@ class _Hoisted(NamedTuple):
     shift: torch.Tensor
     gate: torch.Tensor
 
-    def norm(self, norm: nn.Module, x: torch.Tensor, owner: None = None) -> torch.Tensor:
+    def norm(self, norm: nn.Module, x: torch.Tensor, owner: None = None, direct: None = None) -> torch.Tensor:
         kind, first, shift, ln = self.kind, self.first, self.shift, norm.layernorm
         if (
             FAST_MODULATE.get() is not None

@@ -2,7 +2,8 @@
 layer norms): the very ops their module path ends in, without its host time; nothing changes on the device.
 :func:`linear_args` / :func:`mlp_args` / :func:`layer_norm_args` say per call whether a layer is exactly what the
 direct call mirrors (:data:`~..upstream.targets.DIRECT_CALLS`, checked by fingerprint); process-wide facts are
-decided once per forward. Callers check ``guards.tracing()`` first.
+decided once per forward (:func:`decided`, asked once per block and passed down). Callers check ``guards.tracing()``
+first.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from vllm_omni_ascend_opt.blocks.upstream import fingerprints, forward_scope, targets
 
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
+_FP32 = torch.float32
 
 
 class _Known:
@@ -54,7 +56,7 @@ class _Known:
 _KNOWN: dict[tuple[int, ...], _Known] = {}
 
 
-def _decided() -> _Known | str:
+def decided() -> _Known | str:
     """The verified upstream, or why no layer is called directly: decided once per transformer forward."""
     return forward_scope.decide("direct_calls.process", _decide)
 
@@ -80,8 +82,12 @@ def _decide() -> _Known | str:
     return k
 
 
-def _plain(m: nn.Module) -> bool:
-    return not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__)
+def _plain(*mods: nn.Module) -> bool:
+    """No module of ``mods`` carries forward hooks or an instance ``forward``."""
+    for m in mods:
+        if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
+            return False
+    return True
 
 
 def _plain_param(t: Any, k: _Known) -> bool:
@@ -94,13 +100,11 @@ def _plain_param(t: Any, k: _Known) -> bool:
     return True
 
 
-def linear_args(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | str:
-    """``(weight, bias)`` of ``layer`` when calling ``F.linear`` directly is exactly its module path, else why not."""
-    k = _decided()
-    return k if isinstance(k, str) else _linear_args(layer, k)
-
-
-def _linear_args(layer: nn.Module, k: _Known) -> tuple[torch.Tensor, torch.Tensor | None] | str:
+def linear_args(layer: nn.Module, k: _Known | str) -> tuple[torch.Tensor, torch.Tensor | None] | str:
+    """``(weight, bias)`` of ``layer`` when calling ``F.linear`` directly is exactly its module path, else why not
+    (``k``: :func:`decided`)."""
+    if isinstance(k, str):
+        return k
     kind = k.linear_kinds.get(type(layer))
     if kind is None:
         return f"{type(layer).__name__} is not a plain vLLM linear (quantized, LoRA or platform layer)"
@@ -128,18 +132,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         return F.linear(x, weight, bias)
 
 
-def mlp_args(ff: nn.Module) -> tuple[Any, ...] | str:
+def mlp_args(ff: nn.Module, k: _Known | str) -> tuple[Any, ...] | str:
     """``(w1, b1, approximate, w2, b2)`` of vLLM-Omni's ``FeedForward`` when its three kernels are its module path."""
-    k = _decided()
     if isinstance(k, str):
         return k
     net = ff._modules.get("net")
-    if type(ff) is not k.ff or not _plain(ff) or type(net) is not nn.ModuleList or len(net) != 3:
+    if type(ff) is not k.ff or not _plain(ff) or type(net) is not nn.ModuleList or len(net._modules) != 3:
         return "FeedForward is not vLLM-Omni's (linear, GELU, Identity, linear), or carries hooks"
-    act, ident, out = net
-    if type(act) is not k.gelu or type(ident) is not nn.Identity or not (_plain(act) and _plain(ident) and _plain(net)):
+    act, ident, out = net._modules.values()
+    if type(act) is not k.gelu or type(ident) is not nn.Identity or not _plain(act, ident, net):
         return "FeedForward.net is not (ColumnParallelApproxGELU, Identity, linear), or carries hooks"
-    first, second = _linear_args(act.proj, k), _linear_args(out, k)
+    first, second = linear_args(act._modules["proj"], k), linear_args(out, k)
     for args in (first, second):
         if isinstance(args, str):
             return args
@@ -153,16 +156,15 @@ def mlp(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
         return F.linear(F.gelu(F.linear(x, w1, b1), approximate=approximate), w2, b2)
 
 
-def layer_norm_args(ln: nn.Module) -> tuple[Any, ...] | None:
+def layer_norm_args(ln: nn.Module, k: _Known | str) -> tuple[Any, ...] | None:
     """``(normalized_shape, weight, bias, eps, upcast)`` of a hook-free ``nn.LayerNorm`` or vLLM-Omni ``LayerNorm``
     dispatched to ``forward_native`` (``upcast``: fp32 and back), else None (global hooks: the caller's guard)."""
-    if not _plain(ln):
+    if ln._forward_hooks or ln._forward_pre_hooks or "forward" in ln.__dict__:  # not _plain(ln), inlined
         return None
     p = ln._parameters
     args = (ln.normalized_shape, p.get("weight"), p.get("bias"), ln.eps)
     if type(ln) is nn.LayerNorm:
         return (*args, False)
-    k = _decided()
     if isinstance(k, str):
         return None
     if (
@@ -177,11 +179,13 @@ def layer_norm(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
     """The layer norm :func:`layer_norm_args` describes, as its forward computes it."""
     shape, w, b, eps, upcast = args
     dtype = x.dtype
+    # fp32 throughout: the casts there and back return their inputs (no copy, no op on the device), so skip them
+    upcast = upcast and not (dtype is _FP32 and (w is None or w.dtype is _FP32) and (b is None or b.dtype is _FP32))
     with _NO_SUBCLASS():
         if upcast:
             x, w, b = x.float(), w.float() if w is not None else None, b.float() if b is not None else None
         if torch._C._is_torch_function_mode_enabled():  # a mode sees F.layer_norm, as from the module
             out = F.layer_norm(x, shape, w, b, eps)
         else:  # F.layer_norm's body: without a mode or a subclass its dispatch check is False
-            out = torch.layer_norm(x, shape, w, b, eps, torch.backends.cudnn.enabled)
+            out = torch.layer_norm(x, shape, w, b, eps, torch._C._get_cudnn_enabled())
         return out.to(dtype) if upcast else out

@@ -82,7 +82,10 @@ def _rms_rows(xu: torch.Tensor, eps: float, opmath: torch.dtype) -> torch.Tensor
 def qk_weights_fit(dtype: torch.dtype, weights: tuple[torch.Tensor, ...]) -> bool:
     """Whether :func:`joint_qk_rms_norm` can multiply by ``weights`` in place (each promotes to the opmath type)."""
     opmath = _OPMATH.get(dtype, dtype)
-    return all(_promote(opmath, w.dtype) == opmath for w in weights)
+    for w in weights:
+        if _promote(opmath, w.dtype) != opmath:
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=64)
@@ -114,15 +117,15 @@ def static_reason(attn: nn.Module) -> str | None:
     """Why the joint path cannot run for this ``QwenImageCrossAttention`` (its modules, global hooks), or None."""
     m = attn._modules
     norms = (m["norm_q"], m["norm_k"], m["norm_added_q"], m["norm_added_k"])
+    d = (attn.head_dim,)
     for n in norms:
         why = _plain_rms_norm(n)
         if why:
             return why
+        if n.normalized_shape != d:
+            return "a QK norm does not normalize over head_dim"
     if norms[0].eps != norms[2].eps or norms[1].eps != norms[3].eps:
         return "the text and image QK norms use different eps"
-    d = (attn.head_dim,)
-    if any(n.normalized_shape != d for n in norms):
-        return "a QK norm does not normalize over head_dim"
     if attn.query_num_heads != attn.add_query_num_heads or attn.kv_num_heads != attn.add_kv_num_heads:
         return "text and image projections have different head counts"
     if guards.global_hooks():

@@ -85,11 +85,12 @@ class SegMod:
                 part.add_(add[seg])
         return out
 
-    def norm(self, norm: nn.Module, x: torch.Tensor, owner: ModeOwner | None) -> torch.Tensor:
-        """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))`` (``owner``: fast_modulate's)."""
+    def norm(self, norm: nn.Module, x: torch.Tensor, owner: ModeOwner | None, direct: Any = None) -> torch.Tensor:
+        """Stock: ``norm(x, where(idx, scale1, scale0), where(idx, shift1, shift0))`` (``owner``: fast_modulate's;
+        ``direct``: :func:`.direct_calls.decided`)."""
         if owner is not None:
             owner.count_stock("two-segment image norm (zero_cond_t): the modulation differs between segments")
-        return self._apply(layernorm(self.kind, norm, x, eager=True), self.first, self.shift)
+        return self._apply(layernorm(self.kind, norm, x, direct), self.first, self.shift)
 
     def residual(self, x: torch.Tensor, y: torch.Tensor, owner: ModeOwner | None) -> torch.Tensor:
         """Stock's ``x + where(idx, gate1, gate0) * y``; with ``fast_residual`` one ``addcmul`` per broadcast/slice."""

@@ -242,8 +242,11 @@ class ModulationMemo:
     @staticmethod
     def _lookup(entry: _Entry, key: tuple[Any, ...], module: nn.Module, sig: Any) -> Any:
         slot = entry.slots.get(key)
-        if slot is None or slot.module() is not module or slot.sig != sig or any(r() is None for r in slot.refs):
-            return None  # (a dead weight: its id in sig may be another tensor's now)
+        if slot is None or slot.module() is not module or slot.sig != sig:
+            return None
+        for ref in slot.refs:
+            if ref() is None:
+                return None  # a dead weight: its id in sig may be another tensor's now
         return slot.payload
 
     def _hit(self, entry: _Entry, key: tuple[Any, ...], module: nn.Module, sig: Any) -> Any:

@@ -19,15 +19,23 @@ OPAQUE = "opaque"  # anything else (MindIE-SD fused kernel, patched instance): c
 
 def norm_kind(norm: nn.Module) -> str:
     """How ``norm`` (vLLM-Omni's AdaLayerNorm) applies (scale, shift)."""
+    return norm_kinds(norm)[0]
+
+
+def norm_kinds(*norms: nn.Module) -> tuple[str, ...]:
+    """:func:`norm_kind` of each of ``norms`` (a block's four), the class facts asked once."""
     ada, native, npu_eval = forward_scope.decide("ada_norm.methods", _methods)
-    if type(norm) is not ada or native is None or norm._forward_hooks or norm._forward_pre_hooks:
-        return OPAQUE
-    fn = getattr(norm.__dict__.get("_forward_method"), "__func__", None)
-    if fn in native:
-        return NATIVE
-    if fn is not None and fn is npu_eval:
-        return NPU_EVAL
-    return OPAQUE
+    kinds = []
+    for norm in norms:
+        kind = OPAQUE
+        if type(norm) is ada and native is not None and not (norm._forward_hooks or norm._forward_pre_hooks):
+            fn = getattr(norm.__dict__.get("_forward_method"), "__func__", None)
+            if fn in native:
+                kind = NATIVE
+            elif fn is not None and fn is npu_eval:
+                kind = NPU_EVAL
+        kinds.append(kind)
+    return tuple(kinds)
 
 
 def _methods() -> tuple[type, frozenset[Any] | None, Any]:
