@@ -159,8 +159,7 @@ class Rope(Optimization):
                     "first use per (device, dtype, head_dim), and on the first real call of each shape class."
                 )
             out.extend(self.rotary.notes())
-        if self.stats:
-            s = self.stats
+        if s := self.stats:
             out.append(
                 f"tables built {s['table_builds']}, reused {s['table_hits']}; shape memo hits {s['embed_memo_hits']}; "
                 f"rotary calls: npu {s['kernel_calls']}, portable {s['portable_calls']}, "
@@ -244,8 +243,7 @@ class Rope(Optimization):
             ):
                 opt.stats["stock_calls"] += 1
                 return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)
-            q = norm_q(q)
-            k = norm_k(k)
+            q, k = norm_q(q), norm_k(k)
             return opt._rotate(q, freqs, rope), opt._rotate(k, freqs, rope)
 
         _qwen_image_qk_norm_rope.__wrapped__ = original  # type: ignore[attr-defined]

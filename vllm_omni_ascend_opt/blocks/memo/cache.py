@@ -37,9 +37,7 @@ DEFAULT_BUDGET_MB = 512
 def budget_from_env() -> int:
     """The memo's byte budget from ``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB`` (MiB, default 512)."""
     raw = os.environ.get(ENV_BUDGET_MB, "").strip()
-    if not raw:
-        return DEFAULT_BUDGET_MB * 1024**2
-    mb = float(raw)  # ValueError for junk: reasons_inactive() reports it
+    mb = float(raw or DEFAULT_BUDGET_MB)  # ValueError for junk: reasons_inactive() reports it
     if not 0 <= mb < float("inf"):  # NaN too
         raise ValueError(f"{ENV_BUDGET_MB}={raw!r} must be a non-negative number of MiB")
     _env.check_range(ENV_BUDGET_MB, mb, 0, 16384, " MiB")  # above 16 GiB: memo bytes a card needs for weights
