@@ -124,16 +124,14 @@ class Rope(Optimization):
 
     def tier(self) -> str:
         """``pixel`` where the NPU kernel is (or, once verified, will be) used; ``exact`` on the portable path."""
-        return "pixel" if self._kernel_may_run() else "exact"
-
-    def _kernel_may_run(self) -> bool:
         mod = _backend.torch_npu_module()
         if not self.use_npu_kernel or mod is None or getattr(mod, "npu_rotary_mul", None) is None:
-            return False
+            return "exact"
         if self.requires_bitwise():
-            return False  # only a bitwise-equal kernel is taken: exact either way
+            return "exact"  # only a bitwise-equal kernel is taken: exact either way
         # off once every first-use check, or every shape-class check, so far failed
-        return all(not vs or any(v.ok for v in vs) for vs in (self.verdicts(), self.shape_verdicts()))
+        may_run = all(not vs or any(v.ok for v in vs) for vs in (self.verdicts(), self.shape_verdicts()))
+        return "pixel" if may_run else "exact"
 
     def notes(self) -> list[str]:
         out = [
