@@ -51,13 +51,11 @@ class WeakLRU(Generic[V]):
 
 
 def tensor_bytes(obj: object) -> int:
-    """Bytes of the tensors in ``obj`` (nested tuples / lists / dicts of tensors): what a cache entry holds."""
+    """Bytes of the tensors in ``obj`` (nested tuples / lists of tensors): what a cache entry holds."""
     import torch
 
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, (tuple, list)):
         return sum(tensor_bytes(o) for o in obj)
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(o) for o in obj.values())
     return 0

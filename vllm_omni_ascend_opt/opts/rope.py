@@ -124,18 +124,14 @@ class Rope(Optimization):
 
     def tier(self) -> str:
         """``pixel`` where the NPU kernel is (or, once verified, will be) used; ``exact`` on the portable path."""
-        return "pixel" if self._kernel_may_run() else "exact"
-
-    def _kernel_may_run(self) -> bool:
         mod = _backend.torch_npu_module()
         if not self.use_npu_kernel or mod is None or getattr(mod, "npu_rotary_mul", None) is None:
-            return False
+            return "exact"
         if self.requires_bitwise():
-            return False  # only a bitwise-equal kernel is taken: exact either way
-        verdicts, shapes = self.verdicts(), self.shape_verdicts()
-        if verdicts and not any(v.ok for v in verdicts):
-            return False
-        return not shapes or any(v.ok for v in shapes)
+            return "exact"  # only a bitwise-equal kernel is taken: exact either way
+        # off once every first-use check, or every shape-class check, so far failed
+        may_run = all(not vs or any(v.ok for v in vs) for vs in (self.verdicts(), self.shape_verdicts()))
+        return "pixel" if may_run else "exact"
 
     def notes(self) -> list[str]:
         out = [
@@ -146,8 +142,7 @@ class Rope(Optimization):
             f"tier here: {self.tier()} (exact: portable path, bitwise stock; pixel: npu_rotary_mul, fp32 inside, "
             f"uint8-identical images); kernel policy {'bitwise' if self.requires_bitwise() else 'pixel'}"
         )
-        mod = _backend.torch_npu_module()
-        if mod is None:
+        if _backend.torch_npu_module() is None:
             why = "; ".join(_backend.npu_unavailable_reasons()) or "torch_npu unavailable"
             out.append(
                 f"NPU kernel npu_rotary_mul not in use: {why}. Portable path: cached cos/sin tables with vLLM-Omni's "
@@ -162,8 +157,7 @@ class Rope(Optimization):
                     "first use per (device, dtype, head_dim), and on the first real call of each shape class."
                 )
             out.extend(self.rotary.notes())
-        if self.stats:
-            s = self.stats
+        if s := self.stats:
             out.append(
                 f"tables built {s['table_builds']}, reused {s['table_hits']}; shape memo hits {s['embed_memo_hits']}; "
                 f"rotary calls: npu {s['kernel_calls']}, portable {s['portable_calls']}, "
@@ -239,21 +233,15 @@ class Rope(Optimization):
                 or not freqs.is_complex()
                 or freqs.shape[0] != q.shape[1]
                 or freqs.shape[-1] * 2 > q.shape[-1]
+                or (  # stock's fused CUDA (Triton) branch, same condition in the same order
+                    use_fused
+                    and q.shape[0] * q.shape[1] >= mod.fused_qk_norm_rope_min_tokens(mod._FUSED_MIN_TOKENS)
+                    and mod._fused_cuda_supported(q, k, q.shape[-1], freqs.shape[-1] * 2, interleaved=True)
+                )
             ):
                 opt.stats["stock_calls"] += 1
                 return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)
-            # Stock's fused CUDA (Triton) branch, same condition in the same order.
-            head_dim, rotary_dim = q.shape[-1], freqs.shape[-1] * 2
-            tokens = q.shape[0] * q.shape[1]
-            if (
-                use_fused
-                and tokens >= mod.fused_qk_norm_rope_min_tokens(mod._FUSED_MIN_TOKENS)
-                and mod._fused_cuda_supported(q, k, head_dim, rotary_dim, interleaved=True)
-            ):
-                opt.stats["stock_calls"] += 1
-                return original(q, k, norm_q, norm_k, freqs, rope, eps, use_fused=use_fused)
-            q = norm_q(q)
-            k = norm_k(k)
+            q, k = norm_q(q), norm_k(k)
             return opt._rotate(q, freqs, rope), opt._rotate(k, freqs, rope)
 
         _qwen_image_qk_norm_rope.__wrapped__ = original  # type: ignore[attr-defined]
@@ -275,11 +263,10 @@ class Rope(Optimization):
                 return original(module, video_fhw, txt_seq_lens, device)
             key = _embed_key(module, video_fhw, txt_seq_lens, device)
             memo = opt._embed_memo.get(module)
-            if key is not None and memo is not None:
-                hit = memo.get(*key)
-                if hit is not None:
-                    opt.stats["embed_memo_hits"] += 1
-                    return hit
+            hit = memo.get(*key) if key is not None and memo is not None else None
+            if hit is not None:
+                opt.stats["embed_memo_hits"] += 1
+                return hit
             out = original(module, video_fhw, txt_seq_lens, device)
             after = _embed_key(module, video_fhw, txt_seq_lens, device)  # forward may have moved the tables
             if after is not None:
@@ -292,9 +279,7 @@ class Rope(Optimization):
 
 def _plain(obj: Any) -> Any:
     """Nested lists/tuples of ints as nested tuples of ints; None when anything else is inside."""
-    if isinstance(obj, bool):
-        return None
-    if isinstance(obj, int):
+    if isinstance(obj, int) and not isinstance(obj, bool):
         return int(obj)
     if isinstance(obj, (list, tuple)):
         items = tuple(_plain(o) for o in obj)

@@ -108,9 +108,7 @@ class SharedModulation(Optimization):
         transformers = find_transformers(model)
         if not transformers:
             return ["no Qwen-Image transformer in this model"]
-        reasons = []
-        if self.memo.max_bytes <= 0:
-            reasons.append(f"modulation memo budget is 0 ({ENV_BUDGET_MB})")
+        reasons = [f"modulation memo budget is 0 ({ENV_BUDGET_MB})"] if self.memo.max_bytes <= 0 else []
         for tr in transformers:
             # the memo's per-call checks, not the weights between forwards (placeholders under layerwise offload)
             reasons += unkeyable_reasons(tr)

@@ -36,9 +36,8 @@ class Hoister:
         self._handles: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
     def _pre(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if guards.tracing():  # full compile traces these hooks: nothing to do
-            return
-        self._hook(block, args, kwargs)
+        if not guards.tracing():  # full compile traces these hooks: nothing to do
+            self._hook(block, args, kwargs)
 
     def on_forward(self, transformer: nn.Module) -> None:
         """A forward of ``transformer`` starts (eager): register the hooks once its blocks are compiled."""

@@ -30,19 +30,8 @@ TOLERANCE_EPS_FACTOR = 2.0
 RSTD_SLACK = 16.0
 #: at most this many elements per chunk of the fp32 reference
 VERIFY_CHUNK_ELEMS = 1 << 22
-#: fp32 chunk-sized temporaries alive at once in the check (x32, ref, err, bound, stock)
+#: fp32 chunk-sized temporaries alive at once in the check (x32, ref, err, bound, stock): its device scratch
 _CHECK_TEMPS = 6
-
-
-def reference_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x32 * rsqrt(mean(x32^2, -1) + eps) * w32``: the RMSNorm in fp32 on the same (rounded) input."""
-    x32 = x.float()
-    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-
-def check_scratch_bytes(x: torch.Tensor) -> int:
-    """Device scratch of the check on ``x``: a few fp32 chunks of at most :data:`VERIFY_CHUNK_ELEMS`."""
-    return _CHECK_TEMPS * 4 * min(x.numel(), max(x.shape[-1], VERIFY_CHUNK_ELEMS))
 
 
 def shape_class(x: torch.Tensor) -> tuple[str, torch.dtype, int, int]:
@@ -85,7 +74,7 @@ class RmsNormPath(KernelPath):
             shape_class(x),
             lambda: fn(x, w, epsilon=eps)[0],  # type: ignore[operator]
             lambda out: self.check(x, out, w, eps),
-            lambda: check_scratch_bytes(x),
+            lambda: _CHECK_TEMPS * 4 * min(x.numel(), max(x.shape[-1], VERIFY_CHUNK_ELEMS)),
             x.device,
             stock=lambda: nn.functional.rms_norm(x, (x.shape[-1],), w, eps),
         )
@@ -104,7 +93,8 @@ class RmsNormPath(KernelPath):
         ratio, err, same = 0.0, 0.0, True
         for i in range(0, xs.shape[0], step):
             xc, oc = xs[i : i + step], os_[i : i + step]
-            ref = reference_fp32(xc, weight, eps)
+            x32 = xc.float()  # the fp32 reference on the same (rounded) input
+            ref = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
             if not bool(torch.isfinite(oc).all()):
                 ratio = math.inf
                 break

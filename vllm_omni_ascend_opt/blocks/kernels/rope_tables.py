@@ -12,7 +12,7 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks.weak_lru import WeakLRU
+from vllm_omni_ascend_opt.blocks.weak_lru import WeakLRU, tensor_bytes
 
 #: Tables kept per cache, one per (freqs tensor, dtype).
 TABLE_CACHE_SIZE = 32
@@ -110,12 +110,7 @@ class TableCache:
 
     def nbytes(self) -> int:
         """Bytes of every table held (each form built so far)."""
-        return sum(
-            t.numel() * t.element_size()
-            for tables in self._entries.values()
-            for name in Tables.__slots__
-            if isinstance(t := getattr(tables, name), torch.Tensor)
-        )
+        return tensor_bytes([[getattr(t, name) for name in Tables.__slots__] for t in self._entries.values()])
 
     def get(self, freqs: torch.Tensor, dtype: torch.dtype) -> Tables:
         """The tables of ``freqs`` in ``dtype`` (``stats["table_hits"]`` on a hit), or a new, empty entry."""

@@ -37,9 +37,7 @@ DEFAULT_BUDGET_MB = 512
 def budget_from_env() -> int:
     """The memo's byte budget from ``VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB`` (MiB, default 512)."""
     raw = os.environ.get(ENV_BUDGET_MB, "").strip()
-    if not raw:
-        return DEFAULT_BUDGET_MB * 1024**2
-    mb = float(raw)  # ValueError for junk: reasons_inactive() reports it
+    mb = float(raw or DEFAULT_BUDGET_MB)  # ValueError for junk: reasons_inactive() reports it
     if not 0 <= mb < float("inf"):  # NaN too
         raise ValueError(f"{ENV_BUDGET_MB}={raw!r} must be a non-negative number of MiB")
     _env.check_range(ENV_BUDGET_MB, mb, 0, 16384, " MiB")  # above 16 GiB: memo bytes a card needs for weights
@@ -144,8 +142,7 @@ class ModulationMemo:
             raise Unkeyable(f"modulation memo budget is 0 ({ENV_BUDGET_MB})")
         if type(temb) is not torch.Tensor:
             raise Unkeyable(f"temb is a {type(temb).__name__}, not a plain tensor")
-        why = guards.call_reason(temb)
-        if why:
+        if why := guards.call_reason(temb):
             raise Unkeyable(why)
 
     def _resolve(self, temb: torch.Tensor) -> _Entry:
@@ -178,12 +175,11 @@ class ModulationMemo:
             self._check(timestep)
             if torch.is_grad_enabled():
                 raise Unkeyable("grad mode is on (the time embedding is keyed for inference only)")
-            why = time_embedding.upstream_reason()
-            if why:
+            if why := time_embedding.upstream_reason():
                 raise Unkeyable(why)
             if type(hidden_states) is not torch.Tensor:
                 raise Unkeyable("hidden_states is not a plain tensor")
-            tkey = time_embedding.time_key(module, grad=False)
+            tkey = time_embedding.time_key(module)
             add = addition_t_cond if tkey.use_add else None  # stock ignores it else
             if add is not None and type(add) is not torch.Tensor:
                 raise Unkeyable("addition_t_cond is not a plain tensor")
@@ -201,10 +197,7 @@ class ModulationMemo:
         entry = self._entry(key)
         if not entry.refs or any(ref() is None for ref in entry.refs):  # new, or a weight its key names by id died
             self.nbytes -= entry.nbytes
-            entry.nbytes = 0
-            entry.slots.clear()
-            entry.silu = entry.temb = None
-            entry.refs = _refs(tkey.tensors)
+            entry = self._entries[key] = _Entry(key, refs=_refs(tkey.tensors))
         self.stats["time_keys"] += 1
         temb = entry.temb
         if temb is not None and not temb.is_inference() and temb._version != entry.temb_version:
@@ -316,8 +309,7 @@ class ModulationMemo:
     def _zero_t_segments(
         self, block: nn.Module, sig: Any, raw: torch.Tensor, halves: tuple[Any, ...]
     ) -> tuple[tuple[torch.Tensor, ...], ...]:
-        """Segment 1 (timestep 0) of ``block``'s image norms, kept per block and weights, reused only while bitwise
-        equal to ``raw`` (this forward's timestep-0 rows of ``img_mod(temb)``; ``halves``: their segments per norm)."""
+        """Segment 1 (timestep 0) of ``block``'s image norms (from ``halves``), reused while ``raw`` matches bitwise."""
         settings = keys.numerical_settings(raw.device.type)
         key = ("zero_t", id(block), sig, raw.shape, raw.dtype, str(raw.device), settings)
         stored = self._zero_t.get(key)

@@ -35,9 +35,7 @@ def value_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.dtype, tuple(t.shape), str(t.device), data)
 
 
-def _tensor_sig(t: torch.Tensor, grad: bool) -> tuple[Any, ...]:
-    if grad and t.requires_grad:
-        raise Unkeyable("autograd is recording (grad enabled and a time-embedding weight requires grad)")
+def _tensor_sig(t: torch.Tensor) -> tuple[Any, ...]:
     try:
         return (id(t), t._version, t.shape, t.dtype, t.device)
     except RuntimeError:
@@ -53,8 +51,8 @@ class TimeKey:
     use_add: bool  # stock reads ``addition_t_cond``
 
 
-def time_key(module: nn.Module, grad: bool) -> TimeKey:
-    """The :class:`TimeKey` of a ``QwenTimestepProjEmbeddings``; :class:`Unkeyable` if the key may not cover all."""
+def time_key(module: nn.Module) -> TimeKey:
+    """The :class:`TimeKey` of a ``QwenTimestepProjEmbeddings`` (grad off); :class:`Unkeyable` if a key may miss."""
     e = sys.modules[targets.EMBEDDINGS]
     m = module._modules
     proj, emb = m.get("time_proj"), m.get("timestep_embedder")
@@ -74,7 +72,7 @@ def time_key(module: nn.Module, grad: bool) -> TimeKey:
     if use_add and (type(add) is not nn.Embedding or add.max_norm is not None):
         raise Unkeyable("time_text_embed's additional-condition embedding is not a plain nn.Embedding")
     add_weights = (add.weight,) if use_add else ()
-    add_sig = tuple(_tensor_sig(w, grad) for w in add_weights)
+    add_sig = tuple(_tensor_sig(w) for w in add_weights)
     padding_idx = add.padding_idx if use_add else None
-    sig = (id(module), settings, use_add, padding_idx, linear_sig(lin1, grad), linear_sig(lin2, grad), add_sig)
+    sig = (id(module), settings, use_add, padding_idx, linear_sig(lin1, False), linear_sig(lin2, False), add_sig)
     return TimeKey(sig, (lin1, lin2, *add_weights), use_add)
