@@ -213,8 +213,7 @@ def hoistable(mods: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[torch.Tenso
 
 
 class _Hoisted(NamedTuple):
-    """One norm's modulation as a compiled block reads it (:func:`hoistable`): the fast modes follow their slots (static
-    switches the graph is guarded on), uncounted; layers called as modules."""
+    """One norm's hoisted modulation in a compiled block: fast modes follow their slots (guarded), uncounted."""
 
     kind: str
     first: torch.Tensor
@@ -227,8 +226,7 @@ class _Hoisted(NamedTuple):
             FAST_MODULATE.get() is not None
             and kind in (NATIVE, NPU_EVAL)
             and first.dim() == 3
-            and first.shape[0] == 1
-            and first.shape[1] == 1
+            and first.shape[:2] == (1, 1)
             and x.dtype == first.dtype
             and x.shape[-1] == first.shape[-1]
             and ln.weight is None

@@ -1,6 +1,5 @@
 """The joint QKV path's building blocks: the joint RMSNorm, the joint freqs cache, the checks, the attention on the
-joint sequence, and the path for a compiled graph (:func:`traced_forward`: the same math as ``joint_attention``'s
-eager path without counters or caches, one ``cat`` instead of ``out=`` writes, layers as modules).
+joint sequence, and :func:`traced_forward`: ``joint_attention``'s eager math for a graph, without counters or caches.
 """
 
 from __future__ import annotations
@@ -51,9 +50,8 @@ def joint_qk_rms_norm(
     w_img: tuple[torch.Tensor, torch.Tensor],
     eps: float,
 ) -> torch.Tensor:
-    """:func:`joint_rms_norm` of the ``[2, B, S, N, D]`` q/k view ``qk`` (``w_txt``/``w_img``: each stream's (q, k)
-    weights), bitwise stock's four norms, as a new contiguous tensor; where the norm upcasts, one plane at a time
-    (both fp32 temporaries at once would raise the peak above stock's)."""
+    """:func:`joint_rms_norm` of the ``[2, B, S, N, D]`` q/k view (``w_txt``/``w_img``: each stream's (q, k) weights)
+    as a new tensor, bitwise stock's four norms; upcast one plane at a time (both at once: a peak above stock's)."""
     dtype = qk.dtype
     opmath = _OPMATH.get(dtype, dtype)
     if dtype == opmath:
