@@ -402,13 +402,13 @@ def test_joint_freqs_cache_is_an_lru_of_16_and_dies_with_either_freqs():
     cache = ja._JointFreqsCache(stats)
     txt = torch.polar(torch.ones(3, 8), torch.rand(3, 8))
     vids = [torch.polar(torch.ones(4, 8), torch.full((4, 8), float(i))) for i in range(17)]
-    first = [cache.get(v, txt) for v in vids[:16]]
+    first = [cache.joint(v, txt) for v in vids[:16]]
     assert len(cache) == 16 and torch.equal(first[0], torch.cat([txt, vids[0]]))
-    assert cache.get(vids[0], txt) is first[0]  # a hit: now the most recent; vids[1] is the least recently used
-    cache.get(vids[16], txt)  # the 17th: evicts vids[1]
+    assert cache.joint(vids[0], txt) is first[0]  # a hit: now the most recent; vids[1] is the least recently used
+    cache.joint(vids[16], txt)  # the 17th: evicts vids[1]
     assert len(cache) == 16
-    assert cache.get(vids[0], txt) is first[0] and cache.get(vids[2], txt) is first[2]
-    assert cache.get(vids[1], txt) is not first[1]  # evicted: built again
+    assert cache.joint(vids[0], txt) is first[0] and cache.joint(vids[2], txt) is first[2]
+    assert cache.joint(vids[1], txt) is not first[1]  # evicted: built again
     assert stats["joint_freqs_builds"] == 18 and stats["joint_freqs_hits"] == 3
     n = len(cache)
     del vids[5], first  # one vid freqs dies (the joint tensors hold no reference to it)

@@ -25,7 +25,6 @@ from vllm_omni_ascend_opt.blocks.body.joint_qkv import (
     shape_reason,
     static_reason,
     traced_forward,
-    traced_reason,
 )
 from vllm_omni_ascend_opt.blocks.body.joint_qkv import JointFreqsCache as _JointFreqsCache
 from vllm_omni_ascend_opt.blocks.kernels import rms_norm, rope_tables, rotary
@@ -129,13 +128,10 @@ class JointAttention(Optimization):
         d = attn.head_dim
         key = ("ja.cuda_fused", attn.qk_norm, hidden_states.shape, encoder_hidden_states.shape, vid_freqs.shape, d)
         if forward_scope.decide(
-            key, lambda: any_cuda_fused(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs, d)
+            key, lambda: any_cuda_fused(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
         ):
             return "stock's fused CUDA qk-norm-rope path (>= its token threshold on CUDA)"
         return None
-
-    def _norm(self, x: torch.Tensor, st: int, norm_txt: nn.Module, norm_img: nn.Module) -> torch.Tensor:
-        return joint_rms_norm(x, st, norm_txt.weight, norm_img.weight, norm_img.eps)
 
     def _joint_tables(
         self, vid_freqs: torch.Tensor, txt_freqs: torch.Tensor, dtype: torch.dtype, kernel: rotary.RotaryPath | None
@@ -144,7 +140,7 @@ class JointAttention(Optimization):
         key = ("ja.tables", id(vid_freqs), id(txt_freqs), dtype, kernel is not None)
 
         def make() -> tuple[torch.Tensor, rope_tables.Tables]:
-            joint = self._joint_freqs.get(vid_freqs, txt_freqs)
+            joint = self._joint_freqs.joint(vid_freqs, txt_freqs)
             return joint, (kernel.tables if kernel is not None else self._tables).get(joint, dtype)
 
         return forward_scope.decide(key, make)
@@ -176,8 +172,7 @@ class JointAttention(Optimization):
             streams = (hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
             masks = (hidden_states_mask, encoder_hidden_states_mask)
             if guards.tracing():  # first: dynamo traces; nothing here is counted, cached or logged
-                hoisted = compiled_blocks.ready(self, READY_ROPE) is not None
-                if hoisted and traced_reason(self, *streams) is None:
+                if compiled_blocks.ready(self, READY_ROPE) is not None:
                     out = traced_forward(mod, self, *streams, *masks)
                     if out is not None:
                         return out
@@ -253,8 +248,8 @@ class JointAttention(Optimization):
             else:
                 query, key = qkv[..., : q_size + kv_size].split([q_size, kv_size], dim=-1)
                 del qkv
-                query = self._norm(query.unflatten(-1, (nq, d)), st, norm_added_q, norm_q)
-                key = self._norm(key.unflatten(-1, (nkv, d)), st, norm_added_k, norm_k)
+                query = joint_rms_norm(query.unflatten(-1, (nq, d)), st, w_txt[0], w_img[0], eps)
+                key = joint_rms_norm(key.unflatten(-1, (nkv, d)), st, w_txt[1], w_img[1], norm_k.eps)
                 query = self._rotate(query, vid_freqs, txt_freqs, m["rope"])
                 key = self._rotate(key, vid_freqs, txt_freqs, m["rope"])
         self.stats["joint_calls"] += 1
@@ -267,8 +262,7 @@ class JointAttention(Optimization):
         return img_attn_output, txt_attn_output
 
     def _project(self, layer: nn.Module, x: torch.Tensor, direct: Any, pair: bool = False) -> torch.Tensor:
-        """``layer(x)`` (``pair``: it returns ``(output, bias)``), as the GEMM where ``direct_calls`` vouches for it
-        (``direct``: :func:`.direct_calls.decided`)."""
+        """``layer(x)`` (``pair``: it returns ``(output, bias)``), as the GEMM where ``direct_calls`` vouches for it."""
         args = direct_calls.linear_args(layer, direct)
         if isinstance(args, str):
             self.stats["module_calls"] += 1

@@ -193,12 +193,11 @@ def block_body(
     txt_modulated2 = txt2.norm(m["txt_norm2"], encoder_hidden_states, fm, direct)
     txt_ff = feed_forward(m["txt_mlp"], txt_modulated2, stats, direct)
     encoder_hidden_states = txt2.residual(encoder_hidden_states, txt_ff, fr)
-    return _clip_fp16(encoder_hidden_states), _clip_fp16(hidden_states)
-
-
-def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
-    """Stock's ``clip(-65504, 65504)`` of fp16 hidden states at the end of the block."""
-    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+    if encoder_hidden_states.dtype == torch.float16:  # stock's clip of fp16 hidden states
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
 
 
 #: Where a compiled block reads its hoisted modulation (:func:`hoistable`; :mod:`.compiled_blocks`).
@@ -213,8 +212,7 @@ def hoistable(mods: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[torch.Tenso
 
 
 class _Hoisted(NamedTuple):
-    """One norm's modulation as a compiled block reads it (:func:`hoistable`): the fast modes follow their slots (static
-    switches the graph is guarded on), uncounted; layers called as modules."""
+    """One norm's hoisted modulation in a compiled block: fast modes follow their slots (guarded), uncounted."""
 
     kind: str
     first: torch.Tensor
@@ -227,8 +225,7 @@ class _Hoisted(NamedTuple):
             FAST_MODULATE.get() is not None
             and kind in (NATIVE, NPU_EVAL)
             and first.dim() == 3
-            and first.shape[0] == 1
-            and first.shape[1] == 1
+            and first.shape[:2] == (1, 1)
             and x.dtype == first.dtype
             and x.shape[-1] == first.shape[-1]
             and ln.weight is None

@@ -48,8 +48,7 @@ class _Known:
             torch._C._disabled_torch_function_impl,
             sys.modules[targets.PARAMETER].BasevLLMParameter.__torch_function__.__func__,
         }
-        bad = fingerprints.reasons(targets.DIRECT_CALLS, "the direct calls")
-        self.reason = "; ".join(bad) if bad else None
+        self.reason = "; ".join(fingerprints.reasons(targets.DIRECT_CALLS, "the direct calls")) or None
         self.plain_types: set[type] = set()  # parameter classes :func:`_plain_param` passed in this forward
 
 

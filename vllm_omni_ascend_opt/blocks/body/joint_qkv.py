@@ -1,6 +1,5 @@
 """The joint QKV path's building blocks: the joint RMSNorm, the joint freqs cache, the checks, the attention on the
-joint sequence, and the path for a compiled graph (:func:`traced_forward`: the same math as ``joint_attention``'s
-eager path without counters or caches, one ``cat`` instead of ``out=`` writes, layers as modules).
+joint sequence, and :func:`traced_forward`: ``joint_attention``'s eager math for a graph, without counters or caches.
 """
 
 from __future__ import annotations
@@ -51,9 +50,8 @@ def joint_qk_rms_norm(
     w_img: tuple[torch.Tensor, torch.Tensor],
     eps: float,
 ) -> torch.Tensor:
-    """:func:`joint_rms_norm` of the ``[2, B, S, N, D]`` q/k view ``qk`` (``w_txt``/``w_img``: each stream's (q, k)
-    weights), bitwise stock's four norms, as a new contiguous tensor; where the norm upcasts, one plane at a time
-    (both fp32 temporaries at once would raise the peak above stock's)."""
+    """:func:`joint_rms_norm` of the ``[2, B, S, N, D]`` q/k view (``w_txt``/``w_img``: each stream's (q, k) weights)
+    as a new tensor, bitwise stock's four norms; upcast one plane at a time (both at once: a peak above stock's)."""
     dtype = qk.dtype
     opmath = _OPMATH.get(dtype, dtype)
     if dtype == opmath:
@@ -139,32 +137,26 @@ def freqs_ok(freqs: torch.Tensor, seq: int, head_dim: int) -> bool:
     return freqs.dim() == 2 and freqs.is_complex() and freqs.shape[0] == seq and freqs.shape[-1] * 2 <= head_dim
 
 
-class JointFreqsCache:
+class JointFreqsCache(WeakLRU[torch.Tensor]):
     """``cat(txt_freqs, vid_freqs)`` per (vid, txt) freqs pair, keyed like ``rope``'s tables, dropped with either."""
 
     def __init__(self, stats: Counter) -> None:
-        self._entries: WeakLRU[torch.Tensor] = WeakLRU(JOINT_FREQS_CACHE_SIZE)
+        super().__init__(JOINT_FREQS_CACHE_SIZE)
         self._stats = stats
 
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def nbytes(self) -> int:
-        return tensor_bytes(list(self._entries.values()))
+        return tensor_bytes(list(self.values()))
 
-    def get(self, vid: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
+    def joint(self, vid: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
         kv, rv = rope_tables.table_key(vid, vid.dtype)
         kt, rt = rope_tables.table_key(txt, txt.dtype)
         key, owners = (kv, kt), (rv, rt)
-        hit = self._entries.get(key, owners)
+        hit = self.get(key, owners)
         if hit is not None:
             self._stats["joint_freqs_hits"] += 1
             return hit
         self._stats["joint_freqs_builds"] += 1
-        return self._entries.put(key, owners, torch.cat([txt, vid], dim=0))
+        return self.put(key, owners, torch.cat([txt, vid], dim=0))
 
 
 def graph_joint_rms_norm(
@@ -176,30 +168,20 @@ def graph_joint_rms_norm(
     return torch.cat([normed[:, :st] * w_txt, normed[:, st:] * w_img], dim=1).to(dtype)
 
 
-def cuda_fused(mod: Any, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
-    """Whether stock's ``_qwen_image_qk_norm_rope`` takes its fused CUDA path for the stream with hidden states ``x``
-    (``_fused_cuda_supported`` reads only q/k's device and dtype, those of ``x``)."""
-    tokens = x.shape[0] * x.shape[1]
-    return bool(
-        tokens >= mod.fused_qk_norm_rope_min_tokens(mod._FUSED_MIN_TOKENS)
-        and mod._fused_cuda_supported(x, x, head_dim, freqs.shape[-1] * 2, interleaved=True)
-    )
-
-
 def any_cuda_fused(
-    attn: nn.Module,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    vid_freqs: torch.Tensor,
-    txt_freqs: torch.Tensor,
-    d: int,
+    attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, vid_freqs: Any, txt_freqs: Any
 ) -> bool:
-    """Stock takes its fused CUDA qk-norm-rope path for either stream of this attention."""
+    """Stock's ``_qwen_image_qk_norm_rope`` takes its fused CUDA path for either stream of this attention (the image
+    stream's only with ``qk_norm``; ``_fused_cuda_supported`` reads only q/k's device and dtype, the stream's)."""
     mod = sys.modules[_targets.TRANSFORMER]
-    return bool(
-        (attn.qk_norm and cuda_fused(mod, hidden_states, vid_freqs, d))
-        or cuda_fused(mod, encoder_hidden_states, txt_freqs, d)
-    )
+    for x, freqs, on in ((hidden_states, vid_freqs, attn.qk_norm), (encoder_hidden_states, txt_freqs, True)):
+        if (
+            on
+            and x.shape[0] * x.shape[1] >= mod.fused_qk_norm_rope_min_tokens(mod._FUSED_MIN_TOKENS)
+            and mod._fused_cuda_supported(x, x, attn.head_dim, freqs.shape[-1] * 2, interleaved=True)
+        ):
+            return True
+    return False
 
 
 def shape_reason(
@@ -264,18 +246,6 @@ def _keep_all_if_none(mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tenso
     return mask if mask is not None else torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
 
 
-def traced_reason(
-    attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, vid_freqs: Any, txt_freqs: Any
-) -> str | None:
-    """The eager path's checks that hold for a traced call (the graph is guarded on them)."""
-    why = static_reason(attn) or shape_reason(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
-    if why:
-        return why
-    if any_cuda_fused(attn, hidden_states, encoder_hidden_states, vid_freqs, txt_freqs, attn.head_dim):
-        return "stock's fused CUDA qk-norm-rope path"
-    return None
-
-
 def traced_forward(
     mod: Any,
     attn: Any,
@@ -287,12 +257,15 @@ def traced_forward(
     encoder_hidden_states_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The joint path for dynamo: layers as modules, the joint norm without ``out=``, RoPE tables hoisted
-    (:data:`READY_ROPE`, regional compile) or computed in the graph. None: the projections disagree (run stock)."""
+    (:data:`READY_ROPE`, regional compile) or computed in the graph. None: stock must run."""
+    streams = (hidden_states, encoder_hidden_states, vid_freqs, txt_freqs)
+    if static_reason(attn) or shape_reason(attn, *streams) or any_cuda_fused(attn, *streams):
+        return None  # the eager path's checks that hold for a traced call (the graph is guarded on them)
     m = attn._modules
     img_qkv = m["to_qkv"](hidden_states)[0]
     txt_qkv = m["add_kv_proj"](encoder_hidden_states)[0]
     if img_qkv.dtype != txt_qkv.dtype or img_qkv.shape[-1] != txt_qkv.shape[-1] or img_qkv.shape[0] != txt_qkv.shape[0]:
-        return None
+        return None  # the projections disagree
     d = attn.head_dim
     nq, nkv = attn.query_num_heads, attn.kv_num_heads
     st = encoder_hidden_states.shape[1]
@@ -306,6 +279,6 @@ def traced_forward(
         tables = rope_tables.graph_tables(torch.cat([txt_freqs, vid_freqs], dim=0), query.dtype)
     query = rope_tables.apply_portable(query, *tables)
     key = rope_tables.apply_portable(key, *tables)
-    streams = (hidden_states, encoder_hidden_states, hidden_states_mask, encoder_hidden_states_mask)
-    out = attend(mod, attn, query, key, value, st, *streams)
+    masks = (hidden_states_mask, encoder_hidden_states_mask)
+    out = attend(mod, attn, query, key, value, st, hidden_states, encoder_hidden_states, *masks)
     return m["to_out"](out[:, st:, :]), m["to_add_out"](out[:, :st, :])

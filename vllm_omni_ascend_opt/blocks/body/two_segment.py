@@ -37,9 +37,6 @@ class SegmentPlan:
     def broadcast(self) -> bool:
         return self.chunks <= MAX_BROADCAST_CHUNKS
 
-    def chunk_segments(self) -> list[int]:
-        return [seg for start, end, seg in self.runs for _ in range((end - start) // self.chunk)]
-
     @staticmethod
     def of(index: torch.Tensor) -> SegmentPlan:
         """The plan of a ``[rows, L]`` modulate_index (one device->host copy); ValueError when rows differ."""
@@ -117,7 +114,7 @@ class SegMod:
     def build(per_seg: tuple[tuple[torch.Tensor, ...], ...], kind: str, plan: SegmentPlan) -> SegMod:
         """``per_seg[k]`` is :meth:`segment` of segment ``k`` (0: current timestep, 1: timestep 0)."""
         if plan.broadcast:
-            order = plan.chunk_segments()
+            order = [seg for start, end, seg in plan.runs for _ in range((end - start) // plan.chunk)]  # by chunk
             return SegMod(*(torch.stack([per_seg[k][j] for k in order], dim=1) for j in range(3)), kind, plan)
         return SegMod(*(tuple(per_seg[k][j] for k in (0, 1)) for j in range(3)), kind, plan)
 

@@ -39,12 +39,11 @@ def norm_kinds(*norms: nn.Module) -> tuple[str, ...]:
 
 
 def _methods() -> tuple[type, frozenset[Any] | None, Any]:
-    """``(AdaLayerNorm, the methods that compute forward_native exactly, forward_npu when it is the eval kernel's
-    path)``: class facts, the same for every instance (``None``: the class's forward is not CustomOp's dispatch)."""
+    """Class facts: ``(AdaLayerNorm, methods computing forward_native exactly, forward_npu if the eval kernel's)``."""
     ada_module = sys.modules[ADALAYERNORM_MODULE]
     ada = ada_module.AdaLayerNorm
     if ada.forward is not sys.modules[CUSTOM_OP_MODULE].CustomOp.forward:
-        return ada, None, None
+        return ada, None, None  # the class's forward is not CustomOp's dispatch: every instance is OPAQUE
     # forward_native, the class's own forward_hip / forward_musa, and forward_cuda unless it can take the fused
     # Triton AdaLN kernel (its reductions are not F.layer_norm's: then it is OPAQUE).
     native = [ada.forward_native]

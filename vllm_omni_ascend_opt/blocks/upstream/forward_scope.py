@@ -62,13 +62,6 @@ def decide(key: Hashable, make: Callable[[], T]) -> T:
         return value
 
 
-def _close(scope: dict[Hashable, Any]) -> None:
-    for i in range(len(_STACK) - 1, -1, -1):  # this forward's scope (and any left open inside it)
-        if _STACK[i] is scope:
-            del _STACK[i:]
-            break
-
-
 # transformer -> {owner: called with the transformer when a scope opens, or None}
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, dict[str, Callable[[nn.Module], None] | None]] = (
     weakref.WeakKeyDictionary()
@@ -96,7 +89,8 @@ def _scoped_class(cls: type) -> type:
                 )
             return base_call(self, *args, **kwargs)
         scope: dict[Hashable, Any] = {}
-        if not _STACK:
+        depth = len(_STACK)
+        if not depth:
             _FORWARDS[0] += 1
             _OWNER[0] = threading.get_ident()
         _STACK.append(scope)
@@ -105,7 +99,8 @@ def _scoped_class(cls: type) -> type:
         try:
             out = base_call(self, *args, **kwargs)
         finally:
-            _close(scope)
+            if len(_STACK) > depth and _STACK[depth] is scope:  # gone if reset() ran; else close any left open inside
+                del _STACK[depth:]
         if not _STACK:
             for fn in _AT_END:
                 fn()
