@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 LEAVE_OUT: dict[str, tuple[str, str, Callable[[], Any]]] = {
     "direct_calls": (
         "vllm_omni_ascend_opt.blocks.body.direct_calls",
-        "_decided",
+        "decided",
         lambda: lambda: "left out by bench_host",
     ),
 }

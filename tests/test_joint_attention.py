@@ -368,7 +368,8 @@ def _k_eps(attn) -> None:
 @pytest.mark.parametrize("edit", [_double_weights, _k_eps], ids=["weights_not_in_opmath", "k_eps_differs"])
 def test_per_tensor_norms_where_q_and_k_cannot_share_a_pass(runtime, tiny_pipe, monkeypatch, edit):
     """QK-norm weights outside the norm's opmath dtype (float64 on fp32 rows: stock promotes), or q's and k's norms
-    with different eps: the per-tensor joint norm (q, then k, each with its own eps), still bitwise stock."""
+    with different eps: the per-tensor joint norm (q, then k, each with its own eps), still bitwise stock; so is the
+    compiled path's math (``traced_forward``, run eagerly)."""
     api.select("none,+joint_attention", model=tiny_pipe)
     attn = _clone(_attn(tiny_pipe.transformer))
     edit(attn)
@@ -380,8 +381,10 @@ def test_per_tensor_norms_where_q_and_k_cannot_share_a_pass(runtime, tiny_pipe, 
     with runtime.context(), torch.no_grad():
         want = _stock_attn(attn, hs, ehs, vid, txt)
         got = attn(hs, ehs, vid, txt)
+        traced = joint_qkv.traced_forward(sys.modules[_targets.TRANSFORMER], attn, hs, ehs, vid, txt, None, None)
     assert OPT.stats["joint_calls"] == 1 and calls == [attn.norm_q.eps, attn.norm_k.eps]
-    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    for out in (got, traced):
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, out, strict=True))
 
 
 def test_mismatched_freqs_fall_back(runtime, tiny_pipe):

@@ -270,9 +270,9 @@ def traced_forward(
     nq, nkv = attn.query_num_heads, attn.kv_num_heads
     st = encoder_hidden_states.shape[1]
     query, key, value = torch.cat([txt_qkv, img_qkv], dim=1).split([nq * d, nkv * d, nkv * d], dim=-1)
-    eps = m["norm_q"].eps
-    query = graph_joint_rms_norm(query.unflatten(-1, (nq, d)), st, m["norm_added_q"].weight, m["norm_q"].weight, eps)
-    key = graph_joint_rms_norm(key.unflatten(-1, (nkv, d)), st, m["norm_added_k"].weight, m["norm_k"].weight, eps)
+    norm_q, norm_k = m["norm_q"], m["norm_k"]  # each with its stream twin's eps (static_reason)
+    query = graph_joint_rms_norm(query.unflatten(-1, (nq, d)), st, m["norm_added_q"].weight, norm_q.weight, norm_q.eps)
+    key = graph_joint_rms_norm(key.unflatten(-1, (nkv, d)), st, m["norm_added_k"].weight, norm_k.weight, norm_k.eps)
     value = value.unflatten(-1, (nkv, d))
     tables = compiled_blocks.ready(attn, READY_ROPE)
     if tables is None or tables[0].dtype != query.dtype:
