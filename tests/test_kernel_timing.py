@@ -158,6 +158,9 @@ def _rank(rank: int, port: int, out: str) -> None:
         with open(os.path.join(out, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
+    # Done and the group destroyed: leave without the interpreter's teardown, where gloo's threads can still abort
+    # the process ("terminate called without an active exception") after everything checked has been written.
+    os._exit(0)
 
 
 def _run_rank(rank: int, port: int, out: str) -> None:
