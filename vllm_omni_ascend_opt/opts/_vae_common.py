@@ -80,8 +80,7 @@ class VaeOptimization(Optimization):
         return dict(st.pieces) if st is not None else {p: "not attached" for p in self.pieces}
 
     def _model_reasons(self, model: Any) -> list[str]:
-        st = self._state.get(model)
-        if st is None:
+        if (st := self._state.get(model)) is None:
             return self._resolve(model)[2]
         if st.reasons or "" in st.pieces.values():
             return list(st.reasons)
@@ -113,21 +112,19 @@ class VaeOptimization(Optimization):
         return pipe, (None if reasons else vae), reasons
 
     def _attach(self, model: Any) -> None:
-        ps = PatchSet(f"{self.name}:{type(model).__name__}")
         pipe, vae, reasons = self._resolve(model)
-        st = _Attached(ps, None, reasons=reasons)
+        st = _Attached(PatchSet(f"{self.name}:{type(model).__name__}"), None, reasons=reasons)
         if reasons:
             logger.info("vllm-omni-ascend-opt: %s does nothing for %s: %s", self.name, type(model).__name__, reasons)
         else:
             try:
-                st.pieces = self._patch_pieces(pipe, vae, ps)
+                st.pieces = self._patch_pieces(pipe, vae, st.patches)
             except Exception:
-                ps.revert()
+                st.patches.revert()
                 raise
             st.vae = vae
             self._vae_owner[vae] = model
-            off = {p: why for p, why in st.pieces.items() if why}
-            if off:
+            if off := {p: why for p, why in st.pieces.items() if why}:
                 logger.info("vllm-omni-ascend-opt: %s pieces off for %s: %s", self.name, type(model).__name__, off)
         self._state[model] = st
 

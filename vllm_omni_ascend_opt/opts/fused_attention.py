@@ -219,10 +219,8 @@ class FusedAttention(Optimization):
         self._mask_cache.clear()
 
     def _attach(self, model: nn.Module) -> None:
-        npu = _backend.torch_npu_module()
-        state = _ModelState()
-        self._models[model] = state
-        if npu is None:
+        self._models[model] = state = _ModelState()
+        if _backend.torch_npu_module() is None:
             state.reasons = _backend.npu_unavailable_reasons()
             return
         transformer_mod = sys.modules.get(_targets.TRANSFORMER)

@@ -74,8 +74,7 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
 def tiles_refusal(vae: nn.Module) -> str:
     """Why the tiled decode of ``vae`` keeps stock code ("" when ``single_frame_tiles`` can act)."""
     known = {diffusers_vae().AutoencoderKLQwenImage.tiled_decode}
-    dist = sys.modules.get(_targets.DIST_VAE)
-    if dist is not None:
+    if (dist := sys.modules.get(_targets.DIST_VAE)) is not None:
         known.add(dist.DistributedAutoencoderKLQwenImage.tiled_decode)
     if getattr(type(vae), "tiled_decode", None) not in known:
         return f"{type(vae).__name__} overrides tiled_decode"
