@@ -44,8 +44,7 @@ def npu_unavailable_reasons() -> list[str]:
 
 
 def _probe() -> tuple[ModuleType | None, str]:
-    mod = sys.modules.get("torch_npu")
-    if mod is None:
+    if (mod := sys.modules.get("torch_npu")) is None:
         try:
             mod = importlib.import_module("torch_npu")
         except ImportError as exc:

@@ -17,8 +17,7 @@ _warned: set[tuple[str, str]] = set()
 
 def boolean(name: str, default: bool = False) -> bool:
     """The boolean value of environment variable ``name`` (unset: ``default``)."""
-    raw = os.environ.get(name)
-    if raw is None:
+    if (raw := os.environ.get(name)) is None:
         return default
     if (v := raw.strip().lower()) in TRUE + FALSE:
         return v in TRUE

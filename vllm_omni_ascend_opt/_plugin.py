@@ -40,8 +40,7 @@ class _NotifyingLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         self._inner.exec_module(module)
         # The module is complete; mark it so before patching (importlib sets this after exec returns).
-        spec = getattr(module, "__spec__", None)
-        if spec is not None:
+        if (spec := getattr(module, "__spec__", None)) is not None:
             spec._initializing = False
         _on_import(module.__name__)
 
@@ -118,7 +117,13 @@ def install_ready() -> list[str]:
             if reasons := opt.reasons_inactive():
                 logger.debug("vllm-omni-ascend-opt: %s stays off: %s", name, "; ".join(reasons))
                 continue
-            _warn_if_forced(opt)
+            if fingerprints.forced() and (differs := fingerprints.reasons(opt.upstream, opt.name)):
+                logger.warning(
+                    "vllm-omni-ascend-opt: installing %s although %s (%s=1; its exactness is not established here).",
+                    name,
+                    "; ".join(differs),
+                    fingerprints.ENV_FORCE,
+                )
             opt.install()
             done.append(name)
     if done:
@@ -126,17 +131,6 @@ def install_ready() -> list[str]:
     if STATE.registered:
         _report.announce()  # the one INFO line, once nothing selected waits for a module any more
     return done
-
-
-def _warn_if_forced(opt) -> None:
-    """Under ``VLLM_OMNI_ASCEND_OPT_FORCE``: warn when ``opt`` installs although its upstream code differs."""
-    if fingerprints.forced() and (differs := fingerprints.reasons(opt.upstream, opt.name)):
-        logger.warning(
-            "vllm-omni-ascend-opt: installing %s although %s (%s=1; its exactness is not established here).",
-            opt.name,
-            "; ".join(differs),
-            fingerprints.ENV_FORCE,
-        )
 
 
 def _install_core() -> None:

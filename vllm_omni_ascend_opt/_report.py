@@ -176,8 +176,7 @@ def status_report(model: Any = None) -> dict[str, Any]:
 
 def write_status_file(model: Any = None) -> Path | None:
     """Write the report to ``$VLLM_OMNI_ASCEND_OPT_STATUS_FILE`` (atomically); None when the variable is unset."""
-    path = status_file_path()
-    if path is None:
+    if (path := status_file_path()) is None:
         return None
     with _write_lock:
         path.parent.mkdir(parents=True, exist_ok=True)

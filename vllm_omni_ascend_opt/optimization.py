@@ -286,8 +286,7 @@ class Optimization:
             module.__class__ = cls
 
     def _restore_class(self, module: nn.Module) -> None:
-        cls = self._swapped.pop(module, None)
-        if cls is not None:
+        if (cls := self._swapped.pop(module, None)) is not None:
             module.__class__ = cls
 
     def is_prepared(self, module: nn.Module) -> bool:

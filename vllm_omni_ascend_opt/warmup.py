@@ -95,8 +95,7 @@ def warm(
         done.add(key)
         t0 = time.perf_counter()
         outcome = {True: VERIFIED, False: REFUSED, None: UNVERIFIED}[fn()]
-        path = {"rope": rope.rotary, "qk": qk.path, "fa": fa.path}[key[0]]
-        v = path.classes.get(key[1:]) if path is not None else None
+        v = {"rope": rope.rotary, "qk": qk.path, "fa": fa.path}[key[0]].classes.get(key[1:])
         rows.append(Row(kernel, label, outcome, time.perf_counter() - t0, v.timing if v is not None else None))
 
     def rnd(*shape: int) -> torch.Tensor:

@@ -50,8 +50,7 @@ class FastBlockMode(Optimization):
     def count_fast(self) -> None:
         self.stats["ran"] += 1
 
-    def count_stock(self, why: str) -> None:
-        self._fallback(why)
+    count_stock = Optimization._fallback  # one frame fewer per stock call of the block body
 
     def _install(self) -> None:
         self.slot.provide(self)

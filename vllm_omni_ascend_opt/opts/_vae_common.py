@@ -22,9 +22,6 @@ from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
-#: piece name -> "" (acts) or the reason it does not.
-PieceReport = dict[str, str]
-
 
 def diffusers_vae() -> ModuleType:
     """diffusers' ``autoencoder_kl_qwenimage`` module (imported by vLLM-Omni's distributed VAE anyway)."""
@@ -40,7 +37,7 @@ def of_exact_class(module: nn.Module, cls: type) -> bool:
 class _Attached:
     patches: PatchSet
     vae: nn.Module | None
-    pieces: PieceReport = field(default_factory=dict)
+    pieces: dict[str, str] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
 
 
@@ -60,7 +57,7 @@ class VaeOptimization(Optimization):
         self._state: weakref.WeakKeyDictionary[Any, _Attached] = weakref.WeakKeyDictionary()
         self._vae_owner: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
-    def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
+    def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> dict[str, str]:
         """Install this optimization's pieces on ``vae`` (and ``pipe``) through ``ps``; report each piece."""
         raise NotImplementedError
 
@@ -77,14 +74,13 @@ class VaeOptimization(Optimization):
             ps.set(m, "forward", MethodType(make(m), m))
         return why
 
-    def piece_report(self, model: Any) -> PieceReport:
+    def piece_report(self, model: Any) -> dict[str, str]:
         """For an attached ``model``: piece -> "" when it acts, else the reason it does not."""
         st = self._state.get(model)
         return dict(st.pieces) if st is not None else {p: "not attached" for p in self.pieces}
 
     def _model_reasons(self, model: Any) -> list[str]:
-        st = self._state.get(model)
-        if st is None:
+        if (st := self._state.get(model)) is None:
             return self._resolve(model)[2]
         if st.reasons or "" in st.pieces.values():
             return list(st.reasons)
@@ -116,27 +112,24 @@ class VaeOptimization(Optimization):
         return pipe, (None if reasons else vae), reasons
 
     def _attach(self, model: Any) -> None:
-        ps = PatchSet(f"{self.name}:{type(model).__name__}")
         pipe, vae, reasons = self._resolve(model)
-        st = _Attached(ps, None, reasons=reasons)
+        st = _Attached(PatchSet(f"{self.name}:{type(model).__name__}"), None, reasons=reasons)
         if reasons:
             logger.info("vllm-omni-ascend-opt: %s does nothing for %s: %s", self.name, type(model).__name__, reasons)
         else:
             try:
-                st.pieces = self._patch_pieces(pipe, vae, ps)
+                st.pieces = self._patch_pieces(pipe, vae, st.patches)
             except Exception:
-                ps.revert()
+                st.patches.revert()
                 raise
             st.vae = vae
             self._vae_owner[vae] = model
-            off = {p: why for p, why in st.pieces.items() if why}
-            if off:
+            if off := {p: why for p, why in st.pieces.items() if why}:
                 logger.info("vllm-omni-ascend-opt: %s pieces off for %s: %s", self.name, type(model).__name__, off)
         self._state[model] = st
 
     def _detach(self, model: Any) -> None:
-        st = self._state.pop(model, None)
-        if st is not None:
-            st.patches.revert()
-            if st.vae is not None:
-                self._vae_owner.pop(st.vae, None)
+        st = self._state.pop(model)  # set by every _attach that returned
+        st.patches.revert()
+        if st.vae is not None:
+            self._vae_owner.pop(st.vae, None)

@@ -54,8 +54,7 @@ def _fused_class(stock_cls: type) -> type:
 def _make_fused(stock: Any) -> Any:
     impl = object.__new__(_fused_class(type(stock)))
     impl.__dict__.update({k: v for k, v in stock.__dict__.items() if k != "forward"})  # never shadow our forward
-    impl._ascend_opt_stock = stock
-    impl._ascend_opt_calls = Counter()
+    impl.__dict__.update(_ascend_opt_stock=stock, _ascend_opt_calls=Counter())
     return impl
 
 
@@ -182,8 +181,7 @@ class FusedAttention(Optimization):
         if not state.layers:
             skipped = ", ".join(f"{k}: {n}" for k, n in state.skipped.items()) or "none found"
             reasons.append(f"no joint-attention layer takes the fused path (skipped: {skipped})")
-        odd = sorted(str(d).removeprefix("torch.") for d in state.dtypes if d not in FUSED_DTYPES)
-        if odd:
+        if odd := sorted(str(d).removeprefix("torch.") for d in state.dtypes if d not in FUSED_DTYPES):
             reasons.append(
                 f"the transformer runs in {', '.join(odd)}: {KERNEL} is used for float16/bfloat16 only, SDPA runs"
             )
@@ -221,10 +219,8 @@ class FusedAttention(Optimization):
         self._mask_cache.clear()
 
     def _attach(self, model: nn.Module) -> None:
-        npu = _backend.torch_npu_module()
-        state = _ModelState()
-        self._models[model] = state
-        if npu is None:
+        self._models[model] = state = _ModelState()
+        if _backend.torch_npu_module() is None:
             state.reasons = _backend.npu_unavailable_reasons()
             return
         transformer_mod = sys.modules.get(_targets.TRANSFORMER)
@@ -241,14 +237,12 @@ class FusedAttention(Optimization):
             if isinstance(qkv, torch.Tensor):  # a quantized linear keeps its activations' dtype (vLLM's orig_dtype)
                 state.dtypes.add(qkv.dtype if qkv.is_floating_point() else getattr(lin, "orig_dtype", qkv.dtype))
             layer = getattr(module, "attn", None)
-            why = self._layer_skip_reason(layer, sdpa_cls)
-            if why:
+            if why := self._layer_skip_reason(layer, sdpa_cls):
                 state.skipped[why] += 1
                 continue
-            stock = layer.attention
-            fused = _make_fused(stock)
+            fused = _make_fused(layer.attention)
+            state.layers.append((layer, layer.attention, fused))
             layer.attention = fused
-            state.layers.append((layer, stock, fused))
         tr_cls = getattr(transformer_mod, "QwenImageTransformer2DModel", None)
         if state.layers and tr_cls is not None:
             state.transformers = [m for m in model.modules() if isinstance(m, tr_cls)]
@@ -272,9 +266,7 @@ class FusedAttention(Optimization):
         return ""
 
     def _detach(self, model: nn.Module) -> None:
-        state = self._models.pop(model, None)
-        if state is None:
-            return
+        state = self._models.pop(model)  # set by every _attach
         for handle in state.hooks:
             handle.remove()
         for m in state.transformers:

@@ -80,12 +80,10 @@ class JointAttention(Optimization):
         return {"joint_freqs": len(self._joint_freqs), "bytes": self._joint_freqs.nbytes()}
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
-        mod = sys.modules.get(_targets.TRANSFORMER)
-        if mod is None:
+        if (mod := sys.modules.get(_targets.TRANSFORMER)) is None:
             return ["vLLM-Omni's Qwen-Image transformer is not imported"]
         modules = model.modules() if isinstance(model, nn.Module) else ()
-        attns = [m for m in modules if isinstance(m, mod.QwenImageCrossAttention)]
-        if not attns:
+        if not (attns := [m for m in modules if isinstance(m, mod.QwenImageCrossAttention)]):
             return ["no QwenImageCrossAttention in this model"]
         reasons = [static_reason(a) for a in attns]
         return sorted({r for r in reasons if r}) if all(reasons) else []

@@ -146,8 +146,7 @@ class MemoAwareOffload(Optimization):
 
     def _install(self) -> None:
         hook_cls = sys.modules[LAYERWISE_MODULE].LayerwiseOffloadHook
-        original_pre = hook_cls.pre_forward
-        original_prefetch = hook_cls.prefetch_layer
+        original_pre, original_prefetch = hook_cls.pre_forward, hook_cls.prefetch_layer
         opt = self
 
         def pre_forward(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
@@ -216,8 +215,7 @@ class MemoAwareOffload(Optimization):
 
     def _forward_reason(self, tr: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
         """Why this forward must copy every weight (None: it may skip the modulation weights)."""
-        memo = MEMO.get()
-        if memo is None:
+        if (memo := MEMO.get()) is None:
             return "shared_modulation is not installed"
         temb = self._temb(args, kwargs)
         if not isinstance(temb, torch.Tensor):
@@ -234,8 +232,7 @@ class MemoAwareOffload(Optimization):
         """Point each block hook's materialization probe (upstream: ``img_mod.1.weight``) at a weight always copied."""
         ps = self._probes.setdefault(id(tr), PatchSet(f"{self.name}:probes"))
         for block in tr.transformer_blocks:
-            hook = block_hook(block)
-            if hook is None:
+            if (hook := block_hook(block)) is None:
                 continue
             probe = getattr(hook, "_materialization_probe", None)
             if probe is None or not any(p is probe and is_modulation(n) for n, p in block.named_parameters()):
@@ -251,8 +248,7 @@ class MemoAwareOffload(Optimization):
             return
         if all(p.numel() for n, p in source.next_block_parameters.items() if is_modulation(n)):
             return  # copied whole (block 0, or a forward that did not skip)
-        memo = MEMO.get()
-        if memo is not None and memo.has_block(module, self._temb(args, kwargs)):
+        if (memo := MEMO.get()) is not None and memo.has_block(module, self._temb(args, kwargs)):
             return
         self._fallback("a block's modulation left the memo after the per-forward decision: copied before it ran")
         self.stats["late_copies"] += 1

@@ -37,8 +37,6 @@ from vllm_omni_ascend_opt.optimization import Optimization
 
 logger = logging.getLogger("vllm_omni_ascend_opt")
 
-NZ_DTYPES = (torch.float16, torch.bfloat16)
-
 # Per-layer skip reasons (keys of report(model)["skipped"]).
 SKIP_QUANTIZED = "quantized"
 SKIP_LORA = "runtime LoRA layer"
@@ -58,12 +56,6 @@ class _State:
     skipped: Counter = field(default_factory=Counter)
     reasons: list[str] = field(default_factory=list)
     int8: dict[str, str] = field(default_factory=dict)  # vLLM-Omni NPU int8 layer -> FRACTAL_NZ or why not
-
-
-def _transformers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The DiT(s) of a pipeline (``transformer``, ``transformer_2``), or ``model`` itself."""
-    subs = [(attr, getattr(model, attr, None)) for attr in ("transformer", "transformer_2")]
-    return [(attr, sub) for attr, sub in subs if isinstance(sub, nn.Module)] or [("", model)]
 
 
 def _config_reasons(model: nn.Module) -> list[str]:
@@ -153,10 +145,8 @@ class NzWeights(Optimization):
 
     def _process_reasons(self) -> list[str]:
         reasons = _backend.npu_unavailable_reasons()
-        npu = _backend.torch_npu_module()
-        if npu is not None:
-            missing = [f for f in ("npu_format_cast", "get_npu_format") if not hasattr(npu, f)]
-            if missing:
+        if (npu := _backend.torch_npu_module()) is not None:
+            if missing := [f for f in ("npu_format_cast", "get_npu_format") if not hasattr(npu, f)]:
                 reasons.append(f"{_backend.backend_label()} has no {', '.join(missing)}")
             reasons += version_reasons(npu)
             reasons += [v.describe() for v in self.path.firsts.values() if not v.ok]
@@ -180,8 +170,7 @@ class NzWeights(Optimization):
             f"after loading; reverted to ND ({ACL_FORMAT_ND}) on detach; announces a weights-changed event "
             "after either (Parameter identity and _version do not change)"
         ]
-        npu = _backend.torch_npu_module()
-        if npu is not None:
+        if (npu := _backend.torch_npu_module()) is not None:
             out.append(f"torch_npu {getattr(npu, '__version__', '?')}, CANN {_backend.cann_version()}")
         out += [v.describe() for v in self.verdicts() if v.ok]
         for state in list(self._models.values()):  # vLLM-Omni's NPU int8 linears of each attached model
@@ -194,9 +183,7 @@ class NzWeights(Optimization):
     def report(self, model: nn.Module) -> dict[str, Any]:
         """Per model: names of the weights cast to NZ, the skipped layers by reason, and (where there are any)
         vLLM-Omni's NPU int8 layers, name -> FRACTAL_NZ or why not."""
-        state = self._models.get(model)
-        if state is None:
-            return {"cast": [], "skipped": {}}
+        state = self._models.get(model) or _State(npu=None)
         out = {"cast": [n for n, _ in state.cast], "skipped": dict(state.skipped)}
         return out | ({"int8": dict(state.int8)} if state.int8 else {})
 
@@ -214,7 +201,7 @@ class NzWeights(Optimization):
             return SKIP_OFFLOAD_HOOK
         if _is_dtensor(w):
             return SKIP_DTENSOR
-        if w.dtype not in NZ_DTYPES and not int8:
+        if w.dtype not in (torch.float16, torch.bfloat16) and not int8:
             return f"dtype {str(w.dtype).removeprefix('torch.')}"
         if not _backend.is_npu_tensor(w):
             return SKIP_NOT_NPU
@@ -222,15 +209,13 @@ class NzWeights(Optimization):
             return SKIP_NOT_2D
         if 1 in w.shape:  # F.linear's mat2 is w.T: [k, n] = [in_features, out_features] [VA-10287]
             return SKIP_NARROW
-        fmt = npu.get_npu_format(w.data)
-        if fmt != ACL_FORMAT_ND:
+        if (fmt := npu.get_npu_format(w.data)) != ACL_FORMAT_ND:
             return f"already in format {fmt}"
         return ""
 
     def _attach(self, model: nn.Module) -> None:
         npu = _backend.torch_npu_module()
-        state = _State(npu=npu)
-        self._models[model] = state
+        self._models[model] = state = _State(npu=npu)
         if npu is None:
             state.reasons = _backend.npu_unavailable_reasons()
             return
@@ -257,7 +242,9 @@ class NzWeights(Optimization):
         """Cast every eligible weight (recorded in ``state.cast`` as it goes, so that a fault can be rolled back)."""
         linear_types, lora_types, plain = _vllm_types()
         permitted = False
-        for prefix, transformer in _transformers(model):
+        # the DiT(s) of a pipeline (transformer, transformer_2), or model itself
+        subs = [(a, s) for a in ("transformer", "transformer_2") if isinstance(s := getattr(model, a, None), nn.Module)]
+        for prefix, transformer in subs or [("", model)]:
             lora, offloaded = _lora_and_offload_prefixes(transformer, lora_types)
             for name, module in transformer.named_modules():
                 w = getattr(module, "weight", None)
@@ -316,8 +303,7 @@ class NzWeights(Optimization):
         state.int8.clear()
 
     def _detach(self, model: nn.Module) -> None:
-        state = self._models.pop(model, None)
-        if state is not None and state.cast:
+        if (state := self._models.pop(model)).cast:  # set by every _attach
             self._rollback(state)
             self.announce_weights_changed()
 

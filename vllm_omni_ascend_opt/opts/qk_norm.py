@@ -54,8 +54,7 @@ class QkNorm(Optimization):
         return []
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
-        norms = _qk_norms(model)
-        if not norms:
+        if not (norms := _qk_norms(model)):
             return ["no QwenImageCrossAttention with nn.RMSNorm QK norms in this model"]
         if not any(n in self._swapped for n in norms):
             return ["not attached to this model's QK norms"]
@@ -101,8 +100,7 @@ class QkNorm(Optimization):
 
 
 def _qk_norms(model: Any) -> list[nn.Module]:
-    mod = sys.modules.get(_targets.TRANSFORMER)
-    if mod is None or not isinstance(model, nn.Module):
+    if (mod := sys.modules.get(_targets.TRANSFORMER)) is None or not isinstance(model, nn.Module):
         return []
     attns = [m for m in model.modules() if isinstance(m, mod.QwenImageCrossAttention)]
     return [n for m in attns for n in (getattr(m, name, None) for name in NORM_NAMES) if isinstance(n, nn.RMSNorm)]

@@ -180,8 +180,7 @@ class Rope(Optimization):
         mod = sys.modules[_targets.TRANSFORMER]
         self.patches.set(mod, "_qwen_image_qk_norm_rope", self._make_qk_norm_rope(mod._qwen_image_qk_norm_rope))
         for cls_name in ("QwenEmbedRope", "QwenEmbedLayer3DRope"):
-            cls = getattr(mod, cls_name, None)
-            if cls is not None:
+            if (cls := getattr(mod, cls_name, None)) is not None:
                 self.patches.set(cls, "forward", self._make_embed_forward(cls.forward))
         rotary.ROTARY.provide(self.rotary)
 

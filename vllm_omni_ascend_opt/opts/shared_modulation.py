@@ -105,8 +105,7 @@ class SharedModulation(Optimization):
         return []
 
     def _model_reasons(self, model: nn.Module) -> list[str]:
-        transformers = find_transformers(model)
-        if not transformers:
+        if not (transformers := find_transformers(model)):
             return ["no Qwen-Image transformer in this model"]
         reasons = [f"modulation memo budget is 0 ({ENV_BUDGET_MB})"] if self.memo.max_bytes <= 0 else []
         for tr in transformers:

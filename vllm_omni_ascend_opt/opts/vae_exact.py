@@ -20,14 +20,10 @@ from vllm_omni_ascend_opt.blocks.upstream import guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import same
 from vllm_omni_ascend_opt.opts._vae_common import (
-    PieceReport,
     VaeOptimization,
     diffusers_vae,
     of_exact_class,
 )
-
-#: dtypes for which an fp32 round trip is lossless, so skipping it cannot change a value.
-_ROUND_TRIP_LOSSLESS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def tiling_applies(vae: nn.Module, z: torch.Tensor) -> bool:
@@ -78,8 +74,7 @@ def _make_decode(opt: VaeExact, vae: nn.Module) -> Any:
 def tiles_refusal(vae: nn.Module) -> str:
     """Why the tiled decode of ``vae`` keeps stock code ("" when ``single_frame_tiles`` can act)."""
     known = {diffusers_vae().AutoencoderKLQwenImage.tiled_decode}
-    dist = sys.modules.get(_targets.DIST_VAE)
-    if dist is not None:
+    if (dist := sys.modules.get(_targets.DIST_VAE)) is not None:
         known.add(dist.DistributedAutoencoderKLQwenImage.tiled_decode)
     if getattr(type(vae), "tiled_decode", None) not in known:
         return f"{type(vae).__name__} overrides tiled_decode"
@@ -188,7 +183,7 @@ class UpsamplePath(KernelPath):
 
     def check(self, module: nn.Module, device: torch.device, dtype: torch.dtype) -> Verdict:
         key = (device.type, dtype)
-        if dtype not in _ROUND_TRIP_LOSSLESS:
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):  # an fp32 round trip of these is lossless
             return self.verdict(key, False, "the fp32 round trip is not lossless in this dtype")
         gen = torch.Generator().manual_seed(0)  # CPU generator: never touches the device RNG state
         probe = (torch.randn(2, 3, 5, 7, generator=gen) * 100).to(device=device, dtype=dtype)
@@ -232,8 +227,7 @@ def decode_latents_refusal(pipe: Any | None) -> str:
     """Why ``latents_stats_cache`` leaves ``pipe`` alone ("" when it can act)."""
     if pipe is None:
         return "attached to a bare VAE (no pipeline _decode_latents)"
-    mod = sys.modules.get(_targets.PIPELINE)
-    if mod is None:
+    if (mod := sys.modules.get(_targets.PIPELINE)) is None:
         return f"{_targets.PIPELINE} is not imported"
     stock = getattr(getattr(mod, "QwenImagePipeline", None), "_decode_latents", None)
     if stock is None or getattr(type(pipe), "_decode_latents", None) is not stock:
@@ -340,8 +334,8 @@ class VaeExact(VaeOptimization):
         out = ["multi-frame decodes keep stock _decode / tiled_decode (the submodule pieces still act)"]
         return out + [v.describe() for v in self.upsample.firsts.values()]
 
-    def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
-        report: PieceReport = {}
+    def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> dict[str, str]:
+        report: dict[str, str] = {}
         report["single_frame_decode"] = why = self.wants("single_frame_decode") or _replaced(vae, "_decode")
         if not why:
             ps.set(vae, "_decode", MethodType(_make_decode(self, vae), vae))

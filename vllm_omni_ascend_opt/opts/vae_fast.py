@@ -17,7 +17,6 @@ from vllm_omni_ascend_opt.blocks.upstream import guards
 from vllm_omni_ascend_opt.blocks.upstream import targets as _targets
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import same
 from vllm_omni_ascend_opt.opts._vae_common import (
-    PieceReport,
     VaeOptimization,
     diffusers_vae,
     of_exact_class,
@@ -65,7 +64,6 @@ def _make_last_tap_forward(module: nn.Module) -> Any:
     return forward
 
 
-_NORM_EPS = 1e-12  # F.normalize's default eps, which stock uses
 _NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -86,7 +84,7 @@ def _make_norm_forward(module: nn.Module) -> Any:
             norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float32)
             norm = norm.to(x.dtype).clamp_min(torch.finfo(x.dtype).tiny)
         else:
-            norm = torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(_NORM_EPS)
+            norm = torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(1e-12)  # stock's F.normalize eps
         y = x / norm
         g = scaled_gamma(self.gamma, self.scale)
         y = y.mul_(g) if torch.result_type(y, g) == y.dtype else y * g  # keep stock's type promotion
@@ -131,7 +129,7 @@ class VaeFast(VaeOptimization):
             "keeps a contiguous copy of each 3x3x3 kernel's last tap (1/3 of those weights)",
         ]
 
-    def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> PieceReport:
+    def _patch_pieces(self, pipe: Any | None, vae: nn.Module, ps: PatchSet) -> dict[str, str]:
         return {
             "conv2d_last_tap": self.patch_forwards(
                 "conv2d_last_tap",
