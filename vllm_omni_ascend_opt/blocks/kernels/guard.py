@@ -116,10 +116,8 @@ class Guard:
         prev = self._faults.get(key) or Fault(key, "", "")
         errors = prev.errors + 1
         why = f"raised {exc.__class__.__name__}: {exc}"[:300]
-        f = Fault(key, fault_kind(exc), why, errors, deferrals=prev.deferrals)
-        f.demoted = errors >= MAX_ERRORS
-        f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << (errors - 1))
-        self._put(f, "faults", logger.warning)
+        f = Fault(key, fault_kind(exc), why, errors, demoted=errors >= MAX_ERRORS, deferrals=prev.deferrals)
+        self._put(f, errors - 1, "faults", logger.warning)
 
     def fits(self, key: Hashable, device: torch.device, scratch_bytes: int) -> bool:
         """Whether a check needing ``scratch_bytes`` fits in ``device``'s free memory now (else it is deferred, with
@@ -131,11 +129,11 @@ class Guard:
         prev = self._faults.get(key) or Fault(key, "", "")
         why = f"needs {scratch_bytes / 2**20:.0f} MiB of scratch, {free / 2**20:.0f} MiB free"
         f = Fault(key, "deferred", why, prev.errors, deferrals=prev.deferrals + 1)
-        f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << min(f.deferrals - 1, 16))
-        self._put(f, "deferred_checks", logger.info)
+        self._put(f, min(f.deferrals - 1, 16), "deferred_checks", logger.info)
         return False
 
-    def _put(self, f: Fault, counter: str, log: Callable[..., None]) -> None:
+    def _put(self, f: Fault, backoff: int, counter: str, log: Callable[..., None]) -> None:
+        f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << backoff)
         self._faults.put(f.key, f)
         self.stats[counter] += 1
         log("vllm-omni-ascend-opt: %s at %s: %s", self.label, where(f.key), f.describe())

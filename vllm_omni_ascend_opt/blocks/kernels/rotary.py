@@ -14,7 +14,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -91,14 +91,6 @@ def shape_class(x: torch.Tensor) -> tuple[str, torch.dtype, str, int, int, int]:
     return (str(x.device), x.dtype, "BSND", bucket(b * n), bucket(s), d)
 
 
-class KernelPolicy(Protocol):
-    """The owner's (``rope``) choice: may the NPU kernel be tried, and must it be bitwise equal to stock."""
-
-    use_npu_kernel: bool
-
-    def requires_bitwise(self) -> bool: ...
-
-
 class RotaryPath(KernelPath):
     """Cached tables and the backend choice for one owner: the verified ``npu_rotary_mul``, else the portable math
     (where stock runs ``forward_native``), else stock's own rotary kernel with cached tables."""
@@ -106,9 +98,9 @@ class RotaryPath(KernelPath):
     kernel = "npu_rotary_mul"
     candidates = (Candidate("npu_rotary_mul", "pixel"),)
 
-    def __init__(self, policy: KernelPolicy, stats: Counter, label: str) -> None:
+    def __init__(self, policy: Any, stats: Counter, label: str) -> None:
         super().__init__(label, stats)
-        self.policy = policy
+        self.policy = policy  # rope's: use_npu_kernel, requires_bitwise()
         self.tables = TableCache(stats)
 
     def place(self, key: tuple) -> str:
