@@ -106,7 +106,7 @@ class Guard:
             self.record(key, exc)
             return False, None, ""
         if before is not None and self._faults.get(key) is before:  # not a deferral made by fn just now
-            self._faults.drop(key)
+            self._faults.live().pop(key, None)
             self.stats["recovered"] += 1
             logger.info("vllm-omni-ascend-opt: %s: the kernel works again at %s", self.label, where(key))
         return True, out, ""
@@ -142,9 +142,7 @@ class Guard:
 def free_device_memory(device: torch.device) -> int | None:
     """Free bytes on ``device`` as the backend reports them (``torch.npu.mem_get_info``), or None when it cannot."""
     get = getattr(getattr(torch, "npu", None), "mem_get_info", None)
-    if get is None:
-        return None
-    try:
+    try:  # None (no torch.npu.mem_get_info) raises too
         return int(get(device)[0]) if device.type != "cpu" else int(get()[0])  # the fake's CPU "device"
     except Exception:
         return None

@@ -72,9 +72,6 @@ class ProbeDict(Generic[V]):
         self.live()[key] = value
         return value
 
-    def drop(self, key: Hashable) -> None:
-        self.live().pop(key, None)
-
     def values(self) -> list[V]:
         return list(self.live().values())
 
