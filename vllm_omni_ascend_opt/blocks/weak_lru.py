@@ -39,11 +39,7 @@ class WeakLRU(Generic[V]):
     def put(self, key: Hashable, owners: tuple[Any, ...], value: V) -> V:
         """Store the finished ``value`` under ``key`` until one of ``owners`` dies or it is evicted; returns it."""
         entries = self._entries
-
-        def _drop(_ref: weakref.ref, key: Hashable = key) -> None:
-            entries.pop(key, None)
-
-        entries[key] = (tuple(weakref.ref(o, _drop) for o in owners), value)
+        entries[key] = (tuple(weakref.ref(o, lambda _r, k=key: entries.pop(k, None)) for o in owners), value)
         entries.move_to_end(key)
         while len(entries) > self.cap:
             entries.popitem(last=False)

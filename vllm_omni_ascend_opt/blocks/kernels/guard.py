@@ -106,7 +106,7 @@ class Guard:
             self.record(key, exc)
             return False, None, ""
         if before is not None and self._faults.get(key) is before:  # not a deferral made by fn just now
-            self._faults.drop(key)
+            self._faults.live().pop(key, None)
             self.stats["recovered"] += 1
             logger.info("vllm-omni-ascend-opt: %s: the kernel works again at %s", self.label, where(key))
         return True, out, ""
@@ -116,10 +116,8 @@ class Guard:
         prev = self._faults.get(key) or Fault(key, "", "")
         errors = prev.errors + 1
         why = f"raised {exc.__class__.__name__}: {exc}"[:300]
-        f = Fault(key, fault_kind(exc), why, errors, deferrals=prev.deferrals)
-        f.demoted = errors >= MAX_ERRORS
-        f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << (errors - 1))
-        self._put(f, "faults", logger.warning)
+        f = Fault(key, fault_kind(exc), why, errors, demoted=errors >= MAX_ERRORS, deferrals=prev.deferrals)
+        self._put(f, errors - 1, "faults", logger.warning)
 
     def fits(self, key: Hashable, device: torch.device, scratch_bytes: int) -> bool:
         """Whether a check needing ``scratch_bytes`` fits in ``device``'s free memory now (else it is deferred, with
@@ -131,11 +129,11 @@ class Guard:
         prev = self._faults.get(key) or Fault(key, "", "")
         why = f"needs {scratch_bytes / 2**20:.0f} MiB of scratch, {free / 2**20:.0f} MiB free"
         f = Fault(key, "deferred", why, prev.errors, deferrals=prev.deferrals + 1)
-        f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << min(f.deferrals - 1, 16))
-        self._put(f, "deferred_checks", logger.info)
+        self._put(f, min(f.deferrals - 1, 16), "deferred_checks", logger.info)
         return False
 
-    def _put(self, f: Fault, counter: str, log: Callable[..., None]) -> None:
+    def _put(self, f: Fault, backoff: int, counter: str, log: Callable[..., None]) -> None:
+        f.retry_at = forward_scope.forwards() + min(RETRY_CAP, RETRY_AFTER << backoff)
         self._faults.put(f.key, f)
         self.stats[counter] += 1
         log("vllm-omni-ascend-opt: %s at %s: %s", self.label, where(f.key), f.describe())
@@ -144,9 +142,7 @@ class Guard:
 def free_device_memory(device: torch.device) -> int | None:
     """Free bytes on ``device`` as the backend reports them (``torch.npu.mem_get_info``), or None when it cannot."""
     get = getattr(getattr(torch, "npu", None), "mem_get_info", None)
-    if get is None:
-        return None
-    try:
+    try:  # None (no torch.npu.mem_get_info) raises too
         return int(get(device)[0]) if device.type != "cpu" else int(get()[0])  # the fake's CPU "device"
     except Exception:
         return None

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks.kernels.guard import bucket, is_error
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import Verdict
 from vllm_omni_ascend_opt.blocks.kernels.verified import Candidate, KernelPath
@@ -277,7 +276,6 @@ class AttentionPath(KernelPath):
         if out is None:
             return self.verdict(key, False, why)
         ok, why, err, err_stock = _judged(qr, kr, vr, out, masked, s)
-        _backend.synchronize(q.device if q.device.type != "cpu" else None)
         facts = {"errors": {"kernel": err, "stock": err_stock}, "seconds": time.perf_counter() - t0}
         return self.verdict(key, ok, why, **facts)
 

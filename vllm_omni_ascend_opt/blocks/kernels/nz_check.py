@@ -55,13 +55,6 @@ def version_reasons(npu: ModuleType) -> list[str]:
     return reasons
 
 
-def _error_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    scale = torch.matmul(x.float().abs(), w.float().abs().t())
-    if b is not None:
-        scale = scale + b.float().abs()
-    return NUMERIC_EPS_FACTOR * torch.finfo(x.dtype).eps * scale + torch.finfo(torch.float32).tiny
-
-
 def trial_cast(npu: ModuleType, w_nd: torch.Tensor) -> tuple[torch.Tensor | None, str]:
     """Cast ``w_nd`` to FRACTAL_NZ: (the NZ tensor, "") or (None, why not). ``allow_internal_format`` is write-only
     [TNPU-CFG]: a cast that raises or comes back in another format means internal formats are not allowed here."""
@@ -106,7 +99,9 @@ def check_nz_linear(w_nd: torch.Tensor, w_nz: torch.Tensor) -> tuple[bool, str]:
         except Exception as exc:
             return False, f"{case} with the NZ weight raised {exc.__class__.__name__}: {exc}"
         want = torch.nn.functional.linear(x, w_nd, bias)
-        ratio = float(((got.float() - want.float()).abs() / _error_bound(x, w_nd, bias)).max())
+        scale = torch.matmul(x.float().abs(), w_nd.float().abs().t()) + (0 if bias is None else bias.float().abs())
+        bound = NUMERIC_EPS_FACTOR * torch.finfo(x.dtype).eps * scale + torch.finfo(torch.float32).tiny
+        ratio = float(((got.float() - want.float()).abs() / bound).max())
         if not ratio <= 1.0:  # NaN fails too
             return False, (
                 f"{case}: NZ result differs from the ND weight's by up to {ratio:.3g}x the tolerance "

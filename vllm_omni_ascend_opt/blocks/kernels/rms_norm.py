@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from vllm_omni_ascend_opt import _backend
 from vllm_omni_ascend_opt.blocks.kernels.guard import bucket
 from vllm_omni_ascend_opt.blocks.kernels.verdicts import Verdict
 from vllm_omni_ascend_opt.blocks.kernels.verified import Candidate, KernelPath
@@ -102,7 +101,6 @@ class RmsNormPath(KernelPath):
             bound = rel * ref.abs() + torch.finfo(torch.float32).tiny
             ratio, err = max(ratio, float((e / bound).max())), max(err, float(e.max()))
             same = same and bool(torch.equal(oc, nn.functional.rms_norm(xc, (d,), weight, eps)))
-        _backend.synchronize(x.device if x.device.type != "cpu" else None)
         facts = {"bitwise": same, "errors": {"kernel": err, "over_bound": ratio}, "seconds": time.perf_counter() - t0}
         if not ratio <= 1.0:
             why = (
@@ -115,12 +113,10 @@ class RmsNormPath(KernelPath):
 
     def warm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool | None:
         """Check the class of ``x`` now (``warmup``), as its first real call would: the verdict, or None."""
-        fn = self.function()
-        if fn is None or x.dtype not in KERNEL_DTYPES:
-            return None
-        if self.settled(shape_class(x)) is None:
+        fn = self.function() if x.dtype in KERNEL_DTYPES else None
+        if fn is not None and self.settled(shape_class(x)) is None:
             self._call(fn, x, weight, eps)
-        return self.settled(shape_class(x))
+        return None if fn is None else self.settled(shape_class(x))
 
 
 #: The kernel path of the swapped norms (``qk_norm`` provides it while installed).

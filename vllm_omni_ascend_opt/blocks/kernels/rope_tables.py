@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -18,20 +19,18 @@ from vllm_omni_ascend_opt.blocks.weak_lru import WeakLRU, tensor_bytes
 TABLE_CACHE_SIZE = 32
 
 
+@dataclass(slots=True, eq=False)
 class Tables:
     """cos/sin for one freqs tensor and dtype, built lazily in the forms each path needs; each form is stored whole
     (both tensors at once, once both are built), so a fault while building leaves the entry as it was."""
 
-    __slots__ = ("cos", "dtype", "half_cos", "half_sin", "npu_cos", "npu_sin", "sin_signed")
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self.half_cos: torch.Tensor | None = None  # stock's cos: real(freqs).to(dtype), [S, D/2]
-        self.half_sin: torch.Tensor | None = None
-        self.cos: torch.Tensor | None = None  # [S, 1, D], repeat-interleaved (portable and, as [1,S,1,D], NPU)
-        self.sin_signed: torch.Tensor | None = None  # [S, 1, D]: (-s0, s0, -s1, s1, ...)
-        self.npu_cos: torch.Tensor | None = None  # [1, S, 1, D]
-        self.npu_sin: torch.Tensor | None = None  # [1, S, 1, D]: (s0, s0, s1, s1, ...)
+    dtype: torch.dtype
+    half_cos: torch.Tensor | None = None  # stock's cos: real(freqs).to(dtype), [S, D/2]
+    half_sin: torch.Tensor | None = None
+    cos: torch.Tensor | None = None  # [S, 1, D], repeat-interleaved (portable and, as [1,S,1,D], NPU)
+    sin_signed: torch.Tensor | None = None  # [S, 1, D]: (-s0, s0, -s1, s1, ...)
+    npu_cos: torch.Tensor | None = None  # [1, S, 1, D]
+    npu_sin: torch.Tensor | None = None  # [1, S, 1, D]: (s0, s0, s1, s1, ...)
 
 
 def half_tables(t: Tables, freqs: torch.Tensor, stats: Counter) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -91,14 +91,6 @@ def shape_class(x: torch.Tensor) -> tuple[str, torch.dtype, str, int, int, int]:
     return (str(x.device), x.dtype, "BSND", bucket(b * n), bucket(s), d)
 
 
-class KernelPolicy(Protocol):
-    """The owner's (``rope``) choice: may the NPU kernel be tried, and must it be bitwise equal to stock."""
-
-    use_npu_kernel: bool
-
-    def requires_bitwise(self) -> bool: ...
-
-
 class RotaryPath(KernelPath):
     """Cached tables and the backend choice for one owner: the verified ``npu_rotary_mul``, else the portable math
     (where stock runs ``forward_native``), else stock's own rotary kernel with cached tables."""
@@ -106,9 +98,9 @@ class RotaryPath(KernelPath):
     kernel = "npu_rotary_mul"
     candidates = (Candidate("npu_rotary_mul", "pixel"),)
 
-    def __init__(self, policy: KernelPolicy, stats: Counter, label: str) -> None:
+    def __init__(self, policy: Any, stats: Counter, label: str) -> None:
         super().__init__(label, stats)
-        self.policy = policy
+        self.policy = policy  # rope's: use_npu_kernel, requires_bitwise()
         self.tables = TableCache(stats)
 
     def place(self, key: tuple) -> str:
@@ -126,26 +118,23 @@ class RotaryPath(KernelPath):
         super().clear()
         self.tables.clear()
 
-    def _judge(self, ratio: float, err_k: float, err_s: float, same: bool) -> str:
-        """Why the kernel's errors are unacceptable under the policy ("" when acceptable)."""
+    def _verdict(self, key: tuple, errs: tuple[float, float, float, bool], seconds: float = 0.0) -> Verdict:
+        """The verdict on the kernel's :func:`errors`: why they are unacceptable under the policy, else the evidence."""
+        ratio, err_k, err_s, same = errs
+        facts = {"bitwise": same, "errors": {"kernel": err_k, "stock": err_s, "over_bound": ratio}, "seconds": seconds}
+        why = ""
         if not ratio <= 1.0:
-            return (
+            why = (
                 f"output differs from the fp32 reference by up to {ratio:.3g}x the tolerance "
                 f"({TOLERANCE_EPS_FACTOR:g}*eps*(|x*cos|+|rot(x)*sin|))"
             )
-        if not err_k <= err_s:
-            return f"max error {err_k:.3g} against the fp32 reference exceeds stock's own {err_s:.3g} in this dtype"
-        if self.policy.requires_bitwise() and not same:
-            return (
+        elif not err_k <= err_s:
+            why = f"max error {err_k:.3g} against the fp32 reference exceeds stock's own {err_s:.3g} in this dtype"
+        elif self.policy.requires_bitwise() and not same:
+            why = (
                 f"within tolerance but not bitwise-equal to stock, and {ENV_KERNEL_POLICY}=bitwise keeps rope in the "
                 "exact tier (the default policy 'pixel' accepts it)"
             )
-        return ""
-
-    def _verdict(self, key: tuple, errs: tuple[float, float, float, bool], seconds: float = 0.0) -> Verdict:
-        ratio, err_k, err_s, same = errs
-        facts = {"bitwise": same, "errors": {"kernel": err_k, "stock": err_s, "over_bound": ratio}, "seconds": seconds}
-        why = self._judge(*errs)
         evidence = (
             f"max error {err_k:.3g} vs stock's {err_s:.3g}, {ratio:.3g} of the bound; bitwise equal to stock: "
             f"{'yes' if same else 'no'}"
@@ -187,7 +176,6 @@ class RotaryPath(KernelPath):
         if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
             return self.verdict(key, False, f"wrong output {tuple(out.shape)} {out.dtype} {out.device}")
         errs = errors(x, out, cos, sin_signed)
-        _backend.synchronize(x.device if x.device.type != "cpu" else None)
         return self._verdict(key, errs, time.perf_counter() - t0)
 
     def kernel_for(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
@@ -236,11 +224,9 @@ class RotaryPath(KernelPath):
     def warm(self, x: torch.Tensor, freqs: torch.Tensor) -> bool | None:
         """Check the class of ``x`` now (``warmup``), as its first real call would: the verdict, or None."""
         fn = self.kernel_for(x)
-        if fn is None:
-            return None
-        if self.settled(shape_class(x)) is None:
+        if fn is not None and self.settled(shape_class(x)) is None:
             self._kernel(fn, x, Tables(x.dtype), freqs)
-        return self.settled(shape_class(x))
+        return None if fn is None else self.settled(shape_class(x))
 
 
 #: The rotary service ``rope`` offers while installed (None: rotate with the portable math).

@@ -34,10 +34,14 @@ class Verdict:
     timing: dict[str, Any] | None = None
 
     def describe(self) -> str:
-        if self.ok:
-            t = timing_text(self.timing)
-            return f"{self.kernel} at {self.place}: verified, in use ({self.reason}{'; ' + t if t else ''})"
-        return f"{self.kernel} at {self.place}: refused ({self.reason}); stock for this class"
+        t = self.timing or {}
+        if not self.ok:
+            return f"{self.kernel} at {self.place}: refused ({self.reason}); stock for this class"
+        if t.get("kernel_ms") is None:  # untimed
+            return f"{self.kernel} at {self.place}: verified, in use ({self.reason})"
+        took = f"{t.get('candidate') or 'stock'} {t['kernel_ms']:.4g} ms vs stock {t['stock_ms']:.4g} ms"
+        ratio = f", {t['ratio']:.3g}x" if t.get("ratio") is not None else ""
+        return f"{self.kernel} at {self.place}: verified, in use ({self.reason}; {took}{ratio})"
 
 
 class ProbeDict(Generic[V]):
@@ -68,9 +72,6 @@ class ProbeDict(Generic[V]):
         self.live()[key] = value
         return value
 
-    def drop(self, key: Hashable) -> None:
-        self.live().pop(key, None)
-
     def values(self) -> list[V]:
         return list(self.live().values())
 
@@ -79,13 +80,3 @@ class ProbeDict(Generic[V]):
 
     def __len__(self) -> int:
         return len(self.live())
-
-
-def timing_text(t: dict[str, Any] | None) -> str:
-    """A verdict's timing in words ("" when untimed)."""
-    if not t or t.get("kernel_ms") is None:
-        return ""
-    r = t.get("ratio")
-    return f"{t.get('candidate') or 'stock'} {t['kernel_ms']:.4g} ms vs stock {t['stock_ms']:.4g} ms" + (
-        f", {r:.3g}x" if r is not None else ""
-    )

@@ -190,20 +190,15 @@ class _SourceIndex:
             hit = cls._cache[str(path)] = (key, cls(path.read_text(encoding="utf-8")))
         return hit[1]
 
-    def node(self, qualname: str) -> ast.AST | None:
+    def first_line(self, qualname: str) -> int | None:
         body: list[ast.stmt] = self.tree.body
-        node: ast.AST | None = None
         for part in qualname.split("."):
             defs = [n for n in _statements(body) if isinstance(n, _DEFINITIONS) and n.name == part]
             if not defs:
                 return None
             node = defs[-1]  # the last definition wins, as when the body executes
             body = node.body  # type: ignore[attr-defined]
-        return node
-
-    def first_line(self, qualname: str) -> int | None:
-        node = self.node(qualname)
-        return None if node is None else min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[attr-defined]
+        return min([node.lineno] + [d.lineno for d in node.decorator_list])  # type: ignore[attr-defined]
 
     def fingerprint(self, qualname: str) -> str:
         start = self.first_line(qualname)
