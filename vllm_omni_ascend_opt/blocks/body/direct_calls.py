@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from vllm_omni_ascend_opt.blocks.upstream import fingerprints, forward_scope, targets
 
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
-_FP32 = torch.float32
 
 
 class _Known:
@@ -178,8 +177,6 @@ def layer_norm(x: torch.Tensor, args: tuple[Any, ...]) -> torch.Tensor:
     """The layer norm :func:`layer_norm_args` describes, as its forward computes it."""
     shape, w, b, eps, upcast = args
     dtype = x.dtype
-    # fp32 throughout: the casts there and back return their inputs (no copy, no op on the device), so skip them
-    upcast = upcast and not (dtype is _FP32 and (w is None or w.dtype is _FP32) and (b is None or b.dtype is _FP32))
     with _NO_SUBCLASS():
         if upcast:
             x, w, b = x.float(), w.float() if w is not None else None, b.float() if b is not None else None
