@@ -2,8 +2,8 @@
 parametrised over ``rope`` (``npu_rotary_mul``), ``qk_norm`` (``npu_rms_norm``) and ``fused_attention``
 (``npu_fusion_attention``), each on the tiny bf16 transformer.
 
-* a new backend probe drops every verdict: a refused kernel is checked afresh and used under a good torch_npu;
-  uninstall drops them too;
+* a wrong kernel is refused on its check with the reason logged, the output stays stock's and it is not called again;
+  a new backend probe drops every verdict: it is checked afresh and used under a good torch_npu; uninstall drops them;
 * a kernel wrong only beyond S = 64 passes the first-use check and is refused for the long shape class only, on its
   first call, with the reason logged and tallied; shorter classes keep it; each class is checked once;
 * under torch.compile tracing (the embedder and a block's attention) the path runs stock code and reads, counts,
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.harness.forward import tiny_forward
+from tests.harness.stock import stock_then
 from vllm_omni_ascend_opt import _backend, api, registry
 from vllm_omni_ascend_opt.testbed.pipeline import generate
 
@@ -30,10 +31,14 @@ from vllm_omni_ascend_opt.testbed.pipeline import generate
 class Case:
     spec: str
     kernel: str
-    #: fake variants whose kernel the first-use or class check refuses
-    wrong: dict[str, str]
+    #: the fake_npu keyword of its variants
+    fake: str
     #: the optimization's kernel path
     path: Callable[[Any], Any]
+    #: calls of one tiny forward that ran stock's (or the portable) code
+    stock_calls: Callable[[Any, Any], int]
+    #: where a refusal makes it inactive: "" (stays on, its own code), "model" or "process"
+    off_where: str = "model"
     #: entries in the optimization's own caches (tables, memos)
     cached: Callable[[Any], int] = lambda opt: 0
 
@@ -42,15 +47,31 @@ CASES = {
     "rope": Case(
         "none,+rope",
         "npu_rotary_mul",
-        {"rotary_mul": "half_pairing"},
+        "rotary_mul",
         lambda opt: opt.rotary,
+        lambda opt, tr: opt.stats["portable_calls"],
+        "",
         lambda opt: len(opt.rotary.tables) + len(opt._embed_memo),
     ),
-    "qk_norm": Case("none,+qk_norm", "npu_rms_norm", {"rms_norm": "no_gamma"}, lambda opt: opt.path),
+    "qk_norm": Case(
+        "none,+qk_norm", "npu_rms_norm", "rms_norm", lambda opt: opt.path, lambda opt, tr: opt.stats["stock_calls"]
+    ),
     "fused_attention": Case(
-        "none,+fused_attention", "npu_fusion_attention", {"fusion_attention": "wrong_polarity"}, lambda opt: opt.path
+        "none,+fused_attention",
+        "npu_fusion_attention",
+        "fusion_attention",
+        lambda opt: opt.path,
+        lambda opt, tr: opt.report(tr)["calls"]["sdpa: verification failed"],
+        "process",
     ),
 }
+#: (path, fake variant the first-use or class check refuses, a fragment of its reason, stock calls per tiny forward)
+WRONG = [
+    ("rope", "half_pairing", "wrong pairing", 8),
+    ("qk_norm", "no_gamma", "differs from the fp32", 8),
+    ("fused_attention", "wrong_polarity", "padded mask", 2),
+    ("fused_attention", "ignores_scale", "tol", 2),
+]
 
 
 @pytest.fixture(params=list(CASES))
@@ -76,16 +97,25 @@ def _wrong_beyond(fn: Callable[..., Any], seq: int) -> Callable[..., Any]:
     return wrong
 
 
-def test_a_new_backend_probe_or_uninstall_drops_every_verdict(case, fake_npu, runtime, bf16_transformer):
-    c, opt = case
-    tr = bf16_transformer
-    npu = fake_npu(**c.wrong)
-    api.select(c.spec, model=tr)
-    tiny_forward(runtime, tr)
+@pytest.mark.parametrize(("name", "variant", "fragment", "sites"), WRONG, ids=[f"{w[0]}-{w[1]}" for w in WRONG])
+def test_a_wrong_kernel_is_refused_then_a_new_probe_or_uninstall_drops_every_verdict(
+    name, variant, fragment, sites, fake_npu, runtime, bf16_transformer, caplog
+):
+    c, opt, tr = CASES[name], registry.get(name), bf16_transformer
+    npu = fake_npu(**{c.fake: variant})
+    ref = stock_then(c.spec, tr, lambda: tiny_forward(runtime, tr))
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
+        assert torch.equal(tiny_forward(runtime, tr), ref)  # stock's (or the portable) code ran, bitwise
     path = c.path(opt)
     refused = _verdicts(path)
-    assert refused and not any(v.ok for v in refused)
+    assert refused and not any(v.ok for v in refused) and all(fragment in v.reason for v in refused)
+    assert all(s in caplog.text for s in ("refused", c.kernel, fragment, refused[0].place))
+    assert opt.stats["kernel_calls"] == 0 and c.stock_calls(opt, tr) == sites
+    assert any("refused" in n and fragment in n for n in opt.notes())
+    reasons = opt.reasons_inactive(tr if c.off_where == "model" else None)
+    assert any(c.kernel in r and "refused" in r and fragment in r for r in reasons) if c.off_where else reasons == []
     tried = npu.calls[c.kernel]
+    assert tried > 0 and (name == "fused_attention" or opt.tier() == "exact")
     tiny_forward(runtime, tr)
     assert npu.calls[c.kernel] == tried  # a refused kernel is not called again under this probe
     npu = fake_npu()  # another torch_npu: a new probe
