@@ -8,7 +8,6 @@ module fixture loads the tiny Qwen-Image through vLLM-Omni's own loader with ``d
 from __future__ import annotations
 
 import json
-import logging
 import math
 
 import pytest
@@ -214,31 +213,6 @@ def test_graph_mode_goes_to_sdpa(fake_npu, monkeypatch):
     monkeypatch.setattr(OPT, "_forward", lambda *a: pytest.fail("the optimization's forward ran while tracing"))
     assert torch.equal(impl.forward(q, q, q, None), want)
     assert impl._ascend_opt_calls == {"sdpa: graph mode": 1}
-
-
-def test_tracing_runs_stock_sdpa_without_bookkeeping(fake_npu, bf16_pipe, runtime, monkeypatch, caplog):
-    """Under torch.compile tracing the attached transformer runs stock SDPA bit for bit, and nothing mutable is
-    touched: no call counted, no verdict made, no mask built, no forward generation started, nothing logged."""
-    fake = fake_npu()
-    tr = bf16_pipe.transformer
-    with monkeypatch.context() as m:
-        m.setattr(torch.compiler, "is_compiling", lambda: True)
-        ref = run_transformer(tr, runtime, masked=True, seed=6)
-    OPT.attach(tr)
-    run_transformer(tr, runtime, masked=True)  # outside tracing: verification, a shape class, a mask generation
-    state = lambda: (dict(OPT.stats), OPT.report(tr)["calls"], OPT._forward_gen, len(OPT.shape_verdicts()))  # noqa: E731
-    before, kernel_calls = state(), fake.calls["npu_fusion_attention"]
-    OPT.path.clear()
-    caplog.clear()  # what the untraced run logged
-    with monkeypatch.context() as m, caplog.at_level(logging.DEBUG, logger="vllm_omni_ascend_opt"):
-        m.setattr(torch.compiler, "is_compiling", lambda: True)
-        got = run_transformer(tr, runtime, masked=True, seed=6)
-    after = state()
-    OPT.detach(tr)
-    assert torch.equal(got, ref)
-    assert after[:3] == before[:3] and fake.calls["npu_fusion_attention"] == kernel_calls
-    assert OPT.verdicts() == {} and OPT.shape_verdicts() == [] and caplog.records == []
-    assert before[1] == {"fused": 2} and before[2] > 0 and before[3] == 1  # what it would have touched
 
 
 # ----- sequence parallelism: after Ulysses' pre-attention; ring and foreign backends are skipped ----------------------

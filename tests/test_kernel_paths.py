@@ -39,8 +39,8 @@ class Case:
     stock_calls: Callable[[Any, Any], int]
     #: where a refusal makes it inactive: "" (stays on, its own code), "model" or "process"
     off_where: str = "model"
-    #: entries in the optimization's own caches (tables, memos)
-    cached: Callable[[Any], int] = lambda opt: 0
+    #: the optimization's own mutable state (tables, memos, masks, forward generations, per-model calls)
+    state: Callable[[Any, Any], Any] = lambda opt, tr: ()
 
 
 CASES = {
@@ -51,7 +51,7 @@ CASES = {
         lambda opt: opt.rotary,
         lambda opt, tr: opt.stats["portable_calls"],
         "",
-        lambda opt: len(opt.rotary.tables) + len(opt._embed_memo),
+        lambda opt, tr: (len(opt.rotary.tables), len(opt._embed_memo)),
     ),
     "qk_norm": Case(
         "none,+qk_norm", "npu_rms_norm", "rms_norm", lambda opt: opt.path, lambda opt, tr: opt.stats["stock_calls"]
@@ -63,6 +63,7 @@ CASES = {
         lambda opt: opt.path,
         lambda opt, tr: opt.report(tr)["calls"]["sdpa: verification failed"],
         "process",
+        lambda opt, tr: (len(opt._mask_cache), opt._forward_gen, opt.report(tr)["calls"]),
     ),
 }
 #: (path, fake variant the first-use or class check refuses, a fragment of its reason, stock calls per tiny forward)
@@ -157,10 +158,8 @@ def test_the_shape_class_check_refuses_a_kernel_wrong_only_at_long_sequences(
     assert opt.stats["shape_checks"] == checks and npu.calls[c.kernel] > calls  # checked once, the rest kept
 
 
-def test_traced_code_is_stock_and_counts_nothing(case, fake_npu, runtime, bf16_transformer, caplog):
-    """Under torch.compile (the embedder, and a block's attention as vLLM-Omni's regional compile traces it),
-    fullgraph tracing succeeds, the graph holds stock code (equal results), and no kernel call, counter, verdict,
-    fallback, cache entry or log line appears."""
+def test_traced_code_is_stock_and_counts_nothing(case, fake_npu, runtime, bf16_transformer, caplog, monkeypatch):
+    """Under torch.compile (the embedder, a block's attention, a whole forward) the graph holds stock code."""
     c, opt = case
     npu = fake_npu()
     tr = bf16_transformer
@@ -173,24 +172,31 @@ def test_traced_code_is_stock_and_counts_nothing(case, fake_npu, runtime, bf16_t
     with runtime.context(), torch.no_grad():
         vid, txt = tr.pos_embed([(1, 4, 4)], [7], device=cpu)
         want = attn(hs, ehs, vid, txt)
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)  # a whole (padded) forward as dynamo traces it
+        full = tiny_forward(runtime, tr, batch=2, pad=True)
     api.select(c.spec, model=tr)
     opt.reset_stats()
+    state = c.state(opt, tr)
     caplog.clear()
     torch._dynamo.reset()
     try:
         with runtime.context(), torch.no_grad(), caplog.at_level(logging.DEBUG, logger="vllm_omni_ascend_opt"):
             emb = torch.compile(tr.pos_embed, backend="eager", fullgraph=True)([(1, 4, 4)], [7], cpu)
             got = torch.compile(attn, backend="eager", fullgraph=True)(hs, ehs, vid, txt)
+            with monkeypatch.context() as m:
+                m.setattr(torch.compiler, "is_compiling", lambda: True)
+                assert torch.equal(tiny_forward(runtime, tr, batch=2, pad=True), full)
     finally:
         torch._dynamo.reset()
     assert torch.equal(emb[0], vid) and torch.equal(emb[1], txt)
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     assert npu.calls[c.kernel] == 0 and not opt.stats and _verdicts(c.path(opt)) == []
-    assert opt.fallback_reasons() == {} and c.cached(opt) == 0
+    assert opt.fallback_reasons() == {} and c.state(opt, tr) == state
     assert not caplog.records
     with runtime.context(), torch.no_grad():
         attn(hs, ehs, vid, txt)  # eager again: the path acts (it was in place while tracing)
-    assert npu.calls[c.kernel] > 0
+    assert npu.calls[c.kernel] > 0 and opt.stats
 
 
 @pytest.mark.parametrize(("name", "nothing"), [("fused_attention", {"swapped": 0}), ("nz_weights", {"cast": []})])
