@@ -1,8 +1,6 @@
-"""The torch_npu fake against the pinned torch-npu 2.13.0 wheel, read (never installed): every fake op's signature
-equals its codegen schema (names, order, keyword-only, defaults, output arity), its outputs' shapes and dtypes equal
-the wheel's meta functions', and ``torch.npu.config`` is write-only like the real one. Skips with the reason when the
-wheel cannot be fetched (``tests/fake_torch_npu/reference.py``).
-"""
+"""The torch_npu fake against the pinned torch-npu wheel, read, never installed (``fake_torch_npu/reference.py``):
+signatures equal the codegen schemas, output shapes and dtypes the meta functions', ``torch.npu.config`` is
+write-only like the real one. Skips with the reason when the wheel cannot be fetched."""
 
 from __future__ import annotations
 
@@ -125,8 +123,7 @@ def test_fake_outputs_match_the_real_meta_functions(wheel, fake_npu, kernel, cas
     fake = fake_npu()
     got = getattr(fake, kernel)(*args, **kwargs)
     meta = reference.meta_functions()[kernel]
-    # The dispatcher hands a Python meta kernel the schema's positional arguments by position (the meta functions
-    # name them differently, e.g. npu_rotary_mul_meta(embedding, cosine, sine, mode)) and keyword-only ones by name.
+    # The dispatcher passes positional arguments by position (the meta functions name them differently), kw-only by name
     bound = inspect.signature(getattr(fake, kernel)).bind(*args, **kwargs)
     bound.apply_defaults()
     params = inspect.signature(getattr(fake, kernel)).parameters
@@ -171,17 +168,12 @@ def test_fake_config_behaves_like_the_real_npuconfig(wheel):
     assert fake_trace == real_trace
     assert ("read", "AttributeError") in real_trace  # the finding: the attribute is write-only
     assert stubs._get_option("ALLOW_INTERNAL_FORMAT") == fake._C._npu_getOption("ALLOW_INTERNAL_FORMAT") == b"disable"
-
-
-def test_reading_the_real_config_gives_nothing_which_is_why_nz_weights_must_not_read_it(wheel):
-    real, _ = reference.real_npu_config()
-    real.allow_internal_format = True
+    real.allow_internal_format = True  # reading it back gives nothing: why nz_weights must not read it
     assert getattr(real, "allow_internal_format", None) is None
 
 
 def test_timing_plan_prices_quant_matmul_by_the_schema_weight_argument(wheel, fake_npu):
-    """The timing plan reads ``npu_quant_matmul``'s weight where the real schema has it (``x2``, second positional):
-    default ND 1 ms, NZ 0.5 ms; ``by_weight_format`` sets both, positional or keyword."""
+    """The weight is the schema's ``x2`` (2nd positional): ND 1 ms, NZ 0.5 ms; ``by_weight_format`` sets both."""
     arg = reference.schemas()["npu_quant_matmul"].args[1]
     assert (arg.name, arg.kw_only) == ("x2", False)
     npu = fake_npu(timed=True)
@@ -201,8 +193,7 @@ def test_timing_plan_prices_quant_matmul_by_the_schema_weight_argument(wheel, fa
 
 
 def test_fake_rms_norm_computes_the_documented_result_and_enforces_its_constraints(fake_npu):
-    """[OP-RMS]: y = x * rsqrt(mean(x^2) + eps) * gamma (fp32 inside, one rounding), rstd float32; dtypes
-    fp16/bf16/fp32 with gamma of self's dtype; self 2-8 dims; gamma the trailing dims of self."""
+    """[OP-RMS]: y = x * rsqrt(mean(x^2) + eps) * gamma (fp32 inside, one rounding), rstd fp32, and the limits."""
     fake = fake_npu()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 5, 3, 8, generator=g).bfloat16()

@@ -1,10 +1,6 @@
-"""A fault costs one kernel call, never a request: fault injection through the torch_npu fake (``FaultPlan``).
-
-For a kernel inside its check, in use after the check, table building, and a check that does not fit in free device
-memory, the guard's contract (``blocks/kernels/guard.py``): the forward completes with stock's result for the faulted
-call; the next forward is as without the fault (the kernel back after its backoff, every verdict a pass, no partial
-cache entry); status names the fault while it waits.
-"""
+"""A fault costs one kernel call, never a request (``blocks/kernels/guard.py``), injected through the fake's FaultPlan:
+the forward completes with stock's result for the faulted call, status names the fault while it waits, and the next
+forward is as without it (the kernel back, every verdict a pass, no partial cache entry)."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ from vllm_omni_ascend_opt.opts import rope
 
 @pytest.fixture(autouse=True)
 def _no_saved_verdicts(monkeypatch):
-    """Each test checks afresh after a new probe (saved verdicts would skip the checks the faults aim at)."""
-    monkeypatch.setenv(saved.ENV_VERDICT_CACHE, "off")
+    monkeypatch.setenv(saved.ENV_VERDICT_CACHE, "off")  # saved verdicts would skip the checks the faults aim at
 
 
 # (optimization, spec, kernel, call to fault, kind, is the kernel bitwise stock on the fake in bf16)
@@ -75,7 +70,6 @@ def test_a_fault_costs_one_call_and_the_next_forward_is_as_without_it(fake_npu, 
 
 
 def test_a_fault_while_building_tables_leaves_no_partial_entry(fake_npu, monkeypatch):
-    """An out-of-memory error while building the tables leaves neither cos nor sin_signed stored."""
     npu = fake_npu()
     monkeypatch.setattr(rope_tables, "torch", npu.faults.proxy(torch, "stack"))
     npu.faults.inject("stack", at=1, kind="oom")
@@ -83,14 +77,13 @@ def test_a_fault_while_building_tables_leaves_no_partial_entry(fake_npu, monkeyp
     t = rope_tables.Tables(torch.float32)
     with pytest.raises(RuntimeError, match="out of memory"):
         rope_tables.portable_tables(t, freqs, __import__("collections").Counter())
-    assert t.cos is None and t.sin_signed is None  # as it was
+    assert t.cos is None and t.sin_signed is None  # neither half stored
     cos, sin_signed = rope_tables.portable_tables(t, freqs, __import__("collections").Counter())
     assert cos is t.cos and sin_signed is t.sin_signed and sin_signed is not None
 
 
 def test_a_table_fault_on_the_kernel_path_costs_one_call(fake_npu, runtime, bf16_transformer, monkeypatch):
-    """The same fault inside the guarded kernel call: that rotation runs the portable path (stock's values), the
-    forward completes, and the next forward uses the kernel with whole tables."""
+    """Inside the guarded kernel call: that rotation runs the portable path; next forward: the kernel, whole tables."""
     fake_npu()
     api.select("none,+rope", model=bf16_transformer)
     clean = tiny_forward(runtime, bf16_transformer)
@@ -111,8 +104,7 @@ def test_a_table_fault_on_the_kernel_path_costs_one_call(fake_npu, runtime, bf16
 
 
 def test_a_check_that_does_not_fit_in_free_memory_is_deferred_not_failed(fake_npu, runtime, bf16_transformer):
-    """Before a class check runs, its fp32 scratch is compared with the device's free memory: it does not fit, so
-    the call runs stock and the check is deferred (no verdict, not an error); once memory is free it runs."""
+    """A check whose fp32 scratch exceeds the free memory runs stock, deferred (no verdict, no error) till it fits."""
     npu = fake_npu()
     stock = stock_then("none,+qk_norm", bf16_transformer, lambda: tiny_forward(runtime, bf16_transformer))
     npu.memory["free"] = 1024

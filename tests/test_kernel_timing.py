@@ -1,19 +1,28 @@
-"""Verified faster, not only correct (``blocks/kernels/timing.py``): each kernel is timed against stock on the first
-call of its shape class, on the fake's deterministic device clock (``tests/fake_torch_npu/timing.py``), and kept only
-where it wins by the margin; the timings are saved with the verdict, agreed across ranks and shown in status."""
+"""Verified faster (``blocks/kernels/timing.py``): each kernel is timed against stock per shape class on the fake's
+device clock and kept only where it wins by the margin; timings are saved, agreed across ranks and shown in status."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing
 import os
+import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from vllm_omni_ascend_opt.blocks.kernels import saved, timing
+from tests.fake_torch_npu import build
+from tests.harness.forward import tiny_forward
+from vllm_omni_ascend_opt import _backend, _report, api, cli
+from vllm_omni_ascend_opt.blocks.kernels import agree, saved, timing
+from vllm_omni_ascend_opt.blocks.upstream import forward_scope
 from vllm_omni_ascend_opt.opts import fused_attention, qk_norm
+from vllm_omni_ascend_opt.opts import nz_weights as nz
+from vllm_omni_ascend_opt.testbed import blockops
+from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
+from vllm_omni_ascend_opt.testbed.runtime import free_port
 
 BF16 = torch.bfloat16
 
@@ -135,8 +144,7 @@ def test_a_format_1_file_still_reads(fake_npu):
 
 
 def test_ranks_agree_on_the_candidate_by_one_rule():
-    """Every rank computes the choice from the same gathered timings: passed and faster than its own stock on every
-    rank, least worst-case ms, ties by candidate order."""
+    """Passed and faster than its own stock on every rank, least worst-case ms, ties by candidate order."""
     order = ["a", "b", "c"]
     r0 = {"candidates": {"a": 0.8, "b": 0.5, "c": 0.4}, "stock_ms": 1.0}
     r1 = {"candidates": {"a": 0.7, "b": 0.6, "c": None}, "stock_ms": 1.0}
@@ -158,20 +166,11 @@ def _rank(rank: int, port: int, out: str) -> None:
         with open(os.path.join(out, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
-    # Done and the group destroyed: leave without the interpreter's teardown, where gloo's threads can still abort
-    # the process ("terminate called without an active exception") after everything checked has been written.
+    # Skip the interpreter's teardown: gloo's threads can abort the process there after everything was written.
     os._exit(0)
 
 
 def _run_rank(rank: int, port: int, out: str) -> None:
-    import sys
-
-    import torch.distributed as dist
-
-    from tests.fake_torch_npu import build
-    from vllm_omni_ascend_opt import _backend
-    from vllm_omni_ascend_opt.blocks.upstream import forward_scope
-
     os.environ[saved.ENV_VERDICT_CACHE] = os.path.join(out, f"cache{rank}")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     npu = build()
@@ -203,8 +202,6 @@ def _run_rank(rank: int, port: int, out: str) -> None:
 
 
 def test_two_ranks_where_one_measures_the_kernel_slower_both_run_stock(tmp_path):
-    from vllm_omni_ascend_opt.testbed.runtime import free_port
-
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path))) for r in (0, 1)]
@@ -226,8 +223,6 @@ def test_two_ranks_where_one_measures_the_kernel_slower_both_run_stock(tmp_path)
 
 def test_warmup_prints_stock_each_candidate_and_the_choice(fake_npu, monkeypatch, capsys):
     import vllm_omni.diffusion.attention.backends.sdpa  # noqa: F401  (before the fake: accelerate probes torch_npu)
-
-    from vllm_omni_ascend_opt import cli
 
     npu = fake_npu(timed=True)
     monkeypatch.setattr(torch, "npu", torch.npu, raising=False)
@@ -260,9 +255,6 @@ def test_warmup_prints_stock_each_candidate_and_the_choice(fake_npu, monkeypatch
 
 def test_the_status_file_shows_the_candidate_in_use_and_its_ratio(fake_npu, runtime, bf16_transformer, tmp_path,
                                                                   monkeypatch):  # fmt: skip
-    from tests.harness.forward import tiny_forward
-    from vllm_omni_ascend_opt import _report, api
-
     monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STATUS_FILE", str(tmp_path / "status.json"))
     npu = fake_npu(timed=True)
     npu.timing.set("npu_rotary_mul", 2.0)  # rope: slower everywhere; qk_norm and attention: the default 0.5 ms
@@ -280,8 +272,6 @@ def test_the_status_file_shows_the_candidate_in_use_and_its_ratio(fake_npu, runt
 
 def test_launches_per_block_are_unchanged_where_every_kernel_wins(runtime, fake_npu):
     """NPU bf16 through the fake, warm, with timing on and every kernel faster: default 40, fast tier 28."""
-    from vllm_omni_ascend_opt.testbed import blockops
-
     npu = fake_npu(timed=True)
     default = blockops.ops_per_block(runtime, "default")
     fast = blockops.ops_per_block(runtime, "default,+fast_modulate,+fast_residual")
@@ -291,12 +281,7 @@ def test_launches_per_block_are_unchanged_where_every_kernel_wins(runtime, fake_
 
 @pytest.mark.parametrize("nz_ms", [0.8, 1.0])
 def test_nz_weights_are_cast_only_where_the_nz_gemm_is_faster(fake_npu, runtime, nz_ms):
-    """Per weight shape, ND's GEMM then NZ's at production rows (plain GEMMs: the fake prices them as ``stock``, ND's
-    5 timed calls 1 ms, NZ's ``nz_ms``); not faster by the margin: SKIP_SLOWER, the weight stays ND."""
-    from vllm_omni_ascend_opt import api
-    from vllm_omni_ascend_opt.opts import nz_weights as nz
-    from vllm_omni_ascend_opt.testbed.pipeline import load_pipeline
-
+    """Per weight shape ND's GEMM vs NZ's (the fake prices plain GEMMs as ``stock``); not faster: SKIP_SLOWER, ND."""
     pipe = load_pipeline(runtime, dtype=BF16)
     npu = fake_npu(timed=True)
     region = iter(range(10**6))
@@ -318,12 +303,8 @@ def test_nz_weights_are_cast_only_where_the_nz_gemm_is_faster(fake_npu, runtime,
 
 
 def test_ranks_agree_on_one_candidate_at_the_forward_end(fake_npu, monkeypatch):
-    """Two ranks (the exchange stubbed in-process): here the infer kernel is fastest, the peer found it slower than
-    stock; both then run the candidate :func:`timing.agreed` picks from both timings (here BNSD), saved as agreed."""
-    import torch.distributed as dist
+    """Two ranks stubbed in-process: the peer found the fastest (infer) kernel slower; both run agreed's pick (BNSD)."""
     import vllm_omni.diffusion.attention.backends.sdpa  # noqa: F401  (before the fake: accelerate probes torch_npu)
-
-    from vllm_omni_ascend_opt.blocks.kernels import agree
 
     npu = fake_npu(timed=True)
     npu.timing.set("npu_fusion_attention", lambda *a, input_layout="BSH", **k: 0.8 if input_layout == "BSND" else 0.6)

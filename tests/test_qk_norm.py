@@ -1,10 +1,6 @@
 """`qk_norm`: the four QK RMSNorms per block through ``torch_npu.npu_rms_norm``, verified per shape class.
 
-NPU paths run through the semantic torch_npu fake (tests/fake_torch_npu/norms.py: the documented result, fp32 inside
-and one rounding, so on these inputs it is bitwise stock - the call log and the counters show the kernel ran).
-Wrong kernels (ignoring gamma, raising, wrong for one shape class only) must be refused per shape class, with the
-reason logged, and leave the output stock's.
-"""
+The fake's kernel (fp32 inside, one rounding) is bitwise stock on these inputs: call logs and counters show it ran."""
 
 from __future__ import annotations
 
@@ -71,20 +67,18 @@ def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, runti
         assert ja.OPT.stats["kernel_norm_calls"] == ja.OPT.stats["joint_calls"] > 0  # the per-stream kernel order
 
 
-def test_bf16_transformer_identical_through_the_fake(fake_npu, runtime, bf16_transformer):
+def test_bf16_transformer_identical_and_with_fused_attention_the_value_reaches_it_contiguous(
+    fake_npu, runtime, bf16_transformer
+):
     npu = fake_npu()
-    api.select("none", model=bf16_transformer)
-    ref = tiny_forward(runtime, bf16_transformer)
-    api.select("none,+joint_attention,+qk_norm", model=bf16_transformer)
+    ref = stock_then(
+        "none,+joint_attention,+qk_norm", bf16_transformer, lambda: tiny_forward(runtime, bf16_transformer)
+    )
     got = tiny_forward(runtime, bf16_transformer)
     assert npu.calls["npu_rms_norm"] == 4 * len(bf16_transformer.transformer_blocks)  # 2 streams x (q, k)
     assert ja.OPT.stats["kernel_norm_calls"] == len(bf16_transformer.transformer_blocks)
     assert torch.equal(got, ref)
-
-
-def test_with_fused_attention_the_value_reaches_the_kernel_contiguous(fake_npu, runtime, bf16_transformer):
-    """(a) in the qk_norm docstring: v is joined by a cat, so npu_fusion_attention needs no copy of it."""
-    fake_npu()
+    # (a) in the qk_norm docstring: v is joined by a cat, so npu_fusion_attention needs no copy of it
     api.select("none,+joint_attention,+qk_norm,+fused_attention", model=bf16_transformer)
     tiny_forward(runtime, bf16_transformer)  # verification outside the count
     with count_module_calls(bf16_transformer.transformer_blocks[-1]) as calls:
@@ -95,8 +89,7 @@ def test_with_fused_attention_the_value_reaches_the_kernel_contiguous(fake_npu, 
 
 
 def test_ops_per_block_joint_and_per_stream(fake_npu, tiny_pipe, runtime):
-    """The documented counts: 40 launches per block with joint_attention (one kernel per stream + one cat per q/k),
-    42 without it (stock's order: four kernels, three cats, four rotary calls)."""
+    """40 launches per block with joint_attention (a kernel per stream, a cat per q/k), 42 in stock's order."""
     fake_npu()
     joint, _ = warm_block(tiny_pipe, runtime, "default", steps=1, seed=3)
     separate, _ = warm_block(tiny_pipe, runtime, "default,-joint_attention", steps=1, seed=3)
@@ -107,15 +100,12 @@ def test_ops_per_block_joint_and_per_stream(fake_npu, tiny_pipe, runtime):
 
 # ----- refusals: per shape class, with the reason logged, output stock's ----------------------------------------------
 def test_a_raising_kernel_is_a_fault_retried_then_demoted(fake_npu, tiny_pipe, runtime, caplog, monkeypatch):
-    """A RuntimeError is an error of the moment, not a verdict: each call runs stock (the images are stock's), the
-    class is retried after its backoff and demoted after MAX_ERRORS errors in a row, with a reason."""
+    """A RuntimeError is no verdict: stock runs, the class is retried, then demoted after MAX_ERRORS, with a reason."""
     npu = fake_npu(rms_norm="raises")
-    api.select("none", model=tiny_pipe)
-    ref = generate(tiny_pipe, runtime, steps=2, seed=4).images
-    api.select("none,+joint_attention,+qk_norm", model=tiny_pipe)
+    ref = stock_then("none,+joint_attention,+qk_norm", tiny_pipe, lambda: generate(tiny_pipe, runtime, steps=2, seed=4))
     with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
-        got = generate(tiny_pipe, runtime, steps=2, seed=4).images
-    assert torch.equal(got, ref) and OPT.verdicts() == [] and OPT.stats["kernel_calls"] == 0
+        got = generate(tiny_pipe, runtime, steps=2, seed=4)
+    assert torch.equal(got.images, ref.images) and OPT.verdicts() == [] and OPT.stats["kernel_calls"] == 0
     faults = OPT.path.guard.faults()
     assert faults and all(f.kind == "runtime error" and not f.demoted for f in faults)
     assert "EZ9999" in caplog.text and any("runtime error" in n for n in OPT.notes())
@@ -134,9 +124,7 @@ def test_a_raising_kernel_is_a_fault_retried_then_demoted(fake_npu, tiny_pipe, r
 
 
 def test_refusal_is_per_shape_class(fake_npu, runtime, tiny_pipe, caplog):
-    """Same image size (2x2 patches: 4 tokens x 4 heads = 16 rows), 7- vs 9-token text: the text rows fall in
-    different shape classes (28 rows -> bucket 32, 36 -> 64); a kernel wrong only for the 9-token class is refused
-    there and kept for the others."""
+    """2x2 patches (16 rows), 7- vs 9-token text (28 rows -> 32, 36 -> 64): wrong for 9 only, refused there."""
     npu = fake_npu()
     good = npu.npu_rms_norm
 
@@ -146,9 +134,9 @@ def test_refusal_is_per_shape_class(fake_npu, runtime, tiny_pipe, caplog):
 
     npu.npu_rms_norm = wrong_for_nine_tokens
     t = tiny_pipe.transformer
-    api.select("none", model=t)
-    refs = [tiny_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
-    api.select("none,+joint_attention,+qk_norm", model=t)
+    refs = stock_then(
+        "none,+joint_attention,+qk_norm", t, lambda: [tiny_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
+    )
     with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
         got = [tiny_forward(runtime, t, txt=n, hw=(2, 2)) for n in (7, 9, 7)]
     assert all(torch.equal(a, b) for a, b in zip(refs, got, strict=True))

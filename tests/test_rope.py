@@ -1,8 +1,6 @@
 """`rope`: cos/sin table reuse (bitwise-exact on CPU) and the verified npu_rotary_mul path (through the fake).
 
-Real vLLM-Omni 0.30 classes on CPU. Op counts use the project's counter (views excluded); the fake's kernel is one
-``torch.library`` op, so it counts as the single launch it is on the device.
-"""
+Op counts use the project's counter (views excluded); the fake's kernel is one ``torch.library`` op: one launch."""
 
 from __future__ import annotations
 
@@ -74,16 +72,6 @@ def test_install_and_uninstall_restore_by_identity(tiny_pipe):
     api.select("none", model=tiny_pipe)
     assert mod._qwen_image_qk_norm_rope is orig_fn
     assert mod.QwenEmbedRope.forward is orig_fwd and mod.QwenEmbedLayer3DRope.forward is orig_fwd3d
-
-
-def test_list_on_cpu_shows_active_and_why_no_npu_kernel():
-    api.select("default")
-    row = next(r for r in api.status() if r["name"] == "rope")
-    assert row["active"] and row["reasons_inactive"] == []
-    assert row["tier"] == "exact" and row["equivalence"] == "pixel"  # portable path here; pixel with the kernel
-    notes = " ".join(row["notes"])
-    assert "npu_rotary_mul not in use" in notes and "torch_npu" in notes
-    assert all(v == "supported" for v in row["parallel_support"].values())
 
 
 # ----- bitwise equality with stock (portable path) --------------------------------------------------------------------
@@ -237,8 +225,13 @@ def test_table_key_separates_sp_shards_paddings_versions_and_text_lengths():
     assert cache.get(r0, torch.bfloat16) is not t0  # per dtype
     full.mul_(1)  # in-place write: version bump, never a stale table
     assert cache.get(r0, torch.float32) is not t0
+    with torch.inference_mode():  # no version counters: keyed by identity
+        a = torch.polar(torch.ones(6, 4), torch.rand(6, 4))
+        b = a.clone()
+        assert cache.get(a, torch.float32) is cache.get(a, torch.float32)
+        assert cache.get(b, torch.float32) is not cache.get(a, torch.float32)
     n = len(cache)
-    del full, r0, r1, padded, t0, t1, tp
+    del full, r0, r1, padded, t0, t1, tp, a, b
     assert len(cache) < n  # entries die with their freqs
     # text freqs are slices of one pos_freqs: 7 and 9 tokens share base, offset and stride; only the shape differs
     pos = torch.polar(torch.ones(32, 4), torch.rand(32, 4))
@@ -247,8 +240,7 @@ def test_table_key_separates_sp_shards_paddings_versions_and_text_lengths():
 
 
 def test_text_lengths_7_9_7_at_one_image_size_bitwise(runtime, tiny_pipe):
-    """Prompts of 7, 9, then 7 tokens at a fixed image size: each forward equals stock (the text tables of one
-    length are never served for another), and the repeated 7-token shape reuses its tables."""
+    """Each forward equals stock (no length gets another's text tables); the repeated 7-token shape reuses them."""
     t = tiny_pipe.transformer
     lengths = (7, 9, 7)
     want = stock_then("none,+rope", tiny_pipe, lambda: [tiny_forward(runtime, t, txt=n, hw=(4, 4)) for n in lengths])
@@ -258,18 +250,8 @@ def test_text_lengths_7_9_7_at_one_image_size_bitwise(runtime, tiny_pipe):
     assert OPT.stats["table_hits"] > 0
 
 
-def test_inference_mode_tensors_are_keyed_by_identity():
-    cache = rope_tables.TableCache(Counter())
-    with torch.inference_mode():
-        a = torch.polar(torch.ones(6, 4), torch.rand(6, 4))
-        b = a.clone()
-        assert cache.get(a, torch.float32) is cache.get(a, torch.float32)
-        assert cache.get(b, torch.float32) is not cache.get(a, torch.float32)
-
-
 def test_table_cache_is_an_lru_of_32_entries():
-    """The documented policy: at most 32 tables; a hit moves its entry to the most recent end; a new entry beyond the
-    cap evicts the least recently used one (entries die with their freqs: see the SP-shards test)."""
+    """At most 32 tables; a hit makes its entry the most recent; a new one beyond the cap evicts the oldest."""
     stats = Counter()
     cache = rope_tables.TableCache(stats)
     freqs = [torch.polar(torch.ones(2, 2), torch.full((2, 2), float(i))) for i in range(34)]
@@ -286,8 +268,7 @@ def test_table_cache_is_an_lru_of_32_entries():
 
 
 def test_embed_memo_is_an_lru_of_8_results_per_module():
-    """The documented policy: at most 8 results per embedder module; a hit moves to the most recent end; a 9th
-    result evicts the least recently used; another module's results do not count against this module's cap."""
+    """At most 8 results per embedder module (another module's do not count); a hit is the most recent; LRU eviction."""
     mod = sys.modules[_targets.TRANSFORMER]
     api.select("none,+rope")
     emb, other = (mod.QwenEmbedRope(theta=10000, axes_dim=list(TINY.axes_dims_rope), scale_rope=True) for _ in range(2))
@@ -388,8 +369,7 @@ def test_bad_kernels_stay_off_with_reason(runtime, tiny_pipe, fake_npu, variant,
 def test_low_precision_is_within_bf16_bound_accepted_by_pixel_refused_by_bitwise(
     runtime, bf16_transformer, fake_npu, monkeypatch
 ):
-    """The bound scales with the dtype: fp16-inside is within bf16's bound and no worse than stock's own bf16 error,
-    so the default ``pixel`` policy takes it; ``bitwise`` refuses any kernel that is not bitwise-equal to stock."""
+    """fp16-inside is within bf16's bound, no worse than stock: ``pixel`` (default) takes it, ``bitwise`` does not."""
     assert OPT.require_bitwise_kernel is None and not OPT.requires_bitwise()  # the shipped default: pixel
     fake_npu(rotary_mul="low_precision")
     ref = stock_then("none,+rope", None, lambda: tiny_forward(runtime, bf16_transformer))
@@ -406,9 +386,14 @@ def test_low_precision_is_within_bf16_bound_accepted_by_pixel_refused_by_bitwise
 
 
 def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_transformer, fake_npu, capsys):
-    """In bf16 through the fake the default stack runs npu_rotary_mul and ``list`` / status() report rope as
-    ``pixel``; on CPU without torch_npu it is ``exact``."""
+    """Without torch_npu rope is active, ``exact``, says why; in bf16 via the fake it runs the kernel: ``pixel``."""
     assert OPT.tier() == "exact"  # no torch_npu here: portable path
+    api.select("default")
+    row = next(r for r in api.status() if r["name"] == "rope")
+    assert row["active"] and row["reasons_inactive"] == []
+    assert row["tier"] == "exact" and row["equivalence"] == "pixel"  # portable path here; pixel with the kernel
+    assert "npu_rotary_mul not in use" in " ".join(row["notes"]) and "torch_npu" in " ".join(row["notes"])
+    assert all(v == "supported" for v in row["parallel_support"].values())
     npu = fake_npu()
     api.select("default")
     assert OPT.tier() == "pixel"
@@ -443,7 +428,7 @@ def test_shape_check_reference_is_chunked(monkeypatch):
 
 
 def test_bitwise_kernel_is_used_by_default_in_bf16(runtime, bf16_transformer, fake_npu):
-    """A kernel that rounds like stock's small ops (the "small_ops" double) passes the exact default in bf16."""
+    """A kernel that rounds like stock's small ops (the "small_ops" double) is used in bf16, bitwise."""
     npu = fake_npu(rotary_mul="small_ops")
     ref = stock_then("none,+rope", None, lambda: tiny_forward(runtime, bf16_transformer))
     got = tiny_forward(runtime, bf16_transformer)
@@ -503,13 +488,9 @@ def test_fake_computes_the_documented_result(mode):
     assert torch.equal(ob, _doc_formula(xb.float(), r1.bfloat16().float(), r2.bfloat16().float(), mode).bfloat16())
     wrong = fake_rotary.npu_rotary_mul_half_pairing(x, r1, r2, rotary_mode="interleave")
     assert not torch.allclose(wrong, _doc_formula(x, r1, r2, "interleave"))
-
-
-def test_fake_kernel_counts_as_one_launch():
-    x, r = torch.randn(1, 4, 2, 8), torch.rand(1, 4, 1, 8)
     with OpCounter() as c:
-        fake_rotary.npu_rotary_mul(x, r, r, rotary_mode="interleave")
-    assert c.total == 1
+        fake_rotary.npu_rotary_mul(x, r1, r2, rotary_mode=mode)
+    assert c.total == 1  # one launch
 
 
 def _ok(shape_x, shape_r, mode="interleave", dtype=torch.float32):

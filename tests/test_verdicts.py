@@ -1,7 +1,5 @@
-"""Kernel verdicts: the one store rule (``ProbeDict``: a verdict lives as long as the backend probe it was made
-under; ``clear()`` drops it too), the store of a kernel path (``VerdictStore``: the disk asked once per class and
-probe, a peer's refusal), the guard's backoff, saved verdicts and warm-up.
-"""
+"""Kernel verdicts: ``ProbeDict`` (a verdict lives as long as its backend probe), ``VerdictStore`` (the disk asked
+once per class and probe, a peer's refusal), the guard's backoff, saved verdicts and warm-up."""
 
 from __future__ import annotations
 
@@ -46,8 +44,7 @@ def test_get_put_values_and_clear():
 
 
 def test_a_new_probe_drops_every_entry_and_says_so(fake_npu):
-    """A new probe (a re-probe, or another torch_npu module: what tests do all the time) drops every entry, on every
-    access path, and runs the store's hook once."""
+    """A new probe (a re-probe, another torch_npu) drops every entry on every access path; the hook runs once."""
     fake_npu()
     seen = []
     d: ProbeDict[str] = ProbeDict(lambda: seen.append(1))
@@ -64,7 +61,7 @@ def test_a_new_probe_drops_every_entry_and_says_so(fake_npu):
 
 
 def test_a_class_is_asked_of_the_disk_once_per_probe(fake_npu, monkeypatch):
-    """A class with no saved verdict (one in fault backoff, looked up on every call) asks the disk once per probe."""
+    """A class with no saved verdict (e.g. in fault backoff, looked up on every call) asks the disk once per probe."""
     fake_npu()
     asked: list = []
     lookup = saved.lookup
@@ -87,8 +84,7 @@ def test_a_class_is_asked_of_the_disk_once_per_probe(fake_npu, monkeypatch):
 
 
 def test_guard_backoff_schedule(monkeypatch):
-    """Errors are retried after 1, 2, 4, 8, 16 forwards (capped at 32) and demoted after the 6th in a row; a
-    TypeError is a verdict for the caller (not retried); a success after a fault clears it."""
+    """Retries after 1..16 forwards (cap 32), demoted after 6 errors; other errors are verdicts; a success clears."""
     g, clock = guard.Guard("test", Counter()), [100]
     monkeypatch.setattr(forward_scope, "forwards", lambda: clock[0])
 
@@ -112,8 +108,7 @@ def test_guard_backoff_schedule(monkeypatch):
 
 # ----- saved verdicts ---------------------------------------------------------------------------------------------
 def test_a_second_start_with_saved_verdicts_runs_no_check(fake_npu, runtime, tiny_pipe):
-    """Verdicts saved on disk, keyed by the device and its software stack: a restart (here a new probe and nothing
-    loaded) takes them unchecked."""
+    """Verdicts saved per device and software stack: a restart (a new probe, nothing loaded) takes them unchecked."""
     npu = fake_npu()
     tr = tiny_pipe.transformer
     api.select("none,+rope,+qk_norm", model=tr)
@@ -174,7 +169,6 @@ def test_the_env_var_moves_or_disables_the_cache(fake_npu, monkeypatch, tmp_path
 
 
 def _writer(args):
-
     path, who = args
     os.environ[saved.ENV_VERDICT_CACHE] = path
     sys.modules["torch_npu"] = build()
@@ -187,8 +181,7 @@ def _writer(args):
 
 
 def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
-    """Two processes saving at once: writes are serialized by a lock and each is a rename of a whole file, so the
-    file always parses and holds both processes' entries."""
+    """Two processes saving at once (a lock, whole-file renames): the file parses and holds both's entries."""
     with multiprocessing.get_context("fork").Pool(2) as pool:
         assert pool.map(_writer, [(str(tmp_path), "a"), (str(tmp_path), "b")]) == [True, True]
     (p,) = tmp_path.glob("verdicts-*.json")
@@ -197,8 +190,7 @@ def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
 
 
 def test_a_save_waits_for_the_lock_another_process_holds(fake_npu):
-    """A write takes the lock file's exclusive flock before it reads, merges and renames: while another process
-    holds it, nothing is written (a bound from below: the thread cannot finish while the lock is held)."""
+    """A write takes the lock file's flock before it reads, merges and renames: while another holds it, nothing."""
     fake_npu()
     p = saved.path()
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -222,8 +214,7 @@ def test_batch_times_heads_is_bucketed_like_the_sequence():
 
 
 def test_warmup_checks_the_classes_then_a_start_runs_none(fake_npu, monkeypatch, capsys):
-    """``vllm-omni-ascend-opt warmup`` checks each class once through the optimizations' own code and saves the
-    verdicts; a second start (another process) finds them all and checks nothing."""
+    """``warmup`` checks each class once and saves the verdicts; a second start finds them all and checks nothing."""
     import vllm_omni.diffusion.attention.backends.sdpa  # noqa: F401  (before the fake: accelerate probes torch_npu)
 
     fake_npu()
