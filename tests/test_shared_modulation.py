@@ -481,14 +481,29 @@ def _matmul_precision(value: str) -> Iterator[None]:
         torch.set_float32_matmul_precision(old)
 
 
-def test_numerical_settings_are_part_of_the_key(runtime):
-    """The same temb value (a fresh tensor object each call, so the digest runs) read under other numerical settings
-    is a miss (recomputed), and a hit again back under the first settings. Only the settings differ between the
-    calls: a full forward would not do, since the settings also change temb itself."""
+def test_numerical_settings_are_part_of_the_key_and_autocast_is_bitwise(runtime):
+    """The same temb value (a fresh tensor each call, so the digest runs) under other numerical settings is a miss,
+    and a hit again under the first ones; a forward under autocast after a warm fp32 memo equals stock's."""
     tr = build(runtime)
+    kw = inputs(torch.float32)
+
+    def fwd_autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fwd(tr, runtime, kw)
+
+    api.select("none", model=tr)
+    want_plain, want_autocast = fwd(tr, runtime, kw), fwd_autocast()
+    assert not torch.equal(want_plain, want_autocast)  # autocast changes the result: the setting matters
+    api.select(ON, model=tr)
+    assert torch.equal(fwd(tr, runtime, kw), want_plain)  # fills the memo in plain fp32
+    assert torch.equal(fwd_autocast(), want_autocast)
+    assert torch.equal(fwd(tr, runtime, kw), want_plain)
+    assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
+    # on the block directly: only the settings differ between the calls (they would change temb in a forward)
+    OPT.memo.clear()
+    OPT.reset_stats()
     for p in tr.parameters():
         p.requires_grad_(False)  # grad mode on is then memoizable, and keyed apart from grad mode off
-    api.select(ON, model=tr)
     block = tr.transformer_blocks[0]
     temb = torch.randn(1, TINY.inner_dim, generator=torch.Generator().manual_seed(5))
     assert torch.get_float32_matmul_precision() == "highest"
@@ -511,26 +526,6 @@ def test_numerical_settings_are_part_of_the_key(runtime):
     assert len(OPT.memo) == 4 and OPT.memo.stats["digests"] == 7
 
 
-def test_numerical_settings_autocast_bitwise_after_warm_memo(runtime):
-    """Memo filled in plain fp32, then read under CPU autocast (bf16 GEMMs): the output must still equal stock's
-    under autocast, i.e. the autocast entry is computed anew, not served from the fp32 entry."""
-    tr = build(runtime)
-    kw = inputs(torch.float32)
-
-    def fwd_autocast():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return fwd(tr, runtime, kw)
-
-    api.select("none", model=tr)
-    want_plain, want_autocast = fwd(tr, runtime, kw), fwd_autocast()
-    assert not torch.equal(want_plain, want_autocast)  # autocast changes the result: the setting matters
-    api.select(ON, model=tr)
-    assert torch.equal(fwd(tr, runtime, kw), want_plain)  # fills the memo in plain fp32
-    assert torch.equal(fwd_autocast(), want_autocast)
-    assert torch.equal(fwd(tr, runtime, kw), want_plain)
-    assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
-
-
 # ----- two-segment modulation (Qwen-Image-Edit-2511 zero_cond_t / modulate_index), issue 14 ---------------------------
 def edit_inputs(dtype, shapes, batch=1, t=0.5, seed=0) -> dict:
     """Transformer inputs of an edit request: ``shapes[0]`` is the denoised image, the rest condition images
@@ -547,40 +542,32 @@ UNEQUAL = [(1, 2, 3), (1, 2, 2)]  # 6 + 4 tokens: gcd 2 -> 5 broadcast chunks
 COPRIME = [(1, 1, 17), (1, 1, 2), (1, 1, 3)]  # 17 + 5 tokens: gcd 1 -> 22 chunks > 16 -> per-segment slices
 
 
+#: per edit request: the plan's (start, end, segment) runs, its chunks, and whether it broadcasts
+PLANS = {
+    "equal": (EQUAL, ((0, 4, 0), (4, 8, 1)), 2, True),
+    "unequal": (UNEQUAL, ((0, 6, 0), (6, 10, 1)), 5, True),
+    "slices": (COPRIME, ((0, 17, 0), (17, 22, 1)), 22, False),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("shapes", [EQUAL, UNEQUAL, COPRIME], ids=["equal", "unequal", "slices"])
-def test_two_segment_blocks_bitwise(runtime, dtype, batch, shapes):
+@pytest.mark.parametrize("case", list(PLANS))
+def test_two_segment_blocks_bitwise(runtime, dtype, batch, case):
+    """The segment plan is read from vLLM-Omni's own ModulateIndexPrepare output, once per forward."""
+    shapes, runs, chunks, broadcast = PLANS[case]
     tr = build(runtime, dtype=dtype, zero_cond_t=True)
+    _ts, index = tr.modulate_index_prepare(torch.tensor([0.5] * batch), [shapes] * batch)
+    plan, why = OPT.memo.segment_plan(index)
+    assert why is None and plan.runs == runs and plan.chunks == chunks and plan.broadcast is broadcast
     kw = edit_inputs(dtype, shapes, batch=batch)
     want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
     assert OPT.reasons_inactive(tr) == []
     OPT.reset_stats()
     cold, warm = fwd(tr, runtime, kw), fwd(tr, runtime, kw)
     assert torch.equal(cold, want) and torch.equal(warm, want)
-    assert OPT.fallback_reasons() == {}
+    assert OPT.fallback_reasons() == {} and OPT.memo.stats["plans"] == 2  # one per forward, shared by every block
     assert OPT.memo.stats["misses"] == L + 1 and OPT.memo.stats["hits"] == L + 1  # blocks + norm_out
-
-
-@pytest.mark.parametrize(
-    "shapes, runs, chunks, broadcast",
-    [
-        (EQUAL, ((0, 4, 0), (4, 8, 1)), 2, True),
-        (UNEQUAL, ((0, 6, 0), (6, 10, 1)), 5, True),
-        (COPRIME, ((0, 17, 0), (17, 22, 1)), 22, False),
-    ],
-    ids=["equal", "unequal", "slices"],
-)
-def test_segment_plan_follows_modulate_index(runtime, shapes, runs, chunks, broadcast):
-    """The plan is read from vLLM-Omni's own ModulateIndexPrepare output, once per forward."""
-    tr = build(runtime, zero_cond_t=True)
-    _ts, index = tr.modulate_index_prepare(torch.tensor([0.5]), [shapes])
-    plan, why = OPT.memo.segment_plan(index)
-    assert why is None and plan.runs == runs and plan.chunks == chunks and plan.broadcast is broadcast
-    api.select(ON, model=tr)
-    OPT.reset_stats()
-    fwd(tr, runtime, edit_inputs(torch.float32, shapes))
-    assert OPT.memo.stats["plans"] == 1  # one per forward, shared by every block
 
 
 def test_two_segment_zero_weight_bytes_and_ops_per_block(runtime):
