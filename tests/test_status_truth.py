@@ -4,6 +4,7 @@ hooks), and the status file when the flag is bad."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -86,8 +87,6 @@ def test_status_file_with_a_bad_flag_reports_after_build_and_every_request(monke
 
 def test_an_unwritable_status_file_warns_once_then_reminds(monkeypatch, tmp_path, caplog):
     """One warning (no traceback), then a rate-limited reminder with the count, and one line when it works again."""
-    import logging
-
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     monkeypatch.setenv(_report.ENV_STATUS_FILE, str(blocker / "status.json"))
