@@ -45,9 +45,8 @@ def _inputs(hw=(4, 4), t=0.7):
 
 # ----- per-forward decisions: made once per forward, remade by the next one, never used outside a forward -------------
 def test_per_forward_decisions_are_remade_every_forward_and_per_call_outside_a_forward(runtime):
-    """Decided once per forward: a forward under autograd after one without sees autograd (the joint path steps
-    aside, with its reason), the next one without acts again; a block called directly after a forward decides for
-    itself (the forward's scope is closed)."""
+    """A forward under autograd after one without sees autograd, the next one without acts again; a block called
+    directly after a forward decides for itself (the forward's scope is closed)."""
     from vllm_omni_ascend_opt.blocks.upstream import forward_scope
 
     tr = build(runtime)
@@ -125,10 +124,8 @@ def test_rotation_tables_are_decided_per_forward(runtime, spec):
 
 
 def test_direct_calls_ran_and_follow_hooks_patches_a_parameter_class_and_a_function_mode(runtime, monkeypatch):
-    """The block's MLPs and the attention projections run as their kernels, bitwise; a hook added to one of them
-    between forwards runs (that module is called as a module), and so does an upstream class patched meanwhile, or a
-    weight class given its own ``__torch_function__``; under a torch-function mode the inner layer norms called
-    directly reach it as ``F.layer_norm`` (as from the module)."""
+    """MLPs and attention projections run as their kernels, bitwise; a module gets called as one again once a hook,
+    an upstream class patch or a weight class's ``__torch_function__`` appears; a function mode sees ``F.layer_norm``."""
     from torch.overrides import TorchFunctionMode
 
     tr = build(runtime)
@@ -229,9 +226,8 @@ def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
 
 
 def test_time_embedding_hit_returns_the_memoized_temb_unless_written_and_steps_aside_for_hooks(runtime):
-    """A repeated timestep returns the temb of its first forward without running the embedding; a temb written in
-    place since (outside inference mode, where it has a version counter) is recomputed, not returned; a hook on the
-    embedder makes the memo step aside, with its reason."""
+    """A repeated timestep returns its first temb without running the embedding, unless that temb was written in
+    place since; a hook on the embedder makes the memo step aside, with its reason."""
     tr = build(runtime)
     kw = _inputs(t=0.4)
     (want,) = stock_outputs(tr, runtime, [kw], "none,+shared_modulation")
@@ -261,8 +257,7 @@ def test_time_embedding_hit_returns_the_memoized_temb_unless_written_and_steps_a
 
 # ----- the memo under vLLM-Omni's layerwise offload: keyed on what identifies the weights, not their storage ----------
 class ReplicatedLinearWithLoRA(torch.nn.Module):
-    """A runtime-LoRA stand-in named like vLLM's wrapper (the memo keys its LoRA stacks and active-slice mask):
-    ``base(x) + (x @ A^T) @ B^T`` while its slice is active."""
+    """A runtime-LoRA stand-in named like vLLM's wrapper: ``base(x) + (x @ A^T) @ B^T`` while its slice is active."""
 
     def __init__(self, base: torch.nn.Module, rank: int = 4) -> None:
         super().__init__()
