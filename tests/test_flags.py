@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
-from vllm_omni_ascend_opt import flags, registry
+from vllm_omni_ascend_opt import _env, flags, registry
 
 ALL = [
     "shared_modulation",
@@ -99,10 +101,6 @@ def test_strict_env(monkeypatch, value, want):
 @pytest.mark.parametrize("value", ["2", "enable", "yes please"])
 def test_a_boolean_env_var_with_another_spelling_warns_once(monkeypatch, caplog, value):
     """The usual spellings are booleans; anything else (STRICT=2) is false with one warning."""
-    import logging
-
-    from vllm_omni_ascend_opt import _env
-
     monkeypatch.setattr(_env, "_warned", set())
     monkeypatch.setenv(flags.ENV_STRICT, value)
     with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
@@ -114,9 +112,6 @@ def test_a_boolean_env_var_with_another_spelling_warns_once(monkeypatch, caplog,
 
 
 def test_a_budget_outside_its_range_warns(monkeypatch, caplog):
-    import logging
-
-    from vllm_omni_ascend_opt import _env
     from vllm_omni_ascend_opt.blocks.memo import cache
 
     monkeypatch.setattr(_env, "_warned", set())

@@ -43,12 +43,10 @@ def _inputs(hw=(4, 4), t=0.7):
     return inputs(torch.float32, hw=hw, txt=32, t=(t,))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# per-forward decisions: made once per forward, remade by the next one, never used outside a forward
-# ----------------------------------------------------------------------------------------------------------------
-def test_per_forward_decisions_are_remade_every_forward(runtime):
-    """The guards are decided once per forward: a forward under autograd after one without must see autograd (the
-    joint path steps aside, with its reason), and the next one without must act again."""
+# ----- per-forward decisions: made once per forward, remade by the next one, never used outside a forward -------------
+def test_per_forward_decisions_are_remade_every_forward_and_per_call_outside_a_forward(runtime):
+    """A forward under autograd after one without sees autograd, the next one without acts again; a block called
+    directly after a forward decides for itself (the forward's scope is closed)."""
     from vllm_omni_ascend_opt.blocks.upstream import forward_scope
 
     tr = build(runtime)
@@ -61,21 +59,12 @@ def test_per_forward_decisions_are_remade_every_forward(runtime):
     assert ja.stats["joint_calls"] == 2 and ja.fallback_reasons() == {}
     fwd(tr, runtime, kw, grad=True)
     assert ja.fallback_reasons() == {"autograd is recording": 2}, ja.fallback_reasons()
-    fwd(tr, runtime, kw)
-    assert ja.stats["joint_calls"] == 4 and ja.fallback_reasons() == {"autograd is recording": 2}
-    assert forward_scope.current() is None  # closed after every forward
-
-
-def test_decisions_are_per_call_outside_a_forward(runtime):
-    """After a forward, a block called directly decides for itself (the forward's scope is closed)."""
-    tr = build(runtime)
-    kw = _inputs()
-    api.select("default", model=tr)
     captured = {}
     handle = tr.transformer_blocks[0].register_forward_pre_hook(lambda m, a, k: captured.update(k), with_kwargs=True)
     fwd(tr, runtime, kw)
     handle.remove()
-    ja = registry.get("joint_attention")
+    assert ja.stats["joint_calls"] == 4 and ja.fallback_reasons() == {"autograd is recording": 2}
+    assert forward_scope.current() is None  # closed after every forward
     ja.reset_stats()
     with runtime.context(), torch.enable_grad():
         tr.transformer_blocks[0](**captured)
@@ -134,9 +123,11 @@ def test_rotation_tables_are_decided_per_forward(runtime, spec):
         assert opt.stats["portable_calls"] == 4 * 2 * len(cases) and opt.stats["table_builds"] == 3
 
 
-def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime, monkeypatch):
-    """The block's MLPs and the attention projections run as their kernels, bitwise; a hook added to one of them
-    between forwards runs (that module is called as a module), and so does an upstream class patched meanwhile."""
+def test_direct_calls_ran_and_follow_hooks_patches_a_parameter_class_and_a_function_mode(runtime, monkeypatch):
+    """MLPs and attention projections run as their kernels, bitwise; a module gets called as one again once a hook,
+    an upstream class patch or a weight class's ``__torch_function__`` appears; a function mode sees ``F.layer_norm``."""
+    from torch.overrides import TorchFunctionMode
+
     tr = build(runtime)
     kw = _inputs()
     (want,) = stock_outputs(tr, runtime, [kw], "default")
@@ -175,16 +166,6 @@ def test_direct_calls_ran_and_follow_hooks_and_patches_between_forwards(runtime,
     calls.clear()
     fwd(tr, runtime, kw)
     assert calls == []
-
-
-def test_direct_calls_follow_a_parameter_class_patched_between_forwards(runtime, monkeypatch):
-    """A weight class given its own ``__torch_function__`` between forwards: its linears are modules again (the
-    function runs), bitwise; with it gone, kernels again."""
-    tr = build(runtime)
-    kw = _inputs()
-    (want,) = stock_outputs(tr, runtime, [kw], "default")
-    ja = registry.get("joint_attention")
-    fwd(tr, runtime, kw)
     cls = type(tr.transformer_blocks[0].attn.to_out.weight)
     stock_tf, seen = cls.__torch_function__, []
 
@@ -201,12 +182,6 @@ def test_direct_calls_follow_a_parameter_class_patched_between_forwards(runtime,
     assert torch.equal(fwd(tr, runtime, kw), want)
     assert ja.stats["direct_calls"] == 8 and ja.stats["module_calls"] == 0
 
-
-def test_a_torch_function_mode_sees_the_direct_layer_norms_as_from_the_module(runtime):
-    """Under a torch-function mode the inner layer norms called directly reach it as ``F.layer_norm`` (as from the
-    module), bitwise; without a mode they skip that wrapper."""
-    from torch.overrides import TorchFunctionMode
-
     class Seen(TorchFunctionMode):
         def __init__(self) -> None:
             super().__init__()
@@ -216,14 +191,9 @@ def test_a_torch_function_mode_sees_the_direct_layer_norms_as_from_the_module(ru
             self.funcs.append(func)
             return func(*args, **(kwargs or {}))
 
-    tr = build(runtime)
-    kw = _inputs()
-    (want,) = stock_outputs(tr, runtime, [kw], "default")
-    fwd(tr, runtime, kw)
-    with Seen() as seen:
-        got = fwd(tr, runtime, kw)
-    assert torch.equal(got, want)
-    assert torch.nn.functional.layer_norm in seen.funcs and torch.layer_norm not in seen.funcs
+    with Seen() as mode:
+        assert torch.equal(fwd(tr, runtime, kw), want)
+    assert torch.nn.functional.layer_norm in mode.funcs and torch.layer_norm not in mode.funcs
 
 
 def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
@@ -255,9 +225,9 @@ def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
     assert torch.equal(got, fwd(tr, runtime, kws[0]))
 
 
-def test_time_embedding_hit_returns_the_memoized_temb_unless_it_was_written(runtime):
-    """A repeated timestep returns the temb of its first forward without running the embedding; a temb written in
-    place since (outside inference mode, where it has a version counter) is recomputed, not returned."""
+def test_time_embedding_hit_returns_the_memoized_temb_unless_written_and_steps_aside_for_hooks(runtime):
+    """A repeated timestep returns its first temb without running the embedding, unless that temb was written in
+    place since; a hook on the embedder makes the memo step aside, with its reason."""
     tr = build(runtime)
     kw = _inputs(t=0.4)
     (want,) = stock_outputs(tr, runtime, [kw], "none,+shared_modulation")
@@ -274,14 +244,6 @@ def test_time_embedding_hit_returns_the_memoized_temb_unless_it_was_written(runt
     again = fwd(tr, runtime, kw)
     assert sm.stats["time_hits"] == 1, "a temb written in place was returned"
     assert torch.equal(again, want)
-
-
-def test_time_embedding_memo_steps_aside_for_hooks(runtime):
-    tr = build(runtime)
-    kw = _inputs()
-    api.select("none,+shared_modulation", model=tr)
-    sm = registry.get("shared_modulation")
-    fwd(tr, runtime, kw)
     sm.reset_stats()
     fired = []
     h = tr.time_text_embed.timestep_embedder.register_forward_hook(lambda *a: fired.append(1))
@@ -293,12 +255,9 @@ def test_time_embedding_memo_steps_aside_for_hooks(runtime):
     assert sm.fallback_reasons() == {"hooks or an instance forward in time_text_embed": 1}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the memo under vLLM-Omni's layerwise offload: keyed on what identifies the weights, not their storage
-# ----------------------------------------------------------------------------------------------------------------
+# ----- the memo under vLLM-Omni's layerwise offload: keyed on what identifies the weights, not their storage ----------
 class ReplicatedLinearWithLoRA(torch.nn.Module):
-    """A runtime-LoRA stand-in named like vLLM's wrapper (the memo keys its LoRA stacks and active-slice mask):
-    ``base(x) + (x @ A^T) @ B^T`` while its slice is active."""
+    """A runtime-LoRA stand-in named like vLLM's wrapper: ``base(x) + (x @ A^T) @ B^T`` while its slice is active."""
 
     def __init__(self, base: torch.nn.Module, rank: int = 4) -> None:
         super().__init__()
@@ -365,9 +324,7 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
         assert torch.equal(got, request(h))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# bench_host --instructions: the split of callgrind's per-function counts
-# ----------------------------------------------------------------------------------------------------------------
+# ----- bench_host --instructions: the split of callgrind's per-function counts ----------------------------------------
 def test_instruction_split_counts_functions_once_and_names_the_kernels(monkeypatch):
     monkeypatch.syspath_prepend(BENCHMARKS)
     import instructions
@@ -389,9 +346,7 @@ Ir                   file:function
     assert instructions.parse(text) == (1_500_000, 950_000)  # GEMM + vectorized loop; interpreter, set-up: host
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# bench_host --split: host time per segment, timed inside the forward
-# ----------------------------------------------------------------------------------------------------------------
+# ----- bench_host --split: host time per segment, timed inside the forward --------------------------------------------
 def test_segment_timer_splits_a_forward_per_block_without_changing_it(runtime, monkeypatch):
     """The timed ModuleList is the same object for the measurement: the plugin still acts in every block, the
     output is bitwise the untimed one, one segment per block plus before and after; the class is restored."""

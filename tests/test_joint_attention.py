@@ -1,7 +1,6 @@
 """`joint_attention`: one join of the two streams, QK norms and RoPE once on the joint sequence - bitwise stock.
 
-Real vLLM-Omni 0.30 classes on CPU (fp32 and bf16 transformers with the tiny weights). Every equality check also
-proves that the joint path ran (its counters), and every fallback is reached with its reason.
+Every equality check also proves that the joint path ran (its counters); every fallback is reached with its reason.
 """
 
 from __future__ import annotations
@@ -45,8 +44,8 @@ def _attn_inputs(transformer, *, txt=7, hw=(4, 4), batch=1, seed=0):
 
 
 def _clone(attn):
-    """A shallow copy of a ``QwenImageCrossAttention`` with its own child-module dict and its own copies of the four
-    QK norms (vLLM's parameters do not deepcopy); projections, rope and attention layer are shared."""
+    """A shallow copy of an attention module with its own copies of the four QK norms (vLLM's parameters do not
+    deepcopy); projections, rope and attention layer are shared."""
     c = copy.copy(attn)
     c._modules = dict(attn._modules)
     for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
@@ -77,8 +76,7 @@ def _stock_attn(attn, *args, **kwargs):
 @pytest.mark.parametrize("d", [16, 128], ids=["tiny", "real_head_dim"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_joint_rms_norm_is_bitwise_the_two_norms_and_cat(dtype, d, monkeypatch):
-    """Including non-contiguous views (the q/k slices of a QKV projection), as nn.RMSNorm computes them: through
-    ``torch.rms_norm``'s composite on the joint rows (CPU/NPU) and through the hand-written pieces alike."""
+    """On non-contiguous q/k slices of a QKV projection, through ``torch.rms_norm``'s composite and the pieces alike."""
     g = torch.Generator().manual_seed(0)
     st, si, n = 7, 16, 4
     txt_qkv = (torch.randn(2, st, 3 * n * d, generator=g) * 3).to(dtype)
@@ -99,12 +97,20 @@ def test_joint_rms_norm_is_bitwise_the_two_norms_and_cat(dtype, d, monkeypatch):
     assert got.dtype == want.dtype and torch.equal(got, want) and torch.equal(pieces, want)
 
 
-# ----- install / uninstall --------------------------------------------------------------------------------------------
-def test_install_and_uninstall_are_idempotent_and_restore_the_original(runtime, tiny_pipe):
+# ----- install / uninstall / status -----------------------------------------------------------------------------------
+def test_listed_with_its_tier_and_install_uninstall_restore_the_original(runtime, tiny_pipe):
+    assert "joint_attention" in registry.default_names()
+    names = registry.names()  # after vae_fast: patches/ numbers (0007, 0008) follow the registry
+    assert names[names.index("vae_fast") + 1 : names.index("vae_fast") + 3] == ["joint_attention", "qk_norm"]
+    assert OPT.tier() == "exact" and OPT.reasons_inactive() == []
     cls = sys.modules[_targets.TRANSFORMER].QwenImageCrossAttention
     original = cls.forward
     api.select("none,+joint_attention", model=tiny_pipe)
     assert OPT.installed and OPT.patches.is_patched(cls, "forward") and cls.forward is not original
+    assert OPT.reasons_inactive(tiny_pipe) == []
+    rows = {r["name"]: r for r in api.status()}
+    assert rows["joint_attention"]["tier"] == "exact" and rows["joint_attention"]["active"]
+    assert rows["joint_attention"]["flag"] == {"enable": "+joint_attention", "disable": "-joint_attention"}
     patched = cls.forward
     OPT.install()
     assert cls.forward is patched
@@ -112,18 +118,6 @@ def test_install_and_uninstall_are_idempotent_and_restore_the_original(runtime, 
     assert not OPT.installed and cls.forward is original
     OPT.uninstall()
     assert cls.forward is original
-
-
-def test_listed_with_its_tier_and_no_reason_on_cpu(tiny_pipe):
-    assert "joint_attention" in registry.default_names()
-    names = registry.names()  # after vae_fast: patches/ numbers (0007, 0008) follow the registry
-    assert names[names.index("vae_fast") + 1 : names.index("vae_fast") + 3] == ["joint_attention", "qk_norm"]
-    assert OPT.tier() == "exact" and OPT.reasons_inactive() == []
-    api.select("none,+joint_attention", model=tiny_pipe)
-    assert OPT.reasons_inactive(tiny_pipe) == []
-    rows = {r["name"]: r for r in api.status()}
-    assert rows["joint_attention"]["tier"] == "exact" and rows["joint_attention"]["active"]
-    assert rows["joint_attention"]["flag"] == {"enable": "+joint_attention", "disable": "-joint_attention"}
 
 
 # ----- bitwise on the pipeline and on the transformer, with and without rope ------------------------------------------
@@ -143,8 +137,7 @@ def test_pipeline_default_is_bitwise_none_and_the_joint_path_ran(runtime, tiny_p
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("spec", ["none,+joint_attention", "none,+rope,+joint_attention"])
 def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pipe, bf16_transformer, dtype, spec):
-    """Padded text masks are handled exactly (the joint mask is built as stock builds it); 7- vs 9-token text at the
-    same image size: different joint freqs (and tables) per text length."""
+    """Padded text masks (the joint mask built as stock builds it); 7- vs 9-token text: joint freqs per text length."""
     t = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
     cases = [dict(txt=7), dict(txt=9), dict(txt=7, pad=True), dict(txt=9, hw=(4, 6), pad=True), dict(txt=7)]
     refs = stock_then(spec, t, lambda: [tiny_forward(runtime, t, batch=2, **c) for c in cases])
@@ -155,8 +148,7 @@ def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pi
     layers = len(t.transformer_blocks)
     assert OPT.stats["joint_calls"] == len(cases) * layers
     assert OPT.stats["masked_calls"] >= 2 * layers  # the padded cases went through the mask path
-    # With rope's embedder memo the freqs objects repeat per shape: (4x4, 7), (4x4, 9), (4x6, 9) -> 3 joint freqs;
-    # without it one per forward (the joint freqs are looked up once per forward).
+    # rope's embedder memo repeats the freqs per shape: (4x4, 7), (4x4, 9), (4x6, 9); without it one per forward
     builds = 3 if "rope" in spec else len(cases)
     assert OPT.stats["joint_freqs_builds"] == builds
     assert OPT.stats["joint_freqs_hits"] == len(cases) - builds
@@ -164,9 +156,7 @@ def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pi
 
 
 def test_the_ops_per_block_fall_by_twenty_eight_bitwise(runtime, tiny_pipe):
-    """74 -> 46 on the CPU default stack (fp32): norms 24 -> 10 (one pass over q and k of both streams), RoPE
-    16 -> 4 (q and k in one rotation), cats 3 -> 1."""
-
+    """Norms 24 -> 10 (one pass over q and k of both streams), RoPE 16 -> 4 (q and k in one rotation), cats 3 -> 1."""
     without, a = warm_block(tiny_pipe, runtime, "default,-joint_attention", steps=1, seed=3)
     with_, b = warm_block(tiny_pipe, runtime, "default", steps=1, seed=3)
     assert torch.equal(a, b)
@@ -177,8 +167,7 @@ def test_the_ops_per_block_fall_by_twenty_eight_bitwise(runtime, tiny_pipe):
 
 # ----- the attention module directly: SP branch, views through the attention, fallbacks -------------------------------
 def test_sequence_parallel_branch_hands_stock_values_to_the_attention(runtime, tiny_pipe, monkeypatch):
-    """With ``sequence_parallel_size > 1`` stock passes the text q/k/v as ``joint_*`` metadata; the joint path passes
-    views of its joint tensors. Captured at the attention layer: the same values, bitwise."""
+    """SP > 1: the text q/k/v as ``joint_*`` metadata at the attention layer are stock's values, bitwise."""
     mod = sys.modules[_targets.TRANSFORMER]
     api.select("none,+joint_attention", model=tiny_pipe)
     attn = _clone(_attn(tiny_pipe.transformer))
@@ -222,10 +211,8 @@ def test_non_contiguous_value_view_is_bitwise_through_sdpa(runtime, tiny_pipe):
 def test_peak_memory_of_an_attention_call_is_below_stocks_and_of_a_forward_not_above(
     runtime, tiny_pipe, bf16_transformer, dtype
 ):
-    """Peak bytes of one attention call, joint path against stock's on the same inputs: the joint path frees the
-    per-stream projections once they are in the joint tensor, before the norms' temporaries, and where the norm
-    upcasts (bf16) it normalises q and k one after the other. Where a whole forward peaks depends on the CPU: one
-    warm forward with the default stack is never above stock's (the README's target), with stock's output."""
+    """The joint call frees the per-stream projections before the norms' temporaries and, where the norm upcasts
+    (bf16), normalises q and k one after the other; a warm default forward never peaks above stock's."""
     tr = tiny_pipe.transformer if dtype == "fp32" else bf16_transformer
     hw = (16, 16) if dtype == "fp32" else (8, 8)
     attn = _attn(tr)
@@ -277,30 +264,18 @@ def _reason_for(runtime, transformer, edit, *, grad=False) -> dict[str, int]:
     return OPT.fallback_reasons()
 
 
-def _set_eps(attn):
-    attn.norm_added_q.eps = 1e-5
-
-
-def _hook(attn):
-    attn.norm_k.register_forward_hook(lambda m, a, o: None)
-
-
 def _identity_norms(attn):
     attn.norm_q, attn.norm_k = nn.Identity(), nn.Identity()
     attn.qk_norm = False
 
 
-def _no_weight(attn):
-    attn.norm_q.weight = None
-
-
 @pytest.mark.parametrize(
     ("edit", "fragment"),
     [
-        (_set_eps, "different eps"),
-        (_hook, "hooks"),
+        (lambda attn: setattr(attn.norm_added_q, "eps", 1e-5), "different eps"),
+        (lambda attn: attn.norm_k.register_forward_hook(lambda m, a, o: None), "hooks"),
         (_identity_norms, "not nn.RMSNorm"),
-        (_no_weight, "without weight"),
+        (lambda attn: setattr(attn.norm_q, "weight", None), "without weight"),
     ],
 )
 def test_fallbacks_run_stock_with_a_reason(runtime, tiny_pipe, edit, fragment):
@@ -367,9 +342,8 @@ def _k_eps(attn) -> None:
 
 @pytest.mark.parametrize("edit", [_double_weights, _k_eps], ids=["weights_not_in_opmath", "k_eps_differs"])
 def test_per_tensor_norms_where_q_and_k_cannot_share_a_pass(runtime, tiny_pipe, monkeypatch, edit):
-    """QK-norm weights outside the norm's opmath dtype (float64 on fp32 rows: stock promotes), or q's and k's norms
-    with different eps: the per-tensor joint norm (q, then k, each with its own eps), still bitwise stock; so is the
-    compiled path's math (``traced_forward``, run eagerly)."""
+    """QK-norm weights outside the norm's opmath dtype, or q and k norms with different eps: q, then k, each with its
+    own eps, bitwise stock; so is the compiled path's math (``traced_forward``, run eagerly)."""
     api.select("none,+joint_attention", model=tiny_pipe)
     attn = _clone(_attn(tiny_pipe.transformer))
     edit(attn)
@@ -399,8 +373,7 @@ def test_mismatched_freqs_fall_back(runtime, tiny_pipe):
 
 
 def test_joint_freqs_cache_is_an_lru_of_16_and_dies_with_either_freqs():
-    """The documented policy: at most 16 joint freqs; a hit moves its entry to the most recent end; a new entry
-    beyond the cap evicts the least recently used one; an entry dies with its vid freqs as with its txt freqs."""
+    """At most 16 joint freqs, least recently used evicted first; an entry dies with its vid or its txt freqs."""
     stats = OPT.stats.__class__()
     cache = ja._JointFreqsCache(stats)
     txt = torch.polar(torch.ones(3, 8), torch.rand(3, 8))
@@ -423,8 +396,8 @@ def test_joint_freqs_cache_is_an_lru_of_16_and_dies_with_either_freqs():
 def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_counted_by_rope(
     runtime, bf16_transformer, fake_npu
 ):
-    """Through the shared rotary service: with ``rope`` installed the joint q/k go through rope's verified
-    npu_rotary_mul and table cache, counted in rope's statistics; without it, joint_attention's own portable path."""
+    """With ``rope`` installed the joint q/k go through its verified npu_rotary_mul and table cache; without it, the
+    joint path's own portable rotation."""
     rope = registry.get("rope")
     npu = fake_npu()
     layers = len(bf16_transformer.transformer_blocks)
@@ -442,8 +415,7 @@ def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_count
 
 
 def test_traced_attention_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog):
-    """Under torch.compile fullgraph tracing succeeds; the graph holds the joint path when the block's pre-hook hoisted
-    its RoPE tables (regional compile: two joint RMSNorms), stock's attention without them (full compile), both with
+    """Fullgraph tracing holds the joint path with hoisted RoPE tables (regional), stock's without (full), both with
     stock's values; no counter, fallback reason, cache entry or log line appears."""
     api.select("none", model=tiny_pipe)
     attn = _attn(tiny_pipe.transformer)

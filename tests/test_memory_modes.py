@@ -1,9 +1,5 @@
-"""The plugin in vLLM-Omni's memory and cache modes, through its own ``DiffusionModelRunner`` on the CPU runtime:
-VAE slicing and tiling, layerwise and model CPU offload, cache-dit (a child process each), TeaCache, MagCache, LoRA.
-
-Per mode: default is bitwise ``none`` and repeats; what reports acting is what counted work (nothing else did); the
-memo hits on a warm request; the mode itself acted (slices, tiles, skipped blocks, offload hooks).
-"""
+"""The plugin in vLLM-Omni's memory and cache modes (VAE slicing and tiling, layerwise and model CPU offload,
+cache-dit in a child process, TeaCache, MagCache, LoRA), through its own ``DiffusionModelRunner`` on the CPU runtime."""
 
 from __future__ import annotations
 
@@ -40,60 +36,39 @@ def runs(runtime, tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
-def test_default_equals_none_bitwise_and_repeats(runs, mode):
+def test_default_equals_none_bitwise_reports_what_ran_and_the_mode_acted(runs, mode):
+    """Bitwise ``none`` and repeats; acting == the optimizations that counted their work on the warm request, with
+    no fallback (the stock run counts nothing, reports nothing acting); the memo hits warm; the mode itself acted."""
     none, default = runs(mode, "none"), runs(mode, "default")
     for a, b in zip(none.images, default.images, strict=True):
         assert a.abs().sum() > 0
         assert torch.equal(a, b)
     for run in (none, default):
         assert torch.equal(run.images[0], run.images[1])  # a repeated request: the same image
-
-
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_status_matches_what_ran(runs, mode):
-    """acting == the optimizations that counted their work on the warm request, with no fallback; the stock run
-    counts nothing and reports nothing acting."""
-    default = runs(mode, "default")
     expected = evidence(mode)
     assert set(default.acting) == set(expected), default.reasons  # the exact CPU stack keeps acting in this mode
     assert {n for n in expected if default.ran(n) > 0} == set(default.acting), default.stats
     assert set(default.stats) <= set(default.acting)  # nothing that reports itself off counted anything
     assert default.fallbacks == {}
     assert all(default.reasons[n] == [] for n in default.acting)
-    none = runs(mode, "none")
     assert none.acting == [] and none.stats == {} and none.fallbacks == {}
-
-
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_memo_hits_on_a_warm_request(runs, mode):
-    sm = runs(mode, "default").stats["shared_modulation"]
-    assert sm["hits"] > 0, sm
+    sm = default.stats["shared_modulation"]
     # layerwise offload included: the memo keys on neither its fresh storage nor its (0,)-shaped placeholders
-    assert sm.get("misses", 0) == 0, sm
-
-
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_the_mode_really_acted(runs, mode):
-    run = runs(mode, "default")
-    joint = run.stats["joint_attention"]["joint_calls"]
-    vae = run.stats["vae_exact"]
+    assert sm["hits"] > 0 and sm.get("misses", 0) == 0, sm
+    joint, vae = default.stats["joint_attention"]["joint_calls"], default.stats["vae_exact"]
     if mode in CACHES:
         assert 0 < joint < BLOCK_CALLS, joint  # the cache backend skipped block forwards on the warm request
-        assert run.backends["cache"] is not None
+        assert default.backends["cache"] is not None
     else:
         assert joint == BLOCK_CALLS
     if mode == "vae_slicing":
-        assert run.images[1].shape[0] == 2 and vae["single_frame_decodes"] == 2  # one decode per slice
+        assert default.images[1].shape[0] == 2 and vae["single_frame_decodes"] == 2  # one decode per slice
     elif mode == "vae_tiling":
         assert vae["tiled_decodes"] == 1 and vae["tiles"] == 9 and "single_frame_decodes" not in vae
     else:
         assert vae["single_frame_decodes"] == 1
-    if mode == "layerwise_offload":
-        assert run.backends["offload"] == "LayerWiseOffloadBackend"
-    elif mode == "model_cpu_offload":
-        assert run.backends["offload"] == "ModelLevelOffloadBackend"
-    else:
-        assert run.backends["offload"] is None
+    offload = {"layerwise_offload": "LayerWiseOffloadBackend", "model_cpu_offload": "ModelLevelOffloadBackend"}
+    assert default.backends["offload"] == offload.get(mode)
 
 
 @pytest.mark.parametrize("backend", list(_report.UPSTREAM_UNSUPPORTED_CACHE_BACKENDS))
@@ -127,8 +102,7 @@ def _lora_requests(runtime, tmp_path, spec: str, **fields) -> tuple[list[torch.T
 
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "layerwise_offload"])
 def test_lora_switch_is_bitwise_and_misses_the_memo(runtime, tmp_path, offload):
-    """The adapters target img_mod / txt_mod: default equals none for every request, each adapter changes the image,
-    switching back gives it again, and the memo misses after every switch while the CFG branch that follows hits."""
+    """Adapters on img_mod / txt_mod: default equals none, the memo misses after every switch, the CFG branch hits."""
     fields = {"enable_layerwise_offload": True} if offload else {}
     ref, _ = _lora_requests(runtime, tmp_path / "none", "none", **fields)
     got, stats = _lora_requests(runtime, tmp_path / "default", "default", **fields)
@@ -142,8 +116,7 @@ def test_lora_switch_is_bitwise_and_misses_the_memo(runtime, tmp_path, offload):
 
 @pytest.mark.parametrize("workload", ["tiny-cpu-offload", "tiny-cpu-tiled"])
 def test_the_ablation_engine_loads_the_workload_modes_through_vllm_omnis_runner(runtime, tiny_model_dir, workload):
-    """The test-bed engine builds vLLM-Omni's runner with the workload's ``od_config`` and ``vae_tiling`` (the
-    blocks really offload, the decode really tiles), and the default stack acts in that mode."""
+    """The test-bed engine's runner takes the workload's ``od_config`` and ``vae_tiling``; the default stack acts."""
     from vllm_omni_ascend_opt.ablation.engines import TestbedEngine
     from vllm_omni_ascend_opt.ablation.workload import load_workload
     from vllm_omni_ascend_opt.blocks.upstream.layerwise import layerwise_hooks

@@ -66,7 +66,7 @@ def test_rmsnorm_in_bf16_counts_its_pieces():
     assert c.total == 8 and not c.unresolved
 
 
-def test_layer_norm_gelu_silu_and_linear_count_one_kernel():
+def test_layer_norm_gelu_silu_linear_and_sdpa_count_one_kernel():
     x = torch.randn(2, 5, 64, dtype=BF16)
     lin = nn.Linear(64, 32).to(BF16)
     assert _count(lambda: F.layer_norm(x, (64,))).counts == Counter({"native_layer_norm": 1})
@@ -75,9 +75,6 @@ def test_layer_norm_gelu_silu_and_linear_count_one_kernel():
     # structured gelu: torch's CompositeExplicitAutogradNonFunctional kernel calls the registered gelu.out
     assert resolve(torch.ops.aten.gelu.default) == ("kernel", "gelu")
     assert _count(lambda: F.gelu(x, approximate="tanh")).counts == Counter({"gelu": 1})
-
-
-def test_sdpa_counts_the_registered_composite_once():
     q = torch.randn(1, 4, 8, 16, dtype=BF16)
     with OpCounter() as cpu:
         F.scaled_dot_product_attention(q, q, q)
@@ -100,7 +97,7 @@ def test_unregistered_op_runs_as_its_decomposition():
     assert resolve(torch.ops.aten._unsafe_view.default)[0] == "decompose"
 
 
-def test_fake_npu_kernels_count_once_without_their_internals(fake_npu):
+def test_fake_npu_kernels_count_once_without_their_internals_also_in_nested_counters(fake_npu):
     npu = fake_npu()
     x = torch.randn(1, 8, 2, 16)
     cos, sin = torch.rand(1, 8, 1, 16), torch.rand(1, 8, 1, 16)
@@ -110,15 +107,10 @@ def test_fake_npu_kernels_count_once_without_their_internals(fake_npu):
     c = _count(lambda: npu.npu_layer_norm_eval(x, [16]))
     assert c.counts == Counter({"npu::npu_layer_norm_eval": 1})
     assert _count(lambda: npu.get_npu_format(x)).total == 0  # a query: no launch
-
-
-def test_nested_counters_both_count_hooks_and_fake_kernels(fake_npu):
-    npu = fake_npu()
-    q = torch.randn(1, 2, 8, 16)
-    cos, sin = torch.rand(1, 8, 1, 16), torch.rand(1, 8, 1, 16)
+    q = x.transpose(1, 2)
     with NpuOpCounter() as outer, NpuOpCounter() as inner:
         F.scaled_dot_product_attention(q, q, q)
-        npu.npu_rotary_mul(q.transpose(1, 2), cos, sin, rotary_mode="interleave")
+        npu.npu_rotary_mul(x, cos, sin, rotary_mode="interleave")
         _ = q * 2
     want = Counter({"scaled_dot_product_attention": 1, "npu::npu_rotary_mul": 1, "mul.Tensor": 1})
     assert inner.counts == want and outer.counts == want
@@ -140,7 +132,9 @@ def test_tiny_fp32_cpu_counts_match_the_pipeline_budget(tiny, runtime):
     assert blockops.count_block(tr, runtime, kw, "default", npu=False).total == 46
 
 
-def test_stock_block_in_bf16_through_the_fake_is_pinned(tiny, runtime, fake_npu):
+def test_stock_block_in_bf16_through_the_fake_is_pinned_and_every_count_placed(tiny, runtime, fake_npu):
+    """Every configuration's ops have an NPU kernel or a decomposition; counts do not depend on sequence length;
+    ``count_module_calls`` takes the NPU counter; ``npu_dispatch`` switches the CustomOps and switches them back."""
     fake_npu()
     tr, kw = tiny[BF16]
     stock = blockops.count_block(tr, runtime, kw, "none", npu=True)
@@ -157,37 +151,16 @@ def test_stock_block_in_bf16_through_the_fake_is_pinned(tiny, runtime, fake_npu)
     assert stock.counts["_to_copy"] == 12 and stock.counts["scaled_dot_product_attention"] == 1
     assert stock.counts["npu::npu_layer_norm_eval"] == 4 and "native_layer_norm" not in stock.counts
     assert not stock.unresolved
-
-
-def test_every_configuration_is_placed(tiny, runtime, fake_npu):
-    """No op in any configuration is counted without an NPU kernel or a decomposition to show for it."""
-    fake_npu()
-    tr, kw = tiny[BF16]
     for flags in blockops.configurations().values():
         got = blockops.count_block(tr, runtime, kw, flags, npu=True)
         assert not got.unresolved, (flags, got.unresolved)
-
-
-def test_count_does_not_depend_on_sequence_length(tiny, runtime, fake_npu):
-    fake_npu()
-    tr, _ = tiny[BF16]
     small = blockops.count_block(tr, runtime, blockops.t2i_inputs(tr, BF16, 64, 64), "default", npu=True)
     large = blockops.count_block(tr, runtime, blockops.t2i_inputs(tr, BF16, 256, 128), "default", npu=True)
     assert small.counts == large.counts
-
-
-def test_count_module_calls_takes_the_npu_counter(tiny, runtime):
-    tr, kw = tiny[BF16]
     with runtime.context(), torch.no_grad(), count_module_calls(tr.transformer_blocks[0], NpuOpCounter) as calls:
         tr(**kw)
     assert len(calls) == 1 and isinstance(calls[0], NpuOpCounter) and calls[0].total > 0
-
-
-def test_npu_dispatch_counts_stock_customops_as_an_ascend_platform_runs_them(tiny, runtime, fake_npu):
-    """Counting for the NPU dispatches vLLM-Omni's CustomOps to ``forward_npu`` (as ``dispatch_forward`` does on
-    Ascend) and restores the CPU dispatch afterwards: stock's AdaLayerNorm is counted as torch_npu runs it."""
-    fake_npu()
-    tr, kw = tiny[BF16]
+    # counting for the NPU dispatches the CustomOps to ``forward_npu`` (as on Ascend), then restores the CPU dispatch
     norm = tr.transformer_blocks[0].img_norm1
     before = norm._forward_method
     with blockops.npu_dispatch(tr) as switched:

@@ -184,7 +184,7 @@ def test_teacache_extractor_hits(runtime):
 
 
 # ----- invalidation and memory bound ----------------------------------------------------------------------------------
-def test_inplace_weight_change_misses(runtime):
+def test_inplace_weight_change_misses_and_invalidate_and_reload(runtime):
     tr = build(runtime)
     kw = inputs(torch.float32)
     api.select(ON, model=tr)
@@ -192,17 +192,8 @@ def test_inplace_weight_change_misses(runtime):
     with torch.no_grad():  # what a LoRA merge / NZ cast in place does: the version counter moves
         tr.transformer_blocks[1].img_mod[1].weight.mul_(1.5)
     with TensorReadCounter(mod_tensors(tr)) as c:
-        got = fwd(tr, runtime, kw)
+        got_inplace = fwd(tr, runtime, kw)
     assert c.calls == 2  # block 1's img_mod and txt_mod are recomputed, nothing else
-    api.select("none", model=tr)
-    assert torch.equal(got, fwd(tr, runtime, kw))
-
-
-def test_invalidate_and_reload(runtime):
-    tr = build(runtime)
-    kw = inputs(torch.float32)
-    api.select(ON, model=tr)
-    fwd(tr, runtime, kw)
     # A write through .data bypasses version counters: explicit invalidate() is the documented remedy.
     tr.transformer_blocks[0].txt_mod[1].weight.data.mul_(2.0)
     registry.REGISTRY.weights_changed(tr)  # the event nz_weights announces after its w.data casts
@@ -214,6 +205,9 @@ def test_invalidate_and_reload(runtime):
     api.select("none", model=tr)
     assert torch.equal(got_reload, fwd(tr, runtime, kw))
     tr.load_weights(random_transformer_state_dict(TINY, seed=0).items())
+    with torch.no_grad():
+        tr.transformer_blocks[1].img_mod[1].weight.mul_(1.5)
+    assert torch.equal(got_inplace, fwd(tr, runtime, kw))
     tr.transformer_blocks[0].txt_mod[1].weight.data.mul_(2.0)
     assert torch.equal(got_data, fwd(tr, runtime, kw))
 
@@ -238,9 +232,8 @@ def test_byte_budget_lru(runtime):
 
 
 def test_lru_hit_moves_the_entry_to_the_recent_end(runtime):
-    """The memo's LRU order on direct calls: a hit moves its entry to the most recent end, eviction takes the least
-    recently used first -- found by digest (a new temb object of a known value) and by identity (the last digested
-    temb again, after a view of it made its own entry)."""
+    """A hit moves its entry to the recent end, found by digest (a new temb of a known value) or by identity (the
+    last digested temb again, after a view of it made its own entry); eviction takes the least recently used."""
     tr = build(runtime)
     seq = tr.transformer_blocks[0].img_mod  # a stock Sequential(SiLU, ReplicatedLinear)
     g = torch.Generator().manual_seed(11)
@@ -273,8 +266,7 @@ def test_lru_hit_moves_the_entry_to_the_recent_end(runtime):
 
 
 def test_byte_budget_is_never_exceeded(runtime):
-    """Budgets below one temb entry: a payload that cannot fit even alone is not stored (``not_stored``) and is
-    recomputed next time; the bytes held, SiLU(temb) included, never exceed the budget; outputs stay stock's."""
+    """Below one temb entry: what cannot fit alone is not stored, recomputed next time; outputs stay stock's."""
     tr = build(runtime)
     kw = inputs(torch.float32)
     want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
@@ -326,15 +318,7 @@ def _fallback_case(runtime, tr, reason, kw=None, grad=False):
     return c.calls
 
 
-def test_fallback_autograd(runtime):
-    tr = build(runtime)
-    for p in mod_tensors(tr):
-        p.requires_grad_(True)
-    assert _fallback_case(runtime, tr, "autograd", grad=True) == PROJ_PER_FORWARD
-    assert len(OPT.memo) == 0
-
-
-def test_fallback_compile_capture_hooks(runtime, monkeypatch, fake_npu):
+def test_fallback_compile_capture_hooks_and_fallback_autograd(runtime, monkeypatch, fake_npu):
     tr = build(runtime)
     fake_npu()
     monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: True, raising=False)
@@ -350,11 +334,14 @@ def test_fallback_compile_capture_hooks(runtime, monkeypatch, fake_npu):
         _fallback_case(runtime, tr, "forward hooks on a modulation module")
     finally:
         h.remove()
+    for p in mod_tensors(tr):
+        p.requires_grad_(True)
+    assert _fallback_case(runtime, tr, "autograd", grad=True) == PROJ_PER_FORWARD
+    assert len(OPT.memo) == 0
 
 
 def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplog):
-    """While dynamo traces, every patched forward (block, img_mod/txt_mod, norm_out) and the fast tier's modes run
-    stock code: every projection is computed, and nothing is counted, memoized or logged."""
+    """Every patched forward and the fast tier's modes run stock code: nothing is counted, memoized or logged."""
     tr = build(runtime)
     kw = inputs(torch.float32)
     fast = (fast_modulate.OPT, fast_residual.OPT)
@@ -388,10 +375,8 @@ def test_fallback_inference_tensor_weights(runtime):
 
 
 def test_hook_that_captured_stock_forward_is_a_note_not_a_reason(runtime):
-    """A vLLM-Omni hook registry installed on a block before shared_modulation (MagCache, layerwise offload, SP)
-    keeps calling the stock block forward it captured: shared_modulation still acts (that block's projections come
-    from the memo, no fallback) and says so in a model note; the fast tier, a mode of the block body, counts only
-    the other blocks and reports the note as its reason."""
+    """A hook registry (MagCache, layerwise offload, SP) that captured the stock block forward: the projections still
+    come from the memo, with a model note; the fast tier (a mode of the block body) gives the note as its reason."""
     from vllm_omni.diffusion.hooks.base import HookRegistry
 
     tr = build(runtime)
@@ -426,29 +411,19 @@ def test_fingerprint_mismatch_turns_it_off(monkeypatch):
 
 
 # ----- AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel ------------------
-class _LayerNormEvalSpy:
-    """``npu_layer_norm_eval`` counting its calls, its result ``F.layer_norm``'s [OP-LNE] plus a marker offset: a path
-    that silently used the native LayerNorm instead could not be bitwise-equal to stock's NPU path."""
-
-    OFFSET = 2.0**-10
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, input, normalized_shape, weight=None, bias=None, eps=1e-05):
-        self.calls += 1
-        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps) + self.OFFSET
-
-
 @pytest.mark.parametrize(
     "mindiesd, edit", [(False, False), (True, False), (False, True)], ids=["torch_npu", "mindiesd", "two_segment"]
 )
 def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd, edit):
-    """Stock's NPU image norms are npu_layer_norm_eval(x) * (1 + scale) + shift without MindIE-SD (also on the
-    two-segment path of the edit models), MindIE-SD's fused kernel with it: the memoized path calls the same."""
+    """The memoized path calls stock's NPU norm: npu_layer_norm_eval (also two-segment), or MindIE-SD's kernel."""
     T()  # imports the model modules when this test runs alone
     fake = fake_npu()
-    spy = _LayerNormEvalSpy()
+    calls = []
+
+    def spy(input, normalized_shape, weight=None, bias=None, eps=1e-05):  # a marker offset: not the native LayerNorm's
+        calls.append(1)
+        return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps) + 2.0**-10
+
     monkeypatch.setattr(fake, "npu_layer_norm_eval", spy, raising=False)
     monkeypatch.setattr(sys.modules[ada_norm.ADALAYERNORM_MODULE], "_HAS_MINDIESD", mindiesd)
     tr = build(runtime, zero_cond_t=edit)
@@ -459,11 +434,11 @@ def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd
     kw = edit_inputs(torch.float32, UNEQUAL, batch=2) if edit else inputs(torch.float32, batch=2, pad=2)
     api.select("none", model=tr)
     want = fwd(tr, runtime, kw)
-    per_forward = spy.calls
+    per_forward = len(calls)
     assert per_forward == 4 * L  # stock: every AdaLayerNorm of every block goes through the kernel
     api.select(ON, model=tr)
     assert torch.equal(fwd(tr, runtime, kw), want) and torch.equal(fwd(tr, runtime, kw), want)  # cold, warm
-    assert spy.calls == 3 * per_forward  # the memoized path calls the same kernel as often as stock
+    assert len(calls) == 3 * per_forward  # the memoized path calls the same kernel as often as stock
     assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
     with runtime.context(), torch.no_grad():  # the marker makes the native LayerNorm distinguishable
         x = torch.randn(2, 5, TINY.inner_dim)
@@ -481,14 +456,29 @@ def _matmul_precision(value: str) -> Iterator[None]:
         torch.set_float32_matmul_precision(old)
 
 
-def test_numerical_settings_are_part_of_the_key(runtime):
-    """The same temb value (a fresh tensor object each call, so the digest runs) read under other numerical settings
-    is a miss (recomputed), and a hit again back under the first settings. Only the settings differ between the
-    calls: a full forward would not do, since the settings also change temb itself."""
+def test_numerical_settings_are_part_of_the_key_and_autocast_is_bitwise(runtime):
+    """The same temb value (a fresh tensor each call, so the digest runs) under other numerical settings is a miss,
+    and a hit again under the first ones; a forward under autocast after a warm fp32 memo equals stock's."""
     tr = build(runtime)
+    kw = inputs(torch.float32)
+
+    def fwd_autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fwd(tr, runtime, kw)
+
+    api.select("none", model=tr)
+    want_plain, want_autocast = fwd(tr, runtime, kw), fwd_autocast()
+    assert not torch.equal(want_plain, want_autocast)  # autocast changes the result: the setting matters
+    api.select(ON, model=tr)
+    assert torch.equal(fwd(tr, runtime, kw), want_plain)  # fills the memo in plain fp32
+    assert torch.equal(fwd_autocast(), want_autocast)
+    assert torch.equal(fwd(tr, runtime, kw), want_plain)
+    assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
+    # on the block directly: only the settings differ between the calls (they would change temb in a forward)
+    OPT.memo.clear()
+    OPT.reset_stats()
     for p in tr.parameters():
         p.requires_grad_(False)  # grad mode on is then memoizable, and keyed apart from grad mode off
-    api.select(ON, model=tr)
     block = tr.transformer_blocks[0]
     temb = torch.randn(1, TINY.inner_dim, generator=torch.Generator().manual_seed(5))
     assert torch.get_float32_matmul_precision() == "highest"
@@ -511,26 +501,6 @@ def test_numerical_settings_are_part_of_the_key(runtime):
     assert len(OPT.memo) == 4 and OPT.memo.stats["digests"] == 7
 
 
-def test_numerical_settings_autocast_bitwise_after_warm_memo(runtime):
-    """Memo filled in plain fp32, then read under CPU autocast (bf16 GEMMs): the output must still equal stock's
-    under autocast, i.e. the autocast entry is computed anew, not served from the fp32 entry."""
-    tr = build(runtime)
-    kw = inputs(torch.float32)
-
-    def fwd_autocast():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return fwd(tr, runtime, kw)
-
-    api.select("none", model=tr)
-    want_plain, want_autocast = fwd(tr, runtime, kw), fwd_autocast()
-    assert not torch.equal(want_plain, want_autocast)  # autocast changes the result: the setting matters
-    api.select(ON, model=tr)
-    assert torch.equal(fwd(tr, runtime, kw), want_plain)  # fills the memo in plain fp32
-    assert torch.equal(fwd_autocast(), want_autocast)
-    assert torch.equal(fwd(tr, runtime, kw), want_plain)
-    assert OPT.memo.stats["hits"] > 0 and OPT.fallback_reasons() == {}
-
-
 # ----- two-segment modulation (Qwen-Image-Edit-2511 zero_cond_t / modulate_index), issue 14 ---------------------------
 def edit_inputs(dtype, shapes, batch=1, t=0.5, seed=0) -> dict:
     """Transformer inputs of an edit request: ``shapes[0]`` is the denoised image, the rest condition images
@@ -547,40 +517,32 @@ UNEQUAL = [(1, 2, 3), (1, 2, 2)]  # 6 + 4 tokens: gcd 2 -> 5 broadcast chunks
 COPRIME = [(1, 1, 17), (1, 1, 2), (1, 1, 3)]  # 17 + 5 tokens: gcd 1 -> 22 chunks > 16 -> per-segment slices
 
 
+#: per edit request: the plan's (start, end, segment) runs, its chunks, and whether it broadcasts
+PLANS = {
+    "equal": (EQUAL, ((0, 4, 0), (4, 8, 1)), 2, True),
+    "unequal": (UNEQUAL, ((0, 6, 0), (6, 10, 1)), 5, True),
+    "slices": (COPRIME, ((0, 17, 0), (17, 22, 1)), 22, False),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("shapes", [EQUAL, UNEQUAL, COPRIME], ids=["equal", "unequal", "slices"])
-def test_two_segment_blocks_bitwise(runtime, dtype, batch, shapes):
+@pytest.mark.parametrize("case", list(PLANS))
+def test_two_segment_blocks_bitwise(runtime, dtype, batch, case):
+    """The segment plan is read from vLLM-Omni's own ModulateIndexPrepare output, once per forward."""
+    shapes, runs, chunks, broadcast = PLANS[case]
     tr = build(runtime, dtype=dtype, zero_cond_t=True)
+    _ts, index = tr.modulate_index_prepare(torch.tensor([0.5] * batch), [shapes] * batch)
+    plan, why = OPT.memo.segment_plan(index)
+    assert why is None and plan.runs == runs and plan.chunks == chunks and plan.broadcast is broadcast
     kw = edit_inputs(dtype, shapes, batch=batch)
     want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
     assert OPT.reasons_inactive(tr) == []
     OPT.reset_stats()
     cold, warm = fwd(tr, runtime, kw), fwd(tr, runtime, kw)
     assert torch.equal(cold, want) and torch.equal(warm, want)
-    assert OPT.fallback_reasons() == {}
+    assert OPT.fallback_reasons() == {} and OPT.memo.stats["plans"] == 2  # one per forward, shared by every block
     assert OPT.memo.stats["misses"] == L + 1 and OPT.memo.stats["hits"] == L + 1  # blocks + norm_out
-
-
-@pytest.mark.parametrize(
-    "shapes, runs, chunks, broadcast",
-    [
-        (EQUAL, ((0, 4, 0), (4, 8, 1)), 2, True),
-        (UNEQUAL, ((0, 6, 0), (6, 10, 1)), 5, True),
-        (COPRIME, ((0, 17, 0), (17, 22, 1)), 22, False),
-    ],
-    ids=["equal", "unequal", "slices"],
-)
-def test_segment_plan_follows_modulate_index(runtime, shapes, runs, chunks, broadcast):
-    """The plan is read from vLLM-Omni's own ModulateIndexPrepare output, once per forward."""
-    tr = build(runtime, zero_cond_t=True)
-    _ts, index = tr.modulate_index_prepare(torch.tensor([0.5]), [shapes])
-    plan, why = OPT.memo.segment_plan(index)
-    assert why is None and plan.runs == runs and plan.chunks == chunks and plan.broadcast is broadcast
-    api.select(ON, model=tr)
-    OPT.reset_stats()
-    fwd(tr, runtime, edit_inputs(torch.float32, shapes))
-    assert OPT.memo.stats["plans"] == 1  # one per forward, shared by every block
 
 
 def test_two_segment_zero_weight_bytes_and_ops_per_block(runtime):
@@ -629,8 +591,7 @@ def test_timestep_zero_segment_is_kept_per_weights(runtime):
 
 
 def test_two_segment_memo_is_keyed_on_the_segments(runtime):
-    """Same temb, same sequence length, different split between the denoised and the condition tokens (another
-    condition-image size), one after the other with the memo warm: a different plan each, never a stale hit."""
+    """Same temb and length, another split between denoised and condition tokens: a new plan, never a stale hit."""
     tr = build(runtime, zero_cond_t=True)
     same_length = [(1, 2, 3), (1, 1, 2)]  # 6 + 2 tokens, like EQUAL's 4 + 4
     cases = [EQUAL, same_length, EQUAL, UNEQUAL]
@@ -662,9 +623,8 @@ def test_two_segment_fallbacks(runtime, monkeypatch):
 
 
 def test_two_segment_under_inference_mode(runtime):
-    """vLLM-Omni's runner uses inference_mode, where views have no ``_base``: ``temb.chunk(2)[0]`` (txt_mod,
-    norm_out) is still recognised as a view of the block's temb (one digest per forward), and a later no_grad
-    forward of the same request reads no modulation weight."""
+    """Views have no ``_base`` there: ``temb.chunk(2)[0]`` is still known as the block's temb (one digest per
+    forward), and a later no_grad forward reads no modulation weight."""
     tr = build(runtime, zero_cond_t=True)
     kw = edit_inputs(torch.float32, UNEQUAL)
     want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))

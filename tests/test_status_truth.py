@@ -4,6 +4,7 @@ hooks), and the status file when the flag is bad."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -17,16 +18,12 @@ from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 SM, FAST_MOD = registry.get("shared_modulation"), registry.get("fast_modulate")
 
 
-def test_apply_to_qwen_image_defaults_are_the_default_stack():
+def test_apply_to_qwen_image_defaults_to_the_default_stack_and_switches_one_per_optimization():
     want = api.select("default")
     api.select("none")
     assert api.apply_to_qwen_image() == want
     assert STATE.selected == registry.default_names()  # joint_attention and qk_norm included
-    assert set(api.accepted_keywords()) == set(registry.names())
     assert api.accepted_keywords() == {o.name: o.default_enabled for o in registry.all_optimizations()}
-
-
-def test_apply_to_qwen_image_switches_one_per_optimization():
     api.apply_to_qwen_image(joint_attention=False, vae_fast=True)
     want = (set(registry.default_names()) - {"joint_attention"}) | {"vae_fast"}
     assert STATE.selected == [n for n in registry.names() if n in want]
@@ -90,8 +87,6 @@ def test_status_file_with_a_bad_flag_reports_after_build_and_every_request(monke
 
 def test_an_unwritable_status_file_warns_once_then_reminds(monkeypatch, tmp_path, caplog):
     """One warning (no traceback), then a rate-limited reminder with the count, and one line when it works again."""
-    import logging
-
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     monkeypatch.setenv(_report.ENV_STATUS_FILE, str(blocker / "status.json"))

@@ -1,8 +1,5 @@
-"""The threading contract (README, "On a real NPU"): one transformer forward at a time per process, as vLLM-Omni's
-diffusion worker runs them. The per-forward scope (``blocks/upstream/forward_scope.py``) is a module global owned by
-the thread that opened it: a forward that starts on another thread meanwhile is not scoped (its decisions are its
-own, never the other forward's), runs correctly and logs one warning.
-"""
+"""The threading contract (README, "On a real NPU"): one transformer forward at a time per process. The per-forward
+scope is owned by the thread that opened it: a forward on another thread meanwhile is unscoped and logs one warning."""
 
 from __future__ import annotations
 

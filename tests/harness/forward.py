@@ -14,8 +14,7 @@ from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dic
 
 
 def build(runtime: Any, dtype: torch.dtype = torch.float32, seed: int = 0, **kwargs: Any) -> torch.nn.Module:
-    """vLLM-Omni's QwenImageTransformer2DModel at the tiny spec (``kwargs`` override it), weights loaded through
-    ``load_weights``."""
+    """vLLM-Omni's transformer at the tiny spec (``kwargs`` override it), weights loaded through ``load_weights``."""
     from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
 
     with runtime.context():
@@ -67,24 +66,14 @@ def tiny_forward(
     seed: int = 1,
     mode: Callable[[], AbstractContextManager[Any]] = torch.no_grad,
 ) -> torch.Tensor:
-    """``batch`` rows at different timesteps; ``pad`` masks the last row's final 3 text tokens; run under ``mode``
+    """``batch`` rows at timesteps 0.5 .. 0.8; ``pad`` masks the last row's final 3 text tokens; run under ``mode``
     (a grad mode: ``torch.no_grad``, ``torch.inference_mode``, ``torch.enable_grad``)."""
-    dtype = tr.proj_out.weight.dtype
-    g = torch.Generator().manual_seed(seed)
-    hs = torch.randn(batch, hw[0] * hw[1], TINY.vae_z_dim * 4, generator=g).to(dtype)
-    ehs = torch.randn(batch, txt, TINY.joint_attention_dim, generator=g).to(dtype)
-    mask = torch.ones(batch, txt, dtype=torch.long)
-    if pad:
-        mask[-1, txt - 3 :] = 0
+    kw = inputs(tr.proj_out.weight.dtype, batch, hw, txt, pad=3 if pad else 0, seed=seed)
+    kw.update(
+        encoder_hidden_states_mask=kw["encoder_hidden_states_mask"].long(), timestep=torch.linspace(0.5, 0.8, batch)
+    )
     with rt.context(), mode():
-        return tr(
-            hidden_states=hs,
-            encoder_hidden_states=ehs,
-            encoder_hidden_states_mask=mask,
-            timestep=torch.linspace(0.5, 0.8, batch),
-            img_shapes=[[(1, *hw)]] * batch,
-            txt_seq_lens=[txt] * batch,
-        ).sample
+        return tr(**kw)[0]
 
 
 def stock_outputs(tr: Any, runtime: Any, kws: list[dict[str, Any]], spec: str) -> list[torch.Tensor]:
