@@ -1,6 +1,5 @@
-"""Per-optimization ``close`` gates (``Optimization.close_gates``): each optimization's own with/without comparison
-is held to its own gate, a configuration's comparison to the loosest gate among the close optimizations it differs
-by, and the workload's gates where none is set. Synthetic metrics, just beyond each boundary."""
+"""Per-optimization ``close`` gates: an optimization's own comparison is held to its gate, a configuration's to the
+loosest gate among the close optimizations it differs by (the workload's where none is set). Synthetic metrics."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ def test_registry_fast_tier_declares_its_gates():
 
 
 def _analyse(monkeypatch, tmp_path, p, metrics: dict[str, tuple[float, float]]):
-    """``analyse`` with the image comparison replaced: ``metrics[other config] = (SSIM, PSNR)`` whatever the
-    reference (a stored image loads as its configuration id)."""
+    """``analyse`` with ``metrics[other config] = (SSIM, PSNR)`` as every image comparison's result."""
 
     def cmp(ref, other):
         ssim, psnr = metrics.get(other, (1.0, float("inf")))
@@ -100,9 +98,7 @@ def test_a_configuration_is_held_to_the_loosest_gate_it_contains(monkeypatch, tm
     assert cfg["single_fast_a"]["vs_stock"]["gate"]["passed"] is alone
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # optimizations that act through another (Optimization.needs): never planned without it
-# ----------------------------------------------------------------------------------------------------------------
 NEEDS = [
     OptInfo("memo", "exact"),
     OptInfo("ex", "exact"),
