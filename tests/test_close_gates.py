@@ -43,6 +43,10 @@ def test_registry_fast_tier_declares_its_gates():
         assert opt.close_gates == FAST and opt.equivalence == "close" and not opt.default_enabled
         assert infos[name].close_gates == FAST
     assert infos["vae_fast"].close_gates is None  # the workload's gates, as before
+    assert infos["fast_residual"].needs == ("shared_modulation",)  # never planned without it
+    wl = from_mapping({"seeds": [1], "repeats": 1, "warmup": 0, "stack": "all"}).validate()
+    for c in build_plan(wl, list(infos.values())).configs:
+        assert not ({"fast_modulate", "fast_residual"} & set(c.opts)) or "shared_modulation" in c.opts, c
 
 
 def _analyse(monkeypatch, tmp_path, p, metrics: dict[str, tuple[float, float]]):
@@ -134,15 +138,6 @@ def test_an_optimization_whose_need_cannot_take_part_is_skipped():
     assert p.stack == ["ex"] and p.skipped["fast"] == ["needs memo, which cannot take part in this run"]
     p = plan("leave-one-out", NEEDS, skip=["memo"])
     assert "fast" not in p.stack and "needs memo" in p.skipped["fast"][0]
-
-
-def test_fast_tier_needs_shared_modulation_in_the_registry_plan():
-    infos = opt_infos_from_registry()
-    assert {i.name: i.needs for i in infos}["fast_residual"] == ("shared_modulation",)
-    wl = from_mapping({"seeds": [1], "repeats": 1, "warmup": 0, "stack": "all"}).validate()
-    p = build_plan(wl, infos)
-    for c in p.configs:
-        assert not ({"fast_modulate", "fast_residual"} & set(c.opts)) or "shared_modulation" in c.opts, c
 
 
 def test_tiny_cpu_fast_workload_holds_the_fast_tier_to_its_gates_against_stock():
