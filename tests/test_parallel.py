@@ -253,12 +253,21 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(4.0 / mse)).item()  # range [-1, 1]
 
 
-def test_default_is_bitwise_none_in_the_same_mode(run):
-    """Also after other resolutions ran in the same processes (a stale cache would show); where close optimizations
-    act (``all``, NPU paths through the double) the image stays within PSNR 35 dB of stock."""
+def test_each_job_matches_none_and_applies_what_it_selects_or_says_why_not(run):
+    """Per job: bitwise ``none`` of the same shape, also after other shapes ran in the same processes (a stale cache
+    would show), or within PSNR 35 dB where close optimizations act (``all``, NPU paths). ``none`` with the torch_npu
+    double is bitwise ``none`` without it and calls none of its kernels. Selected and able to act here => installed
+    and attached; declared off in the mode => not acting; not acting => a reason; acting => counters show work."""
+    if run.dtype == "float32":
+        assert not any(j.job.tag.startswith("npu:") for j in run.ranks[0].jobs)
     for r in run.ranks:
         for j in r.jobs:
             if j.job.spec == "none":
+                assert j.installed == [] and j.acting == [], f"{j.job.tag}: {j.installed}"
+                if j.job.tag.startswith("npu:none/"):
+                    plain = r.job("bf16:" + j.job.tag.removeprefix("npu:")).images
+                    assert torch.equal(j.images, plain), j.job.tag
+                    assert not j.extra, f"stock called torch_npu: {j.extra}"
                 continue
             ref = r.job(reference_tag(j.job)).images
             assert j.images.shape == ref.shape
@@ -270,38 +279,6 @@ def test_default_is_bitwise_none_in_the_same_mode(run):
                 assert _psnr(j.images, ref) >= 35.0, where
             else:
                 assert torch.equal(j.images, ref), f"{where} differs by {(j.images - ref).abs().max().item():.3e}"
-
-
-def test_the_torch_npu_double_changes_no_stock_path(run):
-    """``none`` with the double installed is bitwise ``none`` without it, and calls none of its kernels."""
-    if run.dtype == "float32":
-        assert not any(j.job.tag.startswith("npu:") for j in run.ranks[0].jobs)
-        return
-    for r in run.ranks:
-        for j in r.jobs:
-            if j.job.tag.startswith("npu:none/"):
-                plain = r.job("bf16:" + j.job.tag.removeprefix("npu:")).images
-                assert torch.equal(j.images, plain), j.job.tag
-                assert not j.extra, f"stock called torch_npu: {j.extra}"
-
-
-def test_every_rank_returns_the_same_image_and_acts_alike(run):
-    r0 = run.ranks[0]
-    for r in run.ranks[1:]:
-        for a, b in zip(r0.jobs, r.jobs, strict=True):
-            assert torch.equal(a.images, b.images), f"{run.mode}@{run.dtype} {a.job.tag}: rank {r.rank} differs"
-            assert (a.selected, a.installed, a.acting) == (b.selected, b.installed, b.acting), a.job.tag
-            assert a.extra == b.extra, (a.job.tag, a.extra, b.extra)  # the same torch_npu kernels on every rank
-
-
-def test_selected_optimizations_are_really_applied_or_say_why_not(run):
-    """Selected and able to act here (no environment reason) => installed and attached; declared off in the mode
-    => not acting; not acting => a reason in words; acting => its counters show work (when it has counters)."""
-    for r in run.ranks:
-        for j in r.jobs:
-            if j.job.spec == "none":
-                assert j.installed == [] and j.acting == [], f"{j.job.tag}: {j.installed}"
-                continue
             want = {"default": registry.default_names(), "all": registry.names()}.get(j.job.spec)
             if want is not None:
                 assert j.selected == want, j.job.tag
@@ -321,6 +298,15 @@ def test_selected_optimizations_are_really_applied_or_say_why_not(run):
                     assert any(isinstance(v, (int, float)) and v for v in counters.values()), (
                         f"{name} acts in {run.mode} {j.job.tag} but its counters show no work: {counters}"
                     )
+
+
+def test_every_rank_returns_the_same_image_and_acts_alike(run):
+    r0 = run.ranks[0]
+    for r in run.ranks[1:]:
+        for a, b in zip(r0.jobs, r.jobs, strict=True):
+            assert torch.equal(a.images, b.images), f"{run.mode}@{run.dtype} {a.job.tag}: rank {r.rank} differs"
+            assert (a.selected, a.installed, a.acting) == (b.selected, b.installed, b.acting), a.job.tag
+            assert a.extra == b.extra, (a.job.tag, a.extra, b.extra)  # the same torch_npu kernels on every rank
 
 
 def test_none_against_the_single_process_output(fp32_run, single):
