@@ -1,6 +1,5 @@
-"""Per-optimization ``close`` gates (``Optimization.close_gates``): each optimization's own with/without comparison
-is held to its own gate, a configuration's comparison to the loosest gate among the close optimizations it differs
-by, and the workload's gates where none is set. Synthetic metrics, just beyond each boundary."""
+"""Per-optimization ``close`` gates: an optimization's own comparison is held to its gate, a configuration's to the
+loosest gate among the close optimizations it differs by (the workload's where none is set). Synthetic metrics."""
 
 from __future__ import annotations
 
@@ -44,11 +43,14 @@ def test_registry_fast_tier_declares_its_gates():
         assert opt.close_gates == FAST and opt.equivalence == "close" and not opt.default_enabled
         assert infos[name].close_gates == FAST
     assert infos["vae_fast"].close_gates is None  # the workload's gates, as before
+    assert infos["fast_residual"].needs == ("shared_modulation",)  # never planned without it
+    wl = from_mapping({"seeds": [1], "repeats": 1, "warmup": 0, "stack": "all"}).validate()
+    for c in build_plan(wl, list(infos.values())).configs:
+        assert not ({"fast_modulate", "fast_residual"} & set(c.opts)) or "shared_modulation" in c.opts, c
 
 
 def _analyse(monkeypatch, tmp_path, p, metrics: dict[str, tuple[float, float]]):
-    """``analyse`` with the image comparison replaced: ``metrics[other config] = (SSIM, PSNR)`` whatever the
-    reference (a stored image loads as its configuration id)."""
+    """``analyse`` with ``metrics[other config] = (SSIM, PSNR)`` as every image comparison's result."""
 
     def cmp(ref, other):
         ssim, psnr = metrics.get(other, (1.0, float("inf")))
@@ -100,9 +102,7 @@ def test_a_configuration_is_held_to_the_loosest_gate_it_contains(monkeypatch, tm
     assert cfg["single_fast_a"]["vs_stock"]["gate"]["passed"] is alone
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # optimizations that act through another (Optimization.needs): never planned without it
-# ----------------------------------------------------------------------------------------------------------------
 NEEDS = [
     OptInfo("memo", "exact"),
     OptInfo("ex", "exact"),
@@ -138,15 +138,6 @@ def test_an_optimization_whose_need_cannot_take_part_is_skipped():
     assert p.stack == ["ex"] and p.skipped["fast"] == ["needs memo, which cannot take part in this run"]
     p = plan("leave-one-out", NEEDS, skip=["memo"])
     assert "fast" not in p.stack and "needs memo" in p.skipped["fast"][0]
-
-
-def test_fast_tier_needs_shared_modulation_in_the_registry_plan():
-    infos = opt_infos_from_registry()
-    assert {i.name: i.needs for i in infos}["fast_residual"] == ("shared_modulation",)
-    wl = from_mapping({"seeds": [1], "repeats": 1, "warmup": 0, "stack": "all"}).validate()
-    p = build_plan(wl, infos)
-    for c in p.configs:
-        assert not ({"fast_modulate", "fast_residual"} & set(c.opts)) or "shared_modulation" in c.opts, c
 
 
 def test_tiny_cpu_fast_workload_holds_the_fast_tier_to_its_gates_against_stock():

@@ -1,9 +1,6 @@
-"""The plugin on top of vLLM-Omni's own NPU int8 (``--quantization int8``): the tiny Qwen-Image loaded through
-vLLM-Omni's loader with its ``NPUInt8OnlineLinearMethod`` and the torch_npu fake (``tests/harness/int8.py``).
-
-int8-default against int8-stock by tier (exact bitwise, pixel uint8-identical; rope compared as in bf16, where the
-tiny model is not pixel-identical either), what each optimization does there, the modulation memo on (un)quantized
-modulation linears, launches per block, ``ignored_layers`` and over-wide layers, and ``nz_weights`` on int8 weights.
+"""The plugin on top of vLLM-Omni's own NPU int8 (``--quantization int8``, ``tests/harness/int8.py``): results by
+tier against int8-stock, what each optimization does there, the modulation memo, launches per block, ignored and
+over-wide layers, and ``nz_weights`` on int8 weights.
 """
 
 from __future__ import annotations
@@ -107,6 +104,9 @@ def test_int8_default_against_int8_stock_by_tier(runtime, int8_pipe):
 
 def test_each_optimization_says_whether_it_acts_under_int8(runtime, int8_pipe):
     pipe, _ = int8_pipe
+    api.select("none,+fused_attention", model=pipe)  # reads the activation dtype of a quantized qkv
+    assert pipe.transformer.transformer_blocks[0].attn.to_qkv.weight.dtype == torch.int8
+    assert _report.explain(registry.get("fused_attention"), pipe) == []
     api.select("default", model=pipe)
     generate(pipe, runtime, steps=2, seed=3)
     why = {n: _report.explain(registry.get(n), pipe) for n in registry.default_names()}
@@ -122,13 +122,6 @@ def test_each_optimization_says_whether_it_acts_under_int8(runtime, int8_pipe):
     assert set(rep["int8"]) == {f"transformer.{n}" for n in h.int8_layers(pipe.transformer)}
     assert set(rep["int8"].values()) == {"FRACTAL_NZ"}
     assert any(n.startswith("int8: 16 vLLM-Omni NPU int8 linear(s), 16 in FRACTAL_NZ") for n in nz.notes())
-
-
-def test_fused_attention_reads_the_activation_dtype_of_a_quantized_qkv(runtime, int8_pipe):
-    pipe, _ = int8_pipe
-    api.select("none,+fused_attention", model=pipe)
-    assert pipe.transformer.transformer_blocks[0].attn.to_qkv.weight.dtype == torch.int8
-    assert _report.explain(registry.get("fused_attention"), pipe) == []
 
 
 @pytest.mark.parametrize("quantized_txt_mod", [False, True])
@@ -169,7 +162,6 @@ def test_launches_per_block_int8_stock_and_default(runtime, int8_pipe):
     for c in (stock, default):  # one dynamic quant and one int8 GEMM per quantized linear, 8 per block
         assert c.counts["npu::npu_dynamic_quant"] == 8 and c.counts["npu::npu_quant_matmul"] == 8
         assert not c.unresolved
-    print(f"int8 launches per block: stock {stock.total}, default {default.total}")
     assert stock.total == 118 and default.total == 48
 
 

@@ -20,14 +20,8 @@ def _table() -> OpTable:
     m, k, n = 4096, 3072, 12288
     t.add("addmm", GEMM, f"{SITE}{n},{m}x{k},{k}x{n}", 2.0 * m * k * n * BLOCKS, 2.0 * (m * k + k * n + m * n) * BLOCKS,
           BLOCKS)  # fmt: skip
-    t.add(
-        "addmm",
-        GEMM,
-        f"{SITE}18432,1x3072,3072x18432",
-        2.0 * 3072 * 18432 * 2 * BLOCKS,
-        2.0 * 3072 * 18432 * 2 * BLOCKS,
-        2 * BLOCKS,
-    )  # fmt: skip  the modulation (M = 1): kept in bf16
+    mod = 2.0 * 3072 * 18432 * 2 * BLOCKS  # the modulation (M = 1): kept in bf16
+    t.add("addmm", GEMM, f"{SITE}18432,1x3072,3072x18432", mod, mod, 2 * BLOCKS)
     t.add("addmm", GEMM, f"{SITE}3072,4096x64,64x3072", 2.0 * 4096 * 64 * 3072, 1e6, 1)  # img_in: outside
     t.add("gelu", OTHER, "x.py:1|4096x12288", 4096 * 12288 * BLOCKS, 4.0 * 4096 * 12288 * BLOCKS, BLOCKS)
     return t

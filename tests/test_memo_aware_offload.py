@@ -1,7 +1,6 @@
-"""memo_aware_offload through vLLM-Omni's runner with layerwise offload: a warm forward whose modulation is all in
-the memo leaves blocks 1..N-1's img_mod / txt_mod weights on the host (bytes counted on the copies), bitwise stock,
-with TeaCache and MagCache too; a cold forward, a LoRA switch and a memo that loses an entry copy what the blocks
-read. The memo keys weights on identity and version, not storage: with a storage key it copies everything.
+"""memo_aware_offload under vLLM-Omni's layerwise offload: a warm forward leaves blocks 1..N-1's modulation weights
+on the host, bitwise stock (TeaCache and MagCache too); a cold forward, a LoRA switch and a memo that loses an entry
+copy what the blocks read; a storage-keyed memo would copy everything.
 """
 
 from __future__ import annotations
@@ -79,16 +78,6 @@ def test_warm_forwards_leave_the_modulation_weights_on_the_host(runtime, cache):
         assert 0 < forwards <= FORWARDS  # the cache backend skipped some forwards' blocks
 
 
-def test_cold_forwards_copy_everything_with_the_reason(runtime):
-    with loaded(runtime, "default", enable_layerwise_offload=True) as h:
-        OPT.reset_stats()
-        h.generate(**REQUEST)
-        # each step's first forward meets a new temb and copies everything; its CFG branch (same temb) skips
-        assert OPT.stats["forwards_copying"] == 2 and OPT.stats["forwards_skipping"] == 2
-        assert OPT.fallback_reasons() == {mao.NOT_ALL_MEMOIZED: 2}
-        assert _report.explain(OPT, h.pipeline) == []  # it acts on this model; the fallbacks say when it copies
-
-
 def test_a_memo_that_loses_an_entry_gets_the_weights_copied_late(runtime, monkeypatch):
     """The memo cleared right after block 0's decision (warm request): block 1, whose modulation weights stayed on the
     host, misses and gets them copied before it runs: still bitwise, and the bytes add up."""
@@ -140,37 +129,38 @@ def test_lora_switch_under_offload_copies_the_new_weights(runtime, tmp_path):
     assert stats[3]["forwards_skipping"] == FORWARDS  # warm with the adapter
 
 
-def test_probes_point_at_a_copied_weight_and_are_restored(runtime):
-    """Upstream's materialization probe of a block is its first weight (img_mod.1.weight); a block whose modulation
-    weights stay on the host must still read as materialized, or upstream copies it a second time."""
-    with loaded(runtime, "default", enable_layerwise_offload=True) as h:
-        hooks = [block_hook(b) for b in h.pipeline.transformer.transformer_blocks]
-        before = [hk._materialization_probe for hk in hooks]
-        names = [{id(p): n for n, p in b.named_parameters()} for b in h.pipeline.transformer.transformer_blocks]
-        assert all(is_modulation(names[i][id(p)]) for i, p in enumerate(before))
-        h.generate(**REQUEST)
-        h.generate(**REQUEST)
-        assert all(not is_modulation(names[i][id(hk._materialization_probe)]) for i, hk in enumerate(hooks))
-        api.select("none")  # uninstall: every probe is upstream's again
-        assert [hk._materialization_probe for hk in hooks] == before
-
-
-def test_status_without_layerwise_offload_and_under_tracing(runtime, monkeypatch):
+def test_cold_forwards_probes_and_tracing_under_offload(runtime, monkeypatch):
+    """A cold forward copies everything, with the reason. Upstream's materialization probe of a block is its first
+    weight (img_mod.1.weight): a block whose modulation weights stay on the host must still read as materialized (or
+    upstream copies it again), until uninstall. Under tracing the prefetch is stock's, nothing counted."""
     with loaded(runtime, "default") as h:
         (why,) = _report.explain(OPT, h.pipeline)
         assert "layerwise offload is not enabled" in why
         assert "memo_aware_offload" not in _report.acting(h.pipeline)
     with loaded(runtime, "default", enable_layerwise_offload=True) as h:
         assert "memo_aware_offload" in _report.acting(h.pipeline)
+        blocks = h.pipeline.transformer.transformer_blocks
+        hooks = [block_hook(b) for b in blocks]
+        before = [hk._materialization_probe for hk in hooks]
+        names = [{id(p): n for n, p in b.named_parameters()} for b in blocks]
+        assert all(is_modulation(names[i][id(p)]) for i, p in enumerate(before))
+        OPT.reset_stats()
         h.generate(**REQUEST)
+        # each step's first forward meets a new temb and copies everything; its CFG branch (same temb) skips
+        assert OPT.stats["forwards_copying"] == 2 and OPT.stats["forwards_skipping"] == 2
+        assert OPT.fallback_reasons() == {mao.NOT_ALL_MEMOIZED: 2}
+        assert _report.explain(OPT, h.pipeline) == []  # it acts on this model; the fallbacks say when it copies
+        h.generate(**REQUEST)
+        assert all(not is_modulation(names[i][id(hk._materialization_probe)]) for i, hk in enumerate(hooks))
         OPT.reset_stats()
         with monkeypatch.context() as m:
             m.setattr(torch.compiler, "is_compiling", lambda: True)
-            hook = block_hook(h.pipeline.transformer.transformer_blocks[0])
             with count_offload_copies(h.pipeline) as copies:
-                hook.pre_forward(h.pipeline.transformer.transformer_blocks[0])  # stock: prefetch block 1 whole
+                hooks[0].pre_forward(blocks[0])  # stock: prefetch block 1 whole
         assert OPT.stats == {} and OPT.fallback_reasons() == {}
         assert copies.bytes == _block_sizes(h.pipeline)[0]
+        api.select("none")  # uninstall: every probe is upstream's again
+        assert [hk._materialization_probe for hk in hooks] == before
 
 
 def test_upstream_change_turns_it_off(monkeypatch):

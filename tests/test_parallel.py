@@ -1,11 +1,9 @@
-"""Every optimization under vLLM-Omni's own parallelism, with real process groups on CPU.
+"""Every optimization under vLLM-Omni's own parallelism (TP, CFG-parallel, Ring and Ulysses SP; 2 gloo workers).
 
-TP 2, CFG-parallel 2 (true CFG), Ring SP 2 and Ulysses SP 2 run in turn in the same 2 gloo workers
-(:mod:`tests.harness.parallel`), each running ``none``, ``default`` and ``all`` at resolutions chosen to catch caches
-keyed on too little: an odd token count that Ulysses pads, an even one with the same shard length, its transpose
-(other RoPE positions), prompts of different lengths, then the first again. Per mode: ``default`` is bitwise
-``none``; every rank returns the same image and acts alike; what can act is installed, what ``parallel_support``
-declares off does not act; ``none`` matches the single process. Each mode repeats in bf16 with the torch_npu double.
+Each mode runs ``none``, ``default`` and ``all`` at shapes that catch caches keyed on too little (an odd token count
+Ulysses pads, an even one of the same shard length, its transpose, other prompt lengths, the first again), in fp32
+and in bf16 with the torch_npu double: ``default`` is bitwise ``none``, ranks agree, what can act is installed, what
+``parallel_support`` declares off does not act, and ``none`` matches the single process.
 """
 
 from __future__ import annotations
@@ -101,9 +99,7 @@ def reference_tag(job: Job) -> str:
     return (group + ":" if group else "") + "none/" + rest.split("/", 1)[1].split("#")[0]
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # one spawn runs every mode in turn (vLLM-Omni is imported once); its reports are shared by the tests below
-# ----------------------------------------------------------------------------------------------------------------
 SPAWN_ORDER = ("tensor_parallel", "cfg_parallel", "ring", "ulysses")
 PLAN = [ModeRun(m, tuple(jobs_for(m, ("default", "all")))) for m in SPAWN_ORDER] + [
     ModeRun(m, tuple(npu_jobs(m)), dtype=BF16) for m in SPAWN_ORDER
@@ -157,9 +153,7 @@ def single(tiny_pipe, runtime):
     return ref
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # hooks run inside the workers (imported there as tests.test_parallel)
-# ----------------------------------------------------------------------------------------------------------------
 def fail_on_rank1(rank: int) -> None:
     if rank == 1:
         raise RuntimeError("deliberate failure on rank 1")
@@ -174,8 +168,7 @@ _FAKE_NPU: list[pytest.MonkeyPatch] = []
 
 
 def install_fake_npu(rank: int) -> None:
-    """Once the pipeline is built (vLLM-Omni keeps its CPU platform), the torch_npu double as ``fake_npu`` installs
-    it; the next job selects ``none``, so every later selection re-probes the backend."""
+    """The torch_npu double, once the pipeline is built (vLLM-Omni keeps its CPU platform)."""
     from tests.fake_torch_npu import install
 
     mp = pytest.MonkeyPatch()
@@ -192,8 +185,7 @@ def fake_npu_calls(rank: int) -> dict[str, int]:
 
 
 def fake_npu_calls_and_remove(rank: int) -> dict[str, int]:
-    """Last job of a mode: report, uninstall every optimization, then take the double away (the next mode builds
-    its model without it)."""
+    """Last job of a mode: report, uninstall everything and take the double away for the next mode."""
     from vllm_omni_ascend_opt import _backend, api
 
     calls = fake_npu_calls(rank)
@@ -261,12 +253,21 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(4.0 / mse)).item()  # range [-1, 1]
 
 
-def test_default_is_bitwise_none_in_the_same_mode(run):
-    """Also after other resolutions ran in the same processes (a stale cache would show); where close optimizations
-    act (``all``, NPU paths through the double) the image stays within PSNR 35 dB of stock."""
+def test_each_job_matches_none_and_applies_what_it_selects_or_says_why_not(run):
+    """Per job: bitwise ``none`` of the same shape, also after other shapes ran in the same processes (a stale cache
+    would show), or within PSNR 35 dB where close optimizations act (``all``, NPU paths). ``none`` with the torch_npu
+    double is bitwise ``none`` without it and calls none of its kernels. Selected and able to act here => installed
+    and attached; declared off in the mode => not acting; not acting => a reason; acting => counters show work."""
+    if run.dtype == "float32":
+        assert not any(j.job.tag.startswith("npu:") for j in run.ranks[0].jobs)
     for r in run.ranks:
         for j in r.jobs:
             if j.job.spec == "none":
+                assert j.installed == [] and j.acting == [], f"{j.job.tag}: {j.installed}"
+                if j.job.tag.startswith("npu:none/"):
+                    plain = r.job("bf16:" + j.job.tag.removeprefix("npu:")).images
+                    assert torch.equal(j.images, plain), j.job.tag
+                    assert not j.extra, f"stock called torch_npu: {j.extra}"
                 continue
             ref = r.job(reference_tag(j.job)).images
             assert j.images.shape == ref.shape
@@ -276,43 +277,8 @@ def test_default_is_bitwise_none_in_the_same_mode(run):
                 assert not close, f"{where}: the default stack on CPU must be exact"
             if close:
                 assert _psnr(j.images, ref) >= 35.0, where
-                continue
-            if torch.equal(j.images, ref):
-                continue
-            diff = (j.images - ref).abs().max().item()
-            raise AssertionError(f"{where} differs from none by {diff:.3e}")
-
-
-def test_the_torch_npu_double_changes_no_stock_path(run):
-    """``none`` with the double installed is bitwise ``none`` without it, and calls none of its kernels."""
-    if run.dtype == "float32":
-        assert not any(j.job.tag.startswith("npu:") for j in run.ranks[0].jobs)
-        return
-    for r in run.ranks:
-        for j in r.jobs:
-            if j.job.tag.startswith("npu:none/"):
-                plain = r.job("bf16:" + j.job.tag.removeprefix("npu:")).images
-                assert torch.equal(j.images, plain), j.job.tag
-                assert not j.extra, f"stock called torch_npu: {j.extra}"
-
-
-def test_every_rank_returns_the_same_image_and_acts_alike(run):
-    r0 = run.ranks[0]
-    for r in run.ranks[1:]:
-        for a, b in zip(r0.jobs, r.jobs, strict=True):
-            assert torch.equal(a.images, b.images), f"{run.mode}@{run.dtype} {a.job.tag}: rank {r.rank} differs"
-            assert (a.selected, a.installed, a.acting) == (b.selected, b.installed, b.acting), a.job.tag
-            assert a.extra == b.extra, (a.job.tag, a.extra, b.extra)  # the same torch_npu kernels on every rank
-
-
-def test_selected_optimizations_are_really_applied_or_say_why_not(run):
-    """Selected and able to act here (no environment reason) => installed and attached; declared off in the mode
-    => not acting; not acting => a reason in words; acting => its counters show work (when it has counters)."""
-    for r in run.ranks:
-        for j in r.jobs:
-            if j.job.spec == "none":
-                assert j.installed == [] and j.acting == [], f"{j.job.tag}: {j.installed}"
-                continue
+            else:
+                assert torch.equal(j.images, ref), f"{where} differs by {(j.images - ref).abs().max().item():.3e}"
             want = {"default": registry.default_names(), "all": registry.names()}.get(j.job.spec)
             if want is not None:
                 assert j.selected == want, j.job.tag
@@ -332,6 +298,15 @@ def test_selected_optimizations_are_really_applied_or_say_why_not(run):
                     assert any(isinstance(v, (int, float)) and v for v in counters.values()), (
                         f"{name} acts in {run.mode} {j.job.tag} but its counters show no work: {counters}"
                     )
+
+
+def test_every_rank_returns_the_same_image_and_acts_alike(run):
+    r0 = run.ranks[0]
+    for r in run.ranks[1:]:
+        for a, b in zip(r0.jobs, r.jobs, strict=True):
+            assert torch.equal(a.images, b.images), f"{run.mode}@{run.dtype} {a.job.tag}: rank {r.rank} differs"
+            assert (a.selected, a.installed, a.acting) == (b.selected, b.installed, b.acting), a.job.tag
+            assert a.extra == b.extra, (a.job.tag, a.extra, b.extra)  # the same torch_npu kernels on every rank
 
 
 def test_none_against_the_single_process_output(fp32_run, single):

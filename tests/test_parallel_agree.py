@@ -1,7 +1,6 @@
 """Ranks agree on every kernel verdict (``blocks/kernels/agree.py``): 2 gloo processes, rank 1 with a wrong
-``npu_rms_norm`` (the fake's ``no_gamma``). At the end of the forward rank 1's refusal replaces rank 0's pass, and a
-class only rank 1 has met is refused on rank 0 without a check; until then rank 0's passes wait (stock path), so the
-ranks never run different kernels.
+``npu_rms_norm``. At the forward's end rank 1's refusals replace rank 0's passes (a class only rank 1 met is refused on
+rank 0 unchecked); until then rank 0's passes wait on the stock path, so the ranks never run different kernels.
 """
 
 from __future__ import annotations
@@ -23,12 +22,12 @@ def _rank(rank: int, port: int, out: str) -> None:
         with open(os.path.join(out, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
-    # Done and the group destroyed: leave without the interpreter's teardown, where gloo's threads can still abort
-    # the process ("terminate called without an active exception") after everything checked has been written.
-    os._exit(0)
+    os._exit(0)  # skip the interpreter's teardown, where gloo's threads can still abort the process
 
 
 def _run_rank(rank: int, port: int, out: str) -> None:
+    import sys
+
     import torch.distributed as dist
 
     from tests.fake_torch_npu import build
@@ -39,8 +38,6 @@ def _run_rank(rank: int, port: int, out: str) -> None:
 
     os.environ[saved.ENV_VERDICT_CACHE] = os.path.join(out, f"cache{rank}")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    import sys
-
     npu = build(**({"rms_norm": "no_gamma"} if rank == 1 else {}))
     sys.modules["torch_npu"], torch.npu = npu, npu._torch_npu_namespace
     _backend.reset_cache()

@@ -8,12 +8,11 @@ import pytest
 
 from vllm_omni_ascend_opt import _parallel, optimization, registry
 
+FIELDS = "ulysses_degree ring_degree allgather_degree cfg_parallel_size tensor_parallel_size vae_patch_parallel_size"
+
 
 def _pc(**kw):
-    fields = (
-        "ulysses_degree ring_degree allgather_degree cfg_parallel_size tensor_parallel_size vae_patch_parallel_size"
-    )
-    return SimpleNamespace(**{**dict.fromkeys(fields.split(), 1), **kw})
+    return SimpleNamespace(**{**dict.fromkeys(FIELDS.split(), 1), **kw})
 
 
 @pytest.mark.parametrize(
@@ -29,14 +28,11 @@ def _pc(**kw):
     ],
 )
 def test_active_modes_from_a_pipeline_or_its_transformer(fields, modes):
+    assert _parallel.active_modes(object()) == ["single"]  # without a parallel config
     pc = _pc(**fields)
     assert _parallel.active_modes(SimpleNamespace(parallel_config=pc)) == modes  # pipeline / transformer attribute
     assert _parallel.active_modes(SimpleNamespace(transformer=SimpleNamespace(parallel_config=pc))) == modes
     assert _parallel.active_modes(SimpleNamespace(od_config=SimpleNamespace(parallel_config=pc))) == modes
-
-
-def test_without_a_parallel_config_the_mode_is_single():
-    assert _parallel.active_modes(object()) == ["single"]
 
 
 class _Opt:

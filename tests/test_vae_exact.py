@@ -29,9 +29,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def make_dist_vae(dtype: torch.dtype = torch.float32, out_gain: float = 5.0, **kw) -> nn.Module:
-    """vLLM-Omni's DistributedAutoencoderKLQwenImage with seeded random weights: by default the real architecture
-    (upsample3d, upsample2d, a 1x1x1 shortcut, the mid-block attention) at a small width. ``out_gain`` scales the
-    last conv so that some pixels reach the final clamp to [-1, 1]."""
+    """vLLM-Omni's DistributedAutoencoderKLQwenImage, seeded random weights, by default the real architecture at a small
+    width; ``out_gain`` scales the last conv so that some pixels reach the final clamp to [-1, 1]."""
     from vllm_omni.diffusion.distributed.autoencoders.autoencoder_kl_qwenimage import (
         DistributedAutoencoderKLQwenImage,
     )
@@ -68,8 +67,7 @@ def decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def decoder_calls(vae: nn.Module) -> Iterator[list[str]]:
-    """Which decode path ran, per decoder call: stock ``_decode`` passes its feature cache (``feat_cache=`` a list),
-    the single-frame decode calls the decoder without one. A bitwise comparison alone cannot tell them apart."""
+    """Per decoder call, the path that ran: stock passes its feature cache, the single-frame decode does not."""
     log: list[str] = []
 
     def pre(_m, _args, kwargs):
@@ -82,12 +80,9 @@ def decoder_calls(vae: nn.Module) -> Iterator[list[str]]:
         h.remove()
 
 
-def own_attrs(module: nn.Module) -> set[str]:
-    return {"_decode", "tiled_decode", "tile_exec", "clear_cache", "forward", "_decode_latents"} & set(vars(module))
-
-
 def patched_anywhere(pipe_or_vae) -> list[str]:
-    return [n for n, m in pipe_or_vae.named_modules() if own_attrs(m)]
+    own = {"_decode", "tiled_decode", "tile_exec", "clear_cache", "forward", "_decode_latents"}
+    return [n for n, m in pipe_or_vae.named_modules() if own & set(vars(m))]
 
 
 @pytest.fixture(scope="module")
@@ -97,12 +92,15 @@ def vaes(runtime):
 
 # ----- bitwise --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_direct_vae_bitwise_several_sizes(vaes, dtype):
+def test_direct_vae_bitwise_several_sizes_fewer_ops_and_multi_frame_takes_stock_path(vaes, dtype):
     vae = vaes[dtype]
     zs = [latent(h, w, dtype, seed=i) for i, (h, w) in enumerate(SIZES)]
+    z3 = latent(4, 6, dtype, t=3)
     with decoder_calls(vae) as stock_path:
         ref = [decode(vae, z) for z in zs]
     assert stock_path == ["stock"] * len(zs)
+    _, stock = count_ops(lambda: decode(vae, zs[0]))
+    ref3 = decode(vae, z3)
     api.select("none,+vae_exact", model=vae)
     assert OPT.piece_report(vae) == {
         "single_frame_decode": "",
@@ -123,6 +121,24 @@ def test_direct_vae_bitwise_several_sizes(vaes, dtype):
     assert not OPT.fallback_reasons()
     # The VAE is left in the same cache state as stock.
     assert vae._feat_map == [None] * vae._cached_conv_counts["decoder"] and vae._conv_idx == [0]
+    _, ours = count_ops(lambda: decode(vae, zs[0]))  # warm: the native-dtype upsample was verified on a probe
+    n_res = sum(isinstance(m, QwenImageResidualBlock) for m in vae.decoder.modules())
+    # Stock clones, for a next frame that never comes, the input of conv_in, of both convs of every residual block
+    # and of conv_out; the one clone left is the mid-block attention's qkv .contiguous().
+    assert stock.counts["aten::clone"] - ours.counts["aten::clone"] == 2 * n_res + 2 == 30
+    assert ours.counts["aten::clone"] == 1
+    # 1x1x1 convs (post_quant_conv + one shortcut) no longer copy through a zero-width pad.
+    assert stock.counts["aten::constant_pad_nd"] - ours.counts["aten::constant_pad_nd"] == 2
+    if dtype == torch.bfloat16:  # 3 upsamples x (to fp32, back to bf16)
+        assert stock.counts["aten::_to_copy"] - ours.counts["aten::_to_copy"] == 6
+    assert ours.total < stock.total
+    for op in ("aten::clone", "aten::constant_pad_nd", "aten::_to_copy"):
+        del ours.counts[op], stock.counts[op]
+    assert ours.counts == stock.counts  # everything else is the same computation
+    got3 = decode(vae, z3)
+    assert ref3.shape[2] == 9  # 1 + 4 * 2 frames: the feature cache and the time convs really ran
+    assert torch.equal(ref3, got3)  # the submodule pieces stay exact with a cache and several frames
+    assert any("multi-frame" in r for r in OPT.fallback_reasons())
 
 
 def test_pipeline_bitwise_fp32(tiny_pipe, runtime):
@@ -175,8 +191,7 @@ def test_pipeline_decode_latents_bitwise_with_real_stats(tiny_pipe, runtime, dty
 
 
 def test_latents_stats_built_once_and_per_call_while_tracing(tiny_pipe, runtime, monkeypatch):
-    """Stock builds the mean and std tensors every call; the pipeline piece once, and under torch.compile tracing it
-    runs QwenImagePipeline._decode_latents (the statistics built per call)."""
+    """Stock builds the mean and std tensors every call, the pipeline piece once (per call again under tracing)."""
     packed = torch.randn(1, 4 * 4, 16, generator=torch.Generator().manual_seed(0))
     made = []
     real_tensor = torch.tensor
@@ -202,68 +217,21 @@ def test_latents_stats_built_once_and_per_call_while_tracing(tiny_pipe, runtime,
     assert made == []  # outside tracing: from the cache
 
 
-# ----- work removed ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_fewer_kernel_launches(vaes, dtype):
-    vae = vaes[dtype]
-    z = latent(4, 4, dtype)
-    _, stock = count_ops(lambda: decode(vae, z))
-    api.select("none,+vae_exact", model=vae)
-    decode(vae, z)  # the first call verifies the native-dtype upsample on a probe (once per device type and dtype)
-    _, ours = count_ops(lambda: decode(vae, z))
-    n_res = sum(isinstance(m, QwenImageResidualBlock) for m in vae.decoder.modules())
-    # Stock clones, for a next frame that never comes, the input of conv_in, of both convs of every residual block
-    # and of conv_out; the one clone left is the mid-block attention's qkv .contiguous().
-    assert stock.counts["aten::clone"] - ours.counts["aten::clone"] == 2 * n_res + 2 == 30
-    assert ours.counts["aten::clone"] == 1
-    # 1x1x1 convs (post_quant_conv + one shortcut) no longer copy through a zero-width pad.
-    assert stock.counts["aten::constant_pad_nd"] - ours.counts["aten::constant_pad_nd"] == 2
-    if dtype == torch.bfloat16:  # 3 upsamples x (to fp32, back to bf16)
-        assert stock.counts["aten::_to_copy"] - ours.counts["aten::_to_copy"] == 6
-    assert ours.total < stock.total
-    for op in ("aten::clone", "aten::constant_pad_nd", "aten::_to_copy"):
-        del ours.counts[op], stock.counts[op]
-    assert ours.counts == stock.counts  # everything else is the same computation
-
-
-def test_clear_cache_does_not_walk_modules(vaes, monkeypatch):
-    vae = vaes[torch.float32]
-    api.select("none,+vae_exact", model=vae)
-    monkeypatch.setattr(nn.Module, "modules", lambda self: pytest.fail("clear_cache walked the module tree"))
-    vae.clear_cache()
-    assert vae._feat_map == [None] * vae._cached_conv_counts["decoder"]
-    assert vae._enc_feat_map == [None] * vae._cached_conv_counts["encoder"]
-
-
 # ----- fallbacks keep stock results -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_multi_frame_takes_stock_path(vaes, dtype):
-    vae = vaes[dtype]
-    z = latent(4, 6, dtype, t=3)
-    ref = decode(vae, z)
-    api.select("none,+vae_exact", model=vae)
-    got = decode(vae, z)
-    assert ref.shape[2] == 9  # 1 + 4 * 2 frames: the feature cache and the time convs really ran
-    assert torch.equal(ref, got)  # the submodule pieces stay exact with a cache and several frames
-    assert any("multi-frame" in r for r in OPT.fallback_reasons())
-
-
 @contextlib.contextmanager
 def tiled(pipe: nn.Module, dtype: torch.dtype = torch.float32) -> Iterator[nn.Module]:
-    """The pipeline's VAE in ``dtype``, tiled with ``TILES`` for the duration; after it nothing is selected on the
-    pipeline and the VAE is back in fp32, untiled."""
+    """The pipeline's VAE in ``dtype``, tiled with ``TILES``; afterwards nothing selected, fp32 and untiled again."""
     vae = pipe.vae.to(dtype)
-    saved = (vae.use_tiling, vae.tile_sample_min_height, vae.tile_sample_min_width)
-    saved += (vae.tile_sample_stride_height, vae.tile_sample_stride_width)
+    names = [f"tile_sample_{k}_{d}" for k in ("min", "stride") for d in ("height", "width")]
+    saved = {n: getattr(vae, n) for n in ("use_tiling", *names)}
     vae.enable_tiling(*TILES)
     try:
         yield vae
     finally:
         api.select("none", model=pipe)
         vae.to(torch.float32)
-        vae.use_tiling = saved[0]
-        (vae.tile_sample_min_height, vae.tile_sample_min_width) = saved[1:3]
-        (vae.tile_sample_stride_height, vae.tile_sample_stride_width) = saved[3:]
+        for n, v in saved.items():
+            setattr(vae, n, v)
 
 
 def parallel_decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
@@ -279,9 +247,8 @@ TILES = (32, 32, 24, 24)
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_tiled_and_patch_parallel_decodes_bitwise_with_single_frame_tiles(tiny_pipe, dtype):
-    """vae_use_tiling (diffusers' tiled_decode) and the patch-parallel split/exec/merge, on one rank: each tile is
-    decoded without the feature cache (the path ran: no decoder call got a cache), the result is stock's bit for
-    bit, including the edge tiles (a 20x12 latent is 4x2 tiles, the last ones partial) and the blending."""
+    """diffusers' tiled_decode and the patch-parallel split/exec/merge on one rank: every tile decoded without the
+    feature cache, stock's result bit for bit, edge tiles (a 20x12 latent is 4x2 tiles, some partial) and blending."""
     z = latent(20, 12, dtype)
     with tiled(tiny_pipe, dtype) as vae:
         with decoder_calls(vae) as stock_path:
@@ -300,9 +267,8 @@ def test_tiled_and_patch_parallel_decodes_bitwise_with_single_frame_tiles(tiny_p
 
 
 def test_tiled_decode_keeps_at_most_two_rows_of_tiles(tiny_pipe, monkeypatch):
-    """Stock decodes every tile before blending any; the tiled piece blends each row as soon as it is decoded and
-    drops the row above: at most two rows of decoded tiles are alive at once (counted with weak references), the
-    result is the same and the decode's peak memory is lower (exact, so a test; the ratios are in bench_vae)."""
+    """The tiled piece blends each row once decoded and drops the row above (stock decodes every tile first): at most
+    two rows of decoded tiles alive (weak references), the same result, a lower peak."""
     z = latent(40, 12, torch.float32)  # 7 rows of 2 tiles
     decoded: list[weakref.ref] = []
     alive: list[int] = []
@@ -325,21 +291,9 @@ def test_tiled_decode_keeps_at_most_two_rows_of_tiles(tiny_pipe, monkeypatch):
     assert ours.peak < stock.peak, (ours.peak, stock.peak)
 
 
-def test_multi_frame_tiled_decode_takes_the_stock_path(tiny_pipe):
-    z = latent(12, 6, torch.float32, t=3)
-    with tiled(tiny_pipe) as vae:
-        ref = decode(vae, z)
-        api.select("none,+vae_exact", model=tiny_pipe)
-        got = decode(vae, z)
-        assert OPT.stats["tiled_decodes"] == 0
-        assert any("multi-frame" in r for r in OPT.fallback_reasons())
-    assert ref.shape[2] == 5 and torch.equal(ref, got)  # 1 + 4 * 1 frames: the time conv ran
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_vae_fast_on_tiles_stays_within_its_gates(tiny_pipe, dtype):
-    """vae_fast acts on each tile (stock's tiled path and vae_exact's alike: every tile is an uncached frame) and
-    the tiled image stays within vae_fast's SSIM / PSNR gates."""
+    """vae_fast acts on every tile (each an uncached frame), with or without vae_exact, within its SSIM / PSNR gates."""
     z = latent(20, 12, dtype)
     with tiled(tiny_pipe, dtype) as vae:
         ref = decode(vae, z)
@@ -396,20 +350,29 @@ def test_attach_detach_restore_by_identity(tiny_pipe):
     assert not OPT.is_attached(tiny_pipe)
 
 
-def test_loader_hook_attaches_to_pipelines(tiny_pipe):
+def test_loader_hook_attaches_to_pipelines_and_status_lists_it_active(tiny_pipe):
     """The plugin's loader hook calls attach_all on every pipeline vLLM-Omni's loader returns."""
     api.select("none,+vae_exact")
     assert _plugin.attach_all(tiny_pipe) == ["vae_exact"]
     assert OPT.is_attached(tiny_pipe) and "_decode" in vars(tiny_pipe.vae)
     assert _plugin.attach_all(tiny_pipe.transformer) == []  # not a VAE: nothing acts, with a reason
+    api.select("default")
+    rows = {r["name"]: r for r in api.status()}
+    assert rows["vae_exact"]["active"] and rows["vae_exact"]["default"]
+    assert rows["vae_exact"]["equivalence"] == "exact"
 
 
-def test_uninstall_clears_the_upsample_verdicts_and_detaches_everything(vaes):
-    """Uninstall, with no model given, detaches every attached model and drops the native-dtype upsample verdicts
-    (same backend probe: the verdict cache's second rule)."""
+def test_uninstall_clears_the_upsample_verdicts_and_detaches_everything(vaes, monkeypatch):
+    """Uninstall detaches every attached model and drops the native-dtype upsample verdicts (same backend probe);
+    before it, the patched clear_cache resets the caches without walking the module tree."""
     vae = vaes[torch.bfloat16]
     api.select("none,+vae_exact", model=vae)
     decode(vae, latent(4, 4, torch.bfloat16))
+    with monkeypatch.context() as m:
+        m.setattr(nn.Module, "modules", lambda self: pytest.fail("clear_cache walked the module tree"))
+        vae.clear_cache()
+    assert vae._feat_map == [None] * vae._cached_conv_counts["decoder"]
+    assert vae._enc_feat_map == [None] * vae._cached_conv_counts["encoder"]
     probe = _backend.probe_id()
     assert patched_anywhere(vae)
     assert [(v.key, v.ok) for v in OPT.upsample.firsts.values()] == [(("cpu", torch.bfloat16), True)]
@@ -454,13 +417,6 @@ def test_pipeline_overriding_decode_latents_keeps_its_own(vaes):
     assert patched_anywhere(pipe) == []
 
 
-def test_status_lists_vae_exact_active():
-    api.select("default")
-    rows = {r["name"]: r for r in api.status()}
-    assert rows["vae_exact"]["active"] and rows["vae_exact"]["default"]
-    assert rows["vae_exact"]["equivalence"] == "exact"
-
-
 # ----- cache policies (one-entry latents statistics) and compile-safe bookkeeping -------------------------------------
 def _stock_stats(cfg, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """QwenImagePipeline._decode_latents' own ops for the mean and 1/std tensors."""
@@ -469,8 +425,8 @@ def _stock_stats(cfg, device: torch.device, dtype: torch.dtype) -> tuple[torch.T
 
 
 def test_latents_stats_one_entry_rebuilt_on_another_device_dtype_or_config(monkeypatch):
-    """LatentsStats keeps one entry per pipeline, keyed on (device, dtype, z_dim, latents_mean, latents_std): each
-    change below differs from the previous call in that one component only, and gets its own, stock-equal tensors."""
+    """LatentsStats keeps one entry, keyed on (device, dtype, z_dim, latents_mean, latents_std): each call below
+    changes one component and gets its own, stock-equal tensors."""
     stats = vae_exact.LatentsStats()
     cfg = SimpleNamespace(z_dim=4, latents_mean=list(MEAN), latents_std=list(STD))
     cpu, meta = torch.device("cpu"), torch.device("meta")
@@ -501,9 +457,8 @@ def test_latents_stats_one_entry_rebuilt_on_another_device_dtype_or_config(monke
 
 
 def test_tracing_runs_stock_decode_without_bookkeeping(vaes, monkeypatch):
-    """Under torch.compile tracing every patched VAE function runs stock code first thing: the same ops as stock
-    (fp32 upsample round trips, zero-width pads, cache clones), the stock _decode, no fallback counted and no
-    upsample verdict made (bf16, where the native-dtype upsample would differ in ops)."""
+    """Under torch.compile tracing every patched VAE function runs stock code: stock's ops and _decode, no fallback
+    counted and no upsample verdict made (bf16, where the native-dtype upsample would differ in ops)."""
     vae = vaes[torch.bfloat16]
     z = latent(4, 4, torch.bfloat16)
     with monkeypatch.context() as m:
@@ -521,15 +476,19 @@ def test_tracing_runs_stock_decode_without_bookkeeping(vaes, monkeypatch):
     assert path == ["single_frame"] and ours.total < stock.total and len(OPT.upsample.firsts) == 1
 
 
-def test_tracing_runs_stock_tiled_decode_without_bookkeeping(tiny_pipe, monkeypatch):
-    """Under torch.compile tracing the patched tiled_decode / tile_exec run stock code first thing: every tile
-    through the feature cache, nothing counted."""
-    z = latent(20, 12, torch.float32)
+def test_tracing_runs_stock_tiled_decode_without_bookkeeping_and_multi_frame_too(tiny_pipe, monkeypatch):
+    """Under tracing the patched tiled_decode / tile_exec run stock code: every tile through the cache, none counted.
+    A multi-frame latent takes the stock tiled path with its reason."""
+    z, z3 = latent(20, 12, torch.float32), latent(12, 6, torch.float32, t=3)
     with tiled(tiny_pipe) as vae:
-        ref = decode(vae, z)
+        ref, ref3 = decode(vae, z), decode(vae, z3)
         api.select("none,+vae_exact", model=tiny_pipe)
         with monkeypatch.context() as m, decoder_calls(vae) as path:
             m.setattr(torch.compiler, "is_compiling", lambda: True)
             got, got_pp = decode(vae, z), parallel_decode(vae, z)
         assert path == ["stock"] * 16 and OPT.stats["tiles"] == 0 and OPT.fallback_reasons() == {}
+        got3 = decode(vae, z3)
+        assert OPT.stats["tiled_decodes"] == 0
+        assert any("multi-frame" in r for r in OPT.fallback_reasons())
     assert torch.equal(ref, got) and torch.equal(ref, got_pp)
+    assert ref3.shape[2] == 5 and torch.equal(ref3, got3)  # 1 + 4 * 1 frames: the time conv ran

@@ -34,14 +34,11 @@ def assert_nontrivial(img: torch.Tensor) -> None:
 
 
 # ----- metrics --------------------------------------------------------------------------------------------------------
-def test_metrics_identical_images():
+def test_metrics_identical_images_explicit_data_range_and_value_range():
     img = torch.rand(2, 3, 16, 24) * 2 - 1
     m = compare_images(img, img.clone())
     assert m == {"pixel_identical": True, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "ssim": 1.0, "psnr": math.inf}
     assert passes_gates(m)
-
-
-def test_metrics_explicit_data_range_and_value_range():
     # A flat mid-grey image and the same image one 8-bit level brighter: MSE = 1 -> PSNR = 20 log10(255).
     ref01 = np.full((1, 3, 16, 16), 128 / 255)
     out01 = np.full((1, 3, 16, 16), 129 / 255)
@@ -84,8 +81,7 @@ def test_gates_on_tiny_pipeline_and_composition(tiny_pipe, runtime):
 
 @pytest.fixture(scope="module")
 def realwidth(runtime):
-    """Real-width decoder (base_dim 96, z_dim 16, dim_mult [1, 2, 4, 4], 2 res blocks, temporal [F, T, T]),
-    seeded random weights; one stock decode at 256x256 per dtype, computed once for the module."""
+    """Real-width decoder (base_dim 96, z_dim 16), seeded random weights, and its stock 256x256 decode per dtype."""
     out = {}
     for dt in (torch.float32, torch.bfloat16):
         vae = make_dist_vae(dt, out_gain=2.0, base_dim=96, z_dim=16, latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
@@ -129,20 +125,6 @@ def test_fewer_ops_and_no_zero_padded_conv3d(realwidth):
 
 
 # ----- fallbacks, weights, revert -------------------------------------------------------------------------------------
-def test_cached_or_multi_frame_calls_use_stock_conv3d():
-    torch.manual_seed(0)
-    conv = QwenImageCausalConv3d(4, 6, 3, padding=1)
-    x1 = torch.randn(1, 4, 1, 5, 5)
-    x3 = torch.randn(1, 4, 3, 5, 5)
-    cache = torch.randn(1, 4, 2, 5, 5)
-    with torch.no_grad():
-        want = [conv(x3), conv(x1, cache), conv(x1)]
-        forward = vae_fast._make_last_tap_forward(conv).__get__(conv)
-        got = [forward(x3), forward(x1, cache), forward(x1)]
-    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-    assert torch.allclose(want[2], got[2], atol=1e-5) and got[2].shape == want[2].shape
-
-
 def _last_tap():
     conv = QwenImageCausalConv3d(4, 6, 3, padding=1)
     return conv, vae_fast._make_last_tap_forward(conv).__get__(conv), conv.weight, torch.randn(1, 4, 1, 5, 5)
@@ -174,8 +156,8 @@ def test_cached_weights_follow_updates_and_reloads(make):
 
 
 def test_tracing_runs_the_stock_forwards(monkeypatch):
-    """Under torch.compile tracing both pieces run stock code first thing: Conv3d on the padded input (no conv2d, no
-    last-tap cache) and the fp32 RMS norm (bit for bit); outside tracing the same forwards take their own paths."""
+    """Under torch.compile tracing both pieces run stock code (Conv3d on the padded input, the fp32 RMS norm) bit for
+    bit; outside it they take their own paths, except cached or multi-frame conv calls (stock Conv3d)."""
     torch.manual_seed(0)
     conv = QwenImageCausalConv3d(4, 6, 3, padding=1)
     norm = QwenImageRMS_norm(32, images=False).to(torch.bfloat16)
@@ -183,7 +165,7 @@ def test_tracing_runs_the_stock_forwards(monkeypatch):
         norm.gamma.uniform_(0.5, 1.5)
     conv_forward = vae_fast._make_last_tap_forward(conv).__get__(conv)
     norm_forward = vae_fast._make_norm_forward(norm).__get__(norm)
-    x1 = torch.randn(1, 4, 1, 5, 5)
+    x1, x3, cache = torch.randn(1, 4, 1, 5, 5), torch.randn(1, 4, 3, 5, 5), torch.randn(1, 4, 2, 5, 5)
     xn = (torch.randn(2, 32, 1, 6, 5) * 30).bfloat16()
     conv2d = []
     real_conv2d = torch.nn.functional.conv2d
@@ -193,9 +175,11 @@ def test_tracing_runs_the_stock_forwards(monkeypatch):
             m.setattr(torch.compiler, "is_compiling", lambda: True)
             assert torch.equal(conv_forward(x1), conv(x1)) and conv2d == []
             assert torch.equal(norm_forward(xn), norm(xn))
-        conv_forward(x1)
+        got = conv_forward(x1)
         assert conv2d == [1]  # the fast path, outside tracing
+        assert torch.allclose(got, conv(x1), atol=1e-5) and got.shape == conv(x1).shape
         assert not torch.equal(norm_forward(xn), norm(xn))  # the input-dtype norm differs from stock in bf16
+        assert torch.equal(conv_forward(x3), conv(x3)) and torch.equal(conv_forward(x1, cache), conv(x1, cache))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -246,7 +230,7 @@ def test_time_conv_and_pointwise_convs_are_not_touched(realwidth):
     assert "_decode" not in vars(vae) and "clear_cache" not in vars(vae)
 
 
-def test_attach_detach_identity_and_composition_order(tiny_pipe):
+def test_attach_detach_identity_composition_order_and_reasons_for_other_models(tiny_pipe):
     assert patched_anywhere(tiny_pipe) == []
     api.select("none,+vae_fast,+vae_exact", model=tiny_pipe)
     fast_forwards = {n for n, m in tiny_pipe.vae.named_modules() if "forward" in vars(m)}
@@ -262,9 +246,7 @@ def test_attach_detach_identity_and_composition_order(tiny_pipe):
             assert made_by in ("_make_last_tap_forward", "_make_norm_forward"), n
     api.select("none", model=tiny_pipe)
     assert patched_anywhere(tiny_pipe) == []
-
-
-def test_reasons_for_other_models(tiny_pipe):
+    # other models: a reason each, nothing patched
     api.select("none,+vae_fast")
     assert OPT.reasons_inactive() == []
     OPT.attach(tiny_pipe.transformer)

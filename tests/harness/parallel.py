@@ -1,19 +1,15 @@
-"""Run the tiny Qwen-Image under vLLM-Omni's parallel modes with real process groups on CPU.
+"""Run the tiny Qwen-Image under vLLM-Omni's parallel modes with real process groups (gloo workers) on CPU.
 
-:func:`run_parallel_modes` starts ``world_size`` workers (``python -m tests.harness.parallel``, gloo on 127.0.0.1,
-one torch thread each). Per mode each worker selects the initial spec before the model is built, initialises
-vLLM-Omni's parallel state as its diffusion worker does, loads the pipeline through vLLM-Omni's loader (which applies
-the ``_sp_plan`` hooks in SP modes), runs every :class:`Job` with ``api.select(spec, model=pipe)`` before each, and
-reports per rank: images, what was installed and acting and why not, counters, SP padding and hooks.
-
-A failing rank or the deadline kills every worker's process group; each worker also exits when its parent dies or
-its deadline passes, so a desynchronised collective hangs a run for at most ``timeout_s``.
+Per mode each worker initialises vLLM-Omni's parallel state as its diffusion worker does, loads the pipeline through
+vLLM-Omni's loader (``_sp_plan`` hooks in SP modes) and runs every :class:`Job` with its spec selected, reporting per
+rank what it saw. A failing rank or the deadline kills every worker; an orphaned worker exits on its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -44,11 +40,11 @@ _SP_LOG_MARK = "Applying sequence parallelism"
 
 
 class ParallelRunError(RuntimeError):
-    """A worker failed, or the run passed its deadline; the message holds each rank's log tail."""
+    """A worker failed or the deadline passed; the message holds each rank's log tail, ``pids`` the (reaped) workers."""
 
     def __init__(self, message: str, pids: list[int]) -> None:
         super().__init__(message)
-        self.pids = pids  # the workers' process ids (all killed and reaped when this is raised to the caller)
+        self.pids = pids
 
 
 @dataclass(frozen=True)
@@ -63,22 +59,19 @@ class Job:
     cfg_scale: float = 4.0
     prompt: str = "a red cat"
     negative_prompt: str | None = None
-    #: Set ``parallel_config.mask_sp_padding`` for this job only (None: leave vLLM-Omni's value).
-    mask_sp_padding: bool | None = None
+    mask_sp_padding: bool | None = None  # for this job only (None: vLLM-Omni's value)
     tag: str = ""
-    #: ``"module:function"`` called with the rank before selecting ``spec`` / after the job (its return value,
-    #: plain data, is kept in :attr:`JobReport.extra`).
+    #: ``"module:function"`` called with the rank before selecting ``spec`` / after the job (returns JobReport.extra).
     before: str | None = None
     after: str | None = None
-    #: Image pipelines (Edit, Edit-Plus): seed of the test bed's sample input image (``pipeline.sample_image``).
-    image: int | None = None
+    image: int | None = None  # Edit pipelines: seed of the test bed's sample input image
 
     @property
     def key(self) -> str:
         return self.tag or f"{self.spec}@{self.height}x{self.width}"
 
     def generate(self, pipe: Any, rt: Any) -> Any:
-        """Run this request on ``pipe`` (whatever is selected on it now); a :class:`GenerationResult`."""
+        """Run this request on ``pipe`` with whatever is selected on it now."""
         from vllm_omni_ascend_opt.testbed.pipeline import generate, sample_image
 
         kw = {k: getattr(self, k) for k in ("height", "width", "steps", "seed", "cfg_scale", "negative_prompt")}
@@ -101,27 +94,20 @@ class ModeRun:
 
 @dataclass
 class JobReport:
-    """What one rank saw while running one :class:`Job`."""
+    """What one rank saw while running one :class:`Job`; the dicts are keyed by selected optimization."""
 
     job: Job
     images: torch.Tensor
     selected: list[str]
     installed: list[str]
-    #: Installed, attached to this pipeline and without model-level reasons to be off: they changed this run.
-    acting: list[str]
-    #: Selected name -> reasons it is not acting (environment- and model-level), empty when it acts.
-    reasons: dict[str, list[str]]
-    #: Selected name -> its environment-level ``reasons_inactive()`` only (empty: it must be installed).
-    env_reasons: dict[str, list[str]]
-    #: Selected name -> the counters it exposes after the job (``stats`` / ``memo.stats`` / ``cache_info()``).
+    acting: list[str]  # installed, attached and without model-level reasons to be off
+    reasons: dict[str, list[str]]  # why not acting (environment- and model-level)
+    env_reasons: dict[str, list[str]]  # reasons_inactive() only (empty: it must be installed)
     stats: dict[str, Any]
-    #: Selected name -> its ``fallback_reasons()`` (why calls ran stock code), where it has that method.
     fallbacks: dict[str, Any]
-    #: (global image tokens before padding, SP padding) for every transformer forward of the job.
-    sp_padding: list[tuple[int | None, int]]
+    sp_padding: list[tuple[int | None, int]]  # (image tokens before padding, padding) per transformer forward
     extra: Any = None
-    #: Collectives this rank issued during the job: op name -> [calls, bytes] (``devtime.layouts.CollectiveCounter``).
-    collectives: dict[str, list[int]] = field(default_factory=dict)
+    collectives: dict[str, list[int]] = field(default_factory=dict)  # op -> [calls, bytes] (CollectiveCounter)
 
 
 @dataclass
@@ -129,13 +115,9 @@ class RankReport:
     rank: int
     world_size: int
     mode: str
-    #: Group ranks/sizes as vLLM-Omni sees them (sp, ulysses, ring, cfg, tp).
-    groups: dict[str, int]
-    #: Names of the SP hooks present on the transformer after loading (empty outside SP modes).
-    sp_hooks: list[str]
-    #: vLLM-Omni log lines mentioning sequence parallelism while loading.
-    sp_log: list[str]
-    #: :func:`vllm_omni_ascend_opt._parallel.active_modes` of the loaded pipeline.
+    groups: dict[str, int]  # {sp,ulysses,ring,cfg,tp}_{rank,size} as vLLM-Omni sees them
+    sp_hooks: list[str]  # the SP hooks on the transformer after loading
+    sp_log: list[str]  # vLLM-Omni's "Applying sequence parallelism" log lines while loading
     active_modes: list[str]
     jobs: list[JobReport]
 
@@ -157,9 +139,6 @@ class ParallelRun:
         return self.ranks[rank].job(key).images
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# parent side
-# ----------------------------------------------------------------------------------------------------------------
 def run_parallel(mode: str, jobs: list[Job], *, dtype: str = "float32", **kwargs: Any) -> ParallelRun:
     """Run ``jobs`` in ``mode`` (a key of :data:`MODES`) on fresh worker processes; see :func:`run_parallel_modes`."""
     run = ModeRun(mode, tuple(jobs), dtype)
@@ -175,12 +154,10 @@ def run_parallel_modes(
     setup: str | None = None,
     pythonpath: list[str] | None = None,
 ) -> dict[str, ParallelRun]:
-    """Run each :class:`ModeRun` in turn in the same fresh workers (one world size; vLLM-Omni imported once);
-    return the reports by :attr:`ModeRun.key`.
+    """Run each :class:`ModeRun` in turn in the same fresh workers; the reports by :attr:`ModeRun.key`.
 
-    ``setup`` (``"module:function"``, called with the rank) runs first in each worker; ``pythonpath`` entries are
-    prepended to the workers' ``PYTHONPATH``. Raises :class:`ParallelRunError` when a rank fails or ``timeout_s`` (for
-    the whole spawn) passes; no worker outlives this call.
+    ``setup`` (``"module:function"``, called with the rank) runs first in each worker; ``pythonpath`` is prepended to
+    theirs. Raises :class:`ParallelRunError` when a rank fails or ``timeout_s`` passes; no worker outlives this call.
     """
     from vllm_omni_ascend_opt.testbed.runtime import free_port
     from vllm_omni_ascend_opt.testbed.tiny_model import build_model_dir
@@ -218,8 +195,7 @@ def run_parallel_modes(
             "model_dir": model_dir,
             "initial_spec": initial_spec,
             "setup": setup,
-            # The workers' own watchdog is a fallback for orphans: it fires after the parent's deadline.
-            "deadline": time.time() + timeout_s + 10.0,
+            "deadline": time.time() + timeout_s + 10.0,  # the orphans' watchdog: after the parent's deadline
             "parent_pid": os.getpid(),
         }
         (work / "config.json").write_text(json.dumps(cfg))
@@ -240,29 +216,25 @@ def run_parallel_modes(
         paths = [*(pythonpath or ()), str(Path(__file__).resolve().parents[2]), child_env.get("PYTHONPATH", "")]
         child_env["PYTHONPATH"] = os.pathsep.join(paths).rstrip(os.pathsep)
         procs: list[subprocess.Popen] = []
-        logs = []
         try:
             for rank in range(world_size):
-                log = open(work / f"rank{rank}.log", "wb")  # closed in finally
-                logs.append(log)
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "tests.harness.parallel", str(work), str(rank)],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        env=child_env,
-                        start_new_session=True,  # its own process group: killpg reaches anything it starts
+                with open(work / f"rank{rank}.log", "wb") as log:  # the worker keeps its own descriptor
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", "tests.harness.parallel", str(work), str(rank)],
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
+                            env=child_env,
+                            start_new_session=True,  # its own process group: killpg reaches anything it starts
+                        )
                     )
-                )
             _wait_all(procs, work, deadline=t0 + timeout_s)
             per_rank: list[list[RankReport]] = [
                 torch.load(work / f"rank{r}.pt", weights_only=False) for r in range(world_size)
             ]
         finally:
             _kill_all(procs)
-            for log in logs:
-                log.close()
     return {
         run.key: ParallelRun(run.mode, world_size, [reports[i] for reports in per_rank], run.dtype)
         for i, run in enumerate(plan)
@@ -300,9 +272,6 @@ def _tails(work: Path, n: int, chars: int = 4000) -> str:
     return "\n".join(out)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# worker side
-# ----------------------------------------------------------------------------------------------------------------
 def _watchdog(deadline: float, parent_pid: int) -> None:
     """Exit hard when the deadline passes or the parent is gone (a hung collective never ends on its own)."""
     while True:
@@ -313,31 +282,23 @@ def _watchdog(deadline: float, parent_pid: int) -> None:
 
 
 def _group_facts() -> dict[str, int]:
+    import vllm.distributed as vd
     from vllm_omni.diffusion.distributed import parallel_state as ps
 
     facts = {}
-    for key, group in (("sp", "sequence_parallel"), ("ulysses", "ulysses_parallel"), ("ring", "ring_parallel")):
+    groups = {"sp": "sequence_parallel", "ulysses": "ulysses_parallel", "ring": "ring_parallel"}
+    groups |= {"cfg": "classifier_free_guidance", "tp": "tensor_model_parallel"}
+    for key, group in groups.items():
         with contextlib.suppress(Exception):
-            facts[f"{key}_rank"] = int(getattr(ps, f"get_{group}_rank")())
-            facts[f"{key}_size"] = int(getattr(ps, f"get_{group}_world_size")())
-    with contextlib.suppress(Exception):
-        facts["cfg_rank"] = int(ps.get_classifier_free_guidance_rank())
-        facts["cfg_size"] = int(ps.get_classifier_free_guidance_world_size())
-    with contextlib.suppress(Exception):
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-        facts["tp_rank"] = int(get_tensor_model_parallel_rank())
-        facts["tp_size"] = int(get_tensor_model_parallel_world_size())
+            mod = vd if key == "tp" else ps
+            facts[f"{key}_rank"] = int(getattr(mod, f"get_{group}_rank")())
+            facts[f"{key}_size"] = int(getattr(mod, f"get_{group}_world_size")())
     return facts
 
 
 def _sp_hooks(transformer: Any) -> list[str]:
-    names = []
-    for mod in transformer.modules():
-        reg = getattr(mod, "_hook_registry", None)
-        if reg is not None:
-            names += [n for n in getattr(reg, "_hooks", {}) if n.startswith("sp_")]
-    return sorted(names)
+    regs = [getattr(m, "_hook_registry", None) for m in transformer.modules()]
+    return sorted(n for r in regs if r is not None for n in getattr(r, "_hooks", {}) if n.startswith("sp_"))
 
 
 def _plain(value: Any) -> Any:
@@ -369,12 +330,10 @@ def _job_facts(pipe: Any) -> dict[str, Any]:
 
 
 def _call_hook(ref: str | None, rank: int) -> Any:
-    if ref:
-        import importlib
-
-        mod_name, fn_name = ref.split(":")
-        return getattr(importlib.import_module(mod_name), fn_name)(rank)
-    return None
+    if not ref:
+        return None
+    mod_name, fn_name = ref.split(":")
+    return getattr(importlib.import_module(mod_name), fn_name)(rank)
 
 
 def _worker(work: Path, rank: int) -> None:
