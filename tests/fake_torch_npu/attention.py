@@ -6,24 +6,17 @@ Sources (see ``__init__``); the constraints are checked in the code below, each 
   (attention_out, softmax max, softmax sum (float), reserved, dropout seed/offset/length). ``atten_mask`` bool/uint8,
   **1 (True) = this position does NOT take part** ("取值为1代表该位不参与计算"); ``scale`` defaults to **1**;
   ``padding_mask`` not supported; ``inner_precise`` 2 = invalid-row computation; ``sparse_mode`` 7 and 8 are the
-  varlen (TND) split modes, so other layouts take 0..6. Training only, no graph mode. The page's reference example
-  computes ``softmax(q k^T * scale + mask * -10000) v`` in BNSD.
+  varlen (TND) split modes, so other layouts take 0..6.
 * [OP-FIA] ``docs/context/torch_npu-npu_fused_infer_attention_score.md`` (commit 0adf450): inference and graph mode;
-  non-contiguous inputs not supported. Output 2 (softmax_lse): the page says a [1] zero tensor, the 2.13.0 wheel's
-  meta an *empty* [0] float32 tensor; the fake follows the wheel [TNPU-META]. The mask polarity is taken as [OP-FA]'s
-  (vllm-ascend passes ``triu(ones, 1)`` causal masks): an inference checked on the device by
-  ``benchmarks/npu_check_kernels.py``.
-* [TNPU-YAML] the torch-npu 2.13.0 wheel's ``npu_native_functions_by_codegen.yaml``: the signatures below (with
-  ``npu_fusion_attention``'s trailing ``sink``, ``dropout_mask``, ``seed``, ``offset``).
-* [TNPU-META] the same wheel's ``op_plugin/meta/_meta_registrations.py``: output shapes and dtypes.
-* [FA-BF16-P] the real kernel rounds the softmax weights to the input dtype before the P*V matmul (P is a Cube-unit
-  operand), so the fake does too: the plugin's tolerances meet that realistic error.
+  non-contiguous inputs not supported; output 2 (softmax_lse) follows the wheel's meta (an empty [0] float32 tensor),
+  the mask polarity [OP-FA]'s (checked on the device by ``benchmarks/npu_check_kernels.py``).
+* [TNPU-YAML] / [TNPU-META] the torch-npu 2.13.0 wheel's ``npu_native_functions_by_codegen.yaml`` (signatures) and
+  ``op_plugin/meta/_meta_registrations.py`` (output shapes and dtypes).
+* [FA-BF16-P] the real kernel rounds the softmax weights to the input dtype before the P*V matmul (a Cube operand).
 
-Each computation is one ``torch.library`` custom op (one launch for an op counter, as on the device), in float32
-except for the softmax weights [FA-BF16-P]; the output is rounded once to the input dtype.
-
-Variants: ``wrong_polarity`` masks where the mask is False (SDPA's polarity), ``ignores_scale`` always uses scale 1,
-``long_seq_bug`` drops the scale beyond Sq = 64. The plugin's verification must refuse them.
+Each computation is one ``torch.library`` custom op (one launch), in float32 except for the softmax weights
+[FA-BF16-P]; the output is rounded once to the input dtype. Variants: ``wrong_polarity`` masks where the mask is
+False, ``ignores_scale`` always uses scale 1, ``long_seq_bug`` drops the scale beyond Sq = 64.
 """
 
 from __future__ import annotations
@@ -158,8 +151,7 @@ def _fusion_attention_op(
 
 @_fusion_attention_op.register_fake
 def _(query, key, value, atten_mask, layout, head_num, kv_heads, scale, pre, nxt, inner, where_true):
-    b = query.shape[1] if layout == "SBH" else query.shape[0]
-    sq = query.shape[0] if layout == "SBH" else query.shape[2] if layout == "BNSD" else query.shape[1]
+    b, sq = b_sq_skv(query, layout)
     stats = query.new_empty((b, head_num, sq, 8), dtype=torch.float32)
     return torch.empty_like(query), stats, stats.clone(), query.new_empty((0,))
 
@@ -231,8 +223,7 @@ def _check_fa_mask(mask: torch.Tensor, b: int, n: int, sq: int, skv: int) -> Non
 
 
 def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool = True, scale_until: int = 0) -> Any:
-    """``scale_until`` > 0: WRONG on purpose beyond Sq = scale_until (scale dropped): a long-sequence tiling fault that
-    a toy-shape verification cannot see."""
+    """``scale_until`` > 0: WRONG on purpose beyond Sq = scale_until (scale dropped), a long-sequence tiling fault."""
 
     def npu_fusion_attention(
         query: torch.Tensor,

@@ -103,8 +103,7 @@ def _format_value(acl_format: Any) -> int:
 
 
 def _allow_internal_format() -> bool:
-    """The device option ``ALLOW_INTERNAL_FORMAT`` as the installed fake holds it (``torch.npu.config`` is
-    write-only [TNPU-CFG]; the option store behind it is ``torch_npu._C``)."""
+    """The installed fake's ``ALLOW_INTERNAL_FORMAT`` option (``torch.npu.config`` is write-only [TNPU-CFG])."""
     import sys
 
     c = getattr(sys.modules.get("torch_npu"), "_C", None)
@@ -188,10 +187,7 @@ def nz_matmul_check() -> TorchDispatchMode:
 
 
 def misread_nz(t: torch.Tensor) -> torch.Tensor:
-    """What a kernel that ignores the format sees in a 2-D FRACTAL_NZ tensor: its fractal storage read row-major.
-
-    NZ stores [n, k] as (k/16, n/16, 16, 16) fractals (n and k padded to 16); reading that buffer as [n, k]
-    scrambles the values (the same multiset for aligned shapes, in the wrong places)."""
+    """A 2-D FRACTAL_NZ tensor as a format-blind kernel sees it: its (k/16, n/16, 16, 16) fractals read row-major."""
     n, k = t.shape
     n1, k1 = -(-n // 16), -(-k // 16)
     padded = t.new_zeros(n1 * 16, k1 * 16)
@@ -217,10 +213,8 @@ class _NzRoute(TorchDispatchMode):
 
 
 def nz_route_ignores_format(*ops: str) -> TorchDispatchMode:
-    """Within the block, the named aten ops (``"aten::addmm"``, ``"aten::mm"``) read an NZ operand as if it were ND:
-    an old op-plugin / CANN where ``F.linear`` with an NZ weight does not reach the WeightNz kernels [VA-3356]. The
-    3-D ``F.linear`` with bias runs ``aten::addmm``, without bias ``aten::mm`` (one route can be right, the other
-    wrong)."""
+    """Within the block, the named aten ops (``"aten::addmm"``, ``"aten::mm"``) read an NZ operand as ND: an old
+    op-plugin / CANN whose ``F.linear`` with an NZ weight misses the WeightNz kernels [VA-3356]."""
     return _NzRoute(frozenset(ops))
 
 

@@ -107,78 +107,54 @@ def _weight(x2: torch.Tensor) -> torch.Tensor:
     return x2
 
 
-def _qmm(x1, x2, scale, *, offset, pertoken_scale, bias, output_dtype, x1_dtype, x2_dtype, pertoken_scale_dtype,
-         scale_dtype, group_sizes, y_scale, read_weight) -> torch.Tensor:  # fmt: skip
-    extras = (offset, x1_dtype, x2_dtype, pertoken_scale_dtype, scale_dtype, group_sizes, y_scale)
-    if any(e is not None for e in extras):
-        raise NotImplementedError("fake npu_quant_matmul: offset / x*_dtype / group_sizes / y_scale are not modelled")
-    out = _out_dtype(output_dtype)
-    _check(x1, x2, scale, pertoken_scale, bias, out)
-    w = read_weight(_weight(x2))
-    acc = torch.matmul(x1.double(), w.double())  # exact int32 sums
-    if bias is not None and bias.dtype == torch.int32:
-        acc = acc + bias.double()
-    y = acc.float() * scale.float()
-    if pertoken_scale is not None:
-        y = y * pertoken_scale.reshape(*x1.shape[:-1], 1)
-    if bias is not None and bias.dtype != torch.int32:
-        y = y + bias.float()
-    return y.to(out)
+def _make_quant_matmul(read_weight: Any) -> Any:
+    """[OP-QMM] ``(x1 @ x2 in int32) * scale * pertoken_scale + bias`` in ``output_dtype``; ``read_weight`` maps the
+    logical ``x2`` to what the kernel reads."""
+
+    def npu_quant_matmul(
+        x1: torch.Tensor,
+        x2: torch.Tensor,
+        scale: torch.Tensor,
+        *,
+        offset: torch.Tensor | None = None,
+        pertoken_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        output_dtype: int | None = None,
+        x1_dtype: int | None = None,
+        x2_dtype: int | None = None,
+        pertoken_scale_dtype: int | None = None,
+        scale_dtype: int | None = None,
+        group_sizes: list[int] | None = None,
+        y_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        extras = (offset, x1_dtype, x2_dtype, pertoken_scale_dtype, scale_dtype, group_sizes, y_scale)
+        if any(e is not None for e in extras):
+            raise NotImplementedError(
+                "fake npu_quant_matmul: offset / x*_dtype / group_sizes / y_scale are not modelled"
+            )
+        out = _out_dtype(output_dtype)
+        _check(x1, x2, scale, pertoken_scale, bias, out)
+        w = read_weight(_weight(x2))
+        acc = torch.matmul(x1.double(), w.double())  # exact int32 sums
+        if bias is not None and bias.dtype == torch.int32:
+            acc = acc + bias.double()
+        y = acc.float() * scale.float()
+        if pertoken_scale is not None:
+            y = y * pertoken_scale.reshape(*x1.shape[:-1], 1)
+        if bias is not None and bias.dtype != torch.int32:
+            y = y + bias.float()
+        return y.to(out)
+
+    return npu_quant_matmul
 
 
-def npu_quant_matmul(
-    x1: torch.Tensor,
-    x2: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    offset: torch.Tensor | None = None,
-    pertoken_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    output_dtype: int | None = None,
-    x1_dtype: int | None = None,
-    x2_dtype: int | None = None,
-    pertoken_scale_dtype: int | None = None,
-    scale_dtype: int | None = None,
-    group_sizes: list[int] | None = None,
-    y_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[OP-QMM] ``(x1 @ x2 in int32) * scale * pertoken_scale + bias`` in ``output_dtype``; an NZ ``x2`` reads its
-    logical values (the device's WeightNz route)."""
-    kw = dict(offset=offset, pertoken_scale=pertoken_scale, bias=bias, output_dtype=output_dtype, x1_dtype=x1_dtype,
-              x2_dtype=x2_dtype, pertoken_scale_dtype=pertoken_scale_dtype, scale_dtype=scale_dtype,
-              group_sizes=group_sizes, y_scale=y_scale)  # fmt: skip
-    return _qmm(x1, x2, scale, read_weight=lambda w: w, **kw)
-
-
-def _nz_misread(
-    x1: torch.Tensor,
-    x2: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    offset: torch.Tensor | None = None,
-    pertoken_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    output_dtype: int | None = None,
-    x1_dtype: int | None = None,
-    x2_dtype: int | None = None,
-    pertoken_scale_dtype: int | None = None,
-    scale_dtype: int | None = None,
-    group_sizes: list[int] | None = None,
-    y_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Variant ``nz_misread``: an NZ ``x2`` is read as if it were ND (its fractal storage row-major), as a kernel
-    build without the WeightNz route would; ND weights are right."""
-    kw = dict(offset=offset, pertoken_scale=pertoken_scale, bias=bias, output_dtype=output_dtype, x1_dtype=x1_dtype,
-              x2_dtype=x2_dtype, pertoken_scale_dtype=pertoken_scale_dtype, scale_dtype=scale_dtype,
-              group_sizes=group_sizes, y_scale=y_scale)  # fmt: skip
-
-    def read(w: torch.Tensor) -> torch.Tensor:
-        return formats.misread_nz(w.t()).t() if formats.get_npu_format(w) == formats.FRACTAL_NZ else w
-
-    return _qmm(x1, x2, scale, read_weight=read, **kw)
+def _misread(w: torch.Tensor) -> torch.Tensor:
+    """Variant ``nz_misread``: an NZ ``x2`` is read as ND (its fractal storage row-major), as a kernel build without
+    the WeightNz route would; ND weights are right."""
+    return formats.misread_nz(w.t()).t() if formats.get_npu_format(w) == formats.FRACTAL_NZ else w
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "npu_dynamic_quant": {"correct": npu_dynamic_quant},
-    "npu_quant_matmul": {"correct": npu_quant_matmul, "nz_misread": _nz_misread},
+    "npu_quant_matmul": {"correct": _make_quant_matmul(lambda w: w), "nz_misread": _make_quant_matmul(_misread)},
 }

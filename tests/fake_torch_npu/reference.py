@@ -1,17 +1,13 @@
 """The real ``torch-npu==2.13.0`` wheel as the reference the fake is checked against (read, never installed).
 
-The wheel cannot be imported without CANN, and installing it breaks ``import torch`` on a CPU machine (its
-``torch.backends`` entry point imports ``torch_npu``). Its text files are readable, though:
+The wheel cannot be imported without CANN (and installing it breaks ``import torch`` on a CPU machine), but its text
+files are readable: the op schemas (``npu_native_functions_by_codegen.yaml``), the meta functions
+(``op_plugin/meta/_meta_registrations.py``, executed here with stubs for their ``torch_npu`` imports) and
+``npu/npu_config.py`` (``_npuConfig``, the class of ``torch.npu.config``).
 
-* ``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml`` - the op schemas (``torch.ops.npu.*``);
-* ``torch_npu/op_plugin/meta/_meta_registrations.py`` - the meta (shape/dtype) functions, executed here on CPU with
-  stubs for the handful of ``torch_npu`` names they import (:func:`meta_functions`);
-* ``torch_npu/npu/npu_config.py`` - ``_npuConfig``, the class of ``torch.npu.config`` (:func:`real_npu_config`).
-
-:func:`wheel` fetches the pinned wheel once into a cache directory with ``python -m pip download --no-deps`` (never
-``install``) and checks its SHA-256; it returns ``None`` with a reason when that is impossible (offline machine), and
-the tests skip with that reason. ``VLLM_OMNI_ASCEND_OPT_WHEEL_CACHE`` overrides the cache directory
-(default ``~/.cache/vllm-omni-ascend-opt/wheels``).
+:func:`fetch` downloads the pinned wheel once (``pip download --no-deps``) into ``VLLM_OMNI_ASCEND_OPT_WHEEL_CACHE``
+(default ``~/.cache/vllm-omni-ascend-opt/wheels``) and checks its SHA-256; offline it returns the reason, and the
+tests skip with it.
 """
 
 from __future__ import annotations
@@ -133,10 +129,6 @@ def _split_top(s: str) -> list[str]:
 
 
 def _default(text: str) -> Any:
-    if text in ("None", "True", "False"):
-        return {"None": None, "True": True, "False": False}[text]
-    if text.endswith(".") and text[:-1].lstrip("-").isdigit():  # "1." in the yaml
-        return float(text)
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -208,10 +200,8 @@ class Stubs:
 
     def __post_init__(self) -> None:
         self.options: dict[str, str] = {}
-        self.set_calls: list[dict[str, str]] = []
 
     def _set_option(self, option: dict[str, str]) -> None:
-        self.set_calls.append(dict(option))
         self.options.update(option)
 
     def _get_option(self, name: str) -> bytes | None:
