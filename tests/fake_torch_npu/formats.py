@@ -7,11 +7,9 @@ Sources (see ``__init__``):
   FRACTAL_NZ=29 is "内部格式", an internal format). [OP-GFMT] ``at_npu-native-get_npu_format.md``: the format, an int.
 * [OP-AIF] ``torch_npu-npu-config-allow_internal_format.md``: ``False`` forbids allocating any private-format tensor
   (default ``True`` on A2, ``False`` on A3). The real reaction to a forbidden cast is undocumented: the fake raises.
-* [TNPU-CFG] torch-npu 2.13.0 ``torch_npu/npu/npu_config.py``: ``torch.npu.config`` only has ``__setattr__``, which
-  forwards ``allow_internal_format`` to ``torch_npu._C._npu_setOption``: **write-only**, other names dropped; read
-  back with ``_npu_getOption(name) -> bytes | None`` (``__init__``: ``FakeNpuConfig`` and ``mod._C``).
-* [TNPU-YAML] the wheel's ``npu_native_functions_by_codegen.yaml``: ``npu_format_cast(Tensor self, int acl_format, *,
-  int? customize_dtype=None, int? input_dtype=None) -> Tensor``; ``get_npu_format(Tensor self) -> int``.
+* [TNPU-CFG] torch-npu 2.13.0 ``torch_npu/npu/npu_config.py``: ``torch.npu.config`` is **write-only**, forwarding
+  ``allow_internal_format`` to ``torch_npu._C._npu_setOption`` (read back with ``_npu_getOption``).
+* [TNPU-YAML] the wheel's ``npu_native_functions_by_codegen.yaml``: the signatures below.
 * [TNPU-FMT-SAME] the cast returns its input itself when it already has the format (no copy, same storage).
 * [VA-10287] vllm-ascend PRs #10287, #16058: ``aclnnMatmulWeightNz`` rejects a FRACTAL_NZ mat2 with n == 1 or k == 1;
   the cast succeeds, the *matmul* fails (:func:`nz_matmul_check`).

@@ -1,23 +1,18 @@
 """Fake torch_npu kernels: dynamic int8 quantization and the int8 GEMM (``npu_dynamic_quant``, ``npu_quant_matmul``).
 
-Sources (see ``__init__``):
+Sources (see ``__init__``; the constraints are checked below, each citing its source):
 
-* [OP-DQ] Ascend/op-plugin ``docs/context/torch_npu-npu_dynamic_quant.md``: symmetric per-token quantization of the
-  last dim, ``scale = max(|x|) / 127`` per row (float32, shaped like ``x`` without its last dim), ``y = round(x /
-  scale)`` as int8; ``x`` float16 or bfloat16. ``smooth_scales`` / ``group_index`` / other ``dst_type`` s and quant
-  modes are not modelled (raise NotImplementedError).
-* [OP-QMM] ``torch_npu-npu_quant_matmul.md``: ``x1`` int8 ``[m, k]`` (2-6 dims), ``x2`` int8 ``[k, n]`` in ND or
-  FRACTAL_NZ, int32 accumulation; output ``(acc * scale[n] * pertoken_scale[m]) + bias`` in ``output_dtype``
-  (float16 / bfloat16 here); ``scale`` float32 or bfloat16 of shape ``(1,)`` or ``(n,)`` (bfloat16 only with a
-  bfloat16 output); ``pertoken_scale`` float32 ``(m,)``; ``bias`` 1-D ``(n,)``, int32 (added to the accumulator) or
-  float32 / the output dtype (added after dequantization).
-* [OMNI-65535] vLLM-Omni 0.30 ``int8_config.NPU_QUANT_MATMUL_MAX_OUT_FEATURES``: QuantBatchMatmulV3 refuses ``n >
-  65535`` (at the first forward).
-* [TNPU-YAML] the wheel's ``npu_native_functions_by_codegen.yaml`` (both signatures); ``output_dtype`` is the dtype
-  enum of the meta function (``15`` bfloat16, ``5`` float16); a ``torch.dtype`` is accepted too, as vLLM-Omni passes.
+* [OP-DQ] Ascend/op-plugin ``docs/context/torch_npu-npu_dynamic_quant.md``: symmetric per-token int8 quantization of
+  the last dim, ``scale = max(|x|) / 127`` per row (float32), ``y = round(x / scale)``; ``x`` float16 or bfloat16.
+* [OP-QMM] ``torch_npu-npu_quant_matmul.md``: int8 ``x1 [m, k]`` and ``x2 [k, n]`` (ND or FRACTAL_NZ), int32
+  accumulation, output ``(acc * scale[n] * pertoken_scale[m]) + bias`` in ``output_dtype``; an int32 bias is added to
+  the accumulator, a float one after dequantization.
+* [OMNI-65535] vLLM-Omni 0.30 ``int8_config.NPU_QUANT_MATMUL_MAX_OUT_FEATURES``: QuantBatchMatmulV3 refuses n > 65535.
+* [TNPU-YAML] the wheel's ``npu_native_functions_by_codegen.yaml`` (both signatures); ``output_dtype`` is the meta
+  function's dtype enum (``15`` bfloat16, ``5`` float16) or, as vLLM-Omni passes it, a ``torch.dtype``.
 
-int32 sums of int8 products are exact in float64 (|sum| < 2**31 << 2**53), so the fake computes the accumulator there:
-the same integers whatever the order, which is why an NZ weight gives bit-identical results ([OP-QMM]).
+int32 sums of int8 products are exact in float64, so the fake accumulates there: the same integers in any order,
+which is why an NZ weight gives bit-identical results ([OP-QMM]).
 """
 
 from __future__ import annotations

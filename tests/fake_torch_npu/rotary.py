@@ -4,17 +4,14 @@ Sources (see ``__init__``):
 
 * [OP-ROT] Ascend/op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_rotary_mul.md`` (snapshot 517f2e7; same
   text as the 7.3.0 page): out = x * r1 + rotate(x) * r2 with half: rotate(x) = cat(-x2, x1) over chunk(x, 2, -1);
-  interleave: rotate(x) = stack((-x[..., 1::2], x[..., ::2]), -1) flattened. 3D or 4D, float16 / bfloat16 / float32.
-  half: D < 896 and even, B, N < 1000, r1/r2 in [-1, 1] of shape BNSD: 11SD/B1SD/BNSD, BSND: 1S1D/BS1D/BSND,
-  SBND: S11D/SB1D/SBND, TND: T1D/TND. interleave: B*N < 1000, D < 896 and even, **only** 11SD/1S1D/S11D/T1D.
+  interleave: rotate(x) = stack((-x[..., 1::2], x[..., ::2]), -1) flattened; the shape limits and r1/r2 layout
+  classes of :func:`check_args`.
 * [OP-ROT-IMPL] op-plugin ``RotaryMulKernelNpuOpApi.cpp``: ``TORCH_CHECK`` on rotary_mode; r1/r2 cast to input's
-  dtype. Its aclops fallback (``RotaryMulKernelNpu.cpp``) before op-plugin 7.0.0 **ignores rotary_mode** and computes
-  the half form: the ``half_pairing`` variant.
-* [OP-ROT-ACLOP] the same aclops file in the 7.x line (commit 0581e5a) *raises* for interleave: the ``aclop`` variant.
+  dtype. Its aclops fallback (``RotaryMulKernelNpu.cpp``) before op-plugin 7.0.0 **ignores rotary_mode** (the
+  ``half_pairing`` variant); in the 7.x line (commit 0581e5a) it *raises* for interleave [OP-ROT-ACLOP] (``aclop``).
 * [TNPU-YAML] the torch-npu 2.13.0 wheel: ``npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half',
-  Tensor? rotate=None) -> Tensor``.
-* [OP-ROT-6.0] torch_npu 6.0 (hiascend.com ``ptaoplist_000486``): no ``rotary_mode`` argument (half only, D = 128):
-  the ``no_rotary_mode`` variant.
+  Tensor? rotate=None) -> Tensor``. [OP-ROT-6.0] torch_npu 6.0 (hiascend.com ``ptaoplist_000486``): no
+  ``rotary_mode`` argument (half only): the ``no_rotary_mode`` variant.
 
 The computation is one ``torch.library`` custom op: one launch for an op counter.
 """
