@@ -85,30 +85,20 @@ def _attend(
 
 
 def _to_bnsd(x: torch.Tensor, layout: str, n: int) -> torch.Tensor:
-    if layout == "BNSD":
-        return x
-    if layout == "BSND":
-        return x.permute(0, 2, 1, 3)
-    if layout == "BSH":
-        b, s, h = x.shape
-        return x.reshape(b, s, n, h // n).permute(0, 2, 1, 3)
     if layout == "SBH":
-        s, b, h = x.shape
-        return x.permute(1, 0, 2).reshape(b, s, n, h // n).permute(0, 2, 1, 3)
-    raise AssertionError(layout)
+        x = x.permute(1, 0, 2)
+    if layout in ("BSH", "SBH"):
+        x = x.reshape(x.shape[0], x.shape[1], n, x.shape[2] // n)
+    return x if layout == "BNSD" else x.permute(0, 2, 1, 3)
 
 
 def _from_bnsd(out: torch.Tensor, layout: str) -> torch.Tensor:
     b, n, s, d = out.shape
-    if layout == "BNSD":
-        return out.contiguous()
-    if layout == "BSND":
-        return out.permute(0, 2, 1, 3).contiguous()
-    if layout == "BSH":
-        return out.permute(0, 2, 1, 3).reshape(b, s, n * d).contiguous()
     if layout == "SBH":
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d).contiguous()
-    raise AssertionError(layout)
+    if layout != "BNSD":
+        out = out.permute(0, 2, 1, 3)
+    return (out.reshape(b, s, n * d) if layout == "BSH" else out).contiguous()
 
 
 @torch.library.custom_op("fake_torch_npu::fusion_attention", mutates_args=())
@@ -163,21 +153,15 @@ def _fa_shapes(query: torch.Tensor, key: torch.Tensor, head_num: int, layout: st
     if query.dim() != want_dim or key.dim() != want_dim:
         raise FakeNpuError(f"npu_fusion_attention: {layout} needs {want_dim}-D query/key/value [OP-FA]")
     if layout in ("BSND", "BNSD"):
-        if layout == "BSND":
-            b, sq, nq, d = query.shape
-            bk, skv, nkv, dk = key.shape
-        else:
-            b, nq, sq, d = query.shape
-            bk, nkv, skv, dk = key.shape
+        order = (0, 1, 2, 3) if layout == "BSND" else (0, 2, 1, 3)  # B, S, N, D
+        b, sq, nq, d = (query.shape[i] for i in order)
+        bk, skv, nkv, dk = (key.shape[i] for i in order)
         if nq != head_num:
             raise FakeNpuError(f"npu_fusion_attention: head_num={head_num} but query has N={nq} ({layout}) [OP-FA]")
     else:
-        if layout == "BSH":
-            b, sq, h = query.shape
-            bk, skv, hk = key.shape
-        else:
-            sq, b, h = query.shape
-            skv, bk, hk = key.shape
+        order = (0, 1, 2) if layout == "BSH" else (1, 0, 2)  # B, S, H
+        b, sq, h = (query.shape[i] for i in order)
+        bk, skv, hk = (key.shape[i] for i in order)
         if head_num <= 0 or h % head_num:
             raise FakeNpuError(f"npu_fusion_attention: H={h} is not a multiple of head_num={head_num} [OP-FA]")
         d = h // head_num
