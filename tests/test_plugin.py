@@ -54,7 +54,7 @@ def test_strict_mode_raises_on_a_bad_flag_or_a_selected_optimization_that_cannot
         _plugin.register()
 
 
-def test_unsupported_version_warns_once_and_patches_nothing(monkeypatch, caplog):
+def test_unsupported_version_warns_once_and_patches_nothing_unless_forced(monkeypatch, caplog):
     monkeypatch.setattr(_plugin, "installed_version", lambda d: "0.29.1" if d == "vllm-omni" else "0.30.0")
     with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
         _plugin.register()
@@ -64,10 +64,7 @@ def test_unsupported_version_warns_once_and_patches_nothing(monkeypatch, caplog)
     assert _plugin.selected() == []
     rows = {r["name"]: r for r in api.status()}
     assert any("0.29.1" in w for w in rows["rope"]["reasons_inactive"])
-
-
-def test_unsupported_version_can_be_forced(monkeypatch):
-    monkeypatch.setattr(_plugin, "installed_version", lambda d: "0.29.1")  # below the floor (0.31 is supported now)
+    _plugin._reset_for_tests()
     monkeypatch.setenv(flags.ENV_FORCE, "1")
     _plugin.register()
     assert _plugin.selected() == registry.default_names()
@@ -112,7 +109,7 @@ def test_post_import_hook_installs_when_the_target_is_imported_and_at_once_where
     assert not probe.installed and mod.value == "original"
 
 
-def test_patchset_restores_by_identity():
+def test_patchset_and_every_installable_optimization_restore_by_identity(tiny_pipe):
     class Owner:
         def method(self):
             return 1
@@ -129,10 +126,7 @@ def test_patchset_restores_by_identity():
     assert not hasattr(inherited, "new_attr")
     ps.revert()  # twice is fine
     assert Owner.__dict__["method"] is original
-
-
-def test_every_installable_optimization_reverts_by_identity(tiny_pipe):
-    """Install each optimization that can be active here; uninstall must restore every patched attribute."""
+    # each optimization that can be active here: uninstall restores every patched attribute
     import vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image  # noqa: F401  (targets imported)
 
     for opt in registry.all_optimizations():

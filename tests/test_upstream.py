@@ -142,8 +142,10 @@ def test_a_newer_release_fingerprint_listed_as_known_is_accepted_and_absent_is_a
     assert "upstream C.n is missing from ascend_opt_upstream_probe" in why and "0.32.0rc1" in why
 
 
-def test_platform_declarations_are_checked_only_on_their_platform(probe, fake_npu):
-    _opt, _path = probe
+def test_platform_declarations_are_checked_only_on_their_platform_and_replaced_at_run_time_is_a_difference(
+    probe, monkeypatch, fake_npu
+):
+    opt, _path = probe
     decl = Upstream("ascend_opt_upstream_probe", "C.m", {"0" * 16: ("0.30.0",)}, ("cuda",))
     assert fingerprints.reasons([decl], "p", platform="cpu") == []
     assert fingerprints.reasons([decl], "p", platform="npu") == []
@@ -152,12 +154,6 @@ def test_platform_declarations_are_checked_only_on_their_platform(probe, fake_np
     (finding,) = fingerprints.check([decl], platform="cpu")
     assert not finding.applies and finding.ok and "not checked on" in fingerprints.summary([finding])
     assert fingerprints.current_platform() == "cpu"
-    fake_npu()
-    assert fingerprints.current_platform() == "npu"  # the plugin's one torch_npu probe decides
-
-
-def test_a_function_replaced_at_run_time_is_a_difference(probe, monkeypatch):
-    opt, _path = probe
     mod = importlib.import_module("ascend_opt_upstream_probe")
     assert opt.reasons_inactive() == []
 
@@ -176,6 +172,8 @@ def test_a_function_replaced_at_run_time_is_a_difference(probe, monkeypatch):
     (why,) = opt.reasons_inactive()
     assert why.startswith("upstream C.m is replaced at run time (ascend_opt_upstream_probe): it is")
     assert "foreign" in why
+    fake_npu()
+    assert fingerprints.current_platform() == "npu"  # the plugin's one torch_npu probe decides
 
 
 def test_newer_release_with_known_code_just_works_with_one_info_note(monkeypatch, caplog):
