@@ -66,8 +66,7 @@ def bf16_transformer(runtime, tiny_pipe):
 
 @pytest.fixture(autouse=True)
 def _fresh_plugin_state(monkeypatch, tmp_path_factory):
-    """Every test starts and ends with nothing selected or installed, and with a saved-verdict cache of its own (the
-    fakes of all tests share one "environment": a verdict saved by one must never reach another)."""
+    """Nothing selected or installed before and after each test, and a saved-verdict cache of its own per test."""
     from vllm_omni_ascend_opt import _backend, _plugin
     from vllm_omni_ascend_opt.blocks.kernels import saved
 

@@ -126,8 +126,7 @@ def _enabled_backend(backend: Any) -> str | None:
 
 
 def run_in_children(mode: str, specs: list[str], root: Path) -> dict[str, ModeRun]:
-    """:func:`run_mode` for each of ``specs``, each in a fresh interpreter (cache-dit: one pipeline per process), all
-    at once."""
+    """:func:`run_mode` for each of ``specs``, all at once, each in a fresh interpreter (cache-dit: one per process)."""
     import os
     import subprocess
 

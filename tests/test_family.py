@@ -78,8 +78,7 @@ def fam(request, runtime) -> SimpleNamespace:
 
 
 def test_pipeline_class_inputs_and_default_stack_is_bitwise_none(fam, runtime):
-    """The directory is loaded as the intended vLLM-Omni pipeline, the reference images depend on what they should,
-    and the default stack gives them bitwise."""
+    """The intended pipeline class, references depending on what they should, and default gives them."""
     from vllm_omni.diffusion.models.qwen_image import pipeline_qwen_image_edit_plus as plus
 
     want = {
@@ -140,8 +139,7 @@ def test_each_optimization_acts_or_says_why_and_vae_fast_meets_its_gates(fam, ru
 
 
 def test_dmd2_forward_as_shipped_raises():
-    """Why the test bed runs the mixin's sanitize step and the base forward itself (``pipeline.run_forward``); when
-    this starts passing, upstream fixed it: drop the work-around."""
+    """Why the test bed runs DMD2's forward itself (``pipeline.run_forward``); once this passes, drop it."""
     from vllm_omni.diffusion.models.dmd2.mixin import DMD2PipelineMixin
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
@@ -164,8 +162,7 @@ T2I_REDUCTION = 106 - 46
 
 
 def _warm_counts(fam: SimpleNamespace, rt: Any) -> dict[str, Any]:
-    """Ops of the last block and of one transformer forward (= one denoise step, CFG off) and modulation weight
-    bytes read, on a repeated request (caches warm)."""
+    """Ops of the last block and of one forward (CFG off), modulation bytes read, on a warm request."""
     from vllm_omni_ascend_opt.testbed.opcount import TensorReadCounter, count_module_calls
 
     r = REQUESTS[0]
@@ -204,8 +201,7 @@ def test_ops_per_block_and_step(fam, runtime, fake_npu, npu_paths):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("variant", ["edit-2511", "edit-plus"])
 def test_edit_pipelines_under_ulysses_and_cfg_parallel(variant):
-    """``default`` is bitwise ``none`` on every rank; under Ulysses each rank holds its shard of the sequence and of
-    ``modulate_index``, so the segment plans differ per rank. Two input images and sizes, true CFG, a repeat."""
+    """``default`` is bitwise ``none`` on every rank (Ulysses: per-rank segment plans), over images and CFG."""
     from tests.harness.parallel import Job, ModeRun, run_parallel_modes
 
     reqs = {

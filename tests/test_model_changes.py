@@ -35,9 +35,8 @@ def _stats(name):
 
 
 def test_a_swapped_mlp_linear_and_a_patched_adalayernorm_dispatch_are_called(runtime, default_tr, monkeypatch):
-    """A LoRA-style wrapper put in place of a layer between forwards: the next forward calls the wrapper. AdaLayerNorm's
-    class-level forward patched between forwards (another plugin, a MindIE-SD port): the norms' kinds are decided
-    anew, so the patched forward is the one that runs."""
+    """A LoRA-style wrapper swapped in and AdaLayerNorm's class-level forward patched (another plugin, MindIE-SD),
+    between forwards: the next forward calls the wrapper and, the norms' kinds decided anew, the patched forward."""
     tr, kw, want = default_tr
     ff = tr.transformer_blocks[0].img_mlp
     calls = []
@@ -75,8 +74,7 @@ def test_a_swapped_mlp_linear_and_a_patched_adalayernorm_dispatch_are_called(run
 
 
 def test_attention_hooks_added_between_forwards_run(runtime, default_tr):
-    """A hook on a QK norm sends that block's attention to stock; one on a block's attention runs; both only while
-    they are there, and the output stays stock's."""
+    """Hooks on a QK norm (its attention goes to stock) and on an attention run; the output stays stock's."""
     tr, kw, want = default_tr
     fired = []
     h = tr.transformer_blocks[0].attn.norm_added_k.register_forward_hook(lambda *a: fired.append(1))
@@ -164,8 +162,7 @@ def test_a_change_between_forwards_is_used(runtime, default_tr, change):
 
 @pytest.mark.parametrize("where", list(MEMO_KEYED))
 def test_a_hook_added_between_forwards_runs(runtime, default_tr, where):
-    """A forward hook on what the memo keys on, put there after the memo was filled: the memo steps aside at the next
-    forward (the hook runs, the reason is reported), and serves again once the hook is gone."""
+    """A hook where the memo keys, added once filled: the memo steps aside (reason reported) until it goes."""
     tr, kw, want = default_tr
     module, _, reason = MEMO_KEYED[where]
     fired = []

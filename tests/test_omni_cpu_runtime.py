@@ -65,8 +65,7 @@ _PLUGIN_LOADING = (
     ("opt_in", "plugins"), [(True, None), (True, "some_other_plugin"), (False, None), (False, "some_other_plugin")]
 )
 def test_plugin_loading_applies_the_cpu_runtime_only_when_asked(opt_in, plugins):
-    """The test bed applies its runtime when vLLM-Omni loads plugins, whether or not ours is among them; ours is
-    registered unless ``VLLM_PLUGINS`` leaves it out."""
+    """The runtime applies when asked, whether or not ours is a plugin; ours registers unless left out."""
     out = last_json(_child(_PLUGIN_LOADING, opt_in, plugins))
     assert out["registered"] is (plugins is None)  # the plugin's part is independent of the runtime
     if not opt_in:

@@ -1,9 +1,6 @@
-"""The plugin inside vLLM-Omni's offline engine ``Omni`` on CPU with the tiny model.
-
-``Omni(distributed_executor_backend="mp")`` builds the model in a spawned worker that loads the plugin through the
-entry points and writes the JSON status file; the default stack's images must be bitwise ``none``'s (run in-process).
-A third engine with ``VLLM_PLUGINS`` naming another plugin must not load ours and still serve stock images. The
-engines run side by side, each in a child process with the test bed's CPU runtime.
+"""The plugin inside vLLM-Omni's offline engine ``Omni`` on CPU with the tiny model, three engines side by side: the
+default stack built in an mp worker (through the entry points) must give ``none``'s images bitwise, and an engine
+whose ``VLLM_PLUGINS`` names another plugin must not load ours and still serve stock images.
 """
 
 from __future__ import annotations
@@ -119,8 +116,7 @@ def test_default_stack_in_the_mp_worker_is_bitwise_none_and_none_installs_nothin
 
 
 def test_engine_without_our_plugin_starts_and_serves_stock(runs):
-    """``VLLM_PLUGINS`` that excludes ascend_opt: the engine starts (the CPU runtime does not need the plugin), serves
-    ``none``'s images bitwise, and no process loads the plugin although ``VLLM_OMNI_ASCEND_OPT=default`` is set."""
+    """``VLLM_PLUGINS`` without ours: the engine starts, serves ``none``'s images, no process loads ours."""
     _, _, log = _read(runs["other_plugin"])
     assert not (runs["other_plugin"] / "status.json").exists(), (
         "the plugin was loaded although VLLM_PLUGINS excludes it"

@@ -121,8 +121,7 @@ def test_check_applies_and_compares_on_its_release(monkeypatch, capsys):
 
 
 def test_apply_checks_report_what_does_not_apply_or_compile(tmp_path):
-    """The apply machinery on the installed (any release's) pristine tree, with three small patches: a new module
-    (applies alone and stacked), a syntax error (applies, does not compile), a hunk whose context is not there."""
+    """A new module applies, a syntax error does not compile, a stale hunk does not apply (pristine tree)."""
 
     def new_file(name: str, line: str) -> str:
         return (

@@ -205,8 +205,7 @@ def _declarations() -> list[tuple[str, Upstream]]:
 
 @pytest.mark.versions
 def test_every_optimization_declares_code_whose_source_fingerprints_equal_inspect_getsource():
-    """The file-based fingerprint (nothing imported) is the very value ``inspect.getsource`` gives once imported, and
-    the imported function is the one in that file (no replacement)."""
+    """The file-based fingerprint equals ``inspect.getsource``'s of the very function in that file."""
     assert {n for n, _ in _declarations()} == set(registry.names())
     for d in {(d.module, d.qualname): d for _, d in _declarations()}.values():
         fp = fingerprints.fingerprint(d.module, d.qualname)
@@ -224,8 +223,7 @@ def test_every_optimization_declares_code_whose_source_fingerprints_equal_inspec
 
 @pytest.mark.versions
 def test_declared_code_is_known_for_this_release():
-    """Every function every optimization declares matches a fingerprint listed for the installed release (on every
-    platform: the per-platform ones too), so each table says exactly which code each release ships."""
+    """Every declared function (per-platform ones too) matches a fingerprint listed for this release."""
     if OMNI not in fingerprints.KNOWN_OMNI:
         pytest.skip(f"vllm-omni {OMNI} is not a release the tables list")
     wrong = {}
@@ -242,8 +240,7 @@ def test_declared_code_is_known_for_this_release():
 
 @pytest.mark.versions
 def test_reasons_and_list_need_no_vllm_omni_import():
-    """In a fresh process every optimization's reasons, the ``list`` rows and the upstream findings come from the
-    source files: vLLM-Omni is not imported to answer (so ``list`` tells the truth before the model modules are)."""
+    """Reasons, ``list`` rows and findings come from the source files: no vLLM-Omni import needed."""
     code = """
         import json, sys
         from vllm_omni_ascend_opt import api, registry
@@ -312,8 +309,7 @@ def test_forward_cuda_is_native_only_without_the_fused_kernel(ada, runtime, monk
 
 
 def _memo_is_bitwise_stock(tr, runtime, spy: _FusedAdaLNSpy | None = None, stock_calls: int = 0) -> None:
-    """Cold and warm memoized forwards equal stock's, whose every AdaLayerNorm goes through the fused kernel (when
-    there is one, ``stock_calls`` per forward); the memoized path calls the instance (the kernel) as often."""
+    """Cold and warm memoized forwards equal stock's, calling the (fused-kernel) instance as often."""
     kw = sm.inputs(torch.float32, batch=2, pad=2)
     api.select("none", model=tr)
     want = sm.fwd(tr, runtime, kw)

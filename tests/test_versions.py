@@ -1,10 +1,8 @@
-"""What depends on the installed vLLM-Omni version: ``make test-versions`` runs this module in one venv per release.
-
-The plugin loads through ``load_omni_general_plugins`` in a fresh process and installs exactly the default
-optimizations that can act here (decided by the upstream code's fingerprints; only a release below the floor is
-refused, unless forced); ``list --json`` says the same before and after the model import; the default stack is
-bitwise ``none`` on the tiny text-to-image and edit pipelines. :data:`KNOWN_GAPS` lists per series the default
-optimizations that do not act, with their reason. ``VERSIONS_REPORT`` (a directory) receives one JSON file per check.
+"""What depends on the installed vLLM-Omni version (``make test-versions`` runs this module in one venv per release):
+the plugin loads through ``load_omni_general_plugins`` and installs the default optimizations the upstream code
+allows (only a release below the floor is refused, unless forced), ``list --json`` says the same before and after the
+model import, and the default stack is bitwise ``none`` on the tiny text-to-image and edit pipelines.
+:data:`KNOWN_GAPS`: per series, default optimizations that do not act; ``VERSIONS_REPORT`` receives the JSON figures.
 """
 
 from __future__ import annotations
@@ -58,8 +56,7 @@ def _check_gap_reasons(reasons: dict[str, list[str]]) -> None:
 
 @pytest.fixture(scope="module")
 def worker() -> dict[str, Any]:
-    """One fresh process as vLLM-Omni starts one: ``load_omni_general_plugins()``, ``list --json`` as users run it,
-    the model package imported as the worker does next, ``list --json`` again and what is selected and installed."""
+    """A fresh process as vLLM-Omni starts one: plugins, ``list --json``, model import, ``list`` again."""
     code = """
         import contextlib, io, json, sys
         from vllm_omni.plugins import load_omni_general_plugins

@@ -1,14 +1,10 @@
-"""A semantic fake of ``torch_npu`` for CPU tests. Lives in tests/ only; never shipped.
+"""A semantic fake of ``torch_npu`` for CPU tests (tests/ only, never shipped): each kernel computes its *documented*
+result with plain torch and raises on *documented* constraint violations, so the plugin's NPU paths run for real.
 
-Each kernel computes its *documented* result with plain torch on CPU tensors and raises on *documented* constraint
-violations, so that the plugin's NPU code paths (argument layout, modes, mask polarity, formats) are exercised for
-real. The module implementing a kernel lists its constraints with their sources: :mod:`.rotary`, :mod:`.attention`,
-:mod:`.formats` (formats, ``allow_internal_format``, the device model), :mod:`.norms`, :mod:`.quant`.
-tests/test_fake_torch_npu_reference.py checks every op's signature, output shapes/dtypes and ``torch.npu.config``
-against the pinned torch-npu 2.13.0 wheel (:mod:`.reference`).
-
-Sources are abbreviated: [OP-ROT] Ascend/op-plugin docs ``torch_npu-npu_rotary_mul.md``; [OP-FA]
-``torch_npu-npu_fusion_attention.md``; [OP-FIA] ``torch_npu-npu_fused_infer_attention_score.md``; [OP-FMT]
+Each kernel module lists its constraints with their sources (:mod:`.rotary`, :mod:`.attention`, :mod:`.formats`,
+:mod:`.norms`, :mod:`.quant`); tests/test_fake_torch_npu_reference.py checks the ops against the pinned torch-npu
+2.13.0 wheel (:mod:`.reference`). Abbreviated sources: [OP-ROT] Ascend/op-plugin docs ``torch_npu-npu_rotary_mul.md``,
+[OP-FA] ``torch_npu-npu_fusion_attention.md``, [OP-FIA] ``torch_npu-npu_fused_infer_attention_score.md``, [OP-FMT]
 ``torch_npu-npu_format_cast.md``; [DESIGN] ``../shared/design/torch-npu-kernels.md`` (a digest of those pages).
 
 ``install(monkeypatch, **variants)`` puts the fake in ``sys.modules['torch_npu']`` and ``torch.npu``; ``variants``
@@ -130,10 +126,8 @@ def build(
     free_memory: int = 64 << 30,
     **variants: str,
 ) -> types.ModuleType:
-    """A fresh fake ``torch_npu`` module (not installed): ``allow_internal_format`` is the initial option (True on A2,
-    False on A3 [OP-AIF]), ``soc_version`` 220 = Ascend910B1, ``free_memory`` settable later as ``mod.memory["free"]``;
-    ``mod.faults`` (:class:`FaultPlan`) and ``mod.timing`` (:class:`.timing.TimingPlan`) plan faults and device time.
-    """
+    """A fresh fake ``torch_npu`` (not installed): ``allow_internal_format`` is the initial option (A2 True, A3 False
+    [OP-AIF]), ``soc_version`` 220 = Ascend910B1; ``mod.memory``, ``mod.faults``, ``mod.timing`` are settable."""
     mod = types.ModuleType("torch_npu")
     mod.__fake__ = True  # type: ignore[attr-defined]
     # Another kernel is another build: the variants are part of the version (the saved verdicts' key holds it).

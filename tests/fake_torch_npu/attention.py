@@ -2,21 +2,16 @@
 
 Sources (see ``__init__``); the constraints are checked in the code below, each citing its source:
 
-* [OP-FA] Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (commits 3ec6c1f, 0d8f401): returns
-  (attention_out, softmax max, softmax sum (float), reserved, dropout seed/offset/length). ``atten_mask`` bool/uint8,
+* [OP-FA] Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (commits 3ec6c1f, 0d8f401): ``atten_mask``
   **1 (True) = this position does NOT take part** ("取值为1代表该位不参与计算"); ``scale`` defaults to **1**;
-  ``padding_mask`` not supported; ``inner_precise`` 2 = invalid-row computation; ``sparse_mode`` 7 and 8 are the
-  varlen (TND) split modes, so other layouts take 0..6.
-* [OP-FIA] ``docs/context/torch_npu-npu_fused_infer_attention_score.md`` (commit 0adf450): inference and graph mode;
-  non-contiguous inputs not supported; output 2 (softmax_lse) follows the wheel's meta (an empty [0] float32 tensor),
-  the mask polarity [OP-FA]'s (checked on the device by ``benchmarks/npu_check_kernels.py``).
-* [TNPU-YAML] / [TNPU-META] the torch-npu 2.13.0 wheel's ``npu_native_functions_by_codegen.yaml`` (signatures) and
-  ``op_plugin/meta/_meta_registrations.py`` (output shapes and dtypes).
+  ``inner_precise`` 2 = invalid-row computation; ``sparse_mode`` 7 and 8 are varlen (TND) only.
+* [OP-FIA] ``torch_npu-npu_fused_infer_attention_score.md`` (commit 0adf450): inference; contiguous inputs only; the
+  mask polarity is [OP-FA]'s (checked on the device by ``benchmarks/npu_check_kernels.py``).
+* [TNPU-YAML] / [TNPU-META] the torch-npu 2.13.0 wheel's schemas and meta functions (output shapes and dtypes).
 * [FA-BF16-P] the real kernel rounds the softmax weights to the input dtype before the P*V matmul (a Cube operand).
 
-Each computation is one ``torch.library`` custom op (one launch), in float32 except for the softmax weights
-[FA-BF16-P]; the output is rounded once to the input dtype. Variants: ``wrong_polarity`` masks where the mask is
-False, ``ignores_scale`` always uses scale 1, ``long_seq_bug`` drops the scale beyond Sq = 64.
+Each computation is one ``torch.library`` custom op, in float32 except for the softmax weights [FA-BF16-P], rounded
+once to the input dtype. Variants: ``wrong_polarity``, ``ignores_scale``, ``long_seq_bug`` (no scale beyond Sq 64).
 """
 
 from __future__ import annotations

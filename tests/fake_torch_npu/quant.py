@@ -103,8 +103,7 @@ def _weight(x2: torch.Tensor) -> torch.Tensor:
 
 
 def _make_quant_matmul(read_weight: Any) -> Any:
-    """[OP-QMM] ``(x1 @ x2 in int32) * scale * pertoken_scale + bias`` in ``output_dtype``; ``read_weight`` maps the
-    logical ``x2`` to what the kernel reads."""
+    """[OP-QMM] ``(x1 @ x2 in int32) * scale * pertoken_scale + bias``; ``read_weight``: what is read of ``x2``."""
 
     def npu_quant_matmul(
         x1: torch.Tensor,
@@ -144,8 +143,7 @@ def _make_quant_matmul(read_weight: Any) -> Any:
 
 
 def _misread(w: torch.Tensor) -> torch.Tensor:
-    """Variant ``nz_misread``: an NZ ``x2`` is read as ND (its fractal storage row-major), as a kernel build without
-    the WeightNz route would; ND weights are right."""
+    """Variant ``nz_misread``: an NZ ``x2`` read as ND (its fractal storage row-major), as without WeightNz."""
     return formats.misread_nz(w.t()).t() if formats.get_npu_format(w) == formats.FRACTAL_NZ else w
 
 

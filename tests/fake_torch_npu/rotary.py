@@ -162,8 +162,7 @@ npu_rotary_mul_no_rotary_mode.legacy_signature = "[OP-ROT-6.0]"  # type: ignore[
 
 
 def npu_rotary_mul_aclop(self, r1, r2, rotary_mode="half", rotate=None):
-    """The old aclop path (fallback without ``aclnnRotaryPositionEmbedding``): since op-plugin 7.0.0 it rejects every
-    mode but ``half`` [OP-ROT-ACLOP]."""
+    """The old aclop path: since op-plugin 7.0.0 it rejects every mode but ``half`` [OP-ROT-ACLOP]."""
     if rotary_mode != "half":
         raise FakeNpuError(
             f"npu_rotary_mul in aclop only support rotary_mode with half, but got {rotary_mode} [OP-ROT-ACLOP]"

@@ -33,8 +33,7 @@ class TimingPlan:
         self.costs[kernel] = ms
 
     def by_weight_format(self, kernel: str, nd_ms: float, nz_ms: float) -> None:
-        """``kernel`` (a GEMM: ``x1``, ``x2``, ...) costs ``nz_ms`` when its weight ``x2`` is FRACTAL_NZ, else
-        ``nd_ms``; a call the kernel will reject (``x2`` not an NPU tensor) is priced as ND."""
+        """``kernel`` (``x1``, ``x2``, ...) costs ``nz_ms`` when ``x2`` is FRACTAL_NZ on the NPU, else ``nd_ms``."""
 
         def cost(*args: Any, **kwargs: Any) -> float:
             x2 = args[1] if len(args) > 1 else kwargs.get("x2")

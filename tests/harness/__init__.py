@@ -40,8 +40,7 @@ class LogLines(logging.Handler):
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 900, **extra: str):
-    """Dedented ``code`` in a fresh interpreter: ``env`` (default: this process's) plus ``extra``, this repository
-    first on ``PYTHONPATH``."""
+    """Dedented ``code`` in a fresh interpreter: ``env`` (default: ours) plus ``extra``, this repository first."""
     e = {**(os.environ if env is None else env), **extra}
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), e.get("PYTHONPATH")]))
     cmd = [sys.executable, "-c", textwrap.dedent(code)]
