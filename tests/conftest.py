@@ -16,8 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Freeze what collection imported (torch, vLLM, vLLM-Omni: never garbage), so the collector's full passes during
-    the tests scan only what the tests create."""
+    """Freeze what collection imported (never garbage): the collector's full passes then scan only what tests create."""
     gc.collect()
     gc.freeze()
 
@@ -52,8 +51,7 @@ def tiny_pipe(runtime):
 
 @pytest.fixture(scope="module")
 def bf16_transformer(runtime, tiny_pipe):
-    """A second QwenImageTransformer2DModel with the tiny weights, in bfloat16 (the session pipeline stays fp32);
-    one per test module."""
+    """A second QwenImageTransformer2DModel with the tiny weights in bfloat16 (the session pipeline stays fp32)."""
     import torch
 
     from vllm_omni_ascend_opt.blocks.upstream import targets
@@ -68,8 +66,7 @@ def bf16_transformer(runtime, tiny_pipe):
 
 @pytest.fixture(autouse=True)
 def _fresh_plugin_state(monkeypatch, tmp_path_factory):
-    """Every test starts and ends with nothing selected or installed, and with an empty saved-verdict cache of its
-    own (the fakes of all tests share one "environment": a verdict saved by one must never reach another)."""
+    """Nothing selected or installed before and after each test, and a saved-verdict cache of its own per test."""
     from vllm_omni_ascend_opt import _backend, _plugin
     from vllm_omni_ascend_opt.blocks.kernels import saved
 

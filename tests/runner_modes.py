@@ -1,7 +1,5 @@
-"""vLLM-Omni's memory and cache modes through its own ``DiffusionModelRunner``, for tests/test_memory_modes.py.
-
-One run loads the tiny model with the mode's ``OmniDiffusionConfig`` fields under a selection and makes the same
-request twice: both images and, for the warm one, every optimization's statistics, fallbacks and acting status.
+"""vLLM-Omni's memory and cache modes through its own ``DiffusionModelRunner``, for tests/test_memory_modes.py: the
+same request twice under a selection, both images and the warm one's statistics, fallbacks and acting status.
 cache-dit enables once per process, so its modes run in a child each (``python -m tests.runner_modes MODE SPEC OUT``).
 """
 
@@ -39,8 +37,7 @@ def evidence(mode: str) -> dict[str, tuple[str, ...]]:
 
 @dataclass(frozen=True)
 class Mode:
-    """A vLLM-Omni mode: ``OmniDiffusionConfig`` fields, request fields, the VAE tiles, whether it needs its own
-    process."""
+    """``OmniDiffusionConfig`` fields, request fields, the VAE tiles, whether it needs its own process."""
 
     fields: dict[str, Any]
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -129,8 +126,7 @@ def _enabled_backend(backend: Any) -> str | None:
 
 
 def run_in_children(mode: str, specs: list[str], root: Path) -> dict[str, ModeRun]:
-    """:func:`run_mode` for each of ``specs``, each in a fresh interpreter (cache-dit: one pipeline per process), all
-    at once: the children are independent, and the machine's cores run them side by side."""
+    """:func:`run_mode` for each of ``specs``, all at once, each in a fresh interpreter (cache-dit: one per process)."""
     import os
     import subprocess
 

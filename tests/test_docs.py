@@ -16,17 +16,14 @@ def gen_docs():
     return load_script("gen_docs", "tools/gen_docs.py")
 
 
-def test_generated_tables_match_the_registry_and_the_workloads(gen_docs):
+def test_generated_tables_match_the_registry_and_change_with_it(gen_docs, monkeypatch):
     assert gen_docs.out_of_date() == [], "run: python tools/gen_docs.py"
-
-
-def test_a_change_in_the_registry_changes_the_tables(gen_docs, monkeypatch):
     opt = registry.get("rope")
     monkeypatch.setattr(type(opt), "summary", "something else entirely")
     assert set(gen_docs.out_of_date()) == {"README.md", "patches/README.md", "patches/0002-rope.patch"}
 
 
-def test_patch_headers_say_what_the_class_says_and_keep_the_diff(gen_docs, monkeypatch):
+def test_patch_headers_say_what_the_class_says_and_keep_the_diff_for_every_optimization(gen_docs, monkeypatch):
     opt = registry.get("vae_exact")
     rel = "patches/0005-vae_exact.patch"
     before = (REPO / rel).read_text()
@@ -39,9 +36,6 @@ def test_patch_headers_say_what_the_class_says_and_keep_the_diff(gen_docs, monke
     assert max(len(line) for line in fields["Why"].splitlines()) <= 118
     assert fields["Upstream overlap"] == gen_docs.split_patch(before)[0]["Upstream overlap"]
     assert list(fields) == [f for f in gen_docs.PATCH_FIELDS if f in fields]  # the fixed order
-
-
-def test_every_optimization_has_its_patch_with_its_class(gen_docs):
     for i, opt in enumerate(registry.all_optimizations()):
         if opt.no_patch_reason:  # says why it has none (tests/test_patches.py: and that it has none)
             continue

@@ -1,9 +1,7 @@
-"""The Qwen-Image family of vLLM-Omni 0.30: DMD2, Edit, Edit-Plus (2509, 2511 ``zero_cond_t``) and Layered, each a
-tiny model loaded through vLLM-Omni's loader and run through its real pipeline.
-
-Per pipeline: the default stack gives ``none``'s images bitwise over CFG on/off, seeds, resolutions, a repeat and
-(image pipelines) two input images; every selected optimization acts or says why; ``vae_fast`` meets its gates.
-One pipeline load and one set of reference images per pipeline (module fixtures).
+"""The Qwen-Image family of vLLM-Omni 0.30 (DMD2, Edit, Edit-Plus 2509 and 2511 ``zero_cond_t``, Layered), each a
+tiny model loaded through vLLM-Omni's loader and run through its real pipeline (one load and one set of ``none``
+reference images per pipeline): the default stack gives ``none``'s images bitwise over CFG on/off, seeds,
+resolutions, a repeat and input images; every selected optimization acts or says why; ``vae_fast`` meets its gates.
 """
 
 from __future__ import annotations
@@ -72,15 +70,15 @@ def fam(request, runtime) -> SimpleNamespace:
     _plugin._reset_for_tests()
     key = request.param
     pipe = load_pipeline(runtime, model=build_model_dir(TINY_FAMILY[key]))
-    fam = SimpleNamespace(key=key, pipe=pipe, spec=TINY_FAMILY[key])
+    fam = SimpleNamespace(key=key, pipe=pipe)
     api.select("none", model=pipe)
     fam.refs = {r.tag: _run(fam, runtime, r) for r in REQUESTS}
     _plugin._reset_for_tests()
     return fam
 
 
-def test_pipeline_class_and_inputs(fam):
-    """The directory is loaded as the intended vLLM-Omni pipeline; the reference images depend on what they should."""
+def test_pipeline_class_inputs_and_default_stack_is_bitwise_none(fam, runtime):
+    """The intended pipeline class, references depending on what they should, and default gives them."""
     from vllm_omni.diffusion.models.qwen_image import pipeline_qwen_image_edit_plus as plus
 
     want = {
@@ -104,9 +102,6 @@ def test_pipeline_class_and_inputs(fam):
         assert torch.equal(refs["base"], refs["other-image"])
     if fam.key == "layered":
         assert refs["base"].shape[:2] == (2, 4)  # 2 RGBA layers
-
-
-def test_default_stack_is_bitwise_none(fam, runtime):
     api.select("default", model=fam.pipe)
     sm.OPT.reset_stats()
     got = {r.tag: _run(fam, runtime, r) for r in REQUESTS}
@@ -119,7 +114,7 @@ def test_default_stack_is_bitwise_none(fam, runtime):
         assert sm.OPT.memo.stats["plans"] > 0 and sm.OPT.memo.stats["zero_t_hits"] > 0
 
 
-def test_each_optimization_acts_or_says_why(fam, runtime):
+def test_each_optimization_acts_or_says_why_and_vae_fast_meets_its_gates(fam, runtime):
     """``list``/status and the per-model reasons: nothing selected is silently inactive on any pipeline."""
     api.select("default,+vae_fast", model=fam.pipe)
     acting, reasons = _report.acting(fam.pipe), _report.off_reasons(fam.pipe)
@@ -133,10 +128,6 @@ def test_each_optimization_acts_or_says_why(fam, runtime):
     rows = {r["name"]: r for r in api.status()}
     for name in ("fused_attention", "nz_weights"):  # no torch_npu here: the environment reason is listed
         assert not rows[name]["active"] and rows[name]["reasons_inactive"]
-
-
-def test_vae_fast_meets_its_gates(fam, runtime):
-    api.select("default,+vae_fast", model=fam.pipe)
     for r in (REQUESTS[0], REQUESTS[2]):
         got = _run(fam, runtime, r)
         ref = fam.refs[r.tag]
@@ -148,8 +139,7 @@ def test_vae_fast_meets_its_gates(fam, runtime):
 
 
 def test_dmd2_forward_as_shipped_raises():
-    """Why the test bed runs the mixin's sanitize step and the base forward itself (``pipeline.run_forward``); when
-    this starts passing, upstream fixed it: drop the work-around."""
+    """Why the test bed runs DMD2's forward itself (``pipeline.run_forward``); once this passes, drop it."""
     from vllm_omni.diffusion.models.dmd2.mixin import DMD2PipelineMixin
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
@@ -172,8 +162,7 @@ T2I_REDUCTION = 106 - 46
 
 
 def _warm_counts(fam: SimpleNamespace, rt: Any) -> dict[str, Any]:
-    """Ops of the last block and of one transformer forward (= one denoise step, CFG off) and modulation weight
-    bytes read, on a repeated request (caches warm)."""
+    """Ops of the last block and of one forward (CFG off), modulation bytes read, on a warm request."""
     from vllm_omni_ascend_opt.testbed.opcount import TensorReadCounter, count_module_calls
 
     r = REQUESTS[0]
@@ -212,8 +201,7 @@ def test_ops_per_block_and_step(fam, runtime, fake_npu, npu_paths):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("variant", ["edit-2511", "edit-plus"])
 def test_edit_pipelines_under_ulysses_and_cfg_parallel(variant):
-    """``default`` is bitwise ``none`` on every rank; under Ulysses each rank holds its shard of the sequence and of
-    ``modulate_index``, so the segment plans differ per rank. Two input images and sizes, true CFG, a repeat."""
+    """``default`` is bitwise ``none`` on every rank (Ulysses: per-rank segment plans), over images and CFG."""
     from tests.harness.parallel import Job, ModeRun, run_parallel_modes
 
     reqs = {

@@ -34,8 +34,9 @@ def _stats(name):
     return opt.stats
 
 
-def test_a_swapped_mlp_linear_is_called_as_the_new_module(runtime, default_tr):
-    """A LoRA-style wrapper put in place of a layer between forwards: the next forward calls the wrapper."""
+def test_a_swapped_mlp_linear_and_a_patched_adalayernorm_dispatch_are_called(runtime, default_tr, monkeypatch):
+    """A LoRA-style wrapper swapped in and AdaLayerNorm's class-level forward patched (another plugin, MindIE-SD),
+    between forwards: the next forward calls the wrapper and, the norms' kinds decided anew, the patched forward."""
     tr, kw, want = default_tr
     ff = tr.transformer_blocks[0].img_mlp
     calls = []
@@ -60,9 +61,20 @@ def test_a_swapped_mlp_linear_is_called_as_the_new_module(runtime, default_tr):
     calls.clear()
     fwd(tr, runtime, kw)
     assert calls == []
+    ada = type(tr.transformer_blocks[0].img_norm1)
+    stock_forward = ada.forward
+
+    def patched(self, *args, **kwargs):
+        calls.append(1)
+        return stock_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ada, "forward", patched)
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    assert len(calls) == 4 * len(tr.transformer_blocks)  # every AdaLayerNorm called as a module
 
 
-def test_a_qk_norm_hook_added_between_forwards_sends_the_attention_to_stock(runtime, default_tr):
+def test_attention_hooks_added_between_forwards_run(runtime, default_tr):
+    """Hooks on a QK norm (its attention goes to stock) and on an attention run; the output stays stock's."""
     tr, kw, want = default_tr
     fired = []
     h = tr.transformer_blocks[0].attn.norm_added_k.register_forward_hook(lambda *a: fired.append(1))
@@ -76,6 +88,16 @@ def test_a_qk_norm_hook_added_between_forwards_sends_the_attention_to_stock(runt
     ja = _stats("joint_attention")
     fwd(tr, runtime, kw)
     assert ja["joint_calls"] == len(tr.transformer_blocks)
+    fired.clear()
+    h = tr.transformer_blocks[1].attn.register_forward_pre_hook(lambda *a: fired.append(1))
+    try:
+        assert torch.equal(fwd(tr, runtime, kw), want)
+    finally:
+        h.remove()
+    assert fired == [1]
+    fired.clear()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    assert fired == []
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -140,8 +162,7 @@ def test_a_change_between_forwards_is_used(runtime, default_tr, change):
 
 @pytest.mark.parametrize("where", list(MEMO_KEYED))
 def test_a_hook_added_between_forwards_runs(runtime, default_tr, where):
-    """A forward hook on what the memo keys on, put there after the memo was filled: the memo steps aside at the next
-    forward (the hook runs, the reason is reported), and serves again once the hook is gone."""
+    """A hook where the memo keys, added once filled: the memo steps aside (reason reported) until it goes."""
     tr, kw, want = default_tr
     module, _, reason = MEMO_KEYED[where]
     fired = []
@@ -156,36 +177,3 @@ def test_a_hook_added_between_forwards_runs(runtime, default_tr, where):
     sm = _stats("shared_modulation")
     assert torch.equal(fwd(tr, runtime, kw), want)
     assert sm["misses"] == 0 and registry.get("shared_modulation").fallback_reasons() == {}
-
-
-def test_a_patched_adalayernorm_dispatch_is_seen_by_the_memo(runtime, default_tr, monkeypatch):
-    """AdaLayerNorm's class-level forward patched between forwards (another plugin, a MindIE-SD port): the norms'
-    kinds are decided anew, so the patched forward is the one that runs."""
-    tr, kw, want = default_tr
-    ada = type(tr.transformer_blocks[0].img_norm1)
-    calls = []
-    stock_forward = ada.forward
-
-    def patched(self, *args, **kwargs):
-        calls.append(1)
-        return stock_forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(ada, "forward", patched)
-    assert torch.equal(fwd(tr, runtime, kw), want)
-    assert len(calls) == 4 * len(tr.transformer_blocks)  # every AdaLayerNorm called as a module
-
-
-def test_an_attention_hook_added_between_forwards_runs(runtime, default_tr):
-    """A hook put on a block's attention after a forward: the next forward runs it, and the output stays stock's."""
-    tr, kw, want = default_tr
-    block = tr.transformer_blocks[1]
-    fired = []
-    h = block.attn.register_forward_pre_hook(lambda *a: fired.append(1))
-    try:
-        assert torch.equal(fwd(tr, runtime, kw), want)
-    finally:
-        h.remove()
-    assert fired == [1]
-    fired.clear()
-    assert torch.equal(fwd(tr, runtime, kw), want)
-    assert fired == []

@@ -1,9 +1,5 @@
-"""The test bed's CPU runtime for vLLM-Omni's own engines, and the plugin's status line / status file (fast checks).
-
-The engines themselves run in tests/test_omni_offline.py and tests/test_omni_serve.py; here: the runtime never acts on
-an accelerator platform, ``engine_env`` is what the engines' processes inherit, the interpreter-start half serves
-exactly the missing imports and only when asked, and the plugin logs its one status line once.
-"""
+"""The test bed's CPU runtime for vLLM-Omni's engines (which run in tests/test_omni_offline.py and test_omni_serve.py)
+and the plugin's status line / status file (fast checks)."""
 
 from __future__ import annotations
 
@@ -15,11 +11,12 @@ import sys
 
 import pytest
 
+from tests.harness import last_json
 from vllm_omni_ascend_opt import _plugin, _report, flags
 from vllm_omni_ascend_opt.testbed import runtime as rt_mod
 
 
-def test_engine_env_puts_the_site_first_and_opts_in(monkeypatch):
+def test_engine_env_opts_in_and_the_cpu_runtime_changes_nothing_on_an_accelerator_platform(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     env = rt_mod.engine_env()
     assert env["PYTHONPATH"].split(os.pathsep) == [str(rt_mod.SITE_DIR), "/somewhere"]
@@ -27,9 +24,6 @@ def test_engine_env_puts_the_site_first_and_opts_in(monkeypatch):
     assert rt_mod.engine_env(env)["PYTHONPATH"] == env["PYTHONPATH"]  # idempotent
     assert (rt_mod.SITE_DIR / "sitecustomize.py").is_file()
     assert rt_mod.ENV_CPU_RUNTIME not in os.environ  # nothing leaks into this process
-
-
-def test_cpu_runtime_changes_nothing_on_an_accelerator_platform(monkeypatch):
     import vllm_omni.platforms as platforms
     from vllm.platforms.interface import UnspecifiedPlatform
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
@@ -46,6 +40,17 @@ def test_cpu_runtime_changes_nothing_on_an_accelerator_platform(monkeypatch):
     assert rt_mod.engine_cpu_runtime_applied() == []
 
 
+def _child(code: str, opt_in: bool, plugins: str | None = None) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter with ``engine_env`` (less the CPU-runtime opt-in unless ``opt_in``)."""
+    env = rt_mod.engine_env()
+    if not opt_in:
+        env.pop(rt_mod.ENV_CPU_RUNTIME)
+    env.pop("VLLM_PLUGINS", None)
+    if plugins:
+        env["VLLM_PLUGINS"] = plugins
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+
+
 _PLUGIN_LOADING = (
     "import json\n"
     "from vllm_omni.plugins import load_omni_general_plugins\n"
@@ -60,19 +65,8 @@ _PLUGIN_LOADING = (
     ("opt_in", "plugins"), [(True, None), (True, "some_other_plugin"), (False, None), (False, "some_other_plugin")]
 )
 def test_plugin_loading_applies_the_cpu_runtime_only_when_asked(opt_in, plugins):
-    """The test bed applies its runtime when vLLM-Omni loads plugins, whether or not ours is among them; ours is
-    registered unless ``VLLM_PLUGINS`` leaves it out."""
-    env = rt_mod.engine_env()
-    if not opt_in:
-        env.pop(rt_mod.ENV_CPU_RUNTIME)
-    env.pop("VLLM_PLUGINS", None)
-    if plugins:
-        env["VLLM_PLUGINS"] = plugins
-    proc = subprocess.run(
-        [sys.executable, "-c", _PLUGIN_LOADING], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    """The runtime applies when asked, whether or not ours is a plugin; ours registers unless left out."""
+    out = last_json(_child(_PLUGIN_LOADING, opt_in, plugins))
     assert out["registered"] is (plugins is None)  # the plugin's part is independent of the runtime
     if not opt_in:
         assert out["applied"] == []
@@ -81,7 +75,7 @@ def test_plugin_loading_applies_the_cpu_runtime_only_when_asked(opt_in, plugins)
 
 
 _PROBE = (
-    "import importlib, json, sys\n"
+    "import importlib, json\n"
     "out = {}\n"
     "m = importlib.import_module('transformers.models.qwen2_vl.image_processing_qwen2_vl')\n"
     "out['smart_resize'] = callable(getattr(m, 'smart_resize', None))\n"
@@ -91,7 +85,6 @@ _PROBE = (
     "    out['torchaudio'] = torchaudio.__version__\n"
     "except ImportError:\n"
     "    out['torchaudio'] = None\n"
-    "out['torch'] = 'torch' in sys.modules\n"
     "print(json.dumps(out))\n"
 )
 
@@ -102,22 +95,16 @@ def test_sitecustomize_serves_missing_imports_only_when_asked(opt_in):
 
     if importlib.util.find_spec("torchvision") is not None or importlib.util.find_spec("torchaudio") is not None:
         pytest.skip("torchvision / torchaudio are installed here: nothing to serve")
-    env = rt_mod.engine_env()
-    if not opt_in:
-        env.pop(rt_mod.ENV_CPU_RUNTIME)
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
+    proc = _child(_PROBE, opt_in)
     if opt_in:
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        out = last_json(proc)
         assert out["smart_resize"] and out["twin"].endswith("image_processing_pil_qwen2_vl")
         assert out["torchaudio"] == "0+ascend-opt-cpu-placeholder"
     else:
         assert proc.returncode != 0 and "torchvision" in proc.stderr  # the failure the runtime exists for
 
 
-def test_one_status_line_per_process_with_what_is_off(monkeypatch, caplog, tiny_pipe):
+def test_one_status_line_per_process_with_what_is_off_and_the_status_file(monkeypatch, caplog, tmp_path, tiny_pipe):
     monkeypatch.setenv(flags.ENV_FLAG, "none,+rope")
     with caplog.at_level(logging.INFO, logger=_report.LOGGER_NAME):
         _plugin.register()
@@ -130,9 +117,6 @@ def test_one_status_line_per_process_with_what_is_off(monkeypatch, caplog, tiny_
     if _report.pending():
         pytest.fail("rope's module is imported in this process; nothing should be pending")
     assert "installed rope; off: shared_modulation (not selected by VLLM_OMNI_ASCEND_OPT)" in msg
-
-
-def test_status_file_reports_installed_and_memory(monkeypatch, tmp_path, runtime, tiny_pipe):
     from vllm_omni_ascend_opt import api
 
     path = tmp_path / "status-{pid}.json"

@@ -1,10 +1,9 @@
 """The plugin inside ``vllm serve <tiny model> --omni`` (vLLM-Omni's OpenAI-compatible server), over real HTTP.
 
-Five servers start at once, each in its own process group (stopped at the end, also on failure): ``default`` (mp
-executor, a 0.02 MiB memo budget so the soak evicts), ``stock`` (``none``, mp: the references), ``bogus`` (a bad
-flag, in-process: "logged once" is exact), ``strict`` (the same with strict mode: must fail to start) and
-``other_plugin`` (``VLLM_PLUGINS`` excludes ours: still starts on CPU and serves stock). Each writes the plugin's JSON
-status file after every request; the tests read it rather than scraping logs.
+Five servers start at once, each in its own process group: ``default`` (mp executor, a 0.02 MiB memo budget so the
+soak evicts), ``stock`` (``none``, mp: the references), ``bogus`` (a bad flag, in-process), ``strict`` (the same in
+strict mode: must fail to start) and ``other_plugin`` (``VLLM_PLUGINS`` excludes ours). Each writes the plugin's JSON
+status file after every request.
 """
 
 from __future__ import annotations
@@ -65,6 +64,13 @@ class _Servers:
     def status(self, name: str) -> dict:
         return json.loads((self.root / f"{name}.status.json").read_text())
 
+    def assert_stock(self, srv: OmniServer, i: int):
+        """``srv``'s answer to request ``i`` is stock's image; returns it."""
+        r, ref = srv.generate(_body(i)), self.stock.generate(_body(i))
+        assert r.status == 200 and ref.status == 200, (r.body, ref.body)
+        assert r.image().std() > 0 and np.array_equal(r.image(), ref.image()), f"request {i} differs from stock"
+        return r
+
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, tmp_path_factory):
@@ -81,14 +87,10 @@ def servers(tiny_model_dir, tmp_path_factory):
 
 
 def test_default_server_serves_stock_identical_png_from_its_mp_worker(servers):
-    d, st = servers.default, servers.stock
-    assert d.healthy() and st.healthy()
-    r, ref = d.generate(_body(0)), st.generate(_body(0))
-    assert r.status == 200 and ref.status == 200, (r.body, ref.body)
-    assert r.png is not None and r.png[:8] == b"\x89PNG\r\n\x1a\n"
-    img = r.image()
-    assert img.shape == (32, 32, 3) and img.std() > 0
-    assert np.array_equal(img, ref.image()), "the default stack changed the served image"
+    d = servers.default
+    assert d.healthy() and servers.stock.healthy()
+    r = servers.assert_stock(d, 0)
+    assert r.png is not None and r.png[:8] == b"\x89PNG\r\n\x1a\n" and r.image().shape == (32, 32, 3)
     status = servers.status("default")
     assert status["pid"] != d.proc.pid, "the model must live in the mp worker, not the API server process"
     # memo_aware_offload is installed (vLLM-Omni imports its offloader everywhere) and does not act without offload
@@ -96,14 +98,11 @@ def test_default_server_serves_stock_identical_png_from_its_mp_worker(servers):
     assert status["acting_on_pipeline"] == NPU_FREE_DEFAULT
     assert "layerwise offload is not enabled" in status["off"]["memo_aware_offload"]
     assert servers.status("stock")["installed"] == []
-
-
-def test_status_line_in_the_server_output(servers):
-    log = servers.default.log_text()
-    lines = [ln for ln in log.splitlines() if STATUS_LINE.format(flag="default") in ln]
+    # the status line: one per process that loads the plugin
+    lines = [ln for ln in d.log_text().splitlines() if STATUS_LINE.format(flag="default") in ln]
     worker = [ln for ln in lines if "DiffusionWorker" in ln]
     api = [ln for ln in lines if "APIServer" in ln]
-    assert len(worker) == 1 and len(api) == 1, lines  # one line per process that loads the plugin
+    assert len(worker) == 1 and len(api) == 1, lines
     assert (
         " INFO " in worker[0]
         and "installed shared_modulation, rope, vae_exact, joint_attention, memo_aware_offload; off: fused_attention"
@@ -112,47 +111,35 @@ def test_status_line_in_the_server_output(servers):
     assert "vae_fast (not selected by VLLM_OMNI_ASCEND_OPT)" in worker[0]
     stock = [ln for ln in servers.stock.log_text().splitlines() if STATUS_LINE.format(flag="none") in ln]
     assert stock and all("installed nothing" in ln for ln in stock)
+    # a bad request gets a 4xx and the next request succeeds
+    bad = d.generate({**_body(0), "size": "0x0"})
+    assert 400 <= bad.status < 500, bad.body
+    servers.assert_stock(d, 3)
 
 
-def test_bogus_flag_without_strict_logs_once_patches_nothing_serves_stock(servers):
+def test_bogus_flag_logs_once_and_serves_stock_but_fails_start_under_strict(servers):
     b = servers.bogus
     errors = [ln for ln in b.log_text().splitlines() if "unknown optimization 'bogus'" in ln]
     assert len(errors) == 1, errors
     assert " ERROR " in errors[0] and "Valid names: shared_modulation, rope" in errors[0]
     status = servers.status("bogus")
     assert status["installed"] == [] and status["selected"] == [] and "bogus" in status["config_error"]
-    r, ref = b.generate(_body(1)), servers.stock.generate(_body(1))
-    assert r.status == 200 and np.array_equal(r.image(), ref.image())
-
-
-def test_bogus_flag_with_strict_fails_start_with_the_plugins_message(servers):
+    servers.assert_stock(b, 1)
     assert servers.strict_rc not in (None, 0), "strict mode with a bad flag must stop the server"
     log = servers.strict.log_text()
     assert "PluginConfigError" in log and "unknown optimization 'bogus'" in log
 
 
 def test_server_without_our_plugin_starts_and_serves_stock(servers):
-    """``VLLM_PLUGINS`` that excludes ascend_opt: the server starts (the CPU runtime does not need the plugin), serves
-    stock's image, and loads no plugin although ``VLLM_OMNI_ASCEND_OPT=default`` is set: no status file, no INFO line."""
-    o = servers.other
-    r, ref = o.generate(_body(2)), servers.stock.generate(_body(2))
-    assert r.status == 200 and ref.status == 200, (r.body, ref.body)
-    assert r.image().std() > 0 and np.array_equal(r.image(), ref.image())
+    """``VLLM_PLUGINS`` without ours: the server starts, serves stock's image and loads no plugin of ours."""
+    servers.assert_stock(servers.other, 2)
     assert not (servers.root / "other_plugin.status.json").exists(), "the plugin was loaded despite VLLM_PLUGINS"
-    log = o.log_text()
+    log = servers.other.log_text()
     assert "vllm-omni-ascend-opt 0.1.0 (" not in log
     assert "CPU runtime for vLLM-Omni's engines" in log
 
 
-def test_bad_request_gets_4xx_and_the_next_request_succeeds(servers):
-    d = servers.default
-    bad = d.generate({**_body(0), "size": "0x0"})
-    assert 400 <= bad.status < 500, bad.body
-    good, ref = d.generate(_body(3)), servers.stock.generate(_body(3))
-    assert good.status == 200 and np.array_equal(good.image(), ref.image())
-
-
-def test_concurrent_mixed_requests_match_stock_one_by_one(servers):
+def test_concurrent_mixed_requests_match_stock_and_a_soak_keeps_caches_within_budget(servers):
     d, st = servers.default, servers.stock
     with ThreadPoolExecutor(max_workers=len(MIXED)) as pool:
         got = list(pool.map(lambda i: d.generate(_body(i), timeout=300), range(len(MIXED))))
@@ -163,10 +150,6 @@ def test_concurrent_mixed_requests_match_stock_one_by_one(servers):
         a, b = r.image(), ref.image()
         assert a.shape == (MIXED[i]["height"], MIXED[i]["width"], 3)
         assert np.array_equal(a, b), f"request {i} {MIXED[i]} differs from stock"
-
-
-def test_soak_keeps_caches_within_budget_and_server_healthy(servers):
-    d = servers.default
     before = servers.status("default")["requests"]
     sizes = [(32, 32), (48, 48), (64, 32), (32, 64), (64, 64), (16, 16)]
     n, deadline = 50, time.monotonic() + 300
@@ -183,9 +166,7 @@ def test_soak_keeps_caches_within_budget_and_server_healthy(servers):
     assert memo["evictions"] > 0, "the soak must have filled the memo past its budget"
     assert 0 < rope["tables"] <= rope["table_cap"], rope
     assert d.healthy()
-    # after evictions, a cached request still gives stock's image
-    r, ref = d.generate(_body(4)), servers.stock.generate(_body(4))
-    assert np.array_equal(r.image(), ref.image())
+    servers.assert_stock(d, 4)  # after evictions, a cached request still gives stock's image
 
 
 def test_servers_stop_by_pid_leaving_no_process(servers):

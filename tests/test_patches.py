@@ -1,8 +1,6 @@
-"""The upstream patches in ``patches/``: one per optimization, numbered in registry order, each with its header, and
-``patches/check.py``'s gate and apply machinery (its functions, imported from the file).
-
-The series is cut against ``check.BASE``; headers, numbering and paths are checked on any version, while applying it
-and the exactness comparison need that release's tree (``make test-versions`` runs ``check.py --exactness``).
+"""The upstream patches in ``patches/`` (one per optimization, numbered in registry order, each with its header) and
+``patches/check.py``'s gate and apply machinery. Headers, numbering and paths are checked on any version; applying
+the series and the exactness comparison need ``check.BASE``'s tree (``make test-versions``).
 """
 
 from __future__ import annotations
@@ -13,26 +11,21 @@ from pathlib import Path
 import pytest
 
 from tests.harness import load_script
+from vllm_omni_ascend_opt import registry
 
 check = load_script("patches_check", "patches/check.py")
 PATCHES = check.patch_files()
 
 
-def _registry_names() -> list[str]:
-    from vllm_omni_ascend_opt import registry
-
-    return registry.names()
-
-
-def test_one_patch_per_optimization_numbered_in_order():
-    names = _registry_names()
+def test_one_series_in_patches_one_patch_per_optimization_numbered_in_order():
+    assert not [p for p in check.HERE.rglob("*.patch") if p.parent != check.HERE], "patches outside patches/"
+    assert len(PATCHES) == len(list(check.HERE.glob("*.patch"))), "a .patch file not named 000N-<optimization>"
+    names = registry.names()
     by_opt: dict[str, list[str]] = {}
     for p in PATCHES:
         by_opt.setdefault(check.optimization_of(p), []).append(p.name)
     assert set(by_opt) <= set(names), f"patches for unknown optimizations: {sorted(set(by_opt) - set(names))}"
     assert all(len(v) == 1 for v in by_opt.values()), by_opt
-    from vllm_omni_ascend_opt import registry
-
     exempt = [n for n in names if registry.get(n).no_patch_reason]  # each says why (the patches table shows it)
     assert not [n for n in exempt if n in by_opt], "an optimization with a patch must not declare no_patch_reason"
     missing = [n for n in names if n not in by_opt and n not in exempt]
@@ -40,11 +33,6 @@ def test_one_patch_per_optimization_numbered_in_order():
     numbers = [int(check.PATCH_RE.match(p.name).group(1)) for p in PATCHES]
     assert numbers == list(range(1, len(PATCHES) + 1)), numbers
     assert [check.optimization_of(p) for p in PATCHES] == [n for n in names if n in by_opt]  # registry order
-
-
-def test_one_series_in_patches():
-    assert not [p for p in check.HERE.rglob("*.patch") if p.parent != check.HERE], "patches outside patches/"
-    assert len(PATCHES) == len(list(check.HERE.glob("*.patch"))), "a .patch file not named 000N-<optimization>"
 
 
 def test_the_series_is_applied_on_its_release_only():
@@ -73,24 +61,16 @@ def test_header_field_parser_catches_missing_fields(tmp_path):
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
-def test_header_has_every_field(patch):
+def test_header_has_every_field_and_the_paths_are_upstream_package_paths(patch):
     assert check.header_problems(patch) == []
     fields = check.header_fields(patch)
-    from vllm_omni_ascend_opt import registry
-
     equivalence = registry.get(check.optimization_of(patch)).equivalence
     assert fields["Equivalence"].lower().startswith(equivalence), (fields["Equivalence"][:60], equivalence)
     assert re.search(r"\bCPU\b|\bNPU\b", fields["Measured effect"]), "measured effect must name the machine"
     assert re.search(r"#\d{3,5}|none|not found|no open PR", fields["Upstream overlap"]), fields["Upstream overlap"]
     assert "twin" not in fields["Base"] and "patches/" not in fields["Base"], "Base names another series"
-
-
-def test_paths_are_upstream_package_paths():
-    for p in PATCHES:
-        heads = [line for line in p.read_text().splitlines() if line.startswith("diff --git")]
-        assert heads, p.name
-        for line in heads:
-            assert re.fullmatch(r"diff --git a/vllm_omni/\S+ b/vllm_omni/\S+", line), (p.name, line)
+    heads = [line for line in patch.read_text().splitlines() if line.startswith("diff --git")]
+    assert heads and all(re.fullmatch(r"diff --git a/vllm_omni/\S+ b/vllm_omni/\S+", ln) for ln in heads), heads
 
 
 def _main(monkeypatch, capsys, version: str, argv: list[str], patches: list[Path] = PATCHES):
@@ -141,8 +121,7 @@ def test_check_applies_and_compares_on_its_release(monkeypatch, capsys):
 
 
 def test_apply_checks_report_what_does_not_apply_or_compile(tmp_path):
-    """The apply machinery on the installed (any release's) pristine tree, with three small patches: a new module
-    (applies alone and stacked), a syntax error (applies, does not compile), a hunk whose context is not there."""
+    """A new module applies, a syntax error does not compile, a stale hunk does not apply (pristine tree)."""
 
     def new_file(name: str, line: str) -> str:
         return (

@@ -6,23 +6,14 @@ import importlib
 import importlib.metadata
 import json
 import logging
-import os
-import subprocess
 import sys
-import textwrap
 import types
 
 import pytest
 
+from tests.harness import run_python
 from vllm_omni_ascend_opt import _patching, _plugin, api, flags, registry
 from vllm_omni_ascend_opt.optimization import Optimization
-
-
-def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    e = {**os.environ, **env}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e, timeout=900
-    )
 
 
 def test_entry_point_is_discoverable():
@@ -63,7 +54,7 @@ def test_strict_mode_raises_on_a_bad_flag_or_a_selected_optimization_that_cannot
         _plugin.register()
 
 
-def test_unsupported_version_warns_once_and_patches_nothing(monkeypatch, caplog):
+def test_unsupported_version_warns_once_and_patches_nothing_unless_forced(monkeypatch, caplog):
     monkeypatch.setattr(_plugin, "installed_version", lambda d: "0.29.1" if d == "vllm-omni" else "0.30.0")
     with caplog.at_level(logging.WARNING, logger="vllm_omni_ascend_opt"):
         _plugin.register()
@@ -73,10 +64,7 @@ def test_unsupported_version_warns_once_and_patches_nothing(monkeypatch, caplog)
     assert _plugin.selected() == []
     rows = {r["name"]: r for r in api.status()}
     assert any("0.29.1" in w for w in rows["rope"]["reasons_inactive"])
-
-
-def test_unsupported_version_can_be_forced(monkeypatch):
-    monkeypatch.setattr(_plugin, "installed_version", lambda d: "0.29.1")  # below the floor (0.31 is supported now)
+    _plugin._reset_for_tests()
     monkeypatch.setenv(flags.ENV_FORCE, "1")
     _plugin.register()
     assert _plugin.selected() == registry.default_names()
@@ -105,7 +93,7 @@ def probe(monkeypatch, tmp_path):
     sys.modules.pop("ascend_opt_probe_target", None)
 
 
-def test_post_import_hook_installs_when_target_module_is_imported(probe):
+def test_post_import_hook_installs_when_the_target_is_imported_and_at_once_where_it_is(probe):
     _plugin.set_selected(["probe_opt"])
     assert not probe.installed  # target not imported yet: nothing patched, nothing imported
     assert "ascend_opt_probe_target" not in sys.modules
@@ -114,18 +102,14 @@ def test_post_import_hook_installs_when_target_module_is_imported(probe):
     assert mod.value == "patched"
     probe.uninstall()
     assert mod.value == "original"
-
-
-def test_already_imported_target_is_patched_at_once(probe):
-    mod = importlib.import_module("ascend_opt_probe_target")
-    assert mod.value == "original"
-    _plugin.set_selected(["probe_opt"])
+    _plugin.set_selected([])
+    _plugin.set_selected(["probe_opt"])  # already imported: patched at once
     assert probe.installed and mod.value == "patched"
     _plugin.set_selected([])
     assert not probe.installed and mod.value == "original"
 
 
-def test_patchset_restores_by_identity():
+def test_patchset_and_every_installable_optimization_restore_by_identity(tiny_pipe):
     class Owner:
         def method(self):
             return 1
@@ -142,10 +126,7 @@ def test_patchset_restores_by_identity():
     assert not hasattr(inherited, "new_attr")
     ps.revert()  # twice is fine
     assert Owner.__dict__["method"] is original
-
-
-def test_every_installable_optimization_reverts_by_identity(tiny_pipe):
-    """Install each optimization that can be active here; uninstall must restore every patched attribute."""
+    # each optimization that can be active here: uninstall restores every patched attribute
     import vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image  # noqa: F401  (targets imported)
 
     for opt in registry.all_optimizations():
@@ -163,8 +144,8 @@ def test_every_installable_optimization_reverts_by_identity(tiny_pipe):
         assert not opt.is_attached(tiny_pipe)
 
 
-def test_list_cli_json(monkeypatch):
-    r = _run("from vllm_omni_ascend_opt.cli import main; raise SystemExit(main(['list', '--json']))")
+def test_list_cli_json_and_a_bogus_flag_naming_valid_optimizations():
+    r = run_python("from vllm_omni_ascend_opt.cli import main; raise SystemExit(main(['list', '--json']))")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     names = [o["name"] for o in data["optimizations"]]
@@ -172,10 +153,7 @@ def test_list_cli_json(monkeypatch):
     for o in data["optimizations"]:
         assert o["active"] or o["reasons_inactive"], o  # every inactive one says why
         assert o["flag"] == {"enable": f"+{o['name']}", "disable": f"-{o['name']}"}
-
-
-def test_list_cli_bogus_flag_names_valid_optimizations():
-    r = _run(
+    r = run_python(
         "from vllm_omni_ascend_opt.cli import main; raise SystemExit(main(['list']))",
         VLLM_OMNI_ASCEND_OPT="bogus",
     )
@@ -184,32 +162,6 @@ def test_list_cli_bogus_flag_names_valid_optimizations():
     assert "Nothing is patched" in r.stdout
     for name in registry.names():
         assert name in r.stdout
-
-
-def test_vllm_omni_plugin_loader_registers_before_model_modules_import():
-    """Exactly what vLLM-Omni's workers do: load_omni_general_plugins() in a fresh process, then build."""
-    r = _run(
-        """
-        import sys
-        from vllm_omni.plugins import load_omni_general_plugins
-        load_omni_general_plugins()
-        from vllm_omni_ascend_opt import _plugin, _state
-        assert _state.STATE.registered, "entry point did not run"
-        print("SELECTED", ",".join(_plugin.selected()))
-        print("T_IMPORTED_AT_REGISTER", "vllm_omni.diffusion.models.qwen_image.qwen_image_transformer" in sys.modules)
-        import vllm_omni.diffusion.models.qwen_image  # the worker imports the model package later
-        from vllm_omni_ascend_opt import installed
-        print("INSTALLED", ",".join(installed()))
-        """,
-        VLLM_OMNI_ASCEND_OPT="none,+rope,+shared_modulation",
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.split(" ", 1)[0].isupper())
-    assert out["SELECTED"] == "shared_modulation,rope"
-    # register() is cheap and lazy: the model module is imported by the worker later, never by the plugin
-    assert out["T_IMPORTED_AT_REGISTER"] == "False"
-    expected = [n for n in ("shared_modulation", "rope") if not registry.get(n).reasons_inactive()]
-    assert out["INSTALLED"].split(",") == expected or (out["INSTALLED"] == "" and not expected)
 
 
 def test_context_manager_restores_previous_selection():

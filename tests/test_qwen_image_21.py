@@ -1,12 +1,7 @@
-"""Qwen-Image-2.1 (vLLM-Omni 0.32.0rc1+): the plugin recognises it and leaves it alone.
-
-Upstream already does there what the optimizations do for Qwen-Image 1.x, so every optimization stays off with that
-reason (``Optimization.on_qwen_image_21``), attaches nothing, and ``nz_weights`` never casts a weight there.
-
-* A stand-in (a class in the 2.1 package's namespace) runs on every version: nz_weights casts the same stack under
-  any other class and nothing under the 2.1 one.
-* The real tiny 2.1 pipeline (marker ``versions``; skipped without 2.1): with everything selected nothing of it
-  changes, its VAE decode is bitwise ``none``'s, and with the torch_npu fake no weight is cast.
+"""Qwen-Image-2.1 (vLLM-Omni 0.32.0rc1+): upstream already does there what the optimizations do for Qwen-Image 1.x,
+so every optimization stays off with that reason (``Optimization.on_qwen_image_21``), attaches nothing, and
+``nz_weights`` never casts a weight there: on a stand-in (a class in the 2.1 package's namespace, every version) and
+on the real tiny 2.1 pipeline (marker ``versions``; skipped without 2.1).
 """
 
 from __future__ import annotations
@@ -83,7 +78,7 @@ def _snapshot(model: nn.Module) -> dict:
 
 @pytest.mark.versions
 @needs_21
-def test_real_qwen_image_21_is_recognised_and_left_alone(pipe21, runtime):
+def test_real_qwen_image_21_is_recognised_and_left_alone(pipe21, runtime, fake_npu):
     assert fingerprints.qwen_image_21(pipe21) == "QwenImage21Pipeline"
     assert fingerprints.qwen_image_21(pipe21.transformer) == "QwenImage21Transformer2DModel"
     lat = t21.latents(pipe21)
@@ -101,12 +96,8 @@ def test_real_qwen_image_21_is_recognised_and_left_alone(pipe21, runtime):
     for opt in registry.all_optimizations():
         assert _report.explain(opt, pipe21)[0].startswith(f"{PREFIX}QwenImage21Pipeline)"), opt.name
     assert _report.acting(pipe21) == [] and _report.acting(pipe21.transformer) == []
-
-
-@pytest.mark.versions
-@needs_21
-def test_real_qwen_image_21_weights_are_never_cast(pipe21, fake_npu):
-    fake = fake_npu()
+    api.select("none", model=pipe21)
+    fake = fake_npu()  # its weights are never cast
     tr = pipe21.transformer.to(torch.bfloat16)
     try:
         api.select("none,+nz_weights", model=pipe21)

@@ -1,7 +1,6 @@
 """``reference save`` and ``compare``: sets written through the ablation runner's worker protocol (the fake worker,
 tests/ablation_fake_worker.py, except one test on the real test-bed engine), pairing by key, the tiers' gates, the
-manifests' must-match and may-differ facts, and every bad input (one clear error naming the file, nothing written).
-"""
+manifests' must-match and may-differ facts, and every bad input (one clear error naming the file, nothing written)."""
 
 from __future__ import annotations
 
@@ -46,12 +45,9 @@ def edit_manifest(root: Path, change) -> None:
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
     """One set (with tensors) for the module's tests, which copy it before they change anything."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ABLATION_FAKE", "{}")
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ABLATION_FAKE", "{}")
         rc, out = save(tmp_path_factory.mktemp("ref"), "ref", "--tensors")
-    finally:
-        mp.undo()
     assert rc == 0
     return out
 
@@ -97,20 +93,24 @@ def test_fp32_and_bf16_sets_are_close_not_pixel_identical(ref, tmp_path):
     assert "OUTSIDE the close gate" in md and "PSNR ≥ 200.0" in md
 
 
-def test_two_versions_sets_show_what_differs_side_by_side(ref, tmp_path):
+def test_two_versions_sets_show_what_differs_and_keys_on_one_side_are_listed_never_dropped(ref, tmp_path, capsys):
     other = tmp_path / "v031"
     shutil.copytree(ref, other)
 
-    def upgrade(m):
+    def upgrade(m):  # B is of another release and has a second prompt's images; A lacks them
         m["environment"].update(vllm_omni="0.31.0rc1", vllm="0.31.0", diffusers="0.41.0")
+        for i in list(m["images"]):
+            m["images"].append({**i, "id": i["id"] + "_b", "key": {**i["key"], "prompt": "another prompt"}})
 
     edit_manifest(other, upgrade)
     rc, res = compare(ref, other, tmp_path / "c", "--tier", "pixel")
-    assert rc == 0
+    assert rc == 0 and len(res["pairs"]) == 2
     facts = {f["field"]: f for f in res["facts"]}
     assert facts["vllm_omni"]["b"] == "0.31.0rc1" and not facts["vllm_omni"]["same"] and facts["torch"]["same"]
+    assert [o["id"] for o in res["only_in_b"]] == ["p0_s1_16x16_b", "p0_s2_16x16_b"] and res["only_in_a"] == []
+    assert "only in B: p0_s1_16x16_b" in capsys.readouterr().out
     md = (tmp_path / "c" / "compare.md").read_text()
-    assert "| vllm_omni ⚠ |" in md and "0.31.0rc1" in md
+    assert "| vllm_omni ⚠ |" in md and "0.31.0rc1" in md and "## Only in B (2, not compared)" in md
 
 
 @pytest.mark.parametrize(
@@ -133,26 +133,9 @@ def test_manifests_that_disagree_on_what_must_match_are_an_error_naming_the_fiel
     assert f"disagree on {field}:" in capsys.readouterr().err
 
 
-def test_keys_on_one_side_are_listed_never_dropped(ref, tmp_path, capsys):
-    other = tmp_path / "other"
-    shutil.copytree(ref, other)
-
-    def more_prompts(m):  # B has a second prompt's images; A lacks them
-        for i in list(m["images"]):
-            m["images"].append({**i, "id": i["id"] + "_b", "key": {**i["key"], "prompt": "another prompt"}})
-
-    edit_manifest(other, more_prompts)
-    rc, res = compare(ref, other, tmp_path / "c")
-    assert rc == 0 and len(res["pairs"]) == 2
-    assert [o["id"] for o in res["only_in_b"]] == ["p0_s1_16x16_b", "p0_s2_16x16_b"] and res["only_in_a"] == []
-    assert "only in B: p0_s1_16x16_b" in capsys.readouterr().out
-    assert "## Only in B (2, not compared)" in (tmp_path / "c" / "compare.md").read_text()
-
-
-def test_edit_pipelines_are_keyed_by_their_input_image(tmp_path, monkeypatch):
+def test_edit_pipelines_are_keyed_by_their_input_image(tmp_path):
     from vllm_omni_ascend_opt.testbed.pipeline import sample_image
 
-    monkeypatch.setenv("ABLATION_FAKE", "{}")
     rc, a = save(tmp_path, "a", "--image", "sample", model="tiny-edit")
     assert rc == 0
     other_img = tmp_path / "other.png"
@@ -168,55 +151,45 @@ def test_edit_pipelines_are_keyed_by_their_input_image(tmp_path, monkeypatch):
     assert rc == 0 and len(res["pairs"]) == 2
 
 
-def _missing(root: Path) -> Path:
-    (root / refset.MANIFEST).unlink()
-    return root / refset.MANIFEST
-
-
-def _corrupt(root: Path) -> Path:
-    (root / refset.MANIFEST).write_text('{"format": "vllm-omni-ascend-opt reference set", "version": 1, ')
-    return root / refset.MANIFEST
-
-
-def _version(root: Path) -> Path:
-    edit_manifest(root, lambda m: m.update(version=99))
-    return root / refset.MANIFEST
-
-
-def _sha(root: Path) -> Path:
-    p = root / "images" / "p0_s2_16x16.png"
-    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(p)
-    return p
-
-
-def _size(root: Path) -> Path:
-    p = root / "images" / "p0_s1_16x16.png"
-    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(p)
-    edit_manifest(root, lambda m: None)  # hashes match: the sizes under one key do not
-    return p
+def _damage(root: Path, kind: str) -> Path:
+    """Damage the set at ``root`` in the ``kind`` way; returns the file the error must name."""
+    manifest = root / refset.MANIFEST
+    if kind == "missing":
+        manifest.unlink()
+    elif kind == "corrupt":
+        manifest.write_text('{"format": "vllm-omni-ascend-opt reference set", "version": 1, ')
+    elif kind == "version":
+        edit_manifest(root, lambda m: m.update(version=99))
+    else:  # sha: an image replaced; size: one of another size, the hashes updated (the sizes under one key differ)
+        manifest = root / "images" / ("p0_s2_16x16.png" if kind == "sha" else "p0_s1_16x16.png")
+        Image.fromarray(np.zeros((16, 16, 3) if kind == "sha" else (32, 32, 3), np.uint8)).save(manifest)
+        if kind == "size":
+            edit_manifest(root, lambda m: None)
+    return manifest
 
 
 @pytest.mark.parametrize(
-    "damage, msg",
+    "kind, msg",
     [
-        (_missing, "no manifest"),
-        (_corrupt, "corrupt manifest"),
-        (_version, "unknown manifest version 99"),
-        (_sha, "does not match the manifest"),
-        (_size, "images of different sizes (16x16 vs 32x32) under one key"),
+        ("missing", "no manifest"),
+        ("corrupt", "corrupt manifest"),
+        ("version", "unknown manifest version 99"),
+        ("sha", "does not match the manifest"),
+        ("size", "images of different sizes (16x16 vs 32x32) under one key"),
     ],
 )
-def test_bad_sets_are_one_clear_error_naming_the_file(ref, tmp_path, capsys, damage, msg):
-    bad = tmp_path / "bad"
-    shutil.copytree(ref, bad)
-    named = damage(bad)
+def test_bad_sets_are_one_clear_error_naming_the_file(ref, tmp_path, capsys, kind, msg):
+    bad = shutil.copytree(ref, tmp_path / "bad")
+    named = _damage(bad, kind)
     rc, _ = compare(ref, bad, tmp_path / "c")
     err = capsys.readouterr().err
     assert rc == 2 and msg in err and str(named) in err, err
     assert err.count("error:") == 1 and not (tmp_path / "c").exists()
 
 
-def test_an_existing_set_is_kept_unless_fresh(ref, tmp_path, capsys):
+def test_an_existing_set_is_kept_unless_fresh_and_a_failed_generation_leaves_nothing(
+    ref, tmp_path, capsys, monkeypatch
+):
     ref = shutil.copytree(ref, tmp_path / "ref")
     before = (ref / refset.MANIFEST).read_text()
     rc, _ = save(tmp_path, "ref")
@@ -226,9 +199,6 @@ def test_an_existing_set_is_kept_unless_fresh(ref, tmp_path, capsys):
     rc, _ = save(tmp_path, "ref", "--fresh")
     assert rc == 0 and (ref / refset.MANIFEST).read_text() != before
     assert not json.loads((ref / refset.MANIFEST).read_text())["images"][0]["tensor"]  # replaced, no tensors now
-
-
-def test_a_failed_generation_leaves_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ABLATION_FAKE", json.dumps({"error_run": {"reference": 2}}))
     rc, out = save(tmp_path, "broken")
     assert rc == 2 and "generating the set failed" in capsys.readouterr().err

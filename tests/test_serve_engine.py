@@ -1,17 +1,12 @@
-"""The ablation worker's ``serve`` engine and ``OmniServer``'s command line, without starting a server (fast).
-
-The real servers run in tests/test_omni_serve.py and the ``tiny-cpu-serve`` workload; here: the configuration's
-flags reach the server's environment with the CPU runtime, the command is ``vllm serve MODEL --omni`` on
-127.0.0.1 in the worker's process group, and a server answer becomes a ``Generation`` (client latency, the server's
-stage durations mapped to ours, the PNG's pixels).
-"""
+"""The ablation worker's ``serve`` engine and ``OmniServer``'s command line without a server (the real ones run in
+tests/test_omni_serve.py): the flags and the CPU runtime reach the server's environment, and an answer becomes a
+``Generation``."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
-from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -35,18 +30,6 @@ JOB = {
 }
 
 
-class _Popen:
-    calls: ClassVar[list] = []
-
-    def __init__(self, argv, **kwargs):
-        _Popen.calls.append((argv, kwargs))
-        self.pid = 999999
-        self.returncode = None
-
-    def poll(self):
-        return None
-
-
 @pytest.fixture
 def engine_env(monkeypatch, tmp_path):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
@@ -56,12 +39,22 @@ def engine_env(monkeypatch, tmp_path):
 def test_server_gets_the_flags_and_the_cpu_runtime(monkeypatch, engine_env):
     monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT", "none,+shared_modulation")
     monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STRICT", "1")
-    monkeypatch.setattr(serve_mod.subprocess, "Popen", _Popen)
+    calls = []
+
+    class Popen:
+        pid, returncode = 999999, None
+
+        def __init__(self, argv, **kwargs):
+            calls.append((argv, kwargs))
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(serve_mod.subprocess, "Popen", Popen)
     monkeypatch.setattr(serve_mod.OmniServer, "wait_ready", lambda self, timeout=0: self)
-    _Popen.calls.clear()
     eng = engines_mod.ServeEngine(JOB)
     eng.load()
-    (argv, kw) = _Popen.calls[0]
+    (argv, kw) = calls[0]
     assert argv[1:4] == ["serve", "/models/tiny", "--omni"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in argv
     assert "--distributed-executor-backend" not in argv  # vLLM-Omni's default executor, as users run it
@@ -81,7 +74,7 @@ def _png(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def test_serve_generation_from_the_http_answer(engine_env):
+def test_serve_generation_from_the_http_answer_and_what_the_server_process_acts_with(engine_env):
     pixels = np.arange(32 * 48 * 3, dtype=np.uint8).reshape(32, 48, 3)
     sent = {}
 
@@ -109,9 +102,6 @@ def test_serve_generation_from_the_http_answer(engine_env):
     assert np.array_equal(gen.uint8, pixels) and gen.float_chw is None
     assert gen.total_ms == pytest.approx(750.0)
     assert gen.stages_ms == pytest.approx({"denoise": 500.0, "vae_decode": 100.0, "server_generate": 640.0})
-
-
-def test_serve_engine_reports_what_the_server_process_acts_with(engine_env):
     eng = engines_mod.ServeEngine(JOB)
     with pytest.raises(RuntimeError, match="no plugin status file"):
         eng.active()

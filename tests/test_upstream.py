@@ -1,11 +1,6 @@
-"""Gate by the code, not the version: ``blocks/upstream/fingerprints.py`` and the ``upstream`` tables.
-
-* A synthetic upstream module: a function differing from every known fingerprint turns its optimization off with a
-  reason; ``FORCE`` installs anyway with one warning; a newer release's fingerprint is accepted; ``ABSENT`` is a
-  fingerprint; per-platform declarations apply on their platform; a run-time replacement counts as a difference.
-* The real tables (marker ``versions``): file fingerprints equal ``inspect.getsource``'s, every declared function
-  matches this release, and nothing of vLLM-Omni is imported to find out.
-* A newer release whose code matches installs with one INFO note.
+"""Gate by the code, not the version: ``blocks/upstream/fingerprints.py`` and the ``upstream`` tables, on a synthetic
+upstream module (differences, ``FORCE``, newer releases, ``ABSENT``, platforms, run-time replacements), on the real
+tables (marker ``versions``) and on 0.32.0rc1's AdaLayerNorm dispatch (``forward_cuda`` / ``forward_musa``).
 """
 
 from __future__ import annotations
@@ -13,10 +8,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
-import json
 import logging
 import os
-import subprocess
 import sys
 import textwrap
 from importlib import metadata
@@ -26,13 +19,13 @@ import pytest
 import torch
 
 from tests import test_shared_modulation as sm
+from tests.harness import last_json, run_python
 from vllm_omni_ascend_opt import _plugin, api, flags, registry
 from vllm_omni_ascend_opt._state import STATE
 from vllm_omni_ascend_opt.blocks.upstream import ada_norm, fingerprints
 from vllm_omni_ascend_opt.blocks.upstream.fingerprints import ABSENT, Upstream
 from vllm_omni_ascend_opt.optimization import Optimization
 
-REPO = Path(__file__).resolve().parents[1]
 OMNI = metadata.version("vllm-omni")
 
 METHOD_V1 = """def m(self, x):
@@ -48,7 +41,7 @@ def _src(method: str) -> str:
 
 
 def _fp(text: str) -> str:
-    """The fingerprint as round one computed it: sha256 of the dedented ``inspect.getsource`` text."""
+    """The fingerprint: sha256 of the dedented ``inspect.getsource`` text."""
     return hashlib.sha256(textwrap.dedent(text).encode()).hexdigest()[:16]
 
 
@@ -127,7 +120,7 @@ def test_force_installs_anyway_with_one_warning(probe, monkeypatch, caplog):
     assert len(warned) == 1 and "installing upstream_probe although upstream C.m differs" in warned[0]
 
 
-def test_a_newer_release_fingerprint_listed_as_known_is_accepted(probe, monkeypatch):
+def test_a_newer_release_fingerprint_listed_as_known_is_accepted_and_absent_is_a_fingerprint(probe, monkeypatch):
     opt, path = probe
     newer = Upstream("ascend_opt_upstream_probe", "C.m", {_fp(METHOD_V1): ("0.30.0",), _fp(METHOD_V2): ("0.99.0",)})
     monkeypatch.setattr(opt, "upstream", (newer,))
@@ -140,10 +133,6 @@ def test_a_newer_release_fingerprint_listed_as_known_is_accepted(probe, monkeypa
     )
     _rewrite(path, _src(METHOD_V1))
     assert opt.reasons_inactive() == [] and opt.upstream_findings()[0].matches == ("0.30.0",)
-
-
-def test_absent_is_a_fingerprint(probe, monkeypatch):
-    opt, _path = probe
     new_fn = Upstream("ascend_opt_upstream_probe", "C.n", {ABSENT: ("0.30.0",), _fp(METHOD_V1): ("0.32.0rc1",)})
     monkeypatch.setattr(opt, "upstream", (new_fn,))
     assert opt.reasons_inactive() == []  # not there, as in 0.30.0
@@ -153,8 +142,10 @@ def test_absent_is_a_fingerprint(probe, monkeypatch):
     assert "upstream C.n is missing from ascend_opt_upstream_probe" in why and "0.32.0rc1" in why
 
 
-def test_platform_declarations_are_checked_only_on_their_platform(probe, fake_npu):
-    _opt, _path = probe
+def test_platform_declarations_are_checked_only_on_their_platform_and_replaced_at_run_time_is_a_difference(
+    probe, monkeypatch, fake_npu
+):
+    opt, _path = probe
     decl = Upstream("ascend_opt_upstream_probe", "C.m", {"0" * 16: ("0.30.0",)}, ("cuda",))
     assert fingerprints.reasons([decl], "p", platform="cpu") == []
     assert fingerprints.reasons([decl], "p", platform="npu") == []
@@ -163,12 +154,6 @@ def test_platform_declarations_are_checked_only_on_their_platform(probe, fake_np
     (finding,) = fingerprints.check([decl], platform="cpu")
     assert not finding.applies and finding.ok and "not checked on" in fingerprints.summary([finding])
     assert fingerprints.current_platform() == "cpu"
-    fake_npu()
-    assert fingerprints.current_platform() == "npu"  # the plugin's one torch_npu probe decides
-
-
-def test_a_function_replaced_at_run_time_is_a_difference(probe, monkeypatch):
-    opt, _path = probe
     mod = importlib.import_module("ascend_opt_upstream_probe")
     assert opt.reasons_inactive() == []
 
@@ -187,6 +172,8 @@ def test_a_function_replaced_at_run_time_is_a_difference(probe, monkeypatch):
     (why,) = opt.reasons_inactive()
     assert why.startswith("upstream C.m is replaced at run time (ascend_opt_upstream_probe): it is")
     assert "foreign" in why
+    fake_npu()
+    assert fingerprints.current_platform() == "npu"  # the plugin's one torch_npu probe decides
 
 
 def test_newer_release_with_known_code_just_works_with_one_info_note(monkeypatch, caplog):
@@ -217,15 +204,9 @@ def _declarations() -> list[tuple[str, Upstream]]:
 
 
 @pytest.mark.versions
-def test_every_optimization_declares_its_upstream_code():
-    names = {n for n, _ in _declarations()}
-    assert names == set(registry.names())
-
-
-@pytest.mark.versions
-def test_source_fingerprints_equal_inspect_getsource():
-    """The file-based fingerprint (nothing imported) is the very value ``inspect.getsource`` gives once imported, and
-    the imported function is the one in that file (no replacement)."""
+def test_every_optimization_declares_code_whose_source_fingerprints_equal_inspect_getsource():
+    """The file-based fingerprint equals ``inspect.getsource``'s of the very function in that file."""
+    assert {n for n, _ in _declarations()} == set(registry.names())
     for d in {(d.module, d.qualname): d for _, d in _declarations()}.values():
         fp = fingerprints.fingerprint(d.module, d.qualname)
         mod = importlib.import_module(d.module)
@@ -242,8 +223,7 @@ def test_source_fingerprints_equal_inspect_getsource():
 
 @pytest.mark.versions
 def test_declared_code_is_known_for_this_release():
-    """Every function every optimization declares matches a fingerprint listed for the installed release (on every
-    platform: the per-platform ones too), so each table says exactly which code each release ships."""
+    """Every declared function (per-platform ones too) matches a fingerprint listed for this release."""
     if OMNI not in fingerprints.KNOWN_OMNI:
         pytest.skip(f"vllm-omni {OMNI} is not a release the tables list")
     wrong = {}
@@ -260,8 +240,7 @@ def test_declared_code_is_known_for_this_release():
 
 @pytest.mark.versions
 def test_reasons_and_list_need_no_vllm_omni_import():
-    """In a fresh process every optimization's reasons, the ``list`` rows and the upstream findings come from the
-    source files: vLLM-Omni is not imported to answer (so ``list`` tells the truth before the model modules are)."""
+    """Reasons, ``list`` rows and findings come from the source files: no vLLM-Omni import needed."""
     code = """
         import json, sys
         from vllm_omni_ascend_opt import api, registry
@@ -270,10 +249,7 @@ def test_reasons_and_list_need_no_vllm_omni_import():
         print(json.dumps({"imported": sorted(m for m in sys.modules if m.split(".")[0] in ("vllm_omni", "vllm")),
                           "reasons": reasons, "ok": all(f["ok"] for r in rows for f in r["upstream"])}))
     """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = last_json(run_python(code))
     assert got["imported"] == [] and got["ok"], got
     assert not any("upstream" in why for rs in got["reasons"].values() for why in rs), got["reasons"]
 
@@ -282,10 +258,8 @@ def test_reasons_and_list_need_no_vllm_omni_import():
 # 0.32.0rc1's AdaLayerNorm: forward_cuda takes a Triton kernel when it can, forward_musa is native
 # ----------------------------------------------------------------------------------------------------------------
 class _FusedAdaLNSpy:
-    """Stands in for 0.32.0rc1's CUDA Triton AdaLN kernel (``adalayernorm._adaln_fused_forward``): stock's native
-    result plus a marker offset (2**-10), so that a memoized path that mirrored ``forward_native`` instead of calling
-    the instance (which runs the kernel) could not be bitwise-equal to stock. The offset is a marker, not a claim
-    about the kernel (whose reductions differ from F.layer_norm's in the last bits)."""
+    """0.32.0rc1's CUDA Triton AdaLN kernel (``adalayernorm._adaln_fused_forward``) as stock's native result plus a
+    marker offset: a memoized path mirroring ``forward_native`` instead of calling the instance cannot equal stock."""
 
     OFFSET = 2.0**-10
 
@@ -308,8 +282,7 @@ def _forward_cuda_032(self, x, scale, shift):
 
 @pytest.fixture
 def ada(monkeypatch, runtime):
-    """vLLM-Omni's adalayernorm module with 0.32.0rc1's forward_cuda (its own on 0.32; a copy before, so that the
-    adaptation is tested on every release)."""
+    """vLLM-Omni's adalayernorm module with 0.32.0rc1's forward_cuda (its own on 0.32, a copy before)."""
     sm.T()
     mod = sys.modules[ada_norm.ADALAYERNORM_MODULE]
     if "_adaln_fused_forward" not in vars(mod):
@@ -336,8 +309,7 @@ def test_forward_cuda_is_native_only_without_the_fused_kernel(ada, runtime, monk
 
 
 def _memo_is_bitwise_stock(tr, runtime, spy: _FusedAdaLNSpy | None = None, stock_calls: int = 0) -> None:
-    """Cold and warm memoized forwards equal stock's, whose every AdaLayerNorm goes through the fused kernel (when
-    there is one, ``stock_calls`` per forward); the memoized path calls the instance (the kernel) as often."""
+    """Cold and warm memoized forwards equal stock's, calling the (fused-kernel) instance as often."""
     kw = sm.inputs(torch.float32, batch=2, pad=2)
     api.select("none", model=tr)
     want = sm.fwd(tr, runtime, kw)

@@ -1,23 +1,14 @@
-"""What depends on the installed vLLM-Omni version: ``make test-versions`` runs this module (with the selection in
-tools/test_versions.py) in one venv per release (0.30.0, 0.31.0rc1, 0.32.0rc1).
-
-* The plugin loads through ``load_omni_general_plugins`` in a fresh process and installs exactly the default
-  optimizations that can act here; what installs follows the upstream code's fingerprints, not the version string
-  (only a release below the floor is refused, unless forced).
-* ``list --json`` says the same before and after the Qwen-Image modules are imported; every upstream function matches.
-* The default stack is bitwise ``none`` on the tiny text-to-image and edit pipelines, and the CPU ones act.
-
-:data:`KNOWN_GAPS` lists per series the default optimizations that do not act, with their reason; the tests require
-exactly that list. ``VERSIONS_REPORT`` (a directory) receives one JSON file per check for the target's summary.
+"""What depends on the installed vLLM-Omni version (``make test-versions`` runs this module in one venv per release):
+the plugin loads through ``load_omni_general_plugins`` and installs the default optimizations the upstream code
+allows (only a release below the floor is refused, unless forced), ``list --json`` says the same before and after the
+model import, and the default stack is bitwise ``none`` on the tiny text-to-image and edit pipelines.
+:data:`KNOWN_GAPS`: per series, default optimizations that do not act; ``VERSIONS_REPORT`` receives the JSON figures.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -25,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.harness import last_json, run_python
 from vllm_omni_ascend_opt import _plugin, _report, api, flags, registry
 from vllm_omni_ascend_opt._state import release_tuple
 from vllm_omni_ascend_opt.blocks.upstream import fingerprints
@@ -33,7 +25,6 @@ from vllm_omni_ascend_opt.testbed.pipeline import generate, load_pipeline, sampl
 
 pytestmark = pytest.mark.versions
 
-REPO = Path(__file__).resolve().parents[1]
 OMNI = metadata.version("vllm-omni")
 SERIES = ".".join(OMNI.split(".")[:2])
 #: Above the floor: what installs is then decided by the code (the fingerprints), not by this version string.
@@ -53,17 +44,6 @@ def _report_json(name: str, data: Any) -> None:
         (Path(out) / f"{name}.json").write_text(json.dumps({"vllm_omni": OMNI, "forced": FORCED, **data}, indent=1))
 
 
-def _run(code: str, **env: str) -> dict[str, Any]:
-    """Run ``code`` in a fresh interpreter of this venv (repository first on the path); its last stdout line is JSON."""
-    e = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    e.update(env)
-    r = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e, timeout=600
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def _expected_acting() -> list[str]:
     assert GAPS is not None, f"vllm-omni {OMNI}: no KNOWN_GAPS entry for series {SERIES}; add one after checking it"
     return [n for n in NPU_FREE_DEFAULT if n not in GAPS]
@@ -74,17 +54,10 @@ def _check_gap_reasons(reasons: dict[str, list[str]]) -> None:
         assert any(phrase in r for r in reasons[name]), (name, phrase, reasons[name])
 
 
-def test_known_gaps_name_default_optimizations():
-    for series, gaps in KNOWN_GAPS.items():
-        assert set(gaps) <= set(registry.default_names()), (series, gaps)
-
-
 @pytest.fixture(scope="module")
 def worker() -> dict[str, Any]:
-    """One fresh process as vLLM-Omni starts one: ``load_omni_general_plugins()``, ``list --json`` as users run it,
-    the model package imported as the worker does next, ``list --json`` again and what is selected and installed."""
-    got = _run(
-        """
+    """A fresh process as vLLM-Omni starts one: plugins, ``list --json``, model import, ``list`` again."""
+    code = """
         import contextlib, io, json, sys
         from vllm_omni.plugins import load_omni_general_plugins
         load_omni_general_plugins()
@@ -114,9 +87,8 @@ def worker() -> dict[str, Any]:
             "list_plain": plain,
             "list_imported": listed(),
         }))
-        """,
-        VLLM_OMNI_ASCEND_OPT="default",
-    )
+    """
+    got = last_json(run_python(code, timeout=600, VLLM_OMNI_ASCEND_OPT="default"))
     _report_json("plugin_loader", {k: v for k, v in got.items() if not k.startswith("list_")})
     for k in ("list_plain", "list_imported"):
         _report_json(k, got[k])
@@ -125,6 +97,8 @@ def worker() -> dict[str, Any]:
 
 def test_plugin_loads_through_vllm_omni_plugin_loader(worker):
     """Exactly what vLLM-Omni's processes do: ``load_omni_general_plugins()``, then the model package is imported."""
+    for series, gaps in KNOWN_GAPS.items():
+        assert set(gaps) <= set(registry.default_names()), (series, gaps)
     got = worker
     assert got["registered"], "the vllm_omni.general_plugins entry point did not run"
     if not SUPPORTED and not FORCED:
@@ -138,28 +112,25 @@ def test_plugin_loads_through_vllm_omni_plugin_loader(worker):
     _check_gap_reasons(got["reasons"])
 
 
-@pytest.mark.parametrize("imported", [False, True], ids=["as-users-run-it", "after-the-model-import"])
-def test_list_json_says_for_every_optimization_whether_it_acts(worker, imported):
-    got = worker["list_imported" if imported else "list_plain"]
-    assert got["rc"] == 0 and got["vllm_omni"] == OMNI
-    assert got["transformer_imported"] is imported
-    rows = {o["name"]: o for o in got["optimizations"]}
-    assert list(rows) == registry.names()
-    for o in rows.values():
-        assert o["active"] or o["reasons_inactive"], o  # nothing is silently off
-    active = [n for n in NPU_FREE_DEFAULT if rows[n]["active"]]
-    if not SUPPORTED and not FORCED:
-        assert active == [] and all(OMNI in " ".join(rows[n]["reasons_inactive"]) for n in NPU_FREE_DEFAULT)
-        return
-    assert active == _expected_acting(), {n: rows[n]["reasons_inactive"] for n in NPU_FREE_DEFAULT}
-    _check_gap_reasons({n: o["reasons_inactive"] for n, o in rows.items()})
-    # every optimization's upstream code matches a fingerprint it knows for this release (checked ones)
-    assert {n: [f for f in o["upstream"] if not f["ok"]] for n, o in rows.items()} == {n: [] for n in rows}
-    assert all(o["upstream"] for o in rows.values())  # each declares the upstream functions it relies on
-
-
-def test_list_says_the_same_before_and_after_the_model_import(worker):
-    """The fingerprints come from the source files: before and after the model import ``list`` says the same."""
+def test_list_json_says_for_every_optimization_whether_it_acts_the_same_before_and_after_the_model_import(worker):
+    for imported in (False, True):
+        got = worker["list_imported" if imported else "list_plain"]
+        assert got["rc"] == 0 and got["vllm_omni"] == OMNI
+        assert got["transformer_imported"] is imported
+        rows = {o["name"]: o for o in got["optimizations"]}
+        assert list(rows) == registry.names()
+        for o in rows.values():
+            assert o["active"] or o["reasons_inactive"], o  # nothing is silently off
+        active = [n for n in NPU_FREE_DEFAULT if rows[n]["active"]]
+        if not SUPPORTED and not FORCED:
+            assert active == [] and all(OMNI in " ".join(rows[n]["reasons_inactive"]) for n in NPU_FREE_DEFAULT)
+            continue
+        assert active == _expected_acting(), {n: rows[n]["reasons_inactive"] for n in NPU_FREE_DEFAULT}
+        _check_gap_reasons({n: o["reasons_inactive"] for n, o in rows.items()})
+        # every optimization's upstream code matches a fingerprint it knows for this release (checked ones)
+        assert {n: [f for f in o["upstream"] if not f["ok"]] for n, o in rows.items()} == {n: [] for n in rows}
+        assert all(o["upstream"] for o in rows.values())  # each declares the upstream functions it relies on
+    # the fingerprints come from the source files: before and after the model import ``list`` says the same
     plain = {o["name"]: o for o in worker["list_plain"]["optimizations"]}
     imported = {o["name"]: o for o in worker["list_imported"]["optimizations"]}
     for key in ("active", "reasons_inactive", "upstream"):
@@ -191,17 +162,12 @@ def pipeline(request, runtime):
     return kind, pipe, run, refs
 
 
-def test_default_is_bitwise_none(pipeline):
+def test_default_is_bitwise_none_and_acts_on_the_pipeline(pipeline):
     kind, pipe, run, refs = pipeline
     api.select("default", model=pipe)
     for (seed, cfg), ref in zip(REQUESTS, refs, strict=True):
         assert torch.equal(run(seed, cfg), ref), (kind, seed, cfg)
     assert torch.equal(run(*REQUESTS[0]), refs[0]), kind  # warm caches
-
-
-def test_default_acts_on_the_pipeline(pipeline):
-    kind, pipe = pipeline[:2]
-    api.select("default", model=pipe)
     acting = _report.acting(pipe)
     reasons = {o.name: _report.explain(o, pipe) for o in registry.all_optimizations()}
     _report_json(f"acting_{kind}", {"acting": acting, "reasons": reasons})

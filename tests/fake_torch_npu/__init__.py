@@ -1,24 +1,14 @@
-"""A semantic fake of ``torch_npu`` for CPU tests. Lives in tests/ only; never shipped.
+"""A semantic fake of ``torch_npu`` for CPU tests (tests/ only, never shipped): each kernel computes its *documented*
+result with plain torch and raises on *documented* constraint violations, so the plugin's NPU paths run for real.
 
-Each kernel computes its *documented* result with plain torch on CPU tensors and raises on *documented* constraint
-violations, so that the plugin's NPU code paths (argument layout, modes, mask polarity, formats) are exercised for
-real. Every constraint is listed, with its source, in the module that implements the kernel: :mod:`.rotary`
-(``npu_rotary_mul``), :mod:`.attention` (``npu_fusion_attention``, ``npu_fused_infer_attention_score``),
-:mod:`.formats` (``npu_format_cast`` / ``get_npu_format``, ``allow_internal_format`` and the device model),
-:mod:`.norms` (``npu_layer_norm_eval``, ``npu_rms_norm``), :mod:`.quant` (``npu_dynamic_quant``, ``npu_quant_matmul``).
-
-The real package is the reference: :mod:`.reference` reads the pinned torch-npu 2.13.0 wheel and
-``tests/test_fake_torch_npu_reference.py`` checks every fake op's signature (the schema's argument names, ``self``
-first for most), output shapes/dtypes and ``torch.npu.config`` (write-only, :class:`FakeNpuConfig`, backed by an
-option store read with ``torch_npu._C._npu_getOption``) against it.
-
-Sources are abbreviated: [OP-ROT] Ascend/op-plugin docs ``torch_npu-npu_rotary_mul.md``; [OP-FA]
-``torch_npu-npu_fusion_attention.md``; [OP-FIA] ``torch_npu-npu_fused_infer_attention_score.md``; [OP-FMT]
+Each kernel module lists its constraints with their sources (:mod:`.rotary`, :mod:`.attention`, :mod:`.formats`,
+:mod:`.norms`, :mod:`.quant`); tests/test_fake_torch_npu_reference.py checks the ops against the pinned torch-npu
+2.13.0 wheel (:mod:`.reference`). Abbreviated sources: [OP-ROT] Ascend/op-plugin docs ``torch_npu-npu_rotary_mul.md``,
+[OP-FA] ``torch_npu-npu_fusion_attention.md``, [OP-FIA] ``torch_npu-npu_fused_infer_attention_score.md``, [OP-FMT]
 ``torch_npu-npu_format_cast.md``; [DESIGN] ``../shared/design/torch-npu-kernels.md`` (a digest of those pages).
 
-``install(monkeypatch, **variants)`` puts the fake in ``sys.modules['torch_npu']`` and a matching ``torch.npu``
-namespace, and resets the plugin's backend probe; ``variants`` swap in deliberately wrong kernels (e.g.
-``rotary_mul="half_pairing"``) that the plugin's on-device verification must refuse.
+``install(monkeypatch, **variants)`` puts the fake in ``sys.modules['torch_npu']`` and ``torch.npu``; ``variants``
+swap in deliberately wrong kernels (e.g. ``rotary_mul="half_pairing"``) the plugin's verification must refuse.
 """
 
 from __future__ import annotations
@@ -39,10 +29,9 @@ from tests.fake_torch_npu.timing import TimingPlan
 from vllm_omni_ascend_opt.testbed.npu_ops import run_npu_kernel
 
 #: Kernel name -> {variant name -> implementation}. "correct" is the documented behaviour.
-KERNELS: dict[str, dict[str, Any]] = {}
-for _mod in (rotary, attention, formats, norms, quant):
-    for _kernel, _variants in getattr(_mod, "VARIANTS", {}).items():
-        KERNELS[_kernel] = dict(_variants)
+KERNELS: dict[str, dict[str, Any]] = {
+    k: dict(v) for m in (rotary, attention, formats, norms, quant) for k, v in m.VARIANTS.items()
+}
 
 
 #: What the device raises, per fault kind: torch_npu's allocator message, and an ACL runtime error.
@@ -53,11 +42,8 @@ FAULT_MESSAGES = {
 
 
 class FaultPlan:
-    """Fault injection: raise out-of-memory or a runtime error at the Nth call of any kernel (``inject``), or of any
-    function of a module (``proxy``: e.g. ``torch.stack`` as ``rope_tables`` sees it, to fault table building).
-
-    A fault raises on calls ``at`` .. ``at + times - 1`` of its target (1-based, counted from when it is injected);
-    ``fired`` counts the raises per target."""
+    """Raise out-of-memory or a runtime error on calls ``at`` .. ``at + times - 1`` (1-based, counted from injection)
+    of a kernel (``inject``) or of a module's function (``proxy``); ``fired`` counts the raises per target."""
 
     def __init__(self) -> None:
         self._plans: dict[str, list[tuple[int, int, str]]] = {}
@@ -94,19 +80,15 @@ class FaultPlan:
         return p
 
 
-def _counted(
-    name: str, fn: Any, log: Counter[str], faults: FaultPlan | None = None, timing: TimingPlan | None = None
-) -> Any:
+def _counted(name: str, fn: Any, log: Counter[str], faults: FaultPlan, timing: TimingPlan) -> Any:
     sig = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         sig.bind(*args, **kwargs)  # a keyword the schema does not have fails like torch.ops.npu.* does (TypeError)
         log[name] += 1
-        if faults is not None:
-            faults.check(name)
-        if timing is not None:
-            timing.tick(name, args, kwargs)
+        faults.check(name)
+        timing.tick(name, args, kwargs)
         # one NPU launch for the op counter, whatever CPU ops the fake computes it with (testbed/npu_ops.py)
         return run_npu_kernel(name, fn, *args, **kwargs)
 
@@ -115,11 +97,8 @@ def _counted(
 
 
 class FakeNpuConfig:
-    """``torch.npu.config`` as torch_npu 2.13.0 defines it (``npu_config._npuConfig`` [TNPU-CFG]): write-only.
-
-    Setting ``allow_internal_format`` forwards ``{"ALLOW_INTERNAL_FORMAT": "enable"|"disable"}`` to the option store
-    (``torch_npu._C._npu_setOption``); reading it raises AttributeError; any other attribute is silently dropped.
-    """
+    """``torch.npu.config`` as torch_npu 2.13.0's ``_npuConfig`` [TNPU-CFG]: write-only; ``allow_internal_format``
+    goes to the option store (``_C._npu_setOption``), any other attribute is dropped."""
 
     def __init__(self, c: types.SimpleNamespace) -> None:
         object.__setattr__(self, "_FakeNpuConfig__c", c)
@@ -147,25 +126,17 @@ def build(
     free_memory: int = 64 << 30,
     **variants: str,
 ) -> types.ModuleType:
-    """Return a fresh fake ``torch_npu`` module (not installed anywhere).
-
-    ``allow_internal_format``: the device's initial ``ALLOW_INTERNAL_FORMAT`` option (True on A2, False on A3
-    [OP-AIF]); ``cann_version``: what ``torch.npu.utils.get_cann_version()`` reports; ``soc_version``: the chip
-    (220 = Ascend910B1); ``free_memory``: what ``torch.npu.mem_get_info()`` reports free (settable later as
-    ``mod.memory["free"]``). ``mod.faults`` (:class:`FaultPlan`) injects faults; ``mod.timing`` (:class:`.timing.TimingPlan`) plans device time.
-    """
+    """A fresh fake ``torch_npu`` (not installed): ``allow_internal_format`` is the initial option (A2 True, A3 False
+    [OP-AIF]), ``soc_version`` 220 = Ascend910B1; ``mod.memory``, ``mod.faults``, ``mod.timing`` are settable."""
     mod = types.ModuleType("torch_npu")
     mod.__fake__ = True  # type: ignore[attr-defined]
     # Another kernel is another build: the variants are part of the version (the saved verdicts' key holds it).
     wrong = sorted(f"{k}={v}" for k, v in variants.items() if v != "correct")
     mod.__version__ = "2.13.0+fake" + ("." + ".".join(wrong) if wrong else "")  # type: ignore[attr-defined]
     mod._C = _option_store({"ALLOW_INTERNAL_FORMAT": "enable" if allow_internal_format else "disable"})  # type: ignore[attr-defined]
-    log: Counter[str] = Counter()  # calls per kernel: tests assert that a path was (or was not) taken
-    mod.calls = log  # type: ignore[attr-defined]
-    faults = FaultPlan()
-    mod.faults = faults  # type: ignore[attr-defined]
-    timing = TimingPlan()
-    mod.timing = timing  # type: ignore[attr-defined]
+    # calls per kernel (tests assert that a path was, or was not, taken), planned faults, device time
+    log, faults, timing = Counter[str](), FaultPlan(), TimingPlan()
+    mod.calls, mod.faults, mod.timing = log, faults, timing  # type: ignore[attr-defined]
     for kernel, impls in KERNELS.items():
         choice = variants.pop(kernel.removeprefix("npu_"), variants.pop(kernel, "correct"))
         if choice not in impls:
@@ -173,9 +144,8 @@ def build(
         setattr(mod, kernel, _counted(kernel, impls[choice], log, faults, timing))
     if variants:
         raise KeyError(f"unknown fake kernel variants: {variants}")
-    memory = {"free": free_memory, "total": 64 << 30}
-    mod.memory = memory  # type: ignore[attr-defined]
-    npu_ns = types.SimpleNamespace(
+    mod.memory = memory = {"free": free_memory, "total": 64 << 30}  # type: ignore[attr-defined]
+    mod._torch_npu_namespace = mod.npu = types.SimpleNamespace(  # type: ignore[attr-defined]
         is_available=lambda: True,
         device_count=lambda: 1,
         current_device=lambda: 0,
@@ -187,14 +157,12 @@ def build(
         get_soc_version=lambda: soc_version,
         mem_get_info=lambda *a: (memory["free"], memory["total"]),
     )
-    mod._torch_npu_namespace = npu_ns  # type: ignore[attr-defined]
-    mod.npu = npu_ns  # type: ignore[attr-defined]
     return mod
 
 
 def install(monkeypatch: Any, *, timed: bool = False, **kwargs: Any) -> types.ModuleType:
-    """Install a fake built with ``kwargs`` as ``torch_npu`` and ``torch.npu`` for the duration of a test; the kernel
-    timing (``VLLM_OMNI_ASCEND_OPT_TIMING``) is off unless ``timed`` (tests of other things keep their call counts)."""
+    """Install a fake built with ``kwargs`` as ``torch_npu`` and ``torch.npu`` for a test; the plugin's kernel timing
+    is off unless ``timed`` (tests of other things keep their call counts)."""
     from vllm_omni_ascend_opt import _backend
     from vllm_omni_ascend_opt.blocks.kernels import timing
 
@@ -204,10 +172,7 @@ def install(monkeypatch: Any, *, timed: bool = False, **kwargs: Any) -> types.Mo
     mod = build(**kwargs)
     monkeypatch.setitem(sys.modules, "torch_npu", mod)
     monkeypatch.setattr(torch, "npu", mod._torch_npu_namespace, raising=False)
-    for kernel_module in (rotary, attention, formats, norms):  # per-module extras, e.g. formats: Tensor.is_npu
-        hook = getattr(kernel_module, "install_hooks", None)
-        if hook is not None:
-            hook(monkeypatch, mod)
+    formats.install_hooks(monkeypatch, mod)  # Tensor.is_npu, mod.mark_host, mod.Format
     _backend.reset_cache()
     monkeypatch.setattr(_backend, "_CACHE", {})
     return mod

@@ -2,28 +2,16 @@
 
 Sources (see ``__init__``); the constraints are checked in the code below, each citing its source:
 
-* [OP-FA] Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (commits 3ec6c1f, 0d8f401): returns
-  (attention_out, softmax max, softmax sum (float), reserved, dropout seed/offset/length). ``atten_mask`` bool/uint8,
+* [OP-FA] Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (commits 3ec6c1f, 0d8f401): ``atten_mask``
   **1 (True) = this position does NOT take part** ("取值为1代表该位不参与计算"); ``scale`` defaults to **1**;
-  ``padding_mask`` not supported; ``inner_precise`` 2 = invalid-row computation; ``sparse_mode`` 7 and 8 are the
-  varlen (TND) split modes, so other layouts take 0..6. Training only, no graph mode. The page's reference example
-  computes ``softmax(q k^T * scale + mask * -10000) v`` in BNSD.
-* [OP-FIA] ``docs/context/torch_npu-npu_fused_infer_attention_score.md`` (commit 0adf450): inference and graph mode;
-  non-contiguous inputs not supported. Output 2 (softmax_lse): the page says a [1] zero tensor, the 2.13.0 wheel's
-  meta an *empty* [0] float32 tensor; the fake follows the wheel [TNPU-META]. The mask polarity is taken as [OP-FA]'s
-  (vllm-ascend passes ``triu(ones, 1)`` causal masks): an inference checked on the device by
-  ``benchmarks/npu_check_kernels.py``.
-* [TNPU-YAML] the torch-npu 2.13.0 wheel's ``npu_native_functions_by_codegen.yaml``: the signatures below (with
-  ``npu_fusion_attention``'s trailing ``sink``, ``dropout_mask``, ``seed``, ``offset``).
-* [TNPU-META] the same wheel's ``op_plugin/meta/_meta_registrations.py``: output shapes and dtypes.
-* [FA-BF16-P] the real kernel rounds the softmax weights to the input dtype before the P*V matmul (P is a Cube-unit
-  operand), so the fake does too: the plugin's tolerances meet that realistic error.
+  ``inner_precise`` 2 = invalid-row computation; ``sparse_mode`` 7 and 8 are varlen (TND) only.
+* [OP-FIA] ``torch_npu-npu_fused_infer_attention_score.md`` (commit 0adf450): inference; contiguous inputs only; the
+  mask polarity is [OP-FA]'s (checked on the device by ``benchmarks/npu_check_kernels.py``).
+* [TNPU-YAML] / [TNPU-META] the torch-npu 2.13.0 wheel's schemas and meta functions (output shapes and dtypes).
+* [FA-BF16-P] the real kernel rounds the softmax weights to the input dtype before the P*V matmul (a Cube operand).
 
-Each computation is one ``torch.library`` custom op (one launch for an op counter, as on the device), in float32
-except for the softmax weights [FA-BF16-P]; the output is rounded once to the input dtype.
-
-Variants: ``wrong_polarity`` masks where the mask is False (SDPA's polarity), ``ignores_scale`` always uses scale 1,
-``long_seq_bug`` drops the scale beyond Sq = 64. The plugin's verification must refuse them.
+Each computation is one ``torch.library`` custom op, in float32 except for the softmax weights [FA-BF16-P], rounded
+once to the input dtype. Variants: ``wrong_polarity``, ``ignores_scale``, ``long_seq_bug`` (no scale beyond Sq 64).
 """
 
 from __future__ import annotations
@@ -92,30 +80,20 @@ def _attend(
 
 
 def _to_bnsd(x: torch.Tensor, layout: str, n: int) -> torch.Tensor:
-    if layout == "BNSD":
-        return x
-    if layout == "BSND":
-        return x.permute(0, 2, 1, 3)
-    if layout == "BSH":
-        b, s, h = x.shape
-        return x.reshape(b, s, n, h // n).permute(0, 2, 1, 3)
     if layout == "SBH":
-        s, b, h = x.shape
-        return x.permute(1, 0, 2).reshape(b, s, n, h // n).permute(0, 2, 1, 3)
-    raise AssertionError(layout)
+        x = x.permute(1, 0, 2)
+    if layout in ("BSH", "SBH"):
+        x = x.reshape(x.shape[0], x.shape[1], n, x.shape[2] // n)
+    return x if layout == "BNSD" else x.permute(0, 2, 1, 3)
 
 
 def _from_bnsd(out: torch.Tensor, layout: str) -> torch.Tensor:
     b, n, s, d = out.shape
-    if layout == "BNSD":
-        return out.contiguous()
-    if layout == "BSND":
-        return out.permute(0, 2, 1, 3).contiguous()
-    if layout == "BSH":
-        return out.permute(0, 2, 1, 3).reshape(b, s, n * d).contiguous()
     if layout == "SBH":
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d).contiguous()
-    raise AssertionError(layout)
+    if layout != "BNSD":
+        out = out.permute(0, 2, 1, 3)
+    return (out.reshape(b, s, n * d) if layout == "BSH" else out).contiguous()
 
 
 @torch.library.custom_op("fake_torch_npu::fusion_attention", mutates_args=())
@@ -158,8 +136,7 @@ def _fusion_attention_op(
 
 @_fusion_attention_op.register_fake
 def _(query, key, value, atten_mask, layout, head_num, kv_heads, scale, pre, nxt, inner, where_true):
-    b = query.shape[1] if layout == "SBH" else query.shape[0]
-    sq = query.shape[0] if layout == "SBH" else query.shape[2] if layout == "BNSD" else query.shape[1]
+    b, sq = b_sq_skv(query, layout)
     stats = query.new_empty((b, head_num, sq, 8), dtype=torch.float32)
     return torch.empty_like(query), stats, stats.clone(), query.new_empty((0,))
 
@@ -171,21 +148,15 @@ def _fa_shapes(query: torch.Tensor, key: torch.Tensor, head_num: int, layout: st
     if query.dim() != want_dim or key.dim() != want_dim:
         raise FakeNpuError(f"npu_fusion_attention: {layout} needs {want_dim}-D query/key/value [OP-FA]")
     if layout in ("BSND", "BNSD"):
-        if layout == "BSND":
-            b, sq, nq, d = query.shape
-            bk, skv, nkv, dk = key.shape
-        else:
-            b, nq, sq, d = query.shape
-            bk, nkv, skv, dk = key.shape
+        order = (0, 1, 2, 3) if layout == "BSND" else (0, 2, 1, 3)  # B, S, N, D
+        b, sq, nq, d = (query.shape[i] for i in order)
+        bk, skv, nkv, dk = (key.shape[i] for i in order)
         if nq != head_num:
             raise FakeNpuError(f"npu_fusion_attention: head_num={head_num} but query has N={nq} ({layout}) [OP-FA]")
     else:
-        if layout == "BSH":
-            b, sq, h = query.shape
-            bk, skv, hk = key.shape
-        else:
-            sq, b, h = query.shape
-            skv, bk, hk = key.shape
+        order = (0, 1, 2) if layout == "BSH" else (1, 0, 2)  # B, S, H
+        b, sq, h = (query.shape[i] for i in order)
+        bk, skv, hk = (key.shape[i] for i in order)
         if head_num <= 0 or h % head_num:
             raise FakeNpuError(f"npu_fusion_attention: H={h} is not a multiple of head_num={head_num} [OP-FA]")
         d = h // head_num
@@ -231,8 +202,7 @@ def _check_fa_mask(mask: torch.Tensor, b: int, n: int, sq: int, skv: int) -> Non
 
 
 def _make_fusion_attention(*, mask_where_true: bool = True, honour_scale: bool = True, scale_until: int = 0) -> Any:
-    """``scale_until`` > 0: WRONG on purpose beyond Sq = scale_until (scale dropped): a long-sequence tiling fault that
-    a toy-shape verification cannot see."""
+    """``scale_until`` > 0: WRONG on purpose beyond Sq = scale_until (scale dropped), a long-sequence tiling fault."""
 
     def npu_fusion_attention(
         query: torch.Tensor,

@@ -3,25 +3,18 @@
 Sources (see ``__init__``):
 
 * [OP-FMT] Ascend/op-plugin ``docs/context/（beta）torch_npu-npu_format_cast.md`` (commit 18c2792): returns a *new*
-  tensor ("修改后的新张量不会替换原有张量"); ``acl_format`` an int or ``torch_npu.Format`` (table: ``FORMATS``;
-  FRACTAL_NZ=29 is "内部格式", an internal format). [OP-GFMT] ``at_npu-native-get_npu_format.md``: the format, an int.
-* [OP-AIF] ``torch_npu-npu-config-allow_internal_format.md``: ``False`` forbids allocating any private-format tensor
-  (default ``True`` on A2, ``False`` on A3). The real reaction to a forbidden cast is undocumented: the fake raises.
-* [TNPU-CFG] torch-npu 2.13.0 ``torch_npu/npu/npu_config.py``: ``torch.npu.config`` only has ``__setattr__``, which
-  forwards ``allow_internal_format`` to ``torch_npu._C._npu_setOption``: **write-only**, other names dropped; read
-  back with ``_npu_getOption(name) -> bytes | None`` (``__init__``: ``FakeNpuConfig`` and ``mod._C``).
-* [TNPU-YAML] the wheel's ``npu_native_functions_by_codegen.yaml``: ``npu_format_cast(Tensor self, int acl_format, *,
-  int? customize_dtype=None, int? input_dtype=None) -> Tensor``; ``get_npu_format(Tensor self) -> int``.
-* [TNPU-FMT-SAME] the cast returns its input itself when it already has the format (no copy, same storage).
-* [VA-10287] vllm-ascend PRs #10287, #16058: ``aclnnMatmulWeightNz`` rejects a FRACTAL_NZ mat2 with n == 1 or k == 1;
-  the cast succeeds, the *matmul* fails (:func:`nz_matmul_check`).
-* [VA-3356] vllm-ascend PR #3356: before CANN 8.3 ``F.linear`` / ``addmm`` / ``matmul`` with an NZ weight do not reach
-  the WeightNz kernels (:func:`nz_route_ignores_format` reads the fractal layout as ND).
-* [TNPU-ISNPU] torch_npu's ``Tensor.is_npu`` property.
+  tensor; ``acl_format`` an int or ``torch_npu.Format`` (``FORMATS``; FRACTAL_NZ=29 is internal). [OP-GFMT]
+  ``at_npu-native-get_npu_format.md``: the format, an int. [TNPU-FMT-SAME] a cast to the tensor's own format returns it.
+* [OP-AIF] ``torch_npu-npu-config-allow_internal_format.md``: ``False`` (default on A3, ``True`` on A2) forbids any
+  private-format tensor; the real reaction to a forbidden cast is undocumented: the fake raises.
+* [TNPU-CFG] torch-npu 2.13.0 ``npu/npu_config.py``: ``torch.npu.config`` is **write-only** (``_C._npu_setOption``).
+  [TNPU-YAML] its ``npu_native_functions_by_codegen.yaml``: the signatures below. [TNPU-ISNPU] ``Tensor.is_npu``.
+* [VA-10287] vllm-ascend PRs #10287, #16058: ``aclnnMatmulWeightNz`` rejects a FRACTAL_NZ mat2 with n == 1 or k == 1
+  (the *matmul* fails). [VA-3356] PR #3356: before CANN 8.3 a linear with an NZ weight misses the WeightNz kernels.
 
-Device model: while the fake is installed, CPU tensors stand for NPU memory (``Tensor.is_npu`` True) unless their
-storage was marked as host memory with :func:`mark_host`; meta tensors never are. The format tag lives on the
-*storage*, as torch_npu's ``NPUStorageDesc``: it follows ``param.data = ...`` and views, and dies with the storage.
+Device model: while the fake is installed, CPU tensors stand for NPU memory unless their storage was marked as host
+memory (:func:`mark_host`). The format tag lives on the *storage*, as torch_npu's ``NPUStorageDesc``: it follows
+``param.data = ...`` and views, and dies with the storage.
 """
 
 from __future__ import annotations
@@ -103,8 +96,7 @@ def _format_value(acl_format: Any) -> int:
 
 
 def _allow_internal_format() -> bool:
-    """The device option ``ALLOW_INTERNAL_FORMAT`` as the installed fake holds it (``torch.npu.config`` is
-    write-only [TNPU-CFG]; the option store behind it is ``torch_npu._C``)."""
+    """The installed fake's ``ALLOW_INTERNAL_FORMAT`` option (``torch.npu.config`` is write-only [TNPU-CFG])."""
     import sys
 
     c = getattr(sys.modules.get("torch_npu"), "_C", None)
@@ -188,10 +180,7 @@ def nz_matmul_check() -> TorchDispatchMode:
 
 
 def misread_nz(t: torch.Tensor) -> torch.Tensor:
-    """What a kernel that ignores the format sees in a 2-D FRACTAL_NZ tensor: its fractal storage read row-major.
-
-    NZ stores [n, k] as (k/16, n/16, 16, 16) fractals (n and k padded to 16); reading that buffer as [n, k]
-    scrambles the values (the same multiset for aligned shapes, in the wrong places)."""
+    """A 2-D FRACTAL_NZ tensor as a format-blind kernel sees it: its (k/16, n/16, 16, 16) fractals read row-major."""
     n, k = t.shape
     n1, k1 = -(-n // 16), -(-k // 16)
     padded = t.new_zeros(n1 * 16, k1 * 16)
@@ -217,10 +206,8 @@ class _NzRoute(TorchDispatchMode):
 
 
 def nz_route_ignores_format(*ops: str) -> TorchDispatchMode:
-    """Within the block, the named aten ops (``"aten::addmm"``, ``"aten::mm"``) read an NZ operand as if it were ND:
-    an old op-plugin / CANN where ``F.linear`` with an NZ weight does not reach the WeightNz kernels [VA-3356]. The
-    3-D ``F.linear`` with bias runs ``aten::addmm``, without bias ``aten::mm`` (one route can be right, the other
-    wrong)."""
+    """Within the block, the named aten ops (``"aten::addmm"``, ``"aten::mm"``) read an NZ operand as ND: an old
+    op-plugin / CANN whose ``F.linear`` with an NZ weight misses the WeightNz kernels [VA-3356]."""
     return _NzRoute(frozenset(ops))
 
 

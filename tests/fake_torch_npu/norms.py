@@ -2,17 +2,13 @@
 
 Sources (see ``__init__``):
 
-* [OP-LNE] the torch-npu 2.13.0 wheel's ``_op_plugin_docs.py``: ``npu_layer_norm_eval(input, normalized_shape,
-  weight=None, bias=None, eps=1e-05) -> Tensor``, "与torch.nn.functional.layer_norm相同" (``F.layer_norm``'s result;
-  first argument named ``input``, unlike most ops); meta: ``empty_like(input)``.
-* [OP-RMS] op-plugin ``torch_npu-npu_rms_norm.md`` and ``_op_plugin_docs.py``: ``npu_rms_norm(Tensor self, Tensor
-  gamma, float epsilon=1e-06) -> (Tensor, Tensor)``; self float16/bfloat16/float32 of 2-8 dims, gamma of self's dtype;
-  ``self.dim() >= gamma.dim()`` (``RmsNormKernelNpu.cpp``). Outputs ``y = x * rstd * gamma`` (self's dtype) and
-  ``rstd = 1 / sqrt(mean(x^2 over gamma's dims) + eps)`` (float32, shape ``self.shape[:-gamma.dim()] + [1] *
-  gamma.dim()``, the wheel's ``npu_rms_norm_meta``), computed in fp32 and rounded once.
+* [OP-LNE] the torch-npu 2.13.0 wheel's ``_op_plugin_docs.py``: ``npu_layer_norm_eval`` is ``F.layer_norm``'s result
+  (first argument named ``input``, unlike most ops); meta: ``empty_like(input)``.
+* [OP-RMS] op-plugin ``torch_npu-npu_rms_norm.md`` and ``_op_plugin_docs.py``: ``y = x * rstd * gamma`` (self's
+  dtype) and ``rstd = 1 / sqrt(mean(x^2 over gamma's dims) + eps)`` (float32, shaped by the wheel's
+  ``npu_rms_norm_meta``), computed in fp32 and rounded once; the constraints of :func:`_check_rms_norm`.
 
-The values equal the stock ops' (bitwise on CPU): the call log (``torch_npu.calls``) shows the NPU path was taken.
-Each computation is one ``torch.library`` custom op: one launch for an op counter.
+The values equal the stock ops' (bitwise on CPU); each computation is one ``torch.library`` custom op (one launch).
 """
 
 from __future__ import annotations
@@ -83,17 +79,13 @@ def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06
     return _rms_norm_op(self, gamma, float(epsilon), False)
 
 
-def _rms_norm_ignoring_gamma(
-    self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_ignoring_gamma(self, gamma, epsilon=1e-06):
     """A wrong kernel (for tests): normalizes but never multiplies by gamma."""
     _check_rms_norm(self, gamma)
     return _rms_norm_op(self, gamma, float(epsilon), True)
 
 
-def _rms_norm_raising(
-    self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_raising(self, gamma, epsilon=1e-06):
     """A kernel that fails at run time (for tests), as an unsupported tiling would."""
     raise RuntimeError("npu_rms_norm: EZ9999 fake tiling failure")
 

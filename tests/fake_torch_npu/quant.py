@@ -1,23 +1,18 @@
 """Fake torch_npu kernels: dynamic int8 quantization and the int8 GEMM (``npu_dynamic_quant``, ``npu_quant_matmul``).
 
-Sources (see ``__init__``):
+Sources (see ``__init__``; the constraints are checked below, each citing its source):
 
-* [OP-DQ] Ascend/op-plugin ``docs/context/torch_npu-npu_dynamic_quant.md``: symmetric per-token quantization of the
-  last dim, ``scale = max(|x|) / 127`` per row (float32, shaped like ``x`` without its last dim), ``y = round(x /
-  scale)`` as int8; ``x`` float16 or bfloat16. ``smooth_scales`` / ``group_index`` / other ``dst_type`` s and quant
-  modes are not modelled (raise NotImplementedError).
-* [OP-QMM] ``torch_npu-npu_quant_matmul.md``: ``x1`` int8 ``[m, k]`` (2-6 dims), ``x2`` int8 ``[k, n]`` in ND or
-  FRACTAL_NZ, int32 accumulation; output ``(acc * scale[n] * pertoken_scale[m]) + bias`` in ``output_dtype``
-  (float16 / bfloat16 here); ``scale`` float32 or bfloat16 of shape ``(1,)`` or ``(n,)`` (bfloat16 only with a
-  bfloat16 output); ``pertoken_scale`` float32 ``(m,)``; ``bias`` 1-D ``(n,)``, int32 (added to the accumulator) or
-  float32 / the output dtype (added after dequantization).
-* [OMNI-65535] vLLM-Omni 0.30 ``int8_config.NPU_QUANT_MATMUL_MAX_OUT_FEATURES``: QuantBatchMatmulV3 refuses ``n >
-  65535`` (at the first forward).
-* [TNPU-YAML] the wheel's ``npu_native_functions_by_codegen.yaml`` (both signatures); ``output_dtype`` is the dtype
-  enum of the meta function (``15`` bfloat16, ``5`` float16); a ``torch.dtype`` is accepted too, as vLLM-Omni passes.
+* [OP-DQ] Ascend/op-plugin ``docs/context/torch_npu-npu_dynamic_quant.md``: symmetric per-token int8 quantization of
+  the last dim, ``scale = max(|x|) / 127`` per row (float32), ``y = round(x / scale)``; ``x`` float16 or bfloat16.
+* [OP-QMM] ``torch_npu-npu_quant_matmul.md``: int8 ``x1 [m, k]`` and ``x2 [k, n]`` (ND or FRACTAL_NZ), int32
+  accumulation, output ``(acc * scale[n] * pertoken_scale[m]) + bias`` in ``output_dtype``; an int32 bias is added to
+  the accumulator, a float one after dequantization.
+* [OMNI-65535] vLLM-Omni 0.30 ``int8_config.NPU_QUANT_MATMUL_MAX_OUT_FEATURES``: QuantBatchMatmulV3 refuses n > 65535.
+* [TNPU-YAML] the wheel's ``npu_native_functions_by_codegen.yaml`` (both signatures); ``output_dtype`` is the meta
+  function's dtype enum (``15`` bfloat16, ``5`` float16) or, as vLLM-Omni passes it, a ``torch.dtype``.
 
-int32 sums of int8 products are exact in float64 (|sum| < 2**31 << 2**53), so the fake computes the accumulator there:
-the same integers whatever the order, which is why an NZ weight gives bit-identical results ([OP-QMM]).
+int32 sums of int8 products are exact in float64, so the fake accumulates there: the same integers in any order,
+which is why an NZ weight gives bit-identical results ([OP-QMM]).
 """
 
 from __future__ import annotations
@@ -107,78 +102,52 @@ def _weight(x2: torch.Tensor) -> torch.Tensor:
     return x2
 
 
-def _qmm(x1, x2, scale, *, offset, pertoken_scale, bias, output_dtype, x1_dtype, x2_dtype, pertoken_scale_dtype,
-         scale_dtype, group_sizes, y_scale, read_weight) -> torch.Tensor:  # fmt: skip
-    extras = (offset, x1_dtype, x2_dtype, pertoken_scale_dtype, scale_dtype, group_sizes, y_scale)
-    if any(e is not None for e in extras):
-        raise NotImplementedError("fake npu_quant_matmul: offset / x*_dtype / group_sizes / y_scale are not modelled")
-    out = _out_dtype(output_dtype)
-    _check(x1, x2, scale, pertoken_scale, bias, out)
-    w = read_weight(_weight(x2))
-    acc = torch.matmul(x1.double(), w.double())  # exact int32 sums
-    if bias is not None and bias.dtype == torch.int32:
-        acc = acc + bias.double()
-    y = acc.float() * scale.float()
-    if pertoken_scale is not None:
-        y = y * pertoken_scale.reshape(*x1.shape[:-1], 1)
-    if bias is not None and bias.dtype != torch.int32:
-        y = y + bias.float()
-    return y.to(out)
+def _make_quant_matmul(read_weight: Any) -> Any:
+    """[OP-QMM] ``(x1 @ x2 in int32) * scale * pertoken_scale + bias``; ``read_weight``: what is read of ``x2``."""
+
+    def npu_quant_matmul(
+        x1: torch.Tensor,
+        x2: torch.Tensor,
+        scale: torch.Tensor,
+        *,
+        offset: torch.Tensor | None = None,
+        pertoken_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        output_dtype: int | None = None,
+        x1_dtype: int | None = None,
+        x2_dtype: int | None = None,
+        pertoken_scale_dtype: int | None = None,
+        scale_dtype: int | None = None,
+        group_sizes: list[int] | None = None,
+        y_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        extras = (offset, x1_dtype, x2_dtype, pertoken_scale_dtype, scale_dtype, group_sizes, y_scale)
+        if any(e is not None for e in extras):
+            raise NotImplementedError(
+                "fake npu_quant_matmul: offset / x*_dtype / group_sizes / y_scale are not modelled"
+            )
+        out = _out_dtype(output_dtype)
+        _check(x1, x2, scale, pertoken_scale, bias, out)
+        w = read_weight(_weight(x2))
+        acc = torch.matmul(x1.double(), w.double())  # exact int32 sums
+        if bias is not None and bias.dtype == torch.int32:
+            acc = acc + bias.double()
+        y = acc.float() * scale.float()
+        if pertoken_scale is not None:
+            y = y * pertoken_scale.reshape(*x1.shape[:-1], 1)
+        if bias is not None and bias.dtype != torch.int32:
+            y = y + bias.float()
+        return y.to(out)
+
+    return npu_quant_matmul
 
 
-def npu_quant_matmul(
-    x1: torch.Tensor,
-    x2: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    offset: torch.Tensor | None = None,
-    pertoken_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    output_dtype: int | None = None,
-    x1_dtype: int | None = None,
-    x2_dtype: int | None = None,
-    pertoken_scale_dtype: int | None = None,
-    scale_dtype: int | None = None,
-    group_sizes: list[int] | None = None,
-    y_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[OP-QMM] ``(x1 @ x2 in int32) * scale * pertoken_scale + bias`` in ``output_dtype``; an NZ ``x2`` reads its
-    logical values (the device's WeightNz route)."""
-    kw = dict(offset=offset, pertoken_scale=pertoken_scale, bias=bias, output_dtype=output_dtype, x1_dtype=x1_dtype,
-              x2_dtype=x2_dtype, pertoken_scale_dtype=pertoken_scale_dtype, scale_dtype=scale_dtype,
-              group_sizes=group_sizes, y_scale=y_scale)  # fmt: skip
-    return _qmm(x1, x2, scale, read_weight=lambda w: w, **kw)
-
-
-def _nz_misread(
-    x1: torch.Tensor,
-    x2: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    offset: torch.Tensor | None = None,
-    pertoken_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    output_dtype: int | None = None,
-    x1_dtype: int | None = None,
-    x2_dtype: int | None = None,
-    pertoken_scale_dtype: int | None = None,
-    scale_dtype: int | None = None,
-    group_sizes: list[int] | None = None,
-    y_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Variant ``nz_misread``: an NZ ``x2`` is read as if it were ND (its fractal storage row-major), as a kernel
-    build without the WeightNz route would; ND weights are right."""
-    kw = dict(offset=offset, pertoken_scale=pertoken_scale, bias=bias, output_dtype=output_dtype, x1_dtype=x1_dtype,
-              x2_dtype=x2_dtype, pertoken_scale_dtype=pertoken_scale_dtype, scale_dtype=scale_dtype,
-              group_sizes=group_sizes, y_scale=y_scale)  # fmt: skip
-
-    def read(w: torch.Tensor) -> torch.Tensor:
-        return formats.misread_nz(w.t()).t() if formats.get_npu_format(w) == formats.FRACTAL_NZ else w
-
-    return _qmm(x1, x2, scale, read_weight=read, **kw)
+def _misread(w: torch.Tensor) -> torch.Tensor:
+    """Variant ``nz_misread``: an NZ ``x2`` read as ND (its fractal storage row-major), as without WeightNz."""
+    return formats.misread_nz(w.t()).t() if formats.get_npu_format(w) == formats.FRACTAL_NZ else w
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "npu_dynamic_quant": {"correct": npu_dynamic_quant},
-    "npu_quant_matmul": {"correct": npu_quant_matmul, "nz_misread": _nz_misread},
+    "npu_quant_matmul": {"correct": _make_quant_matmul(lambda w: w), "nz_misread": _make_quant_matmul(_misread)},
 }

@@ -1,17 +1,13 @@
 """The real ``torch-npu==2.13.0`` wheel as the reference the fake is checked against (read, never installed).
 
-The wheel cannot be imported without CANN, and installing it breaks ``import torch`` on a CPU machine (its
-``torch.backends`` entry point imports ``torch_npu``). Its text files are readable, though:
+The wheel cannot be imported without CANN (and installing it breaks ``import torch`` on a CPU machine), but its text
+files are readable: the op schemas (``npu_native_functions_by_codegen.yaml``), the meta functions
+(``op_plugin/meta/_meta_registrations.py``, executed here with stubs for their ``torch_npu`` imports) and
+``npu/npu_config.py`` (``_npuConfig``, the class of ``torch.npu.config``).
 
-* ``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml`` - the op schemas (``torch.ops.npu.*``);
-* ``torch_npu/op_plugin/meta/_meta_registrations.py`` - the meta (shape/dtype) functions, executed here on CPU with
-  stubs for the handful of ``torch_npu`` names they import (:func:`meta_functions`);
-* ``torch_npu/npu/npu_config.py`` - ``_npuConfig``, the class of ``torch.npu.config`` (:func:`real_npu_config`).
-
-:func:`wheel` fetches the pinned wheel once into a cache directory with ``python -m pip download --no-deps`` (never
-``install``) and checks its SHA-256; it returns ``None`` with a reason when that is impossible (offline machine), and
-the tests skip with that reason. ``VLLM_OMNI_ASCEND_OPT_WHEEL_CACHE`` overrides the cache directory
-(default ``~/.cache/vllm-omni-ascend-opt/wheels``).
+:func:`fetch` downloads the pinned wheel once (``pip download --no-deps``) into ``VLLM_OMNI_ASCEND_OPT_WHEEL_CACHE``
+(default ``~/.cache/vllm-omni-ascend-opt/wheels``) and checks its SHA-256; offline it returns the reason, and the
+tests skip with it.
 """
 
 from __future__ import annotations
@@ -133,10 +129,6 @@ def _split_top(s: str) -> list[str]:
 
 
 def _default(text: str) -> Any:
-    if text in ("None", "True", "False"):
-        return {"None": None, "True": True, "False": False}[text]
-    if text.endswith(".") and text[:-1].lstrip("-").isdigit():  # "1." in the yaml
-        return float(text)
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -208,10 +200,8 @@ class Stubs:
 
     def __post_init__(self) -> None:
         self.options: dict[str, str] = {}
-        self.set_calls: list[dict[str, str]] = []
 
     def _set_option(self, option: dict[str, str]) -> None:
-        self.set_calls.append(dict(option))
         self.options.update(option)
 
     def _get_option(self, name: str) -> bytes | None:
@@ -220,36 +210,25 @@ class Stubs:
 
     def modules(self) -> dict[str, Any]:
         c = types.SimpleNamespace(_npu_setOption=self._set_option, _npu_getOption=self._get_option)
-        root = types.ModuleType("torch_npu")
-        root._C = c  # type: ignore[attr-defined]
         # torch_npu's own dtypes, as the enum values the meta functions map them to (npu_quant_matmul reads them)
-        for name, value in (("int4", 285), ("hifloat8", 290), ("float8_e8m0fnu", 293), ("float4_e2m1fn_x2", 296),
-                            ("float4_e1m2fn_x2", 297)):  # fmt: skip
-            setattr(root, name, value)
-        err = types.ModuleType("torch_npu.utils._error_code")
-        err.ErrCode = _Anything()  # type: ignore[attr-defined]
-        err.ops_error = err.pta_error = lambda *a, **k: ""  # type: ignore[attr-defined]
-        utils = types.ModuleType("torch_npu.npu.utils")
-        utils.get_cann_version = lambda module="CANN": self.cann_version  # type: ignore[attr-defined]
-        backends = types.ModuleType("torch_npu.npu._backends")
-        backends.get_soc_version = lambda: self.soc_version  # type: ignore[attr-defined]
-        lib = types.ModuleType("torch.library")
-        lib.Library = lambda *a, **k: None  # type: ignore[attr-defined]
-        fxnode = types.ModuleType("torch.fx.node")
-        fxnode.has_side_effect = lambda *a, **k: None  # type: ignore[attr-defined]
-        path_mgr = types.ModuleType("torch_npu.utils._path_manager")
-        path_mgr.PathManager = _Anything()  # type: ignore[attr-defined]
-        return {
-            "torch": _TorchProxy(),
-            "torch_npu": root,
-            "torch_npu._C": c,
-            "torch_npu.utils._error_code": err,
-            "torch_npu.npu.utils": utils,
-            "torch_npu.npu._backends": backends,
-            "torch_npu.utils._path_manager": path_mgr,
-            "torch.library": lib,
-            "torch.fx.node": fxnode,
-        }
+        dtypes = dict(int4=285, hifloat8=290, float8_e8m0fnu=293, float4_e2m1fn_x2=296, float4_e1m2fn_x2=297)
+        empty, none = (lambda *a, **k: ""), (lambda *a, **k: None)
+        mods = [
+            _module("torch_npu", _C=c, **dtypes),
+            _module("torch_npu.utils._error_code", ErrCode=_Anything(), ops_error=empty, pta_error=empty),
+            _module("torch_npu.npu.utils", get_cann_version=lambda module="CANN": self.cann_version),
+            _module("torch_npu.npu._backends", get_soc_version=lambda: self.soc_version),
+            _module("torch_npu.utils._path_manager", PathManager=_Anything()),
+            _module("torch.library", Library=none),
+            _module("torch.fx.node", has_side_effect=none),
+        ]
+        return {"torch": _TorchProxy(), "torch_npu._C": c, **{m.__name__: m for m in mods}}
+
+
+def _module(name: str, **attrs: Any) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    return mod
 
 
 def exec_wheel_module(member: str, stubs: Stubs, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -288,9 +267,7 @@ def meta_functions() -> dict[str, Any]:
 
         return deco
 
-    lib = types.ModuleType("torch.library")
-    lib.Library = lambda *a, **k: None  # type: ignore[attr-defined]
-    lib.impl = impl  # type: ignore[attr-defined]
+    lib = _module("torch.library", Library=lambda *a, **k: None, impl=impl)
     exec_wheel_module(META_PY, Stubs(), {"torch.library": lib})
     return registered
 

@@ -4,19 +4,16 @@ Sources (see ``__init__``):
 
 * [OP-ROT] Ascend/op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_rotary_mul.md`` (snapshot 517f2e7; same
   text as the 7.3.0 page): out = x * r1 + rotate(x) * r2 with half: rotate(x) = cat(-x2, x1) over chunk(x, 2, -1);
-  interleave: rotate(x) = stack((-x[..., 1::2], x[..., ::2]), -1) flattened. 3D or 4D, float16 / bfloat16 / float32.
-  half: D < 896 and even, B, N < 1000, r1/r2 in [-1, 1] of shape BNSD: 11SD/B1SD/BNSD, BSND: 1S1D/BS1D/BSND,
-  SBND: S11D/SB1D/SBND, TND: T1D/TND. interleave: B*N < 1000, D < 896 and even, **only** 11SD/1S1D/S11D/T1D.
+  interleave: rotate(x) = stack((-x[..., 1::2], x[..., ::2]), -1) flattened; the shape limits and r1/r2 layout
+  classes of :func:`check_args`.
 * [OP-ROT-IMPL] op-plugin ``RotaryMulKernelNpuOpApi.cpp``: ``TORCH_CHECK`` on rotary_mode; r1/r2 cast to input's
-  dtype. Its aclops fallback (``RotaryMulKernelNpu.cpp``) before op-plugin 7.0.0 **ignores rotary_mode** and computes
-  the half form: the ``half_pairing`` variant.
-* [OP-ROT-ACLOP] the same aclops file in the 7.x line (commit 0581e5a) *raises* for interleave: the ``aclop`` variant.
+  dtype. Its aclops fallback (``RotaryMulKernelNpu.cpp``) before op-plugin 7.0.0 **ignores rotary_mode** (the
+  ``half_pairing`` variant); in the 7.x line (commit 0581e5a) it *raises* for interleave [OP-ROT-ACLOP] (``aclop``).
 * [TNPU-YAML] the torch-npu 2.13.0 wheel: ``npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half',
-  Tensor? rotate=None) -> Tensor``.
-* [OP-ROT-6.0] torch_npu 6.0 (hiascend.com ``ptaoplist_000486``): no ``rotary_mode`` argument (half only, D = 128):
-  the ``no_rotary_mode`` variant.
+  Tensor? rotate=None) -> Tensor``. [OP-ROT-6.0] torch_npu 6.0 (hiascend.com ``ptaoplist_000486``): no
+  ``rotary_mode`` argument (half only): the ``no_rotary_mode`` variant.
 
-The computation is one ``torch.library`` custom op (``fake_torch_npu::rotary_mul``): one launch for an op counter.
+The computation is one ``torch.library`` custom op: one launch for an op counter.
 """
 
 from __future__ import annotations
@@ -72,26 +69,20 @@ def _shape_class(x: torch.Tensor, r: torch.Tensor, mode: str) -> tuple[str, int,
     if x.dim() == 3:  # TND
         t, n, _ = xs
         allowed = {"T1D": (t, 1, d)} if mode == "interleave" else {"T1D": (t, 1, d), "TND": (t, n, d)}
-        for _name, shp in allowed.items():
-            if rs == shp:
-                return "TND", 1, n
+        if rs in allowed.values():
+            return "TND", 1, n
         raise FakeNpuError(
             f"npu_rotary_mul({mode}): r1/r2 shape {rs} not in {sorted(allowed)} for TND input {xs} [OP-ROT]"
         )
     a, b, c, _ = xs
-    # (layout, {class name: r shape}, B, N) for the three 4D layouts [OP-ROT].
+    # (layout, {class name: r shape}, B, N) for the three 4D layouts [OP-ROT]; interleave takes the first class only.
+    table = [
+        ("BNSD", {"11SD": (1, 1, c, d), "B1SD": (a, 1, c, d), "BNSD": (a, b, c, d)}, a, b),
+        ("BSND", {"1S1D": (1, b, 1, d), "BS1D": (a, b, 1, d), "BSND": (a, b, c, d)}, a, c),
+        ("SBND", {"S11D": (a, 1, 1, d), "SB1D": (a, b, 1, d), "SBND": (a, b, c, d)}, b, c),
+    ]
     if mode == "interleave":
-        table = [
-            ("BNSD", {"11SD": (1, 1, c, d)}, a, b),
-            ("BSND", {"1S1D": (1, b, 1, d)}, a, c),
-            ("SBND", {"S11D": (a, 1, 1, d)}, b, c),
-        ]
-    else:
-        table = [
-            ("BNSD", {"11SD": (1, 1, c, d), "B1SD": (a, 1, c, d), "BNSD": (a, b, c, d)}, a, b),
-            ("BSND", {"1S1D": (1, b, 1, d), "BS1D": (a, b, 1, d), "BSND": (a, b, c, d)}, a, c),
-            ("SBND", {"S11D": (a, 1, 1, d), "SB1D": (a, b, 1, d), "SBND": (a, b, c, d)}, b, c),
-        ]
+        table = [(layout, dict([next(iter(classes.items()))]), bb, nn) for layout, classes, bb, nn in table]
     for layout, classes, bb, nn in table:
         if rs in classes.values():
             return layout, bb, nn
@@ -133,16 +124,8 @@ def _cast_like(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 
 # ----- variants -------------------------------------------------------------------------------------------------------
-def npu_rotary_mul(
-    self: torch.Tensor,
-    r1: torch.Tensor,
-    r2: torch.Tensor,
-    rotary_mode: str = "half",
-    rotate: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Documented behaviour [OP-ROT], computed the way a fused kernel does (fp32 inside, one rounding).
-
-    The first argument is named ``self`` as in the real schema [TNPU-YAML] (``torch.ops.npu.npu_rotary_mul``)."""
+def npu_rotary_mul(self, r1, r2, rotary_mode="half", rotate=None):
+    """Documented behaviour [OP-ROT] as a fused kernel computes it (fp32 inside, one rounding); schema [TNPU-YAML]."""
     if rotate is not None:
         raise NotImplementedError("fake npu_rotary_mul: the `rotate` matrix argument is not modelled")
     check_args(self, r1, r2, rotary_mode)
@@ -156,15 +139,13 @@ def npu_rotary_mul_small_ops(self, r1, r2, rotary_mode="half", rotate=None):
 
 
 def npu_rotary_mul_half_pairing(self, r1, r2, rotary_mode="half", rotate=None):
-    """WRONG on purpose: accepts ``rotary_mode`` but always pairs halves, as the aclops fallback does
-    [OP-ROT-IMPL: RotaryMulKernelNpu.cpp]. The plugin's on-device verification must refuse it."""
+    """WRONG on purpose: always pairs halves, as the aclops fallback does [OP-ROT-IMPL: RotaryMulKernelNpu.cpp]."""
     check_args(self, r1, r2, rotary_mode)
     return _rotary_mul_op(self, _cast_like(self, r1), _cast_like(self, r2), "half", "fp32")
 
 
 def npu_rotary_mul_low_precision(self, r1, r2, rotary_mode="half", rotate=None):
-    """WRONG on purpose: right pairing, but computes in float16 whatever the input dtype (a precision bug an fp32
-    verification must catch; for bf16 inputs it stays within bf16's own rounding)."""
+    """WRONG on purpose: right pairing, computed in float16 whatever the input dtype (caught by an fp32 check)."""
     check_args(self, r1, r2, rotary_mode)
     out = _rotary_mul_op(self.half(), r1.half(), r2.half(), rotary_mode, "native")
     return out.to(self.dtype)
@@ -180,15 +161,8 @@ def npu_rotary_mul_no_rotary_mode(self, r1, r2):
 npu_rotary_mul_no_rotary_mode.legacy_signature = "[OP-ROT-6.0]"  # type: ignore[attr-defined]
 
 
-def npu_rotary_mul_aclop(
-    self: torch.Tensor,
-    r1: torch.Tensor,
-    r2: torch.Tensor,
-    rotary_mode: str = "half",
-    rotate: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The old aclop path (``DO_COMPATIBILITY`` fallback when ``aclnnRotaryPositionEmbedding`` is missing): since
-    op-plugin 7.0.0 it rejects every mode but ``half`` instead of silently computing half mode [OP-ROT-ACLOP]."""
+def npu_rotary_mul_aclop(self, r1, r2, rotary_mode="half", rotate=None):
+    """The old aclop path: since op-plugin 7.0.0 it rejects every mode but ``half`` [OP-ROT-ACLOP]."""
     if rotary_mode != "half":
         raise FakeNpuError(
             f"npu_rotary_mul in aclop only support rotary_mode with half, but got {rotary_mode} [OP-ROT-ACLOP]"
@@ -196,15 +170,8 @@ def npu_rotary_mul_aclop(
     return npu_rotary_mul(self, r1, r2, rotary_mode, rotate)
 
 
-def npu_rotary_mul_long_seq_bug(
-    self: torch.Tensor,
-    r1: torch.Tensor,
-    r2: torch.Tensor,
-    rotary_mode: str = "half",
-    rotate: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """WRONG on purpose, only for long sequences: correct up to S = 64, half pairing beyond (a kernel whose tiling for
-    long sequences is broken - what a toy-shape verification cannot see; the plugin's per-shape-class check must)."""
+def npu_rotary_mul_long_seq_bug(self, r1, r2, rotary_mode="half", rotate=None):
+    """WRONG on purpose beyond S = 64 (half pairing there): a long-sequence tiling bug a toy-shape check cannot see."""
     if self.dim() == 4 and self.shape[1] > 64:
         return npu_rotary_mul_half_pairing(self, r1, r2, rotary_mode, rotate)
     return npu_rotary_mul(self, r1, r2, rotary_mode, rotate)

@@ -1,12 +1,9 @@
-"""The fake's device clock: a deterministic timing plan (like :class:`~tests.fake_torch_npu.FaultPlan`) that gives each
-fake kernel call a device time, and ``torch.npu.Event`` / ``synchronize`` that read it.
+"""The fake's device clock: a deterministic plan of each fake kernel call's device time, read by ``torch.npu.Event``.
 
-Wall-clock time on a CPU says nothing about an NPU, so timing tests configure ``mod.timing`` instead: ``set(kernel,
-ms)`` (``ms``: a number, or a function of the call's arguments, e.g. slower at one shape class), and ``stock`` for
-a timed region in which no fake kernel ran (the stock path: plain torch ops). Defaults: every kernel 0.5 ms, stock
-1.0 ms (every kernel wins); ``npu_quant_matmul``, whose ND weight is the stock path of an NZ one, 1.0 ms with an ND
-``x2`` and 0.5 ms with a FRACTAL_NZ one (:meth:`TimingPlan.by_weight_format` sets other figures). ``Event(enable_timing=True)`` as torch_npu 2.13.0 defines it (``torch_npu.npu.Event``:
-``enable_timing``, ``blocking``, ``interprocess``): ``record()``, ``synchronize()``, ``elapsed_time(end)`` in ms.
+Tests configure ``mod.timing``: ``set(kernel, ms)`` (a number or a function of the call's arguments) and ``stock``
+for a timed region in which no fake kernel ran. Defaults: every kernel 0.5 ms, stock 1.0 ms; ``npu_quant_matmul``
+1.0 ms with an ND ``x2`` and 0.5 ms with a FRACTAL_NZ one (:meth:`TimingPlan.by_weight_format`). ``Event`` has
+torch_npu 2.13.0's signature (``enable_timing``, ``blocking``, ``interprocess``).
 """
 
 from __future__ import annotations
@@ -36,8 +33,7 @@ class TimingPlan:
         self.costs[kernel] = ms
 
     def by_weight_format(self, kernel: str, nd_ms: float, nz_ms: float) -> None:
-        """``kernel`` (a GEMM: ``x1``, ``x2``, ...) costs ``nz_ms`` when its weight ``x2`` is FRACTAL_NZ, else
-        ``nd_ms``; a call the kernel will reject (``x2`` not an NPU tensor) is priced as ND."""
+        """``kernel`` (``x1``, ``x2``, ...) costs ``nz_ms`` when ``x2`` is FRACTAL_NZ on the NPU, else ``nd_ms``."""
 
         def cost(*args: Any, **kwargs: Any) -> float:
             x2 = args[1] if len(args) > 1 else kwargs.get("x2")

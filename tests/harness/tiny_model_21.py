@@ -1,16 +1,12 @@
-"""Tiny, seeded Qwen-Image-2.1 pieces (vLLM-Omni 0.32.0rc1+, ``models/qwen_image_21``) for the tests.
-
-Qwen-Image-2.1 is a different model (single-stream DiT, its own VAE, a Qwen3-VL encoder) whose NPU work upstream
-already does; the plugin must recognise it and leave it alone. The tests need the real classes at a tiny size:
-:func:`build_transformer`, :func:`build_vae`, :func:`build_pipeline` (assembled without ``__init__``: enough for
-attach / detach and ``_decode_latents``) and :func:`latents`; :func:`available` says whether vLLM-Omni has 2.1.
+"""Tiny, seeded Qwen-Image-2.1 pieces (vLLM-Omni 0.32.0rc1+, ``models/qwen_image_21``): a different model whose NPU
+work upstream already does, which the plugin must recognise and leave alone; :func:`available` says whether this
+vLLM-Omni has it.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,47 +18,31 @@ PIPELINE = f"{PACKAGE}.pipeline_qwen_image_21"
 DIST_VAE = "vllm_omni.diffusion.distributed.autoencoders.autoencoder_kl_qwenimage21"
 
 
-@dataclass(frozen=True)
-class Spec21:
-    """Sizes of the tiny Qwen-Image-2.1 pieces."""
-
-    num_layers: int = 2
-    num_attention_heads: int = 2
-    attention_head_dim: int = 16
-    context_in_dim: int = 32
-    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)
-    vae_base_dim: int = 16
-    vae_z_dim: int = 4
-    weight_std: float = 0.05
-
-    def transformer_kwargs(self) -> dict[str, Any]:
-        return dict(
-            patch_size=1,
-            in_channels=self.vae_z_dim,
-            out_channels=self.vae_z_dim,
-            num_layers=self.num_layers,
-            attention_head_dim=self.attention_head_dim,
-            num_attention_heads=self.num_attention_heads,
-            context_in_dim=self.context_in_dim,
-            axes_dims_rope=self.axes_dims_rope,
-        )
-
-    def vae_kwargs(self) -> dict[str, Any]:
-        z = self.vae_z_dim
-        return dict(
-            base_dim=self.vae_base_dim,
-            decoder_base_dim=self.vae_base_dim,
-            z_dim=z,
-            dim_mult=[1, 2, 2],  # the last two equal, as upstream's [1, 2, 4, 8, 8] (AvgDown3D shortcut)
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
-            latents_mean=[0.25 * (i - z / 2) for i in range(z)],
-            latents_std=[1.0 + 0.5 * i for i in range(z)],
-            scale_factor_spatial=None,
-        )
-
-
-SPEC21 = Spec21()
+Z = 4  # latent channels
+#: The tiny ``QwenImage21Transformer2DModel``.
+TRANSFORMER_KWARGS: dict[str, Any] = dict(
+    patch_size=1,
+    in_channels=Z,
+    out_channels=Z,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    context_in_dim=32,
+    axes_dims_rope=(4, 6, 6),
+)
+#: The tiny ``DistributedAutoencoderKLQwenImage21``.
+VAE_KWARGS: dict[str, Any] = dict(
+    base_dim=16,
+    decoder_base_dim=16,
+    z_dim=Z,
+    dim_mult=[1, 2, 2],  # the last two equal, as upstream's [1, 2, 4, 8, 8] (AvgDown3D shortcut)
+    num_res_blocks=1,
+    temperal_downsample=[False, True],
+    latents_mean=[0.25 * (i - Z / 2) for i in range(Z)],
+    latents_std=[1.0 + 0.5 * i for i in range(Z)],
+    scale_factor_spatial=None,
+)
+WEIGHT_STD = 0.05
 
 
 def available() -> bool:
@@ -73,40 +53,39 @@ def available() -> bool:
         return False
 
 
-def build_transformer(runtime: Any, spec: Spec21 = SPEC21, seed: int = 0) -> nn.Module:
+def build_transformer(runtime: Any, seed: int = 0) -> nn.Module:
     """A tiny ``QwenImage21Transformer2DModel`` with N(0, std) weights loaded through its own ``load_weights``."""
     mod = importlib.import_module(TRANSFORMER)
     with runtime.context():
-        tr = mod.QwenImage21Transformer2DModel(od_config=runtime.od_config, **spec.transformer_kwargs())
+        tr = mod.QwenImage21Transformer2DModel(od_config=runtime.od_config, **TRANSFORMER_KWARGS)
     g = torch.Generator().manual_seed(seed)
-    weights = {n: torch.randn(p.shape, generator=g) * spec.weight_std for n, p in tr.named_parameters()}
+    weights = {n: torch.randn(p.shape, generator=g) * WEIGHT_STD for n, p in tr.named_parameters()}
     tr.load_weights(weights.items())
     return tr.eval()
 
 
-def build_vae(spec: Spec21 = SPEC21, seed: int = 1) -> nn.Module:
+def build_vae(seed: int = 1) -> nn.Module:
     """vLLM-Omni's ``DistributedAutoencoderKLQwenImage21`` at a tiny width, N(0, 0.05) weights."""
     cls = importlib.import_module(DIST_VAE).DistributedAutoencoderKLQwenImage21
-    vae = cls(**spec.vae_kwargs())
+    vae = cls(**VAE_KWARGS)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in vae.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+            p.copy_(torch.randn(p.shape, generator=g) * WEIGHT_STD)
     vae.init_distributed()
     return vae.eval()
 
 
-def build_pipeline(runtime: Any, spec: Spec21 = SPEC21, seed: int = 0) -> nn.Module:
-    """A ``QwenImage21Pipeline`` with the tiny transformer and VAE, assembled without ``__init__`` (which would load
-    a Qwen3-VL text encoder and processor from a model directory): enough to attach optimizations to and to decode
-    latents with its own ``_decode_latents``."""
+def build_pipeline(runtime: Any, seed: int = 0) -> nn.Module:
+    """A ``QwenImage21Pipeline`` with the tiny transformer and VAE, assembled without ``__init__`` (no Qwen3-VL text
+    encoder): enough to attach optimizations to and to decode latents with its own ``_decode_latents``."""
     cls = importlib.import_module(PIPELINE).QwenImage21Pipeline
     pipe = cls.__new__(cls)
     nn.Module.__init__(pipe)
     pipe.od_config = runtime.od_config
     pipe.parallel_config = runtime.od_config.parallel_config
-    pipe.transformer = build_transformer(runtime, spec, seed)
-    pipe.vae = build_vae(spec, seed + 1)
+    pipe.transformer = build_transformer(runtime, seed)
+    pipe.vae = build_vae(seed + 1)
     pipe.vae_scale_factor = pipe.vae.spatial_compression_ratio
     return pipe
 
