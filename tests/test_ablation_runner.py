@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vllm_omni_ascend_opt.ablation import report, stages, stats, verdict
+from vllm_omni_ascend_opt.ablation import report, stats, verdict
 from vllm_omni_ascend_opt.ablation.outdir import RunError
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
 from vllm_omni_ascend_opt.ablation.runner import Runner
@@ -485,13 +485,13 @@ def test_a_process_that_runs_one_stage_faster_is_process_bias_not_a_regression(t
     assert vae["stages"] == ["vae_decode"] and vae["saved_ms"]["mean"] == pytest.approx(5.0)
     assert vae["control"]["stages"] == ["text_encode", "denoise"] and vae["control"]["bias"]
     assert vae["control"]["diff_ms"] == pytest.approx(-20.0)
-    assert vae["label"] == stages.BIAS
+    assert vae["label"] == stats.BIAS
     # tr saves 10 ms on denoise, but loo_vae's process ran denoise 20 ms faster than full's with nothing compared
     # there: the denoise floor spans that pair too, so tr's saving is within process noise (and no label)
     assert tr["label"] == stats.NOISE and tr["stages"] == ["denoise"] and not tr["control"]["bias"]
     assert tr["noise_floor_ms"] >= 20.0
     assert fvs["stages"] == ["denoise", "vae_decode"] and fvs["saved_ms"]["mean"] == pytest.approx(15.0)
-    assert fvs["total_saved_ms"]["mean"] == pytest.approx(-10.0) and fvs["label"] == stages.BIAS
+    assert fvs["total_saved_ms"]["mean"] == pytest.approx(-10.0) and fvs["label"] == stats.BIAS
     v = res["verdict"]
     assert v["result"] == "INCONCLUSIVE", v
     text = " ".join(v["reasons"])

@@ -10,7 +10,7 @@ import statistics
 import numpy as np
 import pytest
 
-from vllm_omni_ascend_opt.ablation import compare, stages, stats, verdict
+from vllm_omni_ascend_opt.ablation import compare, stats, verdict
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan, estimate
 from vllm_omni_ascend_opt.ablation.workload import (
     Workload,
@@ -445,11 +445,11 @@ def test_staged_comparison_measures_own_stages_and_flags_control_bias():
         "loo_t": {0: row(5, 60, 20), 1: row(5.05, 60.5, 20)},  # saves 10 ms of denoise, control equal
         "loo_fast": {0: row(2, 60, 20), 1: row(2.1, 60.5, 20)},  # the same, in a process 3 ms faster at text encode
     }
-    ok = stages.staged(means, "loo_t", "full", ("denoise",))
+    ok = stats.staged(means, "loo_t", "full", ("denoise",))
     assert ok["basis"] == ["denoise"] and ok["label"] == stats.GAIN and not ok["control"]["bias"]
-    bad = stages.staged(means, "loo_fast", "full", ("denoise",))
-    assert bad["label"] == stages.BIAS and bad["control"]["diff_ms"] == pytest.approx(-3.0)
+    bad = stats.staged(means, "loo_fast", "full", ("denoise",))
+    assert bad["label"] == stats.BIAS and bad["control"]["diff_ms"] == pytest.approx(-3.0)
     # every stage: on the total, no control; missing stage data: on the total too
-    assert stages.staged(means, "loo_t", "full", stages.STAGES)["basis"] == ["total"]
+    assert stats.staged(means, "loo_t", "full", stats.STAGES)["basis"] == ["total"]
     bare = {k: {r: {"total": v["total"]} for r, v in rows.items()} for k, rows in means.items()}
-    assert stages.staged(bare, "loo_fast", "full", ("denoise",))["control"] is None
+    assert stats.staged(bare, "loo_fast", "full", ("denoise",))["control"] is None

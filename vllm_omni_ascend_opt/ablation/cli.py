@@ -257,7 +257,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def print_summary(results: dict[str, Any]) -> None:
     """The main table of report.md, as text."""
-    from vllm_omni_ascend_opt.ablation import information
+    from vllm_omni_ascend_opt.ablation import verdict
     from vllm_omni_ascend_opt.ablation.report import _ms, _on, _p, _pct, _saved, comparison_rows, gate_cell
 
     print(
@@ -282,7 +282,7 @@ def print_summary(results: dict[str, Any]) -> None:
     for c in results["configs"]:
         if c["status"] != "ok":
             print(f"configuration {c['id']}: {c['status']}" + (f" ({c['error']})" if c["error"] else ""))
-    if line := information.summary((results.get("information") or {}).get("vs_unquantized")):
+    if line := verdict.summary((results.get("information") or {}).get("vs_unquantized")):
         print(textwrap.fill(line, 110, subsequent_indent="  "))
     v = results["verdict"]
     print(f"\nverdict: {v['result']} (exit {v['exit_code']})")
