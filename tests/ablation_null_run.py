@@ -1,11 +1,8 @@
 """Four test-only optimizations that change nothing, and the recorder of the null fixture they make possible.
 
-``--import tests.ablation_null_run --only null_a,null_b,null_c,null_d`` makes an ablation run of the real runner
-(the shipped ``tiny-cpu`` workload: resident schedule, two process sets, one thread) in which every configuration
-runs the same code: stock, ``full``, the four leave-one-outs and ``full_ctrl`` differ only by markers. Three of them
-declare the denoise stage and one the VAE decode, as the default stack's leave-one-outs do, so each comparison is
-measured where a real one is. Its per-sample stage times are the noise a verdict must not call a gain or a
-regression; tests/test_ablation_significance.py replays them.
+``--import tests.ablation_null_run --only null_a,null_b,null_c,null_d``: a real ``tiny-cpu`` run in which every
+configuration runs the same code (three declare denoise, one the VAE decode, as the default stack's do); its stage
+times are the noise tests/test_ablation_significance.py replays.
 
     python -m tests.ablation_null_run --out DIR --repeats 24     # records tests/fixtures/ablation_null_rounds.json
 """
@@ -63,17 +60,7 @@ def fixture_from(out: Path) -> dict[str, Any]:
     return {
         "what": "per-sample times of an ablation run whose configurations all run the same code (tests/ablation_null_run.py)",
         "workload": {
-            k: wl.get(k)
-            for k in (
-                "model",
-                "steps",
-                "cfg_scale",
-                "seeds",
-                "repeats",
-                "process_sets",
-                "threads",
-                "vae_decode_repeats",
-            )
+            k: wl.get(k) for k in "model steps cfg_scale seeds repeats process_sets threads vae_decode_repeats".split()
         },
         "configs": [c["id"] for c in plan["configs"]],
         "stages": {n: ["vae_decode" if n == "null_d" else "denoise"] for n in NAMES},

@@ -1,12 +1,7 @@
-"""Two test-only optimizations with known effects, for the end-to-end ablation test (``--import
-tests.ablation_testopts``). They make the end-to-end verdicts predictable on a busy 2-core machine:
-
-* ``abl_test_fast`` (exact): stock's VAE decode carries a 0.4 s sleep; with this optimization it does not.
-* ``abl_test_close`` (close): stock's prompt encoding carries a 0.4 s sleep; with this optimization it does not, and
-  the decoded image gets a small deterministic perturbation (SSIM and PSNR within the gates, not pixel-identical).
-
-The sleeps are patched into vLLM-Omni's ``QwenImagePipeline`` only inside an ablation worker process and only when
-``ABLATION_TESTOPTS_DELAYS=1`` (the runner process imports this module too, and must stay free of vLLM-Omni).
+"""Two test-only optimizations with known effects for the end-to-end test (``--import tests.ablation_testopts``):
+``abl_test_fast`` (exact) removes a 0.4 s sleep from VAE decode; ``abl_test_close`` (close) removes one from prompt
+encoding and perturbs the image slightly (within the gates, not pixel-identical). The sleeps are patched in only inside
+a worker process with ``ABLATION_TESTOPTS_DELAYS=1`` (the runner imports this module too and stays free of vLLM-Omni).
 """
 
 from __future__ import annotations

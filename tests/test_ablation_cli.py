@@ -16,6 +16,7 @@ def test_plan_lists_configurations_runs_and_estimate(capsys, tmp_path):
     assert "configuration" in out and "stock" in out and "full_ctrl" in out and "estimated" in out
     for opt in registry.all_optimizations():  # every optimization is either in the run or listed as skipped
         assert opt.name in out
+    assert "910B1 (model" not in out  # the 910B1 launch estimate is of a real checkpoint only
     assert not (tmp_path / "o").exists()  # a dry run writes nothing
 
 
@@ -73,26 +74,13 @@ def test_ablate_with_nothing_to_measure_starts_nothing(capsys, tmp_path):
 
 
 def test_prompts_file_and_overrides_reach_the_workload(tmp_path):
-    from vllm_omni_ascend_opt.ablation.arguments import resolve_workload
+    from vllm_omni_ascend_opt.ablation.cli import resolve_workload
     from vllm_omni_ascend_opt.cli import build_parser
 
     pf = tmp_path / "prompts.txt"
     pf.write_text("# a comment\na cat\n\na dog\n")
-    args = build_parser().parse_args(
-        [
-            "ablate",
-            "--workload",
-            "tiny-cpu",
-            "--prompts-file",
-            str(pf),
-            "--steps",
-            "3",
-            "--quality-gates",
-            "ssim=0.95,psnr=30",
-            "--no-enforce-eager",
-        ]
-    )
-    wl = resolve_workload(args)
+    argv = "ablate --workload tiny-cpu --steps 3 --quality-gates ssim=0.95,psnr=30 --no-enforce-eager".split()
+    wl = resolve_workload(build_parser().parse_args([*argv, "--prompts-file", str(pf)]))
     assert wl.prompts == ["a cat", "a dog"] and wl.steps == 3 and (wl.ssim_gate, wl.psnr_gate) == (0.95, 30.0)
     assert wl.enforce_eager is False and wl.name == "tiny-cpu (modified)" and wl.seeds  # the rest from the file
 
@@ -100,20 +88,15 @@ def test_prompts_file_and_overrides_reach_the_workload(tmp_path):
 def test_the_plain_tiny_flow_runs_the_tiny_cpu_workload():
     """``ablate --model tiny`` (no workload) measures what ``make demo`` measures: the deeper tiny model, its steps,
     CFG and rounds; command-line values still override, and another model keeps the plain defaults."""
-    from vllm_omni_ascend_opt.ablation.arguments import TINY_DEFAULT, resolve_workload
+    from vllm_omni_ascend_opt.ablation.cli import TINY_DEFAULT, resolve_workload
     from vllm_omni_ascend_opt.ablation.workload import Workload, load_workload
     from vllm_omni_ascend_opt.cli import build_parser
 
     ref = load_workload(TINY_DEFAULT)
     for argv in (["ablate"], ["ablate", "--model", "tiny"]):
         wl = resolve_workload(build_parser().parse_args(argv))
-        assert (wl.model, wl.steps, wl.cfg_scale, wl.repeats, wl.process_sets) == (
-            ref.model,
-            ref.steps,
-            ref.cfg_scale,
-            ref.repeats,
-            ref.process_sets,
-        )
+        for key in ("model", "steps", "cfg_scale", "repeats", "process_sets"):
+            assert getattr(wl, key) == getattr(ref, key), key
         assert wl.model == "tiny-deep"
     wl = resolve_workload(build_parser().parse_args(["ablate", "--model", "tiny", "--steps", "3"]))
     assert wl.steps == 3 and wl.model == "tiny-deep" and wl.name == f"{TINY_DEFAULT} (modified)"

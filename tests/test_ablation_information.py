@@ -75,13 +75,6 @@ def test_a_failed_information_configuration_cannot_fail_the_run(tmp_path, monkey
     assert "Not measured: configuration stock_unquantized failed" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_without_the_option_there_is_no_information(tmp_path, monkeypatch):
-    plan = make_plan(od_config=INT8, repeats=1)
-    _, res = run(plan, tmp_path / "out", monkeypatch, QUANT)
-    assert res["information"] is None and UNQUANTIZED not in {c["id"] for c in res["configs"]}
-    assert "## Information" not in (tmp_path / "out" / "report.md").read_text()
-
-
 def test_the_int8_workload_opts_in_and_the_cli_flag_needs_a_quantization(capsys):
     wl = load_workload("qwen-image-910b1-int8")
     assert wl.vs_unquantized is True and wl.od_config == {"quantization_config": "int8"}

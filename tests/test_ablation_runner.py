@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vllm_omni_ascend_opt.ablation import report, stages, stats, verdict
-from vllm_omni_ascend_opt.ablation.outdir import RunError
+from vllm_omni_ascend_opt.ablation import report, stats, verdict
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
-from vllm_omni_ascend_opt.ablation.runner import Runner
+from vllm_omni_ascend_opt.ablation.runner import RunError, Runner
 from vllm_omni_ascend_opt.ablation.schema import validate
 from vllm_omni_ascend_opt.ablation.workload import from_mapping
 
@@ -78,40 +77,31 @@ def test_a_clean_run_passes_and_writes_valid_reports(tmp_path, monkeypatch, sche
         assert im.format == "PNG" and im.size[0] > 300
     md = (out / "report.md").read_text()
     assert "**Verdict: PASS**" in md and "| `a` | exact | total | +10.00 ± 0.00 |" in md and "no NPU" in md
+    assert res["information"] is None and "## Information" not in md  # only with vs_unquantized
     # interleaving: in every round each configuration ran once per sample, in rotated order
     order = [s["config"] for s in res["samples"] if not s["warmup"] and s["round"] == 0]
     if schedule == "resident":
         assert order[: len(plan.configs)] != order[len(plan.configs) :]
 
 
-def test_json_is_strict_and_psnr_inf_is_a_string(tmp_path, monkeypatch):
-    plan = make_plan(repeats=1)
-    run(plan, tmp_path / "out", monkeypatch, GOOD)
-    text = (tmp_path / "out" / "results.json").read_text()
-    assert "Infinity" not in text and "NaN" not in text
-    res = json.loads(text)
-    full = next(c for c in res["configs"] if c["id"] == "full_ctrl")
-    assert full["vs_full"]["worst"]["psnr_db_min"] == "inf" and full["vs_full"]["gate"]["passed"] is True
-
-
-def test_broken_exact_optimization_fails_its_gate(tmp_path, monkeypatch):
-    plan = make_plan(repeats=1)
-    _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "perturb": {"a": 0.2}})
-    assert res["verdict"]["result"] == "FAIL"
-    assert any(r.startswith("a (exact): gate failed") for r in res["verdict"]["reasons"])
-
-
-def test_exact_optimization_with_a_change_inside_the_close_gates_still_fails(tmp_path, monkeypatch):
-    """Just beyond the exact boundary: the same small perturbation that passes for the close optimization b."""
-    plan = make_plan(repeats=1)
-    _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "perturb": {"a": 0.002, "b": 0.002}})
+@pytest.mark.parametrize("perturb", [{"a": 0.2}, {"a": 0.002, "b": 0.002}], ids=["broken", "inside_the_close_gates"])
+def test_exact_optimization_that_changes_the_image_fails_its_gate(tmp_path, monkeypatch, perturb):
+    """Broken, or just beyond the exact boundary: the same small perturbation passes for the close optimization b."""
+    _, res = run(make_plan(repeats=1), tmp_path / "out", monkeypatch, {**GOOD, "perturb": perturb})
     opts = {o["name"]: o for o in res["optimizations"]}
     a, b = opts["a"]["equivalence_check"], opts["b"]["equivalence_check"]
-    assert a["worst"]["pixel_identical"] is False and a["worst"]["ssim_min"] >= 0.99 and a["worst"]["psnr_db_min"] >= 35
+    if "b" in perturb:
+        w = a["worst"]
+        assert w["pixel_identical"] is False and w["ssim_min"] >= 0.99 and w["psnr_db_min"] >= 35
     assert a["gate"]["passed"] is False and b["gate"]["passed"] is True
     assert res["verdict"]["result"] == "FAIL"
     assert any(r.startswith("a (exact): gate failed") for r in res["verdict"]["reasons"])
     assert not any(r.startswith("b (close)") for r in res["verdict"]["reasons"])
+    # strict JSON: the PSNR of identical images (the control against full) is the string "inf"
+    text = (tmp_path / "out" / "results.json").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    full = next(c for c in json.loads(text)["configs"] if c["id"] == "full_ctrl")
+    assert full["vs_full"]["worst"]["psnr_db_min"] == "inf" and full["vs_full"]["gate"]["passed"] is True
 
 
 @pytest.mark.parametrize(
@@ -180,26 +170,20 @@ def test_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch, schedul
     assert starts(log) == [] and res3["verdict"]["result"] == "PASS"
 
 
-def test_failed_configurations_stay_failed_on_resume_and_fresh_starts_over(tmp_path, monkeypatch):
-    plan = make_plan(repeats=1)
-    out = tmp_path / "out"
+def test_resume_keeps_failures_fresh_starts_over_and_another_or_a_live_run_is_refused(tmp_path, monkeypatch):
+    plan, out = make_plan(repeats=1), tmp_path / "out"
     run(plan, out, monkeypatch, {**GOOD, "crash_start": ["loo_b"]})
     _, res = run(plan, out, monkeypatch, GOOD)
-    assert next(c for c in res["configs"] if c["id"] == "loo_b")["status"] == "failed"
+    assert next(c for c in res["configs"] if c["id"] == "loo_b")["status"] == "failed"  # kept as failed on resume
     _, res = run(plan, out, monkeypatch, GOOD, fresh=True)
     assert res["verdict"]["result"] == "PASS" and not res["run"]["resumed"]
-
-
-def test_out_dir_of_another_run_or_in_use_is_refused(tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    run(make_plan(repeats=1), out, monkeypatch, GOOD)
     with pytest.raises(RunError, match="different run"):
         run(make_plan(repeats=1, steps=3), out, monkeypatch, GOOD)
     (out / ".lock").write_text("1")  # pid 1 is alive
     with pytest.raises(RunError, match="in use"):
-        run(make_plan(repeats=1), out, monkeypatch, GOOD)
+        run(plan, out, monkeypatch, GOOD)
     (out / ".lock").write_text("999999999")  # a dead run's lock is taken over
-    run(make_plan(repeats=1), out, monkeypatch, GOOD)
+    run(plan, out, monkeypatch, GOOD)
     mine = {"plan.json", "measurements.jsonl", "results.json", "report.md", "ablation.png", "configs", "images"}
     assert {p.name for p in out.iterdir()} == mine  # nothing else, and no lock left behind
     assert not any(p for p in tmp_path.iterdir() if p.name != "out")
@@ -257,27 +241,16 @@ def test_williams_orders_balance_positions_and_predecessors(n):
         assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1  # every ordered neighbour pair alike
 
 
-def test_resident_measurement_follows_the_williams_orders(tmp_path, monkeypatch):
-    """The resident schedule measures each step in the next Williams order: the predecessor of a configuration
-    varies (with a rotation, 'full' would always run right after 'stock')."""
+def test_resident_workers_warm_up_only_once_every_worker_is_ready_then_follow_the_williams_orders(
+    tmp_path, monkeypatch
+):
+    """Warm-ups run in turn after the last worker reported ready (a worker warmed up while others still load, then
+    left idle, measured slower); each measuring step then takes the next Williams order, so the predecessor of a
+    configuration varies (with a rotation, 'full' would always run right after 'stock')."""
     from vllm_omni_ascend_opt.ablation.schedule import williams_orders
 
-    plan = make_plan(repeats=3, seeds=[1, 2])
-    _, res = run(plan, tmp_path / "out", monkeypatch, GOOD)
-    ids = [c.id for c in plan.configs]
-    got = [s["config"] for s in res["samples"] if not s["warmup"]]
-    rows = williams_orders(len(ids))
-    want = [ids[i] for step in range(3 * 2) for i in rows[step % len(rows)]]
-    assert got == want
-    before_full = {got[i - 1] for i in range(1, len(got)) if got[i] == "full" and i % len(ids)}
-    assert len(before_full) >= 3
-
-
-def test_resident_workers_warm_up_only_once_every_worker_is_ready(tmp_path, monkeypatch):
-    """Warm-ups run in turn after the last worker reported ready (a worker warmed up while others still load, then
-    left idle through their starts, measured slower), then measuring starts."""
-    plan = make_plan(repeats=1, seeds=[1], warmup=2)
-    data, _ = run(plan, tmp_path / "out", monkeypatch, GOOD)
+    plan = make_plan(repeats=3, seeds=[1, 2], warmup=2)
+    data, res = run(plan, tmp_path / "out", monkeypatch, GOOD)
     kinds = [(r["type"], r.get("warmup"), r["config"]) for r in data.records if r.get("type") in ("ready", "sample")]
     last_ready = max(i for i, k in enumerate(kinds) if k[0] == "ready")
     warm = [i for i, k in enumerate(kinds) if k[0] == "sample" and k[1]]
@@ -285,6 +258,12 @@ def test_resident_workers_warm_up_only_once_every_worker_is_ready(tmp_path, monk
     assert len(warm) == 2 * len(plan.configs) and last_ready < min(warm) and max(warm) < min(measured)
     # in turn: each configuration's warm-ups back to back
     assert [kinds[i][2] for i in warm] == [c.id for c in plan.configs for _ in range(2)]
+    ids = [c.id for c in plan.configs]
+    got = [s["config"] for s in res["samples"] if not s["warmup"]]
+    rows = williams_orders(len(ids))
+    assert got == [ids[i] for step in range(3 * 2) for i in rows[step % len(rows)]]
+    before_full = {got[i - 1] for i in range(1, len(got)) if got[i] == "full" and i % len(ids)}
+    assert len(before_full) >= 3
 
 
 def _state(pid: int) -> str:
@@ -403,22 +382,18 @@ class _StubEngine:
     device = "cpu"
 
     def __init__(self, job: dict, active: list[str]) -> None:
-        self.job, self._active, self.closed = job, active, False
+        self._active = active
 
     def load(self) -> None:
         pass
+
+    close = load
 
     def active(self) -> list[str]:
         return list(self._active)
 
     def model_reasons(self, name: str) -> list[str]:
         return [f"{name}: not on this machine"]
-
-    def generate(self, prompt: str, seed: int):
-        raise AssertionError("a refused worker must not generate")
-
-    def close(self) -> None:
-        self.closed = True
 
 
 def _serve(monkeypatch, active: list[str], wanted: list[str]) -> tuple[int, list[dict]]:
@@ -440,22 +415,19 @@ def _serve(monkeypatch, active: list[str], wanted: list[str]) -> tuple[int, list
         (["rope"], "shared_modulation is off (shared_modulation: not on this machine)"),
         (["rope", "shared_modulation", "vae_fast"], "vae_fast is active but was not requested"),
         ([], "rope is off"),
+        (["shared_modulation", "rope"], None),  # exactly its configuration (in any order): ready
     ],
-    ids=["missing", "extra", "none_active"],
+    ids=["missing", "extra", "none_active", "exact"],
 )
 def test_worker_refuses_when_active_optimizations_differ_from_the_configuration(monkeypatch, active, why):
     rc, events = _serve(monkeypatch, active, ["rope", "shared_modulation"])
-    assert rc == 3 and [e["event"] for e in events] == ["error"]
-    assert events[0]["phase"] == "start"
-    assert (
-        "the worker's optimizations differ from the configuration" in events[0]["error"] and why in events[0]["error"]
-    )
-
-
-def test_worker_with_exactly_its_configuration_reports_ready(monkeypatch):
-    rc, events = _serve(monkeypatch, ["shared_modulation", "rope"], ["rope", "shared_modulation"])  # order-free
-    assert rc == 0 and [e["event"] for e in events] == ["ready", "bye"]
-    assert sorted(events[0]["active"]) == ["rope", "shared_modulation"]
+    if why is None:
+        assert rc == 0 and [e["event"] for e in events] == ["ready", "bye"]
+        assert sorted(events[0]["active"]) == ["rope", "shared_modulation"]
+        return
+    assert rc == 3 and [e["event"] for e in events] == ["error"] and events[0]["phase"] == "start"
+    assert "the worker's optimizations differ from the configuration" in events[0]["error"]
+    assert why in events[0]["error"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -485,13 +457,13 @@ def test_a_process_that_runs_one_stage_faster_is_process_bias_not_a_regression(t
     assert vae["stages"] == ["vae_decode"] and vae["saved_ms"]["mean"] == pytest.approx(5.0)
     assert vae["control"]["stages"] == ["text_encode", "denoise"] and vae["control"]["bias"]
     assert vae["control"]["diff_ms"] == pytest.approx(-20.0)
-    assert vae["label"] == stages.BIAS
+    assert vae["label"] == stats.BIAS
     # tr saves 10 ms on denoise, but loo_vae's process ran denoise 20 ms faster than full's with nothing compared
     # there: the denoise floor spans that pair too, so tr's saving is within process noise (and no label)
     assert tr["label"] == stats.NOISE and tr["stages"] == ["denoise"] and not tr["control"]["bias"]
     assert tr["noise_floor_ms"] >= 20.0
     assert fvs["stages"] == ["denoise", "vae_decode"] and fvs["saved_ms"]["mean"] == pytest.approx(15.0)
-    assert fvs["total_saved_ms"]["mean"] == pytest.approx(-10.0) and fvs["label"] == stages.BIAS
+    assert fvs["total_saved_ms"]["mean"] == pytest.approx(-10.0) and fvs["label"] == stats.BIAS
     v = res["verdict"]
     assert v["result"] == "INCONCLUSIVE", v
     text = " ".join(v["reasons"])

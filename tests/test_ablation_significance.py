@@ -1,18 +1,14 @@
 """The ablation verdicts' false-alarm rate and power, by simulation on real noise.
 
-tests/fixtures/ablation_null_rounds.json holds every measured sample of a real run of the shipped ``tiny-cpu``
-workload whose seven configurations all run the same code (tests/ablation_null_run.py records it: 24 rounds in two
-process sets). A simulated run of ``tiny-cpu`` (its rounds and process sets) draws its rounds from each recorded
-process set without replacement, the same rounds for every configuration (so drift within a round stays paired),
-and deals the seven recorded workers out to the roles at random. It is then judged by the runner's own code
-(:func:`verdict.timings` and :func:`verdict.decide`). A true effect of x% is added to one leave-one-out
-configuration: its measured stage takes x% longer (a gain of the optimization) or x% less (a regression) in every
-sample, i.e. x% of that configuration's measured stage time.
+tests/fixtures/ablation_null_rounds.json: every sample of a real ``tiny-cpu`` run whose configurations all run the
+same code (tests/ablation_null_run.py). A simulated ``tiny-cpu`` run draws its rounds per process set without
+replacement (the same rounds for every configuration), deals the recorded workers out to the roles at random and is
+judged by :func:`verdict.timings` and :func:`verdict.decide`. A true effect of x% makes one leave-one-out's measured
+stage x% longer (a gain) or shorter (a regression) in every sample.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 from functools import lru_cache
@@ -23,6 +19,7 @@ import pytest
 
 from vllm_omni_ascend_opt.ablation import stats, verdict
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, Plan, build_plan
+from vllm_omni_ascend_opt.ablation.schedule import process_sets
 from vllm_omni_ascend_opt.ablation.workload import from_mapping, load_workload
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ablation_null_rounds.json"
@@ -59,8 +56,8 @@ def draw(rng: random.Random, plan: Plan, effect: tuple[str, float] | None = None
     """One simulated run's round means (``effect``: (optimization, relative change of its leave-one-out's stage))."""
     fx, rec_plan, means = recorded()
     tiny = load_workload("tiny-cpu")
-    rec_sets = [list(range(a, b)) for a, b in _bounds(fx["workload"]["repeats"], fx["workload"]["process_sets"])]
-    want = [b - a for a, b in _bounds(tiny.repeats, tiny.process_sets)]
+    rec_sets = process_sets(fx["workload"]["repeats"], fx["workload"]["process_sets"])
+    want = [len(rs) for rs in process_sets(tiny.repeats, tiny.process_sets)]
     rounds = [r for rs, n in zip(rec_sets, want, strict=True) for r in rng.sample(rs, n)]
     workers = [c.id for c in rec_plan.configs]
     rng.shuffle(workers)
@@ -76,12 +73,6 @@ def draw(rng: random.Random, plan: Plan, effect: tuple[str, float] | None = None
                 row[st] += delta
                 row["total"] += delta
     return out
-
-
-def _bounds(repeats: int, sets: int) -> list[tuple[int, int]]:
-    k = max(1, min(sets, repeats))
-    b = [round(i * repeats / k) for i in range(k + 1)]
-    return list(itertools.pairwise(b))
 
 
 def judge(plan: Plan, means: stats.Means) -> tuple[dict[str, Any], dict[str, Any]]:

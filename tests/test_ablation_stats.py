@@ -10,7 +10,7 @@ import statistics
 import numpy as np
 import pytest
 
-from vllm_omni_ascend_opt.ablation import compare, stages, stats, verdict
+from vllm_omni_ascend_opt.ablation import compare, stats, verdict
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan, estimate
 from vllm_omni_ascend_opt.ablation.workload import (
     Workload,
@@ -44,6 +44,9 @@ def test_named_workloads_ship_and_match_the_reference():
     assert tiny.model == "tiny-deep" and tiny.mode == "leave-one-out"  # issue 21: 12 blocks
     tiny.validate()
     ref.validate()
+    offload, tiled = load_workload("tiny-cpu-offload"), load_workload("tiny-cpu-tiled")
+    assert offload.od_config == {"enable_layerwise_offload": True} and offload.engine == "testbed"
+    assert tiled.vae_tiling == [32, 32, 24, 24] and tiled.height == tiled.width == 64  # 3x3 tiles of the tiny VAE
 
 
 def test_workload_lookup_prefers_local_ablations_dir(tmp_path, monkeypatch):
@@ -80,13 +83,20 @@ def test_toml_workload_values():
         (dict(mode="random"), "mode"),
         (dict(cfg_scale=0.5), "cfg_scale"),
         (dict(ssim_gate=1.5), "SSIM gate"),
+        (dict(stepz=3), "unknown key"),
+        (
+            dict(od_config={"enable_layerwise_ofload": True}),
+            "OmniDiffusionConfig has no field(s) enable_layerwise_ofload",
+        ),
+        (dict(od_config=["enable_layerwise_offload"]), "od_config must be a table"),
+        (dict(vae_tiling=[32, 32, 24]), "vae_tiling must be"),
+        (dict(vae_tiling=[32, 32, 24, 20]), "vae_tiling must be"),
+        (dict(vae_decode_repeats=0), "vae_decode_repeats must be >= 1"),
     ],
 )
 def test_bad_workload_values_are_named(bad, msg):
-    with pytest.raises(WorkloadError, match=msg):
+    with pytest.raises(WorkloadError, match=re.escape(msg)):
         wl(**bad)
-    with pytest.raises(WorkloadError, match="unknown key"):
-        from_mapping({"stepz": 3})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,15 +242,11 @@ def _img(seed=0, amp=0.0):
     return compare.StoredImage(compare.to_uint8(base), base)
 
 
-def test_compare_identical_images_have_infinite_psnr_and_pass_both_classes():
-    m = compare.compare(_img(), _img())
+def test_gates_on_identical_images_and_small_and_large_perturbations():
+    m = compare.compare(_img(), _img())  # identical: infinite PSNR, both classes pass
     assert m["pixel_identical"] and m["bitwise_identical"] and m["ssim"] == 1.0 and math.isinf(m["psnr_db"])
     agg = compare.aggregate({"s": m})
-    assert compare.gate(agg, "exact", 0.99, 35)["passed"]
-    assert compare.gate(agg, "close", 0.99, 35)["passed"]
-
-
-def test_gates_on_small_and_large_perturbations():
+    assert compare.gate(agg, "exact", 0.99, 35)["passed"] and compare.gate(agg, "close", 0.99, 35)["passed"]
     small = compare.aggregate({"s": compare.compare(_img(), _img(amp=0.004))})
     big = compare.aggregate({"s": compare.compare(_img(), _img(amp=0.2))})
     assert small["pixel_identical"] is False and small["max_abs_diff"] > 0  # a real, small change
@@ -397,30 +403,6 @@ def test_an_optimization_that_needs_a_vllm_omni_mode_takes_part_only_where_the_w
     assert "offl" not in plan.config("loo_a").opts  # it acts through a
 
 
-@pytest.mark.parametrize(
-    "bad, msg",
-    [
-        (
-            {"od_config": {"enable_layerwise_ofload": True}},
-            "OmniDiffusionConfig has no field(s) enable_layerwise_ofload",
-        ),
-        ({"od_config": ["enable_layerwise_offload"]}, "od_config must be a table"),
-        ({"vae_tiling": [32, 32, 24]}, "vae_tiling must be"),
-        ({"vae_tiling": [32, 32, 24, 20]}, "vae_tiling must be"),
-        ({"vae_decode_repeats": 0}, "vae_decode_repeats must be >= 1"),
-    ],
-)
-def test_memory_mode_workload_values_are_checked(bad, msg):
-    with pytest.raises(WorkloadError, match=re.escape(msg)):
-        from_mapping(bad).validate()
-
-
-def test_shipped_memory_mode_workloads():
-    offload, tiled = load_workload("tiny-cpu-offload"), load_workload("tiny-cpu-tiled")
-    assert offload.od_config == {"enable_layerwise_offload": True} and offload.engine == "testbed"
-    assert tiled.vae_tiling == [32, 32, 24, 24] and tiled.height == tiled.width == 64  # 3x3 tiles of the tiny VAE
-
-
 def test_stages_come_from_the_registry():
     """Transformer optimizations change denoise, VAE ones vae_decode; the planner takes them from the registry."""
     from vllm_omni_ascend_opt import registry
@@ -445,11 +427,11 @@ def test_staged_comparison_measures_own_stages_and_flags_control_bias():
         "loo_t": {0: row(5, 60, 20), 1: row(5.05, 60.5, 20)},  # saves 10 ms of denoise, control equal
         "loo_fast": {0: row(2, 60, 20), 1: row(2.1, 60.5, 20)},  # the same, in a process 3 ms faster at text encode
     }
-    ok = stages.staged(means, "loo_t", "full", ("denoise",))
+    ok = stats.staged(means, "loo_t", "full", ("denoise",))
     assert ok["basis"] == ["denoise"] and ok["label"] == stats.GAIN and not ok["control"]["bias"]
-    bad = stages.staged(means, "loo_fast", "full", ("denoise",))
-    assert bad["label"] == stages.BIAS and bad["control"]["diff_ms"] == pytest.approx(-3.0)
+    bad = stats.staged(means, "loo_fast", "full", ("denoise",))
+    assert bad["label"] == stats.BIAS and bad["control"]["diff_ms"] == pytest.approx(-3.0)
     # every stage: on the total, no control; missing stage data: on the total too
-    assert stages.staged(means, "loo_t", "full", stages.STAGES)["basis"] == ["total"]
+    assert stats.staged(means, "loo_t", "full", stats.STAGES)["basis"] == ["total"]
     bare = {k: {r: {"total": v["total"]} for r, v in rows.items()} for k, rows in means.items()}
-    assert stages.staged(bare, "loo_fast", "full", ("denoise",))["control"] is None
+    assert stats.staged(bare, "loo_fast", "full", ("denoise",))["control"] is None

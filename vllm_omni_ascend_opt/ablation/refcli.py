@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_ascend_opt.ablation.arguments import add_arguments, bad_input, make_plan, parse_gates
+from vllm_omni_ascend_opt.ablation.cli import add_arguments, bad_input, make_plan, parse_gates
 from vllm_omni_ascend_opt.ablation.workload import WorkloadError
 
 

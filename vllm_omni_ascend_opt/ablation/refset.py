@@ -201,16 +201,9 @@ def load_ablation(root: Path, config: str) -> RefSet:
     if cfg is None:
         ids = ", ".join(c["id"] for c in plan["configs"])
         raise SetError(f"{root / 'plan.json'}: the ablation has no configuration {config!r} (it has {ids})")
-    manifest = {
-        "format": FORMAT,
-        "version": MANIFEST_VERSION,
-        "created": results.get("created"),
-        "workload": plan["workload"],
-        "model": model_identity(wl, plan.get("model_path")),
-        "config": {"name": config, "spec": cfg["spec"], "optimizations": cfg["opts"]},
-        "environment": results.get("environment") or {},
-    }
-    out = RefSet(root, manifest, kind=f"ablation:{config}")
+    manifest = _manifest(results.get("created"), plan["workload"], model_identity(wl, plan.get("model_path")))
+    manifest["config"] = {"name": config, "spec": cfg["spec"], "optimizations": cfg["opts"]}
+    out = RefSet(root, {**manifest, "environment": results.get("environment") or {}}, kind=f"ablation:{config}")
     img_hash = input_image_sha256(wl.image)
     for p, prompt in enumerate(wl.prompts):
         for s in wl.seeds:
@@ -222,6 +215,10 @@ def load_ablation(root: Path, config: str) -> RefSet:
             e.tensor = npy if npy.is_file() else None
             out.entries[e.key_tuple()] = e
     return out
+
+
+def _manifest(created: str | None, workload: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+    return {"format": FORMAT, "version": MANIFEST_VERSION, "created": created, "workload": workload, "model": model}
 
 
 def _key(wl: Any, prompt: str, seed: int, img_hash: str | None) -> dict[str, Any]:
@@ -297,12 +294,9 @@ def save(
         raise
     w.stop()
     shutil.rmtree(tmp / "configs", ignore_errors=True)  # the job file and worker log of a finished set
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     manifest = {
-        "format": FORMAT,
-        "version": MANIFEST_VERSION,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "workload": {**wl.to_dict(), "engine": plan.engine},
-        "model": model_identity(wl, plan.model_path),
+        **_manifest(created, {**wl.to_dict(), "engine": plan.engine}, model_identity(wl, plan.model_path)),
         "config": {"name": config.label, "spec": config.spec, "optimizations": list(config.opts)},
         "environment": ready.get("env") or {},
         "images": images,

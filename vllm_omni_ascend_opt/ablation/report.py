@@ -46,11 +46,7 @@ def build_results(data: Any, analysis: dict[str, Any], command: list[str] | None
         "plan": plan.to_dict(),
         "environment": {**env, "same_in_every_worker": same, "workers": len(envs)},
         "gates": {"ssim": wl.ssim_gate, "psnr_db": wl.psnr_gate, "min_improvement_pct": wl.min_improvement_pct},
-        "measurement": analysis["measurement"],
-        "noise_floor": analysis["noise_floor"],
-        "full_vs_stock": analysis["full_vs_stock"],
-        "optimizations": analysis["optimizations"],
-        "configs": analysis["configs"],
+        **{k: analysis.get(k) for k in ("measurement", "noise_floor", "full_vs_stock", "optimizations", "configs")},
         "information": analysis.get("information"),
         "samples": rows("sample"),
         "failures": rows("failure"),
@@ -316,12 +312,10 @@ def information_section(info: dict[str, Any] | None, gates: dict[str, Any]) -> l
         return [*lines, f"Not measured: {info['status'].removeprefix('not measured: ')}."]
     t, im = info["time"], info["image"]
     w = im["worst"]
-    cols = " | ".join(f"{STAGE_TITLES[s]} ms" for s in STAGES)
-    head = (
-        "comparison | saved ms (mean ± std) | SE ms | % of unquantized | per round (ms) | direction | label | p | "
-        f"{cols} | pixel-identical | SSIM min | PSNR min"
+    lines += _table_head(
+        "comparison | saved ms (mean ± std) | SE ms | % of unquantized | per round (ms) | direction | label | p",
+        "pixel-identical | SSIM min | PSNR min",
     )
-    lines += [f"| {head} |", "|" + "---|" * len(head.split(" | "))]
     per = ", ".join(f"{x:+.1f}" for x in t["saved_ms"]["per_round"])
     st = " | ".join(_ms(t["stages_saved_ms"].get(s), True) for s in STAGES)
     if w:

@@ -7,10 +7,20 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from vllm_omni_ascend_opt.ablation.outdir import Measured, measured
 from vllm_omni_ascend_opt.ablation.plan import Plan
 
 T = TypeVar("T")
+#: (configuration id, round) -> the (prompt, seed) samples measured for it.
+Measured = dict[tuple[str, int], set[tuple[int, int]]]
+
+
+def measured(records: list[dict[str, Any]]) -> Measured:
+    """The measured (not warm-up) samples in ``records``, per (configuration, round)."""
+    out: Measured = {}
+    for r in records:
+        if r.get("type") == "sample" and not r.get("warmup"):
+            out.setdefault((r["config"], r["round"]), set()).add((r["prompt"], r["seed"]))
+    return out
 
 
 def williams_orders(n: int) -> list[list[int]]:

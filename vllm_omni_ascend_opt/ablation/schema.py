@@ -33,7 +33,7 @@ SAVED = fields("mean:n? std:n? per_round:N")
 #: A comparison's control: the stages nothing compared there changes, their difference and noise floor, and
 #: whether that difference is process bias (docs/ablation.md, "How verdicts are made").
 CONTROL = fields("stages:S diff_ms:n? per_round_ms:N noise_ms:n? bias:b")
-#: A comparison's saving on its stages, beside the total (:func:`.stages.staged_fields`).
+#: A comparison's saving on its stages, beside the total (:func:`.stats.staged_fields`).
 STAGED = {
     "saved_ms": SAVED,
     **fields("saved_pct_of_stock:n? stages:S noise_floor_ms:n?"),

@@ -1,17 +1,20 @@
 """A run's analysis and verdict: :func:`analyse` (the ``analysis`` part of results.json) and :func:`decide` (PASS,
-FAIL or INCONCLUSIVE: docs/ablation.md, "Verdicts and exit codes").
+FAIL or INCONCLUSIVE: docs/ablation.md, "Verdicts and exit codes"); :func:`vs_unquantized`, the information a run
+measures but never judges (docs/ablation.md, "Information: quantized against unquantized stock").
 """
 
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Any
 
-from vllm_omni_ascend_opt.ablation import information, stages
-from vllm_omni_ascend_opt.ablation.plan import INFORMATION, Plan
+from vllm_omni_ascend_opt.ablation import compare
+from vllm_omni_ascend_opt.ablation.plan import INFORMATION, QUANTIZATION_KEY, Plan
 from vllm_omni_ascend_opt.ablation.protocol import STAGES
 from vllm_omni_ascend_opt.ablation.stats import (
     ALPHA,
+    BIAS,
     EXIT_CODES,
     FAIL,
     GAIN,
@@ -19,18 +22,33 @@ from vllm_omni_ascend_opt.ablation.stats import (
     PASS,
     REGRESSION,
     TEST,
+    TOTAL,
     Means,
+    Nulls,
     _std,
     add_memory_ratios,
+    bias_text,
     compare_configs,
+    compare_samples,
+    direction,
+    fmt_saved,
     holm,
+    judged,
+    label,
     machine_load,
     noise_floor,
     pair,
     peak_memory,
     round_means,
+    signed_rank_p,
+    staged,
+    staged_fields,
+    standard_error,
     testable,
 )
+
+#: The configuration the information compares with the unquantized one: the quantized stock of every verdict.
+QUANTIZED = "stock"
 
 
 def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
@@ -44,7 +62,7 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
 
     stock_ms = mean_total("stock")
     # per stage, the compared pairs whose optimizations do not act there: more process pairs for its noise floor
-    nulls: stages.Nulls = {}
+    nulls: Nulls = {}
     for c in plan.comparisons:
         acts = set(plan.stages_of(plan.diff(c.with_, c.without)))
         for x in STAGES:
@@ -58,8 +76,8 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
         p = pair(means, without, with_)
         base = stock_ms or mean_total(without)
         pct = 100 * p["mean_ms"] / base if p["mean_ms"] is not None and base else None
-        st = stages.staged(means, without, with_, plan.stages_of(names), nulls=nulls)
-        return st, {**stages.staged_fields(st, p, pct, stock_ms), "label": st["label"]}
+        st = staged(means, without, with_, plan.stages_of(names), nulls=nulls)
+        return st, {**staged_fields(st, p, pct, stock_ms), "label": st["label"]}
 
     # the optimizations' verdicts are one family: their signed-rank p-values are corrected together (Holm)
     usable = [c.with_ not in failed and c.without not in failed for c in plan.comparisons]
@@ -80,7 +98,7 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
                 "without": comp.without,
                 **fields,
                 "p_value": pv,
-                "label": stages.judged(st, pv, family, cpv, controls) if ok else "not measured",
+                "label": judged(st, pv, family, cpv, controls) if ok else "not measured",
             }
         )
     fvs = None
@@ -167,7 +185,7 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
     fvs, noise = timed["full_vs_stock"], timed["noise_floor"]
     load = machine_load(records)
     verdict = decide(plan, configs, opts, fvs, noise, interrupted, load=load)
-    unquantized = information.vs_unquantized(plan, means, out_root, failures)
+    unquantized = vs_unquantized(plan, means, out_root, failures)
     return {
         "verdict": verdict,
         "significance": timed["significance"],
@@ -212,9 +230,9 @@ def decide(
         if chk and chk["gate"]["passed"] is False:
             fail.append(f"{o['name']} ({o['equivalence']}): gate failed: {chk['gate']['why']}")
         if o["label"] == REGRESSION:
-            slow.append(f"{o['name']} is a regression: {stages.fmt_saved(o, stages=True)}")
-        elif o["label"] == stages.BIAS:
-            notes.append(stages.bias_text(f"{o['name']}'s comparison ({o['without']} vs {o['with']})", o))
+            slow.append(f"{o['name']} is a regression: {fmt_saved(o, stages=True)}")
+        elif o["label"] == BIAS:
+            notes.append(bias_text(f"{o['name']}'s comparison ({o['without']} vs {o['with']})", o))
     if noise is None:
         unsure.append("no noise floor (the control pair did not complete)")
     if interrupted:
@@ -225,17 +243,17 @@ def decide(
         lab, pct = fvs["label"], fvs["saved_pct_of_stock"]
         nf = fvs.get("noise_floor_ms")
         if lab == REGRESSION:
-            slow.append(f"the full stack is slower than stock: {stages.fmt_saved(fvs, stages=True)}")
-        elif lab == stages.BIAS:
-            unsure.append(stages.bias_text("full stack vs stock", fvs))
+            slow.append(f"the full stack is slower than stock: {fmt_saved(fvs, stages=True)}")
+        elif lab == BIAS:
+            unsure.append(bias_text("full stack vs stock", fvs))
         elif lab == GAIN and pct is not None and pct < wl.min_improvement_pct:
             slow.append(
-                f"the full stack saves {pct:.2f}% of stock on {'+'.join(fvs.get('stages') or [stages.TOTAL])}, less than "
+                f"the full stack saves {pct:.2f}% of stock on {'+'.join(fvs.get('stages') or [TOTAL])}, less than "
                 f"--min-improvement-pct {wl.min_improvement_pct}%"
             )
         elif lab != GAIN:
             unsure.append(
-                f"full stack vs stock is {lab} ({stages.fmt_saved(fvs, stages=True)}, noise floor {nf:.2f} ms)"
+                f"full stack vs stock is {lab} ({fmt_saved(fvs, stages=True)}, noise floor {nf:.2f} ms)"
                 if nf is not None
                 else f"full stack vs stock is {lab}"
             )
@@ -258,8 +276,81 @@ def decide(
         result = PASS
         nf = fvs.get("noise_floor_ms", noise["ms"])
         reasons = [
-            f"every gate held; the full stack saves {stages.fmt_saved(fvs, stages=True)} vs stock "
+            f"every gate held; the full stack saves {fmt_saved(fvs, stages=True)} vs stock "
             f"(>= {wl.min_improvement_pct}%, beyond the noise floor {nf:.2f} ms)",
             *notes,
         ]
     return {"result": result, "exit_code": EXIT_CODES[result], "reasons": reasons}
+
+
+def vs_unquantized(
+    plan: Plan, means: Means, out_root: Any, failures: dict[str, Any] | set[str]
+) -> dict[str, Any] | None:
+    """The quantized stock against the unquantized one (time saved by the quantization, images against the
+    unquantized ones); None when the plan has no information configuration."""
+    ref = next((c for c in plan.configs if c.role == INFORMATION and QUANTIZATION_KEY in c.od_drop), None)
+    if ref is None:
+        return None
+    out: dict[str, Any] = {
+        "reference": ref.id,
+        "config": QUANTIZED,
+        "quantization": plan.workload.od_config.get(QUANTIZATION_KEY),
+        "in_verdict": False,
+        "status": "ok",
+        "time": None,
+        "image": None,
+    }
+    down = [c for c in (ref.id, QUANTIZED) if c in failures]
+    if down:
+        out["status"] = f"not measured: configuration {', '.join(down)} failed"
+        return out
+    out["time"] = _time(means, ref.id)
+    per, missing = compare_samples(plan, Path(out_root), ref.id, QUANTIZED)
+    out["image"] = {"per_sample": per, "worst": compare.aggregate(per), "missing": missing}
+    if out["time"] is None:
+        out["status"] = "not measured: no round complete in both configurations"
+    return out
+
+
+def _time(means: Means, ref: str) -> dict[str, Any] | None:
+    """The quantization's saving per round (time unquantized - time quantized, on the whole request)."""
+    p = pair(means, ref, QUANTIZED)
+    per = p["per_round_ms"]
+    if not per:
+        return None
+    nf = noise_floor(means)
+    noise_ms = nf["ms"] if nf else None
+    ref_ms = statistics.fmean(means[ref][r]["total"] for r in p["rounds"])
+    q_ms = statistics.fmean(means[QUANTIZED][r]["total"] for r in p["rounds"])
+    return {
+        "stages": ["total"],
+        "saved_ms": {"mean": p["mean_ms"], "std": p["std_ms"], "per_round": per},
+        "se_ms": standard_error(per),
+        "saved_pct_of_unquantized": 100 * p["mean_ms"] / ref_ms if ref_ms else None,
+        "stages_saved_ms": p["stages_mean_ms"],
+        "unquantized_ms": ref_ms,
+        "quantized_ms": q_ms,
+        "noise_floor_ms": noise_ms,
+        "direction": direction(per),
+        "p_value": signed_rank_p(per),
+        "tested": testable(len(per)),  # False: too few rounds for the test, the label uses two standard errors
+        "label": label(per, p["mean_ms"], noise_ms),
+    }
+
+
+def summary(info: dict[str, Any] | None) -> str | None:
+    """The information as one line of the CLI summary (None without one)."""
+    if not info:
+        return None
+    head = f"information (not in the verdict): {info['quantization']} {info['config']} vs {info['reference']}: "
+    if info["status"] != "ok":
+        return head + info["status"]
+    t, w = info["time"], info["image"]["worst"]
+    pct = "" if t["saved_pct_of_unquantized"] is None else f" ({t['saved_pct_of_unquantized']:+.2f}%)"
+    img = (
+        f"SSIM min {w['ssim_min']:.4f}, PSNR min {compare.fmt_db(w['psnr_db_min'])}"
+        if w
+        else "images missing: " + ", ".join(info["image"]["missing"])
+    )
+    saved = f"{t['saved_ms']['mean']:+.2f} ± {t['saved_ms']['std']:.2f} ms{pct}"
+    return f"{head}saves {saved}, p = {t['p_value']:.2g}, {t['label']}; {img}"
