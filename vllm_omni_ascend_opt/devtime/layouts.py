@@ -1,11 +1,9 @@
 """Multi-card layouts for one image: the collectives each parallel mode issues, priced, and the best layout.
 
-:func:`collectives` gives, per transformer call and rank, what vLLM-Omni 0.30's parallel modes issue (Ulysses and
-ring SP, TP; CFG-parallel per step), checked against :class:`CollectiveCounter` on the real code. Ring passes are
-not overlapped (an upper bound).
-
-Pricing (approximate): an all-to-all or all-gather over u ranks moves its (u-1)/u share over u-1 links at once, an
-all-reduce twice that, plus one latency per collective; compute is one rank's share of the ops (:func:`_rank_table`).
+:func:`collectives` is what vLLM-Omni's Ulysses, ring, TP and CFG-parallel modes issue (checked against
+:class:`CollectiveCounter` on the real code). Pricing (approximate): an all-to-all or all-gather over u ranks moves
+its (u-1)/u share over u-1 links at once, an all-reduce twice that, plus one latency per collective; ring passes are
+not overlapped; compute is one rank's share of the ops (:func:`_rank_table`).
 """
 
 from __future__ import annotations
@@ -88,9 +86,8 @@ def collectives(
     channels: int = 64,
     el: int = 2,
 ) -> dict[str, list[int]]:
-    """Per rank and transformer call: ``c10d`` op name -> [calls, bytes sent in] (what :class:`CollectiveCounter`
-    sees; ``send`` stands for a ring pass), for the SP and TP modes; CFG-parallel's gather is per step
-    (:func:`cfg_collectives`). ``el`` bytes per element (bf16: 2), ``channels`` of the packed latent output."""
+    """Per rank and transformer call of the SP and TP modes: ``c10d`` op -> [calls, bytes sent in] (``send``: a ring
+    pass); ``el`` bytes per element, ``channels`` of the packed latent output."""
     out: dict[str, list[int]] = {}
 
     def add(name: str, calls: int, nbytes: int) -> None:

@@ -1,17 +1,14 @@
 """A device-time model of one Qwen-Image image on an Ascend 910B (a MODEL, calibrated, never a measurement).
 
-Per launch (``devtime/trace.py`` gives each op's FLOPs, bytes and launches)::
+Per op (``devtime/trace.py``)::
 
     time = max(FLOPs / effective peak of its kind, bytes / effective bandwidth of its kind) + launches x overhead
     image = steps x CFG forwards x transformer call + VAE decode + C
 
-GEMMs and attention each get an effective peak; every other op is priced by its bytes, a weight-bound GEMM (M = 1)
-at its own bandwidth (``gemm_bw_eff``: one bandwidth cannot explain both the RoPE and the modulation savings). ``C``
-(:attr:`Params.const_ms`) stands for what the trace does not cover (text encoder, scheduler, host gaps).
-
-:func:`fit` calibrates the six parameters on :data:`FIT_POINTS` of the published :data:`REFERENCE_MS`, the rest held
-out; one resolution fixes the efficiencies and ``C`` only together, hence a weak prior each (:data:`PRIORS`).
-NZ weights and attention fusion change kernel speed, not FLOPs or bytes: the model sees only what they remove.
+GEMMs and attention each get a peak, GEMMs their own bandwidth (``gemm_bw_eff``, for the weight-bound M = 1 ones);
+``C`` (:attr:`Params.const_ms`) is what the trace does not cover (text encoder, scheduler, host gaps). :func:`fit`
+calibrates the six parameters on :data:`FIT_POINTS` of :data:`REFERENCE_MS`, the rest held out, with a weak prior each
+(:data:`PRIORS`). NZ weights and attention fusion change no FLOP or byte: the model sees only what they remove.
 """
 
 from __future__ import annotations

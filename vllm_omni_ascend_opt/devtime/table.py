@@ -1,7 +1,5 @@
-"""The trace table the device-time model reads: per workload and configuration, the priced ops of one call.
-
-Written by ``benchmarks/bench_devtime.py --write-table`` (with the torch_npu fake of ``tests/``: ``plan`` never
-traces): one warm 60-block transformer call and one VAE decode, each op ``[name, kind, site, launches, flops, bytes]``.
+"""The trace table the device-time model reads (``benchmarks/bench_devtime.py --write-table`` writes it): per workload
+and configuration, one warm transformer call and one VAE decode, each op ``[name, kind, site, launches, flops, bytes]``.
 """
 
 from __future__ import annotations
@@ -51,9 +49,8 @@ def _only(names: Any) -> str:
 
 
 def configurations() -> dict[str, str]:
-    """Name -> ``VLLM_OMNI_ASCEND_OPT`` spec: the op tables' (:func:`~.testbed.blockops.configurations`), the default
-    stack less each of its optimizations (``default-<name>``: ``ablate``'s leave-one-out), and the reference's
-    ``pixel`` stack (the default transformer optimizations of the exact and pixel tiers) and ``pixel+vae``."""
+    """Name -> spec: the op tables' configurations, ``default-<name>`` (leave-one-out), the reference's ``pixel`` and
+    ``pixel+vae`` stacks, and ``portable`` (the default less :data:`NPU_ONLY`) less each of its optimizations."""
     from vllm_omni_ascend_opt import registry
     from vllm_omni_ascend_opt.testbed import blockops
 

@@ -1,9 +1,8 @@
 """An op trace of the real model at full scale, with no memory: what each launch costs in FLOPs and bytes.
 
-:class:`OpTrace` is the NPU launch counter (``testbed/npu_ops.py``) that also prices every launch it counts
-(:mod:`.costs`) and records where it ran (outside the blocks, the first block, the last block) and from which line
-of Python. :func:`trace_transformer` and :func:`trace_vae` trace one warm call under :class:`~.hollow.HollowMode`;
-60 blocks are ``outside + first + 59 x last`` (:meth:`CallTrace.per_call`). The caller installs the torch_npu fake.
+:class:`OpTrace` is the NPU launch counter that also prices each launch (:mod:`.costs`) by scope (outside the blocks,
+first block, last block) and source line. :func:`trace_transformer` and :func:`trace_vae` trace one warm call under
+:class:`~.hollow.HollowMode`; 60 blocks are ``outside + first + 59 x last``. The caller installs the torch_npu fake.
 """
 
 from __future__ import annotations
