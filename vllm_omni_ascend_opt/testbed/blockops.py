@@ -1,8 +1,5 @@
-"""Kernel launches per transformer block on a warm forward, for a flag selection, a dtype and a width.
-
-vLLM-Omni's real transformer (tiny or real width; no op is per-token, so a small image), counted by
-:class:`~.opcount.OpCounter` or, with the caller's torch_npu fake, :class:`~.npu_ops.NpuOpCounter`.
-"""
+"""Kernel launches per block of vLLM-Omni's real transformer on a warm forward, for a flag selection, dtype and width
+(:class:`~.opcount.OpCounter`, or with the caller's torch_npu fake :class:`~.npu_ops.NpuOpCounter`)."""
 
 from __future__ import annotations
 

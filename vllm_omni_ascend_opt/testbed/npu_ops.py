@@ -1,10 +1,8 @@
 """Count the kernels torch_npu 2.13 would launch for what runs here on CPU: :class:`NpuOpCounter`.
 
-Per op reaching the dispatcher (views and allocation-only ops excluded), :func:`resolve`: registered for the NPU (a
-dense key in :data:`REGISTERED_FILE`, from the torch-npu 2.13.0 wheel) or through its structured ``out=`` overload ->
-1 launch; else its ``torch._decomp`` pieces on meta tensors, counted by the same rules; else 1 launch, recorded in
-:attr:`NpuOpCounter.unresolved`. Composite ops torch_npu registers itself (``matmul``, SDPA, ``softmax.int``) count 1
-at their ``torch`` entry points (:data:`FUNCTION_HOOKS`); the torch_npu fake's ops 1 each (:func:`run_npu_kernel`).
+Per dispatched op (:func:`resolve`): registered for the NPU (:data:`REGISTERED_FILE`) directly or through its ``out=``
+overload -> 1 launch; else its decomposition's pieces on meta tensors; else 1 launch, recorded as unresolved.
+Composites torch_npu registers (:data:`FUNCTION_HOOKS`) and the torch_npu fake's ops count 1 each.
 """
 
 from __future__ import annotations
@@ -75,9 +73,8 @@ def _out_variant(func: Any) -> str | None:
 
 @functools.cache
 def resolve(func: Any) -> tuple[str, Any]:
-    """How ``func`` (an OpOverload) runs on the NPU: ``("none", None)`` no kernel, ``("kernel", name)`` one launch,
-    ``("decompose", fn)`` the pieces of ``fn``, ``("unresolved", name)`` one launch we cannot account for. Ops of
-    other namespaces (``npu::``, collectives, custom ops) are one launch each."""
+    """How ``func`` runs on the NPU: ``("none", None)``, ``("kernel", name)`` one launch (every non-aten op too),
+    ``("decompose", fn)`` the pieces of ``fn``, ``("unresolved", name)`` one launch we cannot account for."""
     if not is_kernel_launch(func):
         return ("none", None)
     name = overload_name(func)
@@ -163,9 +160,8 @@ class _FunctionHooks(TorchFunctionMode):
 
 
 class NpuOpCounter(OpCounter):
-    """``with NpuOpCounter() as c: ...`` then ``c.total`` / ``c.counts`` (by yaml overload name, ``"mul.Tensor"``,
-    ``"npu::npu_rotary_mul"``): the kernels torch_npu 2.13 would launch. ``c.decomposed`` counts the ops that ran as
-    their pieces, ``c.unresolved`` those counted 1 without an NPU kernel to show for it (should stay empty)."""
+    """``with NpuOpCounter() as c: ...`` then ``c.total`` / ``c.counts`` (by overload name, ``"mul.Tensor"``), also
+    ``c.decomposed`` (ran as their pieces) and ``c.unresolved`` (counted 1 without an NPU kernel; should stay empty)."""
 
     def __init__(self, *, _isolated: bool = False, _depth: int = 0) -> None:
         super().__init__()

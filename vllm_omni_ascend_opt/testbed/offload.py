@@ -1,9 +1,5 @@
-"""Bytes vLLM-Omni's layerwise offloader copies host->device, counted on the copies themselves.
-
-:func:`count_offload_copies` adds up every ``aten::copy_`` out of the offloader's host weight tensors, so every path
-that moves block weights to the device is covered (prefetch, cache skips, late modulation copies). On CPU the bytes
-are those an NPU would receive over PCIe.
-"""
+"""Bytes vLLM-Omni's layerwise offloader copies host->device: every ``aten::copy_`` out of its host weight tensors
+(prefetch, cache skips, late copies alike); on CPU, what an NPU would receive over PCIe."""
 
 from __future__ import annotations
 

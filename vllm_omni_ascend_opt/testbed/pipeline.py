@@ -1,9 +1,6 @@
-"""Load a Qwen-Image directory through vLLM-Omni's own loader and run its pipeline's ``forward``.
-
-Any pipeline of the test bed's family (:mod:`.tiny_model`); image inputs go through the pipeline's registered
-pre-process function first, as in vLLM-Omni's ``DiffusionEngine``. Two test-bed-only adaptations:
-:func:`tiny_processor_loading` (without torchvision, which has no CPU wheel for this torch, ``Qwen2VLProcessor`` is
-served minus its video processor) and :func:`tiny_image_areas` (the real model's image areas, scaled for the tiny one).
+"""Load a Qwen-Image directory through vLLM-Omni's own loader and run its pipeline's ``forward`` (image inputs
+pre-processed first, as in ``DiffusionEngine``). Test-bed-only: :func:`tiny_processor_loading` (no torchvision: the
+processor without video) and :func:`tiny_image_areas` (the real model's image areas, scaled for the tiny one).
 """
 
 from __future__ import annotations
@@ -138,9 +135,8 @@ def make_request(
     pre_process: Any = None,
     **sampling: Any,
 ) -> Any:
-    """A one-request ``DiffusionRequestBatch`` as vLLM-Omni's scheduler hands it to ``forward``. ``image`` (PIL, or a
-    list) goes into ``multi_modal_data``, then ``pre_process`` (:func:`pre_process_func`) runs under
-    :func:`tiny_image_areas`, as in ``DiffusionEngine``; ``sampling``: more ``OmniDiffusionSamplingParams`` fields."""
+    """A one-request ``DiffusionRequestBatch`` as the scheduler hands it to ``forward``; ``image`` goes into
+    ``multi_modal_data``, then ``pre_process`` runs under :func:`tiny_image_areas`; ``sampling``: more fields."""
     from vllm_omni.diffusion.request import OmniDiffusionRequest
     from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams

@@ -1,8 +1,5 @@
-"""Offline, deterministic builder of tiny Qwen-Image model directories in diffusers format, one per pipeline.
-
-A tiny Qwen2.5-VL text encoder, byte-level tokenizer, VAE, transformer and scheduler (image pipelines: a
-torchvision-free ``processor/``), from a seed; cached under ``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default
-``~/.cache/vllm-omni-ascend-opt``) by spec and seed, renamed into place atomically (safe for concurrent builders).
+"""Offline, deterministic builder of tiny Qwen-Image model directories in diffusers format, one per pipeline, cached
+by spec and seed under ``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default ``~/.cache/vllm-omni-ascend-opt``), renamed atomically.
 """
 
 from __future__ import annotations
@@ -155,13 +152,10 @@ REALWIDTH = ModelSpec(
 )
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("VLLM_OMNI_ASCEND_OPT_CACHE", Path.home() / ".cache" / "vllm-omni-ascend-opt"))
-
-
 def build_model_dir(spec: ModelSpec = TINY, seed: int = 0, root: Path | str | None = None) -> Path:
     """Return a diffusers-format Qwen-Image directory for ``spec``; build it once, then reuse the cached copy."""
-    root = Path(root) if root is not None else cache_root()
+    default = Path.home() / ".cache" / "vllm-omni-ascend-opt"
+    root = Path(root if root is not None else os.environ.get("VLLM_OMNI_ASCEND_OPT_CACHE", default))
     final = root / f"qwen-image-{spec.name}-{spec.key(seed)}"  # name carries the variant ("tiny-edit-2511")
     if (final / "model_index.json").is_file():
         return final
@@ -181,8 +175,7 @@ def build_model_dir(spec: ModelSpec = TINY, seed: int = 0, root: Path | str | No
 
 
 def _tokenizer(vision: bool = False):
-    """Byte-level Qwen2 tokenizer: ids 0..256 are <|endoftext|> and the 256 byte symbols, then the chat tokens and
-    (``vision``) :data:`VISION_TOKENS` in order (ids 259..262)."""
+    """Byte-level Qwen2 tokenizer: <|endoftext|>, the 256 byte symbols, the chat and (``vision``) vision tokens."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
@@ -200,8 +193,7 @@ PROCESSOR_MAX_PIXELS = 28 * 28 * 16
 
 
 def _save_processor(tok, out: Path) -> None:
-    """transformers' ``Qwen2VLProcessor`` with the PIL image processor, saved under ``out`` through the image-only
-    subclass (every video processor needs torchvision) and recorded as ``Qwen2VLProcessor``, the class pipelines load."""
+    """``Qwen2VLProcessor`` with the PIL image processor, saved through the image-only subclass (no torchvision)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from vllm_omni_ascend_opt.testbed.pipeline import image_only_processor_class
