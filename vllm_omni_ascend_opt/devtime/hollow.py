@@ -72,8 +72,7 @@ class HollowMode(TorchDispatchMode):
 
     @staticmethod
     def _factory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A factory (``arange``, ``zeros``, ``randn`` ...): made for real when small (its values may be read),
-        allocated unwritten when large (the kernel checks' random probes at full size)."""
+        """A factory (``arange``, ``randn`` ...): made for real when small (values may be read), else unwritten."""
         has_device = any(a.name == "device" for a in func._schema.arguments)
         if has_device and kwargs.get("device") in (None, "cpu", torch.device("cpu")):
             try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from vllm_omni_ascend_opt.devtime.costs import GEMM, OTHER
-from vllm_omni_ascend_opt.devtime.trace import BLOCKS, OpTable
+from vllm_omni_ascend_opt.devtime.trace import BLOCKS, Op, OpTable
 
 #: int8 peak / bf16 peak: the Da Vinci cube does 8192 INT8 or 4096 FP16 MACs per cycle.
 INT8_PEAK_RATIO = 2.0
@@ -29,11 +29,10 @@ def gemm_shape(site: str) -> tuple[int, int, int] | None:
     return (m, k, n) if k == k2 else None
 
 
-def quantized(op: object, blocks: int = BLOCKS) -> bool:
+def quantized(op: Op, blocks: int = BLOCKS) -> bool:
     """Whether vLLM-Omni's int8 quantizes this GEMM: a per-block linear (launched once per block) with M > 1."""
-    shape = gemm_shape(op.site)  # type: ignore[attr-defined]
-    count = op.count  # type: ignore[attr-defined]
-    return op.kind == GEMM and shape is not None and shape[0] > 1 and count % blocks == 0  # type: ignore[attr-defined]
+    shape = gemm_shape(op.site)
+    return op.kind == GEMM and shape is not None and shape[0] > 1 and op.count % blocks == 0
 
 
 def int8_table(table: OpTable, blocks: int = BLOCKS) -> OpTable:

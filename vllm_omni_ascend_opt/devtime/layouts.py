@@ -127,8 +127,7 @@ def _comm_ms(
 
 
 def _rank_table(table: OpTable, layout: Layout, image_tokens: int, batch: int) -> OpTable:
-    """One rank's share of a transformer call's ops: SP splits every op on the image sequence, TP the GEMMs,
-    attention and the head-split ops; the rest runs whole on every rank."""
+    """One rank's ops: SP splits those on the image sequence, TP the GEMMs, attention and head-split ops."""
     sp, tp = layout.ulysses * layout.ring, layout.tp
     seq = re.compile(rf"(^|[x,]){image_tokens}(x|,|$)")
     heads = f"x{HEADS}x{HEAD_DIM}"
@@ -160,17 +159,14 @@ def predict(
     tr, vae = TB.call_ops(table, wk, config), TB.call_ops(table, wk, config, "vae")
     s, t = (height // 16) * (width // 16), table["text_tokens"]
     rank_call = M.call_ms(_rank_table(tr, layout, s, 1), params)
-    comm = sum(
-        _comm_ms(
-            n, c, b, layout.ulysses * layout.ring if n != "allreduce_" else layout.tp, params.spec.hccs_gbps, latency_us
-        )
-        for n, (c, b) in collectives(layout, batch=1, image_tokens=s, text_tokens=t).items()
-    )
+    sp, gbps = layout.ulysses * layout.ring, params.spec.hccs_gbps
+    calls = collectives(layout, batch=1, image_tokens=s, text_tokens=t).items()
+    comm = sum(_comm_ms(n, c, b, layout.tp if n == "allreduce_" else sp, gbps, latency_us) for n, (c, b) in calls)
     forwards = cfg_forwards // layout.cfg
     step = forwards * (rank_call + comm)
     if layout.cfg > 1:
         ((c, b),) = cfg_collectives(batch=1, image_tokens=s).values()
-        step += _comm_ms("_allgather_base_", c, b, 2, params.spec.hccs_gbps)
+        step += _comm_ms("_allgather_base_", c, b, 2, gbps)
     total = steps * step + M.call_ms(vae, params) + params.const_ms
     return {"ms": total, "comm_ms_per_step": forwards * comm, "compute_ms_per_call": rank_call}
 

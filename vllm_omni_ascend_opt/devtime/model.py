@@ -149,8 +149,7 @@ def fit(
     reference: dict[str, float] | None = None,
     device: str = REFERENCE_DEVICE,
 ) -> Fit:
-    """Fit :class:`Params` on ``points`` of ``reference`` (default :data:`REFERENCE_MS`); ``calls`` maps each
-    configuration to its (transformer call, VAE decode) op tables at the reference workload."""
+    """Fit :class:`Params` on ``points`` of ``reference``; ``calls``: configuration -> (transformer, VAE) op tables."""
     from scipy.optimize import least_squares
 
     reference = reference or REFERENCE_MS

@@ -27,8 +27,7 @@ def calibration(table: dict[str, Any]) -> M.Fit:
 def predictions(
     table: dict[str, Any], params: M.Params, workload: str, steps: int, cfg_forwards: int = 1, int8: bool = False
 ) -> dict[str, M.Prediction]:
-    """Configuration -> :class:`~.model.Prediction` of one image at ``workload`` (a key of the table); ``int8``:
-    under vLLM-Omni's NPU int8 (:func:`~.int8.int8_table`; the floor stays the bf16 one)."""
+    """Configuration -> :class:`~.model.Prediction` of one image at ``workload`` (``int8``: on the int8 op table)."""
     out = {}
     for name in table["workloads"][workload]:
         tr, vae = TB.call_ops(table, workload, name), TB.call_ops(table, workload, name, "vae")

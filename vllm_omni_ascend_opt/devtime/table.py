@@ -92,8 +92,7 @@ def build(
     depth: int = 2,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Trace every (workload, configuration); the torch_npu fake must be installed. Transformer and VAE traces are
-    shared between configurations that select the same optimizations for them."""
+    """Trace every (workload, configuration), sharing equal traces; the torch_npu fake must be installed."""
     from vllm_omni_ascend_opt import flags as flags_mod
     from vllm_omni_ascend_opt.devtime import trace as T
 

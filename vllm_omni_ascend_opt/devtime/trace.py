@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from vllm_omni_ascend_opt.devtime.costs import cost
 from vllm_omni_ascend_opt.devtime.hollow import HollowMode
@@ -37,8 +38,6 @@ _SKIP_FRAMES = ("/devtime/", "/testbed/npu_ops.py", "/fake_torch_npu/")
 
 def shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """``"1x3584x3072,3072x3072"``: the shapes of a launch's tensor arguments (ops are merged only when equal)."""
-    from torch.utils import _pytree as pytree
-
     return ",".join(
         "x".join(map(str, t.shape)) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
     )

@@ -77,8 +77,7 @@ def t2i_inputs(
 
 @contextlib.contextmanager
 def npu_dispatch(tr: Any) -> Iterator[int]:
-    """Dispatch ``tr``'s vLLM-Omni ``CustomOp`` modules to ``forward_npu`` as on an Ascend platform (here they picked
-    ``forward_native``), so that stock's NPU code is what is counted. Yields how many modules were switched."""
+    """Dispatch ``tr``'s ``CustomOp`` modules to ``forward_npu`` as on Ascend; yields how many were switched."""
     from vllm_omni.diffusion.layers.custom_op import CustomOp
 
     switched = [m for m in tr.modules() if isinstance(m, CustomOp) and "_forward_method" in m.__dict__]
@@ -89,8 +88,7 @@ def npu_dispatch(tr: Any) -> Iterator[int]:
 
 
 def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) -> BlockCount:
-    """Select ``flags`` on ``tr``, run one cold forward, then count the last block of a warm one (``npu``: under
-    :func:`npu_dispatch`)."""
+    """Select ``flags`` on ``tr``, run one cold forward, then count the last block of a warm one."""
     from vllm_omni_ascend_opt import api
     from vllm_omni_ascend_opt.testbed.npu_ops import NpuOpCounter
     from vllm_omni_ascend_opt.testbed.opcount import OpCounter, count_module_calls
@@ -117,8 +115,7 @@ def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) 
 def ops_per_block(
     rt: Any, flags: str = "default", *, dtype: torch.dtype = torch.bfloat16, npu: bool = True
 ) -> BlockCount:
-    """Launches per block of a warm forward of the tiny transformer in ``dtype`` (:func:`count_block`); with
-    ``npu=True`` install the torch_npu fake first so that the plugin takes its NPU paths."""
+    """:func:`count_block` of the tiny transformer in ``dtype`` (``npu=True``: install the torch_npu fake first)."""
     tr = build_transformer(rt, TINY, dtype)
     return count_block(tr, rt, t2i_inputs(tr, dtype), flags, npu=npu)
 

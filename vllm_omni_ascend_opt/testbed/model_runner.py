@@ -31,8 +31,7 @@ class RunnerHarness:
     def load(
         cls, rt: Runtime, *, compile: bool = False, device: str | torch.device = "cpu", **fields: Any
     ) -> RunnerHarness:
-        """A runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields``, loaded on ``device`` (``compile``:
-        ``enforce_eager=False``)."""
+        """A runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields``, loaded on ``device``."""
         use_import_workarounds()
         apply_engine_cpu_runtime()
         from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner

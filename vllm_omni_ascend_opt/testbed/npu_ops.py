@@ -125,8 +125,7 @@ def _suspended() -> Iterator[None]:
 
 
 def _record(name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None) -> None:
-    """Count one launch of ``name`` in every active counter (only in a decomposition's sub-counter while one runs),
-    and pass ``call`` (args, kwargs, result) to its :meth:`NpuOpCounter.observe`."""
+    """Count one launch of ``name`` in every active counter (only the innermost isolated one) and observe it."""
     active = _STATE.active
     targets = active[-1:] if active and active[-1]._isolated else active
     for c in targets:
@@ -136,8 +135,7 @@ def _record(name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None 
 
 
 def run_npu_kernel(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn`` (a fake torch_npu kernel ``name``) as ONE launch (``npu::<name>``), the CPU ops inside uncounted;
-    only when the result holds a tensor: queries such as ``get_npu_format`` launch nothing."""
+    """Run the fake torch_npu kernel ``fn`` as ONE launch ``npu::<name>`` (none for a tensor-free result)."""
     if _STATE.suspended or not _STATE.active:
         return fn(*args, **kwargs)
     with _suspended():

@@ -34,8 +34,7 @@ class OffloadCopies(TorchDispatchMode):
 
 @contextlib.contextmanager
 def count_offload_copies(model: Any) -> Iterator[OffloadCopies]:
-    """While active: the bytes copied out of the layerwise offloader's host weights of ``model``'s transformers.
-    Raises when nothing in ``model`` is offloaded layerwise (a count of 0 would then mean nothing)."""
+    """The copies out of ``model``'s layerwise offloaded host weights while active (raises when there are none)."""
     host = [t for tr in find_transformers(model) for t in host_weights(tr)]
     if not host:
         raise RuntimeError("no transformer block of this model is offloaded layerwise (enable_layerwise_offload)")

@@ -166,8 +166,7 @@ def make_request(
 
 
 def run_forward(pipe: Any, req: Any) -> Any:
-    """``pipe.forward(req)``; for ``QwenImageDMD2Pipeline`` the DMD2 mixin's forward minus its call with keywords
-    ``QwenImagePipeline.forward`` rejects (vLLM-Omni 0.30; tests/test_family.py): sanitize the request, then forward."""
+    """``pipe.forward(req)``; DMD2 sanitizes then runs the base forward (its own passes rejected keywords)."""
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImageDMD2Pipeline, QwenImagePipeline
 
     if isinstance(pipe, QwenImageDMD2Pipeline):
@@ -212,8 +211,7 @@ def generate(
     image: Any = None,
     **request: Any,
 ) -> GenerationResult:
-    """Run one request (``request``: further :func:`make_request` keywords) through the pipeline's ``forward``; the
-    decoded images (:func:`decoded_images`); image pipelines need ``image`` (pre-processed: :func:`make_request`)."""
+    """One request (:func:`make_request` keywords; ``image`` for image pipelines) through ``forward``: its images."""
     pre_process = pre_process_func(pipe) if image is not None else None
     req = make_request(
         prompt, height=height, width=width, steps=steps, seed=seed, image=image, pre_process=pre_process, **request

@@ -171,8 +171,7 @@ _ENGINE_APPLIED: list[str] = []
 
 
 def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's) plus ``SITE_DIR`` on ``PYTHONPATH`` and ``ENV_CPU_RUNTIME=1`` (only the
-    environment reaches every process the engines start)."""
+    """``env`` (default: this process's) plus ``SITE_DIR`` on ``PYTHONPATH`` and ``ENV_CPU_RUNTIME=1``."""
     out = dict(os.environ if env is None else env)
     paths = [str(SITE_DIR)] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
     out["PYTHONPATH"] = os.pathsep.join(paths)
@@ -190,8 +189,7 @@ def _site_module() -> Any:
 
 
 def use_import_workarounds() -> None:
-    """The torchvision-free image processors in this process (no audio placeholder: ``torchaudio`` would look
-    installed). Idempotent."""
+    """The torchvision-free image processors in this process (no audio placeholder). Idempotent."""
     _site_module().install_import_fallbacks(audio=False)
 
 
