@@ -180,6 +180,10 @@ def text_table(
     table: dict[str, Any], params: M.Params, height: int, width: int, steps: int, cards: list[int], cfg: bool = True
 ) -> list[str]:
     fw = 2 if cfg else 1
+
+    def both(lay: Layout) -> list[dict[str, float]]:  # stock's and default's predictions
+        return [predict(table, params, lay, c, height, width, steps, fw) for c in ("stock", "default")]
+
     lines = [
         f"  multi-card layouts ({M.LABEL}), {width}x{height}, {steps} steps, CFG {'on' if cfg else 'off'}, "
         f"{params.spec.name}, HCCS {params.spec.hccs_gbps:.0f} GB/s (approximate), {HCCL_LATENCY_US:.0f} us per "
@@ -188,19 +192,14 @@ def text_table(
     one = {c: predict(table, params, Layout(), c, height, width, steps, fw)["ms"] for c in ("stock", "default")}
     lines.append(f"    1 card: stock {one['stock']:.0f} ms, default {one['default']:.0f} ms")
     for n in cards:
-        rows = []
-        for lay in layouts_for(n, cfg):
-            st = predict(table, params, lay, "stock", height, width, steps, fw)
-            de = predict(table, params, lay, "default", height, width, steps, fw)
-            rows.append((de["ms"], lay, st, de))
-        rows.sort(key=lambda r: r[0])
-        for _ms, lay, st, de in rows:
+        rows = sorted(((lay, *both(lay)) for lay in layouts_for(n, cfg)), key=lambda r: r[2]["ms"])
+        for lay, st, de in rows:
             lines.append(
                 f"    {n} cards {lay.name:<16} stock {st['ms']:7.0f} ms (x{one['stock'] / st['ms']:.2f})  default "
                 f"{de['ms']:7.0f} ms (x{one['default'] / de['ms']:.2f})  comm {de['comm_ms_per_step']:6.1f} ms/step"
             )
         if rows:
-            lines.append(f"    best for {n} cards: {rows[0][1].name}")
+            lines.append(f"    best for {n} cards: {rows[0][0].name}")
     return lines
 
 

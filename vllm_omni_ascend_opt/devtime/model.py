@@ -37,8 +37,7 @@ REFERENCE_STEPS = 8
 REFERENCE_DEVICE = "910B1"
 #: The calibration points the fit uses; the rest of :data:`REFERENCE_MS` is held out to check it.
 FIT_POINTS = ("stock", "shared_modulation", "rope", "pixel")
-#: (value, spread in log space, why): a weak prior per parameter (in :class:`Params` order), for the directions the
-#: data cannot fix.
+#: (value, spread in log space, why): a weak prior per parameter (in :class:`Params` order).
 PRIORS: dict[str, tuple[float, float, str]] = {
     "gemm_eff": (0.6, 0.5, "large bf16 GEMMs on a cube unit usually reach 50-70% of peak"),
     "attn_eff": (0.45, 0.5, "fused attention usually reaches less than GEMMs (softmax on the vector unit)"),
@@ -134,11 +133,10 @@ class Fit:
     points: dict[str, tuple[float, float, float, bool]]
 
     def rows(self) -> list[str]:
-        out = []
-        for name, (ref, got, res, used) in self.points.items():
-            tag = "fit" if used else "held out"
-            out.append(f"{name:<18} published {ref:7.1f}  model {got:7.1f}  residual {res:+6.1f} ms ({tag})")
-        return out
+        return [
+            f"{name:<18} published {ref:7.1f}  model {got:7.1f}  residual {res:+6.1f} ms ({'fit' if used else 'held out'})"
+            for name, (ref, got, res, used) in self.points.items()
+        ]
 
 
 def fit(

@@ -19,8 +19,7 @@ VERSION = 1
 RESOLUTIONS: tuple[tuple[int, int], ...] = ((512, 512), (1024, 1024), (1328, 1328), (928, 1664), (704, 1280))
 BATCHES = (1, 2)
 REFERENCE_RES = (704, 1280)
-#: The default optimizations that act only through torch_npu kernels: without torch_npu (a CPU host planning an NPU
-#: run) ``ablate``'s full stack is the default less these, the ``portable`` configurations.
+#: The default optimizations that act only through torch_npu kernels (the default less these: ``portable``).
 NPU_ONLY = ("fused_attention", "nz_weights", "qk_norm")
 
 

@@ -29,8 +29,7 @@ FULL = dataclasses.replace(
     REALWIDTH, name="full", num_layers=60, joint_attention_dim=3584, vae_z_dim=16, vae_base_dim=96
 )
 BLOCKS = FULL.num_layers
-#: Text tokens of the prompt (after the template's system prefix is dropped): an assumption, the reference's prompt
-#: is not published. Attention and the text stream scale with it.
+#: Text tokens of the prompt (without the template's prefix): assumed, the reference's prompt is not published.
 TEXT_TOKENS = 64
 #: Frames skipped when looking for the model or plugin line an op came from.
 _SKIP_FRAMES = ("/devtime/", "/testbed/npu_ops.py", "/fake_torch_npu/")

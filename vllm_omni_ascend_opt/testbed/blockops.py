@@ -106,8 +106,7 @@ def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) 
     (c,), (first,), (call,) = calls, b0, whole
     if first.total < c.total:
         raise AssertionError(f"{flags}: block 0 launches {first.total}, fewer than the last block's {c.total}")
-    # block 0 may launch more: once-per-forward work done lazily by the first block that needs it (e.g. a joint RoPE
-    # table) counts as outside the blocks (``BlockCount.outside``); per block is the steady state
+    # block 0 may launch more (once-per-forward work done lazily): that counts as outside the blocks
     unresolved = Counter(getattr(call, "unresolved", {}))
     return BlockCount(c.total, Counter(c.counts), unresolved, call.total, len(tr.transformer_blocks))
 

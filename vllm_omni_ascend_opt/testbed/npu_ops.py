@@ -93,8 +93,7 @@ def resolve(func: Any) -> tuple[str, Any]:
     return ("unresolved", name)
 
 
-#: Python callable -> the CompositeImplicitAutograd overload it dispatches to, which torch_npu registers for the NPU
-#: (only entries whose overload is in :func:`registered_ops` take effect).
+#: Python callable -> the composite overload it dispatches to (effective where torch_npu registers that overload).
 FUNCTION_HOOKS: dict[Callable[..., Any], str] = {
     F.scaled_dot_product_attention: "scaled_dot_product_attention",
     torch.matmul: "matmul",

@@ -25,8 +25,7 @@ class GenerationResult:
     images: torch.Tensor  # [B, 3, H, W] in [-1, 1] (vLLM-Omni's "pt" output), float
 
 
-#: The image pipelines' modules: they load the module-global ``Qwen2VLProcessor`` in ``__init__`` and size images with
-#: the module-global ``calculate_dimensions`` (see module doc).
+#: The image pipelines' modules (module-global ``Qwen2VLProcessor`` and ``calculate_dimensions``, patched here).
 _IMAGE_MODULES = (
     "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit",
     "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit_plus",
@@ -112,8 +111,7 @@ def load_pipeline(
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
         pipe = loader.load_model(load_device=str(device), device=device)
     pipe.eval()
-    # vLLM-Omni loads the text encoder in its stored dtype (the test bed's: fp32, the real checkpoint's: bf16), which
-    # would break a 16-bit run at the transformer's first linear: cast it to the run's 16-bit dtype.
+    # the text encoder loads in its stored dtype (here fp32): cast it to a 16-bit run's dtype
     te = getattr(pipe, "text_encoder", None)
     if te is not None and od.dtype in (torch.float16, torch.bfloat16) and next(te.parameters()).dtype == torch.float32:
         te.to(od.dtype)

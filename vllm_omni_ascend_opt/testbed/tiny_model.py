@@ -22,8 +22,7 @@ EDIT_PLUS = "QwenImageEditPlusPipeline"
 LAYERED = "QwenImageLayeredPipeline"
 #: The vLLM-Omni 0.30 Qwen-Image pipelines the builder can make a directory for.
 PIPELINES = (T2I, DMD2, EDIT, EDIT_PLUS, LAYERED)
-#: Vision special tokens (Qwen2.5-VL names) appended to the byte-level vocabulary for the image pipelines, with the
-#: text encoder config field that holds each one's id.
+#: Vision special tokens the image pipelines' vocabulary appends -> the text encoder config field of each one's id.
 VISION_TOKENS = {
     "<|vision_start|>": "vision_start_token_id",
     "<|vision_end|>": "vision_end_token_id",
@@ -116,8 +115,7 @@ class ModelSpec:
         name = self.name.split("-", 1)[0] + (f"-{suffix}" if suffix else "")
         z = self.vae_z_dim
         if pipeline == LAYERED and z == 4:
-            # Layered's prepare_latents takes a 4-channel input as already-encoded latents when z_dim == 4: the
-            # RGBA image would skip VAE encode. The real model has z_dim 16; 8 keeps the tiny one small.
+            # with z_dim 4, Layered takes the RGBA input as encoded latents (the real model has 16)
             z = 8
         return dataclasses.replace(self, name=name, pipeline=pipeline, zero_cond_t=zero_cond_t, vae_z_dim=z)
 
@@ -187,18 +185,14 @@ def _tokenizer(vision: bool = False):
     return tok
 
 
-#: The tiny vision tower's image processor: 14-px patches merged 2x2, between 2x2 and 4x4 merged tokens per image.
-PROCESSOR_MIN_PIXELS = 28 * 28 * 4
-PROCESSOR_MAX_PIXELS = 28 * 28 * 16
-
-
 def _save_processor(tok, out: Path) -> None:
     """``Qwen2VLProcessor`` with the PIL image processor, saved through the image-only subclass (no torchvision)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from vllm_omni_ascend_opt.testbed.pipeline import image_only_processor_class
 
-    ip = Qwen2VLImageProcessorPil(min_pixels=PROCESSOR_MIN_PIXELS, max_pixels=PROCESSOR_MAX_PIXELS)
+    # 14-px patches merged 2x2: between 2x2 and 4x4 merged tokens per image
+    ip = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
     image_only_processor_class()(image_processor=ip, tokenizer=tok).save_pretrained(out)
     cfg_path = out / "processor_config.json"
     cfg = json.loads(cfg_path.read_text())
