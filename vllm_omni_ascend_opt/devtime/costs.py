@@ -1,12 +1,8 @@
 """FLOPs and bytes of one kernel launch, from its arguments and result: what the device-time model prices.
 
-* kind: ``gemm`` (matrix multiplies and convolutions: the cube unit), ``attention`` (SDPA, ``npu_fusion_attention``,
-  ``npu_fused_infer_attention_score``), ``other`` (element-wise, norms, reductions, copies, ``cat``: the vector unit);
-* FLOPs: a multiply-add is 2. GEMM ``2*M*N*K``; convolution ``2 * output elements * Cin/groups * kernel volume``;
-  attention ``4 * B * heads * Sq * Sk * D`` (QK^T and PV; the softmax is left out, as usual for a compute floor);
-  ``other``: one per output element (they are priced by their bytes);
-* bytes: every distinct tensor argument read once (its elements x element size, a broadcast operand at its own size),
-  plus every tensor result written once. No cache reuse is assumed between launches, none is counted inside one.
+Kinds: ``gemm`` (matmuls, convolutions), ``attention`` (SDPA and the NPU fused attentions), ``other`` (the rest,
+priced by bytes; FLOPs one per output element). A multiply-add is 2 FLOPs; attention is ``4 * B * heads * Sq * Sk * D``
+(no softmax). Bytes: each distinct tensor argument read once and each result written once (no cache reuse).
 """
 
 from __future__ import annotations
@@ -34,11 +30,6 @@ class Cost:
     kind: str
     flops: float
     bytes: float
-
-
-def base_name(name: str) -> str:
-    """``"addmm.out"`` -> ``"addmm"``; ``"npu::npu_rotary_mul"`` stays."""
-    return name if name.startswith("npu::") else name.split(".", 1)[0]
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -75,7 +66,7 @@ def _attention_flops(b: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> f
 
 def cost(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Cost:
     """The :class:`Cost` of one launch of ``name`` (a counter's op name) with these arguments and result."""
-    b = base_name(name)
+    b = name if name.startswith("npu::") else name.split(".", 1)[0]  # "addmm.out" -> "addmm"
     if b in _ATTENTION_NAMES:
         kind, flops = ATTENTION, _attention_flops(b, args, kwargs)
     elif b in _GEMM_NAMES or "conv" in b:

@@ -1,10 +1,8 @@
 """Run real model code on CPU tensors without computing anything: :class:`HollowMode`.
 
-The device-time trace needs every op at full size, shapes without numbers. Meta tensors would break the code under
-trace (device types, host reads, the modulation memo refuses ``FakeTensor``), so tensors stay plain CPU tensors and
-each op is answered from its meta kernel: views and allocations run for real, in-place and ``out=`` ops return their
-target unwritten, other outputs are allocated uninitialised (up to :data:`SMALL` elements filled, for deterministic
-host reads); ops without a meta kernel and small factories run for real.
+Tensors stay plain CPU tensors (meta ones would break device checks, host reads and the memo) and each op is answered
+from its meta kernel: views and allocations run for real, in-place ops return their target unwritten, other outputs
+are allocated uninitialised; ops without a meta kernel and small factories run for real.
 """
 
 from __future__ import annotations
@@ -74,8 +72,7 @@ class HollowMode(TorchDispatchMode):
 
     @staticmethod
     def _factory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A factory (``arange``, ``zeros``, ``randn`` ...): made for real when small (its values may be read),
-        allocated unwritten when large (the kernel checks' random probes at full size)."""
+        """A factory (``arange``, ``randn`` ...): made for real when small (values may be read), else unwritten."""
         has_device = any(a.name == "device" for a in func._schema.arguments)
         if has_device and kwargs.get("device") in (None, "cpu", torch.device("cpu")):
             try:

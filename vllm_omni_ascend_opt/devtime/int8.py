@@ -1,17 +1,9 @@
 """vLLM-Omni's NPU int8 (``--quantization int8``) priced on the bf16 trace (a model, never a measurement).
 
-vLLM-Omni 0.30's ``NPUInt8LinearMethod`` runs each quantized linear as ``npu_dynamic_quant(x)`` (bf16 in, int8 and
-an fp32 per-token scale out) and ``npu_quant_matmul`` (int8 x int8, int32 sums, bf16 out). It quantizes the blocks'
-linears and keeps the modulation (``img_mod``/``txt_mod``, M = 1) and the timestep embedder in full precision
-(``safe_quant_config``, ``quant_config=None``); the few other linears outside the blocks are priced as bf16 here.
-
-:func:`int8_table` rewrites a bf16 call's op table: each quantized GEMM keeps its FLOPs, priced at the int8 peak
-(:data:`INT8_PEAK_RATIO` x the bf16 one [PEAK-I8]) with int8 operand bytes, plus one ``npu_dynamic_quant`` launch
-priced by its bytes. What it cannot price: the weight layout. An NZ int8 weight (``nz_weights``) has the same FLOPs
-and bytes as an ND one, so the model gives it 0 ms; only a measurement can say what it is worth.
-
-* [PEAK-I8] the Da Vinci cube does 4096 FP16 or 8192 INT8 MACs per cycle (Hot Chips 2019; Ascend 910: 256 TFLOPS
-  FP16, 512 TOPS INT8), so the int8 peak is twice the FP16/BF16 one; third-party 910B summaries quote the same ratio.
+``NPUInt8LinearMethod`` runs each quantized linear (the blocks' linears with M > 1; modulation and timestep embedder
+stay bf16) as ``npu_dynamic_quant(x)`` then ``npu_quant_matmul``. :func:`int8_table` keeps each such GEMM's FLOPs at
+the int8 peak with int8 operand bytes, plus one quantization launch priced by its bytes. The weight layout (NZ int8)
+changes neither FLOPs nor bytes, so it is not priced.
 """
 
 from __future__ import annotations
@@ -19,9 +11,9 @@ from __future__ import annotations
 import re
 
 from vllm_omni_ascend_opt.devtime.costs import GEMM, OTHER
-from vllm_omni_ascend_opt.devtime.trace import BLOCKS, OpTable
+from vllm_omni_ascend_opt.devtime.trace import BLOCKS, Op, OpTable
 
-#: int8 peak / bf16 peak [PEAK-I8].
+#: int8 peak / bf16 peak: the Da Vinci cube does 8192 INT8 or 4096 FP16 MACs per cycle.
 INT8_PEAK_RATIO = 2.0
 GEMM_INT8 = "gemm_int8"
 QUANT_OP = "npu_dynamic_quant"
@@ -37,11 +29,10 @@ def gemm_shape(site: str) -> tuple[int, int, int] | None:
     return (m, k, n) if k == k2 else None
 
 
-def quantized(op: object, blocks: int = BLOCKS) -> bool:
+def quantized(op: Op, blocks: int = BLOCKS) -> bool:
     """Whether vLLM-Omni's int8 quantizes this GEMM: a per-block linear (launched once per block) with M > 1."""
-    shape = gemm_shape(op.site)  # type: ignore[attr-defined]
-    count = op.count  # type: ignore[attr-defined]
-    return op.kind == GEMM and shape is not None and shape[0] > 1 and count % blocks == 0  # type: ignore[attr-defined]
+    shape = gemm_shape(op.site)
+    return op.kind == GEMM and shape is not None and shape[0] > 1 and op.count % blocks == 0
 
 
 def int8_table(table: OpTable, blocks: int = BLOCKS) -> OpTable:

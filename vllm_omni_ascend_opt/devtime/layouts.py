@@ -1,11 +1,9 @@
 """Multi-card layouts for one image: the collectives each parallel mode issues, priced, and the best layout.
 
-:func:`collectives` gives, per transformer call and rank, what vLLM-Omni 0.30's parallel modes issue (Ulysses and
-ring SP, TP; CFG-parallel per step), checked against :class:`CollectiveCounter` on the real code. Ring passes are
-not overlapped (an upper bound).
-
-Pricing (approximate): an all-to-all or all-gather over u ranks moves its (u-1)/u share over u-1 links at once, an
-all-reduce twice that, plus one latency per collective; compute is one rank's share of the ops (:func:`_rank_table`).
+:func:`collectives` is what vLLM-Omni's Ulysses, ring, TP and CFG-parallel modes issue (checked against
+:class:`CollectiveCounter` on the real code). Pricing (approximate): an all-to-all or all-gather over u ranks moves
+its (u-1)/u share over u-1 links at once, an all-reduce twice that, plus one latency per collective; ring passes are
+not overlapped; compute is one rank's share of the ops (:func:`_rank_table`).
 """
 
 from __future__ import annotations
@@ -88,9 +86,8 @@ def collectives(
     channels: int = 64,
     el: int = 2,
 ) -> dict[str, list[int]]:
-    """Per rank and transformer call: ``c10d`` op name -> [calls, bytes sent in] (what :class:`CollectiveCounter`
-    sees; ``send`` stands for a ring pass), for the SP and TP modes; CFG-parallel's gather is per step
-    (:func:`cfg_collectives`). ``el`` bytes per element (bf16: 2), ``channels`` of the packed latent output."""
+    """Per rank and transformer call of the SP and TP modes: ``c10d`` op -> [calls, bytes sent in] (``send``: a ring
+    pass); ``el`` bytes per element, ``channels`` of the packed latent output."""
     out: dict[str, list[int]] = {}
 
     def add(name: str, calls: int, nbytes: int) -> None:
@@ -130,8 +127,7 @@ def _comm_ms(
 
 
 def _rank_table(table: OpTable, layout: Layout, image_tokens: int, batch: int) -> OpTable:
-    """One rank's share of a transformer call's ops: SP splits every op on the image sequence, TP the GEMMs,
-    attention and the head-split ops; the rest runs whole on every rank."""
+    """One rank's ops: SP splits those on the image sequence, TP the GEMMs, attention and head-split ops."""
     sp, tp = layout.ulysses * layout.ring, layout.tp
     seq = re.compile(rf"(^|[x,]){image_tokens}(x|,|$)")
     heads = f"x{HEADS}x{HEAD_DIM}"
@@ -163,17 +159,14 @@ def predict(
     tr, vae = TB.call_ops(table, wk, config), TB.call_ops(table, wk, config, "vae")
     s, t = (height // 16) * (width // 16), table["text_tokens"]
     rank_call = M.call_ms(_rank_table(tr, layout, s, 1), params)
-    comm = sum(
-        _comm_ms(
-            n, c, b, layout.ulysses * layout.ring if n != "allreduce_" else layout.tp, params.spec.hccs_gbps, latency_us
-        )
-        for n, (c, b) in collectives(layout, batch=1, image_tokens=s, text_tokens=t).items()
-    )
+    sp, gbps = layout.ulysses * layout.ring, params.spec.hccs_gbps
+    calls = collectives(layout, batch=1, image_tokens=s, text_tokens=t).items()
+    comm = sum(_comm_ms(n, c, b, layout.tp if n == "allreduce_" else sp, gbps, latency_us) for n, (c, b) in calls)
     forwards = cfg_forwards // layout.cfg
     step = forwards * (rank_call + comm)
     if layout.cfg > 1:
         ((c, b),) = cfg_collectives(batch=1, image_tokens=s).values()
-        step += _comm_ms("_allgather_base_", c, b, 2, params.spec.hccs_gbps)
+        step += _comm_ms("_allgather_base_", c, b, 2, gbps)
     total = steps * step + M.call_ms(vae, params) + params.const_ms
     return {"ms": total, "comm_ms_per_step": forwards * comm, "compute_ms_per_call": rank_call}
 
@@ -187,6 +180,10 @@ def text_table(
     table: dict[str, Any], params: M.Params, height: int, width: int, steps: int, cards: list[int], cfg: bool = True
 ) -> list[str]:
     fw = 2 if cfg else 1
+
+    def both(lay: Layout) -> list[dict[str, float]]:  # stock's and default's predictions
+        return [predict(table, params, lay, c, height, width, steps, fw) for c in ("stock", "default")]
+
     lines = [
         f"  multi-card layouts ({M.LABEL}), {width}x{height}, {steps} steps, CFG {'on' if cfg else 'off'}, "
         f"{params.spec.name}, HCCS {params.spec.hccs_gbps:.0f} GB/s (approximate), {HCCL_LATENCY_US:.0f} us per "
@@ -195,19 +192,14 @@ def text_table(
     one = {c: predict(table, params, Layout(), c, height, width, steps, fw)["ms"] for c in ("stock", "default")}
     lines.append(f"    1 card: stock {one['stock']:.0f} ms, default {one['default']:.0f} ms")
     for n in cards:
-        rows = []
-        for lay in layouts_for(n, cfg):
-            st = predict(table, params, lay, "stock", height, width, steps, fw)
-            de = predict(table, params, lay, "default", height, width, steps, fw)
-            rows.append((de["ms"], lay, st, de))
-        rows.sort(key=lambda r: r[0])
-        for _ms, lay, st, de in rows:
+        rows = sorted(((lay, *both(lay)) for lay in layouts_for(n, cfg)), key=lambda r: r[2]["ms"])
+        for lay, st, de in rows:
             lines.append(
                 f"    {n} cards {lay.name:<16} stock {st['ms']:7.0f} ms (x{one['stock'] / st['ms']:.2f})  default "
                 f"{de['ms']:7.0f} ms (x{one['default'] / de['ms']:.2f})  comm {de['comm_ms_per_step']:6.1f} ms/step"
             )
         if rows:
-            lines.append(f"    best for {n} cards: {rows[0][1].name}")
+            lines.append(f"    best for {n} cards: {rows[0][0].name}")
     return lines
 
 

@@ -1,11 +1,8 @@
-"""The device-time model learns from the device: the kernel timings saved with the verdicts, beside the model.
+"""The kernel timings saved with the verdicts (``blocks/kernels/saved.py``, format 2) beside the device-time model.
 
-The saved-verdict file (``blocks/kernels/saved.py``, format 2) holds, per kernel and shape class, the device ms of
-each candidate and of stock (``blocks/kernels/timing.py``). Each timed class's key gives its sizes, so the model
-(:func:`.model.op_ms`) prices the same op: its ms is printed beside the measured one. The attention and GEMM
-efficiencies are then refitted (least squares in log ms, one parameter per kind) to what the device ran (the winning
-candidate, else stock), and ``plan``'s prediction of an image is given before and after: how far it moved.
-Sizes come from the class buckets (upper bounds), so a class is priced at its bucket's top.
+Each timed class's key gives its sizes (its bucket's top), so :func:`.model.op_ms` prices the same op beside the
+measured ms. The attention and GEMM efficiencies are refitted (least squares in log ms) to what ran (the winner, else
+stock), and ``plan``'s prediction of an image is given before and after.
 """
 
 from __future__ import annotations
@@ -14,12 +11,12 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from vllm_omni_ascend_opt.blocks.kernels.nz_check import NZ_TIMING as NZ_KERNEL
 from vllm_omni_ascend_opt.devtime import model as M
 from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM, OTHER
+from vllm_omni_ascend_opt.devtime.trace import Op
 
 EL = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -32,27 +29,23 @@ def load(path: Path) -> dict[str, Any]:
     return data["verdicts"]
 
 
-def op_of(kernel: str, key: str) -> SimpleNamespace | None:
+def op_of(kernel: str, key: str) -> Op | None:
     """The op a timed class stands for (kind, FLOPs, bytes, one launch), from its key text; None when unknown."""
     p = key.split("|")
     el = EL.get(p[1], 2) if len(p) > 1 else 2
     if kernel == "npu_fusion_attention" and len(p) == 9:
         bn, group, sq, skv, d = (int(x) for x in p[3:8])
-        flops, nbytes = 4.0 * bn * sq * skv * d, el * d * (2 * bn * sq + 2 * (bn // max(1, group)) * skv)
-        return SimpleNamespace(kind=ATTENTION, flops=flops, bytes=float(nbytes), count=1)
+        nbytes = el * d * (2 * bn * sq + 2 * (bn // max(1, group)) * skv)
+        return Op(kernel, ATTENTION, key, 1, 4.0 * bn * sq * skv * d, float(nbytes))
     if kernel == "npu_rotary_mul" and len(p) == 6:
         bn, s, d = (int(x) for x in p[3:6])
-        return SimpleNamespace(
-            kind=OTHER, flops=3.0 * bn * s * d, bytes=float(el * (2 * bn * s * d + 2 * s * d)), count=1
-        )
+        return Op(kernel, OTHER, key, 1, 3.0 * bn * s * d, float(el * (2 * bn * s * d + 2 * s * d)))
     if kernel == "npu_rms_norm" and len(p) == 4:
         rows, d = int(p[2]), int(p[3])
-        return SimpleNamespace(kind=OTHER, flops=4.0 * rows * d, bytes=float(el * (2 * rows * d + d)), count=1)
+        return Op(kernel, OTHER, key, 1, 4.0 * rows * d, float(el * (2 * rows * d + d)))
     if kernel == NZ_KERNEL and len(p) == 5:
         n, k, rows = (int(x) for x in p[2:5])
-        return SimpleNamespace(
-            kind=GEMM, flops=2.0 * rows * n * k, bytes=float(el * (rows * k + n * k + rows * n)), count=1
-        )
+        return Op(kernel, GEMM, key, 1, 2.0 * rows * n * k, float(el * (rows * k + n * k + rows * n)))
     return None
 
 

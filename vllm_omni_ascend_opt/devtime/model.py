@@ -1,17 +1,14 @@
 """A device-time model of one Qwen-Image image on an Ascend 910B (a MODEL, calibrated, never a measurement).
 
-Per launch (``devtime/trace.py`` gives each op's FLOPs, bytes and launches)::
+Per op (``devtime/trace.py``)::
 
     time = max(FLOPs / effective peak of its kind, bytes / effective bandwidth of its kind) + launches x overhead
     image = steps x CFG forwards x transformer call + VAE decode + C
 
-GEMMs and attention each get an effective peak; every other op is priced by its bytes, a weight-bound GEMM (M = 1)
-at its own bandwidth (``gemm_bw_eff``: one bandwidth cannot explain both the RoPE and the modulation savings). ``C``
-(:attr:`Params.const_ms`) stands for what the trace does not cover (text encoder, scheduler, host gaps).
-
-:func:`fit` calibrates the six parameters on :data:`FIT_POINTS` of the published :data:`REFERENCE_MS`, the rest held
-out; one resolution fixes the efficiencies and ``C`` only together, hence a weak prior each (:data:`PRIORS`).
-NZ weights and attention fusion change kernel speed, not FLOPs or bytes: the model sees only what they remove.
+GEMMs and attention each get a peak, GEMMs their own bandwidth (``gemm_bw_eff``, for the weight-bound M = 1 ones);
+``C`` (:attr:`Params.const_ms`) is what the trace does not cover (text encoder, scheduler, host gaps). :func:`fit`
+calibrates the six parameters on :data:`FIT_POINTS` of :data:`REFERENCE_MS`, the rest held out, with a weak prior each
+(:data:`PRIORS`). NZ weights and attention fusion change no FLOP or byte: the model sees only what they remove.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ REFERENCE_STEPS = 8
 REFERENCE_DEVICE = "910B1"
 #: The calibration points the fit uses; the rest of :data:`REFERENCE_MS` is held out to check it.
 FIT_POINTS = ("stock", "shared_modulation", "rope", "pixel")
-#: (value, spread in log space, why): a weak prior per parameter (in :class:`Params` order), for the directions the
-#: data cannot fix.
+#: (value, spread in log space, why): a weak prior per parameter (in :class:`Params` order).
 PRIORS: dict[str, tuple[float, float, str]] = {
     "gemm_eff": (0.6, 0.5, "large bf16 GEMMs on a cube unit usually reach 50-70% of peak"),
     "attn_eff": (0.45, 0.5, "fused attention usually reaches less than GEMMs (softmax on the vector unit)"),
@@ -137,11 +133,10 @@ class Fit:
     points: dict[str, tuple[float, float, float, bool]]
 
     def rows(self) -> list[str]:
-        out = []
-        for name, (ref, got, res, used) in self.points.items():
-            tag = "fit" if used else "held out"
-            out.append(f"{name:<18} published {ref:7.1f}  model {got:7.1f}  residual {res:+6.1f} ms ({tag})")
-        return out
+        return [
+            f"{name:<18} published {ref:7.1f}  model {got:7.1f}  residual {res:+6.1f} ms ({'fit' if used else 'held out'})"
+            for name, (ref, got, res, used) in self.points.items()
+        ]
 
 
 def fit(
@@ -152,8 +147,7 @@ def fit(
     reference: dict[str, float] | None = None,
     device: str = REFERENCE_DEVICE,
 ) -> Fit:
-    """Fit :class:`Params` on ``points`` of ``reference`` (default :data:`REFERENCE_MS`); ``calls`` maps each
-    configuration to its (transformer call, VAE decode) op tables at the reference workload."""
+    """Fit :class:`Params` on ``points`` of ``reference``; ``calls``: configuration -> (transformer, VAE) op tables."""
     from scipy.optimize import least_squares
 
     reference = reference or REFERENCE_MS

@@ -27,8 +27,7 @@ def calibration(table: dict[str, Any]) -> M.Fit:
 def predictions(
     table: dict[str, Any], params: M.Params, workload: str, steps: int, cfg_forwards: int = 1, int8: bool = False
 ) -> dict[str, M.Prediction]:
-    """Configuration -> :class:`~.model.Prediction` of one image at ``workload`` (a key of the table); ``int8``:
-    under vLLM-Omni's NPU int8 (:func:`~.int8.int8_table`; the floor stays the bf16 one)."""
+    """Configuration -> :class:`~.model.Prediction` of one image at ``workload`` (``int8``: on the int8 op table)."""
     out = {}
     for name in table["workloads"][workload]:
         tr, vae = TB.call_ops(table, workload, name), TB.call_ops(table, workload, name, "vae")
@@ -62,16 +61,9 @@ def top_ops(
     return sorted(rows, key=lambda r: -r["ms"])[:n]
 
 
-def text_tables(
-    table: dict[str, Any],
-    fit: M.Fit,
-    workload: str,
-    steps: int,
-    cfg_forwards: int = 1,
-    top: int = 10,
-) -> list[str]:
-    """The model's tables for one workload and step count, as lines of text."""
-    p = fit.params
+def text_tables(table: dict[str, Any], fit: M.Fit, workload: str, steps: int, cfg_forwards: int = 1) -> list[str]:
+    """The model's tables for one workload and step count, as lines of text (with the top 10 other ops)."""
+    p, top = fit.params, 10
     preds = predictions(table, p, workload, steps, cfg_forwards)
     any_pred = next(iter(preds.values()))
     lines = [
@@ -119,10 +111,8 @@ def for_plan(
     cards: list[int] | None = None,
     quantization: str | None = None,
 ) -> dict[str, Any]:
-    """``plan``'s model section: per plan configuration (id -> optimizations) the predicted ms per image and the
-    ms saved against stock, with the launch-only model's figure beside it, and the multi-card layouts for ``cards``
-    (one fit for both); ``note`` says why not, where not. ``quantization="int8"``: each configuration also under
-    vLLM-Omni's NPU int8, in ms and x the bf16 compute floor, beside bf16."""
+    """``plan``'s model section: per plan configuration (id -> optimizations) the predicted ms and ms saved beside the
+    launch-only figure, the layouts for ``cards``, with ``quantization="int8"`` int8 too; ``note`` says why not."""
     out: dict[str, Any] = {"label": HEAD, "configs": {}, "note": ""}
     if model not in ("Qwen/Qwen-Image", "Qwen-Image"):
         out["note"] = f"the trace table holds Qwen-Image text-to-image only, not {model}"

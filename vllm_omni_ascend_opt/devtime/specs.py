@@ -1,14 +1,8 @@
-"""Published Ascend 910B figures the device-time model starts from (peaks; the model fits what is reached).
+"""Approximate public Ascend 910B figures (third-party; no per-SKU table from Huawei) the device-time model starts from.
 
-Huawei publishes no per-SKU table this project could find; the third-party figures disagree, so these are
-**approximate public figures**, used only for the compute floor (FLOPs / peak) and to show the fitted effective
-values as fractions of peak: the predictions depend on the fitted values, not on these peaks.
-
-* [PEAK-B] 910B FP16/BF16 peaks as commonly quoted: B1 ~414, B2 ~376, B3 ~313, B4 ~280 TFLOPS (third-party
-  summaries, e.g. https://boardor.com/blog/huawei-ascend-910b-outperforms-h20-910c-approaches-h100).
-* [HBM] 64 GB HBM2e at ~1.6 TB/s for 910B1-B3 (third-party; approximate).
-* [HCCS] Atlas 800T A2: 8 NPUs fully connected, 7 links x 56 GB/s = 392 GB/s per NPU (third-party). The
-  per-collective latency is an assumption (:data:`HCCL_LATENCY_US`).
+They set the compute floor (FLOPs / peak) and show the fitted values as fractions of peak; the predictions depend on
+the fitted values. [PEAK-B] BF16 peak TFLOPS as commonly quoted; [HBM] 64 GB HBM2e at ~1.6 TB/s; [HCCS] Atlas 800T
+A2: 8 NPUs fully connected, 7 links x 56 GB/s per NPU.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The trace table the device-time model reads: per workload and configuration, the priced ops of one call.
-
-Written by ``benchmarks/bench_devtime.py --write-table`` (with the torch_npu fake of ``tests/``: ``plan`` never
-traces): one warm 60-block transformer call and one VAE decode, each op ``[name, kind, site, launches, flops, bytes]``.
+"""The trace table the device-time model reads (``benchmarks/bench_devtime.py --write-table`` writes it): per workload
+and configuration, one warm transformer call and one VAE decode, each op ``[name, kind, site, launches, flops, bytes]``.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ VERSION = 1
 RESOLUTIONS: tuple[tuple[int, int], ...] = ((512, 512), (1024, 1024), (1328, 1328), (928, 1664), (704, 1280))
 BATCHES = (1, 2)
 REFERENCE_RES = (704, 1280)
-#: The default optimizations that act only through torch_npu kernels: without torch_npu (a CPU host planning an NPU
-#: run) ``ablate``'s full stack is the default less these, the ``portable`` configurations.
+#: The default optimizations that act only through torch_npu kernels (the default less these: ``portable``).
 NPU_ONLY = ("fused_attention", "nz_weights", "qk_norm")
 
 
@@ -51,9 +48,8 @@ def _only(names: Any) -> str:
 
 
 def configurations() -> dict[str, str]:
-    """Name -> ``VLLM_OMNI_ASCEND_OPT`` spec: the op tables' (:func:`~.testbed.blockops.configurations`), the default
-    stack less each of its optimizations (``default-<name>``: ``ablate``'s leave-one-out), and the reference's
-    ``pixel`` stack (the default transformer optimizations of the exact and pixel tiers) and ``pixel+vae``."""
+    """Name -> spec: the op tables' configurations, ``default-<name>`` (leave-one-out), the reference's ``pixel`` and
+    ``pixel+vae`` stacks, and ``portable`` (the default less :data:`NPU_ONLY`) less each of its optimizations."""
     from vllm_omni_ascend_opt import registry
     from vllm_omni_ascend_opt.testbed import blockops
 
@@ -95,8 +91,7 @@ def build(
     depth: int = 2,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Trace every (workload, configuration); the torch_npu fake must be installed. Transformer and VAE traces are
-    shared between configurations that select the same optimizations for them."""
+    """Trace every (workload, configuration), sharing equal traces; the torch_npu fake must be installed."""
     from vllm_omni_ascend_opt import flags as flags_mod
     from vllm_omni_ascend_opt.devtime import trace as T
 

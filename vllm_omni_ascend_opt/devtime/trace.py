@@ -1,9 +1,8 @@
 """An op trace of the real model at full scale, with no memory: what each launch costs in FLOPs and bytes.
 
-:class:`OpTrace` is the NPU launch counter (``testbed/npu_ops.py``) that also prices every launch it counts
-(:mod:`.costs`) and records where it ran (outside the blocks, the first block, the last block) and from which line
-of Python. :func:`trace_transformer` and :func:`trace_vae` trace one warm call under :class:`~.hollow.HollowMode`;
-60 blocks are ``outside + first + 59 x last`` (:meth:`CallTrace.per_call`). The caller installs the torch_npu fake.
+:class:`OpTrace` is the NPU launch counter that also prices each launch (:mod:`.costs`) by scope (outside the blocks,
+first block, last block) and source line. :func:`trace_transformer` and :func:`trace_vae` trace one warm call under
+:class:`~.hollow.HollowMode`; 60 blocks are ``outside + first + 59 x last``. The caller installs the torch_npu fake.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from vllm_omni_ascend_opt.devtime.costs import cost
 from vllm_omni_ascend_opt.devtime.hollow import HollowMode
@@ -29,8 +29,7 @@ FULL = dataclasses.replace(
     REALWIDTH, name="full", num_layers=60, joint_attention_dim=3584, vae_z_dim=16, vae_base_dim=96
 )
 BLOCKS = FULL.num_layers
-#: Text tokens of the prompt (after the template's system prefix is dropped): an assumption, the reference's prompt
-#: is not published. Attention and the text stream scale with it.
+#: Text tokens of the prompt (without the template's prefix): assumed, the reference's prompt is not published.
 TEXT_TOKENS = 64
 #: Frames skipped when looking for the model or plugin line an op came from.
 _SKIP_FRAMES = ("/devtime/", "/testbed/npu_ops.py", "/fake_torch_npu/")
@@ -38,8 +37,6 @@ _SKIP_FRAMES = ("/devtime/", "/testbed/npu_ops.py", "/fake_torch_npu/")
 
 def shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """``"1x3584x3072,3072x3072"``: the shapes of a launch's tensor arguments (ops are merged only when equal)."""
-    from torch.utils import _pytree as pytree
-
     return ",".join(
         "x".join(map(str, t.shape)) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
     )

@@ -1,8 +1,5 @@
-"""Kernel launches per transformer block on a warm forward, for a flag selection, a dtype and a width.
-
-vLLM-Omni's real transformer (tiny or real width; no op is per-token, so a small image), counted by
-:class:`~.opcount.OpCounter` or, with the caller's torch_npu fake, :class:`~.npu_ops.NpuOpCounter`.
-"""
+"""Kernel launches per block of vLLM-Omni's real transformer on a warm forward, for a flag selection, dtype and width
+(:class:`~.opcount.OpCounter`, or with the caller's torch_npu fake :class:`~.npu_ops.NpuOpCounter`)."""
 
 from __future__ import annotations
 
@@ -80,8 +77,7 @@ def t2i_inputs(
 
 @contextlib.contextmanager
 def npu_dispatch(tr: Any) -> Iterator[int]:
-    """Dispatch ``tr``'s vLLM-Omni ``CustomOp`` modules to ``forward_npu`` as on an Ascend platform (here they picked
-    ``forward_native``), so that stock's NPU code is what is counted. Yields how many modules were switched."""
+    """Dispatch ``tr``'s ``CustomOp`` modules to ``forward_npu`` as on Ascend; yields how many were switched."""
     from vllm_omni.diffusion.layers.custom_op import CustomOp
 
     switched = [m for m in tr.modules() if isinstance(m, CustomOp) and "_forward_method" in m.__dict__]
@@ -92,8 +88,7 @@ def npu_dispatch(tr: Any) -> Iterator[int]:
 
 
 def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) -> BlockCount:
-    """Select ``flags`` on ``tr``, run one cold forward, then count the last block of a warm one (``npu``: under
-    :func:`npu_dispatch`)."""
+    """Select ``flags`` on ``tr``, run one cold forward, then count the last block of a warm one."""
     from vllm_omni_ascend_opt import api
     from vllm_omni_ascend_opt.testbed.npu_ops import NpuOpCounter
     from vllm_omni_ascend_opt.testbed.opcount import OpCounter, count_module_calls
@@ -111,8 +106,7 @@ def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) 
     (c,), (first,), (call,) = calls, b0, whole
     if first.total < c.total:
         raise AssertionError(f"{flags}: block 0 launches {first.total}, fewer than the last block's {c.total}")
-    # block 0 may launch more: once-per-forward work done lazily by the first block that needs it (e.g. a joint RoPE
-    # table) counts as outside the blocks (``BlockCount.outside``); per block is the steady state
+    # block 0 may launch more (once-per-forward work done lazily): that counts as outside the blocks
     unresolved = Counter(getattr(call, "unresolved", {}))
     return BlockCount(c.total, Counter(c.counts), unresolved, call.total, len(tr.transformer_blocks))
 
@@ -120,8 +114,7 @@ def count_block(tr: Any, rt: Any, kw: dict[str, Any], flags: str, *, npu: bool) 
 def ops_per_block(
     rt: Any, flags: str = "default", *, dtype: torch.dtype = torch.bfloat16, npu: bool = True
 ) -> BlockCount:
-    """Launches per block of a warm forward of the tiny transformer in ``dtype`` (:func:`count_block`); with
-    ``npu=True`` install the torch_npu fake first so that the plugin takes its NPU paths."""
+    """:func:`count_block` of the tiny transformer in ``dtype`` (``npu=True``: install the torch_npu fake first)."""
     tr = build_transformer(rt, TINY, dtype)
     return count_block(tr, rt, t2i_inputs(tr, dtype), flags, npu=npu)
 

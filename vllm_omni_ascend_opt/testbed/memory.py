@@ -1,8 +1,6 @@
 """Peak memory of one call: the bytes of tensor storage allocated during it and alive at its worst moment.
 
-The running sum of the profiler's signed ``[memory]`` events (``profile_memory=True``) in time order is what the call
-added over what existed before it (weights and inputs not counted): its maximum the peak, its last value ``end``.
-:func:`first_call_peaks` measures calls made deep inside a generation.
+On CPU, the running sum of the profiler's signed ``[memory]`` events: its maximum the peak, its last value ``end``.
 """
 
 from __future__ import annotations
@@ -26,9 +24,8 @@ class MemoryPeak:
 
 
 def measure(fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: Any) -> tuple[Any, MemoryPeak]:
-    """``fn(*args, **kwargs)`` under the memory profiler: its result and the :class:`MemoryPeak` on ``device``. On an
-    accelerator with allocator statistics (``torch.cuda``, ``torch.npu``), the allocator's own peak over what was
-    allocated before (``allocations`` then 0: unknown)."""
+    """``fn(*args, **kwargs)``'s result and :class:`MemoryPeak` on ``device`` (on an accelerator, its allocator's peak
+    over what was allocated before, ``allocations`` 0: unknown)."""
     kind = torch.device(device).type
     acc = getattr(torch, kind, None) if kind != "cpu" else None
     if acc is not None and callable(getattr(acc, "max_memory_allocated", None)):
@@ -59,9 +56,8 @@ def measure(fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: A
 
 @contextlib.contextmanager
 def first_call_peaks(targets: dict[str, tuple[Any, str]], device: str = "cpu") -> Iterator[dict[str, MemoryPeak]]:
-    """While active, the first call of each ``obj.method`` (``label -> (obj, method)``) runs under :func:`measure`;
-    the yielded dict fills with ``label -> MemoryPeak``. Wraps whatever ``obj.method`` is now (vLLM-Omni's cache and
-    offload hooks included) through the instance attribute, restored exactly on exit."""
+    """While active, the first call of each ``obj.method`` (``label -> (obj, method)``, hooks included) runs under
+    :func:`measure`; the yielded dict fills with ``label -> MemoryPeak``."""
     peaks: dict[str, MemoryPeak] = {}
 
     def wrap(label: str, current: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,10 +1,6 @@
-"""vLLM-Omni's own ``DiffusionModelRunner``, in this process, on the test bed's CPU runtime.
-
-:class:`RunnerHarness` builds the runner the diffusion worker drives from ``OmniDiffusionConfig`` fields, so tests and
-benchmarks exercise the plugin in vLLM-Omni's memory, cache, compile and LoRA modes without an accelerator. CPU-only
-adaptations: the engine CPU runtime (``runtime.py``), ``pin_cpu_memory=False`` for offload, and
-``supports_torch_inductor`` True while a ``compile=True`` runner loads (else the runner skips compiling).
-"""
+"""vLLM-Omni's own ``DiffusionModelRunner`` in this process, on the test bed's CPU runtime: its memory, cache, compile
+and LoRA modes without an accelerator (CPU adaptations: the engine CPU runtime, unpinned offload memory, inductor
+reported supported while a ``compile=True`` runner loads)."""
 
 from __future__ import annotations
 
@@ -23,15 +19,6 @@ from vllm_omni_ascend_opt.testbed.runtime import Runtime, apply_engine_cpu_runti
 OFFLOAD_FIELDS = ("enable_cpu_offload", "enable_layerwise_offload")
 
 
-def _inductor_supported(on: bool) -> Any:
-    """While loading: the platform says it supports inductor (only when ``on``; restored afterwards)."""
-    if not on:
-        return contextlib.nullcontext()
-    from vllm_omni.platforms import current_omni_platform
-
-    return mock.patch.object(type(current_omni_platform), "supports_torch_inductor", classmethod(lambda _cls: True))
-
-
 @dataclass
 class RunnerHarness:
     """A loaded ``DiffusionModelRunner`` and the runtime it runs in."""
@@ -44,12 +31,11 @@ class RunnerHarness:
     def load(
         cls, rt: Runtime, *, compile: bool = False, device: str | torch.device = "cpu", **fields: Any
     ) -> RunnerHarness:
-        """Build a runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields`` and load it on ``device``.
-        ``compile=True`` sets ``enforce_eager=False`` and lets the runner compile (``diffusion_compile_granularity``
-        picks regional or full)."""
+        """A runner for ``rt``'s model with the ``OmniDiffusionConfig`` ``fields``, loaded on ``device``."""
         use_import_workarounds()
         apply_engine_cpu_runtime()
         from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
+        from vllm_omni.platforms import current_omni_platform
 
         fields.setdefault("enforce_eager", not compile)
         od = copy.copy(rt.od_config)  # with ``fields`` set, cached resolutions dropped
@@ -62,7 +48,10 @@ class RunnerHarness:
                 raise TypeError(f"OmniDiffusionConfig has no field {name!r}")
             setattr(od, name, value)
         runner = DiffusionModelRunner(rt.vllm_config, od, torch.device(device))
-        with rt.context(), _inductor_supported(compile):
+        inductor = mock.patch.object(
+            type(current_omni_platform), "supports_torch_inductor", classmethod(lambda _: True)
+        )
+        with rt.context(), inductor if compile else contextlib.nullcontext():  # else the runner skips compiling
             runner.load_model()
         return cls(runner, rt)
 
@@ -93,9 +82,8 @@ class RunnerHarness:
         lora: tuple[str, int, str, float] | None = None,
         **request: Any,
     ) -> torch.Tensor:
-        """One request through ``runner.execute_model``; the decoded images ``[B, 3, H, W]`` (float, CPU). ``lora``
-        (after :meth:`enable_lora`): the adapter (name, int id > 0, directory, scale), activated as the worker does;
-        ``request``: further :func:`~.pipeline.make_request` keywords."""
+        """One request through ``runner.execute_model``: the decoded images ``[B, 3, H, W]``. ``lora`` (after
+        :meth:`enable_lora`): the adapter (name, int id > 0, directory, scale), activated as the worker does."""
         if lora is not None and self.lora_manager is None:
             raise RuntimeError("generate(lora=...) needs enable_lora() first")
         if self.lora_manager is not None:

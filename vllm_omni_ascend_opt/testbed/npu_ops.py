@@ -1,10 +1,8 @@
 """Count the kernels torch_npu 2.13 would launch for what runs here on CPU: :class:`NpuOpCounter`.
 
-Per op reaching the dispatcher (views and allocation-only ops excluded), :func:`resolve`: registered for the NPU (a
-dense key in :data:`REGISTERED_FILE`, from the torch-npu 2.13.0 wheel) or through its structured ``out=`` overload ->
-1 launch; else its ``torch._decomp`` pieces on meta tensors, counted by the same rules; else 1 launch, recorded in
-:attr:`NpuOpCounter.unresolved`. Composite ops torch_npu registers itself (``matmul``, SDPA, ``softmax.int``) count 1
-at their ``torch`` entry points (:data:`FUNCTION_HOOKS`); the torch_npu fake's ops 1 each (:func:`run_npu_kernel`).
+Per dispatched op (:func:`resolve`): registered for the NPU (:data:`REGISTERED_FILE`) directly or through its ``out=``
+overload -> 1 launch; else its decomposition's pieces on meta tensors; else 1 launch, recorded as unresolved.
+Composites torch_npu registers (:data:`FUNCTION_HOOKS`) and the torch_npu fake's ops count 1 each.
 """
 
 from __future__ import annotations
@@ -75,9 +73,8 @@ def _out_variant(func: Any) -> str | None:
 
 @functools.cache
 def resolve(func: Any) -> tuple[str, Any]:
-    """How ``func`` (an OpOverload) runs on the NPU: ``("none", None)`` no kernel, ``("kernel", name)`` one launch,
-    ``("decompose", fn)`` the pieces of ``fn``, ``("unresolved", name)`` one launch we cannot account for. Ops of
-    other namespaces (``npu::``, collectives, custom ops) are one launch each."""
+    """How ``func`` runs on the NPU: ``("none", None)``, ``("kernel", name)`` one launch (every non-aten op too),
+    ``("decompose", fn)`` the pieces of ``fn``, ``("unresolved", name)`` one launch we cannot account for."""
     if not is_kernel_launch(func):
         return ("none", None)
     name = overload_name(func)
@@ -96,8 +93,7 @@ def resolve(func: Any) -> tuple[str, Any]:
     return ("unresolved", name)
 
 
-#: Python callable -> the CompositeImplicitAutograd overload it dispatches to, which torch_npu registers for the NPU
-#: (only entries whose overload is in :func:`registered_ops` take effect).
+#: Python callable -> the composite overload it dispatches to (effective where torch_npu registers that overload).
 FUNCTION_HOOKS: dict[Callable[..., Any], str] = {
     F.scaled_dot_product_attention: "scaled_dot_product_attention",
     torch.matmul: "matmul",
@@ -128,8 +124,7 @@ def _suspended() -> Iterator[None]:
 
 
 def _record(name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None) -> None:
-    """Count one launch of ``name`` in every active counter (only in a decomposition's sub-counter while one runs),
-    and pass ``call`` (args, kwargs, result) to its :meth:`NpuOpCounter.observe`."""
+    """Count one launch of ``name`` in every active counter (only the innermost isolated one) and observe it."""
     active = _STATE.active
     targets = active[-1:] if active and active[-1]._isolated else active
     for c in targets:
@@ -139,8 +134,7 @@ def _record(name: str, call: tuple[tuple[Any, ...], dict[str, Any], Any] | None 
 
 
 def run_npu_kernel(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn`` (a fake torch_npu kernel ``name``) as ONE launch (``npu::<name>``), the CPU ops inside uncounted;
-    only when the result holds a tensor: queries such as ``get_npu_format`` launch nothing."""
+    """Run the fake torch_npu kernel ``fn`` as ONE launch ``npu::<name>`` (none for a tensor-free result)."""
     if _STATE.suspended or not _STATE.active:
         return fn(*args, **kwargs)
     with _suspended():
@@ -163,9 +157,8 @@ class _FunctionHooks(TorchFunctionMode):
 
 
 class NpuOpCounter(OpCounter):
-    """``with NpuOpCounter() as c: ...`` then ``c.total`` / ``c.counts`` (by yaml overload name, ``"mul.Tensor"``,
-    ``"npu::npu_rotary_mul"``): the kernels torch_npu 2.13 would launch. ``c.decomposed`` counts the ops that ran as
-    their pieces, ``c.unresolved`` those counted 1 without an NPU kernel to show for it (should stay empty)."""
+    """``with NpuOpCounter() as c: ...`` then ``c.total`` / ``c.counts`` (by overload name, ``"mul.Tensor"``), also
+    ``c.decomposed`` (ran as their pieces) and ``c.unresolved`` (counted 1 without an NPU kernel; should stay empty)."""
 
     def __init__(self, *, _isolated: bool = False, _depth: int = 0) -> None:
         super().__init__()

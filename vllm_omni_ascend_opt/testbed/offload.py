@@ -1,9 +1,5 @@
-"""Bytes vLLM-Omni's layerwise offloader copies host->device, counted on the copies themselves.
-
-:func:`count_offload_copies` adds up every ``aten::copy_`` out of the offloader's host weight tensors, so every path
-that moves block weights to the device is covered (prefetch, cache skips, late modulation copies). On CPU the bytes
-are those an NPU would receive over PCIe.
-"""
+"""Bytes vLLM-Omni's layerwise offloader copies host->device: every ``aten::copy_`` out of its host weight tensors
+(prefetch, cache skips, late copies alike); on CPU, what an NPU would receive over PCIe."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ class OffloadCopies(TorchDispatchMode):
 
 @contextlib.contextmanager
 def count_offload_copies(model: Any) -> Iterator[OffloadCopies]:
-    """While active: the bytes copied out of the layerwise offloader's host weights of ``model``'s transformers.
-    Raises when nothing in ``model`` is offloaded layerwise (a count of 0 would then mean nothing)."""
+    """The copies out of ``model``'s layerwise offloaded host weights while active (raises when there are none)."""
     host = [t for tr in find_transformers(model) for t in host_weights(tr)]
     if not host:
         raise RuntimeError("no transformer block of this model is offloaded layerwise (enable_layerwise_offload)")

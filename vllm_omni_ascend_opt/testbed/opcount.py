@@ -1,8 +1,5 @@
-"""Count kernel-launching aten ops (what an NPU pays a launch for), excluding views and allocation-only ops.
-
-On an NPU, batch-1 eager Qwen-Image is bound by kernel launches, which a CPU hides: the dispatched aten ops are a
-device-independent proxy. What torch_npu itself would launch is counted by :class:`~.npu_ops.NpuOpCounter`.
-"""
+"""Count kernel-launching aten ops (what an NPU pays a launch for, a CPU hides), excluding views and allocation-only
+ops; host syncs and reads of given tensors. What torch_npu itself would launch: :class:`~.npu_ops.NpuOpCounter`."""
 
 from __future__ import annotations
 
@@ -87,9 +84,8 @@ def count_module_calls(module: torch.nn.Module, counter: Callable[[], Any] | Non
 
 
 class TensorReadCounter(TorchDispatchMode):
-    """Counts the kernel-launching ops that read any of ``tensors`` (matched by storage, so views such as
-    ``weight.t()`` count) and the bytes they read: each watched storage's size once per op that takes it.
-    ``with TensorReadCounter(weights) as c: ...`` then ``c.calls`` / ``c.bytes``."""
+    """``with TensorReadCounter(weights) as c: ...``: ``c.calls`` kernel-launching ops reading any of them (by storage:
+    views count) and ``c.bytes``, each watched storage's size once per op that takes it."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         super().__init__()
@@ -120,9 +116,8 @@ SYNC_OPS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal"}
 def call_site(
     depth: int = 2, skip: tuple[str, ...] = (), skip_functions: tuple[str, ...] = (), function: bool = True
 ) -> str:
-    """``file:line (function)`` of the nearest caller (from ``depth`` frames up) outside torch, contextlib, this
-    module, files whose path contains one of ``skip`` and functions named in ``skip_functions``; without
-    ``function``, ``file:line`` only."""
+    """``file:line (function)`` (without ``function``: ``file:line``) of the nearest caller from ``depth`` frames up
+    outside torch, contextlib, this module, paths containing one of ``skip`` and functions in ``skip_functions``."""
     f = sys._getframe(depth)
     while f is not None:
         name = f.f_code.co_filename
@@ -140,9 +135,8 @@ def call_site(
 
 
 class SyncCounter(TorchDispatchMode):
-    """``with SyncCounter() as s: ...`` then ``s.total`` and ``s.sites`` (per ``file:line (function)``): host syncs,
-    calls of :data:`SYNC_METHODS` and :data:`SYNC_OPS` no counted method dispatched; reads of a ``.cpu()`` host copy
-    in the same caller frame are not counted again."""
+    """``with SyncCounter() as s: ...`` then ``s.total`` and ``s.sites`` (per call site): host syncs, calls of
+    :data:`SYNC_METHODS` and :data:`SYNC_OPS`; a read of a ``.cpu()`` copy in the same frame is not counted again."""
 
     def __init__(self) -> None:
         super().__init__()

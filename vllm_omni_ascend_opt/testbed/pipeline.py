@@ -1,9 +1,6 @@
-"""Load a Qwen-Image directory through vLLM-Omni's own loader and run its pipeline's ``forward``.
-
-Any pipeline of the test bed's family (:mod:`.tiny_model`); image inputs go through the pipeline's registered
-pre-process function first, as in vLLM-Omni's ``DiffusionEngine``. Two test-bed-only adaptations:
-:func:`tiny_processor_loading` (without torchvision, which has no CPU wheel for this torch, ``Qwen2VLProcessor`` is
-served minus its video processor) and :func:`tiny_image_areas` (the real model's image areas, scaled for the tiny one).
+"""Load a Qwen-Image directory through vLLM-Omni's own loader and run its pipeline's ``forward`` (image inputs
+pre-processed first, as in ``DiffusionEngine``). Test-bed-only: :func:`tiny_processor_loading` (no torchvision: the
+processor without video) and :func:`tiny_image_areas` (the real model's image areas, scaled for the tiny one).
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ class GenerationResult:
     images: torch.Tensor  # [B, 3, H, W] in [-1, 1] (vLLM-Omni's "pt" output), float
 
 
-#: The image pipelines' modules: they load the module-global ``Qwen2VLProcessor`` in ``__init__`` and size images with
-#: the module-global ``calculate_dimensions`` (see module doc).
+#: The image pipelines' modules (module-global ``Qwen2VLProcessor`` and ``calculate_dimensions``, patched here).
 _IMAGE_MODULES = (
     "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit",
     "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit_plus",
@@ -115,8 +111,7 @@ def load_pipeline(
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od)
         pipe = loader.load_model(load_device=str(device), device=device)
     pipe.eval()
-    # vLLM-Omni loads the text encoder in its stored dtype (the test bed's: fp32, the real checkpoint's: bf16), which
-    # would break a 16-bit run at the transformer's first linear: cast it to the run's 16-bit dtype.
+    # the text encoder loads in its stored dtype (here fp32): cast it to a 16-bit run's dtype
     te = getattr(pipe, "text_encoder", None)
     if te is not None and od.dtype in (torch.float16, torch.bfloat16) and next(te.parameters()).dtype == torch.float32:
         te.to(od.dtype)
@@ -138,9 +133,8 @@ def make_request(
     pre_process: Any = None,
     **sampling: Any,
 ) -> Any:
-    """A one-request ``DiffusionRequestBatch`` as vLLM-Omni's scheduler hands it to ``forward``. ``image`` (PIL, or a
-    list) goes into ``multi_modal_data``, then ``pre_process`` (:func:`pre_process_func`) runs under
-    :func:`tiny_image_areas`, as in ``DiffusionEngine``; ``sampling``: more ``OmniDiffusionSamplingParams`` fields."""
+    """A one-request ``DiffusionRequestBatch`` as the scheduler hands it to ``forward``; ``image`` goes into
+    ``multi_modal_data``, then ``pre_process`` runs under :func:`tiny_image_areas`; ``sampling``: more fields."""
     from vllm_omni.diffusion.request import OmniDiffusionRequest
     from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -170,8 +164,7 @@ def make_request(
 
 
 def run_forward(pipe: Any, req: Any) -> Any:
-    """``pipe.forward(req)``; for ``QwenImageDMD2Pipeline`` the DMD2 mixin's forward minus its call with keywords
-    ``QwenImagePipeline.forward`` rejects (vLLM-Omni 0.30; tests/test_family.py): sanitize the request, then forward."""
+    """``pipe.forward(req)``; DMD2 sanitizes then runs the base forward (its own passes rejected keywords)."""
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImageDMD2Pipeline, QwenImagePipeline
 
     if isinstance(pipe, QwenImageDMD2Pipeline):
@@ -216,8 +209,7 @@ def generate(
     image: Any = None,
     **request: Any,
 ) -> GenerationResult:
-    """Run one request (``request``: further :func:`make_request` keywords) through the pipeline's ``forward``; the
-    decoded images (:func:`decoded_images`); image pipelines need ``image`` (pre-processed: :func:`make_request`)."""
+    """One request (:func:`make_request` keywords; ``image`` for image pipelines) through ``forward``: its images."""
     pre_process = pre_process_func(pipe) if image is not None else None
     req = make_request(
         prompt, height=height, width=width, steps=steps, seed=seed, image=image, pre_process=pre_process, **request

@@ -1,8 +1,5 @@
-"""Minimal CPU runtime for vLLM-Omni 0.30 (opt-in; separate from the NPU optimizations).
-
-vLLM-Omni 0.30 has no CPU platform: on ``UnspecifiedOmniPlatform`` its attention-backend selection and
-``AttentionImpl.forward`` raise. There only, :func:`init_cpu_runtime` routes both to vLLM-Omni's pure-torch SDPA;
-everywhere, it creates the gloo process group and vLLM-Omni's parallel state as ``diffusion_worker.py`` does.
+"""Minimal CPU runtime for vLLM-Omni 0.30 (opt-in): on ``UnspecifiedOmniPlatform`` only, attention is routed to the
+pure-torch SDPA; :func:`init_cpu_runtime` also creates the gloo group and parallel state as the diffusion worker does.
 :func:`engine_env` and :func:`apply_engine_cpu_runtime` do the same for vLLM-Omni's own engines.
 """
 
@@ -78,8 +75,7 @@ def route_attention_to_sdpa_on_cpu() -> bool:
 
 
 def route_ring_kernel_to_cpu() -> None:
-    """Ring SP's pure-torch path calls ``aten._scaled_dot_product_efficient_attention`` (no CPU kernel). On CPU the
-    op returning (out, logsumexp) in the same layout is ``aten._scaled_dot_product_flash_attention_for_cpu``."""
+    """Ring SP's ``_scaled_dot_product_efficient_attention`` (no CPU kernel) as its CPU twin (out, logsumexp)."""
     from vllm_omni.diffusion.attention.backends.ring import ring_kernels
 
     if getattr(ring_kernels, "_ascend_opt_cpu_routed", False):
@@ -175,8 +171,7 @@ _ENGINE_APPLIED: list[str] = []
 
 
 def engine_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's) plus ``SITE_DIR`` on ``PYTHONPATH`` and ``ENV_CPU_RUNTIME=1``: only the
-    environment reaches every process vLLM-Omni's engines start (API server, ``mp`` workers)."""
+    """``env`` (default: this process's) plus ``SITE_DIR`` on ``PYTHONPATH`` and ``ENV_CPU_RUNTIME=1``."""
     out = dict(os.environ if env is None else env)
     paths = [str(SITE_DIR)] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
     out["PYTHONPATH"] = os.pathsep.join(paths)
@@ -194,8 +189,7 @@ def _site_module() -> Any:
 
 
 def use_import_workarounds() -> None:
-    """In this process, for engine modules imported in-process: the torchvision-free image processors (no audio
-    placeholder: it would make ``torchaudio`` look installed to the rest of the process). Idempotent."""
+    """The torchvision-free image processors in this process (no audio placeholder). Idempotent."""
     _site_module().install_import_fallbacks(audio=False)
 
 
@@ -206,9 +200,7 @@ def engine_cpu_runtime_applied() -> list[str]:
 
 def apply_engine_cpu_runtime() -> list[str]:
     """Platform-time half of the engine CPU runtime, on ``UnspecifiedOmniPlatform`` only; idempotent. Returns what it
-    changed: (1) attention -> pure-torch SDPA; (2) platform methods unimplemented on CPU (:func:`_platform_methods`);
-    (3) ``cpu`` as ``current_accelerator()`` in the ``mp`` executor's output thread (None kills it: requests hang);
-    (4) LoRA without pinned memory (vLLM pins adapters without asking)."""
+    changed: SDPA attention, CPU platform methods, the ``mp`` output thread on ``cpu``, unpinned LoRA memory."""
     if _ENGINE_APPLIED:
         return list(_ENGINE_APPLIED)
     from vllm_omni.platforms import current_omni_platform
@@ -227,7 +219,7 @@ def apply_engine_cpu_runtime() -> list[str]:
     from vllm.platforms.interface import UnspecifiedPlatform
 
     for cls in dict.fromkeys((plat_cls, UnspecifiedPlatform)):
-        for name, value in _platform_methods().items():
+        for name, value in _PLATFORM_METHODS.items():
             setattr(cls, name, value)
     applied.append("platform methods")
     if _cpu_async_output_thread():
@@ -239,19 +231,19 @@ def apply_engine_cpu_runtime() -> list[str]:
     return applied
 
 
-def _platform_methods() -> dict[str, Any]:
-    noop, zero = classmethod(lambda cls, *a, **k: None), classmethod(lambda cls, *a, **k: 0)
-    return {
-        "dist_backend": "gloo",
-        "get_device_count": classmethod(lambda cls, *a, **k: 1),
-        "set_device": noop,
-        "synchronize": noop,
-        "get_current_memory_usage": zero,
-        "max_memory_reserved": zero,
-        "max_memory_allocated": zero,
-        "reset_peak_memory_stats": noop,
-        "get_free_memory": classmethod(lambda cls, *a, **k: os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")),
-    }
+_NOOP, _ZERO = classmethod(lambda cls, *a, **k: None), classmethod(lambda cls, *a, **k: 0)
+#: Platform methods unimplemented on CPU, set by :func:`apply_engine_cpu_runtime`.
+_PLATFORM_METHODS = {
+    "dist_backend": "gloo",
+    "get_device_count": classmethod(lambda cls, *a, **k: 1),
+    "set_device": _NOOP,
+    "synchronize": _NOOP,
+    "get_current_memory_usage": _ZERO,
+    "max_memory_reserved": _ZERO,
+    "max_memory_allocated": _ZERO,
+    "reset_peak_memory_stats": _NOOP,
+    "get_free_memory": classmethod(lambda cls, *a, **k: os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")),
+}
 
 
 def cpu_lora_without_pinned_memory() -> bool:

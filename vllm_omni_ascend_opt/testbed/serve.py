@@ -1,8 +1,5 @@
-"""``vllm serve <model> --omni`` as a child process on 127.0.0.1, and a standard-library HTTP client for it.
-
-The server leads its own process group, so :meth:`OmniServer.stop` ends it and every process it started (``mp``
-worker, resource tracker) together, also when a test fails.
-"""
+"""``vllm serve <model> --omni`` as a child process on 127.0.0.1 leading its own process group (:meth:`OmniServer.stop`
+ends all it started), and a standard-library HTTP client for it."""
 
 from __future__ import annotations
 
@@ -29,14 +26,6 @@ HOST = "127.0.0.1"
 
 class ServerError(RuntimeError):
     """The server exited or did not become healthy in time (the message holds the end of its output)."""
-
-
-def vllm_command() -> list[str]:
-    """The ``vllm`` console script of this interpreter's environment (falls back to ``python -m``)."""
-    script = Path(sys.executable).with_name("vllm")
-    if script.is_file():
-        return [str(script)]
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 @dataclass
@@ -84,26 +73,10 @@ def image_request(
     return body
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            return exc.code, json.loads(raw or b"{}")
-        except ValueError:
-            return exc.code, {"raw": raw.decode(errors="replace")[:2000]}
-
-
 @dataclass
 class OmniServer:
-    """One ``vllm serve MODEL --omni`` process on a free 127.0.0.1 port, in this environment plus ``env`` and
-    :func:`engine_env`'s, logging to ``log_path`` (appended; None: this process's stderr). ``new_session``: its own
-    process group, which :meth:`stop` ends as a whole; False keeps it in the caller's (the ablation worker's)."""
+    """One server on a free port, in this environment plus ``env`` and :func:`engine_env`'s, logging to ``log_path``
+    (None: stderr); ``new_session=False`` keeps it in the caller's process group."""
 
     model: str
     log_path: Path | None
@@ -123,8 +96,10 @@ class OmniServer:
 
     def start(self) -> OmniServer:
         self.port = self.port or free_port()
+        script = Path(sys.executable).with_name("vllm")  # this environment's console script, else ``python -m``
+        cli = [str(script)] if script.is_file() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
         argv = [
-            *vllm_command(),
+            *cli,
             "serve",
             self.model,
             "--omni",
@@ -195,8 +170,18 @@ class OmniServer:
         body = dict(body)
         if self.model_id is not None:
             body.setdefault("model", self.model_id)
+        url, headers = self.base_url + "/v1/images/generations", {"Content-Type": "application/json"}
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
         t0 = time.perf_counter()
-        status, payload = post_json(self.base_url + "/v1/images/generations", body, timeout)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                status, payload = r.status, json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                status, payload = exc.code, json.loads(raw or b"{}")
+            except ValueError:
+                status, payload = exc.code, {"raw": raw.decode(errors="replace")[:2000]}
         latency = time.perf_counter() - t0
         data = payload.get("data") if status == 200 else None
         return ImageResponse(status, payload, latency, base64.b64decode(data[0]["b64_json"]) if data else None)

@@ -1,8 +1,5 @@
-"""Offline, deterministic builder of tiny Qwen-Image model directories in diffusers format, one per pipeline.
-
-A tiny Qwen2.5-VL text encoder, byte-level tokenizer, VAE, transformer and scheduler (image pipelines: a
-torchvision-free ``processor/``), from a seed; cached under ``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default
-``~/.cache/vllm-omni-ascend-opt``) by spec and seed, renamed into place atomically (safe for concurrent builders).
+"""Offline, deterministic builder of tiny Qwen-Image model directories in diffusers format, one per pipeline, cached
+by spec and seed under ``$VLLM_OMNI_ASCEND_OPT_CACHE`` (default ``~/.cache/vllm-omni-ascend-opt``), renamed atomically.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ EDIT_PLUS = "QwenImageEditPlusPipeline"
 LAYERED = "QwenImageLayeredPipeline"
 #: The vLLM-Omni 0.30 Qwen-Image pipelines the builder can make a directory for.
 PIPELINES = (T2I, DMD2, EDIT, EDIT_PLUS, LAYERED)
-#: Vision special tokens (Qwen2.5-VL names) appended to the byte-level vocabulary for the image pipelines, with the
-#: text encoder config field that holds each one's id.
+#: Vision special tokens the image pipelines' vocabulary appends -> the text encoder config field of each one's id.
 VISION_TOKENS = {
     "<|vision_start|>": "vision_start_token_id",
     "<|vision_end|>": "vision_end_token_id",
@@ -119,8 +115,7 @@ class ModelSpec:
         name = self.name.split("-", 1)[0] + (f"-{suffix}" if suffix else "")
         z = self.vae_z_dim
         if pipeline == LAYERED and z == 4:
-            # Layered's prepare_latents takes a 4-channel input as already-encoded latents when z_dim == 4: the
-            # RGBA image would skip VAE encode. The real model has z_dim 16; 8 keeps the tiny one small.
+            # with z_dim 4, Layered takes the RGBA input as encoded latents (the real model has 16)
             z = 8
         return dataclasses.replace(self, name=name, pipeline=pipeline, zero_cond_t=zero_cond_t, vae_z_dim=z)
 
@@ -155,13 +150,10 @@ REALWIDTH = ModelSpec(
 )
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("VLLM_OMNI_ASCEND_OPT_CACHE", Path.home() / ".cache" / "vllm-omni-ascend-opt"))
-
-
 def build_model_dir(spec: ModelSpec = TINY, seed: int = 0, root: Path | str | None = None) -> Path:
     """Return a diffusers-format Qwen-Image directory for ``spec``; build it once, then reuse the cached copy."""
-    root = Path(root) if root is not None else cache_root()
+    default = Path.home() / ".cache" / "vllm-omni-ascend-opt"
+    root = Path(root if root is not None else os.environ.get("VLLM_OMNI_ASCEND_OPT_CACHE", default))
     final = root / f"qwen-image-{spec.name}-{spec.key(seed)}"  # name carries the variant ("tiny-edit-2511")
     if (final / "model_index.json").is_file():
         return final
@@ -181,8 +173,7 @@ def build_model_dir(spec: ModelSpec = TINY, seed: int = 0, root: Path | str | No
 
 
 def _tokenizer(vision: bool = False):
-    """Byte-level Qwen2 tokenizer: ids 0..256 are <|endoftext|> and the 256 byte symbols, then the chat tokens and
-    (``vision``) :data:`VISION_TOKENS` in order (ids 259..262)."""
+    """Byte-level Qwen2 tokenizer: <|endoftext|>, the 256 byte symbols, the chat and (``vision``) vision tokens."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
@@ -194,19 +185,14 @@ def _tokenizer(vision: bool = False):
     return tok
 
 
-#: The tiny vision tower's image processor: 14-px patches merged 2x2, between 2x2 and 4x4 merged tokens per image.
-PROCESSOR_MIN_PIXELS = 28 * 28 * 4
-PROCESSOR_MAX_PIXELS = 28 * 28 * 16
-
-
 def _save_processor(tok, out: Path) -> None:
-    """transformers' ``Qwen2VLProcessor`` with the PIL image processor, saved under ``out`` through the image-only
-    subclass (every video processor needs torchvision) and recorded as ``Qwen2VLProcessor``, the class pipelines load."""
+    """``Qwen2VLProcessor`` with the PIL image processor, saved through the image-only subclass (no torchvision)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from vllm_omni_ascend_opt.testbed.pipeline import image_only_processor_class
 
-    ip = Qwen2VLImageProcessorPil(min_pixels=PROCESSOR_MIN_PIXELS, max_pixels=PROCESSOR_MAX_PIXELS)
+    # 14-px patches merged 2x2: between 2x2 and 4x4 merged tokens per image
+    ip = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
     image_only_processor_class()(image_processor=ip, tokenizer=tok).save_pretrained(out)
     cfg_path = out / "processor_config.json"
     cfg = json.loads(cfg_path.read_text())

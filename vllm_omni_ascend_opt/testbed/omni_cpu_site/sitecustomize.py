@@ -1,13 +1,9 @@
-"""The test bed's CPU runtime for vLLM-Omni's own engines, in every process they start (see ``testbed/runtime.py``).
+"""The test bed's CPU runtime in every process vLLM-Omni's engines start (on ``PYTHONPATH`` through ``engine_env``;
+acts only with ``VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME=1``; standard library only):
 
-On ``PYTHONPATH`` only through :func:`~vllm_omni_ascend_opt.testbed.runtime.engine_env`; acts only with
-``VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME=1``; standard library only (nothing to pay at start-up):
-
-1. without torchvision (no CPU wheel for this torch), ``transformers.models.<m>.image_processing_<x>`` is served from
-   its twin ``image_processing_pil_<x>``;
-2. without torchaudio (vLLM-Omni's OpenAI server imports it), an import-only placeholder is served;
-3. ``vllm_omni.plugins.load_omni_general_plugins`` first applies ``apply_engine_cpu_runtime``, so the test bed works
-   the same whether the plugin is installed, excluded or broken.
+1. without torchvision, ``transformers.models.<m>.image_processing_<x>`` is served from ``image_processing_pil_<x>``;
+2. without torchaudio (the OpenAI server imports it), an import-only placeholder is served;
+3. ``load_omni_general_plugins`` first applies ``apply_engine_cpu_runtime`` (plugin installed, excluded or broken).
 """
 
 from __future__ import annotations
