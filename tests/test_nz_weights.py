@@ -45,7 +45,7 @@ def _linear_names(tr) -> list[str]:
 
 
 # ----- exactly the right layers, Parameters kept, reverted ------------------------------------------------------------
-def test_casts_exactly_the_transformer_linears_and_reverts(fake_npu, bf16_pipe, runtime):
+def test_casts_exactly_the_transformer_linears_and_reverts_and_skips_float32(fake_npu, bf16_pipe, runtime, tiny_pipe):
     fake = fake_npu()
     tr = bf16_pipe.transformer
     names = _linear_names(tr)
@@ -72,29 +72,12 @@ def test_casts_exactly_the_transformer_linears_and_reverts(fake_npu, bf16_pipe, 
     for n, w in weights.items():
         assert tr.get_submodule(n).weight is w and fake.get_npu_format(w) == formats.ND and torch.equal(w, before[n])
     assert fake.calls["npu_format_cast"] == 2 * N_LINEARS
-
-
-def test_weight_memos_are_invalidated_after_cast_and_revert(fake_npu, bf16_pipe, monkeypatch):
-    fake_npu()
-    calls = []
-    w = bf16_pipe.transformer.proj_out.weight
-    version = w._version
-    # the registry's weights-changed event reaches shared_modulation, which drops its memo
-    monkeypatch.setattr(shared_modulation.OPT, "invalidate", lambda: calls.append(1))
-    OPT.attach(bf16_pipe)
-    assert calls == [1] and w._version == version  # why the event is needed: .data swaps bump nothing
-    OPT.detach(bf16_pipe)
-    assert calls == [1, 1]
-
-
-# ----- every skip reason is reachable ---------------------------------------------------------------------------------
-def test_skip_float32_weights(fake_npu, tiny_pipe):
-    fake_npu()
     report, reasons = _attach_once(tiny_pipe)
     assert report == {"cast": [], "skipped": {"dtype float32": N_LINEARS}}
     assert any("no linear weight was cast" in r and "dtype float32" in r for r in reasons)
 
 
+# ----- every skip reason is reachable ---------------------------------------------------------------------------------
 def test_loader_hook_casts_through_the_write_only_config_and_vllm_ascend_linear_method(fake_npu, runtime):
     """The plugin attaches to what DiffusersPipelineLoader.load_model returns (after its weight post-processing);
     torch.npu.config cannot be read back, and vllm-ascend's ``AscendUnquantizedLinearMethod`` subclasses vLLM's
@@ -122,7 +105,7 @@ def test_loader_hook_casts_through_the_write_only_config_and_vllm_ascend_linear_
     assert fake.calls["npu_format_cast"] - casts == 2 * N_LINEARS  # the trial cast is the first layer's cast
 
 
-def test_no_cast_without_internal_formats_and_the_permission_is_read_at_each_attach(fake_npu, bf16_pipe):
+def test_no_cast_without_internal_formats_read_at_each_attach_or_when_the_cast_does_not_take(fake_npu, bf16_pipe):
     fake = fake_npu(allow_internal_format=False)  # the A3 default [OP-AIF]
     ptr = bf16_pipe.transformer.proj_out.weight.data_ptr()
     report, reasons = _attach_once(bf16_pipe)
@@ -136,6 +119,11 @@ def test_no_cast_without_internal_formats_and_the_permission_is_read_at_each_att
     torch.npu.config.allow_internal_format = False
     off, reasons = _attach_once(bf16_pipe)
     assert off["cast"] == [] and any("internal formats not allowed" in r for r in reasons), reasons
+    fake_npu(format_cast="keeps_nd")  # a cast that does not take is undone
+    ptr = bf16_pipe.transformer.proj_out.weight.data_ptr()
+    report, reasons = _attach_once(bf16_pipe)
+    assert report == {"cast": [], "skipped": {}} and bf16_pipe.transformer.proj_out.weight.data_ptr() == ptr
+    assert any("gave format 2: internal formats not allowed" in r for r in reasons), reasons
 
 
 @pytest.mark.parametrize(
@@ -175,11 +163,21 @@ def test_numbers_are_verified_at_first_use_for_both_routes(fake_npu, bf16_pipe, 
     assert any("refused" in r for r in OPT.reasons_inactive())  # cached per (device, dtype), shown by `list`
 
 
-def test_numeric_check_is_cached_until_uninstall_clears_it(fake_npu, bf16_pipe, monkeypatch):
-    """The (device, dtype) verdict serves the next attach; uninstall drops it (same backend probe)."""
+def test_memos_are_invalidated_and_the_numeric_check_is_cached_until_uninstall_clears_it(
+    fake_npu, bf16_pipe, monkeypatch
+):
+    """Cast and revert invalidate the weight memos; the (device, dtype) verdict serves the next attach; uninstall
+    drops it (same backend probe)."""
     fake_npu()
+    invalidated = []
+    w = bf16_pipe.transformer.proj_out.weight
+    version = w._version
+    # the registry's weights-changed event reaches shared_modulation, which drops its memo
+    monkeypatch.setattr(shared_modulation.OPT, "invalidate", lambda: invalidated.append(1))
     OPT.attach(bf16_pipe)
+    assert invalidated == [1] and w._version == version  # why the event is needed: .data swaps bump nothing
     OPT.detach(bf16_pipe)
+    assert invalidated == [1, 1]
     (verdict,) = OPT.verdicts()
     assert verdict.ok and "3-D addmm with bias" in verdict.reason and "3-D matmul without bias" in verdict.reason
     calls = []
@@ -287,15 +285,6 @@ def test_fake_nz_matmul_rejects_narrow_weights_and_format_cast_returns_its_input
     assert nzx is not x and fake.npu_format_cast(nzx, formats.FRACTAL_NZ) is nzx
     with pytest.raises(TypeError):
         fake.npu_format_cast(x, formats.FRACTAL_NZ, 1)  # customize_dtype is keyword-only [TNPU-YAML]
-
-
-def test_a_cast_that_does_not_take_is_undone(fake_npu, bf16_pipe):
-    fake_npu(format_cast="keeps_nd")
-    ptr = bf16_pipe.transformer.proj_out.weight.data_ptr()
-    report, reasons = _attach_once(bf16_pipe)
-    assert report == {"cast": [], "skipped": {}}
-    assert any("gave format 2: internal formats not allowed" in r for r in reasons), reasons
-    assert bf16_pipe.transformer.proj_out.weight.data_ptr() == ptr
 
 
 @pytest.mark.parametrize("kind", ["oom", "runtime"])
