@@ -77,8 +77,9 @@ def fam(request, runtime) -> SimpleNamespace:
     return fam
 
 
-def test_pipeline_class_inputs_and_default_stack_is_bitwise_none(fam, runtime):
-    """The intended pipeline class, references depending on what they should, and default gives them."""
+def test_pipeline_class_inputs_default_stack_is_bitwise_none_and_each_optimization_acts_or_says_why(fam, runtime):
+    """The intended pipeline class, references depending on what they should, and default gives them; ``list``/status
+    and the per-model reasons: nothing selected is silently inactive on any pipeline; ``vae_fast`` meets its gates."""
     from vllm_omni.diffusion.models.qwen_image import pipeline_qwen_image_edit_plus as plus
 
     want = {
@@ -112,10 +113,6 @@ def test_pipeline_class_inputs_and_default_stack_is_bitwise_none(fam, runtime):
     assert sm.OPT.memo.stats["hits"] > 0
     if fam.key == "edit-2511":
         assert sm.OPT.memo.stats["plans"] > 0 and sm.OPT.memo.stats["zero_t_hits"] > 0
-
-
-def test_each_optimization_acts_or_says_why_and_vae_fast_meets_its_gates(fam, runtime):
-    """``list``/status and the per-model reasons: nothing selected is silently inactive on any pipeline."""
     api.select("default,+vae_fast", model=fam.pipe)
     acting, reasons = _report.acting(fam.pipe), _report.off_reasons(fam.pipe)
     assert all(isinstance(w, str) and w for why in reasons.values() for w in why), reasons

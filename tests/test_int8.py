@@ -26,14 +26,6 @@ def _images(pipe, rt, spec: str) -> torch.Tensor:
     return generate(pipe, rt, steps=2, seed=3).images
 
 
-@pytest.fixture
-def int8_pipe(runtime, monkeypatch, fake_npu):
-    fake = fake_npu()
-    pipe = h.load_int8(runtime, monkeypatch, fake)
-    yield pipe, fake
-    api.select("none", model=pipe)
-
-
 def test_fake_quant_kernels_follow_their_documented_semantics_and_constraints(fake_npu):
     npu = fake_npu()
     g = torch.Generator().manual_seed(0)
@@ -67,22 +59,17 @@ def test_fake_quant_kernels_follow_their_documented_semantics_and_constraints(fa
     for call in bad:
         with pytest.raises(formats.FakeNpuError, match=r"OP-DQ|OP-QMM|OMNI-65535"):
             call()
+    misread = fake_npu(quant_matmul="nz_misread")  # the variant differs on NZ weights only
+    nd = misread.npu_quant_matmul(q, qw, ws, pertoken_scale=s, output_dtype=15)
+    assert torch.equal(nd, (acc * ws * s[:, None]).bfloat16())
+    assert not torch.equal(misread.npu_quant_matmul(q, nz, ws, pertoken_scale=s, output_dtype=15), nd)
 
 
-def test_nz_misread_variant_differs_on_nz_weights_only(fake_npu):
-    npu = fake_npu(quant_matmul="nz_misread")
-    g = torch.Generator().manual_seed(1)
-    q, s = npu.npu_dynamic_quant(torch.randn(4, 32, generator=g).bfloat16())
-    qw, ws = npu.npu_dynamic_quant(torch.randn(48, 32, generator=g).bfloat16())
-    qw = qw.t().contiguous()
-    nd = npu.npu_quant_matmul(q, qw, ws, pertoken_scale=s, output_dtype=15)
-    assert torch.equal(nd, (((q.long() @ qw.long()).float()) * ws * s[:, None]).bfloat16())
-    nz = npu.npu_format_cast(qw, formats.FRACTAL_NZ)
-    assert not torch.equal(npu.npu_quant_matmul(q, nz, ws, pertoken_scale=s, output_dtype=15), nd)
-
-
-def test_int8_default_against_int8_stock_by_tier(runtime, int8_pipe):
-    pipe, fake = int8_pipe
+def test_int8_by_tier_against_stock_each_optimization_says_whether_it_acts_under_int8_and_launches(
+    runtime, monkeypatch, fake_npu
+):
+    fake = fake_npu()
+    pipe = h.load_int8(runtime, monkeypatch, fake)
     assert len(h.int8_layers(pipe.transformer)) == 8 * len(pipe.transformer.transformer_blocks)
     stock = _images(pipe, runtime, "none")
     assert fake.calls["npu_quant_matmul"] > 0
@@ -100,10 +87,7 @@ def test_int8_default_against_int8_stock_by_tier(runtime, int8_pipe):
     default = _images(pipe, runtime, "default")
     m = compare_images(stock, default)
     assert fake.calls["npu_fusion_attention"] > 0 and m["ssim"] >= 0.99 and m["psnr"] >= 35, m
-
-
-def test_each_optimization_says_whether_it_acts_under_int8(runtime, int8_pipe):
-    pipe, _ = int8_pipe
+    # each optimization says whether it acts under int8
     api.select("none,+fused_attention", model=pipe)  # reads the activation dtype of a quantized qkv
     assert pipe.transformer.transformer_blocks[0].attn.to_qkv.weight.dtype == torch.int8
     assert _report.explain(registry.get("fused_attention"), pipe) == []
@@ -122,6 +106,15 @@ def test_each_optimization_says_whether_it_acts_under_int8(runtime, int8_pipe):
     assert set(rep["int8"]) == {f"transformer.{n}" for n in h.int8_layers(pipe.transformer)}
     assert set(rep["int8"].values()) == {"FRACTAL_NZ"}
     assert any(n.startswith("int8: 16 vLLM-Omni NPU int8 linear(s), 16 in FRACTAL_NZ") for n in nz.notes())
+    # kernel launches per block, int8 stock and default
+    tr = pipe.transformer
+    kw = blockops.t2i_inputs(tr, torch.bfloat16)
+    stock = blockops.count_block(tr, runtime, kw, "none", npu=True)
+    default = blockops.count_block(tr, runtime, kw, "default", npu=True)
+    for c in (stock, default):  # one dynamic quant and one int8 GEMM per quantized linear, 8 per block
+        assert c.counts["npu::npu_dynamic_quant"] == 8 and c.counts["npu::npu_quant_matmul"] == 8
+        assert not c.unresolved
+    assert stock.total == 118 and default.total == 48
 
 
 @pytest.mark.parametrize("quantized_txt_mod", [False, True])
@@ -150,19 +143,6 @@ def test_modulation_memo_hits_on_warm_steps_under_int8(runtime, monkeypatch, fak
                 b.txt_mod[1].weight_scale.mul_(1.5)  # only the scale changes
         after = _images(pipe, runtime, "none,+shared_modulation")
         assert torch.equal(after, _images(pipe, runtime, "none")) and not torch.equal(after, stock)
-    api.select("none", model=pipe)
-
-
-def test_launches_per_block_int8_stock_and_default(runtime, int8_pipe):
-    pipe, _ = int8_pipe
-    tr = pipe.transformer
-    kw = blockops.t2i_inputs(tr, torch.bfloat16)
-    stock = blockops.count_block(tr, runtime, kw, "none", npu=True)
-    default = blockops.count_block(tr, runtime, kw, "default", npu=True)
-    for c in (stock, default):  # one dynamic quant and one int8 GEMM per quantized linear, 8 per block
-        assert c.counts["npu::npu_dynamic_quant"] == 8 and c.counts["npu::npu_quant_matmul"] == 8
-        assert not c.unresolved
-    assert stock.total == 118 and default.total == 48
 
 
 def test_ignored_and_over_wide_layers_stay_bf16_as_without_int8(runtime, monkeypatch, fake_npu):

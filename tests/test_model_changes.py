@@ -12,17 +12,13 @@ from tests.harness.forward import build, fwd, inputs, stock_outputs
 from vllm_omni_ascend_opt import registry
 
 
-def _inputs():
-    return inputs(torch.float32, txt=32, t=(0.7,))
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the block body and the joint attention
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def default_tr(runtime):
     tr = build(runtime)
-    kw = _inputs()
+    kw = inputs(torch.float32, txt=32, t=(0.7,))
     (want,) = stock_outputs(tr, runtime, [kw], "default")
     fwd(tr, runtime, kw)  # the memo filled
     return tr, kw, want
@@ -34,55 +30,18 @@ def _stats(name):
     return opt.stats
 
 
-def test_a_swapped_mlp_linear_and_a_patched_adalayernorm_dispatch_are_called(runtime, default_tr, monkeypatch):
-    """A LoRA-style wrapper swapped in and AdaLayerNorm's class-level forward patched (another plugin, MindIE-SD),
-    between forwards: the next forward calls the wrapper and, the norms' kinds decided anew, the patched forward."""
-    tr, kw, want = default_tr
-    ff = tr.transformer_blocks[0].img_mlp
-    calls = []
-
-    class Wrapper(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            calls.append(1)
-            return self.inner(x)
-
-    stock_out = ff.net[2]
-    ff.net[2] = Wrapper(stock_out)
-    sm = _stats("shared_modulation")
-    try:
-        assert torch.equal(fwd(tr, runtime, kw), want)
-    finally:
-        ff.net[2] = stock_out
-    assert calls == [1] and sm["hits"] > 0  # the memoized body ran and called the wrapper
-    calls.clear()
-    fwd(tr, runtime, kw)
-    assert calls == []
-    ada = type(tr.transformer_blocks[0].img_norm1)
-    stock_forward = ada.forward
-
-    def patched(self, *args, **kwargs):
-        calls.append(1)
-        return stock_forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(ada, "forward", patched)
-    assert torch.equal(fwd(tr, runtime, kw), want)
-    assert len(calls) == 4 * len(tr.transformer_blocks)  # every AdaLayerNorm called as a module
-
-
-def test_attention_hooks_added_between_forwards_run(runtime, default_tr):
-    """Hooks on a QK norm (its attention goes to stock) and on an attention run; the output stays stock's."""
+def test_attention_hooks_a_swapped_mlp_linear_and_a_patched_adalayernorm_dispatch_are_called(
+    runtime, default_tr, monkeypatch
+):
+    """Hooks on a QK norm (its attention goes to stock) and on an attention, a LoRA-style wrapper swapped in and
+    AdaLayerNorm's class-level forward patched (another plugin, MindIE-SD), between forwards: the next forward calls
+    them (the norms' kinds decided anew); the output stays stock's."""
     tr, kw, want = default_tr
     fired = []
     h = tr.transformer_blocks[0].attn.norm_added_k.register_forward_hook(lambda *a: fired.append(1))
     ja = _stats("joint_attention")
-    try:
-        assert torch.equal(fwd(tr, runtime, kw), want)
-    finally:
-        h.remove()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    h.remove()
     assert fired == [1] and ja["joint_calls"] == len(tr.transformer_blocks) - 1
     assert registry.get("joint_attention").fallback_reasons() == {"hooks or an instance forward on a QK norm": 1}
     ja = _stats("joint_attention")
@@ -90,14 +49,42 @@ def test_attention_hooks_added_between_forwards_run(runtime, default_tr):
     assert ja["joint_calls"] == len(tr.transformer_blocks)
     fired.clear()
     h = tr.transformer_blocks[1].attn.register_forward_pre_hook(lambda *a: fired.append(1))
-    try:
-        assert torch.equal(fwd(tr, runtime, kw), want)
-    finally:
-        h.remove()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    h.remove()
     assert fired == [1]
     fired.clear()
     assert torch.equal(fwd(tr, runtime, kw), want)
     assert fired == []
+    ff = tr.transformer_blocks[0].img_mlp
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            fired.append(1)
+            return self.inner(x)
+
+    stock_out = ff.net[2]
+    ff.net[2] = Wrapper(stock_out)
+    sm = _stats("shared_modulation")
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    ff.net[2] = stock_out
+    assert fired == [1] and sm["hits"] > 0  # the memoized body ran and called the wrapper
+    fired.clear()
+    fwd(tr, runtime, kw)
+    assert fired == []
+    ada = type(tr.transformer_blocks[0].img_norm1)
+    stock_forward = ada.forward
+
+    def patched(self, *args, **kwargs):
+        fired.append(1)
+        return stock_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ada, "forward", patched)
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    assert len(fired) == 4 * len(tr.transformer_blocks)  # every AdaLayerNorm called as a module
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -152,11 +139,9 @@ def test_a_change_between_forwards_is_used(runtime, default_tr, change):
     """The next forward computes with the model as it is now: the memo never serves what the old weight gave."""
     tr, kw, _ = default_tr
     undo = CHANGES[change](tr)
-    try:
-        got = fwd(tr, runtime, kw)
-        (want,) = stock_outputs(tr, runtime, [kw], "default")
-    finally:
-        undo()
+    got = fwd(tr, runtime, kw)
+    (want,) = stock_outputs(tr, runtime, [kw], "default")
+    undo()
     assert torch.equal(got, want)
 
 
@@ -168,10 +153,8 @@ def test_a_hook_added_between_forwards_runs(runtime, default_tr, where):
     fired = []
     h = module(tr).register_forward_hook(lambda *a: fired.append(1))
     _stats("shared_modulation")
-    try:
-        assert torch.equal(fwd(tr, runtime, kw), want)
-    finally:
-        h.remove()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    h.remove()
     assert fired == [1]
     assert reason in registry.get("shared_modulation").fallback_reasons()
     sm = _stats("shared_modulation")

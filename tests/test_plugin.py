@@ -6,14 +6,12 @@ import importlib
 import importlib.metadata
 import json
 import logging
-import sys
 import types
 
 import pytest
 
 from tests.harness import run_python
 from vllm_omni_ascend_opt import _patching, _plugin, api, flags, registry
-from vllm_omni_ascend_opt.optimization import Optimization
 
 
 def test_entry_point_is_discoverable():
@@ -24,16 +22,15 @@ def test_entry_point_is_discoverable():
     assert ours[0].load() is _plugin.register
 
 
-def test_register_is_idempotent(monkeypatch):
+def test_register_is_idempotent_and_a_bad_flag_patches_nothing_and_logs(monkeypatch, caplog):
     monkeypatch.setenv(flags.ENV_FLAG, "none,+rope")
     calls = []
-    monkeypatch.setattr(_plugin, "set_selected", lambda names: calls.append(list(names)))
-    _plugin.register()
-    _plugin.register()
+    with monkeypatch.context() as m:
+        m.setattr(_plugin, "set_selected", lambda names: calls.append(list(names)))
+        _plugin.register()
+        _plugin.register()
     assert calls == [["rope"]]
-
-
-def test_bad_flag_patches_nothing_and_logs(monkeypatch, caplog):
+    _plugin._reset_for_tests()
     monkeypatch.setenv(flags.ENV_FLAG, "bogus")
     with caplog.at_level(logging.ERROR, logger="vllm_omni_ascend_opt"):
         _plugin.register()
@@ -68,45 +65,6 @@ def test_unsupported_version_warns_once_and_patches_nothing_unless_forced(monkey
     monkeypatch.setenv(flags.ENV_FORCE, "1")
     _plugin.register()
     assert _plugin.selected() == registry.default_names()
-
-
-class _Probe(Optimization):
-    name = "probe_opt"
-    summary = "test-only"
-    equivalence = "exact"
-    target_modules = ("ascend_opt_probe_target",)
-
-    def _install(self):
-        mod = sys.modules["ascend_opt_probe_target"]
-        self.patches.set(mod, "value", "patched")
-
-
-@pytest.fixture
-def probe(monkeypatch, tmp_path):
-    (tmp_path / "ascend_opt_probe_target.py").write_text("value = 'original'\nsentinel = object()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    opt = registry.register_optimization(_Probe())
-    sys.modules.pop("ascend_opt_probe_target", None)
-    yield opt
-    opt.uninstall()
-    registry.REGISTRY.remove(opt.name)
-    sys.modules.pop("ascend_opt_probe_target", None)
-
-
-def test_post_import_hook_installs_when_the_target_is_imported_and_at_once_where_it_is(probe):
-    _plugin.set_selected(["probe_opt"])
-    assert not probe.installed  # target not imported yet: nothing patched, nothing imported
-    assert "ascend_opt_probe_target" not in sys.modules
-    mod = importlib.import_module("ascend_opt_probe_target")
-    assert probe.installed
-    assert mod.value == "patched"
-    probe.uninstall()
-    assert mod.value == "original"
-    _plugin.set_selected([])
-    _plugin.set_selected(["probe_opt"])  # already imported: patched at once
-    assert probe.installed and mod.value == "patched"
-    _plugin.set_selected([])
-    assert not probe.installed and mod.value == "original"
 
 
 def test_patchset_and_every_installable_optimization_restore_by_identity(tiny_pipe):

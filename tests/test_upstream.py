@@ -76,7 +76,9 @@ def _rewrite(path: Path, text: str) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new mtime even on coarse clocks
 
 
-def test_known_code_installs_and_a_difference_turns_it_off(probe):
+def test_known_code_installs_a_difference_turns_it_off_and_force_installs_anyway_with_one_warning(
+    probe, monkeypatch, caplog
+):
     opt, path = probe
     assert opt.reasons_inactive() == []  # matches, read from the file: nothing imported
     assert "ascend_opt_upstream_probe" not in sys.modules
@@ -103,11 +105,6 @@ def test_known_code_installs_and_a_difference_turns_it_off(probe):
             "ok": False,
         }
     ]
-
-
-def test_force_installs_anyway_with_one_warning(probe, monkeypatch, caplog):
-    opt, path = probe
-    _rewrite(path, _src(METHOD_V2))
     monkeypatch.setenv(flags.ENV_FORCE, "1")
     assert opt.reasons_inactive() == []  # forced: not a reason...
     assert any(n.startswith(f"{flags.ENV_FORCE}=1: acts although upstream C.m differs") for n in opt.upstream_notes())
@@ -118,6 +115,22 @@ def test_force_installs_anyway_with_one_warning(probe, monkeypatch, caplog):
     assert opt.installed and sys.modules["ascend_opt_upstream_probe"].patched is True
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "installing upstream_probe although upstream C.m differs" in warned[0]
+
+
+def test_post_import_hook_installs_when_the_target_is_imported_and_at_once_where_it_is(probe):
+    opt, _path = probe
+    _plugin.set_selected(["upstream_probe"])
+    assert not opt.installed  # target not imported yet: nothing patched, nothing imported
+    assert "ascend_opt_upstream_probe" not in sys.modules
+    mod = importlib.import_module("ascend_opt_upstream_probe")
+    assert opt.installed and mod.patched is True
+    opt.uninstall()
+    assert not hasattr(mod, "patched")
+    _plugin.set_selected([])
+    _plugin.set_selected(["upstream_probe"])  # already imported: patched at once
+    assert opt.installed and mod.patched is True
+    _plugin.set_selected([])
+    assert not opt.installed and not hasattr(mod, "patched")
 
 
 def test_a_newer_release_fingerprint_listed_as_known_is_accepted_and_absent_is_a_fingerprint(probe, monkeypatch):

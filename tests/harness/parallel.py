@@ -113,8 +113,6 @@ class JobReport:
 @dataclass
 class RankReport:
     rank: int
-    world_size: int
-    mode: str
     groups: dict[str, int]  # {sp,ulysses,ring,cfg,tp}_{rank,size} as vLLM-Omni sees them
     sp_hooks: list[str]  # the SP hooks on the transformer after loading
     sp_log: list[str]  # vLLM-Omni's "Applying sequence parallelism" log lines while loading
@@ -139,9 +137,9 @@ class ParallelRun:
         return self.ranks[rank].job(key).images
 
 
-def run_parallel(mode: str, jobs: list[Job], *, dtype: str = "float32", **kwargs: Any) -> ParallelRun:
+def run_parallel(mode: str, jobs: list[Job], **kwargs: Any) -> ParallelRun:
     """Run ``jobs`` in ``mode`` (a key of :data:`MODES`) on fresh worker processes; see :func:`run_parallel_modes`."""
-    run = ModeRun(mode, tuple(jobs), dtype)
+    run = ModeRun(mode, tuple(jobs))
     return run_parallel_modes([run], **kwargs)[run.key]
 
 
@@ -149,7 +147,6 @@ def run_parallel_modes(
     plan: list[ModeRun],
     *,
     model_dir: str | os.PathLike | None = None,
-    initial_spec: str = "default",
     timeout_s: float = 180.0,
     setup: str | None = None,
     pythonpath: list[str] | None = None,
@@ -193,7 +190,6 @@ def run_parallel_modes(
             ],
             "world_size": world_size,
             "model_dir": model_dir,
-            "initial_spec": initial_spec,
             "setup": setup,
             "deadline": time.time() + timeout_s + 10.0,  # the orphans' watchdog: after the parent's deadline
             "parent_pid": os.getpid(),
@@ -205,7 +201,7 @@ def run_parallel_modes(
                 "OMP_NUM_THREADS": "1",
                 "MKL_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false",
-                "VLLM_OMNI_ASCEND_OPT": initial_spec,
+                "VLLM_OMNI_ASCEND_OPT": "default",
                 "MASTER_ADDR": "127.0.0.1",
                 "GLOO_SOCKET_IFNAME": child_env.get("GLOO_SOCKET_IFNAME", "lo"),
                 # every rank checks its kernels itself (no saved verdicts): the ranks' kernel calls compare one to one
@@ -249,7 +245,9 @@ def _wait_all(procs: list[subprocess.Popen], work: Path, deadline: float) -> Non
             return
         if failed or time.monotonic() > deadline:
             what = f"rank(s) {failed} failed (exit codes {codes})" if failed else f"timed out (exit codes {codes})"
-            raise ParallelRunError(f"{what}; workers killed\n{_tails(work, len(procs))}", [p.pid for p in procs])
+            logs = [(work / f"rank{r}.log").read_text(errors="replace")[-4000:] for r in range(len(procs))]
+            tails = "".join(f"\n----- rank {r} log tail -----\n{t}" for r, t in enumerate(logs))
+            raise ParallelRunError(f"{what}; workers killed{tails}", [p.pid for p in procs])
         time.sleep(0.1)
 
 
@@ -261,15 +259,6 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=10)
-
-
-def _tails(work: Path, n: int, chars: int = 4000) -> str:
-    out = []
-    for r in range(n):
-        f = work / f"rank{r}.log"
-        text = f.read_text(errors="replace") if f.exists() else "(no log)"
-        out.append(f"----- rank {r} log tail -----\n{text[-chars:]}")
-    return "\n".join(out)
 
 
 def _watchdog(deadline: float, parent_pid: int) -> None:
@@ -341,11 +330,6 @@ def _worker(work: Path, rank: int) -> None:
     threading.Thread(target=_watchdog, args=(cfg["deadline"], cfg["parent_pid"]), daemon=True).start()
     torch.set_num_threads(1)
     _call_hook(cfg["setup"], rank)
-
-    from vllm_omni_ascend_opt import api
-
-    api.select(cfg["initial_spec"])  # before vLLM-Omni's model modules are imported: patches go in on import
-
     capture = LogLines(_SP_LOG_MARK, logging.INFO)
     sp_logger = logging.getLogger("vllm_omni.diffusion.registry")
     sp_logger.addHandler(capture)
@@ -366,7 +350,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: LogL
     from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime, shutdown
 
     capture.lines.clear()
-    api.select(cfg["initial_spec"])  # the selection the model is built with
+    api.select("default")  # before the model modules are imported (patches go in on import) and built
     rt = init_cpu_runtime(
         cfg["model_dir"],
         parallel=run["parallel"],
@@ -386,32 +370,22 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: LogL
 
     handle = pipe.transformer.norm_out.register_forward_pre_hook(probe)
     pc = pipe.transformer.parallel_config
+    mask_default = pc.mask_sp_padding
     jobs = []
-    try:
-        for jd in run["jobs"]:
-            job = Job(**jd)
-            mask_before = pc.mask_sp_padding
-            if job.mask_sp_padding is not None:
-                pc.mask_sp_padding = job.mask_sp_padding
-            _call_hook(job.before, rank)
-            api.select(job.spec, model=pipe)
-            seen.clear()
-            try:
-                with CollectiveCounter() as coll:
-                    res = job.generate(pipe, rt)
-            finally:
-                pc.mask_sp_padding = mask_before
-            facts = _job_facts(pipe)  # before the after-hook, which may change the selection
-            extra = _plain(_call_hook(job.after, rank))
-            jobs.append(
-                JobReport(job, res.images, sp_padding=list(seen), extra=extra, collectives=coll.as_dict(), **facts)
-            )
-    finally:
-        handle.remove()
+    for jd in run["jobs"]:  # a failing job ends the worker: nothing to restore
+        job = Job(**jd)
+        pc.mask_sp_padding = mask_default if job.mask_sp_padding is None else job.mask_sp_padding
+        _call_hook(job.before, rank)
+        api.select(job.spec, model=pipe)
+        seen.clear()
+        with CollectiveCounter() as coll:
+            res = job.generate(pipe, rt)
+        facts = _job_facts(pipe)  # before the after-hook, which may change the selection
+        extra = _plain(_call_hook(job.after, rank))
+        jobs.append(JobReport(job, res.images, sp_padding=list(seen), extra=extra, collectives=coll.as_dict(), **facts))
+    handle.remove()
     report = RankReport(
         rank=rank,
-        world_size=cfg["world_size"],
-        mode=run["mode"],
         groups=_group_facts(),
         sp_hooks=hooks,
         sp_log=list(capture.lines),
