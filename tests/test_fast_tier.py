@@ -71,20 +71,13 @@ def _npu_norms(blocks, setattr_=setattr) -> None:
 
 # ----------------------------------------------------------------------------------------------------------------
 @OPTS
-def test_registered_off_by_default_in_all_close_tier_and_inactive_where_shared_modulation_is(opt, monkeypatch):
+def test_registered_off_by_default_close_tier_needs_shared_modulation_and_says_so(opt, runtime, monkeypatch):
     names = registry.names()
     assert opt.name in names and names.index(opt.name) > names.index("shared_modulation")
     assert opt.name not in flags.parse_spec("default") and opt.name in flags.parse_spec("all")
     assert opt.equivalence == opt.tier() == "close" and opt.default_enabled is False
     assert opt.close_gates == (0.999, 45.0) and "1 ulp" in opt.summary and opt.needs == ("shared_modulation",)
     assert opt.reasons_inactive() == []
-    monkeypatch.setenv(ENV_BUDGET_MB, "junk")
-    (why,) = opt.reasons_inactive()
-    assert why.startswith("needs shared_modulation, which is inactive here:") and ENV_BUDGET_MB in why
-
-
-@OPTS
-def test_needs_shared_modulation_and_says_so(opt, runtime):
     tr = build(runtime)
     kw = inputs(torch.float32)
     want = stock_then(f"none,+{opt.name}", tr, lambda: fwd(tr, runtime, kw))
@@ -97,6 +90,9 @@ def test_needs_shared_modulation_and_says_so(opt, runtime):
     api.select("none", model=tr)
     assert not opt.installed and opt.slot.get() is None
     assert opt.reasons_inactive(tr) == ["not installed"]
+    monkeypatch.setenv(ENV_BUDGET_MB, "junk")  # inactive where shared_modulation is
+    (why,) = opt.reasons_inactive()
+    assert why.startswith("needs shared_modulation, which is inactive here:") and ENV_BUDGET_MB in why
 
 
 @OPTS

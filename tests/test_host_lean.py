@@ -47,6 +47,8 @@ def _inputs(hw=(4, 4), t=0.7):
 def test_per_forward_decisions_are_remade_every_forward_and_per_call_outside_a_forward(runtime):
     """A forward under autograd after one without sees autograd, the next one without acts again; a block called
     directly after a forward decides for itself (the forward's scope is closed)."""
+    from torch.nn.modules import module as torch_module
+
     from vllm_omni_ascend_opt.blocks.upstream import forward_scope
 
     tr = build(runtime)
@@ -69,6 +71,17 @@ def test_per_forward_decisions_are_remade_every_forward_and_per_call_outside_a_f
     with runtime.context(), torch.enable_grad():
         tr.transformer_blocks[0](**captured)
     assert ja.fallback_reasons() == {"autograd is recording": 1}
+    # a global module hook is also decided per forward
+    want = fwd(tr, runtime, kw)
+    ja.reset_stats()
+    seen = []
+    handle = torch_module.register_module_forward_hook(lambda m, a, o: seen.append(type(m).__name__))
+    try:
+        got = fwd(tr, runtime, kw)
+    finally:
+        handle.remove()
+    assert ja.fallback_reasons() == {"global module hooks are registered": 2}, ja.fallback_reasons()
+    assert "FeedForward" in seen and torch.equal(got, want)
 
 
 def test_memo_precheck_is_remade_per_call_outside_a_forward(runtime):
@@ -85,25 +98,6 @@ def test_memo_precheck_is_remade_per_call_outside_a_forward(runtime):
     with torch.enable_grad():
         mods, why = sm.memo.block(block, temb)
     assert mods is None and why == "autograd is recording"
-
-
-def test_global_hooks_are_decided_per_forward(runtime):
-    from torch.nn.modules import module as torch_module
-
-    tr = build(runtime)
-    kw = _inputs()
-    api.select("default", model=tr)
-    want = fwd(tr, runtime, kw)
-    ja = registry.get("joint_attention")
-    ja.reset_stats()
-    seen = []
-    handle = torch_module.register_module_forward_hook(lambda m, a, o: seen.append(type(m).__name__))
-    try:
-        got = fwd(tr, runtime, kw)
-    finally:
-        handle.remove()
-    assert ja.fallback_reasons() == {"global module hooks are registered": 2}, ja.fallback_reasons()
-    assert "FeedForward" in seen and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("spec", ["none,+joint_attention", "none,+rope"])
@@ -196,7 +190,7 @@ def test_direct_calls_ran_and_follow_hooks_patches_a_parameter_class_and_a_funct
     assert torch.nn.functional.layer_norm in mode.funcs and torch.layer_norm not in mode.funcs
 
 
-def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
+def test_time_embedding_keys_the_memo_without_a_digest_of_temb_and_steps_aside_for_hooks(runtime):
     """The blocks find their memo entry through the timestep's value (read once per forward, B values) and temb's
     identity: no digest of temb; a change of the embedding's weights is a new key (the blocks recompute)."""
     tr = build(runtime)
@@ -223,15 +217,10 @@ def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
     assert sm.stats["misses"] == misses + 3
     api.select("none", model=tr)
     assert torch.equal(got, fwd(tr, runtime, kws[0]))
-
-
-def test_time_embedding_hit_returns_the_memoized_temb_unless_written_and_steps_aside_for_hooks(runtime):
-    """A repeated timestep returns its first temb without running the embedding, unless that temb was written in
-    place since; a hook on the embedder makes the memo step aside, with its reason."""
-    tr = build(runtime)
+    # a repeated timestep returns its first temb without running the embedding, unless that temb was written in place
+    # since; a hook on the embedder makes the memo step aside, with its reason
     kw = _inputs(t=0.4)
     (want,) = stock_outputs(tr, runtime, [kw], "none,+shared_modulation")
-    sm = registry.get("shared_modulation")
     sm.reset_stats()
     fwd(tr, runtime, kw)
     with OpCounter() as ops:

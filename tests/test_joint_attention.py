@@ -238,18 +238,6 @@ def test_peak_memory_of_an_attention_call_is_below_stocks_and_of_a_forward_not_a
     assert default.peak <= stock.peak, (default.peak, stock.peak)
 
 
-def test_bitwise_through_fused_attention_with_the_fake_npu(runtime, bf16_transformer, fake_npu):
-    """bf16 through ``fused_attention`` (npu_fusion_attention via the fake): the joint views give stock's result."""
-    npu = fake_npu()
-    api.select("none,+fused_attention", model=bf16_transformer)
-    ref = tiny_forward(runtime, bf16_transformer, batch=2, pad=True)
-    api.select("none,+fused_attention,+joint_attention", model=bf16_transformer)
-    OPT.reset_stats()
-    got = tiny_forward(runtime, bf16_transformer, batch=2, pad=True)
-    assert npu.calls["npu_fusion_attention"] > 0 and OPT.stats["joint_calls"] > 0
-    assert torch.equal(ref, got)
-
-
 def _reason_for(runtime, transformer, edit, *, grad=False) -> dict[str, int]:
     api.select("none,+joint_attention", model=transformer)
     attn = _clone(_attn(transformer))
@@ -283,15 +271,20 @@ def test_fallbacks_run_stock_with_a_reason(runtime, tiny_pipe, edit, fragment):
     assert list(reasons) and fragment in next(iter(reasons)), reasons
 
 
-def test_a_non_native_rope_falls_back(runtime, tiny_pipe):
+def test_non_native_rope_mismatched_freqs_and_autograd_falls_back(runtime, tiny_pipe):
     api.select("none,+joint_attention", model=tiny_pipe)
     attn = _attn(tiny_pipe.transformer)
+    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
+    with torch.no_grad():
+        assert OPT._call_reason(attn, hs, ehs, vid, txt) is None
+        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid[:-1], txt)
+        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid, txt.real)
+        assert OPT._call_reason(attn, hs, ehs.double(), vid, txt) == "text and image hidden states differ in dtype"
     # an instance forward on the rope: stock's dispatch to the native rotary math is no longer provable
     attn.rope.forward = attn.rope.forward_native
     try:
         assert "device kernel" in ja.static_reason(attn)
         OPT.reset_stats()
-        hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
         with runtime.context(), torch.no_grad():
             attn(hs, ehs, vid, txt)
         assert "device kernel" in next(iter(OPT.fallback_reasons()))
@@ -299,9 +292,6 @@ def test_a_non_native_rope_falls_back(runtime, tiny_pipe):
     finally:
         del attn.rope.forward
     assert ja.static_reason(attn) is None
-
-
-def test_autograd_falls_back(runtime, tiny_pipe):
     reasons = _reason_for(runtime, tiny_pipe.transformer, lambda a: None, grad=True)
     assert reasons == {"autograd is recording": 1}  # the shared guard's words (blocks.guards.call_reason)
 
@@ -361,17 +351,6 @@ def test_per_tensor_norms_where_q_and_k_cannot_share_a_pass(runtime, tiny_pipe, 
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, out, strict=True))
 
 
-def test_mismatched_freqs_fall_back(runtime, tiny_pipe):
-    api.select("none,+joint_attention", model=tiny_pipe)
-    attn = _attn(tiny_pipe.transformer)
-    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
-    with torch.no_grad():
-        assert OPT._call_reason(attn, hs, ehs, vid, txt) is None
-        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid[:-1], txt)
-        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid, txt.real)
-        assert OPT._call_reason(attn, hs, ehs.double(), vid, txt) == "text and image hidden states differ in dtype"
-
-
 def test_joint_freqs_cache_is_an_lru_of_16_and_dies_with_either_freqs():
     """At most 16 joint freqs, least recently used evicted first; an entry dies with its vid or its txt freqs."""
     stats = OPT.stats.__class__()
@@ -393,11 +372,12 @@ def test_joint_freqs_cache_is_an_lru_of_16_and_dies_with_either_freqs():
     assert len(cache) == 0
 
 
-def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_counted_by_rope(
+def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_bitwise_through_fused_attention(
     runtime, bf16_transformer, fake_npu
 ):
     """With ``rope`` installed the joint q/k go through its verified npu_rotary_mul and table cache; without it, the
-    joint path's own portable rotation."""
+    joint path's own portable rotation. bf16 through ``fused_attention`` (npu_fusion_attention via the fake): the
+    joint views give stock's result."""
     rope = registry.get("rope")
     npu = fake_npu()
     layers = len(bf16_transformer.transformer_blocks)
@@ -412,6 +392,13 @@ def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_count
     tiny_forward(runtime, bf16_transformer, batch=2)
     assert npu.calls["npu_rotary_mul"] == 1 + layers and not rope.stats  # rope off: no kernel, nothing counted
     assert OPT.stats["joint_calls"] == layers and OPT.stats["table_builds"] == 1
+    api.select("none,+fused_attention", model=bf16_transformer)
+    ref = tiny_forward(runtime, bf16_transformer, batch=2, pad=True)
+    api.select("none,+fused_attention,+joint_attention", model=bf16_transformer)
+    OPT.reset_stats()
+    got = tiny_forward(runtime, bf16_transformer, batch=2, pad=True)
+    assert npu.calls["npu_fusion_attention"] > 0 and OPT.stats["joint_calls"] > 0
+    assert torch.equal(ref, got)
 
 
 def test_traced_attention_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog):

@@ -10,7 +10,6 @@ import dataclasses
 import importlib
 import sys
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -138,7 +137,9 @@ def test_projections_and_weight_bytes_per_step(tiny_pipe, runtime):
     assert OPT.memo.stats["projections"] == 0 and OPT.memo.stats["silu"] == 0
 
 
-def test_silu_once_per_temb_and_ops_per_block(runtime):
+def test_silu_once_per_temb_ops_per_block_and_teacache_extractor_hits(runtime):
+    from vllm_omni.diffusion.cache.teacache.extractors import extract_qwen_context
+
     tr = build(runtime)
     kw = inputs(torch.float32)
 
@@ -159,14 +160,7 @@ def test_silu_once_per_temb_and_ops_per_block(runtime):
     removed = stock_block.counts - warm_block.counts
     assert removed == Counter({"aten::add": 4, "aten::silu": 2, "aten::addmm": 2})  # 1+scale x4, SiLU x2, GEMV x2
     assert not (warm_block.counts - stock_block.counts)  # nothing added
-
-
-def test_teacache_extractor_hits(runtime):
-    """TeaCache runs the block loop itself and probes block 0's img_mod: both hit on a warm step."""
-    from vllm_omni.diffusion.cache.teacache.extractors import extract_qwen_context
-
-    tr = build(runtime)
-    kw = inputs(torch.float32)
+    # TeaCache runs the block loop itself and probes block 0's img_mod: both hit on a warm step
     want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
 
     def via_teacache():
@@ -212,7 +206,7 @@ def test_inplace_weight_change_misses_and_invalidate_and_reload(runtime):
     assert torch.equal(got_data, fwd(tr, runtime, kw))
 
 
-def test_byte_budget_lru(runtime):
+def test_byte_budget_lru_and_never_exceeded(runtime):
     tr = build(runtime)
     api.select(ON, model=tr)
 
@@ -229,6 +223,25 @@ def test_byte_budget_lru(runtime):
     OPT.memo.configure(int(2.5 * per_entry))  # room for two temb values
     assert [step(t) for t in (0.2, 0.1, 0.3, 0.1, 0.2)] == ["miss", "hit", "miss", "hit", "miss"]  # 0.3 evicts 0.2
     assert OPT.memo.stats["evictions"] >= 2 and len(OPT.memo) == 2
+    # below one temb entry: what cannot fit alone is not stored, recomputed next time; outputs stay stock's
+    kw = inputs(torch.float32)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
+    d = TINY.inner_dim
+    # fp32 [1, D] temb and SiLU(temb); 2 and 12 [1, 1, D] for norm_out and a block
+    temb_bytes, silu_bytes, norm_out_bytes, block_bytes = d * 4, d * 4, 2 * d * 4, 12 * d * 4
+    # the memoized temb, SiLU and norm_out fit, no block does
+    OPT.memo.configure(temb_bytes + silu_bytes + norm_out_bytes + block_bytes // 2)
+    OPT.reset_stats()
+    for _ in range(2):
+        assert torch.equal(fwd(tr, runtime, kw), want)
+        assert OPT.memo.nbytes == temb_bytes + silu_bytes + norm_out_bytes <= OPT.memo.max_bytes
+    st = OPT.memo.stats
+    assert st["not_stored"] == 2 * L and st["misses"] == 2 * L + 1 and st["hits"] == 1  # norm_out hits once
+    assert st["projections"] == 2 * PROJ_PER_FORWARD - 1 and OPT.fallback_reasons() == {}
+    OPT.memo.configure(silu_bytes // 2)  # not even SiLU(temb) fits
+    OPT.reset_stats()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    assert OPT.memo.nbytes == 0 and OPT.memo.stats["not_stored"] > 0 and OPT.fallback_reasons() == {}
 
 
 def test_lru_hit_moves_the_entry_to_the_recent_end(runtime):
@@ -265,30 +278,7 @@ def test_lru_hit_moves_the_entry_to_the_recent_end(runtime):
     assert [call(t), call(view)] == ["hit", "miss"]  # t digested again (a hit); the view's entry is gone
 
 
-def test_byte_budget_is_never_exceeded(runtime):
-    """Below one temb entry: what cannot fit alone is not stored, recomputed next time; outputs stay stock's."""
-    tr = build(runtime)
-    kw = inputs(torch.float32)
-    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
-    d = TINY.inner_dim
-    # fp32 [1, D] temb and SiLU(temb); 2 and 12 [1, 1, D] for norm_out and a block
-    temb_bytes, silu_bytes, norm_out_bytes, block_bytes = d * 4, d * 4, 2 * d * 4, 12 * d * 4
-    # the memoized temb, SiLU and norm_out fit, no block does
-    OPT.memo.configure(temb_bytes + silu_bytes + norm_out_bytes + block_bytes // 2)
-    OPT.reset_stats()
-    for _ in range(2):
-        assert torch.equal(fwd(tr, runtime, kw), want)
-        assert OPT.memo.nbytes == temb_bytes + silu_bytes + norm_out_bytes <= OPT.memo.max_bytes
-    st = OPT.memo.stats
-    assert st["not_stored"] == 2 * L and st["misses"] == 2 * L + 1 and st["hits"] == 1  # norm_out hits once
-    assert st["projections"] == 2 * PROJ_PER_FORWARD - 1 and OPT.fallback_reasons() == {}
-    OPT.memo.configure(silu_bytes // 2)  # not even SiLU(temb) fits
-    OPT.reset_stats()
-    assert torch.equal(fwd(tr, runtime, kw), want)
-    assert OPT.memo.nbytes == 0 and OPT.memo.stats["not_stored"] > 0 and OPT.fallback_reasons() == {}
-
-
-def test_budget_env(monkeypatch, runtime):
+def test_budget_env_and_fingerprint_mismatch_turn_it_off(monkeypatch, runtime):
     monkeypatch.setenv(ENV_BUDGET_MB, "lots")
     assert any(ENV_BUDGET_MB in r for r in OPT.reasons_inactive())
     assert api.select(ON) == []  # stays off, with the reason
@@ -304,6 +294,12 @@ def test_budget_env(monkeypatch, runtime):
     monkeypatch.setenv(ENV_BUDGET_MB, "1.5")
     api.select(ON)
     assert OPT.memo.max_bytes == int(1.5 * 1024**2)
+    api.select("none")
+    i = next(i for i, d in enumerate(sm.UPSTREAM) if d.qualname == "QwenImageTransformerBlock.forward")
+    unknown = dataclasses.replace(sm.UPSTREAM[i], known={"0" * 16: ("0.30.0",)})
+    monkeypatch.setattr(OPT, "upstream", (*sm.UPSTREAM[:i], unknown, *sm.UPSTREAM[i + 1 :]))
+    assert any("QwenImageTransformerBlock.forward differs" in r for r in OPT.reasons_inactive())
+    assert api.select(ON) == []
 
 
 # ----- fallbacks: stock code, with a reason ---------------------------------------------------------------------------
@@ -318,7 +314,7 @@ def _fallback_case(runtime, tr, reason, kw=None, grad=False):
     return c.calls
 
 
-def test_fallback_compile_capture_hooks_and_fallback_autograd(runtime, monkeypatch, fake_npu):
+def test_fallbacks_capture_hooks_autograd_and_inference_tensors(runtime, monkeypatch, fake_npu):
     tr = build(runtime)
     fake_npu()
     monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: True, raising=False)
@@ -338,6 +334,11 @@ def test_fallback_compile_capture_hooks_and_fallback_autograd(runtime, monkeypat
         p.requires_grad_(True)
     assert _fallback_case(runtime, tr, "autograd", grad=True) == PROJ_PER_FORWARD
     assert len(OPT.memo) == 0
+    with torch.inference_mode():
+        tr = build(runtime)
+    api.select(ON, model=tr)
+    assert any("inference tensors" in r for r in OPT.reasons_inactive(tr))
+    _fallback_case(runtime, tr, "inference tensors")
 
 
 def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplog):
@@ -366,14 +367,6 @@ def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplo
     assert not [r for r in caplog.records if r.name.startswith("vllm_omni_ascend_opt")]
 
 
-def test_fallback_inference_tensor_weights(runtime):
-    with torch.inference_mode():
-        tr = build(runtime)
-    api.select(ON, model=tr)
-    assert any("inference tensors" in r for r in OPT.reasons_inactive(tr))
-    _fallback_case(runtime, tr, "inference tensors")
-
-
 def test_hook_that_captured_stock_forward_is_a_note_not_a_reason(runtime):
     """A hook registry (MagCache, layerwise offload, SP) that captured the stock block forward: the projections still
     come from the memo, with a model note; the fast tier (a mode of the block body) gives the note as its reason."""
@@ -400,14 +393,6 @@ def test_hook_that_captured_stock_forward_is_a_note_not_a_reason(runtime):
     fast_modulate.OPT.reset_stats()
     fwd(tr, runtime, kw)
     assert fast_modulate.OPT.ran() == 4 * (L - 1)  # the four norms of every block but the hooked one
-
-
-def test_fingerprint_mismatch_turns_it_off(monkeypatch):
-    i = next(i for i, d in enumerate(sm.UPSTREAM) if d.qualname == "QwenImageTransformerBlock.forward")
-    unknown = dataclasses.replace(sm.UPSTREAM[i], known={"0" * 16: ("0.30.0",)})
-    monkeypatch.setattr(OPT, "upstream", (*sm.UPSTREAM[:i], unknown, *sm.UPSTREAM[i + 1 :]))
-    assert any("QwenImageTransformerBlock.forward differs" in r for r in OPT.reasons_inactive())
-    assert api.select(ON) == []
 
 
 # ----- AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel ------------------
@@ -446,16 +431,6 @@ def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd
 
 
 # ----- the memo key: numerical settings (grad mode, matmul precision, autocast) are part of it ------------------------
-@contextlib.contextmanager
-def _matmul_precision(value: str) -> Iterator[None]:
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(value)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(old)
-
-
 def test_numerical_settings_are_part_of_the_key_and_autocast_is_bitwise(runtime):
     """The same temb value (a fresh tensor each call, so the digest runs) under other numerical settings is a miss,
     and a hit again under the first ones; a forward under autocast after a warm fp32 memo equals stock's."""
@@ -495,7 +470,11 @@ def test_numerical_settings_are_part_of_the_key_and_autocast_is_bitwise(runtime)
     assert misses(plain()) == 0  # warm, same settings
     assert misses(torch.enable_grad()) == 1  # grad mode
     assert misses(torch.enable_grad()) == 0
-    assert misses(_matmul_precision("medium")) == 1  # float32 matmul precision
+    torch.set_float32_matmul_precision("medium")
+    try:
+        assert misses(contextlib.nullcontext()) == 1  # float32 matmul precision
+    finally:
+        torch.set_float32_matmul_precision("highest")
     assert misses(torch.autocast("cpu", dtype=torch.bfloat16)) == 1  # autocast
     assert misses(plain()) == 0  # the first settings' entry is still there
     assert len(OPT.memo) == 4 and OPT.memo.stats["digests"] == 7
@@ -590,7 +569,7 @@ def test_timestep_zero_segment_is_kept_per_weights(runtime):
     assert not torch.equal(got, outs[0.5])
 
 
-def test_two_segment_memo_is_keyed_on_the_segments(runtime):
+def test_two_segment_memo_is_keyed_on_the_segments_and_under_inference_mode(runtime):
     """Same temb and length, another split between denoised and condition tokens: a new plan, never a stale hit."""
     tr = build(runtime, zero_cond_t=True)
     same_length = [(1, 2, 3), (1, 1, 2)]  # 6 + 2 tokens, like EQUAL's 4 + 4
@@ -601,6 +580,17 @@ def test_two_segment_memo_is_keyed_on_the_segments(runtime):
     for shapes, w, g in zip(cases, want, got, strict=True):
         assert torch.equal(g, w), shapes
     assert OPT.memo.stats["plans"] == len(cases) and OPT.memo.stats["hits"] > 0  # the EQUAL repeat hits
+    # under inference mode views have no ``_base``: ``temb.chunk(2)[0]`` is still known as the block's temb (one
+    # digest per forward), and a later no_grad forward reads no modulation weight
+    kw = edit_inputs(torch.float32, UNEQUAL)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
+    OPT.reset_stats()
+    with runtime.context(), torch.inference_mode():
+        outs = [tr(**kw)[0].clone() for _ in range(2)]
+    assert OPT.memo.stats["digests"] == 2 and all(torch.equal(o, want) for o in outs)
+    with TensorReadCounter(mod_tensors(tr)) as reads:
+        got = fwd(tr, runtime, kw)
+    assert reads.calls == 0 and torch.equal(got, want)
 
 
 def test_two_segment_fallbacks(runtime, monkeypatch):
@@ -620,18 +610,3 @@ def test_two_segment_fallbacks(runtime, monkeypatch):
     t = T()
     monkeypatch.setattr(t, "can_use_qwen_select01_triton", lambda x: True)  # stock would run the fused kernels
     _fallback_case(runtime, tr, "Triton select01", kw=kw)
-
-
-def test_two_segment_under_inference_mode(runtime):
-    """Views have no ``_base`` there: ``temb.chunk(2)[0]`` is still known as the block's temb (one digest per
-    forward), and a later no_grad forward reads no modulation weight."""
-    tr = build(runtime, zero_cond_t=True)
-    kw = edit_inputs(torch.float32, UNEQUAL)
-    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
-    OPT.reset_stats()
-    with runtime.context(), torch.inference_mode():
-        outs = [tr(**kw)[0].clone() for _ in range(2)]
-    assert OPT.memo.stats["digests"] == 2 and all(torch.equal(o, want) for o in outs)
-    with TensorReadCounter(mod_tensors(tr)) as reads:
-        got = fwd(tr, runtime, kw)
-    assert reads.calls == 0 and torch.equal(got, want)
