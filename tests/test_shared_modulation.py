@@ -50,7 +50,7 @@ def nbytes(ts) -> int:
 
 
 # ----- install / uninstall / attach -----------------------------------------------------------------------------------
-def test_install_uninstall_restore_by_identity(tiny_pipe, runtime):
+def test_install_uninstall_restore_by_identity_and_projections_and_weight_bytes_per_step(tiny_pipe, runtime):
     block_cls, model_cls = T().QwenImageTransformerBlock, T().QwenImageTransformer2DModel
     fwd0, load0 = block_cls.__dict__["forward"], model_cls.__dict__["load_weights"]
     tr = tiny_pipe.transformer
@@ -77,6 +77,28 @@ def test_install_uninstall_restore_by_identity(tiny_pipe, runtime):
     assert type(tr.norm_out) is AdaLayerNormContinuous
     assert len(OPT.memo) == 0 and OPT.memo.nbytes == 0
     assert OPT.reasons_inactive(tiny_pipe) == ["not installed"]
+    steps, mods = 2, mod_tensors(tr)  # projections and weight bytes per step
+    mod_bytes, all_bytes = nbytes(mods), nbytes(tr.parameters())
+    fraction = mod_bytes / all_bytes
+    assert 0.30 < fraction < 0.37, fraction  # ~1/3 of the DiT weights (12 D^2 of 36 D^2 per block)
+
+    def run():
+        with TensorReadCounter(mods) as c:
+            generate(tiny_pipe, runtime, steps=steps, seed=1, cfg_scale=3.0)  # true CFG: 2 forwards per step
+        return c
+
+    stock = run()
+    assert stock.calls == steps * 2 * PROJ_PER_FORWARD
+    assert stock.bytes == steps * 2 * mod_bytes
+
+    api.select(ON, model=tiny_pipe)
+    cold = run()  # the negative branch reuses the positive branch's projections (same t)
+    assert cold.calls == steps * PROJ_PER_FORWARD and cold.bytes == steps * mod_bytes
+    OPT.reset_stats()
+    warm = run()  # repeated request, same steps and resolution
+    assert warm.calls == 0 and warm.bytes == 0
+    assert OPT.memo.stats["digests"] == steps * 2  # one temb digest per forward
+    assert OPT.memo.stats["projections"] == 0 and OPT.memo.stats["silu"] == 0
 
 
 # ----- bitwise --------------------------------------------------------------------------------------------------------
@@ -109,34 +131,7 @@ def test_pipeline_images_bitwise(tiny_pipe, runtime, cfg):
     assert OPT.fallback_reasons() == {}
 
 
-# ----- counting: projections, weight bytes, SiLU, ops per block -------------------------------------------------------
-def test_projections_and_weight_bytes_per_step(tiny_pipe, runtime):
-    tr, steps = tiny_pipe.transformer, 2
-    mods = mod_tensors(tr)
-    mod_bytes, all_bytes = nbytes(mods), nbytes(tr.parameters())
-    fraction = mod_bytes / all_bytes
-    assert 0.30 < fraction < 0.37, fraction  # ~1/3 of the DiT weights (12 D^2 of 36 D^2 per block)
-
-    def run():
-        with TensorReadCounter(mods) as c:
-            generate(tiny_pipe, runtime, steps=steps, seed=1, cfg_scale=3.0)  # true CFG: 2 forwards per step
-        return c
-
-    api.select("none", model=tiny_pipe)
-    stock = run()
-    assert stock.calls == steps * 2 * PROJ_PER_FORWARD
-    assert stock.bytes == steps * 2 * mod_bytes
-
-    api.select(ON, model=tiny_pipe)
-    cold = run()  # the negative branch reuses the positive branch's projections (same t)
-    assert cold.calls == steps * PROJ_PER_FORWARD and cold.bytes == steps * mod_bytes
-    OPT.reset_stats()
-    warm = run()  # repeated request, same steps and resolution
-    assert warm.calls == 0 and warm.bytes == 0
-    assert OPT.memo.stats["digests"] == steps * 2  # one temb digest per forward
-    assert OPT.memo.stats["projections"] == 0 and OPT.memo.stats["silu"] == 0
-
-
+# ----- counting: SiLU, ops per block ----------------------------------------------------------------------------------
 def test_silu_once_per_temb_ops_per_block_and_teacache_extractor_hits(runtime):
     from vllm_omni.diffusion.cache.teacache.extractors import extract_qwen_context
 
@@ -524,27 +519,7 @@ def test_two_segment_blocks_bitwise(runtime, dtype, batch, case):
     assert OPT.memo.stats["misses"] == L + 1 and OPT.memo.stats["hits"] == L + 1  # blocks + norm_out
 
 
-def test_two_segment_zero_weight_bytes_and_ops_per_block(runtime):
-    """Warm forward: no modulation weight read, no torch.where, no SiLU; the block's op count drops."""
-    tr = build(runtime, zero_cond_t=True)
-    kw = edit_inputs(torch.float32, EQUAL)
-    block = tr.transformer_blocks[-1]
-    api.select("none", model=tr)
-    with count_module_calls(block) as stock:
-        fwd(tr, runtime, kw)
-    api.select(ON, model=tr)
-    fwd(tr, runtime, kw)
-    with TensorReadCounter(mod_tensors(tr)) as reads, count_module_calls(block) as opt:
-        fwd(tr, runtime, kw)
-    assert reads.calls == 0 and reads.bytes == 0
-    s, o = stock[0].counts, opt[0].counts
-    assert s["aten::where"] == 6 and s["aten::silu"] == 2  # stock: 3 where per image norm, SiLU per projection
-    assert o["aten::where"] == 0 and o["aten::silu"] == 0 and o["aten::addmm"] == s["aten::addmm"] - 2
-    assert o["aten::_to_copy"] == 0  # stock converts modulate_index to bool per norm
-    assert stock[0].total - opt[0].total >= 14, (stock[0].total, opt[0].total)
-
-
-def test_timestep_zero_segment_is_kept_per_weights(runtime):
+def test_timestep_zero_segment_is_kept_per_weights_and_warm_ops_per_block(runtime):
     """The timestep-0 segment is found again at every new timestep, and replaced when the weights change."""
     tr = build(runtime, zero_cond_t=True)
     api.select(ON, model=tr)
@@ -567,9 +542,25 @@ def test_timestep_zero_segment_is_kept_per_weights(runtime):
     api.select("none", model=tr)
     assert torch.equal(got, fwd(tr, runtime, kw))
     assert not torch.equal(got, outs[0.5])
+    # warm forward: no modulation weight read, no torch.where, no SiLU; the block's op count drops
+    kw = edit_inputs(torch.float32, EQUAL)
+    block = tr.transformer_blocks[-1]
+    api.select("none", model=tr)
+    with count_module_calls(block) as stock:
+        fwd(tr, runtime, kw)
+    api.select(ON, model=tr)
+    fwd(tr, runtime, kw)
+    with TensorReadCounter(mod_tensors(tr)) as reads, count_module_calls(block) as opt:
+        fwd(tr, runtime, kw)
+    assert reads.calls == 0 and reads.bytes == 0
+    s, o = stock[0].counts, opt[0].counts
+    assert s["aten::where"] == 6 and s["aten::silu"] == 2  # stock: 3 where per image norm, SiLU per projection
+    assert o["aten::where"] == 0 and o["aten::silu"] == 0 and o["aten::addmm"] == s["aten::addmm"] - 2
+    assert o["aten::_to_copy"] == 0  # stock converts modulate_index to bool per norm
+    assert stock[0].total - opt[0].total >= 14, (stock[0].total, opt[0].total)
 
 
-def test_two_segment_memo_is_keyed_on_the_segments_and_under_inference_mode(runtime):
+def test_two_segment_memo_is_keyed_on_the_segments_inference_mode_and_fallbacks(runtime, monkeypatch):
     """Same temb and length, another split between denoised and condition tokens: a new plan, never a stale hit."""
     tr = build(runtime, zero_cond_t=True)
     same_length = [(1, 2, 3), (1, 1, 2)]  # 6 + 2 tokens, like EQUAL's 4 + 4
@@ -591,10 +582,6 @@ def test_two_segment_memo_is_keyed_on_the_segments_and_under_inference_mode(runt
     with TensorReadCounter(mod_tensors(tr)) as reads:
         got = fwd(tr, runtime, kw)
     assert reads.calls == 0 and torch.equal(got, want)
-
-
-def test_two_segment_fallbacks(runtime, monkeypatch):
-    tr = build(runtime, zero_cond_t=True)
     kw = edit_inputs(torch.float32, EQUAL, batch=2)
     prep = tr.modulate_index_prepare
 
