@@ -141,7 +141,7 @@ def test_npu_path_one_layer_norm_eval_with_weight_and_bias_and_the_whole_tier(
 
 
 # ----- fast_modulate's fallbacks --------------------------------------------------------------------------------------
-def test_batch_rows_with_equal_and_different_modulation(runtime):
+def test_batch_rows_with_equal_and_different_modulation_and_layernorm_own_affine_or_hooks(runtime):
     tr = build(runtime)
     same, differ = inputs(torch.float32, batch=2, pad=2), inputs(torch.float32, batch=2, t=(0.25, 0.75), seed=2)
     api.select("none", model=tr)
@@ -155,6 +155,18 @@ def test_batch_rows_with_equal_and_different_modulation(runtime):
     assert MOD.ran() == 0
     (why,) = MOD.fallback_reasons()
     assert "batch rows have different modulation" in why and MOD.fallback_reasons()[why] == L * PER_BLOCK
+    kw = inputs(torch.float32)  # a LayerNorm with its own affine weights or hooks
+    blk = tr.transformer_blocks[0]
+    blk.img_norm1.layernorm.weight = nn.Parameter(torch.full((TINY.inner_dim,), 1.5))  # stock multiplies by it too
+    blk.txt_norm1.layernorm.register_forward_hook(lambda *_: None)  # on this test's own model
+    want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
+    MOD.reset_stats()
+    _close(fwd(tr, runtime, kw), want)
+    assert MOD.fallback_reasons() == {
+        "the AdaLayerNorm's LayerNorm has its own affine weights": 1,
+        "forward hooks on the AdaLayerNorm's LayerNorm": 1,
+    }
+    assert MOD.ran() == L * PER_BLOCK - 2
 
 
 @pytest.mark.parametrize("shapes", [EQUAL, COPRIME], ids=["broadcast", "slices"])
@@ -167,22 +179,6 @@ def test_two_segment_image_norms_fall_back_text_norms_do_not(runtime, shapes):
     assert MOD.ran() == 2 * L  # the text stream's two norms per block
     (why,) = MOD.fallback_reasons()
     assert "two-segment image norm" in why and MOD.fallback_reasons()[why] == 2 * L
-
-
-def test_layernorm_with_own_affine_or_hooks_falls_back(runtime):
-    tr = build(runtime)
-    kw = inputs(torch.float32)
-    blk = tr.transformer_blocks[0]
-    blk.img_norm1.layernorm.weight = nn.Parameter(torch.full((TINY.inner_dim,), 1.5))  # stock multiplies by it too
-    blk.txt_norm1.layernorm.register_forward_hook(lambda *_: None)  # on this test's own model
-    want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
-    MOD.reset_stats()
-    _close(fwd(tr, runtime, kw), want)
-    assert MOD.fallback_reasons() == {
-        "the AdaLayerNorm's LayerNorm has its own affine weights": 1,
-        "forward hooks on the AdaLayerNorm's LayerNorm": 1,
-    }
-    assert MOD.ran() == L * PER_BLOCK - 2
 
 
 def test_mindiesd_adalayernorm_falls_back(runtime, fake_npu, monkeypatch):

@@ -44,7 +44,7 @@ def _inputs(hw=(4, 4), t=0.7):
 
 
 # ----- per-forward decisions: made once per forward, remade by the next one, never used outside a forward -------------
-def test_per_forward_decisions_are_remade_every_forward_and_per_call_outside_a_forward(runtime):
+def test_per_forward_decisions_and_memo_precheck_are_remade_every_forward_and_per_call_outside_a_forward(runtime):
     """A forward under autograd after one without sees autograd, the next one without acts again; a block called
     directly after a forward decides for itself (the forward's scope is closed)."""
     from torch.nn.modules import module as torch_module
@@ -82,11 +82,7 @@ def test_per_forward_decisions_are_remade_every_forward_and_per_call_outside_a_f
         handle.remove()
     assert ja.fallback_reasons() == {"global module hooks are registered": 2}, ja.fallback_reasons()
     assert "FeedForward" in seen and torch.equal(got, want)
-
-
-def test_memo_precheck_is_remade_per_call_outside_a_forward(runtime):
-    """The same temb object later requiring grad is refused (never a stale "may memoize" from an earlier call)."""
-    tr = build(runtime)
+    # the memo's precheck: the same temb object later requiring grad is refused (no stale "may memoize")
     api.select("none,+shared_modulation", model=tr)
     sm = registry.get("shared_modulation")
     block = tr.transformer_blocks[0]

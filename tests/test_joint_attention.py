@@ -97,8 +97,8 @@ def test_joint_rms_norm_is_bitwise_the_two_norms_and_cat(dtype, d, monkeypatch):
     assert got.dtype == want.dtype and torch.equal(got, want) and torch.equal(pieces, want)
 
 
-# ----- install / uninstall / status -----------------------------------------------------------------------------------
-def test_listed_with_its_tier_and_install_uninstall_restore_the_original(runtime, tiny_pipe):
+# ----- install / uninstall / status, bitwise on the pipeline ----------------------------------------------------------
+def test_listed_with_its_tier_install_uninstall_and_pipeline_default_is_bitwise_none(runtime, tiny_pipe):
     assert "joint_attention" in registry.default_names()
     names = registry.names()  # after vae_fast: patches/ numbers (0007, 0008) follow the registry
     assert names[names.index("vae_fast") + 1 : names.index("vae_fast") + 3] == ["joint_attention", "qk_norm"]
@@ -118,11 +118,7 @@ def test_listed_with_its_tier_and_install_uninstall_restore_the_original(runtime
     assert not OPT.installed and cls.forward is original
     OPT.uninstall()
     assert cls.forward is original
-
-
-# ----- bitwise on the pipeline and on the transformer, with and without rope ------------------------------------------
-def test_pipeline_default_is_bitwise_none_and_the_joint_path_ran(runtime, tiny_pipe):
-    api.select("none", model=tiny_pipe)
+    # on the pipeline: default and its variants are bitwise none, and the joint path ran
     ref = generate(tiny_pipe, runtime, steps=2, seed=5, cfg_scale=4.0).images
     for spec in ("default", "none,+joint_attention", "default,-rope"):
         api.select(spec, model=tiny_pipe)
@@ -134,6 +130,7 @@ def test_pipeline_default_is_bitwise_none_and_the_joint_path_ran(runtime, tiny_p
         assert torch.equal(got, ref), spec
 
 
+# ----- bitwise on the transformer, with and without rope --------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("spec", ["none,+joint_attention", "none,+rope,+joint_attention"])
 def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pipe, bf16_transformer, dtype, spec):
@@ -166,7 +163,7 @@ def test_the_ops_per_block_fall_by_twenty_eight_bitwise(runtime, tiny_pipe):
 
 
 # ----- the attention module directly: SP branch, views through the attention, fallbacks -------------------------------
-def test_sequence_parallel_branch_hands_stock_values_to_the_attention(runtime, tiny_pipe, monkeypatch):
+def test_sequence_parallel_branch_and_non_contiguous_value_view_are_bitwise(runtime, tiny_pipe, monkeypatch):
     """SP > 1: the text q/k/v as ``joint_*`` metadata at the attention layer are stock's values, bitwise."""
     mod = sys.modules[_targets.TRANSFORMER]
     api.select("none,+joint_attention", model=tiny_pipe)
@@ -183,10 +180,7 @@ def test_sequence_parallel_branch_hands_stock_values_to_the_attention(runtime, t
     assert OPT.stats["sp_calls"] == 1
     for a, b in zip(seen[0], seen[1], strict=True):
         assert torch.equal(a, b)
-
-
-def test_non_contiguous_value_view_is_bitwise_through_sdpa(runtime, tiny_pipe):
-    api.select("none,+joint_attention", model=tiny_pipe)
+    # SP 1, the real attention: v reaches SDPA as a non-contiguous view of the joint projection, bitwise
     attn = _attn(tiny_pipe.transformer)
     got_v = []
     inner = attn.attn.forward
