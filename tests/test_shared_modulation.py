@@ -131,8 +131,8 @@ def test_pipeline_images_bitwise(tiny_pipe, runtime, cfg):
     assert OPT.fallback_reasons() == {}
 
 
-# ----- counting: SiLU, ops per block ----------------------------------------------------------------------------------
-def test_silu_once_per_temb_ops_per_block_and_teacache_extractor_hits(runtime):
+# ----- counting: SiLU, ops per block; invalidation --------------------------------------------------------------------
+def test_warm_counts_teacache_hits_and_inplace_weight_change_misses_and_invalidate_and_reload(runtime):
     from vllm_omni.diffusion.cache.teacache.extractors import extract_qwen_context
 
     tr = build(runtime)
@@ -170,13 +170,7 @@ def test_silu_once_per_temb_ops_per_block_and_teacache_extractor_hits(runtime):
     assert torch.equal(out, want) and cold_calls == PROJ_PER_FORWARD  # the probe's projection is reused by block 0
     out, warm_calls = via_teacache()
     assert torch.equal(out, want) and warm_calls == 0
-
-
-# ----- invalidation and memory bound ----------------------------------------------------------------------------------
-def test_inplace_weight_change_misses_and_invalidate_and_reload(runtime):
-    tr = build(runtime)
-    kw = inputs(torch.float32)
-    api.select(ON, model=tr)
+    # invalidation: an in-place write misses; a write through .data needs weights_changed; load_weights invalidates
     fwd(tr, runtime, kw)
     with torch.no_grad():  # what a LoRA merge / NZ cast in place does: the version counter moves
         tr.transformer_blocks[1].img_mod[1].weight.mul_(1.5)
@@ -201,8 +195,39 @@ def test_inplace_weight_change_misses_and_invalidate_and_reload(runtime):
     assert torch.equal(got_data, fwd(tr, runtime, kw))
 
 
-def test_byte_budget_lru_and_never_exceeded(runtime):
+# ----- memory bound ---------------------------------------------------------------------------------------------------
+def test_lru_hit_moves_the_entry_and_byte_budget_lru_and_never_exceeded(runtime):
     tr = build(runtime)
+    # a hit moves its entry to the recent end, found by digest (a new temb of a known value) or by identity (the last
+    # digested temb again, after a view of it made its own entry); eviction takes the least recently used
+    seq = tr.transformer_blocks[0].img_mod  # a stock Sequential(SiLU, ReplicatedLinear)
+    g = torch.Generator().manual_seed(11)
+    a, b, c = (torch.randn(1, TINY.inner_dim, generator=g) for _ in range(3))
+    memo = ModulationMemo()
+
+    def call(t: torch.Tensor) -> str:
+        hits = memo.stats["hits"]
+        with torch.no_grad():
+            out, why = memo.direct_projection(seq, t)
+            assert why is None and torch.equal(out, nn.Sequential.forward(seq, t))
+        assert memo.nbytes <= memo.max_bytes
+        return "hit" if memo.stats["hits"] > hits else "miss"
+
+    assert call(a.clone()) == "miss"
+    memo.configure(int(2.5 * memo.nbytes))  # room for two temb values
+    # digest path: the hit on a moves it past b, so c evicts b (not a); a hits again; b comes back as a miss
+    assert [call(t.clone()) for t in (b, a, c, a, b)] == ["miss", "hit", "miss", "hit", "miss"]
+    assert memo.stats["evictions"] == 2 and len(memo) == 2
+
+    memo.clear()
+    memo.configure(ModulationMemo().max_bytes)
+    t = a.clone()
+    view = t[:, :]  # a view of the last digested temb: its own entry, keyed by geometry (no digest)
+    assert [call(t), call(view)] == ["miss", "miss"] and len(memo) == 2
+    memo.configure(int(2.5 * memo.nbytes / 2))
+    assert call(t) == "hit"  # the same object as the last digest: moved past the view's entry
+    assert call(c.clone()) == "miss"  # evicts the view's entry, the least recently used
+    assert [call(t), call(view)] == ["hit", "miss"]  # t digested again (a hit); the view's entry is gone
     api.select(ON, model=tr)
 
     def step(t):
@@ -237,40 +262,6 @@ def test_byte_budget_lru_and_never_exceeded(runtime):
     OPT.reset_stats()
     assert torch.equal(fwd(tr, runtime, kw), want)
     assert OPT.memo.nbytes == 0 and OPT.memo.stats["not_stored"] > 0 and OPT.fallback_reasons() == {}
-
-
-def test_lru_hit_moves_the_entry_to_the_recent_end(runtime):
-    """A hit moves its entry to the recent end, found by digest (a new temb of a known value) or by identity (the
-    last digested temb again, after a view of it made its own entry); eviction takes the least recently used."""
-    tr = build(runtime)
-    seq = tr.transformer_blocks[0].img_mod  # a stock Sequential(SiLU, ReplicatedLinear)
-    g = torch.Generator().manual_seed(11)
-    a, b, c = (torch.randn(1, TINY.inner_dim, generator=g) for _ in range(3))
-    memo = ModulationMemo()
-
-    def call(t: torch.Tensor) -> str:
-        hits = memo.stats["hits"]
-        with torch.no_grad():
-            out, why = memo.direct_projection(seq, t)
-            assert why is None and torch.equal(out, nn.Sequential.forward(seq, t))
-        assert memo.nbytes <= memo.max_bytes
-        return "hit" if memo.stats["hits"] > hits else "miss"
-
-    assert call(a.clone()) == "miss"
-    memo.configure(int(2.5 * memo.nbytes))  # room for two temb values
-    # digest path: the hit on a moves it past b, so c evicts b (not a); a hits again; b comes back as a miss
-    assert [call(t.clone()) for t in (b, a, c, a, b)] == ["miss", "hit", "miss", "hit", "miss"]
-    assert memo.stats["evictions"] == 2 and len(memo) == 2
-
-    memo.clear()
-    memo.configure(ModulationMemo().max_bytes)
-    t = a.clone()
-    view = t[:, :]  # a view of the last digested temb: its own entry, keyed by geometry (no digest)
-    assert [call(t), call(view)] == ["miss", "miss"] and len(memo) == 2
-    memo.configure(int(2.5 * memo.nbytes / 2))
-    assert call(t) == "hit"  # the same object as the last digest: moved past the view's entry
-    assert call(c.clone()) == "miss"  # evicts the view's entry, the least recently used
-    assert [call(t), call(view)] == ["hit", "miss"]  # t digested again (a hit); the view's entry is gone
 
 
 def test_budget_env_and_fingerprint_mismatch_turn_it_off(monkeypatch, runtime):
