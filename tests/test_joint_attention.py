@@ -265,7 +265,7 @@ def test_fallbacks_run_stock_with_a_reason(runtime, tiny_pipe, edit, fragment):
     assert list(reasons) and fragment in next(iter(reasons)), reasons
 
 
-def test_non_native_rope_mismatched_freqs_and_autograd_falls_back(runtime, tiny_pipe):
+def test_non_native_rope_mismatched_freqs_autograd_and_fused_cuda_fall_back(runtime, tiny_pipe, monkeypatch):
     api.select("none,+joint_attention", model=tiny_pipe)
     attn = _attn(tiny_pipe.transformer)
     hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
@@ -288,16 +288,11 @@ def test_non_native_rope_mismatched_freqs_and_autograd_falls_back(runtime, tiny_
     assert ja.static_reason(attn) is None
     reasons = _reason_for(runtime, tiny_pipe.transformer, lambda a: None, grad=True)
     assert reasons == {"autograd is recording": 1}  # the shared guard's words (blocks.guards.call_reason)
-
-
-def test_stocks_fused_cuda_path_is_left_to_stock(runtime, tiny_pipe, monkeypatch):
+    # stock's fused CUDA QK-norm/RoPE path is left to stock, decided before the projections
     mod = sys.modules[_targets.TRANSFORMER]
-    api.select("none,+joint_attention", model=tiny_pipe)
     monkeypatch.setattr(mod, "_fused_cuda_supported", lambda *a, **k: True)
     monkeypatch.setattr(mod, "fused_qk_norm_rope_min_tokens", lambda default: 0)
     monkeypatch.setattr(mod, "fused_qk_norm_rope", lambda q, k, *a, **kw: (q, k))  # stand-in for the CUDA kernel
-    attn = _attn(tiny_pipe.transformer)
-    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
     calls = []
     hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in (attn.to_qkv, attn.add_kv_proj)]
     OPT.reset_stats()

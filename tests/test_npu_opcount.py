@@ -55,7 +55,7 @@ def test_registered_op_facts():
     assert "dequantize.self" not in ops  # QuantizedPrivateUse1 only: no kernel for a dense tensor
 
 
-def test_rmsnorm_in_bf16_counts_its_pieces_layer_norm_gelu_silu_linear_and_sdpa_one_kernel():
+def test_rmsnorm_in_bf16_counts_its_pieces_layer_norm_gelu_silu_linear_and_sdpa_one_kernel_unregistered_decomposed():
     x, norm = torch.randn(2, 5, 64, dtype=BF16), nn.RMSNorm(64, eps=1e-6).to(BF16)
     c = _count(lambda: norm(x))
     # aten::rms_norm is CompositeImplicitAutograd and torch_npu 2.13 registers no kernel for it: upcast, x^2, mean,
@@ -79,11 +79,8 @@ def test_rmsnorm_in_bf16_counts_its_pieces_layer_norm_gelu_silu_linear_and_sdpa_
     assert c.counts == Counter({"scaled_dot_product_attention": 1})  # torch_npu registers the composite itself
     a, b = torch.randn(2, 3, 8, 16), torch.randn(2, 3, 16, 4)
     assert _count(lambda: a @ b).counts == Counter({"matmul": 1})
-
-
-def test_unregistered_op_runs_as_its_decomposition():
-    """``_unsafe_view`` (behind ``reshape`` of a non-contiguous tensor) has a CPU kernel but no NPU one; its
-    decomposition is a view: no launch. The CPU counter counts it; the NPU counter counts only the copy."""
+    # ``_unsafe_view`` (behind ``reshape`` of a non-contiguous tensor) has a CPU kernel but no NPU one; its
+    # decomposition is a view: no launch. The CPU counter counts it; the NPU counter counts only the copy.
     x = torch.randn(4, 6).t()
     with OpCounter() as cpu:
         x.reshape(-1)
