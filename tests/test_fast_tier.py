@@ -181,19 +181,6 @@ def test_two_segment_image_norms_fall_back_text_norms_do_not(runtime, shapes):
     assert "two-segment image norm" in why and MOD.fallback_reasons()[why] == 2 * L
 
 
-def test_mindiesd_adalayernorm_falls_back(runtime, fake_npu, monkeypatch):
-    fake_npu()
-    monkeypatch.setattr(sys.modules[ada_norm.ADALAYERNORM_MODULE], "_HAS_MINDIESD", True)
-    tr = build(runtime)
-    _npu_norms(tr.transformer_blocks)
-    kw = inputs(torch.float32)
-    want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
-    MOD.reset_stats()
-    assert torch.equal(fwd(tr, runtime, kw), want)
-    (why,) = MOD.fallback_reasons()
-    assert "MindIE-SD" in why and MOD.ran() == 0
-
-
 # ----- fast_residual: the two-segment image stream, the fallback ------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shapes", [EQUAL, UNEQUAL, COPRIME], ids=["equal", "unequal", "slices"])
@@ -219,10 +206,11 @@ def test_two_segment_blocks(runtime, dtype, shapes):
     torch.testing.assert_close(got, want, **tol)
 
 
-def test_dtype_and_shape_reasons_on_a_norm_mod_and_mixed_dtypes_fall_back(runtime):
+def test_dtype_shape_and_mindiesd_reasons_and_mixed_dtypes_fall_back(runtime, fake_npu, monkeypatch):
     """Reasons the stock model cannot produce, reached on a NormMod directly: mixed dtypes (stock promotes
     ``x + gate * y``, addcmul would not), non-[B, 1, D] rows."""
-    norm = build(runtime).transformer_blocks[0].img_norm1
+    tr = build(runtime)
+    norm = tr.transformer_blocks[0].img_norm1
     scale, shift, gate = (torch.randn(1, 1, TINY.inner_dim) for _ in range(3))
     x = torch.randn(1, 5, TINY.inner_dim, dtype=torch.bfloat16)
     api.select(f"{SM_ON},+fast_modulate,+fast_residual")
@@ -243,3 +231,13 @@ def test_dtype_and_shape_reasons_on_a_norm_mod_and_mixed_dtypes_fall_back(runtim
     assert RES.ran() == 0 and "mixed dtypes" in next(iter(RES.fallback_reasons()))
     xb = x.to(torch.bfloat16)
     assert torch.equal(mod.residual(xb, y, block_calls()[1]), torch.addcmul(xb, gate, y)) and RES.ran() == 1
+    # MindIE-SD's fused AdaLayerNorm: fast_modulate steps aside
+    fake_npu()
+    monkeypatch.setattr(sys.modules[ada_norm.ADALAYERNORM_MODULE], "_HAS_MINDIESD", True)
+    _npu_norms(tr.transformer_blocks)
+    kw = inputs(torch.float32)
+    want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
+    MOD.reset_stats()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    (why,) = MOD.fallback_reasons()
+    assert "MindIE-SD" in why and MOD.ran() == 0

@@ -353,34 +353,6 @@ def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplo
     assert not [r for r in caplog.records if r.name.startswith("vllm_omni_ascend_opt")]
 
 
-def test_hook_that_captured_stock_forward_is_a_note_not_a_reason(runtime):
-    """A hook registry (MagCache, layerwise offload, SP) that captured the stock block forward: the projections still
-    come from the memo, with a model note; the fast tier (a mode of the block body) gives the note as its reason."""
-    from vllm_omni.diffusion.hooks.base import HookRegistry
-
-    tr = build(runtime)
-    kw = inputs(torch.float32)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    HookRegistry.get_or_create(tr.transformer_blocks[0])  # captures the stock block forward
-    api.select(ON, model=tr)
-    assert OPT.reasons_inactive(tr) == []
-    (note,) = OPT.model_notes(tr)
-    assert "captured the block forward of 1 block(s)" in note
-    OPT.reset_stats()
-    assert torch.equal(fwd(tr, runtime, kw), want)
-    with TensorReadCounter(mod_tensors(tr)) as reads:
-        assert torch.equal(fwd(tr, runtime, kw), want)
-    assert reads.calls == 0 and OPT.fallback_reasons() == {}  # block 0's img_mod/txt_mod hit the memo too
-    api.select(ON + ",+fast_modulate", model=tr)
-    assert fast_modulate.OPT.reasons_inactive(tr) == [
-        f"{note}: fast_modulate is a mode of shared_modulation's block body"
-    ]
-    fast_modulate.OPT.reset_stats()
-    fwd(tr, runtime, kw)
-    assert fast_modulate.OPT.ran() == 4 * (L - 1)  # the four norms of every block but the hooked one
-
-
 # ----- AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel ------------------
 @pytest.mark.parametrize(
     "mindiesd, edit", [(False, False), (True, False), (False, True)], ids=["torch_npu", "mindiesd", "two_segment"]
@@ -417,9 +389,11 @@ def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd
 
 
 # ----- the memo key: numerical settings (grad mode, matmul precision, autocast) are part of it ------------------------
-def test_numerical_settings_are_part_of_the_key_and_autocast_is_bitwise(runtime):
+def test_numerical_settings_are_part_of_the_key_and_hook_that_captured_stock_forward_is_a_note(runtime):
     """The same temb value (a fresh tensor each call, so the digest runs) under other numerical settings is a miss,
     and a hit again under the first ones; a forward under autocast after a warm fp32 memo equals stock's."""
+    from vllm_omni.diffusion.hooks.base import HookRegistry
+
     tr = build(runtime)
     kw = inputs(torch.float32)
 
@@ -464,6 +438,27 @@ def test_numerical_settings_are_part_of_the_key_and_autocast_is_bitwise(runtime)
     assert misses(torch.autocast("cpu", dtype=torch.bfloat16)) == 1  # autocast
     assert misses(plain()) == 0  # the first settings' entry is still there
     assert len(OPT.memo) == 4 and OPT.memo.stats["digests"] == 7
+    # a hook registry (MagCache, layerwise offload, SP) that captured the stock block forward: the projections still
+    # come from the memo, with a model note; the fast tier (a mode of the block body) gives the note as its reason
+    api.select("none", model=tr)
+    want = fwd(tr, runtime, kw)
+    HookRegistry.get_or_create(tr.transformer_blocks[0])  # captures the stock block forward
+    api.select(ON, model=tr)
+    assert OPT.reasons_inactive(tr) == []
+    (note,) = OPT.model_notes(tr)
+    assert "captured the block forward of 1 block(s)" in note
+    OPT.reset_stats()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    with TensorReadCounter(mod_tensors(tr)) as reads:
+        assert torch.equal(fwd(tr, runtime, kw), want)
+    assert reads.calls == 0 and OPT.fallback_reasons() == {}  # block 0's img_mod/txt_mod hit the memo too
+    api.select(ON + ",+fast_modulate", model=tr)
+    assert fast_modulate.OPT.reasons_inactive(tr) == [
+        f"{note}: fast_modulate is a mode of shared_modulation's block body"
+    ]
+    fast_modulate.OPT.reset_stats()
+    fwd(tr, runtime, kw)
+    assert fast_modulate.OPT.ran() == 4 * (L - 1)  # the four norms of every block but the hooked one
 
 
 # ----- two-segment modulation (Qwen-Image-Edit-2511 zero_cond_t / modulate_index), issue 14 ---------------------------
