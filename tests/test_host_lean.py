@@ -309,8 +309,8 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
         assert torch.equal(got, request(h))
 
 
-# ----- bench_host --instructions: the split of callgrind's per-function counts ----------------------------------------
-def test_instruction_split_counts_functions_once_and_names_the_kernels(monkeypatch):
+# ----- bench_host: the split of callgrind's per-function counts, host time per segment timed inside the forward --------
+def test_instruction_split_and_segment_timer_split_a_forward_per_block_without_changing_it(runtime, monkeypatch):
     monkeypatch.syspath_prepend(BENCHMARKS)
     import instructions
 
@@ -329,13 +329,8 @@ Ir                   file:function
   150,000 (10.00%)  ???:at::TensorIteratorBase::build(at::TensorIteratorConfig&) [/x/libtorch_cpu.so]
 """
     assert instructions.parse(text) == (1_500_000, 950_000)  # GEMM + vectorized loop; interpreter, set-up: host
-
-
-# ----- bench_host --split: host time per segment, timed inside the forward --------------------------------------------
-def test_segment_timer_splits_a_forward_per_block_without_changing_it(runtime, monkeypatch):
-    """The timed ModuleList is the same object for the measurement: the plugin still acts in every block, the
-    output is bitwise the untimed one, one segment per block plus before and after; the class is restored."""
-    monkeypatch.syspath_prepend(BENCHMARKS)
+    # bench_host --split: the timed ModuleList is the same object for the measurement: the plugin still acts in every
+    # block, the output is bitwise the untimed one, one segment per block plus before and after; the class is restored
     import segments
 
     tr = build(runtime)

@@ -129,7 +129,7 @@ def test_lora_switch_under_offload_copies_the_new_weights(runtime, tmp_path):
     assert stats[3]["forwards_skipping"] == FORWARDS  # warm with the adapter
 
 
-def test_cold_forwards_probes_and_tracing_under_offload(runtime, monkeypatch):
+def test_cold_forwards_probes_tracing_under_offload_and_upstream_change(runtime, monkeypatch):
     """A cold forward copies everything, with the reason. Upstream's materialization probe of a block is its first
     weight (img_mod.1.weight): a block whose modulation weights stay on the host must still read as materialized (or
     upstream copies it again), until uninstall. Under tracing the prefetch is stock's, nothing counted."""
@@ -161,10 +161,7 @@ def test_cold_forwards_probes_and_tracing_under_offload(runtime, monkeypatch):
         assert copies.bytes == _block_sizes(h.pipeline)[0]
         api.select("none")  # uninstall: every probe is upstream's again
         assert [hk._materialization_probe for hk in hooks] == before
-
-
-def test_upstream_change_turns_it_off(monkeypatch):
-    api.select("default")
+    api.select("default")  # an upstream change turns it off
     assert OPT.reasons_inactive() == []
     i = next(i for i, d in enumerate(mao.UPSTREAM) if d.qualname == "LayerwiseOffloadHook.prefetch_layer")
     unknown = dataclasses.replace(mao.UPSTREAM[i], known={"0" * 16: ("0.30.0",)})

@@ -1,9 +1,6 @@
-"""The NPU op counter (``testbed/npu_ops.py``): what torch_npu 2.13 would launch, counted on CPU.
-
-* the registered-op list is the real wheel's (skips with the reason when the wheel cannot be fetched);
-* known cases: bf16 ``nn.RMSNorm`` as its 8 pieces, layer norm / gelu / SDPA as one kernel, a fake kernel as one;
-* per block of the tiny transformer, warm: stock pinned in bf16 through the fake, the default stack below it.
-"""
+"""The NPU op counter (``testbed/npu_ops.py``): what torch_npu 2.13 would launch, counted on CPU. The registered-op
+list is the real wheel's; bf16 ``nn.RMSNorm`` counts as its 8 pieces, layer norm / gelu / SDPA / a fake kernel as one;
+per block of the tiny transformer, warm: stock pinned in bf16 through the fake, the default stack below it."""
 
 from __future__ import annotations
 
