@@ -18,27 +18,6 @@ from vllm_omni_ascend_opt.testbed.opcount import OpCounter, SyncCounter
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
-def test_sync_counter_counts_each_host_read_once_and_says_where():
-    x = torch.randn(4)
-    with SyncCounter() as s:
-        x.sum().item()  # item -> _local_scalar_dense, counted once
-        if x.sum() > 0:  # tensor truthiness
-            pass
-        x.tolist()
-        host = x.cpu()  # the copy to the host
-        host.reshape(-1).numpy()  # a read of the host copy: not a second sync
-        torch.equal(x, x)  # aten::equal returns a host bool
-        float(x[0])  # __float__ -> _local_scalar_dense
-    assert s.total == 6, dict(s.sites)
-    assert all("test_host_lean.py" in site for site in s.sites)
-    y = torch.randn(3)
-    with SyncCounter() as s2:
-        y + 1
-        y.numpy()  # not a read of a .cpu() copy: counted
-    assert s2.total == 1
-    assert torch.Tensor.item is torch._C.TensorBase.item  # restored on exit
-
-
 def _inputs(hw=(4, 4), t=0.7):
     return inputs(torch.float32, hw=hw, txt=32, t=(t,))
 
@@ -309,8 +288,27 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
         assert torch.equal(got, request(h))
 
 
-# ----- bench_host: the split of callgrind's per-function counts, host time per segment timed inside the forward --------
-def test_instruction_split_and_segment_timer_split_a_forward_per_block_without_changing_it(runtime, monkeypatch):
+# ----- the sync counter; bench_host: callgrind's per-function counts split, host time per segment in the forward ------
+def test_sync_counter_instruction_split_and_segment_timer_split_a_forward_per_block(runtime, monkeypatch):
+    # the test bed's host-sync counter counts each host read once and says where
+    x = torch.randn(4)
+    with SyncCounter() as s:
+        x.sum().item()  # item -> _local_scalar_dense, counted once
+        if x.sum() > 0:  # tensor truthiness
+            pass
+        x.tolist()
+        host = x.cpu()  # the copy to the host
+        host.reshape(-1).numpy()  # a read of the host copy: not a second sync
+        torch.equal(x, x)  # aten::equal returns a host bool
+        float(x[0])  # __float__ -> _local_scalar_dense
+    assert s.total == 6, dict(s.sites)
+    assert all("test_host_lean.py" in site for site in s.sites)
+    y = torch.randn(3)
+    with SyncCounter() as s2:
+        y + 1
+        y.numpy()  # not a read of a .cpu() copy: counted
+    assert s2.total == 1
+    assert torch.Tensor.item is torch._C.TensorBase.item  # restored on exit
     monkeypatch.syspath_prepend(BENCHMARKS)
     import instructions
 

@@ -163,7 +163,22 @@ def test_the_ops_per_block_fall_by_twenty_eight_bitwise(runtime, tiny_pipe):
 
 
 # ----- the attention module directly: SP branch, views through the attention, fallbacks -------------------------------
-def test_sequence_parallel_branch_and_non_contiguous_value_view_are_bitwise(runtime, tiny_pipe, monkeypatch):
+class _LoraLike(nn.Module):
+    """A runtime-LoRA-style wrapper around a QKV projection: ``base(x) + x @ A @ B``, returning ``(out, bias)``."""
+
+    def __init__(self, base: nn.Module, d_in: int, d_out: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.base = base
+        self.a = nn.Parameter(torch.randn(d_in, 2, generator=g) * 0.1)
+        self.b = nn.Parameter(torch.randn(2, d_out, generator=g) * 0.1)
+
+    def forward(self, x):
+        out, bias = self.base(x)
+        return out + x @ self.a @ self.b, bias
+
+
+def test_sp_branch_value_view_and_wrapped_projections_are_bitwise(runtime, tiny_pipe, monkeypatch):
     """SP > 1: the text q/k/v as ``joint_*`` metadata at the attention layer are stock's values, bitwise."""
     mod = sys.modules[_targets.TRANSFORMER]
     api.select("none,+joint_attention", model=tiny_pipe)
@@ -199,6 +214,20 @@ def test_sequence_parallel_branch_and_non_contiguous_value_view_are_bitwise(runt
             del attn.attn.forward
     assert got_v == [False]  # v is a view of the joint projection
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    # quantized or LoRA-wrapped projections: the joint path calls them like stock and joins their outputs
+    attn = _clone(_attn(tiny_pipe.transformer))
+    width = attn.to_qkv.weight.shape[0]
+    attn.to_qkv = _LoraLike(attn._modules["to_qkv"], attn.dim, width)
+    attn.add_kv_proj = _LoraLike(attn._modules["add_kv_proj"], attn.dim, width)
+    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer, txt=9)
+    OPT.reset_stats()
+    with runtime.context(), torch.no_grad():
+        want = _stock_attn(attn, hs, ehs, vid, txt)
+        got = attn(hs, ehs, vid, txt)
+        plain = _attn(tiny_pipe.transformer)(hs, ehs, vid, txt)
+    assert OPT.stats["joint_calls"] == 2 and OPT.fallback_reasons() == {}
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert not torch.equal(got[0], plain[0])  # the wrappers acted
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -429,36 +458,3 @@ def test_traced_attention_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog
     with runtime.context(), torch.no_grad():
         again = attn(hs, ehs, vid, txt)  # eager: the joint path (the patch was in place while tracing)
     assert OPT.stats["joint_calls"] == 1 and all(torch.equal(a, b) for a, b in zip(want, again, strict=True))
-
-
-class _LoraLike(nn.Module):
-    """A runtime-LoRA-style wrapper around a QKV projection: ``base(x) + x @ A @ B``, returning ``(out, bias)``."""
-
-    def __init__(self, base: nn.Module, d_in: int, d_out: int) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(7)
-        self.base = base
-        self.a = nn.Parameter(torch.randn(d_in, 2, generator=g) * 0.1)
-        self.b = nn.Parameter(torch.randn(2, d_out, generator=g) * 0.1)
-
-    def forward(self, x):
-        out, bias = self.base(x)
-        return out + x @ self.a @ self.b, bias
-
-
-def test_wrapped_projections_are_called_as_modules_and_joined(runtime, tiny_pipe):
-    """Quantized or LoRA-wrapped projections: the joint path calls them like stock and joins their outputs."""
-    api.select("none,+joint_attention", model=tiny_pipe)
-    attn = _clone(_attn(tiny_pipe.transformer))
-    width = attn.to_qkv.weight.shape[0]
-    attn.to_qkv = _LoraLike(attn._modules["to_qkv"], attn.dim, width)
-    attn.add_kv_proj = _LoraLike(attn._modules["add_kv_proj"], attn.dim, width)
-    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer, txt=9)
-    OPT.reset_stats()
-    with runtime.context(), torch.no_grad():
-        want = _stock_attn(attn, hs, ehs, vid, txt)
-        got = attn(hs, ehs, vid, txt)
-        plain = _attn(tiny_pipe.transformer)(hs, ehs, vid, txt)
-    assert OPT.stats["joint_calls"] == 2 and OPT.fallback_reasons() == {}
-    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-    assert not torch.equal(got[0], plain[0])  # the wrappers acted
