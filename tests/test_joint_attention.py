@@ -1,7 +1,5 @@
-"""`joint_attention`: one join of the two streams, QK norms and RoPE once on the joint sequence - bitwise stock.
-
-Every equality check also proves that the joint path ran (its counters); every fallback is reached with its reason.
-"""
+"""`joint_attention`: one join of the two streams, QK norms and RoPE once on the joint sequence - bitwise stock. Every
+equality check also proves that the joint path ran (its counters); every fallback is reached with its reason."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """memo_aware_offload under vLLM-Omni's layerwise offload: a warm forward leaves blocks 1..N-1's modulation weights
 on the host, bitwise stock (TeaCache and MagCache too); a cold forward, a LoRA switch and a memo that loses an entry
-copy what the blocks read; a storage-keyed memo would copy everything.
-"""
+copy what the blocks read; a storage-keyed memo would copy everything."""
 
 from __future__ import annotations
 
@@ -106,7 +105,7 @@ def test_a_memo_that_loses_an_entry_or_is_storage_keyed_copies_bitwise(runtime, 
     assert ref.bytes[1] - got.bytes[1] == got.stats["bytes_skipped"] - got.mod_bytes
     # a memo keyed on device storage (emulated: a token that never repeats) finds no hit for the placeholders: every
     # forward copies every weight, and the output is stock's
-    monkeypatch.undo()
+    monkeypatch.setattr(OPT, "_before_block", decide)
     real = modulation_keys.tensor_state
     fresh = itertools.count()
 

@@ -1,7 +1,5 @@
-"""`shared_modulation`: bitwise-identical to stock, modulation work per forward drops to zero on a warm request.
-
-Everything runs on vLLM-Omni 0.30's real classes on CPU (tiny Qwen-Image: 2 blocks, hidden 64).
-"""
+"""`shared_modulation`: bitwise-identical to stock, modulation work per forward drops to zero on a warm request; on
+vLLM-Omni 0.30's real classes on CPU (tiny Qwen-Image: 2 blocks, hidden 64)."""
 
 from __future__ import annotations
 
@@ -300,8 +298,31 @@ def _fallback_case(runtime, tr, reason, kw=None, grad=False):
     return c.calls
 
 
-def test_fallbacks_capture_hooks_autograd_and_inference_tensors(runtime, monkeypatch, fake_npu):
+def test_tracing_runs_stock_code_and_fallbacks_capture_hooks_autograd(runtime, monkeypatch, fake_npu, caplog):
     tr = build(runtime)
+    # while tracing every patched forward and the fast tier's modes run stock code: nothing counted, memoized, logged
+    kw = inputs(torch.float32)
+    fast = (fast_modulate.OPT, fast_residual.OPT)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    want = stock_then(ON + ",+fast_modulate,+fast_residual", tr, lambda: fwd(tr, runtime, kw))
+    for opt in (OPT, *fast):
+        opt.reset_stats()
+    caplog.set_level("DEBUG", logger="vllm_omni_ascend_opt")
+    caplog.clear()
+    with TensorReadCounter(mod_tensors(tr)) as reads:
+        got = fwd(tr, runtime, kw)
+        d = TINY.inner_dim
+        mod = NormMod.unpack(*(torch.randn(1, 1, d) for _ in range(3)), ada_norm.NATIVE)
+        x = torch.randn(1, 3, d)
+        block = tr.transformer_blocks[0]
+        fm, fr, _ = block_calls()  # what block_body asks: None while tracing
+        assert torch.equal(mod.norm(block.img_norm1, x, fm), block.img_norm1.layernorm(x) * mod.first + mod.shift)
+        assert torch.equal(mod.residual(x, x, fr), x + mod.gate * x)
+    assert torch.equal(got, want) and reads.calls == PROJ_PER_FORWARD
+    assert not OPT.stats and len(OPT.memo) == 0 and OPT.fallback_reasons() == {}
+    assert all(opt.ran() == 0 and opt.fallback_reasons() == {} for opt in fast)
+    assert not [r for r in caplog.records if r.name.startswith("vllm_omni_ascend_opt")]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)  # eager again: every fallback with its reason
     fake_npu()
     monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: True, raising=False)
     _fallback_case(runtime, tr, "NPU graph capture")
@@ -325,32 +346,6 @@ def test_fallbacks_capture_hooks_autograd_and_inference_tensors(runtime, monkeyp
     api.select(ON, model=tr)
     assert any("inference tensors" in r for r in OPT.reasons_inactive(tr))
     _fallback_case(runtime, tr, "inference tensors")
-
-
-def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplog):
-    """Every patched forward and the fast tier's modes run stock code: nothing is counted, memoized or logged."""
-    tr = build(runtime)
-    kw = inputs(torch.float32)
-    fast = (fast_modulate.OPT, fast_residual.OPT)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    want = stock_then(ON + ",+fast_modulate,+fast_residual", tr, lambda: fwd(tr, runtime, kw))
-    for opt in (OPT, *fast):
-        opt.reset_stats()
-    caplog.set_level("DEBUG", logger="vllm_omni_ascend_opt")
-    caplog.clear()
-    with TensorReadCounter(mod_tensors(tr)) as reads:
-        got = fwd(tr, runtime, kw)
-        d = TINY.inner_dim
-        mod = NormMod.unpack(*(torch.randn(1, 1, d) for _ in range(3)), ada_norm.NATIVE)
-        x = torch.randn(1, 3, d)
-        block = tr.transformer_blocks[0]
-        fm, fr, _ = block_calls()  # what block_body asks: None while tracing
-        assert torch.equal(mod.norm(block.img_norm1, x, fm), block.img_norm1.layernorm(x) * mod.first + mod.shift)
-        assert torch.equal(mod.residual(x, x, fr), x + mod.gate * x)
-    assert torch.equal(got, want) and reads.calls == PROJ_PER_FORWARD
-    assert not OPT.stats and len(OPT.memo) == 0 and OPT.fallback_reasons() == {}
-    assert all(opt.ran() == 0 and opt.fallback_reasons() == {} for opt in fast)
-    assert not [r for r in caplog.records if r.name.startswith("vllm_omni_ascend_opt")]
 
 
 # ----- AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel ------------------
