@@ -42,8 +42,7 @@ def _attn_inputs(transformer, *, txt=7, hw=(4, 4), batch=1, seed=0):
 
 
 def _clone(attn):
-    """A shallow copy of an attention module with its own copies of the four QK norms (vLLM's parameters do not
-    deepcopy); projections, rope and attention layer are shared."""
+    """A shallow copy of ``attn`` with its own four QK norms (vLLM's parameters do not deepcopy), the rest shared."""
     c = copy.copy(attn)
     c._modules = dict(attn._modules)
     for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
@@ -391,9 +390,8 @@ def test_joint_freqs_cache_is_an_lru_of_16_and_dies_with_either_freqs():
 def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_bitwise_through_fused_attention(
     runtime, bf16_transformer, fake_npu
 ):
-    """With ``rope`` installed the joint q/k go through its verified npu_rotary_mul and table cache; without it, the
-    joint path's own portable rotation. bf16 through ``fused_attention`` (npu_fusion_attention via the fake): the
-    joint views give stock's result."""
+    """With ``rope`` installed the joint q/k go through its verified npu_rotary_mul and table cache, without it its
+    own rotation; through ``fused_attention`` (npu_fusion_attention via the fake) the joint views give stock's."""
     rope = registry.get("rope")
     npu = fake_npu()
     layers = len(bf16_transformer.transformer_blocks)
