@@ -71,20 +71,13 @@ def _npu_norms(blocks, setattr_=setattr) -> None:
 
 # ----------------------------------------------------------------------------------------------------------------
 @OPTS
-def test_registered_off_by_default_in_all_close_tier_and_inactive_where_shared_modulation_is(opt, monkeypatch):
+def test_registered_off_by_default_close_tier_needs_shared_modulation_and_says_so(opt, runtime, monkeypatch):
     names = registry.names()
     assert opt.name in names and names.index(opt.name) > names.index("shared_modulation")
     assert opt.name not in flags.parse_spec("default") and opt.name in flags.parse_spec("all")
     assert opt.equivalence == opt.tier() == "close" and opt.default_enabled is False
     assert opt.close_gates == (0.999, 45.0) and "1 ulp" in opt.summary and opt.needs == ("shared_modulation",)
     assert opt.reasons_inactive() == []
-    monkeypatch.setenv(ENV_BUDGET_MB, "junk")
-    (why,) = opt.reasons_inactive()
-    assert why.startswith("needs shared_modulation, which is inactive here:") and ENV_BUDGET_MB in why
-
-
-@OPTS
-def test_needs_shared_modulation_and_says_so(opt, runtime):
     tr = build(runtime)
     kw = inputs(torch.float32)
     want = stock_then(f"none,+{opt.name}", tr, lambda: fwd(tr, runtime, kw))
@@ -97,6 +90,9 @@ def test_needs_shared_modulation_and_says_so(opt, runtime):
     api.select("none", model=tr)
     assert not opt.installed and opt.slot.get() is None
     assert opt.reasons_inactive(tr) == ["not installed"]
+    monkeypatch.setenv(ENV_BUDGET_MB, "junk")  # inactive where shared_modulation is
+    (why,) = opt.reasons_inactive()
+    assert why.startswith("needs shared_modulation, which is inactive here:") and ENV_BUDGET_MB in why
 
 
 @OPTS
@@ -145,7 +141,7 @@ def test_npu_path_one_layer_norm_eval_with_weight_and_bias_and_the_whole_tier(
 
 
 # ----- fast_modulate's fallbacks --------------------------------------------------------------------------------------
-def test_batch_rows_with_equal_and_different_modulation(runtime):
+def test_batch_rows_with_equal_and_different_modulation_and_layernorm_own_affine_or_hooks(runtime):
     tr = build(runtime)
     same, differ = inputs(torch.float32, batch=2, pad=2), inputs(torch.float32, batch=2, t=(0.25, 0.75), seed=2)
     api.select("none", model=tr)
@@ -159,23 +155,7 @@ def test_batch_rows_with_equal_and_different_modulation(runtime):
     assert MOD.ran() == 0
     (why,) = MOD.fallback_reasons()
     assert "batch rows have different modulation" in why and MOD.fallback_reasons()[why] == L * PER_BLOCK
-
-
-@pytest.mark.parametrize("shapes", [EQUAL, COPRIME], ids=["broadcast", "slices"])
-def test_two_segment_image_norms_fall_back_text_norms_do_not(runtime, shapes):
-    tr = build(runtime, zero_cond_t=True)
-    kw = edit_inputs(torch.float32, shapes)
-    want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
-    MOD.reset_stats()
-    _close(fwd(tr, runtime, kw), want)
-    assert MOD.ran() == 2 * L  # the text stream's two norms per block
-    (why,) = MOD.fallback_reasons()
-    assert "two-segment image norm" in why and MOD.fallback_reasons()[why] == 2 * L
-
-
-def test_layernorm_with_own_affine_or_hooks_falls_back(runtime):
-    tr = build(runtime)
-    kw = inputs(torch.float32)
+    kw = inputs(torch.float32)  # a LayerNorm with its own affine weights or hooks
     blk = tr.transformer_blocks[0]
     blk.img_norm1.layernorm.weight = nn.Parameter(torch.full((TINY.inner_dim,), 1.5))  # stock multiplies by it too
     blk.txt_norm1.layernorm.register_forward_hook(lambda *_: None)  # on this test's own model
@@ -189,17 +169,16 @@ def test_layernorm_with_own_affine_or_hooks_falls_back(runtime):
     assert MOD.ran() == L * PER_BLOCK - 2
 
 
-def test_mindiesd_adalayernorm_falls_back(runtime, fake_npu, monkeypatch):
-    fake_npu()
-    monkeypatch.setattr(sys.modules[ada_norm.ADALAYERNORM_MODULE], "_HAS_MINDIESD", True)
-    tr = build(runtime)
-    _npu_norms(tr.transformer_blocks)
-    kw = inputs(torch.float32)
+@pytest.mark.parametrize("shapes", [EQUAL, COPRIME], ids=["broadcast", "slices"])
+def test_two_segment_image_norms_fall_back_text_norms_do_not(runtime, shapes):
+    tr = build(runtime, zero_cond_t=True)
+    kw = edit_inputs(torch.float32, shapes)
     want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
     MOD.reset_stats()
-    assert torch.equal(fwd(tr, runtime, kw), want)
+    _close(fwd(tr, runtime, kw), want)
+    assert MOD.ran() == 2 * L  # the text stream's two norms per block
     (why,) = MOD.fallback_reasons()
-    assert "MindIE-SD" in why and MOD.ran() == 0
+    assert "two-segment image norm" in why and MOD.fallback_reasons()[why] == 2 * L
 
 
 # ----- fast_residual: the two-segment image stream, the fallback ------------------------------------------------------
@@ -227,10 +206,11 @@ def test_two_segment_blocks(runtime, dtype, shapes):
     torch.testing.assert_close(got, want, **tol)
 
 
-def test_dtype_and_shape_reasons_on_a_norm_mod_and_mixed_dtypes_fall_back(runtime):
+def test_dtype_shape_and_mindiesd_reasons_and_mixed_dtypes_fall_back(runtime, fake_npu, monkeypatch):
     """Reasons the stock model cannot produce, reached on a NormMod directly: mixed dtypes (stock promotes
     ``x + gate * y``, addcmul would not), non-[B, 1, D] rows."""
-    norm = build(runtime).transformer_blocks[0].img_norm1
+    tr = build(runtime)
+    norm = tr.transformer_blocks[0].img_norm1
     scale, shift, gate = (torch.randn(1, 1, TINY.inner_dim) for _ in range(3))
     x = torch.randn(1, 5, TINY.inner_dim, dtype=torch.bfloat16)
     api.select(f"{SM_ON},+fast_modulate,+fast_residual")
@@ -251,3 +231,13 @@ def test_dtype_and_shape_reasons_on_a_norm_mod_and_mixed_dtypes_fall_back(runtim
     assert RES.ran() == 0 and "mixed dtypes" in next(iter(RES.fallback_reasons()))
     xb = x.to(torch.bfloat16)
     assert torch.equal(mod.residual(xb, y, block_calls()[1]), torch.addcmul(xb, gate, y)) and RES.ran() == 1
+    # MindIE-SD's fused AdaLayerNorm: fast_modulate steps aside
+    fake_npu()
+    monkeypatch.setattr(sys.modules[ada_norm.ADALAYERNORM_MODULE], "_HAS_MINDIESD", True)
+    _npu_norms(tr.transformer_blocks)
+    kw = inputs(torch.float32)
+    want = stock_then(f"{SM_ON},+fast_modulate", tr, lambda: fwd(tr, runtime, kw))
+    MOD.reset_stats()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    (why,) = MOD.fallback_reasons()
+    assert "MindIE-SD" in why and MOD.ran() == 0

@@ -18,35 +18,16 @@ from vllm_omni_ascend_opt.testbed.opcount import OpCounter, SyncCounter
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
-def test_sync_counter_counts_each_host_read_once_and_says_where():
-    x = torch.randn(4)
-    with SyncCounter() as s:
-        x.sum().item()  # item -> _local_scalar_dense, counted once
-        if x.sum() > 0:  # tensor truthiness
-            pass
-        x.tolist()
-        host = x.cpu()  # the copy to the host
-        host.reshape(-1).numpy()  # a read of the host copy: not a second sync
-        torch.equal(x, x)  # aten::equal returns a host bool
-        float(x[0])  # __float__ -> _local_scalar_dense
-    assert s.total == 6, dict(s.sites)
-    assert all("test_host_lean.py" in site for site in s.sites)
-    y = torch.randn(3)
-    with SyncCounter() as s2:
-        y + 1
-        y.numpy()  # not a read of a .cpu() copy: counted
-    assert s2.total == 1
-    assert torch.Tensor.item is torch._C.TensorBase.item  # restored on exit
-
-
 def _inputs(hw=(4, 4), t=0.7):
     return inputs(torch.float32, hw=hw, txt=32, t=(t,))
 
 
 # ----- per-forward decisions: made once per forward, remade by the next one, never used outside a forward -------------
-def test_per_forward_decisions_are_remade_every_forward_and_per_call_outside_a_forward(runtime):
+def test_per_forward_decisions_and_memo_precheck_are_remade_every_forward_and_per_call_outside_a_forward(runtime):
     """A forward under autograd after one without sees autograd, the next one without acts again; a block called
     directly after a forward decides for itself (the forward's scope is closed)."""
+    from torch.nn.modules import module as torch_module
+
     from vllm_omni_ascend_opt.blocks.upstream import forward_scope
 
     tr = build(runtime)
@@ -69,11 +50,18 @@ def test_per_forward_decisions_are_remade_every_forward_and_per_call_outside_a_f
     with runtime.context(), torch.enable_grad():
         tr.transformer_blocks[0](**captured)
     assert ja.fallback_reasons() == {"autograd is recording": 1}
-
-
-def test_memo_precheck_is_remade_per_call_outside_a_forward(runtime):
-    """The same temb object later requiring grad is refused (never a stale "may memoize" from an earlier call)."""
-    tr = build(runtime)
+    # a global module hook is also decided per forward
+    want = fwd(tr, runtime, kw)
+    ja.reset_stats()
+    seen = []
+    handle = torch_module.register_module_forward_hook(lambda m, a, o: seen.append(type(m).__name__))
+    try:
+        got = fwd(tr, runtime, kw)
+    finally:
+        handle.remove()
+    assert ja.fallback_reasons() == {"global module hooks are registered": 2}, ja.fallback_reasons()
+    assert "FeedForward" in seen and torch.equal(got, want)
+    # the memo's precheck: the same temb object later requiring grad is refused (no stale "may memoize")
     api.select("none,+shared_modulation", model=tr)
     sm = registry.get("shared_modulation")
     block = tr.transformer_blocks[0]
@@ -85,25 +73,6 @@ def test_memo_precheck_is_remade_per_call_outside_a_forward(runtime):
     with torch.enable_grad():
         mods, why = sm.memo.block(block, temb)
     assert mods is None and why == "autograd is recording"
-
-
-def test_global_hooks_are_decided_per_forward(runtime):
-    from torch.nn.modules import module as torch_module
-
-    tr = build(runtime)
-    kw = _inputs()
-    api.select("default", model=tr)
-    want = fwd(tr, runtime, kw)
-    ja = registry.get("joint_attention")
-    ja.reset_stats()
-    seen = []
-    handle = torch_module.register_module_forward_hook(lambda m, a, o: seen.append(type(m).__name__))
-    try:
-        got = fwd(tr, runtime, kw)
-    finally:
-        handle.remove()
-    assert ja.fallback_reasons() == {"global module hooks are registered": 2}, ja.fallback_reasons()
-    assert "FeedForward" in seen and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("spec", ["none,+joint_attention", "none,+rope"])
@@ -196,7 +165,7 @@ def test_direct_calls_ran_and_follow_hooks_patches_a_parameter_class_and_a_funct
     assert torch.nn.functional.layer_norm in mode.funcs and torch.layer_norm not in mode.funcs
 
 
-def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
+def test_time_embedding_keys_the_memo_without_a_digest_of_temb_and_steps_aside_for_hooks(runtime):
     """The blocks find their memo entry through the timestep's value (read once per forward, B values) and temb's
     identity: no digest of temb; a change of the embedding's weights is a new key (the blocks recompute)."""
     tr = build(runtime)
@@ -223,15 +192,10 @@ def test_time_embedding_keys_the_memo_without_a_digest_of_temb(runtime):
     assert sm.stats["misses"] == misses + 3
     api.select("none", model=tr)
     assert torch.equal(got, fwd(tr, runtime, kws[0]))
-
-
-def test_time_embedding_hit_returns_the_memoized_temb_unless_written_and_steps_aside_for_hooks(runtime):
-    """A repeated timestep returns its first temb without running the embedding, unless that temb was written in
-    place since; a hook on the embedder makes the memo step aside, with its reason."""
-    tr = build(runtime)
+    # a repeated timestep returns its first temb without running the embedding, unless that temb was written in place
+    # since; a hook on the embedder makes the memo step aside, with its reason
     kw = _inputs(t=0.4)
     (want,) = stock_outputs(tr, runtime, [kw], "none,+shared_modulation")
-    sm = registry.get("shared_modulation")
     sm.reset_stats()
     fwd(tr, runtime, kw)
     with OpCounter() as ops:
@@ -324,8 +288,27 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
         assert torch.equal(got, request(h))
 
 
-# ----- bench_host --instructions: the split of callgrind's per-function counts ----------------------------------------
-def test_instruction_split_counts_functions_once_and_names_the_kernels(monkeypatch):
+# ----- the sync counter; bench_host: callgrind's per-function counts split, host time per segment in the forward ------
+def test_sync_counter_instruction_split_and_segment_timer_split_a_forward_per_block(runtime, monkeypatch):
+    # the test bed's host-sync counter counts each host read once and says where
+    x = torch.randn(4)
+    with SyncCounter() as s:
+        x.sum().item()  # item -> _local_scalar_dense, counted once
+        if x.sum() > 0:  # tensor truthiness
+            pass
+        x.tolist()
+        host = x.cpu()  # the copy to the host
+        host.reshape(-1).numpy()  # a read of the host copy: not a second sync
+        torch.equal(x, x)  # aten::equal returns a host bool
+        float(x[0])  # __float__ -> _local_scalar_dense
+    assert s.total == 6, dict(s.sites)
+    assert all("test_host_lean.py" in site for site in s.sites)
+    y = torch.randn(3)
+    with SyncCounter() as s2:
+        y + 1
+        y.numpy()  # not a read of a .cpu() copy: counted
+    assert s2.total == 1
+    assert torch.Tensor.item is torch._C.TensorBase.item  # restored on exit
     monkeypatch.syspath_prepend(BENCHMARKS)
     import instructions
 
@@ -344,13 +327,8 @@ Ir                   file:function
   150,000 (10.00%)  ???:at::TensorIteratorBase::build(at::TensorIteratorConfig&) [/x/libtorch_cpu.so]
 """
     assert instructions.parse(text) == (1_500_000, 950_000)  # GEMM + vectorized loop; interpreter, set-up: host
-
-
-# ----- bench_host --split: host time per segment, timed inside the forward --------------------------------------------
-def test_segment_timer_splits_a_forward_per_block_without_changing_it(runtime, monkeypatch):
-    """The timed ModuleList is the same object for the measurement: the plugin still acts in every block, the
-    output is bitwise the untimed one, one segment per block plus before and after; the class is restored."""
-    monkeypatch.syspath_prepend(BENCHMARKS)
+    # bench_host --split: the timed ModuleList is the same object for the measurement: the plugin still acts in every
+    # block, the output is bitwise the untimed one, one segment per block plus before and after; the class is restored
     import segments
 
     tr = build(runtime)

@@ -1,7 +1,5 @@
-"""`joint_attention`: one join of the two streams, QK norms and RoPE once on the joint sequence - bitwise stock.
-
-Every equality check also proves that the joint path ran (its counters); every fallback is reached with its reason.
-"""
+"""`joint_attention`: one join of the two streams, QK norms and RoPE once on the joint sequence - bitwise stock. Every
+equality check also proves that the joint path ran (its counters); every fallback is reached with its reason."""
 
 from __future__ import annotations
 
@@ -44,8 +42,7 @@ def _attn_inputs(transformer, *, txt=7, hw=(4, 4), batch=1, seed=0):
 
 
 def _clone(attn):
-    """A shallow copy of an attention module with its own copies of the four QK norms (vLLM's parameters do not
-    deepcopy); projections, rope and attention layer are shared."""
+    """A shallow copy of ``attn`` with its own four QK norms (vLLM's parameters do not deepcopy), the rest shared."""
     c = copy.copy(attn)
     c._modules = dict(attn._modules)
     for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
@@ -97,8 +94,8 @@ def test_joint_rms_norm_is_bitwise_the_two_norms_and_cat(dtype, d, monkeypatch):
     assert got.dtype == want.dtype and torch.equal(got, want) and torch.equal(pieces, want)
 
 
-# ----- install / uninstall / status -----------------------------------------------------------------------------------
-def test_listed_with_its_tier_and_install_uninstall_restore_the_original(runtime, tiny_pipe):
+# ----- install / uninstall / status, bitwise on the pipeline ----------------------------------------------------------
+def test_listed_with_its_tier_install_uninstall_and_pipeline_default_is_bitwise_none(runtime, tiny_pipe):
     assert "joint_attention" in registry.default_names()
     names = registry.names()  # after vae_fast: patches/ numbers (0007, 0008) follow the registry
     assert names[names.index("vae_fast") + 1 : names.index("vae_fast") + 3] == ["joint_attention", "qk_norm"]
@@ -118,11 +115,7 @@ def test_listed_with_its_tier_and_install_uninstall_restore_the_original(runtime
     assert not OPT.installed and cls.forward is original
     OPT.uninstall()
     assert cls.forward is original
-
-
-# ----- bitwise on the pipeline and on the transformer, with and without rope ------------------------------------------
-def test_pipeline_default_is_bitwise_none_and_the_joint_path_ran(runtime, tiny_pipe):
-    api.select("none", model=tiny_pipe)
+    # on the pipeline: default and its variants are bitwise none, and the joint path ran
     ref = generate(tiny_pipe, runtime, steps=2, seed=5, cfg_scale=4.0).images
     for spec in ("default", "none,+joint_attention", "default,-rope"):
         api.select(spec, model=tiny_pipe)
@@ -134,6 +127,7 @@ def test_pipeline_default_is_bitwise_none_and_the_joint_path_ran(runtime, tiny_p
         assert torch.equal(got, ref), spec
 
 
+# ----- bitwise on the transformer, with and without rope --------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("spec", ["none,+joint_attention", "none,+rope,+joint_attention"])
 def test_transformer_bitwise_with_padded_masks_and_text_lengths(runtime, tiny_pipe, bf16_transformer, dtype, spec):
@@ -166,7 +160,22 @@ def test_the_ops_per_block_fall_by_twenty_eight_bitwise(runtime, tiny_pipe):
 
 
 # ----- the attention module directly: SP branch, views through the attention, fallbacks -------------------------------
-def test_sequence_parallel_branch_hands_stock_values_to_the_attention(runtime, tiny_pipe, monkeypatch):
+class _LoraLike(nn.Module):
+    """A runtime-LoRA-style wrapper around a QKV projection: ``base(x) + x @ A @ B``, returning ``(out, bias)``."""
+
+    def __init__(self, base: nn.Module, d_in: int, d_out: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.base = base
+        self.a = nn.Parameter(torch.randn(d_in, 2, generator=g) * 0.1)
+        self.b = nn.Parameter(torch.randn(2, d_out, generator=g) * 0.1)
+
+    def forward(self, x):
+        out, bias = self.base(x)
+        return out + x @ self.a @ self.b, bias
+
+
+def test_sp_branch_value_view_and_wrapped_projections_are_bitwise(runtime, tiny_pipe, monkeypatch):
     """SP > 1: the text q/k/v as ``joint_*`` metadata at the attention layer are stock's values, bitwise."""
     mod = sys.modules[_targets.TRANSFORMER]
     api.select("none,+joint_attention", model=tiny_pipe)
@@ -183,10 +192,7 @@ def test_sequence_parallel_branch_hands_stock_values_to_the_attention(runtime, t
     assert OPT.stats["sp_calls"] == 1
     for a, b in zip(seen[0], seen[1], strict=True):
         assert torch.equal(a, b)
-
-
-def test_non_contiguous_value_view_is_bitwise_through_sdpa(runtime, tiny_pipe):
-    api.select("none,+joint_attention", model=tiny_pipe)
+    # SP 1, the real attention: v reaches SDPA as a non-contiguous view of the joint projection, bitwise
     attn = _attn(tiny_pipe.transformer)
     got_v = []
     inner = attn.attn.forward
@@ -205,6 +211,20 @@ def test_non_contiguous_value_view_is_bitwise_through_sdpa(runtime, tiny_pipe):
             del attn.attn.forward
     assert got_v == [False]  # v is a view of the joint projection
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    # quantized or LoRA-wrapped projections: the joint path calls them like stock and joins their outputs
+    attn = _clone(_attn(tiny_pipe.transformer))
+    width = attn.to_qkv.weight.shape[0]
+    attn.to_qkv = _LoraLike(attn._modules["to_qkv"], attn.dim, width)
+    attn.add_kv_proj = _LoraLike(attn._modules["add_kv_proj"], attn.dim, width)
+    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer, txt=9)
+    OPT.reset_stats()
+    with runtime.context(), torch.no_grad():
+        want = _stock_attn(attn, hs, ehs, vid, txt)
+        got = attn(hs, ehs, vid, txt)
+        plain = _attn(tiny_pipe.transformer)(hs, ehs, vid, txt)
+    assert OPT.stats["joint_calls"] == 2 and OPT.fallback_reasons() == {}
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert not torch.equal(got[0], plain[0])  # the wrappers acted
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -236,18 +256,6 @@ def test_peak_memory_of_an_attention_call_is_below_stocks_and_of_a_forward_not_a
     got, default = measure(call)
     assert OPT.stats["joint_calls"] == TINY.num_layers and torch.equal(want, got)
     assert default.peak <= stock.peak, (default.peak, stock.peak)
-
-
-def test_bitwise_through_fused_attention_with_the_fake_npu(runtime, bf16_transformer, fake_npu):
-    """bf16 through ``fused_attention`` (npu_fusion_attention via the fake): the joint views give stock's result."""
-    npu = fake_npu()
-    api.select("none,+fused_attention", model=bf16_transformer)
-    ref = tiny_forward(runtime, bf16_transformer, batch=2, pad=True)
-    api.select("none,+fused_attention,+joint_attention", model=bf16_transformer)
-    OPT.reset_stats()
-    got = tiny_forward(runtime, bf16_transformer, batch=2, pad=True)
-    assert npu.calls["npu_fusion_attention"] > 0 and OPT.stats["joint_calls"] > 0
-    assert torch.equal(ref, got)
 
 
 def _reason_for(runtime, transformer, edit, *, grad=False) -> dict[str, int]:
@@ -283,15 +291,20 @@ def test_fallbacks_run_stock_with_a_reason(runtime, tiny_pipe, edit, fragment):
     assert list(reasons) and fragment in next(iter(reasons)), reasons
 
 
-def test_a_non_native_rope_falls_back(runtime, tiny_pipe):
+def test_non_native_rope_mismatched_freqs_autograd_and_fused_cuda_fall_back(runtime, tiny_pipe, monkeypatch):
     api.select("none,+joint_attention", model=tiny_pipe)
     attn = _attn(tiny_pipe.transformer)
+    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
+    with torch.no_grad():
+        assert OPT._call_reason(attn, hs, ehs, vid, txt) is None
+        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid[:-1], txt)
+        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid, txt.real)
+        assert OPT._call_reason(attn, hs, ehs.double(), vid, txt) == "text and image hidden states differ in dtype"
     # an instance forward on the rope: stock's dispatch to the native rotary math is no longer provable
     attn.rope.forward = attn.rope.forward_native
     try:
         assert "device kernel" in ja.static_reason(attn)
         OPT.reset_stats()
-        hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
         with runtime.context(), torch.no_grad():
             attn(hs, ehs, vid, txt)
         assert "device kernel" in next(iter(OPT.fallback_reasons()))
@@ -299,21 +312,13 @@ def test_a_non_native_rope_falls_back(runtime, tiny_pipe):
     finally:
         del attn.rope.forward
     assert ja.static_reason(attn) is None
-
-
-def test_autograd_falls_back(runtime, tiny_pipe):
     reasons = _reason_for(runtime, tiny_pipe.transformer, lambda a: None, grad=True)
     assert reasons == {"autograd is recording": 1}  # the shared guard's words (blocks.guards.call_reason)
-
-
-def test_stocks_fused_cuda_path_is_left_to_stock(runtime, tiny_pipe, monkeypatch):
+    # stock's fused CUDA QK-norm/RoPE path is left to stock, decided before the projections
     mod = sys.modules[_targets.TRANSFORMER]
-    api.select("none,+joint_attention", model=tiny_pipe)
     monkeypatch.setattr(mod, "_fused_cuda_supported", lambda *a, **k: True)
     monkeypatch.setattr(mod, "fused_qk_norm_rope_min_tokens", lambda default: 0)
     monkeypatch.setattr(mod, "fused_qk_norm_rope", lambda q, k, *a, **kw: (q, k))  # stand-in for the CUDA kernel
-    attn = _attn(tiny_pipe.transformer)
-    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
     calls = []
     hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in (attn.to_qkv, attn.add_kv_proj)]
     OPT.reset_stats()
@@ -361,17 +366,6 @@ def test_per_tensor_norms_where_q_and_k_cannot_share_a_pass(runtime, tiny_pipe, 
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, out, strict=True))
 
 
-def test_mismatched_freqs_fall_back(runtime, tiny_pipe):
-    api.select("none,+joint_attention", model=tiny_pipe)
-    attn = _attn(tiny_pipe.transformer)
-    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer)
-    with torch.no_grad():
-        assert OPT._call_reason(attn, hs, ehs, vid, txt) is None
-        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid[:-1], txt)
-        assert "freqs" in OPT._call_reason(attn, hs, ehs, vid, txt.real)
-        assert OPT._call_reason(attn, hs, ehs.double(), vid, txt) == "text and image hidden states differ in dtype"
-
-
 def test_joint_freqs_cache_is_an_lru_of_16_and_dies_with_either_freqs():
     """At most 16 joint freqs, least recently used evicted first; an entry dies with its vid or its txt freqs."""
     stats = OPT.stats.__class__()
@@ -393,11 +387,11 @@ def test_joint_freqs_cache_is_an_lru_of_16_and_dies_with_either_freqs():
     assert len(cache) == 0
 
 
-def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_counted_by_rope(
+def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_bitwise_through_fused_attention(
     runtime, bf16_transformer, fake_npu
 ):
-    """With ``rope`` installed the joint q/k go through its verified npu_rotary_mul and table cache; without it, the
-    joint path's own portable rotation."""
+    """With ``rope`` installed the joint q/k go through its verified npu_rotary_mul and table cache, without it its
+    own rotation; through ``fused_attention`` (npu_fusion_attention via the fake) the joint views give stock's."""
     rope = registry.get("rope")
     npu = fake_npu()
     layers = len(bf16_transformer.transformer_blocks)
@@ -412,6 +406,13 @@ def test_with_rope_installed_the_joint_rotary_is_ropes_verified_kernel_and_count
     tiny_forward(runtime, bf16_transformer, batch=2)
     assert npu.calls["npu_rotary_mul"] == 1 + layers and not rope.stats  # rope off: no kernel, nothing counted
     assert OPT.stats["joint_calls"] == layers and OPT.stats["table_builds"] == 1
+    api.select("none,+fused_attention", model=bf16_transformer)
+    ref = tiny_forward(runtime, bf16_transformer, batch=2, pad=True)
+    api.select("none,+fused_attention,+joint_attention", model=bf16_transformer)
+    OPT.reset_stats()
+    got = tiny_forward(runtime, bf16_transformer, batch=2, pad=True)
+    assert npu.calls["npu_fusion_attention"] > 0 and OPT.stats["joint_calls"] > 0
+    assert torch.equal(ref, got)
 
 
 def test_traced_attention_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog):
@@ -453,36 +454,3 @@ def test_traced_attention_is_stock_and_counts_nothing(runtime, tiny_pipe, caplog
     with runtime.context(), torch.no_grad():
         again = attn(hs, ehs, vid, txt)  # eager: the joint path (the patch was in place while tracing)
     assert OPT.stats["joint_calls"] == 1 and all(torch.equal(a, b) for a, b in zip(want, again, strict=True))
-
-
-class _LoraLike(nn.Module):
-    """A runtime-LoRA-style wrapper around a QKV projection: ``base(x) + x @ A @ B``, returning ``(out, bias)``."""
-
-    def __init__(self, base: nn.Module, d_in: int, d_out: int) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(7)
-        self.base = base
-        self.a = nn.Parameter(torch.randn(d_in, 2, generator=g) * 0.1)
-        self.b = nn.Parameter(torch.randn(2, d_out, generator=g) * 0.1)
-
-    def forward(self, x):
-        out, bias = self.base(x)
-        return out + x @ self.a @ self.b, bias
-
-
-def test_wrapped_projections_are_called_as_modules_and_joined(runtime, tiny_pipe):
-    """Quantized or LoRA-wrapped projections: the joint path calls them like stock and joins their outputs."""
-    api.select("none,+joint_attention", model=tiny_pipe)
-    attn = _clone(_attn(tiny_pipe.transformer))
-    width = attn.to_qkv.weight.shape[0]
-    attn.to_qkv = _LoraLike(attn._modules["to_qkv"], attn.dim, width)
-    attn.add_kv_proj = _LoraLike(attn._modules["add_kv_proj"], attn.dim, width)
-    hs, ehs, vid, txt = _attn_inputs(tiny_pipe.transformer, txt=9)
-    OPT.reset_stats()
-    with runtime.context(), torch.no_grad():
-        want = _stock_attn(attn, hs, ehs, vid, txt)
-        got = attn(hs, ehs, vid, txt)
-        plain = _attn(tiny_pipe.transformer)(hs, ehs, vid, txt)
-    assert OPT.stats["joint_calls"] == 2 and OPT.fallback_reasons() == {}
-    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-    assert not torch.equal(got[0], plain[0])  # the wrappers acted

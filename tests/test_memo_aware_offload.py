@@ -1,11 +1,11 @@
 """memo_aware_offload under vLLM-Omni's layerwise offload: a warm forward leaves blocks 1..N-1's modulation weights
 on the host, bitwise stock (TeaCache and MagCache too); a cold forward, a LoRA switch and a memo that loses an entry
-copy what the blocks read; a storage-keyed memo would copy everything.
-"""
+copy what the blocks read; a storage-keyed memo would copy everything."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -13,6 +13,7 @@ import torch
 
 from tests.harness.runner import loaded
 from vllm_omni_ascend_opt import _report, api, registry
+from vllm_omni_ascend_opt.blocks.memo import keys as modulation_keys
 from vllm_omni_ascend_opt.blocks.upstream.layerwise import block_hook, is_modulation
 from vllm_omni_ascend_opt.opts import memo_aware_offload as mao
 from vllm_omni_ascend_opt.testbed.offload import count_offload_copies
@@ -78,7 +79,7 @@ def test_warm_forwards_leave_the_modulation_weights_on_the_host(runtime, cache):
         assert 0 < forwards <= FORWARDS  # the cache backend skipped some forwards' blocks
 
 
-def test_a_memo_that_loses_an_entry_gets_the_weights_copied_late(runtime, monkeypatch):
+def test_a_memo_that_loses_an_entry_or_is_storage_keyed_copies_bitwise(runtime, monkeypatch):
     """The memo cleared right after block 0's decision (warm request): block 1, whose modulation weights stayed on the
     host, misses and gets them copied before it runs: still bitwise, and the bytes add up."""
     ref = offloaded(runtime, "none")
@@ -102,6 +103,22 @@ def test_a_memo_that_loses_an_entry_gets_the_weights_copied_late(runtime, monkey
     assert any("left the memo" in why for why in got.fallbacks)
     # what was left on the host, minus what the late copy brought over
     assert ref.bytes[1] - got.bytes[1] == got.stats["bytes_skipped"] - got.mod_bytes
+    # a memo keyed on device storage (emulated: a token that never repeats) finds no hit for the placeholders: every
+    # forward copies every weight, and the output is stock's
+    monkeypatch.setattr(OPT, "_before_block", decide)
+    real = modulation_keys.tensor_state
+    fresh = itertools.count()
+
+    def storage_state(tensors, grad):
+        return (*real(tensors, grad), next(fresh))
+
+    monkeypatch.setattr(modulation_keys, "tensor_state", storage_state)  # every weight signature's per-call half
+    ours = offloaded(runtime, "default")
+    assert all(torch.equal(a, b) for a, b in zip(ref.images, ours.images, strict=True))
+    assert ours.memo.get("misses", 0) > 0  # the storage key really missed under offload
+    assert ours.stats.get("forwards_skipping", 0) == 0 and ours.stats["forwards_copying"] > 0
+    assert ref.bytes[1] == ours.bytes[1]  # everything copied
+    assert ours.stats.get("late_copies", 0) == 0
 
 
 def test_lora_switch_under_offload_copies_the_new_weights(runtime, tmp_path):
@@ -129,7 +146,7 @@ def test_lora_switch_under_offload_copies_the_new_weights(runtime, tmp_path):
     assert stats[3]["forwards_skipping"] == FORWARDS  # warm with the adapter
 
 
-def test_cold_forwards_probes_and_tracing_under_offload(runtime, monkeypatch):
+def test_cold_forwards_probes_tracing_under_offload_and_upstream_change(runtime, monkeypatch):
     """A cold forward copies everything, with the reason. Upstream's materialization probe of a block is its first
     weight (img_mod.1.weight): a block whose modulation weights stay on the host must still read as materialized (or
     upstream copies it again), until uninstall. Under tracing the prefetch is stock's, nothing counted."""
@@ -161,39 +178,13 @@ def test_cold_forwards_probes_and_tracing_under_offload(runtime, monkeypatch):
         assert copies.bytes == _block_sizes(h.pipeline)[0]
         api.select("none")  # uninstall: every probe is upstream's again
         assert [hk._materialization_probe for hk in hooks] == before
-
-
-def test_upstream_change_turns_it_off(monkeypatch):
-    api.select("default")
+    api.select("default")  # an upstream change turns it off
     assert OPT.reasons_inactive() == []
     i = next(i for i, d in enumerate(mao.UPSTREAM) if d.qualname == "LayerwiseOffloadHook.prefetch_layer")
     unknown = dataclasses.replace(mao.UPSTREAM[i], known={"0" * 16: ("0.30.0",)})
     monkeypatch.setattr(OPT, "upstream", (*mao.UPSTREAM[:i], unknown, *mao.UPSTREAM[i + 1 :]))
     (why,) = OPT.reasons_inactive()
     assert "upstream LayerwiseOffloadHook.prefetch_layer differs" in why
-
-
-def test_storage_keyed_memo_copies_everything_bitwise(runtime, monkeypatch):
-    """A memo keyed on device storage (emulated: a token that never repeats) finds no hit for the placeholders: every
-    forward copies every weight, and the output is stock's."""
-    import itertools
-
-    from vllm_omni_ascend_opt.blocks.memo import keys as modulation_keys
-
-    real = modulation_keys.tensor_state
-    fresh = itertools.count()
-
-    def storage_state(tensors, grad):
-        return (*real(tensors, grad), next(fresh))
-
-    stock = offloaded(runtime, "none")
-    monkeypatch.setattr(modulation_keys, "tensor_state", storage_state)  # every weight signature's per-call half
-    ours = offloaded(runtime, "default")
-    assert all(torch.equal(a, b) for a, b in zip(stock.images, ours.images, strict=True))
-    assert ours.memo.get("misses", 0) > 0  # the storage key really missed under offload
-    assert ours.stats.get("forwards_skipping", 0) == 0 and ours.stats["forwards_copying"] > 0
-    assert stock.bytes[1] == ours.bytes[1]  # everything copied
-    assert ours.stats.get("late_copies", 0) == 0
 
 
 def test_the_byte_counter_counts_only_copies_out_of_the_offloaders_host_weights(runtime):

@@ -1,9 +1,6 @@
-"""The NPU op counter (``testbed/npu_ops.py``): what torch_npu 2.13 would launch, counted on CPU.
-
-* the registered-op list is the real wheel's (skips with the reason when the wheel cannot be fetched);
-* known cases: bf16 ``nn.RMSNorm`` as its 8 pieces, layer norm / gelu / SDPA as one kernel, a fake kernel as one;
-* per block of the tiny transformer, warm: stock pinned in bf16 through the fake, the default stack below it.
-"""
+"""The NPU op counter (``testbed/npu_ops.py``): what torch_npu 2.13 would launch, counted on CPU. The registered-op
+list is the real wheel's; bf16 ``nn.RMSNorm`` counts as its 8 pieces, layer norm / gelu / SDPA / a fake kernel as one;
+per block of the tiny transformer, warm: stock pinned in bf16 through the fake, the default stack below it."""
 
 from __future__ import annotations
 
@@ -55,7 +52,7 @@ def test_registered_op_facts():
     assert "dequantize.self" not in ops  # QuantizedPrivateUse1 only: no kernel for a dense tensor
 
 
-def test_rmsnorm_in_bf16_counts_its_pieces():
+def test_rmsnorm_in_bf16_counts_its_pieces_layer_norm_gelu_silu_linear_and_sdpa_one_kernel_unregistered_decomposed():
     x, norm = torch.randn(2, 5, 64, dtype=BF16), nn.RMSNorm(64, eps=1e-6).to(BF16)
     c = _count(lambda: norm(x))
     # aten::rms_norm is CompositeImplicitAutograd and torch_npu 2.13 registers no kernel for it: upcast, x^2, mean,
@@ -64,10 +61,6 @@ def test_rmsnorm_in_bf16_counts_its_pieces():
         {"_to_copy": 2, "pow.Tensor_Scalar": 1, "mean.dim": 1, "add_.Scalar": 1, "rsqrt": 1, "mul.Tensor": 2}
     )
     assert c.total == 8 and not c.unresolved
-
-
-def test_layer_norm_gelu_silu_linear_and_sdpa_count_one_kernel():
-    x = torch.randn(2, 5, 64, dtype=BF16)
     lin = nn.Linear(64, 32).to(BF16)
     assert _count(lambda: F.layer_norm(x, (64,))).counts == Counter({"native_layer_norm": 1})
     assert _count(lambda: F.silu(x)).counts == Counter({"silu": 1})
@@ -83,11 +76,8 @@ def test_layer_norm_gelu_silu_linear_and_sdpa_count_one_kernel():
     assert c.counts == Counter({"scaled_dot_product_attention": 1})  # torch_npu registers the composite itself
     a, b = torch.randn(2, 3, 8, 16), torch.randn(2, 3, 16, 4)
     assert _count(lambda: a @ b).counts == Counter({"matmul": 1})
-
-
-def test_unregistered_op_runs_as_its_decomposition():
-    """``_unsafe_view`` (behind ``reshape`` of a non-contiguous tensor) has a CPU kernel but no NPU one; its
-    decomposition is a view: no launch. The CPU counter counts it; the NPU counter counts only the copy."""
+    # ``_unsafe_view`` (behind ``reshape`` of a non-contiguous tensor) has a CPU kernel but no NPU one; its
+    # decomposition is a view: no launch. The CPU counter counts it; the NPU counter counts only the copy.
     x = torch.randn(4, 6).t()
     with OpCounter() as cpu:
         x.reshape(-1)
@@ -116,27 +106,17 @@ def test_fake_npu_kernels_count_once_without_their_internals_also_in_nested_coun
     assert inner.counts == want and outer.counts == want
 
 
-@pytest.fixture(scope="module")
-def tiny(runtime):
-    out = {}
-    for dtype in (torch.float32, BF16):
-        tr = blockops.build_transformer(runtime, blockops.TINY, dtype)
-        out[dtype] = (tr, blockops.t2i_inputs(tr, dtype))
-    return out
-
-
-def test_tiny_fp32_cpu_counts_match_the_pipeline_budget(tiny, runtime):
-    """The transformer-level helper counts what test_op_budget counts through the whole pipeline."""
-    tr, kw = tiny[torch.float32]
+def test_stock_block_in_bf16_through_the_fake_is_pinned_and_every_count_placed(runtime, fake_npu):
+    """Every configuration's ops have an NPU kernel or a decomposition; counts do not depend on sequence length;
+    ``count_module_calls`` takes the NPU counter; ``npu_dispatch`` switches the CustomOps and switches them back; in
+    fp32 on CPU the helper counts what test_op_budget counts through the whole pipeline."""
+    tr = blockops.build_transformer(runtime, blockops.TINY, torch.float32)
+    kw = blockops.t2i_inputs(tr, torch.float32)
     assert blockops.count_block(tr, runtime, kw, "none", npu=False).total == 106
     assert blockops.count_block(tr, runtime, kw, "default", npu=False).total == 46
-
-
-def test_stock_block_in_bf16_through_the_fake_is_pinned_and_every_count_placed(tiny, runtime, fake_npu):
-    """Every configuration's ops have an NPU kernel or a decomposition; counts do not depend on sequence length;
-    ``count_module_calls`` takes the NPU counter; ``npu_dispatch`` switches the CustomOps and switches them back."""
     fake_npu()
-    tr, kw = tiny[BF16]
+    tr = blockops.build_transformer(runtime, blockops.TINY, BF16)
+    kw = blockops.t2i_inputs(tr, BF16)
     stock = blockops.count_block(tr, runtime, kw, "none", npu=True)
     # 110 per block = the CPU counter's 126 less 8 `_unsafe_view` (views: no NPU kernel) and less the native
     # AdaLayerNorm's 8 casts (on Ascend, forward_npu runs npu_layer_norm_eval on the bf16 input). Per block:

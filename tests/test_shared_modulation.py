@@ -1,7 +1,5 @@
-"""`shared_modulation`: bitwise-identical to stock, modulation work per forward drops to zero on a warm request.
-
-Everything runs on vLLM-Omni 0.30's real classes on CPU (tiny Qwen-Image: 2 blocks, hidden 64).
-"""
+"""`shared_modulation`: bitwise-identical to stock, modulation work per forward drops to zero on a warm request; on
+vLLM-Omni 0.30's real classes on CPU (tiny Qwen-Image: 2 blocks, hidden 64)."""
 
 from __future__ import annotations
 
@@ -10,7 +8,6 @@ import dataclasses
 import importlib
 import sys
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -51,7 +48,7 @@ def nbytes(ts) -> int:
 
 
 # ----- install / uninstall / attach -----------------------------------------------------------------------------------
-def test_install_uninstall_restore_by_identity(tiny_pipe, runtime):
+def test_install_uninstall_restore_by_identity_and_projections_and_weight_bytes_per_step(tiny_pipe, runtime):
     block_cls, model_cls = T().QwenImageTransformerBlock, T().QwenImageTransformer2DModel
     fwd0, load0 = block_cls.__dict__["forward"], model_cls.__dict__["load_weights"]
     tr = tiny_pipe.transformer
@@ -78,6 +75,28 @@ def test_install_uninstall_restore_by_identity(tiny_pipe, runtime):
     assert type(tr.norm_out) is AdaLayerNormContinuous
     assert len(OPT.memo) == 0 and OPT.memo.nbytes == 0
     assert OPT.reasons_inactive(tiny_pipe) == ["not installed"]
+    steps, mods = 2, mod_tensors(tr)  # projections and weight bytes per step
+    mod_bytes, all_bytes = nbytes(mods), nbytes(tr.parameters())
+    fraction = mod_bytes / all_bytes
+    assert 0.30 < fraction < 0.37, fraction  # ~1/3 of the DiT weights (12 D^2 of 36 D^2 per block)
+
+    def run():
+        with TensorReadCounter(mods) as c:
+            generate(tiny_pipe, runtime, steps=steps, seed=1, cfg_scale=3.0)  # true CFG: 2 forwards per step
+        return c
+
+    stock = run()
+    assert stock.calls == steps * 2 * PROJ_PER_FORWARD
+    assert stock.bytes == steps * 2 * mod_bytes
+
+    api.select(ON, model=tiny_pipe)
+    cold = run()  # the negative branch reuses the positive branch's projections (same t)
+    assert cold.calls == steps * PROJ_PER_FORWARD and cold.bytes == steps * mod_bytes
+    OPT.reset_stats()
+    warm = run()  # repeated request, same steps and resolution
+    assert warm.calls == 0 and warm.bytes == 0
+    assert OPT.memo.stats["digests"] == steps * 2  # one temb digest per forward
+    assert OPT.memo.stats["projections"] == 0 and OPT.memo.stats["silu"] == 0
 
 
 # ----- bitwise --------------------------------------------------------------------------------------------------------
@@ -110,35 +129,10 @@ def test_pipeline_images_bitwise(tiny_pipe, runtime, cfg):
     assert OPT.fallback_reasons() == {}
 
 
-# ----- counting: projections, weight bytes, SiLU, ops per block -------------------------------------------------------
-def test_projections_and_weight_bytes_per_step(tiny_pipe, runtime):
-    tr, steps = tiny_pipe.transformer, 2
-    mods = mod_tensors(tr)
-    mod_bytes, all_bytes = nbytes(mods), nbytes(tr.parameters())
-    fraction = mod_bytes / all_bytes
-    assert 0.30 < fraction < 0.37, fraction  # ~1/3 of the DiT weights (12 D^2 of 36 D^2 per block)
+# ----- counting: SiLU, ops per block; invalidation --------------------------------------------------------------------
+def test_warm_counts_teacache_hits_and_inplace_weight_change_misses_and_invalidate_and_reload(runtime):
+    from vllm_omni.diffusion.cache.teacache.extractors import extract_qwen_context
 
-    def run():
-        with TensorReadCounter(mods) as c:
-            generate(tiny_pipe, runtime, steps=steps, seed=1, cfg_scale=3.0)  # true CFG: 2 forwards per step
-        return c
-
-    api.select("none", model=tiny_pipe)
-    stock = run()
-    assert stock.calls == steps * 2 * PROJ_PER_FORWARD
-    assert stock.bytes == steps * 2 * mod_bytes
-
-    api.select(ON, model=tiny_pipe)
-    cold = run()  # the negative branch reuses the positive branch's projections (same t)
-    assert cold.calls == steps * PROJ_PER_FORWARD and cold.bytes == steps * mod_bytes
-    OPT.reset_stats()
-    warm = run()  # repeated request, same steps and resolution
-    assert warm.calls == 0 and warm.bytes == 0
-    assert OPT.memo.stats["digests"] == steps * 2  # one temb digest per forward
-    assert OPT.memo.stats["projections"] == 0 and OPT.memo.stats["silu"] == 0
-
-
-def test_silu_once_per_temb_and_ops_per_block(runtime):
     tr = build(runtime)
     kw = inputs(torch.float32)
 
@@ -159,14 +153,7 @@ def test_silu_once_per_temb_and_ops_per_block(runtime):
     removed = stock_block.counts - warm_block.counts
     assert removed == Counter({"aten::add": 4, "aten::silu": 2, "aten::addmm": 2})  # 1+scale x4, SiLU x2, GEMV x2
     assert not (warm_block.counts - stock_block.counts)  # nothing added
-
-
-def test_teacache_extractor_hits(runtime):
-    """TeaCache runs the block loop itself and probes block 0's img_mod: both hit on a warm step."""
-    from vllm_omni.diffusion.cache.teacache.extractors import extract_qwen_context
-
-    tr = build(runtime)
-    kw = inputs(torch.float32)
+    # TeaCache runs the block loop itself and probes block 0's img_mod: both hit on a warm step
     want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
 
     def via_teacache():
@@ -181,13 +168,7 @@ def test_teacache_extractor_hits(runtime):
     assert torch.equal(out, want) and cold_calls == PROJ_PER_FORWARD  # the probe's projection is reused by block 0
     out, warm_calls = via_teacache()
     assert torch.equal(out, want) and warm_calls == 0
-
-
-# ----- invalidation and memory bound ----------------------------------------------------------------------------------
-def test_inplace_weight_change_misses_and_invalidate_and_reload(runtime):
-    tr = build(runtime)
-    kw = inputs(torch.float32)
-    api.select(ON, model=tr)
+    # invalidation: an in-place write misses; a write through .data needs weights_changed; load_weights invalidates
     fwd(tr, runtime, kw)
     with torch.no_grad():  # what a LoRA merge / NZ cast in place does: the version counter moves
         tr.transformer_blocks[1].img_mod[1].weight.mul_(1.5)
@@ -212,29 +193,11 @@ def test_inplace_weight_change_misses_and_invalidate_and_reload(runtime):
     assert torch.equal(got_data, fwd(tr, runtime, kw))
 
 
-def test_byte_budget_lru(runtime):
+# ----- memory bound ---------------------------------------------------------------------------------------------------
+def test_lru_hit_moves_the_entry_and_byte_budget_lru_and_never_exceeded(runtime):
     tr = build(runtime)
-    api.select(ON, model=tr)
-
-    def step(t):
-        with TensorReadCounter(mod_tensors(tr)) as c:
-            fwd(tr, runtime, inputs(torch.float32, t=(t,)))
-        assert OPT.memo.nbytes <= OPT.memo.max_bytes
-        return "hit" if c.calls == 0 else "miss"
-
-    step(0.1)
-    per_entry = OPT.memo.nbytes
-    # blocks (4 norms x 3 [1,1,64]) + norm_out + SiLU + the memoized temb
-    assert per_entry == L * 12 * 64 * 4 + 2 * 64 * 4 + 64 * 4 + 64 * 4
-    OPT.memo.configure(int(2.5 * per_entry))  # room for two temb values
-    assert [step(t) for t in (0.2, 0.1, 0.3, 0.1, 0.2)] == ["miss", "hit", "miss", "hit", "miss"]  # 0.3 evicts 0.2
-    assert OPT.memo.stats["evictions"] >= 2 and len(OPT.memo) == 2
-
-
-def test_lru_hit_moves_the_entry_to_the_recent_end(runtime):
-    """A hit moves its entry to the recent end, found by digest (a new temb of a known value) or by identity (the
-    last digested temb again, after a view of it made its own entry); eviction takes the least recently used."""
-    tr = build(runtime)
+    # a hit moves its entry to the recent end, found by digest (a new temb of a known value) or by identity (the last
+    # digested temb again, after a view of it made its own entry); eviction takes the least recently used
     seq = tr.transformer_blocks[0].img_mod  # a stock Sequential(SiLU, ReplicatedLinear)
     g = torch.Generator().manual_seed(11)
     a, b, c = (torch.randn(1, TINY.inner_dim, generator=g) for _ in range(3))
@@ -263,11 +226,22 @@ def test_lru_hit_moves_the_entry_to_the_recent_end(runtime):
     assert call(t) == "hit"  # the same object as the last digest: moved past the view's entry
     assert call(c.clone()) == "miss"  # evicts the view's entry, the least recently used
     assert [call(t), call(view)] == ["hit", "miss"]  # t digested again (a hit); the view's entry is gone
+    api.select(ON, model=tr)
 
+    def step(t):
+        with TensorReadCounter(mod_tensors(tr)) as c:
+            fwd(tr, runtime, inputs(torch.float32, t=(t,)))
+        assert OPT.memo.nbytes <= OPT.memo.max_bytes
+        return "hit" if c.calls == 0 else "miss"
 
-def test_byte_budget_is_never_exceeded(runtime):
-    """Below one temb entry: what cannot fit alone is not stored, recomputed next time; outputs stay stock's."""
-    tr = build(runtime)
+    step(0.1)
+    per_entry = OPT.memo.nbytes
+    # blocks (4 norms x 3 [1,1,64]) + norm_out + SiLU + the memoized temb
+    assert per_entry == L * 12 * 64 * 4 + 2 * 64 * 4 + 64 * 4 + 64 * 4
+    OPT.memo.configure(int(2.5 * per_entry))  # room for two temb values
+    assert [step(t) for t in (0.2, 0.1, 0.3, 0.1, 0.2)] == ["miss", "hit", "miss", "hit", "miss"]  # 0.3 evicts 0.2
+    assert OPT.memo.stats["evictions"] >= 2 and len(OPT.memo) == 2
+    # below one temb entry: what cannot fit alone is not stored, recomputed next time; outputs stay stock's
     kw = inputs(torch.float32)
     want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
     d = TINY.inner_dim
@@ -288,7 +262,7 @@ def test_byte_budget_is_never_exceeded(runtime):
     assert OPT.memo.nbytes == 0 and OPT.memo.stats["not_stored"] > 0 and OPT.fallback_reasons() == {}
 
 
-def test_budget_env(monkeypatch, runtime):
+def test_budget_env_and_fingerprint_mismatch_turn_it_off(monkeypatch, runtime):
     monkeypatch.setenv(ENV_BUDGET_MB, "lots")
     assert any(ENV_BUDGET_MB in r for r in OPT.reasons_inactive())
     assert api.select(ON) == []  # stays off, with the reason
@@ -304,6 +278,12 @@ def test_budget_env(monkeypatch, runtime):
     monkeypatch.setenv(ENV_BUDGET_MB, "1.5")
     api.select(ON)
     assert OPT.memo.max_bytes == int(1.5 * 1024**2)
+    api.select("none")
+    i = next(i for i, d in enumerate(sm.UPSTREAM) if d.qualname == "QwenImageTransformerBlock.forward")
+    unknown = dataclasses.replace(sm.UPSTREAM[i], known={"0" * 16: ("0.30.0",)})
+    monkeypatch.setattr(OPT, "upstream", (*sm.UPSTREAM[:i], unknown, *sm.UPSTREAM[i + 1 :]))
+    assert any("QwenImageTransformerBlock.forward differs" in r for r in OPT.reasons_inactive())
+    assert api.select(ON) == []
 
 
 # ----- fallbacks: stock code, with a reason ---------------------------------------------------------------------------
@@ -318,31 +298,9 @@ def _fallback_case(runtime, tr, reason, kw=None, grad=False):
     return c.calls
 
 
-def test_fallback_compile_capture_hooks_and_fallback_autograd(runtime, monkeypatch, fake_npu):
+def test_tracing_runs_stock_code_and_fallbacks_capture_hooks_autograd(runtime, monkeypatch, fake_npu, caplog):
     tr = build(runtime)
-    fake_npu()
-    monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: True, raising=False)
-    _fallback_case(runtime, tr, "NPU graph capture")
-    monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: False)
-    h = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
-    try:
-        _fallback_case(runtime, tr, "global nn.Module forward hooks")
-    finally:
-        h.remove()
-    h = tr.transformer_blocks[0].img_mod.register_forward_hook(lambda *a: None)
-    try:
-        _fallback_case(runtime, tr, "forward hooks on a modulation module")
-    finally:
-        h.remove()
-    for p in mod_tensors(tr):
-        p.requires_grad_(True)
-    assert _fallback_case(runtime, tr, "autograd", grad=True) == PROJ_PER_FORWARD
-    assert len(OPT.memo) == 0
-
-
-def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplog):
-    """Every patched forward and the fast tier's modes run stock code: nothing is counted, memoized or logged."""
-    tr = build(runtime)
+    # while tracing every patched forward and the fast tier's modes run stock code: nothing counted, memoized, logged
     kw = inputs(torch.float32)
     fast = (fast_modulate.OPT, fast_residual.OPT)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -364,50 +322,30 @@ def test_tracing_runs_stock_code_without_bookkeeping(runtime, monkeypatch, caplo
     assert not OPT.stats and len(OPT.memo) == 0 and OPT.fallback_reasons() == {}
     assert all(opt.ran() == 0 and opt.fallback_reasons() == {} for opt in fast)
     assert not [r for r in caplog.records if r.name.startswith("vllm_omni_ascend_opt")]
-
-
-def test_fallback_inference_tensor_weights(runtime):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)  # eager again: every fallback with its reason
+    fake_npu()
+    monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: True, raising=False)
+    _fallback_case(runtime, tr, "NPU graph capture")
+    monkeypatch.setattr(torch.npu, "is_current_stream_capturing", lambda: False)
+    h = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        _fallback_case(runtime, tr, "global nn.Module forward hooks")
+    finally:
+        h.remove()
+    h = tr.transformer_blocks[0].img_mod.register_forward_hook(lambda *a: None)
+    try:
+        _fallback_case(runtime, tr, "forward hooks on a modulation module")
+    finally:
+        h.remove()
+    for p in mod_tensors(tr):
+        p.requires_grad_(True)
+    assert _fallback_case(runtime, tr, "autograd", grad=True) == PROJ_PER_FORWARD
+    assert len(OPT.memo) == 0
     with torch.inference_mode():
         tr = build(runtime)
     api.select(ON, model=tr)
     assert any("inference tensors" in r for r in OPT.reasons_inactive(tr))
     _fallback_case(runtime, tr, "inference tensors")
-
-
-def test_hook_that_captured_stock_forward_is_a_note_not_a_reason(runtime):
-    """A hook registry (MagCache, layerwise offload, SP) that captured the stock block forward: the projections still
-    come from the memo, with a model note; the fast tier (a mode of the block body) gives the note as its reason."""
-    from vllm_omni.diffusion.hooks.base import HookRegistry
-
-    tr = build(runtime)
-    kw = inputs(torch.float32)
-    api.select("none", model=tr)
-    want = fwd(tr, runtime, kw)
-    HookRegistry.get_or_create(tr.transformer_blocks[0])  # captures the stock block forward
-    api.select(ON, model=tr)
-    assert OPT.reasons_inactive(tr) == []
-    (note,) = OPT.model_notes(tr)
-    assert "captured the block forward of 1 block(s)" in note
-    OPT.reset_stats()
-    assert torch.equal(fwd(tr, runtime, kw), want)
-    with TensorReadCounter(mod_tensors(tr)) as reads:
-        assert torch.equal(fwd(tr, runtime, kw), want)
-    assert reads.calls == 0 and OPT.fallback_reasons() == {}  # block 0's img_mod/txt_mod hit the memo too
-    api.select(ON + ",+fast_modulate", model=tr)
-    assert fast_modulate.OPT.reasons_inactive(tr) == [
-        f"{note}: fast_modulate is a mode of shared_modulation's block body"
-    ]
-    fast_modulate.OPT.reset_stats()
-    fwd(tr, runtime, kw)
-    assert fast_modulate.OPT.ran() == 4 * (L - 1)  # the four norms of every block but the hooked one
-
-
-def test_fingerprint_mismatch_turns_it_off(monkeypatch):
-    i = next(i for i, d in enumerate(sm.UPSTREAM) if d.qualname == "QwenImageTransformerBlock.forward")
-    unknown = dataclasses.replace(sm.UPSTREAM[i], known={"0" * 16: ("0.30.0",)})
-    monkeypatch.setattr(OPT, "upstream", (*sm.UPSTREAM[:i], unknown, *sm.UPSTREAM[i + 1 :]))
-    assert any("QwenImageTransformerBlock.forward differs" in r for r in OPT.reasons_inactive())
-    assert api.select(ON) == []
 
 
 # ----- AdaLayerNorm dispatch: the NPU path (through the torch_npu fake) and MindIE-SD's fused kernel ------------------
@@ -446,19 +384,11 @@ def test_npu_adalayernorm_paths_bitwise(runtime, fake_npu, monkeypatch, mindiesd
 
 
 # ----- the memo key: numerical settings (grad mode, matmul precision, autocast) are part of it ------------------------
-@contextlib.contextmanager
-def _matmul_precision(value: str) -> Iterator[None]:
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(value)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(old)
-
-
-def test_numerical_settings_are_part_of_the_key_and_autocast_is_bitwise(runtime):
+def test_numerical_settings_are_part_of_the_key_and_hook_that_captured_stock_forward_is_a_note(runtime):
     """The same temb value (a fresh tensor each call, so the digest runs) under other numerical settings is a miss,
     and a hit again under the first ones; a forward under autocast after a warm fp32 memo equals stock's."""
+    from vllm_omni.diffusion.hooks.base import HookRegistry
+
     tr = build(runtime)
     kw = inputs(torch.float32)
 
@@ -495,10 +425,35 @@ def test_numerical_settings_are_part_of_the_key_and_autocast_is_bitwise(runtime)
     assert misses(plain()) == 0  # warm, same settings
     assert misses(torch.enable_grad()) == 1  # grad mode
     assert misses(torch.enable_grad()) == 0
-    assert misses(_matmul_precision("medium")) == 1  # float32 matmul precision
+    torch.set_float32_matmul_precision("medium")
+    try:
+        assert misses(contextlib.nullcontext()) == 1  # float32 matmul precision
+    finally:
+        torch.set_float32_matmul_precision("highest")
     assert misses(torch.autocast("cpu", dtype=torch.bfloat16)) == 1  # autocast
     assert misses(plain()) == 0  # the first settings' entry is still there
     assert len(OPT.memo) == 4 and OPT.memo.stats["digests"] == 7
+    # a hook registry (MagCache, layerwise offload, SP) that captured the stock block forward: the projections still
+    # come from the memo, with a model note; the fast tier (a mode of the block body) gives the note as its reason
+    api.select("none", model=tr)
+    want = fwd(tr, runtime, kw)
+    HookRegistry.get_or_create(tr.transformer_blocks[0])  # captures the stock block forward
+    api.select(ON, model=tr)
+    assert OPT.reasons_inactive(tr) == []
+    (note,) = OPT.model_notes(tr)
+    assert "captured the block forward of 1 block(s)" in note
+    OPT.reset_stats()
+    assert torch.equal(fwd(tr, runtime, kw), want)
+    with TensorReadCounter(mod_tensors(tr)) as reads:
+        assert torch.equal(fwd(tr, runtime, kw), want)
+    assert reads.calls == 0 and OPT.fallback_reasons() == {}  # block 0's img_mod/txt_mod hit the memo too
+    api.select(ON + ",+fast_modulate", model=tr)
+    assert fast_modulate.OPT.reasons_inactive(tr) == [
+        f"{note}: fast_modulate is a mode of shared_modulation's block body"
+    ]
+    fast_modulate.OPT.reset_stats()
+    fwd(tr, runtime, kw)
+    assert fast_modulate.OPT.ran() == 4 * (L - 1)  # the four norms of every block but the hooked one
 
 
 # ----- two-segment modulation (Qwen-Image-Edit-2511 zero_cond_t / modulate_index), issue 14 ---------------------------
@@ -545,27 +500,7 @@ def test_two_segment_blocks_bitwise(runtime, dtype, batch, case):
     assert OPT.memo.stats["misses"] == L + 1 and OPT.memo.stats["hits"] == L + 1  # blocks + norm_out
 
 
-def test_two_segment_zero_weight_bytes_and_ops_per_block(runtime):
-    """Warm forward: no modulation weight read, no torch.where, no SiLU; the block's op count drops."""
-    tr = build(runtime, zero_cond_t=True)
-    kw = edit_inputs(torch.float32, EQUAL)
-    block = tr.transformer_blocks[-1]
-    api.select("none", model=tr)
-    with count_module_calls(block) as stock:
-        fwd(tr, runtime, kw)
-    api.select(ON, model=tr)
-    fwd(tr, runtime, kw)
-    with TensorReadCounter(mod_tensors(tr)) as reads, count_module_calls(block) as opt:
-        fwd(tr, runtime, kw)
-    assert reads.calls == 0 and reads.bytes == 0
-    s, o = stock[0].counts, opt[0].counts
-    assert s["aten::where"] == 6 and s["aten::silu"] == 2  # stock: 3 where per image norm, SiLU per projection
-    assert o["aten::where"] == 0 and o["aten::silu"] == 0 and o["aten::addmm"] == s["aten::addmm"] - 2
-    assert o["aten::_to_copy"] == 0  # stock converts modulate_index to bool per norm
-    assert stock[0].total - opt[0].total >= 14, (stock[0].total, opt[0].total)
-
-
-def test_timestep_zero_segment_is_kept_per_weights(runtime):
+def test_timestep_zero_segment_is_kept_per_weights_and_warm_ops_per_block(runtime):
     """The timestep-0 segment is found again at every new timestep, and replaced when the weights change."""
     tr = build(runtime, zero_cond_t=True)
     api.select(ON, model=tr)
@@ -588,9 +523,25 @@ def test_timestep_zero_segment_is_kept_per_weights(runtime):
     api.select("none", model=tr)
     assert torch.equal(got, fwd(tr, runtime, kw))
     assert not torch.equal(got, outs[0.5])
+    # warm forward: no modulation weight read, no torch.where, no SiLU; the block's op count drops
+    kw = edit_inputs(torch.float32, EQUAL)
+    block = tr.transformer_blocks[-1]
+    api.select("none", model=tr)
+    with count_module_calls(block) as stock:
+        fwd(tr, runtime, kw)
+    api.select(ON, model=tr)
+    fwd(tr, runtime, kw)
+    with TensorReadCounter(mod_tensors(tr)) as reads, count_module_calls(block) as opt:
+        fwd(tr, runtime, kw)
+    assert reads.calls == 0 and reads.bytes == 0
+    s, o = stock[0].counts, opt[0].counts
+    assert s["aten::where"] == 6 and s["aten::silu"] == 2  # stock: 3 where per image norm, SiLU per projection
+    assert o["aten::where"] == 0 and o["aten::silu"] == 0 and o["aten::addmm"] == s["aten::addmm"] - 2
+    assert o["aten::_to_copy"] == 0  # stock converts modulate_index to bool per norm
+    assert stock[0].total - opt[0].total >= 14, (stock[0].total, opt[0].total)
 
 
-def test_two_segment_memo_is_keyed_on_the_segments(runtime):
+def test_two_segment_memo_is_keyed_on_the_segments_inference_mode_and_fallbacks(runtime, monkeypatch):
     """Same temb and length, another split between denoised and condition tokens: a new plan, never a stale hit."""
     tr = build(runtime, zero_cond_t=True)
     same_length = [(1, 2, 3), (1, 1, 2)]  # 6 + 2 tokens, like EQUAL's 4 + 4
@@ -601,10 +552,17 @@ def test_two_segment_memo_is_keyed_on_the_segments(runtime):
     for shapes, w, g in zip(cases, want, got, strict=True):
         assert torch.equal(g, w), shapes
     assert OPT.memo.stats["plans"] == len(cases) and OPT.memo.stats["hits"] > 0  # the EQUAL repeat hits
-
-
-def test_two_segment_fallbacks(runtime, monkeypatch):
-    tr = build(runtime, zero_cond_t=True)
+    # under inference mode views have no ``_base``: ``temb.chunk(2)[0]`` is still known as the block's temb (one
+    # digest per forward), and a later no_grad forward reads no modulation weight
+    kw = edit_inputs(torch.float32, UNEQUAL)
+    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
+    OPT.reset_stats()
+    with runtime.context(), torch.inference_mode():
+        outs = [tr(**kw)[0].clone() for _ in range(2)]
+    assert OPT.memo.stats["digests"] == 2 and all(torch.equal(o, want) for o in outs)
+    with TensorReadCounter(mod_tensors(tr)) as reads:
+        got = fwd(tr, runtime, kw)
+    assert reads.calls == 0 and torch.equal(got, want)
     kw = edit_inputs(torch.float32, EQUAL, batch=2)
     prep = tr.modulate_index_prepare
 
@@ -620,18 +578,3 @@ def test_two_segment_fallbacks(runtime, monkeypatch):
     t = T()
     monkeypatch.setattr(t, "can_use_qwen_select01_triton", lambda x: True)  # stock would run the fused kernels
     _fallback_case(runtime, tr, "Triton select01", kw=kw)
-
-
-def test_two_segment_under_inference_mode(runtime):
-    """Views have no ``_base`` there: ``temb.chunk(2)[0]`` is still known as the block's temb (one digest per
-    forward), and a later no_grad forward reads no modulation weight."""
-    tr = build(runtime, zero_cond_t=True)
-    kw = edit_inputs(torch.float32, UNEQUAL)
-    want = stock_then(ON, tr, lambda: fwd(tr, runtime, kw))
-    OPT.reset_stats()
-    with runtime.context(), torch.inference_mode():
-        outs = [tr(**kw)[0].clone() for _ in range(2)]
-    assert OPT.memo.stats["digests"] == 2 and all(torch.equal(o, want) for o in outs)
-    with TensorReadCounter(mod_tensors(tr)) as reads:
-        got = fwd(tr, runtime, kw)
-    assert reads.calls == 0 and torch.equal(got, want)
