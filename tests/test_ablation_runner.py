@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from vllm_omni_ascend_opt.ablation import report, stats, verdict
+from vllm_omni_ascend_opt.ablation import runner as runner_mod
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
 from vllm_omni_ascend_opt.ablation.runner import RunError, Runner
 from vllm_omni_ascend_opt.ablation.schema import validate
@@ -204,8 +205,6 @@ def test_without_a_control_there_is_no_noise_floor_and_reports_still_render(tmp_
 def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_path, monkeypatch):
     """Each block of rounds gets fresh workers; every other block starts them in reverse order (a worker started
     early runs slower on some machines: each configuration gets an early and a late start)."""
-    from vllm_omni_ascend_opt.ablation import runner as runner_mod
-
     plan = make_plan(repeats=4, process_sets=2, seeds=[1])
     log = tmp_path / "starts.log"
     spawned: list[str] = []
@@ -277,15 +276,13 @@ def _state(pid: int) -> str:
 def test_pause_idle_stops_every_other_worker_group_during_a_measurement(tmp_path, monkeypatch, pause):
     """With ``pause_idle`` each measured generation runs while every other resident worker and the engine process it
     started are stopped (SIGSTOP), the measured one is running; all exit cleanly (continued before "exit")."""
-    from vllm_omni_ascend_opt.ablation import processes
-
     plan = make_plan(repeats=2, seeds=[1], pause_idle=pause)
     log = tmp_path / "starts.log"
     live: list = []
     seen: list[tuple[str, list[str], list[str]]] = []
     exits: list[int | None] = []
     calls: dict[str, int] = {}
-    orig_init, orig_run, orig_stop = processes.Worker.__init__, processes.Worker.run, processes.Worker.stop
+    orig_init, orig_run, orig_stop = runner_mod.Worker.__init__, runner_mod.Worker.run, runner_mod.Worker.stop
 
     def groups() -> dict[str, list[int]]:
         return {ln.split()[0]: [int(x) for x in ln.split()[1:]] for ln in log.read_text().splitlines()}
@@ -306,9 +303,9 @@ def test_pause_idle_stops_every_other_worker_group_during_a_measurement(tmp_path
         orig_stop(self, min(grace, 10.0))  # a healthy fake worker exits at once; a stuck one is not waited for long
         exits.append(self.proc.returncode)
 
-    monkeypatch.setattr(processes.Worker, "__init__", init)
-    monkeypatch.setattr(processes.Worker, "run", run_)
-    monkeypatch.setattr(processes.Worker, "stop", stop)
+    monkeypatch.setattr(runner_mod.Worker, "__init__", init)
+    monkeypatch.setattr(runner_mod.Worker, "run", run_)
+    monkeypatch.setattr(runner_mod.Worker, "stop", stop)
     _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "starts_log": str(log), "engine_child": True})
     assert res["verdict"]["result"] == "PASS"
     assert len(seen) == len(plan.configs) * 2 and all(len(g) == 2 for g in groups().values())
@@ -325,8 +322,6 @@ def test_group_cpu_counts_every_process_of_the_group_and_nothing_else(tmp_path):
     """``others_cpu`` subtracts the CPU of the worker's whole process group: a child that burns CPU (as an engine
     process does) counts for its group, live or reaped, and not for another group."""
     import subprocess
-
-    from vllm_omni_ascend_opt.ablation.processes import group_cpu_s
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
     live = burn + "print('done', flush=True)\ntime.sleep(60)\n"
@@ -348,11 +343,11 @@ def test_group_cpu_counts_every_process_of_the_group_and_nothing_else(tmp_path):
     try:
         word, other = leader.stdout.readline().split()
         assert word == "burnt"
-        got = group_cpu_s(leader.pid)
+        got = runner_mod.group_cpu_s(leader.pid)
         assert 0.55 <= got < 1.2, got  # both 0.3 s children (the reaped one via cutime), not the other group's 1.2 s
-        assert group_cpu_s(int(other)) >= 1.2
-        assert group_cpu_s(idle.pid) < 0.3  # python start-up only
-        assert group_cpu_s(2**22 + 12345) == 0  # no such group: nothing
+        assert runner_mod.group_cpu_s(int(other)) >= 1.2
+        assert runner_mod.group_cpu_s(idle.pid) < 0.3  # python start-up only
+        assert runner_mod.group_cpu_s(2**22 + 12345) == 0  # no such group: nothing
     finally:
         if other is not None:
             os.killpg(int(other), signal.SIGKILL)
