@@ -390,17 +390,17 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 def print_summary(results: dict[str, Any]) -> None:
     """The main table of report.md, as text."""
     from vllm_omni_ascend_opt.ablation import verdict
-    from vllm_omni_ascend_opt.ablation.report import _ms, _on, _p, _pct, _saved, comparison_rows, gate_cell
+    from vllm_omni_ascend_opt.ablation.report import _num, _on, _saved, comparison_rows, gate_cell
 
     print(
         f"\n{'optimization':<22} {'class':<6} {'on stages':<20} {'saved ms (mean ± std)':>22} {'% stock':>8}  "
         f"{'total saved ms':>16}  {'direction':<10} {'label':<13} {'p':>8} equivalence"
     )
     for name, cls, d, chk in comparison_rows(results):
-        total = _ms((d.get("total_saved_ms") or {}).get("mean"), sign=True)
+        total = _num((d.get("total_saved_ms") or {}).get("mean"), "+.2f")
         print(
-            f"{name:<22} {cls:<6} {_on(d):<20} {_saved(d):>22} {_pct(d['saved_pct_of_stock']):>8}  {total:>16}  "
-            f"{d['direction']:<10} {d['label']:<13} {_p(d.get('p_value')):>8} "
+            f"{name:<22} {cls:<6} {_on(d):<20} {_saved(d):>22} {_num(d['saved_pct_of_stock'], '+.2f', '%'):>8}  {total:>16}  "
+            f"{d['direction']:<10} {d['label']:<13} {_num(d.get('p_value'), '.2g'):>8} "
             f"{gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"
         )
     nf = results["noise_floor"]
