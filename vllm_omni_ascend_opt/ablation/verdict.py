@@ -270,53 +270,28 @@ def vs_unquantized(
     if down:
         out["status"] = f"not measured: configuration {', '.join(down)} failed"
         return out
-    out["time"] = _time(means, ref.id)
-    per, missing = stats.compare_samples(plan, Path(out_root), ref.id, QUANTIZED)
-    out["image"] = {"per_sample": per, "worst": compare.aggregate(per), "missing": missing}
-    if out["time"] is None:
-        out["status"] = "not measured: no round complete in both configurations"
-    return out
-
-
-def _time(means: stats.Means, ref: str) -> dict[str, Any] | None:
-    """The quantization's saving per round (time unquantized - time quantized, on the whole request)."""
-    p = stats.pair(means, ref, QUANTIZED)
+    per_s, missing = stats.compare_samples(plan, Path(out_root), ref.id, QUANTIZED)
+    out["image"] = {"per_sample": per_s, "worst": compare.aggregate(per_s), "missing": missing}
+    # the quantization's saving per round: time unquantized - time quantized, on the whole request
+    p = stats.pair(means, ref.id, QUANTIZED)
     per = p["per_round_ms"]
     if not per:
-        return None
-    nf = stats.noise_floor(means)
-    noise_ms = nf["ms"] if nf else None
-    ref_ms = statistics.fmean(means[ref][r]["total"] for r in p["rounds"])
-    q_ms = statistics.fmean(means[QUANTIZED][r]["total"] for r in p["rounds"])
-    return {
+        out["status"] = "not measured: no round complete in both configurations"
+        return out
+    noise_ms = (stats.noise_floor(means) or {}).get("ms")
+    ref_ms = statistics.fmean(means[ref.id][r]["total"] for r in p["rounds"])
+    out["time"] = {
         "stages": ["total"],
         "saved_ms": {"mean": p["mean_ms"], "std": p["std_ms"], "per_round": per},
         "se_ms": stats.standard_error(per),
         "saved_pct_of_unquantized": 100 * p["mean_ms"] / ref_ms if ref_ms else None,
         "stages_saved_ms": p["stages_mean_ms"],
         "unquantized_ms": ref_ms,
-        "quantized_ms": q_ms,
+        "quantized_ms": statistics.fmean(means[QUANTIZED][r]["total"] for r in p["rounds"]),
         "noise_floor_ms": noise_ms,
         "direction": stats.direction(per),
         "p_value": stats.signed_rank_p(per),
         "tested": stats.testable(len(per)),  # False: too few rounds for the test, the label uses two standard errors
         "label": stats.label(per, p["mean_ms"], noise_ms),
     }
-
-
-def summary(info: dict[str, Any] | None) -> str | None:
-    """The information as one line of the CLI summary (None without one)."""
-    if not info:
-        return None
-    head = f"information (not in the verdict): {info['quantization']} {info['config']} vs {info['reference']}: "
-    if info["status"] != "ok":
-        return head + info["status"]
-    t, w = info["time"], info["image"]["worst"]
-    pct = "" if t["saved_pct_of_unquantized"] is None else f" ({t['saved_pct_of_unquantized']:+.2f}%)"
-    img = (
-        f"SSIM min {w['ssim_min']:.4f}, PSNR min {compare.fmt_db(w['psnr_db_min'])}"
-        if w
-        else "images missing: " + ", ".join(info["image"]["missing"])
-    )
-    saved = f"{t['saved_ms']['mean']:+.2f} ± {t['saved_ms']['std']:.2f} ms{pct}"
-    return f"{head}saves {saved}, p = {t['p_value']:.2g}, {t['label']}; {img}"
+    return out

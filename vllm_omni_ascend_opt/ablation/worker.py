@@ -108,17 +108,6 @@ def load_plugin_like_vllm_omni() -> None:
         raise RuntimeError(f"the plugin rejected its flags: {STATE.config_error}")
 
 
-def measure_memory(engine: Any) -> dict[str, Any] | None:
-    """The engine's memory probe (None: the model is in another process); a failed probe is reported."""
-    probe = getattr(engine, "memory", None)
-    if probe is None:
-        return None
-    try:
-        return probe()
-    except Exception as exc:
-        return {"error": _error(exc)}
-
-
 def serve(job: dict[str, Any], proto_out: Any, commands: Any) -> int:
     """Start up, report ready, answer commands. Returns the process exit code."""
     try:
@@ -148,7 +137,11 @@ def serve(job: dict[str, Any], proto_out: Any, commands: Any) -> int:
             parts += [f"{n} is active but was not requested" for n in extra]
             raise RuntimeError("the worker's optimizations differ from the configuration: " + "; ".join(parts))
         ready = {"pid": os.getpid(), "load_s": load_s, "env": environment(engine.device), "active": active}
-        send(proto_out, {"event": "ready", "protocol": PROTOCOL_VERSION, **ready, "memory": measure_memory(engine)})
+        try:  # the engine's memory probe; none when the model is in another process, a failed probe reported
+            ready["memory"] = engine.memory() if hasattr(engine, "memory") else None
+        except Exception as exc:
+            ready["memory"] = {"error": _error(exc)}
+        send(proto_out, {"event": "ready", "protocol": PROTOCOL_VERSION, **ready})
     except BaseException as exc:  # report anything, then exit non-zero
         send(proto_out, _error_event(None, "start", _error(exc), traceback.format_exc()))
         return 3
