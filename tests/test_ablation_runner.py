@@ -228,9 +228,7 @@ def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_
 def test_williams_orders_balance_positions_and_predecessors(n):
     from collections import Counter
 
-    from vllm_omni_ascend_opt.ablation.schedule import williams_orders
-
-    rows = williams_orders(n)
+    rows = runner_mod.williams_orders(n)
     assert len(rows) == (n if n % 2 == 0 or n == 1 else 2 * n)
     assert all(sorted(r) == list(range(n)) for r in rows)
     positions = Counter((pos, c) for r in rows for pos, c in enumerate(r))
@@ -246,8 +244,6 @@ def test_resident_workers_warm_up_only_once_every_worker_is_ready_then_follow_th
     """Warm-ups run in turn after the last worker reported ready (a worker warmed up while others still load, then
     left idle, measured slower); each measuring step then takes the next Williams order, so the predecessor of a
     configuration varies (with a rotation, 'full' would always run right after 'stock')."""
-    from vllm_omni_ascend_opt.ablation.schedule import williams_orders
-
     plan = make_plan(repeats=3, seeds=[1, 2], warmup=2)
     data, res = run(plan, tmp_path / "out", monkeypatch, GOOD)
     kinds = [(r["type"], r.get("warmup"), r["config"]) for r in data.records if r.get("type") in ("ready", "sample")]
@@ -259,7 +255,7 @@ def test_resident_workers_warm_up_only_once_every_worker_is_ready_then_follow_th
     assert [kinds[i][2] for i in warm] == [c.id for c in plan.configs for _ in range(2)]
     ids = [c.id for c in plan.configs]
     got = [s["config"] for s in res["samples"] if not s["warmup"]]
-    rows = williams_orders(len(ids))
+    rows = runner_mod.williams_orders(len(ids))
     assert got == [ids[i] for step in range(3 * 2) for i in rows[step % len(rows)]]
     before_full = {got[i - 1] for i in range(1, len(got)) if got[i] == "full" and i % len(ids)}
     assert len(before_full) >= 3
