@@ -390,11 +390,11 @@ class _StubEngine:
 def _serve(monkeypatch, active: list[str], wanted: list[str]) -> tuple[int, list[dict]]:
     import io
 
-    from vllm_omni_ascend_opt.ablation import engines, protocol, worker
+    from vllm_omni_ascend_opt.ablation import engines, worker
 
     monkeypatch.setattr(worker, "load_plugin_like_vllm_omni", lambda: None)
     monkeypatch.setitem(engines.ENGINES, "stub", lambda job: _StubEngine(job, active))
-    job = {"protocol": protocol.PROTOCOL_VERSION, "engine": "stub", "config": {"id": "c", "opts": wanted}}
+    job = {"protocol": worker.PROTOCOL_VERSION, "engine": "stub", "config": {"id": "c", "opts": wanted}}
     out = io.StringIO()
     rc = worker.serve({**job, "prompts": ["p"]}, out, iter(['{"cmd": "exit"}\n']))
     return rc, [json.loads(line) for line in out.getvalue().splitlines()]

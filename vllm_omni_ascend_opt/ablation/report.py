@@ -13,8 +13,8 @@ from typing import Any
 
 from vllm_omni_ascend_opt.ablation.compare import fmt_db
 from vllm_omni_ascend_opt.ablation.plan import INFORMATION
-from vllm_omni_ascend_opt.ablation.protocol import STAGES
 from vllm_omni_ascend_opt.ablation.schema import RESULTS_SCHEMA
+from vllm_omni_ascend_opt.optimization import STAGES
 
 SCHEMA_VERSION = 1
 STAGE_TITLES = {"text_encode": "text encode", "denoise": "denoise", "vae_decode": "VAE decode"}

@@ -1,13 +1,10 @@
-"""Run an ablation plan: one worker process per configuration, every measurement appended to the output directory
-as it happens: its layout, its lock, the measurement log (tagged with the plan's fingerprint) and what a resume keeps
-(:func:`select_resumable`; docs/ablation.md, "Robustness").
+"""Run an ablation plan: one worker process per configuration, every measurement appended to ``--out`` as it happens
+(its layout, lock, the log tagged with the plan's fingerprint, what a resume keeps: docs/ablation.md, "Robustness").
 
-The order is interleaved so that drift of the machine hits every configuration alike: ``resident`` (:func:`step_order`,
-:func:`process_sets`) and ``per-round`` (:func:`rotation`), as docs/ablation.md ("How the measurement stays honest")
-describes. A worker leads its own process group (with the engine processes it starts), is driven over
-:mod:`.protocol`, and is paused, continued, stopped or killed as one group; a generation's CPU is the group's, from
-Linux ``/proc``, and the machine's busy time minus the group's is what other processes took meanwhile
-(``others_cpu``).
+The order is interleaved so that drift of the machine hits every configuration alike (:func:`step_order`,
+:func:`rotation`; docs/ablation.md, "How the measurement stays honest"). A worker leads its own process group (with
+its engine processes), is driven over :mod:`.worker`'s protocol and paused, stopped or killed as one group; the
+group's CPU per generation comes from ``/proc``, and the machine's busy time minus it is ``others_cpu``.
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from vllm_omni_ascend_opt.ablation.plan import Config, Plan, accelerator_visible
-from vllm_omni_ascend_opt.ablation.protocol import PROTOCOL_VERSION, decode, send
+from vllm_omni_ascend_opt.ablation.worker import PROTOCOL_VERSION, decode, send
 
 #: Files and folders the runner owns inside --out (``--fresh`` removes exactly these).
 OWNED = ("plan.json", "measurements.jsonl", "results.json", "report.md", "ablation.png", "configs", "images", ".lock")

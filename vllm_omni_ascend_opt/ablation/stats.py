@@ -16,8 +16,7 @@ from typing import Any
 
 from vllm_omni_ascend_opt.ablation import compare
 from vllm_omni_ascend_opt.ablation.plan import Plan
-from vllm_omni_ascend_opt.ablation.protocol import STAGES
-from vllm_omni_ascend_opt.optimization import weakest_tier
+from vllm_omni_ascend_opt.optimization import STAGES, weakest_tier
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}

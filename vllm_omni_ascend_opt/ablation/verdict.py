@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm_omni_ascend_opt.ablation import compare, stats
 from vllm_omni_ascend_opt.ablation.plan import INFORMATION, QUANTIZATION_KEY, Plan
-from vllm_omni_ascend_opt.ablation.protocol import STAGES
+from vllm_omni_ascend_opt.optimization import STAGES
 
 #: The configuration the information compares with the unquantized one: the quantized stock of every verdict.
 QUANTIZED = "stock"

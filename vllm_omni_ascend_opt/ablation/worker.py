@@ -1,7 +1,19 @@
 """One ablation configuration in its own process: ``python -m vllm_omni_ascend_opt.ablation.worker --job JOB.json``.
 
 The plugin is loaded as vLLM-Omni loads it, the job's engine (:mod:`.engines`) loads the model once, the worker checks
-that exactly the configuration's optimizations act, then answers ``run`` commands until ``exit`` (:mod:`.protocol`).
+that exactly the configuration's optimizations act, then answers ``run`` commands until ``exit``.
+
+The line protocol with the runner (parent): one JSON object per line, commands on the worker's stdin, events on its
+stdout (anything else the worker prints goes to stderr, the configuration's log). worker -> parent::
+
+    {"event": "ready", "protocol": 1, "pid": 123, "load_s": 4.2, "env": {...}, "active": [...] | null, "memory": ...}
+    {"event": "result", "id": 7, "total_ms": 61.2, "stages_ms": {...}, "cpu_ms": 60.8 | null, "sha256": "...",
+     "saved": true}
+    {"event": "error", "id": 7 | null, "phase": "start" | "run", "error": "...", "traceback": "..."}
+    {"event": "bye"}
+
+parent -> worker: ``{"cmd": "run", "id": 7, "prompt": 0, "seed": 42, "save": "/out/images/full/p0_s42" | null}``,
+``{"cmd": "exit"}``. After an ``error`` the parent records the configuration as failed.
 """
 
 from __future__ import annotations
@@ -18,10 +30,23 @@ import time
 import traceback
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from vllm_omni_ascend_opt.ablation.engines import ENGINES, Generation
-from vllm_omni_ascend_opt.ablation.protocol import PROTOCOL_VERSION, decode, send
+
+PROTOCOL_VERSION = 1
+
+
+def send(stream: IO[str], obj: dict[str, Any]) -> None:
+    stream.write(json.dumps(obj, separators=(",", ":")) + "\n")
+    stream.flush()
+
+
+def decode(line: str) -> dict[str, Any]:
+    obj = json.loads(line)
+    if not isinstance(obj, dict):
+        raise ValueError(f"protocol message is not an object: {line[:200]!r}")
+    return obj
 
 
 def _version(dist: str) -> str | None:
