@@ -3,17 +3,20 @@ interruption and resume, and the reports built from a run. No vLLM-Omni here: ea
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
 import signal
+import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from vllm_omni_ascend_opt.ablation import report, stats, verdict
+from vllm_omni_ascend_opt.ablation import engines, report, stats, verdict, worker
 from vllm_omni_ascend_opt.ablation import runner as runner_mod
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
 from vllm_omni_ascend_opt.ablation.runner import RunError, Runner
@@ -226,8 +229,6 @@ def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_williams_orders_balance_positions_and_predecessors(n):
-    from collections import Counter
-
     rows = runner_mod.williams_orders(n)
     assert len(rows) == (n if n % 2 == 0 or n == 1 else 2 * n)
     assert all(sorted(r) == list(range(n)) for r in rows)
@@ -317,8 +318,6 @@ def test_pause_idle_stops_every_other_worker_group_during_a_measurement(tmp_path
 def test_group_cpu_counts_every_process_of_the_group_and_nothing_else(tmp_path):
     """``others_cpu`` subtracts the CPU of the worker's whole process group: a child that burns CPU (as an engine
     process does) counts for its group, live or reaped, and not for another group."""
-    import subprocess
-
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
     live = burn + "print('done', flush=True)\ntime.sleep(60)\n"
     script = tmp_path / "leader.py"
@@ -388,10 +387,6 @@ class _StubEngine:
 
 
 def _serve(monkeypatch, active: list[str], wanted: list[str]) -> tuple[int, list[dict]]:
-    import io
-
-    from vllm_omni_ascend_opt.ablation import engines, worker
-
     monkeypatch.setattr(worker, "load_plugin_like_vllm_omni", lambda: None)
     monkeypatch.setitem(engines.ENGINES, "stub", lambda job: _StubEngine(job, active))
     job = {"protocol": worker.PROTOCOL_VERSION, "engine": "stub", "config": {"id": "c", "opts": wanted}}
@@ -472,9 +467,7 @@ def test_repeated_vae_decodes_time_the_fastest_and_leave_the_extra_ones_out_of_t
     decode, returns the first decode's image and counts only one decode in the generation's total."""
     import torch
 
-    from vllm_omni_ascend_opt.ablation import engines, runner
-
-    assert "vae_decode_repeats" in runner.JOB_FIELDS  # the workload's value reaches the worker
+    assert "vae_decode_repeats" in runner_mod.JOB_FIELDS  # the workload's value reaches the worker
     clock = [0.0]
     monkeypatch.setattr(engines.time, "perf_counter", lambda: clock[0])
     took = iter([0.005, 0.002, 0.004, 0.003])  # s per decode: the second is the fastest
