@@ -20,6 +20,7 @@ from vllm_omni_ascend_opt.ablation import engines, report, stats, verdict, worke
 from vllm_omni_ascend_opt.ablation import runner as runner_mod
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
 from vllm_omni_ascend_opt.ablation.runner import RunError, Runner
+from vllm_omni_ascend_opt.ablation.schedule import williams_orders
 from vllm_omni_ascend_opt.ablation.schema import validate
 from vllm_omni_ascend_opt.ablation.workload import from_mapping
 
@@ -229,7 +230,7 @@ def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_williams_orders_balance_positions_and_predecessors(n):
-    rows = runner_mod.williams_orders(n)
+    rows = williams_orders(n)
     assert len(rows) == (n if n % 2 == 0 or n == 1 else 2 * n)
     assert all(sorted(r) == list(range(n)) for r in rows)
     positions = Counter((pos, c) for r in rows for pos, c in enumerate(r))
@@ -256,7 +257,7 @@ def test_resident_workers_warm_up_only_once_every_worker_is_ready_then_follow_th
     assert [kinds[i][2] for i in warm] == [c.id for c in plan.configs for _ in range(2)]
     ids = [c.id for c in plan.configs]
     got = [s["config"] for s in res["samples"] if not s["warmup"]]
-    rows = runner_mod.williams_orders(len(ids))
+    rows = williams_orders(len(ids))
     assert got == [ids[i] for step in range(3 * 2) for i in rows[step % len(rows)]]
     before_full = {got[i - 1] for i in range(1, len(got)) if got[i] == "full" and i % len(ids)}
     assert len(before_full) >= 3

@@ -19,7 +19,7 @@ import pytest
 
 from vllm_omni_ascend_opt.ablation import stats, verdict
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, Plan, build_plan
-from vllm_omni_ascend_opt.ablation.runner import process_sets
+from vllm_omni_ascend_opt.ablation.schedule import process_sets
 from vllm_omni_ascend_opt.ablation.workload import from_mapping, load_workload
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ablation_null_rounds.json"

@@ -1,10 +1,10 @@
 """Run an ablation plan: one worker process per configuration, every measurement appended to ``--out`` as it happens
 (its layout, lock, the log tagged with the plan's fingerprint, what a resume keeps: docs/ablation.md, "Robustness").
 
-The order is interleaved so that drift of the machine hits every configuration alike (:func:`step_order`,
-:func:`rotation`; docs/ablation.md, "How the measurement stays honest"). A worker leads its own process group (with
-its engine processes), is driven over :mod:`.worker`'s protocol and paused, stopped or killed as one group; the
-group's CPU per generation comes from ``/proc``, and the machine's busy time minus it is ``others_cpu``.
+The order, from :mod:`.schedule`, is interleaved so that drift of the machine hits every configuration alike
+(docs/ablation.md, "How the measurement stays honest"). A worker leads its own process group (with its engine
+processes), is driven over :mod:`.worker`'s protocol and paused, stopped or killed as one group; the group's CPU per
+generation comes from ``/proc``, and the machine's busy time minus it is ``others_cpu``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from vllm_omni_ascend_opt.ablation import schedule
 from vllm_omni_ascend_opt.ablation.plan import Config, Plan, accelerator_visible
+from vllm_omni_ascend_opt.ablation.schedule import Measured, measured
 from vllm_omni_ascend_opt.ablation.worker import PROTOCOL_VERSION, decode, send
 
 #: Files and folders the runner owns inside --out (``--fresh`` removes exactly these).
@@ -138,76 +140,6 @@ class Store:
             f.write(json.dumps(rec) + "\n")
         self.records.append(rec)
         return rec
-
-
-T = TypeVar("T")
-#: (configuration id, round) -> the (prompt, seed) samples measured for it.
-Measured = dict[tuple[str, int], set[tuple[int, int]]]
-
-
-def measured(records: list[dict[str, Any]]) -> Measured:
-    """The measured (not warm-up) samples in ``records``, per (configuration, round)."""
-    out: Measured = {}
-    for r in records:
-        if r.get("type") == "sample" and not r.get("warmup"):
-            out.setdefault((r["config"], r["round"]), set()).add((r["prompt"], r["seed"]))
-    return out
-
-
-def williams_orders(n: int) -> list[list[int]]:
-    """Orders of ``n`` configurations (a Williams design): each index stands at each position, and directly follows
-    each other index, equally often (n orders for even n; for odd n each order and its reverse, 2n)."""
-    if n <= 1:
-        return [list(range(n))]
-    first, lo, hi = [0], 1, n - 1
-    while len(first) < n:
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
-    rows = [[(x + i) % n for x in first] for i in range(n)]
-    if n % 2:
-        rows += [row[::-1] for row in rows]
-    return rows
-
-
-def step_order(live: list[T], step: int) -> list[T]:
-    """``live`` in the Williams order of measuring step ``step`` (round x samples + sample)."""
-    rows = williams_orders(len(live))
-    return [live[i] for i in rows[step % len(rows)]]
-
-
-def process_sets(repeats: int, sets: int) -> list[list[int]]:
-    """The rounds split into ``sets`` consecutive blocks, each measured by freshly started workers."""
-    n, k = repeats, max(1, min(sets, repeats))
-    bounds = [round(i * n / k) for i in range(k + 1)]
-    return [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
-
-
-def start_order(configs: list[T], set_index: int) -> list[T]:
-    """Every other process set starts its workers in reverse: workers started earlier can run slower."""
-    return list(reversed(configs)) if set_index % 2 == 1 else list(configs)
-
-
-def rotation(configs: list[T], rnd: int) -> list[T]:
-    """The per-round schedule's order in round ``rnd``: the configurations rotated by the round."""
-    shift = rnd % len(configs)
-    return configs[shift:] + configs[:shift]
-
-
-def todo(plan: Plan, records: list[dict[str, Any]], failed: set[str] | dict[str, Any]) -> Measured:
-    """(configuration, round) -> the samples still to measure, for every configuration not in ``failed``."""
-    have = measured(records)
-    out: Measured = {}
-    for c in plan.configs:
-        if c.id in failed:
-            continue
-        for rnd in range(plan.workload.repeats):
-            left = set(plan.samples) - have.get((c.id, rnd), set())
-            if left:
-                out[(c.id, rnd)] = left
-    return out
 
 
 def select_resumable(plan: Plan, records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
@@ -448,6 +380,7 @@ JOB_FIELDS = (
 )
 #: The worker's result fields a sample record keeps.
 RESULT_FIELDS = ("total_ms", "stages_ms", "cpu_ms", "others_cpu", "sha256")
+T = TypeVar("T")
 
 
 @dataclass
@@ -601,29 +534,29 @@ class Runner:
         """Every (configuration, round) still to measure: resident (process sets of live workers) or per round."""
         from tqdm.auto import tqdm
 
-        work = todo(self.plan, self.store.records, self.failed)
+        todo = schedule.todo(self.plan, self.store.records, self.failed)
         resident = self.plan.schedule == "resident"
-        starts = len(work)
+        starts = len(todo)
         if resident:
-            left = {r for _, r in work}
-            sets = [[r for r in b if r in left] for b in process_sets(self.wl.repeats, self.wl.process_sets)]
+            left = {r for _, r in todo}
+            sets = [[r for r in b if r in left] for b in schedule.process_sets(self.wl.repeats, self.wl.process_sets)]
             sets = [b for b in sets if b]
-            starts = sum(len({c for c, r in work if r in b}) for b in sets)
-        total = starts * (1 + self.wl.warmup) + sum(len(v) for v in work.values())
+            starts = sum(len({c for c, r in todo if r in b}) for b in sets)
+        total = starts * (1 + self.wl.warmup) + sum(len(v) for v in todo.values())
         on = self.progress_enabled and total > 0
         with tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True, leave=True, disable=not on) as prog:
             if resident:
                 for i, b in enumerate(sets):
-                    self._resident_set(b, work, prog, start_order(self.plan.configs, i))
+                    self._resident_set(b, todo, prog, schedule.start_order(self.plan.configs, i))
                 return
             for rnd in range(self.wl.repeats):
-                for c in rotation(self.plan.configs, rnd):
-                    if (c.id, rnd) in work and c.id not in self.failed:
+                for c in schedule.rotation(self.plan.configs, rnd):
+                    if (c.id, rnd) in todo and c.id not in self.failed:
                         self._per_round_process(c, rnd, prog)
 
-    def _resident_set(self, rounds: list[int], work: Measured, prog: Any, configs_in_order: list[Config]) -> None:
+    def _resident_set(self, rounds: list[int], todo: Measured, prog: Any, start_order: list[Config]) -> None:
         """One process set: a worker per configuration with work left in ``rounds``: start, warm up, measure, stop."""
-        configs = [c for c in configs_in_order if c.id not in self.failed and any((c.id, r) in work for r in rounds)]
+        configs = [c for c in start_order if c.id not in self.failed and any((c.id, r) in todo for r in rounds)]
         if not configs:
             return
         workers: dict[str, Worker] = {}
@@ -641,8 +574,8 @@ class Runner:
                     live = [c for c in order if c.id in workers and c.id not in self.failed]
                     if not live:
                         return
-                    for c in step_order(live, rnd * len(samples) + k):
-                        if (p, s) not in work.get((c.id, rnd), set()):
+                    for c in schedule.step_order(live, rnd * len(samples) + k):
+                        if (p, s) not in todo.get((c.id, rnd), set()):
                             continue
                         stem = self._save_stem(c, p, s)
                         ev = self._turn(workers, c, rnd, Worker.run, p, s, stem, self.wl.timeout_s)

@@ -78,7 +78,7 @@ class Workload:
     ssim_gate: float = 0.99
     psnr_gate: float = 35.0
     min_improvement_pct: float = 1.0
-    schedule: str = "auto"  # see runner.py
+    schedule: str = "auto"  # see schedule.py
     process_sets: int = 1
     #: SIGSTOP every worker's process group outside its own turn: idle engines keep polling threads.
     pause_idle: bool = False
