@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vllm_omni_ascend_opt.ablation import engines, report, stats, verdict, worker
+from vllm_omni_ascend_opt.ablation import engines, processes, report, stats, verdict, worker
 from vllm_omni_ascend_opt.ablation import runner as runner_mod
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
 from vllm_omni_ascend_opt.ablation.runner import RunError, Runner
@@ -280,7 +280,7 @@ def test_pause_idle_stops_every_other_worker_group_during_a_measurement(tmp_path
     seen: list[tuple[str, list[str], list[str]]] = []
     exits: list[int | None] = []
     calls: dict[str, int] = {}
-    orig_init, orig_run, orig_stop = runner_mod.Worker.__init__, runner_mod.Worker.run, runner_mod.Worker.stop
+    orig_init, orig_run, orig_stop = processes.Worker.__init__, processes.Worker.run, processes.Worker.stop
 
     def groups() -> dict[str, list[int]]:
         return {ln.split()[0]: [int(x) for x in ln.split()[1:]] for ln in log.read_text().splitlines()}
@@ -301,9 +301,9 @@ def test_pause_idle_stops_every_other_worker_group_during_a_measurement(tmp_path
         orig_stop(self, min(grace, 10.0))  # a healthy fake worker exits at once; a stuck one is not waited for long
         exits.append(self.proc.returncode)
 
-    monkeypatch.setattr(runner_mod.Worker, "__init__", init)
-    monkeypatch.setattr(runner_mod.Worker, "run", run_)
-    monkeypatch.setattr(runner_mod.Worker, "stop", stop)
+    monkeypatch.setattr(processes.Worker, "__init__", init)
+    monkeypatch.setattr(processes.Worker, "run", run_)
+    monkeypatch.setattr(processes.Worker, "stop", stop)
     _, res = run(plan, tmp_path / "out", monkeypatch, {**GOOD, "starts_log": str(log), "engine_child": True})
     assert res["verdict"]["result"] == "PASS"
     assert len(seen) == len(plan.configs) * 2 and all(len(g) == 2 for g in groups().values())
@@ -339,11 +339,11 @@ def test_group_cpu_counts_every_process_of_the_group_and_nothing_else(tmp_path):
     try:
         word, other = leader.stdout.readline().split()
         assert word == "burnt"
-        got = runner_mod.group_cpu_s(leader.pid)
+        got = processes.group_cpu_s(leader.pid)
         assert 0.55 <= got < 1.2, got  # both 0.3 s children (the reaped one via cutime), not the other group's 1.2 s
-        assert runner_mod.group_cpu_s(int(other)) >= 1.2
-        assert runner_mod.group_cpu_s(idle.pid) < 0.3  # python start-up only
-        assert runner_mod.group_cpu_s(2**22 + 12345) == 0  # no such group: nothing
+        assert processes.group_cpu_s(int(other)) >= 1.2
+        assert processes.group_cpu_s(idle.pid) < 0.3  # python start-up only
+        assert processes.group_cpu_s(2**22 + 12345) == 0  # no such group: nothing
     finally:
         if other is not None:
             os.killpg(int(other), signal.SIGKILL)

@@ -254,7 +254,8 @@ def save(
     log: Any = None,
 ) -> RefSet:
     """Generate ``plan``'s images with ``config`` in one worker; the set is renamed into ``out`` only when complete."""
-    from vllm_omni_ascend_opt.ablation.runner import Runner, WorkerFailed
+    from vllm_omni_ascend_opt.ablation.processes import WorkerFailed
+    from vllm_omni_ascend_opt.ablation.runner import Runner
 
     out = Path(out)
     check_out_dir(out, fresh)
