@@ -7,7 +7,9 @@ import json
 import pytest
 
 from vllm_omni_ascend_opt import registry
-from vllm_omni_ascend_opt.cli import main
+from vllm_omni_ascend_opt.ablation.cli import TINY_DEFAULT, resolve_workload
+from vllm_omni_ascend_opt.ablation.workload import Workload, load_workload
+from vllm_omni_ascend_opt.cli import build_parser, main
 
 
 def test_plan_lists_configurations_runs_and_estimate(capsys, tmp_path):
@@ -74,9 +76,6 @@ def test_ablate_with_nothing_to_measure_starts_nothing(capsys, tmp_path):
 
 
 def test_prompts_file_and_overrides_reach_the_workload(tmp_path):
-    from vllm_omni_ascend_opt.ablation.cli import resolve_workload
-    from vllm_omni_ascend_opt.cli import build_parser
-
     pf = tmp_path / "prompts.txt"
     pf.write_text("# a comment\na cat\n\na dog\n")
     argv = "ablate --workload tiny-cpu --steps 3 --quality-gates ssim=0.95,psnr=30 --no-enforce-eager".split()
@@ -88,10 +87,6 @@ def test_prompts_file_and_overrides_reach_the_workload(tmp_path):
 def test_the_plain_tiny_flow_runs_the_tiny_cpu_workload():
     """``ablate --model tiny`` (no workload) measures what ``make demo`` measures: the deeper tiny model, its steps,
     CFG and rounds; command-line values still override, and another model keeps the plain defaults."""
-    from vllm_omni_ascend_opt.ablation.cli import TINY_DEFAULT, resolve_workload
-    from vllm_omni_ascend_opt.ablation.workload import Workload, load_workload
-    from vllm_omni_ascend_opt.cli import build_parser
-
     ref = load_workload(TINY_DEFAULT)
     for argv in (["ablate"], ["ablate", "--model", "tiny"]):
         wl = resolve_workload(build_parser().parse_args(argv))

@@ -3,19 +3,24 @@ interruption and resume, and the reports built from a run. No vLLM-Omni here: ea
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
 import signal
+import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from vllm_omni_ascend_opt.ablation import report, stats, verdict
+from vllm_omni_ascend_opt.ablation import engines, processes, report, stats, verdict, worker
+from vllm_omni_ascend_opt.ablation import runner as runner_mod
 from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan
 from vllm_omni_ascend_opt.ablation.runner import RunError, Runner
+from vllm_omni_ascend_opt.ablation.schedule import williams_orders
 from vllm_omni_ascend_opt.ablation.schema import validate
 from vllm_omni_ascend_opt.ablation.workload import from_mapping
 
@@ -204,8 +209,6 @@ def test_without_a_control_there_is_no_noise_floor_and_reports_still_render(tmp_
 def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_path, monkeypatch):
     """Each block of rounds gets fresh workers; every other block starts them in reverse order (a worker started
     early runs slower on some machines: each configuration gets an early and a late start)."""
-    from vllm_omni_ascend_opt.ablation import runner as runner_mod
-
     plan = make_plan(repeats=4, process_sets=2, seeds=[1])
     log = tmp_path / "starts.log"
     spawned: list[str] = []
@@ -227,10 +230,6 @@ def test_process_sets_restart_the_resident_workers_between_blocks_of_rounds(tmp_
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_williams_orders_balance_positions_and_predecessors(n):
-    from collections import Counter
-
-    from vllm_omni_ascend_opt.ablation.schedule import williams_orders
-
     rows = williams_orders(n)
     assert len(rows) == (n if n % 2 == 0 or n == 1 else 2 * n)
     assert all(sorted(r) == list(range(n)) for r in rows)
@@ -247,8 +246,6 @@ def test_resident_workers_warm_up_only_once_every_worker_is_ready_then_follow_th
     """Warm-ups run in turn after the last worker reported ready (a worker warmed up while others still load, then
     left idle, measured slower); each measuring step then takes the next Williams order, so the predecessor of a
     configuration varies (with a rotation, 'full' would always run right after 'stock')."""
-    from vllm_omni_ascend_opt.ablation.schedule import williams_orders
-
     plan = make_plan(repeats=3, seeds=[1, 2], warmup=2)
     data, res = run(plan, tmp_path / "out", monkeypatch, GOOD)
     kinds = [(r["type"], r.get("warmup"), r["config"]) for r in data.records if r.get("type") in ("ready", "sample")]
@@ -277,8 +274,6 @@ def _state(pid: int) -> str:
 def test_pause_idle_stops_every_other_worker_group_during_a_measurement(tmp_path, monkeypatch, pause):
     """With ``pause_idle`` each measured generation runs while every other resident worker and the engine process it
     started are stopped (SIGSTOP), the measured one is running; all exit cleanly (continued before "exit")."""
-    from vllm_omni_ascend_opt.ablation import processes
-
     plan = make_plan(repeats=2, seeds=[1], pause_idle=pause)
     log = tmp_path / "starts.log"
     live: list = []
@@ -324,10 +319,6 @@ def test_pause_idle_stops_every_other_worker_group_during_a_measurement(tmp_path
 def test_group_cpu_counts_every_process_of_the_group_and_nothing_else(tmp_path):
     """``others_cpu`` subtracts the CPU of the worker's whole process group: a child that burns CPU (as an engine
     process does) counts for its group, live or reaped, and not for another group."""
-    import subprocess
-
-    from vllm_omni_ascend_opt.ablation.processes import group_cpu_s
-
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
     live = burn + "print('done', flush=True)\ntime.sleep(60)\n"
     script = tmp_path / "leader.py"
@@ -348,11 +339,11 @@ def test_group_cpu_counts_every_process_of_the_group_and_nothing_else(tmp_path):
     try:
         word, other = leader.stdout.readline().split()
         assert word == "burnt"
-        got = group_cpu_s(leader.pid)
+        got = processes.group_cpu_s(leader.pid)
         assert 0.55 <= got < 1.2, got  # both 0.3 s children (the reaped one via cutime), not the other group's 1.2 s
-        assert group_cpu_s(int(other)) >= 1.2
-        assert group_cpu_s(idle.pid) < 0.3  # python start-up only
-        assert group_cpu_s(2**22 + 12345) == 0  # no such group: nothing
+        assert processes.group_cpu_s(int(other)) >= 1.2
+        assert processes.group_cpu_s(idle.pid) < 0.3  # python start-up only
+        assert processes.group_cpu_s(2**22 + 12345) == 0  # no such group: nothing
     finally:
         if other is not None:
             os.killpg(int(other), signal.SIGKILL)
@@ -397,13 +388,9 @@ class _StubEngine:
 
 
 def _serve(monkeypatch, active: list[str], wanted: list[str]) -> tuple[int, list[dict]]:
-    import io
-
-    from vllm_omni_ascend_opt.ablation import engines, protocol, worker
-
     monkeypatch.setattr(worker, "load_plugin_like_vllm_omni", lambda: None)
     monkeypatch.setitem(engines.ENGINES, "stub", lambda job: _StubEngine(job, active))
-    job = {"protocol": protocol.PROTOCOL_VERSION, "engine": "stub", "config": {"id": "c", "opts": wanted}}
+    job = {"protocol": worker.PROTOCOL_VERSION, "engine": "stub", "config": {"id": "c", "opts": wanted}}
     out = io.StringIO()
     rc = worker.serve({**job, "prompts": ["p"]}, out, iter(['{"cmd": "exit"}\n']))
     return rc, [json.loads(line) for line in out.getvalue().splitlines()]
@@ -481,9 +468,7 @@ def test_repeated_vae_decodes_time_the_fastest_and_leave_the_extra_ones_out_of_t
     decode, returns the first decode's image and counts only one decode in the generation's total."""
     import torch
 
-    from vllm_omni_ascend_opt.ablation import engines, runner
-
-    assert "vae_decode_repeats" in runner.JOB_FIELDS  # the workload's value reaches the worker
+    assert "vae_decode_repeats" in runner_mod.JOB_FIELDS  # the workload's value reaches the worker
     clock = [0.0]
     monkeypatch.setattr(engines.time, "perf_counter", lambda: clock[0])
     took = iter([0.005, 0.002, 0.004, 0.003])  # s per decode: the second is the fastest

@@ -10,8 +10,9 @@ import statistics
 import numpy as np
 import pytest
 
-from vllm_omni_ascend_opt.ablation import compare, stats, verdict
-from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan, estimate
+from vllm_omni_ascend_opt import registry
+from vllm_omni_ascend_opt.ablation import compare, report, stats, verdict
+from vllm_omni_ascend_opt.ablation.plan import OptInfo, build_plan, estimate, opt_infos_from_registry
 from vllm_omni_ascend_opt.ablation.workload import (
     Workload,
     WorkloadError,
@@ -361,7 +362,6 @@ def test_machine_load_summary():
 def test_peak_memory_per_configuration_ratios_and_report_table():
     """The worker's probe (one per ready event) becomes each configuration's peaks: the largest over its workers, a
     ratio to stock's from the same run, and a report table; engines that measure nothing leave no table."""
-    from vllm_omni_ascend_opt.ablation import report
 
     def ready(fwd: int, vae: int) -> dict:
         return {
@@ -405,9 +405,6 @@ def test_an_optimization_that_needs_a_vllm_omni_mode_takes_part_only_where_the_w
 
 def test_stages_come_from_the_registry():
     """Transformer optimizations change denoise, VAE ones vae_decode; the planner takes them from the registry."""
-    from vllm_omni_ascend_opt import registry
-    from vllm_omni_ascend_opt.ablation.plan import opt_infos_from_registry
-
     infos = {i.name: i.stages for i in opt_infos_from_registry()}
     for opt in registry.all_optimizations():
         want = ("vae_decode",) if "vae" in opt.regions else ("denoise",)

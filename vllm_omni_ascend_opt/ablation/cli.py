@@ -389,18 +389,18 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def print_summary(results: dict[str, Any]) -> None:
     """The main table of report.md, as text."""
-    from vllm_omni_ascend_opt.ablation import verdict
-    from vllm_omni_ascend_opt.ablation.report import _ms, _on, _p, _pct, _saved, comparison_rows, gate_cell
+    from vllm_omni_ascend_opt.ablation.compare import fmt_db
+    from vllm_omni_ascend_opt.ablation.report import _num, _on, _saved, comparison_rows, gate_cell
 
     print(
         f"\n{'optimization':<22} {'class':<6} {'on stages':<20} {'saved ms (mean ± std)':>22} {'% stock':>8}  "
         f"{'total saved ms':>16}  {'direction':<10} {'label':<13} {'p':>8} equivalence"
     )
     for name, cls, d, chk in comparison_rows(results):
-        total = _ms((d.get("total_saved_ms") or {}).get("mean"), sign=True)
+        total = _num((d.get("total_saved_ms") or {}).get("mean"), "+.2f")
         print(
-            f"{name:<22} {cls:<6} {_on(d):<20} {_saved(d):>22} {_pct(d['saved_pct_of_stock']):>8}  {total:>16}  "
-            f"{d['direction']:<10} {d['label']:<13} {_p(d.get('p_value')):>8} "
+            f"{name:<22} {cls:<6} {_on(d):<20} {_saved(d):>22} {_num(d['saved_pct_of_stock'], '+.2f', '%'):>8}  {total:>16}  "
+            f"{d['direction']:<10} {d['label']:<13} {_num(d.get('p_value'), '.2g'):>8} "
             f"{gate_cell(chk).replace('✅', 'ok').replace('❌', 'FAIL')}"
         )
     nf = results["noise_floor"]
@@ -414,7 +414,17 @@ def print_summary(results: dict[str, Any]) -> None:
     for c in results["configs"]:
         if c["status"] != "ok":
             print(f"configuration {c['id']}: {c['status']}" + (f" ({c['error']})" if c["error"] else ""))
-    if line := verdict.summary((results.get("information") or {}).get("vs_unquantized")):
+    if info := (results.get("information") or {}).get("vs_unquantized"):
+        line = f"information (not in the verdict): {info['quantization']} {info['config']} vs {info['reference']}: "
+        if info["status"] != "ok":
+            line += info["status"]
+        else:
+            t, w = info["time"], info["image"]["worst"]
+            pct = "" if t["saved_pct_of_unquantized"] is None else f" ({t['saved_pct_of_unquantized']:+.2f}%)"
+            img = "images missing: " + ", ".join(info["image"]["missing"])
+            if w:
+                img = f"SSIM min {w['ssim_min']:.4f}, PSNR min {fmt_db(w['psnr_db_min'])}"
+            line += f"saves {_saved(t)} ms{pct}, p = {t['p_value']:.2g}, {t['label']}; {img}"
         print(textwrap.fill(line, 110, subsequent_indent="  "))
     v = results["verdict"]
     print(f"\nverdict: {v['result']} (exit {v['exit_code']})")

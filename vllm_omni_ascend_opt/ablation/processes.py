@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni_ascend_opt.ablation.plan import Config
-from vllm_omni_ascend_opt.ablation.protocol import decode, send
+from vllm_omni_ascend_opt.ablation.worker import decode, send
 
 
 class WorkerFailed(RuntimeError):

@@ -122,9 +122,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         gates = parse_gates(args.gates) if args.gates else {}
         a = refset.load(args.a, args.config)
         b = refset.load(args.b, args.config)
-        res = setcompare.run_compare(
-            a, b, tier=args.tier, ssim_gate=gates.get("ssim_gate", 0.99), psnr_gate=gates.get("psnr_gate", 35.0)
-        )
+        res = setcompare.run_compare(a, b, tier=args.tier, **gates)  # unset gates: run_compare's defaults
     except (WorkloadError, refset.SetError) as exc:
         return bad_input(str(exc).replace("--quality-gates", "--gates"))
     paths = setcompare.write(res, a, b, args.out)

@@ -13,8 +13,8 @@ from typing import Any
 
 from vllm_omni_ascend_opt.ablation.compare import fmt_db
 from vllm_omni_ascend_opt.ablation.plan import INFORMATION
-from vllm_omni_ascend_opt.ablation.protocol import STAGES
 from vllm_omni_ascend_opt.ablation.schema import RESULTS_SCHEMA
+from vllm_omni_ascend_opt.optimization import STAGES
 
 SCHEMA_VERSION = 1
 STAGE_TITLES = {"text_encode": "text encode", "denoise": "denoise", "vae_decode": "VAE decode"}
@@ -88,8 +88,9 @@ def _table_head(first: str, last: str) -> list[str]:
     return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
 
-def _ms(v: float | None, sign: bool = False) -> str:
-    return "–" if v is None else f"{v:+.2f}" if sign else f"{v:.2f}"
+def _num(v: float | None, spec: str = ".2f", unit: str = "") -> str:
+    """``v`` in format ``spec`` with ``unit``; – for None."""
+    return "–" if v is None else f"{v:{spec}}{unit}"
 
 
 def _saved(d: dict[str, Any], key: str = "saved_ms") -> str:
@@ -108,11 +109,7 @@ def _control(d: dict[str, Any]) -> str:
     c = d.get("control")
     if not c or c.get("diff_ms") is None:
         return "–"
-    return f"{'⚠ ' if c['bias'] else ''}{c['diff_ms']:+.2f} (floor {_ms(c['noise_ms'])})"
-
-
-def _pct(v: float | None) -> str:
-    return "–" if v is None else f"{v:+.2f}%"
+    return f"{'⚠ ' if c['bias'] else ''}{c['diff_ms']:+.2f} (floor {_num(c['noise_ms'])})"
 
 
 def comparison_rows(results: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], dict[str, Any] | None]]:
@@ -139,10 +136,6 @@ def gate_cell(chk: dict[str, Any] | None) -> str:
     gates = chk.get("gates")
     limits = f" (gate ≥ {gates['ssim']} / ≥ {gates['psnr_db']} dB)" if gates else ""
     return f"{mark} SSIM {w['ssim_min']:.4f}, PSNR {fmt_db(w['psnr_db_min'])}{limits}"
-
-
-def _p(p: float | None) -> str:
-    return "–" if p is None else f"{p:.2g}"
 
 
 def _significance(sig: dict[str, Any]) -> str:
@@ -226,10 +219,10 @@ def markdown(results: dict[str, Any]) -> str:
     for name, cls, d, chk in comparison_rows(results):
         head = f"`{name}` | {cls}" if cls else f"**{name}** |"
         per = ", ".join(f"{x:+.1f}" for x in d["saved_ms"]["per_round"]) or "–"
-        st = " | ".join(_ms(d["stages_saved_ms"].get(s), True) for s in STAGES)
+        st = " | ".join(_num(d["stages_saved_ms"].get(s), "+.2f") for s in STAGES)
         lines.append(
-            f"| {head} | {_on(d)} | {_saved(d)} | {_pct(d['saved_pct_of_stock'])} | {per} | {d['direction']} | "
-            f"**{d['label']}** | {_p(d.get('p_value'))} | {_saved(d, 'total_saved_ms')} | {_control(d)} | {st} | "
+            f"| {head} | {_on(d)} | {_saved(d)} | {_num(d['saved_pct_of_stock'], '+.2f', '%')} | {per} | {d['direction']} | "
+            f"**{d['label']}** | {_num(d.get('p_value'), '.2g')} | {_saved(d, 'total_saved_ms')} | {_control(d)} | {st} | "
             f"{gate_cell(chk)} |"
         )
     sig = results.get("significance") or {}
@@ -251,7 +244,7 @@ def markdown(results: dict[str, Any]) -> str:
     for c in results["configs"]:
         t = c["total_ms"]
         tot = "–" if t["mean"] is None else f"{t['mean']:.2f} ± {t['std']:.2f}"
-        st = " | ".join(_ms(c["stages_ms"].get(s)) for s in STAGES)
+        st = " | ".join(_num(c["stages_ms"].get(s)) for s in STAGES)
         opts = ", ".join(c["opts"]) or "(none)"
         if c["role"] == INFORMATION:  # other vLLM-Omni modes than the rest: its label says which
             opts += f"; {c['label']}"
@@ -317,20 +310,20 @@ def information_section(info: dict[str, Any] | None, gates: dict[str, Any]) -> l
         "pixel-identical | SSIM min | PSNR min",
     )
     per = ", ".join(f"{x:+.1f}" for x in t["saved_ms"]["per_round"])
-    st = " | ".join(_ms(t["stages_saved_ms"].get(s), True) for s in STAGES)
+    st = " | ".join(_num(t["stages_saved_ms"].get(s), "+.2f") for s in STAGES)
     if w:
         ident = f"{'yes' if w['pixel_identical'] else 'no'} ({w['samples']} images)"
         ssim, psnr = f"{w['ssim_min']:.4f}", fmt_db(w["psnr_db_min"])
     else:
         ident, ssim, psnr = f"– (missing {', '.join(im['missing'])})", "–", "–"
     lines += [
-        f"| **{info['config']} vs {info['reference']}** | {_saved(t)} | {_ms(t['se_ms'])} | "
-        f"{_pct(t['saved_pct_of_unquantized'])} | {per} | {t['direction']} | {t['label']} | {_p(t['p_value'])} | "
+        f"| **{info['config']} vs {info['reference']}** | {_saved(t)} | {_num(t['se_ms'])} | "
+        f"{_num(t['saved_pct_of_unquantized'], '+.2f', '%')} | {per} | {t['direction']} | {t['label']} | {_num(t['p_value'], '.2g')} | "
         f"{st} | {ident} | {ssim} | {psnr} |",
         "",
         f"Saved = time({info['reference']}) − time({info['config']}) per round, on the whole request (positive: the "
         f"quantization is faster); *p*: the signed-rank test on its own (not in the optimizations' family); label "
-        f"against the noise floor ({_ms(t['noise_floor_ms'])} ms)"
+        f"against the noise floor ({_num(t['noise_floor_ms'])} ms)"
         + ("" if t["tested"] else " and two standard errors (too few rounds for the test)")
         + ". SSIM/PSNR: the quantized images against the "
         f"unquantized ones, worst image; for scale only, the close tier's gates are SSIM ≥ {gates['ssim']}, PSNR ≥ "
@@ -454,7 +447,7 @@ def reference_section(ref: dict[str, Any] | None) -> list[str]:
             lines.append(f"| `{cid}` | not compared: {r['error']} | – | – | – | – |")
             continue
         mark = {True: "✅", False: "❌", None: "–"}[r["passed"]]
-        ssim = "–" if r["ssim_min"] is None else f"{r['ssim_min']:.4f}"
+        ssim = _num(r["ssim_min"], ".4f")
         psnr = "–" if r["psnr_db_min"] is None else fmt_db(r["psnr_db_min"])
         lines.append(
             f"| `{cid}` | {mark} | {r['pixel_identical']}/{r['pairs']} | {ssim} | {psnr} | "

@@ -1,6 +1,9 @@
-"""Run an ablation plan: one worker process per configuration, in the order of :mod:`.schedule`, every measurement
-appended to the output directory as it happens: its layout, its lock, the measurement log (tagged with the plan's
-fingerprint) and what a resume keeps (:func:`select_resumable`; docs/ablation.md, "Robustness").
+"""Run an ablation plan: one worker process per configuration, every measurement appended to ``--out`` as it happens
+(its layout, lock, the log tagged with the plan's fingerprint, what a resume keeps: docs/ablation.md, "Robustness").
+
+The order, from :mod:`.schedule`, is interleaved so that drift of the machine hits every configuration alike
+(docs/ablation.md, "How the measurement stays honest"). A worker leads its own process group (with its engine
+processes), driven over :mod:`.worker`'s protocol and paused, stopped or killed as one group (:mod:`.processes`).
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from typing import Any, TypeVar
 from vllm_omni_ascend_opt.ablation import schedule
 from vllm_omni_ascend_opt.ablation.plan import Config, Plan, accelerator_visible
 from vllm_omni_ascend_opt.ablation.processes import Worker, WorkerFailed, load1, stop_all
-from vllm_omni_ascend_opt.ablation.protocol import PROTOCOL_VERSION
 from vllm_omni_ascend_opt.ablation.schedule import Measured, measured
+from vllm_omni_ascend_opt.ablation.worker import PROTOCOL_VERSION
 
 #: Files and folders the runner owns inside --out (``--fresh`` removes exactly these).
 OWNED = ("plan.json", "measurements.jsonl", "results.json", "report.md", "ablation.png", "configs", "images", ".lock")

@@ -16,8 +16,7 @@ from typing import Any
 
 from vllm_omni_ascend_opt.ablation import compare
 from vllm_omni_ascend_opt.ablation.plan import Plan
-from vllm_omni_ascend_opt.ablation.protocol import STAGES
-from vllm_omni_ascend_opt.optimization import weakest_tier
+from vllm_omni_ascend_opt.optimization import STAGES, weakest_tier
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
@@ -325,12 +324,10 @@ def staged(
     without: str,
     with_: str,
     stages: tuple[str, ...] | list[str],
-    p: float | None = None,
-    family: int = 1,
     nulls: Nulls | None = None,
 ) -> dict[str, Any]:
-    """``basis``, ``saved`` (:func:`pair` on it), ``noise_ms``, ``p_raw`` (its own signed-rank p), ``p`` (``p`` when
-    given, corrected over ``family`` comparisons, else ``p_raw``), ``label`` and ``control`` (None on the total)."""
+    """``basis``, ``saved`` (:func:`pair` on it), ``noise_ms``, ``p_raw`` and ``p`` (its own signed-rank p), its own
+    ``label`` and ``control`` (None on the total)."""
     basis = _basis(means, stages)
     p_s, noise_ms, _ = _measured(means, basis, without, with_, nulls)
     raw = signed_rank_p(p_s["per_round_ms"]) if p_s["per_round_ms"] else None
@@ -347,7 +344,7 @@ def staged(
             "bias": c_lab in (GAIN, REGRESSION),
         }
     st = {"basis": list(basis), "saved": p_s, "noise_ms": noise_ms, "p_raw": raw, "control": control}
-    return {**st, "control_p": control_p, "p": raw if p is None else p, "label": judged(st, p, family)}
+    return {**st, "control_p": control_p, "p": raw, "label": judged(st)}
 
 
 def judged(

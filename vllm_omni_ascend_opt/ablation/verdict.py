@@ -9,52 +9,18 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_ascend_opt.ablation import compare
+from vllm_omni_ascend_opt.ablation import compare, stats
 from vllm_omni_ascend_opt.ablation.plan import INFORMATION, QUANTIZATION_KEY, Plan
-from vllm_omni_ascend_opt.ablation.protocol import STAGES
-from vllm_omni_ascend_opt.ablation.stats import (
-    ALPHA,
-    BIAS,
-    EXIT_CODES,
-    FAIL,
-    GAIN,
-    INCONCLUSIVE,
-    PASS,
-    REGRESSION,
-    TEST,
-    TOTAL,
-    Means,
-    Nulls,
-    _std,
-    add_memory_ratios,
-    bias_text,
-    compare_configs,
-    compare_samples,
-    direction,
-    fmt_saved,
-    holm,
-    judged,
-    label,
-    machine_load,
-    noise_floor,
-    pair,
-    peak_memory,
-    round_means,
-    signed_rank_p,
-    staged,
-    staged_fields,
-    standard_error,
-    testable,
-)
+from vllm_omni_ascend_opt.optimization import STAGES
 
 #: The configuration the information compares with the unquantized one: the quantized stock of every verdict.
 QUANTIZED = "stock"
 
 
-def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
+def timings(plan: Plan, means: stats.Means, failed: Any = ()) -> dict[str, Any]:
     """The timing verdicts of a run from its round means: ``optimizations`` (one per comparison, Holm-corrected
     together), ``full_vs_stock`` (its own test), ``noise_floor``, ``stock_ms`` and ``significance``."""
-    noise = noise_floor(means)
+    noise = stats.noise_floor(means)
 
     def mean_total(cid: str) -> float | None:
         rows = means.get(cid, {})
@@ -62,7 +28,7 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
 
     stock_ms = mean_total("stock")
     # per stage, the compared pairs whose optimizations do not act there: more process pairs for its noise floor
-    nulls: Nulls = {}
+    nulls: stats.Nulls = {}
     for c in plan.comparisons:
         acts = set(plan.stages_of(plan.diff(c.with_, c.without)))
         for x in STAGES:
@@ -73,20 +39,20 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
 
     def compared(without: str, with_: str, names: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """The staged comparison of two configurations that differ by ``names`` (its own test), and its fields."""
-        p = pair(means, without, with_)
+        p = stats.pair(means, without, with_)
         base = stock_ms or mean_total(without)
         pct = 100 * p["mean_ms"] / base if p["mean_ms"] is not None and base else None
-        st = staged(means, without, with_, plan.stages_of(names), nulls=nulls)
-        return st, {**staged_fields(st, p, pct, stock_ms), "label": st["label"]}
+        st = stats.staged(means, without, with_, plan.stages_of(names), nulls=nulls)
+        return st, {**stats.staged_fields(st, p, pct, stock_ms), "label": st["label"]}
 
     # the optimizations' verdicts are one family: their signed-rank p-values are corrected together (Holm)
     usable = [c.with_ not in failed and c.without not in failed for c in plan.comparisons]
     # the two sides differ by comp.opt alone, or also by the optimizations that need it (leave-one-out)
     done = [compared(c.without, c.with_, plan.diff(c.with_, c.without)) for c in plan.comparisons]
-    adjusted = holm([st["p_raw"] if ok else None for (st, _), ok in zip(done, usable, strict=True)])
+    adjusted = stats.holm([st["p_raw"] if ok else None for (st, _), ok in zip(done, usable, strict=True)])
     family = sum(p is not None for p in adjusted)
     # so are their process-bias checks: a control flagged by chance makes a true effect inconclusive
-    ctrl = holm([st["control_p"] if ok else None for (st, _), ok in zip(done, usable, strict=True)])
+    ctrl = stats.holm([st["control_p"] if ok else None for (st, _), ok in zip(done, usable, strict=True)])
     controls = sum(p is not None for p in ctrl)
     opts = []
     for comp, (st, fields), ok, pv, cpv in zip(plan.comparisons, done, usable, adjusted, ctrl, strict=True):
@@ -98,7 +64,7 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
                 "without": comp.without,
                 **fields,
                 "p_value": pv,
-                "label": judged(st, pv, family, cpv, controls) if ok else "not measured",
+                "label": stats.judged(st, pv, family, cpv, controls) if ok else "not measured",
             }
         )
     fvs = None
@@ -107,11 +73,11 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
         fvs = {**full_vs, "stock_ms": stock_ms, "full_ms": mean_total("full")}
     rounds = max((len(o["saved_ms"]["per_round"]) for o in opts), default=0)
     significance = {
-        "test": TEST,
-        "family_wise_level": ALPHA,
+        "test": stats.TEST,
+        "family_wise_level": stats.ALPHA,
         "correction": "Holm",
         "family": family,
-        "tested": testable(rounds, family),
+        "tested": stats.testable(rounds, family),
     }
     return {
         "optimizations": opts,
@@ -125,7 +91,7 @@ def timings(plan: Plan, means: Means, failed: Any = ()) -> dict[str, Any]:
 def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interrupted: bool = False) -> dict[str, Any]:
     """The ``analysis`` part of results.json (see docs/ablation.md)."""
     wl = plan.workload
-    means = round_means(plan, records)
+    means = stats.round_means(plan, records)
     failures = {r["config"]: r for r in records if r.get("type") == "failure"}
     ready: dict[str, list[dict[str, Any]]] = {}
     shas: dict[str, dict[str, set[str]]] = {}
@@ -153,7 +119,7 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
             "rounds_complete": sorted(rows),
             "total_ms": {
                 "mean": statistics.fmean(totals) if totals else None,
-                "std": _std(totals) if totals else None,
+                "std": stats._std(totals) if totals else None,
                 "per_round": totals,
             },
             "stages_ms": {
@@ -164,7 +130,7 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
             "load_s": [x.get("load_s") for x in ready.get(c.id, [])],
             "pids": [x.get("pid") for x in ready.get(c.id, [])],
             "active_in_worker": (ready.get(c.id) or [{}])[-1].get("active"),
-            "memory": peak_memory(ready.get(c.id, [])),
+            "memory": stats.peak_memory(ready.get(c.id, [])),
             "outputs_stable_across_rounds": all(len(v) == 1 for v in shas.get(c.id, {}).values())
             if shas.get(c.id)
             else None,
@@ -174,16 +140,16 @@ def analyse(plan: Plan, records: list[dict[str, Any]], out_root: Any, *, interru
             # an information configuration is not held to any tier (it runs other vLLM-Omni modes)
             usable = c.id != ref and ref in ids and status != "failed" and ref not in failures
             usable = usable and c.role != INFORMATION
-            entry[key] = compare_configs(plan, out_root, ref, c.id) if usable else None
+            entry[key] = stats.compare_configs(plan, out_root, ref, c.id) if usable else None
         configs.append(entry)
 
-    add_memory_ratios(configs)
+    stats.add_memory_ratios(configs)
     opts = timed["optimizations"]
     for o in opts:
         ok = o["with"] not in failures and o["without"] not in failures
-        o["equivalence_check"] = compare_configs(plan, out_root, o["without"], o["with"]) if ok else None
+        o["equivalence_check"] = stats.compare_configs(plan, out_root, o["without"], o["with"]) if ok else None
     fvs, noise = timed["full_vs_stock"], timed["noise_floor"]
-    load = machine_load(records)
+    load = stats.machine_load(records)
     verdict = decide(plan, configs, opts, fvs, noise, interrupted, load=load)
     unquantized = vs_unquantized(plan, means, out_root, failures)
     return {
@@ -229,10 +195,10 @@ def decide(
         chk = o["equivalence_check"]
         if chk and chk["gate"]["passed"] is False:
             fail.append(f"{o['name']} ({o['equivalence']}): gate failed: {chk['gate']['why']}")
-        if o["label"] == REGRESSION:
-            slow.append(f"{o['name']} is a regression: {fmt_saved(o, stages=True)}")
-        elif o["label"] == BIAS:
-            notes.append(bias_text(f"{o['name']}'s comparison ({o['without']} vs {o['with']})", o))
+        if o["label"] == stats.REGRESSION:
+            slow.append(f"{o['name']} is a regression: {stats.fmt_saved(o, stages=True)}")
+        elif o["label"] == stats.BIAS:
+            notes.append(stats.bias_text(f"{o['name']}'s comparison ({o['without']} vs {o['with']})", o))
     if noise is None:
         unsure.append("no noise floor (the control pair did not complete)")
     if interrupted:
@@ -242,18 +208,18 @@ def decide(
     else:
         lab, pct = fvs["label"], fvs["saved_pct_of_stock"]
         nf = fvs.get("noise_floor_ms")
-        if lab == REGRESSION:
-            slow.append(f"the full stack is slower than stock: {fmt_saved(fvs, stages=True)}")
-        elif lab == BIAS:
-            unsure.append(bias_text("full stack vs stock", fvs))
-        elif lab == GAIN and pct is not None and pct < wl.min_improvement_pct:
+        if lab == stats.REGRESSION:
+            slow.append(f"the full stack is slower than stock: {stats.fmt_saved(fvs, stages=True)}")
+        elif lab == stats.BIAS:
+            unsure.append(stats.bias_text("full stack vs stock", fvs))
+        elif lab == stats.GAIN and pct is not None and pct < wl.min_improvement_pct:
             slow.append(
-                f"the full stack saves {pct:.2f}% of stock on {'+'.join(fvs.get('stages') or [TOTAL])}, less than "
-                f"--min-improvement-pct {wl.min_improvement_pct}%"
+                f"the full stack saves {pct:.2f}% of stock on {'+'.join(fvs.get('stages') or [stats.TOTAL])}, less "
+                f"than --min-improvement-pct {wl.min_improvement_pct}%"
             )
-        elif lab != GAIN:
+        elif lab != stats.GAIN:
             unsure.append(
-                f"full stack vs stock is {lab} ({fmt_saved(fvs, stages=True)}, noise floor {nf:.2f} ms)"
+                f"full stack vs stock is {lab} ({stats.fmt_saved(fvs, stages=True)}, noise floor {nf:.2f} ms)"
                 if nf is not None
                 else f"full stack vs stock is {lab}"
             )
@@ -265,26 +231,26 @@ def decide(
         if slow:
             unsure.append(note + "; timing failures are reported as inconclusive: " + "; ".join(slow))
             slow = []
-        elif fvs is None or fvs["label"] != GAIN:
+        elif fvs is None or fvs["label"] != stats.GAIN:
             unsure.append(note)
     fail += slow
     if fail:
-        result, reasons = FAIL, fail + unsure + notes
+        result, reasons = stats.FAIL, fail + unsure + notes
     elif unsure:
-        result, reasons = INCONCLUSIVE, unsure + notes
+        result, reasons = stats.INCONCLUSIVE, unsure + notes
     else:
-        result = PASS
+        result = stats.PASS
         nf = fvs.get("noise_floor_ms", noise["ms"])
         reasons = [
-            f"every gate held; the full stack saves {fmt_saved(fvs, stages=True)} vs stock "
+            f"every gate held; the full stack saves {stats.fmt_saved(fvs, stages=True)} vs stock "
             f"(>= {wl.min_improvement_pct}%, beyond the noise floor {nf:.2f} ms)",
             *notes,
         ]
-    return {"result": result, "exit_code": EXIT_CODES[result], "reasons": reasons}
+    return {"result": result, "exit_code": stats.EXIT_CODES[result], "reasons": reasons}
 
 
 def vs_unquantized(
-    plan: Plan, means: Means, out_root: Any, failures: dict[str, Any] | set[str]
+    plan: Plan, means: stats.Means, out_root: Any, failures: dict[str, Any] | set[str]
 ) -> dict[str, Any] | None:
     """The quantized stock against the unquantized one (time saved by the quantization, images against the
     unquantized ones); None when the plan has no information configuration."""
@@ -304,53 +270,28 @@ def vs_unquantized(
     if down:
         out["status"] = f"not measured: configuration {', '.join(down)} failed"
         return out
-    out["time"] = _time(means, ref.id)
-    per, missing = compare_samples(plan, Path(out_root), ref.id, QUANTIZED)
-    out["image"] = {"per_sample": per, "worst": compare.aggregate(per), "missing": missing}
-    if out["time"] is None:
-        out["status"] = "not measured: no round complete in both configurations"
-    return out
-
-
-def _time(means: Means, ref: str) -> dict[str, Any] | None:
-    """The quantization's saving per round (time unquantized - time quantized, on the whole request)."""
-    p = pair(means, ref, QUANTIZED)
+    per_s, missing = stats.compare_samples(plan, Path(out_root), ref.id, QUANTIZED)
+    out["image"] = {"per_sample": per_s, "worst": compare.aggregate(per_s), "missing": missing}
+    # the quantization's saving per round: time unquantized - time quantized, on the whole request
+    p = stats.pair(means, ref.id, QUANTIZED)
     per = p["per_round_ms"]
     if not per:
-        return None
-    nf = noise_floor(means)
-    noise_ms = nf["ms"] if nf else None
-    ref_ms = statistics.fmean(means[ref][r]["total"] for r in p["rounds"])
-    q_ms = statistics.fmean(means[QUANTIZED][r]["total"] for r in p["rounds"])
-    return {
+        out["status"] = "not measured: no round complete in both configurations"
+        return out
+    noise_ms = (stats.noise_floor(means) or {}).get("ms")
+    ref_ms = statistics.fmean(means[ref.id][r]["total"] for r in p["rounds"])
+    out["time"] = {
         "stages": ["total"],
         "saved_ms": {"mean": p["mean_ms"], "std": p["std_ms"], "per_round": per},
-        "se_ms": standard_error(per),
+        "se_ms": stats.standard_error(per),
         "saved_pct_of_unquantized": 100 * p["mean_ms"] / ref_ms if ref_ms else None,
         "stages_saved_ms": p["stages_mean_ms"],
         "unquantized_ms": ref_ms,
-        "quantized_ms": q_ms,
+        "quantized_ms": statistics.fmean(means[QUANTIZED][r]["total"] for r in p["rounds"]),
         "noise_floor_ms": noise_ms,
-        "direction": direction(per),
-        "p_value": signed_rank_p(per),
-        "tested": testable(len(per)),  # False: too few rounds for the test, the label uses two standard errors
-        "label": label(per, p["mean_ms"], noise_ms),
+        "direction": stats.direction(per),
+        "p_value": stats.signed_rank_p(per),
+        "tested": stats.testable(len(per)),  # False: too few rounds for the test, the label uses two standard errors
+        "label": stats.label(per, p["mean_ms"], noise_ms),
     }
-
-
-def summary(info: dict[str, Any] | None) -> str | None:
-    """The information as one line of the CLI summary (None without one)."""
-    if not info:
-        return None
-    head = f"information (not in the verdict): {info['quantization']} {info['config']} vs {info['reference']}: "
-    if info["status"] != "ok":
-        return head + info["status"]
-    t, w = info["time"], info["image"]["worst"]
-    pct = "" if t["saved_pct_of_unquantized"] is None else f" ({t['saved_pct_of_unquantized']:+.2f}%)"
-    img = (
-        f"SSIM min {w['ssim_min']:.4f}, PSNR min {compare.fmt_db(w['psnr_db_min'])}"
-        if w
-        else "images missing: " + ", ".join(info["image"]["missing"])
-    )
-    saved = f"{t['saved_ms']['mean']:+.2f} ± {t['saved_ms']['std']:.2f} ms{pct}"
-    return f"{head}saves {saved}, p = {t['p_value']:.2g}, {t['label']}; {img}"
+    return out

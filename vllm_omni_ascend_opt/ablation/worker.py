@@ -1,7 +1,19 @@
 """One ablation configuration in its own process: ``python -m vllm_omni_ascend_opt.ablation.worker --job JOB.json``.
 
 The plugin is loaded as vLLM-Omni loads it, the job's engine (:mod:`.engines`) loads the model once, the worker checks
-that exactly the configuration's optimizations act, then answers ``run`` commands until ``exit`` (:mod:`.protocol`).
+that exactly the configuration's optimizations act, then answers ``run`` commands until ``exit``.
+
+The line protocol with the runner (parent): one JSON object per line, commands on the worker's stdin, events on its
+stdout (anything else the worker prints goes to stderr, the configuration's log). worker -> parent::
+
+    {"event": "ready", "protocol": 1, "pid": 123, "load_s": 4.2, "env": {...}, "active": [...] | null, "memory": ...}
+    {"event": "result", "id": 7, "total_ms": 61.2, "stages_ms": {...}, "cpu_ms": 60.8 | null, "sha256": "...",
+     "saved": true}
+    {"event": "error", "id": 7 | null, "phase": "start" | "run", "error": "...", "traceback": "..."}
+    {"event": "bye"}
+
+parent -> worker: ``{"cmd": "run", "id": 7, "prompt": 0, "seed": 42, "save": "/out/images/full/p0_s42" | null}``,
+``{"cmd": "exit"}``. After an ``error`` the parent records the configuration as failed.
 """
 
 from __future__ import annotations
@@ -18,10 +30,23 @@ import time
 import traceback
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from vllm_omni_ascend_opt.ablation.engines import ENGINES, Generation
-from vllm_omni_ascend_opt.ablation.protocol import PROTOCOL_VERSION, decode, send
+
+PROTOCOL_VERSION = 1
+
+
+def send(stream: IO[str], obj: dict[str, Any]) -> None:
+    stream.write(json.dumps(obj, separators=(",", ":")) + "\n")
+    stream.flush()
+
+
+def decode(line: str) -> dict[str, Any]:
+    obj = json.loads(line)
+    if not isinstance(obj, dict):
+        raise ValueError(f"protocol message is not an object: {line[:200]!r}")
+    return obj
 
 
 def _version(dist: str) -> str | None:
@@ -108,17 +133,6 @@ def load_plugin_like_vllm_omni() -> None:
         raise RuntimeError(f"the plugin rejected its flags: {STATE.config_error}")
 
 
-def measure_memory(engine: Any) -> dict[str, Any] | None:
-    """The engine's memory probe (None: the model is in another process); a failed probe is reported."""
-    probe = getattr(engine, "memory", None)
-    if probe is None:
-        return None
-    try:
-        return probe()
-    except Exception as exc:
-        return {"error": _error(exc)}
-
-
 def serve(job: dict[str, Any], proto_out: Any, commands: Any) -> int:
     """Start up, report ready, answer commands. Returns the process exit code."""
     try:
@@ -148,7 +162,11 @@ def serve(job: dict[str, Any], proto_out: Any, commands: Any) -> int:
             parts += [f"{n} is active but was not requested" for n in extra]
             raise RuntimeError("the worker's optimizations differ from the configuration: " + "; ".join(parts))
         ready = {"pid": os.getpid(), "load_s": load_s, "env": environment(engine.device), "active": active}
-        send(proto_out, {"event": "ready", "protocol": PROTOCOL_VERSION, **ready, "memory": measure_memory(engine)})
+        try:  # the engine's memory probe; none when the model is in another process, a failed probe reported
+            ready["memory"] = engine.memory() if hasattr(engine, "memory") else None
+        except Exception as exc:
+            ready["memory"] = {"error": _error(exc)}
+        send(proto_out, {"event": "ready", "protocol": PROTOCOL_VERSION, **ready})
     except BaseException as exc:  # report anything, then exit non-zero
         send(proto_out, _error_event(None, "start", _error(exc), traceback.format_exc()))
         return 3
