@@ -64,6 +64,8 @@ def test_a_clean_run_passes_and_writes_valid_reports(tmp_path, monkeypatch, sche
     assert res["verdict"]["result"] == "PASS", res["verdict"]
     for c in plan.configs:  # isolation: every worker process got exactly its own configuration's flag
         assert f" flag {c.spec}\n" in (out / "configs" / c.id / "worker.log").read_text(), c.id
+        job = json.loads((out / "configs" / c.id / "job.json").read_text())  # the engine's own waits follow the plan
+        assert (job["timeout_s"], job["start_timeout_s"]) == (plan.workload.timeout_s, plan.workload.start_timeout_s)
     opts = {o["name"]: o for o in res["optimizations"]}
     assert opts["a"]["saved_ms"]["mean"] == pytest.approx(10.0) and opts["a"]["label"] == "gain"
     assert opts["b"]["saved_ms"]["per_round"] == pytest.approx([5.0, 5.0]) and opts["b"]["label"] == "gain"

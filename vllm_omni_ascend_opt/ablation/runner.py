@@ -162,7 +162,7 @@ WORKER_MODULE = "vllm_omni_ascend_opt.ablation.worker"
 #: Workload fields a worker's job carries as they are.
 JOB_FIELDS = (
     "model dtype height width steps negative_prompt image prompts seeds enforce_eager od_config threads "
-    "vae_decode_repeats".split()
+    "vae_decode_repeats timeout_s start_timeout_s".split()
 )
 #: The worker's result fields a sample record keeps.
 RESULT_FIELDS = ("total_ms", "stages_ms", "cpu_ms", "others_cpu", "sha256")
