@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from tests.harness.forward import tiny_forward
 from tests.harness.stock import stock_then, warm_block
-from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt import api
 from vllm_omni_ascend_opt.ablation.metrics import to_uint8
 from vllm_omni_ascend_opt.blocks.kernels import guard
 from vllm_omni_ascend_opt.opts import joint_attention as ja
@@ -22,20 +22,6 @@ from vllm_omni_ascend_opt.testbed.opcount import count_module_calls
 from vllm_omni_ascend_opt.testbed.pipeline import generate
 
 OPT = qn.OPT
-
-
-# ----- without torch_npu ----------------------------------------------------------------------------------------------
-def test_cpu_without_torch_npu_is_inactive_with_the_reason(tiny_pipe, runtime):
-    assert "qk_norm" in registry.default_names()
-    assert registry.names().index("qk_norm") == registry.names().index("joint_attention") + 1
-    reasons = OPT.reasons_inactive()
-    assert reasons and "torch_npu is not installed" in reasons[0]
-    api.select("default", model=tiny_pipe)
-    assert not OPT.installed and "qk_norm" not in api.installed()
-    assert all(type(n) is nn.RMSNorm for n in qn._qk_norms(tiny_pipe))
-    row = {r["name"]: r for r in api.status()}["qk_norm"]
-    assert row["equivalence"] == "pixel" and row["tier"] == "exact" and not row["active"]
-    assert any("torch_npu is not installed" in r for r in row["reasons_inactive"])
 
 
 # ----- with the fake: attach/detach, the kernel path, bitwise/pixel results -------------------------------------------
