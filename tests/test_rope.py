@@ -120,11 +120,12 @@ def test_inference_mode_bitwise_and_tables_reused_across_steps(runtime, tiny_pip
 
 
 @pytest.mark.parametrize("cls_name", ["QwenEmbedRope", "QwenEmbedLayer3DRope"])
-def test_embed_memo_returns_same_freqs_for_same_arguments(cls_name):
+def test_embed_memo_returns_same_freqs_for_same_arguments_an_lru_of_8_results_per_module(tiny_pipe, cls_name):
+    """At most 8 results per embedder module (another module's do not count); a hit is the most recent; LRU eviction."""
     mod = sys.modules[_targets.TRANSFORMER]
     api.select("none,+rope")
     cls = getattr(mod, cls_name)
-    emb = cls(theta=10000, axes_dim=list(TINY.axes_dims_rope), scale_rope=True)
+    emb, lru, other = (cls(theta=10000, axes_dim=list(TINY.axes_dims_rope), scale_rope=True) for _ in range(3))
     cpu = torch.device("cpu")
     shapes = [[(1, 4, 6), (1, 4, 6)]] if cls_name == "QwenEmbedLayer3DRope" else [[(1, 4, 6)]]
     with torch.no_grad():
@@ -137,6 +138,17 @@ def test_embed_memo_returns_same_freqs_for_same_arguments(cls_name):
     emb.pos_freqs = emb.pos_freqs.clone()  # new tables object: never the stale memo
     with torch.no_grad():
         assert emb(shapes, [7], cpu) is not a
+        first = [lru(shapes, [n], cpu) for n in range(1, 9)]  # 8 text lengths
+        assert [lru(shapes, [n], cpu) for n in range(1, 9)] == first and OPT.stats["embed_memo_hits"] == 1 + 8
+        for n in range(1, 10):
+            other(shapes, [n], cpu)  # another module: its own memo
+        assert all(lru(shapes, [n], cpu) is first[n - 1] for n in range(1, 9))
+        hits = OPT.stats["embed_memo_hits"]
+        assert lru(shapes, [1], cpu) is first[0]  # now the most recent; [2] is the least recently used
+        lru(shapes, [9], cpu)  # a 9th result: evicts [2]
+        assert lru(shapes, [1], cpu) is first[0] and lru(shapes, [3], cpu) is first[2]
+        assert lru(shapes, [2], cpu) is not first[1]  # evicted: recomputed
+    assert OPT.stats["embed_memo_hits"] == hits + 3
 
 
 def test_stock_kernel_with_cached_tables_when_stock_is_not_forward_native(runtime, tiny_pipe, monkeypatch):
@@ -260,27 +272,6 @@ def test_table_cache_is_an_lru_of_32_entries():
     assert stats["table_hits"] == 3
 
 
-def test_embed_memo_is_an_lru_of_8_results_per_module():
-    """At most 8 results per embedder module (another module's do not count); a hit is the most recent; LRU eviction."""
-    mod = sys.modules[_targets.TRANSFORMER]
-    api.select("none,+rope")
-    emb, other = (mod.QwenEmbedRope(theta=10000, axes_dim=list(TINY.axes_dims_rope), scale_rope=True) for _ in range(2))
-    cpu = torch.device("cpu")
-    shapes = [[(1, 4, 4)]]
-    with torch.no_grad():
-        first = [emb(shapes, [n], cpu) for n in range(1, 9)]  # 8 text lengths
-        assert [emb(shapes, [n], cpu) for n in range(1, 9)] == first and OPT.stats["embed_memo_hits"] == 8
-        for n in range(1, 10):
-            other(shapes, [n], cpu)  # another module: its own memo
-        assert all(emb(shapes, [n], cpu) is first[n - 1] for n in range(1, 9))
-        hits = OPT.stats["embed_memo_hits"]
-        assert emb(shapes, [1], cpu) is first[0]  # now the most recent; [2] is the least recently used
-        emb(shapes, [9], cpu)  # a 9th result: evicts [2]
-        assert emb(shapes, [1], cpu) is first[0] and emb(shapes, [3], cpu) is first[2]
-        assert emb(shapes, [2], cpu) is not first[1]  # evicted: recomputed
-    assert OPT.stats["embed_memo_hits"] == hits + 3
-
-
 # ----- NPU path through the fake torch_npu ----------------------------------------------------------------------------
 def _spy(npu):
     seen = []
@@ -358,8 +349,7 @@ def test_bad_kernels_stay_off_with_reason(runtime, tiny_pipe, fake_npu, variant,
 def test_bf16_kernel_policy_pixel_takes_either_bitwise_only_small_ops(
     runtime, bf16_transformer, fake_npu, monkeypatch, variant
 ):
-    """fp16-inside is within bf16's bound, no worse than stock: ``pixel`` (default) takes it, ``bitwise`` does not.
-    A kernel that rounds like stock's small ops is bitwise: taken under both."""
+    """fp16-inside (within bf16's bound): ``pixel`` (default) takes it, ``bitwise`` not; a small-ops one: both do."""
     assert OPT.require_bitwise_kernel is None and not OPT.requires_bitwise()  # the shipped default: pixel
     bitwise = variant == "small_ops"
     npu = fake_npu(rotary_mul=variant)
