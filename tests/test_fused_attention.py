@@ -182,8 +182,7 @@ def test_dtype_and_mask_forms_outside_the_path(fake_npu):
 
 
 def test_graph_mode_goes_to_sdpa(fake_npu, monkeypatch):
-    """[OP-FA]: no graph mode. Under NPU graph capture the stock impl runs (counted); under torch.compile tracing the
-    stock impl runs before any bookkeeping: the optimization's forward is never entered, nothing is counted."""
+    """[OP-FA]: no graph mode. Under NPU graph capture stock runs (counted); while tracing, before any bookkeeping."""
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
 
     npu = fake_npu()
@@ -279,8 +278,7 @@ SMALL += ["--iters", "1", "--warmup", "0"]
 
 
 def test_check_script_skips_without_torch_npu_and_runs_against_the_fake(capsys, tmp_path, monkeypatch):
-    """Without torch_npu it skips; against the fake it passes, fails on a wrong kernel, and applies the runtime
-    policies: rope's (bitwise refuses the fp32-inside kernel) and the nz gates (an old CANN)."""
+    """Skips without torch_npu; against the fake: passes, fails a wrong kernel, applies rope's policy and nz's gates."""
     from benchmarks import npu_check_kernels as script
 
     assert script.main([]) == 0
@@ -316,8 +314,7 @@ def test_check_script_skips_without_torch_npu_and_runs_against_the_fake(capsys, 
 
 # ----- the mask once per forward, verification at the shapes that run, the fake's documented semantics ----------------
 def test_mask_is_built_once_per_forward_and_other_padding_gets_its_own(fake_npu, bf16_transformer, runtime):
-    """One [B,1,S,S] build per forward, not per layer. The cache is keyed on shapes, not values: a new forward drops
-    it, or the next batch with the same shapes but other padding would reuse the previous forward's mask."""
+    """One [B,1,S,S] build per forward, not per layer; keyed on shapes, so a new forward must drop it (other padding)."""
     fake = fake_npu()
     tr = bf16_transformer
     pads = (5, None, 3)  # None: no mask
@@ -376,8 +373,7 @@ def test_shape_check_reference_is_chunked_and_bounded(monkeypatch, fake_npu):
 
 
 def test_fake_sparse_mode_range_outside_tnd_and_trailing_parameters(fake_npu):
-    """[OP-FA] 7 and 8 are the varlen (TND) split modes: BSND accepts 0..6 only. [TNPU-YAML] sink / dropout_mask /
-    seed / offset exist (keyword or positional, as torch.ops.npu takes them)."""
+    """[OP-FA] BSND accepts sparse_mode 0..6 only (7, 8: TND); [TNPU-YAML] sink / dropout_mask / seed / offset exist."""
     fake = fake_npu()
     q = torch.randn(1, 8, 2, 16).bfloat16()
     for mode in (7, 8):
@@ -394,8 +390,7 @@ def test_fake_sparse_mode_range_outside_tnd_and_trailing_parameters(fake_npu):
 
 
 def test_fake_rounds_softmax_weights_to_bf16_before_pv(fake_npu):
-    """[FA-BF16-P] P is a bf16 operand of the P*V matmul: the fake's output equals that computation, not one rounding
-    of the fp32 result."""
+    """[FA-BF16-P] P is a bf16 operand of the P*V matmul, not one rounding of the fp32 result."""
     fake = fake_npu()
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 64, 2, 32, generator=g).bfloat16() for _ in range(3))

@@ -198,8 +198,7 @@ NO_NPU = [("fused_attention", {"swapped": 0}, "close"), ("nz_weights", {"cast": 
 
 @pytest.mark.parametrize(("name", "nothing", "tier"), NO_NPU)
 def test_without_torch_npu_inactive_with_the_reason_and_nothing_changes(name, nothing, tier, tiny_pipe, runtime):
-    """Without torch_npu the NPU-only paths are not installed (not by ``default`` either) and say why; a direct attach
-    changes nothing that runs: the attention impls, the weights' storage and the images stay stock's."""
+    """Not installed (not by ``default`` either), says why; a direct attach leaves impls, weights and images stock's."""
     opt, tr = registry.get(name), tiny_pipe.transformer
 
     def state():  # the weights' storage and the attention impls

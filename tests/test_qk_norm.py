@@ -25,9 +25,11 @@ OPT = qn.OPT
 
 
 # ----- with the fake: attach/detach, the kernel path, bitwise/pixel results -------------------------------------------
-def test_attach_swaps_the_four_norms_of_this_model_only_and_detach_restores(fake_npu, tiny_pipe, bf16_transformer):
-    fake_npu()
-    api.select("none,+qk_norm", model=tiny_pipe)
+@pytest.mark.parametrize("spec", ["none,+qk_norm", "none,+rope,+joint_attention,+qk_norm", "default"])
+def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, bf16_transformer, runtime, spec):
+    """The four norms per block of this model only are swapped (detach restores them); the images stay stock's."""
+    npu = fake_npu()
+    ref = stock_then(spec, tiny_pipe, lambda: generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images)
     norms = qn._qk_norms(tiny_pipe)
     assert len(norms) == 4 * len(tiny_pipe.transformer.transformer_blocks)
     assert all(OPT.is_prepared(n) and type(n) is not nn.RMSNorm and isinstance(n, nn.RMSNorm) for n in norms)
@@ -35,15 +37,6 @@ def test_attach_swaps_the_four_norms_of_this_model_only_and_detach_restores(fake
     OPT.attach(tiny_pipe)  # idempotent
     OPT.install()
     assert OPT.tier() == "pixel" and OPT.reasons_inactive(tiny_pipe) == []
-    api.select("none", model=tiny_pipe)
-    assert all(type(n) is nn.RMSNorm for n in norms) and not OPT.installed
-    OPT.uninstall()
-
-
-@pytest.mark.parametrize("spec", ["none,+qk_norm", "none,+rope,+joint_attention,+qk_norm", "default"])
-def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, runtime, spec):
-    npu = fake_npu()
-    ref = stock_then(spec, tiny_pipe, lambda: generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images)
     got = generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images
     assert np.array_equal(to_uint8(got), to_uint8(ref))  # pixel tier
     assert torch.equal(got, ref)  # fp32: the fake rounds like stock's composite
@@ -51,6 +44,8 @@ def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, runti
     assert OPT.stats["shape_checks"] >= 1 and all(v.ok for v in OPT.verdicts())
     if "joint_attention" in spec or spec == "default":
         assert ja.OPT.stats["kernel_norm_calls"] == ja.OPT.stats["joint_calls"] > 0  # the per-stream kernel order
+    api.select("none", model=tiny_pipe)
+    assert all(type(n) is nn.RMSNorm for n in norms) and not OPT.installed
 
 
 def test_bf16_transformer_identical_and_with_fused_attention_the_value_reaches_it_contiguous(

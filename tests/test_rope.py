@@ -29,10 +29,6 @@ OPT = rope_mod.OPT
 
 
 # ----- helpers --------------------------------------------------------------------------------------------------------
-def _transformer(tiny_pipe, bf16_transformer, dtype):
-    return tiny_pipe.transformer if dtype == torch.float32 else bf16_transformer
-
-
 class _ConversionCounter(TorchFunctionMode):
     """Counts freqs -> cos/sin conversions (``torch.real`` / ``torch.imag`` on complex tensors)."""
 
@@ -78,7 +74,7 @@ def test_install_and_uninstall_restore_by_identity(tiny_pipe):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("batch", "pad"), [(1, False), (2, False), (2, True)], ids=["b1", "b2", "b2-padded"])
 def test_transformer_output_bitwise(runtime, tiny_pipe, bf16_transformer, dtype, batch, pad):
-    t = _transformer(tiny_pipe, bf16_transformer, dtype)
+    t = tiny_pipe.transformer if dtype == torch.float32 else bf16_transformer
     shapes = [(4, 4), (4, 6), (4, 4)]  # two resolutions, then back to the first (table reuse across requests)
     api.select("none", model=tiny_pipe)
     ref = [tiny_forward(runtime, t, batch=batch, hw=hw, pad=pad) for hw in shapes]

@@ -30,8 +30,7 @@ class _Path(KernelPath):
 
 
 def test_get_put_values_clear_and_a_new_probe_drops_every_entry_and_says_so(fake_npu):
-    """Nothing but clear or a new probe (a re-probe, another torch_npu) removes an entry, on every access path; the
-    hook runs once per drop."""
+    """Only clear or a new probe (re-probe, another torch_npu) removes entries, on every access path; hook once each."""
     fake_npu()
     seen = []
     d: ProbeDict[str] = ProbeDict(lambda: seen.append(1))
@@ -177,8 +176,7 @@ def _writer(args):
 
 
 def test_concurrent_writers_never_leave_a_torn_file_a_save_waits_for_the_lock(tmp_path, fake_npu):
-    """Two processes saving at once: the file parses and holds both's entries. A write takes the lock file's flock
-    before it reads, merges and renames: while another process holds it, nothing is written."""
+    """Two processes saving at once: both's entries, parseable; while another process holds the flock, no write."""
     with multiprocessing.get_context("fork").Pool(2) as pool:
         assert pool.map(_writer, [(str(tmp_path), "a"), (str(tmp_path), "b")]) == [True, True]
     (p,) = tmp_path.glob("verdicts-*.json")
