@@ -393,21 +393,6 @@ def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_tran
     torch.testing.assert_close(ref.float(), stock.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_shape_check_reference_is_chunked(monkeypatch):
-    """Bounded memory at production shapes: the fp32 reference is computed over S in chunks."""
-    b, s, n, d = 1, 40, 2, 8
-    monkeypatch.setattr(rotary, "VERIFY_CHUNK_ELEMS", b * n * d * 8)
-    seen = []
-    real = rotary.reference_fp32
-    monkeypatch.setattr(rotary, "reference_fp32", lambda x, c, sn: seen.append(x.shape[1]) or real(x, c, sn))
-    x = torch.randn(b, s, n, d)
-    theta = torch.rand(s, d // 2)
-    t = rope_tables.Tables(torch.float32)
-    cos, sin_signed = rope_tables.portable_tables(t, torch.polar(torch.ones_like(theta), theta), Counter())
-    sv = _path(bitwise=True).class_check(x, rope_tables.apply_portable(x, cos, sin_signed), cos, sin_signed)
-    assert sv.ok and sv.bitwise and seen == [8] * 5
-
-
 def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu, caplog, monkeypatch):
     """A real call that raises falls back to the portable path for its shape class, with the reason logged."""
     npu = fake_npu()
@@ -526,8 +511,9 @@ def _path(bitwise: bool = False) -> rotary.RotaryPath:
     return rotary.RotaryPath(policy, Counter(), "test")
 
 
-def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair():
-    """Even a kernel wrong in a single adjacent pair of one head is refused."""
+def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair_and_its_reference_is_chunked(monkeypatch):
+    """Even a kernel wrong in a single adjacent pair of one head is refused; the fp32 reference of the shape check is
+    computed over S in chunks (bounded memory at production shapes)."""
 
     def one_pair_wrong(x, r1, r2, rotary_mode):
         out = fake_rotary.npu_rotary_mul(x, r1, r2, rotary_mode=rotary_mode).clone()
@@ -540,6 +526,17 @@ def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair():
     assert not v.ok and "wrong pairing" in v.reason and v.errors["over_bound"] > 100
     v = _path().first_check(fake_rotary.npu_rotary_mul, torch.device("cpu"), torch.bfloat16, 128, 24)
     assert v.ok and 0 < v.errors["over_bound"] <= 1 and math.isfinite(v.errors["over_bound"])
+    b, s, n, d = 1, 40, 2, 8
+    monkeypatch.setattr(rotary, "VERIFY_CHUNK_ELEMS", b * n * d * 8)
+    seen = []
+    real = rotary.reference_fp32
+    monkeypatch.setattr(rotary, "reference_fp32", lambda x, c, sn: seen.append(x.shape[1]) or real(x, c, sn))
+    x = torch.randn(b, s, n, d)
+    theta = torch.rand(s, d // 2)
+    t = rope_tables.Tables(torch.float32)
+    cos, sin_signed = rope_tables.portable_tables(t, torch.polar(torch.ones_like(theta), theta), Counter())
+    sv = _path(bitwise=True).class_check(x, rope_tables.apply_portable(x, cos, sin_signed), cos, sin_signed)
+    assert sv.ok and sv.bitwise and seen == [8] * 5
 
 
 @pytest.mark.parametrize(
