@@ -1,9 +1,5 @@
-"""`fused_attention`: npu_fusion_attention (BSND) per model instance, verified against SDPA, on the real vLLM-Omni classes.
-
-NPU paths run through the semantic torch_npu fake (tests/fake_torch_npu). The fp16/bf16 path needs a bf16 model: the
-module fixture loads the tiny Qwen-Image through vLLM-Omni's own loader with ``dtype=bfloat16``; the session
-``tiny_pipe`` (float32) checks that a float32 model stays bitwise stock.
-"""
+"""`fused_attention`: npu_fusion_attention (BSND) per model instance, verified against SDPA, on the real vLLM-Omni
+classes through the torch_npu fake; the bf16 model takes the kernel path, the float32 ``tiny_pipe`` stays stock."""
 
 from __future__ import annotations
 
@@ -27,11 +23,6 @@ B, TXT, IMG_HW = 2, 7, (4, 4)  # 2 prompts, 7 text tokens, 4x4 latent patches (a
 HEADS, HEAD_DIM = 4, 16  # the tiny test-bed transformer
 
 
-@pytest.fixture(scope="module")
-def bf16_pipe(runtime):
-    return load_pipeline(runtime, dtype=torch.bfloat16)
-
-
 def run_transformer(tr, runtime, *, masked: bool, seed: int = 0, pad: int = 5) -> torch.Tensor:
     """``B`` prompts; with ``masked`` the second keeps only its first ``pad`` text tokens (a padded text mask)."""
     kw = inputs(tr.proj_out.weight.dtype, B, IMG_HW, TXT, pad=TXT - pad, seed=seed)
@@ -47,32 +38,32 @@ def _layers(tr):
 
 
 # ----- per instance, by identity, reversible --------------------------------------------------------------------------
-def test_swaps_the_impl_of_this_model_only_and_restores_it(fake_npu, bf16_pipe, tiny_pipe):
+def test_swaps_the_impl_of_this_model_only_and_restores_it(fake_npu, bf16_transformer, tiny_pipe):
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
 
     fake_npu()
     class_forward = SDPAImpl.__dict__["forward"]
-    layers = _layers(bf16_pipe.transformer)
+    layers = _layers(bf16_transformer)
     stock = [layer.attention for layer in layers]
     other = [layer.attention for layer in _layers(tiny_pipe.transformer)]
-    assert api.select("none,+fused_attention", model=bf16_pipe) == ["fused_attention"]
-    assert OPT.report(bf16_pipe) == {"swapped": 2, "skipped": {}, "calls": {}}
+    assert api.select("none,+fused_attention", model=bf16_transformer) == ["fused_attention"]
+    assert OPT.report(bf16_transformer) == {"swapped": 2, "skipped": {}, "calls": {}}
     for layer, s in zip(layers, stock, strict=True):
         assert layer.attention is not s and isinstance(layer.attention, SDPAImpl)
         assert type(layer.attention).__name__ == "AscendFusedSDPAImpl"
         assert layer.attention._ascend_opt_stock is s and layer.attention.softmax_scale == s.softmax_scale
     assert [layer.attention for layer in _layers(tiny_pipe.transformer)] == other  # another model: untouched
     assert SDPAImpl.__dict__["forward"] is class_forward  # no class-level patch
-    assert OPT.reasons_inactive(bf16_pipe) == []
-    api.select("none", model=bf16_pipe)
+    assert OPT.reasons_inactive(bf16_transformer) == []
+    api.select("none", model=bf16_transformer)
     assert all(layer.attention is s for layer, s in zip(layers, stock, strict=True))
 
 
 # ----- what reaches the kernel: BSND, head_num, scale = 1/sqrt(D), mask inverted, no mask when vLLM-Omni dropped it ---
-def test_layout_head_num_scale_and_mask_polarity_reach_the_kernel(fake_npu, bf16_pipe, runtime):
+def test_layout_head_num_scale_and_mask_polarity_reach_the_kernel(fake_npu, bf16_transformer, runtime):
     """What reaches the kernel, and its result: equal to SDPA's within tolerance, masked or not."""
     fake = fake_npu()
-    tr = bf16_pipe.transformer
+    tr = bf16_transformer
     refs = {m: run_transformer(tr, runtime, masked=m, seed=1) for m in (True, False)}
     OPT.attach(tr)
     run_transformer(tr, runtime, masked=True)  # first use: verification runs here
@@ -150,15 +141,27 @@ def _meta(*shape, dtype=torch.bfloat16):
     [
         ((1, 8, 2, 769), (1, 8, 2, 769), "head dim 769"),
         ((1, 8, 257, 16), (1, 8, 257, 16), "heads 257/257"),
-        ((1, 8, 6, 16), (1, 8, 4, 16), "heads 6/4"),
+        ((1, 8, 6, 16), (1, 8, 4, 16), "heads 6/4 (Nq 1..256, Nq % Nkv == 0)"),
         ((1, 8, 2, 16, 1), (1, 8, 2, 16, 1), "not BSND"),
+        ((1, 5, 2, 16), (1, 5, 2, 16), "causal"),
     ],
 )
-def test_limits_send_the_call_to_sdpa(q, k, why, fake_npu):
+def test_limits_or_a_causal_impl_send_the_call_to_sdpa(q, k, why, fake_npu):
+    """Outside [OP-FA]'s limits, or causal: the swapped impl runs stock SDPA, names why, never calls the kernel."""
+    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
+
     npu = fake_npu()
-    assert fab.limits_violation(_meta(*q), _meta(*k), _meta(*k)).startswith(why)
-    if len(q) == 4:  # fused_forward checks before calling the kernel, which enforces the same limit [OP-FA]
-        qq, kk = torch.zeros(q, dtype=torch.bfloat16), torch.zeros(k, dtype=torch.bfloat16)
+    qq, kk = torch.zeros(q, dtype=torch.bfloat16), torch.zeros(k, dtype=torch.bfloat16)
+    stock = SDPAImpl(num_heads=q[2], head_size=q[3], softmax_scale=0.25, causal=why == "causal", num_kv_heads=k[2])
+    stock.forward = lambda *a: "stock"
+    impl = fa._make_fused(stock)
+    assert impl.forward(qq, kk, kk, None) == "stock"
+    (called,) = impl._ascend_opt_calls
+    assert called.startswith(f"sdpa: {why}") and impl._ascend_opt_calls[called] == 1
+    assert npu.calls["npu_fusion_attention"] == 0
+    if why != "causal":
+        assert fab.limits_violation(_meta(*q), _meta(*k), _meta(*k)).startswith(why)
+    if len(q) == 4 and why != "causal":  # fused_forward checks before calling the kernel, which enforces the same limit
         out, reason = fab.fused_forward(npu, qq, kk, kk, None, None)
         assert out is None and reason.startswith(why)
         with pytest.raises(FakeNpuError, match=r"OP-FA"):
@@ -178,26 +181,8 @@ def test_dtype_and_mask_forms_outside_the_path(fake_npu):
         npu.npu_fusion_attention(q, q, q, 2, input_layout="BSND", atten_mask=torch.zeros(1, 1, 1, 4, dtype=torch.bool))
 
 
-@pytest.mark.parametrize(
-    ("causal", "nq", "nkv", "why"), [(True, 2, 2, "causal"), (False, 6, 4, "heads 6/4 (Nq 1..256, Nq % Nkv == 0)")]
-)
-def test_a_causal_call_or_one_outside_the_limits_goes_to_sdpa_unchecked(fake_npu, causal, nq, nkv, why):
-    """A causal impl, or GQA with Nq % Nkv != 0 [OP-FA]: the swapped impl runs stock SDPA, names why, and never calls
-    the kernel (the fake raises on the GQA call)."""
-    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
-
-    npu = fake_npu()
-    stock = SDPAImpl(num_heads=nq, head_size=16, softmax_scale=0.25, causal=causal, num_kv_heads=nkv)
-    stock.forward = lambda *a: "stock"
-    impl = fa._make_fused(stock)
-    q, k = torch.randn(1, 5, nq, 16).bfloat16(), torch.randn(1, 5, nkv, 16).bfloat16()
-    assert impl.forward(q, k, k, None) == "stock"
-    assert impl._ascend_opt_calls == {f"sdpa: {why}": 1} and npu.calls["npu_fusion_attention"] == 0
-
-
 def test_graph_mode_goes_to_sdpa(fake_npu, monkeypatch):
-    """[OP-FA]: no graph mode. Under NPU graph capture the stock impl runs (counted); under torch.compile tracing the
-    stock impl runs before any bookkeeping: the optimization's forward is never entered, nothing is counted."""
+    """[OP-FA]: no graph mode. Under NPU graph capture stock runs (counted); while tracing, before any bookkeeping."""
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
 
     npu = fake_npu()
@@ -216,9 +201,9 @@ def test_graph_mode_goes_to_sdpa(fake_npu, monkeypatch):
 
 
 # ----- sequence parallelism: after Ulysses' pre-attention; ring and foreign backends are skipped ----------------------
-def test_runs_between_the_parallel_strategys_pre_and_post_attention(fake_npu, bf16_pipe, runtime, monkeypatch):
+def test_runs_between_the_parallel_strategys_pre_and_post_attention(fake_npu, bf16_transformer, runtime, monkeypatch):
     fake = fake_npu()
-    tr = bf16_pipe.transformer
+    tr = bf16_transformer
     layer = _layers(tr)[0]
     order: list[str] = []
 
@@ -261,9 +246,9 @@ def test_ring_and_non_sdpa_layers_are_skipped(fake_npu, runtime, monkeypatch):
 
 
 # ----- op counts per block (through the fake: one kernel = one launch) ------------------------------------------------
-def test_op_count_per_block(fake_npu, bf16_pipe, runtime):
+def test_op_count_per_block(fake_npu, bf16_transformer, runtime):
     fake_npu()
-    tr = bf16_pipe.transformer
+    tr = bf16_transformer
     block = tr.transformer_blocks[0]
 
     def count(masked: bool):
@@ -292,17 +277,13 @@ SMALL = ["--fake", "--img-tokens", "24", "--txt-tokens", "40", "--heads", "2", "
 SMALL += ["--iters", "1", "--warmup", "0"]
 
 
-def test_check_script_skips_without_torch_npu(capsys):
+def test_check_script_skips_without_torch_npu_and_runs_against_the_fake(capsys, tmp_path, monkeypatch):
+    """Skips without torch_npu; against the fake: passes, fails a wrong kernel, applies rope's policy and nz's gates."""
     from benchmarks import npu_check_kernels as script
 
     assert script.main([]) == 0
     out = capsys.readouterr().out
     assert out.startswith("SKIPPED: torch_npu is not installed") and "nothing to check" in out
-
-
-def test_check_script_against_the_fake(capsys, tmp_path):
-    from benchmarks import npu_check_kernels as script
-
     js = tmp_path / "check.json"
     assert script.main([*SMALL, "--json", str(js)]) == 0
     out = capsys.readouterr().out
@@ -311,23 +292,13 @@ def test_check_script_against_the_fake(capsys, tmp_path):
     assert "| CANN 8.3.RC1 |" in head and "torch_npu 2.13.0+fake" in head
     facts = json.loads(js.read_text())
     assert facts["cann"] == "8.3.RC1" and facts["soc_version"] == 220 and facts["torch_npu"] == "2.13.0+fake"
-    assert {k: v["ok"] for k, v in facts["would_use"].items()} == {
-        "fused_attention": True,
-        "nz_weights": True,
-        "rope": True,
-    }
+    assert {k: v["ok"] for k, v in facts["would_use"].items()} == dict.fromkeys(
+        ("fused_attention", "nz_weights", "rope"), True
+    )
     assert facts["would_use"]["rope"]["tier"] == "pixel" and f"JSON: {js}" in out
     assert script.main([*SMALL, "--json", str(js), "--fake-variant", "fusion_attention=wrong_polarity"]) == 1
     out = capsys.readouterr().out
     assert "RESULT: FAIL" in out and "plugin verification (AttentionPath.first_check)" in out.split("RESULT")[1]
-
-
-def test_check_script_applies_the_runtime_policies(capsys, tmp_path, monkeypatch):
-    """The script applies rope's policy (bitwise refuses the fp32-inside kernel) and the nz gates (an old CANN), and
-    says what the plugin would use."""
-    from benchmarks import npu_check_kernels as script
-
-    js = tmp_path / "check.json"
     monkeypatch.setenv(rope_mod.ENV_KERNEL_POLICY, "bitwise")
     assert script.main([*SMALL, "--json", str(js)]) == 1
     out = capsys.readouterr().out
@@ -342,36 +313,11 @@ def test_check_script_applies_the_runtime_policies(capsys, tmp_path, monkeypatch
 
 
 # ----- the mask once per forward, verification at the shapes that run, the fake's documented semantics ----------------
-def test_mask_is_built_once_per_forward_not_per_layer(fake_npu, bf16_pipe, runtime):
-    fake_npu()
-    tr = bf16_pipe.transformer
-    OPT.attach(tr)
-    run_transformer(tr, runtime, masked=True)  # verification
-    builds, reuses = OPT.stats["mask_builds"], OPT.stats["mask_reuses"]
-    spy = []
-    real = fab.kernel_mask
-    fab.kernel_mask = lambda *a: spy.append(1) or real(*a)
-    try:
-        run_transformer(tr, runtime, masked=True, seed=3)
-        run_transformer(tr, runtime, masked=True, seed=4)
-    finally:
-        fab.kernel_mask = real
-    report, mem = OPT.report(tr), OPT.cache_memory()
-    OPT.detach(tr)
-    n_layers = len(_layers(tr))
-    assert n_layers == 2 and report["calls"]["fused"] >= 2 * n_layers
-    assert mem["masks"] == 1 and mem["bytes"] > 0 and mem["check_scratch_peak_bytes"] > 0  # what status reports
-    assert len(spy) == 2  # one [B,1,S,S] build per forward, not one per layer
-    assert OPT.stats["mask_builds"] - builds == 2 and OPT.stats["mask_reuses"] - reuses == 2 * (n_layers - 1)
-    assert any("masks built" in n for n in OPT.notes())
-
-
-def test_a_new_forward_with_other_padding_gets_its_own_mask(fake_npu, bf16_pipe, runtime):
-    """The per-forward mask cache is keyed on shapes, not values: a new forward (generation) must drop it, or the next
-    batch with the same shapes but other padding (or no mask) would reuse the previous forward's mask."""
+def test_mask_is_built_once_per_forward_and_other_padding_gets_its_own(fake_npu, bf16_transformer, runtime):
+    """One [B,1,S,S] build per forward, not per layer; keyed on shapes, so a new forward must drop it (other padding)."""
     fake = fake_npu()
-    tr = bf16_pipe.transformer
-    pads = (5, 3, None)  # None: no mask
+    tr = bf16_transformer
+    pads = (5, None, 3)  # None: no mask
 
     def run(pad: int | None) -> torch.Tensor:
         return run_transformer(tr, runtime, masked=pad is not None, seed=7, pad=pad or TXT)
@@ -380,13 +326,25 @@ def test_a_new_forward_with_other_padding_gets_its_own_mask(fake_npu, bf16_pipe,
     OPT.attach(tr)
     for pad in (5, None):  # verification and the shape-class checks
         run(pad)
-    calls, kernel = [], fake.npu_fusion_attention
+    builds, reuses = OPT.stats["mask_builds"], OPT.stats["mask_reuses"]
+    calls, kernel, spy, real = [], fake.npu_fusion_attention, [], fab.kernel_mask
     fake.npu_fusion_attention = lambda *a, **k: calls.append(k) or kernel(*a, **k)
-    got = {pad: run(pad) for pad in pads}
+    fab.kernel_mask = lambda *a: spy.append(a[0] is not None) or real(*a)
+    try:
+        got = {pad: run(pad) for pad in pads}
+    finally:
+        fab.kernel_mask = real
+    report, mem = OPT.report(tr), OPT.cache_memory()
     OPT.detach(tr)
+    n_layers = len(_layers(tr))
+    assert n_layers == 2 and report["calls"]["fused"] >= 2 * n_layers
+    assert mem["masks"] == 1 and mem["bytes"] > 0 and mem["check_scratch_peak_bytes"] > 0  # what status reports
+    assert sum(spy) == 2  # one build per masked forward, not one per layer
+    assert OPT.stats["mask_builds"] - builds == 2 and OPT.stats["mask_reuses"] - reuses == 2 * (n_layers - 1)
+    assert any("masks built" in n for n in OPT.notes())
     s = TXT + IMG_HW[0] * IMG_HW[1]
     assert len(calls) == 6
-    for kwargs, pad in zip(calls, (5, 5, 3, 3, None, None), strict=True):  # 2 layers per forward
+    for kwargs, pad in zip(calls, (5, 5, None, None, 3, 3), strict=True):  # 2 layers per forward
         mask = kwargs["atten_mask"]
         if pad is None:
             assert mask is None
@@ -414,8 +372,8 @@ def test_shape_check_reference_is_chunked_and_bounded(monkeypatch, fake_npu):
     assert len(seen) > n and max(seen) <= fab.VERIFY_CHUNK_ELEMS and sum(seen) == b * n * s * s
 
 
-def test_fake_sparse_mode_range_outside_tnd(fake_npu):
-    """[OP-FA] 7 and 8 are the varlen (TND) split modes: BSND accepts 0..6 only."""
+def test_fake_sparse_mode_range_outside_tnd_and_trailing_parameters(fake_npu):
+    """[OP-FA] BSND accepts sparse_mode 0..6 only (7, 8: TND); [TNPU-YAML] sink / dropout_mask / seed / offset exist."""
     fake = fake_npu()
     q = torch.randn(1, 8, 2, 16).bfloat16()
     for mode in (7, 8):
@@ -425,11 +383,14 @@ def test_fake_sparse_mode_range_outside_tnd(fake_npu):
         with pytest.raises(NotImplementedError):
             fake.npu_fusion_attention(q, q, q, 2, "BSND", sparse_mode=mode)
     fake.npu_fusion_attention(q, q, q, 2, "BSND", sparse_mode=0)
+    out = fake.npu_fusion_attention(q, q, q, 2, "BSND", sink=None, dropout_mask=None, seed=0, offset=0)
+    assert len(out) == 7
+    with pytest.raises(TypeError):
+        fake.npu_fusion_attention(q, q, q, 2, "BSND", no_such_argument=1)
 
 
 def test_fake_rounds_softmax_weights_to_bf16_before_pv(fake_npu):
-    """[FA-BF16-P] P is a bf16 operand of the P*V matmul: the fake's output equals that computation, not one rounding
-    of the fp32 result."""
+    """[FA-BF16-P] P is a bf16 operand of the P*V matmul, not one rounding of the fp32 result."""
     fake = fake_npu()
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 64, 2, 32, generator=g).bfloat16() for _ in range(3))
@@ -439,13 +400,3 @@ def test_fake_rounds_softmax_weights_to_bf16_before_pv(fake_npu):
     rounded = (p.bfloat16().float() @ vf).transpose(1, 2).bfloat16()
     once = (p @ vf).transpose(1, 2).bfloat16()
     assert torch.equal(out, rounded) and not torch.equal(out, once)
-
-
-def test_fake_trailing_parameters_of_the_real_schema(fake_npu):
-    """[TNPU-YAML] sink / dropout_mask / seed / offset exist (keyword or positional, as torch.ops.npu takes them)."""
-    fake = fake_npu()
-    q = torch.randn(1, 8, 2, 16).bfloat16()
-    out = fake.npu_fusion_attention(q, q, q, 2, "BSND", sink=None, dropout_mask=None, seed=0, offset=0)
-    assert len(out) == 7
-    with pytest.raises(TypeError):
-        fake.npu_fusion_attention(q, q, q, 2, "BSND", no_such_argument=1)

@@ -1,15 +1,7 @@
 """Every verified kernel path behaves alike (``blocks/kernels/verified.py``), through the fake torch_npu: one suite,
-parametrised over ``rope`` (``npu_rotary_mul``), ``qk_norm`` (``npu_rms_norm``) and ``fused_attention``
-(``npu_fusion_attention``), each on the tiny bf16 transformer.
-
-* a wrong kernel is refused on its check with the reason logged, the output stays stock's and it is not called again;
-  a new backend probe drops every verdict: it is checked afresh and used under a good torch_npu; uninstall drops them;
-* a kernel wrong only beyond S = 64 passes the first-use check and is refused for the long shape class only, on its
-  first call, with the reason logged and tallied; shorter classes keep it; each class is checked once;
-* under torch.compile tracing (the embedder and a block's attention) the path runs stock code and reads, counts,
-  caches, makes and logs nothing;
-* without torch_npu, ``fused_attention`` and ``nz_weights`` stay off with the reason and change nothing.
-"""
+parametrised over ``rope``, ``qk_norm`` and ``fused_attention`` on the tiny bf16 transformer: a wrong kernel is refused
+with the reason (a new probe or uninstall drops verdicts), a kernel wrong only at long sequences is refused for that
+shape class, traced code is stock's; without torch_npu the NPU-only paths stay off and change nothing."""
 
 from __future__ import annotations
 
@@ -20,10 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn as nn
 
 from tests.harness.forward import tiny_forward
 from tests.harness.stock import stock_then
 from vllm_omni_ascend_opt import _backend, api, registry
+from vllm_omni_ascend_opt.opts import qk_norm
 from vllm_omni_ascend_opt.testbed.pipeline import generate
 
 
@@ -199,17 +193,19 @@ def test_traced_code_is_stock_and_counts_nothing(case, fake_npu, runtime, bf16_t
     assert npu.calls[c.kernel] > 0 and opt.stats
 
 
-@pytest.mark.parametrize(("name", "nothing"), [("fused_attention", {"swapped": 0}), ("nz_weights", {"cast": []})])
-def test_without_torch_npu_inactive_with_the_reason_and_nothing_changes(name, nothing, tiny_pipe, runtime):
-    """Without torch_npu the NPU-only paths are not installed, a direct attach does nothing either and says why: the
-    attention impls, the weights' storage and the images stay stock's."""
+NO_NPU = [("fused_attention", {"swapped": 0}, "close"), ("nz_weights", {"cast": []}, "close"), ("qk_norm", {}, "exact")]
+
+
+@pytest.mark.parametrize(("name", "nothing", "tier"), NO_NPU)
+def test_without_torch_npu_inactive_with_the_reason_and_nothing_changes(name, nothing, tier, tiny_pipe, runtime):
+    """Not installed (not by ``default`` either), says why; a direct attach leaves impls, weights and images stock's."""
     opt, tr = registry.get(name), tiny_pipe.transformer
 
     def state():  # the weights' storage and the attention impls
         impls = [type(b.attn.attn.attention) for b in tr.transformer_blocks]
         return {n: p.data_ptr() for n, p in tr.named_parameters()}, impls
 
-    assert any("torch_npu" in r for r in opt.reasons_inactive())
+    assert any("torch_npu is not installed" in r for r in opt.reasons_inactive())
     before = state()
     ref = generate(tiny_pipe, runtime, steps=2, seed=3)
     assert api.select(f"none,+{name}", model=tiny_pipe) == []
@@ -219,3 +215,9 @@ def test_without_torch_npu_inactive_with_the_reason_and_nothing_changes(name, no
     got = generate(tiny_pipe, runtime, steps=2, seed=3)
     opt.detach(tiny_pipe)
     assert state() == before and torch.equal(ref.images, got.images)
+    api.select("default", model=tiny_pipe)
+    assert name in registry.default_names() and not opt.installed and name not in api.installed()
+    assert all(type(n) is nn.RMSNorm for n in qk_norm._qk_norms(tiny_pipe))
+    row = {r["name"]: r for r in api.status()}[name]
+    assert row["tier"] == tier and row["equivalence"] == opt.equivalence and not row["active"]
+    assert any("torch_npu is not installed" in r for r in row["reasons_inactive"])

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from tests.harness.forward import tiny_forward
 from tests.harness.stock import stock_then, warm_block
-from vllm_omni_ascend_opt import api, registry
+from vllm_omni_ascend_opt import api
 from vllm_omni_ascend_opt.ablation.metrics import to_uint8
 from vllm_omni_ascend_opt.blocks.kernels import guard
 from vllm_omni_ascend_opt.opts import joint_attention as ja
@@ -24,24 +24,12 @@ from vllm_omni_ascend_opt.testbed.pipeline import generate
 OPT = qn.OPT
 
 
-# ----- without torch_npu ----------------------------------------------------------------------------------------------
-def test_cpu_without_torch_npu_is_inactive_with_the_reason(tiny_pipe, runtime):
-    assert "qk_norm" in registry.default_names()
-    assert registry.names().index("qk_norm") == registry.names().index("joint_attention") + 1
-    reasons = OPT.reasons_inactive()
-    assert reasons and "torch_npu is not installed" in reasons[0]
-    api.select("default", model=tiny_pipe)
-    assert not OPT.installed and "qk_norm" not in api.installed()
-    assert all(type(n) is nn.RMSNorm for n in qn._qk_norms(tiny_pipe))
-    row = {r["name"]: r for r in api.status()}["qk_norm"]
-    assert row["equivalence"] == "pixel" and row["tier"] == "exact" and not row["active"]
-    assert any("torch_npu is not installed" in r for r in row["reasons_inactive"])
-
-
 # ----- with the fake: attach/detach, the kernel path, bitwise/pixel results -------------------------------------------
-def test_attach_swaps_the_four_norms_of_this_model_only_and_detach_restores(fake_npu, tiny_pipe, bf16_transformer):
-    fake_npu()
-    api.select("none,+qk_norm", model=tiny_pipe)
+@pytest.mark.parametrize("spec", ["none,+qk_norm", "none,+rope,+joint_attention,+qk_norm", "default"])
+def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, bf16_transformer, runtime, spec):
+    """The four norms per block of this model only are swapped (detach restores them); the images stay stock's."""
+    npu = fake_npu()
+    ref = stock_then(spec, tiny_pipe, lambda: generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images)
     norms = qn._qk_norms(tiny_pipe)
     assert len(norms) == 4 * len(tiny_pipe.transformer.transformer_blocks)
     assert all(OPT.is_prepared(n) and type(n) is not nn.RMSNorm and isinstance(n, nn.RMSNorm) for n in norms)
@@ -49,15 +37,6 @@ def test_attach_swaps_the_four_norms_of_this_model_only_and_detach_restores(fake
     OPT.attach(tiny_pipe)  # idempotent
     OPT.install()
     assert OPT.tier() == "pixel" and OPT.reasons_inactive(tiny_pipe) == []
-    api.select("none", model=tiny_pipe)
-    assert all(type(n) is nn.RMSNorm for n in norms) and not OPT.installed
-    OPT.uninstall()
-
-
-@pytest.mark.parametrize("spec", ["none,+qk_norm", "none,+rope,+joint_attention,+qk_norm", "default"])
-def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, runtime, spec):
-    npu = fake_npu()
-    ref = stock_then(spec, tiny_pipe, lambda: generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images)
     got = generate(tiny_pipe, runtime, steps=2, seed=4, cfg_scale=4.0).images
     assert np.array_equal(to_uint8(got), to_uint8(ref))  # pixel tier
     assert torch.equal(got, ref)  # fp32: the fake rounds like stock's composite
@@ -65,6 +44,8 @@ def test_pipeline_images_identical_and_the_kernel_ran(fake_npu, tiny_pipe, runti
     assert OPT.stats["shape_checks"] >= 1 and all(v.ok for v in OPT.verdicts())
     if "joint_attention" in spec or spec == "default":
         assert ja.OPT.stats["kernel_norm_calls"] == ja.OPT.stats["joint_calls"] > 0  # the per-stream kernel order
+    api.select("none", model=tiny_pipe)
+    assert all(type(n) is nn.RMSNorm for n in norms) and not OPT.installed
 
 
 def test_bf16_transformer_identical_and_with_fused_attention_the_value_reaches_it_contiguous(
@@ -149,7 +130,7 @@ def test_refusal_is_per_shape_class(fake_npu, runtime, tiny_pipe, caplog):
     assert OPT.stats["kernel_calls"] > 0 and OPT.tier() == "pixel"
 
 
-def test_ineligible_calls_run_stock(fake_npu):
+def test_ineligible_calls_run_stock_and_verify_at_shape_accepts_the_documented_result_only(fake_npu):
     npu = fake_npu()
     OPT.install()
     try:
@@ -166,9 +147,6 @@ def test_ineligible_calls_run_stock(fake_npu):
         assert npu.calls["npu_rms_norm"] == 1 and OPT.stats["stock_calls"] == 5
     finally:
         OPT.uninstall()
-
-
-def test_verify_at_shape_accepts_the_documented_result_and_refuses_others():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(16, generator=g).bfloat16()
     x = torch.randn(3, 40, 16, generator=g).bfloat16()

@@ -29,10 +29,6 @@ OPT = rope_mod.OPT
 
 
 # ----- helpers --------------------------------------------------------------------------------------------------------
-def _transformer(tiny_pipe, bf16_transformer, dtype):
-    return tiny_pipe.transformer if dtype == torch.float32 else bf16_transformer
-
-
 class _ConversionCounter(TorchFunctionMode):
     """Counts freqs -> cos/sin conversions (``torch.real`` / ``torch.imag`` on complex tensors)."""
 
@@ -78,7 +74,7 @@ def test_install_and_uninstall_restore_by_identity(tiny_pipe):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("batch", "pad"), [(1, False), (2, False), (2, True)], ids=["b1", "b2", "b2-padded"])
 def test_transformer_output_bitwise(runtime, tiny_pipe, bf16_transformer, dtype, batch, pad):
-    t = _transformer(tiny_pipe, bf16_transformer, dtype)
+    t = tiny_pipe.transformer if dtype == torch.float32 else bf16_transformer
     shapes = [(4, 4), (4, 6), (4, 4)]  # two resolutions, then back to the first (table reuse across requests)
     api.select("none", model=tiny_pipe)
     ref = [tiny_forward(runtime, t, batch=batch, hw=hw, pad=pad) for hw in shapes]
@@ -92,25 +88,18 @@ def test_transformer_output_bitwise(runtime, tiny_pipe, bf16_transformer, dtype,
 
 
 @pytest.mark.parametrize("cfg", [1.0, 3.0], ids=["cfg-off", "true-cfg"])
-def test_pipeline_images_bitwise(runtime, tiny_pipe, cfg):
+def test_pipeline_images_bitwise_and_runtime_toggle(runtime, tiny_pipe, cfg):
     def run():
         return [generate(tiny_pipe, runtime, height=h, width=w, **kw).images for h, w in ((32, 32), (32, 48))]
 
     kw = dict(steps=2, seed=3, cfg_scale=cfg)
-    ref = stock_then("none,+rope", tiny_pipe, run)
-    assert all(torch.equal(a, b) for a, b in zip(ref, run(), strict=True))
-    assert OPT.stats["portable_calls"] > 0
-
-
-def test_runtime_toggle_on_built_pipeline(runtime, tiny_pipe):
     api.select("none", model=tiny_pipe)
-    ref = generate(tiny_pipe, runtime, steps=2, seed=5)
-    with api.optimizations("none,+rope", model=tiny_pipe):
-        on = generate(tiny_pipe, runtime, steps=2, seed=5)
+    ref = run()
+    with api.optimizations("none,+rope", model=tiny_pipe):  # on the built pipeline, then off again
+        assert all(torch.equal(a, b) for a, b in zip(ref, run(), strict=True))
         assert OPT.stats["portable_calls"] > 0
     assert not OPT.installed
-    off = generate(tiny_pipe, runtime, steps=2, seed=5)
-    assert torch.equal(ref.images, on.images) and torch.equal(ref.images, off.images)
+    assert all(torch.equal(a, b) for a, b in zip(ref, run(), strict=True))
 
 
 def test_inference_mode_bitwise_and_tables_reused_across_steps(runtime, tiny_pipe):
@@ -127,11 +116,12 @@ def test_inference_mode_bitwise_and_tables_reused_across_steps(runtime, tiny_pip
 
 
 @pytest.mark.parametrize("cls_name", ["QwenEmbedRope", "QwenEmbedLayer3DRope"])
-def test_embed_memo_returns_same_freqs_for_same_arguments(cls_name):
+def test_embed_memo_returns_same_freqs_for_same_arguments_an_lru_of_8_results_per_module(tiny_pipe, cls_name):
+    """At most 8 results per embedder module (another module's do not count); a hit is the most recent; LRU eviction."""
     mod = sys.modules[_targets.TRANSFORMER]
     api.select("none,+rope")
     cls = getattr(mod, cls_name)
-    emb = cls(theta=10000, axes_dim=list(TINY.axes_dims_rope), scale_rope=True)
+    emb, lru, other = (cls(theta=10000, axes_dim=list(TINY.axes_dims_rope), scale_rope=True) for _ in range(3))
     cpu = torch.device("cpu")
     shapes = [[(1, 4, 6), (1, 4, 6)]] if cls_name == "QwenEmbedLayer3DRope" else [[(1, 4, 6)]]
     with torch.no_grad():
@@ -144,6 +134,17 @@ def test_embed_memo_returns_same_freqs_for_same_arguments(cls_name):
     emb.pos_freqs = emb.pos_freqs.clone()  # new tables object: never the stale memo
     with torch.no_grad():
         assert emb(shapes, [7], cpu) is not a
+        first = [lru(shapes, [n], cpu) for n in range(1, 9)]  # 8 text lengths
+        assert [lru(shapes, [n], cpu) for n in range(1, 9)] == first and OPT.stats["embed_memo_hits"] == 1 + 8
+        for n in range(1, 10):
+            other(shapes, [n], cpu)  # another module: its own memo
+        assert all(lru(shapes, [n], cpu) is first[n - 1] for n in range(1, 9))
+        hits = OPT.stats["embed_memo_hits"]
+        assert lru(shapes, [1], cpu) is first[0]  # now the most recent; [2] is the least recently used
+        lru(shapes, [9], cpu)  # a 9th result: evicts [2]
+        assert lru(shapes, [1], cpu) is first[0] and lru(shapes, [3], cpu) is first[2]
+        assert lru(shapes, [2], cpu) is not first[1]  # evicted: recomputed
+    assert OPT.stats["embed_memo_hits"] == hits + 3
 
 
 def test_stock_kernel_with_cached_tables_when_stock_is_not_forward_native(runtime, tiny_pipe, monkeypatch):
@@ -267,27 +268,6 @@ def test_table_cache_is_an_lru_of_32_entries():
     assert stats["table_hits"] == 3
 
 
-def test_embed_memo_is_an_lru_of_8_results_per_module():
-    """At most 8 results per embedder module (another module's do not count); a hit is the most recent; LRU eviction."""
-    mod = sys.modules[_targets.TRANSFORMER]
-    api.select("none,+rope")
-    emb, other = (mod.QwenEmbedRope(theta=10000, axes_dim=list(TINY.axes_dims_rope), scale_rope=True) for _ in range(2))
-    cpu = torch.device("cpu")
-    shapes = [[(1, 4, 4)]]
-    with torch.no_grad():
-        first = [emb(shapes, [n], cpu) for n in range(1, 9)]  # 8 text lengths
-        assert [emb(shapes, [n], cpu) for n in range(1, 9)] == first and OPT.stats["embed_memo_hits"] == 8
-        for n in range(1, 10):
-            other(shapes, [n], cpu)  # another module: its own memo
-        assert all(emb(shapes, [n], cpu) is first[n - 1] for n in range(1, 9))
-        hits = OPT.stats["embed_memo_hits"]
-        assert emb(shapes, [1], cpu) is first[0]  # now the most recent; [2] is the least recently used
-        emb(shapes, [9], cpu)  # a 9th result: evicts [2]
-        assert emb(shapes, [1], cpu) is first[0] and emb(shapes, [3], cpu) is first[2]
-        assert emb(shapes, [2], cpu) is not first[1]  # evicted: recomputed
-    assert OPT.stats["embed_memo_hits"] == hits + 3
-
-
 # ----- NPU path through the fake torch_npu ----------------------------------------------------------------------------
 def _spy(npu):
     seen = []
@@ -302,46 +282,41 @@ def _spy(npu):
     return seen
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_npu_path_uses_interleave_and_1s1d_tables(runtime, tiny_pipe, bf16_transformer, fake_npu, dtype, monkeypatch):
-    # A fused fp32-inside kernel is not bitwise in bf16: accept it here with the "verified" (tolerance) policy.
-    monkeypatch.setattr(OPT, "require_bitwise_kernel", False)
+def test_npu_path_uses_interleave_and_1s1d_tables_verified_once_per_dtype(
+    runtime, tiny_pipe, bf16_transformer, fake_npu
+):
     npu = fake_npu()
     seen = _spy(npu)
-    t = _transformer(tiny_pipe, bf16_transformer, dtype)
-    ref = stock_then("none,+rope", tiny_pipe, lambda: tiny_forward(runtime, t, batch=2, pad=True))
-    got = tiny_forward(runtime, t, batch=2, pad=True)
+    trs = {torch.float32: tiny_pipe.transformer, torch.bfloat16: bf16_transformer}
+    refs = stock_then(
+        "none,+rope", tiny_pipe, lambda: {d: tiny_forward(runtime, t, batch=2, pad=True) for d, t in trs.items()}
+    )
+    verified = []
+    for dtype, t in [*trs.items(), *trs.items()]:  # twice each: verified on first use per dtype only
+        start = len(seen)
+        got = tiny_forward(runtime, t, batch=2, pad=True)
+        verified += [c[0].dtype for c in seen[start:] if c[0].shape[1] == 37]  # verify_kernel's S
+        calls = [c for c in seen[start:] if c[0].shape[1] != 37]
+        assert len(calls) == 4 * len(t.transformer_blocks)
+        for x, r1, r2, kw, out in calls:
+            assert kw == {"rotary_mode": "interleave"}
+            _, s, _, d = x.shape
+            assert r1.shape == r2.shape == (1, s, 1, d) and r1.dtype == x.dtype == dtype
+            # each call agrees with the portable (stock-equal) path within the verification bound
+            cos, sin_signed = r1[0], torch.stack((-r2[0, :, :, ::2], r2[0, :, :, 1::2]), dim=-1).flatten(-2)
+            ref32, scale = rotary.reference_fp32(x, cos, sin_signed)
+            err = (out.float() - ref32).abs()
+            assert bool((err <= rotary.TOLERANCE_EPS_FACTOR * torch.finfo(dtype).eps * scale + 1e-38).all())
+        if dtype == torch.float32:
+            assert torch.equal(refs[dtype], got)  # fp32 kernel == fp32 small ops here
+        else:  # a fused fp32-inside kernel is not bitwise in bf16: the default (pixel) policy takes it
+            torch.testing.assert_close(got.float(), refs[dtype].float(), atol=3e-2, rtol=3e-2)
+    assert verified == [torch.float32, torch.bfloat16]
+    assert OPT.stats["kernel_calls"] == len(seen) - 2 and OPT.stats["portable_calls"] == 0
     v = OPT.verdicts()
-    assert len(v) == 1 and v[0].ok and v[0].key[1] == dtype, OPT.notes()
-    calls = seen[1:]  # [0] is the verification call
-    assert len(calls) == 4 * len(t.transformer_blocks) and OPT.stats["kernel_calls"] == len(calls)
-    assert OPT.stats["portable_calls"] == 0
-    for x, r1, r2, kw, out in calls:
-        assert kw == {"rotary_mode": "interleave"}
-        _, s, _, d = x.shape
-        assert r1.shape == r2.shape == (1, s, 1, d) and r1.dtype == x.dtype == dtype
-        # each call agrees with the portable (stock-equal) path within the verification bound
-        cos, sin_signed = r1[0], torch.stack((-r2[0, :, :, ::2], r2[0, :, :, 1::2]), dim=-1).flatten(-2)
-        ref32, scale = rotary.reference_fp32(x, cos, sin_signed)
-        err = (out.float() - ref32).abs()
-        assert bool((err <= rotary.TOLERANCE_EPS_FACTOR * torch.finfo(dtype).eps * scale + 1e-38).all())
-    if dtype == torch.float32:
-        assert torch.equal(ref, got)  # fp32 kernel == fp32 small ops here
-    else:
-        torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    assert len(v) == 2 and all(x.ok for x in v), OPT.notes()
+    assert {x.key[:2] for x in v} == {("cpu", torch.float32), ("cpu", torch.bfloat16)}
     assert any("verified" in n and "in use" in n for n in OPT.notes())
-
-
-def test_verdict_is_cached_per_device_and_dtype(runtime, tiny_pipe, bf16_transformer, fake_npu):
-    npu = fake_npu()
-    seen = _spy(npu)
-    api.select("none,+rope", model=tiny_pipe)
-    for _ in range(2):
-        tiny_forward(runtime, tiny_pipe.transformer)
-        tiny_forward(runtime, bf16_transformer)
-    verifications = [c for c in seen if c[0].shape[1] == 37]  # verify_kernel's S
-    assert [c[0].dtype for c in verifications] == [torch.float32, torch.bfloat16]
-    assert {v.key[:2] for v in OPT.verdicts()} == {("cpu", torch.float32), ("cpu", torch.bfloat16)}
 
 
 @pytest.mark.parametrize(
@@ -366,23 +341,29 @@ def test_bad_kernels_stay_off_with_reason(runtime, tiny_pipe, fake_npu, variant,
     assert any(why in n for n in OPT.notes())
 
 
-def test_low_precision_is_within_bf16_bound_accepted_by_pixel_refused_by_bitwise(
-    runtime, bf16_transformer, fake_npu, monkeypatch
+@pytest.mark.parametrize("variant", ["low_precision", "small_ops"])
+def test_bf16_kernel_policy_pixel_takes_either_bitwise_only_small_ops(
+    runtime, bf16_transformer, fake_npu, monkeypatch, variant
 ):
-    """fp16-inside is within bf16's bound, no worse than stock: ``pixel`` (default) takes it, ``bitwise`` does not."""
+    """fp16-inside (within bf16's bound): ``pixel`` (default) takes it, ``bitwise`` not; a small-ops one: both do."""
     assert OPT.require_bitwise_kernel is None and not OPT.requires_bitwise()  # the shipped default: pixel
-    fake_npu(rotary_mul="low_precision")
+    bitwise = variant == "small_ops"
+    npu = fake_npu(rotary_mul=variant)
     ref = stock_then("none,+rope", None, lambda: tiny_forward(runtime, bf16_transformer))
-    tiny_forward(runtime, bf16_transformer)
+    got = tiny_forward(runtime, bf16_transformer)
     (v,) = OPT.verdicts()
-    assert v.ok and not v.bitwise and v.errors["kernel"] <= v.errors["stock"]
+    assert v.ok and v.bitwise is bitwise and v.errors["kernel"] <= v.errors["stock"]
+    assert npu.calls["npu_rotary_mul"] > 1 and OPT.stats["kernel_calls"] > 0
+    assert torch.equal(ref, got) or not bitwise
     api.select("none")
     monkeypatch.setenv(rope_mod.ENV_KERNEL_POLICY, "bitwise")
     api.select("none,+rope")
     got = tiny_forward(runtime, bf16_transformer)
     (v,) = OPT.verdicts()
-    assert not v.ok and "not bitwise" in v.reason and rope_mod.ENV_KERNEL_POLICY in v.reason
-    assert torch.equal(ref, got) and OPT.tier() == "exact"  # stayed on the portable path
+    assert v.ok is bitwise and torch.equal(ref, got)
+    if not bitwise:
+        assert "not bitwise" in v.reason and rope_mod.ENV_KERNEL_POLICY in v.reason
+        assert OPT.tier() == "exact"  # stayed on the portable path
 
 
 def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_transformer, fake_npu, capsys):
@@ -410,32 +391,6 @@ def test_default_bf16_stack_uses_the_kernel_and_reports_pixel(runtime, bf16_tran
     stock = tiny_forward(runtime, bf16_transformer)
     assert not torch.equal(ref, stock)  # float outputs differ: the pixel tier, not exact
     torch.testing.assert_close(ref.float(), stock.float(), atol=3e-2, rtol=3e-2)
-
-
-def test_shape_check_reference_is_chunked(monkeypatch):
-    """Bounded memory at production shapes: the fp32 reference is computed over S in chunks."""
-    b, s, n, d = 1, 40, 2, 8
-    monkeypatch.setattr(rotary, "VERIFY_CHUNK_ELEMS", b * n * d * 8)
-    seen = []
-    real = rotary.reference_fp32
-    monkeypatch.setattr(rotary, "reference_fp32", lambda x, c, sn: seen.append(x.shape[1]) or real(x, c, sn))
-    x = torch.randn(b, s, n, d)
-    theta = torch.rand(s, d // 2)
-    t = rope_tables.Tables(torch.float32)
-    cos, sin_signed = rope_tables.portable_tables(t, torch.polar(torch.ones_like(theta), theta), Counter())
-    sv = _path(bitwise=True).class_check(x, rope_tables.apply_portable(x, cos, sin_signed), cos, sin_signed)
-    assert sv.ok and sv.bitwise and seen == [8] * 5
-
-
-def test_bitwise_kernel_is_used_by_default_in_bf16(runtime, bf16_transformer, fake_npu):
-    """A kernel that rounds like stock's small ops (the "small_ops" double) is used in bf16, bitwise."""
-    npu = fake_npu(rotary_mul="small_ops")
-    ref = stock_then("none,+rope", None, lambda: tiny_forward(runtime, bf16_transformer))
-    got = tiny_forward(runtime, bf16_transformer)
-    (v,) = OPT.verdicts()
-    assert v.ok and v.bitwise
-    assert npu.calls["npu_rotary_mul"] > 1 and OPT.stats["kernel_calls"] > 0
-    assert torch.equal(ref, got)
 
 
 def test_kernel_failure_in_use_falls_back(runtime, tiny_pipe, fake_npu, caplog, monkeypatch):
@@ -556,8 +511,9 @@ def _path(bitwise: bool = False) -> rotary.RotaryPath:
     return rotary.RotaryPath(policy, Counter(), "test")
 
 
-def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair():
-    """Even a kernel wrong in a single adjacent pair of one head is refused."""
+def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair_and_its_reference_is_chunked(monkeypatch):
+    """Even a kernel wrong in a single adjacent pair of one head is refused; the fp32 reference of the shape check is
+    computed over S in chunks (bounded memory at production shapes)."""
 
     def one_pair_wrong(x, r1, r2, rotary_mode):
         out = fake_rotary.npu_rotary_mul(x, r1, r2, rotary_mode=rotary_mode).clone()
@@ -570,6 +526,17 @@ def test_verification_bound_is_tight_enough_to_catch_one_swapped_pair():
     assert not v.ok and "wrong pairing" in v.reason and v.errors["over_bound"] > 100
     v = _path().first_check(fake_rotary.npu_rotary_mul, torch.device("cpu"), torch.bfloat16, 128, 24)
     assert v.ok and 0 < v.errors["over_bound"] <= 1 and math.isfinite(v.errors["over_bound"])
+    b, s, n, d = 1, 40, 2, 8
+    monkeypatch.setattr(rotary, "VERIFY_CHUNK_ELEMS", b * n * d * 8)
+    seen = []
+    real = rotary.reference_fp32
+    monkeypatch.setattr(rotary, "reference_fp32", lambda x, c, sn: seen.append(x.shape[1]) or real(x, c, sn))
+    x = torch.randn(b, s, n, d)
+    theta = torch.rand(s, d // 2)
+    t = rope_tables.Tables(torch.float32)
+    cos, sin_signed = rope_tables.portable_tables(t, torch.polar(torch.ones_like(theta), theta), Counter())
+    sv = _path(bitwise=True).class_check(x, rope_tables.apply_portable(x, cos, sin_signed), cos, sin_signed)
+    assert sv.ok and sv.bitwise and seen == [8] * 5
 
 
 @pytest.mark.parametrize(

@@ -29,26 +29,21 @@ class _Path(KernelPath):
     kernel = "k"
 
 
-def test_get_put_values_and_clear():
-    d: ProbeDict[str] = ProbeDict()
+def test_get_put_values_clear_and_a_new_probe_drops_every_entry_and_says_so(fake_npu):
+    """Only clear or a new probe (re-probe, another torch_npu) removes entries, on every access path; hook once each."""
+    fake_npu()
+    seen = []
+    d: ProbeDict[str] = ProbeDict(lambda: seen.append(1))
     assert d.get("a") is None and len(d) == 0 and d.values() == [] and not d
     assert d.put("a", "ok") == "ok" and d.get("a") == "ok" and d
     assert d.put("a", "refused") == "refused" and d.get("a") == "refused"  # put replaces
     d.put("b", "fresh")
     assert sorted(d.values()) == ["fresh", "refused"] and len(d) == 2
     probe = _backend.probe_id()
-    for _ in range(3):  # nothing but a new probe (or clear) removes a verdict
+    for _ in range(3):
         assert d.get("a") == "refused" and d.get("b") == "fresh"
     d.clear()
     assert _backend.probe_id() == probe and d.get("a") is None and len(d) == 0
-
-
-def test_a_new_probe_drops_every_entry_and_says_so(fake_npu):
-    """A new probe (a re-probe, another torch_npu) drops every entry on every access path; the hook runs once."""
-    fake_npu()
-    seen = []
-    d: ProbeDict[str] = ProbeDict(lambda: seen.append(1))
-    d.put("a", "ok")
     seen.clear()
     for access in (lambda: d.get("a"), lambda: d.values(), lambda: len(d), lambda: d.live()):
         d.put("a", "ok")
@@ -180,17 +175,13 @@ def _writer(args):
     return True
 
 
-def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
-    """Two processes saving at once (a lock, whole-file renames): the file parses and holds both's entries."""
+def test_concurrent_writers_never_leave_a_torn_file_a_save_waits_for_the_lock(tmp_path, fake_npu):
+    """Two processes saving at once: both's entries, parseable; while another process holds the flock, no write."""
     with multiprocessing.get_context("fork").Pool(2) as pool:
         assert pool.map(_writer, [(str(tmp_path), "a"), (str(tmp_path), "b")]) == [True, True]
     (p,) = tmp_path.glob("verdicts-*.json")
     table = json.loads(p.read_text())["verdicts"]["k"]
     assert len(table) == 80 and not list(tmp_path.glob(".*.tmp"))
-
-
-def test_a_save_waits_for_the_lock_another_process_holds(fake_npu):
-    """A write takes the lock file's flock before it reads, merges and renames: while another holds it, nothing."""
     fake_npu()
     p = saved.path()
     p.parent.mkdir(parents=True, exist_ok=True)
