@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from vllm_omni_ascend_opt.devtime import layouts
 from vllm_omni_ascend_opt.devtime import model as M
 from vllm_omni_ascend_opt.devtime import table as TB
 from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM
@@ -154,8 +155,6 @@ def for_plan(
     out["tables"] = text_tables(table, fit, wk, steps, cfg_forwards)
     out["workload"] = wk
     if cards:
-        from vllm_omni_ascend_opt.devtime import layouts
-
         out["layouts"] = layouts.text_table(table, fit.params, height, width, steps, cards, cfg_forwards > 1)
     return out
 

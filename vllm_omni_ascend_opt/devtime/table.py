@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_omni_ascend_opt.devtime import trace as T
 from vllm_omni_ascend_opt.devtime.trace import BLOCKS, TEXT_TOKENS, OpTable
 
 TABLE_FILE = Path(__file__).with_name("devtime_table.json.gz")
@@ -85,7 +86,6 @@ def find_config(table: dict[str, Any], opts: list[str] | tuple[str, ...]) -> str
 def build(rt: Any, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Trace every (workload, configuration), sharing equal traces; the torch_npu fake must be installed."""
     from vllm_omni_ascend_opt import flags as flags_mod
-    from vllm_omni_ascend_opt.devtime import trace as T
 
     configs = configurations()
     tr_names, vae_set = set(transformer_names()), set(vae_names())
