@@ -109,12 +109,7 @@ def predict(transformer: OpTable, vae: OpTable, p: Params, steps: int, cfg_forwa
 def _vectors(table: OpTable) -> tuple[np.ndarray, ...]:
     ops = list(table.ops.values())
     kind = np.array([0 if o.kind == GEMM else 1 if o.kind == ATTENTION else 2 for o in ops])
-    return (
-        kind,
-        np.array([o.flops for o in ops]),
-        np.array([o.bytes for o in ops]),
-        np.array([o.count for o in ops], dtype=float),
-    )
+    return kind, *(np.array([getattr(o, f) for o in ops], dtype=float) for f in ("flops", "bytes", "count"))
 
 
 def _fast_ms(vec: tuple[np.ndarray, ...], theta: np.ndarray, spec: DeviceSpec) -> float:

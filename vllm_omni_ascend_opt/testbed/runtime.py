@@ -51,16 +51,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def route_attention_to_sdpa_on_cpu() -> bool:
-    """On ``UnspecifiedOmniPlatform`` only: vLLM-Omni's SDPA backend, pure-torch forward. True when applied."""
+def route_attention_to_sdpa_on_cpu() -> None:
+    """On ``UnspecifiedOmniPlatform`` only: vLLM-Omni's SDPA backend, pure-torch forward (idempotent)."""
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
     from vllm_omni.platforms import current_omni_platform
 
     plat_cls = type(current_omni_platform)
-    if plat_cls.__name__ != "UnspecifiedOmniPlatform":
-        return False
-    if getattr(plat_cls, "_ascend_opt_cpu_routed", False):
-        return True
+    if plat_cls.__name__ != "UnspecifiedOmniPlatform" or getattr(plat_cls, "_ascend_opt_cpu_routed", False):
+        return
 
     def get_diffusion_attn_backend_cls(cls, selected_backend=None, head_size=0, **_: Any) -> str:
         return "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
@@ -71,7 +69,6 @@ def route_attention_to_sdpa_on_cpu() -> bool:
     plat_cls.get_diffusion_attn_backend_cls = classmethod(get_diffusion_attn_backend_cls)
     SDPAImpl.forward = forward
     plat_cls._ascend_opt_cpu_routed = True
-    return True
 
 
 def route_ring_kernel_to_cpu() -> None:
