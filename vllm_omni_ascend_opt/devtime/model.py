@@ -109,12 +109,7 @@ def predict(transformer: OpTable, vae: OpTable, p: Params, steps: int, cfg_forwa
 def _vectors(table: OpTable) -> tuple[np.ndarray, ...]:
     ops = list(table.ops.values())
     kind = np.array([0 if o.kind == GEMM else 1 if o.kind == ATTENTION else 2 for o in ops])
-    return (
-        kind,
-        np.array([o.flops for o in ops]),
-        np.array([o.bytes for o in ops]),
-        np.array([o.count for o in ops], dtype=float),
-    )
+    return kind, *(np.array([getattr(o, f) for o in ops], dtype=float) for f in ("flops", "bytes", "count"))
 
 
 def _fast_ms(vec: tuple[np.ndarray, ...], theta: np.ndarray, spec: DeviceSpec) -> float:
@@ -139,40 +134,33 @@ class Fit:
         ]
 
 
-def fit(
-    calls: dict[str, tuple[OpTable, OpTable]],
-    *,
-    steps: int = REFERENCE_STEPS,
-    points: tuple[str, ...] = FIT_POINTS,
-    reference: dict[str, float] | None = None,
-    device: str = REFERENCE_DEVICE,
-) -> Fit:
-    """Fit :class:`Params` on ``points`` of ``reference``; ``calls``: configuration -> (transformer, VAE) op tables."""
+def fit(calls: dict[str, tuple[OpTable, OpTable]], *, reference: dict[str, float] | None = None) -> Fit:
+    """Fit :class:`Params` on :data:`FIT_POINTS` of ``reference``; ``calls``: configuration -> (transformer, VAE)."""
     from scipy.optimize import least_squares
 
     reference = reference or REFERENCE_MS
-    spec = SPECS[device]
+    spec = SPECS[REFERENCE_DEVICE]
     vecs = {n: (_vectors(t), _vectors(v)) for n, (t, v) in calls.items() if n in reference}
 
     def image(theta: np.ndarray, name: str) -> float:
         tv, vv = vecs[name]
-        return steps * _fast_ms(tv, theta, spec) + _fast_ms(vv, theta, spec) + theta[5]
+        return REFERENCE_STEPS * _fast_ms(tv, theta, spec) + _fast_ms(vv, theta, spec) + theta[5]
 
     prior = np.array([value for value, _, _ in PRIORS.values()])
     spread = np.array([s for _, s, _ in PRIORS.values()])
 
     def residuals(log_theta: np.ndarray) -> np.ndarray:
         theta = np.exp(log_theta)
-        data = [(image(theta, n) - reference[n]) / _SIGMA_MS for n in points]
+        data = [(image(theta, n) - reference[n]) / _SIGMA_MS for n in FIT_POINTS]
         return np.concatenate([data, (log_theta - np.log(prior)) / spread])
 
     bounds = (np.log([0.01, 0.01, 0.01, 0.01, 0.1, 1.0]), np.log([1.0, 1.0, 1.0, 1.0, 200.0, 3000.0]))
     got = least_squares(residuals, np.log(prior), bounds=bounds, x_scale="jac")
     theta = np.exp(got.x)
-    params = Params(*(float(x) for x in theta), device=device)
+    params = Params(*(float(x) for x in theta))
     pts = {}
     for name, ref in reference.items():
         if name in vecs:
             m = image(theta, name)
-            pts[name] = (ref, m, m - ref, name in points)
+            pts[name] = (ref, m, m - ref, name in FIT_POINTS)
     return Fit(params, pts)

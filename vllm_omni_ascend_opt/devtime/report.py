@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from vllm_omni_ascend_opt.devtime import layouts
 from vllm_omni_ascend_opt.devtime import model as M
 from vllm_omni_ascend_opt.devtime import table as TB
 from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM
@@ -140,10 +141,9 @@ def for_plan(
             "launch_only_ms_saved": (launch_ms_saved or {}).get(cid),
         }
         if int8 is not None:
-            i8 = int8[name].image_ms if name else None
-            floor = preds["stock"].floor_ms
-            out["configs"][cid] |= {"x_floor": None if ms is None else ms / floor, "int8_ms": i8}
-            out["configs"][cid]["int8_x_floor"] = None if i8 is None else i8 / floor
+            i8, floor = int8[name].image_ms if name else None, preds["stock"].floor_ms
+            x, xi = (None if v is None else v / floor for v in (ms, i8))
+            out["configs"][cid] |= {"x_floor": x, "int8_ms": i8, "int8_x_floor": xi}
     if int8 is not None:
         out["int8_note"] = (
             "int8: vLLM-Omni's NPU int8 priced on the bf16 trace (devtime/int8.py): the blocks' GEMMs at the int8 "
@@ -155,8 +155,6 @@ def for_plan(
     out["tables"] = text_tables(table, fit, wk, steps, cfg_forwards)
     out["workload"] = wk
     if cards:
-        from vllm_omni_ascend_opt.devtime import layouts
-
         out["layouts"] = layouts.text_table(table, fit.params, height, width, steps, cards, cfg_forwards > 1)
     return out
 
@@ -179,8 +177,7 @@ def plan_lines(section: dict[str, Any]) -> list[str]:
             x, i8, xi = (row[k] for k in ("x_floor", "int8_ms", "int8_x_floor"))
             extra = f"  {_num(x, '.2f'):>7} {_num(i8, '.0f'):>8} {_num(xi, '.2f'):>7}"
         lines.append(
-            f"    {cid:<26} {'n/a' if ms is None else f'{ms:.0f}':>9} {'' if saved is None else f'{saved:.0f}':>7}  "
-            f"{'n/a' if lo is None else f'{lo:.0f}':>17}{extra}"
+            f"    {cid:<26} {_num(ms, '.0f'):>9} {'' if saved is None else f'{saved:.0f}':>7}  {_num(lo, '.0f'):>17}{extra}"
         )
     if int8:
         lines.append(textwrap.fill(section["int8_note"], 110, initial_indent="    ", subsequent_indent="    "))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_omni_ascend_opt.devtime import trace as T
 from vllm_omni_ascend_opt.devtime.trace import BLOCKS, TEXT_TOKENS, OpTable
 
 TABLE_FILE = Path(__file__).with_name("devtime_table.json.gz")
@@ -82,22 +83,13 @@ def find_config(table: dict[str, Any], opts: list[str] | tuple[str, ...]) -> str
     return next((name for name, entry in first.items() if norm(entry["opts"]) == norm(opts)), None)
 
 
-def build(
-    rt: Any,
-    *,
-    resolutions: tuple[tuple[int, int], ...] = RESOLUTIONS,
-    batches: tuple[int, ...] = BATCHES,
-    configs: dict[str, str] | None = None,
-    depth: int = 2,
-    progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+def build(rt: Any, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Trace every (workload, configuration), sharing equal traces; the torch_npu fake must be installed."""
     from vllm_omni_ascend_opt import flags as flags_mod
-    from vllm_omni_ascend_opt.devtime import trace as T
 
-    configs = configs or configurations()
+    configs = configurations()
     tr_names, vae_set = set(transformer_names()), set(vae_names())
-    tr, vae = T.build_transformer(rt, T.FULL, depth), T.build_vae(T.FULL)
+    tr, vae = T.build_transformer(rt), T.build_vae()
     out: dict[str, Any] = {
         "version": VERSION,
         "blocks": BLOCKS,
@@ -105,8 +97,8 @@ def build(
         "configs": configs,
         "workloads": {},
     }
-    for h, w in resolutions:
-        for b in batches:
+    for h, w in RESOLUTIONS:
+        for b in BATCHES:
             kw = T.transformer_inputs(tr, h, w, b)
             traced: dict[tuple[str, tuple[str, ...]], list[list[Any]]] = {}
             entry: dict[str, Any] = {}

@@ -35,13 +35,6 @@ TEXT_TOKENS = 64
 _SKIP_FRAMES = ("/devtime/", "/testbed/npu_ops.py", "/fake_torch_npu/")
 
 
-def shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """``"1x3584x3072,3072x3072"``: the shapes of a launch's tensor arguments (ops are merged only when equal)."""
-    return ",".join(
-        "x".join(map(str, t.shape)) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-    )
-
-
 @dataclass
 class Op:
     """``count`` launches of ``name`` at ``site`` (``file:line`` of the model or plugin code, ``|``, the shapes)."""
@@ -110,7 +103,9 @@ class OpTrace(NpuOpCounter):
 
     def _price(self, name: str, site: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         c = cost(name, args, kwargs, out)
-        self.tables[self.scope].add(name, c.kind, f"{site}|{shapes(args, kwargs)}", c.flops, c.bytes)
+        leaves = pytree.tree_leaves((args, kwargs))  # "1x3584x3072,3072x3072": ops are merged only when equal
+        dims = ",".join("x".join(map(str, t.shape)) for t in leaves if isinstance(t, torch.Tensor))
+        self.tables[self.scope].add(name, c.kind, f"{site}|{dims}", c.flops, c.bytes)
 
     def absorb(self, pieces: NpuOpCounter) -> None:
         if isinstance(pieces, OpTrace):
@@ -202,12 +197,12 @@ def trace_transformer(rt: Any, tr: Any, flags: str, kw: dict[str, Any]) -> CallT
     return _trace(rt, tr, flags, lambda: tr(**kw), tr.transformer_blocks, npu=True)
 
 
-def build_vae(spec: ModelSpec = FULL) -> Any:
-    """vLLM-Omni's distributed Qwen-Image VAE at ``spec``'s size (real: base 96, z 16), bf16, uninitialised."""
+def build_vae() -> Any:
+    """vLLM-Omni's distributed Qwen-Image VAE at the real size (base 96, z 16), bf16, uninitialised."""
     from vllm_omni.diffusion.distributed.autoencoders.autoencoder_kl_qwenimage import DistributedAutoencoderKLQwenImage
 
     with HollowMode():
-        vae = DistributedAutoencoderKLQwenImage(**spec.vae_kwargs())
+        vae = DistributedAutoencoderKLQwenImage(**FULL.vae_kwargs())
     return vae.to(torch.bfloat16).eval()
 
 

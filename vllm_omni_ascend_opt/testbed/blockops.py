@@ -12,7 +12,7 @@ from unittest import mock
 
 import torch
 
-from vllm_omni_ascend_opt.testbed.tiny_model import TINY, ModelSpec
+from vllm_omni_ascend_opt.testbed.tiny_model import TINY, ModelSpec, random_transformer_state_dict
 
 TEXT_TOKENS = 32
 TIMESTEP = 0.7
@@ -50,8 +50,6 @@ def new_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype, mode: Any = No
 
 def build_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype) -> Any:
     """vLLM-Omni's transformer for ``spec`` with the test bed's seeded random weights, in ``dtype``."""
-    from vllm_omni_ascend_opt.testbed.tiny_model import random_transformer_state_dict
-
     tr = new_transformer(rt, spec, dtype)
     state = random_transformer_state_dict(spec, seed=0)
     tr.load_weights(state.items())

@@ -37,10 +37,7 @@ def measure(fn: Callable[..., Any], *args: Any, device: str = "cpu", **kwargs: A
         return out, MemoryPeak(acc.max_memory_allocated() - before, acc.memory_allocated() - before, allocations=0)
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU]
-    if device != "cpu" and torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, profile_memory=True, record_shapes=False) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn(*args, **kwargs)
     events = sorted(
         (e.start_ns(), e.nbytes())

@@ -15,9 +15,6 @@ import torch
 from vllm_omni_ascend_opt.testbed.pipeline import decoded_images, make_request
 from vllm_omni_ascend_opt.testbed.runtime import Runtime, apply_engine_cpu_runtime, use_import_workarounds
 
-#: ``OmniDiffusionConfig`` fields that switch an offload mode on.
-OFFLOAD_FIELDS = ("enable_cpu_offload", "enable_layerwise_offload")
-
 
 @dataclass
 class RunnerHarness:
@@ -41,7 +38,8 @@ class RunnerHarness:
         od = copy.copy(rt.od_config)  # with ``fields`` set, cached resolutions dropped
         for name in [k for k in vars(od) if k.startswith("_resolved")]:
             delattr(od, name)  # e.g. the offload policy resolved for the runtime's own config
-        if any(fields.get(f) for f in OFFLOAD_FIELDS) and torch.accelerator.current_accelerator() is None:
+        offload = fields.get("enable_cpu_offload") or fields.get("enable_layerwise_offload")
+        if offload and torch.accelerator.current_accelerator() is None:
             fields.setdefault("pin_cpu_memory", False)
         for name, value in fields.items():
             if not hasattr(od, name):

@@ -51,16 +51,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def route_attention_to_sdpa_on_cpu() -> bool:
-    """On ``UnspecifiedOmniPlatform`` only: vLLM-Omni's SDPA backend, pure-torch forward. True when applied."""
+def route_attention_to_sdpa_on_cpu() -> None:
+    """On ``UnspecifiedOmniPlatform`` only: vLLM-Omni's SDPA backend, pure-torch forward (idempotent)."""
     from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
     from vllm_omni.platforms import current_omni_platform
 
     plat_cls = type(current_omni_platform)
-    if plat_cls.__name__ != "UnspecifiedOmniPlatform":
-        return False
-    if getattr(plat_cls, "_ascend_opt_cpu_routed", False):
-        return True
+    if plat_cls.__name__ != "UnspecifiedOmniPlatform" or getattr(plat_cls, "_ascend_opt_cpu_routed", False):
+        return
 
     def get_diffusion_attn_backend_cls(cls, selected_backend=None, head_size=0, **_: Any) -> str:
         return "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
@@ -71,7 +69,6 @@ def route_attention_to_sdpa_on_cpu() -> bool:
     plat_cls.get_diffusion_attn_backend_cls = classmethod(get_diffusion_attn_backend_cls)
     SDPAImpl.forward = forward
     plat_cls._ascend_opt_cpu_routed = True
-    return True
 
 
 def route_ring_kernel_to_cpu() -> None:
@@ -107,10 +104,8 @@ def init_cpu_runtime(
     ``DiffusionParallelConfig``; with ``world_size > 1`` pass every rank the same ``init_method`` (``tcp://...``)."""
     if "rt" in _STATE:
         return _STATE["rt"]
-    from vllm.config import set_current_vllm_config
     from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
     from vllm_omni.diffusion.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    from vllm_omni.diffusion.forward_context import set_forward_context
     from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
 
     route_attention_to_sdpa_on_cpu()
@@ -127,11 +122,11 @@ def init_cpu_runtime(
     )
     if model:
         od.enrich_config()
-    vc = create_diffusion_vllm_config(torch.device("cpu"), od)
+    rt = Runtime(od, create_diffusion_vllm_config(torch.device("cpu"), od), rank, world_size)
     init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=init_method, world_size=world_size, rank=rank)
-    with set_forward_context(vllm_config=vc, omni_diffusion_config=od), set_current_vllm_config(vc):
+    with rt.context():
         init_distributed_environment(
             world_size=world_size, rank=rank, local_rank=rank, distributed_init_method=init_method, backend="gloo"
         )
@@ -145,7 +140,6 @@ def init_cpu_runtime(
             tensor_parallel_size=p.tensor_parallel_size,
             backend="gloo",
         )
-    rt = Runtime(od, vc, rank, world_size)
     _STATE["rt"] = rt
     return rt
 
@@ -213,19 +207,21 @@ def apply_engine_cpu_runtime() -> list[str]:
             plat_cls.__name__,
         )
         return []
-    applied = []
-    if route_attention_to_sdpa_on_cpu():
-        applied.append("attention->SDPA")
+    route_attention_to_sdpa_on_cpu()  # on this platform: always applied
     from vllm.platforms.interface import UnspecifiedPlatform
 
     for cls in dict.fromkeys((plat_cls, UnspecifiedPlatform)):
         for name, value in _PLATFORM_METHODS.items():
             setattr(cls, name, value)
-    applied.append("platform methods")
-    if _cpu_async_output_thread():
+    applied = ["attention->SDPA", "platform methods"]
+    if torch.accelerator.current_accelerator() is None:
+        import vllm.lora.lora_model as lora_model
+
+        _cpu_async_output_thread()
         applied.append("mp async-output thread on cpu")
-    if cpu_lora_without_pinned_memory():
-        applied.append("LoRA without pinned memory")
+        if getattr(lora_model, "PIN_MEMORY", False):
+            applied.append("LoRA without pinned memory")
+        lora_model.PIN_MEMORY = False
     _ENGINE_APPLIED.extend(applied)
     _engine_log.info("CPU runtime for vLLM-Omni's engines (test-only): %s", ", ".join(applied))
     return applied
@@ -246,25 +242,12 @@ _PLATFORM_METHODS = {
 }
 
 
-def cpu_lora_without_pinned_memory() -> bool:
-    """Item 4 of :func:`apply_engine_cpu_runtime` (only without an accelerator). True when it changed something."""
-    if torch.accelerator.current_accelerator() is not None:
-        return False
-    import vllm.lora.lora_model as lora_model
-
-    changed = bool(getattr(lora_model, "PIN_MEMORY", False))
-    lora_model.PIN_MEMORY = False
-    return changed
-
-
-def _cpu_async_output_thread() -> bool:
-    """Item 3 of :func:`apply_engine_cpu_runtime`. True when it changed something."""
-    if torch.accelerator.current_accelerator() is not None:
-        return False
+def _cpu_async_output_thread() -> None:
+    """The ``mp`` output thread of :func:`apply_engine_cpu_runtime` on ``cpu`` (idempotent)."""
     from vllm_omni.diffusion.worker import diffusion_worker as dw
 
     if getattr(dw.WorkerProc, "_ascend_opt_cpu_output", False):
-        return True
+        return
     in_output_thread = threading.local()
     real_current_accelerator = torch.accelerator.current_accelerator
 
@@ -289,4 +272,3 @@ def _cpu_async_output_thread() -> bool:
     dw.WorkerProc._async_output_loop = _async_output_loop
     dw.pack_diffusion_output_shm = pack_diffusion_output_shm
     dw.WorkerProc._ascend_opt_cpu_output = True
-    return True

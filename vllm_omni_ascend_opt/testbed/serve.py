@@ -120,16 +120,12 @@ class OmniServer:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") if self.log_path else contextlib.nullcontext() as log:
-            if log is None:
-                sys.stderr.write(header)
-                sys.stderr.flush()
-            else:
-                log.write(header.encode())
-                log.flush()
+            out = log.fileno() if log else sys.stderr.fileno()
+            os.write(out, header.encode())
             self.proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
-                stdout=log or sys.stderr.fileno(),
+                stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=self.new_session,

@@ -172,19 +172,6 @@ def build_model_dir(spec: ModelSpec = TINY, seed: int = 0, root: Path | str | No
     return final
 
 
-def _tokenizer(vision: bool = False):
-    """Byte-level Qwen2 tokenizer: <|endoftext|>, the 256 byte symbols, the chat and (``vision``) vision tokens."""
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import Qwen2Tokenizer
-
-    alphabet = sorted(ByteLevel.alphabet())
-    vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(alphabet)}}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[])
-    special = ["<|im_start|>", "<|im_end|>", *(VISION_TOKENS if vision else ())]
-    tok.add_special_tokens({"additional_special_tokens": special})
-    return tok
-
-
 def _save_processor(tok, out: Path) -> None:
     """``Qwen2VLProcessor`` with the PIL image processor, saved through the image-only subclass (no torchvision)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -220,10 +207,15 @@ def _build(spec: ModelSpec, seed: int, out: Path) -> None:
         QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
     torch.manual_seed(seed)
-    tokenizer = _tokenizer(vision=spec.image_input)
+    # byte-level Qwen2 tokenizer: <|endoftext|>, the 256 byte symbols, the chat and (image input) vision tokens
+    vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(sorted(ByteLevel.alphabet()))}}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
+    special = ["<|im_start|>", "<|im_end|>", *(VISION_TOKENS if spec.image_input else ())]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
     # Text-to-image keeps its historical (unused) vision token ids, so its directory stays byte-identical.
     token_ids = (
         {attr: tokenizer.convert_tokens_to_ids(token) for token, attr in VISION_TOKENS.items()}

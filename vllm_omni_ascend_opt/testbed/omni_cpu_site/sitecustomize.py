@@ -19,7 +19,12 @@ ENV = "VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME"
 _TRANSFORMERS_MODELS = "transformers.models."
 
 
-class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def create_module(self, spec):
+        return None
+
+
+class _TorchvisionFreeImageProcessors(_Finder):
     def find_spec(self, fullname, path, target=None):
         if not fullname.startswith(_TRANSFORMERS_MODELS):
             return None
@@ -30,9 +35,6 @@ class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder, importlib.ab
         if importlib.util.find_spec(twin) is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, self, loader_state=twin)
-
-    def create_module(self, spec):
-        return None
 
     def exec_module(self, module) -> None:
         twin = module.__spec__.loader_state
@@ -45,13 +47,10 @@ class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder, importlib.ab
         module.__ascend_opt_cpu_twin__ = twin
 
 
-class _AudioPlaceholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _AudioPlaceholders(_Finder):
     def find_spec(self, fullname, path, target=None):
         if fullname.partition(".")[0] == "torchaudio":
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
         return None
 
     def exec_module(self, module) -> None:
