@@ -1,7 +1,5 @@
-"""vLLM-Omni's memory and cache modes through its own ``DiffusionModelRunner``, for tests/test_memory_modes.py: the
-same request twice under a selection, both images and the warm one's statistics, fallbacks and acting status.
-cache-dit enables once per process, so its modes run in a child each (``python -m tests.runner_modes MODE SPEC OUT``).
-"""
+"""vLLM-Omni's memory and cache modes through its ``DiffusionModelRunner`` (tests/test_memory_modes.py): one request
+twice; cache-dit enables once per process, so its modes run in children (``python -m tests.runner_modes``)."""
 
 from __future__ import annotations
 
@@ -70,7 +68,7 @@ MODES: dict[str, Mode] = {
 
 @dataclass
 class ModeRun:
-    """What one (mode, selection) run produced; see the module docstring."""
+    """What one (mode, selection) run produced: both images, the warm request's statistics and status."""
 
     mode: str
     spec: str

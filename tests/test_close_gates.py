@@ -91,8 +91,7 @@ def test_each_optimization_is_held_to_its_own_gate(monkeypatch, tmp_path, ssim, 
     ids=["inside_both", "loosest_only", "beyond_the_loosest"],
 )
 def test_a_configuration_is_held_to_the_loosest_gate_it_contains(monkeypatch, tmp_path, ssim, psnr, loosest, alone):
-    """single mode: single_fast_a vs stock differs by fast_a alone; full vs stock by all three close ones, whose
-    loosest gate is vae's (the workload's 0.99 / 35 dB)."""
+    """single_fast_a vs stock differs by fast_a alone; full vs stock by all three, loosest vae's (the workload's)."""
     p = plan("single")
     out = _analyse(monkeypatch, tmp_path, p, {"full": (ssim, psnr), "single_fast_a": (ssim, psnr)})
     cfg = {c["id"]: c for c in out["configs"]}
@@ -121,7 +120,7 @@ def test_leave_one_out_of_a_needed_optimization_leaves_out_its_dependents(monkey
     assert chk["memo"]["gate"]["passed"] is True and chk["ex"]["class"] == "exact"
 
 
-def test_single_and_cumulative_keep_what_an_optimization_needs():
+def test_single_and_cumulative_keep_what_an_optimization_needs_and_a_need_that_cannot_take_part_skips():
     p = plan("single", NEEDS)
     assert p.config("single_fast").opts == ("memo", "fast")
     comp = {c.opt: c for c in p.comparisons}
@@ -130,9 +129,6 @@ def test_single_and_cumulative_keep_what_an_optimization_needs():
     assert [p.config(c.with_).opts for c in p.comparisons][-1] == ("memo", "ex", "fast")
     with pytest.raises(Exception, match="puts fast before memo, which it needs"):
         plan("cumulative", NEEDS, order=["fast", "memo"])
-
-
-def test_an_optimization_whose_need_cannot_take_part_is_skipped():
     infos = [OptInfo("memo", "exact", reasons_inactive=("broken",)), *NEEDS[1:]]
     p = plan("leave-one-out", infos)
     assert p.stack == ["ex"] and p.skipped["fast"] == ["needs memo, which cannot take part in this run"]

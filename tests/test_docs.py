@@ -1,5 +1,4 @@
-"""Docs derived from the code say what the code says: the generated tables (tools/gen_docs.py), the patch series and
-the README's example lines."""
+"""Docs derived from the code (tools/gen_docs.py tables, patch headers, README example) say what the code says."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""A fault costs one kernel call, never a request (``blocks/kernels/guard.py``), injected through the fake's FaultPlan:
-the forward completes with stock's result for the faulted call, status names the fault while it waits, and the next
-forward is as without it (the kernel back, every verdict a pass, no partial cache entry)."""
+"""A fault (the fake's FaultPlan) costs one kernel call, never a request: stock for that call, status names it, and
+the next forward is as without it (``blocks/kernels/guard.py``)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -35,10 +36,6 @@ POINTS = {
 KIND_WORDS = {"oom": "out of memory", "runtime": "runtime error"}
 
 
-def _path(opt):
-    return opt.rotary if opt is rope.OPT else opt.path
-
-
 @pytest.mark.parametrize("point", list(POINTS))
 def test_a_fault_costs_one_call_and_the_next_forward_is_as_without_it(fake_npu, runtime, bf16_transformer, point):
     opt, spec, kernel, at, kind, bitwise = POINTS[point]
@@ -55,7 +52,7 @@ def test_a_fault_costs_one_call_and_the_next_forward_is_as_without_it(fake_npu, 
         assert torch.isfinite(faulted).all() and (faulted.float() - clean.float()).abs().max() <= 2.0**-4
         if at == 1:  # the toy check faulted: no call of this forward took the kernel
             assert torch.equal(faulted, stock)
-    path = _path(opt)
+    path = opt.rotary if opt is rope.OPT else opt.path
     (fault,) = path.guard.faults()  # 3. status names it
     assert fault.kind == KIND_WORDS[kind] and "fake fault" in fault.error and not fault.demoted
     assert any(KIND_WORDS[kind] in n for n in opt.notes())
@@ -76,9 +73,9 @@ def test_a_fault_while_building_tables_leaves_no_partial_entry(fake_npu, monkeyp
     freqs = torch.polar(torch.ones(5, 4), torch.rand(5, 4))
     t = rope_tables.Tables(torch.float32)
     with pytest.raises(RuntimeError, match="out of memory"):
-        rope_tables.portable_tables(t, freqs, __import__("collections").Counter())
+        rope_tables.portable_tables(t, freqs, Counter())
     assert t.cos is None and t.sin_signed is None  # neither half stored
-    cos, sin_signed = rope_tables.portable_tables(t, freqs, __import__("collections").Counter())
+    cos, sin_signed = rope_tables.portable_tables(t, freqs, Counter())
     assert cos is t.cos and sin_signed is t.sin_signed and sin_signed is not None
 
 

@@ -87,9 +87,7 @@ def test_bad_specs_list_valid_names(spec, fragment):
     with pytest.raises(flags.FlagError) as exc:
         flags.parse_spec(spec)
     msg = str(exc.value)
-    assert fragment in msg
-    for name in ALL:
-        assert name in msg
+    assert fragment in msg and all(name in msg for name in ALL), msg
 
 
 @pytest.mark.parametrize("value, want", [("1", True), ("true", True), ("ON", True), ("0", False), ("", False)])

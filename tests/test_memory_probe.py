@@ -40,8 +40,10 @@ class _Allocates(torch.nn.Module):
         return _two_step(torch.zeros(n))  # +4n bytes for the input, then 8n more at the peak: 12n
 
 
-def test_first_call_peaks_measures_only_the_first_call_and_restores_the_method():
-    from vllm_omni_ascend_opt.testbed.memory import first_call_peaks
+def test_first_call_peaks_measures_only_the_first_call_and_restores_the_method_of_the_pipeline_targets():
+    from types import SimpleNamespace
+
+    from vllm_omni_ascend_opt.testbed.memory import first_call_peaks, pipeline_targets
 
     m = _Allocates()
     bound = m.forward
@@ -60,13 +62,6 @@ def test_first_call_peaks_measures_only_the_first_call_and_restores_the_method()
         m(N)
     assert 4 * N <= peaks["fwd"].peak <= 4 * N + SLACK
     assert vars(m)["forward"] is instance_forward
-
-
-def test_pipeline_targets_are_the_transformer_forward_and_the_vae_decode():
-    from types import SimpleNamespace
-
-    from vllm_omni_ascend_opt.testbed.memory import pipeline_targets
-
     tr, vae = _Allocates(), SimpleNamespace(decode=lambda z: z)
     assert pipeline_targets(SimpleNamespace(transformer=tr, vae=vae)) == {
         "transformer_forward": (tr, "forward"),

@@ -1,8 +1,5 @@
-"""Qwen-Image-2.1 (vLLM-Omni 0.32.0rc1+): upstream already does there what the optimizations do for Qwen-Image 1.x,
-so every optimization stays off with that reason (``Optimization.on_qwen_image_21``), attaches nothing, and
-``nz_weights`` never casts a weight there: on a stand-in (a class in the 2.1 package's namespace, every version) and
-on the real tiny 2.1 pipeline (marker ``versions``; skipped without 2.1).
-"""
+"""Qwen-Image-2.1: upstream already does what the optimizations do, so each stays off with its reason and attaches
+nothing: on a stand-in class (every version) and the real tiny 2.1 pipeline (marker ``versions``)."""
 
 from __future__ import annotations
 
@@ -30,7 +27,7 @@ def _stand_in(cls_name: str, module: str) -> nn.Module:
     return pipe
 
 
-def test_nz_weights_never_casts_on_qwen_image_21(fake_npu):
+def test_nz_weights_never_casts_and_every_optimization_names_qwen_image_21_first(fake_npu):
     importlib.import_module(targets.TRANSFORMER)  # nz_weights installs once its target module is imported
     fake = fake_npu()
     control = _stand_in("SomePipeline", "somewhere.else")
@@ -45,12 +42,7 @@ def test_nz_weights_never_casts_on_qwen_image_21(fake_npu):
     (why, *_) = nz_weights.OPT.reasons_inactive(q21)
     assert why.startswith(f"{PREFIX}QwenImage21Pipeline): upstream casts its bf16 linear weights to FRACTAL_NZ")
     assert "never casts there" in why
-
-
-def test_every_optimization_names_qwen_image_21_first():
-    importlib.import_module(targets.TRANSFORMER)
     importlib.import_module(targets.DIST_VAE)
-    q21 = _stand_in("QwenImage21Pipeline", f"{fingerprints.QWEN_IMAGE_21_PACKAGE}.pipeline_qwen_image_21")
     api.select("all", model=q21)
     for opt in registry.all_optimizations():
         assert opt.on_qwen_image_21, opt.name  # each says why, in its own words

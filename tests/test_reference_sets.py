@@ -1,6 +1,5 @@
-"""``reference save`` and ``compare``: sets written through the ablation runner's worker protocol (the fake worker,
-tests/ablation_fake_worker.py, except one test on the real test-bed engine), pairing by key, the tiers' gates, the
-manifests' must-match and may-differ facts, and every bad input (one clear error naming the file, nothing written)."""
+"""``reference save`` and ``compare`` through the fake worker (tests/ablation_fake_worker.py): pairing by key, gates,
+manifest facts, and every bad input (one clear error naming the file, nothing written)."""
 
 from __future__ import annotations
 

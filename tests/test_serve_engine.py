@@ -1,6 +1,5 @@
-"""The ablation worker's ``serve`` engine and ``OmniServer``'s command line without a server (the real ones run in
-tests/test_omni_serve.py): the flags and the CPU runtime reach the server's environment, and an answer becomes a
-``Generation``."""
+"""The ablation ``serve`` engine without a server (real one: tests/test_omni_serve.py): flags and the CPU runtime
+reach the server's environment, and an answer becomes a ``Generation``."""
 
 from __future__ import annotations
 
@@ -36,7 +35,15 @@ def engine_env(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STATUS_FILE", "")  # the engine sets it; restored after the test
 
 
-def test_server_gets_the_flags_and_the_cpu_runtime(monkeypatch, engine_env):
+def _png(arr: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_server_gets_the_flags_and_the_cpu_runtime_and_its_answer_becomes_a_generation(monkeypatch, engine_env):
     monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT", "none,+shared_modulation")
     monkeypatch.setenv("VLLM_OMNI_ASCEND_OPT_STRICT", "1")
     calls = []
@@ -64,17 +71,6 @@ def test_server_gets_the_flags_and_the_cpu_runtime(monkeypatch, engine_env):
     assert env[ENV_CPU_RUNTIME] == "1" and env["PYTHONPATH"].split(":")[0] == str(SITE_DIR)
     assert env["VLLM_OMNI_ASCEND_OPT_STATUS_FILE"] == str(eng.status_path)
     assert kw["start_new_session"] is False  # in the worker's group: the runner's group kill ends it too
-
-
-def _png(arr: np.ndarray) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def test_serve_generation_from_the_http_answer_and_what_the_server_process_acts_with(engine_env):
     pixels = np.arange(32 * 48 * 3, dtype=np.uint8).reshape(32, 48, 3)
     sent = {}
 

@@ -1,6 +1,5 @@
-"""Equivalence tiers: ``exact`` (bitwise), ``pixel`` (uint8-identical images), ``close`` (SSIM/PSNR). Each
-optimization reports its tier here, and the ablation runner gates a comparison by the weakest tier that differs.
-"""
+"""Equivalence tiers ``exact`` / ``pixel`` / ``close``: each optimization's tier here, and the ablation runner's
+gate by the weakest tier that differs."""
 
 from __future__ import annotations
 

@@ -29,8 +29,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def make_dist_vae(dtype: torch.dtype = torch.float32, out_gain: float = 5.0, **kw) -> nn.Module:
-    """vLLM-Omni's DistributedAutoencoderKLQwenImage, seeded random weights, by default the real architecture at a small
-    width; ``out_gain`` scales the last conv so that some pixels reach the final clamp to [-1, 1]."""
+    """vLLM-Omni's distributed VAE, seeded, small; ``out_gain`` scales conv_out so some pixels reach the clamp."""
     from vllm_omni.diffusion.distributed.autoencoders.autoencoder_kl_qwenimage import (
         DistributedAutoencoderKLQwenImage,
     )
@@ -44,9 +43,8 @@ def make_dist_vae(dtype: torch.dtype = torch.float32, out_gain: float = 5.0, **k
         latents_mean=MEAN,
         latents_std=STD,
     )
-    cfg.update(kw)
     torch.manual_seed(0)
-    vae = DistributedAutoencoderKLQwenImage(**cfg).eval()
+    vae = DistributedAutoencoderKLQwenImage(**{**cfg, **kw}).eval()
     with torch.no_grad():  # RMS-norm gammas start at 1: draw them too, so every op of the decoder matters
         for m in vae.modules():
             if hasattr(m, "gamma"):
@@ -123,8 +121,7 @@ def test_direct_vae_bitwise_several_sizes_fewer_ops_and_multi_frame_takes_stock_
     assert vae._feat_map == [None] * vae._cached_conv_counts["decoder"] and vae._conv_idx == [0]
     _, ours = count_ops(lambda: decode(vae, zs[0]))  # warm: the native-dtype upsample was verified on a probe
     n_res = sum(isinstance(m, QwenImageResidualBlock) for m in vae.decoder.modules())
-    # Stock clones, for a next frame that never comes, the input of conv_in, of both convs of every residual block
-    # and of conv_out; the one clone left is the mid-block attention's qkv .contiguous().
+    # Stock clones conv inputs for a next frame that never comes; the one clone left is the attention's .contiguous().
     assert stock.counts["aten::clone"] - ours.counts["aten::clone"] == 2 * n_res + 2 == 30
     assert ours.counts["aten::clone"] == 1
     # 1x1x1 convs (post_quant_conv + one shortcut) no longer copy through a zero-width pad.
@@ -246,9 +243,9 @@ TILES = (32, 32, 24, 24)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_tiled_and_patch_parallel_decodes_bitwise_with_single_frame_tiles(tiny_pipe, dtype):
-    """diffusers' tiled_decode and the patch-parallel split/exec/merge on one rank: every tile decoded without the
-    feature cache, stock's result bit for bit, edge tiles (a 20x12 latent is 4x2 tiles, some partial) and blending."""
+def test_tiled_and_patch_parallel_bitwise_with_single_frame_tiles_and_vae_fast_within_gates(tiny_pipe, dtype):
+    """tiled_decode and patch-parallel: every tile uncached, stock bit for bit, partial edge tiles; vae_fast on every
+    tile (with or without vae_exact) within its SSIM / PSNR gates."""
     z = latent(20, 12, dtype)
     with tiled(tiny_pipe, dtype) as vae:
         with decoder_calls(vae) as stock_path:
@@ -261,14 +258,21 @@ def test_tiled_and_patch_parallel_decodes_bitwise_with_single_frame_tiles(tiny_p
         assert path == ["single_frame"] * 16
         assert OPT.stats["tiled_decodes"] == 1 and OPT.stats["tiles"] == 16
         assert OPT.fallback_reasons() == {}  # no "stock tiled_decode path kept" any more
+        for spec in ("none,+vae_fast", "none,+vae_exact,+vae_fast"):
+            api.select(spec, model=tiny_pipe)
+            got = decode(vae, z)
+            q = compare_images(ref_tiled[:, :, 0].float(), got[:, :, 0].float())
+            assert not torch.equal(ref_tiled, got) or dtype == torch.bfloat16, spec  # fp32: the last tap changes bits
+            assert q["ssim"] >= 0.99 and q["psnr"] >= 35.0, (spec, q)
+            assert vae_fast.OPT.piece_report(tiny_pipe)["conv2d_last_tap"] == ""
+            api.select("none", model=tiny_pipe)
     assert ref_tiled.shape == (1, 3, 1, 80, 48) and ref_tiled.dtype == dtype
     assert torch.equal(ref_tiled, got_tiled)
     assert torch.equal(ref_pp, got_pp)
 
 
 def test_tiled_decode_keeps_at_most_two_rows_of_tiles(tiny_pipe, monkeypatch):
-    """The tiled piece blends each row once decoded and drops the row above (stock decodes every tile first): at most
-    two rows of decoded tiles alive (weak references), the same result, a lower peak."""
+    """Each row is blended once decoded and the row above dropped: two rows alive at most, same result, lower peak."""
     z = latent(40, 12, torch.float32)  # 7 rows of 2 tiles
     decoded: list[weakref.ref] = []
     alive: list[int] = []
@@ -291,43 +295,8 @@ def test_tiled_decode_keeps_at_most_two_rows_of_tiles(tiny_pipe, monkeypatch):
     assert ours.peak < stock.peak, (ours.peak, stock.peak)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_vae_fast_on_tiles_stays_within_its_gates(tiny_pipe, dtype):
-    """vae_fast acts on every tile (each an uncached frame), with or without vae_exact, within its SSIM / PSNR gates."""
-    z = latent(20, 12, dtype)
-    with tiled(tiny_pipe, dtype) as vae:
-        ref = decode(vae, z)
-        for spec in ("none,+vae_fast", "none,+vae_exact,+vae_fast"):
-            api.select(spec, model=tiny_pipe)
-            got = decode(vae, z)
-            q = compare_images(ref[:, :, 0].float(), got[:, :, 0].float())
-            assert not torch.equal(ref, got) or dtype == torch.bfloat16, spec  # fp32: the last tap changes bits
-            assert q["ssim"] >= 0.99 and q["psnr"] >= 35.0, (spec, q)
-            assert vae_fast.OPT.piece_report(tiny_pipe)["conv2d_last_tap"] == ""
-            api.select("none", model=tiny_pipe)
-
-
-def test_upsample_verification_refuses_a_wrong_kernel(vaes, monkeypatch):
-    """A device whose bf16 nearest interpolation disagrees with the fp32 one keeps stock's round trip."""
-    vae = vaes[torch.bfloat16]
-    z = latent(4, 4, torch.bfloat16)
-    real = torch.nn.functional.interpolate
-
-    def wrong_in_bf16(x, *a, **k):
-        y = real(x, *a, **k)
-        return y + 1 if x.dtype == torch.bfloat16 else y
-
-    monkeypatch.setattr(torch.nn.functional, "interpolate", wrong_in_bf16)
-    OPT.upsample.clear()
-    ref = decode(vae, z)
-    api.select("none,+vae_exact", model=vae)
-    got = decode(vae, z)
-    assert [(v.key, v.ok) for v in OPT.upsample.firsts.values()] == [(("cpu", torch.bfloat16), False)]
-    assert torch.equal(ref, got)
-
-
 # ----- install / detach / idempotence / other models ------------------------------------------------------------------
-def test_attach_detach_restore_by_identity(tiny_pipe):
+def test_attach_detach_restore_by_identity_and_the_loader_hook_attaches(tiny_pipe):
     vae = tiny_pipe.vae
     decode_before = vae.decode  # vLLM-Omni's profiler may wrap this per instance: never touched
     assert patched_anywhere(tiny_pipe) == []
@@ -348,11 +317,7 @@ def test_attach_detach_restore_by_identity(tiny_pipe):
     assert vae._decode.__func__ is AutoencoderKLQwenImage._decode
     assert vae.clear_cache.__func__ is AutoencoderKLQwenImage.clear_cache
     assert not OPT.is_attached(tiny_pipe)
-
-
-def test_loader_hook_attaches_to_pipelines_and_status_lists_it_active(tiny_pipe):
-    """The plugin's loader hook calls attach_all on every pipeline vLLM-Omni's loader returns."""
-    api.select("none,+vae_exact")
+    api.select("none,+vae_exact")  # the plugin's loader hook: attach_all on every pipeline the loader returns
     assert _plugin.attach_all(tiny_pipe) == ["vae_exact"]
     assert OPT.is_attached(tiny_pipe) and "_decode" in vars(tiny_pipe.vae)
     assert _plugin.attach_all(tiny_pipe.transformer) == []  # not a VAE: nothing acts, with a reason
@@ -363,8 +328,7 @@ def test_loader_hook_attaches_to_pipelines_and_status_lists_it_active(tiny_pipe)
 
 
 def test_uninstall_clears_the_upsample_verdicts_and_detaches_everything(vaes, monkeypatch):
-    """Uninstall detaches every attached model and drops the native-dtype upsample verdicts (same backend probe);
-    before it, the patched clear_cache resets the caches without walking the module tree."""
+    """clear_cache resets without walking modules; uninstall detaches all and drops the upsample verdicts."""
     vae = vaes[torch.bfloat16]
     api.select("none,+vae_exact", model=vae)
     decode(vae, latent(4, 4, torch.bfloat16))
@@ -381,7 +345,7 @@ def test_uninstall_clears_the_upsample_verdicts_and_detaches_everything(vaes, mo
     assert _backend.probe_id() == probe and len(OPT.upsample.firsts) == 0
 
 
-def test_reasons_for_other_models(tiny_pipe, runtime):
+def test_reasons_for_other_models_and_a_pipeline_overriding_decode_latents(tiny_pipe, vaes):
     from vllm_omni.diffusion.models.qwen_image.autoencoder_kl_qwenimage import (
         AutoencoderKLQwenImage as InTreeVae,
     )
@@ -399,15 +363,12 @@ def test_reasons_for_other_models(tiny_pipe, runtime):
     assert "not diffusers' AutoencoderKLQwenImage" in OPT.reasons_inactive(holder)[0]
     assert patched_anywhere(holder) == []
 
-
-def test_pipeline_overriding_decode_latents_keeps_its_own(vaes):
-    class OtherPipeline(nn.Module):
+    class OtherPipeline(nn.Module):  # overrides _decode_latents: keeps its own
         def _decode_latents(self, *a, **k):
             return "theirs"
 
     pipe = OtherPipeline()
     pipe.vae = vaes[torch.float32]
-    OPT.install()
     OPT.attach(pipe)
     report = OPT.piece_report(pipe)
     assert "is not QwenImagePipeline's" in report["latents_stats_cache"]
@@ -425,8 +386,7 @@ def _stock_stats(cfg, device: torch.device, dtype: torch.dtype) -> tuple[torch.T
 
 
 def test_latents_stats_one_entry_rebuilt_on_another_device_dtype_or_config(monkeypatch):
-    """LatentsStats keeps one entry, keyed on (device, dtype, z_dim, latents_mean, latents_std): each call below
-    changes one component and gets its own, stock-equal tensors."""
+    """One entry keyed on (device, dtype, z_dim, mean, std): each call changes one and gets stock-equal tensors."""
     stats = vae_exact.LatentsStats()
     cfg = SimpleNamespace(z_dim=4, latents_mean=list(MEAN), latents_std=list(STD))
     cpu, meta = torch.device("cpu"), torch.device("meta")
@@ -456,9 +416,9 @@ def test_latents_stats_one_entry_rebuilt_on_another_device_dtype_or_config(monke
     assert get(cfg, cpu, torch.float32) is not first and len(builds) == 2 * 7  # the first entry is long gone
 
 
-def test_tracing_runs_stock_decode_without_bookkeeping(vaes, monkeypatch):
-    """Under torch.compile tracing every patched VAE function runs stock code: stock's ops and _decode, no fallback
-    counted and no upsample verdict made (bf16, where the native-dtype upsample would differ in ops)."""
+def test_tracing_runs_stock_decode_and_upsample_verification_refuses_a_wrong_kernel(vaes, monkeypatch):
+    """Under tracing the patched VAE runs stock's ops: no fallback counted, no upsample verdict (bf16); a device whose
+    bf16 nearest interpolation disagrees with the fp32 one keeps stock's round trip."""
     vae = vaes[torch.bfloat16]
     z = latent(4, 4, torch.bfloat16)
     with monkeypatch.context() as m:
@@ -474,11 +434,20 @@ def test_tracing_runs_stock_decode_without_bookkeeping(vaes, monkeypatch):
     with decoder_calls(vae) as path:  # outside tracing the same attached VAE takes its own path again
         _, ours = count_ops(lambda: decode(vae, z))
     assert path == ["single_frame"] and ours.total < stock.total and len(OPT.upsample.firsts) == 1
+    real = torch.nn.functional.interpolate
+
+    def wrong_in_bf16(x, *a, **k):
+        y = real(x, *a, **k)
+        return y + 1 if x.dtype == torch.bfloat16 else y
+
+    monkeypatch.setattr(torch.nn.functional, "interpolate", wrong_in_bf16)
+    OPT.upsample.clear()
+    assert torch.equal(decode(vae, z), ref)
+    assert [(v.key, v.ok) for v in OPT.upsample.firsts.values()] == [(("cpu", torch.bfloat16), False)]
 
 
 def test_tracing_runs_stock_tiled_decode_without_bookkeeping_and_multi_frame_too(tiny_pipe, monkeypatch):
-    """Under tracing the patched tiled_decode / tile_exec run stock code: every tile through the cache, none counted.
-    A multi-frame latent takes the stock tiled path with its reason."""
+    """Under tracing tiled_decode / tile_exec run stock code, none counted; multi-frame takes stock with a reason."""
     z, z3 = latent(20, 12, torch.float32), latent(12, 6, torch.float32, t=3)
     with tiled(tiny_pipe) as vae:
         ref, ref3 = decode(vae, z), decode(vae, z3)

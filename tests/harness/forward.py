@@ -33,8 +33,7 @@ def inputs(
     seed: int = 0,
     images: int = 1,
 ) -> dict[str, Any]:
-    """Keyword arguments of one transformer call: ``pad`` text tokens masked on the last row, row i at timestep
-    ``t[i % len(t)]``, ``images`` image shapes per row."""
+    """One transformer call's kwargs: last row's final ``pad`` text tokens masked, row i at ``t[i % len(t)]``."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.ones(batch, txt, dtype=torch.bool)
     if pad:
@@ -66,8 +65,7 @@ def tiny_forward(
     seed: int = 1,
     mode: Callable[[], AbstractContextManager[Any]] = torch.no_grad,
 ) -> torch.Tensor:
-    """``batch`` rows at timesteps 0.5 .. 0.8; ``pad`` masks the last row's final 3 text tokens; run under ``mode``
-    (a grad mode: ``torch.no_grad``, ``torch.inference_mode``, ``torch.enable_grad``)."""
+    """``batch`` rows at timesteps 0.5 .. 0.8, ``pad``: last row's final 3 text tokens masked, under grad ``mode``."""
     kw = inputs(tr.proj_out.weight.dtype, batch, hw, txt, pad=3 if pad else 0, seed=seed)
     kw.update(
         encoder_hidden_states_mask=kw["encoder_hidden_states_mask"].long(), timestep=torch.linspace(0.5, 0.8, batch)

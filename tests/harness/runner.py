@@ -12,8 +12,7 @@ from vllm_omni_ascend_opt.testbed.model_runner import RunnerHarness
 
 @contextmanager
 def loaded(runtime: Any, spec: str | None = None, **fields: Any) -> Iterator[RunnerHarness]:
-    """The tiny model loaded with the ``OmniDiffusionConfig`` ``fields``, ``spec`` selected first (when given);
-    closed, with nothing selected, afterwards."""
+    """The tiny model loaded with ``OmniDiffusionConfig`` ``fields`` after ``spec``; closed, none selected, after."""
     if spec is not None:
         api.select(spec)
     h = RunnerHarness.load(runtime, **fields)
