@@ -82,10 +82,19 @@ def atomic_write(path: Path, content: str | Callable[[Path], Any]) -> Path:
     return path
 
 
-def _table_head(first: str, last: str) -> list[str]:
-    """A markdown table's header and separator: the ``first`` columns, one per stage, then the ``last``."""
-    cols = [*first.split(" | "), *(f"{STAGE_TITLES[s]} ms" for s in STAGES), *last.split(" | ")]
+def write_json(path: Path, obj: Any) -> Path:
+    """``obj`` as JSON (non-finite floats as strings) to ``path``, atomically."""
+    return atomic_write(path, json.dumps(jsonable(obj), indent=1, allow_nan=False))
+
+
+def table_head(cols: list[str]) -> list[str]:
+    """A markdown table's header and separator."""
     return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
+def _table_head(first: str, last: str) -> list[str]:
+    """A markdown table's header: the ``first`` columns, one per stage, then the ``last``."""
+    return table_head([*first.split(" | "), *(f"{STAGE_TITLES[s]} ms" for s in STAGES), *last.split(" | ")])
 
 
 def _num(v: float | None, spec: str = ".2f", unit: str = "") -> str:
@@ -346,8 +355,7 @@ def memory_section(configs: list[dict[str, Any]]) -> list[str]:
         "(weights and inputs excluded; `testbed/memory.py`), on a warm request: one per configuration, before "
         "its timed samples.",
         "",
-        "| configuration | " + " | ".join(cols) + " |",
-        "|---|" + "---|" * len(cols),
+        *table_head(["configuration", *cols]),
     ]
     for c in measured:
         mem = c["memory"]
@@ -417,7 +425,7 @@ def write_all(results: dict[str, Any], out: Path) -> dict[str, Path]:
     """results.json, report.md and ablation.png in ``out``, each written atomically."""
     out = Path(out)
     return {
-        "json": atomic_write(out / "results.json", json.dumps(jsonable(results), indent=1, allow_nan=False)),
+        "json": write_json(out / "results.json", results),
         "markdown": atomic_write(out / "report.md", markdown(results)),
         "chart": write_chart(results, out),
     }
@@ -439,8 +447,7 @@ def reference_section(ref: dict[str, Any] | None) -> list[str]:
         lines.append("Differs from the set: " + "; ".join(f"{f['field']} {f['a']} → {f['b']}" for f in differs) + ".")
     lines += [
         "",
-        "| configuration | vs reference | pixel-identical | SSIM min | PSNR min | one side only |",
-        "|---|---|---|---|---|---|",
+        *table_head(["configuration", "vs reference", "pixel-identical", "SSIM min", "PSNR min", "one side only"]),
     ]
     for cid, r in ref["configs"].items():
         if "error" in r:
