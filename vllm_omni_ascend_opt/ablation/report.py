@@ -234,7 +234,6 @@ def markdown(results: dict[str, Any]) -> str:
             f"**{d['label']}** | {_num(d.get('p_value'), '.2g')} | {_saved(d, 'total_saved_ms')} | {_control(d)} | {st} | "
             f"{gate_cell(chk)} |"
         )
-    sig = results.get("significance") or {}
     lines += [
         "",
         "Saved = time without − time with the optimization (positive: faster), from the configurations named in "
@@ -243,7 +242,7 @@ def markdown(results: dict[str, Any]) -> str:
         "the other stages, which nothing compared changes, differ (⚠ beyond their noise floor: process bias, the "
         "comparison is inconclusive). docs/ablation.md in vllm-omni-ascend-opt explains how to read this report.",
         "",
-        _significance(sig),
+        _significance(results.get("significance") or {}),
         *information_section((results.get("information") or {}).get("vs_unquantized"), results["gates"]),
         "",
         "## Configurations",

@@ -1,6 +1,5 @@
 """``vllm-omni-ascend-opt compare A B``: two reference sets (or a set and an ablation output) image by image, paired
-by key, gated by tier; the reports are written only once everything was compared.
-"""
+by key, gated by tier; the reports are written only once everything was compared."""
 
 from __future__ import annotations
 
