@@ -249,8 +249,7 @@ def peak_memory(ready: list[dict[str, Any]]) -> dict[str, Any] | None:
             continue
         for label, m in mem.items():
             cur = out.setdefault(label, {"peak": 0, "end": 0})
-            cur["peak"] = max(cur["peak"], int(m["peak"]))
-            cur["end"] = max(cur["end"], int(m["end"]))
+            cur.update({k: max(v, int(m[k])) for k, v in cur.items()})
     if errors and not out:
         return {"error": errors[-1]}
     return out or None
