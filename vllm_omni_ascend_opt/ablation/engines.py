@@ -1,6 +1,5 @@
 """The ablation worker's engines (``testbed``, ``omni``, ``serve``: docs/ablation.md, "Engines: which one when"):
-``load()``, ``generate(prompt, seed) -> Generation``, ``active()`` (None: unknown), ``model_reasons(name)``, ``close()``.
-"""
+``load()``, ``generate(prompt, seed) -> Generation``, ``active()`` (None: unknown), ``model_reasons(name)``, ``close()``."""
 
 from __future__ import annotations
 

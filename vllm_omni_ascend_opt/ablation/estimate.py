@@ -1,7 +1,6 @@
 """Estimated ms saved on a 910B1 (a model, NOT a measurement): batch-1 eager Qwen-Image on an Ascend NPU is bound
 by kernel launches, so launches saved (:data:`TABLE_FILE`) x a per-launch cost (:func:`calibration`); docs/results.md
-explains both. Faster kernels count only their launches.
-"""
+explains both. Faster kernels count only their launches."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """From a workload, a mode and the registry to the configurations an ablation runs (docs/ablation.md, "Modes and
-configurations"): ``stock``, ``full``, ``full_ctrl`` (the noise floor) and what the mode adds, same sets merged.
-"""
+configurations"): ``stock``, ``full``, ``full_ctrl`` (the noise floor) and what the mode adds, same sets merged."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Reference sets: a workload's images with a manifest that says exactly what made them (``manifest.json``, with the
-SHA-256 of every other file), to be compared on another machine, release or configuration; their layout is in
-docs/ablation.md, "Comparing machines and releases".
-"""
+"""Reference sets: a workload's images with a ``manifest.json`` of what made them and every file's SHA-256, to compare
+across machines, releases and configurations (docs/ablation.md, "Comparing machines and releases")."""
 
 from __future__ import annotations
 
@@ -158,8 +156,7 @@ def load(path: Path | str, config: str | None = None) -> RefSet:
             f"{root / MANIFEST}: unknown manifest version {m.get('version')!r} (this vllm-omni-ascend-opt reads "
             f"version {MANIFEST_VERSION}; a newer release wrote it?)"
         )
-    files = m.get("files")
-    images = m.get("images")
+    files, images = m.get("files"), m.get("images")
     if not isinstance(files, dict) or not isinstance(images, list):
         raise SetError(f"{root / MANIFEST}: corrupt manifest: 'files' and 'images' are missing")
     for rel, want in files.items():

@@ -82,10 +82,19 @@ def atomic_write(path: Path, content: str | Callable[[Path], Any]) -> Path:
     return path
 
 
-def _table_head(first: str, last: str) -> list[str]:
-    """A markdown table's header and separator: the ``first`` columns, one per stage, then the ``last``."""
-    cols = [*first.split(" | "), *(f"{STAGE_TITLES[s]} ms" for s in STAGES), *last.split(" | ")]
+def write_json(path: Path, obj: Any) -> Path:
+    """``obj`` as JSON (non-finite floats as strings) to ``path``, atomically."""
+    return atomic_write(path, json.dumps(jsonable(obj), indent=1, allow_nan=False))
+
+
+def table_head(cols: list[str]) -> list[str]:
+    """A markdown table's header and separator."""
     return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
+def _table_head(first: str, last: str) -> list[str]:
+    """A markdown table's header: the ``first`` columns, one per stage, then the ``last``."""
+    return table_head([*first.split(" | "), *(f"{STAGE_TITLES[s]} ms" for s in STAGES), *last.split(" | ")])
 
 
 def _num(v: float | None, spec: str = ".2f", unit: str = "") -> str:
@@ -225,7 +234,6 @@ def markdown(results: dict[str, Any]) -> str:
             f"**{d['label']}** | {_num(d.get('p_value'), '.2g')} | {_saved(d, 'total_saved_ms')} | {_control(d)} | {st} | "
             f"{gate_cell(chk)} |"
         )
-    sig = results.get("significance") or {}
     lines += [
         "",
         "Saved = time without − time with the optimization (positive: faster), from the configurations named in "
@@ -234,7 +242,7 @@ def markdown(results: dict[str, Any]) -> str:
         "the other stages, which nothing compared changes, differ (⚠ beyond their noise floor: process bias, the "
         "comparison is inconclusive). docs/ablation.md in vllm-omni-ascend-opt explains how to read this report.",
         "",
-        _significance(sig),
+        _significance(results.get("significance") or {}),
         *information_section((results.get("information") or {}).get("vs_unquantized"), results["gates"]),
         "",
         "## Configurations",
@@ -346,8 +354,7 @@ def memory_section(configs: list[dict[str, Any]]) -> list[str]:
         "(weights and inputs excluded; `testbed/memory.py`), on a warm request: one per configuration, before "
         "its timed samples.",
         "",
-        "| configuration | " + " | ".join(cols) + " |",
-        "|---|" + "---|" * len(cols),
+        *table_head(["configuration", *cols]),
     ]
     for c in measured:
         mem = c["memory"]
@@ -417,7 +424,7 @@ def write_all(results: dict[str, Any], out: Path) -> dict[str, Path]:
     """results.json, report.md and ablation.png in ``out``, each written atomically."""
     out = Path(out)
     return {
-        "json": atomic_write(out / "results.json", json.dumps(jsonable(results), indent=1, allow_nan=False)),
+        "json": write_json(out / "results.json", results),
         "markdown": atomic_write(out / "report.md", markdown(results)),
         "chart": write_chart(results, out),
     }
@@ -439,8 +446,7 @@ def reference_section(ref: dict[str, Any] | None) -> list[str]:
         lines.append("Differs from the set: " + "; ".join(f"{f['field']} {f['a']} → {f['b']}" for f in differs) + ".")
     lines += [
         "",
-        "| configuration | vs reference | pixel-identical | SSIM min | PSNR min | one side only |",
-        "|---|---|---|---|---|---|",
+        *table_head(["configuration", "vs reference", "pixel-identical", "SSIM min", "PSNR min", "one side only"]),
     ]
     for cid, r in ref["configs"].items():
         if "error" in r:

@@ -1,6 +1,5 @@
 """``vllm-omni-ascend-opt compare A B``: two reference sets (or a set and an ablation output) image by image, paired
-by key, gated by tier; the reports are written only once everything was compared.
-"""
+by key, gated by tier; the reports are written only once everything was compared."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import numpy as np
 from vllm_omni_ascend_opt.ablation import compare
 from vllm_omni_ascend_opt.ablation import refset as _refset
 from vllm_omni_ascend_opt.ablation.refset import MAY_DIFFER, MUST_MATCH, RefSet, SetError
+from vllm_omni_ascend_opt.ablation.report import atomic_write, table_head, write_json
 
 TIERS = ("exact", "pixel", "close")
 WITHIN, OUTSIDE, NOTHING = 0, 1, 2
@@ -61,14 +61,9 @@ def compare_pair(ea: Any, eb: Any) -> dict[str, Any]:
 
 def gate(pairs: list[dict[str, Any]], tier: str, ssim_gate: float, psnr_gate: float) -> dict[str, Any]:
     """The tier's gate on the worst case over ``pairs`` (:func:`.compare.gate`, the ablation runner's)."""
-    per = {p["id_a"]: {k: p[k] for k in compare.METRIC_KEYS} for p in pairs}
-    agg = compare.aggregate(per)
-    if tier == "exact" and any(p["tensors"] is None for p in pairs):
-        agg["bitwise_identical"] = None  # a side without tensors: the exact tier falls back to pixel identity
-    elif tier == "exact":
-        agg["bitwise_identical"] = all(p["tensors"]["bitwise_identical"] for p in pairs)
-    g = compare.gate(agg, tier, ssim_gate, psnr_gate)
-    return {"worst": agg, **g}
+    # a pair's bitwise_identical is its tensors' (None without both): the exact tier then falls back to pixels
+    agg = compare.aggregate({p["id_a"]: {k: p[k] for k in compare.METRIC_KEYS} for p in pairs})
+    return {"worst": agg, **compare.gate(agg, tier, ssim_gate, psnr_gate)}
 
 
 def run_compare(
@@ -150,8 +145,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"## Pairs (tier {res['tier']}; close gates SSIM ≥ {res['gates']['ssim']}, PSNR ≥ "
         f"{res['gates']['psnr_db']} dB)",
         "",
-        "| " + " | ".join(HEAD) + " |",
-        "|" + "---|" * len(HEAD),
+        *table_head(HEAD),
     ]
     lines += ["| " + " | ".join(r) + " |" for r in summary_rows(res)]
     for side in ("a", "b"):
@@ -192,14 +186,12 @@ def write_png(res: dict[str, Any], a: RefSet, b: RefSet, path: Path) -> None:
 
 def write(res: dict[str, Any], a: RefSet, b: RefSet, out: Path) -> dict[str, Path]:
     """compare.json, compare.md and (with pairs) compare.png in ``out``, each written atomically."""
-    from vllm_omni_ascend_opt.ablation.report import atomic_write, jsonable
-
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     if res["pairs"]:
         paths["png"] = atomic_write(out / "compare.png", lambda tmp: write_png(res, a, b, tmp))
     return {
-        "json": atomic_write(out / "compare.json", json.dumps(jsonable(res), indent=1, allow_nan=False)),
+        "json": write_json(out / "compare.json", res),
         "markdown": atomic_write(out / "compare.md", markdown(res)),
         **paths,
     }

@@ -1,8 +1,5 @@
-"""From raw measurements to the figures verdicts are made of: a configuration's time per complete round
-(``round_stat`` over its samples), time saved per round (``time(without) - time(with)``), the noise floor and the
-labels, as defined in docs/ablation.md ("Verdicts and exit codes"); stage-aware comparisons, whose other stages are
-a control that flags *process bias* (docs/ablation.md, "How verdicts are made").
-"""
+"""From raw measurements to the figures verdicts are made of: per-round times, savings, noise floor, labels and the
+control stages that flag *process bias* (docs/ablation.md, "Verdicts and exit codes", "How verdicts are made")."""
 
 from __future__ import annotations
 
@@ -99,10 +96,8 @@ def _null_cdf(scores: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def signed_rank_p(per_round: list[float]) -> float:
-    """Two-sided p of the exact Wilcoxon signed-rank test that the savings are symmetric about zero.
-
-    Ranks of |saving| (mid-ranks for ties, zero savings dropped); the null distribution is every sign assignment,
-    counted exactly, so the false-alarm rate holds at any number of rounds."""
+    """Two-sided p of the exact Wilcoxon signed-rank test (mid-ranks for ties, zeros dropped) of savings about zero:
+    every sign assignment is counted, so the false-alarm rate holds at any number of rounds."""
     xs = [x for x in per_round if x != 0]
     if not xs:
         return 1.0
@@ -165,8 +160,7 @@ def label(
 
 
 def noise_floor(means: Means, a: str = "full_ctrl", b: str = "full") -> dict[str, Any] | None:
-    """|mean of a - b| + two standard errors over rounds (one round: that round's |difference|): by default the two
-    identical full stacks."""
+    """|mean of a - b| + two standard errors over rounds (default: the two identical full stacks)."""
     p = pair(means, a, b)
     per = p["per_round_ms"]
     if not per:
@@ -255,8 +249,7 @@ def peak_memory(ready: list[dict[str, Any]]) -> dict[str, Any] | None:
             continue
         for label, m in mem.items():
             cur = out.setdefault(label, {"peak": 0, "end": 0})
-            cur["peak"] = max(cur["peak"], int(m["peak"]))
-            cur["end"] = max(cur["end"], int(m["end"]))
+            cur.update({k: max(v, int(m[k])) for k, v in cur.items()})
     if errors and not out:
         return {"error": errors[-1]}
     return out or None
@@ -305,9 +298,8 @@ Nulls = dict[str, list[tuple[str, str]]]
 def _measured(
     means: Means, basis: tuple[str, ...], without: str, with_: str, nulls: Nulls | None = None
 ) -> tuple[dict[str, Any], float | None, str]:
-    """:func:`pair`, the noise floor and the label (its own test) of a comparison on ``basis``. The floor is the
-    largest over the identical full stacks and every other pair that is null on all of ``basis`` (``nulls``): one
-    pair of processes says little of how far two processes' speeds can differ on a stage."""
+    """:func:`pair`, noise floor and label of a comparison on ``basis``; the floor is the largest over the identical
+    full stacks and every other pair null on all of ``basis`` (``nulls``)."""
     on = _on(means, basis)
     p = pair(on, without, with_)
     pairs = [("full_ctrl", "full")]
