@@ -18,8 +18,6 @@ from vllm_omni_ascend_opt.devtime import model as M
 from vllm_omni_ascend_opt.devtime.costs import ATTENTION, GEMM, OTHER
 from vllm_omni_ascend_opt.devtime.trace import Op
 
-EL = {"bfloat16": 2, "float16": 2, "float32": 4}
-
 
 def load(path: Path) -> dict[str, Any]:
     """The verdict table of a saved-verdict file: {kernel: {class key text: [ok, reason, timing]}}."""
@@ -32,7 +30,7 @@ def load(path: Path) -> dict[str, Any]:
 def op_of(kernel: str, key: str) -> Op | None:
     """The op a timed class stands for (kind, FLOPs, bytes, one launch), from its key text; None when unknown."""
     p = key.split("|")
-    el = EL.get(p[1], 2) if len(p) > 1 else 2
+    el = {"bfloat16": 2, "float16": 2, "float32": 4}.get(p[1], 2) if len(p) > 1 else 2
     if kernel == "npu_fusion_attention" and len(p) == 9:
         bn, group, sq, skv, d = (int(x) for x in p[3:8])
         nbytes = el * d * (2 * bn * sq + 2 * (bn // max(1, group)) * skv)

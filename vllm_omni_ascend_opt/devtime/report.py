@@ -78,21 +78,19 @@ def text_tables(table: dict[str, Any], fit: M.Fit, workload: str, steps: int, cf
         lines.append(f"    {name:<28} {ms:8.0f} ms   x{ms / preds[name].floor_ms:4.2f} of the floor")
     calls = steps * cfg_forwards
     per_step = preds["default"].transformer_ms * cfg_forwards if "default" in preds else 0.0
-    lines.append(
-        f"    top {top} ops of the default stack that are neither GEMMs nor attention (ms per image; "
-        f"% of the predicted default step):"
-    )
-    for r in top_ops(table, p, workload, "default", "transformer", top, calls):
-        share = 100 * r["ms"] / calls / per_step if per_step else 0.0
-        lines.append(
-            f"      {r['ms']:7.1f} ms {share:4.1f}%  {r['op']:<28} {r['launches']:6d} launches {r['gbytes']:7.1f} GB"
-            f"  {r['site']}"
-        )
-    lines.append(f"    VAE decode (default), top {top} such ops:")
-    for r in top_ops(table, p, workload, "default", "vae", top, 1):
-        lines.append(
-            f"      {r['ms']:7.1f} ms  {r['op']:<28} {r['launches']:6d} launches {r['gbytes']:7.1f} GB  {r['site']}"
-        )
+    heads = {
+        "transformer": f"    top {top} ops of the default stack that are neither GEMMs nor attention (ms per image; "
+        "% of the predicted default step):",
+        "vae": f"    VAE decode (default), top {top} such ops:",
+    }
+    for part, n in (("transformer", calls), ("vae", 1)):
+        lines.append(heads[part])
+        for r in top_ops(table, p, workload, "default", part, top, n):
+            share = f" {100 * r['ms'] / calls / per_step if per_step else 0.0:4.1f}%" if part == "transformer" else ""
+            lines.append(
+                f"      {r['ms']:7.1f} ms{share}  {r['op']:<28} {r['launches']:6d} launches {r['gbytes']:7.1f} GB"
+                f"  {r['site']}"
+            )
     return lines
 
 

@@ -72,15 +72,15 @@ def ordered(names: Any) -> list[str]:
     return sorted(names, key=lambda n: order.index(n) if n in order else len(order))
 
 
+def _parts(names: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``names``' transformer and VAE optimizations, each sorted."""
+    return tuple(sorted(set(names) & set(transformer_names()))), tuple(sorted(set(names) & set(vae_names())))
+
+
 def find_config(table: dict[str, Any], opts: list[str] | tuple[str, ...]) -> str | None:
     """The table's configuration that selects the same optimizations as ``opts`` for the transformer and the VAE."""
-    tr, vae = set(transformer_names()), set(vae_names())
-
-    def norm(names: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return tuple(sorted(set(names) & tr)), tuple(sorted(set(names) & vae))
-
     first = next(iter(table["workloads"].values()))
-    return next((name for name, entry in first.items() if norm(entry["opts"]) == norm(opts)), None)
+    return next((name for name, entry in first.items() if _parts(entry["opts"]) == _parts(opts)), None)
 
 
 def build(rt: Any, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -88,7 +88,6 @@ def build(rt: Any, *, progress: Callable[[str], None] | None = None) -> dict[str
     from vllm_omni_ascend_opt import flags as flags_mod
 
     configs = configurations()
-    tr_names, vae_set = set(transformer_names()), set(vae_names())
     tr, vae = T.build_transformer(rt), T.build_vae()
     out: dict[str, Any] = {
         "version": VERSION,
@@ -104,8 +103,8 @@ def build(rt: Any, *, progress: Callable[[str], None] | None = None) -> dict[str
             entry: dict[str, Any] = {}
             for name, spec in configs.items():
                 opts = flags_mod.parse_spec(spec)
-                tkey = ("transformer", tuple(sorted(set(opts) & tr_names)))
-                vkey = ("vae", tuple(sorted(set(opts) & vae_set)))
+                tr_opts, vae_opts = _parts(opts)
+                tkey, vkey = ("transformer", tr_opts), ("vae", vae_opts)
                 if tkey not in traced:
                     traced[tkey] = T.trace_transformer(rt, tr, _only(tkey[1]), kw).per_call(BLOCKS).to_list()
                 if vkey not in traced:

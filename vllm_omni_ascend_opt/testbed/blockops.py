@@ -51,8 +51,7 @@ def new_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype, mode: Any = No
 def build_transformer(rt: Any, spec: ModelSpec, dtype: torch.dtype) -> Any:
     """vLLM-Omni's transformer for ``spec`` with the test bed's seeded random weights, in ``dtype``."""
     tr = new_transformer(rt, spec, dtype)
-    state = random_transformer_state_dict(spec, seed=0)
-    tr.load_weights(state.items())
+    tr.load_weights(random_transformer_state_dict(spec, seed=0).items())
     return tr.to(dtype).eval()
 
 

@@ -158,9 +158,8 @@ class SyncCounter(TorchDispatchMode):
             frame = sys._getframe(1)
             ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else -1
             host = counter._host_copy
-            if name != "cpu" and host is not None and host[0] is frame and host[1] == ptr:
-                pass  # a read of the host copy made by .cpu() in this frame
-            else:
+            # not a read of the host copy made by .cpu() in this frame
+            if name == "cpu" or host is None or host[0] is not frame or host[1] != ptr:
                 counter.sites[call_site(2)] += 1
             counter._depth += 1
             try:

@@ -59,15 +59,11 @@ def route_attention_to_sdpa_on_cpu() -> None:
     plat_cls = type(current_omni_platform)
     if plat_cls.__name__ != "UnspecifiedOmniPlatform" or getattr(plat_cls, "_ascend_opt_cpu_routed", False):
         return
-
-    def get_diffusion_attn_backend_cls(cls, selected_backend=None, head_size=0, **_: Any) -> str:
-        return "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
-
-    def forward(self, query, key, value, attn_metadata=None):
-        return self._forward_impl(query, key, value, attn_metadata)
-
-    plat_cls.get_diffusion_attn_backend_cls = classmethod(get_diffusion_attn_backend_cls)
-    SDPAImpl.forward = forward
+    sdpa = "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
+    plat_cls.get_diffusion_attn_backend_cls = classmethod(lambda cls, selected_backend=None, head_size=0, **_: sdpa)
+    SDPAImpl.forward = lambda self, query, key, value, attn_metadata=None: self._forward_impl(
+        query, key, value, attn_metadata
+    )
     plat_cls._ascend_opt_cpu_routed = True
 
 

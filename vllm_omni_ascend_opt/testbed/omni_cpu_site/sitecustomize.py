@@ -19,12 +19,7 @@ ENV = "VLLM_OMNI_ASCEND_OPT_CPU_RUNTIME"
 _TRANSFORMERS_MODELS = "transformers.models."
 
 
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def create_module(self, spec):
-        return None
-
-
-class _TorchvisionFreeImageProcessors(_Finder):
+class _TorchvisionFreeImageProcessors(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
         if not fullname.startswith(_TRANSFORMERS_MODELS):
             return None
@@ -47,7 +42,7 @@ class _TorchvisionFreeImageProcessors(_Finder):
         module.__ascend_opt_cpu_twin__ = twin
 
 
-class _AudioPlaceholders(_Finder):
+class _AudioPlaceholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
         if fullname.partition(".")[0] == "torchaudio":
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
