@@ -348,8 +348,9 @@ Ir                   file:function
     assert torch.equal(out[0], ref)
     assert ja.stats["joint_calls"] == 2 and ja.fallback_reasons() == {}
     assert type(tr.transformer_blocks) is cls and "marks" not in blocks.__dict__
-    # each block's time lands in its own segment: a block made 5 ms slower shows in that segment only
-    spin_ns = 5_000_000
+    # each block's time lands in its own segment: a block made 20 ms slower shows in that segment only (the others are
+    # compared with the run above, not with a fixed bound that a loaded machine could break)
+    base, spin_ns = seg, 20_000_000
 
     def spin(*_: object) -> None:
         t0 = time.thread_time_ns()
@@ -362,6 +363,8 @@ Ir                   file:function
             seg = segments.segments_ns(timed, lambda: tr(**kw))
     finally:
         handle.remove()
-    assert seg[1] >= spin_ns and max(seg[0], *seg[2:]) < spin_ns, seg
+    assert seg[1] >= spin_ns and all(
+        s - b < spin_ns for i, (s, b) in enumerate(zip(seg, base, strict=True)) if i != 1
+    ), (seg, base)
     row = segments.summarize([[1000, 5000, 3000, 2000], [3000, 7000, 5000, 4000]])
     assert row == {"before": 2.0, "first_block": 6.0, "later_block": 4.0, "after": 3.0, "blocks": 2, "total": 15.0}
