@@ -38,11 +38,13 @@ PROTOCOL_VERSION = 1
 
 
 def send(stream: IO[str], obj: dict[str, Any]) -> None:
+    """One protocol message: a compact JSON line, flushed at once (the other side blocks on it)."""
     stream.write(json.dumps(obj, separators=(",", ":")) + "\n")
     stream.flush()
 
 
 def decode(line: str) -> dict[str, Any]:
+    """One protocol line as its message; anything but a JSON object is an error, not a message."""
     obj = json.loads(line)
     if not isinstance(obj, dict):
         raise ValueError(f"protocol message is not an object: {line[:200]!r}")
