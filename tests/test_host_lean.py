@@ -3,6 +3,7 @@ weight keys under layerwise offload, the direct calls of known layers, and bench
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from pathlib import Path
@@ -289,7 +290,7 @@ def test_memo_under_layerwise_offload_hits_warm_and_misses_real_changes(runtime)
 
 
 # ----- the sync counter; bench_host: callgrind's per-function counts split, host time per segment in the forward ------
-def test_sync_counter_instruction_split_and_segment_timer_split_a_forward_per_block(runtime, monkeypatch):
+def test_sync_counter_instruction_split_and_segment_timer_split_a_forward_per_block(runtime, monkeypatch, request):
     # the test bed's host-sync counter counts each host read once and says where
     x = torch.randn(4)
     with SyncCounter() as s:
@@ -339,6 +340,8 @@ Ir                   file:function
     ja = registry.get("joint_attention")
     ja.reset_stats()
     out = []
+    gc.disable()  # a collection of the process's heap inside one segment would outweigh the spin below
+    request.addfinalizer(gc.enable)
     with segments.timed_blocks(tr) as timed, runtime.context(), torch.no_grad():
         assert timed is blocks and isinstance(timed, segments.TimedBlocks)
         seg = segments.segments_ns(timed, lambda: out.append(tr(**kw)[0]))
@@ -348,9 +351,9 @@ Ir                   file:function
     assert torch.equal(out[0], ref)
     assert ja.stats["joint_calls"] == 2 and ja.fallback_reasons() == {}
     assert type(tr.transformer_blocks) is cls and "marks" not in blocks.__dict__
-    # each block's time lands in its own segment: a block made 20 ms slower shows in that segment only (the others are
-    # compared with the run above, not with a fixed bound that a loaded machine could break)
-    base, spin_ns = seg, 20_000_000
+    # each block's time lands in its own segment: a block made 40 ms slower shows in that segment only (the others are
+    # compared with the run above, within half the spin, not with a fixed bound that a loaded machine could break)
+    base, spin_ns = seg, 40_000_000
 
     def spin(*_: object) -> None:
         t0 = time.thread_time_ns()
@@ -364,7 +367,8 @@ Ir                   file:function
     finally:
         handle.remove()
     assert seg[1] >= spin_ns and all(
-        s - b < spin_ns for i, (s, b) in enumerate(zip(seg, base, strict=True)) if i != 1
+        s - b < spin_ns // 2 for i, (s, b) in enumerate(zip(seg, base, strict=True)) if i != 1
     ), (seg, base)
+    gc.enable()
     row = segments.summarize([[1000, 5000, 3000, 2000], [3000, 7000, 5000, 4000]])
     assert row == {"before": 2.0, "first_block": 6.0, "later_block": 4.0, "after": 3.0, "blocks": 2, "total": 15.0}
