@@ -344,12 +344,6 @@ def _print(results: list[dict]) -> None:
             "  peak MB = process RSS high-water; fwd / vae MiB = tensor storage one transformer forward / one VAE "
             "decode allocates and holds at its worst moment (weights and inputs excluded), on a warm request"
         )
-    from vllm_omni_ascend_opt.ablation import estimate
-
-    names = dict.fromkeys(r["config"] for res in results for r in res.get("rows", []))
-    specs = {"stock": "none", "full": "default", "all": "all"}
-    if names:
-        print("\n" + estimate.summary({n: specs.get(n, f"none,{n}") for n in names}))
 
 
 def _x(v: float | None) -> str:

@@ -326,10 +326,6 @@ def report(res: dict[str, Any]) -> str:
                 f"{row['ops_per_block']:>9} {row['ops_per_step']:>8} {row['mod_bytes_per_step'] / 1e6:>11.1f}"
             )
     lines.append("")
-    from vllm_omni_ascend_opt.ablation import estimate
-
-    names = next(iter(res["resolutions"].values()))["configs"] if res["resolutions"] else {}
-    lines.append(estimate.summary({n: CONFIGS[n] for n in names if n in CONFIGS}))
     lines.append("warm = median / min over rounds x warm forwards with the memo filled (a repeated request), timed")
     lines.append("under inference_mode like vLLM-Omni's runner, each ratio against stock's same statistic; the min is")
     lines.append("the robust one on a shared machine; cpu = median process CPU time (2 threads summed), the least")

@@ -18,7 +18,7 @@ def test_plan_lists_configurations_runs_and_estimate(capsys, tmp_path):
     assert "configuration" in out and "stock" in out and "full_ctrl" in out and "estimated" in out
     for opt in registry.all_optimizations():  # every optimization is either in the run or listed as skipped
         assert opt.name in out
-    assert "910B1 (model" not in out  # the 910B1 launch estimate is of a real checkpoint only
+    assert "device-time model" not in out  # the device-time model is of a real checkpoint only
     assert not (tmp_path / "o").exists()  # a dry run writes nothing
 
 

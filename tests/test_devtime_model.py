@@ -135,18 +135,18 @@ def test_layouts_name_a_best_and_price_tp_above_sp(table, fit):
     assert usp["ms"] < tp["ms"] < one["ms"] and tp["comm_ms_per_step"] > usp["comm_ms_per_step"] > 0
 
 
-def test_plan_prints_the_model_with_the_launch_only_column_and_layouts(capsys, tmp_path):
+def test_plan_prints_the_model_with_its_calibration_and_layouts(capsys, tmp_path):
     args = ["plan", "--workload", "qwen-image-910b1", "--out", str(tmp_path / "o"), "--cards", "2"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "device-time model (model, not measured" in out and "launch-only saved" in out
+    assert "device-time model (model, not measured" in out and "launch-only" not in out
     assert "x compute floor" in out or "of the floor" in out
     assert "calibration residuals:" in out and "best for 2 cards:" in out
     assert main(["plan", "--json", *args[1:]]) == 0
     data = json.loads(capsys.readouterr().out)
     rows = data["devtime_model"]["configs"]
     assert rows["stock"]["model_ms_saved"] == 0 and rows["full"]["model_ms"] is not None
-    assert rows["full"]["launch_only_ms_saved"] == data["launch_estimate"]["ms_saved"]["full"]
+    assert rows["full"]["model_ms_saved"] > 0 and "launch_estimate" not in data
     assert main([*args[:-2], "--cards", "two"]) == 2
 
 

@@ -291,11 +291,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     est = estimate(plan)
     stored = _stored_measurements(plan, args.out)
     wl = plan.workload
-    launch = devtime = None
-    if not wl.is_tiny:  # the launch and device-time models are of a real checkpoint
+    devtime = None
+    if not wl.is_tiny:  # the device-time model is of a real checkpoint
         from vllm_omni_ascend_opt.devtime import report as devtime_report
 
-        launch = _launch_estimate(plan)
         devtime = devtime_report.for_plan(
             # the unquantized information configuration is bf16 stock: the bf16 column already prices it
             {c.id: list(c.opts) for c in plan.configs if not c.od_drop},
@@ -304,23 +303,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
             width=wl.width,
             steps=wl.steps,
             cfg_forwards=2 if wl.cfg_scale > 1 else 1,
-            launch_ms_saved=launch["ms_saved"],
             cards=cards,
             quantization=args.quantization or wl.od_config.get("quantization_config"),
         )
     if args.json:
         out = {"plan": plan.to_dict(), "estimate": dataclasses.asdict(est), "stored_measurements": stored}
-        if launch is not None:
-            out["launch_estimate"] = launch
+        if devtime is not None:
             out["devtime_model"] = {k: v for k, v in devtime.items() if k not in ("tables", "layouts")}
         print(json.dumps(out, indent=1))
         return 0
     _print_plan(plan, est)
-    if launch is not None:
-        print(f"\n  {launch['label']}, per image, from kernel launches saved (ablation/estimate.py):")
-        for cid, ms in launch["ms_saved"].items():
-            print(f"    {cid:<24} {'n/a (not in the launch table)' if ms is None else f'{ms:.0f} ms'}")
-        print(textwrap.fill(launch["calibration"], 110, initial_indent="    ", subsequent_indent="    "))
+    if devtime is not None:
         print("\n".join(devtime_report.plan_lines(devtime)))
     if stored:
         print(
@@ -330,23 +323,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not plan.stack:
         print("\n  nothing to measure: no optimization can take part (see above)")
     return 0
-
-
-def _launch_estimate(plan: Any) -> dict[str, Any]:
-    """Per configuration, the estimated ms saved on a 910B1 (model, not measured)."""
-    from vllm_omni_ascend_opt.ablation import estimate as launch_model
-
-    wl = plan.workload
-    try:
-        cal = launch_model.calibration()
-    except (OSError, ValueError) as exc:
-        return {"label": launch_model.LABEL, "ms_saved": {}, "calibration": f"unavailable: {exc}"}
-    cfg = wl.cfg_scale > 1
-    return {
-        "label": launch_model.LABEL,
-        "ms_saved": {c.id: launch_model.ms_saved(c.opts, steps=wl.steps, cfg=cfg) for c in plan.configs},
-        "calibration": f"{wl.steps} steps x {2 if cfg else 1} forward(s) per step x 60 blocks; {cal.describe()}",
-    }
 
 
 def _stored_measurements(plan: Any, out: Path) -> int:

@@ -43,7 +43,7 @@ PRIORS: dict[str, tuple[float, float, str]] = {
     "attn_eff": (0.45, 0.5, "fused attention usually reaches less than GEMMs (softmax on the vector unit)"),
     "bw_eff": (0.6, 0.7, "element-wise kernels usually reach 50-80% of HBM bandwidth"),
     "gemm_bw_eff": (0.4, 1.0, "a GEMV (M = 1) streams its weights well below the element-wise bandwidth"),
-    "launch_us": (10.0, 1.0, "eager torch_npu: ~10 us of device time per small kernel (the launch model's order)"),
+    "launch_us": (10.0, 1.0, "eager torch_npu: ~10 us of device time per small kernel"),
     "const_ms": (150.0, 1.0, "Qwen2.5-VL-7B text encoder (~15 GB of weights read once) plus the pipeline's own work"),
 }
 _SIGMA_MS = 5.0  # weight of a calibration point: its ms residual over this

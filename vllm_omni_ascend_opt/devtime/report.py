@@ -106,12 +106,10 @@ def for_plan(
     width: int,
     steps: int,
     cfg_forwards: int,
-    launch_ms_saved: dict[str, float | None] | None = None,
     cards: list[int] | None = None,
     quantization: str | None = None,
 ) -> dict[str, Any]:
-    """``plan``'s model section: per plan configuration (id -> optimizations) the predicted ms and ms saved beside the
-    launch-only figure, the layouts for ``cards``, with ``quantization="int8"`` int8 too; ``note`` says why not."""
+    """``plan``'s model section: per plan configuration (id -> optimizations) the predicted ms and ms saved, the layouts for ``cards``, with ``quantization="int8"`` int8 too; ``note`` says why not."""
     out: dict[str, Any] = {"label": HEAD, "configs": {}, "note": ""}
     if model not in ("Qwen/Qwen-Image", "Qwen-Image"):
         out["note"] = f"the trace table holds Qwen-Image text-to-image only, not {model}"
@@ -136,7 +134,6 @@ def for_plan(
             "table_config": name,
             "model_ms": ms,
             "model_ms_saved": None if ms is None else stock - ms,
-            "launch_only_ms_saved": (launch_ms_saved or {}).get(cid),
         }
         if int8 is not None:
             i8, floor = int8[name].image_ms if name else None, preds["stock"].floor_ms
@@ -168,15 +165,13 @@ def plan_lines(section: dict[str, Any]) -> list[str]:
         return [*lines, f"    not available: {section['note']}"]
     int8 = "int8_note" in section
     extra = f"  {'x floor':>7} {'int8 ms':>8} {'x floor':>7}" if int8 else ""
-    lines.append(f"    {'configuration':<26} {'model ms':>9} {'saved':>7}  {'launch-only saved':>17}{extra}")
+    lines.append(f"    {'configuration':<26} {'model ms':>9} {'saved':>7}{extra}")
     for cid, row in section["configs"].items():
-        ms, saved, lo = row["model_ms"], row["model_ms_saved"], row["launch_only_ms_saved"]
+        ms, saved = row["model_ms"], row["model_ms_saved"]
         if int8:
             x, i8, xi = (row[k] for k in ("x_floor", "int8_ms", "int8_x_floor"))
             extra = f"  {_num(x, '.2f'):>7} {_num(i8, '.0f'):>8} {_num(xi, '.2f'):>7}"
-        lines.append(
-            f"    {cid:<26} {_num(ms, '.0f'):>9} {'' if saved is None else f'{saved:.0f}':>7}  {_num(lo, '.0f'):>17}{extra}"
-        )
+        lines.append(f"    {cid:<26} {_num(ms, '.0f'):>9} {'' if saved is None else f'{saved:.0f}':>7}{extra}")
     if int8:
         lines.append(textwrap.fill(section["int8_note"], 110, initial_indent="    ", subsequent_indent="    "))
     lines += ["", *section["tables"], "  calibration residuals:", *(f"    {r}" for r in section["calibration"])]
