@@ -201,21 +201,3 @@ def text_table(
         if rows:
             lines.append(f"    best for {n} cards: {rows[0][0].name}")
     return lines
-
-
-def published_checks(table: dict[str, Any], params: M.Params) -> list[str]:
-    """The model against the published multi-card figures (vLLM-Omni #3188, #4118; 910B3, 1024x1024). Assumed:
-    50 steps (the pipeline's default), CFG off (no negative prompt in the issue's requests), stock code."""
-    b3 = params.on("910B3")
-    one = predict(table, b3, Layout(), "stock", 1024, 1024, 50, 1)["ms"]
-    usp = predict(table, b3, Layout(ulysses=2), "stock", 1024, 1024, 50, 1)["ms"]
-    tp = predict(table, b3, Layout(tp=2), "stock", 1024, 1024, 50, 1)["ms"]
-    tp85 = predict(table, b3, Layout(tp=2), "stock", 1024, 1024, 50, 1, latency_us=85e3)["ms"]
-    return [
-        f"  published multi-card figures against the model ({M.LABEL}; 910B3 = the 910B1 fit at 910B3's peak; "
-        "1024x1024, 50 steps, CFG off, stock):",
-        f"    1 card: published ~26.6 s (#3188), model {one / 1e3:.1f} s",
-        f"    USP2: published about 2x (#4118), model x{one / usp:.2f}",
-        f"    TP2: published no gain (#3188) and ~263 s with ~85 ms per HCCL all-reduce (#4118); model x{one / tp:.2f} "
-        f"at {HCCL_LATENCY_US:.0f} us per collective, {tp85 / 1e3:.0f} s at 85 ms",
-    ]

@@ -94,10 +94,6 @@ def text_tables(table: dict[str, Any], fit: M.Fit, workload: str, steps: int, cf
     return lines
 
 
-def calibration_lines(fit: M.Fit) -> list[str]:
-    return [f"  calibration ({M.LABEL}): {fit.params.describe()}", *(f"    {r}" for r in fit.rows())]
-
-
 def for_plan(
     configs: dict[str, list[str]],
     *,

@@ -36,12 +36,6 @@ def registered_ops() -> frozenset[str]:
     return frozenset(name for name, keys in rows if _DENSE_KEYS & set(keys.split(",")))
 
 
-def wheel_header() -> dict[str, str]:
-    """``{"wheel": file name, "sha256": digest}`` from the registered-op file's header."""
-    lines = REGISTERED_FILE.read_text().splitlines()
-    return {"wheel": lines[0].rsplit(" ", 1)[-1], "sha256": lines[1].split()[-1]}
-
-
 def overload_name(func: Any) -> str:
     """``aten.add.Tensor`` -> ``"add.Tensor"``, ``aten._to_copy.default`` -> ``"_to_copy"`` (the yaml spelling)."""
     base = func._schema.name.split("::", 1)[-1]
