@@ -369,6 +369,5 @@ Ir                   file:function
     assert seg[1] >= spin_ns and all(
         s - b < spin_ns // 2 for i, (s, b) in enumerate(zip(seg, base, strict=True)) if i != 1
     ), (seg, base)
-    gc.enable()
     row = segments.summarize([[1000, 5000, 3000, 2000], [3000, 7000, 5000, 4000]])
     assert row == {"before": 2.0, "first_block": 6.0, "later_block": 4.0, "after": 3.0, "blocks": 2, "total": 15.0}

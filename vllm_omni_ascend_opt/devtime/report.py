@@ -105,7 +105,8 @@ def for_plan(
     cards: list[int] | None = None,
     quantization: str | None = None,
 ) -> dict[str, Any]:
-    """``plan``'s model section: per plan configuration (id -> optimizations) the predicted ms and ms saved, the layouts for ``cards``, with ``quantization="int8"`` int8 too; ``note`` says why not."""
+    """``plan``'s model section: per plan configuration (id -> optimizations) the predicted ms and ms saved, the
+    layouts for ``cards``, with ``quantization="int8"`` int8 too; ``note`` says why not."""
     out: dict[str, Any] = {"label": HEAD, "configs": {}, "note": ""}
     if model not in ("Qwen/Qwen-Image", "Qwen-Image"):
         out["note"] = f"the trace table holds Qwen-Image text-to-image only, not {model}"
