@@ -13,9 +13,15 @@ PYTEST_ARGS ?=
 LOCKS = requirements/cpu-lock.txt requirements/test-lock.txt requirements/serve-lock.txt
 PIP_INSTALL = -m pip install -q --disable-pip-version-check --no-deps
 
+# The locks go in with uv (parallel downloads, unpacking and byte-compiling), pip where uv cannot: uv reads no pip
+# configuration, so pip's find-links (where a machine keeps its torch +cpu wheel) are passed on.
+UV_VERSION = 0.13.8
+UV_INSTALL = $(VENV)/bin/uv pip install -q --no-deps --compile-bytecode $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
 $(STAMP): $(LOCKS) requirements/omni-0.30.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) $(PIP_INSTALL) $(addprefix -r ,$(LOCKS)) -r requirements/omni-0.30.txt
+	$(PY) $(PIP_INSTALL) uv==$(UV_VERSION)
+	$(UV_INSTALL) --python $(PY) $(addprefix -r ,$(LOCKS)) -r requirements/omni-0.30.txt || \
+		$(PY) $(PIP_INSTALL) $(addprefix -r ,$(LOCKS)) -r requirements/omni-0.30.txt
 	$(PY) $(PIP_INSTALL) --no-build-isolation -e .
 	@touch $(STAMP)
 
@@ -29,7 +35,8 @@ SHARED_PTH = zz-ascend-opt-shared-locks.pth
 	@test -x .venv-$*/bin/python || $(PYTHON) -m venv --without-pip .venv-$*
 	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
 		"$$(.venv-$*/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/$(SHARED_PTH)"
-	.venv-$*/bin/python $(PIP_INSTALL) --ignore-installed -r requirements/omni-$*.txt
+	$(UV_INSTALL) --python .venv-$*/bin/python -r requirements/omni-$*.txt || \
+		.venv-$*/bin/python $(PIP_INSTALL) --ignore-installed -r requirements/omni-$*.txt
 	.venv-$*/bin/python $(PIP_INSTALL) --ignore-installed --no-build-isolation -e .
 	@touch $@
 
@@ -45,8 +52,13 @@ test-versions: venvs
 
 venv: $(STAMP)
 
+# The suite in pytest-xdist workers, a module (or a named xdist_group) per unit, the heavy ones first
+# (tests/conftest.py); PYTEST_WORKERS=0 runs it in this process. The project is byte-compiled first: the many child
+# interpreters of the suite then read it, also where PYTHONDONTWRITEBYTECODE keeps them from writing it.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m compileall -q vllm_omni_ascend_opt tests >/dev/null
+	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # The mutation check (docs/testing.md): every named bug in tools/mutations.toml must make its tests fail.
 # Each mutant runs in a scratch copy of the repository; MUTATION_ARGS e.g. "-k rope -j 1".

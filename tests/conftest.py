@@ -15,6 +15,29 @@ sys.path.insert(0, str(REPO))  # "tests.fake_torch_npu" importable
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+#: ``make test`` runs the suite in pytest-xdist workers (``--dist loadgroup``): the module is the unit one worker
+#: runs whole (module-scoped servers and engines start once), unless a test names a group shared across modules.
+HEAVY_FIRST = ("slow", "multiproc")
+
+
+def _group(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return (mark.args[0] if mark.args else mark.kwargs["name"]) if mark else item.module.__name__
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each item in its module's (or named) xdist group; groups holding a ``slow`` test first, then ``multiproc``
+    ones, each in collection order: the longest units start first, so no worker is left with one at the end."""
+    rank: dict[str, int] = {}
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+        heavy = [i for i, m in enumerate(HEAVY_FIRST) if item.get_closest_marker(m)]
+        rank[_group(item)] = min(rank.get(_group(item), len(HEAVY_FIRST)), *heavy, len(HEAVY_FIRST))
+    items.sort(key=lambda item: rank[_group(item)])  # stable: collection order within a rank and a group
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what collection imported (never garbage): the collector's full passes then scan only what tests create."""
     gc.collect()
@@ -35,7 +58,8 @@ def runtime(tiny_model_dir):
 
     from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # workers share the cores
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))
     return init_cpu_runtime(str(tiny_model_dir))
 
 

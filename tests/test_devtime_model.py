@@ -97,6 +97,8 @@ _LAYOUT = {
 }
 
 
+@pytest.mark.multiproc
+@pytest.mark.xdist_group("parallel_run")  # test_parallel's gloo spawn
 @pytest.mark.parametrize("mode", list(_LAYOUT))
 def test_collectives_equal_what_the_gloo_runs_count(mode, tiny_model_dir):
     from tests.test_parallel import _get_run

@@ -26,7 +26,8 @@ from tests.harness.parallel import (
 )
 from vllm_omni_ascend_opt import registry
 
-pytestmark = pytest.mark.multiproc
+# one gloo spawn serves this module and test_devtime_model's collective counts: one xdist worker runs both
+pytestmark = [pytest.mark.multiproc, pytest.mark.xdist_group("parallel_run")]
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 900.0  # a hang guard only
