@@ -1,9 +1,9 @@
 """The plugin inside ``vllm serve <tiny model> --omni`` (vLLM-Omni's OpenAI-compatible server), over real HTTP.
 
-Five servers start at once, each in its own process group: ``default`` (mp executor, a 0.02 MiB memo budget so the
-soak evicts), ``stock`` (``none``, mp: the references), ``bogus`` (a bad flag, in-process), ``strict`` (the same in
-strict mode: must fail to start) and ``other_plugin`` (``VLLM_PLUGINS`` excludes ours). Each writes the plugin's JSON
-status file after every request.
+Four servers start at once, each in its own process group: ``default`` (mp executor, a 0.02 MiB memo budget so the
+soak evicts), ``stock`` (``none``, mp: the references), ``bogus`` (a bad flag, in-process) and ``strict`` (the same in
+strict mode: must fail to start). Each writes the plugin's JSON status file after every request. An engine whose
+``VLLM_PLUGINS`` excludes ours is test_omni_offline's (the same vLLM-Omni engine and plugin loader under the server).
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ class _Servers:
         self.stock = make("stock", "none", True)
         self.bogus = make("bogus", "bogus", False)
         self.strict = make("strict", "bogus", False, VLLM_OMNI_ASCEND_OPT_STRICT="1")
-        self.other = make("other_plugin", "default", False, VLLM_PLUGINS="some_other_plugin")
-        self.all = [self.default, self.stock, self.bogus, self.strict, self.other]
+        self.all = [self.default, self.stock, self.bogus, self.strict]
         self.strict_rc: int | None = None
 
     def status(self, name: str) -> dict:
@@ -79,7 +78,7 @@ def servers(tiny_model_dir, tmp_path_factory):
         for srv in s.all:
             srv.start()
         s.strict_rc = s.strict.wait_exit(timeout=300)
-        for srv in (s.default, s.stock, s.bogus, s.other):
+        for srv in (s.default, s.stock, s.bogus):
             srv.wait_ready(timeout=420)
         yield s
     finally:
@@ -130,15 +129,6 @@ def test_bogus_flag_logs_once_and_serves_stock_but_fails_start_under_strict(serv
     assert "PluginConfigError" in log and "unknown optimization 'bogus'" in log
 
 
-def test_server_without_our_plugin_starts_and_serves_stock(servers):
-    """``VLLM_PLUGINS`` without ours: the server starts, serves stock's image and loads no plugin of ours."""
-    servers.assert_stock(servers.other, 2)
-    assert not (servers.root / "other_plugin.status.json").exists(), "the plugin was loaded despite VLLM_PLUGINS"
-    log = servers.other.log_text()
-    assert "vllm-omni-ascend-opt 0.1.0 (" not in log
-    assert "CPU runtime for vLLM-Omni's engines" in log
-
-
 def test_concurrent_mixed_requests_match_stock_and_a_soak_keeps_caches_within_budget(servers):
     d, st = servers.default, servers.stock
     with ThreadPoolExecutor(max_workers=len(MIXED)) as pool:
@@ -152,7 +142,7 @@ def test_concurrent_mixed_requests_match_stock_and_a_soak_keeps_caches_within_bu
         assert np.array_equal(a, b), f"request {i} {MIXED[i]} differs from stock"
     before = servers.status("default")["requests"]
     sizes = [(32, 32), (48, 48), (64, 32), (32, 64), (64, 64), (16, 16)]
-    n, deadline = 50, time.monotonic() + 300
+    n, deadline = 24, time.monotonic() + 300
     for i in range(n):
         assert time.monotonic() < deadline, f"soak too slow: {i} of {n} requests in 300 s"
         w, h = sizes[i % len(sizes)]
