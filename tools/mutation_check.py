@@ -24,7 +24,9 @@ Exit code: 0 when every selected mutation is killed, 1 otherwise. How to add a m
 from __future__ import annotations
 
 import argparse
+import compileall
 import concurrent.futures as cf
+import importlib.util
 import os
 import queue
 import shutil
@@ -118,27 +120,45 @@ def static_problem(m: Mutation, root: Path) -> str | None:
     return None
 
 
-def _copy_tree(src: Path, dst: Path) -> None:
+def _copy_tree(src: Path, dst: Path, skip: set[str] = SKIP_DIRS) -> None:
     def ignore(_dir: str, names: list[str]) -> set[str]:
         # .venv-<version>: make venvs' other-version environments (GBs; mutants run with the main .venv's python)
-        return {n for n in names if n in SKIP_DIRS or n.endswith(".egg-info") or n.startswith(".venv-")}
+        return {n for n in names if n in skip or n.endswith(".egg-info") or n.startswith(".venv-")}
 
     shutil.copytree(src, dst, ignore=ignore, symlinks=True)
 
 
+def compiled_template(root: Path, dst: Path) -> Path:
+    """A copy of ``root`` with its Python byte-compiled once: each mutant copies it, so that only the mutated file
+    compiles again (copies keep the sources' times, which the bytecode is checked against)."""
+    _copy_tree(root, dst)
+    compileall.compile_dir(dst, quiet=1, workers=1)
+    return dst
+
+
 def run_one(
-    m: Mutation, root: Path, python: str, pytest_args: list[str], zygotes: queue.Queue | None = None
+    m: Mutation,
+    root: Path,
+    python: str,
+    pytest_args: list[str],
+    zygotes: queue.Queue | None = None,
+    template: Path | None = None,
 ) -> Outcome:
-    """Apply ``m`` to a scratch copy of ``root`` and run its selection there (forked from a zygote when given)."""
+    """Apply ``m`` to a scratch copy of ``root`` (of its :func:`compiled_template` when given) and run its selection
+    there (forked from a zygote when given)."""
     t0 = time.monotonic()
     problem = static_problem(m, root)
     if problem:
         return Outcome(m, "ERROR", problem, 0.0)
     with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
         scratch = Path(tmp) / "repo"
-        _copy_tree(root, scratch)
+        if template is None:
+            _copy_tree(root, scratch)
+        else:
+            _copy_tree(template, scratch, skip=SKIP_DIRS - {"__pycache__"})
         target = scratch / m.file
         target.write_text(target.read_text().replace(m.original, m.replacement, 1))
+        Path(importlib.util.cache_from_source(str(target))).unlink(missing_ok=True)
         env = {**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
         argv = ["-x", "-q", "-p", "no:cacheprovider", *pytest_args, *m.selection()]
         if zygotes is not None:
@@ -233,14 +253,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mutation check: {len(mutations)} mutations, {args.jobs} in parallel, tree {root}", flush=True)
     outcomes: list[Outcome] = []
     zygotes = None if args.no_zygote else _start_zygotes(args.python, max(1, args.jobs))
+    tmp = tempfile.TemporaryDirectory(prefix="mutation-template-")
     try:
+        template = compiled_template(root, Path(tmp.name) / "repo")
         with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            futs = [pool.submit(run_one, m, root, args.python, args.pytest_args.split(), zygotes) for m in mutations]
+            extra = args.pytest_args.split()
+            futs = [pool.submit(run_one, m, root, args.python, extra, zygotes, template) for m in mutations]
             for fut in cf.as_completed(futs):
                 o = fut.result()
                 outcomes.append(o)
                 print(f"{o.status:8s} {o.mutation.name:55s} {o.seconds:6.1f} s  {o.detail[:110]}", flush=True)
     finally:
+        tmp.cleanup()
         while zygotes is not None and not zygotes.empty():
             zygotes.get().close()
     total = time.monotonic() - t0
