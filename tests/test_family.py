@@ -196,9 +196,9 @@ def test_ops_per_block_and_step(fam, runtime, fake_npu, npu_paths):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("variant", ["edit-2511", "edit-plus"])
-def test_edit_pipelines_under_ulysses_and_cfg_parallel(variant):
-    """``default`` is bitwise ``none`` on every rank (Ulysses: per-rank segment plans), over images and CFG."""
+def test_edit_pipelines_under_ulysses_and_cfg_parallel():
+    """``default`` is bitwise ``none`` on every rank (Ulysses: per-rank segment plans), over images and CFG; both edit
+    pipelines in one spawn."""
     from tests.harness.parallel import Job, ModeRun, run_parallel_modes
 
     reqs = {
@@ -211,9 +211,18 @@ def test_edit_pipelines_under_ulysses_and_cfg_parallel(variant):
         for spec in ("none", "default")
         for tag, kw in reqs.items()
     )
-    plan = [ModeRun("ulysses", jobs), ModeRun("cfg_parallel", jobs)]
-    runs = run_parallel_modes(plan, model_dir=build_model_dir(TINY_FAMILY[variant]), timeout_s=600.0)
-    for mode, run in runs.items():
+    variants = ("edit-2511", "edit-plus")
+    plan = [
+        ModeRun(mode, jobs, model_dir=str(build_model_dir(TINY_FAMILY[v])), tag=v)
+        for v in variants
+        for mode in ("ulysses", "cfg_parallel")
+    ]
+    runs = run_parallel_modes(plan, timeout_s=900.0)
+    assert sorted(runs) == sorted(f"{v}:{m}" for v in variants for m in ("ulysses", "cfg_parallel"))
+    # each run built its own model (edit-2511 is edit-plus with zero_cond_t): the spawn's runs did not share one
+    assert not torch.equal(runs["edit-2511:ulysses"].images("none:a", 0), runs["edit-plus:ulysses"].images("none:a", 0))
+    for key, run in runs.items():
+        variant, mode = key.split(":")
         for rank in range(run.world_size):
             for tag in reqs:
                 want = run.images(f"none:{tag}", rank)

@@ -81,15 +81,19 @@ class Job:
 
 @dataclass(frozen=True)
 class ModeRun:
-    """One parallel mode in a spawn: its jobs, in order, on a pipeline built in ``dtype``."""
+    """One parallel mode in a spawn: its jobs, in order, on a pipeline built in ``dtype`` from ``model_dir`` (None:
+    the spawn's model); ``tag`` tells apart runs of one mode and dtype on other models."""
 
     mode: str
     jobs: tuple[Job, ...]
     dtype: str = "float32"
+    model_dir: str | None = None
+    tag: str = ""
 
     @property
     def key(self) -> str:
-        return self.mode if self.dtype == "float32" else f"{self.mode}@{self.dtype}"
+        key = self.mode if self.dtype == "float32" else f"{self.mode}@{self.dtype}"
+        return f"{self.tag}:{key}" if self.tag else key
 
 
 @dataclass
@@ -182,6 +186,7 @@ def run_parallel_modes(
                 {
                     "mode": run.mode,
                     "dtype": run.dtype,
+                    "model_dir": run.model_dir or model_dir,
                     "parallel": MODES[run.mode][0],
                     "init_method": f"tcp://127.0.0.1:{free_port()}",
                     "jobs": [dataclasses.asdict(j) for j in run.jobs],
@@ -352,7 +357,7 @@ def _run_mode(cfg: dict[str, Any], run: dict[str, Any], rank: int, capture: LogL
     capture.lines.clear()
     api.select("default")  # before the model modules are imported (patches go in on import) and built
     rt = init_cpu_runtime(
-        cfg["model_dir"],
+        run["model_dir"],
         parallel=run["parallel"],
         rank=rank,
         world_size=cfg["world_size"],
