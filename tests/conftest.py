@@ -13,6 +13,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # "tests.fake_torch_npu" importable
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the engines, servers and workers the tests start: one thread each (vLLM gives an engine worker one per core
+# otherwise), as several run at once beside the test processes on the same cores
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 #: ``make test`` runs the suite in pytest-xdist workers (``--dist loadgroup``): the module is the unit one worker
@@ -58,8 +61,9 @@ def runtime(tiny_model_dir):
 
     from vllm_omni_ascend_opt.testbed.runtime import init_cpu_runtime
 
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # workers share the cores
-    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))
+    # the test processes sharing the cores: xdist's workers, or the mutants the mutation check runs at once
+    share = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or os.environ.get("MUTATION_JOBS") or 1)
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // share)))
     return init_cpu_runtime(str(tiny_model_dir))
 
 

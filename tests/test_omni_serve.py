@@ -1,9 +1,10 @@
 """The plugin inside ``vllm serve <tiny model> --omni`` (vLLM-Omni's OpenAI-compatible server), over real HTTP.
 
 Four servers start at once, each in its own process group: ``default`` (mp executor, a 0.02 MiB memo budget so the
-soak evicts), ``stock`` (``none``, mp: the references), ``bogus`` (a bad flag, in-process) and ``strict`` (the same in
-strict mode: must fail to start). Each writes the plugin's JSON status file after every request. An engine whose
-``VLLM_PLUGINS`` excludes ours is test_omni_offline's (the same vLLM-Omni engine and plugin loader under the server).
+soak evicts), ``stock`` (``none``, in-process: the references, so the default server's images cross from its mp
+worker), ``bogus`` (a bad flag, in-process) and ``strict`` (the same in strict mode: must fail to start). Each writes
+the plugin's JSON status file after every request. An engine whose ``VLLM_PLUGINS`` excludes ours is
+test_omni_offline's (the same vLLM-Omni engine and plugin loader under the server).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class _Servers:
 
         self.root = root
         self.default = make("default", "default", True, VLLM_OMNI_ASCEND_OPT_MODULATION_CACHE_MB=str(MEMO_BUDGET_MB))
-        self.stock = make("stock", "none", True)
+        self.stock = make("stock", "none", False)
         self.bogus = make("bogus", "bogus", False)
         self.strict = make("strict", "bogus", False, VLLM_OMNI_ASCEND_OPT_STRICT="1")
         self.all = [self.default, self.stock, self.bogus, self.strict]

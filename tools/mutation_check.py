@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     print(f"mutation check: {len(mutations)} mutations, {args.jobs} in parallel, tree {root}", flush=True)
     outcomes: list[Outcome] = []
+    os.environ["MUTATION_JOBS"] = str(max(1, args.jobs))  # the mutants' torch threads share the cores (conftest)
     zygotes = None if args.no_zygote else _start_zygotes(args.python, max(1, args.jobs))
     tmp = tempfile.TemporaryDirectory(prefix="mutation-template-")
     try:
