@@ -34,10 +34,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ones, each in collection order: the longest units start first, so no worker is left with one at the end."""
     rank: dict[str, int] = {}
     for item in items:
+        group = _group(item)
         if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
+            item.add_marker(pytest.mark.xdist_group(group))
         heavy = [i for i, m in enumerate(HEAVY_FIRST) if item.get_closest_marker(m)]
-        rank[_group(item)] = min(rank.get(_group(item), len(HEAVY_FIRST)), *heavy, len(HEAVY_FIRST))
+        rank[group] = min(rank.get(group, len(HEAVY_FIRST)), *heavy, len(HEAVY_FIRST))
     items.sort(key=lambda item: rank[_group(item)])  # stable: collection order within a rank and a group
 
 
